@@ -1,0 +1,45 @@
+"""The attention-backend interface.
+
+A backend is built once per runner over the KV pool and the request-to-token table. Per batch, `plan` turns the page
+tables into backend metadata (index buffers, masks, kernel plans) once; per layer, `forward` writes the new tokens'
+K and V into the pool and attends over every cached token of each request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache.kv_pool import KVPool
+from engine.cache.req_to_token import ReqToTokenPool
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        self.shape = shape
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> Any:
+        """Build the metadata every layer of this batch uses. Called once per forward, before the first layer."""
+
+    @abstractmethod
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                metadata: Any) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
+        Writes k, v into the KV pool at batch.out_cache_loc; returns [num_tokens, num_heads, head_dim]."""

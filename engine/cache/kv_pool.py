@@ -1,0 +1,58 @@
+"""The paged token-to-KV pool and its page allocator.
+
+Slot s holds one token's K and V for every layer; page p owns slots [p * page_size, (p + 1) * page_size).
+Page 0 is reserved as a scratch page: padded tokens of a fixed-size batch write their KV there, so it is never handed
+out and never counted as capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Free list of page ids. Only the cache manager calls `free`."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages  # usable pages, page 0 excluded
+        self._free = torch.arange(1, num_pages + 1, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take n pages, or None (and take nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        return pages
+
+    def free(self, pages: torch.Tensor) -> None:
+        if len(pages):
+            self._free = torch.cat([self._free, pages.to(torch.int64)])
+
+    def free_pages(self) -> torch.Tensor:
+        return self._free
+
+
+class KVPool:
+    """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each, on the model's device."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.num_slots = (num_pages + 1) * page_size
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`."""
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v

@@ -1,0 +1,151 @@
+"""The cache manager: the only code that allocates and frees KV pages.
+
+It owns the page allocator, the request-to-token table and (unless the radix cache is disabled) the radix tree.
+Per request it tracks three lengths over the request's row of the table (all in tokens):
+    tree_len  <= kv_len <= alloc_len
+    [0, tree_len)         slots owned by the radix tree (the request holds a lock on them); page-aligned
+    [tree_len, alloc_len) slots owned by the request; a partially filled last page always belongs to the request
+    [0, kv_len)           slots whose KV has been computed
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.cache.kv_pool import KVPool
+from engine.cache.radix_tree import RadixTree
+from engine.cache.req_to_token import ReqToTokenPool
+from engine.request import Req
+
+log = logging.getLogger(__name__)
+
+
+class CacheManager:
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None):
+        self.kv = kv_pool
+        self.pages = kv_pool.allocator
+        self.page = kv_pool.page_size
+        self.req_to_token = req_to_token
+        self.tree = tree
+
+    # ---- capacity -------------------------------------------------------------------------------------------
+    @property
+    def max_total_tokens(self) -> int:
+        return self.kv.capacity_tokens
+
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_size if self.tree else 0
+
+    def available_tokens(self) -> int:
+        """Tokens that can be handed out now: free pages plus what eviction can reclaim."""
+        return self.pages.num_free * self.page + self.evictable_tokens()
+
+    def pages_for(self, start: int, n: int) -> int:
+        """New pages needed to grow a row from `start` tokens to `start + n`."""
+        return -(-(start + n) // self.page) - -(-start // self.page)
+
+    def _ensure_free_pages(self, n: int) -> bool:
+        short = n - self.pages.num_free
+        if short > 0 and self.tree is not None:
+            self._free_slots(self.tree.evict(short * self.page))
+        return self.pages.num_free >= n
+
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        """Free the pages of page-aligned slot runs (each run starts on a page boundary)."""
+        if len(slots):
+            self.pages.free(slots[slots % self.page == 0] // self.page)
+
+    # ---- prefix matching ------------------------------------------------------------------------------------
+    def match_len(self, tokens: list[int]) -> int:
+        """Cached prefix length for `tokens` (no lock taken); the last token is always left to compute."""
+        if self.tree is None or len(tokens) <= 1:
+            return 0
+        return len(self.tree.match_prefix(tokens[:-1]).indices)
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a table row and its cached prefix (locked). Returns False, changing nothing, when no row is free."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        req.pool_idx = row
+        req.kv_len = req.alloc_len = req.tree_len = 0
+        if self.tree is not None and req.fill_len > 1:
+            indices, node = self.tree.match_prefix(req.fill_ids[:-1])
+            self.tree.lock(node)
+            req.locked_node = node
+            self.req_to_token.write(row, 0, indices)
+            req.kv_len = req.alloc_len = req.tree_len = len(indices)
+        return True
+
+    # ---- allocation -----------------------------------------------------------------------------------------
+    def alloc_tokens(self, req: Req, n: int) -> torch.Tensor | None:
+        """Allocate slots for tokens [alloc_len, alloc_len + n) of `req`, evicting if needed. Returns the slots
+        (host int64 [n]) or None, allocating nothing, when memory is short."""
+        start = req.alloc_len
+        need = self.pages_for(start, n)
+        if not self._ensure_free_pages(need):
+            return None
+        in_last = min((-start) % self.page, n)
+        parts = []
+        if in_last:
+            last = int(self.req_to_token.host[req.pool_idx, start - 1])
+            parts.append(torch.arange(last + 1, last + 1 + in_last, dtype=torch.int64))
+        if need:
+            pages = self.pages.alloc(need)
+            slots = (pages[:, None] * self.page + torch.arange(self.page)).reshape(-1)
+            parts.append(slots[: n - in_last])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.req_to_token.write(req.pool_idx, start, slots)
+        req.alloc_len = start + n
+        return slots
+
+    # ---- release --------------------------------------------------------------------------------------------
+    def _insert_computed(self, req: Req) -> int:
+        """Insert the request's computed, page-aligned KV into the tree and free its duplicate slots.
+        Returns the aligned length now owned by the tree."""
+        aligned = req.kv_len // self.page * self.page
+        if self.tree is None or aligned <= req.tree_len:
+            return req.tree_len
+        slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()
+        already = self.tree.insert(req.fill_ids[:aligned], slots)
+        if already > req.tree_len:
+            self._free_slots(slots[req.tree_len:already])
+        return aligned
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Share a running request's computed prefix through the tree; the request keeps using it under a lock."""
+        if self.tree is None:
+            return
+        aligned = self._insert_computed(req)
+        if aligned == req.tree_len:
+            return
+        indices, node = self.tree.match_prefix(req.fill_ids[:aligned])
+        assert len(indices) == aligned, "a just-inserted prefix must match in full"
+        self.req_to_token.write(req.pool_idx, 0, indices)
+        self.tree.lock(node)
+        self.tree.unlock(req.locked_node)
+        req.locked_node, req.tree_len = node, aligned
+
+    def release(self, req: Req) -> None:
+        """Give back everything `req` holds: its computed prefix goes to the tree (evictable), the rest is freed.
+        Used for finished, aborted and retracted requests alike."""
+        if req.pool_idx is None:
+            return
+        owned_from = self._insert_computed(req)
+        tail = self.req_to_token.read(req.pool_idx, owned_from, req.alloc_len)
+        self._free_slots(tail)
+        if req.locked_node is not None:
+            self.tree.unlock(req.locked_node)
+        self.req_to_token.free(req.pool_idx)
+        req.pool_idx, req.locked_node = None, None
+        req.kv_len = req.alloc_len = req.tree_len = 0
+
+    def flush(self) -> bool:
+        """Drop the whole prefix cache. Refused (False) while any request holds a lock in it."""
+        if self.tree is not None:
+            if self.tree.protected_size:
+                return False
+            self._free_slots(self.tree.reset())
+        return True

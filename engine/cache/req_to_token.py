@@ -1,0 +1,35 @@
+"""Request-to-token table: row r, column i holds the KV slot of token i of the request that owns row r."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """A host copy (for the scheduler and the radix tree) and a device copy (for attention kernels) kept equal."""
+
+    def __init__(self, rows: int, row_len: int, device: torch.device):
+        self.row_len = row_len
+        self.host = torch.zeros((rows, row_len), dtype=torch.int64)
+        self.device = self.host if device.type == "cpu" else torch.zeros((rows, row_len), dtype=torch.int64,
+                                                                          device=device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        end = start + len(slots)
+        self.host[row, start:end] = slots
+        if self.device is not self.host:
+            self.device[row, start:end].copy_(slots, non_blocking=True)
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.host[row, start:end]

@@ -1,0 +1,191 @@
+"""Engine configuration: SGLang's server-argument names, resolved once into frozen values.
+
+`EngineArgs` is what a user passes (keyword names are SGLang's flags in snake_case). `resolve_args` turns every
+`None`/"auto" into a concrete value for the device and model at hand; the scheduler and runner only see resolved args.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16,
+}
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    model_path: str
+    tokenizer_path: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str | None = None
+    context_length: int | None = None
+    page_size: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
+    attention_backend: str | None = None
+    random_seed: int | None = None
+    log_level: str = "info"
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs: Any) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model_path=model_path, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The parts of a Hugging Face `config.json` (and `generation_config.json`) the engine uses."""
+
+    path: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_path(cls, path: str) -> "ModelConfig":
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise FileNotFoundError(f"model config not found: {cfg_file}")
+        with open(cfg_file) as f:
+            raw = json.load(f)
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_file} has no 'architectures' entry")
+        heads = raw["num_attention_heads"]
+        rope_params = raw.get("rope_parameters") or {}
+        rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
+                                                   else None)
+        return cls(
+            path=path,
+            architecture=archs[0],
+            hidden_size=raw["hidden_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=frozenset(_eos_ids(raw, path)),
+            raw=raw,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _as_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
+
+
+def _eos_ids(raw: dict, path: str) -> list[int]:
+    ids = _as_list(raw.get("eos_token_id"))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            ids += _as_list(json.load(f).get("eos_token_id"))
+    return ids
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: str) -> torch.dtype:
+    """SGLang's rule for "auto": float32 checkpoints run in float16 on GPUs; CPUs keep the checkpoint's dtype."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    ckpt = _DTYPES.get(model.torch_dtype.replace("torch.", ""), torch.float32)
+    if device == "cpu":
+        return ckpt
+    return torch.float16 if ckpt == torch.float32 else ckpt
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
+    """Fill every auto value; validate ranges. Memory-derived sizes (max_total_tokens) are resolved by the runner."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
+    page = args.page_size or 1
+    _check(page > 0 and page & (page - 1) == 0, f"page_size must be a power of two, got {page}")
+    _check(args.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    _check(args.schedule_policy in SCHEDULE_POLICIES,
+           f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+    _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    context = args.context_length or model.max_position_embeddings
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = 8192 if device != "cpu" else 2048
+    if chunk > 0:
+        _check(chunk >= page, f"chunked_prefill_size ({chunk}) must be >= page_size ({page})")
+        chunk = chunk // page * page
+    dtype = resolve_dtype(args.dtype, model, device)
+    return dataclasses.replace(
+        args,
+        device=device,
+        page_size=page,
+        context_length=context,
+        chunked_prefill_size=chunk,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(dtype).removeprefix("torch.") if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        attention_backend=args.attention_backend or "torch_native",
+        mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.88,
+        random_seed=args.random_seed if args.random_seed is not None else 42,
+        tokenizer_path=args.tokenizer_path or args.model_path,
+    )
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]

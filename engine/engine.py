@@ -1,0 +1,213 @@
+"""The offline Engine API, shaped like SGLang's `sgl.Engine`.
+
+    llm = Engine(model_path="...", page_size=16, chunked_prefill_size=512)
+    out = llm.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    llm.shutdown()
+
+The scheduler runs on its own thread, so concurrent callers (threads or asyncio tasks) share batches. Input is
+validated in the caller's thread before anything is queued: bad input raises ValueError and the engine keeps serving.
+Detokenization also happens on the caller's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from engine.cache.manager import CacheManager
+from engine.cache.radix_tree import RadixTree
+from engine.config import EngineArgs, ModelConfig, resolve_args
+from engine.model_runner import ModelRunner
+from engine.request import Req, StepOutput
+from engine.results import RequestSpec, ResultBuilder, normalize_batch
+from engine.scheduler import Scheduler
+from engine.scheduler.prefill_planner import PlannerLimits
+
+log = logging.getLogger(__name__)
+
+# How long API calls that need the scheduler thread (flush_cache, get_server_info) wait for it.
+CONTROL_TIMEOUT_S = 60.0
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        if model_path is None:
+            raise TypeError("Engine needs model_path")
+        logging.basicConfig(level=kwargs.get("log_level", "info").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.model_config = ModelConfig.from_path(model_path)
+        self.args = resolve_args(EngineArgs.from_kwargs(model_path, **kwargs), self.model_config)
+        self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
+        self.runner = ModelRunner(self.args, self.model_config)
+        tree = None if self.args.disable_radix_cache else RadixTree(self.args.page_size)
+        self.cache = CacheManager(self.runner.kv_pool, self.runner.req_to_token, tree)
+        limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
+                               self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
+        self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
+                                   self.args.enable_mixed_chunk, self.args.context_length)
+        self._crash: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            self.scheduler.run_forever()
+        except BaseException as e:  # surfaced to every caller instead of hanging them
+            log.exception("scheduler loop crashed")
+            self._crash = e
+
+    # ---- request construction -------------------------------------------------------------------------------
+    def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None]) -> Req:
+        stop = set(spec.params.stop_token_ids)
+        if not spec.params.ignore_eos:
+            stop |= self.model_config.eos_token_ids
+        return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
+                   sink=sink, return_logprob=spec.return_logprob, arrival=time.monotonic())
+
+    def _specs(self, prompt, sampling_params, input_ids, return_logprob) -> tuple[list[RequestSpec], bool]:
+        self._check_alive()
+        return normalize_batch(prompt, sampling_params, input_ids, return_logprob, tokenizer=self.tokenizer,
+                               vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
+                               max_total_tokens=self.runner.max_total_tokens)
+
+    def _builder(self, spec: RequestSpec, stream: bool) -> ResultBuilder:
+        return ResultBuilder(spec, self.tokenizer, stream)
+
+    def _check_alive(self) -> None:
+        if self._crash is not None:
+            raise RuntimeError(f"engine scheduler crashed: {self._crash!r}")
+        if not self._thread.is_alive():
+            raise RuntimeError("engine is shut down")
+
+    # ---- synchronous API ------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                 stream: bool = False):
+        """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
+        stream=True an iterator of incremental dicts (`text`/`output_ids` hold only what is new; `index` says
+        which request of a list it belongs to)."""
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._submit(specs, lambda i: (lambda out: inbox.put((i, out))))
+        gen = self._iterate_sync(specs, inbox, stream)
+        if stream:
+            return _stream_items(gen, is_batch, self._abort_all(specs))
+        results = _collect(gen, len(specs))
+        return results if is_batch else results[0]
+
+    def _submit(self, specs: list[RequestSpec], make_sink) -> None:
+        for i, spec in enumerate(specs):
+            self.scheduler.submit(self._make_req(spec, make_sink(i)))
+
+    def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
+        return lambda: [self.scheduler.abort(s.rid) for s in specs]
+
+    def _iterate_sync(self, specs: list[RequestSpec], inbox: queue.SimpleQueue, stream: bool) -> Iterator[tuple]:
+        """Yields (index, delta dict, finished, builder) per scheduler output, in arrival order."""
+        builders = [self._builder(s, stream) for s in specs]
+        remaining = len(specs)
+        while remaining:
+            try:
+                i, out = inbox.get(timeout=1.0)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            delta = builders[i].push(out)
+            remaining -= out.finished
+            yield i, delta, out.finished, builders[i]
+
+    # ---- asynchronous API -----------------------------------------------------------------------------------
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             stream: bool = False):
+        """As `generate`; with stream=True returns an async iterator of incremental dicts."""
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))))
+        gen = self._iterate_async(specs, inbox, stream)
+        if stream:
+            return _astream_items(gen, is_batch, self._abort_all(specs))
+        results: list[dict | None] = [None] * len(specs)
+        async for i, _, finished, builder in gen:
+            if finished:
+                results[i] = builder.result()
+        return results if is_batch else results[0]
+
+    async def _iterate_async(self, specs, inbox: asyncio.Queue, stream: bool):
+        builders = [self._builder(s, stream) for s in specs]
+        remaining = len(specs)
+        while remaining:
+            try:
+                i, out = await asyncio.wait_for(inbox.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                self._check_alive()
+                continue
+            delta = builders[i].push(out)
+            remaining -= out.finished
+            yield i, delta, out.finished, builders[i]
+
+    # ---- control --------------------------------------------------------------------------------------------
+    def _control(self, fn: Callable[[], Any]) -> Any:
+        self._check_alive()
+        return self.scheduler.call(fn).result(timeout=CONTROL_TIMEOUT_S)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache. Returns False (and keeps it) while requests are in flight."""
+        return self._control(self.scheduler.flush_cache)
+
+    def get_server_info(self) -> dict:
+        load = self._control(self.scheduler.load)
+        info = {k: v for k, v in dataclasses.asdict(self.args).items()}
+        info.update(max_total_num_tokens=self.runner.max_total_tokens,
+                    max_running_requests=self.runner.max_running_requests,
+                    available_kv_tokens=load["available_kv_tokens"], internal_states=[load])
+        return info
+
+    def abort_request(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self.scheduler.stop()
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _collect(gen, n: int) -> list[dict]:
+    results: list[dict | None] = [None] * n
+    for i, _, finished, builder in gen:
+        if finished:
+            results[i] = builder.result()
+    return results
+
+
+def _stream_items(gen, is_batch: bool, abort: Callable[[], None]) -> Iterator[dict]:
+    try:
+        for i, delta, _, _ in gen:
+            yield {**delta, "index": i} if is_batch else delta
+    finally:
+        abort()  # a consumer that stops early frees its requests (a no-op for finished ones)
+
+
+async def _astream_items(gen, is_batch: bool, abort: Callable[[], None]) -> AsyncIterator[dict]:
+    try:
+        async for i, delta, _, _ in gen:
+            yield {**delta, "index": i} if is_batch else delta
+    finally:
+        abort()

@@ -1,0 +1,41 @@
+"""One scoped forward context: how attention metadata reaches the layers without threading it through `forward`."""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from engine.batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    batch: ForwardBatch
+    backend: Any  # engine.attention.base.AttentionBackend
+    metadata: Any  # what backend.plan(batch) returned
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer_id, q, k, v, self.batch, self.metadata)
+
+
+_current: ContextVar[ForwardContext | None] = ContextVar("radixmesh_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("attention called outside a forward context (ModelRunner.forward sets one)")
+    return ctx

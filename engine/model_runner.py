@@ -1,0 +1,86 @@
+"""Owns the model, the KV memory and the attention backend on one device; runs one ForwardBatch at a time."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import create_backend
+from engine.attention.base import AttentionShape
+from engine.batch import ForwardBatch
+from engine.cache.kv_pool import KVPool
+from engine.cache.req_to_token import ReqToTokenPool
+from engine.config import EngineArgs, ModelConfig, torch_dtype
+from engine.forward_context import ForwardContext, forward_context
+from engine.models.loader import load_model
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import SampleResult, SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+# KV budget on CPU when max_total_tokens is not given: enough for many full-length requests of a small model.
+CPU_KV_BUDGET_BYTES = 1 << 30
+CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig):
+        self.args = args
+        self.model_config = model_config
+        self.device = torch.device(args.device)
+        self.dtype = torch_dtype(args.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(model_config, args.load_format, self.dtype, self.device,
+                                max_positions=args.context_length, seed=args.random_seed)
+        self.max_total_tokens = self._kv_capacity_tokens()
+        page = args.page_size
+        self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
+                              model_config.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
+                              self.device)
+        self.max_running_requests = args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))
+        row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
+        self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        shape = AttentionShape(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+                               model_config.head_dim ** -0.5)
+        self.attn_backend = create_backend(args.attention_backend, shape, self.kv_pool, self.req_to_token)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
+        log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d", model_config.architecture,
+                 self.device, args.dtype, self.kv_pool.capacity_tokens, page, self.max_running_requests)
+
+    def _kv_capacity_tokens(self) -> int:
+        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype))
+        page = self.args.page_size
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.args.mem_fraction_static)
+            tokens = int(budget // per_token)
+            if tokens <= page:
+                raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                                   f"{total / 2**30:.1f} GiB with mem_fraction_static={self.args.mem_fraction_static}")
+            if self.args.max_total_tokens:
+                tokens = min(tokens, self.args.max_total_tokens)
+        elif self.args.max_total_tokens:
+            tokens = self.args.max_total_tokens
+        else:
+            tokens = min(CPU_KV_BUDGET_BYTES // per_token,
+                         CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT * self.args.context_length)
+        if tokens < page:
+            raise ValueError(f"max_total_tokens ({tokens}) must hold at least one page ({page} tokens)")
+        return tokens // page * page
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model over the batch; returns float32 logits [batch, vocab] of each request's last new token."""
+        metadata = self.attn_backend.plan(batch)
+        with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def forward_and_sample(self, batch: ForwardBatch, params: list[SamplingParams],
+                           want_logprobs: bool) -> SampleResult:
+        logits = self.forward(batch)
+        return sample(logits, SamplingBatch.build(params, want_logprobs, self.device), self.generator)

@@ -1,0 +1,129 @@
+"""Build a model from `config.json` and fill it from safetensors (single file or sharded) or with dummy weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors that carry no weights we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"weight shard(s) listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {path} (expected model.safetensors or "
+                                f"model.safetensors.index.json)")
+    return found
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"cannot read weight file {file}: {e}") from e
+        for name in names:
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"cannot read tensor {name!r} from weight file {file}: {e}") from e
+            yield name, tensor
+
+
+def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, slice | None]]:
+    """Hugging Face tensor name -> (our parameter, rows of it) for every weight the model needs."""
+    stacked = model.stacked_params()
+    out: dict[str, tuple[nn.Parameter, slice | None]] = {}
+    for pname, param in model.named_parameters():
+        mod_path, leaf = pname.rsplit(".", 1)
+        owner_path, _, mod_name = mod_path.rpartition(".")
+        fused = [(ckpt, shard) for f, ckpt, shard in stacked if f == mod_name]
+        if not fused:
+            out[pname] = (param, None)
+            continue
+        slices = model.get_submodule(owner_path).shard_slices()
+        for ckpt, shard in fused:
+            out[f"{owner_path}.{ckpt}.{leaf}"] = (param, slices[shard])
+    return out
+
+
+def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    targets = checkpoint_name_map(model)
+    seen: set[str] = set()
+    for name, tensor in iter_checkpoint(cfg.path):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name not in targets:
+            log.warning("ignoring unexpected tensor %r in %s", name, cfg.path)
+            continue
+        param, rows = targets[name]
+        dest = param.data if rows is None else param.data[rows]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name!r} in {cfg.path} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {cfg.path} is missing tensor(s): {shown}")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights for benchmarks: norms at 1, everything else small and uniform (bounded activations)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name.rsplit(".", 2)[-2]:
+            param.data.fill_(1.0)
+        else:
+            param.data.uniform_(-0.02, 0.02, generator=gen)
+
+
+def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
+               max_positions: int, seed: int = 0) -> nn.Module:
+    cls = model_class(cfg.architecture)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        _load_weights(model, cfg)
+    model.init_rotary(max_positions, device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,98 @@
+"""Request state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.sampling.params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishKind(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    kind: FinishKind
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        out: dict = {"type": self.kind.value}
+        if self.kind is FinishKind.STOP:
+            out["matched"] = self.matched
+        elif self.kind is FinishKind.LENGTH:
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the scheduler hands back for one request after a step: the tokens it produced since the last output."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    sink: Callable[[StepOutput], None]
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state over row `pool_idx` of the req-to-token table.
+    # See engine.cache.manager for the invariant tree_len <= kv_len <= alloc_len.
+    pool_idx: int | None = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    tree_len: int = 0
+    # Tokens whose KV came from the prefix cache (counted once per scheduling, as SGLang's cached_tokens).
+    cached_tokens: int = 0
+    # The deepest radix node this request holds a lock on (None when it holds none).
+    locked_node: object | None = None
+    # Tokens of `fill_ids` in the current forward (the extend chunk, or 1 when decoding).
+    extend_len: int = 0
+    sent_len: int = 0
+    arrival: float = 0.0
+    retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs before it can sample its next token."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)

@@ -1,0 +1,126 @@
+"""The Engine API's edges: turning user arguments into validated request specs, and scheduler outputs into
+SGLang-shaped result dicts (`text`, `output_ids`, `meta_info`)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import StepOutput
+from engine.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+
+
+def _as_list(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _validate_ids(ids, vocab_size: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("input_ids must be a list of integers")
+    if not ids:
+        raise ValueError("the prompt is empty: give a non-empty prompt or input_ids")
+    bad = [t for t in ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return list(ids)
+
+
+def _check_lengths(n_in: int, raw_params: dict | None, params: SamplingParams, context_len: int,
+                   max_total_tokens: int) -> None:
+    if n_in >= context_len:
+        raise ValueError(f"the input ({n_in} tokens) is longer than the model's context length "
+                         f"({context_len} tokens)")
+    if n_in >= max_total_tokens:
+        raise ValueError(f"the input ({n_in} tokens) does not fit in the KV cache ({max_total_tokens} tokens)")
+    if raw_params and "max_new_tokens" in raw_params and n_in + params.max_new_tokens > context_len:
+        raise ValueError(f"requested {n_in} input + {params.max_new_tokens} new tokens, more than the model's "
+                         f"context length ({context_len} tokens)")
+
+
+def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
+                    context_len: int, max_total_tokens: int) -> tuple[list[RequestSpec], bool]:
+    """Validate everything before anything is queued. Returns (specs, whether the call was a batch)."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        if tokenizer is None:
+            raise ValueError("this engine was started with skip_tokenizer_init: pass input_ids, not prompt")
+        is_batch = isinstance(prompt, list)
+        prompts = prompt if is_batch else [prompt]
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompt must be a string or a list of strings")
+        if any(p == "" for p in prompts):
+            raise ValueError("the prompt is empty: give a non-empty prompt or input_ids")
+        id_lists = [tokenizer(p).input_ids for p in prompts]
+    else:
+        is_batch = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
+        id_lists = input_ids if is_batch else [input_ids]
+    n = len(id_lists)
+    if n == 0:
+        raise ValueError("the batch is empty")
+    raw = _as_list(sampling_params, n, "sampling_params")
+    logprob_flags = _as_list(return_logprob, n, "return_logprob")
+    specs = []
+    for ids, raw_params, want_lp in zip(id_lists, raw, logprob_flags):
+        ids = _validate_ids(ids, vocab_size)
+        if raw_params is not None and not isinstance(raw_params, dict):
+            raise ValueError("sampling_params must be a dict (or a list of dicts)")
+        params = SamplingParams.from_dict(raw_params)
+        _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
+        specs.append(RequestSpec(uuid.uuid4().hex, ids, params, bool(want_lp)))
+    return specs, is_batch
+
+
+class ResultBuilder:
+    """Accumulates one request's outputs in the consumer's thread: streams detokenize incrementally, otherwise the
+    text is decoded once at the end."""
+
+    def __init__(self, spec: RequestSpec, tokenizer, stream: bool):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens) if tokenizer and stream \
+            else None
+        self.last: StepOutput | None = None
+
+    def push(self, out: StepOutput) -> dict:
+        """Record a scheduler output; returns the incremental dict (only the new text and ids)."""
+        self.output_ids += out.new_token_ids
+        if out.new_logprobs:
+            self.logprobs += out.new_logprobs
+        self.last = out
+        text = self.detok.push(out.new_token_ids, final=out.finished) if self.detok else ""
+        return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": self.meta_info()}
+
+    def meta_info(self) -> dict:
+        out = self.last
+        meta = {
+            "id": self.spec.rid,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
+        }
+        if self.spec.return_logprob:
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(self.logprobs, self.output_ids)]
+        return meta
+
+    def result(self) -> dict:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens)
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

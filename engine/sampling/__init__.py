@@ -1,0 +1,3 @@
+from engine.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

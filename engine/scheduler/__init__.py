@@ -1,0 +1,3 @@
+from engine.scheduler.scheduler import Scheduler
+
+__all__ = ["Scheduler"]

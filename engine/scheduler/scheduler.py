@@ -1,0 +1,228 @@
+"""The scheduler: a coordinator over the prefill planner, the decoding set and the cache manager.
+
+Runs on one thread (the engine's loop). Each step either prefills (new requests and the next chunk of a chunked
+one; with `enable_mixed_chunk` the decoding requests ride along in the same forward) or decodes every running
+request by one token, retracting requests to the waiting queue when KV pages run out.
+Other threads talk to it only through `submit`, `abort` and `call`, which go through a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from engine.cache.manager import CacheManager
+from engine.request import FinishKind, FinishReason, Req, ReqStatus
+from engine.scheduler.batch_builder import build_decode, build_extend
+from engine.scheduler.finish import check_finished, step_output
+from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
+                 enable_mixed_chunk: bool, context_len: int):
+        self.runner = runner
+        self.cache = cache
+        self.ratio = NewTokenRatio(conservativeness)
+        self.planner = PrefillPlanner(limits, cache, self.ratio)
+        self.mixed = enable_mixed_chunk
+        self.context_len = context_len
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
+        self._stop = threading.Event()
+
+    # ---- thread-safe entry points ---------------------------------------------------------------------------
+    def submit(self, req: Req) -> None:
+        self.inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the scheduler thread between steps; returns a Future of its result."""
+        fut: Future = Future()
+        self.inbox.put(("call", (fn, fut)))
+        return fut
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+
+    # ---- loop -----------------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def run_forever(self) -> None:
+        idle = True
+        while not self._stop.is_set():
+            self._drain_inbox(block=idle)
+            idle = self._stop.is_set() or not self.has_work() or not self.step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self.waiting.append(item)
+            elif kind == "abort":
+                self._abort(item)
+            elif kind == "call":
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # the caller gets the error; the loop keeps serving
+                    fut.set_exception(e)
+
+    def step(self) -> bool:
+        """One forward: a prefill (possibly mixed with decodes) when one can be planned, otherwise a decode.
+        Returns False when nothing could run (the loop then waits for the inbox instead of spinning)."""
+        decode_reqs: list[Req] = []
+        if self.mixed and self.running and (self.waiting or self.chunked):
+            decode_reqs = self._prepare_decode()
+        prefill = self._plan_prefill()
+        if prefill or decode_reqs:
+            self._run(prefill + decode_reqs, extend=True)
+            return True
+        if self.running:
+            reqs = self._prepare_decode()
+            if reqs:
+                self._run(reqs, extend=False)
+                self.ratio.step()
+                return True
+        return False
+
+    def _plan_prefill(self) -> list[Req]:
+        reqs, used = [], 0
+        if self.chunked is not None:
+            if not self.planner.continue_chunked(self.chunked, self.running):
+                return []
+            reqs, used = [self.chunked], self.chunked.extend_len
+        busy = len(self.running) + (self.chunked is not None)
+        admitted = self.planner.plan(self.waiting, self.running, busy, used) if self.waiting else []
+        if admitted:
+            taken = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        self.chunked = None
+        return reqs + admitted
+
+    def _prepare_decode(self) -> list[Req]:
+        """Retract until every running request has a slot for its next token; allocate those slots."""
+        self._retract_for_decode()
+        for r in self.running:
+            r.extend_len = 1
+            if self.cache.alloc_tokens(r, 1) is None:
+                raise RuntimeError("decode slot allocation failed after the memory check")
+        return list(self.running)
+
+    def _retract_for_decode(self) -> None:
+        page = self.cache.page
+        need = sum(1 for r in self.running if r.alloc_len % page == 0)
+        if need <= self.cache.available_tokens() // page:
+            return
+        # Retract the requests that lose least: fewest generated tokens, then longest prompts.
+        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        while self.running and need > self.cache.available_tokens() // page:
+            victim = self.running.pop()
+            if not self.running and self.chunked is None:
+                # Alone with every other page evictable and still short: the pool cannot hold this request.
+                self._finish(victim, FinishReason(FinishKind.ABORT, message="KV cache too small for this request"))
+                return
+            need -= victim.alloc_len % page == 0
+            self.cache.release(victim)
+            self._requeue(victim)
+
+    def _requeue(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.stats["retractions"] += 1
+        self.ratio.on_retract()
+        self.waiting.append(req)
+        log.info("retracted request %s after %d tokens (KV pages exhausted)", req.rid, len(req.output_ids))
+
+    # ---- forward and results --------------------------------------------------------------------------------
+    def _run(self, reqs: list[Req], extend: bool) -> None:
+        locs = [self.cache.req_to_token.read(r.pool_idx, r.kv_len, r.kv_len + r.extend_len) for r in reqs]
+        try:
+            batch = (build_extend if extend else build_decode)(reqs, locs, self.runner.device)
+            result = self.runner.forward_and_sample(batch, [r.sampling for r in reqs],
+                                                    any(r.return_logprob for r in reqs))
+        except Exception as e:
+            log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
+            for r in reqs:
+                self._drop_from_sets(r)
+                self._finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
+            return
+        self.stats["forward_extend" if extend else "forward_decode"] += 1
+        next_ids = result.next_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        decoding = {id(r) for r in self.running}
+        for i, r in enumerate(reqs):
+            prefilling = id(r) not in decoding
+            if prefilling:
+                self.stats["prefill_tokens"] += r.extend_len
+            self._advance(r, next_ids[i], logprobs[i] if logprobs else None, prefilling)
+
+    def _advance(self, req: Req, token: int, logprob: float | None, newly_prefilled: bool) -> None:
+        req.kv_len += req.extend_len
+        if req.kv_len < req.fill_len:  # a chunk of a longer prefill: no token yet
+            self.chunked = req
+            self.cache.cache_unfinished(req)
+            return
+        if req.sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
+            return
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_logprobs.append(logprob)
+        reason = check_finished(req, self.context_len)
+        if reason is not None:
+            self._drop_from_sets(req)
+            self._finish(req, reason)
+            return
+        if newly_prefilled:
+            self.running.append(req)
+            self.cache.cache_unfinished(req)
+        req.sink(step_output(req))
+
+    def _drop_from_sets(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.cache.release(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        req.sink(step_output(req))
+
+    def _abort(self, rid: str) -> None:
+        for group in (self.waiting, self.running, [self.chunked] if self.chunked else []):
+            for r in group:
+                if r.rid == rid:
+                    if r in self.waiting:
+                        self.waiting.remove(r)
+                    self._drop_from_sets(r)
+                    self._finish(r, FinishReason(FinishKind.ABORT, message="aborted by the client"))
+                    return
+
+    # ---- introspection (call through `call`) ----------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        return self.cache.flush()
+
+    def load(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
+                "available_kv_tokens": self.cache.available_tokens(), **self.stats}
