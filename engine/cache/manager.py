@@ -29,6 +29,7 @@ class CacheManager:
         self.page = kv_pool.page_size
         self.req_to_token = req_to_token
         self.tree = tree
+        self.evicted_tokens = 0
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -49,7 +50,9 @@ class CacheManager:
     def _ensure_free_pages(self, n: int) -> bool:
         short = n - self.pages.num_free
         if short > 0 and self.tree is not None:
-            self._free_slots(self.tree.evict(short * self.page))
+            evicted = self.tree.evict(short * self.page)
+            self.evicted_tokens += len(evicted)
+            self._free_slots(evicted)
         return self.pages.num_free >= n
 
     def _free_slots(self, slots: torch.Tensor) -> None:
@@ -71,7 +74,7 @@ class CacheManager:
             return False
         req.pool_idx = row
         req.kv_len = req.alloc_len = req.tree_len = 0
-        if self.tree is not None and req.fill_len > 1:
+        if self.tree is not None:
             indices, node = self.tree.match_prefix(req.fill_ids[:-1])
             self.tree.lock(node)
             req.locked_node = node

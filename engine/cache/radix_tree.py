@@ -121,7 +121,7 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -129,7 +129,7 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             assert node.lock_ref > 0, "unlock of an unlocked node"
             node.lock_ref -= 1
             if node.lock_ref == 0:

@@ -225,4 +225,5 @@ class Scheduler:
 
     def load(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
-                "available_kv_tokens": self.cache.available_tokens(), **self.stats}
+                "available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
+                **self.stats}
