@@ -44,28 +44,25 @@ def _make_reqs(cache: CacheManager, bs: int, input_len: int, vocab: int, gen: to
     return reqs
 
 
-def _locs(cache: CacheManager, reqs: list[Req]) -> list[torch.Tensor]:
-    return [cache.req_to_token.read(r.pool_idx, r.kv_len, r.kv_len + r.extend_len) for r in reqs]
-
-
 def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
     gen = torch.Generator().manual_seed(bs)
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, gen)
     params = [r.sampling for r in reqs]
     _sync(runner.device)
     t0 = time.perf_counter()
-    result = runner.forward_and_sample(build_extend(reqs, _locs(cache, reqs), runner.device), params, False)
+    result = runner.forward_and_sample(build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device), params,
+                                       False)
     next_ids = result.next_ids.tolist()
     prefill_s = time.perf_counter() - t0
     step_s = []
     for _ in range(output_len):
+        t0 = time.perf_counter()
         for r, tok in zip(reqs, next_ids):
             r.kv_len += r.extend_len
             r.output_ids.append(tok)
             r.extend_len = 1
-            cache.alloc_tokens(r, 1)
-        t0 = time.perf_counter()
-        result = runner.forward_and_sample(build_decode(reqs, _locs(cache, reqs), runner.device), params, False)
+        locs = cache.alloc_decode(reqs)
+        result = runner.forward_and_sample(build_decode(reqs, locs, runner.device), params, False)
         next_ids = result.next_ids.tolist()  # the host read synchronizes, as the scheduler's does
         step_s.append(time.perf_counter() - t0)
     for r in reqs:

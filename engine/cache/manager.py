@@ -104,6 +104,30 @@ class CacheManager:
         req.alloc_len = start + n
         return slots
 
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per request at its alloc_len (a decode step), in one vectorized pass and one device write.
+        Returns the slots (host int64 [len(reqs)]) or None, allocating nothing, when memory is short."""
+        rows = torch.tensor([r.pool_idx for r in reqs], dtype=torch.int64)
+        pos = torch.tensor([r.alloc_len for r in reqs], dtype=torch.int64)
+        fresh = pos % self.page == 0  # the next token starts a new page
+        n_fresh = int(fresh.sum())
+        if not self._ensure_free_pages(n_fresh):
+            return None
+        slots = self.req_to_token.host[rows, (pos - 1).clamp(min=0)] + 1
+        if n_fresh:
+            slots[fresh] = self.pages.alloc(n_fresh) * self.page
+        self.req_to_token.scatter(rows, pos, slots)
+        for r in reqs:
+            r.alloc_len += 1
+        return slots
+
+    def slots_of_new_tokens(self, reqs: list[Req]) -> torch.Tensor:
+        """KV slots of tokens [kv_len, kv_len + extend_len) of each request, concatenated (host int64)."""
+        if all(r.extend_len == 1 for r in reqs):
+            rows = torch.tensor([r.pool_idx for r in reqs], dtype=torch.int64)
+            return self.req_to_token.host[rows, torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)]
+        return torch.cat([self.req_to_token.read(r.pool_idx, r.kv_len, r.kv_len + r.extend_len) for r in reqs])
+
     # ---- release --------------------------------------------------------------------------------------------
     def _insert_computed(self, req: Req) -> int:
         """Insert the request's computed, page-aligned KV into the tree and free its duplicate slots.

@@ -31,5 +31,12 @@ class ReqToTokenPool:
         if self.device is not self.host:
             self.device[row, start:end].copy_(slots, non_blocking=True)
 
+    def scatter(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[i], cols[i]] = slots[i] for every i (host tensors)."""
+        self.host[rows, cols] = slots
+        if self.device is not self.host:
+            dev = self.device.device
+            self.device[rows.to(dev), cols.to(dev)] = slots.to(dev)
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.host[row, start:end]

@@ -119,10 +119,10 @@ class Scheduler:
     def _prepare_decode(self) -> list[Req]:
         """Retract until every running request has a slot for its next token; allocate those slots."""
         self._retract_for_decode()
+        if self.running and self.cache.alloc_decode(self.running) is None:
+            raise RuntimeError("decode slot allocation failed after the memory check")
         for r in self.running:
             r.extend_len = 1
-            if self.cache.alloc_tokens(r, 1) is None:
-                raise RuntimeError("decode slot allocation failed after the memory check")
         return list(self.running)
 
     def _retract_for_decode(self) -> None:
@@ -152,9 +152,9 @@ class Scheduler:
 
     # ---- forward and results --------------------------------------------------------------------------------
     def _run(self, reqs: list[Req], extend: bool) -> None:
-        locs = [self.cache.req_to_token.read(r.pool_idx, r.kv_len, r.kv_len + r.extend_len) for r in reqs]
         try:
-            batch = (build_extend if extend else build_decode)(reqs, locs, self.runner.device)
+            batch = (build_extend if extend else build_decode)(reqs, self.cache.slots_of_new_tokens(reqs),
+                                                               self.runner.device)
             result = self.runner.forward_and_sample(batch, [r.sampling for r in reqs],
                                                     any(r.return_logprob for r in reqs))
         except Exception as e:

@@ -304,3 +304,37 @@ def test_randomized_stress(page, seed):
     for r in active:
         cm.release(r)
     assert_no_leak(cm)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_alloc_decode_matches_one_by_one_allocation(page):
+    """The vectorized decode allocation hands out the same slots as per-request alloc_tokens(req, 1)."""
+    layouts = []
+    for vectorized in (True, False):
+        cm = make(page, num_pages=64)
+        reqs = [new_req(range(10 * i + 1, 10 * i + 1 + n), rid=str(i)) for i, n in enumerate([3, 4, 5, 8])]
+        for r in reqs:
+            prefill(cm, r)
+        for _ in range(6):
+            if vectorized:
+                assert cm.alloc_decode(reqs) is not None
+            else:
+                for r in reqs:
+                    assert cm.alloc_tokens(r, 1) is not None
+        layouts.append([cm.req_to_token.read(r.pool_idx, 0, r.alloc_len).tolist() for r in reqs])
+        for r in reqs:
+            cm.release(r)
+        assert cm.flush() and cm.pages.num_free == cm.pages.num_pages
+    assert layouts[0] == layouts[1]
+
+
+def test_alloc_decode_fails_cleanly_when_pages_run_out():
+    cm = make(2, num_pages=4, tree=False)
+    reqs = [new_req([1, 2], rid="a"), new_req([3, 4], rid="b")]
+    for r in reqs:
+        prefill(cm, r)
+    assert cm.alloc_decode(reqs) is not None  # pages 3 and 4
+    free_before, lens = cm.pages.num_free, [r.alloc_len for r in reqs]
+    assert cm.alloc_decode(reqs) is not None  # fills the second slot of those pages
+    assert cm.alloc_decode(reqs) is None  # two fresh pages needed, none left
+    assert cm.pages.num_free == free_before == 0 and [r.alloc_len for r in reqs] == [n + 1 for n in lens]
