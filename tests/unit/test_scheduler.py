@@ -1,0 +1,164 @@
+"""The scheduler with a fake model runner: batching limits, chunking, ordering, retraction and finishing, checked
+against what each request would produce alone. The fake's next token is a function of the last token and its
+position, so any mix-up of tokens, positions or requests inside a batch changes the outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.batch import ForwardMode
+from engine.cache.kv_pool import KVPool
+from engine.cache.manager import CacheManager
+from engine.cache.radix_tree import RadixTree
+from engine.cache.req_to_token import ReqToTokenPool
+from engine.request import FinishKind, Req
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import SampleResult
+from engine.scheduler import Scheduler
+from engine.scheduler.prefill_planner import PlannerLimits
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(last: int, pos: int) -> int:
+    return (last * 31 + pos * 7 + 3) % VOCAB
+
+
+class FakeRunner:
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.batches = []
+
+    def forward_and_sample(self, batch, params, want_logprobs):
+        self.batches.append((batch.mode, list(batch.extend_lens_host)))
+        last = batch.input_ids[batch.logits_indices]
+        pos = batch.positions[batch.logits_indices]
+        return SampleResult((last * 31 + pos * 7 + 3) % VOCAB, None)
+
+
+def alone(ids: list[int], max_new: int) -> list[int]:
+    out, seq = [], list(ids)
+    while len(out) < max_new:
+        tok = next_token(seq[-1], len(seq) - 1)
+        out.append(tok)
+        seq.append(tok)
+        if tok == EOS:
+            break
+    return out
+
+
+def make(page=1, pages=512, chunk=16, max_prefill=64, max_running=4, policy="fcfs", mixed=False, tree=True,
+         conservativeness=1.0):
+    kv = KVPool(pages, page, 1, 1, 2, torch.float32, torch.device("cpu"))
+    cache = CacheManager(kv, ReqToTokenPool(max_running, 256, torch.device("cpu")), RadixTree(page) if tree else None)
+    runner = FakeRunner()
+    sched = Scheduler(runner, cache, PlannerLimits(max_prefill, chunk, max_running, page, policy), conservativeness,
+                      mixed, context_len=250)
+    return sched, runner
+
+
+def submit(sched, prompts, max_new=12):
+    outs = {}
+    reqs = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new, temperature=0)
+        r = Req(rid=str(i), input_ids=p, sampling=params, stop_ids=frozenset({EOS}),
+                sink=lambda o, i=i: outs.setdefault(i, []).append(o), arrival=float(i))
+        sched.waiting.append(r)
+        reqs.append(r)
+    return reqs, outs
+
+
+def run_all(sched, limit=10_000):
+    for _ in range(limit):
+        if not sched.has_work():
+            return
+        sched.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def prompts_for(seed, n=10, shared=True):
+    rng = random.Random(seed)
+    base = [rng.randrange(1, VOCAB) for _ in range(40)]
+    out = []
+    for i in range(n):
+        head = base[: rng.randrange(0, 40)] if shared and i % 2 else []
+        out.append(head + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 60))])
+    return out
+
+
+def check_done(sched, reqs, prompts, max_new=12):
+    for r, p in zip(reqs, prompts):
+        assert r.finished and r.output_ids == alone(p, max_new), r.rid
+        expected = FinishKind.STOP if r.output_ids[-1] == EOS and len(r.output_ids) < max_new else FinishKind.LENGTH
+        assert r.finish_reason.kind is expected
+    assert sched.flush_cache()
+    assert sched.cache.pages.num_free == sched.cache.pages.num_pages
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_outputs_equal_running_alone(page, mixed, tree):
+    sched, runner = make(page=page, mixed=mixed, tree=tree)
+    prompts = prompts_for(page)
+    reqs, outs = submit(sched, prompts)
+    run_all(sched)
+    check_done(sched, reqs, prompts)
+    for mode, extend in runner.batches:
+        assert sum(1 for e in extend if e > 1 or mode is ForwardMode.EXTEND) <= 4  # max_running_requests
+        prefill_tokens = sum(e for e in extend if mode is ForwardMode.EXTEND)
+        assert prefill_tokens <= 16 + (4 if mixed else 0)  # chunked_prefill_size (+ one token per mixed decode)
+    if mixed:
+        assert any(m is ForwardMode.EXTEND and 1 in e and max(e) > 1 for m, e in runner.batches)
+    # Streaming outputs add up to the final output, and the last one is marked finished.
+    for i, r in enumerate(reqs):
+        assert sum((o.new_token_ids for o in outs[i]), []) == r.output_ids
+        assert outs[i][-1].finished and not any(o.finished for o in outs[i][:-1])
+
+
+def test_tiny_pool_retracts_and_still_finishes():
+    sched, _ = make(page=2, pages=48, chunk=16, max_running=6, conservativeness=0.01)  # the longest fits alone
+    prompts = prompts_for(3, n=8)
+    reqs, _ = submit(sched, prompts, max_new=20)
+    run_all(sched)
+    check_done(sched, reqs, prompts, max_new=20)
+    assert sched.stats["retractions"] > 0
+
+
+def test_lpm_admits_longest_cached_prefix_first():
+    sched, runner = make(max_running=1, chunk=-1, policy="lpm")
+    base = list(range(1, 33))
+    warm, _ = submit(sched, [base + [50]], max_new=1)
+    run_all(sched)
+    reqs, _ = submit(sched, [[60, 61, 62], base + [70, 71], base[:8] + [80]], max_new=2)
+    sched.step()
+    first = next(r for r in reqs if r.status.value != "waiting")
+    assert first.input_ids == base + [70, 71] and first.cached_tokens == 32
+
+
+def test_abort_frees_everything():
+    sched, _ = make()
+    reqs, outs = submit(sched, prompts_for(5, n=4), max_new=50)
+    sched.step()
+    sched.step()
+    for r in reqs:
+        sched._abort(r.rid)
+    assert not sched.has_work()
+    assert all(r.finish_reason.kind is FinishKind.ABORT for r in reqs)
+    assert sched.flush_cache() and sched.cache.pages.num_free == sched.cache.pages.num_pages
+
+
+def test_request_that_outgrows_the_whole_pool_is_aborted_and_others_finish():
+    sched, _ = make(page=2, pages=40, chunk=16, max_running=6)  # 80 tokens
+    big, small = [5] * 70, [7] * 10
+    reqs, _ = submit(sched, [big, small], max_new=20)
+    run_all(sched)
+    assert reqs[0].finish_reason.kind is FinishKind.ABORT and "too small" in reqs[0].finish_reason.message
+    assert reqs[1].output_ids == alone(small, 20)
+    assert sched.flush_cache() and sched.cache.pages.num_free == sched.cache.pages.num_pages
