@@ -31,6 +31,8 @@ class ModelRunner:
         self.device = torch.device(args.device)
         self.dtype = torch_dtype(args.dtype)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed)

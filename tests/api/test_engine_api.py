@@ -1,0 +1,159 @@
+"""The offline Engine API: results shape, prefix reuse, streaming, bad input, control calls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import model_path
+from tests.engine_utils import assert_no_leak, parity_prompts, running_engine, vocab_size
+from tests.reference import hf_greedy, hf_model
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with running_engine(model_path("tiny-qwen2"), chunked_prefill_size=64) as engine:
+        yield engine
+
+
+def test_result_shape_and_text(llm):
+    out = llm.generate("The river runs past the old mill and", GREEDY)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"} <= set(meta)
+    assert meta["completion_tokens"] == len(out["output_ids"]) > 0
+    assert meta["prompt_tokens"] == len(llm.tokenizer("The river runs past the old mill and").input_ids)
+    assert out["text"] == llm.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_shared_200_token_prefix_is_reused(llm):
+    path = model_path("tiny-qwen2")
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(16, vocab_size(path) - 16, (200,), generator=gen).tolist()
+    first, second = prefix + [101, 102, 103], prefix + [201, 202]
+    llm.generate(input_ids=first, sampling_params=GREEDY)
+    out = llm.generate(input_ids=second, sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] >= 192
+    assert out["output_ids"] == hf_greedy(path, [second], 16)[0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=""), "empty"),
+    (dict(input_ids=[]), "empty"),
+    (dict(input_ids=[1, 2, -1]), "outside the vocabulary"),
+    (dict(input_ids=[1, 10**6]), "outside the vocabulary"),
+    (dict(input_ids=[5] * 1024), "longer than the model's context length"),
+    (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": -1}), "max_new_tokens must be >= 0"),
+    (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": 2000}), "context length"),
+    (dict(input_ids=[5, 6], sampling_params={"temperature": -0.5}), "temperature"),
+    (dict(input_ids=[5, 6], sampling_params={"no_such_param": 1}), "unsupported sampling parameter"),
+    (dict(input_ids=[[5, 6], []]), "empty"),
+    (dict(prompt="hi", input_ids=[1]), "exactly one of"),
+])
+def test_bad_input_raises_and_engine_keeps_serving(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(**kwargs)
+    assert llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] > 0
+    assert_no_leak(llm)
+
+
+def test_unknown_engine_argument_is_rejected():
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        running_engine(model_path("tiny-qwen2"), no_such_flag=1).__enter__()
+
+
+def test_stream_matches_non_stream(llm):
+    prompt = "Once upon a time, in a quiet village,"
+    full = llm.generate(prompt, GREEDY)
+    chunks = list(llm.generate(prompt, GREEDY, stream=True))
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+
+    async def collect():
+        gen = await llm.async_generate(prompt, GREEDY, stream=True)
+        return [c async for c in gen]
+
+    achunks = asyncio.run(collect())
+    assert "".join(c["text"] for c in achunks) == full["text"]
+
+
+def test_stream_abandoned_early_frees_the_request(llm):
+    gen = llm.generate(input_ids=[9, 10, 11], sampling_params={"max_new_tokens": 200, "temperature": 0,
+                                                                  "ignore_eos": True}, stream=True)
+    next(gen)
+    gen.close()
+    for _ in range(100):
+        if llm.get_server_info()["internal_states"][0]["running"] == 0:
+            break
+        threading.Event().wait(0.02)
+    assert_no_leak(llm)
+
+
+def test_max_new_tokens_zero_and_stop_token_ids(llm):
+    zero = llm.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    base = llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]
+    stop = base[3]
+    out = llm.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_token_ids": [stop]})
+    assert out["output_ids"] == base[:base.index(stop) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_eos_ids_come_from_config_and_generation_config(llm):
+    gen_eos = hf_model(model_path("tiny-qwen2")).generation_config.eos_token_id
+    assert set(gen_eos if isinstance(gen_eos, list) else [gen_eos]) <= llm.model_config.eos_token_ids
+
+
+def test_temperature_sampling_is_seeded():
+    path = model_path("tiny-llama")
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    prompts = parity_prompts(path)[:4]
+    runs = []
+    for _ in range(2):
+        with running_engine(path, random_seed=123) as eng:
+            runs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+    assert runs[0] == runs[1]
+    assert runs[0] != hf_greedy(path, prompts, 16)
+
+
+def test_output_logprobs_match_transformers(llm):
+    path = model_path("tiny-qwen2")
+    prompt = parity_prompts(path)[3]
+    out = llm.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    triples = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in triples] == out["output_ids"]
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.inference_mode():
+        logits = hf_model(path)(ids).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(out["output_ids"])[:, None])
+    assert torch.allclose(torch.tensor([lp for lp, _, _ in triples]), ref.squeeze(1), atol=1e-4)
+
+
+def test_concurrent_threads_share_the_engine(llm):
+    path = model_path("tiny-qwen2")
+    prompts = parity_prompts(path)[:6]
+    refs = hf_greedy(path, prompts, 16)
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = llm.generate(input_ids=prompts[i], sampling_params=GREEDY)["output_ids"]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == refs
+
+
+def test_server_info(llm):
+    info = llm.get_server_info()
+    assert info["max_total_num_tokens"] > 0 and info["available_kv_tokens"] <= info["max_total_num_tokens"]
+    assert info["page_size"] == 1 and info["chunked_prefill_size"] == 64 and info["device"] == "cpu"

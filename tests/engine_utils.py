@@ -1,0 +1,50 @@
+"""Helpers for tests that drive an Engine: construction with test defaults and the KV leak check."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+
+from engine import Engine
+
+
+@contextlib.contextmanager
+def running_engine(path: str, **kwargs):
+    """An Engine on CPU/float32 (unless overridden) that is leak-checked and shut down on exit."""
+    opts = {"device": "cpu", "dtype": "float32", "random_seed": 0, "log_level": "warning", **kwargs}
+    llm = Engine(model_path=path, **opts)
+    try:
+        yield llm
+        assert_no_leak(llm)
+    finally:
+        llm.shutdown()
+
+
+def assert_no_leak(llm: Engine) -> None:
+    assert llm.flush_cache() is True
+    info = llm.get_server_info()
+    assert info["available_kv_tokens"] == info["max_total_num_tokens"], info
+    free = llm.cache.pages.free_pages()
+    assert len(set(free.tolist())) == len(free), "a page is on the free list twice"
+
+
+def vocab_size(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def parity_prompts(path: str, seed: int = 0) -> list[list[int]]:
+    """Nine prompts of different lengths: three share a 120-token prefix, two share a 250-token prefix, and the
+    longest (300 tokens) is longer than the 64-token prefill chunk the tests use."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = 16, vocab_size(path) - 16  # stay clear of special tokens at either end
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(low, high, (n,), generator=gen).tolist()
+
+    shared, long = rand(120), rand(300)
+    return [rand(3), rand(11), rand(29), rand(57), shared + rand(5), shared + rand(13), shared + rand(40), long,
+            long[:250] + rand(7)]

@@ -1,0 +1,38 @@
+"""Greedy reference outputs from Hugging Face transformers, cut after the first EOS as our engine stops there."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def eos_ids(model) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    extra = model.config.eos_token_id
+    ids += extra if isinstance(extra, list) else [extra]
+    return {i for i in ids if i is not None}
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32,
+              device: str = "cpu") -> list[list[int]]:
+    model = hf_model(path, dtype, device)
+    stops = eos_ids(model)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0)
+        toks = gen[0, len(p):].tolist()
+        cut = next((i + 1 for i, t in enumerate(toks) if t in stops), len(toks))
+        outs.append(toks[:cut])
+    return outs
