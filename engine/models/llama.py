@@ -16,7 +16,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         q, kv = self.q_size, self.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)
         out = get_forward_context().attend(self.layer_id, q, k, v.contiguous())
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -88,8 +88,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+    def forward(self, hidden, cos_sin) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -118,8 +118,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.rotary)
+            hidden = layer(hidden, cos_sin)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
