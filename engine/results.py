@@ -93,20 +93,25 @@ class ResultBuilder:
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.stream = stream
         self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens) if tokenizer and stream \
             else None
         self.last: StepOutput | None = None
 
-    def push(self, out: StepOutput) -> dict:
-        """Record a scheduler output; returns the incremental dict (only the new text and ids)."""
+    def push(self, out: StepOutput) -> dict | None:
+        """Record a scheduler output. When streaming, returns the incremental dict (only the new text, ids and
+        logprobs; meta_info counts are cumulative)."""
         self.output_ids += out.new_token_ids
         if out.new_logprobs:
             self.logprobs += out.new_logprobs
         self.last = out
+        if not self.stream:
+            return None
         text = self.detok.push(out.new_token_ids, final=out.finished) if self.detok else ""
-        return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": self.meta_info()}
+        meta = self.meta_info(logprobs_from=len(self.output_ids) - len(out.new_token_ids))
+        return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": meta}
 
-    def meta_info(self) -> dict:
+    def meta_info(self, logprobs_from: int = 0) -> dict:
         out = self.last
         meta = {
             "id": self.spec.rid,
@@ -116,7 +121,8 @@ class ResultBuilder:
             "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
         }
         if self.spec.return_logprob:
-            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(self.logprobs, self.output_ids)]
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in
+                                             zip(self.logprobs[logprobs_from:], self.output_ids[logprobs_from:])]
         return meta
 
     def result(self) -> dict:

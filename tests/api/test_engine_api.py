@@ -157,3 +157,17 @@ def test_server_info(llm):
     info = llm.get_server_info()
     assert info["max_total_num_tokens"] > 0 and info["available_kv_tokens"] <= info["max_total_num_tokens"]
     assert info["page_size"] == 1 and info["chunked_prefill_size"] == 64 and info["device"] == "cpu"
+
+
+def test_stream_without_tokenizer_carries_ids_and_logprobs():
+    path = model_path("tiny-llama")
+    with running_engine(path, skip_tokenizer_init=True) as eng:
+        full = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True)
+        chunks = list(eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True, stream=True))
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            eng.generate("text needs a tokenizer", GREEDY)
+    assert full["text"] == "" and all(c["text"] == "" for c in chunks)
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    streamed = sum((c["meta_info"]["output_token_logprobs"] for c in chunks), [])
+    assert [t for _, t, _ in streamed] == full["output_ids"]
+    assert [lp for lp, _, _ in streamed] == pytest.approx([lp for lp, _, _ in full["meta_info"]["output_token_logprobs"]])
