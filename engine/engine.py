@@ -24,7 +24,7 @@ from engine.cache.radix_tree import RadixTree
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
 from engine.request import Req, StepOutput
-from engine.results import RequestSpec, ResultBuilder, normalize_batch
+from engine.results import BatchCollector, RequestSpec, normalize_batch
 from engine.scheduler import Scheduler
 from engine.scheduler.prefill_planner import PlannerLimits
 
@@ -75,9 +75,6 @@ class Engine:
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
                                max_total_tokens=self.runner.max_total_tokens)
 
-    def _builder(self, spec: RequestSpec, stream: bool) -> ResultBuilder:
-        return ResultBuilder(spec, self.tokenizer, stream)
-
     def _check_alive(self) -> None:
         if self._crash is not None:
             raise RuntimeError(f"engine scheduler crashed: {self._crash!r}")
@@ -92,13 +89,15 @@ class Engine:
         stream=True an iterator of incremental dicts (`text`/`output_ids` hold only what is new; `index` says
         which request of a list it belongs to)."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))))
-        gen = self._iterate_sync(specs, inbox, stream)
+        deltas = self._receive_sync(collector, inbox)
         if stream:
-            return _stream_items(gen, is_batch, self._abort_all(specs))
-        results = _collect(gen, len(specs))
-        return results if is_batch else results[0]
+            return _stream(deltas, self._abort_all(specs))
+        for _ in deltas:
+            pass
+        return collector.results if is_batch else collector.results[0]
 
     def _submit(self, specs: list[RequestSpec], make_sink) -> None:
         for i, spec in enumerate(specs):
@@ -107,49 +106,39 @@ class Engine:
     def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
         return lambda: [self.scheduler.abort(s.rid) for s in specs]
 
-    def _iterate_sync(self, specs: list[RequestSpec], inbox: queue.SimpleQueue, stream: bool) -> Iterator[tuple]:
-        """Yields (index, delta dict, finished, builder) per scheduler output, in arrival order."""
-        builders = [self._builder(s, stream) for s in specs]
-        remaining = len(specs)
-        while remaining:
+    def _receive_sync(self, collector: BatchCollector, inbox: queue.SimpleQueue) -> Iterator[dict | None]:
+        while not collector.done:
             try:
                 i, out = inbox.get(timeout=1.0)
             except queue.Empty:
                 self._check_alive()
                 continue
-            delta = builders[i].push(out)
-            remaining -= out.finished
-            yield i, delta, out.finished, builders[i]
+            yield collector.record(i, out)
 
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              stream: bool = False):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))))
-        gen = self._iterate_async(specs, inbox, stream)
+        deltas = self._receive_async(collector, inbox)
         if stream:
-            return _astream_items(gen, is_batch, self._abort_all(specs))
-        results: list[dict | None] = [None] * len(specs)
-        async for i, _, finished, builder in gen:
-            if finished:
-                results[i] = builder.result()
-        return results if is_batch else results[0]
+            return _astream(deltas, self._abort_all(specs))
+        async for _ in deltas:
+            pass
+        return collector.results if is_batch else collector.results[0]
 
-    async def _iterate_async(self, specs, inbox: asyncio.Queue, stream: bool):
-        builders = [self._builder(s, stream) for s in specs]
-        remaining = len(specs)
-        while remaining:
+    async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue) -> AsyncIterator[dict | None]:
+        while not collector.done:
             try:
                 i, out = await asyncio.wait_for(inbox.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 self._check_alive()
                 continue
-            delta = builders[i].push(out)
-            remaining -= out.finished
-            yield i, delta, out.finished, builders[i]
+            yield collector.record(i, out)
 
     # ---- control --------------------------------------------------------------------------------------------
     def _control(self, fn: Callable[[], Any]) -> Any:
@@ -189,25 +178,17 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _collect(gen, n: int) -> list[dict]:
-    results: list[dict | None] = [None] * n
-    for i, _, finished, builder in gen:
-        if finished:
-            results[i] = builder.result()
-    return results
-
-
-def _stream_items(gen, is_batch: bool, abort: Callable[[], None]) -> Iterator[dict]:
+def _stream(deltas: Iterator[dict | None], abort: Callable[[], None]) -> Iterator[dict]:
     try:
-        for i, delta, _, _ in gen:
-            yield {**delta, "index": i} if is_batch else delta
+        yield from (d for d in deltas if d is not None)
     finally:
         abort()  # a consumer that stops early frees its requests (a no-op for finished ones)
 
 
-async def _astream_items(gen, is_batch: bool, abort: Callable[[], None]) -> AsyncIterator[dict]:
+async def _astream(deltas: AsyncIterator[dict | None], abort: Callable[[], None]) -> AsyncIterator[dict]:
     try:
-        async for i, delta, _, _ in gen:
-            yield {**delta, "index": i} if is_batch else delta
+        async for d in deltas:
+            if d is not None:
+                yield d
     finally:
         abort()

@@ -130,3 +130,28 @@ class ResultBuilder:
         if self.tokenizer is not None:
             text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens)
         return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+class BatchCollector:
+    """Routes one API call's scheduler outputs to per-request builders: yields streaming deltas (tagged with
+    `index` for a batch) or collects the final results."""
+
+    def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool):
+        self.builders = [ResultBuilder(s, tokenizer, stream) for s in specs]
+        self.results: list[dict | None] = [None] * len(specs)
+        self.stream, self.is_batch = stream, is_batch
+        self.remaining = len(specs)
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+    def record(self, i: int, out: StepOutput) -> dict | None:
+        delta = self.builders[i].push(out)
+        if out.finished:
+            self.remaining -= 1
+            if not self.stream:
+                self.results[i] = self.builders[i].result()
+        if delta is not None and self.is_batch:
+            delta["index"] = i
+        return delta
