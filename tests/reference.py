@@ -36,3 +36,11 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, dtype=to
         cut = next((i + 1 for i, t in enumerate(toks) if t in stops), len(toks))
         outs.append(toks[:cut])
     return outs
+
+
+@torch.inference_mode()
+def hf_token_logprobs(path: str, prompt: list[int], output: list[int]) -> list[float]:
+    """log p(output[i] | prompt + output[:i]) under the float32 reference model."""
+    logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
+    steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
+    return steps.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()

@@ -1,5 +1,9 @@
 """Token-exact greedy parity with transformers (float32, CPU) for every tiny model, across cache, chunking and
-paging configurations, concurrent async arrival, and a KV pool small enough to force eviction and retraction."""
+paging configurations, concurrent async arrival, and a KV pool small enough to force eviction and retraction.
+
+The tiny models' greedy choice depends on the last few tokens only (scripts/make_tiny_models.py builds them so
+that it never sits near a tie), so the tests also compare every generated token's logprob with transformers: a
+wrong key or value anywhere in a long cached prefix moves those far beyond the 1e-4 tolerance."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import pytest
 
 from tests.conftest import TINY_MODELS, model_path
 from tests.engine_utils import parity_prompts, running_engine
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, hf_token_logprobs
 
 MAX_NEW = 32
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
@@ -19,6 +23,8 @@ CONFIGS = [
     for radix, chunk, page in itertools.product([True, False], [64, -1], [1, 16])
 ]
 _refs: dict[str, list[list[int]]] = {}
+_ref_logprobs: dict[str, list[list[float]]] = {}
+LOGPROB_ATOL = 1e-4
 
 
 def reference(name: str) -> tuple[str, list[list[int]], list[list[int]]]:
@@ -36,16 +42,27 @@ def test_reference_is_not_degenerate():
         assert len({tuple(r) for r in refs}) >= len(refs) - 2, f"{name}: outputs do not depend on the prompt"
 
 
+def assert_logprobs_match(name: str, outs: list[dict]) -> None:
+    path, prompts, refs = reference(name)
+    if name not in _ref_logprobs:
+        _ref_logprobs[name] = [hf_token_logprobs(path, p, r) for p, r in zip(prompts, refs)]
+    for out, want in zip(outs, _ref_logprobs[name]):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("name", TINY_MODELS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_batch_parity(name, cfg):
     path, prompts, refs = reference(name)
     with running_engine(path, **cfg) as llm:
-        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in outs] == refs
+        assert_logprobs_match(name, outs)
         # A second pass over the same prompts reuses cached prefixes (when the cache is on) with equal outputs.
-        again = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        again = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in again] == refs
+        assert_logprobs_match(name, again)
         cached = [o["meta_info"]["cached_tokens"] for o in again]
         if cfg["disable_radix_cache"]:
             assert cached == [0] * len(prompts)
@@ -59,12 +76,13 @@ def test_concurrent_async_parity(name):
     path, prompts, refs = reference(name)
 
     async def main(llm):
-        tasks = [llm.async_generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        tasks = [llm.async_generate(input_ids=p, sampling_params=GREEDY, return_logprob=True) for p in prompts]
         return await asyncio.gather(*tasks)
 
     with running_engine(path, page_size=16, chunked_prefill_size=64, enable_mixed_chunk=True) as llm:
         outs = asyncio.run(main(llm))
         assert [o["output_ids"] for o in outs] == refs
+        assert_logprobs_match(name, outs)
         assert llm.get_server_info()["internal_states"][0]["forward_extend"] >= 1
 
 
@@ -76,8 +94,9 @@ def test_small_pool_evicts_and_retracts(name, page):
                         schedule_conservativeness=0.05) as llm:
         warm = llm.generate(input_ids=prompts[:4], sampling_params=GREEDY)  # leaves cached prefixes to evict
         assert [o["output_ids"] for o in warm] == refs[:4]
-        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in outs] == refs
+        assert_logprobs_match(name, outs)
         stats = llm.get_server_info()["internal_states"][0]
         assert stats["retractions"] > 0, stats
         assert stats["evicted_tokens"] > 0, stats
