@@ -10,15 +10,16 @@ TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODE
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: all run test test-gpu model venv apt-deps bench-gpu clean
+.PHONY: all run test test-gpu model venv apt-deps clean
 
 all: test
 
+# A bare Debian machine may lack Python itself or its venv module: install them from apt (we run as root there).
 $(STAMPS)/apt:
 	@mkdir -p $(STAMPS)
 	@if ! $(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1; then \
-		echo "installing python3-venv"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-pip; \
+		echo "installing python3, python3-venv and python3-pip from apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip; \
 	fi
 	@touch $@
 
@@ -34,7 +35,7 @@ $(STAMPS)/venv: pyproject.toml | $(STAMPS)/apt
 
 venv: $(STAMPS)/venv
 
-$(TINY): scripts/make_tiny_models.py scripts/tiny_corpus.py | $(STAMPS)/venv
+$(TINY) &: scripts/make_tiny_models.py scripts/tiny_corpus.py | $(STAMPS)/venv
 	$(PY) scripts/make_tiny_models.py --out $(MODELS)
 
 model: $(TINY)
