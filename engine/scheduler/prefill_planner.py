@@ -1,6 +1,6 @@
 """Chooses which waiting requests join the next prefill batch, and how many of their tokens.
 
-Budgets per batch: `max_prefill_tokens` new tokens (at least one request always fits), `chunked_prefill_size` tokens
+Budgets per batch: `max_prefill_tokens` new tokens (a batch of one may exceed it), `chunked_prefill_size` tokens
 (the last admitted request may be cut into a chunk), `max_running_requests`, and KV memory: the new tokens plus a
 reserve for the tokens running requests are still expected to generate (`new_token_ratio` of their remaining
 `max_new_tokens`, the ratio scaled by `schedule_conservativeness`).
@@ -99,8 +99,6 @@ class PrefillPlanner:
         for req in self.order(waiting):
             if busy_slots + len(admitted) >= self.limits.max_running_requests or chunk_budget <= 0:
                 break
-            if admitted and token_budget <= 0:
-                break
             if not self.cache.admit(req):
                 break
             left = req.fill_len - req.kv_len
@@ -110,7 +108,7 @@ class PrefillPlanner:
             if extend == 0 and not admitted and busy_slots == 0 and room > 0:
                 extend = min(left, room)  # alone in the engine: make progress even if the reserve does not fit
             extend = self._chunk(min(extend, chunk_budget), left) if extend else 0
-            if not self._set_extend(req, extend):
+            if (admitted or used_tokens) and extend > token_budget or not self._set_extend(req, extend):
                 self.cache.release(req)
                 break
             req.status = ReqStatus.RUNNING

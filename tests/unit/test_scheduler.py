@@ -162,3 +162,14 @@ def test_request_that_outgrows_the_whole_pool_is_aborted_and_others_finish():
     assert reqs[0].finish_reason.kind is FinishKind.ABORT and "too small" in reqs[0].finish_reason.message
     assert reqs[1].output_ids == alone(small, 20)
     assert sched.flush_cache() and sched.cache.pages.num_free == sched.cache.pages.num_pages
+
+
+def test_max_prefill_tokens_bounds_a_batch_of_several():
+    sched, runner = make(chunk=-1, max_prefill=64, max_running=8)
+    prompts = [[i + 1] * n for i, n in enumerate([40, 20, 30, 90, 10])]
+    reqs, _ = submit(sched, prompts, max_new=4)
+    run_all(sched)
+    check_done(sched, reqs, prompts, max_new=4)
+    prefills = [extend for mode, extend in runner.batches if mode is ForwardMode.EXTEND]
+    assert all(sum(e) <= 64 or len(e) == 1 for e in prefills), prefills
+    assert [90] in prefills  # a lone prompt larger than the budget still runs
