@@ -164,6 +164,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
+           f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     context = args.context_length or model.max_position_embeddings
     chunk = args.chunked_prefill_size
     if chunk is None:

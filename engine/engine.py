@@ -151,7 +151,7 @@ class Engine:
 
     def get_server_info(self) -> dict:
         load = self._control(self.scheduler.load)
-        info = {k: v for k, v in dataclasses.asdict(self.args).items()}
+        info = dataclasses.asdict(self.args)
         info.update(max_total_num_tokens=self.runner.max_total_tokens,
                     max_running_requests=self.runner.max_running_requests,
                     available_kv_tokens=load["available_kv_tokens"], internal_states=[load])

@@ -118,6 +118,7 @@ def test_arg_resolution():
     assert (args.page_size, args.dtype, args.attention_backend, args.context_length) == (
         1, "float32", "torch_native", cfg.max_position_embeddings)
     assert cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"
-    for bad in (dict(page_size=3), dict(schedule_policy="random"), dict(dtype="int8"), dict(load_format="gguf")):
+    for bad in (dict(page_size=3), dict(schedule_policy="random"), dict(dtype="int8"), dict(load_format="gguf"),
+                dict(kv_cache_dtype="fp8_e5m2")):
         with pytest.raises(ValueError):
             resolve_args(EngineArgs(model_path=cfg.path, device="cpu", **bad), cfg)
