@@ -14,6 +14,7 @@ from engine.bench_one_batch import _make_reqs
 from engine.cache.manager import CacheManager
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
+from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.batch_builder import build_decode, build_extend
 
 
@@ -26,9 +27,9 @@ def main() -> None:
     runner = ModelRunner(args, cfg)
     cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
     reqs = _make_reqs(cache, bs, input_len, cfg.vocab_size, torch.Generator().manual_seed(0))
-    params = [r.sampling for r in reqs]
-    ids = runner.forward_and_sample(build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device), params,
-                                    False).next_ids.tolist()
+    sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
+    batch = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
+    ids = runner.forward_and_sample(batch, sampling).next_ids.tolist()
 
     def step():
         nonlocal ids
@@ -37,7 +38,7 @@ def main() -> None:
             r.output_ids.append(t)
             r.extend_len = 1
         locs = cache.alloc_decode(reqs)
-        ids = runner.forward_and_sample(build_decode(reqs, locs, runner.device), params, False).next_ids.tolist()
+        ids = runner.forward_and_sample(build_decode(reqs, locs, runner.device), sampling).next_ids.tolist()
 
     for _ in range(5):
         step()

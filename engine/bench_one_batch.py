@@ -21,6 +21,7 @@ from engine.cli import add_engine_args, engine_kwargs
 from engine.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.batch_builder import build_decode, build_extend
 
 
@@ -47,11 +48,11 @@ def _make_reqs(cache: CacheManager, bs: int, input_len: int, vocab: int, gen: to
 def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
     gen = torch.Generator().manual_seed(bs)
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, gen)
-    params = [r.sampling for r in reqs]
+    sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
     _sync(runner.device)
     t0 = time.perf_counter()
-    result = runner.forward_and_sample(build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device), params,
-                                       False)
+    batch = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
+    result = runner.forward_and_sample(batch, sampling)
     next_ids = result.next_ids.tolist()
     prefill_s = time.perf_counter() - t0
     step_s = []
@@ -62,7 +63,8 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
             r.output_ids.append(tok)
             r.extend_len = 1
         locs = cache.alloc_decode(reqs)
-        result = runner.forward_and_sample(build_decode(reqs, locs, runner.device), params, False)
+        sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
+        result = runner.forward_and_sample(build_decode(reqs, locs, runner.device), sampling)
         next_ids = result.next_ids.tolist()  # the host read synchronizes, as the scheduler's does
         step_s.append(time.perf_counter() - t0)
     for r in reqs:

@@ -14,7 +14,7 @@ from engine.cache.req_to_token import ReqToTokenPool
 from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
-from engine.sampling.params import SamplingParams
+from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import SampleResult, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class ModelRunner:
                                model_config.head_dim ** -0.5)
         self.attn_backend = create_backend(args.attention_backend, shape, self.kv_pool, self.req_to_token)
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
+        self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d", model_config.architecture,
                  self.device, args.dtype, self.kv_pool.capacity_tokens, page, self.max_running_requests)
 
@@ -82,7 +83,5 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def forward_and_sample(self, batch: ForwardBatch, params: list[SamplingParams],
-                           want_logprobs: bool) -> SampleResult:
-        logits = self.forward(batch)
-        return sample(logits, SamplingBatch.build(params, want_logprobs, self.device), self.generator)
+    def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleResult:
+        return sample(self.forward(batch), sampling, self.generator, self.penalties)

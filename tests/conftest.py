@@ -32,6 +32,39 @@ def model_path(name: str) -> str:
     return str(MODELS / name)
 
 
+DIFFUSE_VOCAB = 512
+
+
+def _random_llama(path, lm_head_std: float) -> str:
+    """A tiny Llama with seeded random weights; small projection weights keep attention spread over the whole
+    context (unlike the bundled tiny models, built to look back only a few tokens)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=DIFFUSE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None,
+                      bos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08 if "proj" in name else lm_head_std if "lm_head" in name else 1.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def diffuse_model(tmp_path_factory) -> str:
+    return _random_llama(tmp_path_factory.mktemp("diffuse") / "tiny-diffuse-llama", lm_head_std=1.0)
+
+
+@pytest.fixture(scope="session")
+def broad_model(tmp_path_factory) -> str:
+    """Next-token distributions spread over dozens of tokens (for distribution tests)."""
+    return _random_llama(tmp_path_factory.mktemp("broad") / "tiny-broad-llama", lm_head_std=0.3)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

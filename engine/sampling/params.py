@@ -1,4 +1,4 @@
-"""Per-request sampling parameters (SGLang's `sampling_params` dict), validated at the edge."""
+"""Per-request sampling parameters (SGLang's `sampling_params` dict, same names and defaults), validated at the edge."""
 
 from __future__ import annotations
 
@@ -8,28 +8,47 @@ from typing import Any
 
 # Below this temperature a request is decoded greedily (as SGLang does).
 GREEDY_EPS = 1e-6
+_STRUCTURED = ("json_schema", "regex", "ebnf")
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
-    ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    sampling_seed: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        d = dict(d or {})
+        d = {k: v for k, v in (d or {}).items() if v is not None}
+        structured = [k for k in _STRUCTURED if k in d]
+        if structured:
+            raise ValueError(f"structured outputs ({', '.join(structured)}) are not supported by this engine yet")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in names)
         if unknown:
             raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}; supported: "
                              f"{', '.join(sorted(names))}")
-        if d.get("stop_token_ids") is not None:
-            d["stop_token_ids"] = tuple(int(t) for t in d["stop_token_ids"])
-        else:
-            d.pop("stop_token_ids", None)
+        if "stop" in d:
+            d["stop"] = _stop_strings(d["stop"])
+        if "stop_token_ids" in d:
+            d["stop_token_ids"] = _int_list(d["stop_token_ids"], "stop_token_ids")
+        if "logit_bias" in d:
+            d["logit_bias"] = _logit_bias(d["logit_bias"])
         params = cls(**d)
         params.validate()
         return params
@@ -38,10 +57,69 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        _int_field("max_new_tokens", self.max_new_tokens, low=0)
+        _int_field("min_new_tokens", self.min_new_tokens, low=0)
+        _int_field("n", self.n, low=1)
+        _int_field("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens})")
+        _float_field("temperature", self.temperature, 0.0, None)
+        _float_field("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float_field("min_p", self.min_p, 0.0, 1.0)
+        _float_field("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_field("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        if self.sampling_seed is not None:
+            _int_field("sampling_seed", self.sampling_seed, low=0)
+
+
+def _int_field(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _float_field(name: str, value: Any, low: float, high: float | None, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high if high is not None else 'inf'}], got {value}")
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
+    return tuple(items)
+
+
+def _int_list(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """SGLang/OpenAI form: {"token id": bias}; keys may be ints or digit strings."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {value!r}")
+    out = []
+    for k, v in value.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {k!r} is not a token id") from None
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ValueError(f"logit_bias value for token {tok} must be a number, got {v!r}")
+        out.append((tok, float(v)))
+    return tuple(out)

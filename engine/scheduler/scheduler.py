@@ -14,10 +14,13 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import torch
+
 from engine.cache.manager import CacheManager
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
 from engine.scheduler.finish import check_finished, step_output
+from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
 log = logging.getLogger(__name__)
@@ -152,11 +155,18 @@ class Scheduler:
 
     # ---- forward and results --------------------------------------------------------------------------------
     def _run(self, reqs: list[Req], extend: bool) -> None:
+        decoding = {id(r) for r in self.running}
+        sampling_now = [r for r in reqs if r.kv_len + r.extend_len == r.fill_len]
         try:
             batch = (build_extend if extend else build_decode)(reqs, self.cache.slots_of_new_tokens(reqs),
                                                                self.runner.device)
-            result = self.runner.forward_and_sample(batch, [r.sampling for r in reqs],
-                                                    any(r.return_logprob for r in reqs))
+            for r in sampling_now:
+                if id(r) not in decoding and r.sampling.penalized:
+                    self.runner.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
+            sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
+                                           self.runner.model_config.vocab_size, self.runner.device)
+            result = self.runner.forward_and_sample(batch, sampling)
+            self._record_penalties(reqs, result.next_ids)
         except Exception as e:
             log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
             for r in reqs:
@@ -166,12 +176,19 @@ class Scheduler:
         self.stats["forward_extend" if extend else "forward_decode"] += 1
         next_ids = result.next_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        decoding = {id(r) for r in self.running}
         for i, r in enumerate(reqs):
             prefilling = id(r) not in decoding
             if prefilling:
                 self.stats["prefill_tokens"] += r.extend_len
             self._advance(r, next_ids[i], logprobs[i] if logprobs else None, prefilling)
+
+    def _record_penalties(self, reqs: list[Req], next_ids: torch.Tensor) -> None:
+        """Count this step's token for every penalized request that samples now (not for partial prefill chunks)."""
+        idx = [i for i, r in enumerate(reqs) if r.sampling.penalized and r.kv_len + r.extend_len == r.fill_len
+               and r.sampling.max_new_tokens > 0]
+        if idx:
+            rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(next_ids.device)
+            self.runner.penalties.record(rows, next_ids[torch.tensor(idx, device=next_ids.device)])
 
     def _advance(self, req: Req, token: int, logprob: float | None, newly_prefilled: bool) -> None:
         req.kv_len += req.extend_len

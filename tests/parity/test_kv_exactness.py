@@ -11,29 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import DIFFUSE_VOCAB as VOCAB
 from tests.engine_utils import running_engine
 from tests.parity.test_parity_cpu import CONFIGS
 from tests.reference import hf_token_logprobs
-
-VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def diffuse_model(tmp_path_factory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1234)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None,
-                      bos_token_id=None, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.08 if "proj" in name else 1.0)
-    path = tmp_path_factory.mktemp("diffuse") / "tiny-diffuse-llama"
-    model.save_pretrained(path)
-    return str(path)
 
 
 def prompts() -> list[list[int]]:

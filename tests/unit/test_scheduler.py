@@ -34,7 +34,9 @@ class FakeRunner:
     def __init__(self):
         self.batches = []
 
-    def forward_and_sample(self, batch, params, want_logprobs):
+    model_config = type("Cfg", (), {"vocab_size": VOCAB})
+
+    def forward_and_sample(self, batch, sampling):
         self.batches.append((batch.mode, list(batch.extend_lens_host)))
         last = batch.input_ids[batch.logits_indices]
         pos = batch.positions[batch.logits_indices]
