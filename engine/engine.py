@@ -49,7 +49,9 @@ class Engine:
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
-                                   self.args.enable_mixed_chunk, self.args.context_length)
+                                   self.args.enable_mixed_chunk, self.args.context_length,
+                                   # its own copy: a fast tokenizer must not be used by two threads at once
+                                   _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None)
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()

@@ -50,6 +50,15 @@ def _check_lengths(n_in: int, raw_params: dict | None, params: SamplingParams, c
                          f"context length ({context_len} tokens)")
 
 
+def _check_token_params(params: SamplingParams, vocab_size: int, tokenizer) -> None:
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (this engine was started with skip_tokenizer_init)")
+
+
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
                     context_len: int, max_total_tokens: int) -> tuple[list[RequestSpec], bool]:
     """Validate everything before anything is queued. Returns (specs, whether the call was a batch)."""
@@ -80,6 +89,7 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
             raise ValueError("sampling_params must be a dict (or a list of dicts)")
         params = SamplingParams.from_dict(raw_params)
         _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
+        _check_token_params(params, vocab_size, tokenizer)
         specs.append(RequestSpec(uuid.uuid4().hex, ids, params, bool(want_lp)))
     return specs, is_batch
 
@@ -97,6 +107,19 @@ class ResultBuilder:
         self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens) if tokenizer and stream \
             else None
         self.last: StepOutput | None = None
+        self.sent_chars = 0  # characters of the detokenized stream already emitted
+
+    def _visible(self, text: str, finished: bool) -> str:
+        """The text a client may see: cut before a matched stop string (unless no_stop_trim); while running, hold
+        back a tail that could still grow into a stop string."""
+        params, reason = self.spec.params, self.last.finish_reason
+        if reason is not None and isinstance(reason.matched, str) and not params.no_stop_trim:
+            cut = text.find(reason.matched)
+            return text[:cut] if cut >= 0 else text
+        if finished or not params.stop:
+            return text
+        hold = max((n for s in params.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        return text[:len(text) - hold]
 
     def push(self, out: StepOutput) -> dict | None:
         """Record a scheduler output. When streaming, returns the incremental dict (only the new text, ids and
@@ -107,7 +130,11 @@ class ResultBuilder:
         self.last = out
         if not self.stream:
             return None
-        text = self.detok.push(out.new_token_ids, final=out.finished) if self.detok else ""
+        text = ""
+        if self.detok is not None:
+            self.detok.push(out.new_token_ids, final=out.finished)
+            visible = self._visible(self.detok.text, out.finished)
+            text, self.sent_chars = visible[self.sent_chars:], max(self.sent_chars, len(visible))
         meta = self.meta_info(logprobs_from=len(self.output_ids) - len(out.new_token_ids))
         return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": meta}
 
@@ -129,6 +156,7 @@ class ResultBuilder:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens)
+            text = self._visible(text, finished=True)
         return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 

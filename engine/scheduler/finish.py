@@ -5,13 +5,35 @@ from __future__ import annotations
 from engine.request import FinishKind, FinishReason, Req, StepOutput
 
 
-def check_finished(req: Req, context_len: int) -> FinishReason | None:
-    """SGLang's order: the length limit first, then stop tokens (EOS unless ignore_eos, plus stop_token_ids)."""
+class StopStrings:
+    """Matches `stop` strings on the detokenized tail of a request's output, checked after every token, so a match
+    always involves the newest token. A byte-level token holds at least one byte and a character at most four, so
+    the last 4 * len(longest stop) + 1 tokens cover any string that could end at the newest token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def match(self, req: Req) -> str | None:
+        stops = req.sampling.stop
+        if not stops or self.tokenizer is None:
+            return None
+        window = 4 * max(len(s) for s in stops) + 1
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=req.sampling.skip_special_tokens)
+        found = [(tail.find(s), s) for s in stops if s in tail]
+        return min(found)[1] if found else None
+
+
+def check_finished(req: Req, context_len: int, stop_strings: StopStrings | None = None) -> FinishReason | None:
+    """SGLang's order: the length limit first, then stop tokens (EOS unless ignore_eos, plus stop_token_ids), then
+    stop strings."""
     if len(req.output_ids) >= req.sampling.max_new_tokens:
         return FinishReason(FinishKind.LENGTH, length=req.sampling.max_new_tokens)
     last = req.output_ids[-1]
     if last in req.stop_ids:
         return FinishReason(FinishKind.STOP, matched=last)
+    matched = stop_strings.match(req) if stop_strings is not None else None
+    if matched is not None:
+        return FinishReason(FinishKind.STOP, matched=matched)
     if req.fill_len >= context_len:
         return FinishReason(FinishKind.LENGTH, length=len(req.output_ids))
     return None

@@ -19,7 +19,7 @@ import torch
 from engine.cache.manager import CacheManager
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
-from engine.scheduler.finish import check_finished, step_output
+from engine.scheduler.finish import StopStrings, check_finished, step_output
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
@@ -28,13 +28,14 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
-                 enable_mixed_chunk: bool, context_len: int):
+                 enable_mixed_chunk: bool, context_len: int, tokenizer=None):
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
         self.planner = PrefillPlanner(limits, cache, self.ratio)
         self.mixed = enable_mixed_chunk
         self.context_len = context_len
+        self.stop_strings = StopStrings(tokenizer)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -202,7 +203,7 @@ class Scheduler:
         req.output_ids.append(token)
         if req.return_logprob:
             req.output_logprobs.append(logprob)
-        reason = check_finished(req, self.context_len)
+        reason = check_finished(req, self.context_len, self.stop_strings)
         if reason is not None:
             self._drop_from_sets(req)
             self._finish(req, reason)
