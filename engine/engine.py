@@ -77,6 +77,13 @@ class Engine:
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
                                max_total_tokens=self.runner.max_total_tokens)
 
+    def _shared_prefills(self, specs: list[RequestSpec]) -> list[RequestSpec]:
+        """Prompts with n > 1 are prefilled once, by a request without output tokens that leaves the prompt in the
+        prefix cache; the n samples then start from the cached prompt. Without the cache each sample prefills."""
+        if self.cache.tree is None:
+            return []
+        return [s for s in specs if s.params.n > 1 and s.sample_index == 0]
+
     def _check_alive(self) -> None:
         if self._crash is not None:
             raise RuntimeError(f"engine scheduler crashed: {self._crash!r}")
@@ -91,6 +98,9 @@ class Engine:
         stream=True an iterator of incremental dicts (`text`/`output_ids` hold only what is new; `index` says
         which request of a list it belongs to)."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        warm = self._shared_prefills(specs)
+        if warm:
+            self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))))
@@ -122,6 +132,10 @@ class Engine:
                              stream: bool = False):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        warm = self._shared_prefills(specs)
+        if warm:
+            await self.async_generate(input_ids=[s.input_ids for s in warm],
+                                      sampling_params=[{"max_new_tokens": 0}] * len(warm))
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()

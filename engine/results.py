@@ -3,6 +3,7 @@ SGLang-shaped result dicts (`text`, `output_ids`, `meta_info`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +18,17 @@ class RequestSpec:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
+    sample_index: int = 0  # which of the prompt's `n` parallel samples this is
+
+
+def _parallel_samples(ids: list[int], params: SamplingParams, want_lp: bool) -> list[RequestSpec]:
+    """`n` requests for one prompt; seeded ones get seed + index, so the samples differ yet stay reproducible."""
+    out = []
+    for j in range(params.n):
+        seed = params.sampling_seed + j if params.sampling_seed is not None else None
+        copy = dataclasses.replace(params, sampling_seed=seed) if j else params
+        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j))
+    return out
 
 
 def _as_list(value, n: int, name: str) -> list:
@@ -61,7 +73,8 @@ def _check_token_params(params: SamplingParams, vocab_size: int, tokenizer) -> N
 
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
                     context_len: int, max_total_tokens: int) -> tuple[list[RequestSpec], bool]:
-    """Validate everything before anything is queued. Returns (specs, whether the call was a batch)."""
+    """Validate everything before anything is queued. Returns (specs, whether the result is a list). A prompt with
+    n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
     if prompt is not None:
@@ -90,8 +103,8 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
         params = SamplingParams.from_dict(raw_params)
         _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
         _check_token_params(params, vocab_size, tokenizer)
-        specs.append(RequestSpec(uuid.uuid4().hex, ids, params, bool(want_lp)))
-    return specs, is_batch
+        specs += _parallel_samples(ids, params, bool(want_lp))
+    return specs, is_batch or len(specs) > n
 
 
 class ResultBuilder:

@@ -126,3 +126,25 @@ def test_first_token_distribution_matches_analytic(broad_model):
     exp *= obs.sum() / exp.sum()  # float rounding only: both sum to n
     result = chisquare(obs.numpy(), exp.numpy())
     assert result.pvalue > 0.001, (result, obs.tolist(), exp.tolist())
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_n_samples_share_one_prefill(diffuse_model, use_async):
+    import asyncio
+
+    ids = prompt(21) * 3  # 120 tokens
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 4}
+    with running_engine(diffuse_model, skip_tokenizer_init=True) as llm:
+        before = llm.get_server_info()["internal_states"][0]["prefill_tokens"]
+        if use_async:
+            outs = asyncio.run(llm.async_generate(input_ids=ids, sampling_params=params))
+        else:
+            outs = llm.generate(input_ids=ids, sampling_params=params)
+        prefilled = llm.get_server_info()["internal_states"][0]["prefill_tokens"] - before
+        pair = llm.generate(input_ids=[ids[:50], ids[50:]], sampling_params={**params, "n": 2, "sampling_seed": 3})
+    assert isinstance(outs, list) and len(outs) == 4
+    assert all(len(o["output_ids"]) == 8 for o in outs)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1, "the samples should differ"
+    assert prefilled == len(ids) + 4, prefilled  # the prompt once, then each sample's last prompt token
+    assert all(o["meta_info"]["cached_tokens"] == len(ids) - 1 for o in outs)
+    assert len(pair) == 4 and pair[0]["output_ids"] != pair[1]["output_ids"]
