@@ -46,6 +46,7 @@ class EngineArgs:
     enable_mixed_chunk: bool = False
     attention_backend: str | None = None
     random_seed: int | None = None
+    stream_output: bool = False
     log_level: str = "info"
 
     @classmethod

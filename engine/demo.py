@@ -21,8 +21,11 @@ PROMPTS = [
 
 async def _stream_one(llm: Engine, prompt: str) -> None:
     print(f"\n[stream] {prompt!r} ->", end=" ", flush=True)
+    shown = ""
     async for chunk in await llm.async_generate(prompt, {"max_new_tokens": 24, "temperature": 0}, stream=True):
-        print(chunk["text"], end="", flush=True)
+        text = chunk["text"]  # cumulative unless the engine runs with --stream-output
+        print(text if llm.args.stream_output else text[len(shown):], end="", flush=True)
+        shown = text if not llm.args.stream_output else shown + text
     print()
 
 

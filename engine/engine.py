@@ -95,20 +95,24 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  stream: bool = False):
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
-        stream=True an iterator of incremental dicts (`text`/`output_ids` hold only what is new; `index` says
-        which request of a list it belongs to)."""
+        stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
+        with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
         warm = self._shared_prefills(specs)
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
-        collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))))
         deltas = self._receive_sync(collector, inbox)
         if stream:
             return _stream(deltas, self._abort_all(specs))
-        for _ in deltas:
-            pass
+        try:
+            for _ in deltas:
+                pass
+        finally:  # interrupted (KeyboardInterrupt, an error in this thread): free what is still running
+            if not collector.done:
+                self._abort_all(specs)()
         return collector.results if is_batch else collector.results[0]
 
     def _submit(self, specs: list[RequestSpec], make_sink) -> None:
@@ -136,15 +140,20 @@ class Engine:
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm))
-        collector = BatchCollector(specs, self.tokenizer, stream, is_batch)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))))
+        # If the loop closes first, call_soon_threadsafe raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
             return _astream(deltas, self._abort_all(specs))
-        async for _ in deltas:
-            pass
+        try:
+            async for _ in deltas:
+                pass
+        finally:  # cancelled (a timeout, a dropped client): free what is still running
+            if not collector.done:
+                self._abort_all(specs)()
         return collector.results if is_batch else collector.results[0]
 
     async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue) -> AsyncIterator[dict | None]:

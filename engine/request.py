@@ -86,6 +86,15 @@ class Req:
         """Every token whose KV the request needs before it can sample its next token."""
         return self.input_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (hot path: one token per decoding request per step)."""
+        n_in = len(self.input_ids)
+        if end <= n_in:
+            return self.input_ids[start:end]
+        if start >= n_in:
+            return self.output_ids[start - n_in:end - n_in]
+        return self.input_ids[start:] + self.output_ids[:end - n_in]
+
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -111,8 +111,9 @@ class ResultBuilder:
     """Accumulates one request's outputs in the consumer's thread: streams detokenize incrementally, otherwise the
     text is decoded once at the end."""
 
-    def __init__(self, spec: RequestSpec, tokenizer, stream: bool):
+    def __init__(self, spec: RequestSpec, tokenizer, stream: bool, segments: bool = False):
         self.spec = spec
+        self.segments = segments  # stream disjoint segments (SGLang's --stream-output) instead of cumulative output
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -135,19 +136,21 @@ class ResultBuilder:
         return text[:len(text) - hold]
 
     def push(self, out: StepOutput) -> dict | None:
-        """Record a scheduler output. When streaming, returns the incremental dict (only the new text, ids and
-        logprobs; meta_info counts are cumulative)."""
+        """Record a scheduler output. When streaming, returns the dict to send: cumulative text, ids and logprobs
+        (SGLang's default), or with `segments` only what is new since the last one."""
         self.output_ids += out.new_token_ids
         if out.new_logprobs:
             self.logprobs += out.new_logprobs
         self.last = out
         if not self.stream:
             return None
-        text = ""
+        visible = ""
         if self.detok is not None:
             self.detok.push(out.new_token_ids, final=out.finished)
             visible = self._visible(self.detok.text, out.finished)
-            text, self.sent_chars = visible[self.sent_chars:], max(self.sent_chars, len(visible))
+        if not self.segments:
+            return {"text": visible, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        text, self.sent_chars = visible[self.sent_chars:], max(self.sent_chars, len(visible))
         meta = self.meta_info(logprobs_from=len(self.output_ids) - len(out.new_token_ids))
         return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": meta}
 
@@ -177,8 +180,8 @@ class BatchCollector:
     """Routes one API call's scheduler outputs to per-request builders: yields streaming deltas (tagged with
     `index` for a batch) or collects the final results."""
 
-    def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool):
-        self.builders = [ResultBuilder(s, tokenizer, stream) for s in specs]
+    def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool, segments: bool = False):
+        self.builders = [ResultBuilder(s, tokenizer, stream, segments) for s in specs]
         self.results: list[dict | None] = [None] * len(specs)
         self.stream, self.is_batch = stream, is_batch
         self.remaining = len(specs)

@@ -75,7 +75,7 @@ class CacheManager:
         req.pool_idx = row
         req.kv_len = req.alloc_len = req.tree_len = 0
         if self.tree is not None:
-            indices, node = self.tree.match_prefix(req.fill_ids[:-1])
+            indices, node = self.tree.match_prefix(req.tokens(0, req.fill_len - 1))
             self.tree.lock(node)
             req.locked_node = node
             self.req_to_token.write(row, 0, indices)
@@ -136,7 +136,7 @@ class CacheManager:
         if self.tree is None or aligned <= req.tree_len:
             return req.tree_len
         slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()
-        already = self.tree.insert(req.fill_ids[:aligned], slots)
+        already = self.tree.insert(req.tokens(0, aligned), slots)
         if already > req.tree_len:
             self._free_slots(slots[req.tree_len:already])
         return aligned
@@ -148,7 +148,7 @@ class CacheManager:
         aligned = self._insert_computed(req)
         if aligned == req.tree_len:
             return
-        indices, node = self.tree.match_prefix(req.fill_ids[:aligned])
+        indices, node = self.tree.match_prefix(req.tokens(0, aligned))
         assert len(indices) == aligned, "a just-inserted prefix must match in full"
         self.req_to_token.write(req.pool_idx, 0, indices)
         self.tree.lock(node)

@@ -13,7 +13,7 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device) -> F
     output token, extend_len 1). `locs` are the KV slots the new tokens write, in the same order."""
     ids, positions = [], []
     for r in reqs:
-        ids += r.fill_ids[r.kv_len:r.kv_len + r.extend_len]
+        ids += r.tokens(r.kv_len, r.kv_len + r.extend_len)
         positions += range(r.kv_len, r.kv_len + r.extend_len)
     return ForwardBatch.build(
         ForwardMode.EXTEND, ids, positions, locs,

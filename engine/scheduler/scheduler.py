@@ -42,6 +42,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self._stop = threading.Event()
+        self._changed = False
 
     # ---- thread-safe entry points ---------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -90,7 +91,9 @@ class Scheduler:
 
     def step(self) -> bool:
         """One forward: a prefill (possibly mixed with decodes) when one can be planned, otherwise a decode.
-        Returns False when nothing could run (the loop then waits for the inbox instead of spinning)."""
+        Returns False when nothing ran and nothing changed (the loop then waits for the inbox instead of
+        spinning); a step that only retracted or aborted requests counts as a change."""
+        self._changed = False
         decode_reqs: list[Req] = []
         if self.mixed and self.running and (self.waiting or self.chunked):
             decode_reqs = self._prepare_decode()
@@ -104,7 +107,7 @@ class Scheduler:
                 self._run(reqs, extend=False)
                 self.ratio.step()
                 return True
-        return False
+        return self._changed
 
     def _plan_prefill(self) -> list[Req]:
         reqs, used = [], 0
@@ -149,6 +152,7 @@ class Scheduler:
     def _requeue(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         req.retractions += 1
+        self._changed = True
         self.stats["retractions"] += 1
         self.ratio.on_retract()
         self.waiting.append(req)
@@ -211,7 +215,9 @@ class Scheduler:
         if newly_prefilled:
             self.running.append(req)
             self.cache.cache_unfinished(req)
-        req.sink(step_output(req))
+        if not self._emit(req):
+            self._drop_from_sets(req)
+            self._finish(req, FinishReason(FinishKind.ABORT, message="the client stopped listening"))
 
     def _drop_from_sets(self, req: Req) -> None:
         if req in self.running:
@@ -223,7 +229,18 @@ class Scheduler:
         self.cache.release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        req.sink(step_output(req))
+        self._changed = True
+        self._emit(req)
+
+    def _emit(self, req: Req) -> bool:
+        """Hand the request's new output to its caller. A failing sink (say, the caller's event loop is closed)
+        must not take the scheduler down: it is logged and reported as False."""
+        try:
+            req.sink(step_output(req))
+            return True
+        except Exception as e:
+            log.warning("request %s: dropping output, its consumer failed: %r", req.rid, e)
+            return False
 
     def _abort(self, rid: str) -> None:
         for group in (self.waiting, self.running, [self.chunked] if self.chunked else []):

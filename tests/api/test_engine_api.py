@@ -68,20 +68,33 @@ def test_unknown_engine_argument_is_rejected():
         running_engine(model_path("tiny-qwen2"), no_such_flag=1).__enter__()
 
 
-def test_stream_matches_non_stream(llm):
+def test_stream_is_cumulative_by_default(llm):
     prompt = "Once upon a time, in a quiet village,"
     full = llm.generate(prompt, GREEDY)
     chunks = list(llm.generate(prompt, GREEDY, stream=True))
-    assert "".join(c["text"] for c in chunks) == full["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert len(chunks) == len(full["output_ids"])
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"]) and b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
 
     async def collect():
         gen = await llm.async_generate(prompt, GREEDY, stream=True)
         return [c async for c in gen]
 
-    achunks = asyncio.run(collect())
-    assert "".join(c["text"] for c in achunks) == full["text"]
+    assert asyncio.run(collect())[-1]["text"] == full["text"]
+
+
+def test_stream_output_sends_disjoint_segments():
+    prompt = "Once upon a time, in a quiet village,"
+    with running_engine(model_path("tiny-qwen2"), stream_output=True) as eng:
+        full = eng.generate(prompt, GREEDY)
+        chunks = list(eng.generate(prompt, GREEDY, stream=True))
+        batch = list(eng.generate([prompt, "The river"], GREEDY, stream=True))
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert "".join(c["text"] for c in batch if c["index"] == 0) == full["text"]
+    assert {c["index"] for c in batch} == {0, 1}
 
 
 def test_stream_abandoned_early_frees_the_request(llm):
@@ -161,7 +174,7 @@ def test_server_info(llm):
 
 def test_stream_without_tokenizer_carries_ids_and_logprobs():
     path = model_path("tiny-llama")
-    with running_engine(path, skip_tokenizer_init=True) as eng:
+    with running_engine(path, skip_tokenizer_init=True, stream_output=True) as eng:
         full = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True)
         chunks = list(eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True, stream=True))
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
@@ -172,3 +185,25 @@ def test_stream_without_tokenizer_carries_ids_and_logprobs():
     assert [t for _, t, _ in streamed] == full["output_ids"]
     full_lps = [lp for lp, _, _ in full["meta_info"]["output_token_logprobs"]]
     assert [lp for lp, _, _ in streamed] == pytest.approx(full_lps, abs=1e-5)  # the rerun reuses cached KV
+
+
+def test_cancelled_async_call_frees_its_request_and_engine_survives(llm):
+    params = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+
+    async def cancelled():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(llm.async_generate(input_ids=[9, 10, 11], sampling_params=params), 0.02)
+
+    async def abandoned_stream():
+        gen = await llm.async_generate(input_ids=[9, 10, 12], sampling_params=params, stream=True)
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(cancelled())  # the loop closes while the scheduler may still be sending to it
+    asyncio.run(abandoned_stream())
+    for _ in range(200):
+        if llm.get_server_info()["internal_states"][0]["running"] == 0:
+            break
+        threading.Event().wait(0.02)
+    assert llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] > 0
+    assert_no_leak(llm)

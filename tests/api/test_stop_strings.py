@@ -50,11 +50,9 @@ def test_no_stop_trim_keeps_the_stop_string(llm):
 def test_stream_never_emits_past_the_stop_string(llm):
     stop, _, full = split_stop(llm)
     chunks = list(llm.generate(PROMPT, {**GREEDY, "stop": stop}, stream=True))
-    seen = ""
-    for c in chunks:
-        seen += c["text"]
-        assert stop not in seen and full.startswith(seen)
-    assert seen == full[: full.find(stop)]
+    for c in chunks:  # cumulative text: every snapshot is a prefix of the trimmed output
+        assert stop not in c["text"] and full[: full.find(stop)].startswith(c["text"])
+    assert chunks[-1]["text"] == full[: full.find(stop)]
 
 
 def test_stop_strings_need_a_tokenizer():
