@@ -47,6 +47,7 @@ class EngineArgs:
     attention_backend: str | None = None
     random_seed: int | None = None
     stream_output: bool = False
+    sampling_defaults: str = "model"
     log_level: str = "info"
 
     @classmethod
@@ -80,6 +81,8 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Sampling parameters recommended by generation_config.json (used when sampling_defaults == "model").
+    generation_defaults: dict = field(default_factory=dict, compare=False)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -115,6 +118,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=frozenset(_eos_ids(raw, path)),
+            generation_defaults=_generation_defaults(path),
             raw=raw,
         )
 
@@ -136,6 +140,18 @@ def _eos_ids(raw: dict, path: str) -> list[int]:
         with open(gen_file) as f:
             ids += _as_list(json.load(f).get("eos_token_id"))
     return ids
+
+
+_GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(path: str) -> dict:
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return {}
+    with open(gen_file) as f:
+        gen = json.load(f)
+    return {k: gen[k] for k in _GENERATION_SAMPLING_KEYS if gen.get(k) is not None}
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: str) -> torch.dtype:
@@ -165,6 +181,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(args.sampling_defaults in ("model", "openai"),
+           f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     context = args.context_length or model.max_position_embeddings

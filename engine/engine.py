@@ -75,7 +75,9 @@ class Engine:
         self._check_alive()
         return normalize_batch(prompt, sampling_params, input_ids, return_logprob, tokenizer=self.tokenizer,
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
-                               max_total_tokens=self.runner.max_total_tokens)
+                               max_total_tokens=self.runner.max_total_tokens,
+                               sampling_defaults=self.model_config.generation_defaults
+                               if self.args.sampling_defaults == "model" else None)
 
     def _shared_prefills(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """Prompts with n > 1 are prefilled once, by a request without output tokens that leaves the prompt in the

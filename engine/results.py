@@ -72,7 +72,8 @@ def _check_token_params(params: SamplingParams, vocab_size: int, tokenizer) -> N
 
 
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
-                    context_len: int, max_total_tokens: int) -> tuple[list[RequestSpec], bool]:
+                    context_len: int, max_total_tokens: int,
+                    sampling_defaults: dict | None = None) -> tuple[list[RequestSpec], bool]:
     """Validate everything before anything is queued. Returns (specs, whether the result is a list). A prompt with
     n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order)."""
     if (prompt is None) == (input_ids is None):
@@ -100,7 +101,7 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
         ids = _validate_ids(ids, vocab_size)
         if raw_params is not None and not isinstance(raw_params, dict):
             raise ValueError("sampling_params must be a dict (or a list of dicts)")
-        params = SamplingParams.from_dict(raw_params)
+        params = SamplingParams.from_dict(raw_params, sampling_defaults)
         _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
         _check_token_params(params, vocab_size, tokenizer)
         specs += _parallel_samples(ids, params, bool(want_lp))

@@ -33,8 +33,9 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        d = {k: v for k, v in (d or {}).items() if v is not None}
+    def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> "SamplingParams":
+        """`defaults` (the model's recommended values) fill the keys `d` leaves out."""
+        d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         structured = [k for k in _STRUCTURED if k in d]
         if structured:
             raise ValueError(f"structured outputs ({', '.join(structured)}) are not supported by this engine yet")

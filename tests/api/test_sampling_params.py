@@ -148,3 +148,25 @@ def test_n_samples_share_one_prefill(diffuse_model, use_async):
     assert prefilled == len(ids) + 4, prefilled  # the prompt once, then each sample's last prompt token
     assert all(o["meta_info"]["cached_tokens"] == len(ids) - 1 for o in outs)
     assert len(pair) == 4 and pair[0]["output_ids"] != pair[1]["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["model", "openai"])
+def test_generation_config_supplies_default_sampling_params(tmp_path, mode):
+    import json
+    import shutil
+
+    dst = tmp_path / "tiny-qwen3"
+    shutil.copytree(model_path("tiny-qwen3"), dst)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_k": 1}))
+    prompts = parity_prompts(str(dst))[:3]
+    with running_engine(str(dst), sampling_defaults=mode, random_seed=4) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12})
+        explicit = llm.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 12, "temperature": 1.0,
+                                                                      "top_k": -1})
+    greedy = hf_greedy(model_path("tiny-qwen3"), prompts, 12)
+    if mode == "model":  # the file's temperature 0 applies; an explicit value still wins
+        assert [o["output_ids"] for o in outs] == greedy
+        assert explicit["output_ids"] != greedy[0]
+    else:
+        assert [o["output_ids"] for o in outs] != greedy
