@@ -161,8 +161,10 @@ class Engine:
     async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue) -> AsyncIterator[dict | None]:
         while not collector.done:
             try:
-                i, out = await asyncio.wait_for(inbox.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 a nested wait_for can swallow the caller's cancel.
+                async with asyncio.timeout(1.0):
+                    i, out = await inbox.get()
+            except TimeoutError:
                 self._check_alive()
                 continue
             yield collector.record(i, out)
