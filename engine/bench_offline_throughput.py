@@ -23,8 +23,8 @@ def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[i
     return torch.randint(0, vocab, (n, input_len), generator=gen).tolist()
 
 
-def run(llm: Engine, prompts: list[list[int]], output_len: int) -> dict:
-    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+def run(llm: Engine, prompts: list[list[int]], output_len: int, sampling: dict | None = None) -> dict:
+    params = {"temperature": 0, **(sampling or {}), "max_new_tokens": output_len, "ignore_eos": True}
     t0 = time.perf_counter()
     outs = llm.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - t0
@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--random-input-len", type=int, default=512)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--sampling-params", type=json.loads, default=None,
+                        help='JSON dict of sampling parameters (default greedy), e.g. \'{"temperature": 0.8, '
+                             '"top_p": 0.9, "frequency_penalty": 0.5}\'')
     parser.add_argument("--result-file", help="append one JSON line")
     ns = parser.parse_args()
     kwargs = engine_kwargs(ns)
@@ -52,7 +55,7 @@ def main() -> None:
         run(llm, random_prompts(2, min(ns.random_input_len, 32), vocab, ns.seed + 1), 4)  # warm-up
         llm.flush_cache()
         prompts = random_prompts(ns.num_prompts, ns.random_input_len, vocab, ns.seed)
-        res = run(llm, prompts, ns.random_output_len)
+        res = run(llm, prompts, ns.random_output_len, ns.sampling_params)
         load = llm.get_server_info()["internal_states"][0]
     finally:
         llm.shutdown()
@@ -62,7 +65,8 @@ def main() -> None:
     if ns.result_file:
         device = torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu"
         row = {"bench": "offline_throughput", "device": device, "args": dataclasses.asdict(llm.args),
-               "random_input_len": ns.random_input_len, "random_output_len": ns.random_output_len, **res}
+               "random_input_len": ns.random_input_len, "random_output_len": ns.random_output_len,
+               "sampling_params": ns.sampling_params or {"temperature": 0}, **res}
         with open(ns.result_file, "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -14,16 +14,17 @@ class IncrementalDetokenizer:
     only when the decoded text does not end in U+FFFD (an incomplete UTF-8 sequence); those bytes wait.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
+        self.options = {"skip_special_tokens": skip_special_tokens,
+                        "spaces_between_special_tokens": spaces_between_special_tokens}
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+        return self.tokenizer.decode(ids, **self.options)
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Append tokens; return the newly complete text (on `final`, everything still held back)."""

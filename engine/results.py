@@ -119,8 +119,8 @@ class ResultBuilder:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.stream = stream
-        self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens) if tokenizer and stream \
-            else None
+        self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens,
+                                            spec.params.spaces_between_special_tokens) if tokenizer and stream else None
         self.last: StepOutput | None = None
         self.sent_chars = 0  # characters of the detokenized stream already emitted
 
@@ -172,7 +172,8 @@ class ResultBuilder:
     def result(self) -> dict:
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens)
+            text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens,
+                                         spaces_between_special_tokens=self.spec.params.spaces_between_special_tokens)
             text = self._visible(text, finished=True)
         return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
