@@ -69,11 +69,12 @@ class Engine:
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
-                   sink=sink, return_logprob=spec.return_logprob, arrival=time.monotonic())
+                   sink=sink, logprob=spec.logprob, arrival=time.monotonic())
 
-    def _specs(self, prompt, sampling_params, input_ids, return_logprob) -> tuple[list[RequestSpec], bool]:
+    def _specs(self, prompt, sampling_params, input_ids, return_logprob, **logprob_args) -> tuple[list, bool]:
         self._check_alive()
-        return normalize_batch(prompt, sampling_params, input_ids, return_logprob, tokenizer=self.tokenizer,
+        return normalize_batch(prompt, sampling_params, input_ids, return_logprob, **logprob_args,
+                               tokenizer=self.tokenizer,
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
                                max_total_tokens=self.runner.max_total_tokens,
                                sampling_defaults=self.model_config.generation_defaults
@@ -95,11 +96,16 @@ class Engine:
     # ---- synchronous API ------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = None,
+                 token_ids_logprob: list[int] | list[list[int]] | None = None, return_text_in_logprobs: bool = False,
                  stream: bool = False):
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
         stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
         with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to."""
-        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob,
+                                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                      token_ids_logprob=token_ids_logprob,
+                                      return_text_in_logprobs=return_text_in_logprobs)
         warm = self._shared_prefills(specs)
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
@@ -135,9 +141,13 @@ class Engine:
 
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             stream: bool = False):
+                             logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
+                             return_text_in_logprobs: bool = False, stream: bool = False):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
-        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob)
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob,
+                                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                      token_ids_logprob=token_ids_logprob,
+                                      return_text_in_logprobs=return_text_in_logprobs)
         warm = self._shared_prefills(specs)
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],

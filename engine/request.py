@@ -39,6 +39,18 @@ class FinishReason:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobSpec:
+    """What a request with return_logprob wants per output token besides the chosen token's logprob."""
+
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
+
+
+# Per output token: (logprob, token id) pairs, best first (top logprobs) or in the requested order (token ids).
+LogprobList = list[tuple[float, int]]
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What the scheduler hands back for one request after a step: the tokens it produced since the last output."""
@@ -46,6 +58,8 @@ class StepOutput:
     rid: str
     new_token_ids: list[int]
     new_logprobs: list[float] | None
+    new_top_logprobs: list[LogprobList] | None
+    new_token_ids_logprobs: list[LogprobList] | None
     finished: bool
     finish_reason: FinishReason | None
     prompt_tokens: int
@@ -60,9 +74,11 @@ class Req:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     sink: Callable[[StepOutput], None]
-    return_logprob: bool = False
+    logprob: LogprobSpec | None = None  # None: no logprobs wanted
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[LogprobList] = field(default_factory=list)
+    output_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     # KV state over row `pool_idx` of the req-to-token table.
@@ -98,6 +114,10 @@ class Req:
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.logprob is not None
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import StepOutput
+from engine.request import LogprobSpec, StepOutput
 from engine.sampling.params import SamplingParams
 
 
@@ -17,17 +17,19 @@ class RequestSpec:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    return_logprob: bool
+    logprob: LogprobSpec | None  # None: no logprobs
     sample_index: int = 0  # which of the prompt's `n` parallel samples this is
+    return_text_in_logprobs: bool = False
 
 
-def _parallel_samples(ids: list[int], params: SamplingParams, want_lp: bool) -> list[RequestSpec]:
+def _parallel_samples(ids: list[int], params: SamplingParams, want_lp: LogprobSpec | None,
+                      with_text: bool) -> list[RequestSpec]:
     """`n` requests for one prompt; seeded ones get seed + index, so the samples differ yet stay reproducible."""
     out = []
     for j in range(params.n):
         seed = params.sampling_seed + j if params.sampling_seed is not None else None
         copy = dataclasses.replace(params, sampling_seed=seed) if j else params
-        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j))
+        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j, with_text))
     return out
 
 
@@ -71,9 +73,40 @@ def _check_token_params(params: SamplingParams, vocab_size: int, tokenizer) -> N
         raise ValueError("stop strings need a tokenizer (this engine was started with skip_tokenizer_init)")
 
 
+def _logprob_specs(n: int, return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+                   vocab_size: int) -> list[LogprobSpec | None]:
+    flags = _as_list(return_logprob, n, "return_logprob")
+    starts = _as_list(logprob_start_len, n, "logprob_start_len")
+    tops = _as_list(top_logprobs_num, n, "top_logprobs_num")
+    id_lists = token_ids_logprob if token_ids_logprob and isinstance(token_ids_logprob[0], list) \
+        else [token_ids_logprob] * n
+    if len(id_lists) != n:
+        raise ValueError(f"token_ids_logprob has {len(id_lists)} entries for {n} prompts")
+    out = []
+    for want, start, top, ids in zip(flags, starts, tops, id_lists):
+        if start is not None and start != -1:
+            raise ValueError("logprob_start_len >= 0 (input token logprobs) is not supported by this engine yet")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+            raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top!r}")
+        ids = tuple(_int_list_or_empty(ids, "token_ids_logprob"))
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise ValueError(f"token_ids_logprob has ids outside the vocabulary [0, {vocab_size})")
+        out.append(LogprobSpec(min(top or 0, vocab_size), ids) if want else None)
+    return out
+
+
+def _int_list_or_empty(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{name} must be a list of integers (or one list per prompt), got {value!r}")
+    return list(value)
+
+
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
-                    context_len: int, max_total_tokens: int,
-                    sampling_defaults: dict | None = None) -> tuple[list[RequestSpec], bool]:
+                    context_len: int, max_total_tokens: int, sampling_defaults: dict | None = None,
+                    logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
+                    return_text_in_logprobs: bool = False) -> tuple[list[RequestSpec], bool]:
     """Validate everything before anything is queued. Returns (specs, whether the result is a list). A prompt with
     n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order)."""
     if (prompt is None) == (input_ids is None):
@@ -95,7 +128,8 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
     if n == 0:
         raise ValueError("the batch is empty")
     raw = _as_list(sampling_params, n, "sampling_params")
-    logprob_flags = _as_list(return_logprob, n, "return_logprob")
+    logprob_flags = _logprob_specs(n, return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+                                   vocab_size)
     specs = []
     for ids, raw_params, want_lp in zip(id_lists, raw, logprob_flags):
         ids = _validate_ids(ids, vocab_size)
@@ -104,7 +138,7 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
         params = SamplingParams.from_dict(raw_params, sampling_defaults)
         _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
         _check_token_params(params, vocab_size, tokenizer)
-        specs += _parallel_samples(ids, params, bool(want_lp))
+        specs += _parallel_samples(ids, params, want_lp, bool(return_text_in_logprobs) and tokenizer is not None)
     return specs, is_batch or len(specs) > n
 
 
@@ -118,6 +152,8 @@ class ResultBuilder:
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list = []
+        self.id_logprobs: list = []
         self.stream = stream
         self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens,
                                             spec.params.spaces_between_special_tokens) if tokenizer and stream else None
@@ -142,6 +178,8 @@ class ResultBuilder:
         self.output_ids += out.new_token_ids
         if out.new_logprobs:
             self.logprobs += out.new_logprobs
+            self.top_logprobs += out.new_top_logprobs
+            self.id_logprobs += out.new_token_ids_logprobs
         self.last = out
         if not self.stream:
             return None
@@ -164,10 +202,21 @@ class ResultBuilder:
             "cached_tokens": out.cached_tokens,
             "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
         }
-        if self.spec.return_logprob:
-            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in
-                                             zip(self.logprobs[logprobs_from:], self.output_ids[logprobs_from:])]
+        if self.spec.logprob is not None:
+            a = logprobs_from
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+            meta["output_token_logprobs"] = [self._triple(lp, tok) for lp, tok in
+                                             zip(self.logprobs[a:], self.output_ids[a:])]
+            if self.spec.logprob.top_logprobs_num:
+                meta["output_top_logprobs"] = [[self._triple(*p) for p in row] for row in self.top_logprobs[a:]]
+            if self.spec.logprob.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = [[self._triple(*p) for p in row] for row in self.id_logprobs[a:]]
         return meta
+
+    def _triple(self, logprob: float, token: int) -> tuple[float, int, str | None]:
+        """SGLang's (logprob, token id, text) with the text only when return_text_in_logprobs."""
+        text = self.tokenizer.decode([token]) if self.spec.return_text_in_logprobs else None
+        return logprob, token, text
 
     def result(self) -> dict:
         text = ""

@@ -34,6 +34,8 @@ class SamplingBatch(NamedTuple):
     seeds: torch.Tensor | None  # [batch] int64 seed, -1 where unseeded; None when no row is seeded
     steps: torch.Tensor | None  # [batch] int64 tokens generated so far (the seeded draw's counter)
     want_logprobs: bool
+    top_logprobs_k: int  # the largest top_logprobs_num in the batch (0: none)
+    logprob_token_ids: torch.Tensor | None  # [batch, longest token_ids_logprob] int64, zero-padded
 
     @classmethod
     def build(cls, reqs: list[Req], want_logprobs: bool, vocab: int, device: torch.device) -> "SamplingBatch":
@@ -62,6 +64,8 @@ class SamplingBatch(NamedTuple):
             if seeded else None,
             steps=t([len(r.output_ids) for r in reqs], torch.int64) if seeded else None,
             want_logprobs=want_logprobs,
+            top_logprobs_k=max((r.logprob.top_logprobs_num for r in reqs if r.logprob), default=0),
+            logprob_token_ids=_logprob_token_ids(reqs, t),
         )
 
 
@@ -72,6 +76,12 @@ def _min_new_tokens_mask(reqs: list[Req], t):
             rows += [i] * len(r.stop_ids)
             cols += list(r.stop_ids)
     return (t(rows, torch.int64), t(cols, torch.int64)) if rows else None
+
+
+def _logprob_token_ids(reqs: list[Req], t):
+    lists = [list(r.logprob.token_ids_logprob) if r.logprob else [] for r in reqs]
+    width = max(map(len, lists), default=0)
+    return t([ids + [0] * (width - len(ids)) for ids in lists], torch.int64) if width else None
 
 
 def _bias(reqs: list[Req], t):
@@ -87,6 +97,8 @@ def _bias(reqs: list[Req], t):
 class SampleResult(NamedTuple):
     next_ids: torch.Tensor  # [batch] int64
     logprobs: torch.Tensor | None  # [batch] float32 log-probability of the chosen token under the raw model
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, token ids [batch, top_logprobs_k]
+    token_ids_logprobs: torch.Tensor | None = None  # [batch, longest token_ids_logprob] float32
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -144,10 +156,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
         sampled = pos.squeeze(1) if order is None else order.gather(1, pos).squeeze(1)
         next_ids = torch.where(batch.greedy, argmax, sampled)
-    logprobs = None
-    if batch.want_logprobs:
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None]).squeeze(1)
-    return SampleResult(next_ids, logprobs)
+    if not batch.want_logprobs:
+        return SampleResult(next_ids, None)
+    raw = torch.log_softmax(logits, dim=-1)
+    top = tuple(raw.topk(batch.top_logprobs_k, dim=-1)) if batch.top_logprobs_k else None
+    by_id = raw.gather(1, batch.logprob_token_ids) if batch.logprob_token_ids is not None else None
+    return SampleResult(next_ids, raw.gather(1, next_ids[:, None]).squeeze(1), top, by_id)
 
 
 def _adjusts(batch: SamplingBatch) -> bool:

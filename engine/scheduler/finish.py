@@ -46,6 +46,8 @@ def step_output(req: Req) -> StepOutput:
         rid=req.rid,
         new_token_ids=req.output_ids[start:],
         new_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
+        new_top_logprobs=req.output_top_logprobs[start:] if req.return_logprob else None,
+        new_token_ids_logprobs=req.output_token_ids_logprobs[start:] if req.return_logprob else None,
         finished=req.finished,
         finish_reason=req.finish_reason,
         prompt_tokens=len(req.input_ids),

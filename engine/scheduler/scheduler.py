@@ -26,6 +26,19 @@ from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, Prefi
 log = logging.getLogger(__name__)
 
 
+def _logprob_lists(result) -> list[tuple] | None:
+    """Per row: (chosen logprob, [(logprob, id)] best first, [logprob per requested id]), read back once."""
+    if result.logprobs is None:
+        return None
+    chosen = result.logprobs.tolist()
+    top = None
+    if result.top_logprobs is not None:
+        values, ids = (x.tolist() for x in result.top_logprobs)
+        top = [list(zip(v, i)) for v, i in zip(values, ids)]
+    by_id = result.token_ids_logprobs.tolist() if result.token_ids_logprobs is not None else None
+    return [(chosen[i], top[i] if top else None, by_id[i] if by_id else None) for i in range(len(chosen))]
+
+
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None):
@@ -180,12 +193,12 @@ class Scheduler:
             return
         self.stats["forward_extend" if extend else "forward_decode"] += 1
         next_ids = result.next_ids.tolist()
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        extras = _logprob_lists(result)
         for i, r in enumerate(reqs):
             prefilling = id(r) not in decoding
             if prefilling:
                 self.stats["prefill_tokens"] += r.extend_len
-            self._advance(r, next_ids[i], logprobs[i] if logprobs else None, prefilling)
+            self._advance(r, next_ids[i], extras[i] if extras else None, prefilling)
 
     def _record_penalties(self, reqs: list[Req], next_ids: torch.Tensor) -> None:
         """Count this step's token for every penalized request that samples now (not for partial prefill chunks)."""
@@ -195,7 +208,7 @@ class Scheduler:
             rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(next_ids.device)
             self.runner.penalties.record(rows, next_ids[torch.tensor(idx, device=next_ids.device)])
 
-    def _advance(self, req: Req, token: int, logprob: float | None, newly_prefilled: bool) -> None:
+    def _advance(self, req: Req, token: int, logprobs: tuple | None, newly_prefilled: bool) -> None:
         req.kv_len += req.extend_len
         if req.kv_len < req.fill_len:  # a chunk of a longer prefill: no token yet
             self.chunked = req
@@ -206,7 +219,11 @@ class Scheduler:
             return
         req.output_ids.append(token)
         if req.return_logprob:
-            req.output_logprobs.append(logprob)
+            chosen, top, by_id = logprobs
+            req.output_logprobs.append(chosen)
+            req.output_top_logprobs.append(top[:req.logprob.top_logprobs_num] if top else [])
+            req.output_token_ids_logprobs.append(
+                list(zip(by_id, req.logprob.token_ids_logprob)) if req.logprob.token_ids_logprob else [])
         reason = check_finished(req, self.context_len, self.stop_strings)
         if reason is not None:
             self._drop_from_sets(req)

@@ -207,3 +207,34 @@ def test_cancelled_async_call_frees_its_request_and_engine_survives(llm):
         threading.Event().wait(0.02)
     assert llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] > 0
     assert_no_leak(llm)
+
+
+def test_top_logprobs_and_token_ids_logprob_match_transformers(llm):
+    path = model_path("tiny-qwen2")
+    prompt = parity_prompts(path)[4]
+    watch = [5, 17, 300]
+    out = llm.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3,
+                       token_ids_logprob=watch, return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    with torch.inference_mode():
+        logits = hf_model(path)(torch.tensor([prompt + out["output_ids"]])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    assert meta["input_token_logprobs"] == [] and len(meta["output_top_logprobs"]) == len(out["output_ids"])
+    for step, (top, by_id) in enumerate(zip(meta["output_top_logprobs"], meta["output_token_ids_logprobs"])):
+        values, ids = ref[step].topk(3)
+        assert [t for _, t, _ in top] == ids.tolist()
+        assert [lp for lp, _, _ in top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [t for _, t, _ in by_id] == watch
+        assert [lp for lp, _, _ in by_id] == pytest.approx(ref[step, watch].tolist(), abs=1e-4)
+        assert all(text == llm.tokenizer.decode([t]) for _, t, text in top)
+    assert meta["output_token_logprobs"][0][2] == llm.tokenizer.decode([out["output_ids"][0]])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(logprob_start_len=0), "logprob_start_len"),
+    (dict(top_logprobs_num=-1), "top_logprobs_num"),
+    (dict(token_ids_logprob=[1, 10**6]), "token_ids_logprob"),
+])
+def test_bad_logprob_arguments(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(input_ids=[5, 6], sampling_params=GREEDY, return_logprob=True, **kwargs)
