@@ -71,9 +71,12 @@ class Engine:
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                    sink=sink, logprob=spec.logprob, arrival=time.monotonic())
 
-    def _specs(self, prompt, sampling_params, input_ids, return_logprob, **logprob_args) -> tuple[list, bool]:
+    def _specs(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+               token_ids_logprob, return_text_in_logprobs) -> tuple[list[RequestSpec], bool]:
         self._check_alive()
-        return normalize_batch(prompt, sampling_params, input_ids, return_logprob, **logprob_args,
+        return normalize_batch(prompt, sampling_params, input_ids, return_logprob,
+                               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                               token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
                                tokenizer=self.tokenizer,
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
                                max_total_tokens=self.runner.max_total_tokens,
@@ -102,10 +105,8 @@ class Engine:
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
         stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
         with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to."""
-        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob,
-                                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                      token_ids_logprob=token_ids_logprob,
-                                      return_text_in_logprobs=return_text_in_logprobs)
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
         warm = self._shared_prefills(specs)
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
@@ -144,10 +145,8 @@ class Engine:
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
                              return_text_in_logprobs: bool = False, stream: bool = False):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
-        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob,
-                                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                      token_ids_logprob=token_ids_logprob,
-                                      return_text_in_logprobs=return_text_in_logprobs)
+        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
         warm = self._shared_prefills(specs)
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
