@@ -68,7 +68,8 @@ class CacheManager:
         return len(self.tree.match_prefix(tokens[:-1]).indices)
 
     def admit(self, req: Req) -> bool:
-        """Give `req` a table row and its cached prefix (locked). Returns False, changing nothing, when no row is free."""
+        """Give `req` a table row and its cached prefix (locked).
+        Returns False, changing nothing, when no row is free."""
         row = self.req_to_token.alloc()
         if row is None:
             return False

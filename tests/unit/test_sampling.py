@@ -118,8 +118,9 @@ def test_inverse_cdf_draws_follow_the_distribution():
     logits = logits_fixture(1).expand(4000, -1).contiguous()
     batch = SamplingBatch.build(reqs, False, VOCAB, torch.device("cpu"))
     ids = sample(logits, batch, torch.Generator().manual_seed(0)).next_ids
-    probs, order = filtered_probs(logits[:1], batch._replace(top_k=batch.top_k[:1], top_p=batch.top_p[:1],
-                                                              min_p=batch.min_p[:1], temperatures=batch.temperatures[:1]))
+    first = batch._replace(top_k=batch.top_k[:1], top_p=batch.top_p[:1], min_p=batch.min_p[:1],
+                           temperatures=batch.temperatures[:1])
+    probs, order = filtered_probs(logits[:1], first)
     expected = torch.zeros(VOCAB).scatter(0, order[0], probs[0])
     freq = torch.bincount(ids, minlength=VOCAB).float() / 4000
     assert torch.allclose(freq, expected, atol=0.03)
