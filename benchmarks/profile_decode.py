@@ -28,7 +28,7 @@ def main() -> None:
     cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
     reqs = _make_reqs(cache, bs, input_len, cfg.vocab_size, torch.Generator().manual_seed(0))
     sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
-    batch = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
+    batch, _ = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
     ids = runner.forward_and_sample(batch, sampling).next_ids.tolist()
 
     def step():

@@ -30,6 +30,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [batch] int64 flat index of each request's last new token
     seq_lens_host: list[int]
     extend_lens_host: list[int]
+    # [n] int64 flat indices of further tokens whose logits are wanted (prompt logprobs); None when there are none
+    extra_logit_indices: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -42,7 +44,7 @@ class ForwardBatch:
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,
               req_pool_indices: list[int], seq_lens: list[int], extend_lens: list[int],
-              device: torch.device) -> "ForwardBatch":
+              device: torch.device, extra_logit_indices: list[int] | None = None) -> "ForwardBatch":
         ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0)
 
         def dev(x) -> torch.Tensor:
@@ -51,4 +53,5 @@ class ForwardBatch:
 
         return cls(mode=mode, input_ids=dev(input_ids), positions=dev(positions), out_cache_loc=dev(out_cache_loc),
                    req_pool_indices=dev(req_pool_indices), seq_lens=dev(seq_lens), extend_lens=dev(extend_lens),
-                   logits_indices=dev(ends - 1), seq_lens_host=list(seq_lens), extend_lens_host=list(extend_lens))
+                   logits_indices=dev(ends - 1), seq_lens_host=list(seq_lens), extend_lens_host=list(extend_lens),
+                   extra_logit_indices=dev(extra_logit_indices) if extra_logit_indices else None)

@@ -51,7 +51,7 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
     sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
     _sync(runner.device)
     t0 = time.perf_counter()
-    batch = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
+    batch, _ = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
     result = runner.forward_and_sample(batch, sampling)
     next_ids = result.next_ids.tolist()
     prefill_s = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
 from engine.sampling.penalties import PenaltyState
-from engine.sampling.sampler import SampleResult, SamplingBatch, sample
+from engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model over the batch; returns float32 logits [batch, vocab] of each request's last new token."""
+        """Run the model over the batch; returns float32 logits [batch + extra, vocab]: each request's last new
+        token, then the tokens of batch.extra_logit_indices."""
         metadata = self.attn_backend.plan(batch)
         with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
             hidden = self.model(batch.input_ids, batch.positions)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        rows = batch.logits_indices
+        if batch.extra_logit_indices is not None:
+            rows = torch.cat([rows, batch.extra_logit_indices])
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleResult:
-        return sample(self.forward(batch), sampling, self.generator, self.penalties)
+    def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,
+                           prompt_targets: list[int] | None = None, prompt_top_k: int = 0) -> SampleResult:
+        """Forward, sample each request's next token, and (with prompt_targets) the logprobs of those prompt
+        tokens from the extra logits."""
+        logits = self.forward(batch)
+        result = sample(logits[:batch.batch_size], sampling, self.generator, self.penalties)
+        if prompt_targets:
+            targets = torch.tensor(prompt_targets, dtype=torch.int64).to(self.device)
+            result = result._replace(prompt=token_logprobs(logits[batch.batch_size:], targets, prompt_top_k))
+        return result

@@ -45,6 +45,7 @@ class LogprobSpec:
 
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
+    start: int = -1  # logprob_start_len: prompt tokens from this index get logprobs too (-1: output only)
 
 
 # Per output token: (logprob, token id) pairs, best first (top logprobs) or in the requested order (token ids).
@@ -65,6 +66,8 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Prompt logprobs (tokens from logprob_start_len on, with top lists), sent once with the first output.
+    input_logprobs: tuple[list[float], list[LogprobList]] | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[LogprobList] = field(default_factory=list)
     output_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[LogprobList] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     # KV state over row `pool_idx` of the req-to-token table.
@@ -118,6 +123,14 @@ class Req:
     @property
     def return_logprob(self) -> bool:
         return self.logprob is not None
+
+    def input_logit_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits give prompt-token logprobs still to collect: position p yields
+        the logprob of prompt token p + 1, for tokens from logprob_start_len on."""
+        if self.logprob is None or self.logprob.start < 0:
+            return range(0)
+        first = max(self.logprob.start - 1, 0) + len(self.input_logprobs)
+        return range(max(start, first), min(end, len(self.input_ids) - 1))
 
     @property
     def finished(self) -> bool:

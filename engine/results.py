@@ -84,14 +84,14 @@ def _logprob_specs(n: int, return_logprob, logprob_start_len, top_logprobs_num, 
         raise ValueError(f"token_ids_logprob has {len(id_lists)} entries for {n} prompts")
     out = []
     for want, start, top, ids in zip(flags, starts, tops, id_lists):
-        if start is not None and start != -1:
-            raise ValueError("logprob_start_len >= 0 (input token logprobs) is not supported by this engine yet")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < -1):
+            raise ValueError(f"logprob_start_len must be an integer >= -1, got {start!r}")
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
             raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top!r}")
         ids = tuple(_int_list_or_empty(ids, "token_ids_logprob"))
         if any(t < 0 or t >= vocab_size for t in ids):
             raise ValueError(f"token_ids_logprob has ids outside the vocabulary [0, {vocab_size})")
-        out.append(LogprobSpec(min(top or 0, vocab_size), ids) if want else None)
+        out.append(LogprobSpec(min(top or 0, vocab_size), ids, -1 if start is None else start) if want else None)
     return out
 
 
@@ -138,6 +138,8 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
         params = SamplingParams.from_dict(raw_params, sampling_defaults)
         _check_lengths(len(ids), raw_params, params, context_len, max_total_tokens)
         _check_token_params(params, vocab_size, tokenizer)
+        if want_lp is not None and want_lp.start >= len(ids):
+            raise ValueError(f"logprob_start_len ({want_lp.start}) must be < the prompt length ({len(ids)})")
         specs += _parallel_samples(ids, params, want_lp, bool(return_text_in_logprobs) and tokenizer is not None)
     return specs, is_batch or len(specs) > n
 
@@ -153,6 +155,7 @@ class ResultBuilder:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list = []
+        self.input_logprobs: tuple[list, list] = ([], [])
         self.id_logprobs: list = []
         self.stream = stream
         self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens,
@@ -176,6 +179,8 @@ class ResultBuilder:
         """Record a scheduler output. When streaming, returns the dict to send: cumulative text, ids and logprobs
         (SGLang's default), or with `segments` only what is new since the last one."""
         self.output_ids += out.new_token_ids
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
         if out.new_logprobs:
             self.logprobs += out.new_logprobs
             self.top_logprobs += out.new_top_logprobs
@@ -204,7 +209,7 @@ class ResultBuilder:
         }
         if self.spec.logprob is not None:
             a = logprobs_from
-            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = self._input_logprobs()
             meta["output_token_logprobs"] = [self._triple(lp, tok) for lp, tok in
                                              zip(self.logprobs[a:], self.output_ids[a:])]
             if self.spec.logprob.top_logprobs_num:
@@ -213,7 +218,19 @@ class ResultBuilder:
                 meta["output_token_ids_logprobs"] = [[self._triple(*p) for p in row] for row in self.id_logprobs[a:]]
         return meta
 
-    def _triple(self, logprob: float, token: int) -> tuple[float, int, str | None]:
+    def _input_logprobs(self) -> tuple[list, list]:
+        """Prompt tokens from logprob_start_len on; the very first token has no logprob (None), as in SGLang."""
+        start = self.spec.logprob.start
+        if start < 0:
+            return [], []
+        chosen, tops = self.input_logprobs
+        ids = self.spec.input_ids
+        head = [self._triple(None, ids[0])] if start == 0 else []
+        logprobs = head + [self._triple(lp, t) for lp, t in zip(chosen, ids[max(start, 1):])]
+        top = ([None] if start == 0 else []) + [[self._triple(*p) for p in row] for row in tops]
+        return logprobs, top if self.spec.logprob.top_logprobs_num else []
+
+    def _triple(self, logprob: float | None, token: int) -> tuple[float, int, str | None]:
         """SGLang's (logprob, token id, text) with the text only when return_text_in_logprobs."""
         text = self.tokenizer.decode([token]) if self.spec.return_text_in_logprobs else None
         return logprob, token, text

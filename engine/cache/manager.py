@@ -76,7 +76,10 @@ class CacheManager:
         req.pool_idx = row
         req.kv_len = req.alloc_len = req.tree_len = 0
         if self.tree is not None:
-            indices, node = self.tree.match_prefix(req.tokens(0, req.fill_len - 1))
+            limit = req.fill_len - 1
+            if req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
+                limit = min(limit, max(req.logprob.start - 1, 0))  # prompt logprobs need those logits computed
+            indices, node = self.tree.match_prefix(req.tokens(0, limit))
             self.tree.lock(node)
             req.locked_node = node
             self.req_to_token.write(row, 0, indices)

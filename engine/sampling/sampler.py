@@ -99,6 +99,19 @@ class SampleResult(NamedTuple):
     logprobs: torch.Tensor | None  # [batch] float32 log-probability of the chosen token under the raw model
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, token ids [batch, top_logprobs_k]
     token_ids_logprobs: torch.Tensor | None = None  # [batch, longest token_ids_logprob] float32
+    prompt: "TokenLogprobs | None" = None  # logprobs of prompt tokens, when the batch asked for them
+
+
+class TokenLogprobs(NamedTuple):
+    chosen: torch.Tensor  # [n] float32 logprob of each target token
+    top: tuple[torch.Tensor, torch.Tensor] | None  # values, token ids [n, k] best first
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> TokenLogprobs:
+    """Raw-distribution logprobs of `targets` [n] under logits [n, vocab], plus the top-k of each row."""
+    raw = torch.log_softmax(logits, dim=-1)
+    top = tuple(raw.topk(top_k, dim=-1)) if top_k else None
+    return TokenLogprobs(raw.gather(1, targets[:, None]).squeeze(1), top)
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

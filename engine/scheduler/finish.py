@@ -42,6 +42,7 @@ def check_finished(req: Req, context_len: int, stop_strings: StopStrings | None 
 def step_output(req: Req) -> StepOutput:
     """The tokens produced since the last output (advances req.sent_len)."""
     start, req.sent_len = req.sent_len, len(req.output_ids)
+    first = start == 0 and req.logprob is not None and req.logprob.start >= 0
     return StepOutput(
         rid=req.rid,
         new_token_ids=req.output_ids[start:],
@@ -53,4 +54,5 @@ def step_output(req: Req) -> StepOutput:
         prompt_tokens=len(req.input_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
+        input_logprobs=(req.input_logprobs, req.input_top_logprobs) if first else None,
     )

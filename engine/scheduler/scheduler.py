@@ -39,6 +39,20 @@ def _logprob_lists(result) -> list[tuple] | None:
     return [(chosen[i], top[i] if top else None, by_id[i] if by_id else None) for i in range(len(chosen))]
 
 
+def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
+    chosen = prompt.chosen.tolist()
+    top = None
+    if prompt.top is not None:
+        values, ids = (x.tolist() for x in prompt.top)
+        top = [list(zip(v, i)) for v, i in zip(values, ids)]
+    at = 0
+    for r, n in zip(reqs, plan.counts):
+        r.input_logprobs += chosen[at:at + n]
+        k = r.logprob.top_logprobs_num if r.logprob else 0
+        r.input_top_logprobs += [row[:k] for row in top[at:at + n]] if top else [[] for _ in range(n)]
+        at += n
+
+
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None):
@@ -176,14 +190,16 @@ class Scheduler:
         decoding = {id(r) for r in self.running}
         sampling_now = [r for r in reqs if r.kv_len + r.extend_len == r.fill_len]
         try:
-            batch = (build_extend if extend else build_decode)(reqs, self.cache.slots_of_new_tokens(reqs),
-                                                               self.runner.device)
+            locs = self.cache.slots_of_new_tokens(reqs)
+            batch, plan = build_extend(reqs, locs, self.runner.device) if extend else \
+                (build_decode(reqs, locs, self.runner.device), None)
             for r in sampling_now:
                 if id(r) not in decoding and r.sampling.penalized:
                     self.runner.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
             sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
                                            self.runner.model_config.vocab_size, self.runner.device)
-            result = self.runner.forward_and_sample(batch, sampling)
+            result = self.runner.forward_and_sample(batch, sampling, plan.targets if plan else None,
+                                                    plan.top_k if plan else 0)
             self._record_penalties(reqs, result.next_ids)
         except Exception as e:
             log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
@@ -194,6 +210,8 @@ class Scheduler:
         self.stats["forward_extend" if extend else "forward_decode"] += 1
         next_ids = result.next_ids.tolist()
         extras = _logprob_lists(result)
+        if plan is not None:
+            _store_prompt_logprobs(reqs, plan, result.prompt)
         for i, r in enumerate(reqs):
             prefilling = id(r) not in decoding
             if prefilling:

@@ -231,10 +231,47 @@ def test_top_logprobs_and_token_ids_logprob_match_transformers(llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(logprob_start_len=0), "logprob_start_len"),
+    (dict(logprob_start_len=2), "logprob_start_len"),
+    (dict(logprob_start_len=-3), "logprob_start_len"),
     (dict(top_logprobs_num=-1), "top_logprobs_num"),
     (dict(token_ids_logprob=[1, 10**6]), "token_ids_logprob"),
 ])
 def test_bad_logprob_arguments(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(input_ids=[5, 6], sampling_params=GREEDY, return_logprob=True, **kwargs)
+
+
+@pytest.mark.parametrize("start", [0, 1, 37])
+@pytest.mark.parametrize("cfg", [dict(), dict(page_size=16, chunked_prefill_size=32)])
+def test_input_token_logprobs_match_transformers(start, cfg):
+    path = model_path("tiny-llama")
+    prompt = parity_prompts(path)[5]  # 133 tokens sharing a 120-token prefix with the prompt run first
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
+    with running_engine(path, **cfg) as eng:
+        eng.generate(input_ids=parity_prompts(path)[4], sampling_params=GREEDY)  # caches the shared prefix
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start,
+                           top_logprobs_num=2)
+    got, tops = out["meta_info"]["input_token_logprobs"], out["meta_info"]["input_top_logprobs"]
+    assert [t for _, t, _ in got] == prompt[start:]
+    first = 1 if start == 0 else 0
+    if start == 0:
+        assert got[0][0] is None and tops[0] is None
+    want = [ref[i - 1, prompt[i]].item() for i in range(max(start, 1), len(prompt))]
+    assert [lp for lp, _, _ in got[first:]] == pytest.approx(want, abs=1e-4)
+    for i, row in zip(range(max(start, 1), len(prompt)), tops[first:]):
+        assert [t for _, t, _ in row] == ref[i - 1].topk(2).indices.tolist()
+    assert out["meta_info"]["cached_tokens"] <= max(start - 1, 0)  # the cache may not hide wanted logits
+
+
+def test_prompt_scoring_with_no_new_tokens(llm):
+    path = model_path("tiny-qwen2")
+    prompt = parity_prompts(path)[3]
+    out = llm.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                       logprob_start_len=0)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
+    got = out["meta_info"]["input_token_logprobs"]
+    assert out["output_ids"] == [] and got[0][0] is None and len(got) == len(prompt)
+    want = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert [lp for lp, _, _ in got[1:]] == pytest.approx(want, abs=1e-4)
