@@ -48,6 +48,7 @@ class EngineArgs:
     random_seed: int | None = None
     stream_output: bool = False
     sampling_defaults: str = "model"
+    grammar_backend: str = "xgrammar"
     log_level: str = "info"
 
     @classmethod
@@ -181,6 +182,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(args.grammar_backend in ("xgrammar", "none"),
+           f"grammar_backend must be 'xgrammar' or 'none', got {args.grammar_backend!r}")
     _check(args.sampling_defaults in ("model", "openai"),
            f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,

@@ -25,6 +25,7 @@ from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
 from engine.request import Req, StepOutput
 from engine.results import BatchCollector, RequestSpec, normalize_batch
+from engine.sampling.grammar import GrammarCompilerCache
 from engine.scheduler import Scheduler
 from engine.scheduler.prefill_planner import PlannerLimits
 
@@ -52,6 +53,8 @@ class Engine:
                                    self.args.enable_mixed_chunk, self.args.context_length,
                                    # its own copy: a fast tokenizer must not be used by two threads at once
                                    _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None)
+        self._grammars: GrammarCompilerCache | None = None
+        self._grammar_lock = threading.Lock()
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
@@ -68,8 +71,17 @@ class Engine:
         stop = set(spec.params.stop_token_ids)
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
+        matcher = self._grammars.matcher(spec.grammar) if spec.grammar is not None else None
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
-                   sink=sink, logprob=spec.logprob, arrival=time.monotonic())
+                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic())
+
+    def _compile_grammar(self, params):
+        """Compile (or fetch from the cache) a structured-output constraint, in the caller's thread."""
+        with self._grammar_lock:
+            if self._grammars is None:  # built on first use: the vocabulary scan takes a moment
+                self._grammars = GrammarCompilerCache(self.tokenizer, self.model_config.vocab_size,
+                                                      sorted(self.model_config.eos_token_ids))
+        return self._grammars.compile(params)
 
     def _specs(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
                token_ids_logprob, return_text_in_logprobs) -> tuple[list[RequestSpec], bool]:
@@ -77,7 +89,8 @@ class Engine:
         return normalize_batch(prompt, sampling_params, input_ids, return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-                               tokenizer=self.tokenizer,
+                               tokenizer=self.tokenizer, compile_grammar=self._compile_grammar
+                               if self.tokenizer is not None and self.args.grammar_backend == "xgrammar" else None,
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
                                max_total_tokens=self.runner.max_total_tokens,
                                sampling_defaults=self.model_config.generation_defaults

@@ -78,6 +78,7 @@ class Req:
     stop_ids: frozenset[int]
     sink: Callable[[StepOutput], None]
     logprob: LogprobSpec | None = None  # None: no logprobs wanted
+    matcher: object | None = None  # the structured-output grammar matcher (xgrammar), advanced per output token
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[LogprobList] = field(default_factory=list)

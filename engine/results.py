@@ -20,16 +20,17 @@ class RequestSpec:
     logprob: LogprobSpec | None  # None: no logprobs
     sample_index: int = 0  # which of the prompt's `n` parallel samples this is
     return_text_in_logprobs: bool = False
+    grammar: object | None = None  # the compiled structured-output constraint
 
 
 def _parallel_samples(ids: list[int], params: SamplingParams, want_lp: LogprobSpec | None,
-                      with_text: bool) -> list[RequestSpec]:
+                      with_text: bool, grammar) -> list[RequestSpec]:
     """`n` requests for one prompt; seeded ones get seed + index, so the samples differ yet stay reproducible."""
     out = []
     for j in range(params.n):
         seed = params.sampling_seed + j if params.sampling_seed is not None else None
         copy = dataclasses.replace(params, sampling_seed=seed) if j else params
-        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j, with_text))
+        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j, with_text, grammar))
     return out
 
 
@@ -106,7 +107,7 @@ def _int_list_or_empty(value, name: str) -> list[int]:
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
                     context_len: int, max_total_tokens: int, sampling_defaults: dict | None = None,
                     logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                    return_text_in_logprobs: bool = False) -> tuple[list[RequestSpec], bool]:
+                    return_text_in_logprobs: bool = False, compile_grammar=None) -> tuple[list[RequestSpec], bool]:
     """Validate everything before anything is queued. Returns (specs, whether the result is a list). A prompt with
     n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order)."""
     if (prompt is None) == (input_ids is None):
@@ -140,7 +141,13 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
         _check_token_params(params, vocab_size, tokenizer)
         if want_lp is not None and want_lp.start >= len(ids):
             raise ValueError(f"logprob_start_len ({want_lp.start}) must be < the prompt length ({len(ids)})")
-        specs += _parallel_samples(ids, params, want_lp, bool(return_text_in_logprobs) and tokenizer is not None)
+        grammar = None
+        if params.constraint is not None:
+            if compile_grammar is None:
+                raise ValueError(f"{params.constraint[0]} needs a tokenizer and grammar_backend='xgrammar'")
+            grammar = compile_grammar(params)
+        specs += _parallel_samples(ids, params, want_lp, bool(return_text_in_logprobs) and tokenizer is not None,
+                                   grammar)
     return specs, is_batch or len(specs) > n
 
 

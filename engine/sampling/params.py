@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +32,22 @@ class SamplingParams:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> "SamplingParams":
         """`defaults` (the model's recommended values) fill the keys `d` leaves out."""
         d = {**(defaults or {}), **{k: v for k, v in (d or {}).items() if v is not None}}
         structured = [k for k in _STRUCTURED if k in d]
-        if structured:
-            raise ValueError(f"structured outputs ({', '.join(structured)}) are not supported by this engine yet")
+        if len(structured) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {', '.join(structured)}")
+        if "json_schema" in d and isinstance(d["json_schema"], dict):
+            d["json_schema"] = json.dumps(d["json_schema"])
+        for k in structured:
+            if not isinstance(d[k], str) or not d[k]:
+                raise ValueError(f"{k} must be a non-empty string, got {d[k]!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in names)
         if unknown:
@@ -57,6 +66,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, text) of the structured-output constraint, if any."""
+        for k in _STRUCTURED:
+            if getattr(self, k) is not None:
+                return k, getattr(self, k)
+        return None
 
     @property
     def penalized(self) -> bool:

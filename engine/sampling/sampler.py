@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from engine.request import Req
+from engine.sampling.grammar import apply_bitmask
 from engine.sampling.params import GREEDY_EPS
 from engine.sampling.penalties import PenaltyState
 
@@ -36,6 +37,7 @@ class SamplingBatch(NamedTuple):
     want_logprobs: bool
     top_logprobs_k: int  # the largest top_logprobs_num in the batch (0: none)
     logprob_token_ids: torch.Tensor | None  # [batch, longest token_ids_logprob] int64, zero-padded
+    grammar: tuple[torch.Tensor, list[int]] | None  # (token bitmask [batch, words] int32, rows it applies to)
 
     @classmethod
     def build(cls, reqs: list[Req], want_logprobs: bool, vocab: int, device: torch.device) -> "SamplingBatch":
@@ -66,6 +68,7 @@ class SamplingBatch(NamedTuple):
             want_logprobs=want_logprobs,
             top_logprobs_k=max((r.logprob.top_logprobs_num for r in reqs if r.logprob), default=0),
             logprob_token_ids=_logprob_token_ids(reqs, t),
+            grammar=_grammar_bitmask(reqs, vocab),
         )
 
 
@@ -76,6 +79,18 @@ def _min_new_tokens_mask(reqs: list[Req], t):
             rows += [i] * len(r.stop_ids)
             cols += list(r.stop_ids)
     return (t(rows, torch.int64), t(cols, torch.int64)) if rows else None
+
+
+def _grammar_bitmask(reqs: list[Req], vocab: int):
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if not rows:
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
+    for i in rows:
+        reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask, rows
 
 
 def _logprob_token_ids(reqs: list[Req], t):
@@ -135,6 +150,8 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch, penalties: Penalty
         logits.index_put_((rows, cols), vals, accumulate=True)
     if batch.masked is not None:
         logits[batch.masked] = float("-inf")
+    if batch.grammar is not None:
+        apply_bitmask(logits, *batch.grammar)
     return logits
 
 
@@ -178,4 +195,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
 
 
 def _adjusts(batch: SamplingBatch) -> bool:
-    return batch.penalties is not None or batch.bias is not None or batch.masked is not None
+    return (batch.penalties is not None or batch.bias is not None or batch.masked is not None
+            or batch.grammar is not None)

@@ -31,6 +31,8 @@ def check_finished(req: Req, context_len: int, stop_strings: StopStrings | None 
     last = req.output_ids[-1]
     if last in req.stop_ids:
         return FinishReason(FinishKind.STOP, matched=last)
+    if req.matcher is not None and req.matcher.is_terminated():
+        return FinishReason(FinishKind.STOP, matched=last)
     matched = stop_strings.match(req) if stop_strings is not None else None
     if matched is not None:
         return FinishReason(FinishKind.STOP, matched=matched)

@@ -236,6 +236,8 @@ class Scheduler:
             self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
             return
         req.output_ids.append(token)
+        if req.matcher is not None:
+            req.matcher.accept_token(token)
         if req.return_logprob:
             chosen, top, by_id = logprobs
             req.output_logprobs.append(chosen)
