@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from engine.cache.manager import CacheManager
@@ -54,6 +56,8 @@ class Engine:
                                    # its own copy: a fast tokenizer must not be used by two threads at once
                                    _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None)
         self._grammars: GrammarCompilerCache | None = None
+        # Async callers validate, tokenize and compile grammars here, keeping their event loop free.
+        self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")
         self._grammar_lock = threading.Lock()
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
@@ -158,14 +162,15 @@ class Engine:
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
                              return_text_in_logprobs: bool = False, stream: bool = False):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
-        specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
+        loop = asyncio.get_running_loop()
+        specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
+            self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            token_ids_logprob, return_text_in_logprobs))
         warm = self._shared_prefills(specs)
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm))
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
-        loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))))
         # If the loop closes first, call_soon_threadsafe raises in the scheduler thread, which then aborts the request.
@@ -215,6 +220,7 @@ class Engine:
         if self._thread.is_alive():
             self.scheduler.stop()
             self._thread.join(timeout=30)
+        self._prep.shutdown(wait=False)
 
     def __enter__(self) -> "Engine":
         return self

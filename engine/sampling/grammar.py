@@ -1,13 +1,16 @@
 """Structured outputs through xgrammar: JSON schema, regex and EBNF constraints as per-token bitmasks.
 
-Grammars are compiled in the caller's thread when a request arrives (never on the scheduler loop), with a cache
-keyed by the constraint, so an invalid one is rejected before the request takes a batch slot. Each request gets
-its own matcher, advanced by every token it generates; the scheduler asks it for the next-token bitmask.
+Grammars are compiled when a request arrives, in the caller's thread (async callers: a worker thread), never on
+the scheduler loop. A cache keyed by the constraint holds one future per grammar: concurrent requests for the same
+grammar wait for one compilation, a request never waits for another's grammar, and an invalid one is rejected
+before the request takes a batch slot. Each request gets its own matcher, advanced by every token it generates;
+the scheduler asks it for the next-token bitmask.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 from engine.sampling.params import SamplingParams
 
@@ -21,19 +24,25 @@ class GrammarCompilerCache:
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._cache: dict[tuple[str, str], object] = {}
+        self._cache: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
 
     def compile(self, params: SamplingParams):
         """The compiled grammar for the request's constraint (None when it has none). Raises ValueError naming
         the field when the constraint does not compile."""
-        kind, spec = params.constraint or (None, None)
-        if kind is None:
+        if params.constraint is None:
             return None
         with self._lock:
-            if (kind, spec) not in self._cache:
-                self._cache[(kind, spec)] = self._compile(kind, spec)
-            return self._cache[(kind, spec)]
+            fut = self._cache.get(params.constraint)
+            owner = fut is None
+            if owner:
+                fut = self._cache[params.constraint] = Future()
+        if owner:
+            try:
+                fut.set_result(self._compile(*params.constraint))
+            except ValueError as e:  # a bad constraint stays cached as its error
+                fut.set_exception(e)
+        return fut.result()
 
     def _compile(self, kind: str, spec: str):
         try:

@@ -76,3 +76,21 @@ def test_greedy_constrained_output_is_stable(llm):
     a = llm.generate(PROMPTS[0], {"max_new_tokens": 40, "temperature": 0, "regex": REGEX})
     b = llm.generate(PROMPTS[0], {"max_new_tokens": 40, "temperature": 0, "regex": REGEX})
     assert a["text"] == b["text"] and re.fullmatch(REGEX, a["text"])
+
+
+def test_concurrent_async_requests_with_grammars(llm):
+    import asyncio
+
+    async def main():
+        calls = [llm.async_generate(p, {"max_new_tokens": 120, "temperature": 0.8,
+                                        **({"json_schema": json.dumps(SCHEMA)} if i % 2 else {"regex": REGEX})})
+                 for i, p in enumerate(PROMPTS[:8])]
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(main())
+    for i, out in enumerate(outs):
+        if i % 2:
+            jsonschema.validate(json.loads(out["text"]), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, out["text"])
+    assert ("regex", REGEX) in llm._grammars._cache  # compiled once, then shared
