@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+
+if TYPE_CHECKING:
+    from engine.scheduler.batch_builder import PromptLogprobPlan
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +92,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,
-                           prompt_targets: list[int] | None = None, prompt_top_k: int = 0) -> SampleResult:
-        """Forward, sample each request's next token, and (with prompt_targets) the logprobs of those prompt
+                           prompt: PromptLogprobPlan | None = None) -> SampleResult:
+        """Forward, sample each request's next token, and (with a prompt plan) the logprobs of the planned prompt
         tokens from the extra logits."""
         logits = self.forward(batch)
         result = sample(logits[:batch.batch_size], sampling, self.generator, self.penalties)
-        if prompt_targets:
-            targets = torch.tensor(prompt_targets, dtype=torch.int64).to(self.device)
-            result = result._replace(prompt=token_logprobs(logits[batch.batch_size:], targets, prompt_top_k))
+        if prompt is not None:
+            def dev(x):
+                return torch.tensor(x, dtype=torch.int64).to(self.device) if x else None
+
+            extra = token_logprobs(logits[batch.batch_size:], dev(prompt.targets), prompt.top_k, dev(prompt.token_ids))
+            result = result._replace(prompt=extra)
         return result

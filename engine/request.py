@@ -67,7 +67,7 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int
     # Prompt logprobs (tokens from logprob_start_len on, with top lists), sent once with the first output.
-    input_logprobs: tuple[list[float], list[LogprobList]] | None = None
+    input_logprobs: tuple[list[float], list[LogprobList], list[LogprobList]] | None = None
 
 
 @dataclass(slots=True)
@@ -85,6 +85,7 @@ class Req:
     output_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[LogprobList] = field(default_factory=list)
+    input_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     # KV state over row `pool_idx` of the req-to-token table.

@@ -162,7 +162,7 @@ class ResultBuilder:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list = []
-        self.input_logprobs: tuple[list, list] = ([], [])
+        self.input_logprobs: tuple[list, list, list] = ([], [], [])
         self.id_logprobs: list = []
         self.stream = stream
         self.detok = IncrementalDetokenizer(tokenizer, spec.params.skip_special_tokens,
@@ -216,7 +216,9 @@ class ResultBuilder:
         }
         if self.spec.logprob is not None:
             a = logprobs_from
-            meta["input_token_logprobs"], meta["input_top_logprobs"] = self._input_logprobs()
+            meta["input_token_logprobs"], meta["input_top_logprobs"], by_id = self._input_logprobs()
+            if self.spec.logprob.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = by_id
             meta["output_token_logprobs"] = [self._triple(lp, tok) for lp, tok in
                                              zip(self.logprobs[a:], self.output_ids[a:])]
             if self.spec.logprob.top_logprobs_num:
@@ -225,17 +227,19 @@ class ResultBuilder:
                 meta["output_token_ids_logprobs"] = [[self._triple(*p) for p in row] for row in self.id_logprobs[a:]]
         return meta
 
-    def _input_logprobs(self) -> tuple[list, list]:
+    def _input_logprobs(self) -> tuple[list, list, list]:
         """Prompt tokens from logprob_start_len on; the very first token has no logprob (None), as in SGLang."""
         start = self.spec.logprob.start
         if start < 0:
-            return [], []
-        chosen, tops = self.input_logprobs
+            return [], [], []
+        chosen, tops, by_ids = self.input_logprobs
         ids = self.spec.input_ids
         head = [self._triple(None, ids[0])] if start == 0 else []
         logprobs = head + [self._triple(lp, t) for lp, t in zip(chosen, ids[max(start, 1):])]
-        top = ([None] if start == 0 else []) + [[self._triple(*p) for p in row] for row in tops]
-        return logprobs, top if self.spec.logprob.top_logprobs_num else []
+        head = [None] if start == 0 else []
+        top = head + [[self._triple(*p) for p in row] for row in tops]
+        by_id = head + [[self._triple(*p) for p in row] for row in by_ids]
+        return logprobs, top if self.spec.logprob.top_logprobs_num else [], by_id
 
     def _triple(self, logprob: float | None, token: int) -> tuple[float, int, str | None]:
         """SGLang's (logprob, token id, text) with the text only when return_text_in_logprobs."""

@@ -120,13 +120,17 @@ class SampleResult(NamedTuple):
 class TokenLogprobs(NamedTuple):
     chosen: torch.Tensor  # [n] float32 logprob of each target token
     top: tuple[torch.Tensor, torch.Tensor] | None  # values, token ids [n, k] best first
+    by_id: torch.Tensor | None = None  # [n, width] logprobs of requested token ids
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> TokenLogprobs:
-    """Raw-distribution logprobs of `targets` [n] under logits [n, vocab], plus the top-k of each row."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int,
+                   token_ids: torch.Tensor | None = None) -> TokenLogprobs:
+    """Raw-distribution logprobs of `targets` [n] under logits [n, vocab], plus the top-k of each row and the
+    logprobs of `token_ids` [n, width]."""
     raw = torch.log_softmax(logits, dim=-1)
     top = tuple(raw.topk(top_k, dim=-1)) if top_k else None
-    return TokenLogprobs(raw.gather(1, targets[:, None]).squeeze(1), top)
+    by_id = raw.gather(1, token_ids) if token_ids is not None else None
+    return TokenLogprobs(raw.gather(1, targets[:, None]).squeeze(1), top, by_id)
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

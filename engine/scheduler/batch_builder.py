@@ -14,6 +14,7 @@ class PromptLogprobPlan(NamedTuple):
     counts: list[int]  # per request of the batch: prompt logprobs this forward yields
     targets: list[int]  # the prompt tokens they are for, in batch order
     top_k: int  # the largest top_logprobs_num among those requests
+    token_ids: list[list[int]] | None  # per extra position: its request's token_ids_logprob, zero-padded
 
 
 def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device
@@ -21,7 +22,7 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device
     """Each request contributes tokens fill_ids[kv_len : kv_len + extend_len] (a decoding request: its last
     output token, extend_len 1). `locs` are the KV slots the new tokens write, in the same order. Positions whose
     logits give wanted prompt logprobs are listed as extra logits."""
-    ids, positions, extra, counts, targets, top_k = [], [], [], [], [], 0
+    ids, positions, extra, counts, targets, top_k, id_rows = [], [], [], [], [], 0, []
     for r in reqs:
         start = len(ids)
         ids += r.tokens(r.kv_len, r.kv_len + r.extend_len)
@@ -32,7 +33,10 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device
         counts.append(len(wanted))
         if wanted:
             top_k = max(top_k, r.logprob.top_logprobs_num)
-    plan = PromptLogprobPlan(counts, targets, top_k) if extra else None
+            id_rows += [list(r.logprob.token_ids_logprob)] * len(wanted)
+    width = max(map(len, id_rows), default=0)
+    padded = [row + [0] * (width - len(row)) for row in id_rows] if width else None
+    plan = PromptLogprobPlan(counts, targets, top_k, padded) if extra else None
     return ForwardBatch.build(
         ForwardMode.EXTEND, ids, positions, locs,
         req_pool_indices=[r.pool_idx for r in reqs],

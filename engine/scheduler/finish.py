@@ -56,5 +56,5 @@ def step_output(req: Req) -> StepOutput:
         prompt_tokens=len(req.input_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
-        input_logprobs=(req.input_logprobs, req.input_top_logprobs) if first else None,
+        input_logprobs=(req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) if first else None,
     )

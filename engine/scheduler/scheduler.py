@@ -45,11 +45,15 @@ def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
     if prompt.top is not None:
         values, ids = (x.tolist() for x in prompt.top)
         top = [list(zip(v, i)) for v, i in zip(values, ids)]
+    by_id = prompt.by_id.tolist() if prompt.by_id is not None else None
     at = 0
     for r, n in zip(reqs, plan.counts):
         r.input_logprobs += chosen[at:at + n]
         k = r.logprob.top_logprobs_num if r.logprob else 0
         r.input_top_logprobs += [row[:k] for row in top[at:at + n]] if top else [[] for _ in range(n)]
+        ids = r.logprob.token_ids_logprob if r.logprob else ()
+        r.input_token_ids_logprobs += [list(zip(row, ids)) for row in by_id[at:at + n]] if by_id else \
+            [[] for _ in range(n)]
         at += n
 
 
@@ -198,8 +202,7 @@ class Scheduler:
                     self.runner.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
             sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
                                            self.runner.model_config.vocab_size, self.runner.device)
-            result = self.runner.forward_and_sample(batch, sampling, plan.targets if plan else None,
-                                                    plan.top_k if plan else 0)
+            result = self.runner.forward_and_sample(batch, sampling, plan)
             self._record_penalties(reqs, result.next_ids)
         except Exception as e:
             log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])

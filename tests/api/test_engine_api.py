@@ -251,7 +251,7 @@ def test_input_token_logprobs_match_transformers(start, cfg):
     with running_engine(path, **cfg) as eng:
         eng.generate(input_ids=parity_prompts(path)[4], sampling_params=GREEDY)  # caches the shared prefix
         out = eng.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start,
-                           top_logprobs_num=2)
+                           top_logprobs_num=2, token_ids_logprob=[5, 17])
     got, tops = out["meta_info"]["input_token_logprobs"], out["meta_info"]["input_top_logprobs"]
     assert [t for _, t, _ in got] == prompt[start:]
     first = 1 if start == 0 else 0
@@ -259,8 +259,11 @@ def test_input_token_logprobs_match_transformers(start, cfg):
         assert got[0][0] is None and tops[0] is None
     want = [ref[i - 1, prompt[i]].item() for i in range(max(start, 1), len(prompt))]
     assert [lp for lp, _, _ in got[first:]] == pytest.approx(want, abs=1e-4)
-    for i, row in zip(range(max(start, 1), len(prompt)), tops[first:]):
+    by_id = out["meta_info"]["input_token_ids_logprobs"]
+    assert len(by_id) == len(got)
+    for i, row, ids_row in zip(range(max(start, 1), len(prompt)), tops[first:], by_id[first:]):
         assert [t for _, t, _ in row] == ref[i - 1].topk(2).indices.tolist()
+        assert [lp for lp, _, _ in ids_row] == pytest.approx(ref[i - 1, [5, 17]].tolist(), abs=1e-4)
     assert out["meta_info"]["cached_tokens"] <= max(start - 1, 0)  # the cache may not hide wanted logits
 
 

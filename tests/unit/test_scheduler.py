@@ -36,7 +36,7 @@ class FakeRunner:
 
     model_config = type("Cfg", (), {"vocab_size": VOCAB})
 
-    def forward_and_sample(self, batch, sampling, prompt_targets=None, prompt_top_k=0):
+    def forward_and_sample(self, batch, sampling, prompt=None):
         self.batches.append((batch.mode, list(batch.extend_lens_host)))
         last = batch.input_ids[batch.logits_indices]
         pos = batch.positions[batch.logits_indices]
