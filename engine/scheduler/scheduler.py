@@ -26,26 +26,25 @@ from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, Prefi
 log = logging.getLogger(__name__)
 
 
+def _to_host(chosen, top, by_id) -> tuple[list, list | None, list | None]:
+    """Read logprob tensors back once: chosen [n], top as [(logprob, id)] rows best first, logprobs by id rows."""
+    top_rows = None
+    if top is not None:
+        values, ids = (x.tolist() for x in top)
+        top_rows = [list(zip(v, i)) for v, i in zip(values, ids)]
+    return chosen.tolist(), top_rows, by_id.tolist() if by_id is not None else None
+
+
 def _logprob_lists(result) -> list[tuple] | None:
-    """Per row: (chosen logprob, [(logprob, id)] best first, [logprob per requested id]), read back once."""
+    """Per row: (chosen logprob, [(logprob, id)] best first, [logprob per requested id])."""
     if result.logprobs is None:
         return None
-    chosen = result.logprobs.tolist()
-    top = None
-    if result.top_logprobs is not None:
-        values, ids = (x.tolist() for x in result.top_logprobs)
-        top = [list(zip(v, i)) for v, i in zip(values, ids)]
-    by_id = result.token_ids_logprobs.tolist() if result.token_ids_logprobs is not None else None
+    chosen, top, by_id = _to_host(result.logprobs, result.top_logprobs, result.token_ids_logprobs)
     return [(chosen[i], top[i] if top else None, by_id[i] if by_id else None) for i in range(len(chosen))]
 
 
 def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
-    chosen = prompt.chosen.tolist()
-    top = None
-    if prompt.top is not None:
-        values, ids = (x.tolist() for x in prompt.top)
-        top = [list(zip(v, i)) for v, i in zip(values, ids)]
-    by_id = prompt.by_id.tolist() if prompt.by_id is not None else None
+    chosen, top, by_id = _to_host(prompt.chosen, prompt.top, prompt.by_id)
     at = 0
     for r, n in zip(reqs, plan.counts):
         r.input_logprobs += chosen[at:at + n]
