@@ -14,8 +14,6 @@ from concurrent.futures import Future
 
 from engine.sampling.params import SamplingParams
 
-STRUCTURED_FIELDS = ("json_schema", "regex", "ebnf")
-
 
 class GrammarCompilerCache:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):

@@ -191,6 +191,7 @@ class Scheduler:
     # ---- forward and results --------------------------------------------------------------------------------
     def _run(self, reqs: list[Req], extend: bool) -> None:
         decoding = {id(r) for r in self.running}
+        # Requests whose forward ends their fill sample a token now; a partial prefill chunk does not.
         sampling_now = [r for r in reqs if r.kv_len + r.extend_len == r.fill_len]
         try:
             locs = self.cache.slots_of_new_tokens(reqs)
@@ -202,7 +203,7 @@ class Scheduler:
             sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
                                            self.runner.model_config.vocab_size, self.runner.device)
             result = self.runner.forward_and_sample(batch, sampling, plan)
-            self._record_penalties(reqs, result.next_ids)
+            self._record_penalties(reqs, sampling_now, result.next_ids)
         except Exception as e:
             log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
             for r in reqs:
@@ -220,10 +221,10 @@ class Scheduler:
                 self.stats["prefill_tokens"] += r.extend_len
             self._advance(r, next_ids[i], extras[i] if extras else None, prefilling)
 
-    def _record_penalties(self, reqs: list[Req], next_ids: torch.Tensor) -> None:
-        """Count this step's token for every penalized request that samples now (not for partial prefill chunks)."""
-        idx = [i for i, r in enumerate(reqs) if r.sampling.penalized and r.kv_len + r.extend_len == r.fill_len
-               and r.sampling.max_new_tokens > 0]
+    def _record_penalties(self, reqs: list[Req], sampling_now: list[Req], next_ids: torch.Tensor) -> None:
+        """Count this step's token for every penalized request that samples now."""
+        counted = {id(r) for r in sampling_now if r.sampling.penalized and r.sampling.max_new_tokens > 0}
+        idx = [i for i, r in enumerate(reqs) if id(r) in counted]
         if idx:
             rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(next_ids.device)
             self.runner.penalties.record(rows, next_ids[torch.tensor(idx, device=next_ids.device)])
