@@ -13,33 +13,51 @@ import yaml
 from engine.config import EngineArgs
 
 
-def _flag_type(field: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(EngineArgs)[field.name]
+def field_type(cls: type, field: dataclasses.Field) -> type:
+    """The scalar type of a dataclass field (`int | None` -> int)."""
+    hint = typing.get_type_hints(cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else []
     return args[0] if args else hint
 
 
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset()) -> None:
+    """One `--field-name` flag per field of `cls`. Unset flags stay out of the namespace (argparse.SUPPRESS), so a
+    config file or the environment can supply them; list fields take several values (`--worker-urls a b`)."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = field_type(cls, f)
+        helptext = f.metadata.get("help")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=helptext)
+        elif typing.get_origin(kind) in (list, tuple):
+            parser.add_argument(flag, nargs="*", type=typing.get_args(kind)[0], default=argparse.SUPPRESS,
+                                help=helptext)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext)
+
+
+def load_config_file(path: str | None) -> dict:
+    """Keys of a YAML mapping, with dashes turned into underscores."""
+    if not path:
+        return {}
+    with open(path) as fh:
+        loaded = yaml.safe_load(fh) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")
+    return {k.replace("-", "_"): v for k, v in loaded.items()}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of engine arguments (command-line flags override it)")
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(f)
-        if kind is bool:
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS)
-        else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+    add_dataclass_flags(parser, EngineArgs)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     """Engine keyword arguments from the parsed flags and the optional --config file."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    merged: dict = {}
-    if getattr(ns, "config", None):
-        with open(ns.config) as fh:
-            loaded = yaml.safe_load(fh) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{ns.config}: expected a mapping of engine arguments")
-        merged.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    merged = load_config_file(getattr(ns, "config", None))
     merged.update({k: v for k, v in vars(ns).items() if k in names})
     unknown = sorted(set(merged) - names)
     if unknown:

@@ -1,0 +1,87 @@
+"""Exceptions raised inside servicers become gRPC status codes with their message; the service keeps serving.
+
+ValueError -> INVALID_ARGUMENT (bad input), TimeoutError -> DEADLINE_EXCEEDED, RuntimeError from a dead or
+overloaded engine -> UNAVAILABLE, anything else -> INTERNAL (logged with its traceback)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.common.logs import request_id_var
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(RuntimeError):
+    """The service cannot take the call now (shutting down, no healthy peer); callers may retry elsewhere."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, (Unavailable, ConnectionError)):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, RuntimeError) and "engine" in str(exc):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def _request_id(request, context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value
+    return getattr(request, "request_id", "") or "-"
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error")
+    else:
+        log.info("%s: %s", code.name, exc)
+    await context.abort(code, str(exc) or type(exc).__name__)
+
+
+def _wrap_unary(fn):
+    async def handler(request, context):
+        request_id_var.set(_request_id(request, context))
+        try:
+            return await fn(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes a status, none kills the server
+            await _abort_for(e, context)
+    return handler
+
+
+def _wrap_stream(fn):
+    async def handler(request, context):
+        request_id_var.set(_request_id(request, context))
+        try:
+            async for item in fn(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _abort_for(e, context)
+    return handler
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes and sets the logging request id, for unary and server-streaming RPCs."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary),
+                                                       handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream),
+                                                        handler.request_deserializer, handler.response_serializer)
+        return handler

@@ -1,0 +1,87 @@
+"""gRPC server bootstrap shared by every service: grpc.aio server, the standard health service
+(grpc.health.v1, SERVING once started), server reflection, the error interceptor, and graceful shutdown:
+on SIGTERM/SIGINT the health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s` to finish,
+then the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+# Messages up to this size (prompt token lists, KV pages) pass; gRPC's default of 4 MiB is too small for KV pages.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcSettings:
+    """Flags every gRPC service takes."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0: pick a free one and log it)"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight calls get on SIGTERM"})
+    log_level: str = "info"
+
+
+class GrpcService:
+    """One running gRPC server. `register(server)` adds the servicers and returns their full service names."""
+
+    def __init__(self, settings: GrpcSettings, register: Callable[[grpc.aio.Server], list[str]],
+                 on_stop: Callable[[], Awaitable[None]] | None = None):
+        self.settings = settings
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.names = register(self.server)
+        reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {settings.host}:{settings.port}")
+        self._on_stop = on_stop
+        self._stopping = asyncio.Event()
+
+    async def _set_all(self, status) -> None:
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d", ", ".join(self.names), self.settings.host, self.port)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period, then release."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("shutting down: draining in-flight calls for up to %.0f s", self.settings.shutdown_grace_s)
+        await self.server.stop(self.settings.shutdown_grace_s)
+        if self._on_stop is not None:
+            await self._on_stop()
+        log.info("stopped")
+
+    async def run_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        await self._stopping.wait()
+        await self.stop()
+
+
+def channel(url: str) -> grpc.aio.Channel:
+    """An insecure channel to `host:port` with the large-message options."""
+    return grpc.aio.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
