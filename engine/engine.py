@@ -88,7 +88,7 @@ class Engine:
         return self._grammars.compile(params)
 
     def _specs(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-               token_ids_logprob, return_text_in_logprobs) -> tuple[list[RequestSpec], bool]:
+               token_ids_logprob, return_text_in_logprobs, rid=None) -> tuple[list[RequestSpec], bool]:
         self._check_alive()
         return normalize_batch(prompt, sampling_params, input_ids, return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
@@ -96,7 +96,7 @@ class Engine:
                                tokenizer=self.tokenizer, compile_grammar=self._compile_grammar
                                if self.tokenizer is not None and self.args.grammar_backend == "xgrammar" else None,
                                vocab_size=self.model_config.vocab_size, context_len=self.args.context_length,
-                               max_total_tokens=self.runner.max_total_tokens,
+                               max_total_tokens=self.runner.max_total_tokens, rid=rid,
                                sampling_defaults=self.model_config.generation_defaults
                                if self.args.sampling_defaults == "model" else None)
 
@@ -118,12 +118,13 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None, return_text_in_logprobs: bool = False,
-                 stream: bool = False):
+                 stream: bool = False, rid: str | list[str] | None = None):
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
         stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
-        with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to."""
+        with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to.
+        `rid` names the request(s) for abort_request (n > 1 samples get `<rid>-<index>`)."""
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs)
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid)
         warm = self._shared_prefills(specs)
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
@@ -160,12 +161,12 @@ class Engine:
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                             return_text_in_logprobs: bool = False, stream: bool = False):
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid=None):
         """As `generate`; with stream=True returns an async iterator of incremental dicts."""
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
             self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            token_ids_logprob, return_text_in_logprobs))
+            token_ids_logprob, return_text_in_logprobs, rid))
         warm = self._shared_prefills(specs)
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
@@ -212,6 +213,12 @@ class Engine:
                     max_running_requests=self.runner.max_running_requests,
                     available_kv_tokens=load["available_kv_tokens"], internal_states=[load])
         return info
+
+    def get_load(self) -> dict:
+        """The scheduler's counters: waiting, running, available_kv_tokens, prefill_tokens, ... and the pool size."""
+        load = self._control(self.scheduler.load)
+        load["max_total_num_tokens"] = self.runner.max_total_tokens
+        return load
 
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)

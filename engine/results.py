@@ -23,14 +23,19 @@ class RequestSpec:
     grammar: object | None = None  # the compiled structured-output constraint
 
 
+def sample_rids(rid: str, n: int) -> list[str]:
+    """Request ids of a prompt's n samples: the caller's id itself when n == 1, `<rid>-<index>` otherwise."""
+    return [rid] if n == 1 else [f"{rid}-{j}" for j in range(n)]
+
+
 def _parallel_samples(ids: list[int], params: SamplingParams, want_lp: LogprobSpec | None,
-                      with_text: bool, grammar) -> list[RequestSpec]:
+                      with_text: bool, grammar, rid: str | None) -> list[RequestSpec]:
     """`n` requests for one prompt; seeded ones get seed + index, so the samples differ yet stay reproducible."""
     out = []
-    for j in range(params.n):
+    for j, sample_rid in enumerate(sample_rids(rid or uuid.uuid4().hex, params.n)):
         seed = params.sampling_seed + j if params.sampling_seed is not None else None
         copy = dataclasses.replace(params, sampling_seed=seed) if j else params
-        out.append(RequestSpec(uuid.uuid4().hex, ids, copy, want_lp, j, with_text, grammar))
+        out.append(RequestSpec(sample_rid, ids, copy, want_lp, j, with_text, grammar))
     return out
 
 
@@ -107,9 +112,11 @@ def _int_list_or_empty(value, name: str) -> list[int]:
 def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, tokenizer, vocab_size: int,
                     context_len: int, max_total_tokens: int, sampling_defaults: dict | None = None,
                     logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                    return_text_in_logprobs: bool = False, compile_grammar=None) -> tuple[list[RequestSpec], bool]:
+                    return_text_in_logprobs: bool = False, compile_grammar=None,
+                    rid=None) -> tuple[list[RequestSpec], bool]:
     """Validate everything before anything is queued. Returns (specs, whether the result is a list). A prompt with
-    n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order)."""
+    n > 1 becomes n consecutive specs, and its result a list of n dicts (per prompt, in order). `rid` (one id per
+    prompt) names the requests for abort_request; see `sample_rids`."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
     if prompt is not None:
@@ -131,8 +138,13 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
     raw = _as_list(sampling_params, n, "sampling_params")
     logprob_flags = _logprob_specs(n, return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
                                    vocab_size)
+    if isinstance(rid, str) and n > 1:
+        raise ValueError("a batch of prompts needs a list of rids, one per prompt")
+    rids = _as_list(rid, n, "rid")
+    if not all(r is None or (isinstance(r, str) and r) for r in rids):
+        raise ValueError("rid must be a non-empty string (or a list of them)")
     specs = []
-    for ids, raw_params, want_lp in zip(id_lists, raw, logprob_flags):
+    for ids, raw_params, want_lp, one_rid in zip(id_lists, raw, logprob_flags, rids):
         ids = _validate_ids(ids, vocab_size)
         if raw_params is not None and not isinstance(raw_params, dict):
             raise ValueError("sampling_params must be a dict (or a list of dicts)")
@@ -147,7 +159,7 @@ def normalize_batch(prompt, sampling_params, input_ids, return_logprob, *, token
                 raise ValueError(f"{params.constraint[0]} needs a tokenizer and grammar_backend='xgrammar'")
             grammar = compile_grammar(params)
         specs += _parallel_samples(ids, params, want_lp, bool(return_text_in_logprobs) and tokenizer is not None,
-                                   grammar)
+                                   grammar, one_rid)
     return specs, is_batch or len(specs) > n
 
 

@@ -1,0 +1,122 @@
+"""Proto <-> engine conversions for workers: GenerateRequest -> Engine.async_generate keyword arguments, and the
+engine's result dicts (`text`, `output_ids`, `meta_info`) -> GenerateStreamChunk / GenerateComplete."""
+
+from __future__ import annotations
+
+import math
+
+from radixmesh.v1 import common_pb2, worker_pb2
+
+_OPTIONAL_SCALARS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed")
+_FINISH_TYPES = {"stop": common_pb2.FINISH_REASON_TYPE_STOP, "length": common_pb2.FINISH_REASON_TYPE_LENGTH,
+                 "abort": common_pb2.FINISH_REASON_TYPE_ABORT}
+
+
+def sampling_dict(sp: common_pb2.SamplingParams) -> dict:
+    """Only the fields the caller set: the engine fills the rest from the model's defaults, then SGLang's."""
+    out = {name: getattr(sp, name) for name in _OPTIONAL_SCALARS if sp.HasField(name)}
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        out["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        out[constraint] = getattr(sp, constraint)
+    return out
+
+
+def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
+    lp = req.logprob_options
+    kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
+              "rid": req.request_id or None}
+    if lp.return_logprob:
+        kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
+                      token_ids_logprob=list(lp.token_ids_logprob) or None,
+                      return_text_in_logprobs=lp.return_text_in_logprobs,
+                      logprob_start_len=lp.logprob_start_len if lp.HasField("logprob_start_len") else None)
+    return kwargs
+
+
+def _top(rows) -> list[common_pb2.TopLogprobs]:
+    out = []
+    for row in rows:
+        if row is None:  # the first prompt token has no candidates
+            out.append(common_pb2.TopLogprobs())
+            continue
+        out.append(common_pb2.TopLogprobs(token_ids=[t for _, t, _ in row], logprobs=[lp for lp, _, _ in row],
+                                          texts=[x for _, _, x in row if x is not None]))
+    return out
+
+
+def _logprobs(msg_type, chosen, tops, by_ids):
+    return msg_type(token_ids=[t for _, t, _ in chosen],
+                    token_logprobs=[math.nan if lp is None else lp for lp, _, _ in chosen],
+                    texts=[x for _, _, x in chosen if x is not None],
+                    top_logprobs=_top(tops or []), token_ids_logprobs=_top(by_ids or []))
+
+
+def output_logprobs(meta: dict) -> common_pb2.OutputLogprobs | None:
+    if "output_token_logprobs" not in meta:
+        return None
+    return _logprobs(common_pb2.OutputLogprobs, meta["output_token_logprobs"], meta.get("output_top_logprobs"),
+                     meta.get("output_token_ids_logprobs"))
+
+
+def input_logprobs(meta: dict) -> common_pb2.InputLogprobs | None:
+    if not meta.get("input_token_logprobs"):
+        return None
+    return _logprobs(common_pb2.InputLogprobs, meta["input_token_logprobs"], meta.get("input_top_logprobs"),
+                     meta.get("input_token_ids_logprobs"))
+
+
+def finish_reason(d: dict | None) -> common_pb2.FinishReason | None:
+    if d is None:
+        return None
+    out = common_pb2.FinishReason(type=_FINISH_TYPES[d["type"]])
+    matched = d.get("matched")
+    if isinstance(matched, int):
+        out.matched_token_id = matched
+    elif isinstance(matched, str):
+        out.matched_stop_str = matched
+    if d.get("length") is not None:
+        out.length = d["length"]
+    if d.get("message"):
+        out.message = d["message"]
+    return out
+
+
+def usage(meta: dict) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+                            cached_tokens=meta["cached_tokens"])
+
+
+def chunk(delta: dict, with_input_logprobs: bool) -> worker_pb2.GenerateStreamChunk:
+    """A streamed segment (the engine runs with stream_output, so ids, text and logprobs are only the new ones)."""
+    meta = delta["meta_info"]
+    msg = worker_pb2.GenerateStreamChunk(token_ids=delta["output_ids"], text=delta["text"],
+                                         prompt_tokens=meta["prompt_tokens"],
+                                         completion_tokens=meta["completion_tokens"],
+                                         cached_tokens=meta["cached_tokens"])
+    out_lp = output_logprobs(meta)
+    if out_lp is not None:
+        msg.output_logprobs.CopyFrom(out_lp)
+    in_lp = input_logprobs(meta) if with_input_logprobs else None
+    if in_lp is not None:
+        msg.input_logprobs.CopyFrom(in_lp)
+    return msg
+
+
+def complete(output_ids: list[int], text: str, meta: dict, with_logprobs: bool) -> worker_pb2.GenerateComplete:
+    msg = worker_pb2.GenerateComplete(output_ids=output_ids, text=text, usage=usage(meta),
+                                      finish_reason=finish_reason(meta["finish_reason"]))
+    if with_logprobs:
+        out_lp, in_lp = output_logprobs(meta), input_logprobs(meta)
+        if out_lp is not None:
+            msg.output_logprobs.CopyFrom(out_lp)
+        if in_lp is not None:
+            msg.input_logprobs.CopyFrom(in_lp)
+    return msg

@@ -1,0 +1,169 @@
+"""WorkerService over an in-process Engine: the colocated worker (--disaggregation-mode null).
+
+Generate streams what the engine produces (it runs with stream_output, so each message carries only new tokens and
+text); text is detokenized in this process's event loop, never on the scheduler thread. A closed client stream
+cancels the handler, which closes the engine stream, which aborts the request and frees its KV pages at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import grpc
+
+from engine.engine import Engine
+from engine.results import sample_rids
+from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.decode import convert
+from services.decode.settings import WorkerSettings
+from services.decode.stats import WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+class _SampleState:
+    """What one sample (index) of a streamed request has produced so far."""
+
+    __slots__ = ("ids", "text", "sent_input_logprobs")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.sent_input_logprobs = False
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: Engine, settings: WorkerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.stats = WorkerStats()
+        self.active: dict[str, int] = {}  # request id -> number of samples, while running
+        self.started = time.time()
+
+    async def _blocking(self, fn, *args):
+        """Engine control calls wait for the scheduler thread; keep them off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # ---- generation -----------------------------------------------------------------------------------------
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.settings.disaggregation_mode != "null":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this is a {self.settings.disaggregation_mode} "
+                                "worker; disaggregated Generate is not implemented yet, use a colocated worker")
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        if request.request_id in self.active:
+            raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        kwargs = convert.generate_kwargs(request)
+        n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
+        self.active[request.request_id] = n
+        try:
+            if request.stream:
+                async for msg in self._stream(request.request_id, kwargs):
+                    yield msg
+            else:
+                for msg in await self._whole(request.request_id, kwargs):
+                    yield msg
+        finally:
+            self.active.pop(request.request_id, None)
+
+    async def _whole(self, rid: str, kwargs: dict) -> list[worker_pb2.GenerateResponse]:
+        results = await self.engine.async_generate(**kwargs)
+        results = results if isinstance(results, list) else [results]
+        out = []
+        for i, res in enumerate(results):
+            meta = res["meta_info"]
+            self._record_done(meta, len(res["output_ids"]))
+            done = convert.complete(res["output_ids"], res["text"], meta, with_logprobs=True)
+            out.append(worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done))
+        return out
+
+    async def _stream(self, rid: str, kwargs: dict):
+        stream = await self.engine.async_generate(**kwargs, stream=True)
+        samples: dict[int, _SampleState] = {}
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                i = delta.get("index", 0)
+                state = samples.setdefault(i, _SampleState())
+                meta = delta["meta_info"]
+                state.ids += delta["output_ids"]
+                state.text.append(delta["text"])
+                self.stats.tokens_out(len(delta["output_ids"]))
+                piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
+                state.sent_input_logprobs = True
+                yield worker_pb2.GenerateResponse(request_id=rid, index=i, chunk=piece)
+                if meta["finish_reason"] is not None:
+                    self._record_done(meta, 0)
+                    done = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
+                    yield worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done)
+
+    def _record_done(self, meta: dict, new_tokens: int) -> None:
+        self.stats.request_done(meta["prompt_tokens"], meta["cached_tokens"])
+        self.stats.tokens_out(new_tokens)
+
+    async def Abort(self, request, context):
+        n = self.active.get(request.request_id)
+        if n is None:
+            return worker_pb2.AbortResponse(found=False)
+        log.info("abort requested: %s", request.reason or "no reason given")
+        for rid in sample_rids(request.request_id, n):
+            self.engine.abort_request(rid)
+        return worker_pb2.AbortResponse(found=True)
+
+    # ---- health, load, info ---------------------------------------------------------------------------------
+    async def HealthCheck(self, request, context):
+        timeout = request.timeout_s or self.settings.health_check_timeout_s
+        if self.settings.disaggregation_mode == "prefill":
+            load = await self._blocking(self.engine.get_load)
+            return worker_pb2.HealthCheckResponse(healthy=True, message=f"prefill worker, {load['running']} running")
+        try:
+            async with asyncio.timeout(timeout):
+                await self.engine.async_generate(input_ids=[1], sampling_params={"max_new_tokens": 1,
+                                                                                 "temperature": 0.0})
+        except TimeoutError:
+            return worker_pb2.HealthCheckResponse(healthy=False, message=f"no token within {timeout:.1f} s")
+        except RuntimeError as e:
+            return worker_pb2.HealthCheckResponse(healthy=False, message=str(e))
+        return worker_pb2.HealthCheckResponse(healthy=True, message="generated one token")
+
+    async def GetLoads(self, request, context):
+        load = await self._blocking(self.engine.get_load)
+        total = load["max_total_num_tokens"]
+        return worker_pb2.GetLoadsResponse(
+            num_running_requests=load["running"], num_waiting_requests=load["waiting"],
+            used_kv_tokens=total - load["available_kv_tokens"], total_kv_tokens=total,
+            cache_hit_rate=self.stats.cache_hit_rate, gen_throughput=self.stats.gen_throughput)
+
+    def _model_info(self) -> worker_pb2.GetModelInfoResponse:
+        e = self.engine
+        return worker_pb2.GetModelInfoResponse(
+            model_path=e.args.model_path, tokenizer_path=e.args.tokenizer_path or e.args.model_path,
+            is_generation=True, served_model_name=self.settings.served_model_name or e.args.model_path,
+            max_context_length=e.args.context_length, vocab_size=e.model_config.vocab_size,
+            model_type=e.model_config.architecture, eos_token_ids=sorted(e.model_config.eos_token_ids),
+            preferred_sampling_params=json.dumps(e.model_config.generation_defaults or {}),
+            max_total_num_tokens=e.runner.max_total_tokens,
+            disaggregation_mode=self.settings.disaggregation_mode,
+            bootstrap_port=self.settings.disaggregation_bootstrap_port
+            if self.settings.disaggregation_mode == "prefill" else 0)
+
+    async def GetModelInfo(self, request, context):
+        return self._model_info()
+
+    async def GetServerInfo(self, request, context):
+        info = await self._blocking(self.engine.get_server_info)
+        info.update(disaggregation_mode=self.settings.disaggregation_mode,
+                    served_model_name=self.settings.served_model_name or self.engine.args.model_path,
+                    uptime_s=time.time() - self.started, cache_hit_rate=self.stats.cache_hit_rate)
+        return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps(info, default=str))
+
+    async def FlushCache(self, request, context):
+        ok = await self._blocking(self.engine.flush_cache)
+        return worker_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests are in flight; not flushed")
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "KV events are not published yet (they arrive with the kvstore and global prefix index)")
+        yield  # an async generator, as the streaming RPC requires

@@ -1,0 +1,18 @@
+"""`python -m services.prefill --model-path PATH --port N`: a prefill worker (--disaggregation-mode prefill).
+It loads the engine and answers health, load and info calls; the KV handoff to decode workers is the next step."""
+
+from __future__ import annotations
+
+import sys
+
+from services.decode.__main__ import main as worker_main
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    # Given first, so a --disaggregation-mode on the command line still wins.
+    worker_main(["--disaggregation-mode", "prefill", *argv], description="radixmesh prefill worker")
+
+
+if __name__ == "__main__":
+    main()
