@@ -30,7 +30,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: frozen
         kind = field_type(cls, f)
         helptext = f.metadata.get("help")
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=helptext)
+            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=helptext)
         elif typing.get_origin(kind) in (list, tuple):
             parser.add_argument(flag, nargs="*", type=typing.get_args(kind)[0], default=argparse.SUPPRESS,
                                 help=helptext)

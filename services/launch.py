@@ -1,0 +1,215 @@
+"""`radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [engine flags]` (also
+`python -m services.launch serve ...`): starts the tokenizer, N colocated workers and the router as separate OS
+processes on loopback, waits until each is healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
+router first (it lets open requests finish), then the workers and the tokenizer. Children get SIGKILL if the
+launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import EngineArgs
+from services.common.settings import parse_settings
+
+log = logging.getLogger("radixmesh.launch")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSettings:
+    num_workers: int = field(default=1, metadata={"help": "colocated workers (separate processes)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
+    port: int = field(default=30000, metadata={"help": "router HTTP port"})
+    grpc_port: int | None = field(default=None, metadata={"help": "router public gRPC port (unset: off)"})
+    policy: str = field(default="cache_aware", metadata={"help": "round_robin, random or cache_aware"})
+    api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
+    served_model_name: str | None = None
+    chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds open requests get on SIGTERM"})
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("--num-workers must be at least 1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def engine_flags(engine_kwargs: dict) -> list[str]:
+    """Engine keyword arguments back into SGLang-named flags for the workers."""
+    flags = []
+    for name, value in engine_kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    health: str  # "grpc://host:port" or "http://host:port/health"
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        if self.health.startswith("grpc://"):
+            with grpc.insecure_channel(self.health.removeprefix("grpc://")) as ch:
+                try:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                except grpc.RpcError:
+                    return False
+                return r.status == health_pb2.HealthCheckResponse.SERVING
+        try:
+            with urllib.request.urlopen(self.health, timeout=1.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def plan(settings: LaunchSettings, engine_kwargs: dict) -> list[Child]:
+    """The processes to start, in start order (tokenizer, workers, router)."""
+    model = engine_kwargs["model_path"]
+    tok_port = free_port()
+    tok = ["services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model,
+           "--port", str(tok_port)]
+    if settings.chat_template:
+        tok += ["--chat-template", settings.chat_template]
+    if engine_kwargs.get("context_length"):
+        tok += ["--context-length", str(engine_kwargs["context_length"])]
+    children = [Child("tokenizer", tok, f"grpc://127.0.0.1:{tok_port}")]
+    worker_urls = []
+    for i in range(settings.num_workers):
+        port = free_port()
+        worker_urls.append(f"127.0.0.1:{port}")
+        argv = ["services.decode", "--port", str(port), *engine_flags(engine_kwargs)]
+        if settings.served_model_name:
+            argv += ["--served-model-name", settings.served_model_name]
+        children.append(Child(f"worker-{i}", argv, f"grpc://127.0.0.1:{port}"))
+    router = ["services.router", "--host", settings.host, "--port", str(settings.port),
+              "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
+              "--shutdown-grace-s", str(settings.shutdown_grace_s)]
+    for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),
+                        ("--served-model-name", settings.served_model_name)):
+        if value is not None:
+            router += [flag, str(value)]
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    children.append(Child("router", router, f"http://{host}:{settings.port}/health"))
+    return children
+
+
+def wait_healthy(children: list[Child], deadline: float) -> None:
+    pending = list(children)
+    while pending:
+        for c in list(pending):
+            if not c.alive():
+                raise RuntimeError(f"{c.name} exited with status {c.proc.returncode} during startup")
+            if c.healthy():
+                log.info("%s is healthy", c.name)
+                pending.remove(c)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy within the startup timeout: {', '.join(c.name for c in pending)}")
+        time.sleep(0.2)
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    """Router first (so open streams end while the workers still serve them), then everything else."""
+    router = [c for c in children if c.name == "router"]
+    for group in (router, [c for c in children if c.name != "router"]):
+        for c in group:
+            if c.alive():
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + 5
+        for c in group:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit in time; killing it", c.name)
+                c.proc.kill()
+                c.proc.wait()
+
+
+def serve(settings: LaunchSettings, engine_kwargs: dict) -> int:
+    children = plan(settings, engine_kwargs)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    try:
+        for c in children[:-1]:
+            c.start()
+        wait_healthy(children[:-1], time.monotonic() + settings.startup_timeout_s)
+        children[-1].start()
+        wait_healthy(children[-1:], time.monotonic() + settings.startup_timeout_s)
+        print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
+              f"http://{settings.host}:{settings.port}/v1)", flush=True)
+        code = 0
+        while not stopping:
+            essential = [c for c in children if not c.name.startswith("worker-")]
+            dead = [c for c in essential if not c.alive()]
+            if dead:
+                log.error("%s exited (status %s); stopping everything", dead[0].name, dead[0].proc.returncode)
+                code = 1
+                break
+            time.sleep(0.2)
+    except RuntimeError as e:
+        log.error("%s", e)
+        code = 1
+    log.info("stopping all services")
+    stop_all(children, settings.shutdown_grace_s)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [flags]  (serve --help)",
+              file=sys.stderr)
+        return 2
+    settings, engine_kwargs = parse_settings("radixmesh serve: tokenizer, workers and router on this machine",
+                                             LaunchSettings, argv[1:], EngineArgs)
+    if not engine_kwargs.get("model_path"):
+        print("--model-path is required", file=sys.stderr)
+        return 2
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s launch: %(message)s")
+    return serve(settings, engine_kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`python -m services.router --tokenizer-url HOST:PORT --worker-urls HOST:PORT ... [--port 30000]`: the public
+front door. HTTP (OpenAI + SGLang native) on --port, the public gRPC API on --grpc-port when given.
+SIGTERM/SIGINT: stop accepting, let open requests finish (up to --shutdown-grace-s), then exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+from radixmesh.v1 import router_pb2, router_pb2_grpc
+from services.common.logs import setup_logging
+from services.common.server import GrpcService, GrpcSettings
+from services.common.settings import parse_settings
+from services.router import native_api, openai_api
+from services.router.core import Router
+from services.router.grpc_api import RouterServicer
+from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware
+from services.router.policies import make_policy
+from services.router.settings import RouterSettings
+from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
+from services.router.workers import WorkerRegistry
+
+log = logging.getLogger("services.router")
+STARTUP_WAIT_S = 120.0
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, make_auth_middleware(router.settings.api_key)],
+                          client_max_size=64 * 1024 * 1024)
+    app[native_api.ROUTER] = router
+    app[INFLIGHT] = {"n": 0}
+    native_api.add_routes(app)
+    openai_api.add_routes(app)
+    return app
+
+
+async def build_router(settings: RouterSettings) -> Router:
+    tokenizer = TokenizerClient(settings.tokenizer_url, settings.connect_timeout_s)
+    await tokenizer.connect(STARTUP_WAIT_S)
+    registry = WorkerRegistry(settings.connect_timeout_s, settings.health_check_interval_s)
+    for url in settings.worker_urls:
+        try:
+            await registry.add(url)
+        except ValueError as e:
+            log.error("worker not added (add it later with POST /add_worker?url=...): %s", e)
+    registry.start()
+    return Router(settings, registry, make_policy(settings.policy, settings), tokenizer)
+
+
+async def _drain(app: web.Application, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while app[INFLIGHT]["n"] > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if app[INFLIGHT]["n"]:
+        log.warning("%d requests still open after %.0f s; closing them", app[INFLIGHT]["n"], grace_s)
+
+
+async def serve(settings: RouterSettings) -> None:
+    try:
+        router = await build_router(settings)
+    except TokenizerUnavailable as e:
+        log.error("cannot start: %s", e)
+        raise SystemExit(1) from None
+    app = build_app(router)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    grpc_service = None
+    if settings.grpc_port is not None:
+        def register(server) -> list[str]:
+            router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
+            return [router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name]
+        grpc_service = GrpcService(GrpcSettings(settings.host, settings.grpc_port, settings.shutdown_grace_s,
+                                                settings.log_level), register)
+        await grpc_service.start()
+    log.info("router listening on http://%s:%d (%d workers, policy %s)", settings.host, settings.port,
+             len(router.registry.workers), settings.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: no new requests; %d open", app[INFLIGHT]["n"])
+    await site.stop()
+    stops = [_drain(app, settings.shutdown_grace_s)]
+    if grpc_service is not None:
+        stops.append(grpc_service.stop())
+    await asyncio.gather(*stops)
+    await runner.cleanup()
+    await router.registry.close()
+    await router.tokenizer.close()
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    (settings,) = parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door",
+                                 RouterSettings, argv)
+    setup_logging("router", settings.log_level)
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The router's request path shared by every front end (OpenAI, /generate, gRPC): tokenize through the tokenizer
+service, pick a healthy worker with the policy, stream the worker's messages back. A worker that fails before it
+streamed anything is marked unhealthy and the request is retried once on another; failures map to HTTP statuses
+(RouterError) so each front end can answer in its own error format."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.router.policies import Policy
+from services.router.settings import RouterSettings
+from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
+from services.router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+           grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.UNAVAILABLE: 503,
+           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501}
+
+
+class RouterError(Exception):
+    """A failed request: `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, registry: WorkerRegistry, policy: Policy,
+                 tokenizer: TokenizerClient):
+        self.settings = settings
+        self.registry = registry
+        self.policy = policy
+        self.tokenizer = tokenizer
+        registry.on_remove = policy.forget
+
+    @property
+    def model_name(self) -> str:
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        info = self.registry.any_info()
+        return info.served_model_name if info is not None else "default"
+
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        try:
+            return await self.tokenizer.tokenize(request)
+        except ValueError as e:
+            raise RouterError(400, str(e)) from None
+        except TokenizerUnavailable as e:
+            raise RouterError(503, str(e)) from None
+
+    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
+        call, which aborts the request there and frees its KV pages."""
+        tried: set[str] = set()
+        attempts = 2 if self.settings.retry_on_unavailable else 1
+        for attempt in range(attempts):
+            candidates = [w for w in self.registry.healthy() if w.url not in tried]
+            if not candidates:
+                raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
+            worker = self.policy.pick(candidates, request.input_ids)
+            tried.add(worker.url)
+            worker.in_flight += 1
+            call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
+            streamed = False
+            try:
+                async for msg in call:
+                    streamed = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise RouterError(_STATUS.get(code, 500), e.details() or code.name) from None
+                self.registry.mark_failed(worker, e.details() or "unavailable")
+                if streamed or attempt == attempts - 1:
+                    raise RouterError(503, f"worker {worker.url} failed: {e.details()}") from None
+                log.info("worker %s unavailable before streaming; retrying on another", worker.url)
+            finally:
+                worker.in_flight -= 1
+                call.cancel()

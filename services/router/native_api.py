@@ -1,0 +1,166 @@
+"""SGLang's native HTTP endpoints on the router: /generate, /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache, /add_worker, /remove_worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+from aiohttp import web
+
+from radixmesh.v1 import worker_pb2
+from services.router import generate_api
+from services.router.core import Router, RouterError
+from services.router.http_common import json_body, start_sse
+from services.router.openai_errors import bad_request, from_status
+from services.router.openai_response import SSE_DONE, error_event, sse
+
+log = logging.getLogger(__name__)
+ROUTER = web.AppKey("router", Router)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER]
+    try:
+        jobs, is_batch, stream, lp = generate_api.parse(await json_body(request))
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    if not stream:
+        results = await generate_api.run_batch(router, jobs, lp)
+        return web.json_response(results if is_batch or len(results) > 1 else results[0])
+    resp = await start_sse(request)
+    events: asyncio.Queue = asyncio.Queue()
+    offsets, total = [], 0
+    for job in jobs:  # stream indices of a batch: prompt i's samples follow prompt i-1's
+        offsets.append(total)
+        total += job.sampling.n if job.sampling.HasField("n") else 1
+
+    async def pump(job, offset):
+        try:
+            async for event in generate_api.stream_events(router, job, lp, offset if is_batch else 0):
+                await events.put(event)
+        except RouterError as e:
+            await events.put(error_event(from_status(e.status, e.message)))
+
+    tasks = [asyncio.create_task(pump(j, o)) for j, o in zip(jobs, offsets)]
+    done_task = asyncio.gather(*tasks)
+    done_task.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while (event := await events.get()) is not None:
+            await resp.write(sse(event))
+        await resp.write(SSE_DONE)
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client went away; cancelling its requests")
+        raise
+    finally:
+        for t in tasks:
+            t.cancel()
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 when at least one worker generates a token now; each worker's answer in the body."""
+    router = request.app[ROUTER]
+    workers = list(router.registry.workers.values())
+    if not workers:
+        raise RouterError(503, "no worker registered")
+
+    async def check(w):
+        try:
+            r = await w.stub.HealthCheck(worker_pb2.HealthCheckRequest(),
+                                         timeout=router.settings.connect_timeout_s + 20)
+            ok, msg = r.healthy, r.message
+        except grpc.aio.AioRpcError as e:
+            ok, msg = False, f"{e.code().name}: {e.details()}"
+        if not ok:
+            router.registry.mark_failed(w, msg)
+        return {"url": w.url, "healthy": ok, "message": msg}
+
+    results = await asyncio.gather(*(check(w) for w in workers))
+    status = 200 if any(r["healthy"] for r in results) else 503
+    return web.json_response({"workers": results}, status=status)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    info = router.registry.any_info()
+    if info is None:
+        raise RouterError(503, "no worker registered")
+    return web.json_response({"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
+                              "is_generation": info.is_generation, "served_model_name": router.model_name,
+                              "max_context_length": info.max_context_length, "vocab_size": info.vocab_size,
+                              "model_type": info.model_type,
+                              "preferred_sampling_params": info.preferred_sampling_params or None})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    """The first healthy worker's server info at the top level (SGLang's shape), every worker's under `workers`."""
+    router = request.app[ROUTER]
+
+    async def one(w):
+        try:
+            r = await w.stub.GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=router.settings.connect_timeout_s)
+            return {"url": w.url, **json.loads(r.server_info_json)}
+        except grpc.aio.AioRpcError as e:
+            return {"url": w.url, "error": f"{e.code().name}: {e.details()}"}
+
+    infos = await asyncio.gather(*(one(w) for w in router.registry.workers.values()))
+    top = next((i for i in infos if "error" not in i), {})
+    settings = {k: getattr(router.settings, k) for k in router.settings.__dataclass_fields__ if k != "api_key"}
+    return web.json_response({**top, "router": settings, "workers": infos}, dumps=lambda o: json.dumps(o, default=str))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+
+    async def one(w):
+        try:
+            r = await w.stub.FlushCache(worker_pb2.FlushCacheRequest(), timeout=router.settings.connect_timeout_s)
+            return r.success, r.message
+        except grpc.aio.AioRpcError as e:
+            return False, f"{w.url}: {e.code().name}"
+
+    results = await asyncio.gather(*(one(w) for w in router.registry.workers.values()))
+    failed = [m for ok, m in results if not ok]
+    if failed:
+        return web.Response(status=400, text="Cache not flushed: " + "; ".join(failed))
+    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                             "or waiting requests, the operation will not be performed.)\n")
+
+
+def _url_param(request: web.Request) -> str:
+    url = request.query.get("url")
+    if not url:
+        raise bad_request("give the worker as ?url=host:port", param="url")
+    return url
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    worker = await router.registry.add(_url_param(request))
+    await router.registry.probe(worker)
+    return web.Response(text=f"Added worker: {worker.url}\n")
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    url = _url_param(request)
+    if not await request.app[ROUTER].registry.remove(url):
+        raise from_status(404, f"no worker {url}")
+    return web.Response(text=f"Removed worker: {url}\n")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/add_worker", add_worker)
+    app.router.add_post("/remove_worker", remove_worker)

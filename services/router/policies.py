@@ -1,0 +1,131 @@
+"""Routing policies: pick one of the healthy workers for a tokenized request.
+
+cache_aware follows SGLang's router: when load is balanced, send the request where the longest prefix of it was
+sent before (if that covers at least cache_threshold of the prompt), else to the worker that has seen the least
+(the most free cache); when load is imbalanced (max - min > balance_abs_threshold and max > min *
+balance_rel_threshold) send it to the least loaded worker. "Seen" is an approximate radix tree per worker of the
+token ids routed there, at block granularity: a block of BLOCK tokens is keyed by a hash chained over every block
+before it, so a dict of keys is a trie of blocks; the oldest blocks are forgotten past max_tree_tokens."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+from typing import Callable, Protocol, Sequence
+
+BLOCK = 16
+
+
+class Candidate(Protocol):
+    url: str
+    in_flight: int
+
+
+class Policy(Protocol):
+    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int]) -> Candidate: ...
+
+    def forget(self, url: str) -> None: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, workers, input_ids):
+        return workers[next(self._counter) % len(workers)]
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+class Random:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick(self, workers, input_ids):
+        return self._rng.choice(list(workers))
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+def block_keys(input_ids: Sequence[int]) -> list[int]:
+    """Chained hashes of the full BLOCK-token blocks of a sequence (a partial last block is not remembered)."""
+    keys, prev = [], 0
+    for start in range(0, len(input_ids) - BLOCK + 1, BLOCK):
+        prev = hash((prev, tuple(input_ids[start:start + BLOCK])))
+        keys.append(prev)
+    return keys
+
+
+class PrefixTree:
+    """One worker's remembered blocks, oldest first (an LRU over block keys)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_blocks = max(max_tokens // BLOCK, 1)
+        self.blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def match(self, keys: list[int]) -> int:
+        """Number of leading blocks present."""
+        n = 0
+        for key in keys:
+            if key not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, keys: list[int]) -> None:
+        for key in keys:
+            self.blocks[key] = None
+            self.blocks.move_to_end(key)
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.blocks)
+
+
+class CacheAware:
+    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
+                 max_tree_tokens: int):
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self.max_tree_tokens = max_tree_tokens
+        self.trees: dict[str, PrefixTree] = {}
+
+    def _tree(self, url: str) -> PrefixTree:
+        if url not in self.trees:
+            self.trees[url] = PrefixTree(self.max_tree_tokens)
+        return self.trees[url]
+
+    def pick(self, workers, input_ids):
+        keys = block_keys(input_ids)
+        loads = [w.in_flight for w in workers]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
+            chosen = workers[loads.index(lo)]
+        else:
+            matches = [self._tree(w.url).match(keys) for w in workers]
+            best = max(range(len(workers)), key=lambda i: (matches[i], -loads[i]))
+            if keys and matches[best] * BLOCK >= self.cache_threshold * len(input_ids):
+                chosen = workers[best]
+            else:
+                chosen = min(workers, key=lambda w: (self._tree(w.url).size, w.in_flight))
+        self._tree(chosen.url).insert(keys)
+        return chosen
+
+    def forget(self, url: str) -> None:
+        self.trees.pop(url, None)
+
+
+def make_policy(name: str, settings) -> Policy:
+    makers: dict[str, Callable[[], Policy]] = {
+        "round_robin": RoundRobin,
+        "random": Random,
+        "cache_aware": lambda: CacheAware(settings.cache_threshold, settings.balance_abs_threshold,
+                                          settings.balance_rel_threshold, settings.max_tree_tokens),
+    }
+    return makers[name]()

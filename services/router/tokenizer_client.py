@@ -1,0 +1,41 @@
+"""The router's client of the tokenizer service (the router never loads a tokenizer itself)."""
+
+from __future__ import annotations
+
+import grpc
+
+from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.server import channel
+
+
+class TokenizerUnavailable(Exception):
+    pass
+
+
+class TokenizerClient:
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url
+        self.timeout_s = timeout_s
+        self.channel = channel(url)
+        self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
+        self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
+
+    async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
+        try:
+            self.info = await self.stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=wait_s,
+                                                         wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
+        return self.info
+
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
+        try:
+            return await self.stub.Tokenize(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)

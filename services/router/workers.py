@@ -1,0 +1,123 @@
+"""The router's worker registry: one gRPC channel per worker, model info fetched on add, a background health
+probe (grpc.health.v1) every few seconds, and in-flight counts the policies read. A worker that refuses a call is
+marked unhealthy at once, so new requests stop going there before the next probe."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.server import channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    url: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerServiceStub
+    info: worker_pb2.GetModelInfoResponse
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = field(default=0)
+
+
+class NoHealthyWorker(Exception):
+    pass
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().removeprefix("grpc://").removeprefix("http://").rstrip("/")
+    host, sep, port = url.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"worker url must be host:port, got {url!r}")
+    return url
+
+
+class WorkerRegistry:
+    def __init__(self, connect_timeout_s: float, probe_interval_s: float):
+        self.connect_timeout_s = connect_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.workers: dict[str, Worker] = {}
+        self._probe_task: asyncio.Task | None = None
+        self.on_remove = lambda url: None
+
+    async def add(self, url: str) -> Worker:
+        """Connect and fetch the model info; ValueError if the worker cannot be reached or serves another model."""
+        url = normalize_url(url)
+        if url in self.workers:
+            return self.workers[url]
+        ch = channel(url)
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        try:
+            info = await stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=self.connect_timeout_s,
+                                           wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            await ch.close()
+            raise ValueError(f"worker {url} did not answer GetModelInfo: {e.code().name} {e.details()}") from None
+        others = [w.info.served_model_name for w in self.workers.values()]
+        if others and info.served_model_name != others[0]:
+            await ch.close()
+            raise ValueError(f"worker {url} serves {info.served_model_name!r}, the others {others[0]!r}")
+        worker = Worker(url, ch, stub, info)
+        self.workers[url] = worker
+        log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
+        return worker
+
+    async def remove(self, url: str) -> bool:
+        worker = self.workers.pop(normalize_url(url), None)
+        if worker is None:
+            return False
+        self.on_remove(worker.url)
+        await worker.channel.close(grace=None)
+        log.info("removed worker %s", worker.url)
+        return True
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy and w.info.disaggregation_mode == "null"]
+
+    def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
+        for w in self.workers.values():
+            return w.info
+        return None
+
+    def mark_failed(self, worker: Worker, reason: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker.url, reason)
+        worker.healthy = False
+
+    async def probe(self, worker: Worker) -> bool:
+        stub = health_pb2_grpc.HealthStub(worker.channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=min(self.connect_timeout_s, 2))
+            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            ok, reason = False, f"{e.code().name}"
+        else:
+            reason = "not serving"
+        if ok and not worker.healthy:
+            log.info("worker %s is healthy again", worker.url)
+        elif not ok:
+            self.mark_failed(worker, reason)
+        worker.healthy = ok
+        return ok
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
+
+    def start(self) -> None:
+        self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+        for w in list(self.workers.values()):
+            await w.channel.close(grace=None)
