@@ -1,0 +1,130 @@
+"""Launch the real mesh (`python -m services.launch serve`: tokenizer, workers and router as OS processes) for
+end-to-end tests, and check on teardown that no process is left over."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().split(")")[-1].split()[0] == "Z":  # a zombie has exited
+                return False
+    return True
+
+
+@dataclass
+class Mesh:
+    proc: subprocess.Popen
+    port: int
+    grpc_port: int
+    api_key: str | None = None
+    log_path: Path | None = None
+    known_pids: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def services(self) -> dict[str, int]:
+        """Service module name (services.router, services.decode, ...) -> pid; several workers get -0, -1, ..."""
+        out: dict[str, int] = {}
+        for pid in child_pids(self.proc.pid):
+            name = next((a for a in cmdline(pid).split() if a.startswith("services.")), "?")
+            key, i = name, 0
+            while key in out:
+                i += 1
+                key = f"{name}-{i}"
+            out[key] = pid
+        return out
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str | None = None,
+           timeout: float = 180.0) -> Mesh:
+    port, grpc_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "services.launch", "serve", "--model-path", model, "--port", str(port),
+            "--grpc-port", str(grpc_port), "--num-workers", str(num_workers), "--shutdown-grace-s", "10",
+            "--log-level", "warning", *args]
+    if api_key:
+        argv += ["--api-key", api_key]
+    log_path = tmp / f"mesh-{port}.log"
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    mesh = Mesh(proc, port, grpc_port, api_key, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launcher exited with {proc.returncode}:\n{mesh.log_tail()}")
+        if "radixmesh is ready" in log_path.read_text(errors="replace"):
+            mesh.known_pids = list(mesh.services().values())
+            return mesh
+        time.sleep(0.2)
+    mesh.stop()
+    raise RuntimeError(f"mesh not ready within {timeout} s:\n{mesh.log_tail()}")
+
+
+def stop_and_check(mesh: Mesh) -> None:
+    """Stop the launcher; every process it started must be gone."""
+    code = mesh.stop()
+    leftovers = [p for p in mesh.known_pids if alive(p)]
+    for p in leftovers:
+        os.kill(p, signal.SIGKILL)
+    assert not leftovers, f"processes left over: {[cmdline(p) for p in leftovers]}"
+    assert code == 0, f"launcher exit code {code}:\n{mesh.log_tail()}"
+
+
+def http_get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
