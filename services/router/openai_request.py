@@ -1,0 +1,437 @@
+"""OpenAI request JSON -> the pieces of a worker request: tokenizer input, SamplingParams and LogprobOptions.
+
+Semantics follow SGLang's OpenAI server. Unset OpenAI fields stay unset in SamplingParams, so the worker applies the
+model's recommended value or SGLang's default (this includes `max_tokens`: no OpenAI-style default of 16 here).
+Unknown fields are ignored, and so are SGLang's `separate_reasoning`, `rid` and OpenAI's `user`; `null` means absent.
+Decisions worth knowing:
+  - completions take one prompt: a string, a list of token ids, or a one-element list of either; a batch of several
+    prompts is answered with 400 (send one request per prompt).
+  - `tools` reach the chat template (unless `tool_choice` is "none"); `tool_choice` is validated but tool calls in the
+    output are not parsed (the reply is plain text).
+  - chat content parts must be text (joined with "\\n"): these models take text only.
+  - role "developer" is passed to the chat template as "system".
+  - completions `echo` with `logprobs` also asks for prompt logprobs (logprob_start_len = 0), as OpenAI returns them.
+Every rejection is an OpenAIError(400) whose message and `param` name the field; an unknown model is a 404."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixmesh.v1 import common_pb2, tokenizer_pb2
+from services.router.openai_errors import OpenAIError, bad_request, not_found, unavailable
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_NON_TEXT_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video_url", "file")
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIJob:
+    """One validated OpenAI request. Exactly one of `tokenize` and `prompt_ids` is set."""
+
+    model: str
+    kind: Literal["chat", "completion"]
+    sampling: common_pb2.SamplingParams
+    logprobs: common_pb2.LogprobOptions
+    tokenize: tokenizer_pb2.TokenizeRequest | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    stream: bool = False
+    # stream_options.include_usage, and only when streaming (a non-streamed reply always has usage).
+    include_usage: bool = False
+    n: int = 1
+    # Completions only: prepend the prompt text (and prompt logprobs when want_logprobs) to each choice.
+    echo: bool = False
+    # Whether the reply carries a `logprobs` object, and how many alternatives per token it lists.
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    # Chat only: as given ("none", "auto", "required" or {"type": "function", ...}); outputs are not parsed for calls.
+    tool_choice: Any = None
+
+
+class _Fields:
+    """Typed reads of optional JSON fields; a missing key and null both read as None."""
+
+    def __init__(self, body: dict[str, Any], prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def param(self, name: str) -> str:
+        return self.prefix + name
+
+    def fail(self, name: str, what: str) -> OpenAIError:
+        value = self.body.get(name)
+        return bad_request(f"'{self.param(name)}' {what}, got {_show(value)}", param=self.param(name))
+
+    def bool(self, name: str) -> bool | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise self.fail(name, "must be a boolean")
+        return value
+
+    def str(self, name: str) -> str | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise self.fail(name, "must be a string")
+        return value
+
+    def int(self, name: str, low: int = 0, high: int = INT32_MAX) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(name, "must be an integer")
+        if not low <= value <= high:
+            raise self.fail(name, f"must be in [{low}, {high}]")
+        return value
+
+    def number(self, name: str, low: float, high: float | None = None, low_open: bool = False) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        try:
+            finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        except OverflowError:  # an integer literal too large for a float
+            finite = False
+        if not finite:
+            raise self.fail(name, "must be a number")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise self.fail(name, f"must be in {'(' if low_open else '['}{low}, {'inf' if high is None else high}]")
+        return float(value)
+
+    def object(self, name: str) -> dict[str, Any] | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self.fail(name, "must be a JSON object")
+        return value
+
+    def list(self, name: str) -> list[Any] | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, list):
+            raise self.fail(name, "must be a list")
+        return value
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Common fields
+
+
+def _body(body: Any) -> _Fields:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return _Fields(body)
+
+
+def _model(f: _Fields, served_models: Collection[str]) -> str:
+    name = f.str("model")
+    if name is None:
+        if not served_models:
+            raise unavailable("no model is being served yet")
+        return served_models[0] if isinstance(served_models, (list, tuple)) else min(served_models)
+    if name not in served_models:
+        served = ", ".join(sorted(served_models)) or "none"
+        raise not_found(f"The model '{name}' does not exist; this server serves: {served}", param="model",
+                        code="model_not_found")
+    return name
+
+
+def _max_tokens(f: _Fields) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = f.int(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _stop(f: _Fields) -> list[str]:
+    value = f.body.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise f.fail("stop", "must be a non-empty string or a list of non-empty strings")
+    return items
+
+
+def _logit_bias(f: _Fields) -> dict[int, float]:
+    value = f.object("logit_bias") or {}
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not _is_token_id(token):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' value for token {key} must be a number in [-100, 100], got "
+                              f"{_show(bias)}", param="logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _response_format(f: _Fields) -> str | None:
+    """The JSON-schema constraint text that `response_format` asks for, or None."""
+    fmt = f.object("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {_show(kind)}",
+                          param="response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(f"'response_format.json_schema' must be a JSON object, got {_show(spec)}",
+                          param="response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"'response_format.json_schema.schema' must be a JSON schema object, got {_show(schema)}",
+                          param="response_format.json_schema.schema")
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _constraint(f: _Fields, sp: common_pb2.SamplingParams) -> None:
+    given = []
+    schema = _response_format(f)
+    if schema is not None:
+        sp.json_schema = schema
+        given.append("response_format")
+    for name in ("regex", "ebnf"):
+        text = f.str(name)
+        if text is None:
+            continue
+        if not text:
+            raise f.fail(name, "must be a non-empty string")
+        setattr(sp, name, text)
+        given.append(name)
+    if len(given) > 1:
+        raise bad_request(f"give at most one structured-output constraint, got {' and '.join(given)}",
+                          param=given[1])
+
+
+def _sampling(f: _Fields) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams()
+    ints = {"max_new_tokens": _max_tokens(f), "min_new_tokens": f.int("min_tokens"), "n": f.int("n", 1, MAX_N),
+            "sampling_seed": f.int("seed", 0, INT64_MAX), "top_k": f.int("top_k", -1)}
+    if ints["top_k"] == 0:
+        raise f.fail("top_k", "must be -1 (disabled) or >= 1")
+    floats = {"temperature": f.number("temperature", 0.0), "top_p": f.number("top_p", 0.0, 1.0, low_open=True),
+              "min_p": f.number("min_p", 0.0, 1.0), "frequency_penalty": f.number("frequency_penalty", -2.0, 2.0),
+              "presence_penalty": f.number("presence_penalty", -2.0, 2.0),
+              "repetition_penalty": f.number("repetition_penalty", 0.0, 2.0, low_open=True)}
+    bools = {name: f.bool(name) for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                                             "no_stop_trim")}
+    for name, value in {**ints, **floats, **bools}.items():
+        if value is not None:
+            setattr(sp, name, value)
+    low, high = ints["min_new_tokens"], ints["max_new_tokens"]
+    if low is not None and high is not None and low > high:
+        raise bad_request(f"'min_tokens' ({low}) must be <= the maximum number of new tokens ({high})",
+                          param="min_tokens")
+    sp.stop.extend(_stop(f))
+    stop_ids = f.list("stop_token_ids") or []
+    if not all(_is_token_id(t) for t in stop_ids):
+        raise f.fail("stop_token_ids", "must be a list of token ids")
+    sp.stop_token_ids.extend(stop_ids)
+    for token, bias in _logit_bias(f).items():
+        sp.logit_bias[token] = bias
+    _constraint(f, sp)
+    return sp
+
+
+def _logprob_options(top: int, echo: bool) -> common_pb2.LogprobOptions:
+    opts = common_pb2.LogprobOptions(return_logprob=True, top_logprobs_num=top, return_text_in_logprobs=True)
+    if echo:
+        opts.logprob_start_len = 0
+    return opts
+
+
+def _stream(f: _Fields) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options without stream is accepted and ignored."""
+    stream = bool(f.bool("stream"))
+    options = f.object("stream_options") or {}
+    include_usage = _Fields(options, "stream_options.").bool("include_usage")
+    return stream, stream and bool(include_usage)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat completions
+
+
+def _content(value: Any, param: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"'{param}' must be a string, null or a list of content parts, got {_show(value)}",
+                          param=param)
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _NON_TEXT_PARTS:
+            raise bad_request(f"this model takes text only: '{param}[{j}]' is a {kind} part", param=f"{param}[{j}]")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"'{param}[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
+                              f"{_show(part)}", param=f"{param}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _chat_message(i: int, m: Any) -> tokenizer_pb2.ChatMessage:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"'{param}' must be a JSON object with 'role' and 'content', got {_show(m)}", param=param)
+    f = _Fields(m, param + ".")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise f.fail("role", f"must be one of {', '.join(_ROLES)}")
+    msg = tokenizer_pb2.ChatMessage(role="system" if role == "developer" else role,
+                                    content=_content(m.get("content"), param + ".content"))
+    msg.name = f.str("name") or ""
+    msg.tool_call_id = f.str("tool_call_id") or ""
+    tool_calls = f.list("tool_calls")
+    if tool_calls:
+        if not all(isinstance(c, dict) for c in tool_calls):
+            raise f.fail("tool_calls", "must be a list of JSON objects")
+        msg.tool_calls_json = json.dumps(tool_calls, ensure_ascii=False)
+    return msg
+
+
+_TOOL_SHAPE = '{"type": "function", "function": {"name": ...}}'
+
+
+def _tools(f: _Fields) -> tuple[str, Any]:
+    """(tools_json for the chat template, tool_choice as given); tool_choice "none" keeps tools out of the prompt."""
+    tools = f.list("tools") or []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type") != "function":
+            raise bad_request(f"'tools[{i}]' must be {_TOOL_SHAPE}, got {_show(tool)}", param=f"tools[{i}]")
+    choice = f.body.get("tool_choice")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise f.fail("tool_choice", f"must be 'none', 'auto', 'required' or {_TOOL_SHAPE}")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"'tool_choice' names the function {name!r}, which is not in 'tools'",
+                              param="tool_choice")
+    elif choice is not None and choice not in ("none", "auto", "required"):
+        raise f.fail("tool_choice", f"must be 'none', 'auto', 'required' or {_TOOL_SHAPE}")
+    if choice == "required" and not tools:
+        raise bad_request("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
+    use_tools = tools and choice != "none"
+    return (json.dumps(tools, ensure_ascii=False) if use_tools else ""), choice
+
+
+def _chat_input(f: _Fields, tools_json: str) -> tokenizer_pb2.ChatInput:
+    messages = f.body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", param="messages")
+    chat = tokenizer_pb2.ChatInput(messages=[_chat_message(i, m) for i, m in enumerate(messages)])
+    chat.tools_json = tools_json
+    cont = bool(f.bool("continue_final_message"))
+    add_prompt = f.bool("add_generation_prompt")
+    if cont:
+        if add_prompt:
+            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                              param="add_generation_prompt")
+        if chat.messages[-1].role != "assistant":
+            raise bad_request("'continue_final_message' needs the last message to be from the assistant",
+                              param="continue_final_message")
+        add_prompt = False
+    chat.continue_final_message = cont
+    if add_prompt is not None:
+        chat.add_generation_prompt = add_prompt
+    kwargs = f.object("chat_template_kwargs")
+    if kwargs:
+        chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
+    return chat
+
+
+def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
+    """Validates a /v1/chat/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
+    f = _body(body)
+    model = _model(f, served_models)
+    tools_json, tool_choice = _tools(f)
+    chat = _chat_input(f, tools_json)
+    sampling = _sampling(f)
+    want = bool(f.bool("logprobs"))
+    top = f.int("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+    stream, include_usage = _stream(f)
+    return OpenAIJob(model=model, kind="chat", sampling=sampling,
+                     logprobs=_logprob_options(top or 0, False) if want else common_pb2.LogprobOptions(),
+                     tokenize=tokenizer_pb2.TokenizeRequest(chat=chat), stream=stream, include_usage=include_usage,
+                     n=sampling.n if sampling.HasField("n") else 1, want_logprobs=want, top_logprobs=top or 0,
+                     tool_choice=tool_choice)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Completions
+
+
+def _prompt(f: _Fields) -> tuple[str | None, tuple[int, ...] | None]:
+    """(text, None) or (None, token ids) for the one prompt the body holds."""
+    prompt = f.body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(f"'prompt' must be a string or a non-empty list of token ids, got {_show(prompt)}",
+                          param="prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return None, tuple(prompt)
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"batched prompts are not supported (got a list of {len(prompt)} prompts); "
+                          "send one request per prompt", param="prompt")
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None
+    if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(_is_token_id(t) for t in prompt[0]):
+        return None, tuple(prompt[0])
+    raise bad_request(f"'prompt' must be a string, a list of token ids (each in [0, {INT32_MAX}]) or a one-element "
+                      f"list of either, got {_show(prompt)}", param="prompt")
+
+
+def parse_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
+    """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
+    f = _body(body)
+    model = _model(f, served_models)
+    text, ids = _prompt(f)
+    if f.str("suffix"):
+        raise bad_request("'suffix' is not supported", param="suffix")
+    sampling = _sampling(f)
+    n = sampling.n if sampling.HasField("n") else 1
+    best_of = f.int("best_of", 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise bad_request(f"'best_of' different from 'n' is not supported (best_of={best_of}, n={n})", param="best_of")
+    top = f.int("logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = bool(f.bool("echo"))
+    stream, include_usage = _stream(f)
+    return OpenAIJob(model=model, kind="completion", sampling=sampling,
+                     logprobs=_logprob_options(top, echo) if top is not None else common_pb2.LogprobOptions(),
+                     tokenize=tokenizer_pb2.TokenizeRequest(text=text) if text is not None else None,
+                     prompt_ids=ids, stream=stream, include_usage=include_usage, n=n, echo=echo,
+                     want_logprobs=top is not None, top_logprobs=top or 0)

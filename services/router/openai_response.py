@@ -1,0 +1,395 @@
+"""Worker GenerateResponse messages -> OpenAI response JSON (chat and text completions, streamed or whole).
+
+A caller makes one builder per request and feeds it every GenerateResponse of that request, in arrival order
+(with n > 1 the samples' messages interleave):
+
+    stream = ChatStream(job, "chatcmpl-" + rid, created=int(time.time()), prompt_tokens=len(input_ids))
+    async for msg in worker_stream:
+        for chunk in stream.on_message(msg):    # raises OpenAIError on a worker GenerateError
+            yield sse(chunk)
+    for chunk in stream.final_chunks():         # the usage chunk when stream_options.include_usage
+        yield sse(chunk)
+    yield SSE_DONE                              # on OpenAIError e: yield sse(error_event(e)); yield SSE_DONE
+
+    result = ChatResult(job, "chatcmpl-" + rid, created, prompt_tokens=len(input_ids))
+    async for msg in worker_stream:
+        result.on_message(msg)
+    body = result.result()                      # raises OpenAIError(500) if a sample never completed
+
+The Completion* twins take `prompt_text` for `echo`. Streams emit whatever text the worker's chunks carry; a
+`complete` whose full text extends what was streamed (or one that arrives without chunks) contributes the rest.
+Logprobs that JSON cannot carry become null (NaN: the first prompt token) or -9999.0 (-inf), as OpenAI does.
+Token texts in logprobs come from the worker (return_text_in_logprobs); the router never detokenizes."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixmesh.v1 import common_pb2, worker_pb2
+from services.router.openai_errors import OpenAIError, from_status, internal
+from services.router.openai_request import OpenAIJob
+
+SSE_DONE = b"data: [DONE]\n\n"
+NEG_INF_LOGPROB = -9999.0
+_FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_TYPE_LENGTH: "length",
+           common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def error_event(err: OpenAIError) -> dict[str, Any]:
+    """The `data: {"error": {...}}` payload that ends a stream that failed after its first byte."""
+    return err.body()
+
+
+def worker_error(err: worker_pb2.GenerateError) -> OpenAIError:
+    return from_status(err.http_status_code, err.message or "the worker failed the request")
+
+
+def finish_reason(fr: common_pb2.FinishReason) -> str:
+    """"stop", "length" or "abort" (SGLang's names); an unspecified reason reads as "stop"."""
+    return _FINISH.get(fr.type, "stop")
+
+
+def matched_stop(fr: common_pb2.FinishReason) -> int | str | None:
+    """SGLang's `matched_stop`: the stop token id or stop string that ended the sample, else None."""
+    which = fr.WhichOneof("matched")
+    return getattr(fr, which) if which else None
+
+
+def _logprob(x: float) -> float | None:
+    if math.isnan(x):
+        return None
+    return NEG_INF_LOGPROB if math.isinf(x) and x < 0 else x
+
+
+def _at(seq: Any, i: int, default: Any) -> Any:
+    return seq[i] if i < len(seq) else default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprob formats (OutputLogprobs and InputLogprobs share their field names)
+
+
+def chat_logprob_entries(lp: Any, start: int = 0) -> list[dict[str, Any]]:
+    """Chat format, one entry per token from `start` on: {token, logprob, bytes, top_logprobs: [...]}."""
+    entries = []
+    for i in range(start, len(lp.token_ids)):
+        text = _at(lp.texts, i, "")
+        top = _at(lp.top_logprobs, i, None)
+        alts = [] if top is None else [
+            {"token": t, "logprob": _logprob(v), "bytes": list(t.encode())}
+            for t, v in zip(_texts(top), top.logprobs)]
+        entries.append({"token": text, "logprob": _logprob(lp.token_logprobs[i]), "bytes": list(text.encode()),
+                        "top_logprobs": alts})
+    return entries
+
+
+def _texts(top: common_pb2.TopLogprobs) -> list[str]:
+    return list(top.texts) if len(top.texts) == len(top.token_ids) else [""] * len(top.token_ids)
+
+
+@dataclass(slots=True)
+class LegacyLogprobs:
+    """Completions format: parallel lists; `offset` is where the next token starts in the choice's text."""
+
+    with_top: bool
+    offset: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, lp: Any, start: int = 0) -> None:
+        for i in range(start, len(lp.token_ids)):
+            text = _at(lp.texts, i, "")
+            self.tokens.append(text)
+            self.token_logprobs.append(_logprob(lp.token_logprobs[i]))
+            self.text_offset.append(self.offset)
+            self.offset += len(text)
+            top = _at(lp.top_logprobs, i, None)
+            alts: dict[str, float] | None = None
+            if top is not None and len(top.token_ids):
+                alts = {}
+                for t, v in zip(_texts(top), top.logprobs):
+                    alts.setdefault(t, _logprob(v))
+            self.top_logprobs.append(alts)
+
+    def take(self) -> dict[str, Any]:
+        """The JSON object of what was added since the last take (the offset carries on)."""
+        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "top_logprobs": self.top_logprobs if self.with_top else None, "text_offset": self.text_offset}
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-sample progress and usage
+
+
+@dataclass(slots=True)
+class _Sample:
+    started: bool = False
+    finished: bool = False
+    sent: list[str] = field(default_factory=list)
+    logprob_tokens: int = 0
+    completion_tokens: int = 0
+    complete: worker_pb2.GenerateComplete | None = None
+
+    def rest_of(self, full: str) -> str:
+        """The part of the full text not streamed yet ("" when the streamed text is not a prefix of it)."""
+        sent = "".join(self.sent)
+        return full[len(sent):] if full.startswith(sent) else ""
+
+
+class _Tally:
+    """The n samples of one request: checks indices, records completion and token counts."""
+
+    def __init__(self, n: int, prompt_tokens: int | None) -> None:
+        self.samples = [_Sample() for _ in range(n)]
+        self.prompt_tokens = prompt_tokens or 0
+        self.cached_tokens = 0
+
+    def sample(self, msg: worker_pb2.GenerateResponse) -> tuple[_Sample, str]:
+        """(the message's sample, which part of the response it holds); raises OpenAIError on a worker error."""
+        which = msg.WhichOneof("response")
+        if which == "error":
+            raise worker_error(msg.error)
+        if which is None:
+            raise internal(f"the worker sent an empty response for sample {msg.index}")
+        if msg.index >= len(self.samples):
+            raise internal(f"the worker sent sample index {msg.index} for a request with n={len(self.samples)}")
+        s = self.samples[msg.index]
+        if s.finished:
+            raise internal(f"the worker sent more after sample {msg.index} completed")
+        if which == "chunk":
+            self._count(s, msg.chunk.prompt_tokens, msg.chunk.cached_tokens, msg.chunk.completion_tokens)
+        else:
+            u = msg.complete.usage
+            self._count(s, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        return s, which
+
+    def _count(self, s: _Sample, prompt: int, cached: int, completion: int) -> None:
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
+        self.cached_tokens = max(self.cached_tokens, cached)
+        s.completion_tokens = max(s.completion_tokens, completion)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def completes(self) -> list[tuple[int, worker_pb2.GenerateComplete]]:
+        missing = [i for i, s in enumerate(self.samples) if not s.finished]
+        if missing:
+            raise internal(f"the worker stream ended before sample(s) {missing} completed")
+        return [(i, s.complete) for i, s in enumerate(self.samples)]
+
+    def usage(self) -> dict[str, Any]:
+        """Prompt tokens once (as OpenAI counts n > 1), completion tokens summed over the samples."""
+        completion = sum(s.completion_tokens for s in self.samples)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[str, Any]:
+    return {"id": response_id, "object": obj, "created": created, "model": job.model}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat completions
+
+
+class ChatStream:
+    """`chat.completion.chunk` dicts for a streamed chat request; `response_id` becomes each chunk's `id`."""
+
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
+        self.job = job
+        self._tally = _Tally(job.n, prompt_tokens)
+        self._head = _envelope("chat.completion.chunk", response_id, created, job)
+
+    @property
+    def done(self) -> bool:
+        return self._tally.done
+
+    def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """The chunks this message yields: a role chunk first per sample, content deltas, a finish chunk last."""
+        s, which = self._tally.sample(msg)
+        out = []
+        if not s.started:
+            s.started = True
+            out.append(self._chunk(msg.index, {"role": "assistant", "content": ""}))
+        if which == "chunk":
+            c = msg.chunk
+            entries = self._entries(c.output_logprobs, 0)
+            s.logprob_tokens += len(c.output_logprobs.token_ids)
+            if c.text or entries:
+                s.sent.append(c.text)
+                out.append(self._chunk(msg.index, {"content": c.text}, entries))
+            return out
+        cm = msg.complete
+        rest = s.rest_of(cm.text)
+        entries = self._entries(cm.output_logprobs, s.logprob_tokens)
+        s.finished = True
+        out.append(self._chunk(msg.index, {"content": rest} if rest else {}, entries, cm.finish_reason))
+        return out
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (no choices) when the request asked for stream_options.include_usage."""
+        if not self.job.include_usage:
+            return []
+        return [{**self._head, "choices": [], "usage": self._tally.usage()}]
+
+    def _entries(self, lp: common_pb2.OutputLogprobs, start: int) -> list[dict[str, Any]]:
+        return chat_logprob_entries(lp, start) if self.job.want_logprobs else []
+
+    def _chunk(self, index: int, delta: dict[str, Any], entries: list[dict[str, Any]] | None = None,
+               fr: common_pb2.FinishReason | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta,
+                                  "logprobs": {"content": entries} if entries else None, "finish_reason": None}
+        if fr is not None:
+            choice["finish_reason"] = finish_reason(fr)
+            choice["matched_stop"] = matched_stop(fr)
+        chunk = {**self._head, "choices": [choice]}
+        if self.job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+class ChatResult:
+    """One `chat.completion` dict from the `complete` messages of a non-streamed chat request."""
+
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
+        self.job = job
+        self._tally = _Tally(job.n, prompt_tokens)
+        self._head = _envelope("chat.completion", response_id, created, job)
+
+    @property
+    def done(self) -> bool:
+        return self._tally.done
+
+    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
+        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
+        s, which = self._tally.sample(msg)
+        if which == "complete":
+            s.complete, s.finished = msg.complete, True
+
+    def result(self) -> dict[str, Any]:
+        choices = []
+        for i, cm in self._tally.completes():
+            logprobs = {"content": chat_logprob_entries(cm.output_logprobs)} if self.job.want_logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": cm.text}, "logprobs": logprobs,
+                            "finish_reason": finish_reason(cm.finish_reason),
+                            "matched_stop": matched_stop(cm.finish_reason)})
+        return {**self._head, "choices": choices, "usage": self._tally.usage()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text completions
+
+
+class CompletionStream:
+    """`text_completion` chunk dicts for a streamed completions request; with echo, each sample's first chunk starts
+    with `prompt_text` (and its logprobs with the prompt's, when asked)."""
+
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_text: str = "",
+                 prompt_tokens: int | None = None) -> None:
+        self.job = job
+        self.prompt_text = prompt_text
+        self._tally = _Tally(job.n, prompt_tokens)
+        self._lps = [LegacyLogprobs(job.top_logprobs > 0) for _ in range(job.n)]
+        self._head = _envelope("text_completion", response_id, created, job)
+
+    @property
+    def done(self) -> bool:
+        return self._tally.done
+
+    def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """Zero or one chunk: new text and logprobs; the sample's last chunk carries its finish_reason."""
+        s, which = self._tally.sample(msg)
+        part = msg.chunk if which == "chunk" else msg.complete
+        lp = self._lps[msg.index] if self.job.want_logprobs else None
+        text = ""
+        if not s.started:
+            s.started = True
+            if self.job.echo:
+                text = self.prompt_text
+                if lp is not None:
+                    lp.add(part.input_logprobs)
+                    lp.offset = len(self.prompt_text)
+        if which == "chunk":
+            if lp is not None:
+                lp.add(part.output_logprobs)
+            s.logprob_tokens += len(part.output_logprobs.token_ids)
+            s.sent.append(part.text)
+            text += part.text
+            if not text and not (lp is not None and lp.tokens):
+                return []
+            return [self._chunk(msg.index, text, lp)]
+        text += s.rest_of(part.text)
+        if lp is not None:
+            lp.add(part.output_logprobs, s.logprob_tokens)
+        s.finished = True
+        return [self._chunk(msg.index, text, lp, part.finish_reason)]
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (no choices) when the request asked for stream_options.include_usage."""
+        if not self.job.include_usage:
+            return []
+        return [{**self._head, "choices": [], "usage": self._tally.usage()}]
+
+    def _chunk(self, index: int, text: str, lp: LegacyLogprobs | None,
+               fr: common_pb2.FinishReason | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lp.take() if lp is not None else None,
+                                  "finish_reason": None}
+        if fr is not None:
+            choice["finish_reason"] = finish_reason(fr)
+            choice["matched_stop"] = matched_stop(fr)
+        chunk = {**self._head, "choices": [choice]}
+        if self.job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+class CompletionResult:
+    """One `text_completion` dict from the `complete` messages of a non-streamed completions request."""
+
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_text: str = "",
+                 prompt_tokens: int | None = None) -> None:
+        self.job = job
+        self.prompt_text = prompt_text
+        self._tally = _Tally(job.n, prompt_tokens)
+        self._head = _envelope("text_completion", response_id, created, job)
+
+    @property
+    def done(self) -> bool:
+        return self._tally.done
+
+    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
+        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
+        s, which = self._tally.sample(msg)
+        if which == "complete":
+            s.complete, s.finished = msg.complete, True
+
+    def result(self) -> dict[str, Any]:
+        choices = []
+        for i, cm in self._tally.completes():
+            text, logprobs = cm.text, None
+            lp = LegacyLogprobs(self.job.top_logprobs > 0)
+            if self.job.echo:
+                text = self.prompt_text + text
+                lp.add(cm.input_logprobs)
+                lp.offset = len(self.prompt_text)
+            if self.job.want_logprobs:
+                lp.add(cm.output_logprobs)
+                logprobs = lp.take()
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish_reason(cm.finish_reason),
+                            "matched_stop": matched_stop(cm.finish_reason)})
+        return {**self._head, "choices": choices, "usage": self._tally.usage()}
