@@ -1,4 +1,4 @@
-"""The launched mesh (2 colocated workers on tiny-llama) shared by the end-to-end tests of one module, and the
+"""The launched mesh (2 colocated workers on tiny-llama) shared by the end-to-end tests of a session, and the
 offline Engine the outputs are compared with."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.engine_utils import running_engine
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mesh(tmp_path_factory):
     m = launch(model_path(MODEL), tmp_path_factory.mktemp("mesh"), num_workers=2)
     try:
@@ -21,7 +21,7 @@ def mesh(tmp_path_factory):
         stop_and_check(m)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline():
     with running_engine(model_path(MODEL)) as llm:
         yield llm

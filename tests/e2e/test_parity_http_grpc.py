@@ -1,0 +1,100 @@
+"""Greedy outputs through the mesh (SGLang /generate, OpenAI completions, the public gRPC API) are token-identical
+to the offline Engine's for the same requests; logprobs agree too."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import pytest
+
+from radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.conftest import model_path
+from tests.e2e.conftest import MODEL
+from tests.engine_utils import parity_prompts
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
+
+
+def post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read()
+
+
+def sse_events(raw: bytes) -> list:
+    lines = [ln[len(b"data: "):] for ln in raw.split(b"\n\n") if ln.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return parity_prompts(model_path(MODEL))
+
+
+@pytest.fixture(scope="module")
+def expected(offline, prompts):
+    return [r["output_ids"] for r in offline.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def test_generate_batch_and_stream(mesh, prompts, expected):
+    out = json.loads(post(mesh.url + "/generate", {"input_ids": prompts, "sampling_params": GREEDY}))
+    assert [r["output_ids"] for r in out] == expected
+    assert all(r["meta_info"]["completion_tokens"] == 16 for r in out)
+    for ids, want in zip(prompts[:4], expected[:4]):
+        events = sse_events(post(mesh.url + "/generate", {"input_ids": ids, "sampling_params": GREEDY,
+                                                          "stream": True}))
+        assert events[-1]["output_ids"] == want  # cumulative, as SGLang streams by default
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert all(a["text"] == b["text"][:len(a["text"])] for a, b in zip(events, events[1:]))
+
+
+def test_generate_text_and_logprobs(mesh, offline):
+    ref = offline.generate("The mesh routes requests", GREEDY, return_logprob=True, top_logprobs_num=2,
+                           logprob_start_len=0)
+    got = json.loads(post(mesh.url + "/generate", {"text": "The mesh routes requests", "sampling_params": GREEDY,
+                                                   "return_logprob": True, "top_logprobs_num": 2,
+                                                   "logprob_start_len": 0}))
+    assert got["output_ids"] == ref["output_ids"] and got["text"] == ref["text"]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        mine, theirs = got["meta_info"][key], ref["meta_info"][key]
+        assert [t for _, t, _ in mine] == [t for _, t, _ in theirs]
+        assert [lp for lp, _, _ in mine] == pytest.approx([lp for lp, _, _ in theirs], abs=1e-5, nan_ok=True)
+    assert got["meta_info"]["input_token_logprobs"][0][0] is None
+    assert [[t for _, t, _ in row] for row in got["meta_info"]["output_top_logprobs"]] == \
+        [[t for _, t, _ in row] for row in ref["meta_info"]["output_top_logprobs"]]
+
+
+def test_openai_completions_with_token_prompts(mesh, offline, prompts, expected):
+    for ids, want in zip(prompts[:5], expected[:5]):
+        body = {"model": model_path(MODEL), "prompt": ids, "max_tokens": 16, "temperature": 0}
+        got = json.loads(post(mesh.url + "/v1/completions", body))
+        assert got["choices"][0]["text"] == offline.tokenizer.decode(want)
+        assert got["usage"]["completion_tokens"] == 16
+
+
+def test_public_grpc_api(mesh, offline, prompts, expected):
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        assert list(stub.ListModels(router_pb2.ListModelsRequest()).models) == [model_path(MODEL)]
+        sp = common_pb2.SamplingParams(max_new_tokens=16, temperature=0.0)
+        for ids, want in zip(prompts, expected):
+            for stream in (False, True):
+                req = router_pb2.RouterServiceGenerateRequest(input_ids=router_pb2.TokenIdList(ids=ids),
+                                                              sampling_params=sp, stream=stream)
+                msgs = list(stub.Generate(req, timeout=60))
+                done = msgs[-1].complete
+                assert list(done.output_ids) == want
+                if stream:
+                    assert [t for m in msgs[:-1] for t in m.chunk.token_ids] == want
+                    assert "".join(m.chunk.text for m in msgs[:-1]) == done.text
+        ref = offline.generate("gRPC text in, text out", {"max_new_tokens": 16, "temperature": 0.0})
+        msgs = list(stub.Generate(router_pb2.RouterServiceGenerateRequest(text="gRPC text in, text out",
+                                                                          sampling_params=sp), timeout=60))
+        assert msgs[-1].complete.text == ref["text"]
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(router_pb2.RouterServiceGenerateRequest(
+                input_ids=router_pb2.TokenIdList(ids=[1, 99999]), sampling_params=sp), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.value.details()
