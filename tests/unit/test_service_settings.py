@@ -1,0 +1,56 @@
+"""Service settings: defaults < --config file < RADIXMESH_* environment < flags; bad values are clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineArgs
+from services.common.settings import build_parser, resolve
+from services.decode.settings import WorkerSettings
+from services.router.settings import RouterSettings
+
+
+def settings_of(cls, argv, env=None, *extra):
+    ns = build_parser("test", cls, *extra).parse_args(argv)
+    kwargs = resolve(ns, cls, *extra, environ=env or {})
+    return cls(**kwargs[0]), kwargs[1:]
+
+
+def test_precedence_file_env_flags(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("tokenizer-url: file:1\npolicy: random\nport: 1111\nworker_urls: [a:1, b:2]\n")
+    s, _ = settings_of(RouterSettings, ["--config", str(cfg)])
+    assert (s.tokenizer_url, s.policy, s.port, s.worker_urls) == ("file:1", "random", 1111, ("a:1", "b:2"))
+    env = {"RADIXMESH_POLICY": "round_robin", "RADIXMESH_PORT": "2222", "RADIXMESH_WORKER_URLS": "c:3,d:4",
+           "RADIXMESH_RETRY_ON_UNAVAILABLE": "false"}
+    s, _ = settings_of(RouterSettings, ["--config", str(cfg)], env)
+    assert (s.policy, s.port, s.worker_urls, s.retry_on_unavailable) == ("round_robin", 2222, ("c:3", "d:4"), False)
+    s, _ = settings_of(RouterSettings, ["--config", str(cfg), "--port", "3333", "--worker-urls", "e:5"], env)
+    assert (s.port, s.worker_urls, s.policy) == (3333, ("e:5",), "round_robin")
+
+
+def test_worker_settings_split_engine_args(tmp_path):
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text("page_size: 16\nport: 4000\n")
+    s, (engine,) = settings_of(WorkerSettings, ["--config", str(cfg), "--model-path", "m", "--enable-mixed-chunk"],
+                               {"RADIXMESH_CHUNKED_PREFILL_SIZE": "64"}, EngineArgs)
+    assert s.port == 4000 and s.disaggregation_mode == "null"
+    assert engine == {"model_path": "m", "page_size": 16, "enable_mixed_chunk": True, "chunked_prefill_size": 64}
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--tokenizer-url", "t:1", "--policy", "fastest"], {}, "--policy must be one of"),
+    (["--tokenizer-url", "t:1"], {"RADIXMESH_PORT": "lots"}, "RADIXMESH_PORT"),
+    (["--tokenizer-url", "t:1"], {"RADIXMESH_RETRY_ON_UNAVAILABLE": "maybe"}, "expected true or false"),
+    ([], {}, "--tokenizer-url is required"),
+])
+def test_bad_settings_are_clear_errors(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        settings_of(RouterSettings, argv, env)
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("tokenizer_url: t:1\nnot_a_setting: 3\n")
+    with pytest.raises(ValueError, match="not_a_setting"):
+        settings_of(RouterSettings, ["--config", str(cfg)])
