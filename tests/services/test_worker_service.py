@@ -1,0 +1,146 @@
+"""The worker as a real process over gRPC: Generate matches the offline engine, Abort and a closed stream free the
+request's KV pages at once, loads/info/flush/health answer, a prefill worker answers health, SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.launch import free_port
+from tests.conftest import ROOT, model_path
+from tests.engine_utils import running_engine
+
+MODEL = model_path("tiny-llama")
+
+
+def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--model-path", MODEL, "--port", str(port),
+                             "--log-level", "warning", *args], cwd=ROOT)
+    url = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    with grpc.insecure_channel(url) as ch:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"{module} exited with {proc.returncode}"
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return proc, url
+            except grpc.RpcError:
+                time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{module} not healthy")
+
+
+@pytest.fixture(scope="module")
+def worker():
+    proc, url = start("services.decode")
+    ch = grpc.insecure_channel(url)
+    yield worker_pb2_grpc.WorkerServiceStub(ch)
+    ch.close()
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+
+
+def greedy(max_new: int, **kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)
+
+
+def used_after_flush(stub) -> int:
+    deadline = time.monotonic() + 10
+    while not stub.FlushCache(worker_pb2.FlushCacheRequest()).success:
+        assert time.monotonic() < deadline, "flush kept failing: requests still in flight"
+        time.sleep(0.05)
+    return stub.GetLoads(worker_pb2.GetLoadsRequest()).used_kv_tokens
+
+
+def test_generate_matches_offline_engine(worker):
+    prompt = list(range(20, 60))
+    with running_engine(MODEL) as llm:
+        ref = llm.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0.0})
+    msgs = list(worker.Generate(worker_pb2.GenerateRequest(request_id="g1", input_ids=prompt,
+                                                           sampling_params=greedy(12), stream=True)))
+    assert [t for m in msgs[:-1] for t in m.chunk.token_ids] == ref["output_ids"]
+    assert "".join(m.chunk.text for m in msgs[:-1]) == msgs[-1].complete.text == ref["text"]
+    assert msgs[-1].complete.usage.completion_tokens == 12
+    whole = list(worker.Generate(worker_pb2.GenerateRequest(request_id="g2", input_ids=prompt,
+                                                            sampling_params=greedy(12, n=2))))
+    assert [m.index for m in whole] == [0, 1] and all(m.WhichOneof("response") == "complete" for m in whole)
+    assert list(whole[0].complete.output_ids) == ref["output_ids"]
+
+
+def test_abort_and_closed_stream_free_pages(worker):
+    assert used_after_flush(worker) == 0
+    stream = worker.Generate(worker_pb2.GenerateRequest(request_id="long", input_ids=list(range(30, 90)),
+                                                        sampling_params=greedy(900, ignore_eos=True), stream=True))
+    next(stream)
+    assert worker.GetLoads(worker_pb2.GetLoadsRequest()).num_running_requests == 1
+    assert worker.Abort(worker_pb2.AbortRequest(request_id="long", reason="test")).found
+    last = list(stream)[-1].complete
+    assert last.finish_reason.type == common_pb2.FINISH_REASON_TYPE_ABORT
+    assert last.usage.completion_tokens < 900
+    assert used_after_flush(worker) == 0
+    assert not worker.Abort(worker_pb2.AbortRequest(request_id="long")).found
+    stream = worker.Generate(worker_pb2.GenerateRequest(request_id="dropped", input_ids=list(range(30, 90)),
+                                                        sampling_params=greedy(900, ignore_eos=True), stream=True))
+    next(stream)
+    stream.cancel()  # the client goes away
+    assert used_after_flush(worker) == 0
+    assert worker.GetLoads(worker_pb2.GetLoadsRequest()).num_running_requests == 0
+
+
+def test_info_loads_health_and_errors(worker):
+    info = worker.GetModelInfo(worker_pb2.GetModelInfoRequest())
+    assert info.model_path == MODEL and info.vocab_size == 1000 and info.disaggregation_mode == "null"
+    assert info.max_total_num_tokens > 0 and info.max_context_length == 1024
+    server = json.loads(worker.GetServerInfo(worker_pb2.GetServerInfoRequest()).server_info_json)
+    assert server["max_total_num_tokens"] == info.max_total_num_tokens and server["page_size"] >= 1
+    assert worker.HealthCheck(worker_pb2.HealthCheckRequest()).healthy
+    loads = worker.GetLoads(worker_pb2.GetLoadsRequest())
+    assert loads.total_kv_tokens == info.max_total_num_tokens and 0 <= loads.cache_hit_rate <= 1
+    for bad, text in ((worker_pb2.GenerateRequest(request_id="b1", input_ids=[5, 99999]), "99999"),
+                      (worker_pb2.GenerateRequest(request_id="b2", input_ids=[5], sampling_params=common_pb2.
+                                                  SamplingParams(temperature=-1.0)), "temperature"),
+                      (worker_pb2.GenerateRequest(input_ids=[5]), "request_id")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(worker.Generate(bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest()))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_prefill_worker_answers_health_and_refuses_colocated_generate():
+    proc, url = start("services.prefill")
+    try:
+        with grpc.insecure_channel(url) as ch:
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            assert stub.GetModelInfo(worker_pb2.GetModelInfoRequest()).disaggregation_mode == "prefill"
+            assert stub.HealthCheck(worker_pb2.HealthCheckRequest()).healthy
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(worker_pb2.GenerateRequest(request_id="p", input_ids=[5, 6])))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_lets_an_open_stream_finish():
+    proc, url = start("services.decode", "--shutdown-grace-s", "20")
+    with grpc.insecure_channel(url) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        stream = stub.Generate(worker_pb2.GenerateRequest(request_id="s", input_ids=list(range(30, 60)),
+                                                          sampling_params=greedy(150, ignore_eos=True),
+                                                          stream=True))
+        next(stream)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert rest[-1].complete.usage.completion_tokens == 150
+    assert proc.wait(timeout=30) == 0
