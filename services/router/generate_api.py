@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
+from services.common.logs import request_id_var
 from services.router import convert
 from services.router.core import Router, RouterError, new_request_id
 
@@ -151,6 +152,7 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
 
 async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions,
                          stream: bool) -> worker_pb2.GenerateRequest:
+    request_id_var.set(job.rid)
     ids = job.input_ids
     if ids is None:
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)

@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import json_body, start_sse
 from services.router.native_api import ROUTER
@@ -50,6 +51,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     router = request.app[ROUTER]
     prompt_ids, prompt_text = await _prompt(router, job)
     rid = new_request_id()
+    request_id_var.set(rid)
     worker_request = worker_pb2.GenerateRequest(request_id=rid, input_ids=prompt_ids, sampling_params=job.sampling,
                                                 logprob_options=job.logprobs, stream=job.stream)
     builder = _builders(job, rid, prompt_ids, prompt_text)
