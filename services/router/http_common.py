@@ -50,6 +50,9 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(from_status(e.status, e.message))
     except ValueError as e:
         return error_response(bad_request(str(e)))
+    except ConnectionResetError:  # the client went away mid-response; there is no one left to answer
+        log.info("client went away on %s", request.path)
+        return web.Response(status=499)
     except web.HTTPException as e:
         if e.status >= 400:
             return error_response(from_status(e.status, e.reason))
