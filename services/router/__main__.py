@@ -67,7 +67,9 @@ async def serve(settings: RouterSettings) -> None:
         log.error("cannot start: %s", e)
         raise SystemExit(1) from None
     app = build_app(router)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker call (the
+    # worker aborts the request and frees its KV pages), also for non-streaming requests
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
