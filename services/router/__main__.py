@@ -94,6 +94,8 @@ async def serve(settings: RouterSettings) -> None:
     if grpc_service is not None:
         stops.append(grpc_service.stop())
     await asyncio.gather(*stops)
+    if router.abort_all("the server is shutting down"):  # still open after the grace period: end them with an error
+        await _drain(app, 2.0)
     await runner.cleanup()
     await router.registry.close()
     await router.tokenizer.close()

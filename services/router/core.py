@@ -5,6 +5,7 @@ streamed anything is marked unhealthy and the request is retried once on another
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import AsyncIterator
@@ -45,6 +46,17 @@ class Router:
         self.policy = policy
         self.tokenizer = tokenizer
         registry.on_remove = policy.forget
+        self._calls: set[grpc.aio.Call] = set()  # open worker calls
+        self._closing: str | None = None  # set by abort_all: why open calls were cancelled
+
+    def abort_all(self, reason: str) -> int:
+        """Cancel every open worker call (the workers abort those requests); each request then fails with
+        RouterError(503, reason), so its client gets an error, not a cut stream. Returns how many were open."""
+        self._closing = reason
+        calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     @property
     def model_name(self) -> str:
@@ -74,6 +86,7 @@ class Router:
             tried.add(worker.url)
             worker.in_flight += 1
             call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
+            self._calls.add(call)
             streamed = False
             try:
                 async for msg in call:
@@ -88,6 +101,12 @@ class Router:
                 if streamed or attempt == attempts - 1:
                     raise RouterError(503, f"worker {worker.url} failed: {e.details()}") from None
                 log.info("worker %s unavailable before streaming; retrying on another", worker.url)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closing is None or (task is not None and task.cancelling()):
+                    raise  # our caller was cancelled (e.g. its client went away)
+                raise RouterError(503, self._closing) from None  # abort_all cancelled the call
             finally:
+                self._calls.discard(call)
                 worker.in_flight -= 1
                 call.cancel()
