@@ -1,0 +1,94 @@
+"""`python -m benchmarks.fake_worker --port W [--tokens N]`: a WorkerService that answers at once, for measuring
+the router alone. Generate returns N tokens (sampling_params.max_new_tokens caps N when set): with stream=true
+one chunk per token (id i % 1000, text " tok") then one `complete`; with stream=false only the `complete`.
+No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.logs import setup_logging
+from services.common.server import GrpcService, GrpcSettings
+
+TOKEN_TEXT = " tok"
+VOCAB = 1000
+_LENGTH = common_pb2.FINISH_REASON_TYPE_LENGTH
+
+
+def token_ids(n: int) -> list[int]:
+    """The ids the fake generates for an n-token answer (what the benchmark checks against)."""
+    return [i % VOCAB for i in range(n)]
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, tokens: int, model_name: str):
+        self.tokens = tokens
+        self.model_name = model_name
+
+    def _count(self, request: worker_pb2.GenerateRequest) -> int:
+        sp = request.sampling_params
+        return min(self.tokens, sp.max_new_tokens) if sp.HasField("max_new_tokens") else self.tokens
+
+    async def Generate(self, request, context):
+        n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)
+        ids = token_ids(n)
+        if request.stream:
+            for i, tok in enumerate(ids):
+                yield worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
+                    token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1))
+        usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
+        yield worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
+            output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
+            finish_reason=common_pb2.FinishReason(type=_LENGTH, length=n)))
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=False)
+
+    async def GetLoads(self, request, context):
+        return worker_pb2.GetLoadsResponse()
+
+    async def HealthCheck(self, request, context):
+        return worker_pb2.HealthCheckResponse(healthy=True, message="fake")
+
+    async def GetModelInfo(self, request, context):
+        return worker_pb2.GetModelInfoResponse(
+            model_path=self.model_name, tokenizer_path=self.model_name, is_generation=True,
+            served_model_name=self.model_name, max_context_length=4096, vocab_size=VOCAB, model_type="fake",
+            eos_token_ids=[], preferred_sampling_params="{}", max_total_num_tokens=1 << 20,
+            disaggregation_mode="null")
+
+    async def GetServerInfo(self, request, context):
+        return worker_pb2.GetServerInfoResponse(server_info_json="{}")
+
+    async def FlushCache(self, request, context):
+        return worker_pb2.FlushCacheResponse(success=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per answer when max_new_tokens is unset")
+    parser.add_argument("--served-model-name", default="fake")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    setup_logging("fake-worker", args.log_level)
+    servicer = FakeWorker(args.tokens, args.served_model_name)
+
+    def register(server) -> list[str]:
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+        return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
+
+    settings = GrpcSettings(args.host, args.port, shutdown_grace_s=1.0, log_level=args.log_level)
+    asyncio.run(_serve(settings, register))
+
+
+async def _serve(settings: GrpcSettings, register) -> None:
+    await GrpcService(settings, register).run_until_signal()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""`python -m benchmarks.router [--out PATH]`: the router's own cost. Starts the real tokenizer service, two fake
+workers (benchmarks.fake_worker: answers at once) and the router as separate processes; pins the router to one core
+and everything else (this load generator included) to the others; runs closed-loop HTTP load per scenario and
+reads the router's CPU time (utime + stime of /proc/<pid>/stat) around each measured run. Every response is
+checked; any error makes the run fail (exit 1) after the results are written."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.router_scenarios import SCENARIOS, Scenario
+
+REPO = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of `pid` now, in MiB."""
+    with open(f"/proc/{pid}/status") as fh:
+        kb = next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:"))
+    return kb / 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of `pid`, in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def core_busy_seconds(cpu: int) -> float:
+    """Time core `cpu` spent busy (anything but idle and iowait) since boot, by any process, in seconds."""
+    with open("/proc/stat") as fh:
+        ticks = [int(x) for x in next(ln for ln in fh if ln.startswith(f"cpu{cpu} ")).split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICK
+
+
+class Processes:
+    """Child processes pinned to CPU sets; all are stopped on close (they also die if this process dies)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], cpus: set[int]) -> subprocess.Popen:
+        def pin() -> None:
+            os.sched_setaffinity(0, cpus)
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=pin)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_http(url: str, procs: Processes, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs.check_alive()
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+async def run_load(base: str, sc: Scenario, count: int, concurrency: int, offset: int) -> dict:
+    """Closed loop: `concurrency` clients, each sends its next request when its previous answer has arrived."""
+    errors: list[str] = []
+    latencies: list[float] = []
+    ids = iter(range(offset, offset + count))
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for i in ids:
+            t0 = time.perf_counter()
+            try:
+                async with session.post(base + sc.path, json=sc.body(i)) as resp:
+                    body = await resp.read()
+                problem = f"HTTP {resp.status}: {body[:200]!r}" if resp.status != 200 else sc.check(body)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                problem = f"{type(e).__name__}: {e}"
+            latencies.append(time.perf_counter() - t0)
+            if problem:
+                errors.append(problem)
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    latencies.sort()
+    pick = lambda q: latencies[min(int(q * len(latencies)), len(latencies) - 1)] * 1e3  # noqa: E731
+    return {"errors": len(errors), "error_examples": errors[:3], "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
+
+
+def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int, offset: int) -> dict:
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    core_before, self_before, t0 = core_busy_seconds(args.router_cpu), os.times(), time.perf_counter()
+    load = asyncio.run(run_load(base, sc, count, args.concurrency, offset))
+    wall = time.perf_counter() - t0
+    self_after, core_busy = os.times(), core_busy_seconds(args.router_cpu) - core_before
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    used["loadgen"] = (self_after.user + self_after.system) - (self_before.user + self_before.system)
+    router = used.pop("router")
+    return {"wall_s": wall, "requests_per_s": count / wall, "router_cpu_s": router,
+            "router_cpu_ms_per_request": router / count * 1e3,
+            "router_capacity_rps_one_core": count / router if router else None,
+            "router_cpu_us_per_token": router / (count * sc.tokens) * 1e6,
+            "router_cpu_utilization": router / wall, "router_core_foreign_load": max(core_busy - router, 0.0) / wall,
+            "other_processes_cpu_s": used, "other_cores_utilization": sum(used.values()) / wall / args.other_cores,
+            "loadavg_1m": os.getloadavg()[0], **load}
+
+
+def measure(base: str, sc: Scenario, args, pids: dict[str, int], offset: int) -> dict:
+    """Warmup, then `args.repeats` measured runs; the run of median router CPU per request represents them."""
+    count = args.stream_requests if sc.stream else args.requests
+    asyncio.run(run_load(base, sc, min(args.warmup, count), args.concurrency, offset))
+    runs = [measure_once(base, sc, args, pids, count, offset + (k + 1) * count) for k in range(args.repeats)]
+    median = sorted(runs, key=lambda r: r["router_cpu_ms_per_request"])[len(runs) // 2]
+    keys = ("requests_per_s", "router_cpu_ms_per_request", "router_cpu_utilization", "router_core_foreign_load",
+            "loadavg_1m")
+    return {"scenario": sc.name, "description": sc.description, "requests": count, "tokens_per_request": sc.tokens,
+            "concurrency": args.concurrency, **median, "errors": sum(r["errors"] for r in runs),
+            "error_examples": [e for r in runs for e in r["error_examples"]][:3],
+            "runs": [{k: round(r[k], 4) for k in keys} for r in runs]}
+
+
+def add_marginals(results: list[dict]) -> None:
+    """Per streamed token beyond the first: (CPU per request − that of the 1-token twin) / (tokens − 1)."""
+    by_name = {r["scenario"]: r for r in results}
+    for sc in SCENARIOS:
+        r, base = by_name.get(sc.name), by_name.get(sc.baseline or "")
+        if r and base and sc.tokens > 1:
+            extra = r["router_cpu_ms_per_request"] - base["router_cpu_ms_per_request"]
+            r["router_cpu_us_per_extra_token"] = extra * 1e3 / (sc.tokens - 1)
+
+
+LEGEND = """router util: router CPU s / wall s (1.0: its core is saturated, so req/s is one core's capacity).
+capacity: requests / router CPU s, the req/s one fully busy router core would serve.
+foreign: other processes' load on the router's core. other util: load generator, fakes and tokenizer per other core.
+us/extra tok: (CPU per request - that of the 1-token twin) / (tokens - 1)."""
+
+
+def _num(key: str, fmt: str):
+    return lambda r: "-" if r.get(key) is None else format(r[key], fmt)
+
+
+COLUMNS = (("scenario", lambda r: r["scenario"]), ("reqs", _num("requests", "d")), ("wall s", _num("wall_s", ".2f")),
+           ("req/s", _num("requests_per_s", ".0f")), ("capacity", _num("router_capacity_rps_one_core", ".0f")),
+           ("cpu ms/req", _num("router_cpu_ms_per_request", ".2f")),
+           ("cpu us/tok", _num("router_cpu_us_per_token", ".0f")),
+           ("us/extra tok", _num("router_cpu_us_per_extra_token", ".0f")),
+           ("router util", _num("router_cpu_utilization", ".2f")), ("foreign", _num("router_core_foreign_load", ".2f")),
+           ("other util", _num("other_cores_utilization", ".2f")), ("p50 ms", _num("p50_ms", ".1f")),
+           ("p99 ms", _num("p99_ms", ".1f")), ("errors", _num("errors", "d")))
+
+
+def print_table(results: list[dict]) -> None:
+    print(" | ".join(name for name, _ in COLUMNS))
+    for r in results:
+        print(" | ".join(cell(r) for _, cell in COLUMNS))
+    print(LEGEND)
+
+
+def provenance(argv: list[str]) -> dict:
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "unknown")
+    return {"device": f"{cpu}, {os.cpu_count()} cores (router pinned to one)",
+            "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "HEAD"),
+            "uncommitted_changes": git("status", "--porcelain", "--", "services", "benchmarks").splitlines(),
+            "command": "python -m benchmarks.router " + shlex.join(argv), "python": sys.version.split()[0],
+            "aiohttp": aiohttp.__version__}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=3000, help="measured requests per non-streaming scenario run")
+    p.add_argument("--stream-requests", type=int, default=600, help="measured requests per streaming scenario run")
+    p.add_argument("--warmup", type=int, default=64, help="unmeasured requests before each scenario")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per scenario (the median is reported)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--scenarios", nargs="*", default=[s.name for s in SCENARIOS],
+                   choices=[s.name for s in SCENARIOS])
+    p.add_argument("--policy", default="cache_aware", help="the router's --policy")
+    p.add_argument("--router-cpu", type=int, default=0, help="the core the router runs on")
+    p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
+                   "inflates its CPU time: use for where the time goes, not for the numbers)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
+    others = os.sched_getaffinity(0) - {args.router_cpu}
+    if not others or args.router_cpu not in os.sched_getaffinity(0):
+        raise SystemExit(f"need core {args.router_cpu} for the router and at least one other core")
+    args.other_cores = len(others)
+    os.sched_setaffinity(0, others)
+    tok, http, workers = free_port(), free_port(), [free_port(), free_port()]
+    quiet = ["--log-level", "warning"]
+    procs.start("tokenizer", ["services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
+                others)
+    most = str(max(s.tokens for s in SCENARIOS))  # the fakes answer min(this, max_new_tokens) tokens
+    for i, port in enumerate(workers):
+        procs.start(f"worker{i}", ["benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet], others)
+    profile = ["cProfile", "-o", str(Path(args.profile_router).resolve()), "-m"] if args.profile_router else []
+    router = procs.start("router", [*profile, "services.router", "--host", "127.0.0.1", "--port", str(http),
+                                    "--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet,
+                                    "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)], {args.router_cpu})
+    base = f"http://127.0.0.1:{http}"
+    wait_http(base + "/health", procs, timeout_s=120)
+    with urllib.request.urlopen(base + "/health_generate", timeout=30) as r:
+        healthy = [w["url"] for w in json.loads(r.read())["workers"] if w["healthy"]]
+    if len(healthy) != len(workers):
+        raise RuntimeError(f"the router has {healthy} of {len(workers)} workers healthy")
+    pids = {name: p.pid for name, p in procs.procs.items()}
+    results = []
+    for n, sc in enumerate(s for s in SCENARIOS if s.name in args.scenarios):
+        results.append(measure(base, sc, args, pids, offset=n * 1_000_000))
+        procs.check_alive()
+    args.router_rss_mb = rss_mb(router.pid)
+    add_marginals(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the children
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as logs:
+        procs = Processes(Path(logs))
+        try:
+            results = run(args, procs)
+        except Exception:
+            for name in procs.procs:
+                print(f"--- {name} log ---\n{procs.tail(name)}", file=sys.stderr)
+            raise
+        finally:
+            procs.close()
+    print_table(results)
+    doc = {**provenance(argv), "router_rss_mb": round(args.router_rss_mb, 1), "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    failed = [(r["scenario"], r["errors"], r["error_examples"]) for r in results if r["errors"]]
+    if failed:
+        print(f"FAILED: responses with errors: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""`python -m benchmarks.router` with tiny counts, as a subprocess: every scenario runs against the real router and
+tokenizer service with fake workers, every answer checks out, the JSON record is complete, and no process is
+left behind. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from benchmarks.router_scenarios import SCENARIOS
+from tests.conftest import ROOT, model_path
+
+
+def _tagged(tag: str) -> list[int]:
+    """Processes whose environment carries `tag` (the benchmark's children inherit it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if tag.encode() in fh.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
+def test_bench_router_smoke(tmp_path):
+    model_path("tiny-llama")  # builds the tiny models if missing
+    out = tmp_path / "router.json"
+    marker = uuid.uuid4().hex
+    tag = f"BENCH_ROUTER_SMOKE={marker}"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--requests", "40", "--stream-requests", "24",
+                           "--warmup", "4", "--repeats", "2", "--concurrency", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    for key in ("device", "date", "commit", "command"):
+        assert doc[key], key
+    assert doc["command"].startswith("python -m benchmarks.router --requests 40")
+    assert doc["router_rss_mb"] > 0
+    by_name = {r["scenario"]: r for r in doc["results"]}
+    assert set(by_name) == {s.name for s in SCENARIOS}
+    for sc in SCENARIOS:
+        r = by_name[sc.name]
+        assert r["errors"] == 0, r["error_examples"]
+        assert r["requests"] == (24 if sc.stream else 40)
+        assert r["tokens_per_request"] == sc.tokens
+        assert len(r["runs"]) == 2
+        for key in ("wall_s", "requests_per_s", "router_cpu_s", "router_cpu_ms_per_request",
+                    "router_cpu_us_per_token", "router_cpu_utilization", "p50_ms", "p99_ms"):
+            assert r[key] > 0, (sc.name, key, r[key])
+    assert "router_cpu_us_per_extra_token" in by_name["generate_stream_64"]
+    assert "router_cpu_us_per_extra_token" in by_name["chat_stream_64"]
+    assert sc.name in proc.stdout  # the table was printed
+    assert not _tagged(tag), "the benchmark left processes behind"
