@@ -21,8 +21,14 @@ log = logging.getLogger(__name__)
 
 # Messages up to this size (prompt token lists, KV pages) pass; gRPC's default of 4 MiB is too small for KV pages.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+_SIZES = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Clients ping every 10 s and give up after 5 s without an answer, so a peer that hangs (SIGSTOP, a dead host) fails
+# its open calls within ~15 s instead of at the request deadline; servers accept pings that often.
+KEEPALIVE_TIME_MS = 10_000
+CHANNEL_OPTIONS = [*_SIZES, ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+SERVER_OPTIONS = [*_SIZES, ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+                  ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +47,7 @@ class GrpcService:
     def __init__(self, settings: GrpcSettings, register: Callable[[grpc.aio.Server], list[str]],
                  on_stop: Callable[[], Awaitable[None]] | None = None):
         self.settings = settings
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.names = register(self.server)

@@ -46,17 +46,22 @@ class Router:
         self.policy = policy
         self.tokenizer = tokenizer
         registry.on_remove = policy.forget
-        self._calls: set[grpc.aio.Call] = set()  # open worker calls
-        self._closing: str | None = None  # set by abort_all: why open calls were cancelled
+        registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering")
+        self._calls: dict[grpc.aio.Call, str] = {}  # open worker call -> its worker's url
+        self._cancelled: dict[grpc.aio.Call, str] = {}  # calls we cancelled -> why
+
+    def _cancel(self, which, reason: str) -> int:
+        calls = [c for c, url in self._calls.items() if which(url)]
+        for call in calls:
+            self._cancelled[call] = reason
+            call.cancel()
+        return len(calls)
 
     def abort_all(self, reason: str) -> int:
         """Cancel every open worker call (the workers abort those requests); each request then fails with
-        RouterError(503, reason), so its client gets an error, not a cut stream. Returns how many were open."""
-        self._closing = reason
-        calls = list(self._calls)
-        for call in calls:
-            call.cancel()
-        return len(calls)
+        RouterError(503, reason), so its client gets an error, not a cut stream. Returns how many were open.
+        The registry does the same for one worker that stops answering health probes (a hung process)."""
+        return self._cancel(lambda url: True, reason)
 
     @property
     def model_name(self) -> str:
@@ -86,7 +91,7 @@ class Router:
             tried.add(worker.url)
             worker.in_flight += 1
             call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
-            self._calls.add(call)
+            self._calls[call] = worker.url
             streamed = False
             try:
                 async for msg in call:
@@ -103,10 +108,12 @@ class Router:
                 log.info("worker %s unavailable before streaming; retrying on another", worker.url)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._closing is None or (task is not None and task.cancelling()):
+                reason = self._cancelled.get(call)
+                if reason is None or (task is not None and task.cancelling()):
                     raise  # our caller was cancelled (e.g. its client went away)
-                raise RouterError(503, self._closing) from None  # abort_all cancelled the call
+                raise RouterError(503, reason) from None  # we cancelled the call: shutdown or a lost worker
             finally:
-                self._calls.discard(call)
+                self._calls.pop(call, None)
+                self._cancelled.pop(call, None)
                 worker.in_flight -= 1
                 call.cancel()

@@ -80,6 +80,8 @@ async def health_generate(request: web.Request) -> web.Response:
             ok, msg = False, f"{e.code().name}: {e.details()}"
         if not ok:
             router.registry.mark_failed(w, msg)
+        else:  # a generated token is stronger evidence than the next probe
+            w.healthy = True
         return {"url": w.url, "healthy": ok, "message": msg}
 
     results = await asyncio.gather(*(check(w) for w in workers))

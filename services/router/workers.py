@@ -32,6 +32,11 @@ class NoHealthyWorker(Exception):
     pass
 
 
+# Probes in a row a worker may fail before its open calls are given up (a hung process holds them otherwise until
+# the request deadline); one failed probe only stops new requests from going there.
+LOST_AFTER_PROBES = 3
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().removeprefix("grpc://").removeprefix("http://").rstrip("/")
     host, sep, port = url.rpartition(":")
@@ -47,6 +52,7 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._probe_task: asyncio.Task | None = None
         self.on_remove = lambda url: None
+        self.on_lost = lambda worker: None  # called once a worker failed LOST_AFTER_PROBES probes in a row
 
     async def add(self, url: str) -> Worker:
         """Connect and fetch the model info; ValueError if the worker cannot be reached or serves another model."""
@@ -106,6 +112,11 @@ class WorkerRegistry:
         elif not ok:
             self.mark_failed(worker, reason)
         worker.healthy = ok
+        worker.failures = 0 if ok else worker.failures + 1
+        if worker.failures == LOST_AFTER_PROBES:
+            log.warning("worker %s failed %d probes in a row; failing its open requests", worker.url,
+                        LOST_AFTER_PROBES)
+            self.on_lost(worker)
         return ok
 
     async def _probe_loop(self) -> None:

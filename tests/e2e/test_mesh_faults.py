@@ -283,6 +283,28 @@ def _timed(fn, *args):
     return out, time.monotonic() - start
 
 
+def test_hung_worker_fails_its_open_streams_within_bounds(mesh, greedy):
+    """A worker that stops answering (SIGSTOP) must not hold its clients until the request deadline: new requests
+    go elsewhere (503 here, the only worker) after one failed probe, open streams end with an error after three."""
+    stream = Stream(mesh.port, "/v1/completions", _completion(
+        prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=40)
+    assert stream.next_event() is not None
+    worker = mesh.services()["services.decode"]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        (events, took) = _timed(stream.read_all)
+        assert assert_stream_ended(events) == "error" and took < 30, took
+        assert "stopped answering" in events[-2]
+        (status, raw), took = _timed(post, mesh.url + "/v1/completions", GREEDY)
+        assert_error(status, raw, 503, "worker")
+        assert took < 5
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        stream.close()
+    assert wait_for(lambda: http_get(mesh.url + "/health_generate", AUTH)[0] == 200, 20, 0.5)
+    assert post_json(mesh.url + "/v1/completions", GREEDY)["choices"][0]["text"] == greedy["text"]
+
+
 def test_killed_worker_is_replaced_through_add_worker(mesh, greedy, tmp_path):
     port = free_port()
     log = open(tmp_path / "extra-worker.log", "w")
@@ -290,7 +312,7 @@ def test_killed_worker_is_replaced_through_add_worker(mesh, greedy, tmp_path):
                               "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:  # the replacement loads while the dead worker's effects are checked
         open_stream = Stream(mesh.port, "/v1/completions", _completion(
-            prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=10)
+            prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=30)
         assert open_stream.next_event() is not None
         worker = mesh.services()["services.decode"]
         os.kill(worker, signal.SIGKILL)
