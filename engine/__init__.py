@@ -2,8 +2,16 @@
 
     from engine import Engine
     llm = Engine(model_path="models/tiny-qwen2")
+
+`Engine` is imported on first use, so light modules (engine.flags, engine.config) load without torch.
 """
 
-from engine.engine import Engine
-
 __all__ = ["Engine"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -10,15 +10,14 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16,
-}
+# dtype names users may give -> torch attribute names. torch is imported only where a dtype is resolved, so the
+# services that only parse EngineArgs (the launcher) stay free of it.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -124,6 +123,8 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        import torch
+
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
@@ -157,11 +158,14 @@ def _generation_defaults(path: str) -> dict:
 
 def resolve_dtype(name: str, model: ModelConfig, device: str) -> torch.dtype:
     """SGLang's rule for "auto": float32 checkpoints run in float16 on GPUs; CPUs keep the checkpoint's dtype."""
+    import torch
+
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name]
-    ckpt = _DTYPES.get(model.torch_dtype.replace("torch.", ""), torch.float32)
+        return torch_dtype(name)
+    ckpt_name = model.torch_dtype.replace("torch.", "")
+    ckpt = torch_dtype(ckpt_name) if ckpt_name in _DTYPES else torch.float32
     if device == "cpu":
         return ckpt
     return torch.float16 if ckpt == torch.float32 else ckpt
@@ -174,6 +178,8 @@ def _check(cond: bool, msg: str) -> None:
 
 def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     """Fill every auto value; validate ranges. Memory-derived sizes (max_total_tokens) are resolved by the runner."""
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
     page = args.page_size or 1
@@ -212,4 +218,6 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    import torch
+
+    return getattr(torch, _DTYPES[name])

@@ -7,7 +7,6 @@ launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import signal

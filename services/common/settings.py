@@ -9,7 +9,7 @@ import os
 import typing
 from typing import Any, Sequence
 
-from engine.cli import add_dataclass_flags, field_type, load_config_file
+from engine.flags import add_dataclass_flags, field_type, load_config_file
 
 ENV_PREFIX = "RADIXMESH_"
 _TRUE = {"1", "true", "yes", "on"}

@@ -30,3 +30,11 @@ def test_transformers_does_not_see_our_kernels_package():
     from transformers.utils import import_utils
 
     assert import_utils.is_kernels_available() is False
+
+
+def test_router_and_launcher_load_no_model_stack():
+    """The router must stay light: no torch, no transformers (it never loads a model)."""
+    code = ("import sys, services.router.__main__, services.launch; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
