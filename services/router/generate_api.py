@@ -177,8 +177,20 @@ def _sample_rid(rid: str, index: int) -> str:
 
 
 async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.LogprobOptions) -> list[dict]:
-    results = await asyncio.gather(*(run_whole(router, j, lp) for j in jobs))
-    return [r for per_prompt in results for r in per_prompt]
+    """Every prompt's results in order. When one prompt fails, the others are cancelled (their KV freed at once)
+    and the failure is raised."""
+    if len(jobs) == 1:
+        return await run_whole(router, jobs[0], lp)
+    tasks = [asyncio.create_task(run_whole(router, j, lp)) for j in jobs]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()
+        return [r for t in tasks for r in t.result()]
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def stream_events(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, index_offset: int = 0):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -30,6 +31,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not stream:
         results = await generate_api.run_batch(router, jobs, lp)
         return web.json_response(results if is_batch or len(results) > 1 else results[0])
+    if len(jobs) == 1:
+        return await _stream_one(request, router, jobs[0], lp)
     resp = await start_sse(request)
     events: asyncio.Queue = asyncio.Queue()
     offsets, total = [], 0
@@ -57,6 +60,25 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         for t in tasks:
             t.cancel()
+    return resp
+
+
+async def _stream_one(request: web.Request, router: Router, job, lp) -> web.StreamResponse:
+    """One prompt: events go straight from the worker stream to the client (no queue, no extra task)."""
+    events = generate_api.stream_events(router, job, lp)
+    async with contextlib.aclosing(events):
+        try:  # the first event decides between an HTTP error status and a stream
+            first = await anext(events)
+        except StopAsyncIteration:
+            raise RouterError(500, "the worker ended the request without output") from None
+        resp = await start_sse(request)
+        try:
+            await resp.write(sse(first))
+            async for event in events:
+                await resp.write(sse(event))
+        except RouterError as e:
+            await resp.write(sse(error_event(from_status(e.status, e.message))))
+        await resp.write(SSE_DONE)
     return resp
 
 

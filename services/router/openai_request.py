@@ -307,6 +307,8 @@ def _chat_message(i: int, m: Any) -> tokenizer_pb2.ChatMessage:
     role = m.get("role")
     if role not in _ROLES:
         raise f.fail("role", f"must be one of {', '.join(_ROLES)}")
+    if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+        raise f.fail("content", "is required (only an assistant message with tool_calls may omit it)")
     msg = tokenizer_pb2.ChatMessage(role="system" if role == "developer" else role,
                                     content=_content(m.get("content"), param + ".content"))
     msg.name = f.str("name") or ""

@@ -277,6 +277,18 @@ def test_client_disconnect_frees_kv(mesh, stream):
 
 
 # ---- 2. a killed worker: fast 503s, replaced through /add_worker (runs last on the shared mesh) --------------------
+def test_a_failing_prompt_cancels_the_rest_of_its_batch(mesh):
+    """/generate with a batch: when one prompt is rejected (the worker refuses a duplicate rid), the other prompt
+    is cancelled too, so its KV comes back at once instead of after ~1000 tokens."""
+    assert flush(mesh, 10) and kv_in_use(mesh) == 0
+    body = {"text": [PROMPT, PROMPT + " again"], "rid": ["dup", "dup"],
+            "sampling_params": {"max_new_tokens": CONTEXT - 24, "ignore_eos": True, "temperature": 0.0}}
+    (status, raw), took = _timed(post, mesh.url + "/generate", body)
+    assert_error(status, raw, 400, "already running")
+    assert flush(mesh, 3), "the batch's other prompt kept generating"
+    assert kv_in_use(mesh) == 0
+
+
 def _timed(fn, *args):
     start = time.monotonic()
     out = fn(*args)

@@ -633,3 +633,13 @@ def test_official_client_reads_our_completion_and_errors():
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="Hi", temperature=-1)
     assert e.value.param == "temperature" and "temperature" in e.value.message
+
+
+def test_a_message_without_content_is_rejected_unless_it_carries_tool_calls():
+    with pytest.raises(OpenAIError) as err:
+        parse_chat_completion({"model": "tiny", "messages": [{"role": "user"}]}, SERVED)
+    assert err.value.status == 400 and err.value.param == "messages[0].content"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    job = parse_chat_completion({"model": "tiny", "messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "tool_calls": calls}]}, SERVED)
+    assert job.tokenize.chat.messages[1].content == ""
