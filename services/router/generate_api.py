@@ -162,14 +162,23 @@ async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.Logpro
 
 async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions) -> list[dict]:
     """Every sample's final dict (n > 1 gives several)."""
-    request = await worker_request(router, job, lp, stream=False)
     samples: dict[int, _Sample] = {}
+    async with contextlib.aclosing(_updates(router, job, lp, samples, stream=False)) as updates:
+        async for _ in updates:
+            pass
+    return [samples[i].result(lp) for i in sorted(samples)]
+
+
+async def _updates(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, samples: dict[int, _Sample],
+                   stream: bool):
+    """Feeds the worker's messages into `samples` (by index), yielding each message's index after it is applied."""
+    request = await worker_request(router, job, lp, stream=stream)
     async with contextlib.aclosing(router.generate(request)) as messages:
         async for msg in messages:
             if msg.WhichOneof("response") == "error":
                 raise RouterError(msg.error.http_status_code or 500, msg.error.message)
             samples.setdefault(msg.index, _Sample(_sample_rid(job.rid, msg.index))).on_message(msg)
-    return [samples[i].result(lp) for i in sorted(samples)]
+            yield msg.index
 
 
 def _sample_rid(rid: str, index: int) -> str:
@@ -195,15 +204,11 @@ async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.Logp
 
 async def stream_events(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, index_offset: int = 0):
     """Cumulative SGLang stream events for one prompt: one per worker chunk, and a last one with finish_reason."""
-    request = await worker_request(router, job, lp, stream=True)
     samples: dict[int, _Sample] = {}
-    async with contextlib.aclosing(router.generate(request)) as messages:
-        async for msg in messages:
-            if msg.WhichOneof("response") == "error":
-                raise RouterError(msg.error.http_status_code or 500, msg.error.message)
-            sample = samples.setdefault(msg.index, _Sample(_sample_rid(job.rid, msg.index)))
-            sample.on_message(msg)
-            event = sample.result(lp)
-            if request.sampling_params.n > 1 or index_offset:
-                event["index"] = index_offset + msg.index
+    tag = job.sampling.n > 1 or index_offset > 0
+    async with contextlib.aclosing(_updates(router, job, lp, samples, stream=True)) as updates:
+        async for index in updates:
+            event = samples[index].result(lp)
+            if tag:
+                event["index"] = index_offset + index
             yield event

@@ -175,6 +175,12 @@ class _Tally:
             self._count(s, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
         return s, which
 
+    def record(self, msg: worker_pb2.GenerateResponse) -> None:
+        """For whole (non-streamed) results: keep each sample's `complete`."""
+        s, which = self.sample(msg)
+        if which == "complete":
+            s.complete, s.finished = msg.complete, True
+
     def _count(self, s: _Sample, prompt: int, cached: int, completion: int) -> None:
         self.prompt_tokens = max(self.prompt_tokens, prompt)
         self.cached_tokens = max(self.cached_tokens, cached)
@@ -276,9 +282,7 @@ class ChatResult:
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
         """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
-        s, which = self._tally.sample(msg)
-        if which == "complete":
-            s.complete, s.finished = msg.complete, True
+        self._tally.record(msg)
 
     def result(self) -> dict[str, Any]:
         choices = []
@@ -373,9 +377,7 @@ class CompletionResult:
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
         """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
-        s, which = self._tally.sample(msg)
-        if which == "complete":
-            s.complete, s.finished = msg.complete, True
+        self._tally.record(msg)
 
     def result(self) -> dict[str, Any]:
         choices = []
