@@ -98,3 +98,24 @@ def test_public_grpc_api(mesh, offline, prompts, expected):
             list(stub.Generate(router_pb2.RouterServiceGenerateRequest(
                 input_ids=router_pb2.TokenIdList(ids=[1, 99999]), sampling_params=sp), timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.value.details()
+
+
+def test_info_endpoints_and_grpc_reflection(mesh):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from tests.e2e.mesh import http_get
+
+    status, raw = http_get(mesh.url + "/get_model_info")
+    info = json.loads(raw)
+    assert status == 200 and info["model_path"] == model_path(MODEL) and info["is_generation"] is True
+    assert info["max_context_length"] == 1024 and info["vocab_size"] == 1000
+    status, raw = http_get(mesh.url + "/get_server_info")
+    server = json.loads(raw)
+    assert status == 200 and len(server["workers"]) == 2 and server["router"]["policy"] == "cache_aware"
+    assert server["max_total_num_tokens"] > 0 and "api_key" not in server["router"]
+    assert http_get(mesh.url + "/health")[0] == 200
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+    assert {"radixmesh.v1.RouterService", "grpc.health.v1.Health"} <= names
