@@ -26,6 +26,12 @@ $(STAMPS)/apt:
 		echo "installing python3, python3-venv and python3-pip from apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip; \
 	fi
+	@# The Mooncake transfer engine links against the RDMA and NUMA libraries even when it only speaks TCP.
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 \
+		|| ! ldconfig -p | grep -q libnuma.so.1; then \
+		echo "installing libibverbs1, librdmacm1 and libnuma1 from apt (for Mooncake)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; \
+	fi
 	@touch $@
 
 apt-deps: $(STAMPS)/apt

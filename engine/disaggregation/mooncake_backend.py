@@ -1,0 +1,54 @@
+"""The Mooncake transfer engine (`mooncake-transfer-engine`; `-non-cuda` on CPU machines) over TCP with the
+peer-to-peer handshake: no metadata server, each engine listens on its own RPC port and peers address it as
+"host:port". Only registered memory can be read or written."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+from engine.disaggregation.transfer import TransferError, Write
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeBackend:
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise RuntimeError("the mooncake transfer backend needs `pip install mooncake-transfer-engine-non-cuda` "
+                               "(CPU) or the CUDA build, and Debian's libibverbs1, librdmacm1, libnuma1") from e
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) -> {rc}")
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()  # one batch at a time per engine keeps error attribution simple
+        log.info("mooncake transfer engine on %s (%s)", self.session_id, protocol)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {nbytes}) -> {rc}")
+        self._registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        if self._registered.pop(ptr, None) is not None:
+            self._engine.unregister_memory(ptr)
+
+    def write(self, peer: str, writes: Sequence[Write]) -> None:
+        if not writes:
+            return
+        with self._lock:
+            rc = self._engine.batch_transfer_sync_write(peer, [w.src for w in writes], [w.dst for w in writes],
+                                                        [w.length for w in writes])
+        if rc != 0:
+            raise TransferError(f"mooncake write of {len(writes)} ranges "
+                                f"({sum(w.length for w in writes)} bytes) to {peer} failed: {rc}")
+
+    def close(self) -> None:
+        for ptr in list(self._registered):
+            self.unregister(ptr)

@@ -1,0 +1,29 @@
+"""Transfer backends by name (--disaggregation-transfer-backend), imported lazily so `import engine` works
+without Mooncake installed."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.disaggregation.transfer import TransferBackend
+
+
+def _mooncake(host: str, **options) -> TransferBackend:
+    from engine.disaggregation.mooncake_backend import MooncakeBackend
+
+    return MooncakeBackend(host, **options)
+
+
+def _fake(host: str, **options) -> TransferBackend:
+    from engine.disaggregation.fake_backend import FakeBackend
+
+    return FakeBackend(host, **options)
+
+
+BACKENDS: dict[str, Callable[..., TransferBackend]] = {"mooncake": _mooncake, "fake": _fake}
+
+
+def make_backend(name: str, host: str = "127.0.0.1", **options) -> TransferBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name](host, **options)

@@ -1,0 +1,109 @@
+"""KV transfer backends: page runs become batched writes; the fake backend copies, drops, delays and corrupts on
+request; the real Mooncake transfer engine moves pages between two processes over TCP on loopback and fails fast
+when the peer is gone."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+from engine.disaggregation.fake_backend import Faults
+from engine.disaggregation.registry import make_backend
+from engine.disaggregation.transfer import TransferError, Write, page_runs, page_writes
+
+PAGE = 256  # bytes per page in these tests
+
+
+def test_page_runs_group_consecutive_pages():
+    assert page_runs([3, 4, 5, 9, 10, 2], [7, 8, 9, 1, 2, 20]) == [(3, 7, 3), (9, 1, 2), (2, 20, 1)]
+    assert page_runs([1, 2, 3], [5, 7, 8]) == [(1, 5, 1), (2, 7, 2)]
+    assert page_runs([], []) == []
+    with pytest.raises(ValueError, match="2 source pages for 1"):
+        page_runs([1, 2], [3])
+
+
+def test_page_writes_cover_exactly_the_pages():
+    writes = page_writes(1000, 50000, PAGE, [0, 1, 4], [10, 11, 2])
+    assert writes == [Write(1000, 50000 + 10 * PAGE, 2 * PAGE), Write(1000 + 4 * PAGE, 50000 + 2 * PAGE, PAGE)]
+
+
+def _buffers(pages: int = 16):
+    src = np.arange(pages * PAGE, dtype=np.uint32).view(np.uint8)[:pages * PAGE].copy()
+    return src, np.zeros(pages * PAGE, dtype=np.uint8)
+
+
+def test_fake_backend_copies_pages_and_injects_faults():
+    src, dst = _buffers()
+    a, b = make_backend("fake"), make_backend("fake")
+    a.register(src.ctypes.data, src.nbytes)
+    b.register(dst.ctypes.data, dst.nbytes)
+    src_pages, dst_pages = [1, 2, 3, 7], [4, 5, 6, 0]
+    a.write(b.session_id, page_writes(src.ctypes.data, dst.ctypes.data, PAGE, src_pages, dst_pages))
+    for s, d in zip(src_pages, dst_pages):
+        assert (dst[d * PAGE:(d + 1) * PAGE] == src[s * PAGE:(s + 1) * PAGE]).all()
+    assert a.writes_done == 2  # two runs
+    dst[:] = 0
+    a.faults = Faults(drop=True)
+    with pytest.raises(TransferError, match="injected drop"):
+        a.write(b.session_id, page_writes(src.ctypes.data, dst.ctypes.data, PAGE, [1], [1]))
+    assert not dst.any()  # a dropped write copies nothing
+    a.faults = Faults(corrupt=True, delay_s=0.05)
+    t = time.monotonic()
+    a.write(b.session_id, page_writes(src.ctypes.data, dst.ctypes.data, PAGE, [1], [1]))
+    assert time.monotonic() - t >= 0.05
+    assert dst[PAGE] != src[PAGE] and (dst[PAGE + 1:2 * PAGE] == src[PAGE + 1:2 * PAGE]).all()
+    with pytest.raises(TransferError, match="not registered"):
+        a.write(b.session_id, [Write(src.ctypes.data, dst.ctypes.data + dst.nbytes, 8)])
+    b.close()
+    with pytest.raises(TransferError, match="no peer"):
+        a.write(b.session_id, [Write(src.ctypes.data, dst.ctypes.data, 8)])
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown transfer backend 'rdma-magic'"):
+        make_backend("rdma-magic")
+
+
+def _receiver(conn, pages: int) -> None:
+    """A second process: registers a zeroed buffer, reports (session id, address), then returns its contents."""
+    backend = make_backend("mooncake")
+    dst = np.zeros(pages * PAGE, dtype=np.uint8)
+    backend.register(dst.ctypes.data, dst.nbytes)
+    conn.send((backend.session_id, dst.ctypes.data))
+    conn.recv()  # the sender is done
+    conn.send(dst.tobytes())
+    conn.recv()
+
+
+def test_mooncake_moves_pages_between_processes_over_tcp():
+    pytest.importorskip("mooncake.engine")
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    peer = ctx.Process(target=_receiver, args=(there, 16), daemon=True)
+    peer.start()
+    try:
+        session, remote = here.recv()
+        src, _ = _buffers()
+        backend = make_backend("mooncake")
+        backend.register(src.ctypes.data, src.nbytes)
+        src_pages, dst_pages = [0, 1, 2, 9, 3], [8, 9, 10, 0, 15]
+        backend.write(session, page_writes(src.ctypes.data, remote, PAGE, src_pages, dst_pages))
+        here.send("done")
+        got = np.frombuffer(here.recv(), dtype=np.uint8)
+        for s, d in zip(src_pages, dst_pages):
+            assert (got[d * PAGE:(d + 1) * PAGE] == src[s * PAGE:(s + 1) * PAGE]).all()
+        untouched = sorted(set(range(16)) - set(dst_pages))
+        assert not any(got[d * PAGE:(d + 1) * PAGE].any() for d in untouched)
+        here.send("bye")
+        peer.join(timeout=10)
+        peer.kill()
+        t = time.monotonic()
+        with pytest.raises(TransferError, match="failed"):
+            backend.write(session, page_writes(src.ctypes.data, remote, PAGE, [0], [0]))
+        assert time.monotonic() - t < 5  # a dead peer fails fast, not after a long timeout
+        backend.close()
+    finally:
+        peer.kill()
