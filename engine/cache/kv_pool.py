@@ -56,3 +56,13 @@ class KVPool:
         """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`."""
         self.k[layer][loc] = k
         self.v[layer][loc] = v
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every KV buffer (layer 0 K, layer 0 V, layer 1 K, ...); page p of each is one contiguous byte range."""
+        return [t for pair in zip(self.k, self.v) for t in pair]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one buffer: page_size slots of [num_kv_heads, head_dim]."""
+        t = self.k[0]
+        return self.page_size * t.shape[1] * t.shape[2] * t.element_size()

@@ -107,3 +107,42 @@ def test_mooncake_moves_pages_between_processes_over_tcp():
         backend.close()
     finally:
         peer.kill()
+
+
+def _pool(seed: int | None):
+    import torch
+
+    from engine.cache.kv_pool import KVPool
+
+    pool = KVPool(num_pages=12, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for t in pool.buffers():
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return pool
+
+
+def test_a_requests_pages_move_between_pools_and_checksums_catch_corruption():
+    from engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
+
+    src, dst = _pool(seed=1), _pool(seed=None)
+    a, b = make_backend("fake"), make_backend("fake")
+    register_pool(a, src)
+    register_pool(b, dst)
+    src_pages, dst_pages = [2, 3, 4, 9], [7, 8, 9, 1]
+    writes = kv_writes(layout_of(src), layout_of(dst), src_pages, dst_pages)
+    assert len(writes) == 2 * 3 * 2  # 2 runs in each of 6 buffers
+    a.write(b.session_id, writes)
+    for s_buf, d_buf in zip(src.buffers(), dst.buffers()):
+        for s, d in zip(src_pages, dst_pages):
+            assert (s_buf[s * 4:(s + 1) * 4] == d_buf[d * 4:(d + 1) * 4]).all()
+    assert page_checksum(src, src_pages) == page_checksum(dst, dst_pages)
+    assert page_checksum(dst, [5]) == page_checksum(_pool(seed=None), [5])  # untouched pages stay zero
+    a.faults = Faults(corrupt=True)
+    a.write(b.session_id, kv_writes(layout_of(src), layout_of(dst), [5], [5]))
+    assert page_checksum(src, [5]) != page_checksum(dst, [5])
+    other = _pool(seed=None)
+    other.k = [t[:, :1].contiguous() for t in other.k]  # a model with fewer KV heads
+    with pytest.raises(ValueError, match="KV layouts differ"):
+        kv_writes(layout_of(src), layout_of(other), [1], [1])
