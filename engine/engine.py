@@ -107,6 +107,11 @@ class Engine:
             return []
         return [s for s in specs if s.params.n > 1 and s.sample_index == 0]
 
+    @property
+    def alive(self) -> bool:
+        """False once the scheduler thread has crashed or stopped."""
+        return self._crash is None and self._thread.is_alive()
+
     def _check_alive(self) -> None:
         if self._crash is not None:
             raise RuntimeError(f"engine scheduler crashed: {self._crash!r}")

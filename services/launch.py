@@ -81,7 +81,9 @@ class Child:
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                           os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent)
+        # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
+                                     start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -132,9 +134,15 @@ def plan(settings: LaunchSettings, engine_kwargs: dict) -> list[Child]:
     return children
 
 
-def wait_healthy(children: list[Child], deadline: float) -> None:
+class Interrupted(Exception):
+    pass
+
+
+def wait_healthy(children: list[Child], deadline: float, stopping: list) -> None:
     pending = list(children)
     while pending:
+        if stopping:
+            raise Interrupted()
         for c in list(pending):
             if not c.alive():
                 raise RuntimeError(f"{c.name} exited with status {c.proc.returncode} during startup")
@@ -173,9 +181,9 @@ def serve(settings: LaunchSettings, engine_kwargs: dict) -> int:
     try:
         for c in children[:-1]:
             c.start()
-        wait_healthy(children[:-1], time.monotonic() + settings.startup_timeout_s)
+        wait_healthy(children[:-1], time.monotonic() + settings.startup_timeout_s, stopping)
         children[-1].start()
-        wait_healthy(children[-1:], time.monotonic() + settings.startup_timeout_s)
+        wait_healthy(children[-1:], time.monotonic() + settings.startup_timeout_s, stopping)
         print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
               f"http://{settings.host}:{settings.port}/v1)", flush=True)
         code = 0
@@ -190,6 +198,9 @@ def serve(settings: LaunchSettings, engine_kwargs: dict) -> int:
     except RuntimeError as e:
         log.error("%s", e)
         code = 1
+    except Interrupted:
+        log.info("interrupted during startup")
+        code = 0
     log.info("stopping all services")
     stop_all(children, settings.shutdown_grace_s)
     return code

@@ -4,6 +4,7 @@ With --disaggregation-mode null (the default) it is a colocated worker: prefill 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 from engine.config import EngineArgs
@@ -28,7 +29,21 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict) -> None:
     async def on_stop() -> None:
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    await GrpcService(settings, register, on_stop).run_until_signal()
+    service = GrpcService(settings, register, on_stop)
+    watchdog = asyncio.create_task(_watch_engine(engine, service))
+    await service.run_until_signal()
+    if watchdog.done():  # stopped because the engine died, not by a signal
+        raise SystemExit(1)
+    watchdog.cancel()
+
+
+async def _watch_engine(engine: Engine, service: GrpcService) -> None:
+    """A worker whose scheduler died must not keep answering SERVING: stop (health NOT_SERVING, calls drained) and
+    exit non-zero, so routers move on and a supervisor restarts it."""
+    while engine.alive:
+        await asyncio.sleep(1.0)
+    logging.getLogger(__name__).error("the engine's scheduler is not running; stopping this worker")
+    service.request_stop()
 
 
 def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:

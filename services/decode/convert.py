@@ -104,6 +104,8 @@ def chunk(delta: dict, with_input_logprobs: bool) -> worker_pb2.GenerateStreamCh
     out_lp = output_logprobs(meta)
     if out_lp is not None:
         msg.output_logprobs.CopyFrom(out_lp)
+    if meta["finish_reason"] is not None:
+        msg.finish_reason.CopyFrom(finish_reason(meta["finish_reason"]))
     in_lp = input_logprobs(meta) if with_input_logprobs else None
     if in_lp is not None:
         msg.input_logprobs.CopyFrom(in_lp)

@@ -116,7 +116,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def HealthCheck(self, request, context):
         timeout = request.timeout_s or self.settings.health_check_timeout_s
         if self.settings.disaggregation_mode == "prefill":
-            load = await self._blocking(self.engine.get_load)
+            try:
+                async with asyncio.timeout(timeout):
+                    load = await self._blocking(self.engine.get_load)
+            except (TimeoutError, RuntimeError) as e:
+                return worker_pb2.HealthCheckResponse(healthy=False, message=f"scheduler not answering: {e!r}")
             return worker_pb2.HealthCheckResponse(healthy=True, message=f"prefill worker, {load['running']} running")
         try:
             async with asyncio.timeout(timeout):

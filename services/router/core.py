@@ -45,15 +45,23 @@ class Router:
         self.registry = registry
         self.policy = policy
         self.tokenizer = tokenizer
-        registry.on_remove = policy.forget
-        registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering")
+        registry.on_remove = self._worker_removed
+        registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering",
+                                                  retry=True)
+        self._model_name = "default"
         self._calls: dict[grpc.aio.Call, str] = {}  # open worker call -> its worker's url
-        self._cancelled: dict[grpc.aio.Call, str] = {}  # calls we cancelled -> why
+        self._cancelled: dict[grpc.aio.Call, tuple[str, bool]] = {}  # calls we cancelled -> (why, may retry)
 
-    def _cancel(self, which, reason: str) -> int:
+    def _worker_removed(self, url: str) -> None:
+        self.policy.forget(url)
+        self._cancel(lambda u: u == url, f"worker {url} was removed", retry=True)
+
+    def _cancel(self, which, reason: str, retry: bool = False) -> int:
+        """Cancel the matching open calls; each request fails with RouterError(503, reason), or, when `retry` and
+        nothing was streamed yet, moves to another worker."""
         calls = [c for c, url in self._calls.items() if which(url)]
         for call in calls:
-            self._cancelled[call] = reason
+            self._cancelled[call] = (reason, retry)
             call.cancel()
         return len(calls)
 
@@ -68,11 +76,21 @@ class Router:
         if self.settings.served_model_name:
             return self.settings.served_model_name
         info = self.registry.any_info()
-        return info.served_model_name if info is not None else "default"
+        if info is not None:  # remembered: with every worker gone, requests get 503, not 404 for the model
+            self._model_name = info.served_model_name
+        return self._model_name
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         try:
             return await self.tokenizer.tokenize(request)
+        except ValueError as e:
+            raise RouterError(400, str(e)) from None
+        except TokenizerUnavailable as e:
+            raise RouterError(503, str(e)) from None
+
+    async def detokenize(self, ids: list[int]) -> str:
+        try:
+            return await self.tokenizer.detokenize(ids)
         except ValueError as e:
             raise RouterError(400, str(e)) from None
         except TokenizerUnavailable as e:
@@ -108,10 +126,13 @@ class Router:
                 log.info("worker %s unavailable before streaming; retrying on another", worker.url)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                reason = self._cancelled.get(call)
-                if reason is None or (task is not None and task.cancelling()):
+                cancelled = self._cancelled.get(call)
+                if cancelled is None or (task is not None and task.cancelling()):
                     raise  # our caller was cancelled (e.g. its client went away)
-                raise RouterError(503, reason) from None  # we cancelled the call: shutdown or a lost worker
+                reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
+                if not retry or streamed or attempt == attempts - 1:
+                    raise RouterError(503, reason) from None
+                log.info("%s before streaming; retrying on another", reason)
             finally:
                 self._calls.pop(call, None)
                 self._cancelled.pop(call, None)

@@ -56,6 +56,8 @@ class _Sample:
                 self.add_output(c.output_logprobs)
             if c.HasField("input_logprobs"):
                 self.set_input(c.input_logprobs)
+            if c.HasField("finish_reason"):
+                self.finish = convert.finish_reason(c.finish_reason)
         elif kind == "complete":
             c = msg.complete
             self.ids, self.text = list(c.output_ids), c.text
@@ -107,12 +109,21 @@ def _bool(body: dict, key: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class GenerateJob:
-    """One prompt of a /generate call."""
+    """One prompt of a /generate call. `rid` is the client's id (meta_info.id); workers get an id the router mints,
+    so two clients' ids can never collide there."""
 
     text: str | None
     input_ids: list[int] | None
     sampling: common_pb2.SamplingParams
     rid: str
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n if self.sampling.HasField("n") else 1
+
+    def sample_rid(self, index: int) -> str:
+        """SGLang's id of sample `index`: the rid itself, or `<rid>-<index>` when n > 1."""
+        return self.rid if self.n == 1 else f"{self.rid}-{index}"
 
 
 def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobOptions]:
@@ -152,37 +163,35 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
 
 async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions,
                          stream: bool) -> worker_pb2.GenerateRequest:
-    request_id_var.set(job.rid)
+    worker_rid = new_request_id()
+    request_id_var.set(worker_rid)
     ids = job.input_ids
     if ids is None:
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)
-    return worker_pb2.GenerateRequest(request_id=job.rid, input_ids=ids, text=job.text or "",
+    return worker_pb2.GenerateRequest(request_id=worker_rid, input_ids=ids, text=job.text or "",
                                       sampling_params=job.sampling, logprob_options=lp, stream=stream)
 
 
 async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions) -> list[dict]:
     """Every sample's final dict (n > 1 gives several)."""
     samples: dict[int, _Sample] = {}
-    async with contextlib.aclosing(_updates(router, job, lp, samples, stream=False)) as updates:
+    request = await worker_request(router, job, lp, stream=False)
+    async with contextlib.aclosing(_updates(router, job, request, samples)) as updates:
         async for _ in updates:
             pass
     return [samples[i].result(lp) for i in sorted(samples)]
 
 
-async def _updates(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, samples: dict[int, _Sample],
-                   stream: bool):
-    """Feeds the worker's messages into `samples` (by index), yielding each message's index after it is applied."""
-    request = await worker_request(router, job, lp, stream=stream)
+async def _updates(router: Router, job: GenerateJob, request: worker_pb2.GenerateRequest,
+                   samples: dict[int, _Sample]):
+    """Feeds the worker's messages into `samples` (by index), yielding (index, message kind) after each."""
     async with contextlib.aclosing(router.generate(request)) as messages:
         async for msg in messages:
-            if msg.WhichOneof("response") == "error":
+            kind = msg.WhichOneof("response")
+            if kind == "error":
                 raise RouterError(msg.error.http_status_code or 500, msg.error.message)
-            samples.setdefault(msg.index, _Sample(_sample_rid(job.rid, msg.index))).on_message(msg)
-            yield msg.index
-
-
-def _sample_rid(rid: str, index: int) -> str:
-    return rid if index == 0 else f"{rid}-{index}"
+            samples.setdefault(msg.index, _Sample(job.sample_rid(msg.index))).on_message(msg)
+            yield msg.index, kind
 
 
 async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.LogprobOptions) -> list[dict]:
@@ -192,7 +201,7 @@ async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.Logp
         return await run_whole(router, jobs[0], lp)
     tasks = [asyncio.create_task(run_whole(router, j, lp)) for j in jobs]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:
             if t.done() and t.exception() is not None:
                 raise t.exception()
@@ -202,13 +211,21 @@ async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.Logp
             t.cancel()
 
 
-async def stream_events(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, index_offset: int = 0):
-    """Cumulative SGLang stream events for one prompt: one per worker chunk, and a last one with finish_reason."""
+async def stream_events(router: Router, job: GenerateJob, request: worker_pb2.GenerateRequest,
+                        lp: common_pb2.LogprobOptions, index_offset: int | None = None):
+    """Cumulative SGLang stream events for one prompt (`request` from worker_request(stream=True)): one per worker
+    chunk, the last one with finish_reason. Events carry `index` (offset by index_offset) in a batch or when n > 1."""
     samples: dict[int, _Sample] = {}
-    tag = job.sampling.n > 1 or index_offset > 0
-    async with contextlib.aclosing(_updates(router, job, lp, samples, stream=True)) as updates:
-        async for index in updates:
-            event = samples[index].result(lp)
+    tag = index_offset is not None or job.n > 1
+    finished: set[int] = set()
+    async with contextlib.aclosing(_updates(router, job, request, samples)) as updates:
+        async for index, kind in updates:
+            if kind == "complete" and index in finished:
+                continue  # the last chunk already carried the finish reason
+            sample = samples[index]
+            if sample.finish is not None:
+                finished.add(index)
+            event = sample.result(lp)
             if tag:
-                event["index"] = index_offset + index
+                event["index"] = (index_offset or 0) + index
             yield event

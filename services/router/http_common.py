@@ -29,7 +29,7 @@ def make_auth_middleware(api_key: str | None):
     @web.middleware
     async def auth(request: web.Request, handler):
         if expected is not None and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 return error_response(unauthorized())
         return await handler(request)

@@ -31,41 +31,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not stream:
         results = await generate_api.run_batch(router, jobs, lp)
         return web.json_response(results if is_batch or len(results) > 1 else results[0])
-    if len(jobs) == 1:
-        return await _stream_one(request, router, jobs[0], lp)
-    resp = await start_sse(request)
-    events: asyncio.Queue = asyncio.Queue()
-    offsets, total = [], 0
-    for job in jobs:  # stream indices of a batch: prompt i's samples follow prompt i-1's
-        offsets.append(total)
-        total += job.sampling.n if job.sampling.HasField("n") else 1
-
-    async def pump(job, offset):
-        try:
-            async for event in generate_api.stream_events(router, job, lp, offset if is_batch else 0):
-                await events.put(event)
-        except RouterError as e:
-            await events.put(error_event(from_status(e.status, e.message)))
-
-    tasks = [asyncio.create_task(pump(j, o)) for j, o in zip(jobs, offsets)]
-    done_task = asyncio.gather(*tasks)
-    done_task.add_done_callback(lambda _: events.put_nowait(None))
-    try:
-        while (event := await events.get()) is not None:
-            await resp.write(sse(event))
-        await resp.write(SSE_DONE)
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.info("client went away; cancelling its requests")
-        raise
-    finally:
-        for t in tasks:
-            t.cancel()
-    return resp
+    # Tokenize and build every prompt's request first: bad input is a 400 before the stream starts.
+    requests = [await generate_api.worker_request(router, job, lp, stream=True) for job in jobs]
+    if not is_batch:
+        return await _stream_one(request, router, jobs[0], requests[0], lp)
+    return await _stream_batch(request, router, jobs, requests, lp)
 
 
-async def _stream_one(request: web.Request, router: Router, job, lp) -> web.StreamResponse:
+async def _stream_one(request: web.Request, router: Router, job, worker_request, lp) -> web.StreamResponse:
     """One prompt: events go straight from the worker stream to the client (no queue, no extra task)."""
-    events = generate_api.stream_events(router, job, lp)
+    events = generate_api.stream_events(router, job, worker_request, lp)
     async with contextlib.aclosing(events):
         try:  # the first event decides between an HTTP error status and a stream
             first = await anext(events)
@@ -82,6 +57,40 @@ async def _stream_one(request: web.Request, router: Router, job, lp) -> web.Stre
     return resp
 
 
+async def _stream_batch(request: web.Request, router: Router, jobs, worker_requests, lp) -> web.StreamResponse:
+    """A batch: every prompt streams at once; events carry `index` (prompt i's samples follow prompt i-1's). When
+    one prompt fails, an error event ends the stream and the other prompts are cancelled (as a whole batch is)."""
+    resp = await start_sse(request)
+    events: asyncio.Queue = asyncio.Queue()
+    offsets = [sum(j.n for j in jobs[:i]) for i in range(len(jobs))]
+
+    async def pump(job, worker_request, offset):
+        async for event in generate_api.stream_events(router, job, worker_request, lp, offset):
+            await events.put(event)
+
+    tasks = [asyncio.create_task(pump(j, r, o)) for j, r, o in zip(jobs, worker_requests, offsets)]
+    for t in tasks:
+        t.add_done_callback(lambda t: events.put_nowait(t))
+    try:
+        pending = len(tasks)
+        while pending:
+            item = await events.get()
+            if not isinstance(item, asyncio.Task):
+                await resp.write(sse(item))
+                continue
+            pending -= 1
+            err = None if item.cancelled() else item.exception()
+            if err is not None:
+                status, message = (err.status, err.message) if isinstance(err, RouterError) else (500, str(err))
+                await resp.write(sse(error_event(from_status(status, message))))
+                break
+        await resp.write(SSE_DONE)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return resp
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
@@ -89,9 +98,9 @@ async def health(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """200 when at least one worker generates a token now; each worker's answer in the body."""
     router = request.app[ROUTER]
-    workers = list(router.registry.workers.values())
+    workers = [w for w in router.registry.workers.values() if w.info.disaggregation_mode == "null"]
     if not workers:
-        raise RouterError(503, "no worker registered")
+        raise RouterError(503, "no worker that serves requests is registered")
 
     async def check(w):
         try:

@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from radixmesh.v1 import worker_pb2
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import json_body, start_sse
@@ -28,9 +28,7 @@ async def _prompt(router: Router, job: OpenAIJob) -> tuple[list[int], str]:
     if job.prompt_ids is not None:
         text = ""
         if job.echo:
-            out = await router.tokenizer.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(
-                sequences=[tokenizer_pb2.TokenIds(ids=job.prompt_ids)]), timeout=router.settings.connect_timeout_s)
-            text = out.texts[0]
+            text = await router.detokenize(list(job.prompt_ids))
         return list(job.prompt_ids), text
     tokenized = await router.tokenize(job.tokenize)
     return list(tokenized.input_ids), tokenized.prompt

@@ -37,5 +37,14 @@ class TokenizerClient:
                 raise ValueError(e.details()) from None
             raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
 
+    async def detokenize(self, ids: list[int]) -> str:
+        request = tokenizer_pb2.DetokenizeRequest(sequences=[tokenizer_pb2.TokenIds(ids=ids)])
+        try:
+            return (await self.stub.Detokenize(request, timeout=self.timeout_s)).texts[0]
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
+
     async def close(self) -> None:
         await self.channel.close(grace=None)

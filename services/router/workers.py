@@ -67,6 +67,9 @@ class WorkerRegistry:
         except grpc.aio.AioRpcError as e:
             await ch.close()
             raise ValueError(f"worker {url} did not answer GetModelInfo: {e.code().name} {e.details()}") from None
+        if url in self.workers:  # added by a concurrent call while this one waited
+            await ch.close()
+            return self.workers[url]
         others = [w.info.served_model_name for w in self.workers.values()]
         if others and info.served_model_name != others[0]:
             await ch.close()

@@ -278,13 +278,13 @@ def test_client_disconnect_frees_kv(mesh, stream):
 
 # ---- 2. a killed worker: fast 503s, replaced through /add_worker (runs last on the shared mesh) --------------------
 def test_a_failing_prompt_cancels_the_rest_of_its_batch(mesh):
-    """/generate with a batch: when one prompt is rejected (the worker refuses a duplicate rid), the other prompt
-    is cancelled too, so its KV comes back at once instead of after ~1000 tokens."""
+    """/generate with a batch: when one prompt is rejected (the worker refuses a token id outside the vocabulary),
+    the other prompt is cancelled too, so its KV comes back at once instead of after ~1000 tokens."""
     assert flush(mesh, 10) and kv_in_use(mesh) == 0
-    body = {"text": [PROMPT, PROMPT + " again"], "rid": ["dup", "dup"],
-            "sampling_params": {"max_new_tokens": CONTEXT - 24, "ignore_eos": True, "temperature": 0.0}}
+    body = {"input_ids": [list(range(20, 40)), [20, 21, 99999]],
+            "sampling_params": {"max_new_tokens": CONTEXT - 64, "ignore_eos": True, "temperature": 0.0}}
     (status, raw), took = _timed(post, mesh.url + "/generate", body)
-    assert_error(status, raw, 400, "already running")
+    assert_error(status, raw, 400, "99999")
     assert flush(mesh, 3), "the batch's other prompt kept generating"
     assert kv_in_use(mesh) == 0
 
@@ -314,6 +314,22 @@ def test_hung_worker_fails_its_open_streams_within_bounds(mesh, greedy):
         os.kill(worker, signal.SIGCONT)
         stream.close()
     assert wait_for(lambda: http_get(mesh.url + "/health_generate", AUTH)[0] == 200, 20, 0.5)
+    assert post_json(mesh.url + "/v1/completions", GREEDY)["choices"][0]["text"] == greedy["text"]
+
+
+def test_removed_worker_ends_open_streams_with_an_error(mesh, greedy):
+    stream = Stream(mesh.port, "/v1/completions", _completion(
+        prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=30)
+    assert stream.next_event() is not None
+    url = json.loads(http_get(mesh.url + "/get_server_info", AUTH)[1])["workers"][0]["url"]
+    assert post(f"{mesh.url}/remove_worker?url={url}", b"")[0] == 200
+    try:
+        events = stream.read_all()
+        assert assert_stream_ended(events) == "error" and "removed" in events[-2]
+        assert_error(*post(mesh.url + "/v1/completions", GREEDY), 503, "worker")
+    finally:
+        stream.close()
+        assert post(f"{mesh.url}/add_worker?url={url}", b"")[0] == 200
     assert post_json(mesh.url + "/v1/completions", GREEDY)["choices"][0]["text"] == greedy["text"]
 
 

@@ -4,6 +4,7 @@ to the offline Engine's for the same requests; logprobs agree too."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import grpc
@@ -119,3 +120,19 @@ def test_info_endpoints_and_grpc_reflection(mesh):
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in reply.list_services_response.service}
     assert {"radixmesh.v1.RouterService", "grpc.health.v1.Health"} <= names
+
+
+def test_generate_batch_stream_tags_every_event_and_ends_each_sample_once(mesh, prompts, expected):
+    events = sse_events(post(mesh.url + "/generate", {"input_ids": prompts[:3], "sampling_params": GREEDY,
+                                                      "stream": True}))
+    assert all("index" in e for e in events)
+    finals = [e for e in events if e["meta_info"]["finish_reason"] is not None]
+    assert sorted(e["index"] for e in finals) == [0, 1, 2]  # one last event per prompt, none repeated
+    assert [next(e for e in finals if e["index"] == i)["output_ids"] for i in range(3)] == expected[:3]
+    assert sum(e["index"] == 0 for e in events) == 16  # one event per token
+    failing = sse_events(post(mesh.url + "/generate", {"input_ids": [prompts[0], [5, 99999]],
+                                                       "sampling_params": GREEDY, "stream": True}))
+    assert "error" in failing[-1] and "99999" in failing[-1]["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as err:  # the router's own rejection: a 400 before any event
+        post(mesh.url + "/generate", {"input_ids": [prompts[0], [2**40]], "stream": True})
+    assert err.value.code == 400
