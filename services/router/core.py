@@ -34,6 +34,16 @@ class RouterError(Exception):
         self.message = message
 
 
+async def _tokenizer_call(pending):
+    """Await a tokenizer-service call: rejected input -> RouterError 400, an unreachable service -> 503."""
+    try:
+        return await pending
+    except ValueError as e:
+        raise RouterError(400, str(e)) from None
+    except TokenizerUnavailable as e:
+        raise RouterError(503, str(e)) from None
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -81,20 +91,10 @@ class Router:
         return self._model_name
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        try:
-            return await self.tokenizer.tokenize(request)
-        except ValueError as e:
-            raise RouterError(400, str(e)) from None
-        except TokenizerUnavailable as e:
-            raise RouterError(503, str(e)) from None
+        return await _tokenizer_call(self.tokenizer.tokenize(request))
 
     async def detokenize(self, ids: list[int]) -> str:
-        try:
-            return await self.tokenizer.detokenize(ids)
-        except ValueError as e:
-            raise RouterError(400, str(e)) from None
-        except TokenizerUnavailable as e:
-            raise RouterError(503, str(e)) from None
+        return await _tokenizer_call(self.tokenizer.detokenize(ids))
 
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
