@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.results import sample_rids
 from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from services.common.logs import request_id_var
 from services.router import convert
@@ -122,8 +123,8 @@ class GenerateJob:
         return self.sampling.n if self.sampling.HasField("n") else 1
 
     def sample_rid(self, index: int) -> str:
-        """SGLang's id of sample `index`: the rid itself, or `<rid>-<index>` when n > 1."""
-        return self.rid if self.n == 1 else f"{self.rid}-{index}"
+        """The engine's id for sample `index` of this rid (meta_info.id)."""
+        return sample_rids(self.rid, self.n)[index]
 
 
 def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobOptions]:

@@ -72,6 +72,16 @@ async def json_body(request: web.Request) -> Any:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
+async def first_then_sse(request: web.Request, items) -> tuple[Any, web.StreamResponse]:
+    """The first item of a worker-backed stream, then the started SSE response: an error before the first item is
+    still an HTTP error status; after it, errors become events."""
+    try:
+        first = await anext(items)
+    except StopAsyncIteration:
+        raise RouterError(500, "the worker ended the request without output") from None
+    return first, await start_sse(request)
+
+
 async def start_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)

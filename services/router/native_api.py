@@ -14,7 +14,7 @@ from aiohttp import web
 from radixmesh.v1 import worker_pb2
 from services.router import generate_api
 from services.router.core import Router, RouterError
-from services.router.http_common import json_body, start_sse
+from services.router.http_common import first_then_sse, json_body, start_sse
 from services.router.openai_errors import bad_request, from_status
 from services.router.openai_response import SSE_DONE, error_event, sse
 
@@ -42,11 +42,7 @@ async def _stream_one(request: web.Request, router: Router, job, worker_request,
     """One prompt: events go straight from the worker stream to the client (no queue, no extra task)."""
     events = generate_api.stream_events(router, job, worker_request, lp)
     async with contextlib.aclosing(events):
-        try:  # the first event decides between an HTTP error status and a stream
-            first = await anext(events)
-        except StopAsyncIteration:
-            raise RouterError(500, "the worker ended the request without output") from None
-        resp = await start_sse(request)
+        first, resp = await first_then_sse(request, events)
         try:
             await resp.write(sse(first))
             async for event in events:

@@ -14,7 +14,7 @@ from aiohttp import web
 from radixmesh.v1 import worker_pb2
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
-from services.router.http_common import json_body, start_sse
+from services.router.http_common import first_then_sse, json_body
 from services.router.native_api import ROUTER
 from services.router.openai_errors import OpenAIError, from_status
 from services.router.openai_request import OpenAIJob, parse_chat_completion, parse_completion
@@ -59,11 +59,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
                 builder.on_message(msg)
         return web.json_response(builder.result(), dumps=_dumps)
     async with contextlib.aclosing(router.generate(worker_request)) as messages:
-        try:  # the first message decides between an HTTP error status and a stream
-            first = await anext(messages)
-        except StopAsyncIteration:
-            raise RouterError(500, "the worker ended the request without output") from None
-        resp = await start_sse(request)
+        first, resp = await first_then_sse(request, messages)
         try:
             for chunk in builder.on_message(first):
                 await resp.write(sse(chunk))
