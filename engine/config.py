@@ -42,6 +42,7 @@ class EngineArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    num_reserved_decode_tokens: int = 512
     enable_mixed_chunk: bool = False
     attention_backend: str | None = None
     random_seed: int | None = None

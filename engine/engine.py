@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from engine.cache.manager import CacheManager
@@ -54,7 +54,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
                                    self.args.enable_mixed_chunk, self.args.context_length,
                                    # its own copy: a fast tokenizer must not be used by two threads at once
-                                   _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None)
+                                   _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
+                                   self.args.num_reserved_decode_tokens)
         self._grammars: GrammarCompilerCache | None = None
         # Async callers validate, tokenize and compile grammars here, keeping their event loop free.
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")
@@ -71,13 +72,13 @@ class Engine:
             self._crash = e
 
     # ---- request construction -------------------------------------------------------------------------------
-    def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None]) -> Req:
+    def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None], handoff=None) -> Req:
         stop = set(spec.params.stop_token_ids)
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar) if spec.grammar is not None else None
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
-                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic())
+                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff)
 
     def _compile_grammar(self, params):
         """Compile (or fetch from the cache) a structured-output constraint, in the caller's thread."""
@@ -147,9 +148,11 @@ class Engine:
                 self._abort_all(specs)()
         return collector.results if is_batch else collector.results[0]
 
-    def _submit(self, specs: list[RequestSpec], make_sink) -> None:
+    def _submit(self, specs: list[RequestSpec], make_sink, handoff=None) -> None:
+        if handoff is not None and len(specs) != 1:
+            raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
         for i, spec in enumerate(specs):
-            self.scheduler.submit(self._make_req(spec, make_sink(i)))
+            self.scheduler.submit(self._make_req(spec, make_sink(i), handoff))
 
     def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
         return lambda: [self.scheduler.abort(s.rid) for s in specs]
@@ -166,19 +169,20 @@ class Engine:
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                             return_text_in_logprobs: bool = False, stream: bool = False, rid=None):
-        """As `generate`; with stream=True returns an async iterator of incremental dicts."""
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None):
+        """As `generate`; with stream=True returns an async iterator of incremental dicts. `handoff` (one prompt,
+        n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff."""
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
             self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
             token_ids_logprob, return_text_in_logprobs, rid))
-        warm = self._shared_prefills(specs)
+        warm = self._shared_prefills(specs) if handoff is None else []
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm))
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         inbox: asyncio.Queue = asyncio.Queue()
-        self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))))
+        self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))), handoff)
         # If the loop closes first, call_soon_threadsafe raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
@@ -225,8 +229,20 @@ class Engine:
         load["max_total_num_tokens"] = self.runner.max_total_tokens
         return load
 
-    def abort_request(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+    def abort_request(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
+        """Abort a request; `message` is what its caller is told. See Scheduler.abort for `keep_kv`."""
+        self.scheduler.abort(rid, message, keep_kv)
+
+    # ---- prefill/decode disaggregation (engine.disaggregation.handoff) ------------------------------------------
+    def deliver_kv(self, rid: str, first) -> Future:
+        """A decode-role request's pages are filled: decode on from `first` (a FirstToken). Future of whether the
+        request was still waiting for them."""
+        self._check_alive()
+        return self.scheduler.call(lambda: self.scheduler.deliver_kv(rid, first))
+
+    def release_kv(self, rid: str) -> Future:
+        """Unpin the pages of a request handed over (prefill role) or failed with keep_kv (decode role)."""
+        return self.scheduler.call(lambda: self.scheduler.release_kv(rid))
 
     def shutdown(self) -> None:
         if self._thread.is_alive():

@@ -79,6 +79,8 @@ class Req:
     sink: Callable[[StepOutput], None]
     logprob: LogprobSpec | None = None  # None: no logprobs wanted
     matcher: object | None = None  # the structured-output grammar matcher (xgrammar), advanced per output token
+    # Prefill/decode disaggregation role (engine.disaggregation.handoff.PrefillRole / DecodeRole); None: colocated
+    handoff: object | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[LogprobList] = field(default_factory=list)

@@ -1,5 +1,6 @@
 """`radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [engine flags]` (also
-`python -m services.launch serve ...`): starts the tokenizer, N colocated workers and the router as separate OS
+`python -m services.launch serve ...`): starts the tokenizer, N colocated workers (or, with `--disaggregation pd
+--num-prefill N --num-decode M`, prefill and decode workers) and the router as separate OS
 processes on loopback, waits until each is healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
 router first (it lets open requests finish), then the workers and the tokenizer. Children get SIGKILL if the
 launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineArgs
 from services.common.settings import parse_settings
+from services.decode.settings import PdSettings
 
 log = logging.getLogger("radixmesh.launch")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +35,11 @@ _PR_SET_PDEATHSIG = 1
 @dataclass(frozen=True, slots=True)
 class LaunchSettings:
     num_workers: int = field(default=1, metadata={"help": "colocated workers (separate processes)"})
+    disaggregation: str = field(default="null", metadata={
+        "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
+                "--num-decode) with KV moved between them"})
+    num_prefill: int = field(default=1, metadata={"help": "with --disaggregation pd: prefill workers"})
+    num_decode: int = field(default=1, metadata={"help": "with --disaggregation pd: decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
     port: int = field(default=30000, metadata={"help": "router HTTP port"})
     grpc_port: int | None = field(default=None, metadata={"help": "router public gRPC port (unset: off)"})
@@ -46,6 +53,10 @@ class LaunchSettings:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("--num-workers must be at least 1")
+        if self.disaggregation not in ("null", "pd"):
+            raise ValueError(f"--disaggregation must be null or pd, got {self.disaggregation!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("--num-prefill and --num-decode must be at least 1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,7 +114,16 @@ class Child:
             return False
 
 
-def plan(settings: LaunchSettings, engine_kwargs: dict) -> list[Child]:
+def _worker_roles(settings: LaunchSettings) -> list[tuple[str, list[str]]]:
+    """(name, role flags) per worker process."""
+    if settings.disaggregation == "null":
+        return [(f"worker-{i}", []) for i in range(settings.num_workers)]
+    roles = [(f"worker-prefill-{i}", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                      str(free_port())]) for i in range(settings.num_prefill)]
+    return roles + [(f"worker-decode-{i}", ["--disaggregation-mode", "decode"]) for i in range(settings.num_decode)]
+
+
+def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> list[Child]:
     """The processes to start, in start order (tokenizer, workers, router)."""
     model = engine_kwargs["model_path"]
     tok_port = free_port()
@@ -115,13 +135,14 @@ def plan(settings: LaunchSettings, engine_kwargs: dict) -> list[Child]:
         tok += ["--context-length", str(engine_kwargs["context_length"])]
     children = [Child("tokenizer", tok, f"grpc://127.0.0.1:{tok_port}")]
     worker_urls = []
-    for i in range(settings.num_workers):
+    pd_flags = engine_flags(pd_kwargs or {}) if settings.disaggregation == "pd" else []
+    for name, role in _worker_roles(settings):
         port = free_port()
         worker_urls.append(f"127.0.0.1:{port}")
-        argv = ["services.decode", "--port", str(port), *engine_flags(engine_kwargs)]
+        argv = ["services.decode", "--port", str(port), *role, *pd_flags, *engine_flags(engine_kwargs)]
         if settings.served_model_name:
             argv += ["--served-model-name", settings.served_model_name]
-        children.append(Child(f"worker-{i}", argv, f"grpc://127.0.0.1:{port}"))
+        children.append(Child(name, argv, f"grpc://127.0.0.1:{port}"))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
               "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
               "--shutdown-grace-s", str(settings.shutdown_grace_s)]
@@ -173,8 +194,8 @@ def stop_all(children: list[Child], grace_s: float) -> None:
                 c.proc.wait()
 
 
-def serve(settings: LaunchSettings, engine_kwargs: dict) -> int:
-    children = plan(settings, engine_kwargs)
+def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> int:
+    children = plan(settings, engine_kwargs, pd_kwargs)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
@@ -212,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [flags]  (serve --help)",
               file=sys.stderr)
         return 2
-    settings, engine_kwargs = parse_settings("radixmesh serve: tokenizer, workers and router on this machine",
-                                             LaunchSettings, argv[1:], EngineArgs)
+    settings, pd_kwargs, engine_kwargs = parse_settings(
+        "radixmesh serve: tokenizer, workers and router on this machine", LaunchSettings, argv[1:], PdSettings,
+        EngineArgs)
     if not engine_kwargs.get("model_path"):
         print("--model-path is required", file=sys.stderr)
         return 2
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s launch: %(message)s")
-    return serve(settings, engine_kwargs)
+    return serve(settings, engine_kwargs, pd_kwargs)
 
 
 if __name__ == "__main__":

@@ -67,17 +67,19 @@ class CacheManager:
             return 0
         return len(self.tree.match_prefix(tokens[:-1]).indices)
 
-    def admit(self, req: Req) -> bool:
+    def admit(self, req: Req, whole_prompt: bool = False) -> bool:
         """Give `req` a table row and its cached prefix (locked).
-        Returns False, changing nothing, when no row is free."""
+        Returns False, changing nothing, when no row is free. Normally the last token is left to compute (its
+        logits give the next token); `whole_prompt` lets the prefix cover every token (a decode-side request whose
+        next token comes from its prefill worker)."""
         row = self.req_to_token.alloc()
         if row is None:
             return False
         req.pool_idx = row
         req.kv_len = req.alloc_len = req.tree_len = 0
         if self.tree is not None:
-            limit = req.fill_len - 1
-            if req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
+            limit = req.fill_len if whole_prompt else req.fill_len - 1
+            if not whole_prompt and req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
                 limit = min(limit, max(req.logprob.start - 1, 0))  # prompt logprobs need those logits computed
             indices, node = self.tree.match_prefix(req.tokens(0, limit))
             self.tree.lock(node)
@@ -124,6 +126,10 @@ class CacheManager:
         for r in reqs:
             r.alloc_len += 1
         return slots
+
+    def pages_of(self, req: Req, start: int, end: int) -> list[int]:
+        """The pages holding tokens [start, end) of `req` (start page-aligned), in token order."""
+        return (self.req_to_token.read(req.pool_idx, start, end)[::self.page] // self.page).tolist()
 
     def slots_of_new_tokens(self, reqs: list[Req]) -> torch.Tensor:
         """KV slots of tokens [kv_len, kv_len + extend_len) of each request, concatenated (host int64)."""

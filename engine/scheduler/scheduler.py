@@ -17,9 +17,11 @@ from typing import Any, Callable
 import torch
 
 from engine.cache.manager import CacheManager
+from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
 from engine.scheduler.finish import StopStrings, check_finished, step_output
+from engine.scheduler.handoffs import Handoffs
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
@@ -58,7 +60,7 @@ def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
 
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
-                 enable_mixed_chunk: bool, context_len: int, tokenizer=None):
+                 enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512):
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
@@ -69,6 +71,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        self.handoffs = Handoffs(cache, reserved_decode_tokens)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self._stop = threading.Event()
@@ -78,8 +81,10 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         self.inbox.put(("add", req))
 
-    def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+    def abort(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
+        """Finish `rid` with an abort (`message` tells the caller why). `keep_kv`: a decode-role request waiting
+        for its KV keeps its pages pinned (a late write may still land in them) until `release_kv`."""
+        self.inbox.put(("abort", (rid, message, keep_kv)))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run fn on the scheduler thread between steps; returns a Future of its result."""
@@ -93,7 +98,7 @@ class Scheduler:
 
     # ---- loop -----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.handoffs.has_work())
 
     def run_forever(self) -> None:
         idle = True
@@ -109,9 +114,9 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                self.waiting.append(item)
+                (self.handoffs.queue if self.handoffs.is_decode(item) else self.waiting).append(item)
             elif kind == "abort":
-                self._abort(item)
+                self._abort(*item)
             elif kind == "call":
                 fn, fut = item
                 try:
@@ -124,6 +129,8 @@ class Scheduler:
         Returns False when nothing ran and nothing changed (the loop then waits for the inbox instead of
         spinning); a step that only retracted or aborted requests counts as a change."""
         self._changed = False
+        if self.handoffs.queue:
+            self._preallocate()
         decode_reqs: list[Req] = []
         if self.mixed and self.running and (self.waiting or self.chunked):
             decode_reqs = self._prepare_decode()
@@ -235,18 +242,33 @@ class Scheduler:
             self.chunked = req
             self.cache.cache_unfinished(req)
             return
-        if req.sampling.max_new_tokens == 0:
+        handing_over = isinstance(req.handoff, PrefillRole)
+        if req.sampling.max_new_tokens == 0 and not handing_over:
             self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
             return
+        if req.return_logprob:
+            chosen, top, by_id = logprobs
+            self._append_token(req, token, chosen, top[:req.logprob.top_logprobs_num] if top else [],
+                               list(zip(by_id, req.logprob.token_ids_logprob)) if req.logprob.token_ids_logprob
+                               else [])
+        else:
+            self._append_token(req, token)
+        if handing_over:
+            self._hand_over(req)
+            return
+        self._continue(req, newly_prefilled)
+
+    def _append_token(self, req: Req, token: int, logprob: float | None = None, top=(), by_id=()) -> None:
         req.output_ids.append(token)
         if req.matcher is not None:
             req.matcher.accept_token(token)
         if req.return_logprob:
-            chosen, top, by_id = logprobs
-            req.output_logprobs.append(chosen)
-            req.output_top_logprobs.append(top[:req.logprob.top_logprobs_num] if top else [])
-            req.output_token_ids_logprobs.append(
-                list(zip(by_id, req.logprob.token_ids_logprob)) if req.logprob.token_ids_logprob else [])
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(list(top))
+            req.output_token_ids_logprobs.append(list(by_id))
+
+    def _continue(self, req: Req, newly_prefilled: bool) -> None:
+        """After a request's newest token: finish it, or keep it decoding and emit the token."""
         reason = check_finished(req, self.context_len, self.stop_strings)
         if reason is not None:
             self._drop_from_sets(req)
@@ -282,23 +304,91 @@ class Scheduler:
             log.warning("request %s: dropping output, its consumer failed: %r", req.rid, e)
             return False
 
-    def _abort(self, rid: str) -> None:
+    # ---- prefill/decode disaggregation ----------------------------------------------------------------------
+    def _preallocate(self) -> None:
+        for req in self.handoffs.preallocate(self.running):
+            self._changed = True
+            pages, cached = self.handoffs.destination(req)
+            try:
+                req.handoff.on_allocated(pages, cached)
+            except Exception as e:  # the caller is gone: nothing will fill these pages
+                log.warning("request %s: pre-allocation callback failed: %r", req.rid, e)
+                self.handoffs.receiving.pop(req.rid, None)
+                self._finish(req, FinishReason(FinishKind.ABORT, message=f"KV handoff failed: {e}"))
+
+    def _hand_over(self, req: Req) -> None:
+        """A prefill-role request has its KV and first token: pin the pages and give them to the caller."""
+        self._drop_from_sets(req)
+        pages = self.handoffs.hold(req)
+        first = FirstToken(req.output_ids[-1], req.cached_tokens, input_logprobs=req.input_logprobs,
+                           input_top_logprobs=req.input_top_logprobs,
+                           input_token_ids_logprobs=req.input_token_ids_logprobs)
+        if req.return_logprob:
+            first.logprob, first.top_logprobs = req.output_logprobs[-1], req.output_top_logprobs[-1]
+            first.token_ids_logprobs = req.output_token_ids_logprobs[-1]
+        req.status = ReqStatus.FINISHED
+        self._changed = True
+        try:
+            req.handoff.on_ready(pages, first)
+        except Exception as e:
+            log.warning("request %s: KV-ready callback failed, freeing its pages: %r", req.rid, e)
+            self.handoffs.release(req.rid)
+            req.finish_reason = FinishReason(FinishKind.ABORT, message=f"KV handoff failed: {e}")
+        self._emit(req)
+
+    def deliver_kv(self, rid: str, first: FirstToken) -> bool:
+        """The KV of a receiving decode-role request has landed: it starts decoding after `first`.
+        False when the request is no longer waiting (aborted meanwhile)."""
+        req = self.handoffs.receiving.pop(rid, None)
+        if req is None:
+            return False
+        self._changed = True
+        req.kv_len = len(req.input_ids)
+        req.cached_tokens = first.cached_tokens
+        if req.logprob is not None and req.logprob.start >= 0:
+            req.input_logprobs, req.input_top_logprobs = first.input_logprobs, first.input_top_logprobs
+            req.input_token_ids_logprobs = first.input_token_ids_logprobs
+        if req.sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
+            return True
+        self._append_token(req, first.token_id, first.logprob, first.top_logprobs, first.token_ids_logprobs)
+        if req.sampling.penalized:
+            self.runner.penalties.reset_row(req.pool_idx, req.input_ids, req.output_ids)
+        self._continue(req, newly_prefilled=True)
+        return True
+
+    def release_kv(self, rid: str) -> bool:
+        return self.handoffs.release(rid)
+
+    def _abort(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
+        reason = FinishReason(FinishKind.ABORT, message=message or "aborted by the client")
+        taken = self.handoffs.take(rid)
+        if taken is not None:
+            where, req = taken
+            if where == "receiving" and (keep_kv or req.handoff.in_transfer):
+                self.handoffs.held[rid] = req
+                req.status, req.finish_reason = ReqStatus.FINISHED, reason
+                self._changed = True
+                self._emit(req)
+            else:
+                self._finish(req, reason)
+            return
         for group in (self.waiting, self.running, [self.chunked] if self.chunked else []):
             for r in group:
                 if r.rid == rid:
                     if r in self.waiting:
                         self.waiting.remove(r)
                     self._drop_from_sets(r)
-                    self._finish(r, FinishReason(FinishKind.ABORT, message="aborted by the client"))
+                    self._finish(r, reason)
                     return
 
     # ---- introspection (call through `call`) ----------------------------------------------------------------
     def flush_cache(self) -> bool:
-        if self.has_work():
+        if self.has_work() or self.handoffs.receiving or self.handoffs.held:
             return False
         return self.cache.flush()
 
     def load(self) -> dict:
         return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
                 "available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
-                **self.stats}
+                **self.handoffs.counts(), **self.stats}

@@ -1,7 +1,7 @@
 """Exceptions raised inside servicers become gRPC status codes with their message; the service keeps serving.
 
 ValueError -> INVALID_ARGUMENT (bad input), TimeoutError -> DEADLINE_EXCEEDED, RuntimeError from a dead or
-overloaded engine -> UNAVAILABLE, anything else -> INTERNAL (logged with its traceback)."""
+overloaded engine -> UNAVAILABLE, Exhausted -> RESOURCE_EXHAUSTED, anything else -> INTERNAL (logged with its traceback)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ class Unavailable(RuntimeError):
     """The service cannot take the call now (shutting down, no healthy peer); callers may retry elsewhere."""
 
 
+class Exhausted(Exception):
+    """The service is full for now (a bounded queue); callers get RESOURCE_EXHAUSTED."""
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, Exhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, TimeoutError):

@@ -14,27 +14,71 @@ from services.common.logs import setup_logging
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
 from services.decode.servicer import WorkerServicer
-from services.decode.settings import WorkerSettings
+from services.decode.settings import PdSettings, WorkerSettings
 
 
-async def serve(settings: WorkerSettings, engine_kwargs: dict) -> None:
+async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | None = None) -> None:
     # The worker streams disjoint segments; the router rebuilds cumulative text where a client wants it.
     engine = Engine(**{**engine_kwargs, "stream_output": True, "log_level": settings.log_level})
-    servicer = WorkerServicer(engine, settings)
+    prefill_rooms, decode_rooms, bootstrap = _disaggregation(engine, settings, pd or PdSettings())
+    servicer = WorkerServicer(engine, settings, prefill_rooms, decode_rooms)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
     async def on_stop() -> None:
+        if bootstrap is not None:
+            await bootstrap.stop(settings.shutdown_grace_s)
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        rooms = prefill_rooms or decode_rooms
+        if rooms is not None:
+            rooms.transfer.close()
 
     service = GrpcService(settings, register, on_stop)
+    if bootstrap is not None:
+        await bootstrap.start()
     watchdog = asyncio.create_task(_watch_engine(engine, service))
     await service.run_until_signal()
     if watchdog.done():  # stopped because the engine died, not by a signal
         raise SystemExit(1)
     watchdog.cancel()
+
+
+def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
+    """Prefill mode: the transfer backend and the bootstrap server decode workers call; decode mode: the backend
+    and the per-request handoff. Returns (prefill rooms, decode rooms, bootstrap server), None where unused."""
+    mode = settings.disaggregation_mode
+    if mode == "null":
+        return None, None, None
+    from services.common.kv_transfer import KvTransfer, transfer_host
+
+    host = transfer_host(pd.disaggregation_transfer_host, settings.host)
+    transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host)
+    address = f"{host}:{settings.port}"
+    if mode == "decode":
+        from services.decode.receive import DecodeRooms
+
+        return None, DecodeRooms(engine, transfer, address, pd.disaggregation_bootstrap_timeout,
+                                 pd.disaggregation_transfer_timeout, pd.disaggregation_verify_kv,
+                                 pd.disaggregation_prealloc_queue_size), None
+    import grpc
+
+    from radixmesh.v1 import bootstrap_pb2_grpc
+    from services.common.server import SERVER_OPTIONS
+    from services.prefill.bootstrap import PrefillRooms
+
+    rooms = PrefillRooms(engine, transfer, address, pd.disaggregation_bootstrap_timeout,
+                         pd.disaggregation_transfer_timeout)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    bootstrap_pb2_grpc.add_KvBootstrapServiceServicer_to_server(rooms, server)
+    where = f"{settings.host}:{settings.disaggregation_bootstrap_port}"
+    rooms.bootstrap_port = server.add_insecure_port(where)
+    if rooms.bootstrap_port == 0:
+        raise OSError(f"cannot listen on {where} (--disaggregation-bootstrap-port)")
+    logging.getLogger(__name__).info("KV bootstrap on %s, transfer backend %s at %s", where,
+                                     pd.disaggregation_transfer_backend, transfer.session_id)
+    return rooms, None, server
 
 
 async def _watch_engine(engine: Engine, service: GrpcService) -> None:
@@ -47,12 +91,16 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
 
 
 def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
-    settings, engine_kwargs = parse_settings(description, WorkerSettings, argv, EngineArgs)
+    settings, pd_kwargs, engine_kwargs = parse_settings(description, WorkerSettings, argv, PdSettings, EngineArgs)
     if not engine_kwargs.get("model_path"):
         sys.exit("--model-path is required")
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
                   settings.log_level)
-    asyncio.run(serve(settings, engine_kwargs))
+    try:
+        pd = PdSettings(**pd_kwargs)
+    except ValueError as e:
+        sys.exit(str(e))
+    asyncio.run(serve(settings, engine_kwargs, pd))
 
 
 if __name__ == "__main__":

@@ -122,3 +122,36 @@ def complete(output_ids: list[int], text: str, meta: dict, with_logprobs: bool) 
         if in_lp is not None:
             msg.input_logprobs.CopyFrom(in_lp)
     return msg
+
+
+# ---- prefill/decode handoff: the first token and its logprobs in KvReady -------------------------------------------
+def _pairs_msg(pairs) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(token_ids=[t for _, t in pairs], logprobs=[lp for lp, _ in pairs])
+
+
+def _msg_pairs(msg: common_pb2.TopLogprobs) -> list[tuple[float, int]]:
+    return list(zip(msg.logprobs, msg.token_ids))
+
+
+def kv_ready(first) -> "bootstrap_pb2.KvReady":
+    """engine.disaggregation.handoff.FirstToken -> KvReady (without checksum and transfer figures)."""
+    from radixmesh.v1 import bootstrap_pb2
+
+    msg = bootstrap_pb2.KvReady(first_token_id=first.token_id, cached_tokens=first.cached_tokens,
+                                top_logprobs=_pairs_msg(first.top_logprobs),
+                                token_ids_logprobs=_pairs_msg(first.token_ids_logprobs),
+                                input_logprobs=first.input_logprobs,
+                                input_top_logprobs=[_pairs_msg(r) for r in first.input_top_logprobs],
+                                input_token_ids_logprobs=[_pairs_msg(r) for r in first.input_token_ids_logprobs])
+    if first.logprob is not None:
+        msg.logprob = first.logprob
+    return msg
+
+
+def first_token(msg) -> "FirstToken":
+    from engine.disaggregation.handoff import FirstToken
+
+    return FirstToken(msg.first_token_id, msg.cached_tokens, msg.logprob if msg.HasField("logprob") else None,
+                      _msg_pairs(msg.top_logprobs), _msg_pairs(msg.token_ids_logprobs), list(msg.input_logprobs),
+                      [_msg_pairs(r) for r in msg.input_top_logprobs],
+                      [_msg_pairs(r) for r in msg.input_token_ids_logprobs])

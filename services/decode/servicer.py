@@ -17,6 +17,7 @@ import grpc
 from engine.engine import Engine
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.errors import Exhausted
 from services.decode import convert
 from services.decode.settings import WorkerSettings
 from services.decode.stats import WorkerStats
@@ -36,9 +37,11 @@ class _SampleState:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, settings: WorkerSettings):
+    def __init__(self, engine: Engine, settings: WorkerSettings, prefill_rooms=None, decode_rooms=None):
         self.engine = engine
         self.settings = settings
+        self.prefill_rooms = prefill_rooms  # services.prefill.bootstrap.PrefillRooms in prefill mode
+        self.decode_rooms = decode_rooms  # services.decode.receive.DecodeRooms in decode mode
         self.stats = WorkerStats()
         self.active: dict[str, int] = {}  # request id -> number of samples, while running
         self.started = time.time()
@@ -49,25 +52,65 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # ---- generation -----------------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.settings.disaggregation_mode != "null":
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this is a {self.settings.disaggregation_mode} "
-                                "worker; disaggregated Generate is not implemented yet, use a colocated worker")
+        mode = self.settings.disaggregation_mode
         if not request.request_id:
             raise ValueError("request_id is required")
         if request.request_id in self.active:
             raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        paired = request.HasField("disaggregated_params")
+        if paired != (mode != "null"):
+            raise ValueError(f"this is a {mode} worker: disaggregated_params must be " +
+                             ("absent" if mode == "null" else "given (the router pairs prefill and decode workers)"))
         kwargs = convert.generate_kwargs(request)
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
+        if paired and n != 1:
+            raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
         self.active[request.request_id] = n
         try:
-            if request.stream:
-                async for msg in self._stream(request.request_id, kwargs):
-                    yield msg
-            else:
-                for msg in await self._whole(request.request_id, kwargs):
-                    yield msg
+            if mode == "prefill":
+                yield await self._prefill(request, context)
+                return
+            room = self._open_room(request) if mode == "decode" else None
+            if room is not None:
+                kwargs["handoff"] = room.role
+            try:
+                if request.stream:
+                    async for msg in self._stream(request.request_id, kwargs):
+                        await self._check_room(room, msg, context)
+                        yield msg
+                else:
+                    for msg in await self._whole(request.request_id, kwargs):
+                        await self._check_room(room, msg, context)
+                        yield msg
+            finally:
+                if room is not None:
+                    await room.close()
         finally:
             self.active.pop(request.request_id, None)
+
+    # ---- prefill/decode disaggregation ----------------------------------------------------------------------
+    async def _prefill(self, request, context) -> worker_pb2.GenerateResponse:
+        from services.prefill.bootstrap import HandoffFailed
+
+        try:
+            return await self.prefill_rooms.generate(request)
+        except HandoffFailed as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
+
+    def _open_room(self, request):
+        from services.decode.receive import Overloaded
+
+        try:
+            return self.decode_rooms.start(request)
+        except Overloaded as e:
+            raise Exhausted(str(e)) from None
+
+    @staticmethod
+    async def _check_room(room, msg: worker_pb2.GenerateResponse, context) -> None:
+        """A request whose KV handoff failed ends in ABORTED with the reason (before anything was streamed), so
+        the router can retry it on another pair."""
+        if room is not None and room.error is not None:
+            await context.abort(grpc.StatusCode.ABORTED, room.error)
 
     async def _whole(self, rid: str, kwargs: dict) -> list[worker_pb2.GenerateResponse]:
         results = await self.engine.async_generate(**kwargs)
@@ -135,10 +178,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoads(self, request, context):
         load = await self._blocking(self.engine.get_load)
         total = load["max_total_num_tokens"]
-        return worker_pb2.GetLoadsResponse(
+        out = worker_pb2.GetLoadsResponse(
             num_running_requests=load["running"], num_waiting_requests=load["waiting"],
             used_kv_tokens=total - load["available_kv_tokens"], total_kv_tokens=total,
             cache_hit_rate=self.stats.cache_hit_rate, gen_throughput=self.stats.gen_throughput)
+        rooms = self.decode_rooms or self.prefill_rooms
+        if self.decode_rooms is not None:
+            c = self.decode_rooms.counts()
+            out.num_prealloc_waiting, out.num_prealloc_rooms = c["waiting"], c["preallocated"]
+            out.num_transfer_rooms = c["transferring"]
+        elif self.prefill_rooms is not None:
+            c = self.prefill_rooms.counts()
+            out.num_prealloc_rooms, out.num_transfer_rooms = c["rooms"] - c["transferring"], c["transferring"]
+        if rooms is not None:
+            out.kv_transfer_gbps, out.kv_transfer_latency_ms = rooms.transfer.gbps, rooms.transfer.latency_ms
+        return out
 
     def _model_info(self) -> worker_pb2.GetModelInfoResponse:
         e = self.engine
@@ -150,8 +204,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             preferred_sampling_params=json.dumps(e.model_config.generation_defaults or {}),
             max_total_num_tokens=e.runner.max_total_tokens,
             disaggregation_mode=self.settings.disaggregation_mode,
-            bootstrap_port=self.settings.disaggregation_bootstrap_port
-            if self.settings.disaggregation_mode == "prefill" else 0)
+            bootstrap_port=self.prefill_rooms.bootstrap_port if self.prefill_rooms is not None else 0)
 
     async def GetModelInfo(self, request, context):
         return self._model_info()

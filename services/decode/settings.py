@@ -24,3 +24,33 @@ class WorkerSettings(GrpcSettings):
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
                              f"got {self.disaggregation_mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PdSettings:
+    """How prefill and decode workers move KV (`radixmesh serve --disaggregation pd` forwards these)."""
+
+    disaggregation_transfer_backend: str = field(default="mooncake", metadata={
+        "help": "how KV pages move between prefill and decode workers: mooncake (Mooncake transfer engine, TCP) "
+                "or fake (in-process, for tests)"})
+    disaggregation_transfer_host: str | None = field(default=None, metadata={
+        "help": "address peers reach this worker's transfer engine at (default: --host, or this host's address "
+                "when --host is a wildcard)"})
+    disaggregation_bootstrap_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a prefill/decode pair may take to find each other for a request"})
+    disaggregation_transfer_timeout: float = field(default=30.0, metadata={
+        "help": "seconds the KV transfer may take (prefill: also the wait for the decode worker's pages)"})
+    disaggregation_verify_kv: bool = field(default=False, metadata={
+        "help": "decode workers: compare a checksum of the received KV pages with the sender's"})
+    disaggregation_prealloc_queue_size: int = field(default=1024, metadata={
+        "help": "decode workers: requests that may wait for KV pre-allocation before new ones are refused"})
+
+    def __post_init__(self) -> None:
+        from engine.disaggregation.registry import BACKENDS
+
+        if self.disaggregation_transfer_backend not in BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.disaggregation_transfer_backend!r}")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_transfer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.router.pd import generate_pd
 from services.router.policies import Policy
 from services.router.settings import RouterSettings
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
@@ -22,7 +23,13 @@ log = logging.getLogger(__name__)
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
            grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.UNAVAILABLE: 503,
-           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501}
+           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501,
+           grpc.StatusCode.ABORTED: 503}
+
+
+def status_of(code: grpc.StatusCode) -> int:
+    """The HTTP status for a worker's gRPC status."""
+    return _STATUS.get(code, 500)
 
 
 class RouterError(Exception):
@@ -99,6 +106,10 @@ class Router:
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
         call, which aborts the request there and frees its KV pages."""
+        if self.registry.disaggregated:
+            async for msg in generate_pd(self, request):
+                yield msg
+            return
         tried: set[str] = set()
         attempts = 2 if self.settings.retry_on_unavailable else 1
         for attempt in range(attempts):
@@ -119,7 +130,7 @@ class Router:
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    raise RouterError(_STATUS.get(code, 500), e.details() or code.name) from None
+                    raise RouterError(status_of(code), e.details() or code.name) from None
                 self.registry.mark_failed(worker, e.details() or "unavailable")
                 if streamed or attempt == attempts - 1:
                     raise RouterError(503, f"worker {worker.url} failed: {e.details()}") from None

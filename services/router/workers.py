@@ -88,8 +88,14 @@ class WorkerRegistry:
         log.info("removed worker %s", worker.url)
         return True
 
-    def healthy(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.healthy and w.info.disaggregation_mode == "null"]
+    def healthy(self, mode: str = "null") -> list[Worker]:
+        """Healthy workers of one disaggregation mode: null (colocated), prefill or decode."""
+        return [w for w in self.workers.values() if w.healthy and w.info.disaggregation_mode == mode]
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when prefill/decode workers are registered (requests then go to a pair)."""
+        return any(w.info.disaggregation_mode != "null" for w in self.workers.values())
 
     def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
         for w in self.workers.values():

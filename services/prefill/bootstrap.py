@@ -1,0 +1,221 @@
+"""The prefill side of a prefill/decode pair.
+
+A room meets two calls: the router's Generate (the prompt and its sampling parameters) and the decode worker's
+Handoff stream on the bootstrap port (where the KV goes). Whichever arrives first waits for the other for at most
+--disaggregation-bootstrap-timeout. Then the prompt is prefilled (prefix cache and chunked prefill as usual), its
+pages stay pinned, and once the decode worker's destination is known they are written there in batched page runs;
+`done` carries the first token. Waiting for the destination and the writes are bounded by
+--disaggregation-transfer-timeout. Any failure frees the room's pages (only after an in-flight write returned) and
+ends both calls with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.disaggregation.handoff import PrefillRole
+from engine.disaggregation.kv_pages import KvLayout, kv_writes, page_checksum
+from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
+from services.common.kv_transfer import KvTransfer, room_log
+from services.decode import convert
+
+log = logging.getLogger(__name__)
+
+
+class HandoffFailed(Exception):
+    """A room could not complete; the message says which step and why."""
+
+
+def _set(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+class Room:
+    def __init__(self, number: int):
+        self.number = number
+        loop = asyncio.get_running_loop()
+        self.request: asyncio.Future = loop.create_future()  # (request id) once the router's Generate arrived
+        self.hello: asyncio.Future = loop.create_future()  # HandoffHello once the decode worker called
+        self.destination: asyncio.Future = loop.create_future()  # KvDestination
+        self.events: asyncio.Queue = asyncio.Queue()  # TransferStarted, KvReady, or a HandoffFailed to send
+        self.write: asyncio.Future | None = None  # the KV write, once started
+
+    def fail(self, error: HandoffFailed) -> None:
+        """End the room with `error`. While a write is in flight the decode worker hears of it only once the write
+        returned, so it never frees pages a write still targets (its own transfer timeout bounds its wait)."""
+        if self.write is not None and not self.write.done():
+            self.write.add_done_callback(lambda _: self.fail(error))
+            return
+        for fut in (self.request, self.hello, self.destination):
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # retrieved: an unawaited one must not log "never retrieved"
+        self.events.put_nowait(error)
+
+
+async def _bounded(fut: asyncio.Future, timeout: float, what: str):
+    try:
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(fut)
+    except TimeoutError:
+        raise HandoffFailed(f"{what} within {timeout:g} s") from None
+
+
+class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
+    def __init__(self, engine, transfer: KvTransfer, address: str, bootstrap_timeout: float,
+                 transfer_timeout: float):
+        self.engine = engine
+        self.transfer = transfer
+        self.address = address
+        self.bootstrap_timeout = bootstrap_timeout
+        self.transfer_timeout = transfer_timeout
+        self.rooms: dict[int, Room] = {}
+        self.transferring = 0
+        self.bootstrap_port = 0  # where the bootstrap server listens, once it does
+
+    def _room(self, number: int) -> Room:
+        if number not in self.rooms:
+            self.rooms[number] = Room(number)
+        return self.rooms[number]
+
+    def counts(self) -> dict:
+        return {"rooms": len(self.rooms), "transferring": self.transferring}
+
+    # ---- the decode worker's side: Handoff on the bootstrap port --------------------------------------------
+    async def Handoff(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        first = await anext(it, None)
+        if first is None or first.WhichOneof("message") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a handoff starts with hello")
+        hello = first.hello
+        room = self._room(hello.bootstrap_room)
+        if room.hello.done():
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {hello.bootstrap_room:016x} is taken")
+        room.hello.set_result(hello)
+        reader = asyncio.create_task(self._read_destination(it, room))
+        try:
+            try:
+                await _bounded(room.request, self.bootstrap_timeout, "no Generate for this room arrived")
+            except HandoffFailed as e:
+                room.fail(e)
+            while True:
+                event = await room.events.get()
+                if isinstance(event, HandoffFailed):
+                    await context.abort(grpc.StatusCode.ABORTED, str(event))
+                if isinstance(event, bootstrap_pb2.HandoffAccepted):
+                    yield bootstrap_pb2.HandoffResponse(accepted=event)
+                elif isinstance(event, bootstrap_pb2.TransferStarted):
+                    yield bootstrap_pb2.HandoffResponse(transferring=event)
+                else:
+                    yield bootstrap_pb2.HandoffResponse(done=event)
+                    return
+        finally:
+            reader.cancel()
+            if not room.destination.done():  # the decode worker went away before saying where the KV goes
+                room.fail(HandoffFailed(f"decode worker {hello.decode_address or '?'} closed the handoff"))
+            if not room.request.done() or room.request.exception() is not None:  # no Generate will clean up
+                self.rooms.pop(room.number, None)
+
+    async def _read_destination(self, it, room: Room) -> None:
+        try:
+            msg = await anext(it, None)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            msg = None
+        if msg is not None and msg.WhichOneof("message") == "destination" and not room.destination.done():
+            room.destination.set_result(msg.destination)
+        elif not room.destination.done():
+            room.fail(HandoffFailed("the decode worker closed the handoff before sending its KV destination"))
+
+    # ---- the router's side: Generate ------------------------------------------------------------------------
+    async def generate(self, request: worker_pb2.GenerateRequest) -> worker_pb2.GenerateResponse:
+        params = request.disaggregated_params
+        rid, number = request.request_id, params.bootstrap_room
+        room = self._room(number)
+        if room.request.done():
+            raise ValueError(f"room {number:016x} already has a request")
+        room.request.set_result(rid)
+        room_log(number, rid, "bootstrapping", "waiting for the decode worker")
+        try:
+            return await self._serve(room, rid, request)
+        except HandoffFailed as e:
+            room.fail(e)
+            room_log(number, rid, "failed", str(e))
+            raise
+        except BaseException as e:
+            room.fail(HandoffFailed(f"the prefill request ended: {e!r}"))
+            raise
+        finally:
+            self.rooms.pop(number, None)
+
+    async def _serve(self, room: Room, rid: str, request) -> worker_pb2.GenerateResponse:
+        hello = await _bounded(room.hello, self.bootstrap_timeout, "no decode worker registered the room")
+        room.events.put_nowait(bootstrap_pb2.HandoffAccepted(prefill_address=self.address))
+        room_log(room.number, rid, "prefilling", f"decode worker {hello.decode_address}")
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future = loop.create_future()
+        role = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(_set, ready, (pages, first)))
+        kwargs = convert.generate_kwargs(request)
+        try:
+            result = await self.engine.async_generate(**kwargs, handoff=role)
+        except BaseException:
+            # Cancelled or failed around the hand-over: queued after the engine's own abort, this frees pages
+            # the request may hold by now (a no-op otherwise).
+            self.engine.release_kv(rid)
+            raise
+        if not ready.done():
+            reason = result["meta_info"]["finish_reason"] or {}
+            raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}")
+        pages, first = ready.result()
+        try:
+            room_log(room.number, rid, "waiting for KV destination")
+            dest = await _bounded(room.destination, self.transfer_timeout, "the decode worker sent no destination")
+            checksum = await loop.run_in_executor(None, page_checksum, self.transfer.pool,
+                                                  self._source(pages, dest)) if dest.verify else ""
+        except BaseException:
+            self.engine.release_kv(rid)
+            raise
+        done = await self._send(room, rid, self._source(pages, dest), first, dest)
+        done.kv_checksum = checksum
+        room.events.put_nowait(done)
+        usage = common_pb2.Usage(prompt_tokens=len(request.input_ids), completion_tokens=1,
+                                 cached_tokens=first.cached_tokens)
+        return worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
+            output_ids=[first.token_id], usage=usage))
+
+    def _source(self, pages: list[int], dest) -> list[int]:
+        """The pinned pages the decode worker lacks (it holds the first `cached_tokens` already)."""
+        return pages[dest.cached_tokens // self.engine.args.page_size:]
+
+    async def _send(self, room: Room, rid: str, src: list[int], first, dest) -> bootstrap_pb2.KvReady:
+        """Write `src` into the destination pages; returns `done`. Releases the request's pinned pages once no
+        write can still read them (after a timeout too: the release waits for the write to return)."""
+        try:
+            writes = kv_writes(self.transfer.layout, KvLayout(tuple(dest.buffer_bases), dest.page_bytes), src,
+                               list(dest.pages))
+        except ValueError as e:
+            self.engine.release_kv(rid)
+            raise HandoffFailed(str(e)) from None
+        nbytes = sum(w.length for w in writes)
+        room.events.put_nowait(bootstrap_pb2.TransferStarted(bytes=nbytes, writes=len(writes)))
+        room_log(room.number, rid, "transferring", f"{len(src)} pages, {nbytes} bytes in {len(writes)} writes "
+                 f"to {dest.session_id}")
+        started = time.perf_counter()
+        self.transferring += 1
+        room.write = pending = self.transfer.write(dest.session_id, writes)
+        pending.add_done_callback(lambda _: self.engine.release_kv(rid))
+        try:
+            await _bounded(pending, self.transfer_timeout, "the KV write did not finish")
+        except HandoffFailed:
+            raise
+        except Exception as e:
+            raise HandoffFailed(f"KV transfer to {dest.session_id} failed: {e}") from None
+        finally:
+            self.transferring -= 1
+        done = convert.kv_ready(first)
+        done.bytes, done.transfer_ms = nbytes, 1000 * (time.perf_counter() - started)
+        room_log(room.number, rid, "sent", f"{done.transfer_ms:.1f} ms")
+        return done

@@ -1,0 +1,139 @@
+"""The router's prefill/decode path: pick a prefill worker (by the routing policy: its prefix cache is what the
+policy's prefix tree models) and a decode worker (the least loaded), mint a random 63-bit bootstrap room, send
+Generate to both at once and stream the decode worker's answer. The prefill worker's call only reports how the
+prefill went: if it fails first, the decode call is cancelled with its reason.
+
+A pair that fails before anything was streamed (a worker gone, a handoff that broke or timed out: UNAVAILABLE or
+ABORTED) is retried once on another pair when --retry-on-unavailable (the default); input errors are not retried."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from radixmesh.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from services.router.core import Router
+    from services.router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+_tiebreak = itertools.count()
+
+
+def new_room() -> int:
+    return secrets.randbits(63)
+
+
+def _pick(workers: list["Worker"], tried: set[str]) -> list["Worker"]:
+    """Workers not tried yet for this request, or every one when all were (a retry may reuse a healthy one)."""
+    fresh = [w for w in workers if w.url not in tried]
+    return fresh or workers
+
+
+def _paired(request: worker_pb2.GenerateRequest, prefill: "Worker", room: int, stream: bool):
+    out = worker_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.stream = stream
+    out.disaggregated_params.bootstrap_host = prefill.url.rpartition(":")[0]
+    out.disaggregated_params.bootstrap_port = prefill.info.bootstrap_port
+    out.disaggregated_params.bootstrap_room = room
+    return out
+
+
+class _PairFailed(Exception):
+    def __init__(self, status: grpc.StatusCode, message: str, retry: bool):
+        super().__init__(message)
+        self.code, self.message, self.retry = status, message, retry
+
+
+async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
+                      ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    from services.router.core import RouterError, status_of
+
+    if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
+        raise RouterError(400, "n > 1 is not supported with prefill/decode disaggregation")
+    tried: set[str] = set()
+    attempts = 2 if router.settings.retry_on_unavailable else 1
+    for attempt in range(attempts):
+        prefills, decodes = router.registry.healthy("prefill"), router.registry.healthy("decode")
+        if not prefills or not decodes:
+            raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
+                                   "decode workers healthy)")
+        prefill = router.policy.pick(_pick(prefills, tried), request.input_ids)
+        decode = min(_pick(decodes, tried), key=lambda w: (w.in_flight, next(_tiebreak) % 997))
+        tried |= {prefill.url, decode.url}
+        streamed = False
+        try:
+            async for msg in _run_pair(router, request, prefill, decode):
+                streamed = True
+                yield msg
+            return
+        except _PairFailed as e:
+            if not e.retry or streamed or attempt == attempts - 1:
+                raise RouterError(status_of(e.code), e.message) from None
+            log.info("pair %s -> %s failed before streaming (%s); retrying on another pair", prefill.url,
+                     decode.url, e.message)
+
+
+async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worker"):
+    room = new_room()
+    timeout = router.settings.request_timeout_s
+    pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout)
+    dcall = decode.stub.Generate(_paired(request, prefill, room, stream=request.stream), timeout=timeout)
+    failure: list[_PairFailed] = []
+
+    def prefill_done(task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        if isinstance(e, grpc.aio.AioRpcError):
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                router.registry.mark_failed(prefill, e.details() or "unavailable")
+            failure.append(_PairFailed(e.code(), f"prefill worker {prefill.url}: {e.details()}",
+                                       e.code() in RETRYABLE))
+            dcall.cancel()
+
+    async def drain() -> None:
+        async for _ in pcall:
+            pass
+    ptask = asyncio.ensure_future(drain())
+    ptask.add_done_callback(prefill_done)
+    for worker, call in ((prefill, pcall), (decode, dcall)):
+        worker.in_flight += 1
+        router._calls[call] = worker.url
+    try:
+        async for msg in dcall:
+            yield msg
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            router.registry.mark_failed(decode, e.details() or "unavailable")
+        # The prefill side's error says more (bad input, or which worker died); give it a moment to arrive.
+        await asyncio.wait([ptask], timeout=1.0)
+        if failure:
+            raise failure[0] from None
+        raise _PairFailed(code, f"decode worker {decode.url}: {e.details()}", code in RETRYABLE) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        cancelled = router._cancelled.get(dcall) or router._cancelled.get(pcall)
+        if failure and not (task is not None and task.cancelling()):
+            raise failure[0] from None
+        if cancelled is None or (task is not None and task.cancelling()):
+            raise
+        reason, retry = cancelled
+        raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry) from None
+    finally:
+        for worker, call in ((prefill, pcall), (decode, dcall)):
+            router._calls.pop(call, None)
+            router._cancelled.pop(call, None)
+            worker.in_flight -= 1
+            call.cancel()
+        ptask.cancel()

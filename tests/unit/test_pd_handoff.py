@@ -1,0 +1,161 @@
+"""The engine's side of prefill/decode disaggregation, with two engines in one process and the fake transfer
+backend: a prefill-role request pins its KV and hands over its first token; a decode-role request pre-allocates,
+receives the pages and decodes on, token-identical (with logprobs) to a colocated engine; a decode-side cached
+prefix is not transferred again; aborts and failed handoffs free every page."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from engine.disaggregation.fake_backend import Faults
+from engine.disaggregation.handoff import DecodeRole, PrefillRole
+from engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
+from engine.disaggregation.registry import make_backend
+from tests.conftest import model_path
+from tests.engine_utils import parity_prompts, running_engine
+
+OPTS = {"page_size": 16, "chunked_prefill_size": 64, "max_total_tokens": 4096}
+_rids = itertools.count()
+
+
+class Pair:
+    """A prefill engine and a decode engine joined by fake transfer backends, doing what the services do."""
+
+    def __init__(self, prefill, decode, faults: Faults | None = None):
+        self.p, self.d = prefill, decode
+        self.bp, self.bd = make_backend("fake", faults=faults), make_backend("fake")
+        register_pool(self.bp, prefill.runner.kv_pool)
+        register_pool(self.bd, decode.runner.kv_pool)
+        self.transferred_pages: list[int] = []
+
+    async def generate(self, ids: list[int], params: dict, verify: bool = False, **lp) -> dict:
+        loop = asyncio.get_running_loop()
+        ready, allocated = loop.create_future(), loop.create_future()
+        rid = f"pd-{next(_rids)}"
+        prole = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(ready.set_result, (pages, first)))
+        drole = DecodeRole(lambda pages, cached: loop.call_soon_threadsafe(allocated.set_result, (pages, cached)))
+        decoding = asyncio.create_task(self.d.async_generate(input_ids=ids, sampling_params=params, rid=rid,
+                                                             handoff=drole, **lp))
+        prefilling = asyncio.create_task(self.p.async_generate(input_ids=ids, sampling_params=params, rid=rid,
+                                                               handoff=prole, **lp))
+        (src, first), (dst, cached) = await ready, await allocated
+        src = src[cached // self.p.args.page_size:]
+        self.transferred_pages.append(len(dst))
+        try:
+            self.bp.write(self.bd.session_id, kv_writes(layout_of(self.p.runner.kv_pool),
+                                                        layout_of(self.d.runner.kv_pool), src, dst))
+            if verify and page_checksum(self.p.runner.kv_pool, src) != page_checksum(self.d.runner.kv_pool, dst):
+                raise RuntimeError("KV checksum mismatch")
+        except Exception as e:
+            self.d.abort_request(rid, f"KV transfer failed: {e}", keep_kv=True)
+            self.d.release_kv(rid).result(timeout=10)
+        else:
+            assert self.d.deliver_kv(rid, first).result(timeout=10) is True
+        finally:
+            self.p.release_kv(rid).result(timeout=10)
+        await prefilling
+        return await decoding
+
+
+@pytest.fixture(scope="module")
+def engines():
+    path = model_path("tiny-llama")
+    with running_engine(path, **OPTS) as p, running_engine(path, **OPTS) as d, running_engine(path, **OPTS) as c:
+        yield p, d, c
+
+
+LP = {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
+
+
+def _flat(x) -> list:
+    """Nested logprob lists as one flat list of numbers (None kept) to compare with a tolerance."""
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flat(item)]
+    return [x]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+        got, want = _flat(a["meta_info"][key]), _flat(b["meta_info"][key])
+        assert [v is None for v in got] == [v is None for v in want], key
+        assert [v for v in got if v is not None] == pytest.approx([v for v in want if v is not None], abs=1e-5)
+    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+
+
+def test_pd_matches_colocated_and_reuses_the_decode_cache(engines):
+    p, d, c = engines
+    pair = Pair(p, d)
+    prompts = parity_prompts(model_path("tiny-llama"))
+    params = [{"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}, {"max_new_tokens": 1},
+              {"max_new_tokens": 0}, {"max_new_tokens": 9, "temperature": 0.0, "frequency_penalty": 0.5}]
+
+    async def run():
+        for rnd in range(2):  # the second round finds every prompt cached on both sides
+            for i, ids in enumerate(prompts):
+                sp = params[i % len(params)]
+                want = await c.async_generate(input_ids=ids, sampling_params=sp, **LP)
+                got = await pair.generate(ids, sp, verify=True, **LP)
+                _same(got, want)
+                assert got["meta_info"]["cached_tokens"] == want["meta_info"]["cached_tokens"] or rnd == 0
+    asyncio.run(run())
+    n = len(prompts)
+    first, second = pair.transferred_pages[:n], pair.transferred_pages[n:]
+    assert sum(second) < sum(first) / 4, (first, second)  # cached prefixes were not sent again
+
+
+def test_many_concurrent_handoffs_under_memory_pressure():
+    path = model_path("tiny-llama")
+    small = {**OPTS, "max_total_tokens": 512, "num_reserved_decode_tokens": 64}
+    with running_engine(path, **OPTS) as p, running_engine(path, **small) as d, \
+            running_engine(path, **OPTS) as c:
+        pair = Pair(p, d)
+        prompts = parity_prompts(path, seed=3)
+        sp = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+        async def run():
+            got = await asyncio.gather(*(pair.generate(ids, sp) for ids in prompts * 3))
+            want = await asyncio.gather(*(c.async_generate(input_ids=ids, sampling_params=sp) for ids in prompts))
+            assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want] * 3
+        asyncio.run(run())
+        assert d.get_load()["prealloc_waiting"] == 0
+
+
+def test_failed_and_corrupted_transfers_free_every_page(engines):
+    p, d, _ = engines
+    ids = parity_prompts(model_path("tiny-llama"), seed=7)[7]
+    sp = {"max_new_tokens": 5, "temperature": 0.0}
+    for faults, message in ((Faults(drop=True), "injected drop"), (Faults(corrupt=True), "checksum mismatch")):
+        pair = Pair(p, d, faults)
+        d.flush_cache()
+        out = asyncio.run(pair.generate(ids, sp, verify=True))
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and message in reason["message"], reason
+        assert out["output_ids"] == []  # no token of a request whose KV is suspect
+        load = d.get_load()
+        assert load["held_rooms"] == load["prealloc_rooms"] == 0
+        assert load["available_kv_tokens"] == load["max_total_num_tokens"] - d.cache.evictable_tokens()
+
+
+def test_aborting_a_queued_or_receiving_request_frees_its_pages(engines):
+    _, d, _ = engines
+    ids = parity_prompts(model_path("tiny-llama"), seed=9)[6]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        allocated = loop.create_future()
+        role = DecodeRole(lambda pages, cached: loop.call_soon_threadsafe(allocated.set_result, pages))
+        task = asyncio.create_task(d.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 4},
+                                                    rid="waits-forever", handoff=role))
+        assert len(await allocated) == -(-len(ids) // 16)
+        assert d.get_load()["prealloc_rooms"] == 1
+        d.abort_request("waits-forever", "the prefill worker went away")
+        out = await task
+        assert out["meta_info"]["finish_reason"]["message"] == "the prefill worker went away"
+    asyncio.run(run())
+    assert d.deliver_kv("waits-forever", None).result(timeout=10) is False  # too late: nothing to deliver to
+    load = d.get_load()
+    assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
