@@ -23,7 +23,14 @@ def _fake(host: str, **options) -> TransferBackend:
 BACKENDS: dict[str, Callable[..., TransferBackend]] = {"mooncake": _mooncake, "fake": _fake}
 
 
-def make_backend(name: str, host: str = "127.0.0.1", **options) -> TransferBackend:
+def make_backend(name: str, host: str = "127.0.0.1", faults=None, **options) -> TransferBackend:
+    """The named backend; the fake one, and any other given `faults` (a fake_backend.Faults), comes wrapped in a
+    FaultInjector whose `faults` can be changed at any time."""
     if name not in BACKENDS:
         raise ValueError(f"unknown transfer backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[name](host, **options)
+    backend = BACKENDS[name](host, **options)
+    if name == "fake" or faults is not None:
+        from engine.disaggregation.fake_backend import FaultInjector
+
+        backend = FaultInjector(backend, faults)
+    return backend

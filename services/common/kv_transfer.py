@@ -10,6 +10,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.disaggregation.fake_backend import Faults
 from engine.disaggregation.kv_pages import KvLayout, layout_of, register_pool
 from engine.disaggregation.registry import make_backend
 from engine.disaggregation.transfer import Write
@@ -29,13 +30,14 @@ def transfer_host(configured: str | None, listen_host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def room_log(room: int, rid: str, state: str, detail: str = "") -> None:
-    log.info("room %016x request %s: %s%s", room, rid, state, f" ({detail})" if detail else "")
+def room_log(room: int, rid: str, state: str, detail: str = "", level: int = logging.INFO) -> None:
+    """One line per room state change; failures at WARNING, so they show at the default log level."""
+    log.log(level, "room %016x request %s: %s%s", room, rid, state, f" ({detail})" if detail else "")
 
 
 class KvTransfer:
-    def __init__(self, engine, backend_name: str, host: str):
-        self.backend = make_backend(backend_name, host)
+    def __init__(self, engine, backend_name: str, host: str, faults: str | None = None):
+        self.backend = make_backend(backend_name, host, Faults.parse(faults) if faults else None)
         self.pool = engine.runner.kv_pool
         register_pool(self.backend, self.pool)
         self.layout: KvLayout = layout_of(self.pool)

@@ -54,7 +54,7 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
     from services.common.kv_transfer import KvTransfer, transfer_host
 
     host = transfer_host(pd.disaggregation_transfer_host, settings.host)
-    transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host)
+    transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host, pd.disaggregation_inject_fault)
     address = f"{host}:{settings.port}"
     if mode == "decode":
         from services.decode.receive import DecodeRooms

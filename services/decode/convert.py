@@ -29,10 +29,18 @@ def sampling_dict(sp: common_pb2.SamplingParams) -> dict:
     return out
 
 
+def engine_rid(req: worker_pb2.GenerateRequest) -> str:
+    """The engine's id for a request: the request id, plus the bootstrap room for one side of a PD pair (a router
+    retry reuses the request id with a new room, and the first attempt's pages may still be pinned)."""
+    if req.HasField("disaggregated_params"):
+        return f"{req.request_id}.{req.disaggregated_params.bootstrap_room:016x}"
+    return req.request_id
+
+
 def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
     lp = req.logprob_options
     kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
-              "rid": req.request_id or None}
+              "rid": engine_rid(req) or None}
     if lp.return_logprob:
         kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
                       token_ids_logprob=list(lp.token_ids_logprob) or None,

@@ -116,7 +116,7 @@ class DecodeRoom:
     def fail(self, message: str, pinned: bool = False) -> None:
         self.error = message
         self.role.in_transfer = pinned
-        room_log(self.number, self.rid, "failed", message)
+        room_log(self.number, self.rid, "failed", message, logging.WARNING)
         self.rooms.engine.abort_request(self.rid, message)
         self._release_later()
 
@@ -130,7 +130,8 @@ class DecodeRoom:
         if not self.task.done():
             self.task.cancel()
             if self.role.in_transfer:
-                room_log(self.number, self.rid, "cancelled mid-transfer", "pages pinned for one transfer timeout")
+                room_log(self.number, self.rid, "cancelled mid-transfer", "pages pinned for one transfer timeout",
+                         logging.WARNING)
                 self._release_later()
         self.rooms.open.pop(self.rid, None)
 
@@ -164,8 +165,9 @@ class DecodeRooms:
         if not p.bootstrap_host or not p.bootstrap_port:
             raise ValueError("a decode worker needs disaggregated_params with the prefill worker's bootstrap "
                              "host and port")
-        room = DecodeRoom(self, request.request_id, p.bootstrap_room, f"{p.bootstrap_host}:{p.bootstrap_port}")
-        self.open[request.request_id] = room
+        room = DecodeRoom(self, convert.engine_rid(request), p.bootstrap_room,
+                          f"{p.bootstrap_host}:{p.bootstrap_port}")
+        self.open[room.rid] = room
         return room
 
     def counts(self) -> dict:

@@ -43,7 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.prefill_rooms = prefill_rooms  # services.prefill.bootstrap.PrefillRooms in prefill mode
         self.decode_rooms = decode_rooms  # services.decode.receive.DecodeRooms in decode mode
         self.stats = WorkerStats()
-        self.active: dict[str, int] = {}  # request id -> number of samples, while running
+        self.active: dict[str, list[str]] = {}  # request id -> the engine ids of its samples, while running
         self.started = time.time()
 
     async def _blocking(self, fn, *args):
@@ -65,7 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         if paired and n != 1:
             raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
-        self.active[request.request_id] = n
+        self.active[request.request_id] = sample_rids(kwargs["rid"], n)
         try:
             if mode == "prefill":
                 yield await self._prefill(request, context)
@@ -147,11 +147,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.stats.tokens_out(new_tokens)
 
     async def Abort(self, request, context):
-        n = self.active.get(request.request_id)
-        if n is None:
+        rids = self.active.get(request.request_id)
+        if rids is None:
             return worker_pb2.AbortResponse(found=False)
         log.info("abort requested: %s", request.reason or "no reason given")
-        for rid in sample_rids(request.request_id, n):
+        for rid in rids:
             self.engine.abort_request(rid)
         return worker_pb2.AbortResponse(found=True)
 

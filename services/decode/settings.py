@@ -45,9 +45,15 @@ class PdSettings:
     disaggregation_prealloc_queue_size: int = field(default=1024, metadata={
         "help": "decode workers: requests that may wait for KV pre-allocation before new ones are refused"})
 
+    disaggregation_inject_fault: str | None = field(default=None, metadata={
+        "help": "testing only: make this worker's KV writes fail on purpose: drop, corrupt or delay:SECONDS "
+                "(comma-separated)"})
+
     def __post_init__(self) -> None:
+        from engine.disaggregation.fake_backend import Faults
         from engine.disaggregation.registry import BACKENDS
 
+        Faults.parse(self.disaggregation_inject_fault)
         if self.disaggregation_transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.disaggregation_transfer_backend!r}")

@@ -133,7 +133,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
     # ---- the router's side: Generate ------------------------------------------------------------------------
     async def generate(self, request: worker_pb2.GenerateRequest) -> worker_pb2.GenerateResponse:
         params = request.disaggregated_params
-        rid, number = request.request_id, params.bootstrap_room
+        rid, number = convert.engine_rid(request), params.bootstrap_room
         room = self._room(number)
         if room.request.done():
             raise ValueError(f"room {number:016x} already has a request")
@@ -143,10 +143,12 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             return await self._serve(room, rid, request)
         except HandoffFailed as e:
             room.fail(e)
-            room_log(number, rid, "failed", str(e))
+            room_log(number, rid, "failed", str(e), logging.WARNING)
             raise
         except BaseException as e:
-            room.fail(HandoffFailed(f"the prefill request ended: {e!r}"))
+            why = "cancelled by its caller" if isinstance(e, asyncio.CancelledError) else repr(e)
+            room_log(number, rid, "failed", why, logging.WARNING)
+            room.fail(HandoffFailed(f"the prefill request ended: {why}"))
             raise
         finally:
             self.rooms.pop(number, None)
@@ -186,6 +188,12 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         return worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
             output_ids=[first.token_id], usage=usage))
 
+    def _written(self, write: asyncio.Future, number: int, rid: str) -> None:
+        """The write returned (whoever still waits for it): unpin the source pages."""
+        self.engine.release_kv(rid)
+        if not write.cancelled() and write.exception() is not None:
+            room_log(number, rid, "write failed", str(write.exception()), logging.WARNING)
+
     def _source(self, pages: list[int], dest) -> list[int]:
         """The pinned pages the decode worker lacks (it holds the first `cached_tokens` already)."""
         return pages[dest.cached_tokens // self.engine.args.page_size:]
@@ -206,7 +214,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         started = time.perf_counter()
         self.transferring += 1
         room.write = pending = self.transfer.write(dest.session_id, writes)
-        pending.add_done_callback(lambda _: self.engine.release_kv(rid))
+        pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
             await _bounded(pending, self.transfer_timeout, "the KV write did not finish")
         except HandoffFailed:

@@ -99,7 +99,10 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
                 router.registry.mark_failed(prefill, e.details() or "unavailable")
             failure.append(_PairFailed(e.code(), f"prefill worker {prefill.url}: {e.details()}",
                                        e.code() in RETRYABLE))
-            dcall.cancel()
+            if e.code() != grpc.StatusCode.ABORTED:
+                # ABORTED is a failed handoff, which the decode worker hears of through its own handoff stream
+                # (and then frees its pages at once); anything else it might only learn of by timing out.
+                dcall.cancel()
 
     async def drain() -> None:
         async for _ in pcall:
