@@ -102,6 +102,7 @@ class DecodeRoom:
         async with asyncio.timeout(s.transfer_timeout):
             done = await self._read(call, "done")
         self.role.in_transfer = False  # every write has landed
+        await asyncio.get_running_loop().run_in_executor(None, s.transfer.stage_in, pages)
         if s.verify:
             mine = await asyncio.get_running_loop().run_in_executor(None, page_checksum, s.transfer.pool, pages)
             if mine != done.kv_checksum:

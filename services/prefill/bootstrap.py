@@ -213,7 +213,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                  f"to {dest.session_id}")
         started = time.perf_counter()
         self.transferring += 1
-        room.write = pending = self.transfer.write(dest.session_id, writes)
+        room.write = pending = self.transfer.write(dest.session_id, writes, src)
         pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
             await _bounded(pending, self.transfer_timeout, "the KV write did not finish")

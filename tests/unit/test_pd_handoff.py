@@ -159,3 +159,30 @@ def test_aborting_a_queued_or_receiving_request_frees_its_pages(engines):
     assert d.deliver_kv("waits-forever", None).result(timeout=10) is False  # too late: nothing to deliver to
     load = d.get_load()
     assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
+
+
+def test_staged_transfer_through_host_mirrors_moves_the_pages(engines):
+    """The GPU path (pool -> pinned mirror -> backend -> peer mirror -> pool), forced on CPU pools."""
+    from engine.disaggregation.kv_pages import kv_writes
+    from services.common.kv_transfer import KvTransfer
+
+    p, d, _ = engines
+    assert p.flush_cache() and d.flush_cache()  # no cached prefix lives in the pages scribbled on below
+    send, recv = KvTransfer(p, "fake", "127.0.0.1", stage=True), KvTransfer(d, "fake", "127.0.0.1", stage=True)
+    assert send.layout.bases != layout_of(p.runner.kv_pool).bases  # the mirrors, not the pools
+    for t in p.runner.kv_pool.buffers():
+        t.view(-1)[:t.numel() // 2].uniform_()
+    src, dst = [3, 4, 9], [20, 7, 8]
+    before = page_checksum(d.runner.kv_pool, dst)
+
+    async def move():
+        await send.write(recv.session_id, kv_writes(send.layout, recv.layout, src, dst), src)
+    asyncio.run(move())
+    assert page_checksum(d.runner.kv_pool, dst) == before  # not in the pool until staged in
+    recv.stage_in(dst)
+    assert page_checksum(d.runner.kv_pool, dst) == page_checksum(p.runner.kv_pool, src)
+    assert send.gbps > 0 and send.latency_ms > 0
+    for t in p.runner.kv_pool.buffers() + d.runner.kv_pool.buffers():
+        t.zero_()
+    send.close()
+    recv.close()
