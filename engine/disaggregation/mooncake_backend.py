@@ -12,6 +12,8 @@ from engine.disaggregation.transfer import TransferError, Write
 
 log = logging.getLogger(__name__)
 
+MAX_BATCH = 128  # ranges per batch_transfer_sync_write call
+
 
 class MooncakeBackend:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
@@ -43,11 +45,15 @@ class MooncakeBackend:
         if not writes:
             return
         with self._lock:
-            rc = self._engine.batch_transfer_sync_write(peer, [w.src for w in writes], [w.dst for w in writes],
-                                                        [w.length for w in writes])
-        if rc != 0:
-            raise TransferError(f"mooncake write of {len(writes)} ranges "
-                                f"({sum(w.length for w in writes)} bytes) to {peer} failed: {rc}")
+            # Submitted in groups: one batch of thousands of ranges (a fragmented prompt on a 64-buffer model)
+            # overflows the TCP transport's lane queue and fails as a whole.
+            for at in range(0, len(writes), MAX_BATCH):
+                group = writes[at:at + MAX_BATCH]
+                rc = self._engine.batch_transfer_sync_write(peer, [w.src for w in group], [w.dst for w in group],
+                                                            [w.length for w in group])
+                if rc != 0:
+                    raise TransferError(f"mooncake write of {len(group)} ranges ({sum(w.length for w in group)} "
+                                        f"bytes; {at} of {len(writes)} done) to {peer} failed: {rc}")
 
     def close(self) -> None:
         for ptr in list(self._registered):
