@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: PD (prefill + decode worker sharing the GPU, Mooncake TCP staged through pinned host memory) vs
+# One device call: PD (prefill + decode worker sharing the GPU, or on two GPUs with PD_DEVICES="0 1"; Mooncake TCP staged through pinned host memory) vs
 # one colocated worker, Llama-3.1-8B-shaped dummy model, 2k-token prompts. Usage: bash benchmarks/gpu_pd.sh OUTDIR
 # Needs `.gpu-wheels/` carried (the image lacks Mooncake's CPU build, its Debian libraries and our gRPC pins):
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .gpu-wheels \
@@ -19,4 +19,5 @@ python3 -c 'import torch, grpc, mooncake.engine; print("torch", torch.__version_
   | tee -a "$OUT/device.txt" || exit 1
 python3 -m benchmarks.pd --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
   --input-len 2048 --output-len 64 --num-prompts ${NUM_PROMPTS:-48} --concurrency ${CONCURRENCY:-8} --vocab 128000 \
-  --max-total-tokens 65536 --log-dir "$OUT" --result-file "$OUT/pd.json" 2>&1 | tee "$OUT/pd.log" | tail -4
+  --max-total-tokens 65536 --log-dir "$OUT" --result-file "$OUT/pd.json" ${PD_DEVICES:+--pd-devices $PD_DEVICES} \
+  2>&1 | tee "$OUT/pd.log" | tail -4

@@ -34,12 +34,14 @@ from services.router.settings import RouterSettings
 from services.router.workers import WorkerRegistry
 
 
-def _spawn(role: list[str], engine_flags: list[str], log_dir: str, name: str) -> tuple[subprocess.Popen, str]:
+def _spawn(role: list[str], engine_flags: list[str], log_dir: str, name: str,
+           device: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = [sys.executable, "-m", "services.decode", "--port", str(port), "--log-level", "warning", *role,
             *engine_flags]
     log = open(os.path.join(log_dir, f"{name}.log"), "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), f"127.0.0.1:{port}"
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if device is not None else {})}
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), f"127.0.0.1:{port}"
 
 
 def _wait_serving(proc: subprocess.Popen, address: str, timeout: float = 600) -> None:
@@ -115,8 +117,9 @@ def run_mode(mode: str, args, engine_flags: list[str], prompts) -> dict:
                                   str(free_port())]), ("decode", ["--disaggregation-mode", "decode"])]
             roles = [(n, r + ["--disaggregation-transfer-backend", args.transfer_backend]) for n, r in roles]
         addresses = []
-        for name, role in roles:  # one at a time: each sizes its KV pool from the GPU memory still free
-            proc, address = _spawn(role, engine_flags, args.log_dir, f"{mode}-{name}")
+        devices = args.pd_devices or [None, None]
+        for i, (name, role) in enumerate(roles):  # one at a time: each sizes its KV pool from the free GPU memory
+            proc, address = _spawn(role, engine_flags, args.log_dir, f"{mode}-{name}", devices[i])
             procs.append(proc)
             _wait_serving(proc, address)
             addresses.append(address)
@@ -142,6 +145,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["colocated", "pd"])
     ap.add_argument("--transfer-backend", default="mooncake")
     ap.add_argument("--log-dir", default="/tmp")
+    ap.add_argument("--pd-devices", nargs=2, metavar=("PREFILL", "DECODE"),
+                    help="CUDA_VISIBLE_DEVICES of the prefill and the decode worker (the colocated worker gets the "
+                         "first); unset: every process sees every GPU")
     ap.add_argument("--result-file")
     args, engine_flags = ap.parse_known_args()
     engine_flags = ["--model-path", args.model_path, "--skip-tokenizer-init", *engine_flags]

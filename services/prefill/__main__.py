@@ -1,5 +1,6 @@
 """`python -m services.prefill --model-path PATH --port N`: a prefill worker (--disaggregation-mode prefill).
-It loads the engine and answers health, load and info calls; the KV handoff to decode workers is the next step."""
+It prefills prompts the router pairs with a decode worker and writes their KV pages into that worker's memory; the
+decode worker finds it through the bootstrap port (--disaggregation-bootstrap-port). See services/prefill/bootstrap."""
 
 from __future__ import annotations
 
