@@ -75,8 +75,12 @@ class DecodeRoom:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure ends the room with its reason
-            self.fail(f"KV handoff from prefill worker {self.prefill} failed in state '{self.state}': "
-                      f"{e or type(e).__name__}", pinned=isinstance(e, TimeoutError) and self.role.in_transfer)
+            reason = str(e) or type(e).__name__
+            if isinstance(e, TimeoutError):
+                limit = s.bootstrap_timeout if self.state == "bootstrapping" else s.transfer_timeout
+                reason = f"no answer within {limit:g} s"
+            self.fail(f"KV handoff from prefill worker {self.prefill} failed in state '{self.state}': {reason}",
+                      pinned=isinstance(e, TimeoutError) and self.role.in_transfer)
         finally:
             call.cancel()
 

@@ -117,19 +117,39 @@ def test_info_loads_health_and_errors(worker):
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_prefill_worker_answers_health_and_refuses_colocated_generate():
-    proc, url = start("services.prefill")
+def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout():
+    """A prefill request no decode worker registers for, and a decode request whose room the prefill worker never
+    gets, each end in ABORTED with the reason within --disaggregation-bootstrap-timeout, holding no page."""
+    fast = ("--disaggregation-bootstrap-timeout", "1", "--disaggregation-transfer-backend", "mooncake")
+    proc, url = start("services.prefill", "--disaggregation-bootstrap-port", str(free_port()), *fast)
+    dproc, durl = start("services.decode", "--disaggregation-mode", "decode", *fast)
     try:
-        with grpc.insecure_channel(url) as ch:
-            stub = worker_pb2_grpc.WorkerServiceStub(ch)
-            assert stub.GetModelInfo(worker_pb2.GetModelInfoRequest()).disaggregation_mode == "prefill"
+        with grpc.insecure_channel(url) as ch, grpc.insecure_channel(durl) as dch:
+            stub, dstub = worker_pb2_grpc.WorkerServiceStub(ch), worker_pb2_grpc.WorkerServiceStub(dch)
+            info = stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
+            assert info.disaggregation_mode == "prefill" and info.bootstrap_port > 0
             assert stub.HealthCheck(worker_pb2.HealthCheckRequest()).healthy
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(worker_pb2.GenerateRequest(request_id="p", input_ids=[5, 6])))
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "disaggregated_params" in err.value.details()
+            pd = worker_pb2.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=info.bootstrap_port)
+            for target, room, words in ((stub, 7, "no decode worker registered"),
+                                        (dstub, 8, "failed in state 'bootstrapping'")):
+                pd.bootstrap_room = room
+                t = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    list(target.Generate(worker_pb2.GenerateRequest(
+                        request_id=f"r{room}", input_ids=list(range(10, 60)), disaggregated_params=pd)))
+                assert err.value.code() == grpc.StatusCode.ABORTED and words in err.value.details()
+                assert time.monotonic() - t < 5
+            for s_ in (stub, dstub):
+                load = s_.GetLoads(worker_pb2.GetLoadsRequest())
+                assert load.used_kv_tokens == 0 and load.num_prealloc_rooms == load.num_transfer_rooms == 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        for p_ in (proc, dproc):
+            p_.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0 and dproc.wait(timeout=30) == 0
 
 
 def test_sigterm_lets_an_open_stream_finish():
