@@ -229,9 +229,9 @@ class Engine:
         load["max_total_num_tokens"] = self.runner.max_total_tokens
         return load
 
-    def abort_request(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
-        """Abort a request; `message` is what its caller is told. See Scheduler.abort for `keep_kv`."""
-        self.scheduler.abort(rid, message, keep_kv)
+    def abort_request(self, rid: str, message: str | None = None) -> None:
+        """Abort a request; `message` is what its caller is told. See Scheduler.abort for pinned pages."""
+        self.scheduler.abort(rid, message)
 
     # ---- prefill/decode disaggregation (engine.disaggregation.handoff) ------------------------------------------
     def deliver_kv(self, rid: str, first) -> Future:
@@ -241,7 +241,7 @@ class Engine:
         return self.scheduler.call(lambda: self.scheduler.deliver_kv(rid, first))
 
     def release_kv(self, rid: str) -> Future:
-        """Unpin the pages of a request handed over (prefill role) or failed with keep_kv (decode role)."""
+        """Unpin the pages of a request handed over (prefill role) or aborted while in transfer (decode role)."""
         return self.scheduler.call(lambda: self.scheduler.release_kv(rid))
 
     def shutdown(self) -> None:

@@ -81,10 +81,10 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         self.inbox.put(("add", req))
 
-    def abort(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
-        """Finish `rid` with an abort (`message` tells the caller why). `keep_kv`: a decode-role request waiting
-        for its KV keeps its pages pinned (a late write may still land in them) until `release_kv`."""
-        self.inbox.put(("abort", (rid, message, keep_kv)))
+    def abort(self, rid: str, message: str | None = None) -> None:
+        """Finish `rid` with an abort (`message` tells the caller why). A decode-role request whose pages a peer
+        may still write (`DecodeRole.in_transfer`) keeps them pinned until `release_kv`."""
+        self.inbox.put(("abort", (rid, message)))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run fn on the scheduler thread between steps; returns a Future of its result."""
@@ -360,12 +360,12 @@ class Scheduler:
     def release_kv(self, rid: str) -> bool:
         return self.handoffs.release(rid)
 
-    def _abort(self, rid: str, message: str | None = None, keep_kv: bool = False) -> None:
+    def _abort(self, rid: str, message: str | None = None) -> None:
         reason = FinishReason(FinishKind.ABORT, message=message or "aborted by the client")
         taken = self.handoffs.take(rid)
         if taken is not None:
             where, req = taken
-            if where == "receiving" and (keep_kv or req.handoff.in_transfer):
+            if where == "receiving" and req.handoff.in_transfer:
                 self.handoffs.held[rid] = req
                 req.status, req.finish_reason = ReqStatus.FINISHED, reason
                 self._changed = True

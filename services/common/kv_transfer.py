@@ -37,6 +37,12 @@ def transfer_host(configured: str | None, listen_host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def set_once(fut: asyncio.Future, value) -> None:
+    """Resolve `fut` unless it already is (a callback from another thread may arrive after a cancel)."""
+    if not fut.done():
+        fut.set_result(value)
+
+
 def room_log(room: int, rid: str, state: str, detail: str = "", level: int = logging.INFO) -> None:
     """One line per room state change; failures at WARNING, so they show at the default log level."""
     log.log(level, "room %016x request %s: %s%s", room, rid, state, f" ({detail})" if detail else "")

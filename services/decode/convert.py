@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from radixmesh.v1 import common_pb2, worker_pb2
+from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
 
 _OPTIONAL_SCALARS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                      "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
@@ -141,10 +141,8 @@ def _msg_pairs(msg: common_pb2.TopLogprobs) -> list[tuple[float, int]]:
     return list(zip(msg.logprobs, msg.token_ids))
 
 
-def kv_ready(first) -> "bootstrap_pb2.KvReady":
+def kv_ready(first) -> bootstrap_pb2.KvReady:
     """engine.disaggregation.handoff.FirstToken -> KvReady (without checksum and transfer figures)."""
-    from radixmesh.v1 import bootstrap_pb2
-
     msg = bootstrap_pb2.KvReady(first_token_id=first.token_id, cached_tokens=first.cached_tokens,
                                 top_logprobs=_pairs_msg(first.top_logprobs),
                                 token_ids_logprobs=_pairs_msg(first.token_ids_logprobs),

@@ -21,7 +21,7 @@ import grpc
 from engine.disaggregation.handoff import DecodeRole
 from engine.disaggregation.kv_pages import page_checksum
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc
-from services.common.kv_transfer import KvTransfer, room_log
+from services.common.kv_transfer import KvTransfer, room_log, set_once
 from services.common.server import channel
 from services.decode import convert
 
@@ -38,17 +38,12 @@ class Overloaded(Exception):
     """Too many requests wait for pre-allocation; the caller gets RESOURCE_EXHAUSTED."""
 
 
-def _set(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
 class DecodeRoom:
     def __init__(self, rooms: "DecodeRooms", rid: str, number: int, prefill: str):
         self.rooms, self.rid, self.number, self.prefill = rooms, rid, number, prefill
         loop = asyncio.get_running_loop()
         self.allocated: asyncio.Future = loop.create_future()
-        self.role = DecodeRole(lambda pages, cached: loop.call_soon_threadsafe(_set, self.allocated,
+        self.role = DecodeRole(lambda pages, cached: loop.call_soon_threadsafe(set_once, self.allocated,
                                                                                (pages, cached)))
         self.state = "bootstrapping"
         self.error: str | None = None

@@ -19,7 +19,7 @@ import grpc
 from engine.disaggregation.handoff import PrefillRole
 from engine.disaggregation.kv_pages import KvLayout, kv_writes, page_checksum
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
-from services.common.kv_transfer import KvTransfer, room_log
+from services.common.kv_transfer import KvTransfer, room_log, set_once
 from services.decode import convert
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,6 @@ log = logging.getLogger(__name__)
 
 class HandoffFailed(Exception):
     """A room could not complete; the message says which step and why."""
-
-
-def _set(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
 
 
 class Room:
@@ -159,7 +154,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         room_log(room.number, rid, "prefilling", f"decode worker {hello.decode_address}")
         loop = asyncio.get_running_loop()
         ready: asyncio.Future = loop.create_future()
-        role = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(_set, ready, (pages, first)))
+        role = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(set_once, ready, (pages, first)))
         kwargs = convert.generate_kwargs(request)
         try:
             result = await self.engine.async_generate(**kwargs, handoff=role)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
-_tiebreak = itertools.count()
+_rotation = itertools.count()
 
 
 def new_room() -> int:
@@ -36,6 +36,12 @@ def _pick(workers: list["Worker"], tried: set[str]) -> list["Worker"]:
     """Workers not tried yet for this request, or every one when all were (a retry may reuse a healthy one)."""
     fresh = [w for w in workers if w.url not in tried]
     return fresh or workers
+
+
+def _least_loaded(workers: list["Worker"]) -> "Worker":
+    """Fewest in-flight requests; ties go round robin (the list is rotated, then min keeps the first)."""
+    k = next(_rotation) % len(workers)
+    return min(workers[k:] + workers[:k], key=lambda w: w.in_flight)
 
 
 def _paired(request: worker_pb2.GenerateRequest, prefill: "Worker", room: int, stream: bool):
@@ -68,7 +74,7 @@ async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
             raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
                                    "decode workers healthy)")
         prefill = router.policy.pick(_pick(prefills, tried), request.input_ids)
-        decode = min(_pick(decodes, tried), key=lambda w: (w.in_flight, next(_tiebreak) % 997))
+        decode = _least_loaded(_pick(decodes, tried))
         tried |= {prefill.url, decode.url}
         streamed = False
         try:

@@ -43,6 +43,7 @@ class Pair:
                                                                handoff=prole, **lp))
         (src, first), (dst, cached) = await ready, await allocated
         src = src[cached // self.p.args.page_size:]
+        drole.in_transfer = True  # as the decode service does once the destination is sent
         self.transferred_pages.append(len(dst))
         try:
             self.bp.write(self.bd.session_id, kv_writes(layout_of(self.p.runner.kv_pool),
@@ -50,9 +51,10 @@ class Pair:
             if verify and page_checksum(self.p.runner.kv_pool, src) != page_checksum(self.d.runner.kv_pool, dst):
                 raise RuntimeError("KV checksum mismatch")
         except Exception as e:
-            self.d.abort_request(rid, f"KV transfer failed: {e}", keep_kv=True)
+            self.d.abort_request(rid, f"KV transfer failed: {e}")  # pinned: in_transfer
             self.d.release_kv(rid).result(timeout=10)
         else:
+            drole.in_transfer = False
             assert self.d.deliver_kv(rid, first).result(timeout=10) is True
         finally:
             self.p.release_kv(rid).result(timeout=10)
