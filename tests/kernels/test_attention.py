@@ -1,0 +1,131 @@
+"""The Triton attention kernels against their plain-torch twins: paged decode (GQA, split-KV, any page size, long
+contexts) and extend over a cached prefix (ragged, causal). On CPU they run in Triton's interpreter with small
+shapes; on CUDA (`make test-gpu`) with the Llama-3.1-8B head layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits
+from kernels.extend_attention import extend_attention, extend_attention_reference
+
+CUDA = torch.cuda.is_available()
+# Small shapes run wherever the suite runs: compiled on a GPU, in Triton's interpreter on CPU. The real shapes below
+# are GPU-only.
+DEVICES = [pytest.param("cuda" if CUDA else "cpu", id="small")]
+
+
+class Pool:
+    """A token-addressed KV pool whose requests own randomly placed pages of `page` slots, like the engine's."""
+
+    def __init__(self, lens: list[int], kv_heads: int, head_dim: int, page: int, dtype, device, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        pages_each = [-(-n // page) for n in lens]
+        total = sum(pages_each) + 3  # a few pages nobody owns
+        perm = torch.randperm(total, generator=gen)
+        self.req_to_token = torch.zeros((len(lens) + 2, max(lens) + page), dtype=torch.int64)
+        self.rows = torch.randperm(len(lens) + 2, generator=gen)[:len(lens)]
+        at = 0
+        for i, (n, np_) in enumerate(zip(lens, pages_each)):
+            pages = perm[at:at + np_]
+            at += np_
+            slots = (pages[:, None] * page + torch.arange(page)).reshape(-1)[:n]
+            self.req_to_token[self.rows[i], :n] = slots
+        shape = (total * page, kv_heads, head_dim)
+        self.k = torch.randn(shape, generator=gen).to(dtype).to(device)
+        self.v = torch.randn(shape, generator=gen).to(dtype).to(device)
+        self.req_to_token = self.req_to_token.to(device)
+        self.rows = self.rows.to(device)
+
+
+def _tolerance(dtype) -> float:
+    return {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    assert not out.isnan().any(), "an output element was never written"
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert err < _tolerance(dtype), f"relative error {err:.2e}"
+
+
+def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0):
+    pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn((len(lens), heads, head_dim), generator=gen).to(dtype).to(device)
+    seq_lens = torch.tensor(lens, device=device)
+    splits = splits or num_kv_splits(len(lens), kv_heads, torch.device(device))
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, head_dim ** -0.5, splits, out=out)
+    ref = decode_attention_reference(q.cpu(), pool.k.cpu(), pool.v.cpu(), pool.req_to_token.cpu(), pool.rows.cpu(),
+                                     seq_lens.cpu(), head_dim ** -0.5)
+    _check(out.cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (8, 2), (16, 2), (3, 1), (7, 7), (12, 3)])
+def test_decode_gqa_ratios(device, heads, kv_heads):
+    _decode_case([1, 5, 37, 100], heads, kv_heads, 32, 16, torch.float32, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page,dtype,splits", [(1, torch.float32, 1), (16, torch.bfloat16, 3), (64, torch.float16, 8),
+                                               (64, torch.float32, 3), (1, torch.bfloat16, 8), (16, torch.float16, 1)])
+def test_decode_pages_dtypes_splits(device, page, dtype, splits):
+    _decode_case([1, 17, 64, 129, 200], 8, 2, 48, page, dtype, device, splits=splits, seed=page + splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_long_context_split_kv(device):
+    """One request of 32k tokens, split across many programs; a short request rides along."""
+    heads, kv_heads, head_dim = (32, 8, 128) if device == "cuda" else (4, 1, 16)
+    _decode_case([32768, 3], heads, kv_heads, head_dim, 16, torch.bfloat16, device, splits=16, seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs,ctx", [(1, 512), (64, 2048), (256, 1024)])
+def test_decode_llama8b_shape_cuda(bs, ctx):
+    lens = torch.randint(1, ctx + 1, (bs,), generator=torch.Generator().manual_seed(bs)).tolist()
+    _decode_case(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=bs)
+
+
+def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0):
+    lens = [p + e for p, e in zip(prefixes, extends)]
+    pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = sum(extends)
+    q = torch.randn((n, heads, head_dim), generator=gen).to(dtype).to(device)
+    k_new = torch.randn((n, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    v_new = torch.randn((n, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    ext = torch.tensor(extends, device=device)
+    args = (q, k_new, v_new, pool.k, pool.v, pool.req_to_token, pool.rows, torch.tensor(prefixes, device=device),
+            ext, ext.cumsum(0) - ext)
+    out = torch.full_like(q, float("nan"))
+    extend_attention(*args, max(extends), head_dim ** -0.5, out=out)
+    ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5)
+    _check(out.cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1), (3, 1), (12, 3)])
+def test_extend_gqa_ragged(device, heads, kv_heads):
+    _extend_case([0, 10, 33, 0], [7, 1, 40, 19], heads, kv_heads, 32, 16, torch.float32, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page,dtype", [(1, torch.float32), (16, torch.bfloat16), (64, torch.float16),
+                                        (64, torch.bfloat16)])
+def test_extend_pages_dtypes(device, page, dtype):
+    _extend_case([70, 0, 5], [23, 50, 1], 4, 2, 48, page, dtype, device, seed=page)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_empty_prefix_single_request(device):
+    _extend_case([0], [45], 2, 1, 64, 1, torch.bfloat16, device, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefixes,extends", [([0], [8192]), ([4096, 0, 100], [512, 1000, 3]),
+                                              ([0] * 8, [1024] * 8)])
+def test_extend_llama8b_shape_cuda(prefixes, extends):
+    _extend_case(prefixes, extends, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=len(extends))
