@@ -45,6 +45,12 @@ class EngineArgs:
     num_reserved_decode_tokens: int = 512
     enable_mixed_chunk: bool = False
     attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_overlap_schedule: bool = False
     random_seed: int | None = None
     stream_output: bool = False
     sampling_defaults: str = "model"
@@ -203,6 +209,9 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         _check(chunk >= page, f"chunked_prefill_size ({chunk}) must be >= page_size ({page})")
         chunk = chunk // page * page
     dtype = resolve_dtype(args.dtype, model, device)
+    attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim)
+    _check(args.cuda_graph_max_bs is None or args.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
+    _check(not args.cuda_graph_bs or min(args.cuda_graph_bs) >= 1, "cuda_graph_bs sizes must be >= 1")
     return dataclasses.replace(
         args,
         device=device,
@@ -211,11 +220,25 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         chunked_prefill_size=chunk,
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=str(dtype).removeprefix("torch.") if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        attention_backend=args.attention_backend or "torch_native",
+        **attention,
+        disable_cuda_graph=args.disable_cuda_graph or device == "cpu",
+        cuda_graph_bs=tuple(sorted(set(args.cuda_graph_bs))) if args.cuda_graph_bs else None,
         mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.88,
         random_seed=args.random_seed if args.random_seed is not None else 42,
         tokenizer_path=args.tokenizer_path or args.model_path,
     )
+
+
+def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:
+    """attention_backend defaults by device and model; the prefill and decode backends default to it."""
+    from engine.attention.registry import check_backend_name, default_backend
+
+    names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
+    names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
+    names["decode_attention_backend"] = args.decode_attention_backend or names["attention_backend"]
+    for flag, name in names.items():
+        check_backend_name(name, flag)
+    return names
 
 
 def torch_dtype(name: str) -> torch.dtype:

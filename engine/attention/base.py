@@ -3,6 +3,11 @@
 A backend is built once per runner over the KV pool and the request-to-token table. Per batch, `plan` turns the page
 tables into backend metadata (index buffers, masks, kernel plans) once; per layer, `forward` writes the new tokens'
 K and V into the pool and attends over every cached token of each request.
+
+Backends that can run inside a captured CUDA graph (decode batches only) set `supports_cuda_graph` and implement the
+three graph hooks: `init_cuda_graph` once (static buffers for the largest batch), `capture_metadata` once per
+captured batch size (what it returns is baked into that graph), and `replay_metadata` before every replay (host-side
+planning only: it may fill the static buffers, never reallocate them).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class AttentionShape:
 
 class AttentionBackend(ABC):
     name: str = ""
+    supports_cuda_graph: bool = False
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         self.shape = shape
@@ -43,3 +49,17 @@ class AttentionBackend(ABC):
                 metadata: Any) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
         Writes k, v into the KV pool at batch.out_cache_loc; returns [num_tokens, num_heads, head_dim]."""
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int) -> None:
+        """Allocate the static buffers graphs of up to `max_bs` decode requests use."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run in a CUDA graph")
+
+    def capture_metadata(self, bs: int, batch: ForwardBatch) -> Any:
+        """Metadata for the graph of padded batch size `bs`; `batch` holds the graph's static input tensors."""
+        raise NotImplementedError
+
+    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: Any) -> None:
+        """Before a replay: `batch`'s device tensors already hold this step's values (padding rows have seq_len 1,
+        the padding table row and slot 0); `batch.seq_lens_host` lists all `bs` lengths, padding included."""
+        raise NotImplementedError

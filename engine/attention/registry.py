@@ -1,13 +1,16 @@
-"""Name -> backend class, imported on first use."""
+"""Name -> backend class, imported on first use (so `import engine` needs neither Triton nor FlashInfer)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from engine.attention.base import AttentionBackend, AttentionShape
 
 _BACKENDS = {
     "torch_native": "engine.attention.torch_native:TorchNativeBackend",
+    "triton": "engine.attention.triton_backend:TritonBackend",
+    "flashinfer": "engine.attention.flashinfer_backend:FlashInferBackend",
 }
 
 
@@ -15,8 +18,36 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def create_backend(name: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
+# What FlashInfer's attention kernels cover (float16/bfloat16 only, these head sizes).
+_FLASHINFER_DTYPES = ("float16", "bfloat16")
+_FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def default_backend(device: str, dtype: str, head_dim: int) -> str:
+    """SGLang's choice: FlashInfer on CUDA when it is installed and covers the model (its kernels have no float32
+    and fixed head sizes), else Triton; plain torch on CPU."""
+    if not device.startswith("cuda"):
+        return "torch_native"
+    fits = dtype in _FLASHINFER_DTYPES and head_dim in _FLASHINFER_HEAD_DIMS
+    return "flashinfer" if fits and importlib.util.find_spec("flashinfer") is not None else "triton"
+
+
+def check_backend_name(name: str, flag: str = "attention_backend") -> None:
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention_backend {name!r}; available: {', '.join(available_backends())}")
+        raise ValueError(f"unknown {flag} {name!r}; available: {', '.join(available_backends())}")
+
+
+def create_backend(name: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
+    check_backend_name(name)
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(shape, kv_pool, req_to_token)
+
+
+def create_attention(prefill: str, decode: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
+    """One backend, or a hybrid when prefill and decode batches use different ones."""
+    first = create_backend(prefill, shape, kv_pool, req_to_token)
+    if decode == prefill:
+        return first
+    from engine.attention.hybrid import HybridBackend
+
+    return HybridBackend(first, create_backend(decode, shape, kv_pool, req_to_token))

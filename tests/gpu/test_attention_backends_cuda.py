@@ -1,0 +1,196 @@
+"""The flashinfer and triton attention backends against TorchNativeBackend on CUDA in bfloat16: ragged decode batches (1, 7, 64
+requests of 1..4096 tokens) and extend batches (with and without cached prefixes, 1..300 new tokens), GQA groups 1,
+4 and 8, head dims 64 and 128, the pool in shuffled pages of 16; a decode CUDA graph replayed with new lengths and
+padding rows; plans that never wait for the GPU; float32 refused (FlashInfer has no float32 kernels).
+
+The first run JIT-compiles FlashInfer's kernels with nvcc (cached under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer,
+$HOME by default)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from engine.attention import create_backend
+from engine.attention.base import AttentionShape
+from engine.attention.torch_native import TorchNativeBackend
+from engine.batch import ForwardBatch, ForwardMode
+from engine.cache.kv_pool import KVPool
+from engine.cache.req_to_token import ReqToTokenPool
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+PAGE = 16
+LAYER = 1  # of 2: layer 0 holds other random values, so a wrong layer shows
+TOL = 1e-2  # relative L2 error per request; two bfloat16 kernels differ by ~0.5%
+HEADS = [pytest.param((8, 8), id="group1"), pytest.param((32, 8), id="group4"), pytest.param((32, 4), id="group8")]
+HEAD_DIMS = [64, 128]
+BACKENDS = ["flashinfer", "triton"]
+
+
+class Setup(NamedTuple):
+    shape: AttentionShape
+    pool: KVPool
+    table: ReqToTokenPool
+    rows: list[int]  # table row of request i
+
+
+def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed: int, dtype=DTYPE) -> Setup:
+    """Random KV in every slot; request i owns max_lens[i] tokens on shuffled pages, in a shuffled table row."""
+    torch.manual_seed(seed)
+    pages_each = [-(-n // PAGE) for n in max_lens]
+    pool = KVPool(sum(pages_each) + 3, PAGE, 2, heads[1], head_dim, dtype, DEV)
+    for buf in pool.buffers():
+        buf.normal_()
+    table = ReqToTokenPool(len(max_lens) + 2, max(max_lens) + PAGE, DEV)
+    order = torch.randperm(len(max_lens) + 2).tolist()
+    pages = torch.randperm(pool.allocator.num_pages) + 1  # page 0 is the scratch page
+    at = 0
+    for row, n, count in zip(order, max_lens, pages_each):
+        table.write(row, 0, (pages[at:at + count, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:n])
+        at += count
+    shape = AttentionShape(heads[0], heads[1], head_dim, head_dim ** -0.5)
+    return Setup(shape, pool, table, order[:len(max_lens)])
+
+
+def make_batch(setup: Setup, prefix_lens: list[int], extend_lens: list[int], mode: ForwardMode,
+               rows: list[int] | None = None) -> ForwardBatch:
+    rows = setup.rows[:len(extend_lens)] if rows is None else rows
+    loc = torch.cat([setup.table.device[r, p:p + e].cpu() for r, p, e in zip(rows, prefix_lens, extend_lens)])
+    pos = [i for p, e in zip(prefix_lens, extend_lens) for i in range(p, p + e)]
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    return ForwardBatch.build(mode, [0] * len(pos), pos, loc, rows, seq, extend_lens, DEV)
+
+
+def decode_batch(setup: Setup, lens: list[int], rows: list[int] | None = None) -> ForwardBatch:
+    return make_batch(setup, [n - 1 for n in lens], [1] * len(lens), ForwardMode.DECODE, rows)
+
+
+def random_qkv(shape: AttentionShape, num_tokens: int, seed: int):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return [torch.randn(num_tokens, h, shape.head_dim, generator=gen, device=DEV, dtype=DTYPE)
+            for h in (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads)]
+
+
+def attend(backend, batch: ForwardBatch, qkv) -> torch.Tensor:
+    return backend.forward(LAYER, *qkv, batch, backend.plan(batch))
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, counts: list[int], what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    errs = [((g.float() - w.float()).norm() / w.float().norm()).item()
+            for g, w in zip(got.split(counts), want.split(counts))]
+    bad = [(i, round(e, 4)) for i, e in enumerate(errs) if not e < TOL]  # `not <` also catches NaN
+    assert not bad, f"{what}: relative error above {TOL} for (request, error) {bad[:8]} of {len(counts)} requests"
+
+
+def compare_with_torch_native(name: str, setup: Setup, batch: ForwardBatch, what: str) -> None:
+    qkv = random_qkv(setup.shape, batch.num_tokens, seed=1)
+    got = attend(create_backend(name, setup.shape, setup.pool, setup.table), batch, qkv)
+    want = attend(TorchNativeBackend(setup.shape, setup.pool, setup.table), batch, qkv)
+    assert_matches(got, want, batch.extend_lens_host, what)
+
+
+def ragged_lens(bs: int, seed: int) -> list[int]:
+    lens = torch.randint(1, 4097, (bs,), generator=torch.Generator().manual_seed(seed)).tolist()
+    lens[-1] = 4096
+    if bs > 1:
+        lens[0] = 1
+    return lens
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("bs", [1, 7, 64])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_decode_matches_torch_native(name, bs, heads, head_dim):
+    lens = ragged_lens(bs, seed=bs)
+    setup = make_setup(lens, heads, head_dim, seed=bs)
+    compare_with_torch_native(name, setup, decode_batch(setup, lens), f"decode lens {lens[:8]}...")
+
+
+def mixed_extends(n: int = 16) -> tuple[list[int], list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 3000, (n,), generator=gen) * (torch.arange(n) % 3 != 0)  # every third: no prefix
+    return prefix.tolist(), torch.randint(1, 301, (n,), generator=gen).tolist()
+
+
+EXTENDS = {  # (cached prefix lengths, new-token counts)
+    "fresh": ([0, 0, 0, 0], [300, 1, 77, 256]),
+    "cached": ([17, 1000, 4000, 5, 1], [1, 300, 57, 129, 2]),
+    "mixed": mixed_extends(),
+}
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", list(EXTENDS))
+@pytest.mark.parametrize("name", BACKENDS)
+def test_extend_matches_torch_native(name, case, heads, head_dim):
+    prefix, new = EXTENDS[case]
+    setup = make_setup([p + e for p, e in zip(prefix, new)], heads, head_dim, seed=len(prefix))
+    batch = make_batch(setup, prefix, new, ForwardMode.EXTEND)
+    compare_with_torch_native(name, setup, batch, f"extend {case}: prefixes {prefix[:8]}, new {new[:8]}")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cuda_graph_decode_replays_new_lengths(name):
+    """Capture one decode forward for 8 requests, replay it for two other batches (longer lengths; then 6 requests
+    plus 2 padding rows) and compare with eager runs of the same requests."""
+    bs = 8
+    setup = make_setup([4096] * bs, (32, 8), 128, seed=3)
+    backend = create_backend(name, setup.shape, setup.pool, setup.table)
+    backend.init_cuda_graph(max_bs=16)
+    static = decode_batch(setup, [1] * bs)
+    q, k, v = (torch.zeros_like(t) for t in random_qkv(setup.shape, bs, seed=0))
+    metadata = backend.capture_metadata(bs, static)
+    backend.forward(LAYER, q, k, v, static, metadata)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(LAYER, q, k, v, static, metadata)
+
+    pad = [setup.table.pad_row] * 2  # the all-zero device row: padding attends over and writes slot 0
+    for step, (lens, rows) in enumerate([(ragged_lens(bs, seed=11), setup.rows),
+                                         (ragged_lens(6, seed=12) + [1, 1], setup.rows[:6] + pad)]):
+        batch = decode_batch(setup, lens, rows)
+        qkv = random_qkv(setup.shape, bs, seed=20 + step)
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_lens"):
+            getattr(static, name).copy_(getattr(batch, name))
+        static.seq_lens_host, static.extend_lens_host = batch.seq_lens_host, batch.extend_lens_host
+        for dst, src in zip((q, k, v), qkv):
+            dst.copy_(src)
+        backend.replay_metadata(bs, static, metadata)
+        graph.replay()
+        real = 8 if step == 0 else 6
+        eager_batch = decode_batch(setup, lens[:real], rows[:real])
+        eager = attend(backend, eager_batch, [t[:real] for t in qkv])
+        assert_matches(out[:real], eager, [1] * real, f"replay {step} (lens {lens}) vs eager")
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=["decode", "extend"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_plan_never_waits_for_the_gpu(name, mode):
+    setup = make_setup([700, 33, 2000], (32, 8), 128, seed=4)
+    backend = create_backend(name, setup.shape, setup.pool, setup.table)
+    if mode is ForwardMode.DECODE:
+        batch = decode_batch(setup, [700, 33, 2000])
+    else:
+        batch = make_batch(setup, [0, 30, 1000], [700, 3, 1000], ForwardMode.EXTEND)
+    backend.plan(batch)  # loads (or compiles) the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.plan(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_registered_and_float32_is_refused():
+    setup = make_setup([8], (8, 8), 64, seed=5, dtype=torch.float32)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        create_backend("flashinfer", setup.shape, setup.pool, setup.table)

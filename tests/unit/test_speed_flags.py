@@ -1,0 +1,123 @@
+"""The speed flags under SGLang's names (attention backends, CUDA graphs, overlap scheduling): parsing, resolution,
+clear errors, and an engine that imports and runs on CPU with Triton and FlashInfer unavailable."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.attention import registry
+from engine.cli import add_engine_args, engine_kwargs
+from engine.config import EngineArgs, ModelConfig, resolve_args
+from engine.cuda_graph_runner import graph_batch_sizes
+from tests.conftest import model_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parse(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_kwargs(parser.parse_args(["--model-path", "m", *argv]))
+
+
+def test_flags_use_sglang_names():
+    kw = _parse(["--attention-backend", "triton", "--prefill-attention-backend", "flashinfer",
+                 "--decode-attention-backend", "triton", "--cuda-graph-max-bs", "64", "--cuda-graph-bs", "1", "2",
+                 "8", "--disable-cuda-graph", "--disable-overlap-schedule"])
+    assert kw == {"model_path": "m", "attention_backend": "triton", "prefill_attention_backend": "flashinfer",
+                  "decode_attention_backend": "triton", "cuda_graph_max_bs": 64, "cuda_graph_bs": [1, 2, 8],
+                  "disable_cuda_graph": True, "disable_overlap_schedule": True}
+
+
+def _resolve(**kw) -> EngineArgs:
+    path = model_path("tiny-llama")
+    return resolve_args(EngineArgs.from_kwargs(path, **kw), ModelConfig.from_path(path))
+
+
+def test_cpu_defaults():
+    args = _resolve(device="cpu")
+    assert (args.attention_backend, args.prefill_attention_backend, args.decode_attention_backend) == \
+        ("torch_native",) * 3
+    assert args.disable_cuda_graph and not args.disable_overlap_schedule
+
+
+def test_prefill_and_decode_backends_default_to_the_main_one():
+    args = _resolve(device="cpu", attention_backend="triton", decode_attention_backend="torch_native")
+    assert (args.prefill_attention_backend, args.decode_attention_backend) == ("triton", "torch_native")
+
+
+@pytest.mark.parametrize("flag", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"])
+def test_unknown_backend_names_the_flag(flag):
+    with pytest.raises(ValueError, match=f"unknown {flag} 'fa9'; available: flashinfer, torch_native, triton"):
+        _resolve(device="cpu", **{flag: "fa9"})
+
+
+@pytest.mark.parametrize("kw,message", [({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1"),
+                                        ({"cuda_graph_bs": (4, 0)}, "cuda_graph_bs sizes must be >= 1")])
+def test_bad_graph_sizes(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _resolve(device="cpu", **kw)
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_default_backend_on_cuda(monkeypatch, installed):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(registry.importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "flashinfer" else real(name, *a))
+    assert registry.default_backend("cuda", "bfloat16", 128) == ("flashinfer" if installed else "triton")
+    assert registry.default_backend("cuda:1", "float16", 64) == ("flashinfer" if installed else "triton")
+    assert registry.default_backend("cuda", "float32", 128) == "triton"  # FlashInfer has no float32 kernels
+    assert registry.default_backend("cuda", "bfloat16", 48) == "triton"  # nor this head size
+    assert registry.default_backend("cpu", "bfloat16", 128) == "torch_native"
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes((8, 1, 8, 3), None, 256) == [1, 3, 8]
+    assert graph_batch_sizes(None, 20, 256) == [1, 2, 4, 8, 12, 16, 20]
+    assert graph_batch_sizes(None, None, 48) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]
+    default = graph_batch_sizes(None, None, 1024)
+    assert default[0] == 1 and default[-1] == 256 and default == sorted(set(default))
+
+
+_BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('triton', 'flashinfer'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", _BLOCKER + code], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_engine_runs_on_cpu_without_triton_or_flashinfer():
+    code = (f"from engine import Engine\n"
+            f"llm = Engine(model_path={model_path('tiny-qwen2')!r}, device='cpu', log_level='warning')\n"
+            "out = llm.generate(input_ids=[5, 6, 7], sampling_params={'max_new_tokens': 4, 'temperature': 0})\n"
+            "llm.shutdown()\n"
+            "assert len(out['output_ids']) == 4, out\n"
+            "assert not any(m.split('.')[0] in ('triton', 'flashinfer', 'kernels') for m in sys.modules)\n")
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_triton_backend_on_cpu_says_what_it_needs():
+    code = (f"from engine import Engine\n"
+            f"Engine(model_path={model_path('tiny-qwen2')!r}, device='cpu', attention_backend='triton')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode != 0
+    assert "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)" in proc.stderr
