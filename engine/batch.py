@@ -14,6 +14,16 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass(slots=True)
+class PendingInputs:
+    """Input tokens the host does not know yet: sampled by the previous step, still on the device (overlap
+    scheduling). Before the forward, input_ids[positions[i]] = source[indices[i]]."""
+
+    positions: torch.Tensor  # [p] int64 flat token indices in this batch
+    indices: torch.Tensor  # [p] int64 rows of `source`
+    source: torch.Tensor  # [prev_batch] int64 next-token ids of the previous step (device)
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """Device tensors, plus host copies of the small per-request lists the planner already had.
 
@@ -32,6 +42,9 @@ class ForwardBatch:
     extend_lens_host: list[int]
     # [n] int64 flat indices of further tokens whose logits are wanted (prompt logprobs); None when there are none
     extra_logit_indices: torch.Tensor | None = None
+    pending: PendingInputs | None = None
+    # Decode batches: [5, batch] view over input_ids, positions, out_cache_loc, req_pool_indices, seq_lens.
+    decode_block: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -41,17 +54,39 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def fill_pending(self) -> None:
+        """Write the device-resident input tokens into input_ids (stream-ordered after the step that sampled them)."""
+        p = self.pending
+        if p is not None:
+            self.input_ids[p.positions] = p.source[p.indices]
+            self.pending = None
+
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,
               req_pool_indices: list[int], seq_lens: list[int], extend_lens: list[int],
-              device: torch.device, extra_logit_indices: list[int] | None = None) -> "ForwardBatch":
+              device: torch.device, extra_logit_indices: list[int] | None = None,
+              pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> "ForwardBatch":
+        """Every int64 field travels in one host-to-device copy (from pinned memory on CUDA), packed in the order
+        input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, ...: in a decode batch (one token per
+        request) the first five form one [5, batch] block, which CUDA graphs copy into their static inputs at once.
+        `pending` is (flat positions, rows of the source, source next-ids) for inputs still on the device."""
+        n, b = len(input_ids), len(seq_lens)
+        extra = extra_logit_indices or []
+        pend_pos, pend_idx = (pending[0], pending[1]) if pending else ([], [])
+        sizes = [n, n, n, b, b, b, b, len(extra), len(pend_pos), len(pend_idx)]
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0)
-
-        def dev(x) -> torch.Tensor:
-            t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
-            return t.to(device, non_blocking=True)
-
-        return cls(mode=mode, input_ids=dev(input_ids), positions=dev(positions), out_cache_loc=dev(out_cache_loc),
-                   req_pool_indices=dev(req_pool_indices), seq_lens=dev(seq_lens), extend_lens=dev(extend_lens),
-                   logits_indices=dev(ends - 1), seq_lens_host=list(seq_lens), extend_lens_host=list(extend_lens),
-                   extra_logit_indices=dev(extra_logit_indices) if extra_logit_indices else None)
+        parts = [torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                 out_cache_loc.to(torch.int64), torch.tensor(req_pool_indices, dtype=torch.int64),
+                 torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(extend_lens, dtype=torch.int64), ends - 1,
+                 torch.tensor(extra, dtype=torch.int64), torch.tensor(pend_pos, dtype=torch.int64),
+                 torch.tensor(pend_idx, dtype=torch.int64)]
+        torch.cat(parts, out=host)
+        dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        fields = list(dev.split(sizes))
+        ids, pos, loc, rows, lens, ext, logit_idx, extra_t, pend_pos_t, pend_idx_t = fields
+        return cls(mode=mode, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rows, seq_lens=lens,
+                   extend_lens=ext, logits_indices=logit_idx, seq_lens_host=list(seq_lens),
+                   extend_lens_host=list(extend_lens), extra_logit_indices=extra_t if extra else None,
+                   pending=PendingInputs(pend_pos_t, pend_idx_t, pending[2]) if pend_pos else None,
+                   decode_block=dev[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None)

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import create_backend
 from engine.attention.base import AttentionShape
-from engine.batch import ForwardBatch
+from engine.attention.registry import create_attention
+from engine.batch import ForwardBatch, ForwardMode
 from engine.cache.kv_pool import KVPool
 from engine.cache.req_to_token import ReqToTokenPool
 from engine.config import EngineArgs, ModelConfig, torch_dtype
+from engine.cuda_graph_runner import CudaGraphRunner, estimated_graph_bytes, graph_batch_sizes
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
 from engine.sampling.penalties import PenaltyState
@@ -40,29 +41,62 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed)
-        self.max_total_tokens = self._kv_capacity_tokens()
+        graph_sizes = self._graph_sizes()
+        self.max_total_tokens = self._kv_capacity_tokens(graph_sizes)
         page = args.page_size
         self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
                               model_config.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
                               self.device)
-        self.max_running_requests = args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))
+        self.max_running_requests = self._max_running()
         row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
         self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
         shape = AttentionShape(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                                model_config.head_dim ** -0.5)
-        self.attn_backend = create_backend(args.attention_backend, shape, self.kv_pool, self.req_to_token)
+        self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
+                                             self.kv_pool, self.req_to_token)
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
         self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
-        log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d", model_config.architecture,
-                 self.device, args.dtype, self.kv_pool.capacity_tokens, page, self.max_running_requests)
+        log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d, attention %s",
+                 model_config.architecture, self.device, args.dtype, self.kv_pool.capacity_tokens, page,
+                 self.max_running_requests, self.attn_backend.name)
+        self.graphs: CudaGraphRunner | None = None
+        graph_sizes = [s for s in graph_sizes if s < self.max_running_requests] + \
+            [self.max_running_requests] if graph_sizes and max(graph_sizes) > self.max_running_requests \
+            else graph_sizes
+        if graph_sizes:
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
+                                          self.req_to_token.pad_row, graph_sizes)
+            self.graphs.capture()
 
-    def _kv_capacity_tokens(self) -> int:
+    def _max_running(self) -> int:
+        return self.args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture; none on CPU, with --disable-cuda-graph, or when the decode attention
+        backend cannot run inside a graph (said in the log)."""
+        args = self.args
+        if args.disable_cuda_graph or self.device.type != "cuda":
+            return []
+        if args.decode_attention_backend == "torch_native":
+            log.info("CUDA graphs off: the torch_native attention backend has data-dependent shapes")
+            return []
+        cap = args.max_running_requests or 256
+        return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
+
+    def _kv_capacity_tokens(self, graph_sizes: list[int]) -> int:
+        """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
+        memory set aside for CUDA graphs)."""
         per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype))
         page = self.args.page_size
+        self.graph_reserve = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.args.mem_fraction_static)
+            cfg = self.model_config
+            self.graph_reserve = estimated_graph_bytes(max(graph_sizes), cfg.vocab_size, cfg.hidden_size,
+                                                       cfg.intermediate_size, self.dtype.itemsize) \
+                if graph_sizes else 0
+            budget = free - total * (1 - self.args.mem_fraction_static) - self.graph_reserve
             tokens = int(budget // per_token)
             if tokens <= page:
                 raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
@@ -80,11 +114,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model over the batch; returns float32 logits [batch + extra, vocab]: each request's last new
-        token, then the tokens of batch.extra_logit_indices."""
+        """Run the model over the batch (a captured graph when one fits); returns float32 logits
+        [batch + extra, vocab]: each request's last new token, then the tokens of batch.extra_logit_indices.
+        Launches work on the device and returns without waiting for it."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
+        batch.fill_pending()
         metadata = self.attn_backend.plan(batch)
         with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
             hidden = self.model(batch.input_ids, batch.positions)
+        if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
+            return self.model.compute_logits(hidden)  # one token per request: every row is wanted
         rows = batch.logits_indices
         if batch.extra_logit_indices is not None:
             rows = torch.cat([rows, batch.extra_logit_indices])
@@ -93,14 +133,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,
                            prompt: PromptLogprobPlan | None = None) -> SampleResult:
-        """Forward, sample each request's next token, and (with a prompt plan) the logprobs of the planned prompt
-        tokens from the extra logits."""
-        logits = self.forward(batch)
-        result = sample(logits[:batch.batch_size], sampling, self.generator, self.penalties)
+        return self.sample(self.forward(batch), batch.batch_size, sampling, prompt)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch_size: int, sampling: SamplingBatch,
+               prompt: PromptLogprobPlan | None = None) -> SampleResult:
+        """Each request's next token from the first `batch_size` rows of `logits`, and (with a prompt plan) the
+        logprobs of the planned prompt tokens from the extra rows."""
+        result = sample(logits[:batch_size], sampling, self.generator, self.penalties)
         if prompt is not None:
             def dev(x):
-                return torch.tensor(x, dtype=torch.int64).to(self.device) if x else None
+                return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True) if x else None
 
-            extra = token_logprobs(logits[batch.batch_size:], dev(prompt.targets), prompt.top_k, dev(prompt.token_ids))
+            extra = token_logprobs(logits[batch_size:], dev(prompt.targets), prompt.top_k, dev(prompt.token_ids))
             result = result._replace(prompt=extra)
         return result

@@ -77,3 +77,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels (tests/kernels, the triton attention backend) run in Triton's interpreter; the
+# variable must be set before any module decorates a kernel.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

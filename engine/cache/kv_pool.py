@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.triton_ops import use_kernels
+
 
 class PageAllocator:
     """Free list of page ids. Only the cache manager calls `free`."""
@@ -54,6 +56,11 @@ class KVPool:
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`."""
+        if use_kernels(k):
+            from kernels.kv_store import store_kv
+
+            store_kv(self.k[layer], self.v[layer], loc, k, v)
+            return
         self.k[layer][loc] = k
         self.v[layer][loc] = v
 

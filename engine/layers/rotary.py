@@ -7,8 +7,11 @@ Hugging Face computes it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from engine.layers.triton_ops import use_kernels
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -48,6 +51,29 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, 1, head_dim] in `dtype`; looked up once per forward, shared by every layer."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":
+        """What every layer of one forward needs to rotate its q and k: on CUDA the positions (the kernel reads the
+        float32 tables itself), elsewhere the looked-up cos/sin."""
+        if use_kernels(positions):
+            return RopeInputs(self, positions, None, None)
+        return RopeInputs(self, positions, *self.lookup(positions, dtype))
+
+
+@dataclass(slots=True)
+class RopeInputs:
+    table: RotaryEmbedding
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor | None  # [num_tokens, 1, head_dim] in the model dtype; None: the Triton kernel looks up
+    sin: torch.Tensor | None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies."""
+        if self.cos is None:
+            from kernels.rotary import apply_rotary as kernel
+
+            return kernel(q, k, self.table.cos, self.table.sin, self.positions)
+        return apply_rotary(q, k, self.cos, self.sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

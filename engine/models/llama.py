@@ -15,8 +15,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
+from engine.layers.activation import silu_and_mul
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RopeInputs, RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         q, kv = self.q_size, self.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *cos_sin)
+        q, k = rope.apply(q, k)
         out = get_forward_context().attend(self.layer_id, q, k, v.contiguous())
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -76,8 +77,7 @@ class MLP(nn.Module):
         return {0: slice(0, self.intermediate), 1: slice(self.intermediate, 2 * self.intermediate)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -88,9 +88,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream: returns (this layer's MLP output, the residual before it); the next norm adds them,
+        which rounds exactly as `hidden + mlp(...)` does."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -118,10 +126,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions, hidden.dtype)
+        rope = self.rotary.prepare(positions, hidden.dtype)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos_sin)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab]."""
