@@ -55,7 +55,8 @@ class Engine:
                                    self.args.enable_mixed_chunk, self.args.context_length,
                                    # its own copy: a fast tokenizer must not be used by two threads at once
                                    _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
-                                   self.args.num_reserved_decode_tokens)
+                                   self.args.num_reserved_decode_tokens,
+                                   overlap=not self.args.disable_overlap_schedule)
         self._grammars: GrammarCompilerCache | None = None
         # Async callers validate, tokenize and compile grammars here, keeping their event loop free.
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")

@@ -102,6 +102,9 @@ class Req:
     locked_node: object | None = None
     # Tokens of `fill_ids` in the current forward (the extend chunk, or 1 when decoding).
     extend_len: int = 0
+    # Tokens sampled on the device whose values the host has not read yet (0 or 1; overlap scheduling). They
+    # count towards the request's length: its KV may already be computed one position past fill_len.
+    pending: int = 0
     sent_len: int = 0
     arrival: float = 0.0
     retractions: int = 0

@@ -141,8 +141,9 @@ class CacheManager:
     # ---- release --------------------------------------------------------------------------------------------
     def _insert_computed(self, req: Req) -> int:
         """Insert the request's computed, page-aligned KV into the tree and free its duplicate slots.
-        Returns the aligned length now owned by the tree."""
-        aligned = req.kv_len // self.page * self.page
+        Returns the aligned length now owned by the tree. Only tokens the host knows can key the tree: with
+        overlap scheduling the KV of an in-flight token (one past fill_len) may be computed already."""
+        aligned = min(req.kv_len, req.fill_len) // self.page * self.page
         if self.tree is None or aligned <= req.tree_len:
             return req.tree_len
         slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()

@@ -63,4 +63,4 @@ def apply_bitmask(logits, bitmask, rows: list[int]) -> None:
     """Set logits of tokens the grammar forbids to -inf, in place, for the listed rows."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

@@ -19,8 +19,10 @@ class PenaltyState:
 
     def _ensure(self) -> None:
         if self.counts is None:  # allocated on the first penalized request
-            self.counts = torch.zeros((self.rows, self.vocab), dtype=torch.int32, device=self.device)
-            self.seen = torch.zeros((self.rows, self.vocab), dtype=torch.bool, device=self.device)
+            # Normal tensors even when first touched under inference mode: the scheduler updates them outside it.
+            with torch.inference_mode(False):
+                self.counts = torch.zeros((self.rows, self.vocab), dtype=torch.int32, device=self.device)
+                self.seen = torch.zeros((self.rows, self.vocab), dtype=torch.bool, device=self.device)
 
     def reset_row(self, row: int, prompt: list[int], output: list[int]) -> None:
         self._ensure()
@@ -41,7 +43,9 @@ class PenaltyState:
               repetition: torch.Tensor) -> torch.Tensor:
         """logits [batch, vocab] float32 of the requests in `rows`; penalties [batch]. Returns penalized logits:
         repetition divides positive / multiplies negative logits of seen tokens; frequency and presence subtract
-        count * frequency + (count > 0) * presence."""
+        count * frequency + (count > 0) * presence. Rows of requests that do not sample in this step (a prefill
+        chunk riding with a penalized request) hold anything: their tokens are never used."""
+        self._ensure()
         counts = self.counts[rows].float()
         seen = self.seen[rows]
         rep = repetition[:, None]

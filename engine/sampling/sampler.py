@@ -57,7 +57,9 @@ class SamplingBatch(NamedTuple):
             top_k=t([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64) if filtered else None,
             top_p=t([p.top_p for p in params], torch.float32) if filtered else None,
             min_p=t([p.min_p for p in params], torch.float32) if filtered else None,
-            penalty_rows=t([r.pool_idx for r in reqs], torch.int64) if penalized else None,
+            # A request finished while its row rode in an overlapped step has no table row: any row will do,
+            # its token is discarded.
+            penalty_rows=t([r.pool_idx or 0 for r in reqs], torch.int64) if penalized else None,
             penalties=tuple(t([getattr(p, name) for p in params], torch.float32) for name in
                             ("frequency_penalty", "presence_penalty", "repetition_penalty")) if penalized else None,
             masked=_min_new_tokens_mask(reqs, t),
@@ -82,7 +84,7 @@ def _min_new_tokens_mask(reqs: list[Req], t):
 
 
 def _grammar_bitmask(reqs: list[Req], vocab: int):
-    rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.finished]
     if not rows:
         return None
     import xgrammar as xgr
@@ -183,12 +185,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         next_ids = argmax
     else:
         probs, order = filtered_probs(adjusted, batch)
+        if order is not None:
+            # Back to token order: a row's draw must not depend on whether another row of the batch filters
+            # (which is what puts the whole batch in sorted order).
+            probs = torch.zeros_like(probs).scatter_(1, order, probs)
         u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
         if batch.seeds is not None:
             u = torch.where(batch.seeds >= 0, hashed_uniform(batch.seeds, batch.steps), u)
         cdf = probs.cumsum(dim=-1)
-        pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-        sampled = pos.squeeze(1) if order is None else order.gather(1, pos).squeeze(1)
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
+        sampled = sampled.squeeze(1)
         next_ids = torch.where(batch.greedy, argmax, sampled)
     if not batch.want_logprobs:
         return SampleResult(next_ids, None)

@@ -4,6 +4,12 @@ Runs on one thread (the engine's loop). Each step either prefills (new requests 
 one; with `enable_mixed_chunk` the decoding requests ride along in the same forward) or decodes every running
 request by one token, retracting requests to the waiting queue when KV pages run out.
 Other threads talk to it only through `submit`, `abort` and `call`, which go through a queue.
+
+A step is launched, then sampled, then resolved (its tokens read on the host and acted on). With overlap
+scheduling the resolve of step N waits until step N+1's forward is queued on the GPU, and step N+1's sampling waits
+until step N is resolved (grammar masks, penalties and min_new_tokens need step N's tokens). So the host's view of
+a request lags its device state by at most one token (`Req.pending`): a request that finished at step N may ride in
+step N+1, whose token for it is dropped. Anything that needs the exact state (retraction, flush) resolves first.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
 from engine.scheduler.finish import StopStrings, check_finished, step_output
 from engine.scheduler.handoffs import Handoffs
+from engine.scheduler.in_flight import HostCopy, InFlight
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
@@ -60,7 +67,8 @@ def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
 
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
-                 enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512):
+                 enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
+                 overlap: bool = False):
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
@@ -73,6 +81,8 @@ class Scheduler:
         self.chunked: Req | None = None
         self.handoffs = Handoffs(cache, reserved_decode_tokens)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.overlap = overlap
+        self.in_flight: InFlight | None = None
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self._stop = threading.Event()
         self._changed = False
@@ -98,7 +108,8 @@ class Scheduler:
 
     # ---- loop -----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.handoffs.has_work())
+        return bool(self.waiting or self.running or self.chunked or self.handoffs.has_work()
+                    or self.in_flight is not None)
 
     def run_forever(self) -> None:
         idle = True
@@ -127,24 +138,31 @@ class Scheduler:
     def step(self) -> bool:
         """One forward: a prefill (possibly mixed with decodes) when one can be planned, otherwise a decode.
         Returns False when nothing ran and nothing changed (the loop then waits for the inbox instead of
-        spinning); a step that only retracted or aborted requests counts as a change."""
+        spinning); a step that only retracted, aborted or resolved requests counts as a change."""
         self._changed = False
         if self.handoffs.queue:
             self._preallocate()
+        launched = self._plan_and_launch()
+        self._resolve()  # the previous step, now that this one is queued behind it
+        if launched is not None:
+            self._sample(launched)
+            if not self.overlap:
+                self._resolve()
+        return launched is not None or self._changed
+
+    def _plan_and_launch(self) -> InFlight | None:
         decode_reqs: list[Req] = []
         if self.mixed and self.running and (self.waiting or self.chunked):
             decode_reqs = self._prepare_decode()
         prefill = self._plan_prefill()
         if prefill or decode_reqs:
-            self._run(prefill + decode_reqs, extend=True)
-            return True
+            return self._launch(prefill + decode_reqs, extend=True)
         if self.running:
             reqs = self._prepare_decode()
             if reqs:
-                self._run(reqs, extend=False)
                 self.ratio.step()
-                return True
-        return self._changed
+                return self._launch(reqs, extend=False)
+        return None
 
     def _plan_prefill(self) -> list[Req]:
         reqs, used = [], 0
@@ -161,19 +179,34 @@ class Scheduler:
         return reqs + admitted
 
     def _prepare_decode(self) -> list[Req]:
-        """Retract until every running request has a slot for its next token; allocate those slots."""
+        """Retract until every running request has a slot for its next token; allocate those slots. A request
+        whose in-flight token reaches its length limit is left out: it finishes when that token is resolved."""
         self._retract_for_decode()
-        if self.running and self.cache.alloc_decode(self.running) is None:
+        reqs = [r for r in self.running if not self._ends_by_length(r)]
+        if reqs and self.cache.alloc_decode(reqs) is None:
             raise RuntimeError("decode slot allocation failed after the memory check")
-        for r in self.running:
+        for r in reqs:
             r.extend_len = 1
-        return list(self.running)
+        return reqs
 
-    def _retract_for_decode(self) -> None:
+    def _ends_by_length(self, req: Req) -> bool:
+        n_out = len(req.output_ids) + req.pending
+        return bool(req.pending) and (n_out >= req.sampling.max_new_tokens
+                                      or req.fill_len + req.pending >= self.context_len)
+
+    def _decode_pages_short(self) -> bool:
         page = self.cache.page
         need = sum(1 for r in self.running if r.alloc_len % page == 0)
-        if need <= self.cache.available_tokens() // page:
+        return need > self.cache.available_tokens() // page
+
+    def _retract_for_decode(self) -> None:
+        if not self._decode_pages_short():
             return
+        self._resolve()  # choose victims on exact state: in-flight tokens land, finished requests free pages
+        if not self._decode_pages_short():
+            return
+        page = self.cache.page
+        need = sum(1 for r in self.running if r.alloc_len % page == 0)
         # Retract the requests that lose least: fewest generated tokens, then longest prompts.
         self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
         while self.running and need > self.cache.available_tokens() // page:
@@ -196,52 +229,98 @@ class Scheduler:
         log.info("retracted request %s after %d tokens (KV pages exhausted)", req.rid, len(req.output_ids))
 
     # ---- forward and results --------------------------------------------------------------------------------
-    def _run(self, reqs: list[Req], extend: bool) -> None:
+    def _launch(self, reqs: list[Req], extend: bool) -> InFlight | None:
+        """Queue the forward of `reqs` and advance their KV state; requests that complete their fill now join the
+        running set (or, for a partial chunk, stay the chunked request)."""
         decoding = {id(r) for r in self.running}
-        # Requests whose forward ends their fill sample a token now; a partial prefill chunk does not.
-        sampling_now = [r for r in reqs if r.kv_len + r.extend_len == r.fill_len]
+        prev = self.in_flight
         try:
             locs = self.cache.slots_of_new_tokens(reqs)
-            batch, plan = build_extend(reqs, locs, self.runner.device) if extend else \
-                (build_decode(reqs, locs, self.runner.device), None)
-            for r in sampling_now:
-                if id(r) not in decoding and r.sampling.penalized:
+            batch, plan = build_extend(reqs, locs, self.runner.device, prev) if extend else \
+                (build_decode(reqs, locs, self.runner.device, prev), None)
+            logits = self.runner.forward(batch)
+        except Exception as e:
+            self._fail(reqs, e)
+            return None
+        flight = InFlight(reqs, [r.kv_len + r.extend_len == r.fill_len + r.pending for r in reqs],
+                          [id(r) not in decoding for r in reqs], extend, plan, logits)
+        self.stats["forward_extend" if extend else "forward_decode"] += 1
+        for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
+            r.kv_len += r.extend_len
+            if new:
+                self.stats["prefill_tokens"] += r.extend_len
+            if not samples:  # a chunk of a longer prefill: no token yet
+                self.chunked = r
+                self.cache.cache_unfinished(r)
+            elif new and r.sampling.max_new_tokens > 0 and not isinstance(r.handoff, PrefillRole):
+                self.running.append(r)  # decodes from the next step on; leaves again if its first token ends it
+                self.cache.cache_unfinished(r)
+        return flight
+
+    def _sample(self, flight: InFlight) -> None:
+        """Sample the launched step on the device (after the previous step is resolved) and start copying the
+        results to the host."""
+        reqs = flight.reqs
+        try:
+            for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
+                if samples and new and r.sampling.penalized and not r.finished:
                     self.runner.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
             sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
                                            self.runner.model_config.vocab_size, self.runner.device)
-            result = self.runner.forward_and_sample(batch, sampling, plan)
-            self._record_penalties(reqs, sampling_now, result.next_ids)
+            result = self.runner.sample(flight.logits, len(reqs), sampling, flight.plan)
+            self._record_penalties(reqs, flight.samples, result.next_ids)
+            flight.host = HostCopy(result, self.runner.device)
         except Exception as e:
-            log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
-            for r in reqs:
-                self._drop_from_sets(r)
-                self._finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
+            self._fail(reqs, e)
             return
-        self.stats["forward_extend" if extend else "forward_decode"] += 1
-        next_ids = result.next_ids.tolist()
-        extras = _logprob_lists(result)
-        if plan is not None:
-            _store_prompt_logprobs(reqs, plan, result.prompt)
-        for i, r in enumerate(reqs):
-            prefilling = id(r) not in decoding
-            if prefilling:
-                self.stats["prefill_tokens"] += r.extend_len
-            self._advance(r, next_ids[i], extras[i] if extras else None, prefilling)
+        flight.logits, flight.result = None, result
+        for i, (r, samples) in enumerate(zip(reqs, flight.samples)):
+            if samples:
+                r.pending += 1
+                flight.rows[id(r)] = i
+        self.in_flight = flight
 
-    def _record_penalties(self, reqs: list[Req], sampling_now: list[Req], next_ids: torch.Tensor) -> None:
+    def _resolve(self) -> None:
+        """Read the in-flight step's tokens on the host and act on them (append, finish, emit, hand over)."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return
+        try:
+            result = flight.host.wait()
+            next_ids = result.next_ids.tolist()
+            extras = _logprob_lists(result)
+            if flight.plan is not None:
+                _store_prompt_logprobs(flight.reqs, flight.plan, result.prompt)
+        except Exception as e:
+            self._fail(flight.reqs, e)
+            return
+        for i, r in enumerate(flight.reqs):
+            if not flight.samples[i]:
+                continue
+            r.pending -= 1
+            if r.finished:  # aborted, or finished by its previous token: this one is past its end
+                continue
+            self._advance(r, next_ids[i], extras[i] if extras else None)
+
+    def _fail(self, reqs: list[Req], e: Exception) -> None:
+        log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
+        for r in reqs:
+            r.pending = 0
+            if r.finished:
+                continue
+            self._drop_from_sets(r)
+            self._finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
+
+    def _record_penalties(self, reqs: list[Req], samples: list[bool], next_ids: torch.Tensor) -> None:
         """Count this step's token for every penalized request that samples now."""
-        counted = {id(r) for r in sampling_now if r.sampling.penalized and r.sampling.max_new_tokens > 0}
-        idx = [i for i, r in enumerate(reqs) if id(r) in counted]
+        idx = [i for i, r in enumerate(reqs) if samples[i] and r.sampling.penalized and not r.finished
+               and r.sampling.max_new_tokens > 0]
         if idx:
-            rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(next_ids.device)
-            self.runner.penalties.record(rows, next_ids[torch.tensor(idx, device=next_ids.device)])
+            dev = next_ids.device
+            rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
+            self.runner.penalties.record(rows, next_ids[torch.tensor(idx).to(dev, non_blocking=True)])
 
-    def _advance(self, req: Req, token: int, logprobs: tuple | None, newly_prefilled: bool) -> None:
-        req.kv_len += req.extend_len
-        if req.kv_len < req.fill_len:  # a chunk of a longer prefill: no token yet
-            self.chunked = req
-            self.cache.cache_unfinished(req)
-            return
+    def _advance(self, req: Req, token: int, logprobs: tuple | None) -> None:
         handing_over = isinstance(req.handoff, PrefillRole)
         if req.sampling.max_new_tokens == 0 and not handing_over:
             self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
@@ -256,7 +335,7 @@ class Scheduler:
         if handing_over:
             self._hand_over(req)
             return
-        self._continue(req, newly_prefilled)
+        self._continue(req, newly_prefilled=False)
 
     def _append_token(self, req: Req, token: int, logprob: float | None = None, top=(), by_id=()) -> None:
         req.output_ids.append(token)
@@ -384,6 +463,7 @@ class Scheduler:
 
     # ---- introspection (call through `call`) ----------------------------------------------------------------
     def flush_cache(self) -> bool:
+        self._resolve()  # a step launched after the last request finished holds no one's tokens
         if self.has_work() or self.handoffs.receiving or self.handoffs.held:
             return False
         return self.cache.flush()

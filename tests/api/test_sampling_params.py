@@ -170,3 +170,14 @@ def test_generation_config_supplies_default_sampling_params(tmp_path, mode):
         assert explicit["output_ids"] != greedy[0]
     else:
         assert [o["output_ids"] for o in outs] != greedy
+
+
+def test_seeded_draw_ignores_other_rows_filters(diffuse_model):
+    """A seeded request without top-k/top-p/min-p samples the same tokens whether or not a request that filters shares
+    its batch (regression: a filtering row used to put the whole batch's draw in sorted-probability order)."""
+    seeded = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 5}
+    filtering = {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "top_p": 0.9}
+    with running_engine(diffuse_model, skip_tokenizer_init=True) as llm:
+        alone = llm.generate(input_ids=prompt(), sampling_params=seeded)["output_ids"]
+        mixed = llm.generate(input_ids=[prompt(3), prompt()], sampling_params=[filtering, seeded])
+    assert mixed[1]["output_ids"] == alone

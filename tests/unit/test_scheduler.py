@@ -36,11 +36,15 @@ class FakeRunner:
 
     model_config = type("Cfg", (), {"vocab_size": VOCAB})
 
-    def forward_and_sample(self, batch, sampling, prompt=None):
+    def forward(self, batch):
         self.batches.append((batch.mode, list(batch.extend_lens_host)))
+        batch.fill_pending()
         last = batch.input_ids[batch.logits_indices]
         pos = batch.positions[batch.logits_indices]
-        return SampleResult((last * 31 + pos * 7 + 3) % VOCAB, None)
+        return (last * 31 + pos * 7 + 3) % VOCAB
+
+    def sample(self, logits, batch_size, sampling, prompt=None):
+        return SampleResult(logits[:batch_size], None)
 
 
 def alone(ids: list[int], max_new: int) -> list[int]:
