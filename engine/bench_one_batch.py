@@ -2,7 +2,13 @@
 No scheduler: this times the model runner alone (as SGLang's bench_one_batch does).
 
     python -m engine.bench_one_batch --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
-        --dtype bfloat16 --batch-size 1 8 64 --input-len 512 --output-len 32 [--roofline]
+        --dtype bfloat16 --batch-size 1 8 64 256 --input-len 512 --output-len 32 --roofline \
+        [--eager-too] [--long-context 32768] [--prefill-len 8192]
+
+`--roofline` measures the GPU's two ceilings in the same run (device-to-device copy bandwidth, bf16 matmul rate) and
+reports each decode step against its floor: the weights one step reads plus every request's KV at its context,
+over the copy bandwidth. `--eager-too` repeats the decode batches with CUDA graphs off; `--long-context` adds one
+request decoding at that context (split-KV); `--prefill-len` times one prompt's prefill and its TFLOP/s.
 """
 
 from __future__ import annotations
@@ -15,14 +21,19 @@ import time
 
 import torch
 
+from engine.bench_roofline import (attention_flops, decode_weight_bytes, linear_flops, measure_copy_bandwidth,
+                                   measure_matmul_tflops)
 from engine.cache.manager import CacheManager
-from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.cli import add_engine_args, engine_kwargs
+from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.batch_builder import build_decode, build_extend
+
+# Prefill forwards take whole requests up to this many tokens (a longer request is chunked on its own).
+PREFILL_CHUNK = 16384
 
 
 def _sync(device: torch.device) -> None:
@@ -38,67 +49,116 @@ def _make_reqs(cache: CacheManager, bs: int, input_len: int, vocab: int, gen: to
         r = Req(rid=str(i), input_ids=ids, sampling=params, stop_ids=frozenset(), sink=lambda out: None)
         if not cache.admit(r):
             raise RuntimeError(f"batch size {bs} exceeds max_running_requests")
-        r.extend_len = input_len
-        if cache.alloc_tokens(r, input_len) is None:
-            raise RuntimeError(f"KV pool too small for {bs} x {input_len} tokens")
         reqs.append(r)
     return reqs
 
 
-def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
-    gen = torch.Generator().manual_seed(bs)
-    reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, gen)
-    sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
-    _sync(runner.device)
-    t0 = time.perf_counter()
-    batch, _ = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
-    result = runner.forward_and_sample(batch, sampling)
-    next_ids = result.next_ids.tolist()
-    prefill_s = time.perf_counter() - t0
-    step_s = []
-    for _ in range(output_len):
+def _greedy(runner: ModelRunner, reqs: list[Req]) -> SamplingBatch:
+    return SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
+
+
+def prefill(runner: ModelRunner, cache: CacheManager, reqs: list[Req]) -> list[int]:
+    """Prefill every request (groups of whole requests up to PREFILL_CHUNK tokens; longer ones in chunks over their
+    own prefix); returns each request's first token."""
+    first: list[int] = []
+    i = 0
+    while i < len(reqs):
+        group = [reqs[i]]
+        while (i + len(group) < len(reqs)
+               and sum(len(r.input_ids) for r in group) + len(reqs[i + len(group)].input_ids) <= PREFILL_CHUNK):
+            group.append(reqs[i + len(group)])
+        i += len(group)
+        while True:
+            for r in group:
+                r.extend_len = min(len(r.input_ids) - r.kv_len, PREFILL_CHUNK)
+                if cache.alloc_tokens(r, r.extend_len) is None:
+                    raise RuntimeError("KV pool too small for this batch")
+            batch, _ = build_extend(group, cache.slots_of_new_tokens(group), runner.device)
+            ids = runner.forward_and_sample(batch, _greedy(runner, group)).next_ids.tolist()
+            for r in group:
+                r.kv_len += r.extend_len
+            if all(r.kv_len == len(r.input_ids) for r in group):
+                first += ids
+                break
+    return first
+
+
+def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: list[int], steps: int) -> list[float]:
+    """`steps` decode steps over `reqs`; the seconds of each (host read included, as the scheduler's)."""
+    next_ids, step_s = first, []
+    for _ in range(steps):
         t0 = time.perf_counter()
         for r, tok in zip(reqs, next_ids):
-            r.kv_len += r.extend_len
             r.output_ids.append(tok)
             r.extend_len = 1
         locs = cache.alloc_decode(reqs)
-        sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
-        result = runner.forward_and_sample(build_decode(reqs, locs, runner.device), sampling)
-        next_ids = result.next_ids.tolist()  # the host read synchronizes, as the scheduler's does
+        batch = build_decode(reqs, locs, runner.device)
+        next_ids = runner.forward_and_sample(batch, _greedy(runner, reqs)).next_ids.tolist()
+        for r in reqs:
+            r.kv_len += 1
         step_s.append(time.perf_counter() - t0)
+    return step_s
+
+
+def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
+    reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    first = prefill(runner, cache, reqs)
+    prefill_s = time.perf_counter() - t0
+    step_s = decode(runner, cache, reqs, first, output_len)
     for r in reqs:
         cache.release(r)
     median = statistics.median(step_s)
     return {"batch_size": bs, "input_len": input_len, "output_len": output_len,
+            "cuda_graph": runner.graphs is not None, "attention_backend": runner.attn_backend.name,
             "prefill_latency_s": prefill_s, "prefill_throughput_tok_s": bs * input_len / prefill_s,
             "decode_median_latency_s": median, "decode_throughput_tok_s": bs / median,
             "total_latency_s": prefill_s + sum(step_s)}
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+def prefill_tflops(runner: ModelRunner, cache: CacheManager, length: int, repeats: int = 3) -> dict:
+    """One prompt of `length` tokens, prefilled `repeats` times (median): seconds and achieved TFLOP/s."""
+    times = []
+    for i in range(repeats):
+        reqs = _make_reqs(cache, 1, length, runner.model_config.vocab_size, torch.Generator().manual_seed(100 + i))
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        prefill(runner, cache, reqs)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+        cache.release(reqs[0])
+    cfg = runner.model_config
+    flops = linear_flops(runner, length) + attention_flops(cfg, length)
+    s = statistics.median(times)
+    return {"prefill_len": length, "prefill_s": s, "prefill_flops": flops, "prefill_tflops": flops / s / 1e12}
 
 
-def decode_weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of weights one decode step must read: every parameter except the embedding table (only a few rows are
-    gathered), plus the lm_head (the embedding again when tied)."""
-    model = runner.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    emb_bytes = emb.numel() * emb.element_size()
-    return total if model.lm_head is None else total - emb_bytes
+def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) -> None:
+    """Add the decode step's floor: weights + each request's KV at its mean context, over the copy bandwidth."""
+    ctx = row["input_len"] + row["output_len"] / 2
+    floor = (weight_bytes + row["batch_size"] * ctx * kv_per_token) / bandwidth
+    row.update(decode_floor_s=floor, decode_over_floor=row["decode_median_latency_s"] / floor)
+
+
+def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArgs]:
+    kwargs = engine_kwargs(ns)
+    sizes = list(ns.batch_size) + ([1] if ns.long_context else [])
+    kwargs.setdefault("max_running_requests", max(sizes))
+    kwargs["disable_radix_cache"] = True
+    longest = max([ns.input_len + ns.output_len, ns.long_context + ns.output_len, ns.prefill_len + 1])
+    kwargs.setdefault("context_length", longest + 16)
+    model_config = ModelConfig.from_path(kwargs["model_path"])
+    args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
+    runner = ModelRunner(args, model_config)
+    return runner, CacheManager(runner.kv_pool, runner.req_to_token, None), args
+
+
+def _measure(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> list[dict]:
+    rows = [run_once(runner, cache, bs, ns.input_len, ns.output_len) for bs in ns.batch_size]
+    if ns.long_context:
+        rows.append(run_once(runner, cache, 1, ns.long_context, ns.output_len))
+    return rows
 
 
 def main() -> None:
@@ -107,38 +167,58 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--roofline", action="store_true", help="also measure copy bandwidth (CUDA only)")
-    parser.add_argument("--result-file", help="append one JSON line per batch size")
+    parser.add_argument("--roofline", action="store_true", help="measure copy bandwidth and bf16 matmul rate (CUDA)")
+    parser.add_argument("--eager-too", action="store_true", help="also time the decode batches without CUDA graphs")
+    parser.add_argument("--long-context", type=int, default=0, help="also decode one request at this context")
+    parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length's prefill")
+    parser.add_argument("--result-file", help="append one JSON line per measurement")
     ns = parser.parse_args()
-    kwargs = engine_kwargs(ns)
-    kwargs.setdefault("max_running_requests", max(ns.batch_size))
-    kwargs["disable_radix_cache"] = True
-    model_config = ModelConfig.from_path(kwargs["model_path"])
-    args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
-    runner = ModelRunner(args, model_config)
-    cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
+    runner, cache, args = _build(ns)
     run_once(runner, cache, min(ns.batch_size), min(ns.input_len, 64), 4)  # warm-up: allocator, kernels
-    rows = [run_once(runner, cache, bs, ns.input_len, ns.output_len) for bs in ns.batch_size]
+    rows = _measure(runner, cache, ns)
+    if ns.eager_too and runner.graphs is not None:
+        graphs, runner.graphs = runner.graphs, None
+        rows += _measure(runner, cache, ns)
+        runner.graphs = graphs
     extra = {}
+    if ns.prefill_len:
+        extra.update(prefill_tflops(runner, cache, ns.prefill_len))
     if ns.roofline and runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = decode_weight_bytes(runner)
-        extra = {"copy_bandwidth_GBps": bw / 1e9, "decode_weight_bytes": weight_bytes,
-                 "bs1_decode_roofline_s": weight_bytes / bw}
-    print(f"{'bs':>4} {'prefill s':>10} {'prefill tok/s':>14} {'decode step s':>14} {'decode tok/s':>13}")
-    for r in rows:
-        print(f"{r['batch_size']:>4} {r['prefill_latency_s']:>10.4f} {r['prefill_throughput_tok_s']:>14.1f} "
-              f"{r['decode_median_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f}")
-    if extra:
-        print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s; decode reads "
-              f"{extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 roofline "
-              f"{extra['bs1_decode_roofline_s'] * 1e3:.2f} ms/step")
+        kv_per_token = runner.model_config.kv_bytes_per_token(runner.kv_pool.k[0].dtype)
+        extra.update(copy_bandwidth_GBps=bw / 1e9, decode_weight_bytes=weight_bytes,
+                     bs1_decode_roofline_s=weight_bytes / bw, matmul_tflops=measure_matmul_tflops(runner.device))
+        for r in rows:
+            _floor(r, weight_bytes, kv_per_token, bw)
+        if ns.prefill_len:
+            extra["prefill_fraction_of_matmul_peak"] = extra["prefill_tflops"] / extra["matmul_tflops"]
+    _report(rows, extra)
     if ns.result_file:
         meta = {"bench": "one_batch", "device": _device_name(runner.device), "args": dataclasses.asdict(args),
-                **extra}
+                "cuda_graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
+                "cuda_graph_bytes": runner.graphs.capture_bytes if runner.graphs else None, **extra}
         with open(ns.result_file, "a") as f:
             for r in rows:
                 f.write(json.dumps({**meta, **r}) + "\n")
+
+
+def _report(rows: list[dict], extra: dict) -> None:
+    print(f"{'backend':>22} {'graph':>5} {'bs':>4} {'ctx':>6} {'prefill s':>10} {'decode ms':>10} {'tok/s':>9} "
+          f"{'x floor':>8}")
+    for r in rows:
+        over = f"{r['decode_over_floor']:.2f}" if "decode_over_floor" in r else "-"
+        print(f"{r['attention_backend']:>22} {str(r['cuda_graph']):>5} {r['batch_size']:>4} {r['input_len']:>6} "
+              f"{r['prefill_latency_s']:>10.4f} {r['decode_median_latency_s'] * 1e3:>10.3f} "
+              f"{r['decode_throughput_tok_s']:>9.1f} {over:>8}")
+    if "copy_bandwidth_GBps" in extra:
+        print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {extra['matmul_tflops']:.0f} "
+              f"TFLOP/s; decode reads {extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 floor "
+              f"{extra['bs1_decode_roofline_s'] * 1e3:.2f} ms/step")
+    if "prefill_tflops" in extra:
+        frac = extra.get("prefill_fraction_of_matmul_peak")
+        print(f"prefill of {extra['prefill_len']} tokens: {extra['prefill_s'] * 1e3:.1f} ms, "
+              f"{extra['prefill_tflops']:.0f} TFLOP/s" + (f" ({frac:.0%} of the matmul peak)" if frac else ""))
 
 
 def _device_name(device: torch.device) -> str:

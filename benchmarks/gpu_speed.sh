@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 10's GPU numbers, in parts that each fit one device call (10 min):
+#   PARTS="setup tests"     wheels, tiny models, the bench tokenizer, then every GPU-marked test
+#   PARTS="setup onebatch"  per attention backend: decode steps at batch 1/8/64/256 (graphs on and off), batch-1
+#                           decode at 32k context, one 8k-token prefill, against the same run's copy bandwidth and
+#                           bf16 matmul rate
+#   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
+#                           1024 in / 1024 out
+#   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
+#                           engine on the same workload, 64 concurrent requests
+# Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
+# Carry `.whl` (flashinfer-python 0.6.18.post1, apache-tvm-ffi, grpcio/protobuf pins: see README "Benchmarks") and the
+# generated stubs `radixmesh` (make protos).
+set -uo pipefail
+OUT=${1:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export FLASHINFER_WORKSPACE_BASE=$PWD/build/fi  # JIT-compiled FlashInfer kernels survive between calls here
+PY=python3
+PARTS=${PARTS:-setup tests}
+CFG=benchmarks/configs/llama-3.1-8b
+COMMON="--model-path $CFG --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning"
+
+if [[ $PARTS == *setup* ]]; then
+  $PY -m pip install --no-deps --no-index --quiet .whl/*.whl 2>&1 | tail -2
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+  $PY -c 'import torch, triton, flashinfer, grpc; print("torch", torch.__version__, "triton", triton.__version__,
+"flashinfer", flashinfer.__version__, "grpc", grpc.__version__)' | tee -a "$OUT/device.txt"
+  git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+  [[ -f models/tiny-qwen3/config.json ]] || $PY scripts/make_tiny_models.py --out models > "$OUT/models.log" 2>&1
+  [[ -f build/llama-3.1-8b/tokenizer.json ]] || $PY scripts/make_bench_tokenizer.py --config $CFG --out build/llama-3.1-8b
+fi
+
+if [[ $PARTS == *tests* ]]; then
+  # Every GPU-marked test, plus the kernel and backend tests whose small cases run on whatever device is there.
+  $PY -m pytest -q -p no:cacheprovider --timeout 900 ${TESTS:-tests/kernels tests/gpu tests/parity/test_attention_backends.py} \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|FAILED" | tail -25
+fi
+
+if [[ $PARTS == *onebatch* ]]; then
+  for backend in ${BACKENDS:-flashinfer triton torch_native}; do
+    extra="--eager-too"
+    [[ $backend == torch_native ]] && extra=""
+    $PY -m engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 --input-len 512 \
+      --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
+      --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
+  done
+fi
+
+offline() {  # label, then engine flags
+  local label=$1; shift
+  echo "== $label"
+  $PY -m engine.bench_offline_throughput $COMMON --max-running-requests 256 "$@" \
+    --result-file "$OUT/offline.jsonl" 2>&1 | tee -a "$OUT/offline.log" | tail -1
+}
+
+if [[ $PARTS == *offline* ]]; then
+  SHAPE="--num-prompts 1024 --random-input-len 512 --random-output-len 128"
+  offline "flashinfer graphs+overlap" $SHAPE --attention-backend flashinfer
+  offline "flashinfer no-overlap" $SHAPE --attention-backend flashinfer --disable-overlap-schedule
+  offline "flashinfer no-graphs" $SHAPE --attention-backend flashinfer --disable-cuda-graph
+  offline "triton graphs+overlap" $SHAPE --attention-backend triton
+  offline "torch_native (no graphs)" $SHAPE --attention-backend torch_native
+  offline "flashinfer 1024/1024" --num-prompts 512 --random-input-len 1024 --random-output-len 1024 \
+    --attention-backend flashinfer
+fi
+
+if [[ $PARTS == *serving* ]]; then
+  MODEL=build/llama-3.1-8b  # the 8B config with the stand-in byte-level BPE tokenizer
+  LOAD="--model-path $MODEL --load-format dummy --dtype bfloat16 --max-running-requests 256 --log-level warning"
+  WORK="--num-prompts 512 --random-input-len 512 --random-output-len 128 --random-range-ratio 0.5 --max-concurrency 64
+        --disable-tqdm --output-file $OUT/serving.jsonl"
+  for backend in engine radixmesh; do
+    launch=""
+    [[ $backend == radixmesh ]] && launch="--launch"
+    $PY -m benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
+  done
+fi

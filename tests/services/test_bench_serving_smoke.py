@@ -1,0 +1,76 @@
+"""`python -m benchmarks.serving` with a tiny workload, as a subprocess: against the mesh it launches itself
+(radixmesh backend) and against the in-process engine, on CPU. Every request completes with exactly the drawn
+output length, both backends draw the identical workload, the JSON line is complete, no process is left behind, and
+bad input ends in one clear line with a non-zero status. Asserts no speed (benchmarks measure; tests only guard the
+benchmark against rot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+from benchmarks.serving import make_workload, token_pool
+from services.launch import free_port
+from tests.conftest import ROOT, model_path
+from tests.services.test_bench_router_smoke import _tagged
+
+SEED, PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO = 3, 8, 32, 8, 0.5
+WORKLOAD = ["--num-prompts", str(PROMPTS), "--random-input-len", str(INPUT_LEN), "--random-output-len",
+            str(OUTPUT_LEN), "--random-range-ratio", str(RATIO), "--seed", str(SEED), "--max-concurrency", "4",
+            "--disable-tqdm"]
+
+
+def _bench(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.serving", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _check_record(rec: dict, backend: str, expected_output_tokens: int) -> None:
+    assert rec["backend"] == backend
+    assert rec["completed"] == PROMPTS and rec["failed"] == 0, rec["errors"]
+    assert rec["total_output_tokens"] == expected_output_tokens == rec["workload_output_tokens"]
+    assert rec["total_input_tokens"] == rec["workload_input_tokens"]
+    for stat in ("mean", "median", "p99"):
+        assert 0 < rec[f"{stat}_ttft_ms"] <= rec[f"{stat}_e2e_latency_ms"], (stat, rec)
+    assert rec["mean_itl_ms"] > 0 and rec["max_itl_ms"] > 0 and rec["mean_tpot_ms"] > 0
+    for key in ("request_throughput", "output_throughput", "total_throughput", "duration", "concurrency"):
+        assert rec[key] > 0, key
+    for key in ("device", "date", "commit", "command", "workload_digest"):
+        assert rec[key], key
+
+
+def test_bench_serving_mesh_and_engine(tmp_path):
+    model = model_path("tiny-qwen2")
+    pool = token_pool(model)
+    expected = sum(item.output_len for item in make_workload(PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO, SEED, pool))
+    out = tmp_path / "serving.jsonl"
+    engine = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+    marker = uuid.uuid4().hex
+    mesh = _bench("--backend", "radixmesh", "--launch", *engine, *WORKLOAD, "--output-file", str(out),
+                  env={"BENCH_SERVING_SMOKE": marker})
+    assert mesh.returncode == 0, mesh.stdout + mesh.stderr
+    assert not _tagged(f"BENCH_SERVING_SMOKE={marker}"), "the benchmark left mesh processes behind"
+    offline = _bench("--backend", "engine", *engine, *WORKLOAD, "--output-file", str(out))
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    assert "Serving Benchmark Result" in mesh.stdout and "Mean TTFT (ms)" in offline.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["backend"] for r in records] == ["radixmesh", "engine"]
+    for rec in records:
+        _check_record(rec, rec["backend"], expected)
+    assert records[0]["workload_digest"] == records[1]["workload_digest"]
+    assert records[0]["command"].startswith("python -m benchmarks.serving --backend radixmesh --launch")
+
+
+def test_bench_serving_bad_input():
+    bad = _bench("--backend", "nope", timeout=60)
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines() == ["python -m benchmarks.serving: error: unknown backend 'nope' "
+                                               "(choose from radixmesh, openai, engine)"]
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    down = _bench("--base-url", url, "--tokenizer", model_path("tiny-qwen2"), *WORKLOAD, timeout=60)
+    assert down.returncode != 0
+    lines = down.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the server at {url}"), down.stderr
