@@ -6,6 +6,7 @@
 #                           bf16 matmul rate
 #   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
 #                           1024 in / 1024 out
+#   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
@@ -40,10 +41,18 @@ fi
 if [[ $PARTS == *onebatch* ]]; then
   for backend in ${BACKENDS:-flashinfer triton torch_native}; do
     extra="--eager-too"
-    [[ $backend == torch_native ]] && extra=""
+    # torch_native: no graphs to turn off, and its gathered keys and masks need more room next to the KV pool
+    [[ $backend == torch_native ]] && extra="--mem-fraction-static 0.8"
     $PY -m engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 --input-len 512 \
       --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
       --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
+  done
+fi
+
+if [[ $PARTS == *profile* ]]; then
+  for backend in ${BACKENDS:-triton flashinfer}; do
+    $PY -m benchmarks.profile_decode --attention-backend $backend --batch-size 1 64 256 \
+      --result-file "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.log" | grep -v Warning | tail -48
   done
 fi
 

@@ -1,52 +1,113 @@
-"""Profile decode steps of the 8B-shaped model (dummy weights) with torch.profiler; prints the top ops.
+"""Where a decode step's time goes (8B-shaped model, dummy weights): per batch size, the GPU time of one step (CUDA
+events around graph replay + sampling), its kernels (count, time by kernel, the gaps between them) and the host time
+the synchronous step adds on top.
 
-    python benchmarks/profile_decode.py [batch_size] [input_len]
+    python -m benchmarks.profile_decode [--attention-backend triton] [--batch-size 1 64] [--input-len 512]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import collections
+import json
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench_one_batch import _make_reqs
+from engine.bench_one_batch import _greedy, _make_reqs, prefill
 from engine.cache.manager import CacheManager
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
-from engine.sampling.sampler import SamplingBatch
-from engine.scheduler.batch_builder import build_decode, build_extend
+from engine.scheduler.batch_builder import build_decode
+
+
+def _step(runner, cache, reqs, ids) -> list[int]:
+    for r, t in zip(reqs, ids):
+        r.output_ids.append(t)
+        r.extend_len = 1
+    batch = build_decode(reqs, cache.alloc_decode(reqs), runner.device)
+    out = runner.forward_and_sample(batch, _greedy(runner, reqs)).next_ids.tolist()
+    for r in reqs:
+        r.kv_len += 1
+    return out
+
+
+def _gpu_ms(runner, cache, reqs, ids, steps: int = 20) -> tuple[float, float, list[int]]:
+    """(median GPU ms of forward + sampling, median wall ms of the whole synchronous step)."""
+    gpu, wall = [], []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        for r, t in zip(reqs, ids):
+            r.output_ids.append(t)
+            r.extend_len = 1
+        batch = build_decode(reqs, cache.alloc_decode(reqs), runner.device)
+        sampling = _greedy(runner, reqs)
+        start.record()
+        result = runner.forward_and_sample(batch, sampling)
+        end.record()
+        ids = result.next_ids.tolist()
+        for r in reqs:
+            r.kv_len += 1
+        wall.append((time.perf_counter() - t0) * 1e3)
+        gpu.append(start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(wall), ids
+
+
+def _kernels(prof, steps: int) -> dict:
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    by_name = collections.Counter()
+    for e in events:
+        by_name[e.name[:70]] += e.time_range.elapsed_us()
+    busy = sum(e.time_range.elapsed_us() for e in events)
+    span = events[-1].time_range.end - events[0].time_range.start if events else 0
+    return {"kernels_per_step": len(events) / steps, "kernel_us_per_step": busy / steps,
+            "span_us_per_step": span / steps,
+            "top": [(name, us / steps) for name, us in by_name.most_common(14)]}
+
+
+def profile_batch(runner, cache, bs: int, input_len: int) -> dict:
+    reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
+    ids = prefill(runner, cache, reqs)
+    for _ in range(5):
+        ids = _step(runner, cache, reqs, ids)
+    gpu_ms, wall_ms, ids = _gpu_ms(runner, cache, reqs, ids)
+    steps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            ids = _step(runner, cache, reqs, ids)
+    for r in reqs:
+        cache.release(r)
+    return {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}
 
 
 def main() -> None:
-    bs = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    input_len = int(sys.argv[2]) if len(sys.argv) > 2 else 512
-    cfg = ModelConfig.from_path("benchmarks/configs/llama-3.1-8b")
-    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16",
-                                   skip_tokenizer_init=True, disable_radix_cache=True, max_running_requests=bs), cfg)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--attention-backend", default="triton")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--result-file")
+    ns = parser.parse_args()
+    cfg = ModelConfig.from_path(ns.model_path)
+    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                                   disable_radix_cache=True, max_running_requests=max(ns.batch_size),
+                                   context_length=ns.input_len + 128, attention_backend=ns.attention_backend), cfg)
     runner = ModelRunner(args, cfg)
     cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
-    reqs = _make_reqs(cache, bs, input_len, cfg.vocab_size, torch.Generator().manual_seed(0))
-    sampling = SamplingBatch.build(reqs, False, runner.model_config.vocab_size, runner.device)
-    batch, _ = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
-    ids = runner.forward_and_sample(batch, sampling).next_ids.tolist()
-
-    def step():
-        nonlocal ids
-        for r, t in zip(reqs, ids):
-            r.kv_len += r.extend_len
-            r.output_ids.append(t)
-            r.extend_len = 1
-        locs = cache.alloc_decode(reqs)
-        ids = runner.forward_and_sample(build_decode(reqs, locs, runner.device), sampling).next_ids.tolist()
-
-    for _ in range(5):
-        step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+    for bs in ns.batch_size:
+        row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len)}
+        print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "
+              f"{row['kernels_per_step']:.0f} kernels, span {row['span_us_per_step'] / 1e3:.3f} ms); synchronous "
+              f"step {row['wall_ms']:.3f} ms")
+        for name, us in row["top"]:
+            print(f"   {us:9.1f} us  {name}")
+        if ns.result_file:
+            with open(ns.result_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.batch_builder import build_decode, build_extend
 
-# Prefill forwards take whole requests up to this many tokens (a longer request is chunked on its own).
-PREFILL_CHUNK = 16384
+# Prefill forwards take whole requests up to this many tokens (a longer request is chunked on its own): SGLang's
+# default chunked_prefill_size on GPUs.
+PREFILL_CHUNK = 8192
 
 
 def _sync(device: torch.device) -> None:

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from engine.cache.manager import CacheManager
 from engine.cache.radix_tree import RadixTree
 from engine.config import EngineArgs, ModelConfig, resolve_args
+from engine.delivery import coalesce, mailbox_for
 from engine.model_runner import ModelRunner
 from engine.request import Req, StepOutput
 from engine.results import BatchCollector, RequestSpec, normalize_batch
@@ -183,8 +184,9 @@ class Engine:
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm))
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         inbox: asyncio.Queue = asyncio.Queue()
-        self._submit(specs, lambda i: (lambda out: loop.call_soon_threadsafe(inbox.put_nowait, (i, out))), handoff)
-        # If the loop closes first, call_soon_threadsafe raises in the scheduler thread, which then aborts the request.
+        mailbox = mailbox_for(loop)
+        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox, (i, out))), handoff)
+        # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
             return _astream(deltas, self._abort_all(specs))
@@ -205,7 +207,11 @@ class Engine:
             except TimeoutError:
                 self._check_alive()
                 continue
-            yield collector.record(i, out)
+            arrived = [(i, out)]
+            while not inbox.empty():
+                arrived.append(inbox.get_nowait())
+            for i, out in coalesce(arrived):
+                yield collector.record(i, out)
 
     # ---- control --------------------------------------------------------------------------------------------
     def _control(self, fn: Callable[[], Any]) -> Any:

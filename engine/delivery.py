@@ -1,0 +1,80 @@
+"""Handing scheduler outputs to asyncio callers cheaply.
+
+The scheduler thread emits one StepOutput per request per step. Waking an event loop costs a system call, so a
+`LoopMailbox` (one per loop) queues outputs and wakes its loop at most once until the loop has taken them: when the
+loop lags, one wake-up delivers many outputs. On the receiving side `coalesce` merges the outputs of one request that
+arrived together into one, so a consumer that fell behind gets one larger chunk (one detokenization, one message
+downstream) instead of many small ones; the concatenation is exactly what the separate outputs carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+
+from engine.request import StepOutput
+
+
+class LoopMailbox:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, item: object) -> None:
+        """Called from any thread. Raises RuntimeError when the loop is closed (the caller is gone)."""
+        if self.loop.is_closed():
+            raise RuntimeError("Event loop is closed")
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def mailbox_for(loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+    with _mailboxes_lock:
+        box = _mailboxes.get(loop)
+        if box is None:
+            box = _mailboxes[loop] = LoopMailbox(loop)
+        return box
+
+
+def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
+    """a then b, of one request, as one output."""
+    def cat(x, y):
+        return None if x is None and y is None else (x or []) + (y or [])
+
+    return StepOutput(rid=b.rid, new_token_ids=a.new_token_ids + b.new_token_ids,
+                      new_logprobs=cat(a.new_logprobs, b.new_logprobs),
+                      new_top_logprobs=cat(a.new_top_logprobs, b.new_top_logprobs),
+                      new_token_ids_logprobs=cat(a.new_token_ids_logprobs, b.new_token_ids_logprobs),
+                      finished=b.finished, finish_reason=b.finish_reason, prompt_tokens=b.prompt_tokens,
+                      completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens,
+                      input_logprobs=a.input_logprobs if a.input_logprobs is not None else b.input_logprobs)
+
+
+def coalesce(items: list[tuple[int, StepOutput]]) -> list[tuple[int, StepOutput]]:
+    """Merge the outputs of each index (a batch call's request) in arrival order; indexes keep first-seen order."""
+    merged: dict[int, StepOutput] = {}
+    for i, out in items:
+        merged[i] = _merge(merged[i], out) if i in merged else out
+    return list(merged.items())
