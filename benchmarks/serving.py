@@ -202,7 +202,9 @@ async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
                 raise BenchError(f"the warm-up request failed: {warm.error}")
         if args.flush_cache:
             await backend.flush_cache()
+        before = await backend.counters()
         outputs, duration = await run_timed(backend, items, args)
+        after = await backend.counters()
         device = await backend.device()
         device = describe_device(device) if args.launch or args.backend == "engine" else device  # else not here
     finally:
@@ -210,7 +212,9 @@ async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
     errors = sorted({o.error for o in outputs if not o.success})
     return {**Metrics.of(outputs, duration).flat(), "errors": errors[:10], "device": device,
             "workload_digest": workload_digest(items), "workload_output_tokens": sum(i.output_len for i in items),
-            "workload_input_tokens": sum(len(i.input_ids) for i in items)}
+            "workload_input_tokens": sum(len(i.input_ids) for i in items),
+            # The (first) worker's scheduler during the timed run: prefill and decode steps, prefilled tokens.
+            "scheduler": {k: after[k] - before[k] for k in after if k in before}}
 
 
 SUMMARY = (("Backend", "backend", "s"), ("Traffic request rate", "request_rate", "s"),
@@ -238,6 +242,12 @@ def summary(result: dict) -> str:
     for title, key, short, stats in SECTIONS:
         lines.append(f"{title:-^50}")
         lines += [row(f"{STAT_LABELS[stat]} {short} (ms)", result[f"{stat}_{key}_ms"], ".2f") for stat in stats]
+    sched = result.get("scheduler") or {}
+    if sched:
+        lines.append(f"{'Worker scheduler':-^50}")
+        lines += [row(label, sched.get(key), "d") for label, key in (
+            ("Prefill steps", "forward_extend"), ("Decode steps", "forward_decode"),
+            ("Prefilled tokens", "prefill_tokens"))]
     return "\n".join(lines + ["=" * 50])
 
 

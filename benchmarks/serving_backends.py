@@ -10,6 +10,7 @@ succeeds only when the server reports exactly the tokens asked for (ignore_eos m
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
@@ -244,6 +245,17 @@ class HttpBackend:
             return None
         return info.get("device") if isinstance(info, dict) else None
 
+    async def counters(self) -> dict:
+        """The first worker's scheduler counters (forward_extend, forward_decode, prefill_tokens, ...) from
+        /get_server_info; {} when the server does not report them."""
+        try:
+            async with self.session.get(self.base_url + "/get_server_info") as resp:
+                info = await resp.json() if resp.status == 200 else {}
+        except (aiohttp.ClientError, ValueError):
+            return {}
+        states = info.get("internal_states") if isinstance(info, dict) else None
+        return _counters(states[0]) if states else {}
+
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
@@ -283,9 +295,19 @@ class EngineBackend:
     async def device(self) -> str | None:
         return self.llm.runner.device.type if self.llm else None
 
+    async def counters(self) -> dict:
+        return _counters(await asyncio.get_running_loop().run_in_executor(None, self.llm.get_load))
+
     async def close(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
+
+
+COUNTERS = ("forward_extend", "forward_decode", "prefill_tokens", "retractions")
+
+
+def _counters(state: dict) -> dict:
+    return {k: state[k] for k in COUNTERS if isinstance(state.get(k), int)}
 
 
 def describe_device(kind: str | None) -> str | None:

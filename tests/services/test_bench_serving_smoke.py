@@ -61,6 +61,8 @@ def test_bench_serving_mesh_and_engine(tmp_path):
     for rec in records:
         _check_record(rec, rec["backend"], expected)
     assert records[0]["workload_digest"] == records[1]["workload_digest"]
+    for r in records:  # the worker's scheduler during the timed run, read from the engine or /get_server_info
+        assert r["scheduler"]["forward_extend"] >= 1 and r["scheduler"]["forward_decode"] >= 1, r["scheduler"]
     assert records[0]["command"].startswith("python -m benchmarks.serving --backend radixmesh --launch")
 
 
