@@ -6,7 +6,6 @@
 #                           bf16 matmul rate
 #   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
 #                           1024 in / 1024 out
-#   PARTS="setup gemv"      the decode projections at 1 and 8 rows: cuBLAS against kernels.gemv (benchmarks.gemv)
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
@@ -48,10 +47,6 @@ if [[ $PARTS == *onebatch* ]]; then
       --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
       --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
   done
-fi
-
-if [[ $PARTS == *gemv* ]]; then
-  $PY -m benchmarks.gemv --result-file "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -12
 fi
 
 if [[ $PARTS == *profile* ]]; then
