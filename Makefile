@@ -75,9 +75,10 @@ test: $(TINY) $(PROTO_STUBS) lint-protos
 bench-router: $(PROTO_STUBS)
 	$(PY) -m benchmarks.router $(BENCH_ARGS)
 
-# On a CUDA machine: the GPU-marked tests (bf16 parity on the tiny models).
+# On a CUDA machine: the GPU tests (kernels at the 8B shapes, every attention backend against torch_native, bf16
+# parity, graphs and overlap) and the kernel/backend tests whose small cases run compiled there.
 test-gpu: $(TINY)
-	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/kernels tests/gpu tests/parity/test_attention_backends.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(STAMPS) $(MODELS) .pytest_cache .tools radixmesh

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import attend_block
 from kernels.runtime import dot_needs_upcast
 
 _LOG2E = 1.4426950408889634
@@ -55,19 +56,8 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, PRECISION, UPCAST)
 
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):  # the new tokens, up to the diagonal
@@ -76,20 +66,11 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KNew + (q_start + n)[:, None] * stride_knt + kv_head * stride_knh + d[None, :], mask=kv_mask,
                     other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :] & (n[None, :] <= m[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VNew + (q_start + n)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=kv_mask,
                     other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Block 0 shows key 0 to every row, so no row's max is -inf after it.
+        visible = n_mask[None, :] & (n[None, :] <= m[:, None])
+        m_i, l_i, acc = attend_block(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),

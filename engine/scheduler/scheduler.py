@@ -29,40 +29,11 @@ from engine.scheduler.batch_builder import build_decode, build_extend
 from engine.scheduler.finish import StopStrings, check_finished, step_output
 from engine.scheduler.handoffs import Handoffs
 from engine.scheduler.in_flight import HostCopy, InFlight
+from engine.scheduler.logprob_lists import logprob_lists, store_prompt_logprobs
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
 log = logging.getLogger(__name__)
-
-
-def _to_host(chosen, top, by_id) -> tuple[list, list | None, list | None]:
-    """Read logprob tensors back once: chosen [n], top as [(logprob, id)] rows best first, logprobs by id rows."""
-    top_rows = None
-    if top is not None:
-        values, ids = (x.tolist() for x in top)
-        top_rows = [list(zip(v, i)) for v, i in zip(values, ids)]
-    return chosen.tolist(), top_rows, by_id.tolist() if by_id is not None else None
-
-
-def _logprob_lists(result) -> list[tuple] | None:
-    """Per row: (chosen logprob, [(logprob, id)] best first, [logprob per requested id])."""
-    if result.logprobs is None:
-        return None
-    chosen, top, by_id = _to_host(result.logprobs, result.top_logprobs, result.token_ids_logprobs)
-    return [(chosen[i], top[i] if top else None, by_id[i] if by_id else None) for i in range(len(chosen))]
-
-
-def _store_prompt_logprobs(reqs: list[Req], plan, prompt) -> None:
-    chosen, top, by_id = _to_host(prompt.chosen, prompt.top, prompt.by_id)
-    at = 0
-    for r, n in zip(reqs, plan.counts):
-        r.input_logprobs += chosen[at:at + n]
-        k = r.logprob.top_logprobs_num if r.logprob else 0
-        r.input_top_logprobs += [row[:k] for row in top[at:at + n]] if top else [[] for _ in range(n)]
-        ids = r.logprob.token_ids_logprob if r.logprob else ()
-        r.input_token_ids_logprobs += [list(zip(row, ids)) for row in by_id[at:at + n]] if by_id else \
-            [[] for _ in range(n)]
-        at += n
 
 
 class Scheduler:
@@ -288,9 +259,9 @@ class Scheduler:
         try:
             result = flight.host.wait()
             next_ids = result.next_ids.tolist()
-            extras = _logprob_lists(result)
+            extras = logprob_lists(result)
             if flight.plan is not None:
-                _store_prompt_logprobs(flight.reqs, flight.plan, result.prompt)
+                store_prompt_logprobs(flight.reqs, flight.plan, result.prompt)
         except Exception as e:
             self._fail(flight.reqs, e)
             return
@@ -305,7 +276,6 @@ class Scheduler:
     def _fail(self, reqs: list[Req], e: Exception) -> None:
         log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
         for r in reqs:
-            r.pending = 0
             if r.finished:
                 continue
             self._drop_from_sets(r)
