@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_block
+from kernels.online_softmax import accumulate, softmax_step
 from kernels.runtime import dot_needs_upcast
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
@@ -67,8 +67,9 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_block(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, PRECISION, UPCAST)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:

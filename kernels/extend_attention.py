@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import attend_block
+from kernels.online_softmax import accumulate, softmax_step
 from kernels.runtime import dot_needs_upcast
 
 _LOG2E = 1.4426950408889634
@@ -56,8 +56,9 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
         v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_block(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, PRECISION, UPCAST)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):  # the new tokens, up to the diagonal
@@ -66,11 +67,12 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KNew + (q_start + n)[:, None] * stride_knt + kv_head * stride_knh + d[None, :], mask=kv_mask,
                     other=0.0)
-        v = tl.load(VNew + (q_start + n)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=kv_mask,
-                    other=0.0)
         # Block 0 shows key 0 to every row, so no row's max is -inf after it.
         visible = n_mask[None, :] & (n[None, :] <= m[:, None])
-        m_i, l_i, acc = attend_block(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION, UPCAST)
+        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, PRECISION, UPCAST)
+        v = tl.load(VNew + (q_start + n)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),

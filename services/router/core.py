@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.router.errors import RouterError, status_of
 from services.router.pd import generate_pd
 from services.router.policies import Policy
 from services.router.settings import RouterSettings
@@ -21,25 +22,7 @@ from services.router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-           grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.UNAVAILABLE: 503,
-           grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501,
-           grpc.StatusCode.ABORTED: 503}
-
-
-def status_of(code: grpc.StatusCode) -> int:
-    """The HTTP status for a worker's gRPC status."""
-    return _STATUS.get(code, 500)
-
-
-class RouterError(Exception):
-    """A failed request: `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
+__all__ = ["Router", "RouterError", "new_request_id", "status_of"]
 
 async def _tokenizer_call(pending):
     """Await a tokenizer-service call: rejected input -> RouterError 400, an unreachable service -> 503."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.router.errors import RouterError, status_of
 
 if TYPE_CHECKING:
     from services.router.core import Router
@@ -62,8 +63,6 @@ class _PairFailed(Exception):
 
 async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
                       ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    from services.router.core import RouterError, status_of
-
     if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
         raise RouterError(400, "n > 1 is not supported with prefill/decode disaggregation")
     tried: set[str] = set()
