@@ -16,22 +16,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench_one_batch import _greedy, _make_reqs, prefill
+from engine.bench_one_batch import _greedy, _make_reqs, decode, prefill
 from engine.cache.manager import CacheManager
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
 from engine.scheduler.batch_builder import build_decode
-
-
-def _step(runner, cache, reqs, ids) -> list[int]:
-    for r, t in zip(reqs, ids):
-        r.output_ids.append(t)
-        r.extend_len = 1
-    batch = build_decode(reqs, cache.alloc_decode(reqs), runner.device)
-    out = runner.forward_and_sample(batch, _greedy(runner, reqs)).next_ids.tolist()
-    for r in reqs:
-        r.kv_len += 1
-    return out
 
 
 def _gpu_ms(runner, cache, reqs, ids, steps: int = 20) -> tuple[float, float, list[int]]:
@@ -72,13 +61,11 @@ def _kernels(prof, steps: int) -> dict:
 def profile_batch(runner, cache, bs: int, input_len: int) -> dict:
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
     ids = prefill(runner, cache, reqs)
-    for _ in range(5):
-        ids = _step(runner, cache, reqs, ids)
+    _, ids = decode(runner, cache, reqs, ids, 5)
     gpu_ms, wall_ms, ids = _gpu_ms(runner, cache, reqs, ids)
     steps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            ids = _step(runner, cache, reqs, ids)
+        decode(runner, cache, reqs, ids, steps)
     for r in reqs:
         cache.release(r)
     return {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}

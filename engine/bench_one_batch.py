@@ -84,8 +84,10 @@ def prefill(runner: ModelRunner, cache: CacheManager, reqs: list[Req]) -> list[i
     return first
 
 
-def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: list[int], steps: int) -> list[float]:
-    """`steps` decode steps over `reqs`; the seconds of each (host read included, as the scheduler's)."""
+def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: list[int],
+           steps: int) -> tuple[list[float], list[int]]:
+    """`steps` decode steps over `reqs` from their tokens `first`: the seconds of each (host read included, as the
+    scheduler's) and the tokens the last step produced."""
     next_ids, step_s = first, []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -98,7 +100,7 @@ def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: lis
         for r in reqs:
             r.kv_len += 1
         step_s.append(time.perf_counter() - t0)
-    return step_s
+    return step_s, next_ids
 
 
 def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
@@ -107,7 +109,7 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
     t0 = time.perf_counter()
     first = prefill(runner, cache, reqs)
     prefill_s = time.perf_counter() - t0
-    step_s = decode(runner, cache, reqs, first, output_len)
+    step_s, _ = decode(runner, cache, reqs, first, output_len)
     for r in reqs:
         cache.release(r)
     median = statistics.median(step_s)

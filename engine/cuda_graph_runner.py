@@ -35,6 +35,14 @@ def graph_batch_sizes(explicit: tuple[int, ...] | None, max_bs: int | None, max_
     return sizes if cap in sizes or cap > _DEFAULT_SIZES[-1] else sizes + [cap]
 
 
+def clip_batch_sizes(sizes: list[int], cap: int) -> list[int]:
+    """The sizes up to `cap` (the engine's max_running_requests, known only after the KV pool is sized), with `cap`
+    itself as the largest when some size was above it."""
+    if not sizes or max(sizes) <= cap:
+        return sizes
+    return [s for s in sizes if s < cap] + [cap]
+
+
 def estimated_graph_bytes(max_bs: int, vocab: int, hidden: int, intermediate: int, dtype_size: int) -> int:
     """Memory to set aside for the graphs before sizing the KV pool: the static logits, one capture's transient
     activations at the largest size (logits in the model dtype and in float32, hidden and MLP tensors) and slack

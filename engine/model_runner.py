@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.base import AttentionShape
-from engine.attention.registry import create_attention
+from engine.attention.registry import create_attention, supports_cuda_graph
 from engine.batch import ForwardBatch, ForwardMode
 from engine.cache.kv_pool import KVPool
 from engine.cache.req_to_token import ReqToTokenPool
 from engine.config import EngineArgs, ModelConfig, torch_dtype
-from engine.cuda_graph_runner import CudaGraphRunner, estimated_graph_bytes, graph_batch_sizes
+from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
 from engine.sampling.penalties import PenaltyState
@@ -42,7 +42,8 @@ class ModelRunner:
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed)
         graph_sizes = self._graph_sizes()
-        self.max_total_tokens = self._kv_capacity_tokens(graph_sizes)
+        graph_reserve = self._graph_reserve(graph_sizes)
+        self.max_total_tokens = self._kv_capacity_tokens(graph_reserve)
         page = args.page_size
         self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
                               model_config.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
@@ -60,13 +61,15 @@ class ModelRunner:
                  model_config.architecture, self.device, args.dtype, self.kv_pool.capacity_tokens, page,
                  self.max_running_requests, self.attn_backend.name)
         self.graphs: CudaGraphRunner | None = None
-        graph_sizes = [s for s in graph_sizes if s < self.max_running_requests] + \
-            [self.max_running_requests] if graph_sizes and max(graph_sizes) > self.max_running_requests \
-            else graph_sizes
+        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
         if graph_sizes:
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
                                           self.req_to_token.pad_row, graph_sizes)
             self.graphs.capture()
+            if self.graphs.capture_bytes > graph_reserve:
+                log.warning("CUDA graphs used %.0f MiB, more than the %.0f MiB set aside for them: the GPU may run "
+                            "short of memory; lower --mem-fraction-static or --cuda-graph-max-bs",
+                            self.graphs.capture_bytes / 2**20, graph_reserve / 2**20)
 
     def _max_running(self) -> int:
         return self.args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))
@@ -77,26 +80,30 @@ class ModelRunner:
         args = self.args
         if args.disable_cuda_graph or self.device.type != "cuda":
             return []
-        if args.decode_attention_backend == "torch_native":
-            log.info("CUDA graphs off: the torch_native attention backend has data-dependent shapes")
+        if not supports_cuda_graph(args.decode_attention_backend):
+            log.info("CUDA graphs off: the %s attention backend cannot run inside one",
+                     args.decode_attention_backend)
             return []
         cap = args.max_running_requests or 256
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
 
-    def _kv_capacity_tokens(self, graph_sizes: list[int]) -> int:
+    def _graph_reserve(self, graph_sizes: list[int]) -> int:
+        """Bytes to keep out of the KV pool for the CUDA graphs (0 without graphs)."""
+        if not graph_sizes:
+            return 0
+        cfg = self.model_config
+        return estimated_graph_bytes(max(graph_sizes), cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size,
+                                     self.dtype.itemsize)
+
+    def _kv_capacity_tokens(self, graph_reserve: int) -> int:
         """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
-        memory set aside for CUDA graphs)."""
+        `graph_reserve` bytes set aside for CUDA graphs)."""
         per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype))
         page = self.args.page_size
-        self.graph_reserve = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            cfg = self.model_config
-            self.graph_reserve = estimated_graph_bytes(max(graph_sizes), cfg.vocab_size, cfg.hidden_size,
-                                                       cfg.intermediate_size, self.dtype.itemsize) \
-                if graph_sizes else 0
-            budget = free - total * (1 - self.args.mem_fraction_static) - self.graph_reserve
+            budget = free - total * (1 - self.args.mem_fraction_static) - graph_reserve
             tokens = int(budget // per_token)
             if tokens <= page:
                 raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "

@@ -37,10 +37,19 @@ def check_backend_name(name: str, flag: str = "attention_backend") -> None:
         raise ValueError(f"unknown {flag} {name!r}; available: {', '.join(available_backends())}")
 
 
-def create_backend(name: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
+def _backend_class(name: str) -> type[AttentionBackend]:
     check_backend_name(name)
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(shape, kv_pool, req_to_token)
+    return getattr(importlib.import_module(module), cls)
+
+
+def supports_cuda_graph(name: str) -> bool:
+    """Whether backend `name` can run inside a captured CUDA graph (known before any backend is built)."""
+    return _backend_class(name).supports_cuda_graph
+
+
+def create_backend(name: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
+    return _backend_class(name)(shape, kv_pool, req_to_token)
 
 
 def create_attention(prefill: str, decode: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:

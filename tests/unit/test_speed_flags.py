@@ -15,7 +15,7 @@ import pytest
 from engine.attention import registry
 from engine.cli import add_engine_args, engine_kwargs
 from engine.config import EngineArgs, ModelConfig, resolve_args
-from engine.cuda_graph_runner import graph_batch_sizes
+from engine.cuda_graph_runner import clip_batch_sizes, graph_batch_sizes
 from tests.conftest import model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +84,17 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(None, None, 48) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]
     default = graph_batch_sizes(None, None, 1024)
     assert default[0] == 1 and default[-1] == 256 and default == sorted(set(default))
+
+
+def test_graph_sizes_clipped_to_max_running():
+    assert clip_batch_sizes([1, 2, 4, 8, 12, 16], 10) == [1, 2, 4, 8, 10]
+    assert clip_batch_sizes([1, 2, 4], 10) == [1, 2, 4]
+    assert clip_batch_sizes([], 10) == []
+
+
+def test_graph_support_is_read_from_the_backend_class():
+    assert registry.supports_cuda_graph("triton") and registry.supports_cuda_graph("flashinfer")
+    assert not registry.supports_cuda_graph("torch_native")
 
 
 _BLOCKER = """
