@@ -51,6 +51,15 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_url: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None
+    kv_events_config: str | None = None
     random_seed: int | None = None
     stream_output: bool = False
     sampling_defaults: str = "model"
@@ -201,6 +210,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
            f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
+    _check_hicache(args)
     context = args.context_length or model.max_position_embeddings
     chunk = args.chunked_prefill_size
     if chunk is None:
@@ -227,6 +237,40 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         random_seed=args.random_seed if args.random_seed is not None else 42,
         tokenizer_path=args.tokenizer_path or args.model_path,
     )
+
+
+HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s")
+
+
+def hicache_extra(args: EngineArgs) -> dict:
+    """--hicache-storage-backend-extra-config as a dict (JSON object; keys: HICACHE_EXTRA_KEYS)."""
+    if not args.hicache_storage_backend_extra_config:
+        return {}
+    try:
+        extra = json.loads(args.hicache_storage_backend_extra_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+    _check(isinstance(extra, dict), "hicache_storage_backend_extra_config must be a JSON object")
+    unknown = sorted(set(extra) - set(HICACHE_EXTRA_KEYS))
+    _check(not unknown, f"unknown hicache_storage_backend_extra_config key(s) {unknown}; known: {HICACHE_EXTRA_KEYS}")
+    return extra
+
+
+def _check_hicache(args: EngineArgs) -> None:
+    from engine.cache.hierarchy import PREFETCH_POLICIES, WRITE_POLICIES
+
+    _check(args.hicache_write_policy in WRITE_POLICIES,
+           f"hicache_write_policy must be one of {WRITE_POLICIES}, got {args.hicache_write_policy!r}")
+    _check(args.hicache_storage_prefetch_policy in PREFETCH_POLICIES, "hicache_storage_prefetch_policy must be one"
+           f" of {PREFETCH_POLICIES}, got {args.hicache_storage_prefetch_policy!r}")
+    _check(args.hicache_ratio > 0 and args.hicache_size >= 0, "hicache_ratio must be > 0 and hicache_size >= 0")
+    _check(not args.enable_hierarchical_cache or not args.disable_radix_cache,
+           "enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
+    _check(args.hicache_storage_backend is None or args.enable_hierarchical_cache,
+           "hicache_storage_backend needs enable_hierarchical_cache (L3 pages pass through the host pool)")
+    _check(args.kv_events_config is None or not args.disable_radix_cache,
+           "kv_events_config needs the radix cache (events describe its pages)")
+    hicache_extra(args)
 
 
 def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:

@@ -21,8 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from engine.cache.manager import CacheManager
-from engine.cache.radix_tree import RadixTree
+from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.delivery import coalesce, mailbox_for
 from engine.model_runner import ModelRunner
@@ -48,8 +47,7 @@ class Engine:
         self.args = resolve_args(EngineArgs.from_kwargs(model_path, **kwargs), self.model_config)
         self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
         self.runner = ModelRunner(self.args, self.model_config)
-        tree = None if self.args.disable_radix_cache else RadixTree(self.args.page_size)
-        self.cache = CacheManager(self.runner.kv_pool, self.runner.req_to_token, tree)
+        self.cache = build_cache(self.args, self.model_config, self.runner)
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
@@ -74,13 +72,14 @@ class Engine:
             self._crash = e
 
     # ---- request construction -------------------------------------------------------------------------------
-    def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None], handoff=None) -> Req:
+    def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None], handoff=None, tenant: str = "") -> Req:
         stop = set(spec.params.stop_token_ids)
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar) if spec.grammar is not None else None
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
-                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff)
+                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
+                   tenant=tenant)
 
     def _compile_grammar(self, params):
         """Compile (or fetch from the cache) a structured-output constraint, in the caller's thread."""
@@ -126,19 +125,22 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | list[str] | None = None):
+                 stream: bool = False, rid: str | list[str] | None = None, tenant: str = ""):
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
         stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
         with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to.
-        `rid` names the request(s) for abort_request (n > 1 samples get `<rid>-<index>`)."""
+        `rid` names the request(s) for abort_request (n > 1 samples get `<rid>-<index>`). `tenant` is the prefix
+        cache namespace: cached KV is only reused between requests of the same tenant (default: one shared)."""
+        _check_tenant(tenant)
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                       top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid)
         warm = self._shared_prefills(specs)
         if warm:
-            self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm))
+            self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm),
+                          tenant=tenant)
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._submit(specs, lambda i: (lambda out: inbox.put((i, out))))
+        self._submit(specs, lambda i: (lambda out: inbox.put((i, out))), None, tenant)
         deltas = self._receive_sync(collector, inbox)
         if stream:
             return _stream(deltas, self._abort_all(specs))
@@ -150,11 +152,11 @@ class Engine:
                 self._abort_all(specs)()
         return collector.results if is_batch else collector.results[0]
 
-    def _submit(self, specs: list[RequestSpec], make_sink, handoff=None) -> None:
+    def _submit(self, specs: list[RequestSpec], make_sink, handoff=None, tenant: str = "") -> None:
         if handoff is not None and len(specs) != 1:
             raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
         for i, spec in enumerate(specs):
-            self.scheduler.submit(self._make_req(spec, make_sink(i), handoff))
+            self.scheduler.submit(self._make_req(spec, make_sink(i), handoff, tenant))
 
     def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
         return lambda: [self.scheduler.abort(s.rid) for s in specs]
@@ -171,9 +173,11 @@ class Engine:
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                             return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None):
+                             return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None,
+                             tenant: str = ""):
         """As `generate`; with stream=True returns an async iterator of incremental dicts. `handoff` (one prompt,
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff."""
+        _check_tenant(tenant)
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
             self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
@@ -181,11 +185,11 @@ class Engine:
         warm = self._shared_prefills(specs) if handoff is None else []
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
-                                      sampling_params=[{"max_new_tokens": 0}] * len(warm))
+                                      sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
         inbox: asyncio.Queue = asyncio.Queue()
         mailbox = mailbox_for(loop)
-        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox, (i, out))), handoff)
+        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox, (i, out))), handoff, tenant)
         # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
@@ -256,12 +260,19 @@ class Engine:
             self.scheduler.stop()
             self._thread.join(timeout=30)
         self._prep.shutdown(wait=False)
+        if self.cache.hierarchy is not None:
+            self.cache.hierarchy.close()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _check_tenant(tenant: str) -> None:
+    if not isinstance(tenant, str) or len(tenant) > 64:
+        raise ValueError(f"tenant must be a string of at most 64 characters, got {tenant!r}")
 
 
 def _load_tokenizer(path: str):

@@ -81,6 +81,7 @@ class Req:
     matcher: object | None = None  # the structured-output grammar matcher (xgrammar), advanced per output token
     # Prefill/decode disaggregation role (engine.disaggregation.handoff.PrefillRole / DecodeRole); None: colocated
     handoff: object | None = None
+    tenant: str = ""  # the prefix-cache namespace: cached pages are only shared between requests of one tenant
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[LogprobList] = field(default_factory=list)

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from engine.cache.kv_events import KvEventLog, Tier
 from engine.cache.kv_pool import KVPool
 from engine.cache.radix_tree import RadixTree
 from engine.cache.req_to_token import ReqToTokenPool
@@ -23,12 +24,18 @@ log = logging.getLogger(__name__)
 
 
 class CacheManager:
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None):
+    """`events`: where page changes are published (KV events), or None. `hierarchy` (set by the engine after
+    construction): the host and storage tiers, engine.cache.hierarchy.CacheHierarchy, or None."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None,
+                 events: KvEventLog | None = None):
         self.kv = kv_pool
         self.pages = kv_pool.allocator
         self.page = kv_pool.page_size
         self.req_to_token = req_to_token
         self.tree = tree
+        self.events = events
+        self.hierarchy = None
         self.evicted_tokens = 0
 
     # ---- capacity -------------------------------------------------------------------------------------------
@@ -47,12 +54,22 @@ class CacheManager:
         """New pages needed to grow a row from `start` tokens to `start + n`."""
         return -(-(start + n) // self.page) - -(-start // self.page)
 
-    def _ensure_free_pages(self, n: int) -> bool:
-        short = n - self.pages.num_free
+    def ensure_free_pages(self, n: int) -> bool:
+        """Make n device pages free, evicting (demoting, with a host tier) least recently used cached pages."""
+        short = (n - self.pages.num_free) * self.page
         if short > 0 and self.tree is not None:
-            evicted = self.tree.evict(short * self.page)
-            self.evicted_tokens += len(evicted)
-            self._free_slots(evicted)
+            for leaf in self.tree.device_leaves():
+                if short <= 0:
+                    break
+                if self.hierarchy is not None:
+                    self.hierarchy.demote(leaf)
+                keys = leaf.page_keys
+                slots = self.tree.drop_device(leaf)
+                self._free_slots(slots)
+                short -= len(slots)
+                self.evicted_tokens += len(slots)
+                if self.events is not None and keys:
+                    self.events.removed(Tier.DEVICE, keys)
         return self.pages.num_free >= n
 
     def _free_slots(self, slots: torch.Tensor) -> None:
@@ -61,11 +78,13 @@ class CacheManager:
             self.pages.free(slots[slots % self.page == 0] // self.page)
 
     # ---- prefix matching ------------------------------------------------------------------------------------
-    def match_len(self, tokens: list[int]) -> int:
-        """Cached prefix length for `tokens` (no lock taken); the last token is always left to compute."""
+    def match_len(self, tokens: list[int], namespace: str = "") -> int:
+        """Cached prefix length for `tokens` on the device and host (no lock taken); the last token is always
+        left to compute."""
         if self.tree is None or len(tokens) <= 1:
             return 0
-        return len(self.tree.match_prefix(tokens[:-1]).indices)
+        match = self.tree.match_prefix(tokens[:-1], namespace)
+        return len(match.indices) + match.host_len
 
     def admit(self, req: Req, whole_prompt: bool = False) -> bool:
         """Give `req` a table row and its cached prefix (locked).
@@ -81,8 +100,18 @@ class CacheManager:
             limit = req.fill_len if whole_prompt else req.fill_len - 1
             if not whole_prompt and req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
                 limit = min(limit, max(req.logprob.start - 1, 0))  # prompt logprobs need those logits computed
-            indices, node = self.tree.match_prefix(req.tokens(0, limit))
+            match = self.tree.match_prefix(req.tokens(0, limit), req.tenant)
+            indices, node = match.indices, match.node
             self.tree.lock(node)
+            if self.hierarchy is not None:
+                self.hierarchy.on_match(match)
+                loaded = self.hierarchy.load_back(match) if match.host_nodes else None
+                if loaded is not None:
+                    indices = torch.cat([indices, loaded[0]])
+                    self.tree.lock(loaded[1])
+                    self.tree.unlock(node)
+                    node = loaded[1]
+                self.hierarchy.forget(req)
             req.locked_node = node
             self.req_to_token.write(row, 0, indices)
             req.kv_len = req.alloc_len = req.tree_len = len(indices)
@@ -94,7 +123,7 @@ class CacheManager:
         (host int64 [n]) or None, allocating nothing, when memory is short."""
         start = req.alloc_len
         need = self.pages_for(start, n)
-        if not self._ensure_free_pages(need):
+        if not self.ensure_free_pages(need):
             return None
         in_last = min((-start) % self.page, n)
         parts = []
@@ -117,7 +146,7 @@ class CacheManager:
         pos = torch.tensor([r.alloc_len for r in reqs], dtype=torch.int64)
         fresh = pos % self.page == 0  # the next token starts a new page
         n_fresh = int(fresh.sum())
-        if not self._ensure_free_pages(n_fresh):
+        if not self.ensure_free_pages(n_fresh):
             return None
         slots = self.req_to_token.host[rows, (pos - 1).clamp(min=0)] + 1
         if n_fresh:
@@ -147,9 +176,15 @@ class CacheManager:
         if self.tree is None or aligned <= req.tree_len:
             return req.tree_len
         slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()
-        already = self.tree.insert(req.tokens(0, aligned), slots)
+        already = self.tree.insert(req.tokens(0, aligned), slots, req.tenant)
         if already > req.tree_len:
             self._free_slots(slots[req.tree_len:already])
+        added = self.tree.take_added()
+        if self.hierarchy is not None:
+            self.hierarchy.after_insert(added)
+        elif self.events is not None:
+            for node in added:
+                self.events.stored(Tier.DEVICE, node.page_keys, self.tree.last_key(node.parent), node.key)
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:
@@ -159,7 +194,7 @@ class CacheManager:
         aligned = self._insert_computed(req)
         if aligned == req.tree_len:
             return
-        indices, node = self.tree.match_prefix(req.tokens(0, aligned))
+        indices, node, _ = self.tree.match_prefix(req.tokens(0, aligned), req.tenant)
         assert len(indices) == aligned, "a just-inserted prefix must match in full"
         self.req_to_token.write(req.pool_idx, 0, indices)
         self.tree.lock(node)
@@ -169,6 +204,8 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """Give back everything `req` holds: its computed prefix goes to the tree (evictable), the rest is freed.
         Used for finished, aborted and retracted requests alike."""
+        if self.hierarchy is not None:
+            self.hierarchy.forget(req)
         if req.pool_idx is None:
             return
         owned_from = self._insert_computed(req)
@@ -180,10 +217,35 @@ class CacheManager:
         req.pool_idx, req.locked_node = None, None
         req.kv_len = req.alloc_len = req.tree_len = 0
 
+    def tier_stats(self) -> dict:
+        """Per-tier sizes, hits and measured speeds (tokens/s; 0 until measured) for load reports."""
+        h = self.hierarchy
+        if h is None:
+            return {}
+        out = {"host_total_tokens": h.host.capacity_tokens, "host_cached_tokens": self.tree.host_size,
+               "host_hit_tokens": h.hit_tokens["host"], "storage_hit_tokens": h.hit_tokens["storage"],
+               "host_load_tokens_per_s": h.host_load_tokens_per_s}
+        if h.io is not None:
+            out["storage_load_tokens_per_s"] = h.io.fetch_tokens_per_s
+            out.update({f"storage_{k}": v for k, v in h.io.stats.items()})
+        return out
+
+    def poll(self) -> None:
+        """Once per scheduler step: finish tier copies and storage jobs that are done."""
+        if self.hierarchy is not None:
+            self.hierarchy.poll()
+
     def flush(self) -> bool:
-        """Drop the whole prefix cache. Refused (False) while any request holds a lock in it."""
+        """Drop the whole prefix cache (every tier of this worker; not the shared L3 store). Refused (False) while
+        any request holds a lock in it."""
         if self.tree is not None:
+            if self.hierarchy is not None:
+                self.hierarchy.drain()
             if self.tree.protected_size:
                 return False
+            if self.hierarchy is not None:
+                self.hierarchy.release_all()
             self._free_slots(self.tree.reset())
+            if self.events is not None:
+                self.events.cleared()
         return True

@@ -1,19 +1,26 @@
-"""RadixAttention's prefix tree: token ids -> KV slot indices, page-aligned, with lock counts and LRU eviction.
+"""RadixAttention's prefix tree: token ids -> KV slot indices, page-aligned, with lock counts, LRU order and tiers.
 
-A pure data structure: it never allocates or frees KV memory. `evict` and `reset` hand the slot indices of removed
-nodes back to the caller (the cache manager), which frees them.
+A pure data structure: it never allocates, frees or copies KV memory. Methods that drop pages hand their slot indices
+back to the caller (the cache manager), which frees them.
+
+A node's pages live on the device (`value`: device slot indices), in the host pool (`host_value`: host slot indices),
+or both. Without a hierarchical cache every node is on the device only. Sequences are kept apart by namespace (the
+tenant): each namespace has its own root under the tree's root, so a match never crosses namespaces.
 
 Invariants:
 - every edge key and value has a length that is a multiple of `page_size`, so a node always owns whole pages;
-- `lock_ref > 0` on a node implies `lock_ref > 0` on all its ancestors (locks are taken and dropped along the path);
-- evictable_size + protected_size == total tokens stored; locked tokens are protected.
+- device residency is prefix-closed: a node without device pages has no descendant with device pages (eviction
+  takes device leaves first, a load brings back the whole path);
+- every node holds its pages on at least one tier (a node dropped from both is removed from the tree);
+- `lock_ref > 0` on a node implies `lock_ref > 0` on all its ancestors, and a locked node is on the device;
+- evictable_size + protected_size == device tokens stored; host_size == host tokens stored.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -22,17 +29,38 @@ import torch
 @dataclass(slots=True, eq=False)
 class TreeNode:
     key: list[int]
-    value: torch.Tensor  # [len(key)] int64 slot indices
+    value: torch.Tensor | None  # [len(key)] int64 device slots; None: not on the device
     parent: TreeNode | None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    host_value: torch.Tensor | None = None  # [len(key)] int64 host slots; None: not in the host pool
+    page_keys: list[bytes] | None = None  # chained key of each page (when the tree has a page hasher)
+    hits: int = 0  # matches that reached into this node (write_through_selective backs up hot nodes)
+    host_refs: int = 0  # copies reading the host copy (a load, an L3 write); > 0 keeps it from host eviction
+    namespace: str = ""
+
+    @property
+    def on_device(self) -> bool:
+        return self.value is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_value is not None
 
 
 class MatchResult(NamedTuple):
-    indices: torch.Tensor  # [matched_len] int64 slot indices
-    node: TreeNode  # deepest node of the match (the root when nothing matched)
+    indices: torch.Tensor  # [device_len] int64 device slots of the matched prefix's device part
+    node: TreeNode  # deepest device node of the match (the namespace root when none)
+    host_nodes: list[TreeNode] = []  # after `node`: the matched nodes held only in the host pool, in order
 
+    @property
+    def host_len(self) -> int:
+        return sum(len(n.key) for n in self.host_nodes)
+
+
+# Hashes a node's pages given the key of the page before them: (parent_key, tokens) -> one key per page.
+PageHasher = Callable[[bytes, list[int]], list[bytes]]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -47,17 +75,23 @@ def _common_len(a: list[int], b: list[int], page: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1):
+    def __init__(self, page_size: int = 1, page_hasher: PageHasher | None = None,
+                 namespace_root_key: Callable[[str], bytes] | None = None):
         self.page = page_size
+        self.hasher = page_hasher
+        self.root_key = namespace_root_key
         self.reset()
 
     def reset(self) -> torch.Tensor:
-        """Drop every node; returns the slot indices they held (the caller frees them)."""
-        values = self._all_values() if hasattr(self, "root") else _EMPTY
+        """Drop every node; returns the device slots they held (the caller frees them and the host pool)."""
+        values = self.device_values() if hasattr(self, "root") else _EMPTY
         self.root = TreeNode(key=[], value=_EMPTY, parent=None, lock_ref=1)
+        self.namespaces: dict[str, TreeNode] = {}
         self.evictable_size = 0
         self.protected_size = 0
+        self.host_size = 0
         self._clock = 0
+        self.added: list[TreeNode] = []  # nodes that gained a device copy by insert, until take_added()
         return values
 
     @property
@@ -71,54 +105,116 @@ class RadixTree:
     def _edge(self, key: list[int], pos: int) -> tuple[int, ...]:
         return tuple(key[pos:pos + self.page])
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of `key`. Splits a node when the match ends inside it."""
+    def ns_root(self, namespace: str) -> TreeNode:
+        """The permanent (locked) root of a namespace; created on first use."""
+        node = self.namespaces.get(namespace)
+        if node is None:
+            node = TreeNode(key=[], value=_EMPTY, parent=self.root, lock_ref=1, namespace=namespace)
+            if self.root_key is not None:
+                node.page_keys = [self.root_key(namespace)]
+            self.namespaces[namespace] = node
+        return node
+
+    def last_key(self, node: TreeNode) -> bytes:
+        """The chained key of the last page of `node` (a namespace root: the namespace's root key)."""
+        return node.page_keys[-1]
+
+    # ---- lookups ----------------------------------------------------------------------------------------------
+    def match_prefix(self, key: list[int], namespace: str = "") -> MatchResult:
+        """Longest cached page-aligned prefix of `key`: its device part, then the host-only nodes after it. Splits a
+        node when the match ends inside it."""
         key = key[: len(key) // self.page * self.page]
-        node, pos, values, now = self.root, 0, [], self._tick()
+        node, pos, values, now = self.ns_root(namespace), 0, [], self._tick()
+        device_node, host_nodes = node, []
         while pos < len(key):
             child = node.children.get(self._edge(key, pos))
             if child is None:
                 break
             n = _common_len(child.key, key[pos:], self.page)
-            if n == 0:
-                break
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            values.append(child.value)
+            child.hits += 1
+            if child.on_device:
+                values.append(child.value)
+                device_node = child
+            else:
+                host_nodes.append(child)
             node, pos = child, pos + n
         indices = torch.cat(values) if values else _EMPTY
-        return MatchResult(indices, node)
+        return MatchResult(indices, device_node, host_nodes)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert a page-aligned key with its slots. Returns how many leading tokens were already cached: for those,
-        the tree keeps its own slots and the caller's copies in value[:returned] are duplicates it must free."""
+    # ---- inserts ----------------------------------------------------------------------------------------------
+    def insert(self, key: list[int], value: torch.Tensor, namespace: str = "") -> int:
+        """Insert a page-aligned key with its device slots. Returns how many leading tokens the device already
+        cached: for those the tree keeps its own slots, and the caller's copies in value[:returned] are duplicates it
+        must free. Everything after them becomes the tree's: nodes held only in the host pool along the way take
+        the caller's slots as their device copy."""
         assert len(key) % self.page == 0 and len(key) == len(value), "insert needs page-aligned key and value"
-        node, pos, now = self.root, 0, self._tick()
+        node, pos, now, cached = self.ns_root(namespace), 0, self._tick(), None
         while pos < len(key):
             child = node.children.get(self._edge(key, pos))
             if child is None:
-                new = TreeNode(key=key[pos:], value=value[pos:].clone(), parent=node, last_access=now)
-                node.children[self._edge(key, pos)] = new
-                self.evictable_size += len(new.key)
-                return pos
+                self._add_child(node, key[pos:], value[pos:].clone(), None, now)
+                return pos if cached is None else cached
             n = _common_len(child.key, key[pos:], self.page)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if not child.on_device:
+                cached = pos if cached is None else cached
+                child.value = value[pos:pos + n].clone()
+                self.evictable_size += n
+                self.added.append(child)
             node, pos = child, pos + n
-        return pos
+        return pos if cached is None else cached
+
+    def insert_host(self, parent: TreeNode, key: list[int], host_value: torch.Tensor,
+                    page_keys: list[bytes] | None = None) -> TreeNode:
+        """Add pages held only in the host pool (fetched from L3) as a new child of `parent`, which must have no
+        child starting with key's first page."""
+        assert self._edge(key, 0) not in parent.children, "insert_host over an existing edge"
+        return self._add_child(parent, key, None, host_value, self._tick(), page_keys)
+
+    def _add_child(self, parent: TreeNode, key: list[int], value: torch.Tensor | None,
+                   host_value: torch.Tensor | None, now: int, page_keys: list[bytes] | None = None) -> TreeNode:
+        new = TreeNode(key=key, value=value, parent=parent, last_access=now, host_value=host_value,
+                       namespace=parent.namespace)
+        if self.hasher is not None:
+            new.page_keys = page_keys or self.hasher(self.last_key(parent), key)
+        parent.children[self._edge(key, 0)] = new
+        if value is not None:
+            self.evictable_size += len(key)
+            self.added.append(new)
+        if host_value is not None:
+            self.host_size += len(key)
+        return new
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cut `child`'s edge after n tokens; returns the new upper node (same lock count as child)."""
-        parent = child.parent
-        mid = TreeNode(key=child.key[:n], value=child.value[:n], parent=parent, lock_ref=child.lock_ref,
-                       last_access=child.last_access)
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        """Cut `child`'s edge after n tokens; returns the new upper node (same lock count and tiers as child)."""
+        parent, pages = child.parent, n // self.page
+        mid = TreeNode(key=child.key[:n], value=None if child.value is None else child.value[:n], parent=parent,
+                       lock_ref=child.lock_ref, last_access=child.last_access, hits=child.hits,
+                       host_value=None if child.host_value is None else child.host_value[:n],
+                       page_keys=None if child.page_keys is None else child.page_keys[:pages],
+                       namespace=child.namespace)
+        child.key, child.parent = child.key[n:], mid
+        if child.value is not None:
+            child.value = child.value[n:]
+        if child.host_value is not None:
+            child.host_value = child.host_value[n:]
+        if child.page_keys is not None:
+            child.page_keys = child.page_keys[pages:]
         mid.children[self._edge(child.key, 0)] = child
         parent.children[self._edge(mid.key, 0)] = mid
         return mid
 
+    def take_added(self) -> list[TreeNode]:
+        """Nodes that gained a device copy through insert since the last call (for KV events and backups)."""
+        added, self.added = self.added, []
+        return added
+
+    # ---- locks ------------------------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction."""
         while node.parent is not None:
@@ -137,34 +233,115 @@ class RadixTree:
                 self.protected_size -= len(node.key)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        """Remove least-recently-used unlocked leaves until at least `num_tokens` are removed (or none are left).
-        Returns the removed slot indices; the caller frees them."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+    # ---- tiers ------------------------------------------------------------------------------------------------
+    def set_device(self, node: TreeNode, value: torch.Tensor) -> None:
+        """Give a host-only node its device copy (a load finished or was issued)."""
+        assert node.value is None and len(value) == len(node.key)
+        node.value = value
+        self.evictable_size += len(node.key)
+
+    def set_host(self, node: TreeNode, host_value: torch.Tensor) -> None:
+        """Record a node's host copy (a backup was written)."""
+        assert node.host_value is None and len(host_value) == len(node.key)
+        node.host_value = host_value
+        self.host_size += len(node.key)
+
+    def drop_device(self, node: TreeNode) -> torch.Tensor:
+        """Forget an unlocked device leaf's device copy; returns its device slots. A node with no host copy is
+        removed from the tree."""
+        assert node.lock_ref == 0 and node.on_device and not any(c.on_device for c in node.children.values())
+        slots, node.value = node.value, None
+        self.evictable_size -= len(node.key)
+        if not node.on_host:
+            self._remove(node)
+        return slots
+
+    def drop_host(self, node: TreeNode) -> torch.Tensor:
+        """Forget a node's host copy (it must have no child with one); returns its host slots. A node with no
+        device copy is removed from the tree."""
+        assert node.on_host and not any(c.on_host for c in node.children.values())
+        slots, node.host_value = node.host_value, None
+        self.host_size -= len(node.key)
+        if not node.on_device:
+            self._remove(node)
+        return slots
+
+    def _remove(self, node: TreeNode) -> None:
+        assert not node.children, "only a leaf leaves the tree"
+        del node.parent.children[self._edge(node.key, 0)]
+
+    def device_leaves(self) -> Iterator[TreeNode]:
+        """Unlocked device leaves, least recently used first. The caller drops each yielded node's device copy (or
+        stops); parents that become device leaves are yielded in their turn."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
         heapq.heapify(heap)
-        freed, removed = [], 0
-        while heap and removed < num_tokens:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            del parent.children[self._edge(leaf.key, 0)]
-            self.evictable_size -= len(leaf.key)
-            removed += len(leaf.key)
-            freed.append(leaf.value)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._is_device_leaf(node):
+                continue
+            parent = node.parent
+            yield node
+            if self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    def host_leaves(self) -> Iterator[TreeNode]:
+        """Nodes with a host copy and no child holding one, least recently used first; same protocol as
+        device_leaves (the caller drops each yielded node's host copy, or stops)."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._is_host_leaf(node):
+                continue
+            parent = node.parent
+            yield node
+            if self._is_host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    def _is_device_leaf(self, n: TreeNode) -> bool:
+        return (n.parent is not None and n.parent.parent is not None and n.on_device and n.lock_ref == 0
+                and not any(c.on_device for c in n.children.values()))
+
+    def _is_host_leaf(self, n: TreeNode) -> bool:
+        return (n.parent is not None and n.parent.parent is not None and n.on_host and n.host_refs == 0
+                and not any(c.on_host for c in n.children.values()))
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop the device copies of least-recently-used unlocked leaves until at least `num_tokens` are dropped
+        (or none are left). Returns the dropped device slots; the caller frees them. (A hierarchical cache manager
+        walks device_leaves itself, to back pages up before they go.)"""
+        freed, removed = [], 0
+        for leaf in self.device_leaves():
+            if removed >= num_tokens:
+                break
+            removed += len(leaf.key)
+            freed.append(self.drop_device(leaf))
         return torch.cat(freed) if freed else _EMPTY
 
+    # ---- walks ------------------------------------------------------------------------------------------------
     def _nodes(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
+        """The root, the namespace roots and every node below them."""
+        out, stack = [self.root], list(self.namespaces.values())
         while stack:
             node = stack.pop()
             out.append(node)
             stack.extend(node.children.values())
         return out
 
-    def _leaves(self) -> list[TreeNode]:
-        return [n for n in self._nodes() if not n.children and n is not self.root]
+    def nodes(self) -> list[TreeNode]:
+        """Every node below the namespace roots, parents before children."""
+        out, stack = [], list(self.namespaces.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not self.root:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
 
-    def _all_values(self) -> torch.Tensor:
-        values = [n.value for n in self._nodes() if n is not self.root]
+    def device_values(self) -> torch.Tensor:
+        values = [n.value for n in self.nodes() if n.on_device]
+        return torch.cat(values) if values else _EMPTY
+
+    def host_values(self) -> torch.Tensor:
+        values = [n.host_value for n in self.nodes() if n.on_host]
         return torch.cat(values) if values else _EMPTY

@@ -63,3 +63,5 @@ class InFlight:
     result: SampleResult | None = None  # device tensors
     host: HostCopy | None = None
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> its row in result.next_ids
+    launched: float = 0.0  # time.perf_counter() at launch
+    new_tokens: int = 0  # tokens this forward computes (prefill rate measurement)

@@ -57,7 +57,7 @@ class PrefillPlanner:
 
     def order(self, waiting: list[Req]) -> list[Req]:
         if self.limits.schedule_policy == "lpm" and self.cache.tree is not None and len(waiting) <= LPM_MAX_QUEUE:
-            prefix = {id(r): self.cache.match_len(r.fill_ids) for r in waiting}
+            prefix = {id(r): self.cache.match_len(r.fill_ids, r.tenant) for r in waiting}
             return sorted(waiting, key=lambda r: (-prefix[id(r)], r.arrival))
         return sorted(waiting, key=lambda r: r.arrival)
 
@@ -96,9 +96,12 @@ class PrefillPlanner:
         token_budget = self.limits.max_prefill_tokens - used_tokens
         chunk_size = self.limits.chunked_prefill_size
         chunk_budget = (chunk_size if chunk_size > 0 else 1 << 62) - used_tokens
+        tiers = self.cache.hierarchy
         for req in self.order(waiting):
             if busy_slots + len(admitted) >= self.limits.max_running_requests or chunk_budget <= 0:
                 break
+            if tiers is not None and not tiers.prefetch_ready(req):
+                continue  # its L3 prefetch is still running and the policy says wait
             if not self.cache.admit(req):
                 break
             left = req.fill_len - req.kv_len

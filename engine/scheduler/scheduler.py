@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ class Scheduler:
         self.overlap = overlap
         self.in_flight: InFlight | None = None
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
+        self.prefill_tokens_per_s = 0.0  # measured over extend steps (EMA), for routers' time-to-first-token model
         self._stop = threading.Event()
         self._changed = False
 
@@ -86,17 +88,25 @@ class Scheduler:
         idle = True
         while not self._stop.is_set():
             self._drain_inbox(block=idle)
+            self.cache.poll()
             idle = self._stop.is_set() or not self.has_work() or not self.step()
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
             try:
-                kind, item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+                # copies or storage jobs in flight: come back soon to finish them
+                wait = 0.002 if self.cache.hierarchy is not None and self.cache.hierarchy.busy() else 0.5
+                kind, item = self.inbox.get(timeout=wait) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return
             block = False
             if kind == "add":
-                (self.handoffs.queue if self.handoffs.is_decode(item) else self.waiting).append(item)
+                if self.handoffs.is_decode(item):
+                    self.handoffs.queue.append(item)
+                else:
+                    self.waiting.append(item)
+                    if self.cache.hierarchy is not None:
+                        self.cache.hierarchy.start_prefetch(item)
             elif kind == "abort":
                 self._abort(*item)
             elif kind == "call":
@@ -214,7 +224,8 @@ class Scheduler:
             self._fail(reqs, e)
             return None
         flight = InFlight(reqs, [r.kv_len + r.extend_len == r.fill_len + r.pending for r in reqs],
-                          [id(r) not in decoding for r in reqs], extend, plan, logits)
+                          [id(r) not in decoding for r in reqs], extend, plan, logits, launched=time.perf_counter(),
+                          new_tokens=sum(r.extend_len for r in reqs) if extend else 0)
         self.stats["forward_extend" if extend else "forward_decode"] += 1
         for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
             r.kv_len += r.extend_len
@@ -262,6 +273,10 @@ class Scheduler:
             extras = logprob_lists(result)
             if flight.plan is not None:
                 store_prompt_logprobs(flight.reqs, flight.plan, result.prompt)
+            if flight.new_tokens:
+                rate = flight.new_tokens / max(time.perf_counter() - flight.launched, 1e-6)
+                self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                    0.8 * self.prefill_tokens_per_s + 0.2 * rate
         except Exception as e:
             self._fail(flight.reqs, e)
             return
@@ -439,6 +454,10 @@ class Scheduler:
         return self.cache.flush()
 
     def load(self) -> dict:
+        tiers = self.cache.tier_stats()
+        queued = sum(r.fill_len for r in self.waiting) + (
+            self.chunked.fill_len - self.chunked.kv_len if self.chunked else 0)
         return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
                 "available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
-                **self.handoffs.counts(), **self.stats}
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "queued_prefill_tokens": queued,
+                **tiers, **self.handoffs.counts(), **self.stats}

@@ -59,9 +59,9 @@ def check_accounting(cm: CacheManager, reqs) -> None:
     p = cm.page
     free = cm.pages.free_pages().tolist()
     assert len(free) == len(set(free)) and 0 not in free
-    tree_slots = cm.tree._all_values().tolist() if cm.tree else []
+    tree_slots = cm.tree.device_values().tolist() if cm.tree else []
     assert len(tree_slots) == len(set(tree_slots))
-    for node in cm.tree._nodes() if cm.tree else []:
+    for node in cm.tree.nodes() if cm.tree else []:
         v = node.value.tolist()
         assert all(s % p == i % p and s // p == v[i - i % p] // p for i, s in enumerate(v))
     tree_pages = {s // p for s in tree_slots}

@@ -16,13 +16,13 @@ def check_invariants(tree: RadixTree) -> None:
     """Structural invariants: sizes add up, locks are monotone along paths, edges are page-aligned and indexed."""
     total = protected = 0
     for node in tree._nodes():
-        if node is tree.root:
+        if node is tree.root or node.parent is tree.root:  # the tree's root and the namespace roots
             continue
         assert len(node.key) > 0 and len(node.key) % tree.page == 0
         assert len(node.value) == len(node.key)
         assert node.parent.children[tuple(node.key[:tree.page])] is node
         assert node.lock_ref >= 0
-        if node.lock_ref > 0 and node.parent is not tree.root:
+        if node.lock_ref > 0 and node.parent.parent is not tree.root:
             assert node.parent.lock_ref >= node.lock_ref
         total += len(node.key)
         protected += len(node.key) if node.lock_ref > 0 else 0
@@ -39,7 +39,7 @@ def test_insert_then_match_returns_inserted_slots(page):
     assert tree.match_prefix(key).indices.tolist() == list(range(100, 112))
     assert tree.match_prefix(key + [7] * page).indices.tolist() == list(range(100, 112))
     res = tree.match_prefix([99] * 8)
-    assert len(res.indices) == 0 and res.node is tree.root
+    assert len(res.indices) == 0 and res.node is tree.ns_root("")
     assert len(tree.match_prefix([]).indices) == 0
     assert tree.total_size == 12 and tree.evictable_size == 12
     check_invariants(tree)
@@ -52,7 +52,7 @@ def test_match_ending_inside_a_node_splits_it(page, query_len, expect):
     tree.insert(key, slots(50, 12))
     res = tree.match_prefix(key[:query_len] + [999] * 4)
     assert res.indices.tolist() == list(range(50, 50 + expect))
-    assert len(res.node.key) == expect and res.node.parent is tree.root
+    assert len(res.node.key) == expect and res.node.parent is tree.ns_root("")
     assert len(res.node.children) == 1
     assert tree.match_prefix(key).indices.tolist() == list(range(50, 62))
     assert tree.total_size == 12

@@ -1,0 +1,58 @@
+"""Builds the prefix cache from resolved engine args: the radix tree (with page keys when anything outside the
+worker names pages), the cache manager, KV events, and the host and storage tiers."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from engine.cache.kv_events import KvEventLog
+from engine.cache.manager import CacheManager
+from engine.cache.page_keys import chain_keys, namespace_root
+from engine.cache.radix_tree import RadixTree
+from engine.cache.storage import KvLayout, StorageOptions, open_storage
+from engine.config import EngineArgs, ModelConfig, hicache_extra
+
+log = logging.getLogger(__name__)
+
+
+def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
+    """The layout every page key binds: the model (directory name and architecture), page size, dtype, shape."""
+    name = f"{os.path.basename(os.path.normpath(model.path))}:{model.architecture}"
+    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, model.num_kv_heads, model.head_dim)
+
+
+def build_cache(args: EngineArgs, model: ModelConfig, runner) -> CacheManager:
+    if args.disable_radix_cache:
+        return CacheManager(runner.kv_pool, runner.req_to_token, None)
+    layout = kv_layout(args, model)
+    named = args.kv_events_config is not None or args.hicache_storage_backend is not None
+    page = args.page_size
+    tree = RadixTree(page, (lambda parent, tokens: chain_keys(parent, tokens, page)) if named else None,
+                     (lambda ns: namespace_root(layout, ns)) if named else None)
+    events = KvEventLog(page) if args.kv_events_config is not None else None
+    cache = CacheManager(runner.kv_pool, runner.req_to_token, tree, events)
+    if args.enable_hierarchical_cache:
+        cache.hierarchy = _hierarchy(args, cache, layout, events)
+    return cache
+
+
+def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: KvEventLog | None):
+    from engine.cache.hierarchy import CacheHierarchy
+
+    device_pages = cache.pages.num_pages
+    if args.hicache_size:
+        host_pages = args.hicache_size * (1 << 30) // layout.page_bytes
+    else:
+        host_pages = int(device_pages * args.hicache_ratio)
+    extra = hicache_extra(args)
+    storage = None
+    if args.hicache_storage_backend is not None:
+        options = StorageOptions(url=args.hicache_storage_url or "", layout=layout,
+                                 **{k: v for k, v in extra.items() if k in ("timeout_s", "capacity_bytes", "ttl_s")})
+        storage = open_storage(args.hicache_storage_backend, options)
+    log.info("hierarchical cache: %d host pages (%.2f GB) beside %d device pages, %s; L3: %s", host_pages,
+             host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
+             args.hicache_storage_backend or "none")
+    return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
+                          args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)))

@@ -1,0 +1,126 @@
+"""The host-memory KV pool (L2 of the hierarchical cache) and the copies between it and the device pool.
+
+Host page p is one contiguous block [2 * num_layers, page_size, num_kv_heads, head_dim] (layer 0 K, layer 0 V, ...),
+so a page is also the byte layout the L3 store keeps (`engine.cache.storage.KvLayout.page_bytes`). Page 0 is never
+handed out. On CUDA the pool is pinned and copies run on their own stream:
+- device -> host (`to_host`) waits for the compute stream (the KV must be written), and is asynchronous: the caller
+  gets a `Pending` and may use the host pages once it is done;
+- host -> device (`to_device`) is asynchronous too, and makes the compute stream wait for it, so the next forward
+  reads the loaded pages without any host synchronization.
+On CPU both copies are plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.kv_pool import KVPool, PageAllocator
+
+
+class HostKVPool:
+    def __init__(self, num_pages: int, kv: KVPool):
+        k = kv.k[0]
+        self.page_size = kv.page_size
+        self.num_layers = len(kv.k)
+        self.shape = (2 * self.num_layers, kv.page_size, k.shape[1], k.shape[2])
+        self.data = torch.zeros((num_pages + 1, *self.shape), dtype=k.dtype, pin_memory=k.is_cuda)
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def read_page(self, page: int) -> bytes:
+        return self.data[page].view(torch.uint8).numpy().tobytes()
+
+    def write_page(self, page: int, data: bytes) -> None:
+        if len(data) != self.page_bytes:
+            raise ValueError(f"page of {len(data)} bytes, expected {self.page_bytes}")
+        self.data[page].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+@dataclass(slots=True)
+class Pending:
+    """A copy in flight: done once `event` completed (None: already done)."""
+
+    event: object | None
+    tokens: int
+    started: float
+    keep: object = None  # buffers the copy reads or writes, alive until it is done
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """(index in pages, first page, count) for each run of consecutive page ids."""
+    out, i = [], 0
+    while i < len(pages):
+        j = i + 1
+        while j < len(pages) and pages[j] == pages[j - 1] + 1:
+            j += 1
+        out.append((i, pages[i], j - i))
+        i = j
+    return out
+
+
+class KVMover:
+    def __init__(self, kv: KVPool, host: HostKVPool):
+        self.kv, self.host = kv, host
+        self.cuda = kv.k[0].is_cuda
+        self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None
+        self.buffers = kv.buffers()
+
+    def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
+
+    def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
+        """Copy device pages into host pages (same order)."""
+        started = time.perf_counter()
+        if not self.cuda:
+            idx = torch.tensor(dev_pages, dtype=torch.int64)
+            staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
+            self.host.data[torch.tensor(host_pages, dtype=torch.int64)] = staged
+            return Pending(None, len(dev_pages) * self.kv.page_size, started)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
+            staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
+            for i, first, n in _runs(host_pages):
+                self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Pending(event, len(dev_pages) * self.kv.page_size, started, keep=(idx, staged))
+
+    def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
+        """Copy host pages into device pages (same order); the compute stream waits for it."""
+        started = time.perf_counter()
+        if not self.cuda:
+            staged = self.host.data[torch.tensor(host_pages, dtype=torch.int64)]
+            idx = torch.tensor(dev_pages, dtype=torch.int64)
+            for j, b in enumerate(self.buffers):
+                self._device_pages(b)[idx] = staged[:, j]
+            return Pending(None, len(dev_pages) * self.kv.page_size, started)
+        device = self.kv.k[0].device
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype, device=device)
+            for i, first, n in _runs(host_pages):
+                staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
+            idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
+            for j, b in enumerate(self.buffers):
+                self._device_pages(b)[idx] = staged[:, j]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        torch.cuda.current_stream().wait_event(event)
+        return Pending(event, len(dev_pages) * self.kv.page_size, started, keep=(idx, staged))

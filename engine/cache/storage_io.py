@@ -1,0 +1,131 @@
+"""L3 traffic of one worker, on its own thread: page write-backs from the host pool and prefetches into it.
+
+The scheduler thread submits jobs and drains completions (`poll`); the storage thread only reads host pages it was
+given (they stay referenced until their completion is drained) and writes host pages allocated for a fetch. After a
+failure the store is skipped for `retry_after_s` (fetches complete empty, writes are dropped), so a store that is
+down makes requests recompute instead of waiting on timeouts; then it is tried again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.cache.host_pool import HostKVPool
+from engine.cache.storage import PageStorage, StorageError, StoredPage, checksum, intact
+
+log = logging.getLogger(__name__)
+
+
+class JobKind(enum.Enum):
+    WRITE = "write"
+    FETCH = "fetch"
+
+
+@dataclass(slots=True)
+class StorageJob:
+    kind: JobKind
+    token: object  # the submitter's handle, returned with the completion
+    keys: list[bytes]
+    host_pages: list[int]
+    loaded: int = 0  # FETCH: pages written into host_pages[:loaded]
+    corrupt: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class StorageIO:
+    def __init__(self, storage: PageStorage, host: HostKVPool, retry_after_s: float = 5.0):
+        self.storage, self.host = storage, host
+        self.retry_after_s = retry_after_s
+        self._jobs: queue.SimpleQueue[StorageJob | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
+        self._down_until = 0.0
+        self.pending = 0
+        self.fetch_tokens_per_s = 0.0  # measured, EMA over fetches that loaded pages
+        self.stats = {"written_pages": 0, "fetched_pages": 0, "failed_calls": 0, "corrupt_pages": 0}
+        self._thread = threading.Thread(target=self._run, name="radixmesh-storage", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: StorageJob) -> None:
+        self.pending += 1
+        self._jobs.put(job)
+
+    def poll(self) -> list[StorageJob]:
+        """Completed jobs since the last call (scheduler thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until every submitted job completed (their completions stay queued for poll)."""
+        deadline = time.monotonic() + timeout_s
+        while self._done.qsize() < self.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._done.qsize() >= self.pending
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        self.storage.close()
+
+    # ---- storage thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start = time.perf_counter()
+            try:
+                if time.monotonic() < self._down_until:
+                    job.error = "store unavailable (retrying later)"
+                elif job.kind is JobKind.WRITE:
+                    self._write(job)
+                else:
+                    self._fetch(job)
+            except StorageError as e:
+                self._failed(job, str(e))
+            except Exception as e:  # a backend bug must not kill the thread: the job just fails
+                log.exception("storage %s job failed", job.kind.value)
+                self._failed(job, repr(e))
+            job.seconds = time.perf_counter() - start
+            self._done.put(job)
+
+    def _failed(self, job: StorageJob, reason: str) -> None:
+        job.error = reason
+        self.stats["failed_calls"] += 1
+        self._down_until = time.monotonic() + self.retry_after_s
+        log.warning("L3 store %s failed (%s); recomputing instead, retrying the store in %.0f s", job.kind.value,
+                    reason, self.retry_after_s)
+
+    def _write(self, job: StorageJob) -> None:
+        pages = []
+        for key, page in zip(job.keys, job.host_pages):
+            data = self.host.read_page(page)
+            pages.append(StoredPage(key, data, checksum(data)))
+        self.storage.set(pages)
+        self.stats["written_pages"] += len(pages)
+
+    def _fetch(self, job: StorageJob) -> None:
+        start = time.perf_counter()
+        pages = self.storage.get(job.keys)
+        for page, key, host_page in zip(pages, job.keys, job.host_pages):
+            if page.key != key or not intact(page) or len(page.data) != self.host.page_bytes:
+                job.corrupt += 1
+                self.stats["corrupt_pages"] += 1
+                log.warning("L3 page %s failed its checksum or size; recomputing it", key.hex())
+                break
+            self.host.write_page(host_page, page.data)
+            job.loaded += 1
+        self.stats["fetched_pages"] += job.loaded
+        if job.loaded:
+            rate = job.loaded * self.host.page_size / max(time.perf_counter() - start, 1e-6)
+            self.fetch_tokens_per_s = rate if not self.fetch_tokens_per_s else \
+                0.8 * self.fetch_tokens_per_s + 0.2 * rate
