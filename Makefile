@@ -20,7 +20,7 @@ BUF := .tools/node_modules/.bin/buf
 all: test
 
 # A bare Debian machine may lack Python itself or its venv module: install them from apt (we run as root there).
-$(STAMPS)/apt:
+$(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
 	@if ! $(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1; then \
 		echo "installing python3, python3-venv and python3-pip from apt"; \
@@ -31,6 +31,11 @@ $(STAMPS)/apt:
 		|| ! ldconfig -p | grep -q libnuma.so.1; then \
 		echo "installing libibverbs1, librdmacm1 and libnuma1 from apt (for Mooncake)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; \
+	fi
+	@# The kvstore's redis backend is tested against a real server (tests/redis_fixture.py).
+	@if ! command -v redis-server >/dev/null; then \
+		echo "installing redis-server from apt (for the kvstore's redis backend tests)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
 	fi
 	@touch $@
 

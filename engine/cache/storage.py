@@ -22,6 +22,10 @@ class StorageError(Exception):
     """An L3 operation failed (unreachable, timed out, refused); the pages count as missing."""
 
 
+# Bytes per element of the KV dtypes a page may hold.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
 @dataclass(frozen=True, slots=True)
 class KvLayout:
     """What a page's bytes mean; bound into every key, so differently shaped pages never mix."""
@@ -36,8 +40,7 @@ class KvLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page: K and V of every layer, [2 * num_layers, page_size, num_kv_heads, head_dim]."""
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[self.dtype]
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     def tag(self) -> bytes:
         return (f"{self.model}|p{self.page_size}|{self.dtype}|L{self.num_layers}|H{self.num_kv_heads}"
@@ -108,11 +111,15 @@ def storage_backends() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def check_storage_backend(name: str) -> None:
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown storage backend {name!r}; known: {', '.join(sorted(_FACTORIES))}")
+
+
 def open_storage(name: str, options: StorageOptions) -> PageStorage:
     """Raises ValueError for an unknown name and StorageError when the backend cannot be reached."""
-    factory = _FACTORIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown storage backend {name!r}; known: {', '.join(sorted(_FACTORIES))}")
+    check_storage_backend(name)
+    factory = _FACTORIES[name]
     if isinstance(factory, str):
         import importlib
 

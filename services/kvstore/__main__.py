@@ -1,0 +1,55 @@
+"""`python -m services.kvstore --backend memory|file|redis|mooncake [--storage-url URL] [--capacity-bytes N]
+[--ttl-s S] --port N`: serve radixmesh.v1.KvStoreService (the L3 page store and the global prefix index) until
+SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from engine.cache.storage import PageStorage, StorageError, open_storage
+from services.common.logs import setup_logging
+from services.common.server import GrpcService
+from services.common.settings import parse_settings
+from services.kvstore.index import PrefixIndex
+from services.kvstore.servicer import KvStoreServicer, add_to_server
+from services.kvstore.settings import KvStoreSettings
+from services.kvstore.subscriber import Subscriptions
+
+log = logging.getLogger("services.kvstore")
+
+
+async def serve(settings: KvStoreSettings, storage: PageStorage) -> None:
+    executor = ThreadPoolExecutor(settings.storage_threads, thread_name_prefix="kvstore-storage")
+    index = PrefixIndex()
+    subscriptions = Subscriptions(index, settings.worker_ttl_s, settings.subscribe_backoff_max_s)
+    servicer = KvStoreServicer(storage, settings.backend, index, subscriptions, executor)
+
+    async def on_stop() -> None:
+        await subscriptions.close()
+        await asyncio.get_running_loop().run_in_executor(executor, storage.close)
+        executor.shutdown(wait=False)
+
+    service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop)
+    log.info("storage backend %s%s", settings.backend, f" at {settings.storage_url}" if settings.storage_url else "")
+    await service.run_until_signal()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    (settings,) = parse_settings("radixmesh kvstore: the shared L3 KV page store and the global prefix index.",
+                                 KvStoreSettings, argv)
+    setup_logging("kvstore", settings.log_level)
+    try:
+        storage = open_storage(settings.backend, settings.storage_options())
+    except (StorageError, ValueError) as e:
+        log.error("cannot open the %s storage: %s", settings.backend, e)
+        return 1
+    asyncio.run(serve(settings, storage))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
