@@ -30,7 +30,7 @@ STARTUP_WAIT_S = 120.0
 
 
 def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, make_auth_middleware(router.settings.api_key)],
+    app = web.Application(middlewares=[errors_middleware, make_auth_middleware(router.tenants)],
                           client_max_size=64 * 1024 * 1024)
     app[native_api.ROUTER] = router
     app[INFLIGHT] = {"n": 0}
@@ -48,8 +48,9 @@ async def build_router(settings: RouterSettings) -> Router:
             await registry.add(url)
         except ValueError as e:
             log.error("worker not added (add it later with POST /add_worker?url=...): %s", e)
+    policy = make_policy(settings.policy, settings, registry)
     registry.start()
-    return Router(settings, registry, make_policy(settings.policy, settings), tokenizer)
+    return Router(settings, registry, policy, tokenizer)
 
 
 async def _drain(app: web.Application, grace_s: float) -> None:
@@ -99,6 +100,9 @@ async def serve(settings: RouterSettings) -> None:
     await runner.cleanup()
     await router.registry.close()
     await router.tokenizer.close()
+    close_policy = getattr(router.policy, "close", None)
+    if close_policy is not None:
+        await close_policy()
     log.info("stopped")
 
 

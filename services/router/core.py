@@ -17,6 +17,7 @@ from services.router.errors import RouterError, status_of
 from services.router.pd import generate_pd
 from services.router.policies import Policy
 from services.router.settings import RouterSettings
+from services.router.tenants import TenantResolver
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
 from services.router.workers import WorkerRegistry
 
@@ -44,7 +45,11 @@ class Router:
         self.settings = settings
         self.registry = registry
         self.policy = policy
+        # A policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant); the
+        # others keep their plain synchronous pick, called without a coroutine in between.
+        self.pick_async = getattr(policy, "pick_async", None)
         self.tokenizer = tokenizer
+        self.tenants = TenantResolver.from_settings(settings)
         registry.on_remove = self._worker_removed
         registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering",
                                                   retry=True)
@@ -99,7 +104,8 @@ class Router:
             candidates = [w for w in self.registry.healthy() if w.url not in tried]
             if not candidates:
                 raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
-            worker = self.policy.pick(candidates, request.input_ids)
+            worker = (self.policy.pick(candidates, request.input_ids) if self.pick_async is None
+                      else await self.pick_async(candidates, request.input_ids, request.tenant))
             tried.add(worker.url)
             worker.in_flight += 1
             call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)

@@ -162,21 +162,22 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
     return jobs, is_batch, _bool(body, "stream"), _logprob_options(body)
 
 
-async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions,
-                         stream: bool) -> worker_pb2.GenerateRequest:
+async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, stream: bool,
+                         tenant: str) -> worker_pb2.GenerateRequest:
     worker_rid = new_request_id()
     request_id_var.set(worker_rid)
     ids = job.input_ids
     if ids is None:
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)
     return worker_pb2.GenerateRequest(request_id=worker_rid, input_ids=ids, text=job.text or "",
-                                      sampling_params=job.sampling, logprob_options=lp, stream=stream)
+                                      sampling_params=job.sampling, logprob_options=lp, stream=stream,
+                                      tenant=tenant)
 
 
-async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions) -> list[dict]:
+async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, tenant: str) -> list[dict]:
     """Every sample's final dict (n > 1 gives several)."""
     samples: dict[int, _Sample] = {}
-    request = await worker_request(router, job, lp, stream=False)
+    request = await worker_request(router, job, lp, stream=False, tenant=tenant)
     async with contextlib.aclosing(_updates(router, job, request, samples)) as updates:
         async for _ in updates:
             pass
@@ -195,12 +196,13 @@ async def _updates(router: Router, job: GenerateJob, request: worker_pb2.Generat
             yield msg.index, kind
 
 
-async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.LogprobOptions) -> list[dict]:
+async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.LogprobOptions,
+                    tenant: str) -> list[dict]:
     """Every prompt's results in order. When one prompt fails, the others are cancelled (their KV freed at once)
     and the failure is raised."""
     if len(jobs) == 1:
-        return await run_whole(router, jobs[0], lp)
-    tasks = [asyncio.create_task(run_whole(router, j, lp)) for j in jobs]
+        return await run_whole(router, jobs[0], lp, tenant)
+    tasks = [asyncio.create_task(run_whole(router, j, lp, tenant)) for j in jobs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:

@@ -1,4 +1,6 @@
-"""The router's public gRPC API (radixmesh.v1.RouterService): text or token ids in, the worker's stream out."""
+"""The router's public gRPC API (radixmesh.v1.RouterService): text or token ids in, the worker's stream out. API keys
+and the tenant come from metadata as over HTTP (tenants.py): `authorization: Bearer <key>` and the tenant header's
+name lower-cased; a refused key is UNAUTHENTICATED, an invalid tenant INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import grpc
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2, worker_pb2
 from services.router.core import Router, RouterError, new_request_id
+from services.router.tenants import AuthError, TenantError
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 501: grpc.StatusCode.UNIMPLEMENTED,
           503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -17,7 +20,25 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, router: Router):
         self.router = router
 
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant; aborts the call when its key is refused or its tenant is invalid."""
+        resolver = self.router.tenants
+        metadata: dict[str, str] = {}
+        for key, value in context.invocation_metadata() or ():
+            if isinstance(value, str):
+                metadata.setdefault(key, value)  # the first value of a repeated key
+        header = metadata.get(resolver.metadata_key) if resolver.metadata_key else None
+        try:
+            return resolver.resolve(metadata.get("authorization"), header)
+        except AuthError as e:
+            code, message = grpc.StatusCode.UNAUTHENTICATED, str(e)
+        except TenantError as e:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        await context.abort(code, message)
+        raise AssertionError("context.abort raises")
+
     async def Generate(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext):
+        tenant = await self._tenant(context)
         if request.model and request.model != self.router.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here; "
                                 f"serving {self.router.model_name!r}")
@@ -33,7 +54,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 raise RouterError(400, "give text or input_ids")
             worker_request = worker_pb2.GenerateRequest(
                 request_id=rid, input_ids=ids, text=request.text, sampling_params=request.sampling_params,
-                logprob_options=request.logprob_options, stream=request.stream)
+                logprob_options=request.logprob_options, stream=request.stream, tenant=tenant)
             async with contextlib.aclosing(self.router.generate(worker_request)) as messages:
                 async for msg in messages:
                     kind = msg.WhichOneof("response")
@@ -46,4 +67,5 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
 
     async def ListModels(self, request, context):
+        await self._tenant(context)
         return router_pb2.ListModelsResponse(models=[self.router.model_name])

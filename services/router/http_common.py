@@ -1,9 +1,8 @@
-"""aiohttp plumbing for the router's HTTP API: the API-key check (constant time; /health stays open), in-flight
-request counting for graceful shutdown, JSON body parsing, and errors as OpenAI error objects."""
+"""aiohttp plumbing for the router's HTTP API: the API-key check and the request's tenant (tenants.py; /health stays
+open), in-flight request counting for graceful shutdown, JSON body parsing, and errors as OpenAI error objects."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -13,27 +12,40 @@ from aiohttp import web
 from services.common.logs import request_id_var
 from services.router.core import RouterError
 from services.router.openai_errors import OpenAIError, bad_request, from_status, unauthorized
+from services.router.tenants import SHARED, AuthError, TenantError, TenantResolver
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 INFLIGHT = web.AppKey("inflight", dict)
+TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved
 
 
 def error_response(err: OpenAIError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
 
-def make_auth_middleware(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
+def make_auth_middleware(tenants: TenantResolver):
+    """Refuses requests without an accepted API key (401) or with an invalid tenant (400); sets request[TENANT]."""
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if expected is not None and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):
-                return error_response(unauthorized())
+        if request.path in OPEN_PATHS:
+            request[TENANT] = SHARED
+            return await handler(request)
+        header = request.headers.get(tenants.header) if tenants.header else None
+        try:
+            request[TENANT] = tenants.resolve(request.headers.get("Authorization"), header)
+        except AuthError as e:
+            return error_response(unauthorized(str(e)))
+        except TenantError as e:
+            return error_response(bad_request(str(e), param="tenant", code="invalid_tenant"))
         return await handler(request)
     return auth
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant namespace the auth middleware resolved for this request."""
+    return request.get(TENANT, SHARED)
 
 
 @web.middleware

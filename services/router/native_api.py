@@ -14,12 +14,13 @@ from aiohttp import web
 from radixmesh.v1 import worker_pb2
 from services.router import generate_api
 from services.router.core import Router, RouterError
-from services.router.http_common import first_then_sse, json_body, start_sse
+from services.router.http_common import first_then_sse, json_body, start_sse, tenant_of
 from services.router.openai_errors import bad_request, from_status
 from services.router.openai_response import SSE_DONE, error_event, sse
 
 log = logging.getLogger(__name__)
 ROUTER = web.AppKey("router", Router)
+SECRETS = frozenset({"api_key", "api_key_tenants"})  # settings /get_server_info never shows
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -29,10 +30,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except ValueError as e:
         raise bad_request(str(e)) from None
     if not stream:
-        results = await generate_api.run_batch(router, jobs, lp)
+        results = await generate_api.run_batch(router, jobs, lp, tenant_of(request))
         return web.json_response(results if is_batch or len(results) > 1 else results[0])
     # Tokenize and build every prompt's request first: bad input is a 400 before the stream starts.
-    requests = [await generate_api.worker_request(router, job, lp, stream=True) for job in jobs]
+    requests = [await generate_api.worker_request(router, job, lp, stream=True, tenant=tenant_of(request))
+                for job in jobs]
     if not is_batch:
         return await _stream_one(request, router, jobs[0], requests[0], lp)
     return await _stream_batch(request, router, jobs, requests, lp)
@@ -141,8 +143,12 @@ async def get_server_info(request: web.Request) -> web.Response:
 
     infos = await asyncio.gather(*(one(w) for w in router.registry.workers.values()))
     top = next((i for i in infos if "error" not in i), {})
-    settings = {k: getattr(router.settings, k) for k in router.settings.__dataclass_fields__ if k != "api_key"}
-    return web.json_response({**top, "router": settings, "workers": infos}, dumps=lambda o: json.dumps(o, default=str))
+    settings = {k: getattr(router.settings, k) for k in router.settings.__dataclass_fields__ if k not in SECRETS}
+    body = {**top, "router": settings, "workers": infos}
+    decisions = getattr(router.policy, "decisions", None)
+    if decisions is not None:
+        body["routing_decisions"] = decisions.snapshot()
+    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
 
 
 async def flush_cache(request: web.Request) -> web.Response:

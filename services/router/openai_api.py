@@ -14,7 +14,7 @@ from aiohttp import web
 from radixmesh.v1 import worker_pb2
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
-from services.router.http_common import first_then_sse, json_body
+from services.router.http_common import first_then_sse, json_body, tenant_of
 from services.router.native_api import ROUTER
 from services.router.openai_errors import OpenAIError, from_status
 from services.router.openai_request import OpenAIJob, parse_chat_completion, parse_completion
@@ -51,7 +51,8 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     rid = new_request_id()
     request_id_var.set(rid)
     worker_request = worker_pb2.GenerateRequest(request_id=rid, input_ids=prompt_ids, sampling_params=job.sampling,
-                                                logprob_options=job.logprobs, stream=job.stream)
+                                                logprob_options=job.logprobs, stream=job.stream,
+                                                tenant=tenant_of(request))
     builder = _builders(job, rid, prompt_ids, prompt_text)
     if not job.stream:
         async with contextlib.aclosing(router.generate(worker_request)) as messages:

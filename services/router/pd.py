@@ -1,7 +1,8 @@
 """The router's prefill/decode path: pick a prefill worker (by the routing policy: its prefix cache is what the
 policy's prefix tree models) and a decode worker (the least loaded), mint a random 63-bit bootstrap room, send
-Generate to both at once and stream the decode worker's answer. The prefill worker's call only reports how the
-prefill went: if it fails first, the decode call is cancelled with its reason.
+Generate to both at once and stream the decode worker's answer. Both workers get a copy of the router's request, so
+the tenant namespace travels with it. The prefill worker's call only reports how the prefill went: if it fails
+first, the decode call is cancelled with its reason.
 
 A pair that fails before anything was streamed (a worker gone, a handoff that broke or timed out: UNAVAILABLE or
 ABORTED) is retried once on another pair when --retry-on-unavailable (the default); input errors are not retried."""
@@ -72,7 +73,10 @@ async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
         if not prefills or not decodes:
             raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
                                    "decode workers healthy)")
-        prefill = router.policy.pick(_pick(prefills, tried), request.input_ids)
+        if router.pick_async is None:
+            prefill = router.policy.pick(_pick(prefills, tried), request.input_ids)
+        else:
+            prefill = await router.pick_async(_pick(prefills, tried), request.input_ids, request.tenant)
         decode = _least_loaded(_pick(decodes, tried))
         tried |= {prefill.url, decode.url}
         streamed = False

@@ -23,6 +23,9 @@ class Candidate(Protocol):
 
 
 class Policy(Protocol):
+    """Policies may also define `async pick_async(workers, input_ids, tenant)`, which the router then uses instead
+    of `pick` (kv_index: it asks the kvstore), and `async close()`, awaited at shutdown."""
+
     def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int]) -> Candidate: ...
 
     def forget(self, url: str) -> None: ...
@@ -121,11 +124,19 @@ class CacheAware:
         self.trees.pop(url, None)
 
 
-def make_policy(name: str, settings) -> Policy:
+def _kv_index(settings, registry):
+    from services.router.kv_index import KvIndexPolicy  # lazy: only this policy talks to the kvstore
+
+    return KvIndexPolicy(settings.kvstore_url, settings.kvstore_timeout_s, registry)
+
+
+def make_policy(name: str, settings, registry=None) -> Policy:
+    """The policy `name`; `registry` (WorkerRegistry) lets a policy poll the workers (kv_index polls GetLoads)."""
     makers: dict[str, Callable[[], Policy]] = {
         "round_robin": RoundRobin,
         "random": Random,
         "cache_aware": lambda: CacheAware(settings.cache_threshold, settings.balance_abs_threshold,
                                           settings.balance_rel_threshold, settings.max_tree_tokens),
+        "kv_index": lambda: _kv_index(settings, registry),
     }
     return makers[name]()

@@ -1,11 +1,14 @@
 """Router settings. Names follow SGLang's router where it has them (--worker-urls, --policy, --cache-threshold,
---balance-abs-threshold, --balance-rel-threshold, --api-key)."""
+--balance-abs-threshold, --balance-rel-threshold, --api-key). Tenants (--api-key-tenants, --tenant-header): see
+tenants.py; the kv_index policy (--kvstore-url, --kvstore-timeout-s): see kv_index.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "random", "cache_aware")
+from services.router.tenants import parse_key_tenants, validate_header_name
+
+POLICIES = ("round_robin", "random", "cache_aware", "kv_index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +18,9 @@ class RouterSettings:
     grpc_port: int | None = field(default=None, metadata={"help": "port of the public gRPC API (unset: off)"})
     tokenizer_url: str = field(default="", metadata={"help": "host:port of the tokenizer service"})
     worker_urls: tuple[str, ...] = field(default=(), metadata={"help": "host:port of each worker"})
-    policy: str = field(default="cache_aware", metadata={"help": "round_robin, random or cache_aware"})
+    policy: str = field(default="cache_aware", metadata={
+        "help": "round_robin, random, cache_aware (the router's own prefix trees) or kv_index (the kvstore's global "
+                "prefix index and the workers' measured speeds: lowest expected time to first token)"})
     cache_threshold: float = field(default=0.5, metadata={
         "help": "cache_aware: route by prefix match when the best match covers at least this share of the prompt"})
     balance_abs_threshold: int = field(default=32, metadata={
@@ -24,7 +29,17 @@ class RouterSettings:
         "help": "... and max > min * this; then the least loaded worker is chosen"})
     max_tree_tokens: int = field(default=1 << 22, metadata={
         "help": "cache_aware: tokens remembered per worker before the oldest prefixes are forgotten"})
-    api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
+    kvstore_url: str | None = field(default=None, metadata={
+        "help": "kv_index: host:port of the kvstore whose prefix index (MatchPrefix) the policy asks"})
+    kvstore_timeout_s: float = field(default=0.05, metadata={
+        "help": "kv_index: bound on one MatchPrefix call; past it the request is routed by load alone"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "require Authorization: Bearer <key>"})
+    api_key_tenants: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "help": "KEY=TENANT pairs: each KEY is also an accepted API key and runs its requests in the KV cache "
+                "namespace TENANT (--api-key itself: the shared namespace)"})
+    tenant_header: str | None = field(default=None, metadata={
+        "help": "a trusted header (e.g. X-Tenant; gRPC metadata: lower-cased) naming the tenant, for gateways that "
+                "authenticate clients; a key from --api-key-tenants wins over it (default: off)"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name (default: the workers')"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "upper bound on one request's total time"})
     connect_timeout_s: float = field(default=5.0, metadata={
@@ -40,3 +55,18 @@ class RouterSettings:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.tokenizer_url:
             raise ValueError("--tokenizer-url is required")
+        if self.policy == "kv_index" and not self.kvstore_url:
+            raise ValueError("--policy kv_index needs --kvstore-url host:port (the kvstore that keeps the prefix "
+                             "index)")
+        if self.kvstore_url and not _is_host_port(self.kvstore_url):
+            raise ValueError(f"--kvstore-url must be host:port, got {self.kvstore_url!r}")
+        if not self.kvstore_timeout_s > 0:
+            raise ValueError(f"--kvstore-timeout-s must be > 0, got {self.kvstore_timeout_s}")
+        parse_key_tenants(self.api_key_tenants, self.api_key)
+        if self.tenant_header:
+            validate_header_name(self.tenant_header)
+
+
+def _is_host_port(url: str) -> bool:
+    host, sep, port = url.removeprefix("grpc://").rpartition(":")
+    return bool(sep and host and port.isdigit())

@@ -1,12 +1,14 @@
 """The router's worker registry: one gRPC channel per worker, model info fetched on add, a background health
-probe (grpc.health.v1) every few seconds, and in-flight counts the policies read. A worker that refuses a call is
-marked unhealthy at once, so new requests stop going there before the next probe."""
+probe (grpc.health.v1) every few seconds (and any other per-worker poll a policy adds with `every`), and in-flight
+counts the policies read. A worker that refuses a call is marked unhealthy at once, so new requests stop going there
+before the next probe."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,7 +52,8 @@ class WorkerRegistry:
         self.connect_timeout_s = connect_timeout_s
         self.probe_interval_s = probe_interval_s
         self.workers: dict[str, Worker] = {}
-        self._probe_task: asyncio.Task | None = None
+        self._loops: list[tuple[float, Callable[[Worker], Awaitable[object]]]] = [(probe_interval_s, self.probe)]
+        self._tasks: list[asyncio.Task] = []
         self.on_remove = lambda url: None
         self.on_lost = lambda worker: None  # called once a worker failed LOST_AFTER_PROBES probes in a row
 
@@ -128,16 +131,23 @@ class WorkerRegistry:
             self.on_lost(worker)
         return ok
 
-    async def _probe_loop(self) -> None:
+    def every(self, interval_s: float, fn: Callable[[Worker], Awaitable[object]]) -> None:
+        """Call `fn(worker)` for every registered worker (concurrently; errors ignored) each `interval_s` seconds,
+        like the health probe, from start() (or now, when started already) until close()."""
+        self._loops.append((interval_s, fn))
+        if self._tasks:
+            self._tasks.append(asyncio.create_task(self._loop(interval_s, fn)))
+
+    async def _loop(self, interval_s: float, fn: Callable[[Worker], Awaitable[object]]) -> None:
         while True:
-            await asyncio.sleep(self.probe_interval_s)
-            await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
+            await asyncio.sleep(interval_s)
+            await asyncio.gather(*(fn(w) for w in list(self.workers.values())), return_exceptions=True)
 
     def start(self) -> None:
-        self._probe_task = asyncio.create_task(self._probe_loop())
+        self._tasks = [asyncio.create_task(self._loop(interval, fn)) for interval, fn in self._loops]
 
     async def close(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for w in list(self.workers.values()):
             await w.channel.close(grace=None)
