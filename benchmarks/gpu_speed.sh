@@ -7,6 +7,7 @@
 #   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
 #                           1024 in / 1024 out
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
+#   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
@@ -83,5 +84,21 @@ if [[ $PARTS == *serving* ]]; then
     launch=""
     [[ $backend == radixmesh ]] && launch="--launch"
     $PY -m benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
+  done
+fi
+
+if [[ $PARTS == *multiturn* ]]; then
+  # Issue 11: multi-turn TTFT with the hierarchy off, with a host tier (L2), and with L2 + the kvstore (L3), on a
+  # device pool about a fifth of the working set (32 clients x 4 turns of 1024 tokens + 64 answered, 1024 shared).
+  MODEL=build/llama-3.1-8b
+  W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend triton --cuda-graph-max-bs 32
+     --page-size 64 --max-total-tokens 32768 --num-clients ${CLIENTS:-32} --num-rounds 4 --request-length 1024
+     --output-length 64 --shared-system-prompt-len 1024 --max-parallel 8 --seed 1 --log-level warning
+     --output-file $OUT/multiturn.jsonl"
+  for extra in "" "--enable-hierarchical-cache --hicache-ratio 4" \
+      "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
+       --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"; do
+    echo "== multiturn ${extra:-hierarchy off}"
+    $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
   done
 fi

@@ -240,6 +240,15 @@ class Engine:
         load["max_total_num_tokens"] = self.runner.max_total_tokens
         return load
 
+    @property
+    def kv_events(self):
+        """The engine's KV event log (engine.cache.kv_events.KvEventLog), or None without --kv-events-config."""
+        return self.cache.events
+
+    def kv_snapshot(self) -> tuple[int, list]:
+        """The whole prefix cache as STORED KV events, and the event sequence they are current at."""
+        return self._control(self.cache.kv_snapshot)
+
     def abort_request(self, rid: str, message: str | None = None) -> None:
         """Abort a request; `message` is what its caller is told. See Scheduler.abort for pinned pages."""
         self.scheduler.abort(rid, message)

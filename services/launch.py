@@ -1,7 +1,8 @@
 """`radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [engine flags]` (also
 `python -m services.launch serve ...`): starts the tokenizer, N colocated workers (or, with `--disaggregation pd
 --num-prefill N --num-decode M`, prefill and decode workers) and the router as separate OS
-processes on loopback, waits until each is healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
+processes on loopback (with `--kvstore`, the kvstore too, wired to the workers and the router), waits until each is
+healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
 router first (it lets open requests finish), then the workers and the tokenizer. Children get SIGKILL if the
 launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
 
@@ -43,8 +44,20 @@ class LaunchSettings:
     host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
     port: int = field(default=30000, metadata={"help": "router HTTP port"})
     grpc_port: int | None = field(default=None, metadata={"help": "router public gRPC port (unset: off)"})
-    policy: str = field(default="cache_aware", metadata={"help": "round_robin, random or cache_aware"})
+    policy: str = field(default="cache_aware", metadata={
+        "help": "round_robin, random, cache_aware or kv_index (the kvstore's global prefix index; needs --kvstore)"})
     api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
+    api_key_tenants: tuple[str, ...] = field(default=(), metadata={
+        "help": "router: KEY=TENANT pairs; each key is accepted and selects its tenant's KV cache namespace"})
+    tenant_header: str | None = field(default=None, metadata={
+        "help": "router: a trusted header naming the tenant (e.g. X-Tenant)"})
+    kvstore: bool = field(default=False, metadata={
+        "help": "start the kvstore: workers publish KV events to it and (with --enable-hierarchical-cache) use it "
+                "as their L3 tier; the router can route on its index (--policy kv_index)"})
+    kvstore_backend: str = field(default="memory", metadata={"help": "with --kvstore: memory, file, redis or mooncake"})
+    kvstore_storage_url: str | None = field(default=None, metadata={
+        "help": "with --kvstore: the backend's directory (file) or address (redis://host:port/db)"})
+    kvstore_capacity_bytes: int | None = field(default=None, metadata={"help": "with --kvstore: bound on stored pages"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -57,6 +70,8 @@ class LaunchSettings:
             raise ValueError(f"--disaggregation must be null or pd, got {self.disaggregation!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("--num-prefill and --num-decode must be at least 1")
+        if self.policy == "kv_index" and not self.kvstore:
+            raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,25 +149,45 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     if engine_kwargs.get("context_length"):
         tok += ["--context-length", str(engine_kwargs["context_length"])]
     children = [Child("tokenizer", tok, f"grpc://127.0.0.1:{tok_port}")]
+    kv_flags, router_kv = [], []
+    if settings.kvstore:
+        kv_port = free_port()
+        children.append(Child("kvstore", _kvstore_argv(settings, kv_port), f"grpc://127.0.0.1:{kv_port}"))
+        kv_flags = ["--kvstore-url", f"127.0.0.1:{kv_port}"]
+        router_kv = list(kv_flags)
+        if engine_kwargs.get("enable_hierarchical_cache") and not engine_kwargs.get("hicache_storage_backend"):
+            kv_flags += ["--hicache-storage-backend", "kvstore"]
     worker_urls = []
     pd_flags = engine_flags(pd_kwargs or {}) if settings.disaggregation == "pd" else []
     for name, role in _worker_roles(settings):
         port = free_port()
         worker_urls.append(f"127.0.0.1:{port}")
-        argv = ["services.decode", "--port", str(port), *role, *pd_flags, *engine_flags(engine_kwargs)]
+        argv = ["services.decode", "--port", str(port), *role, *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
         if settings.served_model_name:
             argv += ["--served-model-name", settings.served_model_name]
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}"))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
               "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
-              "--shutdown-grace-s", str(settings.shutdown_grace_s)]
+              "--shutdown-grace-s", str(settings.shutdown_grace_s), *router_kv]
+    if settings.api_key_tenants:
+        router += ["--api-key-tenants", *settings.api_key_tenants]
     for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),
-                        ("--served-model-name", settings.served_model_name)):
+                        ("--served-model-name", settings.served_model_name),
+                        ("--tenant-header", settings.tenant_header)):
         if value is not None:
             router += [flag, str(value)]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     children.append(Child("router", router, f"http://{host}:{settings.port}/health"))
     return children
+
+
+def _kvstore_argv(settings: LaunchSettings, port: int) -> list[str]:
+    argv = ["services.kvstore", "--port", str(port), "--backend", settings.kvstore_backend]
+    if settings.kvstore_storage_url:
+        argv += ["--storage-url", settings.kvstore_storage_url]
+    if settings.kvstore_capacity_bytes is not None:
+        argv += ["--capacity-bytes", str(settings.kvstore_capacity_bytes)]
+    return argv
 
 
 class Interrupted(Exception):
@@ -209,7 +244,8 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
               f"http://{settings.host}:{settings.port}/v1)", flush=True)
         code = 0
         while not stopping:
-            essential = [c for c in children if not c.name.startswith("worker-")]
+            # workers and the kvstore may come and go (the mesh serves on without them); the rest may not
+            essential = [c for c in children if not c.name.startswith("worker-") and c.name != "kvstore"]
             dead = [c for c in essential if not c.alive()]
             if dead:
                 log.error("%s exited (status %s); stopping everything", dead[0].name, dead[0].proc.returncode)

@@ -3,6 +3,7 @@ worker names pages), the cache manager, KV events, and the host and storage tier
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -10,7 +11,7 @@ from engine.cache.kv_events import KvEventLog
 from engine.cache.manager import CacheManager
 from engine.cache.page_keys import chain_keys, namespace_root
 from engine.cache.radix_tree import RadixTree
-from engine.cache.storage import KvLayout, StorageOptions, open_storage
+from engine.cache.storage import KvLayout, StorageOptions, check_storage_backend, open_storage
 from engine.config import EngineArgs, ModelConfig, hicache_extra
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
     if args.hicache_storage_backend is not None:
         options = StorageOptions(url=args.hicache_storage_url or "", layout=layout,
                                  **{k: v for k, v in extra.items() if k in ("timeout_s", "capacity_bytes", "ttl_s")})
-        storage = open_storage(args.hicache_storage_backend, options)
+        name = args.hicache_storage_backend
+        check_storage_backend(name)
+        storage = functools.partial(open_storage, name, options)  # opened (and reopened) on the storage thread
     log.info("hierarchical cache: %d host pages (%.2f GB) beside %d device pages, %s; L3: %s", host_pages,
              host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
              args.hicache_storage_backend or "none")

@@ -19,7 +19,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -54,7 +54,7 @@ class Prefetch:
 
 class CacheHierarchy:
     def __init__(self, manager: CacheManager, host_pages: int, write_policy: str, events: KvEventLog | None,
-                 storage: PageStorage | None = None, prefetch_policy: str = "best_effort",
+                 storage: Callable[[], PageStorage] | None = None, prefetch_policy: str = "best_effort",
                  prefetch_timeout_s: float = 2.0):
         assert write_policy in WRITE_POLICIES and prefetch_policy in PREFETCH_POLICIES
         self.m, self.tree, self.page = manager, manager.tree, manager.page
@@ -65,7 +65,7 @@ class CacheHierarchy:
         self.prefetch_timeout_s = prefetch_timeout_s
         self.io = StorageIO(storage, self.host) if storage is not None else None
         self._backing: dict[int, tuple[Pending, TreeNode, torch.Tensor]] = {}
-        self._loading: list[tuple[Pending, list[TreeNode]]] = []
+        self._loading: list[tuple[Pending, list[tuple[TreeNode, int]]]] = []
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.prefetches: dict[str, Prefetch] = {}
         self.host_load_tokens_per_s = 0.0
@@ -150,12 +150,12 @@ class CacheHierarchy:
         and the new deepest device node, or None (nothing loaded) when the device has no room. The caller holds a
         lock on match.node."""
         nodes = match.host_nodes
+        refs = [(n, len(n.key)) for n in nodes]
         for n in nodes:
             n.host_refs += 1
         need = match.host_len // self.page
         if not self.m.ensure_free_pages(need):
-            for n in nodes:
-                n.host_refs -= 1
+            self._unref(refs)
             return None
         dev = self.m.pages.alloc(need)
         host_pages = [p for n in nodes for p in self._pages(n.host_value)]
@@ -165,7 +165,7 @@ class CacheHierarchy:
             self.tree.set_device(n, slots[at:at + len(n.key)])
             at += len(n.key)
             self._stored(n, Tier.DEVICE)
-        self._loading.append((pending, nodes))
+        self._loading.append((pending, refs))
         self.hit_tokens["host"] += match.host_len
         return slots, nodes[-1]
 
@@ -176,14 +176,20 @@ class CacheHierarchy:
             if pending.done():
                 del self._backing[key]
                 self.tree.unlock(node)
-                self._backed_up(node, slots)
+                at = 0
+                for piece in self.tree.pieces(node, len(slots)):  # the node may have been split meanwhile
+                    part = slots[at:at + len(piece.key)]
+                    at += len(piece.key)
+                    if piece.on_host:
+                        self._free_host(part)
+                    else:
+                        self._backed_up(piece, part)
         still = []
         for pending, nodes in self._loading:
             if not pending.done():
                 still.append((pending, nodes))
                 continue
-            for n in nodes:
-                n.host_refs -= 1
+            self._unref(nodes)
             rate = pending.tokens / max(time.perf_counter() - pending.started, 1e-6)
             self.host_load_tokens_per_s = rate if not self.host_load_tokens_per_s else \
                 0.8 * self.host_load_tokens_per_s + 0.2 * rate
@@ -191,6 +197,12 @@ class CacheHierarchy:
         if self.io is not None:
             for job in self.io.poll():
                 self._storage_done(job)
+
+    def _unref(self, refs: list[tuple[TreeNode, int]]) -> None:
+        """Drop the copy references taken on (node, its length then) pairs, over every piece of each."""
+        for node, length in refs:
+            for piece in self.tree.pieces(node, length):
+                piece.host_refs -= 1
 
     def busy(self) -> bool:
         return bool(self._backing or self._loading or (self.io is not None and self.io.pending))
@@ -213,7 +225,7 @@ class CacheHierarchy:
         if not todo:
             return
         node.host_refs += 1
-        self.io.submit(StorageJob(JobKind.WRITE, node, [k for k, _ in todo], [p for _, p in todo]))
+        self.io.submit(StorageJob(JobKind.WRITE, [(node, len(node.key))], [k for k, _ in todo], [p for _, p in todo]))
 
     def start_prefetch(self, req: Req) -> None:
         """Ask the store for the request's pages beyond what the device and host hold (when it arrives)."""
@@ -255,7 +267,7 @@ class CacheHierarchy:
 
     def _storage_done(self, job: StorageJob) -> None:
         if job.kind is JobKind.WRITE:
-            job.token.host_refs -= 1
+            self._unref(job.token)
             if job.error is None:
                 for k in job.keys:
                     self._known[k] = None

@@ -230,6 +230,21 @@ class CacheManager:
             out.update({f"storage_{k}": v for k, v in h.io.stats.items()})
         return out
 
+    def kv_snapshot(self) -> tuple[int, list]:
+        """(the event sequence now, a STORED event per node and tier): the whole cache as KV events. Scheduler
+        thread only, so no event can slip between the snapshot and its sequence number."""
+        from engine.cache.kv_events import EventKind, KvEvent
+
+        if self.events is None or self.tree is None:
+            return 0, []
+        out = []
+        for node in self.tree.nodes():  # parents first, as the events' chaining needs
+            for tier, held in ((Tier.DEVICE, node.on_device), (Tier.HOST, node.on_host)):
+                if held and node.page_keys:
+                    out.append(KvEvent(0, EventKind.STORED, tier, tuple(node.page_keys),
+                                       self.tree.last_key(node.parent), tuple(node.key), self.page))
+        return self.events.sequence, out
+
     def poll(self) -> None:
         """Once per scheduler step: finish tier copies and storage jobs that are done."""
         if self.hierarchy is not None:

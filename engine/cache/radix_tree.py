@@ -191,13 +191,15 @@ class RadixTree:
         return new
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cut `child`'s edge after n tokens; returns the new upper node (same lock count and tiers as child)."""
+        """Cut `child`'s edge after n tokens; returns the new upper node (same lock count, copy references and tiers
+        as child). The `child` object keeps the lower part, so whoever holds it can find the upper part with
+        `pieces`."""
         parent, pages = child.parent, n // self.page
         mid = TreeNode(key=child.key[:n], value=None if child.value is None else child.value[:n], parent=parent,
                        lock_ref=child.lock_ref, last_access=child.last_access, hits=child.hits,
                        host_value=None if child.host_value is None else child.host_value[:n],
                        page_keys=None if child.page_keys is None else child.page_keys[:pages],
-                       namespace=child.namespace)
+                       namespace=child.namespace, host_refs=child.host_refs)
         child.key, child.parent = child.key[n:], mid
         if child.value is not None:
             child.value = child.value[n:]
@@ -208,6 +210,18 @@ class RadixTree:
         mid.children[self._edge(child.key, 0)] = child
         parent.children[self._edge(mid.key, 0)] = mid
         return mid
+
+    @staticmethod
+    def pieces(node: TreeNode, length: int) -> list[TreeNode]:
+        """The nodes that now hold the `length` tokens that ended at `node` when it was referenced (splits since
+        then put the earlier tokens in new ancestors), top-down."""
+        out, total = [], 0
+        while total < length:
+            out.append(node)
+            total += len(node.key)
+            node = node.parent
+        assert total == length, "pieces do not add up to the referenced length"
+        return out[::-1]
 
     def take_added(self) -> list[TreeNode]:
         """Nodes that gained a device copy through insert since the last call (for KV events and backups)."""

@@ -3,7 +3,8 @@
 The scheduler thread submits jobs and drains completions (`poll`); the storage thread only reads host pages it was
 given (they stay referenced until their completion is drained) and writes host pages allocated for a fetch. After a
 failure the store is skipped for `retry_after_s` (fetches complete empty, writes are dropped), so a store that is
-down makes requests recompute instead of waiting on timeouts; then it is tried again.
+down makes requests recompute instead of waiting on timeouts; then it is tried again. The store is opened on the
+storage thread too, and reopened the same way, so a worker starts even while its store is unreachable.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.cache.host_pool import HostKVPool
+from typing import Callable
+
 from engine.cache.storage import PageStorage, StorageError, StoredPage, checksum, intact
 
 log = logging.getLogger(__name__)
@@ -40,8 +43,9 @@ class StorageJob:
 
 
 class StorageIO:
-    def __init__(self, storage: PageStorage, host: HostKVPool, retry_after_s: float = 5.0):
-        self.storage, self.host = storage, host
+    def __init__(self, open_storage: Callable[[], PageStorage], host: HostKVPool, retry_after_s: float = 5.0):
+        self._open, self.host = open_storage, host
+        self.storage: PageStorage | None = None
         self.retry_after_s = retry_after_s
         self._jobs: queue.SimpleQueue[StorageJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
@@ -77,7 +81,8 @@ class StorageIO:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
-        self.storage.close()
+        if self.storage is not None:
+            self.storage.close()
 
     # ---- storage thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -86,6 +91,8 @@ class StorageIO:
             try:
                 if time.monotonic() < self._down_until:
                     job.error = "store unavailable (retrying later)"
+                elif self.storage is None and not self._connect(job):
+                    pass
                 elif job.kind is JobKind.WRITE:
                     self._write(job)
                 else:
@@ -97,6 +104,15 @@ class StorageIO:
                 self._failed(job, repr(e))
             job.seconds = time.perf_counter() - start
             self._done.put(job)
+
+    def _connect(self, job: StorageJob) -> bool:
+        try:
+            self.storage = self._open()
+            log.info("L3 store open")
+            return True
+        except StorageError as e:
+            self._failed(job, f"cannot open: {e}")
+            return False
 
     def _failed(self, job: StorageJob, reason: str) -> None:
         job.error = reason

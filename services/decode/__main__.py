@@ -19,6 +19,7 @@ from services.decode.settings import PdSettings, WorkerSettings
 
 async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | None = None) -> None:
     # The worker streams disjoint segments; the router rebuilds cumulative text where a client wants it.
+    engine_kwargs = kvstore_engine_kwargs(settings, engine_kwargs)
     engine = Engine(**{**engine_kwargs, "stream_output": True, "log_level": settings.log_level})
     prefill_rooms, decode_rooms, bootstrap = _disaggregation(engine, settings, pd or PdSettings())
     servicer = WorkerServicer(engine, settings, prefill_rooms, decode_rooms)
@@ -27,7 +28,11 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
+    registration = None
+
     async def on_stop() -> None:
+        if registration is not None:
+            await registration.stop()
         if bootstrap is not None:
             await bootstrap.stop(settings.shutdown_grace_s)
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
@@ -38,11 +43,48 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
     service = GrpcService(settings, register, on_stop)
     if bootstrap is not None:
         await bootstrap.start()
+    if settings.kvstore_url:
+        registration = _register_with_kvstore(engine, settings, service.port)
     watchdog = asyncio.create_task(_watch_engine(engine, service))
     await service.run_until_signal()
     if watchdog.done():  # stopped because the engine died, not by a signal
         raise SystemExit(1)
     watchdog.cancel()
+
+
+def kvstore_engine_kwargs(settings: WorkerSettings, engine_kwargs: dict) -> dict:
+    """With --kvstore-url the engine publishes KV events, and `--hicache-storage-backend kvstore` reads and writes
+    pages there unless --hicache-storage-url names another kvstore."""
+    kwargs = dict(engine_kwargs)
+    uses_kvstore = kwargs.get("hicache_storage_backend") == "kvstore"
+    if uses_kvstore:
+        from services.kvstore.client import register_kvstore_backend
+
+        register_kvstore_backend()
+    if not settings.kvstore_url:
+        if uses_kvstore and not kwargs.get("hicache_storage_url"):
+            raise SystemExit("--hicache-storage-backend kvstore needs --hicache-storage-url or --kvstore-url")
+        return kwargs
+    kwargs.setdefault("kv_events_config", '{"publisher": "kvstore"}')
+    if uses_kvstore:
+        kwargs.setdefault("hicache_storage_url", settings.kvstore_url)
+    return kwargs
+
+
+def _register_with_kvstore(engine: Engine, settings: WorkerSettings, port: int):
+    """Announce this worker to the kvstore (again every few seconds, so a restarted kvstore finds it)."""
+    from engine.cache.build import kv_layout
+    from services.common.kv_transfer import transfer_host
+    from services.kvstore.client import WorkerRegistration
+
+    url = settings.advertise_url or f"{transfer_host(None, settings.host)}:{port}"
+    uses_storage = (engine.args.hicache_storage_backend == "kvstore"
+                    and engine.args.hicache_storage_url == settings.kvstore_url)
+    registration = WorkerRegistration(settings.kvstore_url, url, kv_layout(engine.args, engine.model_config),
+                                      uses_storage)
+    registration.start()
+    logging.getLogger(__name__).info("publishing KV events to the kvstore at %s as %s", settings.kvstore_url, url)
+    return registration
 
 
 def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):

@@ -40,7 +40,7 @@ def engine_rid(req: worker_pb2.GenerateRequest) -> str:
 def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
     lp = req.logprob_options
     kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
-              "rid": engine_rid(req) or None}
+              "rid": engine_rid(req) or None, "tenant": req.tenant}
     if lp.return_logprob:
         kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
                       token_ids_logprob=list(lp.token_ids_logprob) or None,
@@ -161,3 +161,22 @@ def first_token(msg) -> "FirstToken":
                       _msg_pairs(msg.top_logprobs), _msg_pairs(msg.token_ids_logprobs), list(msg.input_logprobs),
                       [_msg_pairs(r) for r in msg.input_top_logprobs],
                       [_msg_pairs(r) for r in msg.input_token_ids_logprobs])
+
+
+_TIERS = {1: worker_pb2.KV_TIER_DEVICE, 2: worker_pb2.KV_TIER_HOST}
+
+
+def kv_event(event, sequence: int | None = None) -> worker_pb2.SubscribeKvEventsResponse:
+    """An engine KvEvent as the SubscribeKvEvents message (`sequence` overrides the event's, for snapshots)."""
+    from engine.cache.kv_events import EventKind
+
+    out = worker_pb2.SubscribeKvEventsResponse(sequence=event.sequence if sequence is None else sequence)
+    if event.kind is EventKind.STORED:
+        out.stored.CopyFrom(worker_pb2.KvPagesStored(page_hashes=event.page_keys, parent_hash=event.parent_key,
+                                                     token_ids=event.token_ids, page_size=event.page_size,
+                                                     tier=_TIERS[int(event.tier)]))
+    elif event.kind is EventKind.REMOVED:
+        out.removed.CopyFrom(worker_pb2.KvPagesRemoved(page_hashes=event.page_keys, tier=_TIERS[int(event.tier)]))
+    else:
+        out.cleared.SetInParent()
+    return out

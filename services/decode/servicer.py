@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from engine.cache.kv_events import EventKind, KvEvent
 from engine.engine import Engine
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -23,6 +24,7 @@ from services.decode.settings import WorkerSettings
 from services.decode.stats import WorkerStats
 
 log = logging.getLogger(__name__)
+_CLEARED = KvEvent(0, EventKind.CLEARED)
 
 
 class _SampleState:
@@ -181,7 +183,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         out = worker_pb2.GetLoadsResponse(
             num_running_requests=load["running"], num_waiting_requests=load["waiting"],
             used_kv_tokens=total - load["available_kv_tokens"], total_kv_tokens=total,
-            cache_hit_rate=self.stats.cache_hit_rate, gen_throughput=self.stats.gen_throughput)
+            cache_hit_rate=self.stats.cache_hit_rate, gen_throughput=self.stats.gen_throughput,
+            prefill_tokens_per_s=load.get("prefill_tokens_per_s", 0.0),
+            host_load_tokens_per_s=load.get("host_load_tokens_per_s", 0.0),
+            storage_load_tokens_per_s=load.get("storage_load_tokens_per_s", 0.0),
+            queued_prefill_tokens=load.get("queued_prefill_tokens", 0))
         rooms = self.decode_rooms or self.prefill_rooms
         if self.decode_rooms is not None:
             c = self.decode_rooms.counts()
@@ -221,6 +227,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests are in flight; not flushed")
 
     async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV events are not published yet (they arrive with the kvstore and global prefix index)")
-        yield  # an async generator, as the streaming RPC requires
+        """A snapshot of the prefix cache (after a `cleared`) unless the caller is resuming within the kept events,
+        then every event as it happens. A subscriber too far behind gets a fresh snapshot."""
+        events = self.engine.kv_events
+        if events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker publishes no KV events: start it with --kv-events-config or --kvstore-url")
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        stop = events.listen(lambda: loop.call_soon_threadsafe(wake.set))
+        try:
+            cursor = request.after_sequence
+            while True:
+                wake.clear()
+                batch = events.since(cursor) if cursor else None
+                if batch is None:  # start (or restart) from a snapshot
+                    cursor, snapshot = await self._blocking(self.engine.kv_snapshot)
+                    yield convert.kv_event(_CLEARED, cursor)
+                    for event in snapshot:
+                        yield convert.kv_event(event, cursor)
+                    continue
+                for event in batch:
+                    yield convert.kv_event(event)
+                    cursor = event.sequence
+                if not batch:
+                    await wake.wait()
+        finally:
+            stop()

@@ -19,6 +19,11 @@ class WorkerSettings(GrpcSettings):
         "help": "seconds the HealthCheck test generation may take"})
     disaggregation_bootstrap_port: int = field(default=8998, metadata={
         "help": "prefill workers: the port decode workers register their KV destinations with"})
+    kvstore_url: str | None = field(default=None, metadata={
+        "help": "host:port of the kvstore: this worker publishes its KV events there (the global prefix index) and, "
+                "with --hicache-storage-backend kvstore, uses it as its L3 tier"})
+    advertise_url: str | None = field(default=None, metadata={
+        "help": "the address the kvstore and routers reach this worker at (default: --host:--port)"})
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

@@ -112,9 +112,9 @@ def test_info_loads_health_and_errors(worker):
         with pytest.raises(grpc.RpcError) as err:
             list(worker.Generate(bad))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err:  # started without --kv-events-config / --kvstore-url
         list(worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest()))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "kv-events" in err.value.details()
 
 
 def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout():

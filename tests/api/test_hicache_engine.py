@@ -1,0 +1,162 @@
+"""The hierarchical KV cache through the offline Engine, tiny model, float32 on CPU: greedy outputs are token-exact
+with the hierarchy off for prompts served from the device, from the host pool (after forced eviction) and from an L3
+file store (after an engine restart); tenants never share pages; a corrupt L3 page is recomputed; a store that is
+unreachable only makes requests recompute; nothing leaks on any tier after a flush."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.cache.build import kv_layout
+from engine.cache.page_keys import prompt_keys
+from engine.engine import Engine
+
+MODEL = "models/tiny-qwen2"
+SP = {"max_new_tokens": 6, "temperature": 0}
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Outputs with the hierarchy off and a pool large enough that nothing is evicted."""
+    memo: dict[tuple, list[int]] = {}
+    engine = Engine(model_path=MODEL, page_size=4, max_total_tokens=1024, log_level="warning")
+
+    def outputs(prompts):
+        missing = [p for p in prompts if tuple(p) not in memo]
+        for p in missing:
+            memo[tuple(p)] = engine.generate(input_ids=p, sampling_params=SP)["output_ids"]
+        return [memo[tuple(p)] for p in prompts]
+    yield outputs
+    engine.shutdown()
+
+
+def _run(engine: Engine, prompts, tenant: str = "") -> tuple[list[list[int]], list[int]]:
+    outs = [engine.generate(input_ids=p, sampling_params=SP, tenant=tenant) for p in prompts]
+    return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
+
+
+def _flush_and_check_leaks(engine: Engine) -> None:
+    assert engine.flush_cache()
+    cache = engine.cache
+    assert cache.pages.num_free == cache.pages.num_pages, "device pages leaked"
+    host = cache.hierarchy.host.allocator
+    assert host.num_free == host.num_pages, "host pages leaked"
+    assert cache.tree.total_size == 0 and cache.tree.host_size == 0
+
+
+@pytest.mark.parametrize("page,policy", [(1, "write_through"), (4, "write_back"), (16, "write_through_selective")])
+def test_host_tier_serves_evicted_prefixes_token_exact(reference, page, policy):
+    prompts = _prompts(6, 40)
+    # A device pool of 128 tokens holds ~2.5 of the six 46-token sequences: each round evicts the others to host.
+    engine = Engine(model_path=MODEL, page_size=page, max_total_tokens=128, enable_hierarchical_cache=True,
+                    hicache_ratio=4, hicache_write_policy=policy, log_level="warning")
+    try:
+        first, cached0 = _run(engine, prompts)
+        again, cached1 = _run(engine, prompts)
+        assert first == again == reference(prompts)
+        assert cached0 == [0] * 6
+        assert cached1 == [39 // page * page] * 6, "every prompt should come back from the host pool"
+        load = engine.get_load()
+        assert load["host_hit_tokens"] > 0 and load["evicted_tokens"] > 0
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
+    prompts = _prompts(5, 36, seed=1)
+    kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
+                  hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
+                  hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+    engine = Engine(**kwargs)
+    try:
+        outs, _ = _run(engine, prompts)
+        assert outs == reference(prompts)
+        _flush_and_check_leaks(engine)  # waits for the write-backs, then empties device and host
+    finally:
+        engine.shutdown()
+    engine = Engine(**kwargs)  # a new worker process would start the same way: nothing on device or host
+    try:
+        outs, cached = _run(engine, prompts)
+        assert outs == reference(prompts)
+        assert cached == [32] * 5, "the whole aligned prefix should come from the L3 store"
+        assert engine.get_load()["storage_hit_tokens"] >= 5 * 32
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_corrupt_l3_page_is_recomputed_not_used(reference, tmp_path: Path):
+    prompts = _prompts(1, 36, seed=2)
+    kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
+                  hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
+                  hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+    engine = Engine(**kwargs)
+    try:
+        _run(engine, prompts)
+        _flush_and_check_leaks(engine)
+        keys = prompt_keys(kv_layout(engine.args, engine.model_config), "", prompts[0])
+    finally:
+        engine.shutdown()
+    assert len(keys) == 9
+    victim = tmp_path / "l3" / keys[3].hex()[:2] / f"{keys[3].hex()}.page"
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0xFF  # flip bits in the KV data; the header's checksum no longer matches
+    victim.write_bytes(bytes(raw))
+    engine = Engine(**kwargs)
+    try:
+        outs, cached = _run(engine, prompts)
+        assert outs == reference(prompts)
+        assert cached[0] == 12, "the three pages before the corrupt one come from L3, the rest is recomputed"
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_unreachable_store_only_costs_recomputation(reference):
+    prompts = _prompts(3, 24, seed=3)
+    engine = Engine(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True,
+                    hicache_storage_backend="redis", hicache_storage_url="redis://127.0.0.1:1/0",
+                    hicache_storage_prefetch_policy="wait_complete",
+                    hicache_storage_backend_extra_config='{"timeout_s": 0.2}', log_level="warning")
+    try:
+        for _ in range(2):
+            outs, _ = _run(engine, prompts)
+            assert outs == reference(prompts)
+        assert engine.get_load()["storage_failed_calls"] >= 1
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_tenants_never_share_cached_pages(reference):
+    prompt = _prompts(1, 40, seed=4)
+    engine = Engine(model_path=MODEL, page_size=4, max_total_tokens=256, enable_hierarchical_cache=True,
+                    log_level="warning")
+    try:
+        a1 = _run(engine, prompt, tenant="a")
+        b1 = _run(engine, prompt, tenant="b")
+        a2 = _run(engine, prompt, tenant="a")
+        assert a1[0] == b1[0] == a2[0] == reference(prompt)
+        assert a1[1] == [0] and b1[1] == [0], "tenant b must not get tenant a's cached tokens"
+        assert a2[1] == [36]
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_bad_hicache_flags_are_clear_errors():
+    with pytest.raises(ValueError, match="hicache_write_policy"):
+        Engine(model_path=MODEL, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+    with pytest.raises(ValueError, match="needs enable_hierarchical_cache"):
+        Engine(model_path=MODEL, hicache_storage_backend="file", hicache_storage_url="/tmp/x")
+    with pytest.raises(ValueError, match="unknown storage backend"):
+        Engine(model_path=MODEL, enable_hierarchical_cache=True, hicache_storage_backend="floppy")

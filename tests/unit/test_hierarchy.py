@@ -1,0 +1,113 @@
+"""The cache manager with a host tier: demotion on device eviction, loads back with the right KV, splits of nodes
+whose copies are still in flight, host eviction, KV events, and no leaked page on either tier; plus a randomized
+stress run against the same checks."""
+
+import random
+
+import pytest
+import torch
+
+from engine.cache.hierarchy import CacheHierarchy
+from engine.cache.kv_events import EventKind, KvEventLog, Tier
+from engine.cache.kv_pool import KVPool
+from engine.cache.manager import CacheManager
+from engine.cache.page_keys import chain_keys
+from engine.cache.radix_tree import RadixTree
+from engine.cache.req_to_token import ReqToTokenPool
+from tests.unit.test_cache_manager import check_kv, compute, new_req, prefill
+
+
+def make(page: int, device_pages: int, host_pages: int, policy: str = "write_through") -> CacheManager:
+    kv = KVPool(device_pages, page, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                device=torch.device("cpu"))
+    tree = RadixTree(page, lambda parent, tokens: chain_keys(parent, tokens, page), lambda ns: b"root:" + ns.encode())
+    events = KvEventLog(page)
+    cm = CacheManager(kv, ReqToTokenPool(8, 64, torch.device("cpu")), tree, events)
+    cm.hierarchy = CacheHierarchy(cm, host_pages, policy, events)
+    return cm
+
+
+def finish(cm: CacheManager, req) -> None:
+    cm.release(req)
+    cm.poll()
+
+
+def check_no_leaks(cm: CacheManager) -> None:
+    assert cm.flush()
+    assert cm.pages.num_free == cm.pages.num_pages
+    host = cm.hierarchy.host.allocator
+    assert host.num_free == host.num_pages and len(set(host.free_pages().tolist())) == host.num_pages
+    assert cm.tree.total_size == 0 and cm.tree.host_size == 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_evicted_prefix_comes_back_from_host_with_its_kv(policy):
+    page = 2
+    cm = make(page, device_pages=8, host_pages=32, policy=policy)
+    a = new_req(range(1, 13), "a")
+    prefill(cm, a)
+    finish(cm, a)
+    b = new_req(range(100, 114), "b")  # needs 7 of the 8 device pages: a's pages go to the host
+    prefill(cm, b)
+    finish(cm, b)
+    assert cm.tree.host_size >= 10
+    again = new_req(range(1, 13), "a2")
+    assert cm.admit(again) and again.tree_len == 10  # the last token is left to compute
+    again.kv_len = again.tree_len
+    check_kv(cm, again)  # the loaded pages hold a's KV
+    finish(cm, again)
+    check_no_leaks(cm)
+
+
+def test_split_of_a_node_whose_backup_is_in_flight():
+    cm = make(2, device_pages=16, host_pages=32)
+    a = new_req(range(1, 13), "a")
+    prefill(cm, a)
+    cm.release(a)  # write_through starts a backup of the 12-token node; its completion is taken by poll()
+    b = new_req(list(range(1, 7)) + [99] * 6, "b")
+    assert cm.admit(b) and b.tree_len == 6  # the match ends inside the node being backed up: it splits
+    cm.poll()
+    for node in cm.tree.nodes():
+        assert node.on_host and len(node.host_value) == len(node.key), "both halves got their host copy"
+    finish(cm, b)
+    check_no_leaks(cm)
+
+
+def test_host_eviction_keeps_host_pages_bounded_and_events_follow():
+    cm = make(2, device_pages=6, host_pages=8)
+    for i in range(6):
+        r = new_req(range(10 * i + 1, 10 * i + 11), f"r{i}")
+        prefill(cm, r)
+        finish(cm, r)
+    host = cm.hierarchy.host.allocator
+    assert cm.tree.host_size <= host.num_pages * 2
+    events = cm.events.since(0)
+    stored_host = {k for e in events if e.kind is EventKind.STORED and e.tier is Tier.HOST for k in e.page_keys}
+    removed_host = {k for e in events if e.kind is EventKind.REMOVED and e.tier is Tier.HOST for k in e.page_keys}
+    live_host = {k for n in cm.tree.nodes() if n.on_host for k in n.page_keys}
+    assert stored_host - removed_host == live_host, "events describe exactly the pages the host holds"
+    check_no_leaks(cm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_randomized_requests_keep_both_tiers_consistent(seed):
+    rng = random.Random(seed)
+    page = rng.choice([1, 2, 4])
+    cm = make(page, device_pages=24 // page, host_pages=40 // page, policy=rng.choice(
+        ["write_through", "write_back", "write_through_selective"]))
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 12))] for _ in range(4)]
+    for step in range(60):
+        ids = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
+        r = new_req(ids, f"s{step}")
+        if not cm.admit(r):
+            continue
+        if cm.alloc_tokens(r, r.fill_len - r.alloc_len) is None:
+            cm.release(r)
+            continue
+        check_kv(cm, r)  # the cached prefix (device or loaded from host) holds this sequence's KV
+        compute(cm, r, r.alloc_len)
+        check_kv(cm, r)
+        finish(cm, r)
+        assert cm.tree.protected_size == 0 or cm.hierarchy.busy()
+    cm.hierarchy.drain()
+    check_no_leaks(cm)
