@@ -95,9 +95,11 @@ if [[ $PARTS == *multiturn* ]]; then
      --page-size 64 --max-total-tokens 32768 --num-clients ${CLIENTS:-32} --num-rounds 4 --request-length 1024
      --output-length 64 --shared-system-prompt-len 1024 --max-parallel 8 --seed 1 --log-level warning
      --output-file $OUT/multiturn.jsonl"
-  for extra in "" "--enable-hierarchical-cache --hicache-ratio 4" \
-      "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
-       --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"; do
+  CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4"
+           "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
+            --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}")
+  for i in ${MT_CONFIGS:-0 1 2}; do  # off, L2, L2 + L3
+    extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
     $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
   done
