@@ -45,6 +45,16 @@ def check_keys(keys: Iterable[bytes]) -> None:
             raise ValueError(f"a page key must be 1 to {MAX_KEY_BYTES} bytes, got {shown!r}")
 
 
+def leading_hits(found: Iterable) -> int:
+    """How many of the per-key existence answers, from the first, are true."""
+    n = 0
+    for hit in found:
+        if not hit:
+            break
+        n += 1
+    return n
+
+
 class Split(NamedTuple):
     good: list[StoredPage]
     rejected: int

@@ -23,8 +23,8 @@ import urllib.request
 from urllib.parse import parse_qs, urlsplit
 
 from engine.cache.storage import StorageError, StorageOptions, StoredPage, intact
-from engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, pack, split_intact,
-                                                unpack)
+from engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits, pack,
+                                                split_intact, unpack)
 
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
 SETUP_TIMEOUT_S = 30.0  # joining the pool: the master answers in well under a second when it is up
@@ -125,12 +125,7 @@ class MooncakeStorage:
         check_keys(keys)
         if not keys:
             return 0
-        n = 0
-        for hit in self._exists([_name(k) for k in keys]):
-            if not hit:
-                break
-            n += 1
-        return n
+        return leading_hits(self._exists([_name(k) for k in keys]))
 
     def get(self, keys: list[bytes]) -> list[StoredPage]:
         """Deletes a damaged page and stops there. A batch larger than the local buffer comes back in rounds."""

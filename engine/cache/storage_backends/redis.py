@@ -18,8 +18,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.cache.storage import StorageError, StorageOptions, StoredPage, intact
-from engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, pack, split_intact,
-                                                unpack)
+from engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits, pack,
+                                                split_intact, unpack)
 
 SCAN_BATCH = 1000
 
@@ -67,12 +67,7 @@ class RedisStorage:
             for key in keys:
                 pipe.exists(KEY_PREFIX + key)
             found = pipe.execute()
-        n = 0
-        for hit in found:
-            if not hit:
-                break
-            n += 1
-        return n
+        return leading_hits(found)
 
     def get(self, keys: list[bytes]) -> list[StoredPage]:
         """Deletes a damaged page and stops there."""
