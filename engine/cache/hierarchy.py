@@ -39,6 +39,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 SELECTIVE_HITS = 2
 KNOWN_KEYS = 1 << 16  # L3 keys remembered as written, so a page is not sent twice
+# Host pages waiting to be written to L3 stay pinned in the host pool; past this backlog new write-backs are skipped
+# (those pages are simply not in L3), so a slow store cannot starve the host tier.
+MAX_WRITE_BACKLOG_BYTES = 512 << 20
 
 
 @dataclass(slots=True)
@@ -140,6 +143,23 @@ class CacheHierarchy:
         self._stored(node, Tier.HOST)
         self._write_l3(node)
 
+    def drop_host_subtree(self, node: TreeNode) -> bool:
+        """Drop the host copies of every node below `node` (all host-only: node is a device leaf). False, dropping
+        nothing, when a copy still reads one of them."""
+        below, stack = [], list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(n.host_refs for n in below):
+            return False
+        for n in reversed(below):  # children before parents
+            keys = n.page_keys
+            self._free_host(self.tree.drop_host(n))
+            if self.events is not None and keys:
+                self.events.removed(Tier.HOST, keys)
+        return True
+
     def _stored(self, node: TreeNode, tier: Tier) -> None:
         if self.events is not None and node.page_keys:
             self.events.stored(tier, node.page_keys, self.tree.last_key(node.parent), node.key)
@@ -223,6 +243,9 @@ class CacheHierarchy:
             return
         todo = [(k, p) for k, p in zip(node.page_keys, self._pages(node.host_value)) if k not in self._known]
         if not todo:
+            return
+        if (self.io.write_backlog_pages + len(todo)) * self.host.page_bytes > MAX_WRITE_BACKLOG_BYTES:
+            self.io.stats["skipped_write_pages"] += len(todo)  # the store is slower than the writes: skip, as a miss
             return
         node.host_refs += 1
         self.io.submit(StorageJob(JobKind.WRITE, [(node, len(node.key))], [k for k, _ in todo], [p for _, p in todo]))

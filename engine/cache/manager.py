@@ -63,6 +63,10 @@ class CacheManager:
                     break
                 if self.hierarchy is not None:
                     self.hierarchy.demote(leaf)
+                    # no room on the host for it: its host-only descendants (from L3) go with it, unless copies
+                    # still read them
+                    if not leaf.on_host and leaf.children and not self.hierarchy.drop_host_subtree(leaf):
+                        continue
                 keys = leaf.page_keys
                 slots = self.tree.drop_device(leaf)
                 self._free_slots(slots)

@@ -47,18 +47,27 @@ class StorageIO:
         self._open, self.host = open_storage, host
         self.storage: PageStorage | None = None
         self.retry_after_s = retry_after_s
-        self._jobs: queue.SimpleQueue[StorageJob | None] = queue.SimpleQueue()
+        # Fetches have their own thread and queue: a request waiting for its prefetch never waits behind
+        # write-backs, which can be many and large.
+        self._queues = {kind: queue.SimpleQueue() for kind in JobKind}
         self._done: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
+        self._open_lock = threading.Lock()
         self._down_until = 0.0
         self.pending = 0
+        self.write_backlog_pages = 0  # pages submitted for writing and not completed (scheduler thread's count)
         self.fetch_tokens_per_s = 0.0  # measured, EMA over fetches that loaded pages
-        self.stats = {"written_pages": 0, "fetched_pages": 0, "failed_calls": 0, "corrupt_pages": 0}
-        self._thread = threading.Thread(target=self._run, name="radixmesh-storage", daemon=True)
-        self._thread.start()
+        self.stats = {"written_pages": 0, "fetched_pages": 0, "failed_calls": 0, "corrupt_pages": 0,
+                      "skipped_write_pages": 0}
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"radixmesh-storage-{kind.value}",
+                                          daemon=True) for kind, q in self._queues.items()]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: StorageJob) -> None:
         self.pending += 1
-        self._jobs.put(job)
+        if job.kind is JobKind.WRITE:
+            self.write_backlog_pages += len(job.keys)
+        self._queues[job.kind].put(job)
 
     def poll(self) -> list[StorageJob]:
         """Completed jobs since the last call (scheduler thread)."""
@@ -69,6 +78,7 @@ class StorageIO:
             except queue.Empty:
                 break
         self.pending -= len(out)
+        self.write_backlog_pages -= sum(len(j.keys) for j in out if j.kind is JobKind.WRITE)
         return out
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -79,14 +89,16 @@ class StorageIO:
         return self._done.qsize() >= self.pending
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
         if self.storage is not None:
             self.storage.close()
 
     # ---- storage thread ---------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _run(self, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
             start = time.perf_counter()
             try:
                 if time.monotonic() < self._down_until:
@@ -106,13 +118,16 @@ class StorageIO:
             self._done.put(job)
 
     def _connect(self, job: StorageJob) -> bool:
-        try:
-            self.storage = self._open()
-            log.info("L3 store open")
-            return True
-        except StorageError as e:
-            self._failed(job, f"cannot open: {e}")
-            return False
+        with self._open_lock:
+            if self.storage is not None:
+                return True
+            try:
+                self.storage = self._open()
+                log.info("L3 store open")
+                return True
+            except StorageError as e:
+                self._failed(job, f"cannot open: {e}")
+                return False
 
     def _failed(self, job: StorageJob, reason: str) -> None:
         job.error = reason

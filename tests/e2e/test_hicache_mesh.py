@@ -134,3 +134,21 @@ def test_kvstore_killed_mid_load_every_request_still_answers(mesh, reference):
     os.kill(mesh.services()["services.kvstore"], signal.SIGKILL)
     outs = [_generate(mesh.url, p)[0] for p in prompts]
     assert outs == want
+
+
+def test_pd_with_the_hierarchy_is_token_exact(tmp_path, reference):
+    """Prefill and decode workers with host tiers and the kvstore: outputs stay exact from every tier."""
+    pd = launch(MODEL, tmp_path, "--disaggregation", "pd", "--disaggregation-transfer-backend", "mooncake",
+                "--kvstore", "--enable-hierarchical-cache", "--hicache-ratio", "4", "--page-size", str(PAGE),
+                "--max-total-tokens", "160", "--hicache-storage-prefetch-policy", "wait_complete")
+    try:
+        prompts = _prompts(6, 40, seed=14)
+        want = reference(prompts)
+        assert [_generate(pd.url, p)[0] for p in prompts] == want
+        again = [_generate(pd.url, p) for p in prompts]  # from the prefill worker's device or host pool
+        assert [o for o, _ in again] == want and all(c == _aligned(40) for _, c in again)
+        _flush(pd.url)
+        from_l3 = [_generate(pd.url, p) for p in prompts]
+        assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3)
+    finally:
+        stop_and_check(pd)

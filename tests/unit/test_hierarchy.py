@@ -111,3 +111,27 @@ def test_randomized_requests_keep_both_tiers_consistent(seed):
         assert cm.tree.protected_size == 0 or cm.hierarchy.busy()
     cm.hierarchy.drain()
     check_no_leaks(cm)
+
+
+def test_device_leaf_without_host_room_takes_its_l3_children_along():
+    """An L3 prefetch can hang host-only pages under a node the host could not back up; evicting that node must drop
+    them too (a node with no tier left cannot stay in the tree), and free every page."""
+    page = 2
+    cm = make(page, device_pages=6, host_pages=1, policy="write_back")
+    a = new_req(range(1, 11), "a")
+    prefill(cm, a)
+    finish(cm, a)  # 10 tokens cached on the device; the one host page cannot back it up
+    match = cm.tree.match_prefix(list(range(1, 11)))
+    host = cm.hierarchy._alloc_host(1)
+    child = cm.tree.insert_host(match.node, [11, 12], cm.hierarchy._slots(host))  # as a fetched L3 page would
+    assert not match.node.on_host and child.on_host
+    child.host_refs += 1  # an L3 write still reads the child's page: neither it nor its parent may go yet
+    b = new_req(range(100, 112), "b")  # needs every device page: only evicting a's node makes room
+    assert cm.admit(b)
+    assert cm.alloc_tokens(b, b.fill_len) is None, "short of memory, not a broken tree"
+    child.host_refs -= 1
+    assert cm.alloc_tokens(b, b.fill_len) is not None
+    compute(cm, b, b.alloc_len)
+    finish(cm, b)
+    assert len(cm.tree.match_prefix(list(range(1, 13))).indices) == 0
+    check_no_leaks(cm)
