@@ -56,6 +56,8 @@ class Engine:
                                    _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
                                    self.args.num_reserved_decode_tokens,
                                    overlap=not self.args.disable_overlap_schedule)
+        if self.cache.hierarchy is not None:
+            self.cache.hierarchy.prefill_tokens_per_s = lambda: self.scheduler.prefill_tokens_per_s
         self._grammars: GrammarCompilerCache | None = None
         # Async callers validate, tokenize and compile grammars here, keeping their event loop free.
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")

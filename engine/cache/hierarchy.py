@@ -10,7 +10,8 @@ the device pool. It owns the host pool's allocations and frees; the device pool 
 - L3: host copies are written to the store from the storage thread; a request's pages beyond the device and host
   match are prefetched from the store into host pages when it arrives, and inserted as host-only nodes when they
   land. Prefetch policies: best_effort (never wait), wait_complete (the request waits for its prefetch), timeout
-  (waits at most prefetch_timeout_s).
+  (waits at most prefetch_timeout_s). Once fetching has been measured slower than prefilling the same tokens, most
+  prefetches are skipped: the pages are recomputed instead.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ KNOWN_KEYS = 1 << 16  # L3 keys remembered as written, so a page is not sent twi
 # Host pages waiting to be written to L3 stay pinned in the host pool; past this backlog new write-backs are skipped
 # (those pages are simply not in L3), so a slow store cannot starve the host tier.
 MAX_WRITE_BACKLOG_BYTES = 512 << 20
+PROBE_EVERY = 16
 
 
 @dataclass(slots=True)
@@ -72,6 +74,8 @@ class CacheHierarchy:
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.prefetches: dict[str, Prefetch] = {}
         self.host_load_tokens_per_s = 0.0
+        self.prefill_tokens_per_s: Callable[[], float] = lambda: 0.0  # the scheduler's measurement (set by the engine)
+        self._probe = 0
         self.hit_tokens = {"host": 0, "storage": 0}
 
     # ---- host pages -------------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ class CacheHierarchy:
 
     def start_prefetch(self, req: Req) -> None:
         """Ask the store for the request's pages beyond what the device and host hold (when it arrives)."""
-        if self.io is None or req.rid in self.prefetches:
+        if self.io is None or req.rid in self.prefetches or self._l3_slower_than_prefill():
             return
         limit = (req.fill_len - 1) // self.page * self.page
         match = self.tree.match_prefix(req.tokens(0, limit), req.tenant)
@@ -268,6 +272,17 @@ class CacheHierarchy:
         fetch = Prefetch(req.rid, req.tenant, tokens, have, time.monotonic())
         self.prefetches[req.rid] = fetch
         self.io.submit(StorageJob(JobKind.FETCH, fetch, keys, pages.tolist()))
+
+    def _l3_slower_than_prefill(self) -> bool:
+        """Whether fetching from the store has been measured slower than computing the same tokens; then only one
+        prefetch in PROBE_EVERY goes ahead (to keep measuring), the rest recompute."""
+        fetch, prefill = self.io.fetch_tokens_per_s, self.prefill_tokens_per_s()
+        if not fetch or not prefill or fetch >= prefill:
+            return False
+        self._probe = (self._probe + 1) % PROBE_EVERY
+        if self._probe:
+            self.io.stats["skipped_fetches"] = self.io.stats.get("skipped_fetches", 0) + 1
+        return self._probe != 0
 
     def prefetch_ready(self, req: Req) -> bool:
         """Whether the planner may admit `req` now, under the prefetch policy."""
