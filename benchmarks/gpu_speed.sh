@@ -97,8 +97,11 @@ if [[ $PARTS == *multiturn* ]]; then
      --output-file $OUT/multiturn.jsonl"
   CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4"
            "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
+            --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 1"
+           "--enable-hierarchical-cache --hicache-ratio 4 --kvstore --kvstore-capacity-bytes 34359738368
             --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}")
-  for i in ${MT_CONFIGS:-0 1 2}; do  # off, L2, L2 + L3
+  for i in ${MT_CONFIGS:-0 1 2}; do  # off, L2 (4x), L2 (1x) + L3, L2 (1x), L2 (4x) + L3
     extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
     $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
