@@ -100,8 +100,16 @@ if [[ $PARTS == *multiturn* ]]; then
             --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
            "--enable-hierarchical-cache --hicache-ratio 1"
            "--enable-hierarchical-cache --hicache-ratio 4 --kvstore --kvstore-capacity-bytes 34359738368
-            --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}")
-  for i in ${MT_CONFIGS:-0 1 2}; do  # off, L2 (4x), L2 (1x) + L3, L2 (1x), L2 (4x) + L3
+            --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_back --kvstore
+            --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
+            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 1 --hicache-write-policy write_back --kvstore
+            --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
+            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_back")
+  # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back
+  for i in ${MT_CONFIGS:-0 1 2}; do
     extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
     $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12

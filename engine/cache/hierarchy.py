@@ -7,7 +7,9 @@ the device pool. It owns the host pool's allocations and frees; the device pool 
   the host pool has room (a synchronous copy), so device eviction moves pages down instead of dropping them.
 - Loads: a match that continues into host-only nodes gets device pages for them and an asynchronous copy that the
   compute stream waits for; the host copies stay referenced until the copy is done.
-- L3: host copies are written to the store from the storage thread; a request's pages beyond the device and host
+- L3: host copies are written to the store from the storage thread (write_through: as soon as the host has them;
+  write_through_selective: hot ones at once; every policy: a copy of each page leaving the host pool, so L3 is
+  also the host pool's victim store); a request's pages beyond the device and host
   match are prefetched from the store into host pages when it arrives, and inserted as host-only nodes when they
   land. Prefetch policies: best_effort (never wait), wait_complete (the request waits for its prefetch), timeout
   (waits at most prefetch_timeout_s). Once fetching has been measured slower than prefilling the same tokens, most
@@ -86,6 +88,7 @@ class CacheHierarchy:
             for node in self.tree.host_leaves():
                 if short <= 0:
                     break
+                self._write_l3(node, snapshot=True)  # write-back from L2: the store gets what the host drops
                 keys = node.page_keys
                 slots = self.tree.drop_host(node)
                 short -= len(slots) // self.page
@@ -145,7 +148,9 @@ class CacheHierarchy:
     def _backed_up(self, node: TreeNode, host_slots: torch.Tensor) -> None:
         self.tree.set_host(node, host_slots)
         self._stored(node, Tier.HOST)
-        self._write_l3(node)
+        if self.write_policy == "write_through" or (self.write_policy == "write_through_selective"
+                                                    and node.hits >= SELECTIVE_HITS):
+            self._write_l3(node)
 
     def drop_host_subtree(self, node: TreeNode) -> bool:
         """Drop the host copies of every node below `node` (all host-only: node is a device leaf). False, dropping
@@ -242,7 +247,9 @@ class CacheHierarchy:
         self.poll()
 
     # ---- L3 -------------------------------------------------------------------------------------------------------
-    def _write_l3(self, node: TreeNode) -> None:
+    def _write_l3(self, node: TreeNode, snapshot: bool = False) -> None:
+        """Send the node's host pages the store does not have yet. The storage thread reads them from the host pool
+        (the node is referenced until then), or, with `snapshot` (the host copy is about to go), from a copy."""
         if self.io is None or not node.page_keys:
             return
         todo = [(k, p) for k, p in zip(node.page_keys, self._pages(node.host_value)) if k not in self._known]
@@ -251,8 +258,12 @@ class CacheHierarchy:
         if (self.io.write_backlog_pages + len(todo)) * self.host.page_bytes > MAX_WRITE_BACKLOG_BYTES:
             self.io.stats["skipped_write_pages"] += len(todo)  # the store is slower than the writes: skip, as a miss
             return
+        keys, pages = [k for k, _ in todo], [p for _, p in todo]
+        if snapshot:
+            self.io.submit(StorageJob(JobKind.WRITE, [], keys, pages, data=[self.host.read_page(p) for p in pages]))
+            return
         node.host_refs += 1
-        self.io.submit(StorageJob(JobKind.WRITE, [(node, len(node.key))], [k for k, _ in todo], [p for _, p in todo]))
+        self.io.submit(StorageJob(JobKind.WRITE, [(node, len(node.key))], keys, pages))
 
     def start_prefetch(self, req: Req) -> None:
         """Ask the store for the request's pages beyond what the device and host hold (when it arrives)."""

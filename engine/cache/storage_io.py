@@ -35,6 +35,7 @@ class StorageJob:
     token: object  # the submitter's handle, returned with the completion
     keys: list[bytes]
     host_pages: list[int]
+    data: list[bytes] | None = None  # WRITE: the pages' bytes, when taken before their host pages were freed
     loaded: int = 0  # FETCH: pages written into host_pages[:loaded]
     corrupt: int = 0
     error: str | None = None
@@ -138,8 +139,8 @@ class StorageIO:
 
     def _write(self, job: StorageJob) -> None:
         pages = []
-        for key, page in zip(job.keys, job.host_pages):
-            data = self.host.read_page(page)
+        for i, (key, page) in enumerate(zip(job.keys, job.host_pages)):
+            data = job.data[i] if job.data is not None else self.host.read_page(page)
             pages.append(StoredPage(key, data, checksum(data)))
         self.storage.set(pages)
         self.stats["written_pages"] += len(pages)

@@ -160,3 +160,24 @@ def test_bad_hicache_flags_are_clear_errors():
         Engine(model_path=MODEL, hicache_storage_backend="file", hicache_storage_url="/tmp/x")
     with pytest.raises(ValueError, match="unknown storage backend"):
         Engine(model_path=MODEL, enable_hierarchical_cache=True, hicache_storage_backend="floppy")
+
+
+def test_write_back_sends_pages_leaving_the_host_pool_to_l3(reference):
+    """With write_back, L3 is the host pool's victim store: nothing is written until the host pool evicts, and a
+    prompt evicted from both device and host comes back whole from L3."""
+    prompts = _prompts(6, 40, seed=5)
+    engine = Engine(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True,
+                    hicache_ratio=1, hicache_write_policy="write_back", hicache_storage_backend="memory",
+                    hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+    try:
+        first, _ = _run(engine, prompts[:1])
+        assert engine.get_load()["storage_written_pages"] == 0, "nothing left the host pool yet"
+        outs, _ = _run(engine, prompts[1:])
+        again, cached = _run(engine, prompts)
+        assert first + outs == again == reference(prompts)
+        load = engine.get_load()
+        assert load["storage_written_pages"] > 0 and load["storage_hit_tokens"] > 0
+        assert cached == [36] * 6
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
