@@ -239,7 +239,10 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     )
 
 
-HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s")
+# timeout_s: bound on one store call; prefetch_timeout_s: the `timeout` prefetch policy's wait; capacity_bytes, ttl_s:
+# the store's bounds (memory/file, redis); skip_slow_fetches (default true): skip most prefetches once fetching has
+# been measured slower than prefilling.
+HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s", "skip_slow_fetches")
 
 
 def hicache_extra(args: EngineArgs) -> dict:

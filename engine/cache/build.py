@@ -58,4 +58,5 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
              host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
              args.hicache_storage_backend or "none")
     return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
-                          args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)))
+                          args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
+                          bool(extra.get("skip_slow_fetches", True)))

@@ -62,7 +62,7 @@ class Prefetch:
 class CacheHierarchy:
     def __init__(self, manager: CacheManager, host_pages: int, write_policy: str, events: KvEventLog | None,
                  storage: Callable[[], PageStorage] | None = None, prefetch_policy: str = "best_effort",
-                 prefetch_timeout_s: float = 2.0):
+                 prefetch_timeout_s: float = 2.0, skip_slow_fetches: bool = True):
         assert write_policy in WRITE_POLICIES and prefetch_policy in PREFETCH_POLICIES
         self.m, self.tree, self.page = manager, manager.tree, manager.page
         self.events = events
@@ -70,6 +70,7 @@ class CacheHierarchy:
         self.mover = KVMover(manager.kv, self.host)
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s
+        self.skip_slow_fetches = skip_slow_fetches
         self.io = StorageIO(storage, self.host) if storage is not None else None
         self._backing: dict[int, tuple[Pending, TreeNode, torch.Tensor]] = {}
         self._loading: list[tuple[Pending, list[tuple[TreeNode, int]]]] = []
@@ -288,7 +289,7 @@ class CacheHierarchy:
         """Whether fetching from the store has been measured slower than computing the same tokens; then only one
         prefetch in PROBE_EVERY goes ahead (to keep measuring), the rest recompute."""
         fetch, prefill = self.io.fetch_tokens_per_s, self.prefill_tokens_per_s()
-        if not fetch or not prefill or fetch >= prefill:
+        if not self.skip_slow_fetches or not fetch or not prefill or fetch >= prefill:
             return False
         self._probe = (self._probe + 1) % PROBE_EVERY
         if self._probe:

@@ -16,6 +16,9 @@ from engine.engine import Engine
 
 MODEL = "models/tiny-qwen2"
 SP = {"max_new_tokens": 6, "temperature": 0}
+# These tests check what L3 serves; the tiny model may prefill faster than a fetch, which would make the worker skip
+# prefetches (engine.cache.hierarchy: skip_slow_fetches).
+NO_SKIP = '{"skip_slow_fetches": false}'
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -75,7 +78,8 @@ def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
     prompts = _prompts(5, 36, seed=1)
     kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
                   hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
-                  hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
+                  log_level="warning")
     engine = Engine(**kwargs)
     try:
         outs, _ = _run(engine, prompts)
@@ -98,7 +102,8 @@ def test_corrupt_l3_page_is_recomputed_not_used(reference, tmp_path: Path):
     prompts = _prompts(1, 36, seed=2)
     kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
                   hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
-                  hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
+                  log_level="warning")
     engine = Engine(**kwargs)
     try:
         _run(engine, prompts)
@@ -168,7 +173,8 @@ def test_write_back_sends_pages_leaving_the_host_pool_to_l3(reference):
     prompts = _prompts(6, 40, seed=5)
     engine = Engine(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True,
                     hicache_ratio=1, hicache_write_policy="write_back", hicache_storage_backend="memory",
-                    hicache_storage_prefetch_policy="wait_complete", log_level="warning")
+                    hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
+                  log_level="warning")
     try:
         first, _ = _run(engine, prompts[:1])
         assert engine.get_load()["storage_written_pages"] == 0, "nothing left the host pool yet"

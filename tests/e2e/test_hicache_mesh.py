@@ -24,6 +24,9 @@ from tests.engine_utils import running_engine
 MODEL = model_path("tiny-llama")
 PAGE = 4
 SP = {"max_new_tokens": 4, "temperature": 0}
+# The tiny model prefills faster than loopback gRPC fetches: without this the workers would (rightly) stop
+# prefetching from L3 after measuring that, and these tests want to see L3 serve.
+NO_SKIP = ("--hicache-storage-backend-extra-config", '{"skip_slow_fetches": false}')
 
 
 def _post(base: str, path: str, body: dict, timeout: float = 60.0) -> dict:
@@ -53,7 +56,7 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def mesh(tmp_path_factory):
     m = launch(MODEL, tmp_path_factory.mktemp("hicache"), "--kvstore", "--enable-hierarchical-cache",
                "--hicache-ratio", "4", "--page-size", str(PAGE), "--max-total-tokens", "160", "--policy", "kv_index",
-               "--hicache-storage-prefetch-policy", "wait_complete", num_workers=2)
+               "--hicache-storage-prefetch-policy", "wait_complete", *NO_SKIP, num_workers=2)
     try:
         yield m
     finally:
@@ -140,7 +143,7 @@ def test_pd_with_the_hierarchy_is_token_exact(tmp_path, reference):
     """Prefill and decode workers with host tiers and the kvstore: outputs stay exact from every tier."""
     pd = launch(MODEL, tmp_path, "--disaggregation", "pd", "--disaggregation-transfer-backend", "mooncake",
                 "--kvstore", "--enable-hierarchical-cache", "--hicache-ratio", "4", "--page-size", str(PAGE),
-                "--max-total-tokens", "160", "--hicache-storage-prefetch-policy", "wait_complete")
+                "--max-total-tokens", "160", "--hicache-storage-prefetch-policy", "wait_complete", *NO_SKIP)
     try:
         prompts = _prompts(6, 40, seed=14)
         want = reference(prompts)
@@ -149,6 +152,6 @@ def test_pd_with_the_hierarchy_is_token_exact(tmp_path, reference):
         assert [o for o, _ in again] == want and all(c == _aligned(40) for _, c in again)
         _flush(pd.url)
         from_l3 = [_generate(pd.url, p) for p in prompts]
-        assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3)
+        assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3), from_l3
     finally:
         stop_and_check(pd)

@@ -28,6 +28,7 @@ def test_host_and_l3_tiers_on_cuda_are_token_exact(tmp_path, backend, policy):
     with running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=4,
                         hicache_write_policy=policy, hicache_storage_backend="file",
                         hicache_storage_url=str(tmp_path / "l3"), hicache_storage_prefetch_policy="wait_complete",
+                        hicache_storage_backend_extra_config='{"skip_slow_fetches": false}',
                         **common) as llm:
         for round_ in range(3):
             outs = [llm.generate(input_ids=p, sampling_params=SP) for p in prompts]

@@ -135,3 +135,25 @@ def test_device_leaf_without_host_room_takes_its_l3_children_along():
     finish(cm, b)
     assert len(cm.tree.match_prefix(list(range(1, 13))).indices) == 0
     check_no_leaks(cm)
+
+
+def test_prefetches_are_skipped_once_fetching_is_slower_than_prefill():
+    from engine.cache.storage import StorageOptions, open_storage
+
+    cm = make(2, device_pages=16, host_pages=32)
+    tiers = CacheHierarchy(cm, 128, "write_through", cm.events, lambda: open_storage("memory", StorageOptions()))
+    cm.hierarchy = tiers
+    try:
+        tiers.prefill_tokens_per_s = lambda: 50_000.0
+        tiers.io.fetch_tokens_per_s = 5_000.0  # as measured: ten times slower than computing the tokens
+        started = 0
+        for i in range(32):
+            tiers.start_prefetch(new_req(range(1000 + 40 * i, 1040 + 40 * i), f"p{i}"))
+            started = len(tiers.prefetches)
+        assert started == 2, "one probe in 16 still goes ahead"
+        tiers.skip_slow_fetches = False
+        tiers.start_prefetch(new_req(range(5000, 5040), "q"))
+        assert "q" in tiers.prefetches
+    finally:
+        tiers.drain()
+        tiers.close()
