@@ -8,6 +8,7 @@
 #                           1024 in / 1024 out
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
+#   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
@@ -113,5 +114,23 @@ if [[ $PARTS == *multiturn* ]]; then
     extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
     $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
+  done
+fi
+
+if [[ $PARTS == *routing* ]]; then
+  # Issue 11: routing on the global index against cache_aware, two workers sharing the GPU (each with a host tier),
+  # behind one router and behind two router replicas that turns alternate between.
+  MODEL=build/llama-3.1-8b
+  W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend triton --cuda-graph-max-bs 32
+     --mem-fraction-static 0.42 --page-size 64 --max-total-tokens 32768 --num-clients ${CLIENTS:-32} --num-rounds 4
+     --request-length 1024 --output-length 64 --shared-system-prompt-len 1024 --max-parallel 8 --seed 1
+     --log-level warning --workers 2 --enable-hierarchical-cache --hicache-ratio 4 --disable-tqdm
+     --output-file $OUT/routing.jsonl"
+  POLICIES=("--policy cache_aware" "--kvstore --no-kvstore-l3 --policy kv_index"
+            "--routers 2 --policy cache_aware" "--routers 2 --kvstore --no-kvstore-l3 --policy kv_index")
+  for i in ${ROUTING:-0 1 2 3}; do
+    extra=${POLICIES[$i]}
+    echo "== routing $extra"
+    $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
   done
 fi

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-args", default="", help="more launcher flags, as one string after '=': "
                    "--launch-args='--seed 7 --policy random'")
     p.add_argument("--workers", type=int, help="with --launch: colocated workers (the launcher's --num-workers)")
+    p.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports from the router's; "
+                   "turns go to them in turn, as a load balancer without affinity would send them (with --launch: "
+                   "the launcher's --num-routers)")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the mesh may take to start")
     return p
 
@@ -103,10 +106,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unrecognized arguments: {extra} (flags for the mesh need --launch)")
     if args.launch and (args.base_url or not args.model_path):
         p.error("--launch starts its own mesh: give it --model-path and no --base-url")
-    if args.workers is not None and args.workers < 1:
-        p.error("--workers must be at least 1")
+    if args.workers is not None and args.workers < 1 or args.routers < 1:
+        p.error("--workers and --routers must be at least 1")
     workers = ["--num-workers", str(args.workers)] if args.workers else []
-    args.launch_flags = [*rest, *shlex.split(args.launch_args), *workers]
+    routers = ["--num-routers", str(args.routers)] if args.routers > 1 else []
+    args.launch_flags = [*rest, *shlex.split(args.launch_args), *workers, *routers]
     return args
 
 
@@ -168,11 +172,32 @@ def report(turns: list[Turn], histories: list[int], duration: float, workload: W
             "workload_digest": workload.digest()}
 
 
+def replica_url(base_url: str, i: int) -> str:
+    """The i-th router replica's URL: the same host, the port i above the first router's."""
+    head, _, port = base_url.rstrip("/").rpartition(":")
+    return f"{head}:{int(port) + i}"
+
+
+class RoundRobin:
+    """Sends each turn to the next router replica (only `send` is used while the clients play)."""
+
+    def __init__(self, backends: list[HttpBackend]):
+        self.backends, self._next = backends, 0
+
+    async def send(self, item):
+        backend = self.backends[self._next % len(self.backends)]
+        self._next += 1
+        return await backend.send(item)
+
+
 async def benchmark(args: argparse.Namespace) -> dict:
     api = TurnApi()
     backend = HttpBackend(args.base_url or f"http://{args.host}:{args.port}", api)
+    replicas = [HttpBackend(replica_url(backend.base_url, i), api) for i in range(1, args.routers)]
     try:
         hint = await backend.start()
+        for r in replicas:
+            await r.start()
         path = args.tokenizer or args.model_path or hint
         if path is None:
             raise BenchError("no tokenizer to draw prompts from: give --tokenizer or --model-path")
@@ -183,12 +208,15 @@ async def benchmark(args: argparse.Namespace) -> dict:
         facts = server_facts(await get_json(backend, "/get_server_info"))
         await warm_up(backend, api, args, pool)
         before = await backend.counters()
-        turns, histories, duration = await run_clients(backend, api, workload, args.max_parallel or None,
-                                                       args.request_rate, args.seed, args.disable_tqdm)
+        turns, histories, duration = await run_clients(RoundRobin([backend, *replicas]), api, workload,
+                                                       args.max_parallel or None, args.request_rate, args.seed,
+                                                       args.disable_tqdm)
         after = await backend.counters()
         device = await backend.device()
     finally:
         await backend.close()
+        for r in replicas:
+            await r.close()
     return {**report(turns, histories, duration, workload, facts),
             "device": describe_device(device) if args.launch else device,  # else not this machine's
             # The (first) worker's scheduler during the timed run: prefill and decode steps, prefilled tokens.

@@ -39,6 +39,8 @@ class LaunchSettings:
     disaggregation: str = field(default="null", metadata={
         "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
                 "--num-decode) with KV moved between them"})
+    num_routers: int = field(default=1, metadata={
+        "help": "router replicas over the same workers, on --port, --port + 1, ... (a load balancer goes in front)"})
     num_prefill: int = field(default=1, metadata={"help": "with --disaggregation pd: prefill workers"})
     num_decode: int = field(default=1, metadata={"help": "with --disaggregation pd: decode workers"})
     host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
@@ -54,6 +56,9 @@ class LaunchSettings:
     kvstore: bool = field(default=False, metadata={
         "help": "start the kvstore: workers publish KV events to it and (with --enable-hierarchical-cache) use it "
                 "as their L3 tier; the router can route on its index (--policy kv_index)"})
+    kvstore_l3: bool = field(default=True, metadata={
+        "help": "with --kvstore and --enable-hierarchical-cache: the workers use the kvstore as their L3 tier "
+                "(--no-kvstore-l3: the index only)"})
     kvstore_backend: str = field(default="memory", metadata={"help": "with --kvstore: memory, file, redis or mooncake"})
     kvstore_storage_url: str | None = field(default=None, metadata={
         "help": "with --kvstore: the backend's directory (file) or address (redis://host:port/db)"})
@@ -64,8 +69,8 @@ class LaunchSettings:
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds open requests get on SIGTERM"})
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError("--num-workers must be at least 1")
+        if self.num_workers < 1 or self.num_routers < 1:
+            raise ValueError("--num-workers and --num-routers must be at least 1")
         if self.disaggregation not in ("null", "pd"):
             raise ValueError(f"--disaggregation must be null or pd, got {self.disaggregation!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -155,7 +160,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         children.append(Child("kvstore", _kvstore_argv(settings, kv_port), f"grpc://127.0.0.1:{kv_port}"))
         kv_flags = ["--kvstore-url", f"127.0.0.1:{kv_port}"]
         router_kv = list(kv_flags)
-        if engine_kwargs.get("enable_hierarchical_cache") and not engine_kwargs.get("hicache_storage_backend"):
+        if (settings.kvstore_l3 and engine_kwargs.get("enable_hierarchical_cache")
+                and not engine_kwargs.get("hicache_storage_backend")):
             kv_flags += ["--hicache-storage-backend", "kvstore"]
     worker_urls = []
     pd_flags = engine_flags(pd_kwargs or {}) if settings.disaggregation == "pd" else []
@@ -178,6 +184,14 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             router += [flag, str(value)]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     children.append(Child("router", router, f"http://{host}:{settings.port}/health"))
+    for i in range(1, settings.num_routers):  # replicas: the same flags on the next ports, no public gRPC API
+        port = settings.port + i
+        replica = list(router)
+        replica[replica.index("--port") + 1] = str(port)
+        if settings.grpc_port is not None:
+            at = replica.index("--grpc-port")
+            del replica[at:at + 2]
+        children.append(Child(f"router-{i}", replica, f"http://{host}:{port}/health"))
     return children
 
 
@@ -212,7 +226,7 @@ def wait_healthy(children: list[Child], deadline: float, stopping: list) -> None
 
 def stop_all(children: list[Child], grace_s: float) -> None:
     """Router first (so open streams end while the workers still serve them), then everything else."""
-    router = [c for c in children if c.name == "router"]
+    router = [c for c in children if c.name.startswith("router")]
     for group in (router, [c for c in children if c.name != "router"]):
         for c in group:
             if c.alive():
@@ -234,14 +248,18 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    routers = [c for c in children if c.name.startswith("router")]
+    backends = [c for c in children if c not in routers]
     try:
-        for c in children[:-1]:
+        for c in backends:
             c.start()
-        wait_healthy(children[:-1], time.monotonic() + settings.startup_timeout_s, stopping)
-        children[-1].start()
-        wait_healthy(children[-1:], time.monotonic() + settings.startup_timeout_s, stopping)
+        wait_healthy(backends, time.monotonic() + settings.startup_timeout_s, stopping)
+        for c in routers:
+            c.start()
+        wait_healthy(routers, time.monotonic() + settings.startup_timeout_s, stopping)
+        more = f" (and {settings.num_routers - 1} more routers on the next ports)" if settings.num_routers > 1 else ""
         print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
-              f"http://{settings.host}:{settings.port}/v1)", flush=True)
+              f"http://{settings.host}:{settings.port}/v1){more}", flush=True)
         code = 0
         while not stopping:
             # workers and the kvstore may come and go (the mesh serves on without them); the rest may not

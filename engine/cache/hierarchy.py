@@ -220,7 +220,7 @@ class CacheHierarchy:
                 still.append((pending, nodes))
                 continue
             self._unref(nodes)
-            rate = pending.tokens / max(time.perf_counter() - pending.started, 1e-6)
+            rate = pending.tokens / max(pending.elapsed_s(), 1e-6)
             self.host_load_tokens_per_s = rate if not self.host_load_tokens_per_s else \
                 0.8 * self.host_load_tokens_per_s + 0.2 * rate
         self._loading = still

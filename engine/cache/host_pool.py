@@ -48,11 +48,12 @@ class HostKVPool:
 
 @dataclass(slots=True)
 class Pending:
-    """A copy in flight: done once `event` completed (None: already done)."""
+    """A copy in flight: done once `event` completed (None: already done, in `seconds`)."""
 
     event: object | None
     tokens: int
-    started: float
+    seconds: float = 0.0  # a synchronous copy's duration
+    start_event: object = None  # CUDA: recorded on the copy stream before the copy (timing)
     keep: object = None  # buffers the copy reads or writes, alive until it is done
 
     def done(self) -> bool:
@@ -61,6 +62,18 @@ class Pending:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def elapsed_s(self) -> float:
+        """How long the copy itself took (once done)."""
+        if self.start_event is not None:
+            return self.start_event.elapsed_time(self.event) / 1e3
+        return self.seconds
+
+
+def _timing_event(stream):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -92,16 +105,16 @@ class KVMover:
             idx = torch.tensor(dev_pages, dtype=torch.int64)
             staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
             self.host.data[torch.tensor(host_pages, dtype=torch.int64)] = staged
-            return Pending(None, len(dev_pages) * self.kv.page_size, started)
+            return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
+            start = _timing_event(self.stream)
             idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
             staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
             for i, first, n in _runs(host_pages):
                 self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return Pending(event, len(dev_pages) * self.kv.page_size, started, keep=(idx, staged))
+            event = _timing_event(self.stream)
+        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
 
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
         """Copy host pages into device pages (same order); the compute stream waits for it."""
@@ -111,16 +124,16 @@ class KVMover:
             idx = torch.tensor(dev_pages, dtype=torch.int64)
             for j, b in enumerate(self.buffers):
                 self._device_pages(b)[idx] = staged[:, j]
-            return Pending(None, len(dev_pages) * self.kv.page_size, started)
+            return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
         device = self.kv.k[0].device
         with torch.cuda.stream(self.stream):
+            start = _timing_event(self.stream)
             staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype, device=device)
             for i, first, n in _runs(host_pages):
                 staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
             idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
             for j, b in enumerate(self.buffers):
                 self._device_pages(b)[idx] = staged[:, j]
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = _timing_event(self.stream)
         torch.cuda.current_stream().wait_event(event)
-        return Pending(event, len(dev_pages) * self.kv.page_size, started, keep=(idx, staged))
+        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))

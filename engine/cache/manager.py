@@ -230,7 +230,8 @@ class CacheManager:
                "host_hit_tokens": h.hit_tokens["host"], "storage_hit_tokens": h.hit_tokens["storage"],
                "host_load_tokens_per_s": h.host_load_tokens_per_s}
         if h.io is not None:
-            out["storage_load_tokens_per_s"] = h.io.fetch_tokens_per_s
+            # a best_effort worker does not wait for its L3 pages: routers should not count on them
+            out["storage_load_tokens_per_s"] = h.io.fetch_tokens_per_s if h.prefetch_policy != "best_effort" else 0.0
             out.update({f"storage_{k}": v for k, v in h.io.stats.items()})
         return out
 

@@ -35,6 +35,7 @@ from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 
 log = logging.getLogger(__name__)
+QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 
 
 class Scheduler:
@@ -57,6 +58,7 @@ class Scheduler:
         self.in_flight: InFlight | None = None
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self.prefill_tokens_per_s = 0.0  # measured over extend steps (EMA), for routers' time-to-first-token model
+        self.queue_time_s = 0.0  # arrival to admission of new requests (EMA)
         self._stop = threading.Event()
         self._changed = False
 
@@ -154,6 +156,11 @@ class Scheduler:
         busy = len(self.running) + (self.chunked is not None)
         admitted = self.planner.plan(self.waiting, self.running, busy, used) if self.waiting else []
         if admitted:
+            now = time.monotonic()
+            for r in admitted:
+                if r.retractions == 0 and not r.output_ids:
+                    wait = now - r.arrival
+                    self.queue_time_s = wait if not self.queue_time_s else 0.8 * self.queue_time_s + 0.2 * wait
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         self.chunked = None
@@ -455,9 +462,12 @@ class Scheduler:
 
     def load(self) -> dict:
         tiers = self.cache.tier_stats()
-        queued = sum(r.fill_len for r in self.waiting) + (
-            self.chunked.fill_len - self.chunked.kv_len if self.chunked else 0)
+        # prompt tokens still to prefill: the first QUEUE_SCAN waiting requests less what the cache holds for them
+        queued = sum(r.fill_len - self.cache.match_len(r.fill_ids, r.tenant) for r in self.waiting[:QUEUE_SCAN])
+        queued += self.chunked.fill_len - self.chunked.kv_len if self.chunked else 0
         return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
                 "available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "queued_prefill_tokens": queued,
+                "queue_time_s": max(self.queue_time_s, time.monotonic() - min(r.arrival for r in self.waiting))
+                if self.waiting else 0.0,
                 **tiers, **self.handoffs.counts(), **self.stats}

@@ -187,7 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             prefill_tokens_per_s=load.get("prefill_tokens_per_s", 0.0),
             host_load_tokens_per_s=load.get("host_load_tokens_per_s", 0.0),
             storage_load_tokens_per_s=load.get("storage_load_tokens_per_s", 0.0),
-            queued_prefill_tokens=load.get("queued_prefill_tokens", 0))
+            queued_prefill_tokens=load.get("queued_prefill_tokens", 0), queue_time_s=load.get("queue_time_s", 0.0))
         rooms = self.decode_rooms or self.prefill_rooms
         if self.decode_rooms is not None:
             c = self.decode_rooms.counts()

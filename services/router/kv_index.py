@@ -83,8 +83,8 @@ class KvIndexPolicy:
         out = []
         for w in workers:
             speeds = self.speeds.get(w.url, UNMEASURED)
-            waiting = speeds.queued_prefill_tokens + self.routed.get(w.url, 0)
-            out.append(expected_ttft_s(n, _match_of(matches.get(w.url)), rates_of(speeds, fleet), waiting))
+            out.append(expected_ttft_s(n, _match_of(matches.get(w.url)), rates_of(speeds, fleet),
+                                       self.routed.get(w.url, 0), speeds.queue_time_s))
         return out
 
     def _cheapest(self, workers, input_ids, matches) -> Candidate:
@@ -146,7 +146,8 @@ class KvIndexPolicy:
 
     def observe_loads(self, url: str, loads: worker_pb2.GetLoadsResponse, routed_before: int | None = None) -> None:
         """Take a worker's GetLoads answer. The tokens routed there before the poll was sent (`routed_before`;
-        None: all of them) are now in its queued_prefill_tokens, or prefilled, so they stop counting separately."""
+        None: all of them) are now in its queue (and its measured queue time), or prefilled, so they stop counting
+        separately."""
         self.speeds[url] = WorkerSpeeds.from_loads(loads)
         routed = self.routed.get(url, 0)
         self.routed[url] = max(routed - (routed if routed_before is None else routed_before), 0)

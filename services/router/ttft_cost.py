@@ -2,11 +2,15 @@
 
     cost(w) = uncached / prefill_rate(w)                       compute the tokens no tier holds
             + host / host_rate(w) + storage / storage_rate(w)  load the ones its host pool (L2) and the store (L3) hold
-            + waiting(w) / prefill_rate(w)                     the prefill work queued ahead of it
+            + queue_time(w)                                    the wait before its prefill starts
+            + routed(w) / prefill_rate(w)                      what this router sent it since that was measured
 
     uncached = prompt_len - device - host - storage; device tokens are free (already in the KV pool).
-    waiting(w) = the worker's queued_prefill_tokens at its last load poll + the uncached tokens this router has
-    sent it since (so a burst between two polls spreads out instead of landing on one worker).
+    queue_time(w) = the worker's measured wait from arrival to prefill (GetLoads queue_time_s). A measured wait,
+    not queued tokens over the prefill rate: queued work is prefilled in batches together with the new request,
+    so counting its tokens one by one overstates it and drives requests away from their cached prefixes.
+    routed(w) = the uncached tokens this router has sent the worker since its last load poll (so a burst between
+    two polls spreads out instead of landing on one worker).
 
 Rates are the workers' own measurements (GetLoads, tokens per second). Priors where a worker has not measured one
 yet (it reports 0):
@@ -14,8 +18,10 @@ yet (it reports 0):
     and PRIOR_PREFILL_TOKENS_PER_S when none has measured it;
   - host loads: HOST_PRIOR_SPEEDUP x the prefill rate (a host-to-device copy of a page is ~20x cheaper than
     recomputing it);
-  - store fetches: STORAGE_PRIOR_SPEEDUP x the prefill rate (a network read, still ~5x cheaper than recomputing).
-The priors only need the right order: device < host < storage < recompute."""
+  - store fetches: none. A worker reports a store rate only once it has measured one and only when its prefetch
+    policy makes requests wait for their pages (best_effort does not: its L3 pages usually land after the prefill
+    started), so an unreported rate means store hits are not worth counting: they cost as much as recomputing.
+The host prior only needs the right order: device < host < recompute."""
 
 from __future__ import annotations
 
@@ -27,7 +33,6 @@ from radixmesh.v1 import worker_pb2
 
 PRIOR_PREFILL_TOKENS_PER_S = 10_000.0
 HOST_PRIOR_SPEEDUP = 20.0
-STORAGE_PRIOR_SPEEDUP = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +43,13 @@ class WorkerSpeeds:
     host_load_tokens_per_s: float = 0.0
     storage_load_tokens_per_s: float = 0.0
     queued_prefill_tokens: int = 0
+    queue_time_s: float = 0.0
 
     @classmethod
     def from_loads(cls, loads: worker_pb2.GetLoadsResponse) -> "WorkerSpeeds":
         return cls(max(loads.prefill_tokens_per_s, 0.0), max(loads.host_load_tokens_per_s, 0.0),
-                   max(loads.storage_load_tokens_per_s, 0.0), max(loads.queued_prefill_tokens, 0))
+                   max(loads.storage_load_tokens_per_s, 0.0), max(loads.queued_prefill_tokens, 0),
+                   max(loads.queue_time_s, 0.0))
 
 
 UNMEASURED = WorkerSpeeds()
@@ -79,7 +86,7 @@ def fleet_prefill_rate(speeds: Iterable[WorkerSpeeds]) -> float:
 def rates_of(speeds: WorkerSpeeds, fleet_prefill: float) -> Rates:
     prefill = speeds.prefill_tokens_per_s or fleet_prefill
     return Rates(prefill, speeds.host_load_tokens_per_s or HOST_PRIOR_SPEEDUP * prefill,
-                 speeds.storage_load_tokens_per_s or STORAGE_PRIOR_SPEEDUP * prefill)
+                 speeds.storage_load_tokens_per_s or prefill)
 
 
 def uncached_tokens(prompt_len: int, match: Match) -> int:
@@ -87,9 +94,11 @@ def uncached_tokens(prompt_len: int, match: Match) -> int:
     return prompt_len - m.device - m.host - m.storage
 
 
-def expected_ttft_s(prompt_len: int, match: Match, rates: Rates, waiting_tokens: int) -> float:
-    """Seconds until the first token on a worker with these rates, `match` and `waiting_tokens` queued ahead."""
+def expected_ttft_s(prompt_len: int, match: Match, rates: Rates, routed_tokens: int,
+                    queue_time_s: float = 0.0) -> float:
+    """Seconds until the first token on a worker with these rates and `match`, after its measured queue time and
+    the prefill of `routed_tokens` sent there since."""
     m = match.clipped(prompt_len)
     uncached = prompt_len - m.device - m.host - m.storage
-    return ((uncached + max(waiting_tokens, 0)) / rates.prefill + m.host / rates.host
-            + m.storage / rates.storage)
+    return ((uncached + max(routed_tokens, 0)) / rates.prefill + m.host / rates.host
+            + m.storage / rates.storage + max(queue_time_s, 0.0))

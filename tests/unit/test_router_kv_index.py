@@ -47,9 +47,10 @@ def wm(url: str, device: int = 0, host: int = 0, storage: int = 0) -> kvstore_pb
                                    host_tokens=host, storage_tokens=storage)
 
 
-def loads(prefill: float = 0.0, host: float = 0.0, storage: float = 0.0, queued: int = 0):
+def loads(prefill: float = 0.0, host: float = 0.0, storage: float = 0.0, queued: int = 0, queue_time: float = 0.0):
     return worker_pb2.GetLoadsResponse(prefill_tokens_per_s=prefill, host_load_tokens_per_s=host,
-                                       storage_load_tokens_per_s=storage, queued_prefill_tokens=queued)
+                                       storage_load_tokens_per_s=storage, queued_prefill_tokens=queued,
+                                       queue_time_s=queue_time)
 
 
 class FakeKvStore(kvstore_pb2_grpc.KvStoreServiceServicer):
@@ -115,7 +116,7 @@ def test_cost_model_priors_and_clipping():
     assert fleet_prefill_rate([WorkerSpeeds()]) == PRIOR_PREFILL_TOKENS_PER_S
     assert fleet_prefill_rate([WorkerSpeeds(1000.0), WorkerSpeeds(3000.0), WorkerSpeeds()]) == 2000.0
     r = rates_of(WorkerSpeeds(), 2000.0)
-    assert r == Rates(2000.0, 2000.0 * HOST_PRIOR_SPEEDUP, 10_000.0)
+    assert r == Rates(2000.0, 2000.0 * HOST_PRIOR_SPEEDUP, 2000.0)  # an unreported store rate: worth nothing
     assert rates_of(WorkerSpeeds(500.0, 700.0, 900.0), 2000.0) == Rates(500.0, 700.0, 900.0)
     rates = Rates(100.0, 1000.0, 200.0)
     assert expected_ttft_s(300, Match(100, 100, 50), rates, 50) == pytest.approx((50 + 50) / 100 + 0.1 + 0.25)
@@ -152,8 +153,12 @@ async def test_a_fast_host_match_beats_nothing_and_a_slow_one_does_not(kvstore):
     async with policy_of(url) as policy:  # nothing measured: the priors rank host loads above recomputing
         assert (await policy.pick_async(ws, PROMPT)).url == "a:1"
     fake.matches = [wm("b:2", storage=256)]
-    async with policy_of(url) as policy:  # likewise the store, at its prior speed
+    async with policy_of(url) as policy:  # store hits count only at a rate the worker reported (it waits for them)
+        policy.observe_loads("b:2", loads(prefill=10_000, storage=50_000))
         assert (await policy.pick_async(ws, PROMPT)).url == "b:2"
+    async with policy_of(url) as policy:  # no rate reported (best_effort, or not measured): a tie, by hash
+        assert policy.costs(ws, PROMPT, {"b:2": wm("b:2", storage=256)})[0] == pytest.approx(
+            policy.costs(ws, PROMPT, {"b:2": wm("b:2", storage=256)})[1])
 
 
 async def test_a_deeply_queued_worker_loses_to_an_idle_one(kvstore):
@@ -161,10 +166,11 @@ async def test_a_deeply_queued_worker_loses_to_an_idle_one(kvstore):
     fake.matches = [wm("a:1", device=288)]
     ws = [W("a:1"), W("b:2")]
     async with policy_of(url) as policy:
-        policy.observe_loads("a:1", loads(prefill=10_000, queued=200_000))
+        policy.observe_loads("a:1", loads(prefill=10_000, queued=200_000, queue_time=20.0))
         policy.observe_loads("b:2", loads(prefill=10_000, queued=0))
         assert (await policy.pick_async(ws, PROMPT)).url == "b:2"
-        policy.observe_loads("a:1", loads(prefill=10_000, queued=100))  # a short queue: the cache wins again
+        # a short wait: the cache wins again (288 cached tokens are worth 29 ms at 10k tokens/s)
+        policy.observe_loads("a:1", loads(prefill=10_000, queued=100, queue_time=0.01))
         assert (await policy.pick_async(ws, PROMPT)).url == "a:1"
 
 
