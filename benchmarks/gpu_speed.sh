@@ -121,11 +121,12 @@ if [[ $PARTS == *routing* ]]; then
   # Issue 11: routing on the global index against cache_aware, two workers sharing the GPU (each with a host tier),
   # behind one router and behind two router replicas that turns alternate between. (mem_fraction_static is of the
   # whole GPU, as in SGLang: a worker needs free - total * (1 - fraction) > 0 after both loaded their weights.)
+  # On two GPUs: GPU_IDS="--worker-gpu-ids 0 1" gives each worker its own.
   MODEL=build/llama-3.1-8b
   W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend triton --cuda-graph-max-bs 32
      --mem-fraction-static 0.8 --page-size 64 --max-total-tokens 32768 --num-clients ${CLIENTS:-32} --num-rounds 4
      --request-length 1024 --output-length 64 --shared-system-prompt-len 1024 --max-parallel 8 --seed 1
-     --log-level warning --workers 2 --enable-hierarchical-cache --hicache-ratio 4 --disable-tqdm
+     --log-level warning --workers 2 --enable-hierarchical-cache --hicache-ratio 4 --disable-tqdm ${GPU_IDS:-}
      --output-file $OUT/routing.jsonl"
   POLICIES=("--policy cache_aware" "--kvstore --no-kvstore-l3 --policy kv_index"
             "--routers 2 --policy cache_aware" "--routers 2 --kvstore --no-kvstore-l3 --policy kv_index")

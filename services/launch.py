@@ -39,6 +39,9 @@ class LaunchSettings:
     disaggregation: str = field(default="null", metadata={
         "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
                 "--num-decode) with KV moved between them"})
+    worker_gpu_ids: tuple[str, ...] = field(default=(), metadata={
+        "help": "GPU ids for the workers, in turn (worker i sees only GPU ids[i % n]); default: every worker sees "
+                "every GPU and uses the first"})
     num_routers: int = field(default=1, metadata={
         "help": "router replicas over the same workers, on --port, --port + 1, ... (a load balancer goes in front)"})
     num_prefill: int = field(default=1, metadata={"help": "with --disaggregation pd: prefill workers"})
@@ -108,10 +111,11 @@ class Child:
     argv: list[str]
     health: str  # "grpc://host:port" or "http://host:port/health"
     proc: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)  # set on top of the launcher's environment
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                          os.environ.get("PYTHONPATH")]))}
+                                                                          os.environ.get("PYTHONPATH")])), **self.env}
         # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
                                      start_new_session=True)
@@ -171,7 +175,9 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         argv = ["services.decode", "--port", str(port), *role, *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
         if settings.served_model_name:
             argv += ["--served-model-name", settings.served_model_name]
-        children.append(Child(name, argv, f"grpc://127.0.0.1:{port}"))
+        gpus = settings.worker_gpu_ids
+        env = {"CUDA_VISIBLE_DEVICES": gpus[(len(worker_urls) - 1) % len(gpus)]} if gpus else {}
+        children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
               "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
               "--shutdown-grace-s", str(settings.shutdown_grace_s), *router_kv]
