@@ -69,9 +69,12 @@ class KvEventLog:
             wake()
 
     def since(self, sequence: int) -> list[KvEvent] | None:
-        """Events after `sequence`, oldest first; None when some of them are no longer kept."""
+        """Events after `sequence`, oldest first; None when some of them are no longer kept, or when `sequence` is
+        from the future (a subscriber of an earlier process): start over from a snapshot then."""
         with self._lock:
-            if sequence >= self._seq:
+            if sequence > self._seq:
+                return None
+            if sequence == self._seq:
                 return []
             if not self._events or self._events[0].sequence > sequence + 1:
                 return None

@@ -238,9 +238,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stop = events.listen(lambda: loop.call_soon_threadsafe(wake.set))
         try:
             cursor = request.after_sequence
+            resume = cursor > 0
             while True:
                 wake.clear()
-                batch = events.since(cursor) if cursor else None
+                batch = events.since(cursor) if resume else None
+                resume = True
                 if batch is None:  # start (or restart) from a snapshot
                     cursor, snapshot = await self._blocking(self.engine.kv_snapshot)
                     yield convert.kv_event(_CLEARED, cursor)

@@ -89,3 +89,32 @@ def test_snapshot_then_stored_and_removed_events_with_tiers():
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_an_empty_worker_sends_one_cleared_then_waits():
+    """A subscriber of a worker with nothing cached gets one `cleared` (an empty snapshot), then events only when
+    pages arrive; a sequence from an earlier process of the worker gets a snapshot, not silence."""
+    proc, url = start("services.decode", "--page-size", str(PAGE), "--kv-events-config", "{}")
+    try:
+        with grpc.insecure_channel(url) as ch:
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            events: queue.Queue = queue.Queue()
+            stream = _reader(stub, 0, events)
+            assert events.get(timeout=20).HasField("cleared")
+            try:
+                extra = events.get(timeout=1.0)
+            except queue.Empty:
+                extra = None
+            assert extra is None, "nothing happened, so nothing more may be sent"
+            sp = common_pb2.SamplingParams(max_new_tokens=1, temperature=0.0)
+            list(stub.Generate(worker_pb2.GenerateRequest(request_id="a", input_ids=list(range(10, 30)),
+                                                          sampling_params=sp)))
+            assert events.get(timeout=20).HasField("stored")
+            stream.cancel()
+            stale: queue.Queue = queue.Queue()
+            stream = _reader(stub, 10**9, stale)
+            assert stale.get(timeout=20).HasField("cleared")
+            stream.cancel()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
