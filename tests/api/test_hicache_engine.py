@@ -74,12 +74,17 @@ def test_host_tier_serves_evicted_prefixes_token_exact(reference, page, policy):
         engine.shutdown()
 
 
+def _file_l3(tmp_path: Path) -> dict:
+    """A small device pool and host pool over an L3 file store in tmp_path; requests wait for their prefetch."""
+    return dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
+                hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
+                hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
+                log_level="warning")
+
+
 def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
     prompts = _prompts(5, 36, seed=1)
-    kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
-                  hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
-                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
-                  log_level="warning")
+    kwargs = _file_l3(tmp_path)
     engine = Engine(**kwargs)
     try:
         outs, _ = _run(engine, prompts)
@@ -100,10 +105,7 @@ def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
 
 def test_corrupt_l3_page_is_recomputed_not_used(reference, tmp_path: Path):
     prompts = _prompts(1, 36, seed=2)
-    kwargs = dict(model_path=MODEL, page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
-                  hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"),
-                  hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP,
-                  log_level="warning")
+    kwargs = _file_l3(tmp_path)
     engine = Engine(**kwargs)
     try:
         _run(engine, prompts)
