@@ -40,7 +40,7 @@ class LaunchSettings:
         "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
                 "--num-decode) with KV moved between them"})
     worker_gpu_ids: tuple[str, ...] = field(default=(), metadata={
-        "help": "GPU ids for the workers, in turn (worker i sees only GPU ids[i % n]); default: every worker sees "
+        "help": "GPU ids for the workers, in turn (worker i sees only the i-th, wrapping around); default: every worker sees "
                 "every GPU and uses the first"})
     num_routers: int = field(default=1, metadata={
         "help": "router replicas over the same workers, on --port, --port + 1, ... (a load balancer goes in front)"})
