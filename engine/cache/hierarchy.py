@@ -271,7 +271,7 @@ class CacheHierarchy:
         if self.io is None or req.rid in self.prefetches or self._l3_slower_than_prefill():
             return
         limit = (req.fill_len - 1) // self.page * self.page
-        match = self.tree.match_prefix(req.tokens(0, limit), req.tenant)
+        match = self.tree.match_prefix(req.tokens(0, limit), req.tenant, touch=False)
         have = len(match.indices) + match.host_len
         if limit - have < self.page:
             return
@@ -339,7 +339,7 @@ class CacheHierarchy:
         if not len(pages):
             return 0
         end = fetch.start + len(pages) * self.page
-        match = self.tree.match_prefix(fetch.tokens[:end], fetch.namespace)
+        match = self.tree.match_prefix(fetch.tokens[:end], fetch.namespace, touch=False)
         have = len(match.indices) + match.host_len
         if have < fetch.start or have >= end:
             return 0

@@ -87,7 +87,7 @@ class CacheManager:
         left to compute."""
         if self.tree is None or len(tokens) <= 1:
             return 0
-        match = self.tree.match_prefix(tokens[:-1], namespace)
+        match = self.tree.match_prefix(tokens[:-1], namespace, touch=False)
         return len(match.indices) + match.host_len
 
     def admit(self, req: Req, whole_prompt: bool = False) -> bool:

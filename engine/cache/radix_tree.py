@@ -120,9 +120,10 @@ class RadixTree:
         return node.page_keys[-1]
 
     # ---- lookups ----------------------------------------------------------------------------------------------
-    def match_prefix(self, key: list[int], namespace: str = "") -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: str = "", touch: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `key`: its device part, then the host-only nodes after it. Splits a
-        node when the match ends inside it."""
+        node when the match ends inside it. `touch`: the match is a use (LRU order and hit counts move); a lookup
+        that only measures (load reports, queue ordering, prefetch planning) passes False."""
         key = key[: len(key) // self.page * self.page]
         node, pos, values, now = self.ns_root(namespace), 0, [], self._tick()
         device_node, host_nodes = node, []
@@ -133,8 +134,9 @@ class RadixTree:
             n = _common_len(child.key, key[pos:], self.page)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = now
-            child.hits += 1
+            if touch:
+                child.last_access = now
+                child.hits += 1
             if child.on_device:
                 values.append(child.value)
                 device_node = child
