@@ -8,6 +8,7 @@
 #                           1024 in / 1024 out
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
+#   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
@@ -21,11 +22,16 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=$PWD/build/fi  # JIT-compiled FlashInfer kernels survive between calls here
 PY=python3
 PARTS=${PARTS:-setup tests}
+export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 CFG=benchmarks/configs/llama-3.1-8b
 COMMON="--model-path $CFG --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning"
 
 if [[ $PARTS == *setup* ]]; then
   $PY -m pip install --no-deps --no-index --quiet .whl/*.whl 2>&1 | tail -2
+  if [[ -d .gpu-wheels ]]; then  # Mooncake's CPU build and its Debian libraries (benchmarks/gpu_pd.sh says how)
+    $PY -m pip install --no-deps --no-index --quiet .gpu-wheels/*.whl 2>&1 | tail -2
+    mkdir -p /tmp/debs && for f in .gpu-wheels/*.deb; do dpkg -x "$f" /tmp/debs; done
+  fi
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
   $PY -c 'import torch, triton, flashinfer, grpc; print("torch", torch.__version__, "triton", triton.__version__,
 "flashinfer", flashinfer.__version__, "grpc", grpc.__version__)' | tee -a "$OUT/device.txt"
@@ -108,12 +114,28 @@ if [[ $PARTS == *multiturn* ]]; then
            "--enable-hierarchical-cache --hicache-ratio 1 --hicache-write-policy write_back --kvstore
             --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
             --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
-           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_back")
-  # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back
+           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_back"
+           "--enable-hierarchical-cache --hicache-ratio 4 --kvstore --kvstore-transport mooncake
+            --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
+            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-transport mooncake
+            --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
+            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}")
+  # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
+  # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC
   for i in ${MT_CONFIGS:-0 1 2}; do
     extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
     $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
+  done
+fi
+
+if [[ $PARTS == *transport* ]]; then
+  # Issue 11: L3 page bytes between a host pool and the kvstore, gRPC against the Mooncake transfer engine (TCP,
+  # loopback), through the worker's storage path; 8B-shaped pages of 64 and of 16 tokens.
+  for ps in 64 16; do
+    $PY -m benchmarks.kvstore_transport --shape 8b --page-size $ps --pages $((4096 / ps)) --batch $((512 / ps)) \
+      --output-file $OUT/transport.jsonl 2>&1 | grep -v "^[IEW][0-9]\|InitGoogle" | tee -a "$OUT/transport.log"
   done
 fi
 

@@ -241,8 +241,12 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
 
 # timeout_s: bound on one store call; prefetch_timeout_s: the `timeout` prefetch policy's wait; capacity_bytes, ttl_s:
 # the store's bounds (memory/file, redis); skip_slow_fetches (default true): skip most prefetches once fetching has
-# been measured slower than prefilling.
-HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s", "skip_slow_fetches")
+# been measured slower than prefilling; transport (kvstore only): "grpc" or "mooncake" (page bytes by the Mooncake
+# transfer engine, straight from and into the host pool) and transfer_host, the address the kvstore reaches this
+# worker's transfer engine at.
+HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s", "skip_slow_fetches", "transport",
+                      "transfer_host")
+STORAGE_TRANSPORTS = ("grpc", "mooncake")
 
 
 def hicache_extra(args: EngineArgs) -> dict:
@@ -256,6 +260,11 @@ def hicache_extra(args: EngineArgs) -> dict:
     _check(isinstance(extra, dict), "hicache_storage_backend_extra_config must be a JSON object")
     unknown = sorted(set(extra) - set(HICACHE_EXTRA_KEYS))
     _check(not unknown, f"unknown hicache_storage_backend_extra_config key(s) {unknown}; known: {HICACHE_EXTRA_KEYS}")
+    transport = extra.get("transport", "grpc")
+    _check(transport in STORAGE_TRANSPORTS,
+           f"hicache_storage_backend_extra_config transport must be one of {STORAGE_TRANSPORTS}, got {transport!r}")
+    _check(transport == "grpc" or args.hicache_storage_backend == "kvstore",
+           "hicache_storage_backend_extra_config transport applies to the kvstore backend only")
     return extra
 
 

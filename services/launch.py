@@ -9,6 +9,7 @@ launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineArgs
+from engine.config import STORAGE_TRANSPORTS, EngineArgs
 from services.common.settings import parse_settings
 from services.decode.settings import PdSettings
 
@@ -40,8 +41,8 @@ class LaunchSettings:
         "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
                 "--num-decode) with KV moved between them"})
     worker_gpu_ids: tuple[str, ...] = field(default=(), metadata={
-        "help": "GPU ids for the workers, in turn (worker i sees only the i-th, wrapping around); default: every worker sees "
-                "every GPU and uses the first"})
+        "help": "GPU ids for the workers, in turn (worker i sees only the i-th, wrapping around); default: every "
+                "worker sees every GPU and uses the first"})
     num_routers: int = field(default=1, metadata={
         "help": "router replicas over the same workers, on --port, --port + 1, ... (a load balancer goes in front)"})
     num_prefill: int = field(default=1, metadata={"help": "with --disaggregation pd: prefill workers"})
@@ -66,6 +67,9 @@ class LaunchSettings:
     kvstore_storage_url: str | None = field(default=None, metadata={
         "help": "with --kvstore: the backend's directory (file) or address (redis://host:port/db)"})
     kvstore_capacity_bytes: int | None = field(default=None, metadata={"help": "with --kvstore: bound on stored pages"})
+    kvstore_transport: str = field(default="grpc", metadata={
+        "help": "with --kvstore as L3: how page bytes travel between the workers and the kvstore, grpc (in the "
+                "messages) or mooncake (the Mooncake transfer engine, straight from and into the host pools)"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -80,6 +84,9 @@ class LaunchSettings:
             raise ValueError("--num-prefill and --num-decode must be at least 1")
         if self.policy == "kv_index" and not self.kvstore:
             raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
+        if self.kvstore_transport not in STORAGE_TRANSPORTS:
+            raise ValueError(f"--kvstore-transport must be one of {', '.join(STORAGE_TRANSPORTS)}, "
+                             f"got {self.kvstore_transport!r}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -167,6 +174,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         if (settings.kvstore_l3 and engine_kwargs.get("enable_hierarchical_cache")
                 and not engine_kwargs.get("hicache_storage_backend")):
             kv_flags += ["--hicache-storage-backend", "kvstore"]
+        if settings.kvstore_transport != "grpc" and "--hicache-storage-backend" in kv_flags:
+            engine_kwargs = _with_transport(engine_kwargs, settings.kvstore_transport)
     worker_urls = []
     pd_flags = engine_flags(pd_kwargs or {}) if settings.disaggregation == "pd" else []
     for name, role in _worker_roles(settings):
@@ -201,8 +210,17 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     return children
 
 
+def _with_transport(engine_kwargs: dict, transport: str) -> dict:
+    """The engine flags with `transport` added to --hicache-storage-backend-extra-config."""
+    extra = json.loads(engine_kwargs.get("hicache_storage_backend_extra_config") or "{}")
+    extra["transport"] = transport
+    return {**engine_kwargs, "hicache_storage_backend_extra_config": json.dumps(extra)}
+
+
 def _kvstore_argv(settings: LaunchSettings, port: int) -> list[str]:
     argv = ["services.kvstore", "--port", str(port), "--backend", settings.kvstore_backend]
+    if settings.kvstore_transport == "mooncake":
+        argv.append("--enable-mooncake-transfer")
     if settings.kvstore_storage_url:
         argv += ["--storage-url", settings.kvstore_storage_url]
     if settings.kvstore_capacity_bytes is not None:

@@ -50,7 +50,8 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
     storage = None
     if args.hicache_storage_backend is not None:
         options = StorageOptions(url=args.hicache_storage_url or "", layout=layout,
-                                 **{k: v for k, v in extra.items() if k in ("timeout_s", "capacity_bytes", "ttl_s")})
+                                 **{k: v for k, v in extra.items()
+                                    if k in ("timeout_s", "capacity_bytes", "ttl_s", "transport", "transfer_host")})
         name = args.hicache_storage_backend
         check_storage_backend(name)
         storage = functools.partial(open_storage, name, options)  # opened (and reopened) on the storage thread

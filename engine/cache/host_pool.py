@@ -37,6 +37,13 @@ class HostKVPool:
     def page_bytes(self) -> int:
         return self.data[0].numel() * self.data.element_size()
 
+    def page_address(self, page: int) -> int:
+        return self.data.data_ptr() + page * self.page_bytes
+
+    def page_view(self, page: int):
+        """Page `page`'s bytes without a copy (a uint8 numpy array over the pool's memory)."""
+        return self.data[page].view(torch.uint8).view(-1).numpy()
+
     def read_page(self, page: int) -> bytes:
         return self.data[page].view(torch.uint8).numpy().tobytes()
 

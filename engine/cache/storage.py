@@ -84,6 +84,27 @@ class PageStorage(Protocol):
     def close(self) -> None: ...
 
 
+class DirectPageStorage(PageStorage, Protocol):
+    """A store that moves page bytes straight between its peer and registered host memory (the host pool), with no
+    copy through Python bytes: `register_host` once, then pages by address. Checksums stay the caller's: it computes
+    them over the memory it sends and checks them over the memory it received."""
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """Make [ptr, ptr + nbytes) reachable for this store's transfers."""
+
+    def set_from(self, keys: list[bytes], checksums: list[int], addresses: list[int], page_bytes: int) -> int:
+        """Store the pages lying at `addresses` (each `page_bytes` long) under `keys`; returns how many were stored.
+        The memory must stay unchanged until the call returns."""
+
+    def get_into(self, keys: list[bytes], addresses: list[int], page_bytes: int) -> list[int]:
+        """Write the consecutive hit prefix of `keys` to `addresses`; returns the checksums the store holds for the
+        pages written (the caller verifies them against the memory)."""
+
+
+def is_direct(storage: PageStorage) -> bool:
+    return callable(getattr(storage, "register_host", None))
+
+
 @dataclass(frozen=True, slots=True)
 class StorageOptions:
     url: str = ""  # the backend's address (redis://host:port/db, host:port) or directory; "" for memory
@@ -91,6 +112,11 @@ class StorageOptions:
     capacity_bytes: int = 1 << 30  # memory: LRU bound; file: bound on the directory's pages (0: unbounded)
     ttl_s: float = 0.0  # redis: expiry of a page after its last write (0: none)
     layout: KvLayout | None = None  # the engine's layout (the kvstore client sends it); None in the kvstore service
+    # kvstore: how page bytes travel, "grpc" (in the messages) or "mooncake" (the Mooncake transfer engine, straight
+    # from and into the host pool); transfer_host: the address the store reaches this process's engine at ("" : the
+    # local address that routes to the store)
+    transport: str = "grpc"
+    transfer_host: str = ""
 
 
 StorageFactory = Callable[[StorageOptions], PageStorage]

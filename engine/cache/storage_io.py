@@ -16,10 +16,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.cache.host_pool import HostKVPool
 from typing import Callable
 
-from engine.cache.storage import PageStorage, StorageError, StoredPage, checksum, intact
+from engine.cache.host_pool import HostKVPool
+from engine.cache.storage import PageStorage, StorageError, StoredPage, checksum, intact, is_direct
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,13 @@ class StorageIO:
             if self.storage is not None:
                 return True
             try:
-                self.storage = self._open()
-                log.info("L3 store open")
+                storage = self._open()
+                if is_direct(storage):  # page bytes move straight between the store and the host pool
+                    data = self.host.data
+                    storage.register_host(data.data_ptr(), data.numel() * data.element_size())
+                self.storage = storage
+                log.info("L3 store open%s", " (page bytes straight from and into the host pool)"
+                         if is_direct(storage) else "")
                 return True
             except StorageError as e:
                 self._failed(job, f"cannot open: {e}")
@@ -138,6 +143,12 @@ class StorageIO:
                     reason, self.retry_after_s)
 
     def _write(self, job: StorageJob) -> None:
+        if job.data is None and is_direct(self.storage):
+            views = [self.host.page_view(p) for p in job.host_pages]
+            self.storage.set_from(job.keys, [checksum(v) for v in views],
+                                  [self.host.page_address(p) for p in job.host_pages], self.host.page_bytes)
+            self.stats["written_pages"] += len(job.keys)
+            return
         pages = []
         for i, (key, page) in enumerate(zip(job.keys, job.host_pages)):
             data = job.data[i] if job.data is not None else self.host.read_page(page)
@@ -147,17 +158,33 @@ class StorageIO:
 
     def _fetch(self, job: StorageJob) -> None:
         start = time.perf_counter()
-        pages = self.storage.get(job.keys)
-        for page, key, host_page in zip(pages, job.keys, job.host_pages):
-            if page.key != key or not intact(page) or len(page.data) != self.host.page_bytes:
-                job.corrupt += 1
-                self.stats["corrupt_pages"] += 1
-                log.warning("L3 page %s failed its checksum or size; recomputing it", key.hex())
-                break
-            self.host.write_page(host_page, page.data)
-            job.loaded += 1
+        if is_direct(self.storage):
+            self._fetch_direct(job)
+        else:
+            pages = self.storage.get(job.keys)
+            for page, key, host_page in zip(pages, job.keys, job.host_pages):
+                if page.key != key or not intact(page) or len(page.data) != self.host.page_bytes:
+                    self._corrupt(job, key)
+                    break
+                self.host.write_page(host_page, page.data)
+                job.loaded += 1
         self.stats["fetched_pages"] += job.loaded
         if job.loaded:
             rate = job.loaded * self.host.page_size / max(time.perf_counter() - start, 1e-6)
             self.fetch_tokens_per_s = rate if not self.fetch_tokens_per_s else \
                 0.8 * self.fetch_tokens_per_s + 0.2 * rate
+
+    def _fetch_direct(self, job: StorageJob) -> None:
+        """The store writes the pages into the job's host pages; each is checked against the checksum it came with."""
+        addresses = [self.host.page_address(p) for p in job.host_pages]
+        checksums = self.storage.get_into(job.keys, addresses, self.host.page_bytes)
+        for key, host_page, crc in zip(job.keys, job.host_pages, checksums):
+            if checksum(self.host.page_view(host_page)) != crc:
+                self._corrupt(job, key)
+                break
+            job.loaded += 1
+
+    def _corrupt(self, job: StorageJob, key: bytes) -> None:
+        job.corrupt += 1
+        self.stats["corrupt_pages"] += 1
+        log.warning("L3 page %s failed its checksum or size; recomputing it", key.hex())

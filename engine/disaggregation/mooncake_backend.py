@@ -42,18 +42,27 @@ class MooncakeBackend:
             self._engine.unregister_memory(ptr)
 
     def write(self, peer: str, writes: Sequence[Write]) -> None:
-        if not writes:
+        """Each Write copies local `src` to the peer's `dst`."""
+        self._transfer(peer, writes, self._engine.batch_transfer_sync_write, "write", "to")
+
+    def read(self, peer: str, reads: Sequence[Write]) -> None:
+        """Each Write copies the peer's `src` to local `dst`."""
+        self._transfer(peer, [Write(r.dst, r.src, r.length) for r in reads], self._engine.batch_transfer_sync_read,
+                       "read", "from")
+
+    def _transfer(self, peer: str, ranges: Sequence[Write], submit, verb: str, direction: str) -> None:
+        """`ranges` as (local, remote, length)."""
+        if not ranges:
             return
         with self._lock:
             # Submitted in groups: one batch of thousands of ranges (a fragmented prompt on a 64-buffer model)
             # overflows the TCP transport's lane queue and fails as a whole.
-            for at in range(0, len(writes), MAX_BATCH):
-                group = writes[at:at + MAX_BATCH]
-                rc = self._engine.batch_transfer_sync_write(peer, [w.src for w in group], [w.dst for w in group],
-                                                            [w.length for w in group])
+            for at in range(0, len(ranges), MAX_BATCH):
+                group = ranges[at:at + MAX_BATCH]
+                rc = submit(peer, [r.src for r in group], [r.dst for r in group], [r.length for r in group])
                 if rc != 0:
-                    raise TransferError(f"mooncake write of {len(group)} ranges ({sum(w.length for w in group)} "
-                                        f"bytes; {at} of {len(writes)} done) to {peer} failed: {rc}")
+                    raise TransferError(f"mooncake {verb} of {len(group)} ranges ({sum(r.length for r in group)} "
+                                        f"bytes; {at} of {len(ranges)} done) {direction} {peer} failed: {rc}")
 
     def close(self) -> None:
         for ptr in list(self._registered):

@@ -1,6 +1,6 @@
 """`python -m services.kvstore --backend memory|file|redis|mooncake [--storage-url URL] [--capacity-bytes N]
-[--ttl-s S] --port N`: serve radixmesh.v1.KvStoreService (the L3 page store and the global prefix index) until
-SIGTERM/SIGINT."""
+[--ttl-s S] [--enable-mooncake-transfer] --port N`: serve radixmesh.v1.KvStoreService (the L3 page store and the
+global prefix index) until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from engine.cache.storage import PageStorage, StorageError, open_storage
+from services.common.kv_transfer import transfer_host
 from services.common.logs import setup_logging
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
@@ -18,20 +19,24 @@ from services.kvstore.index import PrefixIndex
 from services.kvstore.servicer import KvStoreServicer, add_to_server
 from services.kvstore.settings import KvStoreSettings
 from services.kvstore.subscriber import Subscriptions
+from services.kvstore.transfer import StagingSlots
 
 log = logging.getLogger("services.kvstore")
 
 
-async def serve(settings: KvStoreSettings, storage: PageStorage) -> None:
+async def serve(settings: KvStoreSettings, storage: PageStorage, staging: StagingSlots | None = None) -> None:
     executor = ThreadPoolExecutor(settings.storage_threads, thread_name_prefix="kvstore-storage")
     index = PrefixIndex()
     subscriptions = Subscriptions(index, settings.worker_ttl_s, settings.subscribe_backoff_max_s)
-    servicer = KvStoreServicer(storage, settings.backend, index, subscriptions, executor)
+    servicer = KvStoreServicer(storage, settings.backend, index, subscriptions, executor, staging,
+                               settings.storage_timeout_s)
 
     async def on_stop() -> None:
         await subscriptions.close()
         await asyncio.get_running_loop().run_in_executor(executor, storage.close)
         executor.shutdown(wait=False)
+        if staging is not None:
+            staging.close()
 
     service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop)
     log.info("storage backend %s%s", settings.backend, f" at {settings.storage_url}" if settings.storage_url else "")
@@ -47,7 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StorageError, ValueError) as e:
         log.error("cannot open the %s storage: %s", settings.backend, e)
         return 1
-    asyncio.run(serve(settings, storage))
+    staging = None
+    if settings.enable_mooncake_transfer:
+        try:
+            staging = StagingSlots(transfer_host(settings.transfer_host, settings.host),
+                                   settings.transfer_buffer_bytes, settings.transfer_lease_s)
+        except RuntimeError as e:
+            log.error("cannot start the Mooncake transfer engine: %s", e)
+            storage.close()
+            return 1
+    asyncio.run(serve(settings, storage, staging))
     return 0
 
 

@@ -3,6 +3,8 @@
 - `KvStoreStorage`: the engine's PageStorage over the network (a synchronous channel: the engine calls it from its
   own storage thread). Every call is bounded by options.timeout_s; any gRPC error becomes StorageError.
   `register_kvstore_backend()` makes it `open_storage("kvstore", options)` (options.url = host:port).
+  `KvStoreTransferStorage` (options.transport "mooncake") moves the page bytes with the Mooncake transfer engine,
+  straight from and into the host pool (`services.kvstore.transfer` says how that stays safe).
 - `WorkerRegistration`: a worker's task that calls RegisterWorker every few seconds, so the kvstore follows its KV
   events (again after a kvstore restart).
 - `match_prefix()`: MatchPrefix for routers.
@@ -11,8 +13,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
@@ -21,12 +24,13 @@ from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.server import CHANNEL_OPTIONS
 from services.kvstore import convert
 from services.kvstore.index import WorkerMatch
+from services.kvstore.transfer import SLOT_BYTES
 
 log = logging.getLogger(__name__)
 
 # A restarted kvstore is found again within a second or two (gRPC's default reconnect backoff grows to 120 s).
 # Pages per request are bounded well under the 256 MiB message limit.
-REQUEST_BYTES = 64 << 20
+REQUEST_BYTES = SLOT_BYTES
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -94,9 +98,137 @@ class KvStoreStorage:
         self._channel.close()
 
 
+class KvStoreTransferStorage(KvStoreStorage):
+    """KvStoreStorage whose page bytes travel by the Mooncake transfer engine (the store must run with
+    --enable-mooncake-transfer): the store reads pages to set from this process's memory, and this process reads
+    the pages it gets from the store's staging slots, then releases them. Pages given or wanted as bytes pass
+    through a registered staging buffer; once the engine registered the host pool (`register_host`), pages move
+    straight from and into it (`set_from`, `get_into`)."""
+
+    def __init__(self, options: StorageOptions):
+        super().__init__(options)
+        from services.kvstore.transfer import PageTransport, route_host
+
+        host = options.transfer_host or route_host(self.url)
+        try:
+            self._transport = PageTransport(host)
+        except RuntimeError as e:
+            self.close()
+            raise StorageError(f"kvstore {self.url}: cannot start the transfer engine on {host}: {e}") from e
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        try:
+            self._transport.register_host(ptr, nbytes)
+        except RuntimeError as e:
+            raise StorageError(f"cannot register the host pool with the transfer engine: {e}") from e
+
+    def _pages_per_call(self, page_bytes: int) -> int:
+        return max(SLOT_BYTES // page_bytes, 1)
+
+    def set_from(self, keys: list[bytes], checksums: list[int], addresses: list[int], page_bytes: int) -> int:
+        stored, step = 0, self._pages_per_call(page_bytes)
+        for at in range(0, len(keys), step):
+            stored += self._set_call(keys[at:at + step], checksums[at:at + step], addresses[at:at + step],
+                                     [page_bytes] * len(keys[at:at + step]))
+        return stored
+
+    def _set_call(self, keys, checksums, addresses, lengths) -> int:
+        pages = [kvstore_pb2.KvPage(key=k, checksum=c, length=n) for k, c, n in zip(keys, checksums, lengths)]
+        transfer = kvstore_pb2.TransferPages(session_id=self._transport.session_id, addresses=addresses)
+        return self._call("BatchSet", kvstore_pb2.BatchSetRequest(layout=self._layout, pages=pages,
+                                                                  transfer=transfer)).stored
+
+    def set(self, pages: list[StoredPage]) -> int:
+        """Through the staging buffer, SLOT_BYTES at a time."""
+        stored, start = 0, 0
+        while start < len(pages):
+            end, size = start, 0
+            while end < len(pages) and (end == start or size + len(pages[end].data) <= SLOT_BYTES):
+                size += len(pages[end].data)
+                end += 1
+            chunk = pages[start:end]
+            with self._transport.staging_lock:
+                addresses = self._transport.put_staging(chunk)
+                stored += self._set_call([p.key for p in chunk], [p.checksum for p in chunk], addresses,
+                                         [len(p.data) for p in chunk])
+            start = end
+        return stored
+
+    def _get_staged(self, keys: list[bytes], local: Callable[[int, int], int]) -> list[tuple[bytes, int, int, int]]:
+        """One BatchGet with the transfer engine: the store stages the pages, this process reads page i into
+        local(i, length), then releases the lease. Returns (key, checksum, local address, length) per page read."""
+        response = self._call("BatchGet", kvstore_pb2.BatchGetRequest(layout=self._layout, keys=keys,
+                                                                      transfer_engine=True))
+        if not response.pages:
+            return []
+        try:
+            staged, lengths = response.staged, {p.length for p in response.pages}
+            if len(staged.addresses) != len(response.pages) or len(lengths) != 1:
+                raise StorageError(f"kvstore {self.url} BatchGet: {len(staged.addresses)} staged addresses for "
+                                   f"{len(response.pages)} pages of lengths {sorted(lengths)}")
+            (length,) = lengths
+            targets = [local(i, length) for i in range(len(response.pages))]
+            self._transport.read(staged.session_id, list(staged.addresses), targets, length)
+            return [(p.key, p.checksum, t, length) for p, t in zip(response.pages, targets)]
+        finally:
+            try:
+                self._call("ReleaseStaged", kvstore_pb2.ReleaseStagedRequest(lease_id=response.lease_id))
+            except StorageError as e:  # the lease expires on its own
+                log.warning("%s", e)
+
+    def get_into(self, keys: list[bytes], addresses: list[int], page_bytes: int) -> list[int]:
+        def local(i: int, length: int, base: int = 0) -> int:
+            if length != page_bytes:
+                raise StorageError(f"kvstore {self.url} staged pages of {length} bytes; expected {page_bytes}")
+            return addresses[base + i]
+
+        checksums: list[int] = []
+        step = self._pages_per_call(page_bytes)
+        for at in range(0, len(keys), step):
+            chunk = keys[at:at + step]
+            got = self._get_staged(chunk, functools.partial(local, base=at))
+            checksums.extend(crc for _, crc, _, _ in got)
+            if len(got) < len(chunk):
+                break
+        return checksums
+
+    def get(self, keys: list[bytes]) -> list[StoredPage]:
+        """Through the staging buffer, SLOT_BYTES at a time."""
+        base = self._transport.staging_base
+
+        def local(i: int, length: int) -> int:
+            if (i + 1) * length > SLOT_BYTES:
+                raise StorageError(f"kvstore {self.url} staged more than {SLOT_BYTES} bytes in one call")
+            return base + i * length
+
+        out: list[StoredPage] = []
+        step = self._pages_per_call(self._page_bytes) if self._page_bytes else max(len(keys), 1)
+        for start in range(0, len(keys), step):
+            chunk = keys[start:start + step]
+            with self._transport.staging_lock:
+                got = self._get_staged(chunk, local)
+                out.extend(StoredPage(k, self._transport.staged_bytes(a, n), crc) for k, crc, a, n in got)
+            if len(got) < len(chunk):
+                break
+        return out
+
+    def close(self) -> None:
+        super().close()
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            transport.close()
+
+
+def open_kvstore(options: StorageOptions) -> KvStoreStorage:
+    if options.transport == "mooncake":
+        return KvStoreTransferStorage(options)
+    return KvStoreStorage(options)
+
+
 def register_kvstore_backend() -> None:
-    """`open_storage("kvstore", StorageOptions(url="host:port", layout=..., timeout_s=...))` opens a KvStoreStorage."""
-    register_storage_backend("kvstore", KvStoreStorage)
+    """`open_storage("kvstore", StorageOptions(url="host:port", layout=..., timeout_s=..., transport=...))` opens a
+    KvStoreStorage (or, with transport "mooncake", a KvStoreTransferStorage)."""
+    register_storage_backend("kvstore", open_kvstore)
 
 
 def async_channel(url: str) -> grpc.aio.Channel:

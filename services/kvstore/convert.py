@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from engine.cache.storage import DTYPE_BYTES, KvLayout, StoredPage
 from engine.cache.storage_backends.base import MAX_KEY_BYTES
@@ -57,6 +57,43 @@ def pages_from_proto(pages: Sequence[kvstore_pb2.KvPage], layout: KvLayout | Non
     return [StoredPage(p.key, p.data, p.checksum) for p in pages]
 
 
+class TransferredPages(NamedTuple):
+    """Pages of a BatchSet whose bytes lie in the caller's registered memory."""
+
+    session_id: str
+    keys: list[bytes]
+    checksums: list[int]
+    lengths: list[int]
+    addresses: list[int]
+
+
+def transferred_pages_from_proto(request: kvstore_pb2.BatchSetRequest, layout: KvLayout | None,
+                                 max_bytes: int) -> TransferredPages:
+    pages, transfer = request.pages, request.transfer
+    if not transfer.session_id:
+        raise ValueError("transfer.session_id is required (the caller's transfer engine, host:port)")
+    if len(transfer.addresses) != len(pages):
+        raise ValueError(f"transfer.addresses has {len(transfer.addresses)} entries for {len(pages)} pages")
+    keys = check_keys([p.key for p in pages], "pages[].key")
+    for i, p in enumerate(pages):
+        if p.data:
+            raise ValueError(f"pages[{i}] carries data in a transfer-engine BatchSet (its bytes are read from "
+                             "transfer.addresses)")
+        if p.length <= 0 or (layout is not None and p.length != layout.page_bytes):
+            expect = f"the layout's {layout.page_bytes}" if layout is not None else "> 0"
+            raise ValueError(f"pages[{i}].length is {p.length}; expected {expect}")
+    total = sum(p.length for p in pages)
+    if total > max_bytes:
+        raise ValueError(f"{total} bytes of pages in one transfer-engine BatchSet; at most {max_bytes}")
+    return TransferredPages(transfer.session_id, keys, [p.checksum for p in pages], [p.length for p in pages],
+                            list(transfer.addresses))
+
+
+def page_heads_to_proto(pages: Iterable[StoredPage]) -> list[kvstore_pb2.KvPage]:
+    """The pages without their bytes: key, checksum and length (the bytes travel by the transfer engine)."""
+    return [kvstore_pb2.KvPage(key=bytes(p.key), checksum=p.checksum, length=len(p.data)) for p in pages]
+
+
 def pages_to_proto(pages: Iterable[StoredPage]) -> list[kvstore_pb2.KvPage]:
     return [kvstore_pb2.KvPage(key=bytes(p.key), data=bytes(p.data), checksum=p.checksum) for p in pages]
 
@@ -79,13 +116,20 @@ def match_from_proto(m: kvstore_pb2.WorkerMatch) -> WorkerMatch:
 STATS_FIELDS = ("pages", "bytes", "capacity_bytes", "get_hits", "get_misses", "sets", "evictions", "corrupt_pages")
 
 
-def stats_to_proto(backend: str, stats: dict, indexed_workers: int, indexed_pages: int) -> kvstore_pb2.GetStatsResponse:
+TRANSFER_FIELDS = ("transfer_bytes_in", "transfer_bytes_out")
+
+
+def stats_to_proto(backend: str, stats: dict, indexed_workers: int, indexed_pages: int, transfer_session: str = "",
+                   transfer: dict | None = None) -> kvstore_pb2.GetStatsResponse:
+    transfer = transfer or {}
     return kvstore_pb2.GetStatsResponse(backend=backend, indexed_workers=indexed_workers, indexed_pages=indexed_pages,
+                                        transfer_session=transfer_session,
+                                        **{name: int(transfer.get(name, 0)) for name in TRANSFER_FIELDS},
                                         **{name: int(stats.get(name, 0)) for name in STATS_FIELDS})
 
 
 def stats_from_proto(response: kvstore_pb2.GetStatsResponse) -> dict:
-    out = {name: getattr(response, name) for name in STATS_FIELDS}
+    out = {name: getattr(response, name) for name in STATS_FIELDS + TRANSFER_FIELDS}
     out.update(backend=response.backend, indexed_workers=response.indexed_workers,
-               indexed_pages=response.indexed_pages)
+               indexed_pages=response.indexed_pages, transfer_session=response.transfer_session)
     return out

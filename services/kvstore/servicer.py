@@ -13,13 +13,14 @@ from concurrent.futures import Executor
 
 import grpc
 
-from engine.cache.storage import PageStorage, StorageError
+from engine.cache.storage import PageStorage, StorageError, StoredPage
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.errors import Unavailable
 from services.common.server import MAX_MESSAGE_BYTES
 from services.kvstore import convert
 from services.kvstore.index import PrefixIndex, finish, prompt_keys_by_layout
 from services.kvstore.subscriber import Subscriptions
+from services.kvstore.transfer import SLOT_BYTES, StagingSlots
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
 # A BatchGet answer stops before this many bytes of page data (a shorter prefix is a valid answer), under the
@@ -32,13 +33,21 @@ log = logging.getLogger(__name__)
 
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def __init__(self, storage: PageStorage, backend: str, index: PrefixIndex, subscriptions: Subscriptions,
-                 executor: Executor):
+                 executor: Executor, staging: StagingSlots | None = None, timeout_s: float = 2.0):
         self.storage = storage
         self.backend = backend
         self.index = index
         self.subscriptions = subscriptions
         self.executor = executor
+        self.staging = staging  # the transfer engine's slots (None: page bytes travel over gRPC only)
+        self.timeout_s = timeout_s  # the longest a transfer-engine call waits for a free slot
         self._last_storage_warning = float("-inf")
+
+    def _staging(self) -> StagingSlots:
+        if self.staging is None:
+            raise ValueError("this kvstore has no transfer engine (start it with --enable-mooncake-transfer); "
+                             "send page bytes in the messages instead")
+        return self.staging
 
     async def _run(self, fn, *args):
         try:
@@ -54,15 +63,52 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     async def BatchGet(self, request: kvstore_pb2.BatchGetRequest,
                        context: grpc.aio.ServicerContext) -> kvstore_pb2.BatchGetResponse:
         keys = convert.check_keys(request.keys)
+        if request.transfer_engine:
+            return await self._run(self._get_staged, self._staging(), keys)
         pages = await self._run(self.storage.get, keys)
         return kvstore_pb2.BatchGetResponse(pages=convert.pages_to_proto(_within(pages, RESPONSE_BYTES)))
+
+    def _get_staged(self, staging: StagingSlots, keys: list[bytes]) -> kvstore_pb2.BatchGetResponse:
+        """The pages copied into a leased slot, for the caller to read (as many as fit in a slot)."""
+        pages = _within(self.storage.get(keys), SLOT_BYTES)
+        if not pages:
+            return kvstore_pb2.BatchGetResponse()
+        slot = staging.take(self.timeout_s)
+        try:
+            addresses = staging.stage(slot, pages)
+        except BaseException:
+            staging.give_back(slot)
+            raise
+        return kvstore_pb2.BatchGetResponse(
+            pages=convert.page_heads_to_proto(pages), lease_id=staging.lease(slot),
+            staged=kvstore_pb2.TransferPages(session_id=staging.session_id, addresses=addresses))
 
     async def BatchSet(self, request: kvstore_pb2.BatchSetRequest,
                        context: grpc.aio.ServicerContext) -> kvstore_pb2.BatchSetResponse:
         """Pages whose data does not match their checksum, or that the backend could not keep, count as rejected."""
-        pages = convert.pages_from_proto(request.pages, convert.request_layout(request))
+        layout = convert.request_layout(request)
+        if request.HasField("transfer"):
+            staging = self._staging()
+            moved = convert.transferred_pages_from_proto(request, layout, SLOT_BYTES)
+            stored = await self._run(self._set_transferred, staging, moved) if moved.keys else 0
+            return kvstore_pb2.BatchSetResponse(stored=stored, rejected=len(moved.keys) - stored)
+        pages = convert.pages_from_proto(request.pages, layout)
         stored = await self._run(self.storage.set, pages) if pages else 0
         return kvstore_pb2.BatchSetResponse(stored=stored, rejected=len(pages) - stored)
+
+    def _set_transferred(self, staging: StagingSlots, moved: convert.TransferredPages) -> int:
+        """Read the pages from the caller's memory, then store them (the backend refuses any whose bytes changed
+        under the read: they fail their checksum)."""
+        slot = staging.take(self.timeout_s)
+        try:
+            data = staging.fetch(slot, moved.session_id, moved.addresses, moved.lengths)
+        finally:
+            staging.give_back(slot)
+        return self.storage.set([StoredPage(k, d, c) for k, d, c in zip(moved.keys, data, moved.checksums)])
+
+    async def ReleaseStaged(self, request: kvstore_pb2.ReleaseStagedRequest,
+                            context: grpc.aio.ServicerContext) -> kvstore_pb2.ReleaseStagedResponse:
+        return kvstore_pb2.ReleaseStagedResponse(released=self._staging().release(request.lease_id))
 
     async def MatchPrefix(self, request: kvstore_pb2.MatchPrefixRequest,
                           context: grpc.aio.ServicerContext) -> kvstore_pb2.MatchPrefixResponse:
@@ -103,7 +149,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     async def GetStats(self, request: kvstore_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> kvstore_pb2.GetStatsResponse:
         stats = await self._run(self.storage.stats)
-        return convert.stats_to_proto(self.backend, stats, len(self.index.workers), self.index.page_count())
+        staging = self.staging
+        return convert.stats_to_proto(self.backend, stats, len(self.index.workers), self.index.page_count(),
+                                      staging.session_id if staging else "", staging.stats if staging else None)
 
     async def Clear(self, request: kvstore_pb2.ClearRequest,
                     context: grpc.aio.ServicerContext) -> kvstore_pb2.ClearResponse:

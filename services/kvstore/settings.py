@@ -27,6 +27,17 @@ class KvStoreSettings(GrpcSettings):
         "help": "a worker whose event stream broke is forgotten when it has not re-registered for this long"})
     subscribe_backoff_max_s: float = field(default=5.0, metadata={
         "help": "longest wait between attempts to re-open a registered worker's event stream"})
+    enable_mooncake_transfer: bool = field(default=False, metadata={
+        "help": "also move page bytes with the Mooncake transfer engine (TCP) for workers that ask for it "
+                "(transport mooncake): the gRPC calls then carry only keys and addresses"})
+    transfer_host: str | None = field(default=None, metadata={
+        "help": "the address workers reach this store's transfer engine at (default: --host unless it is a "
+                "wildcard, else this host's name resolved)"})
+    transfer_buffer_bytes: int = field(default=512 << 20, metadata={
+        "help": "registered staging memory of the transfer engine, in slots of 64 MiB: how many transfer-engine "
+                "calls can be in flight at once"})
+    transfer_lease_s: float = field(default=10.0, metadata={
+        "help": "a staged BatchGet's slot is freed after this long if the worker never released it"})
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,7 +48,10 @@ class KvStoreSettings(GrpcSettings):
             raise ValueError(f"--capacity-bytes must be >= 0, got {self.capacity_bytes}")
         if self.ttl_s < 0:
             raise ValueError(f"--ttl-s must be >= 0, got {self.ttl_s}")
-        for name in ("storage_timeout_s", "worker_ttl_s", "subscribe_backoff_max_s"):
+        if self.transfer_buffer_bytes < 64 << 20:
+            raise ValueError(f"--transfer-buffer-bytes must be at least one 64 MiB slot, got "
+                             f"{self.transfer_buffer_bytes}")
+        for name in ("storage_timeout_s", "worker_ttl_s", "subscribe_backoff_max_s", "transfer_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.storage_threads <= 0:

@@ -16,6 +16,8 @@ import urllib.request
 
 import pytest
 
+from engine.cache.storage import StorageOptions
+from services.kvstore.client import KvStoreStorage
 from services.launch import free_port
 from tests.conftest import model_path
 from tests.e2e.mesh import REPO, cmdline, launch, stop_and_check
@@ -155,3 +157,26 @@ def test_pd_with_the_hierarchy_is_token_exact(tmp_path, reference):
         assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3), from_l3
     finally:
         stop_and_check(pd)
+
+
+def test_l3_over_the_mooncake_transfer_engine_is_token_exact(tmp_path, reference):
+    """`--kvstore-transport mooncake`: pages move between the host pool and the kvstore by the transfer engine."""
+    m = launch(MODEL, tmp_path, "--kvstore", "--kvstore-transport", "mooncake", "--enable-hierarchical-cache",
+               "--hicache-ratio", "4", "--page-size", str(PAGE), "--max-total-tokens", "160",
+               "--hicache-storage-prefetch-policy", "wait_complete", *NO_SKIP)
+    try:
+        prompts = _prompts(6, 40, seed=15)
+        want = reference(prompts)
+        assert [_generate(m.url, p)[0] for p in prompts] == want
+        _flush(m.url)
+        from_l3 = [_generate(m.url, p) for p in prompts]
+        assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3), from_l3
+        port = cmdline(m.services()["services.kvstore"]).split("--port ")[1].split()[0]
+        store = KvStoreStorage(StorageOptions(url=f"127.0.0.1:{port}"))
+        stats = store.stats()
+        store.close()
+        assert stats["transfer_session"] and stats["pages"] > 0
+        # every stored page came by the transfer engine, and the L3 hits left by it
+        assert stats["transfer_bytes_in"] >= stats["bytes"] > 0 and stats["transfer_bytes_out"] > 0, stats
+    finally:
+        stop_and_check(m)

@@ -215,7 +215,8 @@ def test_get_stats_counts(tmp_path):
         stats = store.stats()
         assert stats == {"backend": "memory", "pages": 3, "bytes": 3 * PAGE_BYTES, "capacity_bytes": 3 * PAGE_BYTES,
                          "get_hits": 3, "get_misses": 1, "sets": 4, "evictions": 1, "corrupt_pages": 0,
-                         "indexed_workers": 0, "indexed_pages": 0}
+                         "indexed_workers": 0, "indexed_pages": 0, "transfer_session": "", "transfer_bytes_in": 0,
+                         "transfer_bytes_out": 0}
         assert store.exists([ps[0].key]) == 0 and store.exists([p.key for p in ps[1:]]) == 3
     finally:
         store.close()

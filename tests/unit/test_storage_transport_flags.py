@@ -1,0 +1,46 @@
+"""The transport of L3 page bytes as flags: the engine's extra-config key (checked with a clear error), and the
+launcher's --kvstore-transport, which starts the kvstore with its transfer engine and adds the key to the workers'
+extra config (keeping what the user put there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import EngineArgs, hicache_extra
+from services.launch import LaunchSettings, plan
+
+
+def _args(backend: str | None, extra: dict) -> EngineArgs:
+    return EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_storage_backend=backend,
+                      hicache_storage_backend_extra_config=json.dumps(extra))
+
+
+def test_the_engine_checks_the_transport():
+    assert hicache_extra(_args("kvstore", {"transport": "mooncake"}))["transport"] == "mooncake"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        hicache_extra(_args("kvstore", {"transport": "rdma"}))
+    with pytest.raises(ValueError, match="kvstore backend only"):
+        hicache_extra(_args("redis", {"transport": "mooncake"}))
+
+
+def _argv(children, name: str) -> list[str]:
+    return next(c.argv for c in children if c.name.startswith(name))
+
+
+def test_the_launcher_wires_the_mooncake_transport():
+    engine = {"model_path": "m", "enable_hierarchical_cache": True,
+              "hicache_storage_backend_extra_config": '{"skip_slow_fetches": false}'}
+    children = plan(LaunchSettings(kvstore=True, kvstore_transport="mooncake"), engine)
+    assert "--enable-mooncake-transfer" in _argv(children, "kvstore")
+    worker = _argv(children, "worker")
+    extra = json.loads(worker[worker.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra == {"skip_slow_fetches": False, "transport": "mooncake"}
+    # grpc (the default) changes nothing; without L3 there is nothing to wire
+    for settings in (LaunchSettings(kvstore=True), LaunchSettings(kvstore=True, kvstore_transport="mooncake",
+                                                                  kvstore_l3=False)):
+        worker = _argv(plan(settings, engine), "worker")
+        assert "transport" not in worker[worker.index("--hicache-storage-backend-extra-config") + 1]
+    with pytest.raises(ValueError, match="--kvstore-transport must be one of"):
+        LaunchSettings(kvstore=True, kvstore_transport="tcp")
