@@ -28,7 +28,7 @@ draws them): a system prompt of --shared-system-prompt-len tokens shared by ever
 model's answers (token ids) to turns 1..r-1; each answer is --output-length tokens (greedy, ignore_eos), sent to the
 SGLang-native /generate as input_ids and streamed. A client sends its next turn only after its answer arrived; at
 most --max-parallel turns are in flight, turns are released as a Poisson process of --request-rate per second (inf:
-at once). A warm-up request outside the workload runs first, then the prefix cache is flushed.
+at once). Warm-up conversations outside the workload run first, then the prefix cache is flushed.
 
 Results: SGLang's serving metrics (benchmarks.serving: throughputs, TTFT, ITL, E2E), the cache hit rate
 sum(meta_info.cached_tokens) / sum(meta_info.prompt_tokens), per-round TTFT and hit rate, the working set (sum of
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-parallel", type=int, default=128, help="turns in flight at most (0: unbounded)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="turns released per s, Poisson (default inf)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--warmup-requests", type=int, default=8,
+                   help="warm-up conversations of two turns, before the clock starts (0: none)")
     p.add_argument("--disable-flush-cache", action="store_true", help="keep the prefix cache after the warm-up")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", help="append one JSON line of results here")
@@ -142,15 +143,25 @@ def server_facts(info: dict) -> dict:
 
 
 async def warm_up(backend: HttpBackend, api: TurnApi, args: argparse.Namespace, pool: np.ndarray) -> None:
-    """--warmup-requests prompts drawn apart from the workload, then (unless disabled) the prefix cache is flushed."""
+    """--warmup-requests two-turn conversations drawn apart from the workload, side by side (up to --max-parallel),
+    then (unless disabled) the prefix cache is flushed. The second turn extends the first, so prefill over a cached
+    prefix, batched prefill and decode all run (and a JIT compiler's first-use cost is paid) before the clock starts;
+    without this the first configuration measured in a fresh kernel cache pays it inside its first round."""
     rng = np.random.default_rng([args.seed, 2])
-    for _ in range(args.warmup_requests):
-        item = WorkItem(rng.choice(pool, size=args.request_length).tolist(),
-                        min(args.output_length, WARMUP_OUTPUT_LEN))
-        out = await backend.send(item)
+    limit = asyncio.Semaphore(args.max_parallel or args.warmup_requests or 1)
+
+    async def one(item: WorkItem) -> None:
+        async with limit:
+            out = await backend.send(item)
         api.take_final(item)
         if not out.success:
             raise BenchError(f"the warm-up request failed: {out.error}")
+
+    output_len = min(args.output_length, WARMUP_OUTPUT_LEN)
+    first = [rng.choice(pool, size=args.request_length).tolist() for _ in range(args.warmup_requests)]
+    await asyncio.gather(*(one(WorkItem(p, output_len)) for p in first))
+    second = [p + rng.choice(pool, size=args.request_length).tolist() for p in first]
+    await asyncio.gather(*(one(WorkItem(p, output_len)) for p in second))
     if not args.disable_flush_cache:
         await backend.flush_cache()
 
