@@ -145,8 +145,9 @@ def server_facts(info: dict) -> dict:
 async def warm_up(backend: HttpBackend, api: TurnApi, args: argparse.Namespace, pool: np.ndarray) -> None:
     """--warmup-requests two-turn conversations drawn apart from the workload, side by side (up to --max-parallel),
     then (unless disabled) the prefix cache is flushed. The second turn extends the first, so prefill over a cached
-    prefix, batched prefill and decode all run (and a JIT compiler's first-use cost is paid) before the clock starts;
-    without this the first configuration measured in a fresh kernel cache pays it inside its first round."""
+    prefix, batched prefill and decode all run at the workload's first lengths before the clock starts. (A JIT
+    compiler's first use of a kernel variant still lands in the run that meets it first: run something before the
+    first measured configuration on a fresh kernel cache, as benchmarks/gpu_speed.sh does.)"""
     rng = np.random.default_rng([args.seed, 2])
     limit = asyncio.Semaphore(args.max_parallel or args.warmup_requests or 1)
 
@@ -158,7 +159,8 @@ async def warm_up(backend: HttpBackend, api: TurnApi, args: argparse.Namespace, 
             raise BenchError(f"the warm-up request failed: {out.error}")
 
     output_len = min(args.output_length, WARMUP_OUTPUT_LEN)
-    first = [rng.choice(pool, size=args.request_length).tolist() for _ in range(args.warmup_requests)]
+    first = [rng.choice(pool, size=args.shared_system_prompt_len + args.request_length).tolist()
+             for _ in range(args.warmup_requests)]
     await asyncio.gather(*(one(WorkItem(p, output_len)) for p in first))
     second = [p + rng.choice(pool, size=args.request_length).tolist() for p in first]
     await asyncio.gather(*(one(WorkItem(p, output_len)) for p in second))
