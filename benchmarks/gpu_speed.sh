@@ -124,9 +124,11 @@ if [[ $PARTS == *multiturn* ]]; then
             --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
            "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-transport mooncake
             --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
-            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}")
+            --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
+           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_through_selective")
   # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
-  # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC
+  # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC, 10 L2 4x
+  # write_through_selective
   for i in ${MT_CONFIGS:-0 1 2}; do
     extra=${CONFIGS[$i]}
     echo "== multiturn ${extra:-hierarchy off}"
