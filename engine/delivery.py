@@ -69,7 +69,8 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
                       new_token_ids_logprobs=cat(a.new_token_ids_logprobs, b.new_token_ids_logprobs),
                       finished=b.finished, finish_reason=b.finish_reason, prompt_tokens=b.prompt_tokens,
                       completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens,
-                      input_logprobs=a.input_logprobs if a.input_logprobs is not None else b.input_logprobs)
+                      input_logprobs=a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
+                      queue_time_s=b.queue_time_s)
 
 
 def coalesce(items: list[tuple[int, StepOutput]]) -> list[tuple[int, StepOutput]]:

@@ -176,9 +176,11 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None,
-                             tenant: str = ""):
+                             tenant: str = "", on_finish=None):
         """As `generate`; with stream=True returns an async iterator of incremental dicts. `handoff` (one prompt,
-        n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff."""
+        n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
+        engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
+        (for latency metrics; it must be quick and not raise)."""
         _check_tenant(tenant)
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
@@ -188,7 +190,7 @@ class Engine:
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
-        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
         inbox: asyncio.Queue = asyncio.Queue()
         mailbox = mailbox_for(loop)
         self._submit(specs, lambda i: (lambda out: mailbox.put(inbox, (i, out))), handoff, tenant)
@@ -236,9 +238,12 @@ class Engine:
                     available_kv_tokens=load["available_kv_tokens"], internal_states=[load])
         return info
 
-    def get_load(self) -> dict:
-        """The scheduler's counters: waiting, running, available_kv_tokens, prefill_tokens, ... and the pool size."""
-        load = self._control(self.scheduler.load)
+    def get_load(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
+        """The scheduler's gauges (waiting, running, available_kv_tokens, ...), its monotonic counters
+        (prefill_tokens, forward_extend, evicted_tokens, lookup_tokens, device_hit_tokens, ...) and the pool size.
+        Waits up to `timeout_s` for the scheduler thread (TimeoutError past it)."""
+        self._check_alive()
+        load = self.scheduler.call(self.scheduler.load).result(timeout=timeout_s)
         load["max_total_num_tokens"] = self.runner.max_total_tokens
         return load
 

@@ -68,6 +68,7 @@ class StepOutput:
     cached_tokens: int
     # Prompt logprobs (tokens from logprob_start_len on, with top lists), sent once with the first output.
     input_logprobs: tuple[list[float], list[LogprobList], list[LogprobList]] | None = None
+    queue_time_s: float | None = None  # arrival to first admission by the prefill planner (None: not admitted so)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,8 @@ class Req:
     tree_len: int = 0
     # Tokens whose KV came from the prefix cache (counted once per scheduling, as SGLang's cached_tokens).
     cached_tokens: int = 0
+    # Of the prefix the last admission found, the tokens loaded back from the host tier (the rest were on device).
+    host_loaded_tokens: int = 0
     # The deepest radix node this request holds a lock on (None when it holds none).
     locked_node: object | None = None
     # Tokens of `fill_ids` in the current forward (the extend chunk, or 1 when decoding).
@@ -108,6 +111,7 @@ class Req:
     pending: int = 0
     sent_len: int = 0
     arrival: float = 0.0
+    queue_time_s: float | None = None  # seconds from arrival to first admission (set by the scheduler)
     retractions: int = 0
 
     @property

@@ -4,8 +4,10 @@ SGLang-shaped result dicts (`text`, `output_ids`, `meta_info`)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import LogprobSpec, StepOutput
@@ -21,6 +23,15 @@ class RequestSpec:
     sample_index: int = 0  # which of the prompt's `n` parallel samples this is
     return_text_in_logprobs: bool = False
     grammar: object | None = None  # the compiled structured-output constraint
+
+
+class RequestTiming(NamedTuple):
+    """When one request's outputs reached its caller (time.monotonic() seconds), and its wait in the queue."""
+
+    submitted: float  # the call that made the request started collecting its outputs
+    first_token: float | None  # its first output token arrived (None: it produced none)
+    finished: float
+    queue_time_s: float | None  # arrival to first admission by the prefill planner (None: never admitted so)
 
 
 def sample_rids(rid: str, n: int) -> list[str]:
@@ -181,6 +192,7 @@ class ResultBuilder:
                                             spec.params.spaces_between_special_tokens) if tokenizer and stream else None
         self.last: StepOutput | None = None
         self.sent_chars = 0  # characters of the detokenized stream already emitted
+        self.first_token_at: float | None = None  # time.monotonic() when the first output token arrived
 
     def _visible(self, text: str, finished: bool) -> str:
         """The text a client may see: cut before a matched stop string (unless no_stop_trim); while running, hold
@@ -197,6 +209,8 @@ class ResultBuilder:
     def push(self, out: StepOutput) -> dict | None:
         """Record a scheduler output. When streaming, returns the dict to send: cumulative text, ids and logprobs
         (SGLang's default), or with `segments` only what is new since the last one."""
+        if self.first_token_at is None and out.new_token_ids:
+            self.first_token_at = time.monotonic()
         self.output_ids += out.new_token_ids
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
@@ -271,11 +285,14 @@ class BatchCollector:
     """Routes one API call's scheduler outputs to per-request builders: yields streaming deltas (tagged with
     `index` for a batch) or collects the final results."""
 
-    def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool, segments: bool = False):
+    def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool, segments: bool = False,
+                 on_finish: Callable[[int, RequestTiming], None] | None = None):
         self.builders = [ResultBuilder(s, tokenizer, stream, segments) for s in specs]
         self.results: list[dict | None] = [None] * len(specs)
         self.stream, self.is_batch = stream, is_batch
         self.remaining = len(specs)
+        self.on_finish = on_finish
+        self.submitted = time.monotonic()
 
     @property
     def done(self) -> bool:
@@ -287,6 +304,9 @@ class BatchCollector:
             self.remaining -= 1
             if not self.stream:
                 self.results[i] = self.builders[i].result()
+            if self.on_finish is not None:
+                self.on_finish(i, RequestTiming(self.submitted, self.builders[i].first_token_at, time.monotonic(),
+                                                out.queue_time_s))
         if delta is not None and self.is_batch:
             delta["index"] = i
         return delta

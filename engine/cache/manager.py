@@ -37,6 +37,10 @@ class CacheManager:
         self.events = events
         self.hierarchy = None
         self.evicted_tokens = 0
+        # Monotonic, for metrics: prompt tokens looked up at admission, and those found per tier (device: already
+        # there; host: loaded back from the host pool). Counted once per request, when it is admitted for good.
+        self.lookup_tokens = 0
+        self.hit_tokens = {"device": 0, "host": 0}
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -99,7 +103,7 @@ class CacheManager:
         if row is None:
             return False
         req.pool_idx = row
-        req.kv_len = req.alloc_len = req.tree_len = 0
+        req.kv_len = req.alloc_len = req.tree_len = req.host_loaded_tokens = 0
         if self.tree is not None:
             limit = req.fill_len if whole_prompt else req.fill_len - 1
             if not whole_prompt and req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
@@ -111,6 +115,7 @@ class CacheManager:
                 self.hierarchy.on_match(match)
                 loaded = self.hierarchy.load_back(match) if match.host_nodes else None
                 if loaded is not None:
+                    req.host_loaded_tokens = len(loaded[0])
                     indices = torch.cat([indices, loaded[0]])
                     self.tree.lock(loaded[1])
                     self.tree.unlock(node)
@@ -120,6 +125,17 @@ class CacheManager:
             self.req_to_token.write(row, 0, indices)
             req.kv_len = req.alloc_len = req.tree_len = len(indices)
         return True
+
+    def count_hit(self, req: Req) -> None:
+        """Add an admitted request's prompt and the cached prefix its admission found to the hit counters."""
+        self.lookup_tokens += len(req.input_ids)
+        self.hit_tokens["device"] += req.tree_len - req.host_loaded_tokens
+        self.hit_tokens["host"] += req.host_loaded_tokens
+
+    def hit_counts(self) -> dict:
+        """The prefix-cache counters (monotonic): lookup_tokens, device_hit_tokens, host_loaded_hit_tokens."""
+        return {"lookup_tokens": self.lookup_tokens, "device_hit_tokens": self.hit_tokens["device"],
+                "host_loaded_hit_tokens": self.hit_tokens["host"]}
 
     # ---- allocation -----------------------------------------------------------------------------------------
     def alloc_tokens(self, req: Req, n: int) -> torch.Tensor | None:

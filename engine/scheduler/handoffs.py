@@ -50,6 +50,7 @@ class Handoffs:
                 self.cache.release(req)
                 break
             self.queue.pop(0)
+            self.cache.count_hit(req)
             req.status = ReqStatus.RUNNING
             self.receiving[req.rid] = req
             reserved += self._reserve_of(req)

@@ -117,6 +117,7 @@ class PrefillPlanner:
             req.status = ReqStatus.RUNNING
             if req.retractions == 0 and not req.output_ids:
                 req.cached_tokens = req.tree_len
+                self.cache.count_hit(req)
             admitted.append(req)
             reserved += future
             token_budget -= extend

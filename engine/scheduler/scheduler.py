@@ -159,7 +159,7 @@ class Scheduler:
             now = time.monotonic()
             for r in admitted:
                 if r.retractions == 0 and not r.output_ids:
-                    wait = now - r.arrival
+                    wait = r.queue_time_s = now - r.arrival
                     self.queue_time_s = wait if not self.queue_time_s else 0.8 * self.queue_time_s + 0.2 * wait
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
@@ -470,4 +470,4 @@ class Scheduler:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "queued_prefill_tokens": queued,
                 "queue_time_s": max(self.queue_time_s, time.monotonic() - min(r.arrival for r in self.waiting))
                 if self.waiting else 0.0,
-                **tiers, **self.handoffs.counts(), **self.stats}
+                **self.cache.hit_counts(), **tiers, **self.handoffs.counts(), **self.stats}

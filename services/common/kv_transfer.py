@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,19 @@ from engine.disaggregation.transfer import Write
 log = logging.getLogger("radixmesh.pd")
 
 RATE_WINDOW = 64  # transfers averaged for kv_transfer_gbps / kv_transfer_latency_ms
+
+# Why a room failed, as metrics label it (few values, so a dashboard can show each).
+FAILURE_REASONS = ("bootstrap_timeout", "transfer_timeout", "peer_lost", "transfer_error", "checksum_mismatch",
+                   "prefill_failed", "aborted", "cancelled")
+
+
+class TransferObserver(Protocol):
+    """Told of every completed KV transfer and every failed room (services.decode.metrics implements it). Called
+    from the event loop or the writer threads: implementations must be thread-safe and quick."""
+
+    def transferred(self, nbytes: int, seconds: float) -> None: ...
+
+    def failed(self, reason: str) -> None: ...
 
 
 def transfer_host(configured: str | None, listen_host: str) -> str:
@@ -62,6 +76,7 @@ class KvTransfer:
         self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror), self.pool.page_bytes)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixmesh-kv-write")
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
+        self.observer: TransferObserver | None = None  # set when metrics are on
 
     @property
     def session_id(self) -> str:
@@ -103,7 +118,15 @@ class KvTransfer:
         return asyncio.get_running_loop().run_in_executor(self._writer, run)
 
     def record(self, nbytes: int, seconds: float) -> None:
+        """A transfer completed: `nbytes` moved in `seconds` (sent, on a prefill worker; received, on a decode one)."""
         self._recent.append((nbytes, seconds))
+        if self.observer is not None:
+            self.observer.transferred(nbytes, seconds)
+
+    def failed(self, reason: str) -> None:
+        """A room failed; `reason` is one of FAILURE_REASONS."""
+        if self.observer is not None:
+            self.observer.failed(reason if reason in FAILURE_REASONS else "transfer_error")
 
     @property
     def gbps(self) -> float:

@@ -11,26 +11,36 @@ from engine.config import EngineArgs
 from engine.engine import Engine
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.logs import setup_logging
+from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
 from services.decode.servicer import WorkerServicer
 from services.decode.settings import PdSettings, WorkerSettings
 
 
-async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | None = None) -> None:
+ROLES = {"null": "colocated", "prefill": "prefill", "decode": "decode"}  # --disaggregation-mode -> metrics role
+
+
+async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | None = None,
+                metrics_settings: MetricsSettings | None = None) -> None:
     # The worker streams disjoint segments; the router rebuilds cumulative text where a client wants it.
     engine_kwargs = kvstore_engine_kwargs(settings, engine_kwargs)
     engine = Engine(**{**engine_kwargs, "stream_output": True, "log_level": settings.log_level})
     prefill_rooms, decode_rooms, bootstrap = _disaggregation(engine, settings, pd or PdSettings())
-    servicer = WorkerServicer(engine, settings, prefill_rooms, decode_rooms)
+    metrics_settings = metrics_settings or MetricsSettings()
+    metrics = ServiceMetrics.from_settings(metrics_settings, ROLES[settings.disaggregation_mode],
+                                           settings.served_model_name or engine.args.model_path)
+    servicer = WorkerServicer(engine, settings, prefill_rooms, decode_rooms, metrics)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
-    registration = None
+    registration = metrics_server = None
 
     async def on_stop() -> None:
+        if metrics_server is not None:
+            await metrics_server.stop()
         if registration is not None:
             await registration.stop()
         if bootstrap is not None:
@@ -41,6 +51,8 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
             rooms.transfer.close()
 
     service = GrpcService(settings, register, on_stop)
+    if metrics is not None:
+        metrics_server = await metrics.serve(metrics_settings, settings.host)
     if bootstrap is not None:
         await bootstrap.start()
     if settings.kvstore_url:
@@ -133,16 +145,18 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
 
 
 def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
-    settings, pd_kwargs, engine_kwargs = parse_settings(description, WorkerSettings, argv, PdSettings, EngineArgs)
+    settings, pd_kwargs, metrics_kwargs, engine_kwargs = parse_settings(description, WorkerSettings, argv,
+                                                                        PdSettings, MetricsSettings, EngineArgs)
     if not engine_kwargs.get("model_path"):
         sys.exit("--model-path is required")
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
                   settings.log_level)
     try:
         pd = PdSettings(**pd_kwargs)
+        metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:
         sys.exit(str(e))
-    asyncio.run(serve(settings, engine_kwargs, pd))
+    asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
 
 
 if __name__ == "__main__":

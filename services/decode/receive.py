@@ -31,7 +31,11 @@ WAITING = ("bootstrapping", "waiting for KV")
 
 
 class HandoffFailed(Exception):
-    pass
+    """`reason` names the kind of failure for metrics (one of services.common.kv_transfer.FAILURE_REASONS)."""
+
+    def __init__(self, message: str, reason: str = "peer_lost"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Overloaded(Exception):
@@ -71,9 +75,13 @@ class DecodeRoom:
             raise
         except Exception as e:  # noqa: BLE001 - every failure ends the room with its reason
             reason = str(e) or type(e).__name__
+            kind = e.reason if isinstance(e, HandoffFailed) else "peer_lost" if isinstance(e, grpc.aio.AioRpcError) \
+                else "transfer_error"
             if isinstance(e, TimeoutError):
                 limit = s.bootstrap_timeout if self.state == "bootstrapping" else s.transfer_timeout
                 reason = f"no answer within {limit:g} s"
+                kind = "bootstrap_timeout" if self.state == "bootstrapping" else "transfer_timeout"
+            s.transfer.failed(kind)
             self.fail(f"KV handoff from prefill worker {self.prefill} failed in state '{self.state}': {reason}",
                       pinned=isinstance(e, TimeoutError) and self.role.in_transfer)
         finally:
@@ -106,10 +114,10 @@ class DecodeRoom:
             mine = await asyncio.get_running_loop().run_in_executor(None, page_checksum, s.transfer.pool, pages)
             if mine != done.kv_checksum:
                 raise HandoffFailed(f"KV checksum mismatch on {len(pages)} pages (sent {done.kv_checksum}, "
-                                    f"received {mine}): the transfer corrupted the KV")
+                                    f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
         if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
-            raise HandoffFailed("the request was aborted while its KV arrived")
+            raise HandoffFailed("the request was aborted while its KV arrived", "aborted")
         self._enter("decoding", f"{done.bytes} bytes in {done.transfer_ms:.1f} ms")
         await call.done_writing()
 
@@ -129,6 +137,7 @@ class DecodeRoom:
         """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs."""
         if not self.task.done():
             self.task.cancel()
+            self.rooms.transfer.failed("cancelled")
             if self.role.in_transfer:
                 room_log(self.number, self.rid, "cancelled mid-transfer", "pages pinned for one transfer timeout",
                          logging.WARNING)

@@ -19,7 +19,9 @@ from engine.engine import Engine
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import Exhausted
+from services.common.metrics import ServiceMetrics
 from services.decode import convert
+from services.decode.metrics import WorkerMetrics
 from services.decode.settings import WorkerSettings
 from services.decode.stats import WorkerStats
 
@@ -30,21 +32,26 @@ _CLEARED = KvEvent(0, EventKind.CLEARED)
 class _SampleState:
     """What one sample (index) of a streamed request has produced so far."""
 
-    __slots__ = ("ids", "text", "sent_input_logprobs")
+    __slots__ = ("ids", "text", "sent_input_logprobs", "last_chunk_at")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.text: list[str] = []
         self.sent_input_logprobs = False
+        self.last_chunk_at = 0.0  # time.monotonic() of its last chunk with tokens (metrics only)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, settings: WorkerSettings, prefill_rooms=None, decode_rooms=None):
+    def __init__(self, engine: Engine, settings: WorkerSettings, prefill_rooms=None, decode_rooms=None,
+                 metrics: ServiceMetrics | None = None):
         self.engine = engine
         self.settings = settings
         self.prefill_rooms = prefill_rooms  # services.prefill.bootstrap.PrefillRooms in prefill mode
         self.decode_rooms = decode_rooms  # services.decode.receive.DecodeRooms in decode mode
         self.stats = WorkerStats()
+        # None when metrics are off: then no timing is taken
+        self.metrics = WorkerMetrics(metrics, engine, self.stats, prefill_rooms or decode_rooms) \
+            if metrics is not None else None
         self.active: dict[str, list[str]] = {}  # request id -> the engine ids of its samples, while running
         self.started = time.time()
 
@@ -54,6 +61,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # ---- generation -----------------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        started = time.monotonic()
         mode = self.settings.disaggregation_mode
         if not request.request_id:
             raise ValueError("request_id is required")
@@ -70,18 +78,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.active[request.request_id] = sample_rids(kwargs["rid"], n)
         try:
             if mode == "prefill":
-                yield await self._prefill(request, context)
+                yield await self._prefill(request, context, started)
                 return
             room = self._open_room(request) if mode == "decode" else None
             if room is not None:
                 kwargs["handoff"] = room.role
             try:
+                timings = self._timings(kwargs)
                 if request.stream:
-                    async for msg in self._stream(request.request_id, kwargs):
+                    async for msg in self._stream(request.request_id, kwargs, started, timings):
                         await self._check_room(room, msg, context)
                         yield msg
                 else:
-                    for msg in await self._whole(request.request_id, kwargs):
+                    for msg in await self._whole(request.request_id, kwargs, started, timings):
                         await self._check_room(room, msg, context)
                         yield msg
             finally:
@@ -91,13 +100,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.active.pop(request.request_id, None)
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------
-    async def _prefill(self, request, context) -> worker_pb2.GenerateResponse:
+    async def _prefill(self, request, context, started: float) -> worker_pb2.GenerateResponse:
         from services.prefill.bootstrap import HandoffFailed
 
         try:
-            return await self.prefill_rooms.generate(request)
+            out = await self.prefill_rooms.generate(request)
         except HandoffFailed as e:
+            if self.metrics is not None:
+                self.metrics.prefilled(len(request.input_ids), 0, started, ok=False)
             await context.abort(grpc.StatusCode.ABORTED, str(e))
+        if self.metrics is not None:
+            usage = out.complete.usage
+            self.metrics.prefilled(usage.prompt_tokens, usage.cached_tokens, started, ok=True)
+        return out
 
     def _open_room(self, request):
         from services.decode.receive import Overloaded
@@ -114,35 +129,72 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if room is not None and room.error is not None:
             await context.abort(grpc.StatusCode.ABORTED, room.error)
 
-    async def _whole(self, rid: str, kwargs: dict) -> list[worker_pb2.GenerateResponse]:
-        results = await self.engine.async_generate(**kwargs)
+    def _timings(self, kwargs: dict) -> dict | None:
+        """With metrics on: a dict the engine fills with each sample's RequestTiming (index -> timing) as it
+        finishes (kwargs gets the callback)."""
+        if self.metrics is None:
+            return None
+        timings: dict = {}
+        kwargs["on_finish"] = timings.__setitem__
+        return timings
+
+    async def _whole(self, rid: str, kwargs: dict, started: float,
+                     timings: dict | None) -> list[worker_pb2.GenerateResponse]:
+        try:
+            results = await self.engine.async_generate(**kwargs)
+        except asyncio.CancelledError:
+            if timings is not None:  # the caller left: its samples count as aborted
+                for _ in range(kwargs["sampling_params"].get("n", 1)):
+                    self.metrics.left(len(kwargs["input_ids"]), started)
+            raise
         results = results if isinstance(results, list) else [results]
         out = []
         for i, res in enumerate(results):
             meta = res["meta_info"]
             self._record_done(meta, len(res["output_ids"]))
+            if timings is not None:
+                self.metrics.finished(meta, started, timings.get(i))
             done = convert.complete(res["output_ids"], res["text"], meta, with_logprobs=True)
             out.append(worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done))
         return out
 
-    async def _stream(self, rid: str, kwargs: dict):
+    async def _stream(self, rid: str, kwargs: dict, started: float, timings: dict | None):
         stream = await self.engine.async_generate(**kwargs, stream=True)
         samples: dict[int, _SampleState] = {}
-        async with contextlib.aclosing(stream):
-            async for delta in stream:
-                i = delta.get("index", 0)
-                state = samples.setdefault(i, _SampleState())
-                meta = delta["meta_info"]
-                state.ids += delta["output_ids"]
-                state.text.append(delta["text"])
-                self.stats.tokens_out(len(delta["output_ids"]))
-                piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
-                state.sent_input_logprobs = True
-                yield worker_pb2.GenerateResponse(request_id=rid, index=i, chunk=piece)
-                if meta["finish_reason"] is not None:
-                    self._record_done(meta, 0)
-                    done = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
-                    yield worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done)
+        finished = 0
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    i = delta.get("index", 0)
+                    state = samples.setdefault(i, _SampleState())
+                    meta = delta["meta_info"]
+                    if timings is not None and delta["output_ids"]:
+                        self._chunk_gap(state, len(delta["output_ids"]))
+                    state.ids += delta["output_ids"]
+                    state.text.append(delta["text"])
+                    self.stats.tokens_out(len(delta["output_ids"]))
+                    piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
+                    state.sent_input_logprobs = True
+                    if meta["finish_reason"] is not None:  # counted before the caller may stop reading
+                        finished += 1
+                        self._record_done(meta, 0)
+                        if timings is not None:
+                            self.metrics.finished(meta, started, timings.get(i))
+                    yield worker_pb2.GenerateResponse(request_id=rid, index=i, chunk=piece)
+                    if meta["finish_reason"] is not None:
+                        done = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
+                        yield worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done)
+        finally:
+            if timings is not None:  # samples the caller left before they finished count as aborted
+                n = kwargs["sampling_params"].get("n", 1)
+                for _ in range(n - finished):
+                    self.metrics.left(len(kwargs["input_ids"]), started)
+
+    def _chunk_gap(self, state: _SampleState, tokens: int) -> None:
+        now = time.monotonic()
+        if state.last_chunk_at:
+            self.metrics.chunk_gap(now - state.last_chunk_at, tokens)
+        state.last_chunk_at = now
 
     def _record_done(self, meta: dict, new_tokens: int) -> None:
         self.stats.request_done(meta["prompt_tokens"], meta["cached_tokens"])

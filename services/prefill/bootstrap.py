@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class HandoffFailed(Exception):
-    """A room could not complete; the message says which step and why."""
+    """A room could not complete; the message says which step and why, `reason` names the kind of failure for
+    metrics (one of services.common.kv_transfer.FAILURE_REASONS)."""
+
+    def __init__(self, message: str, reason: str = "peer_lost"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Room:
@@ -52,12 +57,12 @@ class Room:
         self.events.put_nowait(error)
 
 
-async def _bounded(fut: asyncio.Future, timeout: float, what: str):
+async def _bounded(fut: asyncio.Future, timeout: float, what: str, reason: str):
     try:
         async with asyncio.timeout(timeout):
             return await asyncio.shield(fut)
     except TimeoutError:
-        raise HandoffFailed(f"{what} within {timeout:g} s") from None
+        raise HandoffFailed(f"{what} within {timeout:g} s", reason) from None
 
 
 class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
@@ -94,8 +99,10 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         reader = asyncio.create_task(self._read_destination(it, room))
         try:
             try:
-                await _bounded(room.request, self.bootstrap_timeout, "no Generate for this room arrived")
+                await _bounded(room.request, self.bootstrap_timeout, "no Generate for this room arrived",
+                               "bootstrap_timeout")
             except HandoffFailed as e:
+                self.transfer.failed(e.reason)  # no Generate will count it
                 room.fail(e)
             while True:
                 event = await room.events.get()
@@ -137,10 +144,13 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         try:
             return await self._serve(room, rid, request)
         except HandoffFailed as e:
+            self.transfer.failed(e.reason)
             room.fail(e)
             room_log(number, rid, "failed", str(e), logging.WARNING)
             raise
         except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                self.transfer.failed("cancelled")
             why = "cancelled by its caller" if isinstance(e, asyncio.CancelledError) else repr(e)
             room_log(number, rid, "failed", why, logging.WARNING)
             room.fail(HandoffFailed(f"the prefill request ended: {why}"))
@@ -149,7 +159,8 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             self.rooms.pop(number, None)
 
     async def _serve(self, room: Room, rid: str, request) -> worker_pb2.GenerateResponse:
-        hello = await _bounded(room.hello, self.bootstrap_timeout, "no decode worker registered the room")
+        hello = await _bounded(room.hello, self.bootstrap_timeout, "no decode worker registered the room",
+                               "bootstrap_timeout")
         room.events.put_nowait(bootstrap_pb2.HandoffAccepted(prefill_address=self.address))
         room_log(room.number, rid, "prefilling", f"decode worker {hello.decode_address}")
         loop = asyncio.get_running_loop()
@@ -165,11 +176,12 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             raise
         if not ready.done():
             reason = result["meta_info"]["finish_reason"] or {}
-            raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}")
+            raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}", "prefill_failed")
         pages, first = ready.result()
         try:
             room_log(room.number, rid, "waiting for KV destination")
-            dest = await _bounded(room.destination, self.transfer_timeout, "the decode worker sent no destination")
+            dest = await _bounded(room.destination, self.transfer_timeout, "the decode worker sent no destination",
+                                  "transfer_timeout")
             checksum = await loop.run_in_executor(None, page_checksum, self.transfer.pool,
                                                   self._source(pages, dest)) if dest.verify else ""
         except BaseException:
@@ -201,7 +213,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                                list(dest.pages))
         except ValueError as e:
             self.engine.release_kv(rid)
-            raise HandoffFailed(str(e)) from None
+            raise HandoffFailed(str(e), "transfer_error") from None
         nbytes = sum(w.length for w in writes)
         room.events.put_nowait(bootstrap_pb2.TransferStarted(bytes=nbytes, writes=len(writes)))
         room_log(room.number, rid, "transferring", f"{len(src)} pages, {nbytes} bytes in {len(writes)} writes "
@@ -211,11 +223,11 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         room.write = pending = self.transfer.write(dest.session_id, writes, src)
         pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
-            await _bounded(pending, self.transfer_timeout, "the KV write did not finish")
+            await _bounded(pending, self.transfer_timeout, "the KV write did not finish", "transfer_timeout")
         except HandoffFailed:
             raise
         except Exception as e:
-            raise HandoffFailed(f"KV transfer to {dest.session_id} failed: {e}") from None
+            raise HandoffFailed(f"KV transfer to {dest.session_id} failed: {e}", "transfer_error") from None
         finally:
             self.transferring -= 1
         done = convert.kv_ready(first)

@@ -14,12 +14,14 @@ from aiohttp import web
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc
 from services.common.logs import setup_logging
+from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService, GrpcSettings
 from services.common.settings import parse_settings
 from services.router import native_api, openai_api
 from services.router.core import Router
 from services.router.grpc_api import RouterServicer
 from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware
+from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
 from services.router.settings import RouterSettings
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
@@ -29,14 +31,27 @@ log = logging.getLogger("services.router")
 STARTUP_WAIT_S = 120.0
 
 
-def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, make_auth_middleware(router.tenants)],
-                          client_max_size=64 * 1024 * 1024)
+def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Application:
+    """The HTTP API; with `metrics`, every request is counted and GET /metrics serves them (no API key needed)."""
+    middlewares = [errors_middleware, make_auth_middleware(router.tenants)]
+    if router.metrics is not None:
+        middlewares.insert(0, router.metrics.middleware())
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[native_api.ROUTER] = router
     app[INFLIGHT] = {"n": 0}
     native_api.add_routes(app)
     openai_api.add_routes(app)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics.handle)
     return app
+
+
+def router_metrics(router: Router, settings: MetricsSettings) -> ServiceMetrics | None:
+    """The router's metrics (labelled with the model its workers serve), attached to `router`; None when off."""
+    metrics = ServiceMetrics.from_settings(settings, "router", router.model_name)
+    if metrics is not None:
+        router.metrics = RouterMetrics(metrics, router.registry, router.policy, router.settings.policy)
+    return metrics
 
 
 async def build_router(settings: RouterSettings) -> Router:
@@ -61,19 +76,24 @@ async def _drain(app: web.Application, grace_s: float) -> None:
         log.warning("%d requests still open after %.0f s; closing them", app[INFLIGHT]["n"], grace_s)
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | None = None) -> None:
     try:
         router = await build_router(settings)
     except TokenizerUnavailable as e:
         log.error("cannot start: %s", e)
         raise SystemExit(1) from None
-    app = build_app(router)
+    metrics_settings = metrics_settings or MetricsSettings()
+    metrics = router_metrics(router, metrics_settings)
+    app = build_app(router, metrics)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker call (the
     # worker aborts the request and frees its KV pages), also for non-streaming requests
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
+    # /metrics is on the API port; --metrics-port also serves it on a port of its own (as SGLang's router does)
+    metrics_server = await metrics.serve(metrics_settings, settings.host) \
+        if metrics is not None and metrics_settings.metrics_port is not None else None
     grpc_service = None
     if settings.grpc_port is not None:
         def register(server) -> list[str]:
@@ -98,6 +118,8 @@ async def serve(settings: RouterSettings) -> None:
     if router.abort_all("the server is shutting down"):  # still open after the grace period: end them with an error
         await _drain(app, 2.0)
     await runner.cleanup()
+    if metrics_server is not None:
+        await metrics_server.stop()
     await router.registry.close()
     await router.tokenizer.close()
     close_policy = getattr(router.policy, "close", None)
@@ -107,10 +129,14 @@ async def serve(settings: RouterSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    (settings,) = parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door",
-                                 RouterSettings, argv)
+    settings, metrics_kwargs = parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door",
+                                              RouterSettings, argv, MetricsSettings)
     setup_logging("router", settings.log_level)
-    asyncio.run(serve(settings))
+    try:
+        metrics_settings = MetricsSettings(**metrics_kwargs)
+    except ValueError as e:
+        sys.exit(str(e))
+    asyncio.run(serve(settings, metrics_settings))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -54,6 +55,7 @@ class Router:
         registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering",
                                                   retry=True)
         self._model_name = "default"
+        self.metrics = None  # services.router.metrics.RouterMetrics when metrics are on
         self._calls: dict[grpc.aio.Call, str] = {}  # open worker call -> its worker's url
         self._cancelled: dict[grpc.aio.Call, tuple[str, bool]] = {}  # calls we cancelled -> (why, may retry)
 
@@ -107,32 +109,47 @@ class Router:
             worker = (self.policy.pick(candidates, request.input_ids) if self.pick_async is None
                       else await self.pick_async(candidates, request.input_ids, request.tenant))
             tried.add(worker.url)
+            metrics, sent = self.metrics, time.monotonic()
+            if metrics is not None:
+                metrics.picked(worker.url)
             worker.in_flight += 1
             call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
             self._calls[call] = worker.url
             streamed = False
             try:
                 async for msg in call:
+                    if metrics is not None and not streamed and request.stream:
+                        metrics.first_message(worker.url, time.monotonic() - sent)
                     streamed = True
                     yield msg
+                if metrics is not None:
+                    metrics.worker_done(worker.url, time.monotonic() - sent)
                 return
             except grpc.aio.AioRpcError as e:
                 code = e.code()
+                if metrics is not None:
+                    metrics.worker_failed(worker.url, code.name)
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise RouterError(status_of(code), e.details() or code.name) from None
                 self.registry.mark_failed(worker, e.details() or "unavailable")
                 if streamed or attempt == attempts - 1:
                     raise RouterError(503, f"worker {worker.url} failed: {e.details()}") from None
                 log.info("worker %s unavailable before streaming; retrying on another", worker.url)
+                if metrics is not None:
+                    metrics.retried(worker.url)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 cancelled = self._cancelled.get(call)
                 if cancelled is None or (task is not None and task.cancelling()):
                     raise  # our caller was cancelled (e.g. its client went away)
                 reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
+                if metrics is not None:
+                    metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
                 if not retry or streamed or attempt == attempts - 1:
                     raise RouterError(503, reason) from None
                 log.info("%s before streaming; retrying on another", reason)
+                if metrics is not None:
+                    metrics.retried(worker.url)
             finally:
                 self._calls.pop(call, None)
                 self._cancelled.pop(call, None)

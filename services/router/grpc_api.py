@@ -4,7 +4,9 @@ name lower-cased; a refused key is UNAUTHENTICATED, an invalid tenant INVALID_AR
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
 import grpc
 
@@ -38,6 +40,27 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         raise AssertionError("context.abort raises")
 
     async def Generate(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext):
+        metrics = self.router.metrics
+        if metrics is None:
+            async for out in self._generate(request, context):
+                yield out
+            return
+        started, error = time.monotonic(), "internal"
+        try:
+            async for out in self._generate(request, context):
+                yield out
+            error = None
+        except asyncio.CancelledError:
+            error = "client_closed"
+            raise
+        except BaseException:  # an abort (the code it set names the error) or an unexpected failure
+            code = context.code()
+            error = code.name.lower() if isinstance(code, grpc.StatusCode) else "internal"
+            raise
+        finally:
+            metrics.handled_grpc("RouterService/Generate", error, time.monotonic() - started)
+
+    async def _generate(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext):
         tenant = await self._tenant(context)
         if request.model and request.model != self.router.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here; "

@@ -15,7 +15,7 @@ from services.router.openai_errors import OpenAIError, bad_request, from_status,
 from services.router.tenants import SHARED, AuthError, TenantError, TenantResolver
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved
 

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
@@ -57,9 +58,10 @@ def _paired(request: worker_pb2.GenerateRequest, prefill: "Worker", room: int, s
 
 
 class _PairFailed(Exception):
-    def __init__(self, status: grpc.StatusCode, message: str, retry: bool):
+    def __init__(self, status: grpc.StatusCode, message: str, retry: bool, worker: str):
         super().__init__(message)
         self.code, self.message, self.retry = status, message, retry
+        self.worker = worker  # the url of the side that failed
 
 
 async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
@@ -79,6 +81,9 @@ async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
             prefill = await router.pick_async(_pick(prefills, tried), request.input_ids, request.tenant)
         decode = _least_loaded(_pick(decodes, tried))
         tried |= {prefill.url, decode.url}
+        if router.metrics is not None:
+            router.metrics.picked(prefill.url)
+            router.metrics.picked(decode.url, "least_loaded")
         streamed = False
         try:
             async for msg in _run_pair(router, request, prefill, decode):
@@ -90,6 +95,8 @@ async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
                 raise RouterError(status_of(e.code), e.message) from None
             log.info("pair %s -> %s failed before streaming (%s); retrying on another pair", prefill.url,
                      decode.url, e.message)
+            if router.metrics is not None:
+                router.metrics.retried(e.worker)
 
 
 async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worker"):
@@ -98,16 +105,19 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
     pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout)
     dcall = decode.stub.Generate(_paired(request, prefill, room, stream=request.stream), timeout=timeout)
     failure: list[_PairFailed] = []
+    metrics, sent = router.metrics, time.monotonic()
 
     def prefill_done(task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
             return
         e = task.exception()
         if isinstance(e, grpc.aio.AioRpcError):
+            if metrics is not None:
+                metrics.worker_failed(prefill.url, e.code().name)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 router.registry.mark_failed(prefill, e.details() or "unavailable")
             failure.append(_PairFailed(e.code(), f"prefill worker {prefill.url}: {e.details()}",
-                                       e.code() in RETRYABLE))
+                                       e.code() in RETRYABLE, prefill.url))
             if e.code() != grpc.StatusCode.ABORTED:
                 # ABORTED is a failed handoff, which the decode worker hears of through its own handoff stream
                 # (and then frees its pages at once); anything else it might only learn of by timing out.
@@ -116,23 +126,33 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
     async def drain() -> None:
         async for _ in pcall:
             pass
+        if metrics is not None:
+            metrics.worker_done(prefill.url, time.monotonic() - sent)
     ptask = asyncio.ensure_future(drain())
     ptask.add_done_callback(prefill_done)
     for worker, call in ((prefill, pcall), (decode, dcall)):
         worker.in_flight += 1
         router._calls[call] = worker.url
     try:
+        first = True
         async for msg in dcall:
+            if metrics is not None and first and request.stream:
+                metrics.first_message(decode.url, time.monotonic() - sent)
+            first = False
             yield msg
+        if metrics is not None:
+            metrics.worker_done(decode.url, time.monotonic() - sent)
     except grpc.aio.AioRpcError as e:
         code = e.code()
+        if metrics is not None:
+            metrics.worker_failed(decode.url, code.name)
         if code == grpc.StatusCode.UNAVAILABLE:
             router.registry.mark_failed(decode, e.details() or "unavailable")
         # The prefill side's error says more (bad input, or which worker died); give it a moment to arrive.
         await asyncio.wait([ptask], timeout=1.0)
         if failure:
             raise failure[0] from None
-        raise _PairFailed(code, f"decode worker {decode.url}: {e.details()}", code in RETRYABLE) from None
+        raise _PairFailed(code, f"decode worker {decode.url}: {e.details()}", code in RETRYABLE, decode.url) from None
     except asyncio.CancelledError:
         task = asyncio.current_task()
         cancelled = router._cancelled.get(dcall) or router._cancelled.get(pcall)
@@ -141,7 +161,8 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
         if cancelled is None or (task is not None and task.cancelling()):
             raise
         reason, retry = cancelled
-        raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry) from None
+        raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry,
+                          decode.url if dcall in router._cancelled else prefill.url) from None
     finally:
         for worker, call in ((prefill, pcall), (decode, dcall)):
             router._calls.pop(call, None)

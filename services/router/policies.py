@@ -98,6 +98,8 @@ class CacheAware:
         self.rel_threshold = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
         self.trees: dict[str, PrefixTree] = {}
+        # how picks went, for metrics: a prefix match, no good match (least seen), or imbalance (least loaded)
+        self.counts = {"cache_hits": 0, "cache_misses": 0, "balance": 0}
 
     def _tree(self, url: str) -> PrefixTree:
         if url not in self.trees:
@@ -110,13 +112,16 @@ class CacheAware:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
             chosen = workers[loads.index(lo)]
+            self.counts["balance"] += 1
         else:
             matches = [self._tree(w.url).match(keys) for w in workers]
             best = max(range(len(workers)), key=lambda i: (matches[i], -loads[i]))
             if keys and matches[best] * BLOCK >= self.cache_threshold * len(input_ids):
                 chosen = workers[best]
+                self.counts["cache_hits"] += 1
             else:
                 chosen = min(workers, key=lambda w: (self._tree(w.url).size, w.in_flight))
+                self.counts["cache_misses"] += 1
         self._tree(chosen.url).insert(keys)
         return chosen
 

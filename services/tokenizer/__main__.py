@@ -9,35 +9,47 @@ import sys
 from typing import Sequence
 
 from services.common.logs import setup_logging
+from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
 from services.tokenizer.backend import TokenizerBackend
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.servicer import TokenizerServicer, add_to_server
 from services.tokenizer.settings import TokenizerSettings
 
 log = logging.getLogger("services.tokenizer")
 
 
-async def serve(settings: TokenizerSettings, backend: TokenizerBackend) -> None:
-    servicer = TokenizerServicer(backend)
+async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
+                metrics_settings: MetricsSettings | None = None) -> None:
+    metrics_settings = metrics_settings or MetricsSettings()
+    metrics = ServiceMetrics.from_settings(metrics_settings, "tokenizer",
+                                           settings.served_model_name or settings.model_path)
+    servicer = TokenizerServicer(backend, TokenizerMetrics(metrics) if metrics is not None else None)
+    metrics_server = None
 
     async def on_stop() -> None:
+        if metrics_server is not None:
+            await metrics_server.stop()
         backend.close()
 
     service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop)
+    if metrics is not None:
+        metrics_server = await metrics.serve(metrics_settings, settings.host)
     await service.run_until_signal()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    (settings,) = parse_settings("radixmesh tokenizer service: chat templates, tokenization, detokenization.",
-                                 TokenizerSettings, argv)
+    settings, metrics_kwargs = parse_settings("radixmesh tokenizer service: chat templates, tokenization, "
+                                              "detokenization.", TokenizerSettings, argv, MetricsSettings)
     setup_logging("tokenizer", settings.log_level)
     try:
+        metrics_settings = MetricsSettings(**metrics_kwargs)
         backend = TokenizerBackend.from_settings(settings)
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
-    asyncio.run(serve(settings, backend))
+    asyncio.run(serve(settings, backend, metrics_settings))
     return 0
 
 

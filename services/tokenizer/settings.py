@@ -11,6 +11,8 @@ from services.common.server import GrpcSettings
 class TokenizerSettings(GrpcSettings):
     model_path: str = field(default="", metadata={"help": "model folder (its tokenizer and config.json); required"})
     tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer folder (default: --model-path)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name in this service's metrics labels (default: --model-path)"})
     chat_template: str | None = field(default=None, metadata={
         "help": "chat template override: a .jinja, .txt or .json file, or a built-in name (chatml, llama-3)"})
     context_length: int | None = field(default=None, metadata={

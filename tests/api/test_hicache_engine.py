@@ -69,6 +69,10 @@ def test_host_tier_serves_evicted_prefixes_token_exact(reference, page, policy):
         assert cached1 == [39 // page * page] * 6, "every prompt should come back from the host pool"
         load = engine.get_load()
         assert load["host_hit_tokens"] > 0 and load["evicted_tokens"] > 0
+        # the per-tier hit counters (metrics) split the reported cached tokens between device and host
+        assert load["lookup_tokens"] == sum(len(p) for p in prompts) * 2
+        assert load["host_loaded_hit_tokens"] > 0
+        assert load["device_hit_tokens"] + load["host_loaded_hit_tokens"] == sum(cached1)
         _flush_and_check_leaks(engine)
     finally:
         engine.shutdown()

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = ("grpc", "google.protobuf", "aiohttp", "services")
+FORBIDDEN = ("grpc", "google.protobuf", "aiohttp", "services", "prometheus_client")
+SERVICE_ROOTS = ("grpc", "aiohttp", "services", "prometheus_client")  # top-level packages engine must not load
 
 
 def test_engine_sources_import_no_service_libraries():
@@ -20,7 +21,7 @@ def test_engine_sources_import_no_service_libraries():
 
 def test_importing_engine_loads_no_service_libraries():
     code = ("import sys, engine, engine.engine, engine.bench_one_batch, engine.bench_offline_throughput; "
-            f"bad = [m for m in sys.modules if m.split('.')[0] in {('grpc', 'aiohttp', 'services')!r} "
+            f"bad = [m for m in sys.modules if m.split('.')[0] in {SERVICE_ROOTS!r} "
             "or m.startswith('google.protobuf')]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,136 @@
+"""The router's Prometheus metrics, with the names of SGLang's router (sgl-router) where it has the metric; every
+series also carries `model_name` and `role="router"`.
+
+As requests happen:
+    sgl_router_requests_total{route}                  HTTP requests (route: the path pattern) and gRPC calls
+    sgl_router_request_duration_seconds{route}        until the response (a stream: until its end) was written
+    sgl_router_request_errors_total{route,error_type} answers with an error status (error_type: bad_request, ...)
+    sgl_router_processed_requests_total{worker}       calls sent to each worker (a retry counts again; PD: both)
+    sgl_router_policy_decisions_total{policy,worker}  each pick (PD: the prefill pick by --policy, the decode pick
+                                                      by least_loaded)
+    sgl_router_worker_errors_total{worker,error_type} failed worker calls (error_type: the gRPC status name)
+    sgl_router_retries_total{worker}                  requests moved to another worker after this one failed
+    sgl_router_worker_request_duration_seconds{worker}  successful worker calls, send to last message
+    sgl_router_worker_time_to_first_token_seconds{worker}  send to the first message of a streamed call
+At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker};
+cache_aware: sgl_router_cache_hits_total, sgl_router_cache_misses_total, sgl_router_load_balancing_events_total,
+sgl_router_tree_size{worker}; kv_index: sgl_router_kv_index_decisions_total{worker,reason}."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from services.common.metrics import REQUEST_BUCKETS, TTFT_BUCKETS, Families, ServiceMetrics
+
+ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+               408: "timeout", 413: "too_large", 429: "rate_limited", 499: "client_closed", 500: "internal",
+               502: "bad_gateway", 503: "unavailable", 504: "timeout"}
+UNMATCHED = "unmatched"  # the route label of paths no route serves (keeps arbitrary paths out of the labels)
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, f"http_{status}")
+
+
+class RouterMetrics:
+    def __init__(self, metrics: ServiceMetrics, registry, policy, policy_name: str):
+        self.registry, self.policy, self.policy_name = registry, policy, policy_name
+        m = metrics
+        self.requests = m.counter("sgl_router_requests_total", "Requests received, by route", ("route",))
+        self.duration = m.histogram("sgl_router_request_duration_seconds", "Request duration by route (s)",
+                                    REQUEST_BUCKETS, ("route",))
+        self.errors = m.counter("sgl_router_request_errors_total", "Requests answered with an error",
+                                ("route", "error_type"))
+        self.processed = m.counter("sgl_router_processed_requests_total", "Calls sent to each worker", ("worker",))
+        self.decisions = m.counter("sgl_router_policy_decisions_total", "Routing decisions by policy and worker",
+                                   ("policy", "worker"))
+        self.worker_errors = m.counter("sgl_router_worker_errors_total", "Failed worker calls by gRPC status",
+                                       ("worker", "error_type"))
+        self.retries = m.counter("sgl_router_retries_total", "Requests retried elsewhere after this worker failed",
+                                 ("worker",))
+        self.worker_duration = m.histogram("sgl_router_worker_request_duration_seconds",
+                                           "Successful worker calls, send to last message (s)", REQUEST_BUCKETS,
+                                           ("worker",))
+        self.worker_ttft = m.histogram("sgl_router_worker_time_to_first_token_seconds",
+                                       "Streamed worker calls, send to first message (s)", TTFT_BUCKETS, ("worker",))
+        m.collect(self._collect)
+
+    # ---- front ends -------------------------------------------------------------------------------------------
+    def handled(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route).inc()
+        self.duration.labels(route).observe(seconds)
+        if status >= 400:
+            self.errors.labels(route, error_type(status)).inc()
+
+    def handled_grpc(self, route: str, error: str | None, seconds: float) -> None:
+        """A gRPC call ended; `error`: None, or the lower-cased status name it failed with."""
+        self.requests.labels(route).inc()
+        self.duration.labels(route).observe(seconds)
+        if error is not None:
+            self.errors.labels(route, error).inc()
+
+    def middleware(self):
+        """aiohttp middleware (outermost: it sees the status the error handling chose) counting every request."""
+
+        @web.middleware
+        async def observe(request: web.Request, handler):
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else UNMATCHED
+            started, status = time.monotonic(), 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except asyncio.CancelledError:
+                status = 499  # the client went away
+                raise
+            except web.HTTPException as e:
+                status = e.status
+                raise
+            finally:
+                self.handled(route, status, time.monotonic() - started)
+        return observe
+
+    # ---- the request path (core.Router, pd) ---------------------------------------------------------------------
+    def picked(self, worker: str, policy: str | None = None) -> None:
+        self.decisions.labels(policy or self.policy_name, worker).inc()
+        self.processed.labels(worker).inc()
+
+    def first_message(self, worker: str, seconds: float) -> None:
+        self.worker_ttft.labels(worker).observe(seconds)
+
+    def worker_done(self, worker: str, seconds: float) -> None:
+        self.worker_duration.labels(worker).observe(seconds)
+
+    def worker_failed(self, worker: str, code_name: str) -> None:
+        self.worker_errors.labels(worker, code_name).inc()
+
+    def retried(self, worker: str) -> None:
+        self.retries.labels(worker).inc()
+
+    # ---- scrape -------------------------------------------------------------------------------------------------
+    def _collect(self, out: Families) -> None:
+        workers = list(self.registry.workers.values())
+        out.gauge("sgl_router_active_workers", "Healthy workers", sum(w.healthy for w in workers))
+        for w in workers:
+            out.gauge("sgl_router_worker_health", "1 when the worker is healthy", float(w.healthy), worker=w.url)
+            out.gauge("sgl_router_running_requests", "Calls in flight per worker", w.in_flight, worker=w.url)
+        counts = getattr(self.policy, "counts", None)
+        if counts is not None:  # cache_aware
+            out.counter("sgl_router_cache_hits_total", "Requests routed by a prefix match", counts["cache_hits"])
+            out.counter("sgl_router_cache_misses_total", "Requests without a good enough prefix match",
+                        counts["cache_misses"])
+            out.counter("sgl_router_load_balancing_events_total", "Requests routed by load (imbalance)",
+                        counts["balance"])
+            for url, tree in list(self.policy.trees.items()):
+                out.gauge("sgl_router_tree_size", "Prefix blocks remembered per worker", tree.size, worker=url)
+        decisions = getattr(self.policy, "decisions", None)
+        if decisions is not None:  # kv_index
+            for url, reasons in decisions.snapshot()["by_worker"].items():
+                for reason, n in reasons.items():
+                    out.counter("sgl_router_kv_index_decisions_total", "kv_index picks by reason (index: lowest "
+                                "expected TTFT; tie: rendezvous among equals; fallback: index unavailable)", n,
+                                worker=url, reason=reason)

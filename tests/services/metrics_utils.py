@@ -1,0 +1,97 @@
+"""Helpers for the metrics tests: start a service as a real process, scrape its /metrics over HTTP and read samples
+with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.launch import free_port
+from tests.conftest import ROOT
+
+
+def start_grpc(module: str, *args: str, log: Path | None = None,
+               timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start `python -m module --port P ... args` and wait until its gRPC health says SERVING."""
+    port = free_port()
+    out = open(log, "w") if log else None
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning", *args],
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None)
+    url = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(url) as ch:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"{module} exited with {proc.returncode}"
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return proc, url
+            except grpc.RpcError:
+                time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{module} not healthy within {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM and wait; the exit code (a service stops cleanly with 0)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def http_get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if http_get(url, timeout=2)[0] < 500:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not answering within {timeout} s")
+
+
+class Scrape:
+    """One /metrics scrape: every sample, by its exposition name (`x_total`, `x_count`, `x_bucket`, ...)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        self.types = {family.name: family.type for family in text_string_to_metric_families(text)}
+
+    def all(self, name: str, **labels: str) -> list:
+        return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` whose labels include `labels` (0 when there is none)."""
+        return sum(s.value for s in self.all(name, **labels))
+
+    def labels(self, name: str, key: str) -> set[str]:
+        return {s.labels[key] for s in self.all(name) if key in s.labels}
+
+
+def scrape(port: int, path: str = "/metrics", headers: dict | None = None) -> Scrape:
+    status, body = http_get(f"http://127.0.0.1:{port}{path}", headers)
+    assert status == 200, f"GET {path} on {port}: {status} {body[:200]!r}"
+    return Scrape(body.decode())
