@@ -70,6 +70,12 @@ class LaunchSettings:
     kvstore_transport: str = field(default="grpc", metadata={
         "help": "with --kvstore as L3: how page bytes travel between the workers and the kvstore, grpc (in the "
                 "messages) or mooncake (the Mooncake transfer engine, straight from and into the host pools)"})
+    enable_metrics: bool = field(default=False, metadata={
+        "help": "every service exports Prometheus metrics: the routers at /metrics on their API ports, the others "
+                "on a free --metrics-port each (listed at start-up and in --metrics-sd-file)"})
+    metrics_sd_file: str | None = field(default=None, metadata={
+        "help": "with --enable-metrics: write the metrics targets here as a Prometheus file_sd JSON list (each "
+                "target labelled service=<name>)"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -84,6 +90,8 @@ class LaunchSettings:
             raise ValueError("--num-prefill and --num-decode must be at least 1")
         if self.policy == "kv_index" and not self.kvstore:
             raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
+        if self.metrics_sd_file and not self.enable_metrics:
+            raise ValueError("--metrics-sd-file lists the metrics targets: add --enable-metrics")
         if self.kvstore_transport not in STORAGE_TRANSPORTS:
             raise ValueError(f"--kvstore-transport must be one of {', '.join(STORAGE_TRANSPORTS)}, "
                              f"got {self.kvstore_transport!r}")
@@ -119,6 +127,7 @@ class Child:
     health: str  # "grpc://host:port" or "http://host:port/health"
     proc: subprocess.Popen | None = None
     env: dict = field(default_factory=dict)  # set on top of the launcher's environment
+    metrics: str | None = None  # host:port of its /metrics (with --enable-metrics)
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
@@ -207,7 +216,31 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             at = replica.index("--grpc-port")
             del replica[at:at + 2]
         children.append(Child(f"router-{i}", replica, f"http://{host}:{port}/health"))
+    if settings.enable_metrics:
+        _add_metrics(children, host)
     return children
+
+
+def _add_metrics(children: list[Child], router_host: str) -> None:
+    """--enable-metrics for every child; a free --metrics-port for each gRPC service (a router serves /metrics on
+    its API port). Sets each child's `metrics` target (host:port)."""
+    for c in children:
+        c.argv.append("--enable-metrics")
+        if c.name.startswith("router"):
+            c.metrics = f"{router_host}:{c.argv[c.argv.index('--port') + 1]}"
+        else:
+            port = free_port()
+            c.argv += ["--metrics-port", str(port)]
+            c.metrics = f"127.0.0.1:{port}"
+
+
+def write_metrics_targets(children: list[Child], path: str) -> None:
+    """Prometheus file_sd: one target group per service, labelled service=<its name>."""
+    groups = [{"targets": [c.metrics], "labels": {"service": c.name}} for c in children if c.metrics]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(groups, f, indent=1)
+    os.replace(tmp, path)  # Prometheus re-reads the file when it changes: never let it see half of it
 
 
 def _with_transport(engine_kwargs: dict, transport: str) -> dict:
@@ -274,6 +307,10 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     routers = [c for c in children if c.name.startswith("router")]
     backends = [c for c in children if c not in routers]
+    if settings.enable_metrics:
+        log.info("metrics: %s", ", ".join(f"{c.name} http://{c.metrics}/metrics" for c in children))
+        if settings.metrics_sd_file:
+            write_metrics_targets(children, settings.metrics_sd_file)
     try:
         for c in backends:
             c.start()

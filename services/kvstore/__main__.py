@@ -13,9 +13,11 @@ from typing import Sequence
 from engine.cache.storage import PageStorage, StorageError, open_storage
 from services.common.kv_transfer import transfer_host
 from services.common.logs import setup_logging
+from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
 from services.kvstore.index import PrefixIndex
+from services.kvstore.metrics import KvStoreMetrics
 from services.kvstore.servicer import KvStoreServicer, add_to_server
 from services.kvstore.settings import KvStoreSettings
 from services.kvstore.subscriber import Subscriptions
@@ -24,14 +26,23 @@ from services.kvstore.transfer import StagingSlots
 log = logging.getLogger("services.kvstore")
 
 
-async def serve(settings: KvStoreSettings, storage: PageStorage, staging: StagingSlots | None = None) -> None:
+async def serve(settings: KvStoreSettings, storage: PageStorage, staging: StagingSlots | None = None,
+                metrics_settings: MetricsSettings | None = None) -> None:
     executor = ThreadPoolExecutor(settings.storage_threads, thread_name_prefix="kvstore-storage")
     index = PrefixIndex()
     subscriptions = Subscriptions(index, settings.worker_ttl_s, settings.subscribe_backoff_max_s)
     servicer = KvStoreServicer(storage, settings.backend, index, subscriptions, executor, staging,
                                settings.storage_timeout_s)
+    metrics_settings = metrics_settings or MetricsSettings()
+    metrics = ServiceMetrics.from_settings(metrics_settings, "kvstore")
+    metrics_server = None
+    if metrics is not None:
+        KvStoreMetrics(metrics, servicer)
+        metrics_server = await metrics.serve(metrics_settings, settings.host)
 
     async def on_stop() -> None:
+        if metrics_server is not None:
+            await metrics_server.stop()
         await subscriptions.close()
         await asyncio.get_running_loop().run_in_executor(executor, storage.close)
         executor.shutdown(wait=False)
@@ -44,9 +55,15 @@ async def serve(settings: KvStoreSettings, storage: PageStorage, staging: Stagin
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    (settings,) = parse_settings("radixmesh kvstore: the shared L3 KV page store and the global prefix index.",
-                                 KvStoreSettings, argv)
+    settings, metrics_kwargs = parse_settings(
+        "radixmesh kvstore: the shared L3 KV page store and the global prefix index.", KvStoreSettings, argv,
+        MetricsSettings)
     setup_logging("kvstore", settings.log_level)
+    try:
+        metrics_settings = MetricsSettings(**metrics_kwargs)
+    except ValueError as e:
+        log.error("cannot start: %s", e)
+        return 1
     try:
         storage = open_storage(settings.backend, settings.storage_options())
     except (StorageError, ValueError) as e:
@@ -61,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("cannot start the Mooncake transfer engine: %s", e)
             storage.close()
             return 1
-    asyncio.run(serve(settings, storage, staging))
+    asyncio.run(serve(settings, storage, staging, metrics_settings))
     return 0
 
 
