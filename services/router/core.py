@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.pd import generate_pd
 from services.router.policies import Policy
@@ -52,31 +53,23 @@ class Router:
         self.tokenizer = tokenizer
         self.tenants = TenantResolver.from_settings(settings)
         registry.on_remove = self._worker_removed
-        registry.on_lost = lambda w: self._cancel(lambda url: url == w.url, f"worker {w.url} stopped answering",
-                                                  retry=True)
+        registry.on_lost = lambda w: self.calls.cancel(lambda url: url == w.url,
+                                                       f"worker {w.url} stopped answering", retry=True)
         self._model_name = "default"
         self.metrics = None  # services.router.metrics.RouterMetrics when metrics are on
-        self._calls: dict[grpc.aio.Call, str] = {}  # open worker call -> its worker's url
-        self._cancelled: dict[grpc.aio.Call, tuple[str, bool]] = {}  # calls we cancelled -> (why, may retry)
+        # Open worker calls: a cancelled one's request fails with RouterError(503, reason), or, when the
+        # cancel allows a retry and nothing was streamed yet, moves to another worker.
+        self.calls = OpenCalls()
 
     def _worker_removed(self, url: str) -> None:
         self.policy.forget(url)
-        self._cancel(lambda u: u == url, f"worker {url} was removed", retry=True)
-
-    def _cancel(self, which, reason: str, retry: bool = False) -> int:
-        """Cancel the matching open calls; each request fails with RouterError(503, reason), or, when `retry` and
-        nothing was streamed yet, moves to another worker."""
-        calls = [c for c, url in self._calls.items() if which(url)]
-        for call in calls:
-            self._cancelled[call] = (reason, retry)
-            call.cancel()
-        return len(calls)
+        self.calls.cancel(lambda u: u == url, f"worker {url} was removed", retry=True)
 
     def abort_all(self, reason: str) -> int:
         """Cancel every open worker call (the workers abort those requests); each request then fails with
         RouterError(503, reason), so its client gets an error, not a cut stream. Returns how many were open.
         The registry does the same for one worker that stops answering health probes (a hung process)."""
-        return self._cancel(lambda url: True, reason)
+        return self.calls.cancel(lambda url: True, reason)
 
     @property
     def model_name(self) -> str:
@@ -114,7 +107,7 @@ class Router:
                 metrics.picked(worker.url)
             worker.in_flight += 1
             call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
-            self._calls[call] = worker.url
+            self.calls.track(call, worker.url)
             streamed = False
             try:
                 async for msg in call:
@@ -139,7 +132,7 @@ class Router:
                     metrics.retried(worker.url)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                cancelled = self._cancelled.get(call)
+                cancelled = self.calls.why_cancelled(call)
                 if cancelled is None or (task is not None and task.cancelling()):
                     raise  # our caller was cancelled (e.g. its client went away)
                 reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
@@ -151,7 +144,6 @@ class Router:
                 if metrics is not None:
                     metrics.retried(worker.url)
             finally:
-                self._calls.pop(call, None)
-                self._cancelled.pop(call, None)
+                self.calls.forget(call)
                 worker.in_flight -= 1
                 call.cancel()

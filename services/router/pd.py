@@ -14,16 +14,16 @@ import itertools
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Awaitable, AsyncIterator, Callable, Protocol
 
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
-
-if TYPE_CHECKING:
-    from services.router.core import Router
-    from services.router.workers import Worker
+from services.router.policies import Policy
+from services.router.settings import RouterSettings
+from services.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +31,34 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 _rotation = itertools.count()
 
 
+class PairRouter(Protocol):
+    """What this path needs of the router (services.router.core.Router, which calls generate_pd with itself)."""
+
+    settings: RouterSettings
+    registry: WorkerRegistry
+    policy: Policy
+    pick_async: Callable[..., Awaitable[Worker]] | None
+    metrics: object | None  # services.router.metrics.RouterMetrics when metrics are on
+    calls: OpenCalls
+
+
 def new_room() -> int:
     return secrets.randbits(63)
 
 
-def _pick(workers: list["Worker"], tried: set[str]) -> list["Worker"]:
+def _pick(workers: list[Worker], tried: set[str]) -> list[Worker]:
     """Workers not tried yet for this request, or every one when all were (a retry may reuse a healthy one)."""
     fresh = [w for w in workers if w.url not in tried]
     return fresh or workers
 
 
-def _least_loaded(workers: list["Worker"]) -> "Worker":
+def _least_loaded(workers: list[Worker]) -> Worker:
     """Fewest in-flight requests; ties go round robin (the list is rotated, then min keeps the first)."""
     k = next(_rotation) % len(workers)
     return min(workers[k:] + workers[:k], key=lambda w: w.in_flight)
 
 
-def _paired(request: worker_pb2.GenerateRequest, prefill: "Worker", room: int, stream: bool):
+def _paired(request: worker_pb2.GenerateRequest, prefill: Worker, room: int, stream: bool):
     out = worker_pb2.GenerateRequest()
     out.CopyFrom(request)
     out.stream = stream
@@ -64,7 +75,7 @@ class _PairFailed(Exception):
         self.worker = worker  # the url of the side that failed
 
 
-async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
+async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
                       ) -> AsyncIterator[worker_pb2.GenerateResponse]:
     if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
         raise RouterError(400, "n > 1 is not supported with prefill/decode disaggregation")
@@ -99,7 +110,7 @@ async def generate_pd(router: "Router", request: worker_pb2.GenerateRequest
                 router.metrics.retried(e.worker)
 
 
-async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worker"):
+async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker):
     room = new_room()
     timeout = router.settings.request_timeout_s
     pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout)
@@ -132,7 +143,7 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
     ptask.add_done_callback(prefill_done)
     for worker, call in ((prefill, pcall), (decode, dcall)):
         worker.in_flight += 1
-        router._calls[call] = worker.url
+        router.calls.track(call, worker.url)
     try:
         first = True
         async for msg in dcall:
@@ -155,18 +166,17 @@ async def _run_pair(router: "Router", request, prefill: "Worker", decode: "Worke
         raise _PairFailed(code, f"decode worker {decode.url}: {e.details()}", code in RETRYABLE, decode.url) from None
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        cancelled = router._cancelled.get(dcall) or router._cancelled.get(pcall)
+        cancelled = router.calls.why_cancelled(dcall) or router.calls.why_cancelled(pcall)
         if failure and not (task is not None and task.cancelling()):
             raise failure[0] from None
         if cancelled is None or (task is not None and task.cancelling()):
             raise
         reason, retry = cancelled
         raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry,
-                          decode.url if dcall in router._cancelled else prefill.url) from None
+                          decode.url if router.calls.why_cancelled(dcall) else prefill.url) from None
     finally:
         for worker, call in ((prefill, pcall), (decode, dcall)):
-            router._calls.pop(call, None)
-            router._cancelled.pop(call, None)
+            router.calls.forget(call)
             worker.in_flight -= 1
             call.cancel()
         ptask.cancel()
