@@ -33,6 +33,11 @@ $(STAMPS)/apt: Makefile
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 \
 			libcurl4; \
 	fi
+	@# tests/e2e/test_prometheus.py runs a real Prometheus and promtool against the launched mesh.
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		echo "installing prometheus from apt (for the dashboard and alert rule tests)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	fi
 	@# The kvstore's redis backend is tested against a real server (tests/redis_fixture.py).
 	@if ! command -v redis-server >/dev/null; then \
 		echo "installing redis-server from apt (for the kvstore's redis backend tests)"; \

@@ -293,7 +293,7 @@ class CacheHierarchy:
             return False
         self._probe = (self._probe + 1) % PROBE_EVERY
         if self._probe:
-            self.io.stats["skipped_fetches"] = self.io.stats.get("skipped_fetches", 0) + 1
+            self.io.stats["skipped_fetches"] += 1
         return self._probe != 0
 
     def prefetch_ready(self, req: Req) -> bool:

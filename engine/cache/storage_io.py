@@ -58,7 +58,7 @@ class StorageIO:
         self.write_backlog_pages = 0  # pages submitted for writing and not completed (scheduler thread's count)
         self.fetch_tokens_per_s = 0.0  # measured, EMA over fetches that loaded pages
         self.stats = {"written_pages": 0, "fetched_pages": 0, "failed_calls": 0, "corrupt_pages": 0,
-                      "skipped_write_pages": 0}
+                      "skipped_write_pages": 0, "skipped_fetches": 0}
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"radixmesh-storage-{kind.value}",
                                           daemon=True) for kind, q in self._queues.items()]
         for t in self._threads:

@@ -56,6 +56,7 @@ class RouterMetrics:
                                            ("worker",))
         self.worker_ttft = m.histogram("sgl_router_worker_time_to_first_token_seconds",
                                        "Streamed worker calls, send to first message (s)", TTFT_BUCKETS, ("worker",))
+        self._seen: set[str] = set()  # workers whose retry counter exists
         m.collect(self._collect)
 
     # ---- front ends -------------------------------------------------------------------------------------------
@@ -98,6 +99,11 @@ class RouterMetrics:
     def picked(self, worker: str, policy: str | None = None) -> None:
         self.decisions.labels(policy or self.policy_name, worker).inc()
         self.processed.labels(worker).inc()
+        if worker not in self._seen:
+            # a worker's retry counter starts at 0 with its first call: a counter born at 1 would hide its first
+            # increment from rate()/increase(), and alerts on retries would miss a worker's first failure
+            self._seen.add(worker)
+            self.retries.labels(worker)
 
     def first_message(self, worker: str, seconds: float) -> None:
         self.worker_ttft.labels(worker).observe(seconds)

@@ -13,6 +13,8 @@ from typing import Iterator
 
 from services.common.metrics import FAST_BUCKETS, ServiceMetrics
 
+METHODS = ("tokenize_text", "tokenize_chat", "detokenize")  # tokenize_none: a request without input, an error
+
 
 class TokenizerMetrics:
     def __init__(self, metrics: ServiceMetrics):
@@ -23,6 +25,8 @@ class TokenizerMetrics:
                                    FAST_BUCKETS, ("method",))
         self.tokens = m.counter("radixmesh:tokenizer_tokens_total",
                                 "Tokens produced (tokenize) or read (detokenize)", ("method",))
+        for method in METHODS:  # error series from the start, at 0: rate() and increase() then see the first error
+            self.errors.labels(method)
 
     @contextlib.contextmanager
     def call(self, method: str) -> Iterator[None]:
