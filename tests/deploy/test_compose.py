@@ -1,0 +1,110 @@
+"""compose.yaml for real, under podman-compose: the CPU profile's stack (tokenizer, kvstore on Redis, a worker, the
+router, Prometheus) from the CPU image, an OpenAI request through the router, Prometheus scraping every radixmesh
+service, then `down` with nothing left. Redis and Prometheus run from stand-in images of Debian's packages (the same
+programs; no registry is reachable here), named through compose's REDIS_IMAGE and PROMETHEUS_IMAGE variables.
+Grafana and Jaeger have no Debian package, so they are validated (config) but not started here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.launch import free_port
+from tests.deploy import podman as pm
+from tests.deploy.test_image import READY_S, _chat, image  # noqa: F401 - a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+STANDINS = Path(__file__).parent / "standins"
+STARTED = ["tokenizer", "kvstore", "worker", "router", "redis", "prometheus"]
+SCRAPED = {"radixmesh-router", "radixmesh-tokenizer", "radixmesh-worker", "radixmesh-kvstore"}
+
+
+def _compose(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "podman_compose", *args], cwd=pm.ROOT, env=env, text=True,
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, f"podman-compose {' '.join(args)}: {proc.returncode}\n{proc.stdout[-4000:]}"
+    return proc
+
+
+def _standin(name: str) -> str:
+    tag = f"localhost/radixmesh-test-{name}"
+    pm.podman("build", "--network=host", "--build-arg", f"BASE_IMAGE={pm.BASE_IMAGE}", "-f",
+              str(STANDINS / f"{name}.Dockerfile"), "-t", tag, str(STANDINS), timeout=600)
+    return tag
+
+
+def _targets(prometheus: str) -> list[dict]:
+    with urllib.request.urlopen(f"{prometheus}/api/v1/targets", timeout=10) as r:
+        return json.loads(r.read())["data"]["activeTargets"]
+
+
+def _chat_once_ready(base_url: str, tries: int = 10) -> None:
+    """_chat, allowing 503 "no healthy worker" while the stack starts: compose starts the router as soon as its
+    dependencies' containers run, before the worker answers health probes, and on a loaded machine one slow probe
+    takes the worker out of rotation until the next one (the router's health thresholds are issue 13's)."""
+    import openai
+
+    for attempt in range(tries):
+        try:
+            return _chat(base_url)
+        except openai.InternalServerError as e:
+            if e.status_code != 503 or attempt == tries - 1:
+                raise
+            time.sleep(3)
+
+
+def test_compose_file_is_valid_in_every_profile(image):  # noqa: F811 - the fixture
+    env = {**os.environ, "RADIXMESH_IMAGE": image}
+    for profile in ("cpu", "gpu", "pd"):
+        config = yaml.safe_load(_compose({**env, "COMPOSE_PROFILES": profile}, "config").stdout)
+        services = config["services"]
+        assert {"tokenizer", "kvstore", "redis", "prometheus", "grafana", "jaeger"} <= set(services), profile
+        routers = [s for s in services if s.startswith("router")]
+        assert len(routers) == 1, (profile, routers)  # exactly one router publishes the port in each profile
+    gpu = yaml.safe_load(_compose({**env, "COMPOSE_PROFILES": "gpu"}, "config").stdout)["services"]["worker-gpu"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_cpu_stack_serves_and_prometheus_scrapes_every_service(image):  # noqa: F811 - the fixture
+    project = f"rmtest{uuid.uuid4().hex[:6]}"
+    port, prom_port = free_port(), free_port()
+    env = {**os.environ, "COMPOSE_PROFILES": "cpu", "RADIXMESH_IMAGE": image, "PORT": str(port),
+           "PROMETHEUS_PORT": str(prom_port), "REDIS_IMAGE": _standin("redis"),
+           "PROMETHEUS_IMAGE": _standin("prometheus"), "LOG_LEVEL": "warning"}
+    try:
+        _compose(env, "-p", project, "up", "-d", *STARTED)
+        _chat_once_ready(f"http://127.0.0.1:{port}")
+        prometheus, deadline = f"http://127.0.0.1:{prom_port}", time.monotonic() + READY_S
+        while True:
+            targets = [t for t in _targets(prometheus) if t["labels"]["job"] in SCRAPED]
+            if {t["labels"]["job"] for t in targets if t["health"] == "up"} == SCRAPED:
+                break
+            assert time.monotonic() < deadline, f"not every service scraped: {targets}"
+            time.sleep(2)
+        assert all(t["health"] == "up" for t in targets), targets
+        assert {t["labels"]["service"] for t in targets} == {"router", "tokenizer", "worker-worker", "kvstore"}
+        with urllib.request.urlopen(f"{prometheus}/api/v1/rules", timeout=10) as r:
+            rules = [rule for g in json.loads(r.read())["data"]["groups"] for rule in g["rules"]]
+        assert rules and all(rule["health"] != "err" for rule in rules), "dashboards/alerts.yaml loads"
+        query = urllib.parse.quote('sum(sglang:prompt_tokens_total)')
+        with urllib.request.urlopen(f"{prometheus}/api/v1/query?query={query}", timeout=10) as r:
+            assert json.loads(r.read())["data"]["result"], "the worker's counters reached Prometheus"
+    finally:
+        subprocess.run([sys.executable, "-m", "podman_compose", "-p", project, "down", "-t", "35"], cwd=pm.ROOT,
+                       env=env, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pm.podman("network", "rm", "--force", f"{project}_default", check=False)
+    left = pm.podman("ps", "-a", "--filter", f"label=io.podman.compose.project={project}", "--format",
+                     "{{.Names}}").stdout.split()
+    assert left == [], f"containers left behind: {left}"
+    networks = pm.podman("network", "ls", "--format", "{{.Name}}").stdout.split()
+    assert f"{project}_default" not in networks
