@@ -231,6 +231,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--policy", default="cache_aware", help="the router's --policy")
     p.add_argument("--router-cpu", type=int, default=0, help="the core the router runs on")
     p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
+    p.add_argument("--enable-trace", action="store_true", help="the router exports OpenTelemetry traces to a local "
+                   "OTLP/gRPC sink (benchmarks.otlp_sink, on the other cores)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
                    "inflates its CPU time: use for where the time goes, not for the numbers)")
@@ -251,6 +253,10 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
     for i, port in enumerate(workers):
         procs.start(f"worker{i}", ["benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet], others)
     profile = ["cProfile", "-o", str(Path(args.profile_router).resolve()), "-m"] if args.profile_router else []
+    if args.enable_trace:
+        sink = free_port()
+        procs.start("otlp_sink", ["benchmarks.otlp_sink", "--port", str(sink)], others)
+        quiet = [*quiet, "--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{sink}"]
     router = procs.start("router", [*profile, "services.router", "--host", "127.0.0.1", "--port", str(http),
                                     "--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet,
                                     "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)], {args.router_cpu})

@@ -76,6 +76,12 @@ class LaunchSettings:
     metrics_sd_file: str | None = field(default=None, metadata={
         "help": "with --enable-metrics: write the metrics targets here as a Prometheus file_sd JSON list (each "
                 "target labelled service=<name>)"})
+    enable_trace: bool = field(default=False, metadata={
+        "help": "every service exports OpenTelemetry traces over OTLP/gRPC (one trace per request; the standard "
+                "OTEL_* variables reach every service)"})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "help": "host:port of the OTLP/gRPC trace collector, passed to every service (default: OTEL_EXPORTER_OTLP_"
+                "TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317); giving it turns tracing on"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -218,7 +224,17 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         children.append(Child(f"router-{i}", replica, f"http://{host}:{port}/health"))
     if settings.enable_metrics:
         _add_metrics(children, host)
+    for c in children:
+        c.argv += trace_flags(settings)
     return children
+
+
+def trace_flags(settings: LaunchSettings) -> list[str]:
+    """The tracing flags every child gets (none when tracing is off)."""
+    flags = ["--enable-trace"] if settings.enable_trace or settings.otlp_traces_endpoint is not None else []
+    if settings.otlp_traces_endpoint is not None:
+        flags += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+    return flags
 
 
 def _add_metrics(children: list[Child], router_host: str) -> None:

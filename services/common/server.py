@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorInterceptor
+from services.common.trace_grpc import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class GrpcService:
     def __init__(self, settings: GrpcSettings, register: Callable[[grpc.aio.Server], list[str]],
                  on_stop: Callable[[], Awaitable[None]] | None = None):
         self.settings = settings
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(interceptors=[*server_interceptors(), ErrorInterceptor()],
+                                      options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.names = register(self.server)
@@ -89,5 +91,7 @@ class GrpcService:
 
 
 def channel(url: str) -> grpc.aio.Channel:
-    """An insecure channel to `host:port` with the large-message options."""
-    return grpc.aio.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
+    """An insecure channel to `host:port` with the large-message options (and, with tracing on, the interceptor
+    that passes the trace context on)."""
+    return grpc.aio.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS,
+                                     interceptors=client_interceptors() or None)

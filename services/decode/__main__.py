@@ -14,6 +14,7 @@ from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
+from services.common.tracing import TraceSettings, setup_tracing
 from services.decode.servicer import WorkerServicer
 from services.decode.settings import PdSettings, WorkerSettings
 
@@ -120,11 +121,12 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
 
     from radixmesh.v1 import bootstrap_pb2_grpc
     from services.common.server import SERVER_OPTIONS
+    from services.common.trace_grpc import server_interceptors
     from services.prefill.bootstrap import PrefillRooms
 
     rooms = PrefillRooms(engine, transfer, address, pd.disaggregation_bootstrap_timeout,
                          pd.disaggregation_transfer_timeout)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=server_interceptors() or None, options=SERVER_OPTIONS)
     bootstrap_pb2_grpc.add_KvBootstrapServiceServicer_to_server(rooms, server)
     where = f"{settings.host}:{settings.disaggregation_bootstrap_port}"
     rooms.bootstrap_port = server.add_insecure_port(where)
@@ -145,8 +147,8 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
 
 
 def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
-    settings, pd_kwargs, metrics_kwargs, engine_kwargs = parse_settings(description, WorkerSettings, argv,
-                                                                        PdSettings, MetricsSettings, EngineArgs)
+    settings, pd_kwargs, metrics_kwargs, trace_kwargs, engine_kwargs = parse_settings(
+        description, WorkerSettings, argv, PdSettings, MetricsSettings, TraceSettings, EngineArgs)
     if not engine_kwargs.get("model_path"):
         sys.exit("--model-path is required")
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:
         sys.exit(str(e))
+    setup_tracing(TraceSettings(**trace_kwargs), ROLES[settings.disaggregation_mode])
     asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
 
 

@@ -21,6 +21,7 @@ import grpc
 from engine.disaggregation.handoff import DecodeRole
 from engine.disaggregation.kv_pages import page_checksum
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc
+from services.common import tracing
 from services.common.kv_transfer import KvTransfer, room_log, set_once
 from services.common.server import channel
 from services.decode import convert
@@ -56,6 +57,7 @@ class DecodeRoom:
     def _enter(self, state: str, detail: str = "") -> None:
         self.state = state
         room_log(self.number, self.rid, state, detail)
+        tracing.add_event(state, detail=detail or None)
 
     async def _read(self, call, expect: str):
         try:
@@ -67,6 +69,11 @@ class DecodeRoom:
         return getattr(msg, expect)
 
     async def _run(self) -> None:
+        """The handoff, in the `kv_handoff` span (a child of the Generate call's: this task copied its context)."""
+        with tracing.span("kv_handoff", "client", bootstrap_room=format(self.number, "016x"), prefill=self.prefill):
+            await self._handoff()
+
+    async def _handoff(self) -> None:
         s = self.rooms
         call = s.stub(self.prefill).Handoff()
         try:
@@ -82,6 +89,7 @@ class DecodeRoom:
                 reason = f"no answer within {limit:g} s"
                 kind = "bootstrap_timeout" if self.state == "bootstrapping" else "transfer_timeout"
             s.transfer.failed(kind)
+            tracing.set_attributes(error=kind)
             self.fail(f"KV handoff from prefill worker {self.prefill} failed in state '{self.state}': {reason}",
                       pinned=isinstance(e, TimeoutError) and self.role.in_transfer)
         finally:
@@ -106,15 +114,17 @@ class DecodeRoom:
             page_bytes=s.transfer.layout.page_bytes, pages=pages, cached_tokens=cached, verify=s.verify)))
         started = await reading
         self._enter("transferring", f"{started.bytes} bytes in {started.writes} writes")
-        async with asyncio.timeout(s.transfer_timeout):
-            done = await self._read(call, "done")
-        self.role.in_transfer = False  # every write has landed
-        await asyncio.get_running_loop().run_in_executor(None, s.transfer.stage_in, pages)
-        if s.verify:
-            mine = await asyncio.get_running_loop().run_in_executor(None, page_checksum, s.transfer.pool, pages)
-            if mine != done.kv_checksum:
-                raise HandoffFailed(f"KV checksum mismatch on {len(pages)} pages (sent {done.kv_checksum}, "
-                                    f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
+        with tracing.span("kv_transfer", direction="receive", bootstrap_room=format(self.number, "016x"),
+                          pages=len(pages), bytes=started.bytes, writes=started.writes, verify=s.verify):
+            async with asyncio.timeout(s.transfer_timeout):
+                done = await self._read(call, "done")
+            self.role.in_transfer = False  # every write has landed
+            await asyncio.get_running_loop().run_in_executor(None, s.transfer.stage_in, pages)
+            if s.verify:
+                mine = await asyncio.get_running_loop().run_in_executor(None, page_checksum, s.transfer.pool, pages)
+                if mine != done.kv_checksum:
+                    raise HandoffFailed(f"KV checksum mismatch on {len(pages)} pages (sent {done.kv_checksum}, "
+                                        f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
         if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
             raise HandoffFailed("the request was aborted while its KV arrived", "aborted")

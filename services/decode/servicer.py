@@ -18,11 +18,13 @@ from engine.cache.kv_events import EventKind, KvEvent
 from engine.engine import Engine
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common import tracing
 from services.common.errors import Exhausted
 from services.common.metrics import ServiceMetrics
 from services.decode import convert
 from services.decode.metrics import WorkerMetrics
 from services.decode.settings import WorkerSettings
+from services.decode.spans import trace_sample
 from services.decode.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise ValueError("request_id is required")
         if request.request_id in self.active:
             raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        tracing.set_attributes(request_id=request.request_id, prompt_tokens=len(request.input_ids))
         paired = request.HasField("disaggregated_params")
         if paired != (mode != "null"):
             raise ValueError(f"this is a {mode} worker: disaggregated_params must be " +
@@ -130,9 +133,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.ABORTED, room.error)
 
     def _timings(self, kwargs: dict) -> dict | None:
-        """With metrics on: a dict the engine fills with each sample's RequestTiming (index -> timing) as it
-        finishes (kwargs gets the callback)."""
-        if self.metrics is None:
+        """With metrics or tracing on: a dict the engine fills with each sample's RequestTiming (index -> timing)
+        as it finishes (kwargs gets the callback)."""
+        if self.metrics is None and not tracing.enabled():
             return None
         timings: dict = {}
         kwargs["on_finish"] = timings.__setitem__
@@ -143,7 +146,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             results = await self.engine.async_generate(**kwargs)
         except asyncio.CancelledError:
-            if timings is not None:  # the caller left: its samples count as aborted
+            if self.metrics is not None:  # the caller left: its samples count as aborted
                 for _ in range(kwargs["sampling_params"].get("n", 1)):
                     self.metrics.left(len(kwargs["input_ids"]), started)
             raise
@@ -153,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             meta = res["meta_info"]
             self._record_done(meta, len(res["output_ids"]))
             if timings is not None:
-                self.metrics.finished(meta, started, timings.get(i))
+                self._finished(i, meta, started, timings.get(i))
             done = convert.complete(res["output_ids"], res["text"], meta, with_logprobs=True)
             out.append(worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done))
         return out
@@ -168,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     i = delta.get("index", 0)
                     state = samples.setdefault(i, _SampleState())
                     meta = delta["meta_info"]
-                    if timings is not None and delta["output_ids"]:
+                    if self.metrics is not None and delta["output_ids"]:
                         self._chunk_gap(state, len(delta["output_ids"]))
                     state.ids += delta["output_ids"]
                     state.text.append(delta["text"])
@@ -179,16 +182,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         finished += 1
                         self._record_done(meta, 0)
                         if timings is not None:
-                            self.metrics.finished(meta, started, timings.get(i))
+                            self._finished(i, meta, started, timings.get(i))
                     yield worker_pb2.GenerateResponse(request_id=rid, index=i, chunk=piece)
                     if meta["finish_reason"] is not None:
                         done = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
                         yield worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done)
         finally:
-            if timings is not None:  # samples the caller left before they finished count as aborted
+            if self.metrics is not None:  # samples the caller left before they finished count as aborted
                 n = kwargs["sampling_params"].get("n", 1)
                 for _ in range(n - finished):
                     self.metrics.left(len(kwargs["input_ids"]), started)
+
+    def _finished(self, index: int, meta: dict, started: float, timing) -> None:
+        """A sample finished: metrics, and with tracing on its queue, prefill and decode spans."""
+        if self.metrics is not None:
+            self.metrics.finished(meta, started, timing)
+        if timing is not None and tracing.enabled():
+            trace_sample(self.settings.disaggregation_mode, index, meta, timing)
 
     def _chunk_gap(self, state: _SampleState, tokens: int) -> None:
         now = time.monotonic()

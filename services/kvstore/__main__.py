@@ -16,6 +16,7 @@ from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
+from services.common.tracing import TraceSettings, setup_tracing
 from services.kvstore.index import PrefixIndex
 from services.kvstore.metrics import KvStoreMetrics
 from services.kvstore.servicer import KvStoreServicer, add_to_server
@@ -55,10 +56,11 @@ async def serve(settings: KvStoreSettings, storage: PageStorage, staging: Stagin
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs = parse_settings(
+    settings, metrics_kwargs, trace_kwargs = parse_settings(
         "radixmesh kvstore: the shared L3 KV page store and the global prefix index.", KvStoreSettings, argv,
-        MetricsSettings)
+        MetricsSettings, TraceSettings)
     setup_logging("kvstore", settings.log_level)
+    setup_tracing(TraceSettings(**trace_kwargs), "kvstore")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:

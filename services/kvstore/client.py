@@ -21,6 +21,7 @@ import grpc
 
 from engine.cache.storage import (KvLayout, StorageError, StorageOptions, StoredPage, register_storage_backend)
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.common import tracing
 from services.common.server import CHANNEL_OPTIONS
 from services.kvstore import convert
 from services.kvstore.index import WorkerMatch
@@ -291,5 +292,6 @@ async def match_prefix(stub_or_channel, token_ids: Sequence[int], tenant: str = 
     if isinstance(stub_or_channel, grpc.aio.Channel):
         stub = kvstore_pb2_grpc.KvStoreServiceStub(stub_or_channel)
     request = kvstore_pb2.MatchPrefixRequest(token_ids=token_ids, tenant=tenant)
-    response = await stub.MatchPrefix(request, timeout=timeout_s)
+    with tracing.span("kvstore MatchPrefix", "client", prompt_tokens=len(token_ids)):
+        response = await stub.MatchPrefix(request, timeout=timeout_s)
     return [convert.match_from_proto(m) for m in response.matches]

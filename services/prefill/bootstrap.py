@@ -19,8 +19,10 @@ import grpc
 from engine.disaggregation.handoff import PrefillRole
 from engine.disaggregation.kv_pages import KvLayout, kv_writes, page_checksum
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
+from services.common import tracing
 from services.common.kv_transfer import KvTransfer, room_log, set_once
 from services.decode import convert
+from services.decode.spans import trace_sample
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         ready: asyncio.Future = loop.create_future()
         role = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(set_once, ready, (pages, first)))
         kwargs = convert.generate_kwargs(request)
+        timings: dict = {}
+        if tracing.enabled():
+            kwargs["on_finish"] = timings.__setitem__
         try:
             result = await self.engine.async_generate(**kwargs, handoff=role)
         except BaseException:
@@ -178,6 +183,9 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             reason = result["meta_info"]["finish_reason"] or {}
             raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}", "prefill_failed")
         pages, first = ready.result()
+        if 0 in timings:
+            trace_sample("prefill", 0, {"prompt_tokens": len(request.input_ids), "cached_tokens": first.cached_tokens},
+                         timings[0])
         try:
             room_log(room.number, rid, "waiting for KV destination")
             dest = await _bounded(room.destination, self.transfer_timeout, "the decode worker sent no destination",
@@ -223,7 +231,9 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         room.write = pending = self.transfer.write(dest.session_id, writes, src)
         pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
-            await _bounded(pending, self.transfer_timeout, "the KV write did not finish", "transfer_timeout")
+            with tracing.span("kv_transfer", direction="send", bootstrap_room=format(room.number, "016x"),
+                              pages=len(src), bytes=nbytes, writes=len(writes), peer=dest.session_id):
+                await _bounded(pending, self.transfer_timeout, "the KV write did not finish", "transfer_timeout")
         except HandoffFailed:
             raise
         except Exception as e:

@@ -16,11 +16,13 @@ from radixmesh.v1 import router_pb2, router_pb2_grpc
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService, GrpcSettings
+from services.common import tracing
 from services.common.settings import parse_settings
+from services.common.tracing import TraceSettings, setup_tracing
 from services.router import native_api, openai_api
 from services.router.core import Router
 from services.router.grpc_api import RouterServicer
-from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware
+from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware, tracing_middleware
 from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
 from services.router.settings import RouterSettings
@@ -36,6 +38,8 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     middlewares = [errors_middleware, make_auth_middleware(router.tenants)]
     if router.metrics is not None:
         middlewares.insert(0, router.metrics.middleware())
+    if tracing.enabled():  # outermost: the span covers the whole request, errors answered by the others included
+        middlewares.insert(0, tracing_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[native_api.ROUTER] = router
     app[INFLIGHT] = {"n": 0}
@@ -129,13 +133,15 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, metrics_kwargs = parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door",
-                                              RouterSettings, argv, MetricsSettings)
+    settings, metrics_kwargs, trace_kwargs = parse_settings(
+        "radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door", RouterSettings, argv,
+        MetricsSettings, TraceSettings)
     setup_logging("router", settings.log_level)
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:
         sys.exit(str(e))
+    setup_tracing(TraceSettings(**trace_kwargs), "router")
     asyncio.run(serve(settings, metrics_settings))
 
 

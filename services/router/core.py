@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.pd import generate_pd
@@ -81,10 +82,27 @@ class Router:
         return self._model_name
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        return await _tokenizer_call(self.tokenizer.tokenize(request))
+        with tracing.span("tokenize", "client") as span:
+            out = await _tokenizer_call(self.tokenizer.tokenize(request))
+            if span is not None:
+                span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
+            return out
 
     async def detokenize(self, ids: list[int]) -> str:
-        return await _tokenizer_call(self.tokenizer.detokenize(ids))
+        with tracing.span("detokenize", "client", tokens=len(ids)):
+            return await _tokenizer_call(self.tokenizer.detokenize(ids))
+
+    async def pick(self, candidates: list, request: worker_pb2.GenerateRequest, role: str = "colocated"):
+        """The policy's choice among `candidates` for `request`, inside the `route` span (with tracing on: the
+        policy, the chosen worker and, where the policy knows it, the matched prefix in tokens)."""
+        with tracing.span("route", policy=self.settings.policy, role=role, candidates=len(candidates),
+                          prompt_tokens=len(request.input_ids)) as span:
+            worker = (self.policy.pick(candidates, request.input_ids) if self.pick_async is None
+                      else await self.pick_async(candidates, request.input_ids, request.tenant))
+            if span is not None:
+                span.set_attributes(tracing.attributes(worker=worker.url, matched_tokens=getattr(
+                    self.policy, "last_matched_tokens", None), reason=getattr(self.policy, "last_reason", None)))
+            return worker
 
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
@@ -99,16 +117,17 @@ class Router:
             candidates = [w for w in self.registry.healthy() if w.url not in tried]
             if not candidates:
                 raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
-            worker = (self.policy.pick(candidates, request.input_ids) if self.pick_async is None
-                      else await self.pick_async(candidates, request.input_ids, request.tenant))
+            worker = await self.pick(candidates, request)
             tried.add(worker.url)
             metrics, sent = self.metrics, time.monotonic()
             if metrics is not None:
                 metrics.picked(worker.url)
             worker.in_flight += 1
-            call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s)
+            span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
+            call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
+                                        metadata=tracing.metadata_for(span))
             self.calls.track(call, worker.url)
-            streamed = False
+            streamed, error = False, None
             try:
                 async for msg in call:
                     if metrics is not None and not streamed and request.stream:
@@ -119,6 +138,7 @@ class Router:
                     metrics.worker_done(worker.url, time.monotonic() - sent)
                 return
             except grpc.aio.AioRpcError as e:
+                error = e
                 code = e.code()
                 if metrics is not None:
                     metrics.worker_failed(worker.url, code.name)
@@ -130,7 +150,10 @@ class Router:
                 log.info("worker %s unavailable before streaming; retrying on another", worker.url)
                 if metrics is not None:
                     metrics.retried(worker.url)
-            except asyncio.CancelledError:
+            except BaseException as e:
+                error = e
+                if not isinstance(e, asyncio.CancelledError):
+                    raise
                 task = asyncio.current_task()
                 cancelled = self.calls.why_cancelled(call)
                 if cancelled is None or (task is not None and task.cancelling()):
@@ -144,6 +167,7 @@ class Router:
                 if metrics is not None:
                     metrics.retried(worker.url)
             finally:
+                tracing.end_span(span, error)
                 self.calls.forget(call)
                 worker.in_flight -= 1
                 call.cancel()

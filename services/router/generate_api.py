@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.results import sample_rids
 from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
+from services.common import tracing
 from services.common.logs import request_id_var
 from services.router import convert
 from services.router.core import Router, RouterError, new_request_id
@@ -166,6 +167,7 @@ async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.Logpro
                          tenant: str) -> worker_pb2.GenerateRequest:
     worker_rid = new_request_id()
     request_id_var.set(worker_rid)
+    tracing.set_attributes(request_id=worker_rid)
     ids = job.input_ids
     if ids is None:
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import RouterError
 from services.router.openai_errors import OpenAIError, bad_request, from_status, unauthorized
@@ -16,6 +17,7 @@ from services.router.tenants import SHARED, AuthError, TenantError, TenantResolv
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+UNTRACED_PATHS = OPEN_PATHS  # liveness probes and scrapes, many a minute, would drown the request traces
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved
 
@@ -74,6 +76,26 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(from_status(500, "internal error"))
     finally:
         counter["n"] -= 1
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler):
+    """The request's server span (installed only with tracing on): the root of its trace, or a child of the
+    client's W3C `traceparent`; everything the router does for the request is under it. Probes and scrapes
+    (UNTRACED_PATHS) get none."""
+    if request.path in UNTRACED_PATHS:
+        return await handler(request)
+    route = request.match_info.route.resource
+    path = route.canonical if route is not None else "unmatched"
+    attributes = {"http.request.method": request.method, "url.path": request.path, "http.route": path}
+    with tracing.root_span(f"{request.method} {path}", request.headers, **attributes) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status}"))
+        return response
 
 
 async def json_body(request: web.Request) -> Any:

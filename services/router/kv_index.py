@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import grpc
 
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
+from services.common import tracing
 from services.common.server import channel
 from services.router.decisions import RoutingDecisions
 from services.router.policies import Candidate
@@ -59,6 +60,9 @@ class KvIndexPolicy:
         self.decisions = RoutingDecisions()
         self.fallbacks = 0
         self._skip_index_until = float("-inf")
+        # the last pick, for its trace span: prompt tokens the chosen worker holds (any tier), and why it was chosen
+        self.last_matched_tokens = 0
+        self.last_reason = ""
         self._last_log = float("-inf")
         self._unlogged = 0
         if registry is not None:
@@ -95,17 +99,19 @@ class KvIndexPolicy:
             chosen, reason = tied[0], "index"
         else:
             chosen, reason = rendezvous(tied, prompt_key(input_ids)), "tie"
-        self._routed(chosen, uncached_tokens(len(input_ids), _match_of(matches.get(chosen.url))), reason)
+        self._routed(chosen, uncached_tokens(len(input_ids), _match_of(matches.get(chosen.url))), reason,
+                     len(input_ids))
         return chosen
 
     def _fallback(self, workers, input_ids) -> Candidate:
         self.fallbacks += 1
         least = min(w.in_flight for w in workers)
         chosen = rendezvous([w for w in workers if w.in_flight == least], prompt_key(input_ids))
-        self._routed(chosen, len(input_ids), "fallback")
+        self._routed(chosen, len(input_ids), "fallback", len(input_ids))
         return chosen
 
-    def _routed(self, worker: Candidate, uncached: int, reason: str) -> None:
+    def _routed(self, worker: Candidate, uncached: int, reason: str, prompt_tokens: int = 0) -> None:
+        self.last_matched_tokens, self.last_reason = max(prompt_tokens - uncached, 0), reason
         self.routed[worker.url] = self.routed.get(worker.url, 0) + uncached
         self.decisions.record(worker.url, reason)
 
@@ -115,11 +121,17 @@ class KvIndexPolicy:
             self._unlogged += 1
             return None
         request = kvstore_pb2.MatchPrefixRequest(token_ids=input_ids, tenant=tenant)
-        try:
-            response = await self._stub.MatchPrefix(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            self._index_failed(f"{e.code().name}: {e.details()}")
-            return None
+        with tracing.span("kvstore MatchPrefix", "client", kvstore=self.kvstore_url,
+                          prompt_tokens=len(input_ids)) as span:
+            try:
+                response = await self._stub.MatchPrefix(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                self._index_failed(f"{e.code().name}: {e.details()}")
+                if span is not None:
+                    span.set_attribute("radixmesh.error", e.code().name)
+                return None
+            if span is not None:
+                span.set_attribute("radixmesh.workers_matched", len(response.matches))
         return {_url(m.worker_url): m for m in response.matches}
 
     def _index_failed(self, reason: str) -> None:

@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 
 from radixmesh.v1 import worker_pb2
+from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import first_then_sse, json_body, tenant_of
@@ -50,6 +51,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     prompt_ids, prompt_text = await _prompt(router, job)
     rid = new_request_id()
     request_id_var.set(rid)
+    tracing.set_attributes(request_id=rid)
     worker_request = worker_pb2.GenerateRequest(request_id=rid, input_ids=prompt_ids, sampling_params=job.sampling,
                                                 logprob_options=job.logprobs, stream=job.stream,
                                                 tenant=tenant_of(request))

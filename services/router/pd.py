@@ -19,6 +19,7 @@ from typing import Awaitable, AsyncIterator, Callable, Protocol
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.policies import Policy
@@ -38,6 +39,7 @@ class PairRouter(Protocol):
     registry: WorkerRegistry
     policy: Policy
     pick_async: Callable[..., Awaitable[Worker]] | None
+    pick: Callable[..., Awaitable[Worker]]  # the policy's choice, traced as the `route` span
     metrics: object | None  # services.router.metrics.RouterMetrics when metrics are on
     calls: OpenCalls
 
@@ -86,10 +88,7 @@ async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
         if not prefills or not decodes:
             raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
                                    "decode workers healthy)")
-        if router.pick_async is None:
-            prefill = router.policy.pick(_pick(prefills, tried), request.input_ids)
-        else:
-            prefill = await router.pick_async(_pick(prefills, tried), request.input_ids, request.tenant)
+        prefill = await router.pick(_pick(prefills, tried), request, "prefill")
         decode = _least_loaded(_pick(decodes, tried))
         tried |= {prefill.url, decode.url}
         if router.metrics is not None:
@@ -113,12 +112,18 @@ async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
 async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker):
     room = new_room()
     timeout = router.settings.request_timeout_s
-    pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout)
-    dcall = decode.stub.Generate(_paired(request, prefill, room, stream=request.stream), timeout=timeout)
+    room_hex = format(room, "016x")
+    pspan = tracing.start_span("worker Generate", worker=prefill.url, role="prefill", bootstrap_room=room_hex)
+    dspan = tracing.start_span("worker Generate", worker=decode.url, role="decode", bootstrap_room=room_hex)
+    pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout,
+                                  metadata=tracing.metadata_for(pspan))
+    dcall = decode.stub.Generate(_paired(request, prefill, room, stream=request.stream), timeout=timeout,
+                                 metadata=tracing.metadata_for(dspan))
     failure: list[_PairFailed] = []
     metrics, sent = router.metrics, time.monotonic()
 
     def prefill_done(task: asyncio.Task) -> None:
+        tracing.end_span(pspan, asyncio.CancelledError() if task.cancelled() else task.exception())
         if task.cancelled() or task.exception() is None:
             return
         e = task.exception()
@@ -144,6 +149,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
     for worker, call in ((prefill, pcall), (decode, dcall)):
         worker.in_flight += 1
         router.calls.track(call, worker.url)
+    error = None
     try:
         first = True
         async for msg in dcall:
@@ -154,6 +160,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
         if metrics is not None:
             metrics.worker_done(decode.url, time.monotonic() - sent)
     except grpc.aio.AioRpcError as e:
+        error = e
         code = e.code()
         if metrics is not None:
             metrics.worker_failed(decode.url, code.name)
@@ -164,7 +171,10 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
         if failure:
             raise failure[0] from None
         raise _PairFailed(code, f"decode worker {decode.url}: {e.details()}", code in RETRYABLE, decode.url) from None
-    except asyncio.CancelledError:
+    except BaseException as e:
+        error = e
+        if not isinstance(e, asyncio.CancelledError):
+            raise
         task = asyncio.current_task()
         cancelled = router.calls.why_cancelled(dcall) or router.calls.why_cancelled(pcall)
         if failure and not (task is not None and task.cancelling()):
@@ -175,6 +185,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
         raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry,
                           decode.url if router.calls.why_cancelled(dcall) else prefill.url) from None
     finally:
+        tracing.end_span(dspan, error)
         for worker, call in ((prefill, pcall), (decode, dcall)):
             router.calls.forget(call)
             worker.in_flight -= 1

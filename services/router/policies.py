@@ -100,6 +100,9 @@ class CacheAware:
         self.trees: dict[str, PrefixTree] = {}
         # how picks went, for metrics: a prefix match, no good match (least seen), or imbalance (least loaded)
         self.counts = {"cache_hits": 0, "cache_misses": 0, "balance": 0}
+        # the last pick, for its trace span: prompt tokens the chosen worker's tree matched, and why it was chosen
+        self.last_matched_tokens = 0
+        self.last_reason = ""
 
     def _tree(self, url: str) -> PrefixTree:
         if url not in self.trees:
@@ -113,15 +116,19 @@ class CacheAware:
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
             chosen = workers[loads.index(lo)]
             self.counts["balance"] += 1
+            self.last_reason = "balance"
         else:
             matches = [self._tree(w.url).match(keys) for w in workers]
             best = max(range(len(workers)), key=lambda i: (matches[i], -loads[i]))
             if keys and matches[best] * BLOCK >= self.cache_threshold * len(input_ids):
                 chosen = workers[best]
                 self.counts["cache_hits"] += 1
+                self.last_reason = "cache_hit"
             else:
                 chosen = min(workers, key=lambda w: (self._tree(w.url).size, w.in_flight))
                 self.counts["cache_misses"] += 1
+                self.last_reason = "cache_miss"
+        self.last_matched_tokens = self._tree(chosen.url).match(keys) * BLOCK
         self._tree(chosen.url).insert(keys)
         return chosen
 

@@ -12,6 +12,7 @@ from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
 from services.common.settings import parse_settings
+from services.common.tracing import TraceSettings, setup_tracing
 from services.tokenizer.backend import TokenizerBackend
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.servicer import TokenizerServicer, add_to_server
@@ -40,9 +41,11 @@ async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs = parse_settings("radixmesh tokenizer service: chat templates, tokenization, "
-                                              "detokenization.", TokenizerSettings, argv, MetricsSettings)
+    settings, metrics_kwargs, trace_kwargs = parse_settings(
+        "radixmesh tokenizer service: chat templates, tokenization, detokenization.", TokenizerSettings, argv,
+        MetricsSettings, TraceSettings)
     setup_logging("tokenizer", settings.log_level)
+    setup_tracing(TraceSettings(**trace_kwargs), "tokenizer")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
         backend = TokenizerBackend.from_settings(settings)
