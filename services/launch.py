@@ -183,14 +183,16 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     kv_flags, router_kv = [], []
     if settings.kvstore:
         kv_port = free_port()
-        children.append(Child("kvstore", _kvstore_argv(settings, kv_port), f"grpc://127.0.0.1:{kv_port}"))
         kv_flags = ["--kvstore-url", f"127.0.0.1:{kv_port}"]
         router_kv = list(kv_flags)
         if (settings.kvstore_l3 and engine_kwargs.get("enable_hierarchical_cache")
                 and not engine_kwargs.get("hicache_storage_backend")):
             kv_flags += ["--hicache-storage-backend", "kvstore"]
-        if settings.kvstore_transport != "grpc" and "--hicache-storage-backend" in kv_flags:
+        # the transfer engine only where pages move (its staging memory is registered at start)
+        transfer = settings.kvstore_transport != "grpc" and "--hicache-storage-backend" in kv_flags
+        if transfer:
             engine_kwargs = _with_transport(engine_kwargs, settings.kvstore_transport)
+        children.append(Child("kvstore", _kvstore_argv(settings, kv_port, transfer), f"grpc://127.0.0.1:{kv_port}"))
     worker_urls = []
     pd_flags = engine_flags(pd_kwargs or {}) if settings.disaggregation == "pd" else []
     for name, role in _worker_roles(settings):
@@ -266,9 +268,9 @@ def _with_transport(engine_kwargs: dict, transport: str) -> dict:
     return {**engine_kwargs, "hicache_storage_backend_extra_config": json.dumps(extra)}
 
 
-def _kvstore_argv(settings: LaunchSettings, port: int) -> list[str]:
+def _kvstore_argv(settings: LaunchSettings, port: int, transfer: bool) -> list[str]:
     argv = ["services.kvstore", "--port", str(port), "--backend", settings.kvstore_backend]
-    if settings.kvstore_transport == "mooncake":
+    if transfer:
         argv.append("--enable-mooncake-transfer")
     if settings.kvstore_storage_url:
         argv += ["--storage-url", settings.kvstore_storage_url]

@@ -36,6 +36,18 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+def byte_chunks(pages: list[StoredPage], budget: int):
+    """Consecutive runs of `pages` of at most `budget` bytes of data each (a larger page goes alone)."""
+    start = 0
+    while start < len(pages):
+        end, size = start, 0
+        while end < len(pages) and (end == start or size + len(pages[end].data) <= budget):
+            size += len(pages[end].data)
+            end += 1
+        yield pages[start:end]
+        start = end
+
+
 def _target(url: str) -> str:
     return url.removeprefix("grpc://").removeprefix("kvstore://")
 
@@ -78,15 +90,10 @@ class KvStoreStorage:
 
     def set(self, pages: list[StoredPage]) -> int:
         """One call per REQUEST_BYTES of pages."""
-        stored, start = 0, 0
-        while start < len(pages):
-            end, size = start, 0
-            while end < len(pages) and (end == start or size + len(pages[end].data) <= REQUEST_BYTES):
-                size += len(pages[end].data)
-                end += 1
-            request = kvstore_pb2.BatchSetRequest(layout=self._layout, pages=convert.pages_to_proto(pages[start:end]))
+        stored = 0
+        for chunk in byte_chunks(pages, REQUEST_BYTES):
+            request = kvstore_pb2.BatchSetRequest(layout=self._layout, pages=convert.pages_to_proto(chunk))
             stored += self._call("BatchSet", request).stored
-            start = end
         return stored
 
     def clear(self) -> int:
@@ -141,18 +148,12 @@ class KvStoreTransferStorage(KvStoreStorage):
 
     def set(self, pages: list[StoredPage]) -> int:
         """Through the staging buffer, SLOT_BYTES at a time."""
-        stored, start = 0, 0
-        while start < len(pages):
-            end, size = start, 0
-            while end < len(pages) and (end == start or size + len(pages[end].data) <= SLOT_BYTES):
-                size += len(pages[end].data)
-                end += 1
-            chunk = pages[start:end]
+        stored = 0
+        for chunk in byte_chunks(pages, SLOT_BYTES):
             with self._transport.staging_lock:
                 addresses = self._transport.put_staging(chunk)
                 stored += self._set_call([p.key for p in chunk], [p.checksum for p in chunk], addresses,
                                          [len(p.data) for p in chunk])
-            start = end
         return stored
 
     def _get_staged(self, keys: list[bytes], local: Callable[[int, int], int]) -> list[tuple[bytes, int, int, int]]:

@@ -40,7 +40,9 @@ def test_the_launcher_wires_the_mooncake_transport():
     # grpc (the default) changes nothing; without L3 there is nothing to wire
     for settings in (LaunchSettings(kvstore=True), LaunchSettings(kvstore=True, kvstore_transport="mooncake",
                                                                   kvstore_l3=False)):
-        worker = _argv(plan(settings, engine), "worker")
+        children = plan(settings, engine)
+        worker = _argv(children, "worker")
         assert "transport" not in worker[worker.index("--hicache-storage-backend-extra-config") + 1]
+        assert "--enable-mooncake-transfer" not in _argv(children, "kvstore")
     with pytest.raises(ValueError, match="--kvstore-transport must be one of"):
         LaunchSettings(kvstore=True, kvstore_transport="tcp")
