@@ -6,8 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.launch import free_port
+from tests.e2e.mesh import http_get  # noqa: F401 - re-exported for the metrics tests
 from tests.conftest import ROOT
 
 
@@ -49,15 +48,6 @@ def stop(proc: subprocess.Popen) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
-
-
-def http_get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def wait_http(url: str, timeout: float = 60.0) -> None:

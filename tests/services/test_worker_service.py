@@ -6,37 +6,22 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.launch import free_port
-from tests.conftest import ROOT, model_path
+from tests.conftest import model_path
 from tests.engine_utils import running_engine
+from tests.services.metrics_utils import start_grpc
 
 MODEL = model_path("tiny-llama")
 
 
 def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", module, "--model-path", MODEL, "--port", str(port),
-                             "--log-level", "warning", *args], cwd=ROOT)
-    url = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    with grpc.insecure_channel(url) as ch:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"{module} exited with {proc.returncode}"
-            try:
-                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return proc, url
-            except grpc.RpcError:
-                time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{module} not healthy")
+    return start_grpc(module, "--model-path", MODEL, *args)
 
 
 @pytest.fixture(scope="module")
