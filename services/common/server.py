@@ -46,7 +46,9 @@ class GrpcService:
     """One running gRPC server. `register(server)` adds the servicers and returns their full service names."""
 
     def __init__(self, settings: GrpcSettings, register: Callable[[grpc.aio.Server], list[str]],
-                 on_stop: Callable[[], Awaitable[None]] | None = None):
+                 on_stop: Callable[[], Awaitable[None]] | None = None,
+                 on_start: Callable[[], None] | None = None):
+        """`on_start()` runs once the server answers SERVING; `on_stop()` after in-flight calls drained."""
         self.settings = settings
         self.server = grpc.aio.server(interceptors=[*server_interceptors(), ErrorInterceptor()],
                                       options=SERVER_OPTIONS)
@@ -58,6 +60,7 @@ class GrpcService:
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.host}:{settings.port}")
         self._on_stop = on_stop
+        self._on_start = on_start
         self._stopping = asyncio.Event()
 
     async def _set_all(self, status) -> None:
@@ -68,6 +71,8 @@ class GrpcService:
         await self.server.start()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d", ", ".join(self.names), self.settings.host, self.port)
+        if self._on_start is not None:
+            self._on_start()
 
     def request_stop(self) -> None:
         self._stopping.set()

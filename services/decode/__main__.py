@@ -37,9 +37,11 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
-    registration = metrics_server = None
+    registration = metrics_server = announcer = None
 
-    async def on_stop() -> None:
+    async def on_stop() -> None:  # in-flight calls have drained: leave the routers first, then release
+        if announcer is not None:
+            await announcer.stop()
         if metrics_server is not None:
             await metrics_server.stop()
         if registration is not None:
@@ -51,7 +53,12 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         if rooms is not None:
             rooms.transfer.close()
 
-    service = GrpcService(settings, register, on_stop)
+    def on_start() -> None:  # the server answers SERVING now: the routers may call back
+        if announcer is not None:
+            announcer.start()
+
+    service = GrpcService(settings, register, on_stop, on_start)
+    announcer = _router_announcer(settings, service.port)
     if metrics is not None:
         metrics_server = await metrics.serve(metrics_settings, settings.host)
     if bootstrap is not None:
@@ -84,13 +91,30 @@ def kvstore_engine_kwargs(settings: WorkerSettings, engine_kwargs: dict) -> dict
     return kwargs
 
 
+def advertised_url(settings: WorkerSettings, port: int) -> str:
+    """host:port the kvstore and the routers know this worker by: --advertise-url, else where it listens (this
+    host's address when that is a wildcard)."""
+    from services.common.kv_transfer import transfer_host
+
+    return settings.advertise_url or f"{transfer_host(None, settings.host)}:{port}"
+
+
+def _router_announcer(settings: WorkerSettings, port: int):
+    """With --router-url: the registration with the router(s), started once the gRPC server serves."""
+    if not settings.router_url:
+        return None
+    from services.decode.announce import RouterAnnouncer
+
+    return RouterAnnouncer(settings.router_url, advertised_url(settings, port), settings.router_api_key,
+                           settings.router_lease_s)
+
+
 def _register_with_kvstore(engine: Engine, settings: WorkerSettings, port: int):
     """Announce this worker to the kvstore (again every few seconds, so a restarted kvstore finds it)."""
     from engine.cache.build import kv_layout
-    from services.common.kv_transfer import transfer_host
     from services.kvstore.client import WorkerRegistration
 
-    url = settings.advertise_url or f"{transfer_host(None, settings.host)}:{port}"
+    url = advertised_url(settings, port)
     uses_storage = (engine.args.hicache_storage_backend == "kvstore"
                     and engine.args.hicache_storage_url == settings.kvstore_url)
     registration = WorkerRegistration(settings.kvstore_url, url, kv_layout(engine.args, engine.model_config),

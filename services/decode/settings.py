@@ -24,8 +24,24 @@ class WorkerSettings(GrpcSettings):
                 "with --hicache-storage-backend kvstore, uses it as its L3 tier"})
     advertise_url: str | None = field(default=None, metadata={
         "help": "the address the kvstore and routers reach this worker at (default: --host:--port)"})
+    router_url: tuple[str, ...] = field(default=(), metadata={
+        "help": "http://HOST:PORT of the router(s) this worker registers itself with once it serves (POST "
+                "/add_worker, renewed) and leaves on shutdown; a name resolving to several addresses (a headless "
+                "Service of router replicas) registers with each"})
+    router_api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "the router's API key, for registering (better from the environment: RADIXMESH_ROUTER_API_KEY)"})
+    router_lease_s: float = field(default=30.0, metadata={
+        "help": "a router forgets this worker when it has not renewed its registration for this long (renewed "
+                "every third of it)"})
 
     def __post_init__(self) -> None:
+        if self.router_url:
+            from services.decode.announce import parse_router_url
+
+            for url in self.router_url:
+                parse_router_url(url)
+        if not self.router_lease_s >= 3:
+            raise ValueError(f"--router-lease-s must be at least 3 seconds, got {self.router_lease_s}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
                              f"got {self.disaggregation_mode!r}")

@@ -21,6 +21,7 @@ from services.common.settings import parse_settings
 from services.common.tracing import TraceSettings, setup_tracing
 from services.router import native_api, openai_api
 from services.router.core import Router
+from services.router.discovery import DnsDiscovery
 from services.router.grpc_api import RouterServicer
 from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware, tracing_middleware
 from services.router.metrics import RouterMetrics
@@ -67,6 +68,10 @@ async def build_router(settings: RouterSettings) -> Router:
             await registry.add(url)
         except ValueError as e:
             log.error("worker not added (add it later with POST /add_worker?url=...): %s", e)
+    if settings.discovery_dns:
+        discovery = DnsDiscovery(registry, settings.discovery_dns)
+        await discovery.refresh()
+        registry.schedule(settings.discovery_interval_s, discovery.refresh)
     policy = make_policy(settings.policy, settings, registry)
     registry.start()
     return Router(settings, registry, policy, tokenizer)

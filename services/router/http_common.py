@@ -16,7 +16,7 @@ from services.router.openai_errors import OpenAIError, bad_request, from_status,
 from services.router.tenants import SHARED, AuthError, TenantError, TenantResolver
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 UNTRACED_PATHS = OPEN_PATHS  # liveness probes and scrapes, many a minute, would drown the request traces
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved

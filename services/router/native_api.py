@@ -1,5 +1,6 @@
 """SGLang's native HTTP endpoints on the router: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /add_worker, /remove_worker."""
+/get_server_info, /flush_cache, /add_worker, /remove_worker; and the probes SGLang's router has for Kubernetes:
+/liveness (the process answers) and /readiness (a request could be served now)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,16 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+async def readiness(request: web.Request) -> web.Response:
+    """200 when a healthy colocated worker, or a healthy prefill and decode worker, is registered; else 503."""
+    registry = request.app[ROUTER].registry
+    ready = bool(registry.healthy("null")) or bool(registry.healthy("prefill") and registry.healthy("decode"))
+    counts = {mode: len(registry.healthy(mode)) for mode in ("null", "prefill", "decode")}
+    body = {"ready": ready, "healthy_workers": {"colocated": counts["null"], "prefill": counts["prefill"],
+                                                "decode": counts["decode"]}}
+    return web.json_response(body, status=200 if ready else 503)
+
+
 async def health_generate(request: web.Request) -> web.Response:
     """200 when at least one worker generates a token now; each worker's answer in the body."""
     router = request.app[ROUTER]
@@ -176,9 +187,29 @@ def _url_param(request: web.Request) -> str:
     return url
 
 
+def _lease_param(request: web.Request) -> float | None:
+    raw = request.query.get("lease_s")
+    if raw is None:
+        return None
+    try:
+        lease_s = float(raw)
+    except ValueError:
+        lease_s = float("nan")
+    if not 0 < lease_s < 86400:
+        raise bad_request(f"lease_s must be seconds in (0, 86400), got {raw!r}", param="lease_s")
+    return lease_s
+
+
 async def add_worker(request: web.Request) -> web.Response:
+    """Registers a worker (again: idempotent). With ?lease_s=N the registration lapses unless renewed within N s:
+    workers that register themselves (--router-url) renew it, so one that dies without leaving is forgotten."""
     router = request.app[ROUTER]
-    worker = await router.registry.add(_url_param(request))
+    lease_s = _lease_param(request)
+    try:
+        worker = await router.registry.add(_url_param(request))
+    except ValueError as e:
+        raise bad_request(f"Failed to add worker: {e}", param="url") from None
+    router.registry.lease(worker.url, lease_s)
     await router.registry.probe(worker)
     return web.Response(text=f"Added worker: {worker.url}\n")
 
@@ -193,6 +224,8 @@ async def remove_worker(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
+    app.router.add_get("/liveness", health)
+    app.router.add_get("/readiness", readiness)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)

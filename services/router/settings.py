@@ -18,6 +18,11 @@ class RouterSettings:
     grpc_port: int | None = field(default=None, metadata={"help": "port of the public gRPC API (unset: off)"})
     tokenizer_url: str = field(default="", metadata={"help": "host:port of the tokenizer service"})
     worker_urls: tuple[str, ...] = field(default=(), metadata={"help": "host:port of each worker"})
+    discovery_dns: tuple[str, ...] = field(default=(), metadata={
+        "help": "NAME:PORT of DNS names that resolve to the workers' addresses (a Kubernetes headless Service, a "
+                "compose service): re-resolved every --discovery-interval-s, new addresses added, vanished ones "
+                "removed (workers may also register themselves with POST /add_worker)"})
+    discovery_interval_s: float = field(default=5.0, metadata={"help": "seconds between DNS discovery rounds"})
     policy: str = field(default="cache_aware", metadata={
         "help": "round_robin, random, cache_aware (the router's own prefix trees) or kv_index (the kvstore's global "
                 "prefix index and the workers' measured speeds: lowest expected time to first token)"})
@@ -60,6 +65,13 @@ class RouterSettings:
                              "index)")
         if self.kvstore_url and not _is_host_port(self.kvstore_url):
             raise ValueError(f"--kvstore-url must be host:port, got {self.kvstore_url!r}")
+        if self.discovery_dns:
+            from services.router.discovery import parse_name
+
+            for name in self.discovery_dns:
+                parse_name(name)
+        if not self.discovery_interval_s > 0:
+            raise ValueError(f"--discovery-interval-s must be > 0, got {self.discovery_interval_s}")
         if not self.kvstore_timeout_s > 0:
             raise ValueError(f"--kvstore-timeout-s must be > 0, got {self.kvstore_timeout_s}")
         parse_key_tenants(self.api_key_tenants, self.api_key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -53,7 +54,9 @@ class WorkerRegistry:
         self.probe_interval_s = probe_interval_s
         self.workers: dict[str, Worker] = {}
         self._loops: list[tuple[float, Callable[[Worker], Awaitable[object]]]] = [(probe_interval_s, self.probe)]
+        self._jobs: list[tuple[float, Callable[[], Awaitable[object]]]] = [(1.0, self._expire_leases)]
         self._tasks: list[asyncio.Task] = []
+        self._leases: dict[str, float] = {}  # url -> monotonic deadline of a worker's self-registration
         self.on_remove = lambda url: None
         self.on_lost = lambda worker: None  # called once a worker failed LOST_AFTER_PROBES probes in a row
 
@@ -82,8 +85,25 @@ class WorkerRegistry:
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker
 
+    def lease(self, url: str, lease_s: float | None) -> None:
+        """A registration that lapses: `url` is removed unless leased again within `lease_s` seconds (workers that
+        register themselves renew it; one that dies without leaving is forgotten). None: registered for good."""
+        url = normalize_url(url)
+        if lease_s is None:
+            self._leases.pop(url, None)
+        else:
+            self._leases[url] = time.monotonic() + lease_s
+
+    async def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for url in [u for u, deadline in self._leases.items() if deadline < now]:
+            log.warning("worker %s did not renew its registration; removing it", url)
+            await self.remove(url)
+
     async def remove(self, url: str) -> bool:
-        worker = self.workers.pop(normalize_url(url), None)
+        url = normalize_url(url)
+        self._leases.pop(url, None)
+        worker = self.workers.pop(url, None)
         if worker is None:
             return False
         self.on_remove(worker.url)
@@ -138,13 +158,30 @@ class WorkerRegistry:
         if self._tasks:
             self._tasks.append(asyncio.create_task(self._loop(interval_s, fn)))
 
+    def schedule(self, interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
+        """Run `job()` every `interval_s` seconds from start() (or now, when started already) until close(); an
+        error is logged and the job goes on."""
+        self._jobs.append((interval_s, job))
+        if self._tasks:
+            self._tasks.append(asyncio.create_task(self._job(interval_s, job)))
+
     async def _loop(self, interval_s: float, fn: Callable[[Worker], Awaitable[object]]) -> None:
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.gather(*(fn(w) for w in list(self.workers.values())), return_exceptions=True)
 
+    @staticmethod
+    async def _job(interval_s: float, job: Callable[[], Awaitable[object]]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await job()
+            except Exception:  # noqa: BLE001 - a background job must outlive one bad round
+                log.exception("background job %s failed; it runs again in %.1f s", job, interval_s)
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._loop(interval, fn)) for interval, fn in self._loops]
+        self._tasks += [asyncio.create_task(self._job(interval, job)) for interval, job in self._jobs]
 
     async def close(self) -> None:
         for task in self._tasks:

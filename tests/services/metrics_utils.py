@@ -3,6 +3,7 @@ with prometheus_client's parser."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,13 +18,15 @@ from tests.e2e.mesh import http_get  # noqa: F401 - re-exported for the metrics 
 from tests.conftest import ROOT
 
 
-def start_grpc(module: str, *args: str, log: Path | None = None,
-               timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start `python -m module --port P ... args` and wait until its gRPC health says SERVING."""
-    port = free_port()
+def start_grpc(module: str, *args: str, log: Path | None = None, timeout: float = 120.0, port: int | None = None,
+               env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `python -m module --port P ... args` (P free unless given; `env` added to the environment) and wait
+    until its gRPC health says SERVING."""
+    port = port or free_port()
     out = open(log, "w") if log else None
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning", *args],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None)
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            env={**os.environ, **(env or {})})
     url = f"127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url) as ch:
