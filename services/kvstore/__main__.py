@@ -55,10 +55,16 @@ async def serve(settings: KvStoreSettings, storage: PageStorage, staging: Stagin
     await service.run_until_signal()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs, trace_kwargs = parse_settings(
+def parse_args(argv: Sequence[str] | None = None):
+    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
+    the reason on a flag it does not know or a bad value."""
+    return parse_settings(
         "radixmesh kvstore: the shared L3 KV page store and the global prefix index.", KvStoreSettings, argv,
         MetricsSettings, TraceSettings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
     setup_logging("kvstore", settings.log_level)
     setup_tracing(TraceSettings(**trace_kwargs), "kvstore")
     try:

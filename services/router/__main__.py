@@ -137,10 +137,15 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
     log.info("stopped")
 
 
+def parse_args(argv: list[str] | None = None):
+    """The flags -> (RouterSettings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
+    the reason on a flag it does not know or a bad value."""
+    return parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door", RouterSettings,
+                          argv, MetricsSettings, TraceSettings)
+
+
 def main(argv: list[str] | None = None) -> None:
-    settings, metrics_kwargs, trace_kwargs = parse_settings(
-        "radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door", RouterSettings, argv,
-        MetricsSettings, TraceSettings)
+    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
     setup_logging("router", settings.log_level)
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)

@@ -40,10 +40,16 @@ async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
     await service.run_until_signal()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs, trace_kwargs = parse_settings(
+def parse_args(argv: Sequence[str] | None = None):
+    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
+    the reason on a flag it does not know or a bad value."""
+    return parse_settings(
         "radixmesh tokenizer service: chat templates, tokenization, detokenization.", TokenizerSettings, argv,
         MetricsSettings, TraceSettings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
     setup_logging("tokenizer", settings.log_level)
     setup_tracing(TraceSettings(**trace_kwargs), "tokenizer")
     try:
