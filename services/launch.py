@@ -179,6 +179,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         tok += ["--chat-template", settings.chat_template]
     if engine_kwargs.get("context_length"):
         tok += ["--context-length", str(engine_kwargs["context_length"])]
+    if settings.served_model_name:  # its metrics carry the model_name the router's and workers' do
+        tok += ["--served-model-name", settings.served_model_name]
     children = [Child("tokenizer", tok, f"grpc://127.0.0.1:{tok_port}")]
     kv_flags, router_kv = [], []
     if settings.kvstore:

@@ -54,3 +54,12 @@ def test_unknown_key_in_config_file(tmp_path):
     cfg.write_text("tokenizer_url: t:1\nnot_a_setting: 3\n")
     with pytest.raises(ValueError, match="not_a_setting"):
         settings_of(RouterSettings, ["--config", str(cfg)])
+
+
+def test_the_launcher_names_the_served_model_for_every_service():
+    from services.launch import LaunchSettings, plan
+
+    children = plan(LaunchSettings(served_model_name="tiny"), {"model_path": "/m"})
+    for child in children:
+        argv = child.argv
+        assert argv[argv.index("--served-model-name") + 1] == "tiny", child.name
