@@ -100,10 +100,14 @@ class WorkerMetrics:
             if completion > 1:
                 self.tpot.observe((timing.finished - timing.first_token) / (completion - 1))
 
-    def prefilled(self, prompt_tokens: int, cached_tokens: int, started: float, ok: bool) -> None:
-        """A prefill-role request ended: its KV was handed over (`ok`) or the handoff failed."""
+    def prefilled(self, prompt_tokens: int, cached_tokens: int, started: float, ok: bool,
+                  timing: RequestTiming | None = None) -> None:
+        """A prefill-role request ended: its KV was handed over (`ok`) or the handoff failed; `timing`, when the
+        engine finished it, gives its wait in the queue."""
         self._count(prompt_tokens, cached_tokens, None if ok else {"type": "abort"})
         self.e2e.observe(time.monotonic() - started)
+        if timing is not None and timing.queue_time_s is not None:
+            self.queue.observe(timing.queue_time_s)
 
     def left(self, prompt_tokens: int, started: float) -> None:
         """A request whose caller went away before it finished (the engine aborts it): counted as aborted; the

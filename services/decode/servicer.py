@@ -106,15 +106,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _prefill(self, request, context, started: float) -> worker_pb2.GenerateResponse:
         from services.prefill.bootstrap import HandoffFailed
 
+        timings: dict = {}
         try:
-            out = await self.prefill_rooms.generate(request)
+            out = await self.prefill_rooms.generate(request, timings)
         except HandoffFailed as e:
             if self.metrics is not None:
-                self.metrics.prefilled(len(request.input_ids), 0, started, ok=False)
+                self.metrics.prefilled(len(request.input_ids), 0, started, ok=False, timing=timings.get(0))
             await context.abort(grpc.StatusCode.ABORTED, str(e))
         if self.metrics is not None:
             usage = out.complete.usage
-            self.metrics.prefilled(usage.prompt_tokens, usage.cached_tokens, started, ok=True)
+            self.metrics.prefilled(usage.prompt_tokens, usage.cached_tokens, started, ok=True, timing=timings.get(0))
         return out
 
     def _open_room(self, request):

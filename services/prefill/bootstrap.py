@@ -135,7 +135,10 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             room.fail(HandoffFailed("the decode worker closed the handoff before sending its KV destination"))
 
     # ---- the router's side: Generate ------------------------------------------------------------------------
-    async def generate(self, request: worker_pb2.GenerateRequest) -> worker_pb2.GenerateResponse:
+    async def generate(self, request: worker_pb2.GenerateRequest,
+                       timings: dict | None = None) -> worker_pb2.GenerateResponse:
+        """Prefill `request` and hand its KV to the decode worker that registered its room; `timings` (when given)
+        receives the engine's RequestTiming under key 0 once the prefill finished (its queue time for metrics)."""
         params = request.disaggregated_params
         rid, number = convert.engine_rid(request), params.bootstrap_room
         room = self._room(number)
@@ -144,7 +147,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         room.request.set_result(rid)
         room_log(number, rid, "bootstrapping", "waiting for the decode worker")
         try:
-            return await self._serve(room, rid, request)
+            return await self._serve(room, rid, request, {} if timings is None else timings)
         except HandoffFailed as e:
             self.transfer.failed(e.reason)
             room.fail(e)
@@ -160,7 +163,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         finally:
             self.rooms.pop(number, None)
 
-    async def _serve(self, room: Room, rid: str, request) -> worker_pb2.GenerateResponse:
+    async def _serve(self, room: Room, rid: str, request, timings: dict) -> worker_pb2.GenerateResponse:
         hello = await _bounded(room.hello, self.bootstrap_timeout, "no decode worker registered the room",
                                "bootstrap_timeout")
         room.events.put_nowait(bootstrap_pb2.HandoffAccepted(prefill_address=self.address))
@@ -169,9 +172,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         ready: asyncio.Future = loop.create_future()
         role = PrefillRole(lambda pages, first: loop.call_soon_threadsafe(set_once, ready, (pages, first)))
         kwargs = convert.generate_kwargs(request)
-        timings: dict = {}
-        if tracing.enabled():
-            kwargs["on_finish"] = timings.__setitem__
+        kwargs["on_finish"] = timings.__setitem__
         try:
             result = await self.engine.async_generate(**kwargs, handoff=role)
         except BaseException:
@@ -183,7 +184,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             reason = result["meta_info"]["finish_reason"] or {}
             raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}", "prefill_failed")
         pages, first = ready.result()
-        if 0 in timings:
+        if 0 in timings and tracing.enabled():
             trace_sample("prefill", 0, {"prompt_tokens": len(request.input_ids), "cached_tokens": first.cached_tokens},
                          timings[0])
         try:

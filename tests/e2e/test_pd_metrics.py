@@ -95,6 +95,9 @@ def test_transfer_metrics_agree_across_prefill_decode_and_router(pd):
     assert dec.value("sglang:num_decode_prealloc_queue_reqs", **decode_role) == 0
     assert dec.value("sglang:kv_transfer_speed_gb_s", **decode_role) > 0
     assert good.value("sglang:num_prefill_inflight_queue_reqs", **prefill_role) == 0
+    # the prefill side is where PD requests queue: each prefilled request's wait is observed there
+    assert good.value("sglang:queue_time_seconds_count", **prefill_role) == 4
+    assert bad.value("sglang:queue_time_seconds_count", **prefill_role) == failed
     # the router: one retry per failed room, each charged to a worker of the failed pair
     assert router.value("sgl_router_retries_total", model_name="tiny", role="router") == failed
     assert router.value("sgl_router_processed_requests_total", worker=urls["decode"]) == 4 + failed
