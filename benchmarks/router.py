@@ -1,8 +1,10 @@
 """`python -m benchmarks.router [--out PATH]`: the router's own cost. Starts the real tokenizer service, two fake
 workers (benchmarks.fake_worker: answers at once) and the router as separate processes; pins the router to one core
 and everything else (this load generator included) to the others; runs closed-loop HTTP load per scenario and
-reads the router's CPU time (utime + stime of /proc/<pid>/stat) around each measured run. Every response is
-checked; any error makes the run fail (exit 1) after the results are written."""
+reads the router's CPU time (its CPU-time clock, in ns) around each measured run. With --enable-trace the router's
+trace exporter process (a child of the router, on the router's core) has its CPU reported on its own
+(`trace_exporter`, and router + exporter per request), and the spans the sink received are counted. Every response is checked; any error makes the run fail (exit 1) after the
+results are written."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import ctypes
 import datetime
 import json
 import os
+import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,11 +48,25 @@ def rss_mb(pid: int) -> float:
     return kb / 1024
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of `pid`, in seconds."""
+    """CPU time of every thread of `pid`, in seconds: the process's CPU-time clock (nanoseconds), else utime + stime
+    of /proc/<pid>/stat (clock ticks, 10 ms: too coarse for a few % of a short run)."""
+    libc, clock, ts = ctypes.CDLL("libc.so.6"), ctypes.c_int(), _Timespec()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0 and libc.clock_gettime(clock, ctypes.byref(ts)) == 0:
+        return ts.sec + ts.nsec * 1e-9
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (e.g. the router's trace exporter)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
 
 
 def core_busy_seconds(cpu: int) -> float:
@@ -86,11 +104,18 @@ class Processes:
         return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
-        for proc in self.procs.values():
+        """The routers first (with tracing on they flush their spans to the sink), then the others."""
+        for group in ([p for n, p in self.procs.items() if n.startswith("router")],
+                      [p for n, p in self.procs.items() if not n.startswith("router")]):
+            self._stop(group)
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for proc in self.procs.values():
+        deadline = time.monotonic() + 10
+        for proc in procs:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -148,7 +173,9 @@ def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["loadgen"] = (self_after.user + self_after.system) - (self_before.user + self_before.system)
     router = used.pop("router")
-    return {"wall_s": wall, "requests_per_s": count / wall, "router_cpu_s": router,
+    with_exporter = {"router_and_exporter_cpu_ms_per_request": (router + used["trace_exporter"]) / count * 1e3} \
+        if "trace_exporter" in used else {}
+    return {**with_exporter, "wall_s": wall, "requests_per_s": count / wall, "router_cpu_s": router,
             "router_cpu_ms_per_request": router / count * 1e3,
             "router_capacity_rps_one_core": count / router if router else None,
             "router_cpu_us_per_token": router / (count * sc.tokens) * 1e6,
@@ -219,6 +246,17 @@ def provenance(argv: list[str]) -> dict:
             "aiohttp": aiohttp.__version__}
 
 
+def trace_delivery(procs: Processes) -> dict:
+    """Spans the sink received (it prints the count on exit) and the router reported dropped."""
+    found = {}
+    traced = "router_traced" if "router_traced" in procs.procs else "router"
+    for name, key, pattern in (("otlp_sink", "spans_received", r"received (\d+) spans"),
+                               (traced, "spans_dropped", r"(\d+) spans dropped in all")):
+        match = re.search(pattern, procs.tail(name, 200))
+        found[key] = int(match.group(1)) if match else 0
+    return found
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="measured requests per non-streaming scenario run")
@@ -233,6 +271,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
     p.add_argument("--enable-trace", action="store_true", help="the router exports OpenTelemetry traces to a local "
                    "OTLP/gRPC sink (benchmarks.otlp_sink, on the other cores)")
+    p.add_argument("--trace-ab", action="store_true", help="a second router with tracing on (same core, same "
+                   "fakes) takes turns with the untraced one, round by round in alternating order; reports the "
+                   "median per-round CPU ratio (robust to the machine's speed drifting between separate runs)")
+    p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
+                   "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
                    "inflates its CPU time: use for where the time goes, not for the numbers)")
@@ -253,27 +296,76 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
     for i, port in enumerate(workers):
         procs.start(f"worker{i}", ["benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet], others)
     profile = ["cProfile", "-o", str(Path(args.profile_router).resolve()), "-m"] if args.profile_router else []
-    if args.enable_trace:
+    trace = []
+    if args.enable_trace or args.trace_ab:
         sink = free_port()
         procs.start("otlp_sink", ["benchmarks.otlp_sink", "--port", str(sink)], others)
-        quiet = [*quiet, "--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{sink}"]
-    router = procs.start("router", [*profile, "services.router", "--host", "127.0.0.1", "--port", str(http),
-                                    "--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet,
-                                    "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)], {args.router_cpu})
-    base = f"http://127.0.0.1:{http}"
-    wait_http(base + "/health", procs, timeout_s=120)
-    with urllib.request.urlopen(base + "/health_generate", timeout=30) as r:
-        healthy = [w["url"] for w in json.loads(r.read())["workers"] if w["healthy"]]
-    if len(healthy) != len(workers):
-        raise RuntimeError(f"the router has {healthy} of {len(workers)} workers healthy")
+        trace = ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{sink}"]
+    common = ["--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet, "--worker-urls",
+              *(f"127.0.0.1:{p}" for p in workers)]
+    bases = {"router": start_router(procs, "router", [*profile, "services.router", *common,
+                                                      *(trace if args.enable_trace else [])], args.router_cpu)}
+    if args.trace_ab:
+        bases["router_traced"] = start_router(procs, "router_traced", ["services.router", *common,
+                                              *([] if args.ab_control else trace)], args.router_cpu)
     pids = {name: p.pid for name, p in procs.procs.items()}
+    for name in bases:  # the trace exporter shares the router's core, as it would share a router pod's CPUs
+        for pid in children(pids[name]):
+            pids["trace_exporter"] = pid
     results = []
     for n, sc in enumerate(s for s in SCENARIOS if s.name in args.scenarios):
-        results.append(measure(base, sc, args, pids, offset=n * 1_000_000))
+        if args.trace_ab:
+            results.append(measure_ab(bases, sc, args, pids, offset=n * 1_000_000))
+        else:
+            results.append(measure(bases["router"], sc, args, pids, offset=n * 1_000_000))
         procs.check_alive()
-    args.router_rss_mb = rss_mb(router.pid)
-    add_marginals(results)
+    args.router_rss_mb = rss_mb(pids["router"])
+    if not args.trace_ab:
+        add_marginals(results)
     return results
+
+
+def start_router(procs: Processes, name: str, argv: list[str], cpu: int) -> str:
+    """A router on a free port, pinned to `cpu`, once its workers are healthy; returns its base URL."""
+    base = f"http://127.0.0.1:{(port := free_port())}"
+    procs.start(name, [*argv, "--host", "127.0.0.1", "--port", str(port)], {cpu})
+    wait_http(base + "/health", procs, timeout_s=120)
+    with urllib.request.urlopen(base + "/health_generate", timeout=30) as r:
+        workers = json.loads(r.read())["workers"]
+    if not all(w["healthy"] for w in workers):
+        raise RuntimeError(f"{name} has unhealthy workers: {workers}")
+    return base
+
+
+def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], offset: int) -> dict:
+    """The untraced and the traced router take turns (order alternating per round), so a drift in the machine's
+    speed falls on both; the change is the median of the per-round CPU ratios."""
+    count = args.stream_requests if sc.stream else args.requests
+    for base in bases.values():
+        asyncio.run(run_load(base, sc, min(args.warmup, count), args.concurrency, offset))
+    rounds: list[dict] = []
+    for k in range(args.repeats):
+        runs = {}
+        for j, name in enumerate(list(bases)[::1 if k % 2 == 0 else -1]):
+            own = {n: p for n, p in pids.items() if n not in bases or n == name}
+            own["router"] = own.pop(name)
+            runs[name] = measure_once(bases[name], sc, args, own, count, offset + (2 * k + j + 1) * count)
+        rounds.append(runs)
+    cpu = {name: [r[name]["router_cpu_ms_per_request"] for r in rounds] for name in bases}
+    both = [r["router_traced"].get("router_and_exporter_cpu_ms_per_request",
+                                   r["router_traced"]["router_cpu_ms_per_request"]) for r in rounds]
+    ratio = statistics.median(b / a for a, b in zip(cpu["router"], cpu["router_traced"]))
+    ratio_both = statistics.median(b / a for a, b in zip(cpu["router"], both))
+    return {"scenario": sc.name, "description": sc.description, "requests": count, "rounds": args.repeats,
+            "cpu_ms_per_request_off": statistics.median(cpu["router"]),
+            "cpu_ms_per_request_on": statistics.median(cpu["router_traced"]), "on_over_off_median_ratio": ratio,
+            "capacity_change_pct": (1 / ratio - 1) * 100,
+            "trace_exporter_cpu_ms_per_request": statistics.median(b - a for a, b in zip(cpu["router_traced"], both)),
+            "capacity_change_with_exporter_pct": (1 / ratio_both - 1) * 100,
+            "errors": sum(r[n]["errors"] for r in rounds for n in bases),
+            "error_examples": [e for r in rounds for n in bases for e in r[n]["error_examples"]][:3],
+            "rounds_cpu_ms_per_request": [[round(r[n]["router_cpu_ms_per_request"], 4) for n in bases]
+                                          for r in rounds]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,8 +382,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             procs.close()
-    print_table(results)
+            args.trace_delivery = trace_delivery(procs) if args.enable_trace or args.trace_ab else None
+    if args.trace_ab:
+        for r in results:
+            print(f"{r['scenario']}: router CPU {r['cpu_ms_per_request_off']:.4f} -> {r['cpu_ms_per_request_on']:.4f}"
+                  f" ms/request, capacity {r['capacity_change_pct']:+.1f}% (router + exporter: "
+                  f"{r['capacity_change_with_exporter_pct']:+.1f}%; median of {r['rounds']} paired rounds)")
+    else:
+        print_table(results)
     doc = {**provenance(argv), "router_rss_mb": round(args.router_rss_mb, 1), "results": results}
+    if args.trace_delivery is not None:
+        doc["trace_delivery"] = args.trace_delivery
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

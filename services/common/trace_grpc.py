@@ -1,7 +1,11 @@
 """W3C trace context over gRPC (grpc.aio), installed only while tracing is on (services.common.tracing):
 
 - the client interceptors add the current span's `traceparent` (and `tracestate`, baggage) to the metadata of
-  every call made inside a span; calls outside any span (health probes, load polls) go out untouched.
+  every call made inside a span; calls outside any span (health probes, load polls) go out untouched. The router
+  gets the unary-unary one only (for its admin calls: /health_generate, /get_server_info, /flush_cache): its
+  per-request calls pass the context themselves (Generate: tracing.metadata_for; Tokenize, Detokenize and
+  MatchPrefix: tracing.current_metadata, on channels without interceptors), because grpc.aio puts every call of
+  an intercepted type on a slower path (a task per call, a wrapper per streamed message).
 - `ServerTraceInterceptor` gives each call that arrives with a `traceparent` a server span named
   `<package.Service>/<Method>`, a child of the caller's, current while the handler runs (so the handler's own spans
   and log lines join the caller's trace). Calls without one get no span: a trace starts at a client request."""
@@ -13,14 +17,25 @@ import grpc
 from services.common import tracing
 
 TRACEPARENT = "traceparent"
+EXPLICIT_ROLES = frozenset({"router"})  # roles whose streamed and per-request calls carry their context themselves
 
 
 def client_interceptors() -> list:
     """The interceptors a channel gets: none while tracing is off."""
     if not tracing.enabled():
         return []
+    if tracing.role() in EXPLICIT_ROLES:
+        return [_UnaryUnary()]
     # grpc.aio files each interceptor under the first call type it implements: one object per type
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+
+
+def untraced_channel(url: str) -> grpc.aio.Channel:
+    """A channel as services.common.server.channel makes, but never with interceptors: for a client whose calls
+    pass their trace context as metadata themselves (tracing.current_metadata)."""
+    from services.common.server import CHANNEL_OPTIONS
+
+    return grpc.aio.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
 
 
 def server_interceptors() -> list:
@@ -32,10 +47,10 @@ def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDet
     or no span is current."""
     if any(key == TRACEPARENT for key, _ in details.metadata or ()):
         return details
-    carrier = tracing.inject({})
-    if not carrier:
+    carried = tracing.current_metadata()
+    if not carried:
         return details
-    metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), *carried)
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                       details.wait_for_ready)
 

@@ -1,6 +1,5 @@
-"""OpenTelemetry traces for every service: the flags, the SDK set-up (OTLP over gRPC, batched), span helpers that
-cost nothing when tracing is off, W3C trace context in gRPC metadata (services.common.trace_grpc), and the trace id
-in log lines.
+"""Traces for every service: the flags, the set-up, span helpers that cost nothing when tracing is off, W3C trace
+context in gRPC metadata (services.common.trace_grpc) and from HTTP traceparent, and the trace id in log lines.
 
     settings = TraceSettings(enable_trace=True, otlp_traces_endpoint="collector:4317")
     setup_tracing(settings, role="router")          # once, at start-up, before any channel or server is made
@@ -8,13 +7,19 @@ in log lines.
         ...
     record_span("queue", start_mono, end_mono)      # a span from time.monotonic() readings taken earlier
 
-With tracing off (the default) nothing of OpenTelemetry is imported: `span` returns a shared null context, no
-interceptor is installed and log lines are unchanged. With it on, the standard OTEL_* variables apply through the SDK
-(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES,
-OTEL_TRACES_SAMPLER[_ARG], OTEL_PROPAGATORS, OTEL_BSP_*); --otlp-traces-endpoint wins over the variables."""
+With tracing off (the default) nothing of it is imported: `span` returns a shared null context, no interceptor is
+installed and log lines are unchanged. With it on, spans are recorded by a light recorder of our own
+(services.common.trace_recorder: plain objects, one ContextVar, no OpenTelemetry SDK on the request path) and
+shipped in batches through a pipe to an exporter process (trace_pipe, trace_export) that encodes OTLP and exports
+over gRPC with the OpenTelemetry exporter, off the serving process's GIL; a bounded buffer drops (and counts)
+spans rather than block when the collector is slow or down. The standard variables apply: OTEL_EXPORTER_OTLP_*
+(endpoint, headers, timeout, TLS, compression), OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES,
+OTEL_TRACES_SAMPLER[_ARG], OTEL_PROPAGATORS (tracecontext, baggage), OTEL_BSP_SCHEDULE_DELAY, _MAX_QUEUE_SIZE,
+_MAX_EXPORT_BATCH_SIZE, _EXPORT_TIMEOUT, OTEL_SDK_DISABLED; --otlp-traces-endpoint wins over the variables."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -26,10 +31,17 @@ from services.common import logs
 
 log = logging.getLogger(__name__)
 
-SERVICE_PREFIX = "radixmesh-"  # service.name = radixmesh-<role> unless OTEL_SERVICE_NAME says otherwise
 _NULL = contextlib.nullcontext()
-_tracer = None  # the process's opentelemetry Tracer while tracing is on
-_provider = None
+_KINDS = {"internal": 1, "server": 2, "client": 3}  # OTLP SpanKind values (trace_recorder.INTERNAL, ...)
+# While tracing is on: the span pipe, and from services.common.trace_recorder / trace_context the Span class, the
+# current-span ContextVar and the propagation settings (bound here so the off path imports none of them).
+_pipe = None
+_Span: Any = None
+_current: Any = None
+_propagation: Any = None
+_Metadata: Any = None  # grpc.aio.Metadata
+_extract: Any = None  # trace_context.extract
+_role = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,89 +60,108 @@ class TraceSettings:
         return self.enable_trace or self.otlp_traces_endpoint is not None
 
 
+
 def enabled() -> bool:
-    return _tracer is not None
+    return _pipe is not None
+
+
+def role() -> str:
+    """The role given to setup_tracing ("" while tracing is off)."""
+    return _role
 
 
 def setup_tracing(settings: TraceSettings, role: str) -> bool:
-    """Install the SDK's TracerProvider (batched OTLP/gRPC export) for this process when tracing is on; returns
-    whether it is. Call once, before channels and servers are created (they pick their interceptors then)."""
-    global _tracer, _provider
-    if not settings.enabled or _tracer is not None:
-        return _tracer is not None
-    from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    """Start recording spans for this process, exported by an exporter process of its own, when tracing is on;
+    returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
+    Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
+    global _pipe, _Span, _current, _propagation, _Metadata, _extract, _role
+    if not settings.enabled or _pipe is not None:
+        return _pipe is not None
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        log.info("tracing off: OTEL_SDK_DISABLED=true")
+        return False
+    from grpc.aio import Metadata
 
-    attributes = {"radixmesh.role": role}
-    if "OTEL_SERVICE_NAME" not in os.environ and "service.name=" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
-        attributes["service.name"] = SERVICE_PREFIX + role
+    from services.common import trace_recorder
+    from services.common.trace_context import Propagation, Sampler, extract
+    from services.common.trace_pipe import SpanPipe, env_int, exporter_command
+
     endpoint = settings.otlp_traces_endpoint
     if endpoint is not None and "://" not in endpoint:
         endpoint = "http://" + endpoint  # a bare host:port is a plain-text collector, as SGLang's default
-    _provider = TracerProvider(resource=Resource.create(attributes))
-    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    trace.set_tracer_provider(_provider)
-    _tracer = _provider.get_tracer("radixmesh")
+    batch = env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+    pipe = SpanPipe(exporter_command(role, endpoint, batch), max_queue=env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+                    batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
+    sampler = Sampler.from_env()
+    trace_recorder.configure(sampler, pipe.add)
+    _pipe, _Span, _current, _propagation, _Metadata, _extract, _role = (
+        pipe, trace_recorder.Span, trace_recorder.CURRENT, Propagation.from_env(), Metadata, extract, role)
     logs.trace_id_source = current_trace_id
-    log.info("tracing on: OTLP/gRPC to %s", endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-             or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "localhost:4317")
+    atexit.register(shutdown_tracing)
+    log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint
+             or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+             or "localhost:4317", sampler.name, pipe.proc.pid)
     return True
 
 
 def shutdown_tracing() -> None:
-    """Export what is buffered and stop (also done at interpreter exit)."""
-    global _tracer, _provider
-    if _provider is not None:
-        _provider.shutdown()
-    _tracer = _provider = None
+    """Export what is buffered and stop: the exporter process exports the rest and exits (bounded by
+    OTEL_BSP_EXPORT_TIMEOUT, default 30 s; then it is killed). Also done at interpreter exit."""
+    global _pipe, _role
+    pipe = _pipe
+    _pipe, _role = None, ""  # the other globals stay bound: a span made by a racing thread still works
     logs.trace_id_source = None
+    if pipe is not None:
+        from services.common.trace_pipe import env_int
+
+        pipe.close(env_int("OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000)
 
 
 def tracer():
-    """The Tracer, or None when tracing is off."""
-    return _tracer
+    """The span pipe (its `dropped` and `sent` counts, its exporter `proc`), or None when tracing is off."""
+    return _pipe
+
+
+def dropped_spans() -> int:
+    """Spans dropped so far because the exporter or the collector did not keep up (0 when off)."""
+    return _pipe.dropped if _pipe is not None else 0
 
 
 def span(name: str, kind: str = "internal", **attributes: Any):
     """A context manager for a child span of the current one (made current inside), yielding it; a shared null
     context yielding None when tracing is off. `kind`: internal, server, client."""
-    if _tracer is None:
+    if _pipe is None:
         return _NULL
-    return _tracer.start_as_current_span(name, kind=_kind(kind), attributes=_clean(attributes))
+    return _Span(name, _KINDS[kind], attributes, _current.get())
 
 
 def root_span(name: str, headers: Mapping[str, str], **attributes: Any):
-    """The server span of an incoming HTTP request: a child of the caller's W3C `traceparent` when the headers
-    carry one, else the root of a new trace."""
-    if _tracer is None:
+    """The server span of an incoming HTTP request or gRPC call: a child of the caller's W3C `traceparent` when
+    `headers` carry one, else the root of a new trace."""
+    if _pipe is None:
         return _NULL
-    from opentelemetry import propagate
-
-    return _tracer.start_as_current_span(name, context=propagate.extract(headers), kind=_kind("server"),
-                                         attributes=_clean(attributes))
+    remote = _extract(headers, _propagation)
+    return _Span(name, 2, attributes, _Span.remote(remote) if remote is not None else None)
 
 
 def record_span(name: str, start: float, end: float, events: tuple = (), **attributes: Any) -> None:
     """A finished child of the current span from two time.monotonic() readings; `events`: (name, monotonic time,
     attributes) each. No-op when tracing is off."""
-    if _tracer is None:
+    if _pipe is None:
         return
     offset = time.time_ns() - time.monotonic_ns()
-    s = _tracer.start_span(name, start_time=int(start * 1e9) + offset, attributes=_clean(attributes))
+    s = _Span(name, 1, attributes, _current.get(), int(start * 1e9) + offset)
     for event, at, attrs in events:
-        s.add_event(event, _clean(attrs), timestamp=int(at * 1e9) + offset)
-    s.end(end_time=int(end * 1e9) + offset)
+        s.add_event(event, attrs, int(at * 1e9) + offset)
+    s.end(int(end * 1e9) + offset)
 
 
 def start_span(name: str, kind: str = "client", **attributes: Any):
     """A child of the current span that is not made current (for a call that outlives the caller's frame, e.g. a
     streamed worker call); end it with `end_span`. None when tracing is off."""
-    if _tracer is None:
+    if _pipe is None:
         return None
-    return _tracer.start_span(name, kind=_kind(kind), attributes=_clean(attributes))
+    return _Span(name, _KINDS[kind], attributes, _current.get())
 
 
 def end_span(s, error: BaseException | None = None) -> None:
@@ -138,88 +169,80 @@ def end_span(s, error: BaseException | None = None) -> None:
     if s is None:
         return
     if isinstance(error, Exception):
-        from opentelemetry.trace import Status, StatusCode
-
         s.record_exception(error)
-        s.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
+        s.set_error(str(error) or type(error).__name__)
     elif error is not None:
         s.set_attribute("radixmesh.cancelled", True)
     s.end()
 
 
-def metadata_for(s) -> tuple | None:
-    """gRPC metadata carrying span `s`'s context (W3C traceparent), for a call made outside it; None for None."""
-    if s is None:
+def metadata_for(s):
+    """gRPC metadata (a grpc.aio.Metadata: grpc.aio takes it as it is, where a tuple is converted per call)
+    carrying span `s`'s context (W3C traceparent, tracestate, baggage); None for None."""
+    if s is None or _propagation is None or not _propagation.tracecontext:
         return None
-    from opentelemetry import propagate, trace
+    md = _Metadata(("traceparent", s.traceparent()))
+    if s.tracestate:
+        md.add("tracestate", s.tracestate)
+    if s.baggage and _propagation.baggage:
+        md.add("baggage", s.baggage)
+    return md
 
-    carrier: dict = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(s))
-    return tuple(carrier.items())
+
+def current_metadata():
+    """gRPC metadata carrying the current span's context, for a call made inside it without a client interceptor
+    (the router's calls); None when tracing is off or no span is current."""
+    return metadata_for(_current.get()) if _pipe is not None else None
 
 
 def current_span():
     """The current span (None when tracing is off or none is current)."""
-    if _tracer is None:
-        return None
-    from opentelemetry import trace
-
-    s = trace.get_current_span()
-    return s if s.get_span_context().is_valid else None
+    return _current.get() if _pipe is not None else None
 
 
 def set_attributes(**attributes: Any) -> None:
     """Set attributes on the current span (no-op when tracing is off)."""
     s = current_span()
     if s is not None:
-        s.set_attributes(_clean(attributes))
+        s.set_attributes(attributes)
 
 
 def add_event(name: str, **attributes: Any) -> None:
     s = current_span()
     if s is not None:
-        s.add_event(name, _clean(attributes))
+        s.add_event(name, attributes)
 
 
 def current_trace_id() -> str:
     """The current trace id as 32 hex digits, or "" (the logging filter's source)."""
     s = current_span()
-    return format(s.get_span_context().trace_id, "032x") if s is not None else ""
+    return s.trace_id_hex if s is not None else ""
 
 
 @contextlib.contextmanager
 def attached(carrier: Mapping[str, str]) -> Iterator[None]:
     """Make the trace context in `carrier` (W3C headers or gRPC metadata) current inside (no-op when off)."""
-    if _tracer is None:
+    if _pipe is None:
         yield
         return
-    from opentelemetry import context, propagate
-
-    token = context.attach(propagate.extract(carrier))
+    remote = _extract(carrier, _propagation)
+    token = _current.set(_Span.remote(remote) if remote is not None else None)
     try:
         yield
     finally:
-        context.detach(token)
+        _current.reset(token)
 
 
 def inject(carrier: dict) -> dict:
-    """Add the current trace context to `carrier` (W3C traceparent/tracestate); returns it."""
-    if _tracer is not None:
-        from opentelemetry import propagate
-
-        propagate.inject(carrier)
+    """Add the current trace context to `carrier` (W3C traceparent/tracestate, baggage); returns it."""
+    for key, value in current_metadata() or ():
+        carrier[key] = value
     return carrier
 
 
 def attributes(**values: Any) -> dict:
     """Span attributes as the helpers name them (`radixmesh.<name>` unless dotted; None values left out)."""
     return _clean(values)
-
-
-def _kind(kind: str):
-    from opentelemetry.trace import SpanKind
-
-    return {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT}[kind]
 
 
 def _clean(attributes: Mapping[str, Any]) -> dict:

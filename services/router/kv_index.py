@@ -21,7 +21,7 @@ import grpc
 
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 from services.common import tracing
-from services.common.server import channel
+from services.common.trace_grpc import untraced_channel
 from services.router.decisions import RoutingDecisions
 from services.router.policies import Candidate
 from services.router.rendezvous import prompt_key, rendezvous
@@ -51,7 +51,7 @@ class KvIndexPolicy:
         LOAD_POLL_INTERVAL_S."""
         self.kvstore_url = kvstore_url
         self.timeout_s = timeout_s
-        self._channel = channel(kvstore_url)
+        self._channel = untraced_channel(kvstore_url)  # MatchPrefix passes its trace context itself
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
         self._channel.get_state(try_to_connect=True)  # connect now, not within the first request's timeout
         self._clock = clock
@@ -124,7 +124,8 @@ class KvIndexPolicy:
         with tracing.span("kvstore MatchPrefix", "client", kvstore=self.kvstore_url,
                           prompt_tokens=len(input_ids)) as span:
             try:
-                response = await self._stub.MatchPrefix(request, timeout=self.timeout_s)
+                response = await self._stub.MatchPrefix(request, timeout=self.timeout_s,
+                                                         metadata=tracing.current_metadata())
             except grpc.aio.AioRpcError as e:
                 self._index_failed(f"{e.code().name}: {e.details()}")
                 if span is not None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 
 import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import launch, stop_and_check
+from tests.e2e.mesh import alive, child_pids, cmdline, launch, stop_and_check
 from tests.e2e.test_mesh_faults import post
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -48,6 +49,22 @@ def receiver():
 
 def traced_mesh(receiver: OtlpReceiver, tmp, *args: str):
     return launch(NAME, tmp, "--enable-trace", "--otlp-traces-endpoint", receiver.endpoint, *args)
+
+
+def exporters(mesh) -> list[int]:
+    """The trace exporter processes of the mesh's services (children of theirs); one per service is expected."""
+    pids = [c for p in mesh.known_pids for c in child_pids(p)]
+    found = [c for c in pids if "services.common.trace_export" in cmdline(c)]
+    assert len(found) == len(mesh.known_pids), f"exporters {found} for services {mesh.known_pids}"
+    return found
+
+
+def assert_gone(pids: list[int], timeout_s: float = 15.0) -> None:
+    """Every exporter ends with its service (after exporting what it had)."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "trace exporters outlived their services"
 
 
 def assert_connected(spans: list[ReceivedSpan], client_parent: str = "") -> ReceivedSpan:
@@ -90,6 +107,7 @@ def check_common(spans: list[ReceivedSpan], root: ReceivedSpan) -> None:
 def test_colocated_request_is_one_trace_with_the_clients_trace_id(receiver, tmp_path):
     mesh = traced_mesh(receiver, tmp_path)
     try:
+        exporter_pids = exporters(mesh)
         trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
         status, raw = post(mesh.url + "/generate", {"text": "The capital of France is", "sampling_params": GREEDY},
                            headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
@@ -101,6 +119,7 @@ def test_colocated_request_is_one_trace_with_the_clients_trace_id(receiver, tmp_
         spans = receiver.wait_for(trace_id, COLOCATED)
     finally:
         stop_and_check(mesh)
+    assert_gone(exporter_pids)
     assert COLOCATED <= {s.name for s in spans}, sorted({s.name for s in spans})
     root = assert_connected(spans, client_parent=client_span)
     check_common(spans, root)
@@ -123,6 +142,7 @@ def test_pd_request_is_one_trace_across_router_tokenizer_prefill_decode_and_kvst
     mesh = traced_mesh(receiver, tmp_path, "--disaggregation", "pd", "--disaggregation-transfer-backend", "mooncake",
                        "--kvstore", "--policy", "kv_index")
     try:
+        exporter_pids = exporters(mesh)
         trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
         status, raw = post(mesh.url + "/generate", {"text": "The capital of France is", "sampling_params": GREEDY},
                            headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
@@ -130,6 +150,7 @@ def test_pd_request_is_one_trace_across_router_tokenizer_prefill_decode_and_kvst
         spans = receiver.wait_for(trace_id, PD)
     finally:
         stop_and_check(mesh)
+    assert_gone(exporter_pids)
     assert PD <= {s.name for s in spans}, sorted({s.name for s in spans})
     root = assert_connected(spans, client_parent=client_span)
     check_common(spans, root)

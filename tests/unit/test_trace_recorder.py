@@ -1,0 +1,259 @@
+"""The light span recorder behind services.common.tracing (trace_recorder, trace_context, trace_pipe,
+trace_export): ids and parent links, W3C traceparent in and out, the OTEL_TRACES_SAMPLER variables, the bounded
+buffer dropping (and counting) spans when the exporter does not read, and the exporter process: spans reach a real
+OTLP/gRPC endpoint, and the process ends on shutdown and when its service dies."""
+
+from __future__ import annotations
+
+import marshal
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common import trace_recorder
+from services.common.trace_context import Propagation, Sampler, extract, parse_traceparent, traceparent
+from services.common.trace_pipe import SpanPipe
+from services.common.trace_recorder import CLIENT, CURRENT, Record, Span
+from tests.otlp_receiver import OtlpReceiver
+
+ROOT = Path(__file__).resolve().parents[2]
+W3C = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
+
+
+@pytest.fixture
+def records():
+    """Finished spans as Records (the recorder's sink), with the default sampler; restored afterwards."""
+    out: list = []
+    trace_recorder.configure(Sampler(), lambda data: out.append(Record(*marshal.loads(data))))
+    yield out
+    trace_recorder.configure(Sampler(), lambda data: None)
+
+
+def test_ids_parent_links_and_the_current_span(records):
+    with Span("root", 2, {"a": 1}, None) as root:
+        assert CURRENT.get() is root
+        with Span("child", 1, {}, CURRENT.get()) as child:
+            loose = Span("call", CLIENT, {"worker": "w"}, CURRENT.get())  # not made current
+        loose.end()
+        loose.end()  # a second end records nothing
+        assert CURRENT.get() is root
+    assert CURRENT.get() is None
+    by_name = {r.name: r for r in records}
+    assert list(by_name) == ["child", "call", "root"]
+    assert 0 < root.trace_id < 1 << 128 and 0 < root.span_id < 1 << 64
+    assert by_name["root"].parent_id == 0 and not by_name["root"].parent_remote
+    assert by_name["child"].trace_id == by_name["call"].trace_id == root.trace_id
+    assert by_name["child"].parent_id == root.span_id and by_name["call"].parent_id == child.span_id
+    assert len({r.span_id for r in records}) == 3
+    assert all(r.start_ns <= r.end_ns for r in records)
+    assert by_name["call"].kind == CLIENT and by_name["call"].attributes == {"worker": "w"}
+    assert W3C.match(child.traceparent()) and child.traceparent().endswith("-01")
+
+
+def test_an_escaping_exception_marks_the_span_failed(records):
+    with pytest.raises(ValueError):
+        with Span("work", 1, {}, None) as s:
+            s.add_event("step", {"n": 1})
+            raise ValueError("bad input")
+    (r,) = records
+    assert r.status == (trace_recorder.STATUS_ERROR, "ValueError: bad input")
+    assert [e[0] for e in r.events] == ["step", "exception"]
+    assert r.events[1][2]["exception.type"] == "ValueError" and "bad input" in r.events[1][2]["exception.stacktrace"]
+
+
+def test_traceparent_in_and_out():
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert parse_traceparent(tp) == (0x0af7651916cd43dd8448eb211c80319c, 0xb7ad6b7169203331, True)
+    assert traceparent(*parse_traceparent(tp)) == tp
+    for bad in (None, "", tp.upper(), tp[:-1], "ff" + tp[2:], tp.replace("0af7", "0000", 1)[:3] + "0" * 32 + tp[35:],
+                tp[:36] + "0" * 16 + tp[52:], "00-xyz", tp + "-extra", tp.replace("-", "_")):
+        assert parse_traceparent(bad) is None, bad
+    assert parse_traceparent("01" + tp[2:] + "-future") is not None  # a later version may append fields
+    ctx = extract({"traceparent": tp, "tracestate": "k=v", "baggage": "user=1"}, Propagation())
+    assert ctx.tracestate == "k=v" and ctx.baggage == "user=1" and ctx.sampled
+    assert extract({"traceparent": tp}, Propagation(False, False)) is None
+    assert extract({"baggage": "user=1"}, Propagation()) is None
+
+
+def test_a_remote_parent_is_kept(records):
+    ctx = extract({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "k=v"},
+                  Propagation())
+    with Span("server", 2, {}, Span.remote(ctx)) as s:
+        pass
+    (r,) = records
+    assert r.trace_id == ctx.trace_id and r.parent_id == ctx.span_id and r.parent_remote and r.tracestate == "k=v"
+    assert s.traceparent().startswith("00-0af7651916cd43dd8448eb211c80319c-")
+
+
+@pytest.mark.parametrize("env, root, child_of_sampled, child_of_unsampled", [
+    ({}, True, True, False),
+    ({"OTEL_TRACES_SAMPLER": "always_on"}, True, True, True),
+    ({"OTEL_TRACES_SAMPLER": "always_off"}, False, False, False),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, False, True, False),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, False, False, False),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, False, True, False),
+    ({"OTEL_TRACES_SAMPLER": "no_such_sampler"}, True, True, False),  # the default, with a warning
+])
+def test_sampler_variables(env, root, child_of_sampled, child_of_unsampled):
+    sampler = Sampler.from_env(env)
+    assert sampler.sample(None, 12345) is root
+    assert sampler.sample(True, 12345) is child_of_sampled
+    assert sampler.sample(False, 12345) is child_of_unsampled
+
+
+def test_traceidratio_decides_on_the_low_64_bits_of_the_trace_id():
+    half = Sampler.from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"})
+    assert half.sample(None, (7 << 64) | (1 << 62)) and not half.sample(None, 1 << 63)
+    bad = Sampler.from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"})
+    assert bad.sample(None, (1 << 64) - 1)  # an invalid ratio means 1.0
+
+
+def test_an_unsampled_span_records_nothing_and_passes_the_decision_on(records):
+    trace_recorder.configure(Sampler("parentbased_always_off"), lambda data: records.append(data))
+    with Span("root", 2, {}, None) as root:
+        with Span("child", 1, {}, CURRENT.get()) as child:
+            child.set_attribute("x", 1)
+    assert records == [] and not root.sampled and child.traceparent().endswith("-00")
+
+
+def test_the_buffer_drops_and_counts_when_the_exporter_does_not_read():
+    reader = [sys.executable, "-c", "import time; time.sleep(60)"]  # never reads its stdin
+    pipe = SpanPipe(reader, max_queue=100, batch=10_000, delay_s=60.0)  # the writer does not wake by itself
+    try:
+        for i in range(250):
+            pipe.add(marshal.dumps(i))
+        assert pipe.dropped == 150 and len(pipe._queue) == 100
+    finally:
+        started = time.monotonic()
+        pipe.close(timeout_s=2.0)
+    assert time.monotonic() - started < 10 and pipe.proc.poll() is not None
+    assert pipe.sent == 100 and pipe.dropped == 150  # the 100 queued went into the pipe; the reader was killed
+    pipe.add(b"late")
+    assert pipe.dropped == 151
+
+
+def _traced(code: str, endpoint: str, **env) -> subprocess.Popen:
+    """A process that sets up tracing for role "router" towards `endpoint` and runs `code`."""
+    prologue = f"""
+        import os, sys, time
+        from services.common import tracing
+        assert tracing.setup_tracing(tracing.TraceSettings(otlp_traces_endpoint="{endpoint}"), "router")
+        print(tracing.tracer().proc.pid, flush=True)
+    """
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(prologue) + textwrap.dedent(code)], cwd=ROOT,
+                            env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_spans_reach_the_collector_and_the_exporter_ends_with_the_process():
+    receiver = OtlpReceiver()
+    try:
+        proc = _traced("""
+            with tracing.root_span("GET /x", {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+                               **{"http.route": "/x"}) as s:
+                tracing.set_attributes(request_id="r1", skipped=None)
+                tracing.record_span("queue", time.monotonic() - 0.01, time.monotonic(),
+                                    (("first_token", time.monotonic(), {"n": 1}),), index=0)
+                with tracing.span("fails"):
+                    try:
+                        with tracing.span("inner", tags=["a", "b"], obj=object()):
+                            raise RuntimeError("boom")
+                    except RuntimeError:
+                        pass
+        """, receiver.endpoint, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert _gone(int(out.split()[0]), 10), "the exporter outlived a clean exit"
+        spans = receiver.wait_for("0af7651916cd43dd8448eb211c80319c", {"GET /x", "queue", "fails", "inner"}, 10)
+    finally:
+        receiver.close()
+    by_name = {s.name: s for s in spans}
+    root = by_name["GET /x"]
+    assert root.service == "radixmesh-router" and root.parent_id == "b7ad6b7169203331" and root.kind == 2
+    assert root.attributes == {"http.route": "/x", "radixmesh.request_id": "r1"}
+    assert by_name["queue"].parent_id == root.span_id and by_name["queue"].events == ("first_token",)
+    assert by_name["queue"].attributes == {"radixmesh.index": 0}
+    assert by_name["inner"].parent_id == by_name["fails"].span_id and by_name["inner"].events == ("exception",)
+    assert "array_value" in by_name["inner"].attributes["radixmesh.tags"]
+    assert by_name["inner"].attributes["radixmesh.obj"].startswith("<object object")
+
+
+def test_the_exporter_ends_when_its_service_is_killed():
+    proc = _traced("time.sleep(60)", "127.0.0.1:9")  # nothing listens there: the exporter must not hang on it
+    try:
+        exporter = int(proc.stdout.readline())
+        assert not _gone(exporter, 0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _gone(exporter, 10), "the exporter outlived its service"
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_sdk_disabled_turns_tracing_off():
+    code = """
+        import os
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+        from services.common import tracing
+        assert tracing.setup_tracing(tracing.TraceSettings(enable_trace=True), "router") is False
+        assert not tracing.enabled() and tracing.span("x") is tracing.span("y")
+        print("ok")
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_the_otlp_encoding_parses_as_the_official_messages():
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
+
+    from services.common import trace_otlp
+
+    values = {"s": "é", "t": True, "f": False, "i": 7, "neg": -3, "big": 1 << 70, "x": 2.5, "b": b"\x00\xff",
+              "l": [1, "a"], "none": None, "http.route": "/x", "o": Path("/p")}
+    records = [(1 << 127 | 5, 9, 0, False, "root", 2, 10, 20, values, None, None, ""),
+               (3, 1 << 63, 9, True, "child", 3, 11, 1 << 63, {"i": 7}, [("ev", 12, {"n": 1}), ("bare", 13, {})],
+                (2, "HTTP 500"), "k=v")]
+    got = ExportTraceServiceRequest.FromString(trace_otlp.request(trace_otlp.resource({"service.name": "svc"}),
+                                                                  "radixmesh", records))
+    rs = got.resource_spans[0]
+    assert [(a.key, a.value.string_value) for a in rs.resource.attributes] == [("service.name", "svc")]
+    assert rs.scope_spans[0].scope.name == "radixmesh"
+    root, child = rs.scope_spans[0].spans
+    assert root.trace_id == (1 << 127 | 5).to_bytes(16, "big") and root.span_id == (9).to_bytes(8, "big")
+    assert root.parent_span_id == b"" and root.kind == ProtoSpan.SPAN_KIND_SERVER and root.flags == 0x101
+    assert (root.start_time_unix_nano, root.end_time_unix_nano, root.name) == (10, 20, "root")
+    attrs = {a.key: a.value for a in root.attributes}
+    assert list(attrs) == ["radixmesh." + k for k in "s t f i neg big x b l".split()] + ["http.route", "radixmesh.o"]
+    assert attrs["radixmesh.s"].string_value == "é" and attrs["radixmesh.t"].bool_value
+    assert attrs["radixmesh.f"].WhichOneof("value") == "bool_value" and not attrs["radixmesh.f"].bool_value
+    assert attrs["radixmesh.i"].int_value == 7 and attrs["radixmesh.neg"].int_value == -3
+    assert attrs["radixmesh.big"].string_value == str(1 << 70) and attrs["radixmesh.x"].double_value == 2.5
+    assert attrs["radixmesh.b"].bytes_value == b"\x00\xff" and attrs["radixmesh.o"].string_value == "/p"
+    assert [v.int_value or v.string_value for v in attrs["radixmesh.l"].array_value.values] == [1, "a"]
+    assert child.parent_span_id == (9).to_bytes(8, "big") and child.flags == 0x301 and child.trace_state == "k=v"
+    assert child.end_time_unix_nano == 1 << 63 and child.status.code == 2 and child.status.message == "HTTP 500"
+    assert [(e.name, e.time_unix_nano, [a.key for a in e.attributes]) for e in child.events] == [
+        ("ev", 12, ["radixmesh.n"]), ("bare", 13, [])]
+    again = trace_otlp.request(trace_otlp.resource({"service.name": "svc"}), "radixmesh", records)  # from the cache
+    assert ExportTraceServiceRequest.FromString(again) == got
