@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+
+import grpc
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.logs import setup_logging
@@ -24,15 +27,27 @@ def token_ids(n: int) -> list[int]:
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, tokens: int, model_name: str):
+    """Also a stand-in for failure tests: `delay_s` before answering, the first `fail_first` Generate calls refused
+    with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
+
+    def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null"):
         self.tokens = tokens
         self.model_name = model_name
+        self.delay_s = delay_s
+        self.fail_first = fail_first
+        self.mode = mode
+        self.calls = 0
 
     def _count(self, request: worker_pb2.GenerateRequest) -> int:
         sp = request.sampling_params
         return min(self.tokens, sp.max_new_tokens) if sp.HasField("max_new_tokens") else self.tokens
 
     async def Generate(self, request, context):
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {self.calls} of {self.fail_first}")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)
         ids = token_ids(n)
         if request.stream:
@@ -58,10 +73,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             model_path=self.model_name, tokenizer_path=self.model_name, is_generation=True,
             served_model_name=self.model_name, max_context_length=4096, vocab_size=VOCAB, model_type="fake",
             eos_token_ids=[], preferred_sampling_params="{}", max_total_num_tokens=1 << 20,
-            disaggregation_mode="null")
+            disaggregation_mode=self.mode)
 
     async def GetServerInfo(self, request, context):
-        return worker_pb2.GetServerInfoResponse(server_info_json="{}")
+        return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls}))
 
     async def FlushCache(self, request, context):
         return worker_pb2.FlushCacheResponse(success=True)
@@ -74,9 +89,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens per answer when max_new_tokens is unset")
     parser.add_argument("--served-model-name", default="fake")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--delay-s", type=float, default=0.0, help="wait before each answer")
+    parser.add_argument("--fail-first", type=int, default=0, help="refuse the first N Generate calls (UNAVAILABLE)")
+    parser.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
-    servicer = FakeWorker(args.tokens, args.served_model_name)
+    servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
+                          args.disaggregation_mode)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

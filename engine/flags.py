@@ -24,17 +24,17 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: frozen
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        # metadata "aliases": more names for the same flag (e.g. SGLang router's --request-timeout-secs)
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kind = field_type(cls, f)
-        helptext = f.metadata.get("help")
+        common = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help")}
         if kind is bool:
             action = argparse.BooleanOptionalAction if f.default is True else "store_true"
-            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=helptext)
+            parser.add_argument(*flags, action=action, **common)
         elif typing.get_origin(kind) in (list, tuple):
-            parser.add_argument(flag, nargs="*", type=typing.get_args(kind)[0], default=argparse.SUPPRESS,
-                                help=helptext)
+            parser.add_argument(*flags, nargs="*", type=typing.get_args(kind)[0], **common)
         else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext)
+            parser.add_argument(*flags, type=kind, **common)
 
 
 def load_config_file(path: str | None) -> dict:

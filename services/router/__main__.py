@@ -20,12 +20,15 @@ from services.common import tracing
 from services.common.settings import parse_settings
 from services.common.tracing import TraceSettings, setup_tracing
 from services.router import native_api, openai_api
+from services.router.admission import Admission, admission_middleware
 from services.router.core import Router
 from services.router.discovery import DnsDiscovery
 from services.router.grpc_api import RouterServicer
-from services.router.http_common import INFLIGHT, errors_middleware, make_auth_middleware, tracing_middleware
+from services.router.http_common import (INFLIGHT, OPEN_PATHS, errors_middleware, make_auth_middleware,
+                                         routing_key_middleware, tracing_middleware)
 from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
+from services.router.resilience import CircuitBreaker
 from services.router.settings import RouterSettings
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
 from services.router.workers import WorkerRegistry
@@ -36,7 +39,13 @@ STARTUP_WAIT_S = 120.0
 
 def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Application:
     """The HTTP API; with `metrics`, every request is counted and GET /metrics serves them (no API key needed)."""
-    middlewares = [errors_middleware, make_auth_middleware(router.tenants)]
+    settings = router.settings
+    admission = getattr(router, "admission", None) or Admission.from_settings(settings)
+    middlewares = [errors_middleware, make_auth_middleware(router.tenants, settings.admin_api_key)]
+    if admission.limiter is not None or admission.rate is not None:  # no cost per request when off
+        middlewares.append(admission_middleware(admission, OPEN_PATHS))
+    if "manual" in (settings.policy, settings.prefill_policy, settings.decode_policy):
+        middlewares.append(routing_key_middleware)
     if router.metrics is not None:
         middlewares.insert(0, router.metrics.middleware())
     if tracing.enabled():  # outermost: the span covers the whole request, errors answered by the others included
@@ -55,14 +64,20 @@ def router_metrics(router: Router, settings: MetricsSettings) -> ServiceMetrics 
     """The router's metrics (labelled with the model its workers serve), attached to `router`; None when off."""
     metrics = ServiceMetrics.from_settings(settings, "router", router.model_name)
     if metrics is not None:
-        router.metrics = RouterMetrics(metrics, router.registry, router.policy, router.settings.policy)
+        router.metrics = RouterMetrics(metrics, router.registry, router.policy, router.settings.policy,
+                                       getattr(router, "admission", None))
     return metrics
 
 
 async def build_router(settings: RouterSettings) -> Router:
     tokenizer = TokenizerClient(settings.tokenizer_url, settings.connect_timeout_s)
     await tokenizer.connect(STARTUP_WAIT_S)
-    registry = WorkerRegistry(settings.connect_timeout_s, settings.health_check_interval_s)
+    registry = WorkerRegistry(
+        settings.connect_timeout_s, settings.health_check_interval_s, probe_timeout_s=settings.health_check_timeout_secs,
+        failure_threshold=settings.health_failure_threshold, success_threshold=settings.health_success_threshold,
+        probing=not settings.disable_health_check, new_breaker=lambda: CircuitBreaker(
+            settings.cb_failure_threshold, settings.cb_success_threshold, settings.cb_timeout_duration_secs,
+            settings.cb_window_duration_secs, enabled=not settings.disable_circuit_breaker))
     for url in settings.worker_urls:
         try:
             await registry.add(url)
@@ -73,8 +88,12 @@ async def build_router(settings: RouterSettings) -> Router:
         await discovery.refresh()
         registry.schedule(settings.discovery_interval_s, discovery.refresh)
     policy = make_policy(settings.policy, settings, registry)
+    roles = {role: make_policy(name, settings, registry) for role, name in
+             (("prefill", settings.prefill_policy), ("decode", settings.decode_policy)) if name is not None}
     registry.start()
-    return Router(settings, registry, policy, tokenizer)
+    router = Router(settings, registry, policy, tokenizer, roles)
+    router.admission = Admission.from_settings(settings)  # the HTTP and gRPC front ends share its limits
+    return router
 
 
 async def _drain(app: web.Application, grace_s: float) -> None:
@@ -131,9 +150,10 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
         await metrics_server.stop()
     await router.registry.close()
     await router.tokenizer.close()
-    close_policy = getattr(router.policy, "close", None)
-    if close_policy is not None:
-        await close_policy()
+    for policy in {id(p): p for p in router.role_policies.values()}.values():
+        close_policy = getattr(policy, "close", None)
+        if close_policy is not None:
+            await close_policy()
     log.info("stopped")
 
 

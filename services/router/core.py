@@ -1,6 +1,7 @@
 """The router's request path shared by every front end (OpenAI, /generate, gRPC): tokenize through the tokenizer
 service, pick a healthy worker with the policy, stream the worker's messages back. A worker that fails before it
-streamed anything is marked unhealthy and the request is retried once on another; failures map to HTTP statuses
+streamed anything is marked unhealthy and the request is retried on another (services.router.resilience: attempts,
+backoff, and the worker's circuit breaker, which hears of every call's outcome); failures map to HTTP statuses
 (RouterError) so each front end can answer in its own error format."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.pd import generate_pd
 from services.router.policies import Policy
+from services.router.resilience import attempts_of, backoff_of
 from services.router.settings import RouterSettings
 from services.router.tenants import TenantResolver
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
@@ -27,6 +29,9 @@ from services.router.workers import WorkerRegistry
 log = logging.getLogger(__name__)
 
 __all__ = ["Router", "RouterError", "new_request_id", "status_of"]
+# Worker-call failures that speak against the worker (its circuit breaker counts them); others are the request's.
+WORKER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 async def _tokenizer_call(pending):
     """Await a tokenizer-service call: rejected input -> RouterError 400, an unreachable service -> 503."""
@@ -44,13 +49,13 @@ def new_request_id() -> str:
 
 class Router:
     def __init__(self, settings: RouterSettings, registry: WorkerRegistry, policy: Policy,
-                 tokenizer: TokenizerClient):
+                 tokenizer: TokenizerClient, role_policies: dict[str, Policy] | None = None):
+        """`role_policies`: PD mode's --prefill-policy / --decode-policy, by role (default: `policy` picks prefill
+        workers; decode workers go to the least loaded)."""
         self.settings = settings
         self.registry = registry
         self.policy = policy
-        # A policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant); the
-        # others keep their plain synchronous pick, called without a coroutine in between.
-        self.pick_async = getattr(policy, "pick_async", None)
+        self.role_policies = {"colocated": policy, "prefill": policy, **(role_policies or {})}
         self.tokenizer = tokenizer
         self.tenants = TenantResolver.from_settings(settings)
         registry.on_remove = self._worker_removed
@@ -61,9 +66,11 @@ class Router:
         # Open worker calls: a cancelled one's request fails with RouterError(503, reason), or, when the
         # cancel allows a retry and nothing was streamed yet, moves to another worker.
         self.calls = OpenCalls()
+        self.backoff = backoff_of(settings)
 
     def _worker_removed(self, url: str) -> None:
-        self.policy.forget(url)
+        for policy in {id(p): p for p in self.role_policies.values()}.values():
+            policy.forget(url)
         self.calls.cancel(lambda u: u == url, f"worker {url} was removed", retry=True)
 
     def abort_all(self, reason: str) -> int:
@@ -92,82 +99,130 @@ class Router:
         with tracing.span("detokenize", "client", tokens=len(ids)):
             return await _tokenizer_call(self.tokenizer.detokenize(ids))
 
+    def policy_name(self, role: str = "colocated") -> str:
+        s = self.settings
+        return {"prefill": s.prefill_policy, "decode": s.decode_policy}.get(role) or s.policy
+
     async def pick(self, candidates: list, request: worker_pb2.GenerateRequest, role: str = "colocated"):
         """The policy's choice among `candidates` for `request`, inside the `route` span (with tracing on: the
         policy, the chosen worker and, where the policy knows it, the matched prefix in tokens)."""
-        with tracing.span("route", policy=self.settings.policy, role=role, candidates=len(candidates),
+        policy = self.role_policies[role]
+        with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
-            worker = (self.policy.pick(candidates, request.input_ids) if self.pick_async is None
-                      else await self.pick_async(candidates, request.input_ids, request.tenant))
-            if span is not None:
-                span.set_attributes(tracing.attributes(worker=worker.url, matched_tokens=getattr(
-                    self.policy, "last_matched_tokens", None), reason=getattr(self.policy, "last_reason", None)))
+            # a policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant); the
+            # others keep their plain synchronous pick, called without a coroutine in between
+            pick_async = getattr(policy, "pick_async", None)
+            worker = (policy.pick(candidates, request.input_ids) if pick_async is None
+                      else await pick_async(candidates, request.input_ids, request.tenant))
+            if span is not None:  # bare names: the exporter adds `radixmesh.` and drops None values
+                span.set_attributes({"worker": worker.url, "reason": getattr(policy, "last_reason", None),
+                                     "matched_tokens": getattr(policy, "last_matched_tokens", None)})
             return worker
 
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
-        call, which aborts the request there and frees its KV pages."""
+        call, which aborts the request there and frees its KV pages. A worker that fails before anything was
+        streamed is retried elsewhere (--retry-max-retries attempts, exponential backoff with jitter between)."""
         if self.registry.disaggregated:
             async for msg in generate_pd(self, request):
                 yield msg
             return
         tried: set[str] = set()
-        attempts = 2 if self.settings.retry_on_unavailable else 1
+        attempts = attempts_of(self.settings)
         for attempt in range(attempts):
-            candidates = [w for w in self.registry.healthy() if w.url not in tried]
+            if attempt:
+                await asyncio.sleep(self.backoff.delay_s(attempt))
+            worker = await self._choose(request, tried)
+            outcome = _Attempt()
+            async for msg in self._call(worker, request, attempt, outcome):
+                yield msg
+            if outcome.error is None:
+                return
+            if not outcome.retry or attempt == attempts - 1:
+                raise outcome.error
+            log.info("%s before streaming; retrying on another worker", outcome.error.message)
+            if self.metrics is not None:
+                self.metrics.retried(worker.url)
+
+    async def _choose(self, request, tried: set[str]):
+        """The policy's pick among healthy workers not tried yet for this request (all healthy ones when every
+        one was), taking the pick's circuit-breaker permission; RouterError(503) when there is none."""
+        while True:
+            healthy = self.registry.healthy()
+            candidates = [w for w in healthy if w.url not in tried] or healthy
             if not candidates:
                 raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
             worker = await self.pick(candidates, request)
             tried.add(worker.url)
-            metrics, sent = self.metrics, time.monotonic()
+            if worker.breaker.allow():  # a half-open breaker lets one trial through at a time
+                return worker
+
+    async def _call(self, worker, request, attempt: int, outcome: "_Attempt"):
+        """One attempt on `worker`: its messages; `outcome` says how it ended (error None: done). Errors after the
+        first message, and errors retrying cannot help, are raised."""
+        metrics, sent = self.metrics, time.monotonic()
+        if metrics is not None:
+            metrics.picked(worker.url)
+        worker.in_flight += 1
+        span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
+        call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
+                                    metadata=tracing.metadata_for(span))
+        self.calls.track(call, worker.url)
+        streamed, error, verdict = False, None, worker.breaker.release
+        try:
+            async for msg in call:
+                if metrics is not None and not streamed and request.stream:
+                    metrics.first_message(worker.url, time.monotonic() - sent)
+                streamed = True
+                yield msg
+            verdict = worker.breaker.success
             if metrics is not None:
-                metrics.picked(worker.url)
-            worker.in_flight += 1
-            span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
-            call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
-                                        metadata=tracing.metadata_for(span))
-            self.calls.track(call, worker.url)
-            streamed, error = False, None
-            try:
-                async for msg in call:
-                    if metrics is not None and not streamed and request.stream:
-                        metrics.first_message(worker.url, time.monotonic() - sent)
-                    streamed = True
-                    yield msg
-                if metrics is not None:
-                    metrics.worker_done(worker.url, time.monotonic() - sent)
-                return
-            except grpc.aio.AioRpcError as e:
-                error = e
-                code = e.code()
-                if metrics is not None:
-                    metrics.worker_failed(worker.url, code.name)
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise RouterError(status_of(code), e.details() or code.name) from None
-                self.registry.mark_failed(worker, e.details() or "unavailable")
-                if streamed or attempt == attempts - 1:
-                    raise RouterError(503, f"worker {worker.url} failed: {e.details()}") from None
-                log.info("worker %s unavailable before streaming; retrying on another", worker.url)
-                if metrics is not None:
-                    metrics.retried(worker.url)
-            except BaseException as e:
-                error = e
-                if not isinstance(e, asyncio.CancelledError):
-                    raise
-                task = asyncio.current_task()
-                cancelled = self.calls.why_cancelled(call)
-                if cancelled is None or (task is not None and task.cancelling()):
-                    raise  # our caller was cancelled (e.g. its client went away)
-                reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
-                if metrics is not None:
-                    metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
-                if not retry or streamed or attempt == attempts - 1:
-                    raise RouterError(503, reason) from None
-                log.info("%s before streaming; retrying on another", reason)
-                if metrics is not None:
-                    metrics.retried(worker.url)
-            finally:
-                tracing.end_span(span, error)
-                self.calls.forget(call)
-                worker.in_flight -= 1
-                call.cancel()
+                metrics.worker_done(worker.url, time.monotonic() - sent)
+        except grpc.aio.AioRpcError as e:
+            error = e
+            code = e.code()
+            if metrics is not None:
+                metrics.worker_failed(worker.url, code.name)
+            if code not in WORKER_FAULTS:  # the request's fault (bad input, ...): the worker is fine
+                verdict = worker.breaker.success
+                raise RouterError(status_of(code), e.details() or code.name) from None
+            verdict = worker.breaker.failure
+            if code != grpc.StatusCode.UNAVAILABLE:
+                raise RouterError(status_of(code), e.details() or code.name) from None
+            self.registry.mark_failed(worker, e.details() or "unavailable")
+            outcome.fail(RouterError(503, f"worker {worker.url} failed: {e.details()}"), not streamed)
+            if streamed:
+                raise outcome.error from None
+        except BaseException as e:
+            error = e
+            if not isinstance(e, asyncio.CancelledError):
+                raise
+            task = asyncio.current_task()
+            cancelled = self.calls.why_cancelled(call)
+            if cancelled is None or (task is not None and task.cancelling()):
+                raise  # our caller was cancelled (e.g. its client went away)
+            reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
+            verdict = worker.breaker.failure
+            if metrics is not None:
+                metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
+            outcome.fail(RouterError(503, reason), retry and not streamed)
+            if streamed:
+                raise outcome.error from None
+        finally:
+            verdict()
+            tracing.end_span(span, error)
+            self.calls.forget(call)
+            worker.in_flight -= 1
+            call.cancel()
+
+
+class _Attempt:
+    """How one worker call ended: `error` None (it completed) or the RouterError to answer with, and whether
+    another worker may be tried."""
+
+    def __init__(self) -> None:
+        self.error: RouterError | None = None
+        self.retry = False
+
+    def fail(self, error: RouterError, retry: bool) -> None:
+        self.error, self.retry = error, retry

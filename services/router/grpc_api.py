@@ -11,10 +11,13 @@ import time
 import grpc
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2, worker_pb2
+from services.router.admission import Admission, Overloaded, client_key
 from services.router.core import Router, RouterError, new_request_id
+from services.router.policies import ROUTING_KEY_HEADER, routing_key_var
 from services.router.tenants import AuthError, TenantError
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 501: grpc.StatusCode.UNIMPLEMENTED,
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED,
           503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -62,6 +65,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _generate(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext):
         tenant = await self._tenant(context)
+        admission = getattr(self.router, "admission", None) or Admission()
+        metadata = dict(context.invocation_metadata() or ())
+        routing_key_var.set(metadata.get(ROUTING_KEY_HEADER.lower()) or None)  # the manual policy's sticky key
+        key = client_key(metadata.get("authorization"), context.peer())
+        try:
+            await admission.admit(key)
+        except Overloaded as e:
+            await context.abort(_CODES[e.status], e.message)
+        try:
+            async for out in self._admitted(request, context, tenant):
+                yield out
+        finally:
+            admission.done()
+
+    async def _admitted(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext,
+                        tenant: str):
         if request.model and request.model != self.router.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here; "
                                 f"serving {self.router.model_name!r}")

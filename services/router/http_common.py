@@ -3,6 +3,7 @@ open), in-flight request counting for graceful shutdown, JSON body parsing, and 
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import Any
@@ -13,10 +14,12 @@ from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import RouterError
 from services.router.openai_errors import OpenAIError, bad_request, from_status, unauthorized
+from services.router.policies import ROUTING_KEY_HEADER, routing_key_var
 from services.router.tenants import SHARED, AuthError, TenantError, TenantResolver
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
+ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache"})  # the admin key's, when one is set
 UNTRACED_PATHS = OPEN_PATHS  # liveness probes and scrapes, many a minute, would drown the request traces
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved
@@ -26,12 +29,20 @@ def error_response(err: OpenAIError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
 
-def make_auth_middleware(tenants: TenantResolver):
-    """Refuses requests without an accepted API key (401) or with an invalid tenant (400); sets request[TENANT]."""
+def make_auth_middleware(tenants: TenantResolver, admin_key: str | None = None):
+    """Refuses requests without an accepted API key (401) or with an invalid tenant (400); sets request[TENANT].
+    With `admin_key` (--admin-api-key), the admin endpoints take that key and no other (an API key: 403)."""
+    admin = f"Bearer {admin_key}".encode("utf-8", "surrogateescape") if admin_key else None
 
     @web.middleware
     async def auth(request: web.Request, handler):
         if request.path in OPEN_PATHS:
+            request[TENANT] = SHARED
+            return await handler(request)
+        if admin is not None and request.path in ADMIN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, admin):
+                return error_response(_not_admin(tenants, request.headers.get("Authorization")))
             request[TENANT] = SHARED
             return await handler(request)
         header = request.headers.get(tenants.header) if tenants.header else None
@@ -43,6 +54,23 @@ def make_auth_middleware(tenants: TenantResolver):
             return error_response(bad_request(str(e), param="tenant", code="invalid_tenant"))
         return await handler(request)
     return auth
+
+
+@web.middleware
+async def routing_key_middleware(request: web.Request, handler):
+    """The request's sticky routing key (the manual policy's) from the X-SMG-Routing-Key header, as SGLang's
+    router reads it; the OpenAI endpoints fall back to the body's `user`."""
+    routing_key_var.set(request.headers.get(ROUTING_KEY_HEADER) or None)
+    return await handler(request)
+
+
+def _not_admin(tenants: TenantResolver, authorization: str | None) -> OpenAIError:
+    try:
+        tenants.resolve(authorization, None)
+    except (AuthError, TenantError):
+        return unauthorized("this endpoint needs the admin key (--admin-api-key): 'Authorization: Bearer <key>'")
+    return OpenAIError(403, "this endpoint needs the admin key (--admin-api-key), not an API key",
+                       "permission_error", None, "admin_key_required")
 
 
 def tenant_of(request: web.Request) -> str:
@@ -92,9 +120,7 @@ async def tracing_middleware(request: web.Request, handler):
         response = await handler(request)
         span.set_attribute("http.response.status_code", response.status)
         if response.status >= 500:
-            from opentelemetry.trace import Status, StatusCode
-
-            span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status}"))
+            span.set_error(f"HTTP {response.status}")
         return response
 
 

@@ -12,9 +12,13 @@ As requests happen:
     sgl_router_retries_total{worker}                  requests moved to another worker after this one failed
     sgl_router_worker_request_duration_seconds{worker}  successful worker calls, send to last message
     sgl_router_worker_time_to_first_token_seconds{worker}  send to the first message of a streamed call
-At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker};
+At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker},
+sgl_router_worker_cb_state{worker} (0 closed, 1 open, 2 half-open), sgl_router_worker_cb_transitions_total{worker};
+with admission limits: sgl_router_queued_requests, sgl_router_admitted_requests (running),
+sgl_router_rejected_requests_total{reason} (queue_full, queue_timeout, rate_limited);
 cache_aware: sgl_router_cache_hits_total, sgl_router_cache_misses_total, sgl_router_load_balancing_events_total,
-sgl_router_tree_size{worker}; kv_index: sgl_router_kv_index_decisions_total{worker,reason}."""
+sgl_router_tree_size{worker}; manual: sgl_router_manual_policy_picks_total{reason} (routing_key, no_key);
+kv_index: sgl_router_kv_index_decisions_total{worker,reason}."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import time
 from aiohttp import web
 
 from services.common.metrics import REQUEST_BUCKETS, TTFT_BUCKETS, Families, ServiceMetrics
+from services.router.resilience import STATE_VALUES
 
 ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
                408: "timeout", 413: "too_large", 429: "rate_limited", 499: "client_closed", 500: "internal",
@@ -36,8 +41,9 @@ def error_type(status: int) -> str:
 
 
 class RouterMetrics:
-    def __init__(self, metrics: ServiceMetrics, registry, policy, policy_name: str):
+    def __init__(self, metrics: ServiceMetrics, registry, policy, policy_name: str, admission=None):
         self.registry, self.policy, self.policy_name = registry, policy, policy_name
+        self.admission = admission
         m = metrics
         self.requests = m.counter("sgl_router_requests_total", "Requests received, by route", ("route",))
         self.duration = m.histogram("sgl_router_request_duration_seconds", "Request duration by route (s)",
@@ -124,8 +130,17 @@ class RouterMetrics:
         for w in workers:
             out.gauge("sgl_router_worker_health", "1 when the worker is healthy", float(w.healthy), worker=w.url)
             out.gauge("sgl_router_running_requests", "Calls in flight per worker", w.in_flight, worker=w.url)
+            out.gauge("sgl_router_worker_cb_state", "Circuit breaker per worker: 0 closed, 1 open, 2 half-open",
+                      STATE_VALUES[w.breaker.state], worker=w.url)
+            out.counter("sgl_router_worker_cb_transitions_total", "Circuit breaker state changes per worker",
+                        w.breaker.transitions, worker=w.url)
+        self._collect_admission(out)
         counts = getattr(self.policy, "counts", None)
-        if counts is not None:  # cache_aware
+        if counts is not None and "routing_key" in counts:  # manual
+            for reason, n in counts.items():
+                out.counter("sgl_router_manual_policy_picks_total", "manual picks: by routing key or without one",
+                            n, reason=reason)
+        elif counts is not None:  # cache_aware
             out.counter("sgl_router_cache_hits_total", "Requests routed by a prefix match", counts["cache_hits"])
             out.counter("sgl_router_cache_misses_total", "Requests without a good enough prefix match",
                         counts["cache_misses"])
@@ -140,3 +155,19 @@ class RouterMetrics:
                     out.counter("sgl_router_kv_index_decisions_total", "kv_index picks by reason (index: lowest "
                                 "expected TTFT; tie: rendezvous among equals; fallback: index unavailable)", n,
                                 worker=url, reason=reason)
+
+    def _collect_admission(self, out: Families) -> None:
+        limiter = self.admission.limiter if self.admission is not None else None
+        rate = self.admission.rate if self.admission is not None else None
+        if limiter is None and rate is None:
+            return
+        rejected = {"queue_full": 0, "queue_timeout": 0, "rate_limited": 0}
+        if limiter is not None:
+            out.gauge("sgl_router_queued_requests", "Requests waiting for a slot", limiter.queued)
+            out.gauge("sgl_router_admitted_requests", "Requests holding a slot", limiter.running)
+            rejected.update(queue_full=limiter.rejected, queue_timeout=limiter.timed_out)
+        if rate is not None:
+            rejected["rate_limited"] = rate.limited
+        for reason, n in rejected.items():
+            out.counter("sgl_router_rejected_requests_total", "Requests refused by admission control", n,
+                        reason=reason)

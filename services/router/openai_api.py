@@ -19,6 +19,7 @@ from services.router.http_common import first_then_sse, json_body, tenant_of
 from services.router.native_api import ROUTER
 from services.router.openai_errors import OpenAIError, from_status
 from services.router.openai_request import OpenAIJob, parse_chat_completion, parse_completion
+from services.router.policies import routing_key_var
 from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, CompletionResult, CompletionStream,
                                              error_event, sse)
 
@@ -83,15 +84,26 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def _user_routing_key(body) -> None:
+    """OpenAI's `user` is the sticky routing key (manual policy) when no X-SMG-Routing-Key header gave one."""
+    user = body.get("user") if isinstance(body, dict) else None
+    if isinstance(user, str) and user and routing_key_var.get() is None:
+        routing_key_var.set(user)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    job = parse_chat_completion(await json_body(request), {router.model_name})
+    body = await json_body(request)
+    job = parse_chat_completion(body, {router.model_name})
+    _user_routing_key(body)
     return await _serve(request, job)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    job = parse_completion(await json_body(request), {router.model_name})
+    body = await json_body(request)
+    job = parse_completion(body, {router.model_name})
+    _user_routing_key(body)
     return await _serve(request, job)
 
 

@@ -1,11 +1,13 @@
-"""The router's prefill/decode path: pick a prefill worker (by the routing policy: its prefix cache is what the
-policy's prefix tree models) and a decode worker (the least loaded), mint a random 63-bit bootstrap room, send
+"""The router's prefill/decode path: pick a prefill worker (by --prefill-policy, default --policy: its prefix cache
+is what the policy models) and a decode worker (by --decode-policy, default the least loaded), mint a random 63-bit
+bootstrap room, send
 Generate to both at once and stream the decode worker's answer. Both workers get a copy of the router's request, so
 the tenant namespace travels with it. The prefill worker's call only reports how the prefill went: if it fails
 first, the decode call is cancelled with its reason.
 
 A pair that fails before anything was streamed (a worker gone, a handoff that broke or timed out: UNAVAILABLE or
-ABORTED) is retried once on another pair when --retry-on-unavailable (the default); input errors are not retried."""
+ABORTED) is retried on another pair (--retry-max-retries attempts with backoff; the failed side's circuit breaker
+counts it); input errors are not retried."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.policies import Policy
+from services.router.resilience import Backoff, attempts_of
 from services.router.settings import RouterSettings
 from services.router.workers import Worker, WorkerRegistry
 
@@ -37,9 +40,10 @@ class PairRouter(Protocol):
 
     settings: RouterSettings
     registry: WorkerRegistry
-    policy: Policy
-    pick_async: Callable[..., Awaitable[Worker]] | None
-    pick: Callable[..., Awaitable[Worker]]  # the policy's choice, traced as the `route` span
+    role_policies: dict[str, Policy]
+    backoff: Backoff
+    pick: Callable[..., Awaitable[Worker]]  # the role's policy's choice, traced as the `route` span
+    policy_name: Callable[[str], str]
     metrics: object | None  # services.router.metrics.RouterMetrics when metrics are on
     calls: OpenCalls
 
@@ -82,31 +86,53 @@ async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
     if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
         raise RouterError(400, "n > 1 is not supported with prefill/decode disaggregation")
     tried: set[str] = set()
-    attempts = 2 if router.settings.retry_on_unavailable else 1
+    attempts = attempts_of(router.settings)
     for attempt in range(attempts):
-        prefills, decodes = router.registry.healthy("prefill"), router.registry.healthy("decode")
-        if not prefills or not decodes:
-            raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
-                                   "decode workers healthy)")
-        prefill = await router.pick(_pick(prefills, tried), request, "prefill")
-        decode = _least_loaded(_pick(decodes, tried))
-        tried |= {prefill.url, decode.url}
-        if router.metrics is not None:
-            router.metrics.picked(prefill.url)
-            router.metrics.picked(decode.url, "least_loaded")
-        streamed = False
+        if attempt:
+            await asyncio.sleep(router.backoff.delay_s(attempt))
+        prefill, decode = await _pick_pair(router, request, tried)
+        streamed, verdicts = False, {prefill.url: prefill.breaker.release, decode.url: decode.breaker.release}
         try:
             async for msg in _run_pair(router, request, prefill, decode):
                 streamed = True
                 yield msg
+            verdicts = {prefill.url: prefill.breaker.success, decode.url: decode.breaker.success}
             return
         except _PairFailed as e:
+            failed = prefill if e.worker == prefill.url else decode
+            verdicts[failed.url] = failed.breaker.failure if e.retry else failed.breaker.success
             if not e.retry or streamed or attempt == attempts - 1:
                 raise RouterError(status_of(e.code), e.message) from None
             log.info("pair %s -> %s failed before streaming (%s); retrying on another pair", prefill.url,
                      decode.url, e.message)
             if router.metrics is not None:
                 router.metrics.retried(e.worker)
+        finally:
+            for verdict in verdicts.values():
+                verdict()
+
+
+async def _pick_pair(router: PairRouter, request, tried: set[str]) -> tuple[Worker, Worker]:
+    """A prefill and a decode worker, each by its role's policy, not tried yet where possible, each holding its
+    circuit breaker's permission; RouterError(503) when no healthy pair is left."""
+    while True:
+        prefills, decodes = router.registry.healthy("prefill"), router.registry.healthy("decode")
+        if not prefills or not decodes:
+            raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
+                                   "decode workers healthy)")
+        prefill = await router.pick(_pick(prefills, tried), request, "prefill")
+        decode = (await router.pick(_pick(decodes, tried), request, "decode") if "decode" in router.role_policies
+                  else _least_loaded(_pick(decodes, tried)))
+        tried |= {prefill.url, decode.url}
+        if not prefill.breaker.allow():
+            continue
+        if not decode.breaker.allow():
+            prefill.breaker.release()
+            continue
+        if router.metrics is not None:
+            router.metrics.picked(prefill.url, router.policy_name("prefill"))
+            router.metrics.picked(decode.url, router.settings.decode_policy or "least_loaded")
+        return prefill, decode
 
 
 async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker):

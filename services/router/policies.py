@@ -1,4 +1,8 @@
-"""Routing policies: pick one of the healthy workers for a tokenized request.
+"""Routing policies: pick one of the healthy workers for a tokenized request. SGLang router's set: round_robin,
+random, power_of_two (the less loaded of two random workers), manual (sticky: a routing key, from the
+X-SMG-Routing-Key header or the OpenAI `user` field, always lands on the same worker while it is there: rendezvous
+hashing, so every router process agrees without shared state; a request without a key goes by
+--assignment-mode), cache_aware; and ours, kv_index (services.router.kv_index).
 
 cache_aware follows SGLang's router: when load is balanced, send the request where the longest prefix of it was
 sent before (if that covers at least cache_threshold of the prompt), else to the worker that has seen the least
@@ -10,11 +14,18 @@ before it, so a dict of keys is a trie of blocks; the oldest blocks are forgotte
 from __future__ import annotations
 
 import collections
+import contextvars
+import hashlib
 import itertools
 import random
 from typing import Callable, Protocol, Sequence
 
+from services.router.rendezvous import rendezvous
+
 BLOCK = 16
+# The request's sticky routing key (manual policy), set by the front end that received it.
+routing_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_key", default=None)
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
 class Candidate(Protocol):
@@ -47,6 +58,49 @@ class Random:
         self._rng = random.Random(seed)
 
     def pick(self, workers, input_ids):
+        return self._rng.choice(list(workers))
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+class PowerOfTwo:
+    """Two distinct workers at random; the one with fewer requests in flight (SGLang router's power_of_two)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick(self, workers, input_ids):
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self._rng.sample(range(len(workers)), 2)
+        return workers[a] if workers[a].in_flight <= workers[b].in_flight else workers[b]
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+class Manual:
+    """Sticky routing by key: the highest rendezvous score of (key, worker url) wins, so a key stays on its worker
+    as long as that worker is healthy and moves (alone) when it goes. Keyless requests: `assignment_mode` random or
+    min_load. Counts sticky and keyless picks for metrics."""
+
+    def __init__(self, assignment_mode: str = "random", seed: int | None = None) -> None:
+        self.assignment_mode = assignment_mode
+        self._rng = random.Random(seed)
+        self.counts = {"routing_key": 0, "no_key": 0}
+        self.last_reason = ""
+
+    def pick(self, workers, input_ids):
+        key = routing_key_var.get()
+        if key:
+            self.counts["routing_key"] += 1
+            self.last_reason = "routing_key"
+            return rendezvous(workers, hashlib.blake2b(key.encode(), digest_size=16).digest())
+        self.counts["no_key"] += 1
+        self.last_reason = "no_key"
+        if self.assignment_mode == "min_load":
+            return min(workers, key=lambda w: (w.in_flight, w.url))
         return self._rng.choice(list(workers))
 
     def forget(self, url: str) -> None:
@@ -147,6 +201,8 @@ def make_policy(name: str, settings, registry=None) -> Policy:
     makers: dict[str, Callable[[], Policy]] = {
         "round_robin": RoundRobin,
         "random": Random,
+        "power_of_two": PowerOfTwo,
+        "manual": lambda: Manual(settings.assignment_mode),
         "cache_aware": lambda: CacheAware(settings.cache_threshold, settings.balance_abs_threshold,
                                           settings.balance_rel_threshold, settings.max_tree_tokens),
         "kv_index": lambda: _kv_index(settings, registry),

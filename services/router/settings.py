@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from services.router.tenants import parse_key_tenants, validate_header_name
 
-POLICIES = ("round_robin", "random", "cache_aware", "kv_index")
+POLICIES = ("round_robin", "random", "power_of_two", "manual", "cache_aware", "kv_index")
+ASSIGNMENT_MODES = ("random", "min_load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +33,14 @@ class RouterSettings:
         "help": "cache_aware: load is imbalanced when max - min in-flight requests exceeds this ..."})
     balance_rel_threshold: float = field(default=1.0001, metadata={
         "help": "... and max > min * this; then the least loaded worker is chosen"})
-    max_tree_tokens: int = field(default=1 << 22, metadata={
+    max_tree_tokens: int = field(default=1 << 22, metadata={"aliases": ("--max-tree-size",),
         "help": "cache_aware: tokens remembered per worker before the oldest prefixes are forgotten"})
+    prefill_policy: str | None = field(default=None, metadata={
+        "help": "PD mode: the policy that picks prefill workers (default: --policy)"})
+    decode_policy: str | None = field(default=None, metadata={
+        "help": "PD mode: the policy that picks decode workers (default: power_of_two's less loaded choice)"})
+    assignment_mode: str = field(default="random", metadata={
+        "help": "manual: where a request without a routing key goes: random or min_load"})
     kvstore_url: str | None = field(default=None, metadata={
         "help": "kv_index: host:port of the kvstore whose prefix index (MatchPrefix) the policy asks"})
     kvstore_timeout_s: float = field(default=0.05, metadata={
@@ -46,18 +53,60 @@ class RouterSettings:
         "help": "a trusted header (e.g. X-Tenant; gRPC metadata: lower-cased) naming the tenant, for gateways that "
                 "authenticate clients; a key from --api-key-tenants wins over it (default: off)"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name (default: the workers')"})
-    request_timeout_s: float = field(default=600.0, metadata={"help": "upper bound on one request's total time"})
+    request_timeout_s: float = field(default=600.0, metadata={"aliases": ("--request-timeout-secs",),
+                                                               "help": "upper bound on one request's total time"})
     connect_timeout_s: float = field(default=5.0, metadata={
         "help": "bound on reaching a worker or the tokenizer before the first response"})
-    health_check_interval_s: float = field(default=2.0, metadata={"help": "seconds between worker health probes"})
-    shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds open requests get on SIGTERM"})
-    retry_on_unavailable: bool = field(default=True, metadata={
-        "help": "retry once on another worker when a worker fails before anything was streamed"})
+    health_check_interval_s: float = field(default=2.0, metadata={"aliases": ("--health-check-interval-secs",),
+                                                                  "help": "seconds between worker health probes"})
+    health_check_timeout_secs: float = field(default=2.0, metadata={"help": "bound on one health probe"})
+    health_failure_threshold: int = field(default=3, metadata={
+        "help": "failed probes in a row that mark a worker unhealthy (a refused call marks it at once)"})
+    health_success_threshold: int = field(default=2, metadata={
+        "help": "passed probes in a row that make an unhealthy worker healthy again"})
+    disable_health_check: bool = field(default=False, metadata={"help": "no background health probes"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"aliases": ("--shutdown-grace-period-secs",),
+                                                            "help": "seconds open requests get on SIGTERM"})
+    # resilience (services.router.resilience): retries before the first byte, a circuit breaker per worker
+    retry_max_retries: int = field(default=5, metadata={
+        "help": "attempts per request, the first included, while nothing was streamed (1: no retry)"})
+    retry_initial_backoff_ms: float = field(default=50.0, metadata={"help": "wait before the first retry"})
+    retry_max_backoff_ms: float = field(default=30_000.0, metadata={"help": "longest wait between retries"})
+    retry_backoff_multiplier: float = field(default=1.5, metadata={"help": "each retry waits this much longer"})
+    retry_jitter_factor: float = field(default=0.2, metadata={"help": "waits vary by +- this fraction"})
+    disable_retries: bool = field(default=False, metadata={"help": "one attempt per request"})
+    cb_failure_threshold: int = field(default=10, metadata={
+        "help": "failures within --cb-window-duration-secs that open a worker's circuit breaker"})
+    cb_success_threshold: int = field(default=3, metadata={
+        "help": "successful trial requests in a row that close a half-open breaker"})
+    cb_timeout_duration_secs: float = field(default=60.0, metadata={
+        "help": "seconds an open breaker keeps requests off its worker before a trial"})
+    cb_window_duration_secs: float = field(default=120.0, metadata={"help": "window the failures are counted in"})
+    disable_circuit_breaker: bool = field(default=False, metadata={"help": "no circuit breakers"})
+    # admission (services.router.admission)
+    max_concurrent_requests: int = field(default=-1, metadata={
+        "help": "requests the router runs at once; more wait in a queue (-1: no limit)"})
+    queue_size: int = field(default=100, metadata={"help": "requests that may wait for a slot (beyond: 429)"})
+    queue_timeout_secs: float = field(default=60.0, metadata={"help": "longest wait for a slot (then 408)"})
+    rate_limit_tokens_per_second: float | None = field(default=None, metadata={
+        "help": "requests per second each API key (or client address) may send; beyond it 429 (default: off)"})
+    rate_limit_burst: float | None = field(default=None, metadata={
+        "help": "requests an idle API key may send at once (default: one second's worth, at least 1)"})
+    admin_api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "the key /add_worker, /remove_worker and /flush_cache require (default: any accepted API key)"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for flag, value in (("--policy", self.policy), ("--prefill-policy", self.prefill_policy),
+                            ("--decode-policy", self.decode_policy)):
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{flag} must be one of {', '.join(POLICIES)}, got {value!r}")
+        if self.assignment_mode not in ASSIGNMENT_MODES:
+            raise ValueError(f"--assignment-mode must be one of {', '.join(ASSIGNMENT_MODES)}, "
+                             f"got {self.assignment_mode!r}")
+        from services.router.resilience import check_settings
+
+        check_settings(self)
         if not self.tokenizer_url:
             raise ValueError("--tokenizer-url is required")
         if self.policy == "kv_index" and not self.kvstore_url:

@@ -1,12 +1,15 @@
 """The router's worker registry: one gRPC channel per worker, model info fetched on add, a background health
-probe (grpc.health.v1) every few seconds (and any other per-worker poll a policy adds with `every`), and in-flight
-counts the policies read. A worker that refuses a call is marked unhealthy at once, so new requests stop going there
-before the next probe."""
+probe (grpc.health.v1) every few seconds (and any other per-worker poll a policy adds with `every`), in-flight
+counts the policies read, and a circuit breaker per worker (services.router.resilience). A worker that refuses a
+call is marked unhealthy at once, so new requests stop going there before the next probe; otherwise
+--health-failure-threshold failed probes in a row mark it unhealthy (and give up its open calls: a hung process
+holds them otherwise until the request deadline), and --health-success-threshold passed ones healthy again."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -16,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.server import channel
+from services.router.resilience import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
@@ -28,37 +32,47 @@ class Worker:
     info: worker_pb2.GetModelInfoResponse
     healthy: bool = True
     in_flight: int = 0
-    failures: int = field(default=0)
+    failures: int = field(default=0)  # failed probes in a row
+    passes: int = field(default=0)  # passed probes in a row
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 
 class NoHealthyWorker(Exception):
     pass
 
 
-# Probes in a row a worker may fail before its open calls are given up (a hung process holds them otherwise until
-# the request deadline); one failed probe only stops new requests from going there.
-LOST_AFTER_PROBES = 3
+
+_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9-]{1,63})*|\[[0-9A-Fa-f:.]+\])$")
 
 
 def normalize_url(url: str) -> str:
+    """`host:port` (a grpc:// or http:// prefix and a trailing slash are dropped); ValueError for anything else: a
+    host that is not a DNS name, an IPv4 address or a bracketed IPv6 one, or a port outside 1-65535."""
     url = url.strip().removeprefix("grpc://").removeprefix("http://").rstrip("/")
     host, sep, port = url.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"worker url must be host:port, got {url!r}")
     return url
 
 
 class WorkerRegistry:
-    def __init__(self, connect_timeout_s: float, probe_interval_s: float):
+    def __init__(self, connect_timeout_s: float, probe_interval_s: float, *, probe_timeout_s: float = 2.0,
+                 failure_threshold: int = 3, success_threshold: int = 1, probing: bool = True,
+                 new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
         self.connect_timeout_s = connect_timeout_s
         self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self.new_breaker = new_breaker
         self.workers: dict[str, Worker] = {}
-        self._loops: list[tuple[float, Callable[[Worker], Awaitable[object]]]] = [(probe_interval_s, self.probe)]
+        self._loops: list[tuple[float, Callable[[Worker], Awaitable[object]]]] = \
+            [(probe_interval_s, self.probe)] if probing else []
         self._jobs: list[tuple[float, Callable[[], Awaitable[object]]]] = [(1.0, self._expire_leases)]
         self._tasks: list[asyncio.Task] = []
         self._leases: dict[str, float] = {}  # url -> monotonic deadline of a worker's self-registration
         self.on_remove = lambda url: None
-        self.on_lost = lambda worker: None  # called once a worker failed LOST_AFTER_PROBES probes in a row
+        self.on_lost = lambda worker: None  # called once a worker failed failure_threshold probes in a row
 
     async def add(self, url: str) -> Worker:
         """Connect and fetch the model info; ValueError if the worker cannot be reached or serves another model."""
@@ -80,7 +94,7 @@ class WorkerRegistry:
         if others and info.served_model_name != others[0]:
             await ch.close()
             raise ValueError(f"worker {url} serves {info.served_model_name!r}, the others {others[0]!r}")
-        worker = Worker(url, ch, stub, info)
+        worker = Worker(url, ch, stub, info, breaker=self.new_breaker())
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker
@@ -112,8 +126,10 @@ class WorkerRegistry:
         return True
 
     def healthy(self, mode: str = "null") -> list[Worker]:
-        """Healthy workers of one disaggregation mode: null (colocated), prefill or decode."""
-        return [w for w in self.workers.values() if w.healthy and w.info.disaggregation_mode == mode]
+        """Healthy workers of one disaggregation mode (null: colocated, prefill or decode) whose circuit breaker
+        lets a request through now."""
+        return [w for w in self.workers.values()
+                if w.healthy and w.info.disaggregation_mode == mode and w.breaker.available()]
 
     @property
     def disaggregated(self) -> bool:
@@ -129,25 +145,25 @@ class WorkerRegistry:
         if worker.healthy:
             log.warning("worker %s marked unhealthy: %s", worker.url, reason)
         worker.healthy = False
+        worker.passes = 0
 
     async def probe(self, worker: Worker) -> bool:
         stub = health_pb2_grpc.HealthStub(worker.channel)
         try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=min(self.connect_timeout_s, 2))
-            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.probe_timeout_s)
+            ok, reason = resp.status == health_pb2.HealthCheckResponse.SERVING, "not serving"
         except grpc.aio.AioRpcError as e:
-            ok, reason = False, f"{e.code().name}"
-        else:
-            reason = "not serving"
-        if ok and not worker.healthy:
-            log.info("worker %s is healthy again", worker.url)
-        elif not ok:
-            self.mark_failed(worker, reason)
-        worker.healthy = ok
+            ok, reason = False, e.code().name
         worker.failures = 0 if ok else worker.failures + 1
-        if worker.failures == LOST_AFTER_PROBES:
+        worker.passes = worker.passes + 1 if ok else 0
+        if ok and not worker.healthy and worker.passes >= self.success_threshold:
+            log.info("worker %s is healthy again", worker.url)
+            worker.healthy = True
+        elif not ok and worker.failures >= self.failure_threshold:
+            self.mark_failed(worker, f"{worker.failures} health probes failed ({reason})")
+        if worker.failures == self.failure_threshold:
             log.warning("worker %s failed %d probes in a row; failing its open requests", worker.url,
-                        LOST_AFTER_PROBES)
+                        worker.failures)
             self.on_lost(worker)
         return ok
 

@@ -71,7 +71,7 @@ async def test_dns_discovery_adds_new_addresses_and_removes_vanished_ones():
 
 async def test_a_discovered_address_that_does_not_answer_yet_is_added_once_it_does(caplog):
     port = free_port()
-    registry = WorkerRegistry(connect_timeout_s=0.3, probe_interval_s=60)
+    registry = WorkerRegistry(connect_timeout_s=1.0, probe_interval_s=60)
     answers = Answers()
     answers.names["w"] = ["127.0.0.1"]
     discovery = DnsDiscovery(registry, [f"w:{port}"], answers)

@@ -22,9 +22,9 @@ def test_precedence_file_env_flags(tmp_path):
     s, _ = settings_of(RouterSettings, ["--config", str(cfg)])
     assert (s.tokenizer_url, s.policy, s.port, s.worker_urls) == ("file:1", "random", 1111, ("a:1", "b:2"))
     env = {"RADIXMESH_POLICY": "round_robin", "RADIXMESH_PORT": "2222", "RADIXMESH_WORKER_URLS": "c:3,d:4",
-           "RADIXMESH_RETRY_ON_UNAVAILABLE": "false"}
+           "RADIXMESH_DISABLE_RETRIES": "true"}
     s, _ = settings_of(RouterSettings, ["--config", str(cfg)], env)
-    assert (s.policy, s.port, s.worker_urls, s.retry_on_unavailable) == ("round_robin", 2222, ("c:3", "d:4"), False)
+    assert (s.policy, s.port, s.worker_urls, s.disable_retries) == ("round_robin", 2222, ("c:3", "d:4"), True)
     s, _ = settings_of(RouterSettings, ["--config", str(cfg), "--port", "3333", "--worker-urls", "e:5"], env)
     assert (s.port, s.worker_urls, s.policy) == (3333, ("e:5",), "round_robin")
 
@@ -41,7 +41,7 @@ def test_worker_settings_split_engine_args(tmp_path):
 @pytest.mark.parametrize("argv, env, message", [
     (["--tokenizer-url", "t:1", "--policy", "fastest"], {}, "--policy must be one of"),
     (["--tokenizer-url", "t:1"], {"RADIXMESH_PORT": "lots"}, "RADIXMESH_PORT"),
-    (["--tokenizer-url", "t:1"], {"RADIXMESH_RETRY_ON_UNAVAILABLE": "maybe"}, "expected true or false"),
+    (["--tokenizer-url", "t:1"], {"RADIXMESH_DISABLE_RETRIES": "maybe"}, "expected true or false"),
     ([], {}, "--tokenizer-url is required"),
 ])
 def test_bad_settings_are_clear_errors(argv, env, message):
@@ -63,3 +63,14 @@ def test_the_launcher_names_the_served_model_for_every_service():
     for child in children:
         argv = child.argv
         assert argv[argv.index("--served-model-name") + 1] == "tiny", child.name
+
+
+def test_sglang_router_flag_names_are_accepted_as_aliases():
+    s, _ = settings_of(RouterSettings, ["--tokenizer-url", "t:1", "--request-timeout-secs", "90", "--max-tree-size",
+                                        "4096", "--health-check-interval-secs", "7", "--shutdown-grace-period-secs",
+                                        "12", "--policy", "power_of_two", "--prefill-policy", "cache_aware",
+                                        "--decode-policy", "round_robin", "--retry-max-retries", "3",
+                                        "--cb-failure-threshold", "4", "--max-concurrent-requests", "8"])
+    assert (s.request_timeout_s, s.max_tree_tokens, s.health_check_interval_s, s.shutdown_grace_s) == (90, 4096, 7, 12)
+    assert (s.policy, s.prefill_policy, s.decode_policy) == ("power_of_two", "cache_aware", "round_robin")
+    assert (s.retry_max_retries, s.cb_failure_threshold, s.max_concurrent_requests) == (3, 4, 8)

@@ -1,0 +1,207 @@
+"""The router's gateway features triggered for real, with the tokenizer service, the router and fake workers
+(benchmarks.fake_worker: delays, refusals, PD roles) as separate processes, and the client-visible result asserted:
+retries with backoff around a failing worker and its circuit breaker opening; a hung worker bounded by
+--request-timeout-secs; a full queue (429 with Retry-After) and a queue timeout (408); a per-key rate limit that
+refills; sticky sessions (X-SMG-Routing-Key, OpenAI `user`) on the manual policy; PD prefill and decode policies
+choosing as configured; the admin key and worker URL checks on the admin endpoints."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.launch import free_port
+from tests.conftest import ROOT, model_path
+from tests.services.metrics_utils import http_get, scrape, start_grpc, stop, wait_http
+
+MODEL = model_path("tiny-llama")
+KEY = "sk-gw"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
+                           log=tmp_path_factory.mktemp("gw") / "tokenizer.log")
+    yield url
+    stop(proc)
+
+
+class Mesh:
+    """Fake workers and one router started for a test; stopped at its end."""
+
+    def __init__(self, tokenizer: str, tmp):
+        self.tokenizer, self.tmp, self.procs = tokenizer, tmp, []
+        self.workers: list[str] = []
+
+    def worker(self, *args: str) -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_worker", "--port", str(port),
+                                 "--served-model-name", "fake", "--tokens", "4", *args], cwd=ROOT)
+        self.procs.append(proc)
+        url = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(url) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+        self.workers.append(url)
+        return url
+
+    def router(self, *args: str) -> str:
+        port, metrics = free_port(), free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.router", "--port", str(port), "--tokenizer-url", self.tokenizer,
+             "--worker-urls", *self.workers, "--api-key", KEY, "--enable-metrics", "--metrics-port", str(metrics),
+             "--log-level", "warning", *args],
+            cwd=ROOT, stdout=open(self.tmp / f"router-{port}.log", "w"), stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.metrics_port = metrics
+        self.log = self.tmp / f"router-{port}.log"
+        base = f"http://127.0.0.1:{port}"
+        wait_http(base + "/health")
+        return base
+
+    def calls(self, url: str) -> int:
+        with grpc.insecure_channel(url) as ch:
+            info = worker_pb2_grpc.WorkerServiceStub(ch).GetServerInfo(worker_pb2.GetServerInfoRequest(), timeout=5)
+        return json.loads(info.server_info_json)["generate_calls"]
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            stop(p)
+
+
+@pytest.fixture
+def mesh(tokenizer, tmp_path):
+    m = Mesh(tokenizer, tmp_path)
+    yield m
+    m.close()
+
+
+def post(base: str, path: str, body: dict, headers: dict | None = None, key: str = KEY):
+    """(status, parsed body, headers)."""
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {key}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, headers = r.status, r.read(), r.headers
+    except urllib.error.HTTPError as e:
+        status, raw, headers = e.code, e.read(), e.headers
+    return status, json.loads(raw) if raw.startswith(b"{") else raw.decode(), headers
+
+
+def generate(base: str, **kw):
+    return post(base, "/generate", {"text": "hello there", "sampling_params": {"max_new_tokens": 4}}, **kw)
+
+
+def test_retries_go_around_a_failing_worker_and_its_breaker_opens(mesh):
+    bad = mesh.worker("--fail-first", "1000")
+    good = mesh.worker()
+    base = mesh.router("--policy", "round_robin", "--retry-initial-backoff-ms", "5", "--cb-failure-threshold", "3",
+                       "--cb-timeout-duration-secs", "600", "--health-check-interval-s", "0.2",
+                       "--health-success-threshold", "1")
+    for _ in range(12):
+        status, body, _ = generate(base)
+        assert status == 200 and body["meta_info"]["completion_tokens"] == 4  # every client got its answer
+        time.sleep(0.25)  # the refused worker passes its next probe: only its breaker keeps it out now
+    assert mesh.calls(bad) == 3  # three failures opened the breaker; it got nothing after
+    assert mesh.calls(good) == 12
+    metrics = scrape(mesh.metrics_port)
+    assert metrics.value("sgl_router_worker_cb_state", worker=bad) == 1  # open
+    assert metrics.value("sgl_router_retries_total", worker=bad) == 3
+
+
+def test_without_retries_the_failure_reaches_the_client(mesh):
+    mesh.worker("--fail-first", "1000")
+    base = mesh.router("--disable-retries")
+    status, body, _ = generate(base)
+    assert status == 503 and "fake failure" in body["error"]["message"]
+
+
+def test_a_hung_worker_is_bounded_by_the_request_timeout(mesh):
+    mesh.worker("--delay-s", "600")
+    base = mesh.router("--request-timeout-secs", "1.5")
+    started = time.monotonic()
+    status, body, _ = generate(base)
+    assert status == 504 and time.monotonic() - started < 10
+
+
+def test_a_full_queue_answers_429_and_a_long_wait_408(mesh):
+    mesh.worker("--delay-s", "2")
+    base = mesh.router("--max-concurrent-requests", "1", "--queue-size", "1", "--queue-timeout-secs", "0.7")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(generate, base)
+        time.sleep(0.3)
+        queued = pool.submit(generate, base)
+        time.sleep(0.2)
+        full = generate(base)
+        results = [first.result(), queued.result(), full]
+    assert [r[0] for r in results] == [200, 408, 429]
+    assert "--queue-size" in results[2][1]["error"]["message"] and int(results[2][2]["Retry-After"]) >= 1
+    assert "--queue-timeout-secs" in results[1][1]["error"]["message"]
+    metrics = scrape(mesh.metrics_port)
+    assert metrics.value("sgl_router_rejected_requests_total", reason="queue_full") == 1
+    assert metrics.value("sgl_router_rejected_requests_total", reason="queue_timeout") == 1
+    assert http_get(base + "/health")[0] == 200  # probes are never queued
+
+
+def test_the_rate_limit_is_per_key_and_refills(mesh):
+    mesh.worker()
+    base = mesh.router("--api-key-tenants", "sk-other=acme", "--rate-limit-tokens-per-second", "2",
+                       "--rate-limit-burst", "2")
+    assert [generate(base)[0] for _ in range(2)] == [200, 200]
+    status, body, headers = generate(base)
+    assert status == 429 and "rate limit" in body["error"]["message"] and headers["Retry-After"] == "1"
+    assert generate(base, key="sk-other")[0] == 200  # another key, another bucket
+    time.sleep(0.6)
+    assert generate(base)[0] == 200
+
+
+def test_sticky_sessions_stay_on_one_worker(mesh):
+    workers = [mesh.worker() for _ in range(3)]
+    base = mesh.router("--policy", "manual")
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for session in ("alpha", "beta", "gamma", "delta"):
+        before = [mesh.calls(w) for w in workers]
+        for _ in range(3):
+            assert generate(base, headers={"X-SMG-Routing-Key": session})[0] == 200
+            assert post(base, "/v1/chat/completions", {**chat, "user": session})[0] == 200
+        moved = [mesh.calls(w) - b for w, b in zip(workers, before)]
+        assert sorted(moved) == [0, 0, 6], (session, moved)  # header and `user`: the same key, one worker
+
+
+def test_pd_policies_choose_as_configured(mesh):
+    prefills = [mesh.worker("--disaggregation-mode", "prefill") for _ in range(2)]
+    decodes = [mesh.worker("--disaggregation-mode", "decode") for _ in range(2)]
+    base = mesh.router("--policy", "cache_aware", "--prefill-policy", "round_robin", "--decode-policy", "manual")
+    for i in range(6):
+        status, body, _ = generate(base, headers={"X-SMG-Routing-Key": "one-session"})
+        assert status == 200 and body["meta_info"]["completion_tokens"] == 4
+    log = mesh.log.read_text()[-3000:]
+    assert [mesh.calls(w) for w in prefills] == [3, 3], log  # round robin
+    assert sorted(mesh.calls(w) for w in decodes) == [0, 6], log  # sticky
+    metrics = scrape(mesh.metrics_port)
+    assert metrics.value("sgl_router_policy_decisions_total", policy="round_robin") == 6
+    assert metrics.value("sgl_router_policy_decisions_total", policy="manual") == 6
+
+
+def test_admin_endpoints_need_the_admin_key_and_a_host_port(mesh):
+    mesh.worker()
+    extra = mesh.worker()
+    mesh.workers.remove(extra)
+    base = mesh.router("--admin-api-key", "sk-admin")
+    assert post(base, f"/add_worker?url={extra}", {})[0] == 403  # the API key is not the admin key
+    assert post(base, f"/add_worker?url={extra}", {}, key="sk-wrong")[0] == 401
+    for bad in ("a%20b:1", "host:0", "host:port", "http://h:1/x"):
+        status, body, _ = post(base, f"/add_worker?url={bad}", {}, key="sk-admin")
+        assert status == 400 and "host:port" in body["error"]["message"], bad
+    assert post(base, f"/add_worker?url={extra}", {}, key="sk-admin")[0] == 200
+    status, body, _ = post(base, "/remove_worker?url=bad%20host:1", {}, key="sk-admin")
+    assert status == 400
+    assert post(base, f"/remove_worker?url={extra}", {}, key="sk-admin")[0] == 200
+    assert generate(base)[0] == 200  # the API key still serves requests
