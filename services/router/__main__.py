@@ -65,12 +65,13 @@ def router_metrics(router: Router, settings: MetricsSettings) -> ServiceMetrics 
     metrics = ServiceMetrics.from_settings(settings, "router", router.model_name)
     if metrics is not None:
         router.metrics = RouterMetrics(metrics, router.registry, router.policy, router.settings.policy,
-                                       getattr(router, "admission", None))
+                                       getattr(router, "admission", None), router.tokenizer.cache)
     return metrics
 
 
 async def build_router(settings: RouterSettings) -> Router:
-    tokenizer = TokenizerClient(settings.tokenizer_url, settings.connect_timeout_s)
+    tokenizer = TokenizerClient(settings.tokenizer_url, settings.connect_timeout_s,
+                                settings.tokenizer_cache_l0_max_entries if settings.tokenizer_cache_enable_l0 else 0)
     await tokenizer.connect(STARTUP_WAIT_S)
     registry = WorkerRegistry(
         settings.connect_timeout_s, settings.health_check_interval_s, probe_timeout_s=settings.health_check_timeout_secs,

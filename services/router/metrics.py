@@ -14,6 +14,7 @@ As requests happen:
     sgl_router_worker_time_to_first_token_seconds{worker}  send to the first message of a streamed call
 At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker},
 sgl_router_worker_cb_state{worker} (0 closed, 1 open, 2 half-open), sgl_router_worker_cb_transitions_total{worker};
+with --tokenizer-cache-enable-l0: sgl_router_tokenizer_cache_{hits,misses}_total, sgl_router_tokenizer_cache_entries;
 with admission limits: sgl_router_queued_requests, sgl_router_admitted_requests (running),
 sgl_router_rejected_requests_total{reason} (queue_full, queue_timeout, rate_limited);
 cache_aware: sgl_router_cache_hits_total, sgl_router_cache_misses_total, sgl_router_load_balancing_events_total,
@@ -41,9 +42,10 @@ def error_type(status: int) -> str:
 
 
 class RouterMetrics:
-    def __init__(self, metrics: ServiceMetrics, registry, policy, policy_name: str, admission=None):
+    def __init__(self, metrics: ServiceMetrics, registry, policy, policy_name: str, admission=None,
+                 tokenizer_cache=None):
         self.registry, self.policy, self.policy_name = registry, policy, policy_name
-        self.admission = admission
+        self.admission, self.tokenizer_cache = admission, tokenizer_cache
         m = metrics
         self.requests = m.counter("sgl_router_requests_total", "Requests received, by route", ("route",))
         self.duration = m.histogram("sgl_router_request_duration_seconds", "Request duration by route (s)",
@@ -135,6 +137,13 @@ class RouterMetrics:
             out.counter("sgl_router_worker_cb_transitions_total", "Circuit breaker state changes per worker",
                         w.breaker.transitions, worker=w.url)
         self._collect_admission(out)
+        cache = self.tokenizer_cache
+        if cache is not None:
+            out.counter("sgl_router_tokenizer_cache_hits_total", "Tokenize requests answered from the L0 cache",
+                        cache.hits)
+            out.counter("sgl_router_tokenizer_cache_misses_total", "Tokenize requests sent to the tokenizer",
+                        cache.misses)
+            out.gauge("sgl_router_tokenizer_cache_entries", "Requests in the L0 tokenizer cache", len(cache))
         counts = getattr(self.policy, "counts", None)
         if counts is not None and "routing_key" in counts:  # manual
             for reason, n in counts.items():

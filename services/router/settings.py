@@ -92,6 +92,9 @@ class RouterSettings:
         "help": "requests per second each API key (or client address) may send; beyond it 429 (default: off)"})
     rate_limit_burst: float | None = field(default=None, metadata={
         "help": "requests an idle API key may send at once (default: one second's worth, at least 1)"})
+    tokenizer_cache_enable_l0: bool = field(default=False, metadata={
+        "help": "answer repeated tokenize requests (same text, or same chat messages and options) from a cache"})
+    tokenizer_cache_l0_max_entries: int = field(default=10000, metadata={"help": "the cache's size in requests"})
     admin_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "the key /add_worker, /remove_worker and /flush_cache require (default: any accepted API key)"})
     log_level: str = "info"
@@ -104,6 +107,8 @@ class RouterSettings:
         if self.assignment_mode not in ASSIGNMENT_MODES:
             raise ValueError(f"--assignment-mode must be one of {', '.join(ASSIGNMENT_MODES)}, "
                              f"got {self.assignment_mode!r}")
+        if self.tokenizer_cache_l0_max_entries < 1:
+            raise ValueError("--tokenizer-cache-l0-max-entries must be at least 1")
         from services.router.resilience import check_settings
 
         check_settings(self)

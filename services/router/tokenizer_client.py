@@ -1,7 +1,12 @@
 """The router's client of the tokenizer service (the router never loads a tokenizer itself). Its channel has no
-interceptors: the calls pass the trace context themselves (services.common.trace_grpc)."""
+interceptors: the calls pass the trace context themselves (services.common.trace_grpc). With
+--tokenizer-cache-enable-l0 (SGLang router's flag) a repeated request (the same text, or the same chat messages,
+tools and template options) is answered from an LRU of the last --tokenizer-cache-l0-max-entries results, without
+a call."""
 
 from __future__ import annotations
+
+import collections
 
 import grpc
 
@@ -14,10 +19,39 @@ class TokenizerUnavailable(Exception):
     pass
 
 
+class TokenizeCache:
+    """Whole tokenize requests (their deterministic serialization) to their responses, least recently used out."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self.hits = self.misses = 0
+        self._entries: collections.OrderedDict[bytes, tokenizer_pb2.TokenizeResponse] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> tokenizer_pb2.TokenizeResponse | None:
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: bytes, response: tokenizer_pb2.TokenizeResponse) -> None:
+        self._entries[key] = response
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class TokenizerClient:
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0):
+        """`cache_entries` > 0: answer repeated tokenize requests from a cache of that many (responses are shared:
+        callers read them, never change them)."""
         self.url = url
         self.timeout_s = timeout_s
+        self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
         self.channel = untraced_channel(url)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
@@ -32,6 +66,16 @@ class TokenizerClient:
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
+        if self.cache is None:
+            return await self._tokenize(request)
+        key = request.SerializeToString(deterministic=True)
+        found = self.cache.get(key)
+        if found is None:
+            found = await self._tokenize(request)
+            self.cache.put(key, found)
+        return found
+
+    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())
         except grpc.aio.AioRpcError as e:

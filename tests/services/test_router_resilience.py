@@ -205,3 +205,26 @@ def test_admin_endpoints_need_the_admin_key_and_a_host_port(mesh):
     assert status == 400
     assert post(base, f"/remove_worker?url={extra}", {}, key="sk-admin")[0] == 200
     assert generate(base)[0] == 200  # the API key still serves requests
+
+
+def test_the_l0_tokenizer_cache_answers_repeats_and_forgets_the_oldest(mesh):
+    mesh.worker()
+    base = mesh.router("--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "2")
+
+    def chat(text):
+        body = {"model": "fake", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        status, out, _ = post(base, "/v1/chat/completions", body)
+        assert status == 200
+        return out["usage"]["prompt_tokens"]
+
+    first = chat("the same question")
+    assert [chat("the same question") for _ in range(2)] == [first, first]
+    metrics = scrape(mesh.metrics_port)
+    assert (metrics.value("sgl_router_tokenizer_cache_hits_total"),
+            metrics.value("sgl_router_tokenizer_cache_misses_total")) == (2, 1)
+    chat("a second question")
+    chat("a third, longer question than the others")  # the cache holds two: the first is forgotten
+    assert chat("the same question") == first
+    metrics = scrape(mesh.metrics_port)
+    assert metrics.value("sgl_router_tokenizer_cache_misses_total") == 4
+    assert metrics.value("sgl_router_tokenizer_cache_entries") == 2
