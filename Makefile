@@ -130,9 +130,10 @@ run: $(TINY) $(PROTO_STUBS)
 test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
-# The router alone, against fast fake workers: CPU time per request and per streamed token, requests/s on one core.
+# The router alone against fast fake workers, beside SGLang's Rust router (sglang-router, in the dev extra) on the
+# same workload: CPU ms per request on one pinned core. `python -m benchmarks.router` has the longer scenario list.
 bench-router: $(PROTO_STUBS)
-	$(PY) -m benchmarks.router $(BENCH_ARGS)
+	$(PY) -m benchmarks.router_vs_sglang $(BENCH_ARGS)
 
 # On a CUDA machine: the GPU tests (kernels at the 8B shapes, every attention backend against torch_native, bf16
 # parity, graphs and overlap) and the kernel/backend tests whose small cases run compiled there.

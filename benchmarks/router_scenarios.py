@@ -117,4 +117,11 @@ SCENARIOS = (
              "/v1/chat/completions", 64, True, _chat_body(64), check_chat_stream(64), baseline="chat_stream_1"),
     Scenario("completions_16", "(d) /v1/completions, text prompt, non-streaming, 16 tokens", "/v1/completions", 16,
              False, _completion_body(16), check_completion(16)),
+    # the shape SGLang's router is measured on (16 streamed chunks): benchmarks.router_vs_sglang runs both routers
+    Scenario("generate_16", "/generate, input_ids, non-streaming, 16 tokens", "/generate", 16, False,
+             _generate_body(16, False), check_generate(16)),
+    Scenario("generate_stream_16", "/generate, input_ids, streaming, 16 tokens", "/generate", 16, True,
+             _generate_body(16, True), check_generate_stream(16), baseline="generate_stream_1"),
+    Scenario("chat_stream_16", "/v1/chat/completions, streaming, 16 tokens", "/v1/chat/completions", 16, True,
+             _chat_body(16), check_chat_stream(16), baseline="chat_stream_1"),
 )

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import orjson
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +41,13 @@ _FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_
 
 
 def sse(obj: Any) -> bytes:
-    """One server-sent event carrying `obj` as compact JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event carrying `obj` as compact UTF-8 JSON. orjson writes it (a tenth of the stdlib's time,
+    on every streamed token); what orjson refuses (an integer past 64 bits, a key that is not a string) takes the
+    stdlib's path. The two spell some floats differently (1e-06 / 1e-6): the same JSON numbers."""
+    try:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+    except TypeError:
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def error_event(err: OpenAIError) -> dict[str, Any]:

@@ -61,3 +61,29 @@ def test_bench_router_smoke(tmp_path):
     assert "router_cpu_us_per_extra_token" in by_name["chat_stream_64"]
     assert sc.name in proc.stdout  # the table was printed
     assert not _tagged(tag), "the benchmark left processes behind"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
+def test_bench_router_vs_sglang_smoke(tmp_path):
+    """`python -m benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
+    every request of the three compared scenarios correctly, and the record pairs them."""
+    model_path("tiny-llama")
+    out = tmp_path / "vs.json"
+    marker = uuid.uuid4().hex
+    tag = f"BENCH_ROUTER_SMOKE={marker}"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router_vs_sglang", "--requests", "40",
+                           "--stream-requests", "24", "--warmup", "4", "--repeats", "1", "--concurrency", "4",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["sglang_router"] and doc["command"].startswith("python -m benchmarks.router_vs_sglang")
+    rows = {r["scenario"]: r for r in doc["comparison"]}
+    assert set(rows) == {"generate_16", "generate_stream_16", "chat_stream_16"}
+    for name, row in rows.items():
+        assert row["errors"] == 0, (name, doc)
+        assert row["radixmesh_cpu_ms_per_request"] > 0 and row["sglang_cpu_ms_per_request"] > 0, row
+    for side in ("radixmesh", "sglang"):
+        for r in doc[side]["results"]:
+            assert r["requests"] == (24 if r["scenario"] != "generate_16" else 40), (side, r)
+    assert not _tagged(tag), "the benchmark left processes behind"
