@@ -5,7 +5,9 @@ SIGTERM/SIGINT: stop accepting, let open requests finish (up to --shutdown-grace
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import signal
 import sys
 import time
@@ -27,6 +29,8 @@ from services.router.grpc_api import RouterServicer
 from services.router.http_common import (INFLIGHT, OPEN_PATHS, errors_middleware, make_auth_middleware,
                                          routing_key_middleware, tracing_middleware)
 from services.router.metrics import RouterMetrics
+from services.router import peers as peers_mod, supervisor
+from services.router.peers import Peers
 from services.router.policies import make_policy
 from services.router.resilience import CircuitBreaker
 from services.router.settings import RouterSettings
@@ -55,7 +59,12 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     app[INFLIGHT] = {"n": 0}
     native_api.add_routes(app)
     openai_api.add_routes(app)
-    if metrics is not None:
+    peers = getattr(router, "peers", None)
+    if peers is not None and metrics is not None:  # one of several router processes: answer for all of them
+        async def all_metrics(request: web.Request) -> web.Response:
+            return web.Response(body=await peers.scrape_all(), content_type="text/plain", charset="utf-8")
+        app.router.add_get("/metrics", all_metrics)
+    elif metrics is not None:
         app.router.add_get("/metrics", metrics.handle)
     return app
 
@@ -105,20 +114,47 @@ async def _drain(app: web.Application, grace_s: float) -> None:
         log.warning("%d requests still open after %.0f s; closing them", app[INFLIGHT]["n"], grace_s)
 
 
+def share_limits(settings: RouterSettings, count: int) -> RouterSettings:
+    """One of `count` router processes' admission limits: the concurrency limit, its queue and each key's rate
+    divided among them (rounded up; the kernel spreads connections evenly, not exactly)."""
+    changes = {}
+    if settings.max_concurrent_requests > 0:
+        changes["max_concurrent_requests"] = math.ceil(settings.max_concurrent_requests / count)
+        changes["queue_size"] = math.ceil(settings.queue_size / count)
+    if settings.rate_limit_tokens_per_second is not None:
+        rate = settings.rate_limit_tokens_per_second
+        changes["rate_limit_tokens_per_second"] = rate / count
+        changes["rate_limit_burst"] = max((settings.rate_limit_burst or max(rate, 1.0)) / count, 1.0)
+    return dataclasses.replace(settings, **changes)
+
+
 async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | None = None) -> None:
+    link = peers_mod.from_env()
+    if link is not None:
+        settings = share_limits(settings, link[2])
+        if link[1] != 0:  # process 0 probes the workers and tells the others
+            settings = dataclasses.replace(settings, disable_health_check=True)
     try:
         router = await build_router(settings)
     except TokenizerUnavailable as e:
         log.error("cannot start: %s", e)
         raise SystemExit(1) from None
     metrics_settings = metrics_settings or MetricsSettings()
+    peers = None
+    if link is not None:
+        router.peers = peers = Peers(router, *link)
+        await peers.connect()
+        if metrics_settings.enabled:  # the supervisor serves --metrics-port for all the processes
+            metrics_settings = dataclasses.replace(metrics_settings, enable_metrics=True, metrics_port=None)
     metrics = router_metrics(router, metrics_settings)
+    if peers is not None:
+        peers.metrics = metrics
     app = build_app(router, metrics)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker call (the
     # worker aborts the request and frees its KV pages), also for non-streaming requests
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=peers is not None)
     await site.start()
     # /metrics is on the API port; --metrics-port also serves it on a port of its own (as SGLang's router does)
     metrics_server = await metrics.serve(metrics_settings, settings.host) \
@@ -133,6 +169,8 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
         await grpc_service.start()
     log.info("router listening on http://%s:%d (%d workers, policy %s)", settings.host, settings.port,
              len(router.registry.workers), settings.policy)
+    if peers is not None:
+        peers.ready()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +187,8 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
     await runner.cleanup()
     if metrics_server is not None:
         await metrics_server.stop()
+    if peers is not None:
+        await peers.close()
     await router.registry.close()
     await router.tokenizer.close()
     for policy in {id(p): p for p in router.role_policies.values()}.values():
@@ -166,12 +206,19 @@ def parse_args(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     settings, metrics_kwargs, trace_kwargs = parse_args(argv)
-    setup_logging("router", settings.log_level)
+    link = peers_mod.from_env()
+    setup_logging("router" if link is None else f"router-{link[1]}", settings.log_level)
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:
         sys.exit(str(e))
+    count = settings.router_workers or supervisor.cores()
+    if count > 1 and link is None:
+        sys.exit(asyncio.run(supervisor.supervise(argv, count, settings.shutdown_grace_s,
+                                                  metrics_settings.metrics_host or settings.host,
+                                                  metrics_settings.metrics_port)))
     setup_tracing(TraceSettings(**trace_kwargs), "router")
     asyncio.run(serve(settings, metrics_settings))
 

@@ -121,7 +121,7 @@ async def health_generate(request: web.Request) -> web.Response:
         if not ok:
             router.registry.mark_failed(w, msg)
         else:  # a generated token is stronger evidence than the next probe
-            w.healthy = True
+            router.registry.mark_healthy(w, "it generated a token")
         return {"url": w.url, "healthy": ok, "message": msg}
 
     results = await asyncio.gather(*(check(w) for w in workers))

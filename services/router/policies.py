@@ -157,6 +157,9 @@ class CacheAware:
         # the last pick, for its trace span: prompt tokens the chosen worker's tree matched, and why it was chosen
         self.last_matched_tokens = 0
         self.last_reason = ""
+        # called with (worker url, block keys) after each pick: sibling router processes learn the route
+        # (--router-workers; services/router/peers.py), so each one's trees know what every process sent where
+        self.on_insert: Callable[[str, list[int]], None] | None = None
 
     def _tree(self, url: str) -> PrefixTree:
         if url not in self.trees:
@@ -184,7 +187,13 @@ class CacheAware:
                 self.last_reason = "cache_miss"
         self.last_matched_tokens = self._tree(chosen.url).match(keys) * BLOCK
         self._tree(chosen.url).insert(keys)
+        if self.on_insert is not None and keys:
+            self.on_insert(chosen.url, keys)
         return chosen
+
+    def learn(self, url: str, keys: list[int]) -> None:
+        """A route another router process took: `url` has now seen these blocks."""
+        self._tree(url).insert(keys)
 
     def forget(self, url: str) -> None:
         self.trees.pop(url, None)

@@ -97,6 +97,10 @@ class RouterSettings:
     tokenizer_cache_l0_max_entries: int = field(default=10000, metadata={"help": "the cache's size in requests"})
     admin_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "the key /add_worker, /remove_worker and /flush_cache require (default: any accepted API key)"})
+    router_workers: int = field(default=1, metadata={
+        "help": "router processes serving the same ports (SO_REUSEPORT) under one supervisor that replaces any "
+                "that dies; they share the worker registry, health and the cache-aware routes; admission limits "
+                "are divided among them (0: one per available core)"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -107,6 +111,8 @@ class RouterSettings:
         if self.assignment_mode not in ASSIGNMENT_MODES:
             raise ValueError(f"--assignment-mode must be one of {', '.join(ASSIGNMENT_MODES)}, "
                              f"got {self.assignment_mode!r}")
+        if self.router_workers < 0:
+            raise ValueError(f"--router-workers must be 0 (one per core) or more, got {self.router_workers}")
         if self.tokenizer_cache_l0_max_entries < 1:
             raise ValueError("--tokenizer-cache-l0-max-entries must be at least 1")
         from services.router.resilience import check_settings

@@ -73,12 +73,22 @@ class WorkerRegistry:
         self._leases: dict[str, float] = {}  # url -> monotonic deadline of a worker's self-registration
         self.on_remove = lambda url: None
         self.on_lost = lambda worker: None  # called once a worker failed failure_threshold probes in a row
+        # what this process changed, for its sibling router processes (--router-workers; services/router/peers.py):
+        # on_change(op, url, **details) with op add, remove, lease, health or lost; changes applied from a sibling
+        # pass quiet=True and are not announced again
+        self.on_change: Callable[..., None] = lambda op, url, **details: None
 
-    async def add(self, url: str) -> Worker:
+    async def add(self, url: str, quiet: bool = False) -> Worker:
         """Connect and fetch the model info; ValueError if the worker cannot be reached or serves another model."""
         url = normalize_url(url)
         if url in self.workers:
             return self.workers[url]
+        worker = await self._connect(url)
+        if not quiet:
+            self.on_change("add", worker.url)
+        return worker
+
+    async def _connect(self, url: str) -> Worker:
         ch = channel(url)
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         try:
@@ -99,10 +109,12 @@ class WorkerRegistry:
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker
 
-    def lease(self, url: str, lease_s: float | None) -> None:
+    def lease(self, url: str, lease_s: float | None, quiet: bool = False) -> None:
         """A registration that lapses: `url` is removed unless leased again within `lease_s` seconds (workers that
         register themselves renew it; one that dies without leaving is forgotten). None: registered for good."""
         url = normalize_url(url)
+        if not quiet:
+            self.on_change("lease", url, lease_s=lease_s)
         if lease_s is None:
             self._leases.pop(url, None)
         else:
@@ -112,14 +124,16 @@ class WorkerRegistry:
         now = time.monotonic()
         for url in [u for u, deadline in self._leases.items() if deadline < now]:
             log.warning("worker %s did not renew its registration; removing it", url)
-            await self.remove(url)
+            await self.remove(url, quiet=True)  # every router process keeps the same leases
 
-    async def remove(self, url: str) -> bool:
+    async def remove(self, url: str, quiet: bool = False) -> bool:
         url = normalize_url(url)
         self._leases.pop(url, None)
         worker = self.workers.pop(url, None)
         if worker is None:
             return False
+        if not quiet:
+            self.on_change("remove", worker.url)
         self.on_remove(worker.url)
         await worker.channel.close(grace=None)
         log.info("removed worker %s", worker.url)
@@ -141,11 +155,20 @@ class WorkerRegistry:
             return w.info
         return None
 
-    def mark_failed(self, worker: Worker, reason: str) -> None:
+    def mark_failed(self, worker: Worker, reason: str, quiet: bool = False) -> None:
         if worker.healthy:
             log.warning("worker %s marked unhealthy: %s", worker.url, reason)
+            if not quiet:
+                self.on_change("health", worker.url, healthy=False, reason=reason)
         worker.healthy = False
         worker.passes = 0
+
+    def mark_healthy(self, worker: Worker, reason: str, quiet: bool = False) -> None:
+        if not worker.healthy:
+            log.info("worker %s is healthy again (%s)", worker.url, reason)
+            if not quiet:
+                self.on_change("health", worker.url, healthy=True, reason=reason)
+        worker.healthy = True
 
     async def probe(self, worker: Worker) -> bool:
         stub = health_pb2_grpc.HealthStub(worker.channel)
@@ -157,14 +180,14 @@ class WorkerRegistry:
         worker.failures = 0 if ok else worker.failures + 1
         worker.passes = worker.passes + 1 if ok else 0
         if ok and not worker.healthy and worker.passes >= self.success_threshold:
-            log.info("worker %s is healthy again", worker.url)
-            worker.healthy = True
+            self.mark_healthy(worker, f"{worker.passes} health probes passed")
         elif not ok and worker.failures >= self.failure_threshold:
             self.mark_failed(worker, f"{worker.failures} health probes failed ({reason})")
         if worker.failures == self.failure_threshold:
             log.warning("worker %s failed %d probes in a row; failing its open requests", worker.url,
                         worker.failures)
             self.on_lost(worker)
+            self.on_change("lost", worker.url)
         return ok
 
     def every(self, interval_s: float, fn: Callable[[Worker], Awaitable[object]]) -> None:

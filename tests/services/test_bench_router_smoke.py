@@ -87,3 +87,21 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
         for r in doc[side]["results"]:
             assert r["requests"] == (24 if r["scenario"] != "generate_16" else 40), (side, r)
     assert not _tagged(tag), "the benchmark left processes behind"
+
+
+def test_bench_router_processes_smoke(tmp_path):
+    """`python -m benchmarks.router_processes` with tiny counts: both settings answer every request, and the shared
+    routes keep the prefix-heavy hit rate at its best with two processes."""
+    model_path("tiny-llama")
+    out = tmp_path / "procs.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router_processes", "--requests", "40", "--warmup", "4",
+                           "--repeats", "1", "--concurrency", "4", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [s["router_workers"] for s in doc["settings"]] == [1, 2]
+    for s in doc["settings"]:
+        assert [t["scenario"] for t in s["throughput"]] == ["generate_stream_16", "chat_stream_16"]
+        assert all(t["requests_per_s"] > 0 and t["errors"] == 0 for t in s["throughput"]), s
+        assert s["prefix_heavy"]["errors"] == 0
+        assert s["prefix_heavy"]["hit_rate"] >= 0.8, s["prefix_heavy"]
