@@ -29,6 +29,7 @@ from services.router.peers import COUNT_ENV, HUB_ENV, INDEX_ENV, LINE_LIMIT, SCR
 
 log = logging.getLogger("services.router.supervisor")
 RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 10.0  # a replacement that dies before it serves waits longer each time
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
 
 
@@ -65,7 +66,8 @@ class Hub:
     def __init__(self, path: str):
         self.path = path
         self.conns: dict[int, asyncio.StreamWriter] = {}
-        self.ready: set[int] = set()
+        self.ready: set[int] = set()  # processes serving now
+        self.served: set[int] = set()  # indexes that have served at least once
         self.workers: dict[str, dict[str, Any]] = {}  # url -> {"lease_s"?: s, "leased_at"?: t, "healthy"?: bool}
         self.removed: set[str] = set()  # removed at run time (a restarted process may have them in its flags)
         self._ids = itertools.count()
@@ -101,39 +103,47 @@ class Hub:
         index = None
         try:
             while line := await reader.readline():
-                msg = orjson.loads(line)
-                op = msg["op"]
-                if op == "hello":  # from now on it hears the others; the snapshot brings it up to date
-                    index = msg["index"]
-                    self.conns[index] = writer
-                    self._send(index, self._snapshot())
-                    continue
-                if op == "ready":
-                    self.ready.add(index)
-                    log.info("router process %d (pid %d) serves", index, msg["pid"])
-                    continue
-                if op == "scrape_all":
-                    asyncio.create_task(self._scrape_for(index, msg["id"]))
-                    continue
-                if op == "scraped":
-                    self._scrapes.get(msg["id"], {})[msg["index"]] = msg["text"]
-                    waiter = self._waiters.get(msg["id"])
-                    if waiter is not None and not waiter.done() and \
-                            set(self._scrapes[msg["id"]]) >= set(self.conns):
-                        waiter.set_result(None)
-                    continue
-                self._remember(msg)
-                msg["from"] = index
-                data = orjson.dumps(msg) + b"\n"
-                for other in list(self.conns):
-                    if other != index:
-                        self._send(other, data)
+                try:
+                    index = self._handle(orjson.loads(line), index, writer)
+                except Exception:  # noqa: BLE001 - one bad message must not cut a process off
+                    log.exception("bad message from router process %s: %.200r", index, line)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
             log.warning("router process %s's link broke: %s", index, e)
         finally:
             if index is not None and self.conns.get(index) is writer:
                 del self.conns[index]
             writer.close()
+
+    def _handle(self, msg: dict[str, Any], index: int | None, writer: asyncio.StreamWriter) -> int | None:
+        """Acts on one message from the process `index` (None before its hello); its index from then on."""
+        op = msg["op"]
+        if op == "hello":  # from now on it hears the others; the snapshot brings it up to date
+            self.conns[msg["index"]] = writer
+            self._send(msg["index"], self._snapshot())
+            return msg["index"]
+        if op == "ready":
+            self.ready.add(index)
+            self.served.add(index)
+            log.info("router process %d (pid %d) serves", index, msg["pid"])
+            return index
+        if op == "scrape_all":
+            asyncio.create_task(self._scrape_for(index, msg["id"]))
+            return index
+        if op == "scraped":
+            answers = self._scrapes.get(msg["id"])
+            waiter = self._waiters.get(msg["id"])
+            if answers is not None and waiter is not None and not waiter.done():
+                answers[msg["index"]] = msg["text"]
+                if set(answers) >= set(self.conns):
+                    waiter.set_result(None)
+            return index
+        self._remember(msg)
+        msg["from"] = index
+        data = orjson.dumps(msg) + b"\n"
+        for other in list(self.conns):
+            if other != index:
+                self._send(other, data)
+        return index
 
     def _remember(self, msg: dict[str, Any]) -> None:
         op, url = msg["op"], msg.get("url")
@@ -199,18 +209,20 @@ async def supervise(argv: list[str], count: int, grace_s: float, metrics_host: s
                                                             env=env)
 
     async def watch(index: int) -> None:
+        delay = RESTART_DELAY_S
         while not stop.is_set():
             rc = await procs[index].wait()
             if stop.is_set():
                 return
-            if index not in hub.ready:
+            if index not in hub.served:  # a bad flag or an unreachable tokenizer: it would only die again
                 failed.append(f"router process {index} exited with status {rc} before it served")
                 stop.set()
                 return
+            delay = RESTART_DELAY_S if index in hub.ready else min(delay * 2, MAX_RESTART_DELAY_S)
             hub.ready.discard(index)
-            log.warning("router process %d (pid %d) exited with status %s; starting another", index,
-                        procs[index].pid, rc)
-            await asyncio.sleep(RESTART_DELAY_S)
+            log.warning("router process %d (pid %d) exited with status %s; starting another in %.1f s", index,
+                        procs[index].pid, rc, delay)
+            await asyncio.sleep(delay)
             if not stop.is_set():
                 await spawn(index)
 
