@@ -1,7 +1,10 @@
 """`python -m benchmarks.fake_worker --port W [--tokens N]`: a WorkerService that answers at once, for measuring
 the router alone. Generate returns N tokens (sampling_params.max_new_tokens caps N when set): with stream=true
 one chunk per token (id i % 1000, text " tok") then one `complete`; with stream=false only the `complete`.
-No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it."""
+No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it. Between
+tokens it yields to the event loop, so concurrent requests' tokens interleave as a scheduler's steps make them (one
+token of each running request per step): GenerateStream then carries a step's tokens together, as a real worker's
+does, not a whole answer in one message."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import grpc
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import generate_mux
 from services.common.logs import setup_logging
 from services.common.server import GrpcService, GrpcSettings
 
@@ -30,12 +34,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     """Also a stand-in for failure tests: `delay_s` before answering, the first `fail_first` Generate calls refused
     with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
 
-    def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null"):
+    def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
+                 no_generate_stream: bool = False):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
         self.fail_first = fail_first
         self.mode = mode
+        self.no_generate_stream = no_generate_stream
         self.calls = 0
 
     def _count(self, request: worker_pb2.GenerateRequest) -> int:
@@ -54,10 +60,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             for i, tok in enumerate(ids):
                 yield worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
                     token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1))
+                await asyncio.sleep(0)  # the next "step"
         usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
         yield worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
             output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
             finish_reason=common_pb2.FinishReason(type=_LENGTH, length=n)))
+
+    async def GenerateStream(self, requests, context):
+        if self.no_generate_stream:  # as a worker of an older release would answer
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        async for batch in generate_mux.serve(requests, context, self.Generate):
+            yield batch
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=False)
@@ -92,10 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-s", type=float, default=0.0, help="wait before each answer")
     parser.add_argument("--fail-first", type=int, default=0, help="refuse the first N Generate calls (UNAVAILABLE)")
     parser.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
+    parser.add_argument("--no-generate-stream", action="store_true",
+                        help="answer GenerateStream with UNIMPLEMENTED, as a worker of an older release")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
-                          args.disaggregation_mode)
+                          args.disaggregation_mode, args.no_generate_stream)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

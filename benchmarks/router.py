@@ -277,6 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
                    "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--router-args", nargs="*", default=[], metavar="FLAG",
+                   help="more router flags, e.g. --router-args=--disable-generate-stream")
     p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
                    "inflates its CPU time: use for where the time goes, not for the numbers)")
     return p.parse_args(argv)
@@ -301,8 +303,8 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
         sink = free_port()
         procs.start("otlp_sink", ["benchmarks.otlp_sink", "--port", str(sink)], others)
         trace = ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{sink}"]
-    common = ["--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet, "--worker-urls",
-              *(f"127.0.0.1:{p}" for p in workers)]
+    common = ["--tokenizer-url", f"127.0.0.1:{tok}", "--policy", args.policy, *quiet, *args.router_args,
+              "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)]
     bases = {"router": start_router(procs, "router", [*profile, "services.router", *common,
                                                       *(trace if args.enable_trace else [])], args.router_cpu)}
     if args.trace_ab:

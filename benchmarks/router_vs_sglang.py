@@ -81,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.enable_trace = args.trace_ab = args.ab_control = False
     args.profile_router = None
+    args.router_args = []
     return args
 
 

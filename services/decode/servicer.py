@@ -18,7 +18,7 @@ from engine.cache.kv_events import EventKind, KvEvent
 from engine.engine import Engine
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common import tracing
+from services.common import generate_mux, tracing
 from services.common.errors import Exhausted
 from services.common.metrics import ServiceMetrics
 from services.decode import convert
@@ -101,6 +101,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await room.close()
         finally:
             self.active.pop(request.request_id, None)
+
+    async def GenerateStream(self, requests, context: grpc.aio.ServicerContext):
+        """Many requests over one stream (the router's per-worker link): each runs through Generate; the outputs
+        that are ready together, usually one scheduler step's for every request of the stream, go as one message."""
+        async for batch in generate_mux.serve(requests, context, self.Generate):
+            yield batch
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------
     async def _prefill(self, request, context, started: float) -> worker_pb2.GenerateResponse:

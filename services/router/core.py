@@ -165,11 +165,10 @@ class Router:
             metrics.picked(worker.url)
         worker.in_flight += 1
         span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
-        call = worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
-                                    metadata=tracing.metadata_for(span))
-        self.calls.track(call, worker.url)
-        streamed, error, verdict = False, None, worker.breaker.release
+        streamed, error, verdict, call = False, None, worker.breaker.release, None
         try:
+            call = await self._open_call(worker, request, span)
+            self.calls.track(call, worker.url)
             async for msg in call:
                 if metrics is not None and not streamed and request.stream:
                     metrics.first_message(worker.url, time.monotonic() - sent)
@@ -211,9 +210,19 @@ class Router:
         finally:
             verdict()
             tracing.end_span(span, error)
-            self.calls.forget(call)
             worker.in_flight -= 1
-            call.cancel()
+            if call is not None:
+                self.calls.forget(call)
+                call.cancel()
+
+    async def _open_call(self, worker, request: worker_pb2.GenerateRequest, span):
+        """The request on the worker's GenerateStream (services/router/mux.py) when it has one and tracing is off;
+        otherwise a Generate call of its own."""
+        mux = worker.mux
+        if mux is not None and not self.settings.disable_generate_stream and span is None and await mux.open():
+            return mux.start(request, self.settings.request_timeout_s)
+        return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
+                                    metadata=tracing.metadata_for(span))
 
 
 class _Attempt:

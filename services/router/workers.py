@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.server import channel
+from services.router.mux import WorkerMux
 from services.router.resilience import CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Worker:
     failures: int = field(default=0)  # failed probes in a row
     passes: int = field(default=0)  # passed probes in a row
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    mux: WorkerMux | None = None  # the worker's GenerateStream (services/router/mux.py)
 
 
 class NoHealthyWorker(Exception):
@@ -104,7 +106,8 @@ class WorkerRegistry:
         if others and info.served_model_name != others[0]:
             await ch.close()
             raise ValueError(f"worker {url} serves {info.served_model_name!r}, the others {others[0]!r}")
-        worker = Worker(url, ch, stub, info, breaker=self.new_breaker())
+        worker = Worker(url, ch, stub, info, breaker=self.new_breaker(),
+                        mux=WorkerMux(stub, url, self.connect_timeout_s))
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker
@@ -135,6 +138,8 @@ class WorkerRegistry:
         if not quiet:
             self.on_change("remove", worker.url)
         self.on_remove(worker.url)
+        if worker.mux is not None:
+            await worker.mux.close()
         await worker.channel.close(grace=None)
         log.info("removed worker %s", worker.url)
         return True
@@ -226,4 +231,6 @@ class WorkerRegistry:
         for task in self._tasks:
             task.cancel()
         for w in list(self.workers.values()):
+            if w.mux is not None:
+                await w.mux.close()
             await w.channel.close(grace=None)

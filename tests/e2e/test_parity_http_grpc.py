@@ -129,7 +129,10 @@ def test_generate_batch_stream_tags_every_event_and_ends_each_sample_once(mesh, 
     finals = [e for e in events if e["meta_info"]["finish_reason"] is not None]
     assert sorted(e["index"] for e in finals) == [0, 1, 2]  # one last event per prompt, none repeated
     assert [next(e for e in finals if e["index"] == i)["output_ids"] for i in range(3)] == expected[:3]
-    assert sum(e["index"] == 0 for e in events) == 16  # one event per token
+    # one event per chunk: a token each, unless the worker merged the chunks of a consumer that lagged behind (a
+    # loaded machine): then fewer, each still a growing prefix of the answer
+    first = [e["output_ids"] for e in events if e["index"] == 0]
+    assert 8 <= len(first) <= 16 and all(a == first[-1][:len(a)] and len(a) < len(b) for a, b in zip(first, first[1:]))
     failing = sse_events(post(mesh.url + "/generate", {"input_ids": [prompts[0], [5, 99999]],
                                                        "sampling_params": GREEDY, "stream": True}))
     assert "error" in failing[-1] and "99999" in failing[-1]["error"]["message"]

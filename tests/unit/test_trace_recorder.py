@@ -182,7 +182,7 @@ def test_spans_reach_the_collector_and_the_exporter_ends_with_the_process():
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert _gone(int(out.split()[0]), 10), "the exporter outlived a clean exit"
-        spans = receiver.wait_for("0af7651916cd43dd8448eb211c80319c", {"GET /x", "queue", "fails", "inner"}, 10)
+        spans = receiver.wait_for("0af7651916cd43dd8448eb211c80319c", {"GET /x", "queue", "fails", "inner"}, 30)
     finally:
         receiver.close()
     by_name = {s.name: s for s in spans}
