@@ -10,6 +10,7 @@
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
+#   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
@@ -91,6 +92,23 @@ if [[ $PARTS == *serving* ]]; then
     launch=""
     [[ $backend == radixmesh ]] && launch="--launch"
     $PY -m benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
+  done
+fi
+
+if [[ $PARTS == *servab* ]]; then
+  # The mesh's overhead with and without GenerateStream, alternated with the offline engine on the same workload, so a
+  # drift in the machine's speed falls on all three: ROUNDS x (engine, mesh, mesh with a call per request).
+  MODEL=build/llama-3.1-8b
+  LOAD="--model-path $MODEL --load-format dummy --dtype bfloat16 --max-running-requests 256 --log-level warning
+        --attention-backend ${BACKEND:-triton}"
+  WORK="--num-prompts 512 --random-input-len 512 --random-output-len 128 --random-range-ratio 0.5 --max-concurrency 64
+        --disable-tqdm --output-file $OUT/serving_ab.jsonl"
+  for round in $(seq ${ROUNDS:-2}); do
+    $PY -m benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+    $PY -m benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
+      | grep -E "Backend|Failed|Output token|ITL"
+    $PY -m benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
+      | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
   done
 fi
 

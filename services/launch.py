@@ -52,6 +52,10 @@ class LaunchSettings:
     grpc_port: int | None = field(default=None, metadata={"help": "router public gRPC port (unset: off)"})
     policy: str = field(default="cache_aware", metadata={
         "help": "round_robin, random, cache_aware or kv_index (the kvstore's global prefix index; needs --kvstore)"})
+    router_workers: int = field(default=1, metadata={
+        "help": "processes of each router (its --router-workers: one port, a supervisor, shared routing state)"})
+    disable_generate_stream: bool = field(default=False, metadata={
+        "help": "routers call workers once per request instead of over one GenerateStream per worker"})
     api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
     api_key_tenants: tuple[str, ...] = field(default=(), metadata={
         "help": "router: KEY=TENANT pairs; each key is accepted and selects its tenant's KV cache namespace"})
@@ -208,7 +212,10 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
               "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
-              "--shutdown-grace-s", str(settings.shutdown_grace_s), *router_kv]
+              "--shutdown-grace-s", str(settings.shutdown_grace_s), "--router-workers", str(settings.router_workers),
+              *router_kv]
+    if settings.disable_generate_stream:
+        router.append("--disable-generate-stream")
     if settings.api_key_tenants:
         router += ["--api-key-tenants", *settings.api_key_tenants]
     for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),
