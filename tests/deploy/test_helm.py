@@ -266,3 +266,13 @@ def test_bad_values_fail_with_a_clear_message():
     assert proc.returncode != 0 and "workers.mode must be colocated or pd" in proc.stderr
     proc = helm("template", "rm", str(CHART), "--set", "redis.enabled=false", ok=False)
     assert proc.returncode != 0 and "kvstore.storageUrl" in proc.stderr
+
+
+def test_router_processes_per_pod():
+    """router.processes becomes --router-workers (left out at its default, 1)."""
+    def router_args(docs):
+        return by_kind(docs, "Deployment")["rm-radixmesh-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert _args_after(router_args(render(CHART / "ci" / "router-replicas-values.yaml")), "--router-workers") == ["2"]
+    assert "--router-workers" not in router_args(render(CHART / "ci" / "colocated-values.yaml"))
+    assert _args_after(router_args(render(CHART / "ci" / "colocated-values.yaml", "router.processes=0")),
+                       "--router-workers") == ["0"]
