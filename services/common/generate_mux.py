@@ -3,7 +3,8 @@ generate)` runs each submitted request through `generate(request, context)` (the
 validation, engine path and metrics) as a task of its own, and writes whatever outputs are ready together as ONE
 response message: the outputs of all of a scheduler step's requests reach the router in one gRPC message, instead of
 one per request per token. An `abort` cancels its request's task (the engine aborts it and frees its KV pages); the
-stream closing cancels them all. Errors end a request with the status a Generate call would have got."""
+stream closing cancels them all. Errors end a request with the status a Generate call would have got. A request
+with a trace context gets the server span a traced Generate call would get."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.common import tracing
 from services.common.errors import status_for
 from services.common.logs import request_id_var
 
 log = logging.getLogger(__name__)
+GENERATE = "radixmesh.v1.WorkerService/Generate"
+SPAN_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "radixmesh.v1.WorkerService", "rpc.method": "Generate"}
 
 
 class _Aborted(Exception):
@@ -58,12 +62,16 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
         rid = request.request_id
         request_id_var.set(rid or "-")
         code, details = grpc.StatusCode.OK, ""
+        # the server span a Generate call with this trace context would get (services/common/trace_grpc.py)
+        span = tracing.root_span(GENERATE, dict(request.trace_context), **SPAN_ATTRIBUTES) \
+            if request.trace_context and tracing.enabled() else contextlib.nullcontext()
         try:
-            async with contextlib.aclosing(generate(request, RequestContext(context))) as messages:
-                async for msg in messages:
-                    msg.request_id = rid
-                    outbox.append(msg)
-                    wake.set()
+            with span:
+                async with contextlib.aclosing(generate(request, RequestContext(context))) as messages:
+                    async for msg in messages:
+                        msg.request_id = rid
+                        outbox.append(msg)
+                        wake.set()
         except asyncio.CancelledError:
             return  # aborted by the router, or the stream closed: nobody waits for an answer
         except _Aborted as e:

@@ -216,10 +216,14 @@ class Router:
                 call.cancel()
 
     async def _open_call(self, worker, request: worker_pb2.GenerateRequest, span):
-        """The request on the worker's GenerateStream (services/router/mux.py) when it has one and tracing is off;
-        otherwise a Generate call of its own."""
+        """The request on the worker's GenerateStream (services/router/mux.py; the span's context goes in the request)
+        when the worker has one; otherwise a Generate call of its own."""
         mux = worker.mux
-        if mux is not None and not self.settings.disable_generate_stream and span is None and await mux.open():
+        if mux is not None and not self.settings.disable_generate_stream and await mux.open():
+            carried = tracing.metadata_for(span)
+            if carried:
+                request.trace_context.clear()
+                request.trace_context.update(dict(carried))
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))
