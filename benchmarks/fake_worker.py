@@ -42,6 +42,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.fail_first = fail_first
         self.mode = mode
         self.no_generate_stream = no_generate_stream
+        self.draining: asyncio.Event | None = None
         self.calls = 0
 
     def _count(self, request: worker_pb2.GenerateRequest) -> int:
@@ -69,7 +70,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     async def GenerateStream(self, requests, context):
         if self.no_generate_stream:  # as a worker of an older release would answer
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-        async for batch in generate_mux.serve(requests, context, self.Generate):
+        async for batch in generate_mux.serve(requests, context, self.Generate, self.draining):
             yield batch
 
     async def Abort(self, request, context):
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> None:
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
     settings = GrpcSettings(args.host, args.port, shutdown_grace_s=1.0, log_level=args.log_level)
-    asyncio.run(_serve(settings, register))
+    asyncio.run(_serve(settings, register, servicer))
 
 
-async def _serve(settings: GrpcSettings, register) -> None:
-    await GrpcService(settings, register).run_until_signal()
+async def _serve(settings: GrpcSettings, register, servicer) -> None:
+    service = GrpcService(settings, register)
+    servicer.draining = service.draining
+    await service.run_until_signal()
 
 
 if __name__ == "__main__":

@@ -51,7 +51,11 @@ class RequestContext:
 
 
 async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext,
-                generate: Callable) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+                generate: Callable, draining: asyncio.Event | None = None
+                ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+    """`draining` (GrpcService.draining): once set, new submits are refused with UNAVAILABLE (the router retries
+    them elsewhere) and the stream ends when its running requests have finished, so the server's drain is not held
+    for its whole grace period by a stream that would never end."""
     outbox: list[worker_pb2.GenerateResponse] = []
     ended: list[worker_pb2.GenerateEnd] = []
     wake = asyncio.Event()
@@ -95,7 +99,10 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
                 action = req.WhichOneof("action")
                 if action == "submit":
                     rid = req.submit.request_id
-                    if rid in tasks:
+                    if draining is not None and draining.is_set():
+                        ended.append(worker_pb2.GenerateEnd(request_id=rid, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                            message="the worker is shutting down"))
+                    elif rid in tasks:
                         ended.append(worker_pb2.GenerateEnd(
                             request_id=rid, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                             message=f"request_id {rid!r} is already running on this stream"))
@@ -112,10 +119,15 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
             reading = False
             wake.set()
 
+    async def drain() -> None:
+        await draining.wait()
+        wake.set()
+
     reader = asyncio.create_task(read())
+    drainer = asyncio.create_task(drain()) if draining is not None else None
     try:
         yield worker_pb2.GenerateStreamResponse()  # the handshake's answer: this worker speaks GenerateStream
-        while reading or tasks or outbox or ended:
+        while (reading and not (draining is not None and draining.is_set())) or tasks or outbox or ended:
             await wake.wait()
             wake.clear()
             if outbox or ended:
@@ -126,5 +138,7 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
                 break
     finally:
         reader.cancel()
+        if drainer is not None:
+            drainer.cancel()
         for task in list(tasks.values()):
             task.cancel()

@@ -62,6 +62,9 @@ class GrpcService:
         self._on_stop = on_stop
         self._on_start = on_start
         self._stopping = asyncio.Event()
+        # set when draining starts: servicers end their long-lived streams (GenerateStream, TokenizeStream) once
+        # nothing runs on them, so the drain does not wait the whole grace period for streams that never end
+        self.draining = asyncio.Event()
 
     async def _set_all(self, status) -> None:
         for name in ("", *self.names):
@@ -79,6 +82,7 @@ class GrpcService:
 
     async def stop(self) -> None:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period, then release."""
+        self.draining.set()
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("shutting down: draining in-flight calls for up to %.0f s", self.settings.shutdown_grace_s)
         await self.server.stop(self.settings.shutdown_grace_s)

@@ -58,6 +58,7 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
             announcer.start()
 
     service = GrpcService(settings, register, on_stop, on_start)
+    servicer.draining = service.draining
     announcer = _router_announcer(settings, service.port)
     if metrics is not None:
         metrics_server = await metrics.serve(metrics_settings, settings.host)

@@ -48,6 +48,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  metrics: ServiceMetrics | None = None):
         self.engine = engine
         self.settings = settings
+        self.draining: asyncio.Event | None = None  # GrpcService.draining: GenerateStream ends once idle
         self.prefill_rooms = prefill_rooms  # services.prefill.bootstrap.PrefillRooms in prefill mode
         self.decode_rooms = decode_rooms  # services.decode.receive.DecodeRooms in decode mode
         self.stats = WorkerStats()
@@ -105,7 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GenerateStream(self, requests, context: grpc.aio.ServicerContext):
         """Many requests over one stream (the router's per-worker link): each runs through Generate; the outputs
         that are ready together, usually one scheduler step's for every request of the stream, go as one message."""
-        async for batch in generate_mux.serve(requests, context, self.Generate):
+        async for batch in generate_mux.serve(requests, context, self.Generate, self.draining):
             yield batch
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 interceptors: the calls pass the trace context themselves (services.common.trace_grpc). With
 --tokenizer-cache-enable-l0 (SGLang router's flag) a repeated request (the same text, or the same chat messages,
 tools and template options) is answered from an LRU of the last --tokenizer-cache-l0-max-entries results, without
-a call."""
+a call. Requests go in batches over one TokenizeStream (services/router/tokenize_batch.py) unless tracing is on
+(each then has its Tokenize call, under its request's trace) or the service lacks the method."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import grpc
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
 from services.common.trace_grpc import untraced_channel
+from services.router.tokenize_batch import TokenizeBatcher, TokenizerUnavailable
 
-
-class TokenizerUnavailable(Exception):
-    pass
+__all__ = ["TokenizeCache", "TokenizerClient", "TokenizerUnavailable"]
 
 
 class TokenizeCache:
@@ -46,7 +46,7 @@ class TokenizeCache:
 
 
 class TokenizerClient:
-    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0):
+    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0, batch: bool = True):
         """`cache_entries` > 0: answer repeated tokenize requests from a cache of that many (responses are shared:
         callers read them, never change them)."""
         self.url = url
@@ -55,6 +55,7 @@ class TokenizerClient:
         self.channel = untraced_channel(url)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
+        self.batcher = TokenizeBatcher(self.stub, url, timeout_s) if batch else None
 
     async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
         try:
@@ -76,6 +77,9 @@ class TokenizerClient:
         return found
 
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        batcher = self.batcher
+        if batcher is not None and not tracing.enabled() and await batcher.open():
+            return await batcher.submit(request)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())
         except grpc.aio.AioRpcError as e:
@@ -94,4 +98,6 @@ class TokenizerClient:
             raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
 
     async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
         await self.channel.close(grace=None)

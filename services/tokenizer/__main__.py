@@ -35,6 +35,7 @@ async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
         backend.close()
 
     service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop)
+    servicer.draining = service.draining
     if metrics is not None:
         metrics_server = await metrics.serve(metrics_settings, settings.host)
     await service.run_until_signal()

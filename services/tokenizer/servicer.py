@@ -4,7 +4,9 @@ into INVALID_ARGUMENT with the message; the service keeps serving. With metrics 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 
 import grpc
 
@@ -14,31 +16,103 @@ from services.tokenizer.backend import TokenizerBackend
 from services.tokenizer.metrics import TokenizerMetrics
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+log = logging.getLogger(__name__)
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, backend: TokenizerBackend, metrics: TokenizerMetrics | None = None):
         self.backend = backend
         self.metrics = metrics
+        self.draining: asyncio.Event | None = None  # GrpcService.draining: TokenizeStream ends when it is set
 
     def _observe(self, method: str):
         return self.metrics.call(method) if self.metrics is not None else contextlib.nullcontext()
 
+    def _tokenize_one(self, request: tokenizer_pb2.TokenizeRequest):
+        """On a pool thread: the Tokenized of one request; ValueError for input the tokenizer rejects."""
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            return self.backend.tokenize_text(request.text,
+                                              convert.optional_bool(request, "add_special_tokens", True))
+        if kind == "chat":
+            return self.backend.tokenize_chat(convert.chat_from_proto(request.chat))
+        raise ValueError("TokenizeRequest needs `text` or `chat`")
+
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
-        kind = request.WhichOneof("input")
-        method = f"tokenize_{kind or 'none'}"
+        method = f"tokenize_{request.WhichOneof('input') or 'none'}"
         with self._observe(method):
-            if kind == "text":
-                add_special = convert.optional_bool(request, "add_special_tokens", True)
-                out = await self.backend.run(self.backend.tokenize_text, request.text, add_special)
-            elif kind == "chat":
-                out = await self.backend.run(self.backend.tokenize_chat, convert.chat_from_proto(request.chat))
-            else:
-                raise ValueError("TokenizeRequest needs `text` or `chat`")
+            out = await self.backend.run(self._tokenize_one, request)
         if self.metrics is not None:
             self.metrics.counted(method, len(out.input_ids))
         return convert.tokenized_to_proto(out)
+
+    def _tokenize_batch(self, requests) -> list[tokenizer_pb2.TokenizeResult]:
+        """On one pool thread: every request of a stream message, each result or error on its own."""
+        results = []
+        for request in requests:
+            method = f"tokenize_{request.WhichOneof('input') or 'none'}"
+            try:
+                with self._observe(method):
+                    out = self._tokenize_one(request)
+            except ValueError as e:
+                results.append(tokenizer_pb2.TokenizeResult(error=tokenizer_pb2.TokenizeError(code=_INVALID,
+                                                                                              message=str(e))))
+                continue
+            except Exception as e:  # noqa: BLE001 - one request's failure, not the stream's
+                log.exception("tokenize failed")
+                results.append(tokenizer_pb2.TokenizeResult(error=tokenizer_pb2.TokenizeError(
+                    code=_INTERNAL, message=str(e) or type(e).__name__)))
+                continue
+            if self.metrics is not None:
+                self.metrics.counted(method, len(out.input_ids))
+            results.append(tokenizer_pb2.TokenizeResult(response=convert.tokenized_to_proto(out)))
+        return results
+
+    async def TokenizeStream(self, requests, context: grpc.aio.ServicerContext):
+        """Batches of Tokenize requests: each message's requests run together on one pool thread (one hand-off
+        for all of them), and its answer goes back under its id as soon as it is done."""
+        done: asyncio.Queue = asyncio.Queue()
+        running: set[asyncio.Task] = set()
+
+        async def one(msg: tokenizer_pb2.TokenizeStreamRequest) -> None:
+            try:
+                results = await self.backend.run(self._tokenize_batch, list(msg.requests)) if msg.requests else []
+            except Exception as e:  # noqa: BLE001 - the pool is gone (shutting down): every request fails
+                error = tokenizer_pb2.TokenizeError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(e))
+                results = [tokenizer_pb2.TokenizeResult(error=error) for _ in msg.requests]
+            await done.put(tokenizer_pb2.TokenizeStreamResponse(id=msg.id, results=results))
+
+        async def read() -> None:
+            async for msg in requests:
+                task = asyncio.create_task(one(msg))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await finish()
+
+        async def finish() -> None:  # the batches that came in are answered, then the stream ends
+            while running:
+                await asyncio.wait(set(running))
+            await done.put(None)
+
+        async def drain() -> None:  # the service is stopping: no new batches; the client opens another stream
+            await self.draining.wait()
+            reader.cancel()
+            await finish()
+
+        reader = asyncio.create_task(read())
+        drainer = asyncio.create_task(drain()) if self.draining is not None else None
+        try:
+            while (answer := await done.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+            if drainer is not None:
+                drainer.cancel()
+            for task in list(running):
+                task.cancel()
 
     async def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> tokenizer_pb2.DetokenizeResponse:

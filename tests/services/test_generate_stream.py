@@ -144,3 +144,28 @@ def test_router_falls_back_to_calls_for_a_worker_without_generate_stream(tmp_pat
     finally:
         mesh.close()
         stop(proc)
+
+
+def test_sigterm_finishes_the_running_requests_then_ends_the_stream():
+    """A draining worker answers what runs on the stream, refuses new submits (UNAVAILABLE: the router retries
+    elsewhere) and ends the stream once idle, so it exits long before its 30 s grace period."""
+    import signal
+
+    proc, url = start("services.decode", "--shutdown-grace-s", "30")
+    with grpc.insecure_channel(url) as ch:
+        s = Stream(worker_pb2_grpc.WorkerServiceStub(ch))
+        s.submit(request_id="running", input_ids=list(range(30, 60)), sampling_params=greedy(800, ignore_eos=True),
+                 stream=True)
+        first = s.next()
+        assert first.responses[0].request_id == "running"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.submit(request_id="late", input_ids=[1, 2, 3], sampling_params=greedy(2))
+        msgs, ends, _ = s.collect({"running", "late"})
+        assert ends["running"] == (0, "")
+        assert msgs["running"][-1].complete.usage.completion_tokens == 800
+        assert ends["late"][0] == grpc.StatusCode.UNAVAILABLE.value[0] and "shutting down" in ends["late"][1]
+        assert s.next(30) is None  # the worker ended the stream
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - started < 20, "the drain waited for the stream's grace period"

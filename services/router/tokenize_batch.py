@@ -1,0 +1,161 @@
+"""The router's Tokenize requests in batches over one TokenizerService.TokenizeStream: the requests made in the same
+turn of the event loop (the requests that arrived together) go as one message, whose answer carries each result.
+A request costs the router a share of one stream message instead of a unary call of its own (a completion queue
+operation and a wake-up by gRPC's I/O thread each), and the tokenizer service one pool hand-off per batch.
+
+`submit(request)` returns the response, raises ValueError for input the tokenizer rejects and TokenizerUnavailable
+when the service cannot answer: the stream broke (the next request opens another), or no answer within the
+timeout. A service without TokenizeStream (UNIMPLEMENTED at the handshake) makes `open()` return False: the
+client goes back to a call per request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from radixmesh.v1 import tokenizer_pb2
+
+log = logging.getLogger(__name__)
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+class TokenizerUnavailable(Exception):
+    pass
+
+
+class TokenizeBatcher:
+    def __init__(self, stub, url: str, timeout_s: float):
+        self.stub, self.url, self.timeout_s = stub, url, timeout_s
+        self.supported: bool | None = None
+        self._call = None
+        self._opening: asyncio.Future | None = None
+        self._ids = itertools.count(1)
+        self._batch: list[tuple[tokenizer_pb2.TokenizeRequest, asyncio.Future]] = []
+        self._flush: asyncio.Handle | None = None
+        self._waiting: dict[int, tuple[list[asyncio.Future], asyncio.TimerHandle]] = {}
+        self._writes: list[tokenizer_pb2.TokenizeStreamRequest] = []
+        self._writer: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
+        self.batches = self.requests = 0  # for metrics and tests
+
+    async def open(self) -> bool:
+        """True when the stream is up (opened now if needed); False when the service has no TokenizeStream.
+        TokenizerUnavailable when it cannot be reached."""
+        if self._call is not None:
+            return True
+        if self.supported is False:
+            return False
+        if self._opening is None:  # the callers that wait for it resume together, so their requests share a batch
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.shield(self._opening)
+
+    def _opened(self, fut: asyncio.Future) -> None:
+        self._opening = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: its waiters got it
+
+    async def _open(self) -> bool:
+        call = self.stub.TokenizeStream()
+        try:
+            await call.write(tokenizer_pb2.TokenizeStreamRequest())
+            first = await asyncio.wait_for(call.read(), self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            call.cancel()
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("tokenizer %s has no TokenizeStream; a call per request", self.url)
+                self.supported = False
+                return False
+            raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise TokenizerUnavailable(f"tokenizer {self.url}: no TokenizeStream handshake in "
+                                       f"{self.timeout_s:.0f} s") from None
+        if first is grpc.aio.EOF:
+            raise TokenizerUnavailable(f"tokenizer {self.url} closed TokenizeStream at once")
+        self.supported, self._call = True, call
+        self._reader = asyncio.create_task(self._read(call))
+        return True
+
+    def submit(self, request: tokenizer_pb2.TokenizeRequest) -> asyncio.Future:
+        """The response's future (open() first); requests submitted in one turn of the loop share a message."""
+        fut = asyncio.get_running_loop().create_future()
+        self._batch.append((request, fut))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_soon(self._send_batch)
+        return fut
+
+    def _send_batch(self) -> None:
+        self._flush = None
+        batch, self._batch = self._batch, []
+        futures = [f for _, f in batch]
+        if self._call is None:
+            _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: the TokenizeStream broke"))
+            return
+        batch_id = next(self._ids)
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, batch_id)
+        self._waiting[batch_id] = (futures, timer)
+        self.batches += 1
+        self.requests += len(batch)
+        self._writes.append(tokenizer_pb2.TokenizeStreamRequest(id=batch_id, requests=[r for r, _ in batch]))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(self._call))
+
+    async def _write(self, call) -> None:
+        try:
+            while self._writes and call is self._call:
+                await call.write(self._writes.pop(0))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            log.info("TokenizeStream to %s: write failed (%s)", self.url, e)
+            call.cancel()
+
+    def _expire(self, batch_id: int) -> None:
+        futures, _ = self._waiting.pop(batch_id, ([], None))
+        _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: no answer in {self.timeout_s:.0f} s"))
+
+    async def _read(self, call) -> None:
+        reason = "the tokenizer ended TokenizeStream"
+        try:
+            while (answer := await call.read()) is not grpc.aio.EOF:
+                futures, timer = self._waiting.pop(answer.id, (None, None))
+                if futures is None:
+                    continue  # expired
+                timer.cancel()
+                for fut, result in zip(futures, answer.results):
+                    if fut.done():
+                        continue  # its caller gave up
+                    if result.HasField("response"):
+                        fut.set_result(result.response)
+                    elif result.error.code == _INVALID:
+                        fut.set_exception(ValueError(result.error.message))
+                    else:
+                        fut.set_exception(TokenizerUnavailable(f"tokenizer {self.url}: {result.error.message}"))
+        except grpc.aio.AioRpcError as e:
+            reason = f"{e.code().name} {e.details()}"
+        except asyncio.CancelledError:
+            reason = "closed"
+            raise
+        finally:
+            if self._call is call:
+                self._call = None
+            waiting, self._waiting = self._waiting, {}
+            for futures, timer in waiting.values():
+                timer.cancel()
+                _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: TokenizeStream: {reason}"))
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        for task in (self._reader, self._writer):
+            if task is not None:
+                task.cancel()
+
+
+def _fail(futures: list[asyncio.Future], error: Exception) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_exception(error)
