@@ -19,6 +19,7 @@ import logging
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.router.stream_link import StreamLink
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -87,72 +88,33 @@ class MuxCall:
 
 class WorkerMux:
     def __init__(self, stub, url: str, handshake_timeout_s: float):
-        self.stub, self.url, self.handshake_timeout_s = stub, url, handshake_timeout_s
-        self.supported: bool | None = None  # unknown until the first handshake
+        self.url = url
         self.calls: dict[str, MuxCall] = {}
-        self._call = None
-        self._open_lock = asyncio.Lock()
-        self._outbox: collections.deque = collections.deque()
-        self._writer: asyncio.Task | None = None
-        self._reader: asyncio.Task | None = None
+        self.link = StreamLink(url, "GenerateStream", stub.GenerateStream, worker_pb2.GenerateStreamRequest(),
+                               handshake_timeout_s, lambda why: rpc_error(grpc.StatusCode.UNAVAILABLE, why),
+                               self._read)
+
+    @property
+    def supported(self) -> bool | None:
+        return self.link.supported
 
     async def open(self) -> bool:
         """True when the stream is up (opened now if needed); False when the worker does not speak GenerateStream.
-        AioRpcError when it cannot be reached."""
-        if self._call is not None:
-            return True
-        if self.supported is False:
-            return False
-        async with self._open_lock:
-            if self._call is not None or self.supported is False:
-                return self._call is not None
-            call = self.stub.GenerateStream()
-            try:
-                await call.write(worker_pb2.GenerateStreamRequest())
-                first = await asyncio.wait_for(call.read(), self.handshake_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                call.cancel()
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("worker %s has no GenerateStream; it gets a call per request", self.url)
-                    self.supported = False
-                    return False
-                raise
-            except asyncio.TimeoutError:
-                call.cancel()
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"GenerateStream handshake took over {self.handshake_timeout_s:.0f} s") from None
-            if first is grpc.aio.EOF:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker closed GenerateStream at once")
-            self.supported, self._call = True, call
-            self._reader = asyncio.create_task(self._read(call))
-            return True
+        AioRpcError (UNAVAILABLE) when it cannot be reached."""
+        return await self.link.open()
 
     def start(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxCall:
         """Submits `request` on the open stream (call open() first)."""
         call = MuxCall(self, request.request_id, timeout_s)
         self.calls[request.request_id] = call
-        self._send(worker_pb2.GenerateStreamRequest(submit=request))
+        if not self.link.send(worker_pb2.GenerateStreamRequest(submit=request)):
+            self.calls.pop(request.request_id, None)
+            call.finish(rpc_error(grpc.StatusCode.UNAVAILABLE, "the GenerateStream broke"))
         return call
 
     def abort(self, request_id: str) -> None:
-        if self.calls.pop(request_id, None) is not None and self._call is not None:
-            self._send(worker_pb2.GenerateStreamRequest(abort=request_id))
-
-    def _send(self, msg: worker_pb2.GenerateStreamRequest) -> None:
-        if self._call is None:  # the stream is gone; its reader failed the requests on it
-            return
-        self._outbox.append(msg)
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write(self._call))
-
-    async def _write(self, call) -> None:
-        """Writes never overlap on a gRPC stream: one task drains the queue."""
-        try:
-            while self._outbox and call is self._call:
-                await call.write(self._outbox.popleft())
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            log.info("GenerateStream to %s: write failed (%s); the reader fails its requests", self.url, e)
-            call.cancel()
+        if self.calls.pop(request_id, None) is not None:
+            self.link.send(worker_pb2.GenerateStreamRequest(abort=request_id))
 
     async def _read(self, call) -> None:
         error = None
@@ -176,9 +138,7 @@ class WorkerMux:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed GenerateStream")
             raise
         finally:
-            if self._call is call:
-                self._call = None
-            self._outbox.clear()
+            self.link.ended(call)
             error = error or rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended GenerateStream")
             if self.calls:
                 log.warning("GenerateStream to %s ended (%s: %s); failing its %d open requests", self.url,
@@ -188,12 +148,7 @@ class WorkerMux:
                 c.finish(error)
 
     async def close(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        for task in (self._reader, self._writer):
-            if task is not None:
-                task.cancel()
+        await self.link.close()
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2
+from services.router.stream_link import StreamLink
 
-log = logging.getLogger(__name__)
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
@@ -28,57 +27,23 @@ class TokenizerUnavailable(Exception):
 
 class TokenizeBatcher:
     def __init__(self, stub, url: str, timeout_s: float):
-        self.stub, self.url, self.timeout_s = stub, url, timeout_s
-        self.supported: bool | None = None
-        self._call = None
-        self._opening: asyncio.Future | None = None
+        self.url, self.timeout_s = url, timeout_s
+        self.link = StreamLink(url, "TokenizeStream", stub.TokenizeStream, tokenizer_pb2.TokenizeStreamRequest(),
+                               timeout_s, lambda why: TokenizerUnavailable(f"tokenizer {url}: {why}"), self._read)
         self._ids = itertools.count(1)
         self._batch: list[tuple[tokenizer_pb2.TokenizeRequest, asyncio.Future]] = []
         self._flush: asyncio.Handle | None = None
         self._waiting: dict[int, tuple[list[asyncio.Future], asyncio.TimerHandle]] = {}
-        self._writes: list[tokenizer_pb2.TokenizeStreamRequest] = []
-        self._writer: asyncio.Task | None = None
-        self._reader: asyncio.Task | None = None
-        self.batches = self.requests = 0  # for metrics and tests
+        self.batches = self.requests = 0  # for tests
+
+    @property
+    def supported(self) -> bool | None:
+        return self.link.supported
 
     async def open(self) -> bool:
         """True when the stream is up (opened now if needed); False when the service has no TokenizeStream.
         TokenizerUnavailable when it cannot be reached."""
-        if self._call is not None:
-            return True
-        if self.supported is False:
-            return False
-        if self._opening is None:  # the callers that wait for it resume together, so their requests share a batch
-            self._opening = asyncio.ensure_future(self._open())
-            self._opening.add_done_callback(self._opened)
-        return await asyncio.shield(self._opening)
-
-    def _opened(self, fut: asyncio.Future) -> None:
-        self._opening = None
-        if not fut.cancelled():
-            fut.exception()  # retrieved: its waiters got it
-
-    async def _open(self) -> bool:
-        call = self.stub.TokenizeStream()
-        try:
-            await call.write(tokenizer_pb2.TokenizeStreamRequest())
-            first = await asyncio.wait_for(call.read(), self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            call.cancel()
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.info("tokenizer %s has no TokenizeStream; a call per request", self.url)
-                self.supported = False
-                return False
-            raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
-        except asyncio.TimeoutError:
-            call.cancel()
-            raise TokenizerUnavailable(f"tokenizer {self.url}: no TokenizeStream handshake in "
-                                       f"{self.timeout_s:.0f} s") from None
-        if first is grpc.aio.EOF:
-            raise TokenizerUnavailable(f"tokenizer {self.url} closed TokenizeStream at once")
-        self.supported, self._call = True, call
-        self._reader = asyncio.create_task(self._read(call))
-        return True
+        return await self.link.open()
 
     def submit(self, request: tokenizer_pb2.TokenizeRequest) -> asyncio.Future:
         """The response's future (open() first); requests submitted in one turn of the loop share a message."""
@@ -92,25 +57,14 @@ class TokenizeBatcher:
         self._flush = None
         batch, self._batch = self._batch, []
         futures = [f for _, f in batch]
-        if self._call is None:
+        batch_id = next(self._ids)
+        if not self.link.send(tokenizer_pb2.TokenizeStreamRequest(id=batch_id, requests=[r for r, _ in batch])):
             _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: the TokenizeStream broke"))
             return
-        batch_id = next(self._ids)
         timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, batch_id)
         self._waiting[batch_id] = (futures, timer)
         self.batches += 1
         self.requests += len(batch)
-        self._writes.append(tokenizer_pb2.TokenizeStreamRequest(id=batch_id, requests=[r for r, _ in batch]))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write(self._call))
-
-    async def _write(self, call) -> None:
-        try:
-            while self._writes and call is self._call:
-                await call.write(self._writes.pop(0))
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            log.info("TokenizeStream to %s: write failed (%s)", self.url, e)
-            call.cancel()
 
     def _expire(self, batch_id: int) -> None:
         futures, _ = self._waiting.pop(batch_id, ([], None))
@@ -139,20 +93,14 @@ class TokenizeBatcher:
             reason = "closed"
             raise
         finally:
-            if self._call is call:
-                self._call = None
+            self.link.ended(call)
             waiting, self._waiting = self._waiting, {}
             for futures, timer in waiting.values():
                 timer.cancel()
                 _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: TokenizeStream: {reason}"))
 
     async def close(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        for task in (self._reader, self._writer):
-            if task is not None:
-                task.cancel()
+        await self.link.close()
 
 
 def _fail(futures: list[asyncio.Future], error: Exception) -> None:

@@ -10,23 +10,11 @@ import threading
 import time
 
 import grpc
-import pytest
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from tests.services.test_worker_service import greedy, start, used_after_flush
-from tests.services.test_router_resilience import Mesh, generate, post
 from tests.services.metrics_utils import start_grpc, stop
-from tests.services.test_router_resilience import MODEL
-
-
-@pytest.fixture(scope="module")
-def worker():
-    proc, url = start("services.decode")
-    ch = grpc.insecure_channel(url)
-    yield worker_pb2_grpc.WorkerServiceStub(ch)
-    ch.close()
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
+from tests.services.test_router_resilience import MODEL, Mesh, generate, post
+from tests.services.test_worker_service import greedy, start, used_after_flush, worker  # noqa: F401 (fixture)
 
 
 class Stream:

@@ -16,25 +16,10 @@ import urllib.request
 import pytest
 
 from services.router.supervisor import merge_expositions
-from tests.services.metrics_utils import http_get, scrape, start_grpc, stop
-from tests.services.test_router_resilience import KEY, MODEL, Mesh, generate, post
+from tests.services.metrics_utils import http_get, scrape, stop
+from tests.services.test_router_resilience import KEY, Mesh, generate, mesh, post, tokenizer  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
-                           log=tmp_path_factory.mktemp("rp") / "tokenizer.log")
-    yield url
-    stop(proc)
-
-
-@pytest.fixture
-def mesh(tokenizer, tmp_path):
-    m = Mesh(tokenizer, tmp_path)
-    yield m
-    m.close()
 
 
 def children(pid: int) -> set[int]:

@@ -6,7 +6,6 @@ TokenizerUnavailable for every waiting request, and a service without the method
 from __future__ import annotations
 
 import asyncio
-import json
 
 import grpc
 import pytest

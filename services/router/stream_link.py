@@ -1,0 +1,105 @@
+"""A long-lived bidirectional gRPC stream from the router to a peer (GenerateStream to a worker, TokenizeStream to
+the tokenizer service), the plumbing WorkerMux (mux.py) and TokenizeBatcher (tokenize_batch.py) share:
+
+- `open()` starts the stream with a handshake (an empty message, answered with an empty one). The callers that wait
+  for it resume together. A peer without the method (UNIMPLEMENTED) makes it return False from then on: the owner
+  goes back to a call per request. Any other failure raises `unavailable(reason)`.
+- `send(msg)` queues a message; one task writes them in order (writes never overlap on a gRPC stream).
+- the owner's `read(call)` coroutine runs for the stream's life; when it returns, `ended(call)` forgets the stream
+  and the next `open()` starts another."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Awaitable, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class StreamLink:
+    def __init__(self, url: str, method: str, start: Callable[[], object], hello, timeout_s: float,
+                 unavailable: Callable[[str], Exception], read: Callable[[object], Awaitable[None]]):
+        self.url, self.method, self.timeout_s = url, method, timeout_s
+        self._start, self._hello, self._unavailable, self._read = start, hello, unavailable, read
+        self.supported: bool | None = None  # unknown until the first handshake
+        self.call = None
+        self._opening: asyncio.Future | None = None
+        self._outbox: collections.deque = collections.deque()
+        self._writer: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
+
+    async def open(self) -> bool:
+        if self.call is not None:
+            return True
+        if self.supported is False:
+            return False
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.shield(self._opening)
+
+    def _opened(self, fut: asyncio.Future) -> None:
+        self._opening = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: its waiters got it
+
+    async def _open(self) -> bool:
+        call = self._start()
+        try:
+            await call.write(self._hello)
+            first = await asyncio.wait_for(call.read(), self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            call.cancel()
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("%s has no %s: a call per request", self.url, self.method)
+                self.supported = False
+                return False
+            raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise self._unavailable(f"no {self.method} handshake in {self.timeout_s:.0f} s") from None
+        if first is grpc.aio.EOF:
+            raise self._unavailable(f"{self.method} closed at once")
+        self.supported, self.call = True, call
+        self._reader = asyncio.create_task(self._run_reader(call))
+        return True
+
+    async def _run_reader(self, call) -> None:
+        try:
+            await self._read(call)
+        finally:
+            self.ended(call)
+
+    def ended(self, call) -> None:
+        if self.call is call:
+            self.call = None
+            self._outbox.clear()
+
+    def send(self, msg) -> bool:
+        """Queues `msg`; False when the stream is gone (its reader fails what waited on it)."""
+        if self.call is None:
+            return False
+        self._outbox.append(msg)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(self.call))
+        return True
+
+    async def _write(self, call) -> None:
+        try:
+            while self._outbox and call is self.call:
+                await call.write(self._outbox.popleft())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            log.info("%s to %s: write failed (%s); the stream is closed", self.method, self.url, e)
+            call.cancel()
+
+    async def close(self) -> None:
+        call, self.call = self.call, None
+        if call is not None:
+            call.cancel()
+        for task in (self._reader, self._writer):
+            if task is not None:
+                task.cancel()
