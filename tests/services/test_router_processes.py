@@ -105,14 +105,16 @@ def test_cache_aware_routes_are_shared(mesh):
             status, body, _ = post(base, "/generate", {"text": p + f" turn {rnd}",
                                                        "sampling_params": {"max_new_tokens": 2}})
             assert status == 200, body
-            time.sleep(0.03)  # routes reach the sibling within a few ms
+            time.sleep(0.1)  # routes reach the sibling within a few ms (more on a loaded CI machine)
     s = scrape(mesh.metrics_port)
     hits, misses = s.value("sgl_router_cache_hits_total"), s.value("sgl_router_cache_misses_total")
     assert s.labels("sgl_router_cache_hits_total", "router_process") == {"0", "1"}
     served = {p: s.value("sgl_router_cache_hits_total", router_process=p) +
               s.value("sgl_router_cache_misses_total", router_process=p) for p in ("0", "1")}
     assert min(served.values()) > 0, served  # both processes took requests
-    assert misses <= len(prefixes) and hits >= 4 * len(prefixes), (hits, misses, served)
+    # each conversation's first request misses; without shared routes about half the later ones would too (the
+    # process they land on never saw it): a slack of 2 for a route still in flight on a loaded machine
+    assert misses <= len(prefixes) + 2 and hits >= 4 * len(prefixes) - 2, (hits, misses, served)
     calls = [mesh.calls(a), mesh.calls(b)]
     assert sum(calls) == 30 and min(calls) > 0, calls
 
