@@ -277,6 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
                    "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--exporter-elsewhere", action="store_true",
+                   help="with tracing: move the trace exporter process off the router's core (to the others)")
     p.add_argument("--router-args", nargs="*", default=[], metavar="FLAG",
                    help="more router flags, e.g. --router-args=--disable-generate-stream")
     p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
@@ -311,9 +313,11 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
         bases["router_traced"] = start_router(procs, "router_traced", ["services.router", *common,
                                               *([] if args.ab_control else trace)], args.router_cpu)
     pids = {name: p.pid for name, p in procs.procs.items()}
-    for name in bases:  # the trace exporter shares the router's core, as it would share a router pod's CPUs
+    for name in bases:  # the trace exporter shares the router's core, as it would share a one-CPU router pod
         for pid in children(pids[name]):
             pids["trace_exporter"] = pid
+            if args.exporter_elsewhere:  # as in a pod with a second CPU
+                os.sched_setaffinity(pid, others)
     results = []
     for n, sc in enumerate(s for s in SCENARIOS if s.name in args.scenarios):
         if args.trace_ab:

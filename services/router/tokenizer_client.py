@@ -2,8 +2,8 @@
 interceptors: the calls pass the trace context themselves (services.common.trace_grpc). With
 --tokenizer-cache-enable-l0 (SGLang router's flag) a repeated request (the same text, or the same chat messages,
 tools and template options) is answered from an LRU of the last --tokenizer-cache-l0-max-entries results, without
-a call. Requests go in batches over one TokenizeStream (services/router/tokenize_batch.py) unless tracing is on
-(each then has its Tokenize call, under its request's trace) or the service lacks the method."""
+a call. Requests go in batches over one TokenizeStream (services/router/tokenize_batch.py), each with its trace
+context when tracing is on, unless the service lacks the method."""
 
 from __future__ import annotations
 
@@ -78,7 +78,13 @@ class TokenizerClient:
 
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         batcher = self.batcher
-        if batcher is not None and not tracing.enabled() and await batcher.open():
+        if batcher is not None and await batcher.open():
+            carried = tracing.current_metadata()
+            if carried:  # the caller's request stays as it is (it may be the L0 cache's key)
+                traced = tokenizer_pb2.TokenizeRequest()
+                traced.CopyFrom(request)
+                traced.trace_context.update(dict(carried))
+                request = traced
             return await batcher.submit(request)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())

@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import tracing
 from services.tokenizer import convert
 from services.tokenizer.backend import TokenizerBackend
 from services.tokenizer.metrics import TokenizerMetrics
@@ -19,6 +20,8 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].ful
 log = logging.getLogger(__name__)
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+TOKENIZE = f"{SERVICE_NAME}/Tokenize"
+SPAN_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Tokenize"}
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -50,12 +53,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return convert.tokenized_to_proto(out)
 
     def _tokenize_batch(self, requests) -> list[tokenizer_pb2.TokenizeResult]:
-        """On one pool thread: every request of a stream message, each result or error on its own."""
+        """On one pool thread: every request of a stream message, each result or error on its own; a request with
+        a trace context gets the server span a traced Tokenize call gets."""
         results = []
         for request in requests:
             method = f"tokenize_{request.WhichOneof('input') or 'none'}"
+            span = tracing.root_span(TOKENIZE, dict(request.trace_context), **SPAN_ATTRIBUTES) \
+                if request.trace_context and tracing.enabled() else contextlib.nullcontext()
             try:
-                with self._observe(method):
+                with span, self._observe(method):
                     out = self._tokenize_one(request)
             except ValueError as e:
                 results.append(tokenizer_pb2.TokenizeResult(error=tokenizer_pb2.TokenizeError(code=_INVALID,
