@@ -98,8 +98,8 @@ class RouterSettings:
     admin_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "the key /add_worker, /remove_worker and /flush_cache require (default: any accepted API key)"})
     disable_generate_stream: bool = field(default=False, metadata={
-        "help": "a worker call per request instead of one GenerateStream per worker carrying all of them (the "
-                "stream is also left unused while tracing is on, so each worker span has its own call)"})
+        "help": "a worker call per request instead of one GenerateStream per worker carrying all of them (a "
+                "worker without GenerateStream gets calls anyway)"})
     router_workers: int = field(default=1, metadata={
         "help": "router processes serving the same ports (SO_REUSEPORT) under one supervisor that replaces any "
                 "that dies; they share the worker registry, health and the cache-aware routes; admission limits "
