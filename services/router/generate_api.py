@@ -194,7 +194,10 @@ async def _updates(router: Router, job: GenerateJob, request: worker_pb2.Generat
             kind = msg.WhichOneof("response")
             if kind == "error":
                 raise RouterError(msg.error.http_status_code or 500, msg.error.message)
-            samples.setdefault(msg.index, _Sample(job.sample_rid(msg.index))).on_message(msg)
+            sample = samples.get(msg.index)
+            if sample is None:  # (not setdefault: that would build a _Sample for every message)
+                sample = samples[msg.index] = _Sample(job.sample_rid(msg.index))
+            sample.on_message(msg)
             yield msg.index, kind
 
 
