@@ -374,6 +374,22 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
                                           for r in rounds]}
 
 
+@contextlib.contextmanager
+def process_group(prefix: str):
+    """Processes (logs in a temporary folder) for one benchmark setting: their log tails printed if it fails,
+    all stopped at the end."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as logs:
+        procs = Processes(Path(logs))
+        try:
+            yield procs
+        except Exception:
+            for name in procs.procs:
+                print(f"--- {name} log ---\n{procs.tail(name)}", file=sys.stderr)
+            raise
+        finally:
+            procs.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

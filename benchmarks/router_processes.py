@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -42,10 +41,9 @@ def metric_sum(port: int, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def one_setting(count: int, args, logs: Path) -> dict:
-    procs = bench.Processes(logs)
+def one_setting(count: int, args) -> dict:
     cores = os.sched_getaffinity(0)
-    try:
+    with bench.process_group(f"bench-procs-{count}-") as procs:
         tok, workers, metrics = bench.free_port(), [bench.free_port(), bench.free_port()], bench.free_port()
         quiet = ["--log-level", "warning"]
         procs.start("tokenizer", ["services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
@@ -83,8 +81,6 @@ def one_setting(count: int, args, logs: Path) -> dict:
                                "hit_rate": hits / max(hits + misses, 1), "errors": load["errors"],
                                "best_possible_hit_rate": (TURNS - 1) / TURNS}
         return out
-    finally:
-        procs.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     doc = {**bench.provenance(argv), "command": "python -m benchmarks.router_processes " + " ".join(argv)}
     doc["device"] = doc["device"].replace(" (router pinned to one)", " (nothing pinned)")
-    with tempfile.TemporaryDirectory(prefix="bench-procs-") as logs:
-        doc["settings"] = [one_setting(n, args, Path(logs)) for n in (1, 2)]
+    doc["settings"] = [one_setting(n, args) for n in (1, 2)]
     one, two = doc["settings"]
     for a, b in zip(one["throughput"], two["throughput"]):
         print(f"{a['scenario']}: {a['requests_per_s']:.0f} req/s with 1 router process, {b['requests_per_s']:.0f} "

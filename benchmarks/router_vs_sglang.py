@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks import router as ours
@@ -53,16 +52,8 @@ def run_sglang(args: argparse.Namespace, procs: ours.Processes) -> list[dict]:
 
 
 def side(name: str, args: argparse.Namespace, runner) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as logs:
-        procs = ours.Processes(Path(logs))
-        try:
-            results = runner(args, procs)
-        except Exception:
-            for proc in procs.procs:
-                print(f"--- {proc} log ---\n{procs.tail(proc)}", file=sys.stderr)
-            raise
-        finally:
-            procs.close()
+    with ours.process_group(f"bench-{name}-") as procs:
+        results = runner(args, procs)
     return {"router_rss_mb": round(args.router_rss_mb, 1), "results": results}
 
 

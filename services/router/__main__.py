@@ -142,7 +142,7 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
     metrics_settings = metrics_settings or MetricsSettings()
     peers = None
     if link is not None:
-        router.peers = peers = Peers(router, *link)
+        router.peers = peers = Peers(router, link[0], link[1])
         await peers.connect()
         if metrics_settings.enabled:  # the supervisor serves --metrics-port for all the processes
             metrics_settings = dataclasses.replace(metrics_settings, enable_metrics=True, metrics_port=None)

@@ -94,10 +94,6 @@ class WorkerMux:
                                handshake_timeout_s, lambda why: rpc_error(grpc.StatusCode.UNAVAILABLE, why),
                                self._read)
 
-    @property
-    def supported(self) -> bool | None:
-        return self.link.supported
-
     async def open(self) -> bool:
         """True when the stream is up (opened now if needed); False when the worker does not speak GenerateStream.
         AioRpcError (UNAVAILABLE) when it cannot be reached."""

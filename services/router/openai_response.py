@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import math
-
-import orjson
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from radixmesh.v1 import common_pb2, worker_pb2
 from services.router.openai_errors import OpenAIError, from_status, internal

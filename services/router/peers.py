@@ -41,8 +41,8 @@ def from_env() -> tuple[str, int, int] | None:
 
 
 class Peers:
-    def __init__(self, router, path: str, index: int, count: int):
-        self.router, self.path, self.index, self.count = router, path, index, count
+    def __init__(self, router, path: str, index: int):
+        self.router, self.path, self.index = router, path, index
         self.metrics = None  # ServiceMetrics, set by the caller when metrics are on
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -63,10 +63,9 @@ class Peers:
         await asyncio.wait_for(self._snapshot_done, timeout_s)
         registry = self.router.registry
         registry.on_change = self._announce
-        for role, policy in self.router.role_policies.items():
-            if hasattr(policy, "learn") and role in ("colocated", "prefill", "decode"):
-                roles = [r for r, p in self.router.role_policies.items() if p is policy]
-                policy.on_insert = lambda url, keys, role=roles[0]: self._route(role, url, keys)
+        for role, policy in self.router.role_policies.items():  # a policy serving several roles: its first role
+            if hasattr(policy, "learn") and policy.on_insert is None:
+                policy.on_insert = lambda url, keys, role=role: self._route(role, url, keys)
 
     def ready(self) -> None:
         """Tells the supervisor this process serves (sent once its ports are open)."""

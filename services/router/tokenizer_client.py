@@ -46,7 +46,7 @@ class TokenizeCache:
 
 
 class TokenizerClient:
-    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0, batch: bool = True):
+    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0):
         """`cache_entries` > 0: answer repeated tokenize requests from a cache of that many (responses are shared:
         callers read them, never change them)."""
         self.url = url
@@ -55,7 +55,7 @@ class TokenizerClient:
         self.channel = untraced_channel(url)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
-        self.batcher = TokenizeBatcher(self.stub, url, timeout_s) if batch else None
+        self.batcher = TokenizeBatcher(self.stub, url, timeout_s)
 
     async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
         try:
@@ -77,15 +77,14 @@ class TokenizerClient:
         return found
 
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        batcher = self.batcher
-        if batcher is not None and await batcher.open():
+        if await self.batcher.open():
             carried = tracing.current_metadata()
             if carried:  # the caller's request stays as it is (it may be the L0 cache's key)
                 traced = tokenizer_pb2.TokenizeRequest()
                 traced.CopyFrom(request)
                 traced.trace_context.update(dict(carried))
                 request = traced
-            return await batcher.submit(request)
+            return await self.batcher.submit(request)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())
         except grpc.aio.AioRpcError as e:
@@ -104,6 +103,5 @@ class TokenizerClient:
             raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
 
     async def close(self) -> None:
-        if self.batcher is not None:
-            await self.batcher.close()
+        await self.batcher.close()
         await self.channel.close(grace=None)
