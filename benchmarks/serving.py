@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import shlex
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import thread_cpu
 from benchmarks.serving_backends import (REPO, BenchError, CompletionsApi, EngineBackend, GenerateApi, HttpBackend,
                                          LaunchedMesh, RequestOutput, WorkItem, describe_device)
 from engine.cli import add_engine_args, engine_kwargs
@@ -203,7 +205,11 @@ async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
         if args.flush_cache:
             await backend.flush_cache()
         before = await backend.counters()
+        cpu_root = getattr(args, "cpu_root", None) or os.getpid()
+        cpu_before = thread_cpu.snapshot(cpu_root) if args.thread_cpu else None
         outputs, duration = await run_timed(backend, items, args)
+        cpu = thread_cpu.per_token(cpu_before, thread_cpu.snapshot(cpu_root),
+                                   sum(o.output_len for o in outputs if o.success)) if args.thread_cpu else None
         after = await backend.counters()
         device = await backend.device()
         device = describe_device(device) if args.launch or args.backend == "engine" else device  # else not here
@@ -214,7 +220,8 @@ async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
             "workload_digest": workload_digest(items), "workload_output_tokens": sum(i.output_len for i in items),
             "workload_input_tokens": sum(len(i.input_ids) for i in items),
             # The (first) worker's scheduler during the timed run: prefill and decode steps, prefilled tokens.
-            "scheduler": {k: after[k] - before[k] for k in after if k in before}}
+            "scheduler": {k: after[k] - before[k] for k in after if k in before},
+            **({"thread_cpu": cpu} if cpu is not None else {})}
 
 
 SUMMARY = (("Backend", "backend", "s"), ("Traffic request rate", "request_rate", "s"),
@@ -248,6 +255,9 @@ def summary(result: dict) -> str:
         lines += [row(label, sched.get(key), "d") for label, key in (
             ("Prefill steps", "forward_extend"), ("Decode steps", "forward_decode"),
             ("Prefilled tokens", "prefill_tokens"))]
+    if result.get("thread_cpu"):
+        lines.append(f"{'CPU per output token (us), by thread':-^50}")
+        lines += [row(f"{t['service']} {t['thread']}", t["us_per_token"], ".1f") for t in result["thread_cpu"][:8]]
     return "\n".join(lines + ["=" * 50])
 
 
@@ -287,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="flush the prefix cache after the warm-up")
+    p.add_argument("--thread-cpu", action="store_true",
+                   help="CPU per output token of each thread over the timed run, of the launched mesh (--launch) "
+                        "or of this process (the engine backend); Linux only")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", help="append one JSON line of results here")
     p.add_argument("--launch", action="store_true", help="start the mesh (services.launch serve) with the engine "
@@ -339,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if mesh is not None:
                     mesh.start(args.launch_timeout)
+                    args.cpu_root = mesh.proc.pid
                 result = asyncio.run(benchmark(args, engine))
                 if mesh is not None and result["failed"]:
                     print(f"--- the mesh's log, last lines ---\n{mesh.log_tail(30)}", file=sys.stderr)
