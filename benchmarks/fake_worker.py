@@ -50,6 +50,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         return min(self.tokens, sp.max_new_tokens) if sp.HasField("max_new_tokens") else self.tokens
 
     async def Generate(self, request, context):
+        async for msg in generate_mux.messages(self.generate, request, context):
+            yield msg
+
+    async def generate(self, request, context, emit) -> None:
         self.calls += 1
         if self.calls <= self.fail_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {self.calls} of {self.fail_first}")
@@ -59,18 +63,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         ids = token_ids(n)
         if request.stream:
             for i, tok in enumerate(ids):
-                yield worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
-                    token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1))
+                emit(worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
+                    token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1)))
                 await asyncio.sleep(0)  # the next "step"
         usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
-        yield worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
+        emit(worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
             output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
-            finish_reason=common_pb2.FinishReason(type=_LENGTH, length=n)))
+            finish_reason=common_pb2.FinishReason(type=_LENGTH, length=n))))
 
     async def GenerateStream(self, requests, context):
         if self.no_generate_stream:  # as a worker of an older release would answer
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-        async for batch in generate_mux.serve(requests, context, self.Generate, self.draining):
+        async for batch in generate_mux.serve(requests, context, self.generate, self.draining):
             yield batch
 
     async def Abort(self, request, context):

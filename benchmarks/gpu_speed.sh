@@ -11,6 +11,8 @@
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
+#   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
+#                           per token (--thread-cpu)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
@@ -113,6 +115,32 @@ if [[ $PARTS == *servab* ]]; then
       | grep -E "Backend|Failed|Output token|ITL"
     $PY -m benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
       | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+  done
+fi
+
+if [[ $PARTS == *meshab* ]]; then
+  # A change to the serving path against the tree it replaces: ROUNDS x (engine, mesh of this tree, mesh of $BASE),
+  # alternated. $BASE holds an earlier commit's engine, services, kernels and radixmesh stubs with this tree's
+  # benchmarks, and a link build -> ../build (carry it).
+  BASE=${BASE:-prev}
+  MODEL=build/llama-3.1-8b
+  LOAD="--model-path $MODEL --load-format dummy --dtype bfloat16 --max-running-requests 256 --log-level warning
+        --attention-backend ${BACKEND:-triton}"
+  WORK="--num-prompts 512 --random-input-len 512 --random-output-len 128 --random-range-ratio 0.5 --max-concurrency 64
+        --disable-tqdm --thread-cpu --output-file $OUT/meshab.jsonl"
+  SHOW="Backend|Failed|Output token|ITL|TTFT|main|other"
+  # Throwaway runs first (the engine's, then a mesh's): the first mesh of a machine ran with a P90 TTFT of 2.3 s
+  for backend in engine "radixmesh --launch"; do
+    $PY -m benchmarks.serving --backend $backend $LOAD ${WORK/--output-file $OUT\/meshab.jsonl/} --num-prompts 128 \
+      >> "$OUT/meshab_warm.log" 2>&1
+  done
+  for round in $(seq ${ROUNDS:-2}); do
+    $PY -m benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/meshab.log" | grep -E "$SHOW"
+    for tree in ${ORDER:-this base}; do  # ORDER="base this" swaps them
+      dir=.; [[ $tree == base ]] && dir=$BASE
+      (cd "$dir" && PYTHONPATH=$PWD $PY -m benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 \
+        | tee -a "$OUT/meshab.log" | grep -E "$SHOW")
+    done
   done
 fi
 

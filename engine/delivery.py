@@ -1,37 +1,64 @@
 """Handing scheduler outputs to asyncio callers cheaply.
 
 The scheduler thread emits one StepOutput per request per step. Waking an event loop costs a system call, so a
-`LoopMailbox` (one per loop) queues outputs and wakes its loop at most once until the loop has taken them: when the
-loop lags, one wake-up delivers many outputs. On the receiving side `coalesce` merges the outputs of one request that
-arrived together into one, so a consumer that fell behind gets one larger chunk (one detokenization, one message
-downstream) instead of many small ones; the concatenation is exactly what the separate outputs carried.
-"""
+`LoopMailbox` (one per loop) queues outputs and wakes its loop at most once until the loop has taken them: when the loop
+lags, one wake-up delivers many outputs. Each output goes to a function called in the loop: an asyncio.Queue's
+put_nowait (a task waits on the queue), or a sink that handles the output right there, without waking a task. The
+scheduler hands a step's outputs over inside `together()`, which wakes each loop once, at the end. On the
+receiving side `coalesce` merges the outputs of one request that arrived together into one, so a consumer that fell
+behind gets one larger chunk (one detokenization, one message downstream) instead of many small ones; the concatenation
+is exactly what the separate outputs carried."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import logging
 import weakref
+from typing import Callable
 
 from engine.request import StepOutput
+
+log = logging.getLogger(__name__)
 
 
 class LoopMailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._items: list[tuple[Callable[[object], None], object]] = []
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def put(self, queue: asyncio.Queue, item: object) -> None:
-        """Called from any thread. Raises RuntimeError when the loop is closed (the caller is gone)."""
+    def put(self, to: Callable[[object], None], item: object) -> None:
+        """Called from any thread: `to(item)` runs in the loop (it must be quick and must not raise). Raises
+        RuntimeError when the loop is closed (the caller is gone). Inside `together()` the loop is woken at the
+        block's end."""
         if self.loop.is_closed():
             raise RuntimeError("Event loop is closed")
         with self._lock:
-            self._items.append((queue, item))
+            self._items.append((to, item))
             if self._scheduled:
                 return
+            held = getattr(_holding, "boxes", None)
+            if held is not None:
+                held.add(self)
+                return
             self._scheduled = True
+        self._wake()
+
+    def _flush(self) -> None:
+        """Wake the loop for what was put while held (unless a wake-up is already on its way)."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return
+            self._scheduled = True
+        try:
+            self._wake()
+        except RuntimeError:  # the loop closed meanwhile: its callers are gone, their outputs with them
+            log.warning("dropping %d outputs: their event loop is closed", len(self._items))
+
+    def _wake(self) -> None:
         try:
             self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:
@@ -42,8 +69,30 @@ class LoopMailbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, self._scheduled = self._items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
+        for to, item in items:
+            try:
+                to(item)
+            except Exception:  # noqa: BLE001 - one broken consumer must not cost the others their outputs
+                log.exception("an output's consumer failed")
+
+
+_holding = threading.local()
+
+
+@contextlib.contextmanager
+def together():
+    """The outputs this thread puts inside the block wake each loop once, at its end: the scheduler hands a step's
+    outputs over this way, so a loop gets them in one delivery (and a server sends them in one message)."""
+    if getattr(_holding, "boxes", None) is not None:  # nested: the outer block wakes
+        yield
+        return
+    _holding.boxes = boxes = set()
+    try:
+        yield
+    finally:
+        _holding.boxes = None
+        for box in boxes:
+            box._flush()
 
 
 _mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -181,19 +181,13 @@ class Engine:
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
         engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
         (for latency metrics; it must be quick and not raise)."""
-        _check_tenant(tenant)
-        loop = asyncio.get_running_loop()
-        specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
-            self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            token_ids_logprob, return_text_in_logprobs, rid))
-        warm = self._shared_prefills(specs) if handoff is None else []
-        if warm:
-            await self.async_generate(input_ids=[s.input_ids for s in warm],
-                                      sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
+        specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                              top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
+                                              handoff, tenant)
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
         inbox: asyncio.Queue = asyncio.Queue()
-        mailbox = mailbox_for(loop)
-        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox, (i, out))), handoff, tenant)
+        mailbox = mailbox_for(asyncio.get_running_loop())
+        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), handoff, tenant)
         # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
@@ -205,6 +199,66 @@ class Engine:
             if not collector.done:
                 self._abort_all(specs)()
         return collector.results if is_batch else collector.results[0]
+
+    async def generate_into(self, on_delta: Callable[[dict], None], prompt=None, sampling_params=None,
+                            input_ids=None, return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
+                            token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
+                            tenant: str = "", on_finish=None) -> None:
+        """As `async_generate(stream=True)`, but each delta is handed to `on_delta(delta)` where the event loop
+        receives the scheduler's outputs: no task wakes up per token, which is what a server streaming many
+        requests at once spends most of its event loop on. Returns when every request of the call has finished.
+        An exception from `on_delta` ends the call (its requests are aborted) and is raised here; so is a
+        cancellation. `on_delta` is never called after this returns or raises."""
+        specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                              top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
+                                              handoff, tenant)
+        collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def deliver(item: tuple[int, StepOutput]) -> None:
+            if done.done():  # ended (an error, a cancellation): outputs still on their way are dropped
+                return
+            try:
+                delta = collector.record(*item)
+                if delta is not None:
+                    on_delta(delta)
+            except BaseException as e:  # noqa: BLE001 - ends this call, raised in its task
+                done.set_exception(e)
+                return
+            if collector.done:
+                done.set_result(None)
+
+        mailbox = mailbox_for(loop)
+        self._submit(specs, lambda i: (lambda out: mailbox.put(deliver, (i, out))), handoff, tenant)
+        try:
+            while not done.done():
+                try:  # one timer a second per call, not one per token as a queue read with a timeout would be
+                    async with asyncio.timeout(1.0):
+                        await asyncio.shield(done)
+                except TimeoutError:
+                    self._check_alive()
+            done.result()
+        finally:
+            if not done.done():  # cancelled, or the scheduler died: nothing more is delivered
+                done.cancel()
+            if not collector.done:
+                self._abort_all(specs)()
+
+    async def _prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                       token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant: str
+                       ) -> tuple[list[RequestSpec], bool]:
+        """Validation, tokenization and grammars on the prep threads; n > 1 prompts prefilled once first."""
+        _check_tenant(tenant)
+        loop = asyncio.get_running_loop()
+        specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
+            self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            token_ids_logprob, return_text_in_logprobs, rid))
+        warm = self._shared_prefills(specs) if handoff is None else []
+        if warm:
+            await self.async_generate(input_ids=[s.input_ids for s in warm],
+                                      sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
+        return specs, is_batch
 
     async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue) -> AsyncIterator[dict | None]:
         while not collector.done:

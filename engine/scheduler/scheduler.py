@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine import delivery
 from engine.cache.manager import CacheManager
 from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
@@ -287,13 +288,14 @@ class Scheduler:
         except Exception as e:
             self._fail(flight.reqs, e)
             return
-        for i, r in enumerate(flight.reqs):
-            if not flight.samples[i]:
-                continue
-            r.pending -= 1
-            if r.finished:  # aborted, or finished by its previous token: this one is past its end
-                continue
-            self._advance(r, next_ids[i], extras[i] if extras else None)
+        with delivery.together():  # the step's outputs reach each caller's event loop in one wake-up
+            for i, r in enumerate(flight.reqs):
+                if not flight.samples[i]:
+                    continue
+                r.pending -= 1
+                if r.finished:  # aborted, or finished by its previous token: this one is past its end
+                    continue
+                self._advance(r, next_ids[i], extras[i] if extras else None)
 
     def _fail(self, reqs: list[Req], e: Exception) -> None:
         log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])

@@ -1,10 +1,11 @@
-"""The worker side of WorkerService.GenerateStream: many requests over one stream. `serve(requests, context,
-generate)` runs each submitted request through `generate(request, context)` (the servicer's own Generate: the same
-validation, engine path and metrics) as a task of its own, and writes whatever outputs are ready together as ONE
-response message: the outputs of all of a scheduler step's requests reach the router in one gRPC message, instead of
-one per request per token. An `abort` cancels its request's task (the engine aborts it and frees its KV pages); the
-stream closing cancels them all. Errors end a request with the status a Generate call would have got. A request
-with a trace context gets the server span a traced Generate call would get."""
+"""The worker side of WorkerService.GenerateStream: many requests over one stream. `serve(requests, context, generate)`
+runs each submitted request through `generate(request, context, emit)` (what the servicer's Generate runs too: the
+same validation, engine path and metrics) as a task of its own; `emit` puts each response in the outbox as the engine
+delivers it, and whatever is ready together goes as ONE response message: the outputs of all of a scheduler step's
+requests reach the router in one gRPC message, instead of one per request per token. An `abort` cancels its request's
+task (the engine aborts it and frees its KV pages); the stream closing cancels them all. Errors end a request with
+the status a Generate call would have got. A request with a trace context gets the server span a traced Generate call
+would get."""
 
 from __future__ import annotations
 
@@ -50,6 +51,24 @@ class RequestContext:
         return self._stream.peer()
 
 
+async def messages(generate: Callable, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                   ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """A call per request (Generate): what `generate(request, context, emit)` emits, yielded as it comes; its error,
+    if any, is the call's. The caller leaving cancels it."""
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(generate(request, context, queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (msg := await queue.get()) is not None:
+            yield msg
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext,
                 generate: Callable, draining: asyncio.Event | None = None
                 ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
@@ -62,6 +81,10 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
     tasks: dict[str, asyncio.Task] = {}
     reading = True
 
+    def emit(msg: worker_pb2.GenerateResponse) -> None:
+        outbox.append(msg)
+        wake.set()
+
     async def run(request: worker_pb2.GenerateRequest) -> None:
         rid = request.request_id
         request_id_var.set(rid or "-")
@@ -71,11 +94,7 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
             if request.trace_context and tracing.enabled() else contextlib.nullcontext()
         try:
             with span:
-                async with contextlib.aclosing(generate(request, RequestContext(context))) as messages:
-                    async for msg in messages:
-                        msg.request_id = rid
-                        outbox.append(msg)
-                        wake.set()
+                await generate(request, RequestContext(context), emit)
         except asyncio.CancelledError:
             return  # aborted by the router, or the stream closed: nobody waits for an answer
         except _Aborted as e:

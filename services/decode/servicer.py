@@ -1,16 +1,19 @@
 """WorkerService over an in-process Engine: the colocated worker (--disaggregation-mode null).
 
 Generate streams what the engine produces (it runs with stream_output, so each message carries only new tokens and
-text); text is detokenized in this process's event loop, never on the scheduler thread. A closed client stream
-cancels the handler, which closes the engine stream, which aborts the request and frees its KV pages at once."""
+text); text is detokenized in this process's event loop, never on the scheduler thread. `generate` makes each
+message where the engine hands over a step's outputs (Engine.generate_into): the event loop shares the GIL with the
+scheduler thread, so no task wakes per token. A closed client stream (or a GenerateStream abort) cancels the
+request's task, which aborts the request and frees its KV pages at once."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import logging
 import time
+from typing import Callable
 
 import grpc
 
@@ -43,6 +46,54 @@ class _SampleState:
         self.last_chunk_at = 0.0  # time.monotonic() of its last chunk with tokens (metrics only)
 
 
+class _HandoffFailed(Exception):
+    """The KV handoff of a decode worker's request failed (the reason is the message)."""
+
+
+def _checked(room, emit: Callable, msg: worker_pb2.GenerateResponse) -> None:
+    """A request whose KV handoff failed ends in ABORTED with the reason (before anything was streamed), so the
+    router can retry it on another pair."""
+    if room.error is not None:
+        raise _HandoffFailed(room.error)
+    emit(msg)
+
+
+class _StreamOut:
+    """A streamed request's messages, made from each delta the engine delivers: its chunk, and after a sample's
+    last chunk the sample's complete message."""
+
+    def __init__(self, servicer: "WorkerServicer", rid: str, started: float, timings: dict | None, emit: Callable):
+        self.servicer, self.rid, self.started, self.timings, self.emit = servicer, rid, started, timings, emit
+        self.samples: dict[int, _SampleState] = {}
+        self.finished = 0
+
+    def push(self, delta: dict) -> None:
+        sv = self.servicer
+        i = delta.get("index", 0)
+        state = self.samples.get(i)
+        if state is None:
+            state = self.samples[i] = _SampleState()
+        meta = delta["meta_info"]
+        ids = delta["output_ids"]
+        if sv.metrics is not None and ids:
+            sv._chunk_gap(state, len(ids))
+        state.ids += ids
+        state.text.append(delta["text"])
+        sv.stats.tokens_out(len(ids))
+        piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
+        state.sent_input_logprobs = True
+        done = meta["finish_reason"] is not None
+        if done:  # counted before the caller may stop reading
+            self.finished += 1
+            sv._record_done(meta, 0)
+            if self.timings is not None:
+                sv._finished(i, meta, self.started, self.timings.get(i))
+        self.emit(worker_pb2.GenerateResponse(request_id=self.rid, index=i, chunk=piece))
+        if done:
+            whole = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
+            self.emit(worker_pb2.GenerateResponse(request_id=self.rid, index=i, complete=whole))
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: Engine, settings: WorkerSettings, prefill_rooms=None, decode_rooms=None,
                  metrics: ServiceMetrics | None = None):
@@ -64,6 +115,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # ---- generation -----------------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """A call per request: what `generate` emits, yielded as it comes (the caller leaving cancels it: the
+        engine aborts the request and frees its KV pages)."""
+        async for msg in generate_mux.messages(self.generate, request, context):
+            yield msg
+
+    async def GenerateStream(self, requests, context: grpc.aio.ServicerContext):
+        """Many requests over one stream (the router's per-worker link): each runs through `generate`; the outputs
+        that are ready together, usually one scheduler step's for every request of the stream, go as one message."""
+        async for batch in generate_mux.serve(requests, context, self.generate, self.draining):
+            yield batch
+
+    async def generate(self, request: worker_pb2.GenerateRequest, context, emit: Callable) -> None:
+        """Runs one request, handing each response message to `emit` (synchronously, in order) as it is made:
+        streamed chunks straight from the engine's delivery of a step's outputs, with no task switch per token.
+        Bad input raises ValueError; a failed PD handoff aborts the call with ABORTED and the reason."""
         started = time.monotonic()
         mode = self.settings.disaggregation_mode
         if not request.request_id:
@@ -82,32 +148,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.active[request.request_id] = sample_rids(kwargs["rid"], n)
         try:
             if mode == "prefill":
-                yield await self._prefill(request, context, started)
+                done = await self._prefill(request, context, started)
+                done.request_id = request.request_id  # not the engine's id (the room is part of that)
+                emit(done)
                 return
             room = self._open_room(request) if mode == "decode" else None
             if room is not None:
                 kwargs["handoff"] = room.role
+                emit = functools.partial(_checked, room, emit)
             try:
                 timings = self._timings(kwargs)
                 if request.stream:
-                    async for msg in self._stream(request.request_id, kwargs, started, timings):
-                        await self._check_room(room, msg, context)
-                        yield msg
+                    await self._stream(request.request_id, kwargs, started, timings, emit)
                 else:
                     for msg in await self._whole(request.request_id, kwargs, started, timings):
-                        await self._check_room(room, msg, context)
-                        yield msg
+                        emit(msg)
+            except _HandoffFailed as e:  # before anything was streamed: the router may retry on another pair
+                await context.abort(grpc.StatusCode.ABORTED, str(e))
             finally:
                 if room is not None:
                     await room.close()
         finally:
             self.active.pop(request.request_id, None)
-
-    async def GenerateStream(self, requests, context: grpc.aio.ServicerContext):
-        """Many requests over one stream (the router's per-worker link): each runs through Generate; the outputs
-        that are ready together, usually one scheduler step's for every request of the stream, go as one message."""
-        async for batch in generate_mux.serve(requests, context, self.Generate, self.draining):
-            yield batch
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------
     async def _prefill(self, request, context, started: float) -> worker_pb2.GenerateResponse:
@@ -132,13 +194,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return self.decode_rooms.start(request)
         except Overloaded as e:
             raise Exhausted(str(e)) from None
-
-    @staticmethod
-    async def _check_room(room, msg: worker_pb2.GenerateResponse, context) -> None:
-        """A request whose KV handoff failed ends in ABORTED with the reason (before anything was streamed), so
-        the router can retry it on another pair."""
-        if room is not None and room.error is not None:
-            await context.abort(grpc.StatusCode.ABORTED, room.error)
 
     def _timings(self, kwargs: dict) -> dict | None:
         """With metrics or tracing on: a dict the engine fills with each sample's RequestTiming (index -> timing)
@@ -169,36 +224,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             out.append(worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done))
         return out
 
-    async def _stream(self, rid: str, kwargs: dict, started: float, timings: dict | None):
-        stream = await self.engine.async_generate(**kwargs, stream=True)
-        samples: dict[int, _SampleState] = {}
-        finished = 0
+    async def _stream(self, rid: str, kwargs: dict, started: float, timings: dict | None, emit: Callable) -> None:
+        out = _StreamOut(self, rid, started, timings, emit)
         try:
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    i = delta.get("index", 0)
-                    state = samples.setdefault(i, _SampleState())
-                    meta = delta["meta_info"]
-                    if self.metrics is not None and delta["output_ids"]:
-                        self._chunk_gap(state, len(delta["output_ids"]))
-                    state.ids += delta["output_ids"]
-                    state.text.append(delta["text"])
-                    self.stats.tokens_out(len(delta["output_ids"]))
-                    piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
-                    state.sent_input_logprobs = True
-                    if meta["finish_reason"] is not None:  # counted before the caller may stop reading
-                        finished += 1
-                        self._record_done(meta, 0)
-                        if timings is not None:
-                            self._finished(i, meta, started, timings.get(i))
-                    yield worker_pb2.GenerateResponse(request_id=rid, index=i, chunk=piece)
-                    if meta["finish_reason"] is not None:
-                        done = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
-                        yield worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done)
+            await self.engine.generate_into(out.push, **kwargs)
         finally:
             if self.metrics is not None:  # samples the caller left before they finished count as aborted
-                n = kwargs["sampling_params"].get("n", 1)
-                for _ in range(n - finished):
+                for _ in range(kwargs["sampling_params"].get("n", 1) - out.finished):
                     self.metrics.left(len(kwargs["input_ids"]), started)
 
     def _finished(self, index: int, meta: dict, started: float, timing) -> None:

@@ -21,6 +21,16 @@ def llm():
         yield engine
 
 
+def assert_still_serving_without_leak(llm) -> None:
+    """Once the aborted requests have left the scheduler: it still generates, and no KV page is leaked."""
+    for _ in range(200):
+        if llm.get_server_info()["internal_states"][0]["running"] == 0:
+            break
+        threading.Event().wait(0.02)
+    assert llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] > 0
+    assert_no_leak(llm)
+
+
 def test_result_shape_and_text(llm):
     out = llm.generate("The river runs past the old mill and", GREEDY)
     assert set(out) == {"text", "output_ids", "meta_info"}
@@ -201,12 +211,7 @@ def test_cancelled_async_call_frees_its_request_and_engine_survives(llm):
 
     asyncio.run(cancelled())  # the loop closes while the scheduler may still be sending to it
     asyncio.run(abandoned_stream())
-    for _ in range(200):
-        if llm.get_server_info()["internal_states"][0]["running"] == 0:
-            break
-        threading.Event().wait(0.02)
-    assert llm.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] > 0
-    assert_no_leak(llm)
+    assert_still_serving_without_leak(llm)
 
 
 def test_top_logprobs_and_token_ids_logprob_match_transformers(llm):
@@ -278,3 +283,50 @@ def test_prompt_scoring_with_no_new_tokens(llm):
     assert out["output_ids"] == [] and got[0][0] is None and len(got) == len(prompt)
     want = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     assert [lp for lp, _, _ in got[1:]] == pytest.approx(want, abs=1e-4)
+
+
+def test_generate_into_hands_over_what_the_stream_yields(llm):
+    prompts = ["Once upon a time", "The river"]
+
+    async def both():
+        streamed = [d async for d in await llm.async_generate(prompts, GREEDY, stream=True)]
+        handed: list[dict] = []
+        assert await llm.generate_into(handed.append, prompts, GREEDY) is None
+        return streamed, handed
+
+    streamed, handed = asyncio.run(both())
+    for i in (0, 1):  # per prompt the same cumulative deltas (how they group into steps may differ)
+        mine = [d for d in handed if d["index"] == i]
+        theirs = [d for d in streamed if d["index"] == i]
+        assert mine[-1]["text"] == theirs[-1]["text"] and mine[-1]["output_ids"] == theirs[-1]["output_ids"]
+        assert mine[-1]["meta_info"]["finish_reason"] == theirs[-1]["meta_info"]["finish_reason"]
+        assert all(d["meta_info"]["finish_reason"] is None for d in mine[:-1])
+
+
+def test_generate_into_error_or_cancel_frees_the_request(llm):
+    params = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+    seen: list[dict] = []
+
+    def failing(delta: dict) -> None:
+        seen.append(delta)
+        if len(seen) == 3:
+            raise KeyError("the consumer broke")
+
+    async def main():
+        with pytest.raises(KeyError, match="the consumer broke"):
+            await llm.generate_into(failing, input_ids=[9, 10, 11], sampling_params=params)
+        count = len(seen)
+        await asyncio.sleep(0.2)  # outputs already on their way are dropped, never handed over
+        assert len(seen) == count == 3
+        task = asyncio.ensure_future(llm.generate_into(seen.append, input_ids=[9, 10, 12], sampling_params=params))
+        while len(seen) < 5:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        count = len(seen)
+        await asyncio.sleep(0.2)
+        assert len(seen) == count
+
+    asyncio.run(main())
+    assert_still_serving_without_leak(llm)

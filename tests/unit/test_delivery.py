@@ -1,5 +1,6 @@
-"""Outputs handed from the scheduler thread to an event loop: one wake-up delivers everything queued, a closed loop
-is reported to the scheduler, and coalesced outputs carry exactly what the separate ones did."""
+"""Outputs handed from the scheduler thread to an event loop: one wake-up delivers everything queued, a step's
+outputs put inside `together()` wake each loop once, a closed loop is reported to the scheduler, and coalesced
+outputs carry exactly what the separate ones did."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import pytest
 
-from engine.delivery import coalesce, mailbox_for
+from engine.delivery import coalesce, mailbox_for, together
 from engine.request import FinishKind, FinishReason, StepOutput
 
 
@@ -45,7 +46,7 @@ def test_mailbox_delivers_from_another_thread_with_few_wakeups():
             return real(cb, *args)
 
         loop.call_soon_threadsafe = counting
-        writer = threading.Thread(target=lambda: [box.put(queue, n) for n in range(500)])
+        writer = threading.Thread(target=lambda: [box.put(queue.put_nowait, n) for n in range(500)])
         writer.start()
         await loop.run_in_executor(None, writer.join)
         got = [await queue.get() for _ in range(500)]
@@ -61,4 +62,45 @@ def test_mailbox_of_a_closed_loop_raises():
     box = mailbox_for(loop)
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
-        box.put(asyncio.Queue(), 1)
+        box.put(asyncio.Queue().put_nowait, 1)
+
+
+def test_outputs_put_together_wake_each_loop_once_at_the_end():
+    async def main():
+        loops = [asyncio.get_running_loop()]
+        other = asyncio.new_event_loop()  # a second caller's loop, run on its own thread
+        runner = threading.Thread(target=other.run_forever)
+        runner.start()
+        loops.append(other)
+        got: list[list] = [[], []]
+        wakeups = [0, 0]
+        for k, loop in enumerate(loops):
+            real = loop.call_soon_threadsafe
+
+            def counting(cb, *args, k=k, real=real):
+                wakeups[k] += getattr(cb, "__name__", "") == "_deliver"  # the mailbox's, not the executor's
+                return real(cb, *args)
+
+            loop.call_soon_threadsafe = counting
+        boxes = [mailbox_for(loop) for loop in loops]
+        woken_inside = []
+
+        def step():  # the scheduler thread: one step's outputs for callers on both loops
+            with together():
+                for n in range(100):
+                    boxes[n % 2].put(got[n % 2].append, n)
+                woken_inside.append(list(wakeups))
+
+        writer = threading.Thread(target=step)
+        writer.start()
+        await asyncio.get_running_loop().run_in_executor(None, writer.join)
+        await asyncio.sleep(0.05)
+        other.call_soon_threadsafe(other.stop)
+        runner.join()
+        other.close()
+        return got, wakeups, woken_inside
+
+    got, wakeups, woken_inside = asyncio.run(main())
+    assert woken_inside == [[0, 0]]  # nothing woke while the step was still handing outputs over
+    assert wakeups == [1, 1]
+    assert got == [list(range(0, 100, 2)), list(range(1, 100, 2))]
