@@ -9,6 +9,7 @@ the scheduler asks it for the next-token bitmask.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import Future
 
@@ -45,7 +46,7 @@ class GrammarCompilerCache:
     def _compile(self, kind: str, spec: str):
         try:
             if kind == "json_schema":
-                return self._compiler.compile_json_schema(spec, any_whitespace=False)
+                return self._compiler.compile_json_schema(bounded_strings_as_patterns(spec), any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             return self._compiler.compile_grammar(spec)
@@ -57,6 +58,55 @@ class GrammarCompilerCache:
 
     def bitmask(self, batch: int, vocab: int):
         return self._xgr.allocate_token_bitmask(batch, vocab)
+
+
+# One JSON string character that needs no escape (RFC 8259: not a quote, a backslash or a control character), and
+# valid UTF-8: no UTF-16 surrogate. As explicit ranges up to U+10FFFF, xgrammar builds exact UTF-8 byte rules; its
+# rule for "any character" (and so a negated class) also takes overlong and surrogate encodings, which are not UTF-8
+# and decode to U+FFFD (one per byte), breaking the length bound. Probed on xgrammar 0.2.8 (the regression test in
+# tests/api/test_structured_outputs.py samples what it allows).
+_PLAIN_CHAR = r"[\x20-\x21\x23-\x5b\x5d-\ud7ff\ue000-\U0010ffff]"
+_STRING_KEYWORDS_KEPT = ("pattern", "format", "enum", "const")
+
+
+def bounded_strings_as_patterns(spec: str) -> str:
+    """Works around xgrammar 0.2.8, whose rule for a string bounded by minLength/maxLength admits raw control
+    characters (U+0000-U+001F but the newline), which JSON forbids: such outputs fail json.loads. (Its string rules
+    also take overlong and surrogate byte sequences for characters, which the pattern here refuses too.) Every string
+    schema with a length bound and no pattern, format, enum or const becomes the same bounds on a pattern of
+    characters that need no escape, which xgrammar compiles correctly. The bounded string loses nothing it had:
+    that rule already refused escapes. `spec` is returned as it is when there is nothing to change (or it is not
+    JSON: the compiler reports that)."""
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec
+    changed = False
+
+    def visit(node):
+        nonlocal changed
+        if isinstance(node, list):
+            return [visit(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: visit(v) for k, v in node.items()}
+        kind = out.get("type")
+        is_string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+        lo, hi = out.get("minLength"), out.get("maxLength")
+        if is_string and (lo is not None or hi is not None) and not any(k in out for k in _STRING_KEYWORDS_KEPT):
+            if _is_count(lo) and _is_count(hi):
+                out.pop("minLength", None)
+                out.pop("maxLength", None)
+                out["pattern"] = f"^{_PLAIN_CHAR}{{{lo or 0},{'' if hi is None else hi}}}$"
+                changed = True
+        return out
+
+    fixed = visit(schema)
+    return json.dumps(fixed) if changed else spec
+
+
+def _is_count(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
 def apply_bitmask(logits, bitmask, rows: list[int]) -> None:

@@ -94,3 +94,30 @@ def test_concurrent_async_requests_with_grammars(llm):
         else:
             assert re.fullmatch(REGEX, out["text"])
     assert ("regex", REGEX) in llm._grammars._cache  # compiled once, then shared
+
+
+# Strings bounded by minLength/maxLength: xgrammar 0.2.8 lets raw control characters (\x00-\x1f except the
+# newline) into them, which JSON forbids (json.loads fails); the grammar cache lowers them to patterns.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "code": {"type": "string", "minLength": 2, "maxLength": 6},
+        "note": {"type": ["string", "null"], "maxLength": 24},
+        "words": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 8}, "maxItems": 3},
+        "nested": {"type": "object", "properties": {"tag": {"$ref": "#/$defs/short"}}, "required": ["tag"],
+                   "additionalProperties": False},
+    },
+    "required": ["title", "code", "note", "words", "nested"],
+    "additionalProperties": False,
+    "$defs": {"short": {"type": "string", "maxLength": 4}},
+}
+
+
+def test_bounded_string_outputs_always_parse_and_validate(llm):
+    prompts = [f"Record {i}: write a short title, a code and a note." for i in range(500)]
+    params = {"max_new_tokens": 160, "temperature": 1.0, "json_schema": json.dumps(BOUNDED)}
+    outs = llm.generate(prompts, [params] * len(prompts))
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        jsonschema.validate(json.loads(out["text"]), BOUNDED)
