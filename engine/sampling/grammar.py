@@ -61,10 +61,10 @@ class GrammarCompilerCache:
 
 
 # One JSON string character that needs no escape (RFC 8259: not a quote, a backslash or a control character), and
-# valid UTF-8: no UTF-16 surrogate. As explicit ranges up to U+10FFFF, xgrammar builds exact UTF-8 byte rules; its
-# rule for "any character" (and so a negated class) also takes overlong and surrogate encodings, which are not UTF-8
-# and decode to U+FFFD (one per byte), breaking the length bound. Probed on xgrammar 0.2.8 (the regression test in
-# tests/api/test_structured_outputs.py samples what it allows).
+# valid UTF-8: no UTF-16 surrogate. Written as explicit ranges up to U+10FFFF, xgrammar builds exact UTF-8 byte rules;
+# a negated class (or ranges within the BMP) also takes overlong encodings, and its string rules take encoded
+# surrogates: neither is UTF-8, each decodes to one U+FFFD per byte, and the length bound breaks. Probed on xgrammar
+# 0.2.8 (the regression test in tests/api/test_structured_outputs.py samples what it allows).
 _PLAIN_CHAR = r"[\x20-\x21\x23-\x5b\x5d-\ud7ff\ue000-\U0010ffff]"
 _STRING_KEYWORDS_KEPT = ("pattern", "format", "enum", "const")
 
@@ -72,7 +72,7 @@ _STRING_KEYWORDS_KEPT = ("pattern", "format", "enum", "const")
 def bounded_strings_as_patterns(spec: str) -> str:
     """Works around xgrammar 0.2.8, whose rule for a string bounded by minLength/maxLength admits raw control
     characters (U+0000-U+001F but the newline), which JSON forbids: such outputs fail json.loads. (Its string rules
-    also take overlong and surrogate byte sequences for characters, which the pattern here refuses too.) Every string
+    also take encoded surrogates, which are not UTF-8; the pattern here refuses them too.) Every string
     schema with a length bound and no pattern, format, enum or const becomes the same bounds on a pattern of
     characters that need no escape, which xgrammar compiles correctly. The bounded string loses nothing it had:
     that rule already refused escapes. `spec` is returned as it is when there is nothing to change (or it is not
