@@ -53,10 +53,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         async for msg in generate_mux.messages(self.generate, request, context):
             yield msg
 
-    async def generate(self, request, context, emit) -> None:
+    def generate(self, request, context, emit):
+        """Counts the call as it arrives (a PD router cancels the prefill call once the fake decode side has
+        answered, which can be before the answering coroutine first runs), then returns that coroutine."""
         self.calls += 1
-        if self.calls <= self.fail_first:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {self.calls} of {self.fail_first}")
+        return self._answer(request, context, emit, self.calls)
+
+    async def _answer(self, request, context, emit, call: int) -> None:
+        if call <= self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {call} of {self.fail_first}")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)

@@ -292,7 +292,7 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
         raise SystemExit(f"need core {args.router_cpu} for the router and at least one other core")
     args.other_cores = len(others)
     os.sched_setaffinity(0, others)
-    tok, http, workers = free_port(), free_port(), [free_port(), free_port()]
+    tok, workers = free_port(), [free_port(), free_port()]
     quiet = ["--log-level", "warning"]
     procs.start("tokenizer", ["services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
                 others)
@@ -375,9 +375,9 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
 
 
 @contextlib.contextmanager
-def process_group(prefix: str):
+def process_group(prefix: str, after_close=None):
     """Processes (logs in a temporary folder) for one benchmark setting: their log tails printed if it fails,
-    all stopped at the end."""
+    all stopped at the end; then `after_close(procs)`, while their logs are still there."""
     with tempfile.TemporaryDirectory(prefix=prefix) as logs:
         procs = Processes(Path(logs))
         try:
@@ -388,23 +388,20 @@ def process_group(prefix: str):
             raise
         finally:
             procs.close()
+            if after_close is not None:
+                after_close(procs)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the children
-    with tempfile.TemporaryDirectory(prefix="bench-router-") as logs:
-        procs = Processes(Path(logs))
-        try:
-            results = run(args, procs)
-        except Exception:
-            for name in procs.procs:
-                print(f"--- {name} log ---\n{procs.tail(name)}", file=sys.stderr)
-            raise
-        finally:
-            procs.close()
-            args.trace_delivery = trace_delivery(procs) if args.enable_trace or args.trace_ab else None
+
+    def read_delivery(procs: Processes) -> None:
+        args.trace_delivery = trace_delivery(procs) if args.enable_trace or args.trace_ab else None
+
+    with process_group("bench-router-", after_close=read_delivery) as procs:
+        results = run(args, procs)
     if args.trace_ab:
         for r in results:
             print(f"{r['scenario']}: router CPU {r['cpu_ms_per_request_off']:.4f} -> {r['cpu_ms_per_request_on']:.4f}"
