@@ -15,6 +15,7 @@ from aiohttp import web
 from radixmesh.v1 import worker_pb2
 from services.router import generate_api
 from services.router.core import Router, RouterError
+from services.router.merge import merged
 from services.router.http_common import first_then_sse, json_body, start_sse, tenant_of
 from services.router.openai_errors import bad_request, from_status
 from services.router.openai_response import SSE_DONE, error_event, sse
@@ -60,33 +61,14 @@ async def _stream_batch(request: web.Request, router: Router, jobs, worker_reque
     """A batch: every prompt streams at once; events carry `index` (prompt i's samples follow prompt i-1's). When
     one prompt fails, an error event ends the stream and the other prompts are cancelled (as a whole batch is)."""
     resp = await start_sse(request)
-    events: asyncio.Queue = asyncio.Queue()
     offsets = [sum(j.n for j in jobs[:i]) for i in range(len(jobs))]
-
-    async def pump(job, worker_request, offset):
-        async for event in generate_api.stream_events(router, job, worker_request, lp, offset):
-            await events.put(event)
-
-    tasks = [asyncio.create_task(pump(j, r, o)) for j, r, o in zip(jobs, worker_requests, offsets)]
-    for t in tasks:
-        t.add_done_callback(lambda t: events.put_nowait(t))
+    streams = [generate_api.stream_events(router, j, r, lp, o) for j, r, o in zip(jobs, worker_requests, offsets)]
     try:
-        pending = len(tasks)
-        while pending:
-            item = await events.get()
-            if not isinstance(item, asyncio.Task):
-                await resp.write(sse(item))
-                continue
-            pending -= 1
-            err = None if item.cancelled() else item.exception()
-            if err is not None:
-                status, message = (err.status, err.message) if isinstance(err, RouterError) else (500, str(err))
-                await resp.write(sse(error_event(from_status(status, message))))
-                break
-        await resp.write(SSE_DONE)
-    finally:
-        for t in tasks:
-            t.cancel()
+        async for _, event in merged(streams):
+            await resp.write(sse(event))
+    except RouterError as e:
+        await resp.write(sse(error_event(from_status(e.status, e.message))))
+    await resp.write(SSE_DONE)
     return resp
 
 

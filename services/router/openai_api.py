@@ -4,10 +4,12 @@ and shaped by openai_response."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -17,8 +19,9 @@ from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import first_then_sse, json_body, tenant_of
 from services.router.native_api import ROUTER
-from services.router.openai_errors import OpenAIError, from_status
-from services.router.openai_request import OpenAIJob, parse_chat_completion, parse_completion
+from services.router.merge import merged
+from services.router.openai_errors import OpenAIError, bad_request, from_status
+from services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from services.router.policies import routing_key_var
 from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, CompletionResult, CompletionStream,
                                              error_event, sse)
@@ -26,43 +29,59 @@ from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, C
 log = logging.getLogger(__name__)
 
 
-async def _prompt(router: Router, job: OpenAIJob) -> tuple[list[int], str]:
-    if job.prompt_ids is not None:
-        text = ""
-        if job.echo:
-            text = await router.detokenize(list(job.prompt_ids))
-        return list(job.prompt_ids), text
-    tokenized = await router.tokenize(job.tokenize)
-    return list(tokenized.input_ids), tokenized.prompt
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    ids: list[int]
+    text: str  # the prompt's text (templated, for chat), for completions' echo
 
 
-def _builders(job: OpenAIJob, rid: str, prompt_ids: list[int], prompt_text: str):
+async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
+    if p.ids is not None:
+        return _Prepared(list(p.ids), await router.detokenize(list(p.ids)) if job.echo else "")
+    tokenized = await router.tokenize(p.tokenize)
+    return _Prepared(list(tokenized.input_ids), tokenized.prompt)
+
+
+def _builder(job: OpenAIJob, rid: str, prompts: list[_Prepared]):
     created = int(time.time())
     if job.kind == "chat":
-        rid = "chatcmpl-" + rid
-        return (ChatStream(job, rid, created, len(prompt_ids)) if job.stream
-                else ChatResult(job, rid, created, len(prompt_ids)))
-    rid = "cmpl-" + rid
+        cls = ChatStream if job.stream else ChatResult
+        return cls(job, "chatcmpl-" + rid, created, len(prompts[0].ids))
     cls = CompletionStream if job.stream else CompletionResult
-    return cls(job, rid, created, prompt_text, len(prompt_ids))
+    return cls(job, "cmpl-" + rid, created, [p.text for p in prompts], [len(p.ids) for p in prompts])
+
+
+def _messages(router: Router, requests: list[worker_pb2.GenerateRequest], n: int):
+    """The worker messages of every prompt's request; prompt i's sample j becomes choice i*n + j."""
+    if len(requests) == 1:
+        return router.generate(requests[0])
+
+    async def numbered():
+        async for i, msg in merged([router.generate(r) for r in requests]):
+            msg.index += i * n
+            yield msg
+    return numbered()
 
 
 async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     router = request.app[ROUTER]
-    prompt_ids, prompt_text = await _prompt(router, job)
+    _require_generation(router)
+    # Every prompt is tokenized before anything is generated: bad input is a 400 with nothing started.
+    prompts = await asyncio.gather(*(_prepare(router, job, p) for p in job.prompts))
     rid = new_request_id()
     request_id_var.set(rid)
     tracing.set_attributes(request_id=rid)
-    worker_request = worker_pb2.GenerateRequest(request_id=rid, input_ids=prompt_ids, sampling_params=job.sampling,
-                                                logprob_options=job.logprobs, stream=job.stream,
-                                                tenant=tenant_of(request))
-    builder = _builders(job, rid, prompt_ids, prompt_text)
+    requests = [worker_pb2.GenerateRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", input_ids=p.ids,
+                                           sampling_params=job.sampling, logprob_options=job.logprobs,
+                                           stream=job.stream, tenant=tenant_of(request))
+                for i, p in enumerate(prompts)]
+    builder = _builder(job, rid, prompts)
     if not job.stream:
-        async with contextlib.aclosing(router.generate(worker_request)) as messages:
+        async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
             async for msg in messages:
                 builder.on_message(msg)
         return web.json_response(builder.result(), dumps=_dumps)
-    async with contextlib.aclosing(router.generate(worker_request)) as messages:
+    async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
         first, resp = await first_then_sse(request, messages)
         try:
             for chunk in builder.on_message(first):
@@ -78,6 +97,13 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
             await resp.write(sse(error_event(err)))
         await resp.write(SSE_DONE)
     return resp
+
+
+def _require_generation(router: Router) -> None:
+    info = router.registry.any_info()
+    if info is not None and not info.is_generation:
+        raise bad_request(f"the model '{router.model_name}' is an embedding model: it serves /v1/embeddings and "
+                          "/encode, not text generation", param="model")
 
 
 def _dumps(obj) -> str:

@@ -4,8 +4,8 @@ Semantics follow SGLang's OpenAI server. Unset OpenAI fields stay unset in Sampl
 model's recommended value or SGLang's default (this includes `max_tokens`: no OpenAI-style default of 16 here).
 Unknown fields are ignored, and so are SGLang's `separate_reasoning`, `rid` and OpenAI's `user`; `null` means absent.
 Decisions worth knowing:
-  - completions take one prompt: a string, a list of token ids, or a one-element list of either; a batch of several
-    prompts is answered with 400 (send one request per prompt).
+  - completions take a string, a list of token ids, or a list of either (a batch: prompt i's n choices have indices
+    i*n .. i*n+n-1, as OpenAI numbers them).
   - `tools` reach the chat template (unless `tool_choice` is "none"); `tool_choice` is validated but tool calls in the
     output are not parsed (the reply is plain text).
   - chat content parts must be text (joined with "\\n"): these models take text only.
@@ -33,15 +33,22 @@ _NON_TEXT_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", 
 
 
 @dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt: exactly one of `tokenize` (text or chat for the tokenizer) and `ids` (token ids) is set."""
+
+    tokenize: tokenizer_pb2.TokenizeRequest | None = None
+    ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class OpenAIJob:
-    """One validated OpenAI request. Exactly one of `tokenize` and `prompt_ids` is set."""
+    """One validated OpenAI request: one prompt (chat) or one or more (completions)."""
 
     model: str
     kind: Literal["chat", "completion"]
     sampling: common_pb2.SamplingParams
     logprobs: common_pb2.LogprobOptions
-    tokenize: tokenizer_pb2.TokenizeRequest | None = None
-    prompt_ids: tuple[int, ...] | None = None
+    prompts: tuple[PromptInput, ...]
     stream: bool = False
     # stream_options.include_usage, and only when streaming (a non-streamed reply always has usage).
     include_usage: bool = False
@@ -387,7 +394,8 @@ def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJo
     stream, include_usage = _stream(f)
     return OpenAIJob(model=model, kind="chat", sampling=sampling,
                      logprobs=_logprob_options(top or 0, False) if want else common_pb2.LogprobOptions(),
-                     tokenize=tokenizer_pb2.TokenizeRequest(chat=chat), stream=stream, include_usage=include_usage,
+                     prompts=(PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(chat=chat)),), stream=stream,
+                     include_usage=include_usage,
                      n=sampling.n if sampling.HasField("n") else 1, want_logprobs=want, top_logprobs=top or 0,
                      tool_choice=tool_choice)
 
@@ -396,34 +404,50 @@ def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJo
 # Completions
 
 
-def _prompt(f: _Fields) -> tuple[str | None, tuple[int, ...] | None]:
-    """(text, None) or (None, token ids) for the one prompt the body holds."""
+MAX_PROMPTS = 1024
+
+
+def _one_prompt(value: Any) -> PromptInput | None:
+    if isinstance(value, str):
+        return PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(text=value))
+    if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+        return PromptInput(ids=tuple(value))
+    return None
+
+
+def _prompts(f: _Fields) -> tuple[PromptInput, ...]:
+    """The body's prompts: a string or token ids is one; a list of strings and token-id lists is a batch."""
     prompt = f.body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt, None
+    one = _one_prompt(prompt)
+    if one is not None:
+        return (one,)
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request(f"'prompt' must be a string or a non-empty list of token ids, got {_show(prompt)}",
+        raise bad_request(f"'prompt' must be a string, a non-empty list of token ids or a non-empty list of those, "
+                          f"got {_show(prompt)}", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        bad = next(t for t in prompt if not _is_token_id(t))
+        raise bad_request(f"'prompt' token ids must be integers in [0, {INT32_MAX}], got {_show(bad)}", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} fit in one request",
                           param="prompt")
-    if all(_is_token_id(t) for t in prompt):
-        return None, tuple(prompt)
-    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"batched prompts are not supported (got a list of {len(prompt)} prompts); "
-                          "send one request per prompt", param="prompt")
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0], None
-    if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(_is_token_id(t) for t in prompt[0]):
-        return None, tuple(prompt[0])
-    raise bad_request(f"'prompt' must be a string, a list of token ids (each in [0, {INT32_MAX}]) or a one-element "
-                      f"list of either, got {_show(prompt)}", param="prompt")
+    batch = []
+    for i, p in enumerate(prompt):
+        one = _one_prompt(p)
+        if one is None:
+            raise bad_request(f"'prompt[{i}]' must be a string or a non-empty list of token ids (each in "
+                              f"[0, {INT32_MAX}]), got {_show(p)}", param=f"prompt[{i}]")
+        batch.append(one)
+    return tuple(batch)
 
 
 def parse_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
     """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
     f = _body(body)
     model = _model(f, served_models)
-    text, ids = _prompt(f)
+    prompts = _prompts(f)
     if f.str("suffix"):
-        raise bad_request("'suffix' is not supported", param="suffix")
+        raise bad_request("'suffix' is not supported: the served model has no fill-in-the-middle template",
+                          param="suffix")
     sampling = _sampling(f)
     n = sampling.n if sampling.HasField("n") else 1
     best_of = f.int("best_of", 1, MAX_N)
@@ -434,6 +458,5 @@ def parse_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
     stream, include_usage = _stream(f)
     return OpenAIJob(model=model, kind="completion", sampling=sampling,
                      logprobs=_logprob_options(top, echo) if top is not None else common_pb2.LogprobOptions(),
-                     tokenize=tokenizer_pb2.TokenizeRequest(text=text) if text is not None else None,
-                     prompt_ids=ids, stream=stream, include_usage=include_usage, n=n, echo=echo,
+                     prompts=prompts, stream=stream, include_usage=include_usage, n=n, echo=echo,
                      want_logprobs=top is not None, top_logprobs=top or 0)

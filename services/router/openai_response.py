@@ -16,7 +16,8 @@ A caller makes one builder per request and feeds it every GenerateResponse of th
         result.on_message(msg)
     body = result.result()                      # raises OpenAIError(500) if a sample never completed
 
-The Completion* twins take `prompt_text` for `echo`. Streams emit whatever text the worker's chunks carry; a
+The Completion* twins take each prompt's text (for `echo`) and token count; with several prompts, the caller
+numbers prompt i's samples i*n .. i*n+n-1. Streams emit whatever text the worker's chunks carry; a
 `complete` whose full text extends what was streamed (or one that arrives without chunks) contributes the rest.
 Logprobs that JSON cannot carry become null (NaN: the first prompt token) or -9999.0 (-inf), as OpenAI does.
 Token texts in logprobs come from the worker (return_text_in_logprobs); the router never detokenizes."""
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -156,12 +158,14 @@ class _Sample:
 
 
 class _Tally:
-    """The n samples of one request: checks indices, records completion and token counts."""
+    """The samples of one request, `n` per prompt (prompt i's are i*n .. i*n+n-1): checks indices, records
+    completion and token counts."""
 
-    def __init__(self, n: int, prompt_tokens: int | None) -> None:
-        self.samples = [_Sample() for _ in range(n)]
-        self.prompt_tokens = prompt_tokens or 0
-        self.cached_tokens = 0
+    def __init__(self, n: int, prompt_tokens: Sequence[int | None]) -> None:
+        self.n = n
+        self.samples = [_Sample() for _ in range(n * len(prompt_tokens))]
+        self.prompt_tokens = [p or 0 for p in prompt_tokens]
+        self.cached_tokens = [0] * len(prompt_tokens)
 
     def sample(self, msg: worker_pb2.GenerateResponse) -> tuple[_Sample, str]:
         """(the message's sample, which part of the response it holds); raises OpenAIError on a worker error."""
@@ -171,15 +175,16 @@ class _Tally:
         if which is None:
             raise internal(f"the worker sent an empty response for sample {msg.index}")
         if msg.index >= len(self.samples):
-            raise internal(f"the worker sent sample index {msg.index} for a request with n={len(self.samples)}")
+            raise internal(f"the worker sent sample index {msg.index} for a request with {len(self.samples)} "
+                           "choices")
         s = self.samples[msg.index]
         if s.finished:
             raise internal(f"the worker sent more after sample {msg.index} completed")
-        if which == "chunk":
-            self._count(s, msg.chunk.prompt_tokens, msg.chunk.cached_tokens, msg.chunk.completion_tokens)
-        else:
-            u = msg.complete.usage
-            self._count(s, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        part = msg.chunk if which == "chunk" else msg.complete.usage
+        group = msg.index // self.n
+        self.prompt_tokens[group] = max(self.prompt_tokens[group], part.prompt_tokens)
+        self.cached_tokens[group] = max(self.cached_tokens[group], part.cached_tokens)
+        s.completion_tokens = max(s.completion_tokens, part.completion_tokens)
         return s, which
 
     def record(self, msg: worker_pb2.GenerateResponse) -> None:
@@ -187,11 +192,6 @@ class _Tally:
         s, which = self.sample(msg)
         if which == "complete":
             s.complete, s.finished = msg.complete, True
-
-    def _count(self, s: _Sample, prompt: int, cached: int, completion: int) -> None:
-        self.prompt_tokens = max(self.prompt_tokens, prompt)
-        self.cached_tokens = max(self.cached_tokens, cached)
-        s.completion_tokens = max(s.completion_tokens, completion)
 
     @property
     def done(self) -> bool:
@@ -204,11 +204,11 @@ class _Tally:
         return [(i, s.complete) for i, s in enumerate(self.samples)]
 
     def usage(self) -> dict[str, Any]:
-        """Prompt tokens once (as OpenAI counts n > 1), completion tokens summed over the samples."""
+        """Each prompt's tokens once (as OpenAI counts n > 1), completion tokens summed over the samples."""
+        prompt = sum(self.prompt_tokens)
         completion = sum(s.completion_tokens for s in self.samples)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
 
 def _envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[str, Any]:
@@ -224,7 +224,7 @@ class ChatStream:
 
     def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
         self.job = job
-        self._tally = _Tally(job.n, prompt_tokens)
+        self._tally = _Tally(job.n, [prompt_tokens])
         self._head = _envelope("chat.completion.chunk", response_id, created, job)
 
     @property
@@ -280,7 +280,7 @@ class ChatResult:
 
     def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
         self.job = job
-        self._tally = _Tally(job.n, prompt_tokens)
+        self._tally = _Tally(job.n, [prompt_tokens])
         self._head = _envelope("chat.completion", response_id, created, job)
 
     @property
@@ -305,16 +305,24 @@ class ChatResult:
 # Text completions
 
 
+def _per_prompt(job: OpenAIJob, values: Sequence | None, default: Any) -> list:
+    values = list(values) if values is not None else [default] * len(job.prompts)
+    if len(values) != len(job.prompts):
+        raise ValueError(f"{len(values)} values for {len(job.prompts)} prompts")
+    return values
+
+
 class CompletionStream:
     """`text_completion` chunk dicts for a streamed completions request; with echo, each sample's first chunk starts
-    with `prompt_text` (and its logprobs with the prompt's, when asked)."""
+    with its prompt's text (and its logprobs with the prompt's, when asked). `prompt_texts` and `prompt_tokens` hold
+    one value per prompt of the job."""
 
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_text: str = "",
-                 prompt_tokens: int | None = None) -> None:
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_texts: Sequence[str] | None = None,
+                 prompt_tokens: Sequence[int] | None = None) -> None:
         self.job = job
-        self.prompt_text = prompt_text
-        self._tally = _Tally(job.n, prompt_tokens)
-        self._lps = [LegacyLogprobs(job.top_logprobs > 0) for _ in range(job.n)]
+        self.prompt_texts = _per_prompt(job, prompt_texts, "")
+        self._tally = _Tally(job.n, _per_prompt(job, prompt_tokens, 0))
+        self._lps = [LegacyLogprobs(job.top_logprobs > 0) for _ in self._tally.samples]
         self._head = _envelope("text_completion", response_id, created, job)
 
     @property
@@ -330,10 +338,10 @@ class CompletionStream:
         if not s.started:
             s.started = True
             if self.job.echo:
-                text = self.prompt_text
+                text = self.prompt_texts[msg.index // self.job.n]
                 if lp is not None:
                     lp.add(part.input_logprobs)
-                    lp.offset = len(self.prompt_text)
+                    lp.offset = len(text)
         if which == "chunk":
             if lp is not None:
                 lp.add(part.output_logprobs)
@@ -371,11 +379,11 @@ class CompletionStream:
 class CompletionResult:
     """One `text_completion` dict from the `complete` messages of a non-streamed completions request."""
 
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_text: str = "",
-                 prompt_tokens: int | None = None) -> None:
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_texts: Sequence[str] | None = None,
+                 prompt_tokens: Sequence[int] | None = None) -> None:
         self.job = job
-        self.prompt_text = prompt_text
-        self._tally = _Tally(job.n, prompt_tokens)
+        self.prompt_texts = _per_prompt(job, prompt_texts, "")
+        self._tally = _Tally(job.n, _per_prompt(job, prompt_tokens, 0))
         self._head = _envelope("text_completion", response_id, created, job)
 
     @property
@@ -392,9 +400,10 @@ class CompletionResult:
             text, logprobs = cm.text, None
             lp = LegacyLogprobs(self.job.top_logprobs > 0)
             if self.job.echo:
-                text = self.prompt_text + text
+                prompt_text = self.prompt_texts[i // self.job.n]
+                text = prompt_text + text
                 lp.add(cm.input_logprobs)
-                lp.offset = len(self.prompt_text)
+                lp.offset = len(prompt_text)
             if self.job.want_logprobs:
                 lp.add(cm.output_logprobs)
                 logprobs = lp.take()

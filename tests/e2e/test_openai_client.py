@@ -166,3 +166,41 @@ async def test_200_concurrent_streams(mesh, aclient, offline):
     results = await asyncio.gather(*(one(i) for i in range(200)))
     wrong = [(p, t) for p, t in results if t != refs[p]]
     assert not wrong, wrong[:3]
+
+
+def test_a_list_of_prompts_answers_like_one_request_per_prompt(client, offline):
+    """Strings and token lists in one request, n=2: choice i*n+j belongs to prompt i, greedy texts equal the ones a
+    request per prompt gets, usage counts each prompt once; streamed, the same texts arrive by index."""
+    ids = offline.tokenizer("A river runs", add_special_tokens=False).input_ids
+    prompts = ["The quick brown fox", ids, "Once upon a time in a small village"]
+    alone = [client.completions.create(model=NAME, prompt=p, max_tokens=10, **GREEDY) for p in prompts]
+    batch = client.completions.create(model=NAME, prompt=prompts, max_tokens=10, n=2, **GREEDY)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(model=NAME, prompt=prompts, max_tokens=10, n=2, stream=True, **GREEDY):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == set(range(6))
+    assert [texts[i] for i in range(6)] == [c.text for c in batch.choices]
+
+
+def test_a_list_of_prompts_with_echo_and_logprobs(client):
+    prompts = ["Hello there", "Some text here"]
+    batch = client.completions.create(model=NAME, prompt=prompts, max_tokens=4, echo=True, logprobs=1, **GREEDY)
+    for prompt, choice in zip(prompts, batch.choices):
+        alone = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=1, **GREEDY)
+        assert choice.text.startswith(prompt) and choice.text == alone.choices[0].text
+        assert choice.logprobs.tokens == alone.choices[0].logprobs.tokens
+        assert choice.logprobs.text_offset == alone.choices[0].logprobs.text_offset
+
+
+def test_a_bad_prompt_in_a_list_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=["fine", [1, -5]], max_tokens=4)
+    assert "prompt[1]" in str(e.value)

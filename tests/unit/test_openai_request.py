@@ -27,10 +27,12 @@ def test_chat_minimal_leaves_every_sampling_field_unset():
     job = parse_chat_completion({"messages": USER}, SERVED)
     assert (job.model, job.kind, job.n, job.stream, job.include_usage, job.echo) == ("tiny", "chat", 1, False, False,
                                                                                      False)
-    assert job.prompt_ids is None and job.tokenize.WhichOneof("input") == "chat"
-    msgs = job.tokenize.chat.messages
+    (prompt,) = job.prompts
+    assert prompt.ids is None and prompt.tokenize.WhichOneof("input") == "chat"
+    msgs = prompt.tokenize.chat.messages
     assert [(m.role, m.content) for m in msgs] == [("user", "hi")]
-    assert not job.tokenize.chat.HasField("add_generation_prompt") and not job.tokenize.chat.continue_final_message
+    assert not prompt.tokenize.chat.HasField("add_generation_prompt")
+    assert not prompt.tokenize.chat.continue_final_message
     assert not any(job.sampling.HasField(f) for f in OPTIONAL_SAMPLING)
     assert job.sampling.WhichOneof("constraint") is None
     assert not job.sampling.stop and not job.sampling.stop_token_ids and not job.sampling.logit_bias
@@ -110,30 +112,30 @@ def test_chat_messages_content_parts_roles_and_tools():
     ]
     tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
     job = parse_chat_completion({"messages": messages, "tools": tools, "tool_choice": "auto"}, SERVED)
-    m = job.tokenize.chat.messages
+    m = job.prompts[0].tokenize.chat.messages
     assert [(x.role, x.content) for x in m] == [("system", "be brief"), ("user", "line one\nline two"),
                                                 ("assistant", ""), ("tool", "42")]
     assert m[1].name == "ann" and json.loads(m[2].tool_calls_json) == calls
     assert (m[3].tool_call_id, m[3].name) == ("call_1", "get") and m[0].tool_calls_json == ""
-    assert json.loads(job.tokenize.chat.tools_json) == tools and job.tool_choice == "auto"
+    assert json.loads(job.prompts[0].tokenize.chat.tools_json) == tools and job.tool_choice == "auto"
 
 
 def test_tool_choice_none_keeps_tools_out_and_named_choice_is_kept():
     tools = [{"type": "function", "function": {"name": "get"}}]
-    assert chat(tools=tools, tool_choice="none").tokenize.chat.tools_json == ""
+    assert chat(tools=tools, tool_choice="none").prompts[0].tokenize.chat.tools_json == ""
     named = {"type": "function", "function": {"name": "get"}}
     job = chat(tools=tools, tool_choice=named)
-    assert job.tool_choice == named and json.loads(job.tokenize.chat.tools_json) == tools
+    assert job.tool_choice == named and json.loads(job.prompts[0].tokenize.chat.tools_json) == tools
 
 
 def test_chat_template_controls():
     msgs = USER + [{"role": "assistant", "content": "Sure,"}]
     job = parse_chat_completion({"messages": msgs, "continue_final_message": True,
                                  "chat_template_kwargs": {"enable_thinking": False}}, SERVED)
-    c = job.tokenize.chat
+    c = job.prompts[0].tokenize.chat
     assert c.continue_final_message and c.HasField("add_generation_prompt") and not c.add_generation_prompt
     assert json.loads(c.chat_template_kwargs_json) == {"enable_thinking": False}
-    c = chat(add_generation_prompt=False).tokenize.chat
+    c = chat(add_generation_prompt=False).prompts[0].tokenize.chat
     assert c.HasField("add_generation_prompt") and not c.add_generation_prompt
 
 
@@ -165,21 +167,24 @@ def test_unknown_model_is_404_and_no_model_is_503():
     assert (e.value.status, e.value.type) == (503, "service_unavailable")
 
 
-@pytest.mark.parametrize("prompt, text, ids", [
-    ("Once upon", "Once upon", None),
-    ("", "", None),
-    ([1, 2, 3], None, (1, 2, 3)),
-    (["Once"], "Once", None),
-    ([[4, 5]], None, (4, 5)),
+@pytest.mark.parametrize("prompt, expected", [
+    ("Once upon", ["Once upon"]),
+    ("", [""]),
+    ([1, 2, 3], [(1, 2, 3)]),
+    (["Once"], ["Once"]),
+    ([[4, 5]], [(4, 5)]),
+    (["a", [7, 8], ""], ["a", (7, 8), ""]),
+    ([[1], [2]], [(1,), (2,)]),
 ])
-def test_completion_prompt_forms(prompt, text, ids):
+def test_completion_prompt_forms(prompt, expected):
     job = parse_completion({"prompt": prompt}, SERVED)
-    assert job.kind == "completion" and job.prompt_ids == ids
-    if text is None:
-        assert job.tokenize is None
-    else:
-        assert job.tokenize.WhichOneof("input") == "text" and job.tokenize.text == text
-        assert not job.tokenize.HasField("add_special_tokens")
+    assert job.kind == "completion" and len(job.prompts) == len(expected)
+    for p, want in zip(job.prompts, expected):
+        if isinstance(want, tuple):
+            assert p.ids == want and p.tokenize is None
+        else:
+            assert p.ids is None and p.tokenize.WhichOneof("input") == "text" and p.tokenize.text == want
+            assert not p.tokenize.HasField("add_special_tokens")
 
 
 def test_completion_logprobs_and_echo():
@@ -294,12 +299,13 @@ COMPLETION_ERRORS = [
     ({"prompt": None}, "prompt", "prompt"),
     ({"prompt": 5}, "prompt", "prompt"),
     ({"prompt": []}, "prompt", "prompt"),
-    ({"prompt": [1, "a"]}, "prompt", "prompt"),
+    ({"prompt": [1, "a"]}, "prompt[0]", "prompt[0]"),
     ({"prompt": [-1]}, "prompt", "prompt"),
     ({"prompt": [True]}, "prompt", "prompt"),
-    ({"prompt": [[]]}, "prompt", "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
-    ({"prompt": [[1], [2]]}, "prompt", "batched prompts"),
+    ({"prompt": [[]]}, "prompt[0]", "prompt[0]"),
+    ({"prompt": ["a", 5]}, "prompt[1]", "prompt[1]"),
+    ({"prompt": ["a", [1, -2]]}, "prompt[1]", "prompt[1]"),
+    ({"prompt": ["a"] * 1025}, "prompt", "at most 1024"),
     ({"logprobs": 21}, "logprobs", "logprobs"),
     ({"logprobs": True}, "logprobs", "logprobs"),
     ({"echo": "yes"}, "echo", "echo"),
@@ -333,4 +339,4 @@ def test_a_message_without_content_is_rejected_unless_it_carries_tool_calls():
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     job = parse_chat_completion({"model": "tiny", "messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "tool_calls": calls}]}, SERVED)
-    assert job.tokenize.chat.messages[1].content == ""
+    assert job.prompts[0].tokenize.chat.messages[1].content == ""

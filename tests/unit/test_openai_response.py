@@ -211,7 +211,7 @@ def test_chat_result_without_logprobs_uses_router_prompt_count():
 
 def test_completion_stream_with_echo_and_logprobs():
     job = completion(stream=True, echo=True, logprobs=1, stream_options={"include_usage": True})
-    stream = CompletionStream(job, "cmpl-1", 7, prompt_text="Once", prompt_tokens=2)
+    stream = CompletionStream(job, "cmpl-1", 7, prompt_texts=["Once"], prompt_tokens=[2])
     prompt_lps = common_pb2.InputLogprobs(token_ids=[1, 9], token_logprobs=[float("nan"), -3.0], texts=["<s>", "Once"],
                                           top_logprobs=[common_pb2.TopLogprobs(),
                                                         common_pb2.TopLogprobs(token_ids=[9], logprobs=[-3.0],
@@ -247,7 +247,7 @@ def test_completion_stream_n2_without_logprobs():
 
 def test_completion_result_with_logprobs():
     job = completion(n=2, logprobs=2)
-    result = CompletionResult(job, "cmpl-2", 3, prompt_text="Once")
+    result = CompletionResult(job, "cmpl-2", 3, prompt_texts=["Once"])
     tops = [[("a", -0.1), ("b", -2.0)], [("c", -0.2), ("c", -3.0)]]
     result.on_message(complete(1, "ac", kind=LENGTH, usage=(4, 2, 1), lps=out_lps(["a", "c"], [-0.1, -0.2], tops)))
     result.on_message(complete(0, "x", matched="\n", usage=(4, 1, 1), lps=out_lps(["x"], [-1.0], [[("x", -1.0)]])))
@@ -262,7 +262,7 @@ def test_completion_result_with_logprobs():
 
 
 def test_completion_result_echo_and_zero_top_logprobs():
-    result = CompletionResult(completion(echo=True, logprobs=0), "c", 1, prompt_text="Hi")
+    result = CompletionResult(completion(echo=True, logprobs=0), "c", 1, prompt_texts=["Hi"])
     inp = common_pb2.InputLogprobs(token_ids=[5], token_logprobs=[float("nan")], texts=["Hi"],
                                    top_logprobs=[common_pb2.TopLogprobs()])
     result.on_message(complete(0, "!", lps=out_lps(["!"], [-0.5]), inp=inp))
@@ -270,7 +270,7 @@ def test_completion_result_echo_and_zero_top_logprobs():
     assert choice["text"] == "Hi!"
     assert choice["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [None, -0.5], "top_logprobs": None,
                                   "text_offset": [0, 2]}
-    plain = CompletionResult(completion(echo=True), "c", 1, prompt_text="Hi")
+    plain = CompletionResult(completion(echo=True), "c", 1, prompt_texts=["Hi"])
     plain.on_message(complete(0, "!"))
     assert Completion.model_validate(plain.result()).choices[0].text == "Hi!"
 
