@@ -21,7 +21,7 @@ from services.common.server import GrpcService, GrpcSettings
 from services.common import tracing
 from services.common.settings import parse_settings
 from services.common.tracing import TraceSettings, setup_tracing
-from services.router import native_api, openai_api
+from services.router import native_api, openai_api, utility_api
 from services.router.admission import Admission, admission_middleware
 from services.router.core import Router
 from services.router.discovery import DnsDiscovery
@@ -59,6 +59,7 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     app[INFLIGHT] = {"n": 0}
     native_api.add_routes(app)
     openai_api.add_routes(app)
+    utility_api.add_routes(app)
     peers = getattr(router, "peers", None)
     if peers is not None and metrics is not None:  # one of several router processes: answer for all of them
         async def all_metrics(request: web.Request) -> web.Response:

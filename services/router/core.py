@@ -95,9 +95,9 @@ class Router:
                 span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
             return out
 
-    async def detokenize(self, ids: list[int]) -> str:
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
         with tracing.span("detokenize", "client", tokens=len(ids)):
-            return await _tokenizer_call(self.tokenizer.detokenize(ids))
+            return await _tokenizer_call(self.tokenizer.detokenize(ids, skip_special_tokens))
 
     def policy_name(self, role: str = "colocated") -> str:
         s = self.settings

@@ -92,8 +92,9 @@ class TokenizerClient:
                 raise ValueError(e.details()) from None
             raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
 
-    async def detokenize(self, ids: list[int]) -> str:
-        request = tokenizer_pb2.DetokenizeRequest(sequences=[tokenizer_pb2.TokenIds(ids=ids)])
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
+        request = tokenizer_pb2.DetokenizeRequest(sequences=[tokenizer_pb2.TokenIds(ids=ids)],
+                                                  skip_special_tokens=skip_special_tokens)
         try:
             return (await self.stub.Detokenize(request, timeout=self.timeout_s,
                                              metadata=tracing.current_metadata())).texts[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 
 import jsonschema
 import openai
@@ -204,3 +206,54 @@ def test_a_bad_prompt_in_a_list_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt=["fine", [1, -5]], max_tokens=4)
     assert "prompt[1]" in str(e.value)
+
+
+def _post(mesh, path: str, body) -> tuple[int, dict]:
+    req = urllib.request.Request(mesh.url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_endpoints(mesh, offline):
+    tok = offline.tokenizer
+    status, one = _post(mesh, "/tokenize", {"prompt": "Hello there"})
+    assert status == 200 and one["tokens"] == tok("Hello there").input_ids
+    assert one["count"] == len(one["tokens"]) and one["max_model_len"] > 0
+    status, two = _post(mesh, "/v1/tokenize", {"model": NAME, "prompt": ["a b", "c"], "add_special_tokens": False})
+    assert status == 200 and two["tokens"] == [tok("a b", add_special_tokens=False).input_ids,
+                                               tok("c", add_special_tokens=False).input_ids]
+    assert two["count"] == [len(t) for t in two["tokens"]]
+    status, text = _post(mesh, "/detokenize", {"tokens": one["tokens"]})
+    assert status == 200 and text["text"] == tok.decode(one["tokens"])
+    status, texts = _post(mesh, "/v1/detokenize", {"tokens": one["tokens"], "skip_special_tokens": True})
+    assert texts["text"] == "Hello there"
+    status, texts = _post(mesh, "/detokenize", {"tokens": two["tokens"]})
+    assert status == 200 and texts["text"] == ["a b", "c"]
+    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": []}, "prompt"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens")]:
+        status, err = _post(mesh, path, body)
+        assert (status, err["error"]["param"]) == (400, param), (path, body, err)
+    status, err = _post(mesh, "/tokenize", {"model": "gpt-9", "prompt": "x"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+
+
+def test_models_retrieve_and_openai_extra_fields(client):
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    # OpenAI's user and metadata fields, and a strict json_schema, are accepted.
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8, user="u-1",
+        metadata={"job": "nightly"}, response_format={"type": "json_schema", "json_schema": {
+            "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                    "required": ["a"], "additionalProperties": False}}})
+    assert out.choices[0].message.content is not None
+    comp = client.completions.create(model=NAME, prompt="hi", max_tokens=2, user="u-2")
+    assert comp.choices[0].text is not None
