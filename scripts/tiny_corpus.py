@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors, trainers)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
@@ -146,6 +146,9 @@ def dump_json(obj, path: Path) -> None:
 def write_tokenizer(tok: Tokenizer, out: Path, name: str, bos: str, eos: str, pad: str) -> None:
     """tokenizer.json + tokenizer_config.json; Llama-3 style encode() prepends BOS."""
     tok = Tokenizer.from_str(tok.to_str())
+    added = ADDED_TOKENS.get(name, [])
+    if added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if bos == "<|begin_of_text|>":
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
@@ -202,8 +205,51 @@ def chatml_template(default_system: str | None) -> str:
             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
+# Qwen3's conventions: tools listed in the system turn, calls as <tool_call> JSON, tool results as a user turn of
+# <tool_response> blocks, and thinking: a past assistant turn keeps only its answer; with enable_thinking=false the
+# generation prompt holds an empty <think></think> block, so the model answers at once.
+QWEN3_TEMPLATE = (
+    "{%- set rest = messages -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}{%- set rest = messages[1:] -%}"
+    "{%- endif -%}"
+    "{{- '# Tools\\nTo call a function, reply with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.'"
+    " + '\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in rest -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + (m['content'] or '') + '\\n</tool_response>' -}}"
+    "{%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{%- set content = m['content'] or '' -%}"
+    "{%- if m['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content -}}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if 'function' in call else call -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
 CHAT_TEMPLATES = {
     "tiny-llama": LLAMA_TEMPLATE,
     "tiny-qwen2": chatml_template("You are a helpful assistant."),
-    "tiny-qwen3": chatml_template(None),
+    "tiny-qwen3": QWEN3_TEMPLATE,
 }
+# Tokens a model's tokenizer adds after training, as its real counterpart has them (Qwen3's think and tool-call
+# markers are single, non-special tokens: they survive skip_special_tokens).
+ADDED_TOKENS = {"tiny-qwen3": ["<think>", "</think>", "<tool_call>", "</tool_call>"]}

@@ -86,6 +86,10 @@ class LaunchSettings:
     otlp_traces_endpoint: str | None = field(default=None, metadata={
         "help": "host:port of the OTLP/gRPC trace collector, passed to every service (default: OTEL_EXPORTER_OTLP_"
                 "TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317); giving it turns tracing on"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "routers: split chat outputs into reasoning_content and content (qwen3, deepseek-r1, ...)"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "routers: find tool calls in chat outputs (qwen25, llama3, mistral, pythonic)"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -220,7 +224,9 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         router += ["--api-key-tenants", *settings.api_key_tenants]
     for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),
                         ("--served-model-name", settings.served_model_name),
-                        ("--tenant-header", settings.tenant_header)):
+                        ("--tenant-header", settings.tenant_header),
+                        ("--reasoning-parser", settings.reasoning_parser),
+                        ("--tool-call-parser", settings.tool_call_parser)):
         if value is not None:
             router += [flag, str(value)]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from aiohttp import web
 
@@ -20,10 +21,13 @@ from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import first_then_sse, json_body, tenant_of
 from services.router.native_api import ROUTER
+from services.router.chat_output import OutputSpec
 from services.router.merge import merged
 from services.router.openai_errors import OpenAIError, bad_request, from_status, not_found
 from services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from services.router.policies import routing_key_var
+from services.router.reasoning import reasoning_format, starts_in_reasoning
+from services.router.tool_parsers import NamedCallParser, RequiredCallsParser, make_tool_parser
 from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, CompletionResult, CompletionStream,
                                              error_event, sse)
 
@@ -43,11 +47,27 @@ async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
     return _Prepared(list(tokenized.input_ids), tokenized.prompt)
 
 
-def _builder(job: OpenAIJob, rid: str, prompts: list[_Prepared]):
+def _output_spec(router: Router, job: OpenAIJob, prompt: str) -> OutputSpec:
+    """How the chat outputs are parsed: reasoning by --reasoning-parser (unless separate_reasoning is false), tool
+    calls by the constrained format of tool_choice "required" or a named function, else by --tool-call-parser."""
+    settings = router.settings
+    fmt = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser and job.separate_reasoning else None
+    tools = None
+    if job.tool_choice == "required":
+        tools = partial(RequiredCallsParser, job.tools)
+    elif job.named_tool is not None:
+        tools = partial(NamedCallParser, job.tools, name=job.named_tool)
+    elif job.tools and settings.tool_call_parser:
+        tools = partial(make_tool_parser, settings.tool_call_parser, job.tools)
+    return OutputSpec(reasoning=fmt, in_reasoning=fmt is not None and starts_in_reasoning(fmt, prompt), tools=tools,
+                      parallel_calls=job.parallel_tool_calls)
+
+
+def _builder(router: Router, job: OpenAIJob, rid: str, prompts: list[_Prepared]):
     created = int(time.time())
     if job.kind == "chat":
         cls = ChatStream if job.stream else ChatResult
-        return cls(job, "chatcmpl-" + rid, created, len(prompts[0].ids))
+        return cls(job, "chatcmpl-" + rid, created, len(prompts[0].ids), _output_spec(router, job, prompts[0].text))
     cls = CompletionStream if job.stream else CompletionResult
     return cls(job, "cmpl-" + rid, created, [p.text for p in prompts], [len(p.ids) for p in prompts])
 
@@ -76,7 +96,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
                                            sampling_params=job.sampling, logprob_options=job.logprobs,
                                            stream=job.stream, tenant=tenant_of(request))
                 for i, p in enumerate(prompts)]
-    builder = _builder(job, rid, prompts)
+    builder = _builder(router, job, rid, prompts)
     if not job.stream:
         async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
             async for msg in messages:

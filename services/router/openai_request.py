@@ -2,12 +2,13 @@
 
 Semantics follow SGLang's OpenAI server. Unset OpenAI fields stay unset in SamplingParams, so the worker applies the
 model's recommended value or SGLang's default (this includes `max_tokens`: no OpenAI-style default of 16 here).
-Unknown fields are ignored, and so are SGLang's `separate_reasoning`, `rid` and OpenAI's `user`; `null` means absent.
+Unknown fields are ignored, and so are SGLang's `rid` and OpenAI's `user` and `metadata`; `null` means absent.
 Decisions worth knowing:
   - completions take a string, a list of token ids, or a list of either (a batch: prompt i's n choices have indices
     i*n .. i*n+n-1, as OpenAI numbers them).
-  - `tools` reach the chat template (unless `tool_choice` is "none"); `tool_choice` is validated but tool calls in the
-    output are not parsed (the reply is plain text).
+  - `tools` reach the chat template (unless `tool_choice` is "none"). `tool_choice` "required" or a named function
+    constrains the output with a JSON schema built from the tools' (tool_parsers), so the calls' arguments validate;
+    "auto" leaves the output free and the router's --tool-call-parser finds the calls (chat_output).
   - chat content parts must be text (joined with "\\n"): these models take text only.
   - role "developer" is passed to the chat template as "system".
   - completions `echo` with `logprobs` also asks for prompt logprobs (logprob_start_len = 0), as OpenAI returns them.
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from services.router.openai_errors import OpenAIError, bad_request, not_found, unavailable
+from services.router.tool_parsers import named_call_schema, required_calls_schema
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -58,8 +60,16 @@ class OpenAIJob:
     # Whether the reply carries a `logprobs` object, and how many alternatives per token it lists.
     want_logprobs: bool = False
     top_logprobs: int = 0
-    # Chat only: as given ("none", "auto", "required" or {"type": "function", ...}); outputs are not parsed for calls.
+    # Chat only: as given ("none", "auto", "required" or {"type": "function", ...}), the tools (OpenAI dicts; empty
+    # when tool_choice is "none"), whether several calls may come back, and whether reasoning is split off.
     tool_choice: Any = None
+    tools: tuple[dict[str, Any], ...] = ()
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
 
 class _Fields:
@@ -332,12 +342,18 @@ _TOOL_SHAPE = '{"type": "function", "function": {"name": ...}}'
 
 
 def _tools(f: _Fields) -> tuple[str, Any]:
-    """(tools_json for the chat template, tool_choice as given); tool_choice "none" keeps tools out of the prompt."""
+    """(the tools, for the chat template and the parsers; tool_choice as given); "none" keeps the tools out."""
     tools = f.list("tools") or []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type") != "function":
             raise bad_request(f"'tools[{i}]' must be {_TOOL_SHAPE}, got {_show(tool)}", param=f"tools[{i}]")
+        if not fn["name"]:
+            raise bad_request(f"'tools[{i}].function.name' must be a non-empty string",
+                              param=f"tools[{i}].function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"'tools[{i}].function.parameters' must be a JSON schema object, got "
+                              f"{_show(fn['parameters'])}", param=f"tools[{i}].function.parameters")
     choice = f.body.get("tool_choice")
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -351,16 +367,31 @@ def _tools(f: _Fields) -> tuple[str, Any]:
         raise f.fail("tool_choice", f"must be 'none', 'auto', 'required' or {_TOOL_SHAPE}")
     if choice == "required" and not tools:
         raise bad_request("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
-    use_tools = tools and choice != "none"
-    return (json.dumps(tools, ensure_ascii=False) if use_tools else ""), choice
+    return (tools if choice != "none" else []), choice
 
 
-def _chat_input(f: _Fields, tools_json: str) -> tokenizer_pb2.ChatInput:
+def _tool_constraint(sp: common_pb2.SamplingParams, tools: list[dict], choice: Any, parallel: bool) -> None:
+    """tool_choice "required" or a named function: the output is constrained to calls whose arguments validate."""
+    if choice != "required" and not isinstance(choice, dict):
+        return
+    given = sp.WhichOneof("constraint")
+    if given is not None:
+        name = "response_format" if given == "json_schema" else given
+        raise bad_request(f"'tool_choice' {_show(choice)} constrains the output; it cannot be combined with "
+                          f"'{name}'", param=name)
+    if choice == "required":
+        schema = required_calls_schema(tools, parallel)
+    else:
+        schema = named_call_schema(next(t for t in tools if t["function"]["name"] == choice["function"]["name"]))
+    sp.json_schema = json.dumps(schema, ensure_ascii=False)
+
+
+def _chat_input(f: _Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
     messages = f.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", param="messages")
     chat = tokenizer_pb2.ChatInput(messages=[_chat_message(i, m) for i, m in enumerate(messages)])
-    chat.tools_json = tools_json
+    chat.tools_json = json.dumps(tools, ensure_ascii=False) if tools else ""
     cont = bool(f.bool("continue_final_message"))
     add_prompt = f.bool("add_generation_prompt")
     if cont:
@@ -384,9 +415,12 @@ def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJo
     """Validates a /v1/chat/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
     f = _body(body)
     model = _model(f, served_models)
-    tools_json, tool_choice = _tools(f)
-    chat = _chat_input(f, tools_json)
+    tools, tool_choice = _tools(f)
+    chat = _chat_input(f, tools)
     sampling = _sampling(f)
+    parallel = f.bool("parallel_tool_calls")
+    _tool_constraint(sampling, tools, tool_choice, parallel is not False)
+    separate = f.bool("separate_reasoning")
     want = bool(f.bool("logprobs"))
     top = f.int("top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not want:
@@ -397,7 +431,8 @@ def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJo
                      prompts=(PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(chat=chat)),), stream=stream,
                      include_usage=include_usage,
                      n=sampling.n if sampling.HasField("n") else 1, want_logprobs=want, top_logprobs=top or 0,
-                     tool_choice=tool_choice)
+                     tool_choice=tool_choice, tools=tuple(tools), parallel_tool_calls=parallel is not False,
+                     separate_reasoning=separate is not False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from radixmesh.v1 import common_pb2, worker_pb2
+from services.router.chat_output import CallsJson, OutputSpec, SampleParser, call_id
 from services.router.openai_errors import OpenAIError, from_status, internal
 from services.router.openai_request import OpenAIJob
 
@@ -219,13 +220,24 @@ def _envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[
 # Chat completions
 
 
-class ChatStream:
-    """`chat.completion.chunk` dicts for a streamed chat request; `response_id` becomes each chunk's `id`."""
+def _chat_finish(fr: common_pb2.FinishReason, called: bool) -> str:
+    """A sample that stopped after making tool calls finished with "tool_calls", as OpenAI's do."""
+    reason = finish_reason(fr)
+    return "tool_calls" if called and reason == "stop" else reason
 
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
+
+class ChatStream:
+    """`chat.completion.chunk` dicts for a streamed chat request; `response_id` becomes each chunk's `id`. With a
+    non-plain `spec`, each sample's text is split into reasoning_content, content and tool_calls deltas."""
+
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None,
+                 spec: OutputSpec = OutputSpec()) -> None:
         self.job = job
+        self.spec = spec
         self._tally = _Tally(job.n, [prompt_tokens])
         self._head = _envelope("chat.completion.chunk", response_id, created, job)
+        self._parsers = [None if spec.plain else SampleParser(spec) for _ in range(job.n)]
+        self._calls = [CallsJson() for _ in range(job.n)]
 
     @property
     def done(self) -> bool:
@@ -242,16 +254,39 @@ class ChatStream:
             c = msg.chunk
             entries = self._entries(c.output_logprobs, 0)
             s.logprob_tokens += len(c.output_logprobs.token_ids)
-            if c.text or entries:
-                s.sent.append(c.text)
-                out.append(self._chunk(msg.index, {"content": c.text}, entries))
-            return out
+            s.sent.append(c.text)
+            return out + self._deltas(msg.index, c.text, entries)
         cm = msg.complete
-        rest = s.rest_of(cm.text)
         entries = self._entries(cm.output_logprobs, s.logprob_tokens)
+        rest = s.rest_of(cm.text)
         s.finished = True
-        out.append(self._chunk(msg.index, {"content": rest} if rest else {}, entries, cm.finish_reason))
+        parser = self._parsers[msg.index]
+        if parser is None:
+            out.append(self._chunk(msg.index, {"content": rest} if rest else {}, entries, cm.finish_reason))
+            return out
+        out += self._deltas(msg.index, rest, entries, final=True)
+        called = bool(self._calls[msg.index].ids)
+        out.append(self._chunk(msg.index, {}, None, cm.finish_reason, called))
         return out
+
+    def _deltas(self, index: int, text: str, entries: list[dict[str, Any]], final: bool = False) -> list[dict]:
+        """Delta chunks for new text; the logprob entries ride on the first (an empty delta when there is none)."""
+        parser = self._parsers[index]
+        if parser is None:
+            return [self._chunk(index, {"content": text}, entries)] if text or entries else []
+        parts = parser.feed(text)
+        if final:
+            parts.add(parser.finish())
+        deltas = []
+        if parts.reasoning:
+            deltas.append({"reasoning_content": parts.reasoning})
+        if parts.content:
+            deltas.append({"content": parts.content})
+        if parts.calls:
+            deltas.append({"tool_calls": [self._calls[index].delta(d) for d in parts.calls]})
+        if entries and not deltas:
+            deltas.append({})
+        return [self._chunk(index, d, entries if i == 0 else None) for i, d in enumerate(deltas)]
 
     def final_chunks(self) -> list[dict[str, Any]]:
         """The usage chunk (no choices) when the request asked for stream_options.include_usage."""
@@ -263,11 +298,11 @@ class ChatStream:
         return chat_logprob_entries(lp, start) if self.job.want_logprobs else []
 
     def _chunk(self, index: int, delta: dict[str, Any], entries: list[dict[str, Any]] | None = None,
-               fr: common_pb2.FinishReason | None = None) -> dict[str, Any]:
+               fr: common_pb2.FinishReason | None = None, called: bool = False) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "logprobs": {"content": entries} if entries else None, "finish_reason": None}
         if fr is not None:
-            choice["finish_reason"] = finish_reason(fr)
+            choice["finish_reason"] = _chat_finish(fr, called)
             choice["matched_stop"] = matched_stop(fr)
         chunk = {**self._head, "choices": [choice]}
         if self.job.include_usage:
@@ -278,8 +313,10 @@ class ChatStream:
 class ChatResult:
     """One `chat.completion` dict from the `complete` messages of a non-streamed chat request."""
 
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None) -> None:
+    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None,
+                 spec: OutputSpec = OutputSpec()) -> None:
         self.job = job
+        self.spec = spec
         self._tally = _Tally(job.n, [prompt_tokens])
         self._head = _envelope("chat.completion", response_id, created, job)
 
@@ -295,10 +332,23 @@ class ChatResult:
         choices = []
         for i, cm in self._tally.completes():
             logprobs = {"content": chat_logprob_entries(cm.output_logprobs)} if self.job.want_logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": cm.text}, "logprobs": logprobs,
-                            "finish_reason": finish_reason(cm.finish_reason),
+            message, called = self._message(cm.text)
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
+                            "finish_reason": _chat_finish(cm.finish_reason, called),
                             "matched_stop": matched_stop(cm.finish_reason)})
         return {**self._head, "choices": choices, "usage": self._tally.usage()}
+
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        if self.spec.plain:
+            return {"role": "assistant", "content": text}, False
+        reasoning, content, calls = SampleParser(self.spec).whole(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if self.spec.reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message, bool(calls)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -104,9 +104,25 @@ class RouterSettings:
         "help": "router processes serving the same ports (SO_REUSEPORT) under one supervisor that replaces any "
                 "that dies; they share the worker registry, health and the cache-aware routes; admission limits "
                 "are divided among them (0: one per available core)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "split chat outputs into reasoning_content and content: qwen3, qwen3-thinking, deepseek-r1, "
+                "deepseek-v3, glm45 or kimi (default: off)"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "find tool calls in chat outputs when tool_choice is auto: qwen25 (also qwen, hermes), llama3, "
+                "mistral or pythonic (default: off; tool_choice required or a named function needs none)"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            from services.router.reasoning import reasoning_format
+
+            reasoning_format(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            from services.router.tool_parsers import TOOL_CALL_PARSERS
+
+            if self.tool_call_parser not in TOOL_CALL_PARSERS:
+                raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                                 f"got {self.tool_call_parser!r}")
         for flag, value in (("--policy", self.policy), ("--prefill-policy", self.prefill_policy),
                             ("--decode-policy", self.decode_policy)):
             if value is not None and value not in POLICIES:

@@ -123,6 +123,23 @@ def test_pd_matches_the_colocated_mesh_through_the_openai_client(pd_mesh, mesh):
     assert_all_freed(sum(workers(pd_mesh).values(), []))
 
 
+def test_pd_serves_prompt_lists_and_constrained_tool_calls_as_colocated_does(pd_mesh, mesh):
+    """A list of prompts and tool_choice="required" (the router's parts of issue 14) give the colocated answers."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["k"],
+        "additionalProperties": False}}}
+    with _client(pd_mesh) as pd, _client(mesh) as colocated:
+        kw = dict(model=NAME, prompt=["The lighthouse", "A storm came"], max_tokens=8, **GREEDY)
+        assert [c.text for c in pd.completions.create(**kw).choices] == [
+            c.text for c in colocated.completions.create(**kw).choices]
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "Pick one."}], tools=[tool],
+                  tool_choice="required", parallel_tool_calls=False, max_tokens=128, **GREEDY)
+        a, b = pd.chat.completions.create(**kw).choices[0], colocated.chat.completions.create(**kw).choices[0]
+        assert a.finish_reason == "tool_calls" and a.message.tool_calls[0].function.name == "pick"
+        assert a.message.tool_calls[0].function.arguments == b.message.tool_calls[0].function.arguments
+    assert_all_freed(sum(workers(pd_mesh).values(), []))
+
+
 def test_two_prefill_two_decode_serve_100_concurrent_requests(pd_mesh, mesh):
     prompts = [f"{SHARED * (i % 5)}Question {i}: what is {i} plus {i % 7}?" for i in range(100)]
 

@@ -1,0 +1,181 @@
+"""Tool calls and reasoning through the launched mesh (tiny-qwen3, whose template lists tools, renders calls as
+<tool_call> blocks and closes the thinking block when enable_thinking is false), with the official openai client:
+outputs parse into the SDK's types, arguments validate against the tools' schemas, reasoning is split off."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import model_path
+from tests.e2e.mesh import launch, stop_and_check
+
+MODEL = model_path("tiny-qwen3")
+END_THINK = 1001  # "</think>" in tiny-qwen3's tokenizer (an added, non-special token, as in Qwen3's)
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 12},
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}, "utc": {"type": "boolean"}},
+         "required": ["tz", "utc"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+THINKING = [{"role": "user", "content": "What is two plus two?"},
+            {"role": "assistant", "content": "<think>\nLet me see"}]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = launch(MODEL, tmp_path_factory.mktemp("parsers"), "--reasoning-parser", "qwen3",
+               "--tool-call-parser", "qwen25")
+    try:
+        yield m
+    finally:
+        stop_and_check(m)
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    with openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _valid(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_always_gives_valid_calls(client):
+    """200 sampled outputs (temperature 1): each is one call whose arguments validate against its tool's schema."""
+    seen = set()
+    for seed in range(25):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, n=8, temperature=1.0, seed=seed,
+                                             max_tokens=200)
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            assert len(choice.message.tool_calls) == 1 and not choice.message.content
+            _valid(choice.message.tool_calls[0])
+            seen.add(choice.message.tool_calls[0].function.name)
+    assert seen == {"get_weather", "get_time"}  # the grammar lets the model choose either tool
+
+
+def test_streamed_tool_calls_have_incremental_arguments(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=2, temperature=1.0, seed=3,
+        max_tokens=400, stream=True))
+    calls: dict[tuple[int, int], dict] = {}
+    pieces = 0
+    finish = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault((c.index, d.index), {"name": None, "args": "", "id": None})
+                if d.id:
+                    entry["id"], entry["name"] = d.id, d.function.name
+                entry["args"] += d.function.arguments or ""
+                pieces += 1
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert calls and pieces > 2 * len(calls)  # arguments arrived in several pieces
+    for entry in calls.values():
+        assert entry["id"].startswith("call_")
+        jsonschema.validate(json.loads(entry["args"]), SCHEMAS[entry["name"]])
+
+
+def test_named_tool_choice_calls_that_function(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for stream in (False, True):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                             temperature=1.0, seed=5, max_tokens=200, stream=stream)
+        if stream:
+            deltas = [d for ch in out for c in ch.choices for d in (c.delta.tool_calls or [])]
+            assert deltas[0].function.name == "get_time"
+            jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), CLOCK)
+        else:
+            (call,) = out.choices[0].message.tool_calls
+            assert call.function.name == "get_time"
+            _valid(call)
+
+
+def test_auto_tool_calls_are_parsed_from_the_output(client):
+    """tool_choice auto: --tool-call-parser qwen25 finds the <tool_call> block (a regex makes the tiny model
+    write one) and leaves the text around it as content."""
+    regex = r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,6}", "unit": "celsius", "days": 2\}\}\n</tool_call>'
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=1,
+                                           max_tokens=300, extra_body={"regex": regex})
+    msg = whole.choices[0].message
+    assert msg.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather"
+    _valid(call)
+    streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=1,
+                                              max_tokens=300, extra_body={"regex": regex}, stream=True)
+    content, args, name = "", "", None
+    for chunk in streamed:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                name = d.function.name or name
+                args += d.function.arguments or ""
+    assert (content, name, json.loads(args)) == ("Sure.", "get_weather", json.loads(call.function.arguments))
+
+
+def test_tool_messages_round_trip_through_the_template(client):
+    """An assistant turn with tool_calls and the tool's answer reach the template as transformers renders them."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=1, temperature=0)
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    text = tok.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\nsunny, 21 degrees\n</tool_response>" in text and "<tool_call>" in text
+    assert out.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
+
+
+def test_reasoning_is_split_from_the_answer(client):
+    """The assistant turn opens a <think> block (continue_final_message); a bias makes the tiny model close it
+    mid-output. reasoning_content is the text before </think>, content the rest, streamed or whole."""
+    common = dict(model=MODEL, messages=THINKING, max_tokens=24, temperature=0, logit_bias={str(END_THINK): 8})
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    raw = client.chat.completions.create(**common, extra_body={**extra, "separate_reasoning": False})
+    text = raw.choices[0].message.content
+    before, sep, after = text.partition("</think>")
+    assert sep and before and after.strip("\n"), text  # the bias puts </think> mid-output
+    split = client.chat.completions.create(**common, extra_body=extra).choices[0].message
+    assert split.reasoning_content == before and split.content == after.lstrip("\n")
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**common, extra_body=extra, stream=True):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == (split.reasoning_content, split.content)
+
+
+def test_enable_thinking_false_leaves_no_reasoning(client):
+    out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    msg = out.choices[0].message
+    assert msg.reasoning_content is None and msg.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "nope"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
