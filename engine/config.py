@@ -64,6 +64,9 @@ class EngineArgs:
     stream_output: bool = False
     sampling_defaults: str = "model"
     grammar_backend: str = "xgrammar"
+    # An embedding engine (SGLang's --is-embedding): requests run the prefill forward only and return one pooled,
+    # L2-normalised vector of the final hidden states (engine.pooling); generation requests are refused.
+    is_embedding: bool = False
     log_level: str = "info"
 
     @classmethod
@@ -211,6 +214,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     _check_hicache(args)
+    disable_radix_cache = args.disable_radix_cache or _pooling_needs_every_token(args, model)
     context = args.context_length or model.max_position_embeddings
     chunk = args.chunked_prefill_size
     if chunk is None:
@@ -225,6 +229,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     return dataclasses.replace(
         args,
         device=device,
+        disable_radix_cache=disable_radix_cache,
         page_size=page,
         context_length=context,
         chunked_prefill_size=chunk,
@@ -283,6 +288,22 @@ def _check_hicache(args: EngineArgs) -> None:
     _check(args.kv_events_config is None or not args.disable_radix_cache,
            "kv_events_config needs the radix cache (events describe its pages)")
     hicache_extra(args)
+
+
+def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
+    """Mean pooling needs the hidden state of every prompt token, which a prefix-cache hit would skip: an embedding
+    engine that mean-pools runs without the radix cache. Last-token pooling keeps it (see engine.pooling)."""
+    if not args.is_embedding:
+        return False
+    from engine.pooling import Pooling, pooling_of
+
+    if pooling_of(model.path) is not Pooling.MEAN:
+        return False
+    _check(not args.enable_hierarchical_cache, "a mean-pooling embedding model runs without the prefix cache: "
+           "drop enable_hierarchical_cache")
+    _check(args.kv_events_config is None, "a mean-pooling embedding model runs without the prefix cache: "
+           "drop kv_events_config")
+    return True
 
 
 def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:

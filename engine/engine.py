@@ -24,7 +24,9 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.delivery import coalesce, mailbox_for
+from engine.embeddings import EmbeddingCollector, split_inputs
 from engine.model_runner import ModelRunner
+from engine.pooling import check_dimensions, pooling_of
 from engine.request import Req, StepOutput
 from engine.results import BatchCollector, RequestSpec, normalize_batch
 from engine.sampling.grammar import GrammarCompilerCache
@@ -45,6 +47,8 @@ class Engine:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.model_config = ModelConfig.from_path(model_path)
         self.args = resolve_args(EngineArgs.from_kwargs(model_path, **kwargs), self.model_config)
+        # an embedding engine's pooling (engine.pooling); None: a generation engine
+        self.pooling = pooling_of(model_path) if self.args.is_embedding else None
         self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
         self.runner = ModelRunner(self.args, self.model_config)
         self.cache = build_cache(self.args, self.model_config, self.runner)
@@ -55,7 +59,7 @@ class Engine:
                                    # its own copy: a fast tokenizer must not be used by two threads at once
                                    _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
                                    self.args.num_reserved_decode_tokens,
-                                   overlap=not self.args.disable_overlap_schedule)
+                                   overlap=not self.args.disable_overlap_schedule, pooling=self.pooling)
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.prefill_tokens_per_s = lambda: self.scheduler.prefill_tokens_per_s
         self._grammars: GrammarCompilerCache | None = None
@@ -94,6 +98,9 @@ class Engine:
     def _specs(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
                token_ids_logprob, return_text_in_logprobs, rid=None) -> tuple[list[RequestSpec], bool]:
         self._check_alive()
+        if self.pooling is not None:
+            raise ValueError("this engine serves an embedding model (is_embedding / --is-embedding): it computes "
+                             "embeddings with encode, it does not generate text")
         return normalize_batch(prompt, sampling_params, input_ids, return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
@@ -274,6 +281,68 @@ class Engine:
                 arrived.append(inbox.get_nowait())
             for i, out in coalesce(arrived):
                 yield collector.record(i, out)
+
+    # ---- embeddings (is_embedding engines) -------------------------------------------------------------------
+    def _embed_specs(self, prompt, input_ids, dimensions, rid) -> tuple[list[RequestSpec], bool, int | None]:
+        self._check_alive()
+        if self.pooling is None:
+            raise ValueError("this engine generates text: start it with is_embedding=True (--is-embedding) to "
+                             "compute embeddings")
+        dimensions = check_dimensions(dimensions, self.model_config)
+        prompt, input_ids = split_inputs(prompt, input_ids)
+        specs, is_batch = normalize_batch(prompt, {"max_new_tokens": 0}, input_ids, False, tokenizer=self.tokenizer,
+                                          vocab_size=self.model_config.vocab_size,
+                                          context_len=self.args.context_length,
+                                          max_total_tokens=self.runner.max_total_tokens, rid=rid)
+        return specs, is_batch, dimensions
+
+    def encode(self, prompt: str | list[str] | list[int] | list[list[int]] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None, dimensions: int | None = None,
+               rid: str | list[str] | None = None, tenant: str = ""):
+        """SGLang's Engine.encode: text or token ids (one prompt, or a list) -> {"embedding": [float, ...],
+        "meta_info": {"id", "prompt_tokens", "cached_tokens"}} (a list of them for a list of prompts). Each vector is
+        the model's pooled final hidden states, L2-normalised (engine.pooling); `dimensions` keeps its first values,
+        normalised again (Matryoshka models only). Bad input raises ValueError before anything is queued."""
+        _check_tenant(tenant)
+        specs, is_batch, dimensions = self._embed_specs(prompt, input_ids, dimensions, rid)
+        collector = EmbeddingCollector(specs, dimensions)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._submit(specs, lambda i: (lambda out: inbox.put((i, out))), None, tenant)
+        try:
+            while not collector.done:
+                try:
+                    collector.record(*inbox.get(timeout=1.0))
+                except queue.Empty:
+                    self._check_alive()
+        finally:  # interrupted: free what is still running
+            if not collector.done:
+                self._abort_all(specs)()
+        results = collector.results()
+        return results if is_batch else results[0]
+
+    async def async_encode(self, prompt=None, input_ids=None, dimensions: int | None = None, rid=None,
+                           tenant: str = ""):
+        """As `encode`, from an event loop (validation and tokenization on the prep threads)."""
+        _check_tenant(tenant)
+        loop = asyncio.get_running_loop()
+        specs, is_batch, dimensions = await loop.run_in_executor(self._prep, functools.partial(
+            self._embed_specs, prompt, input_ids, dimensions, rid))
+        collector = EmbeddingCollector(specs, dimensions)
+        inbox: asyncio.Queue = asyncio.Queue()
+        mailbox = mailbox_for(loop)
+        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), None, tenant)
+        try:
+            while not collector.done:
+                try:
+                    async with asyncio.timeout(1.0):
+                        collector.record(*await inbox.get())
+                except TimeoutError:
+                    self._check_alive()
+        finally:  # cancelled (a timeout, a dropped client): free what is still running
+            if not collector.done:
+                self._abort_all(specs)()
+        results = collector.results()
+        return results if is_batch else results[0]
 
     # ---- control --------------------------------------------------------------------------------------------
     def _control(self, fn: Callable[[], Any]) -> Any:

@@ -16,6 +16,7 @@ from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
+from engine.pooling import Pooling, pool
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
 
@@ -126,16 +127,26 @@ class ModelRunner:
         Launches work on the device and returns without waiting for it."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
-        batch.fill_pending()
-        metadata = self.attn_backend.plan(batch)
-        with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self._hidden(batch)
         if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
             return self.model.compute_logits(hidden)  # one token per request: every row is wanted
         rows = batch.logits_indices
         if batch.extra_logit_indices is not None:
             rows = torch.cat([rows, batch.extra_logit_indices])
         return self.model.compute_logits(hidden[rows])
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's final hidden states (after the final norm), [num_tokens, hidden]."""
+        batch.fill_pending()
+        metadata = self.attn_backend.plan(batch)
+        with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
+            return self.model(batch.input_ids, batch.positions)
+
+    @torch.inference_mode()
+    def forward_pooled(self, batch: ForwardBatch, pooling: Pooling) -> torch.Tensor:
+        """An embedding engine's forward (extend batches): float32 [batch, hidden], each request's pooled final
+        hidden states over this forward's tokens (engine.pooling.pool). Launches work and returns without waiting."""
+        return pool(self._hidden(batch), batch, pooling)
 
     @torch.inference_mode()
     def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,

@@ -69,6 +69,7 @@ class StepOutput:
     # Prompt logprobs (tokens from logprob_start_len on, with top lists), sent once with the first output.
     input_logprobs: tuple[list[float], list[LogprobList], list[LogprobList]] | None = None
     queue_time_s: float | None = None  # arrival to first admission by the prefill planner (None: not admitted so)
+    embedding: list[float] | None = None  # an embedding engine's finished request: its normalised vector
 
 
 @dataclass(slots=True)
@@ -113,6 +114,10 @@ class Req:
     arrival: float = 0.0
     queue_time_s: float | None = None  # seconds from arrival to first admission (set by the scheduler)
     retractions: int = 0
+    # Embedding engines: the running sum of pooled states over a chunked prompt (mean pooling; a device tensor),
+    # then the finished request's normalised vector.
+    pooled: object | None = None
+    embedding: list[float] | None = None
 
     @property
     def fill_ids(self) -> list[int]:

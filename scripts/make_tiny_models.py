@@ -1,4 +1,4 @@
-"""Write tiny seeded Llama / Qwen2 / Qwen3 checkpoints for greedy parity tests.
+"""Write tiny seeded Llama / Qwen2 / Qwen3 checkpoints for greedy parity tests, and a Qwen3-Embedding-shaped one.
 Usage: python scripts/make_tiny_models.py --out models [--check]  (~10 s; --check audits)
 
 Random weights make greedy decoding a chain of near-ties, so each model is seeded
@@ -13,6 +13,7 @@ weight, the argmax does not move. Weights sit on the bf16 grid (lossless bf16 ca
 """
 
 import argparse
+import json
 import logging
 import math
 import random
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from tokenizers import Tokenizer, processors
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_corpus import (CHECK_CHATS, SPECIALS, TOKENIZER_SIZE, check_prompts,  # noqa: E402
@@ -235,6 +236,49 @@ def build(name: str, spec: dict, tok: Tokenizer, out: Path) -> None:
     save_file(dict(sorted(sd.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+EMBED_NAME, EMBED_SEED = "tiny-qwen3-embed", 44
+
+
+def build_embedding(tok: Tokenizer, out: Path) -> None:
+    """A Qwen3-Embedding-shaped checkpoint for embedding parity: Qwen3ForCausalLM config with tied embeddings and
+    `is_matryoshka`, weights saved as the bare backbone (no `model.` prefix, no lm_head), the tiny Qwen3 tokenizer
+    with <|endoftext|> appended to every input, and sentence-transformers files that ask for last-token pooling
+    and normalisation. Weights are seeded noise at unit gain (no circuit: embeddings need no decisive argmax), so
+    every layer mixes context and different prompts get clearly different vectors."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(SPECS["tiny-qwen3"], tie=True, seed=EMBED_SEED)
+    write_metadata("tiny-qwen3", spec, tok, out)
+    cfg_json = json.loads((out / "config.json").read_text())
+    dump_json({**cfg_json, "is_matryoshka": True}, out / "config.json")
+    cfg = AutoConfig.from_pretrained(out)
+    eos = "<|endoftext|>"
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    raw.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+                                                       special_tokens=[(eos, raw.token_to_id(eos))])
+    raw.save(str(out / "tokenizer.json"))
+    gen = torch.Generator().manual_seed(EMBED_SEED)
+    backbone = AutoModel.from_config(cfg)
+    sd = {}
+    for name, t in sorted(backbone.state_dict().items()):
+        if name.endswith("norm.weight"):
+            sd[name] = 0.8 + 0.4 * torch.rand(t.shape, generator=gen)
+        elif name.endswith("bias"):
+            sd[name] = 0.1 * torch.randn(t.shape, generator=gen)
+        else:  # unit gain: rows of a [out, in] weight ~ N(0, 1 / in); embeddings ~ N(0, 1)
+            fan_in = t.shape[1] if t.dim() == 2 and "embed" not in name else 1
+            sd[name] = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
+    save_file({n: t.contiguous() for n, t in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    dump_json([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
+              out / "modules.json")
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    dump_json({"word_embedding_dimension": HIDDEN, **{f"pooling_mode_{m}": m == "lasttoken" for m in modes},
+               "include_prompt": True}, out / "1_Pooling" / "config.json")
+
+
 def load_quietly(path: Path):
     """Model, tokenizer, and every warning, loading complaint or tokenizer disagreement."""
     log, handler = logging.getLogger("transformers"), logging.Handler(logging.WARNING)
@@ -289,7 +333,8 @@ def main() -> None:
     tok = train_tokenizer()
     for name, spec in SPECS.items():
         build(name, spec, tok, args.out / name)
-    print(f"wrote {', '.join(SPECS)} to {args.out} in {time.time() - start:.1f}s")
+    build_embedding(tok, args.out / EMBED_NAME)
+    print(f"wrote {', '.join([*SPECS, EMBED_NAME])} to {args.out} in {time.time() - start:.1f}s")
     if args.check:
         for name in SPECS:
             print(f"{name}: {audit(args.out / name)}")

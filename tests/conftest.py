@@ -12,10 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+EMBEDDING_MODELS = ("tiny-qwen3-embed",)  # --is-embedding checkpoints (not for generation parity)
 
 
 def _ensure_models() -> None:
-    if all((MODELS / m / "config.json").is_file() for m in TINY_MODELS):
+    if all((MODELS / m / "config.json").is_file() for m in TINY_MODELS + EMBEDDING_MODELS):
         return
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_models.py"), "--out", str(MODELS)],
                    check=True)

@@ -89,6 +89,8 @@ def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
     for name, tensor in iter_checkpoint(cfg.path):
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
+            name = f"model.{name}"
         if name not in targets:
             log.warning("ignoring unexpected tensor %r in %s", name, cfg.path)
             continue

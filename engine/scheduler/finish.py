@@ -58,4 +58,5 @@ def step_output(req: Req) -> StepOutput:
         cached_tokens=req.cached_tokens,
         input_logprobs=(req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) if first else None,
         queue_time_s=req.queue_time_s,
+        embedding=req.embedding,
     )

@@ -28,6 +28,7 @@ from engine.cache.manager import CacheManager
 from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
+from engine.scheduler.embedding import EmbeddingSteps
 from engine.scheduler.finish import StopStrings, check_finished, step_output
 from engine.scheduler.handoffs import Handoffs
 from engine.scheduler.in_flight import HostCopy, InFlight
@@ -42,7 +43,7 @@ QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
-                 overlap: bool = False):
+                 overlap: bool = False, pooling=None):
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
@@ -56,6 +57,8 @@ class Scheduler:
         self.handoffs = Handoffs(cache, reserved_decode_tokens)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.overlap = overlap
+        # an embedding engine (pooling: engine.pooling.Pooling): forwards pool hidden states, nothing is sampled
+        self.embedding = EmbeddingSteps(pooling) if pooling is not None else None
         self.in_flight: InFlight | None = None
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self.prefill_tokens_per_s = 0.0  # measured over extend steps (EMA), for routers' time-to-first-token model
@@ -227,7 +230,8 @@ class Scheduler:
             locs = self.cache.slots_of_new_tokens(reqs)
             batch, plan = build_extend(reqs, locs, self.runner.device, prev) if extend else \
                 (build_decode(reqs, locs, self.runner.device, prev), None)
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(batch) if self.embedding is None else \
+                self.runner.forward_pooled(batch, self.embedding.pooling)
         except Exception as e:
             self._fail(reqs, e)
             return None
@@ -251,6 +255,12 @@ class Scheduler:
         """Sample the launched step on the device (after the previous step is resolved) and start copying the
         results to the host."""
         reqs = flight.reqs
+        if self.embedding is not None:
+            try:
+                self.embedding.resolve(flight, lambda r: self._finish(r, FinishReason(FinishKind.LENGTH, length=0)))
+            except Exception as e:
+                self._fail(reqs, e)
+            return
         try:
             for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
                 if samples and new and r.sampling.penalized and not r.finished:

@@ -1,5 +1,6 @@
 """Proto <-> engine conversions for workers: GenerateRequest -> Engine.async_generate keyword arguments, and the
-engine's result dicts (`text`, `output_ids`, `meta_info`) -> GenerateStreamChunk / GenerateComplete."""
+engine's result dicts (`text`, `output_ids`, `meta_info`) -> GenerateStreamChunk / GenerateComplete; EmbedRequest ->
+Engine.async_encode keyword arguments, and its results -> EmbedResponse."""
 
 from __future__ import annotations
 
@@ -47,6 +48,20 @@ def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
                       return_text_in_logprobs=lp.return_text_in_logprobs,
                       logprob_start_len=lp.logprob_start_len if lp.HasField("logprob_start_len") else None)
     return kwargs
+
+
+def embed_kwargs(req: worker_pb2.EmbedRequest) -> dict:
+    """Always a batch (a list of id lists), so the engine answers with a list; each input's engine id is
+    `<request_id>-<index>`."""
+    return {"input_ids": [list(x.input_ids) for x in req.inputs],
+            "dimensions": req.dimensions if req.HasField("dimensions") else None,
+            "rid": [f"{req.request_id}-{i}" for i in range(len(req.inputs))], "tenant": req.tenant}
+
+
+def embed_response(results: list[dict]) -> worker_pb2.EmbedResponse:
+    return worker_pb2.EmbedResponse(embeddings=[
+        worker_pb2.Embedding(values=r["embedding"], prompt_tokens=r["meta_info"]["prompt_tokens"],
+                             cached_tokens=r["meta_info"]["cached_tokens"]) for r in results])
 
 
 def _top(rows) -> list[common_pb2.TopLogprobs]:

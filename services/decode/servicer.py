@@ -132,6 +132,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         Bad input raises ValueError; a failed PD handoff aborts the call with ABORTED and the reason."""
         started = time.monotonic()
         mode = self.settings.disaggregation_mode
+        if self.engine.pooling is not None:
+            raise ValueError("this worker serves an embedding model (--is-embedding): use Embed (/v1/embeddings, "
+                             "/encode), not Generate")
         if not request.request_id:
             raise ValueError("request_id is required")
         if request.request_id in self.active:
@@ -170,6 +173,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await room.close()
         finally:
             self.active.pop(request.request_id, None)
+
+    # ---- embeddings ------------------------------------------------------------------------------------------
+    async def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
+        """Every input's pooled, normalised vector (the engine batches them); bad input is INVALID_ARGUMENT. Any
+        worker of an embedding model serves it, whatever its disaggregation mode (there is no decode phase to
+        hand over: in a PD mesh the router sends embeddings to prefill workers)."""
+        if self.engine.pooling is None:
+            raise ValueError("this worker generates text (it was not started with --is-embedding): use Generate; "
+                             "embeddings need an embedding model served with --is-embedding")
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        tracing.set_attributes(request_id=request.request_id, inputs=len(request.inputs))
+        results = await self.engine.async_encode(**convert.embed_kwargs(request))
+        for r in results:
+            self.stats.request_done(r["meta_info"]["prompt_tokens"], r["meta_info"]["cached_tokens"])
+        return convert.embed_response(results)
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------
     async def _prefill(self, request, context, started: float) -> worker_pb2.GenerateResponse:
@@ -271,6 +290,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return worker_pb2.HealthCheckResponse(healthy=True, message=f"prefill worker, {load['running']} running")
         try:
             async with asyncio.timeout(timeout):
+                if self.engine.pooling is not None:
+                    await self.engine.async_encode(input_ids=[1])
+                    return worker_pb2.HealthCheckResponse(healthy=True, message="computed one embedding")
                 await self.engine.async_generate(input_ids=[1], sampling_params={"max_new_tokens": 1,
                                                                                  "temperature": 0.0})
         except TimeoutError:
@@ -306,7 +328,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         e = self.engine
         return worker_pb2.GetModelInfoResponse(
             model_path=e.args.model_path, tokenizer_path=e.args.tokenizer_path or e.args.model_path,
-            is_generation=True, served_model_name=self.settings.served_model_name or e.args.model_path,
+            is_generation=e.pooling is None, served_model_name=self.settings.served_model_name or e.args.model_path,
             max_context_length=e.args.context_length, vocab_size=e.model_config.vocab_size,
             model_type=e.model_config.architecture, eos_token_ids=sorted(e.model_config.eos_token_ids),
             preferred_sampling_params=json.dumps(e.model_config.generation_defaults or {}),

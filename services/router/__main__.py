@@ -21,6 +21,7 @@ from services.common.server import GrpcService, GrpcSettings
 from services.common import tracing
 from services.common.settings import parse_settings
 from services.common.tracing import TraceSettings, setup_tracing
+from services.router import embeddings_api
 from services.router import native_api, openai_api, utility_api
 from services.router.admission import Admission, admission_middleware
 from services.router.core import Router
@@ -59,6 +60,7 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     app[INFLIGHT] = {"n": 0}
     native_api.add_routes(app)
     openai_api.add_routes(app)
+    embeddings_api.add_routes(app)
     utility_api.add_routes(app)
     peers = getattr(router, "peers", None)
     if peers is not None and metrics is not None:  # one of several router processes: answer for all of them

@@ -27,6 +27,10 @@ SECRETS = frozenset({"api_key", "api_key_tenants"})  # settings /get_server_info
 
 async def generate(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
+    info = router.registry.any_info()
+    if info is not None and not info.is_generation:
+        raise bad_request(f"the served model '{router.model_name}' is an embedding model (--is-embedding): it does "
+                          "not generate text; use /encode or /v1/embeddings", code="model_not_generative")
     try:
         jobs, is_batch, stream, lp = generate_api.parse(await json_body(request))
     except ValueError as e:
