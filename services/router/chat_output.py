@@ -2,7 +2,8 @@
 (the request's tools with --tool-call-parser, or the constrained formats of tool_choice "required" or a named
 function). Reasoning is split off first; tool calls are parsed from the answer only.
 
-Streams and whole results share the code: `feed` pieces in order, then `finish`."""
+A stream feeds its pieces in order, then finishes; a whole output goes to `whole` (the reasoning splitter is the
+same code either way; tool calls that do not parse stay content in whole outputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.reasoning import ReasoningFormat, ReasoningSplitter
+from services.router.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class OutputSpec:
 
 class SampleParser:
     def __init__(self, spec: OutputSpec) -> None:
+        self.spec = spec
         self.splitter = ReasoningSplitter(spec.reasoning, spec.in_reasoning) if spec.reasoning else None
         self.tools = spec.tools() if spec.tools is not None else None
         self.single = not spec.parallel_calls
@@ -57,12 +59,8 @@ class SampleParser:
     def whole(self, text: str) -> tuple[str | None, str, list]:
         """(reasoning or None, content, tool_parsers.ToolCall list) of a whole output; tool calls that do not parse
         stay in the content."""
-        reasoning, answer = "", text
-        if self.splitter is not None:
-            r1, a1 = self.splitter.feed(text)
-            r2, a2 = self.splitter.finish()
-            reasoning, answer = r1 + r2, a1 + a2
-        thought = reasoning if self.splitter is not None and self.splitter.thought else None
+        thought, answer = (None, text) if self.spec.reasoning is None else \
+            split_reasoning(self.spec.reasoning, text, self.spec.in_reasoning)
         if self.tools is None:
             return thought, answer, []
         content, calls = self.tools.parse(answer)
@@ -88,24 +86,15 @@ def call_id() -> str:
 
 
 class CallsJson:
-    """Tool-call deltas -> OpenAI `tool_calls` entries: streamed deltas (the first of a call has id, type and
-    name) and, at the end, whole calls."""
+    """Tool-call deltas of one streamed sample -> OpenAI `tool_calls` delta entries: a call's first has its id,
+    type and name, the later ones only the next piece of its arguments."""
 
     def __init__(self) -> None:
         self.ids: list[str] = []
-        self.names: list[str] = []
-        self.arguments: list[str] = []
 
     def delta(self, d) -> dict[str, Any]:
         if d.name is not None:
             self.ids.append(call_id())
-            self.names.append(d.name)
-            self.arguments.append(d.arguments)
             return {"index": d.index, "id": self.ids[d.index], "type": "function",
                     "function": {"name": d.name, "arguments": d.arguments}}
-        self.arguments[d.index] += d.arguments
         return {"index": d.index, "function": {"arguments": d.arguments}}
-
-    def whole(self) -> list[dict[str, Any]]:
-        return [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
-                for i, n, a in zip(self.ids, self.names, self.arguments)]

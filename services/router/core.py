@@ -132,7 +132,7 @@ class Router:
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(self.backoff.delay_s(attempt))
-            worker = await self._choose(request, tried)
+            worker = await self.choose(request, tried)
             outcome = _Attempt()
             async for msg in self._call(worker, request, attempt, outcome):
                 yield msg
@@ -144,15 +144,16 @@ class Router:
             if self.metrics is not None:
                 self.metrics.retried(worker.url)
 
-    async def _choose(self, request, tried: set[str]):
-        """The policy's pick among healthy workers not tried yet for this request (all healthy ones when every
-        one was), taking the pick's circuit-breaker permission; RouterError(503) when there is none."""
+    async def choose(self, request, tried: set[str], role: str = "colocated"):
+        """The policy's pick among healthy workers of `role` (colocated or prefill) not tried yet for this request
+        (all healthy ones when every one was), taking the pick's circuit-breaker permission; RouterError(503) when
+        there is none."""
         while True:
-            healthy = self.registry.healthy()
+            healthy = self.registry.healthy("null" if role == "colocated" else role)
             candidates = [w for w in healthy if w.url not in tried] or healthy
             if not candidates:
                 raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
-            worker = await self.pick(candidates, request)
+            worker = await self.pick(candidates, request, role)
             tried.add(worker.url)
             if worker.breaker.allow():  # a half-open breaker lets one trial through at a time
                 return worker

@@ -23,9 +23,10 @@ from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import WORKER_FAULTS, Router, RouterError, new_request_id, status_of
-from services.router.http_common import json_body, tenant_of
+from services.router.http_common import json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
-from services.router.openai_errors import bad_request, not_found, unavailable
+from services.router.openai_errors import bad_request
+from services.router.openai_request import _Fields, _is_token_id, _model
 from services.router.policies import routing_key_var
 from services.router.resilience import attempts_of
 
@@ -51,8 +52,7 @@ class _RouteKey(NamedTuple):
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in x)
+    return isinstance(x, list) and bool(x) and all(_is_token_id(t) for t in x)
 
 
 def _inputs(value: Any, param: str, ids_only: bool = False) -> tuple[list[str] | None, list[list[int]] | None, bool]:
@@ -98,10 +98,7 @@ def _unknown(body: Any, known: frozenset[str]) -> dict:
 def parse_openai(body: Any, served_model: str) -> tuple[EmbedInputs, str]:
     """A /v1/embeddings body -> (inputs, encoding format); OpenAIError 400 naming the field, 404 for another model."""
     body = _unknown(body, _OPENAI_KEYS)
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise not_found(f"The model '{model}' does not exist; this server serves: {served_model}", param="model",
-                        code="model_not_found")
+    _model(_Fields(body), [served_model])
     if "input" not in body:
         raise bad_request("'input' is required", param="input")
     texts, ids, is_batch = _inputs(body["input"], "input")
@@ -133,15 +130,6 @@ def parse_encode(body: Any) -> tuple[EmbedInputs, list[str]]:
     if len(rids) != n or (isinstance(rid, str) and n > 1) or not all(r is None or isinstance(r, str) for r in rids):
         raise bad_request("'rid' must be a string (a list of strings, one per input, for a batch)", param="rid")
     return EmbedInputs(texts, ids, _dimensions(body), is_batch), [r or new_request_id() for r in rids]
-
-
-def require_embedding_model(router: Router) -> None:
-    info = router.registry.any_info()
-    if info is None:
-        raise unavailable("no worker registered")
-    if info.is_generation:
-        raise bad_request(f"the served model '{router.model_name}' is a generation model, not an embedding model: "
-                          "embeddings need a model served with --is-embedding", code="model_not_embedding")
 
 
 async def embed(router: Router, inputs: EmbedInputs, tenant: str) -> list[worker_pb2.Embedding]:
@@ -177,19 +165,8 @@ class _Unavailable(Exception):
 
 
 async def _choose(router: Router, key: _RouteKey, tried: set[str]):
-    """The policy's pick among healthy workers that run the engine whole: colocated ones, else (a PD mesh) prefill
-    ones; workers not tried yet for this request first."""
-    while True:
-        role, healthy = "colocated", router.registry.healthy("null")
-        if not healthy:
-            role, healthy = "prefill", router.registry.healthy("prefill")
-        candidates = [w for w in healthy if w.url not in tried] or healthy
-        if not candidates:
-            raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
-        worker = await router.pick(candidates, key, role)
-        tried.add(worker.url)
-        if worker.breaker.allow():
-            return worker
+    """A healthy worker that runs the engine whole: a colocated one, else (a PD mesh) a prefill one."""
+    return await router.choose(key, tried, "colocated" if router.registry.healthy("null") else "prefill")
 
 
 async def _call(router: Router, worker, request: worker_pb2.EmbedRequest) -> worker_pb2.EmbedResponse:
@@ -236,7 +213,7 @@ async def _embed_or_400(router: Router, inputs: EmbedInputs, tenant: str) -> lis
 async def openai_embeddings(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     inputs, fmt = parse_openai(await json_body(request), router.model_name)
-    require_embedding_model(router)
+    require_model_kind(router, generation=False)
     results = await _embed_or_400(router, inputs, tenant_of(request))
     tokens = sum(r.prompt_tokens for r in results)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(r.values, fmt)} for i, r in enumerate(results)]
@@ -247,7 +224,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
 async def encode(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     inputs, rids = parse_encode(await json_body(request))
-    require_embedding_model(router)
+    require_model_kind(router, generation=False)
     started = time.monotonic()
     results = await _embed_or_400(router, inputs, tenant_of(request))
     latency = time.monotonic() - started

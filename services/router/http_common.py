@@ -73,6 +73,20 @@ def _not_admin(tenants: TenantResolver, authorization: str | None) -> OpenAIErro
                        "permission_error", None, "admin_key_required")
 
 
+def require_model_kind(router, generation: bool) -> None:
+    """A 400 naming `model` when the served model is of the other kind than the endpoint serves (text generation, or
+    embeddings: --is-embedding, GetModelInfo's is_generation false); no check before any worker is known."""
+    info = router.registry.any_info()
+    if info is None or info.is_generation == generation:
+        return
+    if generation:
+        raise bad_request(f"the served model '{router.model_name}' is an embedding model (--is-embedding): it does "
+                          "not generate text; use /encode or /v1/embeddings", param="model",
+                          code="model_not_generative")
+    raise bad_request(f"the served model '{router.model_name}' is a generation model, not an embedding model: "
+                      "embeddings need a model served with --is-embedding", param="model", code="model_not_embedding")
+
+
 def tenant_of(request: web.Request) -> str:
     """The tenant namespace the auth middleware resolved for this request."""
     return request.get(TENANT, SHARED)

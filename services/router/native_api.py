@@ -16,7 +16,7 @@ from radixmesh.v1 import worker_pb2
 from services.router import generate_api
 from services.router.core import Router, RouterError
 from services.router.merge import merged
-from services.router.http_common import first_then_sse, json_body, start_sse, tenant_of
+from services.router.http_common import first_then_sse, json_body, require_model_kind, start_sse, tenant_of
 from services.router.openai_errors import bad_request, from_status
 from services.router.openai_response import SSE_DONE, error_event, sse
 
@@ -27,10 +27,7 @@ SECRETS = frozenset({"api_key", "api_key_tenants"})  # settings /get_server_info
 
 async def generate(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    info = router.registry.any_info()
-    if info is not None and not info.is_generation:
-        raise bad_request(f"the served model '{router.model_name}' is an embedding model (--is-embedding): it does "
-                          "not generate text; use /encode or /v1/embeddings", code="model_not_generative")
+    require_model_kind(router, generation=True)
     try:
         jobs, is_batch, stream, lp = generate_api.parse(await json_body(request))
     except ValueError as e:

@@ -19,11 +19,11 @@ from radixmesh.v1 import worker_pb2
 from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
-from services.router.http_common import first_then_sse, json_body, tenant_of
+from services.router.http_common import first_then_sse, json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
 from services.router.chat_output import OutputSpec
 from services.router.merge import merged
-from services.router.openai_errors import OpenAIError, bad_request, from_status, not_found
+from services.router.openai_errors import OpenAIError, from_status, not_found
 from services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from services.router.policies import routing_key_var
 from services.router.reasoning import reasoning_format, starts_in_reasoning
@@ -86,7 +86,7 @@ def _messages(router: Router, requests: list[worker_pb2.GenerateRequest], n: int
 
 async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     router = request.app[ROUTER]
-    _require_generation(router)
+    require_model_kind(router, generation=True)
     # Every prompt is tokenized before anything is generated: bad input is a 400 with nothing started.
     prompts = await asyncio.gather(*(_prepare(router, job, p) for p in job.prompts))
     rid = new_request_id()
@@ -118,13 +118,6 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
             await resp.write(sse(error_event(err)))
         await resp.write(SSE_DONE)
     return resp
-
-
-def _require_generation(router: Router) -> None:
-    info = router.registry.any_info()
-    if info is not None and not info.is_generation:
-        raise bad_request(f"the model '{router.model_name}' is an embedding model: it serves /v1/embeddings and "
-                          "/encode, not text generation", param="model")
 
 
 def _dumps(obj) -> str:
