@@ -60,12 +60,14 @@ class GrammarCompilerCache:
         return self._xgr.allocate_token_bitmask(batch, vocab)
 
 
-# One JSON string character that needs no escape (RFC 8259: not a quote, a backslash or a control character), and
-# valid UTF-8: no UTF-16 surrogate. Written as explicit ranges up to U+10FFFF, xgrammar builds exact UTF-8 byte rules;
-# a negated class (or ranges within the BMP) also takes overlong encodings, and its string rules take encoded
-# surrogates: neither is UTF-8, each decodes to one U+FFFD per byte, and the length bound breaks. Probed on xgrammar
-# 0.2.8 (the regression test in tests/api/test_structured_outputs.py samples what it allows).
-_PLAIN_CHAR = r"[\x20-\x21\x23-\x5b\x5d-\ud7ff\ue000-\U0010ffff]"
+# One JSON string character that needs no escape (RFC 8259: not a quote, a backslash or a control character), as
+# exact UTF-8: no overlong encoding, no UTF-16 surrogate, nothing above U+10FFFF. xgrammar 0.2.8 builds exact byte
+# rules only for a range within one UTF-8 length, hence one alternative per length; a class whose ranges cross
+# lengths also takes overlong encodings (each decodes to one U+FFFD per byte, and the length bound breaks). Code
+# points above the BMP are written \u{...}: it reads \U0010ffff as the letter U and the digits. Probed byte by byte
+# (tests/unit/test_bounded_strings.py); the regression test in tests/api/test_structured_outputs.py samples it.
+_PLAIN_CHAR = (r"(?:[\x20-\x21\x23-\x5b\x5d-\x7f]|[\x80-\u07ff]|[\u0800-\ud7ff]|[\ue000-\uffff]"
+               r"|[\u{10000}-\u{10ffff}])")
 _STRING_KEYWORDS_KEPT = ("pattern", "format", "enum", "const")
 
 

@@ -4,9 +4,8 @@ schemas with a length bound (and nothing else), everywhere in the schema."""
 from __future__ import annotations
 
 import json
-import re
-
 from engine.sampling.grammar import _PLAIN_CHAR, bounded_strings_as_patterns
+from tests.conftest import model_path
 
 
 def test_bounded_strings_become_patterns_everywhere():
@@ -36,9 +35,27 @@ def test_what_xgrammar_gets_right_is_left_alone():
     assert bounded_strings_as_patterns("{not json") == "{not json"
 
 
-def test_the_character_class_is_json_without_escapes():
-    one = re.compile(_PLAIN_CHAR)
-    for ch in ("a", " ", "~", "\x7f", "é", "中", "🙂", "\ue000"):
-        assert one.fullmatch(ch), repr(ch)
-    for ch in ('"', "\\", "\x00", "\x01", "\t", "\n", "\x1f", "\ud800", "\udfff"):
-        assert not one.fullmatch(ch), repr(ch)
+def test_the_character_class_is_exact_utf8_without_escapes(capfd):
+    """As xgrammar reads it (its regex, not Python's), byte by byte: every character a JSON string may hold
+    unescaped, up to U+10FFFF, in its one valid UTF-8 encoding, and nothing else. (Written as one class,
+    xgrammar also took overlong encodings; written \\U0010ffff, it read the letter U.)"""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_path("tiny-qwen3")))
+    schema = json.dumps({"type": "string", "pattern": f"^{_PLAIN_CHAR}$"})
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=False)
+    assert "not recognized" not in capfd.readouterr().err  # every escape in the class means what it says
+
+    def one(encoded: bytes) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(b'"' + encoded + b'"')
+
+    for ch in ("a", "U", "0", " ", "~", "\x7f", "\x80", "é", "\u07ff", "\u0800", "中", "\ud7ff", "\ue000",
+               "\uffff", "\U00010000", "🙂", "\U0010ffff"):
+        assert one(ch.encode()), repr(ch)
+    for ch in ('"', "\\", "\x00", "\x01", "\t", "\n", "\x1f"):
+        assert not one(ch.encode()), repr(ch)
+    for raw in (b"\xc1\x81", b"\xe0\x96\xb3", b"\xf0\x8f\xbf\xbf",  # overlong
+                b"\xed\xa0\x80", b"\xed\xbf\xbf",  # UTF-16 surrogates
+                b"\xf4\x90\x80\x80", b"\x80", b"\xff"):  # above U+10FFFF, a lone continuation, never UTF-8
+        assert not one(raw), raw
