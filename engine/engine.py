@@ -82,7 +82,7 @@ class Engine:
         stop = set(spec.params.stop_token_ids)
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
-        matcher = self._grammars.matcher(spec.grammar) if spec.grammar is not None else None
+        matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
         return Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                    sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
                    tenant=tenant)

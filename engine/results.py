@@ -82,7 +82,9 @@ def _check_lengths(n_in: int, raw_params: dict | None, params: SamplingParams, c
 
 
 def _check_token_params(params: SamplingParams, vocab_size: int, tokenizer) -> None:
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+    gate = [t for t in (params.reasoning_end_token_id, params.reasoning_start_token_id) if t is not None]
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("reasoning_end_token_id/reasoning_start_token_id", gate)):
         bad = [t for t in ids if t < 0 or t >= vocab_size]
         if bad:
             raise ValueError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -4,7 +4,8 @@ Grammars are compiled when a request arrives, in the caller's thread (async call
 the scheduler loop. A cache keyed by the constraint holds one future per grammar: concurrent requests for the same
 grammar wait for one compilation, a request never waits for another's grammar, and an invalid one is rejected
 before the request takes a batch slot. Each request gets its own matcher, advanced by every token it generates;
-the scheduler asks it for the next-token bitmask.
+the scheduler asks it for the next-token bitmask. A reasoning model's constraint binds its answer only: the matcher
+stands aside while the model thinks (`ConstraintMatcher`).
 """
 
 from __future__ import annotations
@@ -53,11 +54,58 @@ class GrammarCompilerCache:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with a parser message
             raise ValueError(f"invalid {kind}: {e}") from None
 
-    def matcher(self, compiled):
-        return self._xgr.GrammarMatcher(compiled)
+    def matcher(self, compiled, params: SamplingParams) -> "ConstraintMatcher":
+        return ConstraintMatcher(self._xgr.GrammarMatcher(compiled), params.reasoning_end_token_id,
+                                 params.reasoning_start_token_id)
 
     def bitmask(self, batch: int, vocab: int):
         return self._xgr.allocate_token_bitmask(batch, vocab)
+
+
+class ConstraintMatcher:
+    """One request's grammar, advanced by each token it generates. With `end_id` (a reasoning model's end-of-thinking
+    token) the grammar binds only what follows it: the output starts in its thinking, free until `end_id` is
+    sampled; with `start_id` as well it starts in its answer, under the grammar, but its first token may be
+    `start_id`, which opens the thinking instead. A request that never ends its thinking is never constrained."""
+
+    __slots__ = ("grammar", "end_id", "start_id", "state")
+
+    def __init__(self, grammar, end_id: int | None = None, start_id: int | None = None) -> None:
+        self.grammar, self.end_id, self.start_id = grammar, end_id, start_id
+        # "thinking" (free), "first" (the answer's first token, or start_id), "answer" (the grammar binds)
+        self.state = "answer" if end_id is None else "thinking" if start_id is None else "first"
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (the scheduler asks for a bitmask only then)."""
+        return self.state != "thinking"
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        self.grammar.fill_next_token_bitmask(bitmask, row)
+        if self.state == "first":
+            allow_token(bitmask, row, self.start_id)
+
+    def accept_token(self, token: int) -> None:
+        if self.state == "thinking":
+            if token == self.end_id:
+                self.state = "answer"
+            return
+        if self.state == "first":
+            self.state = "answer"
+            if token == self.start_id:
+                self.state = "thinking"
+                return
+        self.grammar.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.state == "answer" and self.grammar.is_terminated()
+
+
+def allow_token(bitmask, row: int, token: int) -> None:
+    """Set `token`'s bit in an xgrammar bitmask row (int32 words, 32 tokens each, low bit first)."""
+    word, bit = divmod(token, 32)
+    value = 1 << bit
+    bitmask[row, word] |= value - (1 << 32) if value >= 1 << 31 else value
 
 
 # One JSON string character that needs no escape (RFC 8259: not a quote, a backslash or a control character), as

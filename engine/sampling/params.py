@@ -35,6 +35,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Structured outputs of reasoning models: the constraint binds the answer only. The output is free up to and
+    # including reasoning_end_token_id (the end of the thinking); with reasoning_start_token_id too, the output
+    # starts in its answer but may open its thinking with that token as its first token (else it starts thinking).
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> "SamplingParams":
@@ -97,6 +102,11 @@ class SamplingParams:
         _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if self.sampling_seed is not None:
             _int_field("sampling_seed", self.sampling_seed, low=0)
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            if getattr(self, name) is not None:
+                _int_field(name, getattr(self, name), low=0)
+        if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
+            raise ValueError("reasoning_start_token_id needs reasoning_end_token_id")
 
 
 def _int_field(name: str, value: Any, low: int) -> None:

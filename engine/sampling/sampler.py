@@ -84,7 +84,7 @@ def _min_new_tokens_mask(reqs: list[Req], t):
 
 
 def _grammar_bitmask(reqs: list[Req], vocab: int):
-    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.finished]
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active and not r.finished]
     if not rows:
         return None
     import xgrammar as xgr

@@ -10,7 +10,8 @@ from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
 
 _OPTIONAL_SCALARS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                      "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed")
+                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
+                     "reasoning_end_token_id", "reasoning_start_token_id")
 _FINISH_TYPES = {"stop": common_pb2.FINISH_REASON_TYPE_STOP, "length": common_pb2.FINISH_REASON_TYPE_LENGTH,
                  "abort": common_pb2.FINISH_REASON_TYPE_ABORT}
 

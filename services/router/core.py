@@ -58,6 +58,7 @@ class Router:
         self.role_policies = {"colocated": policy, "prefill": policy, **(role_policies or {})}
         self.tokenizer = tokenizer
         self.tenants = TenantResolver.from_settings(settings)
+        self._single_tokens: dict[str, int | None] = {}
         registry.on_remove = self._worker_removed
         registry.on_lost = lambda w: self.calls.cancel(lambda url: url == w.url,
                                                        f"worker {w.url} stopped answering", retry=True)
@@ -94,6 +95,13 @@ class Router:
             if span is not None:
                 span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
             return out
+
+    async def single_token(self, text: str) -> int | None:
+        """The token id of `text` when the tokenizer has it as one token, else None (asked once per text)."""
+        if text not in self._single_tokens:
+            out = await self.tokenize(tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=False))
+            self._single_tokens[text] = out.input_ids[0] if len(out.input_ids) == 1 else None
+        return self._single_tokens[text]
 
     async def detokenize(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
         with tracing.span("detokenize", "client", tokens=len(ids)):

@@ -15,7 +15,7 @@ from functools import partial
 
 from aiohttp import web
 
-from radixmesh.v1 import worker_pb2
+from radixmesh.v1 import common_pb2, worker_pb2
 from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import Router, RouterError, new_request_id
@@ -26,7 +26,7 @@ from services.router.merge import merged
 from services.router.openai_errors import OpenAIError, from_status, not_found
 from services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from services.router.policies import routing_key_var
-from services.router.reasoning import reasoning_format, starts_in_reasoning
+from services.router.reasoning import closes_reasoning, reasoning_format, starts_in_reasoning
 from services.router.tool_parsers import NamedCallParser, RequiredCallsParser, make_tool_parser
 from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, CompletionResult, CompletionStream,
                                              error_event, sse)
@@ -63,6 +63,31 @@ def _output_spec(router: Router, job: OpenAIJob, prompt: str) -> OutputSpec:
                       parallel_calls=job.parallel_tool_calls)
 
 
+async def _answer_constraint(router: Router, job: OpenAIJob, prompt: str) -> common_pb2.SamplingParams:
+    """A chat request's constraint (response_format, or the schema of tool_choice required/named) binds the answer,
+    not the thinking, of a model served with --reasoning-parser: the worker is told the token that ends the thinking
+    and, when the prompt neither opened nor closed it, the token that may open it as the output's first token. A
+    prompt that closed the thinking (enable_thinking=false), and tags that are not single tokens, leave the
+    constraint on the whole output."""
+    name, sampling = router.settings.reasoning_parser, job.sampling
+    if not name or job.kind != "chat" or sampling.WhichOneof("constraint") is None:
+        return sampling
+    fmt = reasoning_format(name)
+    thinking = starts_in_reasoning(fmt, prompt)
+    if not thinking and closes_reasoning(fmt, prompt):
+        return sampling
+    end = await router.single_token(fmt.end)
+    start = None if thinking else await router.single_token(fmt.start)
+    if end is None or (start is None and not thinking):
+        return sampling
+    gated = common_pb2.SamplingParams()
+    gated.CopyFrom(sampling)
+    gated.reasoning_end_token_id = end
+    if start is not None:
+        gated.reasoning_start_token_id = start
+    return gated
+
+
 def _builder(router: Router, job: OpenAIJob, rid: str, prompts: list[_Prepared]):
     created = int(time.time())
     if job.kind == "chat":
@@ -89,11 +114,12 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     require_model_kind(router, generation=True)
     # Every prompt is tokenized before anything is generated: bad input is a 400 with nothing started.
     prompts = await asyncio.gather(*(_prepare(router, job, p) for p in job.prompts))
+    sampling = await _answer_constraint(router, job, prompts[0].text)
     rid = new_request_id()
     request_id_var.set(rid)
     tracing.set_attributes(request_id=rid)
     requests = [worker_pb2.GenerateRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", input_ids=p.ids,
-                                           sampling_params=job.sampling, logprob_options=job.logprobs,
+                                           sampling_params=sampling, logprob_options=job.logprobs,
                                            stream=job.stream, tenant=tenant_of(request))
                 for i, p in enumerate(prompts)]
     builder = _builder(router, job, rid, prompts)

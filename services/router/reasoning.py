@@ -43,12 +43,16 @@ def reasoning_format(name: str) -> ReasoningFormat:
 
 def starts_in_reasoning(fmt: ReasoningFormat, prompt: str) -> bool:
     """Whether the output of `prompt` (the rendered chat prompt) begins inside the thinking block."""
-    opened, closed = prompt.rfind(fmt.start), prompt.rfind(fmt.end)
-    if opened > closed:
+    if prompt.rfind(fmt.start) > prompt.rfind(fmt.end):
         return True
-    if fmt.force:
-        return not (closed >= 0 and not prompt[closed + len(fmt.end):].strip())
-    return False
+    return fmt.force and not closes_reasoning(fmt, prompt)
+
+
+def closes_reasoning(fmt: ReasoningFormat, prompt: str) -> bool:
+    """Whether the rendered prompt ends by closing the thinking block (Qwen3 with enable_thinking=false): the
+    output is all answer."""
+    closed = prompt.rfind(fmt.end)
+    return closed >= 0 and not prompt[closed + len(fmt.end):].strip()
 
 
 def _held(text: str, tag: str) -> int:
