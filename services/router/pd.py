@@ -7,11 +7,20 @@ first, the decode call is cancelled with its reason.
 
 A pair that fails before anything was streamed (a worker gone, a handoff that broke or timed out: UNAVAILABLE or
 ABORTED) is retried on another pair (--retry-max-retries attempts with backoff; the failed side's circuit breaker
-counts it); input errors are not retried."""
+counts it); input errors are not retried.
+
+A request with n > 1 becomes n requests, one pair each, as the colocated engine makes n (engine/results.py): sample j
+has request id `<id>-<j>`, sampling_seed + j when a seed is given, and n unset; their messages are merged in arrival
+order, each carrying index j and the request's own id, as a colocated worker answers n > 1. The prompt is prefilled
+once, as the colocated engine does: sample 0 runs first; the others start once one of its prefill calls has
+succeeded, on the same prefill worker (the prompt is in its prefix cache) while it is healthy and its breaker allows,
+else wherever the policy says. Each sample is retried on its own; one that fails for good fails the request (a
+failed sample 0 before the others start), and leaving early cancels every pair still running."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -24,6 +33,7 @@ from radixmesh.v1 import worker_pb2
 from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
+from services.router.merge import merged
 from services.router.policies import Policy
 from services.router.resilience import Backoff, attempts_of
 from services.router.settings import RouterSettings
@@ -81,22 +91,78 @@ class _PairFailed(Exception):
         self.worker = worker  # the url of the side that failed
 
 
+class _SharedPrefill:
+    """Sample 0's prefill of an n > 1 request: `done` is set once it succeeded, `worker` the prefill worker whose
+    prefix cache then holds the prompt."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.worker: Worker | None = None
+
+    def prefilled(self, worker: Worker) -> None:
+        if not self.done.is_set():
+            self.worker = worker
+            self.done.set()
+
+
 async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
                       ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
-        raise RouterError(400, "n > 1 is not supported with prefill/decode disaggregation")
+    """The decode workers' messages for `request`; with n > 1, every sample's, tagged with its index."""
+    n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
+    if n <= 1:
+        async for msg in _generate_one(router, request):
+            yield msg
+        return
+    shared = _SharedPrefill()
+    samples = [_sample(router, _sample_request(request, j), j, shared) for j in range(n)]
+    async with contextlib.aclosing(merged(samples)) as messages:
+        async for j, msg in messages:
+            msg.index = j
+            msg.request_id = request.request_id
+            yield msg
+
+
+def _sample_request(request: worker_pb2.GenerateRequest, j: int) -> worker_pb2.GenerateRequest:
+    """Sample j of an n > 1 request as a request of its own (as engine/results.py makes the colocated samples)."""
+    out = worker_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.request_id = f"{request.request_id}-{j}"
+    out.sampling_params.ClearField("n")
+    if out.sampling_params.HasField("sampling_seed"):
+        out.sampling_params.sampling_seed += j
+    return out
+
+
+async def _sample(router: PairRouter, request: worker_pb2.GenerateRequest, j: int, shared: _SharedPrefill
+                  ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    if j == 0:
+        async for msg in _generate_one(router, request, shared=shared):
+            yield msg
+        return
+    await shared.done.wait()
+    async for msg in _generate_one(router, request, prefer=shared.worker):
+        yield msg
+
+
+async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest, shared: _SharedPrefill | None = None,
+                        prefer: Worker | None = None) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """One request (n = 1) on a pair, retried on another pair while nothing was streamed. `shared` hears of its
+    first successful prefill; `prefer` is the prefill worker to try first (see _pick_pair)."""
     tried: set[str] = set()
     attempts = attempts_of(router.settings)
     for attempt in range(attempts):
         if attempt:
             await asyncio.sleep(router.backoff.delay_s(attempt))
-        prefill, decode = await _pick_pair(router, request, tried)
+        prefill, decode = await _pick_pair(router, request, tried, prefer)
         streamed, verdicts = False, {prefill.url: prefill.breaker.release, decode.url: decode.breaker.release}
         try:
-            async for msg in _run_pair(router, request, prefill, decode):
+            async for msg in _run_pair(router, request, prefill, decode,
+                                       shared.prefilled if shared is not None else None):
                 streamed = True
                 yield msg
             verdicts = {prefill.url: prefill.breaker.success, decode.url: decode.breaker.success}
+            if shared is not None:  # the decode side can finish before the prefill call's answer arrives
+                shared.prefilled(prefill)
             return
         except _PairFailed as e:
             failed = prefill if e.worker == prefill.url else decode
@@ -112,15 +178,31 @@ async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
                 verdict()
 
 
-async def _pick_pair(router: PairRouter, request, tried: set[str]) -> tuple[Worker, Worker]:
-    """A prefill and a decode worker, each by its role's policy, not tried yet where possible, each holding its
-    circuit breaker's permission; RouterError(503) when no healthy pair is left."""
+async def _pick_prefill(router: PairRouter, prefills: list[Worker], request, tried: set[str],
+                        prefer: Worker | None) -> Worker:
+    """`prefer` when it is healthy and not tried yet for this request (an n > 1 sample goes where the prompt was
+    prefilled), else the prefill policy's choice."""
+    if prefer is not None and prefer.url not in tried:
+        again = next((w for w in prefills if w.url == prefer.url), None)
+        if again is not None:
+            with tracing.span("route", policy=router.policy_name("prefill"), role="prefill",
+                              candidates=len(prefills), prompt_tokens=len(request.input_ids), worker=again.url,
+                              reason="shared_prefill"):
+                return again
+    return await router.pick(_pick(prefills, tried), request, "prefill")
+
+
+async def _pick_pair(router: PairRouter, request, tried: set[str], prefer: Worker | None = None
+                     ) -> tuple[Worker, Worker]:
+    """A prefill and a decode worker, each by its role's policy (the prefill one `prefer` when it can take it: see
+    _pick_prefill), not tried yet where possible, each holding its circuit breaker's permission; RouterError(503)
+    when no healthy pair is left."""
     while True:
         prefills, decodes = router.registry.healthy("prefill"), router.registry.healthy("decode")
         if not prefills or not decodes:
             raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
                                    "decode workers healthy)")
-        prefill = await router.pick(_pick(prefills, tried), request, "prefill")
+        prefill = await _pick_prefill(router, prefills, request, tried, prefer)
         decode = (await router.pick(_pick(decodes, tried), request, "decode") if "decode" in router.role_policies
                   else _least_loaded(_pick(decodes, tried)))
         tried |= {prefill.url, decode.url}
@@ -135,7 +217,10 @@ async def _pick_pair(router: PairRouter, request, tried: set[str]) -> tuple[Work
         return prefill, decode
 
 
-async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker):
+async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker,
+                    prefilled: Callable[[Worker], None] | None = None):
+    """The decode worker's messages for `request` on this pair; `prefilled(prefill)` is called once the prefill
+    call has ended well (the prompt is then in that worker's prefix cache)."""
     room = new_room()
     timeout = router.settings.request_timeout_s
     room_hex = format(room, "016x")
@@ -170,6 +255,8 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
             pass
         if metrics is not None:
             metrics.worker_done(prefill.url, time.monotonic() - sent)
+        if prefilled is not None:
+            prefilled(prefill)
     ptask = asyncio.ensure_future(drain())
     ptask.add_done_callback(prefill_done)
     for worker, call in ((prefill, pcall), (decode, dcall)):

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation end to end: `radixmesh serve --disaggregation pd` with real processes and the
 Mooncake transfer engine over TCP on loopback. Outputs (and logprobs) are token-identical to the colocated mesh's
-through the `openai` client; 2 prefill + 2 decode workers serve 100 concurrent requests; killing a prefill or a
-decode worker mid-transfer and corrupted or dropped writes free every page and never stream a wrong token."""
+through the `openai` client, n > 1 samples included (the router runs one pair per sample); 2 prefill + 2 decode
+workers serve 100 concurrent requests; killing a prefill or a decode worker mid-transfer and corrupted or dropped
+writes free every page and never stream a wrong token; an embedding model's PD mesh embeds as the colocated one."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.e2e.mesh import cmdline, launch, stop_and_check
 from tests.e2e.test_mesh_faults import post
 
 NAME = model_path(MODEL)
+EMBED = model_path("tiny-qwen3-embed")
 GREEDY = {"temperature": 0.0}
 PD = ("--disaggregation", "pd", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-verify-kv")
 SHARED = "The history of the lighthouse keepers on the northern coast is long and full of storms. "
@@ -155,6 +157,102 @@ def test_two_prefill_two_decode_serve_100_concurrent_requests(pd_mesh, mesh):
     assert_all_freed(roles["prefill"] + roles["decode"])
     gbps = [loads(a).kv_transfer_gbps for a in roles["prefill"]]
     assert all(g > 0 for g in gbps), gbps  # both prefill workers moved KV
+
+
+SAMPLED = dict(n=3, temperature=0.8, seed=1234, max_tokens=12)
+
+
+def _sampled_choices(client, kind: str, stream: bool) -> tuple[list[tuple[int, str, str]], tuple | None]:
+    """(index, text, finish_reason) of each choice of an n=3 seeded request, by index (streamed: reassembled per
+    index), and the usage (prompt, completion tokens) of the whole answer."""
+    if kind == "chat":
+        kw = dict(model=NAME, messages=[{"role": "user", "content": SHARED + "Tell me more."}], **SAMPLED)
+        make, text_of = client.chat.completions.create, (lambda c: c.message.content if not stream else
+                                                         c.delta.content)
+    else:
+        kw = dict(model=NAME, prompt=SHARED * 2 + "Once", **SAMPLED)
+        make, text_of = client.completions.create, (lambda c: c.text)
+    if not stream:
+        out = make(**kw)
+        return sorted((c.index, c.text if kind != "chat" else c.message.content, c.finish_reason)
+                      for c in out.choices), (out.usage.prompt_tokens, out.usage.completion_tokens)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in make(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (text_of(c) or "")
+            if c.finish_reason:
+                assert c.index not in finish, c.index  # one finish per sample
+                finish[c.index] = c.finish_reason
+    return sorted((i, texts[i], finish.get(i)) for i in texts), None
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_pd_n_samples_match_the_colocated_mesh(pd_mesh, mesh, kind):
+    """n=3 with a seed through the openai client: sample j runs as its own pair with seed + j, the prompt prefilled
+    once; the choices (text, index, finish_reason) are the colocated mesh's, whole and streamed."""
+    with _client(pd_mesh) as pd, _client(mesh) as colocated:
+        for stream in (False, True):
+            got, want = _sampled_choices(pd, kind, stream), _sampled_choices(colocated, kind, stream)
+            assert [c[0] for c in got[0]] == [0, 1, 2] and all(c[2] for c in got[0]), got
+            assert got == want, (stream, got, want)
+            assert len({c[1] for c in got[0]}) > 1, got  # the samples differ (seed + j)
+    assert_all_freed(sum(workers(pd_mesh).values(), []))
+
+
+def _native(mesh, stream: bool) -> list[dict]:
+    """SGLang /generate with n=2: the final dict of each sample (streamed: the last event of each index)."""
+    body = {"text": SHARED + "The keeper said", "rid": "pd-n2", "stream": stream,
+            "sampling_params": {"n": 2, "temperature": 0.8, "sampling_seed": 1234, "max_new_tokens": 12}}
+    status, raw = post(mesh.url + "/generate", body, headers=None, timeout=120)
+    assert status == 200, raw
+    if not stream:
+        results = json.loads(raw)
+    else:
+        last: dict[int, dict] = {}
+        for line in raw.decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: "):])
+                last[event.pop("index")] = event
+        assert sorted(last) == [0, 1], sorted(last)
+        results = [last[i] for i in sorted(last)]
+    return [{"text": r["text"], "output_ids": r["output_ids"],
+             **{k: r["meta_info"][k] for k in ("id", "finish_reason", "prompt_tokens", "completion_tokens")}}
+            for r in results]
+
+
+def test_pd_native_generate_with_n_2_matches_the_colocated_mesh(pd_mesh, mesh):
+    for stream in (False, True):
+        got, want = _native(pd_mesh, stream), _native(mesh, stream)
+        assert [g["id"] for g in got] == ["pd-n2-0", "pd-n2-1"], got
+        assert got == want, (stream, got, want)
+    assert_all_freed(sum(workers(pd_mesh).values(), []))
+
+
+def _embeddings(mesh) -> list:
+    texts = ["Hello there, how are you?", SHARED, "東京 is a city 🙂"]
+    with openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        out = [c.embeddings.create(model=EMBED, input=texts, encoding_format="float"),
+               c.embeddings.create(model=EMBED, input=[[40, 41, 42, 43], [300, 7]], dimensions=32)]
+    return [([d.index for d in r.data], [d.embedding for d in r.data], r.usage.prompt_tokens) for r in out]
+
+
+def test_pd_embeddings_match_the_colocated_mesh(tmp_path):
+    """An embedding model in a PD mesh: /v1/embeddings go to a prefill worker (a prefill forward with nothing to
+    hand over) and equal the colocated mesh's answer within 1e-5."""
+    answers = []
+    for extra in ((), (*PD, "--num-prefill", "1", "--num-decode", "1")):
+        m = launch(EMBED, tmp_path, "--is-embedding", "--page-size", "4", *extra)
+        try:
+            answers.append(_embeddings(m))
+            if extra:
+                assert_all_freed(sum(workers(m).values(), []))
+        finally:
+            stop_and_check(m)
+    for (pd_index, pd_vectors, pd_tokens), (index, vectors, tokens) in zip(*answers):
+        assert pd_index == index and pd_tokens == tokens
+        assert [len(v) for v in pd_vectors] == [len(v) for v in vectors]
+        assert max(abs(a - b) for u, v in zip(pd_vectors, vectors) for a, b in zip(u, v)) < 1e-5
 
 
 def _generate(mesh, stream: bool = False, max_tokens: int = 8) -> tuple[int, bytes]:
