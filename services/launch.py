@@ -90,6 +90,8 @@ class LaunchSettings:
         "help": "routers: split chat outputs into reasoning_content and content (qwen3, deepseek-r1, ...)"})
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "routers: find tool calls in chat outputs (qwen25, llama3, mistral, pythonic)"})
+    completion_template: str | None = field(default=None, metadata={
+        "help": "routers: fill-in-the-middle template for /v1/completions' suffix (qwen_coder, ...)"})
     served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
@@ -226,7 +228,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
                         ("--served-model-name", settings.served_model_name),
                         ("--tenant-header", settings.tenant_header),
                         ("--reasoning-parser", settings.reasoning_parser),
-                        ("--tool-call-parser", settings.tool_call_parser)):
+                        ("--tool-call-parser", settings.tool_call_parser),
+                        ("--completion-template", settings.completion_template)):
         if value is not None:
             router += [flag, str(value)]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host

@@ -18,6 +18,7 @@ from aiohttp import web
 from radixmesh.v1 import common_pb2, worker_pb2
 from services.common import tracing
 from services.common.logs import request_id_var
+from services.router.completion_templates import load_completion_template
 from services.router.core import Router, RouterError, new_request_id
 from services.router.http_common import first_then_sse, json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
@@ -44,7 +45,7 @@ async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
     if p.ids is not None:
         return _Prepared(list(p.ids), await router.detokenize(list(p.ids)) if job.echo else "")
     tokenized = await router.tokenize(p.tokenize)
-    return _Prepared(list(tokenized.input_ids), tokenized.prompt)
+    return _Prepared(list(tokenized.input_ids), tokenized.prompt if p.shown is None else p.shown)
 
 
 def _output_spec(router: Router, job: OpenAIJob, prompt: str) -> OutputSpec:
@@ -168,7 +169,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     body = await json_body(request)
-    job = parse_completion(body, {router.model_name})
+    template = router.settings.completion_template
+    job = parse_completion(body, {router.model_name}, load_completion_template(template) if template else None)
     _user_routing_key(body)
     return await _serve(request, job)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixmesh.v1 import common_pb2, tokenizer_pb2
+from services.router.completion_templates import CompletionTemplate
 from services.router.openai_errors import OpenAIError, bad_request, not_found, unavailable
 from services.router.tool_parsers import named_call_schema, required_calls_schema
 
@@ -40,6 +41,7 @@ class PromptInput:
 
     tokenize: tokenizer_pb2.TokenizeRequest | None = None
     ids: tuple[int, ...] | None = None
+    shown: str | None = None  # what `echo` shows when it is not the text tokenized (the prompt of a FIM render)
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,14 +477,29 @@ def _prompts(f: _Fields) -> tuple[PromptInput, ...]:
     return tuple(batch)
 
 
-def parse_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
-    """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
+def _fill_in_the_middle(prompts: tuple[PromptInput, ...], suffix: str,
+                        template: CompletionTemplate | None) -> tuple[PromptInput, ...]:
+    if template is None:
+        raise bad_request("'suffix' needs a fill-in-the-middle template: start the router with "
+                          "--completion-template (deepseek_coder, star_coder, qwen_coder or a JSON file)",
+                          param="suffix")
+    if any(p.tokenize is None for p in prompts):
+        raise bad_request("'suffix' needs text prompts: a fill-in-the-middle prompt is rendered from text, not "
+                          "token ids", param="suffix")
+    return tuple(PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(text=template.render(p.tokenize.text, suffix)),
+                             shown=p.tokenize.text) for p in prompts)
+
+
+def parse_completion(body: Any, served_models: Collection[str],
+                     completion_template: CompletionTemplate | None = None) -> OpenAIJob:
+    """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model). A `suffix`
+    needs the router's --completion-template, which renders each text prompt with it for fill-in-the-middle."""
     f = _body(body)
     model = _model(f, served_models)
     prompts = _prompts(f)
-    if f.str("suffix"):
-        raise bad_request("'suffix' is not supported: the served model has no fill-in-the-middle template",
-                          param="suffix")
+    suffix = f.str("suffix")
+    if suffix:
+        prompts = _fill_in_the_middle(prompts, suffix, completion_template)
     sampling = _sampling(f)
     n = sampling.n if sampling.HasField("n") else 1
     best_of = f.int("best_of", 1, MAX_N)

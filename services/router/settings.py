@@ -110,9 +110,16 @@ class RouterSettings:
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "find tool calls in chat outputs when tool_choice is auto: qwen25 (also qwen, hermes), llama3, "
                 "mistral or pythonic (default: off; tool_choice required or a named function needs none)"})
+    completion_template: str | None = field(default=None, metadata={
+        "help": "fill-in-the-middle template for /v1/completions' suffix: deepseek_coder, star_coder, qwen_coder "
+                "or a JSON file (default: off; a suffix is then a 400)"})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.completion_template is not None:
+            from services.router.completion_templates import load_completion_template
+
+            load_completion_template(self.completion_template)
         if self.reasoning_parser is not None:
             from services.router.reasoning import reasoning_format
 

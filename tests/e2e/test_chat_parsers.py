@@ -1,4 +1,4 @@
-"""Tool calls and reasoning through the launched mesh (tiny-qwen3, whose template lists tools, renders calls as
+"""Tool calls, reasoning and fill-in-the-middle completions through the launched mesh (tiny-qwen3, whose template lists tools, renders calls as
 <tool_call> blocks and closes the thinking block when enable_thinking is false), with the official openai client:
 outputs parse into the SDK's types, arguments validate against the tools' schemas, reasoning is split off."""
 
@@ -37,7 +37,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     m = launch(MODEL, tmp_path_factory.mktemp("parsers"), "--reasoning-parser", "qwen3",
-               "--tool-call-parser", "qwen25")
+               "--tool-call-parser", "qwen25", "--completion-template", "qwen_coder")
     try:
         yield m
     finally:
@@ -220,3 +220,22 @@ def test_bad_tools_are_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_suffix_fills_in_the_middle_with_the_completion_template(client):
+    """--completion-template qwen_coder: prompt and suffix go to the model as Qwen2.5-Coder's FIM prompt, token-exact
+    with sending that prompt yourself; echo shows the prompt, not the render; a token-id prompt is a 400."""
+    prompt, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    common = dict(model=MODEL, max_tokens=10, temperature=0)
+    fim = client.completions.create(**common, prompt=[prompt, "x = "], suffix=suffix)
+    for choice, p in zip(fim.choices, [prompt, "x = "]):
+        own = client.completions.create(**common, prompt=f"<|fim_prefix|>{p}<|fim_suffix|>{suffix}<|fim_middle|>")
+        assert choice.text == own.choices[0].text
+    assert fim.usage.prompt_tokens == sum(
+        client.completions.create(**common, prompt=f"<|fim_prefix|>{p}<|fim_suffix|>{suffix}<|fim_middle|>")
+        .usage.prompt_tokens for p in [prompt, "x = "])
+    echoed = client.completions.create(**common, prompt=prompt, suffix=suffix, echo=True)
+    assert echoed.choices[0].text == prompt + fim.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**common, prompt=[1, 2, 3], suffix=suffix)
+    assert e.value.body["param"] == "suffix"
