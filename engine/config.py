@@ -67,6 +67,16 @@ class EngineArgs:
     # An embedding engine (SGLang's --is-embedding): requests run the prefill forward only and return one pooled,
     # L2-normalised vector of the final hidden states (engine.pooling); generation requests are refused.
     is_embedding: bool = False
+    # Tensor parallelism (engine.distributed): the model spread over tp_size ranks, nnodes machines, node_rank this
+    # one; dist_init_addr is rank 0's host:port for the rendezvous (default: a free local port, one node only).
+    tp_size: int = field(default=1, metadata={"aliases": ("--tp",)})
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int | None = None  # seconds a collective may wait for a rank (default 600)
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    enable_p2p_check: bool = False
     log_level: str = "info"
 
     @classmethod
@@ -141,11 +151,12 @@ class ModelConfig:
             raw=raw,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+        """KV bytes of one token: all the model's KV heads, or `num_kv_heads` (one tensor-parallel rank's)."""
         import torch
 
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
 
 
 def _as_list(v: Any) -> list[int]:
@@ -214,6 +225,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     _check_hicache(args)
+    _check_tp(args, model)
     disable_radix_cache = args.disable_radix_cache or _pooling_needs_every_token(args, model)
     context = args.context_length or model.max_position_embeddings
     chunk = args.chunked_prefill_size
@@ -288,6 +300,30 @@ def _check_hicache(args: EngineArgs) -> None:
     _check(args.kv_events_config is None or not args.disable_radix_cache,
            "kv_events_config needs the radix cache (events describe its pages)")
     hicache_extra(args)
+
+
+def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
+    """Tensor parallelism's sizes, and what does not run under it yet (refused, not half-done)."""
+    tp = args.tp_size
+    _check(tp >= 1 and args.nnodes >= 1, "tp_size and nnodes must be >= 1")
+    _check(tp % args.nnodes == 0, f"tp_size ({tp}) must be divisible by nnodes ({args.nnodes})")
+    _check(0 <= args.node_rank < args.nnodes, f"node_rank ({args.node_rank}) must be in [0, nnodes={args.nnodes})")
+    _check(args.nnodes == 1 or args.dist_init_addr, "nnodes > 1 needs dist_init_addr (rank 0's host:port)")
+    _check(args.dist_timeout is None or args.dist_timeout > 0, "dist_timeout must be > 0 seconds")
+    _check(args.base_gpu_id >= 0 and args.gpu_id_step >= 1, "base_gpu_id must be >= 0 and gpu_id_step >= 1")
+    if tp == 1:
+        return
+    _check(model.num_heads % tp == 0,
+           f"the model's {model.num_heads} attention heads must be divisible by tp_size ({tp})")
+    kv = model.num_kv_heads
+    _check(kv % tp == 0 or tp % kv == 0,
+           f"the model's {kv} KV heads and tp_size ({tp}) must divide one another (KV heads are split, or "
+           "replicated when there are fewer than ranks)")
+    _check(model.intermediate_size % tp == 0,
+           f"the model's intermediate_size ({model.intermediate_size}) must be divisible by tp_size ({tp})")
+    _check(not args.enable_hierarchical_cache,
+           "enable_hierarchical_cache does not run with tp_size > 1 yet (each rank's host tier would have to mirror "
+           "the leader's); run without it")
 
 
 def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:

@@ -30,6 +30,7 @@ from engine.pooling import check_dimensions, pooling_of
 from engine.request import Req, StepOutput
 from engine.results import BatchCollector, RequestSpec, normalize_batch
 from engine.sampling.grammar import GrammarCompilerCache
+from engine.tp_worker import rank_args, start_leader
 from engine.scheduler import Scheduler
 from engine.scheduler.prefill_planner import PlannerLimits
 
@@ -50,7 +51,14 @@ class Engine:
         # an embedding engine's pooling (engine.pooling); None: a generation engine
         self.pooling = pooling_of(model_path) if self.args.is_embedding else None
         self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
-        self.runner = ModelRunner(self.args, self.model_config)
+        # tensor parallelism: this node's other ranks run in processes of their own (engine.tp_worker)
+        tp, self._followers = start_leader(self.args)
+        try:
+            self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp)
+        except BaseException:
+            if self._followers is not None:
+                self._followers.join(timeout=1.0)
+            raise
         self.cache = build_cache(self.args, self.model_config, self.runner)
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
@@ -398,6 +406,15 @@ class Engine:
         if self._thread.is_alive():
             self.scheduler.stop()
             self._thread.join(timeout=30)
+        if self._followers is not None:
+            if self._crash is None and not self._thread.is_alive():
+                try:
+                    self.runner.stop_followers()
+                except Exception as e:  # noqa: BLE001 - a broken group: the followers are killed below
+                    log.warning("could not tell the tensor parallel ranks to stop: %r", e)
+            self._followers.join(timeout=30 if self._crash is None else 1)
+            self.runner.tp.close()
+            self._followers = None
         self._prep.shutdown(wait=False)
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.close()

@@ -1,4 +1,7 @@
-"""Owns the model, the KV memory and the attention backend on one device; runs one ForwardBatch at a time."""
+"""Owns the model, the KV memory and the attention backend on one device; runs one ForwardBatch at a time.
+
+Under tensor parallelism every rank has a runner holding its part of the model and of the KV cache; the leader's
+publishes each batch before running it, the followers' `follow` runs what is published (engine.distributed)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from engine.cache.kv_pool import KVPool
 from engine.cache.req_to_token import ReqToTokenPool
 from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
+from engine.distributed import TensorParallel, TPConfig
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.loader import load_model
 from engine.pooling import Pooling, pool
@@ -31,7 +35,8 @@ CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig):
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None):
+        """`tp`: this rank's place in its tensor-parallel group (default: alone)."""
         self.args = args
         self.model_config = model_config
         self.device = torch.device(args.device)
@@ -40,19 +45,24 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
-                                max_positions=args.context_length, seed=args.random_seed)
+                                max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
+        attn = self.model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         graph_sizes = self._graph_sizes()
         graph_reserve = self._graph_reserve(graph_sizes)
-        self.max_total_tokens = self._kv_capacity_tokens(graph_reserve)
+        self.max_total_tokens = self.tp.all_min(self._kv_capacity_tokens(graph_reserve))
         page = args.page_size
         self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
-                              model_config.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
+                              self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
                               self.device)
         self.max_running_requests = self._max_running()
         row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
         self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
-        shape = AttentionShape(model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.req_to_token.journal = []
+        shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
                                model_config.head_dim ** -0.5)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
                                              self.kv_pool, self.req_to_token)
@@ -99,7 +109,8 @@ class ModelRunner:
     def _kv_capacity_tokens(self, graph_reserve: int) -> int:
         """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
         `graph_reserve` bytes set aside for CUDA graphs)."""
-        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype))
+        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype),
+                                                         self.num_kv_heads)
         page = self.args.page_size
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -125,6 +136,7 @@ class ModelRunner:
         """Run the model over the batch (a captured graph when one fits); returns float32 logits
         [batch + extra, vocab]: each request's last new token, then the tokens of batch.extra_logit_indices.
         Launches work on the device and returns without waiting for it."""
+        self._publish("logits", batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
         hidden = self._hidden(batch)
@@ -134,6 +146,38 @@ class ModelRunner:
         if batch.extra_logit_indices is not None:
             rows = torch.cat([rows, batch.extra_logit_indices])
         return self.model.compute_logits(hidden[rows])
+
+    # ---- tensor parallelism -------------------------------------------------------------------------------------
+    def _publish(self, kind: str, batch: ForwardBatch) -> None:
+        """The leader's half of a step: the followers get the batch, and the table writes since the last one."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        batch.fill_pending()
+        header, packed = batch.packed()
+        journal, self.req_to_token.journal = self.req_to_token.journal, []
+        self.tp.broadcast_object((kind, header, journal))
+        self.tp.broadcast_tensor(packed)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A follower's loop: run every forward the leader publishes, until it says stop (`stop_followers`)."""
+        while True:
+            step = self.tp.broadcast_object()
+            if step is None:
+                return
+            kind, header, journal = step
+            self.req_to_token.replay(journal)
+            packed = self.tp.broadcast_tensor(torch.empty(ForwardBatch.packed_size(header), dtype=torch.int64,
+                                                          device=self.device))
+            batch = ForwardBatch.unpacked(header, packed)
+            if kind == "logits":
+                self.forward(batch)
+            else:
+                self._hidden(batch)
+
+    def stop_followers(self) -> None:
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast_object(None)
 
     def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's final hidden states (after the final norm), [num_tokens, hidden]."""
@@ -146,6 +190,7 @@ class ModelRunner:
     def forward_pooled(self, batch: ForwardBatch, pooling: Pooling) -> torch.Tensor:
         """An embedding engine's forward (extend batches): float32 [batch, hidden], each request's pooled final
         hidden states over this forward's tokens (engine.pooling.pool). Launches work and returns without waiting."""
+        self._publish("hidden", batch)
         return pool(self._hidden(batch), batch, pooling)
 
     @torch.inference_mode()

@@ -3,6 +3,8 @@
 Differences within the family are flags on `DecoderSpec`: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
 embeddings. q/k/v and gate/up projections are fused; the loader maps Hugging Face tensor names onto the fused weights.
 Model `forward` takes flat input ids and positions; attention reads its batch layout from the forward context.
+Under tensor parallelism (engine.distributed) each rank holds its heads, its MLP rows and its vocabulary share
+(engine.layers.linear); one rank is the plain model.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed import TensorParallel
 from engine.forward_context import get_forward_context
 from engine.layers.activation import silu_and_mul
+from engine.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                  VocabParallelEmbedding, vocab_logits)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeInputs, RotaryEmbedding
 
@@ -26,32 +30,20 @@ class DecoderSpec:
     qk_norm: bool = False
 
 
-# (fused parameter, checkpoint name, shard id) for weights stored split in Hugging Face checkpoints.
-STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
-
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_dim = cfg.head_dim
         bias = spec.qkv_bias or cfg.attention_bias
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp,
+                                        "the number of attention heads x head_dim")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
-
-    def shard_slices(self) -> dict[str, slice]:
-        q, kv = self.q_size, self.kv_size
-        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
@@ -67,24 +59,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def shard_slices(self) -> dict[int, slice]:
-        return {0: slice(0, self.intermediate), 1: slice(self.intermediate, 2 * self.intermediate)}
+        tp = tp or TensorParallel.single()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate, tp, ("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg, spec, layer_id)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, spec, layer_id, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -102,21 +91,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     spec = DecoderSpec()
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, self.spec)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp or TensorParallel.single()
+        self.model = DecoderModel(cfg, self.spec, self.tp)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -133,12 +123,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> float32 logits [n, vocab]."""
+        """hidden [n, hidden] -> float32 logits [n, vocab] (gathered from every rank under tensor parallelism)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-    def stacked_params(self):
-        return STACKED_PARAMS
+        return vocab_logits(self.tp, hidden, weight, self.config.vocab_size)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

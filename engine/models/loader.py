@@ -6,13 +6,15 @@ import contextlib
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed import TensorParallel
+from engine.layers.linear import WHOLE, Shard, zero_padding
 from engine.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ def checkpoint_files(path: str) -> list[str]:
     return found
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy tensor) for every tensor of the checkpoint: index it to read (a part, or [:] for all)."""
     for file in checkpoint_files(path):
         try:
             handle = safe_open(file, framework="pt", device="cpu")
@@ -60,33 +63,38 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weight file {file}: {e}") from e
         for name in names:
             try:
-                tensor = handle.get_tensor(name)
+                yield name, handle.get_slice(name)
             except (SafetensorError, OSError, ValueError) as e:
                 raise ValueError(f"cannot read tensor {name!r} from weight file {file}: {e}") from e
-            yield name, tensor
 
 
-def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, slice | None]]:
-    """Hugging Face tensor name -> (our parameter, rows of it) for every weight the model needs."""
-    stacked = model.stacked_params()
-    out: dict[str, tuple[nn.Parameter, slice | None]] = {}
+def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, Shard]]:
+    """Hugging Face tensor name -> (our parameter, the part of it and of the tensor) for every weight the model
+    needs. Layers that fuse or shard weights say where each checkpoint tensor goes (`checkpoint_shards`)."""
+    out: dict[str, tuple[nn.Parameter, Shard]] = {}
     for pname, param in model.named_parameters():
         mod_path, leaf = pname.rsplit(".", 1)
-        owner_path, _, mod_name = mod_path.rpartition(".")
-        fused = [(ckpt, shard) for f, ckpt, shard in stacked if f == mod_name]
-        if not fused:
-            out[pname] = (param, None)
-            continue
-        slices = model.get_submodule(owner_path).shard_slices()
-        for ckpt, shard in fused:
-            out[f"{owner_path}.{ckpt}.{leaf}"] = (param, slices[shard])
+        module = model.get_submodule(mod_path)
+        owner = mod_path.rpartition(".")[0]
+        shards = module.checkpoint_shards(leaf) if hasattr(module, "checkpoint_shards") else [(None, WHOLE)]
+        for ckpt_module, shard in shards:
+            name = pname if ckpt_module is None else f"{owner}.{ckpt_module}.{leaf}".lstrip(".")
+            out[name] = (param, shard)
     return out
+
+
+def _read(lazy, shard: Shard) -> torch.Tensor:
+    """The part of a checkpoint tensor `shard` takes, read from the file alone."""
+    if shard.dim is None:
+        return lazy[:]
+    cut = slice(shard.start, shard.start + shard.length)
+    return lazy[cut] if shard.dim == 0 else lazy[:, cut]
 
 
 def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
     targets = checkpoint_name_map(model)
     seen: set[str] = set()
-    for name, tensor in iter_checkpoint(cfg.path):
+    for name, lazy in iter_checkpoint(cfg.path):
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
@@ -94,12 +102,19 @@ def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
         if name not in targets:
             log.warning("ignoring unexpected tensor %r in %s", name, cfg.path)
             continue
-        param, rows = targets[name]
-        dest = param.data if rows is None else param.data[rows]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"tensor {name!r} in {cfg.path} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        param, shard = targets[name]
+        dest = param.data if shard.dest is None else param.data[shard.dest]
+        full = tuple(lazy.get_shape())
+        expected = list(dest.shape)
+        if shard.dim is not None:
+            expected[shard.dim] = full[shard.dim]  # the whole tensor the shard is cut from
+            if shard.start + shard.length > full[shard.dim]:
+                expected = None
+        if expected is None or tuple(expected) != full:
+            raise ValueError(f"tensor {name!r} in {cfg.path} has shape {full}, expected "
+                             f"{tuple(expected) if expected else tuple(dest.shape)} (this rank's part: "
+                             f"{tuple(dest.shape)})")
+        dest.copy_(_read(lazy, shard))
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -118,14 +133,16 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 
 def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0) -> nn.Module:
+               max_positions: int, seed: int = 0, tp: TensorParallel | None = None) -> nn.Module:
+    """The model on `device`, holding this rank's part of every weight under tensor parallelism."""
     cls = model_class(cfg.architecture)
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, tp)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
         _load_weights(model, cfg)
+    zero_padding(model)
     model.init_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from engine import delivery
+from engine.distributed import GroupFailed
 from engine.cache.manager import CacheManager
 from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
@@ -308,12 +309,15 @@ class Scheduler:
                 self._advance(r, next_ids[i], extras[i] if extras else None)
 
     def _fail(self, reqs: list[Req], e: Exception) -> None:
+        """Abort the step's requests. A broken tensor-parallel group is fatal (raised on: the loop stops)."""
         log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
         for r in reqs:
             if r.finished:
                 continue
             self._drop_from_sets(r)
             self._finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
+        if isinstance(e, GroupFailed):
+            raise e
 
     def _record_penalties(self, reqs: list[Req], samples: list[bool], next_ids: torch.Tensor) -> None:
         """Count this step's token for every penalized request that samples now."""

@@ -1,0 +1,125 @@
+"""Tensor parallelism on CPU (gloo): an engine spread over 2 or 4 processes gives the single-process engine's tokens,
+greedy and seeded, with logprobs within 1e-5, through chunked prefill, the radix cache and grammars; with fewer KV
+heads than ranks (replicated); across two "nodes" on loopback; a rank that dies fails the engine cleanly, leaving no
+process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine import Engine
+from engine.distributed import free_local_addr
+from tests.conftest import model_path
+from tests.engine_utils import parity_prompts, running_engine
+
+OPTS = {"page_size": 16, "chunked_prefill_size": 64, "max_total_tokens": 4096}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "string", "maxLength": 5}},
+          "required": ["a", "b"], "additionalProperties": False}
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(llm, prompts: list[list[int]]) -> list[dict]:
+    greedy = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0},
+                          return_logprob=True, top_logprobs_num=3)
+    seeded = llm.generate(input_ids=prompts[:4], sampling_params={"max_new_tokens": 12, "temperature": 0.9,
+                                                                  "sampling_seed": 7, "n": 2})
+    constrained = llm.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 40, "temperature": 0,
+                                                                       "json_schema": json.dumps(SCHEMA)})
+    return greedy + seeded + constrained
+
+
+def _assert_same(got: list[dict], want: list[dict]) -> None:
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        if "output_token_logprobs" not in w["meta_info"]:
+            continue
+        for (lp, tok, _), (wlp, wtok, _) in zip(g["meta_info"]["output_token_logprobs"],
+                                               w["meta_info"]["output_token_logprobs"]):
+            assert tok == wtok and abs(lp - wlp) < 1e-5
+        for got_top, want_top in zip(g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]):
+            assert [t for _, t, _ in got_top] == [t for _, t, _ in want_top]
+            assert max(abs(a[0] - b[0]) for a, b in zip(got_top, want_top)) < 1e-5
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-llama", 2), ("tiny-qwen3", 2), ("tiny-qwen2", 4)])
+def test_tp_outputs_equal_one_process(name, tp):
+    """tiny-qwen2 at TP=4 has 2 KV heads for 4 ranks (each KV head on two ranks), tied embeddings and q/k/v bias."""
+    path = model_path(name)
+    prompts = parity_prompts(path)
+    with running_engine(path, **OPTS) as one:
+        want = _run(one, prompts)
+    with running_engine(path, tp_size=tp, **OPTS) as many:
+        # 4 query heads split; 2 KV heads split at TP=2, each kept by two ranks at TP=4
+        assert (many.runner.num_heads, many.runner.num_kv_heads) == (4 // tp, 1)
+        got = _run(many, prompts)
+        again = _run(many, prompts)  # prefixes now come from the radix cache
+    _assert_same(got, want)
+    _assert_same(again, want)
+    for out in got[-2:]:
+        json.loads(out["text"])
+
+
+def test_two_nodes_on_loopback():
+    """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m engine.tp_worker` (rank 1)."""
+    path = model_path("tiny-llama")
+    prompts = parity_prompts(path)[:4]
+    with running_engine(path, **OPTS) as one:
+        want = one.generate(input_ids=prompts, sampling_params={"max_new_tokens": 10, "temperature": 0})
+    addr = free_local_addr()
+    common = ["--model-path", path, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--device", "cpu",
+              "--dtype", "float32", "--page-size", "16", "--max-total-tokens", "4096", "--log-level", "warning"]
+    node1 = subprocess.Popen([sys.executable, "-m", "engine.tp_worker", *common, "--node-rank", "1"])
+    try:
+        with running_engine(path, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **OPTS) as llm:
+            got = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 10, "temperature": 0})
+        assert node1.wait(timeout=60) == 0  # the leader's shutdown stopped it
+    finally:
+        node1.kill()
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+def test_a_killed_rank_fails_the_engine_and_leaves_no_process():
+    path = model_path("tiny-llama")
+    llm = Engine(model_path=path, device="cpu", dtype="float32", log_level="warning", tp_size=2, dist_timeout=20,
+                 **OPTS)
+    try:
+        (follower,) = llm._followers.procs
+        assert llm.generate("hello", {"max_new_tokens": 4, "temperature": 0})["meta_info"]["completion_tokens"] == 4
+        follower.kill()
+        follower.join(5)
+        start = time.monotonic()
+        out = llm.generate("hello again", {"max_new_tokens": 64, "temperature": 0})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "tensor parallel rank 0 of 2" in out["meta_info"]["finish_reason"]["message"]
+        assert time.monotonic() - start < 25  # within --dist-timeout (gloo notices a closed peer at once)
+        for _ in range(50):  # the scheduler stops on the broken group
+            if not llm.alive:
+                break
+            time.sleep(0.1)
+        assert not llm.alive
+        with pytest.raises(RuntimeError, match="crashed"):
+            llm.generate("and again", {"max_new_tokens": 4})
+    finally:
+        llm.shutdown()
+    follower.join(5)
+    assert not follower.is_alive()
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    assert str(follower.pid) not in children
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"tp_size": 3}, "attention heads must be divisible by tp_size"),
+    ({"tp_size": 2, "nnodes": 2}, "needs dist_init_addr"),
+    ({"tp_size": 2, "enable_hierarchical_cache": True}, "enable_hierarchical_cache does not run with tp_size > 1"),
+    ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"}, "divisible by nnodes"),
+])
+def test_bad_tp_settings_are_clear_errors(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Engine(model_path=model_path("tiny-llama"), device="cpu", log_level="warning", **kwargs)
+
