@@ -36,7 +36,10 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class LaunchSettings:
-    num_workers: int = field(default=1, metadata={"help": "colocated workers (separate processes)"})
+    num_workers: int = field(default=1, metadata={
+        "aliases": ("--dp-size", "--dp"),
+        "help": "colocated workers (separate processes; SGLang's --dp-size): data parallelism, each worker one "
+                "tensor-parallel group of --tp-size ranks"})
     disaggregation: str = field(default="null", metadata={
         "help": "null: colocated workers (--num-workers); pd: prefill and decode workers (--num-prefill, "
                 "--num-decode) with KV moved between them"})
@@ -215,6 +218,10 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             argv += ["--served-model-name", settings.served_model_name]
         gpus = settings.worker_gpu_ids
         env = {"CUDA_VISIBLE_DEVICES": gpus[(len(worker_urls) - 1) % len(gpus)]} if gpus else {}
+        tp = engine_kwargs.get("tp_size") or 1
+        if tp > 1 and not gpus:  # each worker's ranks on GPUs of their own: worker i from base + i * tp GPUs on
+            step = engine_kwargs.get("gpu_id_step") or 1
+            argv += ["--base-gpu-id", str((engine_kwargs.get("base_gpu_id") or 0) + (len(worker_urls) - 1) * tp * step)]
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
               "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,

@@ -5,7 +5,9 @@ the trace id of the current span (`[<request id> trace=<32 hex digits>]`)."""
 from __future__ import annotations
 
 import contextvars
+import faulthandler
 import logging
+import signal
 from typing import Callable
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -30,3 +32,4 @@ def setup_logging(service: str, level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("asyncio").setLevel(logging.WARNING)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack on stderr

@@ -62,6 +62,7 @@ class GrpcService:
         self._on_stop = on_stop
         self._on_start = on_start
         self._stopping = asyncio.Event()
+        self._grace_s = settings.shutdown_grace_s
         # set when draining starts: servicers end their long-lived streams (GenerateStream, TokenizeStream) once
         # nothing runs on them, so the drain does not wait the whole grace period for streams that never end
         self.draining = asyncio.Event()
@@ -77,15 +78,18 @@ class GrpcService:
         if self._on_start is not None:
             self._on_start()
 
-    def request_stop(self) -> None:
+    def request_stop(self, grace_s: float | None = None) -> None:
+        """Stop serving; `grace_s` replaces --shutdown-grace-s (0: in-flight calls cannot finish anyway)."""
+        if grace_s is not None:
+            self._grace_s = grace_s
         self._stopping.set()
 
     async def stop(self) -> None:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period, then release."""
         self.draining.set()
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("shutting down: draining in-flight calls for up to %.0f s", self.settings.shutdown_grace_s)
-        await self.server.stop(self.settings.shutdown_grace_s)
+        log.info("shutting down: draining in-flight calls for up to %.0f s", self._grace_s)
+        await self.server.stop(self._grace_s)
         if self._on_stop is not None:
             await self._on_stop()
         log.info("stopped")

@@ -168,7 +168,20 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
     while engine.alive:
         await asyncio.sleep(1.0)
     logging.getLogger(__name__).error("the engine's scheduler is not running; stopping this worker")
-    service.request_stop()
+    service.request_stop(grace_s=0)  # nothing in flight can finish without the scheduler
+
+
+def _serve_follower_node(engine_kwargs: dict) -> int:
+    """--node-rank > 0: this machine runs its tensor-parallel ranks of the worker whose node 0 serves gRPC."""
+    from engine.config import ModelConfig, resolve_args
+    from engine.tp_worker import serve_node
+
+    args = EngineArgs.from_kwargs(**engine_kwargs)
+    try:
+        args = resolve_args(args, ModelConfig.from_path(args.model_path))
+    except ValueError as e:
+        return str(e)
+    return serve_node(args)
 
 
 def parse_args(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)"):
@@ -189,6 +202,11 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
     settings, pd, metrics_settings, trace_settings, engine_kwargs = parse_args(argv, description)
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
                   settings.log_level)
+    if (engine_kwargs.get("tp_size") or 1) > 1 and settings.disaggregation_mode != "null":
+        sys.exit("--tp-size > 1 does not run with prefill/decode disaggregation yet (each prefill rank would have "
+                 "to send its KV shard to the matching decode rank); run PD workers with --tp-size 1")
+    if engine_kwargs.get("node_rank"):
+        sys.exit(_serve_follower_node(engine_kwargs))
     setup_tracing(trace_settings, ROLES[settings.disaggregation_mode])
     asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
 

@@ -1,0 +1,102 @@
+"""Tensor parallelism through the launched mesh: `radixmesh serve --tp 2 --dp-size 2` (two workers, each two gloo
+ranks on CPU) answers token-exact with the single-process mesh through the openai client, logprobs within 1e-5;
+a rank killed mid-request takes its worker down within --dist-timeout, the client gets a clear error, no process is
+left behind, and the mesh keeps serving on the other worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.conftest import model_path
+from tests.e2e.conftest import MODEL
+from tests.e2e.mesh import alive, child_pids, cmdline, launch, stop_and_check
+
+NAME = model_path(MODEL)
+PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4 5", "def f(x):"]
+
+
+@pytest.fixture(scope="module")
+def tp_mesh(tmp_path_factory):
+    m = launch(NAME, tmp_path_factory.mktemp("tp"), "--tp", "2", "--dist-timeout", "20", num_workers=2)
+    try:
+        yield m
+    finally:
+        stop_and_check(m)
+
+
+def _client(mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _answers(mesh) -> list[tuple[str, list[float]]]:
+    with _client(mesh) as c:
+        out = c.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0, logprobs=2)
+    return [(ch.text, ch.logprobs.token_logprobs) for ch in sorted(out.choices, key=lambda ch: ch.index)]
+
+
+def test_tp_mesh_matches_the_single_process_mesh(tp_mesh, mesh):
+    got, want = _answers(tp_mesh), _answers(mesh)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1], w[1])) < 1e-5
+
+
+def _ranks(mesh) -> dict[int, list[int]]:
+    """Worker pid -> its follower ranks' pids."""
+    out = {}
+    for pid in mesh.services().values():
+        if "services.decode" in cmdline(pid):
+            out[pid] = [c for c in child_pids(pid) if "spawn_main" in cmdline(c)]
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not exited (an exited child keeps its pid until the launcher reaps it; its exe link is gone)."""
+    return alive(pid) and os.path.exists(f"/proc/{pid}/exe")
+
+
+def test_a_killed_rank_takes_its_worker_down_and_the_mesh_serves_on(tp_mesh):
+    ranks = _ranks(tp_mesh)
+    assert len(ranks) == 2 and all(len(r) == 1 for r in ranks.values()), ranks
+    victim_worker, (victim,) = next(iter(ranks.items()))
+    errors: list[BaseException] = []
+    reasons: list[str] = []
+
+    def long_requests():  # in flight on both workers when the rank dies
+        with _client(tp_mesh) as c:
+            for _ in range(4):
+                try:
+                    out = c.completions.create(model=NAME, prompt=PROMPTS, max_tokens=200, temperature=0, n=1)
+                    reasons.extend(ch.finish_reason for ch in out.choices)
+                except openai.APIError as e:
+                    errors.append(e)
+    t = threading.Thread(target=long_requests)
+    t.start()
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    while _running(victim_worker) and time.monotonic() - start < 30:
+        time.sleep(0.2)
+    assert not _running(victim_worker), "the worker outlived its rank by more than --dist-timeout"
+    assert time.monotonic() - start < 20
+    t.join(120)
+    # the prompt on the broken worker was aborted (SGLang's finish_reason "abort"), or its call failed naming why
+    assert "abort" in reasons or errors, reasons
+    for e in errors:
+        assert "tensor parallel" in str(e) or "worker" in str(e), e
+    # the other worker answers everything, token-exact as before
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            texts = [t for t, _ in _answers(tp_mesh)]
+            break
+        except openai.APIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert len(texts) == len(PROMPTS) and all(texts)
