@@ -3,12 +3,14 @@ No scheduler: this times the model runner alone (as SGLang's bench_one_batch doe
 
     python -m engine.bench_one_batch --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
         --dtype bfloat16 --batch-size 1 8 64 256 --input-len 512 --output-len 32 --roofline \
-        [--eager-too] [--long-context 32768] [--prefill-len 8192]
+        [--eager-too] [--long-context 32768] [--prefill-len 8192] [--tp 2 [--profile-collectives]]
 
 `--roofline` measures the GPU's two ceilings in the same run (device-to-device copy bandwidth, bf16 matmul rate) and
 reports each decode step against its floor: the weights one step reads plus every request's KV at its context,
 over the copy bandwidth. `--eager-too` repeats the decode batches with CUDA graphs off; `--long-context` adds one
-request decoding at that context (split-KV); `--prefill-len` times one prompt's prefill and its TFLOP/s.
+request decoding at that context (split-KV); `--prefill-len` times one prompt's prefill and its TFLOP/s. With `--tp N` the runner is rank 0 of N (the other
+ranks follow in processes of their own, as in an engine); each rank reads 1/N of the weights, so the floor is the
+per-rank share; `--profile-collectives` reports the share of each eager decode step spent in NCCL kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from engine.request import Req
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduler.batch_builder import build_decode, build_extend
+from engine.tp_worker import rank_args, start_leader
 
 # Prefill forwards take whole requests up to this many tokens (a longer request is chunked on its own): SGLang's
 # default chunked_prefill_size on GPUs.
@@ -153,7 +156,8 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
     kwargs.setdefault("context_length", longest + 16)
     model_config = ModelConfig.from_path(kwargs["model_path"])
     args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
-    runner = ModelRunner(args, model_config)
+    tp, ns.followers = start_leader(args)
+    runner = ModelRunner(rank_args(args, 0) if ns.followers else args, model_config, tp)
     return runner, CacheManager(runner.kv_pool, runner.req_to_token, None), args
 
 
@@ -175,6 +179,8 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, default=0, help="also decode one request at this context")
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length's prefill")
     parser.add_argument("--result-file", help="append one JSON line per measurement")
+    parser.add_argument("--profile-collectives", action="store_true",
+                        help="with --tp: the share of eager decode steps spent in NCCL kernels (torch profiler)")
     ns = parser.parse_args()
     runner, cache, args = _build(ns)
     run_once(runner, cache, min(ns.batch_size), min(ns.input_len, 64), 4)  # warm-up: allocator, kernels
@@ -184,6 +190,8 @@ def main() -> None:
         rows += _measure(runner, cache, ns)
         runner.graphs = graphs
     extra = {}
+    if ns.profile_collectives and runner.tp.size > 1:
+        extra["collective_share"] = collective_shares(runner, cache, ns)
     if ns.prefill_len:
         extra.update(prefill_tflops(runner, cache, ns.prefill_len))
     if ns.roofline and runner.device.type == "cuda":
@@ -197,6 +205,9 @@ def main() -> None:
         if ns.prefill_len:
             extra["prefill_fraction_of_matmul_peak"] = extra["prefill_tflops"] / extra["matmul_tflops"]
     _report(rows, extra)
+    runner.stop_followers()
+    if ns.followers is not None:
+        ns.followers.join()
     if ns.result_file:
         meta = {"bench": "one_batch", "device": _device_name(runner.device), "args": dataclasses.asdict(args),
                 "cuda_graph_capture_s": runner.graphs.capture_seconds if runner.graphs else None,
@@ -204,6 +215,27 @@ def main() -> None:
         with open(ns.result_file, "a") as f:
             for r in rows:
                 f.write(json.dumps({**meta, **r}) + "\n")
+
+
+def collective_shares(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> dict[str, float]:
+    """Batch size -> the fraction of the GPU time of eager decode steps spent in NCCL kernels (the all-reduces after
+    the row-parallel layers and the logits' all-gather)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner.graphs = runner.graphs, None
+    out = {}
+    try:
+        for bs in ns.batch_size:
+            run_once(runner, cache, bs, min(ns.input_len, 128), 2)  # warm
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run_once(runner, cache, bs, min(ns.input_len, 128), 8)
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            total = sum(e.device_time for e in kernels)
+            nccl = sum(e.device_time for e in kernels if "nccl" in e.name.lower())
+            out[str(bs)] = nccl / total if total else 0.0
+    finally:
+        runner.graphs = graphs
+    return out
 
 
 def _report(rows: list[dict], extra: dict) -> None:
@@ -218,6 +250,9 @@ def _report(rows: list[dict], extra: dict) -> None:
         print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {extra['matmul_tflops']:.0f} "
               f"TFLOP/s; decode reads {extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 floor "
               f"{extra['bs1_decode_roofline_s'] * 1e3:.2f} ms/step")
+    if "collective_share" in extra:
+        print("NCCL share of eager decode GPU time by batch size:",
+              ", ".join(f"{bs}: {v:.1%}" for bs, v in extra["collective_share"].items()))
     if "prefill_tflops" in extra:
         frac = extra.get("prefill_fraction_of_matmul_peak")
         print(f"prefill of {extra['prefill_len']} tokens: {extra['prefill_s'] * 1e3:.1f} ms, "
