@@ -128,3 +128,19 @@ def http_get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tu
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+@contextlib.contextmanager
+def running_mesh(model: str, tmp: Path, *args: str, **kwargs):
+    """A launched mesh for a fixture's lifetime, stopped and checked for leftovers after."""
+    mesh = launch(model, tmp, *args, **kwargs)
+    try:
+        yield mesh
+    finally:
+        stop_and_check(mesh)
+
+
+def openai_client(mesh: Mesh, timeout: float = 120):
+    import openai
+
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key=mesh.api_key or "unused", max_retries=0, timeout=timeout)

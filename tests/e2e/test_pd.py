@@ -20,7 +20,7 @@ import pytest
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, launch, stop_and_check
+from tests.e2e.mesh import cmdline, launch, openai_client, running_mesh, stop_and_check
 from tests.e2e.test_mesh_faults import post
 
 NAME = model_path(MODEL)
@@ -66,15 +66,11 @@ def assert_all_freed(addresses: list[str], timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def pd_mesh(tmp_path_factory):
-    m = launch(NAME, tmp_path_factory.mktemp("pd"), *PD, "--num-prefill", "2", "--num-decode", "2")
-    try:
+    with running_mesh(NAME, tmp_path_factory.mktemp("pd"), *PD, "--num-prefill", "2", "--num-decode", "2") as m:
         yield m
-    finally:
-        stop_and_check(m)
 
 
-def _client(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+_client = openai_client
 
 
 def _prompts() -> list[str]:

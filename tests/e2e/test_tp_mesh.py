@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import alive, child_pids, cmdline, launch, stop_and_check
+from tests.e2e.mesh import alive, child_pids, cmdline, openai_client, running_mesh
 
 NAME = model_path(MODEL)
 PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4 5", "def f(x):"]
@@ -23,15 +23,11 @@ PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4
 
 @pytest.fixture(scope="module")
 def tp_mesh(tmp_path_factory):
-    m = launch(NAME, tmp_path_factory.mktemp("tp"), "--tp", "2", "--dist-timeout", "20", num_workers=2)
-    try:
+    with running_mesh(NAME, tmp_path_factory.mktemp("tp"), "--tp", "2", "--dist-timeout", "20", num_workers=2) as m:
         yield m
-    finally:
-        stop_and_check(m)
 
 
-def _client(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+_client = openai_client
 
 
 def _answers(mesh) -> list[tuple[str, list[float]]]:
