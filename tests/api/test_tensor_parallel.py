@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo): an engine spread over 2 or 4 processes gives the single-process engine's tokens,
 greedy and seeded, with logprobs within 1e-5, through chunked prefill, the radix cache and grammars; with fewer KV
-heads than ranks (replicated); across two "nodes" on loopback; a rank that dies fails the engine cleanly, leaving no
-process behind."""
+heads than ranks (replicated); across two "nodes" on loopback; a rank that dies, or hangs past --dist-timeout, fails the
+engine cleanly, leaving no process behind."""
 
 from __future__ import annotations
 
@@ -123,3 +123,24 @@ def test_bad_tp_settings_are_clear_errors(kwargs, words):
     with pytest.raises(ValueError, match=words):
         Engine(model_path=model_path("tiny-llama"), device="cpu", log_level="warning", **kwargs)
 
+
+
+def test_a_hung_rank_fails_the_engine_within_the_dist_timeout():
+    """A rank that stops answering (SIGSTOP) fails the next collective after --dist-timeout, not never; shutdown
+    then kills it."""
+    import signal
+
+    llm = Engine(model_path=model_path("tiny-llama"), device="cpu", dtype="float32", log_level="warning", tp_size=2,
+                 dist_timeout=5, **OPTS)
+    (follower,) = llm._followers.procs
+    try:
+        os.kill(follower.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        out = llm.generate("hello", {"max_new_tokens": 8, "temperature": 0})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "Timed out" in out["meta_info"]["finish_reason"]["message"]
+        assert 4 < time.monotonic() - start < 20
+    finally:
+        llm.shutdown()
+    follower.join(5)
+    assert not follower.is_alive()
