@@ -172,6 +172,8 @@ class Engine:
     def _submit(self, specs: list[RequestSpec], make_sink, handoff=None, tenant: str = "") -> None:
         if handoff is not None and len(specs) != 1:
             raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
+        if handoff is not None and self.args.tp_size > 1:
+            raise ValueError("prefill/decode disaggregation does not run with tp_size > 1 yet")
         for i, spec in enumerate(specs):
             self.scheduler.submit(self._make_req(spec, make_sink(i), handoff, tenant))
 

@@ -65,6 +65,16 @@ def test_tp_outputs_equal_one_process(name, tp):
         json.loads(out["text"])
 
 
+def test_tp_embeddings_equal_one_process():
+    path = model_path("tiny-qwen3-embed")
+    prompts = parity_prompts(path)[:5]
+    with running_engine(path, is_embedding=True, **OPTS) as one:
+        want = [o["embedding"] for o in one.encode(input_ids=prompts)]
+    with running_engine(path, is_embedding=True, tp_size=2, **OPTS) as many:
+        got = [o["embedding"] for o in many.encode(input_ids=prompts)]
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < 1e-5
+
+
 def test_two_nodes_on_loopback():
     """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m engine.tp_worker` (rank 1)."""
     path = model_path("tiny-llama")
