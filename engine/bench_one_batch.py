@@ -197,7 +197,7 @@ def main() -> None:
     if ns.roofline and runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = decode_weight_bytes(runner)
-        kv_per_token = runner.model_config.kv_bytes_per_token(runner.kv_pool.k[0].dtype)
+        kv_per_token = runner.model_config.kv_bytes_per_token(runner.kv_pool.k[0].dtype, runner.num_kv_heads)
         extra.update(copy_bandwidth_GBps=bw / 1e9, decode_weight_bytes=weight_bytes,
                      bs1_decode_roofline_s=weight_bytes / bw, matmul_tflops=measure_matmul_tflops(runner.device))
         for r in rows:

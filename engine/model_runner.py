@@ -1,7 +1,7 @@
 """Owns the model, the KV memory and the attention backend on one device; runs one ForwardBatch at a time.
 
-Under tensor parallelism every rank has a runner holding its part of the model and of the KV cache; the leader's
-publishes each batch before running it, the followers' `follow` runs what is published (engine.distributed)."""
+Under tensor parallelism every rank has a runner holding its part of the model and of the KV cache; the leader's runner
+publishes each batch before running it, and each follower's `follow` runs what is published (engine.distributed)."""
 
 from __future__ import annotations
 
