@@ -19,7 +19,8 @@ from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 
 OPTS = {"page_size": 16, "chunked_prefill_size": 64, "max_total_tokens": 4096}
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "string", "maxLength": 5}},
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "b": {"type": "string", "maxLength": 5}},
           "required": ["a", "b"], "additionalProperties": False}
 pytestmark = pytest.mark.timeout(300)
 

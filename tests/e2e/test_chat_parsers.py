@@ -1,6 +1,7 @@
-"""Tool calls, reasoning and fill-in-the-middle completions through the launched mesh (tiny-qwen3, whose template lists tools, renders calls as
-<tool_call> blocks and closes the thinking block when enable_thinking is false), with the official openai client:
-outputs parse into the SDK's types, arguments validate against the tools' schemas, reasoning is split off."""
+"""Tool calls, reasoning and fill-in-the-middle completions through the launched mesh (tiny-qwen3, whose template
+lists tools, renders calls as <tool_call> blocks and closes the thinking block when enable_thinking is false), with
+the official openai client: outputs parse into the SDK's types, arguments validate against the tools' schemas,
+reasoning is split off, constraints bind the answer only."""
 
 from __future__ import annotations
 
