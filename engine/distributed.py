@@ -2,9 +2,10 @@
 
 Design: rank 0 is the leader. It owns the scheduler, the radix cache, sampling, grammars and every decision; the
 other ranks are followers that only run forwards. Before each forward the leader publishes the batch (its int64
-fields, after overlap scheduling filled in the tokens still on the device) and the request-to-token table writes
-made since the last one (ModelRunner: `TPLink.publish`); each follower replays the writes on its own table, so its
-page table equals the leader's, and runs the same forward on its slice of the heads and of the MLP. Only the leader
+fields, after overlap scheduling filled in the tokens still on the device) and its step journal: the
+request-to-token table writes and the host-tier copies (hierarchical cache) made since the last one (ModelRunner
+`_publish`); each follower replays them on its own table and its own host pool, so its page table and its KV
+shard's pages equal the leader's, and runs the same forward on its slice of the heads and of the MLP. Only the leader
 samples: logits are all-gathered to every rank (the gather is part of the forward), so nothing else needs to agree.
 Why not every rank scheduling identically: arrivals, aborts, KV transfers and cache I/O finish at times no two
 processes see alike, and one divergent decision corrupts the KV cache; a broadcast batch cannot diverge.

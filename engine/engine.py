@@ -60,6 +60,12 @@ class Engine:
                 self._followers.join(timeout=1.0)
             raise
         self.cache = build_cache(self.args, self.model_config, self.runner)
+        if self.cache.hierarchy is not None and self._followers is not None:
+            from engine.cache.host_pool import JournaledMover
+
+            hierarchy = self.cache.hierarchy
+            hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal)
+            self.runner.publish_setup(hierarchy.host.allocator.num_pages)
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,

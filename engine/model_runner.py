@@ -60,8 +60,12 @@ class ModelRunner:
         self.max_running_requests = self._max_running()
         row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
         self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last
+        # forward, in order; published with the next forward.
+        self.journal: list[tuple] = []
         if self.tp.size > 1 and self.tp.rank == 0:
-            self.req_to_token.journal = []
+            self.req_to_token.journal = self.journal
+        self.mover = None  # a follower's host tier (engine.cache.host_pool), once the leader's setup says so
         shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
                                model_config.head_dim ** -0.5)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
@@ -154,9 +158,27 @@ class ModelRunner:
             return
         batch.fill_pending()
         header, packed = batch.packed()
-        journal, self.req_to_token.journal = self.req_to_token.journal, []
+        journal = list(self.journal)
+        self.journal.clear()
         self.tp.broadcast_object((kind, header, journal))
         self.tp.broadcast_tensor(packed)
+
+    def publish_setup(self, host_pages: int) -> None:
+        """The leader's host tier (hierarchical cache): each follower makes one of the same number of pages."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast_object(("setup", host_pages, None))
+
+    def _replay(self, journal: list[tuple]) -> None:
+        """A follower applies the leader's writes since its last forward, in order, before running the next one."""
+        for op, *rest in journal:
+            if op == "write":
+                self.req_to_token.write(*rest)
+            elif op == "scatter":
+                self.req_to_token.scatter(*rest)
+            elif op == "to_host":
+                self.mover.to_host(*rest).wait()
+            else:
+                self.mover.to_device(*rest).wait()
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -166,7 +188,12 @@ class ModelRunner:
             if step is None:
                 return
             kind, header, journal = step
-            self.req_to_token.replay(journal)
+            if kind == "setup":
+                from engine.cache.host_pool import HostKVPool, KVMover
+
+                self.mover = KVMover(self.kv_pool, HostKVPool(header, self.kv_pool))
+                continue
+            self._replay(journal)
             packed = self.tp.broadcast_tensor(torch.empty(ForwardBatch.packed_size(header), dtype=torch.int64,
                                                           device=self.device))
             batch = ForwardBatch.unpacked(header, packed)

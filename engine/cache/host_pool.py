@@ -144,3 +144,19 @@ class KVMover:
             event = _timing_event(self.stream)
         torch.cuda.current_stream().wait_event(event)
         return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
+
+
+class JournaledMover:
+    """The leader's mover under tensor parallelism: each copy is also recorded in the step journal, for the
+    followers to make the same copy of their KV shards before the next forward (ModelRunner.follow)."""
+
+    def __init__(self, mover: KVMover, journal: list):
+        self.mover, self.journal = mover, journal
+
+    def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
+        self.journal.append(("to_host", list(dev_pages), list(host_pages)))
+        return self.mover.to_host(dev_pages, host_pages)
+
+    def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
+        self.journal.append(("to_device", list(host_pages), list(dev_pages)))
+        return self.mover.to_device(host_pages, dev_pages)

@@ -21,7 +21,7 @@ class ReqToTokenPool:
         self.pad_row = rows
         self._free_rows = list(range(rows - 1, -1, -1))
         # Under tensor parallelism the leader records every write since its last forward, for the followers to
-        # replay on their own tables (engine.distributed); None: not recorded.
+        # replay on their own tables (ModelRunner's step journal); None: not recorded.
         self.journal: list[tuple] | None = None
 
     @property
@@ -38,7 +38,7 @@ class ReqToTokenPool:
         end = start + len(slots)
         self.host[row, start:end] = slots
         if self.journal is not None:
-            self.journal.append((row, start, slots.clone()))
+            self.journal.append(("write", row, start, slots.clone()))
         if self.device is not self.host:
             self.device[row, start:end].copy_(_pinned(slots), non_blocking=True)
 
@@ -46,19 +46,11 @@ class ReqToTokenPool:
         """table[rows[i], cols[i]] = slots[i] for every i (host tensors)."""
         self.host[rows, cols] = slots
         if self.journal is not None:
-            self.journal.append((rows.clone(), cols.clone(), slots.clone()))
+            self.journal.append(("scatter", rows.clone(), cols.clone(), slots.clone()))
         if self.device is not self.host:
             packed = _pinned(torch.cat([rows, cols, slots.to(torch.int64)]))
             r, c, s = packed.to(self.device.device, non_blocking=True).chunk(3)
             self.device[r, c] = s
-
-    def replay(self, journal: list[tuple]) -> None:
-        """Apply the leader's recorded writes, in order."""
-        for entry in journal:
-            if len(entry) == 3 and isinstance(entry[0], int):
-                self.write(*entry)
-            else:
-                self.scatter(*entry)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.host[row, start:end]

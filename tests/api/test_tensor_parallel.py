@@ -76,6 +76,26 @@ def test_tp_embeddings_equal_one_process():
     assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_tp_host_tier_serves_evicted_prefixes_as_one_process(policy):
+    """The hierarchical cache's host tier under TP=2: the leader's device<->host copies are made on every rank's
+    shard. A 128-token device pool holds about 2.5 of six 46-token sequences, so each round evicts the others to
+    the host; the second round loads them back. Tokens and cached counts equal one process's."""
+    path = model_path("tiny-llama")
+    prompts = [p[:40] for p in parity_prompts(path, seed=3)[3:9]]
+    hicache = dict(page_size=4, max_total_tokens=128, enable_hierarchical_cache=True, hicache_ratio=4,
+                   hicache_write_policy=policy)
+    runs = []
+    for tp in (1, 2):
+        with running_engine(path, tp_size=tp, **hicache) as llm:
+            rounds = [[llm.generate(input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0})
+                       for p in prompts] for _ in range(2)]
+            assert llm.get_load()["host_hit_tokens"] > 0
+        runs.append([[(o["output_ids"], o["meta_info"]["cached_tokens"]) for o in r] for r in rounds])
+    assert runs[0] == runs[1]
+    assert all(cached == 36 for _, cached in runs[1][1])  # every prompt came back from the host pool
+
+
 def test_two_nodes_on_loopback():
     """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m engine.tp_worker` (rank 1)."""
     path = model_path("tiny-llama")
@@ -127,7 +147,8 @@ def test_a_killed_rank_fails_the_engine_and_leaves_no_process():
 @pytest.mark.parametrize("kwargs, words", [
     ({"tp_size": 3}, "attention heads must be divisible by tp_size"),
     ({"tp_size": 2, "nnodes": 2}, "needs dist_init_addr"),
-    ({"tp_size": 2, "enable_hierarchical_cache": True}, "enable_hierarchical_cache does not run with tp_size > 1"),
+    ({"tp_size": 2, "enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
+     "hicache_storage_backend does not run with tp_size > 1"),
     ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"}, "divisible by nnodes"),
 ])
 def test_bad_tp_settings_are_clear_errors(kwargs, words):

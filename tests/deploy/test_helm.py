@@ -264,10 +264,11 @@ def test_gpu_workers_run_the_cuda_image_with_a_gpu_each():
 def test_tensor_parallel_workers_get_their_ranks_and_gpus():
     """workers.tpSize: --tp-size in every worker's arguments (accepted by the worker's flag parser) and that many
     GPUs per pod; replicas stay the data-parallel count."""
-    docs = render(CHART / "ci" / "gpu-values.yaml", "workers.tpSize=2", "workers.hicache.enabled=false")
+    docs = render(CHART / "ci" / "gpu-values.yaml", "workers.tpSize=2", "workers.hicache.storage=false")
     worker = by_kind(docs, "Deployment")["rm-radixmesh-worker"]
     c = worker["spec"]["template"]["spec"]["containers"][0]
     assert _args_after(c["args"], "--tp-size") == ["2"] and worker["spec"]["replicas"] == 2
+    assert "--enable-hierarchical-cache" in c["args"] and "--hicache-storage-backend" not in c["args"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     (module, parsed), = [(m, p) for name, m, p in parsed_commands(docs) if name == "rm-radixmesh-worker"]
     assert module == "services.decode" and parsed[4]["tp_size"] == 2
@@ -282,6 +283,8 @@ def test_bad_values_fail_with_a_clear_message():
     assert proc.returncode != 0 and "kvstore.storageUrl" in proc.stderr
     proc = helm("template", "rm", str(CHART), "--set", "workers.tpSize=2,workers.mode=pd", ok=False)
     assert proc.returncode != 0 and "workers.tpSize > 1 does not run with workers.mode pd" in proc.stderr
+    proc = helm("template", "rm", str(CHART), "--set", "workers.tpSize=2,workers.hicache.enabled=true", ok=False)
+    assert proc.returncode != 0 and "set workers.hicache.storage false" in proc.stderr
 
 
 def test_router_processes_per_pod():
