@@ -55,10 +55,6 @@ class TPConfig:
     init_addr: str | None = None  # host:port of rank 0's TCP store
     timeout_s: float = 600.0
 
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
 
 class TensorParallel:
     """One rank's view of its group; size 1 (no group at all) makes every collective a no-op."""
