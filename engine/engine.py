@@ -53,19 +53,19 @@ class Engine:
         self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
         # tensor parallelism: this node's other ranks run in processes of their own (engine.tp_worker)
         tp, self._followers = start_leader(self.args)
+        self.runner = None
         try:
             self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp)
-        except BaseException:
-            if self._followers is not None:
-                self._followers.join(timeout=1.0)
-            raise
-        self.cache = build_cache(self.args, self.model_config, self.runner)
-        if self.cache.hierarchy is not None and self._followers is not None:
-            from engine.cache.host_pool import JournaledMover
+            self.cache = build_cache(self.args, self.model_config, self.runner)
+            if self.cache.hierarchy is not None and self._followers is not None:
+                from engine.cache.host_pool import JournaledMover
 
-            hierarchy = self.cache.hierarchy
-            hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal)
-            self.runner.publish_setup(hierarchy.host.allocator.num_pages)
+                hierarchy = self.cache.hierarchy
+                hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal)
+                self.runner.publish_setup(hierarchy.host.allocator.num_pages)
+        except BaseException:
+            self._stop_followers(graceful=self.runner is not None)
+            raise
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
@@ -414,18 +414,24 @@ class Engine:
         if self._thread.is_alive():
             self.scheduler.stop()
             self._thread.join(timeout=30)
-        if self._followers is not None:
-            if self._crash is None and not self._thread.is_alive():
-                try:
-                    self.runner.stop_followers()
-                except Exception as e:  # noqa: BLE001 - a broken group: the followers are killed below
-                    log.warning("could not tell the tensor parallel ranks to stop: %r", e)
-            self._followers.join(timeout=30 if self._crash is None else 1)
-            self.runner.tp.close()
-            self._followers = None
+        self._stop_followers(graceful=self._crash is None and not self._thread.is_alive())
         self._prep.shutdown(wait=False)
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.close()
+
+    def _stop_followers(self, graceful: bool) -> None:
+        """This node's other tensor-parallel ranks: told to stop when the group still works, killed otherwise."""
+        if self._followers is None:
+            return
+        if graceful:
+            try:
+                self.runner.stop_followers()
+            except Exception as e:  # noqa: BLE001 - a broken group: the followers are killed below
+                log.warning("could not tell the tensor parallel ranks to stop: %r", e)
+        self._followers.join(timeout=30 if graceful else 1)
+        if self.runner is not None:
+            self.runner.tp.close()
+        self._followers = None
 
     def __enter__(self) -> "Engine":
         return self
