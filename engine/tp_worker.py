@@ -46,9 +46,6 @@ class Followers:
         for p in self.procs:
             p.start()
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
     def join(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
         """Wait for the followers to leave (after the leader's stop), killing any that do not."""
         for p in self.procs:

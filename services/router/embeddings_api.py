@@ -26,7 +26,7 @@ from services.router.core import WORKER_FAULTS, Router, RouterError, new_request
 from services.router.http_common import json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
 from services.router.openai_errors import bad_request
-from services.router.openai_request import _Fields, _is_token_id, _model
+from services.router.request_fields import Fields, is_token_id, served_model
 from services.router.policies import routing_key_var
 from services.router.resilience import attempts_of
 
@@ -52,7 +52,7 @@ class _RouteKey(NamedTuple):
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(_is_token_id(t) for t in x)
+    return isinstance(x, list) and bool(x) and all(is_token_id(t) for t in x)
 
 
 def _inputs(value: Any, param: str, ids_only: bool = False) -> tuple[list[str] | None, list[list[int]] | None, bool]:
@@ -95,10 +95,10 @@ def _unknown(body: Any, known: frozenset[str]) -> dict:
     return body
 
 
-def parse_openai(body: Any, served_model: str) -> tuple[EmbedInputs, str]:
+def parse_openai(body: Any, model_name: str) -> tuple[EmbedInputs, str]:
     """A /v1/embeddings body -> (inputs, encoding format); OpenAIError 400 naming the field, 404 for another model."""
     body = _unknown(body, _OPENAI_KEYS)
-    _model(_Fields(body), [served_model])
+    served_model(Fields(body), [model_name])
     if "input" not in body:
         raise bad_request("'input' is required", param="input")
     texts, ids, is_batch = _inputs(body["input"], "input")

@@ -17,17 +17,16 @@ Every rejection is an OpenAIError(400) whose message and `param` name the field;
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from services.router.completion_templates import CompletionTemplate
-from services.router.openai_errors import OpenAIError, bad_request, not_found, unavailable
+from services.router.openai_errors import bad_request
+from services.router.request_fields import INT32_MAX, Fields, body_fields, is_token_id, served_model, show
 from services.router.tool_parsers import named_call_schema, required_calls_schema
 
-INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
@@ -74,104 +73,11 @@ class OpenAIJob:
         return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
 
-class _Fields:
-    """Typed reads of optional JSON fields; a missing key and null both read as None."""
-
-    def __init__(self, body: dict[str, Any], prefix: str = "") -> None:
-        self.body = body
-        self.prefix = prefix
-
-    def param(self, name: str) -> str:
-        return self.prefix + name
-
-    def fail(self, name: str, what: str) -> OpenAIError:
-        value = self.body.get(name)
-        return bad_request(f"'{self.param(name)}' {what}, got {_show(value)}", param=self.param(name))
-
-    def bool(self, name: str) -> bool | None:
-        value = self.body.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise self.fail(name, "must be a boolean")
-        return value
-
-    def str(self, name: str) -> str | None:
-        value = self.body.get(name)
-        if value is not None and not isinstance(value, str):
-            raise self.fail(name, "must be a string")
-        return value
-
-    def int(self, name: str, low: int = 0, high: int = INT32_MAX) -> int | None:
-        value = self.body.get(name)
-        if value is None:
-            return None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.fail(name, "must be an integer")
-        if not low <= value <= high:
-            raise self.fail(name, f"must be in [{low}, {high}]")
-        return value
-
-    def number(self, name: str, low: float, high: float | None = None, low_open: bool = False) -> float | None:
-        value = self.body.get(name)
-        if value is None:
-            return None
-        try:
-            finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        except OverflowError:  # an integer literal too large for a float
-            finite = False
-        if not finite:
-            raise self.fail(name, "must be a number")
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            raise self.fail(name, f"must be in {'(' if low_open else '['}{low}, {'inf' if high is None else high}]")
-        return float(value)
-
-    def object(self, name: str) -> dict[str, Any] | None:
-        value = self.body.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise self.fail(name, "must be a JSON object")
-        return value
-
-    def list(self, name: str) -> list[Any] | None:
-        value = self.body.get(name)
-        if value is not None and not isinstance(value, list):
-            raise self.fail(name, "must be a list")
-        return value
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, (bytes, bytearray)) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _is_token_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Common fields
 
 
-def _body(body: Any) -> _Fields:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return _Fields(body)
-
-
-def _model(f: _Fields, served_models: Collection[str]) -> str:
-    name = f.str("model")
-    if name is None:
-        if not served_models:
-            raise unavailable("no model is being served yet")
-        return served_models[0] if isinstance(served_models, (list, tuple)) else min(served_models)
-    if name not in served_models:
-        served = ", ".join(sorted(served_models)) or "none"
-        raise not_found(f"The model '{name}' does not exist; this server serves: {served}", param="model",
-                        code="model_not_found")
-    return name
-
-
-def _max_tokens(f: _Fields) -> int | None:
+def _max_tokens(f: Fields) -> int | None:
     for name in ("max_completion_tokens", "max_tokens"):
         value = f.int(name)
         if value is not None:
@@ -179,7 +85,7 @@ def _max_tokens(f: _Fields) -> int | None:
     return None
 
 
-def _stop(f: _Fields) -> list[str]:
+def _stop(f: Fields) -> list[str]:
     value = f.body.get("stop")
     if value is None:
         return []
@@ -189,7 +95,7 @@ def _stop(f: _Fields) -> list[str]:
     return items
 
 
-def _logit_bias(f: _Fields) -> dict[int, float]:
+def _logit_bias(f: Fields) -> dict[int, float]:
     value = f.object("logit_bias") or {}
     out = {}
     for key, bias in value.items():
@@ -197,16 +103,16 @@ def _logit_bias(f: _Fields) -> dict[int, float]:
             token = int(key)
         except ValueError:
             token = -1
-        if not _is_token_id(token):
+        if not is_token_id(token):
             raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
             raise bad_request(f"'logit_bias' value for token {key} must be a number in [-100, 100], got "
-                              f"{_show(bias)}", param="logit_bias")
+                              f"{show(bias)}", param="logit_bias")
         out[token] = float(bias)
     return out
 
 
-def _response_format(f: _Fields) -> str | None:
+def _response_format(f: Fields) -> str | None:
     """The JSON-schema constraint text that `response_format` asks for, or None."""
     fmt = f.object("response_format")
     if fmt is None:
@@ -217,20 +123,20 @@ def _response_format(f: _Fields) -> str | None:
     if kind == "json_object":
         return '{"type": "object"}'
     if kind != "json_schema":
-        raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {_show(kind)}",
+        raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {show(kind)}",
                           param="response_format")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise bad_request(f"'response_format.json_schema' must be a JSON object, got {_show(spec)}",
+        raise bad_request(f"'response_format.json_schema' must be a JSON object, got {show(spec)}",
                           param="response_format.json_schema")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise bad_request(f"'response_format.json_schema.schema' must be a JSON schema object, got {_show(schema)}",
+        raise bad_request(f"'response_format.json_schema.schema' must be a JSON schema object, got {show(schema)}",
                           param="response_format.json_schema.schema")
     return json.dumps(schema, ensure_ascii=False)
 
 
-def _constraint(f: _Fields, sp: common_pb2.SamplingParams) -> None:
+def _constraint(f: Fields, sp: common_pb2.SamplingParams) -> None:
     given = []
     schema = _response_format(f)
     if schema is not None:
@@ -249,7 +155,7 @@ def _constraint(f: _Fields, sp: common_pb2.SamplingParams) -> None:
                           param=given[1])
 
 
-def _sampling(f: _Fields) -> common_pb2.SamplingParams:
+def _sampling(f: Fields) -> common_pb2.SamplingParams:
     sp = common_pb2.SamplingParams()
     ints = {"max_new_tokens": _max_tokens(f), "min_new_tokens": f.int("min_tokens"), "n": f.int("n", 1, MAX_N),
             "sampling_seed": f.int("seed", 0, INT64_MAX), "top_k": f.int("top_k", -1)}
@@ -270,7 +176,7 @@ def _sampling(f: _Fields) -> common_pb2.SamplingParams:
                           param="min_tokens")
     sp.stop.extend(_stop(f))
     stop_ids = f.list("stop_token_ids") or []
-    if not all(_is_token_id(t) for t in stop_ids):
+    if not all(is_token_id(t) for t in stop_ids):
         raise f.fail("stop_token_ids", "must be a list of token ids")
     sp.stop_token_ids.extend(stop_ids)
     for token, bias in _logit_bias(f).items():
@@ -286,11 +192,11 @@ def _logprob_options(top: int, echo: bool) -> common_pb2.LogprobOptions:
     return opts
 
 
-def _stream(f: _Fields) -> tuple[bool, bool]:
+def _stream(f: Fields) -> tuple[bool, bool]:
     """(stream, include_usage); stream_options without stream is accepted and ignored."""
     stream = bool(f.bool("stream"))
     options = f.object("stream_options") or {}
-    include_usage = _Fields(options, "stream_options.").bool("include_usage")
+    include_usage = Fields(options, "stream_options.").bool("include_usage")
     return stream, stream and bool(include_usage)
 
 
@@ -304,7 +210,7 @@ def _content(value: Any, param: str) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise bad_request(f"'{param}' must be a string, null or a list of content parts, got {_show(value)}",
+        raise bad_request(f"'{param}' must be a string, null or a list of content parts, got {show(value)}",
                           param=param)
     texts = []
     for j, part in enumerate(value):
@@ -313,7 +219,7 @@ def _content(value: Any, param: str) -> str:
             raise bad_request(f"this model takes text only: '{param}[{j}]' is a {kind} part", param=f"{param}[{j}]")
         if kind != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"'{param}[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
-                              f"{_show(part)}", param=f"{param}[{j}]")
+                              f"{show(part)}", param=f"{param}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -321,8 +227,8 @@ def _content(value: Any, param: str) -> str:
 def _chat_message(i: int, m: Any) -> tokenizer_pb2.ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise bad_request(f"'{param}' must be a JSON object with 'role' and 'content', got {_show(m)}", param=param)
-    f = _Fields(m, param + ".")
+        raise bad_request(f"'{param}' must be a JSON object with 'role' and 'content', got {show(m)}", param=param)
+    f = Fields(m, param + ".")
     role = m.get("role")
     if role not in _ROLES:
         raise f.fail("role", f"must be one of {', '.join(_ROLES)}")
@@ -343,19 +249,19 @@ def _chat_message(i: int, m: Any) -> tokenizer_pb2.ChatMessage:
 _TOOL_SHAPE = '{"type": "function", "function": {"name": ...}}'
 
 
-def _tools(f: _Fields) -> tuple[str, Any]:
+def _tools(f: Fields) -> tuple[str, Any]:
     """(the tools, for the chat template and the parsers; tool_choice as given); "none" keeps the tools out."""
     tools = f.list("tools") or []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type") != "function":
-            raise bad_request(f"'tools[{i}]' must be {_TOOL_SHAPE}, got {_show(tool)}", param=f"tools[{i}]")
+            raise bad_request(f"'tools[{i}]' must be {_TOOL_SHAPE}, got {show(tool)}", param=f"tools[{i}]")
         if not fn["name"]:
             raise bad_request(f"'tools[{i}].function.name' must be a non-empty string",
                               param=f"tools[{i}].function.name")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"'tools[{i}].function.parameters' must be a JSON schema object, got "
-                              f"{_show(fn['parameters'])}", param=f"tools[{i}].function.parameters")
+                              f"{show(fn['parameters'])}", param=f"tools[{i}].function.parameters")
     choice = f.body.get("tool_choice")
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -379,7 +285,7 @@ def _tool_constraint(sp: common_pb2.SamplingParams, tools: list[dict], choice: A
     given = sp.WhichOneof("constraint")
     if given is not None:
         name = "response_format" if given == "json_schema" else given
-        raise bad_request(f"'tool_choice' {_show(choice)} constrains the output; it cannot be combined with "
+        raise bad_request(f"'tool_choice' {show(choice)} constrains the output; it cannot be combined with "
                           f"'{name}'", param=name)
     if choice == "required":
         schema = required_calls_schema(tools, parallel)
@@ -388,10 +294,10 @@ def _tool_constraint(sp: common_pb2.SamplingParams, tools: list[dict], choice: A
     sp.json_schema = json.dumps(schema, ensure_ascii=False)
 
 
-def _chat_input(f: _Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
+def _chat_input(f: Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
     messages = f.body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", param="messages")
+        raise bad_request(f"'messages' must be a non-empty list of messages, got {show(messages)}", param="messages")
     chat = tokenizer_pb2.ChatInput(messages=[_chat_message(i, m) for i, m in enumerate(messages)])
     chat.tools_json = json.dumps(tools, ensure_ascii=False) if tools else ""
     cont = bool(f.bool("continue_final_message"))
@@ -415,8 +321,8 @@ def _chat_input(f: _Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
 
 def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
     """Validates a /v1/chat/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
-    f = _body(body)
-    model = _model(f, served_models)
+    f = body_fields(body)
+    model = served_model(f, served_models)
     tools, tool_choice = _tools(f)
     chat = _chat_input(f, tools)
     sampling = _sampling(f)
@@ -447,12 +353,12 @@ MAX_PROMPTS = 1024
 def _one_prompt(value: Any) -> PromptInput | None:
     if isinstance(value, str):
         return PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(text=value))
-    if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+    if isinstance(value, list) and value and all(is_token_id(t) for t in value):
         return PromptInput(ids=tuple(value))
     return None
 
 
-def _prompts(f: _Fields) -> tuple[PromptInput, ...]:
+def _prompts(f: Fields) -> tuple[PromptInput, ...]:
     """The body's prompts: a string or token ids is one; a list of strings and token-id lists is a batch."""
     prompt = f.body.get("prompt")
     one = _one_prompt(prompt)
@@ -460,10 +366,10 @@ def _prompts(f: _Fields) -> tuple[PromptInput, ...]:
         return (one,)
     if not isinstance(prompt, list) or not prompt:
         raise bad_request(f"'prompt' must be a string, a non-empty list of token ids or a non-empty list of those, "
-                          f"got {_show(prompt)}", param="prompt")
+                          f"got {show(prompt)}", param="prompt")
     if all(isinstance(t, int) for t in prompt):
-        bad = next(t for t in prompt if not _is_token_id(t))
-        raise bad_request(f"'prompt' token ids must be integers in [0, {INT32_MAX}], got {_show(bad)}", param="prompt")
+        bad = next(t for t in prompt if not is_token_id(t))
+        raise bad_request(f"'prompt' token ids must be integers in [0, {INT32_MAX}], got {show(bad)}", param="prompt")
     if len(prompt) > MAX_PROMPTS:
         raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} fit in one request",
                           param="prompt")
@@ -472,7 +378,7 @@ def _prompts(f: _Fields) -> tuple[PromptInput, ...]:
         one = _one_prompt(p)
         if one is None:
             raise bad_request(f"'prompt[{i}]' must be a string or a non-empty list of token ids (each in "
-                              f"[0, {INT32_MAX}]), got {_show(p)}", param=f"prompt[{i}]")
+                              f"[0, {INT32_MAX}]), got {show(p)}", param=f"prompt[{i}]")
         batch.append(one)
     return tuple(batch)
 
@@ -494,8 +400,8 @@ def parse_completion(body: Any, served_models: Collection[str],
                      completion_template: CompletionTemplate | None = None) -> OpenAIJob:
     """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model). A `suffix`
     needs the router's --completion-template, which renders each text prompt with it for fill-in-the-middle."""
-    f = _body(body)
-    model = _model(f, served_models)
+    f = body_fields(body)
+    model = served_model(f, served_models)
     prompts = _prompts(f)
     suffix = f.str("suffix")
     if suffix:

@@ -18,10 +18,11 @@ from radixmesh.v1 import tokenizer_pb2
 from services.router.http_common import json_body
 from services.router.native_api import ROUTER
 from services.router.openai_errors import bad_request
-from services.router.openai_request import INT32_MAX, MAX_PROMPTS, _Fields, _is_token_id, _model, _show
+from services.router.openai_request import MAX_PROMPTS
+from services.router.request_fields import INT32_MAX, Fields, is_token_id, served_model, show
 
 
-def _strings(f: _Fields, name: str) -> tuple[list[str], bool]:
+def _strings(f: Fields, name: str) -> tuple[list[str], bool]:
     """(the strings, whether the field was a batch)."""
     value = f.body.get(name)
     if isinstance(value, str):
@@ -31,22 +32,22 @@ def _strings(f: _Fields, name: str) -> tuple[list[str], bool]:
     raise f.fail(name, f"must be a string or a list of 1 to {MAX_PROMPTS} strings")
 
 
-def _token_lists(f: _Fields, name: str) -> tuple[list[list[int]], bool]:
+def _token_lists(f: Fields, name: str) -> tuple[list[list[int]], bool]:
     value = f.body.get(name)
-    if isinstance(value, list) and all(_is_token_id(t) for t in value):
+    if isinstance(value, list) and all(is_token_id(t) for t in value):
         return [value], False
     if isinstance(value, list) and value and len(value) <= MAX_PROMPTS and all(
-            isinstance(v, list) and all(_is_token_id(t) for t in v) for v in value):
+            isinstance(v, list) and all(is_token_id(t) for t in v) for v in value):
         return value, True
     raise bad_request(f"'{name}' must be a list of token ids (each in [0, {INT32_MAX}]) or a list of such lists, "
-                      f"got {_show(value)}", param=name)
+                      f"got {show(value)}", param=name)
 
 
-def _checked(body: Any, router) -> _Fields:
+def _checked(body: Any, router) -> Fields:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    f = _Fields(body)
-    _model(f, [router.model_name])
+    f = Fields(body)
+    served_model(f, [router.model_name])
     return f
 
 

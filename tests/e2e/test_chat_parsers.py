@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import model_path
-from tests.e2e.mesh import launch, stop_and_check
+from tests.e2e.mesh import openai_client, running_mesh
 
 MODEL = model_path("tiny-qwen3")
 END_THINK = 1001  # "</think>" in tiny-qwen3's tokenizer (an added, non-special token, as in Qwen3's)
@@ -37,17 +37,14 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = launch(MODEL, tmp_path_factory.mktemp("parsers"), "--reasoning-parser", "qwen3",
-               "--tool-call-parser", "qwen25", "--completion-template", "qwen_coder")
-    try:
+    with running_mesh(MODEL, tmp_path_factory.mktemp("parsers"), "--reasoning-parser", "qwen3",
+                      "--tool-call-parser", "qwen25", "--completion-template", "qwen_coder") as m:
         yield m
-    finally:
-        stop_and_check(m)
 
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    with openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(mesh) as c:
         yield c
 
 

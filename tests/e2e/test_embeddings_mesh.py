@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
-from tests.e2e.mesh import cmdline, launch, stop_and_check
+from tests.e2e.mesh import cmdline, openai_client, running_mesh
 
 EMBED = model_path("tiny-qwen3-embed")
 TOL = 1e-4
@@ -28,16 +28,13 @@ TEXTS = ["Hello there, how are you?", "The river runs past the old mill", "Êù±‰∫
 
 @pytest.fixture(scope="module")
 def embed_mesh(tmp_path_factory):
-    m = launch(EMBED, tmp_path_factory.mktemp("embed-mesh"), "--is-embedding", "--page-size", "4")
-    try:
+    with running_mesh(EMBED, tmp_path_factory.mktemp("embed-mesh"), "--is-embedding", "--page-size", "4") as m:
         yield m
-    finally:
-        stop_and_check(m)
 
 
 @pytest.fixture(scope="module")
 def client(embed_mesh):
-    with openai.OpenAI(base_url=embed_mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(embed_mesh, timeout=60) as c:
         yield c
 
 
