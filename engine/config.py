@@ -321,9 +321,6 @@ def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
            "replicated when there are fewer than ranks)")
     _check(model.intermediate_size % tp == 0,
            f"the model's intermediate_size ({model.intermediate_size}) must be divisible by tp_size ({tp})")
-    _check(args.hicache_storage_backend is None,
-           "hicache_storage_backend does not run with tp_size > 1 yet (each rank's pages would need their own keys "
-           "in the store, and every rank's fetch must land); the host tier (L2) does")
 
 
 def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:

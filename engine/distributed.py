@@ -20,8 +20,10 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -115,6 +117,17 @@ class TensorParallel:
         dist.broadcast(x, src=0, group=self.group)
         return x
 
+    @property
+    def heartbeat_s(self) -> float:
+        """How often an idle leader tells the followers it is alive. A follower waits for the next step in a
+        collective bound by the timeout: an idle spell longer than that would otherwise fail the group."""
+        return min(30.0, max(0.2, self.config.timeout_s / 4))
+
+    def side_group(self):
+        """A gloo group of the same ranks, for traffic beside the step loop (collective: every rank calls it at
+        the same point of its step sequence)."""
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
+
     def shard(self, n: int, what: str) -> tuple[int, int]:
         """(start, size) of this rank's equal share of `n` items; ValueError when they do not divide evenly."""
         if n % self.size:
@@ -125,6 +138,80 @@ class TensorParallel:
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class CommandChannel:
+    """Commands from the leader to every follower outside the step loop, on a gloo group of their own (staging KV
+    pages for a transfer, engine.disaggregation.mirror, runs on the services' threads while steps go on). One at a
+    time: the leader sends a command, every rank does its part, and all agree whether every rank succeeded.
+    Followers serve it on a thread of their own (`serve`); an idle channel is pinged (`ping`) within the timeout."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+        self.group = tp.side_group()
+        self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+
+    def _send(self, command: tuple | None) -> None:
+        dist.broadcast_object_list([command], src=0, group=self.group)
+        self.last_used = time.monotonic()
+
+    def _agree(self, failed: bool) -> bool:
+        """Whether any rank failed."""
+        t = torch.tensor([int(failed)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def run(self, command: tuple, mine: Callable[[], None]) -> None:
+        """Leader: every follower handles `command` while this rank runs `mine`; raises when any rank failed."""
+        with self.lock:
+            try:
+                self._send(command)
+                error = None
+                try:
+                    mine()
+                except Exception as e:  # noqa: BLE001 - the others must still hear of it
+                    error = e
+                failed = self._agree(error is not None)
+            except Exception as e:
+                raise GroupFailed(f"tensor parallel command {command[0]!r}: {e}") from e
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"a tensor parallel rank failed command {command[0]!r} (see its log)")
+
+    def ping(self) -> None:
+        """Leader: keep an idle channel's followers from timing out (skipped while a command runs)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._send(("ping",))
+                self._agree(False)
+            finally:
+                self.lock.release()
+
+    def close(self) -> None:
+        """Leader: end every follower's `serve`."""
+        with self.lock:
+            self._send(None)
+
+    def serve(self, handle: Callable[[tuple], None]) -> None:
+        """Follower: handle each command until the leader closes the channel or the group fails."""
+        try:
+            while True:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=self.group)
+                if box[0] is None:
+                    return
+                failed = False
+                if box[0][0] != "ping":
+                    try:
+                        handle(box[0])
+                    except Exception:  # noqa: BLE001 - reported to the leader, which fails the transfer
+                        log.exception("tensor parallel rank %d: command %r failed", self.tp.rank, box[0][0])
+                        failed = True
+                self._agree(failed)
+        except Exception as e:  # noqa: BLE001 - the step loop fails too and stops this process
+            log.warning("tensor parallel rank %d: command channel closed: %r", self.tp.rank, e)
 
 
 def split_addr(addr: str | None) -> tuple[str, int]:

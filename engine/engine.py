@@ -61,8 +61,10 @@ class Engine:
                 from engine.cache.host_pool import JournaledMover
 
                 hierarchy = self.cache.hierarchy
-                hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal)
-                self.runner.publish_setup(hierarchy.host.allocator.num_pages)
+                hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal, self.runner.sync_followers)
+                if hierarchy.io is not None:  # the store reads and frees every rank's host pages
+                    hierarchy.sync_host = hierarchy.mover.sync
+                self.runner.publish_setup(hierarchy.host)
         except BaseException:
             self._stop_followers(graceful=self.runner is not None)
             raise
@@ -178,8 +180,9 @@ class Engine:
     def _submit(self, specs: list[RequestSpec], make_sink, handoff=None, tenant: str = "") -> None:
         if handoff is not None and len(specs) != 1:
             raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
-        if handoff is not None and self.args.tp_size > 1:
-            raise ValueError("prefill/decode disaggregation does not run with tp_size > 1 yet")
+        if handoff is not None and self.args.tp_size > 1 and self.runner.kv_channel is None:
+            raise ValueError("with tp_size > 1 a disaggregated request's KV moves through every rank's mirror: "
+                             "create them with Engine.kv_mirror() first")
         for i, spec in enumerate(specs):
             self.scheduler.submit(self._make_req(spec, make_sink(i), handoff, tenant))
 
@@ -364,6 +367,11 @@ class Engine:
     def _control(self, fn: Callable[[], Any]) -> Any:
         self._check_alive()
         return self.scheduler.call(fn).result(timeout=CONTROL_TIMEOUT_S)
+
+    def kv_mirror(self, staged: bool | None = None):
+        """The host memory a prefill/decode transfer moves this engine's KV pages through, with its staging copies
+        (engine.disaggregation.mirror); under tensor parallelism, every rank's. Made once per engine."""
+        return self._control(lambda: self.runner.kv_mirror(staged))
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Returns False (and keeps it) while requests are in flight."""

@@ -6,6 +6,7 @@ publishes each batch before running it, and each follower's `follow` runs what i
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.req_to_token.journal = self.journal
         self.mover = None  # a follower's host tier (engine.cache.host_pool), once the leader's setup says so
+        self.kv_channel = None  # KV staging for transfers (engine.disaggregation.mirror), once asked for
+        self._published = time.monotonic()  # the leader's last step message
         shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
                                model_config.head_dim ** -0.5)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
@@ -158,15 +161,60 @@ class ModelRunner:
             return
         batch.fill_pending()
         header, packed = batch.packed()
-        journal = list(self.journal)
-        self.journal.clear()
-        self.tp.broadcast_object((kind, header, journal))
+        self._step_message((kind, header, self._take_journal()))
         self.tp.broadcast_tensor(packed)
 
-    def publish_setup(self, host_pages: int) -> None:
-        """The leader's host tier (hierarchical cache): each follower makes one of the same number of pages."""
+    def _take_journal(self) -> list[tuple]:
+        journal = list(self.journal)
+        self.journal.clear()
+        return journal
+
+    def _step_message(self, message: tuple) -> None:
+        self.tp.broadcast_object(message)
+        self._published = time.monotonic()
+
+    def heartbeat(self) -> None:
+        """The leader, between steps: an idle group hears from it within `tp.heartbeat_s` (with the journal so far),
+        and so does an idle staging channel, so no follower times out waiting."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._published >= self.tp.heartbeat_s:
+            self._step_message(("idle", None, self._take_journal()))
+        if self.kv_channel is not None and now - self.kv_channel.last_used >= self.tp.heartbeat_s:
+            self.kv_channel.ping()
+
+    def publish_setup(self, host) -> None:
+        """The leader's host tier (hierarchical cache, engine.cache.host_pool): each follower makes one of the same
+        number of pages, or maps its slice of the leader's shared one (an L3 store on)."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        self._step_message(("setup", (host.allocator.num_pages, host.path), None))
+        if host.path is not None:
+            from engine.shared_memory import unlink
+
+            self.tp.all_min(0)  # every follower mapped it
+            unlink([host.path])
+
+    def sync_followers(self) -> None:
+        """The leader: returns once every follower applied the journal so far (its host copies are done)."""
         if self.tp.size > 1 and self.tp.rank == 0:
-            self.tp.broadcast_object(("setup", host_pages, None))
+            self._step_message(("sync", None, self._take_journal()))
+            self.tp.all_min(0)
+
+    def kv_mirror(self, staged: bool | None = None):
+        """Host memory for KV transfers (engine.disaggregation.mirror); under tensor parallelism every rank's (the
+        leader's scheduler thread calls this, between steps)."""
+        from engine.disaggregation import mirror
+
+        if self.tp.size == 1:
+            return mirror.KvMirror.for_pool(self.kv_pool, staged)
+        if self.kv_channel is not None:
+            raise RuntimeError("this engine's KV transfer mirrors exist already")
+        mirrors = mirror.lead(self)
+        self.kv_channel = mirrors.channel
+        self._published = time.monotonic()
+        return mirrors
 
     def _replay(self, journal: list[tuple]) -> None:
         """A follower applies the leader's writes since its last forward, in order, before running the next one."""
@@ -191,9 +239,23 @@ class ModelRunner:
             if kind == "setup":
                 from engine.cache.host_pool import HostKVPool, KVMover
 
-                self.mover = KVMover(self.kv_pool, HostKVPool(header, self.kv_pool))
+                pages, path = header
+                ranks = self.tp.size if path is not None else 1
+                host = HostKVPool(pages, self.kv_pool, self.tp.rank if path else 0, ranks, path)
+                self.mover = KVMover(self.kv_pool, host)
+                if path is not None:
+                    self.tp.all_min(0)
+                continue
+            if kind == "kv_mirror":
+                from engine.disaggregation import mirror
+
+                self.kv_channel = mirror.follow(self, header)
                 continue
             self._replay(journal)
+            if kind == "sync":
+                self.tp.all_min(0)
+            if kind in ("idle", "sync"):
+                continue
             packed = self.tp.broadcast_tensor(torch.empty(ForwardBatch.packed_size(header), dtype=torch.int64,
                                                           device=self.device))
             batch = ForwardBatch.unpacked(header, packed)
@@ -204,6 +266,8 @@ class ModelRunner:
 
     def stop_followers(self) -> None:
         if self.tp.size > 1 and self.tp.rank == 0:
+            if self.kv_channel is not None:
+                self.kv_channel.close()
             self.tp.broadcast_object(None)
 
     def _hidden(self, batch: ForwardBatch) -> torch.Tensor:

@@ -18,9 +18,14 @@ log = logging.getLogger(__name__)
 
 
 def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
-    """The layout every page key binds: the model (directory name and architecture), page size, dtype, shape."""
+    """The layout every page key binds: the model (directory name and architecture), page size, dtype, shape. Under
+    tensor parallelism a stored page holds every rank's shard, rank after rank (KV heads replicated on ranks when
+    fewer than them are counted once per rank), and the model name says so: its keys never meet one rank's pages."""
     name = f"{os.path.basename(os.path.normpath(model.path))}:{model.architecture}"
-    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, model.num_kv_heads, model.head_dim)
+    tp, heads = args.tp_size, model.num_kv_heads
+    if tp > 1:
+        name, heads = f"{name}:tp{tp}", tp * max(1, heads // tp)
+    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
 
 
 def build_cache(args: EngineArgs, model: ModelConfig, runner) -> CacheManager:
@@ -42,8 +47,8 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
     from engine.cache.hierarchy import CacheHierarchy
 
     device_pages = cache.pages.num_pages
-    if args.hicache_size:
-        host_pages = args.hicache_size * (1 << 30) // layout.page_bytes
+    if args.hicache_size:  # per rank, as the pool: a rank holds 1 / tp_size of a stored page
+        host_pages = args.hicache_size * (1 << 30) * args.tp_size // layout.page_bytes
     else:
         host_pages = int(device_pages * args.hicache_ratio)
     extra = hicache_extra(args)
@@ -60,4 +65,5 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
              args.hicache_storage_backend or "none")
     return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
                           args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
-                          bool(extra.get("skip_slow_fetches", True)))
+                          bool(extra.get("skip_slow_fetches", True)),
+                          host_ranks=args.tp_size if storage is not None else 1)

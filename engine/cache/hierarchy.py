@@ -62,11 +62,12 @@ class Prefetch:
 class CacheHierarchy:
     def __init__(self, manager: CacheManager, host_pages: int, write_policy: str, events: KvEventLog | None,
                  storage: Callable[[], PageStorage] | None = None, prefetch_policy: str = "best_effort",
-                 prefetch_timeout_s: float = 2.0, skip_slow_fetches: bool = True):
+                 prefetch_timeout_s: float = 2.0, skip_slow_fetches: bool = True, host_ranks: int = 1):
+        """`host_ranks`: tensor-parallel ranks whose host pages the store keeps together (this is rank 0's tier)."""
         assert write_policy in WRITE_POLICIES and prefetch_policy in PREFETCH_POLICIES
         self.m, self.tree, self.page = manager, manager.tree, manager.page
         self.events = events
-        self.host = HostKVPool(host_pages, manager.kv)
+        self.host = HostKVPool(host_pages, manager.kv, 0, host_ranks)
         self.mover = KVMover(manager.kv, self.host)
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s
@@ -80,12 +81,16 @@ class CacheHierarchy:
         self.prefill_tokens_per_s: Callable[[], float] = lambda: 0.0  # the scheduler's measurement (set by the engine)
         self._probe = 0
         self.hit_tokens = {"host": 0, "storage": 0}
+        # Under tensor parallelism with a store: returns once every rank's copies to the host are done, before the
+        # store reads host pages or a host page is freed (a late copy would land in a reused page); the engine sets it.
+        self.sync_host: Callable[[], None] = lambda: None
 
     # ---- host pages -------------------------------------------------------------------------------------------
     def _alloc_host(self, n: int) -> torch.Tensor | None:
         """n host pages, evicting least recently used host copies if needed; None when that is not enough."""
         short = n - self.host.allocator.num_free
         if short > 0:
+            self.sync_host()
             for node in self.tree.host_leaves():
                 if short <= 0:
                     break
@@ -100,6 +105,7 @@ class CacheHierarchy:
 
     def _free_host(self, slots: torch.Tensor) -> None:
         if len(slots):
+            self.sync_host()
             self.host.allocator.free(slots[slots % self.page == 0] // self.page)
 
     def _slots(self, pages: torch.Tensor) -> torch.Tensor:
@@ -253,6 +259,7 @@ class CacheHierarchy:
         (the node is referenced until then), or, with `snapshot` (the host copy is about to go), from a copy."""
         if self.io is None or not node.page_keys:
             return
+        self.sync_host()
         todo = [(k, p) for k, p in zip(node.page_keys, self._pages(node.host_value)) if k not in self._known]
         if not todo:
             return

@@ -12,6 +12,7 @@ On CPU both copies are plain synchronous copies.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -21,12 +22,27 @@ from engine.cache.kv_pool import KVPool, PageAllocator
 
 
 class HostKVPool:
-    def __init__(self, num_pages: int, kv: KVPool):
+    """`data` [pages + 1, *shape]: this rank's pages, which the copies to and from the device use; `group` [pages +
+    1, ranks, *shape]: what the L3 store keeps, every rank's page p as one block (the same tensor with one rank).
+    Under tensor parallelism with an L3 store the group lives in the shared file `path` (engine.shared_memory): the
+    leader makes it (`path` None), each follower maps it and uses its own rank's slice."""
+
+    def __init__(self, num_pages: int, kv: KVPool, rank: int = 0, ranks: int = 1, path: str | None = None):
         k = kv.k[0]
         self.page_size = kv.page_size
         self.num_layers = len(kv.k)
         self.shape = (2 * self.num_layers, kv.page_size, k.shape[1], k.shape[2])
-        self.data = torch.zeros((num_pages + 1, *self.shape), dtype=k.dtype, pin_memory=k.is_cuda)
+        self.path = path
+        if ranks == 1:
+            self.group = torch.zeros((num_pages + 1, 1, *self.shape), dtype=k.dtype, pin_memory=k.is_cuda)
+        else:
+            from engine.shared_memory import new_path, shared_tensor
+
+            if rank == 0:
+                self.path = new_path("host-kv")
+            numel = (num_pages + 1) * ranks * math.prod(self.shape)
+            self.group = shared_tensor(self.path, numel, k.dtype, rank == 0).view(num_pages + 1, ranks, *self.shape)
+        self.data = self.group[:, rank]
         self.allocator = PageAllocator(num_pages)
 
     @property
@@ -35,22 +51,23 @@ class HostKVPool:
 
     @property
     def page_bytes(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        """Bytes of one page in the store: every rank's."""
+        return self.group[0].numel() * self.group.element_size()
 
     def page_address(self, page: int) -> int:
-        return self.data.data_ptr() + page * self.page_bytes
+        return self.group.data_ptr() + page * self.page_bytes
 
     def page_view(self, page: int):
         """Page `page`'s bytes without a copy (a uint8 numpy array over the pool's memory)."""
-        return self.data[page].view(torch.uint8).view(-1).numpy()
+        return self.group[page].view(torch.uint8).view(-1).numpy()
 
     def read_page(self, page: int) -> bytes:
-        return self.data[page].view(torch.uint8).numpy().tobytes()
+        return self.group[page].view(torch.uint8).numpy().tobytes()
 
     def write_page(self, page: int, data: bytes) -> None:
         if len(data) != self.page_bytes:
             raise ValueError(f"page of {len(data)} bytes, expected {self.page_bytes}")
-        self.data[page].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.group[page].view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 @dataclass(slots=True)
@@ -148,13 +165,23 @@ class KVMover:
 
 class JournaledMover:
     """The leader's mover under tensor parallelism: each copy is also recorded in the step journal, for the
-    followers to make the same copy of their KV shards before the next forward (ModelRunner.follow)."""
+    followers to make the same copy of their KV shards before the next forward (ModelRunner.follow). A follower's
+    copy to the host is done only once it replayed the journal: `sync` waits for that (ModelRunner.sync_followers)
+    before the leader reads or frees its followers' host pages (the L3 store's traffic)."""
 
-    def __init__(self, mover: KVMover, journal: list):
+    def __init__(self, mover: KVMover, journal: list, sync_followers=None):
         self.mover, self.journal = mover, journal
+        self._sync_followers = sync_followers
+        self._unsynced = False  # copies to the host journaled since the last sync
+
+    def sync(self) -> None:
+        if self._unsynced and self._sync_followers is not None:
+            self._sync_followers()
+        self._unsynced = False
 
     def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
         self.journal.append(("to_host", list(dev_pages), list(host_pages)))
+        self._unsynced = True
         return self.mover.to_host(dev_pages, host_pages)
 
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:

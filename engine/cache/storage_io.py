@@ -125,7 +125,7 @@ class StorageIO:
             try:
                 storage = self._open()
                 if is_direct(storage):  # page bytes move straight between the store and the host pool
-                    data = self.host.data
+                    data = self.host.group
                     storage.register_host(data.data_ptr(), data.numel() * data.element_size())
                 self.storage = storage
                 log.info("L3 store open%s", " (page bytes straight from and into the host pool)"

@@ -41,11 +41,16 @@ def kv_writes(src: KvLayout, dst: KvLayout, src_pages: Sequence[int], dst_pages:
     return writes
 
 
-def page_checksum(pool: KVPool, pages: Sequence[int]) -> str:
-    """A digest of the pages' bytes in every buffer, in page order."""
+def pages_digest(buffers: Sequence[torch.Tensor], page_size: int, pages: Sequence[int]) -> str:
+    """A digest of the pages' bytes in every buffer ([slots, heads, head_dim] each), in page order."""
     index = torch.as_tensor(list(pages), dtype=torch.int64)
     h = hashlib.blake2b(digest_size=16)
-    for t in pool.buffers():
-        by_page = t.view(-1, pool.page_size, *t.shape[1:])
+    for t in buffers:
+        by_page = t.view(-1, page_size, *t.shape[1:])
         h.update(by_page[index.to(t.device)].contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def page_checksum(pool: KVPool, pages: Sequence[int]) -> str:
+    """A digest of the pages' bytes in every buffer of the pool, in page order."""
+    return pages_digest(pool.buffers(), pool.page_size, pages)

@@ -96,6 +96,7 @@ class Scheduler:
         while not self._stop.is_set():
             self._drain_inbox(block=idle)
             self.cache.poll()
+            self.runner.heartbeat()
             idle = self._stop.is_set() or not self.has_work() or not self.step()
 
     def _drain_inbox(self, block: bool) -> None:

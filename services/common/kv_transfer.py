@@ -1,8 +1,9 @@
 """What both sides of a prefill/decode pair share: the transfer backend over the engine's KV pool, a thread that
 runs its blocking writes, the measured transfer rate for GetLoads, and the room-state log lines.
 
-A pool on the GPU is staged through pinned host memory (a CPU build of Mooncake cannot register device memory): each
-KV buffer gets a pinned host mirror of the same shape, registered with the backend. The sender copies the pages it
+Pages move between the engines' mirrors (engine.disaggregation.mirror): a pool on the GPU is staged through pinned
+host memory (a CPU build of Mooncake cannot register device memory), and under tensor parallelism the mirror holds
+every rank's shard, so each prefill rank's shard lands in the matching decode rank's. The sender copies the pages it
 sends into its mirror, the backend moves mirror pages to the peer's mirror, and the receiver copies them from its
 mirror into the pool before the request decodes. Page numbers are the same in a pool and its mirror."""
 
@@ -15,8 +16,6 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
-
-import torch
 
 from engine.disaggregation.fake_backend import Faults
 from engine.disaggregation.kv_pages import KvLayout
@@ -66,14 +65,10 @@ class KvTransfer:
     def __init__(self, engine, backend_name: str, host: str, faults: str | None = None, stage: bool | None = None):
         self.backend = make_backend(backend_name, host, Faults.parse(faults) if faults else None)
         self.pool = engine.runner.kv_pool
-        buffers = self.pool.buffers()
-        self.staged = buffers[0].device.type != "cpu" if stage is None else stage
-        # Pinned host mirrors when staging (pinning needs a GPU; a forced CPU test run uses plain memory).
-        self.mirror = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in buffers] \
-            if self.staged else buffers
-        for t in self.mirror:
+        self.mirror = engine.kv_mirror(stage)
+        for t in self.mirror.buffers:
             self.backend.register(t.data_ptr(), t.numel() * t.element_size())
-        self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror), self.pool.page_bytes)
+        self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror.buffers), self.pool.page_bytes)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixmesh-kv-write")
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
         self.observer: TransferObserver | None = None  # set when metrics are on
@@ -82,39 +77,32 @@ class KvTransfer:
     def session_id(self) -> str:
         return self.backend.session_id
 
-    def _pages(self, t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1, self.pool.page_size * t[0].numel())
-
-    def stage_out(self, pages: list[int]) -> None:
-        """Copy the pool's `pages` into the host mirror (no-op unless staged)."""
-        if not self.staged or not pages:
-            return
-        idx = torch.as_tensor(pages, dtype=torch.int64)
-        for src, dst in zip(self.pool.buffers(), self.mirror):
-            self._pages(dst)[idx] = self._pages(src)[idx.to(src.device)].to("cpu")
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks whose KV shards this transfer moves (a peer must have as many)."""
+        return self.mirror.tp_size
 
     def stage_in(self, pages: list[int]) -> None:
-        """Copy `pages` from the host mirror into the pool (no-op unless staged); returns once they are there."""
-        if not self.staged or not pages:
-            return
-        idx = torch.as_tensor(pages, dtype=torch.int64)
-        buffers = self.pool.buffers()
-        for src, dst in zip(self.mirror, buffers):
-            self._pages(dst)[idx.to(dst.device)] = self._pages(src)[idx].to(dst.device, non_blocking=True)
-        if buffers[0].is_cuda:
-            torch.cuda.current_stream(buffers[0].device).synchronize()
+        """Copy `pages` from the mirror into the pool (every rank's); returns once they are there."""
+        self.mirror.stage_in(pages)
 
-    def write(self, peer: str, writes: list[Write], src_pages: list[int] = ()) -> asyncio.Future:
+    def checksum(self, pages: list[int]) -> str:
+        """A digest of the mirror's `pages` (every rank's): the bytes a transfer moved."""
+        return self.mirror.checksum(pages)
+
+    def write(self, peer: str, writes: list[Write], src_pages: list[int] = (), verify: bool = False) -> asyncio.Future:
         """Start the writes on the writer thread (staging `src_pages` out first); the future completes when every
-        byte landed (or raises TransferError). A blocking write cannot be interrupted: callers that stop waiting
-        must keep its pages pinned until this future is done."""
+        byte landed, with the staged pages' checksum when `verify` (else ""), or raises TransferError. A blocking
+        write cannot be interrupted: callers that stop waiting must keep its pages pinned until this future is done."""
         started = time.perf_counter()
         nbytes = sum(w.length for w in writes)
 
-        def run() -> None:
-            self.stage_out(list(src_pages))
+        def run() -> str:
+            self.mirror.stage_out(list(src_pages))
+            digest = self.mirror.checksum(list(src_pages)) if verify else ""
             self.backend.write(peer, writes)
             self.record(nbytes, time.perf_counter() - started)
+            return digest
         return asyncio.get_running_loop().run_in_executor(self._writer, run)
 
     def record(self, nbytes: int, seconds: float) -> None:

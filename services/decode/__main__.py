@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
     settings, pd, metrics_settings, trace_settings, engine_kwargs = parse_args(argv, description)
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
                   settings.log_level)
-    if (engine_kwargs.get("tp_size") or 1) > 1 and settings.disaggregation_mode != "null":
-        sys.exit("--tp-size > 1 does not run with prefill/decode disaggregation yet (each prefill rank would have "
-                 "to send its KV shard to the matching decode rank); run PD workers with --tp-size 1")
+    if (engine_kwargs.get("nnodes") or 1) > 1 and settings.disaggregation_mode != "null":
+        sys.exit("--nnodes > 1 does not run with prefill/decode disaggregation: the KV shards of every rank are "
+                 "staged through node 0's memory for the transfer; run a PD worker's ranks on one node")
     if engine_kwargs.get("node_rank"):
         sys.exit(_serve_follower_node(engine_kwargs))
     setup_tracing(trace_settings, ROLES[settings.disaggregation_mode])

@@ -19,7 +19,6 @@ import logging
 import grpc
 
 from engine.disaggregation.handoff import DecodeRole
-from engine.disaggregation.kv_pages import page_checksum
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc
 from services.common import tracing
 from services.common.kv_transfer import KvTransfer, room_log, set_once
@@ -111,7 +110,8 @@ class DecodeRoom:
         self.role.in_transfer = True  # from here on the prefill worker may write into these pages
         await call.write(bootstrap_pb2.HandoffRequest(destination=bootstrap_pb2.KvDestination(
             session_id=s.transfer.session_id, buffer_bases=s.transfer.layout.bases,
-            page_bytes=s.transfer.layout.page_bytes, pages=pages, cached_tokens=cached, verify=s.verify)))
+            page_bytes=s.transfer.layout.page_bytes, pages=pages, cached_tokens=cached, verify=s.verify,
+            tp_size=s.transfer.tp_size)))
         started = await reading
         self._enter("transferring", f"{started.bytes} bytes in {started.writes} writes")
         with tracing.span("kv_transfer", direction="receive", bootstrap_room=format(self.number, "016x"),
@@ -119,12 +119,13 @@ class DecodeRoom:
             async with asyncio.timeout(s.transfer_timeout):
                 done = await self._read(call, "done")
             self.role.in_transfer = False  # every write has landed
-            await asyncio.get_running_loop().run_in_executor(None, s.transfer.stage_in, pages)
+            loop = asyncio.get_running_loop()
             if s.verify:
-                mine = await asyncio.get_running_loop().run_in_executor(None, page_checksum, s.transfer.pool, pages)
+                mine = await loop.run_in_executor(None, s.transfer.checksum, pages)
                 if mine != done.kv_checksum:
                     raise HandoffFailed(f"KV checksum mismatch on {len(pages)} pages (sent {done.kv_checksum}, "
                                         f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
+            await loop.run_in_executor(None, s.transfer.stage_in, pages)
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
         if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
             raise HandoffFailed("the request was aborted while its KV arrived", "aborted")

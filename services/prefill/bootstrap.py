@@ -17,7 +17,7 @@ import time
 import grpc
 
 from engine.disaggregation.handoff import PrefillRole
-from engine.disaggregation.kv_pages import KvLayout, kv_writes, page_checksum
+from engine.disaggregation.kv_pages import KvLayout, kv_writes
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
 from services.common import tracing
 from services.common.kv_transfer import KvTransfer, room_log, set_once
@@ -191,13 +191,10 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             room_log(room.number, rid, "waiting for KV destination")
             dest = await _bounded(room.destination, self.transfer_timeout, "the decode worker sent no destination",
                                   "transfer_timeout")
-            checksum = await loop.run_in_executor(None, page_checksum, self.transfer.pool,
-                                                  self._source(pages, dest)) if dest.verify else ""
         except BaseException:
             self.engine.release_kv(rid)
             raise
         done = await self._send(room, rid, self._source(pages, dest), first, dest)
-        done.kv_checksum = checksum
         room.events.put_nowait(done)
         usage = common_pb2.Usage(prompt_tokens=len(request.input_ids), completion_tokens=1,
                                  cached_tokens=first.cached_tokens)
@@ -218,6 +215,10 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         """Write `src` into the destination pages; returns `done`. Releases the request's pinned pages once no
         write can still read them (after a timeout too: the release waits for the write to return)."""
         try:
+            if dest.tp_size and dest.tp_size != self.transfer.tp_size:
+                raise ValueError(f"the decode worker runs --tp-size {dest.tp_size} and this prefill worker "
+                                 f"--tp-size {self.transfer.tp_size}: the workers of a prefill/decode pair must use "
+                                 "the same tensor parallel size (each rank's KV shard goes to the matching rank)")
             writes = kv_writes(self.transfer.layout, KvLayout(tuple(dest.buffer_bases), dest.page_bytes), src,
                                list(dest.pages))
         except ValueError as e:
@@ -229,12 +230,13 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                  f"to {dest.session_id}")
         started = time.perf_counter()
         self.transferring += 1
-        room.write = pending = self.transfer.write(dest.session_id, writes, src)
+        room.write = pending = self.transfer.write(dest.session_id, writes, src, verify=dest.verify)
         pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
             with tracing.span("kv_transfer", direction="send", bootstrap_room=format(room.number, "016x"),
                               pages=len(src), bytes=nbytes, writes=len(writes), peer=dest.session_id):
-                await _bounded(pending, self.transfer_timeout, "the KV write did not finish", "transfer_timeout")
+                checksum = await _bounded(pending, self.transfer_timeout, "the KV write did not finish",
+                                          "transfer_timeout")
         except HandoffFailed:
             raise
         except Exception as e:
@@ -243,5 +245,6 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             self.transferring -= 1
         done = convert.kv_ready(first)
         done.bytes, done.transfer_ms = nbytes, 1000 * (time.perf_counter() - started)
+        done.kv_checksum = checksum
         room_log(room.number, rid, "sent", f"{done.transfer_ms:.1f} ms")
         return done

@@ -96,6 +96,44 @@ def test_tp_host_tier_serves_evicted_prefixes_as_one_process(policy):
     assert all(cached == 36 for _, cached in runs[1][1])  # every prompt came back from the host pool
 
 
+@pytest.mark.parametrize("policy, store", [("write_through", "file"), ("write_back", "memory")])
+def test_tp_l3_store_keeps_every_ranks_shard(tmp_path, policy, store):
+    """An L3 store under TP=2: a stored page holds both ranks' shards (keys of their own, which a TP=1 engine does
+    not match). write_through: a new TP=2 engine on the same file store serves the prompts from it; write_back: the
+    store takes what leaves the host pool and serves it back. Tokens equal one process's; nothing leaks."""
+    from tests.api.test_hicache_engine import NO_SKIP, _flush_and_check_leaks, _prompts
+
+    path = model_path("tiny-qwen2")
+    prompts = _prompts(6, 40, seed=5)
+    l3 = dict(page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
+              hicache_write_policy=policy, hicache_storage_backend=store, hicache_storage_url=str(tmp_path / "l3"),
+              hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP)
+    params = {"max_new_tokens": 6, "temperature": 0}
+
+    def run(llm):
+        outs = [llm.generate(input_ids=p, sampling_params=params) for p in prompts]
+        return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
+    with running_engine(path, page_size=4, max_total_tokens=1024) as one:
+        want, _ = run(one)
+    with running_engine(path, tp_size=2, **l3) as llm:
+        layout = llm.cache.hierarchy.host
+        assert layout.page_bytes == 2 * layout.data[0].numel() * layout.data.element_size()
+        first, _ = run(llm)
+        again, cached = run(llm)
+        assert first == again == want
+        if store == "memory":
+            assert llm.get_load()["storage_hit_tokens"] > 0 and cached == [36] * 6
+        _flush_and_check_leaks(llm)
+    if store == "file":
+        with running_engine(path, tp_size=2, **l3) as llm:
+            got, cached = run(llm)
+            assert got == want and cached == [36] * 6, "every prompt should come back from the store"
+            _flush_and_check_leaks(llm)
+        with running_engine(path, **l3) as llm:  # one rank's pages are another layout: nothing to find
+            got, cached = run(llm)
+            assert got == want and cached == [0] * 6
+
+
 def test_two_nodes_on_loopback():
     """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m engine.tp_worker` (rank 1)."""
     path = model_path("tiny-llama")
@@ -147,8 +185,6 @@ def test_a_killed_rank_fails_the_engine_and_leaves_no_process():
 @pytest.mark.parametrize("kwargs, words", [
     ({"tp_size": 3}, "attention heads must be divisible by tp_size"),
     ({"tp_size": 2, "nnodes": 2}, "needs dist_init_addr"),
-    ({"tp_size": 2, "enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
-     "hicache_storage_backend does not run with tp_size > 1"),
     ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"}, "divisible by nnodes"),
 ])
 def test_bad_tp_settings_are_clear_errors(kwargs, words):

@@ -264,11 +264,12 @@ def test_gpu_workers_run_the_cuda_image_with_a_gpu_each():
 def test_tensor_parallel_workers_get_their_ranks_and_gpus():
     """workers.tpSize: --tp-size in every worker's arguments (accepted by the worker's flag parser) and that many
     GPUs per pod; replicas stay the data-parallel count."""
-    docs = render(CHART / "ci" / "gpu-values.yaml", "workers.tpSize=2", "workers.hicache.storage=false")
+    docs = render(CHART / "ci" / "gpu-values.yaml", "workers.tpSize=2")
     worker = by_kind(docs, "Deployment")["rm-radixmesh-worker"]
     c = worker["spec"]["template"]["spec"]["containers"][0]
     assert _args_after(c["args"], "--tp-size") == ["2"] and worker["spec"]["replicas"] == 2
-    assert "--enable-hierarchical-cache" in c["args"] and "--hicache-storage-backend" not in c["args"]
+    assert "--enable-hierarchical-cache" in c["args"] and _args_after(c["args"], "--hicache-storage-backend") == [
+        "kvstore"]  # the store keeps every rank's shard of a page together
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     (module, parsed), = [(m, p) for name, m, p in parsed_commands(docs) if name == "rm-radixmesh-worker"]
     assert module == "services.decode" and parsed[4]["tp_size"] == 2
@@ -276,15 +277,22 @@ def test_tensor_parallel_workers_get_their_ranks_and_gpus():
         "rm-radixmesh-worker"]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_tensor_parallel_pd_workers():
+    """workers.mode pd with workers.tpSize: both roles run --tp-size (each prefill rank's KV shard goes to the
+    matching decode rank, so the sizes must agree: one setting for both)."""
+    docs = render(CHART / "ci" / "gpu-values.yaml", "workers.tpSize=2", "workers.mode=pd")
+    deployments = by_kind(docs, "Deployment")
+    for role in ("prefill", "decode"):
+        c = deployments[f"rm-radixmesh-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        assert _args_after(c["args"], "--tp-size") == ["2"] and c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert c["args"][0] == role
+
+
 def test_bad_values_fail_with_a_clear_message():
     proc = helm("template", "rm", str(CHART), "--set", "workers.mode=mixed", ok=False)
     assert proc.returncode != 0 and "workers.mode must be colocated or pd" in proc.stderr
     proc = helm("template", "rm", str(CHART), "--set", "redis.enabled=false", ok=False)
     assert proc.returncode != 0 and "kvstore.storageUrl" in proc.stderr
-    proc = helm("template", "rm", str(CHART), "--set", "workers.tpSize=2,workers.mode=pd", ok=False)
-    assert proc.returncode != 0 and "workers.tpSize > 1 does not run with workers.mode pd" in proc.stderr
-    proc = helm("template", "rm", str(CHART), "--set", "workers.tpSize=2,workers.hicache.enabled=true", ok=False)
-    assert proc.returncode != 0 and "set workers.hicache.storage false" in proc.stderr
 
 
 def test_router_processes_per_pod():

@@ -1,12 +1,16 @@
 """Tensor parallelism through the launched mesh: `radixmesh serve --tp 2 --dp-size 2` (two workers, each two gloo
 ranks on CPU) answers token-exact with the single-process mesh through the openai client, logprobs within 1e-5;
 a rank killed mid-request takes its worker down within --dist-timeout, the client gets a clear error, no process is
-left behind, and the mesh keeps serving on the other worker."""
+left behind, and the mesh keeps serving on the other worker. With `--disaggregation pd --tp 2` each prefill rank's
+KV shard goes to the matching decode rank over Mooncake (checksummed), token-exact too; a decode worker of another
+tensor-parallel size is refused with the reason."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -15,7 +19,10 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import alive, child_pids, cmdline, openai_client, running_mesh
+from services.launch import free_port
+from tests.e2e.mesh import REPO, alive, child_pids, cmdline, http_get, openai_client, running_mesh
+from tests.e2e.test_mesh_faults import post
+from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 
 NAME = model_path(MODEL)
 PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4 5", "def f(x):"]
@@ -96,3 +103,45 @@ def test_a_killed_rank_takes_its_worker_down_and_the_mesh_serves_on(tp_mesh):
                 raise
             time.sleep(0.5)
     assert len(texts) == len(PROMPTS) and all(texts)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        return dict(item.decode().split("=", 1) for item in fh.read().split(b"\0") if b"=" in item)
+
+
+def _wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_pd_with_tp_matches_the_colocated_mesh_and_refuses_a_mixed_pair(tmp_path, mesh):
+    with running_mesh(NAME, tmp_path, *PD, "--tp", "2", "--dist-timeout", "30") as pd:
+        got, want = _answers(pd), _answers(mesh)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1], w[1])) < 1e-5
+        roles = workers(pd)
+        assert_all_freed(roles["prefill"] + roles["decode"])
+        # the same decode worker at --tp-size 1 in place of the TP=2 one: the prefill worker refuses its rooms
+        old = pid_of(pd, roles["decode"][0])
+        argv = cmdline(old).split()
+        port = free_port()
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--tp-size") + 1] = "1"
+        with open(tmp_path / "tp1-decode.log", "w") as log:
+            extra = subprocess.Popen(argv, cwd=REPO, env=_environ(old), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert _wait(lambda: post(f"{pd.url}/add_worker?url=127.0.0.1:{port}", b"")[0] == 200, 120)
+            info = json.loads(http_get(pd.url + "/get_server_info")[1])
+            old_url = next(w["url"] for w in info["workers"] if w["url"].endswith(roles["decode"][0]))
+            assert post(f"{pd.url}/remove_worker?url={old_url}", b"")[0] == 200
+            status, raw = post(pd.url + "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4})
+            assert status >= 400 and b"same tensor parallel size" in raw, (status, raw)
+            assert_all_freed(roles["prefill"] + [f"127.0.0.1:{port}"])
+        finally:
+            extra.terminate()
+            extra.wait(30)

@@ -1,0 +1,40 @@
+"""Host tensors in shared-memory files: under tensor parallelism the leader creates one, each follower maps it too,
+and the leader then reads and writes its followers' host buffers directly (the KV transfer mirrors of
+engine.disaggregation.mirror; the host KV pool when an L3 store is on, engine.cache.host_pool). The leader unlinks the
+name once every rank mapped it, so nothing is left in /dev/shm whichever process dies first."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import torch
+
+
+def new_path(what: str) -> str:
+    """A fresh file name in /dev/shm (or the temporary directory where there is none)."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(where, f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def shared_tensor(path: str, numel: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
+    """A flat tensor over the file `path` (created, with its memory reserved, when `create`)."""
+    if create:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        with open(path, "wb") as f:
+            try:  # reserved now: a sparse file on a full tmpfs would fail later, with SIGBUS mid-copy
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+            except OSError as e:
+                raise RuntimeError(f"cannot reserve {nbytes / 2**20:.0f} MiB of shared memory in "
+                                   f"{os.path.dirname(path)} ({e.strerror}): give the worker more (docker "
+                                   "--shm-size, a Memory emptyDir at /dev/shm in Kubernetes)") from None
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+def unlink(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
