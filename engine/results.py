@@ -23,6 +23,36 @@ class RequestSpec:
     sample_index: int = 0  # which of the prompt's `n` parallel samples this is
     return_text_in_logprobs: bool = False
     grammar: object | None = None  # the compiled structured-output constraint
+    # Output tokens another worker already produced (and streamed): a migrated request continues after them, as if
+    # it had produced them itself (they count for lengths, penalties, the seeded draw's step and stop strings).
+    resume_ids: tuple[int, ...] = ()
+
+
+def resumed(specs: list[RequestSpec], resume_ids, vocab_size: int) -> list[RequestSpec]:
+    """The one spec of a migrated request, continuing after `resume_ids` (ValueError when it cannot)."""
+    if len(specs) != 1:
+        raise ValueError("resume_ids continues one request with n = 1")
+    spec = specs[0]
+    ids = _validate_ids(list(resume_ids), vocab_size)
+    if len(ids) >= spec.params.max_new_tokens:
+        raise ValueError(f"resume_ids holds {len(ids)} tokens: nothing is left of max_new_tokens "
+                         f"({spec.params.max_new_tokens})")
+    return [dataclasses.replace(spec, resume_ids=tuple(ids))]
+
+
+def resume_req(req, resume_ids: tuple[int, ...]) -> None:
+    """Give a new Req the output another worker produced: sent already (logprob blanks keep the lists aligned), fed
+    through its grammar, counted by lengths, penalties (reset from output_ids on admission) and the seeded draw."""
+    k = len(resume_ids)
+    if req.matcher is not None:
+        for token in resume_ids:
+            if not req.matcher.accept_token(token):
+                raise ValueError("resume_ids do not follow the request's grammar")
+    req.output_ids = list(resume_ids)
+    req.output_logprobs = [0.0] * k
+    req.output_top_logprobs = [[] for _ in range(k)]
+    req.output_token_ids_logprobs = [[] for _ in range(k)]
+    req.sent_len = k
 
 
 class RequestTiming(NamedTuple):
@@ -195,11 +225,19 @@ class ResultBuilder:
         self.last: StepOutput | None = None
         self.sent_chars = 0  # characters of the detokenized stream already emitted
         self.first_token_at: float | None = None  # time.monotonic() when the first output token arrived
+        if spec.resume_ids:  # streamed by another worker: what it sent counts as sent (their logprobs are blanks)
+            k = len(spec.resume_ids)
+            self.output_ids = list(spec.resume_ids)
+            self.logprobs, self.top_logprobs, self.id_logprobs = [0.0] * k, [[] for _ in range(k)], [[] for _ in
+                                                                                                   range(k)]
+            if self.detok is not None:
+                self.detok.push(self.output_ids)
+                self.sent_chars = len(self._visible(self.detok.text, False))
 
     def _visible(self, text: str, finished: bool) -> str:
         """The text a client may see: cut before a matched stop string (unless no_stop_trim); while running, hold
         back a tail that could still grow into a stop string."""
-        params, reason = self.spec.params, self.last.finish_reason
+        params, reason = self.spec.params, self.last.finish_reason if self.last is not None else None
         if reason is not None and isinstance(reason.matched, str) and not params.no_stop_trim:
             cut = text.find(reason.matched)
             return text[:cut] if cut >= 0 else text

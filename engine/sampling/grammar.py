@@ -85,17 +85,18 @@ class ConstraintMatcher:
         if self.state == "first":
             allow_token(bitmask, row, self.start_id)
 
-    def accept_token(self, token: int) -> None:
+    def accept_token(self, token: int) -> bool:
+        """Whether the grammar accepts `token` (anything does while thinking), as xgrammar's matcher answers."""
         if self.state == "thinking":
             if token == self.end_id:
                 self.state = "answer"
-            return
+            return True
         if self.state == "first":
             self.state = "answer"
             if token == self.start_id:
                 self.state = "thinking"
-                return
-        self.grammar.accept_token(token)
+                return True
+        return self.grammar.accept_token(token)
 
     def is_terminated(self) -> bool:
         return self.state == "answer" and self.grammar.is_terminated()

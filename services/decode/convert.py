@@ -43,6 +43,8 @@ def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
     lp = req.logprob_options
     kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
               "rid": engine_rid(req) or None, "tenant": req.tenant}
+    if req.resume_output_ids:
+        kwargs["resume_ids"] = list(req.resume_output_ids)
     if lp.return_logprob:
         kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
                       token_ids_logprob=list(lp.token_ids_logprob) or None,
