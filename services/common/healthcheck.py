@@ -1,13 +1,15 @@
 """A health probe for container runtimes and Kubernetes: exits 0 when the service answers healthy, 1 when not.
 
   python -m services.common.healthcheck --port N [--host H] [--service NAME]   grpc.health.v1 Check == SERVING
+      [--tls-cert C --tls-key K --tls-ca CA [--tls-server-name N]]              ... of a service with mutual TLS
   python -m services.common.healthcheck --http http://127.0.0.1:30000/health   HTTP 200 (the router)
   python -m services.common.healthcheck --auto                                the container's own service
 
 `--auto` is what the image's HEALTHCHECK runs: it finds the oldest `python -m services.<name>` process (the one the
 entrypoint started; with `serve` its children are younger) and probes it where its settings put it: the router and
 the launcher over HTTP /health, every other service over gRPC health, at the port taken like the service takes it
-(flag, then its RADIXMESH_PORT, then the --config file, then the service's default)."""
+(flag, then its RADIXMESH_PORT, then the --config file, then the service's default), with its own TLS certificate
+when it runs with mutual TLS. The health service never needs the internal token (services.common.auth)."""
 
 from __future__ import annotations
 
@@ -29,11 +31,18 @@ class Target(NamedTuple):
     port: int
 
 
-def check_grpc(host: str, port: int, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
+def check_grpc(host: str, port: int, service: str = "", timeout_s: float = 3.0,
+               tls: dict | None = None) -> tuple[bool, str]:
+    """`tls`: the service's --tls-cert, --tls-key, --tls-ca (and --tls-server-name) as keyword arguments of
+    InternalAuthSettings, when it runs with mutual TLS (the health service needs no token)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    from services.common.auth import InternalAuth, InternalAuthSettings
+    from services.common.auth_channel import sync_channel
+
+    auth = InternalAuth.from_settings(InternalAuthSettings(**tls)) if tls else InternalAuth()
+    with sync_channel(f"{host}:{port}", auth=auth) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout_s)
@@ -93,6 +102,19 @@ def target_of(argv: list[str], environ: dict | None = None) -> Target:
     return Target("http" if http else "grpc", host, int(port))
 
 
+TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
+
+
+def tls_of(argv: list[str], environ: dict | None = None) -> dict:
+    """The TLS settings of a service started with `python -m <module> <args>`, taken as it takes them (flag,
+    environment, --config file); empty when it runs without TLS."""
+    environ = os.environ if environ is None else environ
+    args = argv[2:]
+    found = {name: _flag(args, "--" + name.replace("_", "-")) or environ.get("RADIXMESH_" + name.upper())
+             or _from_config(args, name) for name in TLS_FLAGS}
+    return {k: v for k, v in found.items() if v}
+
+
 def main_service(proc: Path = Path("/proc")) -> tuple[list[str], dict]:
     """The oldest `python -m services.<name>` process (the container's main service): its command line from `-m`
     on, and its environment."""
@@ -129,17 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="with --port: the address (default: 127.0.0.1)")
     p.add_argument("--service", default="", help="with --port: a service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    for name in TLS_FLAGS:  # with --port, for a service running with mutual TLS (--auto finds its own)
+        p.add_argument("--" + name.replace("_", "-"), help=f"with --port: the service's --{name.replace('_', '-')}")
     p.add_argument("--quiet", action="store_true", help="print nothing")
     args = p.parse_args(argv)
     try:
         if args.auto:
-            target = target_of(*main_service())
+            argv, environ = main_service()
+            target = target_of(argv, environ)
             ok, message = (check_http(f"http://{target.host}:{target.port}/health", args.timeout)
-                           if target.kind == "http" else check_grpc(target.host, target.port, "", args.timeout))
+                           if target.kind == "http" else
+                           check_grpc(target.host, target.port, "", args.timeout, tls_of(argv, environ)))
         elif args.http:
             ok, message = check_http(args.http, args.timeout)
         else:
-            ok, message = check_grpc(args.host, args.port, args.service, args.timeout)
+            tls = {name: getattr(args, name) for name in TLS_FLAGS if getattr(args, name)}
+            ok, message = check_grpc(args.host, args.port, args.service, args.timeout, tls)
     except (LookupError, OSError, ValueError) as e:
         ok, message = False, str(e)
     if not args.quiet:

@@ -1,5 +1,6 @@
 """gRPC server bootstrap shared by every service: grpc.aio server, the standard health service
-(grpc.health.v1, SERVING once started), server reflection, the error interceptor, and graceful shutdown:
+(grpc.health.v1, SERVING once started), server reflection, the error interceptor, the internal credentials
+(services.common.auth: the token check, mutual TLS), and graceful shutdown:
 on SIGTERM/SIGINT the health turns NOT_SERVING, new calls are refused, in-flight calls get `grace_s` to finish,
 then the process exits."""
 
@@ -15,6 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import auth
+from services.common.auth_channel import aio_channel
 from services.common.errors import ErrorInterceptor
 from services.common.trace_grpc import client_interceptors, server_interceptors
 
@@ -47,16 +50,19 @@ class GrpcService:
 
     def __init__(self, settings: GrpcSettings, register: Callable[[grpc.aio.Server], list[str]],
                  on_stop: Callable[[], Awaitable[None]] | None = None,
-                 on_start: Callable[[], None] | None = None):
-        """`on_start()` runs once the server answers SERVING; `on_stop()` after in-flight calls drained."""
+                 on_start: Callable[[], None] | None = None, internal: bool = True):
+        """`on_start()` runs once the server answers SERVING; `on_stop()` after in-flight calls drained. An
+        `internal` server requires this process's internal credentials (services.common.auth), health excepted."""
         self.settings = settings
-        self.server = grpc.aio.server(interceptors=[*server_interceptors(), ErrorInterceptor()],
+        guard = auth.server_interceptors() if internal else []
+        self.server = grpc.aio.server(interceptors=[*guard, *server_interceptors(), ErrorInterceptor()],
                                       options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.names = register(self.server)
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        self.port = auth.add_port(self.server, address) if internal else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {settings.host}:{settings.port}")
         self._on_stop = on_stop
@@ -104,7 +110,6 @@ class GrpcService:
 
 
 def channel(url: str) -> grpc.aio.Channel:
-    """An insecure channel to `host:port` with the large-message options (and, with tracing on, the interceptor
-    that passes the trace context on)."""
-    return grpc.aio.insecure_channel(url.removeprefix("grpc://"), options=CHANNEL_OPTIONS,
-                                     interceptors=client_interceptors() or None)
+    """A channel to the internal service at `host:port` with the large-message options, this process's internal
+    credentials (TLS, token) and, with tracing on, the interceptor that passes the trace context on."""
+    return aio_channel(url, CHANNEL_OPTIONS, client_interceptors() or None)

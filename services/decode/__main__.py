@@ -10,6 +10,8 @@ import sys
 from engine.config import EngineArgs
 from engine.engine import Engine
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common import auth
+from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
@@ -151,10 +153,11 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
 
     rooms = PrefillRooms(engine, transfer, address, pd.disaggregation_bootstrap_timeout,
                          pd.disaggregation_transfer_timeout)
-    server = grpc.aio.server(interceptors=server_interceptors() or None, options=SERVER_OPTIONS)
+    interceptors = [*auth.server_interceptors(), *server_interceptors()]  # the internal token first
+    server = grpc.aio.server(interceptors=interceptors or None, options=SERVER_OPTIONS)
     bootstrap_pb2_grpc.add_KvBootstrapServiceServicer_to_server(rooms, server)
     where = f"{settings.host}:{settings.disaggregation_bootstrap_port}"
-    rooms.bootstrap_port = server.add_insecure_port(where)
+    rooms.bootstrap_port = auth.add_port(server, where)
     if rooms.bootstrap_port == 0:
         raise OSError(f"cannot listen on {where} (--disaggregation-bootstrap-port)")
     logging.getLogger(__name__).info("KV bootstrap on %s, transfer backend %s at %s", where,
@@ -185,21 +188,21 @@ def _serve_follower_node(engine_kwargs: dict) -> int:
 
 
 def parse_args(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)"):
-    """The worker's flags -> (WorkerSettings, PdSettings, MetricsSettings, TraceSettings, engine keyword arguments);
-    exits with the reason on a flag it does not know or a bad value."""
-    settings, pd_kwargs, metrics_kwargs, trace_kwargs, engine_kwargs = parse_settings(
-        description, WorkerSettings, argv, PdSettings, MetricsSettings, TraceSettings, EngineArgs)
+    """The worker's flags -> (WorkerSettings, PdSettings, MetricsSettings, TraceSettings, engine keyword arguments,
+    InternalAuthSettings); exits with the reason on a flag it does not know or a bad value."""
+    settings, pd_kwargs, metrics_kwargs, trace_kwargs, engine_kwargs, auth_kwargs = parse_settings(
+        description, WorkerSettings, argv, PdSettings, MetricsSettings, TraceSettings, EngineArgs, InternalAuthSettings)
     if not engine_kwargs.get("model_path"):
         sys.exit("--model-path is required")
     try:
         return (settings, PdSettings(**pd_kwargs), MetricsSettings(**metrics_kwargs), TraceSettings(**trace_kwargs),
-                engine_kwargs)
+                engine_kwargs, InternalAuthSettings(**auth_kwargs))
     except ValueError as e:
         sys.exit(str(e))
 
 
 def main(argv: list[str] | None = None, description: str = "radixmesh worker (colocated or decode)") -> None:
-    settings, pd, metrics_settings, trace_settings, engine_kwargs = parse_args(argv, description)
+    settings, pd, metrics_settings, trace_settings, engine_kwargs, auth_settings = parse_args(argv, description)
     setup_logging(f"{settings.disaggregation_mode if settings.disaggregation_mode != 'null' else 'worker'}",
                   settings.log_level)
     if (engine_kwargs.get("nnodes") or 1) > 1 and settings.disaggregation_mode != "null":
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
                  "staged through node 0's memory for the transfer; run a PD worker's ranks on one node")
     if engine_kwargs.get("node_rank"):
         sys.exit(_serve_follower_node(engine_kwargs))
+    auth.setup(auth_settings)
     setup_tracing(trace_settings, ROLES[settings.disaggregation_mode])
     asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
 

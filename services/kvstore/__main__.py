@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from engine.cache.storage import PageStorage, StorageError, open_storage
+from services.common import auth
+from services.common.auth import InternalAuthSettings
 from services.common.kv_transfer import transfer_host
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -56,16 +58,17 @@ async def serve(settings: KvStoreSettings, storage: PageStorage, staging: Stagin
 
 
 def parse_args(argv: Sequence[str] | None = None):
-    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
-    the reason on a flag it does not know or a bad value."""
+    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments,
+    InternalAuthSettings keyword arguments); exits with the reason on a flag it does not know or a bad value."""
     return parse_settings(
         "radixmesh kvstore: the shared L3 KV page store and the global prefix index.", KvStoreSettings, argv,
-        MetricsSettings, TraceSettings)
+        MetricsSettings, TraceSettings, InternalAuthSettings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
+    settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     setup_logging("kvstore", settings.log_level)
+    auth.setup(auth_kwargs)
     setup_tracing(TraceSettings(**trace_kwargs), "kvstore")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)

@@ -22,6 +22,7 @@ import grpc
 from engine.cache.storage import (KvLayout, StorageError, StorageOptions, StoredPage, register_storage_backend)
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common import tracing
+from services.common.auth_channel import aio_channel, sync_channel
 from services.common.server import CHANNEL_OPTIONS
 from services.kvstore import convert
 from services.kvstore.index import WorkerMatch
@@ -62,7 +63,7 @@ class KvStoreStorage:
         self.timeout_s = options.timeout_s
         self._layout = convert.layout_to_proto(options.layout) if options.layout is not None else None
         self._page_bytes = options.layout.page_bytes if options.layout is not None else 0
-        self._channel = grpc.insecure_channel(self.url, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self._channel = sync_channel(self.url, CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
 
     def _call(self, method: str, request):
@@ -234,8 +235,9 @@ def register_kvstore_backend() -> None:
 
 
 def async_channel(url: str) -> grpc.aio.Channel:
-    """A channel to the kvstore with the large-message options and a short reconnect backoff."""
-    return grpc.aio.insecure_channel(_target(url), options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+    """A channel to the kvstore with the large-message options, a short reconnect backoff and this process's
+    internal credentials."""
+    return aio_channel(_target(url), CHANNEL_OPTIONS + RECONNECT_OPTIONS)
 
 
 class WorkerRegistration:

@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Sequence
 
+from services.common import auth
+from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService
@@ -42,16 +44,17 @@ async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
 
 
 def parse_args(argv: Sequence[str] | None = None):
-    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
-    the reason on a flag it does not know or a bad value."""
+    """The flags -> (settings, MetricsSettings keyword arguments, TraceSettings keyword arguments,
+    InternalAuthSettings keyword arguments); exits with the reason on a flag it does not know or a bad value."""
     return parse_settings(
         "radixmesh tokenizer service: chat templates, tokenization, detokenization.", TokenizerSettings, argv,
-        MetricsSettings, TraceSettings)
+        MetricsSettings, TraceSettings, InternalAuthSettings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
+    settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     setup_logging("tokenizer", settings.log_level)
+    auth.setup(auth_kwargs)
     setup_tracing(TraceSettings(**trace_kwargs), "tokenizer")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)

@@ -64,7 +64,7 @@ def _chat_once_ready(base_url: str, tries: int = 10) -> None:
 
 
 def test_compose_file_is_valid_in_every_profile(image):  # noqa: F811 - the fixture
-    env = {**os.environ, "RADIXMESH_IMAGE": image}
+    env = {**os.environ, "RADIXMESH_IMAGE": image, "RADIXMESH_INTERNAL_TOKEN": uuid.uuid4().hex}
     for profile in ("cpu", "gpu", "pd"):
         config = yaml.safe_load(_compose({**env, "COMPOSE_PROFILES": profile}, "config").stdout)
         services = config["services"]
@@ -80,7 +80,8 @@ def test_cpu_stack_serves_and_prometheus_scrapes_every_service(image):  # noqa: 
     port, prom_port = free_port(), free_port()
     env = {**os.environ, "COMPOSE_PROFILES": "cpu", "RADIXMESH_IMAGE": image, "PORT": str(port),
            "PROMETHEUS_PORT": str(prom_port), "REDIS_IMAGE": _standin("redis"),
-           "PROMETHEUS_IMAGE": _standin("prometheus"), "LOG_LEVEL": "warning"}
+           "PROMETHEUS_IMAGE": _standin("prometheus"), "LOG_LEVEL": "warning",
+           "RADIXMESH_INTERNAL_TOKEN": uuid.uuid4().hex}
     try:
         _compose(env, "-p", project, "up", "-d", *STARTED)
         _chat_once_ready(f"http://127.0.0.1:{port}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -13,9 +14,19 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.auth import TOKEN_ENV, InternalAuth
+from services.common.auth_channel import sync_channel
 from services.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# The internal token of every mesh launched here (the launcher passes it to each service); tests that call a worker
+# or the tokenizer directly send it through internal_channel().
+INTERNAL_TOKEN = secrets.token_urlsafe(24)
+
+
+def internal_channel(address: str, token: str = INTERNAL_TOKEN):
+    """A blocking gRPC channel to one of a launched mesh's services, carrying the internal token."""
+    return sync_channel(address, auth=InternalAuth((token,)))
 
 
 def child_pids(pid: int) -> list[int]:
@@ -89,7 +100,8 @@ class Mesh:
 
 
 def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str | None = None,
-           timeout: float = 180.0) -> Mesh:
+           timeout: float = 180.0, env: dict | None = None) -> Mesh:
+    """`env`: set for the launcher on top of this environment and INTERNAL_TOKEN."""
     port, grpc_port = free_port(), free_port()
     argv = [sys.executable, "-m", "services.launch", "serve", "--model-path", model, "--port", str(port),
             "--grpc-port", str(grpc_port), "--num-workers", str(num_workers), "--shutdown-grace-s", "10",
@@ -97,7 +109,8 @@ def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str
     if api_key:
         argv += ["--api-key", api_key]
     log_path = tmp / f"mesh-{port}.log"
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, TOKEN_ENV: INTERNAL_TOKEN, **(env or {})})
     mesh = Mesh(proc, port, grpc_port, api_key, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
-from tests.e2e.mesh import cmdline, openai_client, running_mesh
+from tests.e2e.mesh import cmdline, internal_channel, openai_client, running_mesh
 
 EMBED = model_path("tiny-qwen3-embed")
 TOL = 1e-4
@@ -165,7 +165,7 @@ def test_generation_requests_to_the_embedding_model_are_refused(embed_mesh):
     assert status == 400 and "embedding model" in info["error"]["message"]
     with urllib.request.urlopen(embed_mesh.url + "/get_model_info", timeout=30) as r:
         assert json.loads(r.read())["is_generation"] is False
-    with grpc.insecure_channel(worker_address(embed_mesh)) as ch:  # the worker itself refuses Generate
+    with internal_channel(worker_address(embed_mesh)) as ch:  # the worker itself refuses Generate
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(worker_pb2.GenerateRequest(request_id="g1", input_ids=[1, 2]), timeout=30))
@@ -181,7 +181,7 @@ def test_embeddings_on_a_generation_model_are_refused(mesh):
     assert status == 400 and "not an embedding model" in err["error"]["message"], err
     status, err = post(mesh.url + "/encode", {"text": "hello"})
     assert status == 400 and "--is-embedding" in err["error"]["message"], err
-    with grpc.insecure_channel(worker_address(mesh)) as ch:
+    with internal_channel(worker_address(mesh)) as ch:
         with pytest.raises(grpc.RpcError) as e:
             worker_pb2_grpc.WorkerServiceStub(ch).Embed(
                 worker_pb2.EmbedRequest(request_id="e2", inputs=[worker_pb2.EmbedInput(input_ids=[1])]), timeout=30)

@@ -17,10 +17,12 @@ import urllib.request
 import pytest
 
 from engine.cache.storage import StorageOptions
+from services.common import auth
+from services.common.auth import InternalAuth
 from services.kvstore.client import KvStoreStorage
 from services.launch import free_port
 from tests.conftest import model_path
-from tests.e2e.mesh import REPO, cmdline, launch, stop_and_check
+from tests.e2e.mesh import INTERNAL_TOKEN, REPO, cmdline, launch, stop_and_check
 from tests.engine_utils import running_engine
 
 MODEL = model_path("tiny-llama")
@@ -172,7 +174,11 @@ def test_l3_over_the_mooncake_transfer_engine_is_token_exact(tmp_path, reference
         from_l3 = [_generate(m.url, p) for p in prompts]
         assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3), from_l3
         port = cmdline(m.services()["services.kvstore"]).split("--port ")[1].split()[0]
-        store = KvStoreStorage(StorageOptions(url=f"127.0.0.1:{port}"))
+        auth.configure(InternalAuth((INTERNAL_TOKEN,)))  # the mesh's kvstore wants its token
+        try:
+            store = KvStoreStorage(StorageOptions(url=f"127.0.0.1:{port}"))
+        finally:
+            auth.configure(InternalAuth())
         stats = store.stats()
         store.close()
         assert stats["transfer_session"] and stats["pages"] > 0

@@ -13,14 +13,13 @@ import os
 import signal
 import time
 
-import grpc
 import openai
 import pytest
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, launch, openai_client, running_mesh, stop_and_check
+from tests.e2e.mesh import cmdline, internal_channel, launch, openai_client, running_mesh, stop_and_check
 from tests.e2e.test_mesh_faults import post
 
 NAME = model_path(MODEL)
@@ -47,7 +46,7 @@ def pid_of(mesh, address: str) -> int:
 
 
 def loads(address: str) -> worker_pb2.GetLoadsResponse:
-    with grpc.insecure_channel(address) as ch:
+    with internal_channel(address) as ch:
         return worker_pb2_grpc.WorkerServiceStub(ch).GetLoads(worker_pb2.GetLoadsRequest(), timeout=10)
 
 

@@ -35,6 +35,48 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or .Values.apiKey.value .Values.apiKey.existingSecret }}true{{ end -}}
 {{- end -}}
 
+{{- define "radixmesh.internalTokenSecret" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-internal-token" (include "radixmesh.fullname" .)) -}}
+{{- end -}}
+
+{{/* The internal token of every radixmesh container, as an env list item. */}}
+{{- define "radixmesh.internalTokenEnv" -}}
+- name: RADIXMESH_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "radixmesh.internalTokenSecret" . }}, key: {{ .Values.internalAuth.secretKey }}}
+{{- end -}}
+
+{{/* Mutual TLS: the flags, the Secret's mount and its volume (list items; nothing without internalAuth.tls). */}}
+{{- define "radixmesh.tlsArgs" -}}
+{{- with .Values.internalAuth.tls }}
+{{- if .existingSecret }}
+- --tls-cert
+- {{ printf "%s/tls.crt" .mountPath | quote }}
+- --tls-key
+- {{ printf "%s/tls.key" .mountPath | quote }}
+- --tls-ca
+- {{ printf "%s/ca.crt" .mountPath | quote }}
+{{- with .serverName }}
+- --tls-server-name
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "radixmesh.tlsMountItems" -}}
+{{- if .Values.internalAuth.tls.existingSecret }}
+- {name: internal-tls, mountPath: {{ .Values.internalAuth.tls.mountPath | quote }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "radixmesh.tlsVolumeItems" -}}
+{{- if .Values.internalAuth.tls.existingSecret }}
+- name: internal-tls
+  secret: {secretName: {{ .Values.internalAuth.tls.existingSecret | quote }}, defaultMode: 0440}
+{{- end }}
+{{- end -}}
+
 {{- define "radixmesh.tokenizerUrl" -}}
 {{- printf "%s-tokenizer:50051" (include "radixmesh.fullname" .) -}}
 {{- end -}}
@@ -54,7 +96,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.router.policy | default (ternary "kv_index" "cache_aware" .Values.kvstore.enabled) -}}
 {{- end -}}
 
-{{/* Flags every radixmesh service takes: metrics, traces, log level, drain time. */}}
+{{/* Flags every radixmesh service takes: metrics, traces, log level, drain time, mutual TLS. */}}
 {{- define "radixmesh.commonArgs" -}}
 {{- if .Values.metrics.enabled }}
 - --enable-metrics
@@ -72,6 +114,7 @@ app.kubernetes.io/component: {{ .component }}
 - {{ .Values.logLevel | quote }}
 - --shutdown-grace-s
 - {{ .Values.shutdownGraceS | quote }}
+{{- include "radixmesh.tlsArgs" . }}
 {{- end -}}
 
 {{/* Container ports: the service's own, plus metrics. Call with (dict "root" $ "port" 50051 "name" "grpc") */}}
@@ -86,20 +129,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
 
-{{/* Probes of a gRPC service on grpc.health.v1 (NOT_SERVING while it drains); startup allows `seconds` to load. */}}
+{{/* Probes of a gRPC service on grpc.health.v1 (NOT_SERVING while it drains); startup allows `seconds` to load.
+The kubelet's gRPC probe cannot speak TLS: with internalAuth.tls the image's health probe runs instead, with the
+pod's certificate. Call with (dict "root" $ "seconds" 300). */}}
 {{- define "radixmesh.grpcProbes" -}}
+{{- $how := "grpc: {port: 50051}" }}
+{{- if .root.Values.internalAuth.tls.existingSecret }}
+{{- $probe := list "python" "-m" "services.common.healthcheck" "--quiet" "--port" "50051" }}
+{{- $how = printf "exec: {command: %s}" (concat $probe (include "radixmesh.tlsArgs" .root | fromYamlArray) | toJson) }}
+{{- end -}}
 startupProbe:
-  grpc: {port: 50051}
+  {{ $how }}
   periodSeconds: 5
   timeoutSeconds: 5
   failureThreshold: {{ div .seconds 5 }}
 readinessProbe:
-  grpc: {port: 50051}
+  {{ $how }}
   periodSeconds: 5
   timeoutSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc: {port: 50051}
+  {{ $how }}
   periodSeconds: 10
   timeoutSeconds: 10
   failureThreshold: 6
