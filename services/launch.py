@@ -4,7 +4,10 @@
 processes on loopback (with `--kvstore`, the kvstore too, wired to the workers and the router), waits until each is
 healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
 router first (it lets open requests finish), then the workers and the tokenizer. Children get SIGKILL if the
-launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over."""
+launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over. Calls between the services carry an internal
+token (--internal-token, else a random one made per launch, passed by the environment) and, with --tls-cert,
+--tls-key and --tls-ca, run over mutual TLS (services.common.auth). `radixmesh certs --out DIR` makes a CA and a
+certificate for that (services.certs)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,8 +30,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import STORAGE_TRANSPORTS, EngineArgs
+from services.common import auth
+from services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
+from services.common.auth_channel import sync_channel
 from services.common.settings import parse_settings
 from services.decode.settings import PdSettings
+from services.supervise import Supervisor
 
 log = logging.getLogger("radixmesh.launch")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +67,13 @@ class LaunchSettings:
         "help": "processes of each router (its --router-workers: one port, a supervisor, shared routing state)"})
     disable_generate_stream: bool = field(default=False, metadata={
         "help": "routers call workers once per request instead of over one GenerateStream per worker"})
+    max_migrations: int = field(default=3, metadata={
+        "help": "routers: times a stream whose worker fails mid-stream moves to another worker (0: off)"})
+    max_restarts: int = field(default=10, metadata={
+        "help": "a service that exits once the mesh is up is started again (backoff 0.5 s doubling to 30 s); after "
+                "this many failures in a row (each under a minute of uptime) the mesh stops"})
+    num_tokenizers: int = field(default=1, metadata={
+        "help": "tokenizer service replicas; the routers balance over them and fail over between them"})
     api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
     api_key_tenants: tuple[str, ...] = field(default=(), metadata={
         "help": "router: KEY=TENANT pairs; each key is accepted and selects its tenant's KV cache namespace"})
@@ -101,6 +116,8 @@ class LaunchSettings:
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds open requests get on SIGTERM"})
 
     def __post_init__(self) -> None:
+        if self.num_tokenizers < 1 or self.max_restarts < 0:
+            raise ValueError("--num-tokenizers must be at least 1 and --max-restarts at least 0")
         if self.num_workers < 1 or self.num_routers < 1:
             raise ValueError("--num-workers and --num-routers must be at least 1")
         if self.disaggregation not in ("null", "pd"):
@@ -160,7 +177,7 @@ class Child:
 
     def healthy(self) -> bool:
         if self.health.startswith("grpc://"):
-            with grpc.insecure_channel(self.health.removeprefix("grpc://")) as ch:
+            with sync_channel(self.health.removeprefix("grpc://")) as ch:  # TLS when the mesh has it
                 try:
                     r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 except grpc.RpcError:
@@ -185,16 +202,16 @@ def _worker_roles(settings: LaunchSettings) -> list[tuple[str, list[str]]]:
 def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> list[Child]:
     """The processes to start, in start order (tokenizer, workers, router)."""
     model = engine_kwargs["model_path"]
-    tok_port = free_port()
-    tok = ["services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model,
-           "--port", str(tok_port)]
+    tok_ports = [free_port() for _ in range(settings.num_tokenizers)]
+    tok = ["services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model]
     if settings.chat_template:
         tok += ["--chat-template", settings.chat_template]
     if engine_kwargs.get("context_length"):
         tok += ["--context-length", str(engine_kwargs["context_length"])]
     if settings.served_model_name:  # its metrics carry the model_name the router's and workers' do
         tok += ["--served-model-name", settings.served_model_name]
-    children = [Child("tokenizer", tok, f"grpc://127.0.0.1:{tok_port}")]
+    children = [Child("tokenizer" if i == 0 else f"tokenizer-{i}", [*tok, "--port", str(port)],
+                      f"grpc://127.0.0.1:{port}") for i, port in enumerate(tok_ports)]
     kv_flags, router_kv = [], []
     if settings.kvstore:
         kv_port = free_port()
@@ -224,9 +241,9 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             argv += ["--base-gpu-id", str((engine_kwargs.get("base_gpu_id") or 0) + (len(worker_urls) - 1) * tp * step)]
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
-              "--tokenizer-url", f"127.0.0.1:{tok_port}", "--worker-urls", *worker_urls, "--policy", settings.policy,
+              "--tokenizer-url", ",".join(f"127.0.0.1:{port}" for port in tok_ports), "--worker-urls", *worker_urls, "--policy", settings.policy,
               "--shutdown-grace-s", str(settings.shutdown_grace_s), "--router-workers", str(settings.router_workers),
-              *router_kv]
+              "--max-migrations", str(settings.max_migrations), *router_kv]
     if settings.disable_generate_stream:
         router.append("--disable-generate-stream")
     if settings.api_key_tenants:
@@ -254,6 +271,29 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     for c in children:
         c.argv += trace_flags(settings)
     return children
+
+
+def launcher_metrics(settings: LaunchSettings, children: list[Child]):
+    """With --enable-metrics: the launcher's own /metrics (radixmesh:launcher_restarts_total{service}) on a free
+    port, logged and listed in --metrics-sd-file; returns the restart counter's `count(service)` (else None)."""
+    if not settings.enable_metrics:
+        return None
+    from prometheus_client import start_http_server
+
+    from services.common.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics("launcher", settings.served_model_name or "")
+    restarts = metrics.counter("radixmesh:launcher_restarts_total", "Services started again after they exited",
+                               ("service",))
+    for c in children:
+        restarts.labels(c.name)
+    port = free_port()
+    start_http_server(port, "127.0.0.1", registry=metrics.registry)
+    log.info("launcher metrics: http://127.0.0.1:%d/metrics", port)
+    if settings.metrics_sd_file:
+        write_metrics_targets([*children, Child("launcher", [], "", metrics=f"127.0.0.1:{port}")],
+                              settings.metrics_sd_file)
+    return lambda name: restarts.labels(name).inc()
 
 
 def trace_flags(settings: LaunchSettings) -> list[str]:
@@ -343,8 +383,35 @@ def stop_all(children: list[Child], grace_s: float) -> None:
                 c.proc.wait()
 
 
-def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> int:
+def secure(children: list[Child], auth_settings: InternalAuthSettings) -> InternalAuth:
+    """Every child gets the internal token(s) by its environment (the ones given, else a random one made for this
+    launch: a launched mesh is always authenticated) and the TLS flags when given; this process's health probes use
+    the same TLS. Returns the credentials. ValueError when a file given cannot be read."""
+    given = InternalAuth.from_settings(auth_settings)
+    tokens = given.tokens or (secrets.token_urlsafe(32),)
+    flags = []
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(auth_settings, name):
+            flags += ["--" + name.replace("_", "-"), str(Path(getattr(auth_settings, name)).resolve())]
+    if auth_settings.tls_server_name:
+        flags += ["--tls-server-name", auth_settings.tls_server_name]
+    for c in children:
+        c.argv += flags
+        # an inherited RADIXMESH_INTERNAL_TOKEN_FILE would clash with the token given here: blank it
+        c.env.update({TOKEN_ENV: ",".join(tokens), TOKEN_ENV + "_FILE": ""})
+    resolved = InternalAuth(tokens, given.cert, given.key, given.ca, given.server_name)
+    auth.configure(resolved)
+    return resolved
+
+
+def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None,
+          auth_settings: InternalAuthSettings | None = None) -> int:
     children = plan(settings, engine_kwargs, pd_kwargs)
+    try:
+        log.info("internal calls: %s", secure(children, auth_settings or InternalAuthSettings()).describe())
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
@@ -365,12 +432,11 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
         print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
               f"http://{settings.host}:{settings.port}/v1){more}", flush=True)
         code = 0
+        supervisor = Supervisor(children, settings.max_restarts, launcher_metrics(settings, children))
         while not stopping:
-            # workers and the kvstore may come and go (the mesh serves on without them); the rest may not
-            essential = [c for c in children if not c.name.startswith("worker-") and c.name != "kvstore"]
-            dead = [c for c in essential if not c.alive()]
-            if dead:
-                log.error("%s exited (status %s); stopping everything", dead[0].name, dead[0].proc.returncode)
+            given_up = supervisor.tick()
+            if given_up:
+                log.error("%s; stopping everything", given_up)
                 code = 1
                 break
             time.sleep(0.2)
@@ -387,18 +453,28 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "certs":
+        from services.certs import main as certs_main
+
+        return certs_main(argv[1:])
     if not argv or argv[0] != "serve":
-        print("usage: radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [flags]  (serve --help)",
+        print("usage: radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [flags]  (serve --help)\n"
+              "       radixmesh certs --out DIR [--hosts h1,h2]  (a CA and a certificate for mutual TLS)",
               file=sys.stderr)
         return 2
-    settings, pd_kwargs, engine_kwargs = parse_settings(
+    settings, pd_kwargs, engine_kwargs, auth_kwargs = parse_settings(
         "radixmesh serve: tokenizer, workers and router on this machine", LaunchSettings, argv[1:], PdSettings,
-        EngineArgs)
+        EngineArgs, InternalAuthSettings)
     if not engine_kwargs.get("model_path"):
         print("--model-path is required", file=sys.stderr)
         return 2
+    try:
+        auth_settings = InternalAuthSettings(**auth_kwargs)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s launch: %(message)s")
-    return serve(settings, engine_kwargs, pd_kwargs)
+    return serve(settings, engine_kwargs, pd_kwargs, auth_settings)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ class RouterSettings:
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP address to listen on"})
     port: int = field(default=30000, metadata={"help": "HTTP port (OpenAI and SGLang APIs)"})
     grpc_port: int | None = field(default=None, metadata={"help": "port of the public gRPC API (unset: off)"})
-    tokenizer_url: str = field(default="", metadata={"help": "host:port of the tokenizer service"})
+    tokenizer_url: str = field(default="", metadata={
+        "help": "host:port of the tokenizer service; several replicas comma-separated (balanced, failed over)"})
     worker_urls: tuple[str, ...] = field(default=(), metadata={"help": "host:port of each worker"})
     discovery_dns: tuple[str, ...] = field(default=(), metadata={
         "help": "NAME:PORT of DNS names that resolve to the workers' addresses (a Kubernetes headless Service, a "
@@ -75,6 +76,9 @@ class RouterSettings:
     retry_backoff_multiplier: float = field(default=1.5, metadata={"help": "each retry waits this much longer"})
     retry_jitter_factor: float = field(default=0.2, metadata={"help": "waits vary by +- this fraction"})
     disable_retries: bool = field(default=False, metadata={"help": "one attempt per request"})
+    max_migrations: int = field(default=3, metadata={
+        "help": "times a streaming request whose worker dies or hangs mid-stream moves to another worker, which "
+                "continues after the tokens already streamed (0: the stream ends with an error instead)"})
     cb_failure_threshold: int = field(default=10, metadata={
         "help": "failures within --cb-window-duration-secs that open a worker's circuit breaker"})
     cb_success_threshold: int = field(default=3, metadata={
@@ -95,6 +99,9 @@ class RouterSettings:
     tokenizer_cache_enable_l0: bool = field(default=False, metadata={
         "help": "answer repeated tokenize requests (same text, or same chat messages and options) from a cache"})
     tokenizer_cache_l0_max_entries: int = field(default=10000, metadata={"help": "the cache's size in requests"})
+    worker_allowlist: tuple[str, ...] = field(default=(), metadata={
+        "help": "hosts POST /add_worker may register (others get a 403): DNS names as written, IP addresses or "
+                "CIDR networks, e.g. 10.0.0.0/8 for pod addresses (default: any host)"})
     admin_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "the key /add_worker, /remove_worker and /flush_cache require (default: any accepted API key)"})
     disable_generate_stream: bool = field(default=False, metadata={
@@ -146,6 +153,9 @@ class RouterSettings:
         check_settings(self)
         if not self.tokenizer_url:
             raise ValueError("--tokenizer-url is required")
+        bad = [u for u in self.tokenizer_url.split(",") if u.strip() and not _is_host_port(u.strip())]
+        if bad:
+            raise ValueError(f"--tokenizer-url takes host:port (several comma-separated), got {bad[0]!r}")
         if self.policy == "kv_index" and not self.kvstore_url:
             raise ValueError("--policy kv_index needs --kvstore-url host:port (the kvstore that keeps the prefix "
                              "index)")
@@ -160,6 +170,10 @@ class RouterSettings:
             raise ValueError(f"--discovery-interval-s must be > 0, got {self.discovery_interval_s}")
         if not self.kvstore_timeout_s > 0:
             raise ValueError(f"--kvstore-timeout-s must be > 0, got {self.kvstore_timeout_s}")
+        if self.worker_allowlist:
+            from services.router.allowlist import allowlist
+
+            allowlist(self.worker_allowlist)
         parse_key_tenants(self.api_key_tenants, self.api_key)
         if self.tenant_header:
             validate_header_name(self.tenant_header)

@@ -17,6 +17,8 @@ from services.common.trace_grpc import untraced_channel
 from services.router.tokenize_batch import TokenizeBatcher, TokenizerUnavailable
 
 __all__ = ["TokenizeCache", "TokenizerClient", "TokenizerUnavailable"]
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class TokenizeCache:
@@ -52,7 +54,8 @@ class TokenizerClient:
         self.url = url
         self.timeout_s = timeout_s
         self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
-        self.channel = untraced_channel(url)
+        # reconnects within a second of a restarted tokenizer coming back (gRPC's default backoff grows to 2 min)
+        self.channel = untraced_channel(url, RECONNECT_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
         self.batcher = TokenizeBatcher(self.stub, url, timeout_s)

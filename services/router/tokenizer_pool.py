@@ -1,0 +1,92 @@
+"""Several tokenizer service replicas behind one router (`--tokenizer-url h1:p1,h2:p2`; `radixmesh serve
+--num-tokenizers N`): each call goes to the replica with the fewest calls open (in turn among equals), skipping one
+that failed within the last DOWN_S; a call whose replica is unreachable (or did not answer in time) is tried on the
+next, so while a replica is down or restarting the others answer and no request notices. Only when every replica
+fails does the call fail (TokenizerUnavailable: the router answers 503 at once). One replica is the plain case."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, TypeVar
+
+from radixmesh.v1 import tokenizer_pb2
+from services.router.tokenizer_client import TokenizeCache, TokenizerClient, TokenizerUnavailable
+
+log = logging.getLogger(__name__)
+
+DOWN_S = 1.0
+T = TypeVar("T")
+
+
+def tokenizer_urls(value: str) -> list[str]:
+    """The replicas of a --tokenizer-url value (comma-separated host:port)."""
+    return [u.strip() for u in value.split(",") if u.strip()]
+
+
+class TokenizerPool:
+    def __init__(self, urls: list[str], timeout_s: float, cache_entries: int = 0):
+        """`cache_entries` > 0: repeated tokenize requests are answered from one cache for all replicas."""
+        if not urls:
+            raise ValueError("no tokenizer URL")
+        self.clients = [TokenizerClient(u, timeout_s) for u in urls]
+        self.url = ",".join(urls)
+        self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
+        self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
+        self._open = [0] * len(urls)
+        self._down_until = [0.0] * len(urls)
+        self._turn = 0
+
+    async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
+        """Ready when one replica answers (the others may still be starting); TokenizerUnavailable when none does."""
+        results = await asyncio.gather(*(c.connect(wait_s) for c in self.clients), return_exceptions=True)
+        for client, result in zip(self.clients, results):
+            if isinstance(result, BaseException):
+                log.warning("%s", result)
+            elif self.info is None:
+                self.info = result
+        if self.info is None:
+            raise next(r for r in results if isinstance(r, BaseException))
+        return self.info
+
+    def _pick(self, tried: set[int]) -> int:
+        now = time.monotonic()
+        left = [i for i in range(len(self.clients)) if i not in tried]
+        up = [i for i in left if self._down_until[i] <= now] or left
+        self._turn += 1
+        return min(up, key=lambda i: (self._open[i], (i - self._turn) % len(self.clients)))
+
+    async def _call(self, fn: Callable[[TokenizerClient], Awaitable[T]]) -> T:
+        tried: set[int] = set()
+        while True:
+            i = self._pick(tried)
+            tried.add(i)
+            self._open[i] += 1
+            try:
+                return await fn(self.clients[i])
+            except TokenizerUnavailable as e:
+                self._down_until[i] = time.monotonic() + DOWN_S
+                if len(tried) == len(self.clients):
+                    raise
+                log.warning("%s; trying another tokenizer", e)
+            finally:
+                self._open[i] -= 1
+
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
+        if self.cache is None:
+            return await self._call(lambda c: c.tokenize(request))
+        key = request.SerializeToString(deterministic=True)
+        found = self.cache.get(key)
+        if found is None:
+            found = await self._call(lambda c: c.tokenize(request))
+            self.cache.put(key, found)
+        return found
+
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
+        return await self._call(lambda c: c.detokenize(ids, skip_special_tokens))
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
