@@ -183,8 +183,6 @@ class Engine:
     def _submit(self, specs: list[RequestSpec], make_sink, handoff=None, tenant: str = "") -> None:
         if handoff is not None and len(specs) != 1:
             raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
-        if handoff is not None and specs[0].resume_ids:
-            raise ValueError("a migrated request (resume_ids) does not run on a prefill/decode pair")
         if handoff is not None and self.args.tp_size > 1 and self.runner.kv_channel is None:
             raise ValueError("with tp_size > 1 a disaggregated request's KV moves through every rank's mirror: "
                              "create them with Engine.kv_mirror() first")
@@ -207,14 +205,14 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None,
-                             tenant: str = "", on_finish=None, resume_ids=None):
+                             tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None):
         """As `generate`; with stream=True returns an async iterator of incremental dicts. `handoff` (one prompt,
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
         engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
         (for latency metrics; it must be quick and not raise)."""
         specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                               top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                              handoff, tenant, resume_ids)
+                                              handoff, tenant, resume_ids, resume_text_chars)
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
         inbox: asyncio.Queue = asyncio.Queue()
         mailbox = mailbox_for(asyncio.get_running_loop())
@@ -234,7 +232,7 @@ class Engine:
     async def generate_into(self, on_delta: Callable[[dict], None], prompt=None, sampling_params=None,
                             input_ids=None, return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                             token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
-                            tenant: str = "", on_finish=None, resume_ids=None) -> None:
+                            tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None) -> None:
         """As `async_generate(stream=True)`, but each delta is handed to `on_delta(delta)` where the event loop
         receives the scheduler's outputs: no task wakes up per token, which is what a server streaming many
         requests at once spends most of its event loop on. Returns when every request of the call has finished.
@@ -242,7 +240,7 @@ class Engine:
         cancellation. `on_delta` is never called after this returns or raises."""
         specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                               top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                              handoff, tenant, resume_ids)
+                                              handoff, tenant, resume_ids, resume_text_chars)
         collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish)
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -277,17 +275,18 @@ class Engine:
                 self._abort_all(specs)()
 
     async def _prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                       token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant: str, resume_ids=None
-                       ) -> tuple[list[RequestSpec], bool]:
+                       token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant: str, resume_ids=None,
+                       resume_text_chars=None) -> tuple[list[RequestSpec], bool]:
         """Validation, tokenization and grammars on the prep threads; n > 1 prompts prefilled once first.
-        `resume_ids`: a migrated request's tokens so far (engine.results.resumed)."""
+        `resume_ids`: a migrated request's tokens so far, of whose text the client has `resume_text_chars`
+        characters (engine.results.resumed)."""
         _check_tenant(tenant)
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
             self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
             token_ids_logprob, return_text_in_logprobs, rid))
         if resume_ids:
-            specs = resumed(specs, resume_ids, self.model_config.vocab_size)
+            specs = resumed(specs, resume_ids, self.model_config.vocab_size, resume_text_chars)
         warm = self._shared_prefills(specs) if handoff is None else []
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],

@@ -26,9 +26,11 @@ class RequestSpec:
     # Output tokens another worker already produced (and streamed): a migrated request continues after them, as if
     # it had produced them itself (they count for lengths, penalties, the seeded draw's step and stop strings).
     resume_ids: tuple[int, ...] = ()
+    resume_text_chars: int | None = None  # characters of their text the client has (None: as a token-by-token stream)
 
 
-def resumed(specs: list[RequestSpec], resume_ids, vocab_size: int) -> list[RequestSpec]:
+def resumed(specs: list[RequestSpec], resume_ids, vocab_size: int, text_chars: int | None = None
+            ) -> list[RequestSpec]:
     """The one spec of a migrated request, continuing after `resume_ids` (ValueError when it cannot)."""
     if len(specs) != 1:
         raise ValueError("resume_ids continues one request with n = 1")
@@ -37,7 +39,7 @@ def resumed(specs: list[RequestSpec], resume_ids, vocab_size: int) -> list[Reque
     if len(ids) >= spec.params.max_new_tokens:
         raise ValueError(f"resume_ids holds {len(ids)} tokens: nothing is left of max_new_tokens "
                          f"({spec.params.max_new_tokens})")
-    return [dataclasses.replace(spec, resume_ids=tuple(ids))]
+    return [dataclasses.replace(spec, resume_ids=tuple(ids), resume_text_chars=text_chars)]
 
 
 def resume_req(req, resume_ids: tuple[int, ...]) -> None:
@@ -231,8 +233,12 @@ class ResultBuilder:
             self.logprobs, self.top_logprobs, self.id_logprobs = [0.0] * k, [[] for _ in range(k)], [[] for _ in
                                                                                                    range(k)]
             if self.detok is not None:
-                self.detok.push(self.output_ids)
-                self.sent_chars = len(self._visible(self.detok.text, False))
+                # Token by token, as a stream that sent each: the detokenizer then holds back only a character
+                # still incomplete at the end (one push of them all would hold back everything in that case).
+                for token in self.output_ids:
+                    self.detok.push([token])
+                visible = len(self._visible(self.detok.text, False))
+                self.sent_chars = visible if spec.resume_text_chars is None else spec.resume_text_chars
 
     def _visible(self, text: str, finished: bool) -> str:
         """The text a client may see: cut before a matched stop string (unless no_stop_trim); while running, hold

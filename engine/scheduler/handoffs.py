@@ -42,7 +42,7 @@ class Handoffs:
             req = self.queue[0]
             if not self.cache.admit(req, whole_prompt=True):
                 break  # no free request row
-            n = len(req.input_ids) - req.tree_len
+            n = req.fill_len - req.tree_len  # the prompt, and a migrated request's tokens so far
             need = self.cache.pages_for(req.tree_len, n) * self.cache.page
             alone = not running and not self.receiving and not done
             fits = need + reserved + self._reserve_of(req) <= self.cache.available_tokens()
@@ -59,7 +59,7 @@ class Handoffs:
 
     def destination(self, req: Req) -> tuple[list[int], int]:
         """(pages to fill, tokens already cached) of a just-allocated request."""
-        return self.cache.pages_of(req, req.tree_len, len(req.input_ids)), req.tree_len
+        return self.cache.pages_of(req, req.tree_len, req.fill_len), req.tree_len
 
     def hold(self, req: Req) -> list[int]:
         """Pin a prefilled request's KV (its aligned prefix joins the radix tree, locked) and return its pages."""

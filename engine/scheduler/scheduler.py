@@ -431,7 +431,7 @@ class Scheduler:
         if req is None:
             return False
         self._changed = True
-        req.kv_len = len(req.input_ids)
+        req.kv_len = req.fill_len
         req.cached_tokens = first.cached_tokens
         if req.logprob is not None and req.logprob.start >= 0:
             req.input_logprobs, req.input_top_logprobs = first.input_logprobs, first.input_top_logprobs

@@ -45,6 +45,7 @@ def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
               "rid": engine_rid(req) or None, "tenant": req.tenant}
     if req.resume_output_ids:
         kwargs["resume_ids"] = list(req.resume_output_ids)
+        kwargs["resume_text_chars"] = req.resume_text_chars
     if lp.return_logprob:
         kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
                       token_ids_logprob=list(lp.token_ids_logprob) or None,

@@ -18,6 +18,7 @@ from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
+from services.router.migration import Streamed
 from services.router.pd import generate_pd
 from services.router.policies import Policy
 from services.router.resilience import attempts_of, backoff_of
@@ -136,17 +137,32 @@ class Router:
                 yield msg
             return
         tried: set[str] = set()
-        attempts = attempts_of(self.settings)
-        for attempt in range(attempts):
+        attempts, migrations, attempt = attempts_of(self.settings), 0, 0
+        stream = Streamed(request)
+        while True:
             if attempt:
                 await asyncio.sleep(self.backoff.delay_s(attempt))
             worker = await self.choose(request, tried)
             outcome = _Attempt()
             async for msg in self._call(worker, request, attempt, outcome):
+                stream.saw(msg)
                 yield msg
             if outcome.error is None:
                 return
-            if not outcome.retry or attempt == attempts - 1:
+            if outcome.streamed:  # mid-stream: continue on another worker after the tokens the client has
+                why_not = stream.why_not_migrate(migrations, self.settings.max_migrations)
+                if why_not:
+                    raise RouterError(outcome.error.status, f"{outcome.error.message} ({why_not})")
+                migrations += 1
+                request = stream.continuation()
+                tried = {worker.url}
+                log.warning("%s mid-stream; migrating request %s after %d streamed tokens (migration %d)",
+                            outcome.error.message, request.request_id, len(request.resume_output_ids), migrations)
+                if self.metrics is not None:
+                    self.metrics.migrated(worker.url)
+                continue
+            attempt += 1
+            if not outcome.retry or attempt == attempts:
                 raise outcome.error
             log.info("%s before streaming; retrying on another worker", outcome.error.message)
             if self.metrics is not None:
@@ -198,9 +214,7 @@ class Router:
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise RouterError(status_of(code), e.details() or code.name) from None
             self.registry.mark_failed(worker, e.details() or "unavailable")
-            outcome.fail(RouterError(503, f"worker {worker.url} failed: {e.details()}"), not streamed)
-            if streamed:
-                raise outcome.error from None
+            outcome.fail(RouterError(503, f"worker {worker.url} failed: {e.details()}"), not streamed, streamed)
         except BaseException as e:
             error = e
             if not isinstance(e, asyncio.CancelledError):
@@ -213,8 +227,8 @@ class Router:
             verdict = worker.breaker.failure
             if metrics is not None:
                 metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
-            outcome.fail(RouterError(503, reason), retry and not streamed)
-            if streamed:
+            outcome.fail(RouterError(503, reason), retry and not streamed, streamed and retry)
+            if streamed and not retry:
                 raise outcome.error from None
         finally:
             verdict()
@@ -240,11 +254,12 @@ class Router:
 
 class _Attempt:
     """How one worker call ended: `error` None (it completed) or the RouterError to answer with, and whether
-    another worker may be tried."""
+    another worker may be tried from the start (`retry`) or after what was streamed (`streamed`: the worker died or
+    hung mid-stream)."""
 
     def __init__(self) -> None:
         self.error: RouterError | None = None
-        self.retry = False
+        self.retry = self.streamed = False
 
-    def fail(self, error: RouterError, retry: bool) -> None:
-        self.error, self.retry = error, retry
+    def fail(self, error: RouterError, retry: bool, streamed: bool = False) -> None:
+        self.error, self.retry, self.streamed = error, retry, streamed

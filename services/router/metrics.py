@@ -59,6 +59,8 @@ class RouterMetrics:
                                        ("worker", "error_type"))
         self.retries = m.counter("sgl_router_retries_total", "Requests retried elsewhere after this worker failed",
                                  ("worker",))
+        self.migrations = m.counter("radixmesh_router_migrations_total",
+                                    "Streams moved mid-stream to another worker after this worker failed", ("worker",))
         self.worker_duration = m.histogram("sgl_router_worker_request_duration_seconds",
                                            "Successful worker calls, send to last message (s)", REQUEST_BUCKETS,
                                            ("worker",))
@@ -112,6 +114,7 @@ class RouterMetrics:
             # increment from rate()/increase(), and alerts on retries would miss a worker's first failure
             self._seen.add(worker)
             self.retries.labels(worker)
+            self.migrations.labels(worker)
 
     def first_message(self, worker: str, seconds: float) -> None:
         self.worker_ttft.labels(worker).observe(seconds)
@@ -124,6 +127,9 @@ class RouterMetrics:
 
     def retried(self, worker: str) -> None:
         self.retries.labels(worker).inc()
+
+    def migrated(self, worker: str) -> None:
+        self.migrations.labels(worker).inc()
 
     # ---- scrape -------------------------------------------------------------------------------------------------
     def _collect(self, out: Families) -> None:

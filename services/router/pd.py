@@ -7,7 +7,8 @@ first, the decode call is cancelled with its reason.
 
 A pair that fails before anything was streamed (a worker gone, a handoff that broke or timed out: UNAVAILABLE or
 ABORTED) is retried on another pair (--retry-max-retries attempts with backoff; the failed side's circuit breaker
-counts it); input errors are not retried.
+counts it); input errors are not retried. One that fails mid-stream moves to a new pair, which resumes after the
+tokens already streamed (services.router.migration, --max-migrations).
 
 A request with n > 1 becomes n requests, one pair each, as the colocated engine makes n (engine/results.py): sample j
 has request id `<id>-<j>`, sampling_seed + j when a seed is given, and n unset; their messages are merged in arrival
@@ -34,6 +35,7 @@ from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.merge import merged
+from services.router.migration import Streamed
 from services.router.policies import Policy
 from services.router.resilience import Backoff, attempts_of
 from services.router.settings import RouterSettings
@@ -149,8 +151,9 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
     """One request (n = 1) on a pair, retried on another pair while nothing was streamed. `shared` hears of its
     first successful prefill; `prefer` is the prefill worker to try first (see _pick_pair)."""
     tried: set[str] = set()
-    attempts = attempts_of(router.settings)
-    for attempt in range(attempts):
+    attempts, migrations, attempt = attempts_of(router.settings), 0, 0
+    stream = Streamed(request)
+    while True:
         if attempt:
             await asyncio.sleep(router.backoff.delay_s(attempt))
         prefill, decode = await _pick_pair(router, request, tried, prefer)
@@ -159,6 +162,7 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
             async for msg in _run_pair(router, request, prefill, decode,
                                        shared.prefilled if shared is not None else None):
                 streamed = True
+                stream.saw(msg)
                 yield msg
             verdicts = {prefill.url: prefill.breaker.success, decode.url: decode.breaker.success}
             if shared is not None:  # the decode side can finish before the prefill call's answer arrives
@@ -167,7 +171,20 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
         except _PairFailed as e:
             failed = prefill if e.worker == prefill.url else decode
             verdicts[failed.url] = failed.breaker.failure if e.retry else failed.breaker.success
-            if not e.retry or streamed or attempt == attempts - 1:
+            if streamed and e.retry:  # mid-stream: a new pair continues after the tokens the client has
+                why_not = stream.why_not_migrate(migrations, router.settings.max_migrations)
+                if why_not:
+                    raise RouterError(status_of(e.code), f"{e.message} ({why_not})") from None
+                migrations += 1
+                request, tried, prefer = stream.continuation(), {e.worker}, None
+                log.warning("pair %s -> %s failed mid-stream (%s); migrating request %s after %d streamed tokens "
+                            "(migration %d)", prefill.url, decode.url, e.message, request.request_id,
+                            len(request.resume_output_ids), migrations)
+                if router.metrics is not None:
+                    router.metrics.migrated(e.worker)
+                continue
+            attempt += 1
+            if not e.retry or streamed or attempt == attempts:
                 raise RouterError(status_of(e.code), e.message) from None
             log.info("pair %s -> %s failed before streaming (%s); retrying on another pair", prefill.url,
                      decode.url, e.message)
@@ -232,6 +249,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
                                  metadata=tracing.metadata_for(dspan))
     failure: list[_PairFailed] = []
     metrics, sent = router.metrics, time.monotonic()
+    decoding = [False]  # the decode side streams: the handoff is over, whatever happens to the prefill call now
 
     def prefill_done(task: asyncio.Task) -> None:
         tracing.end_span(pspan, asyncio.CancelledError() if task.cancelled() else task.exception())
@@ -245,7 +263,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
                 router.registry.mark_failed(prefill, e.details() or "unavailable")
             failure.append(_PairFailed(e.code(), f"prefill worker {prefill.url}: {e.details()}",
                                        e.code() in RETRYABLE, prefill.url))
-            if e.code() != grpc.StatusCode.ABORTED:
+            if e.code() != grpc.StatusCode.ABORTED and not decoding[0]:
                 # ABORTED is a failed handoff, which the decode worker hears of through its own handoff stream
                 # (and then frees its pages at once); anything else it might only learn of by timing out.
                 dcall.cancel()
@@ -268,7 +286,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
         async for msg in dcall:
             if metrics is not None and first and request.stream:
                 metrics.first_message(decode.url, time.monotonic() - sent)
-            first = False
+            first, decoding[0] = False, True
             yield msg
         if metrics is not None:
             metrics.worker_done(decode.url, time.monotonic() - sent)

@@ -109,6 +109,24 @@ def test_pd_matches_colocated_and_reuses_the_decode_cache(engines):
     assert sum(second) < sum(first) / 4, (first, second)  # cached prefixes were not sent again
 
 
+def test_a_migrated_request_resumes_on_a_pair(engines):
+    """A stream migrated onto a PD pair (resume_ids): the prefill side prefills the prompt and the tokens so far and
+    samples the next (its seeded step and penalties count them), the decode side receives all those pages and
+    decodes on: the output equals the colocated engine's, and the pages come back."""
+    p, d, c = engines
+    ids = parity_prompts(model_path("tiny-llama"), seed=5)[2]
+    for sp in ({"max_new_tokens": 14, "temperature": 0.0, "ignore_eos": True},
+               {"max_new_tokens": 14, "temperature": 0.8, "sampling_seed": 9, "frequency_penalty": 0.6,
+                "ignore_eos": True}):
+        full = c.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        for k in (1, 7):
+            got = asyncio.run(Pair(p, d).generate(ids, sp, resume_ids=full[:k]))
+            assert got["output_ids"] == full, (sp, k)
+    for engine in (p, d):
+        load = engine.get_load()
+        assert load["prealloc_rooms"] == 0 and load["held_rooms"] == 0
+
+
 def test_many_concurrent_handoffs_under_memory_pressure():
     path = model_path("tiny-llama")
     small = {**OPTS, "max_total_tokens": 512, "num_reserved_decode_tokens": 64}

@@ -1,0 +1,133 @@
+"""Request migration on the launched mesh (2 colocated workers, an API key, loopback): under 200 concurrent streamed
+chat completions, a worker SIGKILLed, or stopped (SIGSTOP: hung), mid-stream costs no client anything: every
+stream completes without an error event, and every (greedy) output equals the unfailed run's, token for token:
+the router moved each broken stream to the other worker, which continued after the tokens already streamed
+(services/router/core.py, engine.results.resume_req). The same on a PD mesh (2 prefill + 2 decode over Mooncake) with
+a decode worker or a prefill worker SIGKILLed. With --max-migrations 0 the broken streams end with an error instead,
+naming why."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.conftest import model_path
+from tests.e2e.conftest import MODEL
+from tests.e2e.mesh import cmdline, http_get, running_mesh
+from tests.e2e.test_pd import PD, pid_of, workers
+
+NAME = model_path(MODEL)
+KEY = "migration-test-key"
+STREAMS = 200
+TOKENS = 120
+IDS: dict[int, str] = {}  # stream -> its completion id (the router's request id), for a failure's message
+pytestmark = pytest.mark.timeout(600)
+
+
+def _prompt(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Tell story number {i} about the lighthouse keeper and the storm."}]
+
+
+async def _chat(client: openai.AsyncOpenAI, i: int, progress: list[int]) -> tuple[str, str | None, str | None]:
+    """(text, finish_reason, error) of one streamed completion."""
+    text, reason = "", None
+    try:
+        stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            IDS[i] = chunk.id
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+            progress[0] += 1
+        return text, reason, None
+    except openai.APIError as e:
+        return text, reason, f"{type(e).__name__}: {e}"
+
+
+async def _run(mesh, fault=None) -> list[tuple[str, str | None, str | None]]:
+    """All streams at once; `fault()` runs once there were as many chunks as streams (streams in flight: a chunk
+    may carry several tokens)."""
+    progress = [0]
+    async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+        tasks = [asyncio.create_task(_chat(client, i, progress)) for i in range(STREAMS)]
+        if fault is not None:
+            while progress[0] < STREAMS and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            assert sum(not t.done() for t in tasks) > STREAMS // 2, "the streams ended before the fault"
+            fault()
+        return await asyncio.gather(*tasks)
+
+
+def _workers(mesh) -> list[int]:
+    return [pid for pid in mesh.services().values() if "services.decode" in cmdline(pid)]
+
+
+def _migrations(mesh) -> float:
+    status, raw = http_get(mesh.url + "/metrics")
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
+               if line.startswith("radixmesh_router_migrations_total{"))
+
+
+def _check(got, want) -> None:
+    errors = [err for _, _, err in got if err is not None]
+    assert not errors, f"{len(errors)} streams failed, e.g. {errors[:3]}"
+    bad = [i for i in range(STREAMS) if got[i][0] != want[i][0]]
+    assert not bad, (len(bad), got[bad[0]], want[bad[0]], IDS.get(bad[0]))
+    assert all(reason == "length" for _, reason, _ in got)
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_worker_killed_or_hung_mid_stream_costs_no_client_anything(tmp_path, fault):
+    """One mesh per fault: the failed worker's circuit breaker stays open for a minute after its calls failed, so the
+    other worker would be the only one left for a second fault."""
+    # round robin: both workers carry streams when one fails
+    with running_mesh(NAME, tmp_path, "--enable-metrics", "--policy", "round_robin", num_workers=2,
+                      api_key=KEY) as mesh:
+        want = asyncio.run(_run(mesh))
+        assert all(err is None and reason == "length" for _, reason, err in want), want[:3]
+        victim = _workers(mesh)[0]
+        try:  # SIGSTOP: hung; the router's health probes give up on it and move its streams
+            _check(asyncio.run(_run(mesh, lambda: os.kill(victim, getattr(signal, fault)))), want)
+        finally:
+            if fault == "SIGSTOP":
+                os.kill(victim, signal.SIGCONT)
+        assert _migrations(mesh) > 0, "no stream was in flight on the failed worker"
+
+
+def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
+    with running_mesh(NAME, tmp_path, *PD, "--num-prefill", "2", "--num-decode", "2", "--enable-metrics",
+                      "--policy", "round_robin", api_key=KEY) as mesh:
+        want = asyncio.run(_run(mesh))
+        assert all(err is None for _, _, err in want), want[:3]
+        for role in ("decode", "prefill"):
+            victim = pid_of(mesh, workers(mesh)[role][0])
+            before = _migrations(mesh)
+            _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL))), want)
+            if role == "decode":
+                assert _migrations(mesh) > before, "no stream was in flight on the killed decode worker"
+            deadline = time.monotonic() + 90  # restarted by the launcher, and back in the router's pairs
+            while len([w for w in workers(mesh)[role] if _answers_health(mesh, w)]) < 2:
+                assert time.monotonic() < deadline, f"the {role} worker did not come back"
+                time.sleep(0.5)
+
+
+def _answers_health(mesh, address: str) -> bool:
+    status, raw = http_get(mesh.url + "/get_server_info", {"Authorization": f"Bearer {KEY}"})
+    return status == 200 and any(w["url"].endswith(address) and "error" not in w for w in json.loads(raw)["workers"])
+
+
+def test_without_migration_broken_streams_end_with_a_clear_error(tmp_path):
+    with running_mesh(NAME, tmp_path, "--max-migrations", "0", "--policy", "round_robin", num_workers=2,
+                      api_key=KEY) as mesh:
+        victim = _workers(mesh)[0]
+        got = asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL)))
+        errors = [err for _, _, err in got if err is not None]
+        assert errors and all("--max-migrations 0" in e for e in errors), errors[:3]
