@@ -15,6 +15,8 @@ import time
 from aiohttp import web
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc
+from services.common import auth
+from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
 from services.common.server import GrpcService, GrpcSettings
@@ -22,7 +24,7 @@ from services.common import tracing
 from services.common.settings import parse_settings
 from services.common.tracing import TraceSettings, setup_tracing
 from services.router import embeddings_api
-from services.router import native_api, openai_api, utility_api
+from services.router import native_api, openai_api, openapi, utility_api
 from services.router.admission import Admission, admission_middleware
 from services.router.core import Router
 from services.router.discovery import DnsDiscovery
@@ -35,7 +37,8 @@ from services.router.peers import Peers
 from services.router.policies import make_policy
 from services.router.resilience import CircuitBreaker
 from services.router.settings import RouterSettings
-from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
+from services.router.tokenizer_client import TokenizerUnavailable
+from services.router.tokenizer_pool import TokenizerPool, tokenizer_urls
 from services.router.workers import WorkerRegistry
 
 log = logging.getLogger("services.router")
@@ -62,6 +65,7 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     openai_api.add_routes(app)
     embeddings_api.add_routes(app)
     utility_api.add_routes(app)
+    openapi.add_routes(app)
     peers = getattr(router, "peers", None)
     if peers is not None and metrics is not None:  # one of several router processes: answer for all of them
         async def all_metrics(request: web.Request) -> web.Response:
@@ -82,7 +86,7 @@ def router_metrics(router: Router, settings: MetricsSettings) -> ServiceMetrics 
 
 
 async def build_router(settings: RouterSettings) -> Router:
-    tokenizer = TokenizerClient(settings.tokenizer_url, settings.connect_timeout_s,
+    tokenizer = TokenizerPool(tokenizer_urls(settings.tokenizer_url), settings.connect_timeout_s,
                                 settings.tokenizer_cache_l0_max_entries if settings.tokenizer_cache_enable_l0 else 0)
     await tokenizer.connect(STARTUP_WAIT_S)
     registry = WorkerRegistry(
@@ -168,7 +172,7 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
             router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
             return [router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name]
         grpc_service = GrpcService(GrpcSettings(settings.host, settings.grpc_port, settings.shutdown_grace_s,
-                                                settings.log_level), register)
+                                                settings.log_level), register, internal=False)  # public: API keys
         await grpc_service.start()
     log.info("router listening on http://%s:%d (%d workers, policy %s)", settings.host, settings.port,
              len(router.registry.workers), settings.policy)
@@ -202,17 +206,19 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
 
 
 def parse_args(argv: list[str] | None = None):
-    """The flags -> (RouterSettings, MetricsSettings keyword arguments, TraceSettings keyword arguments); exits with
-    the reason on a flag it does not know or a bad value."""
+    """The flags -> (RouterSettings, MetricsSettings keyword arguments, TraceSettings keyword arguments,
+    InternalAuthSettings keyword arguments: the credentials of its calls to the mesh's services); exits with the
+    reason on a flag it does not know or a bad value."""
     return parse_settings("radixmesh router: the public HTTP (OpenAI, SGLang) and gRPC front door", RouterSettings,
-                          argv, MetricsSettings, TraceSettings)
+                          argv, MetricsSettings, TraceSettings, InternalAuthSettings)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    settings, metrics_kwargs, trace_kwargs = parse_args(argv)
+    settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     link = peers_mod.from_env()
     setup_logging("router" if link is None else f"router-{link[1]}", settings.log_level)
+    auth.setup(auth_kwargs)
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:

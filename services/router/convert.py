@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 from radixmesh.v1 import common_pb2
+from services.router.openai_request import MAX_N, sample_seed_error
+from services.router.request_fields import token_key
 
 _INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
 _FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
@@ -16,13 +18,16 @@ SUPPORTED = (*_INTS, *_FLOATS, *_BOOLS, *_STRS, "stop", "stop_token_ids", "logit
 _FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_TYPE_LENGTH: "length",
            common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
 INT32_MAX = 2**31 - 1
+# Checked here (the engine bounds n only below): n samples cost n requests' work on one worker, so a huge n would
+# keep it busy for minutes; the OpenAI endpoints and the gRPC API take the same bound.
+_INT_RANGES = {"sampling_seed": (-2**63, 2**63 - 1), "n": (1, MAX_N)}
 
 
 def _int(name: str, v: Any, lo: int = -INT32_MAX, hi: int = INT32_MAX) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"sampling_params.{name} must be an integer, got {v!r}")
     if not lo <= v <= hi:
-        raise ValueError(f"sampling_params.{name} is out of range: {v}")
+        raise ValueError(f"sampling_params.{name} must be in [{lo}, {hi}], got {v}")
     return v
 
 
@@ -47,7 +52,7 @@ def sampling_params(d: Any) -> common_pb2.SamplingParams:
         if v is None:
             continue
         if k in _INTS:
-            setattr(sp, k, _int(k, v, -2**63, 2**63 - 1) if k == "sampling_seed" else _int(k, v))
+            setattr(sp, k, _int(k, v, *_INT_RANGES.get(k, (-INT32_MAX, INT32_MAX))))
         elif k in _FLOATS:
             setattr(sp, k, _float(k, v))
         elif k in _BOOLS:
@@ -67,6 +72,9 @@ def sampling_params(d: Any) -> common_pb2.SamplingParams:
             sp.stop_token_ids.extend(_int(k, t, 0) for t in v)
         elif k == "logit_bias":
             _logit_bias(sp, v)
+    seed_error = sample_seed_error(sp)
+    if seed_error:
+        raise ValueError(f"sampling_params: {seed_error}")
     return sp
 
 
@@ -80,10 +88,9 @@ def _logit_bias(sp: common_pb2.SamplingParams, v: Any) -> None:
     if not isinstance(v, dict):
         raise ValueError(f"logit_bias must be an object of token id -> bias, got {v!r}")
     for tok, bias in v.items():
-        try:
-            tok_id = int(tok)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias key {tok!r} is not a token id") from None
+        tok_id = token_key(tok)
+        if tok_id is None:
+            raise ValueError(f"logit_bias key {tok!r} is not a token id")
         sp.logit_bias[_int("logit_bias", tok_id, 0)] = _float("logit_bias", bias)
 
 

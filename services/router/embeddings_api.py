@@ -102,7 +102,8 @@ def parse_openai(body: Any, model_name: str) -> tuple[EmbedInputs, str]:
     if "input" not in body:
         raise bad_request("'input' is required", param="input")
     texts, ids, is_batch = _inputs(body["input"], "input")
-    fmt = body.get("encoding_format") or "float"
+    fmt = body.get("encoding_format")
+    fmt = "float" if fmt is None else fmt  # (not `or`: false, 0 and "" are bad values, not absent ones)
     if fmt not in ("float", "base64"):
         raise bad_request(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", param="encoding_format")
     user = body.get("user")

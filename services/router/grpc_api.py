@@ -13,6 +13,7 @@ import grpc
 from radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2, worker_pb2
 from services.router.admission import Admission, Overloaded, client_key
 from services.router.core import Router, RouterError, new_request_id
+from services.router.openai_request import MAX_N, sample_seed_error
 from services.router.policies import ROUTING_KEY_HEADER, routing_key_var
 from services.router.tenants import AuthError, TenantError
 
@@ -86,6 +87,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                 f"serving {self.router.model_name!r}")
         rid = request.request_id or new_request_id()
         try:
+            if request.sampling_params.n > MAX_N:  # a huge n would keep a worker busy for minutes
+                raise RouterError(400, f"sampling_params.n must be in [1, {MAX_N}], got {request.sampling_params.n}")
+            seed_error = sample_seed_error(request.sampling_params)
+            if seed_error:
+                raise RouterError(400, f"sampling_params: {seed_error}")
             which = request.WhichOneof("input")
             if which == "text":
                 tokenized = await self.router.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))

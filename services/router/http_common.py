@@ -144,6 +144,8 @@ async def json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder's nesting limit (about 1000 levels of arrays and objects)
+        raise bad_request("the request body is nested too deeply to decode") from None
 
 
 async def first_then_sse(request: web.Request, items) -> tuple[Any, web.StreamResponse]:

@@ -17,8 +17,10 @@ from services.router import generate_api
 from services.router.core import Router, RouterError
 from services.router.merge import merged
 from services.router.http_common import first_then_sse, json_body, require_model_kind, start_sse, tenant_of
-from services.router.openai_errors import bad_request, from_status
+from services.router.allowlist import allowlist
+from services.router.openai_errors import OpenAIError, bad_request, from_status
 from services.router.openai_response import SSE_DONE, error_event, sse
+from services.router.workers import normalize_url
 
 log = logging.getLogger(__name__)
 ROUTER = web.AppKey("router", Router)
@@ -157,8 +159,8 @@ async def flush_cache(request: web.Request) -> web.Response:
 
     results = await asyncio.gather(*(one(w) for w in router.registry.workers.values()))
     failed = [m for ok, m in results if not ok]
-    if failed:
-        return web.Response(status=400, text="Cache not flushed: " + "; ".join(failed))
+    if failed:  # SGLang answers this 400 in plain text; here it is an error object, as every other 4xx
+        raise bad_request("Cache not flushed: " + "; ".join(failed))
     return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
                              "or waiting requests, the operation will not be performed.)\n")
 
@@ -188,8 +190,18 @@ async def add_worker(request: web.Request) -> web.Response:
     workers that register themselves (--router-url) renew it, so one that dies without leaving is forgotten."""
     router = request.app[ROUTER]
     lease_s = _lease_param(request)
+    url = _url_param(request)
     try:
-        worker = await router.registry.add(_url_param(request))
+        host = normalize_url(url).rpartition(":")[0]
+    except ValueError as e:
+        raise bad_request(f"Failed to add worker: {e}", param="url") from None
+    allowed = allowlist(router.settings.worker_allowlist)
+    if allowed is not None and not allowed.allows(host):
+        log.warning("refused to add worker %s: %s is not in --worker-allowlist", url, host)
+        raise OpenAIError(403, f"Failed to add worker: host {host} is not in the router's --worker-allowlist",
+                          param="url", code="worker_not_allowed")
+    try:
+        worker = await router.registry.add(url)
     except ValueError as e:
         raise bad_request(f"Failed to add worker: {e}", param="url") from None
     router.registry.lease(worker.url, lease_s)

@@ -24,7 +24,8 @@ from typing import Any, Literal
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from services.router.completion_templates import CompletionTemplate
 from services.router.openai_errors import bad_request
-from services.router.request_fields import INT32_MAX, Fields, body_fields, is_token_id, served_model, show
+from services.router.request_fields import (INT32_MAX, Fields, body_fields, is_token_id, served_model, show,
+                                            token_key)
 from services.router.tool_parsers import named_call_schema, required_calls_schema
 
 INT64_MAX = 2**63 - 1
@@ -78,11 +79,9 @@ class OpenAIJob:
 
 
 def _max_tokens(f: Fields) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = f.int(name)
-        if value is not None:
-            return value
-    return None
+    """max_completion_tokens, else max_tokens; both are checked when both are given."""
+    values = [f.int(name) for name in ("max_completion_tokens", "max_tokens")]
+    return next((v for v in values if v is not None), None)
 
 
 def _stop(f: Fields) -> list[str]:
@@ -99,10 +98,7 @@ def _logit_bias(f: Fields) -> dict[int, float]:
     value = f.object("logit_bias") or {}
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
+        token = token_key(key)
         if not is_token_id(token):
             raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
@@ -155,6 +151,16 @@ def _constraint(f: Fields, sp: common_pb2.SamplingParams) -> None:
                           param=given[1])
 
 
+def sample_seed_error(sp: common_pb2.SamplingParams) -> str | None:
+    """Why `sp`'s seed cannot seed its n samples, or None: sample j draws with seed + j, a signed 64-bit integer
+    (past it the worker's sampling step fails)."""
+    n = sp.n if sp.HasField("n") else 1
+    if sp.HasField("sampling_seed") and sp.sampling_seed > INT64_MAX - (n - 1):
+        return (f"the seed ({sp.sampling_seed}) must be at most {INT64_MAX - (n - 1)} with n = {n}: sample j draws "
+                f"with seed + j, a signed 64-bit integer")
+    return None
+
+
 def _sampling(f: Fields) -> common_pb2.SamplingParams:
     sp = common_pb2.SamplingParams()
     ints = {"max_new_tokens": _max_tokens(f), "min_new_tokens": f.int("min_tokens"), "n": f.int("n", 1, MAX_N),
@@ -170,6 +176,9 @@ def _sampling(f: Fields) -> common_pb2.SamplingParams:
     for name, value in {**ints, **floats, **bools}.items():
         if value is not None:
             setattr(sp, name, value)
+    seed_error = sample_seed_error(sp)
+    if seed_error:
+        raise bad_request(seed_error, param="seed")
     low, high = ints["min_new_tokens"], ints["max_new_tokens"]
     if low is not None and high is not None and low > high:
         raise bad_request(f"'min_tokens' ({low}) must be <= the maximum number of new tokens ({high})",

@@ -88,6 +88,14 @@ def is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX
 
 
+def token_key(key: Any) -> int | None:
+    """The token id a logit_bias key names (ASCII decimal digits: not int()'s spaces, signs, underscores or other
+    scripts' digits), or None; the id may still be out of range."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    return None
+
+
 def body_fields(body: Any) -> Fields:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
