@@ -16,7 +16,7 @@ PROTO_STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos helm bench-router clean
+.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos helm bench-router soak clean
 
 all: test
 
@@ -135,6 +135,12 @@ test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
 # same workload: CPU ms per request on one pinned core. `python -m benchmarks.router` has the longer scenario list.
 bench-router: $(PROTO_STUBS)
 	$(PY) -m benchmarks.router_vs_sglang $(BENCH_ARGS)
+
+# The launched mesh (2 workers, tiny-qwen2, CPU) under a mixed load for SOAK_DURATION, sampling RSS, fds and KV;
+# fails on any failed request, invalid output, leaked KV or growth (benchmarks/soak.py states the rule).
+SOAK_DURATION ?= 30m
+soak: $(TINY) $(PROTO_STUBS)
+	$(PY) -m benchmarks.soak --duration $(SOAK_DURATION) $(BENCH_ARGS)
 
 # On a CUDA machine: the GPU tests (kernels at the 8B shapes, every attention backend against torch_native, bf16
 # parity, graphs and overlap) and the kernel/backend tests whose small cases run compiled there.
