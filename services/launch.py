@@ -12,6 +12,7 @@ certificate for that (services.certs)."""
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -186,7 +187,7 @@ class Child:
         try:
             with urllib.request.urlopen(self.health, timeout=1.0) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):  # not up yet, or a torn answer
             return False
 
 
