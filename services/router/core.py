@@ -137,12 +137,18 @@ class Router:
                 yield msg
             return
         tried: set[str] = set()
-        attempts, migrations, attempt = attempts_of(self.settings), 0, 0
+        attempts, migrations, attempt, broke = attempts_of(self.settings), 0, 0, ""
         stream = Streamed(request)
         while True:
             if attempt:
                 await asyncio.sleep(self.backoff.delay_s(attempt))
-            worker = await self.choose(request, tried)
+            try:
+                worker = await self.choose(request, tried)
+            except RouterError as e:
+                if not migrations:
+                    raise
+                # the stream broke and there is nowhere to continue it: say why it broke
+                raise RouterError(e.status, f"{broke} ({e.message} to continue on)") from None
             outcome = _Attempt()
             async for msg in self._call(worker, request, attempt, outcome):
                 stream.saw(msg)
@@ -154,6 +160,7 @@ class Router:
                 if why_not:
                     raise RouterError(outcome.error.status, f"{outcome.error.message} ({why_not})")
                 migrations += 1
+                broke = outcome.error.message
                 request = stream.continuation()
                 tried = {worker.url}
                 log.warning("%s mid-stream; migrating request %s after %d streamed tokens (migration %d)",

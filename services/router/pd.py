@@ -151,12 +151,17 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
     """One request (n = 1) on a pair, retried on another pair while nothing was streamed. `shared` hears of its
     first successful prefill; `prefer` is the prefill worker to try first (see _pick_pair)."""
     tried: set[str] = set()
-    attempts, migrations, attempt = attempts_of(router.settings), 0, 0
+    attempts, migrations, attempt, broke = attempts_of(router.settings), 0, 0, ""
     stream = Streamed(request)
     while True:
         if attempt:
             await asyncio.sleep(router.backoff.delay_s(attempt))
-        prefill, decode = await _pick_pair(router, request, tried, prefer)
+        try:
+            prefill, decode = await _pick_pair(router, request, tried, prefer)
+        except RouterError as e:
+            if not migrations:
+                raise
+            raise RouterError(e.status, f"{broke} ({e.message} to continue on)") from None
         streamed, verdicts = False, {prefill.url: prefill.breaker.release, decode.url: decode.breaker.release}
         try:
             async for msg in _run_pair(router, request, prefill, decode,
@@ -176,6 +181,7 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
                 if why_not:
                     raise RouterError(status_of(e.code), f"{e.message} ({why_not})") from None
                 migrations += 1
+                broke = e.message
                 request, tried, prefer = stream.continuation(), {e.worker}, None
                 log.warning("pair %s -> %s failed mid-stream (%s); migrating request %s after %d streamed tokens "
                             "(migration %d)", prefill.url, decode.url, e.message, request.request_id,

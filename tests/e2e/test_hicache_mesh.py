@@ -101,7 +101,8 @@ def _second_router(mesh) -> tuple[subprocess.Popen, str]:
     if "--grpc-port" in argv:
         i = argv.index("--grpc-port")
         del argv[i:i + 2]
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={**os.environ, auth.TOKEN_ENV: INTERNAL_TOKEN})  # the mesh's internal token
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
