@@ -23,18 +23,15 @@ from engine.cache.storage import (KvLayout, StorageError, StorageOptions, Stored
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common import tracing
 from services.common.auth_channel import aio_channel, sync_channel
-from services.common.server import CHANNEL_OPTIONS
+from services.common.server import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from services.kvstore import convert
 from services.kvstore.index import WorkerMatch
 from services.kvstore.transfer import SLOT_BYTES
 
 log = logging.getLogger(__name__)
 
-# A restarted kvstore is found again within a second or two (gRPC's default reconnect backoff grows to 120 s).
 # Pages per request are bounded well under the 256 MiB message limit.
 REQUEST_BYTES = SLOT_BYTES
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def byte_chunks(pages: list[StoredPage], budget: int):

@@ -7,6 +7,7 @@ backoff, and the worker's circuit breaker, which hears of every call's outcome);
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -198,6 +199,7 @@ class Router:
         worker.in_flight += 1
         span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
         streamed, error, verdict, call = False, None, worker.breaker.release, None
+        failed = functools.partial(worker.breaker.failure, worker.breaker.clock())
         try:
             call = await self._open_call(worker, request, span)
             self.calls.track(call, worker.url)
@@ -217,7 +219,7 @@ class Router:
             if code not in WORKER_FAULTS:  # the request's fault (bad input, ...): the worker is fine
                 verdict = worker.breaker.success
                 raise RouterError(status_of(code), e.details() or code.name) from None
-            verdict = worker.breaker.failure
+            verdict = failed
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise RouterError(status_of(code), e.details() or code.name) from None
             self.registry.mark_failed(worker, e.details() or "unavailable")
@@ -231,7 +233,7 @@ class Router:
             if cancelled is None or (task is not None and task.cancelling()):
                 raise  # our caller was cancelled (e.g. its client went away)
             reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
-            verdict = worker.breaker.failure
+            verdict = failed
             if metrics is not None:
                 metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
             outcome.fail(RouterError(503, reason), retry and not streamed, streamed and retry)

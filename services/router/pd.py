@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -163,6 +164,7 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
                 raise
             raise RouterError(e.status, f"{broke} ({e.message} to continue on)") from None
         streamed, verdicts = False, {prefill.url: prefill.breaker.release, decode.url: decode.breaker.release}
+        sent = {w.url: w.breaker.clock() for w in (prefill, decode)}
         try:
             async for msg in _run_pair(router, request, prefill, decode,
                                        shared.prefilled if shared is not None else None):
@@ -175,7 +177,8 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
             return
         except _PairFailed as e:
             failed = prefill if e.worker == prefill.url else decode
-            verdicts[failed.url] = failed.breaker.failure if e.retry else failed.breaker.success
+            verdicts[failed.url] = (functools.partial(failed.breaker.failure, sent[failed.url]) if e.retry
+                                    else failed.breaker.success)
             if streamed and e.retry:  # mid-stream: a new pair continues after the tokens the client has
                 why_not = stream.why_not_migrate(migrations, router.settings.max_migrations)
                 if why_not:

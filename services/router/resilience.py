@@ -33,7 +33,7 @@ class Backoff:
 
 class CircuitBreaker:
     """One worker's breaker. `allow()` before sending it a request (False: pick another worker), then exactly one
-    of `success()` / `failure()` for every request allow() let through, or `release()` when the request ended
+    of `success()` / `failure(sent)` for every request allow() let through, or `release()` when the request ended
     without saying anything about the worker (the client went away)."""
 
     def __init__(self, failure_threshold: int = 10, success_threshold: int = 3, timeout_s: float = 60.0,
@@ -50,6 +50,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._successes = 0  # in a row, while half-open
         self._trial = False  # a half-open trial request is in flight
+        self._counted_at = float("-inf")  # when the last failure was counted
 
     def _move(self, state: str) -> None:
         self.state = state
@@ -82,10 +83,13 @@ class CircuitBreaker:
                 self._failures.clear()
                 self._move(CLOSED)
 
-    def failure(self) -> None:
-        if not self.enabled:
+    def failure(self, sent: float | None = None) -> None:
+        """`sent`: when the failed request was sent (this breaker's clock). A request sent before the last counted
+        failure was in flight when it happened and most likely failed of the same cause (a dead worker fails all
+        its open requests at once): one fault, counted once, so a crash under load does not open the breaker."""
+        if not self.enabled or (sent is not None and sent < self._counted_at):
             return
-        now = self.clock()
+        now = self._counted_at = self.clock()
         if self.state == HALF_OPEN:
             self._trial = False
             self._open(now)

@@ -5,8 +5,9 @@ operation and a wake-up by gRPC's I/O thread each), and the tokenizer service on
 
 `submit(request)` returns the response, raises ValueError for input the tokenizer rejects and TokenizerUnavailable
 when the service cannot answer: the stream broke (the next request opens another), or no answer within the
-timeout. A service without TokenizeStream (UNIMPLEMENTED at the handshake) makes `open()` return False: the
-client goes back to a call per request."""
+timeout (the stream is then closed: what else waited on it fails at once, not each at its own timeout). A service
+without TokenizeStream (UNIMPLEMENTED at the handshake) makes `open()` return False: the client goes back to a call
+per request."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class TokenizeBatcher:
         self._flush: asyncio.Handle | None = None
         self._waiting: dict[int, tuple[list[asyncio.Future], asyncio.TimerHandle]] = {}
         self.batches = self.requests = 0  # for tests
+        self._broken: str | None = None  # why this side closed a hung stream
 
     @property
     def supported(self) -> bool | None:
@@ -68,7 +70,14 @@ class TokenizeBatcher:
 
     def _expire(self, batch_id: int) -> None:
         futures, _ = self._waiting.pop(batch_id, ([], None))
-        _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: no answer in {self.timeout_s:.0f} s"))
+        why = f"no answer in {self.timeout_s:.0f} s"
+        _fail(futures, TokenizerUnavailable(f"tokenizer {self.url}: {why}"))
+        # The stream hangs (the service is stopped or stuck): the batches sent after this one will not be answered
+        # either. Closing it fails them now, so their callers can go to another replica, and the next request opens
+        # a new stream.
+        if self.link.call is not None:
+            self._broken = why
+            self.link.call.cancel()
 
     async def _read(self, call) -> None:
         reason = "the tokenizer ended TokenizeStream"
@@ -90,9 +99,10 @@ class TokenizeBatcher:
         except grpc.aio.AioRpcError as e:
             reason = f"{e.code().name} {e.details()}"
         except asyncio.CancelledError:
-            reason = "closed"
+            reason = self._broken or "closed"
             raise
         finally:
+            self._broken = None
             self.link.ended(call)
             waiting, self._waiting = self._waiting, {}
             for futures, timer in waiting.values():

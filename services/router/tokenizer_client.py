@@ -13,12 +13,11 @@ import grpc
 
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
+from services.common.server import RECONNECT_OPTIONS
 from services.common.trace_grpc import untraced_channel
 from services.router.tokenize_batch import TokenizeBatcher, TokenizerUnavailable
 
 __all__ = ["TokenizeCache", "TokenizerClient", "TokenizerUnavailable"]
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class TokenizeCache:
@@ -67,6 +66,14 @@ class TokenizerClient:
         except grpc.aio.AioRpcError as e:
             raise TokenizerUnavailable(f"tokenizer {self.url}: {e.code().name} {e.details()}") from None
         return self.info
+
+    async def ping(self, timeout_s: float) -> bool:
+        """Whether the service answers GetTokenizerInfo within `timeout_s` (not waiting for a connection)."""
+        try:
+            await self.stub.GetTokenizerInfo(tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout_s)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""

@@ -1,14 +1,15 @@
 """Several tokenizer service replicas behind one router (`--tokenizer-url h1:p1,h2:p2`; `radixmesh serve
 --num-tokenizers N`): each call goes to the replica with the fewest calls open (in turn among equals), skipping one
-that failed within the last DOWN_S; a call whose replica is unreachable (or did not answer in time) is tried on the
-next, so while a replica is down or restarting the others answer and no request notices. Only when every replica
-fails does the call fail (TokenizerUnavailable: the router answers 503 at once). One replica is the plain case."""
+that is down; a call whose replica is unreachable (or did not answer in time) is tried on the
+next, so while a replica is down or restarting the others answer and no request notices. A replica that failed gets
+no calls until it answers a probe (GetTokenizerInfo, every PROBE_S); a hung one (SIGSTOPped, stuck) costs the calls
+that were waiting on it one timeout, then nothing. Only when every replica fails does the call fail
+(TokenizerUnavailable: the router answers 503 at once). One replica is the plain case."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Awaitable, Callable, TypeVar
 
 from radixmesh.v1 import tokenizer_pb2
@@ -16,7 +17,7 @@ from services.router.tokenizer_client import TokenizeCache, TokenizerClient, Tok
 
 log = logging.getLogger(__name__)
 
-DOWN_S = 1.0
+PROBE_S = 0.5
 T = TypeVar("T")
 
 
@@ -35,7 +36,8 @@ class TokenizerPool:
         self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
         self._open = [0] * len(urls)
-        self._down_until = [0.0] * len(urls)
+        self._down = [False] * len(urls)  # failed, not answered a probe since
+        self._probes: dict[int, asyncio.Task] = {}
         self._turn = 0
 
     async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
@@ -51,9 +53,8 @@ class TokenizerPool:
         return self.info
 
     def _pick(self, tried: set[int]) -> int:
-        now = time.monotonic()
         left = [i for i in range(len(self.clients)) if i not in tried]
-        up = [i for i in left if self._down_until[i] <= now] or left
+        up = [i for i in left if not self._down[i]] or left
         self._turn += 1
         return min(up, key=lambda i: (self._open[i], (i - self._turn) % len(self.clients)))
 
@@ -66,12 +67,26 @@ class TokenizerPool:
             try:
                 return await fn(self.clients[i])
             except TokenizerUnavailable as e:
-                self._down_until[i] = time.monotonic() + DOWN_S
+                self._mark_down(i)
                 if len(tried) == len(self.clients):
                     raise
                 log.warning("%s; trying another tokenizer", e)
             finally:
                 self._open[i] -= 1
+
+    def _mark_down(self, i: int) -> None:
+        self._down[i] = True
+        if len(self.clients) > 1 and i not in self._probes:
+            self._probes[i] = asyncio.create_task(self._probe(i))
+
+    async def _probe(self, i: int) -> None:
+        try:
+            while not await self.clients[i].ping(PROBE_S * 2):
+                await asyncio.sleep(PROBE_S)
+            self._down[i] = False
+            log.info("tokenizer %s answers again", self.clients[i].url)
+        finally:
+            self._probes.pop(i, None)
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
@@ -88,5 +103,7 @@ class TokenizerPool:
         return await self._call(lambda c: c.detokenize(ids, skip_special_tokens))
 
     async def close(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
         for c in self.clients:
             await c.close()

@@ -74,6 +74,25 @@ def test_a_failed_trial_opens_the_breaker_again_and_a_released_one_frees_the_tri
     assert disabled.state == CLOSED and disabled.allow()
 
 
+def test_failures_of_requests_in_flight_together_count_once():
+    """A dead worker fails all its open requests at once: one fault. 100 of them must not open a breaker whose
+    threshold is 3; requests sent after a counted failure count again."""
+    clock = Clock()
+    cb = CircuitBreaker(failure_threshold=3, timeout_s=10, window_s=60, clock=clock)
+    sent = [clock() + i * 0.001 for i in range(100)]
+    clock.now += 1
+    for t in sent:
+        cb.allow()
+        cb.failure(t)
+    assert cb.state == CLOSED
+    for _ in range(2):
+        clock.now += 1
+        sent_now = clock()
+        clock.now += 0.5
+        cb.failure(sent_now)
+    assert cb.state == OPEN
+
+
 async def test_the_limiter_queues_in_order_refuses_when_full_and_times_out():
     limiter = ConcurrencyLimiter(max_concurrent=1, queue_size=2, queue_timeout_s=0.3)
     await limiter.acquire()
