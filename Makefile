@@ -129,7 +129,7 @@ run: $(TINY) $(PROTO_STUBS)
 	$(PY) -m services.launch serve --model-path $(MODELS)/tiny-qwen2 $(RUN_ARGS)
 
 test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" --durations=30 $(PYTEST_ARGS)
 
 # The router alone against fast fake workers, beside SGLang's Rust router (sglang-router, in the dev extra) on the
 # same workload: CPU ms per request on one pinned core. `python -m benchmarks.router` has the longer scenario list.

@@ -242,7 +242,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             argv += ["--base-gpu-id", str((engine_kwargs.get("base_gpu_id") or 0) + (len(worker_urls) - 1) * tp * step)]
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
     router = ["services.router", "--host", settings.host, "--port", str(settings.port),
-              "--tokenizer-url", ",".join(f"127.0.0.1:{port}" for port in tok_ports), "--worker-urls", *worker_urls, "--policy", settings.policy,
+              "--tokenizer-url", ",".join(f"127.0.0.1:{port}" for port in tok_ports), "--worker-urls", *worker_urls,
+              "--policy", settings.policy,
               "--shutdown-grace-s", str(settings.shutdown_grace_s), "--router-workers", str(settings.router_workers),
               "--max-migrations", str(settings.max_migrations), *router_kv]
     if settings.disable_generate_stream:

@@ -1,13 +1,17 @@
 """Exceptions raised inside servicers become gRPC status codes with their message; the service keeps serving.
 
 ValueError -> INVALID_ARGUMENT (bad input), TimeoutError -> DEADLINE_EXCEEDED, RuntimeError from a dead or
-overloaded engine -> UNAVAILABLE, Exhausted -> RESOURCE_EXHAUSTED, anything else -> INTERNAL (logged with its traceback)."""
+overloaded engine -> UNAVAILABLE, Exhausted -> RESOURCE_EXHAUSTED, anything else -> INTERNAL (logged with its
+traceback). An error after the caller went away (cancelled, past its deadline) is logged as that and answered with
+nothing: there is no one to answer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
+from grpc._cython import cygrpc
 
 from services.common.logs import request_id_var
 
@@ -43,7 +47,18 @@ def _request_id(request, context: grpc.aio.ServicerContext) -> str:
     return getattr(request, "request_id", "") or "-"
 
 
+def _caller_gone(exc: Exception, context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call is over from the caller's side (it cancelled, or its deadline passed): gRPC cancelled this
+    handler's task, or the answer can no longer be written. There is no one to send a status to."""
+    task = asyncio.current_task()
+    return (context.done() or (task is not None and task.cancelling() > 0)
+            or isinstance(exc, cygrpc.ExecuteBatchError))
+
+
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    if _caller_gone(exc, context):
+        log.info("the call ended before its answer (%s: %s)", type(exc).__name__, exc)
+        return
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("internal error")

@@ -36,6 +36,7 @@ class Subscription:
     connected: bool = False  # a stream is open (or opening)
     events: int = 0  # events applied from the current stream
     last_sequence: int = 0
+    snapshot_sequence: int = -1  # the sequence of the current stream's snapshot
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -97,7 +98,7 @@ class Subscriptions:
     async def _follow(self, sub: Subscription) -> str:
         """One stream: the worker is in the index from the stream's first answer (its headers, at the latest with the
         snapshot's first event) until it ends. Returns why it ended."""
-        sub.connected, sub.events, sub.last_sequence = True, 0, 0
+        sub.connected, sub.events, sub.last_sequence, sub.snapshot_sequence = True, 0, 0, -1
         entry = None
         try:
             async with channel(sub.url) as ch:
@@ -119,11 +120,17 @@ class Subscriptions:
                 self.index.drop(entry)
 
     def _apply(self, sub: Subscription, entry: IndexedWorker, event: worker_pb2.SubscribeKvEventsResponse) -> None:
-        if sub.last_sequence and event.sequence <= sub.last_sequence:
+        kind = event.WhichOneof("event")
+        # A snapshot is a `cleared` event and the cache's pages, all at the sequence the snapshot was taken at;
+        # live events after it count up from there.
+        snapshot = kind == "cleared" or event.sequence == sub.snapshot_sequence
+        if sub.last_sequence and (event.sequence < sub.last_sequence or
+                                  (event.sequence == sub.last_sequence and not snapshot)):
             log.warning("worker %s: KV event sequence went from %d to %d", sub.url, sub.last_sequence, event.sequence)
+        if kind == "cleared":
+            sub.snapshot_sequence = event.sequence
         sub.last_sequence = event.sequence
         sub.events += 1
-        kind = event.WhichOneof("event")
         if kind == "cleared":
             entry.clear()
             return

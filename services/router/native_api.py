@@ -90,9 +90,10 @@ async def readiness(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """200 when at least one worker generates a token now; each worker's answer in the body."""
+    """200 when requests can be served now: a colocated worker generates a token, or (PD) a prefill worker's
+    scheduler answers and a decode worker generates a token; each worker's answer in the body."""
     router = request.app[ROUTER]
-    workers = [w for w in router.registry.workers.values() if w.info.disaggregation_mode == "null"]
+    workers = list(router.registry.workers.values())
     if not workers:
         raise RouterError(503, "no worker that serves requests is registered")
 
@@ -107,10 +108,12 @@ async def health_generate(request: web.Request) -> web.Response:
             router.registry.mark_failed(w, msg)
         else:  # a generated token is stronger evidence than the next probe
             router.registry.mark_healthy(w, "it generated a token")
-        return {"url": w.url, "healthy": ok, "message": msg}
+        mode = w.info.disaggregation_mode
+        return {"url": w.url, "healthy": ok, "message": msg, "mode": "colocated" if mode == "null" else mode}
 
     results = await asyncio.gather(*(check(w) for w in workers))
-    status = 200 if any(r["healthy"] for r in results) else 503
+    up = {r["mode"] for r in results if r["healthy"]}
+    status = 200 if "colocated" in up or {"prefill", "decode"} <= up else 503
     return web.json_response({"workers": results}, status=status)
 
 

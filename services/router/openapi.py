@@ -243,7 +243,8 @@ PATHS: dict[str, dict[str, Any]] = {
                              tags=("probes",))},
     "/readiness": {"get": _op("200 when a request could be served now; 503 (same body) when not",
                               _ok(), open_path=True, tags=("probes",))},
-    "/health_generate": {"get": _op("Every colocated worker generates a token; 503 when none does",
+    "/health_generate": {"get": _op("Every worker is checked (colocated and decode workers generate a token); "
+                                    "503 when no worker, or no prefill and decode pair, is healthy",
                                     _ok(), tags=("sglang",))},
     "/get_model_info": {"get": _op("The served model", _ok(), (503,), tags=("sglang",))},
     "/get_server_info": {"get": _op("The first worker's server info, every worker's under `workers`, the router's "

@@ -86,8 +86,8 @@ def _restarts(mesh) -> dict[str, float]:
             re.finditer(r'radixmesh:launcher_restarts_total\{[^}]*service="([^"]+)"[^}]*\} (\S+)', text)}
 
 
-def _healthy_workers(mesh) -> int:
-    status, raw = http_get(mesh.url + "/health_generate", AUTH)  # each worker generates a token
+def _healthy_workers(mesh, auth: dict = AUTH) -> int:
+    status, raw = http_get(mesh.url + "/health_generate", auth)  # each worker generates a token
     return sum(w["healthy"] for w in json.loads(raw)["workers"]) if status in (200, 503) else 0
 
 

@@ -91,9 +91,12 @@ class FakeWorkerEvents(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "shutting down")
         assert request.after_sequence == 0
         queue: asyncio.Queue = asyncio.Queue()
-        for tier, pages in self.tiers.items():  # the snapshot, one stored event per tier
+        # the snapshot as a worker sends it: `cleared`, then one stored event per tier, all at the current sequence
+        at = self.sequence
+        queue.put_nowait(worker_pb2.SubscribeKvEventsResponse(sequence=at, cleared=worker_pb2.KvCacheCleared()))
+        for tier, pages in self.tiers.items():
             if pages:
-                queue.put_nowait(self._event(stored=worker_pb2.KvPagesStored(
+                queue.put_nowait(worker_pb2.SubscribeKvEventsResponse(sequence=at, stored=worker_pb2.KvPagesStored(
                     page_hashes=list(pages), token_ids=[t for p in pages.values() for t in p],
                     page_size=self.layout.page_size, tier=tier)))
         self.streams.append(queue)
@@ -241,6 +244,7 @@ async def test_the_index_is_rebuilt_after_a_kvstore_restart(tmp_path):
         await until(channel, [WorkerMatch(a.url, 20, 4, 0)])
         await until(channel, [WorkerMatch(a.url, 8, 0, 0)], tenant="t2")
         assert kv.starts == 2 and registration.registered >= 2
+        assert "sequence went" not in kv.output()  # a snapshot's events share its sequence: no complaint
     finally:
         await registration.stop()
         await channel.close()

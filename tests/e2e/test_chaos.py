@@ -1,0 +1,169 @@
+"""Chaos on one launched mesh (two tokenizer replicas, two workers with host tiers and round-robin routing, the
+kvstore, an API key): each kind of service is killed (SIGKILL: the launcher restarts it) and stopped (SIGSTOP: hung,
+then SIGCONT) under streaming load, the streams arriving before, during and after the fault, and what every client got is checked against the run
+without a fault (greedy, so every text is fixed):
+
+- a tokenizer replica, a worker or the kvstore, killed or stopped: no client sees anything (the router fails over to
+  the other tokenizer and migrates the worker's streams; the workers go on without their L3 store);
+- the router stopped: the clients wait and every stream completes, unchanged;
+- the router killed: the streams open on it break (their text so far is the start of the right one), requests in the
+  window are refused, and once the launcher has restarted it the mesh serves again.
+
+After every fault the mesh is whole again (a killed service restarted on its port, both workers healthy) before the
+next one; the mesh never stops. The same for PD (two prefill and two decode workers over Mooncake): a prefill or a
+decode worker killed or stopped costs no client anything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import model_path
+from tests.e2e.conftest import MODEL
+from tests.e2e.mesh import running_mesh
+from tests.e2e.test_migration import _migrations
+from tests.e2e.test_pd import PD, pid_of, workers
+from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
+
+NAME = model_path(MODEL)
+KEY = "chaos-test-key"
+STREAMS = 48
+ARRIVE_S = 3.0  # the streams start one after another over this long; the fault comes a third of the way in
+TOKENS = 48
+HOLD_S = 8.0  # how long a stopped service stays stopped (longer than the router's timeouts and health probes)
+PREFIX = "The keeper of the lighthouse on the northern cape wrote in his log every night, and tonight he wrote "
+pytestmark = pytest.mark.timeout(300)
+
+CASES = [(service, fault) for service in ("services.tokenizer", "services.kvstore", "services.decode", "services.router")
+         for fault in ("SIGKILL", "SIGSTOP")]
+
+
+def _prompt(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"{PREFIX}story {i % 12} of {i}."}]  # shared prefixes: the cache tiers work
+
+
+async def _chat(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+    """(text, error) of one streamed completion started at its turn."""
+    await asyncio.sleep(i * ARRIVE_S / STREAMS)
+    text = ""
+    try:
+        stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS,
+                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+        return text, None
+    except openai.APIError as e:
+        return text, f"{type(e).__name__}: {e}"
+
+
+async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
+    async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+        tasks = [asyncio.create_task(_chat(client, i)) for i in range(STREAMS)]
+        if fault is not None:
+            await asyncio.sleep(ARRIVE_S / 3)
+            await fault()
+        return await asyncio.gather(*tasks)
+
+
+def _kvstore_page_sets(mesh) -> float:
+    """Pages the kvstore has stored since it started (its metrics' URL is in the launcher's log)."""
+    match = re.search(r"kvstore (http://\S+/metrics)", mesh.log_path.read_text())
+    assert match, mesh.log_tail()
+    with urllib.request.urlopen(match.group(1).rstrip(","), timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("radixmesh:kvstore_page_sets_total"))
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory):
+    with running_mesh(NAME, tmp_path_factory.mktemp("chaos"), "--num-tokenizers", "2", "--kvstore",
+                      "--enable-hierarchical-cache", "--enable-metrics", "--policy", "round_robin", num_workers=2, api_key=KEY) as mesh:
+        want = asyncio.run(_load(mesh))
+        assert all(err is None for _, err in want), [err for _, err in want if err][:3]
+        assert _kvstore_page_sets(mesh) > 0  # the workers write to L3: its faults are felt
+        yield mesh, [text for text, _ in want]
+
+
+def _whole_again(mesh, service: str, victim: tuple[int, str], killed: bool, workers_n: int) -> None:
+    """The victim's service is back on its port (restarted when killed), every worker healthy, the router answers."""
+    if killed:
+        _wait(lambda: (_pid(mesh, service, victim[1]) or victim[0]) != victim[0], 30, f"{service} not restarted")
+    _wait(lambda: _answers(mesh.url + "/health"), 60, "the router does not answer")
+    _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == workers_n, 90, "the workers are not all healthy again")
+    assert mesh.proc.poll() is None, "the mesh stopped"
+
+
+@pytest.mark.parametrize("service,fault", CASES, ids=[f"{s.split('.')[1]}-{f}" for s, f in CASES])
+def test_a_service_killed_or_stopped_under_streaming_load(chaos, service, fault):
+    mesh, want = chaos
+    pid = _pid(mesh, service)
+    _fault(mesh, want, service, (pid, _port_of(pid)), fault)
+
+
+@pytest.fixture(scope="module")
+def pd_chaos(tmp_path_factory):
+    with running_mesh(NAME, tmp_path_factory.mktemp("pd-chaos"), *PD, "--num-prefill", "2", "--num-decode", "2",
+                      "--enable-metrics", "--policy", "round_robin", api_key=KEY) as mesh:
+        want = asyncio.run(_load(mesh))
+        assert all(err is None for _, err in want), [err for _, err in want if err][:3]
+        yield mesh, [text for text, _ in want]
+
+
+@pytest.mark.parametrize("role,fault", [(r, f) for r in ("prefill", "decode") for f in ("SIGKILL", "SIGSTOP")])
+def test_a_pd_worker_killed_or_stopped_under_streaming_load(pd_chaos, role, fault):
+    """Prefill and decode workers are both services.decode processes (in a role): the victim is the first of the
+    role; a killed one comes back on its port."""
+    mesh, want = pd_chaos
+    pid = pid_of(mesh, workers(mesh)[role][0])
+    _fault(mesh, want, "services.decode", (pid, _port_of(pid)), fault, role)
+
+
+def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: str, role: str = "") -> None:
+    """The load with `fault` done to the victim (pid, port) a third of the way into the arrivals; checks what every
+    client got, that the mesh is whole again after, and that it serves as before. `role`: of a PD worker."""
+    before = _restarts(mesh)
+    pid = victim[0]
+
+    async def inject():
+        os.kill(pid, getattr(signal, fault))
+        if fault == "SIGSTOP":
+            await asyncio.sleep(HOLD_S)
+            deadline = time.monotonic() + 30
+            while service == "services.decode" and role != "prefill" and time.monotonic() < deadline:
+                # a hung worker's streams move once the router's health probes give up on it (6-12 s)
+                if await asyncio.to_thread(_migrations, mesh) > migrated:
+                    break
+                await asyncio.sleep(0.5)
+            os.kill(pid, signal.SIGCONT)
+
+    migrated = _migrations(mesh)
+    started = time.monotonic()
+    got = asyncio.run(_load(mesh, inject))
+    took = time.monotonic() - started
+    if service == "services.router" and fault == "SIGKILL":
+        broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]
+        assert broken, "the router died with no stream open"
+        assert all(want[i].startswith(text) for i, (text, _) in enumerate(got)), "a stream got a wrong token"
+        assert all(text == want[i] for i, (text, err) in enumerate(got) if err is None)
+    else:
+        errors = [err for _, err in got if err is not None]
+        assert not errors, f"{len(errors)} of {STREAMS} streams failed, e.g. {errors[:3]}"
+        bad = [i for i, (text, _) in enumerate(got) if text != want[i]]
+        assert not bad, (len(bad), got[bad[0]][0], want[bad[0]])
+    assert took < ARRIVE_S + HOLD_S + 60, took
+    if service == "services.decode" and role != "prefill":  # a prefill worker holds no stream
+        assert _migrations(mesh) > migrated, "the worker had no stream open: nothing was tested"
+    _whole_again(mesh, service, victim, fault == "SIGKILL", 4 if role else 2)
+    if fault == "SIGKILL":
+        after = _restarts(mesh)
+        assert sum(after.values()) == sum(before.values()) + 1, (before, after)
+    assert asyncio.run(_load(mesh)) == [(text, None) for text in want]  # and it serves as before
