@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from engine import shared_memory
 from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.delivery import coalesce, mailbox_for
@@ -54,6 +55,7 @@ class Engine:
         # tensor parallelism: this node's other ranks run in processes of their own (engine.tp_worker)
         tp, self._followers = start_leader(self.args)
         self.runner = None
+        made = shared_memory.created()
         try:
             self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp)
             self.cache = build_cache(self.args, self.model_config, self.runner)
@@ -66,6 +68,7 @@ class Engine:
                     hierarchy.sync_host = hierarchy.mover.sync
                 self.runner.publish_setup(hierarchy.host)
         except BaseException:
+            shared_memory.unlink(shared_memory.created() - made)  # no file of a failed start left in /dev/shm
             self._stop_followers(graceful=self.runner is not None)
             raise
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,

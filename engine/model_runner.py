@@ -189,12 +189,15 @@ class ModelRunner:
         number of pages, or maps its slice of the leader's shared one (an L3 store on)."""
         if self.tp.size == 1 or self.tp.rank != 0:
             return
-        self._step_message(("setup", (host.allocator.num_pages, host.path), None))
-        if host.path is not None:
-            from engine.shared_memory import unlink
+        from engine.shared_memory import unlink
 
-            self.tp.all_min(0)  # every follower mapped it
-            unlink([host.path])
+        try:
+            self._step_message(("setup", (host.allocator.num_pages, host.path), None))
+            if host.path is not None:
+                self.tp.all_min(0)  # every follower mapped it
+        finally:
+            if host.path is not None:
+                unlink([host.path])
 
     def sync_followers(self) -> None:
         """The leader: returns once every follower applied the journal so far (its host copies are done)."""

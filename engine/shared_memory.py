@@ -18,10 +18,19 @@ def new_path(what: str) -> str:
     return os.path.join(where, f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
+_CREATED: set[str] = set()  # files this process created and has not unlinked yet
+
+
+def created() -> set[str]:
+    """The files this process created and has not unlinked yet (a failed start unlinks those it made)."""
+    return set(_CREATED)
+
+
 def shared_tensor(path: str, numel: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
     """A flat tensor over the file `path` (created, with its memory reserved, when `create`)."""
     if create:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        _CREATED.add(path)
         with open(path, "wb") as f:
             try:  # reserved now: a sparse file on a full tmpfs would fail later, with SIGBUS mid-copy
                 os.posix_fallocate(f.fileno(), 0, nbytes)
@@ -32,8 +41,9 @@ def shared_tensor(path: str, numel: int, dtype: torch.dtype, create: bool) -> to
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
-def unlink(paths: list[str]) -> None:
+def unlink(paths) -> None:
     for p in paths:
+        _CREATED.discard(p)
         try:
             os.unlink(p)
         except FileNotFoundError:

@@ -102,6 +102,10 @@ class SamplingParams:
         _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if self.sampling_seed is not None:
             _int_field("sampling_seed", self.sampling_seed, low=0)
+            top = 2**63 - 1 - (self.n - 1)  # sample j of n draws with seed + j, a signed 64-bit integer on the device
+            if self.sampling_seed > top:
+                raise ValueError(f"sampling_seed must be at most {top} with n = {self.n} (sample j draws with seed + "
+                                 f"j, a signed 64-bit integer), got {self.sampling_seed}")
         for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
             if getattr(self, name) is not None:
                 _int_field(name, getattr(self, name), low=0)

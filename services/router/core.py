@@ -7,6 +7,7 @@ backoff, and the worker's circuit breaker, which hears of every call's outcome);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
+from services.router.merge import merged
 from services.router.migration import Streamed
 from services.router.pd import generate_pd
 from services.router.policies import Policy
@@ -129,16 +131,19 @@ class Router:
                                      "matched_tokens": getattr(policy, "last_matched_tokens", None)})
             return worker
 
-    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def generate(self, request: worker_pb2.GenerateRequest, migrations: int = 0, broke: str = ""
+                       ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's messages for one request. Close the iterator (contextlib.aclosing) to cancel the worker
         call, which aborts the request there and frees its KV pages. A worker that fails before anything was
-        streamed is retried elsewhere (--retry-max-retries attempts, exponential backoff with jitter between)."""
+        streamed is retried elsewhere (--retry-max-retries attempts, exponential backoff with jitter between); one
+        that fails mid-stream is migrated (services/router/migration.py). `migrations`, `broke`: of a continuation,
+        how many migrations it took so far and why the last was needed."""
         if self.registry.disaggregated:
             async for msg in generate_pd(self, request):
                 yield msg
             return
         tried: set[str] = set()
-        attempts, migrations, attempt, broke = attempts_of(self.settings), 0, 0, ""
+        attempts, attempt = attempts_of(self.settings), 0
         stream = Streamed(request)
         while True:
             if attempt:
@@ -162,12 +167,18 @@ class Router:
                     raise RouterError(outcome.error.status, f"{outcome.error.message} ({why_not})")
                 migrations += 1
                 broke = outcome.error.message
+                if self.metrics is not None:
+                    self.metrics.migrated(worker.url)
+                if stream.n > 1:  # each unfinished sample continues as a request of its own
+                    log.warning("%s mid-stream; migrating samples %s of request %s (migration %d)", broke,
+                                stream.unfinished(), request.request_id, migrations)
+                    async for msg in self._continue_samples(stream, migrations, broke):
+                        yield msg
+                    return
                 request = stream.continuation()
                 tried = {worker.url}
                 log.warning("%s mid-stream; migrating request %s after %d streamed tokens (migration %d)",
-                            outcome.error.message, request.request_id, len(request.resume_output_ids), migrations)
-                if self.metrics is not None:
-                    self.metrics.migrated(worker.url)
+                            broke, request.request_id, len(request.resume_output_ids), migrations)
                 continue
             attempt += 1
             if not outcome.retry or attempt == attempts:
@@ -175,6 +186,18 @@ class Router:
             log.info("%s before streaming; retrying on another worker", outcome.error.message)
             if self.metrics is not None:
                 self.metrics.retried(worker.url)
+
+    async def _continue_samples(self, stream: Streamed, migrations: int, broke: str
+                                ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The unfinished samples of a broken n > 1 request, each resumed as a request of its own (migrated again
+        if need be), their messages merged and labelled as the request's, sample by sample."""
+        js = stream.unfinished()
+        samples = [self.generate(stream.sample_continuation(j), migrations, broke) for j in js]
+        async with contextlib.aclosing(merged(samples)) as messages:
+            async for k, msg in messages:
+                msg.index = js[k]
+                msg.request_id = stream.request.request_id
+                yield msg
 
     async def choose(self, request, tried: set[str], role: str = "colocated"):
         """The policy's pick among healthy workers of `role` (colocated or prefill) not tried yet for this request

@@ -36,7 +36,7 @@ from services.common import tracing
 from services.router.calls import OpenCalls
 from services.router.errors import RouterError, status_of
 from services.router.merge import merged
-from services.router.migration import Streamed
+from services.router.migration import Streamed, sample_request
 from services.router.policies import Policy
 from services.router.resilience import Backoff, attempts_of
 from services.router.settings import RouterSettings
@@ -117,23 +117,12 @@ async def generate_pd(router: PairRouter, request: worker_pb2.GenerateRequest
             yield msg
         return
     shared = _SharedPrefill()
-    samples = [_sample(router, _sample_request(request, j), j, shared) for j in range(n)]
+    samples = [_sample(router, sample_request(request, j), j, shared) for j in range(n)]
     async with contextlib.aclosing(merged(samples)) as messages:
         async for j, msg in messages:
             msg.index = j
             msg.request_id = request.request_id
             yield msg
-
-
-def _sample_request(request: worker_pb2.GenerateRequest, j: int) -> worker_pb2.GenerateRequest:
-    """Sample j of an n > 1 request as a request of its own (as engine/results.py makes the colocated samples)."""
-    out = worker_pb2.GenerateRequest()
-    out.CopyFrom(request)
-    out.request_id = f"{request.request_id}-{j}"
-    out.sampling_params.ClearField("n")
-    if out.sampling_params.HasField("sampling_seed"):
-        out.sampling_params.sampling_seed += j
-    return out
 
 
 async def _sample(router: PairRouter, request: worker_pb2.GenerateRequest, j: int, shared: _SharedPrefill

@@ -212,3 +212,29 @@ def test_a_hung_rank_fails_the_engine_within_the_dist_timeout():
         llm.shutdown()
     follower.join(5)
     assert not follower.is_alive()
+
+
+def test_a_failed_start_leaves_no_shared_memory_file(tmp_path, monkeypatch):
+    """An engine start that fails after the leader made its shared host pool (TP with an L3 store), before the
+    followers mapped it, unlinks the file and stops the followers."""
+    import glob
+
+    from engine.model_runner import ModelRunner
+
+    def fail(self, host):
+        assert os.path.exists(host.path)  # made, not yet unlinked
+        raise RuntimeError("the followers could not be told")
+
+    monkeypatch.setattr(ModelRunner, "publish_setup", fail)
+    def children() -> set[str]:
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+        return {p for p in pids if os.path.exists(f"/proc/{p}") and
+                "resource_tracker" not in open(f"/proc/{p}/cmdline").read()}
+
+    before, others = set(glob.glob(f"/dev/shm/radixmesh-host-kv-{os.getpid()}-*")), children()
+    with pytest.raises(RuntimeError, match="could not be told"):
+        Engine(model_path=model_path("tiny-llama"), device="cpu", dtype="float32", log_level="warning", tp_size=2,
+               page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
+               hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"))
+    assert set(glob.glob(f"/dev/shm/radixmesh-host-kv-{os.getpid()}-*")) == before
+    assert children() <= others  # the follower is gone

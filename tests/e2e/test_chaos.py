@@ -4,7 +4,8 @@ then SIGCONT) under streaming load, the streams arriving before, during and afte
 without a fault (greedy, so every text is fixed):
 
 - a tokenizer replica, a worker or the kvstore, killed or stopped: no client sees anything (the router fails over to
-  the other tokenizer and migrates the worker's streams; the workers go on without their L3 store);
+  the other tokenizer and migrates the worker's streams, those with two seeded samples sample by sample; the workers
+  go on without their L3 store);
 - the router stopped: the clients wait and every stream completes, unchanged;
 - the router killed: the streams open on it break (their text so far is the start of the right one), requests in the
   window are refused, and once the launcher has restarted it the mesh serves again.
@@ -50,18 +51,20 @@ def _prompt(i: int) -> list[dict]:
 
 
 async def _chat(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
-    """(text, error) of one streamed completion started at its turn."""
+    """(text, error) of one streamed completion started at its turn. Every fourth asks for two seeded samples
+    (n = 2, temperature 0.8): its text is both, "|"-separated; the others are greedy."""
     await asyncio.sleep(i * ARRIVE_S / STREAMS)
-    text = ""
+    texts = ["", ""]
+    sampled = {"n": 2, "temperature": 0.8, "seed": i} if i % 4 == 0 else {"temperature": 0}
     try:
         stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS,
-                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                                      stream=True, extra_body={"ignore_eos": True}, **sampled)
         async for chunk in stream:
             for choice in chunk.choices:
-                text += choice.delta.content or ""
-        return text, None
+                texts[choice.index] += choice.delta.content or ""
+        return "|".join(texts), None
     except openai.APIError as e:
-        return text, f"{type(e).__name__}: {e}"
+        return "|".join(texts), f"{type(e).__name__}: {e}"
 
 
 async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
@@ -152,7 +155,8 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     if service == "services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]
         assert broken, "the router died with no stream open"
-        assert all(want[i].startswith(text) for i, (text, _) in enumerate(got)), "a stream got a wrong token"
+        assert all(all(w.startswith(t) for w, t in zip(want[i].split("|"), text.split("|")))
+                   for i, (text, _) in enumerate(got)), "a stream got a wrong token"
         assert all(text == want[i] for i, (text, err) in enumerate(got) if err is None)
     else:
         errors = [err for _, err in got if err is not None]
@@ -162,6 +166,8 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     assert took < ARRIVE_S + HOLD_S + 60, took
     if service == "services.decode" and role != "prefill":  # a prefill worker holds no stream
         assert _migrations(mesh) > migrated, "the worker had no stream open: nothing was tested"
+        if not role and fault == "SIGKILL":  # a colocated worker's n = 2 streams continue sample by sample
+            assert "migrating samples" in mesh.log_path.read_text(), "no n > 1 stream was open on the worker"
     _whole_again(mesh, service, victim, fault == "SIGKILL", 4 if role else 2)
     if fault == "SIGKILL":
         after = _restarts(mesh)

@@ -143,6 +143,7 @@ def test_hashed_uniform_is_deterministic_and_spread():
     ({"stop": 5}, "stop"), ({"stop": ["ok", 3]}, "stop"), ({"min_p": 1.5}, "min_p"),
     ({"frequency_penalty": 3}, "frequency_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"stop_token_ids": "5"}, "stop_token_ids"), ({"sampling_seed": -3}, "sampling_seed"),
+    ({"sampling_seed": 2**63}, "sampling_seed"), ({"sampling_seed": 2**63 - 2, "n": 3}, "sampling_seed"),
     ({"json_schema": 5}, "json_schema"), ({"regex": "a+", "ebnf": "root ::= \"a\""}, "at most one of"),
 ])
 def test_bad_sampling_params_name_the_field(params, field):
