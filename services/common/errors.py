@@ -11,7 +11,6 @@ import asyncio
 import logging
 
 import grpc
-from grpc._cython import cygrpc
 
 from services.common.logs import request_id_var
 
@@ -47,12 +46,18 @@ def _request_id(request, context: grpc.aio.ServicerContext) -> str:
     return getattr(request, "request_id", "") or "-"
 
 
+try:  # what a write raises once the call is over (grpc's own class; nothing matches if it ever moves)
+    from grpc._cython.cygrpc import ExecuteBatchError as _WRITE_AFTER_END
+except ImportError:  # pragma: no cover
+    _WRITE_AFTER_END = ()
+
+
 def _caller_gone(exc: Exception, context: grpc.aio.ServicerContext) -> bool:
     """Whether the call is over from the caller's side (it cancelled, or its deadline passed): gRPC cancelled this
     handler's task, or the answer can no longer be written. There is no one to send a status to."""
     task = asyncio.current_task()
     return (context.done() or (task is not None and task.cancelling() > 0)
-            or isinstance(exc, cygrpc.ExecuteBatchError))
+            or isinstance(exc, _WRITE_AFTER_END))
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
