@@ -1,10 +1,10 @@
 """Several tokenizer service replicas behind one router (`--tokenizer-url h1:p1,h2:p2`; `radixmesh serve
 --num-tokenizers N`): each call goes to the replica with the fewest calls open (in turn among equals), skipping one
-that is down; a call whose replica is unreachable (or did not answer in time) is tried on the
-next, so while a replica is down or restarting the others answer and no request notices. A replica that failed gets
-no calls until it answers a probe (GetTokenizerInfo, every PROBE_S); a hung one (SIGSTOPped, stuck) costs the calls
-that were waiting on it one timeout, then nothing. Only when every replica fails does the call fail
-(TokenizerUnavailable: the router answers 503 at once). One replica is the plain case."""
+that is down; a call whose replica is unreachable (or did not answer in time) is tried on the next, so while a
+replica is down or restarting the others answer and no request notices. A replica that failed gets no calls until
+it answers a probe (GetTokenizerInfo, every PROBE_S); a hung one (SIGSTOPped, stuck) costs the calls that were
+waiting on it one timeout, then nothing. Only when every replica fails does the call fail (TokenizerUnavailable: the
+router answers 503 at once). One replica is the plain case."""
 
 from __future__ import annotations
 
