@@ -29,7 +29,7 @@ import pytest
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
 from tests.e2e.mesh import http_get, running_mesh
-from tests.e2e.test_pd import PD, pid_of, workers
+from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
 NAME = model_path(MODEL)
@@ -126,6 +126,11 @@ def test_a_service_killed_or_stopped_under_streaming_load(chaos, service, fault)
     _fault(mesh, want, service, (pid, _port_of(pid)), fault)
 
 
+def test_after_the_faults_no_kv_page_or_room_is_left(chaos):
+    """Runs after the faults above: every worker's pages are free or evictable, and nothing is running."""
+    assert_all_freed(_worker_addresses(chaos[0]))
+
+
 @pytest.fixture(scope="module")
 def pd_chaos(tmp_path_factory):
     with running_mesh(NAME, tmp_path_factory.mktemp("pd-chaos"), *PD, "--num-prefill", "2", "--num-decode", "2",
@@ -142,6 +147,16 @@ def test_a_pd_worker_killed_or_stopped_under_streaming_load(pd_chaos, role, faul
     mesh, want = pd_chaos
     pid = pid_of(mesh, workers(mesh)[role][0])
     _fault(mesh, want, "services.decode", (pid, _port_of(pid)), fault, role)
+
+
+def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
+    """Runs after the PD faults above: no page held, no bootstrap room left, on every prefill and decode worker
+    (the one stopped mid-handoff included)."""
+    assert_all_freed(_worker_addresses(pd_chaos[0]))
+
+
+def _worker_addresses(mesh) -> list[str]:
+    return [f"127.0.0.1:{_port_of(pid)}" for key, pid in mesh.services().items() if key.startswith("services.decode")]
 
 
 def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: str, role: str = "") -> None:
