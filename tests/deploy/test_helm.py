@@ -304,3 +304,36 @@ def test_router_processes_per_pod():
     assert "--router-workers" not in router_args(render(CHART / "ci" / "colocated-values.yaml"))
     assert _args_after(router_args(render(CHART / "ci" / "colocated-values.yaml", "router.processes=0")),
                        "--router-workers") == ["0"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Kubernetes label-selector semantics (matchLabels, matchExpressions with In / NotIn)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        inside = labels.get(e["key"]) in e["values"]
+        if (e["operator"] == "In") != inside:
+            return False
+    return True
+
+
+def test_the_network_policy_closes_every_internal_service_to_other_pods(rendered):
+    """Every pod but the router's is selected (only this release's pods may reach it, and anyone its metrics port);
+    the router's stays open; each selected pod names the metrics port the policy opens."""
+    variant, docs = rendered
+    (policy,) = by_kind(docs, "NetworkPolicy").values()
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    peers = spec["ingress"][0]["from"]
+    assert peers == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "rm"}}}]
+    assert spec["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    for name, dep in by_kind(docs, "Deployment").items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        router = labels.get("app.kubernetes.io/component") == "router"
+        assert _selects(spec["podSelector"], labels) != router, (variant, name)
+        assert _selects(peers[0]["podSelector"], labels), (variant, name)  # every pod of the mesh may call in
+        if not router:
+            ports = {p.get("name") for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+            assert "metrics" in ports or name.endswith("redis"), (variant, name, ports)
+    off = render(None, "networkPolicy.enabled=false")
+    assert not by_kind(off, "NetworkPolicy")
