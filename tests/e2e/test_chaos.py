@@ -23,12 +23,14 @@ import signal
 import time
 import urllib.request
 
+import grpc
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import http_get, running_mesh
+from tests.e2e.mesh import http_get, internal_channel, running_mesh
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -110,10 +112,23 @@ def chaos(tmp_path_factory):
         yield mesh, [text for text, _ in want]
 
 
+def _serving(port: str) -> bool:
+    """Whether the gRPC service on `port` says SERVING (its health service needs no token)."""
+    try:
+        with internal_channel(f"127.0.0.1:{port}") as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            return status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
 def _whole_again(mesh, service: str, victim: tuple[int, str], killed: bool, workers_n: int) -> None:
-    """The victim's service is back on its port (restarted when killed), every worker healthy, the router answers."""
+    """The victim's service is back on its port and serving (restarted when killed), every worker healthy, the
+    router answers."""
     if killed:
         _wait(lambda: (_pid(mesh, service, victim[1]) or victim[0]) != victim[0], 30, f"{service} not restarted")
+    if service != "services.router":
+        _wait(lambda: _serving(victim[1]), 90, f"{service} does not serve again")
     _wait(lambda: _answers(mesh.url + "/health"), 60, "the router does not answer")
     _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == workers_n, 90, "the workers are not all healthy again")
     assert mesh.proc.poll() is None, "the mesh stopped"
