@@ -183,7 +183,7 @@ class Hub:
 async def _metrics_site(hub: Hub, host: str, port: int) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
         return web.Response(body=await hub.scrape(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Router-Processes": str(len(hub.conns))})
+                            headers={"X-Router-Processes": str(len(hub.ready & set(hub.conns)))})
     app = web.Application()
     app.router.add_get("/metrics", handle)
     runner = web.AppRunner(app, access_log=None)

@@ -40,6 +40,16 @@ def routers(m: Mesh) -> set[int]:
     return children(m.procs[-1].pid)
 
 
+def serving(m: Mesh) -> int:
+    """How many router processes serve and answer scrapes, by the supervisor's count (a forked process takes a while
+    to import, bind and say hello; a test that starts before would see only one)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10) as r:
+            return int(r.headers["X-Router-Processes"])
+    except OSError:
+        return 0
+
+
 def readiness(base: str, times: int = 12) -> list[int]:
     """Colocated workers each of `times` fresh connections sees (each may land on either process)."""
     out = []
@@ -62,7 +72,7 @@ def test_registry_health_and_metrics_are_shared(mesh):
     mesh.workers.remove(second_port_worker)  # the router starts with the first only
     base = mesh.router("--router-workers", "2", "--health-check-interval-secs", "0.3",
                        "--health-failure-threshold", "1", "--health-success-threshold", "1")
-    wait_until(lambda: len(routers(mesh)) == 2, what="two router processes")
+    wait_until(lambda: serving(mesh) == 2, what="two router processes serving")
     req = urllib.request.Request(f"{base}/add_worker?url={second_port_worker}", method="POST",
                                  headers={"Authorization": f"Bearer {KEY}"})
     assert urllib.request.urlopen(req, timeout=30).status == 200
@@ -98,7 +108,7 @@ def test_cache_aware_routes_are_shared(mesh):
     request, every later one is a prefix hit on whichever process it lands, and goes to the same worker."""
     a, b = mesh.worker(), mesh.worker()
     base = mesh.router("--router-workers", "2", "--policy", "cache_aware")
-    wait_until(lambda: len(routers(mesh)) == 2, what="two router processes")
+    wait_until(lambda: serving(mesh) == 2, what="two router processes serving")
     prefixes = [f"conversation {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(6)]
     for rnd in range(5):
         for p in prefixes:
@@ -124,7 +134,7 @@ def test_killed_process_is_replaced(mesh):
     extra = mesh.worker()
     mesh.workers.remove(extra)
     base = mesh.router("--router-workers", "2")
-    wait_until(lambda: len(routers(mesh)) == 2, what="two router processes")
+    wait_until(lambda: serving(mesh) == 2, what="two router processes serving")
     req = urllib.request.Request(f"{base}/add_worker?url={extra}", method="POST",
                                  headers={"Authorization": f"Bearer {KEY}"})
     assert urllib.request.urlopen(req, timeout=30).status == 200
@@ -147,7 +157,8 @@ def test_killed_process_is_replaced(mesh):
         os.kill(victim, signal.SIGKILL)
         for f in futures:
             f.result()
-    wait_until(lambda: len(routers(mesh)) == 2 and victim not in routers(mesh), what="a replacement process")
+    wait_until(lambda: len(routers(mesh)) == 2 and victim not in routers(mesh) and serving(mesh) == 2,
+               what="a replacement process")
     assert "exited with status -9; starting another" in mesh.log.read_text()
     # a request in flight on the killed process may fail (its client's connection dies); no other may
     failed = [r for r in results if r != 200]
