@@ -461,9 +461,13 @@ class Scheduler:
             else:
                 self._finish(req, reason)
             return
-        for group in (self.waiting, self.running, [self.chunked] if self.chunked else []):
+        # A step in flight holds requests that are in no set until it resolves (a prefill-role request's last
+        # chunk: it hands over then instead of joining `running`); missed, such a request would hand over after
+        # its caller's abort and release, and keep its pages pinned for good.
+        in_flight = self.in_flight.reqs if self.in_flight is not None else []
+        for group in (self.waiting, self.running, [self.chunked] if self.chunked else [], in_flight):
             for r in group:
-                if r.rid == rid:
+                if r.rid == rid and not r.finished:
                     if r in self.waiting:
                         self.waiting.remove(r)
                     self._drop_from_sets(r)

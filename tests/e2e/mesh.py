@@ -143,6 +143,14 @@ def http_get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tu
         return e.code, e.read()
 
 
+def metric_sum(url: str, *names: str) -> float:
+    """The sum of every sample of the metric families `names` on the Prometheus endpoint `url`."""
+    status, raw = http_get(url)
+    assert status == 200, (url, status, raw[:200])
+    return sum(float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
+               if line.partition("{")[0].partition(" ")[0] in names)
+
+
 @contextlib.contextmanager
 def running_mesh(model: str, tmp: Path, *args: str, **kwargs):
     """A launched mesh for a fixture's lifetime, stopped and checked for leftovers after."""

@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 
 import grpc
 import openai
@@ -30,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import http_get, internal_channel, running_mesh
+from tests.e2e.mesh import internal_channel, metric_sum, running_mesh
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -86,20 +85,18 @@ async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
 
 def _moved(mesh) -> float:
     """Requests the router migrated (mid-stream) or retried (before their first token) to another worker."""
-    status, raw = http_get(mesh.url + "/metrics")
-    assert status == 200
-    return sum(float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
-               if line.startswith(("radixmesh_router_migrations_total{", "sgl_router_retries_total{")))
+    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total", "sgl_router_retries_total")
+
+
+def _migrated(mesh) -> float:
+    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
 
 
 def _kvstore_page_sets(mesh) -> float:
     """Pages the kvstore has stored since it started (its metrics' URL is in the launcher's log)."""
     match = re.search(r"kvstore (http://\S+/metrics)", mesh.log_path.read_text())
     assert match, mesh.log_tail()
-    with urllib.request.urlopen(match.group(1).rstrip(","), timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("radixmesh:kvstore_page_sets_total"))
+    return metric_sum(match.group(1).rstrip(","), "radixmesh:kvstore_page_sets_total")
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +161,6 @@ def test_a_pd_worker_killed_or_stopped_under_streaming_load(pd_chaos, role, faul
     _fault(mesh, want, "services.decode", (pid, _port_of(pid)), fault, role)
 
 
-@pytest.mark.xfail(strict=False, reason="known leak, issue 16: a prefill worker SIGSTOPped mid-handoff can keep one "
-                   "request's pages (59 tokens seen) after SIGCONT, with no room or request left to free them")
 def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
     """Runs after the PD faults above: no page held, no bootstrap room left, on every prefill and decode worker
     (the one stopped mid-handoff included)."""
@@ -194,7 +189,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
                 await asyncio.sleep(0.5)
             os.kill(pid, signal.SIGCONT)
 
-    moved = _moved(mesh)
+    moved, migrated = _moved(mesh), _migrated(mesh)
     started = time.monotonic()
     got = asyncio.run(_load(mesh, inject))
     took = time.monotonic() - started
@@ -213,6 +208,8 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     if service == "services.decode" and role != "prefill":  # its requests were migrated or retried elsewhere
         # (a prefill worker's calls are short: whether one is open at the fault is luck, so it is not asserted)
         assert _moved(mesh) > moved, "no request was open on the worker: nothing was tested"
+        if fault == "SIGKILL":  # streams were decoding there (the fault waits for tokens): they moved mid-stream
+            assert _migrated(mesh) > migrated, "no stream was migrated off the killed worker"
     _whole_again(mesh, service, victim, fault == "SIGKILL", 4 if role else 2)
     if fault == "SIGKILL":
         after = _restarts(mesh)

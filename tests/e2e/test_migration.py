@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, http_get, running_mesh
+from tests.e2e.mesh import cmdline, http_get, metric_sum, running_mesh
 from tests.e2e.test_pd import PD, pid_of, workers
 
 NAME = model_path(MODEL)
@@ -72,10 +72,7 @@ def _workers(mesh) -> list[int]:
 
 
 def _migrations(mesh) -> float:
-    status, raw = http_get(mesh.url + "/metrics")
-    assert status == 200
-    return sum(float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
-               if line.startswith("radixmesh_router_migrations_total{"))
+    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
 
 
 def _check(got, want) -> None:
