@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -206,3 +207,69 @@ def test_staged_transfer_through_host_mirrors_moves_the_pages(engines):
         t.zero_()
     send.close()
     recv.close()
+
+
+def test_an_abort_while_the_last_prefill_step_is_in_flight_frees_its_pages(engines, monkeypatch):
+    """The caller of a prefill-role request gives up (the router stopped waiting for a hung prefill worker) just
+    after the request's last prefill step was launched: the overlap scheduler resolves that step one step later, and
+    until then the request is in no queue. The abort and the service's release_kv both land in that gap; the request
+    must end aborted, never hand over, and keep no page."""
+    p, _, _ = engines
+    sched = p.scheduler
+    assert sched.overlap  # without overlap a step resolves before the inbox is read again: no gap
+    ids = parity_prompts(model_path("tiny-llama"), seed=10)[2]
+    assert len(ids) < OPTS["chunked_prefill_size"]  # one prefill step
+    rid, launch, handed = "aborted-in-flight", sched._launch, []
+
+    def launch_then_abort(reqs, extend):
+        flight = launch(reqs, extend)
+        if any(r.rid == rid for r in reqs):  # as the service does when its call is cancelled: abort, then release
+            sched.abort(rid, "the router gave up on this worker")
+            sched.call(lambda: sched.release_kv(rid))
+        return flight
+    monkeypatch.setattr(sched, "_launch", launch_then_abort)
+
+    async def run():
+        role = PrefillRole(lambda pages, first: handed.append(pages))
+        return await p.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 4}, rid=rid, handoff=role)
+    out = asyncio.run(run())
+    assert out["meta_info"]["finish_reason"]["message"] == "the router gave up on this worker"
+    assert handed == []
+    load = p.get_load()
+    assert load["held_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"], load
+
+
+def test_an_abort_that_arrives_while_the_request_is_prepared_is_not_lost(engines, monkeypatch):
+    """The decode worker's handoff can fail at once (the prefill worker's bootstrap port refuses the connection)
+    while the engine still prepares the request on its prep threads: the abort reaches the scheduler before the
+    request. It must still end the request, not leave it waiting for KV that never comes; likewise an abort of
+    one sample of an n = 2 request during its preparation."""
+    _, d, c = engines
+    ids = parity_prompts(model_path("tiny-llama"), seed=11)[1]
+    for engine in (d, c):
+        specs = engine._specs
+        monkeypatch.setattr(engine, "_specs", lambda *a, _specs=specs: (time.sleep(0.3), _specs(*a))[1])
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        role = DecodeRole(lambda pages, cached: None)
+        waiting = asyncio.create_task(d.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 4},
+                                                       rid="refused", handoff=role))
+        sampled = asyncio.create_task(c.async_generate(input_ids=ids, rid="two", sampling_params={
+            "max_new_tokens": 4, "n": 2, "temperature": 1.0, "sampling_seed": 3}))
+        await asyncio.sleep(0.05)  # both are being prepared
+        d.abort_request("refused", "the prefill worker refused the handoff")
+        c.abort_request("two-1", "sample 1 is not wanted")
+        started = loop.time()
+        got = await asyncio.wait_for(waiting, 10), await asyncio.wait_for(sampled, 10)
+        return got, loop.time() - started
+    (refused, two), took = asyncio.run(run())
+    assert refused["meta_info"]["finish_reason"]["message"] == "the prefill worker refused the handoff"
+    assert two[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert two[1]["meta_info"]["finish_reason"]["message"] == "sample 1 is not wanted"
+    assert took < 5
+    for engine in (d, c):
+        load = engine.get_load()
+        assert load["prealloc_waiting"] == load["prealloc_rooms"] == 0, load
+        assert load["available_kv_tokens"] == load["max_total_num_tokens"], load
+        assert engine._early_aborts._pending == {} and engine._early_aborts._preparing == {}
