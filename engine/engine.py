@@ -25,6 +25,7 @@ from engine import shared_memory
 from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.delivery import coalesce, mailbox_for
+from engine.early_aborts import EarlyAborts
 from engine.embeddings import EmbeddingCollector, split_inputs
 from engine.model_runner import ModelRunner
 from engine.pooling import check_dimensions, pooling_of
@@ -85,6 +86,7 @@ class Engine:
         # Async callers validate, tokenize and compile grammars here, keeping their event loop free.
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")
         self._grammar_lock = threading.Lock()
+        self._early_aborts = EarlyAborts()
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
@@ -191,6 +193,8 @@ class Engine:
                              "create them with Engine.kv_mirror() first")
         for i, spec in enumerate(specs):
             self.scheduler.submit(self._make_req(spec, make_sink(i), handoff, tenant))
+        for rid, message in self._early_aborts.take([s.rid for s in specs]):
+            self.scheduler.abort(rid, message)
 
     def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
         return lambda: [self.scheduler.abort(s.rid) for s in specs]
@@ -213,13 +217,14 @@ class Engine:
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
         engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
         (for latency metrics; it must be quick and not raise)."""
-        specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                              top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                              handoff, tenant, resume_ids, resume_text_chars)
-        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
-        inbox: asyncio.Queue = asyncio.Queue()
-        mailbox = mailbox_for(asyncio.get_running_loop())
-        self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), handoff, tenant)
+        with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
+            specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                                  top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
+                                                  handoff, tenant, resume_ids, resume_text_chars)
+            collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
+            inbox: asyncio.Queue = asyncio.Queue()
+            mailbox = mailbox_for(asyncio.get_running_loop())
+            self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), handoff, tenant)
         # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
@@ -241,28 +246,29 @@ class Engine:
         requests at once spends most of its event loop on. Returns when every request of the call has finished.
         An exception from `on_delta` ends the call (its requests are aborted) and is raised here; so is a
         cancellation. `on_delta` is never called after this returns or raises."""
-        specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                              top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                              handoff, tenant, resume_ids, resume_text_chars)
-        collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
+            specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                                  top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
+                                                  handoff, tenant, resume_ids, resume_text_chars)
+            collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish)
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future = loop.create_future()
 
-        def deliver(item: tuple[int, StepOutput]) -> None:
-            if done.done():  # ended (an error, a cancellation): outputs still on their way are dropped
-                return
-            try:
-                delta = collector.record(*item)
-                if delta is not None:
-                    on_delta(delta)
-            except BaseException as e:  # noqa: BLE001 - ends this call, raised in its task
-                done.set_exception(e)
-                return
-            if collector.done:
-                done.set_result(None)
+            def deliver(item: tuple[int, StepOutput]) -> None:
+                if done.done():  # ended (an error, a cancellation): outputs still on their way are dropped
+                    return
+                try:
+                    delta = collector.record(*item)
+                    if delta is not None:
+                        on_delta(delta)
+                except BaseException as e:  # noqa: BLE001 - ends this call, raised in its task
+                    done.set_exception(e)
+                    return
+                if collector.done:
+                    done.set_result(None)
 
-        mailbox = mailbox_for(loop)
-        self._submit(specs, lambda i: (lambda out: mailbox.put(deliver, (i, out))), handoff, tenant)
+            mailbox = mailbox_for(loop)
+            self._submit(specs, lambda i: (lambda out: mailbox.put(deliver, (i, out))), handoff, tenant)
         try:
             while not done.done():
                 try:  # one timer a second per call, not one per token as a queue read with a timeout would be
@@ -415,6 +421,7 @@ class Engine:
 
     def abort_request(self, rid: str, message: str | None = None) -> None:
         """Abort a request; `message` is what its caller is told. See Scheduler.abort for pinned pages."""
+        self._early_aborts.note(rid, message)
         self.scheduler.abort(rid, message)
 
     # ---- prefill/decode disaggregation (engine.disaggregation.handoff) ------------------------------------------
