@@ -9,7 +9,9 @@ port, run next to the engine request.
 
 On failure the engine request is aborted with the reason and the caller gets ABORTED (the router may retry on
 another pair: nothing was streamed yet). Its pages are freed at once, except when a write may still be in flight
-(our timeout, or our caller leaving mid-transfer): then they stay pinned for one more transfer timeout."""
+(our timeout): then they stay pinned for one more transfer timeout. A caller leaving mid-transfer does not end
+the handoff: it runs on until the prefill worker says its write returned (`done`, or its failure, which it sends only
+after the write returned), then frees the pages at once; a timeout or a broken stream pins them as above."""
 
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class DecodeRoom:
                                                                                (pages, cached)))
         self.state = "bootstrapping"
         self.error: str | None = None
+        self.closed = False  # the Generate call ended while the handoff ran on (mid-transfer)
         self.task = asyncio.create_task(self._run())
 
     def _enter(self, state: str, detail: str = "") -> None:
@@ -87,7 +90,8 @@ class DecodeRoom:
                 limit = s.bootstrap_timeout if self.state == "bootstrapping" else s.transfer_timeout
                 reason = f"no answer within {limit:g} s"
                 kind = "bootstrap_timeout" if self.state == "bootstrapping" else "transfer_timeout"
-            s.transfer.failed(kind)
+            if not self.closed:  # (close counted it)
+                s.transfer.failed(kind)
             tracing.set_attributes(error=kind)
             self.fail(f"KV handoff from prefill worker {self.prefill} failed in state '{self.state}': {reason}",
                       pinned=isinstance(e, TimeoutError) and self.role.in_transfer)
@@ -119,6 +123,8 @@ class DecodeRoom:
             async with asyncio.timeout(s.transfer_timeout):
                 done = await self._read(call, "done")
             self.role.in_transfer = False  # every write has landed
+            if self.closed:
+                raise HandoffFailed("its caller left mid-transfer; the write has landed", "cancelled")
             loop = asyncio.get_running_loop()
             if s.verify:
                 mine = await loop.run_in_executor(None, s.transfer.checksum, pages)
@@ -140,19 +146,25 @@ class DecodeRoom:
         self._release_later()
 
     def _release_later(self) -> None:
-        if self.role.in_transfer:  # pinned by the abort; a late write lands in pages nobody else uses yet
-            asyncio.get_running_loop().call_later(self.rooms.transfer_timeout, self.rooms.engine.release_kv,
-                                                  self.rid)
+        """Free the request's pages if the engine pinned them (an abort while a write could land): after one more
+        transfer timeout while that may still be so, else now (queued after the abort: a no-op if nothing is held)."""
+        engine = self.rooms.engine
+        if self.role.in_transfer:  # a late write lands in pages nobody else uses yet
+            asyncio.get_running_loop().call_later(self.rooms.transfer_timeout, engine.release_kv, self.rid)
+        else:
+            engine.release_kv(self.rid)
 
     async def close(self) -> None:
-        """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs."""
+        """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs, except
+        mid-transfer, where it runs on to learn when the prefill worker's write returned (see the module doc)."""
         if not self.task.done():
-            self.task.cancel()
             self.rooms.transfer.failed("cancelled")
             if self.role.in_transfer:
-                room_log(self.number, self.rid, "cancelled mid-transfer", "pages pinned for one transfer timeout",
-                         logging.WARNING)
-                self._release_later()
+                self.closed = True
+                room_log(self.number, self.rid, "cancelled mid-transfer",
+                         "pages pinned until the prefill worker's write returns", logging.WARNING)
+            else:
+                self.task.cancel()
         self.rooms.open.pop(self.rid, None)
 
 

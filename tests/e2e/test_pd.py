@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import http.client
 import json
 import os
 import signal
+import socket
 import time
 
 import openai
@@ -265,6 +267,24 @@ def _wait_transferring(addresses: list[str], timeout: float = 30.0) -> str:
     raise AssertionError("no worker reached the transferring state")
 
 
+def _client_leaves_mid_transfer(m, roles: dict[str, list[str]]) -> None:
+    """A streaming client hangs up while its KV is on the way (each write waits 2 s). The decode worker cannot free
+    pages a write may still fill, but it hears when the write returned: every page is free a few seconds later, well
+    before its 10 s transfer timeout would end a blind wait."""
+    host, port = m.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": SHARED * 5, "max_tokens": 8,
+                                                        "stream": True, **GREEDY}),
+                 {"Content-Type": "application/json"})
+    _wait_transferring(roles["decode"])
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    left = time.monotonic()
+    assert_all_freed(roles["prefill"] + roles["decode"], timeout=7.0)
+    assert time.monotonic() - left < 7.0
+    assert "pages pinned until the prefill worker's write returns" in m.log_tail(400)
+
+
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_killing_a_worker_mid_transfer_frees_the_room_and_the_request_is_retried(tmp_path, victim, mesh):
     """Each write waits 2 s (injected), so the kill lands while the room is transferring. The request moves to the
@@ -275,6 +295,8 @@ def test_killing_a_worker_mid_transfer_frees_the_room_and_the_request_is_retried
                "--disaggregation-transfer-timeout", "10")
     try:
         roles = workers(m)
+        if victim == "decode":
+            _client_leaves_mid_transfer(m, roles)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(_generate, m)
             hit = _wait_transferring(roles[victim])
