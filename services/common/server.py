@@ -114,5 +114,6 @@ class GrpcService:
 
 def channel(url: str) -> grpc.aio.Channel:
     """A channel to the internal service at `host:port` with the large-message options, this process's internal
-    credentials (TLS, token) and, with tracing on, the interceptor that passes the trace context on."""
-    return aio_channel(url, CHANNEL_OPTIONS, client_interceptors() or None)
+    credentials (TLS, token) and, with tracing on, the interceptor that passes the trace context on. A peer the
+    supervisor restarted is reached again within a second (RECONNECT_OPTIONS)."""
+    return aio_channel(url, CHANNEL_OPTIONS + RECONNECT_OPTIONS, client_interceptors() or None)
