@@ -16,6 +16,8 @@ APIs are not internal: they keep their own API keys."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import re
@@ -180,6 +182,16 @@ def server_interceptors(auth: InternalAuth | None = None) -> list:
     return [TokenInterceptor(auth.tokens)] if auth.tokens else []
 
 
+async def _first_message(requests, timeout_s: float = 1.0) -> None:
+    """Waits (briefly) for a streaming call's first request message, unparsed. A status sent while the client's
+    first message is still on its way fails that send, and grpc's Python client then reports the call as INTERNAL
+    ("Failed execute_batch: SendMessageOperation") instead of the status the server sent: a refused client of
+    GenerateStream or TokenizeStream would not learn that its token was wrong."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            await anext(aiter(requests), None)
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls (but the health service's) whose metadata lacks one of `tokens`: UNAUTHENTICATED. The first
     refusal from each peer host is logged at WARNING, without any token's value."""
@@ -217,8 +229,12 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         log.warning("refused %s from %s: %s (further refusals from this peer are not logged)", method, host, reason)
 
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.RpcMethodHandler:
+        streamed = handler.stream_unary is not None or handler.stream_stream is not None
+
         async def refuse(request, context):  # a coroutine serves every call type in grpc.aio
             self._note(context.peer(), method, reason)
+            if streamed:  # see _first_message
+                await _first_message(request)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
 
         args = (None, handler.response_serializer)  # requests refused are not parsed
