@@ -41,10 +41,10 @@ def routers(m: Mesh) -> set[int]:
 
 
 def _exited(pid: int) -> bool:
-    """The process is gone or a zombie (its sockets are closed either way)."""
+    """The process holds no file any more (its listening socket is closed): gone, or a zombie whose every thread
+    has exited (a killed process's main thread can show as a zombie while its other threads still hold the files)."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        return not os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return True
 
