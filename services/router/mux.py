@@ -129,7 +129,11 @@ class WorkerMux:
                         c.finish(_DONE if end.code == 0 else rpc_error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
                                                                        end.message))
         except grpc.aio.AioRpcError as e:
-            error = e
+            # The link itself broke (a request's own status comes in `ended`). grpc's Python client may report a
+            # dead peer as INTERNAL ("Internal error from Core": a send on the dying transport failed) instead of
+            # UNAVAILABLE; either way the worker is gone, and its requests may move to another one.
+            error = e if e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else rpc_error(
+                grpc.StatusCode.UNAVAILABLE, f"the GenerateStream broke ({e.code().name}: {e.details()})")
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed GenerateStream")
             raise
