@@ -151,6 +151,11 @@ def metric_sum(url: str, *names: str) -> float:
                if line.partition("{")[0].partition(" ")[0] in names)
 
 
+def moved(mesh: Mesh) -> float:
+    """Requests the router migrated (mid-stream) or retried (before their first token) to another worker."""
+    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total", "sgl_router_retries_total")
+
+
 @contextlib.contextmanager
 def running_mesh(model: str, tmp: Path, *args: str, **kwargs):
     """A launched mesh for a fixture's lifetime, stopped and checked for leftovers after."""

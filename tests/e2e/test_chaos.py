@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import internal_channel, metric_sum, running_mesh
+from tests.e2e.mesh import internal_channel, metric_sum, moved, running_mesh
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -82,10 +82,6 @@ async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
             await fault()
         return await asyncio.gather(*tasks)
 
-
-def _moved(mesh) -> float:
-    """Requests the router migrated (mid-stream) or retried (before their first token) to another worker."""
-    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total", "sgl_router_retries_total")
 
 
 def _migrated(mesh) -> float:
@@ -184,12 +180,12 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
             deadline = time.monotonic() + 30
             while service == "services.decode" and time.monotonic() < deadline:
                 # a hung worker's requests move once the router's health probes give up on it (6-12 s)
-                if await asyncio.to_thread(_moved, mesh) > moved:
+                if await asyncio.to_thread(moved, mesh) > moved_before:
                     break
                 await asyncio.sleep(0.5)
             os.kill(pid, signal.SIGCONT)
 
-    moved, migrated = _moved(mesh), _migrated(mesh)
+    moved_before, migrated = moved(mesh), _migrated(mesh)
     started = time.monotonic()
     got = asyncio.run(_load(mesh, inject))
     took = time.monotonic() - started
@@ -207,7 +203,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     assert took < ARRIVE_S + HOLD_S + 60, took
     if service == "services.decode" and role != "prefill":  # its requests were migrated or retried elsewhere
         # (a prefill worker's calls are short: whether one is open at the fault is luck, so it is not asserted)
-        assert _moved(mesh) > moved, "no request was open on the worker: nothing was tested"
+        assert moved(mesh) > moved_before, "no request was open on the worker: nothing was tested"
         if fault == "SIGKILL" and not role:  # round robin put streams there, decoding by the fault: moved mid-stream
             # (a PD decode worker is picked by load: the victim may hold only requests still in their handoff,
             # which are retried; test_migration's PD case asserts a migration off a killed decode worker)

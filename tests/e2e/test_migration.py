@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, http_get, metric_sum, running_mesh
+from tests.e2e.mesh import cmdline, http_get, metric_sum, moved, running_mesh
 from tests.e2e.test_pd import PD, pid_of, workers
 
 NAME = model_path(MODEL)
@@ -75,10 +75,6 @@ def _migrations(mesh) -> float:
     return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
 
 
-def _moved(mesh) -> float:
-    """Requests migrated mid-stream or retried before their first token."""
-    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total", "sgl_router_retries_total")
-
 
 def _check(got, want) -> None:
     errors = [err for _, _, err in got if err is not None]
@@ -120,10 +116,10 @@ def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
         assert all(err is None for _, _, err in want), want[:3]
         for role in ("decode", "prefill"):
             victim = pid_of(mesh, workers(mesh)[role][0])
-            before = _moved(mesh)
+            before = moved(mesh)
             _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL))), want)
             if role == "decode":  # (picked by load, it may hold only requests still in their handoff: retried)
-                assert _moved(mesh) > before, "no request was open on the killed decode worker"
+                assert moved(mesh) > before, "no request was open on the killed decode worker"
             deadline = time.monotonic() + 90  # restarted by the launcher, and back in the router's pairs
             while len([w for w in workers(mesh)[role] if _answers_health(mesh, w)]) < 2:
                 assert time.monotonic() < deadline, f"the {role} worker did not come back"
