@@ -6,7 +6,6 @@
 #                           bf16 matmul rate
 #   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
 #                           1024 in / 1024 out
-#   PARTS="setup prefetch"  o_proj's weight pulled into L2 beside attention: the pull alone, decode steps off/on
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
@@ -65,20 +64,6 @@ if [[ $PARTS == *profile* ]]; then
   for backend in ${BACKENDS:-triton flashinfer}; do
     $PY -m benchmarks.profile_decode --attention-backend $backend --batch-size 1 64 256 \
       --result-file "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.log" | grep -v Warning | tail -48
-  done
-fi
-
-if [[ $PARTS == *prefetch* ]]; then
-  # o_proj's weight pulled into L2 beside attention (engine/weight_prefetch.py): the pull alone, then decode steps
-  # with it off and on, alternated
-  $PY -m benchmarks.l2_prefetch --result-file "$OUT/l2_prefetch.jsonl" 2>&1 | tee -a "$OUT/l2_prefetch.log"
-  for round in $(seq ${ROUNDS:-1}); do
-    for mode in ${PREFETCH_MODES:-off load}; do
-      [[ $mode == off ]] && mode=""
-      RADIXMESH_WEIGHT_PREFETCH=${mode%:*} RADIXMESH_PREFETCH_PROGRAMS=$([[ $mode == *:* ]] && echo ${mode#*:} || echo 64) \
-        $PY -m benchmarks.profile_decode --attention-backend ${BACKEND:-triton} --batch-size 1 8 64 256 \
-        --result-file "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.log" | grep -E "^bs|pull|gemv|nvjet|cutlass" | head -24
-    done
   done
 fi
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import time
 
@@ -83,13 +82,11 @@ def main() -> None:
     cfg = ModelConfig.from_path(ns.model_path)
     args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                                    disable_radix_cache=True, max_running_requests=max(ns.batch_size),
-                                   context_length=ns.input_len + 128, attention_backend=ns.attention_backend,
-                                   cuda_graph_bs=tuple(ns.batch_size)), cfg)
+                                   context_length=ns.input_len + 128, attention_backend=ns.attention_backend), cfg)
     runner = ModelRunner(args, cfg)
     cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
     for bs in ns.batch_size:
-        row = {"backend": ns.attention_backend, "weight_prefetch": os.environ.get("RADIXMESH_WEIGHT_PREFETCH", ""),
-               "prefetch_programs": os.environ.get("RADIXMESH_PREFETCH_PROGRAMS", ""), **profile_batch(runner, cache, bs, ns.input_len)}
+        row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len)}
         print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "
               f"{row['kernels_per_step']:.0f} kernels, span {row['span_us_per_step'] / 1e3:.3f} ms); synchronous "
               f"step {row['wall_ms']:.3f} ms")

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
 
 from engine.batch import ForwardBatch, ForwardMode
 from engine.forward_context import ForwardContext, forward_context
-from engine.weight_prefetch import WeightPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +77,6 @@ class CudaGraphRunner:
         self.metadata: dict = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
-        mode = os.environ.get("RADIXMESH_WEIGHT_PREFETCH", "")
-        self.prefetch = WeightPrefetch(dev, mode, int(os.environ.get("RADIXMESH_PREFETCH_PROGRAMS", "64"))) \
-            if mode else None
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         s = self.static
@@ -93,7 +88,7 @@ class CudaGraphRunner:
     def _forward(self, bs: int) -> None:
         batch = self.batches[bs]
         model = self.model
-        with forward_context(ForwardContext(batch, self.backend, self.metadata[bs], self.prefetch)):
+        with forward_context(ForwardContext(batch, self.backend, self.metadata[bs])):
             hidden = model(batch.input_ids, batch.positions)
         self.logits[:bs].copy_(model.compute_logits(hidden))
 

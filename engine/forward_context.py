@@ -17,7 +17,6 @@ class ForwardContext:
     batch: ForwardBatch
     backend: Any  # engine.attention.base.AttentionBackend
     metadata: Any  # what backend.plan(batch) returned
-    prefetch: Any = None  # engine.weight_prefetch.WeightPrefetch inside decode CUDA graphs, when on
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(layer_id, q, k, v, self.batch, self.metadata)

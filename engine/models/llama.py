@@ -47,20 +47,15 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
-        ctx = get_forward_context()
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if ctx.prefetch is not None:  # o_proj's weight into L2 while rotary, the KV store and attention run
-            ctx.prefetch.start(self.o_proj.weight)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        out = self.o_proj(ctx.attend(self.layer_id, q, k, v.contiguous()).reshape(n, self.q_size))
-        if ctx.prefetch is not None:
-            ctx.prefetch.join()
-        return out
+        out = get_forward_context().attend(self.layer_id, q, k, v.contiguous())
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
