@@ -2,7 +2,8 @@
 
 Host page p is one contiguous block [2 * num_layers, page_size, num_kv_heads, head_dim] (layer 0 K, layer 0 V, ...),
 so a page is also the byte layout the L3 store keeps (`engine.cache.storage.KvLayout.page_bytes`). Page 0 is never
-handed out. On CUDA the pool is pinned and copies run on their own stream:
+handed out. On CUDA the pool is pinned and copies run on streams of their own, one per direction (a load never
+queues behind a backup, and the two use the GPU's separate copy engines at once):
 - device -> host (`to_host`) waits for the compute stream (the KV must be written), and is asynchronous: the caller
   gets a `Pending` and may use the host pages once it is done;
 - host -> device (`to_device`) is asynchronous too, and makes the compute stream wait for it, so the next forward
@@ -116,7 +117,8 @@ class KVMover:
     def __init__(self, kv: KVPool, host: HostKVPool):
         self.kv, self.host = kv, host
         self.cuda = kv.k[0].is_cuda
-        self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
+        self.load_stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # host -> device
         self.buffers = kv.buffers()
 
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
@@ -150,15 +152,15 @@ class KVMover:
                 self._device_pages(b)[idx] = staged[:, j]
             return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
         device = self.kv.k[0].device
-        with torch.cuda.stream(self.stream):
-            start = _timing_event(self.stream)
+        with torch.cuda.stream(self.load_stream):
+            start = _timing_event(self.load_stream)
             staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype, device=device)
             for i, first, n in _runs(host_pages):
                 staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
             idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
             for j, b in enumerate(self.buffers):
                 self._device_pages(b)[idx] = staged[:, j]
-            event = _timing_event(self.stream)
+            event = _timing_event(self.load_stream)
         torch.cuda.current_stream().wait_event(event)
         return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
 
