@@ -151,6 +151,11 @@ def metric_sum(url: str, *names: str) -> float:
                if line.partition("{")[0].partition(" ")[0] in names)
 
 
+def migrations(mesh: Mesh) -> float:
+    """Streams the router moved to another worker mid-answer."""
+    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
+
+
 def moved(mesh: Mesh) -> float:
     """Requests the router migrated (mid-stream) or retried (before their first token) to another worker."""
     return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total", "sgl_router_retries_total")

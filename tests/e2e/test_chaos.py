@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import internal_channel, metric_sum, moved, running_mesh
+from tests.e2e.mesh import internal_channel, metric_sum, migrations, moved, running_mesh
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -83,9 +83,6 @@ async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
         return await asyncio.gather(*tasks)
 
 
-
-def _migrated(mesh) -> float:
-    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
 
 
 def _kvstore_page_sets(mesh) -> float:
@@ -185,7 +182,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
                 await asyncio.sleep(0.5)
             os.kill(pid, signal.SIGCONT)
 
-    moved_before, migrated = moved(mesh), _migrated(mesh)
+    moved_before, migrated = moved(mesh), migrations(mesh)
     started = time.monotonic()
     got = asyncio.run(_load(mesh, inject))
     took = time.monotonic() - started
@@ -207,7 +204,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
         if fault == "SIGKILL" and not role:  # round robin put streams there, decoding by the fault: moved mid-stream
             # (a PD decode worker is picked by load: the victim may hold only requests still in their handoff,
             # which are retried; test_migration's PD case asserts a migration off a killed decode worker)
-            assert _migrated(mesh) > migrated, "no stream was migrated off the killed worker"
+            assert migrations(mesh) > migrated, "no stream was migrated off the killed worker"
     _whole_again(mesh, service, victim, fault == "SIGKILL", 4 if role else 2)
     if fault == "SIGKILL":
         after = _restarts(mesh)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, http_get, metric_sum, moved, running_mesh
+from tests.e2e.mesh import cmdline, http_get, migrations, moved, running_mesh
 from tests.e2e.test_pd import PD, pid_of, workers
 
 NAME = model_path(MODEL)
@@ -71,9 +71,6 @@ def _workers(mesh) -> list[int]:
     return [pid for pid in mesh.services().values() if "services.decode" in cmdline(pid)]
 
 
-def _migrations(mesh) -> float:
-    return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
-
 
 
 def _check(got, want) -> None:
@@ -98,15 +95,15 @@ def test_a_worker_killed_or_hung_mid_stream_costs_no_client_anything(tmp_path):
         assert all(err is None and reason == "length" for _, reason, err in want), want[:3]
         first, second = _workers(mesh)
         _check(asyncio.run(_run(mesh, lambda: os.kill(first, signal.SIGKILL))), want)
-        assert _migrations(mesh) > 0, "no stream was in flight on the killed worker"
+        assert migrations(mesh) > 0, "no stream was in flight on the killed worker"
         assert "migrating samples" in mesh.log_path.read_text()  # n = 2 streams went on sample by sample
         _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == 2, 90, "no restart")
-        before = _migrations(mesh)
+        before = migrations(mesh)
         try:
             _check(asyncio.run(_run(mesh, lambda: os.kill(second, signal.SIGSTOP))), want)
         finally:
             os.kill(second, signal.SIGCONT)
-        assert _migrations(mesh) > before, "no stream was in flight on the hung worker"
+        assert migrations(mesh) > before, "no stream was in flight on the hung worker"
 
 
 def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
