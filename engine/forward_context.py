@@ -17,11 +17,8 @@ class ForwardContext:
     batch: ForwardBatch
     backend: Any  # engine.attention.base.AttentionBackend
     metadata: Any  # what backend.plan(batch) returned
-    layers_ready: list | None = None  # CUDA events of a host-tier load: layer l's before layer l's attention
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.layers_ready is not None:
-            torch.cuda.current_stream().wait_event(self.layers_ready[layer_id])
         return self.backend.forward(layer_id, q, k, v, self.batch, self.metadata)
 
 

@@ -145,9 +145,6 @@ class ModelRunner:
         Launches work on the device and returns without waiting for it."""
         self._publish("logits", batch)
         if self.graphs is not None and self.graphs.can_run(batch):
-            loads = self.take_loads()
-            if loads is not None:  # a graph waits as a whole
-                torch.cuda.current_stream().wait_event(loads[-1])
             return self.graphs.replay(batch)
         hidden = self._hidden(batch)
         if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
@@ -280,13 +277,8 @@ class ModelRunner:
         """The model's final hidden states (after the final norm), [num_tokens, hidden]."""
         batch.fill_pending()
         metadata = self.attn_backend.plan(batch)
-        with forward_context(ForwardContext(batch, self.attn_backend, metadata, self.take_loads())):
+        with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
             return self.model(batch.input_ids, batch.positions)
-
-    def take_loads(self) -> list | None:
-        """The per-layer events of host-tier loads this forward must wait for (engine.cache.host_pool), once."""
-        loads, self.kv_pool.layers_ready = self.kv_pool.layers_ready, None
-        return loads
 
     @torch.inference_mode()
     def forward_pooled(self, batch: ForwardBatch, pooling: Pooling) -> torch.Tensor:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import host_copy
 from engine.cache.kv_pool import KVPool, PageAllocator
 
 
@@ -144,9 +143,7 @@ class KVMover:
         return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
 
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
-        """Copy host pages into device pages (same order). On CUDA the copy runs layer by layer and the pool's
-        `layers_ready` gets an event per layer: the next forward waits for layer l's before its attention reads the
-        pool (ModelRunner), so the load overlaps the layers computed before it."""
+        """Copy host pages into device pages (same order); the compute stream waits for it."""
         started = time.perf_counter()
         if not self.cuda:
             staged = self.host.data[torch.tensor(host_pages, dtype=torch.int64)]
@@ -154,29 +151,6 @@ class KVMover:
             for j, b in enumerate(self.buffers):
                 self._device_pages(b)[idx] = staged[:, j]
             return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
-        if not host_copy.available():
-            return self._to_device_whole(host_pages, dev_pages)
-        device, stream = self.kv.k[0].device, self.load_stream
-        data = self.host.data
-        with torch.cuda.stream(stream):
-            start = _timing_event(stream)
-            staged = torch.empty((len(host_pages), 2, *self.host.shape[1:]), dtype=data.dtype, device=device)
-            idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
-            width = staged[0].numel() * data.element_size()  # one layer's K and V of one page
-            pitch = data.stride(0) * data.element_size()  # page to page (every layer; every rank's, under TP)
-            runs, ready = _runs(host_pages), []
-            for layer in range(len(self.buffers) // 2):
-                for i, first, n in runs:
-                    host_copy.copy_rows(staged[i].data_ptr(), data.data_ptr() + first * pitch + layer * width,
-                                        width, pitch, n, stream)
-                self._device_pages(self.buffers[2 * layer])[idx] = staged[:, 0]
-                self._device_pages(self.buffers[2 * layer + 1])[idx] = staged[:, 1]
-                ready.append(_timing_event(stream))
-        self.kv.layers_ready = ready  # the latest load's: each implies every earlier load's (one stream, in order)
-        return Pending(ready[-1], len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
-
-    def _to_device_whole(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
-        """Every layer at once, before the compute stream's next work (no strided copies to be had)."""
         device = self.kv.k[0].device
         with torch.cuda.stream(self.load_stream):
             start = _timing_event(self.load_stream)

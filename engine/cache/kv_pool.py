@@ -49,9 +49,6 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
-        # CUDA events, one per layer, of the latest host-tier load still to be waited for (host_pool.KVMover); the
-        # next forward takes them (ModelRunner.take_loads)
-        self.layers_ready: list | None = None
 
     @property
     def capacity_tokens(self) -> int:
