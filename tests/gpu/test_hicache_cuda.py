@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
+from engine.cache.host_pool import KVMover
 from tests.conftest import model_path
 from tests.engine_utils import running_engine
 
@@ -48,3 +50,30 @@ def test_host_and_l3_tiers_on_cuda_are_token_exact(tmp_path, backend, policy):
         assert cache.pages.num_free == cache.pages.num_pages
         host = cache.hierarchy.host.allocator
         assert host.num_free == host.num_pages
+
+
+
+def test_a_slow_host_load_is_waited_for(monkeypatch):
+    """Loads run on a stream of their own, with no host synchronization before the forward that reads them: with
+    every load held back ~10 ms on that stream (longer than a tiny model's whole forward), outputs served from the
+    host pool still equal those with the hierarchy off."""
+    real = KVMover.to_device
+
+    def slow(self, host_pages, dev_pages):
+        with torch.cuda.stream(self.load_stream):
+            torch.cuda._sleep(20_000_000)  # noqa: SLF001 - the load stream is busy when the copies are queued
+        return real(self, host_pages, dev_pages)
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 900) for _ in range(60)] for _ in range(8)]
+    path = model_path("tiny-llama")
+    common = dict(device="cuda", dtype="float32", page_size=16, attention_backend="triton")
+    with running_engine(path, max_total_tokens=4096, **common) as llm:
+        want = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=SP)]
+    monkeypatch.setattr(KVMover, "to_device", slow)
+    with running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=4,
+                        **common) as llm:
+        for round_ in range(2):
+            outs = [llm.generate(input_ids=p, sampling_params=SP) for p in prompts]
+            assert [o["output_ids"] for o in outs] == want, f"round {round_}"
+        assert llm.cache.hierarchy.hit_tokens["host"] > 0, "nothing came back from the host pool"
