@@ -55,6 +55,7 @@ def test_soak_smoke(tmp_path):
     assert checks["kv_drained"] and checks["kv_free_after_flush"] and checks["restarted"] == []
     assert all(w["used_tokens"] == 0 for w in checks["kv_after_drain"] + checks["kv_after_flush"])
     assert set(checks["growth"]) == SERVICES and all(g["ok"] for g in checks["growth"].values())
+    assert not any(g["rss_judged"] for g in checks["growth"].values())  # 20 s: RSS still settling, fds judged
     assert checks["mesh_exit_status"] == 0
 
 
@@ -72,6 +73,13 @@ def test_soak_growth_rule():
     fd_leak = growth(_samples([100] * 9, [20 + i for i in range(9)]), 24, 5, 4)["router"]
     assert not fd_leak["ok"] and fd_leak["fds_growth"] == 6
     assert growth(_samples([100, 200], [1, 9]), 24, 5, 4) == {}  # too few samples to judge
+    # a run shorter than min_rss_span_s: RSS not judged (still settling), fds still are
+    short = growth(_samples([100 + 5 * i for i in range(9)], [20] * 9), 24, 5, 4, min_rss_span_s=600)["router"]
+    assert short["ok"] and not short["rss_judged"] and short["rss_growth_mib"] == 30.0
+    short_fd_leak = growth(_samples([100] * 9, [20 + i for i in range(9)]), 24, 5, 4, min_rss_span_s=600)["router"]
+    assert not short_fd_leak["ok"]
+    assert growth(_samples([100 + 5 * i for i in range(11)], [20] * 11), 24, 5, 4, min_rss_span_s=600)["router"][
+        "rss_judged"] is True
 
 
 def test_soak_bad_input():
