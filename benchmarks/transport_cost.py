@@ -3,7 +3,7 @@ stream (WorkerService.GenerateStream, as services/router/mux.py uses it) against
 carrying the same serialized protobuf messages in length-prefixed frames. Each of `--inflight` client tasks sends a
 GenerateStreamRequest and waits for the GenerateStreamResponse (one step's chunk) that answers it, in a loop; the
 client's CPU (every thread of its process) is divided by the round trips. The server runs in another process on the
-other core; the client is pinned to core 0.
+second core the benchmark may use; the client is pinned to the first.
 
     python -m benchmarks.transport_cost [--round-trips 20000] [--inflight 1 16] [--out PATH]
 """
@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -95,6 +96,18 @@ async def _client_tcp(port: int, trips: int, inflight: int) -> float:
     return time.process_time() - t0
 
 
+def _wait_listening(port: int, server: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the echo server on port {port} did not start") from None
+            time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--round-trips", type=int, default=20000)
@@ -107,16 +120,18 @@ def main() -> None:
     if args.serve:
         asyncio.run((_serve_grpc if args.serve == "grpc" else _serve_tcp)(args.port))
         return
-    if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
-        os.sched_setaffinity(0, {0})
+    cores = sorted(os.sched_getaffinity(0))
+    pin = len(cores) > 1  # the client on the first core it may use, the server on the second
+    if pin:
+        os.sched_setaffinity(0, {cores[0]})
     rows = []
     for transport in ("grpc", "tcp"):
         port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "benchmarks.transport_cost", "--serve", transport,
-                                   "--port", str(port)], preexec_fn=lambda: os.sched_setaffinity(0, {1})
-                                  if os.cpu_count() and os.cpu_count() > 1 else None)
+                                   "--port", str(port)],
+                                  preexec_fn=(lambda: os.sched_setaffinity(0, {cores[1]})) if pin else None)
         try:
-            time.sleep(1.5)
+            _wait_listening(port, server)
             for inflight in args.inflight:
                 client = _client_grpc if transport == "grpc" else _client_tcp
                 cpu = sorted(asyncio.run(client(port, args.round_trips, inflight)) for _ in range(args.repeats))

@@ -105,3 +105,18 @@ def test_bench_router_processes_smoke(tmp_path):
         assert all(t["requests_per_s"] > 0 and t["errors"] == 0 for t in s["throughput"]), s
         assert s["prefix_heavy"]["errors"] == 0
         assert s["prefix_heavy"]["hit_rate"] >= 0.8, s["prefix_heavy"]
+
+
+def test_transport_cost_smoke(tmp_path):
+    """`python -m benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the JSON
+    holds a row per transport and in-flight count; its echo servers are gone afterwards."""
+    out = tmp_path / "transport.json"
+    marker = uuid.uuid4().hex
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.transport_cost", "--round-trips", "400", "--repeats",
+                           "1", "--inflight", "1", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "BENCH_TRANSPORT_SMOKE": marker})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["transport"], r["inflight"]) for r in rows] == [("grpc", 1), ("grpc", 4), ("tcp", 1), ("tcp", 4)]
+    assert all(r["client_cpu_us_per_round_trip"] > 0 for r in rows), rows
+    assert not _tagged(f"BENCH_TRANSPORT_SMOKE={marker}"), "an echo server was left behind"
