@@ -203,7 +203,7 @@ if [[ $PARTS == *routing* ]]; then
   # On two GPUs: GPU_IDS="--worker-gpu-ids 0 1" gives each worker its own.
   MODEL=build/llama-3.1-8b
   W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend triton --cuda-graph-max-bs 32
-     --mem-fraction-static 0.8 --page-size 64 --max-total-tokens ${MAX_TOKENS:-32768} --num-clients ${CLIENTS:-32} --num-rounds 4
+     --mem-fraction-static 0.8 --page-size 64 --max-total-tokens 32768 --num-clients ${CLIENTS:-32} --num-rounds 4
      --request-length 1024 --output-length 64 --shared-system-prompt-len 1024 --max-parallel 8 --seed 1
      --log-level warning --workers 2 --enable-hierarchical-cache --hicache-ratio 4 --disable-tqdm ${GPU_IDS:-}
      --output-file $OUT/routing.jsonl"

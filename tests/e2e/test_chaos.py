@@ -83,8 +83,6 @@ async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
         return await asyncio.gather(*tasks)
 
 
-
-
 def _kvstore_page_sets(mesh) -> float:
     """Pages the kvstore has stored since it started (its metrics' URL is in the launcher's log)."""
     match = re.search(r"kvstore (http://\S+/metrics)", mesh.log_path.read_text())

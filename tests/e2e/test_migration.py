@@ -71,8 +71,6 @@ def _workers(mesh) -> list[int]:
     return [pid for pid in mesh.services().values() if "services.decode" in cmdline(pid)]
 
 
-
-
 def _check(got, want) -> None:
     errors = [err for _, _, err in got if err is not None]
     assert not errors, f"{len(errors)} streams failed, e.g. {errors[:3]}"

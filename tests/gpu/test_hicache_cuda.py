@@ -52,7 +52,6 @@ def test_host_and_l3_tiers_on_cuda_are_token_exact(tmp_path, backend, policy):
         assert host.num_free == host.num_pages
 
 
-
 def test_a_slow_host_load_is_waited_for(monkeypatch):
     """Loads run on a stream of their own, with no host synchronization before the forward that reads them: with
     every load held back ~10 ms on that stream (longer than a tiny model's whole forward), outputs served from the
