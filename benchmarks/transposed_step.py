@@ -1,0 +1,82 @@
+"""The lead of benchmarks.gemv_layouts measured inside the decode step (issue 10): the same 8B-shaped model (dummy
+weights, triton, CUDA graphs) with o_proj, down_proj and the LM head computing `x @ w_t` from a transposed copy of
+their weights, against the model as it is, alternated in one process (graphs captured again at each switch). Per
+batch size: the GPU time of a step (benchmarks.profile_decode's measure), and the first 8 greedy tokens of each
+request from both layouts (bf16 rounding may differ).
+
+    python -m benchmarks.transposed_step [--batch-size 1 8 64] [--rounds 2] [--result-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.profile_decode import _gpu_ms
+from engine.bench_one_batch import _make_reqs, decode, prefill
+from engine.cache.manager import CacheManager
+from engine.config import EngineArgs, ModelConfig, resolve_args
+from engine.model_runner import ModelRunner
+
+
+def _switch(runner: ModelRunner, transposed: bool) -> None:
+    model = runner.model
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if transposed:
+                lin.weight_t = lin.weight.t().contiguous()
+                lin.forward = lambda x, lin=lin: x @ lin.weight_t
+            else:
+                lin.__dict__.pop("forward", None)
+                lin.__dict__.pop("weight_t", None)
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    if transposed:
+        head_t = head.t().contiguous()
+        model.compute_logits = lambda hidden: (hidden @ head_t).float()
+    else:
+        model.__dict__.pop("compute_logits", None)
+    torch.cuda.empty_cache()
+    runner.graphs.capture()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--result-file")
+    ns = p.parse_args()
+    cfg = ModelConfig.from_path(ns.model_path)
+    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                                   disable_radix_cache=True, max_running_requests=max(ns.batch_size),
+                                   context_length=ns.input_len + 128, attention_backend="triton",
+                                   mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size)), cfg)
+    runner = ModelRunner(args, cfg)
+    cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
+    rows = []
+    for round_ in range(ns.rounds):
+        for transposed in (False, True):
+            _switch(runner, transposed)
+            for bs in ns.batch_size:
+                reqs = _make_reqs(cache, bs, ns.input_len, cfg.vocab_size, torch.Generator().manual_seed(bs))
+                ids = prefill(runner, cache, reqs)
+                _, tokens = decode(runner, cache, reqs, ids, 8)
+                gpu_ms, wall_ms, _ = _gpu_ms(runner, cache, reqs, tokens)
+                for r in reqs:
+                    cache.release(r)
+                row = {"round": round_, "transposed": transposed, "batch_size": bs, "gpu_ms": round(gpu_ms, 4),
+                       "wall_ms": round(wall_ms, 4), "first_tokens": [r.output_ids[:8] for r in reqs[:4]]}
+                rows.append(row)
+                print(f"round {round_} {'transposed' if transposed else 'as stored '} bs {bs:3}: GPU {gpu_ms:.3f} "
+                      f"ms/step, synchronous {wall_ms:.3f}")
+    if ns.result_file:
+        with open(ns.result_file, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
