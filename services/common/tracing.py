@@ -144,12 +144,20 @@ def root_span(name: str, headers: Mapping[str, str], **attributes: Any):
     return _Span(name, 2, attributes, _Span.remote(remote) if remote is not None else None)
 
 
-def record_span(name: str, start: float, end: float, events: tuple = (), **attributes: Any) -> None:
+def wall_offset_ns() -> int:
+    """Wall clock minus monotonic clock, in ns: what record_span adds to a monotonic reading. Two readings of it
+    differ by a few ns (the two clocks are not read at once), so spans that must meet end to end take one."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def record_span(name: str, start: float, end: float, events: tuple = (), *, offset_ns: int | None = None,
+                **attributes: Any) -> None:
     """A finished child of the current span from two time.monotonic() readings; `events`: (name, monotonic time,
-    attributes) each. No-op when tracing is off."""
+    attributes) each; `offset_ns`: a wall_offset_ns() shared with the spans this one meets (None: a fresh one).
+    No-op when tracing is off."""
     if _pipe is None:
         return
-    offset = time.time_ns() - time.monotonic_ns()
+    offset = wall_offset_ns() if offset_ns is None else offset_ns
     s = _Span(name, 1, attributes, _current.get(), int(start * 1e9) + offset)
     for event, at, attrs in events:
         s.add_event(event, attrs, int(at * 1e9) + offset)
@@ -187,6 +195,20 @@ def metadata_for(s):
     if s.baggage and _propagation.baggage:
         md.add("baggage", s.baggage)
     return md
+
+
+def put_context(target, s) -> bool:
+    """Write span `s`'s context (W3C traceparent, tracestate, baggage) into `target`, a request's
+    `map<string, string> trace_context` or a dict; False (nothing written) for None or with tracecontext
+    propagation off. Writing the map directly costs a quarter of building gRPC metadata and copying it over."""
+    if s is None or _propagation is None or not _propagation.tracecontext:
+        return False
+    target["traceparent"] = s.traceparent()
+    if s.tracestate:
+        target["tracestate"] = s.tracestate
+    if s.baggage and _propagation.baggage:
+        target["baggage"] = s.baggage
+    return True
 
 
 def current_metadata():
