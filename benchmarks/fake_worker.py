@@ -18,7 +18,7 @@ import grpc
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import generate_mux
 from services.common.logs import setup_logging
-from services.common.server import GrpcService, GrpcSettings
+from services.common.server import GrpcService, LaneGrpcSettings
 
 TOKEN_TEXT = " tok"
 VOCAB = 1000
@@ -126,12 +126,15 @@ def main(argv: list[str] | None = None) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
-    settings = GrpcSettings(args.host, args.port, shutdown_grace_s=1.0, log_level=args.log_level)
+    settings = LaneGrpcSettings(args.host, args.port, shutdown_grace_s=1.0, log_level=args.log_level)
     asyncio.run(_serve(settings, register, servicer))
 
 
-async def _serve(settings: GrpcSettings, register, servicer) -> None:
-    service = GrpcService(settings, register)
+async def _serve(settings: LaneGrpcSettings, register, servicer) -> None:
+    # a worker of an older release has no stream lanes either
+    lanes = None if servicer.no_generate_stream else {
+        "GenerateStream": (servicer.GenerateStream, worker_pb2.GenerateStreamRequest)}
+    service = GrpcService(settings, register, lanes=lanes)
     servicer.draining = service.draining
     await service.run_until_signal()
 

@@ -18,7 +18,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from engine.config import STORAGE_TRANSPORTS, EngineArgs
 from services.common import auth
 from services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
 from services.common.auth_channel import sync_channel
+from services.common.ports import free_port
 from services.common.settings import parse_settings
 from services.decode.settings import PdSettings
 from services.supervise import Supervisor
@@ -68,6 +68,8 @@ class LaunchSettings:
         "help": "processes of each router (its --router-workers: one port, a supervisor, shared routing state)"})
     disable_generate_stream: bool = field(default=False, metadata={
         "help": "routers call workers once per request instead of over one GenerateStream per worker"})
+    disable_stream_lane: bool = field(default=False, metadata={
+        "help": "routers carry GenerateStream and TokenizeStream over gRPC, not over the services' stream lanes"})
     max_migrations: int = field(default=3, metadata={
         "help": "routers: times a stream whose worker fails mid-stream moves to another worker (0: off)"})
     max_restarts: int = field(default=10, metadata={
@@ -132,12 +134,6 @@ class LaunchSettings:
         if self.kvstore_transport not in STORAGE_TRANSPORTS:
             raise ValueError(f"--kvstore-transport must be one of {', '.join(STORAGE_TRANSPORTS)}, "
                              f"got {self.kvstore_transport!r}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -211,7 +207,10 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         tok += ["--context-length", str(engine_kwargs["context_length"])]
     if settings.served_model_name:  # its metrics carry the model_name the router's and workers' do
         tok += ["--served-model-name", settings.served_model_name]
-    children = [Child("tokenizer" if i == 0 else f"tokenizer-{i}", [*tok, "--port", str(port)],
+    # every port of the mesh from this process's free_port, the stream lanes' too (a lane on a port the kernel
+    # picked could take one handed to a service that has not started yet)
+    children = [Child("tokenizer" if i == 0 else f"tokenizer-{i}",
+                      [*tok, "--port", str(port), "--stream-lane-port", str(free_port())],
                       f"grpc://127.0.0.1:{port}") for i, port in enumerate(tok_ports)]
     kv_flags, router_kv = [], []
     if settings.kvstore:
@@ -231,7 +230,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     for name, role in _worker_roles(settings):
         port = free_port()
         worker_urls.append(f"127.0.0.1:{port}")
-        argv = ["services.decode", "--port", str(port), *role, *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
+        argv = ["services.decode", "--port", str(port), "--stream-lane-port", str(free_port()), *role, *pd_flags,
+                *kv_flags, *engine_flags(engine_kwargs)]
         if settings.served_model_name:
             argv += ["--served-model-name", settings.served_model_name]
         gpus = settings.worker_gpu_ids
@@ -248,6 +248,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
               "--max-migrations", str(settings.max_migrations), *router_kv]
     if settings.disable_generate_stream:
         router.append("--disable-generate-stream")
+    if settings.disable_stream_lane:
+        router.append("--disable-stream-lane")
     if settings.api_key_tenants:
         router += ["--api-key-tenants", *settings.api_key_tenants]
     for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),

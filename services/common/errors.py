@@ -25,6 +25,12 @@ class Exhausted(Exception):
     """The service is full for now (a bounded queue); callers get RESOURCE_EXHAUSTED."""
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a grpc.aio call raises, for a call-like object that is not one (a GenerateStream request of the
+    router's mux, a stream lane) to fail with."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, Exhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -59,7 +59,8 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         if announcer is not None:
             announcer.start()
 
-    service = GrpcService(settings, register, on_stop, on_start)
+    service = GrpcService(settings, register, on_stop, on_start,
+                          lanes={"GenerateStream": (servicer.GenerateStream, worker_pb2.GenerateStreamRequest)})
     servicer.draining = service.draining
     announcer = _router_announcer(settings, service.port)
     if metrics is not None:

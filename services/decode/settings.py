@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.server import GrpcSettings
+from services.common.server import LaneGrpcSettings
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSettings(GrpcSettings):
+class WorkerSettings(LaneGrpcSettings):
     disaggregation_mode: str = field(default="null", metadata={
         "help": "null: a colocated worker (prefill + decode); prefill / decode: one side of a PD pair"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: path)"})

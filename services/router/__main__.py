@@ -87,14 +87,16 @@ def router_metrics(router: Router, settings: MetricsSettings) -> ServiceMetrics 
 
 async def build_router(settings: RouterSettings) -> Router:
     tokenizer = TokenizerPool(tokenizer_urls(settings.tokenizer_url), settings.connect_timeout_s,
-                                settings.tokenizer_cache_l0_max_entries if settings.tokenizer_cache_enable_l0 else 0)
+                              settings.tokenizer_cache_l0_max_entries if settings.tokenizer_cache_enable_l0 else 0,
+                              stream_lanes=not settings.disable_stream_lane)
     await tokenizer.connect(STARTUP_WAIT_S)
     registry = WorkerRegistry(
         settings.connect_timeout_s, settings.health_check_interval_s, probe_timeout_s=settings.health_check_timeout_secs,
         failure_threshold=settings.health_failure_threshold, success_threshold=settings.health_success_threshold,
         probing=not settings.disable_health_check, new_breaker=lambda: CircuitBreaker(
             settings.cb_failure_threshold, settings.cb_success_threshold, settings.cb_timeout_duration_secs,
-            settings.cb_window_duration_secs, enabled=not settings.disable_circuit_breaker))
+            settings.cb_window_duration_secs, enabled=not settings.disable_circuit_breaker),
+        stream_lanes=not settings.disable_stream_lane)
     for url in settings.worker_urls:
         try:
             await registry.add(url)
@@ -172,7 +174,8 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
             router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
             return [router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name]
         grpc_service = GrpcService(GrpcSettings(settings.host, settings.grpc_port, settings.shutdown_grace_s,
-                                                settings.log_level), register, internal=False)  # public: API keys
+                                                settings.log_level), register, internal=False,  # public: API keys
+                                   reuse_port=peers is not None)
         await grpc_service.start()
     log.info("router listening on http://%s:%d (%d workers, policy %s)", settings.host, settings.port,
              len(router.registry.workers), settings.policy)

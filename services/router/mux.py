@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from services.common import stream_lane
+from services.common.errors import rpc_error
 from services.router.stream_link import StreamLink
 
 log = logging.getLogger(__name__)
 _DONE = object()
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class MuxCall:
@@ -87,12 +86,17 @@ class MuxCall:
 
 
 class WorkerMux:
-    def __init__(self, stub, url: str, handshake_timeout_s: float):
+    def __init__(self, stub, url: str, handshake_timeout_s: float, lane_channel: grpc.aio.Channel | None = None):
+        """`lane_channel`: the worker's channel, to open a stream lane over (services.common.stream_lane); None:
+        gRPC only."""
         self.url = url
         self.calls: dict[str, MuxCall] = {}
+        lane = None if lane_channel is None else functools.partial(
+            stream_lane.open_lane, lane_channel, url, "GenerateStream", worker_pb2.GenerateStreamResponse,
+            handshake_timeout_s)
         self.link = StreamLink(url, "GenerateStream", stub.GenerateStream, worker_pb2.GenerateStreamRequest(),
                                handshake_timeout_s, lambda why: rpc_error(grpc.StatusCode.UNAVAILABLE, why),
-                               self._read)
+                               self._read, lane)
 
     async def open(self) -> bool:
         """True when the stream is up (opened now if needed); False when the worker does not speak GenerateStream.

@@ -107,6 +107,9 @@ class RouterSettings:
     disable_generate_stream: bool = field(default=False, metadata={
         "help": "a worker call per request instead of one GenerateStream per worker carrying all of them (a "
                 "worker without GenerateStream gets calls anyway)"})
+    disable_stream_lane: bool = field(default=False, metadata={
+        "help": "carry GenerateStream and TokenizeStream over gRPC even where a worker or tokenizer service offers "
+                "a stream lane (a plain TCP connection for the same messages, several times cheaper per message)"})
     router_workers: int = field(default=1, metadata={
         "help": "router processes serving the same ports (SO_REUSEPORT) under one supervisor that replaces any "
                 "that dies; they share the worker registry, health and the cache-aware routes; admission limits "

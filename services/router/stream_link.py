@@ -4,7 +4,9 @@ the tokenizer service), the plumbing WorkerMux (mux.py) and TokenizeBatcher (tok
 - `open()` starts the stream with a handshake (an empty message, answered with an empty one). The callers that wait
   for it resume together. A peer without the method (UNIMPLEMENTED) makes it return False from then on: the owner
   goes back to a call per request. Any other failure raises `unavailable(reason)`.
-- `send(msg)` queues a message; one task writes them in order (writes never overlap on a gRPC stream).
+- `send(msg)` queues a message; one task writes them in order (writes never overlap on a gRPC stream); on a stream
+  lane (services.common.stream_lane: the same messages over a plain TCP connection, tried first when the owner
+  gives `lane`) it is written at once.
 - the owner's `read(call)` coroutine runs for the stream's life; when it returns, `ended(call)` forgets the stream
   and the next `open()` starts another."""
 
@@ -22,9 +24,14 @@ log = logging.getLogger(__name__)
 
 class StreamLink:
     def __init__(self, url: str, method: str, start: Callable[[], object], hello, timeout_s: float,
-                 unavailable: Callable[[str], Exception], read: Callable[[object], Awaitable[None]]):
+                 unavailable: Callable[[str], Exception], read: Callable[[object], Awaitable[None]],
+                 lane: Callable[[], Awaitable[object | None]] | None = None):
+        """`lane()`: a stream lane to the peer (services.common.stream_lane.open_lane), None when it offers none;
+        tried first at each open, and the gRPC stream (`start()`) when there is none or its handshake fails."""
         self.url, self.method, self.timeout_s = url, method, timeout_s
         self._start, self._hello, self._unavailable, self._read = start, hello, unavailable, read
+        self._lane = lane
+        self.on_lane = False  # whether the open stream is a lane (for tests and logs)
         self.supported: bool | None = None  # unknown until the first handshake
         self.call = None
         self._opening: asyncio.Future | None = None
@@ -48,23 +55,61 @@ class StreamLink:
             fut.exception()  # retrieved: its waiters got it
 
     async def _open(self) -> bool:
-        call = self._start()
+        if self._lane is not None:
+            lane = await self._open_lane()
+            if lane is not None:
+                return self._up(lane, True)
+        for attempt in (1, 2):
+            call = self._start()
+            try:
+                await call.write(self._hello)
+                first = await asyncio.wait_for(call.read(), self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                call.cancel()
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("%s has no %s: a call per request", self.url, self.method)
+                    self.supported = False
+                    return False
+                if e.code() == grpc.StatusCode.INTERNAL and attempt == 1:
+                    # grpc's Python client reports a status that arrives while the handshake's write is still in
+                    # flight as INTERNAL ("Internal error from Core"), hiding the real one (UNIMPLEMENTED from a
+                    # peer without the method, say); asked again, the peer's status comes through
+                    log.info("%s to %s: %s at the handshake; asking again", self.method, self.url, e.details())
+                    continue
+                raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise self._unavailable(f"no {self.method} handshake in {self.timeout_s:.0f} s") from None
+            if first is grpc.aio.EOF:
+                raise self._unavailable(f"{self.method} closed at once")
+            return self._up(call, False)
+        raise AssertionError("unreachable")
+
+    async def _open_lane(self):
+        """The stream over a lane, handshake done; None when there is none (the peer offers none, or it failed its
+        handshake: the reason is logged)."""
         try:
-            await call.write(self._hello)
-            first = await asyncio.wait_for(call.read(), self.timeout_s)
+            lane = await self._lane()
         except grpc.aio.AioRpcError as e:
-            call.cancel()
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.info("%s has no %s: a call per request", self.url, self.method)
-                self.supported = False
-                return False
             raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
-        except asyncio.TimeoutError:
-            call.cancel()
-            raise self._unavailable(f"no {self.method} handshake in {self.timeout_s:.0f} s") from None
-        if first is grpc.aio.EOF:
-            raise self._unavailable(f"{self.method} closed at once")
-        self.supported, self.call = True, call
+        if lane is None:
+            return None
+        try:
+            await lane.write(self._hello)
+            first = await asyncio.wait_for(lane.read(), self.timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else "timed out"
+        else:
+            if first is not grpc.aio.EOF:
+                return lane
+            why = "closed at once"
+        lane.cancel()
+        log.warning("%s lane to %s: no handshake (%s); opening it over gRPC", self.method, self.url, why)
+        return None
+
+    def _up(self, call, lane: bool) -> bool:
+        log.info("%s to %s is open (%s)", self.method, self.url, "a stream lane" if lane else "gRPC")
+        self.supported, self.call, self.on_lane = True, call, lane
         self._reader = asyncio.create_task(self._run_reader(call))
         return True
 
@@ -83,6 +128,8 @@ class StreamLink:
         """Queues `msg`; False when the stream is gone (its reader fails what waited on it)."""
         if self.call is None:
             return False
+        if self.on_lane:  # a lane writes at once: no writer task, no await
+            return self.call.write_nowait(msg)
         self._outbox.append(msg)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write(self.call))

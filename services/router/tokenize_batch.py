@@ -12,11 +12,13 @@ per request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 
 import grpc
 
 from radixmesh.v1 import tokenizer_pb2
+from services.common import stream_lane
 from services.router.stream_link import StreamLink
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -27,10 +29,16 @@ class TokenizerUnavailable(Exception):
 
 
 class TokenizeBatcher:
-    def __init__(self, stub, url: str, timeout_s: float):
+    def __init__(self, stub, url: str, timeout_s: float, lane_channel=None):
+        """`lane_channel`: the service's channel, to open a stream lane over (services.common.stream_lane); None:
+        gRPC only."""
         self.url, self.timeout_s = url, timeout_s
+        lane = None if lane_channel is None else functools.partial(
+            stream_lane.open_lane, lane_channel, url, "TokenizeStream", tokenizer_pb2.TokenizeStreamResponse,
+            timeout_s)
         self.link = StreamLink(url, "TokenizeStream", stub.TokenizeStream, tokenizer_pb2.TokenizeStreamRequest(),
-                               timeout_s, lambda why: TokenizerUnavailable(f"tokenizer {url}: {why}"), self._read)
+                               timeout_s, lambda why: TokenizerUnavailable(f"tokenizer {url}: {why}"), self._read,
+                               lane)
         self._ids = itertools.count(1)
         self._batch: list[tuple[tokenizer_pb2.TokenizeRequest, asyncio.Future]] = []
         self._flush: asyncio.Handle | None = None

@@ -47,9 +47,10 @@ class TokenizeCache:
 
 
 class TokenizerClient:
-    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0):
+    def __init__(self, url: str, timeout_s: float, cache_entries: int = 0, stream_lanes: bool = True):
         """`cache_entries` > 0: answer repeated tokenize requests from a cache of that many (responses are shared:
-        callers read them, never change them)."""
+        callers read them, never change them); `stream_lanes`: TokenizeStream goes over the service's stream lane
+        where it offers one."""
         self.url = url
         self.timeout_s = timeout_s
         self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
@@ -57,7 +58,7 @@ class TokenizerClient:
         self.channel = untraced_channel(url, RECONNECT_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None
-        self.batcher = TokenizeBatcher(self.stub, url, timeout_s)
+        self.batcher = TokenizeBatcher(self.stub, url, timeout_s, self.channel if stream_lanes else None)
 
     async def connect(self, wait_s: float) -> tokenizer_pb2.GetTokenizerInfoResponse:
         try:
@@ -88,12 +89,12 @@ class TokenizerClient:
 
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         if await self.batcher.open():
-            carried = tracing.current_metadata()
-            if carried:  # the caller's request stays as it is (it may be the L0 cache's key)
+            span = tracing.current_span()
+            if span is not None:  # the caller's request stays as it is (it may be the L0 cache's key)
                 traced = tokenizer_pb2.TokenizeRequest()
                 traced.CopyFrom(request)
-                traced.trace_context.update(dict(carried))
-                request = traced
+                if tracing.put_context(traced.trace_context, span):
+                    request = traced
             return await self.batcher.submit(request)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())

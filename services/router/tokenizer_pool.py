@@ -27,11 +27,12 @@ def tokenizer_urls(value: str) -> list[str]:
 
 
 class TokenizerPool:
-    def __init__(self, urls: list[str], timeout_s: float, cache_entries: int = 0):
-        """`cache_entries` > 0: repeated tokenize requests are answered from one cache for all replicas."""
+    def __init__(self, urls: list[str], timeout_s: float, cache_entries: int = 0, stream_lanes: bool = True):
+        """`cache_entries` > 0: repeated tokenize requests are answered from one cache for all replicas;
+        `stream_lanes`: TokenizeStream over the replicas' stream lanes where they offer them."""
         if not urls:
             raise ValueError("no tokenizer URL")
-        self.clients = [TokenizerClient(u, timeout_s) for u in urls]
+        self.clients = [TokenizerClient(u, timeout_s, stream_lanes=stream_lanes) for u in urls]
         self.url = ",".join(urls)
         self.cache = TokenizeCache(cache_entries) if cache_entries > 0 else None
         self.info: tokenizer_pb2.GetTokenizerInfoResponse | None = None

@@ -60,8 +60,10 @@ def normalize_url(url: str) -> str:
 class WorkerRegistry:
     def __init__(self, connect_timeout_s: float, probe_interval_s: float, *, probe_timeout_s: float = 2.0,
                  failure_threshold: int = 3, success_threshold: int = 1, probing: bool = True,
-                 new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
+                 new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker, stream_lanes: bool = True):
+        """`stream_lanes`: GenerateStream goes over a worker's stream lane where it offers one."""
         self.connect_timeout_s = connect_timeout_s
+        self.stream_lanes = stream_lanes
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.failure_threshold = failure_threshold
@@ -107,7 +109,7 @@ class WorkerRegistry:
             await ch.close()
             raise ValueError(f"worker {url} serves {info.served_model_name!r}, the others {others[0]!r}")
         worker = Worker(url, ch, stub, info, breaker=self.new_breaker(),
-                        mux=WorkerMux(stub, url, self.connect_timeout_s))
+                        mux=WorkerMux(stub, url, self.connect_timeout_s, ch if self.stream_lanes else None))
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker

@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Sequence
 
+from radixmesh.v1 import tokenizer_pb2
 from services.common import auth
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
@@ -36,7 +37,8 @@ async def serve(settings: TokenizerSettings, backend: TokenizerBackend,
             await metrics_server.stop()
         backend.close()
 
-    service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop)
+    service = GrpcService(settings, lambda server: add_to_server(servicer, server), on_stop,
+                          lanes={"TokenizeStream": (servicer.TokenizeStream, tokenizer_pb2.TokenizeStreamRequest)})
     servicer.draining = service.draining
     if metrics is not None:
         metrics_server = await metrics.serve(metrics_settings, settings.host)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.server import GrpcSettings
+from services.common.server import LaneGrpcSettings
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerSettings(GrpcSettings):
+class TokenizerSettings(LaneGrpcSettings):
     model_path: str = field(default="", metadata={"help": "model folder (its tokenizer and config.json); required"})
     tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer folder (default: --model-path)"})
     served_model_name: str | None = field(default=None, metadata={

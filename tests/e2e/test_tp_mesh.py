@@ -131,6 +131,7 @@ def test_pd_with_tp_matches_the_colocated_mesh_and_refuses_a_mixed_pair(tmp_path
         argv = cmdline(old).split()
         port = free_port()
         argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--stream-lane-port") + 1] = "0"  # its own (the launcher gave the old one a fixed one)
         argv[argv.index("--tp-size") + 1] = "1"
         with open(tmp_path / "tp1-decode.log", "w") as log:
             extra = subprocess.Popen(argv, cwd=REPO, env=_environ(old), stdout=log, stderr=subprocess.STDOUT)

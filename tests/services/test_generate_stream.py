@@ -1,17 +1,22 @@
 """WorkerService.GenerateStream (many requests over one stream) against the real worker process: outputs equal the
 per-request Generate call's, token for token; one step's outputs of several requests share a message; a bad
-request ends alone with the status Generate would give; `abort` and a closed stream free every KV page. And through
-the router: a worker without GenerateStream is served with a call per request."""
+request ends alone with the status Generate would give; `abort` and a closed stream free every KV page; a draining
+worker ends it once idle. Each over gRPC and over the worker's stream lane (services.common.stream_lane), which
+runs the same handler. And through the router: a worker without GenerateStream is served with a call per
+request."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
 
 import grpc
+import pytest
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common import stream_lane
 from tests.services.metrics_utils import start_grpc, stop
 from tests.services.test_router_resilience import MODEL, Mesh, generate, post
 from tests.services.test_worker_service import greedy, start, used_after_flush, worker  # noqa: F401 (fixture)
@@ -64,15 +69,71 @@ class Stream:
     def close(self):
         self.requests.put(None)
 
+    def cancel(self):
+        self.call.cancel()
 
-def test_outputs_equal_per_call_generate(worker):
+
+class LaneStream(Stream):
+    """The same over the worker's stream lane (services.common.stream_lane), driven from an event loop of its own.
+    There is no half-close on a lane: close() ends the connection (what still runs on it is aborted)."""
+
+    def __init__(self, url: str):
+        self.batches = queue.Queue()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.lane = asyncio.run_coroutine_threadsafe(self._open(url), self.loop).result(30)
+        assert isinstance(self.lane, stream_lane.LaneCall), "the worker offered no lane"
+        self._send(worker_pb2.GenerateStreamRequest())
+        assert self.next(10) == worker_pb2.GenerateStreamResponse()
+
+    async def _open(self, url: str):
+        self.channel = grpc.aio.insecure_channel(url)
+        lane = await stream_lane.open_lane(self.channel, url, "GenerateStream", worker_pb2.GenerateStreamResponse,
+                                           10)
+        if lane is not None:
+            self.reader = asyncio.ensure_future(self._read_lane(lane))
+        return lane
+
+    async def _read_lane(self, lane):
+        try:
+            while (batch := await lane.read()) is not grpc.aio.EOF:
+                self.batches.put(batch)
+        except grpc.aio.AioRpcError as e:
+            self.batches.put(e)
+        self.batches.put(None)
+
+    def _send(self, msg):
+        self.loop.call_soon_threadsafe(self.lane.write_nowait, msg)
+
+    def submit(self, **kw):
+        self._send(worker_pb2.GenerateStreamRequest(submit=worker_pb2.GenerateRequest(**kw)))
+
+    def abort(self, rid: str):
+        self._send(worker_pb2.GenerateStreamRequest(abort=rid))
+
+    def close(self):
+        self.cancel()
+
+    def cancel(self):
+        self.loop.call_soon_threadsafe(self.lane.cancel)
+
+
+def open_stream(transport: str, stub) -> Stream:
+    return Stream(stub) if transport == "grpc" else LaneStream(stub.url)
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "lane"])
+
+
+@TRANSPORTS
+def test_outputs_equal_per_call_generate(worker, transport):
     prompts = {f"s{i}": list(range(20 + i, 50 + 2 * i)) for i in range(4)}
     expected = {}
     for rid, ids in prompts.items():
         msgs = list(worker.Generate(worker_pb2.GenerateRequest(request_id="ref-" + rid, input_ids=ids,
                                                                sampling_params=greedy(10), stream=True)))
         expected[rid] = [t for m in msgs for t in m.chunk.token_ids], msgs[-1].complete.text
-    s = Stream(worker)
+    s = open_stream(transport, worker)
     for rid, ids in prompts.items():
         s.submit(request_id=rid, input_ids=ids, sampling_params=greedy(10), stream=True)
     s.submit(request_id="whole", input_ids=prompts["s0"], sampling_params=greedy(10))
@@ -88,9 +149,10 @@ def test_outputs_equal_per_call_generate(worker):
     assert used_after_flush(worker) == 0
 
 
-def test_bad_request_ends_alone_and_abort_frees_pages(worker):
+@TRANSPORTS
+def test_bad_request_ends_alone_and_abort_frees_pages(worker, transport):
     assert used_after_flush(worker) == 0
-    s = Stream(worker)
+    s = open_stream(transport, worker)
     s.submit(request_id="long", input_ids=list(range(30, 90)), sampling_params=greedy(900, ignore_eos=True),
              stream=True)
     s.submit(request_id="", input_ids=[1, 2, 3], sampling_params=greedy(4))  # no request_id
@@ -110,7 +172,7 @@ def test_bad_request_ends_alone_and_abort_frees_pages(worker):
              stream=True)
     while worker.GetLoads(worker_pb2.GetLoadsRequest()).num_running_requests == 0:
         time.sleep(0.02)
-    s.call.cancel()
+    s.cancel()
     assert used_after_flush(worker) == 0
     assert worker.GetLoads(worker_pb2.GetLoadsRequest()).num_running_requests == 0
 
@@ -134,14 +196,17 @@ def test_router_falls_back_to_calls_for_a_worker_without_generate_stream(tmp_pat
         stop(proc)
 
 
-def test_sigterm_finishes_the_running_requests_then_ends_the_stream():
+@TRANSPORTS
+def test_sigterm_finishes_the_running_requests_then_ends_the_stream(transport):
     """A draining worker answers what runs on the stream, refuses new submits (UNAVAILABLE: the router retries
     elsewhere) and ends the stream once idle, so it exits long before its 30 s grace period."""
     import signal
 
     proc, url = start("services.decode", "--shutdown-grace-s", "30")
     with grpc.insecure_channel(url) as ch:
-        s = Stream(worker_pb2_grpc.WorkerServiceStub(ch))
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        stub.url = url
+        s = open_stream(transport, stub)
         s.submit(request_id="running", input_ids=list(range(30, 60)), sampling_params=greedy(800, ignore_eos=True),
                  stream=True)
         first = s.next()

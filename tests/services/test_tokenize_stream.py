@@ -1,7 +1,8 @@
 """TokenizerService.TokenizeStream (Tokenize requests in batches over one stream) and the router's batching client,
 against the real tokenizer service process: results equal the unary Tokenize's, a rejected input fails alone with
-INVALID_ARGUMENT (a ValueError in the router), concurrent requests share messages, a dead service is a bounded
-TokenizerUnavailable for every waiting request, and a service without the method is served a call per request."""
+INVALID_ARGUMENT (a ValueError in the router), concurrent requests share messages (over the service's stream lane
+and over gRPC), a dead service is a bounded TokenizerUnavailable for every waiting request, and a service without
+the method (or without lanes) is served a call per request."""
 
 from __future__ import annotations
 
@@ -60,15 +61,18 @@ def test_stream_results_equal_unary_calls(tokenizer):
             assert got.response == want
 
 
-def test_router_client_batches_and_fails_cleanly(tokenizer):
-    proc, url = tokenizer
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_router_client_batches_and_fails_cleanly(tmp_path, lane):
+    """Over the service's stream lane (the router's default) and over gRPC."""
+    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL, log=tmp_path / "tokenizer.log")
 
     async def run():
-        client = TokenizerClient(url, timeout_s=10)
+        client = TokenizerClient(url, timeout_s=10, stream_lanes=lane)
         await client.connect(30)
         texts = [f"prompt number {i} with some words" for i in range(40)]
         got = await asyncio.gather(*(client.tokenize(pb.TokenizeRequest(text=t)) for t in texts))
         assert client.batcher.supported and client.batcher.requests == 40 and client.batcher.batches < 10
+        assert client.batcher.link.on_lane is lane
         one = await client.tokenize(pb.TokenizeRequest(text=texts[3]))
         assert list(one.input_ids) == list(got[3].input_ids) and one.prompt == texts[3]
         with pytest.raises(ValueError):

@@ -28,7 +28,9 @@ def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
 def worker():
     proc, url = start("services.decode")
     ch = grpc.insecure_channel(url)
-    yield worker_pb2_grpc.WorkerServiceStub(ch)
+    stub = worker_pb2_grpc.WorkerServiceStub(ch)
+    stub.url = url  # for a stream lane (tests/services/test_generate_stream.py)
+    yield stub
     ch.close()
     proc.terminate()
     assert proc.wait(timeout=30) == 0

@@ -74,3 +74,32 @@ def test_sglang_router_flag_names_are_accepted_as_aliases():
     assert (s.request_timeout_s, s.max_tree_tokens, s.health_check_interval_s, s.shutdown_grace_s) == (90, 4096, 7, 12)
     assert (s.policy, s.prefill_policy, s.decode_policy) == ("power_of_two", "cache_aware", "round_robin")
     assert (s.retry_max_retries, s.cb_failure_threshold, s.max_concurrent_requests) == (3, 4, 8)
+
+
+def test_every_port_the_launcher_hands_out_is_its_own():
+    """Services, their stream lanes, metrics and bootstrap ports: no two the same (a CI run once gave the kvstore
+    and a tokenizer one port, and both gRPC servers bound it). Planned many times, as many meshes are in a test
+    run; and a second gRPC server on a taken port fails instead of sharing it."""
+    import asyncio
+    import re
+
+    from services.common.server import GrpcService, GrpcSettings
+    from services.launch import LaunchSettings, plan
+
+    seen: list[int] = []
+    for _ in range(50):
+        for disaggregation in ("null", "pd"):
+            children = plan(LaunchSettings(disaggregation=disaggregation, kvstore=True, num_tokenizers=2,
+                                           enable_metrics=True), {"model_path": "/m"})
+            ports = [int(a) for c in children if not c.name.startswith("router")  # its --port is the user's
+                     for flag, a in zip(c.argv, c.argv[1:]) if re.fullmatch(r"--(port|stream-lane-port|metrics-port|disaggregation-bootstrap-port)", flag)]
+            assert len(ports) == len(set(ports)), ports
+            seen += ports
+    assert len(seen) == len(set(seen))  # across meshes too, as long as the recent ones are remembered
+
+    async def two_on_one_port():
+        first = GrpcService(GrpcSettings("127.0.0.1", 0, 0.1), lambda server: [])
+        with pytest.raises(OSError, match="cannot listen"):
+            GrpcService(GrpcSettings("127.0.0.1", first.port, 0.1), lambda server: [])
+        await first.server.stop(None)
+    asyncio.run(two_on_one_port())

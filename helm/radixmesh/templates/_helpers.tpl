@@ -117,6 +117,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "radixmesh.tlsArgs" . }}
 {{- end -}}
 
+{{/* The stream lane (services/common/stream_lane.py) of a service the routers stream to (workers, tokenizer): a
+fixed port, and the pod's own address, so a router that reaches the service through its Service name dials the pod
+that granted the lane. Needs the POD_IP environment variable. */}}
+{{- define "radixmesh.laneArgs" -}}
+- --stream-lane-port
+- "50052"
+- --stream-lane-host
+- $(POD_IP)
+{{- end -}}
+
 {{/* Container ports: the service's own, plus metrics. Call with (dict "root" $ "port" 50051 "name" "grpc") */}}
 {{- define "radixmesh.ports" -}}
 - name: {{ .name }}
