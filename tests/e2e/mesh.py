@@ -151,6 +151,33 @@ def metric_sum(url: str, *names: str) -> float:
                if line.partition("{")[0].partition(" ")[0] in names)
 
 
+def worker_metrics(mesh: Mesh, worker: str) -> dict[str, float]:
+    """The router's samples labelled with `worker` (host:port), by name, from one scrape."""
+    status, raw = http_get(mesh.url + "/metrics")
+    assert status == 200, raw[:200]
+    out = {}
+    for line in raw.decode().splitlines():
+        head, _, value = line.rpartition(" ")
+        if f'worker="{worker}"' in head:
+            out[head.partition("{")[0]] = float(value)
+    return out
+
+
+def streaming_on(mesh: Mesh, worker: str):
+    """A predicate for a fault's trigger: true once a call to `worker` (host:port) has had its first message since
+    now and at least two are open, by the router's metrics, so the worker has streams mid-stream when it fails.
+    (Counting chunks of any stream let the other worker's chunks fire a fault before this one's first token, and
+    a worker that answers fast may have finished its streams by then: CI runs. A worker's first tokens come in
+    bursts, a prefill batch at a time, and a scrape of a busy router is slow: so one is enough.)"""
+    name = "sgl_router_worker_time_to_first_token_seconds_count"
+    before = worker_metrics(mesh, worker).get(name, 0.0)
+
+    def ready() -> bool:
+        now = worker_metrics(mesh, worker)
+        return now.get(name, 0.0) > before and now.get("sgl_router_running_requests", 0.0) >= 2
+    return ready
+
+
 def migrations(mesh: Mesh) -> float:
     """Streams the router moved to another worker mid-answer."""
     return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")

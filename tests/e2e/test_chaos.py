@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import internal_channel, metric_sum, migrations, moved, running_mesh
+from tests.e2e.mesh import internal_channel, metric_sum, migrations, moved, running_mesh, streaming_on
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -70,14 +70,17 @@ async def _chat(client: openai.AsyncOpenAI, i: int, streaming: list[int]) -> tup
         return "|".join(texts), f"{type(e).__name__}: {e}"
 
 
-async def _load(mesh, fault=None) -> list[tuple[str, str | None]]:
+async def _load(mesh, fault=None, ready=None) -> list[tuple[str, str | None]]:
+    """`fault()` comes a third of the way into the arrivals, once a sixth of the streams have tokens, and `ready()`
+    (polled in a thread) holds."""
     streaming = [0]  # streams that have their first chunk
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
         tasks = [asyncio.create_task(_chat(client, i, streaming)) for i in range(STREAMS)]
-        if fault is not None:  # a third of the way into the arrivals, once a sixth of the streams have tokens
+        if fault is not None:
             await asyncio.sleep(ARRIVE_S / 3)
             deadline = time.monotonic() + 30
-            while streaming[0] < STREAMS // 6 and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not (
+                    streaming[0] >= STREAMS // 6 and (ready is None or await asyncio.to_thread(ready))):
                 await asyncio.sleep(0.02)
             await fault()
         return await asyncio.gather(*tasks)
@@ -181,8 +184,10 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
             os.kill(pid, signal.SIGCONT)
 
     moved_before, migrated = moved(mesh), migrations(mesh)
+    # a colocated worker fails with streams of its own mid-stream (round robin gives it every other one)
+    ready = streaming_on(mesh, f"127.0.0.1:{victim[1]}") if service == "services.decode" and not role else None
     started = time.monotonic()
-    got = asyncio.run(_load(mesh, inject))
+    got = asyncio.run(_load(mesh, inject, ready))
     took = time.monotonic() - started
     if service == "services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]

@@ -1,10 +1,11 @@
 """Request migration on the launched mesh (2 colocated workers, an API key, loopback): under 200 concurrent streamed
 chat completions, a worker SIGKILLed, or stopped (SIGSTOP: hung), mid-stream costs no client anything: every
 stream completes without an error event, and every output equals the unfailed run's, token for token (greedy, and
-every tenth stream two seeded samples): the router moved each broken stream to the other worker, which continued
-after the tokens already streamed (services/router/core.py, engine.results.resume_req), an n = 2 stream sample by
-sample. The same on a PD mesh (2 prefill + 2 decode over Mooncake) with a decode worker or a prefill worker
-SIGKILLed. With --max-migrations 0 the broken streams end with an error instead, naming why."""
+every fifth stream two seeded samples: odd and even ones, so that round robin, which alternates, gives both workers
+some): the router moved each broken stream to the other worker, which continued after the tokens already streamed
+(services/router/core.py, engine.results.resume_req), an n = 2 stream sample by sample. The same on a PD mesh
+(2 prefill + 2 decode over Mooncake) with a decode worker or a prefill worker SIGKILLed.
+With --max-migrations 0 the broken streams end with an error instead, naming why."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, http_get, migrations, moved, running_mesh
+from tests.e2e.mesh import cmdline, http_get, migrations, moved, running_mesh, streaming_on
 from tests.e2e.test_pd import PD, pid_of, workers
 
 NAME = model_path(MODEL)
@@ -34,11 +35,11 @@ def _prompt(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Tell story number {i} about the lighthouse keeper and the storm."}]
 
 
-async def _chat(client: openai.AsyncOpenAI, i: int, progress: list[int]) -> tuple[str, str | None, str | None]:
-    """(text, finish_reason, error) of one streamed completion. Every tenth asks for two seeded samples (n = 2,
+async def _chat(client: openai.AsyncOpenAI, i: int, started: list[int]) -> tuple[str, str | None, str | None]:
+    """(text, finish_reason, error) of one streamed completion. Every fifth asks for two seeded samples (n = 2,
     temperature 0.8): its text is both, "|"-separated."""
     texts, reason = ["", ""], None
-    sampled = {"n": 2, "temperature": 0.8, "seed": i} if i % 10 == 0 else {"temperature": 0}
+    sampled = {"n": 2, "temperature": 0.8, "seed": i} if i % 5 == 0 else {"temperature": 0}
     try:
         stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS,
                                                       stream=True, extra_body={"ignore_eos": True}, **sampled)
@@ -47,24 +48,33 @@ async def _chat(client: openai.AsyncOpenAI, i: int, progress: list[int]) -> tupl
             for choice in chunk.choices:
                 texts[choice.index] += choice.delta.content or ""
                 reason = choice.finish_reason or reason
-            progress[0] += 1
+            started.append(i)  # a chunk of stream i
         return "|".join(texts), reason, None
     except openai.APIError as e:
         return "|".join(texts), reason, f"{type(e).__name__}: {e}"
 
 
-async def _run(mesh, fault=None) -> list[tuple[str, str | None, str | None]]:
-    """All streams at once; `fault()` runs once there were as many chunks as streams (streams in flight: a chunk
-    may carry several tokens)."""
-    progress = [0]
+async def _run(mesh, fault=None, ready=None) -> list[tuple[str, str | None, str | None]]:
+    """All streams at once; `fault()` runs once `ready()` holds (polled in a thread), by default once there were as
+    many chunks as streams."""
+    chunks: list[int] = []
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
-        tasks = [asyncio.create_task(_chat(client, i, progress)) for i in range(STREAMS)]
+        tasks = [asyncio.create_task(_chat(client, i, chunks)) for i in range(STREAMS)]
         if fault is not None:
-            while progress[0] < STREAMS and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.01)
-            assert sum(not t.done() for t in tasks) > STREAMS // 2, "the streams ended before the fault"
+            while not all(t.done() for t in tasks):
+                if await asyncio.to_thread(ready) if ready is not None else len(chunks) >= STREAMS:
+                    break
+                await asyncio.sleep(0.05)
+            running = sum(not t.done() for t in tasks)
+            assert running > STREAMS // 4, ("the streams ended before the fault", running)
             fault()
         return await asyncio.gather(*tasks)
+
+
+def _streaming_on(mesh, pid: int):
+    """_run's `ready`: once the worker of `pid` has calls streaming."""
+    argv = cmdline(pid).split()
+    return streaming_on(mesh, "127.0.0.1:" + argv[argv.index("--port") + 1])
 
 
 def _workers(mesh) -> list[int]:
@@ -92,13 +102,14 @@ def test_a_worker_killed_or_hung_mid_stream_costs_no_client_anything(tmp_path):
         want = asyncio.run(_run(mesh))
         assert all(err is None and reason == "length" for _, reason, err in want), want[:3]
         first, second = _workers(mesh)
-        _check(asyncio.run(_run(mesh, lambda: os.kill(first, signal.SIGKILL))), want)
+        _check(asyncio.run(_run(mesh, lambda: os.kill(first, signal.SIGKILL), _streaming_on(mesh, first))), want)
         assert migrations(mesh) > 0, "no stream was in flight on the killed worker"
         assert "migrating samples" in mesh.log_path.read_text()  # n = 2 streams went on sample by sample
         _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == 2, 90, "no restart")
         before = migrations(mesh)
         try:
-            _check(asyncio.run(_run(mesh, lambda: os.kill(second, signal.SIGSTOP))), want)
+            _check(asyncio.run(_run(mesh, lambda: os.kill(second, signal.SIGSTOP), _streaming_on(mesh, second))),
+                   want)
         finally:
             os.kill(second, signal.SIGCONT)
         assert migrations(mesh) > before, "no stream was in flight on the hung worker"
@@ -127,9 +138,9 @@ def _answers_health(mesh, address: str) -> bool:
 
 
 def test_without_migration_broken_streams_end_with_a_clear_error(tmp_path):
-    with running_mesh(NAME, tmp_path, "--max-migrations", "0", "--policy", "round_robin", num_workers=2,
-                      api_key=KEY) as mesh:
+    with running_mesh(NAME, tmp_path, "--max-migrations", "0", "--enable-metrics", "--policy", "round_robin",
+                      num_workers=2, api_key=KEY) as mesh:
         victim = _workers(mesh)[0]
-        got = asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL)))
+        got = asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL), _streaming_on(mesh, victim)))
         errors = [err for _, _, err in got if err is not None]
         assert errors and all("--max-migrations 0" in e for e in errors), errors[:3]
