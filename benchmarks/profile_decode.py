@@ -71,6 +71,18 @@ def profile_batch(runner, cache, bs: int, input_len: int) -> dict:
     return {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}
 
 
+def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_len: int,
+                  **overrides) -> tuple[ModelRunner, CacheManager]:
+    """A runner of `model_path` with dummy weights, sized for decode batches up to max(batch_sizes) at contexts
+    of ~input_len, and its cache manager (no radix cache). `overrides`: more EngineArgs."""
+    cfg = ModelConfig.from_path(model_path)
+    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                                   disable_radix_cache=True, max_running_requests=max(batch_sizes),
+                                   context_length=input_len + 128, attention_backend=backend, **overrides), cfg)
+    runner = ModelRunner(args, cfg)
+    return runner, CacheManager(runner.kv_pool, runner.req_to_token, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
@@ -79,12 +91,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--result-file")
     ns = parser.parse_args()
-    cfg = ModelConfig.from_path(ns.model_path)
-    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                                   disable_radix_cache=True, max_running_requests=max(ns.batch_size),
-                                   context_length=ns.input_len + 128, attention_backend=ns.attention_backend), cfg)
-    runner = ModelRunner(args, cfg)
-    cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
+    runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len)
     for bs in ns.batch_size:
         row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len)}
         print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "

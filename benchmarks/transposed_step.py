@@ -14,10 +14,8 @@ import json
 
 import torch
 
-from benchmarks.profile_decode import _gpu_ms
+from benchmarks.profile_decode import _gpu_ms, decode_runner
 from engine.bench_one_batch import _make_reqs, decode, prefill
-from engine.cache.manager import CacheManager
-from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
 
 
@@ -49,19 +47,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--result-file")
     ns = p.parse_args()
-    cfg = ModelConfig.from_path(ns.model_path)
-    args = resolve_args(EngineArgs(model_path=cfg.path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                                   disable_radix_cache=True, max_running_requests=max(ns.batch_size),
-                                   context_length=ns.input_len + 128, attention_backend="triton",
-                                   mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size)), cfg)
-    runner = ModelRunner(args, cfg)
-    cache = CacheManager(runner.kv_pool, runner.req_to_token, None)
+    runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
+                                  cuda_graph_bs=tuple(ns.batch_size))
+    vocab = runner.model_config.vocab_size
     rows = []
     for round_ in range(ns.rounds):
         for transposed in (False, True):
             _switch(runner, transposed)
             for bs in ns.batch_size:
-                reqs = _make_reqs(cache, bs, ns.input_len, cfg.vocab_size, torch.Generator().manual_seed(bs))
+                reqs = _make_reqs(cache, bs, ns.input_len, vocab, torch.Generator().manual_seed(bs))
                 ids = prefill(runner, cache, reqs)
                 _, tokens = decode(runner, cache, reqs, ids, 8)
                 gpu_ms, wall_ms, _ = _gpu_ms(runner, cache, reqs, tokens)
