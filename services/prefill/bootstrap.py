@@ -143,7 +143,14 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         rid, number = convert.engine_rid(request), params.bootstrap_room
         room = self._room(number)
         if room.request.done():
-            raise ValueError(f"room {number:016x} already has a request")
+            ended = room.request.exception()
+            if ended is None:
+                raise ValueError(f"room {number:016x} already has a request")
+            # The decode worker's handoff ended before this call arrived (it died, or gave up waiting); its
+            # Handoff counted the failure. ABORTED: the router retries the request on another pair.
+            self.rooms.pop(number, None)
+            room_log(number, rid, "failed", str(ended), logging.WARNING)
+            raise ended
         room.request.set_result(rid)
         room_log(number, rid, "bootstrapping", "waiting for the decode worker")
         try:
