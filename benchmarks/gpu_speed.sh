@@ -6,6 +6,10 @@
 #                           bf16 matmul rate
 #   PARTS="setup offline"   offline throughput (512 in / 128 out, 1024 prompts, 256 running) for each lever, then
 #                           1024 in / 1024 out
+#   PARTS="pdl"             the step's projections alone, chained in a CUDA graph: cuBLAS against kernels.gemv with
+#                           and without programmatic dependent launch (benchmarks.pdl_chain), and its GPU tests
+#   PARTS="pdlstep"         the decode step with and without programmatic dependent launch (benchmarks.pdl_step),
+#                           then the kernel tests
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
@@ -58,6 +62,15 @@ if [[ $PARTS == *onebatch* ]]; then
       --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
       --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
   done
+fi
+
+if [[ $PARTS == *pdlstep* ]]; then
+  $PY -m benchmarks.pdl_step --batch-size 1 8 64 --rounds 2 --result-file "$OUT/pdl_step.jsonl" 2>&1 \
+    | tee "$OUT/pdl_step.log" | grep -v Warning
+  $PY -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
+elif [[ $PARTS == *pdl* ]]; then
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
+  $PY -m benchmarks.pdl_chain --result-file "$OUT/pdl_chain.jsonl" 2>&1 | tee "$OUT/pdl_chain.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *profile* ]]; then

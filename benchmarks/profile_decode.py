@@ -83,6 +83,29 @@ def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_l
     return runner, CacheManager(runner.kv_pool, runner.req_to_token, None)
 
 
+def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], input_len: int, rounds: int) -> list[dict]:
+    """An A/B inside one process: per round, per variant, `switch(runner, variant)` (which must capture the graphs
+    again), then per batch size the GPU time of a decode step and the first 8 greedy tokens of up to 4 requests."""
+    vocab = runner.model_config.vocab_size
+    rows = []
+    for round_ in range(rounds):
+        for variant in variants:
+            switch(runner, variant)
+            for bs in batch_sizes:
+                reqs = _make_reqs(cache, bs, input_len, vocab, torch.Generator().manual_seed(bs))
+                ids = prefill(runner, cache, reqs)
+                _, tokens = decode(runner, cache, reqs, ids, 8)
+                gpu_ms, wall_ms, _ = _gpu_ms(runner, cache, reqs, tokens)
+                for r in reqs:
+                    cache.release(r)
+                row = {"round": round_, "variant": variant, "batch_size": bs, "gpu_ms": round(gpu_ms, 4),
+                       "wall_ms": round(wall_ms, 4), "first_tokens": [r.output_ids[:8] for r in reqs[:4]]}
+                rows.append(row)
+                print(f"round {round_} {str(variant):>12} bs {bs:3}: GPU {gpu_ms:.3f} ms/step, synchronous "
+                      f"{wall_ms:.3f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")

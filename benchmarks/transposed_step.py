@@ -14,8 +14,7 @@ import json
 
 import torch
 
-from benchmarks.profile_decode import _gpu_ms, decode_runner
-from engine.bench_one_batch import _make_reqs, decode, prefill
+from benchmarks.profile_decode import ab_rounds, decode_runner
 from engine.model_runner import ModelRunner
 
 
@@ -49,23 +48,9 @@ def main() -> None:
     ns = p.parse_args()
     runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
                                   cuda_graph_bs=tuple(ns.batch_size))
-    vocab = runner.model_config.vocab_size
-    rows = []
-    for round_ in range(ns.rounds):
-        for transposed in (False, True):
-            _switch(runner, transposed)
-            for bs in ns.batch_size:
-                reqs = _make_reqs(cache, bs, ns.input_len, vocab, torch.Generator().manual_seed(bs))
-                ids = prefill(runner, cache, reqs)
-                _, tokens = decode(runner, cache, reqs, ids, 8)
-                gpu_ms, wall_ms, _ = _gpu_ms(runner, cache, reqs, tokens)
-                for r in reqs:
-                    cache.release(r)
-                row = {"round": round_, "transposed": transposed, "batch_size": bs, "gpu_ms": round(gpu_ms, 4),
-                       "wall_ms": round(wall_ms, 4), "first_tokens": [r.output_ids[:8] for r in reqs[:4]]}
-                rows.append(row)
-                print(f"round {round_} {'transposed' if transposed else 'as stored '} bs {bs:3}: GPU {gpu_ms:.3f} "
-                      f"ms/step, synchronous {wall_ms:.3f}")
+    rows = ab_rounds(runner, cache, _switch, (False, True), ns.batch_size, ns.input_len, ns.rounds)
+    for row in rows:
+        row["transposed"] = row.pop("variant")
     if ns.result_file:
         with open(ns.result_file, "a") as f:
             for row in rows:

@@ -51,6 +51,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
+    # Programmatic dependent launch (Hopper and later): each Triton kernel may start while the one before it finishes,
+    # and decode-sized products run kernels.gemv, which streams its weights meanwhile (kernels/runtime.py). Off: every
+    # kernel waits for the one before, and cuBLAS runs every product.
+    disable_pdl: bool = False
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int = 0

@@ -20,6 +20,7 @@ from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
 from engine.distributed import TensorParallel, TPConfig
 from engine.forward_context import ForwardContext, forward_context
+from engine.layers.triton_ops import set_pdl
 from engine.models.loader import load_model
 from engine.pooling import Pooling, pool
 from engine.sampling.penalties import PenaltyState
@@ -46,6 +47,7 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            set_pdl(not args.disable_pdl)
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp)

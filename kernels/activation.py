@@ -11,12 +11,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.runtime import pdl_enter, pdl_options
+
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few rows get narrower column blocks
 _MIN_BLOCK, _MAX_BLOCK = 256, 2048  # columns per program: one 16-byte bf16 vector per thread of 1 to 8 warps
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride_row, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # x [n, 2 * inter] (gate then up; unit column stride), out [n, inter] contiguous; grid (n, cdiv(inter, BLOCK)).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -46,7 +49,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     block = _block_columns(n, inter)
     _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
         gate_up, out, inter, gate_up.stride(0), BLOCK=block,
-        num_warps=max(1, min(8, block * gate_up.element_size() // (16 * 32))))
+        num_warps=max(1, min(8, block * gate_up.element_size() // (16 * 32))), **pdl_options(gate_up))
     return out
 
 

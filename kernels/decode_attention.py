@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import accumulate, softmax_step
-from kernels.runtime import dot_needs_upcast
+from kernels.runtime import dot_needs_upcast, pdl_enter, pdl_options
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
 MAX_SPLITS = 64
@@ -38,7 +38,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,7 +90,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
 @triton.jit
 def _decode_stage2(PartialO, PartialLse, Out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -145,12 +147,13 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         lse.stride(0), lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
-        UPCAST=dot_needs_upcast(q.dtype), num_warps=4, num_stages=2)
+        UPCAST=dot_needs_upcast(q.dtype), num_warps=4, num_stages=2, **pdl_options(q))
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2)
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
+            **pdl_options(q))
     return out
 
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.runtime import pdl_enter, pdl_options
+
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
 _MAX_TILE = 2048  # elements of K (and as many of V) per program with many tokens
 
@@ -14,7 +16,8 @@ _MAX_TILE = 2048  # elements of K (and as many of V) per program with many token
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, num_kv_heads,
                      k_stride_tok, k_stride_head, v_stride_tok, v_stride_head,
                      kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # Grid (tokens, cdiv(num_kv_heads, BLOCK_H)): token t's heads [b * BLOCK_H, ...) go to slot loc[t] of both caches.
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -43,7 +46,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
         k, v, k_cache, v_cache, loc, num_kv_heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_h * block_d * k.element_size() // (16 * 32))))
+        num_warps=max(1, min(8, block_h * block_d * k.element_size() // (16 * 32))), **pdl_options(k))
 
 
 def _check(k_cache, v_cache, loc, k, v) -> None:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.runtime import pdl_enter, pdl_options
+
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: rows are packed only while this many programs remain
 _MAX_TILE = 4096  # elements of one program's tile when short rows (per-head q/k norm) are packed together
 
@@ -20,7 +22,8 @@ _MAX_TILE = 4096  # elements of one program's tile when short rows (per-head q/k
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, dim, eps,
                     x_stride_outer, x_stride_inner, res_stride_outer, res_stride_inner,
-                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # Row r of the [outer, inner, dim] input sits at (r // inner) * stride_outer + (r % inner) * stride_inner; the
     # outputs are contiguous [n_rows, dim].
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [ROWS]
@@ -77,7 +80,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, r3, weight.contiguous(), out, out if res_out is None else res_out, n_rows, x3.shape[1], dim, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
-        num_warps=_num_warps(rows * block, x.element_size()))
+        num_warps=_num_warps(rows * block, x.element_size()), **pdl_options(x))
     return out, res_out
 
 

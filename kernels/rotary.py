@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.runtime import pdl_enter, pdl_options
+
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
 _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1 KiB each at head_dim 128 in bf16
 
@@ -38,7 +40,8 @@ def _rotate_heads(src, dst, stride_head, head0, n_heads, c1, c2, s1, s2,
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, num_heads, num_kv_heads, q_blocks,
                    q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, table_stride,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # Grid (tokens, q_blocks + k_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...), the rest k heads.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -81,7 +84,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         q, k, q_out, k_out, cos, sin, positions, num_heads, num_kv_heads, q_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False)
+        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
+        **pdl_options(q))
     return q_out, k_out
 
 

@@ -17,6 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.layers.triton_ops import use_kernels
+
+# Up to this many rows (a decode batch), a CUDA product with programmatic dependent launch on runs kernels.gemv,
+# which starts streaming its weights while the kernel before it still runs; F.linear (cuBLAS) otherwise. Measured on
+# an H100 (benchmarks.pdl_chain): the step's products chained at 1 and 8 rows take 5.6 ms with cuBLAS, 5.3 so.
+SKINNY_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,22 @@ class Shard:
 
 
 WHOLE = Shard()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias), as F.linear."""
+    if (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_ROWS and use_kernels(x) and x.dtype in _SKINNY_DTYPES
+            and x.stride(1) == 1 and weight.is_contiguous()):
+        from kernels.runtime import pdl_enabled
+
+        if pdl_enabled(x):  # eager too, so that a graph's products and eager ones round alike
+            from kernels.gemv import gemv
+
+            return gemv(x, weight, bias, pdl=True)
+    return F.linear(x, weight, bias)
+
+
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _rows(dest: slice, start: int, length: int) -> Shard:
@@ -64,7 +86,7 @@ class QKVParallelLinear(nn.Module):
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -81,7 +103,7 @@ class MergedColumnParallelLinear(nn.Module):
         return list(self._shards.items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,8 +122,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -136,7 +158,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 def vocab_logits(tp: TensorParallel, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 logits [n, vocab] from this rank's vocabulary share `weight` (the LM head's, or the embedding's when
     the model ties them), gathered from every rank: each takes part in the gather, the leader samples from it."""
-    out = F.linear(hidden, weight).float()
+    out = linear(hidden, weight).float()
     if tp.size == 1:
         return out
     return tp.all_gather_last(out)[:, :vocab_size]

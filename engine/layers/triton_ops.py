@@ -19,3 +19,12 @@ def _triton_importable() -> bool:
 
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_importable()
+
+
+def set_pdl(enabled: bool) -> None:
+    """Programmatic dependent launch of the kernels (and with it kernels.gemv for decode-sized products) on or off
+    for this process (kernels.runtime); nothing to set without Triton."""
+    if _triton_importable():
+        from kernels.runtime import use_pdl
+
+        use_pdl(enabled)

@@ -34,6 +34,7 @@ def test_flags_use_sglang_names():
     assert kw == {"model_path": "m", "attention_backend": "triton", "prefill_attention_backend": "flashinfer",
                   "decode_attention_backend": "triton", "cuda_graph_max_bs": 64, "cuda_graph_bs": [1, 2, 8],
                   "disable_cuda_graph": True, "disable_overlap_schedule": True}
+    assert _parse(["--disable-pdl"]) == {"model_path": "m", "disable_pdl": True}  # ours: no SGLang twin
 
 
 def _resolve(**kw) -> EngineArgs:

@@ -1,0 +1,147 @@
+"""The projections of a decode step alone, chained as the model chains them, in one CUDA graph: cuBLAS (F.linear)
+against kernels.gemv with and without programmatic dependent launch (and its L2 pull of the opening weight columns),
+in ms per chain and as a fraction of the weight-read floor from this run's copy bandwidth.
+
+The chain is the Llama-3.1-8B shape: per layer qkv [6144, 4096] -> o_proj [4096, 4096] -> gate_up [28672, 4096] ->
+down [4096, 14336], 32 layers, then the LM head [128256, 4096]; 15.0 GB of weights, so every product streams from
+HBM. Each product reads the previous one's output (sliced to its width), so a kernel cannot start its reads of x
+before the one before has written it. First, each variant's products are checked against the float32 twin.
+
+    python -m benchmarks.pdl_chain [--rows 1 8] [--result-file out.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from kernels.gemv import gemv, gemv_reference
+from kernels.runtime import pdl_supported
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 4096, 14336, 6144, 128256, 32
+
+
+def _weights(dev) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def w(n, k):
+        return (torch.randn((n, k), device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5).contiguous()
+
+    layers = [(w(QKV, HIDDEN), w(HIDDEN, HIDDEN), w(2 * INTER, HIDDEN), w(HIDDEN, INTER)) for _ in range(LAYERS)]
+    return layers, w(VOCAB, HIDDEN)
+
+
+def _chain(product, layers, head, x):
+    h = x
+    for qkv, o, gate_up, down in layers:
+        a = product(h, qkv)[:, :HIDDEN]
+        b = product(a, o)
+        c = product(b, gate_up)[:, :INTER]
+        h = product(c, down)
+    return product(h, head)
+
+
+def _variants(config_prefetch: list[int]) -> dict:
+    out = {"cublas": lambda x, w: F.linear(x, w), "triton": lambda x, w: gemv(x, w)}
+    for pre in config_prefetch:
+        def run(x, w, pre=pre):
+            n, k = w.shape
+            block_n = 16 if n <= 8192 else 32
+            block_k = 512 if k >= 4096 else 256
+            return gemv(x, w, pdl=True, config=(block_n, block_k, 4, 4, pre))
+        out[f"triton_pdl_pre{pre}"] = run
+    return out
+
+
+def _copy_gbps(dev) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9  # read + write
+
+
+def _time_graph(fn, reps: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _check(variants, dev) -> dict:
+    """Largest error of each variant's product against the float32 twin, over the five shapes at 1 and 8 rows, in
+    units of the twin's largest magnitude (bf16 output: ~4e-3 is one rounding)."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    errs = {}
+    for name, product in variants.items():
+        worst = 0.0
+        for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER), (VOCAB, HIDDEN)):
+            w = torch.randn((n, k), device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
+            for m in (1, 8):
+                x = torch.randn((m, k), device=dev, dtype=torch.bfloat16, generator=g)
+                want = gemv_reference(x, w).float()
+                got = product(x, w).float()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+        errs[name] = worst
+    return errs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1024, 2048, 4096],
+                        help="columns of each program's weight rows pulled into L2 before the wait")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--result-file")
+    ns = parser.parse_args()
+    dev = torch.device("cuda")
+    print(f"pdl supported: {pdl_supported()}")
+    variants = _variants(ns.prefetch)
+    errs = _check(variants, dev)
+    print("largest error / largest output:", {k: f"{v:.2e}" for k, v in errs.items()})
+    layers, head = _weights(dev)
+    nbytes = sum(t.numel() * 2 for layer in layers for t in layer) + head.numel() * 2
+    copy = _copy_gbps(dev)
+    floor_ms = nbytes / copy / 1e6
+    print(f"weights {nbytes / 1e9:.2f} GB, copy {copy:.0f} GB/s, floor {floor_ms:.3f} ms")
+    rows = []
+    for round_ in range(ns.rounds):
+        for m in ns.rows:
+            x = torch.randn((m, HIDDEN), device=dev, dtype=torch.bfloat16)
+            for name, product in variants.items():
+                ms = _time_graph(lambda: _chain(product, layers, head, x))
+                row = {"variant": name, "rows": m, "round": round_, "ms": ms, "floor_ms": floor_ms,
+                       "x_floor": ms / floor_ms, "copy_GBps": copy, "max_rel_err": errs[name],
+                       "device": torch.cuda.get_device_name()}
+                rows.append(row)
+                print(f"round {round_} rows {m:2d} {name:>20}: {ms:.3f} ms  {ms / floor_ms:.3f}x floor")
+    if ns.result_file:
+        with open(ns.result_file, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
