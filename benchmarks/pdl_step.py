@@ -9,12 +9,9 @@ and the first 8 greedy tokens of up to 4 requests (the products round differentl
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 
-from benchmarks.profile_decode import ab_rounds, decode_runner
+from benchmarks.profile_decode import ab_main
 from engine.model_runner import ModelRunner
 from kernels.runtime import pdl_supported, use_pdl
 
@@ -26,23 +23,8 @@ def _switch(runner: ModelRunner, pdl: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--result-file")
-    ns = p.parse_args()
     print(f"pdl supported: {pdl_supported()}")
-    runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
-                                  cuda_graph_bs=tuple(ns.batch_size))
-    rows = ab_rounds(runner, cache, _switch, (False, True), ns.batch_size, ns.input_len, ns.rounds)
-    for row in rows:
-        row["pdl"] = row.pop("variant")
-        row["device"] = torch.cuda.get_device_name()
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    ab_main(__doc__.split("\n")[0], _switch, "pdl")
 
 
 if __name__ == "__main__":

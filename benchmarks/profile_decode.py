@@ -106,6 +106,28 @@ def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], in
     return rows
 
 
+def ab_main(description: str, switch, key: str) -> None:
+    """The command line of an in-step A/B (benchmarks.transposed_step, benchmarks.pdl_step): the 8B-shaped model with
+    the triton backend and graphs for the batch sizes asked, `switch(runner, False / True)` alternated; each row's
+    variant is recorded under `key`."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--result-file")
+    ns = p.parse_args()
+    runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
+                                  cuda_graph_bs=tuple(ns.batch_size))
+    rows = ab_rounds(runner, cache, switch, (False, True), ns.batch_size, ns.input_len, ns.rounds)
+    for row in rows:
+        row[key] = row.pop("variant")
+        row["device"] = torch.cuda.get_device_name()
+    if ns.result_file:
+        with open(ns.result_file, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")

@@ -9,12 +9,9 @@ request from both layouts (bf16 rounding may differ).
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 
-from benchmarks.profile_decode import ab_rounds, decode_runner
+from benchmarks.profile_decode import ab_main
 from engine.model_runner import ModelRunner
 
 
@@ -39,22 +36,7 @@ def _switch(runner: ModelRunner, transposed: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--result-file")
-    ns = p.parse_args()
-    runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
-                                  cuda_graph_bs=tuple(ns.batch_size))
-    rows = ab_rounds(runner, cache, _switch, (False, True), ns.batch_size, ns.input_len, ns.rounds)
-    for row in rows:
-        row["transposed"] = row.pop("variant")
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    ab_main(__doc__.split("\n")[0], _switch, "transposed")
 
 
 if __name__ == "__main__":
