@@ -1,6 +1,7 @@
 """Programmatic dependent launch inside the decode step (issue 10): the 8B-shaped model (dummy weights, triton, CUDA
 graphs) with the kernels launched as programmatic dependents and decode-sized products on kernels.gemv, against the
-same model with --disable-pdl (every kernel waits for the one before; cuBLAS products), alternated in one process
+same model with --disable-pdl (every kernel waits for the one before; cuBLAS products) and with PDL but cuBLAS
+products, alternated in one process
 (graphs captured again at each switch). Per batch size: the GPU time of a step (benchmarks.profile_decode's measure)
 and the first 8 greedy tokens of up to 4 requests (the products round differently).
 
@@ -16,15 +17,18 @@ from engine.model_runner import ModelRunner
 from kernels.runtime import pdl_supported, use_pdl
 
 
-def _switch(runner: ModelRunner, pdl: bool) -> None:
-    use_pdl(pdl)
+VARIANTS = ("off", "pdl", "pdl+gemv")  # --disable-pdl; PDL with cuBLAS products; PDL with kernels.gemv (default)
+
+
+def _switch(runner: ModelRunner, variant: str) -> None:
+    use_pdl(variant != "off", gemv=variant == "pdl+gemv")
     torch.cuda.empty_cache()
     runner.graphs.capture()
 
 
 def main() -> None:
     print(f"pdl supported: {pdl_supported()}")
-    ab_main(__doc__.split("\n")[0], _switch, "pdl")
+    ab_main(__doc__.split("\n")[0], _switch, "pdl", VARIANTS)
 
 
 if __name__ == "__main__":

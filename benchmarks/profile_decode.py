@@ -106,10 +106,10 @@ def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], in
     return rows
 
 
-def ab_main(description: str, switch, key: str) -> None:
+def ab_main(description: str, switch, key: str, variants: tuple = (False, True)) -> None:
     """The command line of an in-step A/B (benchmarks.transposed_step, benchmarks.pdl_step): the 8B-shaped model with
-    the triton backend and graphs for the batch sizes asked, `switch(runner, False / True)` alternated; each row's
-    variant is recorded under `key`."""
+    the triton backend and graphs for the batch sizes asked, `switch(runner, variant)` for each of `variants`,
+    alternated; each row's variant is recorded under `key`."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
@@ -119,7 +119,7 @@ def ab_main(description: str, switch, key: str) -> None:
     ns = p.parse_args()
     runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
                                   cuda_graph_bs=tuple(ns.batch_size))
-    rows = ab_rounds(runner, cache, switch, (False, True), ns.batch_size, ns.input_len, ns.rounds)
+    rows = ab_rounds(runner, cache, switch, variants, ns.batch_size, ns.input_len, ns.rounds)
     for row in rows:
         row[key] = row.pop("variant")
         row["device"] = torch.cuda.get_device_name()

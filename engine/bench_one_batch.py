@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import statistics
 import time
 
@@ -157,6 +158,7 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
     kwargs.setdefault("context_length", longest + 16)
     model_config = ModelConfig.from_path(kwargs["model_path"])
     args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tp, ns.followers = start_leader(args)
     runner = ModelRunner(rank_args(args, 0) if ns.followers else args, model_config, tp)
     return runner, CacheManager(runner.kv_pool, runner.req_to_token, None), args

@@ -51,10 +51,14 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
-    # Programmatic dependent launch (Hopper and later): each Triton kernel may start while the one before it finishes,
-    # and decode-sized products run kernels.gemv, which streams its weights meanwhile (kernels/runtime.py). Off: every
-    # kernel waits for the one before, and cuBLAS runs every product.
+    # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
+    # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
+    # product.
     disable_pdl: bool = False
+    # What runs products of up to 8 rows (decode batches) under PDL: `gemv` (kernels.gemv, which pulls its weights into
+    # L2 before waiting on the kernel before), `cublas`, or `auto`: both timed on the model's weights at start-up
+    # (engine.decode_products).
+    decode_gemm: str = "auto"
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int = 0
@@ -222,6 +226,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(args.decode_gemm in ("auto", "gemv", "cublas"),
+           f"decode_gemm must be 'auto', 'gemv' or 'cublas', got {args.decode_gemm!r}")
     _check(args.grammar_backend in ("xgrammar", "none"),
            f"grammar_backend must be 'xgrammar' or 'none', got {args.grammar_backend!r}")
     _check(args.sampling_defaults in ("model", "openai"),

@@ -20,7 +20,8 @@ from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
 from engine.distributed import TensorParallel, TPConfig
 from engine.forward_context import ForwardContext, forward_context
-from engine.layers.triton_ops import set_pdl
+from engine.decode_products import prefer_gemv
+from engine.layers.triton_ops import pdl_available, set_pdl
 from engine.models.loader import load_model
 from engine.pooling import Pooling, pool
 from engine.sampling.penalties import PenaltyState
@@ -47,7 +48,7 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-            set_pdl(not args.disable_pdl)
+            set_pdl(not args.disable_pdl, gemv=args.decode_gemm == "gemv")
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
@@ -82,6 +83,8 @@ class ModelRunner:
                  self.max_running_requests, self.attn_backend.name)
         self.graphs: CudaGraphRunner | None = None
         graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
+        if graph_sizes and pdl_available(self.device):
+            set_pdl(True, gemv=prefer_gemv(self.model, args.decode_gemm, self.device, self.dtype))
         if graph_sizes:
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
                                           self.req_to_token.pad_row, graph_sizes)

@@ -29,13 +29,14 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
 # waits before it can finish, the order of the stream holds transitively. Kernels launched without it (torch ops,
 # cuBLAS) wait for the kernel before as usual.
 
-_pdl = {"enabled": True}
+_pdl = {"enabled": True, "gemv": True}
 
 
-def use_pdl(enabled: bool) -> None:
+def use_pdl(enabled: bool, gemv: bool = True) -> None:
     """Turn programmatic dependent launch on or off for the whole process (ModelRunner sets it from
-    --disable-pdl; graphs captured after the call use the new setting)."""
-    _pdl["enabled"] = enabled
+    --disable-pdl; graphs captured after the call use the new setting); `gemv`: whether decode-sized products run
+    kernels.gemv under it (engine.layers.linear)."""
+    _pdl["enabled"], _pdl["gemv"] = enabled, gemv
 
 
 @functools.cache
@@ -57,6 +58,11 @@ def pdl_supported(device_index: int = 0) -> bool:
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether programmatic dependent launch is on for kernels working on `t` (CUDA, supported, not turned off)."""
     return _pdl["enabled"] and t.is_cuda and pdl_supported(t.device.index or 0)
+
+
+def gemv_enabled(t: torch.Tensor) -> bool:
+    """Whether decode-sized products on `t` run kernels.gemv (PDL on, and kernels.gemv not turned off)."""
+    return _pdl["gemv"] and pdl_enabled(t)
 
 
 def pdl_on(t: torch.Tensor) -> bool:

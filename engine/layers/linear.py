@@ -43,9 +43,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight^T (+ bias), as F.linear."""
     if (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_ROWS and use_kernels(x) and x.dtype in _SKINNY_DTYPES
             and x.stride(1) == 1 and weight.is_contiguous()):
-        from kernels.runtime import pdl_enabled
+        from kernels.runtime import gemv_enabled
 
-        if pdl_enabled(x):  # eager too, so that a graph's products and eager ones round alike
+        if gemv_enabled(x):  # eager too, so that a graph's products and eager ones round alike
             from kernels.gemv import gemv
 
             return gemv(x, weight, bias, pdl=True)

@@ -21,10 +21,19 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_importable()
 
 
-def set_pdl(enabled: bool) -> None:
-    """Programmatic dependent launch of the kernels (and with it kernels.gemv for decode-sized products) on or off
-    for this process (kernels.runtime); nothing to set without Triton."""
+def set_pdl(enabled: bool, gemv: bool) -> None:
+    """Programmatic dependent launch of the kernels on or off for this process, and whether decode-sized products
+    run kernels.gemv under it (kernels.runtime); nothing to set without Triton."""
     if _triton_importable():
         from kernels.runtime import use_pdl
 
-        use_pdl(enabled)
+        use_pdl(enabled, gemv)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether programmatic dependent launch is on for kernels on `device` (supported, and not turned off)."""
+    if device.type != "cuda" or not _triton_importable():
+        return False
+    from kernels.runtime import pdl_enabled
+
+    return pdl_enabled(torch.empty(0, device=device))

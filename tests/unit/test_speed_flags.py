@@ -34,7 +34,9 @@ def test_flags_use_sglang_names():
     assert kw == {"model_path": "m", "attention_backend": "triton", "prefill_attention_backend": "flashinfer",
                   "decode_attention_backend": "triton", "cuda_graph_max_bs": 64, "cuda_graph_bs": [1, 2, 8],
                   "disable_cuda_graph": True, "disable_overlap_schedule": True}
-    assert _parse(["--disable-pdl"]) == {"model_path": "m", "disable_pdl": True}  # ours: no SGLang twin
+    # ours, with no SGLang twin
+    assert _parse(["--disable-pdl", "--decode-gemm", "cublas"]) == {"model_path": "m", "disable_pdl": True,
+                                                                    "decode_gemm": "cublas"}
 
 
 def _resolve(**kw) -> EngineArgs:
@@ -61,8 +63,10 @@ def test_unknown_backend_names_the_flag(flag):
 
 
 @pytest.mark.parametrize("kw,message", [({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1"),
-                                        ({"cuda_graph_bs": (4, 0)}, "cuda_graph_bs sizes must be >= 1")])
-def test_bad_graph_sizes(kw, message):
+                                        ({"cuda_graph_bs": (4, 0)}, "cuda_graph_bs sizes must be >= 1"),
+                                        ({"decode_gemm": "cutlass"},
+                                         "decode_gemm must be 'auto', 'gemv' or 'cublas', got 'cutlass'")])
+def test_bad_graph_sizes_and_products(kw, message):
     with pytest.raises(ValueError, match=message):
         _resolve(device="cpu", **kw)
 
