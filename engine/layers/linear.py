@@ -19,9 +19,9 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.layers.triton_ops import use_kernels
 
-# Up to this many rows (a decode batch), a CUDA product with programmatic dependent launch on runs kernels.gemv,
-# which starts streaming its weights while the kernel before it still runs; F.linear (cuBLAS) otherwise. Measured on
-# an H100 (benchmarks.pdl_chain): the step's products chained at 1 and 8 rows take 5.6 ms with cuBLAS, 5.3 so.
+# Up to this many rows (a decode batch), a CUDA product runs kernels.gemv, which starts streaming its weights while
+# the kernel before it still runs, where the model runner chose it for this GPU (engine.decode_products: on an H100,
+# not on an H200); F.linear (cuBLAS) otherwise.
 SKINNY_ROWS = 8
 
 
