@@ -8,6 +8,9 @@ forward runs, so they do not depend on the kernel before), then wait (`gdc_wait`
 visible, and only then read x and write y. Every program also lets its own dependents launch as soon as it starts;
 they can only start once every program of this kernel has, so a chain never starves itself of SMs.
 
+Whether the model's decode products run here or on cuBLAS is chosen per GPU at start-up (engine.decode_products):
+on an H100 this kernel is faster under PDL, on an H200 cuBLAS is.
+
 One program owns BLOCK_N output columns and streams their rows of W (contiguous along K, so loads are wide) through
 Triton's software pipeline, accumulating in float32; no split-K, so no second reduction kernel. The rows of x are
 padded to 16 for the tensor-core dot (the padding costs arithmetic, which is free here, not bandwidth).
@@ -75,16 +78,17 @@ def default_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          pdl: bool = False, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [m, k] (m <= 16, unit stride along k), weight [n, k] contiguous (bias [n]) -> x @ weight^T (+ bias) [m, n]
-    in x's dtype, written
-    to `out` ([m, n], unit stride along n) or a new tensor. `pdl`: launch it as a programmatic dependent of the kernel
-    before (where kernels.runtime.pdl_on says so). `config` overrides default_config for tuning."""
+    """x [m, k] (m <= 16, unit stride along k), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T
+    (+ bias) [m, n] in x's dtype, written to `out` ([m, n], unit stride along n) or a new tensor. `pdl`: launch it as
+    a programmatic dependent of the kernel before (where kernels.runtime.pdl_on says so). `config` overrides
+    default_config for tuning."""
     m, k = x.shape
     n = weight.shape[0]
-    if (m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or x.stride(1) != 1 or not weight.is_contiguous()
-            or (bias is not None and bias.shape != (weight.shape[0],))):
-        raise ValueError(f"gemv takes x [m <= {MAX_ROWS}, k] and a contiguous weight [n, k]; got x {tuple(x.shape)} "
-                         f"strides {x.stride()}, weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}")
+    if (m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype or x.stride(1) != 1
+            or not weight.is_contiguous() or (bias is not None and bias.shape != (n,))):
+        raise ValueError(f"gemv takes x [m <= {MAX_ROWS}, k] and a contiguous weight [n, k] of x's dtype; got x "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, bias {None if bias is None else tuple(bias.shape)}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -97,11 +101,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     launch = {"launch_pdl": True} if pdl else {}
     line = _LINE // weight.element_size()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-        BLOCK_K=block_k, PREFETCH_LINES=triton.cdiv(prefetch_k, line) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
+        x, weight, weight if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH_LINES=triton.cdiv(prefetch_k, line) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
         UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        HAS_BIAS=bias is not None,
-        num_warps=warps, num_stages=stages, **launch)
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **launch)
     return out
 
 

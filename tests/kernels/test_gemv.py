@@ -41,6 +41,8 @@ def test_gemv_writes_into_a_view_and_refuses_bad_shapes():
         gemv(x, torch.randn((48, 32)).to(KERNEL_DEVICE))
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(x, w, bias=torch.zeros(47, device=KERNEL_DEVICE))
+    with pytest.raises(ValueError, match="of x's dtype"):
+        gemv(x, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="out must be"):
         gemv(x, w, out=torch.empty((2, 47), device=KERNEL_DEVICE))
 
