@@ -60,10 +60,8 @@ def _graph_ms(product, weights: list[torch.Tensor], inputs: dict[int, torch.Tens
     return sorted(times)[len(times) // 2]
 
 
-def prefer_gemv(model: nn.Module, choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode-sized products run kernels.gemv: `choice` 'gemv' / 'cublas', or 'auto' (timed here)."""
-    if choice != "auto":
-        return choice == "gemv"
+def prefer_gemv(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode-sized products should run kernels.gemv (--decode-gemm auto): both timed here."""
     from kernels.gemv import gemv
 
     weights = [w for w in _weights(model) if w.dtype == dtype and w.is_contiguous()]

@@ -83,8 +83,8 @@ class ModelRunner:
                  self.max_running_requests, self.attn_backend.name)
         self.graphs: CudaGraphRunner | None = None
         graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
-        if graph_sizes and pdl_available(self.device):
-            set_pdl(True, gemv=prefer_gemv(self.model, args.decode_gemm, self.device, self.dtype))
+        if graph_sizes and args.decode_gemm == "auto" and pdl_available(self.device):
+            set_pdl(True, gemv=prefer_gemv(self.model, self.device, self.dtype))
         if graph_sizes:
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
                                           self.req_to_token.pad_row, graph_sizes)

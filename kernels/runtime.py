@@ -55,21 +55,21 @@ def pdl_supported(device_index: int = 0) -> bool:
     return hasattr(tl_cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether programmatic dependent launch is on for kernels working on `t` (CUDA, supported, not turned off)."""
-    return _pdl["enabled"] and t.is_cuda and pdl_supported(t.device.index or 0)
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether programmatic dependent launch is on for kernels on `device` (CUDA, supported, not turned off)."""
+    return _pdl["enabled"] and device.type == "cuda" and pdl_supported(device.index or 0)
 
 
 def gemv_enabled(t: torch.Tensor) -> bool:
     """Whether decode-sized products on `t` run kernels.gemv (PDL on, and kernels.gemv not turned off)."""
-    return _pdl["gemv"] and pdl_enabled(t)
+    return _pdl["gemv"] and pdl_enabled(t.device)
 
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether a kernel working on `t` launches as a programmatic dependent now: only while a CUDA graph is being
     captured. Launched one by one from Python the GPU waits for the CPU anyway, and on an H100 eager decode steps
     took 2-3x as long with it (44 against 18-24 ms at batch 1; cause not established)."""
-    return pdl_enabled(t) and torch.cuda.is_current_stream_capturing()
+    return pdl_enabled(t.device) and torch.cuda.is_current_stream_capturing()
 
 
 def pdl_options(t: torch.Tensor) -> dict:

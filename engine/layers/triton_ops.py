@@ -36,4 +36,4 @@ def pdl_available(device: torch.device) -> bool:
         return False
     from kernels.runtime import pdl_enabled
 
-    return pdl_enabled(torch.empty(0, device=device))
+    return pdl_enabled(device)
