@@ -35,13 +35,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
 
     def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
-                 no_generate_stream: bool = False):
+                 no_generate_stream: bool = False, token_gap_s: float | None = 0.0):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
         self.fail_first = fail_first
         self.mode = mode
         self.no_generate_stream = no_generate_stream
+        self.token_gap_s = token_gap_s  # None: no step between tokens (an answer leaves in one message batch)
         self.draining: asyncio.Event | None = None
         self.calls = 0
 
@@ -70,7 +71,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             for i, tok in enumerate(ids):
                 emit(worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
                     token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1)))
-                await asyncio.sleep(0)  # the next "step"
+                if self.token_gap_s is not None:
+                    await asyncio.sleep(self.token_gap_s)  # the next "step"
         usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
         emit(worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
             output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
@@ -114,13 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--delay-s", type=float, default=0.0, help="wait before each answer")
     parser.add_argument("--fail-first", type=int, default=0, help="refuse the first N Generate calls (UNAVAILABLE)")
+    parser.add_argument("--token-gap-s", type=float, default=0.0,
+                        help="wait between streamed tokens (0: just yield to the event loop, a step of its own)")
+    parser.add_argument("--burst", action="store_true",
+                        help="no step between streamed tokens: a whole answer leaves in one GenerateStream message")
     parser.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
     parser.add_argument("--no-generate-stream", action="store_true",
                         help="answer GenerateStream with UNIMPLEMENTED, as a worker of an older release")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
-                          args.disaggregation_mode, args.no_generate_stream)
+                          args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

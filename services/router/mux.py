@@ -22,6 +22,7 @@ import grpc
 from radixmesh.v1 import worker_pb2
 from services.common import stream_lane
 from services.common.errors import rpc_error
+from services.router.cork import mine as cork_of_handler
 from services.router.stream_link import StreamLink
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,20 @@ class MuxCall:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
+        cork = cork_of_handler()
         while not self._items:
             if self._end is _DONE:
                 raise StopAsyncIteration
             if self._end is not None:
                 raise self._end  # type: ignore[misc]
+            if cork is not None and cork.more:  # nothing more queued: what the handler holds goes out first
+                cork.more = False
+                await cork.flush()
+                continue
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        if cork is not None:
+            cork.more = len(self._items) > 1
         return self._items.popleft()
 
     def _wake(self) -> None:

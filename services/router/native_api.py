@@ -16,6 +16,7 @@ from radixmesh.v1 import worker_pb2
 from services.router import generate_api
 from services.router.core import Router, RouterError
 from services.router.merge import merged
+from services.router.cork import Cork
 from services.router.http_common import first_then_sse, json_body, require_model_kind, start_sse, tenant_of
 from services.router.allowlist import allowlist
 from services.router.openai_errors import OpenAIError, bad_request, from_status
@@ -49,14 +50,17 @@ async def _stream_one(request: web.Request, router: Router, job, worker_request,
     """One prompt: events go straight from the worker stream to the client (no queue, no extra task)."""
     events = generate_api.stream_events(router, job, worker_request, lp)
     async with contextlib.aclosing(events):
-        first, resp = await first_then_sse(request, events)
-        try:
-            await resp.write(sse(first))
-            async for event in events:
-                await resp.write(sse(event))
-        except RouterError as e:
-            await resp.write(sse(error_event(from_status(e.status, e.message))))
-        await resp.write(SSE_DONE)
+        with Cork() as out:  # entered first, so that the first message says whether more are queued
+            first, resp = await first_then_sse(request, events)
+            out.send = resp.write
+            try:
+                await out.write(sse(first))
+                async for event in events:
+                    await out.write(sse(event))
+            except RouterError as e:
+                await out.write(sse(error_event(from_status(e.status, e.message))))
+            out.more = False
+            await out.write(SSE_DONE)
     return resp
 
 

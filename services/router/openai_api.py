@@ -20,6 +20,7 @@ from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.completion_templates import load_completion_template
 from services.router.core import Router, RouterError, new_request_id
+from services.router.cork import Cork
 from services.router.http_common import first_then_sse, json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
 from services.router.chat_output import OutputSpec
@@ -130,21 +131,26 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
                 builder.on_message(msg)
         return web.json_response(builder.result(), dumps=_dumps)
     async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
-        first, resp = await first_then_sse(request, messages)
-        try:
-            for chunk in builder.on_message(first):
-                await resp.write(sse(chunk))
-            async for msg in messages:
-                for chunk in builder.on_message(msg):
-                    await resp.write(sse(chunk))
-            for chunk in builder.final_chunks():
-                await resp.write(sse(chunk))
-        except (RouterError, OpenAIError) as e:
-            err = e if isinstance(e, OpenAIError) else from_status(e.status, e.message)
-            log.warning("stream failed after it started: %s", err.message)
-            await resp.write(sse(error_event(err)))
-        await resp.write(SSE_DONE)
+        with Cork() as out:  # entered first, so that the first message says whether more are queued
+            first, resp = await first_then_sse(request, messages)
+            out.send = resp.write
+            try:
+                await out.write(_events(builder.on_message(first)))
+                async for msg in messages:
+                    await out.write(_events(builder.on_message(msg)))
+                await out.write(_events(builder.final_chunks()))
+            except (RouterError, OpenAIError) as e:
+                err = e if isinstance(e, OpenAIError) else from_status(e.status, e.message)
+                log.warning("stream failed after it started: %s", err.message)
+                await out.write(sse(error_event(err)))
+            out.more = False
+            await out.write(SSE_DONE)
     return resp
+
+
+def _events(chunks: list) -> bytes:
+    """The SSE events of one worker message's chunks, in one piece."""
+    return b"".join(sse(c) for c in chunks) if len(chunks) != 1 else sse(chunks[0])
 
 
 def _dumps(obj) -> str:
