@@ -19,6 +19,9 @@
 #                           per token (--thread-cpu)
 #   PARTS="setup serving"   the serving benchmark through the mesh (router + tokenizer + worker) and the offline
 #                           engine on the same workload, 64 concurrent requests
+#   PARTS="setup router"    the router's CPU per request (benchmarks.router) on this machine's many cores, where
+#                           the load side has cores of its own: this tree against $BASE (an earlier tree's services,
+#                           benchmarks, engine, kernels and radixmesh stubs), alternated; then tracing on against off
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
 # Carry `.whl` (flashinfer-python 0.6.18.post1, apache-tvm-ffi, grpcio/protobuf pins: see README "Benchmarks") and the
 # generated stubs `radixmesh` (make protos).
@@ -128,6 +131,26 @@ if [[ $PARTS == *servab* ]]; then
       | grep -E "Backend|Failed|Output token|ITL"
     $PY -m benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
       | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+  done
+fi
+
+if [[ $PARTS == *router* ]]; then
+  BASE=${BASE:-prev}
+  [[ -e $BASE/models ]] || ln -s "$PWD/models" "$BASE/models"
+  # the services' own dependencies, where the machine lacks them (.whl/router: pip download of pyproject's pins)
+  [[ -d .whl/router ]] && $PY -m pip install --no-deps --no-index --quiet .whl/router/*.whl 2>&1 | tail -2
+  SCEN="--scenarios generate_stream_16 chat_stream_16 generate_1 --repeats 3 --stream-requests 3000"
+  for round in $(seq ${ROUNDS:-2}); do
+    for tree in . $BASE; do
+      name=this; [[ $tree == $BASE ]] && name=base
+      echo "round $round: $name" | tee -a "$OUT/router.log"
+      (cd $tree && PYTHONPATH=$PWD $PY -m benchmarks.router $SCEN --out "$OUT/router-$name-$round.json" 2>&1 \
+        | tee -a "$OUT/router.log" | grep -E "^(generate|chat)")
+    done
+  done
+  for extra in "" "--exporter-elsewhere"; do
+    $PY -m benchmarks.router --scenarios generate_1 --requests 500 --repeats 20 --warmup 300 --trace-ab $extra \
+      --out "$OUT/trace-ab${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
   done
 fi
 
