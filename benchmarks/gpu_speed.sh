@@ -21,7 +21,8 @@
 #                           engine on the same workload, 64 concurrent requests
 #   PARTS="setup router"    the router's CPU per request (benchmarks.router) on this machine's many cores, where
 #                           the load side has cores of its own: this tree against $BASE (an earlier tree's services,
-#                           benchmarks, engine, kernels and radixmesh stubs), alternated; then tracing on against off
+#                           benchmarks, engine, kernels and radixmesh stubs), alternated; SGLang's router beside ours
+#                           where .whl/sglang is carried; then tracing on against off
 # Usage on the GPU machine: PARTS="..." bash benchmarks/gpu_speed.sh OUTDIR
 # Carry `.whl` (flashinfer-python 0.6.18.post1, apache-tvm-ffi, grpcio/protobuf pins: see README "Benchmarks") and the
 # generated stubs `radixmesh` (make protos).
@@ -148,6 +149,15 @@ if [[ $PARTS == *router* ]]; then
         | tee -a "$OUT/router.log" | grep -E "^(generate|chat)")
     done
   done
+  # SGLang's Rust router beside ours (carry .whl/sglang: pip download sglang-router==0.3.2 and its dependencies for
+  # this Python, and .whl/router with the grpcio/protobuf pins)
+  if [[ -d .whl/sglang ]]; then
+    $PY -m pip install --no-deps --no-index --quiet .whl/sglang/*.whl 2>&1 | tail -2
+    for round in $(seq ${ROUNDS:-2}); do
+      $PY -m benchmarks.router_vs_sglang --scenarios generate_1 generate_stream_16 chat_stream_16 --repeats 3 \
+        --stream-requests 3000 --out "$OUT/vs-sglang-$round.json" 2>&1 | tee -a "$OUT/vs_sglang.log" | tail -3
+    done
+  fi
   for extra in "" "--exporter-elsewhere"; do
     $PY -m benchmarks.router --scenarios generate_1 --requests 500 --repeats 20 --warmup 300 --trace-ab $extra \
       --out "$OUT/trace-ab${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
