@@ -150,7 +150,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
 
 def _events(chunks: list) -> bytes:
     """The SSE events of one worker message's chunks, in one piece."""
-    return b"".join(sse(c) for c in chunks) if len(chunks) != 1 else sse(chunks[0])
+    return b"".join(map(sse, chunks))
 
 
 def _dumps(obj) -> str:

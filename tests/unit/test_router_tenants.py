@@ -36,14 +36,19 @@ TENANT_FLAGS = ("--api-key", SHARED_KEY, "--api-key-tenants", f"{ALPHA_KEY}=alph
 
 # ---- test doubles and processes (test_router_kv_index.py uses them too) ------------------------------------------
 class RecordingWorker(worker_pb2_grpc.WorkerServiceServicer):
-    """A WorkerService that keeps every GenerateRequest and answers it at once with two tokens."""
+    """A WorkerService that keeps every GenerateRequest and answers it at once with two tokens. A decode worker
+    given its `prefill` side answers only once that side got the request's bootstrap room (up to 10 s), as a real
+    one waits for the KV: else the router may finish the request and cancel the prefill call before it arrives."""
 
-    def __init__(self, mode: str = "null", loads: worker_pb2.GetLoadsResponse | None = None):
+    def __init__(self, mode: str = "null", loads: worker_pb2.GetLoadsResponse | None = None,
+                 prefill: "RecordingWorker | None" = None):
         self.mode = mode
         self.loads = loads or worker_pb2.GetLoadsResponse()
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.load_polls = 0
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self.prefill = prefill
 
     def take(self) -> list[worker_pb2.GenerateRequest]:
         """The requests received since the last take()."""
@@ -54,6 +59,12 @@ class RecordingWorker(worker_pb2_grpc.WorkerServiceServicer):
     def Generate(self, request, context):
         with self._lock:
             self.requests.append(request)
+            self._arrived.notify_all()
+        if self.prefill is not None:
+            room = request.disaggregated_params.bootstrap_room
+            with self.prefill._arrived:
+                self.prefill._arrived.wait_for(lambda: any(
+                    r.disaggregated_params.bootstrap_room == room for r in self.prefill.requests), timeout=10)
         usage = common_pb2.Usage(prompt_tokens=len(request.input_ids), completion_tokens=2)
         yield worker_pb2.GenerateResponse(request_id=request.request_id, complete=worker_pb2.GenerateComplete(
             output_ids=[7, 8], text=" ok", usage=usage,
@@ -347,7 +358,8 @@ def test_default_is_the_shared_namespace(tokenizer, worker, log_dir):
 
 # ---- prefill/decode pairs: both workers get the tenant ---------------------------------------------------------
 def test_pd_pairs_carry_the_tenant(tokenizer, log_dir):
-    prefill, decode = RecordingWorker("prefill"), RecordingWorker("decode")
+    prefill = RecordingWorker("prefill")
+    decode = RecordingWorker("decode", prefill=prefill)
     with serve_worker(prefill) as purl, serve_worker(decode) as durl, \
             run_router(tokenizer, [purl, durl], log_dir, *TENANT_FLAGS) as r:
         status, body = http("POST", r.url + "/generate", {"text": "hello"}, bearer(ALPHA_KEY))
