@@ -66,7 +66,7 @@ class Router:
         registry.on_remove = self._worker_removed
         registry.on_lost = lambda w: self.calls.cancel(lambda url: url == w.url,
                                                        f"worker {w.url} stopped answering", retry=True)
-        self._model_name = "default"
+        self._model_name = ""  # the workers' served model name, once one said it
         self.metrics = None  # services.router.metrics.RouterMetrics when metrics are on
         # Open worker calls: a cancelled one's request fails with RouterError(503, reason), or, when the
         # cancel allows a retry and nothing was streamed yet, moves to another worker.
@@ -85,13 +85,31 @@ class Router:
         return self.calls.cancel(lambda url: True, reason)
 
     @property
-    def model_name(self) -> str:
+    def served_models(self) -> tuple[str, ...]:
+        """The model names a request may ask for: --served-model-name, else the one the workers serve; none before
+        any worker answered (a request then gets 503 "no model is being served yet", not a 404 that names a
+        placeholder: one of several router processes may start before it has heard of the workers)."""
         if self.settings.served_model_name:
-            return self.settings.served_model_name
+            return (self.settings.served_model_name,)
         info = self.registry.any_info()
         if info is not None:  # remembered: with every worker gone, requests get 503, not 404 for the model
             self._model_name = info.served_model_name
-        return self._model_name
+        return (self._model_name,) if self._model_name else ()
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name for responses and labels ("default" before any worker answered)."""
+        names = self.served_models
+        return names[0] if names else "default"
+
+    def require_model(self, name: str) -> None:
+        """For a request that names its model ("" names none, and passes): RouterError 503 before any worker said
+        what it serves, 404 for a name other than the served one."""
+        names = self.served_models
+        if name and not names:
+            raise RouterError(503, f"model {name!r}: no model is being served yet (no worker has answered)")
+        if name and name not in names:
+            raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         with tracing.span("tokenize", "client") as span:

@@ -95,10 +95,10 @@ def _unknown(body: Any, known: frozenset[str]) -> dict:
     return body
 
 
-def parse_openai(body: Any, model_name: str) -> tuple[EmbedInputs, str]:
+def parse_openai(body: Any, served_models: tuple[str, ...]) -> tuple[EmbedInputs, str]:
     """A /v1/embeddings body -> (inputs, encoding format); OpenAIError 400 naming the field, 404 for another model."""
     body = _unknown(body, _OPENAI_KEYS)
-    served_model(Fields(body), [model_name])
+    served_model(Fields(body), served_models)
     if "input" not in body:
         raise bad_request("'input' is required", param="input")
     texts, ids, is_batch = _inputs(body["input"], "input")
@@ -213,7 +213,7 @@ async def _embed_or_400(router: Router, inputs: EmbedInputs, tenant: str) -> lis
 
 async def openai_embeddings(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    inputs, fmt = parse_openai(await json_body(request), router.model_name)
+    inputs, fmt = parse_openai(await json_body(request), router.served_models)
     require_model_kind(router, generation=False)
     results = await _embed_or_400(router, inputs, tenant_of(request))
     tokens = sum(r.prompt_tokens for r in results)

@@ -82,11 +82,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _admitted(self, request: router_pb2.RouterServiceGenerateRequest, context: grpc.aio.ServicerContext,
                         tenant: str):
-        if request.model and request.model != self.router.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here; "
-                                f"serving {self.router.model_name!r}")
         rid = request.request_id or new_request_id()
         try:
+            self.router.require_model(request.model)
             if request.sampling_params.n > MAX_N:  # a huge n would keep a worker busy for minutes
                 raise RouterError(400, f"sampling_params.n must be in [1, {MAX_N}], got {request.sampling_params.n}")
             seed_error = sample_seed_error(request.sampling_params)
@@ -116,4 +114,4 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def ListModels(self, request, context):
         await self._tenant(context)
-        return router_pb2.ListModelsResponse(models=[self.router.model_name])
+        return router_pb2.ListModelsResponse(models=self.router.served_models)

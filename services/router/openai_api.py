@@ -167,7 +167,7 @@ def _user_routing_key(body) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     body = await json_body(request)
-    job = parse_chat_completion(body, {router.model_name})
+    job = parse_chat_completion(body, router.served_models)
     _user_routing_key(body)
     return await _serve(request, job)
 
@@ -176,7 +176,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     body = await json_body(request)
     template = router.settings.completion_template
-    job = parse_completion(body, {router.model_name}, load_completion_template(template) if template else None)
+    job = parse_completion(body, router.served_models, load_completion_template(template) if template else None)
     _user_routing_key(body)
     return await _serve(request, job)
 
@@ -189,15 +189,18 @@ def _model_card(router: Router) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[ROUTER])]})
+    """The served model's card; an empty list before any worker said what it serves."""
+    router = request.app[ROUTER]
+    return web.json_response({"object": "list", "data": [_model_card(router)] if router.served_models else []})
 
 
 async def model(request: web.Request) -> web.Response:
     """/v1/models/{model}: the served model's card; another name is a 404 naming what is served."""
     router = request.app[ROUTER]
     name = request.match_info["model"]
-    if name != router.model_name:
-        raise not_found(f"The model '{name}' does not exist; this server serves: {router.model_name}",
+    if name not in router.served_models:
+        served = ", ".join(router.served_models) or "none yet"
+        raise not_found(f"The model '{name}' does not exist; this server serves: {served}",
                         param="model", code="model_not_found")
     return web.json_response(_model_card(router))
 

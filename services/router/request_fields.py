@@ -104,9 +104,9 @@ def body_fields(body: Any) -> Fields:
 
 def served_model(f: Fields, served_models: Collection[str]) -> str:
     name = f.str("model")
+    if not served_models:  # no worker has said what it serves yet
+        raise unavailable("no model is being served yet")
     if name is None:
-        if not served_models:
-            raise unavailable("no model is being served yet")
         return served_models[0] if isinstance(served_models, (list, tuple)) else min(served_models)
     if name not in served_models:
         served = ", ".join(sorted(served_models)) or "none"

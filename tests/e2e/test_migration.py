@@ -121,10 +121,15 @@ def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
         want = asyncio.run(_run(mesh))
         assert all(err is None for _, _, err in want), want[:3]
         for role in ("decode", "prefill"):
-            victim = pid_of(mesh, workers(mesh)[role][0])
+            address = workers(mesh)[role][0]
+            victim = pid_of(mesh, address)
             before = moved(mesh)
-            _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL))), want)
-            if role == "decode":  # (picked by load, it may hold only requests still in their handoff: retried)
+            # the decode victim fails once it streams (by the router's metrics: counting chunks of any stream let
+            # the other decode worker's chunks fire the fault while this one held none yet, a CI run); the
+            # prefill victim when the streams have begun, so some are still in their prefill
+            ready = streaming_on(mesh, address) if role == "decode" else None
+            _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL), ready)), want)
+            if role == "decode":
                 assert moved(mesh) > before, "no request was open on the killed decode worker"
             deadline = time.monotonic() + 90  # restarted by the launcher, and back in the router's pairs
             while len([w for w in workers(mesh)[role] if _answers_health(mesh, w)]) < 2:

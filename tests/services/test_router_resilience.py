@@ -231,3 +231,24 @@ def test_the_l0_tokenizer_cache_answers_repeats_and_forgets_the_oldest(mesh):
     metrics = scrape(mesh.metrics_port)
     assert metrics.value("sgl_router_tokenizer_cache_misses_total") == 4
     assert metrics.value("sgl_router_tokenizer_cache_entries") == 2
+
+
+def test_before_any_worker_answered_requests_get_503_not_a_placeholder_model(mesh):
+    """A router that has not heard of a worker yet (compose starts several router processes before the worker is
+    up) lists no model and answers a named one with 503 "no model is being served yet", not a 404 that names a
+    placeholder; once a worker is added it serves the worker's name."""
+    worker = mesh.worker()
+    mesh.workers.remove(worker)
+    base = mesh.router()
+    models = json.loads(http_get(base + "/v1/models", {"Authorization": f"Bearer {KEY}"})[1])
+    assert models["data"] == []
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, out, _ = post(base, "/v1/chat/completions", body)
+    assert status == 503 and "no model is being served yet" in out["error"]["message"], out
+    assert post(base, f"/add_worker?url={worker}", {})[0] == 200
+    models = json.loads(http_get(base + "/v1/models", {"Authorization": f"Bearer {KEY}"})[1])
+    assert [m["id"] for m in models["data"]] == ["fake"]
+    status, out, _ = post(base, "/v1/chat/completions", body)
+    assert status == 200 and out["model"] == "fake", out
+    status, out, _ = post(base, "/v1/chat/completions", {**body, "model": "other"})
+    assert status == 404 and "serves: fake" in out["error"]["message"], out

@@ -60,8 +60,8 @@ def test_logit_bias_digits_still_work():
 @pytest.mark.parametrize("fmt", [False, 0, "", [], {}])
 def test_embedding_encoding_format_must_be_named(fmt):
     with pytest.raises(OpenAIError, match="encoding_format"):
-        parse_openai({"input": "x", "encoding_format": fmt}, "m")
-    assert parse_openai({"input": "x", "encoding_format": None}, "m")[1] == "float"
+        parse_openai({"input": "x", "encoding_format": fmt}, ("m",))
+    assert parse_openai({"input": "x", "encoding_format": None}, ("m",))[1] == "float"
 
 
 def test_max_tokens_is_checked_beside_max_completion_tokens():
