@@ -96,7 +96,10 @@ def _chat(base_url: str) -> None:
         assert time.monotonic() < deadline, f"{base_url}/health never answered 200"
         time.sleep(1)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    model = client.models.list().data[0].id
+    while not (models := client.models.list().data):  # none listed until a worker has said what it serves
+        assert time.monotonic() < deadline, f"{base_url}/v1/models never listed a model"
+        time.sleep(1)
+    model = models[0].id
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there!"}],
                                            max_tokens=8, temperature=0)
     choice = reply.choices[0]
