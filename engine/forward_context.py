@@ -18,8 +18,12 @@ class ForwardContext:
     backend: Any  # engine.attention.base.AttentionBackend
     metadata: Any  # what backend.plan(batch) returned
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(layer_id, q, k, v, self.batch, self.metadata)
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+        """Attention of this layer; `rope` (engine.layers.rotary.RopeInputs): q and k are not rotated yet, and the
+        backend rotates them (with the KV store in one kernel where it can)."""
+        if rope is None:
+            return self.backend.forward(layer_id, q, k, v.contiguous(), self.batch, self.metadata)
+        return self.backend.forward_rope(layer_id, q, k, v, rope, self.batch, self.metadata)
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("radixmesh_forward_context", default=None)

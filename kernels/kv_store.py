@@ -35,7 +35,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     """Writes k, v [n, num_kv_heads, head_dim] into rows `loc` [n] (int) of k_cache, v_cache
     [num_slots, num_kv_heads, head_dim], in place. Where a slot repeats in `loc` (padding tokens share scratch slot 0),
     one unspecified token's K and V win, as with index assignment."""
-    _check(k_cache, v_cache, loc, k, v)
+    check_store(k_cache, v_cache, loc, k, v)
     n, num_kv_heads, head_dim = k.shape
     if n == 0:
         return
@@ -49,7 +49,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
         num_warps=max(1, min(8, block_h * block_d * k.element_size() // (16 * 32))), **pdl_options(k))
 
 
-def _check(k_cache, v_cache, loc, k, v) -> None:
+def check_store(k_cache, v_cache, loc, k, v) -> None:
+    """ValueError unless k, v [n, kv_heads, head_dim] and loc [n] fit the pools k_cache, v_cache."""
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal 3-d pools")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

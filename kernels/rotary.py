@@ -1,4 +1,6 @@
-"""Rotary position embedding (rotate-half / neox layout) for q and k in one Triton launch, and its plain-torch twin.
+"""Rotary position embedding (rotate-half / neox layout) for q and k in one Triton launch, and its plain-torch twin;
+and for decode the same launch fused with the KV store (`rotary_store_kv`): the rotated k and the v of each token go
+straight into their slot of the paged pool, one kernel per layer fewer.
 
 Numerics are those of engine.layers.rotary (Hugging Face's): the float32 cos/sin rows are cast to the model dtype,
 then out = x * cos + rotate_half(x) * sin with PyTorch's per-op rounding: each product rounded to the model dtype, then
@@ -12,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import check_store, store_kv_reference
 from kernels.runtime import pdl_enter, pdl_options
 
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
@@ -19,14 +22,14 @@ _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1
 
 
 @triton.jit
-def _rotate_heads(src, dst, stride_head, head0, n_heads, c1, c2, s1, s2,
+def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotates heads [head0, head0 + BLOCK_H) of one token; src rows are stride_head apart, dst is contiguous."""
+    """Rotates heads [head0, head0 + BLOCK_H) of one token; src rows are stride_head apart, dst's dst_stride_head."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
     src_off = heads[:, None] * stride_head + d[None, :]
-    dst_off = heads[:, None] * (2 * HALF) + d[None, :]
+    dst_off = heads[:, None] * dst_stride_head + d[None, :]
     x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = dst.dtype.element_ty
@@ -46,20 +49,56 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < HALF
     dtype = q_out_ptr.dtype.element_ty
-    # cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch lookup does.
-    c1 = tl.load(cos_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + pos * table_stride + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + pos * table_stride + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
     if blk < q_blocks:
-        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head,
+        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
                       blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
     else:
-        _rotate_heads(k_ptr + tok * k_stride_tok, k_out_ptr + tok * num_kv_heads * 2 * HALF, k_stride_head,
+        _rotate_heads(k_ptr + tok * k_stride_tok, k_out_ptr + tok * num_kv_heads * 2 * HALF, k_stride_head, 2 * HALF,
                       (blk - q_blocks) * BLOCK_H, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A position's cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch
+    lookup does."""
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    c1 = tl.load(cos_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                         num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
+                         v_stride_tok, v_stride_head, kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
+                         table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
+    # rotate k heads into the token's slot of k_cache and copy the same v heads into v_cache.
+    tok = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
+    if blk < q_blocks:
+        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
+                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+    else:
+        head0 = (blk - q_blocks) * BLOCK_H
+        slot = tl.load(loc_ptr + tok).to(tl.int64)
+        _rotate_heads(k_ptr + tok * k_stride_tok, k_cache_ptr + slot * kc_stride_slot, k_stride_head, kc_stride_head,
+                      head0, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+        heads = head0 + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF)[None, :]
+        v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
+        tl.store(v_cache_ptr + slot * vc_stride_slot + heads[:, None] * vc_stride_head + d[None, :], v, mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -87,6 +126,43 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
         **pdl_options(q))
     return q_out, k_out
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+                    q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does, the rotated k and
+    v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache [num_slots, num_kv_heads, head_dim];
+    returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit the two kernels it replaces."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _check(q, k, cos, sin, positions)
+    check_store(k_cache, v_cache, loc, k, v)
+    q_out = _output(q_out, q)
+    if n == 0:
+        return q_out
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = _heads_per_program(n, num_heads, num_kv_heads)
+    q_blocks = triton.cdiv(num_heads, block_h)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    _rotary_store_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
+        q, k, v, q_out, k_cache, v_cache, cos, sin, positions, loc, num_heads, num_kv_heads, q_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
+        **pdl_options(q))
+    return q_out
+
+
+def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """The twin of `rotary_store_kv`: the twins of the two kernels it fuses, one after the other."""
+    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions)
+    store_kv_reference(k_cache, v_cache, loc, k_rot, v)
+    return q_rot
 
 
 def _check(q, k, cos, sin, positions) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.batch import ForwardBatch
+from engine.batch import ForwardBatch, ForwardMode
 from engine.cache.kv_pool import KVPool
 from engine.cache.req_to_token import ReqToTokenPool
 
@@ -34,6 +34,9 @@ class AttentionShape:
 class AttentionBackend(ABC):
     name: str = ""
     supports_cuda_graph: bool = False
+    # Decode reads the new tokens' K and V back from the pool (forward() is pool.write, then attend_stored()): so
+    # rotary and the KV store can be one kernel (forward_rope).
+    fuses_rope_store: bool = False
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         self.shape = shape
@@ -49,6 +52,21 @@ class AttentionBackend(ABC):
                 metadata: Any) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
         Writes k, v into the KV pool at batch.out_cache_loc; returns [num_tokens, num_heads, head_dim]."""
+
+    def forward_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any,
+                     batch: ForwardBatch, metadata: Any) -> torch.Tensor:
+        """`forward` with q and k not rotated yet (`rope`: engine.layers.rotary.RopeInputs); k, v may be strided.
+        Decode on a backend that `fuses_rope_store` rotates q and k and writes k and v into the pool in one kernel
+        where the pool runs kernels (KVPool.write_rotated), then attends."""
+        if self.fuses_rope_store and batch.mode is ForwardMode.DECODE:
+            q = self.kv_pool.write_rotated(layer_id, batch.out_cache_loc, q, k, v, rope)
+            return self.attend_stored(layer_id, q, batch, metadata)
+        q, k = rope.apply(q, k)
+        return self.forward(layer_id, q, k, v.contiguous(), batch, metadata)
+
+    def attend_stored(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch, metadata: Any) -> torch.Tensor:
+        """For a backend that `fuses_rope_store`: decode attention once this step's K and V are in the pool."""
+        raise NotImplementedError
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

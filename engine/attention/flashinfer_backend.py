@@ -58,6 +58,7 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
     supports_cuda_graph = True
+    fuses_rope_store = True
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         super().__init__(shape, kv_pool, req_to_token)
@@ -107,6 +108,9 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, layer_id, q, k, v, batch, metadata: Any) -> torch.Tensor:
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        return self.attend_stored(layer_id, q, batch, metadata)
+
+    def attend_stored(self, layer_id, q, batch, metadata: Any) -> torch.Tensor:
         # [num_tokens, num_heads, head_dim] in q's dtype (the dtype planned: the KV cache's)
         return metadata.run(q.contiguous(), (self._k_pages[layer_id], self._v_pages[layer_id]))
 

@@ -25,6 +25,9 @@ class HybridBackend(AttentionBackend):
     def forward(self, layer_id, q, k, v, batch, metadata):
         return self._pick(batch).forward(layer_id, q, k, v, batch, metadata)
 
+    def forward_rope(self, layer_id, q, k, v, rope, batch, metadata):
+        return self._pick(batch).forward_rope(layer_id, q, k, v, rope, batch, metadata)
+
     def init_cuda_graph(self, max_bs: int) -> None:
         self.decode.init_cuda_graph(max_bs)
 

@@ -21,7 +21,7 @@ from kernels.runtime import interpreting
 @dataclass(slots=True)
 class DecodeMetadata:
     num_splits: int
-    partials: tuple[torch.Tensor, torch.Tensor] | None  # stage-1 scratch ([batch, heads, splits, head_dim], lse)
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # split-KV scratch (outputs, lse, counters)
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class ExtendMetadata:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    fuses_rope_store = True
 
     def __init__(self, shape, kv_pool, req_to_token):
         super().__init__(shape, kv_pool, req_to_token)
@@ -45,8 +46,8 @@ class TritonBackend(AttentionBackend):
 
     def _decode_metadata(self, bs: int) -> DecodeMetadata:
         splits = num_kv_splits(bs, self.shape.num_kv_heads, self.device)
-        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device) \
-            if splits > 1 else None
+        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device,
+                                   self.shape.num_kv_heads) if splits > 1 else None
         return DecodeMetadata(splits, partials)
 
     def plan(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
@@ -59,12 +60,16 @@ class TritonBackend(AttentionBackend):
         pool = self.kv_pool
         pool.write(layer_id, batch.out_cache_loc, k, v)
         if isinstance(metadata, DecodeMetadata):
-            return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
-                                    batch.req_pool_indices, batch.seq_lens, self.shape.scale, metadata.num_splits,
-                                    partials=metadata.partials)
+            return self.attend_stored(layer_id, q, batch, metadata)
         return extend_attention(q, k, v, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
                                 batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
                                 metadata.max_extend_len, self.shape.scale)
+
+    def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
+        pool = self.kv_pool
+        return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
+                                batch.req_pool_indices, batch.seq_lens, self.shape.scale, metadata.num_splits,
+                                partials=metadata.partials)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

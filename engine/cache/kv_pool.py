@@ -64,6 +64,19 @@ class KVPool:
         self.k[layer][loc] = k
         self.v[layer][loc] = v
 
+    def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      rope) -> torch.Tensor:
+        """Rotary (`rope`: engine.layers.rotary.RopeInputs) on q and k, then `write` of the rotated k and v; returns
+        the rotated q. Where the kernels run, one launch does it all (kernels.rotary.rotary_store_kv)."""
+        if rope.cos is None and use_kernels(k):  # the kernel rotary path: positions, no looked-up tables
+            from kernels.rotary import rotary_store_kv
+
+            return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],
+                                   self.v[layer], loc)
+        q, k = rope.apply(q, k)
+        self.write(layer, loc, k, v)
+        return q
+
     def buffers(self) -> list[torch.Tensor]:
         """Every KV buffer (layer 0 K, layer 0 V, layer 1 K, ...); page p of each is one contiguous byte range."""
         return [t for pair in zip(self.k, self.v) for t in pair]

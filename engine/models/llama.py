@@ -53,8 +53,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
-        out = get_forward_context().attend(self.layer_id, q, k, v.contiguous())
+        out = get_forward_context().attend(self.layer_id, q, k, v, rope)
         return self.o_proj(out.reshape(n, self.q_size))
 
 

@@ -29,7 +29,7 @@ from engine.models.llama import MLP
 from kernels.activation import silu_and_mul, silu_and_mul_reference
 from kernels.kv_store import store_kv, store_kv_reference
 from kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_reference, rmsnorm, rmsnorm_reference
-from kernels.rotary import apply_rotary, apply_rotary_reference
+from kernels.rotary import apply_rotary, apply_rotary_reference, rotary_store_kv, rotary_store_kv_reference
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -221,6 +221,28 @@ def test_store_kv(device, n, kv_heads, head_dim, pages, dtype, gen, tiles):
     store_kv(pool.k[1], pool.v[1], loc, k, v)
     store_kv_reference(k_ref, v_ref, loc, k, v)
     bits = {2: torch.int16, 4: torch.int32}[k.element_size()]
+    assert torch.equal(pool.k[1].view(bits), k_ref.view(bits)) and torch.equal(pool.v[1].view(bits), v_ref.view(bits))
+    assert pool.k[0].isnan().all() and pool.v[0].isnan().all()
+
+
+@pytest.mark.parametrize("device,n,heads,kv_heads,head_dim,max_positions", ROTARY_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kv(device, n, heads, kv_heads, head_dim, max_positions, dtype, gen, tiles):
+    """Rotary and the KV store in one launch: bit for bit the two kernels' twins, k and v strided (slices of one qkv
+    row, as the model hands them over), nothing written outside the tokens' slots."""
+    rope = RotaryEmbedding(head_dim, max_positions, 500000.0, LLAMA3_SCALING, torch.device(device))
+    q, k, v = _qkv(n, heads, kv_heads, head_dim, dtype, device, gen)
+    positions = _positions(n, max_positions, gen).to(device)
+    pool = KVPool(-(-max(n, 1) // 16) + 2, 16, 2, kv_heads, head_dim, dtype, torch.device(device))
+    for buf in pool.buffers():
+        buf.fill_(float("nan"))
+    loc = torch.randperm(pool.num_slots, generator=gen)[:n].to(device)
+    k_ref, v_ref = pool.k[1].clone(), pool.v[1].clone()
+    q_out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    got = rotary_store_kv(q, k, v, rope.cos, rope.sin, positions, pool.k[1], pool.v[1], loc, q_out=q_out)
+    q_ref = rotary_store_kv_reference(q, k, v, rope.cos, rope.sin, positions, k_ref, v_ref, loc)
+    bits = {2: torch.int16, 4: torch.int32}[q.element_size()]
+    assert got is q_out and torch.equal(q_out, q_ref)
     assert torch.equal(pool.k[1].view(bits), k_ref.view(bits)) and torch.equal(pool.v[1].view(bits), v_ref.view(bits))
     assert pool.k[0].isnan().all() and pool.v[0].isnan().all()
 

@@ -1,0 +1,32 @@
+"""Rotary and the KV store in one kernel inside the decode step (issue 10): the 8B-shaped model (dummy weights,
+triton, CUDA graphs) with decode's rotary and KV store fused (kernels.rotary.rotary_store_kv, the default) against the
+two kernels one after the other, alternated in one process (graphs captured again at each switch). Per batch size:
+the GPU time of a step (benchmarks.profile_decode's measure) and the first 8 greedy tokens of up to 4 requests
+(which must not move: the fused kernel is bit for bit the two).
+
+    python -m benchmarks.fusion_step [--batch-size 1 8 64] [--rounds 2] [--result-file F]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.profile_decode import ab_main
+from engine.attention.triton_backend import TritonBackend
+from engine.model_runner import ModelRunner
+
+VARIANTS = ("separate", "fused")
+
+
+def _switch(runner: ModelRunner, variant: str) -> None:
+    TritonBackend.fuses_rope_store = variant == "fused"
+    torch.cuda.empty_cache()
+    runner.graphs.capture()
+
+
+def main() -> None:
+    ab_main(__doc__.split("\n")[0], _switch, "rope_store", VARIANTS)
+
+
+if __name__ == "__main__":
+    main()
