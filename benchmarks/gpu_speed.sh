@@ -82,7 +82,7 @@ fi
 if [[ $PARTS == *fusion* ]]; then
   # This tree against $BASE's (prev/, an earlier tree: the split-KV merge in a second kernel), each backend's step
   # profiled in its own process, alternated; then rotary + KV store fused or not, in one process.
-  for round in 1 2; do
+  for round in $(seq ${ROUNDS:-2}); do
     for tree in this prev; do
       [[ $tree == prev && ! -d prev ]] && continue
       dir=.; [[ $tree == prev ]] && dir=prev
