@@ -1,10 +1,11 @@
 """Rotary and the KV store in one kernel inside the decode step (issue 10): the 8B-shaped model (dummy weights,
-triton, CUDA graphs) with decode's rotary and KV store fused (kernels.rotary.rotary_store_kv, the default) against the
+triton or --attention-backend flashinfer, CUDA graphs) with decode's rotary and KV store fused (kernels.rotary.rotary_store_kv, the default) against the
 two kernels one after the other, alternated in one process (graphs captured again at each switch). Per batch size:
 the GPU time of a step (benchmarks.profile_decode's measure) and the first 8 greedy tokens of up to 4 requests
 (which must not move: the fused kernel is bit for bit the two).
 
-    python -m benchmarks.fusion_step [--batch-size 1 8 64] [--rounds 2] [--result-file F]
+    python -m benchmarks.fusion_step [--attention-backend flashinfer] [--batch-size 1 8 64] [--rounds 2]
+                                     [--result-file F]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.profile_decode import ab_main
+from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.triton_backend import TritonBackend
 from engine.model_runner import ModelRunner
 
@@ -19,7 +21,8 @@ VARIANTS = ("separate", "fused")
 
 
 def _switch(runner: ModelRunner, variant: str) -> None:
-    TritonBackend.fuses_rope_store = variant == "fused"
+    for backend in (TritonBackend, FlashInferBackend):
+        backend.fuses_rope_store = variant == "fused"
     torch.cuda.empty_cache()
     runner.graphs.capture()
 

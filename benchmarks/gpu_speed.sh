@@ -10,8 +10,8 @@
 #                           and without programmatic dependent launch (benchmarks.pdl_chain), and its GPU tests
 #   PARTS="pdlstep"         the decode step with and without programmatic dependent launch (benchmarks.pdl_step),
 #                           then the kernel tests
-#   PARTS="setup fusion"    decode steps of this tree against $BASE's (prev/), profiled per backend, then rotary + KV
-#                           store in one kernel or two (benchmarks.fusion_step)
+#   PARTS="setup fusion"    the decode step with rotary + KV store in one kernel or two (benchmarks.fusion_step),
+#                           per backend
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
@@ -80,21 +80,11 @@ elif [[ $PARTS == *pdl* ]]; then
 fi
 
 if [[ $PARTS == *fusion* ]]; then
-  # This tree against $BASE's (prev/, an earlier tree: the split-KV merge in a second kernel), each backend's step
-  # profiled in its own process, alternated; then rotary + KV store fused or not, in one process.
-  for round in $(seq ${ROUNDS:-2}); do
-    for tree in this prev; do
-      [[ $tree == prev && ! -d prev ]] && continue
-      dir=.; [[ $tree == prev ]] && dir=prev
-      for backend in ${BACKENDS:-triton flashinfer}; do
-        (cd $dir && PYTHONPATH=$PWD FLASHINFER_WORKSPACE_BASE=$FLASHINFER_WORKSPACE_BASE $PY -m benchmarks.profile_decode \
-          --attention-backend $backend --batch-size 1 8 64 --result-file "$OUT/fusion_profile_$tree.jsonl" 2>&1 \
-          | grep -E "^bs|^ +[0-9.]+ us" | head -30 | sed "s/^/[$tree $backend r$round] /")
-      done
-    done
+  # rotary + KV store in one kernel or two, in one process per backend
+  for backend in ${BACKENDS:-triton flashinfer}; do
+    $PY -m benchmarks.fusion_step --attention-backend $backend --batch-size 1 8 64 --rounds ${ROUNDS:-2} \
+      --result-file "$OUT/fusion_step.jsonl" 2>&1 | tee -a "$OUT/fusion_step.log" | grep -v Warning
   done
-  $PY -m benchmarks.fusion_step --batch-size 1 8 64 --rounds 2 --result-file "$OUT/fusion_step.jsonl" 2>&1 \
-    | tee "$OUT/fusion_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *profile* ]]; then

@@ -108,21 +108,22 @@ def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], in
 
 def ab_main(description: str, switch, key: str, variants: tuple = (False, True)) -> None:
     """The command line of an in-step A/B (benchmarks.transposed_step, benchmarks.pdl_step): the 8B-shaped model with
-    the triton backend and graphs for the batch sizes asked, `switch(runner, variant)` for each of `variants`,
+    an attention backend (triton by default) and graphs for the batch sizes asked, `switch(runner, variant)` for each of `variants`,
     alternated; each row's variant is recorded under `key`."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
+    p.add_argument("--attention-backend", default="triton")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--result-file")
     ns = p.parse_args()
-    runner, cache = decode_runner(ns.model_path, "triton", ns.batch_size, ns.input_len, mem_fraction_static=0.7,
-                                  cuda_graph_bs=tuple(ns.batch_size))
+    runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len,
+                                  mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size))
     rows = ab_rounds(runner, cache, switch, variants, ns.batch_size, ns.input_len, ns.rounds)
     for row in rows:
         row[key] = row.pop("variant")
-        row["device"] = torch.cuda.get_device_name()
+        row["device"], row["backend"] = torch.cuda.get_device_name(), ns.attention_backend
     if ns.result_file:
         with open(ns.result_file, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)

@@ -4,14 +4,10 @@ The KV pool is token-addressed: `req_to_token[row, i]` is the slot of token i of
 `k_buf[slot]` / `v_buf[slot]` hold its keys and values ([num_slots, num_kv_heads, head_dim] per layer). Page size is
 therefore invisible here: any page size works.
 
-One launch, one program per (request, KV head, split). The program loads the `group` query heads that share that
+Stage 1 runs one program per (request, KV head, split). The program loads the `group` query heads that share that
 KV head as the rows of one tile, so every key and value is read from memory once per KV head, and walks its split of
-the request's tokens with an online softmax. With one split it writes the output. With several it writes a partial
-output and the log-sum-exp of its scores, then counts itself done on a per-(request, KV head) counter; the program
-that finishes last merges the splits and puts the counter back to zero. So there is no second kernel: at batch 1 a
-second launch per layer cost more than the merge (each kernel boundary of the decode step is a few microseconds).
-The counter's atomic add releases the program's partial writes and acquires the others' for the last one, which
-reads them past L1 (`.cg`).
+the request's tokens with an online softmax. It writes a partial output and the log-sum-exp of its scores. Stage 2
+merges the splits of each (request, head). With one split, stage 1 writes the final output and stage 2 is skipped.
 
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
 stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
@@ -37,28 +33,11 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _merge_splits(PartialO, PartialLse, Out, b, head, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """Out[b, head] from the splits' partial outputs, weighted by their log2-sum-exp (an empty split's is -inf)."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    lse = tl.load(PartialLse + b * stride_lb + head * stride_lh + s, mask=s < NUM_SPLITS, other=float("-inf"),
-                  cache_modifier=".cg")
-    live = lse > float("-inf")  # at least split 0 is live: every request has seq_len >= 1
-    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
-    part = tl.load(PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-@triton.jit
-def _decode_kernel(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse, Done,
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -106,13 +85,24 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         if has:
             tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
                      acc / l_i[:, None], mask=out_mask)
-        tl.debug_barrier()  # every thread's partial writes are issued before the count releases them
-        done = Done + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(done, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split of (b, kv_head) to finish
-            for i in tl.static_range(GROUP):
-                _merge_splits(PartialO, PartialLse, Out, b, kv_head * GROUP + i, stride_pb, stride_ph, stride_ps,
-                              stride_lb, stride_lh, stride_ot, stride_oh, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
-            tl.atomic_xchg(done, 0)  # ready for the next launch (the next layer's, or the next step's)
+
+
+@triton.jit
+def _decode_stage2(PartialO, PartialLse, Out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(PartialLse + b * stride_lb + head * stride_lh + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    live = lse > float("-inf")  # at least split 0 is live: every request has seq_len >= 1
+    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
+    part = tl.load(PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
@@ -123,25 +113,21 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> i
     return max(1, min(MAX_SPLITS, math.ceil(PROGRAMS_PER_SM * sms / max(1, batch_size * num_kv_heads))))
 
 
-def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device,
-                    num_kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scratch for split-KV: partial outputs [batch, heads, splits, head_dim] and log2-sum-exp [batch, heads, splits]
-    in float32, and the finished-split counters [batch, kv_heads] int32, zero between launches (the last program of
-    each launch resets its own). Without `num_kv_heads` there is a counter per query head, enough for any GQA ratio."""
+def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for stage 1: partial outputs [batch, heads, splits, head_dim] and log2-sum-exp [batch, heads, splits]
+    in float32."""
     return (torch.empty((batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device),
-            torch.zeros((batch_size, num_kv_heads or num_heads), dtype=torch.int32, device=device))
+            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
-                     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
-    `partials` (from `partial_buffers`: at least [batch, heads, num_splits], and batch x kv_heads zeroed counters)
-    lets CUDA graphs keep fixed scratch; one set of partials serves launches one after another on one stream, not
-    two at once."""
+    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -149,26 +135,25 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if bsz == 0:
         return out
     if num_splits > 1 and partials is None:
-        partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device, num_kv_heads)
-    if num_splits > 1:
-        po, lse, done = partials
-        if done.numel() < bsz * num_kv_heads or not done.is_contiguous() or done.dtype != torch.int32:
-            raise ValueError(f"the split counters must be a contiguous int32 tensor of at least {bsz} x "
-                             f"{num_kv_heads}, got {tuple(done.shape)} {done.dtype}")
-    else:
-        po, lse, done = (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
-                         out.new_empty((1, 1, 1), dtype=torch.float32), out.new_empty((1,), dtype=torch.int32))
+        partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device)
+    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
+                                               out.new_empty((1, 1, 1), dtype=torch.float32))
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_kernel[(bsz, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse, done,
+    _decode_stage1[(bsz, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PRECISION=precision,
+        BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), num_warps=4, num_stages=2, **pdl_options(q))
+    if num_splits > 1:
+        _decode_stage2[(bsz, num_heads)](
+            po, lse, out, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
+            **pdl_options(q))
     return out
 
 

@@ -21,7 +21,7 @@ from kernels.runtime import interpreting
 @dataclass(slots=True)
 class DecodeMetadata:
     num_splits: int
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # split-KV scratch (outputs, lse, counters)
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # stage-1 scratch ([batch, heads, splits, head_dim], lse)
 
 
 @dataclass(slots=True)
@@ -46,8 +46,8 @@ class TritonBackend(AttentionBackend):
 
     def _decode_metadata(self, bs: int) -> DecodeMetadata:
         splits = num_kv_splits(bs, self.shape.num_kv_heads, self.device)
-        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device,
-                                   self.shape.num_kv_heads) if splits > 1 else None
+        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device) \
+            if splits > 1 else None
         return DecodeMetadata(splits, partials)
 
     def plan(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:

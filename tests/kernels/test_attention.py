@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits, partial_buffers
+from kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits
 from kernels.extend_attention import extend_attention, extend_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -80,28 +80,6 @@ def test_decode_long_context_split_kv(device):
     """One request of 32k tokens, split across many programs; a short request rides along."""
     heads, kv_heads, head_dim = (32, 8, 128) if device == "cuda" else (4, 1, 16)
     _decode_case([32768, 3], heads, kv_heads, head_dim, 16, torch.bfloat16, device, splits=16, seed=7)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_split_scratch_is_reused_and_its_counters_return_to_zero(device):
-    """One set of split-KV scratch serves launch after launch (a CUDA graph's layers share it): the last split of
-    each (request, KV head) merges and zeroes its counter, so the next launch, with other lengths and values, merges
-    its own splits, not stale ones."""
-    heads, kv_heads, head_dim, splits = 6, 2, 32, 5
-    partials = partial_buffers(3, heads, splits, head_dim, torch.device(device), kv_heads)
-    for seed, lens in enumerate(([1, 40, 300], [290, 2, 64], [7, 7, 7])):
-        pool = Pool(lens, kv_heads, head_dim, 16, torch.float32, device, seed)
-        q = torch.randn((3, heads, head_dim), generator=torch.Generator().manual_seed(seed)).to(device)
-        seq_lens = torch.tensor(lens, device=device)
-        out = decode_attention(q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, 0.2, splits,
-                               partials=partials)
-        ref = decode_attention_reference(q.cpu(), pool.k.cpu(), pool.v.cpu(), pool.req_to_token.cpu(),
-                                         pool.rows.cpu(), seq_lens.cpu(), 0.2)
-        _check(out.cpu(), ref, torch.float32)
-        assert partials[2].count_nonzero() == 0, partials[2]
-    with pytest.raises(ValueError, match="split counters"):
-        decode_attention(q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, 0.2, splits,
-                         partials=(partials[0], partials[1], partials[2][:2]))
 
 
 @pytest.mark.gpu
