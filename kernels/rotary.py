@@ -41,25 +41,6 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, num_heads, num_kv_heads, q_blocks,
-                   q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, table_stride,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    # Grid (tokens, q_blocks + k_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...), the rest k heads.
-    tok = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
-    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
-    if blk < q_blocks:
-        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
-                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
-    else:
-        _rotate_heads(k_ptr + tok * k_stride_tok, k_out_ptr + tok * num_kv_heads * 2 * HALF, k_stride_head, 2 * HALF,
-                      (blk - q_blocks) * BLOCK_H, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
-
-
-@triton.jit
 def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """A position's cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch
     lookup does."""
@@ -73,14 +54,15 @@ def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl
 
 
 @triton.jit
-def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
-                         num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
-                         v_stride_tok, v_stride_head, kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
-                         table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         PDL: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                   num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
+                   v_stride_tok, v_stride_head, kd_stride_row, kd_stride_head, vd_stride_row, vd_stride_head,
+                   table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   STORE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
-    # rotate k heads into the token's slot of k_cache and copy the same v heads into v_cache.
+    # rotate k heads into row tok of k_dst, or with STORE into row loc[tok] of the pool k_dst, and then copy the
+    # same v heads into that row of the pool v_dst.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -91,14 +73,36 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_pt
                       blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
     else:
         head0 = (blk - q_blocks) * BLOCK_H
-        slot = tl.load(loc_ptr + tok).to(tl.int64)
-        _rotate_heads(k_ptr + tok * k_stride_tok, k_cache_ptr + slot * kc_stride_slot, k_stride_head, kc_stride_head,
+        row = tok
+        if STORE:
+            row = tl.load(loc_ptr + tok).to(tl.int64)
+        _rotate_heads(k_ptr + tok * k_stride_tok, k_dst_ptr + row * kd_stride_row, k_stride_head, kd_stride_head,
                       head0, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
-        heads = head0 + tl.arange(0, BLOCK_H)
-        d = tl.arange(0, 2 * BLOCK_HALF)
-        mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF)[None, :]
-        v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
-        tl.store(v_cache_ptr + slot * vc_stride_slot + heads[:, None] * vc_stride_head + d[None, :], v, mask=mask)
+        if STORE:
+            heads = head0 + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 2 * BLOCK_HALF)
+            mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF)[None, :]
+            v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
+            tl.store(v_dst_ptr + row * vd_stride_row + heads[:, None] * vd_stride_head + d[None, :], v, mask=mask)
+
+
+def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc) -> None:
+    """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] of the pools k_dst,
+    v_dst with v copied beside it."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = _heads_per_program(n, num_heads, num_kv_heads)
+    q_blocks = triton.cdiv(num_heads, block_h)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    _rotary_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
+        q, k, v, q_out, k_dst, v_dst, cos, sin, positions, positions if loc is None else loc, num_heads,
+        num_kv_heads, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), cos.stride(0),
+        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None,
+        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
+        **pdl_options(q))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -107,24 +111,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim] (one dtype; any strides but a unit last one),
     cos/sin [max_positions, head_dim] float32, positions [n] int -> rotated (q, k), written to `q_out`, `k_out`
     (contiguous; they may be q and k themselves when those are contiguous) or new tensors."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     _check(q, k, cos, sin, positions)
     q_out, k_out = _output(q_out, q), _output(k_out, k)
-    if n == 0:
-        return q_out, k_out
-    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
-    cos, sin = cos.contiguous(), sin.contiguous()
-    block_h = _heads_per_program(n, num_heads, num_kv_heads)
-    q_blocks = triton.cdiv(num_heads, block_h)
-    block_half = triton.next_power_of_2(head_dim // 2)
-    grid = (n, q_blocks + triton.cdiv(num_kv_heads, block_h))
-    _rotary_kernel[grid](
-        q, k, q_out, k_out, cos, sin, positions, num_heads, num_kv_heads, q_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
-        **pdl_options(q))
+    if q.shape[0]:
+        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None)
     return q_out, k_out
 
 
@@ -134,25 +124,11 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does, the rotated k and
     v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache [num_slots, num_kv_heads, head_dim];
     returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit the two kernels it replaces."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     _check(q, k, cos, sin, positions)
     check_store(k_cache, v_cache, loc, k, v)
     q_out = _output(q_out, q)
-    if n == 0:
-        return q_out
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cos, sin = cos.contiguous(), sin.contiguous()
-    block_h = _heads_per_program(n, num_heads, num_kv_heads)
-    q_blocks = triton.cdiv(num_heads, block_h)
-    block_half = triton.next_power_of_2(head_dim // 2)
-    _rotary_store_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
-        q, k, v, q_out, k_cache, v_cache, cos, sin, positions, loc, num_heads, num_kv_heads, q_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
-        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
-        **pdl_options(q))
+    if q.shape[0]:
+        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc)
     return q_out
 
 
