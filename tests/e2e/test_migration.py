@@ -55,14 +55,14 @@ async def _chat(client: openai.AsyncOpenAI, i: int, started: list[int]) -> tuple
 
 
 async def _run(mesh, fault=None, ready=None) -> list[tuple[str, str | None, str | None]]:
-    """All streams at once; `fault()` runs once `ready()` holds (polled in a thread), by default once there were as
-    many chunks as streams."""
+    """All streams at once; `fault()` runs once `ready(started)` holds (polled in a thread; `started`: the stream of
+    each chunk so far), by default once there were as many chunks as streams."""
     chunks: list[int] = []
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
         tasks = [asyncio.create_task(_chat(client, i, chunks)) for i in range(STREAMS)]
         if fault is not None:
             while not all(t.done() for t in tasks):
-                if await asyncio.to_thread(ready) if ready is not None else len(chunks) >= STREAMS:
+                if await asyncio.to_thread(ready, list(chunks)) if ready is not None else len(chunks) >= STREAMS:
                     break
                 await asyncio.sleep(0.05)
             running = sum(not t.done() for t in tasks)
@@ -71,10 +71,14 @@ async def _run(mesh, fault=None, ready=None) -> list[tuple[str, str | None, str 
         return await asyncio.gather(*tasks)
 
 
-def _streaming_on(mesh, pid: int):
-    """_run's `ready`: once the worker of `pid` has calls streaming."""
+def _streaming_on(mesh, pid: int, samples: bool = False):
+    """_run's `ready`: once the worker of `pid` has calls streaming; with `samples`, also once half the n = 2 streams
+    have streamed (so some of them are mid-stream on that worker: its first streams may be a prefill batch of n = 1
+    ones only, a CI run)."""
     argv = cmdline(pid).split()
-    return streaming_on(mesh, "127.0.0.1:" + argv[argv.index("--port") + 1])
+    on = streaming_on(mesh, "127.0.0.1:" + argv[argv.index("--port") + 1])
+    pairs = {i for i in range(STREAMS) if i % 5 == 0}
+    return lambda started: (not samples or 2 * len(pairs.intersection(started)) >= len(pairs)) and on()
 
 
 def _workers(mesh) -> list[int]:
@@ -102,7 +106,8 @@ def test_a_worker_killed_or_hung_mid_stream_costs_no_client_anything(tmp_path):
         want = asyncio.run(_run(mesh))
         assert all(err is None and reason == "length" for _, reason, err in want), want[:3]
         first, second = _workers(mesh)
-        _check(asyncio.run(_run(mesh, lambda: os.kill(first, signal.SIGKILL), _streaming_on(mesh, first))), want)
+        _check(asyncio.run(_run(mesh, lambda: os.kill(first, signal.SIGKILL), _streaming_on(mesh, first, True))),
+               want)
         assert migrations(mesh) > 0, "no stream was in flight on the killed worker"
         assert "migrating samples" in mesh.log_path.read_text()  # n = 2 streams went on sample by sample
         _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == 2, 90, "no restart")
@@ -127,7 +132,8 @@ def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
             # the decode victim fails once it streams (by the router's metrics: counting chunks of any stream let
             # the other decode worker's chunks fire the fault while this one held none yet, a CI run); the
             # prefill victim when the streams have begun, so some are still in their prefill
-            ready = streaming_on(mesh, address) if role == "decode" else None
+            on = streaming_on(mesh, address)
+            ready = (lambda started: on()) if role == "decode" else None
             _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL), ready)), want)
             if role == "decode":
                 assert moved(mesh) > before, "no request was open on the killed decode worker"
