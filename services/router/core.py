@@ -105,10 +105,12 @@ class Router:
     def require_model(self, name: str) -> None:
         """For a request that names its model ("" names none, and passes): RouterError 503 before any worker said
         what it serves, 404 for a name other than the served one."""
+        if not name:
+            return
         names = self.served_models
-        if name and not names:
+        if not names:
             raise RouterError(503, f"model {name!r}: no model is being served yet (no worker has answered)")
-        if name and name not in names:
+        if name not in names:
             raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
