@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.auth import TOKEN_ENV, InternalAuth
 from services.common.auth_channel import sync_channel
 from services.launch import free_port
@@ -163,18 +164,24 @@ def worker_metrics(mesh: Mesh, worker: str) -> dict[str, float]:
     return out
 
 
+def loads(address: str) -> worker_pb2.GetLoadsResponse:
+    """The worker's own load report (GetLoads over its internal channel)."""
+    with internal_channel(address) as ch:
+        return worker_pb2_grpc.WorkerServiceStub(ch).GetLoads(worker_pb2.GetLoadsRequest(), timeout=10)
+
+
 def streaming_on(mesh: Mesh, worker: str):
     """A predicate for a fault's trigger: true once a call to `worker` (host:port) has had its first message since
-    now and at least two are open, by the router's metrics, so the worker has streams mid-stream when it fails.
-    (Counting chunks of any stream let the other worker's chunks fire a fault before this one's first token, and
-    a worker that answers fast may have finished its streams by then: CI runs. A worker's first tokens come in
-    bursts, a prefill batch at a time, and a scrape of a busy router is slow: so one is enough.)"""
+    now, by the router's metrics, and the worker itself still runs at least two requests (its GetLoads), so it has
+    streams mid-stream when it fails. (Counting chunks of any stream let the other worker's chunks fire a fault
+    before this one's first token: a CI run. The router's count of open calls is no proof either: a call stays
+    open until its client has read the answer, and a client slower than the worker, two cores busy with 200
+    streams, still reads answers the worker finished seconds ago: CI runs killed a worker that held none.)"""
     name = "sgl_router_worker_time_to_first_token_seconds_count"
     before = worker_metrics(mesh, worker).get(name, 0.0)
 
     def ready() -> bool:
-        now = worker_metrics(mesh, worker)
-        return now.get(name, 0.0) > before and now.get("sgl_router_running_requests", 0.0) >= 2
+        return worker_metrics(mesh, worker).get(name, 0.0) > before and loads(worker).num_running_requests >= 2
     return ready
 
 

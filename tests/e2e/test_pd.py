@@ -18,10 +18,9 @@ import time
 import openai
 import pytest
 
-from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, internal_channel, launch, openai_client, running_mesh, stop_and_check
+from tests.e2e.mesh import cmdline, launch, loads, openai_client, running_mesh, stop_and_check
 from tests.e2e.test_mesh_faults import post
 
 NAME = model_path(MODEL)
@@ -45,11 +44,6 @@ def workers(mesh) -> dict[str, list[str]]:
 def pid_of(mesh, address: str) -> int:
     port = address.rpartition(":")[2]
     return next(pid for pid in mesh.services().values() if f"--port {port} " in cmdline(pid) + " ")
-
-
-def loads(address: str) -> worker_pb2.GetLoadsResponse:
-    with internal_channel(address) as ch:
-        return worker_pb2_grpc.WorkerServiceStub(ch).GetLoads(worker_pb2.GetLoadsRequest(), timeout=10)
 
 
 def assert_all_freed(addresses: list[str], timeout: float = 20.0) -> None:
