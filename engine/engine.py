@@ -32,6 +32,7 @@ from engine.pooling import check_dimensions, pooling_of
 from engine.request import Req, StepOutput
 from engine.results import BatchCollector, RequestSpec, normalize_batch, resume_req, resumed
 from engine.sampling.grammar import GrammarCompilerCache
+from engine.tokenizer_loader import load_tokenizer
 from engine.tp_worker import rank_args, start_leader
 from engine.scheduler import Scheduler
 from engine.scheduler.prefill_planner import PlannerLimits
@@ -52,7 +53,7 @@ class Engine:
         self.args = resolve_args(EngineArgs.from_kwargs(model_path, **kwargs), self.model_config)
         # an embedding engine's pooling (engine.pooling); None: a generation engine
         self.pooling = pooling_of(model_path) if self.args.is_embedding else None
-        self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args.tokenizer_path)
+        self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.tokenizer_path)
         # tensor parallelism: this node's other ranks run in processes of their own (engine.tp_worker)
         tp, self._followers = start_leader(self.args)
         self.runner = None
@@ -77,7 +78,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
                                    self.args.enable_mixed_chunk, self.args.context_length,
                                    # its own copy: a fast tokenizer must not be used by two threads at once
-                                   _load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
+                                   load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
                                    self.args.num_reserved_decode_tokens,
                                    overlap=not self.args.disable_overlap_schedule, pooling=self.pooling)
         if self.cache.hierarchy is not None:
@@ -468,12 +469,6 @@ class Engine:
 def _check_tenant(tenant: str) -> None:
     if not isinstance(tenant, str) or len(tenant) > 64:
         raise ValueError(f"tenant must be a string of at most 64 characters, got {tenant!r}")
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def _stream(deltas: Iterator[dict | None], abort: Callable[[], None]) -> Iterator[dict]:

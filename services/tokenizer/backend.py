@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from engine.config import ModelConfig
+from engine.tokenizer_loader import load_tokenizer
 from services.tokenizer.chat import ChatSpec, render_chat
 from services.tokenizer.settings import TokenizerSettings
 from services.tokenizer.templates import load_chat_template
@@ -45,12 +46,6 @@ class TokenizerInfo:
     tokenizer_path: str
     eos_token_ids: tuple[int, ...]
     context_length: int
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 class TokenizerBackend:
