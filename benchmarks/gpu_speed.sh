@@ -12,6 +12,10 @@
 #                           then the kernel tests
 #   PARTS="setup fusion"    the decode step with rotary + KV store in one kernel or two (benchmarks.fusion_step),
 #                           per backend
+#   PARTS="setup ablate"    the decode step with attention, the norms or SiLU-and-mul replaced by free stand-ins
+#                           (benchmarks.ablate_step): what each part of the step beyond its products costs
+#   PARTS="setup prefetch"  decode attention's first keys and values pulled into L2 before its PDL wait, or not
+#                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
@@ -34,6 +38,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=$PWD/build/fi  # JIT-compiled FlashInfer kernels survive between calls here
 PY=python3
+TIMELINE=${TIMELINE:+--timeline}  # TIMELINE=1: profile_decode also records one step's kernels in order
 PARTS=${PARTS:-setup tests}
 export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 CFG=benchmarks/configs/llama-3.1-8b
@@ -87,9 +92,23 @@ if [[ $PARTS == *fusion* ]]; then
   done
 fi
 
+if [[ $PARTS == *prefetch* ]]; then
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/gpu/test_attention_backends_cuda.py 2>&1 \
+    | tee "$OUT/prefetch_tests.log" | tail -3
+  $PY -m benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} \
+    --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" | grep -v Warning
+fi
+
+if [[ $PARTS == *ablate* ]]; then
+  for backend in ${BACKENDS:-triton}; do
+    $PY -m benchmarks.ablate_step --attention-backend $backend --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} \
+      --result-file "$OUT/ablate_step.jsonl" 2>&1 | tee -a "$OUT/ablate_step.log" | grep -v Warning
+  done
+fi
+
 if [[ $PARTS == *profile* ]]; then
   for backend in ${BACKENDS:-triton flashinfer}; do
-    $PY -m benchmarks.profile_decode --attention-backend $backend --batch-size 1 64 256 \
+    $PY -m benchmarks.profile_decode --attention-backend $backend --batch-size ${BATCH:-1 64 256} $TIMELINE \
       --result-file "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.log" | grep -v Warning | tail -48
   done
 fi

@@ -3,6 +3,7 @@ events around graph replay + sampling), its kernels (count, time by kernel, the 
 the synchronous step adds on top.
 
     python -m benchmarks.profile_decode [--attention-backend triton] [--batch-size 1 64] [--input-len 512]
+                                        [--timeline] [--result-file F]
 """
 
 from __future__ import annotations
@@ -58,17 +59,32 @@ def _kernels(prof, steps: int) -> dict:
             "top": [(name, us / steps) for name, us in by_name.most_common(14)]}
 
 
-def profile_batch(runner, cache, bs: int, input_len: int) -> dict:
+def _timeline(prof) -> list[tuple[str, float, float]]:
+    """The kernels of a profile in the order they started: (name, start us from the first one's start, us)."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start if events else 0
+    return [(e.name[:60], e.time_range.start - t0, e.time_range.elapsed_us()) for e in events]
+
+
+def profile_batch(runner, cache, bs: int, input_len: int, trace: bool = False) -> dict:
+    """`trace`: also one more step's kernels in order (name, start, duration), under "timeline"."""
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
     ids = prefill(runner, cache, reqs)
     _, ids = decode(runner, cache, reqs, ids, 5)
     gpu_ms, wall_ms, ids = _gpu_ms(runner, cache, reqs, ids)
     steps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decode(runner, cache, reqs, ids, steps)
+        _, ids = decode(runner, cache, reqs, ids, steps)
+    timeline = None
+    if trace:
+        with profile(activities=[ProfilerActivity.CUDA]) as one:
+            decode(runner, cache, reqs, ids, 1)
+        timeline = _timeline(one)
     for r in reqs:
         cache.release(r)
-    return {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}
+    out = {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}
+    return out if timeline is None else {**out, "timeline": timeline}
 
 
 def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_len: int,
@@ -136,10 +152,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--result-file")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record one step's kernels in order (name, start, duration) in the result file")
     ns = parser.parse_args()
     runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len)
     for bs in ns.batch_size:
-        row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len)}
+        row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len, ns.timeline)}
         print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "
               f"{row['kernels_per_step']:.0f} kernels, span {row['span_us_per_step'] / 1e3:.3f} ms); synchronous "
               f"step {row['wall_ms']:.3f} ms")

@@ -23,12 +23,15 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import accumulate, softmax_step
-from kernels.runtime import dot_needs_upcast, pdl_enter, pdl_options
+from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
 MAX_SPLITS = 64
 # Programs per streaming multiprocessor to aim for when choosing splits (latency hiding for the gathers).
 PROGRAMS_PER_SM = 4
+# Under programmatic dependent launch, stage 1 pulls its first block of keys and values into L2 before it waits for
+# the kernel before (benchmarks.prefetch_step turns it off to measure it).
+PREFETCH_KV = True
 _LOG2E = 1.4426950408889634
 
 
@@ -38,16 +41,30 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The lengths and the slot table are written before the step starts (the batch's inputs), never by a kernel of
+    # the step: read before the PDL wait, like the keys and values of the first block, pulled into L2 meanwhile
+    # (the one new token's slot may still be being written; a prefetch binds no value, so it is harmless).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            n = start + tl.arange(0, BLOCK_N)
+            first = n < end
+            slots = tl.load(ReqToToken + row * stride_rt + n, mask=first, other=0).to(tl.int64)
+            cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first element of each 128-byte line of a row
+            line = first[:, None] & (cols[None, :] < HEAD_DIM)
+            prefetch_l2(tl.where(line, K + slots[:, None] * stride_kt + kv_head * stride_kh + cols[None, :], K))
+            prefetch_l2(tl.where(line, V + slots[:, None] * stride_vt + kv_head * stride_vh + cols[None, :], V))
+        tl.extra.cuda.gdc_wait()  # from here on the kernel before (rotary, the KV store) has finished
 
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
@@ -88,19 +105,23 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
 
 
 @triton.jit
-def _decode_stage2(PartialO, PartialLse, Out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
+    # Which splits stage 1 filled follows from the length alone (an input of the step, so read before the PDL
+    # wait): after it, the scores and the partial outputs load side by side.
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, BLOCK_S)
+    live = s < tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(PartialLse + b * stride_lb + head * stride_lh + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    live = lse > float("-inf")  # at least split 0 is live: every request has seq_len >= 1
-    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
+    pdl_enter(PDL)
+    lse = tl.load(PartialLse + b * stride_lb + head * stride_lh + s, mask=live, other=float("-inf"))
     part = tl.load(PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_S, BLOCK_D]
+    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -139,19 +160,24 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
                                                out.new_empty((1, 1, 1), dtype=torch.float32))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = pdl_options(q)
+    line = LINE_BYTES // k_buf.element_size()
+    prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
-        UPCAST=dot_needs_upcast(q.dtype), num_warps=4, num_stages=2, **pdl_options(q))
+        BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
+        UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
+        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
-            po, lse, out, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
             **pdl_options(q))
     return out

@@ -22,17 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import dot_needs_upcast, pdl_on
+from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2
 
 MAX_ROWS = 16
-_LINE = 128  # bytes an L2 prefetch pulls
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    # One `prefetch.global.L2` per pointer; the dummy result keeps the asm an elementwise op of Triton's.
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -47,7 +39,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: 
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH_LINES > 0:
             cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first column of each 128-byte line
-            _prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), w_rows[:, None] + cols[None, :], W))
+            prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), w_rows[:, None] + cols[None, :], W))
         tl.extra.cuda.gdc_wait()  # from here on the kernel before has finished and its writes are visible
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -99,7 +91,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, warps, stages, prefetch_k = config or default_config(n, k, weight.element_size())
     pdl = pdl and pdl_on(x)
     launch = {"launch_pdl": True} if pdl else {}
-    line = _LINE // weight.element_size()
+    line = LINE_BYTES // weight.element_size()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -82,3 +82,14 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+LINE_BYTES = 128  # what one L2 prefetch pulls
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """One `prefetch.global.L2` per pointer (a hint: it binds no value, so it may run before a PDL wait on memory an
+    earlier kernel may still write); the dummy result keeps the asm an elementwise op of Triton's."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
