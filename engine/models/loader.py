@@ -138,7 +138,9 @@ def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: t
     cls = model_class(cfg.architecture)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, tp)
-    model = model.to_empty(device=device)
+    # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
+    # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
