@@ -12,7 +12,10 @@ As requests happen:
     sgl_router_retries_total{worker}                  requests moved to another worker after this one failed
     sgl_router_worker_request_duration_seconds{worker}  successful worker calls, send to last message
     sgl_router_worker_time_to_first_token_seconds{worker}  send to the first message of a streamed call
-At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker},
+At scrape time: sgl_router_active_workers, sgl_router_worker_health{worker}, sgl_router_running_requests{worker}
+(calls the router has open: until their consumer has read the last message), radixmesh_router_open_streams{worker}
+(calls on the worker's GenerateStream with part of their answer in and the rest to come: what a failure of the
+worker breaks mid-answer),
 sgl_router_worker_cb_state{worker} (0 closed, 1 open, 2 half-open), sgl_router_worker_cb_transitions_total{worker};
 with --tokenizer-cache-enable-l0: sgl_router_tokenizer_cache_{hits,misses}_total, sgl_router_tokenizer_cache_entries;
 with admission limits: sgl_router_queued_requests, sgl_router_admitted_requests (running),
@@ -138,6 +141,9 @@ class RouterMetrics:
         for w in workers:
             out.gauge("sgl_router_worker_health", "1 when the worker is healthy", float(w.healthy), worker=w.url)
             out.gauge("sgl_router_running_requests", "Calls in flight per worker", w.in_flight, worker=w.url)
+            if w.mux is not None:
+                out.gauge("radixmesh_router_open_streams", "Calls on the worker's GenerateStream whose answer has "
+                          "begun and not ended", w.mux.open_streams(), worker=w.url)
             out.gauge("sgl_router_worker_cb_state", "Circuit breaker per worker: 0 closed, 1 open, 2 half-open",
                       STATE_VALUES[w.breaker.state], worker=w.url)
             out.counter("sgl_router_worker_cb_transitions_total", "Circuit breaker state changes per worker",

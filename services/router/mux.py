@@ -32,6 +32,7 @@ _DONE = object()
 class MuxCall:
     def __init__(self, mux: "WorkerMux", request_id: str, timeout_s: float | None):
         self._mux, self.request_id = mux, request_id
+        self.begun = False  # a message of the answer has arrived
         self._items: collections.deque = collections.deque()
         self._end: object | None = None  # _DONE or the exception the consumer gets
         self._waiter: asyncio.Future | None = None
@@ -63,6 +64,7 @@ class MuxCall:
             self._waiter.set_result(None)
 
     def push(self, msg: worker_pb2.GenerateResponse) -> None:
+        self.begun = True
         self._items.append(msg)
         self._wake()
 
@@ -119,6 +121,10 @@ class WorkerMux:
             self.calls.pop(request.request_id, None)
             call.finish(rpc_error(grpc.StatusCode.UNAVAILABLE, "the GenerateStream broke"))
         return call
+
+    def open_streams(self) -> int:
+        """Calls whose answer has begun and not ended: what the worker's failure would break mid-answer."""
+        return sum(c.begun for c in self.calls.values())
 
     def abort(self, request_id: str) -> None:
         if self.calls.pop(request_id, None) is not None:

@@ -108,8 +108,10 @@ class WorkerRegistry:
         if others and info.served_model_name != others[0]:
             await ch.close()
             raise ValueError(f"worker {url} serves {info.served_model_name!r}, the others {others[0]!r}")
-        worker = Worker(url, ch, stub, info, breaker=self.new_breaker(),
-                        mux=WorkerMux(stub, url, self.connect_timeout_s, ch if self.stream_lanes else None))
+        # GenerateStream carries colocated calls; a PD pair's calls are plain Generate calls (services/router/pd.py)
+        mux = WorkerMux(stub, url, self.connect_timeout_s, ch if self.stream_lanes else None) \
+            if info.disaggregation_mode == "null" else None
+        worker = Worker(url, ch, stub, info, breaker=self.new_breaker(), mux=mux)
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker

@@ -170,18 +170,23 @@ def loads(address: str) -> worker_pb2.GetLoadsResponse:
         return worker_pb2_grpc.WorkerServiceStub(ch).GetLoads(worker_pb2.GetLoadsRequest(), timeout=10)
 
 
-def streaming_on(mesh: Mesh, worker: str):
-    """A predicate for a fault's trigger: true once a call to `worker` (host:port) has had its first message since
-    now, by the router's metrics, and the worker itself still runs at least two requests (its GetLoads), so it has
-    streams mid-stream when it fails. (Counting chunks of any stream let the other worker's chunks fire a fault
-    before this one's first token: a CI run. The router's count of open calls is no proof either: a call stays
-    open until its client has read the answer, and a client slower than the worker, two cores busy with 200
-    streams, still reads answers the worker finished seconds ago: CI runs killed a worker that held none.)"""
-    name = "sgl_router_worker_time_to_first_token_seconds_count"
-    before = worker_metrics(mesh, worker).get(name, 0.0)
+def streaming_on(mesh: Mesh, worker: str, streams: int = 2):
+    """A predicate for a fault's trigger: true once the worker (host:port) has streams mid-answer. On a GenerateStream
+    (colocated workers): at least `streams` calls whose answer has begun and not ended, by the router
+    (radixmesh_router_open_streams). Over plain Generate calls (PD decode workers), where the router has no such
+    count: a call to the worker has had its first message since now, by the router's metrics, and the worker
+    itself (GetLoads) still runs at least `streams` requests. (Weaker signs misled CI runs: chunks of any stream
+    fired a fault before this worker's first token; the router's open calls (sgl_router_running_requests) include
+    answers the worker finished long ago that a slow client still reads; the worker's running count alone includes
+    requests whose first token has not reached the router, which are retried, not migrated, when it dies.)"""
+    ttft = "sgl_router_worker_time_to_first_token_seconds_count"
+    before = worker_metrics(mesh, worker).get(ttft, 0.0)
 
     def ready() -> bool:
-        return worker_metrics(mesh, worker).get(name, 0.0) > before and loads(worker).num_running_requests >= 2
+        now = worker_metrics(mesh, worker)
+        if "radixmesh_router_open_streams" in now:
+            return now["radixmesh_router_open_streams"] >= streams
+        return now.get(ttft, 0.0) > before and loads(worker).num_running_requests >= streams
     return ready
 
 

@@ -124,6 +124,7 @@ def test_router_worker_and_tokenizer_metrics_add_up(mesh):
     assert r.value("sgl_router_active_workers", **ROUTER) == 2
     assert all(r.value("sgl_router_worker_health", worker=u) == 1 for u in urls)
     assert all(r.value("sgl_router_running_requests", worker=u) == 0 for u in urls)
+    assert all(r.value("radixmesh_router_open_streams", worker=u) == 0 for u in urls)  # (tests/e2e: > 0 mid-load)
     assert r.value("sgl_router_retries_total") == 0
 
     workers = [scrape(ports[name]) for name in ("w0", "w1")]
