@@ -44,8 +44,6 @@ def _switch(runner: ModelRunner, variant: str) -> None:
     forward_context.ForwardContext.attend = _no_attention if "attend" in gone else _ORIGINAL["attend"]
     RMSNorm.forward = _no_norm if "norm" in gone else _ORIGINAL["norm"]
     llama.silu_and_mul = _no_silu if "silu" in gone else _ORIGINAL["silu"]
-    torch.cuda.empty_cache()
-    runner.graphs.capture()
 
 
 def main() -> None:

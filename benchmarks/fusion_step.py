@@ -10,8 +10,6 @@ the GPU time of a step (benchmarks.profile_decode's measure) and the first 8 gre
 
 from __future__ import annotations
 
-import torch
-
 from benchmarks.profile_decode import ab_main
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.triton_backend import TritonBackend
@@ -23,8 +21,6 @@ VARIANTS = ("separate", "fused")
 def _switch(runner: ModelRunner, variant: str) -> None:
     for backend in (TritonBackend, FlashInferBackend):
         backend.fuses_rope_store = variant == "fused"
-    torch.cuda.empty_cache()
-    runner.graphs.capture()
 
 
 def main() -> None:

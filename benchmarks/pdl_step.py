@@ -10,8 +10,6 @@ and the first 8 greedy tokens of up to 4 requests (the products round differentl
 
 from __future__ import annotations
 
-import torch
-
 from benchmarks.profile_decode import ab_main
 from engine.model_runner import ModelRunner
 from kernels.runtime import pdl_supported, use_pdl
@@ -22,8 +20,6 @@ VARIANTS = ("off", "pdl", "pdl+gemv")  # --disable-pdl; PDL with cuBLAS products
 
 def _switch(runner: ModelRunner, variant: str) -> None:
     use_pdl(variant != "off", gemv=variant == "pdl+gemv")
-    torch.cuda.empty_cache()
-    runner.graphs.capture()
 
 
 def main() -> None:

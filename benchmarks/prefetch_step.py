@@ -9,8 +9,6 @@ requests (which must not move: a prefetch changes no value).
 
 from __future__ import annotations
 
-import torch
-
 from benchmarks.profile_decode import ab_main
 from engine.model_runner import ModelRunner
 from kernels import decode_attention
@@ -20,8 +18,6 @@ VARIANTS = ("wait first", "prefetch")
 
 def _switch(runner: ModelRunner, variant: str) -> None:
     decode_attention.PREFETCH_KV = variant == "prefetch"
-    torch.cuda.empty_cache()
-    runner.graphs.capture()
 
 
 def main() -> None:

@@ -100,13 +100,15 @@ def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_l
 
 
 def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], input_len: int, rounds: int) -> list[dict]:
-    """An A/B inside one process: per round, per variant, `switch(runner, variant)` (which must capture the graphs
-    again), then per batch size the GPU time of a decode step and the first 8 greedy tokens of up to 4 requests."""
+    """An A/B inside one process: per round, per variant, `switch(runner, variant)` and the graphs captured again,
+    then per batch size the GPU time of a decode step and the first 8 greedy tokens of up to 4 requests."""
     vocab = runner.model_config.vocab_size
     rows = []
     for round_ in range(rounds):
         for variant in variants:
             switch(runner, variant)
+            torch.cuda.empty_cache()
+            runner.graphs.capture()
             for bs in batch_sizes:
                 reqs = _make_reqs(cache, bs, input_len, vocab, torch.Generator().manual_seed(bs))
                 ids = prefill(runner, cache, reqs)

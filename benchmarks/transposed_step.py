@@ -9,8 +9,6 @@ request from both layouts (bf16 rounding may differ).
 
 from __future__ import annotations
 
-import torch
-
 from benchmarks.profile_decode import ab_main
 from engine.model_runner import ModelRunner
 
@@ -31,8 +29,6 @@ def _switch(runner: ModelRunner, transposed: bool) -> None:
         model.compute_logits = lambda hidden: (hidden @ head_t).float()
     else:
         model.__dict__.pop("compute_logits", None)
-    torch.cuda.empty_cache()
-    runner.graphs.capture()
 
 
 def main() -> None:
