@@ -70,19 +70,27 @@ async def _chat(client: openai.AsyncOpenAI, i: int, streaming: list[int]) -> tup
         return "|".join(texts), f"{type(e).__name__}: {e}"
 
 
-async def _load(mesh, fault=None, ready=None) -> list[tuple[str, str | None]]:
-    """`fault()` comes a third of the way into the arrivals, once a sixth of the streams have tokens, and `ready()`
-    (polled in a thread) holds."""
+async def _load(mesh, strike=None, ready=None, settle=None) -> list[tuple[str, str | None]]:
+    """`strike()` comes a third of the way into the arrivals, once a sixth of the streams have tokens and `ready()`
+    holds (or after 30 s), done in the thread that saw the predicate hold (a busy event loop between the check and
+    the signal let a worker's short streams end first: a CI run); then `settle()`, awaited."""
     streaming = [0]  # streams that have their first chunk
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
         tasks = [asyncio.create_task(_chat(client, i, streaming)) for i in range(STREAMS)]
-        if fault is not None:
+        if strike is not None:
             await asyncio.sleep(ARRIVE_S / 3)
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not (
-                    streaming[0] >= STREAMS // 6 and (ready is None or await asyncio.to_thread(ready))):
+
+            def attempt() -> bool:
+                late = time.monotonic() >= deadline
+                if late or (streaming[0] >= STREAMS // 6 and (ready is None or ready())):
+                    strike()
+                    return True
+                return False
+            while not await asyncio.to_thread(attempt):
                 await asyncio.sleep(0.02)
-            await fault()
+            if settle is not None:
+                await settle()
         return await asyncio.gather(*tasks)
 
 
@@ -171,8 +179,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     before = _restarts(mesh)
     pid = victim[0]
 
-    async def inject():
-        os.kill(pid, getattr(signal, fault))
+    async def settle():
         if fault == "SIGSTOP":
             await asyncio.sleep(HOLD_S)
             deadline = time.monotonic() + 30
@@ -187,7 +194,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     # a colocated worker fails with streams of its own mid-stream (round robin gives it every other one)
     ready = streaming_on(mesh, f"127.0.0.1:{victim[1]}") if service == "services.decode" and not role else None
     started = time.monotonic()
-    got = asyncio.run(_load(mesh, inject, ready))
+    got = asyncio.run(_load(mesh, lambda: os.kill(pid, getattr(signal, fault)), ready, settle))
     took = time.monotonic() - started
     if service == "services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]

@@ -55,19 +55,23 @@ async def _chat(client: openai.AsyncOpenAI, i: int, started: list[int]) -> tuple
 
 
 async def _run(mesh, fault=None, ready=None) -> list[tuple[str, str | None, str | None]]:
-    """All streams at once; `fault()` runs once `ready(started)` holds (polled in a thread; `started`: the stream of
-    each chunk so far), by default once there were as many chunks as streams."""
+    """All streams at once; `fault()` runs once `ready(started)` holds (`started`: the stream of each chunk so far),
+    by default once there were as many chunks as streams: checked and done in one thread, so that no busy event
+    loop comes between the check and the fault."""
     chunks: list[int] = []
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
         tasks = [asyncio.create_task(_chat(client, i, chunks)) for i in range(STREAMS)]
         if fault is not None:
-            while not all(t.done() for t in tasks):
-                if await asyncio.to_thread(ready, list(chunks)) if ready is not None else len(chunks) >= STREAMS:
-                    break
+
+            def attempt() -> bool:
+                if ready(list(chunks)) if ready is not None else len(chunks) >= STREAMS:
+                    fault()
+                    return True
+                return False
+            while not all(t.done() for t in tasks) and not await asyncio.to_thread(attempt):
                 await asyncio.sleep(0.05)
-            running = sum(not t.done() for t in tasks)
+            running = sum(not t.done() for t in tasks)  # as at the fault: no task has run since
             assert running > STREAMS // 4, ("the streams ended before the fault", running)
-            fault()
         return await asyncio.gather(*tasks)
 
 
