@@ -134,14 +134,20 @@ def ab_main(description: str, switch, key: str, variants: tuple = (False, True))
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--decode-gemm", default="auto", choices=["auto", "gemv", "cublas"])
     p.add_argument("--result-file")
     ns = p.parse_args()
     runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len,
-                                  mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size))
+                                  mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size),
+                                  decode_gemm=ns.decode_gemm)
+    from kernels.runtime import gemv_enabled
+
+    products = "kernels.gemv" if gemv_enabled(torch.empty(0, device=runner.device)) else "cuBLAS"
+    print(f"decode products (--decode-gemm {ns.decode_gemm}): {products}")
     rows = ab_rounds(runner, cache, switch, variants, ns.batch_size, ns.input_len, ns.rounds)
     for row in rows:
         row[key] = row.pop("variant")
-        row["device"], row["backend"] = torch.cuda.get_device_name(), ns.attention_backend
+        row["device"], row["backend"], row["products"] = torch.cuda.get_device_name(), ns.attention_backend, products
     if ns.result_file:
         with open(ns.result_file, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
