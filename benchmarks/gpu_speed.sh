@@ -14,9 +14,8 @@
 #                           per backend
 #   PARTS="setup ablate"    the decode step with attention, the norms or SiLU-and-mul replaced by free stand-ins
 #                           (benchmarks.ablate_step): what each part of the step beyond its products costs
-#   PARTS="setup preload"   decode attention's first keys and values and kernels.gemv's first weight tile loaded
-#                           before their PDL wait, or not (benchmarks.preload_step; with "tests" and
-#                           TESTS="tests/kernels/test_attention.py ..." the kernels' CUDA tests first)
+#   PARTS="setup prefetch"  decode attention's first keys and values pulled into L2 before its PDL wait, or not
+#                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
@@ -93,9 +92,11 @@ if [[ $PARTS == *fusion* ]]; then
   done
 fi
 
-if [[ $PARTS == *preload* ]]; then
-  $PY -m benchmarks.preload_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
-    --result-file "$OUT/preload_step.jsonl" 2>&1 | tee -a "$OUT/preload_step.log" | grep -v Warning
+if [[ $PARTS == *prefetch* ]]; then
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/gpu/test_attention_backends_cuda.py 2>&1 \
+    | tee "$OUT/prefetch_tests.log" | tail -3
+  $PY -m benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
+    --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *ablate* ]]; then

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-import kernels.gemv as gemv_module
 from kernels.gemv import gemv, gemv_reference
 from kernels.runtime import pdl_supported
 
@@ -48,16 +47,13 @@ def _chain(product, layers, head, x):
 
 def _variants(configs: list[str]) -> dict:
     """cuBLAS, kernels.gemv with its default tiles and plain launches, and kernels.gemv with PDL per config
-    "BLOCK_N up to 8192 columns,BLOCK_N above,BLOCK_K,warps,stages,L2-pulled columns[,first tile loaded before the
-    wait: 1 (default) or 0]"."""
+    "BLOCK_N up to 8192 columns,BLOCK_N above,BLOCK_K,warps,stages,L2-pulled columns"."""
     out = {"cublas": lambda x, w: F.linear(x, w), "triton": lambda x, w: gemv(x, w)}
     for text in configs:
-        small, large, block_k, warps, stages, pre, *first = (int(v) for v in text.split(","))
+        small, large, block_k, warps, stages, pre = (int(v) for v in text.split(","))
 
-        def run(x, w, small=small, large=large, block_k=block_k, warps=warps, stages=stages, pre=pre,
-                preload=bool(first[0]) if first else True):
+        def run(x, w, small=small, large=large, block_k=block_k, warps=warps, stages=stages, pre=pre):
             block_n = small if w.shape[0] <= 8192 else large
-            gemv_module.PRELOAD_W = preload  # read at launch, so a captured graph keeps it
             return gemv(x, w, pdl=True, config=(block_n, min(block_k, w.shape[1]), warps, stages, pre))
         out[f"pdl {text}"] = run
     return out

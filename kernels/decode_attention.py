@@ -23,15 +23,15 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import accumulate, softmax_step
-from kernels.runtime import dot_needs_upcast, pdl_enter, pdl_options
+from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
 MAX_SPLITS = 64
 # Programs per streaming multiprocessor to aim for when choosing splits (latency hiding for the gathers).
 PROGRAMS_PER_SM = 4
-# Stage 1 loads its first block of keys and values before it waits for the kernel before under programmatic dependent
-# launch, and only the newest token's after (benchmarks.preload_step turns it off to measure it).
-PRELOAD_KV = True
+# Under programmatic dependent launch, stage 1 pulls its first block of keys and values into L2 before it waits for
+# the kernel before (benchmarks.prefetch_step turns it off to measure it).
+PREFETCH_KV = True
 _LOG2E = 1.4426950408889634
 
 
@@ -41,44 +41,36 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The lengths and the slot table are written before the step starts (the batch's inputs), and the keys and
-    # values of every token but the newest by earlier steps, never by a kernel of this step: the program loads its
-    # first block of them before the PDL wait, so after it only the query and the newest token's row are read.
+    # The lengths and the slot table are written before the step starts (the batch's inputs), never by a kernel of
+    # the step: read before the PDL wait, like the keys and values of the first block, pulled into L2 meanwhile
+    # (the one new token's slot may still be being written; a prefetch binds no value, so it is harmless).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    n = start + tl.arange(0, BLOCK_N)
-    first = n < end
-    newest = n == seq_len - 1  # its key and value were stored by the kernel before (rotary + store)
-    slots = tl.load(ReqToToken + row * stride_rt + n, mask=first, other=0).to(tl.int64)
-    k_ptrs = K + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-    v_ptrs = V + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-    if PRELOAD:
-        older = (first & ~newest)[:, None] & d_mask[None, :]
-        k0 = tl.load(k_ptrs, mask=older, other=0.0)
-        v0 = tl.load(v_ptrs, mask=older, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            n = start + tl.arange(0, BLOCK_N)
+            first = n < end
+            slots = tl.load(ReqToToken + row * stride_rt + n, mask=first, other=0).to(tl.int64)
+            cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first element of each 128-byte line of a row
+            line = first[:, None] & (cols[None, :] < HEAD_DIM)
+            prefetch_l2(tl.where(line, K + slots[:, None] * stride_kt + kv_head * stride_kh + cols[None, :], K))
+            prefetch_l2(tl.where(line, V + slots[:, None] * stride_vt + kv_head * stride_vh + cols[None, :], V))
         tl.extra.cuda.gdc_wait()  # from here on the kernel before (rotary, the KV store) has finished
-    if PRELOAD:
-        fresh = (first & newest)[:, None] & d_mask[None, :]
-        k0 = tl.where(fresh, tl.load(k_ptrs, mask=fresh, other=0.0), k0)
-        v0 = tl.where(fresh, tl.load(v_ptrs, mask=fresh, other=0.0), v0)
-    else:
-        k0 = tl.load(k_ptrs, mask=first[:, None] & d_mask[None, :], other=0.0)
-        v0 = tl.load(v_ptrs, mask=first[:, None] & d_mask[None, :], other=0.0)
 
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
     h_mask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
@@ -87,10 +79,7 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if end > start:  # the first block, loaded above (an empty split has none)
-        p, alpha, m_i, l_i = softmax_step(q, k0, first[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
-        acc = accumulate(acc, p, alpha, v0, PRECISION, UPCAST)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
@@ -174,6 +163,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_n = 64 if block_d <= 128 else 32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_options(q)
+    line = LINE_BYTES // k_buf.element_size()
+    prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
@@ -181,7 +172,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         lse.stride(0), lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
-        UPCAST=dot_needs_upcast(q.dtype), PRELOAD=PRELOAD_KV, num_warps=4, num_stages=2, **pdl)
+        UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
+        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),

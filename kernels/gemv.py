@@ -25,54 +25,34 @@ import triton.language as tl
 from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2
 
 MAX_ROWS = 16
-# Each program loads its first tile of weights into registers before it waits for the kernel before (under
-# programmatic dependent launch), so after the wait its first product needs only x; benchmarks.preload_step turns it
-# off to measure it.
-PRELOAD_W = True
-
-
-@triton.jit
-def _dot_acc(acc, x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in float32."""
-    if UPCAST:
-        w = w.to(tl.float32)
-        x = x.to(tl.float32)
-    return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PRELOAD: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     w_rows = W + n.to(tl.int64) * stride_wn  # [BLOCK_N]
-    m = tl.arange(0, BLOCK_M)
-    k = tl.arange(0, BLOCK_K)
-    if PRELOAD:  # the first tile of weights, into registers before the wait
-        w0 = tl.load(w_rows[:, None] + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0,
-                     eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH_LINES > 0:
             cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first column of each 128-byte line
             prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), w_rows[:, None] + cols[None, :], W))
         tl.extra.cuda.gdc_wait()  # from here on the kernel before has finished and its writes are visible
+    m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = 0
-    if PRELOAD:
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k < K)[None, :], other=0.0)
-        acc = _dot_acc(acc, x, w0, UPCAST, PRECISION)
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows[:, None] + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K], read once
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & k_mask[None, :], other=0.0)
-        acc = _dot_acc(acc, x, w, UPCAST, PRECISION)
+        if UPCAST:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:  # added in float32 before the one rounding, as cuBLAS's epilogue does
         acc += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
@@ -117,7 +97,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         PREFETCH_LINES=triton.cdiv(prefetch_k, line) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
         UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        HAS_BIAS=bias is not None, PRELOAD=PRELOAD_W, num_warps=warps, num_stages=stages, **launch)
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **launch)
     return out
 
 

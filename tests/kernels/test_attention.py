@@ -82,25 +82,6 @@ def test_decode_long_context_split_kv(device):
     _decode_case([32768, 3], heads, kv_heads, head_dim, 16, torch.bfloat16, device, splits=16, seed=7)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_preload_changes_no_bit(device, monkeypatch):
-    """Stage 1 loading its first block before the PDL wait (the newest token's row after it) sums the same terms in
-    the same order as loading it all after the wait: equal outputs, bit for bit, with splits of one and of several
-    blocks, empty splits, and the newest token in a first block and in a later one."""
-    from kernels import decode_attention as module
-
-    lens, heads, kv_heads, head_dim = [1, 7, 64, 65, 130, 300], 8, 2, 32
-    pool = Pool(lens, kv_heads, head_dim, 16, torch.bfloat16, device, seed=11)
-    q = torch.randn((len(lens), heads, head_dim), generator=torch.Generator().manual_seed(12))
-    q = q.to(torch.bfloat16).to(device)
-    seq_lens = torch.tensor(lens, device=device)
-    outs = []
-    for preload in (False, True):
-        monkeypatch.setattr(module, "PRELOAD_KV", preload)
-        outs.append(decode_attention(q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, head_dim ** -0.5, 3))
-    assert torch.equal(outs[0], outs[1])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs,ctx", [(1, 512), (64, 2048), (256, 1024)])
 def test_decode_llama8b_shape_cuda(bs, ctx):
