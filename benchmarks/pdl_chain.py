@@ -47,16 +47,14 @@ def _chain(product, layers, head, x):
 
 def _variants(configs: list[str]) -> dict:
     """cuBLAS, kernels.gemv with its default tiles and plain launches, and kernels.gemv with PDL per config
-    "BLOCK_N up to 8192 columns,BLOCK_N above,BLOCK_K,warps,stages,L2-pulled columns"; a config that starts with
-    "tma:" loads its weight tiles through the tensor memory accelerator."""
+    "BLOCK_N up to 8192 columns,BLOCK_N above,BLOCK_K,warps,stages,L2-pulled columns"."""
     out = {"cublas": lambda x, w: F.linear(x, w), "triton": lambda x, w: gemv(x, w)}
     for text in configs:
-        tma = text.startswith("tma:")
-        small, large, block_k, warps, stages, pre = (int(v) for v in text.removeprefix("tma:").split(","))
+        small, large, block_k, warps, stages, pre = (int(v) for v in text.split(","))
 
-        def run(x, w, small=small, large=large, block_k=block_k, warps=warps, stages=stages, pre=pre, tma=tma):
+        def run(x, w, small=small, large=large, block_k=block_k, warps=warps, stages=stages, pre=pre):
             block_n = small if w.shape[0] <= 8192 else large
-            return gemv(x, w, pdl=True, config=(block_n, min(block_k, w.shape[1]), warps, stages, pre), tma=tma)
+            return gemv(x, w, pdl=True, config=(block_n, min(block_k, w.shape[1]), warps, stages, pre))
         out[f"pdl {text}"] = run
     return out
 

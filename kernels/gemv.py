@@ -59,40 +59,6 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: 
              mask=(m[:, None] < M) & n_mask[None, :])
 
 
-@triton.jit
-def _gemv_tma_kernel(X, W_desc, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                     LINE_ELEMS: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """_gemv_kernel with the weight tiles brought in by the tensor memory accelerator (a descriptor load per tile,
-    zero-filled past N and K) instead of per-thread copies."""
-    pid = tl.program_id(0)
-    n0 = pid * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:
-            w_rows = W + n.to(tl.int64) * stride_wn
-            cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
-            prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), w_rows[:, None] + cols[None, :], W))
-        tl.extra.cuda.gdc_wait()
-    m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = W_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k < K)[None, :], other=0.0)
-        if UPCAST:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
-             mask=(m[:, None] < M) & n_mask[None, :])
-
-
 def default_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH_K): enough programs for the SMs, 16-32 KB of weights per
     stage, and the first 2048 columns of each program's rows pulled into L2 ahead of the wait (the fastest of 0, 1024,
@@ -103,12 +69,11 @@ def default_config(n: int, k: int, element_size: int = 2) -> tuple[int, int, int
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         pdl: bool = False, config: tuple[int, int, int, int, int] | None = None, tma: bool = False) -> torch.Tensor:
+         pdl: bool = False, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [m, k] (m <= 16, unit stride along k), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T
     (+ bias) [m, n] in x's dtype, written to `out` ([m, n], unit stride along n) or a new tensor. `pdl`: launch it as
     a programmatic dependent of the kernel before (where kernels.runtime.pdl_on says so). `config` overrides
-    default_config for tuning. `tma`: weight tiles through the tensor memory accelerator (BLOCK_K at most 256; the
-    weight 16-byte aligned)."""
+    default_config for tuning."""
     m, k = x.shape
     n = weight.shape[0]
     if (m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype or x.stride(1) != 1
@@ -127,20 +92,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl and pdl_on(x)
     launch = {"launch_pdl": True} if pdl else {}
     line = LINE_BYTES // weight.element_size()
-    common = dict(BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                  PREFETCH_LINES=triton.cdiv(prefetch_k, line) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
-                  UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **launch)
-    b = weight if bias is None else bias.contiguous()
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-        _gemv_tma_kernel[(triton.cdiv(n, block_n),)](x, desc, weight, b, out, m, n, k, x.stride(0), weight.stride(0),
-                                                      out.stride(0), **common)
-    else:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0),
-                                                  out.stride(0), **common)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH_LINES=triton.cdiv(prefetch_k, line) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
+        UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **launch)
     return out
 
 
