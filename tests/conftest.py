@@ -78,6 +78,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process (this one and every process a test starts: workers, tensor-parallel ranks): the
+# suite runs several torch processes at once on a few cores, where each one's OpenMP threads spin-wait for the
+# others' cores (on 2 cores, 4 TP ranks took 3x as long, and a TP mesh 2x). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _cuda_available() -> bool:
