@@ -16,7 +16,7 @@ import pytest
 
 from services.launch import free_port
 from tests.conftest import ROOT, model_path
-from tests.services.metrics_utils import scrape, start_grpc, stop, wait_http
+from tests.services.metrics_utils import scrape, spawn_grpc, stop, wait_grpc, wait_http
 
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine (mooncake-transfer-engine)")
 
@@ -37,18 +37,20 @@ def pd(tmp_path_factory):
     ports = {name: free_port() for name in ("tok", "good", "bad", "decode", "router")}
     procs, urls = [], {}
     try:
-        tok, tok_url = start_grpc("services.tokenizer", "--model-path", MODEL, log=tmp / "tok.log")
+        tok, tok_url = spawn_grpc("services.tokenizer", "--model-path", MODEL, log=tmp / "tok.log")
         procs.append(tok)
         for name, extra in (("good", ()), ("bad", ("--disaggregation-inject-fault", "corrupt"))):
-            p, urls[name] = start_grpc("services.prefill", "--model-path", MODEL, *PD, *extra,
+            p, urls[name] = spawn_grpc("services.prefill", "--model-path", MODEL, *PD, *extra,
                                        "--disaggregation-bootstrap-port", str(free_port()), "--served-model-name",
                                        "tiny", "--metrics-port", str(ports[name]), log=tmp / f"{name}.log")
             procs.append(p)
-        p, urls["decode"] = start_grpc("services.decode", "--model-path", MODEL, *PD, "--disaggregation-mode",
+        p, urls["decode"] = spawn_grpc("services.decode", "--model-path", MODEL, *PD, "--disaggregation-mode",
                                        "decode", "--disaggregation-verify-kv", "--served-model-name", "tiny",
                                        "--enable-metrics", "--metrics-port", str(ports["decode"]),
                                        log=tmp / "decode.log")
         procs.append(p)
+        for p, url in zip(procs, [tok_url, urls["good"], urls["bad"], urls["decode"]]):
+            wait_grpc(p, url)
         router = subprocess.Popen(
             [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
              "--worker-urls", urls["good"], urls["bad"], urls["decode"], "--policy", "round_robin",

@@ -22,19 +22,33 @@ def start_grpc(module: str, *args: str, log: Path | None = None, timeout: float 
                env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Start `python -m module --port P ... args` (P free unless given; `env` added to the environment) and wait
     until its gRPC health says SERVING."""
+    proc, url = spawn_grpc(module, *args, log=log, port=port, env=env)
+    wait_grpc(proc, url, timeout)
+    return proc, url
+
+
+def spawn_grpc(module: str, *args: str, log: Path | None = None, port: int | None = None,
+               env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """start_grpc without the wait: services spawned one after another and then awaited (wait_grpc) start side by
+    side, as the launcher starts a mesh, instead of each one's start-up waiting for the one before."""
     port = port or free_port()
     out = open(log, "w") if log else None
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning", *args],
                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
                             env={**os.environ, **(env or {})})
-    url = f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}"
+
+
+def wait_grpc(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
+    """Wait until the service spawn_grpc started at `url` says SERVING (killed if it does not within `timeout`)."""
+    module = proc.args[2]
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url) as ch:
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"{module} exited with {proc.returncode}"
             try:
                 if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return proc, url
+                    return
             except grpc.RpcError:
                 time.sleep(0.2)
     proc.kill()

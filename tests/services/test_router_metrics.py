@@ -20,7 +20,7 @@ from services.launch import free_port
 from services.router.settings import RouterSettings
 from tests.conftest import ROOT, model_path
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tests.services.metrics_utils import http_get, scrape, start_grpc, stop, wait_http
+from tests.services.metrics_utils import http_get, scrape, spawn_grpc, stop, wait_grpc, wait_http
 
 MODEL = model_path("tiny-llama")
 KEY = {"Authorization": "Bearer sk-test"}
@@ -43,15 +43,17 @@ def mesh(tmp_path_factory):
     procs, ports = [], {"tokenizer": free_port(), "w0": free_port(), "w1": free_port(), "router": free_port(),
                         "router_metrics": free_port()}
     try:
-        tok, tok_url = start_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "tiny",
+        tok, tok_url = spawn_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "tiny",
                                   "--metrics-port", str(ports["tokenizer"]), log=tmp / "tokenizer.log")
         procs.append(tok)
         urls = []
         for name in ("w0", "w1"):
-            w, url = start_grpc("services.decode", "--model-path", MODEL, "--served-model-name", "tiny",
+            w, url = spawn_grpc("services.decode", "--model-path", MODEL, "--served-model-name", "tiny",
                                 "--enable-metrics", "--metrics-port", str(ports[name]), log=tmp / f"{name}.log")
             procs.append(w)
             urls.append(url)
+        for p, url in zip(procs, [tok_url, *urls]):
+            wait_grpc(p, url)
         router = subprocess.Popen(
             [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
              "--worker-urls", *urls, "--policy", "round_robin", "--api-key", "sk-test", "--log-level", "warning",

@@ -16,7 +16,7 @@ from radixmesh.v1 import tokenizer_pb2 as pb
 from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
 from services.router.tokenizer_pool import TokenizerPool
 from tests.conftest import model_path
-from tests.services.metrics_utils import start_grpc, stop
+from tests.services.metrics_utils import spawn_grpc, stop, wait_grpc
 
 MODEL = model_path("tiny-llama")
 TIMEOUT_S = 2.0
@@ -25,8 +25,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture()
 def replicas(tmp_path):
-    started = [start_grpc("services.tokenizer", "--model-path", MODEL, log=tmp_path / f"tokenizer{i}.log")
+    started = [spawn_grpc("services.tokenizer", "--model-path", MODEL, log=tmp_path / f"tokenizer{i}.log")
                for i in range(2)]
+    for proc, url in started:
+        wait_grpc(proc, url)
     yield started
     for proc, _ in started:
         os.kill(proc.pid, signal.SIGCONT)

@@ -15,7 +15,7 @@ from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.launch import free_port
 from tests.conftest import model_path
 from tests.engine_utils import running_engine
-from tests.services.metrics_utils import start_grpc
+from tests.services.metrics_utils import spawn_grpc, start_grpc, wait_grpc
 
 MODEL = model_path("tiny-llama")
 
@@ -108,9 +108,12 @@ def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout(
     """A prefill request no decode worker registers for, and a decode request whose room the prefill worker never
     gets, each end in ABORTED with the reason within --disaggregation-bootstrap-timeout, holding no page."""
     fast = ("--disaggregation-bootstrap-timeout", "1", "--disaggregation-transfer-backend", "mooncake")
-    proc, url = start("services.prefill", "--disaggregation-bootstrap-port", str(free_port()), *fast)
-    dproc, durl = start("services.decode", "--disaggregation-mode", "decode", *fast)
+    proc, url = spawn_grpc("services.prefill", "--model-path", MODEL, "--disaggregation-bootstrap-port",
+                           str(free_port()), *fast)
+    dproc, durl = spawn_grpc("services.decode", "--model-path", MODEL, "--disaggregation-mode", "decode", *fast)
     try:
+        wait_grpc(proc, url)
+        wait_grpc(dproc, durl)
         with grpc.insecure_channel(url) as ch, grpc.insecure_channel(durl) as dch:
             stub, dstub = worker_pb2_grpc.WorkerServiceStub(ch), worker_pb2_grpc.WorkerServiceStub(dch)
             info = stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
