@@ -19,17 +19,11 @@ import torch.nn.functional as F
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
-from tests.e2e.mesh import cmdline, internal_channel, openai_client, running_mesh
+from tests.e2e.mesh import cmdline, internal_channel, openai_client
 
 EMBED = model_path("tiny-qwen3-embed")
 TOL = 1e-4
 TEXTS = ["Hello there, how are you?", "The river runs past the old mill", "東京 is a city 🙂"]
-
-
-@pytest.fixture(scope="module")
-def embed_mesh(tmp_path_factory):
-    with running_mesh(EMBED, tmp_path_factory.mktemp("embed-mesh"), "--is-embedding", "--page-size", "4") as m:
-        yield m
 
 
 @pytest.fixture(scope="module")
