@@ -67,7 +67,6 @@ class Mesh:
     api_key: str | None = None
     log_path: Path | None = None
     known_pids: list[int] = field(default_factory=list)
-    started: float = 0.0  # time.monotonic() when the launcher was spawned
 
     @property
     def url(self) -> str:
@@ -104,12 +103,6 @@ class Mesh:
 def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str | None = None,
            timeout: float = 180.0, env: dict | None = None) -> Mesh:
     """`env`: set for the launcher on top of this environment and INTERNAL_TOKEN."""
-    return await_ready(start(model, tmp, *args, num_workers=num_workers, api_key=api_key, env=env), timeout)
-
-
-def start(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str | None = None,
-          env: dict | None = None) -> Mesh:
-    """launch() without the wait (await_ready): the launcher is spawned and starts the services meanwhile."""
     port, grpc_port = free_port(), free_port()
     argv = [sys.executable, "-m", "services.launch", "serve", "--model-path", model, "--port", str(port),
             "--grpc-port", str(grpc_port), "--num-workers", str(num_workers), "--shutdown-grace-s", "10",
@@ -119,16 +112,12 @@ def start(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str 
     log_path = tmp / f"mesh-{port}.log"
     proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, TOKEN_ENV: INTERNAL_TOKEN, **(env or {})})
-    return Mesh(proc, port, grpc_port, api_key, log_path, started=time.monotonic())
-
-
-def await_ready(mesh: Mesh, timeout: float = 180.0) -> Mesh:
-    """Wait until the mesh start() spawned is ready, at most `timeout` s after it was spawned (stopped if not)."""
-    deadline = mesh.started + timeout
+    mesh = Mesh(proc, port, grpc_port, api_key, log_path)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if mesh.proc.poll() is not None:
-            raise RuntimeError(f"launcher exited with {mesh.proc.returncode}:\n{mesh.log_tail()}")
-        if "radixmesh is ready" in mesh.log_path.read_text(errors="replace"):
+        if proc.poll() is not None:
+            raise RuntimeError(f"launcher exited with {proc.returncode}:\n{mesh.log_tail()}")
+        if "radixmesh is ready" in log_path.read_text(errors="replace"):
             mesh.known_pids = list(mesh.services().values())
             return mesh
         time.sleep(0.2)
