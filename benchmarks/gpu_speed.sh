@@ -46,6 +46,9 @@ COMMON="--model-path $CFG --load-format dummy --dtype bfloat16 --skip-tokenizer-
 
 if [[ $PARTS == *setup* ]]; then
   $PY -m pip install --no-deps --no-index --quiet .whl/*.whl 2>&1 | tail -2
+  # the services' own dependencies, where the machine lacks them (.whl/router: pip download of pyproject's pins;
+  # the mesh parts need them as the router part does)
+  [[ -d .whl/router ]] && $PY -m pip install --no-deps --no-index --quiet .whl/router/*.whl 2>&1 | tail -2
   if [[ -d .gpu-wheels ]]; then  # Mooncake's CPU build and its Debian libraries (benchmarks/gpu_pd.sh says how)
     $PY -m pip install --no-deps --no-index --quiet .gpu-wheels/*.whl 2>&1 | tail -2
     mkdir -p /tmp/debs && for f in .gpu-wheels/*.deb; do dpkg -x "$f" /tmp/debs; done
@@ -167,8 +170,6 @@ fi
 if [[ $PARTS == *router* ]]; then
   BASE=${BASE:-prev}
   [[ -e $BASE/models ]] || ln -s "$PWD/models" "$BASE/models"
-  # the services' own dependencies, where the machine lacks them (.whl/router: pip download of pyproject's pins)
-  [[ -d .whl/router ]] && $PY -m pip install --no-deps --no-index --quiet .whl/router/*.whl 2>&1 | tail -2
   SCEN="--scenarios generate_stream_16 chat_stream_16 generate_1 --repeats 3 --stream-requests 3000"
   for round in $(seq ${ROUNDS:-2}); do
     for tree in . $BASE; do
