@@ -72,7 +72,15 @@ class Prometheus:
             if result := ok():
                 return result
             time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}")
+        raise AssertionError(f"timed out waiting for {what}; targets: {self.target_states()}")
+
+    def target_states(self) -> list:
+        """What Prometheus says of each target (for a failure's message)."""
+        try:
+            return [(t["labels"].get("service"), t["health"], t["lastScrape"], t["lastError"])
+                    for t in self.api("targets")["activeTargets"]]
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the failure it explains
+            return [f"unavailable: {e!r}"]
 
 
 def start_prometheus(tmp: Path, sd_file: Path) -> Prometheus:
