@@ -225,9 +225,10 @@ if [[ $PARTS == *multiturn* ]]; then
   # device pool about a fifth of the working set (32 clients x 4 turns of 1024 tokens + 64 answered, 1024 shared;
   # MAX_TOKENS=43008 makes it a quarter: the issue's "4x working set").
   MODEL=build/llama-3.1-8b
-  # CLIENTS, ROUNDS, REQ_LEN, SHARED, MAX_PARALLEL and GRAPH_BS reshape the workload (SGLang's bench_multiturn
-  # defaults: 256 clients, 5 rounds, 512-token turns, no shared prompt, 128 in flight).
-  W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend triton
+  # ATTN picks the attention backend (default triton); CLIENTS, ROUNDS, REQ_LEN, SHARED, MAX_PARALLEL and GRAPH_BS
+  # reshape the workload (SGLang's bench_multiturn defaults: 256 clients, 5 rounds, 512-token turns, no shared prompt,
+  # 128 in flight).
+  W="--launch --model-path $MODEL --load-format dummy --dtype bfloat16 --attention-backend ${ATTN:-triton}
      --cuda-graph-max-bs ${GRAPH_BS:-32} --page-size 64 --max-total-tokens ${MAX_TOKENS:-32768}
      --num-clients ${CLIENTS:-32} --num-rounds ${ROUNDS:-4} --request-length ${REQ_LEN:-1024} --output-length 64
      --shared-system-prompt-len ${SHARED:-1024} --max-parallel ${MAX_PARALLEL:-8} --seed 1 --log-level warning"
