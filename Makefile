@@ -10,10 +10,11 @@ TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODE
 # A CPU build of torch lies in /opt/wheels on our machines; elsewhere pip takes PyPI's.
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
-# `make test` runs the suite in this many pytest processes (pytest-xdist; 0: one process, no xdist). Two fill CI's two
-# cores: one pytest process left the second core idle half the time while its tests waited on the processes they
-# started.
-TEST_WORKERS ?= 2
+# `make test TEST_WORKERS=2` runs the suite in two pytest processes (pytest-xdist; a module's tests stay in one). It
+# takes CI's 2-core run from ~31 to ~25 min, but some tests' timing does not yet hold with two processes on two cores
+# (benchmarks/results/NOTES.md, 2026-11-25 night), so the default stays one process.
+TEST_WORKERS ?= 0
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup,)
 PROTOS := $(wildcard protos/radixmesh/v1/*.proto)
 # Stubs land beside the sources' package path (radixmesh/v1/*_pb2.py at the repo root, gitignored).
 PROTO_STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
@@ -133,7 +134,7 @@ run: $(TINY) $(PROTO_STUBS)
 	$(PY) -m services.launch serve --model-path $(MODELS)/tiny-qwen2 $(RUN_ARGS)
 
 test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
-	$(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The router alone against fast fake workers, beside SGLang's Rust router (sglang-router, in the dev extra) on the
 # same workload: CPU ms per request on one pinned core. `python -m benchmarks.router` has the longer scenario list.

@@ -66,9 +66,9 @@ def broad_model(tmp_path_factory) -> str:
     return _random_llama(tmp_path_factory.mktemp("broad") / "tiny-broad-llama", lm_head_std=0.3)
 
 
-# Under pytest-xdist (`make test` runs two processes, `--dist loadgroup`), a module's tests stay together in one
-# process, so its module-scoped meshes start once; the container tests share one group, so the CPU image is built
-# once and not by two processes at the same time.
+# Under pytest-xdist (`make test TEST_WORKERS=2`: two processes, `--dist loadgroup`), a module's tests stay together
+# in one process, so its module-scoped meshes start once; the container tests share one group, so the CPU image is
+# built once and not by two processes at the same time.
 SHARED_GROUPS = {"tests/deploy/test_image.py": "podman", "tests/deploy/test_compose.py": "podman"}
 
 
