@@ -66,19 +66,9 @@ def broad_model(tmp_path_factory) -> str:
     return _random_llama(tmp_path_factory.mktemp("broad") / "tiny-broad-llama", lm_head_std=0.3)
 
 
-# Under pytest-xdist (`make test TEST_WORKERS=2`: two processes, `--dist loadgroup`), a module's tests stay together
-# in one process, so its module-scoped meshes start once; the container tests share one group, so the CPU image is
-# built once and not by two processes at the same time.
-SHARED_GROUPS = {"tests/deploy/test_image.py": "podman", "tests/deploy/test_compose.py": "podman"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
