@@ -10,9 +10,9 @@ TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODE
 # A CPU build of torch lies in /opt/wheels on our machines; elsewhere pip takes PyPI's.
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
-# `make test TEST_WORKERS=2` runs the suite in two pytest processes (pytest-xdist, a file's tests in one process, so
-# module fixtures start once). Not yet the default: see benchmarks/results/NOTES.md, 2026-11-25 night.
-TEST_WORKERS ?= 0
+# `make test` runs the suite in two pytest processes (pytest-xdist, a file's tests in one process, so module fixtures
+# start once): ~21-24 min on CI's 2 cores against ~31 in one process (TEST_WORKERS=0; NOTES.md, 2026-11-25 night).
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 PROTOS := $(wildcard protos/radixmesh/v1/*.proto)
 # Stubs land beside the sources' package path (radixmesh/v1/*_pb2.py at the repo root, gitignored).
