@@ -18,6 +18,7 @@
 #                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
+#   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
@@ -235,7 +236,11 @@ if [[ $PARTS == *multiturn* ]]; then
   # A throwaway run first: Triton compiles its kernels' variants on first use (cached on disk), which otherwise
   # lands in the first measured configuration's first round (it added ~400 ms to round 1 of "hierarchy off").
   $PY -m benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm > "$OUT/multiturn-warm.log" 2>&1
-  W="$W --output-file $OUT/multiturn.jsonl"
+  # and once more with a host tier on a pool half of that run's working set, so the hierarchy's copy kernels
+  # (both directions) are compiled before a measured run evicts or loads anything
+  $PY -m benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
+    --enable-hierarchical-cache --hicache-ratio 4 --max-total-tokens $((8 * ${ROUNDS:-4} * (${REQ_LEN:-1024} + 64) / 2 / 64 * 64)) \
+    >> "$OUT/multiturn-warm.log" 2>&1
   CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4"
            "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
             --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
@@ -259,11 +264,28 @@ if [[ $PARTS == *multiturn* ]]; then
   # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
   # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC, 10 L2 4x
   # write_through_selective
-  for i in ${MT_CONFIGS:-0 1 2}; do
-    extra=${CONFIGS[$i]}
-    echo "== multiturn ${extra:-hierarchy off}"
-    $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput" | head -12
+  # MT_TREES="prev ." runs every configuration on an earlier tree too (a copy of its services, benchmarks, engine,
+  # kernels and radixmesh stubs in that folder), alternated with this one; each tree's records go to a file of its own
+  for round in $(seq ${MT_ROUNDS:-1}); do
+    for tree in ${MT_TREES:-.}; do
+      tag=${tree//[.\/]/}
+      [[ $tree != . ]] && ln -sfn "$PWD/build" "$tree/build"
+      for i in ${MT_CONFIGS:-0 1 2}; do
+        extra=${CONFIGS[$i]}
+        echo "== multiturn [${tag:-this tree}] ${extra:-hierarchy off}"
+        (cd "$tree" && PYTHONPATH=$PWD $PY -m benchmarks.multiturn $W $extra \
+           --output-file "$OUT/multiturn${tag:+-$tag}.jsonl") 2>&1 | tee -a "$OUT/multiturn.log" \
+          | grep -E "TTFT|hit|Working|throughput" | head -12
+      done
+    done
   done
+fi
+
+if [[ $PARTS == *kvcopy* ]]; then
+  # Issue 11: host <-> device page copies, staged against kernels.kv_pages (benchmarks.kv_copy), after their tests
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kv_pages.py tests/gpu/test_hicache_cuda.py \
+    tests/unit/test_hierarchy.py 2>&1 | tail -3 | tee "$OUT/kvcopy-tests.log"
+  $PY -m benchmarks.kv_copy --result-file "$OUT/kv_copy.jsonl" 2>&1 | tail -40 | tee "$OUT/kv_copy.log"
 fi
 
 if [[ $PARTS == *transport* ]]; then

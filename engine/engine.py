@@ -69,6 +69,7 @@ class Engine:
                 if hierarchy.io is not None:  # the store reads and frees every rank's host pages
                     hierarchy.sync_host = hierarchy.mover.sync
                 self.runner.publish_setup(hierarchy.host)
+            self.runner.kv_loads = self.cache.issue_loads
         except BaseException:
             shared_memory.unlink(shared_memory.created() - made)  # no file of a failed start left in /dev/shm
             self._stop_followers(graceful=self.runner is not None)

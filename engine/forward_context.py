@@ -17,10 +17,15 @@ class ForwardContext:
     batch: ForwardBatch
     backend: Any  # engine.attention.base.AttentionBackend
     metadata: Any  # what backend.plan(batch) returned
+    # CUDA events of host -> device page loads (engine.cache.host_pool.KVMover.take_ready): layer l's attention
+    # waits for kv_ready[l] before it writes or reads that layer's KV
+    kv_ready: list | None = None
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
         """Attention of this layer; `rope` (engine.layers.rotary.RopeInputs): q and k are not rotated yet, and the
         backend rotates them (with the KV store in one kernel where it can)."""
+        if self.kv_ready is not None:
+            torch.cuda.current_stream().wait_event(self.kv_ready[layer_id])
         if rope is None:
             return self.backend.forward(layer_id, q, k, v.contiguous(), self.batch, self.metadata)
         return self.backend.forward_rope(layer_id, q, k, v, rope, self.batch, self.metadata)

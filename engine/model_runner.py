@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -70,6 +70,9 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.req_to_token.journal = self.journal
         self.mover = None  # a follower's host tier (engine.cache.host_pool), once the leader's setup says so
+        # the hierarchical cache's queued host -> device loads: issues them, returns per-layer events (the engine
+        # sets it; engine.cache.manager.CacheManager.issue_loads)
+        self.kv_loads: Callable[[], list | None] | None = None
         self.kv_channel = None  # KV staging for transfers (engine.disaggregation.mirror), once asked for
         self._published = time.monotonic()  # the leader's last step message
         shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
@@ -149,9 +152,12 @@ class ModelRunner:
         [batch + extra, vocab]: each request's last new token, then the tokens of batch.extra_logit_indices.
         Launches work on the device and returns without waiting for it."""
         self._publish("logits", batch)
+        ready = self._kv_ready()
         if self.graphs is not None and self.graphs.can_run(batch):
+            if ready is not None:  # a graph waits for every layer's pages before it starts
+                torch.cuda.current_stream().wait_event(ready[-1])
             return self.graphs.replay(batch)
-        hidden = self._hidden(batch)
+        hidden = self._hidden(batch, ready)
         if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
             return self.model.compute_logits(hidden)  # one token per request: every row is wanted
         rows = batch.logits_indices
@@ -278,19 +284,29 @@ class ModelRunner:
                 self.kv_channel.close()
             self.tp.broadcast_object(None)
 
-    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's final hidden states (after the final norm), [num_tokens, hidden]."""
+    def _kv_ready(self) -> list | None:
+        """Issue the host -> device page loads queued since the last forward (the hierarchical cache's); the events
+        each layer waits for, or None."""
+        return self.kv_loads() if self.kv_loads is not None else None
+
+    def _hidden(self, batch: ForwardBatch, ready: list | None = None) -> torch.Tensor:
+        """The model's final hidden states (after the final norm), [num_tokens, hidden]; layer l first waits for
+        ready[l] (loads of its pages from the host tier)."""
         batch.fill_pending()
         metadata = self.attn_backend.plan(batch)
-        with forward_context(ForwardContext(batch, self.attn_backend, metadata)):
-            return self.model(batch.input_ids, batch.positions)
+        try:
+            with forward_context(ForwardContext(batch, self.attn_backend, metadata, ready)):
+                return self.model(batch.input_ids, batch.positions)
+        finally:
+            if ready is not None:  # whatever runs next is ordered after every load, even if the forward failed
+                torch.cuda.current_stream().wait_event(ready[-1])
 
     @torch.inference_mode()
     def forward_pooled(self, batch: ForwardBatch, pooling: Pooling) -> torch.Tensor:
         """An embedding engine's forward (extend batches): float32 [batch, hidden], each request's pooled final
         hidden states over this forward's tokens (engine.pooling.pool). Launches work and returns without waiting."""
         self._publish("hidden", batch)
-        return pool(self._hidden(batch), batch, pooling)
+        return pool(self._hidden(batch, self._kv_ready()), batch, pooling)
 
     @torch.inference_mode()
     def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,

@@ -5,8 +5,9 @@ the device pool. It owns the host pool's allocations and frees; the device pool 
   is done). write_through backs up every inserted node at once, write_through_selective a node once it was matched
   twice, write_back only when the device evicts it. Every policy demotes an unbacked node on device eviction when
   the host pool has room (a synchronous copy), so device eviction moves pages down instead of dropping them.
-- Loads: a match that continues into host-only nodes gets device pages for them and an asynchronous copy that the
-  compute stream waits for; the host copies stay referenced until the copy is done.
+- Loads: a match that continues into host-only nodes gets device pages for them and a copy, queued until the next
+  forward issues it (CacheManager.issue_loads): that forward's layers each wait for their own part, so the copy
+  overlaps the forward; the host copies stay referenced until the copy is done.
 - L3: host copies are written to the store from the storage thread (write_through: as soon as the host has them;
   write_through_selective: hot ones at once; every policy: a copy of each page leaving the host pool, so L3 is
   also the host pool's victim store); a request's pages beyond the device and host
@@ -207,7 +208,9 @@ class CacheHierarchy:
 
     # ---- per step -------------------------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Finish copies that are done and take the storage thread's completions (scheduler thread)."""
+        """Finish copies that are done and take the storage thread's completions (scheduler thread). Loads queued
+        without a forward after them (an admission whose launch failed) are issued here."""
+        self.mover.flush()
         for key, (pending, node, slots) in list(self._backing.items()):
             if pending.done():
                 del self._backing[key]

@@ -6,9 +6,12 @@ handed out. On CUDA the pool is pinned and copies run on streams of their own, o
 queues behind a backup, and the two use the GPU's separate copy engines at once):
 - device -> host (`to_host`) waits for the compute stream (the KV must be written), and is asynchronous: the caller
   gets a `Pending` and may use the host pages once it is done;
-- host -> device (`to_device`) is asynchronous too, and makes the compute stream wait for it, so the next forward
-  reads the loaded pages without any host synchronization.
-On CPU both copies are plain synchronous copies.
+- host -> device (`to_device`) is queued and issued by the next forward (`take_ready`, ModelRunner): all of that
+  forward's loads go out together, layer by layer, and its layer l waits only for layer l's part, so the copies
+  overlap the forward that reads them without any host synchronization.
+With a pinned host pool both directions are one kernel launch per layer that reads or writes the host pages in place
+(kernels.kv_pages); otherwise (a TP group's shared host file) a staged copy of whole pages. On CPU both copies are
+plain synchronous copies.
 """
 
 from __future__ import annotations
@@ -76,15 +79,18 @@ class Pending:
     """A copy in flight: done once `event` completed (None: already done, in `seconds`)."""
 
     event: object | None
-    tokens: int
+    tokens: int  # tokens copied (a load issued with others: every token of that flush, for rates)
     seconds: float = 0.0  # a synchronous copy's duration
     start_event: object = None  # CUDA: recorded on the copy stream before the copy (timing)
     keep: object = None  # buffers the copy reads or writes, alive until it is done
+    flush: object = None  # a queued load: issues it (KVMover.flush); None once issued
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.flush is None and (self.event is None or self.event.query())
 
     def wait(self) -> None:
+        if self.flush is not None:
+            self.flush()
         if self.event is not None:
             self.event.synchronize()
 
@@ -113,16 +119,33 @@ def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _direct_copies(kv: KVPool, host: HostKVPool) -> bool:
+    """Whether copies can be kernels.kv_pages launches: CUDA pools beside a pinned host pool, and Triton."""
+    if not kv.k[0].is_cuda or not host.data.is_pinned():
+        return False
+    from engine.layers.triton_ops import use_kernels
+
+    return use_kernels(kv.k[0])
+
+
 class KVMover:
     def __init__(self, kv: KVPool, host: HostKVPool):
         self.kv, self.host = kv, host
         self.cuda = kv.k[0].is_cuda
+        self.direct = _direct_copies(kv, host)
         self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
-        self.load_stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # host -> device
+        # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
+        self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
         self.buffers = kv.buffers()
+        self._queued: list[tuple[list[int], list[int], Pending]] = []
+        self._ready: list | None = None  # per-layer events of the last loads issued, until a forward takes them
 
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
+
+    def _page_lists(self, host_pages: list[int], dev_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.tensor([host_pages, dev_pages], dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
+        return both[0], both[1]
 
     def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
         """Copy device pages into host pages (same order)."""
@@ -135,34 +158,89 @@ class KVMover:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             start = _timing_event(self.stream)
-            idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
-            staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
-            for i, first, n in _runs(host_pages):
-                self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+            if self.direct:
+                from kernels.kv_pages import copy_kv_pages
+
+                hp, dp = self._page_lists(host_pages, dev_pages)
+                for layer in range(len(self.kv.k)):
+                    copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host=True)
+                keep = (hp, dp)
+            else:
+                idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
+                staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
+                for i, first, n in _runs(host_pages):
+                    self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+                keep = (idx, staged)
             event = _timing_event(self.stream)
-        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
+        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=keep)
 
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
-        """Copy host pages into device pages (same order); the compute stream waits for it."""
+        """Queue a copy of host pages into device pages (same order). It is issued by the next `flush`: the model
+        runner's at the start of its next forward (`take_ready`), or a `wait` on the returned Pending."""
+        pending = Pending(None, len(dev_pages) * self.kv.page_size, flush=self.flush)
+        self._queued.append((list(host_pages), list(dev_pages), pending))
+        return pending
+
+    def flush(self) -> None:
+        """Issue every queued load, layer by layer (all of them for layer 0, then layer 1, ...)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        host_pages, dev_pages, seen = [], [], set()
+        for hs, ds, _ in reversed(queued):  # a device page loaded twice (freed and reused meanwhile): the last wins
+            for h, d in zip(reversed(hs), reversed(ds)):
+                if d not in seen:
+                    seen.add(d)
+                    host_pages.append(h)
+                    dev_pages.append(d)
+        host_pages.reverse()
+        dev_pages.reverse()
+        tokens = len(dev_pages) * self.kv.page_size
         started = time.perf_counter()
+        event = start = keep = None
         if not self.cuda:
             staged = self.host.data[torch.tensor(host_pages, dtype=torch.int64)]
             idx = torch.tensor(dev_pages, dtype=torch.int64)
             for j, b in enumerate(self.buffers):
                 self._device_pages(b)[idx] = staged[:, j]
-            return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
-        device = self.kv.k[0].device
-        with torch.cuda.stream(self.load_stream):
-            start = _timing_event(self.load_stream)
-            staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype, device=device)
-            for i, first, n in _runs(host_pages):
-                staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
-            idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
-            for j, b in enumerate(self.buffers):
-                self._device_pages(b)[idx] = staged[:, j]
-            event = _timing_event(self.load_stream)
-        torch.cuda.current_stream().wait_event(event)
-        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=(idx, staged))
+        else:
+            with torch.cuda.stream(self.load_stream):
+                start = _timing_event(self.load_stream)
+                if self.direct:
+                    from kernels.kv_pages import copy_kv_pages
+
+                    hp, dp = self._page_lists(host_pages, dev_pages)
+                    ready = []
+                    for layer in range(len(self.kv.k)):
+                        copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp,
+                                      to_host=False)
+                        if layer < len(self.kv.k) - 1:  # the last layer's part ends with the flush (`event`)
+                            ready.append(torch.cuda.Event())
+                            ready[-1].record(self.load_stream)
+                    keep = (hp, dp)
+                else:
+                    staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype,
+                                         device=self.kv.k[0].device)
+                    for i, first, n in _runs(host_pages):
+                        staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
+                    idx = torch.tensor(dev_pages, dtype=torch.int64).to(staged.device, non_blocking=True)
+                    for j, b in enumerate(self.buffers):
+                        self._device_pages(b)[idx] = staged[:, j]
+                    keep = (idx, staged)
+                event = _timing_event(self.load_stream)
+            self._ready = ready + [event] if self.direct else [event] * len(self.kv.k)
+        seconds = time.perf_counter() - started
+        for _, _, pending in queued:
+            pending.event, pending.start_event, pending.keep = event, start, keep
+            pending.tokens, pending.seconds, pending.flush = tokens, seconds, None
+
+    def take_ready(self) -> list | None:
+        """For a forward about to be launched: issue the queued loads and return, once, the CUDA events its layer l
+        waits for before reading the KV of layer l (None: nothing to wait for). Loads run in order on one stream, so
+        the last flush's events cover every earlier one."""
+        self.flush()
+        ready, self._ready = self._ready, None
+        return ready
 
 
 class JournaledMover:
@@ -189,3 +267,9 @@ class JournaledMover:
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
         self.journal.append(("to_device", list(host_pages), list(dev_pages)))
         return self.mover.to_device(host_pages, dev_pages)
+
+    def flush(self) -> None:
+        self.mover.flush()
+
+    def take_ready(self) -> list | None:
+        return self.mover.take_ready()

@@ -266,6 +266,12 @@ class CacheManager:
                                        self.tree.last_key(node.parent), tuple(node.key), self.page))
         return self.events.sequence, out
 
+    def issue_loads(self) -> list | None:
+        """Called by the model runner as a forward starts (ModelRunner.kv_loads): issue the host -> device loads that
+        admissions queued, and return the CUDA events that forward's layer l waits for (None: nothing to wait
+        for). Nothing may read a loaded page before this."""
+        return self.hierarchy.mover.take_ready() if self.hierarchy is not None else None
+
     def poll(self) -> None:
         """Once per scheduler step: finish tier copies and storage jobs that are done."""
         if self.hierarchy is not None:

@@ -53,15 +53,16 @@ def test_host_and_l3_tiers_on_cuda_are_token_exact(tmp_path, backend, policy):
 
 
 def test_a_slow_host_load_is_waited_for(monkeypatch):
-    """Loads run on a stream of their own, with no host synchronization before the forward that reads them: with
-    every load held back ~10 ms on that stream (longer than a tiny model's whole forward), outputs served from the
-    host pool still equal those with the hierarchy off."""
-    real = KVMover.to_device
+    """Loads run on a stream of their own, issued as the forward that reads them starts, layer by layer, with no
+    host synchronization: with every load held back ~10 ms on that stream (longer than a tiny model's whole
+    forward), outputs served from the host pool still equal those with the hierarchy off."""
+    real = KVMover.flush
 
-    def slow(self, host_pages, dev_pages):
-        with torch.cuda.stream(self.load_stream):
-            torch.cuda._sleep(20_000_000)  # noqa: SLF001 - the load stream is busy when the copies are queued
-        return real(self, host_pages, dev_pages)
+    def slow(self):
+        if self._queued:
+            with torch.cuda.stream(self.load_stream):
+                torch.cuda._sleep(20_000_000)  # noqa: SLF001 - the load stream is busy when the copies are issued
+        return real(self)
 
     rng = random.Random(1)
     prompts = [[rng.randrange(5, 900) for _ in range(60)] for _ in range(8)]
@@ -69,10 +70,11 @@ def test_a_slow_host_load_is_waited_for(monkeypatch):
     common = dict(device="cuda", dtype="float32", page_size=16, attention_backend="triton")
     with running_engine(path, max_total_tokens=4096, **common) as llm:
         want = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=SP)]
-    monkeypatch.setattr(KVMover, "to_device", slow)
+    monkeypatch.setattr(KVMover, "flush", slow)
     with running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=4,
                         **common) as llm:
         for round_ in range(2):
             outs = [llm.generate(input_ids=p, sampling_params=SP) for p in prompts]
             assert [o["output_ids"] for o in outs] == want, f"round {round_}"
         assert llm.cache.hierarchy.hit_tokens["host"] > 0, "nothing came back from the host pool"
+        assert llm.cache.hierarchy.mover.direct, "the pinned host pool's kernel copies (kernels.kv_pages) were not used"

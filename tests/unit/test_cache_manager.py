@@ -35,8 +35,10 @@ def expected_kv(ids: list[int]) -> list[tuple[float, float]]:
 
 
 def compute(cm: CacheManager, req: Req, upto: int) -> None:
-    """Pretend a forward computed tokens [kv_len, upto) of fill_ids: write their KV and advance kv_len."""
+    """Pretend a forward computed tokens [kv_len, upto) of fill_ids: write their KV and advance kv_len. A forward
+    first issues the host loads admissions queued (ModelRunner.kv_loads)."""
     assert upto <= req.alloc_len
+    cm.issue_loads()
     locs = cm.req_to_token.read(req.pool_idx, req.kv_len, upto)
     kv = torch.tensor(expected_kv(req.fill_ids)[req.kv_len:upto]).reshape(-1, 1, 2)
     cm.kv.write(0, locs, kv, kv)
@@ -50,6 +52,8 @@ def prefill(cm: CacheManager, req: Req) -> None:
 
 
 def check_kv(cm: CacheManager, req: Req) -> None:
+    """The request's KV as a forward would read it (after issuing queued host loads) is its sequence's."""
+    cm.issue_loads()
     got = cm.kv.k[0][cm.req_to_token.read(req.pool_idx, 0, req.kv_len)].reshape(-1, 2).tolist()
     assert got == [list(x) for x in expected_kv(req.fill_ids)[:req.kv_len]]
 

@@ -157,3 +157,21 @@ def test_prefetches_are_skipped_once_fetching_is_slower_than_prefill():
     finally:
         tiers.drain()
         tiers.close()
+
+
+def test_queued_loads_wait_for_the_forward_and_the_last_load_of_a_page_wins():
+    """Loads are issued by the next forward (CacheManager.issue_loads), together: until then the device page is
+    untouched and the Pending is not done; a device page that two queued loads target (freed and handed out again
+    between them) ends up with the later load's bytes, as with copies issued one after the other."""
+    cm = make(2, device_pages=8, host_pages=8)
+    mover, host = cm.hierarchy.mover, cm.hierarchy.host
+    for p in (1, 2, 3):
+        host.data[p] = float(p)
+    first, second = mover.to_device([1, 2], [4, 5]), mover.to_device([3], [4])
+    assert not first.done() and not second.done()
+    assert (cm.kv.k[0].view(-1, 2, 1, 2)[4] == 0).all(), "a queued load ran before any forward"
+    assert cm.issue_loads() is None  # CPU: synchronous copies, nothing for a layer to wait for
+    assert first.done() and second.done()
+    pages = cm.kv.k[0].view(-1, 2, 1, 2)
+    assert (pages[4] == 3).all() and (pages[5] == 2).all()
+    assert first.tokens == second.tokens == 4  # the flush's tokens: both loads' pages, the repeated one once

@@ -1,0 +1,141 @@
+"""Host <-> device KV page copies of the hierarchical cache (issue 11), 8B-shaped pages (32 layers, 8 KV heads of 128,
+bf16, 64 tokens a page: 8 MB): the staged path (whole pages over the copy engine into a device buffer, then an index
+scatter per layer and K/V) against kernels.kv_pages (one launch per layer reading or writing the pinned host pool in
+place; several launch widths), alone and while a stream of bf16 GEMMs runs beside them on the compute stream (how much each slows the
+GEMMs, and how long the copy takes under them). Also: how long a prefill-like chain of 32 GEMM "layers" takes when
+it waits for the whole load before starting against waiting per layer.
+
+    python -m benchmarks.kv_copy [--pages 35] [--repeats 5] [--result-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from engine.cache.host_pool import HostKVPool, KVMover
+from engine.cache.kv_pool import KVPool
+
+LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 64
+
+
+def _gemms(n: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    for _ in range(n):
+        torch.mm(a, b)
+
+
+def _timed(fn, stream=None) -> float:
+    stream = stream or torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pages", type=int, default=35, help="pages a load moves (35 x 64 = a 2240-token history)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--programs", type=int, nargs="+", default=[64, 16, 32, 128, 4096],
+                    help="kernels.kv_pages launch widths to time (4096: one program per chunk here)")
+    ap.add_argument("--result-file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    kv = KVPool(4 * args.pages + 8, PAGE, LAYERS, HEADS, DIM, torch.bfloat16, dev)
+    host = HostKVPool(4 * args.pages + 8, kv)
+    mover = KVMover(kv, host)
+    assert mover.direct, "kernels.kv_pages needs a pinned host pool and Triton"
+    host.data.normal_()
+    hp = list(range(1, 2 * args.pages + 1, 2))  # every other page: runs of one, as after churn
+    dp = list(range(3 * args.pages, 2 * args.pages, -1))
+    nbytes = args.pages * host.page_bytes
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(4096, 14336, dtype=torch.bfloat16, device=dev)
+    out: dict = {"device": torch.cuda.get_device_name(), "pages": args.pages, "bytes": nbytes, "runs": {}}
+
+    def load(direct: bool):
+        mover.direct = direct
+        mover.to_device(hp, dp)
+        return mover.take_ready()
+
+    def backup(direct: bool):
+        mover.direct = direct
+        return mover.to_host(dp, hp)
+
+    # warm-up: Triton compiles, the allocator caches the staging buffer
+    for direct in (False, True):
+        load(direct)
+        backup(direct).wait()
+    torch.cuda.synchronize()
+    gemm_alone = statistics.median(_timed(lambda: _gemms(40, a, b)) for _ in range(args.repeats))
+    out["gemm_chain_ms"] = gemm_alone
+    from kernels import kv_pages
+
+    variants = [("staged", False, None)] + [(f"kernels-{p}", True, p) for p in args.programs]
+    for name, direct, programs in variants:
+        if programs is not None:
+            kv_pages.PROGRAMS = programs
+            load(True)
+            backup(True).wait()
+        rec = {}
+        loads, backups, gemms_beside, waited_whole, waited_layers = [], [], [], [], []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            ready = load(direct)
+            ready[-1].synchronize()
+            loads.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            backup(direct).wait()
+            backups.append((time.perf_counter() - t) * 1e3)
+            # beside 40 GEMMs on the compute stream
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            _gemms(2, a, b)  # the load is issued while these run
+            ready = load(direct)
+            _gemms(38, a, b)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            gemms_beside.append(start.elapsed_time(end))
+            # a 32-layer chain of GEMMs reading the loaded pages: wait for all first, or layer by layer
+            torch.cuda.synchronize()
+            ready = load(direct)
+            waited_whole.append(_timed(lambda: (torch.cuda.current_stream().wait_event(ready[-1]),
+                                                _gemms(32, a, b[:, :4096]))))
+
+            def per_layer(ready):
+                for ev in ready:
+                    torch.cuda.current_stream().wait_event(ev)
+                    torch.mm(a, b[:, :4096])
+
+            torch.cuda.synchronize()
+            ready = load(direct)
+            waited_layers.append(_timed(lambda: per_layer(ready)))
+        torch.cuda.synchronize()
+        rec["load_ms"] = statistics.median(loads)
+        rec["load_GBps"] = nbytes / rec["load_ms"] / 1e6
+        rec["backup_ms"] = statistics.median(backups)
+        rec["backup_GBps"] = nbytes / rec["backup_ms"] / 1e6
+        rec["gemm_chain_with_load_ms"] = statistics.median(gemms_beside)
+        rec["layers_after_whole_load_ms"] = statistics.median(waited_whole)
+        rec["layers_waiting_per_layer_ms"] = statistics.median(waited_layers)
+        out["runs"][name] = rec
+        print(name, json.dumps(rec), flush=True)
+    print(json.dumps(out, indent=1))
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
