@@ -92,9 +92,8 @@ class CacheHierarchy:
         short = n - self.host.allocator.num_free
         if short > 0:
             self.sync_host()
-            for node in self.tree.host_leaves():
-                if short <= 0:
-                    break
+            leaves = self.tree.host_leaves()
+            while short > 0 and (node := next(leaves, None)) is not None:
                 self._write_l3(node, snapshot=True)  # write-back from L2: the store gets what the host drops
                 keys = node.page_keys
                 slots = self.tree.drop_host(node)

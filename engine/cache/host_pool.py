@@ -119,6 +119,11 @@ def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+# Backups are not waited for, so their copies run narrow: 16 programs still move ~46 GB/s and slow a GEMM stream
+# beside them ~1%, where 64 (loads, which a forward waits for) take ~6% (benchmarks.kv_copy, H100).
+BACKUP_PROGRAMS = 16
+
+
 def _direct_copies(kv: KVPool, host: HostKVPool) -> bool:
     """Whether copies can be kernels.kv_pages launches: CUDA pools beside a pinned host pool, and Triton."""
     if not kv.k[0].is_cuda or not host.data.is_pinned():
@@ -163,7 +168,8 @@ class KVMover:
 
                 hp, dp = self._page_lists(host_pages, dev_pages)
                 for layer in range(len(self.kv.k)):
-                    copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host=True)
+                    copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host=True,
+                                  programs=BACKUP_PROGRAMS)
                 keep = (hp, dp)
             else:
                 idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)

@@ -62,9 +62,8 @@ class CacheManager:
         """Make n device pages free, evicting (demoting, with a host tier) least recently used cached pages."""
         short = (n - self.pages.num_free) * self.page
         if short > 0 and self.tree is not None:
-            for leaf in self.tree.device_leaves():
-                if short <= 0:
-                    break
+            leaves = self.tree.device_leaves()
+            while short > 0 and (leaf := next(leaves, None)) is not None:
                 if self.hierarchy is not None:
                     self.hierarchy.demote(leaf)
                     # no room on the host for it: its host-only descendants (from L3) go with it, unless copies
@@ -273,7 +272,10 @@ class CacheManager:
         return self.hierarchy.mover.take_ready() if self.hierarchy is not None else None
 
     def poll(self) -> None:
-        """Once per scheduler step: finish tier copies and storage jobs that are done."""
+        """Once per scheduler step: finish tier copies and storage jobs that are done; a new eviction epoch
+        (RadixTree.begin_epoch)."""
+        if self.tree is not None:
+            self.tree.begin_epoch()
         if self.hierarchy is not None:
             self.hierarchy.poll()
 

@@ -92,6 +92,9 @@ class RadixTree:
         self.host_size = 0
         self._clock = 0
         self.added: list[TreeNode] = []  # nodes that gained a device copy by insert, until take_added()
+        self._epochs = getattr(self, "_epochs", False)
+        self._heaps: dict[str, list] = {}  # eviction order per tier, reused within an epoch (begin_epoch)
+        self._parents: dict[str, TreeNode] = {}  # per tier: the parent of the node a walk yielded last
         return values
 
     @property
@@ -286,33 +289,57 @@ class RadixTree:
         assert not node.children, "only a leaf leaves the tree"
         del node.parent.children[self._edge(node.key, 0)]
 
+    def begin_epoch(self) -> None:
+        """Start an epoch (the cache manager does, once per scheduler step): within one, the eviction walks below
+        order the candidates once and later walks reuse that order. Recency changes made during the epoch are then
+        not seen (each yielded node is still checked to be an unlocked leaf of its tier, and a walk that runs out
+        orders the tree afresh before it gives up), and a step's many short allocations cost one walk of the tree,
+        not one each. Without epochs every walk orders the whole tree."""
+        self._epochs = True
+        self._heaps.clear()
+        self._parents.clear()
+
     def device_leaves(self) -> Iterator[TreeNode]:
         """Unlocked device leaves, least recently used first. The caller drops each yielded node's device copy (or
-        stops); parents that become device leaves are yielded in their turn."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_device_leaf(n)]
-        heapq.heapify(heap)
-        while heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._is_device_leaf(node):
-                continue
-            parent = node.parent
-            yield node
-            if self._is_device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        stops); parents that become device leaves are yielded in their turn. Pull the next one only to drop it:
+        within an epoch a node yielded and kept is not offered again until the order is rebuilt."""
+        return self._leaves(self._is_device_leaf, "device")
 
     def host_leaves(self) -> Iterator[TreeNode]:
         """Nodes with a host copy and no child holding one, least recently used first; same protocol as
         device_leaves (the caller drops each yielded node's host copy, or stops)."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_host_leaf(n)]
+        return self._leaves(self._is_host_leaf, "host")
+
+    def _leaves(self, is_leaf: Callable[[TreeNode], bool], tier: str) -> Iterator[TreeNode]:
+        heap = self._heaps.get(tier)
+        fresh = heap is None
+        if fresh:
+            heap = self._leaf_heap(is_leaf, tier)
+        else:
+            self._push_parent(heap, is_leaf, tier)  # the last walk stopped after dropping a node
+        while True:
+            while heap:
+                _, _, node = heapq.heappop(heap)
+                if not is_leaf(node):
+                    continue
+                self._parents[tier] = node.parent
+                yield node
+                self._push_parent(heap, is_leaf, tier)  # a leaf now that its child went
+            if fresh:
+                return
+            heap, fresh = self._leaf_heap(is_leaf, tier), True  # reused order ran out: the whole tree again
+
+    def _push_parent(self, heap: list, is_leaf: Callable[[TreeNode], bool], tier: str) -> None:
+        parent = self._parents.pop(tier, None)
+        if parent is not None and is_leaf(parent):
+            heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    def _leaf_heap(self, is_leaf: Callable[[TreeNode], bool], tier: str) -> list:
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if is_leaf(n)]
         heapq.heapify(heap)
-        while heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._is_host_leaf(node):
-                continue
-            parent = node.parent
-            yield node
-            if self._is_host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if self._epochs:
+            self._heaps[tier] = heap
+        return heap
 
     def _is_device_leaf(self, n: TreeNode) -> bool:
         return (n.parent is not None and n.parent.parent is not None and n.on_device and n.lock_ref == 0
@@ -326,10 +353,8 @@ class RadixTree:
         """Drop the device copies of least-recently-used unlocked leaves until at least `num_tokens` are dropped
         (or none are left). Returns the dropped device slots; the caller frees them. (A hierarchical cache manager
         walks device_leaves itself, to back pages up before they go.)"""
-        freed, removed = [], 0
-        for leaf in self.device_leaves():
-            if removed >= num_tokens:
-                break
+        freed, removed, leaves = [], 0, self.device_leaves()
+        while removed < num_tokens and (leaf := next(leaves, None)) is not None:
             removed += len(leaf.key)
             freed.append(self.drop_device(leaf))
         return torch.cat(freed) if freed else _EMPTY

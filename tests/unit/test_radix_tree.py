@@ -281,3 +281,31 @@ def test_randomized_against_reference(page, seed):
         tree.unlock(node)
     assert tree.protected_size == 0
     assert sorted(tree.reset().tolist()) == sorted(ref.values())
+
+
+def test_evictions_within_an_epoch_walk_the_tree_once_and_keep_lru_order(monkeypatch):
+    """Within an epoch (CacheManager.poll starts one per scheduler step) the eviction order is built by one walk of
+    the tree and reused: many small evictions stay least-recently-used first, a parent left a leaf by an eviction
+    is offered in its turn, and a leaf that was locked when the order was built (so is not in it) is still found
+    once the reused order runs out."""
+    tree = RadixTree(1)
+    for i in range(6):
+        tree.insert([i + 1] * 3, slots(10 * i, 3))
+    tree.insert([1, 1, 1, 9, 9], slots(100, 5))  # [9, 9] under [1, 1, 1]: the newest leaf
+    held = tree.match_prefix([6, 6, 6]).node
+    tree.lock(held)
+    walks = []
+    real = RadixTree._nodes
+    monkeypatch.setattr(RadixTree, "_nodes", lambda self: walks.append(1) or real(self))
+    tree.begin_epoch()
+    assert tree.evict(1).tolist() == [10, 11, 12]  # [2, 2, 2]: [1, 1, 1] has a child, so is no leaf
+    assert len(walks) == 1
+    got = [tree.evict(1).tolist() for _ in range(5)]
+    assert got == [[20, 21, 22], [30, 31, 32], [40, 41, 42], [103, 104], [0, 1, 2]], \
+        "LRU order, then [1, 1, 1] once its child [9, 9] went"
+    assert len(walks) == 1, "later evictions of the epoch reused the order"
+    tree.unlock(held)  # [6, 6, 6] is a leaf now, but not in the epoch's order
+    assert tree.evict(1).tolist() == [50, 51, 52]
+    assert len(walks) == 2, "the reused order ran out and the tree was walked again"
+    assert tree.total_size == 0
+    check_invariants(tree)
