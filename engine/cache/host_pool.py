@@ -4,8 +4,9 @@ Host page p is one contiguous block [2 * num_layers, page_size, num_kv_heads, he
 so a page is also the byte layout the L3 store keeps (`engine.cache.storage.KvLayout.page_bytes`). Page 0 is never
 handed out. On CUDA the pool is pinned and copies run on streams of their own, one per direction (a load never
 queues behind a backup, and the two use the GPU's separate copy engines at once):
-- device -> host (`to_host`) waits for the compute stream (the KV must be written), and is asynchronous: the caller
-  gets a `Pending` and may use the host pages once it is done;
+- device -> host (`to_host`) is asynchronous: queued, then issued with the other queued ones by the next `flush`
+  (the scheduler's poll or the next forward), after the compute stream's work so far (the KV must be written);
+  the caller gets a `Pending` and may use the host pages once it is done;
 - host -> device (`to_device`) is queued and issued by the next forward (`take_ready`, ModelRunner): all of that
   forward's loads go out together, layer by layer, and its layer l waits only for layer l's part, so the copies
   overlap the forward that reads them without any host synchronization.
@@ -142,7 +143,8 @@ class KVMover:
         # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
         self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
         self.buffers = kv.buffers()
-        self._queued: list[tuple[list[int], list[int], Pending]] = []
+        self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
+        self._backups: list[tuple[list[int], list[int], Pending]] = []  # device pages, host pages
         self._ready: list | None = None  # per-layer events of the last loads issued, until a forward takes them
 
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
@@ -153,14 +155,28 @@ class KVMover:
         return both[0], both[1]
 
     def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
-        """Copy device pages into host pages (same order)."""
-        started = time.perf_counter()
+        """Copy device pages into host pages (same order). On CUDA the copy is queued and issued by the next `flush`
+        with every other queued one (one launch per layer for all of them), after what the compute stream holds
+        then; a `wait` on the returned Pending issues it at once. (On CPU the flush copies synchronously.)"""
+        pending = Pending(None, len(dev_pages) * self.kv.page_size, flush=self.flush)
+        self._backups.append((list(dev_pages), list(host_pages), pending))
+        return pending
+
+    def _issue_backups(self) -> None:
+        if not self._backups:
+            return
+        queued, self._backups = self._backups, []
+        dev_pages = [p for d, _, _ in queued for p in d]
+        host_pages = [p for _, h, _ in queued for p in h]
         if not self.cuda:
+            started = time.perf_counter()
             idx = torch.tensor(dev_pages, dtype=torch.int64)
             staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
             self.host.data[torch.tensor(host_pages, dtype=torch.int64)] = staged
-            return Pending(None, len(dev_pages) * self.kv.page_size, time.perf_counter() - started)
-        self.stream.wait_stream(torch.cuda.current_stream())
+            for _, _, pending in queued:
+                pending.seconds, pending.flush = time.perf_counter() - started, None
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # the KV must be written
         with torch.cuda.stream(self.stream):
             start = _timing_event(self.stream)
             if self.direct:
@@ -178,7 +194,8 @@ class KVMover:
                     self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
                 keep = (idx, staged)
             event = _timing_event(self.stream)
-        return Pending(event, len(dev_pages) * self.kv.page_size, start_event=start, keep=keep)
+        for _, _, pending in queued:
+            pending.event, pending.start_event, pending.keep, pending.flush = event, start, keep, None
 
     def to_device(self, host_pages: list[int], dev_pages: list[int]) -> Pending:
         """Queue a copy of host pages into device pages (same order). It is issued by the next `flush`: the model
@@ -188,7 +205,10 @@ class KVMover:
         return pending
 
     def flush(self) -> None:
-        """Issue every queued load, layer by layer (all of them for layer 0, then layer 1, ...)."""
+        """Issue every queued copy: the backups, then the loads, layer by layer (all of them for layer 0, then
+        layer 1, ...)."""
+        if self._backups:
+            self._issue_backups()
         if not self._queued:
             return
         queued, self._queued = self._queued, []

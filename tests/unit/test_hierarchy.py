@@ -175,3 +175,25 @@ def test_queued_loads_wait_for_the_forward_and_the_last_load_of_a_page_wins():
     pages = cm.kv.k[0].view(-1, 2, 1, 2)
     assert (pages[4] == 3).all() and (pages[5] == 2).all()
     assert first.tokens == second.tokens == 4  # the flush's tokens: both loads' pages, the repeated one once
+
+
+def test_write_through_backups_go_out_together_at_the_next_poll():
+    """A step's backups are queued as its requests insert their pages and issued together (one copy per layer on
+    CUDA) by the next poll or forward: until then the nodes stay locked on the device, then every one has its host
+    copy, and demoting a node whose backup is still queued never happens (it is locked)."""
+    cm = make(2, device_pages=16, host_pages=32)
+    a, b = new_req(range(1, 9), "a"), new_req(range(20, 28), "b")
+    for r in (a, b):
+        prefill(cm, r)
+        cm.release(r)
+    nodes = [n for n in cm.tree.nodes() if n.on_device]
+    assert len(nodes) == 2 and not any(n.on_host for n in nodes)
+    assert all(n.lock_ref for n in nodes), "a queued backup keeps its node from eviction"
+    assert cm.tree.evict(100).numel() == 0
+    cm.poll()
+    assert all(n.on_host and n.lock_ref == 0 for n in nodes)
+    again = new_req(range(1, 9), "a2")
+    assert cm.admit(again) and again.tree_len == 6
+    check_kv(cm, again)
+    finish(cm, again)
+    check_no_leaks(cm)
