@@ -30,7 +30,7 @@ from services.router.core import Router
 from services.router.discovery import DnsDiscovery
 from services.router.grpc_api import RouterServicer
 from services.router.http_common import (INFLIGHT, OPEN_PATHS, errors_middleware, make_auth_middleware,
-                                         routing_key_middleware, tracing_middleware)
+                                         routing_key_middleware, traced_errors_middleware)
 from services.router.metrics import RouterMetrics
 from services.router import peers as peers_mod, supervisor
 from services.router.peers import Peers
@@ -49,15 +49,15 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     """The HTTP API; with `metrics`, every request is counted and GET /metrics serves them (no API key needed)."""
     settings = router.settings
     admission = getattr(router, "admission", None) or Admission.from_settings(settings)
-    middlewares = [errors_middleware, make_auth_middleware(router.tenants, settings.admin_api_key)]
+    # with tracing on, the request's server span opens where errors are answered: it covers the whole request
+    middlewares = [traced_errors_middleware if tracing.enabled() else errors_middleware,
+                   make_auth_middleware(router.tenants, settings.admin_api_key)]
     if admission.limiter is not None or admission.rate is not None:  # no cost per request when off
         middlewares.append(admission_middleware(admission, OPEN_PATHS))
     if "manual" in (settings.policy, settings.prefill_policy, settings.decode_policy):
         middlewares.append(routing_key_middleware)
     if router.metrics is not None:
         middlewares.insert(0, router.metrics.middleware())
-    if tracing.enabled():  # outermost: the span covers the whole request, errors answered by the others included
-        middlewares.insert(0, tracing_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[native_api.ROUTER] = router
     app[INFLIGHT] = {"n": 0}

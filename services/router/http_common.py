@@ -95,47 +95,66 @@ def tenant_of(request: web.Request) -> str:
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     """Counts requests in flight (shutdown waits for them) and turns escaped errors into OpenAI error objects."""
-    counter = request.app[INFLIGHT]
-    counter["n"] += 1
-    request_id_var.set(request.headers.get("X-Request-Id", "-"))
+    counter = _arrived(request)
     try:
         return await handler(request)
-    except OpenAIError as e:
-        return error_response(e)
-    except RouterError as e:
-        return error_response(from_status(e.status, e.message))
-    except ValueError as e:
-        return error_response(bad_request(str(e)))
-    except ConnectionResetError:  # the client went away mid-response; there is no one left to answer
-        log.info("client went away on %s", request.path)
-        return web.Response(status=499)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return error_response(from_status(e.status, e.reason))
-        raise
-    except Exception:  # noqa: BLE001 - log it, answer 500, keep serving
-        log.exception("unhandled error on %s", request.path)
-        return error_response(from_status(500, "internal error"))
+    except Exception as e:  # noqa: BLE001 - answered (or re-raised) by _answer_error
+        return _answer_error(request, e)
     finally:
         counter["n"] -= 1
 
 
 @web.middleware
-async def tracing_middleware(request: web.Request, handler):
-    """The request's server span (installed only with tracing on): the root of its trace, or a child of the
-    client's W3C `traceparent`; everything the router does for the request is under it. Probes and scrapes
-    (UNTRACED_PATHS) get none."""
+async def traced_errors_middleware(request: web.Request, handler):
+    """errors_middleware inside the request's server span, as one middleware (with tracing on it takes
+    errors_middleware's place, first in the chain: a middleware layer of its own cost as much again as the span,
+    `benchmarks.router --trace-ab`). The span is the root of the request's trace, or a child of the client's W3C
+    `traceparent`; everything the router does for the request is under it, errors answered here included. Probes
+    and scrapes (UNTRACED_PATHS) get none."""
     if request.path in UNTRACED_PATHS:
-        return await handler(request)
+        return await errors_middleware(request, handler)
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
-    attributes = {"http.request.method": request.method, "url.path": request.path, "http.route": path}
-    with tracing.root_span(f"{request.method} {path}", request.headers, **attributes) as span:
-        response = await handler(request)
+    counter = _arrived(request)
+    with tracing.root_span(f"{request.method} {path}", request.headers, **{
+            "http.request.method": request.method, "url.path": request.path, "http.route": path}) as span:
+        try:
+            response = await handler(request)
+        except Exception as e:  # noqa: BLE001 - answered (or re-raised) by _answer_error
+            response = _answer_error(request, e)
+        finally:
+            counter["n"] -= 1
         span.set_attribute("http.response.status_code", response.status)
         if response.status >= 500:
             span.set_error(f"HTTP {response.status}")
         return response
+
+
+def _arrived(request: web.Request) -> dict:
+    counter = request.app[INFLIGHT]
+    counter["n"] += 1
+    request_id_var.set(request.headers.get("X-Request-Id", "-"))
+    return counter
+
+
+def _answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
+    """The response for an error that escaped the handler (call it in an `except` block: what is not an error
+    answer, such as a redirect, is raised again)."""
+    if isinstance(e, OpenAIError):
+        return error_response(e)
+    if isinstance(e, RouterError):
+        return error_response(from_status(e.status, e.message))
+    if isinstance(e, ValueError):
+        return error_response(bad_request(str(e)))
+    if isinstance(e, ConnectionResetError):  # the client went away mid-response; there is no one left to answer
+        log.info("client went away on %s", request.path)
+        return web.Response(status=499)
+    if isinstance(e, web.HTTPException):
+        if e.status >= 400:
+            return error_response(from_status(e.status, e.reason))
+        raise e
+    log.exception("unhandled error on %s", request.path)  # log it, answer 500, keep serving
+    return error_response(from_status(500, "internal error"))
 
 
 async def json_body(request: web.Request) -> Any:
