@@ -292,9 +292,9 @@ class ModelRunner:
     def _hidden(self, batch: ForwardBatch, ready: list | None = None) -> torch.Tensor:
         """The model's final hidden states (after the final norm), [num_tokens, hidden]; layer l first waits for
         ready[l] (loads of its pages from the host tier)."""
-        batch.fill_pending()
-        metadata = self.attn_backend.plan(batch)
         try:
+            batch.fill_pending()
+            metadata = self.attn_backend.plan(batch)
             with forward_context(ForwardContext(batch, self.attn_backend, metadata, ready)):
                 return self.model(batch.input_ids, batch.positions)
         finally:
