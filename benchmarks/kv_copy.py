@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from engine.cache import host_pool
 from engine.cache.host_pool import HostKVPool, KVMover
 from engine.cache.kv_pool import KVPool
 
@@ -80,8 +81,8 @@ def main() -> None:
 
     variants = [("staged", False, None)] + [(f"kernels-{p}", True, p) for p in args.programs]
     for name, direct, programs in variants:
-        if programs is not None:
-            kv_pages.PROGRAMS = programs
+        if programs is not None:  # loads launch kv_pages.PROGRAMS wide, backups host_pool.BACKUP_PROGRAMS
+            kv_pages.PROGRAMS = host_pool.BACKUP_PROGRAMS = programs
             load(True)
             backup(True).wait()
         rec = {}

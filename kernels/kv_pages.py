@@ -44,13 +44,15 @@ def _kv_pages_kernel(host_ptr, k_ptr, v_ptr, host_pages_ptr, dev_pages_ptr, host
 
 
 def copy_kv_pages(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, host_pages: torch.Tensor,
-                  dev_pages: torch.Tensor, to_host: bool, programs: int | None = None) -> None:
+                  dev_pages: torch.Tensor, to_host: bool, programs: int | None = None, check: bool = True) -> None:
     """Copies layer `layer` of host pages `host_pages[i]` into device pages `dev_pages[i]` of k and v, or the other way
     with `to_host`. host [pages, 2 * layers, page_size, kv_heads, head_dim] (each page one contiguous block; a pinned
     CPU tensor beside CUDA pools), k and v [slots, kv_heads, head_dim] contiguous; the page lists int64 on k's
-    device, of one length. `programs`: the launch's width (default PROGRAMS). Launches and returns (on CUDA, on the
+    device, of one length. `programs`: the launch's width (default PROGRAMS); `check` False skips the argument
+    checks (a caller that checked the same pools and lists for another layer). Launches and returns (on CUDA, on the
     current stream)."""
-    check_kv_pages(host, k, v, layer, host_pages, dev_pages)
+    if check:
+        check_kv_pages(host, k, v, layer, host_pages, dev_pages)
     n = host_pages.shape[0]
     page_elems = host[0, 0].numel()
     if n == 0:

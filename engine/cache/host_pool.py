@@ -150,9 +150,31 @@ class KVMover:
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
 
-    def _page_lists(self, host_pages: list[int], dev_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, dev_pages: list[int]) -> torch.Tensor:
+        """Device pages as host-pool blocks [pages, 2 * layers, page, heads, dim], on the device."""
+        idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
+        return torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
+
+    def _scatter(self, staged: torch.Tensor, dev_pages: list[int]) -> None:
+        """Host-pool blocks (on the device) into device pages."""
+        idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
+        for j, b in enumerate(self.buffers):
+            self._device_pages(b)[idx] = staged[:, j]
+
+    def _copy_layers(self, host_pages: list[int], dev_pages: list[int], to_host: bool, programs: int | None = None,
+                     after_layer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """kernels.kv_pages over every layer, one launch each (arguments checked once: the layers' buffers are
+        alike), `after_layer(layer)` after each; returns the page lists, to keep until the copy is done."""
+        from kernels.kv_pages import copy_kv_pages
+
         both = torch.tensor([host_pages, dev_pages], dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
-        return both[0], both[1]
+        hp, dp = both[0], both[1]
+        for layer in range(len(self.kv.k)):
+            copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host, programs,
+                          check=layer == 0)
+            if after_layer is not None:
+                after_layer(layer)
+        return hp, dp
 
     def to_host(self, dev_pages: list[int], host_pages: list[int]) -> Pending:
         """Copy device pages into host pages (same order). On CUDA the copy is queued and issued by the next `flush`
@@ -170,9 +192,7 @@ class KVMover:
         host_pages = [p for _, h, _ in queued for p in h]
         if not self.cuda:
             started = time.perf_counter()
-            idx = torch.tensor(dev_pages, dtype=torch.int64)
-            staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
-            self.host.data[torch.tensor(host_pages, dtype=torch.int64)] = staged
+            self.host.data[torch.tensor(host_pages, dtype=torch.int64)] = self._gather(dev_pages)
             for _, _, pending in queued:
                 pending.seconds, pending.flush = time.perf_counter() - started, None
             return
@@ -180,19 +200,11 @@ class KVMover:
         with torch.cuda.stream(self.stream):
             start = _timing_event(self.stream)
             if self.direct:
-                from kernels.kv_pages import copy_kv_pages
-
-                hp, dp = self._page_lists(host_pages, dev_pages)
-                for layer in range(len(self.kv.k)):
-                    copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host=True,
-                                  programs=BACKUP_PROGRAMS)
-                keep = (hp, dp)
+                keep = self._copy_layers(host_pages, dev_pages, True, BACKUP_PROGRAMS)
             else:
-                idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
-                staged = torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
+                keep = staged = self._gather(dev_pages)
                 for i, first, n in _runs(host_pages):
                     self.host.data[first:first + n].copy_(staged[i:i + n], non_blocking=True)
-                keep = (idx, staged)
             event = _timing_event(self.stream)
         for _, _, pending in queued:
             pending.event, pending.start_event, pending.keep, pending.flush = event, start, keep, None
@@ -225,34 +237,25 @@ class KVMover:
         started = time.perf_counter()
         event = start = keep = None
         if not self.cuda:
-            staged = self.host.data[torch.tensor(host_pages, dtype=torch.int64)]
-            idx = torch.tensor(dev_pages, dtype=torch.int64)
-            for j, b in enumerate(self.buffers):
-                self._device_pages(b)[idx] = staged[:, j]
+            self._scatter(self.host.data[torch.tensor(host_pages, dtype=torch.int64)], dev_pages)
         else:
             with torch.cuda.stream(self.load_stream):
                 start = _timing_event(self.load_stream)
                 if self.direct:
-                    from kernels.kv_pages import copy_kv_pages
-
-                    hp, dp = self._page_lists(host_pages, dev_pages)
                     ready = []
-                    for layer in range(len(self.kv.k)):
-                        copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp,
-                                      to_host=False)
+
+                    def layer_done(layer: int) -> None:
                         if layer < len(self.kv.k) - 1:  # the last layer's part ends with the flush (`event`)
                             ready.append(torch.cuda.Event())
                             ready[-1].record(self.load_stream)
-                    keep = (hp, dp)
+
+                    keep = self._copy_layers(host_pages, dev_pages, False, after_layer=layer_done)
                 else:
-                    staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype,
-                                         device=self.kv.k[0].device)
+                    keep = staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype,
+                                                device=self.kv.k[0].device)
                     for i, first, n in _runs(host_pages):
                         staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
-                    idx = torch.tensor(dev_pages, dtype=torch.int64).to(staged.device, non_blocking=True)
-                    for j, b in enumerate(self.buffers):
-                        self._device_pages(b)[idx] = staged[:, j]
-                    keep = (idx, staged)
+                    self._scatter(staged, dev_pages)
                 event = _timing_event(self.load_stream)
             self._ready = ready + [event] if self.direct else [event] * len(self.kv.k)
         seconds = time.perf_counter() - started

@@ -80,6 +80,7 @@ class RadixTree:
         self.page = page_size
         self.hasher = page_hasher
         self.root_key = namespace_root_key
+        self._epochs = False  # begin_epoch was called: eviction order is reused within a step
         self.reset()
 
     def reset(self) -> torch.Tensor:
@@ -92,7 +93,6 @@ class RadixTree:
         self.host_size = 0
         self._clock = 0
         self.added: list[TreeNode] = []  # nodes that gained a device copy by insert, until take_added()
-        self._epochs = getattr(self, "_epochs", False)
         self._heaps: dict[str, list] = {}  # eviction order per tier, reused within an epoch (begin_epoch)
         self._parents: dict[str, TreeNode] = {}  # per tier: the parent of the node a walk yielded last
         return values
