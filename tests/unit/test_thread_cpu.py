@@ -26,8 +26,11 @@ def test_threads_and_children_are_found_and_labelled():
     burnt, release = threading.Event(), threading.Event()
     worker = threading.Thread(target=_burn, args=(0.3, burnt, release))
     worker.start()
-    time.sleep(0.1)
-    during = thread_cpu.snapshot(os.getpid())  # the child is alive now: it is counted while it runs
+    deadline = time.monotonic() + 20  # until the child has exec'd (on a loaded machine that can take a while)
+    during = thread_cpu.snapshot(os.getpid())  # counted while it runs, labelled once it runs `-m timeit`
+    while not any(label == "timeit" for label, _, _ in during) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        during = thread_cpu.snapshot(os.getpid())
     burnt.wait()
     child.wait()
     rows = thread_cpu.per_token(before, thread_cpu.snapshot(os.getpid()), tokens=1000)
