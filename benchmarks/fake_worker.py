@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 import grpc
@@ -35,7 +36,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
 
     def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
-                 no_generate_stream: bool = False, token_gap_s: float | None = 0.0):
+                 no_generate_stream: bool = False, token_gap_s: float | None = 0.0,
+                 die_after_last_chunk: bool = False):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
@@ -43,6 +45,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.mode = mode
         self.no_generate_stream = no_generate_stream
         self.token_gap_s = token_gap_s  # None: no step between tokens (an answer leaves in one message batch)
+        self.die_after_last_chunk = die_after_last_chunk  # the process exits between a stream's last chunk and its end
         self.draining: asyncio.Event | None = None
         self.calls = 0
 
@@ -69,10 +72,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         ids = token_ids(n)
         if request.stream:
             for i, tok in enumerate(ids):
-                emit(worker_pb2.GenerateResponse(request_id=rid, chunk=worker_pb2.GenerateStreamChunk(
-                    token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt, completion_tokens=i + 1)))
+                chunk = worker_pb2.GenerateStreamChunk(token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt,
+                                                       completion_tokens=i + 1)
+                if i == n - 1 and self.die_after_last_chunk:  # the finish reason on the last chunk, as a worker's
+                    chunk.finish_reason.CopyFrom(common_pb2.FinishReason(type=_LENGTH, length=n))
+                emit(worker_pb2.GenerateResponse(request_id=rid, chunk=chunk))
                 if self.token_gap_s is not None:
                     await asyncio.sleep(self.token_gap_s)  # the next "step"
+            if self.die_after_last_chunk:
+                await asyncio.sleep(0.3)  # the chunks leave; then the process dies before the `complete`
+                os._exit(1)
         usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
         emit(worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
             output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
@@ -123,10 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
     parser.add_argument("--no-generate-stream", action="store_true",
                         help="answer GenerateStream with UNIMPLEMENTED, as a worker of an older release")
+    parser.add_argument("--die-after-last-chunk", action="store_true",
+                        help="exit after a streamed answer's last chunk, before its `complete` (a fault)")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
-                          args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s)
+                          args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s,
+                          args.die_after_last_chunk)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

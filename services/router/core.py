@@ -181,6 +181,12 @@ class Router:
                 yield msg
             if outcome.error is None:
                 return
+            if outcome.streamed and stream.finished:  # the worker failed after the last token: nothing to redo
+                log.warning("%s after request %s's last token; ending it with what was streamed",
+                            outcome.error.message, request.request_id)
+                for msg in stream.completes():
+                    yield msg
+                return
             if outcome.streamed:  # mid-stream: continue on another worker after the tokens the client has
                 why_not = stream.why_not_migrate(migrations, self.settings.max_migrations)
                 if why_not:

@@ -3,8 +3,9 @@ continues on another, which resumes after the tokens the client already has, wit
 engine counts them as its own output (engine.results.resume_req: lengths, penalties, the seeded draw's step, stop
 strings, the grammar), so greedy and seeded outputs are exactly the unfailed ones. A request with n > 1 continues as
 one request per unfinished sample (sample j: seed + j, as the engine makes the samples, and its own tokens so far;
-PD splits n that way from the start). Not migrated: a request whose every sample already ended, and past the limit;
-those end with the error and the reason."""
+PD splits n that way from the start). A request whose every sample had its last token when the worker failed is
+not migrated: it ends as it would have, with the `complete` messages the worker did not send made from its chunks.
+Past the limit a request ends with the error and the reason."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class Streamed:
         self.tokens = [list(request.resume_output_ids)] + [[] for _ in range(self.n - 1)]
         self.chars = [request.resume_text_chars] + [0] * (self.n - 1)
         self.ended = [False] * self.n
+        self.last: list[worker_pb2.GenerateStreamChunk | None] = [None] * self.n  # a sample's finishing chunk
+        self.texts: list[list[str]] = [[] for _ in range(self.n)]  # the chunks' text, for a `complete` made here
+        self.completed = [False] * self.n  # the worker's `complete` arrived
 
     @property
     def finished(self) -> bool:
@@ -41,19 +45,36 @@ class Streamed:
     def saw(self, msg: worker_pb2.GenerateResponse) -> None:
         kind = msg.WhichOneof("response")
         if kind == "chunk":
-            i = msg.index
-            self.tokens[i] += msg.chunk.token_ids
-            self.chars[i] += len(msg.chunk.text)
-            if msg.chunk.HasField("finish_reason"):
-                self.ended[i] = True
+            i, chunk = msg.index, msg.chunk
+            self.tokens[i] += chunk.token_ids
+            self.chars[i] += len(chunk.text)
+            self.texts[i].append(chunk.text)
+            if chunk.HasField("finish_reason"):
+                self.ended[i], self.last[i] = True, chunk
         elif kind == "complete":
-            self.ended[msg.index] = True
+            self.ended[msg.index] = self.completed[msg.index] = True
+
+    def completes(self) -> list[worker_pb2.GenerateResponse]:
+        """For a stream whose every sample finished (`finished`) before its worker failed: the `complete` messages
+        the worker did not send, made from the chunks the client has (every token, the whole text, the finishing
+        chunk's reason and running totals). The text is whole only where the stream started here: a continuation
+        that was not migrated in this router lacks the text before `resume_text_chars` (its tokens are there)."""
+        out = []
+        for i in range(self.n):
+            chunk = self.last[i]
+            if self.completed[i] or chunk is None:
+                continue
+            complete = worker_pb2.GenerateComplete(output_ids=self.tokens[i], text="".join(self.texts[i]),
+                                                   finish_reason=chunk.finish_reason)
+            complete.usage.prompt_tokens = chunk.prompt_tokens
+            complete.usage.completion_tokens = chunk.completion_tokens
+            complete.usage.cached_tokens = chunk.cached_tokens
+            out.append(worker_pb2.GenerateResponse(request_id=self.request.request_id, index=i, complete=complete))
+        return out
 
     def why_not_migrate(self, done: int, limit: int) -> str | None:
         if done >= limit:
             return f"after {done} of --max-migrations {limit}" if limit else "migration is off (--max-migrations 0)"
-        if self.finished:
-            return "it failed after its last token"
         return None
 
     def unfinished(self) -> list[int]:

@@ -168,6 +168,12 @@ async def _generate_one(router: PairRouter, request: worker_pb2.GenerateRequest,
             failed = prefill if e.worker == prefill.url else decode
             verdicts[failed.url] = (functools.partial(failed.breaker.failure, sent[failed.url]) if e.retry
                                     else failed.breaker.success)
+            if streamed and e.retry and stream.finished:  # the pair failed after the last token: nothing to redo
+                log.warning("pair %s -> %s failed after request %s's last token (%s); ending it with what was "
+                            "streamed", prefill.url, decode.url, request.request_id, e.message)
+                for msg in stream.completes():
+                    yield msg
+                return
             if streamed and e.retry:  # mid-stream: a new pair continues after the tokens the client has
                 why_not = stream.why_not_migrate(migrations, router.settings.max_migrations)
                 if why_not:

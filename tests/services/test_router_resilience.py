@@ -116,6 +116,24 @@ def test_retries_go_around_a_failing_worker_and_its_breaker_opens(mesh):
     assert metrics.value("sgl_router_retries_total", worker=bad) == 3
 
 
+def test_a_worker_that_dies_after_the_last_chunk_costs_the_client_nothing(mesh):
+    dying = mesh.worker("--die-after-last-chunk")
+    spare = mesh.worker()
+    base = mesh.router("--policy", "round_robin", "--health-check-interval-s", "60")
+    req = urllib.request.Request(base + "/generate", method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, data=json.dumps({
+            "text": "hello there", "stream": True, "sampling_params": {"max_new_tokens": 4}}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        status, raw = r.status, r.read()
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and not any("error" in e for e in events)
+    last = events[-1]
+    assert last["output_ids"] == [0, 1, 2, 3] and last["text"] == " tok" * 4
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["meta_info"]["completion_tokens"] == 4
+    assert mesh.calls(spare) == 0  # every token had come: nothing was run again elsewhere
+    assert "after request" in mesh.log.read_text() and dying
+
+
 def test_without_retries_the_failure_reaches_the_client(mesh):
     mesh.worker("--fail-first", "1000")
     base = mesh.router("--disable-retries")

@@ -29,7 +29,7 @@ def test_a_single_request_resumes_after_what_the_client_got():
     assert stream.why_not_migrate(3, 3) == "after 3 of --max-migrations 3"
     assert stream.why_not_migrate(0, 0) == "migration is off (--max-migrations 0)"
     stream.saw(worker_pb2.GenerateResponse(request_id="r", complete=worker_pb2.GenerateComplete()))
-    assert stream.why_not_migrate(0, 3) == "it failed after its last token"
+    assert stream.finished and stream.completes() == []  # the worker sent its `complete`: nothing is missing
 
 
 def test_an_n_request_continues_sample_by_sample():
@@ -50,4 +50,21 @@ def test_an_n_request_continues_sample_by_sample():
     stream.saw(_chunk(0, [9], "e", last=True))  # a last chunk ends its sample as a complete message does
     assert stream.unfinished() == [2]
     stream.saw(worker_pb2.GenerateResponse(request_id="r", index=2, complete=worker_pb2.GenerateComplete()))
-    assert stream.unfinished() == [] and stream.why_not_migrate(0, 3) == "it failed after its last token"
+    assert stream.unfinished() == [] and stream.finished
+    # the worker failed before sample 0's `complete` (its last chunk had come): the router makes it from the chunks
+    (made,) = stream.completes()
+    assert made.index == 0 and made.request_id == "r" and list(made.complete.output_ids) == [5, 9]
+    assert made.complete.text == "ae" and made.complete.finish_reason.length == 1
+
+
+def test_a_stream_whose_worker_died_after_the_last_chunk_ends_with_its_own_totals():
+    stream = Streamed(worker_pb2.GenerateRequest(request_id="q", input_ids=[1, 2, 3], stream=True))
+    stream.saw(_chunk(0, [4, 5], "he"))
+    assert not stream.finished
+    last = _chunk(0, [6], "llo", last=True)
+    last.chunk.prompt_tokens, last.chunk.completion_tokens, last.chunk.cached_tokens = 3, 3, 2
+    stream.saw(last)
+    (made,) = stream.completes()
+    assert list(made.complete.output_ids) == [4, 5, 6] and made.complete.text == "hello"
+    assert (made.complete.usage.prompt_tokens, made.complete.usage.completion_tokens,
+            made.complete.usage.cached_tokens) == (3, 3, 2)
