@@ -1,6 +1,6 @@
 """`python -m services.common.trace_export --role R --parent-pid P [--endpoint URL]`: a traced service's exporter
 process (started by services.common.trace_pipe). It reads span batches from stdin (frames: a 4-byte little-endian
-length, then a marshalled list of marshalled trace_recorder.Record tuples), encodes them as OTLP protobuf
+length, then a marshalled list of trace_recorder.Record tuples), encodes them as OTLP protobuf
 (services.common.trace_otlp) and exports them to the collector with the OpenTelemetry OTLP/gRPC exporter, which applies the standard variables
 (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE, _INSECURE) and retries.
 The resource is the SDK's (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, telemetry.sdk.*), with service.name
@@ -26,7 +26,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource as SdkResource
 
-from services.common import trace_otlp
+from services.common import trace_otlp, trace_recorder
 
 log = logging.getLogger("services.common.trace_export")
 
@@ -85,7 +85,7 @@ def batches(fd: int, parent_pid: int) -> Iterator[list[tuple]]:
         body = _read_exactly(fd, _FRAME.unpack(head)[0], parent_pid)
         if body is None:
             return
-        yield [marshal.loads(record) for record in marshal.loads(body)]
+        yield trace_recorder.expand(marshal.loads(body))
 
 
 def _export_all(exporter: OTLPSpanExporter, res: bytes, pending: queue.Queue, batch: int, failed: list) -> None:

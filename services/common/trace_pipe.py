@@ -1,10 +1,10 @@
 """The bounded span buffer of a traced process and the pipe to its exporter process (services.common.trace_export).
 
-`add` (the recorder's sink, any thread) appends a finished span, already `marshal`led by the recorder, to a deque:
-no lock. A daemon thread wakes every OTEL_BSP_SCHEDULE_DELAY ms, or as soon as OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans
-wait, and writes them to the exporter's stdin as one frame: a 4-byte little-endian length, then the list of records
-(marshalled again: a copy of their bytes). The exporter encodes OTLP and talks to the collector in its own process, so neither costs this
-process's GIL.
+`add` (the recorder's sink, any thread) appends a finished span, a Record tuple, to a deque: no lock. A daemon thread
+wakes every OTEL_BSP_SCHEDULE_DELAY ms, or as soon as OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans wait, and writes them to
+the exporter's stdin as one frame: a 4-byte little-endian length, then the list of records, marshalled in one go
+(trace_recorder.encode_batch: what the records share is written once). The exporter encodes OTLP and talks to the
+collector in its own process, so neither costs this process's GIL.
 
 Nothing blocks the serving code: when the exporter falls behind (a slow or absent collector), the pipe fills, the
 writer thread waits on it, the deque reaches OTEL_BSP_MAX_QUEUE_SIZE and further spans are dropped and counted
@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import fcntl
 import logging
-import marshal
 import os
 import struct
 import subprocess
@@ -27,6 +26,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from services.common.trace_recorder import encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,9 @@ def exporter_command(role: str, endpoint: str | None, batch: int = 512) -> list[
     return argv + (["--endpoint", endpoint] if endpoint else [])
 
 
-def encode_frame(batch: list[bytes]) -> bytes:
-    """One frame: the byte length, then the list of marshalled records, marshalled (a copy of their bytes)."""
-    data = marshal.dumps(batch)
+def encode_frame(batch: list[tuple]) -> bytes:
+    """One frame: the byte length, then the list of Record tuples, marshalled (trace_recorder.encode_batch)."""
+    data = encode_batch(batch)
     return _FRAME.pack(len(data)) + data
 
 
@@ -80,7 +81,7 @@ class SpanPipe:
         self._thread.start()
         os.register_at_fork(after_in_child=self._forked)
 
-    def add(self, record: bytes) -> None:
+    def add(self, record: tuple) -> None:
         """Queue one finished span (the recorder's sink); dropped and counted when the queue is full."""
         queue = self._queue
         if len(queue) < self._limit:

@@ -1,10 +1,15 @@
 """The span recorder behind services.common.tracing while tracing is on. A span is a slotted object: ids from
-random.getrandbits, times from time.time_ns, attributes in the dict the caller passed. One ContextVar holds the
-current span. A finished sampled span becomes one `marshal`led tuple (`Record`'s fields, in order) handed to the
-sink (services.common.trace_pipe.SpanPipe.add), which ships batches to the exporter process; nothing here imports
-OpenTelemetry and no OTLP is encoded in the serving process. Marshalling at the end (~0.5 us) leaves nothing the
-garbage collector tracks waiting in the buffer: a queued tuple and its dict would each count towards the next
-collection and get traversed there, which costs the process more than the marshalling.
+random.getrandbits, times from time.time_ns, attributes in the dict the caller passed, and a reference to its
+parent (a local span, a `Remote` stand-in for a caller's span, or None for a root) from which it reads its trace's
+id, tracestate and baggage. One ContextVar holds the current span. A finished sampled span becomes one plain tuple
+(`Record`'s fields, in order) handed to the sink (services.common.trace_pipe.SpanPipe.add); the pipe's writer
+thread marshals a batch of them at once (`encode_batch`) for the exporter process. Nothing here imports
+OpenTelemetry and no OTLP is encoded in the serving process.
+
+What a span costs the serving process is counted in instructions by `python -m benchmarks.router_instructions`:
+every operation here runs per request, so the code keeps to the fewest attribute stores and calls (ids stay ints
+until a traceparent needs hex; a record is marshalled in its batch, where the strings and ids it shares with the
+others, such as attribute names and its trace's id, are written once).
 
 Attribute names are stored as the call sites give them: bare names get their `radixmesh.` prefix and None values
 are dropped in the exporter process (trace_export.add_attributes), off the serving process's CPU."""
@@ -21,7 +26,9 @@ from typing import Any, Callable, NamedTuple
 from services.common.trace_context import LOW64, RemoteContext, Sampler, traceparent
 
 INTERNAL, SERVER, CLIENT = 1, 2, 3  # OTLP Span.SpanKind values
-MARSHAL_VERSION = 2  # no back-references: ~40% faster to write than the default for these small records
+# Batches are marshalled with references (version >= 3): an object a batch holds more than once (an interned
+# attribute name, a span name, a trace id its spans share) is written once.
+MARSHAL_VERSION = 4
 STATUS_ERROR = 2  # OTLP Status.StatusCode value
 
 
@@ -40,16 +47,19 @@ class Record(NamedTuple):
     events: list | None  # [(name, time_ns, attributes dict)]
     status: tuple | None  # (STATUS_ERROR, description)
     tracestate: str
+    # spans that ended before this one and never were current (`Child`), as (span_id, name, kind, start_ns, end_ns,
+    # attributes, events, status) each: children of this span, sent inside its record (`expand` makes them Records)
+    children: list | None = None
 
 
-CURRENT: ContextVar["Span | None"] = ContextVar("radixmesh_span", default=None)
+CURRENT: ContextVar["Span | Remote | None"] = ContextVar("radixmesh_span", default=None)
 # The sampler, unpacked: new spans are decided inline (a call per span costs more than the decision itself)
 _parent_based, _bound = True, 1 << 64
-_sink: Callable[[bytes], None] = lambda record: None  # noqa: E731
+_sink: Callable[[tuple], None] = lambda record: None  # noqa: E731
 
 
-def configure(sampler: Sampler, sink: Callable[[bytes], None]) -> None:
-    """Where finished spans go (marshalled Record tuples) and how new ones are sampled (tracing.setup_tracing)."""
+def configure(sampler: Sampler, sink: Callable[[tuple], None]) -> None:
+    """Where finished spans go (Record tuples) and how new ones are sampled (tracing.setup_tracing)."""
     global _parent_based, _bound, _sink
     _parent_based, _bound, _sink = sampler.parent_based, sampler.bound, sink
 
@@ -61,37 +71,67 @@ def _new_id(bits: int) -> int:
     return value
 
 
+class Remote:
+    """A caller's span as its traceparent describes it (kind 0, never recorded): the parent of this process's first
+    span of the trace, and current inside `tracing.attached`."""
+
+    __slots__ = ("trace_id", "span_id", "sampled", "tracestate", "baggage")
+    kind = 0
+    parent = None
+    name = ""
+    origin = property(lambda self: self)
+
+    def __init__(self, ctx: RemoteContext):
+        self.trace_id, self.span_id, self.sampled, self.tracestate, self.baggage = ctx
+
+    def traceparent(self) -> str:
+        return traceparent(self.trace_id, self.span_id, self.sampled)
+
+    @property
+    def trace_id_hex(self) -> str:
+        return f"{self.trace_id:032x}"
+
+
 class Span:
     """One span. `with span:` makes it current inside and ends it (an escaping Exception marks it failed, as the
     OpenTelemetry SDK does); otherwise end it with `end()`. Methods modify the span in place; on a span that is not
-    sampled (or a remote parent) they change nothing that is exported."""
+    sampled they change nothing that is exported."""
 
-    __slots__ = ("name", "kind", "trace_id", "span_id", "parent_id", "parent_remote", "sampled", "recording",
-                 "start_ns", "attributes", "events", "status", "tracestate", "baggage", "_token")
+    __slots__ = ("name", "kind", "attributes", "parent", "origin", "trace_id", "span_id", "sampled", "recording",
+                 "start_ns", "events", "status", "children", "_token")
 
-    def __init__(self, name: str, kind: int, attributes: dict, parent: "Span | None", start_ns: int = 0):
-        self.name, self.kind, self.attributes = name, kind, attributes
+    def __init__(self, name: str, kind: int, attributes: dict, parent: "Span | Remote | None", start_ns: int = 0):
+        self.name = name
+        self.kind = kind
+        self.attributes = attributes
+        self.parent = parent
         self.span_id = getrandbits(64) or _new_id(64)
         if parent is None:
+            self.origin = None
             self.trace_id = trace_id = getrandbits(128) or _new_id(128)
-            self.parent_id, self.parent_remote, self.tracestate, self.baggage = 0, False, "", ""
             self.sampled = self.recording = (trace_id & LOW64) < _bound
         else:
+            self.origin = parent.origin  # the caller's span this trace came from (tracestate, baggage), or None
             self.trace_id = trace_id = parent.trace_id
-            self.parent_id, self.parent_remote = parent.span_id, parent.kind == 0
-            self.tracestate, self.baggage = parent.tracestate, parent.baggage
             self.sampled = self.recording = parent.sampled if _parent_based else (trace_id & LOW64) < _bound
         self.start_ns = start_ns or time_ns()
-        self.events = self.status = None
+        self.events = self.status = self.children = None
 
-    @classmethod
-    def remote(cls, ctx: RemoteContext) -> "Span":
-        """A stand-in for a caller's span (kind 0, never recorded), the parent of this process's first span."""
-        s = cls.__new__(cls)
-        s.name, s.kind, s.attributes, s.events, s.status = "", 0, {}, None, None
-        s.trace_id, s.span_id, s.sampled, s.tracestate, s.baggage = ctx
-        s.parent_id, s.parent_remote, s.recording, s.start_ns = 0, False, False, 0
-        return s
+    @staticmethod
+    def remote(ctx: RemoteContext) -> Remote:
+        """A stand-in for a caller's span, the parent of this process's first span."""
+        return Remote(ctx)
+
+    @property
+    def tracestate(self) -> str:
+        """The trace's W3C tracestate, as the caller's traceparent came with it ("" for a trace begun here)."""
+        o = self.origin
+        return "" if o is None else o.tracestate
+
+    @property
+    def baggage(self) -> str:
+        o = self.origin
+        return "" if o is None else o.baggage
 
     def __enter__(self) -> "Span":
         self._token = CURRENT.set(self)
@@ -102,7 +142,7 @@ class Span:
             CURRENT.reset(self._token)
         except ValueError:  # left in another context than it was entered in (a generator closed elsewhere)
             pass
-        if isinstance(exc, Exception) and self.recording:
+        if exc is not None and self.recording and isinstance(exc, Exception):
             self.record_exception(exc)
             if self.status is None:
                 self.status = (STATUS_ERROR, f"{type(exc).__name__}: {exc}")
@@ -142,13 +182,13 @@ class Span:
         """Finish the span (once; later calls do nothing) and hand it to the sink if it is sampled."""
         if self.recording:
             self.recording = False
-            try:
-                record = dumps((self.trace_id, self.span_id, self.parent_id, self.parent_remote, self.name, self.kind,
-                                self.start_ns, end_ns or time_ns(), self.attributes, self.events, self.status,
-                                self.tracestate), MARSHAL_VERSION)
-            except ValueError:  # an attribute value marshal does not write
-                record = dumps(plain(self, end_ns or time_ns()), MARSHAL_VERSION)
-            _sink(record)
+            p = self.parent
+            if p is None:
+                _sink((self.trace_id, self.span_id, 0, False, self.name, self.kind, self.start_ns,
+                       end_ns or time_ns(), self.attributes, self.events, self.status, "", self.children))
+            else:
+                _sink((self.trace_id, self.span_id, p.span_id, p.kind == 0, self.name, self.kind, self.start_ns,
+                       end_ns or time_ns(), self.attributes, self.events, self.status, p.tracestate, self.children))
 
     @property
     def trace_id_hex(self) -> str:
@@ -158,12 +198,89 @@ class Span:
         return traceparent(self.trace_id, self.span_id, self.sampled)
 
 
-def plain(s: Span, end_ns: int) -> tuple:
-    """`s` as a Record whose attribute values marshal can write (others as their str())."""
-    attributes = {k: _plain_value(v) for k, v in s.attributes.items()}
-    events = [(name, at, {k: _plain_value(v) for k, v in attrs.items()}) for name, at, attrs in s.events or ()]
-    return (s.trace_id, s.span_id, s.parent_id, s.parent_remote, s.name, s.kind, s.start_ns, end_ns, attributes,
-            events or None, s.status, s.tracestate)
+class Child:
+    """A span that is never made current (tracing.start_span: a call, a routing decision), child of a local span. It
+    costs less than a Span: no trace or sampling state of its own (its parent's), and when it ends while its parent
+    is still open it goes into the parent's record as one short entry instead of a record of its own (a parent that
+    ended first does not wait for it: then it is sent as its own record)."""
+
+    __slots__ = ("parent", "name", "kind", "attributes", "span_id", "start_ns", "events", "status", "recording")
+
+    def __init__(self, name: str, kind: int, attributes: dict, parent: Span):
+        self.parent = parent
+        self.name = name
+        self.kind = kind
+        self.attributes = attributes
+        self.span_id = getrandbits(64) or _new_id(64)
+        self.recording = parent.sampled
+        self.start_ns = time_ns()
+        self.events = self.status = None
+
+    trace_id = property(lambda self: self.parent.trace_id)
+    sampled = property(lambda self: self.parent.sampled)
+    origin = property(lambda self: self.parent.origin)
+    tracestate, baggage = Span.tracestate, Span.baggage
+    trace_id_hex = property(lambda self: self.parent.trace_id_hex)
+    set_attribute, set_attributes, add_event = Span.set_attribute, Span.set_attributes, Span.add_event
+    set_error, record_exception, is_recording = Span.set_error, Span.record_exception, Span.is_recording
+
+    def traceparent(self) -> str:
+        return traceparent(self.parent.trace_id, self.span_id, self.parent.sampled)
+
+    def end(self, end_ns: int | None = None) -> None:
+        """Finish the span (once): into its parent's record while the parent is open, else to the sink."""
+        if self.recording:
+            self.recording = False
+            p = self.parent
+            if p.recording:
+                entry = (self.span_id, self.name, self.kind, self.start_ns, end_ns or time_ns(), self.attributes,
+                         self.events, self.status)
+                if p.children is None:
+                    p.children = [entry]
+                else:
+                    p.children.append(entry)
+            else:
+                _sink((p.trace_id, self.span_id, p.span_id, False, self.name, self.kind, self.start_ns,
+                       end_ns or time_ns(), self.attributes, self.events, self.status, p.tracestate, None))
+
+
+def expand(records: list[tuple]) -> list[tuple]:
+    """Records as the exporter reads them, children sent inside their parents' records made Records of their own
+    (12 fields each, the `children` field left out)."""
+    out = []
+    for r in records:
+        out.append(r[:12])
+        if r[12]:
+            trace_id, parent_id, tracestate = r[0], r[1], r[11]
+            out += [(trace_id, span_id, parent_id, False, name, kind, start, end, attrs, events, status, tracestate)
+                    for span_id, name, kind, start, end, attrs, events, status in r[12]]
+    return out
+
+
+def encode_batch(records: list[tuple]) -> bytes:
+    """Finished spans as the exporter reads them: the list of Record tuples, marshalled (with references). A record
+    holding a value marshal does not write goes as its `plain` copy."""
+    try:
+        return dumps(records, MARSHAL_VERSION)
+    except ValueError:
+        return dumps([plain(r) for r in records], MARSHAL_VERSION)
+
+
+def plain(record: tuple) -> tuple:
+    """`record` with attribute values marshal can write (others as their str()), its children's too."""
+    r = Record(*record)
+    children = [(span_id, name, kind, start, end, _plain_attributes(attrs), _plain_events(events), status)
+                for span_id, name, kind, start, end, attrs, events, status in r.children or ()]
+    return tuple(r._replace(attributes=_plain_attributes(r.attributes), events=_plain_events(r.events),
+                            children=children or None))
+
+
+def _plain_attributes(attributes: dict) -> dict:
+    return {k: _plain_value(v) for k, v in attributes.items()}
+
+
+def _plain_events(events: list | None) -> list | None:
+    return [(name, at, _plain_attributes(attrs)) for name, at, attrs in events] if events else None
 
 
 def _plain_value(v: Any) -> Any:

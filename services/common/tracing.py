@@ -37,6 +37,7 @@ _KINDS = {"internal": 1, "server": 2, "client": 3}  # OTLP SpanKind values (trac
 # current-span ContextVar and the propagation settings (bound here so the off path imports none of them).
 _pipe = None
 _Span: Any = None
+_Child: Any = None
 _current: Any = None
 _propagation: Any = None
 _Metadata: Any = None  # grpc.aio.Metadata
@@ -74,7 +75,7 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     """Start recording spans for this process, exported by an exporter process of its own, when tracing is on;
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
-    global _pipe, _Span, _current, _propagation, _Metadata, _extract, _role
+    global _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -94,8 +95,9 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
                     batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
     sampler = Sampler.from_env()
     trace_recorder.configure(sampler, pipe.add)
-    _pipe, _Span, _current, _propagation, _Metadata, _extract, _role = (
-        pipe, trace_recorder.Span, trace_recorder.CURRENT, Propagation.from_env(), Metadata, extract, role)
+    _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
+        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
+        extract, role)
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
     log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint
@@ -165,11 +167,15 @@ def record_span(name: str, start: float, end: float, events: tuple = (), *, offs
 
 
 def start_span(name: str, kind: str = "client", **attributes: Any):
-    """A child of the current span that is not made current (for a call that outlives the caller's frame, e.g. a
-    streamed worker call); end it with `end_span`. None when tracing is off."""
+    """A child of the current span that is not made current (a call that outlives the caller's frame, e.g. a
+    streamed worker call, or a decision with no spans under it); end it with `end_span`. None when tracing is off.
+    Under a local span it is a trace_recorder.Child (sent inside its parent's record)."""
     if _pipe is None:
         return None
-    return _Span(name, _KINDS[kind], attributes, _current.get())
+    parent = _current.get()
+    if type(parent) is _Span:
+        return _Child(name, _KINDS[kind], attributes, parent)
+    return _Span(name, _KINDS[kind], attributes, parent)
 
 
 def end_span(s, error: BaseException | None = None) -> None:
@@ -190,10 +196,12 @@ def metadata_for(s):
     if s is None or _propagation is None or not _propagation.tracecontext:
         return None
     md = _Metadata(("traceparent", s.traceparent()))
-    if s.tracestate:
-        md.add("tracestate", s.tracestate)
-    if s.baggage and _propagation.baggage:
-        md.add("baggage", s.baggage)
+    o = s.origin  # the caller's span the trace came from: its tracestate and baggage travel on
+    if o is not None:
+        if o.tracestate:
+            md.add("tracestate", o.tracestate)
+        if o.baggage and _propagation.baggage:
+            md.add("baggage", o.baggage)
     return md
 
 
@@ -204,10 +212,12 @@ def put_context(target, s) -> bool:
     if s is None or _propagation is None or not _propagation.tracecontext:
         return False
     target["traceparent"] = s.traceparent()
-    if s.tracestate:
-        target["tracestate"] = s.tracestate
-    if s.baggage and _propagation.baggage:
-        target["baggage"] = s.baggage
+    o = s.origin
+    if o is not None:
+        if o.tracestate:
+            target["tracestate"] = o.tracestate
+        if o.baggage and _propagation.baggage:
+            target["baggage"] = o.baggage
     return True
 
 

@@ -114,11 +114,16 @@ class Router:
             raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        with tracing.span("tokenize", "client") as span:
-            out = await _tokenizer_call(self.tokenizer.tokenize(request))
-            if span is not None:
-                span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
-            return out
+        span = tracing.start_span("tokenize")  # a leaf: its context goes to the tokenizer with the request
+        try:
+            out = await _tokenizer_call(self.tokenizer.tokenize(request, span))
+        except BaseException as e:
+            tracing.end_span(span, e)
+            raise
+        if span is not None:
+            span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
+            span.end()
+        return out
 
     async def single_token(self, text: str) -> int | None:
         """The token id of `text` when the tokenizer has it as one token, else None (asked once per text)."""
@@ -139,16 +144,27 @@ class Router:
         """The policy's choice among `candidates` for `request`, inside the `route` span (with tracing on: the
         policy, the chosen worker and, where the policy knows it, the matched prefix in tokens)."""
         policy = self.role_policies[role]
+        # a policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant), under a
+        # route span made current (its kvstore call is a span under it); the others keep their plain synchronous
+        # pick, called without a coroutine in between, and their route span is a leaf (tracing.start_span)
+        pick_async = getattr(policy, "pick_async", None)
+        if pick_async is None:
+            span = tracing.start_span("route", "internal", policy=self.policy_name(role), role=role,
+                                      candidates=len(candidates), prompt_tokens=len(request.input_ids))
+            try:
+                worker = policy.pick(candidates, request.input_ids)
+            except Exception as e:
+                tracing.end_span(span, e)
+                raise
+            if span is not None:
+                _route_attributes(span, policy, worker)
+                span.end()
+            return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
-            # a policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant); the
-            # others keep their plain synchronous pick, called without a coroutine in between
-            pick_async = getattr(policy, "pick_async", None)
-            worker = (policy.pick(candidates, request.input_ids) if pick_async is None
-                      else await pick_async(candidates, request.input_ids, request.tenant))
-            if span is not None:  # bare names: the exporter adds `radixmesh.` and drops None values
-                span.set_attributes({"worker": worker.url, "reason": getattr(policy, "last_reason", None),
-                                     "matched_tokens": getattr(policy, "last_matched_tokens", None)})
+            worker = await pick_async(candidates, request.input_ids, request.tenant)
+            if span is not None:
+                _route_attributes(span, policy, worker)
             return worker
 
     async def generate(self, request: worker_pb2.GenerateRequest, migrations: int = 0, broke: str = ""
@@ -305,6 +321,13 @@ class Router:
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))
+
+
+def _route_attributes(span, policy, worker) -> None:
+    """The route span's outcome: the chosen worker, why, and the prefix it holds (bare names: the exporter adds
+    `radixmesh.` and drops None values)."""
+    span.set_attributes({"worker": worker.url, "reason": getattr(policy, "last_reason", None),
+                         "matched_tokens": getattr(policy, "last_matched_tokens", None)})
 
 
 class _Attempt:

@@ -76,20 +76,22 @@ class TokenizerClient:
         except grpc.aio.AioRpcError:
             return False
 
-    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest, span=None) -> tokenizer_pb2.TokenizeResponse:
+        """ValueError for input the tokenizer rejects (bad chat messages, a template error). `span`: the caller's
+        span for the call, whose context goes with it (default: the current span)."""
         if self.cache is None:
-            return await self._tokenize(request)
+            return await self._tokenize(request, span)
         key = request.SerializeToString(deterministic=True)
         found = self.cache.get(key)
         if found is None:
-            found = await self._tokenize(request)
+            found = await self._tokenize(request, span)
             self.cache.put(key, found)
         return found
 
-    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        if await self.batcher.open():
+    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest, span) -> tokenizer_pb2.TokenizeResponse:
+        if span is None:
             span = tracing.current_span()
+        if await self.batcher.open():
             if span is not None:  # the caller's request stays as it is (it may be the L0 cache's key)
                 traced = tokenizer_pb2.TokenizeRequest()
                 traced.CopyFrom(request)
@@ -97,7 +99,7 @@ class TokenizerClient:
                     request = traced
             return await self.batcher.submit(request)
         try:
-            return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.current_metadata())
+            return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.metadata_for(span))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None

@@ -89,14 +89,15 @@ class TokenizerPool:
         finally:
             self._probes.pop(i, None)
 
-    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        """ValueError for input the tokenizer rejects (bad chat messages, a template error)."""
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest, span=None) -> tokenizer_pb2.TokenizeResponse:
+        """ValueError for input the tokenizer rejects (bad chat messages, a template error). `span`: the caller's
+        span for the call (default: the current span)."""
         if self.cache is None:
-            return await self._call(lambda c: c.tokenize(request))
+            return await self._call(lambda c: c.tokenize(request, span))
         key = request.SerializeToString(deterministic=True)
         found = self.cache.get(key)
         if found is None:
-            found = await self._call(lambda c: c.tokenize(request))
+            found = await self._call(lambda c: c.tokenize(request, span))
             self.cache.put(key, found)
         return found
 

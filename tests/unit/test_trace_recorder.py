@@ -20,7 +20,7 @@ import pytest
 from services.common import trace_recorder
 from services.common.trace_context import Propagation, Sampler, extract, parse_traceparent, traceparent
 from services.common.trace_pipe import SpanPipe
-from services.common.trace_recorder import CLIENT, CURRENT, Record, Span
+from services.common.trace_recorder import CLIENT, CURRENT, Child, Record, Span
 from tests.otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ W3C = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
 def records():
     """Finished spans as Records (the recorder's sink), with the default sampler; restored afterwards."""
     out: list = []
-    trace_recorder.configure(Sampler(), lambda data: out.append(Record(*marshal.loads(data))))
+    trace_recorder.configure(Sampler(), lambda data: out.append(Record(*data)))
     yield out
     trace_recorder.configure(Sampler(), lambda data: None)
 
@@ -55,6 +55,39 @@ def test_ids_parent_links_and_the_current_span(records):
     assert all(r.start_ns <= r.end_ns for r in records)
     assert by_name["call"].kind == CLIENT and by_name["call"].attributes == {"worker": "w"}
     assert W3C.match(child.traceparent()) and child.traceparent().endswith("-01")
+
+
+def test_a_child_goes_inside_its_parents_record_or_on_its_own_once_the_parent_ended(records):
+    with Span("root", 2, {}, None) as root:
+        call = Child("worker Generate", CLIENT, {"worker": "w"}, root)
+        early = Child("route", 1, {}, root)
+        early.set_attributes({"policy": "p"})
+        early.end()
+        assert W3C.match(call.traceparent()) and call.traceparent()[36:52] == f"{call.span_id:016x}"
+        assert call.traceparent()[3:35] == f"{root.trace_id:032x}" and call.tracestate == ""
+        late = Child("late", 1, {}, root)
+    call.record_exception(ValueError("gone"))
+    call.set_error("gone")
+    call.end()  # after its parent: a record of its own
+    call.end()
+    (rec, alone) = records
+    assert rec.name == "root" and [c[1] for c in rec.children] == ["route"] and alone.name == "worker Generate"
+    spans = [Record(*r) for r in trace_recorder.expand([tuple(rec), tuple(alone)])]
+    assert [s.name for s in spans] == ["root", "route", "worker Generate"]
+    route = spans[1]
+    assert (route.trace_id, route.parent_id, route.kind, route.attributes) == (root.trace_id, root.span_id, 1,
+                                                                               {"policy": "p"})
+    assert spans[2].parent_id == root.span_id and spans[2].status == (trace_recorder.STATUS_ERROR, "gone")
+    assert [e[0] for e in spans[2].events] == ["exception"] and late.recording  # never ended: never sent
+
+
+def test_a_batch_with_values_marshal_cannot_write_goes_as_their_strings():
+    rec = (1, 2, 0, False, "root", 2, 3, 4, {"o": object()}, None, None, "",
+           [(5, "child", 1, 3, 4, {"p": Path("/x"), "n": 1}, [("ev", 3, {"q": object()})], None)])
+    (back,) = trace_recorder.expand(marshal.loads(trace_recorder.encode_batch([rec])))[:1]
+    assert back[8]["o"].startswith("<object object")
+    child = trace_recorder.expand(marshal.loads(trace_recorder.encode_batch([rec])))[1]
+    assert child[8] == {"p": "/x", "n": 1} and child[9][0][2]["q"].startswith("<object object")
 
 
 def test_an_escaping_exception_marks_the_span_failed(records):
@@ -128,14 +161,14 @@ def test_the_buffer_drops_and_counts_when_the_exporter_does_not_read():
     pipe = SpanPipe(reader, max_queue=100, batch=10_000, delay_s=60.0)  # the writer does not wake by itself
     try:
         for i in range(250):
-            pipe.add(marshal.dumps(i))
+            pipe.add((i,))
         assert pipe.dropped == 150 and len(pipe._queue) == 100
     finally:
         started = time.monotonic()
         pipe.close(timeout_s=2.0)
     assert time.monotonic() - started < 10 and pipe.proc.poll() is not None
     assert pipe.sent == 100 and pipe.dropped == 150  # the 100 queued went into the pipe; the reader was killed
-    pipe.add(b"late")
+    pipe.add(("late",))
     assert pipe.dropped == 151
 
 
