@@ -78,7 +78,8 @@ def dump_totals(pid: int, out_prefix: str, label: str) -> tuple[int, str]:
 def start_router(procs: Processes, name: str, argv: list[str], out_prefix: str, cpus: set[int]) -> tuple[int, str]:
     port = free_port()
     log = open(procs.log_dir / f"{name}.log", "wb")
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", *os.environ.get("CALLGRIND_FLAGS", "").split(), f"--callgrind-out-file={out_prefix}.%p",
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", *os.environ.get("CALLGRIND_FLAGS", "").split(),
+           f"--callgrind-out-file={out_prefix}.%p",
            sys.executable, "-m", "services.router", *argv, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))
