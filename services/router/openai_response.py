@@ -168,29 +168,30 @@ class _Tally:
         self.prompt_tokens = [p or 0 for p in prompt_tokens]
         self.cached_tokens = [0] * len(prompt_tokens)
 
-    def sample(self, msg: worker_pb2.GenerateResponse) -> tuple[_Sample, str]:
-        """(the message's sample, which part of the response it holds); raises OpenAIError on a worker error."""
+    def sample(self, msg: worker_pb2.GenerateResponse) -> tuple[_Sample, str, int]:
+        """(the message's sample, which part of the response it holds, its index); raises OpenAIError on a worker
+        error. (Runs per streamed message: each upb field is read once.)"""
         which = msg.WhichOneof("response")
+        index = msg.index
         if which == "error":
             raise worker_error(msg.error)
         if which is None:
-            raise internal(f"the worker sent an empty response for sample {msg.index}")
-        if msg.index >= len(self.samples):
-            raise internal(f"the worker sent sample index {msg.index} for a request with {len(self.samples)} "
-                           "choices")
-        s = self.samples[msg.index]
+            raise internal(f"the worker sent an empty response for sample {index}")
+        if index >= len(self.samples):
+            raise internal(f"the worker sent sample index {index} for a request with {len(self.samples)} choices")
+        s = self.samples[index]
         if s.finished:
-            raise internal(f"the worker sent more after sample {msg.index} completed")
+            raise internal(f"the worker sent more after sample {index} completed")
         part = msg.chunk if which == "chunk" else msg.complete.usage
-        group = msg.index // self.n
+        group = index // self.n
         self.prompt_tokens[group] = max(self.prompt_tokens[group], part.prompt_tokens)
         self.cached_tokens[group] = max(self.cached_tokens[group], part.cached_tokens)
         s.completion_tokens = max(s.completion_tokens, part.completion_tokens)
-        return s, which
+        return s, which, index
 
     def record(self, msg: worker_pb2.GenerateResponse) -> None:
         """For whole (non-streamed) results: keep each sample's `complete`."""
-        s, which = self.sample(msg)
+        s, which, _ = self.sample(msg)
         if which == "complete":
             s.complete, s.finished = msg.complete, True
 
@@ -245,28 +246,31 @@ class ChatStream:
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """The chunks this message yields: a role chunk first per sample, content deltas, a finish chunk last."""
-        s, which = self._tally.sample(msg)
+        s, which, index = self._tally.sample(msg)
         out = []
         if not s.started:
             s.started = True
-            out.append(self._chunk(msg.index, {"role": "assistant", "content": ""}))
+            out.append(self._chunk(index, {"role": "assistant", "content": ""}))
         if which == "chunk":
             c = msg.chunk
-            entries = self._entries(c.output_logprobs, 0)
-            s.logprob_tokens += len(c.output_logprobs.token_ids)
-            s.sent.append(c.text)
-            return out + self._deltas(msg.index, c.text, entries)
+            text = c.text
+            entries = []
+            if self.job.want_logprobs:
+                entries = chat_logprob_entries(c.output_logprobs, 0)
+                s.logprob_tokens += len(c.output_logprobs.token_ids)
+            s.sent.append(text)
+            return out + self._deltas(index, text, entries)
         cm = msg.complete
         entries = self._entries(cm.output_logprobs, s.logprob_tokens)
         rest = s.rest_of(cm.text)
         s.finished = True
-        parser = self._parsers[msg.index]
+        parser = self._parsers[index]
         if parser is None:
-            out.append(self._chunk(msg.index, {"content": rest} if rest else {}, entries, cm.finish_reason))
+            out.append(self._chunk(index, {"content": rest} if rest else {}, entries, cm.finish_reason))
             return out
-        out += self._deltas(msg.index, rest, entries, final=True)
-        called = bool(self._calls[msg.index].ids)
-        out.append(self._chunk(msg.index, {}, None, cm.finish_reason, called))
+        out += self._deltas(index, rest, entries, final=True)
+        called = bool(self._calls[index].ids)
+        out.append(self._chunk(index, {}, None, cm.finish_reason, called))
         return out
 
     def _deltas(self, index: int, text: str, entries: list[dict[str, Any]], final: bool = False) -> list[dict]:
@@ -381,31 +385,32 @@ class CompletionStream:
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Zero or one chunk: new text and logprobs; the sample's last chunk carries its finish_reason."""
-        s, which = self._tally.sample(msg)
+        s, which, index = self._tally.sample(msg)
         part = msg.chunk if which == "chunk" else msg.complete
-        lp = self._lps[msg.index] if self.job.want_logprobs else None
+        lp = self._lps[index] if self.job.want_logprobs else None
         text = ""
         if not s.started:
             s.started = True
             if self.job.echo:
-                text = self.prompt_texts[msg.index // self.job.n]
+                text = self.prompt_texts[index // self.job.n]
                 if lp is not None:
                     lp.add(part.input_logprobs)
                     lp.offset = len(text)
         if which == "chunk":
+            new = part.text
             if lp is not None:
                 lp.add(part.output_logprobs)
-            s.logprob_tokens += len(part.output_logprobs.token_ids)
-            s.sent.append(part.text)
-            text += part.text
+                s.logprob_tokens += len(part.output_logprobs.token_ids)
+            s.sent.append(new)
+            text += new
             if not text and not (lp is not None and lp.tokens):
                 return []
-            return [self._chunk(msg.index, text, lp)]
+            return [self._chunk(index, text, lp)]
         text += s.rest_of(part.text)
         if lp is not None:
             lp.add(part.output_logprobs, s.logprob_tokens)
         s.finished = True
-        return [self._chunk(msg.index, text, lp, part.finish_reason)]
+        return [self._chunk(index, text, lp, part.finish_reason)]
 
     def final_chunks(self) -> list[dict[str, Any]]:
         """The usage chunk (no choices) when the request asked for stream_options.include_usage."""

@@ -35,7 +35,14 @@ def _check_record(rec: dict, backend: str, expected_output_tokens: int) -> None:
     assert rec["total_input_tokens"] == rec["workload_input_tokens"]
     for stat in ("mean", "median", "p99"):
         assert 0 < rec[f"{stat}_ttft_ms"] <= rec[f"{stat}_e2e_latency_ms"], (stat, rec)
-    assert rec["mean_itl_ms"] > 0 and rec["max_itl_ms"] > 0 and rec["mean_tpot_ms"] > 0
+    assert rec["mean_tpot_ms"] > 0
+    # the in-process engine yields each step's token as it comes; through the mesh, a client that reads late gets a
+    # request's queued events in one write (the router's cork), and tokens that come with the first event get no
+    # ITL sample: on a loaded machine every one of these short answers can arrive that way
+    if backend == "engine":
+        assert rec["mean_itl_ms"] > 0 and rec["max_itl_ms"] > 0
+    else:
+        assert rec["max_itl_ms"] >= rec["mean_itl_ms"] >= 0
     for key in ("request_throughput", "output_throughput", "total_throughput", "duration", "concurrency"):
         assert rec[key] > 0, key
     for key in ("device", "date", "commit", "command", "workload_digest"):
