@@ -266,18 +266,31 @@ if [[ $PARTS == *multiturn* ]]; then
   # write_through_selective
   # MT_TREES="prev ." runs every configuration on an earlier tree too (a copy of its services, benchmarks, engine,
   # kernels and radixmesh stubs in that folder), alternated with this one; each tree's records go to a file of its own
-  for round in $(seq ${MT_ROUNDS:-1}); do
-    for tree in ${MT_TREES:-.}; do
-      tag=${tree//[.\/]/}
-      [[ $tree != . ]] && ln -sfn "$PWD/build" "$tree/build"
-      for i in ${MT_CONFIGS:-0 1 2}; do
-        extra=${CONFIGS[$i]}
-        echo "== multiturn [${tag:-this tree}] ${extra:-hierarchy off}"
-        (cd "$tree" && PYTHONPATH=$PWD $PY -m benchmarks.multiturn $W $extra \
-           --output-file "$OUT/multiturn${tag:+-$tag}.jsonl") 2>&1 | tee -a "$OUT/multiturn.log" \
-          | grep -E "TTFT|hit|Working|throughput" | head -12
-      done
+  # MT_PLAN="TREE:CONFIG ..." runs exactly those pairs in that order instead (e.g. ".:0 alt:1 .:1 .:0 alt:1 .:1");
+  # a pair written "spy:TREE:CONFIG" runs under py-spy (every process of the mesh, 100 samples a second, never
+  # pausing them; collapsed stacks in $OUT/pyspy-TREE-CONFIG.txt) and its records go to multiturn-spy.jsonl
+  plan=${MT_PLAN:-}
+  if [[ -z $plan ]]; then
+    for round in $(seq ${MT_ROUNDS:-1}); do
+      for tree in ${MT_TREES:-.}; do for i in ${MT_CONFIGS:-0 1 2}; do plan+=" $tree:$i"; done; done
     done
+  fi
+  for pair in $plan; do
+    spy=; [[ $pair == spy:* ]] && spy=1 && pair=${pair#spy:}
+    tree=${pair%%:*} i=${pair##*:}
+    tag=${tree//[.\/]/}
+    [[ $tree != . ]] && ln -sfn "$PWD/build" "$tree/build"
+    extra=${CONFIGS[$i]}
+    echo "== multiturn [${tag:-this tree}] ${extra:-hierarchy off}${spy:+ (under py-spy)}"
+    run=($PY -m benchmarks.multiturn $W $extra)
+    if [[ -n $spy ]]; then
+      run=(py-spy record --subprocesses --nonblocking --rate 100 --format raw
+           --output "$OUT/pyspy-${tag:-this}-$i.txt" -- "${run[@]}" --output-file "$OUT/multiturn-spy.jsonl")
+    else
+      run+=(--output-file "$OUT/multiturn${tag:+-$tag}.jsonl")
+    fi
+    (cd "$tree" && PYTHONPATH=$PWD "${run[@]}") 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput|py-spy|rror" \
+      | head -14
   done
 fi
 

@@ -120,9 +120,11 @@ def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-# Backups are not waited for, so their copies run narrow: 16 programs still move ~46 GB/s and slow a GEMM stream
-# beside them ~1%, where 64 (loads, which a forward waits for) take ~6% (benchmarks.kv_copy, H100).
+# Copies run narrow: 16 programs still move ~45 GB/s either way (PCIe's rate) and slow a GEMM stream beside them ~1%,
+# where 64 take ~6% (benchmarks.kv_copy, H100). A load is waited for layer by layer by the forward it overlaps, so
+# what its width takes from that forward's kernels is on the forward's path.
 BACKUP_PROGRAMS = 16
+LOAD_PROGRAMS = 16
 
 
 def _direct_copies(kv: KVPool, host: HostKVPool) -> bool:
@@ -249,7 +251,7 @@ class KVMover:
                             ready.append(torch.cuda.Event())
                             ready[-1].record(self.load_stream)
 
-                    keep = self._copy_layers(host_pages, dev_pages, False, after_layer=layer_done)
+                    keep = self._copy_layers(host_pages, dev_pages, False, LOAD_PROGRAMS, after_layer=layer_done)
                 else:
                     keep = staged = torch.empty((len(host_pages), *self.host.shape), dtype=self.host.data.dtype,
                                                 device=self.kv.k[0].device)
