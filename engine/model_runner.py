@@ -239,6 +239,8 @@ class ModelRunner:
                 self.req_to_token.scatter(*rest)
             elif op == "to_host":
                 self.mover.to_host(*rest).wait()
+            elif op == "copy_pages":
+                self.kv_pool.copy_page_prefix(*rest)
             else:
                 self.mover.to_device(*rest).wait()
 

@@ -103,6 +103,9 @@ class Req:
     cached_tokens: int = 0
     # Of the prefix the last admission found, the tokens loaded back from the host tier (the rest were on device).
     host_loaded_tokens: int = 0
+    # A host -> device load of a cached tail page into this request's first own page, until it is known done
+    # (engine.cache.tails): (its Pending, the page). Releasing the request before then must not free the page.
+    tail_load: tuple | None = None
     # The deepest radix node this request holds a lock on (None when it holds none).
     locked_node: object | None = None
     # Tokens of `fill_ids` in the current forward (the extend chunk, or 1 when decoding).

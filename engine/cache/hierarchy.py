@@ -90,6 +90,9 @@ class CacheHierarchy:
     def _alloc_host(self, n: int) -> torch.Tensor | None:
         """n host pages, evicting least recently used host copies if needed; None when that is not enough."""
         short = n - self.host.allocator.num_free
+        if short > 0 and self.m.tails is not None:
+            self.m.tails.evict_host(short)  # tails first: at most a page of tokens each
+            short = n - self.host.allocator.num_free
         if short > 0:
             self.sync_host()
             leaves = self.tree.host_leaves()

@@ -77,6 +77,12 @@ class KVPool:
         self.write(layer, loc, k, v)
         return q
 
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slots [0, n) of page src into page dst, in every buffer (one launch on CUDA)."""
+        a, b = src * self.page_size, dst * self.page_size
+        bufs = self.buffers()
+        torch._foreach_copy_([t[b:b + n] for t in bufs], [t[a:a + n] for t in bufs])
+
     def buffers(self) -> list[torch.Tensor]:
         """Every KV buffer (layer 0 K, layer 0 V, layer 1 K, ...); page p of each is one contiguous byte range."""
         return [t for pair in zip(self.k, self.v) for t in pair]

@@ -5,7 +5,9 @@ Per request it tracks three lengths over the request's row of the table (all in 
     tree_len  <= kv_len <= alloc_len
     [0, tree_len)         slots owned by the radix tree (the request holds a lock on them); page-aligned
     [tree_len, alloc_len) slots owned by the request; a partially filled last page always belongs to the request
-    [0, kv_len)           slots whose KV has been computed
+    [0, kv_len)           slots whose KV has been computed (or copied in from the cache)
+With pages of more than one token, the partly filled last page of a released request is kept as a tail of the tree
+(engine.cache.tails): a later request that continues those tokens gets their KV copied into its own first page.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.cache.kv_events import KvEventLog, Tier
 from engine.cache.kv_pool import KVPool
 from engine.cache.radix_tree import RadixTree
 from engine.cache.req_to_token import ReqToTokenPool
+from engine.cache.tails import TailCache
 from engine.request import Req
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ class CacheManager:
         # there; host: loaded back from the host pool). Counted once per request, when it is admitted for good.
         self.lookup_tokens = 0
         self.hit_tokens = {"device": 0, "host": 0}
+        self.tails = TailCache(self) if tree is not None and self.page > 1 else None
+        if self.tails is not None:
+            tree.on_remove = self.tails.node_removed
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -52,7 +58,8 @@ class CacheManager:
 
     def available_tokens(self) -> int:
         """Tokens that can be handed out now: free pages plus what eviction can reclaim."""
-        return self.pages.num_free * self.page + self.evictable_tokens()
+        tails = self.tails.evictable_pages if self.tails is not None else 0
+        return (self.pages.num_free + tails) * self.page + self.evictable_tokens()
 
     def pages_for(self, start: int, n: int) -> int:
         """New pages needed to grow a row from `start` tokens to `start + n`."""
@@ -60,6 +67,8 @@ class CacheManager:
 
     def ensure_free_pages(self, n: int) -> bool:
         """Make n device pages free, evicting (demoting, with a host tier) least recently used cached pages."""
+        if n > self.pages.num_free and self.tails is not None:
+            self.tails.evict_device(n - self.pages.num_free)  # tails first: at most a page of tokens each
         short = (n - self.pages.num_free) * self.page
         if short > 0 and self.tree is not None:
             leaves = self.tree.device_leaves()
@@ -83,6 +92,16 @@ class CacheManager:
         """Free the pages of page-aligned slot runs (each run starts on a page boundary)."""
         if len(slots):
             self.pages.free(slots[slots % self.page == 0] // self.page)
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.pages.free(torch.tensor(pages, dtype=torch.int64))
+
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """The KV of the first n slots of device page src into page dst, every layer (in stream order before the
+        next forward; under tensor parallelism every rank does the same, from the step journal)."""
+        self.kv.copy_page_prefix(src, dst, n)
+        if self.req_to_token.journal is not None:
+            self.req_to_token.journal.append(("copy_pages", src, dst, n))
 
     # ---- prefix matching ------------------------------------------------------------------------------------
     def match_len(self, tokens: list[int], namespace: str = "") -> int:
@@ -123,12 +142,28 @@ class CacheManager:
             req.locked_node = node
             self.req_to_token.write(row, 0, indices)
             req.kv_len = req.alloc_len = req.tree_len = len(indices)
+            # (not for a PD decode side's whole prompt: its KV arrives in whole pages after the tree's prefix)
+            if self.tails is not None and not whole_prompt and limit > req.tree_len:
+                self._take_tail(req, node, limit)
         return True
+
+    def _take_tail(self, req: Req, node, limit: int) -> None:
+        """After the tree's match (ending at `node`): the next tokens from a tail, into the request's first page."""
+        start = req.tree_len
+        got = self.tails.take(node, req.tokens(start, min(limit, start + self.page - 1)))
+        if got is None:
+            return
+        page, n, pending = got
+        self.req_to_token.write(req.pool_idx, start, page * self.page + torch.arange(n, dtype=torch.int64))
+        req.kv_len = req.alloc_len = start + n
+        if pending is not None:
+            req.host_loaded_tokens += n
+            req.tail_load = (pending, page)
 
     def count_hit(self, req: Req) -> None:
         """Add an admitted request's prompt and the cached prefix its admission found to the hit counters."""
         self.lookup_tokens += len(req.input_ids)
-        self.hit_tokens["device"] += req.tree_len - req.host_loaded_tokens
+        self.hit_tokens["device"] += req.kv_len - req.host_loaded_tokens
         self.hit_tokens["host"] += req.host_loaded_tokens
 
     def hit_counts(self) -> dict:
@@ -229,12 +264,34 @@ class CacheManager:
             return
         owned_from = self._insert_computed(req)
         tail = self.req_to_token.read(req.pool_idx, owned_from, req.alloc_len)
+        kept = None
+        if req.tail_load is not None:
+            pending, page = req.tail_load
+            req.tail_load = None
+            if not pending.done():  # released before its forward: a load still writes the page, freed once done
+                self.tails.defer([pending], [page])
+                kept = page
+        if kept is None:
+            kept = self._keep_tail(req, owned_from, tail)
+        if kept is not None:
+            tail = tail[tail // self.page != kept]
         self._free_slots(tail)
         if req.locked_node is not None:
             self.tree.unlock(req.locked_node)
         self.req_to_token.free(req.pool_idx)
         req.pool_idx, req.locked_node = None, None
         req.kv_len = req.alloc_len = req.tree_len = 0
+
+    def _keep_tail(self, req: Req, owned_from: int, slots: torch.Tensor) -> int | None:
+        """Keep the request's computed, partly filled page after what the tree owns as a tail; returns its page."""
+        end = min(req.kv_len, req.fill_len)
+        if self.tails is None or end <= owned_from or end - owned_from >= self.page or not len(slots):
+            return None
+        match = self.tree.match_prefix(req.tokens(0, owned_from), req.tenant, touch=False)
+        if len(match.indices) != owned_from:
+            return None
+        page = int(slots[0]) // self.page
+        return page if self.tails.keep(match.node, req.tokens(owned_from, end), page) else None
 
     def tier_stats(self) -> dict:
         """Per-tier sizes, hits and measured speeds (tokens/s; 0 until measured) for load reports."""
@@ -278,6 +335,8 @@ class CacheManager:
             self.tree.begin_epoch()
         if self.hierarchy is not None:
             self.hierarchy.poll()
+        if self.tails is not None:
+            self.tails.poll()
 
     def flush(self) -> bool:
         """Drop the whole prefix cache (every tier of this worker; not the shared L3 store). Refused (False) while
@@ -287,6 +346,8 @@ class CacheManager:
                 self.hierarchy.drain()
             if self.tree.protected_size:
                 return False
+            if self.tails is not None:
+                self.tails.clear()
             if self.hierarchy is not None:
                 self.hierarchy.release_all()
             self._free_slots(self.tree.reset())

@@ -39,6 +39,7 @@ class TreeNode:
     hits: int = 0  # matches that reached into this node (write_through_selective backs up hot nodes)
     host_refs: int = 0  # copies reading the host copy (a load, an L3 write); > 0 keeps it from host eviction
     namespace: str = ""
+    tails: dict | None = None  # partly filled pages that follow this node (engine.cache.tails), keyed by tokens
 
     @property
     def on_device(self) -> bool:
@@ -81,6 +82,7 @@ class RadixTree:
         self.hasher = page_hasher
         self.root_key = namespace_root_key
         self._epochs = False  # begin_epoch was called: eviction order is reused within a step
+        self.on_remove: Callable[[TreeNode], None] | None = None  # told of each node that leaves the tree
         self.reset()
 
     def reset(self) -> torch.Tensor:
@@ -288,6 +290,8 @@ class RadixTree:
     def _remove(self, node: TreeNode) -> None:
         assert not node.children, "only a leaf leaves the tree"
         del node.parent.children[self._edge(node.key, 0)]
+        if node.tails is not None and self.on_remove is not None:
+            self.on_remove(node)
 
     def begin_epoch(self) -> None:
         """Start an epoch (the cache manager does, once per scheduler step): within one, the eviction walks below

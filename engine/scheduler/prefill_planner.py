@@ -116,7 +116,7 @@ class PrefillPlanner:
                 break
             req.status = ReqStatus.RUNNING
             if req.retractions == 0 and not req.output_ids:
-                req.cached_tokens = req.tree_len
+                req.cached_tokens = req.kv_len  # the tree's prefix and a tail's tokens after it
                 self.cache.count_hit(req)
             admitted.append(req)
             reserved += future

@@ -80,9 +80,37 @@ def check_accounting(cm: CacheManager, reqs) -> None:
         owned += sorted({s // p for s in row[r.tree_len:]})
         check_kv(cm, r)
     assert len(owned) == len(set(owned)) and not set(owned) & tree_pages
-    used = set(owned) | tree_pages
+    tail_pages = cm.tails.held_device_pages() if cm.tails else []
+    assert len(tail_pages) == len(set(tail_pages)) and not set(tail_pages) & (set(owned) | tree_pages)
+    used = set(owned) | tree_pages | set(tail_pages)
     assert not used & set(free) and used | set(free) == set(range(1, cm.pages.num_pages + 1))
     assert cm.tree is None or cm.tree.total_size == len(tree_slots)
+    check_tails(cm)
+
+
+def path_tokens(node) -> list[int]:
+    keys = []
+    while node is not None:
+        keys.append(node.key)
+        node = node.parent
+    return [t for key in reversed(keys) for t in key]
+
+
+def check_tails(cm: CacheManager) -> None:
+    """Each tail hangs off a node of the tree, and its device page holds the KV of its tokens after that node's."""
+    if cm.tails is None:
+        return
+    for tail in cm.tails.tails():
+        assert tail.node.tails[tail.tokens] is tail and 0 < len(tail.tokens) < cm.page
+        node = tail.node
+        while node.parent is not None and node.parent.parent is not None:  # reachable: the node is in the tree
+            assert node.parent.children[cm.tree._edge(node.key, 0)] is node
+            node = node.parent
+        if tail.page is not None:
+            ids = path_tokens(tail.node) + list(tail.tokens)
+            slots = tail.page * cm.page + torch.arange(len(tail.tokens))
+            got = cm.kv.k[0][slots].reshape(-1, 2).tolist()
+            assert got == [list(x) for x in expected_kv(ids)[-len(tail.tokens):]]
 
 
 def assert_no_leak(cm: CacheManager) -> None:
@@ -149,7 +177,9 @@ def test_alloc_fills_partial_last_page_first():
     compute(cm, r, 9)
     check_accounting(cm, [r])
     cm.release(r)
-    assert cm.tree.total_size == 8 and cm.pages.num_free == 8
+    # two whole pages go to the tree; the third, holding token 8 only, stays as a tail of them
+    assert cm.tree.total_size == 8 and cm.pages.num_free == 7 and cm.tails.held_device_pages() == [nxt[1] // 4]
+    check_accounting(cm, [])
     assert_no_leak(cm)
 
 
@@ -234,8 +264,10 @@ def test_release_after_failed_forward_frees_uncomputed(page, chunk, computed, ca
     check_accounting(cm, [r])
     cm.release(r)
     assert cm.tree.total_size == cached and cm.tree.protected_size == 0
-    assert cm.pages.num_free == 20 - cached // page
+    tail = 1 if computed % page else 0  # computed tokens past the last whole page stay as a tail
+    assert cm.pages.num_free == 20 - cached // page - tail and len(cm.tails.held_device_pages() if cm.tails else []) == tail
     assert cm.match_len(list(range(20))) == cached
+    check_accounting(cm, [])
     assert_no_leak(cm)
 
 
