@@ -78,3 +78,33 @@ def test_a_slow_host_load_is_waited_for(monkeypatch):
             assert [o["output_ids"] for o in outs] == want, f"round {round_}"
         assert llm.cache.hierarchy.hit_tokens["host"] > 0, "nothing came back from the host pool"
         assert llm.cache.hierarchy.mover.direct, "the pinned host pool's kernel copies (kernels.kv_pages) were not used"
+
+
+@pytest.mark.parametrize("tiers", [False, True])
+def test_conversation_tails_on_cuda_are_token_exact(tiers):
+    """The next turn of a conversation takes the previous turn's partly filled last page (engine.cache.tails): copied
+    on the device, or loaded from the host tier after other conversations pushed it out, with graphs and overlap on;
+    outputs equal an engine without a prefix cache and the cached tokens cover every token computed before."""
+    pytest.importorskip("triton")
+    rng = random.Random(3)
+    convs = [[rng.randrange(5, 900) for _ in range(37)] for _ in range(3)]
+    path = model_path("tiny-llama")
+    common = dict(device="cuda", dtype="float32", page_size=16, attention_backend="triton")
+    extra = dict(enable_hierarchical_cache=True, hicache_ratio=8, max_total_tokens=192) if tiers else \
+        dict(max_total_tokens=4096)
+    with running_engine(path, max_total_tokens=4096, disable_radix_cache=True, **common) as plain, \
+            running_engine(path, **extra, **common) as llm:
+        for round_ in range(3):
+            for i, conv in enumerate(convs):
+                out = llm.generate(input_ids=conv, sampling_params=SP)
+                assert out["output_ids"] == plain.generate(input_ids=conv, sampling_params=SP)["output_ids"]
+                if round_:
+                    assert out["meta_info"]["cached_tokens"] == len(conv) - 1 - 8, (round_, i)
+                convs[i] = conv + out["output_ids"] + [rng.randrange(5, 900) for _ in range(8)]
+        if tiers:
+            assert llm.get_load()["host_loaded_hit_tokens"] > 0
+        assert llm.flush_cache()
+        cache = llm.cache
+        assert cache.pages.num_free == cache.pages.num_pages
+        if tiers:
+            assert cache.hierarchy.host.allocator.num_free == cache.hierarchy.host.allocator.num_pages
