@@ -90,21 +90,23 @@ class TailCache:
         self._device[tail] = None
         h = self.m.hierarchy
         if h is not None and h.write_policy == "write_through":
-            self._back_up(tail, wait=False)
+            self._back_up(tail)
         return True
 
-    def _back_up(self, tail: Tail, wait: bool) -> None:
+    def _back_up(self, tail: Tail):
+        """Queue a copy of the tail's device page to a new host page (tracked in tail.copies); its Pending, or None
+        when the host has no room."""
         h = self.m.hierarchy
         pages = h._alloc_host(1)
-        if pages is None:
-            return
+        if pages is None or tail.page is None:  # (making room on the host may drop this tail's node, and it)
+            if pages is not None:
+                h._free_host(pages * self.page)
+            return None
         pending = h.mover.to_host([tail.page], pages.tolist())
         tail.host_page = int(pages[0])
         self._host[tail] = None
-        if wait:
-            pending.wait()
-        else:
-            self._track(tail, pending)
+        self._track(tail, pending)
+        return pending
 
     def _track(self, tail: Tail, pending) -> None:
         tail.copies.append(pending)
@@ -152,16 +154,27 @@ class TailCache:
         """Free up to `pages` device pages of tails, least recently used first; returns how many were freed. A tail
         with a host copy stays there (without a host tier, or under write_back, it is copied there first when room
         allows)."""
-        freed = 0
+        victims = []
         for tail in self._oldest(self._device, pages):
-            if freed >= pages:
+            if len(victims) >= pages:
                 break
-            if tail.copies or tail is self._pinned or tail.page is None:
+            if not tail.copies and tail is not self._pinned and tail.page is not None:
+                victims.append(tail)
+        if self.m.hierarchy is not None:  # copies to the host first, all queued, then waited for together
+            last = None
+            for tail in victims:
+                if tail.host_page is None and tail.page is not None:
+                    last = self._back_up(tail) or last
+            if last is not None:
+                last.wait()
+                for tail in victims:
+                    tail.copies = [p for p in tail.copies if not p.done()]
+                    if not tail.copies:
+                        self._busy.discard(tail)
+        freed = 0
+        for tail in victims:
+            if tail.page is None or tail.copies:  # dropped meanwhile, or a copy still in flight
                 continue
-            if tail.host_page is None and self.m.hierarchy is not None:
-                self._back_up(tail, wait=True)  # (making room on the host may drop this tail's node, and it)
-                if tail.page is None:
-                    continue
             del self._device[tail]
             self.m.free_pages([tail.page])
             tail.page = None
