@@ -48,3 +48,17 @@ def parity_prompts(path: str, seed: int = 0) -> list[list[int]]:
     shared, long = rand(120), rand(300)
     return [rand(3), rand(11), rand(29), rand(57), shared + rand(5), shared + rand(13), shared + rand(40), long,
             long[:250] + rand(7)]
+
+
+def converse(llm: Engine, plain: Engine, convs: list[list[int]], sp: dict, rng, rounds: int = 3,
+             vocab: int = 200) -> None:
+    """Conversations turn by turn: each turn sends the conversation so far (previous turns, answers and 8 new tokens)
+    to `llm`; its output must equal `plain`'s (an engine without a prefix cache), and from the second turn on its
+    cached tokens must cover every token the turn before computed (all but the answer's last one)."""
+    for round_ in range(rounds):
+        for i, conv in enumerate(convs):
+            out = llm.generate(input_ids=conv, sampling_params=sp)
+            assert out["output_ids"] == plain.generate(input_ids=conv, sampling_params=sp)["output_ids"]
+            if round_:
+                assert out["meta_info"]["cached_tokens"] == len(conv) - 1 - 8, (round_, i)
+            convs[i] = conv + out["output_ids"] + [rng.randrange(5, vocab) for _ in range(8)]

@@ -13,6 +13,7 @@ import pytest
 from engine.cache.build import kv_layout
 from engine.cache.page_keys import prompt_keys
 from engine.engine import Engine
+from tests.engine_utils import converse
 
 MODEL = "models/tiny-qwen2"
 SP = {"max_new_tokens": 6, "temperature": 0}
@@ -211,15 +212,7 @@ def test_a_conversations_next_turn_reuses_the_last_partly_filled_page(tiers):
     engine = Engine(model_path=MODEL, page_size=16, max_total_tokens=160 if tiers else 1024, log_level="warning",
                     **kwargs)
     try:
-        convs = _prompts(3, 37, seed=7)
-        for round_ in range(3):
-            for i, conv in enumerate(convs):
-                out = engine.generate(input_ids=conv, sampling_params=SP)
-                assert out["output_ids"] == plain.generate(input_ids=conv, sampling_params=SP)["output_ids"]
-                if round_:
-                    # the previous turn computed the KV of everything but its last answer token
-                    assert out["meta_info"]["cached_tokens"] == len(conv) - 1 - 8, (round_, i)
-                convs[i] = conv + out["output_ids"] + _prompts(1, 8, seed=round_ * 10 + i)[0]
+        converse(engine, plain, _prompts(3, 37, seed=7), SP, random.Random(7))
         if tiers:
             assert engine.get_load()["host_loaded_hit_tokens"] > 0
             _flush_and_check_leaks(engine)

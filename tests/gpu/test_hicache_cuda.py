@@ -11,7 +11,7 @@ import torch
 
 from engine.cache.host_pool import KVMover
 from tests.conftest import model_path
-from tests.engine_utils import running_engine
+from tests.engine_utils import converse, running_engine
 
 pytestmark = pytest.mark.gpu
 SP = {"max_new_tokens": 8, "temperature": 0}
@@ -94,13 +94,7 @@ def test_conversation_tails_on_cuda_are_token_exact(tiers):
         dict(max_total_tokens=4096)
     with running_engine(path, max_total_tokens=4096, disable_radix_cache=True, **common) as plain, \
             running_engine(path, **extra, **common) as llm:
-        for round_ in range(3):
-            for i, conv in enumerate(convs):
-                out = llm.generate(input_ids=conv, sampling_params=SP)
-                assert out["output_ids"] == plain.generate(input_ids=conv, sampling_params=SP)["output_ids"]
-                if round_:
-                    assert out["meta_info"]["cached_tokens"] == len(conv) - 1 - 8, (round_, i)
-                convs[i] = conv + out["output_ids"] + [rng.randrange(5, 900) for _ in range(8)]
+        converse(llm, plain, convs, SP, rng, vocab=900)
         if tiers:
             assert llm.get_load()["host_loaded_hit_tokens"] > 0
         assert llm.flush_cache()
