@@ -266,7 +266,10 @@ if [[ $PARTS == *multiturn* ]]; then
   # write_through_selective
   # MT_TREES="prev ." runs every configuration on an earlier tree too (a copy of its services, benchmarks, engine,
   # kernels and radixmesh stubs in that folder), alternated with this one; each tree's records go to a file of its own
-  # MT_PLAN="TREE:CONFIG ..." runs exactly those pairs in that order instead (e.g. ".:0 alt:1 .:1 .:0 alt:1 .:1");
+  # MT_PLAN="TREE:CONFIG ..." runs exactly those pairs in that order instead (e.g. ".:0 alt:1 .:1 .:0 alt:1 .:1").
+  # Make an earlier tree from files the machine gets (the device's .git may lack commits that have not landed:
+  # `git archive REV services benchmarks engine kernels | tar x -C prev_tree` here), and link its stubs there
+  # (`ln -s $PWD/radixmesh prev_tree/radixmesh`: an ignored folder inside an untracked one does not travel);
   # a pair written "spy:TREE:CONFIG" runs under py-spy (every process of the mesh, 100 samples a second, never
   # pausing them; collapsed stacks in $OUT/pyspy-TREE-CONFIG.txt) and its records go to multiturn-spy.jsonl
   plan=${MT_PLAN:-}
