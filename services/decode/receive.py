@@ -158,6 +158,10 @@ class DecodeRoom:
         """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs, except
         mid-transfer, where it runs on to learn when the prefill worker's write returned (see the module doc)."""
         if not self.task.done():
+            if self.state == "decoding":  # the KV was delivered; only the handoff stream's closing write was left
+                self.task.cancel()
+                self.rooms.open.pop(self.rid, None)
+                return
             self.rooms.transfer.failed("cancelled")
             if self.role.in_transfer:
                 self.closed = True
