@@ -137,11 +137,13 @@ class WorkerMux:
                 batch = await call.read()
                 if batch is grpc.aio.EOF:
                     break
-                for msg in batch.responses:
+                # (a repeated field is copied through a slice: iterating it directly ends with an IndexError raised
+                # inside upb, ~2k instructions a loop; most batches end no request, so `ended` is checked first)
+                for msg in batch.responses[:]:
                     c = self.calls.get(msg.request_id)
                     if c is not None:
                         c.push(msg)
-                for end in batch.ended:
+                for end in batch.ended[:] if batch.ended else ():
                     c = self.calls.pop(end.request_id, None)
                     if c is not None:
                         c.finish(_DONE if end.code == 0 else rpc_error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
