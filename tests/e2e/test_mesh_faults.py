@@ -379,10 +379,12 @@ def test_killed_worker_is_replaced_through_add_worker(mesh, greedy, tmp_path):
 def test_sigterm_with_open_streams(tmp_path):
     """Streams that finish within the shutdown grace period end normally; the rest end with an error event when
     the grace period is over. None is cut off or left hanging, and the launcher exits 0 leaving no process."""
-    m = launch(MODEL, tmp_path, "--shutdown-grace-s", "2")
+    # a grace period that 15 more tokens fit in many times over and ~1000 do not: with 2 s, the eight streams once
+    # streamed their ~1000 tokens in time on a quiet CI machine (a CI run), so the long ones never met the deadline
+    m = launch(MODEL, tmp_path, "--shutdown-grace-s", "1")
     streams: list[Stream] = []
     try:
-        lengths = [16] * 4 + [CONTEXT - 32] * 4  # ~1000 tokens take far longer than the 2 s grace period here
+        lengths = [16] * 4 + [CONTEXT - 32] * 4  # ~1000 tokens take longer than the 1 s grace period here
         for i, n in enumerate(lengths):
             streams.append(Stream(m.port, "/v1/completions", {"model": MODEL, "prompt": f"Story number {i}:",
                                                                "max_tokens": n, "temperature": 0.0,
