@@ -54,6 +54,7 @@ class DecodeRoom:
         self.state = "bootstrapping"
         self.error: str | None = None
         self.closed = False  # the Generate call ended while the handoff ran on (mid-transfer)
+        self.handed_over = False  # the KV went to the engine: the transfer succeeded, whatever the call does next
         self.task = asyncio.create_task(self._run())
 
     def _enter(self, state: str, detail: str = "") -> None:
@@ -133,6 +134,7 @@ class DecodeRoom:
                                         f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
             await loop.run_in_executor(None, s.transfer.stage_in, pages)
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
+        self.handed_over = True  # (the engine may stream and finish the request before this task runs again)
         if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
             raise HandoffFailed("the request was aborted while its KV arrived", "aborted")
         self._enter("decoding", f"{done.bytes} bytes in {done.transfer_ms:.1f} ms")
@@ -158,7 +160,7 @@ class DecodeRoom:
         """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs, except
         mid-transfer, where it runs on to learn when the prefill worker's write returned (see the module doc)."""
         if not self.task.done():
-            if self.state == "decoding":  # the KV was delivered; only the handoff stream's closing write was left
+            if self.handed_over:  # the KV was delivered; what is left is the handoff stream's closing
                 self.task.cancel()
                 self.rooms.open.pop(self.rid, None)
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -51,13 +52,30 @@ def pd(tmp_path_factory):
         procs.append(p)
         for p, url in zip(procs, [tok_url, urls["good"], urls["bad"], urls["decode"]]):
             wait_grpc(p, url)
-        router = subprocess.Popen(
-            [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
-             "--worker-urls", urls["good"], urls["bad"], urls["decode"], "--policy", "round_robin",
-             "--log-level", "warning", "--enable-metrics"],
-            cwd=ROOT, stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
-        procs.append(router)
-        wait_http(f"http://127.0.0.1:{ports['router']}/health")
+        for attempt in range(3):
+            # the port is picked now, and again if the router could not bind it: a port free_port() found free can
+            # be taken as an ephemeral port by the services started meanwhile (a CI run)
+            ports["router"] = free_port()
+            router = subprocess.Popen(
+                [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
+                 "--worker-urls", urls["good"], urls["bad"], urls["decode"], "--policy", "round_robin",
+                 "--log-level", "warning", "--enable-metrics"],
+                cwd=ROOT, stdout=open(tmp / f"router-{attempt}.log", "w"), stderr=subprocess.STDOUT)
+            procs.append(router)
+            deadline = time.monotonic() + 60
+            while router.poll() is None and time.monotonic() < deadline:
+                try:
+                    wait_http(f"http://127.0.0.1:{ports['router']}/health", timeout=1)
+                    break
+                except RuntimeError:
+                    pass
+            else:
+                if router.poll() is None:
+                    raise RuntimeError("the router did not answer /health within 60 s")
+                continue
+            break
+        else:
+            raise RuntimeError("the router could not start on three free ports")
         yield ports, urls
     finally:
         for p in reversed(procs):
@@ -77,7 +95,8 @@ def test_transfer_metrics_agree_across_prefill_decode_and_router(pd):
     prefill_role, decode_role = {"model_name": "tiny", "role": "prefill"}, {"model_name": "tiny", "role": "decode"}
     failed = dec.value("radixmesh:kv_transfer_failures_total", reason="checksum_mismatch", **decode_role)
     assert failed >= 1  # round robin sent at least one request to the corrupting prefill worker
-    assert dec.value("radixmesh:kv_transfer_failures_total", **decode_role) == failed
+    assert dec.value("radixmesh:kv_transfer_failures_total", **decode_role) == failed, \
+        [(s.labels, s.value) for s in dec.all("radixmesh:kv_transfer_failures_total")]
     # every request finally went through the healthy pair: its bytes are exactly what the decode worker took in
     assert good.value("radixmesh:kv_transfer_seconds_count", **prefill_role) == 4
     assert dec.value("radixmesh:kv_transfer_seconds_count", **decode_role) == 4

@@ -58,9 +58,11 @@ def test_bench_multiturn_mesh(tmp_path):
 
     for stat in ("mean", "median", "p90", "p99"):
         assert 0 < rec[f"{stat}_ttft_ms"] <= rec[f"{stat}_e2e_latency_ms"], (stat, rec)
-    # Not the median ITL: tokens that share a network read get ITL samples of 0 (benchmarks.serving_backends).
-    for key in ("mean_itl_ms", "max_itl_ms", "mean_e2e_latency_ms", "request_throughput", "input_throughput",
-                "output_throughput", "duration"):
+    # No ITL of the mesh is asserted positive: tokens that share a network read get ITL samples of 0
+    # (benchmarks.serving_backends), and on a loaded machine every one of these 4-token answers can reach the client
+    # in one write (the router's cork), as test_bench_serving_smoke found for its short answers (a CI run here too)
+    assert rec["max_itl_ms"] >= rec["mean_itl_ms"] >= 0
+    for key in ("mean_e2e_latency_ms", "request_throughput", "input_throughput", "output_throughput", "duration"):
         assert rec[key] > 0, key
     final = _prompt_len(ROUNDS) + OUTPUT_LEN
     assert rec["working_set_tokens"] == CLIENTS * final
