@@ -47,23 +47,15 @@ class TailCache:
         self._busy: set[Tail] = set()  # tails with copies in flight
         self._deferred: list[tuple[list, list[int], list[int]]] = []  # (copies, device pages, host pages)
         self._pinned: Tail | None = None  # the tail `take` is copying from: eviction leaves it alone
-        self.hit_tokens = 0  # prompt tokens served from tails (monotonic)
 
     @property
     def evictable_pages(self) -> int:
         """Device pages eviction can take now (a tail whose backup is still running waits for it)."""
         return len(self._device) - sum(1 for t in self._busy if t.page is not None)
 
-    @property
-    def device_pages(self) -> int:
-        return len(self._device)
-
     def held_device_pages(self) -> list[int]:
         """Every device page tails hold, or wait to free (for accounting checks)."""
         return [t.page for t in self._device] + [p for _, dev, _ in self._deferred for p in dev]
-
-    def held_host_pages(self) -> list[int]:
-        return [t.host_page for t in self._host] + [p for _, _, host in self._deferred for p in host]
 
     def tails(self) -> list[Tail]:
         """Every live tail (for checks)."""
@@ -140,7 +132,6 @@ class TailCache:
             pending = self.m.hierarchy.mover.to_device([best.host_page], [dest])
             self._track(best, pending)
         self._touch(best)
-        self.hit_tokens += n
         return dest, n, pending
 
     def _touch(self, tail: Tail) -> None:

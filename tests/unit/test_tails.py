@@ -12,8 +12,8 @@ from engine.cache.kv_pool import KVPool
 from engine.cache.manager import CacheManager
 from engine.cache.radix_tree import RadixTree
 from engine.cache.req_to_token import ReqToTokenPool
-from tests.unit.test_cache_manager import (assert_no_leak, check_accounting, check_kv, compute, expected_kv, make,
-                                           new_req, prefill)
+from tests.unit.test_cache_manager import (assert_no_leak, check_accounting, check_kv, compute, make, new_req,
+                                           prefill)
 from tests.unit.test_hierarchy import check_no_leaks
 from tests.unit.test_hierarchy import make as make_tiers
 
@@ -44,6 +44,16 @@ def complete(cm: CacheManager, req) -> None:
     compute(cm, req, req.fill_len)
 
 
+def complete_and_release(cm: CacheManager, reqs) -> None:
+    """Compute the rest of each request, check the pages with them running, release them, check again."""
+    for r in reqs:
+        complete(cm, r)
+    check_accounting(cm, reqs)
+    for r in reqs:
+        cm.release(r)
+    check_accounting(cm, [])
+
+
 def test_the_next_turn_takes_the_tail_and_reads_the_right_kv():
     cm = make(4, 20)
     a = turn(cm, list(range(1, 10)), [50, 51, 52])  # 9 + 3 tokens, KV for 11: 2 whole pages and 3 tokens
@@ -53,10 +63,7 @@ def test_the_next_turn_takes_the_tail_and_reads_the_right_kv():
     check_accounting(cm, [b])
     page = int(cm.req_to_token.read(b.pool_idx, 8, 9)[0]) // 4
     assert page not in cm.tails.held_device_pages()  # a copy: the tail keeps its page for others
-    complete(cm, b)
-    check_accounting(cm, [b])
-    cm.release(b)
-    check_accounting(cm, [])
+    complete_and_release(cm, [b])
     assert_no_leak(cm)
 
 
@@ -70,10 +77,7 @@ def test_a_request_takes_the_tokens_it_shares_with_a_tail():
         assert cm.admit(r)
         assert r.tree_len == 8 and r.kv_len == 8 + shared
         check_kv(cm, r)
-        complete(cm, r)
-        check_accounting(cm, [r])
-        cm.release(r)
-        check_accounting(cm, [])
+        complete_and_release(cm, [r])
     assert_no_leak(cm)
 
 
@@ -84,12 +88,7 @@ def test_two_requests_share_a_tail_at_once_and_each_writes_its_own_page():
     reqs = [new_req(list(range(1, 10)) + [50, 60 + i, 61], str(i)) for i in range(2)]
     for r in reqs:
         assert cm.admit(r) and r.kv_len == 10
-    for r in reqs:
-        complete(cm, r)
-    check_accounting(cm, reqs)
-    for r in reqs:
-        cm.release(r)
-    check_accounting(cm, [])
+    complete_and_release(cm, reqs)
     assert_no_leak(cm)
 
 
@@ -219,7 +218,6 @@ def test_no_tails_with_one_token_pages_or_without_a_tree():
     assert make(1, 20).tails is None and make(4, 20, tree=False).tails is None
     kv = KVPool(8, 1, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
     assert CacheManager(kv, ReqToTokenPool(4, 16, torch.device("cpu")), RadixTree(1)).tails is None
-    assert expected_kv([1])  # (the shared helpers stay importable)
 
 
 @pytest.mark.parametrize("tiers", [False, True])
