@@ -169,10 +169,11 @@ if [[ $PARTS == *servab* ]]; then
 fi
 
 if [[ $PARTS == *router* ]]; then
+  # the A/B against an earlier tree only where $BASE (default prev/) holds one
   BASE=${BASE:-prev}
-  [[ -e $BASE/models ]] || ln -s "$PWD/models" "$BASE/models"
+  [[ -d $BASE ]] && { [[ -e $BASE/models ]] || ln -s "$PWD/models" "$BASE/models"; }
   SCEN="--scenarios generate_stream_16 chat_stream_16 generate_1 --repeats 3 --stream-requests 3000"
-  for round in $(seq ${ROUNDS:-2}); do
+  [[ -d $BASE ]] && for round in $(seq ${ROUNDS:-2}); do
     for tree in . $BASE; do
       name=this; [[ $tree == $BASE ]] && name=base
       echo "round $round: $name" | tee -a "$OUT/router.log"
@@ -192,6 +193,8 @@ if [[ $PARTS == *router* ]]; then
   for extra in "" "--exporter-elsewhere"; do
     $PY -m benchmarks.router --scenarios generate_1 --requests 500 --repeats 20 --warmup 300 --trace-ab $extra \
       --out "$OUT/trace-ab${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
+    $PY -m benchmarks.router --scenarios chat_stream_16 --stream-requests 300 --repeats 20 --warmup 200 --trace-ab \
+      $extra --out "$OUT/trace-ab-chat${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
   done
 fi
 
