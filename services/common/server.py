@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixmesh.v1 import lane_pb2, lane_pb2_grpc
-from services.common import auth, stream_lane
+from services.common import auth, heap, stream_lane
 from services.common.auth_channel import aio_channel
 from services.common.errors import ErrorInterceptor
 from services.common.trace_grpc import client_interceptors, server_interceptors
@@ -131,6 +131,7 @@ class GrpcService:
         log.info("serving %s on %s:%d", ", ".join(self.names), self.settings.host, self.port)
         if self._on_start is not None:
             self._on_start()
+        heap.serving()
 
     def request_stop(self, grace_s: float | None = None) -> None:
         """Stop serving; `grace_s` replaces --shutdown-grace-s (0: in-flight calls cannot finish anyway)."""

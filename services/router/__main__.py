@@ -15,7 +15,7 @@ import time
 from aiohttp import web
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc
-from services.common import auth
+from services.common import auth, heap
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -181,6 +181,7 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
              len(router.registry.workers), settings.policy)
     if peers is not None:
         peers.ready()
+    heap.serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   metrics_settings.metrics_host or settings.host,
                                                   metrics_settings.metrics_port)))
     setup_tracing(TraceSettings(**trace_kwargs), "router")
+    heap.opt_in()
     asyncio.run(serve(settings, metrics_settings))
 
 

@@ -9,7 +9,7 @@ import sys
 from typing import Sequence
 
 from radixmesh.v1 import tokenizer_pb2
-from services.common import auth
+from services.common import auth, heap
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -64,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
+    heap.opt_in()
     asyncio.run(serve(settings, backend, metrics_settings))
     return 0
 
