@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from radixmesh.v1 import worker_pb2
 
+_FOLD = 64  # Streamed keeps at most this many messages unread
+
 
 def sample_request(request: worker_pb2.GenerateRequest, j: int) -> worker_pb2.GenerateRequest:
     """Sample j of an n > 1 request as a request of its own (as engine/results.py makes the colocated samples)."""
@@ -33,14 +35,55 @@ class Streamed:
     def __init__(self, request: worker_pb2.GenerateRequest):
         self.request = request
         self.n = n = max(request.sampling_params.n, 1)  # an unset n reads 0
-        self.tokens = [request.resume_output_ids[:]]
-        self.texts: list[list[str]] = [[]]  # the chunks' text
-        self.last: list = [None]  # a sample's latest chunk (its finish reason says whether it ended)
-        self.completed = [False]  # the worker's `complete` arrived
+        self._tokens = [request.resume_output_ids[:]]
+        self._texts: list[list[str]] = [[]]  # the chunks' text
+        self._last: list = [None]  # a sample's latest chunk (its finish reason says whether it ended)
+        self._completed = [False]  # the worker's `complete` arrived
         if n > 1:
-            self.tokens += [[] for _ in range(n - 1)]
-            self.texts += [[] for _ in range(n - 1)]
-            self.last, self.completed = self.last * n, self.completed * n
+            self._tokens += [[] for _ in range(n - 1)]
+            self._texts += [[] for _ in range(n - 1)]
+            self._last, self._completed = self._last * n, self._completed * n
+        self._seen: list = []  # messages not folded into the above yet
+
+    def saw(self, msg: worker_pb2.GenerateResponse) -> None:
+        """Runs for every message the router forwards: it only keeps the message; what a migration needs is read
+        from the messages when it is asked for, or every _FOLD messages (so a long stream holds few)."""
+        seen = self._seen
+        seen.append((msg.index, msg))  # (the index as it is now: callers above may renumber the message later)
+        if len(seen) >= _FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        for i, msg in self._seen:
+            if msg.HasField("chunk"):
+                chunk = msg.chunk
+                self._tokens[i] += chunk.token_ids[:]
+                self._texts[i].append(chunk.text)
+                self._last[i] = chunk
+            elif msg.HasField("complete"):
+                self._completed[i] = True
+        self._seen.clear()
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Per sample, the token ids the client has (a continuation's resumed ones first)."""
+        self._fold()
+        return self._tokens
+
+    @property
+    def texts(self) -> list[list[str]]:
+        self._fold()
+        return self._texts
+
+    @property
+    def last(self) -> list:
+        self._fold()
+        return self._last
+
+    @property
+    def completed(self) -> list[bool]:
+        self._fold()
+        return self._completed
 
     @property
     def ended(self) -> list[bool]:
@@ -57,16 +100,6 @@ class Streamed:
         out = [sum(map(len, texts)) for texts in self.texts]
         out[0] += self.request.resume_text_chars
         return out
-
-    def saw(self, msg: worker_pb2.GenerateResponse) -> None:
-        if msg.HasField("chunk"):
-            chunk = msg.chunk
-            i = msg.index
-            self.tokens[i] += chunk.token_ids[:]
-            self.texts[i].append(chunk.text)
-            self.last[i] = chunk
-        elif msg.HasField("complete"):
-            self.completed[msg.index] = True
 
     def completes(self) -> list[worker_pb2.GenerateResponse]:
         """For a stream whose every sample finished (`finished`) before its worker failed: the `complete` messages

@@ -36,6 +36,9 @@ class MuxCall:
         self._items: collections.deque = collections.deque()
         self._end: object | None = None  # _DONE or the exception the consumer gets
         self._waiter: asyncio.Future | None = None
+        # the Cork of the handler that reads this call: the call is made in the task that iterates it (the handler's
+        # own, or a merged stream's task, which has none)
+        self._cork = cork_of_handler()
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(timeout_s, self._expire) if timeout_s else None
 
@@ -43,7 +46,7 @@ class MuxCall:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
-        cork = cork_of_handler()
+        cork = self._cork
         while not self._items:
             if self._end is _DONE:
                 raise StopAsyncIteration
