@@ -135,9 +135,9 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
             first, resp = await first_then_sse(request, messages)
             out.send = resp.write
             try:
-                await out.write(_events(builder.on_message(first)))
+                await out.write(builder.events(first))
                 async for msg in messages:
-                    await out.write(_events(builder.on_message(msg)))
+                    await out.write(builder.events(msg))
                 await out.write(_events(builder.final_chunks()))
             except (RouterError, OpenAIError) as e:
                 err = e if isinstance(e, OpenAIError) else from_status(e.status, e.message)

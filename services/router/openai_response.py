@@ -53,6 +53,25 @@ def sse(obj: Any) -> bytes:
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+_MARK = "\x00"  # stands for a chunk's text in a template (as JSON: "\u0000")
+
+
+def text_template(chunk: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """The SSE event of `chunk`, whose one text field holds _MARK, cut around that field's JSON string: an event for
+    any text is then `head + orjson.dumps(text) + tail`, the same bytes `sse` writes for the chunk with that text
+    (a JSON string's encoding does not depend on what surrounds it). None where the event is not orjson's or the
+    mark is not found exactly once."""
+    try:
+        event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+    except TypeError:
+        return None
+    mark = orjson.dumps(_MARK)
+    if event.count(mark) != 1:
+        return None
+    head, _, tail = event.partition(mark)
+    return head, tail
+
+
 def error_event(err: OpenAIError) -> dict[str, Any]:
     """The `data: {"error": {...}}` payload that ends a stream that failed after its first byte."""
     return err.body()
@@ -182,12 +201,17 @@ class _Tally:
         s = self.samples[index]
         if s.finished:
             raise internal(f"the worker sent more after sample {index} completed")
-        part = msg.chunk if which == "chunk" else msg.complete.usage
-        group = index // self.n
-        self.prompt_tokens[group] = max(self.prompt_tokens[group], part.prompt_tokens)
-        self.cached_tokens[group] = max(self.cached_tokens[group], part.cached_tokens)
-        s.completion_tokens = max(s.completion_tokens, part.completion_tokens)
+        self.count(s, index // self.n, msg.chunk if which == "chunk" else msg.complete.usage)
         return s, which, index
+
+    def count(self, s: _Sample, group: int, part: Any) -> None:
+        """The token counts of a chunk or a complete's usage (the largest seen of each)."""
+        if (p := part.prompt_tokens) > self.prompt_tokens[group]:
+            self.prompt_tokens[group] = p
+        if (c := part.cached_tokens) > self.cached_tokens[group]:
+            self.cached_tokens[group] = c
+        if (t := part.completion_tokens) > s.completion_tokens:
+            s.completion_tokens = t
 
     def record(self, msg: worker_pb2.GenerateResponse) -> None:
         """For whole (non-streamed) results: keep each sample's `complete`."""
@@ -239,10 +263,28 @@ class ChatStream:
         self._head = _envelope("chat.completion.chunk", response_id, created, job)
         self._parsers = [None if spec.plain else SampleParser(spec) for _ in range(job.n)]
         self._calls = [CallsJson() for _ in range(job.n)]
+        # one sample, plain text, no logprobs: a content delta's event is written from a template (events())
+        self._template = text_template(self._chunk(0, {"content": _MARK})) \
+            if spec.plain and job.n == 1 and not job.want_logprobs else None
 
     @property
     def done(self) -> bool:
         return self._tally.done
+
+    def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
+        """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does. A content chunk
+        of a plain single-sample stream (the common case, every token) skips the chunk dicts: its event is the
+        template's head, the text as JSON, the template's tail."""
+        template = self._template
+        if template is not None and msg.WhichOneof("response") == "chunk" and msg.index == 0:
+            s = self._tally.samples[0]
+            if s.started and not s.finished:
+                c = msg.chunk
+                self._tally.count(s, 0, c)
+                text = c.text
+                s.sent.append(text)
+                return template[0] + orjson.dumps(text) + template[1] if text else b""
+        return b"".join(map(sse, self.on_message(msg)))
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """The chunks this message yields: a role chunk first per sample, content deltas, a finish chunk last."""
@@ -378,10 +420,27 @@ class CompletionStream:
         self._tally = _Tally(job.n, _per_prompt(job, prompt_tokens, 0))
         self._lps = [LegacyLogprobs(job.top_logprobs > 0) for _ in self._tally.samples]
         self._head = _envelope("text_completion", response_id, created, job)
+        # one prompt, one sample, no logprobs: a text chunk's event is written from a template (events())
+        self._template = text_template(self._chunk(0, _MARK, None)) \
+            if len(job.prompts) == 1 and job.n == 1 and not job.want_logprobs else None
 
     @property
     def done(self) -> bool:
         return self._tally.done
+
+    def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
+        """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does (a text chunk of
+        a single-sample stream after its first is written from a template, as ChatStream.events does)."""
+        template = self._template
+        if template is not None and msg.WhichOneof("response") == "chunk" and msg.index == 0:
+            s = self._tally.samples[0]
+            if s.started and not s.finished:
+                c = msg.chunk
+                self._tally.count(s, 0, c)
+                text = c.text
+                s.sent.append(text)
+                return template[0] + orjson.dumps(text) + template[1] if text else b""
+        return b"".join(map(sse, self.on_message(msg)))
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Zero or one chunk: new text and logprobs; the sample's last chunk carries its finish_reason."""

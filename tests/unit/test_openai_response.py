@@ -318,3 +318,79 @@ def test_official_client_reads_our_completion_and_errors():
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="Hi", temperature=-1)
     assert e.value.param == "temperature" and "temperature" in e.value.message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# events(): the bytes of a message's chunks, a plain single-sample stream's content chunks written from a template
+
+
+def _both(make, messages):
+    """Each message through events() on one builder and through on_message + sse on a twin: (bytes, bytes), or the
+    two errors' (status, message) where a message is refused."""
+    fast, slow = make(), make()
+    fast.slow_calls = 0
+    dicts = fast.on_message
+
+    def counted(m):
+        fast.slow_calls += 1
+        return dicts(m)
+    fast.on_message = counted
+    out = []
+    for m in messages:
+        try:
+            a = fast.events(m)
+        except OpenAIError as e:
+            a = (e.status, e.message)
+        try:
+            b = b"".join(map(sse, slow.on_message(m)))
+        except OpenAIError as e:
+            b = (e.status, e.message)
+        out.append((a, b))
+    return out, fast, slow
+
+
+TEXTS = ["Hel", "", "lo é", 'quote " back\\slash', "ctl \x01\x1f\t\n\u2028 end", "😀 emoji", "中文"]
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"stream_options": {"include_usage": True}}, {"n": 2}, {"logprobs": True},
+])
+def test_chat_stream_events_equal_the_chunks_sse(fields):
+    job = chat(stream=True, **fields)
+    messages = [chunk(0, t, done=i + 1) for i, t in enumerate(TEXTS)]
+    messages += [complete(0, "".join(TEXTS) + " rest", kind=LENGTH, usage=(5, 9, 2))]
+    if job.n == 2:
+        messages += [chunk(1, "x"), complete(1, "x")]
+    messages += [chunk(0, "late")]  # after the sample completed: refused the same way
+    pairs, fast, slow = _both(lambda: ChatStream(job, "chatcmpl-1", 1700000000, prompt_tokens=5), messages)
+    for a, b in pairs:
+        assert a == b
+    assert fast.final_chunks() == slow.final_chunks()
+    assert pairs[-1][0][0] == 500  # the late chunk
+    if not fields or "stream_options" in fields:  # the template served every chunk but the first
+        assert fast.slow_calls == len(messages) - len(TEXTS) + 1
+
+
+def test_chat_stream_events_refuse_bad_indices_and_errors_as_on_message():
+    job = chat(stream=True)
+    error = worker_pb2.GenerateResponse(index=0, error=worker_pb2.GenerateError(message="oom", http_status_code=503))
+    for bad in (chunk(3, "x"), error, worker_pb2.GenerateResponse(index=0)):
+        pairs, _, _ = _both(lambda: ChatStream(job, "c", 1), [chunk(0, "a"), chunk(0, "b"), bad])
+        assert pairs[-1][0] == pairs[-1][1] and isinstance(pairs[-1][0], tuple)
+
+
+@pytest.mark.parametrize("fields", [{}, {"echo": True}, {"stream_options": {"include_usage": True}}, {"n": 2},
+                                    {"logprobs": 1}, {"prompt": ["a", "b"]}])
+def test_completion_stream_events_equal_the_chunks_sse(fields):
+    job = completion(stream=True, **fields)
+    prompts = len(job.prompts)
+    messages = [chunk(0, t, done=i + 1, lps=out_lps([t], [-0.5]) if job.want_logprobs else None)
+                for i, t in enumerate(TEXTS)]
+    messages += [complete(0, "".join(TEXTS), kind=STOP, usage=(5, 7, 2))]
+    pairs, fast, slow = _both(lambda: CompletionStream(job, "cmpl-1", 1700000000, ["Once"] * prompts,
+                                                       [5] * prompts), messages)
+    for a, b in pairs:
+        assert a == b
+    assert fast.final_chunks() == slow.final_chunks()
+    if fields in ({}, {"stream_options": {"include_usage": True}}):
+        assert fast.slow_calls == 2  # the first chunk and the complete
