@@ -21,14 +21,28 @@ _current: contextvars.ContextVar["Cork | None"] = contextvars.ContextVar("radixm
 
 
 class Cork:
-    __slots__ = ("task", "more", "_parts", "send", "_token")
+    __slots__ = ("task", "more", "_parts", "send", "end", "_token")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
         self.more = False  # set by the worker call the handler reads: more of its messages are already here
         self.send: Callable[[bytes], Awaitable[None]] | None = None  # the response's write, once it started
+        self.end: Callable[[bytes], Awaitable[None]] | None = None  # and its write_eof
         self._parts: list[bytes] = []
         self._token: contextvars.Token | None = None
+
+    def start(self, response) -> None:
+        """The response (a prepared aiohttp StreamResponse) that the events go to."""
+        self.send, self.end = response.write, response.write_eof
+
+    async def close(self, last: bytes) -> None:
+        """Writes what is held and `last`, and ends the response, in one write (with the chunked encoding's
+        terminator: a streamed response's last send carries its last event)."""
+        self._parts.append(last)
+        data = b"".join(self._parts)
+        self._parts.clear()
+        self.more = False
+        await self.end(data)
 
     async def write(self, data: bytes) -> None:
         """Writes `data` now, or with what follows when more messages are already queued."""

@@ -52,15 +52,14 @@ async def _stream_one(request: web.Request, router: Router, job, worker_request,
     async with contextlib.aclosing(events):
         with Cork() as out:  # entered first, so that the first message says whether more are queued
             first, resp = await first_then_sse(request, events)
-            out.send = resp.write
+            out.start(resp)
             try:
                 await out.write(sse(first))
                 async for event in events:
                     await out.write(sse(event))
             except RouterError as e:
                 await out.write(sse(error_event(from_status(e.status, e.message))))
-            out.more = False
-            await out.write(SSE_DONE)
+            await out.close(SSE_DONE)
     return resp
 
 

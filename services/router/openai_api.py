@@ -133,7 +133,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
         with Cork() as out:  # entered first, so that the first message says whether more are queued
             first, resp = await first_then_sse(request, messages)
-            out.send = resp.write
+            out.start(resp)
             try:
                 await out.write(builder.events(first))
                 async for msg in messages:
@@ -143,8 +143,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
                 err = e if isinstance(e, OpenAIError) else from_status(e.status, e.message)
                 log.warning("stream failed after it started: %s", err.message)
                 await out.write(sse(error_event(err)))
-            out.more = False
-            await out.write(SSE_DONE)
+            await out.close(SSE_DONE)
     return resp
 
 
