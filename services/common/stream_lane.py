@@ -68,10 +68,13 @@ class FrameConnection(asyncio.Protocol):
         self.error: BaseException | None = None  # why the connection ended, when not by a clean close
         self.on_lost: Callable[[], None] | None = None
         self.peer = ""
+        self._out: list[bytes] = []  # frames written since the last flush (see write_frame)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -137,18 +140,34 @@ class FrameConnection(asyncio.Protocol):
         return self._frames.popleft()
 
     def write_frame(self, data: bytes) -> bool:
-        """False when the connection is gone."""
+        """Queues a frame; False when the connection is gone. The frames written while the event loop runs its
+        current callbacks go out together, in one send, just after them (or at drain()): a router whose handlers
+        submit several requests to one worker in a pass of its loop pays one syscall for them, not one each."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return False
-        self.transport.write(_LEN.pack(len(data)) + data)
+        out = self._out
+        if not out:
+            self._loop.call_soon(self._flush)
+        out.append(_LEN.pack(len(data)))
+        out.append(data)
         return True
 
+    def _flush(self) -> None:
+        out = self._out
+        if out:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(b"".join(out))
+            out.clear()
+
     async def drain(self) -> None:
+        """Sends what is queued now, then waits while the transport's buffer is over its high-water mark."""
+        self._flush()
         if self._drained is not None and not self._drained.done():
             await self._drained
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._flush()
             self.transport.close()
 
 
