@@ -70,6 +70,9 @@ class EngineArgs:
     kv_events_config: str | None = None
     random_seed: int | None = None
     stream_output: bool = False
+    # A stream sends a request's first token at once, then every stream_interval tokens (and its last): fewer, larger
+    # messages for the same tokens (SGLang's --stream-interval)
+    stream_interval: int = 1
     sampling_defaults: str = "model"
     grammar_backend: str = "xgrammar"
     # An embedding engine (SGLang's --is-embedding): requests run the prefill forward only and return one pooled,
@@ -226,6 +229,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(isinstance(args.stream_interval, int) and args.stream_interval >= 1,
+           f"stream_interval must be an integer >= 1, got {args.stream_interval!r}")
     _check(args.decode_gemm in ("auto", "gemv", "cublas"),
            f"decode_gemm must be 'auto', 'gemv' or 'cublas', got {args.decode_gemm!r}")
     _check(args.grammar_backend in ("xgrammar", "none"),

@@ -173,7 +173,8 @@ class Engine:
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm),
                           tenant=tenant)
-        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output)
+        collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output,
+                                   interval=self.args.stream_interval)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))), None, tenant)
         deltas = self._receive_sync(collector, inbox)
@@ -223,7 +224,8 @@ class Engine:
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
                                                   handoff, tenant, resume_ids, resume_text_chars)
-            collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish)
+            collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish,
+                                       self.args.stream_interval)
             inbox: asyncio.Queue = asyncio.Queue()
             mailbox = mailbox_for(asyncio.get_running_loop())
             self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), handoff, tenant)
@@ -252,7 +254,8 @@ class Engine:
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
                                                   handoff, tenant, resume_ids, resume_text_chars)
-            collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish)
+            collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish,
+                                       self.args.stream_interval)
             loop = asyncio.get_running_loop()
             done: asyncio.Future = loop.create_future()
 

@@ -212,9 +212,11 @@ class ResultBuilder:
     """Accumulates one request's outputs in the consumer's thread: streams detokenize incrementally, otherwise the
     text is decoded once at the end."""
 
-    def __init__(self, spec: RequestSpec, tokenizer, stream: bool, segments: bool = False):
+    def __init__(self, spec: RequestSpec, tokenizer, stream: bool, segments: bool = False, interval: int = 1):
         self.spec = spec
         self.segments = segments  # stream disjoint segments (SGLang's --stream-output) instead of cumulative output
+        self.interval = interval  # --stream-interval: emit the first token, then every `interval` tokens, and the end
+        self.emitted = False
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -226,6 +228,7 @@ class ResultBuilder:
                                             spec.params.spaces_between_special_tokens) if tokenizer and stream else None
         self.last: StepOutput | None = None
         self.sent_chars = 0  # characters of the detokenized stream already emitted
+        self.sent_ids = len(spec.resume_ids or ())  # output tokens already emitted
         self.first_token_at: float | None = None  # time.monotonic() when the first output token arrived
         if spec.resume_ids:  # streamed by another worker: what it sent counts as sent (their logprobs are blanks)
             k = len(spec.resume_ids)
@@ -267,15 +270,18 @@ class ResultBuilder:
         self.last = out
         if not self.stream:
             return None
-        visible = ""
         if self.detok is not None:
             self.detok.push(out.new_token_ids, final=out.finished)
-            visible = self._visible(self.detok.text, out.finished)
+        sent = self.sent_ids
+        if self.interval > 1 and self.emitted and not out.finished and len(self.output_ids) - sent < self.interval:
+            return None  # not due: these tokens go out with the next emission
+        self.emitted, self.sent_ids = True, len(self.output_ids)
+        visible = self._visible(self.detok.text, out.finished) if self.detok is not None else ""
         if not self.segments:
             return {"text": visible, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
         text, self.sent_chars = visible[self.sent_chars:], max(self.sent_chars, len(visible))
-        meta = self.meta_info(logprobs_from=len(self.output_ids) - len(out.new_token_ids))
-        return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": meta}
+        meta = self.meta_info(logprobs_from=sent)
+        return {"text": text, "output_ids": self.output_ids[sent:], "meta_info": meta}
 
     def meta_info(self, logprobs_from: int = 0) -> dict:
         out = self.last
@@ -332,8 +338,8 @@ class BatchCollector:
     `index` for a batch) or collects the final results."""
 
     def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool, segments: bool = False,
-                 on_finish: Callable[[int, RequestTiming], None] | None = None):
-        self.builders = [ResultBuilder(s, tokenizer, stream, segments) for s in specs]
+                 on_finish: Callable[[int, RequestTiming], None] | None = None, interval: int = 1):
+        self.builders = [ResultBuilder(s, tokenizer, stream, segments, interval) for s in specs]
         self.results: list[dict | None] = [None] * len(specs)
         self.stream, self.is_batch = stream, is_batch
         self.remaining = len(specs)

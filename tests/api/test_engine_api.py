@@ -107,6 +107,42 @@ def test_stream_output_sends_disjoint_segments():
     assert {c["index"] for c in batch} == {0, 1}
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_stream_interval_sends_the_first_token_then_every_nth_and_the_last(segments):
+    """--stream-interval 5: 13 tokens arrive as 1, 5, 5, 2 (cumulative: 1, 6, 11, 13), the same tokens, text and
+    logprobs as one whole answer; a stop string cuts the text as without an interval."""
+    prompt = "Once upon a time, in a quiet village,"
+    params = {"max_new_tokens": 13, "temperature": 0, "ignore_eos": True}
+    # (no prefix cache: each run computes the prompt alike, so the logprobs match exactly)
+    with running_engine(model_path("tiny-qwen2"), stream_output=segments, stream_interval=5,
+                        disable_radix_cache=True) as eng:
+        full = eng.generate(prompt, params, return_logprob=True)
+        chunks = list(eng.generate(prompt, params, stream=True, return_logprob=True))
+        stop = full["text"][len(full["text"]) // 2:][:3]
+        cut = eng.generate(prompt, {**params, "stop": [stop]})
+        cut_chunks = list(eng.generate(prompt, {**params, "stop": [stop]}, stream=True))
+    sizes = [len(c["output_ids"]) for c in chunks]
+    logprobs = [c["meta_info"]["output_token_logprobs"] for c in chunks]
+    if segments:
+        assert sizes == [1, 5, 5, 2]
+        assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+        assert "".join(c["text"] for c in chunks) == full["text"]
+        assert sum(logprobs, []) == full["meta_info"]["output_token_logprobs"]
+        assert "".join(c["text"] for c in cut_chunks) == cut["text"]
+    else:
+        assert sizes == [1, 6, 11, 13]
+        assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
+        assert logprobs[-1] == full["meta_info"]["output_token_logprobs"]
+        assert cut_chunks[-1]["text"] == cut["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        running_engine(model_path("tiny-qwen2"), stream_interval=0).__enter__()
+
+
 def test_stream_abandoned_early_frees_the_request(llm):
     gen = llm.generate(input_ids=[9, 10, 11], sampling_params={"max_new_tokens": 200, "temperature": 0,
                                                                   "ignore_eos": True}, stream=True)
