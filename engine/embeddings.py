@@ -4,11 +4,11 @@ finished requests into SGLang-shaped results `{"embedding": [...], "meta_info": 
 from __future__ import annotations
 
 from engine.request import StepOutput
-from engine.results import RequestSpec
+from engine.results import RequestSpec, all_ints
 
 
 def _is_ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, (list, tuple)) and bool(x) and all_ints(x)
 
 
 def split_inputs(prompt, input_ids):

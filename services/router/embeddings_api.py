@@ -26,7 +26,7 @@ from services.router.core import WORKER_FAULTS, Router, RouterError, new_request
 from services.router.http_common import json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
 from services.router.openai_errors import bad_request
-from services.router.request_fields import Fields, is_token_id, served_model
+from services.router.request_fields import Fields, are_token_ids, served_model
 from services.router.policies import routing_key_var
 from services.router.resilience import attempts_of
 
@@ -52,7 +52,7 @@ class _RouteKey(NamedTuple):
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(is_token_id(t) for t in x)
+    return isinstance(x, list) and bool(x) and are_token_ids(x)
 
 
 def _inputs(value: Any, param: str, ids_only: bool = False) -> tuple[list[str] | None, list[list[int]] | None, bool]:

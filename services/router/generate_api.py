@@ -10,7 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.results import sample_rids
+from engine.results import all_ints, sample_rids
 from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from services.common import tracing
 from services.common.logs import request_id_var
@@ -97,7 +97,7 @@ def _logprob_options(body: dict) -> common_pb2.LogprobOptions:
             setattr(lp, key, v)
     ids = body.get("token_ids_logprob")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list) or not all_ints(ids):
             raise ValueError(f"token_ids_logprob must be a list of token ids, got {ids!r}")
         lp.token_ids_logprob.extend(ids)
     return lp
@@ -149,8 +149,7 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
         raise ValueError("the batch is empty")
     if texts is not None and not all(isinstance(t, str) and t for t in texts):
         raise ValueError("text must be a non-empty string or a list of them")
-    if id_lists is not None and not all(isinstance(x, list) and x and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x) for x in id_lists):
+    if id_lists is not None and not all(isinstance(x, list) and x and all_ints(x) for x in id_lists):
         raise ValueError("input_ids must be a non-empty list of token ids or a list of them")
     raw = body.get("sampling_params")
     raw_list = raw if isinstance(raw, list) else [raw] * n

@@ -24,8 +24,8 @@ from typing import Any, Literal
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from services.router.completion_templates import CompletionTemplate
 from services.router.openai_errors import bad_request
-from services.router.request_fields import (INT32_MAX, Fields, body_fields, is_token_id, served_model, show,
-                                            token_key)
+from services.router.request_fields import (INT32_MAX, Fields, are_token_ids, body_fields, is_token_id, served_model,
+                                            show, token_key)
 from services.router.tool_parsers import named_call_schema, required_calls_schema
 
 INT64_MAX = 2**63 - 1
@@ -185,7 +185,7 @@ def _sampling(f: Fields) -> common_pb2.SamplingParams:
                           param="min_tokens")
     sp.stop.extend(_stop(f))
     stop_ids = f.list("stop_token_ids") or []
-    if not all(is_token_id(t) for t in stop_ids):
+    if not are_token_ids(stop_ids):
         raise f.fail("stop_token_ids", "must be a list of token ids")
     sp.stop_token_ids.extend(stop_ids)
     for token, bias in _logit_bias(f).items():
@@ -362,7 +362,7 @@ MAX_PROMPTS = 1024
 def _one_prompt(value: Any) -> PromptInput | None:
     if isinstance(value, str):
         return PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(text=value))
-    if isinstance(value, list) and value and all(is_token_id(t) for t in value):
+    if isinstance(value, list) and value and are_token_ids(value):
         return PromptInput(ids=tuple(value))
     return None
 

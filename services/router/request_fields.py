@@ -9,6 +9,7 @@ import math
 from collections.abc import Collection
 from typing import Any
 
+from engine.results import all_ints
 from services.router.openai_errors import OpenAIError, bad_request, not_found, unavailable
 
 INT32_MAX = 2**31 - 1
@@ -86,6 +87,11 @@ def show(value: Any) -> str:
 
 def is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX
+
+
+def are_token_ids(values: list) -> bool:
+    """Whether every item is a token id (is_token_id), without a Python step per id (a prompt may hold thousands)."""
+    return all_ints(values) and (not values or (min(values) >= 0 and max(values) <= INT32_MAX))
 
 
 def token_key(key: Any) -> int | None:

@@ -19,7 +19,7 @@ from services.router.http_common import json_body
 from services.router.native_api import ROUTER
 from services.router.openai_errors import bad_request
 from services.router.openai_request import MAX_PROMPTS
-from services.router.request_fields import INT32_MAX, Fields, is_token_id, served_model, show
+from services.router.request_fields import INT32_MAX, Fields, are_token_ids, served_model, show
 
 
 def _strings(f: Fields, name: str) -> tuple[list[str], bool]:
@@ -34,10 +34,10 @@ def _strings(f: Fields, name: str) -> tuple[list[str], bool]:
 
 def _token_lists(f: Fields, name: str) -> tuple[list[list[int]], bool]:
     value = f.body.get(name)
-    if isinstance(value, list) and all(is_token_id(t) for t in value):
+    if isinstance(value, list) and are_token_ids(value):
         return [value], False
     if isinstance(value, list) and value and len(value) <= MAX_PROMPTS and all(
-            isinstance(v, list) and all(is_token_id(t) for t in v) for v in value):
+            isinstance(v, list) and are_token_ids(v) for v in value):
         return value, True
     raise bad_request(f"'{name}' must be a list of token ids (each in [0, {INT32_MAX}]) or a list of such lists, "
                       f"got {show(value)}", param=name)
