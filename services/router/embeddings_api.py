@@ -24,6 +24,7 @@ from services.common import tracing
 from services.common.logs import request_id_var
 from services.router.core import WORKER_FAULTS, Router, RouterError, new_request_id, status_of
 from services.router.http_common import json_body, require_model_kind, tenant_of
+from services.router.merge import each
 from services.router.native_api import ROUTER
 from services.router.openai_errors import bad_request
 from services.router.request_fields import Fields, are_token_ids, served_model
@@ -138,7 +139,7 @@ async def embed(router: Router, inputs: EmbedInputs, tenant: str) -> list[worker
     chosen one was unavailable). RouterError with the HTTP status on failure."""
     ids = inputs.id_lists
     if ids is None:
-        done = await asyncio.gather(*(router.tokenize(tokenizer_pb2.TokenizeRequest(text=t)) for t in inputs.texts))
+        done = await each([router.tokenize(tokenizer_pb2.TokenizeRequest(text=t)) for t in inputs.texts])
         ids = [list(t.input_ids) for t in done]
     rid = new_request_id()
     request_id_var.set(rid)

@@ -41,3 +41,11 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def each(coros: list) -> list:
+    """The results of `coros`, in order (asyncio.gather); one is awaited as it is: gather would wrap it in a task of
+    its own, a task and a turn of the event loop per request for the common single-prompt case."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    return list(await asyncio.gather(*coros))

@@ -5,7 +5,6 @@ and shaped by openai_response."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -24,7 +23,7 @@ from services.router.cork import Cork
 from services.router.http_common import first_then_sse, json_body, require_model_kind, tenant_of
 from services.router.native_api import ROUTER
 from services.router.chat_output import OutputSpec
-from services.router.merge import merged
+from services.router.merge import each, merged
 from services.router.openai_errors import OpenAIError, from_status, not_found
 from services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from services.router.policies import routing_key_var
@@ -115,7 +114,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     router = request.app[ROUTER]
     require_model_kind(router, generation=True)
     # Every prompt is tokenized before anything is generated: bad input is a 400 with nothing started.
-    prompts = await asyncio.gather(*(_prepare(router, job, p) for p in job.prompts))
+    prompts = await each([_prepare(router, job, p) for p in job.prompts])
     sampling = await _answer_constraint(router, job, prompts[0].text)
     rid = new_request_id()
     request_id_var.set(rid)
