@@ -72,6 +72,22 @@ def text_template(chunk: dict[str, Any]) -> tuple[bytes, bytes] | None:
     return head, tail
 
 
+def _template_events(template: tuple[bytes, bytes] | None, tally: "_Tally", msg: worker_pb2.GenerateResponse
+                     ) -> bytes | None:
+    """A text chunk of sample 0 after its first, as its stream's template makes it: the head, the text as JSON, the
+    tail (b"" for no text); None, with nothing changed, for any other message or a stream without a template."""
+    if template is None or msg.WhichOneof("response") != "chunk" or msg.index != 0:
+        return None
+    s = tally.samples[0]
+    if not s.started or s.finished:
+        return None
+    c = msg.chunk
+    tally.count(s, 0, c)
+    text = c.text
+    s.sent.append(text)
+    return template[0] + orjson.dumps(text) + template[1] if text else b""
+
+
 def error_event(err: OpenAIError) -> dict[str, Any]:
     """The `data: {"error": {...}}` payload that ends a stream that failed after its first byte."""
     return err.body()
@@ -273,18 +289,9 @@ class ChatStream:
 
     def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
         """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does. A content chunk
-        of a plain single-sample stream (the common case, every token) skips the chunk dicts: its event is the
-        template's head, the text as JSON, the template's tail."""
-        template = self._template
-        if template is not None and msg.WhichOneof("response") == "chunk" and msg.index == 0:
-            s = self._tally.samples[0]
-            if s.started and not s.finished:
-                c = msg.chunk
-                self._tally.count(s, 0, c)
-                text = c.text
-                s.sent.append(text)
-                return template[0] + orjson.dumps(text) + template[1] if text else b""
-        return b"".join(map(sse, self.on_message(msg)))
+        of a plain single-sample stream (the common case, every token) skips the chunk dicts (_template_events)."""
+        data = _template_events(self._template, self._tally, msg)
+        return b"".join(map(sse, self.on_message(msg))) if data is None else data
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """The chunks this message yields: a role chunk first per sample, content deltas, a finish chunk last."""
@@ -431,16 +438,8 @@ class CompletionStream:
     def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
         """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does (a text chunk of
         a single-sample stream after its first is written from a template, as ChatStream.events does)."""
-        template = self._template
-        if template is not None and msg.WhichOneof("response") == "chunk" and msg.index == 0:
-            s = self._tally.samples[0]
-            if s.started and not s.finished:
-                c = msg.chunk
-                self._tally.count(s, 0, c)
-                text = c.text
-                s.sent.append(text)
-                return template[0] + orjson.dumps(text) + template[1] if text else b""
-        return b"".join(map(sse, self.on_message(msg)))
+        data = _template_events(self._template, self._tally, msg)
+        return b"".join(map(sse, self.on_message(msg))) if data is None else data
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Zero or one chunk: new text and logprobs; the sample's last chunk carries its finish_reason."""
