@@ -225,7 +225,7 @@ class ResultBuilder:
         self.spec = spec
         self.segments = segments  # stream disjoint segments (SGLang's --stream-output) instead of cumulative output
         self.interval = interval  # --stream-interval: emit the first token, then every `interval` tokens, and the end
-        self.emitted = False
+        self.emitted = False  # a token went out
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -284,7 +284,9 @@ class ResultBuilder:
         sent = self.sent_ids
         if self.interval > 1 and self.emitted and not out.finished and len(self.output_ids) - sent < self.interval:
             return None  # not due: these tokens go out with the next emission
-        self.emitted, self.sent_ids = True, len(self.output_ids)
+        if len(self.output_ids) > sent:  # (an output with no token before the first one leaves the first one due)
+            self.emitted = True
+        self.sent_ids = len(self.output_ids)
         visible = self._visible(self.detok.text, out.finished) if self.detok is not None else ""
         if not self.segments:
             return {"text": visible, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

@@ -366,3 +366,21 @@ def test_generate_into_error_or_cancel_frees_the_request(llm):
 
     asyncio.run(main())
     assert_still_serving_without_leak(llm)
+
+
+def test_stream_interval_counts_from_the_first_token_not_from_an_output_without_one():
+    """An output that carries no token (a prompt chunk) before the first token does not make the first token wait
+    for the interval."""
+    from engine.request import StepOutput
+    from engine.results import RequestSpec, ResultBuilder
+    from engine.sampling.params import SamplingParams
+
+    builder = ResultBuilder(RequestSpec("r", [1, 2, 3], SamplingParams(), None), None, stream=True, segments=True,
+                            interval=4)
+
+    def out(ids, done=False):
+        return StepOutput("r", ids, None, None, None, done, None, 3, 0, 0)
+
+    steps = [([], False), ([7], False), ([8], False), ([9], False), ([10], False), ([11], False), ([12], True)]
+    sent = [builder.push(out(ids, done)) for ids, done in steps]
+    assert [d and d["output_ids"] for d in sent] == [[], [7], None, None, None, [8, 9, 10, 11], [12]]
