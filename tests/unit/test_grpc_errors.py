@@ -16,12 +16,13 @@ from services.common.errors import ErrorInterceptor
 METHOD = "/test.Errors/Stream"
 
 
-def _server(failed: asyncio.Event) -> grpc.aio.Server:
+def _server(failed: asyncio.Event, waiting: asyncio.Event) -> grpc.aio.Server:
     async def stream(request: bytes, context):
         yield b"first"
         if request == b"fail-now":
             raise ValueError("bad input")
         try:
+            waiting.set()
             await asyncio.sleep(60)  # the caller cancels meanwhile
         except asyncio.CancelledError:  # a handler that turns that into its own error, as the PD handoff does
             failed.set()
@@ -37,8 +38,8 @@ def _server(failed: asyncio.Event) -> grpc.aio.Server:
 @pytest.mark.timeout(30)
 def test_an_error_after_the_caller_went_away_is_not_an_internal_error(caplog):
     async def run():
-        failed = asyncio.Event()
-        server = _server(failed)
+        failed, waiting = asyncio.Event(), asyncio.Event()
+        server = _server(failed, waiting)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -51,6 +52,9 @@ def test_an_error_after_the_caller_went_away_is_not_an_internal_error(caplog):
 
                 call = ch.unary_stream(METHOD, request_serializer=bytes, response_deserializer=bytes)(b"wait")
                 assert await call.read() == b"first"
+                # cancelled only once the handler waits: a cancel that finds it still at its yield closes the
+                # generator there (GeneratorExit, not CancelledError), and the handler never fails (a loaded CI run)
+                await asyncio.wait_for(waiting.wait(), 10)
                 call.cancel()
                 await asyncio.wait_for(failed.wait(), 10)
                 await asyncio.sleep(0.3)  # the interceptor handles the error
