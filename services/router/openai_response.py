@@ -1,4 +1,6 @@
-"""Worker GenerateResponse messages -> OpenAI response JSON (chat and text completions, streamed or whole).
+"""Worker GenerateResponse messages -> OpenAI response JSON: chat completions (streamed or whole) and what text
+completions share with them (SSE framing, chunk templates, finish reasons, per-sample tallies, logprob values;
+the text-completion builders are services.router.completion_response).
 
 A caller makes one builder per request and feeds it every GenerateResponse of that request, in arrival order
 (with n > 1 the samples' messages interleave):
@@ -16,9 +18,8 @@ A caller makes one builder per request and feeds it every GenerateResponse of th
         result.on_message(msg)
     body = result.result()                      # raises OpenAIError(500) if a sample never completed
 
-The Completion* twins take each prompt's text (for `echo`) and token count; with several prompts, the caller
-numbers prompt i's samples i*n .. i*n+n-1. Streams emit whatever text the worker's chunks carry; a
-`complete` whose full text extends what was streamed (or one that arrives without chunks) contributes the rest.
+Streams emit whatever text the worker's chunks carry; a `complete` whose full text extends what was streamed (or
+one that arrives without chunks) contributes the rest.
 Logprobs that JSON cannot carry become null (NaN: the first prompt token) or -9999.0 (-inf), as OpenAI does.
 Token texts in logprobs come from the worker (return_text_in_logprobs); the router never detokenizes."""
 
@@ -53,11 +54,11 @@ def sse(obj: Any) -> bytes:
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-_MARK = "\x00"  # stands for a chunk's text in a template (as JSON: "\u0000")
+TEXT_MARK = "\x00"  # stands for a chunk's text in a template (as JSON: "\u0000")
 
 
 def text_template(chunk: dict[str, Any]) -> tuple[bytes, bytes] | None:
-    """The SSE event of `chunk`, whose one text field holds _MARK, cut around that field's JSON string: an event for
+    """The SSE event of `chunk`, whose one text field holds TEXT_MARK, cut around that field's JSON string: an event for
     any text is then `head + orjson.dumps(text) + tail`, the same bytes `sse` writes for the chunk with that text
     (a JSON string's encoding does not depend on what surrounds it). None where the event is not orjson's or the
     mark is not found exactly once."""
@@ -65,14 +66,14 @@ def text_template(chunk: dict[str, Any]) -> tuple[bytes, bytes] | None:
         event = b"data: " + orjson.dumps(chunk) + b"\n\n"
     except TypeError:
         return None
-    mark = orjson.dumps(_MARK)
+    mark = orjson.dumps(TEXT_MARK)
     if event.count(mark) != 1:
         return None
     head, _, tail = event.partition(mark)
     return head, tail
 
 
-def _template_events(template: tuple[bytes, bytes] | None, tally: "_Tally", msg: worker_pb2.GenerateResponse
+def template_events(template: tuple[bytes, bytes] | None, tally: "Tally", msg: worker_pb2.GenerateResponse
                      ) -> bytes | None:
     """A text chunk of sample 0 after its first, as its stream's template makes it: the head, the text as JSON, the
     tail (b"" for no text); None, with nothing changed, for any other message or a stream without a template."""
@@ -108,13 +109,13 @@ def matched_stop(fr: common_pb2.FinishReason) -> int | str | None:
     return getattr(fr, which) if which else None
 
 
-def _logprob(x: float) -> float | None:
+def json_logprob(x: float) -> float | None:
     if math.isnan(x):
         return None
     return NEG_INF_LOGPROB if math.isinf(x) and x < 0 else x
 
 
-def _at(seq: Any, i: int, default: Any) -> Any:
+def item_at(seq: Any, i: int, default: Any) -> Any:
     return seq[i] if i < len(seq) else default
 
 
@@ -126,52 +127,18 @@ def chat_logprob_entries(lp: Any, start: int = 0) -> list[dict[str, Any]]:
     """Chat format, one entry per token from `start` on: {token, logprob, bytes, top_logprobs: [...]}."""
     entries = []
     for i in range(start, len(lp.token_ids)):
-        text = _at(lp.texts, i, "")
-        top = _at(lp.top_logprobs, i, None)
+        text = item_at(lp.texts, i, "")
+        top = item_at(lp.top_logprobs, i, None)
         alts = [] if top is None else [
-            {"token": t, "logprob": _logprob(v), "bytes": list(t.encode())}
-            for t, v in zip(_texts(top), top.logprobs)]
-        entries.append({"token": text, "logprob": _logprob(lp.token_logprobs[i]), "bytes": list(text.encode()),
+            {"token": t, "logprob": json_logprob(v), "bytes": list(t.encode())}
+            for t, v in zip(top_texts(top), top.logprobs)]
+        entries.append({"token": text, "logprob": json_logprob(lp.token_logprobs[i]), "bytes": list(text.encode()),
                         "top_logprobs": alts})
     return entries
 
 
-def _texts(top: common_pb2.TopLogprobs) -> list[str]:
+def top_texts(top: common_pb2.TopLogprobs) -> list[str]:
     return list(top.texts) if len(top.texts) == len(top.token_ids) else [""] * len(top.token_ids)
-
-
-@dataclass(slots=True)
-class LegacyLogprobs:
-    """Completions format: parallel lists; `offset` is where the next token starts in the choice's text."""
-
-    with_top: bool
-    offset: int = 0
-    tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
-    text_offset: list[int] = field(default_factory=list)
-
-    def add(self, lp: Any, start: int = 0) -> None:
-        for i in range(start, len(lp.token_ids)):
-            text = _at(lp.texts, i, "")
-            self.tokens.append(text)
-            self.token_logprobs.append(_logprob(lp.token_logprobs[i]))
-            self.text_offset.append(self.offset)
-            self.offset += len(text)
-            top = _at(lp.top_logprobs, i, None)
-            alts: dict[str, float] | None = None
-            if top is not None and len(top.token_ids):
-                alts = {}
-                for t, v in zip(_texts(top), top.logprobs):
-                    alts.setdefault(t, _logprob(v))
-            self.top_logprobs.append(alts)
-
-    def take(self) -> dict[str, Any]:
-        """The JSON object of what was added since the last take (the offset carries on)."""
-        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-               "top_logprobs": self.top_logprobs if self.with_top else None, "text_offset": self.text_offset}
-        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
-        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,7 +160,7 @@ class _Sample:
         return full[len(sent):] if full.startswith(sent) else ""
 
 
-class _Tally:
+class Tally:
     """The samples of one request, `n` per prompt (prompt i's are i*n .. i*n+n-1): checks indices, records
     completion and token counts."""
 
@@ -253,7 +220,7 @@ class _Tally:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
 
-def _envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[str, Any]:
+def envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[str, Any]:
     return {"id": response_id, "object": obj, "created": created, "model": job.model}
 
 
@@ -275,12 +242,12 @@ class ChatStream:
                  spec: OutputSpec = OutputSpec()) -> None:
         self.job = job
         self.spec = spec
-        self._tally = _Tally(job.n, [prompt_tokens])
-        self._head = _envelope("chat.completion.chunk", response_id, created, job)
+        self._tally = Tally(job.n, [prompt_tokens])
+        self._head = envelope("chat.completion.chunk", response_id, created, job)
         self._parsers = [None if spec.plain else SampleParser(spec) for _ in range(job.n)]
         self._calls = [CallsJson() for _ in range(job.n)]
         # one sample, plain text, no logprobs: a content delta's event is written from a template (events())
-        self._template = text_template(self._chunk(0, {"content": _MARK})) \
+        self._template = text_template(self._chunk(0, {"content": TEXT_MARK})) \
             if spec.plain and job.n == 1 and not job.want_logprobs else None
 
     @property
@@ -289,8 +256,8 @@ class ChatStream:
 
     def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
         """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does. A content chunk
-        of a plain single-sample stream (the common case, every token) skips the chunk dicts (_template_events)."""
-        data = _template_events(self._template, self._tally, msg)
+        of a plain single-sample stream (the common case, every token) skips the chunk dicts (template_events)."""
+        data = template_events(self._template, self._tally, msg)
         return b"".join(map(sse, self.on_message(msg))) if data is None else data
 
     def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
@@ -370,8 +337,8 @@ class ChatResult:
                  spec: OutputSpec = OutputSpec()) -> None:
         self.job = job
         self.spec = spec
-        self._tally = _Tally(job.n, [prompt_tokens])
-        self._head = _envelope("chat.completion", response_id, created, job)
+        self._tally = Tally(job.n, [prompt_tokens])
+        self._head = envelope("chat.completion", response_id, created, job)
 
     @property
     def done(self) -> bool:
@@ -402,125 +369,3 @@ class ChatResult:
             message["tool_calls"] = [{"id": call_id(), "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message, bool(calls)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Text completions
-
-
-def _per_prompt(job: OpenAIJob, values: Sequence | None, default: Any) -> list:
-    values = list(values) if values is not None else [default] * len(job.prompts)
-    if len(values) != len(job.prompts):
-        raise ValueError(f"{len(values)} values for {len(job.prompts)} prompts")
-    return values
-
-
-class CompletionStream:
-    """`text_completion` chunk dicts for a streamed completions request; with echo, each sample's first chunk starts
-    with its prompt's text (and its logprobs with the prompt's, when asked). `prompt_texts` and `prompt_tokens` hold
-    one value per prompt of the job."""
-
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_texts: Sequence[str] | None = None,
-                 prompt_tokens: Sequence[int] | None = None) -> None:
-        self.job = job
-        self.prompt_texts = _per_prompt(job, prompt_texts, "")
-        self._tally = _Tally(job.n, _per_prompt(job, prompt_tokens, 0))
-        self._lps = [LegacyLogprobs(job.top_logprobs > 0) for _ in self._tally.samples]
-        self._head = _envelope("text_completion", response_id, created, job)
-        # one prompt, one sample, no logprobs: a text chunk's event is written from a template (events())
-        self._template = text_template(self._chunk(0, _MARK, None)) \
-            if len(job.prompts) == 1 and job.n == 1 and not job.want_logprobs else None
-
-    @property
-    def done(self) -> bool:
-        return self._tally.done
-
-    def events(self, msg: worker_pb2.GenerateResponse) -> bytes:
-        """The SSE events of `on_message(msg)`'s chunks, in one piece; raises as on_message does (a text chunk of
-        a single-sample stream after its first is written from a template, as ChatStream.events does)."""
-        data = _template_events(self._template, self._tally, msg)
-        return b"".join(map(sse, self.on_message(msg))) if data is None else data
-
-    def on_message(self, msg: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        """Zero or one chunk: new text and logprobs; the sample's last chunk carries its finish_reason."""
-        s, which, index = self._tally.sample(msg)
-        part = msg.chunk if which == "chunk" else msg.complete
-        lp = self._lps[index] if self.job.want_logprobs else None
-        text = ""
-        if not s.started:
-            s.started = True
-            if self.job.echo:
-                text = self.prompt_texts[index // self.job.n]
-                if lp is not None:
-                    lp.add(part.input_logprobs)
-                    lp.offset = len(text)
-        if which == "chunk":
-            new = part.text
-            if lp is not None:
-                lp.add(part.output_logprobs)
-                s.logprob_tokens += len(part.output_logprobs.token_ids)
-            s.sent.append(new)
-            text += new
-            if not text and not (lp is not None and lp.tokens):
-                return []
-            return [self._chunk(index, text, lp)]
-        text += s.rest_of(part.text)
-        if lp is not None:
-            lp.add(part.output_logprobs, s.logprob_tokens)
-        s.finished = True
-        return [self._chunk(index, text, lp, part.finish_reason)]
-
-    def final_chunks(self) -> list[dict[str, Any]]:
-        """The usage chunk (no choices) when the request asked for stream_options.include_usage."""
-        if not self.job.include_usage:
-            return []
-        return [{**self._head, "choices": [], "usage": self._tally.usage()}]
-
-    def _chunk(self, index: int, text: str, lp: LegacyLogprobs | None,
-               fr: common_pb2.FinishReason | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": lp.take() if lp is not None else None,
-                                  "finish_reason": None}
-        if fr is not None:
-            choice["finish_reason"] = finish_reason(fr)
-            choice["matched_stop"] = matched_stop(fr)
-        chunk = {**self._head, "choices": [choice]}
-        if self.job.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-
-class CompletionResult:
-    """One `text_completion` dict from the `complete` messages of a non-streamed completions request."""
-
-    def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_texts: Sequence[str] | None = None,
-                 prompt_tokens: Sequence[int] | None = None) -> None:
-        self.job = job
-        self.prompt_texts = _per_prompt(job, prompt_texts, "")
-        self._tally = _Tally(job.n, _per_prompt(job, prompt_tokens, 0))
-        self._head = _envelope("text_completion", response_id, created, job)
-
-    @property
-    def done(self) -> bool:
-        return self._tally.done
-
-    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
-        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
-        self._tally.record(msg)
-
-    def result(self) -> dict[str, Any]:
-        choices = []
-        for i, cm in self._tally.completes():
-            text, logprobs = cm.text, None
-            lp = LegacyLogprobs(self.job.top_logprobs > 0)
-            if self.job.echo:
-                prompt_text = self.prompt_texts[i // self.job.n]
-                text = prompt_text + text
-                lp.add(cm.input_logprobs)
-                lp.offset = len(prompt_text)
-            if self.job.want_logprobs:
-                lp.add(cm.output_logprobs)
-                logprobs = lp.take()
-            choices.append({"index": i, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish_reason(cm.finish_reason),
-                            "matched_stop": matched_stop(cm.finish_reason)})
-        return {**self._head, "choices": choices, "usage": self._tally.usage()}

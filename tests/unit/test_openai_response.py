@@ -20,8 +20,8 @@ from services.router.openai_errors import (OpenAIError, bad_request, from_status
                                            unavailable)
 from services.router.openai_request import parse_chat_completion, parse_completion
 from tests.unit.openai_jobs import SERVED, USER, chat, completion
-from services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, CompletionResult, CompletionStream,
-                                             error_event, sse, worker_error)
+from services.router.completion_response import CompletionResult, CompletionStream
+from services.router.openai_response import SSE_DONE, ChatResult, ChatStream, error_event, sse, worker_error
 
 STOP, LENGTH, ABORT = (common_pb2.FINISH_REASON_TYPE_STOP, common_pb2.FINISH_REASON_TYPE_LENGTH,
                        common_pb2.FINISH_REASON_TYPE_ABORT)
