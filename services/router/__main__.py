@@ -15,7 +15,7 @@ import time
 from aiohttp import web
 
 from radixmesh.v1 import router_pb2, router_pb2_grpc
-from services.common import auth, heap
+from services.common import auth, event_loop, heap
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -177,8 +177,9 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
                                                 settings.log_level), register, internal=False,  # public: API keys
                                    reuse_port=peers is not None)
         await grpc_service.start()
-    log.info("router listening on http://%s:%d (%d workers, policy %s)", settings.host, settings.port,
-             len(router.registry.workers), settings.policy)
+    log.info("router listening on http://%s:%d (%d workers, policy %s, %s event loop)", settings.host,
+             settings.port, len(router.registry.workers), settings.policy,
+             type(asyncio.get_running_loop()).__module__.split(".")[0])
     if peers is not None:
         peers.ready()
     heap.serving()
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   metrics_settings.metrics_port)))
     setup_tracing(TraceSettings(**trace_kwargs), "router")
     heap.opt_in()
-    asyncio.run(serve(settings, metrics_settings))
+    event_loop.run(serve(settings, metrics_settings), settings.event_loop)
 
 
 if __name__ == "__main__":

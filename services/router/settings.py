@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.event_loop import HELP as EVENT_LOOP_HELP
+from services.common.event_loop import check as check_event_loop
 from services.router.tenants import parse_key_tenants, validate_header_name
 
 POLICIES = ("round_robin", "random", "power_of_two", "manual", "cache_aware", "kv_index")
@@ -123,9 +125,11 @@ class RouterSettings:
     completion_template: str | None = field(default=None, metadata={
         "help": "fill-in-the-middle template for /v1/completions' suffix: deepseek_coder, star_coder, qwen_coder "
                 "or a JSON file (default: off; a suffix is then a 400)"})
+    event_loop: str = field(default="auto", metadata={"help": EVENT_LOOP_HELP})
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        check_event_loop(self.event_loop)
         if self.completion_template is not None:
             from services.router.completion_templates import load_completion_template
 
