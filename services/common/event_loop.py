@@ -1,5 +1,6 @@
-"""The event loop a service runs its asyncio code on (`--event-loop`): uvloop (libuv, written in C) where it is
-installed, else asyncio's own.
+"""The event loop a service runs its asyncio code on (`--event-loop`, taken by the router and every gRPC service:
+the tokenizer service, the workers, the kvstore): uvloop (libuv, written in C) where it is installed, else
+asyncio's own.
 
 In the router, whose work per request is mostly turns of the loop, socket reads and writes and callbacks,
 uvloop takes 10-18% of the instructions a request costs (`benchmarks.router_instructions`, this repository's

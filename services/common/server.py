@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixmesh.v1 import lane_pb2, lane_pb2_grpc
-from services.common import auth, heap, stream_lane
+from services.common import auth, event_loop, heap, stream_lane
 from services.common.auth_channel import aio_channel
 from services.common.errors import ErrorInterceptor
 from services.common.trace_grpc import client_interceptors, server_interceptors
@@ -52,6 +52,10 @@ class GrpcSettings:
     port: int = field(default=0, metadata={"help": "gRPC port (0: pick a free one and log it)"})
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight calls get on SIGTERM"})
     log_level: str = "info"
+    event_loop: str = field(default="auto", metadata={"help": event_loop.HELP})  # (after log_level: positional use)
+
+    def __post_init__(self) -> None:
+        event_loop.check(self.event_loop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,8 @@ class GrpcService:
                 log.warning("no stream lanes: %s", self.lanes.unusable)
         await self.server.start()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d", ", ".join(self.names), self.settings.host, self.port)
+        log.info("serving %s on %s:%d (%s event loop)", ", ".join(self.names), self.settings.host, self.port,
+                 type(asyncio.get_running_loop()).__module__.split(".")[0])
         if self._on_start is not None:
             self._on_start()
         heap.serving()

@@ -10,7 +10,7 @@ import sys
 from engine.config import EngineArgs
 from engine.engine import Engine
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common import auth, heap
+from services.common import auth, event_loop, heap
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
     auth.setup(auth_settings)
     setup_tracing(trace_settings, ROLES[settings.disaggregation_mode])
     heap.opt_in()
-    asyncio.run(serve(settings, engine_kwargs, pd, metrics_settings))
+    event_loop.run(serve(settings, engine_kwargs, pd, metrics_settings), settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class WorkerSettings(LaneGrpcSettings):
                 "every third of it)"})
 
     def __post_init__(self) -> None:
+        LaneGrpcSettings.__post_init__(self)  # (slots: no zero-argument super())
         if self.router_url:
             from services.decode.announce import parse_router_url
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from engine.cache.storage import PageStorage, StorageError, open_storage
-from services.common import auth, heap
+from services.common import auth, event_loop, heap
 from services.common.auth import InternalAuthSettings
 from services.common.kv_transfer import transfer_host
 from services.common.logs import setup_logging
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             storage.close()
             return 1
     heap.opt_in()
-    asyncio.run(serve(settings, storage, staging, metrics_settings))
+    event_loop.run(serve(settings, storage, staging, metrics_settings), settings.event_loop)
     return 0
 
 

@@ -40,6 +40,7 @@ class KvStoreSettings(GrpcSettings):
         "help": "a staged BatchGet's slot is freed after this long if the worker never released it"})
 
     def __post_init__(self) -> None:
+        GrpcSettings.__post_init__(self)  # (slots: no zero-argument super())
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend in ("file", "redis", "mooncake") and not self.storage_url:

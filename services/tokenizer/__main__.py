@@ -3,13 +3,12 @@ radixmesh.v1.TokenizerService until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from typing import Sequence
 
 from radixmesh.v1 import tokenizer_pb2
-from services.common import auth, heap
+from services.common import auth, event_loop, heap
 from services.common.auth import InternalAuthSettings
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsSettings, ServiceMetrics
@@ -65,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", e)
         return 1
     heap.opt_in()
-    asyncio.run(serve(settings, backend, metrics_settings))
+    event_loop.run(serve(settings, backend, metrics_settings), settings.event_loop)
     return 0
 
 

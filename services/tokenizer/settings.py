@@ -22,6 +22,7 @@ class TokenizerSettings(LaneGrpcSettings):
         "help": "threads that tokenize and detokenize, each with its own copy of the tokenizer"})
 
     def __post_init__(self) -> None:
+        LaneGrpcSettings.__post_init__(self)  # (slots: no zero-argument super())
         if not self.model_path:
             raise ValueError("--model-path is required")
         if self.context_length is not None and self.context_length <= 0:
