@@ -59,6 +59,48 @@ def _variants(configs: list[str]) -> dict:
     return out
 
 
+ROLES = {(QKV, HIDDEN): "qkv", (HIDDEN, HIDDEN): "o", (2 * INTER, HIDDEN): "gate_up", (HIDDEN, INTER): "down",
+         (VOCAB, HIDDEN): "head"}
+
+
+def _mixes(mixes: list[str]) -> dict:
+    """Per mix "role+role...": those roles' products (qkv, o, gate_up, down, head) on kernels.gemv under PDL with its
+    default tiles, the others on cuBLAS."""
+    out = {}
+    for text in mixes:
+        roles = set(text.split("+"))
+        unknown = roles - set(ROLES.values())
+        if unknown:
+            raise SystemExit(f"--mixes: unknown roles {sorted(unknown)} (known: {sorted(ROLES.values())})")
+
+        def run(x, w, roles=roles):
+            return gemv(x, w, pdl=True) if ROLES[tuple(w.shape)] in roles else F.linear(x, w)
+        out[f"mix gemv:{text}"] = run
+    return out
+
+
+def _role_ms(variants: dict, layers, head, m: int, dev) -> list[dict]:
+    """Each role's products alone, chained (32 of them; the LM head once): cuBLAS and every PDL config, us per
+    product."""
+    rows = []
+    x = {k: torch.randn((m, k), device=dev, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
+    by_role = {"qkv": [l[0] for l in layers], "o": [l[1] for l in layers], "gate_up": [l[2] for l in layers],
+               "down": [l[3] for l in layers], "head": [head]}
+    for name in ("cublas", *[v for v in variants if v.startswith("pdl ")]):
+        product = variants[name]
+        for role, ws in by_role.items():
+            ms = _time_graph(lambda: [product(x[w.shape[1]], w) for w in ws])
+            us = ms * 1e3 / len(ws)
+            floor_us = ws[0].numel() * 2 / _COPY[0] / 1e3
+            rows.append({"variant": name, "role": role, "rows": m, "us_per_product": us, "floor_us": floor_us,
+                         "x_floor": us / floor_us})
+            print(f"rows {m:2d} {name:>24} {role:>8}: {us:8.2f} us a product  {us / floor_us:.3f}x its floor")
+    return rows
+
+
+_COPY = [0.0]  # this run's copy bandwidth, GB/s
+
+
 def _copy_gbps(dev) -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
@@ -127,20 +169,31 @@ def main() -> None:
                                                           "16,32,512,4,4,2048", "16,32,512,4,4,4096"],
                         help="kernels.gemv tiles with PDL: BLOCK_N (n <= 8192),BLOCK_N (larger),BLOCK_K,warps,"
                              "stages,columns of each program's weight rows pulled into L2 before the wait")
+    parser.add_argument("--mixes", nargs="*", default=[],
+                        help="role sets (qkv, o, gate_up, down, head joined by +) run on kernels.gemv with PDL, the "
+                             "rest on cuBLAS, e.g. qkv+o")
+    parser.add_argument("--per-role", action="store_true",
+                        help="also time each role's products alone, chained: cuBLAS and every --configs entry "
+                             "(--rounds 0: only that)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--result-file")
     ns = parser.parse_args()
     dev = torch.device("cuda")
     print(f"pdl supported: {pdl_supported()}")
-    variants = _variants(ns.configs)
+    variants = {**_variants(ns.configs), **_mixes(ns.mixes)}
     errs = _check(variants, dev)
     print("largest error / largest output:", {k: f"{v:.2e}" for k, v in errs.items()})
     layers, head = _weights(dev)
     nbytes = sum(t.numel() * 2 for layer in layers for t in layer) + head.numel() * 2
     copy = _copy_gbps(dev)
     floor_ms = nbytes / copy / 1e6
+    _COPY[0] = copy
     print(f"weights {nbytes / 1e9:.2f} GB, copy {copy:.0f} GB/s, floor {floor_ms:.3f} ms")
     rows = []
+    if ns.per_role:
+        for m in ns.rows:
+            rows += [{**r, "copy_GBps": copy, "device": torch.cuda.get_device_name()}
+                     for r in _role_ms(variants, layers, head, m, dev)]
     for round_ in range(ns.rounds):
         for m in ns.rows:
             x = torch.randn((m, HIDDEN), device=dev, dtype=torch.bfloat16)

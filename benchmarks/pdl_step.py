@@ -1,7 +1,7 @@
 """Programmatic dependent launch inside the decode step (issue 10): the 8B-shaped model (dummy weights, triton, CUDA
 graphs) with the kernels launched as programmatic dependents and decode-sized products on kernels.gemv, against the
-same model with --disable-pdl (every kernel waits for the one before; cuBLAS products) and with PDL but cuBLAS
-products, alternated in one process
+same model with --disable-pdl (every kernel waits for the one before; cuBLAS products), with PDL but cuBLAS
+products, and with PDL and each weight shape on the kernel --decode-gemm auto chose for it, alternated in one process
 (graphs captured again at each switch). Per batch size: the GPU time of a step (benchmarks.profile_decode's measure)
 and the first 8 greedy tokens of up to 4 requests (the products round differently).
 
@@ -11,14 +11,24 @@ and the first 8 greedy tokens of up to 4 requests (the products round differentl
 from __future__ import annotations
 
 from benchmarks.profile_decode import ab_main
+from engine.decode_products import plan
 from engine.model_runner import ModelRunner
 from kernels.runtime import pdl_supported, use_pdl
 
 
-VARIANTS = ("off", "pdl", "pdl+gemv")  # --disable-pdl; PDL with cuBLAS products; PDL with kernels.gemv (default)
+# --disable-pdl; PDL with cuBLAS products; PDL with kernels.gemv for all; PDL with the per-shape plan of
+# engine.decode_products (--decode-gemm auto's choice, timed once here)
+VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan")
+_plans: dict = {}
 
 
 def _switch(runner: ModelRunner, variant: str) -> None:
+    if variant == "pdl+plan":
+        if "plan" not in _plans:
+            _plans["plan"] = plan(runner.model, runner.device, runner.dtype)
+            print(f"per-shape plan: {_plans['plan']}")
+        use_pdl(True, gemv=_plans["plan"])
+        return
     use_pdl(variant != "off", gemv=variant == "pdl+gemv")
 
 

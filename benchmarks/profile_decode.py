@@ -135,8 +135,11 @@ def ab_main(description: str, switch, key: str, variants: tuple = (False, True))
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--decode-gemm", default="auto", choices=["auto", "gemv", "cublas"])
+    p.add_argument("--variants", nargs="+", default=[str(v) for v in variants], choices=[str(v) for v in variants],
+                   help="the variants to alternate (default: all)")
     p.add_argument("--result-file")
     ns = p.parse_args()
+    variants = tuple(v for v in variants if str(v) in ns.variants)
     runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len,
                                   mem_fraction_static=0.7, cuda_graph_bs=tuple(ns.batch_size),
                                   decode_gemm=ns.decode_gemm)

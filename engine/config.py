@@ -56,8 +56,8 @@ class EngineArgs:
     # product.
     disable_pdl: bool = False
     # What runs products of up to 8 rows (decode batches) under PDL: `gemv` (kernels.gemv, which pulls its weights into
-    # L2 before waiting on the kernel before), `cublas`, or `auto`: both timed on the model's weights at start-up
-    # (engine.decode_products).
+    # L2 before waiting on the kernel before), `cublas`, or `auto`: both timed per weight shape on the model's weights at
+    # start-up, kernels.gemv with a few tile configurations, each shape on the faster (engine.decode_products).
     decode_gemm: str = "auto"
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0

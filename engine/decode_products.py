@@ -1,10 +1,15 @@
-"""Which kernel runs the decode-sized products (up to engine.layers.linear.SKINNY_ROWS rows) on this GPU.
+"""Which kernel runs each decode-sized product (up to engine.layers.linear.SKINNY_ROWS rows) on this GPU, and with
+which tiles.
 
-Neither wins everywhere. The 8B shape's products chained in a CUDA graph at one row take 5.29 ms with kernels.gemv
-under programmatic dependent launch against 5.61 with cuBLAS on an H100, but 4.36-4.44 against 4.06 on an H200, and
-the whole decode step follows (benchmarks/results/NOTES.md, 2026-11-24). With --decode-gemm auto the model runner
-times both on the model's own weights before it captures its graphs, and keeps kernels.gemv only when it is clearly
-faster, so a close call keeps cuBLAS on every start (the choice changes the products' rounding).
+Neither kernel wins everywhere, and the winner depends on the product's shape. The 8B shape's products chained in a
+CUDA graph at one row take 5.29 ms with kernels.gemv under programmatic dependent launch against 5.61 with cuBLAS on
+an H100, but 4.36-4.44 against 4.06 on an H200 (benchmarks/results/NOTES.md, 2026-11-24); on the H200, by shape,
+kernels.gemv with 32-row tiles takes 10.6 us for o_proj and 28.7 for down_proj against cuBLAS's 13.1 and 32.0 (its
+split-K needs a second kernel), while cuBLAS keeps qkv_proj and gate_up_proj (2026-11-28, night). So with
+--decode-gemm auto the model runner times, before it captures its graphs, every distinct weight shape of the model
+at one row: cuBLAS and kernels.gemv with each of a few tile configurations, each over all of that shape's weights
+in one graph; a shape runs kernels.gemv (with its fastest tiles) only when that is clearly faster, so a close call
+keeps cuBLAS on every start (the choice changes the products' rounding).
 """
 
 from __future__ import annotations
@@ -60,21 +65,52 @@ def _graph_ms(product, weights: list[torch.Tensor], inputs: dict[int, torch.Tens
     return sorted(times)[len(times) // 2]
 
 
-def prefer_gemv(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode-sized products should run kernels.gemv (--decode-gemm auto): both timed here."""
+# Tiles tried besides kernels.gemv's defaults, (BLOCK_N, BLOCK_K, warps, stages, L2-pulled columns): the fastest
+# for o_proj and down_proj on an H200 (benchmarks.pdl_chain --per-role, 2026-11-28)
+CANDIDATES = ((32, 512, 4, 4, 2048), (16, 512, 2, 4, 2048))
+
+
+def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
+    """kernels.gemv's default tiles for an [n, k] weight, then CANDIDATES fitted to k (as the defaults are)."""
+    from kernels.gemv import default_config
+
+    cap = 1 << max(k - 1, 0).bit_length()  # next power of two
+    out = [default_config(n, k)]
+    for block_n, block_k, warps, stages, pull in CANDIDATES:
+        config = (block_n, max(64, min(block_k, cap)), warps, stages, min(pull, cap))
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], tuple | None]:
+    """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS
+    (--decode-gemm auto; kernels.runtime.use_pdl takes it)."""
+    from triton.runtime.errors import OutOfResources
+
     from kernels.gemv import gemv
 
-    weights = [w for w in _weights(model) if w.dtype == dtype and w.is_contiguous()]
-    if not weights:
-        return False
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for w in _weights(model):
+        if w.dtype == dtype and w.is_contiguous():
+            by_shape.setdefault(tuple(w.shape), []).append(w)
     g = torch.Generator(device=device).manual_seed(0)
-    inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for k in {w.shape[1] for w in weights}}
-    started = time.monotonic()
-    cublas = _graph_ms(lambda x, w: F.linear(x, w), weights, inputs)
-    ours = _graph_ms(lambda x, w: gemv(x, w, pdl=True), weights, inputs)
+    inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for _, k in by_shape}
+    started, chosen, lines = time.monotonic(), {}, []
+    for shape, weights in by_shape.items():
+        cublas = _graph_ms(lambda x, w: F.linear(x, w), weights, inputs)
+        best, best_ms = None, cublas
+        for config in candidates(*shape):
+            try:
+                ms = _graph_ms(lambda x, w, c=config: gemv(x, w, pdl=True, config=c), weights, inputs)
+            except OutOfResources:  # tiles too large for this GPU's shared memory
+                continue
+            if ms <= MARGIN * cublas and ms < best_ms:
+                best, best_ms = config, ms
+        chosen[shape] = best
+        lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
+                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us"))
     torch.cuda.empty_cache()
-    keep = ours <= MARGIN * cublas
-    log.info("decode products at one row: kernels.gemv %.3f ms, cuBLAS %.3f ms for the model's %d weights (timed in "
-             "%.2f s): %s", ours, cublas, len(weights), time.monotonic() - started,
-             "kernels.gemv" if keep else "cuBLAS")
-    return keep
+    log.info("decode products at one row, by weight shape (timed in %.2f s): %s", time.monotonic() - started,
+             "; ".join(lines))
+    return chosen

@@ -20,7 +20,7 @@ from engine.config import EngineArgs, ModelConfig, torch_dtype
 from engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
 from engine.distributed import TensorParallel, TPConfig
 from engine.forward_context import ForwardContext, forward_context
-from engine.decode_products import prefer_gemv
+from engine.decode_products import plan as decode_products_plan
 from engine.layers.triton_ops import pdl_available, set_pdl
 from engine.models.loader import load_model
 from engine.pooling import Pooling, pool
@@ -87,7 +87,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
         if graph_sizes and args.decode_gemm == "auto" and pdl_available(self.device):
-            set_pdl(True, gemv=prefer_gemv(self.model, self.device, self.dtype))
+            set_pdl(True, gemv=decode_products_plan(self.model, self.device, self.dtype))
         if graph_sizes:
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
                                           self.req_to_token.pad_row, graph_sizes)

@@ -29,13 +29,15 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
 # waits before it can finish, the order of the stream holds transitively. Kernels launched without it (torch ops,
 # cuBLAS) wait for the kernel before as usual.
 
-_pdl = {"enabled": True, "gemv": True}
+_pdl: dict = {"enabled": True, "gemv": True}
 
 
-def use_pdl(enabled: bool, gemv: bool = True) -> None:
+def use_pdl(enabled: bool, gemv: bool | dict = True) -> None:
     """Turn programmatic dependent launch on or off for the whole process (ModelRunner sets it from
-    --disable-pdl; graphs captured after the call use the new setting); `gemv`: whether decode-sized products run
-    kernels.gemv under it (engine.layers.linear)."""
+    --disable-pdl; graphs captured after the call use the new setting); `gemv`: which decode-sized products run
+    kernels.gemv under it (engine.layers.linear): True (all, kernels.gemv's default tiles), False (none: cuBLAS), or
+    a plan by weight shape, {(n, k): kernels.gemv tiles (its `config`), or None for cuBLAS}, where shapes the plan
+    does not name run cuBLAS (engine.decode_products.plan)."""
     _pdl["enabled"], _pdl["gemv"] = enabled, gemv
 
 
@@ -61,8 +63,22 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def gemv_enabled(t: torch.Tensor) -> bool:
-    """Whether decode-sized products on `t` run kernels.gemv (PDL on, and kernels.gemv not turned off)."""
-    return _pdl["gemv"] and pdl_enabled(t.device)
+    """Whether any decode-sized product on `t` runs kernels.gemv (PDL on, and kernels.gemv not turned off)."""
+    g = _pdl["gemv"]
+    chosen = any(v is not None for v in g.values()) if isinstance(g, dict) else g
+    return bool(chosen) and pdl_enabled(t.device)
+
+
+def gemv_plan(t: torch.Tensor, shape: tuple[int, int]) -> tuple[bool, tuple | None]:
+    """For a decode-sized product on `t` with a weight of `shape`: (whether it runs kernels.gemv, its tiles; None:
+    kernels.gemv's defaults)."""
+    g = _pdl["gemv"]
+    if not g or not pdl_enabled(t.device):
+        return False, None
+    if g is True:
+        return True, None
+    config = g.get(shape)
+    return config is not None, config
 
 
 def pdl_on(t: torch.Tensor) -> bool:

@@ -20,8 +20,8 @@ from engine.distributed import TensorParallel
 from engine.layers.triton_ops import use_kernels
 
 # Up to this many rows (a decode batch), a CUDA product runs kernels.gemv, which starts streaming its weights while
-# the kernel before it still runs, where the model runner chose it for this GPU (engine.decode_products: on an H100,
-# not on an H200); F.linear (cuBLAS) otherwise.
+# the kernel before it still runs, where the model runner chose it for this GPU and this weight's shape, with the
+# tiles it chose (engine.decode_products); F.linear (cuBLAS) otherwise.
 SKINNY_ROWS = 8
 
 
@@ -43,12 +43,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight^T (+ bias), as F.linear."""
     if (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_ROWS and use_kernels(x) and x.dtype in _SKINNY_DTYPES
             and x.stride(1) == 1 and weight.is_contiguous()):
-        from kernels.runtime import gemv_enabled
+        from kernels.runtime import gemv_plan
 
-        if gemv_enabled(x):  # eager too, so that a graph's products and eager ones round alike
+        on, config = gemv_plan(x, tuple(weight.shape))
+        if on:  # eager too, so that a graph's products and eager ones round alike
             from kernels.gemv import gemv
 
-            return gemv(x, weight, bias, pdl=True)
+            return gemv(x, weight, bias, pdl=True, config=config)
     return F.linear(x, weight, bias)
 
 

@@ -21,9 +21,10 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_importable()
 
 
-def set_pdl(enabled: bool, gemv: bool) -> None:
-    """Programmatic dependent launch of the kernels on or off for this process, and whether decode-sized products
-    run kernels.gemv under it (kernels.runtime); nothing to set without Triton."""
+def set_pdl(enabled: bool, gemv: bool | dict) -> None:
+    """Programmatic dependent launch of the kernels on or off for this process, and which decode-sized products run
+    kernels.gemv under it (kernels.runtime.use_pdl: all, none, or a plan by weight shape); nothing to set without
+    Triton."""
     if _triton_importable():
         from kernels.runtime import use_pdl
 

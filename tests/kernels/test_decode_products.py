@@ -1,0 +1,86 @@
+"""Which kernel runs each decode-sized product (engine.decode_products, kernels.runtime.use_pdl): a plan by weight
+shape sends each product to kernels.gemv with the tiles chosen for its shape or to cuBLAS. On CPU the plan's
+semantics and the candidate tiles; on a Hopper GPU the products engine.layers.linear runs under a plan, bit for bit
+against the kernel the plan names, and the plan that --decode-gemm auto times on the model's own weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.decode_products import CANDIDATES, candidates
+from kernels import runtime
+from kernels.gemv import default_config, gemv
+from kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, use_pdl
+
+
+@pytest.fixture
+def restore_pdl():
+    yield
+    use_pdl(True, True)
+
+
+def test_candidates_start_with_the_defaults_and_fit_k():
+    wide = candidates(4096, 14336)
+    assert wide[0] == default_config(4096, 14336)
+    assert set(CANDIDATES) <= set(wide) and len(wide) == len(set(wide))
+    narrow = candidates(96, 128)  # K below the tiles' 512 columns: capped at the next power of two, as the defaults
+    assert narrow[0] == default_config(96, 128)
+    assert all(block_k <= 128 and pull <= 128 for _, block_k, _, _, pull in narrow)
+    assert (32, 128, 4, 4, 128) in narrow
+
+
+def test_a_plan_by_shape(monkeypatch, restore_pdl):
+    monkeypatch.setattr(runtime, "pdl_enabled", lambda device: runtime._pdl["enabled"])  # as on a Hopper GPU
+    t = torch.empty(0)
+    tiles = (32, 512, 4, 4, 2048)
+    use_pdl(True, {(4096, 4096): tiles, (6144, 4096): None})
+    assert gemv_plan(t, (4096, 4096)) == (True, tiles)
+    assert gemv_plan(t, (6144, 4096)) == (False, None)  # cuBLAS by the plan
+    assert gemv_plan(t, (28672, 4096)) == (False, None)  # not in the plan: cuBLAS
+    assert gemv_enabled(t)
+    use_pdl(True, {(6144, 4096): None})
+    assert not gemv_enabled(t)  # a plan that keeps every shape on cuBLAS
+    use_pdl(True, True)
+    assert gemv_plan(t, (6144, 4096)) == (True, None)  # every product, default tiles
+    use_pdl(True, False)
+    assert gemv_plan(t, (6144, 4096)) == (False, None)
+    use_pdl(False, {(4096, 4096): tiles})
+    assert gemv_plan(t, (4096, 4096)) == (False, None)  # PDL off: cuBLAS, whatever the plan
+
+
+@pytest.mark.gpu
+def test_linear_runs_the_plans_kernel_bit_for_bit(restore_pdl):
+    if not pdl_supported():
+        pytest.skip("programmatic dependent launch needs Hopper and a Triton with gdc_wait")
+    from engine.layers.linear import linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    o = torch.randn((4096, 4096), device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    qkv = torch.randn((6144, 4096), device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    x = torch.randn((1, 4096), device="cuda", dtype=torch.bfloat16, generator=g)
+    tiles = (32, 512, 4, 4, 2048)
+    use_pdl(True, {(4096, 4096): tiles, (6144, 4096): None})
+    assert torch.equal(linear(x, o), gemv(x, o, config=tiles))
+    assert torch.equal(linear(x, qkv), F.linear(x, qkv))
+    other = torch.randn((512, 4096), device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    assert torch.equal(linear(x, other), F.linear(x, other))  # a shape the plan does not name
+
+
+@pytest.mark.gpu
+def test_auto_plans_every_shape_of_the_model(restore_pdl):
+    """--decode-gemm auto (the default) with graphs: the engine plans each weight shape before capturing, and
+    generates as it should."""
+    if not pdl_supported():
+        pytest.skip("programmatic dependent launch needs Hopper and a Triton with gdc_wait")
+    from engine.decode_products import _weights
+    from tests.engine_utils import running_engine
+
+    with running_engine("models/tiny-llama", device="cuda", dtype="bfloat16", mem_fraction_static=0.3) as llm:
+        chosen = runtime._pdl["gemv"]
+        assert isinstance(chosen, dict)
+        assert set(chosen) == {tuple(w.shape) for w in _weights(llm.runner.model)}
+        assert all(c is None or c in candidates(*s) for s, c in chosen.items())
+        out = llm.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert len(out["output_ids"]) == 4
