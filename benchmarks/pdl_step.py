@@ -17,17 +17,27 @@ from kernels.runtime import pdl_supported, use_pdl
 
 
 # --disable-pdl; PDL with cuBLAS products; PDL with kernels.gemv for all; PDL with the per-shape plan of
-# engine.decode_products (--decode-gemm auto's choice, timed once here)
-VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan")
+# engine.decode_products (--decode-gemm auto's choice, timed once here), and that plan with one shape's tiles
+# overridden (what the plan's same-shape timing may misjudge inside the step, where a product follows a norm,
+# attention or SiLU-and-mul)
+OVERRIDES = {"pdl+plan+qkv16": ((6144, 4096), (16, 512, 2, 4, 2048)),
+             "pdl+plan+qkv32": ((6144, 4096), (32, 512, 4, 4, 2048)),
+             "pdl+plan+gate_up": ((28672, 4096), (16, 128, 4, 8, 1024)),
+             "pdl+plan+head": ((128256, 4096), (16, 128, 4, 8, 1024))}
+VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES)
 _plans: dict = {}
 
 
 def _switch(runner: ModelRunner, variant: str) -> None:
-    if variant == "pdl+plan":
+    if variant.startswith("pdl+plan"):
         if "plan" not in _plans:
             _plans["plan"] = plan(runner.model, runner.device, runner.dtype)
             print(f"per-shape plan: {_plans['plan']}")
-        use_pdl(True, gemv=_plans["plan"])
+        chosen = dict(_plans["plan"])
+        if variant in OVERRIDES:
+            shape, tiles = OVERRIDES[variant]
+            chosen[shape] = tiles
+        use_pdl(True, gemv=chosen)
         return
     use_pdl(variant != "off", gemv=variant == "pdl+gemv")
 
