@@ -79,7 +79,7 @@ def _mixes(mixes: list[str]) -> dict:
     return out
 
 
-def _role_ms(variants: dict, layers, head, m: int, dev) -> list[dict]:
+def _role_ms(variants: dict, layers, head, m: int, dev, copy_gbps: float) -> list[dict]:
     """Each role's products alone, chained (32 of them; the LM head once): cuBLAS and every PDL config, us per
     product."""
     rows = []
@@ -91,14 +91,11 @@ def _role_ms(variants: dict, layers, head, m: int, dev) -> list[dict]:
         for role, ws in by_role.items():
             ms = _time_graph(lambda: [product(x[w.shape[1]], w) for w in ws])
             us = ms * 1e3 / len(ws)
-            floor_us = ws[0].numel() * 2 / _COPY[0] / 1e3
+            floor_us = ws[0].numel() * 2 / copy_gbps / 1e3
             rows.append({"variant": name, "role": role, "rows": m, "us_per_product": us, "floor_us": floor_us,
                          "x_floor": us / floor_us})
             print(f"rows {m:2d} {name:>24} {role:>8}: {us:8.2f} us a product  {us / floor_us:.3f}x its floor")
     return rows
-
-
-_COPY = [0.0]  # this run's copy bandwidth, GB/s
 
 
 def _copy_gbps(dev) -> float:
@@ -187,13 +184,12 @@ def main() -> None:
     nbytes = sum(t.numel() * 2 for layer in layers for t in layer) + head.numel() * 2
     copy = _copy_gbps(dev)
     floor_ms = nbytes / copy / 1e6
-    _COPY[0] = copy
     print(f"weights {nbytes / 1e9:.2f} GB, copy {copy:.0f} GB/s, floor {floor_ms:.3f} ms")
     rows = []
     if ns.per_role:
         for m in ns.rows:
             rows += [{**r, "copy_GBps": copy, "device": torch.cuda.get_device_name()}
-                     for r in _role_ms(variants, layers, head, m, dev)]
+                     for r in _role_ms(variants, layers, head, m, dev, copy)]
     for round_ in range(ns.rounds):
         for m in ns.rows:
             x = torch.randn((m, HIDDEN), device=dev, dtype=torch.bfloat16)

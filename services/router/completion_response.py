@@ -10,7 +10,7 @@ from typing import Any
 
 from radixmesh.v1 import common_pb2, worker_pb2
 from services.router.openai_request import OpenAIJob
-from services.router.openai_response import (TEXT_MARK, Tally, envelope, finish_reason, item_at, json_logprob,
+from services.router.openai_response import (TEXT_MARK, Tally, TalliedResult, envelope, finish_reason, item_at, json_logprob,
                                              matched_stop, sse, template_events, text_template, top_texts)
 
 
@@ -130,23 +130,13 @@ class CompletionStream:
         return chunk
 
 
-class CompletionResult:
+class CompletionResult(TalliedResult):
     """One `text_completion` dict from the `complete` messages of a non-streamed completions request."""
 
     def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_texts: Sequence[str] | None = None,
                  prompt_tokens: Sequence[int] | None = None) -> None:
-        self.job = job
+        super().__init__(job, "text_completion", response_id, created, _per_prompt(job, prompt_tokens, 0))
         self.prompt_texts = _per_prompt(job, prompt_texts, "")
-        self._tally = Tally(job.n, _per_prompt(job, prompt_tokens, 0))
-        self._head = envelope("text_completion", response_id, created, job)
-
-    @property
-    def done(self) -> bool:
-        return self._tally.done
-
-    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
-        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
-        self._tally.record(msg)
 
     def result(self) -> dict[str, Any]:
         choices = []

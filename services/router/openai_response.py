@@ -224,6 +224,24 @@ def envelope(obj: str, response_id: str, created: int, job: OpenAIJob) -> dict[s
     return {"id": response_id, "object": obj, "created": created, "model": job.model}
 
 
+class TalliedResult:
+    """What the non-streamed chat and completions results share: the messages' tally and the response's head."""
+
+    def __init__(self, job: OpenAIJob, obj: str, response_id: str, created: int,
+                 prompt_tokens: Sequence[int | None]) -> None:
+        self.job = job
+        self._tally = Tally(job.n, prompt_tokens)
+        self._head = envelope(obj, response_id, created, job)
+
+    @property
+    def done(self) -> bool:
+        return self._tally.done
+
+    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
+        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
+        self._tally.record(msg)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Chat completions
 
@@ -330,23 +348,13 @@ class ChatStream:
         return chunk
 
 
-class ChatResult:
+class ChatResult(TalliedResult):
     """One `chat.completion` dict from the `complete` messages of a non-streamed chat request."""
 
     def __init__(self, job: OpenAIJob, response_id: str, created: int, prompt_tokens: int | None = None,
                  spec: OutputSpec = OutputSpec()) -> None:
-        self.job = job
+        super().__init__(job, "chat.completion", response_id, created, [prompt_tokens])
         self.spec = spec
-        self._tally = Tally(job.n, [prompt_tokens])
-        self._head = envelope("chat.completion", response_id, created, job)
-
-    @property
-    def done(self) -> bool:
-        return self._tally.done
-
-    def on_message(self, msg: worker_pb2.GenerateResponse) -> None:
-        """Records a `complete`; a chunk only updates token counts; raises OpenAIError on a worker error."""
-        self._tally.record(msg)
 
     def result(self) -> dict[str, Any]:
         choices = []
