@@ -71,12 +71,23 @@ def _new_id(bits: int) -> int:
     return value
 
 
+def _exception_event(exc: BaseException) -> tuple:
+    """(name, time ns, attributes) of the `exception` event for `exc` (OpenTelemetry's semantic conventions)."""
+    module, qualname = type(exc).__module__, type(exc).__qualname__
+    return ("exception", time_ns(), {
+        "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+        "exception.message": str(exc),
+        "exception.stacktrace": "".join(traceback.format_exception(exc)),
+        "exception.escaped": "False"})
+
+
 class Remote:
     """A caller's span as its traceparent describes it (kind 0, never recorded): the parent of this process's first
     span of the trace, and current inside `tracing.attached`."""
 
     __slots__ = ("trace_id", "span_id", "sampled", "tracestate", "baggage")
     kind = 0
+    recording = False  # nothing of this process is recorded in it: a leaf under it is sent on its own
     parent = None
     name = ""
     origin = property(lambda self: self)
@@ -166,14 +177,9 @@ class Span:
 
     def record_exception(self, exc: BaseException) -> None:
         """An `exception` event with the semantic-convention attributes (type, message, stacktrace)."""
-        if not self.recording:
-            return
-        module, qualname = type(exc).__module__, type(exc).__qualname__
-        self.add_event("exception", {
-            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
-            "exception.message": str(exc),
-            "exception.stacktrace": "".join(traceback.format_exception(exc)),
-            "exception.escaped": "False"})
+        if self.recording:
+            name, at, attributes = _exception_event(exc)
+            self.add_event(name, attributes, at)
 
     def is_recording(self) -> bool:
         return self.recording
@@ -245,16 +251,71 @@ class Child:
 
 
 def expand(records: list[tuple]) -> list[tuple]:
-    """Records as the exporter reads them, children sent inside their parents' records made Records of their own
-    (12 fields each, the `children` field left out)."""
+    """Records as the exporter reads them: children sent inside their parents' records made Records of their own
+    (12 fields each, the `children` field left out), positional attributes ((names, values), from `leaf` and
+    `close_call`) made dicts, and children sent without a span id (leaves) given one."""
     out = []
     for r in records:
-        out.append(r[:12])
+        out.append(r[:8] + (_attributes(r[8]),) + r[9:12])
         if r[12]:
             trace_id, parent_id, tracestate = r[0], r[1], r[11]
-            out += [(trace_id, span_id, parent_id, False, name, kind, start, end, attrs, events, status, tracestate)
+            out += [(trace_id, span_id or _new_id(64), parent_id, False, name, kind, start, end, _attributes(attrs),
+                     events, status, tracestate)
                     for span_id, name, kind, start, end, attrs, events, status in r[12]]
     return out
+
+
+def _attributes(attrs: dict | tuple) -> dict:
+    return dict(zip(*attrs)) if type(attrs) is tuple else attrs
+
+
+def open_call() -> tuple | None:
+    """The start of a client span whose context goes with a call (tracing.put_context / metadata_for take it) and
+    that is never made current: (parent, span id, start ns), or None when no span is current. Cheaper than a
+    `Child` (no object); end it with `close_call`, which names it."""
+    p = CURRENT.get()
+    if p is None:
+        return None
+    return (p, getrandbits(64) or _new_id(64), time_ns())
+
+
+def close_call(opened: tuple, name: str, kind: int, names: tuple, values: tuple,
+               error: BaseException | None = None) -> None:
+    """End a span from `open_call`: its attributes are `values` under `names` (bare names get `radixmesh.` in the
+    exporter, None values are dropped there); `error` as tracing.end_span takes it."""
+    p, span_id, start = opened
+    if p.sampled:
+        _leaf(p, span_id, name, kind, start, names, values, error)
+
+
+def leaf(name: str, kind: int, start_ns: int, names: tuple, values: tuple, error: BaseException | None = None
+         ) -> None:
+    """A finished child of the current span that began at `start_ns` (time_ns) and ends now, never made current and
+    with no context sent anywhere (a routing decision): attributes as in `close_call`, its span id given by the
+    exporter. Nothing happens without a current sampled span."""
+    p = CURRENT.get()
+    if p is not None and p.sampled:
+        _leaf(p, 0, name, kind, start_ns, names, values, error)
+
+
+def _leaf(p, span_id: int, name: str, kind: int, start: int, names: tuple, values: tuple,
+          error: BaseException | None) -> None:
+    events = status = None
+    if error is not None:
+        if isinstance(error, Exception):
+            events = [_exception_event(error)]
+            status = (STATUS_ERROR, str(error) or type(error).__name__)
+        else:  # a cancellation
+            names, values = names + ("cancelled",), values + (True,)
+    if p.recording:  # the parent is open: into its record
+        entry = (span_id, name, kind, start, time_ns(), (names, values), events, status)
+        if p.children is None:
+            p.children = [entry]
+        else:
+            p.children.append(entry)
+    else:
+        _sink((p.trace_id, span_id or _new_id(64), p.span_id, p.kind == 0, name, kind, start, time_ns(),
+               (names, values), events, status, p.tracestate, None))
 
 
 def encode_batch(records: list[tuple]) -> bytes:
@@ -275,8 +336,8 @@ def plain(record: tuple) -> tuple:
                             children=children or None))
 
 
-def _plain_attributes(attributes: dict) -> dict:
-    return {k: _plain_value(v) for k, v in attributes.items()}
+def _plain_attributes(attributes: dict | tuple) -> dict:
+    return {k: _plain_value(v) for k, v in _attributes(attributes).items()}
 
 
 def _plain_events(events: list | None) -> list | None:

@@ -32,7 +32,8 @@ from services.common import logs
 log = logging.getLogger(__name__)
 
 _NULL = contextlib.nullcontext()
-_KINDS = {"internal": 1, "server": 2, "client": 3}  # OTLP SpanKind values (trace_recorder.INTERNAL, ...)
+INTERNAL, SERVER, CLIENT = 1, 2, 3  # OTLP SpanKind values (trace_recorder's)
+_KINDS = {"internal": INTERNAL, "server": SERVER, "client": CLIENT}
 # While tracing is on: the span pipe, and from services.common.trace_recorder / trace_context the Span class, the
 # current-span ContextVar and the propagation settings (bound here so the off path imports none of them).
 _pipe = None
@@ -42,6 +43,7 @@ _current: Any = None
 _propagation: Any = None
 _Metadata: Any = None  # grpc.aio.Metadata
 _extract: Any = None  # trace_context.extract
+_traceparent: Any = None  # trace_context.traceparent
 _role = ""
 
 
@@ -75,7 +77,7 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     """Start recording spans for this process, exported by an exporter process of its own, when tracing is on;
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
-    global _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role
+    global _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role, _traceparent
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -84,7 +86,7 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     from grpc.aio import Metadata
 
     from services.common import trace_recorder
-    from services.common.trace_context import Propagation, Sampler, extract
+    from services.common.trace_context import Propagation, Sampler, extract, traceparent
     from services.common.trace_pipe import SpanPipe, env_int, exporter_command
 
     endpoint = settings.otlp_traces_endpoint
@@ -95,9 +97,12 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
                     batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
     sampler = Sampler.from_env()
     trace_recorder.configure(sampler, pipe.add)
+    global open_call, close_call, leaf
+    open_call, close_call, leaf = trace_recorder.open_call, trace_recorder.close_call, trace_recorder.leaf
     _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
         pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
         extract, role)
+    _traceparent = traceparent
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
     log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint
@@ -137,13 +142,15 @@ def span(name: str, kind: str = "internal", **attributes: Any):
     return _Span(name, _KINDS[kind], attributes, _current.get())
 
 
-def root_span(name: str, headers: Mapping[str, str], **attributes: Any):
+def root_span(name: str, headers: Mapping[str, str], owned: dict | None = None, /, **attributes: Any):
     """The server span of an incoming HTTP request or gRPC call: a child of the caller's W3C `traceparent` when
-    `headers` carry one, else the root of a new trace."""
+    `headers` carry one, else the root of a new trace. Attributes: `owned` (a dict the span keeps and changes) or
+    the keywords."""
     if _pipe is None:
         return _NULL
     remote = _extract(headers, _propagation)
-    return _Span(name, 2, attributes, _Span.remote(remote) if remote is not None else None)
+    return _Span(name, 2, attributes if owned is None else owned,
+                 _Span.remote(remote) if remote is not None else None)
 
 
 def wall_offset_ns() -> int:
@@ -190,13 +197,48 @@ def end_span(s, error: BaseException | None = None) -> None:
     s.end()
 
 
+# Spans for the request path of a busy service (the router's), recorded as tuples instead of span objects, with
+# attributes as positional values under a constant tuple of names: a fraction of span()/start_span()'s cost.
+# Bound to trace_recorder's functions while tracing is on; callers test what `clock`/`open_call` gave first.
+
+def clock() -> int:
+    """time.time_ns() while tracing is on, else 0: the start of a `leaf`."""
+    return time.time_ns() if _pipe is not None else 0
+
+
+def leaf(name: str, kind: int, start_ns: int, names: tuple, values: tuple, error: BaseException | None = None
+         ) -> None:
+    """A finished child of the current span, begun at `start_ns` (from `clock`), ending now, never current and
+    with no context sent anywhere (a routing decision); attributes: `values` under `names`. `error`: as end_span
+    takes it. trace_recorder.leaf while tracing is on."""
+
+
+def open_call():
+    """A client span for a call whose context goes with it (put_context, metadata_for), not made current: an
+    opaque value to end with `close_call`, None when tracing is off or no span is current."""
+    return None
+
+
+def close_call(opened, name: str, kind: int, names: tuple, values: tuple, error: BaseException | None = None
+               ) -> None:
+    """End a span from `open_call` (not None), named and given its attributes now (as `leaf`)."""
+
+
+def _context_of(s) -> tuple[str, Any]:
+    """(traceparent, the trace's origin) of a span, a Child or an `open_call` value."""
+    if type(s) is tuple:
+        p, span_id, _ = s
+        return _traceparent(p.trace_id, span_id, p.sampled), p.origin
+    return s.traceparent(), s.origin
+
+
 def metadata_for(s):
     """gRPC metadata (a grpc.aio.Metadata: grpc.aio takes it as it is, where a tuple is converted per call)
     carrying span `s`'s context (W3C traceparent, tracestate, baggage); None for None."""
     if s is None or _propagation is None or not _propagation.tracecontext:
         return None
-    md = _Metadata(("traceparent", s.traceparent()))
-    o = s.origin  # the caller's span the trace came from: its tracestate and baggage travel on
+    value, o = _context_of(s)  # o: the caller's span the trace came from: its tracestate and baggage travel on
+    md = _Metadata(("traceparent", value))
     if o is not None:
         if o.tracestate:
             md.add("tracestate", o.tracestate)
@@ -211,8 +253,7 @@ def put_context(target, s) -> bool:
     propagation off. Writing the map directly costs a quarter of building gRPC metadata and copying it over."""
     if s is None or _propagation is None or not _propagation.tracecontext:
         return False
-    target["traceparent"] = s.traceparent()
-    o = s.origin
+    target["traceparent"], o = _context_of(s)
     if o is not None:
         if o.tracestate:
             target["tracestate"] = o.tracestate
@@ -230,6 +271,14 @@ def current_metadata():
 def current_span():
     """The current span (None when tracing is off or none is current)."""
     return _current.get() if _pipe is not None else None
+
+
+def set_attribute(key: str, value: Any) -> None:
+    """Set one attribute on the current span (no-op when tracing is off); cheaper than set_attributes."""
+    if _pipe is not None:
+        s = _current.get()
+        if s is not None:
+            s.set_attribute(key, value)
 
 
 def set_attributes(**attributes: Any) -> None:

@@ -62,6 +62,8 @@ class Router:
         self.registry = registry
         self.policy = policy
         self.role_policies = {"colocated": policy, "prefill": policy, **(role_policies or {})}
+        self._policy_names = {"colocated": settings.policy, "prefill": settings.prefill_policy or settings.policy,
+                              "decode": settings.decode_policy or settings.policy}
         self.tokenizer = tokenizer
         self.tenants = TenantResolver.from_settings(settings)
         self._single_tokens: dict[str, int | None] = {}
@@ -116,15 +118,15 @@ class Router:
             raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        span = tracing.start_span("tokenize")  # a leaf: its context goes to the tokenizer with the request
+        call = tracing.open_call()  # a leaf: its context goes to the tokenizer with the request
         try:
-            out = await _tokenizer_call(self.tokenizer.tokenize(request, span))
+            out = await _tokenizer_call(self.tokenizer.tokenize(request, call))
         except BaseException as e:
-            tracing.end_span(span, e)
+            if call is not None:
+                tracing.close_call(call, "tokenize", tracing.CLIENT, _TOKENIZE, (None,), e)
             raise
-        if span is not None:
-            span.set_attribute("radixmesh.prompt_tokens", len(out.input_ids))
-            span.end()
+        if call is not None:
+            tracing.close_call(call, "tokenize", tracing.CLIENT, _TOKENIZE, (len(out.input_ids),))
         return out
 
     async def single_token(self, text: str) -> int | None:
@@ -139,8 +141,7 @@ class Router:
             return await _tokenizer_call(self.tokenizer.detokenize(ids, skip_special_tokens))
 
     def policy_name(self, role: str = "colocated") -> str:
-        s = self.settings
-        return {"prefill": s.prefill_policy, "decode": s.decode_policy}.get(role) or s.policy
+        return self._policy_names.get(role) or self.settings.policy
 
     async def pick(self, candidates: list, request: worker_pb2.GenerateRequest, role: str = "colocated"):
         """The policy's choice among `candidates` for `request`, inside the `route` span (with tracing on: the
@@ -151,16 +152,18 @@ class Router:
         # pick, called without a coroutine in between, and their route span is a leaf (tracing.start_span)
         pick_async = getattr(policy, "pick_async", None)
         if pick_async is None:
-            span = tracing.start_span("route", "internal", policy=self.policy_name(role), role=role,
-                                      candidates=len(candidates), prompt_tokens=len(request.input_ids))
+            start = tracing.clock()
             try:
                 worker = policy.pick(candidates, request.input_ids)
             except Exception as e:
-                tracing.end_span(span, e)
+                if start:
+                    tracing.leaf("route", tracing.INTERNAL, start, _ROUTE[:4],
+                                 (self.policy_name(role), role, len(candidates), len(request.input_ids)), e)
                 raise
-            if span is not None:
-                _route_attributes(span, policy, worker)
-                span.end()
+            if start:
+                tracing.leaf("route", tracing.INTERNAL, start, _ROUTE, (
+                    self.policy_name(role), role, len(candidates), len(request.input_ids), worker.url,
+                    getattr(policy, "last_reason", None), getattr(policy, "last_matched_tokens", None)))
             return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
@@ -264,7 +267,7 @@ class Router:
         if metrics is not None:
             metrics.picked(worker.url)
         worker.in_flight += 1
-        span = tracing.start_span("worker Generate", worker=worker.url, role="colocated", attempt=attempt)
+        span = tracing.open_call()
         streamed, error, verdict, call = False, None, worker.breaker.release, None
         failed = functools.partial(worker.breaker.failure, worker.breaker.clock())
         try:
@@ -308,7 +311,9 @@ class Router:
                 raise outcome.error from None
         finally:
             verdict()
-            tracing.end_span(span, error)
+            if span is not None:
+                tracing.close_call(span, "worker Generate", tracing.CLIENT, _WORKER_CALL,
+                                   (worker.url, "colocated", attempt), error)
             worker.in_flight -= 1
             if call is not None:
                 self.calls.forget(call)
@@ -323,6 +328,12 @@ class Router:
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))
+
+
+# attribute names of the router's spans recorded as tuples (tracing.leaf / close_call)
+_ROUTE = ("policy", "role", "candidates", "prompt_tokens", "worker", "reason", "matched_tokens")
+_TOKENIZE = ("prompt_tokens",)
+_WORKER_CALL = ("worker", "role", "attempt")
 
 
 def _route_attributes(span, policy, worker) -> None:

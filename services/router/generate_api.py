@@ -169,7 +169,7 @@ async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.Logpro
                          tenant: str) -> worker_pb2.GenerateRequest:
     worker_rid = new_request_id()
     request_id_var.set(worker_rid)
-    tracing.set_attributes(request_id=worker_rid)
+    tracing.set_attribute("request_id", worker_rid)
     ids = job.input_ids
     if ids is None:
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)

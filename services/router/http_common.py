@@ -112,13 +112,15 @@ async def traced_errors_middleware(request: web.Request, handler):
     `benchmarks.router --trace-ab`). The span is the root of the request's trace, or a child of the client's W3C
     `traceparent`; everything the router does for the request is under it, errors answered here included. Probes
     and scrapes (UNTRACED_PATHS) get none."""
-    if request.path in UNTRACED_PATHS:
+    url_path = request.path
+    if url_path in UNTRACED_PATHS:
         return await errors_middleware(request, handler)
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
     counter = _arrived(request)
-    with tracing.root_span(f"{request.method} {path}", request.headers, **{
-            "http.request.method": request.method, "url.path": request.path, "http.route": path}) as span:
+    method = request.method
+    with tracing.root_span(f"{method} {path}", request.headers, {
+            "http.request.method": method, "url.path": url_path, "http.route": path}) as span:
         try:
             response = await handler(request)
         except Exception as e:  # noqa: BLE001 - answered (or re-raised) by _answer_error

@@ -118,7 +118,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     sampling = await _answer_constraint(router, job, prompts[0].text)
     rid = new_request_id()
     request_id_var.set(rid)
-    tracing.set_attributes(request_id=rid)
+    tracing.set_attribute("request_id", rid)
     requests = [worker_pb2.GenerateRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", input_ids=p.ids,
                                            sampling_params=sampling, logprob_options=job.logprobs,
                                            stream=job.stream, tenant=tenant_of(request))

@@ -92,12 +92,12 @@ class TokenizerClient:
         if span is None:
             span = tracing.current_span()
         if await self.batcher.open():
-            if span is not None:  # the caller's request stays as it is (it may be the L0 cache's key)
-                traced = tokenizer_pb2.TokenizeRequest()
-                traced.CopyFrom(request)
-                if tracing.put_context(traced.trace_context, span):
-                    request = traced
-            return await self.batcher.submit(request)
+            if span is None or not tracing.put_context(request.trace_context, span):
+                return await self.batcher.submit(request)
+            try:  # the context travels in the request, which is given back as it came (a retry's cache key)
+                return await self.batcher.submit(request)
+            finally:
+                request.ClearField("trace_context")
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.metadata_for(span))
         except grpc.aio.AioRpcError as e:

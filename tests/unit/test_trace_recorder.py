@@ -81,6 +81,63 @@ def test_a_child_goes_inside_its_parents_record_or_on_its_own_once_the_parent_en
     assert [e[0] for e in spans[2].events] == ["exception"] and late.recording  # never ended: never sent
 
 
+def test_leaves_and_calls_recorded_as_tuples(records, monkeypatch):
+    """tracing.leaf / open_call / close_call (the router's request path): positional attributes, into the open
+    parent's record; ids given by the exporter to leaves; a call's context is its own span id; errors and
+    cancellations as end_span marks them; after the parent ended, a record of its own."""
+    import asyncio
+
+    from services.common import tracing
+    monkeypatch.setattr(tracing, "_propagation", Propagation())
+    monkeypatch.setattr(tracing, "_traceparent", traceparent)
+    names = ("policy", "worker", "matched_tokens")
+    trace_recorder.leaf("route", 1, 5, names, ("p", "w", None))  # no current span: nothing
+    assert trace_recorder.open_call() is None
+    with Span("root", 2, {}, None) as root:
+        trace_recorder.leaf("route", 1, 5, names, ("p", "w", None))
+        call = trace_recorder.open_call()
+        carrier: dict = {}
+        assert tracing.put_context(carrier, call)
+        assert carrier["traceparent"] == f"00-{root.trace_id:032x}-{call[1]:016x}-01"
+        trace_recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",), ValueError("bad"))
+        cancelled = trace_recorder.open_call()
+        trace_recorder.close_call(cancelled, "tokenize", CLIENT, ("prompt_tokens",), (None,),
+                                  asyncio.CancelledError())
+        late = trace_recorder.open_call()
+    trace_recorder.close_call(late, "late", CLIENT, ("worker",), ("w",))
+    (rec, alone) = records
+    assert [c[0] for c in rec.children] == [0, call[1], cancelled[1]]
+    spans = [Record(*r) for r in trace_recorder.expand(marshal.loads(trace_recorder.encode_batch(
+        [tuple(rec), tuple(alone)])))]
+    assert [s.name for s in spans] == ["root", "route", "worker Generate", "tokenize", "late"]
+    route, worker, tok, late_span = spans[1:]
+    assert route.span_id not in (0, root.span_id, call[1]) and route.parent_id == root.span_id
+    assert route.attributes == {"policy": "p", "worker": "w", "matched_tokens": None}  # None: dropped on export
+    assert route.start_ns == 5 and route.end_ns >= 5
+    assert (worker.span_id, worker.kind, worker.attributes) == (call[1], CLIENT, {"worker": "w"})
+    assert worker.status == (trace_recorder.STATUS_ERROR, "bad") and worker.events[0][0] == "exception"
+    assert tok.attributes == {"prompt_tokens": None, "cancelled": True} and tok.status is None
+    assert (late_span.span_id, late_span.parent_id, late_span.trace_id) == (late[1], root.span_id, root.trace_id)
+    records.clear()
+    unsampled = Span("root", 2, {}, None)
+    unsampled.sampled = unsampled.recording = False
+    with unsampled:
+        trace_recorder.leaf("route", 1, 5, names, ("p", "w", 0))
+        quiet = trace_recorder.open_call()
+        carrier = {}
+        assert tracing.put_context(carrier, quiet) and carrier["traceparent"].endswith("-00")
+        trace_recorder.close_call(quiet, "worker Generate", CLIENT, ("worker",), ("w",))
+    assert records == []
+    remote = Span.remote(extract({"traceparent": f"00-{7:032x}-{9:016x}-01"}, Propagation()))
+    token = CURRENT.set(remote)
+    try:
+        trace_recorder.leaf("route", 1, 5, names, ("p", "w", 0))
+    finally:
+        CURRENT.reset(token)
+    (r,) = records
+    assert (r.trace_id, r.parent_id, r.parent_remote, r.span_id != 0) == (7, 9, True, True)
+
+
 def test_a_batch_with_values_marshal_cannot_write_goes_as_their_strings():
     rec = (1, 2, 0, False, "root", 2, 3, 4, {"o": object()}, None, None, "",
            [(5, "child", 1, 3, 4, {"p": Path("/x"), "n": 1}, [("ev", 3, {"q": object()})], None)])
