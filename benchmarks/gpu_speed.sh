@@ -190,11 +190,13 @@ if [[ $PARTS == *router* ]]; then
         --stream-requests 3000 --out "$OUT/vs-sglang-$round.json" 2>&1 | tee -a "$OUT/vs_sglang.log" | tail -3
     done
   fi
+  # tracing on against off, per scenario (TRACE_SCEN), the exporter on the router's core and then elsewhere
   for extra in "" "--exporter-elsewhere"; do
-    $PY -m benchmarks.router --scenarios generate_1 --requests 500 --repeats 20 --warmup 300 --trace-ab $extra \
-      --out "$OUT/trace-ab${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
-    $PY -m benchmarks.router --scenarios chat_stream_16 --stream-requests 300 --repeats 20 --warmup 200 --trace-ab \
-      $extra --out "$OUT/trace-ab-chat${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
+    for sc in ${TRACE_SCEN:-generate_1 chat_stream_16}; do
+      $PY -m benchmarks.router --scenarios $sc --requests 500 --stream-requests 300 --repeats ${TRACE_REPEATS:-20} \
+        --warmup 200 --trace-ab $extra --out "$OUT/trace-ab-$sc${extra:+-elsewhere}.json" 2>&1 \
+        | tee -a "$OUT/trace_ab.log" | tail -4
+    done
   done
 fi
 

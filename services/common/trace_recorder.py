@@ -153,11 +153,12 @@ class Span:
             CURRENT.reset(self._token)
         except ValueError:  # left in another context than it was entered in (a generator closed elsewhere)
             pass
-        if exc is not None and self.recording and isinstance(exc, Exception):
-            self.record_exception(exc)
-            if self.status is None:
-                self.status = (STATUS_ERROR, f"{type(exc).__name__}: {exc}")
-        self.end()
+        if self.recording:
+            if exc is not None and isinstance(exc, Exception):
+                self.record_exception(exc)
+                if self.status is None:
+                    self.status = (STATUS_ERROR, f"{type(exc).__name__}: {exc}")
+            self.end()
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value

@@ -148,7 +148,8 @@ def root_span(name: str, headers: Mapping[str, str], owned: dict | None = None, 
     the keywords."""
     if _pipe is None:
         return _NULL
-    remote = _extract(headers, _propagation)
+    # most requests come without a traceparent: one lookup, not the whole extraction
+    remote = _extract(headers, _propagation) if "traceparent" in headers else None
     return _Span(name, 2, attributes if owned is None else owned,
                  _Span.remote(remote) if remote is not None else None)
 
