@@ -40,6 +40,49 @@ def _timed(fn, stream=None) -> float:
     return start.elapsed_time(end)
 
 
+def _dma_per_layer(nbytes: int, repeats: int, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """The same bytes over the copy engine, one contiguous pinned block per layer (a layer-major host layout): does
+    a load that takes no SMs overlap the GEMM chain waiting for it layer by layer, where the kernels' loads do not?"""
+    src = torch.empty(LAYERS, nbytes // LAYERS, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(LAYERS, nbytes // LAYERS, dtype=torch.uint8, device=a.device)
+    stream = torch.cuda.Stream(priority=-1)
+
+    def load() -> list:
+        events = []
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for layer in range(LAYERS):
+                dst[layer].copy_(src[layer], non_blocking=True)
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+        return events
+
+    def per_layer(ready: list) -> None:
+        for ev in ready:
+            torch.cuda.current_stream().wait_event(ev)
+            torch.mm(a, b[:, :4096])
+
+    load()[-1].synchronize()
+    loads, whole, layered = [], [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        load()[-1].synchronize()
+        loads.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        ready = load()
+        whole.append(_timed(lambda: (torch.cuda.current_stream().wait_event(ready[-1]), _gemms(32, a, b[:, :4096]))))
+        torch.cuda.synchronize()
+        ready = load()
+        layered.append(_timed(lambda: per_layer(ready)))
+    torch.cuda.synchronize()
+    gemms = statistics.median(_timed(lambda: _gemms(32, a, b[:, :4096])) for _ in range(repeats))
+    load_ms = statistics.median(loads)
+    return {"load_ms": load_ms, "load_GBps": nbytes / load_ms / 1e6, "gemms_alone_ms": gemms,
+            "layers_after_whole_load_ms": statistics.median(whole),
+            "layers_waiting_per_layer_ms": statistics.median(layered)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=35, help="pages a load moves (35 x 64 = a 2240-token history)")
@@ -61,26 +104,36 @@ def main() -> None:
     b = torch.randn(4096, 14336, dtype=torch.bfloat16, device=dev)
     out: dict = {"device": torch.cuda.get_device_name(), "pages": args.pages, "bytes": nbytes, "runs": {}}
 
+    movers = {"kernel": mover, "direct": KVMover(kv, host, "direct")}  # --hicache-io-backend
+    using = ["kernel"]
+
     def load(direct: bool):
-        mover.direct = direct
-        mover.to_device(hp, dp)
-        return mover.take_ready()
+        m = movers[using[0]]
+        m.direct = direct
+        m.to_device(hp, dp)
+        return m.take_ready()
 
     def backup(direct: bool):
-        mover.direct = direct
-        return mover.to_host(dp, hp)
+        m = movers[using[0]]
+        m.direct = direct
+        return m.to_host(dp, hp)
 
     # warm-up: Triton compiles, the allocator caches the staging buffer
-    for direct in (False, True):
+    for io, direct in (("kernel", False), ("kernel", True), ("direct", True)):
+        using[0] = io
         load(direct)
         backup(direct).wait()
+    using[0] = "kernel"
     torch.cuda.synchronize()
     gemm_alone = statistics.median(_timed(lambda: _gemms(40, a, b)) for _ in range(args.repeats))
     out["gemm_chain_ms"] = gemm_alone
     from kernels import kv_pages
 
     variants = [("staged", False, None)] + [(f"kernels-{p}", True, p) for p in args.programs]
+    if movers["direct"].dma:
+        variants.append(("mover-direct", True, None))  # the copy engine (backups still kernels.kv_pages)
     for name, direct, programs in variants:
+        using[0] = "direct" if name == "mover-direct" else "kernel"
         if programs is not None:  # loads launch kv_pages.PROGRAMS wide, backups host_pool.BACKUP_PROGRAMS
             kv_pages.PROGRAMS = host_pool.BACKUP_PROGRAMS = programs
             load(True)
@@ -132,6 +185,8 @@ def main() -> None:
         out["runs"][name] = rec
         print(name, json.dumps(rec), flush=True)
     print(json.dumps(out, indent=1))
+    out["runs"]["dma-per-layer"] = _dma_per_layer(nbytes, args.repeats, a, b)
+    print("dma-per-layer", json.dumps(out["runs"]["dma-per-layer"]), flush=True)
     if args.result_file:
         with open(args.result_file, "a") as f:
             f.write(json.dumps(out) + "\n")

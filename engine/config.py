@@ -63,6 +63,9 @@ class EngineArgs:
     hicache_ratio: float = 2.0
     hicache_size: int = 0
     hicache_write_policy: str = "write_through"
+    # How host pages reach the device (SGLang's flag): `kernel`, a copy kernel per layer reading the pinned host pool,
+    # or `direct`, the GPU's copy engines (engine.cache.dma), which take no SM from the forward the loads overlap.
+    hicache_io_backend: str = "kernel"
     hicache_storage_backend: str | None = None
     hicache_storage_url: str | None = None
     hicache_storage_prefetch_policy: str = "best_effort"
@@ -307,6 +310,10 @@ def _check_hicache(args: EngineArgs) -> None:
            f"hicache_write_policy must be one of {WRITE_POLICIES}, got {args.hicache_write_policy!r}")
     _check(args.hicache_storage_prefetch_policy in PREFETCH_POLICIES, "hicache_storage_prefetch_policy must be one"
            f" of {PREFETCH_POLICIES}, got {args.hicache_storage_prefetch_policy!r}")
+    from engine.cache.host_pool import IO_BACKENDS
+
+    _check(args.hicache_io_backend in IO_BACKENDS,
+           f"hicache_io_backend must be one of {IO_BACKENDS}, got {args.hicache_io_backend!r}")
     _check(args.hicache_ratio > 0 and args.hicache_size >= 0, "hicache_ratio must be > 0 and hicache_size >= 0")
     _check(not args.enable_hierarchical_cache or not args.disable_radix_cache,
            "enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")

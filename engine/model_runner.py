@@ -262,7 +262,7 @@ class ModelRunner:
                 pages, path = header
                 ranks = self.tp.size if path is not None else 1
                 host = HostKVPool(pages, self.kv_pool, self.tp.rank if path else 0, ranks, path)
-                self.mover = KVMover(self.kv_pool, host)
+                self.mover = KVMover(self.kv_pool, host, self.args.hicache_io_backend)
                 if path is not None:
                     self.tp.all_min(0)
                 continue

@@ -136,14 +136,30 @@ def _direct_copies(kv: KVPool, host: HostKVPool) -> bool:
     return use_kernels(kv.k[0])
 
 
+IO_BACKENDS = ("kernel", "direct")  # --hicache-io-backend (SGLang's names)
+# direct loads: pages a staging slot holds (one layer's K and V each: 256 KB for the 8B shape) and slots in the ring
+STAGING_PAGES, STAGING_SLOTS = 128, 4
+
+
 class KVMover:
-    def __init__(self, kv: KVPool, host: HostKVPool):
+    def __init__(self, kv: KVPool, host: HostKVPool, io_backend: str = "kernel"):
+        """`io_backend` (--hicache-io-backend), how loads reach the device on CUDA: `kernel` (kernels.kv_pages, one
+        launch per layer reading the pinned host pool) or `direct` (the copy engine: engine.cache.dma). Where the
+        one asked for cannot run (no pinned pool, Triton or CUDA runtime), the other, else staged copies."""
+        assert io_backend in IO_BACKENDS, io_backend
         self.kv, self.host = kv, host
         self.cuda = kv.k[0].is_cuda
         self.direct = _direct_copies(kv, host)
+        self.dma = self.cuda and host.data.is_pinned() and (io_backend == "direct" or not self.direct)
+        if self.dma:
+            from engine.cache import dma
+
+            self.dma = dma.available()
         self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
         # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
         self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
+        # direct loads: staged pages go into the pool's pages here while the copy engine brings the next layer
+        self.scatter_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.dma else None
         self.buffers = kv.buffers()
         self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
         self._backups: list[tuple[list[int], list[int], Pending]] = []  # device pages, host pages
@@ -243,7 +259,9 @@ class KVMover:
         else:
             with torch.cuda.stream(self.load_stream):
                 start = _timing_event(self.load_stream)
-                if self.direct:
+                if self.dma:
+                    ready, keep = self._load_direct(host_pages, dev_pages)
+                elif self.direct:
                     ready = []
 
                     def layer_done(layer: int) -> None:
@@ -258,12 +276,60 @@ class KVMover:
                     for i, first, n in _runs(host_pages):
                         staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
                     self._scatter(staged, dev_pages)
-                event = _timing_event(self.load_stream)
-            self._ready = ready + [event] if self.direct else [event] * len(self.kv.k)
+                if self.dma:
+                    event = ready.pop()  # the last layer's scatter ends the flush
+                else:
+                    event = _timing_event(self.load_stream)
+            self._ready = ready + [event] if self.direct or self.dma else [event] * len(self.kv.k)
         seconds = time.perf_counter() - started
         for _, _, pending in queued:
             pending.event, pending.start_event, pending.keep = event, start, keep
             pending.tokens, pending.seconds, pending.flush = tokens, seconds, None
+
+    def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
+        """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES
+        pages, one 2-D copy per run of consecutive host pages brings that layer's K and V into a staging slot, then
+        two index copies on the scatter stream put them into the pool's pages. Slots are reused in a ring (a copy
+        into a slot waits for the scatter that last read it). Returns the per-layer events (the last one's scatter
+        ends the flush) and what must stay alive until then."""
+        from engine.cache import dma
+
+        kv, data = self.kv, self.host.data
+        page_elems = data[0, 0].numel()
+        row = 2 * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
+        host_stride = data.stride(0) * data.element_size()
+        device = kv.k[0].device
+        groups = [(g, host_pages[g:g + STAGING_PAGES]) for g in range(0, len(host_pages), STAGING_PAGES)]
+        slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), 2, *data.shape[2:]),
+                            dtype=data.dtype, device=device)
+        idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
+        copy, scatter = self.load_stream, self.scatter_stream
+        scatter.wait_stream(copy)  # the page index is on the device
+        handle, used, ready = copy.cuda_stream, [], []
+        for layer in range(len(kv.k)):
+            offset = data.data_ptr() + 2 * layer * page_elems * data.element_size()
+            for g, pages in groups:
+                n = len(used)
+                slot = slots[n % STAGING_SLOTS]
+                if n >= STAGING_SLOTS:
+                    copy.wait_event(used[n - STAGING_SLOTS])
+                for i, first, count in _runs(pages):
+                    dma.copy_2d(slot.data_ptr() + i * row, row, offset + first * host_stride, host_stride, row, count,
+                                True, handle)
+                arrived = torch.cuda.Event()
+                arrived.record(copy)
+                scatter.wait_event(arrived)
+                with torch.cuda.stream(scatter):
+                    where = idx[g:g + len(pages)]
+                    self._device_pages(kv.k[layer]).index_copy_(0, where, slot[:len(pages), 0])
+                    self._device_pages(kv.v[layer]).index_copy_(0, where, slot[:len(pages), 1])
+                    done = torch.cuda.Event(enable_timing=True)  # the last one times the flush (Pending)
+                    done.record(scatter)
+                used.append(done)
+            ready.append(used[-1])
+        slots.record_stream(scatter)
+        idx.record_stream(scatter)
+        return ready, (slots, idx)
 
     def take_ready(self) -> list | None:
         """For a forward about to be launched: issue the queued loads and return, once, the CUDA events its layer l
@@ -301,6 +367,51 @@ class JournaledMover:
 
     def flush(self) -> None:
         self.mover.flush()
+
+    def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
+        """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES
+        pages, one 2-D copy per run of consecutive host pages brings that layer's K and V into a staging slot, then
+        two index copies on the scatter stream put them into the pool's pages. Slots are reused in a ring (a copy
+        into a slot waits for the scatter that last read it). Returns the per-layer events (the last one's scatter
+        ends the flush) and what must stay alive until then."""
+        from engine.cache import dma
+
+        kv, data = self.kv, self.host.data
+        page_elems = data[0, 0].numel()
+        row = 2 * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
+        host_stride = data.stride(0) * data.element_size()
+        device = kv.k[0].device
+        groups = [(g, host_pages[g:g + STAGING_PAGES]) for g in range(0, len(host_pages), STAGING_PAGES)]
+        slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), 2, *data.shape[2:]),
+                            dtype=data.dtype, device=device)
+        idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
+        copy, scatter = self.load_stream, self.scatter_stream
+        scatter.wait_stream(copy)  # the page index is on the device
+        handle, used, ready = copy.cuda_stream, [], []
+        for layer in range(len(kv.k)):
+            offset = data.data_ptr() + 2 * layer * page_elems * data.element_size()
+            for g, pages in groups:
+                n = len(used)
+                slot = slots[n % STAGING_SLOTS]
+                if n >= STAGING_SLOTS:
+                    copy.wait_event(used[n - STAGING_SLOTS])
+                for i, first, count in _runs(pages):
+                    dma.copy_2d(slot.data_ptr() + i * row, row, offset + first * host_stride, host_stride, row, count,
+                                True, handle)
+                arrived = torch.cuda.Event()
+                arrived.record(copy)
+                scatter.wait_event(arrived)
+                with torch.cuda.stream(scatter):
+                    where = idx[g:g + len(pages)]
+                    self._device_pages(kv.k[layer]).index_copy_(0, where, slot[:len(pages), 0])
+                    self._device_pages(kv.v[layer]).index_copy_(0, where, slot[:len(pages), 1])
+                    done = torch.cuda.Event(enable_timing=True)  # the last one times the flush (Pending)
+                    done.record(scatter)
+                used.append(done)
+            ready.append(used[-1])
+        slots.record_stream(scatter)
+        idx.record_stream(scatter)
+        return ready, (slots, idx)
 
     def take_ready(self) -> list | None:
         return self.mover.take_ready()

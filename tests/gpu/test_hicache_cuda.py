@@ -52,7 +52,8 @@ def test_host_and_l3_tiers_on_cuda_are_token_exact(tmp_path, backend, policy):
         assert host.num_free == host.num_pages
 
 
-def test_a_slow_host_load_is_waited_for(monkeypatch):
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_a_slow_host_load_is_waited_for(monkeypatch, io_backend):
     """Loads run on a stream of their own, issued as the forward that reads them starts, layer by layer, with no
     host synchronization: with every load held back ~10 ms on that stream (longer than a tiny model's whole
     forward), outputs served from the host pool still equal those with the hierarchy off."""
@@ -72,12 +73,43 @@ def test_a_slow_host_load_is_waited_for(monkeypatch):
         want = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=SP)]
     monkeypatch.setattr(KVMover, "flush", slow)
     with running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=4,
-                        **common) as llm:
+                        hicache_io_backend=io_backend, **common) as llm:
         for round_ in range(2):
             outs = [llm.generate(input_ids=p, sampling_params=SP) for p in prompts]
             assert [o["output_ids"] for o in outs] == want, f"round {round_}"
         assert llm.cache.hierarchy.hit_tokens["host"] > 0, "nothing came back from the host pool"
-        assert llm.cache.hierarchy.mover.direct, "the pinned host pool's kernel copies (kernels.kv_pages) were not used"
+        mover = llm.cache.hierarchy.mover
+        if io_backend == "kernel":
+            assert mover.direct and not mover.dma, "the pinned host pool's kernel copies (kernels.kv_pages) not used"
+        else:
+            assert mover.dma, "the loads did not go over the copy engine (engine.cache.dma)"
+
+
+def test_direct_loads_equal_the_host_pages(monkeypatch):
+    """--hicache-io-backend direct: 2-D copies per run of consecutive host pages, several staging groups and slots
+    reused in a ring, into scattered device pages: every byte lands where the kernel path puts it, and the per-layer
+    events cover each layer."""
+    from engine.cache import host_pool
+    from engine.cache.host_pool import HostKVPool
+    from engine.cache.kv_pool import KVPool
+
+    monkeypatch.setattr(host_pool, "STAGING_PAGES", 3)  # several groups per layer, the ring wrapping within a layer
+    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
+    host = HostKVPool(40, kv)
+    host.data.copy_(torch.randn(host.data.shape).to(host.data.dtype))
+    mover = KVMover(kv, host, "direct")
+    assert mover.dma
+    host_pages = [5, 6, 7, 9, 20, 21, 3, 30, 31, 32, 33]  # runs of 3, 1, 2, 1 and 4
+    dev_pages = [40, 2, 17, 33, 8, 9, 60, 1, 25, 50, 12]
+    mover.to_device(host_pages, dev_pages)
+    ready = mover.take_ready()
+    assert len(ready) == 3
+    ready[-1].synchronize()
+    for layer in range(3):
+        for hp, dp in zip(host_pages, dev_pages):
+            k = kv.k[layer].view(-1, 4, 2, 8)[dp].cpu()
+            v = kv.v[layer].view(-1, 4, 2, 8)[dp].cpu()
+            assert torch.equal(k, host.data[hp, 2 * layer]) and torch.equal(v, host.data[hp, 2 * layer + 1])
 
 
 @pytest.mark.parametrize("tiers", [False, True])

@@ -46,3 +46,27 @@ def test_the_launcher_wires_the_mooncake_transport():
         assert "--enable-mooncake-transfer" not in _argv(children, "kvstore")
     with pytest.raises(ValueError, match="--kvstore-transport must be one of"):
         LaunchSettings(kvstore=True, kvstore_transport="tcp")
+
+
+def test_the_engine_checks_the_io_backend():
+    """--hicache-io-backend takes SGLang's kernel and direct; anything else is a clear error. On CPU both copy the
+    same pages (no copy engine there: plain copies)."""
+    import torch
+
+    from engine.cache.host_pool import HostKVPool, KVMover
+    from engine.cache.kv_pool import KVPool
+    from engine.config import _check_hicache
+
+    for io in ("kernel", "direct"):
+        _check_hicache(EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_io_backend=io))
+    with pytest.raises(ValueError, match="hicache_io_backend must be one of"):
+        _check_hicache(EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_io_backend="dma"))
+    kv = KVPool(8, 4, 2, 2, 8, torch.float32, torch.device("cpu"))
+    host = HostKVPool(8, kv)
+    host.data.copy_(torch.randn(host.data.shape))
+    mover = KVMover(kv, host, "direct")
+    assert not mover.dma and mover.take_ready() is None
+    mover.to_device([3, 4], [6, 1])
+    mover.flush()
+    assert torch.equal(kv.k[1].view(-1, 4, 2, 8)[6], host.data[3, 2]) and torch.equal(kv.v[0].view(-1, 4, 2, 8)[1],
+                                                                                          host.data[4, 1])
