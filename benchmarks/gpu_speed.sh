@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10's GPU numbers, in parts that each fit one device call (10 min):
-#   PARTS="setup tests"     wheels, tiny models, the bench tokenizer, then every GPU-marked test
+#   PARTS="setup tests"     wheels, tiny models, the bench tokenizer, then every GPU-marked test (over 10 minutes on an
+#                           H200 now: split it, TESTS=tests/kernels, then TESTS="tests/gpu tests/parity/...")
 #   PARTS="setup onebatch"  per attention backend: decode steps at batch 1/8/64/256 (graphs on and off), batch-1
 #                           decode at 32k context, one 8k-token prefill, against the same run's copy bandwidth and
 #                           bf16 matmul rate
@@ -19,6 +20,7 @@
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)
+#   PARTS="setup extend"    an extend forward over cached histories against none, per backend (issue 11)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
@@ -300,6 +302,18 @@ if [[ $PARTS == *multiturn* ]]; then
     fi
     (cd "$tree" && PYTHONPATH=$PWD "${run[@]}") 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput|py-spy|rror" \
       | head -14
+  done
+fi
+
+if [[ $PARTS == *extend* ]]; then
+  # Issue 11: a multi-turn wave's extend forward (10 turns of 512 new tokens) over the histories of rounds 3 and 5
+  # against the same forward over none, per attention backend: what attending to the history costs
+  for backend in ${BACKENDS:-triton flashinfer}; do
+    for prefix in 1152 2304; do
+      $PY -m engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 --input-len 64 \
+        --output-len 2 --extend-over $prefix 512 10 --result-file "$OUT/extend.jsonl" 2>&1 | grep -E "^extend" \
+        | sed "s/^/$backend: /" | tee -a "$OUT/extend.log"
+    done
   done
 fi
 

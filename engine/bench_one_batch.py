@@ -142,6 +142,44 @@ def prefill_tflops(runner: ModelRunner, cache: CacheManager, length: int, repeat
     return {"prefill_len": length, "prefill_s": s, "prefill_flops": flops, "prefill_tflops": flops / s / 1e12}
 
 
+def extend_over_prefix(runner: ModelRunner, cache: CacheManager, batch: int, prefix: int, new: int,
+                       repeats: int = 3) -> dict:
+    """One forward extending `batch` requests by `new` tokens each over `prefix` tokens already in the pool (a
+    multi-turn wave's turns over their histories), and the same forward over no prefix: seconds (median of
+    `repeats`), so the difference is what attending to the histories costs, against its attention FLOPs."""
+    vocab, out = runner.model_config.vocab_size, {}
+    for have in (prefix, 0):
+        times = []
+        for i in range(repeats):
+            gen = torch.Generator().manual_seed(1000 + i)
+            reqs = _make_reqs(cache, batch, max(have, 1), vocab, gen)
+            if have:
+                prefill(runner, cache, reqs)
+            else:  # nothing cached: the one token _make_reqs needs is replaced by the new ones
+                for r in reqs:
+                    r.input_ids = []
+            for r in reqs:
+                r.input_ids = r.input_ids + torch.randint(0, vocab, (new,), generator=gen).tolist()
+                r.extend_len = new
+                if cache.alloc_tokens(r, new) is None:
+                    raise RuntimeError("KV pool too small for this batch")
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            step, _ = build_extend(reqs, cache.slots_of_new_tokens(reqs), runner.device)
+            runner.forward_and_sample(step, _greedy(runner, reqs)).next_ids.tolist()
+            times.append(time.perf_counter() - t0)
+            for r in reqs:
+                cache.release(r)
+        out[have] = statistics.median(times)
+    cfg = runner.model_config
+    # the new tokens' queries against the prefix's keys: QK^T and PV, 2 FLOPs a multiply-add, every layer
+    extra_flops = 4 * batch * new * prefix * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    gap = out[prefix] - out[0]
+    return {"extend_batch": batch, "extend_prefix": prefix, "extend_new": new, "extend_over_prefix_s": out[prefix],
+            "extend_no_prefix_s": out[0], "prefix_attention_flops": extra_flops,
+            "prefix_attention_tflops": extra_flops / gap / 1e12 if gap > 0 else None}
+
+
 def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) -> None:
     """Add the decode step's floor: weights + each request's KV at its mean context, over the copy bandwidth."""
     ctx = row["input_len"] + row["output_len"] / 2
@@ -151,10 +189,11 @@ def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) ->
 
 def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArgs]:
     kwargs = engine_kwargs(ns)
-    sizes = list(ns.batch_size) + ([1] if ns.long_context else [])
+    sizes = list(ns.batch_size) + ([1] if ns.long_context else []) + ([ns.extend_over[2]] if ns.extend_over else [])
     kwargs.setdefault("max_running_requests", max(sizes))
     kwargs["disable_radix_cache"] = True
-    longest = max([ns.input_len + ns.output_len, ns.long_context + ns.output_len, ns.prefill_len + 1])
+    longest = max([ns.input_len + ns.output_len, ns.long_context + ns.output_len, ns.prefill_len + 1,
+                   sum(ns.extend_over[:2]) + 1 if ns.extend_over else 0])
     kwargs.setdefault("context_length", longest + 16)
     model_config = ModelConfig.from_path(kwargs["model_path"])
     args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
@@ -181,6 +220,9 @@ def main() -> None:
     parser.add_argument("--eager-too", action="store_true", help="also time the decode batches without CUDA graphs")
     parser.add_argument("--long-context", type=int, default=0, help="also decode one request at this context")
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this length's prefill")
+    parser.add_argument("--extend-over", type=int, nargs=3, metavar=("PREFIX", "NEW", "BATCH"),
+                        help="also time one forward of BATCH requests extending by NEW tokens over PREFIX cached ones, "
+                             "against the same forward with no prefix (multi-turn turns over their histories)")
     parser.add_argument("--result-file", help="append one JSON line per measurement")
     parser.add_argument("--profile-collectives", action="store_true",
                         help="with --tp: the share of eager decode steps spent in NCCL kernels (torch profiler)")
@@ -197,6 +239,9 @@ def main() -> None:
         extra["collective_share"] = collective_shares(runner, cache, ns)
     if ns.prefill_len:
         extra.update(prefill_tflops(runner, cache, ns.prefill_len))
+    if ns.extend_over:
+        prefix, new, batch = ns.extend_over
+        extra.update(extend_over_prefix(runner, cache, batch, prefix, new))
     if ns.roofline and runner.device.type == "cuda":
         bw = measure_copy_bandwidth(runner.device)
         weight_bytes = decode_weight_bytes(runner)
@@ -260,6 +305,12 @@ def _report(rows: list[dict], extra: dict) -> None:
         frac = extra.get("prefill_fraction_of_matmul_peak")
         print(f"prefill of {extra['prefill_len']} tokens: {extra['prefill_s'] * 1e3:.1f} ms, "
               f"{extra['prefill_tflops']:.0f} TFLOP/s" + (f" ({frac:.0%} of the matmul peak)" if frac else ""))
+    if "extend_over_prefix_s" in extra:
+        rate = extra["prefix_attention_tflops"]
+        print(f"extend of {extra['extend_batch']} x {extra['extend_new']} tokens: "
+              f"{extra['extend_over_prefix_s'] * 1e3:.1f} ms over {extra['extend_prefix']} cached tokens each, "
+              f"{extra['extend_no_prefix_s'] * 1e3:.1f} ms over none; the prefix's attention at "
+              + (f"{rate:.0f} TFLOP/s" if rate else "no measurable cost"))
 
 
 def _device_name(device: torch.device) -> str:

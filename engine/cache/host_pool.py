@@ -295,6 +295,11 @@ class KVMover:
         from engine.cache import dma
 
         kv, data = self.kv, self.host.data
+        copy, scatter = self.load_stream, self.scatter_stream
+        if not host_pages:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(copy)
+            return [done] * len(kv.k), ()
         page_elems = data[0, 0].numel()
         row = 2 * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
         host_stride = data.stride(0) * data.element_size()
@@ -303,7 +308,6 @@ class KVMover:
         slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), 2, *data.shape[2:]),
                             dtype=data.dtype, device=device)
         idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
-        copy, scatter = self.load_stream, self.scatter_stream
         scatter.wait_stream(copy)  # the page index is on the device
         handle, used, ready = copy.cuda_stream, [], []
         for layer in range(len(kv.k)):
@@ -367,51 +371,6 @@ class JournaledMover:
 
     def flush(self) -> None:
         self.mover.flush()
-
-    def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
-        """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES
-        pages, one 2-D copy per run of consecutive host pages brings that layer's K and V into a staging slot, then
-        two index copies on the scatter stream put them into the pool's pages. Slots are reused in a ring (a copy
-        into a slot waits for the scatter that last read it). Returns the per-layer events (the last one's scatter
-        ends the flush) and what must stay alive until then."""
-        from engine.cache import dma
-
-        kv, data = self.kv, self.host.data
-        page_elems = data[0, 0].numel()
-        row = 2 * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
-        host_stride = data.stride(0) * data.element_size()
-        device = kv.k[0].device
-        groups = [(g, host_pages[g:g + STAGING_PAGES]) for g in range(0, len(host_pages), STAGING_PAGES)]
-        slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), 2, *data.shape[2:]),
-                            dtype=data.dtype, device=device)
-        idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
-        copy, scatter = self.load_stream, self.scatter_stream
-        scatter.wait_stream(copy)  # the page index is on the device
-        handle, used, ready = copy.cuda_stream, [], []
-        for layer in range(len(kv.k)):
-            offset = data.data_ptr() + 2 * layer * page_elems * data.element_size()
-            for g, pages in groups:
-                n = len(used)
-                slot = slots[n % STAGING_SLOTS]
-                if n >= STAGING_SLOTS:
-                    copy.wait_event(used[n - STAGING_SLOTS])
-                for i, first, count in _runs(pages):
-                    dma.copy_2d(slot.data_ptr() + i * row, row, offset + first * host_stride, host_stride, row, count,
-                                True, handle)
-                arrived = torch.cuda.Event()
-                arrived.record(copy)
-                scatter.wait_event(arrived)
-                with torch.cuda.stream(scatter):
-                    where = idx[g:g + len(pages)]
-                    self._device_pages(kv.k[layer]).index_copy_(0, where, slot[:len(pages), 0])
-                    self._device_pages(kv.v[layer]).index_copy_(0, where, slot[:len(pages), 1])
-                    done = torch.cuda.Event(enable_timing=True)  # the last one times the flush (Pending)
-                    done.record(scatter)
-                used.append(done)
-            ready.append(used[-1])
-        slots.record_stream(scatter)
-        idx.record_stream(scatter)
-        return ready, (slots, idx)
 
     def take_ready(self) -> list | None:
         return self.mover.take_ready()
