@@ -41,6 +41,11 @@ def chosen(choice: str = "auto") -> str:
     return "uvloop" if choice != "asyncio" and _uvloop() is not None else "asyncio"
 
 
+def running() -> str:
+    """The kind of loop running this coroutine's thread ("uvloop" or "asyncio"), for start-up logs."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
 def run(main: Coroutine[Any, Any, Any], choice: str = "auto") -> Any:
     """Run `main` to completion on a new loop of the kind `choice` names (asyncio.run's semantics); returns its
     result."""

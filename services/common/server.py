@@ -133,7 +133,7 @@ class GrpcService:
         await self.server.start()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d (%s event loop)", ", ".join(self.names), self.settings.host, self.port,
-                 type(asyncio.get_running_loop()).__module__.split(".")[0])
+                 event_loop.running())
         if self._on_start is not None:
             self._on_start()
         heap.serving()

@@ -179,7 +179,7 @@ async def serve(settings: RouterSettings, metrics_settings: MetricsSettings | No
         await grpc_service.start()
     log.info("router listening on http://%s:%d (%d workers, policy %s, %s event loop)", settings.host,
              settings.port, len(router.registry.workers), settings.policy,
-             type(asyncio.get_running_loop()).__module__.split(".")[0])
+             event_loop.running())
     if peers is not None:
         peers.ready()
     heap.serving()
