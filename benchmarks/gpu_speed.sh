@@ -278,6 +278,8 @@ if [[ $PARTS == *multiturn* ]]; then
   # Make an earlier tree from files the machine gets (the device's .git may lack commits that have not landed:
   # `git archive REV services benchmarks engine kernels | tar x -C prev_tree` here), and link its stubs there
   # (`ln -s $PWD/radixmesh prev_tree/radixmesh`: an ignored folder inside an untracked one does not travel);
+  # MT_PROFILE="EXTENDS:STEPS" (e.g. "4,52:140") profiles the workers' steps after those extend counts
+  # (RADIXMESH_TORCH_PROFILE, engine/profiling.py) into $OUT/prof-TREE-CONFIG/, read by benchmarks.timeline
   # a pair written "spy:TREE:CONFIG" runs under py-spy (every process of the mesh, 100 samples a second, never
   # pausing them; collapsed stacks in $OUT/pyspy-TREE-CONFIG.txt) and its records go to multiturn-spy.jsonl
   plan=${MT_PLAN:-}
@@ -300,8 +302,14 @@ if [[ $PARTS == *multiturn* ]]; then
     else
       run+=(--output-file "$OUT/multiturn${tag:+-$tag}.jsonl")
     fi
-    (cd "$tree" && PYTHONPATH=$PWD "${run[@]}") 2>&1 | tee -a "$OUT/multiturn.log" | grep -E "TTFT|hit|Working|throughput|py-spy|rror" \
-      | head -14
+    prof=; [[ -n ${MT_PROFILE:-} ]] && prof="$OUT/prof-${tag:-this}-$i:$MT_PROFILE"
+    (cd "$tree" && PYTHONPATH=$PWD RADIXMESH_TORCH_PROFILE=$prof "${run[@]}") 2>&1 | tee -a "$OUT/multiturn.log" \
+      | grep -E "TTFT|hit|Working|throughput|py-spy|rror" | head -14
+    if [[ -n $prof ]]; then
+      for t in "${prof%:*:*}"/*.json.gz; do
+        $PY -m benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1; tail -3 "${t%.json.gz}.timeline.txt"
+      done
+    fi
   done
 fi
 

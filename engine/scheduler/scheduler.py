@@ -25,6 +25,7 @@ import torch
 
 from engine import delivery
 from engine.distributed import GroupFailed
+from engine.profiling import StepProfiler
 from engine.cache.manager import CacheManager
 from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
@@ -66,6 +67,7 @@ class Scheduler:
         self.queue_time_s = 0.0  # arrival to admission of new requests (EMA)
         self._stop = threading.Event()
         self._changed = False
+        self.profiler = StepProfiler.from_env()  # RADIXMESH_TORCH_PROFILE: kernel timelines of chosen steps
 
     # ---- thread-safe entry points ---------------------------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -98,6 +100,8 @@ class Scheduler:
             self.cache.poll()
             self.runner.heartbeat()
             idle = self._stop.is_set() or not self.has_work() or not self.step()
+        if self.profiler is not None:
+            self.profiler.close()  # a window still open when the engine stops
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -129,6 +133,14 @@ class Scheduler:
         Returns False when nothing ran and nothing changed (the loop then waits for the inbox instead of
         spinning); a step that only retracted, aborted or resolved requests counts as a change."""
         self._changed = False
+        if self.profiler is None:
+            return self._step()
+        with self.profiler.step(self.stats["forward_extend"]):
+            launched = self._step()
+        self.profiler.after_step()
+        return launched
+
+    def _step(self) -> bool:
         if self.handoffs.queue:
             self._preallocate()
         launched = self._plan_and_launch()
@@ -232,8 +244,11 @@ class Scheduler:
             locs = self.cache.slots_of_new_tokens(reqs)
             batch, plan = build_extend(reqs, locs, self.runner.device, prev) if extend else \
                 (build_decode(reqs, locs, self.runner.device, prev), None)
-            logits = self.runner.forward(batch) if self.embedding is None else \
-                self.runner.forward_pooled(batch, self.embedding.pooling)
+            if self.profiler is not None and self.profiler.active:
+                with self.profiler.forward(extend, len(reqs), sum(r.extend_len for r in reqs)):
+                    logits = self._forward(batch)
+            else:
+                logits = self._forward(batch)
         except Exception as e:
             self._fail(reqs, e)
             return None
@@ -252,6 +267,10 @@ class Scheduler:
                 self.running.append(r)  # decodes from the next step on; leaves again if its first token ends it
                 self.cache.cache_unfinished(r)
         return flight
+
+    def _forward(self, batch):
+        return self.runner.forward(batch) if self.embedding is None else \
+            self.runner.forward_pooled(batch, self.embedding.pooling)
 
     def _sample(self, flight: InFlight) -> None:
         """Sample the launched step on the device (after the previous step is resolved) and start copying the
