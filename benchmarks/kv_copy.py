@@ -104,7 +104,9 @@ def main() -> None:
     b = torch.randn(4096, 14336, dtype=torch.bfloat16, device=dev)
     out: dict = {"device": torch.cuda.get_device_name(), "pages": args.pages, "bytes": nbytes, "runs": {}}
 
-    movers = {"kernel": mover, "direct": KVMover(kv, host, "direct")}  # --hicache-io-backend
+    # --hicache-io-backend: kernel, direct by 2-D copies through staging, direct by cuMemcpyBatchAsync (backups too)
+    movers = {"kernel": mover, "direct": KVMover(kv, host, "direct"), "batched": KVMover(kv, host, "direct")}
+    movers["direct"].batched = False
     using = ["kernel"]
 
     def load(direct: bool):
@@ -119,7 +121,7 @@ def main() -> None:
         return m.to_host(dp, hp)
 
     # warm-up: Triton compiles, the allocator caches the staging buffer
-    for io, direct in (("kernel", False), ("kernel", True), ("direct", True)):
+    for io, direct in (("kernel", False), ("kernel", True), ("direct", True), ("batched", True)):
         using[0] = io
         load(direct)
         backup(direct).wait()
@@ -132,8 +134,10 @@ def main() -> None:
     variants = [("staged", False, None)] + [(f"kernels-{p}", True, p) for p in args.programs]
     if movers["direct"].dma:
         variants.append(("mover-direct", True, None))  # the copy engine (backups still kernels.kv_pages)
+    if movers["batched"].batched:
+        variants.append(("mover-batched", True, None))  # one batch of copies per layer, no staging
     for name, direct, programs in variants:
-        using[0] = "direct" if name == "mover-direct" else "kernel"
+        using[0] = {"mover-direct": "direct", "mover-batched": "batched"}.get(name, "kernel")
         if programs is not None:  # loads launch kv_pages.PROGRAMS wide, backups host_pool.BACKUP_PROGRAMS
             kv_pages.PROGRAMS = host_pool.BACKUP_PROGRAMS = programs
             load(True)

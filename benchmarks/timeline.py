@@ -81,8 +81,13 @@ def analyse(events: list[dict]) -> dict:
             return hi
         return None
 
-    rows = [{"step": i, "host_us": s["dur"], "forward": "", "gpu_us": collections.Counter(), "spans": []}
-            for i, s in enumerate(steps)]
+    rows = [{"step": i, "host_us": s["dur"], "forward": "", "gpu_us": collections.Counter(), "spans": [],
+             "calls": collections.Counter(), "calls_us": collections.Counter()} for i, s in enumerate(steps)]
+    for r in runtime.values():  # the CUDA API calls each step made on the host, and their host time
+        i = step_of(r["ts"], r["tid"])
+        if i is not None:
+            rows[i]["calls"][r["name"]] += 1
+            rows[i]["calls_us"][r["name"]] += r["dur"]
     for f in forwards:
         i = step_of(f["ts"], f["tid"])
         if i is not None:
@@ -96,10 +101,13 @@ def analyse(events: list[dict]) -> dict:
         row["spans"].append((g["ts"], g["ts"] + g["dur"]))
     for row in rows + [other]:
         spans = row.pop("spans")
+        for key in ("calls", "calls_us"):
+            row[key] = collections.Counter(row.get(key, ()))
         row["gpu_busy_us"] = _union(spans)
         row["gpu_first"] = min((a for a, _ in spans), default=None)
         row["gpu_last"] = max((b for _, b in spans), default=None)
         row["gpu_us"] = dict(row["gpu_us"])
+        row["gpu_span_us"] = row["gpu_last"] - row["gpu_first"] if spans else 0.0
     all_spans = [(g["ts"], g["ts"] + g["dur"]) for g in gpu]
     window = (steps[-1]["ts"] + steps[-1]["dur"] - steps[0]["ts"]) if steps else 0.0
     busy = _union(all_spans)
@@ -113,8 +121,9 @@ def analyse(events: list[dict]) -> dict:
 
 def _fmt(row: dict) -> str:
     kinds = " ".join(f"{k}={v / 1e3:.2f}" for k, v in sorted(row["gpu_us"].items(), key=lambda kv: -kv[1]))
+    calls = " ".join(f"{k}x{n}/{row['calls_us'][k] / 1e3:.1f}ms" for k, n in row["calls"].most_common(3))
     return (f"step {row['step']:4d} host {row['host_us'] / 1e3:7.2f} ms  gpu busy {row['gpu_busy_us'] / 1e3:7.2f} ms"
-            f"  {row['forward'] or '(no forward)':32s} {kinds}")
+            f" span {row['gpu_span_us'] / 1e3:7.2f} ms  {row['forward'] or '(no forward)':28s} {kinds}  [{calls}]")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,11 +8,17 @@ GEMMs took 10.4-13.0 ms layer by layer). A DMA takes no SM: the same bytes over 
 layer-by-layer chain 5.65 ms, the longer of the two.
 
 A host page is one block [2 * layers, page, heads, dim], so one layer's K and V of a run of consecutive host pages
-is a 2-D copy: `count` rows of 2 * page_elems elements, `host page stride` apart."""
+is a 2-D copy: `count` rows of 2 * page_elems elements, `host page stride` apart.
+
+Where the driver has it (CUDA 12.8+), `copy_batch` queues any number of copies with one call (cuMemcpyBatchAsync):
+a layer's K and V of every page straight between host and device pages, with no staging buffer, no scatter kernel
+and a few microseconds of host time per layer instead of one call per run of pages."""
 
 from __future__ import annotations
 
 import ctypes
+
+import numpy as np
 
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
 _lib = None
@@ -51,3 +57,68 @@ def copy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows
                                       _HOST_TO_DEVICE if to_device else _DEVICE_TO_HOST, stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync failed: CUDA error {err}")
+
+
+class _Location(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _CopyAttributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_uint), ("src_loc_hint", _Location), ("dst_loc_hint", _Location),
+                ("flags", ctypes.c_uint)]
+
+
+_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
+_PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: the copy engines, not SMs
+_batch = None  # (function, takes a failure-index argument) once looked up; False where the driver lacks it
+
+
+def _batch_fn():
+    """cuMemcpyBatchAsync of the driver: the CUDA 13 entry point (`_v2`, no failure index) where it exists, else
+    CUDA 12.8's, whose extra argument receives the index of a failed copy."""
+    global _batch
+    if _batch is None:
+        _batch = False
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return _batch
+        u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+        head = [u64p, u64p, sizep, ctypes.c_size_t, ctypes.POINTER(_CopyAttributes), sizep, ctypes.c_size_t]
+        for name, legacy in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = head + ([sizep] if legacy else []) + [ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                _batch = (fn, legacy)
+                break
+    return _batch
+
+
+def batch_available() -> bool:
+    return bool(_batch_fn())
+
+
+_ATTRS = _CopyAttributes(_ORDER_STREAM, _Location(0, 0), _Location(0, 0), _PREFER_OVERLAP_WITH_COMPUTE)
+_FIRST = (ctypes.c_size_t * 1)(0)  # one attribute entry, for every copy from the first on
+
+
+def copy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    """Queue len(dsts) copies (addresses and byte counts: C-contiguous uint64 arrays; pinned host or device memory)
+    on CUDA stream handle `stream`, as one batch: they run in stream order as a whole, in any order among themselves
+    (so no copy may depend on another). The arrays are read before this returns. RuntimeError with the CUDA error
+    code (and the failed copy's index, where the driver gives it) when the driver refuses the batch."""
+    n = len(dsts)
+    if not n:
+        return
+    assert len(srcs) == n and len(sizes) == n and dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+    assert dsts.flags.c_contiguous and srcs.flags.c_contiguous and sizes.flags.c_contiguous
+    fn, legacy = _batch_fn()
+    u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+    args = [dsts.ctypes.data_as(u64p), srcs.ctypes.data_as(u64p), sizes.ctypes.data_as(sizep), n,
+            ctypes.byref(_ATTRS), _FIRST, 1]
+    failed = ctypes.c_size_t(n)
+    err = fn(*args, ctypes.byref(failed), stream) if legacy else fn(*args, stream)
+    if err:
+        where = f" at copy {failed.value} of {n}" if legacy and failed.value < n else f" ({n} copies)"
+        raise RuntimeError(f"cuMemcpyBatchAsync failed{where}: CUDA error {err}")

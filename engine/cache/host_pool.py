@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cache.kv_pool import KVPool, PageAllocator
@@ -151,16 +152,25 @@ class KVMover:
         self.cuda = kv.k[0].is_cuda
         self.direct = _direct_copies(kv, host)
         self.dma = self.cuda and host.data.is_pinned() and (io_backend == "direct" or not self.direct)
+        self.batched = False  # dma by cuMemcpyBatchAsync: every page straight into place, backups too
         if self.dma:
             from engine.cache import dma
 
             self.dma = dma.available()
+            self.batched = self.dma and dma.batch_available()
         self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
         # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
         self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
         # direct loads: staged pages go into the pool's pages here while the copy engine brings the next layer
         self.scatter_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.dma else None
         self.buffers = kv.buffers()
+        if self.batched:
+            # byte addresses for batched copies: each layer's K and V buffer; page p of a layer's K (or V) is
+            # `half` bytes at p * half; host page p is `host_stride` bytes at data + p * host_stride
+            self._k_ptrs = np.array([t.data_ptr() for t in kv.k], dtype=np.uint64)
+            self._v_ptrs = np.array([t.data_ptr() for t in kv.v], dtype=np.uint64)
+            self._half = host.data[0, 0].numel() * host.data.element_size()
+            self._host_stride = host.data.stride(0) * host.data.element_size()
         self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
         self._backups: list[tuple[list[int], list[int], Pending]] = []  # device pages, host pages
         self._ready: list | None = None  # per-layer events of the last loads issued, until a forward takes them
@@ -217,7 +227,10 @@ class KVMover:
         self.stream.wait_stream(torch.cuda.current_stream())  # the KV must be written
         with torch.cuda.stream(self.stream):
             start = _timing_event(self.stream)
-            if self.direct:
+            if self.batched:
+                keep = None
+                self._backup_batched(dev_pages, host_pages)
+            elif self.direct:
                 keep = self._copy_layers(host_pages, dev_pages, True, BACKUP_PROGRAMS)
             else:
                 keep = staged = self._gather(dev_pages)
@@ -259,7 +272,9 @@ class KVMover:
         else:
             with torch.cuda.stream(self.load_stream):
                 start = _timing_event(self.load_stream)
-                if self.dma:
+                if self.batched:
+                    ready, keep = self._load_batched(host_pages, dev_pages), None
+                elif self.dma:
                     ready, keep = self._load_direct(host_pages, dev_pages)
                 elif self.direct:
                     ready = []
@@ -285,6 +300,43 @@ class KVMover:
         for _, _, pending in queued:
             pending.event, pending.start_event, pending.keep = event, start, keep
             pending.tokens, pending.seconds, pending.flush = tokens, seconds, None
+
+    def _addresses(self, host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(host, device) byte addresses [layers, 2 (K, V), pages] of each page's K and V of each layer."""
+        layers = len(self.kv.k)
+        dev = np.asarray(dev_pages, dtype=np.uint64) * np.uint64(self._half)
+        on_device = np.stack([self._k_ptrs[:, None] + dev, self._v_ptrs[:, None] + dev], axis=1)
+        host = np.asarray(host_pages, dtype=np.uint64) * np.uint64(self._host_stride) + np.uint64(self.host.data.data_ptr())
+        parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, 2, 1)
+        return host[None, None, :] + parts, on_device
+
+    def _load_batched(self, host_pages: list[int], dev_pages: list[int]) -> list:
+        """Loads over the copy engine, one cuMemcpyBatchAsync per layer (call on the load stream): that layer's K and V
+        of every page, from its host page straight into its device page. Returns the per-layer events (the last
+        one, timed, ends the flush)."""
+        from engine.cache import dma
+
+        stream, ready = self.load_stream, []
+        layers = len(self.kv.k)
+        if host_pages:
+            host, dev = self._addresses(host_pages, dev_pages)
+            host, dev = host.reshape(layers, -1), dev.reshape(layers, -1)
+            sizes = np.full(host.shape[1], self._half, dtype=np.uint64)
+        for layer in range(layers):
+            if host_pages:
+                dma.copy_batch(dev[layer], host[layer], sizes, stream.cuda_stream)
+            ready.append(torch.cuda.Event(enable_timing=layer == layers - 1))
+            ready[-1].record(stream)
+        return ready
+
+    def _backup_batched(self, dev_pages: list[int], host_pages: list[int]) -> None:
+        """Backups over the copy engine (call on the backup stream): every layer's K and V of every page, device page
+        to host page, in one cuMemcpyBatchAsync."""
+        from engine.cache import dma
+
+        host, dev = self._addresses(host_pages, dev_pages)
+        host, dev = host.reshape(-1), dev.reshape(-1)
+        dma.copy_batch(host, dev, np.full(len(host), self._half, dtype=np.uint64), self.stream.cuda_stream)
 
     def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
         """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES

@@ -85,20 +85,24 @@ def test_a_slow_host_load_is_waited_for(monkeypatch, io_backend):
             assert mover.dma, "the loads did not go over the copy engine (engine.cache.dma)"
 
 
-def test_direct_loads_equal_the_host_pages(monkeypatch):
-    """--hicache-io-backend direct: 2-D copies per run of consecutive host pages, several staging groups and slots
-    reused in a ring, into scattered device pages: every byte lands where the kernel path puts it, and the per-layer
-    events cover each layer."""
-    from engine.cache import host_pool
+@pytest.mark.parametrize("batched", [True, False])
+def test_direct_loads_equal_the_host_pages(monkeypatch, batched):
+    """--hicache-io-backend direct into scattered device pages: one batch of copies per layer (cuMemcpyBatchAsync),
+    or where the driver lacks it 2-D copies per run of consecutive host pages through staging groups and slots
+    reused in a ring: every byte lands where the kernel path puts it, and the per-layer events cover each layer."""
+    from engine.cache import dma, host_pool
     from engine.cache.host_pool import HostKVPool
     from engine.cache.kv_pool import KVPool
 
+    if batched and not dma.batch_available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
     monkeypatch.setattr(host_pool, "STAGING_PAGES", 3)  # several groups per layer, the ring wrapping within a layer
     kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
     host = HostKVPool(40, kv)
     host.data.copy_(torch.randn(host.data.shape).to(host.data.dtype))
     mover = KVMover(kv, host, "direct")
-    assert mover.dma
+    assert mover.dma and mover.batched == dma.batch_available()
+    mover.batched = batched  # False: the 2-D copies' path, which drivers before CUDA 12.8 take
     host_pages = [5, 6, 7, 9, 20, 21, 3, 30, 31, 32, 33]  # runs of 3, 1, 2, 1 and 4
     dev_pages = [40, 2, 17, 33, 8, 9, 60, 1, 25, 50, 12]
     mover.to_device(host_pages, dev_pages)
@@ -112,6 +116,33 @@ def test_direct_loads_equal_the_host_pages(monkeypatch):
             k = kv.k[layer].view(-1, 4, 2, 8)[dp].cpu()
             v = kv.v[layer].view(-1, 4, 2, 8)[dp].cpu()
             assert torch.equal(k, host.data[hp, 2 * layer]) and torch.equal(v, host.data[hp, 2 * layer + 1])
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_backups_equal_the_device_pages(io_backend):
+    """Backups (device -> host) from scattered device pages into scattered host pages, by kernels.kv_pages or, with
+    --hicache-io-backend direct, one batch of copy-engine copies: every layer's K and V lands in its host page, and
+    host pages not written keep their bytes."""
+    from engine.cache.host_pool import HostKVPool
+    from engine.cache.kv_pool import KVPool
+
+    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape))
+    host = HostKVPool(40, kv)
+    before = host.data.clone()
+    mover = KVMover(kv, host, io_backend)
+    dev_pages, host_pages = [40, 2, 17, 33, 8, 9, 60], [5, 6, 7, 9, 20, 21, 3]
+    pending = mover.to_host(dev_pages, host_pages)
+    mover.flush()
+    pending.wait()
+    assert pending.done() and pending.elapsed_s() >= 0
+    for layer in range(3):
+        for hp, dp in zip(host_pages, dev_pages):
+            assert torch.equal(host.data[hp, 2 * layer], kv.k[layer].view(-1, 4, 2, 8)[dp].cpu())
+            assert torch.equal(host.data[hp, 2 * layer + 1], kv.v[layer].view(-1, 4, 2, 8)[dp].cpu())
+    untouched = [p for p in range(41) if p not in host_pages]
+    assert torch.equal(host.data[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("tiers", [False, True])
