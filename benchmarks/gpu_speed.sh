@@ -21,6 +21,7 @@
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)
 #   PARTS="setup extend"    an extend forward over cached histories against none, per backend (issue 11)
+#   PARTS="setup tiles"     kernels.extend_attention's tiles swept on this GPU (TILES_APPLY=1: later parts use the best)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
@@ -226,6 +227,14 @@ if [[ $PARTS == *meshab* ]]; then
         | tee -a "$OUT/meshab.log" | grep -E "$SHOW")
     done
   done
+fi
+
+if [[ $PARTS == *tiles* ]]; then
+  # Issue 11: kernels.extend_attention's tiles swept on this GPU over a round-5 wave's extend (benchmarks.extend_tiles);
+  # TILES_APPLY=1 runs the later parts (multiturn) with the fastest (RADIXMESH_EXTEND_TILES)
+  $PY -m benchmarks.extend_tiles --result-file "$OUT/extend_tiles.jsonl" 2>&1 | tee "$OUT/extend_tiles.log" | tail -3
+  best=$(sed -n 's/^best RADIXMESH_EXTEND_TILES=//p' "$OUT/extend_tiles.log")
+  if [[ ${TILES_APPLY:-0} == 1 && -n $best ]]; then export RADIXMESH_EXTEND_TILES=$best; echo "using tiles $best"; fi
 fi
 
 if [[ $PARTS == *multiturn* ]]; then

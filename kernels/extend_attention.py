@@ -10,6 +10,8 @@ pool (gathered by slot), then the new tokens up to the diagonal from the contigu
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,10 +81,29 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
              mask=m_mask[:, None] & d_mask[None, :])
 
 
+def _tiles_from_env() -> tuple[int, int, int, int] | None:
+    spec = os.environ.get(TILES_ENV, "")
+    if not spec:
+        return None
+    try:
+        tiles = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        tiles = ()
+    if len(tiles) != 4 or min(tiles) < 1:
+        raise ValueError(f"{TILES_ENV}={spec!r}: want BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES")
+    return tiles
+
+
+TILES_ENV = "RADIXMESH_EXTEND_TILES"  # BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES for 16-bit CUDA runs (benchmarks.extend_tiles)
+_ENV_TILES = _tiles_from_env()
+
+
 def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this head size."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # the interpreter: small tiles keep CPU tests quick
+    if _ENV_TILES is not None and dtype != torch.float32:
+        return _ENV_TILES
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128 and dtype != torch.float32:
@@ -93,17 +114,19 @@ def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[in
 def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
                      v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
-                     max_extend_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; k_new, v_new [num_tokens, num_kv_heads, head_dim] (the new tokens);
     k_buf, v_buf [num_slots, num_kv_heads, head_dim] (the pool); req_to_token [rows, row_len]; req_pool_indices,
     prefix_lens, extend_lens, qo_starts [batch]; max_extend_len >= every extend_len (host int).
+    `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the choice for this head size and dtype.
     Returns [num_tokens, num_heads, head_dim] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     bsz = int(extend_lens.shape[0])
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or bsz == 0:
         return out
-    block_m, block_n, warps, stages = _blocks(head_dim, q.dtype, q.device)
+    block_m, block_n, warps, stages = tiles or _blocks(head_dim, q.dtype, q.device)
     m_blocks = triton.cdiv(max_extend_len, block_m)
     _extend_kernel[(m_blocks, num_heads, bsz)](
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,

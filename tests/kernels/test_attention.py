@@ -89,7 +89,7 @@ def test_decode_llama8b_shape_cuda(bs, ctx):
     _decode_case(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=bs)
 
 
-def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0):
+def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0, tiles=None):
     lens = [p + e for p, e in zip(prefixes, extends)]
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -101,7 +101,7 @@ def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, devi
     args = (q, k_new, v_new, pool.k, pool.v, pool.req_to_token, pool.rows, torch.tensor(prefixes, device=device),
             ext, ext.cumsum(0) - ext)
     out = torch.full_like(q, float("nan"))
-    extend_attention(*args, max(extends), head_dim ** -0.5, out=out)
+    extend_attention(*args, max(extends), head_dim ** -0.5, out=out, tiles=tiles)
     ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5)
     _check(out.cpu(), ref, dtype)
 
@@ -129,3 +129,24 @@ def test_extend_empty_prefix_single_request(device):
                                               ([0] * 8, [1024] * 8)])
 def test_extend_llama8b_shape_cuda(prefixes, extends):
     _extend_case(prefixes, extends, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=len(extends))
+
+
+def test_extend_tiles_from_the_environment(monkeypatch):
+    """RADIXMESH_EXTEND_TILES (benchmarks.extend_tiles' choice) is BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES; anything
+    else is refused with the expected form."""
+    from kernels import extend_attention as ea
+
+    monkeypatch.setenv(ea.TILES_ENV, "64,128,8,3")
+    assert ea._tiles_from_env() == (64, 128, 8, 3)
+    monkeypatch.delenv(ea.TILES_ENV)
+    assert ea._tiles_from_env() is None
+    for bad in ("64,128,8", "a,b,c,d", "64,0,8,3"):
+        monkeypatch.setenv(ea.TILES_ENV, bad)
+        with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES"):
+            ea._tiles_from_env()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_with_tiles_given(device):
+    """The same extend with tiles passed explicitly (the sweep's path) equals the reference."""
+    _extend_case([40, 0], [24, 9], 4, 2, 16, 4, torch.float32, device, seed=5, tiles=(16, 32, 4, 1))
