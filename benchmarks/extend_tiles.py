@@ -4,7 +4,7 @@ num_warps, num_stages). Each configuration's output is checked against the defau
 that do not compile (shared memory) or disagree are reported and skipped. Prints the fastest as
 `best RADIXMESH_EXTEND_TILES=...` (the variable kernels.extend_attention reads).
 
-    python -m benchmarks.extend_tiles [--reqs 16] [--new 512] [--prefix 2304] [--result-file F]
+    python -m benchmarks.extend_tiles [--reqs 16] [--new 512] [--prefix 2304] [--only M,N,W,S ...] [--result-file F]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reqs", type=int, default=16)
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--prefix", type=int, default=2304)
+    p.add_argument("--only", nargs="+", metavar="M,N,W,S", help="time only these tiles (and the default)")
     p.add_argument("--result-file")
     args = p.parse_args(argv)
     inputs = _inputs(args.reqs, args.new, args.prefix)
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     keys = args.reqs * (args.new * args.prefix + args.new * (args.new + 1) / 2)
     flops = 4 * keys * HEADS * HEAD_DIM
     rows = []
-    for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+    grid = [tuple(int(x) for x in t.split(",")) for t in args.only] if args.only else \
+        list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+    for tiles in grid + ([default] if default not in grid else []):
         try:
             got = extend_attention(*inputs, tiles=tiles)
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
