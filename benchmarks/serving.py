@@ -207,7 +207,11 @@ async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
         before = await backend.counters()
         cpu_root = getattr(args, "cpu_root", None) or os.getpid()
         cpu_before = thread_cpu.snapshot(cpu_root) if args.thread_cpu else None
+        if args.profile:
+            print((await backend.profile(True, args.profile_output_dir)).strip(), flush=True)
         outputs, duration = await run_timed(backend, items, args)
+        if args.profile:
+            print((await backend.profile(False)).strip(), flush=True)
         cpu = thread_cpu.per_token(cpu_before, thread_cpu.snapshot(cpu_root),
                                    sum(o.output_len for o in outputs if o.success)) if args.thread_cpu else None
         after = await backend.counters()
@@ -300,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-cpu", action="store_true",
                    help="CPU per output token of each thread over the timed run, of the launched mesh (--launch) "
                         "or of this process (the engine backend); Linux only")
+    p.add_argument("--profile", action="store_true",
+                   help="SGLang's: /start_profile before the timed run and /stop_profile after it (torch.profiler on "
+                        "every worker; the traces go to --profile-output-dir or the server's $SGLANG_TORCH_PROFILER_DIR)")
+    p.add_argument("--profile-output-dir", help="with --profile: where the workers write their traces")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", help="append one JSON line of results here")
     p.add_argument("--launch", action="store_true", help="start the mesh (services.launch serve) with the engine "

@@ -236,6 +236,17 @@ class HttpBackend:
         async with self.session.post(self.base_url + "/flush_cache") as resp:
             await resp.read()
 
+    async def profile(self, start: bool, output_dir: str | None = None) -> str:
+        """SGLang's /start_profile (`output_dir` on the server's machine, else its $SGLANG_TORCH_PROFILER_DIR) or
+        /stop_profile; the server's answer, or BenchError with it."""
+        path, body = ("/start_profile", {"output_dir": output_dir} if output_dir else {}) if start else \
+            ("/stop_profile", {})
+        async with self.session.post(self.base_url + path, json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise BenchError(f"{path} answered {resp.status}: {text[:300]}")
+        return text
+
     async def device(self) -> str | None:
         """The workers' device kind, from /get_server_info (None when the server does not say)."""
         try:
@@ -291,6 +302,13 @@ class EngineBackend:
 
     async def flush_cache(self) -> None:
         self.llm.flush_cache()
+
+    async def profile(self, start: bool, output_dir: str | None = None) -> str:
+        try:
+            files = [self.llm.start_profile(output_dir=output_dir)] if start else self.llm.stop_profile()
+        except ValueError as e:
+            raise BenchError(f"{'start' if start else 'stop'}_profile: {e}") from None
+        return "\n".join(files)
 
     async def device(self) -> str | None:
         return self.llm.runner.device.type if self.llm else None

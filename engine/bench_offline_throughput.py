@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--sampling-params", type=json.loads, default=None,
                         help='JSON dict of sampling parameters (default greedy), e.g. \'{"temperature": 0.8, '
                              '"top_p": 0.9, "frequency_penalty": 0.5}\'')
+    parser.add_argument("--profile", action="store_true",
+                        help="SGLang's: torch.profiler over the timed run, a Chrome trace in $SGLANG_TORCH_PROFILER_DIR "
+                             "(else /tmp)")
     parser.add_argument("--result-file", help="append one JSON line")
     ns = parser.parse_args()
     kwargs = engine_kwargs(ns)
@@ -55,7 +58,11 @@ def main() -> None:
         run(llm, random_prompts(2, min(ns.random_input_len, 32), vocab, ns.seed + 1), 4)  # warm-up
         llm.flush_cache()
         prompts = random_prompts(ns.num_prompts, ns.random_input_len, vocab, ns.seed)
+        if ns.profile:
+            llm.start_profile()
         res = run(llm, prompts, ns.random_output_len, ns.sampling_params)
+        if ns.profile:
+            print("profile:", ", ".join(llm.stop_profile()))
         load = llm.get_server_info()["internal_states"][0]
     finally:
         llm.shutdown()

@@ -398,6 +398,22 @@ class Engine:
         """Drop the prefix cache. Returns False (and keeps it) while requests are in flight."""
         return self._control(self.scheduler.flush_cache)
 
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      activities: list[str] | None = None, with_stack: bool = False,
+                      record_shapes: bool = False) -> str:
+        """SGLang's start_profile: torch.profiler over the scheduler's next steps (CPU and GPU activity by default),
+        for `num_steps` steps or until `stop_profile`. The Chrome trace goes to `output_dir` (default:
+        $SGLANG_TORCH_PROFILER_DIR, else /tmp) as `<unix time>-<pid>-TP-0.trace.json.gz`; returns that path.
+        engine.profiling.ProfileError (a ValueError) when a window is already open or an option is bad."""
+        return self._control(lambda: self.scheduler.start_profile(
+            output_dir=output_dir, num_steps=num_steps, activities=activities, with_stack=with_stack,
+            record_shapes=record_shapes))
+
+    def stop_profile(self) -> list[str]:
+        """Close the window `start_profile` opened and write it; returns the files written (the trace, and a table
+        of time by kernel beside it). engine.profiling.ProfileError when none is open."""
+        return self._control(self.scheduler.stop_profile)
+
     def get_server_info(self) -> dict:
         load = self._control(self.scheduler.load)
         info = dataclasses.asdict(self.args)

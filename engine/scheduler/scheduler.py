@@ -135,9 +135,12 @@ class Scheduler:
         self._changed = False
         if self.profiler is None:
             return self._step()
-        with self.profiler.step(self.stats["forward_extend"]):
+        profiler = self.profiler
+        with profiler.step(self.stats["forward_extend"]):
             launched = self._step()
-        self.profiler.after_step()
+        profiler.after_step()
+        if profiler.idle and self.profiler is profiler:
+            self.profiler = None  # a window of num_steps ended: back to one attribute test per step
         return launched
 
     def _step(self) -> bool:
@@ -499,6 +502,23 @@ class Scheduler:
         if self.has_work() or self.handoffs.receiving or self.handoffs.held:
             return False
         return self.cache.flush()
+
+    def start_profile(self, **options) -> str:
+        """Open a torch.profiler window over the next steps (engine.profiling.StepProfiler.start takes `options`);
+        returns the trace file it will write. ProfileError when one is open or an option is bad."""
+        profiler = self.profiler or StepProfiler()
+        trace = profiler.start(**options)
+        self.profiler = profiler
+        return trace
+
+    def stop_profile(self) -> list[str]:
+        """Close the open window; returns the files written. ProfileError when none is open."""
+        if self.profiler is None:
+            StepProfiler().stop()  # raises: not on
+        files = self.profiler.stop()
+        if self.profiler.idle:
+            self.profiler = None  # back to one attribute test per step
+        return files
 
     def load(self) -> dict:
         tiers = self.cache.tier_stats()

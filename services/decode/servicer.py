@@ -19,6 +19,7 @@ import grpc
 
 from engine.cache.kv_events import EventKind, KvEvent
 from engine.engine import Engine
+from engine.profiling import ProfileError
 from engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common import generate_mux, tracing
@@ -350,6 +351,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ok = await self._blocking(self.engine.flush_cache)
         return worker_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests are in flight; not flushed")
 
+    async def StartProfile(self, request, context):
+        try:
+            trace = await self._blocking(lambda: self.engine.start_profile(
+                output_dir=request.output_dir or None, num_steps=request.num_steps or None,
+                activities=list(request.activities) or None, with_stack=request.with_stack,
+                record_shapes=request.record_shapes))
+        except ProfileError as e:
+            await context.abort(_profile_status(e), str(e))
+        return worker_pb2.StartProfileResponse(files=[trace])
+
+    async def StopProfile(self, request, context):
+        try:
+            files = await self._blocking(self.engine.stop_profile)
+        except ProfileError as e:
+            await context.abort(_profile_status(e), str(e))
+        return worker_pb2.StopProfileResponse(files=files)
+
     async def SubscribeKvEvents(self, request, context):
         """A snapshot of the prefix cache (after a `cleared`) unless the caller is resuming within the kept events,
         then every event as it happens. A subscriber too far behind gets a fresh snapshot."""
@@ -380,3 +398,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await wake.wait()
         finally:
             stop()
+
+
+def _profile_status(e: ProfileError) -> grpc.StatusCode:
+    """A profiling request refused for the worker's state (already on, not on) or for its options."""
+    return grpc.StatusCode.FAILED_PRECONDITION if e.state else grpc.StatusCode.INVALID_ARGUMENT

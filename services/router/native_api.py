@@ -1,5 +1,5 @@
 """SGLang's native HTTP endpoints on the router: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /add_worker, /remove_worker; and the probes SGLang's router has for Kubernetes:
+/get_server_info, /flush_cache, /start_profile, /stop_profile, /add_worker, /remove_worker; and the probes SGLang's router has for Kubernetes:
 /liveness (the process answers) and /readiness (a request could be served now)."""
 
 from __future__ import annotations
@@ -171,6 +171,93 @@ async def flush_cache(request: web.Request) -> web.Response:
                              "or waiting requests, the operation will not be performed.)\n")
 
 
+PROFILE_FIELDS = ("output_dir", "num_steps", "activities", "with_stack", "record_shapes")
+
+
+def _profile_request(body) -> worker_pb2.StartProfileRequest:
+    """SGLang's /start_profile body (all optional) as the workers' request; ValueError says what is wrong."""
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object (or empty)")
+    body = {k: v for k, v in body.items() if v is not None}
+    if body.pop("profile_by_stage", False):
+        raise ValueError("profile_by_stage is not supported: profiles cover whole steps")
+    unknown = sorted(set(body) - set(PROFILE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; /start_profile takes {list(PROFILE_FIELDS)}")
+    out, steps, acts = body.get("output_dir", ""), body.get("num_steps", 0), body.get("activities", [])
+    if not isinstance(out, str):
+        raise ValueError("output_dir must be a string")
+    if type(steps) is not int or not 0 <= steps <= 1 << 31:
+        raise ValueError("num_steps must be a positive integer")
+    if not isinstance(acts, list) or not all(isinstance(a, str) for a in acts):
+        raise ValueError('activities must be a list of names ("CPU", "GPU")')
+    flags = {k: body.get(k, False) for k in ("with_stack", "record_shapes")}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise ValueError("with_stack and record_shapes must be true or false")
+    return worker_pb2.StartProfileRequest(output_dir=out, num_steps=steps, activities=acts, **flags)
+
+
+async def _on_workers(router: Router, call: str, request) -> list[tuple[str, list[str] | None, str]]:
+    """`call` (a profile RPC) on every worker at once: (url, files or None, why it failed) each."""
+    async def one(w):
+        try:
+            r = await getattr(w.stub, call)(request, timeout=router.settings.request_timeout_s)
+            return w.url, list(r.files), ""
+        except grpc.aio.AioRpcError as e:
+            return w.url, None, f"{w.url}: {e.details() or e.code().name}"
+
+    return await asyncio.gather(*(one(w) for w in list(router.registry.workers.values())))
+
+
+async def start_profile(request: web.Request) -> web.Response:
+    """SGLang's /start_profile: every worker profiles its next steps (torch.profiler; body: output_dir, num_steps,
+    activities, with_stack, record_shapes, all optional). All or none: when one worker refuses, the others stop."""
+    router = request.app[ROUTER]
+    try:
+        req = _profile_request(await json_body(request) if await request.read() else None)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    if not router.registry.workers:
+        raise from_status(503, "no worker to profile")
+    results = await _on_workers(router, "StartProfile", req)
+    failed = [why for _, files, why in results if files is None]
+    if failed:
+        started = [url for url, files, _ in results if files is not None]
+        if started:
+            await _stop_started(router, started)
+        raise bad_request("Profiling not started: " + "; ".join(failed))
+    lines = "".join(f"{url}: {files[0]}\n" for url, files, _ in results)
+    return web.Response(text="Start profiling.\n" + lines)
+
+
+async def _stop_started(router: Router, urls: list[str]) -> None:
+    """Stop the profiles a failed /start_profile did start (best effort: each failure is logged)."""
+    for url in urls:
+        w = router.registry.workers.get(url)
+        if w is None:
+            continue
+        try:
+            await w.stub.StopProfile(worker_pb2.StopProfileRequest(), timeout=router.settings.request_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not stop the profile started on %s: %s", url, e.details() or e.code().name)
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    """SGLang's /stop_profile: every worker writes its trace; lists the files, worker by worker."""
+    router = request.app[ROUTER]
+    if not router.registry.workers:
+        raise from_status(503, "no worker to profile")
+    results = await _on_workers(router, "StopProfile", worker_pb2.StopProfileRequest())
+    failed = [why for _, files, why in results if files is None]
+    if failed and len(failed) == len(results):
+        raise bad_request("Profiling not stopped: " + "; ".join(failed))
+    lines = "".join(f"{url}: {', '.join(files)}\n" for url, files, _ in results if files is not None)
+    lines += "".join(f"not stopped: {why}\n" for why in failed)
+    return web.Response(text="Stop profiling. This will take some time.\n" + lines)
+
+
 def _url_param(request: web.Request) -> str:
     url = request.query.get("url")
     if not url:
@@ -231,5 +318,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_post("/flush_cache", flush_cache)
+    for path, handler in (("/start_profile", start_profile), ("/stop_profile", stop_profile)):
+        app.router.add_get(path, handler)  # SGLang takes both
+        app.router.add_post(path, handler)
     app.router.add_post("/add_worker", add_worker)
     app.router.add_post("/remove_worker", remove_worker)

@@ -148,6 +148,10 @@ SCHEMAS.update({
     }, extra=False, oneOf=[_given("text"), _given("input_ids")],
         description="exactly one of text and input_ids (null: not given); a batch's sampling_params and rid "
                     "lists have one entry per prompt"),
+    "StartProfileRequest": _obj({"output_dir": _opt(STR), "num_steps": _opt(_int(1)),
+                                 "activities": _opt({"type": "array", "items": {"enum": ["CPU", "GPU"]}}),
+                                 "with_stack": _opt({"type": "boolean"}), "record_shapes": _opt({"type": "boolean"}),
+                                 "profile_by_stage": _opt({"const": False})}, extra=False),
     "TokenizeRequest": _obj({"prompt": {"anyOf": [STR, {"type": "array", "items": STR, "minItems": 1,
                                                         "maxItems": MAX_PROMPTS}]},
                              "add_special_tokens": _opt(BOOL), "model": _opt(STR)}, ("prompt",)),
@@ -194,11 +198,11 @@ def _ok(schema: dict[str, Any] | None = None, media: str = JSON, stream: bool = 
 
 
 def _op(summary: str, ok: dict, errors: tuple[int, ...] = (), body: str | None = None, open_path: bool = False,
-        params: list | None = None, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+        params: list | None = None, tags: tuple[str, ...] = (), body_required: bool = True) -> dict[str, Any]:
     codes = sorted(set(errors) | ({405, 500} if open_path else set(_COMMON)))
     op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **{str(c): _error(c) for c in codes}}}
     if body is not None:
-        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)}}}
+        op["requestBody"] = {"required": body_required, "content": {JSON: {"schema": _ref(body)}}}
     if params:
         op["parameters"] = params
     if open_path:
@@ -251,6 +255,11 @@ PATHS: dict[str, dict[str, Any]] = {
                                     "settings under `router`", _ok(), tags=("sglang",))},
     "/flush_cache": {"post": _op("Flush every worker's prefix cache (refused while requests run: a 400)",
                                  _TEXT_OK, (400, 403), tags=("admin",))},
+    "/start_profile": {m: _op("Every worker profiles its next scheduler steps (torch.profiler; all or none)",
+                              _TEXT_OK, (400, 403, 503), "StartProfileRequest", tags=("admin",),
+                              body_required=False) for m in ("get", "post")},
+    "/stop_profile": {m: _op("Every worker writes its profile; the files, worker by worker", _TEXT_OK, (400, 403, 503),
+                             tags=("admin",)) for m in ("get", "post")},
     "/add_worker": {"post": _op("Register a worker (idempotent)", _TEXT_OK, (400, 403),
                                 params=[_WORKER_URL, _query("lease_s", {"type": "number", "exclusiveMinimum": 0,
                                                                        "exclusiveMaximum": 86400}, False,

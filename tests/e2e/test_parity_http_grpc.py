@@ -13,6 +13,7 @@ import pytest
 from radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
+from tests.e2e.mesh import http_get
 from tests.engine_utils import parity_prompts
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
@@ -139,3 +140,36 @@ def test_generate_batch_stream_tags_every_event_and_ends_each_sample_once(mesh, 
     with pytest.raises(urllib.error.HTTPError) as err:  # the router's own rejection: a 400 before any event
         post(mesh.url + "/generate", {"input_ids": [prompts[0], [2**40]], "stream": True})
     assert err.value.code == 400
+
+
+def test_start_and_stop_profile_on_every_worker(mesh, tmp_path):
+    """SGLang's /start_profile and /stop_profile through the router: each worker writes a Chrome trace of the steps
+    between them (<time>-<pid>-TP-0.trace.json.gz in output_dir); a second start, a stop with nothing on and bad bodies are
+    400s that say why, and the mesh serves throughout."""
+    import gzip
+
+    from tests.e2e.test_mesh_faults import post as post_status
+
+    out = tmp_path / "profiles"
+    status, raw = post_status(mesh.url + "/start_profile", {"output_dir": str(out), "activities": ["CPU"]}, None)
+    assert status == 200 and raw.decode().startswith("Start profiling.\n"), raw
+    assert raw.decode().count("-TP-0.trace.json.gz") == 2  # one per worker
+    status, raw = post_status(mesh.url + "/start_profile", b"", None)
+    assert status == 400 and "already on" in json.loads(raw)["error"]["message"], raw
+    for p in ("The capital of France is", "One, two, three,", "Hello"):
+        assert json.loads(post(mesh.url + "/generate", {"text": p, "sampling_params": GREEDY}))["text"]
+    status, raw = post_status(mesh.url + "/stop_profile", b"", None)
+    assert status == 200 and raw.decode().startswith("Stop profiling."), raw
+    traces = sorted(out.glob("*-TP-0*.trace.json.gz"))
+    assert len(traces) == 2, list(out.iterdir())
+    steps = [sum(e.get("name") == "scheduler.step" for e in json.load(gzip.open(t))["traceEvents"]) for t in traces]
+    assert sum(steps) >= 3 * 16, steps  # every request's extend and decodes, on one worker or the other
+    status, raw = http_get(mesh.url + "/stop_profile")
+    assert status == 400 and "not on" in json.loads(raw)["error"]["message"], raw
+    for body, says in (({"num_steps": -1}, "num_steps"), ({"bogus": 1}, "unknown field"),
+                       ({"activities": ["TPU"]}, "unknown profiler activities"), ([1], "JSON object")):
+        status, raw = post_status(mesh.url + "/start_profile", body, None)
+        assert status == 400 and says in json.loads(raw)["error"]["message"], (body, raw)
+    status, raw = http_get(mesh.url + "/stop_profile")  # nothing was left on by the refused starts
+    assert status == 400
+    assert json.loads(post(mesh.url + "/generate", {"text": "Hello", "sampling_params": GREEDY}))["text"]

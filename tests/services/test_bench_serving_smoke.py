@@ -56,11 +56,13 @@ def test_bench_serving_mesh_and_engine(tmp_path):
     out = tmp_path / "serving.jsonl"
     engine = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     marker = uuid.uuid4().hex
+    # --profile (SGLang's): the timed run between /start_profile and /stop_profile, one trace per worker
     mesh = _bench("--backend", "radixmesh", "--launch", *engine, *WORKLOAD, "--output-file", str(out),
-                  env={"BENCH_SERVING_SMOKE": marker})
+                  "--profile", "--profile-output-dir", str(tmp_path / "prof-mesh"), env={"BENCH_SERVING_SMOKE": marker})
     assert mesh.returncode == 0, mesh.stdout + mesh.stderr
     assert not _tagged(f"BENCH_SERVING_SMOKE={marker}"), "the benchmark left mesh processes behind"
-    offline = _bench("--backend", "engine", *engine, *WORKLOAD, "--output-file", str(out))
+    offline = _bench("--backend", "engine", *engine, *WORKLOAD, "--output-file", str(out), "--profile",
+                     "--profile-output-dir", str(tmp_path / "prof-engine"))
     assert offline.returncode == 0, offline.stdout + offline.stderr
     assert "Serving Benchmark Result" in mesh.stdout and "Mean TTFT (ms)" in offline.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -71,6 +73,9 @@ def test_bench_serving_mesh_and_engine(tmp_path):
     for r in records:  # the worker's scheduler during the timed run, read from the engine or /get_server_info
         assert r["scheduler"]["forward_extend"] >= 1 and r["scheduler"]["forward_decode"] >= 1, r["scheduler"]
     assert records[0]["command"].startswith("python -m benchmarks.serving --backend radixmesh --launch")
+    for run, where in ((mesh, "prof-mesh"), (offline, "prof-engine")):
+        traces = list((tmp_path / where).glob("*-TP-0.trace.json.gz"))
+        assert len(traces) == 1 and str(traces[0]) in run.stdout, (where, run.stdout)
 
 
 def test_bench_serving_bad_input():
