@@ -172,4 +172,18 @@ def test_start_and_stop_profile_on_every_worker(mesh, tmp_path):
         assert status == 400 and says in json.loads(raw)["error"]["message"], (body, raw)
     status, raw = http_get(mesh.url + "/stop_profile")  # nothing was left on by the refused starts
     assert status == 400
+    # all or none: one worker already profiling refuses, and the router stops the one it had started
+    from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+    from tests.e2e.mesh import internal_channel
+
+    first = json.loads(http_get(mesh.url + "/get_server_info")[1])["workers"][0]["url"]
+    with internal_channel(first.removeprefix("grpc://")) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        stub.StartProfile(worker_pb2.StartProfileRequest(output_dir=str(out / "direct")), timeout=30)
+        status, raw = post_status(mesh.url + "/start_profile", {"output_dir": str(out / "routed")}, None)
+        assert status == 400 and "already on" in json.loads(raw)["error"]["message"], raw
+        status, raw = http_get(mesh.url + "/stop_profile")  # the first worker's own profile stops; the other's
+        assert status == 200 and raw.decode().count("not stopped") == 1, raw  # was stopped by the router
+        assert len(list((out / "direct").glob("*.trace.json.gz"))) == 1
+        assert len(list((out / "routed").glob("*.trace.json.gz"))) == 1  # written by the rollback
     assert json.loads(post(mesh.url + "/generate", {"text": "Hello", "sampling_params": GREEDY}))["text"]
