@@ -305,8 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU per output token of each thread over the timed run, of the launched mesh (--launch) "
                         "or of this process (the engine backend); Linux only")
     p.add_argument("--profile", action="store_true",
-                   help="SGLang's: /start_profile before the timed run and /stop_profile after it (torch.profiler on "
-                        "every worker; the traces go to --profile-output-dir or the server's $SGLANG_TORCH_PROFILER_DIR)")
+                   help="SGLang's: /start_profile before the timed run and /stop_profile after it (torch.profiler "
+                        "on every worker; the traces go to --profile-output-dir or the server's "
+                        "$SGLANG_TORCH_PROFILER_DIR)")
     p.add_argument("--profile-output-dir", help="with --profile: where the workers write their traces")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", help="append one JSON line of results here")

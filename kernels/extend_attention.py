@@ -94,7 +94,8 @@ def _tiles_from_env() -> tuple[int, int, int, int] | None:
     return tiles
 
 
-TILES_ENV = "RADIXMESH_EXTEND_TILES"  # BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES for 16-bit CUDA runs (benchmarks.extend_tiles)
+# BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES for 16-bit CUDA runs (benchmarks.extend_tiles sweeps them)
+TILES_ENV = "RADIXMESH_EXTEND_TILES"
 _ENV_TILES = _tiles_from_env()
 
 

@@ -306,7 +306,8 @@ class KVMover:
         layers = len(self.kv.k)
         dev = np.asarray(dev_pages, dtype=np.uint64) * np.uint64(self._half)
         on_device = np.stack([self._k_ptrs[:, None] + dev, self._v_ptrs[:, None] + dev], axis=1)
-        host = np.asarray(host_pages, dtype=np.uint64) * np.uint64(self._host_stride) + np.uint64(self.host.data.data_ptr())
+        host = np.asarray(host_pages, dtype=np.uint64) * np.uint64(self._host_stride) \
+            + np.uint64(self.host.data.data_ptr())
         parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, 2, 1)
         return host[None, None, :] + parts, on_device
 

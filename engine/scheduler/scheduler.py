@@ -25,7 +25,7 @@ import torch
 
 from engine import delivery
 from engine.distributed import GroupFailed
-from engine.profiling import StepProfiler
+from engine.profiling import ProfileError, StepProfiler
 from engine.cache.manager import CacheManager
 from engine.disaggregation.handoff import FirstToken, PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
@@ -514,7 +514,7 @@ class Scheduler:
     def stop_profile(self) -> list[str]:
         """Close the open window; returns the files written. ProfileError when none is open."""
         if self.profiler is None:
-            StepProfiler().stop()  # raises: not on
+            raise ProfileError("profiling is not on (/start_profile starts it)", state=True)
         files = self.profiler.stop()
         if self.profiler.idle:
             self.profiler = None  # back to one attribute test per step

@@ -1,5 +1,6 @@
 """SGLang's native HTTP endpoints on the router: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /start_profile, /stop_profile, /add_worker, /remove_worker; and the probes SGLang's router has for Kubernetes:
+/get_server_info, /flush_cache, /start_profile, /stop_profile, /add_worker, /remove_worker; and the probes SGLang's
+router has for Kubernetes:
 /liveness (the process answers) and /readiness (a request could be served now)."""
 
 from __future__ import annotations

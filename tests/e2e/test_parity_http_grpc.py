@@ -144,8 +144,8 @@ def test_generate_batch_stream_tags_every_event_and_ends_each_sample_once(mesh, 
 
 def test_start_and_stop_profile_on_every_worker(mesh, tmp_path):
     """SGLang's /start_profile and /stop_profile through the router: each worker writes a Chrome trace of the steps
-    between them (<time>-<pid>-TP-0.trace.json.gz in output_dir); a second start, a stop with nothing on and bad bodies are
-    400s that say why, and the mesh serves throughout."""
+    between them (<time>-<pid>-TP-0.trace.json.gz in output_dir); a second start, a stop with nothing on and bad
+    bodies are 400s that say why, and the mesh serves throughout."""
     import gzip
 
     from tests.e2e.test_mesh_faults import post as post_status
