@@ -288,7 +288,8 @@ if [[ $PARTS == *multiturn* ]]; then
   # `git archive REV services benchmarks engine kernels | tar x -C prev_tree` here), and link its stubs there
   # (`ln -s $PWD/radixmesh prev_tree/radixmesh`: an ignored folder inside an untracked one does not travel);
   # MT_PROFILE="EXTENDS:STEPS" (e.g. "4,52:140") profiles the workers' steps after those extend counts
-  # (RADIXMESH_TORCH_PROFILE, engine/profiling.py) into $OUT/prof-TREE-CONFIG/, read by benchmarks.timeline
+  # (RADIXMESH_TORCH_PROFILE, engine/profiling.py) into $OUT/prof-TREE-CONFIG.tgz (traces, tables, and
+  # benchmarks.timeline's reading of each)
   # a pair written "spy:TREE:CONFIG" runs under py-spy (every process of the mesh, 100 samples a second, never
   # pausing them; collapsed stacks in $OUT/pyspy-TREE-CONFIG.txt) and its records go to multiturn-spy.jsonl
   plan=${MT_PLAN:-}
@@ -315,9 +316,12 @@ if [[ $PARTS == *multiturn* ]]; then
     (cd "$tree" && PYTHONPATH=$PWD RADIXMESH_TORCH_PROFILE=$prof "${run[@]}") 2>&1 | tee -a "$OUT/multiturn.log" \
       | grep -E "TTFT|hit|Working|throughput|py-spy|rror" | head -14
     if [[ -n $prof ]]; then
-      for t in "${prof%:*:*}"/*.json.gz; do
+      dir=${prof%:*:*}
+      for t in "$dir"/*.json.gz; do
         $PY -m benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1; tail -3 "${t%.json.gz}.timeline.txt"
       done
+      # one archive per run: the device returns a few files per call, and a lost trace cannot be read again
+      tar czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
     fi
   done
 fi
