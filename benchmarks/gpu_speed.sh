@@ -277,10 +277,13 @@ if [[ $PARTS == *multiturn* ]]; then
             --kvstore-capacity-bytes 34359738368 --hicache-storage-prefetch-policy timeout
             --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
            "--enable-hierarchical-cache --hicache-ratio 4 --hicache-write-policy write_through_selective"
-           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-io-backend direct")
+           "--enable-hierarchical-cache --hicache-ratio 4 --hicache-io-backend direct"
+           "--attention-backend flashinfer"
+           "--attention-backend flashinfer --enable-hierarchical-cache --hicache-ratio 4")
   # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
   # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC, 10 L2 4x
-  # write_through_selective, 11 L2 4x with loads over the copy engine (--hicache-io-backend direct)
+  # write_through_selective, 11 L2 4x with loads over the copy engine (--hicache-io-backend direct), 12-13 off and
+  # L2 4x on FlashInfer (its prefill kernel: RADIXMESH_FLASHINFER_PREFILL_KERNEL=fa2|fa3, default fa2)
   # MT_TREES="prev ." runs every configuration on an earlier tree too (a copy of its services, benchmarks, engine,
   # kernels and radixmesh stubs in that folder), alternated with this one; each tree's records go to a file of its own
   # MT_PLAN="TREE:CONFIG ..." runs exactly those pairs in that order instead (e.g. ".:0 alt:1 .:1 .:0 alt:1 .:1").

@@ -18,6 +18,7 @@ device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,9 @@ PAGE_SIZE = 1  # tokens per FlashInfer page (see the module docstring)
 TENSOR_CORE_MIN_GROUP = 4
 # FA3 paged prefill is slower than FA2 on batches that mix chunked prefill and decodes (flashinfer-ai/flashinfer#1340).
 KERNEL_BACKEND = "fa2"
+# The prefill kernel, for benchmarks that compare (FlashInfer's "fa2", "fa3" on Hopper, "auto"): its prefill over a
+# long cached prefix is what multi-turn TTFT waits on (benchmarks/results/NOTES.md, 2026-11-28 afternoon).
+PREFILL_KERNEL_ENV = "RADIXMESH_FLASHINFER_PREFILL_KERNEL"
 
 
 @dataclass(slots=True)
@@ -83,7 +87,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNEL_BACKEND)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=KERNEL_BACKEND)
+            self.workspace, "NHD", backend=os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND)
         self._ones_host = torch.ones(req_to_token.host.shape[0], dtype=torch.int32, pin_memory=True)
         self._graph: _GraphBuffers | None = None
         # Per wrapper: an event after its last plan's host-to-device copy of the schedule. A wrapper's plan rewrites
