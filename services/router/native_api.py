@@ -187,17 +187,17 @@ def _profile_request(body) -> worker_pb2.StartProfileRequest:
     unknown = sorted(set(body) - set(PROFILE_FIELDS))
     if unknown:
         raise ValueError(f"unknown field(s) {unknown}; /start_profile takes {list(PROFILE_FIELDS)}")
-    out, steps, acts = body.get("output_dir", ""), body.get("num_steps", 0), body.get("activities", [])
+    out, steps, acts = body.get("output_dir", ""), body.get("num_steps"), body.get("activities", [])
     if not isinstance(out, str):
         raise ValueError("output_dir must be a string")
-    if type(steps) is not int or not 0 <= steps <= 1 << 31:
-        raise ValueError("num_steps must be a positive integer")
+    if steps is not None and (type(steps) is not int or not 1 <= steps <= 1 << 31):
+        raise ValueError("num_steps must be a positive integer (absent or null: until /stop_profile)")
     if not isinstance(acts, list) or not all(isinstance(a, str) for a in acts):
         raise ValueError('activities must be a list of names ("CPU", "GPU")')
     flags = {k: body.get(k, False) for k in ("with_stack", "record_shapes")}
     if not all(isinstance(v, bool) for v in flags.values()):
         raise ValueError("with_stack and record_shapes must be true or false")
-    return worker_pb2.StartProfileRequest(output_dir=out, num_steps=steps, activities=acts, **flags)
+    return worker_pb2.StartProfileRequest(output_dir=out, num_steps=steps or 0, activities=acts, **flags)
 
 
 async def _on_workers(router: Router, call: str, request) -> list[tuple[str, list[str] | None, str]]:

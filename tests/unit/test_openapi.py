@@ -121,3 +121,20 @@ def test_request_schemas_take_what_the_handlers_take(name):
         assert validator.is_valid(body), (body, list(validator.iter_errors(body))[:1])
     for body in REFUSED[name]:
         assert not validator.is_valid(body), body
+
+
+def test_start_profile_bodies_the_router_takes_and_refuses():
+    """The /start_profile body as the router reads it (SGLang's fields, all optional) agrees with its schema."""
+    from services.router.native_api import _profile_request
+
+    schema = _validator("StartProfileRequest")
+    for body in ({}, {"output_dir": "/tmp/p", "num_steps": 3, "activities": ["CPU", "GPU"], "with_stack": True,
+                      "record_shapes": False}, {"num_steps": None, "profile_by_stage": False}):
+        assert schema.is_valid(body), body
+        _profile_request(body)
+    for body in ({"num_steps": 0}, {"num_steps": True}, {"activities": "CPU"}, {"with_stack": 1}, {"bogus": 1},
+                 {"profile_by_stage": True}, {"output_dir": 5}):
+        assert not schema.is_valid(body), body
+        with pytest.raises(ValueError):
+            _profile_request(body)
+    assert _profile_request(None).num_steps == 0 and _profile_request({"num_steps": 7}).num_steps == 7
