@@ -33,7 +33,7 @@ from engine.config import STORAGE_TRANSPORTS, EngineArgs
 from services.common import auth
 from services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
 from services.common.auth_channel import sync_channel
-from services.common.ports import free_port
+from services.common.ports import free_port, reserve
 from services.common.settings import parse_settings
 from services.decode.settings import PdSettings
 from services.supervise import Supervisor
@@ -199,6 +199,8 @@ def _worker_roles(settings: LaunchSettings) -> list[tuple[str, list[str]]]:
 def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> list[Child]:
     """The processes to start, in start order (tokenizer, workers, router)."""
     model = engine_kwargs["model_path"]
+    # the router's ports came with the flags (a test or benchmark may have picked them): none is handed out again
+    reserve(settings.grpc_port, *(settings.port + i for i in range(settings.num_routers)))
     tok_ports = [free_port() for _ in range(settings.num_tokenizers)]
     tok = ["services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model]
     if settings.chat_template:

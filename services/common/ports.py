@@ -18,3 +18,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _RECENT_PORTS:
             _RECENT_PORTS.append(port)
             return port
+
+
+def reserve(*ports: int | None) -> None:
+    """Ports chosen elsewhere (a flag given to this process, e.g. by a parent that picked it with a free_port of its
+    own): free_port never hands them out here, where the kernel, not yet seeing them bound, may offer them again."""
+    for port in ports:
+        if port and port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
