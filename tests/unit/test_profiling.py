@@ -87,3 +87,32 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps_between(tmp_path, mon
             with pytest.raises(ProfileError, match=match):
                 llm.start_profile(**bad)
         assert llm.generate(input_ids=[5, 6, 7, 8], sampling_params=sp)["output_ids"] == want
+
+
+def test_timeline_attributes_gpu_work_to_the_step_that_launched_it():
+    """benchmarks.timeline on a hand-made trace: a kernel belongs to the step whose host range holds its launch
+    (through the correlation id), even when it runs after that step; work launched from another thread is counted
+    apart; busy time is the union of overlapping GPU intervals."""
+    def x(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+    events = [
+        x("scheduler.step", "user_annotation", 0, 100), x("extend 2 reqs 64 new", "user_annotation", 10, 50),
+        x("scheduler.step", "user_annotation", 200, 100), x("decode 2 reqs", "user_annotation", 210, 20),
+        x("cudaLaunchKernel", "cuda_runtime", 20, 5, correlation=1),
+        x("cudaLaunchKernel", "cuda_runtime", 30, 5, correlation=2),
+        x("cudaMemcpyAsync", "cuda_runtime", 220, 5, correlation=3),
+        x("cudaLaunchKernel", "cuda_runtime", 50, 5, tid=2, correlation=4),  # another thread
+        x("ampere_bf16_gemm_128x64", "kernel", 150, 40, tid=7, correlation=1),  # runs after its step ended
+        x("_extend_kernel", "kernel", 170, 40, tid=7, correlation=2),  # overlaps the GEMM by 20
+        x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 240, 10, tid=9, correlation=3),
+        x("_kv_pages_kernel", "kernel", 60, 30, tid=8, correlation=4),
+    ]
+    res = timeline.analyse(events)
+    first, second = res["steps"]
+    assert first["forward"] == "extend 2 reqs 64 new" and second["forward"] == "decode 2 reqs"
+    assert first["gpu_us"] == {"gemm": 40, "attention": 40} and first["gpu_busy_us"] == 60
+    assert first["gpu_span_us"] == 60 and first["calls"] == {"cudaLaunchKernel": 2}
+    assert second["gpu_us"] == {"memcpy_htod": 10}
+    assert res["other_thread"]["gpu_us"] == {"kv_pages": 30}
+    assert res["gpu_busy_us"] == 30 + 60 + 10 and res["window_us"] == 300
