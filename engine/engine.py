@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # How long API calls that need the scheduler thread (flush_cache, get_server_info) wait for it.
 CONTROL_TIMEOUT_S = 60.0
+PROFILE_WRITE_TIMEOUT_S = 600.0  # stop_profile writes the window's trace on the scheduler thread: long windows are big
 
 
 class Engine:
@@ -385,9 +386,9 @@ class Engine:
         return results if is_batch else results[0]
 
     # ---- control --------------------------------------------------------------------------------------------
-    def _control(self, fn: Callable[[], Any]) -> Any:
+    def _control(self, fn: Callable[[], Any], timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
         self._check_alive()
-        return self.scheduler.call(fn).result(timeout=CONTROL_TIMEOUT_S)
+        return self.scheduler.call(fn).result(timeout=timeout_s)
 
     def kv_mirror(self, staged: bool | None = None):
         """The host memory a prefill/decode transfer moves this engine's KV pages through, with its staging copies
@@ -412,7 +413,7 @@ class Engine:
     def stop_profile(self) -> list[str]:
         """Close the window `start_profile` opened and write it; returns the files written (the trace, and a table
         of time by kernel beside it). engine.profiling.ProfileError when none is open."""
-        return self._control(self.scheduler.stop_profile)
+        return self._control(self.scheduler.stop_profile, PROFILE_WRITE_TIMEOUT_S)
 
     def get_server_info(self) -> dict:
         load = self._control(self.scheduler.load)
