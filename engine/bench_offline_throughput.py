@@ -46,8 +46,8 @@ def main() -> None:
                         help='JSON dict of sampling parameters (default greedy), e.g. \'{"temperature": 0.8, '
                              '"top_p": 0.9, "frequency_penalty": 0.5}\'')
     parser.add_argument("--profile", action="store_true",
-                        help="SGLang's: torch.profiler over the timed run, a Chrome trace in $SGLANG_TORCH_PROFILER_DIR "
-                             "(else /tmp)")
+                        help="SGLang's: torch.profiler over the timed run, a Chrome trace in "
+                             "$SGLANG_TORCH_PROFILER_DIR (else /tmp)")
     parser.add_argument("--result-file", help="append one JSON line")
     ns = parser.parse_args()
     kwargs = engine_kwargs(ns)

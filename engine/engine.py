@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from engine import shared_memory
 from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
-from engine.delivery import coalesce, mailbox_for
+from engine.delivery import async_deltas_until_done, coalesce, deltas_until_done, mailbox_for
 from engine.early_aborts import EarlyAborts
 from engine.embeddings import EmbeddingCollector, split_inputs
 from engine.model_runner import ModelRunner
@@ -180,7 +180,7 @@ class Engine:
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))), None, tenant)
         deltas = self._receive_sync(collector, inbox)
         if stream:
-            return _stream(deltas, self._abort_all(specs))
+            return deltas_until_done(deltas, self._abort_all(specs))
         try:
             for _ in deltas:
                 pass
@@ -233,7 +233,7 @@ class Engine:
         # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
         deltas = self._receive_async(collector, inbox)
         if stream:
-            return _astream(deltas, self._abort_all(specs))
+            return async_deltas_until_done(deltas, self._abort_all(specs))
         try:
             async for _ in deltas:
                 pass
@@ -490,19 +490,3 @@ class Engine:
 def _check_tenant(tenant: str) -> None:
     if not isinstance(tenant, str) or len(tenant) > 64:
         raise ValueError(f"tenant must be a string of at most 64 characters, got {tenant!r}")
-
-
-def _stream(deltas: Iterator[dict | None], abort: Callable[[], None]) -> Iterator[dict]:
-    try:
-        yield from (d for d in deltas if d is not None)
-    finally:
-        abort()  # a consumer that stops early frees its requests (a no-op for finished ones)
-
-
-async def _astream(deltas: AsyncIterator[dict | None], abort: Callable[[], None]) -> AsyncIterator[dict]:
-    try:
-        async for d in deltas:
-            if d is not None:
-                yield d
-    finally:
-        abort()

@@ -27,12 +27,13 @@ from engine import delivery
 from engine.distributed import GroupFailed
 from engine.profiling import ProfileError, StepProfiler
 from engine.cache.manager import CacheManager
-from engine.disaggregation.handoff import FirstToken, PrefillRole
+from engine.disaggregation.handoff import PrefillRole
 from engine.request import FinishKind, FinishReason, Req, ReqStatus
 from engine.scheduler.batch_builder import build_decode, build_extend
 from engine.scheduler.embedding import EmbeddingSteps
 from engine.scheduler.finish import StopStrings, check_finished, step_output
 from engine.scheduler.handoffs import Handoffs
+from engine.scheduler.handoff_steps import HandoffSteps
 from engine.scheduler.in_flight import HostCopy, InFlight
 from engine.scheduler.logprob_lists import logprob_lists, store_prompt_logprobs
 from engine.sampling.sampler import SamplingBatch
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 
 
-class Scheduler:
+class Scheduler(HandoffSteps):
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
                  overlap: bool = False, pooling=None):
@@ -415,61 +416,6 @@ class Scheduler:
             return False
 
     # ---- prefill/decode disaggregation ----------------------------------------------------------------------
-    def _preallocate(self) -> None:
-        for req in self.handoffs.preallocate(self.running):
-            self._changed = True
-            pages, cached = self.handoffs.destination(req)
-            try:
-                req.handoff.on_allocated(pages, cached)
-            except Exception as e:  # the caller is gone: nothing will fill these pages
-                log.warning("request %s: pre-allocation callback failed: %r", req.rid, e)
-                self.handoffs.receiving.pop(req.rid, None)
-                self._finish(req, FinishReason(FinishKind.ABORT, message=f"KV handoff failed: {e}"))
-
-    def _hand_over(self, req: Req) -> None:
-        """A prefill-role request has its KV and first token: pin the pages and give them to the caller."""
-        self._drop_from_sets(req)
-        pages = self.handoffs.hold(req)
-        first = FirstToken(req.output_ids[-1], req.cached_tokens, input_logprobs=req.input_logprobs,
-                           input_top_logprobs=req.input_top_logprobs,
-                           input_token_ids_logprobs=req.input_token_ids_logprobs)
-        if req.return_logprob:
-            first.logprob, first.top_logprobs = req.output_logprobs[-1], req.output_top_logprobs[-1]
-            first.token_ids_logprobs = req.output_token_ids_logprobs[-1]
-        req.status = ReqStatus.FINISHED
-        self._changed = True
-        try:
-            req.handoff.on_ready(pages, first)
-        except Exception as e:
-            log.warning("request %s: KV-ready callback failed, freeing its pages: %r", req.rid, e)
-            self.handoffs.release(req.rid)
-            req.finish_reason = FinishReason(FinishKind.ABORT, message=f"KV handoff failed: {e}")
-        self._emit(req)
-
-    def deliver_kv(self, rid: str, first: FirstToken) -> bool:
-        """The KV of a receiving decode-role request has landed: it starts decoding after `first`.
-        False when the request is no longer waiting (aborted meanwhile)."""
-        req = self.handoffs.receiving.pop(rid, None)
-        if req is None:
-            return False
-        self._changed = True
-        req.kv_len = req.fill_len
-        req.cached_tokens = first.cached_tokens
-        if req.logprob is not None and req.logprob.start >= 0:
-            req.input_logprobs, req.input_top_logprobs = first.input_logprobs, first.input_top_logprobs
-            req.input_token_ids_logprobs = first.input_token_ids_logprobs
-        if req.sampling.max_new_tokens == 0:
-            self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
-            return True
-        self._append_token(req, first.token_id, first.logprob, first.top_logprobs, first.token_ids_logprobs)
-        if req.sampling.penalized:
-            self.runner.penalties.reset_row(req.pool_idx, req.input_ids, req.output_ids)
-        self._continue(req, newly_prefilled=True)
-        return True
-
-    def release_kv(self, rid: str) -> bool:
-        return self.handoffs.release(rid)
-
     def _abort(self, rid: str, message: str | None = None) -> None:
         reason = FinishReason(FinishKind.ABORT, message=message or "aborted by the client")
         taken = self.handoffs.take(rid)

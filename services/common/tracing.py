@@ -78,6 +78,7 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
     global _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role, _traceparent
+    global open_call, close_call, leaf
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -97,12 +98,10 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
                     batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
     sampler = Sampler.from_env()
     trace_recorder.configure(sampler, pipe.add)
-    global open_call, close_call, leaf
     open_call, close_call, leaf = trace_recorder.open_call, trace_recorder.close_call, trace_recorder.leaf
-    _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
+    _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _traceparent, _role = (
         pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
-        extract, role)
-    _traceparent = traceparent
+        extract, traceparent, role)
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
     log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint

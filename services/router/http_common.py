@@ -20,7 +20,8 @@ from services.router.tenants import SHARED, AuthError, TenantError, TenantResolv
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
-ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/start_profile", "/stop_profile"})  # the admin key's, when one is set
+# the admin key's, when one is set
+ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/start_profile", "/stop_profile"})
 UNTRACED_PATHS = OPEN_PATHS  # liveness probes and scrapes, many a minute, would drown the request traces
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved

@@ -105,8 +105,8 @@ class RouterSettings:
         "help": "hosts POST /add_worker may register (others get a 403): DNS names as written, IP addresses or "
                 "CIDR networks, e.g. 10.0.0.0/8 for pod addresses (default: any host)"})
     admin_api_key: str | None = field(default=None, repr=False, metadata={
-        "help": "the key /add_worker, /remove_worker, /flush_cache, /start_profile and /stop_profile require (default: any "
-                "accepted API key)"})
+        "help": "the key /add_worker, /remove_worker, /flush_cache, /start_profile and /stop_profile require "
+                "(default: any accepted API key)"})
     disable_generate_stream: bool = field(default=False, metadata={
         "help": "a worker call per request instead of one GenerateStream per worker carrying all of them (a "
                 "worker without GenerateStream gets calls anyway)"})
