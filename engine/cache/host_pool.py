@@ -9,8 +9,7 @@ queues behind a backup, and the two use the GPU's separate copy engines at once)
   the caller gets a `Pending` and may use the host pages once it is done;
 - host -> device (`to_device`) is queued and issued by the next forward (`take_ready`, ModelRunner): all of that
   forward's loads go out together, layer by layer, and its layer l waits only for layer l's part, so the copies
-  overlap the forward that reads them without any host synchronization (over the copy engine in batches, each
-  layer's copies are queued only as the forward reaches that layer: `_LayerLoads`).
+  overlap the forward that reads them without any host synchronization.
 With a pinned host pool both directions are one kernel launch per layer that reads or writes the host pages in place
 (kernels.kv_pages); otherwise (a TP group's shared host file) a staged copy of whole pages. On CPU both copies are
 plain synchronous copies.
@@ -175,8 +174,6 @@ class KVMover:
         self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
         self._backups: list[tuple[list[int], list[int], Pending]] = []  # device pages, host pages
         self._ready: list | None = None  # per-layer events of the last loads issued, until a forward takes them
-        self._lazy: _LayerLoads | None = None  # the last batched loads, until every layer of them is issued
-        self._issuer = _BackupIssuer(self.stream) if self.batched else None
 
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
@@ -230,13 +227,10 @@ class KVMover:
         self.stream.wait_stream(torch.cuda.current_stream())  # the KV must be written
         with torch.cuda.stream(self.stream):
             start = _timing_event(self.stream)
-            if self.batched:  # queued by the issuer's thread; the Pendings finish once it has
-                event = torch.cuda.Event(enable_timing=True)
-                host, dev = self._addresses(host_pages, dev_pages)
-                self._issuer.submit(host.reshape(-1), dev.reshape(-1), self._half, event, start,
-                                    [p for _, _, p in queued])
-                return
-            if self.direct:
+            if self.batched:
+                keep = None
+                self._backup_batched(dev_pages, host_pages)
+            elif self.direct:
                 keep = self._copy_layers(host_pages, dev_pages, True, BACKUP_PROGRAMS)
             else:
                 keep = staged = self._gather(dev_pages)
@@ -256,11 +250,6 @@ class KVMover:
     def flush(self) -> None:
         """Issue every queued copy: the backups, then the loads, layer by layer (all of them for layer 0, then
         layer 1, ...)."""
-        if self._issuer is not None:
-            self._issuer.check()
-        if self._lazy is not None:  # loads go out in order: whatever an earlier flush left to issue goes first
-            self._lazy.finish()
-            self._lazy = None
         if self._backups:
             self._issue_backups()
         if not self._queued:
@@ -277,15 +266,14 @@ class KVMover:
         dev_pages.reverse()
         tokens = len(dev_pages) * self.kv.page_size
         started = time.perf_counter()
-        event = start = keep = finish = None
+        event = start = keep = None
         if not self.cuda:
             self._scatter(self.host.data[torch.tensor(host_pages, dtype=torch.int64)], dev_pages)
         else:
             with torch.cuda.stream(self.load_stream):
                 start = _timing_event(self.load_stream)
                 if self.batched:
-                    ready = self._lazy = _LayerLoads(self, host_pages, dev_pages, [p for _, _, p in queued])
-                    finish = ready.finish
+                    ready, keep = self._load_batched(host_pages, dev_pages), None
                 elif self.dma:
                     ready, keep = self._load_direct(host_pages, dev_pages)
                 elif self.direct:
@@ -303,20 +291,15 @@ class KVMover:
                     for i, first, n in _runs(host_pages):
                         staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
                     self._scatter(staged, dev_pages)
-                if self.batched:
-                    event = ready.events[-1]  # recorded when the last layer is issued
-                elif self.dma:
+                if self.dma:
                     event = ready.pop()  # the last layer's scatter ends the flush
                 else:
                     event = _timing_event(self.load_stream)
-            if self.batched:
-                self._ready = ready
-            else:
-                self._ready = ready + [event] if self.direct or self.dma else [event] * len(self.kv.k)
+            self._ready = ready + [event] if self.direct or self.dma else [event] * len(self.kv.k)
         seconds = time.perf_counter() - started
         for _, _, pending in queued:
             pending.event, pending.start_event, pending.keep = event, start, keep
-            pending.tokens, pending.seconds, pending.flush = tokens, seconds, finish
+            pending.tokens, pending.seconds, pending.flush = tokens, seconds, None
 
     def _addresses(self, host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(host, device) byte addresses [layers, 2 (K, V), pages] of each page's K and V of each layer."""
@@ -327,6 +310,34 @@ class KVMover:
             + np.uint64(self.host.data.data_ptr())
         parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, 2, 1)
         return host[None, None, :] + parts, on_device
+
+    def _load_batched(self, host_pages: list[int], dev_pages: list[int]) -> list:
+        """Loads over the copy engine, one cuMemcpyBatchAsync per layer (call on the load stream): that layer's K and V
+        of every page, from its host page straight into its device page. Returns the per-layer events (the last
+        one, timed, ends the flush)."""
+        from engine.cache import dma
+
+        stream, ready = self.load_stream, []
+        layers = len(self.kv.k)
+        if host_pages:
+            host, dev = self._addresses(host_pages, dev_pages)
+            host, dev = host.reshape(layers, -1), dev.reshape(layers, -1)
+            sizes = np.full(host.shape[1], self._half, dtype=np.uint64)
+        for layer in range(layers):
+            if host_pages:
+                dma.copy_batch(dev[layer], host[layer], sizes, stream.cuda_stream)
+            ready.append(torch.cuda.Event(enable_timing=layer == layers - 1))
+            ready[-1].record(stream)
+        return ready
+
+    def _backup_batched(self, dev_pages: list[int], host_pages: list[int]) -> None:
+        """Backups over the copy engine (call on the backup stream): every layer's K and V of every page, device page
+        to host page, in one cuMemcpyBatchAsync."""
+        from engine.cache import dma
+
+        host, dev = self._addresses(host_pages, dev_pages)
+        host, dev = host.reshape(-1), dev.reshape(-1)
+        dma.copy_batch(host, dev, np.full(len(host), self._half, dtype=np.uint64), self.stream.cuda_stream)
 
     def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
         """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES
@@ -384,114 +395,6 @@ class KVMover:
         self.flush()
         ready, self._ready = self._ready, None
         return ready
-
-
-# Batched loads: layers issued ahead of the one the forward has reached (see _LayerLoads)
-LOOKAHEAD = 2
-
-
-class _LayerLoads:
-    """One flush's loads over the copy engine (--hicache-io-backend direct with cuMemcpyBatchAsync): one batch per
-    layer of that layer's K and V of every page, from its host page straight into its device page, issued as the
-    forward reaches the layer. `loads[l]` (the forward context's wait for layer l) issues every layer up to
-    l + LOOKAHEAD not issued yet and returns layer l's event; `finish` issues the rest (a wait on the loads' Pending,
-    the next flush). The driver takes ~0.5 us a copy to queue, so issuing every layer before the forward's first
-    kernel (2 x ~1,000 pages x 32 layers for a round of 16 conversations of the 8B shape) kept the GPU idle 33-49 ms
-    at the start of such a forward (H200); layer by layer, the next layers' copies are queued while this one
-    computes. The loads' Pendings stay unfinished (`flush` set) until the last layer is issued."""
-
-    def __init__(self, mover: KVMover, host_pages: list[int], dev_pages: list[int], pendings: list[Pending]):
-        layers = len(mover.kv.k)
-        self.stream, self.pendings, self.issued = mover.load_stream, pendings, 0
-        # the last one is timed: it ends the flush (Pending.elapsed_s)
-        self.events = [torch.cuda.Event(enable_timing=layer == layers - 1) for layer in range(layers)]
-        self.host = self.dev = self.sizes = None
-        if host_pages:
-            host, dev = mover._addresses(host_pages, dev_pages)
-            self.host, self.dev = host.reshape(layers, -1), dev.reshape(layers, -1)
-            self.sizes = np.full(self.host.shape[1], mover._half, dtype=np.uint64)
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-    def __getitem__(self, layer: int):
-        if layer < 0:
-            layer += len(self.events)
-        if layer >= self.issued:
-            self._issue(min(layer + LOOKAHEAD, len(self.events) - 1))
-        return self.events[layer]
-
-    def finish(self) -> None:
-        if self.issued < len(self.events):
-            self._issue(len(self.events) - 1)
-
-    def _issue(self, last: int) -> None:
-        from engine.cache import dma
-
-        for layer in range(self.issued, last + 1):
-            if self.host is not None:
-                dma.copy_batch(self.dev[layer], self.host[layer], self.sizes, self.stream.cuda_stream)
-            self.events[layer].record(self.stream)
-            self.issued = layer + 1
-        if self.issued == len(self.events):
-            self.host = self.dev = self.sizes = None
-            for pending in self.pendings:
-                pending.flush = None
-
-
-class _BackupIssuer:
-    """A thread that queues batched backups (device -> host over the copy engine) on the backup stream. The driver
-    takes ~0.5 us a copy to queue, 5-10 ms for a step's ~1-2 GB of new pages of the 8B shape, and the driver call
-    releases the GIL (ctypes), so the scheduler's thread hands the addresses over and goes on launching the next
-    forward instead of the compute stream idling that long (H200 timeline). The stream is already ordered after
-    the KV's writes when a batch is handed over; its Pendings stay unfinished (`flush`: wait for the thread) until
-    the batch and its event are queued. A failed batch is raised by the next `check` (KVMover.flush), as a failed
-    copy on the scheduler's thread would be."""
-
-    def __init__(self, stream):
-        import queue
-        import threading
-
-        self.stream, self.error = stream, None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._device = stream.device
-        threading.Thread(target=self._run, name="kv-backup-issuer", daemon=True).start()
-
-    def submit(self, host: np.ndarray, dev: np.ndarray, size: int, event, start, pendings: list[Pending]) -> None:
-        """Queue one batch (every copy `size` bytes, dev[i] -> host[i]) and then `event` on the stream; until the
-        thread has, each Pending's `flush` waits for it."""
-        import threading
-
-        queued = threading.Event()
-
-        def wait() -> None:
-            queued.wait()
-            self.check()
-
-        for pending in pendings:  # before the thread can see them: it clears `flush` once the batch is queued
-            pending.event, pending.start_event, pending.flush = event, start, wait
-        self._jobs.put((host, dev, size, event, pendings, queued))
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"a batch of KV backups failed: {self.error}") from self.error
-
-    def _run(self) -> None:
-        from engine.cache import dma
-
-        torch.cuda.set_device(self._device)
-        while True:
-            host, dev, size, event, pendings, queued = self._jobs.get()
-            try:
-                if self.error is None:
-                    dma.copy_batch(host, dev, np.full(len(host), size, dtype=np.uint64), self.stream.cuda_stream)
-                    event.record(self.stream)
-                    for pending in pendings:
-                        pending.flush = None
-            except BaseException as e:  # noqa: BLE001 - raised on the scheduler's thread by `check`
-                self.error = e
-            finally:
-                queued.set()
 
 
 class JournaledMover:
