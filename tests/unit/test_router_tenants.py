@@ -168,8 +168,8 @@ def run_router(tokenizer_url: str, worker_urls: list[str], log_dir: Path, *flags
     argv = ["services.router", "--tokenizer-url", tokenizer_url, "--worker-urls", *worker_urls, "--port", str(port),
             "--grpc-port", str(grpc_port), "--log-level", "warning", *flags]
 
-    def ready() -> bool:
-        return http("GET", f"http://127.0.0.1:{port}/health")[0] == 200 and _serving(f"127.0.0.1:{grpc_port}")
+    def ready() -> bool:  # /readiness: a worker is registered (/health answers before the first probe has)
+        return http("GET", f"http://127.0.0.1:{port}/readiness")[0] == 200 and _serving(f"127.0.0.1:{grpc_port}")
 
     with run_process("router", argv, log_dir, ready) as proc:
         yield RouterProc(port, grpc_port, proc)
