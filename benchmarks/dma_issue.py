@@ -1,0 +1,113 @@
+"""`python -m benchmarks.dma_issue`: what queuing a batch of copy-engine copies costs the host (issue 11).
+
+A multi-turn wave's first big extend on an H200 waited 33-49 ms for its host to queue ~66k page copies
+(cuMemcpyBatchAsync, engine.cache.dma.copy_batch: 2 x ~1,000 pages x 32 layers) before its first kernel (NOTES.md,
+2026-11-28 evening). This times one batch call of `--copies` scattered 128 KB copies from the host's side, and the
+copies themselves on the GPU, for copy attributes that may spare the driver work per copy: location hints (the
+source is pinned host memory, the destination this device, or the reverse) instead of none, the access order, and
+the prefer-overlap flag. The bytes of every variant are checked against the source.
+
+    python -m benchmarks.dma_issue --copies 2048 --calls 8 [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+
+import numpy as np
+import torch
+
+from engine.cache import dma
+
+_INVALID, _DEVICE, _HOST = 0, 1, 2  # CUmemLocationType
+_ORDER_STREAM, _ORDER_ANY = 1, 3  # CUmemcpySrcAccessOrder
+VARIANTS = {  # name: (access order, hint the source, hint the destination, prefer overlap with compute)
+    "no hints (engine today)": (_ORDER_STREAM, False, False, 1),
+    "location hints": (_ORDER_STREAM, True, True, 1),
+    "location hints, no overlap flag": (_ORDER_STREAM, True, True, 0),
+    "location hints, any order": (_ORDER_ANY, True, True, 1),
+}
+
+
+def attributes(order: int, hint_src: bool, hint_dst: bool, flags: int, to_device: bool, device: int):
+    host, dev = dma._Location(_HOST, 0), dma._Location(_DEVICE, device)
+    none = dma._Location(_INVALID, 0)
+    src, dst = (host, dev) if to_device else (dev, host)
+    return dma._CopyAttributes(order, src if hint_src else none, dst if hint_dst else none, flags)
+
+
+def batch(dsts: np.ndarray, srcs: np.ndarray, size: int, attrs, stream: int) -> None:
+    fn, legacy = dma._batch_fn()
+    n = len(dsts)
+    sizes = np.full(n, size, dtype=np.uint64)
+    u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+    args = [dsts.ctypes.data_as(u64p), srcs.ctypes.data_as(u64p), sizes.ctypes.data_as(sizep), n,
+            ctypes.byref(attrs), (ctypes.c_size_t * 1)(0), 1]
+    failed = ctypes.c_size_t(n)
+    err = fn(*args, ctypes.byref(failed), stream) if legacy else fn(*args, stream)
+    if err:
+        raise RuntimeError(f"cuMemcpyBatchAsync failed: CUDA error {err} (copy {failed.value})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--copies", type=int, default=2048, help="copies per batch call (a layer's K and V of 1,024 pages)")
+    p.add_argument("--calls", type=int, default=8, help="batch calls per measurement (layers)")
+    p.add_argument("--page-kb", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out")
+    a = p.parse_args()
+    if not dma.batch_available():
+        raise SystemExit("this driver has no cuMemcpyBatchAsync")
+    size, n = a.page_kb * 1024, a.copies
+    device = torch.cuda.current_device()
+    host = torch.empty(n * size, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 256, (n * size,), dtype=torch.uint8))
+    dev = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(n).astype(np.uint64)  # scattered: page i goes to page perm[i]
+    host_addr = np.uint64(host.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    dev_addr = np.uint64(dev.data_ptr()) + perm * np.uint64(size)
+    stream = torch.cuda.Stream()
+    results = []
+    for rnd in range(a.rounds):
+        for name, v in VARIANTS.items():
+            for to_device in (True, False):
+                attrs = attributes(*v, to_device, device)
+                dsts, srcs = (dev_addr, host_addr) if to_device else (host_addr, dev_addr)
+                if to_device:
+                    dev.zero_()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    t = time.perf_counter()
+                    for _ in range(a.calls):
+                        batch(dsts, srcs, size, attrs, stream.cuda_stream)
+                    host_s = time.perf_counter() - t
+                    end.record(stream)
+                end.synchronize()
+                gpu_ms = start.elapsed_time(end)
+                if to_device:  # every page where the permutation put it
+                    ok = torch.equal(dev.view(n, size)[torch.from_numpy(perm.astype(np.int64)).cuda()].cpu(),
+                                     host.view(n, size))
+                else:
+                    ok = None  # not checked: the host already holds these bytes
+                moved = a.calls * n * size
+                row = dict(round=rnd, variant=name, direction="h2d" if to_device else "d2h",
+                           host_us_per_copy=round(host_s / (a.calls * n) * 1e6, 3),
+                           host_ms_per_call=round(host_s / a.calls * 1e3, 3), gpu_ms=round(gpu_ms, 2),
+                           gb_per_s=round(moved / gpu_ms / 1e6, 1), bytes_ok=ok)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copies=n, calls=a.calls, page_bytes=size,
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
