@@ -7,7 +7,7 @@ copies themselves on the GPU, for copy attributes that may spare the driver work
 source is pinned host memory, the destination this device, or the reverse) instead of none, the access order, and
 the prefer-overlap flag. The bytes of every variant are checked against the source.
 
-    python -m benchmarks.dma_issue --copies 2048 --calls 8 [--out FILE]
+    python -m benchmarks.dma_issue --copies 2048 --calls 8 [--runs 1 4 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=8, help="batch calls per measurement (layers)")
     p.add_argument("--page-kb", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, nargs="*", default=[16],
+                   help="also time 2-D batches (cuMemcpy3DBatchAsync): one operation per run of this many strided "
+                        "host pages into packed device pages, as the engine's loads through staging")
     p.add_argument("--out")
     a = p.parse_args()
     if not dma.batch_available():
@@ -103,10 +106,48 @@ def main() -> None:
                            gb_per_s=round(moved / gpu_ms / 1e6, 1), bytes_ok=ok)
                 results.append(row)
                 print(json.dumps(row), flush=True)
+    if dma.batch_2d_available():
+        results += runs_2d(a, host, dev, stream)
+    else:
+        print("no usable cuMemcpy3DBatchAsync: 2-D batches not timed")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copies=n, calls=a.calls, page_bytes=size,
                            results=results), f, indent=1)
+
+
+def runs_2d(a, host: torch.Tensor, dev: torch.Tensor, stream) -> list[dict]:
+    """Each page's first half (a layer's K and V of a host page whose other half stands for other layers) from
+    runs of consecutive host pages into packed device memory: one 2-D operation per run."""
+    size, n = a.page_kb * 1024, a.copies
+    half = size // 2
+    out = []
+    for rnd in range(a.rounds):
+        for run in a.runs:
+            firsts = np.arange(0, n - run + 1, run, dtype=np.uint64)
+            srcs = np.uint64(host.data_ptr()) + firsts * np.uint64(size)
+            dsts = np.uint64(dev.data_ptr()) + firsts * np.uint64(half)
+            ops = dma.ops_2d(dsts, half, srcs, size, half, np.full(len(firsts), run, dtype=np.uint64))
+            dev.zero_()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            t = time.perf_counter()
+            for _ in range(a.calls):
+                dma.copy_2d_batch(ops, stream.cuda_stream)
+            host_s = time.perf_counter() - t
+            end.record(stream)
+            end.synchronize()
+            gpu_ms = start.elapsed_time(end)
+            pages = int(firsts[-1]) + run
+            ok = torch.equal(dev[:pages * half].view(pages, half).cpu(), host.view(n, size)[:pages, :half])
+            row = dict(round=rnd, variant=f"2-D operations, runs of {run} pages", direction="h2d",
+                       host_us_per_op=round(host_s / (a.calls * len(ops)) * 1e6, 3),
+                       host_ms_per_call=round(host_s / a.calls * 1e3, 3), gpu_ms=round(gpu_ms, 2),
+                       gb_per_s=round(a.calls * pages * half / gpu_ms / 1e6, 1), bytes_ok=ok)
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ plain synchronous copies.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 from engine.cache.kv_pool import KVPool, PageAllocator
+
+log = logging.getLogger(__name__)
 
 
 class HostKVPool:
@@ -109,6 +112,16 @@ def _timing_event(stream):
     return event
 
 
+def segments(host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) arrays of the maximal stretches where both page lists count up by one."""
+    h, d = np.asarray(host_pages, dtype=np.int64), np.asarray(dev_pages, dtype=np.int64)
+    if not len(h):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
+    breaks = np.flatnonzero((np.diff(h) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    return starts, np.diff(np.concatenate([starts, [len(h)]])).astype(np.uint64)
+
+
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """(index in pages, first page, count) for each run of consecutive page ids."""
     out, i = [], 0
@@ -152,12 +165,14 @@ class KVMover:
         self.cuda = kv.k[0].is_cuda
         self.direct = _direct_copies(kv, host)
         self.dma = self.cuda and host.data.is_pinned() and (io_backend == "direct" or not self.direct)
-        self.batched = False  # dma by cuMemcpyBatchAsync: every page straight into place, backups too
+        self.batched = False  # dma in batches, every page straight into place, backups too
+        self.batched_2d = False  # those batches as 2-D copies per run of pages (cuMemcpy3DBatchAsync)
         if self.dma:
             from engine.cache import dma
 
             self.dma = dma.available()
             self.batched = self.dma and dma.batch_available()
+            self.batched_2d = self.batched and dma.batch_2d_available()
         self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
         # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
         self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
@@ -312,32 +327,79 @@ class KVMover:
         return host[None, None, :] + parts, on_device
 
     def _load_batched(self, host_pages: list[int], dev_pages: list[int]) -> list:
-        """Loads over the copy engine, one cuMemcpyBatchAsync per layer (call on the load stream): that layer's K and V
-        of every page, from its host page straight into its device page. Returns the per-layer events (the last
-        one, timed, ends the flush)."""
+        """Loads over the copy engine, one batch per layer (call on the load stream): that layer's K and V of every
+        page, from its host page straight into its device page. Returns the per-layer events (the last one, timed,
+        ends the flush)."""
         from engine.cache import dma
 
         stream, ready = self.load_stream, []
         layers = len(self.kv.k)
-        if host_pages:
-            host, dev = self._addresses(host_pages, dev_pages)
-            host, dev = host.reshape(layers, -1), dev.reshape(layers, -1)
-            sizes = np.full(host.shape[1], self._half, dtype=np.uint64)
+        batches = self._batches(host_pages, dev_pages, True) if host_pages else None
         for layer in range(layers):
-            if host_pages:
-                dma.copy_batch(dev[layer], host[layer], sizes, stream.cuda_stream)
+            if batches is not None:
+                batches(layer)
             ready.append(torch.cuda.Event(enable_timing=layer == layers - 1))
             ready[-1].record(stream)
         return ready
 
     def _backup_batched(self, dev_pages: list[int], host_pages: list[int]) -> None:
         """Backups over the copy engine (call on the backup stream): every layer's K and V of every page, device page
-        to host page, in one cuMemcpyBatchAsync."""
+        to host page, in one batch."""
+        self._batches(host_pages, dev_pages, False)(None)
+
+    def _batches(self, host_pages: list[int], dev_pages: list[int], to_device: bool):
+        """A function that queues the batch of copies between these pages for one layer (or, given None, every
+        layer) on the stream in use: 2-D copies, one per K or V of a run of pages consecutive on both sides
+        (dma.copy_2d_batch), where the driver has them; else one copy per page (dma.copy_batch). The driver takes
+        ~0.45 us per copy either way (benchmarks.dma_issue), and a wave's loads of the 8B shape are ~66k page copies."""
         from engine.cache import dma
 
+        stream = torch.cuda.current_stream().cuda_stream
+        layers = len(self.kv.k)
+        if self.batched_2d:
+            ops = self._segment_ops(host_pages, dev_pages, to_device)
+
+            def queue_2d(layer):
+                try:
+                    dma.copy_2d_batch(ops.reshape(-1) if layer is None else ops[layer], stream)
+                except RuntimeError as e:  # refused by the driver: one copy per page from here on, this one too
+                    log.warning("2-D copy batches refused (%s); copying page by page from now on", e)
+                    self.batched_2d = False
+                    self._batches(host_pages, dev_pages, to_device)(layer)
+
+            return queue_2d
         host, dev = self._addresses(host_pages, dev_pages)
-        host, dev = host.reshape(-1), dev.reshape(-1)
-        dma.copy_batch(host, dev, np.full(len(host), self._half, dtype=np.uint64), self.stream.cuda_stream)
+        host, dev = host.reshape(layers, -1), dev.reshape(layers, -1)
+        src, dst = (host, dev) if to_device else (dev, host)
+        sizes = np.full(host.shape[1], self._half, dtype=np.uint64)
+
+        def queue(layer):
+            if layer is None:
+                dma.copy_batch(dst.reshape(-1), src.reshape(-1), np.tile(sizes, layers), stream)
+            else:
+                dma.copy_batch(dst[layer], src[layer], sizes, stream)
+
+        return queue
+
+    def _segment_ops(self, host_pages: list[int], dev_pages: list[int], to_device: bool) -> np.ndarray:
+        """The 2-D copies [layers, 2 * segments] (K then V of each layer) between host and device pages, one per
+        segment of pages consecutive on both sides: rows of a page's K (or V) of one layer, `half` bytes, a host page
+        apart on the host and packed on the device."""
+        from engine.cache import dma
+
+        layers, half, stride = len(self.kv.k), self._half, self._host_stride
+        starts, lengths = segments(host_pages, dev_pages)
+        h = np.asarray(host_pages, dtype=np.uint64)[starts]
+        d = np.asarray(dev_pages, dtype=np.uint64)[starts]
+        parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(half)).reshape(layers, 2, 1)
+        on_host = np.uint64(self.host.data.data_ptr()) + h * np.uint64(stride) + parts  # [layers, 2, segments]
+        on_device = np.stack([self._k_ptrs, self._v_ptrs], axis=1)[:, :, None] + d * np.uint64(half)
+        rows = np.broadcast_to(lengths, on_host.shape).reshape(-1)
+        if to_device:
+            ops = dma.ops_2d(on_device.reshape(-1), half, on_host.reshape(-1), stride, half, rows)
+        else:
+            ops = dma.ops_2d(on_host.reshape(-1), stride, on_device.reshape(-1), half, half, rows)
+        return ops.reshape(layers, -1)
 
     def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
         """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES
