@@ -79,25 +79,30 @@ _PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: 
 _batch = None  # (function, takes a failure-index argument) once looked up; False where the driver lacks it
 
 
+def _driver_entry(name: str, head: list, tail: list):
+    """(function, legacy) for the driver's `name`: its CUDA 13 `_v2` entry point (no failure index) where it exists,
+    else CUDA 12.8's, whose argument after `head` receives the index of a failed copy; False where there is neither."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    for symbol, legacy in ((name + "_v2", False), (name, True)):
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes = head + ([ctypes.POINTER(ctypes.c_size_t)] if legacy else []) + tail
+            fn.restype = ctypes.c_int
+            return fn, legacy
+    return False
+
+
 def _batch_fn():
-    """cuMemcpyBatchAsync of the driver: the CUDA 13 entry point (`_v2`, no failure index) where it exists, else
-    CUDA 12.8's, whose extra argument receives the index of a failed copy."""
+    """cuMemcpyBatchAsync of the driver (_driver_entry)."""
     global _batch
     if _batch is None:
-        _batch = False
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return _batch
         u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
-        head = [u64p, u64p, sizep, ctypes.c_size_t, ctypes.POINTER(_CopyAttributes), sizep, ctypes.c_size_t]
-        for name, legacy in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = head + ([sizep] if legacy else []) + [ctypes.c_void_p]
-                fn.restype = ctypes.c_int
-                _batch = (fn, legacy)
-                break
+        _batch = _driver_entry("cuMemcpyBatchAsync", [u64p, u64p, sizep, ctypes.c_size_t,
+                                                      ctypes.POINTER(_CopyAttributes), sizep, ctypes.c_size_t],
+                               [ctypes.c_void_p])
     return _batch
 
 
@@ -155,23 +160,11 @@ _checked_3d: bool | None = None  # whether a first batch put every byte where it
 
 
 def _batch_3d_fn():
-    """cuMemcpy3DBatchAsync of the driver: CUDA 13's `_v2` (no failure index) where it exists, else 12.8's."""
+    """cuMemcpy3DBatchAsync of the driver (_driver_entry)."""
     global _batch_3d
     if _batch_3d is None:
-        _batch_3d = False
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return _batch_3d
-        sizep = ctypes.POINTER(ctypes.c_size_t)
-        for name, legacy in (("cuMemcpy3DBatchAsync_v2", False), ("cuMemcpy3DBatchAsync", True)):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_size_t, ctypes.c_void_p] + ([sizep] if legacy else []) + \
-                    [ctypes.c_ulonglong, ctypes.c_void_p]
-                fn.restype = ctypes.c_int
-                _batch_3d = (fn, legacy)
-                break
+        _batch_3d = _driver_entry("cuMemcpy3DBatchAsync", [ctypes.c_size_t, ctypes.c_void_p],
+                                  [ctypes.c_ulonglong, ctypes.c_void_p])
     return _batch_3d
 
 

@@ -330,8 +330,6 @@ class KVMover:
         """Loads over the copy engine, one batch per layer (call on the load stream): that layer's K and V of every
         page, from its host page straight into its device page. Returns the per-layer events (the last one, timed,
         ends the flush)."""
-        from engine.cache import dma
-
         stream, ready = self.load_stream, []
         layers = len(self.kv.k)
         batches = self._batches(host_pages, dev_pages, True) if host_pages else None
@@ -359,13 +357,18 @@ class KVMover:
         if self.batched_2d:
             ops = self._segment_ops(host_pages, dev_pages, to_device)
 
+            fallback = []
+
             def queue_2d(layer):
-                try:
-                    dma.copy_2d_batch(ops.reshape(-1) if layer is None else ops[layer], stream)
-                except RuntimeError as e:  # refused by the driver: one copy per page from here on, this one too
-                    log.warning("2-D copy batches refused (%s); copying page by page from now on", e)
-                    self.batched_2d = False
-                    self._batches(host_pages, dev_pages, to_device)(layer)
+                if not fallback:
+                    try:
+                        dma.copy_2d_batch(ops.reshape(-1) if layer is None else ops[layer], stream)
+                        return
+                    except RuntimeError as e:  # refused by the driver: one copy per page from here on, this one too
+                        log.warning("2-D copy batches refused (%s); copying page by page from now on", e)
+                        self.batched_2d = False
+                        fallback.append(self._batches(host_pages, dev_pages, to_device))
+                fallback[0](layer)
 
             return queue_2d
         host, dev = self._addresses(host_pages, dev_pages)

@@ -112,3 +112,24 @@ def test_a_refused_2d_batch_falls_back_to_page_copies(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
     KVMover._batches(m, [5, 6], [14, 15], True)(1)  # layer 1: refused in 2-D, then its 4 page copies (K, V x 2)
     assert pages == [(4, 7)] and m.batched_2d is False
+
+
+def test_after_a_refusal_the_other_layers_go_page_by_page_without_asking_again(monkeypatch):
+    m = _Mover(3, 8, host_pages=12, dev_pages=16)
+    m.batched_2d = True
+    m._segment_ops = lambda *a: KVMover._segment_ops(m, *a)
+    m._addresses = lambda *a: KVMover._addresses(m, *a)
+    m._batches = lambda *a: KVMover._batches(m, *a)
+    asked, pages = [], []
+
+    def refuse(ops, stream):
+        asked.append(len(ops))
+        raise RuntimeError("cuMemcpy3DBatchAsync failed: CUDA error 1")
+
+    monkeypatch.setattr(dma, "copy_2d_batch", refuse)
+    monkeypatch.setattr(dma, "copy_batch", lambda dsts, srcs, sizes, stream: pages.append(len(dsts)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+    queue = KVMover._batches(m, [5, 6, 9], [14, 15, 2], True)
+    for layer in range(3):
+        queue(layer)
+    assert asked == [4] and pages == [6, 6, 6]  # one refused 2-D batch (K, V x 2 stretches), then 3 x 6 page copies
