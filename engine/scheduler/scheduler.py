@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 
 
-class Scheduler(HandoffSteps):
+class Scheduler:
     def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
                  overlap: bool = False, pooling=None):
@@ -58,6 +58,7 @@ class Scheduler(HandoffSteps):
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.handoffs = Handoffs(cache, reserved_decode_tokens)
+        self.handoff_steps = HandoffSteps(self)  # prefill/decode disaggregation's steps over `handoffs`
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.overlap = overlap
         # an embedding engine (pooling: engine.pooling.Pooling): forwards pool hidden states, nothing is sampled
@@ -88,6 +89,16 @@ class Scheduler(HandoffSteps):
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(("wake", None))
+
+    # ---- prefill/decode disaggregation (on the scheduler thread: through `call`) -----------------------------
+    def deliver_kv(self, rid: str, first) -> bool:
+        """A receiving decode-role request's KV has landed: it decodes after `first` (False: it left meanwhile)."""
+        return self.handoff_steps.deliver_kv(rid, first)
+
+    def release_kv(self, rid: str) -> bool:
+        """Free the pages kept pinned for `rid` (handed over, or aborted while a peer may still write them); False when
+        none are."""
+        return self.handoff_steps.release_kv(rid)
 
     # ---- loop -----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -146,7 +157,7 @@ class Scheduler(HandoffSteps):
 
     def _step(self) -> bool:
         if self.handoffs.queue:
-            self._preallocate()
+            self.handoff_steps.preallocate()
         launched = self._plan_and_launch()
         self._resolve()  # the previous step, now that this one is queued behind it
         if launched is not None:
@@ -365,7 +376,7 @@ class Scheduler(HandoffSteps):
         else:
             self._append_token(req, token)
         if handing_over:
-            self._hand_over(req)
+            self.handoff_steps.hand_over(req)
             return
         self._continue(req, newly_prefilled=False)
 
