@@ -13,7 +13,6 @@ the prefer-overlap flag. The bytes of every variant are checked against the sour
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 
@@ -39,19 +38,6 @@ def attributes(order: int, hint_src: bool, hint_dst: bool, flags: int, to_device
     return dma._CopyAttributes(order, src if hint_src else none, dst if hint_dst else none, flags)
 
 
-def batch(dsts: np.ndarray, srcs: np.ndarray, size: int, attrs, stream: int) -> None:
-    fn, legacy = dma._batch_fn()
-    n = len(dsts)
-    sizes = np.full(n, size, dtype=np.uint64)
-    u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
-    args = [dsts.ctypes.data_as(u64p), srcs.ctypes.data_as(u64p), sizes.ctypes.data_as(sizep), n,
-            ctypes.byref(attrs), (ctypes.c_size_t * 1)(0), 1]
-    failed = ctypes.c_size_t(n)
-    err = fn(*args, ctypes.byref(failed), stream) if legacy else fn(*args, stream)
-    if err:
-        raise RuntimeError(f"cuMemcpyBatchAsync failed: CUDA error {err} (copy {failed.value})")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--copies", type=int, default=2048, help="copies per batch call (a layer's K and V of 1,024 pages)")
@@ -74,6 +60,7 @@ def main() -> None:
     perm = rng.permutation(n).astype(np.uint64)  # scattered: page i goes to page perm[i]
     host_addr = np.uint64(host.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(size)
     dev_addr = np.uint64(dev.data_ptr()) + perm * np.uint64(size)
+    sizes = np.full(n, size, dtype=np.uint64)
     stream = torch.cuda.Stream()
     results = []
     for rnd in range(a.rounds):
@@ -89,7 +76,7 @@ def main() -> None:
                     start.record(stream)
                     t = time.perf_counter()
                     for _ in range(a.calls):
-                        batch(dsts, srcs, size, attrs, stream.cuda_stream)
+                        dma.copy_batch(dsts, srcs, sizes, stream.cuda_stream, attrs)
                     host_s = time.perf_counter() - t
                     end.record(stream)
                 end.synchronize()

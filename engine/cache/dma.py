@@ -114,11 +114,13 @@ _ATTRS = _CopyAttributes(_ORDER_STREAM, _Location(0, 0), _Location(0, 0), _PREFE
 _FIRST = (ctypes.c_size_t * 1)(0)  # one attribute entry, for every copy from the first on
 
 
-def copy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+def copy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+               attrs: _CopyAttributes | None = None) -> None:
     """Queue len(dsts) copies (addresses and byte counts: C-contiguous uint64 arrays; pinned host or device memory)
     on CUDA stream handle `stream`, as one batch: they run in stream order as a whole, in any order among themselves
     (so no copy may depend on another). The arrays are read before this returns. RuntimeError with the CUDA error
-    code (and the failed copy's index, where the driver gives it) when the driver refuses the batch."""
+    code (and the failed copy's index, where the driver gives it) when the driver refuses the batch. `attrs`: the
+    copies' attributes (default: stream order, on the copy engines; benchmarks.dma_issue compares others)."""
     n = len(dsts)
     if not n:
         return
@@ -127,7 +129,7 @@ def copy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: in
     fn, legacy = _batch_fn()
     u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
     args = [dsts.ctypes.data_as(u64p), srcs.ctypes.data_as(u64p), sizes.ctypes.data_as(sizep), n,
-            ctypes.byref(_ATTRS), _FIRST, 1]
+            ctypes.byref(_ATTRS if attrs is None else attrs), _FIRST, 1]
     failed = ctypes.c_size_t(n)
     err = fn(*args, ctypes.byref(failed), stream) if legacy else fn(*args, stream)
     if err:

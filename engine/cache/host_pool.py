@@ -124,14 +124,8 @@ def segments(host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, n
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """(index in pages, first page, count) for each run of consecutive page ids."""
-    out, i = [], 0
-    while i < len(pages):
-        j = i + 1
-        while j < len(pages) and pages[j] == pages[j - 1] + 1:
-            j += 1
-        out.append((i, pages[i], j - i))
-        i = j
-    return out
+    starts, lengths = segments(pages, pages)
+    return [(int(i), int(pages[i]), int(n)) for i, n in zip(starts, lengths)]
 
 
 # Copies run narrow: 16 programs still move ~45 GB/s either way (PCIe's rate) and slow a GEMM stream beside them ~1%,

@@ -96,12 +96,19 @@ def test_segment_copies_move_every_layers_k_and_v_between_host_and_device_pages(
                 assert np.array_equal(got, src), (layer, kv, hp, dp)
 
 
-def test_a_refused_2d_batch_falls_back_to_page_copies(monkeypatch):
-    m = _Mover(2, 8, host_pages=12, dev_pages=16)
+def _batching(layers: int, monkeypatch) -> _Mover:
+    """A _Mover that batches in 2-D, with KVMover's batch methods bound to it, on a stand-in CUDA stream (handle 7)."""
+    m = _Mover(layers, 8, host_pages=12, dev_pages=16)
     m.batched_2d = True
     m._segment_ops = lambda *a: KVMover._segment_ops(m, *a)
     m._addresses = lambda *a: KVMover._addresses(m, *a)
     m._batches = lambda *a: KVMover._batches(m, *a)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+    return m
+
+
+def test_a_refused_2d_batch_falls_back_to_page_copies(monkeypatch):
+    m = _batching(2, monkeypatch)
     pages = []
 
     def refuse(ops, stream):
@@ -109,17 +116,12 @@ def test_a_refused_2d_batch_falls_back_to_page_copies(monkeypatch):
 
     monkeypatch.setattr(dma, "copy_2d_batch", refuse)
     monkeypatch.setattr(dma, "copy_batch", lambda dsts, srcs, sizes, stream: pages.append((len(dsts), stream)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
     KVMover._batches(m, [5, 6], [14, 15], True)(1)  # layer 1: refused in 2-D, then its 4 page copies (K, V x 2)
     assert pages == [(4, 7)] and m.batched_2d is False
 
 
 def test_after_a_refusal_the_other_layers_go_page_by_page_without_asking_again(monkeypatch):
-    m = _Mover(3, 8, host_pages=12, dev_pages=16)
-    m.batched_2d = True
-    m._segment_ops = lambda *a: KVMover._segment_ops(m, *a)
-    m._addresses = lambda *a: KVMover._addresses(m, *a)
-    m._batches = lambda *a: KVMover._batches(m, *a)
+    m = _batching(3, monkeypatch)
     asked, pages = [], []
 
     def refuse(ops, stream):
@@ -128,7 +130,6 @@ def test_after_a_refusal_the_other_layers_go_page_by_page_without_asking_again(m
 
     monkeypatch.setattr(dma, "copy_2d_batch", refuse)
     monkeypatch.setattr(dma, "copy_batch", lambda dsts, srcs, sizes, stream: pages.append(len(dsts)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
     queue = KVMover._batches(m, [5, 6, 9], [14, 15, 2], True)
     for layer in range(3):
         queue(layer)
