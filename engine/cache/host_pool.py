@@ -160,13 +160,11 @@ class KVMover:
         self.direct = _direct_copies(kv, host)
         self.dma = self.cuda and host.data.is_pinned() and (io_backend == "direct" or not self.direct)
         self.batched = False  # dma in batches, every page straight into place, backups too
-        self.batched_2d = False  # those batches as 2-D copies per run of pages (cuMemcpy3DBatchAsync)
         if self.dma:
             from engine.cache import dma
 
             self.dma = dma.available()
             self.batched = self.dma and dma.batch_available()
-            self.batched_2d = self.batched and dma.batch_2d_available()
         self.stream = torch.cuda.Stream(device=kv.k[0].device) if self.cuda else None  # device -> host
         # host -> device; high priority: a forward's layers wait for its copies, so their programs go first
         self.load_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.cuda else None
@@ -341,30 +339,14 @@ class KVMover:
 
     def _batches(self, host_pages: list[int], dev_pages: list[int], to_device: bool):
         """A function that queues the batch of copies between these pages for one layer (or, given None, every
-        layer) on the stream in use: 2-D copies, one per K or V of a run of pages consecutive on both sides
-        (dma.copy_2d_batch), where the driver has them; else one copy per page (dma.copy_batch). The driver takes
-        ~0.45 us per copy either way (benchmarks.dma_issue), and a wave's loads of the 8B shape are ~66k page copies."""
+        layer) on the stream in use: one copy per page's K and one per its V (dma.copy_batch). The driver takes
+        ~0.45 us per copy (benchmarks.dma_issue), and a wave's loads of the 8B shape are ~66k page copies. (2-D copies
+        per stretch of pages consecutive on both sides were measured and are slower here: the same benchmark's
+        --runs.)"""
         from engine.cache import dma
 
         stream = torch.cuda.current_stream().cuda_stream
         layers = len(self.kv.k)
-        if self.batched_2d:
-            ops = self._segment_ops(host_pages, dev_pages, to_device)
-
-            fallback = []
-
-            def queue_2d(layer):
-                if not fallback:
-                    try:
-                        dma.copy_2d_batch(ops.reshape(-1) if layer is None else ops[layer], stream)
-                        return
-                    except RuntimeError as e:  # refused by the driver: one copy per page from here on, this one too
-                        log.warning("2-D copy batches refused (%s); copying page by page from now on", e)
-                        self.batched_2d = False
-                        fallback.append(self._batches(host_pages, dev_pages, to_device))
-                fallback[0](layer)
-
-            return queue_2d
         host, dev = self._addresses(host_pages, dev_pages)
         host, dev = host.reshape(layers, -1), dev.reshape(layers, -1)
         src, dst = (host, dev) if to_device else (dev, host)
@@ -377,26 +359,6 @@ class KVMover:
                 dma.copy_batch(dst[layer], src[layer], sizes, stream)
 
         return queue
-
-    def _segment_ops(self, host_pages: list[int], dev_pages: list[int], to_device: bool) -> np.ndarray:
-        """The 2-D copies [layers, 2 * segments] (K then V of each layer) between host and device pages, one per
-        segment of pages consecutive on both sides: rows of a page's K (or V) of one layer, `half` bytes, a host page
-        apart on the host and packed on the device."""
-        from engine.cache import dma
-
-        layers, half, stride = len(self.kv.k), self._half, self._host_stride
-        starts, lengths = segments(host_pages, dev_pages)
-        h = np.asarray(host_pages, dtype=np.uint64)[starts]
-        d = np.asarray(dev_pages, dtype=np.uint64)[starts]
-        parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(half)).reshape(layers, 2, 1)
-        on_host = np.uint64(self.host.data.data_ptr()) + h * np.uint64(stride) + parts  # [layers, 2, segments]
-        on_device = np.stack([self._k_ptrs, self._v_ptrs], axis=1)[:, :, None] + d * np.uint64(half)
-        rows = np.broadcast_to(lengths, on_host.shape).reshape(-1)
-        if to_device:
-            ops = dma.ops_2d(on_device.reshape(-1), half, on_host.reshape(-1), stride, half, rows)
-        else:
-            ops = dma.ops_2d(on_host.reshape(-1), stride, on_device.reshape(-1), half, half, rows)
-        return ops.reshape(layers, -1)
 
     def _load_direct(self, host_pages: list[int], dev_pages: list[int]) -> tuple[list, tuple]:
         """Loads over the copy engine (call on the load stream): for each layer and group of up to STAGING_PAGES

@@ -85,19 +85,16 @@ def test_a_slow_host_load_is_waited_for(monkeypatch, io_backend):
             assert mover.dma, "the loads did not go over the copy engine (engine.cache.dma)"
 
 
-@pytest.mark.parametrize("path", ["2d-batches", "page-batches", "2d-calls"])
+@pytest.mark.parametrize("path", ["page-batches", "2d-calls"])
 def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     """--hicache-io-backend direct into scattered device pages, on each of its paths: one batch per layer straight
-    into place, of 2-D copies per stretch of pages consecutive on both sides (cuMemcpy3DBatchAsync) or of a copy per
-    page (cuMemcpyBatchAsync), both CUDA 12.8+; or, for older drivers, a cudaMemcpy2DAsync per run of host pages into
-    staging slots (groups, a ring of slots) scattered by index copies: every byte lands where the kernel path puts
-    it, and the per-layer events cover each layer."""
+    into place, a copy per page (cuMemcpyBatchAsync, CUDA 12.8+); or, for older drivers, a cudaMemcpy2DAsync per
+    run of host pages into staging slots (groups, a ring of slots) scattered by index copies: every byte lands where
+    the kernel path puts it, and the per-layer events cover each layer."""
     from engine.cache import dma, host_pool
     from engine.cache.host_pool import HostKVPool
     from engine.cache.kv_pool import KVPool
 
-    if path == "2d-batches" and not dma.batch_2d_available():
-        pytest.skip("this driver has no usable cuMemcpy3DBatchAsync (CUDA 12.8+)")
     if path == "page-batches" and not dma.batch_available():
         pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
     monkeypatch.setattr(host_pool, "STAGING_PAGES", 3)  # several groups per layer, the ring wrapping within a layer
@@ -105,8 +102,8 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     host = HostKVPool(40, kv)
     host.data.copy_(torch.randn(host.data.shape).to(host.data.dtype))
     mover = KVMover(kv, host, "direct")
-    assert mover.dma and mover.batched == dma.batch_available() and mover.batched_2d == dma.batch_2d_available()
-    mover.batched, mover.batched_2d = path != "2d-calls", path == "2d-batches"
+    assert mover.dma and mover.batched == dma.batch_available()
+    mover.batched = path != "2d-calls"
     host_pages = [5, 6, 7, 9, 20, 21, 3, 30, 31, 32, 33]  # runs of 3, 1, 2, 1 and 4
     dev_pages = [40, 2, 17, 33, 8, 9, 60, 1, 25, 50, 12]
     mover.to_device(host_pages, dev_pages)
@@ -122,11 +119,11 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
             assert torch.equal(k, host.data[hp, 2 * layer]) and torch.equal(v, host.data[hp, 2 * layer + 1])
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "direct", "direct-page-copies"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 def test_backups_equal_the_device_pages(io_backend):
     """Backups (device -> host) from scattered device pages into scattered host pages, by kernels.kv_pages or, with
-    --hicache-io-backend direct, one batch of copy-engine copies (2-D per stretch of pages consecutive on both sides,
-    or one per page): every layer's K and V lands in its host page, and host pages not written keep their bytes."""
+    --hicache-io-backend direct, one batch of copy-engine copies (one per page's K or V): every layer's K and V
+    lands in its host page, and host pages not written keep their bytes."""
     from engine.cache.host_pool import HostKVPool
     from engine.cache.kv_pool import KVPool
 
@@ -135,9 +132,7 @@ def test_backups_equal_the_device_pages(io_backend):
         t.copy_(torch.randn(t.shape))
     host = HostKVPool(40, kv)
     before = host.data.clone()
-    mover = KVMover(kv, host, io_backend.removesuffix("-page-copies"))
-    if io_backend == "direct-page-copies":
-        mover.batched_2d = False
+    mover = KVMover(kv, host, io_backend)
     dev_pages, host_pages = [40, 2, 17, 33, 8, 9, 60], [5, 6, 7, 9, 20, 21, 3]  # 8-9 -> 20-21: a stretch of two
     pending = mover.to_host(dev_pages, host_pages)
     mover.flush()

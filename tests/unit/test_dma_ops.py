@@ -1,6 +1,7 @@
-"""The 2-D copy batches of engine.cache.dma (cuMemcpy3DBatchAsync) as this module writes them: the record layout
-against the driver's struct, and each operation's fields, replayed here on a byte array the way the driver reads
-them (the driver itself is exercised on a GPU: tests/gpu/test_hicache_cuda.py, and dma.check_2d_batch at start-up)."""
+"""Copy-engine copies as written for the driver, replayed here on a byte array the way the driver reads them: the
+page copies of KVMover's batches (engine.cache.dma.copy_batch), and the 2-D operations benchmarks.dma_issue times
+(cuMemcpy3DBatchAsync: the record layout against the driver's struct). The driver itself is exercised on a GPU:
+tests/gpu/test_hicache_cuda.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import dma_issue
 from engine.cache import dma, host_pool
 from engine.cache.host_pool import KVMover, _runs
 
@@ -28,10 +30,10 @@ def replay(memory: np.ndarray, ops: np.ndarray) -> None:
 def test_the_record_is_the_drivers_struct():
     # CUmemcpy3DOperand: a 4-byte type, then its union at 8 (pointer, row length, layer height, location hint);
     # CUDA_MEMCPY3D_BATCH_OP: source, destination, extent, access order, flags
-    assert ctypes.sizeof(dma._Operand) == 40 and ctypes.sizeof(dma._Op3D) == 112 == dma.OP3D.itemsize
-    assert [dma.OP3D.fields[f][1] for f in ("src", "dst", "extent", "src_access_order", "flags")] == \
+    assert ctypes.sizeof(dma_issue._Operand) == 40 and ctypes.sizeof(dma_issue._Op3D) == 112 == dma_issue.OP3D.itemsize
+    assert [dma_issue.OP3D.fields[f][1] for f in ("src", "dst", "extent", "src_access_order", "flags")] == \
         [0, 40, 80, 104, 108]
-    assert [dma.OP3D["src"].fields[f][1] for f in ("type", "ptr", "row_length", "layer_height", "loc_hint")] == \
+    assert [dma_issue.OP3D["src"].fields[f][1] for f in ("type", "ptr", "row_length", "layer_height", "loc_hint")] == \
         [0, 8, 16, 24, 32]
 
 
@@ -44,7 +46,7 @@ def test_runs_of_strided_host_pages_land_packed_in_a_slot():
     memory[:slot] = np.arange(slot) % 251
     runs = np.array(_runs(pages), dtype=np.uint64).reshape(-1, 3)
     index, first, count = runs.T
-    ops = dma.ops_2d(np.uint64(slot) + index * np.uint64(row), row, np.uint64(offset) + first * np.uint64(stride),
+    ops = dma_issue.ops_2d(np.uint64(slot) + index * np.uint64(row), row, np.uint64(offset) + first * np.uint64(stride),
                      stride, row, count)
     assert len(ops) == 3  # 5-7, 9, 2-3
     assert list(ops["extent"]["height"]) == [3, 1, 2] and set(ops["extent"]["width"]) == {row}
@@ -56,7 +58,7 @@ def test_runs_of_strided_host_pages_land_packed_in_a_slot():
 
 
 class _Mover:
-    """What KVMover._segment_ops reads, over one byte array: the host pool at 0, then each layer's K and V buffer."""
+    """What KVMover._batches reads, over one byte array: the host pool at 0, then each layer's K and V buffer."""
 
     def __init__(self, layers: int, half: int, host_pages: int, dev_pages: int):
         self.kv = type("KV", (), {"k": [None] * layers})()
@@ -76,61 +78,40 @@ def test_segments_are_stretches_consecutive_on_both_sides():
 
 
 @pytest.mark.parametrize("to_device", [True, False])
-def test_segment_copies_move_every_layers_k_and_v_between_host_and_device_pages(to_device):
+@pytest.mark.parametrize("layer", [1, None])
+def test_page_copies_move_each_layers_k_and_v_between_host_and_device_pages(monkeypatch, to_device, layer):
+    """KVMover's batch for one layer (a forward's wait is per layer) or for every layer (a step's backups): one copy
+    per page's K and one per its V, each between its host page's part and its device page, on the stream in use."""
     layers, half = 3, 8
     m = _Mover(layers, half, host_pages=12, dev_pages=16)
-    memory = np.zeros(m.size, dtype=np.uint8)
-    memory[:] = np.random.default_rng(0).integers(0, 256, m.size)
+    m._addresses = lambda *a: KVMover._addresses(m, *a)
+    memory = np.random.default_rng(0).integers(0, 256, m.size).astype(np.uint8)
     before = memory.copy()
+    streams = []
+
+    def copy_batch(dsts, srcs, sizes, stream):
+        streams.append(stream)
+        for d, s, n in zip(dsts, srcs, sizes):
+            memory[int(d):int(d) + int(n)] = before[int(s):int(s) + int(n)]
+
+    monkeypatch.setattr(dma, "copy_batch", copy_batch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
     host_pages, dev_pages = [5, 6, 7, 9, 10, 2, 3], [14, 15, 8, 9, 10, 11, 1]
-    ops = KVMover._segment_ops(m, host_pages, dev_pages, to_device)
-    assert ops.shape == (layers, 2 * 5)  # K and V of 5 segments: 5-6 -> 14-15, 7 -> 8, 9-10 -> 9-10, 2 -> 11, 3 -> 1
-    replay(memory, ops.reshape(-1))
-    for layer in range(layers):
+    KVMover._batches(m, host_pages, dev_pages, to_device)(layer)
+    assert streams == [7]
+    for each in range(layers):
         for kv, ptrs in ((0, m._k_ptrs), (1, m._v_ptrs)):
             for hp, dp in zip(host_pages, dev_pages):
-                h = hp * m._host_stride + (2 * layer + kv) * half
-                d = int(ptrs[layer]) + dp * half
+                h = hp * m._host_stride + (2 * each + kv) * half
+                d = int(ptrs[each]) + dp * half
                 src = before[h:h + half] if to_device else before[d:d + half]
                 got = memory[d:d + half] if to_device else memory[h:h + half]
-                assert np.array_equal(got, src), (layer, kv, hp, dp)
+                if layer is None or layer == each:
+                    assert np.array_equal(got, src), (each, kv, hp, dp)
+                else:  # another layer's batch: untouched
+                    assert np.array_equal(got, before[d:d + half] if to_device else before[h:h + half])
 
 
-def _batching(layers: int, monkeypatch) -> _Mover:
-    """A _Mover that batches in 2-D, with KVMover's batch methods bound to it, on a stand-in CUDA stream (handle 7)."""
-    m = _Mover(layers, 8, host_pages=12, dev_pages=16)
-    m.batched_2d = True
-    m._segment_ops = lambda *a: KVMover._segment_ops(m, *a)
-    m._addresses = lambda *a: KVMover._addresses(m, *a)
-    m._batches = lambda *a: KVMover._batches(m, *a)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
-    return m
-
-
-def test_a_refused_2d_batch_falls_back_to_page_copies(monkeypatch):
-    m = _batching(2, monkeypatch)
-    pages = []
-
-    def refuse(ops, stream):
-        raise RuntimeError("cuMemcpy3DBatchAsync failed: CUDA error 1")
-
-    monkeypatch.setattr(dma, "copy_2d_batch", refuse)
-    monkeypatch.setattr(dma, "copy_batch", lambda dsts, srcs, sizes, stream: pages.append((len(dsts), stream)))
-    KVMover._batches(m, [5, 6], [14, 15], True)(1)  # layer 1: refused in 2-D, then its 4 page copies (K, V x 2)
-    assert pages == [(4, 7)] and m.batched_2d is False
-
-
-def test_after_a_refusal_the_other_layers_go_page_by_page_without_asking_again(monkeypatch):
-    m = _batching(3, monkeypatch)
-    asked, pages = [], []
-
-    def refuse(ops, stream):
-        asked.append(len(ops))
-        raise RuntimeError("cuMemcpy3DBatchAsync failed: CUDA error 1")
-
-    monkeypatch.setattr(dma, "copy_2d_batch", refuse)
-    monkeypatch.setattr(dma, "copy_batch", lambda dsts, srcs, sizes, stream: pages.append(len(dsts)))
-    queue = KVMover._batches(m, [5, 6, 9], [14, 15, 2], True)
-    for layer in range(3):
-        queue(layer)
-    assert asked == [4] and pages == [6, 6, 6]  # one refused 2-D batch (K, V x 2 stretches), then 3 x 6 page copies
+def test_batches_refuse_the_null_stream():
+    with pytest.raises(ValueError, match="NULL stream"):
+        dma.copy_batch(np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.ones(1, np.uint64), 0)
