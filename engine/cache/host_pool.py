@@ -9,7 +9,8 @@ queues behind a backup, and the two use the GPU's separate copy engines at once)
   the caller gets a `Pending` and may use the host pages once it is done;
 - host -> device (`to_device`) is queued and issued by the next forward (`take_ready`, ModelRunner): all of that
   forward's loads go out together, layer by layer, and its layer l waits only for layer l's part, so the copies
-  overlap the forward that reads them without any host synchronization.
+  overlap the forward that reads them without any host synchronization (over the copy engine in batches, each
+  layer's copies are queued only as the forward reaches that layer: `_LayerLoads`).
 With a pinned host pool both directions are one kernel launch per layer that reads or writes the host pages in place
 (kernels.kv_pages); otherwise (a TP group's shared host file) a staged copy of whole pages. On CPU both copies are
 plain synchronous copies.
@@ -181,6 +182,7 @@ class KVMover:
         self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
         self._backups: list[tuple[list[int], list[int], Pending]] = []  # device pages, host pages
         self._ready: list | None = None  # per-layer events of the last loads issued, until a forward takes them
+        self._lazy: _LayerLoads | None = None  # the last batched loads, until every layer of them is issued
 
     def _device_pages(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
@@ -257,6 +259,9 @@ class KVMover:
     def flush(self) -> None:
         """Issue every queued copy: the backups, then the loads, layer by layer (all of them for layer 0, then
         layer 1, ...)."""
+        if self._lazy is not None:  # loads go out in order: whatever an earlier flush left to issue goes first
+            self._lazy.finish()
+            self._lazy = None
         if self._backups:
             self._issue_backups()
         if not self._queued:
@@ -273,14 +278,15 @@ class KVMover:
         dev_pages.reverse()
         tokens = len(dev_pages) * self.kv.page_size
         started = time.perf_counter()
-        event = start = keep = None
+        event = start = keep = finish = None
         if not self.cuda:
             self._scatter(self.host.data[torch.tensor(host_pages, dtype=torch.int64)], dev_pages)
         else:
             with torch.cuda.stream(self.load_stream):
                 start = _timing_event(self.load_stream)
                 if self.batched:
-                    ready, keep = self._load_batched(host_pages, dev_pages), None
+                    ready = self._lazy = _LayerLoads(self, host_pages, dev_pages, [p for _, _, p in queued])
+                    finish = ready.finish
                 elif self.dma:
                     ready, keep = self._load_direct(host_pages, dev_pages)
                 elif self.direct:
@@ -298,15 +304,20 @@ class KVMover:
                     for i, first, n in _runs(host_pages):
                         staged[i:i + n].copy_(self.host.data[first:first + n], non_blocking=True)
                     self._scatter(staged, dev_pages)
-                if self.dma:
+                if self.batched:
+                    event = ready.events[-1]  # recorded when the last layer is issued
+                elif self.dma:
                     event = ready.pop()  # the last layer's scatter ends the flush
                 else:
                     event = _timing_event(self.load_stream)
-            self._ready = ready + [event] if self.direct or self.dma else [event] * len(self.kv.k)
+            if self.batched:
+                self._ready = ready
+            else:
+                self._ready = ready + [event] if self.direct or self.dma else [event] * len(self.kv.k)
         seconds = time.perf_counter() - started
         for _, _, pending in queued:
             pending.event, pending.start_event, pending.keep = event, start, keep
-            pending.tokens, pending.seconds, pending.flush = tokens, seconds, None
+            pending.tokens, pending.seconds, pending.flush = tokens, seconds, finish
 
     def _addresses(self, host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(host, device) byte addresses [layers, 2 (K, V), pages] of each page's K and V of each layer."""
@@ -317,20 +328,6 @@ class KVMover:
             + np.uint64(self.host.data.data_ptr())
         parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, 2, 1)
         return host[None, None, :] + parts, on_device
-
-    def _load_batched(self, host_pages: list[int], dev_pages: list[int]) -> list:
-        """Loads over the copy engine, one batch per layer (call on the load stream): that layer's K and V of every
-        page, from its host page straight into its device page. Returns the per-layer events (the last one, timed,
-        ends the flush)."""
-        stream, ready = self.load_stream, []
-        layers = len(self.kv.k)
-        batches = self._batches(host_pages, dev_pages, True) if host_pages else None
-        for layer in range(layers):
-            if batches is not None:
-                batches(layer)
-            ready.append(torch.cuda.Event(enable_timing=layer == layers - 1))
-            ready[-1].record(stream)
-        return ready
 
     def _backup_batched(self, dev_pages: list[int], host_pages: list[int]) -> None:
         """Backups over the copy engine (call on the backup stream): every layer's K and V of every page, device page
@@ -416,6 +413,54 @@ class KVMover:
         self.flush()
         ready, self._ready = self._ready, None
         return ready
+
+
+# Batched loads: layers issued ahead of the one the forward has reached (see _LayerLoads)
+LOOKAHEAD = 2
+
+
+class _LayerLoads:
+    """One flush's loads over the copy engine (--hicache-io-backend direct with cuMemcpyBatchAsync): one batch per
+    layer of that layer's K and V of every page, host page straight into device page, issued as the forward reaches
+    the layer. `loads[l]` (the forward context's wait for layer l) issues every layer up to l + LOOKAHEAD not issued
+    yet and returns layer l's event; `finish` issues the rest (a wait on the loads' Pending, the next flush). The
+    driver takes ~0.45 us to queue a copy, so issuing every layer before the forward's first kernel (2 x ~1,000 pages
+    x 32 layers for a wave's big extend of the 8B shape) kept the GPU idle 33-49 ms at the start of such a forward
+    (H200 timeline); layer by layer, the next layers' copies are queued while this one computes. The loads' Pendings
+    stay unfinished (`flush` set) until the last layer is issued."""
+
+    def __init__(self, mover: KVMover, host_pages: list[int], dev_pages: list[int], pendings: list[Pending]):
+        layers = len(mover.kv.k)
+        self.stream, self.pendings, self.issued = mover.load_stream, pendings, 0
+        # the last one is timed: it ends the flush (Pending.elapsed_s)
+        self.events = [torch.cuda.Event(enable_timing=layer == layers - 1) for layer in range(layers)]
+        # built on the load stream (KVMover.flush): each layer's batch goes there whenever it is issued
+        self.queue = mover._batches(host_pages, dev_pages, True) if host_pages else None
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __getitem__(self, layer: int):
+        if layer < 0:
+            layer += len(self.events)
+        if layer >= self.issued:
+            self._issue(min(layer + LOOKAHEAD, len(self.events) - 1))
+        return self.events[layer]
+
+    def finish(self) -> None:
+        if self.issued < len(self.events):
+            self._issue(len(self.events) - 1)
+
+    def _issue(self, last: int) -> None:
+        for layer in range(self.issued, last + 1):
+            if self.queue is not None:
+                self.queue(layer)
+            self.events[layer].record(self.stream)
+            self.issued = layer + 1
+        if self.issued == len(self.events):
+            self.queue = None
+            for pending in self.pendings:
+                pending.flush = None
 
 
 class JournaledMover:

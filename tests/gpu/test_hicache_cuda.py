@@ -106,10 +106,13 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     mover.batched = path != "2d-calls"
     host_pages = [5, 6, 7, 9, 20, 21, 3, 30, 31, 32, 33]  # runs of 3, 1, 2, 1 and 4
     dev_pages = [40, 2, 17, 33, 8, 9, 60, 1, 25, 50, 12]
-    mover.to_device(host_pages, dev_pages)
+    pending = mover.to_device(host_pages, dev_pages)
     ready = mover.take_ready()
     assert len(ready) == 3
+    if mover.batched:  # queued layer by layer as a forward reaches them (host_pool._LayerLoads)
+        assert ready.issued == 0 and not pending.done()
     ready[-1].synchronize()
+    assert pending.done()
     mover.to_device([], [])  # a load of nothing still gives every layer an event
     assert len(mover.take_ready()) == 3
     for layer in range(3):
