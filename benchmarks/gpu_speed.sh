@@ -257,7 +257,7 @@ if [[ $PARTS == *multiturn* ]]; then
   $PY -m benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
     --enable-hierarchical-cache --hicache-ratio 4 --max-total-tokens $((8 * ${ROUNDS:-4} * (${REQ_LEN:-1024} + 64) / 2 / 64 * 64)) \
     >> "$OUT/multiturn-warm.log" 2>&1
-  CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4"
+  CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4 --hicache-io-backend kernel"
            "--enable-hierarchical-cache --hicache-ratio 1 --kvstore --kvstore-capacity-bytes 34359738368
             --hicache-storage-prefetch-policy timeout --hicache-storage-backend-extra-config {\"prefetch_timeout_s\":2}"
            "--enable-hierarchical-cache --hicache-ratio 1"
@@ -280,9 +280,10 @@ if [[ $PARTS == *multiturn* ]]; then
            "--enable-hierarchical-cache --hicache-ratio 4 --hicache-io-backend direct"
            "--attention-backend flashinfer"
            "--attention-backend flashinfer --enable-hierarchical-cache --hicache-ratio 4")
-  # 0 off, 1 L2 4x, 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
+  # 0 off, 1 L2 4x (copy kernel), 2 L2 1x + L3, 3 L2 1x, 4 L2 4x + L3, 5-6 as 4 and 2 with write_back, 7 L2 4x write_back,
   # 8-9 as 4 and 2 with page bytes over the Mooncake transfer engine (TCP) instead of gRPC, 10 L2 4x
-  # write_through_selective, 11 L2 4x with loads over the copy engine (--hicache-io-backend direct), 12-13 off and
+  # write_through_selective, 11 L2 4x with loads over the copy engine (--hicache-io-backend direct; the default where
+  # the driver batches copies, so every L2 configuration but 1, which asks for the copy kernel, runs it), 12-13 off and
   # L2 4x on FlashInfer (its prefill kernel: RADIXMESH_FLASHINFER_PREFILL_KERNEL=fa2|fa3, default fa2)
   # MT_TREES="prev ." runs every configuration on an earlier tree too (a copy of its services, benchmarks, engine,
   # kernels and radixmesh stubs in that folder), alternated with this one; each tree's records go to a file of its own

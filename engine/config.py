@@ -65,7 +65,8 @@ class EngineArgs:
     hicache_write_policy: str = "write_through"
     # How host pages reach the device (SGLang's flag): `kernel`, a copy kernel per layer reading the pinned host pool,
     # or `direct`, the GPU's copy engines (engine.cache.dma), which take no SM from the forward the loads overlap.
-    hicache_io_backend: str = "kernel"
+    # Unset: `direct` where the driver batches copies (CUDA 12.8+), else `kernel` (host_pool.default_io_backend).
+    hicache_io_backend: str | None = None
     hicache_storage_backend: str | None = None
     hicache_storage_url: str | None = None
     hicache_storage_prefetch_policy: str = "best_effort"
@@ -312,7 +313,7 @@ def _check_hicache(args: EngineArgs) -> None:
            f" of {PREFETCH_POLICIES}, got {args.hicache_storage_prefetch_policy!r}")
     from engine.cache.host_pool import IO_BACKENDS
 
-    _check(args.hicache_io_backend in IO_BACKENDS,
+    _check(args.hicache_io_backend is None or args.hicache_io_backend in IO_BACKENDS,
            f"hicache_io_backend must be one of {IO_BACKENDS}, got {args.hicache_io_backend!r}")
     _check(args.hicache_ratio > 0 and args.hicache_size >= 0, "hicache_ratio must be > 0 and hicache_size >= 0")
     _check(not args.enable_hierarchical_cache or not args.disable_radix_cache,

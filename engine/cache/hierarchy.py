@@ -64,7 +64,7 @@ class CacheHierarchy:
     def __init__(self, manager: CacheManager, host_pages: int, write_policy: str, events: KvEventLog | None,
                  storage: Callable[[], PageStorage] | None = None, prefetch_policy: str = "best_effort",
                  prefetch_timeout_s: float = 2.0, skip_slow_fetches: bool = True, host_ranks: int = 1,
-                 io_backend: str = "kernel"):
+                 io_backend: str | None = None):
         """`host_ranks`: tensor-parallel ranks whose host pages the store keeps together (this is rank 0's tier);
         `io_backend`: how loads reach the device (host_pool.KVMover)."""
         assert write_policy in WRITE_POLICIES and prefetch_policy in PREFETCH_POLICIES

@@ -150,13 +150,28 @@ IO_BACKENDS = ("kernel", "direct")  # --hicache-io-backend (SGLang's names)
 STAGING_PAGES, STAGING_SLOTS = 128, 4
 
 
+def default_io_backend(kv: KVPool, host: HostKVPool) -> str:
+    """--hicache-io-backend when none is given: `direct` where the driver queues copy-engine copies in batches (CUDA
+    12.8+) beside a pinned host pool, else `kernel` (SGLang's default). On an H200's multi-turn run (8B shape, 4x
+    working set) the batched copy engine gave 333.7-350.3 ms mean TTFT against the kernel's 370.8-380.3
+    (benchmarks/results/NOTES.md, 2026-11-28 night)."""
+    if not kv.k[0].is_cuda or not host.data.is_pinned():
+        return "kernel"
+    from engine.cache import dma
+
+    return "direct" if dma.available() and dma.batch_available() else "kernel"
+
+
 class KVMover:
-    def __init__(self, kv: KVPool, host: HostKVPool, io_backend: str = "kernel"):
+    def __init__(self, kv: KVPool, host: HostKVPool, io_backend: str | None = None):
         """`io_backend` (--hicache-io-backend), how loads reach the device on CUDA: `kernel` (kernels.kv_pages, one
-        launch per layer reading the pinned host pool) or `direct` (the copy engine: engine.cache.dma). Where the
-        one asked for cannot run (no pinned pool, Triton or CUDA runtime), the other, else staged copies."""
+        launch per layer reading the pinned host pool) or `direct` (the copy engine: engine.cache.dma); None:
+        default_io_backend. Where the one asked for cannot run (no pinned pool, Triton or CUDA runtime), the other,
+        else staged copies."""
+        if io_backend is None:
+            io_backend = default_io_backend(kv, host)
         assert io_backend in IO_BACKENDS, io_backend
-        self.kv, self.host = kv, host
+        self.kv, self.host, self.io_backend = kv, host, io_backend
         self.cuda = kv.k[0].is_cuda
         self.direct = _direct_copies(kv, host)
         self.dma = self.cuda and host.data.is_pinned() and (io_backend == "direct" or not self.direct)

@@ -85,6 +85,17 @@ def test_a_slow_host_load_is_waited_for(monkeypatch, io_backend):
             assert mover.dma, "the loads did not go over the copy engine (engine.cache.dma)"
 
 
+def test_the_default_io_backend_is_the_copy_engine_where_the_driver_batches_copies():
+    from engine.cache import dma
+    from engine.cache.host_pool import HostKVPool
+    from engine.cache.kv_pool import KVPool
+
+    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
+    mover = KVMover(kv, HostKVPool(40, kv))
+    assert mover.io_backend == ("direct" if dma.batch_available() else "kernel")
+    assert mover.batched == dma.batch_available()
+
+
 @pytest.mark.parametrize("path", ["page-batches", "2d-calls"])
 def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     """--hicache-io-backend direct into scattered device pages, on each of its paths: one batch per layer straight

@@ -57,13 +57,14 @@ def test_the_engine_checks_the_io_backend():
     from engine.cache.kv_pool import KVPool
     from engine.config import _check_hicache
 
-    for io in ("kernel", "direct"):
+    for io in ("kernel", "direct", None):  # None: host_pool.default_io_backend
         _check_hicache(EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_io_backend=io))
     with pytest.raises(ValueError, match="hicache_io_backend must be one of"):
         _check_hicache(EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_io_backend="dma"))
     kv = KVPool(8, 4, 2, 2, 8, torch.float32, torch.device("cpu"))
     host = HostKVPool(8, kv)
     host.data.copy_(torch.randn(host.data.shape))
+    assert KVMover(kv, host).io_backend == "kernel"  # unset: no copy engine off CUDA
     mover = KVMover(kv, host, "direct")
     assert not mover.dma and mover.take_ready() is None
     mover.to_device([3, 4], [6, 1])
