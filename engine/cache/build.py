@@ -61,8 +61,8 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
         check_storage_backend(name)
         storage = functools.partial(open_storage, name, options)  # opened (and reopened) on the storage thread
     log.info("hierarchical cache: %d host pages (%.2f GB) beside %d device pages, %s, io %s; L3: %s", host_pages,
-             host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy, args.hicache_io_backend or "default",
-             args.hicache_storage_backend or "none")
+             host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
+             args.hicache_io_backend or "default", args.hicache_storage_backend or "none")
     return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
                           args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
                           bool(extra.get("skip_slow_fetches", True)),

@@ -10,7 +10,7 @@ layer-by-layer chain 5.65 ms, the longer of the two.
 A host page is one block [2 * layers, page, heads, dim], so one layer's K and V of a run of consecutive host pages
 is a 2-D copy: `count` rows of 2 * page_elems elements, `host page stride` apart.
 
-Where the driver has them (CUDA 12.8+), two calls queue any number of copies at once. `copy_batch`
+Where the driver has it (CUDA 12.8+), one call queues any number of copies at once: `copy_batch`
 (cuMemcpyBatchAsync) takes 1-D copies: a layer's K and V of every page straight between host and device pages, with
 no staging buffer and no scatter kernel, one copy per page and layer. The driver takes ~0.45 us to queue a copy
 whatever its attributes (benchmarks.dma_issue, H200), so a multi-turn wave's ~66k page copies of the 8B shape cost
