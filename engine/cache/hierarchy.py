@@ -47,6 +47,9 @@ KNOWN_KEYS = 1 << 16  # L3 keys remembered as written, so a page is not sent twi
 # (those pages are simply not in L3), so a slow store cannot starve the host tier.
 MAX_WRITE_BACKLOG_BYTES = 512 << 20
 PROBE_EVERY = 16
+# The longest a wait_complete prefetch waits for host room that copies and storage writes in flight hold (the timeout
+# policy waits its own prefetch_timeout_s); past it, or once nothing is in flight, the request recomputes.
+ROOM_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -80,6 +83,9 @@ class CacheHierarchy:
         self._loading: list[tuple[Pending, list[tuple[TreeNode, int]]]] = []
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.prefetches: dict[str, Prefetch] = {}
+        # requests whose prefetch found the host pool full while copies or writes in flight held pages, with the
+        # time they stop waiting for room (retried each poll)
+        self._roomless: dict[str, tuple[Req, float, float]] = {}  # (request, wait until, first try)
         self.host_load_tokens_per_s = 0.0
         self.prefill_tokens_per_s: Callable[[], float] = lambda: 0.0  # the scheduler's measurement (set by the engine)
         self._probe = 0
@@ -240,6 +246,8 @@ class CacheHierarchy:
         if self.io is not None:
             for job in self.io.poll():
                 self._storage_done(job)
+            if self._roomless:
+                self._retry_roomless()
 
     def _unref(self, refs: list[tuple[TreeNode, int]]) -> None:
         """Drop the copy references taken on (node, its length then) pairs, over every piece of each."""
@@ -281,23 +289,45 @@ class CacheHierarchy:
         self.io.submit(StorageJob(JobKind.WRITE, [(node, len(node.key))], keys, pages))
 
     def start_prefetch(self, req: Req) -> None:
-        """Ask the store for the request's pages beyond what the device and host hold (when it arrives)."""
-        if self.io is None or req.rid in self.prefetches or self._l3_slower_than_prefill():
+        """Ask the store for the request's pages beyond what the device and host hold (when it arrives). When the
+        host pool has no room for them while copies or storage writes in flight hold host pages, a policy that waits
+        (wait_complete, timeout) keeps the request waiting for that room, retried at each poll, up to ROOM_WAIT_S
+        (or the timeout); best_effort recomputes at once."""
+        if self.io is None or req.rid in self.prefetches or req.rid in self._roomless \
+                or self._l3_slower_than_prefill():
             return
+        now = time.monotonic()
+        if not self._prefetch(req, now) and self.prefetch_policy != "best_effort" and self.busy():
+            wait = self.prefetch_timeout_s if self.prefetch_policy == "timeout" else ROOM_WAIT_S
+            self._roomless[req.rid] = (req, now + wait, now)
+
+    def _prefetch(self, req: Req, since: float) -> bool:
+        """Submit the fetch of the request's missing pages into newly allocated host pages; False when the host
+        pool had no room for them (True when there was nothing to fetch). `since`: when the request first asked
+        (the timeout policy's wait counts from then)."""
         limit = (req.fill_len - 1) // self.page * self.page
         match = self.tree.match_prefix(req.tokens(0, limit), req.tenant, touch=False)
         have = len(match.indices) + match.host_len
         if limit - have < self.page:
-            return
+            return True
         deepest = match.host_nodes[-1] if match.host_nodes else match.node
         tokens = req.tokens(0, limit)
         keys = self.tree.hasher(self.tree.last_key(deepest), tokens[have:])
         pages = self._alloc_host(len(keys))
         if pages is None:
-            return
-        fetch = Prefetch(req.rid, req.tenant, tokens, have, time.monotonic())
+            return False
+        fetch = Prefetch(req.rid, req.tenant, tokens, have, since)
         self.prefetches[req.rid] = fetch
         self.io.submit(StorageJob(JobKind.FETCH, fetch, keys, pages.tolist()))
+        return True
+
+    def _retry_roomless(self) -> None:
+        """Retry the prefetches that found no host room; give up on those past their wait or with nothing left in
+        flight to free room."""
+        now = time.monotonic()
+        for rid, (req, until, since) in list(self._roomless.items()):
+            if self._prefetch(req, since) or now >= until or not self.busy():
+                del self._roomless[rid]
 
     def _l3_slower_than_prefill(self) -> bool:
         """Whether fetching from the store has been measured slower than computing the same tokens; then only one
@@ -312,6 +342,8 @@ class CacheHierarchy:
 
     def prefetch_ready(self, req: Req) -> bool:
         """Whether the planner may admit `req` now, under the prefetch policy."""
+        if req.rid in self._roomless:
+            return False  # waiting for host room to fetch into (start_prefetch)
         fetch = self.prefetches.get(req.rid)
         if fetch is None or fetch.done or self.prefetch_policy == "best_effort":
             return True
@@ -321,6 +353,7 @@ class CacheHierarchy:
 
     def forget(self, req: Req) -> None:
         """The request was admitted or left: its prefetch entry goes (once the fetch completed)."""
+        self._roomless.pop(req.rid, None)
         fetch = self.prefetches.get(req.rid)
         if fetch is None:
             return
@@ -374,6 +407,7 @@ class CacheHierarchy:
         """Free every host copy (the tree is about to be reset). The caller made sure nothing is in flight."""
         self._free_host(self.tree.host_values())
         self.prefetches.clear()
+        self._roomless.clear()
 
     def close(self) -> None:
         if self.io is not None:

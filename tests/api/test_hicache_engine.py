@@ -6,6 +6,7 @@ unreachable only makes requests recompute; nothing leaks on any tier after a flu
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,45 @@ def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
         assert engine.get_load()["storage_hit_tokens"] >= 5 * 32
         _flush_and_check_leaks(engine)
     finally:
+        engine.shutdown()
+
+
+def test_a_prefetch_waits_for_host_room_that_writes_in_flight_hold(reference, tmp_path: Path):
+    """With wait_complete, a prefetch that finds the host pool full of pages held by L3 writes still in flight waits
+    for that room instead of recomputing: the store's writes are held back while the first prompts run (their new
+    pages stay pinned on the host until written), so the third prompt's fetch finds no room until they go through.
+    (A full make test once saw such a prompt recompute: cached 0.)"""
+    from engine.cache import storage
+    from engine.cache.storage_backends.file import FileStorage
+
+    gate = threading.Event()
+
+    class HeldWrites(FileStorage):
+        def set(self, pages):
+            gate.wait(30)
+            return super().set(pages)
+
+    prompts = _prompts(5, 36, seed=3)
+    kwargs = _file_l3(tmp_path)
+    engine = Engine(**kwargs)
+    try:
+        _run(engine, prompts)
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+    storage.register_storage_backend("held-writes", lambda options: HeldWrites(options.url))
+    engine = Engine(**{**kwargs, "hicache_storage_backend": "held-writes"})
+    try:
+        outs, cached = _run(engine, prompts[:2])  # 2 x (8 fetched + 2 new host pages) of the host's 24
+        opener = threading.Timer(1.0, gate.set)
+        opener.start()
+        more, cached_more = _run(engine, prompts[2:])
+        opener.join()
+        assert outs + more == reference(prompts)
+        assert cached + cached_more == [32] * 5, "a prefetch recomputed instead of waiting for host room"
+        _flush_and_check_leaks(engine)
+    finally:
+        gate.set()
         engine.shutdown()
 
 
