@@ -161,7 +161,12 @@ class ModelRunner:
             if ready is not None:  # a graph waits for every layer's pages before it starts
                 torch.cuda.current_stream().wait_event(ready[-1])
             return self.graphs.replay(batch)
-        hidden = self._hidden(batch, ready)
+        try:
+            hidden = self._hidden(batch, ready)
+        except Exception:
+            if ready is not None:
+                self._settle_loads(ready)
+            raise
         if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
             return self.model.compute_logits(hidden)  # one token per request: every row is wanted
         rows = batch.logits_indices
@@ -289,6 +294,16 @@ class ModelRunner:
             if self.kv_channel is not None:
                 self.kv_channel.close()
             self.tp.broadcast_object(None)
+
+    @staticmethod
+    def _settle_loads(ready) -> None:
+        """A forward that failed part-way: issue the loads of the layers it never reached (host_pool._LayerLoads
+        queues a layer's copies as the forward reaches it) and wait for all of them, before the failed requests'
+        device pages are freed and handed to others (a copy still to come would overwrite their new owner's KV)."""
+        try:
+            ready[-1].synchronize()
+        except Exception:  # noqa: BLE001 - the forward's own error is the one to raise
+            log.exception("waiting for a failed forward's KV loads failed")
 
     def _kv_ready(self) -> list | None:
         """Issue the host -> device page loads queued since the last forward (the hierarchical cache's); the events

@@ -25,6 +25,7 @@ class _Event:
 
     def synchronize(self) -> None:
         assert self.stream is not None, "waited on an event never recorded"
+        self.waited = True
 
 
 class _Stream:
@@ -95,3 +96,21 @@ def test_finish_issues_the_rest_and_a_load_of_nothing_still_gives_every_layer_an
     empty = _LayerLoads(_Mover(4), [], [], [])
     empty[-1]
     assert len(issued) == 4 and all(e.stream is not None for e in empty.events)
+
+
+def test_a_forward_that_fails_part_way_issues_and_waits_for_the_loads_of_every_layer(issued):
+    """The failed requests' device pages are freed next: no load into them may still be queued or running."""
+    from engine.model_runner import ModelRunner
+
+    loads = _LayerLoads(_Mover(6), [3, 4], [1, 9], [])
+
+    def hidden(batch, ready):
+        ready[0]  # layer 0 and the next LOOKAHEAD go out; the launch fails before layer 1
+        raise RuntimeError("kernel launch failed")
+
+    runner = object.__new__(ModelRunner)
+    runner._publish, runner.graphs = (lambda *a: None), None
+    runner._kv_ready, runner._hidden = (lambda: loads), hidden
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        ModelRunner.forward(runner, object())
+    assert loads.issued == 6 and len(issued) == 6 and getattr(loads.events[-1], "waited", False)
