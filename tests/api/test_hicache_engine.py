@@ -92,16 +92,23 @@ def _file_l3(tmp_path: Path) -> dict:
                 log_level="warning")
 
 
-def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
-    prompts = _prompts(5, 36, seed=1)
-    kwargs = _file_l3(tmp_path)
+def _fill_l3(kwargs: dict, prompts) -> tuple[list[list[int]], object]:
+    """Serve the prompts with an engine over the L3 store, wait for its write-backs (the flush does, then empties
+    device and host) and stop it. Returns its outputs and KV layout."""
     engine = Engine(**kwargs)
     try:
         outs, _ = _run(engine, prompts)
-        assert outs == reference(prompts)
-        _flush_and_check_leaks(engine)  # waits for the write-backs, then empties device and host
+        _flush_and_check_leaks(engine)
+        return outs, kv_layout(engine.args, engine.model_config)
     finally:
         engine.shutdown()
+
+
+def test_l3_file_store_survives_an_engine_restart(reference, tmp_path: Path):
+    prompts = _prompts(5, 36, seed=1)
+    kwargs = _file_l3(tmp_path)
+    outs, _ = _fill_l3(kwargs, prompts)
+    assert outs == reference(prompts)
     engine = Engine(**kwargs)  # a new worker process would start the same way: nothing on device or host
     try:
         outs, cached = _run(engine, prompts)
@@ -130,12 +137,7 @@ def test_a_prefetch_waits_for_host_room_that_writes_in_flight_hold(reference, tm
 
     prompts = _prompts(5, 36, seed=3)
     kwargs = _file_l3(tmp_path)
-    engine = Engine(**kwargs)
-    try:
-        _run(engine, prompts)
-        _flush_and_check_leaks(engine)
-    finally:
-        engine.shutdown()
+    _fill_l3(kwargs, prompts)
     storage.register_storage_backend("held-writes", lambda options: HeldWrites(options.url))
     engine = Engine(**{**kwargs, "hicache_storage_backend": "held-writes"})
     try:
@@ -155,13 +157,8 @@ def test_a_prefetch_waits_for_host_room_that_writes_in_flight_hold(reference, tm
 def test_corrupt_l3_page_is_recomputed_not_used(reference, tmp_path: Path):
     prompts = _prompts(1, 36, seed=2)
     kwargs = _file_l3(tmp_path)
-    engine = Engine(**kwargs)
-    try:
-        _run(engine, prompts)
-        _flush_and_check_leaks(engine)
-        keys = prompt_keys(kv_layout(engine.args, engine.model_config), "", prompts[0])
-    finally:
-        engine.shutdown()
+    _, layout = _fill_l3(kwargs, prompts)
+    keys = prompt_keys(layout, "", prompts[0])
     assert len(keys) == 9
     victim = tmp_path / "l3" / keys[3].hex()[:2] / f"{keys[3].hex()}.page"
     raw = bytearray(victim.read_bytes())
