@@ -96,7 +96,10 @@ class CacheHierarchy:
 
     # ---- host pages -------------------------------------------------------------------------------------------
     def _alloc_host(self, n: int) -> torch.Tensor | None:
-        """n host pages, evicting least recently used host copies if needed; None when that is not enough."""
+        """n host pages, evicting least recently used host copies if needed; None when that is not enough (at once,
+        evicting nothing, when the whole pool is smaller than n)."""
+        if n > self.host.allocator.num_pages:
+            return None
         short = n - self.host.allocator.num_free
         if short > 0 and self.m.tails is not None:
             self.m.tails.evict_host(short)  # tails first: at most a page of tokens each
@@ -303,8 +306,8 @@ class CacheHierarchy:
 
     def _prefetch(self, req: Req, since: float) -> bool:
         """Submit the fetch of the request's missing pages into newly allocated host pages; False when the host
-        pool had no room for them (True when there was nothing to fetch). `since`: when the request first asked
-        (the timeout policy's wait counts from then)."""
+        pool had no room for them (True when there was nothing to fetch, or too much to ever fit). `since`: when the
+        request first asked (the timeout policy's wait counts from then)."""
         limit = (req.fill_len - 1) // self.page * self.page
         match = self.tree.match_prefix(req.tokens(0, limit), req.tenant, touch=False)
         have = len(match.indices) + match.host_len
@@ -313,6 +316,8 @@ class CacheHierarchy:
         deepest = match.host_nodes[-1] if match.host_nodes else match.node
         tokens = req.tokens(0, limit)
         keys = self.tree.hasher(self.tree.last_key(deepest), tokens[have:])
+        if len(keys) > self.host.allocator.num_pages:
+            return True  # more than the whole host pool holds: recompute, without waiting for room
         pages = self._alloc_host(len(keys))
         if pages is None:
             return False

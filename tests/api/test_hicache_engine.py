@@ -154,6 +154,31 @@ def test_a_prefetch_waits_for_host_room_that_writes_in_flight_hold(reference, tm
         engine.shutdown()
 
 
+def test_a_prefix_larger_than_the_host_pool_is_recomputed_without_emptying_the_host(reference, tmp_path: Path):
+    """A prefetch that could never fit the host pool (8 pages of L3 hits, 6 host pages) is not tried, nor is the
+    backup of the 9 pages computed then: the prompt is recomputed, token-exact, and no host copy is evicted to make
+    room that can never be enough."""
+    prompts = _prompts(1, 36, seed=4)
+    kwargs = _file_l3(tmp_path)
+    _fill_l3(kwargs, prompts)
+    engine = Engine(**{**kwargs, "hicache_ratio": 0.25})
+    tiers = engine.cache.hierarchy
+    assert tiers.host.allocator.num_pages == 6
+    dropped = []
+    drop = tiers.tree.drop_host
+    tiers.tree.drop_host = lambda node: dropped.append(len(node.key)) or drop(node)
+    try:
+        short = _prompts(1, 12, seed=5)
+        _run(engine, short)  # its pages go to the host pool (write-through) and stay there
+        assert tiers.tree.host_size > 0
+        outs, cached = _run(engine, prompts)
+        assert outs == reference(prompts) and cached == [0]
+        assert dropped == [], f"host copies of {dropped} tokens evicted for room that could never be enough"
+        _flush_and_check_leaks(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_corrupt_l3_page_is_recomputed_not_used(reference, tmp_path: Path):
     prompts = _prompts(1, 36, seed=2)
     kwargs = _file_l3(tmp_path)
