@@ -47,8 +47,8 @@ KNOWN_KEYS = 1 << 16  # L3 keys remembered as written, so a page is not sent twi
 # (those pages are simply not in L3), so a slow store cannot starve the host tier.
 MAX_WRITE_BACKLOG_BYTES = 512 << 20
 PROBE_EVERY = 16
-# The longest a wait_complete prefetch waits for host room that copies and storage writes in flight hold (the timeout
-# policy waits its own prefetch_timeout_s); past it, or once nothing is in flight, the request recomputes.
+# The longest a wait_complete prefetch waits for host room that copies and storage writes in flight hold; past it, or
+# once nothing is in flight, the request recomputes.
 ROOM_WAIT_S = 5.0
 
 
@@ -85,7 +85,7 @@ class CacheHierarchy:
         self.prefetches: dict[str, Prefetch] = {}
         # requests whose prefetch found the host pool full while copies or writes in flight held pages, with the
         # time they stop waiting for room (retried each poll)
-        self._roomless: dict[str, tuple[Req, float, float]] = {}  # (request, wait until, first try)
+        self._roomless: dict[str, tuple[Req, float]] = {}
         self.host_load_tokens_per_s = 0.0
         self.prefill_tokens_per_s: Callable[[], float] = lambda: 0.0  # the scheduler's measurement (set by the engine)
         self._probe = 0
@@ -293,21 +293,18 @@ class CacheHierarchy:
 
     def start_prefetch(self, req: Req) -> None:
         """Ask the store for the request's pages beyond what the device and host hold (when it arrives). When the
-        host pool has no room for them while copies or storage writes in flight hold host pages, a policy that waits
-        (wait_complete, timeout) keeps the request waiting for that room, retried at each poll, up to ROOM_WAIT_S
-        (or the timeout); best_effort recomputes at once."""
+        host pool has no room for them while copies or storage writes in flight hold host pages, wait_complete keeps
+        the request waiting for that room, retried at each poll, up to ROOM_WAIT_S; best_effort and timeout (which
+        bound the wait for the cache) recompute at once."""
         if self.io is None or req.rid in self.prefetches or req.rid in self._roomless \
                 or self._l3_slower_than_prefill():
             return
-        now = time.monotonic()
-        if not self._prefetch(req, now) and self.prefetch_policy != "best_effort" and self.busy():
-            wait = self.prefetch_timeout_s if self.prefetch_policy == "timeout" else ROOM_WAIT_S
-            self._roomless[req.rid] = (req, now + wait, now)
+        if not self._prefetch(req) and self.prefetch_policy == "wait_complete" and self.busy():
+            self._roomless[req.rid] = (req, time.monotonic() + ROOM_WAIT_S)
 
-    def _prefetch(self, req: Req, since: float) -> bool:
+    def _prefetch(self, req: Req) -> bool:
         """Submit the fetch of the request's missing pages into newly allocated host pages; False when the host
-        pool had no room for them (True when there was nothing to fetch, or too much to ever fit). `since`: when the
-        request first asked (the timeout policy's wait counts from then)."""
+        pool had no room for them (True when there was nothing to fetch, or too much to ever fit)."""
         limit = (req.fill_len - 1) // self.page * self.page
         match = self.tree.match_prefix(req.tokens(0, limit), req.tenant, touch=False)
         have = len(match.indices) + match.host_len
@@ -321,7 +318,7 @@ class CacheHierarchy:
         pages = self._alloc_host(len(keys))
         if pages is None:
             return False
-        fetch = Prefetch(req.rid, req.tenant, tokens, have, since)
+        fetch = Prefetch(req.rid, req.tenant, tokens, have, time.monotonic())
         self.prefetches[req.rid] = fetch
         self.io.submit(StorageJob(JobKind.FETCH, fetch, keys, pages.tolist()))
         return True
@@ -330,8 +327,8 @@ class CacheHierarchy:
         """Retry the prefetches that found no host room; give up on those past their wait or with nothing left in
         flight to free room."""
         now = time.monotonic()
-        for rid, (req, until, since) in list(self._roomless.items()):
-            if self._prefetch(req, since) or now >= until or not self.busy():
+        for rid, (req, until) in list(self._roomless.items()):
+            if self._prefetch(req) or now >= until or not self.busy():
                 del self._roomless[rid]
 
     def _l3_slower_than_prefill(self) -> bool:
