@@ -63,7 +63,7 @@ class Engine:
             self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp)
             self.cache = build_cache(self.args, self.model_config, self.runner)
             if self.cache.hierarchy is not None and self._followers is not None:
-                from engine.cache.host_pool import JournaledMover
+                from engine.cache.journaled_mover import JournaledMover
 
                 hierarchy = self.cache.hierarchy
                 hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal, self.runner.sync_followers)
