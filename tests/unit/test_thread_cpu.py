@@ -21,8 +21,11 @@ def _burn(seconds: float, burnt: threading.Event, release: threading.Event) -> N
 
 def test_threads_and_children_are_found_and_labelled():
     before = thread_cpu.snapshot(os.getpid())
-    child = subprocess.Popen([sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "sum(range(3 * 10**7))"],
-                             stdout=subprocess.DEVNULL)
+    # The child burns, then waits for a line on stdin, so it cannot exit before the loop below has seen it: while
+    # `_burn` holds the GIL, one snapshot of a loaded machine's /proc can take longer than the child's whole run.
+    child = subprocess.Popen([sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "-s", "import sys",
+                              "sum(range(3 * 10**7)); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     burnt, release = threading.Event(), threading.Event()
     worker = threading.Thread(target=_burn, args=(0.3, burnt, release))
     worker.start()
@@ -32,7 +35,7 @@ def test_threads_and_children_are_found_and_labelled():
         time.sleep(0.02)
         during = thread_cpu.snapshot(os.getpid())
     burnt.wait()
-    child.wait()
+    child.communicate(b"\n", timeout=60)
     rows = thread_cpu.per_token(before, thread_cpu.snapshot(os.getpid()), tokens=1000)
     release.set()
     worker.join()
