@@ -39,6 +39,7 @@ _KINDS = {"internal": INTERNAL, "server": SERVER, "client": CLIENT}
 _pipe = None
 _Span: Any = None
 _Child: Any = None
+_Root: Any = None
 _current: Any = None
 _propagation: Any = None
 _Metadata: Any = None  # grpc.aio.Metadata
@@ -77,8 +78,8 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     """Start recording spans for this process, exported by an exporter process of its own, when tracing is on;
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
-    global _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role, _traceparent
-    global open_call, close_call, leaf
+    global _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _role, _traceparent
+    global open_call, close_call, leaf, clock
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -98,10 +99,11 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
                     batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
     sampler = Sampler.from_env()
     trace_recorder.configure(sampler, pipe.add)
-    open_call, close_call, leaf = trace_recorder.open_call, trace_recorder.close_call, trace_recorder.leaf
-    _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _traceparent, _role = (
-        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
-        extract, traceparent, role)
+    open_call, close_call, leaf, clock = (trace_recorder.open_call, trace_recorder.close_call, trace_recorder.leaf,
+                                          time.time_ns)
+    _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _traceparent, _role = (
+        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.Root, trace_recorder.CURRENT,
+        Propagation.from_env(), Metadata, extract, traceparent, role)
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
     log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint
@@ -153,6 +155,21 @@ def root_span(name: str, headers: Mapping[str, str], owned: dict | None = None, 
                  _Span.remote(remote) if remote is not None else None)
 
 
+def server_span(headers: Mapping[str, str]):
+    """The server span of an incoming HTTP request, made current, or None when tracing is off: a child of the
+    caller's W3C `traceparent` when `headers` carry one, else the root of a new trace (a trace_recorder.Root:
+    cheaper than root_span's Span). End it with its `finish(name, names, values, error)`: named then, attributes
+    `values` under `names`; `error` an escaping Exception (recorded, the span failed), a description of a failure
+    (the span failed) or a cancellation (marked); the span current before it is current again."""
+    if _pipe is None:
+        return None
+    if "traceparent" in headers:
+        remote = _extract(headers, _propagation)
+        if remote is not None:
+            return _Span("", 2, {}, _Span.remote(remote)).begin()
+    return _Root()
+
+
 def wall_offset_ns() -> int:
     """Wall clock minus monotonic clock, in ns: what record_span adds to a monotonic reading. Two readings of it
     differ by a few ns (the two clocks are not read at once), so spans that must meet end to end take one."""
@@ -180,7 +197,7 @@ def start_span(name: str, kind: str = "client", **attributes: Any):
     if _pipe is None:
         return None
     parent = _current.get()
-    if type(parent) is _Span:
+    if type(parent) is _Span or type(parent) is _Root:
         return _Child(name, _KINDS[kind], attributes, parent)
     return _Span(name, _KINDS[kind], attributes, parent)
 
@@ -202,8 +219,8 @@ def end_span(s, error: BaseException | None = None) -> None:
 # Bound to trace_recorder's functions while tracing is on; callers test what `clock`/`open_call` gave first.
 
 def clock() -> int:
-    """time.time_ns() while tracing is on, else 0: the start of a `leaf`."""
-    return time.time_ns() if _pipe is not None else 0
+    """time.time_ns() while tracing is on (bound to it then), else 0: the start of a `leaf`."""
+    return 0
 
 
 def leaf(name: str, kind: int, start_ns: int, names: tuple, values: tuple, error: BaseException | None = None
@@ -253,7 +270,12 @@ def put_context(target, s) -> bool:
     propagation off. Writing the map directly costs a quarter of building gRPC metadata and copying it over."""
     if s is None or _propagation is None or not _propagation.tracecontext:
         return False
-    target["traceparent"], o = _context_of(s)
+    if type(s) is tuple:  # an open_call, the router's calls: inline, as its every request makes one
+        p, span_id, _ = s
+        target["traceparent"] = _traceparent(p.trace_id, span_id, p.sampled)
+        o = p.origin
+    else:
+        target["traceparent"], o = _context_of(s)
     if o is not None:
         if o.tracestate:
             target["tracestate"] = o.tracestate

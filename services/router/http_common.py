@@ -116,22 +116,37 @@ async def traced_errors_middleware(request: web.Request, handler):
     url_path = request.path
     if url_path in UNTRACED_PATHS:
         return await errors_middleware(request, handler)
-    route = request.match_info.route.resource
-    path = route.canonical if route is not None else "unmatched"
-    counter = _arrived(request)
     method = request.method
-    with tracing.root_span(f"{method} {path}", request.headers, {
-            "http.request.method": method, "url.path": url_path, "http.route": path}) as span:
+    route = request.match_info.route
+    named = _SPAN_NAMES.get((method, route))
+    if named is None:
+        resource = route.resource
+        path = resource.canonical if resource is not None else "unmatched"
+        named = (f"{method} {path}", path)
+        if resource is not None and len(_SPAN_NAMES) < 1024:  # an unmatched request's route is made for it alone
+            _SPAN_NAMES[(method, route)] = named
+    counter = _arrived(request)
+    span = tracing.server_span(request.headers)
+    try:
         try:
             response = await handler(request)
         except Exception as e:  # noqa: BLE001 - answered (or re-raised) by _answer_error
             response = _answer_error(request, e)
         finally:
             counter["n"] -= 1
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 500:
-            span.set_error(f"HTTP {response.status}")
-        return response
+    except BaseException as e:  # re-raised by _answer_error (a redirect), or a cancellation
+        span.finish(named[0], _HTTP_SPAN[:3], (method, url_path, named[1]), e)
+        raise
+    status = response.status
+    span.finish(named[0], _HTTP_SPAN, (method, url_path, named[1], status),
+                f"HTTP {status}" if status >= 500 else None)
+    return response
+
+
+# the attributes of a request's server span (OpenTelemetry's HTTP semantic conventions)
+_HTTP_SPAN = ("http.request.method", "url.path", "http.route", "http.response.status_code")
+# (method, route) -> (the server span's name, the route's path), for the app's routes (a bounded number)
+_SPAN_NAMES: dict[tuple, tuple[str, str]] = {}
 
 
 def _arrived(request: web.Request) -> dict:

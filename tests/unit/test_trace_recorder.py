@@ -81,6 +81,78 @@ def test_a_child_goes_inside_its_parents_record_or_on_its_own_once_the_parent_en
     assert [e[0] for e in spans[2].events] == ["exception"] and late.recording  # never ended: never sent
 
 
+def test_server_spans_end_named_with_their_attributes_and_restore_the_current_span(records, monkeypatch):
+    """tracing.server_span (the router's request span): a Root for a new trace, a Span under a caller's
+    traceparent; both current until `finish`, which names them, gives their attributes as values under names (and
+    those set while open), marks errors, and makes the span before current again."""
+    import asyncio
+
+    from services.common import tracing
+    monkeypatch.setattr(tracing, "_pipe", object())  # on, without an exporter: the recorder's sink is `records`
+    for name, value in (("_Span", Span), ("_Child", Child), ("_Root", trace_recorder.Root), ("_current", CURRENT),
+                        ("_propagation", Propagation()), ("_extract", extract), ("_traceparent", traceparent)):
+        monkeypatch.setattr(tracing, name, value)
+    names = ("http.request.method", "http.response.status_code")
+    root = tracing.server_span({})
+    assert type(root) is trace_recorder.Root and CURRENT.get() is root and root.sampled
+    assert W3C.match(root.traceparent()) and root.trace_id_hex == f"{root.trace_id:032x}"
+    tracing.set_attribute("request_id", "r1")
+    trace_recorder.leaf("route", 1, 5, ("policy",), ("p",))
+    with tracing.span("detokenize", "client") as inner:  # a Span under a Root
+        assert tracing.start_span("call").parent is inner
+    assert type(tracing.start_span("call")) is Child
+    root.finish("POST /generate", names, ("POST", 200))
+    root.finish("again", names, ("POST", 200))  # once
+    assert CURRENT.get() is None
+    caller_trace, caller_span = "ab" * 16, "cd" * 8
+    under = tracing.server_span({"traceparent": f"00-{caller_trace}-{caller_span}-01"})
+    assert type(under) is Span and CURRENT.get() is under
+    under.finish("POST /v1/completions", names, ("POST", 502), "HTTP 502")
+    failed = tracing.server_span({"traceparent": "not a traceparent"})  # refused: a new trace
+    assert type(failed) is trace_recorder.Root
+    failed.finish("GET /x", names[:1], ("GET",), ValueError("boom"))
+    gone = tracing.server_span({})
+    gone.finish("GET /y", names[:1], ("GET",), asyncio.CancelledError())
+    assert CURRENT.get() is None
+    spans = [Record(*r) for r in trace_recorder.expand(marshal.loads(trace_recorder.encode_batch(
+        [tuple(r) for r in records])))]
+    by_name = {s.name: s for s in spans}
+    assert [s.name for s in spans] == ["detokenize", "POST /generate", "route", "POST /v1/completions", "GET /x",
+                                       "GET /y"]
+    top = by_name["POST /generate"]
+    assert (top.trace_id, top.span_id, top.parent_id, top.kind) == (root.trace_id, root.span_id, 0, 2)
+    assert top.attributes == {"http.request.method": "POST", "http.response.status_code": 200, "request_id": "r1"}
+    assert top.status is None and top.start_ns <= top.end_ns
+    assert by_name["route"].parent_id == by_name["detokenize"].parent_id == root.span_id
+    assert by_name["route"].trace_id == root.trace_id
+    remote = by_name["POST /v1/completions"]
+    assert (f"{remote.trace_id:032x}", f"{remote.parent_id:016x}", remote.parent_remote) == (caller_trace,
+                                                                                          caller_span, True)
+    assert remote.attributes == {"http.request.method": "POST", "http.response.status_code": 502}
+    assert remote.status == (trace_recorder.STATUS_ERROR, "HTTP 502")
+    assert by_name["GET /x"].status == (trace_recorder.STATUS_ERROR, "ValueError: boom")
+    assert [e[0] for e in by_name["GET /x"].events] == ["exception"]
+    assert by_name["GET /y"].attributes == {"http.request.method": "GET", "radixmesh.cancelled": True}
+    assert by_name["GET /y"].status is None
+
+
+def test_an_unsampled_root_records_nothing(monkeypatch):
+    out: list = []
+    trace_recorder.configure(Sampler("always_off"), out.append)
+    try:
+        root = trace_recorder.Root()
+        assert not root.sampled and CURRENT.get() is root
+        trace_recorder.leaf("route", 1, 5, ("policy",), ("p",))
+        call = trace_recorder.open_call()
+        assert call is not None and call[0] is root
+        assert traceparent(root.trace_id, call[1], root.sampled).endswith("-00")
+        trace_recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",))
+        root.finish("POST /generate", ("a",), (1,))
+        assert CURRENT.get() is None and out == []
+    finally:
+        trace_recorder.configure(Sampler(), lambda data: None)
+
+
 def test_leaves_and_calls_recorded_as_tuples(records, monkeypatch):
     """tracing.leaf / open_call / close_call (the router's request path): positional attributes, into the open
     parent's record; ids given by the exporter to leaves; a call's context is its own span id; errors and
