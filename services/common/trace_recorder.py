@@ -1,10 +1,11 @@
 """The span recorder behind services.common.tracing while tracing is on. A span is a slotted object: ids from
 random.getrandbits, times from time.time_ns, attributes in the dict the caller passed, and a reference to its
 parent (a local span, a `Remote` stand-in for a caller's span, or None for a root) from which it reads its trace's
-id, tracestate and baggage. One ContextVar holds the current span. A finished sampled span becomes one plain tuple
-(`Record`'s fields, in order) handed to the sink (services.common.trace_pipe.SpanPipe.add); the pipe's writer
-thread marshals a batch of them at once (`encode_batch`) for the exporter process. Nothing here imports
-OpenTelemetry and no OTLP is encoded in the serving process.
+id, tracestate and baggage. A request whose trace begins in this process (the router's HTTP requests, mostly) has
+a lighter `Root` as its server span. One ContextVar holds the current span. A finished sampled span becomes one
+plain tuple (`Record`'s fields, in order) handed to the sink (services.common.trace_pipe.SpanPipe.add); the
+pipe's writer thread marshals a batch of them at once (`encode_batch`) for the exporter process. Nothing here
+imports OpenTelemetry and no OTLP is encoded in the serving process.
 
 What a span costs the serving process is counted in instructions by `python -m benchmarks.router_instructions`:
 every operation here runs per request, so the code keeps to the fewest attribute stores and calls (ids stay ints
