@@ -17,6 +17,8 @@
 #                           (benchmarks.ablate_step): what each part of the step beyond its products costs
 #   PARTS="setup prefetch"  decode attention's first keys and values pulled into L2 before its PDL wait, or not
 #                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
+#   PARTS="setup splits"    the decode step with decode attention's split-KV count as chosen or fixed at 1, 2, 4,
+#                           8, 16 (benchmarks.splits_step; BATCH, ROUNDS, GEMM as for prefetch)
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)
@@ -104,6 +106,11 @@ if [[ $PARTS == *prefetch* ]]; then
     | tee "$OUT/prefetch_tests.log" | tail -3
   $PY -m benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
     --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" | grep -v Warning
+fi
+
+if [[ $PARTS == *splits* ]]; then
+  $PY -m benchmarks.splits_step --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
+    --result-file "$OUT/splits_step.jsonl" 2>&1 | tee -a "$OUT/splits_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *ablate* ]]; then
