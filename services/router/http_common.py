@@ -125,8 +125,10 @@ async def traced_errors_middleware(request: web.Request, handler):
         named = (f"{method} {path}", path)
         if resource is not None and len(_SPAN_NAMES) < 1024:  # an unmatched request's route is made for it alone
             _SPAN_NAMES[(method, route)] = named
-    counter = _arrived(request)
     span = tracing.server_span(request.headers)
+    if span is None:  # tracing was shut down (at exit)
+        return await errors_middleware(request, handler)
+    counter = _arrived(request)
     try:
         try:
             response = await handler(request)

@@ -136,6 +136,56 @@ def test_server_spans_end_named_with_their_attributes_and_restore_the_current_sp
     assert by_name["GET /y"].status is None
 
 
+async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answers_errors(records, monkeypatch):
+    """services.router.http_common.traced_errors_middleware: one server span per request, named by method and route
+    template (cached per route; an unmatched request's route is never cached), the status code among its
+    attributes, 5xx marked failed; probes untraced; errors still answered as before."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.common import tracing
+    from services.router import http_common
+    from services.router.core import RouterError
+
+    monkeypatch.setattr(tracing, "_pipe", object())
+    for name, value in (("_Span", Span), ("_Child", Child), ("_Root", trace_recorder.Root), ("_current", CURRENT),
+                        ("_propagation", Propagation()), ("_extract", extract), ("_traceparent", traceparent)):
+        monkeypatch.setattr(tracing, name, value)
+    monkeypatch.setattr(http_common, "_SPAN_NAMES", {})
+
+    async def item(request):
+        if request.match_info["id"] == "bad":
+            raise ValueError("not an item")
+        if request.match_info["id"] == "down":
+            raise RouterError(503, "no worker")
+        return web.json_response({"id": request.match_info["id"]})
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[http_common.traced_errors_middleware])
+    app[http_common.INFLIGHT] = {"n": 0}
+    app.router.add_get("/items/{id}", item)
+    app.router.add_get("/health", health)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        statuses = [(await client.get(path)).status for path in ("/items/1", "/items/2", "/items/bad", "/items/down",
+                                                                 "/nowhere", "/elsewhere", "/health")]
+    finally:
+        await client.close()
+    assert statuses == [200, 200, 400, 503, 404, 404, 200]
+    assert app[http_common.INFLIGHT]["n"] == 0 and CURRENT.get() is None
+    spans = [Record(*r) for r in trace_recorder.expand([tuple(r) for r in records])]
+    assert [s.name for s in spans] == ["GET /items/{id}"] * 4 + ["GET unmatched"] * 2  # /health: none
+    assert [s.attributes["http.response.status_code"] for s in spans] == [200, 200, 400, 503, 404, 404]
+    assert [s.attributes["url.path"] for s in spans][:2] == ["/items/1", "/items/2"]
+    assert {s.attributes["http.route"] for s in spans} == {"/items/{id}", "unmatched"}
+    assert [s.status for s in spans] == [None] * 3 + [(trace_recorder.STATUS_ERROR, "HTTP 503")] + [None] * 2
+    assert len({s.trace_id for s in spans}) == 6 and all(s.parent_id == 0 and s.kind == 2 for s in spans)
+    assert list(http_common._SPAN_NAMES.values()) == [("GET /items/{id}", "/items/{id}")]
+
+
 def test_an_unsampled_root_records_nothing(monkeypatch):
     out: list = []
     trace_recorder.configure(Sampler("always_off"), out.append)
