@@ -13,7 +13,12 @@ functions whose counts differ most between the first and each other variant are 
 Instructions are not time: cache misses, branch mispredictions and a slower or faster core do not show. Use this
 for what code a change adds or removes per request, and benchmarks.router for what it costs in seconds. Under
 callgrind the router runs ~50x slower than natively, so with concurrency above 1 more requests share an event-loop
-turn than they would natively; concurrency 1 (the default) counts one request's own work."""
+turn than they would natively; concurrency 1 (the default) counts one request's own work.
+
+Every process it starts runs with one string-hash seed (PYTHONHASHSEED, `--hash-seed`, 0 by default): with a
+random seed per process, dict and set layouts differ from router to router, and so did their counts (a streamed
+/generate's spread over three router processes: 5.2k instructions a request with random seeds, 1.0k with seed 0).
+A change that only moves the seed's luck shows as a difference that another `--hash-seed` does not repeat."""
 
 from __future__ import annotations
 
@@ -52,7 +57,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="list the N C functions whose instruction counts differ most from the first variant's")
     p.add_argument("--dump-dir", help="keep callgrind's dumps in this folder (default: a temporary one)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--hash-seed", default="0",
+                   help="PYTHONHASHSEED of every process started (an integer; `random`: each its own)")
     return p.parse_args(argv)
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def callgrind(pid: int, *flags: str) -> None:
@@ -124,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     cpus = os.sched_getaffinity(0)
     results, dumps = [], {}
     with contextlib.ExitStack() as stack:
+        seed = os.environ.get("PYTHONHASHSEED")
+        stack.callback(_set_env, "PYTHONHASHSEED", seed)
+        _set_env("PYTHONHASHSEED", None if args.hash_seed == "random" else str(int(args.hash_seed)))  # inherited
         tmp = args.dump_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-instr-"))
         procs = stack.enter_context(process_group("bench-instr-"))
         tok, workers, sink = free_port(), [free_port(), free_port()], free_port()
@@ -161,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"--- {key}: self instructions per request by C function")
                     for delta, fn in diffs[key]:
                         print(f"{delta / args.requests:+12,.0f}  {fn}")
-    doc = {**provenance(sys.argv[1:] if argv is None else argv), "tool": "valgrind callgrind", "results": results,
+    doc = {**provenance(sys.argv[1:] if argv is None else argv), "tool": "valgrind callgrind",
+           "hash_seed": args.hash_seed, "results": results,
            "annotate": {k: [[d, f] for d, f in v] for k, v in diffs.items()}}
     doc["command"] = doc["command"].replace("benchmarks.router", "benchmarks.router_instructions", 1)
     if args.out:

@@ -30,3 +30,4 @@ def test_bench_router_instructions_smoke(tmp_path):
     assert set(counts) == {"off", "trace"} and counts["off"] > 100_000, counts
     assert counts["trace"] > counts["off"], counts
     assert doc["tool"] == "valgrind callgrind" and doc["annotate"]["trace - off, generate_1"]
+    assert doc["hash_seed"] == "0"  # the seed every process it started ran with
