@@ -57,9 +57,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="list the N C functions whose instruction counts differ most from the first variant's")
     p.add_argument("--dump-dir", help="keep callgrind's dumps in this folder (default: a temporary one)")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--hash-seed", default="0",
-                   help="PYTHONHASHSEED of every process started (an integer; `random`: each its own)")
+    p.add_argument("--hash-seed", default="0", type=_hash_seed,
+                   help="PYTHONHASHSEED of every process started (0 to 4294967295; `random`: each its own)")
     return p.parse_args(argv)
+
+
+def _hash_seed(text: str) -> str:
+    if text == "random" or (text.isdigit() and int(text) <= 4294967295):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: an integer from 0 to 4294967295, or random")
 
 
 def _set_env(name: str, value: str | None) -> None:
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         seed = os.environ.get("PYTHONHASHSEED")
         stack.callback(_set_env, "PYTHONHASHSEED", seed)
-        _set_env("PYTHONHASHSEED", None if args.hash_seed == "random" else str(int(args.hash_seed)))  # inherited
+        _set_env("PYTHONHASHSEED", None if args.hash_seed == "random" else args.hash_seed)  # inherited
         tmp = args.dump_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-instr-"))
         procs = stack.enter_context(process_group("bench-instr-"))
         tok, workers, sink = free_port(), [free_port(), free_port()], free_port()
