@@ -190,6 +190,32 @@ def streaming_on(mesh: Mesh, worker: str, streams: int = 2):
     return ready
 
 
+def strike_frozen(mesh: Mesh, pid: int, worker: str, fault: int, streams: int = 1):
+    """A fault's strike on a colocated worker that cannot miss its streams: the worker is stopped (SIGSTOP) first,
+    and `fault` (SIGKILL; SIGSTOP: it stays stopped) is dealt only if the router still has `streams` of its answers
+    open once what the worker sent before it stopped has been read (two scrapes 0.1 s apart agree); otherwise it is
+    let go on (SIGCONT) and the strike says False, to be tried again. A stopped worker's open answers cannot end, so
+    one is enough. (A check before an unfrozen kill raced the answers: a tiny model's 128 tokens can take less than
+    the scrape and the signal on a loaded machine, and a CI run's kill found only calls still in their prefill:
+    retried, not migrated.) `late`: strike whatever is open."""
+    def open_now() -> float:
+        return worker_metrics(mesh, worker).get("radixmesh_router_open_streams", 0.0)
+
+    def strike(late: bool = False) -> bool:
+        os.kill(pid, signal.SIGSTOP)
+        now, last, deadline = open_now(), None, time.monotonic() + 2
+        while now != last and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now, last = open_now(), now
+        if late or now >= streams:
+            if fault != signal.SIGSTOP:
+                os.kill(pid, fault)
+            return True
+        os.kill(pid, signal.SIGCONT)
+        return False
+    return strike
+
+
 def migrations(mesh: Mesh) -> float:
     """Streams the router moved to another worker mid-answer."""
     return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")

@@ -29,7 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import internal_channel, metric_sum, migrations, moved, running_mesh, streaming_on
+from tests.e2e.mesh import (internal_channel, metric_sum, migrations, moved, running_mesh, streaming_on,
+                            strike_frozen)
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_of, _restarts, _wait
 
@@ -71,9 +72,10 @@ async def _chat(client: openai.AsyncOpenAI, i: int, streaming: list[int]) -> tup
 
 
 async def _load(mesh, strike=None, ready=None, settle=None) -> list[tuple[str, str | None]]:
-    """`strike()` comes a third of the way into the arrivals, once a sixth of the streams have tokens and `ready()`
-    holds (or after 30 s), done in the thread that saw the predicate hold (a busy event loop between the check and
-    the signal let a worker's short streams end first: a CI run); then `settle()`, awaited."""
+    """`strike(late)` comes a third of the way into the arrivals, once a sixth of the streams have tokens and
+    `ready()` holds (or after 30 s: `late`), done in the thread that saw the predicate hold (a busy event loop between
+    the check and the signal let a worker's short streams end first: a CI run); it says whether it struck (False:
+    checked again 20 ms later). Then `settle()`, awaited."""
     streaming = [0]  # streams that have their first chunk
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
         tasks = [asyncio.create_task(_chat(client, i, streaming)) for i in range(STREAMS)]
@@ -84,8 +86,7 @@ async def _load(mesh, strike=None, ready=None, settle=None) -> list[tuple[str, s
             def attempt() -> bool:
                 late = time.monotonic() >= deadline
                 if late or (streaming[0] >= STREAMS // 6 and (ready is None or ready())):
-                    strike()
-                    return True
+                    return strike(late)
                 return False
             while not await asyncio.to_thread(attempt):
                 await asyncio.sleep(0.02)
@@ -191,10 +192,16 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
             os.kill(pid, signal.SIGCONT)
 
     moved_before, migrated = moved(mesh), migrations(mesh)
-    # a colocated worker fails with streams of its own mid-stream (round robin gives it every other one)
-    ready = streaming_on(mesh, f"127.0.0.1:{victim[1]}") if service == "services.decode" and not role else None
+    signum = getattr(signal, fault)
+    if service == "services.decode" and not role:
+        # a colocated worker fails with a stream of its own mid-answer (round robin gives it every other one): a
+        # cheap check first, then the worker frozen and its open stream confirmed before the fault
+        worker = f"127.0.0.1:{victim[1]}"
+        ready, strike = streaming_on(mesh, worker, 1), strike_frozen(mesh, pid, worker, signum)
+    else:
+        ready, strike = None, lambda late: os.kill(pid, signum) or True
     started = time.monotonic()
-    got = asyncio.run(_load(mesh, lambda: os.kill(pid, getattr(signal, fault)), ready, settle))
+    got = asyncio.run(_load(mesh, strike, ready, settle))
     took = time.monotonic() - started
     if service == "services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]
