@@ -18,7 +18,8 @@
 #   PARTS="setup prefetch"  decode attention's first keys and values pulled into L2 before its PDL wait, or not
 #                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
 #   PARTS="setup splits"    the decode step with decode attention's split-KV count as chosen or fixed at 1, 2, 4,
-#                           8, 16 (benchmarks.splits_step; BATCH, ROUNDS, GEMM as for prefetch)
+#                           8, 16, and with stage 1 merging the splits (auto+merge, 8+merge; benchmarks.splits_step;
+#                           BATCH, ROUNDS, GEMM as for prefetch)
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)

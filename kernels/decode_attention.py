@@ -9,6 +9,11 @@ KV head as the rows of one tile, so every key and value is read from memory once
 the request's tokens with an online softmax. It writes a partial output and the log-sum-exp of its scores. Stage 2
 merges the splits of each (request, head). With one split, stage 1 writes the final output and stage 2 is skipped.
 
+With `merge=True` (the module's FUSED_MERGE by default) there is no stage 2: each stage-1 program counts itself done
+on a per-(request, KV head) counter (an acquire-release atomic after a barrier, so its partials are visible first),
+and the last of a request's splits to finish merges them, with stage 2's arithmetic, and sets the counter back to 0
+for the next layer. A batch-1 step then has one kernel boundary fewer per layer (benchmarks.splits_step measures it).
+
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
 stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
 the device, so a short request simply leaves trailing splits empty.
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import accumulate, softmax_step
-from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
+from kernels.runtime import LINE_BYTES, dot_needs_upcast, interpreting, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
 MAX_SPLITS = 64
@@ -32,17 +37,45 @@ PROGRAMS_PER_SM = 4
 # Under programmatic dependent launch, stage 1 pulls its first block of keys and values into L2 before it waits for
 # the kernel before (benchmarks.prefetch_step turns it off to measure it).
 PREFETCH_KV = True
+# The last split of a (request, KV head) merges the splits in stage 1 instead of a second kernel (off until measured
+# on a GPU: benchmarks.splits_step).
+FUSED_MERGE = False
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
+def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                CG: tl.constexpr):
+    """One (request, head)'s output from its first `n_live` splits' partial outputs and log2-sum-exps. `CG`: load
+    through L2 only (the partials were written by other programs of this kernel, whose lines this SM's L1 may hold
+    from an earlier launch)."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    live = s < n_live
+    lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
+    part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+    part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
+    if CG:
+        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
+    else:
+        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0)
+    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse, Done,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_db,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, MERGE: tl.constexpr,
+                   BLOCK_S: tl.constexpr, CG: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,6 +135,18 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         if has:
             tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
                      acc / l_i[:, None], mask=out_mask)
+        if MERGE:
+            # every thread's stores are issued before the one atomic, whose release makes them visible with it; the
+            # last split to count itself merges (its acquire orders the loads after the others' stores)
+            tl.debug_barrier()
+            done = tl.atomic_add(Done + b * stride_db + kv_head, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
+                for g in tl.static_range(GROUP):
+                    _merge_head(PartialO, PartialLse, Out, b, kv_head * GROUP + g, n_live, stride_pb, stride_ph,
+                                stride_ps, stride_lb, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D,
+                                CG)
+                tl.store(Done + b * stride_db + kv_head, 0)  # ready for the next layer's launch
 
 
 @triton.jit
@@ -114,16 +159,10 @@ def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, str
     # wait): after it, the scores and the partial outputs load side by side.
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    s = tl.arange(0, BLOCK_S)
-    live = s < tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
-    d = tl.arange(0, BLOCK_D)
+    n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
     pdl_enter(PDL)
-    lse = tl.load(PartialLse + b * stride_lb + head * stride_lh + s, mask=live, other=float("-inf"))
-    part = tl.load(PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_S, BLOCK_D]
-    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, False)
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
@@ -135,20 +174,24 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> i
 
 
 def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scratch for stage 1: partial outputs [batch, heads, splits, head_dim] and log2-sum-exp [batch, heads, splits]
-    in float32."""
+    in float32, and the fused merge's counters [batch, heads] int32 (one per KV head used), zero (each launch leaves
+    them zero)."""
     return (torch.empty((batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device))
+            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device),
+            torch.zeros((batch_size, num_heads), dtype=torch.int32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
-                     partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     merge: bool | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
-    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch."""
+    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
+    `merge`: the splits merged by stage 1's last program, not by stage 2 (None: FUSED_MERGE)."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -157,29 +200,34 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return out
     if num_splits > 1 and partials is None:
         partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device)
-    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
-                                               out.new_empty((1, 1, 1), dtype=torch.float32))
+    po, lse, done = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
+                                                     out.new_empty((1, 1, 1), dtype=torch.float32),
+                                                     out.new_empty((1, 1), dtype=torch.int32))
+    merge = num_splits > 1 and (FUSED_MERGE if merge is None else merge)
+    block_s = max(2, triton.next_power_of_2(num_splits))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_options(q)
     line = LINE_BYTES // k_buf.element_size()
     prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
+    if merge and (done.shape[0] < bsz or done.shape[1] < num_kv_heads or done.dtype != torch.int32):
+        raise ValueError(f"the merge's counters must be int32 and at least [{bsz}, {num_kv_heads}], got "
+                         f"{tuple(done.shape)} {done.dtype}")
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse, done,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), scale * _LOG2E,
+        lse.stride(0), lse.stride(1), done.stride(0), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
-        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
-    if num_splits > 1:
+        LINE_ELEMS=line, MERGE=merge, BLOCK_S=block_s, CG=not interpreting(), num_warps=4, num_stages=2, **pdl)
+    if num_splits > 1 and not merge:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
-            **pdl_options(q))
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2, **pdl_options(q))
     return out
 
 
