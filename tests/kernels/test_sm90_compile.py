@@ -1,0 +1,90 @@
+"""The GPU-only paths of the kernels compiled for an H100/H200 (sm_90) on any machine, GPU or not: programmatic
+dependent launch, the L2 prefetches and decode attention's fused merge exist only in compiled kernels (Triton's
+interpreter skips them), so without this a mistake in them would wait for the next GPU session to show. Triton
+compiles to PTX and runs its bundled ptxas without a driver; the test reads the PTX for the instructions each path
+must produce (a child process: this one's kernels were decorated for the interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Compiles each kernel with explicit argument types (pointers, int32 sizes and strides, constexprs) for sm_90 and
+# prints {name: ptx} as JSON.
+_COMPILE = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import decode_attention, gemv
+
+def ptx(fn, pointers, floats, constexprs, warps, stages):
+    sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+
+attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
+            PartialO="*fp32", PartialLse="*fp32", Done="*i32")
+stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
+              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, BLOCK_S=64, CG=True)
+out = {
+    "stage1_merge": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": True}, 4, 2),
+    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": False}, 4, 2),
+    "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
+                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
+                     PRECISION="tf32", HAS_BIAS=False), 4, 4),
+}
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compiled here, not found in a cache
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _lines(ptx: str, pattern: str) -> list[int]:
+    return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("kernel", ["stage1_merge", "stage1", "gemv"])
+def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
+    """Under PDL each kernel lets its dependents launch, prefetches into L2, and then waits, in that order."""
+    code = ptx[kernel]
+    launch, prefetch, wait = (_lines(code, p) for p in
+                              (r"griddepcontrol\.launch_dependents", r"prefetch\.global\.L2", r"griddepcontrol\.wait"))
+    assert launch and prefetch and wait, (len(launch), len(prefetch), len(wait))
+    assert launch[0] < prefetch[0] < wait[0]
+
+
+def test_the_fused_merge_counts_once_per_program_after_a_barrier(ptx):
+    """Stage 1's merge: the counter's add is one acquire-release atomic at GPU scope, done by a single thread
+    (predicated), after a barrier that orders the program's partial stores before it; its result reaches every
+    thread through shared memory behind another barrier; the merge reads the partials from L2 (ld.global.cg).
+    Without the merge there is no atomic at all."""
+    code = ptx["stage1_merge"].splitlines()
+    atoms = [i for i, line in enumerate(code) if "atom." in line]
+    assert len(atoms) == 1, [code[i] for i in atoms]
+    line = code[atoms[0]].strip()
+    assert re.match(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32 ", line), line
+    before = [i for i, ln in enumerate(code[:atoms[0]]) if "bar.sync" in ln]
+    after = [i for i, ln in enumerate(code[atoms[0]:], atoms[0]) if "bar.sync" in ln]
+    assert before and atoms[0] - before[-1] < 10, "no barrier just before the atomic"
+    assert after and after[0] - atoms[0] < 10, "no barrier before the atomic's result is read"
+    assert _lines(ptx["stage1_merge"], r"ld\.global\.cg\.")
+    assert not _lines(ptx["stage1"], r"atom\.")
