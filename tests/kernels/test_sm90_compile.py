@@ -1,6 +1,7 @@
 """The GPU-only paths of the kernels compiled for an H100/H200 (sm_90) on any machine, GPU or not: programmatic
-dependent launch, the L2 prefetches and decode attention's fused merge exist only in compiled kernels (Triton's
-interpreter skips them), so without this a mistake in them would wait for the next GPU session to show. Triton
+dependent launch (every kernel of the decode step that takes part in it), the L2 prefetches and decode attention's
+fused merge exist only in compiled kernels (Triton's interpreter skips them), so without this a mistake in them
+would wait for the next GPU session to show. Triton
 compiles to PTX and runs its bundled ptxas without a driver; the test reads the PTX for the instructions each path
 must produce (a child process: this one's kernels were decorated for the interpreter)."""
 
@@ -24,7 +25,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import decode_attention, gemv
+from kernels import activation, decode_attention, gemv, kv_store, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -44,6 +45,23 @@ out = {
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
                      PRECISION="tf32", HAS_BIAS=False), 4, 4),
 }
+# kernels that begin with runtime.pdl_enter: the wait comes before any load
+bf16 = "*bf16"
+out["stage2"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
+                                                           SeqLens="*i64"), set(),
+                    dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=64, BLOCK_D=128, PDL=True), 4, 1)
+out["silu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
+                          dict(BLOCK=1024, PDL=True), 4, 1)
+out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
+                                                res_out_ptr=bf16), {"eps"},
+                     dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True), 8, 1)
+out["store_kv"] = ptx(kv_store._store_kv_kernel, dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16,
+                                                      loc_ptr="*i64"), set(),
+                      dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=True), 4, 1)
+out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16, k_dst_ptr=bf16,
+                                                v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
+                                                loc_ptr="*i64"), set(),
+                    dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, PDL=True), 4, 1)
 json.dump(out, sys.stdout)
 '''
 
@@ -70,6 +88,20 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                               (r"griddepcontrol\.launch_dependents", r"prefetch\.global\.L2", r"griddepcontrol\.wait"))
     assert launch and prefetch and wait, (len(launch), len(prefetch), len(wait))
     assert launch[0] < prefetch[0] < wait[0]
+
+
+@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
+                                                 ("rotary", 0)])
+def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
+    """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
+    global memory only after that (what it reads may be that kernel's output). Stage 2 alone reads one value before
+    its wait: the request's length, an input of the step (one 64-bit load)."""
+    code = ptx[kernel]
+    launch, wait, loads = (_lines(code, p) for p in
+                           (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"ld\.global"))
+    assert launch and wait and loads, (len(launch), len(wait), len(loads))
+    assert launch[0] < wait[0]
+    assert len([i for i in loads if i < wait[0]]) == early_loads
 
 
 def test_the_fused_merge_counts_once_per_program_after_a_barrier(ptx):
