@@ -218,7 +218,7 @@ def strike_frozen(mesh: Mesh, pid: int, worker: str, fault: int, streams: int = 
             os.kill(pid, fault)
         return True
 
-    def strike(late: bool = False) -> bool:
+    def attempt(late: bool) -> bool:
         os.kill(pid, signal.SIGSTOP)
         if late or confirmed():
             return deal()
@@ -235,6 +235,13 @@ def strike_frozen(mesh: Mesh, pid: int, worker: str, fault: int, streams: int = 
                 os.kill(pid, signal.SIGCONT)
             time.sleep(0.02)
         return False
+
+    def strike(late: bool = False) -> bool:
+        try:
+            return attempt(late)
+        except BaseException:  # a failed scrape: the worker is not left stopped behind the test's error
+            os.kill(pid, signal.SIGCONT)
+            raise
     return strike
 
 

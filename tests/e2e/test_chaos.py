@@ -70,11 +70,11 @@ async def _chat(client: openai.AsyncOpenAI, i: int, streaming: list[int]) -> tup
         return "|".join(texts), f"{type(e).__name__}: {e}"
 
 
-async def _load(mesh, strike=None, ready=None, settle=None) -> list[tuple[str, str | None]]:
-    """`strike(late)` comes a third of the way into the arrivals, once a sixth of the streams have tokens and
-    `ready()` holds (or after 30 s: `late`), done in the thread that saw the predicate hold (a busy event loop between
-    the check and the signal let a worker's short streams end first: a CI run); it says whether it struck (False:
-    checked again 20 ms later). Then `settle()`, awaited."""
+async def _load(mesh, strike=None, settle=None) -> list[tuple[str, str | None]]:
+    """`strike(late)` comes a third of the way into the arrivals, once a sixth of the streams have tokens (`late`:
+    after 30 s), in a thread of its own (a busy event loop between a check and the signal let a worker's short
+    streams end first: a CI run); it says whether it struck (False: tried again 20 ms later). Then `settle()`,
+    awaited."""
     streaming = [0]  # streams that have their first chunk
     async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
         tasks = [asyncio.create_task(_chat(client, i, streaming)) for i in range(STREAMS)]
@@ -84,7 +84,7 @@ async def _load(mesh, strike=None, ready=None, settle=None) -> list[tuple[str, s
 
             def attempt() -> bool:
                 late = time.monotonic() >= deadline
-                if late or (streaming[0] >= STREAMS // 6 and (ready is None or ready())):
+                if late or streaming[0] >= STREAMS // 6:
                     return strike(late)
                 return False
             while not await asyncio.to_thread(attempt):
@@ -196,11 +196,13 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
         # a colocated worker fails with a stream of its own mid-answer (round robin gives it every other one): the
         # fault comes while it is frozen with an answer open (a tiny model's answer can be shorter than the gap
         # between two of the worker's arrivals, so a check before the signal is not enough: see strike_frozen)
-        ready, strike = None, strike_frozen(mesh, pid, f"127.0.0.1:{victim[1]}", signum)
+        strike = strike_frozen(mesh, pid, f"127.0.0.1:{victim[1]}", signum)
     else:
-        ready, strike = None, lambda late: os.kill(pid, signum) or True
+        def strike(late: bool) -> bool:
+            os.kill(pid, signum)
+            return True
     started = time.monotonic()
-    got = asyncio.run(_load(mesh, strike, ready, settle))
+    got = asyncio.run(_load(mesh, strike, settle))
     took = time.monotonic() - started
     if service == "services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]
