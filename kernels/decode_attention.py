@@ -16,7 +16,9 @@ for the next layer. A batch-1 step then has one kernel boundary fewer per layer 
 
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
 stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
-the device, so a short request simply leaves trailing splits empty.
+the device, so a short request simply leaves trailing splits empty. An empty split's program returns at once (it
+neither waits for the kernel before nor writes), and the merge walks only the splits the length fills, `MERGE_CHUNK`
+at a time: a wide split count chosen for long contexts costs a short one almost nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ PREFETCH_KV = True
 # The last split of a (request, KV head) merges the splits in stage 1 instead of a second kernel (off until measured
 # on a GPU: benchmarks.splits_step).
 FUSED_MERGE = False
+# The merge reads this many splits at a time (a running maximum across chunks): a wide split count at a short
+# context pays only for the splits its lengths fill.
+MERGE_CHUNK = 16
 _LOG2E = 1.4426950408889634
 
 
@@ -47,23 +52,33 @@ _LOG2E = 1.4426950408889634
 def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                 stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                 CG: tl.constexpr):
-    """One (request, head)'s output from its first `n_live` splits' partial outputs and log2-sum-exps. `CG`: load
-    through L2 only (the partials were written by other programs of this kernel, whose lines this SM's L1 may hold
-    from an earlier launch)."""
-    s = tl.arange(0, BLOCK_S)
+    """One (request, head)'s output from its first `n_live` splits' partial outputs and log2-sum-exps, `BLOCK_S`
+    splits at a time with a running maximum (so splits past `n_live` cost nothing, and a wide split count keeps a
+    small tile). `CG`: load through L2 only (the partials were written by other programs of this kernel, whose lines
+    this SM's L1 may hold from an earlier launch)."""
     d = tl.arange(0, BLOCK_D)
-    live = s < n_live
-    lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
-    part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
-    part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
-    if CG:
-        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
-    else:
-        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
-        part = tl.load(part_ptrs, mask=part_mask, other=0.0)
-    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        live = s < n_live
+        lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
+        part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+        part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
+        if CG:
+            lse = tl.load(lse_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
+        else:
+            lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+            part = tl.load(part_ptrs, mask=part_mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
+        alpha = tl.exp2(m - m_new)
+        w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / total
     tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -89,6 +104,12 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     end = tl.minimum(start + split_len, seq_len)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if not MERGE:
+        if start >= seq_len:
+            # an empty split (a short request in a wide split count) writes nothing: the merge reads only the
+            # splits the length fills, so it neither waits nor reads
+            return
+    if PDL:
         if PREFETCH_LINES > 0:
             n = start + tl.arange(0, BLOCK_N)
             first = n < end
@@ -128,11 +149,10 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=out_mask)
     else:
-        # An empty split stores lse = -inf (weight 0 in the merge) and leaves its partial output unwritten.
-        has = end > start
-        lse = tl.where(has, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-        if has:
+        # Only the splits the length fills are merged, so an empty one (here only with MERGE, which must count it)
+        # writes nothing.
+        if end > start:
+            tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
             tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
                      acc / l_i[:, None], mask=out_mask)
         if MERGE:
@@ -204,7 +224,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                                                      out.new_empty((1, 1, 1), dtype=torch.float32),
                                                      out.new_empty((1, 1), dtype=torch.int32))
     merge = num_splits > 1 and (FUSED_MERGE if merge is None else merge)
-    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_s = max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits)))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

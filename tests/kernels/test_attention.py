@@ -90,6 +90,7 @@ def test_decode_long_context_split_kv(device):
     ([1, 17, 64, 129, 200], 8, 2, 3, torch.float32),  # splits left empty by the short requests
     ([300, 2], 12, 3, 8, torch.bfloat16),
     ([65], 4, 4, 2, torch.float16),
+    ([2600, 5], 4, 1, 40, torch.float32),  # more live splits (21) than the merge reads at a time (MERGE_CHUNK)
 ])
 def test_decode_fused_merge_equals_stage_two(device, lens, heads, kv_heads, splits, dtype):
     """Stage 1's last split merging the splits gives stage 2's output: the same terms, in the same order (bit for
@@ -105,10 +106,12 @@ def test_decode_fused_merge_equals_stage_two(device, lens, heads, kv_heads, spli
     else:
         torch.testing.assert_close(fused.float(), two_stage.float(), rtol=1e-2, atol=1e-2)
     partials = partial_buffers(len(lens), heads, splits, 32, torch.device(device))
-    for _ in range(2):  # the same scratch twice, as graph replays use it
+    partials[0].fill_(float("nan"))  # what an empty split leaves unwritten must never be read
+    partials[1].fill_(float("nan"))
+    for merge, want in ((True, fused), (True, fused), (False, two_stage)):  # the same scratch again, as graphs do
         again = torch.full_like(fused, float("nan"))
-        decode_attention(*args, out=again, partials=partials, merge=True)
-        assert torch.equal(again, fused)
+        decode_attention(*args, out=again, partials=partials, merge=merge)
+        assert torch.equal(again, want)
         assert not partials[2].any(), "a merge counter was left set"
 
 

@@ -25,7 +25,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import activation, decode_attention, gemv, kv_store, norm, rotary
+from kernels import activation, decode_attention, gemv, kv_store, l2_prefetch, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -37,7 +37,7 @@ def ptx(fn, pointers, floats, constexprs, warps, stages):
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
             PartialO="*fp32", PartialLse="*fp32", Done="*i32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, BLOCK_S=64, CG=True)
+              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, BLOCK_S=16, CG=True)
 out = {
     "stage1_merge": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": True}, 4, 2),
     "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": False}, 4, 2),
@@ -49,7 +49,7 @@ out = {
 bf16 = "*bf16"
 out["stage2"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
                                                            SeqLens="*i64"), set(),
-                    dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=64, BLOCK_D=128, PDL=True), 4, 1)
+                    dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=16, BLOCK_D=128, PDL=True), 4, 1)
 out["silu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
                           dict(BLOCK=1024, PDL=True), 4, 1)
 out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
@@ -62,6 +62,8 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64"), set(),
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, PDL=True), 4, 1)
+out["l2_prefetch"] = ptx(l2_prefetch._prefetch_kernel, dict(Base="*bf16"), set(),
+                         dict(CHUNK=l2_prefetch.CHUNK_BYTES, PER_PROGRAM=l2_prefetch.PER_PROGRAM, PDL=True), 1, 1)
 json.dump(out, sys.stdout)
 '''
 
@@ -120,3 +122,15 @@ def test_the_fused_merge_counts_once_per_program_after_a_barrier(ptx):
     assert after and after[0] - atoms[0] < 10, "no barrier before the atomic's result is read"
     assert _lines(ptx["stage1_merge"], r"ld\.global\.cg\.")
     assert not _lines(ptx["stage1"], r"atom\.")
+
+
+def test_the_weight_prefetch_is_bulk_and_waits_last(ptx):
+    """kernels.l2_prefetch: one bulk L2 prefetch per thread (the copy engine fetches, the threads go on), after the
+    kernel lets its dependents launch and before it waits for the kernel before (so the kernel after it, which waits
+    for it, still comes after that one); it reads nothing itself."""
+    code = ptx["l2_prefetch"]
+    launch, bulk, wait = (_lines(code, p) for p in (r"griddepcontrol\.launch_dependents",
+                                                     r"cp\.async\.bulk\.prefetch\.L2\.global", r"griddepcontrol\.wait"))
+    assert len(bulk) == 1 and launch and wait, (len(launch), len(bulk), len(wait))
+    assert launch[0] < bulk[0] < wait[0]
+    assert not _lines(code, r"ld\.global")
