@@ -18,10 +18,7 @@
 #   PARTS="setup prefetch"  decode attention's first keys and values pulled into L2 before its PDL wait, or not
 #                           (benchmarks.prefetch_step), after the attention kernel and backend tests on CUDA
 #   PARTS="setup splits"    the decode step with decode attention's split-KV count as chosen or fixed at 1, 2, 4,
-#                           8, 16, and with stage 1 merging the splits (auto+merge, 8+merge; benchmarks.splits_step;
-#                           BATCH, ROUNDS, GEMM as for prefetch)
-#   PARTS="setup weights"   the decode step with each layer's o_proj weight pulled into L2 while attention runs, or not
-#                           (benchmarks.weights_step; BATCH, ROUNDS, GEMM as for prefetch)
+#                           8, 16, 32 (benchmarks.splits_step; BATCH, ROUNDS, GEMM as for prefetch)
 #   PARTS="setup profile"   per decode step: GPU time, kernel count and time by kernel (benchmarks.profile_decode)
 #   PARTS="setup multiturn" multi-turn TTFT: hierarchy off, L2, L2 + L3 (issue 11)
 #   PARTS="setup kvcopy"    host <-> device KV page copies: staged against kernels.kv_pages (issue 11)
@@ -114,11 +111,6 @@ fi
 if [[ $PARTS == *splits* ]]; then
   $PY -m benchmarks.splits_step --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
     --result-file "$OUT/splits_step.jsonl" 2>&1 | tee -a "$OUT/splits_step.log" | grep -v Warning
-fi
-
-if [[ $PARTS == *weights* ]]; then
-  $PY -m benchmarks.weights_step --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
-    --result-file "$OUT/weights_step.jsonl" 2>&1 | tee -a "$OUT/weights_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *ablate* ]]; then

@@ -9,10 +9,9 @@ KV head as the rows of one tile, so every key and value is read from memory once
 the request's tokens with an online softmax. It writes a partial output and the log-sum-exp of its scores. Stage 2
 merges the splits of each (request, head). With one split, stage 1 writes the final output and stage 2 is skipped.
 
-With `merge=True` (the module's FUSED_MERGE by default) there is no stage 2: each stage-1 program counts itself done
-on a per-(request, KV head) counter (an acquire-release atomic after a barrier, so its partials are visible first),
-and the last of a request's splits to finish merges them, with stage 2's arithmetic, and sets the counter back to 0
-for the next layer. A batch-1 step then has one kernel boundary fewer per layer (benchmarks.splits_step measures it).
+(Stage 1's last split merging the splits itself, behind an atomic counter, was measured twice on Hopper and lost both
+times: benchmarks/results/NOTES.md, 2026-11-25 and 2026-11-29. Under PDL the kernel boundary costs almost nothing,
+and stage 2 merges the heads in parallel where the last split would merge them one after another.)
 
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
 stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import accumulate, softmax_step
-from kernels.runtime import LINE_BYTES, dot_needs_upcast, interpreting, pdl_enter, pdl_options, prefetch_l2
+from kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
 MAX_SPLITS = 64
@@ -39,9 +38,6 @@ PROGRAMS_PER_SM = 4
 # Under programmatic dependent launch, stage 1 pulls its first block of keys and values into L2 before it waits for
 # the kernel before (benchmarks.prefetch_step turns it off to measure it).
 PREFETCH_KV = True
-# The last split of a (request, KV head) merges the splits in stage 1 instead of a second kernel (off until measured
-# on a GPU: benchmarks.splits_step).
-FUSED_MERGE = False
 # The merge reads this many splits at a time (a running maximum across chunks): a wide split count at a short
 # context pays only for the splits its lengths fill.
 MERGE_CHUNK = 16
@@ -50,12 +46,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                CG: tl.constexpr):
+                stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (request, head)'s output from its first `n_live` splits' partial outputs and log2-sum-exps, `BLOCK_S`
     splits at a time with a running maximum (so splits past `n_live` cost nothing, and a wide split count keeps a
-    small tile). `CG`: load through L2 only (the partials were written by other programs of this kernel, whose lines
-    this SM's L1 may hold from an earlier launch)."""
+    small tile)."""
     d = tl.arange(0, BLOCK_D)
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
@@ -66,12 +60,8 @@ def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph
         lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
         part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
         part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
-        if CG:
-            lse = tl.load(lse_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_S, BLOCK_D]
-        else:
-            lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
-            part = tl.load(part_ptrs, mask=part_mask, other=0.0)
+        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_S, BLOCK_D]
         m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
         alpha = tl.exp2(m - m_new)
         w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
@@ -83,14 +73,13 @@ def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph
 
 
 @triton.jit
-def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse, Done,
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_db,
+                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, MERGE: tl.constexpr,
-                   BLOCK_S: tl.constexpr, CG: tl.constexpr):
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,11 +93,10 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     end = tl.minimum(start + split_len, seq_len)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if not MERGE:
-        if start >= seq_len:
-            # an empty split (a short request in a wide split count) writes nothing: the merge reads only the
-            # splits the length fills, so it neither waits nor reads
-            return
+    if start >= seq_len:
+        # an empty split (a short request in a wide split count): the merge reads only the splits the length
+        # fills, so this program neither waits, reads nor writes
+        return
     if PDL:
         if PREFETCH_LINES > 0:
             n = start + tl.arange(0, BLOCK_N)
@@ -149,24 +137,9 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=out_mask)
     else:
-        # Only the splits the length fills are merged, so an empty one (here only with MERGE, which must count it)
-        # writes nothing.
-        if end > start:
-            tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
-            tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
-                     acc / l_i[:, None], mask=out_mask)
-        if MERGE:
-            # every thread's stores are issued before the one atomic, whose release makes them visible with it; the
-            # last split to count itself merges (its acquire orders the loads after the others' stores)
-            tl.debug_barrier()
-            done = tl.atomic_add(Done + b * stride_db + kv_head, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
-                for g in tl.static_range(GROUP):
-                    _merge_head(PartialO, PartialLse, Out, b, kv_head * GROUP + g, n_live, stride_pb, stride_ph,
-                                stride_ps, stride_lb, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D,
-                                CG)
-                tl.store(Done + b * stride_db + kv_head, 0)  # ready for the next layer's launch
+        tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
+        tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
+                 acc / l_i[:, None], mask=out_mask)
 
 
 @triton.jit
@@ -182,7 +155,7 @@ def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, str
     n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
     pdl_enter(PDL)
     _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, False)
+                stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
@@ -194,24 +167,20 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> i
 
 
 def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scratch for stage 1: partial outputs [batch, heads, splits, head_dim] and log2-sum-exp [batch, heads, splits]
-    in float32, and the fused merge's counters [batch, heads] int32 (one per KV head used), zero (each launch leaves
-    them zero)."""
+    in float32."""
     return (torch.empty((batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device),
-            torch.zeros((batch_size, num_heads), dtype=torch.int32, device=device))
+            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
-                     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     merge: bool | None = None) -> torch.Tensor:
+                     partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
-    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
-    `merge`: the splits merged by stage 1's last program, not by stage 2 (None: FUSED_MERGE)."""
+    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -220,10 +189,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return out
     if num_splits > 1 and partials is None:
         partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device)
-    po, lse, done = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
-                                                     out.new_empty((1, 1, 1), dtype=torch.float32),
-                                                     out.new_empty((1, 1), dtype=torch.int32))
-    merge = num_splits > 1 and (FUSED_MERGE if merge is None else merge)
+    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
+                                               out.new_empty((1, 1, 1), dtype=torch.float32))
     block_s = max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits)))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
@@ -231,19 +198,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     pdl = pdl_options(q)
     line = LINE_BYTES // k_buf.element_size()
     prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
-    if merge and (done.shape[0] < bsz or done.shape[1] < num_kv_heads or done.dtype != torch.int32):
-        raise ValueError(f"the merge's counters must be int32 and at least [{bsz}, {num_kv_heads}], got "
-                         f"{tuple(done.shape)} {done.dtype}")
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse, done,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), done.stride(0), scale * _LOG2E,
+        lse.stride(0), lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
-        LINE_ELEMS=line, MERGE=merge, BLOCK_S=block_s, CG=not interpreting(), num_warps=4, num_stages=2, **pdl)
-    if num_splits > 1 and not merge:
+        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
+    if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,

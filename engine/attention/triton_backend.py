@@ -21,7 +21,7 @@ from kernels.runtime import interpreting
 @dataclass(slots=True)
 class DecodeMetadata:
     num_splits: int
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # kernels.decode_attention.partial_buffers
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # kernels.decode_attention.partial_buffers
 
 
 @dataclass(slots=True)

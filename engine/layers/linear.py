@@ -55,24 +55,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
-# Under a decode graph with programmatic dependent launch, a weight named by `prefetch_weight` is pulled into L2 by
-# the copy engine while the small kernels before its product run (kernels.l2_prefetch): the memory is otherwise idle
-# there at small batches. Off until measured (benchmarks.weights_step).
-PREFETCH_WEIGHTS = False
-
-
-def prefetch_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
-    """Start pulling `weight` into L2 for a decode-sized product on `x` a few kernels from now (see PREFETCH_WEIGHTS);
-    nothing for larger batches, eager steps, or without Triton or a Hopper GPU."""
-    if not (PREFETCH_WEIGHTS and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_ROWS and use_kernels(x)):
-        return
-    from kernels.runtime import pdl_on
-
-    if pdl_on(x):
-        from kernels.l2_prefetch import prefetch_l2
-
-        prefetch_l2(weight)
-
 
 def _rows(dest: slice, start: int, length: int) -> Shard:
     return Shard(dest, 0, start, length)

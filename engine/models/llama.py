@@ -19,7 +19,7 @@ from engine.distributed import TensorParallel
 from engine.forward_context import get_forward_context
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                  VocabParallelEmbedding, prefetch_weight, vocab_logits)
+                                  VocabParallelEmbedding, vocab_logits)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeInputs, RotaryEmbedding
 
@@ -48,7 +48,6 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        prefetch_weight(self.o_proj.weight, hidden)  # read while attention runs (decode graphs, where enabled)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)

@@ -103,26 +103,11 @@ def ragged_lens(bs: int, seed: int) -> list[int]:
     return lens
 
 
-# the triton backend with stage 1 merging the splits (kernels.decode_attention.FUSED_MERGE, off by default until
-# measured): what the decode tests run on too
-DECODE_BACKENDS = BACKENDS + ["triton-fused-merge"]
-
-
-def _decode_backend(name: str, monkeypatch) -> str:
-    if name == "triton-fused-merge":
-        from kernels import decode_attention
-
-        monkeypatch.setattr(decode_attention, "FUSED_MERGE", True)
-        return "triton"
-    return name
-
-
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("bs", [1, 7, 64])
-@pytest.mark.parametrize("name", DECODE_BACKENDS)
-def test_decode_matches_torch_native(name, bs, heads, head_dim, monkeypatch):
-    name = _decode_backend(name, monkeypatch)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_decode_matches_torch_native(name, bs, heads, head_dim):
     lens = ragged_lens(bs, seed=bs)
     setup = make_setup(lens, heads, head_dim, seed=bs)
     compare_with_torch_native(name, setup, decode_batch(setup, lens), f"decode lens {lens[:8]}...")
@@ -152,11 +137,10 @@ def test_extend_matches_torch_native(name, case, heads, head_dim):
     compare_with_torch_native(name, setup, batch, f"extend {case}: prefixes {prefix[:8]}, new {new[:8]}")
 
 
-@pytest.mark.parametrize("name", DECODE_BACKENDS)
-def test_cuda_graph_decode_replays_new_lengths(name, monkeypatch):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cuda_graph_decode_replays_new_lengths(name):
     """Capture one decode forward for 8 requests, replay it for two other batches (longer lengths; then 6 requests
     plus 2 padding rows) and compare with eager runs of the same requests."""
-    name = _decode_backend(name, monkeypatch)
     bs = 8
     setup = make_setup([4096] * bs, (32, 8), 128, seed=3)
     backend = create_backend(name, setup.shape, setup.pool, setup.table)

@@ -1,9 +1,8 @@
 """The GPU-only paths of the kernels compiled for an H100/H200 (sm_90) on any machine, GPU or not: programmatic
-dependent launch (every kernel of the decode step that takes part in it), the L2 prefetches and decode attention's
-fused merge exist only in compiled kernels (Triton's interpreter skips them), so without this a mistake in them
-would wait for the next GPU session to show. Triton
-compiles to PTX and runs its bundled ptxas without a driver; the test reads the PTX for the instructions each path
-must produce (a child process: this one's kernels were decorated for the interpreter)."""
+dependent launch (every kernel of the decode step that takes part in it) and the L2 prefetches exist only in
+compiled kernels (Triton's interpreter skips them), so without this a mistake in them would wait for the next GPU
+session to show. Triton compiles to PTX and runs its bundled ptxas without a driver; the test reads the PTX for the
+instructions each path must produce (a child process: this one's kernels were decorated for the interpreter)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import activation, decode_attention, gemv, kv_store, l2_prefetch, norm, rotary
+from kernels import activation, decode_attention, gemv, kv_store, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -35,12 +34,11 @@ def ptx(fn, pointers, floats, constexprs, warps, stages):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
-            PartialO="*fp32", PartialLse="*fp32", Done="*i32")
+            PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, BLOCK_S=16, CG=True)
+              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64)
 out = {
-    "stage1_merge": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": True}, 4, 2),
-    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, {**stage1, "MERGE": False}, 4, 2),
+    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
                      PRECISION="tf32", HAS_BIAS=False), 4, 4),
@@ -62,8 +60,6 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64"), set(),
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, PDL=True), 4, 1)
-out["l2_prefetch"] = ptx(l2_prefetch._prefetch_kernel, dict(Base="*bf16"), set(),
-                         dict(CHUNK=l2_prefetch.CHUNK_BYTES, PER_PROGRAM=l2_prefetch.PER_PROGRAM, PDL=True), 1, 1)
 json.dump(out, sys.stdout)
 '''
 
@@ -82,7 +78,7 @@ def _lines(ptx: str, pattern: str) -> list[int]:
     return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
 
 
-@pytest.mark.parametrize("kernel", ["stage1_merge", "stage1", "gemv"])
+@pytest.mark.parametrize("kernel", ["stage1", "gemv"])
 def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
     """Under PDL each kernel lets its dependents launch, prefetches into L2, and then waits, in that order."""
     code = ptx[kernel]
@@ -106,31 +102,17 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
     assert len([i for i in loads if i < wait[0]]) == early_loads
 
 
-def test_the_fused_merge_counts_once_per_program_after_a_barrier(ptx):
-    """Stage 1's merge: the counter's add is one acquire-release atomic at GPU scope, done by a single thread
-    (predicated), after a barrier that orders the program's partial stores before it; its result reaches every
-    thread through shared memory behind another barrier; the merge reads the partials from L2 (ld.global.cg).
-    Without the merge there is no atomic at all."""
-    code = ptx["stage1_merge"].splitlines()
-    atoms = [i for i, line in enumerate(code) if "atom." in line]
-    assert len(atoms) == 1, [code[i] for i in atoms]
-    line = code[atoms[0]].strip()
-    assert re.match(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32 ", line), line
-    before = [i for i, ln in enumerate(code[:atoms[0]]) if "bar.sync" in ln]
-    after = [i for i, ln in enumerate(code[atoms[0]:], atoms[0]) if "bar.sync" in ln]
-    assert before and atoms[0] - before[-1] < 10, "no barrier just before the atomic"
-    assert after and after[0] - atoms[0] < 10, "no barrier before the atomic's result is read"
-    assert _lines(ptx["stage1_merge"], r"ld\.global\.cg\.")
-    assert not _lines(ptx["stage1"], r"atom\.")
 
-
-def test_the_weight_prefetch_is_bulk_and_waits_last(ptx):
-    """kernels.l2_prefetch: one bulk L2 prefetch per thread (the copy engine fetches, the threads go on), after the
-    kernel lets its dependents launch and before it waits for the kernel before (so the kernel after it, which waits
-    for it, still comes after that one); it reads nothing itself."""
-    code = ptx["l2_prefetch"]
-    launch, bulk, wait = (_lines(code, p) for p in (r"griddepcontrol\.launch_dependents",
-                                                     r"cp\.async\.bulk\.prefetch\.L2\.global", r"griddepcontrol\.wait"))
-    assert len(bulk) == 1 and launch and wait, (len(launch), len(bulk), len(wait))
-    assert launch[0] < bulk[0] < wait[0]
-    assert not _lines(code, r"ld\.global")
+def test_an_empty_split_returns_before_its_wait(ptx):
+    """Decode attention's stage 1: a program whose split the length leaves empty lets its dependents launch and then
+    branches straight to the kernel's return, so it neither waits for the kernel before nor loads or stores."""
+    code = ptx["stage1"].splitlines()
+    launch = _lines(ptx["stage1"], r"griddepcontrol\.launch_dependents")[0]
+    wait = _lines(ptx["stage1"], r"griddepcontrol\.wait")[0]
+    labels = {m.group(1): i for i, line in enumerate(code) if (m := re.match(r"(\$L\w+):", line))}
+    exits = [m.group(1) for line in code[launch:wait] if (m := re.search(r"@!?%p\d+ bra\s+(\$L\w+);", line))]
+    assert exits, "no branch between launching the dependents and the wait"
+    target = labels[exits[0]]
+    assert target > wait
+    following = [ln.strip() for ln in code[target + 1:target + 4] if not ln.strip().startswith(".loc")]
+    assert following and following[0] == "ret;", following
