@@ -110,9 +110,11 @@ def test_an_empty_split_returns_before_its_wait(ptx):
     launch = _lines(ptx["stage1"], r"griddepcontrol\.launch_dependents")[0]
     wait = _lines(ptx["stage1"], r"griddepcontrol\.wait")[0]
     labels = {m.group(1): i for i, line in enumerate(code) if (m := re.match(r"(\$L\w+):", line))}
-    exits = [m.group(1) for line in code[launch:wait] if (m := re.search(r"@!?%p\d+ bra\s+(\$L\w+);", line))]
-    assert exits, "no branch between launching the dependents and the wait"
-    target = labels[exits[0]]
-    assert target > wait
-    following = [ln.strip() for ln in code[target + 1:target + 4] if not ln.strip().startswith(".loc")]
-    assert following and following[0] == "ret;", following
+    branches = [m.group(1) for line in code[launch:wait] if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line))]
+
+    def returns(label: str) -> bool:  # the label's first instruction (past .loc lines) is the return
+        after = [ln.strip() for ln in code[labels[label] + 1:labels[label] + 4] if not ln.strip().startswith(".loc")]
+        return labels[label] > wait and bool(after) and after[0] == "ret;"
+
+    # Triton 3.9 branches on the negated test, 3.6 (the GPU machine's) falls through to an unconditional branch
+    assert any(returns(label) for label in branches), branches
