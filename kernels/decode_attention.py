@@ -45,34 +45,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (request, head)'s output from its first `n_live` splits' partial outputs and log2-sum-exps, `BLOCK_S`
-    splits at a time with a running maximum (so splits past `n_live` cost nothing, and a wide split count keeps a
-    small tile)."""
-    d = tl.arange(0, BLOCK_D)
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n_live, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        live = s < n_live
-        lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
-        part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
-        part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
-        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
-        part = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
-        alpha = tl.exp2(m - m_new)
-        w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
-        acc = acc * alpha + tl.sum(part * w[:, None], 0)
-        total = total * alpha + tl.sum(w, 0)
-        m = m_new
-    out = acc / total
-    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-@triton.jit
 def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -154,8 +126,28 @@ def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, str
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
     pdl_enter(PDL)
-    _merge_head(PartialO, PartialLse, Out, b, head, n_live, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D)
+    # the live splits, BLOCK_S at a time with a running maximum: splits past n_live cost nothing, and a wide split
+    # count keeps a small tile
+    d = tl.arange(0, BLOCK_D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        live = s < n_live
+        lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
+        part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+        part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
+        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
+        alpha = tl.exp2(m - m_new)
+        w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / total
+    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
