@@ -1,6 +1,8 @@
 """The bounded span buffer of a traced process and the pipe to its exporter process (services.common.trace_export).
 
-`add` (the recorder's sink, any thread) appends a finished span, a Record tuple, to a deque: no lock. A daemon thread
+`add` (the recorder's sink, any thread) appends a finished span, a Record tuple, to a deque: no lock. With the native
+recorder (`native`, services/common/_spanrec.c), records are written in C into its buffer as they end instead, and
+the writer takes the buffer whole (already marshalled) in place of a batch. A daemon thread
 wakes every OTEL_BSP_SCHEDULE_DELAY ms, or as soon as OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans wait, and writes them to
 the exporter's stdin as one frame: a 4-byte little-endian length, then the list of records, marshalled in one go
 (trace_recorder.encode_batch: what the records share is written once). The exporter encodes OTLP and talks to the
@@ -35,6 +37,7 @@ _F_SETPIPE_SZ = 1031  # fcntl command (Linux): a larger pipe rides out short exp
 PIPE_BYTES = 1 << 20
 DROP_LOG_EVERY_S = 60.0
 _FRAME = struct.Struct("<I")
+_COUNT = struct.Struct("<i")  # a marshalled list's length
 
 
 def env_int(name: str, default: int) -> int:
@@ -62,9 +65,11 @@ def encode_frame(batch: list[tuple]) -> bytes:
 class SpanPipe:
     """Finished spans on their way to the exporter process. `close` flushes and waits for the exporter to end."""
 
-    def __init__(self, argv: list[str], max_queue: int = 2048, batch: int = 512, delay_s: float = 5.0):
+    def __init__(self, argv: list[str], max_queue: int = 2048, batch: int = 512, delay_s: float = 5.0,
+                 native=None):
         self.max_queue, self.batch, self.delay_s = max_queue, batch, delay_s
-        self.dropped = self.sent = 0
+        self._dropped = self.sent = 0
+        self._native = native  # the _spanrec module whose buffer holds the records, or None: the deque
         self._queue: collections.deque = collections.deque()
         self._closing = self._broken = False
         self._limit = max_queue  # 0 once nothing more can be sent
@@ -77,9 +82,17 @@ class SpanPipe:
             fcntl.fcntl(self.proc.stdin.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)
         except OSError:
             pass  # above /proc/sys/fs/pipe-max-size: keep the default size
+        if native is not None:
+            native.set_buffer(max_queue, batch, self._wake.set)
+            self._dropped -= native.dropped()  # its count lives as long as the process; this pipe's from here
         self._thread = threading.Thread(target=self._run, name="span-pipe", daemon=True)
         self._thread.start()
         os.register_at_fork(after_in_child=self._forked)
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped so far (a full queue, a gone exporter)."""
+        return self._dropped + (self._native.dropped() if self._native is not None else 0)
 
     def add(self, record: tuple) -> None:
         """Queue one finished span (the recorder's sink); dropped and counted when the queue is full."""
@@ -89,7 +102,7 @@ class SpanPipe:
             if len(queue) == self.batch:  # a full batch waits (else the writer wakes on its schedule)
                 self._wake.set()
         else:
-            self.dropped += 1
+            self._dropped += 1
 
     def _run(self) -> None:
         while not self._closing:
@@ -101,20 +114,37 @@ class SpanPipe:
         self._close_pipe()
 
     def _send_waiting(self) -> None:
+        if self._native is not None and not self._broken:
+            n, data = self._native.take()
+            if n:
+                self._write(n, _FRAME.pack(len(data) + 5) + b"[" + _COUNT.pack(n), data)
         queue = self._queue
         while queue and not self._broken:
             n = min(len(queue), self.batch)
             batch = [queue.popleft() for _ in range(n)]
-            try:
-                self.proc.stdin.write(encode_frame(batch))
-                self.proc.stdin.flush()
-                self.sent += n
-            except (OSError, ValueError) as e:  # the exporter is gone (BrokenPipeError) or the pipe was closed
-                self._broken, self._limit = True, 0
-                self.dropped += n + len(queue)
-                queue.clear()
-                log.error("trace exporter process gone (%s, exit code %s): spans are dropped from now on", e,
-                          self.proc.poll())
+            self._write(n, encode_frame(batch))
+
+    def _write(self, n: int, *parts: bytes) -> None:
+        """Write a frame of `n` records to the exporter; on a broken pipe, drop it and everything from now on."""
+        try:
+            for part in parts:
+                self.proc.stdin.write(part)
+            self.proc.stdin.flush()
+            self.sent += n
+        except (OSError, ValueError) as e:  # the exporter is gone (BrokenPipeError) or the pipe was closed
+            self._stop_recording()
+            self._dropped += n + len(self._queue)
+            self._queue.clear()
+            log.error("trace exporter process gone (%s, exit code %s): spans are dropped from now on", e,
+                      self.proc.poll())
+
+    def _stop_recording(self) -> None:
+        """Nothing more is queued: spans that end from now on are dropped (and counted)."""
+        self._broken, self._limit = True, 0
+        if self._native is not None:
+            self._native.set_buffer(0, self.batch, None)
+            n, _ = self._native.take()
+            self._dropped += n
 
     def _report_drops(self) -> None:
         now = time.monotonic()
@@ -139,8 +169,8 @@ class SpanPipe:
         if self._thread.is_alive():  # stuck on a full pipe: the exporter stopped reading
             self.proc.kill()
             self._thread.join(1.0)
-        self._broken, self._limit = True, 0
-        self.dropped += len(self._queue)  # ended after the writer's last look
+        self._stop_recording()
+        self._dropped += len(self._queue)  # ended after the writer's last look
         self._queue.clear()
         try:
             self.proc.wait(max(deadline - time.monotonic(), 0.1))
@@ -153,5 +183,5 @@ class SpanPipe:
 
     def _forked(self) -> None:
         """In a forked child the writer thread is gone and the pipe is the parent's: this copy records nothing."""
-        self._broken = self._closing = True
-        self._limit = 0
+        self._closing = True
+        self._stop_recording()

@@ -7,6 +7,11 @@ plain tuple (`Record`'s fields, in order) handed to the sink (services.common.tr
 pipe's writer thread marshals a batch of them at once (`encode_batch`) for the exporter process. Nothing here
 imports OpenTelemetry and no OTLP is encoded in the serving process.
 
+Where the native recorder is built (services/common/_spanrec.c, `make` builds it), the router's per-request spans
+(its Root, open_call / close_call, leaf) are made and recorded in C, and every record, the Python spans' too, is
+written in C straight into the buffer the pipe's writer thread sends: `api()` gives the functions of the recorder in
+use. RADIXMESH_TRACE_RECORDER=python keeps the Python one (the same spans and records; slower).
+
 What a span costs the serving process is counted in instructions by `python -m benchmarks.router_instructions`:
 every operation here runs per request, so the code keeps to the fewest attribute stores and calls (ids stay ints
 until a traceparent needs hex; a record is marshalled in its batch, where the strings and ids it shares with the
@@ -17,6 +22,7 @@ are dropped in the exporter process (trace_export.add_attributes), off the servi
 
 from __future__ import annotations
 
+import os
 import traceback
 from contextvars import ContextVar
 from marshal import dumps
@@ -54,15 +60,42 @@ class Record(NamedTuple):
 
 
 CURRENT: ContextVar["Span | Remote | None"] = ContextVar("radixmesh_span", default=None)
+# The native recorder (services/common/_spanrec.c), where it is built and not turned off
+native = None
+if os.environ.get("RADIXMESH_TRACE_RECORDER", "native").strip().lower() != "python":
+    try:
+        from services.common import _spanrec as native
+    except ImportError:
+        native = None
+if native is not None:
+    traceparent = native.traceparent  # noqa: F811 - the same header, formatted in C
 # The sampler, unpacked: new spans are decided inline (a call per span costs more than the decision itself)
 _parent_based, _bound = True, 1 << 64
 _sink: Callable[[tuple], None] = lambda record: None  # noqa: E731
 
 
 def configure(sampler: Sampler, sink: Callable[[tuple], None]) -> None:
-    """Where finished spans go (Record tuples) and how new ones are sampled (tracing.setup_tracing)."""
+    """Where finished spans go (Record tuples) and how new ones are sampled (tracing.setup_tracing). With the native
+    recorder, `native.add` as the sink writes every record into its buffer (trace_pipe.SpanPipe sends it)."""
     global _parent_based, _bound, _sink
     _parent_based, _bound, _sink = sampler.parent_based, sampler.bound, sink
+    if native is not None:
+        native.configure(CURRENT, sampler.bound, finish_error, close_call, leaf,
+                         None if sink is native.add else sink)
+
+
+def api() -> tuple:
+    """(new root, the Root type, open_call, close_call, leaf, call_traceparent) of the recorder in use: the native
+    one where it is built, else this module's."""
+    if native is not None:
+        return native.root, native.Root, native.open_call, native.close_call, native.leaf, native.call_traceparent
+    return Root, Root, open_call, close_call, leaf, call_traceparent
+
+
+def call_traceparent(opened: tuple) -> str:
+    """The W3C traceparent of an `open_call`."""
+    p, span_id, _ = opened
+    return traceparent(p.trace_id, span_id, p.sampled)
 
 
 def _new_id(bits: int) -> int:
@@ -291,6 +324,13 @@ def finish_error(s: "Span | Root", error: BaseException | str) -> None:
         s.set_error(f"{type(error).__name__}: {error}")
     else:
         s.set_attribute("radixmesh.cancelled", True)
+
+
+if native is not None:  # what the native Root does not do in C: the rarer calls, as Root has them
+    native.Root.kind, native.Root.parent, native.Root.origin = SERVER, None, None
+    native.Root.tracestate = native.Root.baggage = ""
+    for _name in ("set_attributes", "add_event", "set_error", "record_exception", "is_recording"):
+        setattr(native.Root, _name, getattr(Root, _name))
 
 
 class Child:

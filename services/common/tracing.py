@@ -44,7 +44,8 @@ _current: Any = None
 _propagation: Any = None
 _Metadata: Any = None  # grpc.aio.Metadata
 _extract: Any = None  # trace_context.extract
-_traceparent: Any = None  # trace_context.traceparent
+_call_traceparent: Any = None  # the traceparent of an open_call
+_new_root: Any = None  # makes a _Root
 _role = ""
 
 
@@ -78,8 +79,8 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     """Start recording spans for this process, exported by an exporter process of its own, when tracing is on;
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
-    global _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _role, _traceparent
-    global open_call, close_call, leaf, clock
+    global _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _role
+    global _call_traceparent, _new_root, open_call, close_call, leaf, clock
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -88,27 +89,28 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     from grpc.aio import Metadata
 
     from services.common import trace_recorder
-    from services.common.trace_context import Propagation, Sampler, extract, traceparent
+    from services.common.trace_context import Propagation, Sampler, extract
     from services.common.trace_pipe import SpanPipe, env_int, exporter_command
 
     endpoint = settings.otlp_traces_endpoint
     if endpoint is not None and "://" not in endpoint:
         endpoint = "http://" + endpoint  # a bare host:port is a plain-text collector, as SGLang's default
     batch = env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+    native = trace_recorder.native  # the C recorder, where it is built: records go into its buffer
     pipe = SpanPipe(exporter_command(role, endpoint, batch), max_queue=env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-                    batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000)
+                    batch=batch, delay_s=env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000, native=native)
     sampler = Sampler.from_env()
-    trace_recorder.configure(sampler, pipe.add)
-    open_call, close_call, leaf, clock = (trace_recorder.open_call, trace_recorder.close_call, trace_recorder.leaf,
-                                          time.time_ns)
-    _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _traceparent, _role = (
-        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.Root, trace_recorder.CURRENT,
-        Propagation.from_env(), Metadata, extract, traceparent, role)
+    trace_recorder.configure(sampler, native.add if native is not None else pipe.add)
+    _new_root, _Root, open_call, close_call, leaf, _call_traceparent = trace_recorder.api()
+    clock = time.time_ns
+    _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
+        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
+        extract, role)
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
-    log.info("tracing on: OTLP/gRPC to %s (sampler %s, exporter pid %d)", endpoint
+    log.info("tracing on: OTLP/gRPC to %s (sampler %s, %s recorder, exporter pid %d)", endpoint
              or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-             or "localhost:4317", sampler.name, pipe.proc.pid)
+             or "localhost:4317", sampler.name, trace_recorder_kind(), pipe.proc.pid)
     return True
 
 
@@ -123,6 +125,15 @@ def shutdown_tracing() -> None:
         from services.common.trace_pipe import env_int
 
         pipe.close(env_int("OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000)
+
+
+def trace_recorder_kind() -> str:
+    """"native" (services/common/_spanrec.c) or "python": the recorder in use while tracing is on ("" when off)."""
+    if _pipe is None:
+        return ""
+    from services.common import trace_recorder
+
+    return "native" if trace_recorder.native is not None else "python"
 
 
 def tracer():
@@ -167,7 +178,7 @@ def server_span(headers: Mapping[str, str]):
         remote = _extract(headers, _propagation)
         if remote is not None:
             return _Span("", 2, {}, _Span.remote(remote)).begin()
-    return _Root()
+    return _new_root()
 
 
 def wall_offset_ns() -> int:
@@ -244,8 +255,7 @@ def close_call(opened, name: str, kind: int, names: tuple, values: tuple, error:
 def _context_of(s) -> tuple[str, Any]:
     """(traceparent, the trace's origin) of a span, a Child or an `open_call` value."""
     if type(s) is tuple:
-        p, span_id, _ = s
-        return _traceparent(p.trace_id, span_id, p.sampled), p.origin
+        return _call_traceparent(s), s[0].origin
     return s.traceparent(), s.origin
 
 
@@ -271,9 +281,8 @@ def put_context(target, s) -> bool:
     if s is None or _propagation is None or not _propagation.tracecontext:
         return False
     if type(s) is tuple:  # an open_call, the router's calls: inline, as its every request makes one
-        p, span_id, _ = s
-        target["traceparent"] = _traceparent(p.trace_id, span_id, p.sampled)
-        o = p.origin
+        target["traceparent"] = _call_traceparent(s)
+        o = s[0].origin
     else:
         target["traceparent"], o = _context_of(s)
     if o is not None:

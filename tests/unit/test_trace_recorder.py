@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,8 +28,31 @@ ROOT = Path(__file__).resolve().parents[2]
 W3C = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
 
 
+@pytest.fixture(params=["python", "native"])
+def recorder(request, monkeypatch):
+    """Each recorder in turn, as trace_recorder.api() gives it: the Python one, and the native one `make` builds
+    (services/common/_spanrec.c), which the router uses where it is built."""
+    if request.param == "python":
+        monkeypatch.setattr(trace_recorder, "native", None)
+    elif trace_recorder.native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    return SimpleNamespace(kind=request.param, **dict(zip(
+        ("root", "Root", "open_call", "close_call", "leaf", "call_traceparent"), trace_recorder.api())))
+
+
+def _tracing_on(monkeypatch, recorder) -> None:
+    """services.common.tracing on, bound to `recorder`, without an exporter (the sink is what `configure` set)."""
+    from services.common import tracing
+
+    monkeypatch.setattr(tracing, "_pipe", object())
+    for name, value in (("_Span", Span), ("_Child", Child), ("_Root", recorder.Root), ("_new_root", recorder.root),
+                        ("_call_traceparent", recorder.call_traceparent), ("_current", CURRENT),
+                        ("_propagation", Propagation()), ("_extract", extract)):
+        monkeypatch.setattr(tracing, name, value)
+
+
 @pytest.fixture
-def records():
+def records(recorder):
     """Finished spans as Records (the recorder's sink), with the default sampler; restored afterwards."""
     out: list = []
     trace_recorder.configure(Sampler(), lambda data: out.append(Record(*data)))
@@ -81,23 +105,21 @@ def test_a_child_goes_inside_its_parents_record_or_on_its_own_once_the_parent_en
     assert [e[0] for e in spans[2].events] == ["exception"] and late.recording  # never ended: never sent
 
 
-def test_server_spans_end_named_with_their_attributes_and_restore_the_current_span(records, monkeypatch):
+def test_server_spans_end_named_with_their_attributes_and_restore_the_current_span(records, recorder, monkeypatch):
     """tracing.server_span (the router's request span): a Root for a new trace, a Span under a caller's
     traceparent; both current until `finish`, which names them, gives their attributes as values under names (and
     those set while open), marks errors, and makes the span before current again."""
     import asyncio
 
     from services.common import tracing
-    monkeypatch.setattr(tracing, "_pipe", object())  # on, without an exporter: the recorder's sink is `records`
-    for name, value in (("_Span", Span), ("_Child", Child), ("_Root", trace_recorder.Root), ("_current", CURRENT),
-                        ("_propagation", Propagation()), ("_extract", extract), ("_traceparent", traceparent)):
-        monkeypatch.setattr(tracing, name, value)
+    _tracing_on(monkeypatch, recorder)  # the recorder's sink is `records`
     names = ("http.request.method", "http.response.status_code")
     root = tracing.server_span({})
-    assert type(root) is trace_recorder.Root and CURRENT.get() is root and root.sampled
+    assert type(root) is recorder.Root and CURRENT.get() is root and root.sampled
     assert W3C.match(root.traceparent()) and root.trace_id_hex == f"{root.trace_id:032x}"
+    assert root.traceparent() == f"00-{root.trace_id:032x}-{root.span_id:016x}-01"
     tracing.set_attribute("request_id", "r1")
-    trace_recorder.leaf("route", 1, 5, ("policy",), ("p",))
+    recorder.leaf("route", 1, 5, ("policy",), ("p",))
     with tracing.span("detokenize", "client") as inner:  # a Span under a Root
         assert tracing.start_span("call").parent is inner
     assert type(tracing.start_span("call")) is Child
@@ -109,7 +131,7 @@ def test_server_spans_end_named_with_their_attributes_and_restore_the_current_sp
     assert type(under) is Span and CURRENT.get() is under
     under.finish("POST /v1/completions", names, ("POST", 502), "HTTP 502")
     failed = tracing.server_span({"traceparent": "not a traceparent"})  # refused: a new trace
-    assert type(failed) is trace_recorder.Root
+    assert type(failed) is recorder.Root
     failed.finish("GET /x", names[:1], ("GET",), ValueError("boom"))
     gone = tracing.server_span({})
     gone.finish("GET /y", names[:1], ("GET",), asyncio.CancelledError())
@@ -136,7 +158,8 @@ def test_server_spans_end_named_with_their_attributes_and_restore_the_current_sp
     assert by_name["GET /y"].status is None
 
 
-async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answers_errors(records, monkeypatch):
+async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answers_errors(records, recorder,
+                                                                                         monkeypatch):
     """services.router.http_common.traced_errors_middleware: one server span per request, named by method and route
     template (cached per route; an unmatched request's route is never cached), the status code among its
     attributes, 5xx marked failed; probes untraced; errors still answered as before."""
@@ -147,10 +170,7 @@ async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answer
     from services.router import http_common
     from services.router.core import RouterError
 
-    monkeypatch.setattr(tracing, "_pipe", object())
-    for name, value in (("_Span", Span), ("_Child", Child), ("_Root", trace_recorder.Root), ("_current", CURRENT),
-                        ("_propagation", Propagation()), ("_extract", extract), ("_traceparent", traceparent)):
-        monkeypatch.setattr(tracing, name, value)
+    _tracing_on(monkeypatch, recorder)
     monkeypatch.setattr(http_common, "_SPAN_NAMES", {})
 
     async def item(request):
@@ -186,24 +206,25 @@ async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answer
     assert list(http_common._SPAN_NAMES.values()) == [("GET /items/{id}", "/items/{id}")]
 
 
-def test_an_unsampled_root_records_nothing(monkeypatch):
+def test_an_unsampled_root_records_nothing(recorder):
     out: list = []
     trace_recorder.configure(Sampler("always_off"), out.append)
     try:
-        root = trace_recorder.Root()
+        root = recorder.root()
         assert not root.sampled and CURRENT.get() is root
-        trace_recorder.leaf("route", 1, 5, ("policy",), ("p",))
-        call = trace_recorder.open_call()
+        recorder.leaf("route", 1, 5, ("policy",), ("p",))
+        call = recorder.open_call()
         assert call is not None and call[0] is root
-        assert traceparent(root.trace_id, call[1], root.sampled).endswith("-00")
-        trace_recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",))
+        assert recorder.call_traceparent(call) == traceparent(root.trace_id, call[1], False)
+        assert recorder.call_traceparent(call).endswith("-00")
+        recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",))
         root.finish("POST /generate", ("a",), (1,))
         assert CURRENT.get() is None and out == []
     finally:
         trace_recorder.configure(Sampler(), lambda data: None)
 
 
-def test_leaves_and_calls_recorded_as_tuples(records, monkeypatch):
+def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
     """tracing.leaf / open_call / close_call (the router's request path): positional attributes, into the open
     parent's record; ids given by the exporter to leaves; a call's context is its own span id; errors and
     cancellations as end_span marks them; after the parent ended, a record of its own."""
@@ -211,22 +232,21 @@ def test_leaves_and_calls_recorded_as_tuples(records, monkeypatch):
 
     from services.common import tracing
     monkeypatch.setattr(tracing, "_propagation", Propagation())
-    monkeypatch.setattr(tracing, "_traceparent", traceparent)
+    monkeypatch.setattr(tracing, "_call_traceparent", recorder.call_traceparent)
     names = ("policy", "worker", "matched_tokens")
-    trace_recorder.leaf("route", 1, 5, names, ("p", "w", None))  # no current span: nothing
-    assert trace_recorder.open_call() is None
+    recorder.leaf("route", 1, 5, names, ("p", "w", None))  # no current span: nothing
+    assert recorder.open_call() is None
     with Span("root", 2, {}, None) as root:
-        trace_recorder.leaf("route", 1, 5, names, ("p", "w", None))
-        call = trace_recorder.open_call()
+        recorder.leaf("route", 1, 5, names, ("p", "w", None))
+        call = recorder.open_call()
         carrier: dict = {}
         assert tracing.put_context(carrier, call)
         assert carrier["traceparent"] == f"00-{root.trace_id:032x}-{call[1]:016x}-01"
-        trace_recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",), ValueError("bad"))
-        cancelled = trace_recorder.open_call()
-        trace_recorder.close_call(cancelled, "tokenize", CLIENT, ("prompt_tokens",), (None,),
-                                  asyncio.CancelledError())
-        late = trace_recorder.open_call()
-    trace_recorder.close_call(late, "late", CLIENT, ("worker",), ("w",))
+        recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",), ValueError("bad"))
+        cancelled = recorder.open_call()
+        recorder.close_call(cancelled, "tokenize", CLIENT, ("prompt_tokens",), (None,), asyncio.CancelledError())
+        late = recorder.open_call()
+    recorder.close_call(late, "late", CLIENT, ("worker",), ("w",))
     (rec, alone) = records
     assert [c[0] for c in rec.children] == [0, call[1], cancelled[1]]
     spans = [Record(*r) for r in trace_recorder.expand(marshal.loads(trace_recorder.encode_batch(
@@ -244,16 +264,16 @@ def test_leaves_and_calls_recorded_as_tuples(records, monkeypatch):
     unsampled = Span("root", 2, {}, None)
     unsampled.sampled = unsampled.recording = False
     with unsampled:
-        trace_recorder.leaf("route", 1, 5, names, ("p", "w", 0))
-        quiet = trace_recorder.open_call()
+        recorder.leaf("route", 1, 5, names, ("p", "w", 0))
+        quiet = recorder.open_call()
         carrier = {}
         assert tracing.put_context(carrier, quiet) and carrier["traceparent"].endswith("-00")
-        trace_recorder.close_call(quiet, "worker Generate", CLIENT, ("worker",), ("w",))
+        recorder.close_call(quiet, "worker Generate", CLIENT, ("worker",), ("w",))
     assert records == []
     remote = Span.remote(extract({"traceparent": f"00-{7:032x}-{9:016x}-01"}, Propagation()))
     token = CURRENT.set(remote)
     try:
-        trace_recorder.leaf("route", 1, 5, names, ("p", "w", 0))
+        recorder.leaf("route", 1, 5, names, ("p", "w", 0))
     finally:
         CURRENT.reset(token)
     (r,) = records
@@ -375,10 +395,17 @@ def _gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def test_spans_reach_the_collector_and_the_exporter_ends_with_the_process():
+@pytest.mark.parametrize("recorder_kind", ["native", "python"])
+def test_spans_reach_the_collector_and_the_exporter_ends_with_the_process(recorder_kind):
     receiver = OtlpReceiver()
     try:
         proc = _traced("""
+            root = tracing.server_span({})  # the router's request span: a Root of the recorder in use
+            tracing.leaf("route", tracing.INTERNAL, tracing.clock(), ("policy", "matched_tokens"), ("p", None))
+            call = tracing.open_call()
+            tracing.close_call(call, "worker Generate", tracing.CLIENT, ("worker",), ("w",))
+            root.finish("POST /generate", ("http.response.status_code",), (200,))
+            print(root.trace_id_hex, tracing.trace_recorder_kind(), flush=True)
             with tracing.root_span("GET /x", {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
                                **{"http.route": "/x"}) as s:
                 tracing.set_attributes(request_id="r1", skipped=None)
@@ -390,13 +417,22 @@ def test_spans_reach_the_collector_and_the_exporter_ends_with_the_process():
                             raise RuntimeError("boom")
                     except RuntimeError:
                         pass
-        """, receiver.endpoint, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test")
+        """, receiver.endpoint, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test",
+                       RADIXMESH_TRACE_RECORDER=recorder_kind)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
-        assert _gone(int(out.split()[0]), 10), "the exporter outlived a clean exit"
+        exporter, request_trace, kind = out.split()
+        assert kind == recorder_kind
+        assert _gone(int(exporter), 10), "the exporter outlived a clean exit"
         spans = receiver.wait_for("0af7651916cd43dd8448eb211c80319c", {"GET /x", "queue", "fails", "inner"}, 30)
+        request = receiver.wait_for(request_trace, {"POST /generate", "route", "worker Generate"}, 30)
     finally:
         receiver.close()
+    top = next(s for s in request if s.name == "POST /generate")
+    assert top.parent_id in ("", None) and top.attributes == {"http.response.status_code": 200}
+    assert {s.name: s.parent_id for s in request if s is not top} == {"route": top.span_id,
+                                                                       "worker Generate": top.span_id}
+    assert next(s for s in request if s.name == "route").attributes == {"radixmesh.policy": "p"}
     by_name = {s.name: s for s in spans}
     root = by_name["GET /x"]
     assert root.service == "radixmesh-router" and root.parent_id == "b7ad6b7169203331" and root.kind == 2
@@ -469,3 +505,180 @@ def test_the_otlp_encoding_parses_as_the_official_messages():
         ("ev", 12, ["radixmesh.n"]), ("bare", 13, [])]
     again = trace_otlp.request(trace_otlp.resource({"service.name": "svc"}), "radixmesh", records)  # from the cache
     assert ExportTraceServiceRequest.FromString(again) == got
+
+
+def _router_request(recorder, out: list) -> list[Record]:
+    """What the router's request path records, through `recorder`: a Root with an attribute set while open, a
+    routing leaf, a worker call, a failed tokenize call and a cancelled one, a Span under it, a failed leaf, a finish
+    with an error description, and a call that ends after it. Returns the records (the sink's `out`), expanded."""
+    import asyncio
+
+    from services.common import tracing
+
+    root = recorder.root()
+    root.set_attribute("request_id", "r1")
+    recorder.leaf("route", 1, 5, ("policy", "worker", "matched_tokens"), ("cache_aware", "w1", None))
+    call = recorder.open_call()
+    recorder.close_call(call, "worker Generate", CLIENT, ("worker", "role", "attempt"), ("w1", "colocated", 0))
+    failed = recorder.open_call()
+    recorder.close_call(failed, "tokenize", CLIENT, ("prompt_tokens",), (None,), ValueError("no tokenizer"))
+    cancelled = recorder.open_call()
+    recorder.close_call(cancelled, "tokenize", CLIENT, ("prompt_tokens",), (None,), asyncio.CancelledError())
+    with tracing.span("detokenize", "client", tokens=3):
+        pass
+    recorder.leaf("route", 1, 6, ("policy",), ("p",), RuntimeError("no worker"))
+    late = recorder.open_call()
+    root.add_event("first_token", {"n": 1})
+    root.finish("POST /generate", ("http.request.method", "http.response.status_code"), ("POST", 502), "HTTP 502")
+    recorder.close_call(late, "worker Generate", CLIENT, ("worker",), ("w2",))
+    assert CURRENT.get() is None
+    return [Record(*r) for r in trace_recorder.expand(marshal.loads(trace_recorder.encode_batch(out)))]
+
+
+def _normalized(spans: list[Record]) -> list[tuple]:
+    """Records with ids as their order of appearance and times left out (they differ between two runs)."""
+    ids: dict = {0: 0}
+    number = lambda i: ids.setdefault(i, len(ids))  # noqa: E731
+    out = []
+    for s in spans:
+        events = [(name, {k: v for k, v in attrs.items() if k != "exception.stacktrace"})
+                  for name, _, attrs in s.events or ()]
+        out.append((number(s.trace_id), number(s.span_id), number(s.parent_id), s.parent_remote, s.name, s.kind,
+                    s.attributes, events, s.status, s.tracestate))
+    return out
+
+
+def test_the_native_recorder_records_what_the_python_one_does(monkeypatch):
+    """The router's request path through each recorder: the same spans, attributes, events, statuses and links."""
+    if trace_recorder.native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    from services.common import tracing
+
+    monkeypatch.setattr(tracing, "_pipe", object())
+    monkeypatch.setattr(tracing, "_current", CURRENT)
+    monkeypatch.setattr(tracing, "_Span", Span)
+    got = {}
+    for kind in ("python", "native"):
+        with monkeypatch.context() as m:
+            if kind == "python":
+                m.setattr(trace_recorder, "native", None)
+            rec = SimpleNamespace(**dict(zip(("root", "Root", "open_call", "close_call", "leaf", "call_traceparent"),
+                                             trace_recorder.api())))
+            out: list = []
+            trace_recorder.configure(Sampler(), out.append)
+            try:
+                got[kind] = _router_request(rec, out)
+            finally:
+                trace_recorder.configure(Sampler(), lambda data: None)
+    assert type(got["native"]) is list and len(got["native"]) == 8
+    assert _normalized(got["native"]) == _normalized(got["python"])
+    by_name = {s.name: s for s in got["native"]}
+    assert by_name["POST /generate"].attributes == {"http.request.method": "POST", "http.response.status_code": 502,
+                                                    "request_id": "r1"}
+    assert all(s.start_ns <= s.end_ns for s in got["native"] if s.name != "route")
+
+
+def test_the_native_buffer_is_read_back_by_marshal():
+    """Records written into the native buffer (services/common/_spanrec.c writes marshal's format itself) read back
+    as marshal.loads reads a batch: every kind of value, the ints of every size, non-ASCII and long strings, values
+    marshal cannot write as their str(); a Root's record as the Root was."""
+    import enum
+
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    long_text = "x" * 300
+    values = {"s": "é", "cjk": "漢字", "surrogate": "\udc80", "long": long_text, "t": True, "f": False, "none": None,
+              "i": 7, "neg": -3, "i32": 1 << 31, "neg32": -(1 << 31) - 1, "u64": (1 << 64) - 1, "i63": -(1 << 63),
+              "big": 1 << 70, "negbig": -(1 << 90), "x": 2.5, "nan": float("inf"), "b": b"\x00\xff", "l": [1, "a"],
+              "tup": (1, (2, 3)), "d": {"k": [None]}, "o": Path("/p"), "e": Level.HIGH, "deep": [[[[[[[[[[[[[[[[[[[
+                  [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}
+    record = ((1 << 127) | 5, (1 << 64) - 1, 9, True, "child", 3, 11, 1 << 63, values, [("ev", 12, {"n": 1})],
+              (2, "HTTP 500"), "k=v", [(7, "leaf", 1, 1, 2, (("a",), (1,)), None, None)] + [
+                  (i, "c", 1, 1, 2, {}, None, None) for i in range(300)])
+    trace_recorder.configure(Sampler(), native.add)  # into the buffer
+    native.set_buffer(10, 512, None)
+    try:
+        native.add(record)
+        root = native.root()
+        root.set_attribute("request_id", "r9")
+        native.leaf("route", 1, 5, ("policy",), ("p",))
+        root.finish("POST /generate", ("http.response.status_code",), (200,))
+        n, data = native.take()
+        assert n == 2 and native.take() == (0, b"")
+    finally:
+        native.set_buffer(0, 512, None)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    first, second = marshal.loads(b"[" + n.to_bytes(4, "little") + data)
+    expected = {**values, "o": "/p", "surrogate": "\udc80", "deep": values["deep"]}
+    assert first[:8] == record[:8] and first[9:] == record[9:]
+    got = first[8]
+    flat = got.pop("deep")
+    for _ in range(31):  # nested deeper than the writer goes: the rest is a str
+        flat = flat[0]
+    assert isinstance(flat, str) and flat.startswith("[[")
+    assert got == {k: v for k, v in expected.items() if k != "deep"}
+    assert (second[0], second[1], second[2], second[3], second[4], second[5]) == (
+        root.trace_id, root.span_id, 0, False, "POST /generate", 2)
+    assert second[8] == (("http.response.status_code",), (200,), {"request_id": "r9"})
+    assert second[11] == "" and [c[1] for c in second[12]] == ["route"] and second[6] <= second[7]
+
+
+def test_a_forked_process_draws_other_ids(recorder):
+    """Ids come from a generator seeded per process: a forked child (the router's --router-workers) must not repeat
+    its parent's."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next root's ids
+        try:
+            root = recorder.root()
+            root.finish("x", (), ())
+            os.write(write, f"{root.trace_id} {root.span_id}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    root = recorder.root()
+    root.finish("x", (), ())
+    os.waitpid(pid, 0)
+    child_trace, child_span = map(int, os.read(read, 200).split())
+    os.close(read)
+    assert child_trace != root.trace_id and child_span != root.span_id
+
+
+def test_the_native_traceparent_is_w3cs():
+    if trace_recorder.native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    from services.common import trace_context
+
+    for trace_id, span_id, sampled in ((1, 1, True), ((1 << 128) - 1, (1 << 64) - 1, False),
+                                       (0x0af7651916cd43dd8448eb211c80319c, 0xb7ad6b7169203331, True)):
+        assert trace_recorder.native.traceparent(trace_id, span_id, sampled) == trace_context.traceparent(
+            trace_id, span_id, sampled)
+
+
+def test_the_native_buffer_drops_and_counts_when_the_exporter_does_not_read():
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    reader = [sys.executable, "-c", "import time; time.sleep(60)"]  # never reads its stdin
+    trace_recorder.configure(Sampler(), native.add)  # records into the buffer, as tracing.setup_tracing does
+    pipe = SpanPipe(reader, max_queue=100, batch=10_000, delay_s=60.0, native=native)
+    try:
+        try:
+            for i in range(250):
+                native.add((i,))
+            assert pipe.dropped == 150 and native.waiting() == 100
+        finally:
+            started = time.monotonic()
+            pipe.close(timeout_s=2.0)
+        assert time.monotonic() - started < 10 and pipe.proc.poll() is not None
+        assert pipe.sent == 100 and pipe.dropped == 150  # the 100 buffered went into the pipe; the reader was killed
+        root = native.root()
+        root.finish("late", (), ())
+        assert pipe.dropped == 151 and native.waiting() == 0
+    finally:
+        trace_recorder.configure(Sampler(), lambda data: None)
