@@ -101,11 +101,10 @@ static PyTypeObject *RootType;
 static char *buf;
 static Py_ssize_t buf_len, buf_cap, buf_count, buf_limit, buf_batch = 512;
 static unsigned long long buf_dropped;
+static int swapped; /* the buffer is a Root's while its child is written (write_child) */
 
-static int reserve(Py_ssize_t n) {
-    if (buf_len + n <= buf_cap)
-        return 0;
-    Py_ssize_t cap = buf_cap ? buf_cap : 65536;
+static int grow(Py_ssize_t n) {
+    Py_ssize_t cap = buf_cap ? buf_cap : swapped ? 256 : 65536;
     while (cap < buf_len + n)
         cap *= 2;
     char *p = PyMem_Realloc(buf, (size_t)cap);
@@ -117,6 +116,8 @@ static int reserve(Py_ssize_t n) {
     buf_cap = cap;
     return 0;
 }
+
+static inline int reserve(Py_ssize_t n) { return (buf_len + n <= buf_cap) ? 0 : grow(n); }
 
 static inline int w_byte(char c) {
     if (reserve(1) < 0)
@@ -148,7 +149,7 @@ static int w_bytes(char type, const char *data, Py_ssize_t n) {
 }
 
 /* an unsigned integer of up to 128 bits: 'i' when it fits, else 'l' with 15-bit digits, least significant first */
-static int w_u128(unsigned __int128 v) {
+static inline int w_u64(uint64_t v) {
     if (v <= INT32_MAX) {
         if (reserve(5) < 0)
             return -1;
@@ -156,6 +157,21 @@ static int w_u128(unsigned __int128 v) {
         put_i32((int32_t)v);
         return 0;
     }
+    int n = (64 - __builtin_clzll(v) + 14) / 15;
+    if (reserve(5 + 2 * n) < 0)
+        return -1;
+    buf[buf_len++] = 'l';
+    put_i32(n);
+    for (int i = 0; i < n; i++, v >>= 15) {
+        buf[buf_len++] = (char)(v & 0xff);
+        buf[buf_len++] = (char)((v >> 8) & 0x7f);
+    }
+    return 0;
+}
+
+static int w_u128(unsigned __int128 v) {
+    if (!(v >> 64))
+        return w_u64((uint64_t)v);
     uint16_t digits[9];
     int n = 0;
     while (v) {
@@ -173,9 +189,9 @@ static int w_u128(unsigned __int128 v) {
     return 0;
 }
 
-static int w_i64(long long v) {
+static inline int w_i64(long long v) {
     if (v >= 0)
-        return w_u128((unsigned __int128)v);
+        return w_u64((uint64_t)v);
     if (v >= INT32_MIN) {
         if (reserve(5) < 0)
             return -1;
@@ -185,7 +201,7 @@ static int w_i64(long long v) {
     }
     /* negative and large: marshal writes the sign in the digit count */
     Py_ssize_t mark = buf_len;
-    if (w_u128((unsigned __int128)(-(v + 1)) + 1) < 0)
+    if (w_u64((uint64_t)(-(v + 1)) + 1) < 0)
         return -1;
     int32_t n;
     memcpy(&n, buf + mark + 1, 4); /* little-endian host (x86-64, aarch64) */
@@ -194,7 +210,7 @@ static int w_i64(long long v) {
     return 0;
 }
 
-static int w_str(PyObject *s) {
+static inline int w_str(PyObject *s) {
     if (PyUnicode_IS_COMPACT_ASCII(s)) {
         Py_ssize_t n = PyUnicode_GET_LENGTH(s);
         const char *data = (const char *)PyUnicode_DATA(s);
@@ -319,6 +335,83 @@ static int w_object(PyObject *o, int depth) {
     return w_as_str(o);
 }
 
+/* Attribute names come as a constant tuple per call site (tracing.leaf, close_call, Root.finish): each is encoded
+ * once and its bytes copied after. The cache holds the tuple (so its address cannot be reused by another object). */
+#define NAMES_SLOTS 64
+static struct {
+    PyObject *key;
+    char *data;
+    Py_ssize_t n;
+} names_cache[NAMES_SLOTS];
+
+static int w_names(PyObject *names) {
+    if (!PyTuple_CheckExact(names))
+        return w_object(names, 1);
+    size_t slot = ((uintptr_t)names >> 4) % NAMES_SLOTS;
+    if (names_cache[slot].key != names) {
+        Py_ssize_t mark = buf_len;
+        if (w_object(names, 1) < 0)
+            return -1;
+        char *copy = PyMem_Malloc((size_t)(buf_len - mark));
+        if (copy == NULL)
+            return 0; /* written, just not cached */
+        memcpy(copy, buf + mark, (size_t)(buf_len - mark));
+        Py_XDECREF(names_cache[slot].key);
+        PyMem_Free(names_cache[slot].data);
+        Py_INCREF(names);
+        names_cache[slot].key = names;
+        names_cache[slot].data = copy;
+        names_cache[slot].n = buf_len - mark;
+        return 0;
+    }
+    if (reserve(names_cache[slot].n) < 0)
+        return -1;
+    memcpy(buf + buf_len, names_cache[slot].data, (size_t)names_cache[slot].n);
+    buf_len += names_cache[slot].n;
+    return 0;
+}
+
+/* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, dict) */
+static int w_attrs(PyObject *attrs) {
+    if (PyTuple_CheckExact(attrs) && (PyTuple_GET_SIZE(attrs) == 2 || PyTuple_GET_SIZE(attrs) == 3)) {
+        if (reserve(2) < 0)
+            return -1;
+        buf[buf_len++] = ')';
+        buf[buf_len++] = (char)PyTuple_GET_SIZE(attrs);
+        if (w_names(PyTuple_GET_ITEM(attrs, 0)) < 0 || w_object(PyTuple_GET_ITEM(attrs, 1), 2) < 0)
+            return -1;
+        return PyTuple_GET_SIZE(attrs) == 3 ? w_object(PyTuple_GET_ITEM(attrs, 2), 2) : 0;
+    }
+    return w_object(attrs, 1);
+}
+
+/* a Root's children: entries (span id, name, kind, start, end, attributes, events, status) */
+static int w_children(PyObject *children) {
+    if (!PyList_CheckExact(children))
+        return w_object(children, 1);
+    Py_ssize_t n = PyList_GET_SIZE(children);
+    if (reserve(5) < 0)
+        return -1;
+    buf[buf_len++] = '[';
+    put_i32((int32_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(children, i);
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 8) {
+            if (w_object(e, 2) < 0)
+                return -1;
+            continue;
+        }
+        if (reserve(2) < 0)
+            return -1;
+        buf[buf_len++] = ')';
+        buf[buf_len++] = 8;
+        for (int k = 0; k < 8; k++)
+            if ((k == 5 ? w_attrs(PyTuple_GET_ITEM(e, 5)) : w_object(PyTuple_GET_ITEM(e, k), 2)) < 0)
+                return -1;
+    }
+    return 0;
+}
+
 /* called once a record is written (or failed: then it is rolled back and counted as dropped) */
 static void written(Py_ssize_t mark, int rc) {
     if (rc < 0) {
@@ -346,6 +439,23 @@ static int hand_to_sink(PyObject *record) { /* a Python sink: the record as a tu
     return 0;
 }
 
+/* a Record tuple from Python (trace_recorder.Span, Child): its attributes and children as a Root's are written */
+static int w_record(PyObject *r) {
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 13)
+        return w_object(r, 0);
+    if (reserve(2) < 0)
+        return -1;
+    buf[buf_len++] = ')';
+    buf[buf_len++] = 13;
+    for (int k = 0; k < 13; k++) {
+        PyObject *v = PyTuple_GET_ITEM(r, k);
+        int rc = k == 8 ? w_attrs(v) : (k == 12 && v != Py_None) ? w_children(v) : w_object(v, 1);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* ---- Root: the server span of a request whose trace begins here ---- */
 
 typedef struct {
@@ -354,6 +464,10 @@ typedef struct {
     long long start_ns;
     char sampled, recording;
     PyObject *attributes, *events, *status, *children, *token;
+    /* children ended through close_call / leaf while it was open, already written (buffer mode): `cn` entries in
+     * `cbuf` [0, clen); those Python code ended go into `children` */
+    char *cbuf;
+    Py_ssize_t clen, ccap, cn;
 } Root;
 
 static inline PyObject *or_none(PyObject *o) { return (o == NULL) ? Py_None : o; }
@@ -385,6 +499,8 @@ static PyObject *root_new(PyObject *module, PyObject *unused) {
     r->start_ns = now_ns();
     r->attributes = r->events = r->status = r->children = NULL;
     r->token = NULL;
+    r->cbuf = NULL;
+    r->clen = r->ccap = r->cn = 0;
     PyObject_GC_Track(r);
     r->token = PyContextVar_Set(current_var, (PyObject *)r);
     if (r->token == NULL) {
@@ -417,6 +533,7 @@ static void root_dealloc(Root *r) {
     PyTypeObject *type = Py_TYPE(r);
     PyObject_GC_UnTrack(r);
     root_clear(r);
+    PyMem_Free(r->cbuf);
     PyObject_GC_Del(r);
     Py_DECREF(type);
 }
@@ -427,9 +544,9 @@ static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end) {
         return -1;
     buf[buf_len++] = ')';
     buf[buf_len++] = 13;
-    if (w_u128(((unsigned __int128)r->hi << 64) | r->lo) < 0 || w_u128(r->span_id) < 0 || w_u128(0) < 0 ||
-        w_byte('F') < 0 || w_object(name, 1) < 0 || w_u128(SERVER) < 0 || w_i64(r->start_ns) < 0 || w_i64(end) < 0 ||
-        w_object(attrs, 1) < 0 || w_object(or_none(r->events), 1) < 0 || w_object(or_none(r->status), 1) < 0 ||
+    if (w_u128(((unsigned __int128)r->hi << 64) | r->lo) < 0 || w_u64(r->span_id) < 0 || w_u64(0) < 0 ||
+        w_byte('F') < 0 || w_object(name, 1) < 0 || w_u64(SERVER) < 0 || w_i64(r->start_ns) < 0 || w_i64(end) < 0 ||
+        w_attrs(attrs) < 0 || w_object(or_none(r->events), 1) < 0 || w_object(or_none(r->status), 1) < 0 ||
         reserve(2) < 0)
         return -1;
     buf[buf_len++] = 'z'; /* tracestate: "" for a trace begun here */
@@ -437,7 +554,28 @@ static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end) {
     PyObject *children = or_none(r->children);
     if (children != Py_None && PyList_Check(children) && PyList_GET_SIZE(children) == 0)
         children = Py_None; /* as the Python recorder: an empty list is no children */
-    return w_object(children, 1);
+    if (r->cn == 0)
+        return children == Py_None ? w_byte('N') : w_children(children);
+    /* the entries written as they ended, then those in `children` */
+    Py_ssize_t more = (children != Py_None && PyList_CheckExact(children)) ? PyList_GET_SIZE(children) : 0;
+    if (children != Py_None && !PyList_CheckExact(children)) {
+        PyErr_SetString(PyExc_TypeError, "a Root's children must be a list");
+        return -1;
+    }
+    if (reserve(5 + r->clen) < 0)
+        return -1;
+    buf[buf_len++] = '[';
+    put_i32((int32_t)(r->cn + more));
+    memcpy(buf + buf_len, r->cbuf, (size_t)r->clen);
+    buf_len += r->clen;
+    if (more == 0)
+        return 0;
+    Py_ssize_t mark = buf_len;
+    if (w_children(children) < 0)
+        return -1;
+    memmove(buf + mark, buf + mark + 5, (size_t)(buf_len - mark - 5)); /* drop w_children's own list header */
+    buf_len -= 5;
+    return 0;
 }
 
 static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *values, long long end) {
@@ -455,7 +593,7 @@ static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *valu
             attrs, or_none(r->events), or_none(r->status), "", or_none(r->children));
         if (hand_to_sink(record) < 0)
             PyErr_WriteUnraisable(NULL);
-    } else if (buf_count >= buf_limit) {
+    } else if (buf_count >= buf_limit || swapped) {
         buf_dropped++;
     } else {
         Py_ssize_t mark = buf_len;
@@ -576,8 +714,46 @@ static PyType_Spec root_spec = {"services.common._spanrec.Root", sizeof(Root), 0
 
 /* ---- children of a Root: calls and leaves ---- */
 
+/* (buffer mode) a child entry written into its Root's own buffer, which stands in for the global one meanwhile */
+static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind, PyObject *start, PyObject *names,
+                       PyObject *values) {
+    long long end = now_ns();
+    char *saved = buf;
+    Py_ssize_t saved_len = buf_len, saved_cap = buf_cap;
+    buf = p->cbuf, buf_len = p->clen, buf_cap = p->ccap;
+    swapped = 1;
+    int rc = reserve(2);
+    if (rc == 0) {
+        buf[buf_len++] = ')';
+        buf[buf_len++] = 8;
+        rc = (w_u64(span_id) < 0 || w_object(name, 1) < 0 || w_object(kind, 1) < 0 || w_object(start, 1) < 0 ||
+              w_i64(end) < 0 || reserve(2) < 0) ? -1 : 0;
+    }
+    if (rc == 0) {
+        buf[buf_len++] = ')';
+        buf[buf_len++] = 2;
+        rc = (w_names(names) < 0 || w_object(values, 2) < 0 || reserve(2) < 0) ? -1 : 0;
+    }
+    if (rc == 0) {
+        buf[buf_len++] = 'N'; /* events */
+        buf[buf_len++] = 'N'; /* status */
+        p->clen = buf_len;
+        p->cn++;
+    }
+    p->cbuf = buf, p->ccap = buf_cap; /* it may have grown; a failed entry is left out (clen unchanged) */
+    buf = saved, buf_len = saved_len, buf_cap = saved_cap;
+    swapped = 0;
+    return rc;
+}
+
 static int append_child(Root *p, PyObject *span_id, PyObject *name, PyObject *kind, PyObject *start, PyObject *names,
                         PyObject *values) {
+    if (sink == NULL) {
+        uint64_t id = PyLong_AsUnsignedLongLongMask(span_id);
+        if (id == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        return write_child(p, id, name, kind, start, names, values);
+    }
     PyObject *end = PyLong_FromLongLong(now_ns());
     if (end == NULL)
         return -1;
@@ -719,6 +895,70 @@ static PyObject *call_traceparent(PyObject *module, PyObject *opened) {
     return out;
 }
 
+/* ---- tracing's helpers for the router's call sites (bind), with their Python versions for the rest ---- */
+
+static PyObject *py_server_span, *py_put_context, *py_set_attribute, *str_traceparent;
+static int propagate = 1; /* OTEL_PROPAGATORS has tracecontext */
+
+static PyObject *server_span(PyObject *module, PyObject *headers) {
+    int has = PySequence_Contains(headers, str_traceparent);
+    if (has < 0)
+        return NULL;
+    if (has) /* under a caller's span: tracing.server_span's Span */
+        return PyObject_CallOneArg(py_server_span, headers);
+    return root_new(module, NULL);
+}
+
+static PyObject *set_attribute(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_attribute(key, value)");
+        return NULL;
+    }
+    PyObject *p = current();
+    if (p == NULL || p == Py_None)
+        return p;
+    PyObject *out = Py_TYPE(p) == RootType ? root_set_attribute((Root *)p, args, nargs)
+                                           : PyObject_Vectorcall(py_set_attribute, args, (size_t)nargs, NULL);
+    Py_DECREF(p);
+    return out;
+}
+
+static PyObject *put_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_context(target, span)");
+        return NULL;
+    }
+    PyObject *opened = args[1];
+    if (opened == Py_None || !propagate)
+        Py_RETURN_FALSE;
+    if (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 && Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType) {
+        PyObject *tp = call_traceparent(module, opened); /* a Root's trace has no tracestate or baggage to pass on */
+        if (tp == NULL)
+            return NULL;
+        int rc = PyObject_SetItem(args[0], str_traceparent, tp);
+        Py_DECREF(tp);
+        if (rc < 0)
+            return NULL;
+        Py_RETURN_TRUE;
+    }
+    return PyObject_Vectorcall(py_put_context, args, (size_t)nargs, NULL);
+}
+
+static PyObject *bind(PyObject *module, PyObject *args) {
+    PyObject *ss, *pc, *sa;
+    int prop;
+    if (!PyArg_ParseTuple(args, "OOOp", &ss, &pc, &sa, &prop))
+        return NULL;
+    Py_INCREF(ss);
+    Py_XSETREF(py_server_span, ss);
+    Py_INCREF(pc);
+    Py_XSETREF(py_put_context, pc);
+    Py_INCREF(sa);
+    Py_XSETREF(py_set_attribute, sa);
+    propagate = prop;
+    Py_RETURN_NONE;
+}
+
 /* ---- other records, the buffer, configuration ---- */
 
 static PyObject *add(PyObject *module, PyObject *record) {
@@ -728,12 +968,12 @@ static PyObject *add(PyObject *module, PyObject *record) {
             return NULL;
         Py_RETURN_NONE;
     }
-    if (buf_count >= buf_limit) {
+    if (buf_count >= buf_limit || swapped) {
         buf_dropped++;
         Py_RETURN_NONE;
     }
     Py_ssize_t mark = buf_len;
-    written(mark, w_object(record, 0));
+    written(mark, w_record(record));
     Py_RETURN_NONE;
 }
 
@@ -820,6 +1060,13 @@ static PyMethodDef module_methods[] = {
     {"traceparent", (PyCFunction)(void (*)(void))traceparent, METH_FASTCALL, "traceparent(trace_id, span_id, sampled)"},
     {"call_traceparent", call_traceparent, METH_O, "the traceparent of an open_call"},
     {"add", add, METH_O, "record a finished span (a Record tuple)"},
+    {"server_span", server_span, METH_O, "tracing.server_span: a Root, or the Python one's span under a traceparent"},
+    {"set_attribute", (PyCFunction)(void (*)(void))set_attribute, METH_FASTCALL,
+     "tracing.set_attribute: on the current span"},
+    {"put_context", (PyCFunction)(void (*)(void))put_context, METH_FASTCALL,
+     "tracing.put_context: an open_call's traceparent into a request's trace_context"},
+    {"bind", bind, METH_VARARGS,
+     "bind(server_span, put_context, set_attribute, propagate): tracing's Python helpers, for what C does not handle"},
     {"take", take, METH_NOARGS, "(count, bytes): the records written since the last take, in marshal's format"},
     {"dropped", dropped, METH_NOARGS, "records dropped so far (the buffer was full)"},
     {"waiting", waiting, METH_NOARGS, "records in the buffer"},
@@ -838,7 +1085,8 @@ PyMODINIT_FUNC PyInit__spanrec(void) {
     seed_ids();
     pthread_atfork(NULL, NULL, reseed_in_child);
     zero = PyLong_FromLong(0);
-    if (zero == NULL)
+    str_traceparent = PyUnicode_InternFromString("traceparent");
+    if (zero == NULL || str_traceparent == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)

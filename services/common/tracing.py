@@ -80,7 +80,7 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
     global _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _role
-    global _call_traceparent, _new_root, open_call, close_call, leaf, clock
+    global _call_traceparent, _new_root, open_call, close_call, leaf, clock, server_span, put_context, set_attribute
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -103,9 +103,12 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     trace_recorder.configure(sampler, native.add if native is not None else pipe.add)
     _new_root, _Root, open_call, close_call, leaf, _call_traceparent = trace_recorder.api()
     clock = time.time_ns
+    propagation = Propagation.from_env()
+    if native is not None:  # the router's call sites in C, with this module's functions for what C leaves to them
+        native.bind(*_PYTHON_HELPERS, propagation.tracecontext)
+        server_span, put_context, set_attribute = native.server_span, native.put_context, native.set_attribute
     _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
-        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, Propagation.from_env(), Metadata,
-        extract, role)
+        pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, propagation, Metadata, extract, role)
     logs.trace_id_source = current_trace_id
     atexit.register(shutdown_tracing)
     log.info("tracing on: OTLP/gRPC to %s (sampler %s, %s recorder, exporter pid %d)", endpoint
@@ -117,9 +120,10 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
 def shutdown_tracing() -> None:
     """Export what is buffered and stop: the exporter process exports the rest and exits (bounded by
     OTEL_BSP_EXPORT_TIMEOUT, default 30 s; then it is killed). Also done at interpreter exit."""
-    global _pipe, _role
+    global _pipe, _role, server_span, put_context, set_attribute
     pipe = _pipe
     _pipe, _role = None, ""  # the other globals stay bound: a span made by a racing thread still works
+    server_span, put_context, set_attribute = _PYTHON_HELPERS
     logs.trace_id_source = None
     if pipe is not None:
         from services.common.trace_pipe import env_int
@@ -317,6 +321,10 @@ def set_attributes(**attributes: Any) -> None:
     s = current_span()
     if s is not None:
         s.set_attributes(attributes)
+
+
+# The Python versions of the helpers the native recorder takes over while tracing is on (setup_tracing)
+_PYTHON_HELPERS = (server_span, put_context, set_attribute)
 
 
 def add_event(name: str, **attributes: Any) -> None:

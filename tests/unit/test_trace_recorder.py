@@ -49,6 +49,10 @@ def _tracing_on(monkeypatch, recorder) -> None:
                         ("_call_traceparent", recorder.call_traceparent), ("_current", CURRENT),
                         ("_propagation", Propagation()), ("_extract", extract)):
         monkeypatch.setattr(tracing, name, value)
+    if recorder.kind == "native":  # the call sites' helpers in C too, as setup_tracing binds them
+        trace_recorder.native.bind(*tracing._PYTHON_HELPERS, True)
+        for name in ("server_span", "put_context", "set_attribute"):
+            monkeypatch.setattr(tracing, name, getattr(trace_recorder.native, name))
 
 
 @pytest.fixture
@@ -231,8 +235,7 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
     import asyncio
 
     from services.common import tracing
-    monkeypatch.setattr(tracing, "_propagation", Propagation())
-    monkeypatch.setattr(tracing, "_call_traceparent", recorder.call_traceparent)
+    _tracing_on(monkeypatch, recorder)
     names = ("policy", "worker", "matched_tokens")
     recorder.leaf("route", 1, 5, names, ("p", "w", None))  # no current span: nothing
     assert recorder.open_call() is None
@@ -607,6 +610,11 @@ def test_the_native_buffer_is_read_back_by_marshal():
         root = native.root()
         root.set_attribute("request_id", "r9")
         native.leaf("route", 1, 5, ("policy",), ("p",))
+        call = native.open_call()
+        native.close_call(call, "worker Generate", CLIENT, ("worker", "attempt"), ("w1", 0))
+        failed = native.open_call()  # ends with an error: through the Python close_call, into `children`
+        native.close_call(failed, "tokenize", CLIENT, ("prompt_tokens",), (None,), ValueError("no tokenizer"))
+        native.leaf("route", 1, 6, ("policy",), ("q",))
         root.finish("POST /generate", ("http.response.status_code",), (200,))
         n, data = native.take()
         assert n == 2 and native.take() == (0, b"")
@@ -625,7 +633,14 @@ def test_the_native_buffer_is_read_back_by_marshal():
     assert (second[0], second[1], second[2], second[3], second[4], second[5]) == (
         root.trace_id, root.span_id, 0, False, "POST /generate", 2)
     assert second[8] == (("http.response.status_code",), (200,), {"request_id": "r9"})
-    assert second[11] == "" and [c[1] for c in second[12]] == ["route"] and second[6] <= second[7]
+    assert second[11] == "" and second[6] <= second[7]
+    route, worker, route2, tokenize = second[12]  # those C wrote as they ended, then the one Python code added
+    assert route[:3] == (0, "route", 1) and route[3] == 5 and route[5] == (("policy",), ("p",))
+    assert route[6:] == (None, None) and second[6] <= route[4] <= second[7]
+    assert worker[:3] == (call[1], "worker Generate", CLIENT) and worker[3] == call[2]
+    assert worker[5] == (("worker", "attempt"), ("w1", 0))
+    assert route2[5] == (("policy",), ("q",))
+    assert tokenize[:2] == (failed[1], "tokenize") and tokenize[7] == (trace_recorder.STATUS_ERROR, "no tokenizer")
 
 
 def test_a_forked_process_draws_other_ids(recorder):
