@@ -1,26 +1,28 @@
 /* The native span recorder: the router's per-request spans in C (services.common.trace_recorder uses it where it is
  * built; `make` builds it, scripts/build_native.py).
  *
- * What a traced request costs the serving process is its spans: their ids, clock readings, the current-span
- * ContextVar, the record of each and its encoding for the exporter process. In Python that is 40-60k instructions
- * per request, and twice that share of the router's time natively (benchmarks/results/NOTES.md, 2026-11-29). Here
- * the same operations are single C calls:
+ * What a traced request costs is its spans: their ids, clock readings, the current-span ContextVar, the record of
+ * each and its encoding, and then the exporter process's work on it. In Python that is 40-60k instructions per
+ * request in the router and about 16 us per span in the exporter (benchmarks/results/NOTES.md, 2026-11-29). Here the
+ * router's operations are single C calls:
  *
  *   root()                          a new trace's server span (`Root`), made current
  *   Root.finish(name, names, values, error=None)
  *                                   restores the span before it and records it, with its children
  *   open_call() / close_call(...)   a client span whose context goes with a call, ended into its parent's record
  *   leaf(...)                       a finished child of the current span (a routing decision)
+ *   server_span, put_context, set_attribute
+ *                                   services.common.tracing's helpers of those names, for a Root
  *   call_traceparent(opened)        the W3C traceparent of an open_call
  *   traceparent(trace_id, span_id, sampled)
  *   add(record)                     any other finished span, a Record tuple (trace_recorder.Span, Child)
- *   take()                          (count, bytes): the records written since the last take
+ *   take()                          (count, bytes): the spans written since the last take
  *
- * Records are written, as they end, straight into one buffer in marshal's format (version 2: no references), each
- * a Record tuple as trace_recorder defines it; the pipe's writer thread takes the buffer whole and frames it as a
- * marshalled list, so the exporter process reads it as it reads the Python recorder's batches. Values marshal
- * cannot write go as their str(), as trace_recorder.plain does. With a Python callable as the sink instead (tests),
- * each record is handed to it as a tuple.
+ * Spans are written, as they end, straight into one buffer as OTLP: each a ScopeSpans.spans field holding its Span
+ * message, byte for byte what services.common.trace_otlp makes of the same record (a child becomes a span of its
+ * own; attribute names get `radixmesh.` unless dotted; None values are left out; values OTLP has no type for go as
+ * their str()). The pipe's writer thread takes the buffer whole, and the exporter process only wraps it in a request.
+ * With a Python callable as the sink instead (tests), each record is handed to it as a tuple.
  *
  * Everything here runs under the GIL, which guards the buffer and the id generator (xoshiro256**, seeded from the
  * kernel and reseeded in a forked child, so two processes never share a sequence). Rare paths (a span that ends with
@@ -29,7 +31,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-#include <marshal.h>
 
 #include <pthread.h>
 #include <stdint.h>
@@ -91,20 +92,20 @@ static PyObject *current_var;  /* trace_recorder.CURRENT */
 static PyObject *finish_error; /* trace_recorder.finish_error(span, error) */
 static PyObject *py_close_call, *py_leaf; /* trace_recorder's Python versions, for what C does not handle */
 static PyObject *sink;         /* a callable taking Record tuples, or NULL: the buffer */
-static PyObject *wake;         /* called when `batch` records wait in the buffer */
+static PyObject *wake;         /* called when `batch` spans wait in the buffer */
 static uint64_t bound;         /* roots whose trace id's low 64 bits are below it are sampled... */
 static int bound_all = 1;      /* ...or all of them (always_on) */
 static PyTypeObject *RootType;
 
-/* ---- the buffer, in marshal's format ---- */
+/* ---- the buffer: OTLP Span messages, each a ScopeSpans.spans field, as trace_otlp.span encodes them ---- */
 
 static char *buf;
-static Py_ssize_t buf_len, buf_cap, buf_count, buf_limit, buf_batch = 512;
+static Py_ssize_t buf_len, buf_cap, buf_count, buf_limit, buf_batch = 512; /* buf_count: spans */
 static unsigned long long buf_dropped;
 static int swapped; /* the buffer is a Root's while its child is written (write_child) */
 
 static int grow(Py_ssize_t n) {
-    Py_ssize_t cap = buf_cap ? buf_cap : swapped ? 256 : 65536;
+    Py_ssize_t cap = buf_cap ? buf_cap : swapped ? 512 : 65536;
     while (cap < buf_len + n)
         cap *= 2;
     char *p = PyMem_Realloc(buf, (size_t)cap);
@@ -119,308 +120,384 @@ static int grow(Py_ssize_t n) {
 
 static inline int reserve(Py_ssize_t n) { return (buf_len + n <= buf_cap) ? 0 : grow(n); }
 
-static inline int w_byte(char c) {
-    if (reserve(1) < 0)
-        return -1;
-    buf[buf_len++] = c;
-    return 0;
-}
-
-static inline void put_i32(int32_t v) { /* after a reserve */
-    uint32_t u = (uint32_t)v;
-    buf[buf_len++] = (char)(u & 0xff);
-    buf[buf_len++] = (char)((u >> 8) & 0xff);
-    buf[buf_len++] = (char)((u >> 16) & 0xff);
-    buf[buf_len++] = (char)((u >> 24) & 0xff);
-}
-
-static int w_bytes(char type, const char *data, Py_ssize_t n) {
-    if (n > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "a value too large to record");
-        return -1;
+static inline void put_varint(uint64_t v) { /* after a reserve of 10 */
+    while (v >= 0x80) {
+        buf[buf_len++] = (char)((v & 0x7f) | 0x80);
+        v >>= 7;
     }
-    if (reserve(5 + n) < 0)
+    buf[buf_len++] = (char)v;
+}
+
+static inline int w_raw(const char *p, Py_ssize_t n) {
+    if (reserve(n) < 0)
         return -1;
-    buf[buf_len++] = type;
-    put_i32((int32_t)n);
-    memcpy(buf + buf_len, data, (size_t)n);
+    memcpy(buf + buf_len, p, (size_t)n);
     buf_len += n;
     return 0;
 }
 
-/* an unsigned integer of up to 128 bits: 'i' when it fits, else 'l' with 15-bit digits, least significant first */
-static inline int w_u64(uint64_t v) {
-    if (v <= INT32_MAX) {
-        if (reserve(5) < 0)
-            return -1;
-        buf[buf_len++] = 'i';
-        put_i32((int32_t)v);
+/* a length-delimited field with `n` bytes of payload */
+static inline int w_field(char tag, const char *p, Py_ssize_t n) {
+    if (reserve(11 + n) < 0)
+        return -1;
+    buf[buf_len++] = tag;
+    put_varint((uint64_t)n);
+    memcpy(buf + buf_len, p, (size_t)n);
+    buf_len += n;
+    return 0;
+}
+
+static inline int w_varint_field(char tag, uint64_t v) {
+    if (reserve(11) < 0)
+        return -1;
+    buf[buf_len++] = tag;
+    put_varint(v);
+    return 0;
+}
+
+static inline int w_fixed64(char tag, uint64_t v) {
+    if (reserve(9) < 0)
+        return -1;
+    buf[buf_len++] = tag;
+    memcpy(buf + buf_len, &v, 8); /* little-endian host (x86-64, aarch64), as protobuf's fixed64 */
+    buf_len += 8;
+    return 0;
+}
+
+static inline void put_be64(uint64_t v) { /* after a reserve */
+    for (int i = 7; i >= 0; i--)
+        buf[buf_len++] = (char)((v >> (8 * i)) & 0xff);
+}
+
+/* a length-delimited field whose length is known once its payload is written: open writes the tag and a one-byte
+ * placeholder, close writes the length there (moving the payload when it takes more bytes) */
+static inline int open_field(char tag, Py_ssize_t *mark) {
+    if (reserve(2) < 0)
+        return -1;
+    buf[buf_len++] = tag;
+    *mark = buf_len++;
+    return 0;
+}
+
+static int close_field(Py_ssize_t mark) {
+    uint64_t n = (uint64_t)(buf_len - mark - 1);
+    if (n < 0x80) {
+        buf[mark] = (char)n;
         return 0;
     }
-    int n = (64 - __builtin_clzll(v) + 14) / 15;
-    if (reserve(5 + 2 * n) < 0)
+    int size = 1;
+    for (uint64_t v = n; v >= 0x80; v >>= 7)
+        size++;
+    if (reserve(size - 1) < 0)
         return -1;
-    buf[buf_len++] = 'l';
-    put_i32(n);
-    for (int i = 0; i < n; i++, v >>= 15) {
-        buf[buf_len++] = (char)(v & 0xff);
-        buf[buf_len++] = (char)((v >> 8) & 0x7f);
-    }
+    memmove(buf + mark + size, buf + mark + 1, (size_t)n);
+    Py_ssize_t end = buf_len + size - 1;
+    buf_len = mark;
+    put_varint(n);
+    buf_len = end;
     return 0;
 }
 
-static int w_u128(unsigned __int128 v) {
-    if (!(v >> 64))
-        return w_u64((uint64_t)v);
-    uint16_t digits[9];
-    int n = 0;
-    while (v) {
-        digits[n++] = (uint16_t)(v & 0x7fff);
-        v >>= 15;
-    }
-    if (reserve(5 + 2 * n) < 0)
-        return -1;
-    buf[buf_len++] = 'l';
-    put_i32(n);
-    for (int i = 0; i < n; i++) {
-        buf[buf_len++] = (char)(digits[i] & 0xff);
-        buf[buf_len++] = (char)(digits[i] >> 8);
-    }
-    return 0;
-}
-
-static inline int w_i64(long long v) {
-    if (v >= 0)
-        return w_u64((uint64_t)v);
-    if (v >= INT32_MIN) {
-        if (reserve(5) < 0)
-            return -1;
-        buf[buf_len++] = 'i';
-        put_i32((int32_t)v);
-        return 0;
-    }
-    /* negative and large: marshal writes the sign in the digit count */
-    Py_ssize_t mark = buf_len;
-    if (w_u64((uint64_t)(-(v + 1)) + 1) < 0)
-        return -1;
-    int32_t n;
-    memcpy(&n, buf + mark + 1, 4); /* little-endian host (x86-64, aarch64) */
-    n = -n;
-    memcpy(buf + mark + 1, &n, 4);
-    return 0;
-}
-
-static inline int w_str(PyObject *s) {
-    if (PyUnicode_IS_COMPACT_ASCII(s)) {
-        Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-        const char *data = (const char *)PyUnicode_DATA(s);
-        if (n < 256) {
-            if (reserve(2 + n) < 0)
-                return -1;
-            buf[buf_len++] = 'z';
-            buf[buf_len++] = (char)n;
-            memcpy(buf + buf_len, data, (size_t)n);
-            buf_len += n;
-            return 0;
-        }
-        return w_bytes('a', data, n);
-    }
+/* a str as a string field: its UTF-8 (text that is not valid Unicode has its lone surrogates replaced) */
+static int w_str_field(char tag, PyObject *s) {
+    if (PyUnicode_IS_COMPACT_ASCII(s))
+        return w_field(tag, (const char *)PyUnicode_DATA(s), PyUnicode_GET_LENGTH(s));
     Py_ssize_t n;
     const char *utf8 = PyUnicode_AsUTF8AndSize(s, &n);
     if (utf8 != NULL)
-        return w_bytes('u', utf8, n);
-    /* lone surrogates: marshal's own writer (surrogatepass) */
+        return w_field(tag, utf8, n);
     PyErr_Clear();
-    PyObject *data = PyMarshal_WriteObjectToString(s, 2);
-    if (data == NULL)
+    PyObject *b = PyUnicode_AsEncodedString(s, "utf-8", "replace");
+    if (b == NULL)
         return -1;
-    int rc = reserve(PyBytes_GET_SIZE(data));
-    if (rc == 0) {
-        memcpy(buf + buf_len, PyBytes_AS_STRING(data), (size_t)PyBytes_GET_SIZE(data));
-        buf_len += PyBytes_GET_SIZE(data);
-    }
-    Py_DECREF(data);
+    int rc = w_field(tag, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b));
+    Py_DECREF(b);
     return rc;
 }
 
-static int w_object(PyObject *o, int depth);
-
-static int w_sequence(char small, char large, PyObject *const *items, Py_ssize_t n, int depth) {
-    if (n < 256 && small) {
-        if (reserve(2) < 0)
-            return -1;
-        buf[buf_len++] = small;
-        buf[buf_len++] = (char)n;
-    } else {
-        if (reserve(5) < 0)
-            return -1;
-        buf[buf_len++] = large;
-        put_i32((int32_t)n);
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (w_object(items[i], depth + 1) < 0)
-            return -1;
-    return 0;
-}
-
-static int w_as_str(PyObject *o) {
+static int w_text_field(char tag, PyObject *o) { /* any object as a string field: a str, else its str() */
+    if (PyUnicode_Check(o))
+        return w_str_field(tag, o);
     PyObject *s = PyObject_Str(o);
     if (s == NULL)
         return -1;
-    int rc = w_str(s);
+    int rc = w_str_field(tag, s);
     Py_DECREF(s);
     return rc;
 }
 
-/* any value: None, bools, ints, floats, str, bytes, tuples, lists and dicts as marshal writes them; anything else
- * (and anything nested deeper than MAX_DEPTH) as its str() */
-static int w_object(PyObject *o, int depth) {
-    if (o == Py_None)
-        return w_byte('N');
-    if (o == Py_True)
-        return w_byte('T');
-    if (o == Py_False)
-        return w_byte('F');
-    if (depth > MAX_DEPTH)
-        return w_as_str(o);
-    if (PyUnicode_Check(o))
-        return w_str(o);
-    if (PyLong_Check(o)) {
+/* an AnyValue message's fields (trace_otlp.any_value): str, bool, int64, float, bytes and lists of those; anything
+ * else, ints beyond int64 and lists nested deeper than MAX_DEPTH as their str() */
+static int w_any(PyObject *v, int depth) {
+    if (PyUnicode_CheckExact(v))
+        return w_str_field(0x0a, v);
+    if (v == Py_True || v == Py_False)
+        return w_varint_field(0x10, v == Py_True);
+    if (PyLong_CheckExact(v)) {
         int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (v == -1 && PyErr_Occurred())
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred())
             return -1;
         if (!overflow)
-            return w_i64(v);
-        PyObject *exact = PyNumber_Index(o);
-        if (exact == NULL)
+            return w_varint_field(0x18, (uint64_t)x); /* int64: two's complement */
+    } else if (PyFloat_CheckExact(v)) {
+        double d = PyFloat_AS_DOUBLE(v);
+        uint64_t bits;
+        memcpy(&bits, &d, 8);
+        return w_fixed64(0x21, bits);
+    } else if (PyBytes_CheckExact(v)) {
+        return w_field(0x3a, PyBytes_AS_STRING(v), PyBytes_GET_SIZE(v));
+    } else if ((PyList_CheckExact(v) || PyTuple_CheckExact(v)) && depth < MAX_DEPTH) {
+        Py_ssize_t array, n = PySequence_Fast_GET_SIZE(v);
+        PyObject **items = PySequence_Fast_ITEMS(v);
+        if (open_field(0x2a, &array) < 0)
             return -1;
-        PyObject *data = PyMarshal_WriteObjectToString(exact, 2);
-        Py_DECREF(exact);
-        if (data == NULL)
-            return -1;
-        int rc = reserve(PyBytes_GET_SIZE(data));
-        if (rc == 0) {
-            memcpy(buf + buf_len, PyBytes_AS_STRING(data), (size_t)PyBytes_GET_SIZE(data));
-            buf_len += PyBytes_GET_SIZE(data);
-        }
-        Py_DECREF(data);
-        return rc;
-    }
-    if (PyFloat_Check(o)) {
-        double d = PyFloat_AS_DOUBLE(o);
-        if (reserve(9) < 0)
-            return -1;
-        buf[buf_len++] = 'g';
-        memcpy(buf + buf_len, &d, 8); /* little-endian IEEE 754, as marshal writes it on these hosts */
-        buf_len += 8;
-        return 0;
-    }
-    if (PyTuple_Check(o))
-        return w_sequence(')', '(', &PyTuple_GET_ITEM(o, 0), PyTuple_GET_SIZE(o), depth);
-    if (PyList_Check(o))
-        return w_sequence(0, '[', &PyList_GET_ITEM(o, 0), PyList_GET_SIZE(o), depth);
-    if (PyDict_Check(o)) {
-        if (w_byte('{') < 0)
-            return -1;
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(o, &pos, &k, &v))
-            if (w_object(k, depth + 1) < 0 || w_object(v, depth + 1) < 0)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t value;
+            if (open_field(0x0a, &value) < 0 || w_any(items[i], depth + 1) < 0 || close_field(value) < 0)
                 return -1;
-        return w_byte('0');
+        }
+        return close_field(array);
     }
-    if (PyBytes_Check(o))
-        return w_bytes('s', PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
-    return w_as_str(o);
+    return w_text_field(0x0a, v);
 }
 
-/* Attribute names come as a constant tuple per call site (tracing.leaf, close_call, Root.finish): each is encoded
- * once and its bytes copied after. The cache holds the tuple (so its address cannot be reused by another object). */
-#define NAMES_SLOTS 64
+/* A KeyValue's key field per attribute name, made once: `radixmesh.` before a bare name. The cache holds the name
+ * (so that its address cannot be reused by another object meanwhile). */
+#define KEY_SLOTS 512
 static struct {
-    PyObject *key;
+    PyObject *name;
     char *data;
     Py_ssize_t n;
-} names_cache[NAMES_SLOTS];
+} keys[KEY_SLOTS];
 
-static int w_names(PyObject *names) {
-    if (!PyTuple_CheckExact(names))
-        return w_object(names, 1);
-    size_t slot = ((uintptr_t)names >> 4) % NAMES_SLOTS;
-    if (names_cache[slot].key != names) {
+static int w_key(PyObject *name) {
+    size_t slot = ((uintptr_t)name >> 4) % KEY_SLOTS;
+    if (keys[slot].name != name) {
+        PyObject *text = PyUnicode_Check(name) ? (Py_INCREF(name), name) : PyObject_Str(name);
+        if (text == NULL)
+            return -1;
+        int dotted = PyUnicode_FindChar(text, '.', 0, PyUnicode_GET_LENGTH(text), 1) >= 0;
+        PyObject *full = dotted ? (Py_INCREF(text), text) : PyUnicode_FromFormat("radixmesh.%U", text);
+        Py_DECREF(text);
+        if (full == NULL)
+            return -1;
         Py_ssize_t mark = buf_len;
-        if (w_object(names, 1) < 0)
+        int rc = w_str_field(0x0a, full);
+        Py_DECREF(full);
+        if (rc < 0)
             return -1;
         char *copy = PyMem_Malloc((size_t)(buf_len - mark));
         if (copy == NULL)
-            return 0; /* written, just not cached */
+            return 0; /* written, just not kept */
         memcpy(copy, buf + mark, (size_t)(buf_len - mark));
-        Py_XDECREF(names_cache[slot].key);
-        PyMem_Free(names_cache[slot].data);
-        Py_INCREF(names);
-        names_cache[slot].key = names;
-        names_cache[slot].data = copy;
-        names_cache[slot].n = buf_len - mark;
+        Py_XDECREF(keys[slot].name);
+        PyMem_Free(keys[slot].data);
+        Py_INCREF(name);
+        keys[slot].name = name;
+        keys[slot].data = copy;
+        keys[slot].n = buf_len - mark;
         return 0;
     }
-    if (reserve(names_cache[slot].n) < 0)
+    return w_raw(keys[slot].data, keys[slot].n);
+}
+
+static int w_attribute(char tag, PyObject *name, PyObject *value) { /* a KeyValue; None values are left out */
+    if (value == Py_None)
+        return 0;
+    Py_ssize_t kv, any;
+    if (open_field(tag, &kv) < 0 || w_key(name) < 0 || open_field(0x12, &any) < 0 || w_any(value, 0) < 0 ||
+        close_field(any) < 0)
         return -1;
-    memcpy(buf + buf_len, names_cache[slot].data, (size_t)names_cache[slot].n);
-    buf_len += names_cache[slot].n;
+    return close_field(kv);
+}
+
+static int w_dict_attributes(char tag, PyObject *d) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v))
+        if (w_attribute(tag, k, v) < 0)
+            return -1;
     return 0;
 }
 
-/* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, dict) */
-static int w_attrs(PyObject *attrs) {
-    if (PyTuple_CheckExact(attrs) && (PyTuple_GET_SIZE(attrs) == 2 || PyTuple_GET_SIZE(attrs) == 3)) {
-        if (reserve(2) < 0)
-            return -1;
-        buf[buf_len++] = ')';
-        buf[buf_len++] = (char)PyTuple_GET_SIZE(attrs);
-        if (w_names(PyTuple_GET_ITEM(attrs, 0)) < 0 || w_object(PyTuple_GET_ITEM(attrs, 1), 2) < 0)
-            return -1;
-        return PyTuple_GET_SIZE(attrs) == 3 ? w_object(PyTuple_GET_ITEM(attrs, 2), 2) : 0;
-    }
-    return w_object(attrs, 1);
-}
-
-/* a Root's children: entries (span id, name, kind, start, end, attributes, events, status) */
-static int w_children(PyObject *children) {
-    if (!PyList_CheckExact(children))
-        return w_object(children, 1);
-    Py_ssize_t n = PyList_GET_SIZE(children);
-    if (reserve(5) < 0)
-        return -1;
-    buf[buf_len++] = '[';
-    put_i32((int32_t)n);
+/* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, more as a dict), in the
+ * order trace_recorder.expand makes them (a name in both takes the dict's value at the tuple's place) */
+static int w_attributes(char tag, PyObject *attrs) {
+    if (PyDict_Check(attrs))
+        return w_dict_attributes(tag, attrs);
+    if (!PyTuple_CheckExact(attrs) || PyTuple_GET_SIZE(attrs) < 2 || PyTuple_GET_SIZE(attrs) > 3)
+        return 0;
+    PyObject *names = PyTuple_GET_ITEM(attrs, 0), *values = PyTuple_GET_ITEM(attrs, 1);
+    PyObject *more = PyTuple_GET_SIZE(attrs) == 3 ? PyTuple_GET_ITEM(attrs, 2) : NULL;
+    if (!PyTuple_CheckExact(names) || !PyTuple_CheckExact(values))
+        return 0;
+    if (more != NULL && !PyDict_Check(more))
+        more = NULL;
+    Py_ssize_t n = Py_MIN(PyTuple_GET_SIZE(names), PyTuple_GET_SIZE(values));
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GET_ITEM(children, i);
-        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 8) {
-            if (w_object(e, 2) < 0)
+        PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyTuple_GET_ITEM(values, i);
+        if (more != NULL) {
+            PyObject *over = PyDict_GetItemWithError(more, name);
+            if (over != NULL)
+                value = over;
+            else if (PyErr_Occurred())
                 return -1;
-            continue;
         }
-        if (reserve(2) < 0)
+        if (w_attribute(tag, name, value) < 0)
             return -1;
-        buf[buf_len++] = ')';
-        buf[buf_len++] = 8;
-        for (int k = 0; k < 8; k++)
-            if ((k == 5 ? w_attrs(PyTuple_GET_ITEM(e, 5)) : w_object(PyTuple_GET_ITEM(e, k), 2)) < 0)
+    }
+    if (more == NULL)
+        return 0;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(more, &pos, &k, &v)) {
+        int seen = 0;
+        for (Py_ssize_t i = 0; i < n && !seen; i++) {
+            seen = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, i), k, Py_EQ);
+            if (seen < 0)
                 return -1;
+        }
+        if (!seen && w_attribute(tag, k, v) < 0)
+            return -1;
     }
     return 0;
 }
 
-/* called once a record is written (or failed: then it is rolled back and counted as dropped) */
-static void written(Py_ssize_t mark, int rc) {
+static int w_events(PyObject *events) { /* [(name, time ns, attributes dict)] */
+    if (events == NULL || events == Py_None)
+        return 0;
+    PyObject *seq = PySequence_Fast(events, "events must be a sequence");
+    if (seq == NULL)
+        return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
+        PyObject *e = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t event;
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3)
+            continue;
+        uint64_t at = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(e, 1));
+        rc = (at == (unsigned long long)-1 && PyErr_Occurred()) || open_field(0x5a, &event) < 0 ||
+                     w_fixed64(0x09, at) < 0 || w_text_field(0x12, PyTuple_GET_ITEM(e, 0)) < 0 ||
+                     (PyDict_Check(PyTuple_GET_ITEM(e, 2)) && w_dict_attributes(0x1a, PyTuple_GET_ITEM(e, 2)) < 0) ||
+                     close_field(event) < 0
+                 ? -1
+                 : 0;
+    }
+    Py_DECREF(seq);
+    return rc;
+}
+
+static int w_status(PyObject *status) { /* (code, description) */
+    if (status == NULL || status == Py_None || !PyTuple_Check(status) || PyTuple_GET_SIZE(status) != 2)
+        return 0;
+    uint64_t code = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(status, 0));
+    Py_ssize_t mark;
+    if ((code == (unsigned long long)-1 && PyErr_Occurred()) || open_field(0x7a, &mark) < 0 ||
+        w_text_field(0x12, PyTuple_GET_ITEM(status, 1)) < 0 || w_varint_field(0x18, code) < 0)
+        return -1;
+    return close_field(mark);
+}
+
+/* One span, as a ScopeSpans.spans field holding a Span message (trace_otlp.span's fields, in its order).
+ * `tracestate` may be NULL (none); `attrs`, `events`, `status` NULL or None for none. */
+static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id, int remote, PyObject *tracestate,
+                  PyObject *name, uint64_t kind, uint64_t start, uint64_t end, PyObject *attrs, PyObject *events,
+                  PyObject *status) {
+    Py_ssize_t mark;
+    if (open_field(0x12, &mark) < 0 || reserve(28) < 0)
+        return -1;
+    buf[buf_len++] = 0x0a;
+    buf[buf_len++] = 16;
+    put_be64(hi);
+    put_be64(lo);
+    buf[buf_len++] = 0x12;
+    buf[buf_len++] = 8;
+    put_be64(span_id);
+    if (tracestate != NULL && PyUnicode_Check(tracestate) && PyUnicode_GET_LENGTH(tracestate) &&
+        w_str_field(0x1a, tracestate) < 0)
+        return -1;
+    if (parent_id) {
+        if (reserve(10) < 0)
+            return -1;
+        buf[buf_len++] = 0x22;
+        buf[buf_len++] = 8;
+        put_be64(parent_id);
+    }
+    if (w_text_field(0x2a, name) < 0 || w_varint_field(0x30, kind) < 0 || w_fixed64(0x39, start) < 0 ||
+        w_fixed64(0x41, end) < 0 || (attrs != NULL && attrs != Py_None && w_attributes(0x4a, attrs) < 0) ||
+        w_events(events) < 0 || w_status(status) < 0 || reserve(6) < 0)
+        return -1;
+    uint32_t flags = remote ? 0x301 : 0x101; /* sampled; bit 8: whether the parent is remote is known; bit 9: it is */
+    buf[buf_len++] = (char)0x85;
+    buf[buf_len++] = 0x01;
+    memcpy(buf + buf_len, &flags, 4);
+    buf_len += 4;
+    return close_field(mark);
+}
+
+static int id_of(PyObject *v, uint64_t *out) {
+    *out = PyLong_AsUnsignedLongLongMask(v);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int u128_of(PyObject *v, uint64_t *hi, uint64_t *lo);
+
+/* the children of a record, entries (span id, name, kind, start, end, attributes, events, status): spans of their own
+ * under the record's span, a leaf (span id 0) given an id here (trace_recorder.expand) */
+static int w_children(PyObject *children, uint64_t hi, uint64_t lo, uint64_t parent_id, PyObject *tracestate,
+                      Py_ssize_t *spans) {
+    if (children == NULL || children == Py_None)
+        return 0;
+    if (!PyList_Check(children)) {
+        PyErr_SetString(PyExc_TypeError, "a span's children must be a list");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(children); i++) {
+        PyObject *e = PyList_GET_ITEM(children, i);
+        uint64_t span_id, kind, start, end;
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 8) {
+            PyErr_SetString(PyExc_TypeError, "a child entry has 8 fields");
+            return -1;
+        }
+        if (id_of(PyTuple_GET_ITEM(e, 0), &span_id) < 0 || id_of(PyTuple_GET_ITEM(e, 2), &kind) < 0 ||
+            id_of(PyTuple_GET_ITEM(e, 3), &start) < 0 || id_of(PyTuple_GET_ITEM(e, 4), &end) < 0 ||
+            w_span(hi, lo, span_id ? span_id : new_id(), parent_id, 0, tracestate, PyTuple_GET_ITEM(e, 1), kind, start,
+                   end, PyTuple_GET_ITEM(e, 5), PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
+            return -1;
+        (*spans)++;
+    }
+    return 0;
+}
+
+/* a Record tuple (trace_recorder.Span, Child, and what Python code handed to `add`), with its children */
+static int w_record(PyObject *r, Py_ssize_t *spans) {
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 12 || PyTuple_GET_SIZE(r) > 13) {
+        PyErr_SetString(PyExc_TypeError, "a span record is a Record tuple (12 or 13 fields)");
+        return -1;
+    }
+    PyObject *const *f = &PyTuple_GET_ITEM(r, 0);
+    uint64_t hi, lo, span_id, parent_id, kind, start, end;
+    int remote = PyObject_IsTrue(f[3]);
+    if (remote < 0 || u128_of(f[0], &hi, &lo) < 0 || id_of(f[1], &span_id) < 0 || id_of(f[2], &parent_id) < 0 ||
+        id_of(f[5], &kind) < 0 || id_of(f[6], &start) < 0 || id_of(f[7], &end) < 0 ||
+        w_span(hi, lo, span_id, parent_id, remote, f[11], f[4], kind, start, end, f[8], f[9], f[10]) < 0)
+        return -1;
+    (*spans)++;
+    return PyTuple_GET_SIZE(r) == 13 ? w_children(f[12], hi, lo, span_id, f[11], spans) : 0;
+}
+
+/* called once a record's spans are written (or failed: then they are rolled back and counted as dropped) */
+static void written(Py_ssize_t mark, int rc, Py_ssize_t spans) {
     if (rc < 0) {
         buf_len = mark;
         PyErr_Clear();
-        buf_dropped++;
+        buf_dropped += spans ? spans : 1;
         return;
     }
-    if (++buf_count == buf_batch && wake != NULL) {
+    Py_ssize_t before = buf_count;
+    buf_count += spans;
+    if (before < buf_batch && buf_count >= buf_batch && wake != NULL) {
         PyObject *r = PyObject_CallNoArgs(wake);
         if (r == NULL)
             PyErr_Clear();
@@ -436,23 +513,6 @@ static int hand_to_sink(PyObject *record) { /* a Python sink: the record as a tu
     if (r == NULL)
         return -1;
     Py_DECREF(r);
-    return 0;
-}
-
-/* a Record tuple from Python (trace_recorder.Span, Child): its attributes and children as a Root's are written */
-static int w_record(PyObject *r) {
-    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 13)
-        return w_object(r, 0);
-    if (reserve(2) < 0)
-        return -1;
-    buf[buf_len++] = ')';
-    buf[buf_len++] = 13;
-    for (int k = 0; k < 13; k++) {
-        PyObject *v = PyTuple_GET_ITEM(r, k);
-        int rc = k == 8 ? w_attrs(v) : (k == 12 && v != Py_None) ? w_children(v) : w_object(v, 1);
-        if (rc < 0)
-            return -1;
-    }
     return 0;
 }
 
@@ -539,43 +599,15 @@ static void root_dealloc(Root *r) {
 }
 
 /* the record of a finished Root: trace_recorder.Record's fields, in order */
-static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end) {
-    if (reserve(2) < 0)
+/* a finished Root's spans: its own, then its children (those written as they ended, then those in `children`) */
+static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end, Py_ssize_t *spans) {
+    if (w_span(r->hi, r->lo, r->span_id, 0, 0, NULL, name, SERVER, (uint64_t)r->start_ns, (uint64_t)end, attrs,
+               r->events, r->status) < 0)
         return -1;
-    buf[buf_len++] = ')';
-    buf[buf_len++] = 13;
-    if (w_u128(((unsigned __int128)r->hi << 64) | r->lo) < 0 || w_u64(r->span_id) < 0 || w_u64(0) < 0 ||
-        w_byte('F') < 0 || w_object(name, 1) < 0 || w_u64(SERVER) < 0 || w_i64(r->start_ns) < 0 || w_i64(end) < 0 ||
-        w_attrs(attrs) < 0 || w_object(or_none(r->events), 1) < 0 || w_object(or_none(r->status), 1) < 0 ||
-        reserve(2) < 0)
+    *spans = 1 + r->cn;
+    if (w_raw(r->cbuf, r->clen) < 0)
         return -1;
-    buf[buf_len++] = 'z'; /* tracestate: "" for a trace begun here */
-    buf[buf_len++] = 0;
-    PyObject *children = or_none(r->children);
-    if (children != Py_None && PyList_Check(children) && PyList_GET_SIZE(children) == 0)
-        children = Py_None; /* as the Python recorder: an empty list is no children */
-    if (r->cn == 0)
-        return children == Py_None ? w_byte('N') : w_children(children);
-    /* the entries written as they ended, then those in `children` */
-    Py_ssize_t more = (children != Py_None && PyList_CheckExact(children)) ? PyList_GET_SIZE(children) : 0;
-    if (children != Py_None && !PyList_CheckExact(children)) {
-        PyErr_SetString(PyExc_TypeError, "a Root's children must be a list");
-        return -1;
-    }
-    if (reserve(5 + r->clen) < 0)
-        return -1;
-    buf[buf_len++] = '[';
-    put_i32((int32_t)(r->cn + more));
-    memcpy(buf + buf_len, r->cbuf, (size_t)r->clen);
-    buf_len += r->clen;
-    if (more == 0)
-        return 0;
-    Py_ssize_t mark = buf_len;
-    if (w_children(children) < 0)
-        return -1;
-    memmove(buf + mark, buf + mark + 5, (size_t)(buf_len - mark - 5)); /* drop w_children's own list header */
-    buf_len -= 5;
-    return 0;
+    return w_children(r->children, r->hi, r->lo, r->span_id, NULL, spans);
 }
 
 static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *values, long long end) {
@@ -594,10 +626,11 @@ static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *valu
         if (hand_to_sink(record) < 0)
             PyErr_WriteUnraisable(NULL);
     } else if (buf_count >= buf_limit || swapped) {
-        buf_dropped++;
+        buf_dropped += 1 + r->cn + ((r->children && PyList_Check(r->children)) ? PyList_GET_SIZE(r->children) : 0);
     } else {
-        Py_ssize_t mark = buf_len;
-        written(mark, w_root(r, name, attrs, end));
+        Py_ssize_t mark = buf_len, spans = 0;
+        int rc = w_root(r, name, attrs, end, &spans);
+        written(mark, rc, spans);
     }
     Py_DECREF(attrs);
 }
@@ -717,32 +750,27 @@ static PyType_Spec root_spec = {"services.common._spanrec.Root", sizeof(Root), 0
 /* (buffer mode) a child entry written into its Root's own buffer, which stands in for the global one meanwhile */
 static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind, PyObject *start, PyObject *names,
                        PyObject *values) {
-    long long end = now_ns();
+    uint64_t k, begun;
+    if (id_of(kind, &k) < 0 || id_of(start, &begun) < 0)
+        return -1;
+    PyObject *attrs = PyTuple_Pack(2, names, values);
+    if (attrs == NULL)
+        return -1;
+    uint64_t end = (uint64_t)now_ns();
     char *saved = buf;
     Py_ssize_t saved_len = buf_len, saved_cap = buf_cap;
     buf = p->cbuf, buf_len = p->clen, buf_cap = p->ccap;
     swapped = 1;
-    int rc = reserve(2);
+    int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, attrs, NULL,
+                    NULL);
     if (rc == 0) {
-        buf[buf_len++] = ')';
-        buf[buf_len++] = 8;
-        rc = (w_u64(span_id) < 0 || w_object(name, 1) < 0 || w_object(kind, 1) < 0 || w_object(start, 1) < 0 ||
-              w_i64(end) < 0 || reserve(2) < 0) ? -1 : 0;
-    }
-    if (rc == 0) {
-        buf[buf_len++] = ')';
-        buf[buf_len++] = 2;
-        rc = (w_names(names) < 0 || w_object(values, 2) < 0 || reserve(2) < 0) ? -1 : 0;
-    }
-    if (rc == 0) {
-        buf[buf_len++] = 'N'; /* events */
-        buf[buf_len++] = 'N'; /* status */
         p->clen = buf_len;
         p->cn++;
     }
     p->cbuf = buf, p->ccap = buf_cap; /* it may have grown; a failed entry is left out (clen unchanged) */
     buf = saved, buf_len = saved_len, buf_cap = saved_cap;
     swapped = 0;
+    Py_DECREF(attrs);
     return rc;
 }
 
@@ -969,11 +997,13 @@ static PyObject *add(PyObject *module, PyObject *record) {
         Py_RETURN_NONE;
     }
     if (buf_count >= buf_limit || swapped) {
-        buf_dropped++;
+        buf_dropped += 1 + ((PyTuple_Check(record) && PyTuple_GET_SIZE(record) == 13 &&
+                             PyList_Check(PyTuple_GET_ITEM(record, 12))) ? PyList_GET_SIZE(PyTuple_GET_ITEM(record, 12)) : 0);
         Py_RETURN_NONE;
     }
-    Py_ssize_t mark = buf_len;
-    written(mark, w_record(record));
+    Py_ssize_t mark = buf_len, spans = 0;
+    int rc = w_record(record, &spans);
+    written(mark, rc, spans);
     Py_RETURN_NONE;
 }
 
@@ -1067,12 +1097,12 @@ static PyMethodDef module_methods[] = {
      "tracing.put_context: an open_call's traceparent into a request's trace_context"},
     {"bind", bind, METH_VARARGS,
      "bind(server_span, put_context, set_attribute, propagate): tracing's Python helpers, for what C does not handle"},
-    {"take", take, METH_NOARGS, "(count, bytes): the records written since the last take, in marshal's format"},
+    {"take", take, METH_NOARGS, "(count, bytes): the spans written since the last take, as ScopeSpans.spans fields"},
     {"dropped", dropped, METH_NOARGS, "records dropped so far (the buffer was full)"},
     {"waiting", waiting, METH_NOARGS, "records in the buffer"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(current, bound, finish_error, close_call, leaf, sink=None)"},
-    {"set_buffer", set_buffer, METH_VARARGS, "set_buffer(limit, batch, wake): the buffer's bound, batch and wake-up"},
+    {"set_buffer", set_buffer, METH_VARARGS, "set_buffer(limit, batch, wake): the buffer's bound and batch (in spans) and its wake-up"},
     {NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_spanrec",

@@ -1,7 +1,8 @@
 """`python -m services.common.trace_export --role R --parent-pid P [--endpoint URL]`: a traced service's exporter
 process (started by services.common.trace_pipe). It reads span batches from stdin (frames: a 4-byte little-endian
-length, then a marshalled list of trace_recorder.Record tuples), encodes them as OTLP protobuf
-(services.common.trace_otlp) and exports them to the collector with the OpenTelemetry OTLP/gRPC exporter, which applies the standard variables
+length, then a marshalled list of trace_recorder.Record tuples, which it encodes as OTLP protobuf with
+services.common.trace_otlp, or spans the native recorder already encoded) and exports them to the collector with
+the OpenTelemetry OTLP/gRPC exporter, whose request it hands over as bytes; the exporter applies the standard variables
 (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE, _INSECURE) and retries.
 The resource is the SDK's (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, telemetry.sdk.*), with service.name
 radixmesh-<role> unless those variables name the service.
@@ -23,10 +24,11 @@ import threading
 from typing import Iterator
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.resources import Resource as SdkResource
 
 from services.common import trace_otlp, trace_recorder
+from services.common.trace_pipe import OTLP_FRAME
 
 log = logging.getLogger("services.common.trace_export")
 
@@ -35,16 +37,40 @@ SCOPE = "radixmesh"
 PARENT_POLL_S = 1.0
 EXIT_GRACE_S = 3.0  # for the last exports once the service closed the pipe
 _FRAME = struct.Struct("<I")
+_COUNT = struct.Struct("<i")
+_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+class Encoded:
+    """An ExportTraceServiceRequest already encoded (`payload`), of `count` spans: what the exporter sends."""
+
+    __slots__ = ("payload", "count")
+
+    def __init__(self, payload: bytes, count: int):
+        self.payload, self.count = payload, count
+
+
+class _BytesStub:
+    """TraceService's stub, sending an Encoded request's bytes as they are (no message built, nothing re-encoded)."""
+
+    def __init__(self, channel):
+        self.Export = channel.unary_unary(_EXPORT, request_serializer=lambda request: request.payload,
+                                          response_deserializer=ExportTraceServiceResponse.FromString)
 
 
 class _PrebuiltExporter(OTLPSpanExporter):
-    """The SDK's OTLP/gRPC exporter (configuration, channel, retries) sending a request built here."""
+    """The SDK's OTLP/gRPC exporter (configuration, channel, retries, compression) sending a request encoded here."""
 
-    def _translate_data(self, data: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._stub = _BytesStub  # also what a reconnection makes (_initialize_channel_and_stub)
+        self._client = _BytesStub(self._channel)
+
+    def _translate_data(self, data: Encoded) -> Encoded:
         return data
 
-    def _count_data(self, data: ExportTraceServiceRequest) -> int:
-        return sum(len(ss.spans) for rs in data.resource_spans for ss in rs.scope_spans)
+    def _count_data(self, data: Encoded) -> int:
+        return data.count
 
 
 def resource(role: str) -> bytes:
@@ -55,8 +81,15 @@ def resource(role: str) -> bytes:
     return trace_otlp.resource(dict(SdkResource.create(attributes).attributes))
 
 
-def request(res: bytes, records: list[tuple]) -> ExportTraceServiceRequest:
-    return ExportTraceServiceRequest.FromString(trace_otlp.request(res, SCOPE, records))
+def requests(res: bytes, batch, most: int) -> list[Encoded]:
+    """The export requests of one batch read from the service (a list of records, or (spans, count) already
+    encoded), `most` spans each at most."""
+    if type(batch) is list:
+        return [Encoded(trace_otlp.request(res, SCOPE, batch[i:i + most]), len(batch[i:i + most]))
+                for i in range(0, len(batch), most)]
+    span_fields, count = batch
+    runs = [(span_fields, count)] if count <= most else trace_otlp.split_spans(span_fields, most)
+    return [Encoded(trace_otlp.request_of_spans(res, SCOPE, run), n) for run, n in runs]
 
 
 def _read_exactly(fd: int, n: int, parent_pid: int) -> bytes | None:
@@ -76,8 +109,9 @@ def _read_exactly(fd: int, n: int, parent_pid: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def batches(fd: int, parent_pid: int) -> Iterator[list[tuple]]:
-    """The span batches the service writes to `fd` (frames of marshalled records), until it closes it or exits."""
+def batches(fd: int, parent_pid: int) -> Iterator[list[tuple] | tuple[bytes, int]]:
+    """The span batches the service writes to `fd`, until it closes it or exits: a frame of marshalled records as
+    their list (Records), a frame of the native recorder's as (its spans' encoding, their count)."""
     while True:
         head = _read_exactly(fd, _FRAME.size, parent_pid)
         if head is None:
@@ -85,15 +119,17 @@ def batches(fd: int, parent_pid: int) -> Iterator[list[tuple]]:
         body = _read_exactly(fd, _FRAME.unpack(head)[0], parent_pid)
         if body is None:
             return
-        yield trace_recorder.expand(marshal.loads(body))
+        if body[:1] == OTLP_FRAME:
+            yield body[5:], _COUNT.unpack_from(body, 1)[0]
+        else:
+            yield trace_recorder.expand(marshal.loads(body))
 
 
 def _export_all(exporter: OTLPSpanExporter, res: bytes, pending: queue.Queue, batch: int, failed: list) -> None:
-    while (records := pending.get()) is not None:
-        for i in range(0, len(records), batch):
-            chunk = records[i:i + batch]
-            if exporter.export(request(res, chunk)).name != "SUCCESS":
-                failed[0] += len(chunk)
+    while (read := pending.get()) is not None:
+        for request in requests(res, read, batch):
+            if exporter.export(request).name != "SUCCESS":
+                failed[0] += request.count
 
 
 def serve(fd: int, role: str, parent_pid: int, endpoint: str | None, batch: int) -> int:

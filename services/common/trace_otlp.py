@@ -103,6 +103,41 @@ def resource(values: dict) -> bytes:
 
 def request(resource_message: bytes, scope: str, records: list[tuple]) -> bytes:
     """An ExportTraceServiceRequest: one ResourceSpans (the resource, one ScopeSpans of every record)."""
-    scope_spans = field(b"\x0a", field(b"\x0a", scope.encode())) + b"".join(field(b"\x12", span(r)) for r in records)
+    return request_of_spans(resource_message, scope, spans(records))
+
+
+def spans(records: list[tuple]) -> bytes:
+    """Records as ScopeSpans.spans fields (what the native recorder writes, services/common/_spanrec.c)."""
+    return b"".join(field(b"\x12", span(r)) for r in records)
+
+
+def request_of_spans(resource_message: bytes, scope: str, span_fields: bytes) -> bytes:
+    """An ExportTraceServiceRequest of spans already encoded as ScopeSpans.spans fields."""
+    scope_spans = field(b"\x0a", field(b"\x0a", scope.encode())) + span_fields
     resource_spans = field(b"\x0a", resource_message) + field(b"\x12", scope_spans)
     return field(b"\x0a", resource_spans)
+
+
+def split_spans(span_fields: bytes, most: int) -> list[tuple[bytes, int]]:
+    """ScopeSpans.spans fields cut into runs of at most `most` spans: (bytes, count) each."""
+    out, pos, start, count, n = [], 0, 0, 0, len(span_fields)
+    while pos < n:
+        if span_fields[pos] != 0x12:
+            raise ValueError(f"not a ScopeSpans.spans field at byte {pos}")
+        pos += 1
+        length = shift = 0
+        while True:
+            b = span_fields[pos]
+            pos += 1
+            length |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        pos += length
+        count += 1
+        if count == most:
+            out.append((span_fields[start:pos], count))
+            start, count = pos, 0
+    if count:
+        out.append((span_fields[start:pos], count))
+    return out

@@ -1,8 +1,9 @@
 """The bounded span buffer of a traced process and the pipe to its exporter process (services.common.trace_export).
 
 `add` (the recorder's sink, any thread) appends a finished span, a Record tuple, to a deque: no lock. With the native
-recorder (`native`, services/common/_spanrec.c), records are written in C into its buffer as they end instead, and
-the writer takes the buffer whole (already marshalled) in place of a batch. A daemon thread
+recorder (`native`, services/common/_spanrec.c), spans are written in C into its buffer as they end instead, already
+encoded as OTLP, and the writer takes the buffer whole: a frame of `O`, the number of spans (4 bytes, little-endian)
+and the spans (ScopeSpans.spans fields), which the exporter only wraps in a request. A daemon thread
 wakes every OTEL_BSP_SCHEDULE_DELAY ms, or as soon as OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans wait, and writes them to
 the exporter's stdin as one frame: a 4-byte little-endian length, then the list of records, marshalled in one go
 (trace_recorder.encode_batch: what the records share is written once). The exporter encodes OTLP and talks to the
@@ -37,7 +38,8 @@ _F_SETPIPE_SZ = 1031  # fcntl command (Linux): a larger pipe rides out short exp
 PIPE_BYTES = 1 << 20
 DROP_LOG_EVERY_S = 60.0
 _FRAME = struct.Struct("<I")
-_COUNT = struct.Struct("<i")  # a marshalled list's length
+_COUNT = struct.Struct("<i")  # the spans in an OTLP frame
+OTLP_FRAME = b"O"  # a frame of OTLP spans (the native recorder's); a marshalled list begins otherwise
 
 
 def env_int(name: str, default: int) -> int:
@@ -117,7 +119,7 @@ class SpanPipe:
         if self._native is not None and not self._broken:
             n, data = self._native.take()
             if n:
-                self._write(n, _FRAME.pack(len(data) + 5) + b"[" + _COUNT.pack(n), data)
+                self._write(n, _FRAME.pack(len(data) + 5) + OTLP_FRAME + _COUNT.pack(n), data)
         queue = self._queue
         while queue and not self._broken:
             n = min(len(queue), self.batch)

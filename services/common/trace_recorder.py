@@ -9,8 +9,9 @@ imports OpenTelemetry and no OTLP is encoded in the serving process.
 
 Where the native recorder is built (services/common/_spanrec.c, `make` builds it), the router's per-request spans
 (its Root, open_call / close_call, leaf) are made and recorded in C, and every record, the Python spans' too, is
-written in C straight into the buffer the pipe's writer thread sends: `api()` gives the functions of the recorder in
-use. RADIXMESH_TRACE_RECORDER=python keeps the Python one (the same spans and records; slower).
+encoded as OTLP in C, straight into the buffer the pipe's writer thread sends, so the exporter process has little
+left to do: `api()` gives the functions of the recorder in use. RADIXMESH_TRACE_RECORDER=python keeps the Python one
+(the same spans; slower, in the service and in its exporter).
 
 What a span costs the serving process is counted in instructions by `python -m benchmarks.router_instructions`:
 every operation here runs per request, so the code keeps to the fewest attribute stores and calls (ids stay ints

@@ -581,11 +581,16 @@ def test_the_native_recorder_records_what_the_python_one_does(monkeypatch):
     assert all(s.start_ns <= s.end_ns for s in got["native"] if s.name != "route")
 
 
-def test_the_native_buffer_is_read_back_by_marshal():
-    """Records written into the native buffer (services/common/_spanrec.c writes marshal's format itself) read back
-    as marshal.loads reads a batch: every kind of value, the ints of every size, non-ASCII and long strings, values
-    marshal cannot write as their str(); a Root's record as the Root was."""
+def test_the_native_buffer_holds_the_otlp_the_exporter_would_have_made():
+    """Records written into the native buffer are OTLP spans (services/common/_spanrec.c encodes them itself), byte
+    for byte what the exporter makes of the same Record with trace_otlp (every kind of value, ints of every size,
+    non-ASCII and long strings, values OTLP has no type for as their str(), events, status, children); a Root's
+    spans (its own, then its children, with a leaf given an id) parse as the official messages say."""
     import enum
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -594,53 +599,60 @@ def test_the_native_buffer_is_read_back_by_marshal():
     class Level(enum.IntEnum):
         HIGH = 3
 
-    long_text = "x" * 300
-    values = {"s": "é", "cjk": "漢字", "surrogate": "\udc80", "long": long_text, "t": True, "f": False, "none": None,
-              "i": 7, "neg": -3, "i32": 1 << 31, "neg32": -(1 << 31) - 1, "u64": (1 << 64) - 1, "i63": -(1 << 63),
-              "big": 1 << 70, "negbig": -(1 << 90), "x": 2.5, "nan": float("inf"), "b": b"\x00\xff", "l": [1, "a"],
-              "tup": (1, (2, 3)), "d": {"k": [None]}, "o": Path("/p"), "e": Level.HIGH, "deep": [[[[[[[[[[[[[[[[[[[
-                  [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}
-    record = ((1 << 127) | 5, (1 << 64) - 1, 9, True, "child", 3, 11, 1 << 63, values, [("ev", 12, {"n": 1})],
-              (2, "HTTP 500"), "k=v", [(7, "leaf", 1, 1, 2, (("a",), (1,)), None, None)] + [
-                  (i, "c", 1, 1, 2, {}, None, None) for i in range(300)])
+    values = {"s": "é", "cjk": "漢字", "long": "x" * 300, "t": True, "f": False, "none": None, "i": 7, "neg": -3,
+              "i32": 1 << 31, "neg32": -(1 << 31) - 1, "u64": (1 << 64) - 1, "i63": -(1 << 63), "big": 1 << 70,
+              "x": 2.5, "inf": float("inf"), "b": b"\x00\xff", "l": [1, "a", None, [2.5]], "tup": (1, (2, 3)),
+              "d": {"k": [None]}, "o": Path("/p"), "e": Level.HIGH, "dotted.name": "kept"}
+    record = ((1 << 127) | 5, (1 << 64) - 1, 9, True, "child", 3, 11, 1 << 63, values,
+              [("ev", 12, {"n": 1, "gone": None}), ("bare", 13, {})], (2, "HTTP 500"), "k=v",
+              [(7, "call", 3, 1, 2, (("a", "b"), (1, None)), None, None),
+               (8, "more", 1, 1, 2, (("a",), ("x",), {"a": "over", "extra": 5}), None, (2, "bad"))] + [
+                  (100 + i, "c", 1, 1, 2, {}, None, None) for i in range(200)])
     trace_recorder.configure(Sampler(), native.add)  # into the buffer
-    native.set_buffer(10, 512, None)
+    native.set_buffer(1000, 512, None)
     try:
         native.add(record)
+        n, data = native.take()
+        assert n == 203 and native.take() == (0, b"")
         root = native.root()
         root.set_attribute("request_id", "r9")
-        native.leaf("route", 1, 5, ("policy",), ("p",))
+        native.leaf("route", 1, 5, ("policy", "matched_tokens"), ("p", None))
         call = native.open_call()
         native.close_call(call, "worker Generate", CLIENT, ("worker", "attempt"), ("w1", 0))
         failed = native.open_call()  # ends with an error: through the Python close_call, into `children`
         native.close_call(failed, "tokenize", CLIENT, ("prompt_tokens",), (None,), ValueError("no tokenizer"))
-        native.leaf("route", 1, 6, ("policy",), ("q",))
         root.finish("POST /generate", ("http.response.status_code",), (200,))
-        n, data = native.take()
-        assert n == 2 and native.take() == (0, b"")
+        n_root, root_data = native.take()
     finally:
         native.set_buffer(0, 512, None)
         trace_recorder.configure(Sampler(), lambda data: None)
-    first, second = marshal.loads(b"[" + n.to_bytes(4, "little") + data)
-    expected = {**values, "o": "/p", "surrogate": "\udc80", "deep": values["deep"]}
-    assert first[:8] == record[:8] and first[9:] == record[9:]
-    got = first[8]
-    flat = got.pop("deep")
-    for _ in range(31):  # nested deeper than the writer goes: the rest is a str
-        flat = flat[0]
-    assert isinstance(flat, str) and flat.startswith("[[")
-    assert got == {k: v for k, v in expected.items() if k != "deep"}
-    assert (second[0], second[1], second[2], second[3], second[4], second[5]) == (
-        root.trace_id, root.span_id, 0, False, "POST /generate", 2)
-    assert second[8] == (("http.response.status_code",), (200,), {"request_id": "r9"})
-    assert second[11] == "" and second[6] <= second[7]
-    route, worker, route2, tokenize = second[12]  # those C wrote as they ended, then the one Python code added
-    assert route[:3] == (0, "route", 1) and route[3] == 5 and route[5] == (("policy",), ("p",))
-    assert route[6:] == (None, None) and second[6] <= route[4] <= second[7]
-    assert worker[:3] == (call[1], "worker Generate", CLIENT) and worker[3] == call[2]
-    assert worker[5] == (("worker", "attempt"), ("w1", 0))
-    assert route2[5] == (("policy",), ("q",))
-    assert tokenize[:2] == (failed[1], "tokenize") and tokenize[7] == (trace_recorder.STATUS_ERROR, "no tokenizer")
+    assert data == trace_otlp.spans(trace_recorder.expand([record]))
+    assert [(run_n, len(run)) for run, run_n in trace_otlp.split_spans(data, 100)] == [
+        (100, len(trace_otlp.spans(trace_recorder.expand([record])[:100]))),
+        (100, len(trace_otlp.spans(trace_recorder.expand([record])[100:200]))),
+        (3, len(trace_otlp.spans(trace_recorder.expand([record])[200:])))]
+    assert n_root == 4
+    request = ExportTraceServiceRequest.FromString(trace_otlp.request_of_spans(b"", "radixmesh", root_data))
+    spans = {s.name: s for s in request.resource_spans[0].scope_spans[0].spans}
+    assert list(spans) == ["POST /generate", "route", "worker Generate", "tokenize"]
+    top = spans["POST /generate"]
+    assert top.trace_id == root.trace_id.to_bytes(16, "big") and top.span_id == root.span_id.to_bytes(8, "big")
+    assert top.parent_span_id == b"" and top.kind == 2 and top.flags == 0x101 and top.start_time_unix_nano > 0
+    assert {a.key: a.value for a in top.attributes} == {"radixmesh.request_id": _any("r9"),
+                                                        "http.response.status_code": _any(200)}
+    for child in list(spans.values())[1:]:
+        assert child.trace_id == top.trace_id and child.parent_span_id == top.span_id and child.trace_state == ""
+        assert top.start_time_unix_nano <= child.end_time_unix_nano <= top.end_time_unix_nano
+    assert spans["route"].span_id not in (b"\0" * 8, top.span_id) and spans["route"].start_time_unix_nano == 5
+    assert [a.key for a in spans["route"].attributes] == ["radixmesh.policy"]  # None left out
+    assert spans["worker Generate"].span_id == call[1].to_bytes(8, "big") and spans["worker Generate"].kind == 3
+    assert spans["tokenize"].status.code == 2 and spans["tokenize"].events[0].name == "exception"
+
+
+def _any(v):
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    return AnyValue(string_value=v) if isinstance(v, str) else AnyValue(int_value=v)
 
 
 def test_a_forked_process_draws_other_ids(recorder):
@@ -685,15 +697,17 @@ def test_the_native_buffer_drops_and_counts_when_the_exporter_does_not_read():
     try:
         try:
             for i in range(250):
-                native.add((i,))
+                native.add((i + 1, i + 1, 0, False, "s", 1, 1, 2, {}, None, None, ""))
             assert pipe.dropped == 150 and native.waiting() == 100
+            native.add((1,))  # not a Record: dropped and counted, nothing written
+            assert pipe.dropped == 151 and native.waiting() == 100
         finally:
             started = time.monotonic()
             pipe.close(timeout_s=2.0)
         assert time.monotonic() - started < 10 and pipe.proc.poll() is not None
-        assert pipe.sent == 100 and pipe.dropped == 150  # the 100 buffered went into the pipe; the reader was killed
+        assert pipe.sent == 100 and pipe.dropped == 151  # the 100 buffered went into the pipe; the reader was killed
         root = native.root()
         root.finish("late", (), ())
-        assert pipe.dropped == 151 and native.waiting() == 0
+        assert pipe.dropped == 152 and native.waiting() == 0
     finally:
         trace_recorder.configure(Sampler(), lambda data: None)
