@@ -179,6 +179,30 @@ static inline int open_field(char tag, Py_ssize_t *mark) {
     return 0;
 }
 
+/* the same with a two-byte placeholder, for a field whose payload is mostly 128 bytes to 16 KB (a Span) */
+static inline int open_span_field(Py_ssize_t *mark) {
+    if (reserve(3) < 0)
+        return -1;
+    buf[buf_len++] = 0x12;
+    *mark = buf_len;
+    buf_len += 2;
+    return 0;
+}
+
+static int close_field(Py_ssize_t mark);
+
+static int close_span_field(Py_ssize_t mark) {
+    uint64_t n = (uint64_t)(buf_len - mark - 2);
+    if (n >= 0x80 && n < 0x4000) {
+        buf[mark] = (char)((n & 0x7f) | 0x80);
+        buf[mark + 1] = (char)(n >> 7);
+        return 0;
+    }
+    memmove(buf + mark + 1, buf + mark + 2, (size_t)n); /* back to a one-byte placeholder */
+    buf_len--;
+    return close_field(mark);
+}
+
 static int close_field(Py_ssize_t mark) {
     uint64_t n = (uint64_t)(buf_len - mark - 1);
     if (n < 0x80) {
@@ -405,7 +429,7 @@ static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id
                   PyObject *name, uint64_t kind, uint64_t start, uint64_t end, PyObject *attrs, PyObject *events,
                   PyObject *status) {
     Py_ssize_t mark;
-    if (open_field(0x12, &mark) < 0 || reserve(28) < 0)
+    if (open_span_field(&mark) < 0 || reserve(28) < 0)
         return -1;
     buf[buf_len++] = 0x0a;
     buf[buf_len++] = 16;
@@ -433,7 +457,7 @@ static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id
     buf[buf_len++] = 0x01;
     memcpy(buf + buf_len, &flags, 4);
     buf_len += 4;
-    return close_field(mark);
+    return close_span_field(mark);
 }
 
 static int id_of(PyObject *v, uint64_t *out) {

@@ -599,7 +599,7 @@ def test_the_native_buffer_holds_the_otlp_the_exporter_would_have_made():
     class Level(enum.IntEnum):
         HIGH = 3
 
-    values = {"s": "é", "cjk": "漢字", "long": "x" * 300, "t": True, "f": False, "none": None, "i": 7, "neg": -3,
+    values = {"s": "é", "cjk": "漢字", "long": "x" * 300, "huge": "y" * 20_000, "t": True, "f": False, "none": None, "i": 7, "neg": -3,
               "i32": 1 << 31, "neg32": -(1 << 31) - 1, "u64": (1 << 64) - 1, "i63": -(1 << 63), "big": 1 << 70,
               "x": 2.5, "inf": float("inf"), "b": b"\x00\xff", "l": [1, "a", None, [2.5]], "tup": (1, (2, 3)),
               "d": {"k": [None]}, "o": Path("/p"), "e": Level.HIGH, "dotted.name": "kept"}
