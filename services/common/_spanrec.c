@@ -16,7 +16,7 @@
  *   call_traceparent(opened)        the W3C traceparent of an open_call
  *   traceparent(trace_id, span_id, sampled)
  *   add(record)                     any other finished span, a Record tuple (trace_recorder.Span, Child)
- *   take()                          (count, bytes): the spans written since the last take
+ *   take(most)                      (count, bytes): the oldest records' spans, up to `most` of them
  *
  * Spans are written, as they end, straight into one buffer as OTLP: each a ScopeSpans.spans field holding its Span
  * message, byte for byte what services.common.trace_otlp makes of the same record (a child becomes a span of its
@@ -512,7 +512,23 @@ static int w_record(PyObject *r, Py_ssize_t *spans) {
 }
 
 /* called once a record's spans are written (or failed: then they are rolled back and counted as dropped) */
+/* where each record's spans end in the buffer, and the spans up to there: take(most) cuts between records */
+static Py_ssize_t *rec_end, *rec_spans, rec_n, rec_cap;
+
 static void written(Py_ssize_t mark, int rc, Py_ssize_t spans) {
+    if (rc == 0 && rec_n == rec_cap) {
+        Py_ssize_t cap = rec_cap ? 2 * rec_cap : 1024;
+        Py_ssize_t *e = PyMem_Realloc(rec_end, (size_t)cap * sizeof *e), *n = e ? PyMem_Realloc(rec_spans, (size_t)cap * sizeof *n) : NULL;
+        if (e != NULL)
+            rec_end = e;
+        if (n != NULL) {
+            rec_spans = n;
+            rec_cap = cap;
+        } else {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
     if (rc < 0) {
         buf_len = mark;
         PyErr_Clear();
@@ -521,6 +537,8 @@ static void written(Py_ssize_t mark, int rc, Py_ssize_t spans) {
     }
     Py_ssize_t before = buf_count;
     buf_count += spans;
+    rec_end[rec_n] = buf_len;
+    rec_spans[rec_n++] = buf_count;
     if (before < buf_batch && buf_count >= buf_batch && wake != NULL) {
         PyObject *r = PyObject_CallNoArgs(wake);
         if (r == NULL)
@@ -1031,15 +1049,33 @@ static PyObject *add(PyObject *module, PyObject *record) {
     Py_RETURN_NONE;
 }
 
-static PyObject *take(PyObject *module, PyObject *unused) {
-    PyObject *data = PyBytes_FromStringAndSize(buf, buf_len);
+static PyObject *take(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t most = PY_SSIZE_T_MAX;
+    if (nargs > 1 || (nargs == 1 && (most = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "take(most=all)");
+        return NULL;
+    }
+    /* the records whose spans add up to at most `most` (at least one record, however many spans it has) */
+    Py_ssize_t k = 0;
+    while (k < rec_n && (rec_spans[k] <= most || k == 0))
+        k++;
+    Py_ssize_t len = k ? rec_end[k - 1] : 0, count = k ? rec_spans[k - 1] : 0;
+    PyObject *data = PyBytes_FromStringAndSize(buf, len);
     if (data == NULL)
         return NULL;
-    PyObject *out = Py_BuildValue("(nN)", buf_count, data);
+    PyObject *out = Py_BuildValue("(nN)", count, data);
     if (out == NULL)
         return NULL;
-    buf_len = buf_count = 0;
-    if (buf_cap > (1 << 22)) { /* a burst grew it: give the memory back */
+    memmove(buf, buf + len, (size_t)(buf_len - len));
+    buf_len -= len;
+    buf_count -= count;
+    for (Py_ssize_t i = k; i < rec_n; i++) {
+        rec_end[i - k] = rec_end[i] - len;
+        rec_spans[i - k] = rec_spans[i] - count;
+    }
+    rec_n -= k;
+    if (buf_len == 0 && buf_cap > (1 << 22)) { /* a burst grew it: give the memory back */
         PyMem_Free(buf);
         buf = NULL;
         buf_cap = 0;
@@ -1121,7 +1157,7 @@ static PyMethodDef module_methods[] = {
      "tracing.put_context: an open_call's traceparent into a request's trace_context"},
     {"bind", bind, METH_VARARGS,
      "bind(server_span, put_context, set_attribute, propagate): tracing's Python helpers, for what C does not handle"},
-    {"take", take, METH_NOARGS, "(count, bytes): the spans written since the last take, as ScopeSpans.spans fields"},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, "take(most=all) -> (count, bytes): the spans of the oldest records, at most `most` of them (at least one record), as ScopeSpans.spans fields"},
     {"dropped", dropped, METH_NOARGS, "records dropped so far (the buffer was full)"},
     {"waiting", waiting, METH_NOARGS, "records in the buffer"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,

@@ -108,20 +108,21 @@ class SpanPipe:
 
     def _run(self) -> None:
         while not self._closing:
-            self._wake.wait(self.delay_s)
+            full = self._wake.wait(self.delay_s)
             self._wake.clear()
-            self._send_waiting()
+            self._send_waiting(full_only=full)
             self._report_drops()
         self._send_waiting()
         self._close_pipe()
 
-    def _send_waiting(self) -> None:
-        if self._native is not None and not self._broken:
-            n, data = self._native.take()
-            if n:
-                self._write(n, _FRAME.pack(len(data) + 5) + OTLP_FRAME + _COUNT.pack(n), data)
-        queue = self._queue
-        while queue and not self._broken:
+    def _send_waiting(self, full_only: bool = False) -> None:
+        """Frames of at most `batch` spans (an export request each), of every span waiting; with `full_only` (woken
+        by a full batch) only full ones: the rest waits for the next batch or the schedule, as the SDK's does."""
+        native, queue, least = self._native, self._queue, self.batch if full_only else 1
+        while native is not None and not self._broken and native.waiting() >= least:
+            n, data = native.take(self.batch)
+            self._write(n, _FRAME.pack(len(data) + 5) + OTLP_FRAME + _COUNT.pack(n), data)
+        while len(queue) >= least and not self._broken:
             n = min(len(queue), self.batch)
             batch = [queue.popleft() for _ in range(n)]
             self._write(n, encode_frame(batch))

@@ -655,6 +655,64 @@ def _any(v):
     return AnyValue(string_value=v) if isinstance(v, str) else AnyValue(int_value=v)
 
 
+def test_the_native_buffer_is_taken_whole_records_at_a_time():
+    """take(most): the oldest records whose spans add up to at most `most` (so an export request stays within
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE without being cut), at least one record however large; the rest stays, in order."""
+    from services.common import trace_otlp
+
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+
+    def record(i: int, children: int) -> tuple:
+        return (i, i, 0, False, f"r{i}", 1, 1, 2, {}, None, None, "",
+                [(1000 * i + c, "c", 1, 1, 2, {}, None, None) for c in range(children)])
+
+    records = [record(1, 2), record(2, 2), record(3, 0), record(4, 5)]
+    trace_recorder.configure(Sampler(), native.add)
+    native.set_buffer(1000, 512, None)
+    try:
+        for r in records:
+            native.add(r)
+        assert native.waiting() == 3 + 3 + 1 + 6
+        got = [native.take(5), native.take(7), native.take(2), native.take(), native.take(5)]
+    finally:
+        native.set_buffer(0, 512, None)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    spans = [trace_otlp.spans(trace_recorder.expand([r])) for r in records]
+    assert got == [(3, spans[0]), (4, spans[1] + spans[2]), (6, spans[3]), (0, b""), (0, b"")]
+
+
+def test_a_full_batch_goes_alone_and_the_rest_waits_for_the_schedule(tmp_path):
+    """Woken by a full batch (OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans), the writer sends full frames only; what is left
+    goes at the schedule or at the end, so an export request is neither cut nor sent nearly empty."""
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    out = tmp_path / "frames"
+    reader = [sys.executable, "-c", textwrap.dedent(f"""
+        import struct, sys
+        with open({str(out)!r}, "w") as out:
+            while head := sys.stdin.buffer.read(4):
+                body = sys.stdin.buffer.read(struct.unpack("<I", head)[0])
+                out.write(f"{{body[:1].decode()}} {{struct.unpack_from('<i', body, 1)[0]}}\\n")
+                out.flush()
+    """)]
+    trace_recorder.configure(Sampler(), native.add)
+    pipe = SpanPipe(reader, max_queue=100, batch=4, delay_s=60.0, native=native)
+    try:
+        for i in range(10):
+            native.add((i + 1, i + 1, 0, False, "s", 1, 1, 2, {}, None, None, ""))
+        deadline = time.monotonic() + 10
+        while native.waiting() > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert native.waiting() == 2  # not a full batch: it waits
+    finally:
+        pipe.close(timeout_s=10)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    assert out.read_text().split("\n") == ["O 4", "O 4", "O 2", ""] and pipe.sent == 10 and pipe.dropped == 0
+
+
 def test_a_forked_process_draws_other_ids(recorder):
     """Ids come from a generator seeded per process: a forked child (the router's --router-workers) must not repeat
     its parent's."""
