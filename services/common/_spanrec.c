@@ -40,14 +40,18 @@
 #include <unistd.h>
 
 #define SERVER 2
-#define MAX_DEPTH 32
+#define MAX_DEPTH 100 /* lists nested deeper go as their str() (trace_otlp's recursion would fail first) */
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the OTLP writer copies fixed64, fixed32 and doubles from memory: a little-endian host is assumed"
+#endif
 
 /* ---- ids ---- */
 
 static uint64_t rng[4];
 
 static void seed_ids(void) {
-    if (getrandom(rng, sizeof rng, 0) != (ssize_t)sizeof rng) {
+    if (getrandom(rng, sizeof rng, GRND_NONBLOCK) != (ssize_t)sizeof rng) { /* never blocks a fork's child */
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         rng[0] = (uint64_t)ts.tv_nsec * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
@@ -97,12 +101,23 @@ static uint64_t bound;         /* roots whose trace id's low 64 bits are below i
 static int bound_all = 1;      /* ...or all of them (always_on) */
 static PyTypeObject *RootType;
 
+static int not_configured(PyObject *what) { /* configure() / bind() first: RuntimeError (and true) otherwise */
+    if (what != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the span recorder is not configured (trace_recorder.configure, bind)");
+    return 1;
+}
+
 /* ---- the buffer: OTLP Span messages, each a ScopeSpans.spans field, as trace_otlp.span encodes them ---- */
 
 static char *buf;
 static Py_ssize_t buf_len, buf_cap, buf_count, buf_limit, buf_batch = 512; /* buf_count: spans */
 static unsigned long long buf_dropped;
 static int swapped; /* the buffer is a Root's while its child is written (write_child) */
+/* A record is being written. Writing can call into Python (a value's str(), a key's hash): meanwhile another thread
+ * may run, or the same one come back here. None of them may touch the buffer: their spans are dropped and counted,
+ * and take() gives nothing until the write is done. */
+static int writing;
 
 static int grow(Py_ssize_t n) {
     Py_ssize_t cap = buf_cap ? buf_cap : swapped ? 512 : 65536;
@@ -272,18 +287,27 @@ static int w_any(PyObject *v, int depth) {
     } else if (PyBytes_CheckExact(v)) {
         return w_field(0x3a, PyBytes_AS_STRING(v), PyBytes_GET_SIZE(v));
     } else if ((PyList_CheckExact(v) || PyTuple_CheckExact(v)) && depth < MAX_DEPTH) {
-        Py_ssize_t array, n = PySequence_Fast_GET_SIZE(v);
-        PyObject **items = PySequence_Fast_ITEMS(v);
+        Py_ssize_t array;
         if (open_field(0x2a, &array) < 0)
             return -1;
-        for (Py_ssize_t i = 0; i < n; i++) {
+        /* a list may change while an item's str() runs: its size is read again and each item held while used */
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(v, i);
             Py_ssize_t value;
-            if (open_field(0x0a, &value) < 0 || w_any(items[i], depth + 1) < 0 || close_field(value) < 0)
+            Py_INCREF(item);
+            int rc = (open_field(0x0a, &value) < 0 || w_any(item, depth + 1) < 0 || close_field(value) < 0) ? -1 : 0;
+            Py_DECREF(item);
+            if (rc < 0)
                 return -1;
         }
         return close_field(array);
     }
-    return w_text_field(0x0a, v);
+    PyObject *text = PyObject_Str(v); /* as trace_otlp: anything else (str and int subclasses too) as its str() */
+    if (text == NULL)
+        return -1;
+    int rc = w_str_field(0x0a, text);
+    Py_DECREF(text);
+    return rc;
 }
 
 /* A KeyValue's key field per attribute name, made once: `radixmesh.` before a bare name. The cache holds the name
@@ -339,53 +363,99 @@ static int w_attribute(char tag, PyObject *name, PyObject *value) { /* a KeyValu
 static int w_dict_attributes(char tag, PyObject *d) {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
-    while (PyDict_Next(d, &pos, &k, &v))
-        if (w_attribute(tag, k, v) < 0)
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        Py_INCREF(k); /* a value's str() may change the dict */
+        Py_INCREF(v);
+        int rc = w_attribute(tag, k, v);
+        Py_DECREF(k);
+        Py_DECREF(v);
+        if (rc < 0)
             return -1;
+    }
     return 0;
 }
 
-/* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, more as a dict), in the
- * order trace_recorder.expand makes them (a name in both takes the dict's value at the tuple's place) */
-static int w_attributes(char tag, PyObject *attrs) {
-    if (PyDict_Check(attrs))
-        return w_dict_attributes(tag, attrs);
-    if (!PyTuple_CheckExact(attrs) || PyTuple_GET_SIZE(attrs) < 2 || PyTuple_GET_SIZE(attrs) > 3)
-        return 0;
-    PyObject *names = PyTuple_GET_ITEM(attrs, 0), *values = PyTuple_GET_ITEM(attrs, 1);
-    PyObject *more = PyTuple_GET_SIZE(attrs) == 3 ? PyTuple_GET_ITEM(attrs, 2) : NULL;
-    if (!PyTuple_CheckExact(names) || !PyTuple_CheckExact(values))
-        return 0;
-    if (more != NULL && !PyDict_Check(more))
-        more = NULL;
-    Py_ssize_t n = Py_MIN(PyTuple_GET_SIZE(names), PyTuple_GET_SIZE(values));
+static PyObject *attributes_of; /* trace_recorder._attributes: any attributes as a dict */
+
+/* Names tuples known to hold distinct str names (the call sites' constants), so zip(names, values) is the dict */
+#define NAMES_SLOTS 64
+static PyObject *distinct_names[NAMES_SLOTS];
+
+static int names_distinct(PyObject *names) {
+    size_t slot = ((uintptr_t)names >> 4) % NAMES_SLOTS;
+    if (distinct_names[slot] == names)
+        return 1;
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
     for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(names, i);
+        if (!PyUnicode_CheckExact(a))
+            return 0;
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (PyUnicode_Compare(a, PyTuple_GET_ITEM(names, j)) == 0)
+                return 0;
+    }
+    Py_INCREF(names);
+    Py_XSETREF(distinct_names[slot], names);
+    return 1;
+}
+
+/* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, more as a dict), in the
+ * order trace_recorder.expand makes them; shapes other than those (and repeated names) through its _attributes */
+static int w_attributes(char tag, PyObject *attrs) {
+    if (PyDict_CheckExact(attrs))
+        return w_dict_attributes(tag, attrs);
+    PyObject *names = NULL, *values = NULL, *more = NULL;
+    if (PyTuple_CheckExact(attrs) && (PyTuple_GET_SIZE(attrs) == 2 || PyTuple_GET_SIZE(attrs) == 3)) {
+        names = PyTuple_GET_ITEM(attrs, 0), values = PyTuple_GET_ITEM(attrs, 1);
+        more = PyTuple_GET_SIZE(attrs) == 3 ? PyTuple_GET_ITEM(attrs, 2) : NULL;
+    }
+    if (names == NULL || !PyTuple_CheckExact(names) || !PyTuple_CheckExact(values) ||
+        (more != NULL && !PyDict_CheckExact(more)) || !names_distinct(names)) {
+        if (attributes_of == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "the span recorder is not configured");
+            return -1;
+        }
+        PyObject *d = PyObject_CallOneArg(attributes_of, attrs);
+        if (d == NULL)
+            return -1;
+        int rc = PyDict_Check(d) ? w_dict_attributes(tag, d) : 0;
+        Py_DECREF(d);
+        return rc;
+    }
+    Py_INCREF(attrs); /* holds names, values and more while values' str() run */
+    Py_ssize_t n = Py_MIN(PyTuple_GET_SIZE(names), PyTuple_GET_SIZE(values));
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyTuple_GET_ITEM(values, i);
-        if (more != NULL) {
+        if (more != NULL) { /* the dict's value at the tuple's place (names are exact str: no Python runs here) */
             PyObject *over = PyDict_GetItemWithError(more, name);
             if (over != NULL)
                 value = over;
             else if (PyErr_Occurred())
-                return -1;
+                rc = -1;
         }
-        if (w_attribute(tag, name, value) < 0)
-            return -1;
-    }
-    if (more == NULL)
-        return 0;
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(more, &pos, &k, &v)) {
-        int seen = 0;
-        for (Py_ssize_t i = 0; i < n && !seen; i++) {
-            seen = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, i), k, Py_EQ);
-            if (seen < 0)
-                return -1;
+        if (rc == 0) {
+            Py_INCREF(value);
+            rc = w_attribute(tag, name, value);
+            Py_DECREF(value);
         }
-        if (!seen && w_attribute(tag, k, v) < 0)
-            return -1;
     }
-    return 0;
+    if (rc == 0 && more != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (rc == 0 && PyDict_Next(more, &pos, &k, &v)) {
+            Py_INCREF(k);
+            Py_INCREF(v);
+            int seen = 0;
+            for (Py_ssize_t i = 0; i < n && seen == 0; i++)
+                seen = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, i), k, Py_EQ);
+            rc = seen < 0 ? -1 : (!seen && w_attribute(tag, k, v) < 0) ? -1 : 0;
+            Py_DECREF(k);
+            Py_DECREF(v);
+        }
+    }
+    Py_DECREF(attrs);
+    return rc;
 }
 
 static int w_events(PyObject *events) { /* [(name, time ns, attributes dict)] */
@@ -396,17 +466,23 @@ static int w_events(PyObject *events) { /* [(name, time ns, attributes dict)] */
         return -1;
     int rc = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
-        PyObject *e = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *e = PySequence_Fast_GET_ITEM(seq, i), *fields = NULL;
+        Py_INCREF(e);
         Py_ssize_t event;
-        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3)
-            continue;
-        uint64_t at = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(e, 1));
-        rc = (at == (unsigned long long)-1 && PyErr_Occurred()) || open_field(0x5a, &event) < 0 ||
-                     w_fixed64(0x09, at) < 0 || w_text_field(0x12, PyTuple_GET_ITEM(e, 0)) < 0 ||
-                     (PyDict_Check(PyTuple_GET_ITEM(e, 2)) && w_dict_attributes(0x1a, PyTuple_GET_ITEM(e, 2)) < 0) ||
-                     close_field(event) < 0
-                 ? -1
-                 : 0;
+        if ((PyTuple_Check(e) || PyList_Check(e)) && (fields = PySequence_Tuple(e)) != NULL &&
+            PyTuple_GET_SIZE(fields) == 3) {
+            uint64_t at = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(fields, 1));
+            PyObject *attrs = PyTuple_GET_ITEM(fields, 2);
+            rc = (at == (unsigned long long)-1 && PyErr_Occurred()) || open_field(0x5a, &event) < 0 ||
+                         w_fixed64(0x09, at) < 0 || w_text_field(0x12, PyTuple_GET_ITEM(fields, 0)) < 0 ||
+                         (PyDict_Check(attrs) && w_dict_attributes(0x1a, attrs) < 0) || close_field(event) < 0
+                     ? -1
+                     : 0;
+        } else if (PyErr_Occurred()) {
+            rc = -1;
+        }
+        Py_XDECREF(fields);
+        Py_DECREF(e);
     }
     Py_DECREF(seq);
     return rc;
@@ -473,25 +549,31 @@ static int w_children(PyObject *children, uint64_t hi, uint64_t lo, uint64_t par
                       Py_ssize_t *spans) {
     if (children == NULL || children == Py_None)
         return 0;
-    if (!PyList_Check(children)) {
-        PyErr_SetString(PyExc_TypeError, "a span's children must be a list");
+    PyObject *seq = PySequence_Fast(children, "a span's children must be a sequence");
+    if (seq == NULL)
         return -1;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(children); i++) {
-        PyObject *e = PyList_GET_ITEM(children, i);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
+        PyObject *e = PySequence_Fast_GET_ITEM(seq, i);
         uint64_t span_id, kind, start, end;
         if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 8) {
             PyErr_SetString(PyExc_TypeError, "a child entry has 8 fields");
-            return -1;
+            rc = -1;
+            break;
         }
-        if (id_of(PyTuple_GET_ITEM(e, 0), &span_id) < 0 || id_of(PyTuple_GET_ITEM(e, 2), &kind) < 0 ||
-            id_of(PyTuple_GET_ITEM(e, 3), &start) < 0 || id_of(PyTuple_GET_ITEM(e, 4), &end) < 0 ||
-            w_span(hi, lo, span_id ? span_id : new_id(), parent_id, 0, tracestate, PyTuple_GET_ITEM(e, 1), kind, start,
-                   end, PyTuple_GET_ITEM(e, 5), PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
-            return -1;
-        (*spans)++;
+        Py_INCREF(e);
+        rc = (id_of(PyTuple_GET_ITEM(e, 0), &span_id) < 0 || id_of(PyTuple_GET_ITEM(e, 2), &kind) < 0 ||
+              id_of(PyTuple_GET_ITEM(e, 3), &start) < 0 || id_of(PyTuple_GET_ITEM(e, 4), &end) < 0 ||
+              w_span(hi, lo, span_id ? span_id : new_id(), parent_id, 0, tracestate, PyTuple_GET_ITEM(e, 1), kind,
+                     start, end, PyTuple_GET_ITEM(e, 5), PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
+                 ? -1
+                 : 0;
+        Py_DECREF(e);
+        if (rc == 0)
+            (*spans)++;
     }
-    return 0;
+    Py_DECREF(seq);
+    return rc;
 }
 
 /* a Record tuple (trace_recorder.Span, Child, and what Python code handed to `add`), with its children */
@@ -589,6 +671,8 @@ static PyObject *u128_object(uint64_t hi, uint64_t lo) {
 }
 
 static PyObject *root_new(PyObject *module, PyObject *unused) {
+    if (not_configured(current_var))
+        return NULL;
     Root *r = PyObject_GC_New(Root, RootType);
     if (r == NULL)
         return NULL;
@@ -643,13 +727,27 @@ static void root_dealloc(Root *r) {
 /* the record of a finished Root: trace_recorder.Record's fields, in order */
 /* a finished Root's spans: its own, then its children (those written as they ended, then those in `children`) */
 static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end, Py_ssize_t *spans) {
-    if (w_span(r->hi, r->lo, r->span_id, 0, 0, NULL, name, SERVER, (uint64_t)r->start_ns, (uint64_t)end, attrs,
-               r->events, r->status) < 0)
-        return -1;
-    *spans = 1 + r->cn;
-    if (w_raw(r->cbuf, r->clen) < 0)
-        return -1;
-    return w_children(r->children, r->hi, r->lo, r->span_id, NULL, spans);
+    /* held while written: the span's fields can be set again by Python code that runs meanwhile */
+    PyObject *events = r->events, *status = r->status, *children = r->children;
+    Py_XINCREF(events);
+    Py_XINCREF(status);
+    Py_XINCREF(children);
+    int rc = w_span(r->hi, r->lo, r->span_id, 0, 0, NULL, name, SERVER, (uint64_t)r->start_ns, (uint64_t)end, attrs,
+                    events, status);
+    if (rc == 0) {
+        *spans = 1 + r->cn;
+        rc = r->clen ? w_raw(r->cbuf, r->clen) : 0;
+    }
+    if (rc == 0)
+        rc = w_children(children, r->hi, r->lo, r->span_id, NULL, spans);
+    Py_XDECREF(events);
+    Py_XDECREF(status);
+    Py_XDECREF(children);
+    return rc;
+}
+
+static Py_ssize_t children_of(PyObject *children) {
+    return (children != NULL && children != Py_None && PyList_Check(children)) ? PyList_GET_SIZE(children) : 0;
 }
 
 static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *values, long long end) {
@@ -657,7 +755,7 @@ static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *valu
                                                                            : PyTuple_Pack(3, names, values, r->attributes);
     if (attrs == NULL) {
         PyErr_Clear();
-        buf_dropped++;
+        buf_dropped += 1 + r->cn + children_of(r->children);
         return;
     }
     if (sink != NULL) {
@@ -667,11 +765,15 @@ static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *valu
             attrs, or_none(r->events), or_none(r->status), "", or_none(r->children));
         if (hand_to_sink(record) < 0)
             PyErr_WriteUnraisable(NULL);
-    } else if (buf_count >= buf_limit || swapped) {
-        buf_dropped += 1 + r->cn + ((r->children && PyList_Check(r->children)) ? PyList_GET_SIZE(r->children) : 0);
+    } else if (buf_count >= buf_limit || writing) {
+        buf_dropped += 1 + r->cn + children_of(r->children);
     } else {
         Py_ssize_t mark = buf_len, spans = 0;
+        writing++;
         int rc = w_root(r, name, attrs, end, &spans);
+        writing--;
+        if (rc < 0)
+            spans = 1 + r->cn + children_of(r->children);
         written(mark, rc, spans);
     }
     Py_DECREF(attrs);
@@ -690,6 +792,8 @@ static PyObject *root_finish(Root *self, PyObject *const *args, Py_ssize_t nargs
     if (!self->recording)
         Py_RETURN_NONE;
     if (nargs == 4 && args[3] != Py_None) {
+        if (not_configured(finish_error))
+            return NULL;
         PyObject *r = PyObject_CallFunctionObjArgs(finish_error, (PyObject *)self, args[3], NULL);
         if (r == NULL)
             return NULL;
@@ -793,6 +897,10 @@ static PyType_Spec root_spec = {"services.common._spanrec.Root", sizeof(Root), 0
 static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind, PyObject *start, PyObject *names,
                        PyObject *values) {
     uint64_t k, begun;
+    if (writing) { /* Python code run by a write came here: the buffers are not ours to touch (see `writing`) */
+        buf_dropped++;
+        return 0;
+    }
     if (id_of(kind, &k) < 0 || id_of(start, &begun) < 0)
         return -1;
     PyObject *attrs = PyTuple_Pack(2, names, values);
@@ -801,10 +909,13 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     uint64_t end = (uint64_t)now_ns();
     char *saved = buf;
     Py_ssize_t saved_len = buf_len, saved_cap = buf_cap;
+    Py_INCREF(p); /* its buffer stands in for the global one until the end */
     buf = p->cbuf, buf_len = p->clen, buf_cap = p->ccap;
     swapped = 1;
+    writing++;
     int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, attrs, NULL,
                     NULL);
+    writing--;
     if (rc == 0) {
         p->clen = buf_len;
         p->cn++;
@@ -812,6 +923,7 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     p->cbuf = buf, p->ccap = buf_cap; /* it may have grown; a failed entry is left out (clen unchanged) */
     buf = saved, buf_len = saved_len, buf_cap = saved_cap;
     swapped = 0;
+    Py_DECREF(p);
     Py_DECREF(attrs);
     return rc;
 }
@@ -855,7 +967,7 @@ static int append_child(Root *p, PyObject *span_id, PyObject *name, PyObject *ki
 
 static PyObject *current(void) { /* a new reference (None when no span is current) */
     PyObject *p;
-    if (PyContextVar_Get(current_var, Py_None, &p) < 0)
+    if (not_configured(current_var) || PyContextVar_Get(current_var, Py_None, &p) < 0)
         return NULL;
     return p;
 }
@@ -881,10 +993,14 @@ static PyObject *close_call(PyObject *module, PyObject *const *args, Py_ssize_t 
     PyObject *opened = args[0], *p = PyTuple_GET_ITEM(opened, 0);
     if ((nargs == 5 || args[5] == Py_None) && Py_TYPE(p) == RootType && ((Root *)p)->recording) {
         if (append_child((Root *)p, PyTuple_GET_ITEM(opened, 1), args[1], args[2], PyTuple_GET_ITEM(opened, 2),
-                         args[3], args[4]) < 0)
-            return NULL;
+                         args[3], args[4]) < 0) { /* a value's str() failed, or memory: the span is lost, counted */
+            PyErr_Clear();
+            buf_dropped++;
+        }
         Py_RETURN_NONE;
     }
+    if (not_configured(py_close_call))
+        return NULL;
     return PyObject_Vectorcall(py_close_call, args, (size_t)nargs, NULL);
 }
 
@@ -899,13 +1015,16 @@ static PyObject *leaf(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (p == NULL || p == Py_None)
         return p;
     if ((nargs == 5 || args[5] == Py_None) && Py_TYPE(p) == RootType && ((Root *)p)->recording) {
-        int rc = append_child((Root *)p, zero, args[0], args[1], args[2], args[3], args[4]);
+        if (append_child((Root *)p, zero, args[0], args[1], args[2], args[3], args[4]) < 0) {
+            PyErr_Clear(); /* as in close_call */
+            buf_dropped++;
+        }
         Py_DECREF(p);
-        if (rc < 0)
-            return NULL;
         Py_RETURN_NONE;
     }
     Py_DECREF(p);
+    if (not_configured(py_leaf))
+        return NULL;
     return PyObject_Vectorcall(py_leaf, args, (size_t)nargs, NULL);
 }
 
@@ -975,7 +1094,7 @@ static PyObject *server_span(PyObject *module, PyObject *headers) {
     if (has < 0)
         return NULL;
     if (has) /* under a caller's span: tracing.server_span's Span */
-        return PyObject_CallOneArg(py_server_span, headers);
+        return not_configured(py_server_span) ? NULL : PyObject_CallOneArg(py_server_span, headers);
     return root_new(module, NULL);
 }
 
@@ -987,8 +1106,9 @@ static PyObject *set_attribute(PyObject *module, PyObject *const *args, Py_ssize
     PyObject *p = current();
     if (p == NULL || p == Py_None)
         return p;
-    PyObject *out = Py_TYPE(p) == RootType ? root_set_attribute((Root *)p, args, nargs)
-                                           : PyObject_Vectorcall(py_set_attribute, args, (size_t)nargs, NULL);
+    PyObject *out = Py_TYPE(p) == RootType  ? root_set_attribute((Root *)p, args, nargs)
+                    : not_configured(py_set_attribute) ? NULL
+                                                       : PyObject_Vectorcall(py_set_attribute, args, (size_t)nargs, NULL);
     Py_DECREF(p);
     return out;
 }
@@ -1011,7 +1131,7 @@ static PyObject *put_context(PyObject *module, PyObject *const *args, Py_ssize_t
             return NULL;
         Py_RETURN_TRUE;
     }
-    return PyObject_Vectorcall(py_put_context, args, (size_t)nargs, NULL);
+    return not_configured(py_put_context) ? NULL : PyObject_Vectorcall(py_put_context, args, (size_t)nargs, NULL);
 }
 
 static PyObject *bind(PyObject *module, PyObject *args) {
@@ -1038,13 +1158,15 @@ static PyObject *add(PyObject *module, PyObject *record) {
             return NULL;
         Py_RETURN_NONE;
     }
-    if (buf_count >= buf_limit || swapped) {
+    if (buf_count >= buf_limit || writing) {
         buf_dropped += 1 + ((PyTuple_Check(record) && PyTuple_GET_SIZE(record) == 13 &&
                              PyList_Check(PyTuple_GET_ITEM(record, 12))) ? PyList_GET_SIZE(PyTuple_GET_ITEM(record, 12)) : 0);
         Py_RETURN_NONE;
     }
     Py_ssize_t mark = buf_len, spans = 0;
+    writing++;
     int rc = w_record(record, &spans);
+    writing--;
     written(mark, rc, spans);
     Py_RETURN_NONE;
 }
@@ -1056,6 +1178,8 @@ static PyObject *take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "take(most=all)");
         return NULL;
     }
+    if (writing) /* a record is half written (see `writing`): nothing now, all of it next time */
+        return Py_BuildValue("(ny#)", (Py_ssize_t)0, "", (Py_ssize_t)0);
     /* the records whose spans add up to at most `most` (at least one record, however many spans it has) */
     Py_ssize_t k = 0;
     while (k < rec_n && (rec_spans[k] <= most || k == 0))
@@ -1067,7 +1191,8 @@ static PyObject *take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = Py_BuildValue("(nN)", count, data);
     if (out == NULL)
         return NULL;
-    memmove(buf, buf + len, (size_t)(buf_len - len));
+    if (len)
+        memmove(buf, buf + len, (size_t)(buf_len - len));
     buf_len -= len;
     buf_count -= count;
     for (Py_ssize_t i = k; i < rec_n; i++) {
@@ -1088,9 +1213,9 @@ static PyObject *dropped(PyObject *module, PyObject *unused) { return PyLong_Fro
 static PyObject *waiting(PyObject *module, PyObject *unused) { return PyLong_FromSsize_t(buf_count); }
 
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"current", "bound", "finish_error", "close_call", "leaf", "sink", NULL};
-    PyObject *var, *bound_obj, *fe, *cc, *lf, *sk = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|O", names, &var, &bound_obj, &fe, &cc, &lf, &sk))
+    static char *names[] = {"current", "bound", "finish_error", "close_call", "leaf", "attributes", "sink", NULL};
+    PyObject *var, *bound_obj, *fe, *cc, *lf, *at, *sk = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|O", names, &var, &bound_obj, &fe, &cc, &lf, &at, &sk))
         return NULL;
     if (!PyContextVar_CheckExact(var)) {
         PyErr_SetString(PyExc_TypeError, "current must be a ContextVar");
@@ -1116,6 +1241,8 @@ static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     Py_XSETREF(py_close_call, cc);
     Py_INCREF(lf);
     Py_XSETREF(py_leaf, lf);
+    Py_INCREF(at);
+    Py_XSETREF(attributes_of, at);
     if (sk == Py_None) {
         Py_CLEAR(sink);
     } else {
@@ -1161,7 +1288,7 @@ static PyMethodDef module_methods[] = {
     {"dropped", dropped, METH_NOARGS, "records dropped so far (the buffer was full)"},
     {"waiting", waiting, METH_NOARGS, "records in the buffer"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(current, bound, finish_error, close_call, leaf, sink=None)"},
+     "configure(current, bound, finish_error, close_call, leaf, attributes, sink=None)"},
     {"set_buffer", set_buffer, METH_VARARGS, "set_buffer(limit, batch, wake): the buffer's bound and batch (in spans) and its wake-up"},
     {NULL}};
 
@@ -1169,7 +1296,15 @@ static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_spanrec",
                                         "The native span recorder (see services/common/_spanrec.c).", -1,
                                         module_methods};
 
-static void reseed_in_child(void) { seed_ids(); }
+static void reseed_in_child(void) { /* a forked child: ids of its own, nothing of its parent's half-written */
+    seed_ids();
+    if (swapped) { /* the fork came while a Root's buffer stood in for the global one: that one is not ours */
+        buf = NULL;
+        buf_cap = 0;
+    }
+    buf_len = buf_count = rec_n = 0;
+    writing = swapped = 0;
+}
 
 PyMODINIT_FUNC PyInit__spanrec(void) {
     seed_ids();

@@ -81,7 +81,7 @@ def configure(sampler: Sampler, sink: Callable[[tuple], None]) -> None:
     global _parent_based, _bound, _sink
     _parent_based, _bound, _sink = sampler.parent_based, sampler.bound, sink
     if native is not None:
-        native.configure(CURRENT, sampler.bound, finish_error, close_call, leaf,
+        native.configure(CURRENT, sampler.bound, finish_error, close_call, leaf, _attributes,
                          None if sink is native.add else sink)
 
 

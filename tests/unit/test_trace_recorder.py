@@ -769,3 +769,122 @@ def test_the_native_buffer_drops_and_counts_when_the_exporter_does_not_read():
         assert pipe.dropped == 152 and native.waiting() == 0
     finally:
         trace_recorder.configure(Sampler(), lambda data: None)
+
+
+def test_python_code_run_by_a_native_write_cannot_corrupt_the_buffer():
+    """A value's str() is Python code, run while a record is half written: it may take from the buffer (the pipe's
+    writer thread), record spans, or change the containers being written. Such spans are dropped and counted, take()
+    gives nothing until the write is done, and the record comes out whole (found under AddressSanitizer)."""
+    from services.common import trace_otlp
+
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    inside = []
+    shrinking = [1, 2, 3]
+
+    class Meddler:
+        def __str__(self):
+            inside.append(native.take())  # what the writer thread would do
+            native.add((9, 9, 0, False, "nested", 1, 1, 2, {}, None, None, ""))
+            root = native.root()
+            native.leaf("nested leaf", 1, 1, ("a",), ("b",))
+            root.finish("nested root", (), ())
+            return "meddled"
+
+    class Shrinker:
+        def __str__(self):
+            shrinking.clear()
+            return "shrunk"
+
+    shrinking.append(Shrinker())
+    record = (1, 1, 0, False, "outer", 1, 1, 2, {"m": Meddler(), "l": shrinking}, None, None, "")
+    trace_recorder.configure(Sampler(), native.add)
+    native.set_buffer(1000, 512, None)
+    dropped = native.dropped()
+    try:
+        native.add(record)
+        n, data = native.take()
+    finally:
+        native.set_buffer(0, 512, None)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    assert inside == [(0, b"")] and n == 1 and native.dropped() - dropped == 3  # the add, the root and its leaf
+    assert data == trace_otlp.spans([(1, 1, 0, False, "outer", 1, 1, 2, {"m": "meddled", "l": [1, 2, 3, "shrunk"]},
+                                      None, None, "")])
+
+
+def test_a_failing_value_loses_its_span_not_the_request():
+    """close_call and leaf never raise into the request path: a value whose str() fails loses its span (counted)."""
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+
+    class Broken:
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    trace_recorder.configure(Sampler(), native.add)
+    native.set_buffer(1000, 512, None)
+    dropped = native.dropped()
+    try:
+        root = native.root()
+        call = native.open_call()
+        native.close_call(call, "worker Generate", CLIENT, ("worker",), (Broken(),))
+        native.leaf("route", 1, 1, ("policy",), (Broken(),))
+        root.finish("POST /generate", (), ())
+        n, _ = native.take()
+    finally:
+        native.set_buffer(0, 512, None)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    assert n == 1 and native.dropped() - dropped == 2
+
+
+def test_the_native_encoding_follows_trace_otlp_on_odd_input():
+    """Where a record is not what the router makes (str subclasses, repeated names, lists for tuples, a tuple of
+    children, deep lists), the bytes are still trace_otlp's of the expanded record."""
+    import enum
+
+    from services.common import trace_otlp
+
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+
+    class Color(str, enum.Enum):
+        RED = "r"
+
+    deep: list = [1]
+    for _ in range(40):
+        deep = [deep]
+    records = [(1, 1, 0, False, "a", 1, 1, 2, {"c": Color.RED}, None, None, "", None),
+               (2, 2, 0, False, "b", 1, 1, 2, (("x", "x", "y"), (1, 2, None)), None, None, "", None),
+               (3, 3, 0, False, "c", 1, 1, 2, (["x", "y"], [1, 2], {"y": 3, "z": 4}), None, None, "", None),
+               (4, 4, 0, False, "d", 1, 1, 2, {}, None, None, "", ((5, "e", 1, 1, 2, {"k": 1}, None, None),)),
+               (6, 6, 0, False, "f", 1, 1, 2, {"deep": deep}, None, None, "", None)]
+    trace_recorder.configure(Sampler(), native.add)
+    native.set_buffer(1000, 512, None)
+    try:
+        for r in records:
+            native.add(r)
+        n, data = native.take()
+    finally:
+        native.set_buffer(0, 512, None)
+        trace_recorder.configure(Sampler(), lambda data: None)
+    assert n == 6 and data == trace_otlp.spans(trace_recorder.expand(records))
+
+
+def test_the_native_recorder_refuses_to_run_unconfigured():
+    code = """
+        from services.common import _spanrec
+        for call in (_spanrec.root, _spanrec.open_call, lambda: _spanrec.leaf("x", 1, 1, (), ())):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "not configured" in str(e)
+            else:
+                raise AssertionError("no error")
+        print("ok")
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
