@@ -2,8 +2,8 @@
 
 `add` (the recorder's sink, any thread) appends a finished span, a Record tuple, to a deque: no lock. With the native
 recorder (`native`, services/common/_spanrec.c), spans are written in C into its buffer as they end instead, already
-encoded as OTLP, and the writer takes the buffer whole: a frame of `O`, the number of spans (4 bytes, little-endian)
-and the spans (ScopeSpans.spans fields), which the exporter only wraps in a request. A daemon thread
+encoded as OTLP, and the writer takes whole records from it, up to a batch a frame: `O`, the number of spans (4
+bytes, little-endian) and the spans (ScopeSpans.spans fields), which the exporter only wraps in a request. A daemon thread
 wakes every OTEL_BSP_SCHEDULE_DELAY ms, or as soon as OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans wait, and writes them to
 the exporter's stdin as one frame: a 4-byte little-endian length, then the list of records, marshalled in one go
 (trace_recorder.encode_batch: what the records share is written once). The exporter encodes OTLP and talks to the
@@ -121,6 +121,8 @@ class SpanPipe:
         native, queue, least = self._native, self._queue, self.batch if full_only else 1
         while native is not None and not self._broken and native.waiting() >= least:
             n, data = native.take(self.batch)
+            if not n:  # a record is being written (its str() calls run Python): it goes with the next frame
+                break
             self._write(n, _FRAME.pack(len(data) + 5) + OTLP_FRAME + _COUNT.pack(n), data)
         while len(queue) >= least and not self._broken:
             n = min(len(queue), self.batch)
