@@ -1125,7 +1125,7 @@ static PyObject *put_context(PyObject *module, PyObject *const *args, Py_ssize_t
         PyObject *tp = call_traceparent(module, opened); /* a Root's trace has no tracestate or baggage to pass on */
         if (tp == NULL)
             return NULL;
-        int rc = PyObject_SetItem(args[0], str_traceparent, tp);
+        int rc = PyObject_SetAttr(args[0], str_traceparent, tp); /* the request's traceparent field */
         Py_DECREF(tp);
         if (rc < 0)
             return NULL;
@@ -1281,7 +1281,7 @@ static PyMethodDef module_methods[] = {
     {"set_attribute", (PyCFunction)(void (*)(void))set_attribute, METH_FASTCALL,
      "tracing.set_attribute: on the current span"},
     {"put_context", (PyCFunction)(void (*)(void))put_context, METH_FASTCALL,
-     "tracing.put_context: an open_call's traceparent into a request's trace_context"},
+     "tracing.put_context: an open_call's traceparent into a request's traceparent field"},
     {"bind", bind, METH_VARARGS,
      "bind(server_span, put_context, set_attribute, propagate): tracing's Python helpers, for what C does not handle"},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, "take(most=all) -> (count, bytes): the spans of the oldest records, at most `most` of them (at least one record), as ScopeSpans.spans fields"},

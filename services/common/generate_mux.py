@@ -90,8 +90,8 @@ async def serve(requests: AsyncIterator[worker_pb2.GenerateStreamRequest], conte
         request_id_var.set(rid or "-")
         code, details = grpc.StatusCode.OK, ""
         # the server span a Generate call with this trace context would get (services/common/trace_grpc.py)
-        span = tracing.root_span(GENERATE, dict(request.trace_context), **SPAN_ATTRIBUTES) \
-            if request.trace_context and tracing.enabled() else contextlib.nullcontext()
+        carried = tracing.carried_context(request)
+        span = contextlib.nullcontext() if carried is None else tracing.root_span(GENERATE, carried, **SPAN_ATTRIBUTES)
         try:
             with span:
                 await generate(request, RequestContext(context), emit)

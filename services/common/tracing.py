@@ -279,22 +279,35 @@ def metadata_for(s):
 
 
 def put_context(target, s) -> bool:
-    """Write span `s`'s context (W3C traceparent, tracestate, baggage) into `target`, a request's
-    `map<string, string> trace_context` or a dict; False (nothing written) for None or with tracecontext
-    propagation off. Writing the map directly costs a quarter of building gRPC metadata and copying it over."""
+    """Write span `s`'s context (W3C traceparent, tracestate, baggage) into `target`'s fields of those names (a
+    GenerateRequest or TokenizeRequest sent over a stream: see carried_context); False (nothing written) for None
+    or with tracecontext propagation off. Setting the fields costs a quarter of building gRPC metadata."""
     if s is None or _propagation is None or not _propagation.tracecontext:
         return False
     if type(s) is tuple:  # an open_call, the router's calls: inline, as its every request makes one
-        target["traceparent"] = _call_traceparent(s)
+        target.traceparent = _call_traceparent(s)
         o = s[0].origin
     else:
-        target["traceparent"], o = _context_of(s)
+        target.traceparent, o = _context_of(s)
     if o is not None:
         if o.tracestate:
-            target["tracestate"] = o.tracestate
+            target.tracestate = o.tracestate
         if o.baggage and _propagation.baggage:
-            target["baggage"] = o.baggage
+            target.baggage = o.baggage
     return True
+
+
+def clear_context(target) -> None:
+    """Undo put_context: `target`'s traceparent, tracestate and baggage fields emptied."""
+    target.traceparent = target.tracestate = target.baggage = ""
+
+
+def carried_context(request) -> dict[str, str] | None:
+    """The W3C context a request received over a stream carries in its traceparent, tracestate and baggage fields
+    (put_context), as the headers root_span reads; None when it carries none or tracing is off."""
+    if not request.traceparent or _pipe is None:
+        return None
+    return {"traceparent": request.traceparent, "tracestate": request.tracestate, "baggage": request.baggage}
 
 
 def current_metadata():

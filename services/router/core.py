@@ -324,7 +324,7 @@ class Router:
         when the worker has one; otherwise a Generate call of its own."""
         mux = worker.mux
         if mux is not None and not self.settings.disable_generate_stream and await mux.open():
-            tracing.put_context(request.trace_context, span)  # a retry's overwrites its predecessor's
+            tracing.put_context(request, span)  # a retry's overwrites its predecessor's
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))

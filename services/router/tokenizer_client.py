@@ -92,12 +92,12 @@ class TokenizerClient:
         if span is None:
             span = tracing.current_span()
         if await self.batcher.open():
-            if span is None or not tracing.put_context(request.trace_context, span):
+            if span is None or not tracing.put_context(request, span):
                 return await self.batcher.submit(request)
             try:  # the context travels in the request, which is given back as it came (a retry's cache key)
                 return await self.batcher.submit(request)
             finally:
-                request.ClearField("trace_context")
+                tracing.clear_context(request)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.metadata_for(span))
         except grpc.aio.AioRpcError as e:

@@ -58,8 +58,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         results = []
         for request in requests:
             method = f"tokenize_{request.WhichOneof('input') or 'none'}"
-            span = tracing.root_span(TOKENIZE, dict(request.trace_context), **SPAN_ATTRIBUTES) \
-                if request.trace_context and tracing.enabled() else contextlib.nullcontext()
+            carried = tracing.carried_context(request)
+            span = contextlib.nullcontext() if carried is None else tracing.root_span(TOKENIZE, carried,
+                                                                                      **SPAN_ATTRIBUTES)
             try:
                 with span, self._observe(method):
                     out = self._tokenize_one(request)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from services.common import trace_recorder
 from services.common.trace_context import Propagation, Sampler, extract, parse_traceparent, traceparent
 from services.common.trace_recorder import CLIENT, CURRENT, Child, Record, Span
@@ -234,9 +235,13 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
     with Span("root", 2, {}, None) as root:
         recorder.leaf("route", 1, 5, names, ("p", "w", None))
         call = recorder.open_call()
-        carrier: dict = {}
+        carrier = worker_pb2.GenerateRequest()
         assert tracing.put_context(carrier, call)
-        assert carrier["traceparent"] == f"00-{root.trace_id:032x}-{call[1]:016x}-01"
+        assert carrier.traceparent == f"00-{root.trace_id:032x}-{call[1]:016x}-01"
+        assert tracing.carried_context(carrier) == {"traceparent": carrier.traceparent, "tracestate": "",
+                                                    "baggage": ""}
+        tracing.clear_context(carrier)
+        assert carrier == worker_pb2.GenerateRequest() and tracing.carried_context(carrier) is None
         recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",), ValueError("bad"))
         cancelled = recorder.open_call()
         recorder.close_call(cancelled, "tokenize", CLIENT, ("prompt_tokens",), (None,), asyncio.CancelledError())
@@ -261,8 +266,8 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
     with unsampled:
         recorder.leaf("route", 1, 5, names, ("p", "w", 0))
         quiet = recorder.open_call()
-        carrier = {}
-        assert tracing.put_context(carrier, quiet) and carrier["traceparent"].endswith("-00")
+        carrier = tokenizer_pb2.TokenizeRequest()
+        assert tracing.put_context(carrier, quiet) and carrier.traceparent.endswith("-00")
         recorder.close_call(quiet, "worker Generate", CLIENT, ("worker",), ("w",))
     assert records == []
     remote = Span.remote(extract({"traceparent": f"00-{7:032x}-{9:016x}-01"}, Propagation()))
