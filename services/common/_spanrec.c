@@ -180,8 +180,9 @@ static inline int w_fixed64(char tag, uint64_t v) {
 }
 
 static inline void put_be64(uint64_t v) { /* after a reserve */
-    for (int i = 7; i >= 0; i--)
-        buf[buf_len++] = (char)((v >> (8 * i)) & 0xff);
+    v = __builtin_bswap64(v); /* big-endian, from a little-endian host */
+    memcpy(buf + buf_len, &v, 8);
+    buf_len += 8;
 }
 
 /* a length-delimited field whose length is known once its payload is written: open writes the tag and a one-byte
@@ -319,9 +320,20 @@ static struct {
     Py_ssize_t n;
 } keys[KEY_SLOTS];
 
+#define KEY_PROBES 8 /* slots a name may take, from its hash on: two names that share a slot both stay */
+
 static int w_key(PyObject *name) {
-    size_t slot = ((uintptr_t)name >> 4) % KEY_SLOTS;
-    if (keys[slot].name != name) {
+    size_t home = ((uintptr_t)name >> 4) % KEY_SLOTS, slot = home;
+    for (int i = 0; i < KEY_PROBES; i++) {
+        size_t at = (home + (size_t)i) % KEY_SLOTS;
+        if (keys[at].name == name)
+            return w_raw(keys[at].data, keys[at].n);
+        if (keys[at].name == NULL) { /* never taken: the name is not further on either */
+            slot = at;
+            break;
+        }
+    }
+    {
         PyObject *text = PyUnicode_Check(name) ? (Py_INCREF(name), name) : PyObject_Str(name);
         if (text == NULL)
             return -1;
@@ -347,7 +359,6 @@ static int w_key(PyObject *name) {
         keys[slot].n = buf_len - mark;
         return 0;
     }
-    return w_raw(keys[slot].data, keys[slot].n);
 }
 
 static int w_attribute(char tag, PyObject *name, PyObject *value) { /* a KeyValue; None values are left out */
