@@ -11,7 +11,7 @@
  *                                   restores the span before it and records it, with its children
  *   open_call() / close_call(...)   a client span whose context goes with a call, ended into its parent's record
  *   leaf(...)                       a finished child of the current span (a routing decision)
- *   server_span, put_context, set_attribute
+ *   server_span, put_context, set_attribute, clear_context
  *                                   services.common.tracing's helpers of those names, for a Root
  *   call_traceparent(opened)        the W3C traceparent of an open_call
  *   traceparent(trace_id, span_id, sampled)
@@ -322,50 +322,118 @@ static struct {
 
 #define KEY_PROBES 8 /* slots a name may take, from its hash on: two names that share a slot both stay */
 
-static int w_key(PyObject *name) {
+/* the encoded key field of attribute `name` (*data, *n), from the cache (made and kept on a miss) */
+static int key_bytes(PyObject *name, const char **data, Py_ssize_t *n) {
     size_t home = ((uintptr_t)name >> 4) % KEY_SLOTS, slot = home;
     for (int i = 0; i < KEY_PROBES; i++) {
         size_t at = (home + (size_t)i) % KEY_SLOTS;
-        if (keys[at].name == name)
-            return w_raw(keys[at].data, keys[at].n);
+        if (keys[at].name == name) {
+            *data = keys[at].data, *n = keys[at].n;
+            return 0;
+        }
         if (keys[at].name == NULL) { /* never taken: the name is not further on either */
             slot = at;
             break;
         }
     }
-    {
-        PyObject *text = PyUnicode_Check(name) ? (Py_INCREF(name), name) : PyObject_Str(name);
-        if (text == NULL)
-            return -1;
-        int dotted = PyUnicode_FindChar(text, '.', 0, PyUnicode_GET_LENGTH(text), 1) >= 0;
-        PyObject *full = dotted ? (Py_INCREF(text), text) : PyUnicode_FromFormat("radixmesh.%U", text);
-        Py_DECREF(text);
-        if (full == NULL)
-            return -1;
-        Py_ssize_t mark = buf_len;
-        int rc = w_str_field(0x0a, full);
-        Py_DECREF(full);
-        if (rc < 0)
-            return -1;
-        char *copy = PyMem_Malloc((size_t)(buf_len - mark));
-        if (copy == NULL)
-            return 0; /* written, just not kept */
-        memcpy(copy, buf + mark, (size_t)(buf_len - mark));
-        Py_XDECREF(keys[slot].name);
-        PyMem_Free(keys[slot].data);
-        Py_INCREF(name);
-        keys[slot].name = name;
-        keys[slot].data = copy;
-        keys[slot].n = buf_len - mark;
+    PyObject *text = PyUnicode_Check(name) ? (Py_INCREF(name), name) : PyObject_Str(name);
+    if (text == NULL)
+        return -1;
+    int dotted = PyUnicode_FindChar(text, '.', 0, PyUnicode_GET_LENGTH(text), 1) >= 0;
+    PyObject *full = dotted ? (Py_INCREF(text), text) : PyUnicode_FromFormat("radixmesh.%U", text);
+    Py_DECREF(text);
+    if (full == NULL)
+        return -1;
+    /* encoded through the buffer's writer, after the buffer's end, then moved out */
+    Py_ssize_t mark = buf_len;
+    int rc = w_str_field(0x0a, full);
+    Py_DECREF(full);
+    if (rc < 0)
+        return -1;
+    Py_ssize_t size = buf_len - mark;
+    buf_len = mark;
+    char *copy = PyMem_Malloc((size_t)size);
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, buf + mark, (size_t)size);
+    Py_XDECREF(keys[slot].name);
+    PyMem_Free(keys[slot].data);
+    Py_INCREF(name);
+    keys[slot].name = name;
+    keys[slot].data = copy;
+    keys[slot].n = size;
+    *data = copy, *n = size;
+    return 0;
+}
+
+/* A KeyValue whose value is an ASCII str, an int64 or a bool and whose lengths all fit one byte, in one go: the
+ * bytes w_attribute's general path writes for it. 1: written; 0: not that case. */
+static int w_short_attribute(char tag, const char *key, Py_ssize_t kn, PyObject *value) {
+    char scalar[11]; /* an int or bool value: its AnyValue field's tag and varint */
+    const char *payload;
+    Py_ssize_t pn; /* the AnyValue message's size */
+    if (PyUnicode_CheckExact(value) && PyUnicode_IS_COMPACT_ASCII(value) && PyUnicode_GET_LENGTH(value) < 0x80) {
+        payload = (const char *)PyUnicode_DATA(value);
+        pn = 2 + PyUnicode_GET_LENGTH(value);
+    } else if (value == Py_True || value == Py_False) {
+        scalar[0] = 0x10, scalar[1] = value == Py_True;
+        payload = scalar, pn = 2;
+    } else if (PyLong_CheckExact(value)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow || (x == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+        uint64_t v = (uint64_t)x;
+        pn = 1;
+        scalar[0] = 0x18;
+        while (v >= 0x80) {
+            scalar[pn++] = (char)((v & 0x7f) | 0x80);
+            v >>= 7;
+        }
+        scalar[pn++] = (char)v;
+        payload = scalar;
+    } else {
         return 0;
     }
+    Py_ssize_t kvn = kn + 2 + pn;
+    if (kvn >= 0x80)
+        return 0;
+    if (reserve(2 + kvn) < 0)
+        return -1;
+    char *p = buf + buf_len;
+    *p++ = tag;
+    *p++ = (char)kvn;
+    memcpy(p, key, (size_t)kn);
+    p += kn;
+    *p++ = 0x12;
+    *p++ = (char)pn;
+    if (payload == scalar) {
+        memcpy(p, scalar, (size_t)pn);
+    } else {
+        *p++ = 0x0a;
+        *p++ = (char)(pn - 2);
+        memcpy(p, payload, (size_t)(pn - 2));
+    }
+    buf_len += 2 + kvn;
+    return 1;
 }
 
 static int w_attribute(char tag, PyObject *name, PyObject *value) { /* a KeyValue; None values are left out */
     if (value == Py_None)
         return 0;
+    const char *key;
+    Py_ssize_t kn;
+    if (key_bytes(name, &key, &kn) < 0)
+        return -1;
+    int done = w_short_attribute(tag, key, kn, value);
+    if (done != 0)
+        return done < 0 ? -1 : 0;
     Py_ssize_t kv, any;
-    if (open_field(tag, &kv) < 0 || w_key(name) < 0 || open_field(0x12, &any) < 0 || w_any(value, 0) < 0 ||
+    if (open_field(tag, &kv) < 0 || w_raw(key, kn) < 0 || open_field(0x12, &any) < 0 || w_any(value, 0) < 0 ||
         close_field(any) < 0)
         return -1;
     return close_field(kv);
@@ -393,9 +461,16 @@ static PyObject *attributes_of; /* trace_recorder._attributes: any attributes as
 static PyObject *distinct_names[NAMES_SLOTS];
 
 static int names_distinct(PyObject *names) {
-    size_t slot = ((uintptr_t)names >> 4) % NAMES_SLOTS;
-    if (distinct_names[slot] == names)
-        return 1;
+    size_t home = ((uintptr_t)names >> 4) % NAMES_SLOTS, slot = home;
+    for (int i = 0; i < KEY_PROBES; i++) { /* probed as the keys are */
+        size_t at = (home + (size_t)i) % NAMES_SLOTS;
+        if (distinct_names[at] == names)
+            return 1;
+        if (distinct_names[at] == NULL) {
+            slot = at;
+            break;
+        }
+    }
     Py_ssize_t n = PyTuple_GET_SIZE(names);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *a = PyTuple_GET_ITEM(names, i);
@@ -1097,7 +1172,7 @@ static PyObject *call_traceparent(PyObject *module, PyObject *opened) {
 
 /* ---- tracing's helpers for the router's call sites (bind), with their Python versions for the rest ---- */
 
-static PyObject *py_server_span, *py_put_context, *py_set_attribute, *str_traceparent;
+static PyObject *py_server_span, *py_put_context, *py_set_attribute, *py_clear_context, *str_traceparent, *empty_str;
 static int propagate = 1; /* OTEL_PROPAGATORS has tracecontext */
 
 static PyObject *server_span(PyObject *module, PyObject *headers) {
@@ -1145,11 +1220,27 @@ static PyObject *put_context(PyObject *module, PyObject *const *args, Py_ssize_t
     return not_configured(py_put_context) ? NULL : PyObject_Vectorcall(py_put_context, args, (size_t)nargs, NULL);
 }
 
-static PyObject *bind(PyObject *module, PyObject *args) {
-    PyObject *ss, *pc, *sa;
-    int prop;
-    if (!PyArg_ParseTuple(args, "OOOp", &ss, &pc, &sa, &prop))
+static PyObject *clear_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "clear_context(target, span)");
         return NULL;
+    }
+    PyObject *opened = args[1];
+    if (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 && Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType) {
+        if (PyObject_SetAttr(args[0], str_traceparent, empty_str) < 0) /* all put_context wrote for a Root's call */
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    return not_configured(py_clear_context) ? NULL : PyObject_Vectorcall(py_clear_context, args, (size_t)nargs, NULL);
+}
+
+static PyObject *bind(PyObject *module, PyObject *args) {
+    PyObject *ss, *pc, *sa, *cc;
+    int prop;
+    if (!PyArg_ParseTuple(args, "OOOOp", &ss, &pc, &sa, &cc, &prop))
+        return NULL;
+    Py_INCREF(cc);
+    Py_XSETREF(py_clear_context, cc);
     Py_INCREF(ss);
     Py_XSETREF(py_server_span, ss);
     Py_INCREF(pc);
@@ -1293,8 +1384,10 @@ static PyMethodDef module_methods[] = {
      "tracing.set_attribute: on the current span"},
     {"put_context", (PyCFunction)(void (*)(void))put_context, METH_FASTCALL,
      "tracing.put_context: an open_call's traceparent into a request's traceparent field"},
+    {"clear_context", (PyCFunction)(void (*)(void))clear_context, METH_FASTCALL,
+     "tracing.clear_context: what put_context wrote into a request, emptied"},
     {"bind", bind, METH_VARARGS,
-     "bind(server_span, put_context, set_attribute, propagate): tracing's Python helpers, for what C does not handle"},
+     "bind(server_span, put_context, set_attribute, clear_context, propagate): tracing's Python helpers, for what C does not handle"},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, "take(most=all) -> (count, bytes): the spans of the oldest records, at most `most` of them (at least one record), as ScopeSpans.spans fields"},
     {"dropped", dropped, METH_NOARGS, "records dropped so far (the buffer was full)"},
     {"waiting", waiting, METH_NOARGS, "records in the buffer"},
@@ -1322,7 +1415,8 @@ PyMODINIT_FUNC PyInit__spanrec(void) {
     pthread_atfork(NULL, NULL, reseed_in_child);
     zero = PyLong_FromLong(0);
     str_traceparent = PyUnicode_InternFromString("traceparent");
-    if (zero == NULL || str_traceparent == NULL)
+    empty_str = PyUnicode_New(0, 0);
+    if (zero == NULL || str_traceparent == NULL || empty_str == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)

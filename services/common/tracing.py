@@ -80,7 +80,8 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     returns whether it is. Call once, before channels and servers are created (they pick their interceptors then).
     Spans still buffered are exported at interpreter exit (shutdown_tracing)."""
     global _pipe, _Span, _Child, _Root, _current, _propagation, _Metadata, _extract, _role
-    global _call_traceparent, _new_root, open_call, close_call, leaf, clock, server_span, put_context, set_attribute
+    global _call_traceparent, _new_root, open_call, close_call, leaf, clock
+    global server_span, put_context, set_attribute, clear_context
     if not settings.enabled or _pipe is not None:
         return _pipe is not None
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -106,7 +107,8 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
     propagation = Propagation.from_env()
     if native is not None:  # the router's call sites in C, with this module's functions for what C leaves to them
         native.bind(*_PYTHON_HELPERS, propagation.tracecontext)
-        server_span, put_context, set_attribute = native.server_span, native.put_context, native.set_attribute
+        server_span, put_context, set_attribute, clear_context = (
+            native.server_span, native.put_context, native.set_attribute, native.clear_context)
     _pipe, _Span, _Child, _current, _propagation, _Metadata, _extract, _role = (
         pipe, trace_recorder.Span, trace_recorder.Child, trace_recorder.CURRENT, propagation, Metadata, extract, role)
     logs.trace_id_source = current_trace_id
@@ -120,10 +122,10 @@ def setup_tracing(settings: TraceSettings, role: str) -> bool:
 def shutdown_tracing() -> None:
     """Export what is buffered and stop: the exporter process exports the rest and exits (bounded by
     OTEL_BSP_EXPORT_TIMEOUT, default 30 s; then it is killed). Also done at interpreter exit."""
-    global _pipe, _role, server_span, put_context, set_attribute
+    global _pipe, _role, server_span, put_context, set_attribute, clear_context
     pipe = _pipe
     _pipe, _role = None, ""  # the other globals stay bound: a span made by a racing thread still works
-    server_span, put_context, set_attribute = _PYTHON_HELPERS
+    server_span, put_context, set_attribute, clear_context = _PYTHON_HELPERS
     logs.trace_id_source = None
     if pipe is not None:
         from services.common.trace_pipe import env_int
@@ -297,8 +299,8 @@ def put_context(target, s) -> bool:
     return True
 
 
-def clear_context(target) -> None:
-    """Undo put_context: `target`'s traceparent, tracestate and baggage fields emptied."""
+def clear_context(target, s) -> None:
+    """Undo put_context(target, s): `target`'s traceparent, tracestate and baggage fields emptied."""
     target.traceparent = target.tracestate = target.baggage = ""
 
 
@@ -337,7 +339,7 @@ def set_attributes(**attributes: Any) -> None:
 
 
 # The Python versions of the helpers the native recorder takes over while tracing is on (setup_tracing)
-_PYTHON_HELPERS = (server_span, put_context, set_attribute)
+_PYTHON_HELPERS = (server_span, put_context, set_attribute, clear_context)
 
 
 def add_event(name: str, **attributes: Any) -> None:

@@ -97,7 +97,7 @@ class TokenizerClient:
             try:  # the context travels in the request, which is given back as it came (a retry's cache key)
                 return await self.batcher.submit(request)
             finally:
-                tracing.clear_context(request)
+                tracing.clear_context(request, span)
         try:
             return await self.stub.Tokenize(request, timeout=self.timeout_s, metadata=tracing.metadata_for(span))
         except grpc.aio.AioRpcError as e:

@@ -44,7 +44,7 @@ def _tracing_on(monkeypatch, recorder) -> None:
         monkeypatch.setattr(tracing, name, value)
     if recorder.kind == "native":  # the call sites' helpers in C too, as setup_tracing binds them
         trace_recorder.native.bind(*tracing._PYTHON_HELPERS, True)
-        for name in ("server_span", "put_context", "set_attribute"):
+        for name in ("server_span", "put_context", "set_attribute", "clear_context"):
             monkeypatch.setattr(tracing, name, getattr(trace_recorder.native, name))
 
 
@@ -240,7 +240,7 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
         assert carrier.traceparent == f"00-{root.trace_id:032x}-{call[1]:016x}-01"
         assert tracing.carried_context(carrier) == {"traceparent": carrier.traceparent, "tracestate": "",
                                                     "baggage": ""}
-        tracing.clear_context(carrier)
+        tracing.clear_context(carrier, call)
         assert carrier == worker_pb2.GenerateRequest() and tracing.carried_context(carrier) is None
         recorder.close_call(call, "worker Generate", CLIENT, ("worker",), ("w",), ValueError("bad"))
         cancelled = recorder.open_call()
@@ -278,6 +278,26 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
         CURRENT.reset(token)
     (r,) = records
     assert (r.trace_id, r.parent_id, r.parent_remote, r.span_id != 0) == (7, 9, True, True)
+
+
+def test_a_call_under_a_callers_span_carries_its_tracestate_and_baggage_until_cleared(records, recorder,
+                                                                                      monkeypatch):
+    """A request sent over a stream carries the context in plain fields (put_context): a trace that came from a
+    caller passes its tracestate and baggage on; clear_context leaves the request as it was, with either recorder
+    (the native one clears a Root's call itself and hands this case to the Python helper)."""
+    from services.common import tracing
+    _tracing_on(monkeypatch, recorder)
+    caller = extract({"traceparent": f"00-{7:032x}-{9:016x}-01", "tracestate": "k=v", "baggage": "user=1"},
+                     Propagation())
+    with Span("server", 2, {}, Span.remote(caller)):
+        call = recorder.open_call()
+    request = tokenizer_pb2.TokenizeRequest(text="x")
+    assert tracing.put_context(request, call)
+    assert request.traceparent == f"00-{7:032x}-{call[1]:016x}-01"
+    assert tracing.carried_context(request) == {"traceparent": request.traceparent, "tracestate": "k=v",
+                                                "baggage": "user=1"}
+    tracing.clear_context(request, call)
+    assert request == tokenizer_pb2.TokenizeRequest(text="x")
 
 
 def test_a_batch_with_values_marshal_cannot_write_goes_as_their_strings():
