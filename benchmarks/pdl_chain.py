@@ -1,5 +1,5 @@
-"""The projections of a decode step alone, chained as the model chains them, in one CUDA graph: cuBLAS (F.linear)
-against kernels.gemv with and without programmatic dependent launch (and its L2 pull of the opening weight columns),
+"""The projections of a decode step alone, chained as the model chains them, in one CUDA graph: cuBLAS (F.linear),
+cuBLASLt (F.linear with PyTorch's BLAS backend switched to it) and kernels.gemv with and without programmatic dependent launch (and its L2 pull of the opening weight columns),
 in ms per chain and as a fraction of the weight-read floor from this run's copy bandwidth.
 
 The chain is the Llama-3.1-8B shape: per layer qkv [6144, 4096] -> o_proj [4096, 4096] -> gate_up [28672, 4096] ->
@@ -48,7 +48,7 @@ def _chain(product, layers, head, x):
 def _variants(configs: list[str]) -> dict:
     """cuBLAS, kernels.gemv with its default tiles and plain launches, and kernels.gemv with PDL per config
     "BLOCK_N up to 8192 columns,BLOCK_N above,BLOCK_K,warps,stages,L2-pulled columns"."""
-    out = {"cublas": lambda x, w: F.linear(x, w), "triton": lambda x, w: gemv(x, w)}
+    out = {"cublas": lambda x, w: F.linear(x, w), "cublaslt": _on_cublaslt, "triton": lambda x, w: gemv(x, w)}
     for text in configs:
         small, large, block_k, warps, stages, pre = (int(v) for v in text.split(","))
 
@@ -57,6 +57,17 @@ def _variants(configs: list[str]) -> dict:
             return gemv(x, w, pdl=True, config=(block_n, min(block_k, w.shape[1]), warps, stages, pre))
         out[f"pdl {text}"] = run
     return out
+
+
+def _on_cublaslt(x, w):
+    """F.linear with PyTorch's BLAS backend set to cuBLASLt for this call (read per call, so a graph captures the
+    cuBLASLt kernel); other calls keep the default (cuBLAS)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 ROLES = {(QKV, HIDDEN): "qkv", (HIDDEN, HIDDEN): "o", (2 * INTER, HIDDEN): "gate_up", (HIDDEN, INTER): "down",
@@ -80,13 +91,13 @@ def _mixes(mixes: list[str]) -> dict:
 
 
 def _role_ms(variants: dict, layers, head, m: int, dev, copy_gbps: float) -> list[dict]:
-    """Each role's products alone, chained (32 of them; the LM head once): cuBLAS and every PDL config, us per
-    product."""
+    """Each role's products alone, chained (32 of them; the LM head once): cuBLAS, cuBLASLt and every PDL config, us
+    per product."""
     rows = []
     x = {k: torch.randn((m, k), device=dev, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
     by_role = {"qkv": [l[0] for l in layers], "o": [l[1] for l in layers], "gate_up": [l[2] for l in layers],
                "down": [l[3] for l in layers], "head": [head]}
-    for name in ("cublas", *[v for v in variants if v.startswith("pdl ")]):
+    for name in ("cublas", "cublaslt", *[v for v in variants if v.startswith("pdl ")]):
         product = variants[name]
         for role, ws in by_role.items():
             ms = _time_graph(lambda: [product(x[w.shape[1]], w) for w in ws])

@@ -485,30 +485,48 @@ static int names_distinct(PyObject *names) {
     return 1;
 }
 
+static int w_named_attributes(char tag, PyObject *names, PyObject *values, PyObject *more);
+
+static int w_via_python(char tag, PyObject *attrs) { /* any other shape, as trace_recorder._attributes reads it */
+    if (attributes_of == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the span recorder is not configured");
+        return -1;
+    }
+    PyObject *d = PyObject_CallOneArg(attributes_of, attrs);
+    if (d == NULL)
+        return -1;
+    int rc = PyDict_Check(d) ? w_dict_attributes(tag, d) : 0;
+    Py_DECREF(d);
+    return rc;
+}
+
 /* attributes as the recorder keeps them: a dict, or (names, values) / (names, values, more as a dict), in the
  * order trace_recorder.expand makes them; shapes other than those (and repeated names) through its _attributes */
 static int w_attributes(char tag, PyObject *attrs) {
     if (PyDict_CheckExact(attrs))
         return w_dict_attributes(tag, attrs);
-    PyObject *names = NULL, *values = NULL, *more = NULL;
     if (PyTuple_CheckExact(attrs) && (PyTuple_GET_SIZE(attrs) == 2 || PyTuple_GET_SIZE(attrs) == 3)) {
-        names = PyTuple_GET_ITEM(attrs, 0), values = PyTuple_GET_ITEM(attrs, 1);
-        more = PyTuple_GET_SIZE(attrs) == 3 ? PyTuple_GET_ITEM(attrs, 2) : NULL;
-    }
-    if (names == NULL || !PyTuple_CheckExact(names) || !PyTuple_CheckExact(values) ||
-        (more != NULL && !PyDict_CheckExact(more)) || !names_distinct(names)) {
-        if (attributes_of == NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "the span recorder is not configured");
-            return -1;
-        }
-        PyObject *d = PyObject_CallOneArg(attributes_of, attrs);
-        if (d == NULL)
-            return -1;
-        int rc = PyDict_Check(d) ? w_dict_attributes(tag, d) : 0;
-        Py_DECREF(d);
+        Py_INCREF(attrs); /* holds names, values and more while values' str() run */
+        int rc = w_named_attributes(tag, PyTuple_GET_ITEM(attrs, 0), PyTuple_GET_ITEM(attrs, 1),
+                                    PyTuple_GET_SIZE(attrs) == 3 ? PyTuple_GET_ITEM(attrs, 2) : NULL);
+        Py_DECREF(attrs);
         return rc;
     }
-    Py_INCREF(attrs); /* holds names, values and more while values' str() run */
+    return w_via_python(tag, attrs);
+}
+
+/* `values` under `names` (distinct str names: a call site's constant), then `more` (a dict, or NULL) where it
+ * names others; the caller holds all three. Other shapes go through trace_recorder._attributes as one tuple. */
+static int w_named_attributes(char tag, PyObject *names, PyObject *values, PyObject *more) {
+    if (!PyTuple_CheckExact(names) || !PyTuple_CheckExact(values) || (more != NULL && !PyDict_CheckExact(more)) ||
+        !names_distinct(names)) {
+        PyObject *attrs = more == NULL ? PyTuple_Pack(2, names, values) : PyTuple_Pack(3, names, values, more);
+        if (attrs == NULL)
+            return -1;
+        int rc = w_via_python(tag, attrs);
+        Py_DECREF(attrs);
+        return rc;
+    }
     Py_ssize_t n = Py_MIN(PyTuple_GET_SIZE(names), PyTuple_GET_SIZE(values));
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
@@ -540,7 +558,6 @@ static int w_attributes(char tag, PyObject *attrs) {
             Py_DECREF(v);
         }
     }
-    Py_DECREF(attrs);
     return rc;
 }
 
@@ -586,10 +603,11 @@ static int w_status(PyObject *status) { /* (code, description) */
 }
 
 /* One span, as a ScopeSpans.spans field holding a Span message (trace_otlp.span's fields, in its order).
- * `tracestate` may be NULL (none); `attrs`, `events`, `status` NULL or None for none. */
+ * `tracestate` may be NULL (none); `attrs`, `events`, `status` NULL or None for none. With `values` (not NULL),
+ * `attrs` is the names tuple of those values (a child's, w_named_attributes), held by the caller. */
 static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id, int remote, PyObject *tracestate,
-                  PyObject *name, uint64_t kind, uint64_t start, uint64_t end, PyObject *attrs, PyObject *events,
-                  PyObject *status) {
+                  PyObject *name, uint64_t kind, uint64_t start, uint64_t end, PyObject *attrs, PyObject *values,
+                  PyObject *events, PyObject *status) {
     Py_ssize_t mark;
     if (open_span_field(&mark) < 0 || reserve(28) < 0)
         return -1;
@@ -611,7 +629,9 @@ static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id
         put_be64(parent_id);
     }
     if (w_text_field(0x2a, name) < 0 || w_varint_field(0x30, kind) < 0 || w_fixed64(0x39, start) < 0 ||
-        w_fixed64(0x41, end) < 0 || (attrs != NULL && attrs != Py_None && w_attributes(0x4a, attrs) < 0) ||
+        w_fixed64(0x41, end) < 0 ||
+        (values != NULL ? w_named_attributes(0x4a, attrs, values, NULL)
+                        : (attrs != NULL && attrs != Py_None) ? w_attributes(0x4a, attrs) : 0) < 0 ||
         w_events(events) < 0 || w_status(status) < 0 || reserve(6) < 0)
         return -1;
     uint32_t flags = remote ? 0x301 : 0x101; /* sampled; bit 8: whether the parent is remote is known; bit 9: it is */
@@ -651,7 +671,7 @@ static int w_children(PyObject *children, uint64_t hi, uint64_t lo, uint64_t par
         rc = (id_of(PyTuple_GET_ITEM(e, 0), &span_id) < 0 || id_of(PyTuple_GET_ITEM(e, 2), &kind) < 0 ||
               id_of(PyTuple_GET_ITEM(e, 3), &start) < 0 || id_of(PyTuple_GET_ITEM(e, 4), &end) < 0 ||
               w_span(hi, lo, span_id ? span_id : new_id(), parent_id, 0, tracestate, PyTuple_GET_ITEM(e, 1), kind,
-                     start, end, PyTuple_GET_ITEM(e, 5), PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
+                     start, end, PyTuple_GET_ITEM(e, 5), NULL, PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
                  ? -1
                  : 0;
         Py_DECREF(e);
@@ -673,7 +693,7 @@ static int w_record(PyObject *r, Py_ssize_t *spans) {
     int remote = PyObject_IsTrue(f[3]);
     if (remote < 0 || u128_of(f[0], &hi, &lo) < 0 || id_of(f[1], &span_id) < 0 || id_of(f[2], &parent_id) < 0 ||
         id_of(f[5], &kind) < 0 || id_of(f[6], &start) < 0 || id_of(f[7], &end) < 0 ||
-        w_span(hi, lo, span_id, parent_id, remote, f[11], f[4], kind, start, end, f[8], f[9], f[10]) < 0)
+        w_span(hi, lo, span_id, parent_id, remote, f[11], f[4], kind, start, end, f[8], NULL, f[9], f[10]) < 0)
         return -1;
     (*spans)++;
     return PyTuple_GET_SIZE(r) == 13 ? w_children(f[12], hi, lo, span_id, f[11], spans) : 0;
@@ -819,7 +839,7 @@ static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end, Py_ss
     Py_XINCREF(status);
     Py_XINCREF(children);
     int rc = w_span(r->hi, r->lo, r->span_id, 0, 0, NULL, name, SERVER, (uint64_t)r->start_ns, (uint64_t)end, attrs,
-                    events, status);
+                    NULL, events, status);
     if (rc == 0) {
         *spans = 1 + r->cn;
         rc = r->clen ? w_raw(r->cbuf, r->clen) : 0;
@@ -906,18 +926,22 @@ static PyObject *root_set_attribute(Root *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+static char hex_pairs[512]; /* byte b's two lowercase hex digits at 2 * b (made at import) */
+
+static inline void put_hex64(Py_UCS1 *p, uint64_t v) {
+    for (int i = 0; i < 8; i++)
+        memcpy(p + 2 * i, hex_pairs + 2 * ((v >> (56 - 8 * i)) & 0xff), 2);
+}
+
 static PyObject *format_traceparent(uint64_t hi, uint64_t lo, uint64_t span_id, int sampled) {
-    static const char hex[] = "0123456789abcdef";
     PyObject *s = PyUnicode_New(55, 127);
     if (s == NULL)
         return NULL;
     Py_UCS1 *p = PyUnicode_1BYTE_DATA(s);
     memcpy(p, "00-", 3);
-    for (int i = 0; i < 16; i++) {
-        p[3 + i] = hex[(hi >> (60 - 4 * i)) & 0xf];
-        p[19 + i] = hex[(lo >> (60 - 4 * i)) & 0xf];
-        p[36 + i] = hex[(span_id >> (60 - 4 * i)) & 0xf];
-    }
+    put_hex64(p + 3, hi);
+    put_hex64(p + 19, lo);
+    put_hex64(p + 36, span_id);
     p[35] = p[52] = '-';
     p[53] = '0';
     p[54] = sampled ? '1' : '0';
@@ -989,9 +1013,6 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     }
     if (id_of(kind, &k) < 0 || id_of(start, &begun) < 0)
         return -1;
-    PyObject *attrs = PyTuple_Pack(2, names, values);
-    if (attrs == NULL)
-        return -1;
     uint64_t end = (uint64_t)now_ns();
     char *saved = buf;
     Py_ssize_t saved_len = buf_len, saved_cap = buf_cap;
@@ -999,8 +1020,8 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     buf = p->cbuf, buf_len = p->clen, buf_cap = p->ccap;
     swapped = 1;
     writing++;
-    int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, attrs, NULL,
-                    NULL);
+    int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, names,
+                    values, NULL, NULL); /* names and values: held by the caller */
     writing--;
     if (rc == 0) {
         p->clen = buf_len;
@@ -1010,7 +1031,6 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     buf = saved, buf_len = saved_len, buf_cap = saved_cap;
     swapped = 0;
     Py_DECREF(p);
-    Py_DECREF(attrs);
     return rc;
 }
 
@@ -1413,6 +1433,10 @@ static void reseed_in_child(void) { /* a forked child: ids of its own, nothing o
 PyMODINIT_FUNC PyInit__spanrec(void) {
     seed_ids();
     pthread_atfork(NULL, NULL, reseed_in_child);
+    for (int b = 0; b < 256; b++) {
+        hex_pairs[2 * b] = "0123456789abcdef"[b >> 4];
+        hex_pairs[2 * b + 1] = "0123456789abcdef"[b & 0xf];
+    }
     zero = PyLong_FromLong(0);
     str_traceparent = PyUnicode_InternFromString("traceparent");
     empty_str = PyUnicode_New(0, 0);
