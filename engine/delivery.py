@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import logging
+import queue
+import threading
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
@@ -148,3 +149,32 @@ async def async_deltas_until_done(deltas: AsyncIterator[dict | None], abort: Cal
                 yield d
     finally:
         abort()
+
+
+# A caller waiting for outputs looks at the scheduler after a second without any. The scheduler hands a request its
+# last output (an abort, when a forward failed) before it stops, so "stopped" is read first and the inbox looked at
+# again after: only a stopped scheduler that left nothing on the way raises. (Checking first and raising lost that
+# abort when the scheduler stopped between the wait's timeout and the check.)
+def next_output(inbox: queue.SimpleQueue, alive: Callable[[], bool], check: Callable[[], None]):
+    """The next item of `inbox`, or None after a second without one; `check()` (it raises) once `alive()` is false
+    and nothing the scheduler put is left."""
+    try:
+        return inbox.get(timeout=1.0)
+    except queue.Empty:
+        stopped = not alive()
+        try:
+            return inbox.get_nowait()
+        except queue.Empty:
+            if stopped:
+                check()
+            return None
+
+
+async def raise_if_stopped(alive: Callable[[], bool], check: Callable[[], None], pending: Callable[[], bool]) -> None:
+    """After a second without output in an event loop: `check()` (it raises) once `alive()` is false and `pending()`
+    is still false after the deliveries the scheduler's mailbox queued before it stopped have run in this loop."""
+    if alive():
+        return
+    await asyncio.sleep(0)  # callbacks queued before this (call_soon_threadsafe) run before it resumes
+    if not pending():
+        check()

@@ -24,7 +24,8 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from engine import shared_memory
 from engine.cache.build import build_cache
 from engine.config import EngineArgs, ModelConfig, resolve_args
-from engine.delivery import async_deltas_until_done, coalesce, deltas_until_done, mailbox_for
+from engine.delivery import (async_deltas_until_done, coalesce, deltas_until_done, mailbox_for, next_output,
+                             raise_if_stopped)
 from engine.early_aborts import EarlyAborts
 from engine.embeddings import EmbeddingCollector, split_inputs
 from engine.model_runner import ModelRunner
@@ -156,6 +157,12 @@ class Engine:
         if not self._thread.is_alive():
             raise RuntimeError("engine is shut down")
 
+    def _next_output(self, inbox: queue.SimpleQueue):
+        return next_output(inbox, lambda: self.alive, self._check_alive)
+
+    async def _raise_if_stopped(self, pending: Callable[[], bool]) -> None:
+        await raise_if_stopped(lambda: self.alive, self._check_alive, pending)
+
     # ---- synchronous API ------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
@@ -205,12 +212,9 @@ class Engine:
 
     def _receive_sync(self, collector: BatchCollector, inbox: queue.SimpleQueue) -> Iterator[dict | None]:
         while not collector.done:
-            try:
-                i, out = inbox.get(timeout=1.0)
-            except queue.Empty:
-                self._check_alive()
-                continue
-            yield collector.record(i, out)
+            got = self._next_output(inbox)
+            if got is not None:
+                yield collector.record(*got)
 
     # ---- asynchronous API -----------------------------------------------------------------------------------
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
@@ -281,7 +285,7 @@ class Engine:
                     async with asyncio.timeout(1.0):
                         await asyncio.shield(done)
                 except TimeoutError:
-                    self._check_alive()
+                    await self._raise_if_stopped(done.done)
             done.result()
         finally:
             if not done.done():  # cancelled, or the scheduler died: nothing more is delivered
@@ -315,7 +319,7 @@ class Engine:
                 async with asyncio.timeout(1.0):
                     i, out = await inbox.get()
             except TimeoutError:
-                self._check_alive()
+                await self._raise_if_stopped(lambda: not inbox.empty())
                 continue
             arrived = [(i, out)]
             while not inbox.empty():
@@ -351,10 +355,9 @@ class Engine:
         self._submit(specs, lambda i: (lambda out: inbox.put((i, out))), None, tenant)
         try:
             while not collector.done:
-                try:
-                    collector.record(*inbox.get(timeout=1.0))
-                except queue.Empty:
-                    self._check_alive()
+                got = self._next_output(inbox)
+                if got is not None:
+                    collector.record(*got)
         finally:  # interrupted: free what is still running
             if not collector.done:
                 self._abort_all(specs)()
@@ -378,7 +381,7 @@ class Engine:
                     async with asyncio.timeout(1.0):
                         collector.record(*await inbox.get())
                 except TimeoutError:
-                    self._check_alive()
+                    await self._raise_if_stopped(lambda: not inbox.empty())
         finally:  # cancelled (a timeout, a dropped client): free what is still running
             if not collector.done:
                 self._abort_all(specs)()

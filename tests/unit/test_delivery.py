@@ -104,3 +104,67 @@ def test_outputs_put_together_wake_each_loop_once_at_the_end():
     assert woken_inside == [[0, 0]]  # nothing woke while the step was still handing outputs over
     assert wakeups == [1, 1]
     assert got == [list(range(0, 100, 2)), list(range(1, 100, 2))]
+
+
+class _Scheduler:
+    """A scheduler's liveness as a waiting caller sees it; `check` raises as Engine._check_alive does."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def alive(self) -> bool:
+        return self.running
+
+    def check(self) -> None:
+        if not self.running:
+            raise RuntimeError("engine scheduler crashed")
+
+
+def test_an_output_put_just_before_the_scheduler_stopped_is_received_not_lost():
+    """The hung-rank race (2026-11-29): the caller's wait times out, the scheduler puts the request's abort and
+    stops, then the caller looks. It gets the abort; only a stopped scheduler with nothing left raises."""
+    import queue
+
+    from engine import delivery
+
+    sched, inbox = _Scheduler(), queue.SimpleQueue()
+
+    class LateQueue:  # the wait times out; the put and the stop land before the caller looks again
+        def get(self, timeout):
+            inbox.put((0, "abort"))
+            sched.running = False
+            raise queue.Empty
+
+        def get_nowait(self):
+            return inbox.get_nowait()
+
+    assert delivery.next_output(LateQueue(), sched.alive, sched.check) == (0, "abort")
+    with pytest.raises(RuntimeError, match="crashed"):
+        delivery.next_output(inbox, sched.alive, sched.check)
+    sched.running = True
+    assert delivery.next_output(inbox, sched.alive, sched.check) is None  # a second without output: wait again
+
+
+def test_a_delivery_queued_before_the_scheduler_stopped_reaches_the_loop_first():
+    """In an event loop: the mailbox delivery the scheduler queued before stopping runs before the check, so the
+    caller finds the output pending instead of raising; with nothing pending it raises."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        sched, inbox = _Scheduler(), asyncio.Queue()
+        box = mailbox_for(loop)
+        done = threading.Event()
+
+        def scheduler():
+            box.put(inbox.put_nowait, (0, "abort"))
+            sched.running = False
+            done.set()
+
+        threading.Thread(target=scheduler).start()
+        await loop.run_in_executor(None, done.wait)
+        await delivery.raise_if_stopped(sched.alive, sched.check, lambda: not inbox.empty())  # no raise
+        assert inbox.get_nowait() == (0, "abort")
+        with pytest.raises(RuntimeError, match="crashed"):
+            await delivery.raise_if_stopped(sched.alive, sched.check, lambda: not inbox.empty())
+
+    from engine import delivery
+    asyncio.run(main())
