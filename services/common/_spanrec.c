@@ -602,11 +602,24 @@ static int w_status(PyObject *status) { /* (code, description) */
     return close_field(mark);
 }
 
+/* A span's attributes: `any` in a shape w_attributes takes (NULL or None: none); or a call site's `values` under
+ * `names` (w_named_attributes), then, where `key` is set, one more: `key` = `value`. The caller holds them. */
+typedef struct {
+    PyObject *any, *names, *values, *key, *value;
+} Attrs;
+
+static int w_attrs(char tag, const Attrs *a) {
+    if (a->names == NULL)
+        return (a->any != NULL && a->any != Py_None) ? w_attributes(tag, a->any) : 0;
+    if (w_named_attributes(tag, a->names, a->values, NULL) < 0)
+        return -1;
+    return a->key != NULL ? w_attribute(tag, a->key, a->value) : 0;
+}
+
 /* One span, as a ScopeSpans.spans field holding a Span message (trace_otlp.span's fields, in its order).
- * `tracestate` may be NULL (none); `attrs`, `events`, `status` NULL or None for none. With `values` (not NULL),
- * `attrs` is the names tuple of those values (a child's, w_named_attributes), held by the caller. */
+ * `tracestate` may be NULL (none); `events`, `status` NULL or None for none. */
 static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id, int remote, PyObject *tracestate,
-                  PyObject *name, uint64_t kind, uint64_t start, uint64_t end, PyObject *attrs, PyObject *values,
+                  PyObject *name, uint64_t kind, uint64_t start, uint64_t end, const Attrs *attrs,
                   PyObject *events, PyObject *status) {
     Py_ssize_t mark;
     if (open_span_field(&mark) < 0 || reserve(28) < 0)
@@ -629,9 +642,7 @@ static int w_span(uint64_t hi, uint64_t lo, uint64_t span_id, uint64_t parent_id
         put_be64(parent_id);
     }
     if (w_text_field(0x2a, name) < 0 || w_varint_field(0x30, kind) < 0 || w_fixed64(0x39, start) < 0 ||
-        w_fixed64(0x41, end) < 0 ||
-        (values != NULL ? w_named_attributes(0x4a, attrs, values, NULL)
-                        : (attrs != NULL && attrs != Py_None) ? w_attributes(0x4a, attrs) : 0) < 0 ||
+        w_fixed64(0x41, end) < 0 || w_attrs(0x4a, attrs) < 0 ||
         w_events(events) < 0 || w_status(status) < 0 || reserve(6) < 0)
         return -1;
     uint32_t flags = remote ? 0x301 : 0x101; /* sampled; bit 8: whether the parent is remote is known; bit 9: it is */
@@ -668,10 +679,11 @@ static int w_children(PyObject *children, uint64_t hi, uint64_t lo, uint64_t par
             break;
         }
         Py_INCREF(e);
+        Attrs attrs = {PyTuple_GET_ITEM(e, 5)};
         rc = (id_of(PyTuple_GET_ITEM(e, 0), &span_id) < 0 || id_of(PyTuple_GET_ITEM(e, 2), &kind) < 0 ||
               id_of(PyTuple_GET_ITEM(e, 3), &start) < 0 || id_of(PyTuple_GET_ITEM(e, 4), &end) < 0 ||
               w_span(hi, lo, span_id ? span_id : new_id(), parent_id, 0, tracestate, PyTuple_GET_ITEM(e, 1), kind,
-                     start, end, PyTuple_GET_ITEM(e, 5), NULL, PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
+                     start, end, &attrs, PyTuple_GET_ITEM(e, 6), PyTuple_GET_ITEM(e, 7)) < 0)
                  ? -1
                  : 0;
         Py_DECREF(e);
@@ -690,10 +702,11 @@ static int w_record(PyObject *r, Py_ssize_t *spans) {
     }
     PyObject *const *f = &PyTuple_GET_ITEM(r, 0);
     uint64_t hi, lo, span_id, parent_id, kind, start, end;
+    Attrs attrs = {f[8]};
     int remote = PyObject_IsTrue(f[3]);
     if (remote < 0 || u128_of(f[0], &hi, &lo) < 0 || id_of(f[1], &span_id) < 0 || id_of(f[2], &parent_id) < 0 ||
         id_of(f[5], &kind) < 0 || id_of(f[6], &start) < 0 || id_of(f[7], &end) < 0 ||
-        w_span(hi, lo, span_id, parent_id, remote, f[11], f[4], kind, start, end, f[8], NULL, f[9], f[10]) < 0)
+        w_span(hi, lo, span_id, parent_id, remote, f[11], f[4], kind, start, end, &attrs, f[9], f[10]) < 0)
         return -1;
     (*spans)++;
     return PyTuple_GET_SIZE(r) == 13 ? w_children(f[12], hi, lo, span_id, f[11], spans) : 0;
@@ -754,6 +767,10 @@ typedef struct {
     long long start_ns;
     char sampled, recording;
     PyObject *attributes, *events, *status, *children, *token;
+    /* the value of attribute "request_id" while it is the only attribute set (every request sets it): kept here, not
+     * in a dict made for it (`attributes` makes the dict when Python code asks for it, root_set_attribute when
+     * another attribute comes) */
+    PyObject *request_id;
     /* children ended through close_call / leaf while it was open, already written (buffer mode): `cn` entries in
      * `cbuf` [0, clen); those Python code ended go into `children` */
     char *cbuf;
@@ -790,7 +807,7 @@ static PyObject *root_new(PyObject *module, PyObject *unused) {
     r->sampled = r->recording = bound_all || r->lo < bound;
     r->start_ns = now_ns();
     r->attributes = r->events = r->status = r->children = NULL;
-    r->token = NULL;
+    r->token = r->request_id = NULL;
     r->cbuf = NULL;
     r->clen = r->ccap = r->cn = 0;
     PyObject_GC_Track(r);
@@ -809,6 +826,7 @@ static int root_traverse(Root *r, visitproc visit, void *arg) {
     Py_VISIT(r->status);
     Py_VISIT(r->children);
     Py_VISIT(r->token);
+    Py_VISIT(r->request_id);
     return 0;
 }
 
@@ -818,6 +836,7 @@ static int root_clear(Root *r) {
     Py_CLEAR(r->status);
     Py_CLEAR(r->children);
     Py_CLEAR(r->token);
+    Py_CLEAR(r->request_id);
     return 0;
 }
 
@@ -832,14 +851,14 @@ static void root_dealloc(Root *r) {
 
 /* the record of a finished Root: trace_recorder.Record's fields, in order */
 /* a finished Root's spans: its own, then its children (those written as they ended, then those in `children`) */
-static int w_root(Root *r, PyObject *name, PyObject *attrs, long long end, Py_ssize_t *spans) {
+static int w_root(Root *r, PyObject *name, const Attrs *attrs, long long end, Py_ssize_t *spans) {
     /* held while written: the span's fields can be set again by Python code that runs meanwhile */
     PyObject *events = r->events, *status = r->status, *children = r->children;
     Py_XINCREF(events);
     Py_XINCREF(status);
     Py_XINCREF(children);
     int rc = w_span(r->hi, r->lo, r->span_id, 0, 0, NULL, name, SERVER, (uint64_t)r->start_ns, (uint64_t)end, attrs,
-                    NULL, events, status);
+                    events, status);
     if (rc == 0) {
         *spans = 1 + r->cn;
         rc = r->clen ? w_raw(r->cbuf, r->clen) : 0;
@@ -856,14 +875,50 @@ static Py_ssize_t children_of(PyObject *children) {
     return (children != NULL && children != Py_None && PyList_Check(children)) ? PyList_GET_SIZE(children) : 0;
 }
 
+static PyObject *str_request_id;
+
+/* the request_id slot moved into the attributes dict (made for it), as Python code and other attributes expect */
+static int root_materialize(Root *r) {
+    if (r->request_id == NULL)
+        return 0;
+    PyObject *d = PyDict_New();
+    if (d == NULL || PyDict_SetItem(d, str_request_id, r->request_id) < 0) {
+        Py_XDECREF(d);
+        return -1;
+    }
+    Py_XSETREF(r->attributes, d);
+    Py_CLEAR(r->request_id);
+    return 0;
+}
+
+static int names_hold(PyObject *names, PyObject *key) { /* whether the names tuple holds str `key` */
+    for (Py_ssize_t i = 0; PyTuple_CheckExact(names) && i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *n = PyTuple_GET_ITEM(names, i);
+        if (n == key || (PyUnicode_Check(n) && PyUnicode_Compare(n, key) == 0))
+            return 1;
+    }
+    PyErr_Clear();
+    return 0;
+}
+
 static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *values, long long end) {
-    PyObject *attrs = (r->attributes == NULL || r->attributes == Py_None) ? PyTuple_Pack(2, names, values)
-                                                                           : PyTuple_Pack(3, names, values, r->attributes);
-    if (attrs == NULL) {
+    /* the request_id slot goes after the names' attributes, where a dict holding only it would put it */
+    if (r->request_id != NULL && (sink != NULL || names_hold(names, str_request_id)) && root_materialize(r) < 0) {
         PyErr_Clear();
         buf_dropped += 1 + r->cn + children_of(r->children);
         return;
     }
+    int dict = r->attributes != NULL && r->attributes != Py_None; /* then the slot is empty */
+    PyObject *attrs = NULL;
+    if (dict || sink != NULL) {
+        attrs = dict ? PyTuple_Pack(3, names, values, r->attributes) : PyTuple_Pack(2, names, values);
+        if (attrs == NULL) {
+            PyErr_Clear();
+            buf_dropped += 1 + r->cn + children_of(r->children);
+            return;
+        }
+    }
+    Attrs general = {attrs}, fast = {NULL, names, values, r->request_id ? str_request_id : NULL, r->request_id};
     if (sink != NULL) {
         PyObject *trace_id = u128_object(r->hi, r->lo);
         PyObject *record = trace_id == NULL ? NULL : Py_BuildValue(
@@ -875,14 +930,17 @@ static void record_root(Root *r, PyObject *name, PyObject *names, PyObject *valu
         buf_dropped += 1 + r->cn + children_of(r->children);
     } else {
         Py_ssize_t mark = buf_len, spans = 0;
+        PyObject *rid = r->request_id; /* held while written: Python code may set it again meanwhile */
+        Py_XINCREF(rid);
         writing++;
-        int rc = w_root(r, name, attrs, end, &spans);
+        int rc = w_root(r, name, attrs != NULL ? &general : &fast, end, &spans);
         writing--;
+        Py_XDECREF(rid);
         if (rc < 0)
             spans = 1 + r->cn + children_of(r->children);
         written(mark, rc, spans);
     }
-    Py_DECREF(attrs);
+    Py_XDECREF(attrs);
 }
 
 static PyObject *root_finish(Root *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -915,6 +973,14 @@ static PyObject *root_set_attribute(Root *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "set_attribute(key, value)");
         return NULL;
     }
+    int none = self->attributes == NULL || self->attributes == Py_None;
+    if (none && args[0] == str_request_id) {
+        Py_INCREF(args[1]);
+        Py_XSETREF(self->request_id, args[1]);
+        Py_RETURN_NONE;
+    }
+    if (root_materialize(self) < 0)
+        return NULL;
     if (self->attributes == NULL || self->attributes == Py_None) {
         PyObject *d = PyDict_New();
         if (d == NULL)
@@ -924,6 +990,19 @@ static PyObject *root_set_attribute(Root *self, PyObject *const *args, Py_ssize_
     if (PyObject_SetItem(self->attributes, args[0], args[1]) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *root_get_attributes(Root *self, void *c) {
+    if (root_materialize(self) < 0)
+        return NULL;
+    return Py_NewRef(or_none(self->attributes));
+}
+
+static int root_set_attributes(Root *self, PyObject *value, void *c) {
+    Py_CLEAR(self->request_id); /* replaced with the rest */
+    Py_XINCREF(value);
+    Py_XSETREF(self->attributes, value);
+    return 0;
 }
 
 static char hex_pairs[512]; /* byte b's two lowercase hex digits at 2 * b (made at import) */
@@ -975,7 +1054,6 @@ static PyMemberDef root_members[] = {
     {"sampled", T_BOOL, offsetof(Root, sampled), READONLY, NULL},
     {"recording", T_BOOL, offsetof(Root, recording), 0, NULL},
     {"start_ns", T_LONGLONG, offsetof(Root, start_ns), 0, NULL},
-    {"attributes", T_OBJECT, offsetof(Root, attributes), 0, NULL},
     {"events", T_OBJECT, offsetof(Root, events), 0, NULL},
     {"status", T_OBJECT, offsetof(Root, status), 0, NULL},
     {"children", T_OBJECT, offsetof(Root, children), 0, NULL},
@@ -985,6 +1063,7 @@ static PyGetSetDef root_getset[] = {
     {"trace_id", (getter)root_get_trace_id, NULL, NULL, NULL},
     {"span_id", (getter)root_get_span_id, NULL, NULL, NULL},
     {"trace_id_hex", (getter)root_get_trace_id_hex, NULL, NULL, NULL},
+    {"attributes", (getter)root_get_attributes, (setter)root_set_attributes, NULL, NULL},
     {NULL}};
 
 static PyType_Slot root_slots[] = {
@@ -1020,8 +1099,9 @@ static int write_child(Root *p, uint64_t span_id, PyObject *name, PyObject *kind
     buf = p->cbuf, buf_len = p->clen, buf_cap = p->ccap;
     swapped = 1;
     writing++;
-    int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, names,
-                    values, NULL, NULL); /* names and values: held by the caller */
+    Attrs attrs = {NULL, names, values}; /* held by the caller */
+    int rc = w_span(p->hi, p->lo, span_id ? span_id : new_id(), p->span_id, 0, NULL, name, k, begun, end, &attrs,
+                    NULL, NULL);
     writing--;
     if (rc == 0) {
         p->clen = buf_len;
@@ -1440,7 +1520,8 @@ PyMODINIT_FUNC PyInit__spanrec(void) {
     zero = PyLong_FromLong(0);
     str_traceparent = PyUnicode_InternFromString("traceparent");
     empty_str = PyUnicode_New(0, 0);
-    if (zero == NULL || str_traceparent == NULL || empty_str == NULL)
+    str_request_id = PyUnicode_InternFromString("request_id");
+    if (zero == NULL || str_traceparent == NULL || empty_str == NULL || str_request_id == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)

@@ -161,6 +161,62 @@ def test_the_native_buffer_holds_the_otlp_the_exporter_would_have_made():
     assert spans["tokenize"].status.code == 2 and spans["tokenize"].events[0].name == "exception"
 
 
+def test_a_roots_request_id_is_an_attribute_like_any_other():
+    """The Root keeps a lone request_id outside a dict (every request sets it); what is encoded, and what Python code
+    reads as `attributes`, is what a dict would give: after the call's names, a name of the call overridden in place,
+    one attribute with others set later, none after `attributes` is replaced."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from services.common import trace_otlp
+
+    native = trace_recorder.native
+    if native is None:
+        pytest.fail("the native span recorder is not built here: run `make native`")
+    names, values = ("http.request.method", "http.response.status_code"), ("POST", 200)
+
+    def encoded(setup, names=names, values=values) -> list[tuple[str, object]]:
+        trace_recorder.configure(Sampler(), native.add)
+        native.set_buffer(1000, 512, None)
+        try:
+            root = native.root()
+            setup(root)
+            root.finish("POST /generate", names, values)
+            n, data = native.take()
+        finally:
+            native.set_buffer(0, 512, None)
+            trace_recorder.configure(Sampler(), lambda data: None)
+        (span,) = ExportTraceServiceRequest.FromString(
+            trace_otlp.request_of_spans(b"", "radixmesh", data)).resource_spans[0].scope_spans[0].spans
+        expected = trace_otlp.spans(trace_recorder.expand([(
+            int.from_bytes(span.trace_id, "big"), int.from_bytes(span.span_id, "big"), 0, False, "POST /generate", 2,
+            span.start_time_unix_nano, span.end_time_unix_nano,
+            (names, values) if root.attributes is None else (names, values, root.attributes), None, None, "", None)]))
+        assert data == expected  # byte for byte what the Python encoder makes of the dict
+        return [(a.key, a.value.string_value or a.value.int_value) for a in span.attributes]
+
+    assert encoded(lambda r: r.set_attribute("request_id", "r1")) == [
+        ("http.request.method", "POST"), ("http.response.status_code", 200), ("radixmesh.request_id", "r1")]
+
+    def then_more(r):
+        r.set_attribute("request_id", "r2")
+        r.set_attribute("request_id", "r3")
+        r.set_attribute("tenant", "t")
+        assert r.attributes == {"request_id": "r3", "tenant": "t"}
+    assert encoded(then_more)[2:] == [("radixmesh.request_id", "r3"), ("radixmesh.tenant", "t")]
+
+    def read(r):
+        r.set_attribute("request_id", "r4")
+        assert r.attributes == {"request_id": "r4"}
+    assert encoded(read)[2:] == [("radixmesh.request_id", "r4")]
+
+    def replaced(r):
+        r.set_attribute("request_id", "r5")
+        r.attributes = {"x": 1}
+    assert encoded(replaced)[2:] == [("radixmesh.x", 1)]
+    assert encoded(lambda r: r.set_attribute("request_id", "r6"), ("request_id", "m"), ("old", "m1")) == [
+        ("radixmesh.request_id", "r6"), ("radixmesh.m", "m1")]
+
+
 def _any(v):
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
