@@ -894,7 +894,8 @@ static int root_materialize(Root *r) {
 static int names_hold(PyObject *names, PyObject *key) { /* whether the names tuple holds str `key` */
     for (Py_ssize_t i = 0; PyTuple_CheckExact(names) && i < PyTuple_GET_SIZE(names); i++) {
         PyObject *n = PyTuple_GET_ITEM(names, i);
-        if (n == key || (PyUnicode_Check(n) && PyUnicode_Compare(n, key) == 0))
+        if (n == key || (PyUnicode_Check(n) && PyUnicode_GET_LENGTH(n) == PyUnicode_GET_LENGTH(key) &&
+                         PyUnicode_Compare(n, key) == 0))
             return 1;
     }
     PyErr_Clear();
