@@ -118,15 +118,17 @@ class Router:
             raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        call = tracing.open_call()  # a leaf: its context goes to the tokenizer with the request
+        # a leaf: its context goes to the tokenizer with the request. No attribute: the route span after it has the
+        # prompt's tokens (a len() of the response's ids here cost as much as the rest of the span)
+        call = tracing.open_call()
         try:
             out = await _tokenizer_call(self.tokenizer.tokenize(request, call))
         except BaseException as e:
             if call is not None:
-                tracing.close_call(call, "tokenize", tracing.CLIENT, _TOKENIZE, (None,), e)
+                tracing.close_call(call, "tokenize", tracing.CLIENT, (), (), e)
             raise
         if call is not None:
-            tracing.close_call(call, "tokenize", tracing.CLIENT, _TOKENIZE, (len(out.input_ids),))
+            tracing.close_call(call, "tokenize", tracing.CLIENT, (), ())
         return out
 
     async def single_token(self, text: str) -> int | None:
@@ -153,16 +155,17 @@ class Router:
         pick_async = getattr(policy, "pick_async", None)
         if pick_async is None:
             start = tracing.clock()
+            ids = request.input_ids  # one wrapper of the repeated field for the policy and the span (each costs)
             try:
-                worker = policy.pick(candidates, request.input_ids)
+                worker = policy.pick(candidates, ids)
             except Exception as e:
                 if start:
                     tracing.leaf("route", tracing.INTERNAL, start, _ROUTE[:4],
-                                 (self.policy_name(role), role, len(candidates), len(request.input_ids)), e)
+                                 (self.policy_name(role), role, len(candidates), len(ids)), e)
                 raise
             if start:
                 tracing.leaf("route", tracing.INTERNAL, start, _ROUTE, (
-                    self.policy_name(role), role, len(candidates), len(request.input_ids), worker.url,
+                    self.policy_name(role), role, len(candidates), len(ids), worker.url,
                     getattr(policy, "last_reason", None), getattr(policy, "last_matched_tokens", None)))
             return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
@@ -332,7 +335,6 @@ class Router:
 
 # attribute names of the router's spans recorded as tuples (tracing.leaf / close_call)
 _ROUTE = ("policy", "role", "candidates", "prompt_tokens", "worker", "reason", "matched_tokens")
-_TOKENIZE = ("prompt_tokens",)
 _WORKER_CALL = ("worker", "role", "attempt")
 
 
