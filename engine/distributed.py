@@ -58,6 +58,21 @@ class TPConfig:
     timeout_s: float = 600.0
 
 
+RENDEZVOUS_MIN_S = 60.0
+
+
+def _forget_failed_start() -> None:
+    """After a failed init_process_group: torch names the default group from a per-process counter that it bumps
+    before the rendezvous, so a later group of this process would be named "1" where its fresh followers name theirs
+    "0", and both would wait for keys the other never writes. Reset it, as destroy_process_group does."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 class TensorParallel:
     """One rank's view of its group; size 1 (no group at all) makes every collective a no-op."""
 
@@ -74,8 +89,18 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=config.timeout_s)
         host, port = split_addr(config.init_addr)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", world_size=self.size, rank=self.rank,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+        # The ranks meet through rank 0's TCP store, waiting for each other at least RENDEZVOUS_MIN_S: a follower can
+        # take many seconds to start on a busy machine, and --dist-timeout bounds the collectives (a hung rank), not
+        # that. A failed start resets what torch keeps per process, so a later group here can still form.
+        join = datetime.timedelta(seconds=max(config.timeout_s, RENDEZVOUS_MIN_S))
+        try:
+            store = dist.TCPStore(host, int(port), self.size, is_master=self.rank == 0, timeout=join,
+                                  wait_for_workers=True, multi_tenant=True)
+            dist.init_process_group(backend, store=store, world_size=self.size, rank=self.rank, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        except BaseException:
+            _forget_failed_start()
+            raise
         self.group = dist.group.WORLD
         self.cpu_group = self.group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         log.info("tensor parallel rank %d of %d (%s) joined at %s:%s", self.rank, self.size, backend, host, port)

@@ -238,3 +238,23 @@ def test_a_failed_start_leaves_no_shared_memory_file(tmp_path, monkeypatch):
                hicache_storage_backend="file", hicache_storage_url=str(tmp_path / "l3"))
     assert set(glob.glob(f"/dev/shm/radixmesh-host-kv-{os.getpid()}-*")) == before
     assert children() <= others  # the follower is gone
+
+
+def test_a_failed_rendezvous_leaves_the_process_able_to_start_a_group(monkeypatch):
+    """A group start whose followers never come (the rendezvous times out) leaves torch's per-process group counter
+    as it found it: a TP engine started afterwards in the same process forms its group and generates, instead of its
+    leader and fresh followers waiting for each other's keys until the timeout (a CI failure, 2026-11-29)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine import distributed
+    from engine.distributed import TensorParallel, TPConfig
+
+    monkeypatch.setattr(distributed, "RENDEZVOUS_MIN_S", 1.0)
+    with pytest.raises(dist.DistStoreError):  # rank 0 of 2, alone
+        TensorParallel(TPConfig(size=2, rank=0, init_addr=free_local_addr(), timeout_s=1.0), torch.device("cpu"))
+    assert not dist.is_initialized() and dist.distributed_c10d._world.group_count == 0
+    monkeypatch.setattr(distributed, "RENDEZVOUS_MIN_S", 60.0)
+    with running_engine(model_path("tiny-llama"), tp_size=2, dist_timeout=20, **OPTS) as llm:
+        out = llm.generate("hello", {"max_new_tokens": 4, "temperature": 0})
+    assert len(out["output_ids"]) == 4
