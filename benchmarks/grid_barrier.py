@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from benchmarks.pdl_chain import _copy_gbps, _time_graph as _graph_ms
+
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 SHAPES = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
 
@@ -72,38 +74,6 @@ def _stream_kernel(W, offsets, rows, cols, out, counter, first, n_products, SYNC
             tl.store(out + r, acc, mask=r < n)
         if SYNC:
             _grid_sync(counter, (j - first + 1) * programs)
-
-
-def _graph_ms(fn, reps: int = 10) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def _copy_gbps(dev) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def main() -> None:
