@@ -25,6 +25,7 @@ class ReceivedSpan:
     events: tuple[str, ...]
     start_ns: int
     end_ns: int
+    status: int = 0  # the OTLP status code: 0 unset, 1 ok, 2 error
 
 
 def _value(v):
@@ -45,7 +46,7 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
                     spans.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                               s.kind, {a.key: _value(a.value) for a in s.attributes},
                                               tuple(e.name for e in s.events), s.start_time_unix_nano,
-                                              s.end_time_unix_nano))
+                                              s.end_time_unix_nano, s.status.code))
         self.sink.add(spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 

@@ -1308,8 +1308,11 @@ static PyObject *put_context(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *opened = args[1];
     if (opened == Py_None || !propagate)
         Py_RETURN_FALSE;
-    if (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 && Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType) {
-        PyObject *tp = call_traceparent(module, opened); /* a Root's trace has no tracestate or baggage to pass on */
+    int root = Py_TYPE(opened) == RootType; /* the router's calls: under the request's span itself, or a call span */
+    if (root || (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 &&
+                 Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType)) {
+        /* a Root's trace has no tracestate or baggage to pass on */
+        PyObject *tp = root ? root_traceparent((Root *)opened, NULL) : call_traceparent(module, opened);
         if (tp == NULL)
             return NULL;
         int rc = PyObject_SetAttr(args[0], str_traceparent, tp); /* the request's traceparent field */
@@ -1327,8 +1330,9 @@ static PyObject *clear_context(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     PyObject *opened = args[1];
-    if (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 && Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType) {
-        if (PyObject_SetAttr(args[0], str_traceparent, empty_str) < 0) /* all put_context wrote for a Root's call */
+    if (Py_TYPE(opened) == RootType || (PyTuple_CheckExact(opened) && PyTuple_GET_SIZE(opened) == 3 &&
+                                        Py_TYPE(PyTuple_GET_ITEM(opened, 0)) == RootType)) {
+        if (PyObject_SetAttr(args[0], str_traceparent, empty_str) < 0) /* all put_context wrote for a Root or its call */
             return NULL;
         Py_RETURN_NONE;
     }
@@ -1484,7 +1488,7 @@ static PyMethodDef module_methods[] = {
     {"set_attribute", (PyCFunction)(void (*)(void))set_attribute, METH_FASTCALL,
      "tracing.set_attribute: on the current span"},
     {"put_context", (PyCFunction)(void (*)(void))put_context, METH_FASTCALL,
-     "tracing.put_context: an open_call's traceparent into a request's traceparent field"},
+     "tracing.put_context: a Root's or its open_call's traceparent into a request's traceparent field"},
     {"clear_context", (PyCFunction)(void (*)(void))clear_context, METH_FASTCALL,
      "tracing.clear_context: what put_context wrote into a request, emptied"},
     {"bind", bind, METH_VARARGS,

@@ -118,18 +118,9 @@ class Router:
             raise RouterError(404, f"model {name!r} is not served here; serving {names[0]!r}")
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        # a leaf: its context goes to the tokenizer with the request. No attribute: the route span after it has the
-        # prompt's tokens (a len() of the response's ids here cost as much as the rest of the span)
-        call = tracing.open_call()
-        try:
-            out = await _tokenizer_call(self.tokenizer.tokenize(request, call))
-        except BaseException as e:
-            if call is not None:
-                tracing.close_call(call, "tokenize", tracing.CLIENT, (), (), e)
-            raise
-        if call is not None:
-            tracing.close_call(call, "tokenize", tracing.CLIENT, (), ())
-        return out
+        # no client span of the router's own: the request carries the current span's context (the HTTP request's),
+        # and the tokenizer's server span under it times the call (tracing.put_context)
+        return await _tokenizer_call(self.tokenizer.tokenize(request))
 
     async def single_token(self, text: str) -> int | None:
         """The token id of `text` when the tokenizer has it as one token, else None (asked once per text)."""
@@ -270,11 +261,11 @@ class Router:
         if metrics is not None:
             metrics.picked(worker.url)
         worker.in_flight += 1
-        span = tracing.open_call()
+        start = tracing.clock()
         streamed, error, verdict, call = False, None, worker.breaker.release, None
         failed = functools.partial(worker.breaker.failure, worker.breaker.clock())
         try:
-            call = await self._open_call(worker, request, span)
+            call = await self._open_call(worker, request)
             self.calls.track(call, worker.url)
             async for msg in call:
                 if metrics is not None and not streamed and request.stream:
@@ -314,20 +305,22 @@ class Router:
                 raise outcome.error from None
         finally:
             verdict()
-            if span is not None:
-                tracing.close_call(span, "worker Generate", tracing.CLIENT, _WORKER_CALL,
-                                   (worker.url, "colocated", attempt), error)
+            if error is not None and start:  # a failed call's own span (a call that worked: the worker's span)
+                tracing.leaf("worker Generate", tracing.CLIENT, start, _WORKER_CALL,
+                             (worker.url, "colocated", attempt), error)
             worker.in_flight -= 1
             if call is not None:
                 self.calls.forget(call)
                 call.cancel()
 
-    async def _open_call(self, worker, request: worker_pb2.GenerateRequest, span):
-        """The request on the worker's GenerateStream (services/router/mux.py; the span's context goes in the request)
-        when the worker has one; otherwise a Generate call of its own."""
+    async def _open_call(self, worker, request: worker_pb2.GenerateRequest):
+        """The request on the worker's GenerateStream (services/router/mux.py) when the worker has one; otherwise a
+        Generate call of its own. The current span's context (the HTTP request's) goes with it: the worker's server
+        span is its child, and the router records no client span for a call that works (see _call)."""
         mux = worker.mux
+        span = tracing.current_span()
         if mux is not None and not self.settings.disable_generate_stream and await mux.open():
-            tracing.put_context(request, span)  # a retry's overwrites its predecessor's
+            tracing.put_context(request, span)
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))

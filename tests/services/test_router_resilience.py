@@ -20,6 +20,7 @@ import pytest
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.launch import free_port
 from tests.conftest import ROOT, model_path
+from tests.otlp_receiver import OtlpReceiver
 from tests.services.metrics_utils import http_get, scrape, start_grpc, stop, wait_http
 
 MODEL = model_path("tiny-llama")
@@ -114,6 +115,41 @@ def test_retries_go_around_a_failing_worker_and_its_breaker_opens(mesh):
     metrics = scrape(mesh.metrics_port)
     assert metrics.value("sgl_router_worker_cb_state", worker=bad) == 1  # open
     assert metrics.value("sgl_router_retries_total", worker=bad) == 3
+
+
+def test_a_traced_retry_shows_the_failed_call_and_no_client_span_for_the_call_that_worked(mesh, monkeypatch):
+    """The router records a `worker Generate` client span only for a call that failed (its worker, attempt and
+    error); a call that worked is timed by the worker's own server span (tests/e2e/test_tracing.py), as the
+    tokenizer's call is by the tokenizer's. (The fake workers and this tokenizer do not trace.)"""
+    receiver = OtlpReceiver()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    try:
+        bad = mesh.worker("--fail-first", "1000")
+        good = mesh.worker()
+        base = mesh.router("--policy", "round_robin", "--retry-initial-backoff-ms", "5", "--enable-trace",
+                           "--otlp-traces-endpoint", receiver.endpoint)
+        for _ in range(2):  # round robin: one of the two goes to the failing worker first
+            status, body, _ = generate(base)
+            assert status == 200 and body["meta_info"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 30
+        while len({s.trace_id for s in receiver.spans if s.name == "POST /generate"}) < 2:
+            assert time.monotonic() < deadline, "the router's spans did not arrive"
+            time.sleep(0.1)
+        traces = {}
+        for s in receiver.spans:
+            traces.setdefault(s.trace_id, []).append(s)
+    finally:
+        receiver.close()
+    assert len(traces) == 2 and mesh.calls(bad) == 1 and mesh.calls(good) == 2
+    retried = [t for t in traces.values() if any(s.name == "worker Generate" for s in t)]
+    assert len(retried) == 1
+    for spans in traces.values():
+        root = next(s for s in spans if s.name == "POST /generate")
+        assert all(s.parent_id == root.span_id for s in spans if s is not root)
+    failed = [s for s in retried[0] if s.name == "worker Generate"]
+    assert [(s.attributes["radixmesh.worker"], s.attributes["radixmesh.attempt"], s.status, s.kind)
+            for s in failed] == [(bad, 0, 2, 3)]
+    assert [s.attributes["radixmesh.worker"] for s in retried[0] if s.name == "route"] == [bad, good]
 
 
 def test_a_worker_that_dies_after_the_last_chunk_costs_the_client_nothing(mesh):

@@ -300,6 +300,30 @@ def test_a_call_under_a_callers_span_carries_its_tracestate_and_baggage_until_cl
     assert request == tokenizer_pb2.TokenizeRequest(text="x")
 
 
+def test_a_request_under_the_requests_own_span_carries_that_spans_context(records, recorder, monkeypatch):
+    """The router's calls that record no client span (tokenize, a colocated worker call) put the current span's
+    context into the request: a Root's (in C for the native one) or a Span's, its own span id as the parent; the
+    callee's span is then that span's child. clear_context takes it out again."""
+    from services.common import tracing
+    _tracing_on(monkeypatch, recorder)
+    root = tracing.server_span({})
+    try:
+        request = worker_pb2.GenerateRequest(request_id="r")
+        assert tracing.put_context(request, tracing.current_span())
+        assert request.traceparent == root.traceparent() == f"00-{root.trace_id:032x}-{root.span_id:016x}-01"
+        assert tracing.carried_context(request)["traceparent"] == root.traceparent()
+        tracing.clear_context(request, root)
+        assert request == worker_pb2.GenerateRequest(request_id="r")
+    finally:
+        root.finish("POST /generate", (), ())
+    with Span("server", 2, {}, None) as span:
+        request = tokenizer_pb2.TokenizeRequest(text="x")
+        assert tracing.put_context(request, span) and request.traceparent == span.traceparent()
+        tracing.clear_context(request, span)
+        assert request == tokenizer_pb2.TokenizeRequest(text="x")
+    assert not tracing.put_context(request, None) and request.traceparent == ""
+
+
 def test_a_batch_with_values_marshal_cannot_write_goes_as_their_strings():
     rec = (1, 2, 0, False, "root", 2, 3, 4, {"o": object()}, None, None, "",
            [(5, "child", 1, 3, 4, {"p": Path("/x"), "n": 1}, [("ev", 3, {"q": object()})], None)])
