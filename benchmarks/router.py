@@ -252,6 +252,8 @@ def trace_delivery(procs: Processes) -> dict:
     traced = "router_traced" if "router_traced" in procs.procs else "router"
     for name, key, pattern in (("otlp_sink", "spans_received", r"received (\d+) spans"),
                                (traced, "spans_dropped", r"(\d+) spans dropped in all")):
+        if name not in procs.procs:  # the run failed before it started
+            continue
         match = re.search(pattern, procs.tail(name, 200))
         found[key] = int(match.group(1)) if match else 0
     return found
@@ -274,6 +276,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trace-ab", action="store_true", help="a second router with tracing on (same core, same "
                    "fakes) takes turns with the untraced one, round by round in alternating order; reports the "
                    "median per-round CPU ratio (robust to the machine's speed drifting between separate runs)")
+    p.add_argument("--pairs", type=int, default=1, help="with --trace-ab: this many router pairs, one after another "
+                   "(fresh processes each: a pair carries its own luck of hashes and memory layout, which moved one "
+                   "pair's median by up to 3 points on a 2-vCPU VM); reports the median over every pair's rounds and "
+                   "each pair's own")
     p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
                    "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -287,8 +293,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
-    others = os.sched_getaffinity(0) - {args.router_cpu}
-    if not others or args.router_cpu not in os.sched_getaffinity(0):
+    cores = args.cores = getattr(args, "cores", None) or os.sched_getaffinity(0)  # before a first pair narrowed it
+    others = cores - {args.router_cpu}
+    if not others or args.router_cpu not in cores:
         raise SystemExit(f"need core {args.router_cpu} for the router and at least one other core")
     args.other_cores = len(others)
     os.sched_setaffinity(0, others)
@@ -368,10 +375,32 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
             "capacity_change_pct": (1 / ratio - 1) * 100,
             "trace_exporter_cpu_ms_per_request": statistics.median(b - a for a, b in zip(cpu["router_traced"], both)),
             "capacity_change_with_exporter_pct": (1 / ratio_both - 1) * 100,
+            "rounds_ratio": [b / a for a, b in zip(cpu["router"], cpu["router_traced"])],
+            "rounds_ratio_with_exporter": [b / a for a, b in zip(cpu["router"], both)],
             "errors": sum(r[n]["errors"] for r in rounds for n in bases),
             "error_examples": [e for r in rounds for n in bases for e in r[n]["error_examples"]][:3],
             "rounds_cpu_ms_per_request": [[round(r[n]["router_cpu_ms_per_request"], 4) for n in bases]
                                           for r in rounds]}
+
+
+def pooled(pairs: list[list[dict]]) -> list[dict]:
+    """The results of several router pairs (measure_ab's, scenario by scenario) as one: medians over all their rounds'
+    ratios, with each pair's own capacity change and its results kept."""
+    out = []
+    for runs in zip(*pairs):
+        ratios = [x for r in runs for x in r["rounds_ratio"]]
+        both = [x for r in runs for x in r["rounds_ratio_with_exporter"]]
+        out.append({"scenario": runs[0]["scenario"], "description": runs[0]["description"],
+                    "requests": runs[0]["requests"], "rounds": len(ratios), "pairs": len(runs),
+                    "cpu_ms_per_request_off": statistics.median(r["cpu_ms_per_request_off"] for r in runs),
+                    "cpu_ms_per_request_on": statistics.median(r["cpu_ms_per_request_on"] for r in runs),
+                    "on_over_off_median_ratio": statistics.median(ratios),
+                    "capacity_change_pct": (1 / statistics.median(ratios) - 1) * 100,
+                    "capacity_change_with_exporter_pct": (1 / statistics.median(both) - 1) * 100,
+                    "per_pair_capacity_change_pct": [round(r["capacity_change_pct"], 2) for r in runs],
+                    "errors": sum(r["errors"] for r in runs),
+                    "error_examples": [e for r in runs for e in r["error_examples"]][:3], "per_pair": list(runs)})
+    return out
 
 
 @contextlib.contextmanager
@@ -400,13 +429,18 @@ def main(argv: list[str] | None = None) -> int:
     def read_delivery(procs: Processes) -> None:
         args.trace_delivery = trace_delivery(procs) if args.enable_trace or args.trace_ab else None
 
-    with process_group("bench-router-", after_close=read_delivery) as procs:
-        results = run(args, procs)
+    pairs = []
+    for _ in range(args.pairs if args.trace_ab else 1):
+        with process_group("bench-router-", after_close=read_delivery) as procs:
+            pairs.append(run(args, procs))
+    results = pairs[0] if len(pairs) == 1 else pooled(pairs)
     if args.trace_ab:
         for r in results:
             print(f"{r['scenario']}: router CPU {r['cpu_ms_per_request_off']:.4f} -> {r['cpu_ms_per_request_on']:.4f}"
                   f" ms/request, capacity {r['capacity_change_pct']:+.1f}% (router + exporter: "
-                  f"{r['capacity_change_with_exporter_pct']:+.1f}%; median of {r['rounds']} paired rounds)")
+                  f"{r['capacity_change_with_exporter_pct']:+.1f}%; median of {r['rounds']} paired rounds"
+                  + (f" over {r['pairs']} router pairs: {r['per_pair_capacity_change_pct']}" if "pairs" in r else "")
+                  + ")")
     else:
         print_table(results)
     doc = {**provenance(argv), "router_rss_mb": round(args.router_rss_mb, 1), "results": results}

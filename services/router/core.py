@@ -326,7 +326,7 @@ class Router:
                                     metadata=tracing.metadata_for(span))
 
 
-# attribute names of the router's spans recorded as tuples (tracing.leaf / close_call)
+# attribute names of the router's spans recorded as tuples (tracing.leaf)
 _ROUTE = ("policy", "role", "candidates", "prompt_tokens", "worker", "reason", "matched_tokens")
 _WORKER_CALL = ("worker", "role", "attempt")
 

@@ -63,6 +63,21 @@ def test_bench_router_smoke(tmp_path):
     assert not _tagged(tag), "the benchmark left processes behind"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
+def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
+    """--trace-ab --pairs 2: two untraced/traced router pairs one after the other, their rounds pooled."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--trace-ab", "--pairs", "2", "--scenarios",
+                           "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["scenario"], r["pairs"], r["rounds"], r["errors"]) == ("generate_1", 2, 4, 0)
+    assert len(r["per_pair"]) == 2 and all(p["rounds"] == 2 for p in r["per_pair"])
+    assert r["cpu_ms_per_request_off"] > 0 and r["cpu_ms_per_request_on"] > 0
+    assert len(r["per_pair_capacity_change_pct"]) == 2 and "over 2 router pairs" in proc.stdout
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
 def test_bench_router_vs_sglang_smoke(tmp_path):
     """`python -m benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
