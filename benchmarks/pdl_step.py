@@ -13,6 +13,7 @@ from __future__ import annotations
 from benchmarks.profile_decode import ab_main
 from engine.decode_products import _weights, plan
 from engine.model_runner import ModelRunner
+from kernels.gemv import ROW_CONFIG
 from kernels.runtime import pdl_supported, use_pdl
 
 
@@ -29,7 +30,9 @@ OVERRIDES = {"pdl+plan+qkv16": ((6144, 4096), (16, 512, 2, 4, 2048)),
 # every shape on kernels.gemv with the 32-row tiles (the products chained alone beat cuBLAS's chain with them on an
 # H200, 2026-11-29: 4.106 against 4.218 ms)
 ALL32 = (32, 512, 4, 4, 2048)
-VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES, "pdl+all32")
+# the plan with its one-row products on kernels.gemv.gemv_row where it won (--decode-gemm auto since 2026-11-29;
+# "pdl+plan" is the plan without them), and every shape's one-row products on gemv_row's default tiles
+VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES, "pdl+all32", "pdl+plan+rows", "pdl+plan+allrows")
 _plans: dict = {}
 
 
@@ -41,13 +44,18 @@ def _switch(runner: ModelRunner, variant: str) -> None:
         return
     if variant.startswith("pdl+plan"):
         if "plan" not in _plans:
-            _plans["plan"] = plan(runner.model, runner.device, runner.dtype)
-            print(f"per-shape plan: {_plans['plan']}")
+            _plans["plan"], _plans["rows"] = plan(runner.model, runner.device, runner.dtype)
+            print(f"per-shape plan: {_plans['plan']}; one-row products on gemv_row: {_plans['rows']}")
         chosen = dict(_plans["plan"])
         if variant in OVERRIDES:
             shape, tiles = OVERRIDES[variant]
             chosen[shape] = tiles
-        use_pdl(True, gemv=chosen)
+        rows = {}
+        if variant == "pdl+plan+rows":
+            rows = _plans["rows"]
+        elif variant == "pdl+plan+allrows":
+            rows = {tuple(w.shape): ROW_CONFIG for w in _weights(runner.model)}
+        use_pdl(True, gemv=chosen, row=rows)
         return
     use_pdl(variant != "off", gemv=variant == "pdl+gemv")
 

@@ -88,7 +88,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
         if graph_sizes and args.decode_gemm == "auto" and pdl_available(self.device):
-            set_pdl(True, gemv=decode_products_plan(self.model, self.device, self.dtype))
+            gemv, rows = decode_products_plan(self.model, self.device, self.dtype)
+            set_pdl(True, gemv=gemv, row=rows)
         if graph_sizes:
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
                                           self.req_to_token.pad_row, graph_sizes)

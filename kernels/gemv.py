@@ -101,6 +101,76 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+# ---- one row: a product per row block, on the CUDA cores ----------------------------------------------------------
+# At one row the tensor-core tile above wastes 15 of its 16 rows and stages every weight tile through shared memory.
+# `gemv_row` reads each program's BLOCK_N weight rows straight into registers, whole rows at once (K is a constant of
+# the compiled kernel, so the K / BLOCK_K loads are unrolled and go out together: ~16-60 KB in flight per program),
+# and multiplies on the CUDA cores in float32. Over the 8B shape's 128 decode products in a CUDA graph, a kernel per
+# product this way took 1.03x the copy-bandwidth floor on an H200 against cuBLAS's 1.21x (benchmarks.
+# persistent_products, 2026-11-29).
+
+ROW_CONFIG = (2, 1024, 4)  # (BLOCK_N, BLOCK_K, num_warps): the fastest of benchmarks.persistent_products' sweep
+
+
+@triton.jit
+def _gemv_row_kernel(X, W, B, Y, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    rows = W + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:  # the block's weights into L2 while the kernel before ends (weights do not change)
+            cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
+            prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), rows + cols[None, :], W))
+        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every load of the block is independent of the others
+        k = k0 + tl.arange(0, BLOCK_K)
+        if k0 + BLOCK_K <= K:
+            w = tl.load(rows + k[None, :], mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(X + k)
+        else:  # the last, partial chunk
+            w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < K), other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(X + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_mask)
+
+
+def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             pdl: bool = False, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, k] (unit stride), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T (+ bias) [1, n] in x's
+    dtype, written to `out` ([1, n], unit stride) or a new tensor; float32 sums. `pdl` and `out` as for gemv;
+    `config`: (BLOCK_N, BLOCK_K, num_warps), default ROW_CONFIG. A kernel is compiled per k."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if (x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype
+            or x.stride(1) != 1 or not weight.is_contiguous() or (bias is not None and bias.shape != (n,))):
+        raise ValueError(f"gemv_row takes x [1, k] and a contiguous weight [n, k] of x's dtype; got x "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, bias {None if bias is None else tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [1, {n}] {x.dtype} with unit column stride, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    block_n, block_k, warps = config or ROW_CONFIG
+    block_k = min(block_k, triton.next_power_of_2(k))
+    pdl = pdl and pdl_on(x)
+    line = LINE_BYTES // weight.element_size()
+    _gemv_row_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight if bias is None else bias.contiguous(), out, n, weight.stride(0), K=k, BLOCK_N=block_n,
+        BLOCK_K=block_k, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin: the product (plus bias) in float32, rounded once to x's dtype."""
     y = x.float() @ weight.float().t()

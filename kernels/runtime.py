@@ -29,16 +29,17 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
 # waits before it can finish, the order of the stream holds transitively. Kernels launched without it (torch ops,
 # cuBLAS) wait for the kernel before as usual.
 
-_pdl: dict = {"enabled": True, "gemv": True}
+_pdl: dict = {"enabled": True, "gemv": True, "row": {}}
 
 
-def use_pdl(enabled: bool, gemv: bool | dict = True) -> None:
+def use_pdl(enabled: bool, gemv: bool | dict = True, row: dict | None = None) -> None:
     """Turn programmatic dependent launch on or off for the whole process (ModelRunner sets it from
     --disable-pdl; graphs captured after the call use the new setting); `gemv`: which decode-sized products run
     kernels.gemv under it (engine.layers.linear): True (all, kernels.gemv's default tiles), False (none: cuBLAS), or
     a plan by weight shape, {(n, k): kernels.gemv tiles (its `config`), or None for cuBLAS}, where shapes the plan
-    does not name run cuBLAS (engine.decode_products.plan)."""
-    _pdl["enabled"], _pdl["gemv"] = enabled, gemv
+    does not name run cuBLAS (engine.decode_products.plan); `row`: the products of one row that run kernels.gemv's
+    gemv_row instead, {(n, k): its tiles}, whatever `gemv` says for more rows."""
+    _pdl["enabled"], _pdl["gemv"], _pdl["row"] = enabled, gemv, row or {}
 
 
 @functools.cache
@@ -79,6 +80,12 @@ def gemv_plan(t: torch.Tensor, shape: tuple[int, int]) -> tuple[bool, tuple | No
         return True, None
     config = g.get(shape)
     return config is not None, config
+
+
+def row_plan(t: torch.Tensor, shape: tuple[int, int]) -> tuple | None:
+    """For a product of one row on `t` with a weight of `shape`: gemv_row's tiles when the plan runs it there, else
+    None."""
+    return _pdl["row"].get(shape) if _pdl["row"] and pdl_enabled(t.device) else None
 
 
 def pdl_on(t: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ from engine.layers.triton_ops import use_kernels
 
 # Up to this many rows (a decode batch), a CUDA product runs kernels.gemv, which starts streaming its weights while
 # the kernel before it still runs, where the model runner chose it for this GPU and this weight's shape, with the
-# tiles it chose (engine.decode_products); F.linear (cuBLAS) otherwise.
+# tiles it chose (engine.decode_products); at one row, kernels.gemv.gemv_row where the plan chose that; F.linear
+# (cuBLAS) otherwise.
 SKINNY_ROWS = 8
 
 
@@ -43,9 +44,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight^T (+ bias), as F.linear."""
     if (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_ROWS and use_kernels(x) and x.dtype in _SKINNY_DTYPES
             and x.stride(1) == 1 and weight.is_contiguous()):
-        from kernels.runtime import gemv_plan
+        from kernels.runtime import gemv_plan, row_plan
 
-        on, config = gemv_plan(x, tuple(weight.shape))
+        shape = tuple(weight.shape)
+        if x.shape[0] == 1 and (row := row_plan(x, shape)) is not None:
+            from kernels.gemv import gemv_row
+
+            return gemv_row(x, weight, bias, pdl=True, config=row)
+        on, config = gemv_plan(x, shape)
         if on:  # eager too, so that a graph's products and eager ones round alike
             from kernels.gemv import gemv
 

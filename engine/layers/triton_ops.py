@@ -21,14 +21,14 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_importable()
 
 
-def set_pdl(enabled: bool, gemv: bool | dict) -> None:
+def set_pdl(enabled: bool, gemv: bool | dict, row: dict | None = None) -> None:
     """Programmatic dependent launch of the kernels on or off for this process, and which decode-sized products run
-    kernels.gemv under it (kernels.runtime.use_pdl: all, none, or a plan by weight shape); nothing to set without
-    Triton."""
+    kernels.gemv under it (kernels.runtime.use_pdl: all, none, or a plan by weight shape; `row`: the shapes whose
+    one-row products run gemv_row); nothing to set without Triton."""
     if _triton_importable():
         from kernels.runtime import use_pdl
 
-        use_pdl(enabled, gemv)
+        use_pdl(enabled, gemv, row)
 
 
 def pdl_available(device: torch.device) -> bool:

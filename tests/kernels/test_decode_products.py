@@ -1,5 +1,6 @@
 """Which kernel runs each decode-sized product (engine.decode_products, kernels.runtime.use_pdl): a plan by weight
-shape sends each product to kernels.gemv with the tiles chosen for its shape or to cuBLAS. On CPU the plan's
+shape sends each product to kernels.gemv with the tiles chosen for its shape or to cuBLAS, and a product of one row
+to gemv_row where the plan chose that. On CPU the plan's
 semantics and the candidate tiles; on a Hopper GPU the products engine.layers.linear runs under a plan, bit for bit
 against the kernel the plan names, and the plan that --decode-gemm auto times on the model's own weights."""
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.decode_products import CANDIDATES, candidates
+from engine.decode_products import CANDIDATES, ROW_CANDIDATES, candidates
 from kernels import runtime
-from kernels.gemv import default_config, gemv
-from kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, use_pdl
+from kernels.gemv import default_config, gemv, gemv_row
+from kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, row_plan, use_pdl
 
 
 @pytest.fixture
@@ -48,6 +49,13 @@ def test_a_plan_by_shape(monkeypatch, restore_pdl):
     assert gemv_plan(t, (6144, 4096)) == (False, None)
     use_pdl(False, {(4096, 4096): tiles})
     assert gemv_plan(t, (4096, 4096)) == (False, None)  # PDL off: cuBLAS, whatever the plan
+    use_pdl(True, {(4096, 4096): tiles}, row={(6144, 4096): (2, 1024, 4)})
+    assert row_plan(t, (6144, 4096)) == (2, 1024, 4) and gemv_plan(t, (6144, 4096)) == (False, None)
+    assert row_plan(t, (4096, 4096)) is None  # no one-row choice: the plan's kernel for every row count
+    use_pdl(False, {}, row={(6144, 4096): (2, 1024, 4)})
+    assert row_plan(t, (6144, 4096)) is None  # PDL off
+    use_pdl(True, True)
+    assert row_plan(t, (6144, 4096)) is None  # a new setting forgets the rows
 
 
 @pytest.mark.gpu
@@ -66,6 +74,10 @@ def test_linear_runs_the_plans_kernel_bit_for_bit(restore_pdl):
     assert torch.equal(linear(x, qkv), F.linear(x, qkv))
     other = torch.randn((512, 4096), device="cuda", dtype=torch.bfloat16, generator=g) / 64
     assert torch.equal(linear(x, other), F.linear(x, other))  # a shape the plan does not name
+    use_pdl(True, {(4096, 4096): tiles, (6144, 4096): None}, row={(6144, 4096): (4, 1024, 8)})
+    assert torch.equal(linear(x, qkv), gemv_row(x, qkv, config=(4, 1024, 8)))  # one row: gemv_row
+    x2 = torch.randn((2, 4096), device="cuda", dtype=torch.bfloat16, generator=g)
+    assert torch.equal(linear(x2, qkv), F.linear(x2, qkv))  # two rows: the plan's kernel for the shape
 
 
 @pytest.mark.gpu
@@ -82,5 +94,7 @@ def test_auto_plans_every_shape_of_the_model(restore_pdl):
         assert isinstance(chosen, dict)
         assert set(chosen) == {tuple(w.shape) for w in _weights(llm.runner.model)}
         assert all(c is None or c in candidates(*s) for s, c in chosen.items())
+        rows = runtime._pdl["row"]
+        assert set(rows) <= set(chosen) and all(c in ROW_CANDIDATES for c in rows.values())
         out = llm.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert len(out["output_ids"]) == 4

@@ -26,10 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import activation, decode_attention, gemv, kv_store, norm, rotary
 
-def ptx(fn, pointers, floats, constexprs, warps, stages):
+def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
            for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs=constexprs)
+    # `aligned`: arguments a launch would find divisible by 16 (pointers, sizes), as Triton's JIT marks them
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
@@ -42,6 +44,9 @@ out = {
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
                      PRECISION="tf32", HAS_BIAS=False), 4, 4),
+    "gemv_row": ptx(gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
+                    dict(K=4096, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=64, LINE_ELEMS=64, PDL=True,
+                         HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # kernels that begin with runtime.pdl_enter: the wait comes before any load
 bf16 = "*bf16"
@@ -78,7 +83,7 @@ def _lines(ptx: str, pattern: str) -> list[int]:
     return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
 
 
-@pytest.mark.parametrize("kernel", ["stage1", "gemv"])
+@pytest.mark.parametrize("kernel", ["stage1", "gemv", "gemv_row"])
 def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
     """Under PDL each kernel lets its dependents launch, prefetches into L2, and then waits, in that order."""
     code = ptx[kernel]
@@ -101,6 +106,16 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
     assert launch[0] < wait[0]
     assert len([i for i in loads if i < wait[0]]) == early_loads
 
+
+
+def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):
+    """gemv_row under PDL: no global load before the wait (the weights go to L2 by prefetch), x and the weights
+    after it, the weights 16 bytes a load (a block's whole rows, unrolled)."""
+    code = ptx["gemv_row"]
+    wait, loads, wide = (_lines(code, p) for p in
+                         (r"griddepcontrol\.wait", r"ld\.global", r"ld\.global\S*\.v4\.b32"))
+    assert wait and loads and not [i for i in loads if i < wait[0]]
+    assert len(wide) >= 4096 * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):
