@@ -13,7 +13,7 @@ from __future__ import annotations
 from benchmarks.profile_decode import ab_main
 from engine.decode_products import _weights, plan
 from engine.model_runner import ModelRunner
-from kernels.gemv import ROW_CONFIG
+from kernels.gemv import ROW_PDL, ROW_PDL_PREFETCH, ROW_PLAIN
 from kernels.runtime import pdl_supported, use_pdl
 
 
@@ -30,9 +30,13 @@ OVERRIDES = {"pdl+plan+qkv16": ((6144, 4096), (16, 512, 2, 4, 2048)),
 # every shape on kernels.gemv with the 32-row tiles (the products chained alone beat cuBLAS's chain with them on an
 # H200, 2026-11-29: 4.106 against 4.218 ms)
 ALL32 = (32, 512, 4, 4, 2048)
-# the plan with its one-row products on kernels.gemv.gemv_row where it won (--decode-gemm auto since 2026-11-29;
-# "pdl+plan" is the plan without them), and every shape's one-row products on gemv_row's default tiles
-VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES, "pdl+all32", "pdl+plan+rows", "pdl+plan+allrows")
+# "pdl+plan" is the plan as --decode-gemm auto makes it, one-row products on kernels.gemv.gemv_row (since
+# 2026-11-29); "-norows" without them (the auto of before), "-plain" / "-prefetch" with gemv_row in its other PDL
+# modes, "-4w8" / "-8w4" with its other tiles
+ROW_VARIANTS = {"pdl+plan-norows": None, "pdl+plan-plain": (2, 1024, 4, ROW_PLAIN),
+                "pdl+plan-prefetch": (2, 1024, 4, ROW_PDL_PREFETCH), "pdl+plan-4w8": (4, 1024, 8, ROW_PDL),
+                "pdl+plan-8w4": (8, 1024, 4, ROW_PDL)}
+VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES, "pdl+all32", *ROW_VARIANTS)
 _plans: dict = {}
 
 
@@ -50,11 +54,9 @@ def _switch(runner: ModelRunner, variant: str) -> None:
         if variant in OVERRIDES:
             shape, tiles = OVERRIDES[variant]
             chosen[shape] = tiles
-        rows = {}
-        if variant == "pdl+plan+rows":
-            rows = _plans["rows"]
-        elif variant == "pdl+plan+allrows":
-            rows = {tuple(w.shape): ROW_CONFIG for w in _weights(runner.model)}
+        rows = dict(_plans["rows"])
+        if variant in ROW_VARIANTS:
+            rows = {} if ROW_VARIANTS[variant] is None else {shape: ROW_VARIANTS[variant] for shape in rows}
         use_pdl(True, gemv=chosen, row=rows)
         return
     use_pdl(variant != "off", gemv=variant == "pdl+gemv")

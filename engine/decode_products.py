@@ -10,8 +10,8 @@ split-K needs a second kernel), while cuBLAS keeps qkv_proj and gate_up_proj (20
 at one row: cuBLAS and kernels.gemv with each of a few tile configurations, each over all of that shape's weights
 in one graph; a shape runs kernels.gemv (with its fastest tiles) only when that is clearly faster, so a close call
 keeps cuBLAS on every start (the choice changes the products' rounding). Products of one row (a batch-1 decode
-step) may instead run gemv_row, kernels.gemv's CUDA-core product, when it is clearly faster than that choice: over
-the 8B shape's products it streams at 1.03x the copy floor on an H200, against cuBLAS's 1.21x (2026-11-29).
+step) run gemv_row, kernels.gemv's CUDA-core product, instead: over the 8B shape's products it streams at 1.03x the
+copy floor on an H200 against cuBLAS's 1.21x, and it took the batch-1 step from 4.44-4.50 to 3.93 ms (2026-11-29).
 """
 
 from __future__ import annotations
@@ -85,20 +85,15 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-# kernels.gemv.gemv_row's tiles tried for one row, (BLOCK_N, BLOCK_K, warps): the three fastest of
-# benchmarks.persistent_products' kernel-per-product sweep on an H200 (2026-11-29)
-ROW_CANDIDATES = ((2, 1024, 4), (4, 1024, 8), (8, 1024, 4))
-
-
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
-    and the shapes whose one-row products run gemv_row instead, with its tiles (--decode-gemm auto;
-    kernels.runtime.use_pdl takes both). gemv_row runs a shape's one-row products when its fastest tiles take at most
-    MARGIN of the time of the kernel chosen for more rows."""
+    and the shapes whose one-row products run gemv_row instead, with its tiles: every shape, untimed (--decode-gemm
+    auto; kernels.runtime.use_pdl takes both). Timed on a shape's own weights, gemv_row lost to the other kernels
+    where it won inside the step by 0.5 ms (2026-11-29), so it is not timed here."""
     from triton.runtime.errors import OutOfResources
 
-    from kernels.gemv import gemv, gemv_row
+    from kernels.gemv import ROW_CONFIG, gemv
 
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for w in _weights(model):
@@ -118,20 +113,10 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
             if ms <= MARGIN * cublas and ms < best_ms:
                 best, best_ms = config, ms
         chosen[shape] = best
-        row, row_ms = None, MARGIN * best_ms
-        for config in ROW_CANDIDATES:
-            try:
-                ms = _graph_ms(lambda x, w, c=config: gemv_row(x, w, pdl=True, config=c), weights, inputs)
-            except OutOfResources:
-                continue
-            if ms <= row_ms:
-                row, row_ms = config, ms
-        if row is not None:
-            rows[shape] = row
+        rows[shape] = ROW_CONFIG
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
-                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
-                     + ("" if row is None else f", gemv_row {row} {row_ms * 1e3 / len(weights):.1f} us"))
+                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us"))
     torch.cuda.empty_cache()
-    log.info("decode products at one row, by weight shape (timed in %.2f s): %s", time.monotonic() - started,
-             "; ".join(lines))
+    log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
+             "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)
     return chosen, rows

@@ -107,9 +107,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 # the compiled kernel, so the K / BLOCK_K loads are unrolled and go out together: ~16-60 KB in flight per program),
 # and multiplies on the CUDA cores in float32. Over the 8B shape's 128 decode products in a CUDA graph, a kernel per
 # product this way took 1.03x the copy-bandwidth floor on an H200 against cuBLAS's 1.21x (benchmarks.
-# persistent_products, 2026-11-29).
+# persistent_products, 2026-11-29). Under PDL a program lets its dependents launch and waits; it loads nothing
+# before the wait.
 
-ROW_CONFIG = (2, 1024, 4)  # (BLOCK_N, BLOCK_K, num_warps): the fastest of benchmarks.persistent_products' sweep
+# How a gemv_row launch takes part in programmatic dependent launch (the config's 4th field): not at all (a plain
+# launch, waiting for the kernel before), as a dependent that only waits, or one that first pulls its block's
+# weights into L2. Inside the 8B shape's batch-1 step on an H200 the three took 4.36-4.40, 3.93 and 4.64-4.67 ms
+# (benchmarks.pdl_step, 2026-11-29): the prefetch of every early program's whole block floods the memory system
+# the kernel before is streaming from.
+ROW_PLAIN, ROW_PDL, ROW_PDL_PREFETCH = 0, 1, 2
+ROW_CONFIG = (2, 1024, 4, ROW_PDL)  # (BLOCK_N, BLOCK_K, num_warps, PDL mode)
 
 
 @triton.jit
@@ -147,7 +154,8 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
              pdl: bool = False, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, k] (unit stride), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T (+ bias) [1, n] in x's
     dtype, written to `out` ([1, n], unit stride) or a new tensor; float32 sums. `pdl` and `out` as for gemv;
-    `config`: (BLOCK_N, BLOCK_K, num_warps), default ROW_CONFIG. A kernel is compiled per k."""
+    `config`: (BLOCK_N, BLOCK_K, num_warps[, PDL mode: ROW_PLAIN, ROW_PDL (the default), ROW_PDL_PREFETCH]),
+    default ROW_CONFIG. A kernel is compiled per k."""
     k = x.shape[-1]
     n = weight.shape[0]
     if (x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype
@@ -160,13 +168,15 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     elif out.shape != (1, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [1, {n}] {x.dtype} with unit column stride, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
-    block_n, block_k, warps = config or ROW_CONFIG
+    block_n, block_k, warps, *mode = config or ROW_CONFIG
+    mode = mode[0] if mode else ROW_PDL
     block_k = min(block_k, triton.next_power_of_2(k))
-    pdl = pdl and pdl_on(x)
+    pdl = pdl and pdl_on(x) and mode != ROW_PLAIN
     line = LINE_BYTES // weight.element_size()
+    prefetch = triton.next_power_of_2(triton.cdiv(k, line)) if pdl and mode == ROW_PDL_PREFETCH else 0
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias.contiguous(), out, n, weight.stride(0), K=k, BLOCK_N=block_n,
-        BLOCK_K=block_k, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if pdl else 0, LINE_ELEMS=line, PDL=pdl,
+        BLOCK_K=block_k, PREFETCH_LINES=prefetch, LINE_ELEMS=line, PDL=pdl,
         HAS_BIAS=bias is not None, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return out
 

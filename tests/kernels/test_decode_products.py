@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.decode_products import CANDIDATES, ROW_CANDIDATES, candidates
+from engine.decode_products import CANDIDATES, candidates
 from kernels import runtime
-from kernels.gemv import default_config, gemv, gemv_row
+from kernels.gemv import ROW_CONFIG, default_config, gemv, gemv_row
 from kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, row_plan, use_pdl
 
 
@@ -95,6 +95,6 @@ def test_auto_plans_every_shape_of_the_model(restore_pdl):
         assert set(chosen) == {tuple(w.shape) for w in _weights(llm.runner.model)}
         assert all(c is None or c in candidates(*s) for s, c in chosen.items())
         rows = runtime._pdl["row"]
-        assert set(rows) <= set(chosen) and all(c in ROW_CANDIDATES for c in rows.values())
+        assert rows == {shape: ROW_CONFIG for shape in chosen}  # one row: gemv_row for every shape
         out = llm.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert len(out["output_ids"]) == 4

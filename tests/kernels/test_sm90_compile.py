@@ -47,6 +47,9 @@ out = {
     "gemv_row": ptx(gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                     dict(K=4096, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=64, LINE_ELEMS=64, PDL=True,
                          HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
+    "gemv_row_wait": ptx(gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
+                         dict(K=14336, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
+                              HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # kernels that begin with runtime.pdl_enter: the wait comes before any load
 bf16 = "*bf16"
@@ -111,11 +114,13 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):
     """gemv_row under PDL: no global load before the wait (the weights go to L2 by prefetch), x and the weights
     after it, the weights 16 bytes a load (a block's whole rows, unrolled)."""
-    code = ptx["gemv_row"]
-    wait, loads, wide = (_lines(code, p) for p in
-                         (r"griddepcontrol\.wait", r"ld\.global", r"ld\.global\S*\.v4\.b32"))
-    assert wait and loads and not [i for i in loads if i < wait[0]]
-    assert len(wide) >= 4096 * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
+    for kernel, k in (("gemv_row", 4096), ("gemv_row_wait", 14336)):  # with and without the L2 pull (the default)
+        code = ptx[kernel]
+        launch, wait, loads, wide = (_lines(code, p) for p in (r"griddepcontrol\.launch_dependents",
+                                     r"griddepcontrol\.wait", r"ld\.global", r"ld\.global\S*\.v4\.b32"))
+        assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
+        assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
+    assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):
