@@ -37,7 +37,9 @@ ROW_VARIANTS = {"pdl+plan-norows": None, "pdl+plan-plain": (2, 1024, 4, ROW_PLAI
                 "pdl+plan-prefetch": (2, 1024, 4, ROW_PDL_PREFETCH), "pdl+plan-4w8": (4, 1024, 8, ROW_PDL),
                 "pdl+plan-8w4": (8, 1024, 4, ROW_PDL), "pdl+plan-4w4": (4, 1024, 4, ROW_PDL),
                 "pdl+plan-1w4": (1, 1024, 4, ROW_PDL), "pdl+plan-2w2": (2, 1024, 2, ROW_PDL),
-                "pdl+plan-2k512": (2, 512, 4, ROW_PDL), "pdl+plan-2k2048": (2, 2048, 4, ROW_PDL)}
+                "pdl+plan-2k512": (2, 512, 4, ROW_PDL), "pdl+plan-2k2048": (2, 2048, 4, ROW_PDL),
+                "pdl+plan-2k4096": (2, 4096, 4, ROW_PDL), "pdl+plan-2k2048w8": (2, 2048, 8, ROW_PDL),
+                "pdl+plan-1k2048w2": (1, 2048, 2, ROW_PDL)}
 VARIANTS = ("off", "pdl", "pdl+gemv", "pdl+plan", *OVERRIDES, "pdl+all32", *ROW_VARIANTS)
 _plans: dict = {}
 
