@@ -33,8 +33,8 @@ ALL32 = (32, 512, 4, 4, 2048)
 # "pdl+plan" is the plan as --decode-gemm auto makes it, one-row products on kernels.gemv.gemv_row (since
 # 2026-11-29); "-norows" without them (the auto of before), "-plain" / "-prefetch" with gemv_row in its other PDL
 # modes, "-4w8", "-1w4", "-2k512", ... with other tiles (rows, warps, columns a load)
-ROW_VARIANTS = {"pdl+plan-norows": None, "pdl+plan-plain": (2, 1024, 4, ROW_PLAIN),
-                "pdl+plan-prefetch": (2, 1024, 4, ROW_PDL_PREFETCH), "pdl+plan-4w8": (4, 1024, 8, ROW_PDL),
+ROW_VARIANTS = {"pdl+plan-norows": None, "pdl+plan-plain": (2, 2048, 4, ROW_PLAIN),
+                "pdl+plan-prefetch": (2, 2048, 4, ROW_PDL_PREFETCH), "pdl+plan-2k1024": (2, 1024, 4, ROW_PDL), "pdl+plan-4w8": (4, 1024, 8, ROW_PDL),
                 "pdl+plan-8w4": (8, 1024, 4, ROW_PDL), "pdl+plan-4w4": (4, 1024, 4, ROW_PDL),
                 "pdl+plan-1w4": (1, 1024, 4, ROW_PDL), "pdl+plan-2w2": (2, 1024, 2, ROW_PDL),
                 "pdl+plan-2k512": (2, 512, 4, ROW_PDL), "pdl+plan-2k2048": (2, 2048, 4, ROW_PDL),
