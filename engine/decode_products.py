@@ -28,6 +28,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 log = logging.getLogger(__name__)
 
 MARGIN = 0.97  # kernels.gemv must take at most this share of cuBLAS's time
+ROW_GUARD = 1.10  # gemv_row runs a shape's one-row products unless its own timing is above this share of the choice
 REPLAYS = 5
 
 
@@ -88,12 +89,15 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
-    and the shapes whose one-row products run gemv_row instead, with its tiles: every shape, untimed (--decode-gemm
-    auto; kernels.runtime.use_pdl takes both). Timed on a shape's own weights, gemv_row lost to the other kernels
-    where it won inside the step by 0.5 ms (2026-11-29), so it is not timed here."""
+    and the shapes whose one-row products run gemv_row instead, with its tiles (--decode-gemm auto;
+    kernels.runtime.use_pdl takes both). gemv_row runs every shape unless, timed on the shape's own weights, it is
+    clearly slower (ROW_GUARD) than the kernel chosen for more rows: on an H200 it was faster on every shape
+    (qkv 12.6 against cuBLAS's 15.9 us, down_proj 27.6 against kernels.gemv's 28.7; 2026-11-29) and inside the step by
+    0.5 ms, so the choice leans to it and does not flip between starts on a close call; the guard is for a GPU
+    where it is plainly the wrong kernel."""
     from triton.runtime.errors import OutOfResources
 
-    from kernels.gemv import ROW_CONFIG, gemv
+    from kernels.gemv import ROW_CONFIG, gemv, gemv_row
 
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for w in _weights(model):
@@ -113,9 +117,12 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
             if ms <= MARGIN * cublas and ms < best_ms:
                 best, best_ms = config, ms
         chosen[shape] = best
-        rows[shape] = ROW_CONFIG
+        row_ms = _graph_ms(lambda x, w: gemv_row(x, w, pdl=True), weights, inputs)
+        if row_ms <= ROW_GUARD * best_ms:
+            rows[shape] = ROW_CONFIG
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
-                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us"))
+                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
+                     + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

@@ -95,6 +95,7 @@ def test_auto_plans_every_shape_of_the_model(restore_pdl):
         assert set(chosen) == {tuple(w.shape) for w in _weights(llm.runner.model)}
         assert all(c is None or c in candidates(*s) for s, c in chosen.items())
         rows = runtime._pdl["row"]
-        assert rows == {shape: ROW_CONFIG for shape in chosen}  # one row: gemv_row for every shape
+        # one row: gemv_row for the shapes where its own timing was not clearly slower (on an H200: all of them)
+        assert set(rows) <= set(chosen) and all(c == ROW_CONFIG for c in rows.values())
         out = llm.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert len(out["output_ids"]) == 4
