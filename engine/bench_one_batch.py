@@ -90,10 +90,12 @@ def prefill(runner: ModelRunner, cache: CacheManager, reqs: list[Req]) -> list[i
 
 
 def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: list[int],
-           steps: int) -> tuple[list[float], list[int]]:
+           steps: int, gpu_s: list[float] | None = None) -> tuple[list[float], list[int]]:
     """`steps` decode steps over `reqs` from their tokens `first`: the seconds of each (host read included, as the
-    scheduler's) and the tokens the last step produced."""
+    scheduler's) and the tokens the last step produced. `gpu_s` (CUDA): gets each step's GPU seconds, from CUDA
+    events around the forward and sampling (what the step costs once overlap scheduling hides the host's part)."""
     next_ids, step_s = first, []
+    cuda = gpu_s is not None and runner.device.type == "cuda"
     for _ in range(steps):
         t0 = time.perf_counter()
         for r, tok in zip(reqs, next_ids):
@@ -101,10 +103,19 @@ def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: lis
             r.extend_len = 1
         locs = cache.alloc_decode(reqs)
         batch = build_decode(reqs, locs, runner.device)
-        next_ids = runner.forward_and_sample(batch, _greedy(runner, reqs)).next_ids.tolist()
+        sampling = _greedy(runner, reqs)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        result = runner.forward_and_sample(batch, sampling)
+        if cuda:
+            end.record()
+        next_ids = result.next_ids.tolist()
         for r in reqs:
             r.kv_len += 1
         step_s.append(time.perf_counter() - t0)
+        if cuda:
+            gpu_s.append(start.elapsed_time(end) / 1e3)
     return step_s, next_ids
 
 
@@ -114,7 +125,8 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
     t0 = time.perf_counter()
     first = prefill(runner, cache, reqs)
     prefill_s = time.perf_counter() - t0
-    step_s, _ = decode(runner, cache, reqs, first, output_len)
+    gpu_s: list[float] = []
+    step_s, _ = decode(runner, cache, reqs, first, output_len, gpu_s)
     for r in reqs:
         cache.release(r)
     median = statistics.median(step_s)
@@ -122,6 +134,7 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
             "cuda_graph": runner.graphs is not None, "attention_backend": runner.attn_backend.name,
             "prefill_latency_s": prefill_s, "prefill_throughput_tok_s": bs * input_len / prefill_s,
             "decode_median_latency_s": median, "decode_throughput_tok_s": bs / median,
+            **({"decode_median_gpu_s": statistics.median(gpu_s)} if gpu_s else {}),
             "total_latency_s": prefill_s + sum(step_s)}
 
 
@@ -185,6 +198,8 @@ def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) ->
     ctx = row["input_len"] + row["output_len"] / 2
     floor = (weight_bytes + row["batch_size"] * ctx * kv_per_token) / bandwidth
     row.update(decode_floor_s=floor, decode_over_floor=row["decode_median_latency_s"] / floor)
+    if "decode_median_gpu_s" in row:
+        row["decode_gpu_over_floor"] = row["decode_median_gpu_s"] / floor
 
 
 def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArgs]:
@@ -288,12 +303,14 @@ def collective_shares(runner: ModelRunner, cache: CacheManager, ns: argparse.Nam
 
 def _report(rows: list[dict], extra: dict) -> None:
     print(f"{'backend':>22} {'graph':>5} {'bs':>4} {'ctx':>6} {'prefill s':>10} {'decode ms':>10} {'tok/s':>9} "
-          f"{'x floor':>8}")
+          f"{'x floor':>8} {'GPU ms':>8} {'x floor':>8}")
     for r in rows:
         over = f"{r['decode_over_floor']:.2f}" if "decode_over_floor" in r else "-"
+        gpu = f"{r['decode_median_gpu_s'] * 1e3:.3f}" if "decode_median_gpu_s" in r else "-"
+        gpu_over = f"{r['decode_gpu_over_floor']:.2f}" if "decode_gpu_over_floor" in r else "-"
         print(f"{r['attention_backend']:>22} {str(r['cuda_graph']):>5} {r['batch_size']:>4} {r['input_len']:>6} "
               f"{r['prefill_latency_s']:>10.4f} {r['decode_median_latency_s'] * 1e3:>10.3f} "
-              f"{r['decode_throughput_tok_s']:>9.1f} {over:>8}")
+              f"{r['decode_throughput_tok_s']:>9.1f} {over:>8} {gpu:>8} {gpu_over:>8}")
     if "copy_bandwidth_GBps" in extra:
         print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {extra['matmul_tflops']:.0f} "
               f"TFLOP/s; decode reads {extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 floor "

@@ -57,7 +57,8 @@ class EngineArgs:
     disable_pdl: bool = False
     # What runs products of up to 8 rows (decode batches) under PDL: `gemv` (kernels.gemv, which pulls its weights into
     # L2 before waiting on the kernel before), `cublas`, or `auto`: both timed per weight shape on the model's weights at
-    # start-up, kernels.gemv with a few tile configurations, each shape on the faster (engine.decode_products).
+    # start-up, kernels.gemv with a few tile configurations, each shape on the faster (engine.decode_products); under
+    # `auto` one-row products run kernels.gemv.gemv_row unless it times clearly slower on the shape.
     decode_gemm: str = "auto"
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
