@@ -22,14 +22,13 @@ against the floor of those bytes at this run's copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from benchmarks.pdl_chain import _copy_gbps, _time_graph as _graph_ms
+from benchmarks.pdl_chain import _copy_gbps, _time_graph as _graph_ms, write_rows
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 SHAPES = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
@@ -145,10 +144,7 @@ def main() -> None:
     views = [W[int(o):int(o) + n * k].view(n, k) for o, (n, k) in zip(offsets.tolist(), shapes)]
     xs = {k: torch.randn((1, k), dtype=torch.bfloat16, device=dev) for k in (HIDDEN, INTER)}
     report("cuBLAS F.linear per product", _graph_ms(lambda: [F.linear(xs[v.shape[1]], v) for v in views]))
-    if ns.result_file:
-        with open(ns.result_file, "w") as fh:
-            for row in rows_out:
-                fh.write(json.dumps(row) + "\n")
+    write_rows(ns.result_file, rows_out)
 
 
 if __name__ == "__main__":

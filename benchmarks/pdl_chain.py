@@ -123,6 +123,13 @@ def _copy_gbps(dev) -> float:
     return 2 * 10 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9  # read + write
 
 
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """Append `rows` to `path` as JSON lines (nothing without a path)."""
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def _time_graph(fn, reps: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -211,9 +218,7 @@ def main() -> None:
                        "device": torch.cuda.get_device_name()}
                 rows.append(row)
                 print(f"round {round_} rows {m:2d} {name:>24}: {ms:.3f} ms  {ms / floor_ms:.3f}x floor")
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_rows(ns.result_file, rows)
 
 
 if __name__ == "__main__":

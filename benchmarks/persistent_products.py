@@ -23,7 +23,6 @@ each against the floor of those bytes at this run's copy bandwidth, and every va
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +169,7 @@ def tiny_check() -> None:
 
 
 def main() -> None:
-    from benchmarks.pdl_chain import _copy_gbps, _time_graph
+    from benchmarks.pdl_chain import _copy_gbps, _time_graph, write_rows
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="check the outputs on small shapes and stop")
@@ -218,10 +217,7 @@ def main() -> None:
                            per_sm=per_sm, sync=True, regs=regs, spills=spills, **tiles)
                 report(f"a kernel per product, {block_n}-row, {warps}w {stages}s", _time_graph(lambda: m.kernels(**tiles)),
                        **tiles)
-    if ns.result_file:
-        with open(ns.result_file, "w") as fh:
-            for row in rows_out:
-                fh.write(json.dumps(row) + "\n")
+    write_rows(ns.result_file, rows_out)
 
 
 if __name__ == "__main__":

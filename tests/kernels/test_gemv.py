@@ -14,18 +14,22 @@ from kernels.runtime import pdl_supported
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 200), (3, 96, 64), (16, 17, 520), (8, 64, 1030)])
-def test_gemv_matches_its_twin(m, n, k, dtype):
+def _matches_twin(product, m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, **kw) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn((m, k), generator=g).to(KERNEL_DEVICE, dtype)
     w = (torch.randn((n, k), generator=g) / k ** 0.5).to(KERNEL_DEVICE, dtype)
-    bias = torch.randn((n,), generator=g).to(KERNEL_DEVICE, dtype) if m % 2 else None
-    got, want = gemv(x, w, bias), gemv_reference(x, w, bias)
+    bias = torch.randn((n,), generator=g).to(KERNEL_DEVICE, dtype) if with_bias else None
+    got, want = product(x, w, bias, **kw), gemv_reference(x, w, bias)
     assert got.shape == (m, n) and got.dtype == dtype
     # float32 sums in another order; bfloat16 outputs may round to the neighbour of the twin's
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 200), (3, 96, 64), (16, 17, 520), (8, 64, 1030)])
+def test_gemv_matches_its_twin(m, n, k, dtype):
+    _matches_twin(gemv, m, n, k, dtype, with_bias=m % 2 == 1)
 
 
 def test_gemv_writes_into_a_view_and_refuses_bad_shapes():
@@ -51,14 +55,7 @@ def test_gemv_writes_into_a_view_and_refuses_bad_shapes():
 @pytest.mark.parametrize("n,k,config", [(40, 200, (2, 64, 4)), (17, 1030, (4, 256, 4)), (96, 64, None),
                                         (5, 3000, (8, 1024, 8))])
 def test_gemv_row_matches_its_twin(n, k, config, dtype):
-    g = torch.Generator().manual_seed(n + k)
-    x = torch.randn((1, k), generator=g).to(KERNEL_DEVICE, dtype)
-    w = (torch.randn((n, k), generator=g) / k ** 0.5).to(KERNEL_DEVICE, dtype)
-    bias = torch.randn((n,), generator=g).to(KERNEL_DEVICE, dtype) if n % 2 else None
-    got, want = gemv_row(x, w, bias, config=config), gemv_reference(x, w, bias)
-    assert got.shape == (1, n) and got.dtype == dtype
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
-    torch.testing.assert_close(got, want, **tol)
+    _matches_twin(gemv_row, 1, n, k, dtype, with_bias=n % 2 == 1, config=config)
 
 
 def test_gemv_row_writes_into_a_view_and_refuses_bad_shapes():
