@@ -62,9 +62,10 @@ $(STAMPS)/venv: pyproject.toml | $(STAMPS)/apt
 
 venv: $(STAMPS)/venv
 
-# The native span recorder (services/common/_spanrec.c), beside its source; without it tracing uses the Python one.
+# The native span recorder (services/common/_spanrec.c, which #includes _spanrec_otlp.c and _spanrec_root.c), beside
+# its source; without it tracing uses the Python one.
 NATIVE_STAMP := $(STAMPS)/native
-$(NATIVE_STAMP): services/common/_spanrec.c scripts/build_native.py | $(STAMPS)/venv
+$(NATIVE_STAMP): $(wildcard services/common/_spanrec*.c) scripts/build_native.py | $(STAMPS)/venv
 	$(PY) scripts/build_native.py
 	@touch $@
 

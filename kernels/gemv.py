@@ -151,7 +151,7 @@ def _gemv_row_kernel(X, W, B, Y, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.cons
 
 
 def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             pdl: bool = False, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             pdl: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [1, k] (unit stride), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T (+ bias) [1, n] in x's
     dtype, written to `out` ([1, n], unit stride) or a new tensor; float32 sums. `pdl` and `out` as for gemv;
     `config`: (BLOCK_N, BLOCK_K, num_warps[, PDL mode: ROW_PLAIN, ROW_PDL (the default), ROW_PDL_PREFETCH]),
