@@ -12,38 +12,21 @@ import argparse
 import collections
 import json
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench_one_batch import _greedy, _make_reqs, decode, prefill
+from engine.bench_one_batch import _make_reqs, decode, prefill
 from engine.cache.manager import CacheManager
 from engine.config import EngineArgs, ModelConfig, resolve_args
 from engine.model_runner import ModelRunner
-from engine.scheduler.batch_builder import build_decode
 
 
 def _gpu_ms(runner, cache, reqs, ids, steps: int = 20) -> tuple[float, float, list[int]]:
-    """(median GPU ms of forward + sampling, median wall ms of the whole synchronous step)."""
-    gpu, wall = [], []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        for r, t in zip(reqs, ids):
-            r.output_ids.append(t)
-            r.extend_len = 1
-        batch = build_decode(reqs, cache.alloc_decode(reqs), runner.device)
-        sampling = _greedy(runner, reqs)
-        start.record()
-        result = runner.forward_and_sample(batch, sampling)
-        end.record()
-        ids = result.next_ids.tolist()
-        for r in reqs:
-            r.kv_len += 1
-        wall.append((time.perf_counter() - t0) * 1e3)
-        gpu.append(start.elapsed_time(end))
-    return statistics.median(gpu), statistics.median(wall), ids
+    """(median GPU ms of forward + sampling, median wall ms of the whole synchronous step, the last tokens)."""
+    gpu: list[float] = []
+    wall, ids = decode(runner, cache, reqs, ids, steps, gpu)
+    return statistics.median(gpu) * 1e3, statistics.median(wall) * 1e3, ids
 
 
 def _kernels(prof, steps: int) -> dict:
