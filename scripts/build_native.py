@@ -11,16 +11,23 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "services" / "common" / "_spanrec.c"
+SOURCE = ROOT / "services" / "common" / "_spanrec.c"  # #includes the other _spanrec_*.c (one translation unit)
 
 
 def target() -> Path:
     return SOURCE.with_name("_spanrec" + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
+def up_to_date(out: Path, source: Path = SOURCE) -> bool:
+    """Whether `out` was built after every source file of the recorder (`source` and the files beside it that it
+    #includes, named after it)."""
+    newest = max(p.stat().st_mtime for p in source.parent.glob(source.stem + "*.c"))
+    return out.exists() and out.stat().st_mtime >= newest
+
+
 def main() -> int:
     out = target()
-    if out.exists() and out.stat().st_mtime >= SOURCE.stat().st_mtime:
+    if up_to_date(out):
         return 0
     cc = os.environ.get("CC") or "cc"
     tmp = out.with_name(out.name + ".tmp")
