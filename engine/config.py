@@ -364,12 +364,17 @@ def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
 
 
 def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:
-    """attention_backend defaults by device and model; the prefill and decode backends default to it."""
-    from engine.attention.registry import check_backend_name, default_backend
+    """attention_backend defaults by device and model; the prefill and decode backends default to it, except that
+    with no backend flag at all a FlashInfer default decodes on Triton on Hopper and later
+    (registry.default_decode_backend)."""
+    from engine.attention.registry import check_backend_name, default_backend, default_decode_backend
 
     names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
     names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
-    names["decode_attention_backend"] = args.decode_attention_backend or names["attention_backend"]
+    decode = names["attention_backend"]
+    if args.attention_backend is None:
+        decode = default_decode_backend(device, decode)
+    names["decode_attention_backend"] = args.decode_attention_backend or decode
     for flag, name in names.items():
         check_backend_name(name, flag)
     return names

@@ -83,6 +83,31 @@ def test_default_backend_on_cuda(monkeypatch, installed):
     assert registry.default_backend("cpu", "bfloat16", 128) == "torch_native"
 
 
+@pytest.mark.parametrize("major,decode", [(9, "triton"), (10, "triton"), (8, "flashinfer")])
+def test_a_flashinfer_default_decodes_on_triton_from_hopper_on(monkeypatch, major, decode):
+    import torch
+
+    from engine import config
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: seen.append(index) or (major, 0))
+    monkeypatch.setattr(registry, "default_backend", lambda device, dtype, head_dim: "flashinfer")
+    assert registry.default_decode_backend("cuda:1", "flashinfer") == decode and seen == [1]
+    assert registry.default_decode_backend("cuda", "triton") == "triton"
+    assert registry.default_decode_backend("cpu", "torch_native") == "torch_native"
+    path = model_path("tiny-llama")
+
+    def resolved(**kw):
+        names = config._resolve_attention(EngineArgs.from_kwargs(path, **kw), "cuda", "bfloat16", 128)
+        return tuple(names[k] for k in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"))
+
+    assert resolved() == ("flashinfer", "flashinfer", decode)  # no flag: the measured-faster decode
+    # any backend flag is obeyed as given
+    assert resolved(attention_backend="flashinfer") == ("flashinfer",) * 3
+    assert resolved(decode_attention_backend="flashinfer") == ("flashinfer",) * 3
+    assert resolved(prefill_attention_backend="triton") == ("flashinfer", "triton", decode)
+
+
 def test_graph_batch_sizes():
     assert graph_batch_sizes((8, 1, 8, 3), None, 256) == [1, 3, 8]
     assert graph_batch_sizes(None, 20, 256) == [1, 2, 4, 8, 12, 16, 20]
