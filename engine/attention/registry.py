@@ -34,12 +34,11 @@ def default_backend(device: str, dtype: str, head_dim: int) -> str:
 
 def default_decode_backend(device: str, attention_backend: str) -> str:
     """The decode batches' backend when neither --attention-backend nor --decode-attention-backend is given: Triton's
-    where the default is FlashInfer on a Hopper-or-later GPU, else the default itself. There our decode kernel
-    launches as a programmatic dependent of the kernel before, as the products around it do, and the whole step is
-    faster at every batch size measured (H200, Llama-3.1-8B shape, 512-token context, GPU ms a step: batch 1 3.92
-    against 4.42, 8 4.93 against 5.50, 64 6.63 against 7.44, 256 13.32 against 13.74; only batch 1 at 32k was
-    FlashInfer's, 5.37 against 5.56; benchmarks/results/NOTES.md, 2026-11-29). Prefill stays on FlashInfer. An
-    explicit backend flag is always obeyed."""
+    where the default is FlashInfer on a Hopper-or-later GPU, else the default itself. There the whole decode step
+    was faster on Triton at every batch size measured (H200, Llama-3.1-8B shape, 512-token context, GPU ms a step:
+    batch 1 3.92 against 4.42, 8 4.93 against 5.50, 64 6.63 against 7.44, 256 13.32 against 13.74); only batch 1 at
+    32k was FlashInfer's, 5.37 against 5.56 (benchmarks/results/NOTES.md, 2026-11-29). Prefill stays on
+    FlashInfer. An explicit backend flag is always obeyed."""
     if attention_backend != "flashinfer" or not device.startswith("cuda"):
         return attention_backend
     import torch

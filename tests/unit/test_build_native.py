@@ -4,7 +4,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("build_native", Path(__file__).parents[2] / "scripts" / "build_native.py")
+_SCRIPT = Path(__file__).parents[2] / "scripts" / "build_native.py"
+_spec = importlib.util.spec_from_file_location("build_native", _SCRIPT)
 build_native = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_native)
 
