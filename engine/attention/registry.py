@@ -43,6 +43,8 @@ def default_decode_backend(device: str, attention_backend: str) -> str:
         return attention_backend
     import torch
 
+    if not torch.cuda.is_available():  # the device check that follows says so clearly
+        return attention_backend
     index = torch.device(device).index
     if torch.cuda.get_device_capability(index or 0)[0] < 9 or importlib.util.find_spec("triton") is None:
         return attention_backend

@@ -90,6 +90,7 @@ def test_a_flashinfer_default_decodes_on_triton_from_hopper_on(monkeypatch, majo
     from engine import config
 
     seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: seen.append(index) or (major, 0))
     monkeypatch.setattr(registry, "default_backend", lambda device, dtype, head_dim: "flashinfer")
     assert registry.default_decode_backend("cuda:1", "flashinfer") == decode and seen == [1]
@@ -106,6 +107,13 @@ def test_a_flashinfer_default_decodes_on_triton_from_hopper_on(monkeypatch, majo
     assert resolved(attention_backend="flashinfer") == ("flashinfer",) * 3
     assert resolved(decode_attention_backend="flashinfer") == ("flashinfer",) * 3
     assert resolved(prefill_attention_backend="triton") == ("flashinfer", "triton", decode)
+
+
+def test_no_cuda_keeps_the_flashinfer_default_for_the_device_check(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert registry.default_decode_backend("cuda", "flashinfer") == "flashinfer"
 
 
 def test_graph_batch_sizes():
