@@ -40,6 +40,7 @@ OUR_WINDOW = 1 << 24  # what this side lets the server send on a stream, and on 
 MAX_STREAM_ID = (1 << 31) - 1
 _HEAD = struct.Struct(">I")  # a frame header is the low 3 bytes of a length, then type, flags, stream id
 _MESSAGE = struct.Struct(">BI")  # gRPC's message prefix: compressed flag, length
+_MOST_BUFFERS = 512  # buffers queued for one sendmsg (the system's limit is IOV_MAX, 1024 on Linux)
 
 # HTTP status -> gRPC status when a response carries no grpc-status (gRPC's HTTP mapping)
 _HTTP_CODES = {400: grpc.StatusCode.INTERNAL, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -264,14 +265,17 @@ class Connection:
         return fields
 
     # -- a call -----------------------------------------------------------------------------------------------
-    def unary(self, path: str, message: bytes, metadata=(), timeout_s: float = 10.0,
+    def unary(self, path: str, message, metadata=(), timeout_s: float = 10.0,
               compression: grpc.Compression | None = None) -> bytes:
-        """Send one gRPC request message to `path` and return the response message's bytes, or raise CallError."""
+        """Send one gRPC request message to `path` and return the response message's bytes, or raise CallError.
+        `message`: its bytes, or a list of buffers that make it up (sent from where they lie, not joined)."""
         self.deadline = deadline = time.monotonic() + timeout_s
         flag, encoding = 0, None
+        parts = [message] if isinstance(message, (bytes, bytearray, memoryview)) else list(message)
         if compression in _COMPRESSORS:
             encoding, compress = _COMPRESSORS[compression]
-            message, flag = compress(message), 1
+            parts, flag = [compress(b"".join(parts))], 1
+        message = parts
         for _ in range(3):
             try:
                 if not self._usable():
@@ -294,7 +298,7 @@ class Connection:
                                 f"{type(e).__name__}: {e}") from None
         raise CallError(grpc.StatusCode.UNAVAILABLE, f"the server took no call: {reason}")
 
-    def _call(self, path: str, flag: int, message: bytes, encoding: str | None, metadata, deadline: float) -> bytes:
+    def _call(self, path: str, flag: int, message: list, encoding: str | None, metadata, deadline: float) -> bytes:
         stream = self.next_stream
         self.next_stream += 2
         block = [self._fixed, _literal(b":path", path.encode()),
@@ -310,23 +314,23 @@ class Connection:
         if len(block) > self.peer_frame:
             raise CallError(grpc.StatusCode.INTERNAL, f"request headers of {len(block)} bytes are too large")
         out = [frame(HEADERS, END_HEADERS, stream, block)]
-        body = memoryview(_MESSAGE.pack(flag, len(message)) + message)
+        body = _Body([_MESSAGE.pack(flag, sum(map(len, message))), *message])
         window = [self.peer_initial, stream]
-        sent, done = 0, _Response()
-        while sent < len(body):
-            n = min(len(body) - sent, window[0], self.send_window, self.peer_frame)
-            if n <= 0:  # out of window: hand over what is queued, then wait for the server to grant more
-                if out:
+        done = _Response()
+        while body.left:
+            n = min(body.left, window[0], self.send_window, self.peer_frame)
+            if n <= 0 or len(out) > _MOST_BUFFERS:  # out of window (or of buffers for one system call): hand
+                if out:  # over what is queued, then, out of window, wait for the server to grant more
                     self._send(out)
                     out = []
+                if n > 0:
+                    continue
                 self._dispatch(self._read_frame(deadline), stream, window, done)
                 if done.closed:  # the server answered (an error, surely) before taking the whole request
                     return done.result(self)
                 continue
-            out.append(_HEAD.pack(n)[1:] + bytes((DATA, END_STREAM if sent + n == len(body) else 0)) +
-                       _HEAD.pack(stream))
-            out.append(body[sent:sent + n])
-            sent += n
+            out.append(_HEAD.pack(n)[1:] + bytes((DATA, END_STREAM if n == body.left else 0)) + _HEAD.pack(stream))
+            body.take(n, out)
             window[0] -= n
             self.send_window -= n
         self._send(out)
@@ -376,6 +380,29 @@ class Connection:
         if self.received >= OUR_WINDOW // 2:
             self._send(frame(WINDOW_UPDATE, 0, 0, _HEAD.pack(self.received)))
             self.received = 0
+
+
+class _Body:
+    """A request's bytes in the buffers that hold them, handed out in frames' worth as slices (no copy)."""
+
+    __slots__ = ("parts", "index", "at", "left")
+
+    def __init__(self, parts: list):
+        self.parts = [memoryview(p) for p in parts if len(p)]
+        self.index = self.at = 0
+        self.left = sum(map(len, self.parts))
+
+    def take(self, n: int, out: list) -> None:
+        """Append the next `n` bytes to `out`, as slices of the parts."""
+        self.left -= n
+        while n:
+            part = self.parts[self.index]
+            k = min(len(part) - self.at, n)
+            out.append(part[self.at:self.at + k])
+            n -= k
+            self.at += k
+            if self.at == len(part):
+                self.index, self.at = self.index + 1, 0
 
 
 class _Response:

@@ -45,12 +45,19 @@ _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
 
 class Encoded:
-    """An ExportTraceServiceRequest already encoded (`payload`), of `count` spans: what the exporter sends."""
+    """An ExportTraceServiceRequest already encoded, of `count` spans: what the exporter sends. `parts`: buffers
+    whose bytes in order are the request (its head, then the spans where they were read: otlp_h2 sends them as they
+    lie); `payload`: the request as one bytes (grpc's client wants that)."""
 
-    __slots__ = ("payload", "count")
+    __slots__ = ("parts", "count")
 
-    def __init__(self, payload: bytes, count: int):
-        self.payload, self.count = payload, count
+    def __init__(self, payload, count: int):
+        self.parts = (payload,) if isinstance(payload, (bytes, memoryview)) else tuple(payload)
+        self.count = count
+
+    @property
+    def payload(self) -> bytes:
+        return self.parts[0] if len(self.parts) == 1 and type(self.parts[0]) is bytes else b"".join(self.parts)
 
 
 class _BytesStub:
@@ -68,7 +75,7 @@ class _LeanStub:
         self.connection, self.compression = connection, compression
 
     def Export(self, request: "Encoded", metadata=(), timeout: float = 10.0) -> None:
-        self.connection.unary(_EXPORT, request.payload, metadata, timeout, self.compression)
+        self.connection.unary(_EXPORT, request.parts, metadata, timeout, self.compression)
 
 
 class _PrebuiltExporter(OTLPSpanExporter):
@@ -115,7 +122,7 @@ def requests(res: bytes, batch, most: int) -> list[Encoded]:
                 for i in range(0, len(batch), most)]
     span_fields, count = batch
     runs = [(span_fields, count)] if count <= most else trace_otlp.split_spans(span_fields, most)
-    return [Encoded(trace_otlp.request_of_spans(res, SCOPE, run), n) for run, n in runs]
+    return [Encoded((trace_otlp.request_head(res, SCOPE, len(run)), run), n) for run, n in runs]
 
 
 def _read_exactly(fd: int, n: int, parent_pid: int) -> bytes | None:
@@ -135,7 +142,7 @@ def _read_exactly(fd: int, n: int, parent_pid: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def batches(fd: int, parent_pid: int) -> Iterator[list[tuple] | tuple[bytes, int]]:
+def batches(fd: int, parent_pid: int) -> Iterator[list[tuple] | tuple[memoryview, int]]:
     """The span batches the service writes to `fd`, until it closes it or exits: a frame of marshalled records as
     their list (Records), a frame of the native recorder's as (its spans' encoding, their count)."""
     while True:
@@ -145,8 +152,8 @@ def batches(fd: int, parent_pid: int) -> Iterator[list[tuple] | tuple[bytes, int
         body = _read_exactly(fd, _FRAME.unpack(head)[0], parent_pid)
         if body is None:
             return
-        if body[:1] == OTLP_FRAME:
-            yield body[5:], _COUNT.unpack_from(body, 1)[0]
+        if body[:1] == OTLP_FRAME:  # the spans as a view of the frame read (not copied)
+            yield memoryview(body)[5:], _COUNT.unpack_from(body, 1)[0]
         else:
             yield trace_recorder.expand(marshal.loads(body))
 

@@ -113,9 +113,18 @@ def spans(records: list[tuple]) -> bytes:
 
 def request_of_spans(resource_message: bytes, scope: str, span_fields: bytes) -> bytes:
     """An ExportTraceServiceRequest of spans already encoded as ScopeSpans.spans fields."""
-    scope_spans = field(b"\x0a", field(b"\x0a", scope.encode())) + span_fields
-    resource_spans = field(b"\x0a", resource_message) + field(b"\x12", scope_spans)
-    return field(b"\x0a", resource_spans)
+    return request_head(resource_message, scope, len(span_fields)) + span_fields
+
+
+def request_head(resource_message: bytes, scope: str, spans_length: int) -> bytes:
+    """The bytes of request_of_spans' request before its spans (`spans_length` bytes of ScopeSpans.spans fields):
+    the spans can then be sent where they lie, without being copied into the request."""
+    scope_field = field(b"\x0a", field(b"\x0a", scope.encode()))  # ScopeSpans.scope
+    resource_field = field(b"\x0a", resource_message)  # ResourceSpans.resource
+    scope_spans = len(scope_field) + spans_length
+    scope_spans_head = b"\x12" + varint(scope_spans)  # ResourceSpans.scope_spans
+    resource_spans = len(resource_field) + len(scope_spans_head) + scope_spans
+    return b"\x0a" + varint(resource_spans) + resource_field + scope_spans_head + scope_field
 
 
 def split_spans(span_fields: bytes, most: int) -> list[tuple[bytes, int]]:

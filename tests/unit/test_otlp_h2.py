@@ -70,6 +70,42 @@ def test_requests_of_any_size_arrive_whole_on_one_connection(server):
         conn.close()
 
 
+def test_a_message_in_parts_is_sent_as_their_bytes_in_order(server):
+    conn = otlp_h2.Connection("127.0.0.1", server.port)
+    big = os.urandom(300_000)
+    try:
+        for parts in ([b"head", memoryview(big)[3:], b"", b"tail"], [memoryview(big)], [b"", b""]):
+            conn.unary(PATH, parts)
+            assert server.got[-1][0] == b"".join(parts)
+        conn.unary(PATH, [b"head", memoryview(big)], compression=grpc.Compression.Gzip)
+        assert server.got[-1][0] == b"head" + big
+    finally:
+        conn.close()
+
+
+def test_a_frame_of_spans_becomes_requests_of_at_most_the_batch_size():
+    """The exporter's requests around a native frame's spans (a view of the frame, never copied) parse as the
+    official message, split at `most` spans."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    from services.common import trace_export, trace_otlp
+
+    spans = b"".join(trace_otlp.field(b"\x12", Span(name=f"s{i}", trace_id=bytes(16), span_id=bytes(8)).SerializeToString())
+                     for i in range(1200))
+    frame = memoryview(b"O\x00\x00\x00\x00" + spans)[5:]
+    res = trace_export.resource("router")
+    out = trace_export.requests(res, (frame, 1200), 512)
+    assert [e.count for e in out] == [512, 512, 176]
+    names = []
+    for e in out:
+        assert type(e.parts[1]) is memoryview  # the spans were not copied
+        request = ExportTraceServiceRequest.FromString(e.payload)
+        names += [s.name for s in request.resource_spans[0].scope_spans[0].spans]
+        assert request.resource_spans[0].scope_spans[0].scope.name == trace_export.SCOPE
+    assert names == [f"s{i}" for i in range(1200)]
+
+
 def test_metadata_and_compression_reach_the_server(server):
     conn = otlp_h2.Connection("127.0.0.1", server.port)
     payload = b"spans " * 5000
