@@ -144,6 +144,7 @@ class Connection:
         self.goaway: int | None = None  # the last stream id the server said it would process
         self.decoder = Decoder()
         self.decoded: dict[bytes, list] = {}  # header blocks that left the decoder's table as it was
+        self.other_block = bytearray()  # a header block of no call of ours, until its END_HEADERS
         settings = struct.pack(">HIHI", S_ENABLE_PUSH, 0, S_INITIAL_WINDOW_SIZE, OUR_WINDOW)
         self._send(PREFACE + frame(SETTINGS, 0, 0, settings) +
                    frame(WINDOW_UPDATE, 0, 0, _HEAD.pack(OUR_WINDOW - DEFAULT_WINDOW)))
@@ -177,19 +178,19 @@ class Connection:
         connection) without waiting; False if the connection can take no new call."""
         if self.sock is None or self.goaway is not None or self.next_stream > MAX_STREAM_ID:
             return False
-        while select.select([self.sock], [], [], 0)[0]:
-            try:
+        try:
+            while select.select([self.sock], [], [], 0)[0]:
                 chunk = self.sock.recv(1 << 16)
-            except OSError:
-                return False
-            if not chunk:
-                return False
-            self.buf += chunk
-            while (f := self._parse()) is not None:
-                if f[0] == DATA:
-                    self._consumed(len(f[3]))
-                else:
-                    self._control(*f)
+                if not chunk:
+                    return False
+                self.buf += chunk
+                while (f := self._parse()) is not None:
+                    if f[0] == DATA:
+                        self._consumed(len(f[3]))
+                    else:
+                        self._control(*f)
+        except (OSError, ValueError, CallError):  # closed meanwhile, or an acknowledgement could not be sent
+            return False
         return self.goaway is None
 
     # -- frames -----------------------------------------------------------------------------------------------
@@ -246,7 +247,10 @@ class Connection:
             self.goaway = int.from_bytes(body[:4], "big") & MAX_STREAM_ID
         elif kind in (HEADERS, CONTINUATION, PUSH_PROMISE):
             # a header block of no call of ours still has to go through the decoder to keep its table in step
-            self._decode(_unpad(kind, flags, body))
+            self.other_block += _unpad(kind, flags, body)
+            if flags & END_HEADERS:
+                block, self.other_block = bytes(self.other_block), bytearray()
+                self._decode(block)
 
     def _decode(self, block: bytes) -> list:
         """A header block's fields. A server's responses repeat the same few blocks, which after the first ones only
