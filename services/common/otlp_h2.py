@@ -1,10 +1,10 @@
 """The trace exporter's transport to a cleartext OTLP/gRPC collector: unary calls over one HTTP/2 connection of
 its own (prior knowledge, RFC 9113), one call at a time, from the exporter's one export thread.
 
-Why not grpc's own client: an Export call through grpcio costs ~400-500 us of CPU whatever it carries (the Python
-call path, then the C core's event-engine threads), ~1/3 of the exporter process's CPU per 512-span request, and the
-exporter shares the traced service's cores. The same call written here as frames on a socket costs ~1/4 of that
-(benchmarks/results/NOTES.md, 2026-11-29 (afternoon)). What grpc adds that an exporter does not need (channels,
+Why not grpc's own client: an Export call through grpcio costs ~500 us of CPU whatever it carries (the Python
+call path, then the C core's event-engine threads), about half of the exporter process's CPU per 512-span request,
+and the exporter shares the traced service's cores. The same call written here as frames on a socket costs
+~200-300 us, and the exporter's CPU per frame fell by ~40% (benchmarks/results/NOTES.md, 2026-11-29 (afternoon)). What grpc adds that an exporter does not need (channels,
 load balancing, name resolution, keepalive, many calls at once) is left out; what a collector expects is kept:
 flow control both ways, SETTINGS/PING acknowledged, CONTINUATION and padding read, GOAWAY honoured (a call the
 server did not take is sent again on a new connection at once), gzip/deflate message compression, a grpc-timeout

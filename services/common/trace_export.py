@@ -5,7 +5,7 @@ services.common.trace_otlp, or spans the native recorder already encoded) and ex
 the OpenTelemetry OTLP/gRPC exporter, whose request it hands over as bytes; the exporter applies the standard variables
 (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE, _INSECURE) and retries. To a
 cleartext collector the calls go over services.common.otlp_h2's own HTTP/2 connection rather than grpc's client
-(~1/4 of its CPU a call); RADIXMESH_OTLP_TRANSPORT=grpc keeps grpc's.
+(about half of its CPU a call); RADIXMESH_OTLP_TRANSPORT=grpc keeps grpc's.
 The resource is the SDK's (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, telemetry.sdk.*), with service.name
 radixmesh-<role> unless those variables name the service.
 
