@@ -37,8 +37,11 @@ def default_decode_backend(device: str, attention_backend: str) -> str:
     where the default is FlashInfer on a Hopper-or-later GPU, else the default itself. There the whole decode step
     was faster on Triton at every batch size measured (H200, Llama-3.1-8B shape, 512-token context, GPU ms a step:
     batch 1 3.92 against 4.42, 8 4.93 against 5.50, 64 6.63 against 7.44, 256 13.32 against 13.74); only batch 1 at
-    32k was FlashInfer's, 5.37 against 5.56 (benchmarks/results/NOTES.md, 2026-11-29). Prefill stays on
-    FlashInfer. An explicit backend flag is always obeyed."""
+    32k was FlashInfer's, 5.37 against 5.56 (benchmarks/results/NOTES.md, 2026-11-29). Those are synchronous steps,
+    where FlashInfer's per-step plan delays the graph; under the overlap scheduler the plan is hidden, and at 256
+    running requests its decode gave 1-4% more output tok/s while batch 1 stayed Triton's by ~4% (NOTES,
+    2026-11-29 (afternoon)): batch 1 is what this default serves. Prefill stays on FlashInfer. An explicit backend
+    flag is always obeyed."""
     if attention_backend != "flashinfer" or not device.startswith("cuda"):
         return attention_backend
     import torch

@@ -231,8 +231,7 @@ class Connection:
                     self.peer_initial = value
                 elif key == S_MAX_FRAME_SIZE:
                     self.peer_frame = value
-                elif key == S_HEADER_TABLE_SIZE:
-                    pass  # the size of the server's decoder table: this side never indexes, nothing to do
+                # HEADER_TABLE_SIZE (the server's decoder table) needs nothing: this side never indexes a field
             self._send(frame(SETTINGS, ACK, 0))
         elif kind == WINDOW_UPDATE:
             grant = int.from_bytes(body[:4], "big") & MAX_STREAM_ID
@@ -279,12 +278,11 @@ class Connection:
         if compression in _COMPRESSORS:
             encoding, compress = _COMPRESSORS[compression]
             parts, flag = [compress(b"".join(parts))], 1
-        message = parts
         for _ in range(3):
             try:
                 if not self._usable():
                     self._open(deadline)
-                return self._call(path, flag, message, encoding, metadata, deadline)
+                return self._call(path, flag, parts, encoding, metadata, deadline)
             except _Unsent as e:
                 self.close()
                 reason = str(e)
@@ -302,7 +300,7 @@ class Connection:
                                 f"{type(e).__name__}: {e}") from None
         raise CallError(grpc.StatusCode.UNAVAILABLE, f"the server took no call: {reason}")
 
-    def _call(self, path: str, flag: int, message: list, encoding: str | None, metadata, deadline: float) -> bytes:
+    def _call(self, path: str, flag: int, parts: list, encoding: str | None, metadata, deadline: float) -> bytes:
         stream = self.next_stream
         self.next_stream += 2
         block = [self._fixed, _literal(b":path", path.encode()),
@@ -318,7 +316,7 @@ class Connection:
         if len(block) > self.peer_frame:
             raise CallError(grpc.StatusCode.INTERNAL, f"request headers of {len(block)} bytes are too large")
         out = [frame(HEADERS, END_HEADERS, stream, block)]
-        body = _Body([_MESSAGE.pack(flag, sum(map(len, message))), *message])
+        body = _Body([_MESSAGE.pack(flag, sum(map(len, parts))), *parts])
         window = [self.peer_initial, stream]
         done = _Response()
         while body.left:
