@@ -281,9 +281,12 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
 
 def launcher_metrics(settings: LaunchSettings, children: list[Child]):
     """With --enable-metrics: the launcher's own /metrics (radixmesh:launcher_restarts_total{service}) on a free
-    port, logged and listed in --metrics-sd-file; returns the restart counter's `count(service)` (else None)."""
+    port, logged, and --metrics-sd-file written with it and every child's; returns the restart counter's
+    `count(service)` (else None). Called before any child starts, so the file is complete from its first version
+    (a reader of it after "ready" once saw the launcher missing)."""
     if not settings.enable_metrics:
         return None
+    log.info("metrics: %s", ", ".join(f"{c.name} http://{c.metrics}/metrics" for c in children))
     from prometheus_client import start_http_server
 
     from services.common.metrics import ServiceMetrics
@@ -423,11 +426,8 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     routers = [c for c in children if c.name.startswith("router")]
     backends = [c for c in children if c not in routers]
-    if settings.enable_metrics:
-        log.info("metrics: %s", ", ".join(f"{c.name} http://{c.metrics}/metrics" for c in children))
-        if settings.metrics_sd_file:
-            write_metrics_targets(children, settings.metrics_sd_file)
     try:
+        count_restart = launcher_metrics(settings, children)
         for c in backends:
             c.start()
         wait_healthy(backends, time.monotonic() + settings.startup_timeout_s, stopping)
@@ -438,7 +438,7 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
         print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
               f"http://{settings.host}:{settings.port}/v1){more}", flush=True)
         code = 0
-        supervisor = Supervisor(children, settings.max_restarts, launcher_metrics(settings, children))
+        supervisor = Supervisor(children, settings.max_restarts, count_restart)
         while not stopping:
             given_up = supervisor.tick()
             if given_up:

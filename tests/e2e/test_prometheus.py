@@ -158,6 +158,9 @@ def prom(tmp_path_factory):
     mesh = launch(model_path("tiny-llama"), tmp, *MESH_FLAGS, "--metrics-sd-file", str(sd_file))
     prometheus = None
     try:
+        # complete once the mesh is ready (the launcher's own target once came a moment after "ready")
+        listed = {g["labels"]["service"] for g in json.loads(sd_file.read_text())}
+        assert {"launcher", "router", "tokenizer", "kvstore"} <= listed, listed
         # Labelled series (per route, worker, method, error type) appear with their first event: a first round
         # creates them before Prometheus's first scrape, so the rates below see the second round's increases.
         send_traffic(mesh, "warm-up")
