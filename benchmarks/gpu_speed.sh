@@ -163,10 +163,12 @@ fi
 
 if [[ $PARTS == *servab* ]]; then
   # The mesh's overhead with and without GenerateStream, alternated with the offline engine on the same workload, so a
-  # drift in the machine's speed falls on all three: ROUNDS x (engine, mesh, mesh with a call per request).
+  # drift in the machine's speed falls on all three: ROUNDS x (engine, mesh, mesh with a call per request; CALLS=0
+  # leaves the last out). BACKEND= (empty) runs the default attention backends.
   MODEL=build/llama-3.1-8b
+  BACKEND=${BACKEND-triton}
   LOAD="--model-path $MODEL --load-format dummy --dtype bfloat16 --max-running-requests 256 --log-level warning
-        --attention-backend ${BACKEND:-triton}"
+        ${BACKEND:+--attention-backend $BACKEND}"
   WORK="--num-prompts 512 --random-input-len 512 --random-output-len 128 --random-range-ratio 0.5 --max-concurrency 64
         --disable-tqdm --output-file $OUT/serving_ab.jsonl"
   # A throwaway engine run first: Triton compiles its kernels' variants on first use (cached on disk), which
@@ -177,6 +179,7 @@ if [[ $PARTS == *servab* ]]; then
     $PY -m benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
     $PY -m benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
       | grep -E "Backend|Failed|Output token|ITL"
+    [[ ${CALLS:-1} == 0 ]] && continue
     $PY -m benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
       | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
   done
@@ -210,7 +213,7 @@ if [[ $PARTS == *router* ]]; then
     extra=""; [[ $place == elsewhere ]] && extra="--exporter-elsewhere"
     for sc in ${TRACE_SCEN:-generate_1 chat_stream_16}; do
       $PY -m benchmarks.router --scenarios $sc --requests ${TRACE_REQUESTS:-500} --stream-requests 300 \
-        --repeats ${TRACE_REPEATS:-20} --pairs ${TRACE_PAIRS:-1} --warmup 200 --trace-ab $extra \
+        --repeats ${TRACE_REPEATS:-20} --pairs ${TRACE_PAIRS:-1} --warmup 200 --trace-ab $extra ${TRACE_ARGS:-} \
         --out "$OUT/trace-ab-$sc${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
     done
   done

@@ -280,6 +280,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "(fresh processes each: a pair carries its own luck of hashes and memory layout, which moved one "
                    "pair's median by up to 3 points on a 2-vCPU VM); reports the median over every pair's rounds and "
                    "each pair's own")
+    p.add_argument("--side-by-side", action="store_true", help="with --trace-ab: in each round both routers are "
+                   "loaded at once (sharing their core) instead of in turn, and their CPU is read over the same "
+                   "window: a drift in the machine's speed within a round falls on both")
     p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
                    "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
@@ -358,6 +361,9 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
         asyncio.run(run_load(base, sc, min(args.warmup, count), args.concurrency, offset))
     rounds: list[dict] = []
     for k in range(args.repeats):
+        if args.side_by_side:
+            rounds.append(measure_together(bases, sc, args, pids, count, offset + (2 * k + 1) * count))
+            continue
         runs = {}
         for j, name in enumerate(list(bases)[::1 if k % 2 == 0 else -1]):
             own = {n: p for n, p in pids.items() if n not in bases or n == name}
@@ -370,7 +376,7 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
     ratio = statistics.median(b / a for a, b in zip(cpu["router"], cpu["router_traced"]))
     ratio_both = statistics.median(b / a for a, b in zip(cpu["router"], both))
     return {"scenario": sc.name, "description": sc.description, "requests": count, "rounds": args.repeats,
-            "cpu_ms_per_request_off": statistics.median(cpu["router"]),
+            "side_by_side": args.side_by_side, "cpu_ms_per_request_off": statistics.median(cpu["router"]),
             "cpu_ms_per_request_on": statistics.median(cpu["router_traced"]), "on_over_off_median_ratio": ratio,
             "capacity_change_pct": (1 / ratio - 1) * 100,
             "trace_exporter_cpu_ms_per_request": statistics.median(b - a for a, b in zip(cpu["router_traced"], both)),
@@ -381,6 +387,31 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
             "error_examples": [e for r in rounds for n in bases for e in r[n]["error_examples"]][:3],
             "rounds_cpu_ms_per_request": [[round(r[n]["router_cpu_ms_per_request"], 4) for n in bases]
                                           for r in rounds]}
+
+
+def measure_together(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], count: int,
+                     offset: int) -> dict:
+    """One round of --side-by-side: both routers (they share one core) loaded at once by clients of their own,
+    each router's CPU read over the same window, so the machine's speed in that window falls on both alike. Returns
+    measure_once's fields per router (the load's wall time is the two loads' together)."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0 = time.perf_counter()
+
+    async def both() -> list[dict]:
+        return await asyncio.gather(*(run_load(base, sc, count, args.concurrency, offset + j * count)
+                                      for j, base in enumerate(bases.values())))
+
+    loads = dict(zip(bases, asyncio.run(both())))
+    wall = time.perf_counter() - t0
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    out = {}
+    for name in bases:
+        router = used[name]
+        exporter = {"router_and_exporter_cpu_ms_per_request": (router + used["trace_exporter"]) / count * 1e3} \
+            if name == "router_traced" and "trace_exporter" in used else {}
+        out[name] = {**exporter, "wall_s": wall, "router_cpu_s": router, "router_cpu_ms_per_request":
+                     router / count * 1e3, "router_cpu_utilization": router / wall, **loads[name]}
+    return out
 
 
 def pooled(pairs: list[list[dict]]) -> list[dict]:

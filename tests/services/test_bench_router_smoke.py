@@ -78,6 +78,22 @@ def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
     assert len(r["per_pair_capacity_change_pct"]) == 2 and "over 2 router pairs" in proc.stdout
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
+def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
+    """--trace-ab --side-by-side: both routers loaded at once in each round; every request of both answered, each
+    router's CPU read over the round, the traced one's exporter counted with it."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--trace-ab", "--side-by-side", "--scenarios",
+                           "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["scenario"], r["rounds"], r["errors"], r["side_by_side"]) == ("generate_1", 2, 0, True)
+    assert len(r["rounds_ratio"]) == 2 and all(x > 0 for x in r["rounds_ratio"])
+    assert all(on >= off > 0 for off, on in zip(r["rounds_ratio"], r["rounds_ratio_with_exporter"]))
+    assert "capacity" in proc.stdout
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
 def test_bench_router_vs_sglang_smoke(tmp_path):
     """`python -m benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
