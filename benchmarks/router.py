@@ -392,8 +392,8 @@ def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], 
 def measure_together(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], count: int,
                      offset: int) -> dict:
     """One round of --side-by-side: both routers (they share one core) loaded at once by clients of their own,
-    each router's CPU read over the same window, so the machine's speed in that window falls on both alike. Returns
-    measure_once's fields per router (the load's wall time is the two loads' together)."""
+    each router's CPU read over the same window, so the machine's speed in that window falls on both alike. Returns,
+    per router, the CPU fields measure_ab reads and its load's results (the wall time is the two loads' together)."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     t0 = time.perf_counter()
 
