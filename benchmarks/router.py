@@ -164,6 +164,14 @@ async def run_load(base: str, sc: Scenario, count: int, concurrency: int, offset
     return {"errors": len(errors), "error_examples": errors[:3], "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
 
+def router_cpu_fields(router_s: float, exporter_s: float | None, count: int, wall_s: float) -> dict:
+    """A router's CPU over a measured run of `count` requests (and its trace exporter's with it, when it has one)."""
+    with_exporter = {"router_and_exporter_cpu_ms_per_request": (router_s + exporter_s) / count * 1e3} \
+        if exporter_s is not None else {}
+    return {**with_exporter, "wall_s": wall_s, "router_cpu_s": router_s,
+            "router_cpu_ms_per_request": router_s / count * 1e3}
+
+
 def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int, offset: int) -> dict:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     core_before, self_before, t0 = core_busy_seconds(args.router_cpu), os.times(), time.perf_counter()
@@ -173,10 +181,7 @@ def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["loadgen"] = (self_after.user + self_after.system) - (self_before.user + self_before.system)
     router = used.pop("router")
-    with_exporter = {"router_and_exporter_cpu_ms_per_request": (router + used["trace_exporter"]) / count * 1e3} \
-        if "trace_exporter" in used else {}
-    return {**with_exporter, "wall_s": wall, "requests_per_s": count / wall, "router_cpu_s": router,
-            "router_cpu_ms_per_request": router / count * 1e3,
+    return {**router_cpu_fields(router, used.get("trace_exporter"), count, wall), "requests_per_s": count / wall,
             "router_capacity_rps_one_core": count / router if router else None,
             "router_cpu_us_per_token": router / (count * sc.tokens) * 1e6,
             "router_cpu_utilization": router / wall, "router_core_foreign_load": max(core_busy - router, 0.0) / wall,
@@ -404,14 +409,9 @@ def measure_together(bases: dict[str, str], sc: Scenario, args, pids: dict[str, 
     loads = dict(zip(bases, asyncio.run(both())))
     wall = time.perf_counter() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    out = {}
-    for name in bases:
-        router = used[name]
-        exporter = {"router_and_exporter_cpu_ms_per_request": (router + used["trace_exporter"]) / count * 1e3} \
-            if name == "router_traced" and "trace_exporter" in used else {}
-        out[name] = {**exporter, "wall_s": wall, "router_cpu_s": router, "router_cpu_ms_per_request":
-                     router / count * 1e3, "router_cpu_utilization": router / wall, **loads[name]}
-    return out
+    return {name: {**router_cpu_fields(used[name], used.get("trace_exporter") if name == "router_traced" else None,
+                                       count, wall), "router_cpu_utilization": used[name] / wall, **loads[name]}
+            for name in bases}
 
 
 def pooled(pairs: list[list[dict]]) -> list[dict]:
