@@ -17,10 +17,10 @@ fi
 [[ $PARTS == *bench* ]] || exit 0
 CFG=benchmarks/configs/llama-3.1-8b
 COMMON="--model-path $CFG --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning"
-$PY -m engine.bench_one_batch $COMMON --batch-size 1 8 64 --input-len 512 --output-len 32 --roofline \
+$PY -m radixmesh.engine.bench_one_batch $COMMON --batch-size 1 8 64 --input-len 512 --output-len 32 --roofline \
   --result-file "$OUT/one_batch.jsonl" 2>&1 | tee "$OUT/one_batch.log" | tail -6
 for bs in 1 8 64; do
   n=$(( bs * 4 ))
-  $PY -m engine.bench_offline_throughput $COMMON --num-prompts $n --random-input-len 512 --random-output-len 128 \
+  $PY -m radixmesh.engine.bench_offline_throughput $COMMON --num-prompts $n --random-input-len 512 --random-output-len 128 \
     --max-running-requests $bs --result-file "$OUT/offline.jsonl" 2>&1 | tee -a "$OUT/offline.log" | tail -1
 done

@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, grpc, mooncake.engine; print("torch", torch.__version__, "grpc", grpc.__version__)' \
   | tee -a "$OUT/device.txt" || exit 1
-python3 -m benchmarks.pd --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+python3 -m radixmesh.benchmarks.pd --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
   --input-len 2048 --output-len 64 --num-prompts ${NUM_PROMPTS:-48} --concurrency ${CONCURRENCY:-8} --vocab 128000 \
   --max-total-tokens 65536 --log-dir "$OUT" --result-file "$OUT/pd.json" ${PD_DEVICES:+--pd-devices $PD_DEVICES} \
   2>&1 | tee "$OUT/pd.log" | tail -4

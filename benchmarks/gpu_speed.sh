@@ -65,7 +65,7 @@ if [[ $PARTS == *setup* ]]; then
   git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
   # the native span recorder for this Python (the router part measures tracing with it; without it, the Python one)
   $PY scripts/build_native.py > "$OUT/native.log" 2>&1 || echo "native span recorder not built: $OUT/native.log"
-  $PY -c 'from services.common import trace_recorder as t; print("span recorder", "native" if t.native else "python")' \
+  $PY -c 'from radixmesh.services.common import trace_recorder as t; print("span recorder", "native" if t.native else "python")' \
     2>&1 | tee -a "$OUT/device.txt"
   [[ -f models/tiny-qwen3/config.json ]] || $PY scripts/make_tiny_models.py --out models > "$OUT/models.log" 2>&1
   [[ -f build/llama-3.1-8b/tokenizer.json ]] || $PY scripts/make_bench_tokenizer.py --config $CFG --out build/llama-3.1-8b
@@ -82,25 +82,25 @@ if [[ $PARTS == *onebatch* ]]; then
     extra="--eager-too"
     # torch_native: no graphs to turn off, and its gathered keys and masks need more room next to the KV pool
     [[ $backend == torch_native ]] && extra="--mem-fraction-static 0.8"
-    $PY -m engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 --input-len 512 \
+    $PY -m radixmesh.engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 --input-len 512 \
       --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
       --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
   done
 fi
 
 if [[ $PARTS == *pdlstep* ]]; then
-  $PY -m benchmarks.pdl_step --batch-size 1 8 64 --rounds 2 --result-file "$OUT/pdl_step.jsonl" 2>&1 \
+  $PY -m radixmesh.benchmarks.pdl_step --batch-size 1 8 64 --rounds 2 --result-file "$OUT/pdl_step.jsonl" 2>&1 \
     | tee "$OUT/pdl_step.log" | grep -v Warning
   $PY -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
 elif [[ $PARTS == *pdl* ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
-  $PY -m benchmarks.pdl_chain --result-file "$OUT/pdl_chain.jsonl" 2>&1 | tee "$OUT/pdl_chain.log" | grep -v Warning
+  $PY -m radixmesh.benchmarks.pdl_chain --result-file "$OUT/pdl_chain.jsonl" 2>&1 | tee "$OUT/pdl_chain.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *fusion* ]]; then
   # rotary + KV store in one kernel or two, in one process per backend
   for backend in ${BACKENDS:-triton flashinfer}; do
-    $PY -m benchmarks.fusion_step --attention-backend $backend --batch-size 1 8 64 --rounds ${ROUNDS:-2} \
+    $PY -m radixmesh.benchmarks.fusion_step --attention-backend $backend --batch-size 1 8 64 --rounds ${ROUNDS:-2} \
       --result-file "$OUT/fusion_step.jsonl" 2>&1 | tee -a "$OUT/fusion_step.log" | grep -v Warning
   done
 fi
@@ -108,25 +108,25 @@ fi
 if [[ $PARTS == *prefetch* ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/gpu/test_attention_backends_cuda.py 2>&1 \
     | tee "$OUT/prefetch_tests.log" | tail -3
-  $PY -m benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
+  $PY -m radixmesh.benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
     --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *splits* ]]; then
-  $PY -m benchmarks.splits_step --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
+  $PY -m radixmesh.benchmarks.splits_step --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
     --result-file "$OUT/splits_step.jsonl" 2>&1 | tee -a "$OUT/splits_step.log" | grep -v Warning
 fi
 
 if [[ $PARTS == *ablate* ]]; then
   for backend in ${BACKENDS:-triton}; do
-    $PY -m benchmarks.ablate_step --attention-backend $backend --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} \
+    $PY -m radixmesh.benchmarks.ablate_step --attention-backend $backend --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} \
       --result-file "$OUT/ablate_step.jsonl" 2>&1 | tee -a "$OUT/ablate_step.log" | grep -v Warning
   done
 fi
 
 if [[ $PARTS == *profile* ]]; then
   for backend in ${BACKENDS:-triton flashinfer}; do
-    $PY -m benchmarks.profile_decode --attention-backend $backend --batch-size ${BATCH:-1 64 256} $TIMELINE \
+    $PY -m radixmesh.benchmarks.profile_decode --attention-backend $backend --batch-size ${BATCH:-1 64 256} $TIMELINE \
       --result-file "$OUT/profile.jsonl" 2>&1 | tee -a "$OUT/profile.log" | grep -v Warning | tail -48
   done
 fi
@@ -134,7 +134,7 @@ fi
 offline() {  # label, then engine flags
   local label=$1; shift
   echo "== $label"
-  $PY -m engine.bench_offline_throughput $COMMON --max-running-requests 256 "$@" \
+  $PY -m radixmesh.engine.bench_offline_throughput $COMMON --max-running-requests 256 "$@" \
     --result-file "$OUT/offline.jsonl" 2>&1 | tee -a "$OUT/offline.log" | tail -1
 }
 
@@ -157,7 +157,7 @@ if [[ $PARTS == *serving* ]]; then
   for backend in engine radixmesh; do
     launch=""
     [[ $backend == radixmesh ]] && launch="--launch"
-    $PY -m benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
+    $PY -m radixmesh.benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
   done
 fi
 
@@ -173,14 +173,14 @@ if [[ $PARTS == *servab* ]]; then
         --disable-tqdm --output-file $OUT/serving_ab.jsonl"
   # A throwaway engine run first: Triton compiles its kernels' variants on first use (cached on disk), which
   # otherwise lands in the first measured run (round 1 of the first H100 run: mean TTFT 291 ms against 112 after).
-  $PY -m benchmarks.serving --backend engine $LOAD ${WORK/--output-file $OUT\/serving_ab.jsonl/} --num-prompts 128 \
+  $PY -m radixmesh.benchmarks.serving --backend engine $LOAD ${WORK/--output-file $OUT\/serving_ab.jsonl/} --num-prompts 128 \
     > "$OUT/serving_ab_warm.log" 2>&1
   for round in $(seq ${ROUNDS:-2}); do
-    $PY -m benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
-    $PY -m benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
+    $PY -m radixmesh.benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+    $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
       | grep -E "Backend|Failed|Output token|ITL"
     [[ ${CALLS:-1} == 0 ]] && continue
-    $PY -m benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
+    $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
       | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
   done
 fi
@@ -194,7 +194,7 @@ if [[ $PARTS == *router* ]]; then
     for tree in . $BASE; do
       name=this; [[ $tree == $BASE ]] && name=base
       echo "round $round: $name" | tee -a "$OUT/router.log"
-      (cd $tree && PYTHONPATH=$PWD $PY -m benchmarks.router $SCEN --out "$OUT/router-$name-$round.json" 2>&1 \
+      (cd $tree && PYTHONPATH=$PWD $PY -m radixmesh.benchmarks.router $SCEN --out "$OUT/router-$name-$round.json" 2>&1 \
         | tee -a "$OUT/router.log" | grep -E "^(generate|chat)")
     done
   done
@@ -203,7 +203,7 @@ if [[ $PARTS == *router* ]]; then
   if [[ -d .whl/sglang ]]; then
     $PY -m pip install --no-deps --no-index --quiet .whl/sglang/*.whl 2>&1 | tail -2
     for round in $(seq ${ROUNDS:-2}); do
-      $PY -m benchmarks.router_vs_sglang --scenarios generate_1 generate_stream_16 chat_stream_16 --repeats 3 \
+      $PY -m radixmesh.benchmarks.router_vs_sglang --scenarios generate_1 generate_stream_16 chat_stream_16 --repeats 3 \
         --stream-requests 3000 --out "$OUT/vs-sglang-$round.json" 2>&1 | tee -a "$OUT/vs_sglang.log" | tail -3
     done
   fi
@@ -212,7 +212,7 @@ if [[ $PARTS == *router* ]]; then
   for place in ${TRACE_PLACES:-same elsewhere}; do
     extra=""; [[ $place == elsewhere ]] && extra="--exporter-elsewhere"
     for sc in ${TRACE_SCEN:-generate_1 chat_stream_16}; do
-      $PY -m benchmarks.router --scenarios $sc --requests ${TRACE_REQUESTS:-500} --stream-requests 300 \
+      $PY -m radixmesh.benchmarks.router --scenarios $sc --requests ${TRACE_REQUESTS:-500} --stream-requests 300 \
         --repeats ${TRACE_REPEATS:-20} --pairs ${TRACE_PAIRS:-1} --warmup 200 --trace-ab $extra ${TRACE_ARGS:-} \
         --out "$OUT/trace-ab-$sc${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
     done
@@ -232,14 +232,14 @@ if [[ $PARTS == *meshab* ]]; then
   SHOW="Backend|Failed|Output token|ITL|TTFT|main|other"
   # Throwaway runs first (the engine's, then a mesh's): the first mesh of a machine ran with a P90 TTFT of 2.3 s
   for backend in engine "radixmesh --launch"; do
-    $PY -m benchmarks.serving --backend $backend $LOAD ${WORK/--output-file $OUT\/meshab.jsonl/} --num-prompts 128 \
+    $PY -m radixmesh.benchmarks.serving --backend $backend $LOAD ${WORK/--output-file $OUT\/meshab.jsonl/} --num-prompts 128 \
       >> "$OUT/meshab_warm.log" 2>&1
   done
   for round in $(seq ${ROUNDS:-2}); do
-    $PY -m benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/meshab.log" | grep -E "$SHOW"
+    $PY -m radixmesh.benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/meshab.log" | grep -E "$SHOW"
     for tree in ${ORDER:-this base}; do  # ORDER="base this" swaps them
       dir=.; [[ $tree == base ]] && dir=$BASE
-      (cd "$dir" && PYTHONPATH=$PWD $PY -m benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 \
+      (cd "$dir" && PYTHONPATH=$PWD $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 \
         | tee -a "$OUT/meshab.log" | grep -E "$SHOW")
     done
   done
@@ -248,7 +248,7 @@ fi
 if [[ $PARTS == *tiles* ]]; then
   # Issue 11: kernels.extend_attention's tiles swept on this GPU over a round-5 wave's extend (benchmarks.extend_tiles);
   # TILES_APPLY=1 runs the later parts (multiturn) with the fastest (RADIXMESH_EXTEND_TILES)
-  $PY -m benchmarks.extend_tiles --result-file "$OUT/extend_tiles.jsonl" 2>&1 | tee "$OUT/extend_tiles.log" | tail -3
+  $PY -m radixmesh.benchmarks.extend_tiles --result-file "$OUT/extend_tiles.jsonl" 2>&1 | tee "$OUT/extend_tiles.log" | tail -3
   best=$(sed -n 's/^best RADIXMESH_EXTEND_TILES=//p' "$OUT/extend_tiles.log")
   if [[ ${TILES_APPLY:-0} == 1 && -n $best ]]; then export RADIXMESH_EXTEND_TILES=$best; echo "using tiles $best"; fi
 fi
@@ -267,10 +267,10 @@ if [[ $PARTS == *multiturn* ]]; then
      --shared-system-prompt-len ${SHARED:-1024} --max-parallel ${MAX_PARALLEL:-8} --seed 1 --log-level warning"
   # A throwaway run first: Triton compiles its kernels' variants on first use (cached on disk), which otherwise
   # lands in the first measured configuration's first round (it added ~400 ms to round 1 of "hierarchy off").
-  $PY -m benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm > "$OUT/multiturn-warm.log" 2>&1
+  $PY -m radixmesh.benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm > "$OUT/multiturn-warm.log" 2>&1
   # and once more with a host tier on a pool half of that run's working set, so the hierarchy's copy kernels
   # (both directions) are compiled before a measured run evicts or loads anything
-  $PY -m benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
+  $PY -m radixmesh.benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
     --enable-hierarchical-cache --hicache-ratio 4 --max-total-tokens $((8 * ${ROUNDS:-4} * (${REQ_LEN:-1024} + 64) / 2 / 64 * 64)) \
     >> "$OUT/multiturn-warm.log" 2>&1
   CONFIGS=("" "--enable-hierarchical-cache --hicache-ratio 4 --hicache-io-backend kernel"
@@ -308,7 +308,7 @@ if [[ $PARTS == *multiturn* ]]; then
   # `git archive REV services benchmarks engine kernels | tar x -C prev_tree` here), and link its stubs there
   # (`ln -s $PWD/radixmesh prev_tree/radixmesh`: an ignored folder inside an untracked one does not travel);
   # MT_PROFILE="EXTENDS:STEPS" (e.g. "4,52:140") profiles the workers' steps after those extend counts
-  # (RADIXMESH_TORCH_PROFILE, engine/profiling.py) into $OUT/prof-TREE-CONFIG.tgz (traces, tables, and
+  # (RADIXMESH_TORCH_PROFILE, radixmesh/engine/profiling.py) into $OUT/prof-TREE-CONFIG.tgz (traces, tables, and
   # benchmarks.timeline's reading of each)
   # a pair written "spy:TREE:CONFIG" runs under py-spy (every process of the mesh, 100 samples a second, never
   # pausing them; collapsed stacks in $OUT/pyspy-TREE-CONFIG.txt) and its records go to multiturn-spy.jsonl
@@ -325,7 +325,7 @@ if [[ $PARTS == *multiturn* ]]; then
     [[ $tree != . ]] && ln -sfn "$PWD/build" "$tree/build"
     extra=${CONFIGS[$i]}
     echo "== multiturn [${tag:-this tree}] ${extra:-hierarchy off}${spy:+ (under py-spy)}"
-    run=($PY -m benchmarks.multiturn $W $extra)
+    run=($PY -m radixmesh.benchmarks.multiturn $W $extra)
     if [[ -n $spy ]]; then
       run=(py-spy record --subprocesses --nonblocking --rate 100 --format raw
            --output "$OUT/pyspy-${tag:-this}-$i.txt" -- "${run[@]}" --output-file "$OUT/multiturn-spy.jsonl")
@@ -338,7 +338,7 @@ if [[ $PARTS == *multiturn* ]]; then
     if [[ -n $prof ]]; then
       dir=${prof%:*:*}
       for t in "$dir"/*.json.gz; do
-        $PY -m benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1; tail -3 "${t%.json.gz}.timeline.txt"
+        $PY -m radixmesh.benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1; tail -3 "${t%.json.gz}.timeline.txt"
       done
       # one archive per run: the device returns a few files per call, and a lost trace cannot be read again
       tar czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
@@ -351,7 +351,7 @@ if [[ $PARTS == *extend* ]]; then
   # against the same forward over none, per attention backend: what attending to the history costs
   for backend in ${BACKENDS:-triton flashinfer}; do
     for prefix in 1152 2304; do
-      $PY -m engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 --input-len 64 \
+      $PY -m radixmesh.engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 --input-len 64 \
         --output-len 2 --extend-over $prefix 512 10 --result-file "$OUT/extend.jsonl" 2>&1 | grep -E "^extend" \
         | sed "s/^/$backend: /" | tee -a "$OUT/extend.log"
     done
@@ -362,14 +362,14 @@ if [[ $PARTS == *kvcopy* ]]; then
   # Issue 11: host <-> device page copies, staged against kernels.kv_pages (benchmarks.kv_copy), after their tests
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kv_pages.py tests/gpu/test_hicache_cuda.py \
     tests/unit/test_hierarchy.py 2>&1 | tail -3 | tee "$OUT/kvcopy-tests.log"
-  $PY -m benchmarks.kv_copy --result-file "$OUT/kv_copy.jsonl" 2>&1 | tail -40 | tee "$OUT/kv_copy.log"
+  $PY -m radixmesh.benchmarks.kv_copy --result-file "$OUT/kv_copy.jsonl" 2>&1 | tail -40 | tee "$OUT/kv_copy.log"
 fi
 
 if [[ $PARTS == *transport* ]]; then
   # Issue 11: L3 page bytes between a host pool and the kvstore, gRPC against the Mooncake transfer engine (TCP,
   # loopback), through the worker's storage path; 8B-shaped pages of 64 and of 16 tokens.
   for ps in 64 16; do
-    $PY -m benchmarks.kvstore_transport --shape 8b --page-size $ps --pages $((4096 / ps)) --batch $((512 / ps)) \
+    $PY -m radixmesh.benchmarks.kvstore_transport --shape 8b --page-size $ps --pages $((4096 / ps)) --batch $((512 / ps)) \
       --output-file $OUT/transport.jsonl 2>&1 | grep -v "^[IEW][0-9]\|InitGoogle" | tee -a "$OUT/transport.log"
   done
 fi
@@ -390,6 +390,6 @@ if [[ $PARTS == *routing* ]]; then
   for i in ${ROUTING:-0 1 2 3}; do
     extra=${POLICIES[$i]}
     echo "== routing $extra"
-    $PY -m benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
+    $PY -m radixmesh.benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
   done
 fi

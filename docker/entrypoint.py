@@ -5,8 +5,8 @@
 Flags pass through unchanged. Inside a container a service must be reachable from outside it and at a known port,
 so unless the command line (or RADIXMESH_HOST / RADIXMESH_PORT, or a --config file) says otherwise, the service
 listens on 0.0.0.0 at its role's port: 30000 for the router and `serve` (HTTP), 50051 for the gRPC services. The
-image's health check (python -m services.common.healthcheck --auto) probes that same address. Anything that is not a
-role runs as a command (`bash`, `python -c ...`)."""
+image's health check (python -m radixmesh.services.common.healthcheck --auto) probes that same address. Anything
+that is not a role runs as a command (`bash`, `python -c ...`)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,19 @@ class Role(NamedTuple):
 HTTP_PORT = 30000
 GRPC_PORT = 50051
 ROLES = {
-    "router": Role("services.router", (), HTTP_PORT, "the public HTTP (OpenAI, SGLang) and gRPC endpoint"),
-    "tokenizer": Role("services.tokenizer", (), GRPC_PORT, "chat templates, tokenization, detokenization"),
-    "worker": Role("services.decode", ("--disaggregation-mode", "null"), GRPC_PORT,
+    "router": Role("radixmesh.services.router", (), HTTP_PORT,
+                   "the public HTTP (OpenAI, SGLang) and gRPC endpoint"),
+    "tokenizer": Role("radixmesh.services.tokenizer", (), GRPC_PORT,
+                      "chat templates, tokenization, detokenization"),
+    "worker": Role("radixmesh.services.worker", ("--disaggregation-mode", "null"), GRPC_PORT,
                    "a colocated worker: prefill and decode in one engine"),
-    "prefill": Role("services.prefill", (), GRPC_PORT, "a prefill worker (PD disaggregation)"),
-    "decode": Role("services.decode", ("--disaggregation-mode", "decode"), GRPC_PORT,
+    "prefill": Role("radixmesh.services.prefill", (), GRPC_PORT, "a prefill worker (PD disaggregation)"),
+    "decode": Role("radixmesh.services.worker", ("--disaggregation-mode", "decode"), GRPC_PORT,
                    "a decode worker (PD disaggregation)"),
-    "kvstore": Role("services.kvstore", (), GRPC_PORT, "the shared L3 KV page store and global prefix index"),
-    "serve": Role("services.launch", ("serve",), HTTP_PORT, "tokenizer, workers and router in this one container"),
+    "kvstore": Role("radixmesh.services.kvstore", (), GRPC_PORT,
+                    "the shared L3 KV page store and global prefix index"),
+    "serve": Role("radixmesh.services.launch", ("serve",), HTTP_PORT,
+                  "tokenizer, workers and router in this one container"),
 }
 
 

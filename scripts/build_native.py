@@ -1,4 +1,4 @@
-"""Build the native span recorder (services/common/_spanrec.c) beside its source, for this interpreter:
+"""Build the native span recorder (radixmesh/services/common/_spanrec.c) beside its source, for this interpreter:
 `python scripts/build_native.py`. `make` runs it; without it the Python recorder is used (slower, the same spans).
 Exits non-zero when the compiler fails, with its message."""
 
@@ -11,7 +11,7 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "services" / "common" / "_spanrec.c"  # #includes the other _spanrec_*.c (one translation unit)
+SOURCE = ROOT / "radixmesh" / "services" / "common" / "_spanrec.c"  # #includes the other _spanrec_*.c (one translation unit)
 
 
 def target() -> Path:

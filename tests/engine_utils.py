@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from engine import Engine
+from radixmesh.engine import Engine
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.pooling import Pooling, pooling_of
+from radixmesh.engine.pooling import Pooling, pooling_of
 from tests.conftest import model_path
 from tests.engine_utils import assert_no_leak, running_engine
 

@@ -371,9 +371,9 @@ def test_generate_into_error_or_cancel_frees_the_request(llm):
 def test_stream_interval_counts_from_the_first_token_not_from_an_output_without_one():
     """An output that carries no token (a prompt chunk) before the first token does not make the first token wait
     for the interval."""
-    from engine.request import StepOutput
-    from engine.results import RequestSpec, ResultBuilder
-    from engine.sampling.params import SamplingParams
+    from radixmesh.engine.request import StepOutput
+    from radixmesh.engine.results import RequestSpec, ResultBuilder
+    from radixmesh.engine.sampling.params import SamplingParams
 
     builder = ResultBuilder(RequestSpec("r", [1, 2, 3], SamplingParams(), None), None, stream=True, segments=True,
                             interval=4)

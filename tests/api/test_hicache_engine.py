@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache.build import kv_layout
-from engine.cache.page_keys import prompt_keys
-from engine.engine import Engine
+from radixmesh.engine.cache.build import kv_layout
+from radixmesh.engine.cache.page_keys import prompt_keys
+from radixmesh.engine.engine import Engine
 from tests.engine_utils import converse
 
 MODEL = "models/tiny-qwen2"
@@ -125,8 +125,8 @@ def test_a_prefetch_waits_for_host_room_that_writes_in_flight_hold(reference, tm
     for that room instead of recomputing: the store's writes are held back while the first prompts run (their new
     pages stay pinned on the host until written), so the third prompt's fetch finds no room until they go through.
     (A full make test once saw such a prompt recompute: cached 0.)"""
-    from engine.cache import storage
-    from engine.cache.storage_backends.file import FileStorage
+    from radixmesh.engine.cache import storage
+    from radixmesh.engine.cache.storage_backends.file import FileStorage
 
     gate = threading.Event()
 

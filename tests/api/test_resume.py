@@ -81,7 +81,7 @@ def test_what_cannot_continue_fails_clearly(llm):
 def test_without_the_text_count_the_text_resumes_as_after_a_token_by_token_stream(llm):
     """resume_text_chars unset (a direct engine caller): the client is taken to have what a stream that sent every
     token on its own would have shown (everything but a character still incomplete at the cut)."""
-    from engine.detokenizer import IncrementalDetokenizer
+    from radixmesh.engine.detokenizer import IncrementalDetokenizer
 
     params = CASES["greedy"]
     deltas, _ = asyncio.run(_stream(llm, params))

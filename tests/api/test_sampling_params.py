@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.request import Req
-from engine.sampling.params import SamplingParams
+from radixmesh.engine.request import Req
+from radixmesh.engine.sampling.params import SamplingParams
 from tests.conftest import DIFFUSE_VOCAB, model_path
 from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import hf_greedy, hf_model

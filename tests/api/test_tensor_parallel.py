@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from engine import Engine
-from engine.distributed import free_local_addr
+from radixmesh.engine import Engine
+from radixmesh.engine.distributed import free_local_addr
 from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 
@@ -135,7 +135,7 @@ def test_tp_l3_store_keeps_every_ranks_shard(tmp_path, policy, store):
 
 
 def test_two_nodes_on_loopback():
-    """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m engine.tp_worker` (rank 1)."""
+    """--nnodes 2: node 0 is the engine (rank 0), node 1 a separate `python -m radixmesh.engine.tp_worker` (rank 1)."""
     path = model_path("tiny-llama")
     prompts = parity_prompts(path)[:4]
     with running_engine(path, **OPTS) as one:
@@ -143,7 +143,7 @@ def test_two_nodes_on_loopback():
     addr = free_local_addr()
     common = ["--model-path", path, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--device", "cpu",
               "--dtype", "float32", "--page-size", "16", "--max-total-tokens", "4096", "--log-level", "warning"]
-    node1 = subprocess.Popen([sys.executable, "-m", "engine.tp_worker", *common, "--node-rank", "1"])
+    node1 = subprocess.Popen([sys.executable, "-m", "radixmesh.engine.tp_worker", *common, "--node-rank", "1"])
     try:
         with running_engine(path, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **OPTS) as llm:
             got = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 10, "temperature": 0})
@@ -219,7 +219,7 @@ def test_a_failed_start_leaves_no_shared_memory_file(tmp_path, monkeypatch):
     followers mapped it, unlinks the file and stops the followers."""
     import glob
 
-    from engine.model_runner import ModelRunner
+    from radixmesh.engine.model_runner import ModelRunner
 
     def fail(self, host):
         assert os.path.exists(host.path)  # made, not yet unlinked
@@ -247,8 +247,8 @@ def test_a_failed_rendezvous_leaves_the_process_able_to_start_a_group(monkeypatc
     import torch
     import torch.distributed as dist
 
-    from engine import distributed
-    from engine.distributed import TensorParallel, TPConfig
+    from radixmesh.engine import distributed
+    from radixmesh.engine.distributed import TensorParallel, TPConfig
 
     monkeypatch.setattr(distributed, "RENDEZVOUS_MIN_S", 1.0)
     with pytest.raises(dist.DistStoreError):  # rank 0 of 2, alone

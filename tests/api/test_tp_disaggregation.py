@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from engine.disaggregation.handoff import DecodeRole, PrefillRole
-from engine.disaggregation.kv_pages import kv_writes
-from services.common.kv_transfer import KvTransfer
+from radixmesh.engine.disaggregation.handoff import DecodeRole, PrefillRole
+from radixmesh.engine.disaggregation.kv_pages import kv_writes
+from radixmesh.services.common.kv_transfer import KvTransfer
 from tests.api.test_tensor_parallel import OPTS, _assert_same
 from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
@@ -27,7 +27,7 @@ LP = {"return_logprob": True, "top_logprobs_num": 3}
 
 
 async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], params: dict) -> dict:
-    """One request through the pair, as services/prefill/bootstrap.py and services/decode/receive.py move it."""
+    """One request through the pair, as services/prefill/bootstrap.py and services/worker/receive.py move it."""
     loop = asyncio.get_running_loop()
     ready, allocated = loop.create_future(), loop.create_future()
     rid = f"tp-pd-{next(_rids)}"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARSERS = {"services.router": "services.router.__main__", "services.tokenizer": "services.tokenizer.__main__",
-           "services.decode": "services.decode.__main__", "services.prefill": "services.decode.__main__",
-           "services.kvstore": "services.kvstore.__main__"}
+PARSERS = {"radixmesh.services.router": "radixmesh.services.router.__main__", "radixmesh.services.tokenizer": "radixmesh.services.tokenizer.__main__",
+           "radixmesh.services.worker": "radixmesh.services.worker.__main__", "radixmesh.services.prefill": "radixmesh.services.worker.__main__",
+           "radixmesh.services.kvstore": "radixmesh.services.kvstore.__main__"}
 
 
 def load_entrypoint():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.deploy import podman as pm
 from tests.deploy.test_image import READY_S, _chat, image  # noqa: F401 - a fixture
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import healthcheck
+from radixmesh.services.common import healthcheck
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,24 +80,24 @@ def test_http(http_health):
 def test_command_line_exit_status(grpc_health):
     servicer, port = grpc_health
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    r = subprocess.run([sys.executable, "-m", "services.common.healthcheck", "--port", str(port)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "radixmesh.services.common.healthcheck", "--port", str(port)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "SERVING" in r.stdout
 
 
 def test_target_follows_the_services_settings(tmp_path):
     t = healthcheck.target_of
-    assert t(["-m", "services.router", "--host", "0.0.0.0", "--tokenizer-url", "x:1"], {}) == ("http", "127.0.0.1",
+    assert t(["-m", "radixmesh.services.router", "--host", "0.0.0.0", "--tokenizer-url", "x:1"], {}) == ("http", "127.0.0.1",
                                                                                                30000)
-    assert t(["-m", "services.launch", "serve", "--port=8000"], {}) == ("http", "127.0.0.1", 8000)
-    assert t(["-m", "services.decode", "--port", "1", "--port", "50051"], {}) == ("grpc", "127.0.0.1", 50051)
-    assert t(["-m", "services.tokenizer", "--host", "10.1.2.3"], {"RADIXMESH_PORT": "7001"}) == ("grpc", "10.1.2.3",
+    assert t(["-m", "radixmesh.services.launch", "serve", "--port=8000"], {}) == ("http", "127.0.0.1", 8000)
+    assert t(["-m", "radixmesh.services.worker", "--port", "1", "--port", "50051"], {}) == ("grpc", "127.0.0.1", 50051)
+    assert t(["-m", "radixmesh.services.tokenizer", "--host", "10.1.2.3"], {"RADIXMESH_PORT": "7001"}) == ("grpc", "10.1.2.3",
                                                                                                  7001)
     config = tmp_path / "kv.yaml"
     config.write_text("port: 6001\nbackend: memory\n")
-    assert t(["-m", "services.kvstore", "--config", str(config)], {}) == ("grpc", "127.0.0.1", 6001)
+    assert t(["-m", "radixmesh.services.kvstore", "--config", str(config)], {}) == ("grpc", "127.0.0.1", 6001)
     with pytest.raises(LookupError):
-        t(["-m", "services.kvstore"], {})  # port 0: a random port nobody can probe
+        t(["-m", "radixmesh.services.kvstore"], {})  # port 0: a random port nobody can probe
 
 
 def _fake_proc(root: Path, pid: int, argv: list[str], start: int, env: dict) -> None:
@@ -111,11 +111,11 @@ def _fake_proc(root: Path, pid: int, argv: list[str], start: int, env: dict) -> 
 
 def test_main_service_is_the_oldest_radixmesh_process(tmp_path):
     _fake_proc(tmp_path, 1, ["/usr/bin/catatonit", "--", "python"], 5, {})
-    _fake_proc(tmp_path, 7, ["python", "-m", "services.launch", "serve", "--port", "30000"], 10, {"A": "1"})
-    _fake_proc(tmp_path, 3, ["python", "-m", "services.tokenizer", "--port", "41000"], 20, {})
+    _fake_proc(tmp_path, 7, ["python", "-m", "radixmesh.services.launch", "serve", "--port", "30000"], 10, {"A": "1"})
+    _fake_proc(tmp_path, 3, ["python", "-m", "radixmesh.services.tokenizer", "--port", "41000"], 20, {})
     (tmp_path / "self").mkdir()
     argv, env = healthcheck.main_service(tmp_path)
-    assert argv == ["-m", "services.launch", "serve", "--port", "30000"] and env == {"A": "1"}
+    assert argv == ["-m", "radixmesh.services.launch", "serve", "--port", "30000"] and env == {"A": "1"}
     with pytest.raises(LookupError):
         healthcheck.main_service(tmp_path / "self")
 

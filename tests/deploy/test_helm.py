@@ -140,7 +140,7 @@ def parsed_commands(docs: list[dict]):
 def test_every_container_command_is_accepted_by_its_service(rendered, capsys):
     _, docs = rendered
     seen = {module for _, module, _ in parsed_commands(docs)}
-    assert {"services.router", "services.tokenizer", "services.decode"} <= seen, seen
+    assert {"radixmesh.services.router", "radixmesh.services.tokenizer", "radixmesh.services.worker"} <= seen, seen
     assert "error:" not in capsys.readouterr().err
 
 
@@ -273,7 +273,7 @@ def test_tensor_parallel_workers_get_their_ranks_and_gpus():
         "kvstore"]  # the store keeps every rank's shard of a page together
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     (module, parsed), = [(m, p) for name, m, p in parsed_commands(docs) if name == "rm-radixmesh-worker"]
-    assert module == "services.decode" and parsed[4]["tp_size"] == 2
+    assert module == "radixmesh.services.worker" and parsed[4]["tp_size"] == 2
     assert "--tp-size" not in by_kind(render(CHART / "ci" / "gpu-values.yaml"), "Deployment")[
         "rm-radixmesh-worker"]["spec"]["template"]["spec"]["containers"][0]["args"]
 

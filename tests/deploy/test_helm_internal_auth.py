@@ -65,7 +65,7 @@ def test_mutual_tls_from_an_existing_secret():
                 if "httpGet" in probe:  # the router's HTTP API keeps its probes
                     continue
                 command = probe["exec"]["command"]
-                assert command[:3] == ["python", "-m", "services.common.healthcheck"], (name, kind)
+                assert command[:3] == ["python", "-m", "radixmesh.services.common.healthcheck"], (name, kind)
                 assert command[command.index("--tls-ca") + 1] == "/etc/radixmesh/tls/ca.crt", (name, kind)
         for name, _, parsed in parsed_commands(docs):  # every service's parser takes the flags
             last = parsed[-1]  # InternalAuthSettings (workers) or its keyword arguments

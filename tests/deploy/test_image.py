@@ -162,5 +162,5 @@ def test_one_container_per_role(image, cleanup):
 def test_the_native_span_recorder_is_in_the_image(image):
     """The image's tracing takes the native recorder (compiled in its `native` stage), not the Python fallback."""
     out = pm.podman("run", "--rm", "--entrypoint", "python", image, "-c",
-                    "from services.common import trace_recorder; print(trace_recorder.native.__file__)")
+                    "from radixmesh.services.common import trace_recorder; print(trace_recorder.native.__file__)")
     assert "_spanrec" in out.stdout, out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""Launch the real mesh (`python -m services.launch serve`: tokenizer, workers and router as OS processes) for
+"""Launch the real mesh (`python -m radixmesh.services.launch serve`: tokenizer, workers and router as OS processes) for
 end-to-end tests, and check on teardown that no process is left over."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.auth import TOKEN_ENV, InternalAuth
-from services.common.auth_channel import sync_channel
-from services.launch import free_port
+from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth
+from radixmesh.services.common.auth_channel import sync_channel
+from radixmesh.services.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # The internal token of every mesh launched here (the launcher passes it to each service); tests that call a worker
@@ -73,7 +73,7 @@ class Mesh:
         return f"http://127.0.0.1:{self.port}"
 
     def services(self) -> dict[str, int]:
-        """Service module name (services.router, services.decode, ...) -> pid; several workers get -0, -1, ..."""
+        """Service module name (services.router, services.worker, ...) -> pid; several workers get -0, -1, ..."""
         out: dict[str, int] = {}
         for pid in child_pids(self.proc.pid):
             name = next((a for a in cmdline(pid).split() if a.startswith("services.")), "?")
@@ -104,7 +104,7 @@ def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str
            timeout: float = 180.0, env: dict | None = None) -> Mesh:
     """`env`: set for the launcher on top of this environment and INTERNAL_TOKEN."""
     port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "services.launch", "serve", "--model-path", model, "--port", str(port),
+    argv = [sys.executable, "-m", "radixmesh.services.launch", "serve", "--model-path", model, "--port", str(port),
             "--grpc-port", str(grpc_port), "--num-workers", str(num_workers), "--shutdown-grace-s", "10",
             "--log-level", "warning", *args]
     if api_key:

@@ -42,7 +42,7 @@ HOLD_S = 8.0  # how long a stopped service stays stopped (longer than the router
 PREFIX = "The keeper of the lighthouse on the northern cape wrote in his log every night, and tonight he wrote "
 pytestmark = pytest.mark.timeout(300)
 
-CASES = [(service, fault) for service in ("services.tokenizer", "services.kvstore", "services.decode", "services.router")
+CASES = [(service, fault) for service in ("radixmesh.services.tokenizer", "radixmesh.services.kvstore", "radixmesh.services.worker", "radixmesh.services.router")
          for fault in ("SIGKILL", "SIGSTOP")]
 
 
@@ -126,7 +126,7 @@ def _whole_again(mesh, service: str, victim: tuple[int, str], killed: bool, work
     router answers."""
     if killed:
         _wait(lambda: (_pid(mesh, service, victim[1]) or victim[0]) != victim[0], 30, f"{service} not restarted")
-    if service != "services.router":
+    if service != "radixmesh.services.router":
         _wait(lambda: _serving(victim[1]), 90, f"{service} does not serve again")
     _wait(lambda: _answers(mesh.url + "/health"), 60, "the router does not answer")
     _wait(lambda: _healthy_workers(mesh, {"Authorization": f"Bearer {KEY}"}) == workers_n, 90, "the workers are not all healthy again")
@@ -156,11 +156,11 @@ def pd_chaos(tmp_path_factory):
 
 @pytest.mark.parametrize("role,fault", [(r, f) for r in ("prefill", "decode") for f in ("SIGKILL", "SIGSTOP")])
 def test_a_pd_worker_killed_or_stopped_under_streaming_load(pd_chaos, role, fault):
-    """Prefill and decode workers are both services.decode processes (in a role): the victim is the first of the
+    """Prefill and decode workers are both services.worker processes (in a role): the victim is the first of the
     role; a killed one comes back on its port."""
     mesh, want = pd_chaos
     pid = pid_of(mesh, workers(mesh)[role][0])
-    _fault(mesh, want, "services.decode", (pid, _port_of(pid)), fault, role)
+    _fault(mesh, want, "radixmesh.services.worker", (pid, _port_of(pid)), fault, role)
 
 
 def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
@@ -170,7 +170,7 @@ def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
 
 
 def _worker_addresses(mesh) -> list[str]:
-    return [f"127.0.0.1:{_port_of(pid)}" for key, pid in mesh.services().items() if key.startswith("services.decode")]
+    return [f"127.0.0.1:{_port_of(pid)}" for key, pid in mesh.services().items() if key.startswith("radixmesh.services.worker")]
 
 
 def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: str, role: str = "") -> None:
@@ -183,7 +183,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
         if fault == "SIGSTOP":
             await asyncio.sleep(HOLD_S)
             deadline = time.monotonic() + 30
-            while service == "services.decode" and time.monotonic() < deadline:
+            while service == "radixmesh.services.worker" and time.monotonic() < deadline:
                 # a hung worker's requests move once the router's health probes give up on it (6-12 s)
                 if await asyncio.to_thread(moved, mesh) > moved_before:
                     break
@@ -192,7 +192,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
 
     moved_before, migrated = moved(mesh), migrations(mesh)
     signum = getattr(signal, fault)
-    if service == "services.decode" and not role:
+    if service == "radixmesh.services.worker" and not role:
         # a colocated worker fails with a stream of its own mid-answer (round robin gives it every other one): the
         # fault comes while it is frozen with an answer open (a tiny model's answer can be shorter than the gap
         # between two of the worker's arrivals, so a check before the signal is not enough: see strike_frozen)
@@ -204,7 +204,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     started = time.monotonic()
     got = asyncio.run(_load(mesh, strike, settle))
     took = time.monotonic() - started
-    if service == "services.router" and fault == "SIGKILL":
+    if service == "radixmesh.services.router" and fault == "SIGKILL":
         broken = [(i, err) for i, (_, err) in enumerate(got) if err is not None]
         assert broken, "the router died with no stream open"
         assert all(all(w.startswith(t) for w, t in zip(want[i].split("|"), text.split("|")))
@@ -216,7 +216,7 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
         bad = [i for i, (text, _) in enumerate(got) if text != want[i]]
         assert not bad, (len(bad), got[bad[0]][0], want[bad[0]])
     assert took < ARRIVE_S + HOLD_S + 60, took
-    if service == "services.decode" and role != "prefill":  # its requests were migrated or retried elsewhere
+    if service == "radixmesh.services.worker" and role != "prefill":  # its requests were migrated or retried elsewhere
         # (a prefill worker's calls are short: whether one is open at the fault is luck, so it is not asserted)
         assert moved(mesh) > moved_before, "no request was open on the worker: nothing was tested"
         if fault == "SIGKILL" and not role:  # round robin put streams there, decoding by the fault: moved mid-stream

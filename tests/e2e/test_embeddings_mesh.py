@@ -62,7 +62,7 @@ def post(url: str, body) -> tuple[int, dict | list]:
 
 def worker_address(mesh) -> str:
     """host:port of the mesh's (first) worker, from its command line."""
-    pid = next(p for name, p in mesh.services().items() if name.startswith("services.decode"))
+    pid = next(p for name, p in mesh.services().items() if name.startswith("radixmesh.services.worker"))
     argv = cmdline(pid).split()
     return f"127.0.0.1:{argv[argv.index('--port') + 1]}"
 

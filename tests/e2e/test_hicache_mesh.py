@@ -16,11 +16,11 @@ import urllib.request
 
 import pytest
 
-from engine.cache.storage import StorageOptions
-from services.common import auth
-from services.common.auth import InternalAuth
-from services.kvstore.client import KvStoreStorage
-from services.launch import free_port
+from radixmesh.engine.cache.storage import StorageOptions
+from radixmesh.services.common import auth
+from radixmesh.services.common.auth import InternalAuth
+from radixmesh.services.kvstore.client import KvStoreStorage
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
 from tests.e2e.mesh import INTERNAL_TOKEN, REPO, cmdline, launch, stop_and_check
 from tests.engine_utils import running_engine
@@ -93,7 +93,7 @@ def test_device_host_and_l3_hits_are_token_exact(mesh, reference):
 
 
 def _second_router(mesh) -> tuple[subprocess.Popen, str]:
-    pid = mesh.services()["services.router"]
+    pid = mesh.services()["radixmesh.services.router"]
     argv = cmdline(pid).split()
     argv = argv[argv.index("-m"):]
     port = free_port()
@@ -122,7 +122,7 @@ def _index_holds(mesh):
     from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
     from tests.e2e.mesh import internal_channel
 
-    port = cmdline(mesh.services()["services.kvstore"]).split("--port ")[1].split()[0]
+    port = cmdline(mesh.services()["radixmesh.services.kvstore"]).split("--port ")[1].split()[0]
     channel = internal_channel(f"127.0.0.1:{port}")
     stub = kvstore_pb2_grpc.KvStoreServiceStub(channel)
 
@@ -166,7 +166,7 @@ def test_kvstore_killed_mid_load_every_request_still_answers(mesh, reference):
     for p in prompts:
         _generate(mesh.url, p)
     _flush(mesh.url)
-    os.kill(mesh.services()["services.kvstore"], signal.SIGKILL)
+    os.kill(mesh.services()["radixmesh.services.kvstore"], signal.SIGKILL)
     outs = [_generate(mesh.url, p)[0] for p in prompts]
     assert outs == want
 
@@ -201,7 +201,7 @@ def test_l3_over_the_mooncake_transfer_engine_is_token_exact(tmp_path, reference
         _flush(m.url)
         from_l3 = [_generate(m.url, p) for p in prompts]
         assert [o for o, _ in from_l3] == want and all(c == _aligned(40) for _, c in from_l3), from_l3
-        port = cmdline(m.services()["services.kvstore"]).split("--port ")[1].split()[0]
+        port = cmdline(m.services()["radixmesh.services.kvstore"]).split("--port ")[1].split()[0]
         auth.configure(InternalAuth((INTERNAL_TOKEN,)))  # the mesh's kvstore wants its token
         try:
             store = KvStoreStorage(StorageOptions(url=f"127.0.0.1:{port}"))

@@ -16,9 +16,9 @@ import pytest
 
 from radixmesh.v1 import (bootstrap_pb2, bootstrap_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, tokenizer_pb2,
                           tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc)
-from services.common.auth import InternalAuth, InternalAuthSettings
-from services.common.auth_channel import sync_channel
-from services.launch import main as radixmesh
+from radixmesh.services.common.auth import InternalAuth, InternalAuthSettings
+from radixmesh.services.common.auth_channel import sync_channel
+from radixmesh.services.launch import main as radixmesh
 from tests.e2e.mesh import INTERNAL_TOKEN, cmdline, openai_client, running_mesh
 from tests.e2e.test_mesh_faults import post
 from tests.e2e.test_pd import NAME
@@ -47,7 +47,7 @@ def addresses(mesh) -> dict[str, str]:
     for pid in mesh.services().values():
         argv = cmdline(pid).split()
         module = next((a for a in argv if a.startswith("services.")), "")
-        if "--port" not in argv or module == "services.router":
+        if "--port" not in argv or module == "radixmesh.services.router":
             continue
         name = module.removeprefix("services.")
         if "--disaggregation-mode" in argv:

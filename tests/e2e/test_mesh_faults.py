@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
 from tests.e2e.mesh import REPO, alive, http_get, launch, stop_and_check
 
@@ -150,13 +150,13 @@ def greedy(mesh) -> dict:
 # ---- 1. one OS process per service ----------------------------------------------------------------------------
 def test_one_process_per_service(mesh):
     procs = mesh.services()
-    assert sorted(procs) == ["services.decode", "services.router", "services.tokenizer"], procs
+    assert sorted(procs) == ["radixmesh.services.worker", "radixmesh.services.router", "radixmesh.services.tokenizer"], procs
     assert len(set(procs.values())) == 3
     for name, pid in procs.items():
         assert alive(pid) and pid_parent(pid) == mesh.proc.pid, name
-    helps = {("services.tokenizer", "--help"): b"--model-path", ("services.decode", "--help"): b"--model-path",
-             ("services.prefill", "--help"): b"--disaggregation-mode", ("services.router", "--help"): b"--worker-urls",
-             ("services.launch", "serve", "--help"): b"--num-workers"}
+    helps = {("radixmesh.services.tokenizer", "--help"): b"--model-path", ("radixmesh.services.worker", "--help"): b"--model-path",
+             ("radixmesh.services.prefill", "--help"): b"--disaggregation-mode", ("radixmesh.services.router", "--help"): b"--worker-urls",
+             ("radixmesh.services.launch", "serve", "--help"): b"--num-workers"}
     runs = {argv: subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT) for argv in helps}
     for argv, p in runs.items():
@@ -301,7 +301,7 @@ def test_hung_worker_fails_its_open_streams_within_bounds(mesh, greedy):
     stream = Stream(mesh.port, "/v1/completions", _completion(
         prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=40)
     assert stream.next_event() is not None
-    worker = mesh.services()["services.decode"]
+    worker = mesh.services()["radixmesh.services.worker"]
     os.kill(worker, signal.SIGSTOP)
     try:
         (events, took) = _timed(stream.read_all)
@@ -336,13 +336,13 @@ def test_removed_worker_ends_open_streams_with_an_error(mesh, greedy):
 def test_killed_worker_is_replaced_through_add_worker(mesh, greedy, tmp_path):
     port = free_port()
     log = open(tmp_path / "extra-worker.log", "w")
-    extra = subprocess.Popen([sys.executable, "-m", "services.decode", "--model-path", MODEL, "--port", str(port),
+    extra = subprocess.Popen([sys.executable, "-m", "radixmesh.services.worker", "--model-path", MODEL, "--port", str(port),
                               "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:  # the replacement loads while the dead worker's effects are checked
         open_stream = Stream(mesh.port, "/v1/completions", _completion(
             prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=30)
         assert open_stream.next_event() is not None
-        worker = mesh.services()["services.decode"]
+        worker = mesh.services()["radixmesh.services.worker"]
         os.kill(worker, signal.SIGKILL)
         assert wait_for(lambda: not alive(worker), 5)
 

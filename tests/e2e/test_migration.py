@@ -97,7 +97,7 @@ def _streaming_on(mesh, pid: int, samples: bool = False):
 
 
 def _workers(mesh) -> list[int]:
-    return [pid for pid in mesh.services().values() if "services.decode" in cmdline(pid)]
+    return [pid for pid in mesh.services().values() if "radixmesh.services.worker" in cmdline(pid)]
 
 
 def _check(got, want) -> None:

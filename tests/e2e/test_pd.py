@@ -35,7 +35,7 @@ def workers(mesh) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"prefill": [], "decode": []}
     for pid in mesh.services().values():
         argv = cmdline(pid).split()
-        if "services.decode" in argv and "--disaggregation-mode" in argv:
+        if "radixmesh.services.worker" in argv and "--disaggregation-mode" in argv:
             role = argv[argv.index("--disaggregation-mode") + 1]
             out[role].append(f"127.0.0.1:{argv[argv.index('--port') + 1]}")
     return out

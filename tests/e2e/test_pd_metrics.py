@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.services.metrics_utils import scrape, spawn_grpc, stop, wait_grpc, wait_http
 
@@ -38,14 +38,14 @@ def pd(tmp_path_factory):
     ports = {name: free_port() for name in ("tok", "good", "bad", "decode", "router")}
     procs, urls = [], {}
     try:
-        tok, tok_url = spawn_grpc("services.tokenizer", "--model-path", MODEL, log=tmp / "tok.log")
+        tok, tok_url = spawn_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, log=tmp / "tok.log")
         procs.append(tok)
         for name, extra in (("good", ()), ("bad", ("--disaggregation-inject-fault", "corrupt"))):
-            p, urls[name] = spawn_grpc("services.prefill", "--model-path", MODEL, *PD, *extra,
+            p, urls[name] = spawn_grpc("radixmesh.services.prefill", "--model-path", MODEL, *PD, *extra,
                                        "--disaggregation-bootstrap-port", str(free_port()), "--served-model-name",
                                        "tiny", "--metrics-port", str(ports[name]), log=tmp / f"{name}.log")
             procs.append(p)
-        p, urls["decode"] = spawn_grpc("services.decode", "--model-path", MODEL, *PD, "--disaggregation-mode",
+        p, urls["decode"] = spawn_grpc("radixmesh.services.worker", "--model-path", MODEL, *PD, "--disaggregation-mode",
                                        "decode", "--disaggregation-verify-kv", "--served-model-name", "tiny",
                                        "--enable-metrics", "--metrics-port", str(ports["decode"]),
                                        log=tmp / "decode.log")
@@ -57,7 +57,7 @@ def pd(tmp_path_factory):
             # be taken as an ephemeral port by the services started meanwhile (a CI run)
             ports["router"] = free_port()
             router = subprocess.Popen(
-                [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
+                [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
                  "--worker-urls", urls["good"], urls["bad"], urls["decode"], "--policy", "round_robin",
                  "--log-level", "warning", "--enable-metrics"],
                 cwd=ROOT, stdout=open(tmp / f"router-{attempt}.log", "w"), stderr=subprocess.STDOUT)

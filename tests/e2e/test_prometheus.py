@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.e2e.mesh import http_get, launch, stop_and_check
 

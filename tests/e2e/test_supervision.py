@@ -109,11 +109,11 @@ def test_a_dead_tokenizer_replica_costs_no_request_and_comes_back(supervised):
     want = _complete(supervised)
     assert want[0] == 200, want
     killed = []
-    got = _burst(supervised, 50, lambda: killed.append(_kill(supervised, "services.tokenizer")))
+    got = _burst(supervised, 50, lambda: killed.append(_kill(supervised, "radixmesh.services.tokenizer")))
     assert [s for s, _, _ in got] == [200] * 50, [r for r in got if r[0] != 200][:2]
     assert all(json.loads(raw)["choices"][0]["text"] == json.loads(want[1])["choices"][0]["text"]
                for _, raw, _ in got)
-    _wait(lambda: _restarted(supervised, "services.tokenizer", killed[0]), 20, "the tokenizer was not restarted")
+    _wait(lambda: _restarted(supervised, "radixmesh.services.tokenizer", killed[0]), 20, "the tokenizer was not restarted")
     # the launcher counts a restart once the new process has started, and a loaded machine can show the process
     # first (a CI run read 0): the count is awaited, then it must be exactly one
     _wait(lambda: sum(_restarts(supervised).get(t, 0) for t in ("tokenizer", "tokenizer-1")) > 0, 10,
@@ -125,11 +125,11 @@ def test_a_dead_tokenizer_replica_costs_no_request_and_comes_back(supervised):
 
 def test_a_killed_worker_and_router_are_restarted_and_serve(supervised):
     before = _restarts(supervised)
-    worker = _kill(supervised, "services.decode")
-    _wait(lambda: _restarted(supervised, "services.decode", worker), 20, "the worker was not restarted")
+    worker = _kill(supervised, "radixmesh.services.worker")
+    _wait(lambda: _restarted(supervised, "radixmesh.services.worker", worker), 20, "the worker was not restarted")
     _wait(lambda: _healthy_workers(supervised) == 2, 90, "the restarted worker never became healthy again")
-    router = _kill(supervised, "services.router")
-    _wait(lambda: _restarted(supervised, "services.router", router), 20, "the router was not restarted")
+    router = _kill(supervised, "radixmesh.services.router")
+    _wait(lambda: _restarted(supervised, "radixmesh.services.router", router), 20, "the router was not restarted")
     _wait(lambda: _answers(supervised.url + "/health"), 60, "the restarted router does not answer")
     assert _complete(supervised)[0] == 200
     after = _restarts(supervised)
@@ -141,7 +141,7 @@ def test_a_killed_worker_and_router_are_restarted_and_serve(supervised):
 def test_one_tokenizer_down_means_fast_503s_then_recovery(tmp_path):
     with running_mesh(NAME, tmp_path, num_workers=1, api_key=KEY) as mesh:
         assert _complete(mesh)[0] == 200
-        got = _burst(mesh, 50, lambda: _kill(mesh, "services.tokenizer"))
+        got = _burst(mesh, 50, lambda: _kill(mesh, "radixmesh.services.tokenizer"))
         failed = [(s, raw, took) for s, raw, took in got if s != 200]
         assert all(s == 503 and took < 5 for s, _, took in failed), failed[:3]
         _wait(lambda: _complete(mesh)[0] == 200, 30, "the router did not recover once the tokenizer was back")
@@ -151,9 +151,9 @@ def test_one_tokenizer_down_means_fast_503s_then_recovery(tmp_path):
 def test_a_service_that_keeps_dying_stops_the_mesh(tmp_path):
     mesh = launch(NAME, tmp_path, "--max-restarts", "1", num_workers=1)
     try:
-        first = _kill(mesh, "services.tokenizer")
-        _wait(lambda: _restarted(mesh, "services.tokenizer", first), 20, "no restart")
-        _kill(mesh, "services.tokenizer")
+        first = _kill(mesh, "radixmesh.services.tokenizer")
+        _wait(lambda: _restarted(mesh, "radixmesh.services.tokenizer", first), 20, "no restart")
+        _kill(mesh, "radixmesh.services.tokenizer")
         _wait(lambda: mesh.proc.poll() is not None, 60, "the mesh kept going")
         assert mesh.proc.returncode == 1
         assert "giving up after --max-restarts 1" in mesh.log_path.read_text()

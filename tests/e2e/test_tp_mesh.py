@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.e2e.mesh import REPO, alive, child_pids, cmdline, http_get, openai_client, running_mesh
 from tests.e2e.test_mesh_faults import post
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
@@ -53,7 +53,7 @@ def _ranks(mesh) -> dict[int, list[int]]:
     """Worker pid -> its follower ranks' pids."""
     out = {}
     for pid in mesh.services().values():
-        if "services.decode" in cmdline(pid):
+        if "radixmesh.services.worker" in cmdline(pid):
             out[pid] = [c for c in child_pids(pid) if "spawn_main" in cmdline(c)]
     return out
 

@@ -54,7 +54,7 @@ def traced_mesh(receiver: OtlpReceiver, tmp, *args: str):
 def exporters(mesh) -> list[int]:
     """The trace exporter processes of the mesh's services (children of theirs); one per service is expected."""
     pids = [c for p in mesh.known_pids for c in child_pids(p)]
-    found = [c for c in pids if "services.common.trace_export" in cmdline(c)]
+    found = [c for c in pids if "radixmesh.services.common.trace_export" in cmdline(c)]
     assert len(found) == len(mesh.known_pids), f"exporters {found} for services {mesh.known_pids}"
     return found
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import jsonschema
 
-from services.router.openapi import document
+from radixmesh.services.router.openapi import document
 from tests.fuzz.request import Req
 
 CLIENT_TIMEOUT_S = 30.0

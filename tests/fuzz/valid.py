@@ -15,7 +15,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from services.router.workers import normalize_url
+from radixmesh.services.router.workers import normalize_url
 from tests.fuzz.request import Req, Target
 
 MAX_TOKENS = 4

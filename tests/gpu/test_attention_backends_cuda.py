@@ -13,12 +13,12 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from engine.attention import create_backend
-from engine.attention.base import AttentionShape
-from engine.attention.torch_native import TorchNativeBackend
-from engine.batch import ForwardBatch, ForwardMode
-from engine.cache.kv_pool import KVPool
-from engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.attention import create_backend
+from radixmesh.engine.attention.base import AttentionShape
+from radixmesh.engine.attention.torch_native import TorchNativeBackend
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 
 pytestmark = pytest.mark.gpu
 

@@ -43,7 +43,7 @@ NEAR_TIE = 0.1
 def test_llama8b_shape_bf16_agrees_with_torch_native():
     """Greedy 32 tokens of 16 prompts, each backend with graphs and overlap (and triton eager as a control) against
     torch_native: divergences only at near-ties of the reference, and close logprobs before them."""
-    from benchmarks.backend_agreement import agreement
+    from radixmesh.benchmarks.backend_agreement import agreement
 
     base = dict(model_path=LLAMA_8B, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                 max_running_requests=16, context_length=512, page_size=16, mem_fraction_static=0.5,

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.cache.host_pool import KVMover
+from radixmesh.engine.cache.host_pool import KVMover
 from tests.conftest import model_path
 from tests.engine_utils import converse, running_engine
 
@@ -86,9 +86,9 @@ def test_a_slow_host_load_is_waited_for(monkeypatch, io_backend):
 
 
 def test_the_default_io_backend_is_the_copy_engine_where_the_driver_batches_copies():
-    from engine.cache import dma
-    from engine.cache.host_pool import HostKVPool
-    from engine.cache.kv_pool import KVPool
+    from radixmesh.engine.cache import dma
+    from radixmesh.engine.cache.host_pool import HostKVPool
+    from radixmesh.engine.cache.kv_pool import KVPool
 
     kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
     mover = KVMover(kv, HostKVPool(40, kv))
@@ -102,9 +102,9 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     into place, a copy per page (cuMemcpyBatchAsync, CUDA 12.8+); or, for older drivers, a cudaMemcpy2DAsync per
     run of host pages into staging slots (groups, a ring of slots) scattered by index copies: every byte lands where
     the kernel path puts it, and the per-layer events cover each layer."""
-    from engine.cache import dma, host_pool
-    from engine.cache.host_pool import HostKVPool
-    from engine.cache.kv_pool import KVPool
+    from radixmesh.engine.cache import dma, host_pool
+    from radixmesh.engine.cache.host_pool import HostKVPool
+    from radixmesh.engine.cache.kv_pool import KVPool
 
     if path == "page-batches" and not dma.batch_available():
         pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
@@ -138,8 +138,8 @@ def test_backups_equal_the_device_pages(io_backend):
     """Backups (device -> host) from scattered device pages into scattered host pages, by kernels.kv_pages or, with
     --hicache-io-backend direct, one batch of copy-engine copies (one per page's K or V): every layer's K and V
     lands in its host page, and host pages not written keep their bytes."""
-    from engine.cache.host_pool import HostKVPool
-    from engine.cache.kv_pool import KVPool
+    from radixmesh.engine.cache.host_pool import HostKVPool
+    from radixmesh.engine.cache.kv_pool import KVPool
 
     kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
     for t in kv.k + kv.v:

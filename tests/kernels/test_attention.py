@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits
-from kernels.extend_attention import extend_attention, extend_attention_reference
+from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits
+from radixmesh.kernels.extend_attention import extend_attention, extend_attention_reference
 
 CUDA = torch.cuda.is_available()
 # Small shapes run wherever the suite runs: compiled on a GPU, in Triton's interpreter on CPU. The real shapes below
@@ -95,7 +95,7 @@ def test_decode_reads_no_split_the_length_leaves_empty(device, lens, heads, kv_h
     """An empty split's program writes nothing and the merge reads only the splits the lengths fill, so scratch left
     full of NaN (as a CUDA graph's fixed scratch holds whatever an earlier, longer batch wrote) changes nothing; the
     merge walks more live splits than its chunk in several chunks."""
-    from kernels.decode_attention import partial_buffers
+    from radixmesh.kernels.decode_attention import partial_buffers
 
     want, args = _decode_case(lens, heads, kv_heads, 32, 16, dtype, device, splits=splits, seed=splits)
     partials = partial_buffers(len(lens), heads, splits, 32, torch.device(device))
@@ -159,7 +159,7 @@ def test_extend_llama8b_shape_cuda(prefixes, extends):
 def test_extend_tiles_from_the_environment(monkeypatch):
     """RADIXMESH_EXTEND_TILES (benchmarks.extend_tiles' choice) is BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES; anything
     else is refused with the expected form."""
-    from kernels import extend_attention as ea
+    from radixmesh.kernels import extend_attention as ea
 
     monkeypatch.setenv(ea.TILES_ENV, "64,128,8,3")
     assert ea._tiles_from_env() == (64, 128, 8, 3)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.decode_products import CANDIDATES, candidates
-from kernels import runtime
-from kernels.gemv import ROW_CONFIG, default_config, gemv, gemv_row
-from kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, row_plan, use_pdl
+from radixmesh.engine.decode_products import CANDIDATES, candidates
+from radixmesh.kernels import runtime
+from radixmesh.kernels.gemv import ROW_CONFIG, default_config, gemv, gemv_row
+from radixmesh.kernels.runtime import gemv_enabled, gemv_plan, pdl_supported, row_plan, use_pdl
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_a_plan_by_shape(monkeypatch, restore_pdl):
 def test_linear_runs_the_plans_kernel_bit_for_bit(restore_pdl):
     if not pdl_supported():
         pytest.skip("programmatic dependent launch needs Hopper and a Triton with gdc_wait")
-    from engine.layers.linear import linear
+    from radixmesh.engine.layers.linear import linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     o = torch.randn((4096, 4096), device="cuda", dtype=torch.bfloat16, generator=g) / 64
@@ -86,7 +86,7 @@ def test_auto_plans_every_shape_of_the_model(restore_pdl):
     generates as it should."""
     if not pdl_supported():
         pytest.skip("programmatic dependent launch needs Hopper and a Triton with gdc_wait")
-    from engine.decode_products import _weights
+    from radixmesh.engine.decode_products import _weights
     from tests.engine_utils import running_engine
 
     with running_engine("models/tiny-llama", device="cuda", dtype="bfloat16", mem_fraction_static=0.3) as llm:

@@ -18,18 +18,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.activation
-import kernels.kv_store
-import kernels.norm
-import kernels.rotary
-from engine.cache.kv_pool import KVPool
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary as engine_apply_rotary
-from engine.models.llama import MLP
-from kernels.activation import silu_and_mul, silu_and_mul_reference
-from kernels.kv_store import store_kv, store_kv_reference
-from kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_reference, rmsnorm, rmsnorm_reference
-from kernels.rotary import apply_rotary, apply_rotary_reference, rotary_store_kv, rotary_store_kv_reference
+from radixmesh import kernels
+import radixmesh.kernels.activation
+import radixmesh.kernels.kv_store
+import radixmesh.kernels.norm
+import radixmesh.kernels.rotary
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.layers.norm import RMSNorm
+from radixmesh.engine.layers.rotary import RotaryEmbedding, apply_rotary as engine_apply_rotary
+from radixmesh.engine.models.llama import MLP
+from radixmesh.kernels.activation import silu_and_mul, silu_and_mul_reference
+from radixmesh.kernels.kv_store import store_kv, store_kv_reference
+from radixmesh.kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_reference, rmsnorm, rmsnorm_reference
+from radixmesh.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_store_kv, rotary_store_kv_reference
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (torch.float32, torch.bfloat16, torch.float16)]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import MAX_ROWS, gemv, gemv_reference, gemv_row
-from kernels.runtime import pdl_supported
+from radixmesh.kernels.gemv import MAX_ROWS, gemv, gemv_reference, gemv_row
+from radixmesh.kernels.runtime import pdl_supported
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_indices import build_kv_indices, build_kv_indices_reference
+from radixmesh.kernels.kv_indices import build_kv_indices, build_kv_indices_reference
 
 # Compiled on a GPU, in Triton's interpreter on CPU.
 DEVICES = [pytest.param("cuda" if torch.cuda.is_available() else "cpu", id="here")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_pages import copy_kv_pages, copy_kv_pages_reference
+from radixmesh.kernels.kv_pages import copy_kv_pages, copy_kv_pages_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

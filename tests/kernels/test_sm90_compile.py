@@ -24,7 +24,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import activation, decode_attention, gemv, kv_store, norm, rotary
+from radixmesh.kernels import activation, decode_attention, gemv, kv_store, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.e2e.mesh import http_get  # noqa: F401 - re-exported for the metrics tests
 from tests.conftest import ROOT
 

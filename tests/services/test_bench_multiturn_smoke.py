@@ -1,4 +1,4 @@
-"""`python -m benchmarks.multiturn` with a tiny workload, as a subprocess, against the mesh it launches itself on CPU:
+"""`python -m radixmesh.benchmarks.multiturn` with a tiny workload, as a subprocess, against the mesh it launches itself on CPU:
 every turn succeeds, prompts grow by one user turn and one answer per round, re-sent histories hit the radix cache
 from round 2 on, the JSON line is complete, no process is left behind, and bad input ends in one clear line with a
 non-zero status. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import uuid
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.services.test_bench_router_smoke import _tagged
 
@@ -22,7 +22,7 @@ WORKLOAD = ["--num-clients", str(CLIENTS), "--num-rounds", str(ROUNDS), "--reque
 
 
 def _bench(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.multiturn", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.multiturn", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -73,13 +73,13 @@ def test_bench_multiturn_mesh(tmp_path):
     assert rec["args"]["launch_flags"] == ["--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     for key in ("device", "date", "command", "workload_digest"):
         assert rec[key], key
-    assert rec["command"].startswith("python -m benchmarks.multiturn --launch --model-path")
+    assert rec["command"].startswith("python -m radixmesh.benchmarks.multiturn --launch --model-path")
 
 
 def test_bench_multiturn_bad_input():
     stray = _bench("--policy", "kv_index", timeout=60)
     assert stray.returncode == 2
-    assert stray.stderr.strip().splitlines() == ["python -m benchmarks.multiturn: error: unrecognized arguments: "
+    assert stray.stderr.strip().splitlines() == ["python -m radixmesh.benchmarks.multiturn: error: unrecognized arguments: "
                                                  "--policy kv_index (flags for the mesh need --launch)"]
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     down = _bench("--base-url", url, "--tokenizer", model_path("tiny-qwen2"), *WORKLOAD, timeout=60)

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.router` with tiny counts, as a subprocess: every scenario runs against the real router and
+"""`python -m radixmesh.benchmarks.router` with tiny counts, as a subprocess: every scenario runs against the real router and
 tokenizer service with fake workers, every answer checks out, the JSON record is complete, and no process is
 left behind. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
 
@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from benchmarks.router_scenarios import SCENARIOS
+from radixmesh.benchmarks.router_scenarios import SCENARIOS
 from tests.conftest import ROOT, model_path
 
 
@@ -36,7 +36,7 @@ def test_bench_router_smoke(tmp_path):
     out = tmp_path / "router.json"
     marker = uuid.uuid4().hex
     tag = f"BENCH_ROUTER_SMOKE={marker}"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--requests", "40", "--stream-requests", "24",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--requests", "40", "--stream-requests", "24",
                            "--warmup", "4", "--repeats", "2", "--concurrency", "4", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
@@ -44,7 +44,7 @@ def test_bench_router_smoke(tmp_path):
     doc = json.loads(out.read_text())
     for key in ("device", "date", "commit", "command"):
         assert doc[key], key
-    assert doc["command"].startswith("python -m benchmarks.router --requests 40")
+    assert doc["command"].startswith("python -m radixmesh.benchmarks.router --requests 40")
     assert doc["router_rss_mb"] > 0
     by_name = {r["scenario"]: r for r in doc["results"]}
     assert set(by_name) == {s.name for s in SCENARIOS}
@@ -67,7 +67,7 @@ def test_bench_router_smoke(tmp_path):
 def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
     """--trace-ab --pairs 2: two untraced/traced router pairs one after the other, their rounds pooled."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--trace-ab", "--pairs", "2", "--scenarios",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--pairs", "2", "--scenarios",
                            "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -83,7 +83,7 @@ def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
     """--trace-ab --side-by-side: both routers loaded at once in each round; every request of both answered, each
     router's CPU read over the round, the traced one's exporter counted with it."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--trace-ab", "--side-by-side", "--scenarios",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--side-by-side", "--scenarios",
                            "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -96,19 +96,19 @@ def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
 def test_bench_router_vs_sglang_smoke(tmp_path):
-    """`python -m benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
+    """`python -m radixmesh.benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
     every request of the three compared scenarios correctly, and the record pairs them."""
     model_path("tiny-llama")
     out = tmp_path / "vs.json"
     marker = uuid.uuid4().hex
     tag = f"BENCH_ROUTER_SMOKE={marker}"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.router_vs_sglang", "--requests", "40",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_vs_sglang", "--requests", "40",
                            "--stream-requests", "24", "--warmup", "4", "--repeats", "1", "--concurrency", "4",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
-    assert doc["sglang_router"] and doc["command"].startswith("python -m benchmarks.router_vs_sglang")
+    assert doc["sglang_router"] and doc["command"].startswith("python -m radixmesh.benchmarks.router_vs_sglang")
     rows = {r["scenario"]: r for r in doc["comparison"]}
     assert set(rows) == {"generate_16", "generate_stream_16", "chat_stream_16"}
     for name, row in rows.items():
@@ -121,11 +121,11 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
 
 
 def test_bench_router_processes_smoke(tmp_path):
-    """`python -m benchmarks.router_processes` with tiny counts: both settings answer every request, and the shared
+    """`python -m radixmesh.benchmarks.router_processes` with tiny counts: both settings answer every request, and the shared
     routes keep the prefix-heavy hit rate at its best with two processes."""
     model_path("tiny-llama")
     out = tmp_path / "procs.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.router_processes", "--requests", "40", "--warmup", "4",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_processes", "--requests", "40", "--warmup", "4",
                            "--repeats", "1", "--concurrency", "4", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,11 +139,11 @@ def test_bench_router_processes_smoke(tmp_path):
 
 
 def test_transport_cost_smoke(tmp_path):
-    """`python -m benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the JSON
+    """`python -m radixmesh.benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the JSON
     holds a row per transport and in-flight count; its echo servers are gone afterwards."""
     out = tmp_path / "transport.json"
     marker = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.transport_cost", "--round-trips", "400", "--repeats",
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.transport_cost", "--round-trips", "400", "--repeats",
                            "1", "--inflight", "1", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "BENCH_TRANSPORT_SMOKE": marker})
     assert proc.returncode == 0, proc.stdout + proc.stderr

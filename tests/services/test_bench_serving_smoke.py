@@ -1,4 +1,4 @@
-"""`python -m benchmarks.serving` with a tiny workload, as a subprocess: against the mesh it launches itself
+"""`python -m radixmesh.benchmarks.serving` with a tiny workload, as a subprocess: against the mesh it launches itself
 (radixmesh backend) and against the in-process engine, on CPU. Every request completes with exactly the drawn
 output length, both backends draw the identical workload, the JSON line is complete, no process is left behind, and
 bad input ends in one clear line with a non-zero status. Asserts no speed (benchmarks measure; tests only guard the
@@ -12,8 +12,8 @@ import subprocess
 import sys
 import uuid
 
-from benchmarks.serving import make_workload, token_pool
-from services.launch import free_port
+from radixmesh.benchmarks.serving import make_workload, token_pool
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.services.test_bench_router_smoke import _tagged
 
@@ -24,7 +24,7 @@ WORKLOAD = ["--num-prompts", str(PROMPTS), "--random-input-len", str(INPUT_LEN),
 
 
 def _bench(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.serving", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.serving", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -72,7 +72,7 @@ def test_bench_serving_mesh_and_engine(tmp_path):
     assert records[0]["workload_digest"] == records[1]["workload_digest"]
     for r in records:  # the worker's scheduler during the timed run, read from the engine or /get_server_info
         assert r["scheduler"]["forward_extend"] >= 1 and r["scheduler"]["forward_decode"] >= 1, r["scheduler"]
-    assert records[0]["command"].startswith("python -m benchmarks.serving --backend radixmesh --launch")
+    assert records[0]["command"].startswith("python -m radixmesh.benchmarks.serving --backend radixmesh --launch")
     for run, where in ((mesh, "prof-mesh"), (offline, "prof-engine")):
         traces = list((tmp_path / where).glob("*-TP-0.trace.json.gz"))
         assert len(traces) == 1 and str(traces[0]) in run.stdout, (where, run.stdout)
@@ -81,7 +81,7 @@ def test_bench_serving_mesh_and_engine(tmp_path):
 def test_bench_serving_bad_input():
     bad = _bench("--backend", "nope", timeout=60)
     assert bad.returncode != 0
-    assert bad.stderr.strip().splitlines() == ["python -m benchmarks.serving: error: unknown backend 'nope' "
+    assert bad.stderr.strip().splitlines() == ["python -m radixmesh.benchmarks.serving: error: unknown backend 'nope' "
                                                "(choose from radixmesh, openai, engine)"]
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     down = _bench("--base-url", url, "--tokenizer", model_path("tiny-qwen2"), *WORKLOAD, timeout=60)

@@ -11,8 +11,8 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.server import channel
-from services.launch import free_port
+from radixmesh.services.common.server import channel
+from radixmesh.services.launch import free_port
 
 
 async def _server(port: int) -> grpc.aio.Server:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.disaggregation.handoff import DecodeRole
-from services.decode.receive import DecodeRoom
+from radixmesh.engine.disaggregation.handoff import DecodeRole
+from radixmesh.services.worker.receive import DecodeRoom
 
 
 class Counted:

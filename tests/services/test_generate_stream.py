@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common import stream_lane
+from radixmesh.services.common import stream_lane
 from tests.services.metrics_utils import start_grpc, stop
 from tests.services.test_router_resilience import MODEL, Mesh, generate, post
 from tests.services.test_worker_service import greedy, start, used_after_flush, worker  # noqa: F401 (fixture)
@@ -178,7 +178,7 @@ def test_bad_request_ends_alone_and_abort_frees_pages(worker, transport):
 
 
 def test_router_falls_back_to_calls_for_a_worker_without_generate_stream(tmp_path):
-    proc, tok = start_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
+    proc, tok = start_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
                            log=tmp_path / "tokenizer.log")
     mesh = Mesh(tok, tmp_path)
     try:
@@ -202,7 +202,7 @@ def test_sigterm_finishes_the_running_requests_then_ends_the_stream(transport):
     elsewhere) and ends the stream once idle, so it exits long before its 30 s grace period."""
     import signal
 
-    proc, url = start("services.decode", "--shutdown-grace-s", "30")
+    proc, url = start("radixmesh.services.worker", "--shutdown-grace-s", "30")
     with grpc.insecure_channel(url) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         stub.url = url

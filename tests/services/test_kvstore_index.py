@@ -12,13 +12,13 @@ from typing import Sequence
 import grpc
 import pytest
 
-from engine.cache.page_keys import namespace_root, prompt_keys
-from engine.cache.storage import KvLayout, StorageOptions, make_page
+from radixmesh.engine.cache.page_keys import namespace_root, prompt_keys
+from radixmesh.engine.cache.storage import KvLayout, StorageOptions, make_page
 from radixmesh.v1 import kvstore_pb2 as pb
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.kvstore import convert
-from services.kvstore.client import KvStoreStorage, WorkerRegistration, async_channel, match_prefix
-from services.kvstore.index import WorkerMatch
+from radixmesh.services.kvstore import convert
+from radixmesh.services.kvstore.client import KvStoreStorage, WorkerRegistration, async_channel, match_prefix
+from radixmesh.services.kvstore.index import WorkerMatch
 from tests.redis_fixture import redis_server  # noqa: F401 - a fixture
 from tests.services.test_kvstore_service import KvStoreProcess
 

@@ -9,10 +9,10 @@ import json
 import grpc
 import pytest
 
-from engine.cache.storage import StorageOptions
+from radixmesh.engine.cache.storage import StorageOptions
 from radixmesh.v1 import kvstore_pb2 as pb
-from services.kvstore.client import open_kvstore
-from services.launch import LaunchSettings, free_port, plan, write_metrics_targets
+from radixmesh.services.kvstore.client import open_kvstore
+from radixmesh.services.launch import LaunchSettings, free_port, plan, write_metrics_targets
 from tests.services.metrics_utils import scrape
 from tests.services.test_kvstore_service import LAYOUT, PAGE_BYTES, pages_for, start_kvstore
 
@@ -57,20 +57,20 @@ def test_kvstore_counts_calls_pages_and_transfers(tmp_path):
 
 
 def test_the_launcher_gives_every_service_a_metrics_port(tmp_path):
-    from engine.config import EngineArgs
-    from services.common.metrics import MetricsSettings
-    from services.common.settings import build_parser
-    from services.decode.settings import PdSettings, WorkerSettings
-    from services.kvstore.settings import KvStoreSettings
-    from services.router.settings import RouterSettings
-    from services.tokenizer.settings import TokenizerSettings
+    from radixmesh.engine.config import EngineArgs
+    from radixmesh.services.common.metrics import MetricsSettings
+    from radixmesh.services.common.settings import build_parser
+    from radixmesh.services.worker.settings import PdSettings, WorkerSettings
+    from radixmesh.services.kvstore.settings import KvStoreSettings
+    from radixmesh.services.router.settings import RouterSettings
+    from radixmesh.services.tokenizer.settings import TokenizerSettings
 
     settings = LaunchSettings(num_workers=2, kvstore=True, enable_metrics=True,
                               metrics_sd_file=str(tmp_path / "targets.json"))
     children = plan(settings, {"model_path": "m"})
-    parsers = {"services.kvstore": (KvStoreSettings, MetricsSettings), "services.router": (RouterSettings,
-               MetricsSettings), "services.tokenizer": (TokenizerSettings, MetricsSettings),
-               "services.decode": (WorkerSettings, PdSettings, MetricsSettings, EngineArgs)}
+    parsers = {"radixmesh.services.kvstore": (KvStoreSettings, MetricsSettings), "radixmesh.services.router": (RouterSettings,
+               MetricsSettings), "radixmesh.services.tokenizer": (TokenizerSettings, MetricsSettings),
+               "radixmesh.services.worker": (WorkerSettings, PdSettings, MetricsSettings, EngineArgs)}
     for c in children:
         assert "--enable-metrics" in c.argv and c.metrics, c.name
         build_parser("", *parsers[c.argv[0]]).parse_args(c.argv[1:])  # the service's own parser takes them

@@ -1,4 +1,4 @@
-"""The kvstore service as a real OS process on loopback (`python -m services.kvstore`), driven through the engine's
+"""The kvstore service as a real OS process on loopback (`python -m radixmesh.services.kvstore`), driven through the engine's
 network client `KvStoreStorage`: round trips over the memory, file, redis and mooncake backends, bad input,
 checksums refused on set, GetStats, a killed kvstore (bounded StorageError, then recovery when it is back), pages
 of the file backend across a kvstore restart, a redis that goes away behind the kvstore (UNAVAILABLE with the
@@ -18,12 +18,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.cache.storage import KvLayout, StorageError, StorageOptions, StoredPage, make_page
+from radixmesh.engine.cache.storage import KvLayout, StorageError, StorageOptions, StoredPage, make_page
 from radixmesh.v1 import kvstore_pb2 as pb
 from radixmesh.v1 import kvstore_pb2_grpc
-from services.kvstore import convert
-from services.kvstore.__main__ import main as kvstore_main
-from services.kvstore.client import KvStoreStorage, register_kvstore_backend
+from radixmesh.services.kvstore import convert
+from radixmesh.services.kvstore.__main__ import main as kvstore_main
+from radixmesh.services.kvstore.client import KvStoreStorage, register_kvstore_backend
 from tests.conftest import ROOT
 from tests.redis_fixture import free_port, redis_server  # noqa: F401 - a fixture
 from tests.unit.test_storage_backends import MooncakeMaster
@@ -38,7 +38,7 @@ PAGE_BYTES = LAYOUT.page_bytes  # 512
 
 @dataclass
 class KvStoreProcess:
-    """`python -m services.kvstore` on a fixed port; start() again after kill() is a restart on the same port."""
+    """`python -m radixmesh.services.kvstore` on a fixed port; start() again after kill() is a restart on the same port."""
 
     workdir: Path
     flags: list[str]
@@ -59,7 +59,7 @@ class KvStoreProcess:
 
     def start(self, timeout_s: float = 20.0) -> None:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--host", "127.0.0.1", "--port",
+            self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.kvstore", "--host", "127.0.0.1", "--port",
                                           str(self.port), *self.flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         self.starts += 1
         options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 100)]
@@ -147,7 +147,7 @@ def test_round_trip_through_the_network_client(kvstore):
 
 @pytest.mark.parametrize("kvstore", ["memory"], indirect=True)
 def test_large_batches_go_in_several_requests(kvstore, monkeypatch):
-    from services.kvstore import client as client_module
+    from radixmesh.services.kvstore import client as client_module
 
     monkeypatch.setattr(client_module, "REQUEST_BYTES", 2 * PAGE_BYTES)
     store = client(kvstore)
@@ -271,7 +271,7 @@ def test_a_backend_failure_is_unavailable_with_the_reason(tmp_path, redis_server
 
 
 def test_open_storage_kvstore_after_registering_the_backend(tmp_path):
-    from engine.cache.storage import open_storage
+    from radixmesh.engine.cache.storage import open_storage
 
     kv = start_kvstore(tmp_path, "--backend", "memory")
     try:

@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from engine.cache.storage import StorageError, StorageOptions, is_direct, make_page
+from radixmesh.engine.cache.storage import StorageError, StorageOptions, is_direct, make_page
 from radixmesh.v1 import kvstore_pb2 as pb
-from services.kvstore.client import KvStoreStorage, KvStoreTransferStorage, open_kvstore
-from services.kvstore.transfer import SLOT_BYTES, StagingSlots
+from radixmesh.services.kvstore.client import KvStoreStorage, KvStoreTransferStorage, open_kvstore
+from radixmesh.services.kvstore.transfer import SLOT_BYTES, StagingSlots
 from tests.services.test_kvstore_service import LAYOUT, PAGE_BYTES, client, pages_for, start_kvstore
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
@@ -177,8 +177,8 @@ def test_the_worker_s_storage_path_moves_host_pages_and_refuses_a_bad_one(kvstor
 
     import torch
 
-    from engine.cache.host_pool import HostKVPool
-    from engine.cache.storage_io import JobKind, StorageIO, StorageJob
+    from radixmesh.engine.cache.host_pool import HostKVPool
+    from radixmesh.engine.cache.storage_io import JobKind, StorageIO, StorageJob
 
     k = torch.empty((1, LAYOUT.num_kv_heads, LAYOUT.head_dim), dtype=torch.float16)
     host = HostKVPool(16, SimpleNamespace(k=[k] * LAYOUT.num_layers, page_size=LAYOUT.page_size))

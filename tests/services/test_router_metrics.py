@@ -14,10 +14,10 @@ import urllib.request
 import grpc
 import pytest
 
-from services.common.metrics import MetricsSettings, ServiceMetrics
-from services.common.settings import parse_settings
-from services.launch import free_port
-from services.router.settings import RouterSettings
+from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
+from radixmesh.services.common.settings import parse_settings
+from radixmesh.services.launch import free_port
+from radixmesh.services.router.settings import RouterSettings
 from tests.conftest import ROOT, model_path
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.services.metrics_utils import http_get, scrape, spawn_grpc, stop, wait_grpc, wait_http
@@ -43,19 +43,19 @@ def mesh(tmp_path_factory):
     procs, ports = [], {"tokenizer": free_port(), "w0": free_port(), "w1": free_port(), "router": free_port(),
                         "router_metrics": free_port()}
     try:
-        tok, tok_url = spawn_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "tiny",
+        tok, tok_url = spawn_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, "--served-model-name", "tiny",
                                   "--metrics-port", str(ports["tokenizer"]), log=tmp / "tokenizer.log")
         procs.append(tok)
         urls = []
         for name in ("w0", "w1"):
-            w, url = spawn_grpc("services.decode", "--model-path", MODEL, "--served-model-name", "tiny",
+            w, url = spawn_grpc("radixmesh.services.worker", "--model-path", MODEL, "--served-model-name", "tiny",
                                 "--enable-metrics", "--metrics-port", str(ports[name]), log=tmp / f"{name}.log")
             procs.append(w)
             urls.append(url)
         for p, url in zip(procs, [tok_url, *urls]):
             wait_grpc(p, url)
         router = subprocess.Popen(
-            [sys.executable, "-m", "services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
+            [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
              "--worker-urls", *urls, "--policy", "round_robin", "--api-key", "sk-test", "--log-level", "warning",
              "--health-check-interval-s", "600", "--enable-metrics", "--metrics-port", str(ports["router_metrics"])],
             cwd=ROOT, stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
@@ -84,7 +84,7 @@ def test_flags_come_from_the_cli_the_environment_and_config_files(tmp_path, monk
     assert parse().metrics_port == 9200 and parse("--metrics-port", "9300").metrics_port == 9300
     with pytest.raises(ValueError, match="metrics-port"):
         MetricsSettings(metrics_port=70000)
-    for module in ("services.router", "services.tokenizer", "services.decode", "services.prefill"):
+    for module in ("radixmesh.services.router", "radixmesh.services.tokenizer", "radixmesh.services.worker", "radixmesh.services.prefill"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0 and "--enable-metrics" in out.stdout and "--metrics-port" in out.stdout, module

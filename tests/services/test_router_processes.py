@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from services.router.supervisor import merge_expositions
+from radixmesh.services.router.supervisor import merge_expositions
 from tests.services.metrics_utils import http_get, scrape, stop
 from tests.services.test_router_resilience import KEY, Mesh, generate, mesh, post, tokenizer  # noqa: F401 (fixtures)
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.otlp_receiver import OtlpReceiver
 from tests.services.metrics_utils import http_get, scrape, start_grpc, stop, wait_http
@@ -29,7 +29,7 @@ KEY = "sk-gw"
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
+    proc, url = start_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, "--served-model-name", "fake",
                            log=tmp_path_factory.mktemp("gw") / "tokenizer.log")
     yield url
     stop(proc)
@@ -44,7 +44,7 @@ class Mesh:
 
     def worker(self, *args: str) -> str:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fake_worker", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "radixmesh.benchmarks.fake_worker", "--port", str(port),
                                  "--served-model-name", "fake", "--tokens", "4", *args], cwd=ROOT)
         self.procs.append(proc)
         url = f"127.0.0.1:{port}"
@@ -56,7 +56,7 @@ class Mesh:
     def router(self, *args: str) -> str:
         port, metrics = free_port(), free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.router", "--port", str(port), "--tokenizer-url", self.tokenizer,
+            [sys.executable, "-m", "radixmesh.services.router", "--port", str(port), "--tokenizer-url", self.tokenizer,
              "--worker-urls", *self.workers, "--api-key", KEY, "--enable-metrics", "--metrics-port", str(metrics),
              "--log-level", "warning", *args],
             cwd=ROOT, stdout=open(self.tmp / f"router-{port}.log", "w"), stderr=subprocess.STDOUT)

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.soak` for 20 s against the mesh it launches (2 colocated tiny-qwen2 workers on CPU), as a
+"""`python -m radixmesh.benchmarks.soak` for 20 s against the mesh it launches (2 colocated tiny-qwen2 workers on CPU), as a
 subprocess: every request kind ran and none failed, the samples hold every service's RSS and fds and every worker's
 KV, the KV is empty after the drain and free after the flush, and no process is left behind. The failure rule is
 checked on made-up samples. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
@@ -11,9 +11,9 @@ import subprocess
 import sys
 import uuid
 
-from benchmarks.soak_load import KINDS
-from benchmarks.soak_report import growth
-from services.launch import free_port
+from radixmesh.benchmarks.soak_load import KINDS
+from radixmesh.benchmarks.soak_report import growth
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.services.test_bench_router_smoke import _tagged
 
@@ -21,7 +21,7 @@ SERVICES = {"launcher", "tokenizer", "worker-0", "worker-1", "router"}
 
 
 def _soak(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.soak", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.soak", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -36,7 +36,7 @@ def test_soak_smoke(tmp_path):
     assert "PASSED" in proc.stdout
     rec = json.loads(out.read_text())
     assert rec["bench"] == "soak" and rec["passed"] and rec["failures"] == []
-    assert rec["command"].startswith("python -m benchmarks.soak --model-path")
+    assert rec["command"].startswith("python -m radixmesh.benchmarks.soak --model-path")
     totals = rec["totals"]
     assert totals["failed"] == 0 and totals["invalid_outputs"] == 0 and rec["warmup"]["failed"] == 0, rec["errors"]
     assert rec["warmup"]["requests"] > len(KINDS)  # one of each kind, then the timed warm-up
@@ -85,7 +85,7 @@ def test_soak_growth_rule():
 def test_soak_bad_input():
     bad = _soak("--duration", "soon", timeout=60)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "python -m benchmarks.soak: error: not a duration: 'soon' (e.g. 90s, 30m, 1h)"
+    assert bad.stderr.strip() == "python -m radixmesh.benchmarks.soak: error: not a duration: 'soon' (e.g. 90s, 30m, 1h)"
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     down = _soak("--url", url, "--duration", "5s", "--out", os.devnull, timeout=60)
     assert down.returncode == 2

@@ -13,9 +13,9 @@ import pytest
 
 from radixmesh.v1 import tokenizer_pb2 as pb
 from radixmesh.v1 import tokenizer_pb2_grpc
-from services.common.server import GrpcService, GrpcSettings
-from services.launch import free_port
-from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
+from radixmesh.services.common.server import GrpcService, GrpcSettings
+from radixmesh.services.launch import free_port
+from radixmesh.services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
 from tests.services.metrics_utils import start_grpc, stop
 from tests.conftest import model_path
 
@@ -27,7 +27,7 @@ BAD = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi", tool_call
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL,
+    proc, url = start_grpc("radixmesh.services.tokenizer", "--model-path", MODEL,
                            log=tmp_path_factory.mktemp("ts") / "tokenizer.log")
     yield proc, url
     stop(proc)
@@ -64,7 +64,7 @@ def test_stream_results_equal_unary_calls(tokenizer):
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
 def test_router_client_batches_and_fails_cleanly(tmp_path, lane):
     """Over the service's stream lane (the router's default) and over gRPC."""
-    proc, url = start_grpc("services.tokenizer", "--model-path", MODEL, log=tmp_path / "tokenizer.log")
+    proc, url = start_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, log=tmp_path / "tokenizer.log")
 
     async def run():
         client = TokenizerClient(url, timeout_s=10, stream_lanes=lane)

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from radixmesh.v1 import tokenizer_pb2 as pb
-from services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
-from services.router.tokenizer_pool import TokenizerPool
+from radixmesh.services.router.tokenizer_client import TokenizerClient, TokenizerUnavailable
+from radixmesh.services.router.tokenizer_pool import TokenizerPool
 from tests.conftest import model_path
 from tests.services.metrics_utils import spawn_grpc, stop, wait_grpc
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture()
 def replicas(tmp_path):
-    started = [spawn_grpc("services.tokenizer", "--model-path", MODEL, log=tmp_path / f"tokenizer{i}.log")
+    started = [spawn_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, log=tmp_path / f"tokenizer{i}.log")
                for i in range(2)]
     for proc, url in started:
         wait_grpc(proc, url)

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from radixmesh.v1 import tokenizer_pb2 as pb
 from radixmesh.v1 import tokenizer_pb2_grpc
-from services.tokenizer.__main__ import main as tokenizer_main
-from services.tokenizer.templates import CHATML
+from radixmesh.services.tokenizer.__main__ import main as tokenizer_main
+from radixmesh.services.tokenizer.templates import CHATML
 from tests.conftest import ROOT, model_path
 
 MODEL = model_path("tiny-llama")
@@ -69,7 +69,7 @@ def _start(name: str, tmp: Path, *flags: str) -> Server:
     port = _free_port()
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--model-path", MODEL, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.tokenizer", "--model-path", MODEL, "--port", str(port),
                                  *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     return Server(proc, port, log)
 

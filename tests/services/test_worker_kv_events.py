@@ -8,8 +8,8 @@ import threading
 
 import grpc
 
-from engine.cache.page_keys import prompt_keys
-from engine.cache.storage import KvLayout
+from radixmesh.engine.cache.page_keys import prompt_keys
+from radixmesh.engine.cache.storage import KvLayout
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
 from tests.services.test_worker_service import start
@@ -49,7 +49,7 @@ def _collect(out: queue.Queue, until, timeout: float = 20.0) -> list:
 
 
 def test_snapshot_then_stored_and_removed_events_with_tiers():
-    proc, url = start("services.decode", "--page-size", str(PAGE), "--max-total-tokens", "64",
+    proc, url = start("radixmesh.services.worker", "--page-size", str(PAGE), "--max-total-tokens", "64",
                       "--kv-events-config", "{}", "--enable-hierarchical-cache", "--hicache-ratio", "4")
     try:
         with grpc.insecure_channel(url) as ch:
@@ -94,7 +94,7 @@ def test_snapshot_then_stored_and_removed_events_with_tiers():
 def test_an_empty_worker_sends_one_cleared_then_waits():
     """A subscriber of a worker with nothing cached gets one `cleared` (an empty snapshot), then events only when
     pages arrive; a sequence from an earlier process of the worker gets a snapshot, not silence."""
-    proc, url = start("services.decode", "--page-size", str(PAGE), "--kv-events-config", "{}")
+    proc, url = start("radixmesh.services.worker", "--page-size", str(PAGE), "--kv-events-config", "{}")
     try:
         with grpc.insecure_channel(url) as ch:
             stub = worker_pb2_grpc.WorkerServiceStub(ch)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
 from tests.services.metrics_utils import scrape, start_grpc, stop
 
@@ -23,7 +23,7 @@ ROLE = {"model_name": "tiny", "role": "colocated"}
 @pytest.fixture(scope="module")
 def worker():
     port = free_port()
-    proc, url = start_grpc("services.decode", "--model-path", MODEL, "--served-model-name", "tiny",
+    proc, url = start_grpc("radixmesh.services.worker", "--model-path", MODEL, "--served-model-name", "tiny",
                            "--enable-metrics", "--metrics-port", str(port))
     ch = grpc.insecure_channel(url)
     yield worker_pb2_grpc.WorkerServiceStub(ch), port

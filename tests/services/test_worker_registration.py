@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
 from tests.services.metrics_utils import http_get, start_grpc, stop, wait_http
 
@@ -47,9 +47,9 @@ def wait_for(check, timeout: float, what: str) -> float:
 def router(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("registration")
     port, discovered_port = free_port(), free_port()
-    tok, tok_url = start_grpc("services.tokenizer", "--model-path", MODEL, log=tmp / "tokenizer.log")
+    tok, tok_url = start_grpc("radixmesh.services.tokenizer", "--model-path", MODEL, log=tmp / "tokenizer.log")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.router", "--port", str(port), "--tokenizer-url", tok_url,
+        [sys.executable, "-m", "radixmesh.services.router", "--port", str(port), "--tokenizer-url", tok_url,
          "--api-key", "sk-reg", "--discovery-dns", f"localhost:{discovered_port}", "--discovery-interval-s", "0.5",
          "--connect-timeout-s", "1", "--health-check-interval-s", "0.5", "--log-level", "info"],
         cwd=ROOT, stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
@@ -68,7 +68,7 @@ def workers(base: str) -> list[str]:
 def start_worker(tmp, name: str, *args: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """A tiny-model worker logging at info (its registration lines are asserted on); the router's API key comes
     from the environment, as a Kubernetes Secret would give it."""
-    return start_grpc("services.decode", "--model-path", MODEL, *args, "--log-level", "info",
+    return start_grpc("radixmesh.services.worker", "--model-path", MODEL, *args, "--log-level", "info",
                       log=tmp / f"{name}.log", port=port, env={"RADIXMESH_ROUTER_API_KEY": "sk-reg"})
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.launch import free_port
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
 from tests.engine_utils import running_engine
 from tests.services.metrics_utils import spawn_grpc, start_grpc, wait_grpc
@@ -26,7 +26,7 @@ def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def worker():
-    proc, url = start("services.decode")
+    proc, url = start("radixmesh.services.worker")
     ch = grpc.insecure_channel(url)
     stub = worker_pb2_grpc.WorkerServiceStub(ch)
     stub.url = url  # for a stream lane (tests/services/test_generate_stream.py)
@@ -108,9 +108,9 @@ def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout(
     """A prefill request no decode worker registers for, and a decode request whose room the prefill worker never
     gets, each end in ABORTED with the reason within --disaggregation-bootstrap-timeout, holding no page."""
     fast = ("--disaggregation-bootstrap-timeout", "1", "--disaggregation-transfer-backend", "mooncake")
-    proc, url = spawn_grpc("services.prefill", "--model-path", MODEL, "--disaggregation-bootstrap-port",
+    proc, url = spawn_grpc("radixmesh.services.prefill", "--model-path", MODEL, "--disaggregation-bootstrap-port",
                            str(free_port()), *fast)
-    dproc, durl = spawn_grpc("services.decode", "--model-path", MODEL, "--disaggregation-mode", "decode", *fast)
+    dproc, durl = spawn_grpc("radixmesh.services.worker", "--model-path", MODEL, "--disaggregation-mode", "decode", *fast)
     try:
         wait_grpc(proc, url)
         wait_grpc(dproc, durl)
@@ -143,7 +143,7 @@ def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout(
 
 
 def test_sigterm_lets_an_open_stream_finish():
-    proc, url = start("services.decode", "--shutdown-grace-s", "20")
+    proc, url = start("radixmesh.services.worker", "--shutdown-grace-s", "20")
     with grpc.insecure_channel(url) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         stream = stub.Generate(worker_pb2.GenerateRequest(request_id="s", input_ids=list(range(30, 60)),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.openai_request import parse_chat_completion, parse_completion
+from radixmesh.services.router.openai_request import parse_chat_completion, parse_completion
 
 SERVED = {"tiny"}
 USER = [{"role": "user", "content": "hi"}]

@@ -7,13 +7,13 @@ import json
 import subprocess
 import sys
 
-from engine.config import ModelConfig
+from radixmesh.engine.config import ModelConfig
 from tests.conftest import model_path
 
 
 def test_extend_over_a_cached_prefix_is_timed_against_none(tmp_path):
     out = tmp_path / "rows.jsonl"
-    subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--model-path", model_path("tiny-llama"),
+    subprocess.run([sys.executable, "-m", "radixmesh.engine.bench_one_batch", "--model-path", model_path("tiny-llama"),
                     "--device", "cpu", "--dtype", "float32", "--batch-size", "1", "--input-len", "8",
                     "--output-len", "2", "--extend-over", "48", "16", "3", "--result-file", str(out)],
                    check=True, capture_output=True, timeout=300)

@@ -4,7 +4,7 @@ schemas with a length bound (and nothing else), everywhere in the schema."""
 from __future__ import annotations
 
 import json
-from engine.sampling.grammar import _PLAIN_CHAR, bounded_strings_as_patterns
+from radixmesh.engine.sampling.grammar import _PLAIN_CHAR, bounded_strings_as_patterns
 from tests.conftest import model_path
 
 

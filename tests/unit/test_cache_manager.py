@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from engine.cache.kv_pool import KVPool
-from engine.cache.manager import CacheManager
-from engine.cache.radix_tree import RadixTree
-from engine.cache.req_to_token import ReqToTokenPool
-from engine.request import Req
-from engine.sampling.params import SamplingParams
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.request import Req
+from radixmesh.engine.sampling.params import SamplingParams
 
 
 def make(page: int, num_pages: int, rows: int = 8, row_len: int = 64, tree: bool = True) -> CacheManager:

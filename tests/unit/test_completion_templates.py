@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.router.completion_templates import BUILTIN, load_completion_template
-from services.router.openai_errors import OpenAIError
-from services.router.openai_request import parse_completion
+from radixmesh.services.router.completion_templates import BUILTIN, load_completion_template
+from radixmesh.services.router.openai_errors import OpenAIError
+from radixmesh.services.router.openai_request import parse_completion
 from tests.unit.openai_jobs import SERVED
 
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from engine.delivery import coalesce, mailbox_for, together
-from engine.request import FinishKind, FinishReason, StepOutput
+from radixmesh.engine.delivery import coalesce, mailbox_for, together
+from radixmesh.engine.request import FinishKind, FinishReason, StepOutput
 
 
 def out(ids, finished=False, logprobs=None, input_logprobs=None) -> StepOutput:
@@ -125,7 +125,7 @@ def test_an_output_put_just_before_the_scheduler_stopped_is_received_not_lost():
     stops, then the caller looks. It gets the abort; only a stopped scheduler with nothing left raises."""
     import queue
 
-    from engine import delivery
+    from radixmesh.engine import delivery
 
     sched, inbox = _Scheduler(), queue.SimpleQueue()
 
@@ -166,5 +166,5 @@ def test_a_delivery_queued_before_the_scheduler_stopped_reaches_the_loop_first()
         with pytest.raises(RuntimeError, match="crashed"):
             await delivery.raise_if_stopped(sched.alive, sched.check, lambda: not inbox.empty())
 
-    from engine import delivery
+    from radixmesh.engine import delivery
     asyncio.run(main())

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from radixmesh.engine.detokenizer import IncrementalDetokenizer
 from tests.conftest import model_path
 
 FFFD = "\ufffd"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import dma_issue
-from engine.cache import dma, host_pool
-from engine.cache.host_pool import KVMover, _runs
+from radixmesh.benchmarks import dma_issue
+from radixmesh.engine.cache import dma, host_pool
+from radixmesh.engine.cache.host_pool import KVMover, _runs
 
 
 def replay(memory: np.ndarray, ops: np.ndarray) -> None:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.common import event_loop
-from services.router.settings import RouterSettings
+from radixmesh.services.common import event_loop
+from radixmesh.services.router.settings import RouterSettings
 
 
 async def _loop_module() -> str:

@@ -10,11 +10,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.router import convert
-from services.router.embeddings_api import parse_openai
-from services.router.http_common import INFLIGHT, errors_middleware, json_body
-from services.router.openai_errors import OpenAIError
-from services.router.openai_request import parse_completion
+from radixmesh.services.router import convert
+from radixmesh.services.router.embeddings_api import parse_openai
+from radixmesh.services.router.http_common import INFLIGHT, errors_middleware, json_body
+from radixmesh.services.router.openai_errors import OpenAIError
+from radixmesh.services.router.openai_request import parse_completion
 
 SERVED = {"m"}
 

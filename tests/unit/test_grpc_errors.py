@@ -11,7 +11,7 @@ import logging
 import grpc
 import pytest
 
-from services.common.errors import ErrorInterceptor
+from radixmesh.services.common.errors import ErrorInterceptor
 
 METHOD = "/test.Errors/Stream"
 

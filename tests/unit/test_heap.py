@@ -21,7 +21,7 @@ def _run(code: str) -> str:
 def test_serving_without_opt_in_changes_nothing():
     out = _run("""
         import gc
-        from services.common import heap
+        from radixmesh.services.common import heap
         before = gc.get_threshold()
         heap.serving()
         print(gc.get_freeze_count(), gc.get_threshold() == before)
@@ -32,7 +32,7 @@ def test_serving_without_opt_in_changes_nothing():
 def test_opted_in_process_freezes_its_start_up_heap_once_and_still_collects_cycles():
     out = _run("""
         import gc, weakref
-        from services.common import heap
+        from radixmesh.services.common import heap
         heap.opt_in()
         heap.serving()
         frozen = gc.get_freeze_count()

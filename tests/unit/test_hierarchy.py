@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from engine.cache.hierarchy import CacheHierarchy
-from engine.cache.kv_events import EventKind, KvEventLog, Tier
-from engine.cache.kv_pool import KVPool
-from engine.cache.manager import CacheManager
-from engine.cache.page_keys import chain_keys
-from engine.cache.radix_tree import RadixTree
-from engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.cache.hierarchy import CacheHierarchy
+from radixmesh.engine.cache.kv_events import EventKind, KvEventLog, Tier
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.cache.page_keys import chain_keys
+from radixmesh.engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from tests.unit.test_cache_manager import check_kv, compute, new_req, prefill
 
 
@@ -138,7 +138,7 @@ def test_device_leaf_without_host_room_takes_its_l3_children_along():
 
 
 def test_prefetches_are_skipped_once_fetching_is_slower_than_prefill():
-    from engine.cache.storage import StorageOptions, open_storage
+    from radixmesh.engine.cache.storage import StorageOptions, open_storage
 
     cm = make(2, device_pages=16, host_pages=32)
     tiers = CacheHierarchy(cm, 128, "write_through", cm.events, lambda: open_storage("memory", StorageOptions()))

@@ -1,5 +1,6 @@
-"""House rules a script can check: engine/ is a pure library, and our `kernels` package stays invisible to
-transformers (which probes for a package of that name)."""
+"""House rules a script can check: all our Python lives under `radixmesh` and imports the same from any directory,
+the engine is a pure library, and nothing of ours shadows another distribution's package (Hugging Face's `kernels`,
+which transformers imports for its MoE models, say)."""
 
 from __future__ import annotations
 
@@ -8,34 +9,58 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = ("grpc", "google.protobuf", "aiohttp", "services", "prometheus_client")
-SERVICE_ROOTS = ("grpc", "aiohttp", "services", "prometheus_client")  # top-level packages engine must not load
+FORBIDDEN = ("grpc", "google.protobuf", "aiohttp", "radixmesh.services", "radixmesh.v1", "prometheus_client")
+SERVICE_ROOTS = ("grpc", "aiohttp", "prometheus_client")  # top-level packages the engine must not load
+
+
+def _python(code: str, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_our_python_is_one_namespace():
+    """Every package of ours is below radixmesh/; at the top only tests (pytest's) and the build scripts."""
+    tops = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert tops <= {"radixmesh", "tests"}, f"top-level packages outside radixmesh: {sorted(tops - {'radixmesh'})}"
 
 
 def test_engine_sources_import_no_service_libraries():
     pattern = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(re.escape(m) for m in FORBIDDEN) + r")\b", re.M)
-    offenders = [str(p) for p in (ROOT / "engine").rglob("*.py") if pattern.search(p.read_text())]
+    offenders = [str(p) for p in (ROOT / "radixmesh" / "engine").rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
 
 
 def test_importing_engine_loads_no_service_libraries():
-    code = ("import sys, engine, engine.engine, engine.bench_one_batch, engine.bench_offline_throughput; "
+    code = ("import sys, radixmesh.engine, radixmesh.engine.engine, radixmesh.engine.bench_one_batch, "
+            "radixmesh.engine.bench_offline_throughput; "
             f"bad = [m for m in sys.modules if m.split('.')[0] in {SERVICE_ROOTS!r} "
-            "or m.startswith('google.protobuf')]; print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+            "or m.startswith(('google.protobuf', 'radixmesh.services', 'radixmesh.v1'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = _python(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_transformers_does_not_see_our_kernels_package():
-    from transformers.utils import import_utils
-
-    assert import_utils.is_kernels_available() is False
+@pytest.mark.parametrize("cwd", [ROOT, "/"], ids=["repo-root", "filesystem-root"])
+def test_transformers_moe_models_import_beside_ours(cwd):
+    """transformers' MoE models import Hugging Face's `kernels` hub when it is installed: no folder of ours may stand
+    in for it, from the repo root or anywhere else, and our services and stubs import from any directory."""
+    code = ("from transformers import Qwen3MoeForCausalLM, MixtralForCausalLM\n"
+            "from radixmesh.engine import Engine\n"
+            "import radixmesh.engine.engine, radixmesh.kernels.norm, radixmesh.services.launch, radixmesh.v1.worker_pb2\n"
+            "import importlib.util\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "assert spec is None or 'radixmesh' not in str(spec.origin or spec.submodule_search_locations), spec\n"
+            "print(radixmesh.engine.engine.__file__)\n")
+    proc = _python(code, cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == str(ROOT / "radixmesh" / "engine" / "engine.py")
 
 
 def test_router_and_launcher_load_no_model_stack():
     """The router must stay light: no torch, no transformers (it never loads a model)."""
-    code = ("import sys, services.router.__main__, services.launch; "
+    code = ("import sys, radixmesh.services.router.__main__, radixmesh.services.launch; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    proc = _python(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr

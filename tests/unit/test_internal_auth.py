@@ -1,6 +1,6 @@
 """Internal authentication pieces in one process: the flags and token files, the server's token check (every token
 of a rotation accepted, health open, refusals logged once per peer without any token), mutual TLS with certificates
-from services.certs (a certificate of another CA refused, the health probe with TLS), what the launcher gives its
+from radixmesh.services.certs (a certificate of another CA refused, the health probe with TLS), what the launcher gives its
 children (a random token per launch unless one is given, the TLS flags every service's parser takes) and the
 router's --worker-allowlist."""
 
@@ -15,14 +15,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.certs import write_certs
-from services.common import auth, healthcheck
-from services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings, parse_tokens
-from services.common.auth_channel import aio_channel
-from services.common.server import GrpcService, GrpcSettings
-from services.launch import LaunchSettings, plan, secure
-from services.router.allowlist import WorkerAllowlist
-from services.router.settings import RouterSettings
+from radixmesh.services.certs import write_certs
+from radixmesh.services.common import auth, healthcheck
+from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings, parse_tokens
+from radixmesh.services.common.auth_channel import aio_channel
+from radixmesh.services.common.server import GrpcService, GrpcSettings
+from radixmesh.services.launch import LaunchSettings, plan, secure
+from radixmesh.services.router.allowlist import WorkerAllowlist
+from radixmesh.services.router.settings import RouterSettings
 from tests.deploy.commands import PARSERS
 
 LIST = reflection_pb2.ServerReflectionRequest(list_services="")
@@ -87,7 +87,7 @@ async def _serving(settings: InternalAuthSettings):
 async def test_the_token_check_accepts_each_token_of_a_rotation_and_logs_once_per_peer(caplog):
     service, url = await _serving(InternalAuthSettings(internal_token="new-token,old-token"))
     try:
-        with caplog.at_level(logging.WARNING, logger="services.common.auth"):
+        with caplog.at_level(logging.WARNING, logger="radixmesh.services.common.auth"):
             results = [await _reflect(url, InternalAuth(tokens)) for tokens in
                        [("new-token",), ("old-token",), ("wrong-token",), (), ("wrong-token",)]]
         assert results == [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.UNAUTHENTICATED] * 3
@@ -129,7 +129,7 @@ async def test_mutual_tls_refuses_a_certificate_of_another_ca(pki):
     finally:
         service.request_stop(0)
         await service.stop()
-    argv = ["-m", "services.kvstore", "--tls-cert", "c.pem", "--port", "1"]
+    argv = ["-m", "radixmesh.services.kvstore", "--tls-cert", "c.pem", "--port", "1"]
     assert healthcheck.tls_of(argv, {"RADIXMESH_TLS_KEY": "k.pem", "RADIXMESH_TLS_CA": "ca.pem"}) == {
         "tls_cert": "c.pem", "tls_key": "k.pem", "tls_ca": "ca.pem"}
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from services.router.http_common import parse_json
+from radixmesh.services.router.http_common import parse_json
 
 SAME = [
     b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "temperature": 0.7}, "stream": true}',

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache import dma
-from engine.cache.host_pool import LOOKAHEAD, KVMover, Pending, _LayerLoads
+from radixmesh.engine.cache import dma
+from radixmesh.engine.cache.host_pool import LOOKAHEAD, KVMover, Pending, _LayerLoads
 
 
 class _Event:
@@ -100,7 +100,7 @@ def test_finish_issues_the_rest_and_a_load_of_nothing_still_gives_every_layer_an
 
 def test_a_forward_that_fails_part_way_issues_and_waits_for_the_loads_of_every_layer(issued):
     """The failed requests' device pages are freed next: no load into them may still be queued or running."""
-    from engine.model_runner import ModelRunner
+    from radixmesh.engine.model_runner import ModelRunner
 
     loads = _LayerLoads(_Mover(6), [3, 4], [1, 9], [])
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineArgs, ModelConfig, resolve_args
-from engine.models.loader import load_model
+from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.models.loader import load_model
 from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import hf_greedy

@@ -7,7 +7,7 @@ import contextvars
 
 import pytest
 
-from services.router.merge import merged
+from radixmesh.services.router.merge import merged
 
 where = contextvars.ContextVar("where", default=None)
 

@@ -7,7 +7,7 @@ test_migration.py."""
 from __future__ import annotations
 
 from radixmesh.v1 import common_pb2, worker_pb2
-from services.router.migration import Streamed
+from radixmesh.services.router.migration import Streamed
 
 
 def _chunk(index: int, ids: list[int], text: str, last: bool = False) -> worker_pb2.GenerateResponse:

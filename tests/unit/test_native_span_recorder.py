@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common import trace_recorder
-from services.common.trace_context import Sampler
-from services.common.trace_pipe import SpanPipe
-from services.common.trace_recorder import CLIENT, CURRENT, Record, Span
+from radixmesh.services.common import trace_recorder
+from radixmesh.services.common.trace_context import Sampler
+from radixmesh.services.common.trace_pipe import SpanPipe
+from radixmesh.services.common.trace_recorder import CLIENT, CURRENT, Record, Span
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def _router_request(recorder, out: list) -> list[Record]:
     with an error description, and a call that ends after it. Returns the records (the sink's `out`), expanded."""
     import asyncio
 
-    from services.common import tracing
+    from radixmesh.services.common import tracing
 
     root = recorder.root()
     root.set_attribute("request_id", "r1")
@@ -67,7 +67,7 @@ def test_the_native_recorder_records_what_the_python_one_does(monkeypatch):
     """The router's request path through each recorder: the same spans, attributes, events, statuses and links."""
     if trace_recorder.native is None:
         pytest.fail("the native span recorder is not built here: run `make native`")
-    from services.common import tracing
+    from radixmesh.services.common import tracing
 
     monkeypatch.setattr(tracing, "_pipe", object())
     monkeypatch.setattr(tracing, "_current", CURRENT)
@@ -102,7 +102,7 @@ def test_the_native_buffer_holds_the_otlp_the_exporter_would_have_made():
 
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -167,7 +167,7 @@ def test_a_roots_request_id_is_an_attribute_like_any_other():
     one attribute with others set later, none after `attributes` is replaced."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -226,7 +226,7 @@ def _any(v):
 def test_the_native_buffer_is_taken_whole_records_at_a_time():
     """take(most): the oldest records whose spans add up to at most `most` (so an export request stays within
     OTEL_BSP_MAX_EXPORT_BATCH_SIZE without being cut), at least one record however large; the rest stays, in order."""
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -284,7 +284,7 @@ def test_a_full_batch_goes_alone_and_the_rest_waits_for_the_schedule(tmp_path):
 def test_the_native_traceparent_is_w3cs():
     if trace_recorder.native is None:
         pytest.fail("the native span recorder is not built here: run `make native`")
-    from services.common import trace_context
+    from radixmesh.services.common import trace_context
 
     for trace_id, span_id, sampled in ((1, 1, True), ((1 << 128) - 1, (1 << 64) - 1, False),
                                        (0x0af7651916cd43dd8448eb211c80319c, 0xb7ad6b7169203331, True)):
@@ -322,7 +322,7 @@ def test_python_code_run_by_a_native_write_cannot_corrupt_the_buffer():
     """A value's str() is Python code, run while a record is half written: it may take from the buffer (the pipe's
     writer thread), record spans, or change the containers being written. Such spans are dropped and counted, take()
     gives nothing until the write is done, and the record comes out whole (found under AddressSanitizer)."""
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -391,7 +391,7 @@ def test_the_native_encoding_follows_trace_otlp_on_odd_input():
     children, deep lists), the bytes are still trace_otlp's of the expanded record."""
     import enum
 
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     native = trace_recorder.native
     if native is None:
@@ -422,7 +422,7 @@ def test_the_native_encoding_follows_trace_otlp_on_odd_input():
 
 def test_the_native_recorder_refuses_to_run_unconfigured():
     code = """
-        from services.common import _spanrec
+        from radixmesh.services.common import _spanrec
         for call in (_spanrec.root, _spanrec.open_call, lambda: _spanrec.leaf("x", 1, 1, (), ())):
             try:
                 call()

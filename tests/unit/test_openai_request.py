@@ -8,8 +8,8 @@ import json
 import pytest
 
 from radixmesh.v1 import common_pb2
-from services.router.openai_errors import OpenAIError
-from services.router.openai_request import parse_chat_completion, parse_completion
+from radixmesh.services.router.openai_errors import OpenAIError
+from radixmesh.services.router.openai_request import parse_chat_completion, parse_completion
 from tests.unit.openai_jobs import SERVED, USER, chat, completion
 
 OPTIONAL_SAMPLING = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",

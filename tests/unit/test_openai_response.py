@@ -16,12 +16,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from radixmesh.v1 import common_pb2, worker_pb2
-from services.router.openai_errors import (OpenAIError, bad_request, from_status, internal, not_found, unauthorized,
+from radixmesh.services.router.openai_errors import (OpenAIError, bad_request, from_status, internal, not_found, unauthorized,
                                            unavailable)
-from services.router.openai_request import parse_chat_completion, parse_completion
+from radixmesh.services.router.openai_request import parse_chat_completion, parse_completion
 from tests.unit.openai_jobs import SERVED, USER, chat, completion
-from services.router.completion_response import CompletionResult, CompletionStream
-from services.router.openai_response import SSE_DONE, ChatResult, ChatStream, error_event, sse, worker_error
+from radixmesh.services.router.completion_response import CompletionResult, CompletionStream
+from radixmesh.services.router.openai_response import SSE_DONE, ChatResult, ChatStream, error_event, sse, worker_error
 
 STOP, LENGTH, ABORT = (common_pb2.FINISH_REASON_TYPE_STOP, common_pb2.FINISH_REASON_TYPE_LENGTH,
                        common_pb2.FINISH_REASON_TYPE_ABORT)

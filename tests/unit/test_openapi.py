@@ -8,14 +8,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate
 
-from services.common.metrics import MetricsSettings, ServiceMetrics
-from services.router.__main__ import build_app
-from services.router.core import Router
-from services.router.openapi import OPENAPI_PATH, document
-from services.router.policies import make_policy
-from services.router.settings import RouterSettings
-from services.router.tokenizer_client import TokenizerClient
-from services.router.workers import WorkerRegistry
+from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
+from radixmesh.services.router.__main__ import build_app
+from radixmesh.services.router.core import Router
+from radixmesh.services.router.openapi import OPENAPI_PATH, document
+from radixmesh.services.router.policies import make_policy
+from radixmesh.services.router.settings import RouterSettings
+from radixmesh.services.router.tokenizer_client import TokenizerClient
+from radixmesh.services.router.workers import WorkerRegistry
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_request_schemas_take_what_the_handlers_take(name):
 
 def test_start_profile_bodies_the_router_takes_and_refuses():
     """The /start_profile body as the router reads it (SGLang's fields, all optional) agrees with its schema."""
-    from services.router.native_api import _profile_request
+    from radixmesh.services.router.native_api import _profile_request
 
     schema = _validator("StartProfileRequest")
     for body in ({}, {"output_dir": "/tmp/p", "num_steps": 3, "activities": ["CPU", "GPU"], "with_stack": True,

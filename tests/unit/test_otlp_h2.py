@@ -17,8 +17,8 @@ import grpc
 import pytest
 from hpack import Encoder
 
-from services.common import otlp_h2
-from services.common.trace_export import Encoded, _PrebuiltExporter
+from radixmesh.services.common import otlp_h2
+from radixmesh.services.common.trace_export import Encoded, _PrebuiltExporter
 
 PATH = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
@@ -89,7 +89,7 @@ def test_a_frame_of_spans_becomes_requests_of_at_most_the_batch_size():
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-    from services.common import trace_export, trace_otlp
+    from radixmesh.services.common import trace_export, trace_otlp
 
     spans = b"".join(trace_otlp.field(b"\x12", Span(name=f"s{i}", trace_id=bytes(16), span_id=bytes(8)).SerializeToString())
                      for i in range(1200))

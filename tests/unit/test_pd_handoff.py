@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from engine.disaggregation.fake_backend import Faults
-from engine.disaggregation.handoff import DecodeRole, PrefillRole
-from engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
-from engine.disaggregation.registry import make_backend
+from radixmesh.engine.disaggregation.fake_backend import Faults
+from radixmesh.engine.disaggregation.handoff import DecodeRole, PrefillRole
+from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
+from radixmesh.engine.disaggregation.registry import make_backend
 from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 
@@ -184,8 +184,8 @@ def test_aborting_a_queued_or_receiving_request_frees_its_pages(engines):
 
 def test_staged_transfer_through_host_mirrors_moves_the_pages(engines):
     """The GPU path (pool -> pinned mirror -> backend -> peer mirror -> pool), forced on CPU pools."""
-    from engine.disaggregation.kv_pages import kv_writes
-    from services.common.kv_transfer import KvTransfer
+    from radixmesh.engine.disaggregation.kv_pages import kv_writes
+    from radixmesh.services.common.kv_transfer import KvTransfer
 
     p, d, _ = engines
     assert p.flush_cache() and d.flush_cache()  # no cached prefix lives in the pages scribbled on below

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import socket
 
-from services.common import ports
-from services.launch import LaunchSettings, plan
+from radixmesh.services.common import ports
+from radixmesh.services.launch import LaunchSettings, plan
 
 
 class FakeKernel:

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from radixmesh.v1 import worker_pb2
-from services.prefill.bootstrap import HandoffFailed, PrefillRooms
+from radixmesh.services.prefill.bootstrap import HandoffFailed, PrefillRooms
 
 
 def _request(room: int) -> worker_pb2.GenerateRequest:

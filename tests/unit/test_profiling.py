@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from benchmarks import timeline
-from engine.profiling import StepProfiler
+from radixmesh.benchmarks import timeline
+from radixmesh.engine.profiling import StepProfiler
 from tests.engine_utils import running_engine
 
 
@@ -55,7 +55,7 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps_between(tmp_path, mon
     """SGLang's start_profile / stop_profile on the engine: a Chrome trace named <time>-<pid>-TP-0.trace.json.gz in
     $SGLANG_TORCH_PROFILER_DIR (the default output_dir) with the steps run between them; errors for a second start,
     a stop with nothing on, and bad options, with the engine serving on."""
-    from engine.profiling import ProfileError
+    from radixmesh.engine.profiling import ProfileError
 
     monkeypatch.delenv("RADIXMESH_TORCH_PROFILE", raising=False)
     monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path / "env-dir"))

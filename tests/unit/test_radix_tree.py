@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.radix_tree import RadixTree
 
 
 def slots(start: int, n: int) -> torch.Tensor:

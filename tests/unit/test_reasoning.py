@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, reasoning_format, split_reasoning,
+from radixmesh.services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, reasoning_format, split_reasoning,
                                        starts_in_reasoning)
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek-r1"]

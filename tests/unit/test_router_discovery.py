@@ -9,16 +9,16 @@ import asyncio
 
 import pytest
 
-from benchmarks.fake_worker import FakeWorker
+from radixmesh.benchmarks.fake_worker import FakeWorker
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.dns import join_host_port, resolve_all, split_host_port
-from services.common.server import GrpcService, GrpcSettings
-from services.decode.announce import parse_router_url
-from services.decode.settings import WorkerSettings
-from services.launch import free_port
-from services.router.discovery import DnsDiscovery
-from services.router.settings import RouterSettings
-from services.router.workers import WorkerRegistry
+from radixmesh.services.common.dns import join_host_port, resolve_all, split_host_port
+from radixmesh.services.common.server import GrpcService, GrpcSettings
+from radixmesh.services.worker.announce import parse_router_url
+from radixmesh.services.worker.settings import WorkerSettings
+from radixmesh.services.launch import free_port
+from radixmesh.services.router.discovery import DnsDiscovery
+from radixmesh.services.router.settings import RouterSettings
+from radixmesh.services.router.workers import WorkerRegistry
 
 
 async def fake_worker(port: int | None = None) -> GrpcService:

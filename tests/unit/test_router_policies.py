@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.policies import BLOCK, CacheAware, PrefixTree, RoundRobin, block_keys, make_policy
-from services.router.settings import RouterSettings
+from radixmesh.services.router.policies import BLOCK, CacheAware, PrefixTree, RoundRobin, block_keys, make_policy
+from radixmesh.services.router.settings import RouterSettings
 
 
 @dataclass

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.router.admission import ConcurrencyLimiter, Overloaded, RateLimiter, client_key
-from services.router.policies import Manual, PowerOfTwo, routing_key_var
-from services.router.resilience import CLOSED, HALF_OPEN, OPEN, Backoff, CircuitBreaker
-from services.router.settings import RouterSettings
+from radixmesh.services.router.admission import ConcurrencyLimiter, Overloaded, RateLimiter, client_key
+from radixmesh.services.router.policies import Manual, PowerOfTwo, routing_key_var
+from radixmesh.services.router.resilience import CLOSED, HALF_OPEN, OPEN, Backoff, CircuitBreaker
+from radixmesh.services.router.settings import RouterSettings
 
 
 class Clock:

@@ -24,8 +24,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launch import free_port
-from services.router.tenants import TenantResolver, validate_tenant
+from radixmesh.services.launch import free_port
+from radixmesh.services.router.tenants import TenantResolver, validate_tenant
 from tests.conftest import ROOT, model_path
 
 MODEL_NAME = "fake"
@@ -145,7 +145,7 @@ def run_process(name: str, argv: list[str], log_dir: Path, ready, timeout_s: flo
 def run_tokenizer(log_dir: Path):
     port = free_port()
     url = f"127.0.0.1:{port}"
-    argv = ["services.tokenizer", "--model-path", model_path("tiny-llama"), "--port", str(port),
+    argv = ["radixmesh.services.tokenizer", "--model-path", model_path("tiny-llama"), "--port", str(port),
             "--log-level", "warning"]
     with run_process("tokenizer", argv, log_dir, lambda: _serving(url)):
         yield url
@@ -165,7 +165,7 @@ class RouterProc:
 @contextlib.contextmanager
 def run_router(tokenizer_url: str, worker_urls: list[str], log_dir: Path, *flags: str):
     port, grpc_port = free_port(), free_port()
-    argv = ["services.router", "--tokenizer-url", tokenizer_url, "--worker-urls", *worker_urls, "--port", str(port),
+    argv = ["radixmesh.services.router", "--tokenizer-url", tokenizer_url, "--worker-urls", *worker_urls, "--port", str(port),
             "--grpc-port", str(grpc_port), "--log-level", "warning", *flags]
 
     def ready() -> bool:  # /readiness: a worker is registered (/health answers before the first probe has)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.request import Req
-from engine.sampling.params import SamplingParams
-from engine.sampling.penalties import PenaltyState
-from engine.sampling.sampler import SamplingBatch, adjust_logits, filtered_probs, hashed_uniform, sample
+from radixmesh.engine.request import Req
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.sampling.penalties import PenaltyState
+from radixmesh.engine.sampling.sampler import SamplingBatch, adjust_logits, filtered_probs, hashed_uniform, sample
 
 VOCAB = 12
 

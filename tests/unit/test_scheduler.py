@@ -9,16 +9,16 @@ import random
 import pytest
 import torch
 
-from engine.batch import ForwardMode
-from engine.cache.kv_pool import KVPool
-from engine.cache.manager import CacheManager
-from engine.cache.radix_tree import RadixTree
-from engine.cache.req_to_token import ReqToTokenPool
-from engine.request import FinishKind, Req
-from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import SampleResult
-from engine.scheduler import Scheduler
-from engine.scheduler.prefill_planner import PlannerLimits
+from radixmesh.engine.batch import ForwardMode
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.request import FinishKind, Req
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.sampling.sampler import SampleResult
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
 
 VOCAB = 97
 EOS = 0

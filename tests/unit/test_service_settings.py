@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineArgs
-from services.common.settings import build_parser, resolve
-from services.decode.settings import WorkerSettings
-from services.router.settings import RouterSettings
+from radixmesh.engine.config import EngineArgs
+from radixmesh.services.common.settings import build_parser, resolve
+from radixmesh.services.worker.settings import WorkerSettings
+from radixmesh.services.router.settings import RouterSettings
 
 
 def settings_of(cls, argv, env=None, *extra):
@@ -57,7 +57,7 @@ def test_unknown_key_in_config_file(tmp_path):
 
 
 def test_the_launcher_names_the_served_model_for_every_service():
-    from services.launch import LaunchSettings, plan
+    from radixmesh.services.launch import LaunchSettings, plan
 
     children = plan(LaunchSettings(served_model_name="tiny"), {"model_path": "/m"})
     for child in children:
@@ -83,8 +83,8 @@ def test_every_port_the_launcher_hands_out_is_its_own():
     import asyncio
     import re
 
-    from services.common.server import GrpcService, GrpcSettings
-    from services.launch import LaunchSettings, plan
+    from radixmesh.services.common.server import GrpcService, GrpcSettings
+    from radixmesh.services.launch import LaunchSettings, plan
 
     seen: list[int] = []
     for _ in range(50):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.attention import registry
-from engine.cli import add_engine_args, engine_kwargs
-from engine.config import EngineArgs, ModelConfig, resolve_args
-from engine.cuda_graph_runner import clip_batch_sizes, graph_batch_sizes
+from radixmesh.engine.attention import registry
+from radixmesh.engine.cli import add_engine_args, engine_kwargs
+from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.cuda_graph_runner import clip_batch_sizes, graph_batch_sizes
 from tests.conftest import model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_default_backend_on_cuda(monkeypatch, installed):
 def test_a_flashinfer_default_decodes_on_triton_from_hopper_on(monkeypatch, major, decode):
     import torch
 
-    from engine import config
+    from radixmesh.engine import config
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -153,18 +153,19 @@ def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_engine_runs_on_cpu_without_triton_or_flashinfer():
-    code = (f"from engine import Engine\n"
+    code = (f"from radixmesh.engine import Engine\n"
             f"llm = Engine(model_path={model_path('tiny-qwen2')!r}, device='cpu', log_level='warning')\n"
             "out = llm.generate(input_ids=[5, 6, 7], sampling_params={'max_new_tokens': 4, 'temperature': 0})\n"
             "llm.shutdown()\n"
             "assert len(out['output_ids']) == 4, out\n"
-            "assert not any(m.split('.')[0] in ('triton', 'flashinfer', 'kernels') for m in sys.modules)\n")
+            "assert not any(m.split('.')[0] in ('triton', 'flashinfer') or m.startswith('radixmesh.kernels') "
+            "for m in sys.modules)\n")
     proc = _run(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_triton_backend_on_cpu_says_what_it_needs():
-    code = (f"from engine import Engine\n"
+    code = (f"from radixmesh.engine import Engine\n"
             f"Engine(model_path={model_path('tiny-qwen2')!r}, device='cpu', attention_backend='triton')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})

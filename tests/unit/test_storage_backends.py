@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache.storage import StorageError, StorageOptions, StoredPage, make_page, open_storage
-from engine.cache.storage_backends.base import Counters
+from radixmesh.engine.cache.storage import StorageError, StorageOptions, StoredPage, make_page, open_storage
+from radixmesh.engine.cache.storage_backends.base import Counters
 from tests.conftest import ROOT
 from tests.redis_fixture import free_port, redis_server  # noqa: F401 - a fixture
 
@@ -373,7 +373,7 @@ def test_mooncake_master_down_is_a_storage_error(tmp_path):
 
 
 def test_memory_and_file_backends_load_neither_redis_nor_mooncake(tmp_path):
-    code = ("import sys; from engine.cache.storage import open_storage, StorageOptions; "
+    code = ("import sys; from radixmesh.engine.cache.storage import open_storage, StorageOptions; "
             f"open_storage('memory', StorageOptions()); open_storage('file', StorageOptions(url={str(tmp_path)!r})); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('redis', 'mooncake', 'grpc', 'torch')]; "
             "print(bad); sys.exit(1 if bad else 0)")

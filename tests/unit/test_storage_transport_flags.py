@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine.config import EngineArgs, hicache_extra
-from services.launch import LaunchSettings, plan
+from radixmesh.engine.config import EngineArgs, hicache_extra
+from radixmesh.services.launch import LaunchSettings, plan
 
 
 def _args(backend: str | None, extra: dict) -> EngineArgs:
@@ -53,9 +53,9 @@ def test_the_engine_checks_the_io_backend():
     same pages (no copy engine there: plain copies)."""
     import torch
 
-    from engine.cache.host_pool import HostKVPool, KVMover
-    from engine.cache.kv_pool import KVPool
-    from engine.config import _check_hicache
+    from radixmesh.engine.cache.host_pool import HostKVPool, KVMover
+    from radixmesh.engine.cache.kv_pool import KVPool
+    from radixmesh.engine.config import _check_hicache
 
     for io in ("kernel", "direct", None):  # None: host_pool.default_io_backend
         _check_hicache(EngineArgs(model_path="m", enable_hierarchical_cache=True, hicache_io_backend=io))

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from radixmesh.v1 import lane_pb2, lane_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common import auth, stream_lane
-from services.common.server import GrpcService, LaneGrpcSettings
-from services.launch import free_port
+from radixmesh.services.common import auth, stream_lane
+from radixmesh.services.common.server import GrpcService, LaneGrpcSettings
+from radixmesh.services.launch import free_port
 
 REQ, RESP = worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse
 
@@ -166,7 +166,7 @@ def test_open_lane_takes_the_internal_token():
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         await stream_lane.open_lane(ch, url, "GenerateStream", RESP, 5)
                     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                from services.common.auth_channel import aio_channel
+                from radixmesh.services.common.auth_channel import aio_channel
                 async with aio_channel(url, []) as ch:  # this process's credentials: the token
                     lane = await stream_lane.open_lane(ch, url, "GenerateStream", RESP, 5)
                     assert await asyncio.wait_for(lane.read(), 5) == RESP()
@@ -207,8 +207,8 @@ def test_a_worker_without_generate_stream_or_lanes_is_found_out_at_the_first_ope
     """Regression: after OpenLane's UNIMPLEMENTED, the GenerateStream handshake's UNIMPLEMENTED reached grpc's
     Python client while the hello was still being written, and it reported INTERNAL ("Internal error from Core")
     instead: the router took a worker of an older release for a broken one. The link now asks once more."""
-    from services.common.server import channel
-    from services.router.mux import WorkerMux
+    from radixmesh.services.common.server import channel
+    from radixmesh.services.router.mux import WorkerMux
     from tests.unit.test_router_tenants import RecordingWorker, serve_worker
 
     async def run(url):

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine.cache.kv_pool import KVPool
-from engine.cache.manager import CacheManager
-from engine.cache.radix_tree import RadixTree
-from engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from tests.unit.test_cache_manager import (assert_no_leak, check_accounting, check_kv, compute, make, new_req,
                                            prefill)
 from tests.unit.test_hierarchy import check_no_leaks

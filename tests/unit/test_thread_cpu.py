@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from benchmarks import thread_cpu
+from radixmesh.benchmarks import thread_cpu
 
 
 def _burn(seconds: float, burnt: threading.Event, release: threading.Event) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.results import all_ints
-from services.router.request_fields import INT32_MAX, are_token_ids, is_token_id
+from radixmesh.engine.results import all_ints
+from radixmesh.services.router.request_fields import INT32_MAX, are_token_ids, is_token_id
 
 CASES = [[], [0], [1, 2, 3], [0, INT32_MAX], [INT32_MAX + 1], [-1, 5], [1, True], [False], [1.0], [1, "2"], [None],
          [[1]], [1, 2, 2 ** 70], list(range(5000)), [7] * 3000 + [-3]]

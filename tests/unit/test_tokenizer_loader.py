@@ -13,7 +13,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer_loader import _plain_config, load_tokenizer
+from radixmesh.engine.tokenizer_loader import _plain_config, load_tokenizer
 from tests.conftest import EMBEDDING_MODELS, ROOT, TINY_MODELS, model_path
 
 TEXT = "Hello, world! Ünïcode 東京 12345 <|im_end|>  spaces\tand\nnew lines"
@@ -76,7 +76,7 @@ def test_anything_else_is_left_to_autotokenizer(tmp_path, change):
 
 
 def test_loading_a_llama_tokenizer_skips_llamas_config_module():
-    code = ("import sys; from engine.tokenizer_loader import load_tokenizer; "
+    code = ("import sys; from radixmesh.engine.tokenizer_loader import load_tokenizer; "
             f"load_tokenizer({model_path('tiny-llama')!r}); "
             "print('transformers.models.llama.configuration_llama' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -12,7 +12,7 @@ import sys
 import jsonschema
 import pytest
 
-from services.router.tool_parsers import (
+from radixmesh.services.router.tool_parsers import (
     TOOL_CALL_PARSERS,
     NamedCallParser,
     RequiredCallsParser,
@@ -430,8 +430,8 @@ def test_arbitrary_text_never_raises_and_is_kept_when_it_holds_no_call(name):
 
 def test_formats_register_whichever_module_is_imported_first():
     code = (
-        "import services.router.tool_formats\n"
-        "from services.router.tool_parsers import TOOL_CALL_PARSERS, NamedCallParser, RequiredCallsParser\n"
+        "import radixmesh.services.router.tool_formats\n"
+        "from radixmesh.services.router.tool_parsers import TOOL_CALL_PARSERS, NamedCallParser, RequiredCallsParser\n"
         "assert sorted(TOOL_CALL_PARSERS) == ['hermes', 'llama3', 'mistral', 'pythonic', 'qwen', 'qwen25']\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[2])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.distributed import local_ranks, rank_device, split_addr
-from services.launch import LaunchSettings, plan
+from radixmesh.engine.distributed import local_ranks, rank_device, split_addr
+from radixmesh.services.launch import LaunchSettings, plan
 
 
 def test_ranks_are_numbered_node_by_node():

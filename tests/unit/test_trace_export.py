@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.trace_pipe import SpanPipe
+from radixmesh.services.common.trace_pipe import SpanPipe
 from tests.otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def _traced(code: str, endpoint: str, **env) -> subprocess.Popen:
     """A process that sets up tracing for role "router" towards `endpoint` and runs `code`."""
     prologue = f"""
         import os, sys, time
-        from services.common import tracing
+        from radixmesh.services.common import tracing
         assert tracing.setup_tracing(tracing.TraceSettings(otlp_traces_endpoint="{endpoint}"), "router")
         print(tracing.tracer().proc.pid, flush=True)
     """
@@ -127,7 +127,7 @@ def test_sdk_disabled_turns_tracing_off():
     code = """
         import os
         os.environ["OTEL_SDK_DISABLED"] = "true"
-        from services.common import tracing
+        from radixmesh.services.common import tracing
         assert tracing.setup_tracing(tracing.TraceSettings(enable_trace=True), "router") is False
         assert not tracing.enabled() and tracing.span("x") is tracing.span("y")
         print("ok")
@@ -141,7 +141,7 @@ def test_the_otlp_encoding_parses_as_the_official_messages():
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
-    from services.common import trace_otlp
+    from radixmesh.services.common import trace_otlp
 
     values = {"s": "é", "t": True, "f": False, "i": 7, "neg": -3, "big": 1 << 70, "x": 2.5, "b": b"\x00\xff",
               "l": [1, "a"], "none": None, "http.route": "/x", "o": Path("/p")}

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
-from services.common import trace_recorder
-from services.common.trace_context import Propagation, Sampler, extract, parse_traceparent, traceparent
-from services.common.trace_recorder import CLIENT, CURRENT, Child, Record, Span
+from radixmesh.services.common import trace_recorder
+from radixmesh.services.common.trace_context import Propagation, Sampler, extract, parse_traceparent, traceparent
+from radixmesh.services.common.trace_recorder import CLIENT, CURRENT, Child, Record, Span
 
 W3C = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
 
@@ -35,7 +35,7 @@ def recorder(request, monkeypatch):
 
 def _tracing_on(monkeypatch, recorder) -> None:
     """services.common.tracing on, bound to `recorder`, without an exporter (the sink is what `configure` set)."""
-    from services.common import tracing
+    from radixmesh.services.common import tracing
 
     monkeypatch.setattr(tracing, "_pipe", object())
     for name, value in (("_Span", Span), ("_Child", Child), ("_Root", recorder.Root), ("_new_root", recorder.root),
@@ -108,7 +108,7 @@ def test_server_spans_end_named_with_their_attributes_and_restore_the_current_sp
     those set while open), marks errors, and makes the span before current again."""
     import asyncio
 
-    from services.common import tracing
+    from radixmesh.services.common import tracing
     _tracing_on(monkeypatch, recorder)  # the recorder's sink is `records`
     names = ("http.request.method", "http.response.status_code")
     root = tracing.server_span({})
@@ -163,9 +163,9 @@ async def test_the_routers_traced_middleware_names_its_spans_by_route_and_answer
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from services.common import tracing
-    from services.router import http_common
-    from services.router.core import RouterError
+    from radixmesh.services.common import tracing
+    from radixmesh.services.router import http_common
+    from radixmesh.services.router.core import RouterError
 
     _tracing_on(monkeypatch, recorder)
     monkeypatch.setattr(http_common, "_SPAN_NAMES", {})
@@ -227,7 +227,7 @@ def test_leaves_and_calls_recorded_as_tuples(records, recorder, monkeypatch):
     cancellations as end_span marks them; after the parent ended, a record of its own."""
     import asyncio
 
-    from services.common import tracing
+    from radixmesh.services.common import tracing
     _tracing_on(monkeypatch, recorder)
     names = ("policy", "worker", "matched_tokens")
     recorder.leaf("route", 1, 5, names, ("p", "w", None))  # no current span: nothing
@@ -285,7 +285,7 @@ def test_a_call_under_a_callers_span_carries_its_tracestate_and_baggage_until_cl
     """A request sent over a stream carries the context in plain fields (put_context): a trace that came from a
     caller passes its tracestate and baggage on; clear_context leaves the request as it was, with either recorder
     (the native one clears a Root's call itself and hands this case to the Python helper)."""
-    from services.common import tracing
+    from radixmesh.services.common import tracing
     _tracing_on(monkeypatch, recorder)
     caller = extract({"traceparent": f"00-{7:032x}-{9:016x}-01", "tracestate": "k=v", "baggage": "user=1"},
                      Propagation())
@@ -304,7 +304,7 @@ def test_a_request_under_the_requests_own_span_carries_that_spans_context(record
     """The router's calls that record no client span (tokenize, a colocated worker call) put the current span's
     context into the request: a Root's (in C for the native one) or a Span's, its own span id as the parent; the
     callee's span is then that span's child. clear_context takes it out again."""
-    from services.common import tracing
+    from radixmesh.services.common import tracing
     _tracing_on(monkeypatch, recorder)
     root = tracing.server_span({})
     try:

@@ -22,12 +22,13 @@ def run(code: str) -> subprocess.CompletedProcess:
 def test_tracing_off_installs_nothing():
     proc = run("""
         import sys
-        import services.router.__main__, services.decode.__main__, services.tokenizer.__main__
-        import services.kvstore.__main__, services.launch
-        from services.common import tracing, trace_grpc
-        from services.common.server import GrpcService, GrpcSettings, channel
-        from services.common.errors import ErrorInterceptor
-        from services.launch import LaunchSettings, trace_flags
+        import radixmesh.services.router.__main__, radixmesh.services.worker.__main__
+        import radixmesh.services.tokenizer.__main__
+        import radixmesh.services.kvstore.__main__, radixmesh.services.launch
+        from radixmesh.services.common import tracing, trace_grpc
+        from radixmesh.services.common.server import GrpcService, GrpcSettings, channel
+        from radixmesh.services.common.errors import ErrorInterceptor
+        from radixmesh.services.launch import LaunchSettings, trace_flags
         assert tracing.setup_tracing(tracing.TraceSettings(), "router") is False
         assert not tracing.enabled() and tracing.tracer() is None
         assert tracing.span("x") is tracing.span("y")  # the shared null context
@@ -38,7 +39,7 @@ def test_tracing_off_installs_nothing():
         ch = channel("127.0.0.1:1")
         assert not ch._unary_unary_interceptors and not ch._unary_stream_interceptors
         assert trace_flags(LaunchSettings()) == []
-        from services.common import logs
+        from radixmesh.services.common import logs
         assert logs.trace_id_source is None
         loaded = [m for m in sys.modules if m.startswith("opentelemetry")]
         assert loaded == [], loaded
@@ -48,8 +49,8 @@ def test_tracing_off_installs_nothing():
 
 
 def test_trace_settings_and_launcher_flags():
-    from services.common.tracing import TraceSettings
-    from services.launch import LaunchSettings, trace_flags
+    from radixmesh.services.common.tracing import TraceSettings
+    from radixmesh.services.launch import LaunchSettings, trace_flags
 
     assert not TraceSettings().enabled and TraceSettings(enable_trace=True).enabled
     assert TraceSettings(otlp_traces_endpoint="c:4317").enabled  # asking for an endpoint means asking for traces
@@ -63,8 +64,8 @@ def test_log_lines_carry_the_trace_id_and_spans_reach_the_endpoint():
     try:
         proc = run(f"""
             import logging
-            from services.common import tracing
-            from services.common.logs import setup_logging
+            from radixmesh.services.common import tracing
+            from radixmesh.services.common.logs import setup_logging
             setup_logging("test")
             assert tracing.setup_tracing(tracing.TraceSettings(enable_trace=True,
                                                                otlp_traces_endpoint="{receiver.endpoint}"), "router")

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from engine.disaggregation.fake_backend import Faults
-from engine.disaggregation.registry import make_backend
-from engine.disaggregation.transfer import TransferError, Write, page_runs, page_writes
+from radixmesh.engine.disaggregation.fake_backend import Faults
+from radixmesh.engine.disaggregation.registry import make_backend
+from radixmesh.engine.disaggregation.transfer import TransferError, Write, page_runs, page_writes
 
 PAGE = 256  # bytes per page in these tests
 
@@ -112,7 +112,7 @@ def test_mooncake_moves_pages_between_processes_over_tcp():
 def _pool(seed: int | None):
     import torch
 
-    from engine.cache.kv_pool import KVPool
+    from radixmesh.engine.cache.kv_pool import KVPool
 
     pool = KVPool(num_pages=12, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                   device=torch.device("cpu"))
@@ -124,7 +124,7 @@ def _pool(seed: int | None):
 
 
 def test_a_requests_pages_move_between_pools_and_checksums_catch_corruption():
-    from engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
+    from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of, page_checksum, register_pool
 
     src, dst = _pool(seed=1), _pool(seed=None)
     a, b = make_backend("fake"), make_backend("fake")

@@ -117,7 +117,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "radixmesh.tlsArgs" . }}
 {{- end -}}
 
-{{/* The stream lane (services/common/stream_lane.py) of a service the routers stream to (workers, tokenizer): a
+{{/* The stream lane (radixmesh/services/common/stream_lane.py) of a service the routers stream to (workers, tokenizer): a
 fixed port, and the pod's own address, so a router that reaches the service through its Service name dials the pod
 that granted the lane. Needs the POD_IP environment variable. */}}
 {{- define "radixmesh.laneArgs" -}}
@@ -145,7 +145,7 @@ pod's certificate. Call with (dict "root" $ "seconds" 300). */}}
 {{- define "radixmesh.grpcProbes" -}}
 {{- $how := "grpc: {port: 50051}" }}
 {{- if .root.Values.internalAuth.tls.existingSecret }}
-{{- $probe := list "python" "-m" "services.common.healthcheck" "--quiet" "--port" "50051" }}
+{{- $probe := list "python" "-m" "radixmesh.services.common.healthcheck" "--quiet" "--port" "50051" }}
 {{- $how = printf "exec: {command: %s}" (concat $probe (include "radixmesh.tlsArgs" .root | fromYamlArray) | toJson) }}
 {{- end -}}
 startupProbe:

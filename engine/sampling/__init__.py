@@ -1,3 +1,0 @@
-from engine.sampling.params import SamplingParams
-
-__all__ = ["SamplingParams"]

@@ -1,3 +1,0 @@
-from engine.scheduler.scheduler import Scheduler
-
-__all__ = ["Scheduler"]

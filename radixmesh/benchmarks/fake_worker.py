@@ -1,0 +1,161 @@
+"""`python -m radixmesh.benchmarks.fake_worker --port W [--tokens N]`: a WorkerService that answers at once, for measuring
+the router alone. Generate returns N tokens (sampling_params.max_new_tokens caps N when set): with stream=true
+one chunk per token (id i % 1000, text " tok") then one `complete`; with stream=false only the `complete`.
+No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it. Between
+tokens it yields to the event loop, so concurrent requests' tokens interleave as a scheduler's steps make them (one
+token of each running request per step): GenerateStream then carries a step's tokens together, as a real worker's
+does, not a whole answer in one message."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import grpc
+
+from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.services.common import generate_mux
+from radixmesh.services.common.logs import setup_logging
+from radixmesh.services.common.server import GrpcService, LaneGrpcSettings
+
+TOKEN_TEXT = " tok"
+VOCAB = 1000
+_LENGTH = common_pb2.FINISH_REASON_TYPE_LENGTH
+
+
+def token_ids(n: int) -> list[int]:
+    """The ids the fake generates for an n-token answer (what the benchmark checks against)."""
+    return [i % VOCAB for i in range(n)]
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """Also a stand-in for failure tests: `delay_s` before answering, the first `fail_first` Generate calls refused
+    with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
+
+    def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
+                 no_generate_stream: bool = False, token_gap_s: float | None = 0.0,
+                 die_after_last_chunk: bool = False):
+        self.tokens = tokens
+        self.model_name = model_name
+        self.delay_s = delay_s
+        self.fail_first = fail_first
+        self.mode = mode
+        self.no_generate_stream = no_generate_stream
+        self.token_gap_s = token_gap_s  # None: no step between tokens (an answer leaves in one message batch)
+        self.die_after_last_chunk = die_after_last_chunk  # the process exits between a stream's last chunk and its end
+        self.draining: asyncio.Event | None = None
+        self.calls = 0
+
+    def _count(self, request: worker_pb2.GenerateRequest) -> int:
+        sp = request.sampling_params
+        return min(self.tokens, sp.max_new_tokens) if sp.HasField("max_new_tokens") else self.tokens
+
+    async def Generate(self, request, context):
+        async for msg in generate_mux.messages(self.generate, request, context):
+            yield msg
+
+    def generate(self, request, context, emit):
+        """Counts the call as it arrives (a PD router cancels the prefill call once the fake decode side has
+        answered, which can be before the answering coroutine first runs), then returns that coroutine."""
+        self.calls += 1
+        return self._answer(request, context, emit, self.calls)
+
+    async def _answer(self, request, context, emit, call: int) -> None:
+        if call <= self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {call} of {self.fail_first}")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)
+        ids = token_ids(n)
+        if request.stream:
+            for i, tok in enumerate(ids):
+                chunk = worker_pb2.GenerateStreamChunk(token_ids=[tok], text=TOKEN_TEXT, prompt_tokens=prompt,
+                                                       completion_tokens=i + 1)
+                if i == n - 1 and self.die_after_last_chunk:  # the finish reason on the last chunk, as a worker's
+                    chunk.finish_reason.CopyFrom(common_pb2.FinishReason(type=_LENGTH, length=n))
+                emit(worker_pb2.GenerateResponse(request_id=rid, chunk=chunk))
+                if self.token_gap_s is not None:
+                    await asyncio.sleep(self.token_gap_s)  # the next "step"
+            if self.die_after_last_chunk:
+                await asyncio.sleep(0.3)  # the chunks leave; then the process dies before the `complete`
+                os._exit(1)
+        usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=n)
+        emit(worker_pb2.GenerateResponse(request_id=rid, complete=worker_pb2.GenerateComplete(
+            output_ids=ids, text=TOKEN_TEXT * n, usage=usage,
+            finish_reason=common_pb2.FinishReason(type=_LENGTH, length=n))))
+
+    async def GenerateStream(self, requests, context):
+        if self.no_generate_stream:  # as a worker of an older release would answer
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        async for batch in generate_mux.serve(requests, context, self.generate, self.draining):
+            yield batch
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=False)
+
+    async def GetLoads(self, request, context):
+        return worker_pb2.GetLoadsResponse()
+
+    async def HealthCheck(self, request, context):
+        return worker_pb2.HealthCheckResponse(healthy=True, message="fake")
+
+    async def GetModelInfo(self, request, context):
+        return worker_pb2.GetModelInfoResponse(
+            model_path=self.model_name, tokenizer_path=self.model_name, is_generation=True,
+            served_model_name=self.model_name, max_context_length=4096, vocab_size=VOCAB, model_type="fake",
+            eos_token_ids=[], preferred_sampling_params="{}", max_total_num_tokens=1 << 20,
+            disaggregation_mode=self.mode)
+
+    async def GetServerInfo(self, request, context):
+        return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls}))
+
+    async def FlushCache(self, request, context):
+        return worker_pb2.FlushCacheResponse(success=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per answer when max_new_tokens is unset")
+    parser.add_argument("--served-model-name", default="fake")
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--delay-s", type=float, default=0.0, help="wait before each answer")
+    parser.add_argument("--fail-first", type=int, default=0, help="refuse the first N Generate calls (UNAVAILABLE)")
+    parser.add_argument("--token-gap-s", type=float, default=0.0,
+                        help="wait between streamed tokens (0: just yield to the event loop, a step of its own)")
+    parser.add_argument("--burst", action="store_true",
+                        help="no step between streamed tokens: a whole answer leaves in one GenerateStream message")
+    parser.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
+    parser.add_argument("--no-generate-stream", action="store_true",
+                        help="answer GenerateStream with UNIMPLEMENTED, as a worker of an older release")
+    parser.add_argument("--die-after-last-chunk", action="store_true",
+                        help="exit after a streamed answer's last chunk, before its `complete` (a fault)")
+    args = parser.parse_args(argv)
+    setup_logging("fake-worker", args.log_level)
+    servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
+                          args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s,
+                          args.die_after_last_chunk)
+
+    def register(server) -> list[str]:
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+        return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
+
+    settings = LaneGrpcSettings(args.host, args.port, shutdown_grace_s=1.0, log_level=args.log_level)
+    asyncio.run(_serve(settings, register, servicer))
+
+
+async def _serve(settings: LaneGrpcSettings, register, servicer) -> None:
+    # a worker of an older release has no stream lanes either
+    lanes = None if servicer.no_generate_stream else {
+        "GenerateStream": (servicer.GenerateStream, worker_pb2.GenerateStreamRequest)}
+    service = GrpcService(settings, register, lanes=lanes)
+    servicer.draining = service.draining
+    await service.run_until_signal()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The attention-backend interface.
+
+A backend is built once per runner over the KV pool and the request-to-token table. Per batch, `plan` turns the page
+tables into backend metadata (index buffers, masks, kernel plans) once; per layer, `forward` writes the new tokens'
+K and V into the pool and attends over every cached token of each request.
+
+Backends that can run inside a captured CUDA graph (decode batches only) set `supports_cuda_graph` and implement the
+three graph hooks: `init_cuda_graph` once (static buffers for the largest batch), `capture_metadata` once per
+captured batch size (what it returns is baked into that graph), and `replay_metadata` before every replay (host-side
+planning only: it may fill the static buffers, never reallocate them).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+    supports_cuda_graph: bool = False
+    # Decode reads the new tokens' K and V back from the pool (forward() is pool.write, then attend_stored()): so
+    # rotary and the KV store can be one kernel (forward_rope).
+    fuses_rope_store: bool = False
+
+    def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        self.shape = shape
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> Any:
+        """Build the metadata every layer of this batch uses. Called once per forward, before the first layer."""
+
+    @abstractmethod
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                metadata: Any) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
+        Writes k, v into the KV pool at batch.out_cache_loc; returns [num_tokens, num_heads, head_dim]."""
+
+    def forward_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any,
+                     batch: ForwardBatch, metadata: Any) -> torch.Tensor:
+        """`forward` with q and k not rotated yet (`rope`: engine.layers.rotary.RopeInputs); k, v may be strided.
+        Decode on a backend that `fuses_rope_store` rotates q and k and writes k and v into the pool in one kernel
+        where the pool runs kernels (KVPool.write_rotated), then attends."""
+        if self.fuses_rope_store and batch.mode is ForwardMode.DECODE:
+            q = self.kv_pool.write_rotated(layer_id, batch.out_cache_loc, q, k, v, rope)
+            return self.attend_stored(layer_id, q, batch, metadata)
+        q, k = rope.apply(q, k)
+        return self.forward(layer_id, q, k, v.contiguous(), batch, metadata)
+
+    def attend_stored(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch, metadata: Any) -> torch.Tensor:
+        """For a backend that `fuses_rope_store`: decode attention once this step's K and V are in the pool."""
+        raise NotImplementedError
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int) -> None:
+        """Allocate the static buffers graphs of up to `max_bs` decode requests use."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run in a CUDA graph")
+
+    def capture_metadata(self, bs: int, batch: ForwardBatch) -> Any:
+        """Metadata for the graph of padded batch size `bs`; `batch` holds the graph's static input tensors."""
+        raise NotImplementedError
+
+    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: Any) -> None:
+        """Before a replay: `batch`'s device tensors already hold this step's values (padding rows have seq_len 1,
+        the padding table row and slot 0); `batch.seq_lens_host` lists all `bs` lengths, padding included."""
+        raise NotImplementedError

@@ -1,0 +1,198 @@
+"""Attention through FlashInfer's paged kernels (CUDA only; written against flashinfer-python 0.6.18, imported when
+the backend is built).
+
+FlashInfer sees the pool as pages of ONE token, whatever the engine's page size: a layer's K (V) buffer
+[num_slots, kv_heads, head_dim] is viewed as [num_slots, 1, kv_heads, head_dim] (layout NHD), so a request's page list
+is its token slots req_to_token[row, :seq_len] and every last page holds one token (last_page_len 1).
+
+Per batch, `plan` builds kv_indptr on the host from seq_lens_host, kv_indices on the device (kernels.kv_indices), and
+plans one wrapper that every layer runs: the decode wrapper for decode batches, the paged prefill wrapper (causal) for
+extend batches. FlashInfer aligns a causal query block to the end of its request's KV: query i of n new tokens over
+kv_len keys sees keys [0, kv_len - n + i]. `forward` stores the new tokens' K and V before attending, so the pool holds
+prefix + new tokens and one paged call covers both.
+
+FlashInfer's plan copies the indptrs (qo and kv) and last_page_len to the CPU and schedules the work there, so they
+are passed as pinned host tensors (device tensors would make every plan wait for the GPU); kv_indices stays on the
+device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixmesh.engine.attention.base import AttentionBackend, AttentionShape
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.kernels.kv_indices import build_kv_indices
+
+# Split-KV partial outputs live here: FA2 plans up to (2 * SMs / num_kv_heads) tiles per query head, each of up to 128
+# query rows of head_dim floats: 69 MB for 32 heads over 8 KV heads of 128 on a 132-SM H100, so 256 MB leaves room for
+# groups up to ~14 (FlashInfer raises at plan time when its workspace is too small).
+WORKSPACE_BYTES = 256 << 20
+INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's own size for a wrapper's schedule (plan info) buffer
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer has no float32 attention kernels
+PAGE_SIZE = 1  # tokens per FlashInfer page (see the module docstring)
+# The tensor-core decode kernel packs the group of query heads sharing a KV head into MMA rows: worth it from 4 up.
+TENSOR_CORE_MIN_GROUP = 4
+# FA3 paged prefill is slower than FA2 on batches that mix chunked prefill and decodes (flashinfer-ai/flashinfer#1340).
+KERNEL_BACKEND = "fa2"
+# The prefill kernel, for benchmarks that compare (FlashInfer's "fa2", "fa3" on Hopper, "auto"): its prefill over a
+# long cached prefix is what multi-turn TTFT waits on (benchmarks/results/NOTES.md, 2026-11-28 afternoon).
+PREFILL_KERNEL_ENV = "RADIXMESH_FLASHINFER_PREFILL_KERNEL"
+
+
+@dataclass(slots=True)
+class _GraphBuffers:
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32, bound to every captured decode wrapper
+    kv_indices: torch.Tensor  # [max_bs * row_len] int32
+    last_page_len: torch.Tensor  # [max_bs] int32, all ones
+    # [INT_WORKSPACE_BYTES] uint8 schedule buffer shared by the captured wrappers (one per batch size): graphs replay
+    # one at a time and each replay re-plans its wrapper first, rewriting the schedule.
+    int_workspace: torch.Tensor
+
+
+class FlashInferBackend(AttentionBackend):
+    """Metadata is the planned FlashInfer wrapper; the eager wrappers are re-planned by every `plan`, so a batch's
+    metadata is valid until the next call to `plan`."""
+
+    name = "flashinfer"
+    supports_cuda_graph = True
+    fuses_rope_store = True
+
+    def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        super().__init__(shape, kv_pool, req_to_token)
+        k0 = kv_pool.k[0]
+        if k0.device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {k0.device}")
+        if k0.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"flashinfer attends over float16 or bfloat16 KV caches, not {k0.dtype}; "
+                             "use attention_backend torch_native for float32")
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise ImportError("the flashinfer attention backend needs flashinfer-python==0.6.18.post1 and "
+                              "apache-tvm-ffi (pip install --no-deps; see DESIGN.md)") from e
+        self._fi = flashinfer
+        self.device, self.dtype = k0.device, k0.dtype
+        # [num_slots, 1, kv_heads, head_dim] views of each layer's buffers: pages of one token.
+        self._k_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.k]
+        self._v_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.v]
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # zeroed for first use
+        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNEL_BACKEND)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND)
+        self._ones_host = torch.ones(req_to_token.host.shape[0], dtype=torch.int32, pin_memory=True)
+        self._graph: _GraphBuffers | None = None
+        # Per wrapper: an event after its last plan's host-to-device copy of the schedule. A wrapper's plan rewrites
+        # one pinned host buffer; with overlap scheduling the host plans step N+1 while step N may still be queued,
+        # so the next plan waits for the previous copy to have run (already true in the steady state: no stall).
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def plan(self, batch: ForwardBatch) -> Any:
+        indptr, indices = self._kv_indices(batch, None)
+        if batch.mode is ForwardMode.DECODE:
+            self._plan_decode(self.decode_wrapper, indptr, indices)
+            return self.decode_wrapper
+        s = self.shape
+        self._before_plan(self.prefill_wrapper)
+        self.prefill_wrapper.plan(
+            _host_indptr(batch.extend_lens_host), indptr, indices, self._last_page_lens(batch.batch_size),
+            s.num_heads, s.num_kv_heads, s.head_dim, PAGE_SIZE, causal=True, sm_scale=s.scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+            max_token_per_sequence=max(batch.extend_lens_host))
+        self._after_plan(self.prefill_wrapper)
+        return self.prefill_wrapper
+
+    def forward(self, layer_id, q, k, v, batch, metadata: Any) -> torch.Tensor:
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        return self.attend_stored(layer_id, q, batch, metadata)
+
+    def attend_stored(self, layer_id, q, batch, metadata: Any) -> torch.Tensor:
+        # [num_tokens, num_heads, head_dim] in q's dtype (the dtype planned: the KV cache's)
+        return metadata.run(q.contiguous(), (self._k_pages[layer_id], self._v_pages[layer_id]))
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int) -> None:
+        # A request's KV never exceeds a table row. The pool size is no bound on the total: requests sharing a cached
+        # prefix list the same slots.
+        dev = self.device
+        self._graph = _GraphBuffers(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(max_bs * self.req_to_token.row_len, dtype=torch.int32, device=dev),
+            last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            int_workspace=torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev))
+        self._last_page_lens(max_bs)
+
+    def capture_metadata(self, bs: int, batch: ForwardBatch) -> Any:
+        """A decode wrapper bound to the static buffers (its batch size fixed to `bs`), planned for `batch`. Waits
+        for the planned buffers (once per size, at start-up), so any stream may warm up and capture the graph."""
+        g = self._graph
+        if g is None:
+            raise RuntimeError("init_cuda_graph must run before capture_metadata")
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=g.kv_indptr[:bs + 1], paged_kv_indices_buffer=g.kv_indices,
+            paged_kv_last_page_len_buffer=g.last_page_len[:bs], backend=KERNEL_BACKEND)
+        wrapper.reset_workspace_buffer(self.workspace, g.int_workspace)
+        self.replay_metadata(bs, batch, wrapper)
+        torch.cuda.current_stream(self.device).synchronize()
+        return wrapper
+
+    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: Any) -> None:
+        """Refills the static kv_indices on the device and re-plans `metadata` (its plan copies the host indptr into
+        the static kv_indptr): nothing is reallocated."""
+        indptr, indices = self._kv_indices(batch, self._graph.kv_indices)
+        self._plan_decode(metadata, indptr, indices)
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+    def _kv_indices(self, batch: ForwardBatch, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr [batch + 1] int32 on the pinned host, kv_indices [sum(seq_lens)] int32 on the device, a prefix
+        of `out` when given)."""
+        indptr = _host_indptr(batch.seq_lens_host)
+        total = sum(batch.seq_lens_host)
+        if out is None:
+            out = torch.empty(total, dtype=torch.int32, device=self.device)
+        elif total > out.numel():
+            raise RuntimeError(f"{total} KV tokens do not fit the CUDA-graph index buffer ({out.numel()})")
+        build_kv_indices(self.req_to_token.device, batch.req_pool_indices, batch.seq_lens,
+                         indptr.to(self.device, non_blocking=True), out)
+        return indptr, out[:total]
+
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+        s = self.shape
+        self._before_plan(wrapper)
+        wrapper.plan(indptr, indices, self._last_page_lens(indptr.numel() - 1), s.num_heads, s.num_kv_heads,
+                     s.head_dim, PAGE_SIZE, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=s.scale,
+                     non_blocking=True)
+        self._after_plan(wrapper)
+
+    def _before_plan(self, wrapper: Any) -> None:
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+
+    def _after_plan(self, wrapper: Any) -> None:
+        done = self._planned.setdefault(id(wrapper), torch.cuda.Event())
+        done.record()
+
+    def _last_page_lens(self, bs: int) -> torch.Tensor:
+        """[bs] int32 ones on the pinned host (every page of one token is full); never written, so pending
+        asynchronous copies of it stay valid."""
+        if bs > self._ones_host.numel():
+            self._ones_host = torch.ones(bs, dtype=torch.int32, pin_memory=True)
+        return self._ones_host[:bs]
+
+
+def _host_indptr(lens: list[int]) -> torch.Tensor:
+    """[len(lens) + 1] int32 exclusive prefix sums in pinned memory (so copies to the device are asynchronous; the
+    host allocator keeps the block until they finish)."""
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, pin_memory=True)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=indptr[1:])
+    return indptr

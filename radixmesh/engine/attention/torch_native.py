@@ -1,0 +1,77 @@
+"""Attention in plain PyTorch over the paged KV pool (CPU and CUDA).
+
+Each request's keys are gathered from the pool into a padded [batch, max_kv] layout and queries into
+[batch, max_q]; one scaled_dot_product_attention call with a causal-by-position mask covers the whole batch.
+Grouped-query attention is folded into the query rows: the `group` query heads that share a KV head become
+`group` extra rows of that KV head, so keys are never repeated and the fused (memory-efficient) kernel applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from radixmesh.engine.attention.base import AttentionBackend
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+
+
+@dataclass(slots=True)
+class TorchNativeMetadata:
+    kv_indices: torch.Tensor  # [batch, max_kv] KV slots of each request's tokens (padding points at stale slots)
+    mask: torch.Tensor  # [batch, 1, max_q * group, max_kv] True where a query row may attend a key
+    token_to_pad: torch.Tensor | None  # [num_tokens] index into the flat [batch * max_q] query layout (None: decode)
+    max_q: int
+
+
+# cuDNN's SDPA rebuilds its execution plan when shapes change, which cost ~1.5 ms of CPU per call (measured on an
+# H200: 50 ms of a 57 ms batch-1 decode step of an 8B model); the memory-efficient kernel takes our mask without that.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    def plan(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        dev = batch.seq_lens.device
+        max_kv = max(batch.seq_lens_host)
+        max_q = 1 if batch.mode is ForwardMode.DECODE else max(batch.extend_lens_host)
+        kv_indices = self.req_to_token.device[batch.req_pool_indices, :max_kv]
+        prefix = batch.seq_lens - batch.extend_lens  # [batch]
+        q_pos = prefix[:, None] + torch.arange(max_q, device=dev)  # [batch, max_q]
+        # Padded query rows get q_pos >= 0, so key 0 stays visible and no softmax row is all -inf.
+        mask = torch.arange(max_kv, device=dev)[None, None, :] <= q_pos[:, :, None]  # [batch, max_q, max_kv]
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        if max_q > 1 and group > 1:  # rows ordered (query position, head within group)
+            mask = mask[:, :, None, :].expand(-1, -1, group, -1).reshape(batch.batch_size, max_q * group, max_kv)
+        token_to_pad = None
+        if batch.mode is not ForwardMode.DECODE:
+            starts = batch.extend_lens.cumsum(0) - batch.extend_lens
+            offset = torch.arange(batch.batch_size, device=dev) * max_q - starts
+            token_to_pad = torch.repeat_interleave(offset, batch.extend_lens, output_size=batch.num_tokens)
+            token_to_pad += torch.arange(batch.num_tokens, device=dev)
+        return TorchNativeMetadata(kv_indices, mask[:, None], token_to_pad, max_q)
+
+    def forward(self, layer_id, q, k, v, batch, metadata: TorchNativeMetadata) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.write(layer_id, batch.out_cache_loc, k, v)
+        bsz, max_q = batch.batch_size, metadata.max_q
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        if metadata.token_to_pad is None:
+            q_pad = q.view(bsz, 1, num_heads, head_dim)
+        else:
+            q_pad = q.new_zeros(bsz * max_q, num_heads, head_dim)
+            q_pad[metadata.token_to_pad] = q
+            q_pad = q_pad.view(bsz, max_q, num_heads, head_dim)
+        kv_heads = self.shape.num_kv_heads
+        group = num_heads // kv_heads
+        # [batch, max_q, kv_heads, group, head_dim] -> [batch, kv_heads, max_q * group, head_dim]
+        rows = q_pad.view(bsz, max_q, kv_heads, group, head_dim).transpose(1, 2).reshape(bsz, kv_heads, -1, head_dim)
+        keys = pool.k[layer_id][metadata.kv_indices].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
+        values = pool.v[layer_id][metadata.kv_indices].transpose(1, 2)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=metadata.mask, scale=self.shape.scale)
+        out = out.view(bsz, kv_heads, max_q, group, head_dim).transpose(1, 2).reshape(bsz * max_q, num_heads, head_dim)
+        return out if metadata.token_to_pad is None else out[metadata.token_to_pad]

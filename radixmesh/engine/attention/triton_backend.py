@@ -1,0 +1,82 @@
+"""Attention through the Triton kernels of `kernels/`: paged decode with split-KV and extend over a cached prefix.
+
+Works on CUDA, and on CPU only inside Triton's interpreter (TRITON_INTERPRET=1, for tests). Decode batches can run
+in CUDA graphs: the kernels read lengths and table rows from the batch's device tensors, and the split count depends
+only on the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixmesh.engine.attention.base import AttentionBackend
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.kernels.decode_attention import decode_attention, num_kv_splits, partial_buffers
+from radixmesh.kernels.extend_attention import extend_attention
+from radixmesh.kernels.runtime import interpreting
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    num_splits: int
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # kernels.decode_attention.partial_buffers
+
+
+@dataclass(slots=True)
+class ExtendMetadata:
+    prefix_lens: torch.Tensor  # [batch] int64 tokens already in the pool before this forward
+    qo_starts: torch.Tensor  # [batch] int64 first flat token of each request
+    max_extend_len: int
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+    fuses_rope_store = True
+
+    def __init__(self, shape, kv_pool, req_to_token):
+        super().__init__(shape, kv_pool, req_to_token)
+        device = kv_pool.k[0].device
+        if device.type != "cuda" and not interpreting():
+            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing); "
+                             "use 'torch_native' on CPU")
+        self.device = device
+
+    def _decode_metadata(self, bs: int) -> DecodeMetadata:
+        splits = num_kv_splits(bs, self.shape.num_kv_heads, self.device)
+        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device) \
+            if splits > 1 else None
+        return DecodeMetadata(splits, partials)
+
+    def plan(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+        if batch.mode is ForwardMode.DECODE:
+            return self._decode_metadata(batch.batch_size)
+        starts = batch.extend_lens.cumsum(0) - batch.extend_lens
+        return ExtendMetadata(batch.seq_lens - batch.extend_lens, starts, max(batch.extend_lens_host))
+
+    def forward(self, layer_id, q, k, v, batch, metadata) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.write(layer_id, batch.out_cache_loc, k, v)
+        if isinstance(metadata, DecodeMetadata):
+            return self.attend_stored(layer_id, q, batch, metadata)
+        return extend_attention(q, k, v, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
+                                batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
+                                metadata.max_extend_len, self.shape.scale)
+
+    def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
+        pool = self.kv_pool
+        return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
+                                batch.req_pool_indices, batch.seq_lens, self.shape.scale, metadata.num_splits,
+                                partials=metadata.partials)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int) -> None:
+        """Nothing shared: each captured size owns its small stage-1 scratch (bs * splits stays near constant)."""
+
+    def capture_metadata(self, bs: int, batch: ForwardBatch) -> DecodeMetadata:
+        return self._decode_metadata(bs)
+
+    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: DecodeMetadata) -> None:
+        """Lengths and rows are read on the device: nothing to plan on the host."""

@@ -1,0 +1,66 @@
+"""The GPU's two ceilings, measured in the run that reports against them, and the work a forward must do.
+
+Bandwidth counts bytes read plus bytes written by a large device-to-device copy; the matmul rate is a large bf16
+product on random data (never zeros: they run faster than real data).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixmesh.engine.config import ModelConfig
+
+
+def _time_ms(fn, iters: int, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / iters
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), iters, device)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def measure_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    """bf16 n x n x n matrix product rate in TFLOP/s (cuBLAS through torch), on random inputs."""
+    a = torch.randn((n, n), dtype=torch.bfloat16, device=device)
+    b = torch.randn((n, n), dtype=torch.bfloat16, device=device)
+    out = torch.empty((n, n), dtype=torch.bfloat16, device=device)
+    ms = _time_ms(lambda: torch.matmul(a, b, out=out), iters, device)
+    return 2 * n ** 3 / (ms / 1e3) / 1e12
+
+
+def decode_weight_bytes(runner) -> int:
+    """Bytes of weights one decode step must read: every parameter except the embedding table (only a few rows are
+    gathered), plus the lm_head (the embedding again when tied)."""
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    emb_bytes = emb.numel() * emb.element_size()
+    return total if model.lm_head is None else total - emb_bytes
+
+
+def linear_flops(runner, tokens: int) -> int:
+    """Multiply-adds (x2) of every weight matrix over `tokens` tokens, except the embedding gather; the lm_head runs
+    on the last token only, as the engine computes it."""
+    model = runner.model
+    lm_head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
+               and "lm_head" not in n)
+    return 2 * body * tokens + 2 * lm_head.numel()
+
+
+def attention_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Causal attention of one fresh prompt: QK^T and PV over the lower triangle, every layer and head."""
+    pairs = tokens * (tokens + 1) // 2
+    return 2 * 2 * pairs * cfg.head_dim * cfg.num_heads * cfg.num_layers

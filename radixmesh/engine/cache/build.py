@@ -1,0 +1,69 @@
+"""Builds the prefix cache from resolved engine args: the radix tree (with page keys when anything outside the
+worker names pages), the cache manager, KV events, and the host and storage tiers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from radixmesh.engine.cache.kv_events import KvEventLog
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.cache.page_keys import chain_keys, namespace_root
+from radixmesh.engine.cache.radix_tree import RadixTree
+from radixmesh.engine.cache.storage import KvLayout, StorageOptions, check_storage_backend, open_storage
+from radixmesh.engine.config import EngineArgs, ModelConfig, hicache_extra
+
+log = logging.getLogger(__name__)
+
+
+def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
+    """The layout every page key binds: the model (directory name and architecture), page size, dtype, shape. Under
+    tensor parallelism a stored page holds every rank's shard, rank after rank (KV heads replicated on ranks when
+    fewer than them are counted once per rank), and the model name says so: its keys never meet one rank's pages."""
+    name = f"{os.path.basename(os.path.normpath(model.path))}:{model.architecture}"
+    tp, heads = args.tp_size, model.num_kv_heads
+    if tp > 1:
+        name, heads = f"{name}:tp{tp}", tp * max(1, heads // tp)
+    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
+
+
+def build_cache(args: EngineArgs, model: ModelConfig, runner) -> CacheManager:
+    if args.disable_radix_cache:
+        return CacheManager(runner.kv_pool, runner.req_to_token, None)
+    layout = kv_layout(args, model)
+    named = args.kv_events_config is not None or args.hicache_storage_backend is not None
+    page = args.page_size
+    tree = RadixTree(page, (lambda parent, tokens: chain_keys(parent, tokens, page)) if named else None,
+                     (lambda ns: namespace_root(layout, ns)) if named else None)
+    events = KvEventLog(page) if args.kv_events_config is not None else None
+    cache = CacheManager(runner.kv_pool, runner.req_to_token, tree, events)
+    if args.enable_hierarchical_cache:
+        cache.hierarchy = _hierarchy(args, cache, layout, events)
+    return cache
+
+
+def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: KvEventLog | None):
+    from radixmesh.engine.cache.hierarchy import CacheHierarchy
+
+    device_pages = cache.pages.num_pages
+    if args.hicache_size:  # per rank, as the pool: a rank holds 1 / tp_size of a stored page
+        host_pages = args.hicache_size * (1 << 30) * args.tp_size // layout.page_bytes
+    else:
+        host_pages = int(device_pages * args.hicache_ratio)
+    extra = hicache_extra(args)
+    storage = None
+    if args.hicache_storage_backend is not None:
+        options = StorageOptions(url=args.hicache_storage_url or "", layout=layout,
+                                 **{k: v for k, v in extra.items()
+                                    if k in ("timeout_s", "capacity_bytes", "ttl_s", "transport", "transfer_host")})
+        name = args.hicache_storage_backend
+        check_storage_backend(name)
+        storage = functools.partial(open_storage, name, options)  # opened (and reopened) on the storage thread
+    log.info("hierarchical cache: %d host pages (%.2f GB) beside %d device pages, %s, io %s; L3: %s", host_pages,
+             host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
+             args.hicache_io_backend or "default", args.hicache_storage_backend or "none")
+    return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
+                          args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
+                          bool(extra.get("skip_slow_fetches", True)),
+                          host_ranks=args.tp_size if storage is not None else 1, io_backend=args.hicache_io_backend)

@@ -1,0 +1,94 @@
+"""The paged token-to-KV pool and its page allocator.
+
+Slot s holds one token's K and V for every layer; page p owns slots [p * page_size, (p + 1) * page_size).
+Page 0 is reserved as a scratch page: padded tokens of a fixed-size batch write their KV there, so it is never handed
+out and never counted as capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixmesh.engine.layers.triton_ops import use_kernels
+
+
+class PageAllocator:
+    """Free list of page ids. Only the cache manager calls `free`."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages  # usable pages, page 0 excluded
+        self._free = torch.arange(1, num_pages + 1, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take n pages, or None (and take nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        return pages
+
+    def free(self, pages: torch.Tensor) -> None:
+        if len(pages):
+            self._free = torch.cat([self._free, pages.to(torch.int64)])
+
+    def free_pages(self) -> torch.Tensor:
+        return self._free
+
+
+class KVPool:
+    """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each, on the model's device."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.num_slots = (num_pages + 1) * page_size
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`."""
+        if use_kernels(k):
+            from radixmesh.kernels.kv_store import store_kv
+
+            store_kv(self.k[layer], self.v[layer], loc, k, v)
+            return
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v
+
+    def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      rope) -> torch.Tensor:
+        """Rotary (`rope`: engine.layers.rotary.RopeInputs) on q and k, then `write` of the rotated k and v; returns
+        the rotated q. Where the kernels run, one launch does it all (kernels.rotary.rotary_store_kv)."""
+        if rope.cos is None and use_kernels(k):  # the kernel rotary path: positions, no looked-up tables
+            from radixmesh.kernels.rotary import rotary_store_kv
+
+            return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],
+                                   self.v[layer], loc)
+        q, k = rope.apply(q, k)
+        self.write(layer, loc, k, v)
+        return q
+
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slots [0, n) of page src into page dst, in every buffer (one launch on CUDA)."""
+        a, b = src * self.page_size, dst * self.page_size
+        bufs = self.buffers()
+        torch._foreach_copy_([t[b:b + n] for t in bufs], [t[a:a + n] for t in bufs])
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every KV buffer (layer 0 K, layer 0 V, layer 1 K, ...); page p of each is one contiguous byte range."""
+        return [t for pair in zip(self.k, self.v) for t in pair]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one buffer: page_size slots of [num_kv_heads, head_dim]."""
+        t = self.k[0]
+        return self.page_size * t.shape[1] * t.shape[2] * t.element_size()

@@ -1,0 +1,386 @@
+"""Engine configuration: SGLang's server-argument names, resolved once into frozen values.
+
+`EngineArgs` is what a user passes (keyword names are SGLang's flags in snake_case). `resolve_args` turns every
+`None`/"auto" into a concrete value for the device and model at hand; the scheduler and runner only see resolved args.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# dtype names users may give -> torch attribute names. torch is imported only where a dtype is resolved, so the
+# services that only parse EngineArgs (the launcher) stay free of it.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    model_path: str
+    tokenizer_path: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str | None = None
+    context_length: int | None = None
+    page_size: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    num_reserved_decode_tokens: int = 512
+    enable_mixed_chunk: bool = False
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_overlap_schedule: bool = False
+    # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
+    # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
+    # product.
+    disable_pdl: bool = False
+    # What runs products of up to 8 rows (decode batches) under PDL: `gemv` (kernels.gemv, which pulls its weights into
+    # L2 before waiting on the kernel before), `cublas`, or `auto`: both timed per weight shape on the model's weights at
+    # start-up, kernels.gemv with a few tile configurations, each shape on the faster (engine.decode_products); under
+    # `auto` one-row products run kernels.gemv.gemv_row unless it times clearly slower on the shape.
+    decode_gemm: str = "auto"
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    # How host pages reach the device (SGLang's flag): `kernel`, a copy kernel per layer reading the pinned host pool,
+    # or `direct`, the GPU's copy engines (engine.cache.dma), which take no SM from the forward the loads overlap.
+    # Unset: `direct` where the driver batches copies (CUDA 12.8+), else `kernel` (host_pool.default_io_backend).
+    hicache_io_backend: str | None = None
+    hicache_storage_backend: str | None = None
+    hicache_storage_url: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None
+    kv_events_config: str | None = None
+    random_seed: int | None = None
+    stream_output: bool = False
+    # A stream sends a request's first token at once, then every stream_interval tokens (and its last): fewer, larger
+    # messages for the same tokens (SGLang's --stream-interval)
+    stream_interval: int = 1
+    sampling_defaults: str = "model"
+    grammar_backend: str = "xgrammar"
+    # An embedding engine (SGLang's --is-embedding): requests run the prefill forward only and return one pooled,
+    # L2-normalised vector of the final hidden states (engine.pooling); generation requests are refused.
+    is_embedding: bool = False
+    # Tensor parallelism (engine.distributed): the model spread over tp_size ranks, nnodes machines, node_rank this
+    # one; dist_init_addr is rank 0's host:port for the rendezvous (default: a free local port, one node only).
+    tp_size: int = field(default=1, metadata={"aliases": ("--tp",)})
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int | None = None  # seconds a collective may wait for a rank (default 600)
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    enable_p2p_check: bool = False
+    log_level: str = "info"
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs: Any) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model_path=model_path, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The parts of a Hugging Face `config.json` (and `generation_config.json`) the engine uses."""
+
+    path: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Sampling parameters recommended by generation_config.json (used when sampling_defaults == "model").
+    generation_defaults: dict = field(default_factory=dict, compare=False)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_path(cls, path: str) -> "ModelConfig":
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise FileNotFoundError(f"model config not found: {cfg_file}")
+        with open(cfg_file) as f:
+            raw = json.load(f)
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_file} has no 'architectures' entry")
+        heads = raw["num_attention_heads"]
+        rope_params = raw.get("rope_parameters") or {}
+        rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
+                                                   else None)
+        return cls(
+            path=path,
+            architecture=archs[0],
+            hidden_size=raw["hidden_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=frozenset(_eos_ids(raw, path)),
+            generation_defaults=_generation_defaults(path),
+            raw=raw,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+        """KV bytes of one token: all the model's KV heads, or `num_kv_heads` (one tensor-parallel rank's)."""
+        import torch
+
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
+
+
+def _as_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
+
+
+def _eos_ids(raw: dict, path: str) -> list[int]:
+    ids = _as_list(raw.get("eos_token_id"))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            ids += _as_list(json.load(f).get("eos_token_id"))
+    return ids
+
+
+_GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(path: str) -> dict:
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return {}
+    with open(gen_file) as f:
+        gen = json.load(f)
+    return {k: gen[k] for k in _GENERATION_SAMPLING_KEYS if gen.get(k) is not None}
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: str) -> torch.dtype:
+    """SGLang's rule for "auto": float32 checkpoints run in float16 on GPUs; CPUs keep the checkpoint's dtype."""
+    import torch
+
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+        return torch_dtype(name)
+    ckpt_name = model.torch_dtype.replace("torch.", "")
+    ckpt = torch_dtype(ckpt_name) if ckpt_name in _DTYPES else torch.float32
+    if device == "cpu":
+        return ckpt
+    return torch.float16 if ckpt == torch.float32 else ckpt
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
+    """Fill every auto value; validate ranges. Memory-derived sizes (max_total_tokens) are resolved by the runner."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
+    page = args.page_size or 1
+    _check(page > 0 and page & (page - 1) == 0, f"page_size must be a power of two, got {page}")
+    _check(args.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    _check(args.schedule_policy in SCHEDULE_POLICIES,
+           f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+    _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
+    _check(isinstance(args.stream_interval, int) and args.stream_interval >= 1,
+           f"stream_interval must be an integer >= 1, got {args.stream_interval!r}")
+    _check(args.decode_gemm in ("auto", "gemv", "cublas"),
+           f"decode_gemm must be 'auto', 'gemv' or 'cublas', got {args.decode_gemm!r}")
+    _check(args.grammar_backend in ("xgrammar", "none"),
+           f"grammar_backend must be 'xgrammar' or 'none', got {args.grammar_backend!r}")
+    _check(args.sampling_defaults in ("model", "openai"),
+           f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
+    _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
+           f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
+    _check_hicache(args)
+    _check_tp(args, model)
+    disable_radix_cache = args.disable_radix_cache or _pooling_needs_every_token(args, model)
+    context = args.context_length or model.max_position_embeddings
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = 8192 if device != "cpu" else 2048
+    if chunk > 0:
+        _check(chunk >= page, f"chunked_prefill_size ({chunk}) must be >= page_size ({page})")
+        chunk = chunk // page * page
+    dtype = resolve_dtype(args.dtype, model, device)
+    attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim)
+    _check(args.cuda_graph_max_bs is None or args.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
+    _check(not args.cuda_graph_bs or min(args.cuda_graph_bs) >= 1, "cuda_graph_bs sizes must be >= 1")
+    return dataclasses.replace(
+        args,
+        device=device,
+        disable_radix_cache=disable_radix_cache,
+        page_size=page,
+        context_length=context,
+        chunked_prefill_size=chunk,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(dtype).removeprefix("torch.") if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        **attention,
+        disable_cuda_graph=args.disable_cuda_graph or device == "cpu",
+        cuda_graph_bs=tuple(sorted(set(args.cuda_graph_bs))) if args.cuda_graph_bs else None,
+        mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.88,
+        random_seed=args.random_seed if args.random_seed is not None else 42,
+        tokenizer_path=args.tokenizer_path or args.model_path,
+    )
+
+
+# timeout_s: bound on one store call; prefetch_timeout_s: the `timeout` prefetch policy's wait; capacity_bytes, ttl_s:
+# the store's bounds (memory/file, redis); skip_slow_fetches (default true): skip most prefetches once fetching has
+# been measured slower than prefilling; transport (kvstore only): "grpc" or "mooncake" (page bytes by the Mooncake
+# transfer engine, straight from and into the host pool) and transfer_host, the address the kvstore reaches this
+# worker's transfer engine at.
+HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s", "skip_slow_fetches", "transport",
+                      "transfer_host")
+STORAGE_TRANSPORTS = ("grpc", "mooncake")
+
+
+def hicache_extra(args: EngineArgs) -> dict:
+    """--hicache-storage-backend-extra-config as a dict (JSON object; keys: HICACHE_EXTRA_KEYS)."""
+    if not args.hicache_storage_backend_extra_config:
+        return {}
+    try:
+        extra = json.loads(args.hicache_storage_backend_extra_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+    _check(isinstance(extra, dict), "hicache_storage_backend_extra_config must be a JSON object")
+    unknown = sorted(set(extra) - set(HICACHE_EXTRA_KEYS))
+    _check(not unknown, f"unknown hicache_storage_backend_extra_config key(s) {unknown}; known: {HICACHE_EXTRA_KEYS}")
+    transport = extra.get("transport", "grpc")
+    _check(transport in STORAGE_TRANSPORTS,
+           f"hicache_storage_backend_extra_config transport must be one of {STORAGE_TRANSPORTS}, got {transport!r}")
+    _check(transport == "grpc" or args.hicache_storage_backend == "kvstore",
+           "hicache_storage_backend_extra_config transport applies to the kvstore backend only")
+    return extra
+
+
+def _check_hicache(args: EngineArgs) -> None:
+    from radixmesh.engine.cache.hierarchy import PREFETCH_POLICIES, WRITE_POLICIES
+
+    _check(args.hicache_write_policy in WRITE_POLICIES,
+           f"hicache_write_policy must be one of {WRITE_POLICIES}, got {args.hicache_write_policy!r}")
+    _check(args.hicache_storage_prefetch_policy in PREFETCH_POLICIES, "hicache_storage_prefetch_policy must be one"
+           f" of {PREFETCH_POLICIES}, got {args.hicache_storage_prefetch_policy!r}")
+    from radixmesh.engine.cache.host_pool import IO_BACKENDS
+
+    _check(args.hicache_io_backend is None or args.hicache_io_backend in IO_BACKENDS,
+           f"hicache_io_backend must be one of {IO_BACKENDS}, got {args.hicache_io_backend!r}")
+    _check(args.hicache_ratio > 0 and args.hicache_size >= 0, "hicache_ratio must be > 0 and hicache_size >= 0")
+    _check(not args.enable_hierarchical_cache or not args.disable_radix_cache,
+           "enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
+    _check(args.hicache_storage_backend is None or args.enable_hierarchical_cache,
+           "hicache_storage_backend needs enable_hierarchical_cache (L3 pages pass through the host pool)")
+    _check(args.kv_events_config is None or not args.disable_radix_cache,
+           "kv_events_config needs the radix cache (events describe its pages)")
+    hicache_extra(args)
+
+
+def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
+    """Tensor parallelism's sizes, and what does not run under it yet (refused, not half-done)."""
+    tp = args.tp_size
+    _check(tp >= 1 and args.nnodes >= 1, "tp_size and nnodes must be >= 1")
+    _check(tp % args.nnodes == 0, f"tp_size ({tp}) must be divisible by nnodes ({args.nnodes})")
+    _check(0 <= args.node_rank < args.nnodes, f"node_rank ({args.node_rank}) must be in [0, nnodes={args.nnodes})")
+    _check(args.nnodes == 1 or args.dist_init_addr, "nnodes > 1 needs dist_init_addr (rank 0's host:port)")
+    _check(args.dist_timeout is None or args.dist_timeout > 0, "dist_timeout must be > 0 seconds")
+    _check(args.base_gpu_id >= 0 and args.gpu_id_step >= 1, "base_gpu_id must be >= 0 and gpu_id_step >= 1")
+    if tp == 1:
+        return
+    _check(model.num_heads % tp == 0,
+           f"the model's {model.num_heads} attention heads must be divisible by tp_size ({tp})")
+    kv = model.num_kv_heads
+    _check(kv % tp == 0 or tp % kv == 0,
+           f"the model's {kv} KV heads and tp_size ({tp}) must divide one another (KV heads are split, or "
+           "replicated when there are fewer than ranks)")
+    _check(model.intermediate_size % tp == 0,
+           f"the model's intermediate_size ({model.intermediate_size}) must be divisible by tp_size ({tp})")
+
+
+def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
+    """Mean pooling needs the hidden state of every prompt token, which a prefix-cache hit would skip: an embedding
+    engine that mean-pools runs without the radix cache. Last-token pooling keeps it (see engine.pooling)."""
+    if not args.is_embedding:
+        return False
+    from radixmesh.engine.pooling import Pooling, pooling_of
+
+    if pooling_of(model.path) is not Pooling.MEAN:
+        return False
+    _check(not args.enable_hierarchical_cache, "a mean-pooling embedding model runs without the prefix cache: "
+           "drop enable_hierarchical_cache")
+    _check(args.kv_events_config is None, "a mean-pooling embedding model runs without the prefix cache: "
+           "drop kv_events_config")
+    return True
+
+
+def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:
+    """attention_backend defaults by device and model; the prefill and decode backends default to it, except that
+    with no backend flag at all a FlashInfer default decodes on Triton on Hopper and later
+    (registry.default_decode_backend)."""
+    from radixmesh.engine.attention.registry import check_backend_name, default_backend, default_decode_backend
+
+    names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
+    names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
+    decode = names["attention_backend"]
+    if args.attention_backend is None:
+        decode = default_decode_backend(device, decode)
+    names["decode_attention_backend"] = args.decode_attention_backend or decode
+    for flag, name in names.items():
+        check_backend_name(name, flag)
+    return names
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPES[name])

@@ -1,0 +1,132 @@
+"""Which kernel runs each decode-sized product (up to engine.layers.linear.SKINNY_ROWS rows) on this GPU, and with
+which tiles.
+
+Neither kernel wins everywhere, and the winner depends on the product's shape. The 8B shape's products chained in a
+CUDA graph at one row take 5.29 ms with kernels.gemv under programmatic dependent launch against 5.61 with cuBLAS on
+an H100, but 4.36-4.44 against 4.06 on an H200 (benchmarks/results/NOTES.md, 2026-11-24); on the H200, by shape,
+kernels.gemv with 32-row tiles takes 10.6 us for o_proj and 28.7 for down_proj against cuBLAS's 13.1 and 32.0 (its
+split-K needs a second kernel), while cuBLAS keeps qkv_proj and gate_up_proj (2026-11-28, night). So with
+--decode-gemm auto the model runner times, before it captures its graphs, every distinct weight shape of the model
+at one row: cuBLAS and kernels.gemv with each of a few tile configurations, each over all of that shape's weights
+in one graph; a shape runs kernels.gemv (with its fastest tiles) only when that is clearly faster, so a close call
+keeps cuBLAS on every start (the choice changes the products' rounding). Products of one row (a batch-1 decode
+step) run gemv_row, kernels.gemv's CUDA-core product, instead: over the 8B shape's products it streams at 1.03x the
+copy floor on an H200 against cuBLAS's 1.21x, and it took the batch-1 step from 4.44-4.50 to 3.93 ms (2026-11-29).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixmesh.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
+
+MARGIN = 0.97  # kernels.gemv must take at most this share of cuBLAS's time
+ROW_GUARD = 1.10  # gemv_row runs a shape's one-row products unless its own timing is above this share of the choice
+REPLAYS = 5
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of the model's decode products, in forward order, then the LM head's (or the tied embedding's)."""
+    kinds = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+    out = [m.weight for m in model.modules() if isinstance(m, kinds)]
+    head = getattr(model, "lm_head", None)
+    out.append(model.model.embed_tokens.weight if head is None else head.weight)
+    return out
+
+
+def _graph_ms(product, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
+    """Median GPU ms of one replay of a graph that runs `product` over every weight, one after another."""
+    def run():
+        for w in weights:
+            product(inputs[w.shape[1]], w)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+# Tiles tried besides kernels.gemv's defaults, (BLOCK_N, BLOCK_K, warps, stages, L2-pulled columns): the fastest
+# for o_proj and down_proj on an H200 (benchmarks.pdl_chain --per-role, 2026-11-28)
+CANDIDATES = ((32, 512, 4, 4, 2048), (16, 512, 2, 4, 2048))
+
+
+def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
+    """kernels.gemv's default tiles for an [n, k] weight, then CANDIDATES fitted to k (as the defaults are)."""
+    from radixmesh.kernels.gemv import default_config
+
+    cap = 1 << max(k - 1, 0).bit_length()  # next power of two
+    out = [default_config(n, k)]
+    for block_n, block_k, warps, stages, pull in CANDIDATES:
+        config = (block_n, max(64, min(block_k, cap)), warps, stages, min(pull, cap))
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
+         ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
+    """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
+    and the shapes whose one-row products run gemv_row instead, with its tiles (--decode-gemm auto;
+    kernels.runtime.use_pdl takes both). gemv_row runs every shape unless, timed on the shape's own weights, it is
+    clearly slower (ROW_GUARD) than the kernel chosen for more rows: on an H200 it was faster on every shape
+    (qkv 12.6 against cuBLAS's 15.9 us, down_proj 27.6 against kernels.gemv's 28.7; 2026-11-29) and inside the step by
+    0.5 ms, so the choice leans to it and does not flip between starts on a close call; the guard is for a GPU
+    where it is plainly the wrong kernel."""
+    from triton.runtime.errors import OutOfResources
+
+    from radixmesh.kernels.gemv import ROW_CONFIG, gemv, gemv_row
+
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for w in _weights(model):
+        if w.dtype == dtype and w.is_contiguous():
+            by_shape.setdefault(tuple(w.shape), []).append(w)
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for _, k in by_shape}
+    started, chosen, rows, lines = time.monotonic(), {}, {}, []
+    for shape, weights in by_shape.items():
+        cublas = _graph_ms(lambda x, w: F.linear(x, w), weights, inputs)
+        best, best_ms = None, cublas
+        for config in candidates(*shape):
+            try:
+                ms = _graph_ms(lambda x, w, c=config: gemv(x, w, pdl=True, config=c), weights, inputs)
+            except OutOfResources:  # tiles too large for this GPU's shared memory
+                continue
+            if ms <= MARGIN * cublas and ms < best_ms:
+                best, best_ms = config, ms
+        chosen[shape] = best
+        try:
+            row_ms = _graph_ms(lambda x, w: gemv_row(x, w, pdl=True), weights, inputs)
+        except OutOfResources:  # a K too long for its registers on this GPU
+            row_ms = float("inf")
+        if row_ms <= ROW_GUARD * best_ms:
+            rows[shape] = ROW_CONFIG
+        lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
+                     + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
+                     + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
+    torch.cuda.empty_cache()
+    log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
+             "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)
+    return chosen, rows

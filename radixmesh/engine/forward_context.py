@@ -1,0 +1,50 @@
+"""One scoped forward context: how attention metadata reaches the layers without threading it through `forward`."""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from radixmesh.engine.batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    batch: ForwardBatch
+    backend: Any  # engine.attention.base.AttentionBackend
+    metadata: Any  # what backend.plan(batch) returned
+    # CUDA events of host -> device page loads (engine.cache.host_pool.KVMover.take_ready): layer l's attention
+    # waits for kv_ready[l] before it writes or reads that layer's KV
+    kv_ready: list | None = None
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+        """Attention of this layer; `rope` (engine.layers.rotary.RopeInputs): q and k are not rotated yet, and the
+        backend rotates them (with the KV store in one kernel where it can)."""
+        if self.kv_ready is not None:
+            torch.cuda.current_stream().wait_event(self.kv_ready[layer_id])
+        if rope is None:
+            return self.backend.forward(layer_id, q, k, v.contiguous(), self.batch, self.metadata)
+        return self.backend.forward_rope(layer_id, q, k, v, rope, self.batch, self.metadata)
+
+
+_current: ContextVar[ForwardContext | None] = ContextVar("radixmesh_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("attention called outside a forward context (ModelRunner.forward sets one)")
+    return ctx

@@ -1,0 +1,350 @@
+"""Owns the model, the KV memory and the attention backend on one device; runs one ForwardBatch at a time.
+
+Under tensor parallelism every rank has a runner holding its part of the model and of the KV cache; the leader's runner
+publishes each batch before running it, and each follower's `follow` runs what is published (engine.distributed)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from radixmesh.engine.attention.base import AttentionShape
+from radixmesh.engine.attention.registry import create_attention, supports_cuda_graph
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.config import EngineArgs, ModelConfig, torch_dtype
+from radixmesh.engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
+from radixmesh.engine.distributed import TensorParallel, TPConfig
+from radixmesh.engine.forward_context import ForwardContext, forward_context
+from radixmesh.engine.decode_products import plan as decode_products_plan
+from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
+from radixmesh.engine.models.loader import load_model
+from radixmesh.engine.pooling import Pooling, pool
+from radixmesh.engine.sampling.penalties import PenaltyState
+from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+
+if TYPE_CHECKING:
+    from radixmesh.engine.scheduler.batch_builder import PromptLogprobPlan
+
+log = logging.getLogger(__name__)
+
+# KV budget on CPU when max_total_tokens is not given: enough for many full-length requests of a small model.
+CPU_KV_BUDGET_BYTES = 1 << 30
+CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None):
+        """`tp`: this rank's place in its tensor-parallel group (default: alone)."""
+        self.args = args
+        self.model_config = model_config
+        self.device = torch.device(args.device)
+        self.dtype = torch_dtype(args.dtype)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            set_pdl(not args.disable_pdl, gemv=args.decode_gemm == "gemv")
+        self.tp = TensorParallel(tp or TPConfig(), self.device)
+        self.model = load_model(model_config, args.load_format, self.dtype, self.device,
+                                max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
+        attn = self.model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
+        graph_sizes = self._graph_sizes()
+        graph_reserve = self._graph_reserve(graph_sizes)
+        self.max_total_tokens = self.tp.all_min(self._kv_capacity_tokens(graph_reserve))
+        page = args.page_size
+        self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
+                              self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
+                              self.device)
+        self.max_running_requests = self._max_running()
+        row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
+        self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last
+        # forward, in order; published with the next forward.
+        self.journal: list[tuple] = []
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.req_to_token.journal = self.journal
+        self.mover = None  # a follower's host tier (engine.cache.host_pool), once the leader's setup says so
+        # the hierarchical cache's queued host -> device loads: issues them, returns per-layer events (the engine
+        # sets it; engine.cache.manager.CacheManager.issue_loads)
+        self.kv_loads: Callable[[], list | None] | None = None
+        self.kv_channel = None  # KV staging for transfers (engine.disaggregation.mirror), once asked for
+        self._published = time.monotonic()  # the leader's last step message
+        shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
+                               model_config.head_dim ** -0.5)
+        self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
+                                             self.kv_pool, self.req_to_token)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
+        self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
+        log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d, attention %s",
+                 model_config.architecture, self.device, args.dtype, self.kv_pool.capacity_tokens, page,
+                 self.max_running_requests, self.attn_backend.name)
+        self.graphs: CudaGraphRunner | None = None
+        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
+        if graph_sizes and args.decode_gemm == "auto" and pdl_available(self.device):
+            gemv, rows = decode_products_plan(self.model, self.device, self.dtype)
+            set_pdl(True, gemv=gemv, row=rows)
+        if graph_sizes:
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
+                                          self.req_to_token.pad_row, graph_sizes)
+            self.graphs.capture()
+            if self.graphs.capture_bytes > graph_reserve:
+                log.warning("CUDA graphs used %.0f MiB, more than the %.0f MiB set aside for them: the GPU may run "
+                            "short of memory; lower --mem-fraction-static or --cuda-graph-max-bs",
+                            self.graphs.capture_bytes / 2**20, graph_reserve / 2**20)
+
+    def _max_running(self) -> int:
+        return self.args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture; none on CPU, with --disable-cuda-graph, or when the decode attention
+        backend cannot run inside a graph (said in the log)."""
+        args = self.args
+        if args.disable_cuda_graph or self.device.type != "cuda":
+            return []
+        if not supports_cuda_graph(args.decode_attention_backend):
+            log.info("CUDA graphs off: the %s attention backend cannot run inside one",
+                     args.decode_attention_backend)
+            return []
+        cap = args.max_running_requests or 256
+        return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
+
+    def _graph_reserve(self, graph_sizes: list[int]) -> int:
+        """Bytes to keep out of the KV pool for the CUDA graphs (0 without graphs)."""
+        if not graph_sizes:
+            return 0
+        cfg = self.model_config
+        return estimated_graph_bytes(max(graph_sizes), cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size,
+                                     self.dtype.itemsize)
+
+    def _kv_capacity_tokens(self, graph_reserve: int) -> int:
+        """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
+        `graph_reserve` bytes set aside for CUDA graphs)."""
+        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype),
+                                                         self.num_kv_heads)
+        page = self.args.page_size
+        if self.device.type == "cuda":
+            # an engine shut down earlier in this process may still hold its pool through a reference cycle that no
+            # collection has reached yet (a GPU test building two engines in a row found 42 GiB still in use)
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.args.mem_fraction_static) - graph_reserve
+            tokens = int(budget // per_token)
+            if tokens <= page:
+                raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                                   f"{total / 2**30:.1f} GiB with mem_fraction_static={self.args.mem_fraction_static}")
+            if self.args.max_total_tokens:
+                tokens = min(tokens, self.args.max_total_tokens)
+        elif self.args.max_total_tokens:
+            tokens = self.args.max_total_tokens
+        else:
+            tokens = min(CPU_KV_BUDGET_BYTES // per_token,
+                         CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT * self.args.context_length)
+        if tokens < page:
+            raise ValueError(f"max_total_tokens ({tokens}) must hold at least one page ({page} tokens)")
+        return tokens // page * page
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model over the batch (a captured graph when one fits); returns float32 logits
+        [batch + extra, vocab]: each request's last new token, then the tokens of batch.extra_logit_indices.
+        Launches work on the device and returns without waiting for it."""
+        self._publish("logits", batch)
+        ready = self._kv_ready()
+        if self.graphs is not None and self.graphs.can_run(batch):
+            if ready is not None:  # a graph waits for every layer's pages before it starts
+                torch.cuda.current_stream().wait_event(ready[-1])
+            return self.graphs.replay(batch)
+        try:
+            hidden = self._hidden(batch, ready)
+        except Exception:
+            if ready is not None:
+                self._settle_loads(ready)
+            raise
+        if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
+            return self.model.compute_logits(hidden)  # one token per request: every row is wanted
+        rows = batch.logits_indices
+        if batch.extra_logit_indices is not None:
+            rows = torch.cat([rows, batch.extra_logit_indices])
+        return self.model.compute_logits(hidden[rows])
+
+    # ---- tensor parallelism -------------------------------------------------------------------------------------
+    def _publish(self, kind: str, batch: ForwardBatch) -> None:
+        """The leader's half of a step: the followers get the batch, and the table writes since the last one."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        batch.fill_pending()
+        header, packed = batch.packed()
+        self._step_message((kind, header, self._take_journal()))
+        self.tp.broadcast_tensor(packed)
+
+    def _take_journal(self) -> list[tuple]:
+        journal = list(self.journal)
+        self.journal.clear()
+        return journal
+
+    def _step_message(self, message: tuple) -> None:
+        self.tp.broadcast_object(message)
+        self._published = time.monotonic()
+
+    def heartbeat(self) -> None:
+        """The leader, between steps: an idle group hears from it within `tp.heartbeat_s` (with the journal so far),
+        and so does an idle staging channel, so no follower times out waiting."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._published >= self.tp.heartbeat_s:
+            self._step_message(("idle", None, self._take_journal()))
+        if self.kv_channel is not None and now - self.kv_channel.last_used >= self.tp.heartbeat_s:
+            self.kv_channel.ping()
+
+    def publish_setup(self, host) -> None:
+        """The leader's host tier (hierarchical cache, engine.cache.host_pool): each follower makes one of the same
+        number of pages, or maps its slice of the leader's shared one (an L3 store on)."""
+        if self.tp.size == 1 or self.tp.rank != 0:
+            return
+        from radixmesh.engine.shared_memory import unlink
+
+        try:
+            self._step_message(("setup", (host.allocator.num_pages, host.path), None))
+            if host.path is not None:
+                self.tp.all_min(0)  # every follower mapped it
+        finally:
+            if host.path is not None:
+                unlink([host.path])
+
+    def sync_followers(self) -> None:
+        """The leader: returns once every follower applied the journal so far (its host copies are done)."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self._step_message(("sync", None, self._take_journal()))
+            self.tp.all_min(0)
+
+    def kv_mirror(self, staged: bool | None = None):
+        """Host memory for KV transfers (engine.disaggregation.mirror); under tensor parallelism every rank's (the
+        leader's scheduler thread calls this, between steps)."""
+        from radixmesh.engine.disaggregation import mirror
+
+        if self.tp.size == 1:
+            return mirror.KvMirror.for_pool(self.kv_pool, staged)
+        if self.kv_channel is not None:
+            raise RuntimeError("this engine's KV transfer mirrors exist already")
+        mirrors = mirror.lead(self)
+        self.kv_channel = mirrors.channel
+        self._published = time.monotonic()
+        return mirrors
+
+    def _replay(self, journal: list[tuple]) -> None:
+        """A follower applies the leader's writes since its last forward, in order, before running the next one."""
+        for op, *rest in journal:
+            if op == "write":
+                self.req_to_token.write(*rest)
+            elif op == "scatter":
+                self.req_to_token.scatter(*rest)
+            elif op == "to_host":
+                self.mover.to_host(*rest).wait()
+            elif op == "copy_pages":
+                self.kv_pool.copy_page_prefix(*rest)
+            else:
+                self.mover.to_device(*rest).wait()
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A follower's loop: run every forward the leader publishes, until it says stop (`stop_followers`)."""
+        while True:
+            step = self.tp.broadcast_object()
+            if step is None:
+                return
+            kind, header, journal = step
+            if kind == "setup":
+                from radixmesh.engine.cache.host_pool import HostKVPool, KVMover
+
+                pages, path = header
+                ranks = self.tp.size if path is not None else 1
+                host = HostKVPool(pages, self.kv_pool, self.tp.rank if path else 0, ranks, path)
+                self.mover = KVMover(self.kv_pool, host, self.args.hicache_io_backend)
+                if path is not None:
+                    self.tp.all_min(0)
+                continue
+            if kind == "kv_mirror":
+                from radixmesh.engine.disaggregation import mirror
+
+                self.kv_channel = mirror.follow(self, header)
+                continue
+            self._replay(journal)
+            if kind == "sync":
+                self.tp.all_min(0)
+            if kind in ("idle", "sync"):
+                continue
+            packed = self.tp.broadcast_tensor(torch.empty(ForwardBatch.packed_size(header), dtype=torch.int64,
+                                                          device=self.device))
+            batch = ForwardBatch.unpacked(header, packed)
+            if kind == "logits":
+                self.forward(batch)
+            else:
+                self._hidden(batch)
+
+    def stop_followers(self) -> None:
+        if self.tp.size > 1 and self.tp.rank == 0:
+            if self.kv_channel is not None:
+                self.kv_channel.close()
+            self.tp.broadcast_object(None)
+
+    @staticmethod
+    def _settle_loads(ready) -> None:
+        """A forward that failed part-way: issue the loads of the layers it never reached (host_pool._LayerLoads
+        queues a layer's copies as the forward reaches it) and wait for all of them, before the failed requests'
+        device pages are freed and handed to others (a copy still to come would overwrite their new owner's KV)."""
+        try:
+            ready[-1].synchronize()
+        except Exception:  # noqa: BLE001 - the forward's own error is the one to raise
+            log.exception("waiting for a failed forward's KV loads failed")
+
+    def _kv_ready(self) -> list | None:
+        """Issue the host -> device page loads queued since the last forward (the hierarchical cache's); the events
+        each layer waits for, or None."""
+        return self.kv_loads() if self.kv_loads is not None else None
+
+    def _hidden(self, batch: ForwardBatch, ready: list | None = None) -> torch.Tensor:
+        """The model's final hidden states (after the final norm), [num_tokens, hidden]; layer l first waits for
+        ready[l] (loads of its pages from the host tier)."""
+        try:
+            batch.fill_pending()
+            metadata = self.attn_backend.plan(batch)
+            with forward_context(ForwardContext(batch, self.attn_backend, metadata, ready)):
+                return self.model(batch.input_ids, batch.positions)
+        finally:
+            if ready is not None:  # whatever runs next is ordered after every load, even if the forward failed
+                torch.cuda.current_stream().wait_event(ready[-1])
+
+    @torch.inference_mode()
+    def forward_pooled(self, batch: ForwardBatch, pooling: Pooling) -> torch.Tensor:
+        """An embedding engine's forward (extend batches): float32 [batch, hidden], each request's pooled final
+        hidden states over this forward's tokens (engine.pooling.pool). Launches work and returns without waiting."""
+        self._publish("hidden", batch)
+        return pool(self._hidden(batch, self._kv_ready()), batch, pooling)
+
+    @torch.inference_mode()
+    def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,
+                           prompt: PromptLogprobPlan | None = None) -> SampleResult:
+        return self.sample(self.forward(batch), batch.batch_size, sampling, prompt)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch_size: int, sampling: SamplingBatch,
+               prompt: PromptLogprobPlan | None = None) -> SampleResult:
+        """Each request's next token from the first `batch_size` rows of `logits`, and (with a prompt plan) the
+        logprobs of the planned prompt tokens from the extra rows."""
+        result = sample(logits[:batch_size], sampling, self.generator, self.penalties)
+        if prompt is not None:
+            def dev(x):
+                return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True) if x else None
+
+            extra = token_logprobs(logits[batch_size:], dev(prompt.targets), prompt.top_k, dev(prompt.token_ids))
+            result = result._replace(prompt=extra)
+        return result

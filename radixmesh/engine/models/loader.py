@@ -1,0 +1,150 @@
+"""Build a model from `config.json` and fill it from safetensors (single file or sharded) or with dummy weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.layers.linear import WHOLE, Shard, zero_padding
+from radixmesh.engine.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors that carry no weights we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"weight shard(s) listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {path} (expected model.safetensors or "
+                                f"model.safetensors.index.json)")
+    return found
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy tensor) for every tensor of the checkpoint: index it to read (a part, or [:] for all)."""
+    for file in checkpoint_files(path):
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"cannot read weight file {file}: {e}") from e
+        for name in names:
+            try:
+                yield name, handle.get_slice(name)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"cannot read tensor {name!r} from weight file {file}: {e}") from e
+
+
+def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, Shard]]:
+    """Hugging Face tensor name -> (our parameter, the part of it and of the tensor) for every weight the model
+    needs. Layers that fuse or shard weights say where each checkpoint tensor goes (`checkpoint_shards`)."""
+    out: dict[str, tuple[nn.Parameter, Shard]] = {}
+    for pname, param in model.named_parameters():
+        mod_path, leaf = pname.rsplit(".", 1)
+        module = model.get_submodule(mod_path)
+        owner = mod_path.rpartition(".")[0]
+        shards = module.checkpoint_shards(leaf) if hasattr(module, "checkpoint_shards") else [(None, WHOLE)]
+        for ckpt_module, shard in shards:
+            name = pname if ckpt_module is None else f"{owner}.{ckpt_module}.{leaf}".lstrip(".")
+            out[name] = (param, shard)
+    return out
+
+
+def _read(lazy, shard: Shard) -> torch.Tensor:
+    """The part of a checkpoint tensor `shard` takes, read from the file alone."""
+    if shard.dim is None:
+        return lazy[:]
+    cut = slice(shard.start, shard.start + shard.length)
+    return lazy[cut] if shard.dim == 0 else lazy[:, cut]
+
+
+def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    targets = checkpoint_name_map(model)
+    seen: set[str] = set()
+    for name, lazy in iter_checkpoint(cfg.path):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
+            name = f"model.{name}"
+        if name not in targets:
+            log.warning("ignoring unexpected tensor %r in %s", name, cfg.path)
+            continue
+        param, shard = targets[name]
+        dest = param.data if shard.dest is None else param.data[shard.dest]
+        full = tuple(lazy.get_shape())
+        expected = list(dest.shape)
+        if shard.dim is not None:
+            expected[shard.dim] = full[shard.dim]  # the whole tensor the shard is cut from
+            if shard.start + shard.length > full[shard.dim]:
+                expected = None
+        if expected is None or tuple(expected) != full:
+            raise ValueError(f"tensor {name!r} in {cfg.path} has shape {full}, expected "
+                             f"{tuple(expected) if expected else tuple(dest.shape)} (this rank's part: "
+                             f"{tuple(dest.shape)})")
+        dest.copy_(_read(lazy, shard))
+        seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {cfg.path} is missing tensor(s): {shown}")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights for benchmarks: norms at 1, everything else small and uniform (bounded activations)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name.rsplit(".", 2)[-2]:
+            param.data.fill_(1.0)
+        else:
+            param.data.uniform_(-0.02, 0.02, generator=gen)
+
+
+def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
+               max_positions: int, seed: int = 0, tp: TensorParallel | None = None) -> nn.Module:
+    """The model on `device`, holding this rank's part of every weight under tensor parallelism."""
+    cls = model_class(cfg.architecture)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = cls(cfg, tp)
+    # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
+    # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        _load_weights(model, cfg)
+    zero_padding(model)
+    model.init_rotary(max_positions, device)
+    return model.eval().requires_grad_(False)

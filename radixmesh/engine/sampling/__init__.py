@@ -1,0 +1,3 @@
+from radixmesh.engine.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

@@ -1,0 +1,3 @@
+from radixmesh.engine.scheduler.scheduler import Scheduler
+
+__all__ = ["Scheduler"]

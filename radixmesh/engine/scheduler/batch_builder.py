@@ -1,0 +1,105 @@
+"""Turns scheduled requests into a ForwardBatch (one host-to-device copy for every field).
+
+A request whose newest token is still in flight (overlap scheduling, `req.pending`) contributes it as a pending
+input: a placeholder here, filled on the device from the previous step's next-token tensor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler.in_flight import InFlight
+
+
+class PromptLogprobPlan(NamedTuple):
+    counts: list[int]  # per request of the batch: prompt logprobs this forward yields
+    targets: list[int]  # the prompt tokens they are for, in batch order
+    top_k: int  # the largest top_logprobs_num among those requests
+    token_ids: list[list[int]] | None  # per extra position: its request's token_ids_logprob, zero-padded
+
+
+class _Pending:
+    """Flat positions of in-flight input tokens and their rows in the previous step's results."""
+
+    def __init__(self, prev: InFlight | None):
+        self.prev = prev
+        self.positions: list[int] = []
+        self.rows: list[int] = []
+
+    def tokens(self, r: Req, flat_start: int) -> list[int]:
+        """Tokens [kv_len, kv_len + extend_len) of r, a 0 placeholder for the one still in flight."""
+        end = r.kv_len + r.extend_len
+        known = r.fill_len
+        if end <= known:
+            return r.tokens(r.kv_len, end)
+        if end != known + 1 or not r.pending or self.prev is None:
+            raise RuntimeError(f"request {r.rid}: input token {known} is neither known nor in flight")
+        ids = r.tokens(r.kv_len, known)
+        self.positions.append(flat_start + len(ids))
+        self.rows.append(self.prev.rows[id(r)])
+        return ids + [0]
+
+    def spec(self):
+        return (self.positions, self.rows, self.prev.result.next_ids) if self.positions else None
+
+
+def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev: InFlight | None = None
+                 ) -> tuple[ForwardBatch, PromptLogprobPlan | None]:
+    """Each request contributes tokens fill_ids[kv_len : kv_len + extend_len] (a decoding request: its last
+    output token, extend_len 1). `locs` are the KV slots the new tokens write, in the same order. Positions whose
+    logits give wanted prompt logprobs are listed as extra logits. `prev` is the step still in flight."""
+    ids, positions, extra, counts, targets, top_k, id_rows = [], [], [], [], [], 0, []
+    pending = _Pending(prev)
+    for r in reqs:
+        start = len(ids)
+        ids += pending.tokens(r, start)
+        positions += range(r.kv_len, r.kv_len + r.extend_len)
+        wanted = r.input_logit_positions(r.kv_len, r.kv_len + r.extend_len)
+        extra += [start + p - r.kv_len for p in wanted]
+        targets += r.input_ids[wanted.start + 1:wanted.stop + 1] if wanted else []
+        counts.append(len(wanted))
+        if wanted:
+            top_k = max(top_k, r.logprob.top_logprobs_num)
+            id_rows += [list(r.logprob.token_ids_logprob)] * len(wanted)
+    width = max(map(len, id_rows), default=0)
+    padded = [row + [0] * (width - len(row)) for row in id_rows] if width else None
+    plan = PromptLogprobPlan(counts, targets, top_k, padded) if extra else None
+    return ForwardBatch.build(
+        ForwardMode.EXTEND, ids, positions, locs,
+        req_pool_indices=[r.pool_idx for r in reqs],
+        seq_lens=[r.kv_len + r.extend_len for r in reqs],
+        extend_lens=[r.extend_len for r in reqs],
+        device=device,
+        extra_logit_indices=extra,
+        pending=pending.spec(),
+    ), plan
+
+
+def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
+                 prev: InFlight | None = None) -> ForwardBatch:
+    """One token per request: its newest token at position kv_len (in flight when kv_len == fill_len)."""
+    ids, pend_pos, pend_rows = [], [], []
+    for i, r in enumerate(reqs):
+        if r.kv_len < r.fill_len:
+            ids.append(r.output_ids[-1] if r.output_ids else r.input_ids[-1])
+            continue
+        if not r.pending or prev is None:
+            raise RuntimeError(f"request {r.rid}: its newest token is neither known nor in flight")
+        ids.append(0)
+        pend_pos.append(i)
+        pend_rows.append(prev.rows[id(r)])
+    return ForwardBatch.build(
+        ForwardMode.DECODE,
+        ids,
+        [r.kv_len for r in reqs],
+        locs,
+        req_pool_indices=[r.pool_idx for r in reqs],
+        seq_lens=[r.kv_len + 1 for r in reqs],
+        extend_lens=[1] * len(reqs),
+        device=device,
+        pending=(pend_pos, pend_rows, prev.result.next_ids) if pend_pos else None,
+    )

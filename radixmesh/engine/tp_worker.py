@@ -1,0 +1,132 @@
+"""The processes of a tensor-parallel engine (engine.distributed): the leader (rank 0, inside the Engine) starts the
+other ranks of its node; every other node starts all of its ranks with `serve_node` (same flags, its --node-rank).
+
+A follower process runs its ModelRunner's `follow` loop. It dies with its parent (PR_SET_PDEATHSIG), and a rank
+that fails or stops answering ends the collectives of the others within --dist-timeout, so a broken group never
+leaves a process behind: the leader's scheduler fails, the worker reports unhealthy and exits."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import faulthandler
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+from radixmesh.engine.config import EngineArgs, ModelConfig
+from radixmesh.engine.distributed import TPConfig, free_local_addr, local_ranks, rank_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIST_TIMEOUT_S = 600.0
+_JOIN_TIMEOUT_S = 30.0
+
+
+def tp_config(args: EngineArgs, rank: int, addr: str) -> TPConfig:
+    return TPConfig(size=args.tp_size, rank=rank, init_addr=addr,
+                    timeout_s=float(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S))
+
+
+def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
+    """`args` for global rank `rank`: its own GPU (base_gpu_id + local rank * gpu_id_step)."""
+    return dataclasses.replace(args, device=rank_device(args.device, rank, args.tp_size, args.nnodes,
+                                                        args.base_gpu_id, args.gpu_id_step))
+
+
+class Followers:
+    """This node's follower processes."""
+
+    def __init__(self, args: EngineArgs, ranks: list[int], addr: str):
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_follower_main, args=(rank_args(args, r), r, addr, os.getpid()),
+                                  name=f"radixmesh-tp{r}", daemon=True) for r in ranks]
+        for p in self.procs:
+            p.start()
+
+    def join(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
+        """Wait for the followers to leave (after the leader's stop), killing any that do not."""
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                log.warning("tensor parallel rank %s did not stop in %.0f s; killing it", p.name, timeout)
+                p.kill()
+                p.join(5)
+
+
+def start_leader(args: EngineArgs) -> tuple[TPConfig, Followers | None]:
+    """For the Engine (node 0, rank 0): start this node's other ranks; returns the leader's TPConfig."""
+    if args.tp_size == 1:
+        return TPConfig(), None
+    if args.node_rank != 0:
+        raise ValueError(f"node_rank {args.node_rank} runs tensor-parallel followers only: start it with the same "
+                         "flags (a worker service or `python -m radixmesh.engine.tp_worker`) and it serves them")
+    addr = args.dist_init_addr or free_local_addr()
+    ranks = list(local_ranks(args.tp_size, args.nnodes, 0))
+    if args.enable_p2p_check:
+        from radixmesh.engine.distributed import check_peer_access
+
+        check_peer_access([rank_args(args, r).device for r in ranks])
+    return tp_config(args, 0, addr), Followers(args, ranks[1:], addr)
+
+
+def serve_node(args: EngineArgs) -> int:
+    """A node other than 0: run its ranks until the leader stops them (or the group fails). The exit code."""
+    ranks = list(local_ranks(args.tp_size, args.nnodes, args.node_rank))
+    followers = Followers(args, ranks, args.dist_init_addr)
+    codes = []
+    for p in followers.procs:
+        p.join()
+        codes.append(p.exitcode)
+    return next((c for c in codes if c), 0)
+
+
+def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int) -> None:
+    _die_with_parent(parent)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    from radixmesh.engine.model_runner import ModelRunner
+
+    runner = None
+    try:
+        runner = ModelRunner(args, ModelConfig.from_path(args.model_path), tp_config(args, rank, addr))
+        runner.follow()
+    except Exception:
+        log.exception("tensor parallel rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        if runner is not None:
+            runner.tp.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the process that started this one dies, however it dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m radixmesh.engine.tp_worker --model-path ... --tp 4 --nnodes 2 --node-rank 1 --dist-init-addr host:port`."""
+    import argparse
+
+    from radixmesh.engine.cli import add_engine_args, engine_kwargs
+    from radixmesh.engine.config import resolve_args
+
+    parser = argparse.ArgumentParser(description="the tensor-parallel ranks of one node other than node 0")
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(argv))
+    args = EngineArgs.from_kwargs(**kwargs)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve_node(resolve_args(args, ModelConfig.from_path(args.model_path)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

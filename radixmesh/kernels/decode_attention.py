@@ -1,0 +1,223 @@
+"""Paged decode attention (one new query token per request) with grouped-query heads and split-KV.
+
+The KV pool is token-addressed: `req_to_token[row, i]` is the slot of token i of the request in table row `row`, and
+`k_buf[slot]` / `v_buf[slot]` hold its keys and values ([num_slots, num_kv_heads, head_dim] per layer). Page size is
+therefore invisible here: any page size works.
+
+Stage 1 runs one program per (request, KV head, split). The program loads the `group` query heads that share that
+KV head as the rows of one tile, so every key and value is read from memory once per KV head, and walks its split of
+the request's tokens with an online softmax. It writes a partial output and the log-sum-exp of its scores. Stage 2
+merges the splits of each (request, head). With one split, stage 1 writes the final output and stage 2 is skipped.
+
+(Stage 1's last split merging the splits itself, behind an atomic counter, was measured twice on Hopper and lost both
+times: benchmarks/results/NOTES.md, 2026-11-25 and 2026-11-29. Under PDL the kernel boundary costs almost nothing,
+and stage 2 merges the heads in parallel where the last split would merge them one after another.)
+
+The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
+stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
+the device, so a short request simply leaves trailing splits empty. An empty split's program returns at once (it
+neither waits for the kernel before nor writes), and the merge walks only the splits the length fills, `MERGE_CHUNK`
+at a time: a wide split count chosen for long contexts costs a short one almost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.online_softmax import accumulate, softmax_step
+from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
+
+# Splits beyond this add merge work without exposing more parallelism worth having.
+MAX_SPLITS = 64
+# Programs per streaming multiprocessor to aim for when choosing splits (latency hiding for the gathers).
+PROGRAMS_PER_SM = 4
+# Under programmatic dependent launch, stage 1 pulls its first block of keys and values into L2 before it waits for
+# the kernel before (benchmarks.prefetch_step turns it off to measure it).
+PREFETCH_KV = True
+# The merge reads this many splits at a time (a running maximum across chunks): a wide split count at a short
+# context pays only for the splits its lengths fill.
+MERGE_CHUNK = 16
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+                   stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # The lengths and the slot table are written before the step starts (the batch's inputs), never by a kernel of
+    # the step: read before the PDL wait, like the keys and values of the first block, pulled into L2 meanwhile
+    # (the one new token's slot may still be being written; a prefetch binds no value, so it is harmless).
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if start >= seq_len:
+        # an empty split (a short request in a wide split count): the merge reads only the splits the length
+        # fills, so this program neither waits, reads nor writes
+        return
+    if PDL:
+        if PREFETCH_LINES > 0:
+            n = start + tl.arange(0, BLOCK_N)
+            first = n < end
+            slots = tl.load(ReqToToken + row * stride_rt + n, mask=first, other=0).to(tl.int64)
+            cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first element of each 128-byte line of a row
+            line = first[:, None] & (cols[None, :] < HEAD_DIM)
+            prefetch_l2(tl.where(line, K + slots[:, None] * stride_kt + kv_head * stride_kh + cols[None, :], K))
+            prefetch_l2(tl.where(line, V + slots[:, None] * stride_vt + kv_head * stride_vh + cols[None, :], V))
+        tl.extra.cuda.gdc_wait()  # from here on the kernel before (rotary, the KV store) has finished
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    h_mask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
+        v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
+
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
+        tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
+                 acc / l_i[:, None], mask=out_mask)
+
+
+@triton.jit
+def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    # Which splits stage 1 filled follows from the length alone (an input of the step, so read before the PDL
+    # wait): after it, the scores and the partial outputs load side by side.
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
+    pdl_enter(PDL)
+    # the live splits, BLOCK_S at a time with a running maximum: splits past n_live cost nothing, and a wide split
+    # count keeps a small tile
+    d = tl.arange(0, BLOCK_D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        live = s < n_live
+        lse_ptrs = PartialLse + b * stride_lb + head * stride_lh + s
+        part_ptrs = PartialO + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+        part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
+        lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
+        alpha = tl.exp2(m - m_new)
+        w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / total
+    tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per request for a batch of this size: enough (request, KV head, split) programs to fill the GPU."""
+    if device.type != "cuda":
+        return 2  # Triton's interpreter: still split, with few programs
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, math.ceil(PROGRAMS_PER_SM * sms / max(1, batch_size * num_kv_heads))))
+
+
+def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for stage 1: partial outputs [batch, heads, splits, head_dim] and log2-sum-exp [batch, heads, splits]
+    in float32."""
+    return (torch.empty((batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device))
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+                     out: torch.Tensor | None = None,
+                     partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
+    req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
+    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch."""
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if bsz == 0:
+        return out
+    if num_splits > 1 and partials is None:
+        partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device)
+    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
+                                               out.new_empty((1, 1, 1), dtype=torch.float32))
+    block_s = max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits)))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = pdl_options(q)
+    line = LINE_BYTES // k_buf.element_size()
+    prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
+    _decode_stage1[(bsz, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
+        lse.stride(0), lse.stride(1), scale * _LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
+        UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
+        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
+    if num_splits > 1:
+        _decode_stage2[(bsz, num_heads)](
+            po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2, **pdl_options(q))
+    return out
+
+
+def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Plain-torch twin of `decode_attention`: per request, gather its keys and values and attend in float32."""
+    bsz, num_heads, head_dim = q.shape
+    group = num_heads // k_buf.shape[1]
+    out = torch.empty_like(q)
+    for b in range(bsz):
+        slots = req_to_token[int(req_pool_indices[b]), :int(seq_lens[b])].long()
+        keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [seq, heads, head_dim]
+        values = v_buf[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), values).to(q.dtype)
+    return out

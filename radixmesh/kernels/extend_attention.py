@@ -1,0 +1,163 @@
+"""Extend (prefill) attention over a ragged batch: each request's new tokens attend to its cached prefix in the paged
+KV pool and, causally, to the new tokens themselves.
+
+Request b has `prefix_lens[b]` tokens already in the pool (reached through `req_to_token`, any page size) and
+`extend_lens[b]` new tokens, stored contiguously from `qo_starts[b]` in q, k_new and v_new (the flat token axis of a
+ForwardBatch). New token i of a request sits at position prefix + i and sees every prefix token and new tokens
+0..i. One program handles BLOCK_M new tokens of one request for one query head: it first streams the prefix from the
+pool (gathered by slot), then the new tokens up to the diagonal from the contiguous k_new / v_new.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.online_softmax import accumulate, softmax_step
+from radixmesh.kernels.runtime import dot_needs_upcast
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, QoStarts,
+                   stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, num_m_blocks,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Blocks furthest down the diagonal do the most work: launch them first (program 0 of axis 0 goes first).
+    m_block = num_m_blocks - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    extend_len = tl.load(ExtendLens + b).to(tl.int32)
+    if m_block * BLOCK_M >= extend_len:
+        return
+    prefix = tl.load(PrefixLens + b).to(tl.int32)
+    q_start = tl.load(QoStarts + b).to(tl.int64)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < extend_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, prefix, BLOCK_N):  # the cached prefix: every query sees all of it
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < prefix
+        slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
+        v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
+
+    end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):  # the new tokens, up to the diagonal
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KNew + (q_start + n)[:, None] * stride_knt + kv_head * stride_knh + d[None, :], mask=kv_mask,
+                    other=0.0)
+        # Block 0 shows key 0 to every row, so no row's max is -inf after it.
+        visible = n_mask[None, :] & (n[None, :] <= m[:, None])
+        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, PRECISION, UPCAST)
+        v = tl.load(VNew + (q_start + n)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
+
+    out = acc / l_i[:, None]
+    tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _tiles_from_env() -> tuple[int, int, int, int] | None:
+    spec = os.environ.get(TILES_ENV, "")
+    if not spec:
+        return None
+    try:
+        tiles = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        tiles = ()
+    if len(tiles) != 4 or min(tiles) < 1:
+        raise ValueError(f"{TILES_ENV}={spec!r}: want BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES")
+    return tiles
+
+
+# BLOCK_M,BLOCK_N,NUM_WARPS,NUM_STAGES for 16-bit CUDA runs (benchmarks.extend_tiles sweeps them)
+TILES_ENV = "RADIXMESH_EXTEND_TILES"
+_ENV_TILES = _tiles_from_env()
+
+
+def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this head size."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1  # the interpreter: small tiles keep CPU tests quick
+    if _ENV_TILES is not None and dtype != torch.float32:
+        return _ENV_TILES
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128 and dtype != torch.float32:
+        # Hopper: 64-row tiles and 4 warps beat 128 x 64 with 8 warps at every extend shape measured on an H200
+        # (-3.6..-9.8%: one 8192-token prefill, 8 x 1024, 4 x 2048 over 4096 cached, 16 x 512 over 2304, 32 x 512
+        # over 1152; benchmarks.extend_tiles, results/2026-11-28-h200-extend-tiles.json)
+        return (64, 64, 4, 3) if torch.cuda.get_device_capability(device)[0] >= 9 else (128, 64, 8, 3)
+    return 64, 32, 4, 2
+
+
+def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
+                     v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
+                     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim]; k_new, v_new [num_tokens, num_kv_heads, head_dim] (the new tokens);
+    k_buf, v_buf [num_slots, num_kv_heads, head_dim] (the pool); req_to_token [rows, row_len]; req_pool_indices,
+    prefix_lens, extend_lens, qo_starts [batch]; max_extend_len >= every extend_len (host int).
+    `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the choice for this head size and dtype.
+    Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+    num_tokens, num_heads, head_dim = q.shape
+    bsz = int(extend_lens.shape[0])
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0 or bsz == 0:
+        return out
+    block_m, block_n, warps, stages = tiles or _blocks(head_dim, q.dtype, q.device)
+    m_blocks = triton.cdiv(max_extend_len, block_m)
+    _extend_kernel[(m_blocks, num_heads, bsz)](
+        q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), scale * _LOG2E, m_blocks,
+        GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=dot_needs_upcast(q.dtype), num_warps=warps, num_stages=stages)
+    return out
+
+
+def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
+                               v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                               prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Plain-torch twin of `extend_attention`: per request, prefix keys from the pool plus the new keys, causal by
+    position, softmax in float32."""
+    group = q.shape[1] // k_buf.shape[1]
+    out = torch.empty_like(q)
+    for b in range(int(extend_lens.shape[0])):
+        pre, ext, at = int(prefix_lens[b]), int(extend_lens[b]), int(qo_starts[b])
+        slots = req_to_token[int(req_pool_indices[b]), :pre].long()
+        keys = torch.cat([k_buf[slots], k_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
+        values = torch.cat([v_buf[slots], v_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[at:at + ext].float(), keys) * scale
+        visible = torch.arange(pre + ext)[None, :] <= (pre + torch.arange(ext))[:, None]  # [ext, pre + ext]
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        out[at:at + ext] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out

@@ -1,0 +1,184 @@
+"""Rotary position embedding (rotate-half / neox layout) for q and k in one Triton launch, and its plain-torch twin;
+and for decode the same launch fused with the KV store (`rotary_store_kv`): the rotated k and the v of each token go
+straight into their slot of the paged pool, one kernel per layer fewer.
+
+Numerics are those of engine.layers.rotary (Hugging Face's): the float32 cos/sin rows are cast to the model dtype,
+then out = x * cos + rotate_half(x) * sin with PyTorch's per-op rounding: each product rounded to the model dtype, then
+the sum rounded. Every step is an exactly rounded elementwise op, so the kernel equals the twin bit for bit; on the
+GPU it is compiled without fused multiply-adds, which would skip the float32 rounding of the products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.kv_store import check_store, store_kv_reference
+from radixmesh.kernels.runtime import pdl_enter, pdl_options
+
+_MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
+_MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1 KiB each at head_dim 128 in bf16
+
+
+@triton.jit
+def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates heads [head0, head0 + BLOCK_H) of one token; src rows are stride_head apart, dst's dst_stride_head."""
+    heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+    src_off = heads[:, None] * stride_head + d[None, :]
+    dst_off = heads[:, None] * dst_stride_head + d[None, :]
+    x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    # rotate_half(x) = [-x2, x1]; round(-a) == -round(a), so x1*cos1 + (-x2)*sin1 == round(x1*cos1) - round(x2*sin1).
+    out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+    out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    tl.store(dst + dst_off, out1.to(dtype), mask=mask)
+    tl.store(dst + dst_off + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A position's cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch
+    lookup does."""
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    c1 = tl.load(cos_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                   num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
+                   v_stride_tok, v_stride_head, kd_stride_row, kd_stride_head, vd_stride_row, vd_stride_head,
+                   table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   STORE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
+    # rotate k heads into row tok of k_dst, or with STORE into row loc[tok] of the pool k_dst, and then copy the
+    # same v heads into that row of the pool v_dst.
+    tok = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
+    if blk < q_blocks:
+        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
+                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+    else:
+        head0 = (blk - q_blocks) * BLOCK_H
+        row = tok
+        if STORE:
+            row = tl.load(loc_ptr + tok).to(tl.int64)
+        _rotate_heads(k_ptr + tok * k_stride_tok, k_dst_ptr + row * kd_stride_row, k_stride_head, kd_stride_head,
+                      head0, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+        if STORE:
+            heads = head0 + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 2 * BLOCK_HALF)
+            mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF)[None, :]
+            v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
+            tl.store(v_dst_ptr + row * vd_stride_row + heads[:, None] * vd_stride_head + d[None, :], v, mask=mask)
+
+
+def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc) -> None:
+    """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] of the pools k_dst,
+    v_dst with v copied beside it."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_h = _heads_per_program(n, num_heads, num_kv_heads)
+    q_blocks = triton.cdiv(num_heads, block_h)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    _rotary_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
+        q, k, v, q_out, k_dst, v_dst, cos, sin, positions, positions if loc is None else loc, num_heads,
+        num_kv_heads, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), cos.stride(0),
+        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None,
+        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
+        **pdl_options(q))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 q_out: torch.Tensor | None = None,
+                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim] (one dtype; any strides but a unit last one),
+    cos/sin [max_positions, head_dim] float32, positions [n] int -> rotated (q, k), written to `q_out`, `k_out`
+    (contiguous; they may be q and k themselves when those are contiguous) or new tensors."""
+    _check(q, k, cos, sin, positions)
+    q_out, k_out = _output(q_out, q), _output(k_out, k)
+    if q.shape[0]:
+        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None)
+    return q_out, k_out
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+                    q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does, the rotated k and
+    v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache [num_slots, num_kv_heads, head_dim];
+    returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit the two kernels it replaces."""
+    _check(q, k, cos, sin, positions)
+    check_store(k_cache, v_cache, loc, k, v)
+    q_out = _output(q_out, q)
+    if q.shape[0]:
+        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc)
+    return q_out
+
+
+def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """The twin of `rotary_store_kv`: the twins of the two kernels it fuses, one after the other."""
+    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions)
+    store_kv_reference(k_cache, v_cache, loc, k_rot, v)
+    return q_rot
+
+
+def _check(q, k, cos, sin, positions) -> None:
+    n, _, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != n or k.shape[2] != head_dim or k.dtype != q.dtype or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not fit together")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32 [max_positions, {head_dim}], got {tuple(cos.shape)} {cos.dtype}")
+    if positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int [{n}], got {tuple(positions.shape)} {positions.dtype}")
+    if len({t.device for t in (q, k, cos, sin, positions)}) != 1:
+        raise ValueError("q, k, cos, sin and positions must be on one device")
+
+
+def _output(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(like.shape)} {like.dtype} tensor on {like.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
+def _heads_per_program(n_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """Up to _MAX_HEADS heads per program, halved while the grid would be too small to fill the GPU."""
+    block_h = min(_MAX_HEADS, triton.next_power_of_2(max(num_heads, num_kv_heads)))
+    while block_h > 1 and n_tokens * (triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h)) \
+            < _MIN_PROGRAMS:
+        block_h //= 2
+    return block_h
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `apply_rotary`: RotaryEmbedding.lookup then engine.layers.rotary.apply_rotary, op for op."""
+    c = cos[positions].to(q.dtype)[:, None, :]  # [n, 1, head_dim]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,130 @@
+"""What both sides of a prefill/decode pair share: the transfer backend over the engine's KV pool, a thread that
+runs its blocking writes, the measured transfer rate for GetLoads, and the room-state log lines.
+
+Pages move between the engines' mirrors (engine.disaggregation.mirror): a pool on the GPU is staged through pinned
+host memory (a CPU build of Mooncake cannot register device memory), and under tensor parallelism the mirror holds
+every rank's shard, so each prefill rank's shard lands in the matching decode rank's. The sender copies the pages it
+sends into its mirror, the backend moves mirror pages to the peer's mirror, and the receiver copies them from its
+mirror into the pool before the request decodes. Page numbers are the same in a pool and its mirror."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from radixmesh.engine.disaggregation.fake_backend import Faults
+from radixmesh.engine.disaggregation.kv_pages import KvLayout
+from radixmesh.engine.disaggregation.registry import make_backend
+from radixmesh.engine.disaggregation.transfer import Write
+
+log = logging.getLogger("radixmesh.pd")
+
+RATE_WINDOW = 64  # transfers averaged for kv_transfer_gbps / kv_transfer_latency_ms
+
+# Why a room failed, as metrics label it (few values, so a dashboard can show each).
+FAILURE_REASONS = ("bootstrap_timeout", "transfer_timeout", "peer_lost", "transfer_error", "checksum_mismatch",
+                   "prefill_failed", "aborted", "cancelled")
+
+
+class TransferObserver(Protocol):
+    """Told of every completed KV transfer and every failed room (services.worker.metrics implements it). Called
+    from the event loop or the writer threads: implementations must be thread-safe and quick."""
+
+    def transferred(self, nbytes: int, seconds: float) -> None: ...
+
+    def failed(self, reason: str) -> None: ...
+
+
+def transfer_host(configured: str | None, listen_host: str) -> str:
+    """The address peers reach this worker's transfer engine at: the configured one, else the gRPC listen address
+    unless that is a wildcard, else this host's name resolved."""
+    if configured:
+        return configured
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host
+    return socket.gethostbyname(socket.gethostname())
+
+
+def set_once(fut: asyncio.Future, value) -> None:
+    """Resolve `fut` unless it already is (a callback from another thread may arrive after a cancel)."""
+    if not fut.done():
+        fut.set_result(value)
+
+
+def room_log(room: int, rid: str, state: str, detail: str = "", level: int = logging.INFO) -> None:
+    """One line per room state change; failures at WARNING, so they show at the default log level."""
+    log.log(level, "room %016x request %s: %s%s", room, rid, state, f" ({detail})" if detail else "")
+
+
+class KvTransfer:
+    def __init__(self, engine, backend_name: str, host: str, faults: str | None = None, stage: bool | None = None):
+        self.backend = make_backend(backend_name, host, Faults.parse(faults) if faults else None)
+        self.pool = engine.runner.kv_pool
+        self.mirror = engine.kv_mirror(stage)
+        for t in self.mirror.buffers:
+            self.backend.register(t.data_ptr(), t.numel() * t.element_size())
+        self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror.buffers), self.pool.page_bytes)
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixmesh-kv-write")
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
+        self.observer: TransferObserver | None = None  # set when metrics are on
+
+    @property
+    def session_id(self) -> str:
+        return self.backend.session_id
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks whose KV shards this transfer moves (a peer must have as many)."""
+        return self.mirror.tp_size
+
+    def stage_in(self, pages: list[int]) -> None:
+        """Copy `pages` from the mirror into the pool (every rank's); returns once they are there."""
+        self.mirror.stage_in(pages)
+
+    def checksum(self, pages: list[int]) -> str:
+        """A digest of the mirror's `pages` (every rank's): the bytes a transfer moved."""
+        return self.mirror.checksum(pages)
+
+    def write(self, peer: str, writes: list[Write], src_pages: list[int] = (), verify: bool = False) -> asyncio.Future:
+        """Start the writes on the writer thread (staging `src_pages` out first); the future completes when every
+        byte landed, with the staged pages' checksum when `verify` (else ""), or raises TransferError. A blocking
+        write cannot be interrupted: callers that stop waiting must keep its pages pinned until this future is done."""
+        started = time.perf_counter()
+        nbytes = sum(w.length for w in writes)
+
+        def run() -> str:
+            self.mirror.stage_out(list(src_pages))
+            digest = self.mirror.checksum(list(src_pages)) if verify else ""
+            self.backend.write(peer, writes)
+            self.record(nbytes, time.perf_counter() - started)
+            return digest
+        return asyncio.get_running_loop().run_in_executor(self._writer, run)
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """A transfer completed: `nbytes` moved in `seconds` (sent, on a prefill worker; received, on a decode one)."""
+        self._recent.append((nbytes, seconds))
+        if self.observer is not None:
+            self.observer.transferred(nbytes, seconds)
+
+    def failed(self, reason: str) -> None:
+        """A room failed; `reason` is one of FAILURE_REASONS."""
+        if self.observer is not None:
+            self.observer.failed(reason if reason in FAILURE_REASONS else "transfer_error")
+
+    @property
+    def gbps(self) -> float:
+        total_s = sum(s for _, s in self._recent)
+        return sum(b for b, _ in self._recent) / total_s / 1e9 if total_s else 0.0
+
+    @property
+    def latency_ms(self) -> float:
+        return 1000 * sum(s for _, s in self._recent) / len(self._recent) if self._recent else 0.0
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.backend.close()

@@ -1,0 +1,121 @@
+"""Router-side conversions between SGLang's JSON (`sampling_params`, `meta_info`) and the protobuf contract."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from radixmesh.v1 import common_pb2
+from radixmesh.services.router.openai_request import MAX_N, sample_seed_error
+from radixmesh.services.router.request_fields import token_key
+
+_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
+_FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_STRS = ("regex", "ebnf")
+SUPPORTED = (*_INTS, *_FLOATS, *_BOOLS, *_STRS, "stop", "stop_token_ids", "logit_bias", "json_schema")
+_FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_TYPE_LENGTH: "length",
+           common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
+INT32_MAX = 2**31 - 1
+# Checked here (the engine bounds n only below): n samples cost n requests' work on one worker, so a huge n would
+# keep it busy for minutes; the OpenAI endpoints and the gRPC API take the same bound.
+_INT_RANGES = {"sampling_seed": (-2**63, 2**63 - 1), "n": (1, MAX_N)}
+
+
+def _int(name: str, v: Any, lo: int = -INT32_MAX, hi: int = INT32_MAX) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"sampling_params.{name} must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"sampling_params.{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"sampling_params.{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def sampling_params(d: Any) -> common_pb2.SamplingParams:
+    """SGLang's sampling_params dict -> proto. Types are checked here; value ranges by the engine."""
+    if d is None:
+        return common_pb2.SamplingParams()
+    if not isinstance(d, dict):
+        raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+    unknown = sorted(k for k in d if k not in SUPPORTED)
+    if unknown:
+        raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}; supported: "
+                         f"{', '.join(sorted(SUPPORTED))}")
+    sp = common_pb2.SamplingParams()
+    for k, v in d.items():
+        if v is None:
+            continue
+        if k in _INTS:
+            setattr(sp, k, _int(k, v, *_INT_RANGES.get(k, (-INT32_MAX, INT32_MAX))))
+        elif k in _FLOATS:
+            setattr(sp, k, _float(k, v))
+        elif k in _BOOLS:
+            if not isinstance(v, bool):
+                raise ValueError(f"sampling_params.{k} must be true or false, got {v!r}")
+            setattr(sp, k, v)
+        elif k in _STRS or k == "json_schema":
+            setattr(sp, k, json.dumps(v) if k == "json_schema" and isinstance(v, dict) else _str(k, v))
+        elif k == "stop":
+            stops = [v] if isinstance(v, str) else v
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {v!r}")
+            sp.stop.extend(stops)
+        elif k == "stop_token_ids":
+            if not isinstance(v, list):
+                raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {v!r}")
+            sp.stop_token_ids.extend(_int(k, t, 0) for t in v)
+        elif k == "logit_bias":
+            _logit_bias(sp, v)
+    seed_error = sample_seed_error(sp)
+    if seed_error:
+        raise ValueError(f"sampling_params: {seed_error}")
+    return sp
+
+
+def _str(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"sampling_params.{name} must be a string, got {v!r}")
+    return v
+
+
+def _logit_bias(sp: common_pb2.SamplingParams, v: Any) -> None:
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {v!r}")
+    for tok, bias in v.items():
+        tok_id = token_key(tok)
+        if tok_id is None:
+            raise ValueError(f"logit_bias key {tok!r} is not a token id")
+        sp.logit_bias[_int("logit_bias", tok_id, 0)] = _float("logit_bias", bias)
+
+
+def finish_reason(fr: common_pb2.FinishReason) -> dict:
+    kind = _FINISH.get(fr.type, "abort")
+    out: dict = {"type": kind}
+    if kind == "stop":
+        which = fr.WhichOneof("matched")
+        out["matched"] = getattr(fr, which) if which else None
+    elif kind == "length":
+        out["length"] = fr.length
+    else:
+        out["message"] = fr.message
+    return out
+
+
+def _texts(texts, n: int) -> list:
+    return list(texts) if len(texts) == n else [None] * n
+
+
+def triples(ids, logprobs, texts) -> list[list]:
+    """SGLang's [logprob, token id, text-or-None] rows; NaN (the first prompt token) becomes None."""
+    return [[None if math.isnan(lp) else lp, t, x] for lp, t, x in zip(logprobs, ids, _texts(texts, len(ids)))]
+
+
+def top_rows(rows) -> list:
+    """Per position a list of triples; an empty row (the first prompt token) becomes None."""
+    return [triples(r.token_ids, r.logprobs, r.texts) if len(r.token_ids) else None for r in rows]

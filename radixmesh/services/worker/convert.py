@@ -1,0 +1,201 @@
+"""Proto <-> engine conversions for workers: GenerateRequest -> Engine.async_generate keyword arguments, and the
+engine's result dicts (`text`, `output_ids`, `meta_info`) -> GenerateStreamChunk / GenerateComplete; EmbedRequest ->
+Engine.async_encode keyword arguments, and its results -> EmbedResponse."""
+
+from __future__ import annotations
+
+import math
+
+from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
+
+_OPTIONAL_SCALARS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
+                     "reasoning_end_token_id", "reasoning_start_token_id")
+_FINISH_TYPES = {"stop": common_pb2.FINISH_REASON_TYPE_STOP, "length": common_pb2.FINISH_REASON_TYPE_LENGTH,
+                 "abort": common_pb2.FINISH_REASON_TYPE_ABORT}
+
+
+def sampling_dict(sp: common_pb2.SamplingParams) -> dict:
+    """Only the fields the caller set: the engine fills the rest from the model's defaults, then SGLang's."""
+    out = {name: getattr(sp, name) for name in _OPTIONAL_SCALARS if sp.HasField(name)}
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        out["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        out[constraint] = getattr(sp, constraint)
+    return out
+
+
+def engine_rid(req: worker_pb2.GenerateRequest) -> str:
+    """The engine's id for a request: the request id, plus the bootstrap room for one side of a PD pair (a router
+    retry reuses the request id with a new room, and the first attempt's pages may still be pinned)."""
+    if req.HasField("disaggregated_params"):
+        return f"{req.request_id}.{req.disaggregated_params.bootstrap_room:016x}"
+    return req.request_id
+
+
+def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
+    lp = req.logprob_options
+    kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
+              "rid": engine_rid(req) or None, "tenant": req.tenant}
+    if req.resume_output_ids:
+        kwargs["resume_ids"] = list(req.resume_output_ids)
+        kwargs["resume_text_chars"] = req.resume_text_chars
+    if lp.return_logprob:
+        kwargs.update(return_logprob=True, top_logprobs_num=lp.top_logprobs_num,
+                      token_ids_logprob=list(lp.token_ids_logprob) or None,
+                      return_text_in_logprobs=lp.return_text_in_logprobs,
+                      logprob_start_len=lp.logprob_start_len if lp.HasField("logprob_start_len") else None)
+    return kwargs
+
+
+def embed_kwargs(req: worker_pb2.EmbedRequest) -> dict:
+    """Always a batch (a list of id lists), so the engine answers with a list; each input's engine id is
+    `<request_id>-<index>`."""
+    return {"input_ids": [list(x.input_ids) for x in req.inputs],
+            "dimensions": req.dimensions if req.HasField("dimensions") else None,
+            "rid": [f"{req.request_id}-{i}" for i in range(len(req.inputs))], "tenant": req.tenant}
+
+
+def embed_response(results: list[dict]) -> worker_pb2.EmbedResponse:
+    return worker_pb2.EmbedResponse(embeddings=[
+        worker_pb2.Embedding(values=r["embedding"], prompt_tokens=r["meta_info"]["prompt_tokens"],
+                             cached_tokens=r["meta_info"]["cached_tokens"]) for r in results])
+
+
+def _top(rows) -> list[common_pb2.TopLogprobs]:
+    out = []
+    for row in rows:
+        if row is None:  # the first prompt token has no candidates
+            out.append(common_pb2.TopLogprobs())
+            continue
+        out.append(common_pb2.TopLogprobs(token_ids=[t for _, t, _ in row], logprobs=[lp for lp, _, _ in row],
+                                          texts=[x for _, _, x in row if x is not None]))
+    return out
+
+
+def _logprobs(msg_type, chosen, tops, by_ids):
+    return msg_type(token_ids=[t for _, t, _ in chosen],
+                    token_logprobs=[math.nan if lp is None else lp for lp, _, _ in chosen],
+                    texts=[x for _, _, x in chosen if x is not None],
+                    top_logprobs=_top(tops or []), token_ids_logprobs=_top(by_ids or []))
+
+
+def output_logprobs(meta: dict) -> common_pb2.OutputLogprobs | None:
+    if "output_token_logprobs" not in meta:
+        return None
+    return _logprobs(common_pb2.OutputLogprobs, meta["output_token_logprobs"], meta.get("output_top_logprobs"),
+                     meta.get("output_token_ids_logprobs"))
+
+
+def input_logprobs(meta: dict) -> common_pb2.InputLogprobs | None:
+    if not meta.get("input_token_logprobs"):
+        return None
+    return _logprobs(common_pb2.InputLogprobs, meta["input_token_logprobs"], meta.get("input_top_logprobs"),
+                     meta.get("input_token_ids_logprobs"))
+
+
+def finish_reason(d: dict | None) -> common_pb2.FinishReason | None:
+    if d is None:
+        return None
+    out = common_pb2.FinishReason(type=_FINISH_TYPES[d["type"]])
+    matched = d.get("matched")
+    if isinstance(matched, int):
+        out.matched_token_id = matched
+    elif isinstance(matched, str):
+        out.matched_stop_str = matched
+    if d.get("length") is not None:
+        out.length = d["length"]
+    if d.get("message"):
+        out.message = d["message"]
+    return out
+
+
+def usage(meta: dict) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+                            cached_tokens=meta["cached_tokens"])
+
+
+def chunk(delta: dict, with_input_logprobs: bool) -> worker_pb2.GenerateStreamChunk:
+    """A streamed segment (the engine runs with stream_output, so ids, text and logprobs are only the new ones)."""
+    meta = delta["meta_info"]
+    msg = worker_pb2.GenerateStreamChunk(token_ids=delta["output_ids"], text=delta["text"],
+                                         prompt_tokens=meta["prompt_tokens"],
+                                         completion_tokens=meta["completion_tokens"],
+                                         cached_tokens=meta["cached_tokens"])
+    out_lp = output_logprobs(meta)
+    if out_lp is not None:
+        msg.output_logprobs.CopyFrom(out_lp)
+    if meta["finish_reason"] is not None:
+        msg.finish_reason.CopyFrom(finish_reason(meta["finish_reason"]))
+    in_lp = input_logprobs(meta) if with_input_logprobs else None
+    if in_lp is not None:
+        msg.input_logprobs.CopyFrom(in_lp)
+    return msg
+
+
+def complete(output_ids: list[int], text: str, meta: dict, with_logprobs: bool) -> worker_pb2.GenerateComplete:
+    msg = worker_pb2.GenerateComplete(output_ids=output_ids, text=text, usage=usage(meta),
+                                      finish_reason=finish_reason(meta["finish_reason"]))
+    if with_logprobs:
+        out_lp, in_lp = output_logprobs(meta), input_logprobs(meta)
+        if out_lp is not None:
+            msg.output_logprobs.CopyFrom(out_lp)
+        if in_lp is not None:
+            msg.input_logprobs.CopyFrom(in_lp)
+    return msg
+
+
+# ---- prefill/decode handoff: the first token and its logprobs in KvReady -------------------------------------------
+def _pairs_msg(pairs) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(token_ids=[t for _, t in pairs], logprobs=[lp for lp, _ in pairs])
+
+
+def _msg_pairs(msg: common_pb2.TopLogprobs) -> list[tuple[float, int]]:
+    return list(zip(msg.logprobs, msg.token_ids))
+
+
+def kv_ready(first) -> bootstrap_pb2.KvReady:
+    """engine.disaggregation.handoff.FirstToken -> KvReady (without checksum and transfer figures)."""
+    msg = bootstrap_pb2.KvReady(first_token_id=first.token_id, cached_tokens=first.cached_tokens,
+                                top_logprobs=_pairs_msg(first.top_logprobs),
+                                token_ids_logprobs=_pairs_msg(first.token_ids_logprobs),
+                                input_logprobs=first.input_logprobs,
+                                input_top_logprobs=[_pairs_msg(r) for r in first.input_top_logprobs],
+                                input_token_ids_logprobs=[_pairs_msg(r) for r in first.input_token_ids_logprobs])
+    if first.logprob is not None:
+        msg.logprob = first.logprob
+    return msg
+
+
+def first_token(msg) -> "FirstToken":
+    from radixmesh.engine.disaggregation.handoff import FirstToken
+
+    return FirstToken(msg.first_token_id, msg.cached_tokens, msg.logprob if msg.HasField("logprob") else None,
+                      _msg_pairs(msg.top_logprobs), _msg_pairs(msg.token_ids_logprobs), list(msg.input_logprobs),
+                      [_msg_pairs(r) for r in msg.input_top_logprobs],
+                      [_msg_pairs(r) for r in msg.input_token_ids_logprobs])
+
+
+_TIERS = {1: worker_pb2.KV_TIER_DEVICE, 2: worker_pb2.KV_TIER_HOST}
+
+
+def kv_event(event, sequence: int | None = None) -> worker_pb2.SubscribeKvEventsResponse:
+    """An engine KvEvent as the SubscribeKvEvents message (`sequence` overrides the event's, for snapshots)."""
+    from radixmesh.engine.cache.kv_events import EventKind
+
+    out = worker_pb2.SubscribeKvEventsResponse(sequence=event.sequence if sequence is None else sequence)
+    if event.kind is EventKind.STORED:
+        out.stored.CopyFrom(worker_pb2.KvPagesStored(page_hashes=event.page_keys, parent_hash=event.parent_key,
+                                                     token_ids=event.token_ids, page_size=event.page_size,
+                                                     tier=_TIERS[int(event.tier)]))
+    elif event.kind is EventKind.REMOVED:
+        out.removed.CopyFrom(worker_pb2.KvPagesRemoved(page_hashes=event.page_keys, tier=_TIERS[int(event.tier)]))
+    else:
+        out.cleared.SetInParent()
+    return out

@@ -1,3 +1,0 @@
-"""The tokenizer service: chat templates, tokenization and batch detokenization for one model, over gRPC
-(radixmesh.v1.TokenizerService). Stateless, so it scales horizontally.
-Run: `python -m services.tokenizer --model-path PATH`."""
