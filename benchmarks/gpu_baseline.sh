@@ -21,6 +21,7 @@ $PY -m radixmesh.engine.bench_one_batch $COMMON --batch-size 1 8 64 --input-len 
   --result-file "$OUT/one_batch.jsonl" 2>&1 | tee "$OUT/one_batch.log" | tail -6
 for bs in 1 8 64; do
   n=$(( bs * 4 ))
-  $PY -m radixmesh.engine.bench_offline_throughput $COMMON --num-prompts $n --random-input-len 512 --random-output-len 128 \
-    --max-running-requests $bs --result-file "$OUT/offline.jsonl" 2>&1 | tee -a "$OUT/offline.log" | tail -1
+  $PY -m radixmesh.engine.bench_offline_throughput $COMMON --num-prompts $n --random-input-len 512 \
+    --random-output-len 128 --max-running-requests $bs --result-file "$OUT/offline.jsonl" 2>&1 \
+    | tee -a "$OUT/offline.log" | tail -1
 done

@@ -65,8 +65,8 @@ if [[ $PARTS == *setup* ]]; then
   git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
   # the native span recorder for this Python (the router part measures tracing with it; without it, the Python one)
   $PY scripts/build_native.py > "$OUT/native.log" 2>&1 || echo "native span recorder not built: $OUT/native.log"
-  $PY -c 'from radixmesh.services.common import trace_recorder as t; print("span recorder", "native" if t.native else "python")' \
-    2>&1 | tee -a "$OUT/device.txt"
+  $PY -c 'from radixmesh.services.common import trace_recorder as t
+print("span recorder", "native" if t.native else "python")' 2>&1 | tee -a "$OUT/device.txt"
   [[ -f models/tiny-qwen3/config.json ]] || $PY scripts/make_tiny_models.py --out models > "$OUT/models.log" 2>&1
   [[ -f build/llama-3.1-8b/tokenizer.json ]] || $PY scripts/make_bench_tokenizer.py --config $CFG --out build/llama-3.1-8b
 fi
@@ -82,8 +82,8 @@ if [[ $PARTS == *onebatch* ]]; then
     extra="--eager-too"
     # torch_native: no graphs to turn off, and its gathered keys and masks need more room next to the KV pool
     [[ $backend == torch_native ]] && extra="--mem-fraction-static 0.8"
-    $PY -m radixmesh.engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 --input-len 512 \
-      --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
+    $PY -m radixmesh.engine.bench_one_batch $COMMON --attention-backend $backend --batch-size 1 8 64 256 \
+      --input-len 512 --output-len 32 --long-context 32768 --prefill-len 8192 --roofline $extra \
       --result-file "$OUT/one_batch.jsonl" 2>&1 | tee -a "$OUT/one_batch.log" | grep -v Warning | tail -14
   done
 fi
@@ -94,7 +94,8 @@ if [[ $PARTS == *pdlstep* ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
 elif [[ $PARTS == *pdl* ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tee "$OUT/pdl_tests.log" | tail -3
-  $PY -m radixmesh.benchmarks.pdl_chain --result-file "$OUT/pdl_chain.jsonl" 2>&1 | tee "$OUT/pdl_chain.log" | grep -v Warning
+  $PY -m radixmesh.benchmarks.pdl_chain --result-file "$OUT/pdl_chain.jsonl" 2>&1 | tee "$OUT/pdl_chain.log" \
+    | grep -v Warning
 fi
 
 if [[ $PARTS == *fusion* ]]; then
@@ -108,8 +109,9 @@ fi
 if [[ $PARTS == *prefetch* ]]; then
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/gpu/test_attention_backends_cuda.py 2>&1 \
     | tee "$OUT/prefetch_tests.log" | tail -3
-  $PY -m radixmesh.benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} --decode-gemm ${GEMM:-auto} \
-    --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" | grep -v Warning
+  $PY -m radixmesh.benchmarks.prefetch_step --batch-size ${BATCH:-1 8 64} --rounds ${ROUNDS:-2} \
+    --decode-gemm ${GEMM:-auto} --result-file "$OUT/prefetch_step.jsonl" 2>&1 | tee -a "$OUT/prefetch_step.log" \
+    | grep -v Warning
 fi
 
 if [[ $PARTS == *splits* ]]; then
@@ -119,8 +121,9 @@ fi
 
 if [[ $PARTS == *ablate* ]]; then
   for backend in ${BACKENDS:-triton}; do
-    $PY -m radixmesh.benchmarks.ablate_step --attention-backend $backend --batch-size ${BATCH:-1 8} --rounds ${ROUNDS:-2} \
-      --result-file "$OUT/ablate_step.jsonl" 2>&1 | tee -a "$OUT/ablate_step.log" | grep -v Warning
+    $PY -m radixmesh.benchmarks.ablate_step --attention-backend $backend --batch-size ${BATCH:-1 8} \
+      --rounds ${ROUNDS:-2} --result-file "$OUT/ablate_step.jsonl" 2>&1 | tee -a "$OUT/ablate_step.log" \
+      | grep -v Warning
   done
 fi
 
@@ -157,7 +160,8 @@ if [[ $PARTS == *serving* ]]; then
   for backend in engine radixmesh; do
     launch=""
     [[ $backend == radixmesh ]] && launch="--launch"
-    $PY -m radixmesh.benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" | tail -32
+    $PY -m radixmesh.benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" \
+      | tail -32
   done
 fi
 
@@ -173,15 +177,16 @@ if [[ $PARTS == *servab* ]]; then
         --disable-tqdm --output-file $OUT/serving_ab.jsonl"
   # A throwaway engine run first: Triton compiles its kernels' variants on first use (cached on disk), which
   # otherwise lands in the first measured run (round 1 of the first H100 run: mean TTFT 291 ms against 112 after).
-  $PY -m radixmesh.benchmarks.serving --backend engine $LOAD ${WORK/--output-file $OUT\/serving_ab.jsonl/} --num-prompts 128 \
-    > "$OUT/serving_ab_warm.log" 2>&1
+  $PY -m radixmesh.benchmarks.serving --backend engine $LOAD ${WORK/--output-file $OUT\/serving_ab.jsonl/} \
+    --num-prompts 128 > "$OUT/serving_ab_warm.log" 2>&1
   for round in $(seq ${ROUNDS:-2}); do
-    $PY -m radixmesh.benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+    $PY -m radixmesh.benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
+      | grep -E "Backend|Failed|Output token|ITL"
     $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" \
       | grep -E "Backend|Failed|Output token|ITL"
     [[ ${CALLS:-1} == 0 ]] && continue
-    $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream $LOAD $WORK 2>&1 \
-      | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
+    $PY -m radixmesh.benchmarks.serving --backend radixmesh --launch --launch-args=--disable-generate-stream \
+      $LOAD $WORK 2>&1 | tee -a "$OUT/serving_ab.log" | grep -E "Backend|Failed|Output token|ITL"
   done
 fi
 
@@ -203,8 +208,9 @@ if [[ $PARTS == *router* ]]; then
   if [[ -d .whl/sglang ]]; then
     $PY -m pip install --no-deps --no-index --quiet .whl/sglang/*.whl 2>&1 | tail -2
     for round in $(seq ${ROUNDS:-2}); do
-      $PY -m radixmesh.benchmarks.router_vs_sglang --scenarios generate_1 generate_stream_16 chat_stream_16 --repeats 3 \
-        --stream-requests 3000 --out "$OUT/vs-sglang-$round.json" 2>&1 | tee -a "$OUT/vs_sglang.log" | tail -3
+      $PY -m radixmesh.benchmarks.router_vs_sglang --scenarios generate_1 generate_stream_16 chat_stream_16 \
+        --repeats 3 --stream-requests 3000 --out "$OUT/vs-sglang-$round.json" 2>&1 | tee -a "$OUT/vs_sglang.log" \
+        | tail -3
     done
   fi
   # tracing on against off, per scenario (TRACE_SCEN), the exporter on the router's core and then elsewhere
@@ -232,8 +238,8 @@ if [[ $PARTS == *meshab* ]]; then
   SHOW="Backend|Failed|Output token|ITL|TTFT|main|other"
   # Throwaway runs first (the engine's, then a mesh's): the first mesh of a machine ran with a P90 TTFT of 2.3 s
   for backend in engine "radixmesh --launch"; do
-    $PY -m radixmesh.benchmarks.serving --backend $backend $LOAD ${WORK/--output-file $OUT\/meshab.jsonl/} --num-prompts 128 \
-      >> "$OUT/meshab_warm.log" 2>&1
+    $PY -m radixmesh.benchmarks.serving --backend $backend $LOAD ${WORK/--output-file $OUT\/meshab.jsonl/} \
+      --num-prompts 128 >> "$OUT/meshab_warm.log" 2>&1
   done
   for round in $(seq ${ROUNDS:-2}); do
     $PY -m radixmesh.benchmarks.serving --backend engine $LOAD $WORK 2>&1 | tee -a "$OUT/meshab.log" | grep -E "$SHOW"
@@ -248,7 +254,8 @@ fi
 if [[ $PARTS == *tiles* ]]; then
   # Issue 11: kernels.extend_attention's tiles swept on this GPU over a round-5 wave's extend (benchmarks.extend_tiles);
   # TILES_APPLY=1 runs the later parts (multiturn) with the fastest (RADIXMESH_EXTEND_TILES)
-  $PY -m radixmesh.benchmarks.extend_tiles --result-file "$OUT/extend_tiles.jsonl" 2>&1 | tee "$OUT/extend_tiles.log" | tail -3
+  $PY -m radixmesh.benchmarks.extend_tiles --result-file "$OUT/extend_tiles.jsonl" 2>&1 | tee "$OUT/extend_tiles.log" \
+    | tail -3
   best=$(sed -n 's/^best RADIXMESH_EXTEND_TILES=//p' "$OUT/extend_tiles.log")
   if [[ ${TILES_APPLY:-0} == 1 && -n $best ]]; then export RADIXMESH_EXTEND_TILES=$best; echo "using tiles $best"; fi
 fi
@@ -267,7 +274,8 @@ if [[ $PARTS == *multiturn* ]]; then
      --shared-system-prompt-len ${SHARED:-1024} --max-parallel ${MAX_PARALLEL:-8} --seed 1 --log-level warning"
   # A throwaway run first: Triton compiles its kernels' variants on first use (cached on disk), which otherwise
   # lands in the first measured configuration's first round (it added ~400 ms to round 1 of "hierarchy off").
-  $PY -m radixmesh.benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm > "$OUT/multiturn-warm.log" 2>&1
+  $PY -m radixmesh.benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
+    > "$OUT/multiturn-warm.log" 2>&1
   # and once more with a host tier on a pool half of that run's working set, so the hierarchy's copy kernels
   # (both directions) are compiled before a measured run evicts or loads anything
   $PY -m radixmesh.benchmarks.multiturn ${W/--num-clients ${CLIENTS:-32}/--num-clients 8} --disable-tqdm \
@@ -338,7 +346,8 @@ if [[ $PARTS == *multiturn* ]]; then
     if [[ -n $prof ]]; then
       dir=${prof%:*:*}
       for t in "$dir"/*.json.gz; do
-        $PY -m radixmesh.benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1; tail -3 "${t%.json.gz}.timeline.txt"
+        $PY -m radixmesh.benchmarks.timeline "$t" > "${t%.json.gz}.timeline.txt" 2>&1
+        tail -3 "${t%.json.gz}.timeline.txt"
       done
       # one archive per run: the device returns a few files per call, and a lost trace cannot be read again
       tar czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
@@ -369,8 +378,9 @@ if [[ $PARTS == *transport* ]]; then
   # Issue 11: L3 page bytes between a host pool and the kvstore, gRPC against the Mooncake transfer engine (TCP,
   # loopback), through the worker's storage path; 8B-shaped pages of 64 and of 16 tokens.
   for ps in 64 16; do
-    $PY -m radixmesh.benchmarks.kvstore_transport --shape 8b --page-size $ps --pages $((4096 / ps)) --batch $((512 / ps)) \
-      --output-file $OUT/transport.jsonl 2>&1 | grep -v "^[IEW][0-9]\|InitGoogle" | tee -a "$OUT/transport.log"
+    $PY -m radixmesh.benchmarks.kvstore_transport --shape 8b --page-size $ps --pages $((4096 / ps)) \
+      --batch $((512 / ps)) --output-file $OUT/transport.jsonl 2>&1 | grep -v "^[IEW][0-9]\|InitGoogle" \
+      | tee -a "$OUT/transport.log"
   done
 fi
 
@@ -390,6 +400,7 @@ if [[ $PARTS == *routing* ]]; then
   for i in ${ROUTING:-0 1 2 3}; do
     extra=${POLICIES[$i]}
     echo "== routing $extra"
-    $PY -m radixmesh.benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
+    $PY -m radixmesh.benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" \
+      | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
   done
 fi

@@ -11,7 +11,8 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "radixmesh" / "services" / "common" / "_spanrec.c"  # #includes the other _spanrec_*.c (one translation unit)
+# #includes the other _spanrec_*.c (one translation unit)
+SOURCE = ROOT / "radixmesh" / "services" / "common" / "_spanrec.c"
 
 
 def target() -> Path:

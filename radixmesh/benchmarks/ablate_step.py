@@ -9,7 +9,8 @@ gives is an upper bound on what making that part free could buy:
 - `-silu`: SiLU-and-mul gone (the down product reads the gate half as it is);
 - `products`: all three gone: embedding, the products, the LM head and sampling are what is left.
 
-    python -m radixmesh.benchmarks.ablate_step [--attention-backend triton] [--batch-size 1 8] [--rounds 2] [--result-file F]
+    python -m radixmesh.benchmarks.ablate_step [--attention-backend triton] [--batch-size 1 8] [--rounds 2] \
+        [--result-file F]
 """
 
 from __future__ import annotations

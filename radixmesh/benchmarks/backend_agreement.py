@@ -87,8 +87,8 @@ def run_config(base: dict, config: str, inputs: list[list[int]], output_len: int
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"kwargs": {**base, **config_kwargs(config)}, "inputs": inputs,
                                     "output_len": output_len, "out": str(Path(tmp) / "out.json")}))
-        proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.backend_agreement", "--child", str(spec)], cwd=REPO,
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.backend_agreement", "--child", str(spec)],
+                              cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"config {config} failed:\n{proc.stderr[-3000:]}")
         return json.loads((Path(tmp) / "out.json").read_text())

@@ -4,7 +4,8 @@ num_warps, num_stages). Each configuration's output is checked against the defau
 that do not compile (shared memory) or disagree are reported and skipped. Prints the fastest as
 `best RADIXMESH_EXTEND_TILES=...` (the variable kernels.extend_attention reads).
 
-    python -m radixmesh.benchmarks.extend_tiles [--reqs 16] [--new 512] [--prefix 2304] [--only M,N,W,S ...] [--result-file F]
+    python -m radixmesh.benchmarks.extend_tiles [--reqs 16] [--new 512] [--prefix 2304] [--only M,N,W,S ...] \
+        [--result-file F]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.fake_sglang_worker --port P [--tokens N]`: an SGLang-style HTTP worker that answers at
-once, for measuring SGLang's own router (sglang-router, Rust) on the workload benchmarks.router gives ours. It
+"""`python -m radixmesh.benchmarks.fake_sglang_worker --port P [--tokens N]`: an SGLang-style HTTP worker that answers
+at once, for measuring SGLang's own router (sglang-router, Rust) on the workload benchmarks.router gives ours. It
 serves what that router calls: /health, /health_generate, /get_server_info (/server_info), /get_model_info
 (/model_info), /v1/models, /get_load, /generate (whole, or streamed as SGLang streams it: cumulative events, one per
 token and one with the finish reason, then [DONE]) and /v1/chat/completions (streamed: one content delta per token, a finish chunk, [DONE]). The

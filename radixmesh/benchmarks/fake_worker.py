@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.fake_worker --port W [--tokens N]`: a WorkerService that answers at once, for measuring
-the router alone. Generate returns N tokens (sampling_params.max_new_tokens caps N when set): with stream=true
+"""`python -m radixmesh.benchmarks.fake_worker --port W [--tokens N]`: a WorkerService that answers at once, for
+measuring the router alone. Generate returns N tokens (sampling_params.max_new_tokens caps N when set): with stream=true
 one chunk per token (id i % 1000, text " tok") then one `complete`; with stream=false only the `complete`.
 No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it. Between
 tokens it yields to the event loop, so concurrent requests' tokens interleave as a scheduler's steps make them (one

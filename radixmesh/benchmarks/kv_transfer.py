@@ -120,8 +120,8 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.out, "w") as fh:
             json.dump({"date": str(date.today()), "device": f"{cpu}, loopback", "commit": commit,
-                       "command": f"python -m radixmesh.benchmarks.kv_transfer --reps {args.reps}", "results": rows}, fh,
-                      indent=2)
+                       "command": f"python -m radixmesh.benchmarks.kv_transfer --reps {args.reps}", "results": rows},
+                      fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""`python -m radixmesh.benchmarks.kvstore_transport`: L3 page bytes between a worker's host pool and the kvstore, over gRPC
-and over the Mooncake transfer engine, through the worker's real storage path (`StorageIO` on a `HostKVPool`).
+"""`python -m radixmesh.benchmarks.kvstore_transport`: L3 page bytes between a worker's host pool and the kvstore, over
+gRPC and over the Mooncake transfer engine, through the worker's real storage path (`StorageIO` on a `HostKVPool`).
 
-    python -m radixmesh.benchmarks.kvstore_transport --shape 8b --page-size 64 --pages 64 --batch 16 --output-file out.jsonl
+    python -m radixmesh.benchmarks.kvstore_transport --shape 8b --page-size 64 --pages 64 --batch 16 \
+        --output-file out.jsonl
 
 Starts a kvstore process (memory backend, `--enable-mooncake-transfer`) on loopback, or uses --kvstore-url (a store
 started with that flag). For each transport (grpc; mooncake) it writes --pages pages from the host pool in jobs of
@@ -35,7 +36,8 @@ SHAPES = {"tiny": (4, 2, 16), "8b": (32, 8, 128)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m radixmesh.benchmarks.kvstore_transport", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m radixmesh.benchmarks.kvstore_transport",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--pages", type=int, default=64, help="pages written and fetched per transport")
@@ -61,9 +63,9 @@ def start_kvstore(capacity: int) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.kvstore", "--host", "127.0.0.1", "--port", str(port),
-                             "--enable-mooncake-transfer", "--capacity-bytes", str(capacity), "--log-level",
-                             "warning"])
+    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.kvstore", "--host", "127.0.0.1", "--port",
+                             str(port), "--enable-mooncake-transfer", "--capacity-bytes", str(capacity),
+                             "--log-level", "warning"])
     url = f"127.0.0.1:{port}"
     probe = KvStoreStorage(StorageOptions(url=url, timeout_s=1))
     deadline = time.monotonic() + 60
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_file:
         meta = {**provenance(sys.argv[1:] if argv is None else argv), "device": device, "shape": args.shape,
                 "page_size": args.page_size, "cpus": os.cpu_count()}
-        meta["command"] = meta["command"].replace("radixmesh.benchmarks.serving", "radixmesh.benchmarks.kvstore_transport")
+        meta["command"] = meta["command"].replace("radixmesh.benchmarks.serving",
+                                                  "radixmesh.benchmarks.kvstore_transport")
         with open(args.output_file, "a") as f:
             for r in rows:
                 f.write(json.dumps({**meta, **r}) + "\n")

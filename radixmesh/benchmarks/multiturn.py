@@ -1,6 +1,6 @@
-"""`python -m radixmesh.benchmarks.multiturn`: multi-turn conversations against the mesh, shaped like SGLang's HiCache benchmark
-(`benchmark/hicache/bench_multiturn.py`): every client re-sends its whole, growing history each turn, so the prefix
-cache (and, once the histories outgrow the device KV pool, the hierarchical cache) decides the TTFT.
+"""`python -m radixmesh.benchmarks.multiturn`: multi-turn conversations against the mesh, shaped like SGLang's HiCache
+benchmark (`benchmark/hicache/bench_multiturn.py`): every client re-sends its whole, growing history each turn, so the
+prefix cache (and, once the histories outgrow the device KV pool, the hierarchical cache) decides the TTFT.
 
     python -m radixmesh.benchmarks.multiturn --launch --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
         --dtype bfloat16 --num-clients 256 --num-rounds 5 --request-length 1024 --output-length 64 \
@@ -11,15 +11,15 @@ Comparisons: one workload, W = the flags of the first example (grow --num-client
 --max-total-tokens / --mem-fraction-static, until "Working set / KV pool" is well above 1, so that evicted histories
 must come back from a lower tier or be prefilled again):
 
-    python -m radixmesh.benchmarks.multiturn $W                                                        # hierarchy off (L1)
-    python -m radixmesh.benchmarks.multiturn $W --enable-hierarchical-cache --hicache-ratio 4          # L1 + L2 (host memory)
+    python -m radixmesh.benchmarks.multiturn $W                                                # hierarchy off (L1)
+    python -m radixmesh.benchmarks.multiturn $W --enable-hierarchical-cache --hicache-ratio 4  # L1 + L2 (host memory)
     python -m radixmesh.benchmarks.multiturn $W --enable-hierarchical-cache --hicache-ratio 4 --kvstore  # L1 + L2 + L3
-    python -m radixmesh.benchmarks.multiturn $W --workers 2 --policy cache_aware                        # routing over 2 workers
+    python -m radixmesh.benchmarks.multiturn $W --workers 2 --policy cache_aware               # routing over 2 workers
     python -m radixmesh.benchmarks.multiturn $W --workers 2 --kvstore --policy kv_index
 
-With --launch, every flag this benchmark does not know goes to the launcher (`python -m radixmesh.services.launch serve`)
-unchanged, and so do --model-path and --launch-args='...' (for flags that share a name with this benchmark's, such
-as the engine's --seed); --workers N is the launcher's --num-workers N. Nothing here checks them: a flag the mesh
+With --launch, every flag this benchmark does not know goes to the launcher (`python -m radixmesh.services.launch
+serve`) unchanged, and so do --model-path and --launch-args='...' (for flags that share a name with this benchmark's,
+such as the engine's --seed); --workers N is the launcher's --num-workers N. Nothing here checks them: a flag the mesh
 does not take stops it at start-up, and the error shows its log.
 
 Workload: from --seed, random token ids (the tokenizer's vocabulary minus its special tokens, as benchmarks.serving
@@ -49,7 +49,8 @@ import tempfile
 import aiohttp
 import numpy as np
 
-from radixmesh.benchmarks.multiturn_workload import Turn, TurnApi, Workload, hit_rate, make_workload, round_stats, run_clients
+from radixmesh.benchmarks.multiturn_workload import (Turn, TurnApi, Workload, hit_rate, make_workload, round_stats,
+                                                     run_clients)
 from radixmesh.benchmarks.serving import WARMUP_OUTPUT_LEN, Metrics, _Parser, mesh_for, provenance, summary, token_pool
 from radixmesh.benchmarks.serving_backends import BenchError, HttpBackend, WorkItem, describe_device
 

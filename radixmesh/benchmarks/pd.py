@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against a colocated worker, through the router's own request path.
 
-    python -m radixmesh.benchmarks.pd --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-        --input-len 2048 --output-len 64 --num-prompts 48 --concurrency 8 --result-file out.json
+    python -m radixmesh.benchmarks.pd --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
+        --dtype bfloat16 --input-len 2048 --output-len 64 --num-prompts 48 --concurrency 8 --result-file out.json
 
 Per mode, worker processes are started (colocated: one `services.worker`; pd: one prefill and one decode worker,
 sharing the machine's GPU when there is one, KV moved by Mooncake over TCP, staged through pinned host memory on

@@ -17,7 +17,8 @@ block. The variants, over 32 layers of (qkv, o_proj, gate_up, down) of the Llama
 each against the floor of those bytes at this run's copy bandwidth, and every variant's outputs against cuBLAS's.
 
     python -m radixmesh.benchmarks.persistent_products [--per-sm 1 2 4] [--block-n 2 4 8] [--result-file F]
-    TRITON_INTERPRET=1 python -m radixmesh.benchmarks.persistent_products --tiny   (CPU: the outputs checked on small shapes)
+    TRITON_INTERPRET=1 python -m radixmesh.benchmarks.persistent_products --tiny
+        (CPU: the outputs checked on small shapes)
 """
 
 from __future__ import annotations

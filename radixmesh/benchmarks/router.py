@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.router [--out PATH]`: the router's own cost. Starts the real tokenizer service, two fake
-workers (benchmarks.fake_worker: answers at once) and the router as separate processes; pins the router to one core
+"""`python -m radixmesh.benchmarks.router [--out PATH]`: the router's own cost. Starts the real tokenizer service, two
+fake workers (benchmarks.fake_worker: answers at once) and the router as separate processes; pins the router to one core
 and everything else (this load generator included) to the others; runs closed-loop HTTP load per scenario and
 reads the router's CPU time (its CPU-time clock, in ns) around each measured run. With --enable-trace the router's
 trace exporter process (a child of the router, on the router's core) has its CPU reported on its own
@@ -309,11 +309,12 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
     os.sched_setaffinity(0, others)
     tok, workers = free_port(), [free_port(), free_port()]
     quiet = ["--log-level", "warning"]
-    procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
-                others)
+    procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok),
+                              *quiet], others)
     most = str(max(s.tokens for s in SCENARIOS))  # the fakes answer min(this, max_new_tokens) tokens
     for i, port in enumerate(workers):
-        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet], others)
+        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet],
+                    others)
     profile = ["cProfile", "-o", str(Path(args.profile_router).resolve()), "-m"] if args.profile_router else []
     trace = []
     if args.enable_trace or args.trace_ab:

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.router_instructions`: the router's cost per request in executed instructions, counted by
-valgrind's callgrind, so A/B comparisons need no quiet machine. The CPU-time benchmark (benchmarks.router) drifts by
+"""`python -m radixmesh.benchmarks.router_instructions`: the router's cost per request in executed instructions, counted
+by valgrind's callgrind, so A/B comparisons need no quiet machine. The CPU-time benchmark (benchmarks.router) drifts by
 +-5% between runs on a shared VM, more than the differences it is asked about (tracing's 3%); instruction counts
 of the same code on the same inputs repeat to a fraction of a percent whatever else the machine runs.
 
@@ -160,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         procs = stack.enter_context(process_group("bench-instr-"))
         tok, workers, sink = free_port(), [free_port(), free_port()], free_port()
         quiet = ["--log-level", "warning"]
-        procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
-                    cpus)
+        procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok),
+                                  *quiet], cpus)
         most = str(max(s.tokens for s in SCENARIOS))
         for i, port in enumerate(workers):
-            procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet], cpus)
+            procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most,
+                                       *quiet], cpus)
         if "trace" in args.variants:
             procs.start("otlp_sink", ["radixmesh.benchmarks.otlp_sink", "--port", str(sink)], cpus)
         common = ["--tokenizer-url", f"127.0.0.1:{tok}", *quiet, *args.router_args,
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**provenance(sys.argv[1:] if argv is None else argv), "tool": "valgrind callgrind",
            "hash_seed": args.hash_seed, "results": results,
            "annotate": {k: [[d, f] for d, f in v] for k, v in diffs.items()}}
-    doc["command"] = doc["command"].replace("radixmesh.benchmarks.router", "radixmesh.benchmarks.router_instructions", 1)
+    doc["command"] = doc["command"].replace("radixmesh.benchmarks.router",
+                                            "radixmesh.benchmarks.router_instructions", 1)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.router_processes [--out PATH]`: `--router-workers 1` against `2` on this machine, nothing
-pinned (the router processes, the load generator, the tokenizer service and two fake workers share every core):
+"""`python -m radixmesh.benchmarks.router_processes [--out PATH]`: `--router-workers 1` against `2` on this machine,
+nothing pinned (the router processes, the load generator, the tokenizer service and two fake workers share every core):
 - throughput: requests/s of 32 closed-loop clients on streamed /generate (16 tokens) and streamed chat (16 tokens);
 - cache-aware hit rate on a prefix-heavy workload: 64 conversations of ~250 words, each asked 8 times with a new
   last turn, over 32 clients (connections spread over the processes): hits / (hits + misses) summed over every
@@ -46,15 +46,16 @@ def one_setting(count: int, args) -> dict:
     with bench.process_group(f"bench-procs-{count}-") as procs:
         tok, workers, metrics = bench.free_port(), [bench.free_port(), bench.free_port()], bench.free_port()
         quiet = ["--log-level", "warning"]
-        procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok), *quiet],
-                    cores)
+        procs.start("tokenizer", ["radixmesh.services.tokenizer", "--model-path", args.model_path, "--port", str(tok),
+                                  *quiet], cores)
         for i, port in enumerate(workers):
-            procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", "16", *quiet],
-                        cores)
+            procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", "16",
+                                       *quiet], cores)
         port = bench.free_port()
         base = f"http://127.0.0.1:{port}"
-        procs.start("router", ["radixmesh.services.router", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-url",
-                               f"127.0.0.1:{tok}", "--worker-urls", *(f"127.0.0.1:{p}" for p in workers),
+        procs.start("router", ["radixmesh.services.router", "--host", "127.0.0.1", "--port", str(port),
+                               "--tokenizer-url", f"127.0.0.1:{tok}",
+                               "--worker-urls", *(f"127.0.0.1:{p}" for p in workers),
                                "--policy", "cache_aware", "--router-workers", str(count), "--enable-metrics",
                                "--metrics-port", str(metrics), *quiet], cores)
         bench.wait_http(base + "/health", procs, timeout_s=120)

@@ -1,7 +1,7 @@
-"""`python -m radixmesh.benchmarks.router_vs_sglang [--out PATH]`: our router and SGLang's (sglang-router, Rust; `pip install
-sglang-router`) on the same workload, one after the other, each pinned to the same core with everything else on
-the others: 32 closed-loop clients, 16-token answers (/generate whole and streamed, streamed chat), CPU time of the
-router process (all its threads) per request. Ours runs as benchmarks.router runs it (the tokenizer service and two
+"""`python -m radixmesh.benchmarks.router_vs_sglang [--out PATH]`: our router and SGLang's (sglang-router, Rust;
+`pip install sglang-router`) on the same workload, one after the other, each pinned to the same core with everything
+else on the others: 32 closed-loop clients, 16-token answers (/generate whole and streamed, streamed chat), CPU time of
+the router process (all its threads) per request. Ours runs as benchmarks.router runs it (the tokenizer service and two
 fake gRPC workers); SGLang's runs with two fake SGLang HTTP workers (benchmarks.fake_sglang_worker) giving the same
 answers, so the same checks judge both.
 
@@ -33,7 +33,8 @@ def run_sglang(args: argparse.Namespace, procs: ours.Processes) -> list[dict]:
     workers = [ours.free_port(), ours.free_port()]
     most = str(max(s.tokens for s in SCENARIOS))
     for i, port in enumerate(workers):
-        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_sglang_worker", "--port", str(port), "--tokens", most], others)
+        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_sglang_worker", "--port", str(port), "--tokens", most],
+                    others)
     for port in workers:
         ours.wait_http(f"http://127.0.0.1:{port}/health", procs, timeout_s=60)
     port = ours.free_port()

@@ -1,9 +1,11 @@
-"""`python -m radixmesh.benchmarks.serving`: online serving benchmark shaped like SGLang's `python -m sglang.bench_serving`.
+"""`python -m radixmesh.benchmarks.serving`: online serving benchmark
+shaped like SGLang's `python -m sglang.bench_serving`.
 
     python -m radixmesh.benchmarks.serving --backend radixmesh --launch --model-path benchmarks/configs/llama-3.1-8b \
         --load-format dummy --dtype bfloat16 --num-prompts 512 --random-input-len 1024 --random-output-len 256 \
         --random-range-ratio 0.5 --request-rate 16 --max-concurrency 128 --output-file out.jsonl
-    python -m radixmesh.benchmarks.serving --backend engine --model-path ... (same workload flags: the engine in-process)
+    python -m radixmesh.benchmarks.serving --backend engine --model-path ...
+        (same workload flags: the engine in-process)
     python -m radixmesh.benchmarks.serving --backend openai --base-url http://host:30000 --tokenizer PATH ...
 
 Workload (`--dataset-name random`): prompts of random token ids drawn (from `--seed`) from the tokenizer's vocabulary
@@ -36,8 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 from radixmesh.benchmarks import thread_cpu
-from radixmesh.benchmarks.serving_backends import (REPO, BenchError, CompletionsApi, EngineBackend, GenerateApi, HttpBackend,
-                                         LaunchedMesh, RequestOutput, WorkItem, describe_device)
+from radixmesh.benchmarks.serving_backends import (REPO, BenchError, CompletionsApi, EngineBackend, GenerateApi,
+                                                   HttpBackend, LaunchedMesh, RequestOutput, WorkItem, describe_device)
 from radixmesh.engine.cli import add_engine_args, engine_kwargs
 
 BACKENDS = ("radixmesh", "openai", "engine")

@@ -359,8 +359,8 @@ class LaunchedMesh:
 
     def start(self, timeout_s: float) -> None:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.launch", "serve", *self.argv], cwd=REPO,
-                                         stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.launch", "serve", *self.argv],
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:

@@ -1,11 +1,12 @@
 """`python -m radixmesh.benchmarks.soak`: a soak test of the launched mesh under a mixed load, watching for leaks.
 
-    python -m radixmesh.benchmarks.soak --duration 30m                 # launches 2 colocated workers on models/tiny-qwen2, CPU
-    python -m radixmesh.benchmarks.soak --duration 90s --sample-interval 10s --concurrency 16 --launch-args='--policy random'
+    python -m radixmesh.benchmarks.soak --duration 30m       # launches 2 colocated workers on models/tiny-qwen2, CPU
+    python -m radixmesh.benchmarks.soak --duration 90s --sample-interval 10s --concurrency 16 \
+        --launch-args='--policy random'
     python -m radixmesh.benchmarks.soak --url http://127.0.0.1:30000 --api-key KEY --duration 10m   # a running mesh
 
-By default it starts `python -m radixmesh.services.launch serve --model-path models/tiny-qwen2 --num-workers 2 --device cpu`
-on a free loopback port with a random --api-key (--launch-args adds launcher flags), warms up (--warmup-requests of
+By default it starts `python -m radixmesh.services.launch serve --model-path models/tiny-qwen2 --num-workers 2 --device
+cpu` on a free loopback port with a random --api-key (--launch-args adds launcher flags), warms up (--warmup-requests of
 every kind, then the full load for --warmup-time, so that the allocators' pools reach their working size before the
 clock starts), then runs --concurrency closed-loop clients for --duration, each drawing request kinds by --mix (see
 benchmarks.soak_load: streamed chat, completions, long prompts near the context limit, client-side aborts, structured

@@ -1,5 +1,5 @@
-"""The mixed load of `python -m radixmesh.benchmarks.soak`: one coroutine per request kind, each checking what it got back,
-and the per-interval and whole-run tallies of outcomes.
+"""The mixed load of `python -m radixmesh.benchmarks.soak`: one coroutine per request kind, each checking what it got
+back, and the per-interval and whole-run tallies of outcomes.
 
 Kinds (each request draws one by the weights of --mix):
 - chat_stream: streamed /v1/chat/completions (usage included); ok when the stream ends with [DONE], the last choice

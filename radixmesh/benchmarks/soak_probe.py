@@ -1,5 +1,5 @@
-"""What `python -m radixmesh.benchmarks.soak` samples from outside the load: each service process's memory, file descriptors
-and threads (Linux /proc), and each worker's KV pool from the router's /get_server_info.
+"""What `python -m radixmesh.benchmarks.soak` samples from outside the load: each service process's memory, file
+descriptors and threads (Linux /proc), and each worker's KV pool from the router's /get_server_info.
 
 Services are the launcher's children (named by their module: tokenizer, worker-0, worker-1, ..., router, kvstore,
 in start order) and, where a service has processes of its own (router replicas of --router-workers, tensor-parallel
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import aiohttp
 
-MODULE_NAMES = {"radixmesh.services.tokenizer": "tokenizer", "radixmesh.services.worker": "worker", "radixmesh.services.router": "router",
-                "radixmesh.services.kvstore": "kvstore"}
+MODULE_NAMES = {"radixmesh.services.tokenizer": "tokenizer", "radixmesh.services.worker": "worker",
+                "radixmesh.services.router": "router", "radixmesh.services.kvstore": "kvstore"}
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -1,5 +1,5 @@
-"""The end-of-run verdict of `python -m radixmesh.benchmarks.soak` (growth of memory and descriptors, the failure rule) and its
-printed summary. The rule itself is stated in benchmarks.soak's docstring."""
+"""The end-of-run verdict of `python -m radixmesh.benchmarks.soak` (growth of memory and descriptors, the failure rule)
+and its printed summary. The rule itself is stated in benchmarks.soak's docstring."""
 
 from __future__ import annotations
 

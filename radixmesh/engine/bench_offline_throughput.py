@@ -1,8 +1,9 @@
 """Offline throughput through the full Engine (scheduler, prefix cache, batching): N random prompts from a fixed
 seed, all submitted at once, greedy, ignore_eos.
 
-    python -m radixmesh.engine.bench_offline_throughput --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
-        --dtype bfloat16 --num-prompts 128 --random-input-len 512 --random-output-len 128 --max-running-requests 64
+    python -m radixmesh.engine.bench_offline_throughput --model-path benchmarks/configs/llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 --num-prompts 128 --random-input-len 512 --random-output-len 128 \
+        --max-running-requests 64
 """
 
 from __future__ import annotations

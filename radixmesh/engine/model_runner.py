@@ -18,7 +18,8 @@ from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from radixmesh.engine.config import EngineArgs, ModelConfig, torch_dtype
-from radixmesh.engine.cuda_graph_runner import CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes, graph_batch_sizes
+from radixmesh.engine.cuda_graph_runner import (CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes,
+                                                graph_batch_sizes)
 from radixmesh.engine.distributed import TensorParallel, TPConfig
 from radixmesh.engine.forward_context import ForwardContext, forward_context
 from radixmesh.engine.decode_products import plan as decode_products_plan

@@ -114,7 +114,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m radixmesh.engine.tp_worker --model-path ... --tp 4 --nnodes 2 --node-rank 1 --dist-init-addr host:port`."""
+    """`python -m radixmesh.engine.tp_worker --model-path ... --tp 4 --nnodes 2 --node-rank 1
+    --dist-init-addr host:port`."""
     import argparse
 
     from radixmesh.engine.cli import add_engine_args, engine_kwargs

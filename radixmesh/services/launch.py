@@ -1,6 +1,6 @@
 """`radixmesh serve --model-path PATH [--num-workers N] [--port 30000] [engine flags]` (also
-`python -m radixmesh.services.launch serve ...`): starts the tokenizer, N colocated workers (or, with `--disaggregation pd
---num-prefill N --num-decode M`, prefill and decode workers) and the router as separate OS
+`python -m radixmesh.services.launch serve ...`): starts the tokenizer, N colocated workers (or, with
+`--disaggregation pd --num-prefill N --num-decode M`, prefill and decode workers) and the router as separate OS
 processes on loopback (with `--kvstore`, the kvstore too, wired to the workers and the router), waits until each is
 healthy, prints the URL, and on SIGINT/SIGTERM stops them all: the
 router first (it lets open requests finish), then the workers and the tokenizer. Children get SIGKILL if the
@@ -234,8 +234,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     for name, role in _worker_roles(settings):
         port = free_port()
         worker_urls.append(f"127.0.0.1:{port}")
-        argv = ["radixmesh.services.worker", "--port", str(port), "--stream-lane-port", str(free_port()), *role, *pd_flags,
-                *kv_flags, *engine_flags(engine_kwargs)]
+        argv = ["radixmesh.services.worker", "--port", str(port), "--stream-lane-port", str(free_port()), *role,
+                *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
         if settings.served_model_name:
             argv += ["--served-model-name", settings.served_model_name]
         gpus = settings.worker_gpu_ids

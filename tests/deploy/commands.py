@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARSERS = {"radixmesh.services.router": "radixmesh.services.router.__main__", "radixmesh.services.tokenizer": "radixmesh.services.tokenizer.__main__",
-           "radixmesh.services.worker": "radixmesh.services.worker.__main__", "radixmesh.services.prefill": "radixmesh.services.worker.__main__",
+PARSERS = {"radixmesh.services.router": "radixmesh.services.router.__main__",
+           "radixmesh.services.tokenizer": "radixmesh.services.tokenizer.__main__",
+           "radixmesh.services.worker": "radixmesh.services.worker.__main__",
+           "radixmesh.services.prefill": "radixmesh.services.worker.__main__",
            "radixmesh.services.kvstore": "radixmesh.services.kvstore.__main__"}
 
 

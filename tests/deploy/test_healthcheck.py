@@ -87,12 +87,12 @@ def test_command_line_exit_status(grpc_health):
 
 def test_target_follows_the_services_settings(tmp_path):
     t = healthcheck.target_of
-    assert t(["-m", "radixmesh.services.router", "--host", "0.0.0.0", "--tokenizer-url", "x:1"], {}) == ("http", "127.0.0.1",
-                                                                                               30000)
+    assert t(["-m", "radixmesh.services.router", "--host", "0.0.0.0",
+              "--tokenizer-url", "x:1"], {}) == ("http", "127.0.0.1", 30000)
     assert t(["-m", "radixmesh.services.launch", "serve", "--port=8000"], {}) == ("http", "127.0.0.1", 8000)
     assert t(["-m", "radixmesh.services.worker", "--port", "1", "--port", "50051"], {}) == ("grpc", "127.0.0.1", 50051)
-    assert t(["-m", "radixmesh.services.tokenizer", "--host", "10.1.2.3"], {"RADIXMESH_PORT": "7001"}) == ("grpc", "10.1.2.3",
-                                                                                                 7001)
+    assert t(["-m", "radixmesh.services.tokenizer", "--host", "10.1.2.3"],
+             {"RADIXMESH_PORT": "7001"}) == ("grpc", "10.1.2.3", 7001)
     config = tmp_path / "kv.yaml"
     config.write_text("port: 6001\nbackend: memory\n")
     assert t(["-m", "radixmesh.services.kvstore", "--config", str(config)], {}) == ("grpc", "127.0.0.1", 6001)

@@ -42,7 +42,8 @@ HOLD_S = 8.0  # how long a stopped service stays stopped (longer than the router
 PREFIX = "The keeper of the lighthouse on the northern cape wrote in his log every night, and tonight he wrote "
 pytestmark = pytest.mark.timeout(300)
 
-CASES = [(service, fault) for service in ("radixmesh.services.tokenizer", "radixmesh.services.kvstore", "radixmesh.services.worker", "radixmesh.services.router")
+CASES = [(service, fault) for service in ("radixmesh.services.tokenizer", "radixmesh.services.kvstore",
+                                          "radixmesh.services.worker", "radixmesh.services.router")
          for fault in ("SIGKILL", "SIGSTOP")]
 
 
@@ -170,7 +171,8 @@ def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
 
 
 def _worker_addresses(mesh) -> list[str]:
-    return [f"127.0.0.1:{_port_of(pid)}" for key, pid in mesh.services().items() if key.startswith("radixmesh.services.worker")]
+    return [f"127.0.0.1:{_port_of(pid)}" for key, pid in mesh.services().items()
+            if key.startswith("radixmesh.services.worker")]
 
 
 def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: str, role: str = "") -> None:

@@ -150,12 +150,15 @@ def greedy(mesh) -> dict:
 # ---- 1. one OS process per service ----------------------------------------------------------------------------
 def test_one_process_per_service(mesh):
     procs = mesh.services()
-    assert sorted(procs) == ["radixmesh.services.worker", "radixmesh.services.router", "radixmesh.services.tokenizer"], procs
+    assert sorted(procs) == ["radixmesh.services.router", "radixmesh.services.tokenizer",
+                             "radixmesh.services.worker"], procs
     assert len(set(procs.values())) == 3
     for name, pid in procs.items():
         assert alive(pid) and pid_parent(pid) == mesh.proc.pid, name
-    helps = {("radixmesh.services.tokenizer", "--help"): b"--model-path", ("radixmesh.services.worker", "--help"): b"--model-path",
-             ("radixmesh.services.prefill", "--help"): b"--disaggregation-mode", ("radixmesh.services.router", "--help"): b"--worker-urls",
+    helps = {("radixmesh.services.tokenizer", "--help"): b"--model-path",
+             ("radixmesh.services.worker", "--help"): b"--model-path",
+             ("radixmesh.services.prefill", "--help"): b"--disaggregation-mode",
+             ("radixmesh.services.router", "--help"): b"--worker-urls",
              ("radixmesh.services.launch", "serve", "--help"): b"--num-workers"}
     runs = {argv: subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT) for argv in helps}
@@ -336,8 +339,8 @@ def test_removed_worker_ends_open_streams_with_an_error(mesh, greedy):
 def test_killed_worker_is_replaced_through_add_worker(mesh, greedy, tmp_path):
     port = free_port()
     log = open(tmp_path / "extra-worker.log", "w")
-    extra = subprocess.Popen([sys.executable, "-m", "radixmesh.services.worker", "--model-path", MODEL, "--port", str(port),
-                              "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    extra = subprocess.Popen([sys.executable, "-m", "radixmesh.services.worker", "--model-path", MODEL, "--port",
+                              str(port), "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:  # the replacement loads while the dead worker's effects are checked
         open_stream = Stream(mesh.port, "/v1/completions", _completion(
             prompt=PROMPT, max_tokens=CONTEXT - 24, temperature=0.0, ignore_eos=True, stream=True), AUTH, timeout=30)

@@ -57,9 +57,9 @@ def pd(tmp_path_factory):
             # be taken as an ephemeral port by the services started meanwhile (a CI run)
             ports["router"] = free_port()
             router = subprocess.Popen(
-                [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
-                 "--worker-urls", urls["good"], urls["bad"], urls["decode"], "--policy", "round_robin",
-                 "--log-level", "warning", "--enable-metrics"],
+                [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]),
+                 "--tokenizer-url", tok_url, "--worker-urls", urls["good"], urls["bad"], urls["decode"],
+                 "--policy", "round_robin", "--log-level", "warning", "--enable-metrics"],
                 cwd=ROOT, stdout=open(tmp / f"router-{attempt}.log", "w"), stderr=subprocess.STDOUT)
             procs.append(router)
             deadline = time.monotonic() + 60

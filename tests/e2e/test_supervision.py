@@ -113,7 +113,8 @@ def test_a_dead_tokenizer_replica_costs_no_request_and_comes_back(supervised):
     assert [s for s, _, _ in got] == [200] * 50, [r for r in got if r[0] != 200][:2]
     assert all(json.loads(raw)["choices"][0]["text"] == json.loads(want[1])["choices"][0]["text"]
                for _, raw, _ in got)
-    _wait(lambda: _restarted(supervised, "radixmesh.services.tokenizer", killed[0]), 20, "the tokenizer was not restarted")
+    _wait(lambda: _restarted(supervised, "radixmesh.services.tokenizer", killed[0]), 20,
+          "the tokenizer was not restarted")
     # the launcher counts a restart once the new process has started, and a loaded machine can show the process
     # first (a CI run read 0): the count is awaited, then it must be exactly one
     _wait(lambda: sum(_restarts(supervised).get(t, 0) for t in ("tokenizer", "tokenizer-1")) > 0, 10,

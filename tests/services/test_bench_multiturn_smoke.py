@@ -1,6 +1,6 @@
-"""`python -m radixmesh.benchmarks.multiturn` with a tiny workload, as a subprocess, against the mesh it launches itself on CPU:
-every turn succeeds, prompts grow by one user turn and one answer per round, re-sent histories hit the radix cache
-from round 2 on, the JSON line is complete, no process is left behind, and bad input ends in one clear line with a
+"""`python -m radixmesh.benchmarks.multiturn` with a tiny workload, as a subprocess, against the mesh it launches itself
+on CPU: every turn succeeds, prompts grow by one user turn and one answer per round, re-sent histories hit the radix
+cache from round 2 on, the JSON line is complete, no process is left behind, and bad input ends in one clear line with a
 non-zero status. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ WORKLOAD = ["--num-clients", str(CLIENTS), "--num-rounds", str(ROUNDS), "--reque
 
 
 def _bench(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.multiturn", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.multiturn", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def _prompt_len(round_: int) -> int:
@@ -79,7 +79,8 @@ def test_bench_multiturn_mesh(tmp_path):
 def test_bench_multiturn_bad_input():
     stray = _bench("--policy", "kv_index", timeout=60)
     assert stray.returncode == 2
-    assert stray.stderr.strip().splitlines() == ["python -m radixmesh.benchmarks.multiturn: error: unrecognized arguments: "
+    assert stray.stderr.strip().splitlines() == ["python -m radixmesh.benchmarks.multiturn: error: "
+                                                 "unrecognized arguments: "
                                                  "--policy kv_index (flags for the mesh need --launch)"]
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     down = _bench("--base-url", url, "--tokenizer", model_path("tiny-qwen2"), *WORKLOAD, timeout=60)

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.router_instructions` with tiny counts, as a subprocess: the router runs under valgrind's
-callgrind untraced and traced, every answer checks out, each variant gets a count, and the JSON record is
+"""`python -m radixmesh.benchmarks.router_instructions` with tiny counts, as a subprocess: the router runs under
+valgrind's callgrind untraced and traced, every answer checks out, each variant gets a count, and the JSON record is
 complete. The traced router must execute more instructions than the untraced one (the same code plus its spans:
 instruction counts do not drift with the machine's load, so this holds on any run). Skipped where valgrind is not
 installed."""
@@ -21,9 +21,9 @@ from tests.conftest import ROOT, model_path
 def test_bench_router_instructions_smoke(tmp_path):
     model_path("tiny-llama")  # builds the tiny models if missing
     out = tmp_path / "instructions.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_instructions", "--requests", "40", "--warmup",
-                           "40", "--annotate", "5", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_instructions", "--requests", "40",
+                           "--warmup", "40", "--annotate", "5", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     counts = {r["variant"]: r["instructions_per_request"] for r in doc["results"]}

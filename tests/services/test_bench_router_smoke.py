@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.router` with tiny counts, as a subprocess: every scenario runs against the real router and
-tokenizer service with fake workers, every answer checks out, the JSON record is complete, and no process is
+"""`python -m radixmesh.benchmarks.router` with tiny counts, as a subprocess: every scenario runs against the real
+router and tokenizer service with fake workers, every answer checks out, the JSON record is complete, and no process is
 left behind. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def test_bench_router_smoke(tmp_path):
     out = tmp_path / "router.json"
     marker = uuid.uuid4().hex
     tag = f"BENCH_ROUTER_SMOKE={marker}"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--requests", "40", "--stream-requests", "24",
-                           "--warmup", "4", "--repeats", "2", "--concurrency", "4", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--requests", "40",
+                           "--stream-requests", "24", "--warmup", "4", "--repeats", "2", "--concurrency", "4",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -67,9 +68,10 @@ def test_bench_router_smoke(tmp_path):
 def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
     """--trace-ab --pairs 2: two untraced/traced router pairs one after the other, their rounds pooled."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--pairs", "2", "--scenarios",
-                           "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--pairs", "2",
+                           "--scenarios", "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2",
+                           "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = json.loads(out.read_text())["results"]
     assert (r["scenario"], r["pairs"], r["rounds"], r["errors"]) == ("generate_1", 2, 4, 0)
@@ -83,9 +85,10 @@ def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
     """--trace-ab --side-by-side: both routers loaded at once in each round; every request of both answered, each
     router's CPU read over the round, the traced one's exporter counted with it."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--side-by-side", "--scenarios",
-                           "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2", "--concurrency", "2",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--side-by-side",
+                           "--scenarios", "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2",
+                           "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = json.loads(out.read_text())["results"]
     assert (r["scenario"], r["rounds"], r["errors"], r["side_by_side"]) == ("generate_1", 2, 0, True)
@@ -96,8 +99,8 @@ def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
 def test_bench_router_vs_sglang_smoke(tmp_path):
-    """`python -m radixmesh.benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers answer
-    every request of the three compared scenarios correctly, and the record pairs them."""
+    """`python -m radixmesh.benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers
+    answer every request of the three compared scenarios correctly, and the record pairs them."""
     model_path("tiny-llama")
     out = tmp_path / "vs.json"
     marker = uuid.uuid4().hex
@@ -121,12 +124,12 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
 
 
 def test_bench_router_processes_smoke(tmp_path):
-    """`python -m radixmesh.benchmarks.router_processes` with tiny counts: both settings answer every request, and the shared
-    routes keep the prefix-heavy hit rate at its best with two processes."""
+    """`python -m radixmesh.benchmarks.router_processes` with tiny counts: both settings answer every request, and the
+    shared routes keep the prefix-heavy hit rate at its best with two processes."""
     model_path("tiny-llama")
     out = tmp_path / "procs.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_processes", "--requests", "40", "--warmup", "4",
-                           "--repeats", "1", "--concurrency", "4", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_processes", "--requests", "40",
+                           "--warmup", "4", "--repeats", "1", "--concurrency", "4", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -139,13 +142,13 @@ def test_bench_router_processes_smoke(tmp_path):
 
 
 def test_transport_cost_smoke(tmp_path):
-    """`python -m radixmesh.benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the JSON
-    holds a row per transport and in-flight count; its echo servers are gone afterwards."""
+    """`python -m radixmesh.benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the
+    JSON holds a row per transport and in-flight count; its echo servers are gone afterwards."""
     out = tmp_path / "transport.json"
     marker = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.transport_cost", "--round-trips", "400", "--repeats",
-                           "1", "--inflight", "1", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "BENCH_TRANSPORT_SMOKE": marker})
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.transport_cost", "--round-trips", "400",
+                           "--repeats", "1", "--inflight", "1", "4", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "BENCH_TRANSPORT_SMOKE": marker})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["transport"], r["inflight"]) for r in rows] == [("grpc", 1), ("grpc", 4), ("tcp", 1), ("tcp", 4)]

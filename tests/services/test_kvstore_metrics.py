@@ -68,8 +68,9 @@ def test_the_launcher_gives_every_service_a_metrics_port(tmp_path):
     settings = LaunchSettings(num_workers=2, kvstore=True, enable_metrics=True,
                               metrics_sd_file=str(tmp_path / "targets.json"))
     children = plan(settings, {"model_path": "m"})
-    parsers = {"radixmesh.services.kvstore": (KvStoreSettings, MetricsSettings), "radixmesh.services.router": (RouterSettings,
-               MetricsSettings), "radixmesh.services.tokenizer": (TokenizerSettings, MetricsSettings),
+    parsers = {"radixmesh.services.kvstore": (KvStoreSettings, MetricsSettings),
+               "radixmesh.services.router": (RouterSettings, MetricsSettings),
+               "radixmesh.services.tokenizer": (TokenizerSettings, MetricsSettings),
                "radixmesh.services.worker": (WorkerSettings, PdSettings, MetricsSettings, EngineArgs)}
     for c in children:
         assert "--enable-metrics" in c.argv and c.metrics, c.name

@@ -1,5 +1,5 @@
-"""The kvstore service as a real OS process on loopback (`python -m radixmesh.services.kvstore`), driven through the engine's
-network client `KvStoreStorage`: round trips over the memory, file, redis and mooncake backends, bad input,
+"""The kvstore service as a real OS process on loopback (`python -m radixmesh.services.kvstore`), driven through the
+engine's network client `KvStoreStorage`: round trips over the memory, file, redis and mooncake backends, bad input,
 checksums refused on set, GetStats, a killed kvstore (bounded StorageError, then recovery when it is back), pages
 of the file backend across a kvstore restart, a redis that goes away behind the kvstore (UNAVAILABLE with the
 reason), SIGTERM."""
@@ -38,7 +38,8 @@ PAGE_BYTES = LAYOUT.page_bytes  # 512
 
 @dataclass
 class KvStoreProcess:
-    """`python -m radixmesh.services.kvstore` on a fixed port; start() again after kill() is a restart on the same port."""
+    """`python -m radixmesh.services.kvstore` on a fixed port; start() again after kill() is a restart on the
+    same port."""
 
     workdir: Path
     flags: list[str]
@@ -59,8 +60,9 @@ class KvStoreProcess:
 
     def start(self, timeout_s: float = 20.0) -> None:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.kvstore", "--host", "127.0.0.1", "--port",
-                                          str(self.port), *self.flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.kvstore", "--host", "127.0.0.1",
+                                          "--port", str(self.port), *self.flags], cwd=ROOT, stdout=out,
+                                         stderr=subprocess.STDOUT)
         self.starts += 1
         options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 100)]
         with grpc.insecure_channel(self.url, options=options) as ch:

@@ -55,8 +55,9 @@ def mesh(tmp_path_factory):
         for p, url in zip(procs, [tok_url, *urls]):
             wait_grpc(p, url)
         router = subprocess.Popen(
-            [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]), "--tokenizer-url", tok_url,
-             "--worker-urls", *urls, "--policy", "round_robin", "--api-key", "sk-test", "--log-level", "warning",
+            [sys.executable, "-m", "radixmesh.services.router", "--port", str(ports["router"]),
+             "--tokenizer-url", tok_url, "--worker-urls", *urls, "--policy", "round_robin",
+             "--api-key", "sk-test", "--log-level", "warning",
              "--health-check-interval-s", "600", "--enable-metrics", "--metrics-port", str(ports["router_metrics"])],
             cwd=ROOT, stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
         procs.append(router)
@@ -84,7 +85,8 @@ def test_flags_come_from_the_cli_the_environment_and_config_files(tmp_path, monk
     assert parse().metrics_port == 9200 and parse("--metrics-port", "9300").metrics_port == 9300
     with pytest.raises(ValueError, match="metrics-port"):
         MetricsSettings(metrics_port=70000)
-    for module in ("radixmesh.services.router", "radixmesh.services.tokenizer", "radixmesh.services.worker", "radixmesh.services.prefill"):
+    for module in ("radixmesh.services.router", "radixmesh.services.tokenizer", "radixmesh.services.worker",
+                   "radixmesh.services.prefill"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0 and "--enable-metrics" in out.stdout and "--metrics-port" in out.stdout, module

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.soak` for 20 s against the mesh it launches (2 colocated tiny-qwen2 workers on CPU), as a
-subprocess: every request kind ran and none failed, the samples hold every service's RSS and fds and every worker's
+"""`python -m radixmesh.benchmarks.soak` for 20 s against the mesh it launches (2 colocated tiny-qwen2 workers on CPU),
+as a subprocess: every request kind ran and none failed, the samples hold every service's RSS and fds and every worker's
 KV, the KV is empty after the drain and free after the flush, and no process is left behind. The failure rule is
 checked on made-up samples. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
 
@@ -85,7 +85,8 @@ def test_soak_growth_rule():
 def test_soak_bad_input():
     bad = _soak("--duration", "soon", timeout=60)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "python -m radixmesh.benchmarks.soak: error: not a duration: 'soon' (e.g. 90s, 30m, 1h)"
+    assert bad.stderr.strip() == ("python -m radixmesh.benchmarks.soak: error: not a duration: 'soon' "
+                                  "(e.g. 90s, 30m, 1h)")
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     down = _soak("--url", url, "--duration", "5s", "--out", os.devnull, timeout=60)
     assert down.returncode == 2

@@ -69,8 +69,8 @@ def _start(name: str, tmp: Path, *flags: str) -> Server:
     port = _free_port()
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.tokenizer", "--model-path", MODEL, "--port", str(port),
-                                 *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.tokenizer", "--model-path", MODEL,
+                                 "--port", str(port), *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     return Server(proc, port, log)
 
 

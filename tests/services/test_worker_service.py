@@ -110,7 +110,8 @@ def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout(
     fast = ("--disaggregation-bootstrap-timeout", "1", "--disaggregation-transfer-backend", "mooncake")
     proc, url = spawn_grpc("radixmesh.services.prefill", "--model-path", MODEL, "--disaggregation-bootstrap-port",
                            str(free_port()), *fast)
-    dproc, durl = spawn_grpc("radixmesh.services.worker", "--model-path", MODEL, "--disaggregation-mode", "decode", *fast)
+    dproc, durl = spawn_grpc("radixmesh.services.worker", "--model-path", MODEL, "--disaggregation-mode", "decode",
+                             *fast)
     try:
         wait_grpc(proc, url)
         wait_grpc(dproc, durl)

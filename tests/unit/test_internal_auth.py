@@ -1,7 +1,7 @@
 """Internal authentication pieces in one process: the flags and token files, the server's token check (every token
 of a rotation accepted, health open, refusals logged once per peer without any token), mutual TLS with certificates
-from radixmesh.services.certs (a certificate of another CA refused, the health probe with TLS), what the launcher gives its
-children (a random token per launch unless one is given, the TLS flags every service's parser takes) and the
+from radixmesh.services.certs (a certificate of another CA refused, the health probe with TLS), what the launcher gives
+its children (a random token per launch unless one is given, the TLS flags every service's parser takes) and the
 router's --worker-allowlist."""
 
 from __future__ import annotations

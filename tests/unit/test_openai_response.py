@@ -16,8 +16,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from radixmesh.v1 import common_pb2, worker_pb2
-from radixmesh.services.router.openai_errors import (OpenAIError, bad_request, from_status, internal, not_found, unauthorized,
-                                           unavailable)
+from radixmesh.services.router.openai_errors import (OpenAIError, bad_request, from_status, internal, not_found,
+                                                     unauthorized, unavailable)
 from radixmesh.services.router.openai_request import parse_chat_completion, parse_completion
 from tests.unit.openai_jobs import SERVED, USER, chat, completion
 from radixmesh.services.router.completion_response import CompletionResult, CompletionStream

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from radixmesh.services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, reasoning_format, split_reasoning,
-                                       starts_in_reasoning)
+from radixmesh.services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, reasoning_format,
+                                                 split_reasoning, starts_in_reasoning)
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek-r1"]
 

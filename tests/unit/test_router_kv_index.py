@@ -28,8 +28,8 @@ from radixmesh.services.launch import free_port
 from radixmesh.services.router import kv_index
 from radixmesh.services.router.kv_index import KvIndexPolicy
 from radixmesh.services.router.rendezvous import prompt_key, rendezvous
-from radixmesh.services.router.ttft_cost import (HOST_PRIOR_SPEEDUP, PRIOR_PREFILL_TOKENS_PER_S, Match, Rates, WorkerSpeeds,
-                                       expected_ttft_s, fleet_prefill_rate, rates_of)
+from radixmesh.services.router.ttft_cost import (HOST_PRIOR_SPEEDUP, PRIOR_PREFILL_TOKENS_PER_S, Match, Rates,
+                                                 WorkerSpeeds, expected_ttft_s, fleet_prefill_rate, rates_of)
 from radixmesh.services.router.workers import WorkerRegistry
 from tests.conftest import ROOT
 from tests.unit.test_router_tenants import (ALPHA_KEY, TENANT_FLAGS, RecordingWorker, bearer, grpc_server, http,
@@ -268,8 +268,8 @@ def log_dir(tmp_path_factory):
 
 
 def test_kv_index_needs_a_kvstore_url():
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.services.router", "--tokenizer-url", "127.0.0.1:1", "--policy",
-                           "kv_index"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.services.router", "--tokenizer-url", "127.0.0.1:1",
+                           "--policy", "kv_index"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--policy kv_index needs --kvstore-url" in proc.stderr
 
 

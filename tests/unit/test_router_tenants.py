@@ -165,8 +165,8 @@ class RouterProc:
 @contextlib.contextmanager
 def run_router(tokenizer_url: str, worker_urls: list[str], log_dir: Path, *flags: str):
     port, grpc_port = free_port(), free_port()
-    argv = ["radixmesh.services.router", "--tokenizer-url", tokenizer_url, "--worker-urls", *worker_urls, "--port", str(port),
-            "--grpc-port", str(grpc_port), "--log-level", "warning", *flags]
+    argv = ["radixmesh.services.router", "--tokenizer-url", tokenizer_url, "--worker-urls", *worker_urls,
+            "--port", str(port), "--grpc-port", str(grpc_port), "--log-level", "warning", *flags]
 
     def ready() -> bool:  # /readiness: a worker is registered (/health answers before the first probe has)
         return http("GET", f"http://127.0.0.1:{port}/readiness")[0] == 200 and _serving(f"127.0.0.1:{grpc_port}")

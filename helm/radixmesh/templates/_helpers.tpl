@@ -117,8 +117,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "radixmesh.tlsArgs" . }}
 {{- end -}}
 
-{{/* The stream lane (radixmesh/services/common/stream_lane.py) of a service the routers stream to (workers, tokenizer): a
-fixed port, and the pod's own address, so a router that reaches the service through its Service name dials the pod
+{{/* The stream lane (radixmesh/services/common/stream_lane.py) of a service the routers stream to (workers, tokenizer):
+a fixed port, and the pod's own address, so a router that reaches the service through its Service name dials the pod
 that granted the lane. Needs the POD_IP environment variable. */}}
 {{- define "radixmesh.laneArgs" -}}
 - --stream-lane-port

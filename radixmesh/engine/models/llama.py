@@ -18,8 +18,8 @@ from radixmesh.engine.config import ModelConfig
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.activation import silu_and_mul
-from radixmesh.engine.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                  VocabParallelEmbedding, vocab_logits)
+from radixmesh.engine.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                            RowParallelLinear, VocabParallelEmbedding, vocab_logits)
 from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 

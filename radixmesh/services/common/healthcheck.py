@@ -5,9 +5,9 @@
   python -m radixmesh.services.common.healthcheck --http http://127.0.0.1:30000/health   HTTP 200 (the router)
   python -m radixmesh.services.common.healthcheck --auto                                the container's own service
 
-`--auto` is what the image's HEALTHCHECK runs: it finds the oldest `python -m radixmesh.services.<name>` process (the one the
-entrypoint started; with `serve` its children are younger) and probes it where its settings put it: the router and
-the launcher over HTTP /health, every other service over gRPC health, at the port taken like the service takes it
+`--auto` is what the image's HEALTHCHECK runs: it finds the oldest `python -m radixmesh.services.<name>` process (the
+one the entrypoint started; with `serve` its children are younger) and probes it where its settings put it: the router
+and the launcher over HTTP /health, every other service over gRPC health, at the port taken like the service takes it
 (flag, then its RADIXMESH_PORT, then the --config file, then the service's default), with its own TLS certificate
 when it runs with mutual TLS. The health service never needs the internal token (services.common.auth)."""
 
@@ -116,8 +116,8 @@ def tls_of(argv: list[str], environ: dict | None = None) -> dict:
 
 
 def main_service(proc: Path = Path("/proc")) -> tuple[list[str], dict]:
-    """The oldest `python -m radixmesh.services.<name>` process (the container's main service): its command line from `-m`
-    on, and its environment."""
+    """The oldest `python -m radixmesh.services.<name>` process (the container's main service): its command line from
+    `-m` on, and its environment."""
     found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():

@@ -1,6 +1,6 @@
-"""`python -m radixmesh.services.common.trace_export --role R --parent-pid P [--endpoint URL]`: a traced service's exporter
-process (started by services.common.trace_pipe). It reads span batches from stdin (frames: a 4-byte little-endian
-length, then a marshalled list of trace_recorder.Record tuples, which it encodes as OTLP protobuf with
+"""`python -m radixmesh.services.common.trace_export --role R --parent-pid P [--endpoint URL]`: a traced service's
+exporter process (started by services.common.trace_pipe). It reads span batches from stdin (frames: a 4-byte
+little-endian length, then a marshalled list of trace_recorder.Record tuples, which it encodes as OTLP protobuf with
 services.common.trace_otlp, or spans the native recorder already encoded) and exports them to the collector with
 the OpenTelemetry OTLP/gRPC exporter, whose request it hands over as bytes; the exporter applies the standard variables
 (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE, _INSECURE) and retries. To a

@@ -53,8 +53,8 @@ def env_int(name: str, default: int) -> int:
 
 def exporter_command(role: str, endpoint: str | None, batch: int = 512) -> list[str]:
     """The exporter process's argv (`python -m radixmesh.services.common.trace_export ...`)."""
-    argv = [sys.executable, "-m", "radixmesh.services.common.trace_export", "--role", role, "--parent-pid", str(os.getpid()),
-            "--batch", str(batch)]
+    argv = [sys.executable, "-m", "radixmesh.services.common.trace_export", "--role", role,
+            "--parent-pid", str(os.getpid()), "--batch", str(batch)]
     return argv + (["--endpoint", endpoint] if endpoint else [])
 
 

@@ -13,10 +13,10 @@ encoded as OTLP in C, straight into the buffer the pipe's writer thread sends, s
 left to do: `api()` gives the functions of the recorder in use. RADIXMESH_TRACE_RECORDER=python keeps the Python one
 (the same spans; slower, in the service and in its exporter).
 
-What a span costs the serving process is counted in instructions by `python -m radixmesh.benchmarks.router_instructions`:
-every operation here runs per request, so the code keeps to the fewest attribute stores and calls (ids stay ints
-until a traceparent needs hex; a record is marshalled in its batch, where the strings and ids it shares with the
-others, such as attribute names and its trace's id, are written once).
+What a span costs the serving process is counted in instructions by
+`python -m radixmesh.benchmarks.router_instructions`: every operation here runs per request, so the code keeps to the
+fewest attribute stores and calls (ids stay ints until a traceparent needs hex; a record is marshalled in its batch,
+where the strings and ids it shares with the others, such as attribute names and its trace's id, are written once).
 
 Attribute names are stored as the call sites give them: bare names get their `radixmesh.` prefix and None values
 are dropped in the exporter process (trace_export.add_attributes), off the serving process's CPU."""

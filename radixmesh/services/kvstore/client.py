@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import grpc
 
-from radixmesh.engine.cache.storage import (KvLayout, StorageError, StorageOptions, StoredPage, register_storage_backend)
+from radixmesh.engine.cache.storage import (KvLayout, StorageError, StorageOptions, StoredPage,
+                                            register_storage_backend)
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from radixmesh.services.common import tracing
 from radixmesh.services.common.auth_channel import aio_channel, sync_channel

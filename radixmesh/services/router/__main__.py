@@ -1,5 +1,5 @@
-"""`python -m radixmesh.services.router --tokenizer-url HOST:PORT --worker-urls HOST:PORT ... [--port 30000]`: the public
-front door. HTTP (OpenAI + SGLang native) on --port, the public gRPC API on --grpc-port when given.
+"""`python -m radixmesh.services.router --tokenizer-url HOST:PORT --worker-urls HOST:PORT ... [--port 30000]`: the
+public front door. HTTP (OpenAI + SGLang native) on --port, the public gRPC API on --grpc-port when given.
 SIGTERM/SIGINT: stop accepting, let open requests finish (up to --shutdown-grace-s), then exit."""
 
 from __future__ import annotations

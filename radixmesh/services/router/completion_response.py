@@ -10,8 +10,9 @@ from typing import Any
 
 from radixmesh.v1 import common_pb2, worker_pb2
 from radixmesh.services.router.openai_request import OpenAIJob
-from radixmesh.services.router.openai_response import (TEXT_MARK, Tally, TalliedResult, envelope, finish_reason, item_at, json_logprob,
-                                             matched_stop, sse, template_events, text_template, top_texts)
+from radixmesh.services.router.openai_response import (TEXT_MARK, Tally, TalliedResult, envelope, finish_reason,
+                                                       item_at, json_logprob, matched_stop, sse, template_events,
+                                                       text_template, top_texts)
 
 
 @dataclass(slots=True)

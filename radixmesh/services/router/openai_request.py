@@ -24,8 +24,8 @@ from typing import Any, Literal
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from radixmesh.services.router.completion_templates import CompletionTemplate
 from radixmesh.services.router.openai_errors import bad_request
-from radixmesh.services.router.request_fields import (INT32_MAX, Fields, are_token_ids, body_fields, is_token_id, served_model,
-                                            show, token_key)
+from radixmesh.services.router.request_fields import (INT32_MAX, Fields, are_token_ids, body_fields, is_token_id,
+                                                      served_model, show, token_key)
 from radixmesh.services.router.tool_parsers import named_call_schema, required_calls_schema
 
 INT64_MAX = 2**63 - 1

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.services.worker --model-path PATH --port N [engine flags]`: a worker serving the engine over gRPC.
-With --disaggregation-mode null (the default) it is a colocated worker: prefill and decode in one process."""
+"""`python -m radixmesh.services.worker --model-path PATH --port N [engine flags]`: a worker serving the engine over
+gRPC. With --disaggregation-mode null (the default) it is a colocated worker: prefill and decode in one process."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ import asyncio
 import time
 
 from radixmesh.engine.results import RequestTiming
-from radixmesh.services.common.metrics import (E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Families,
-                                     ServiceMetrics)
+from radixmesh.services.common.metrics import (E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
+                                               Families, ServiceMetrics)
 
 LOAD_TIMEOUT_S = 5.0  # a scrape waits this long for the scheduler thread's load report
 # KV transfer times: a page run over loopback takes milliseconds, a large prompt over a slow link seconds.

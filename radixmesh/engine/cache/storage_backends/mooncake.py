@@ -23,8 +23,8 @@ import urllib.request
 from urllib.parse import parse_qs, urlsplit
 
 from radixmesh.engine.cache.storage import StorageError, StorageOptions, StoredPage, intact
-from radixmesh.engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits, pack,
-                                                split_intact, unpack)
+from radixmesh.engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits,
+                                                          pack, split_intact, unpack)
 
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
 SETUP_TIMEOUT_S = 30.0  # joining the pool: the master answers in well under a second when it is up

@@ -18,8 +18,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from radixmesh.engine.cache.storage import StorageError, StorageOptions, StoredPage, intact
-from radixmesh.engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits, pack,
-                                                split_intact, unpack)
+from radixmesh.engine.cache.storage_backends.base import (KEY_PREFIX, VALUE_HEADER, Counters, check_keys, leading_hits,
+                                                          pack, split_intact, unpack)
 
 SCAN_BATCH = 1000
 
