@@ -223,8 +223,11 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
-    """Fill every auto value; validate ranges. Memory-derived sizes (max_total_tokens) are resolved by the runner."""
+    """Fill every auto value; validate ranges; refuse a model we would serve wrong (engine.models.support).
+    Memory-derived sizes (max_total_tokens) are resolved by the runner."""
     import torch
+
+    from radixmesh.engine.models.support import check_servable
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
@@ -248,6 +251,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check_tp(args, model)
     disable_radix_cache = args.disable_radix_cache or _pooling_needs_every_token(args, model)
     context = args.context_length or model.max_position_embeddings
+    check_servable(model, context)  # before any weight is read: what we would serve wrong is refused here
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 8192 if device != "cpu" else 2048

@@ -13,6 +13,9 @@ import torch
 
 from radixmesh.engine.layers.triton_ops import use_kernels
 
+# The rope_scaling types this module computes; engine.models.support refuses any other at config time.
+ROPE_TYPES = ("default", "llama3")
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama-3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
@@ -34,7 +37,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         return inv_freq
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 class RotaryEmbedding:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -16,10 +15,9 @@ from radixmesh.engine.config import ModelConfig
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
 
-log = logging.getLogger(__name__)
-
-# Checkpoint tensors that carry no weights we use.
+# Checkpoint tensors that carry nothing the model computes with: RoPE frequencies (recomputed from config.json).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -91,18 +89,40 @@ def _read(lazy, shard: Shard) -> torch.Tensor:
     return lazy[cut] if shard.dim == 0 else lazy[:, cut]
 
 
+def _target_name(name: str, targets: Collection[str], cfg: ModelConfig) -> str | None:
+    """The checkpoint_name_map key a checkpoint tensor fills (possibly not in `targets`), or None for a tensor that
+    is harmless to skip: one of _IGNORED_SUFFIXES, or lm_head.weight under tied embeddings (transformers, too, computes
+    logits with the embedding then)."""
+    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        return None
+    if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
+        return f"model.{name}"
+    return name
+
+
+def _check_checkpoint(targets: Collection[str], cfg: ModelConfig) -> None:
+    """Refuses, from the weight files' headers alone (no weight read), a checkpoint with a tensor the model has no
+    parameter for or one stored in a dtype that is not a float (engine.models.support)."""
+    unexpected = []
+    for name, lazy in iter_checkpoint(cfg.path):
+        target = _target_name(name, targets, cfg)
+        if target is None:
+            continue
+        if target in targets:
+            check_tensor_dtype(name, lazy.get_dtype(), cfg.path)
+        else:
+            unexpected.append(name)
+    check_unexpected_tensors(unexpected, cfg)
+
+
 def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
     targets = checkpoint_name_map(model)
     seen: set[str] = set()
     for name, lazy in iter_checkpoint(cfg.path):
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        name = _target_name(name, targets, cfg)
+        if name is None:
             continue
-        if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
-            name = f"model.{name}"
-        if name not in targets:
-            log.warning("ignoring unexpected tensor %r in %s", name, cfg.path)
-            continue
-        param, shard = targets[name]
+        param, shard = targets[name]  # load_model's _check_checkpoint refused every other name
         dest = param.data if shard.dest is None else param.data[shard.dest]
         full = tuple(lazy.get_shape())
         expected = list(dest.shape)
@@ -119,7 +139,9 @@ def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
     missing = sorted(set(targets) - seen)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint {cfg.path} is missing tensor(s): {shown}")
+        hint = (" (config.json has tie_word_embeddings=false: set it true if the output layer shares the embedding's "
+                "weights)") if "lm_head.weight" in missing else ""
+        raise ValueError(f"checkpoint {cfg.path} is missing tensor(s): {shown}{hint}")
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
@@ -134,10 +156,14 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
                max_positions: int, seed: int = 0, tp: TensorParallel | None = None) -> nn.Module:
-    """The model on `device`, holding this rank's part of every weight under tensor parallelism."""
+    """The model on `device`, holding this rank's part of every weight under tensor parallelism. Refuses (ValueError)
+    a config or checkpoint it would serve wrong before reading any weight (engine.models.support)."""
     cls = model_class(cfg.architecture)
+    check_servable(cfg, max_positions)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, tp)
+    if load_format != "dummy":
+        _check_checkpoint(set(checkpoint_name_map(model)), cfg)
     # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
     # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

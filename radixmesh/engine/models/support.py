@@ -1,0 +1,248 @@
+"""What the engine can serve of a `config.json`: a feature that changes a model's outputs and that no layer of ours
+implements is refused at load, before any weight is read, with a ValueError that names the feature and the field.
+
+`check_servable` reads the config (once the context length is known: a sliding window matters only when it is shorter);
+`check_tensor_dtype` and `check_unexpected_tensors` read what the weight files' headers hold. The reference for what a
+field does is transformers' modeling code for the architectures we accept (Llama, Mistral, Qwen2, Qwen3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from radixmesh.engine.layers.rotary import ROPE_TYPES
+
+if TYPE_CHECKING:
+    from radixmesh.engine.config import ModelConfig
+
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# transformers' MistralConfig and Qwen2Config/Qwen3Config default: a config.json without the field has this window
+HF_DEFAULT_WINDOW = 4096
+HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config: layers from this index on slide
+HF_DEFAULT_ROPE_THETA = 10000.0
+_NOT_YET = "not implemented by radixmesh yet"
+_UNQUANTIZED = "serve an unquantized (bfloat16, float16 or float32) checkpoint"
+# Quantization files that sit beside config.json (AutoGPTQ, AutoAWQ, NVIDIA ModelOpt) -> the method they imply
+_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq", "hf_quant_config.json": "modelopt"}
+_QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "load_in_4bit", "load_in_8bit")
+# Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
+_SILU = ("silu", "swish")
+
+
+def check_servable(model: ModelConfig, context_length: int) -> None:
+    """Raises ValueError if serving `model` up to `context_length` tokens would compute something other than the
+    model: quantized weights, a sliding window shorter than the context, RoPE we do not compute, or a config field
+    that changes the math away from its neutral value. Reads config.json's fields and the model directory only."""
+    _check_quantization(model)
+    _check_sliding_window(model, context_length)
+    _check_rope(model)
+    _check_activation_and_biases(model)
+    _check_neutral_fields(model)
+
+
+def _check_quantization(model: ModelConfig) -> None:
+    for key in ("quantization_config", "compression_config"):
+        quant = model.raw.get(key)
+        if quant:
+            quant = quant if isinstance(quant, dict) else {}
+            method = quant.get("quant_method", "unknown")
+            details = "".join(f", {k}={quant[k]!r}" for k in _QUANT_DETAILS if k in quant)
+            raise ValueError(f"{method} quantization ({key}.quant_method={method!r}{details} in config.json) "
+                             f"is {_NOT_YET}: its quantized weights would be read as plain floats and answer "
+                             f"wrong; {_UNQUANTIZED}")
+    for name, implied in _QUANT_FILES.items():
+        file = os.path.join(model.path, name)
+        if os.path.isfile(file):
+            method = _json_field(file, "quant_method") or implied
+            raise ValueError(f"{method} quantization ({name} in {model.path}) is {_NOT_YET}: its quantized "
+                             f"weights would be read as plain floats and answer wrong; {_UNQUANTIZED}")
+
+
+def _json_field(file: str, key: str) -> Any:
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def _sliding_window(model: ModelConfig) -> tuple[int | None, int, str]:
+    """(the window transformers applies or None, how many layers slide, the config.json fields that say so)."""
+    raw, arch, layers = model.raw, model.architecture, model.num_layers
+    types = raw.get("layer_types") or []
+    listed = sum(t == "sliding_attention" for t in types)
+    if arch == "MistralForCausalLM":  # every layer slides once a window is set; layer_types is not read
+        window = raw.get("sliding_window", HF_DEFAULT_WINDOW)
+        where = (f"sliding_window={window}" if "sliding_window" in raw
+                 else f"no sliding_window, which transformers' MistralConfig defaults to {HF_DEFAULT_WINDOW}")
+        return window, layers if window is not None else listed, where
+    if arch in _QWEN:  # the window applies only under use_sliding_window
+        window = raw.get("sliding_window", HF_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
+        if not types and window is not None:
+            first = raw.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
+            return window, max(0, layers - first), (f"use_sliding_window=true, sliding_window={window}, "
+                                                    f"max_window_layers={first}")
+        flag = str(bool(raw.get("use_sliding_window"))).lower()
+        return window, listed, f"use_sliding_window={flag}, sliding_window={window}"
+    return raw.get("sliding_window"), listed, f"sliding_window={raw.get('sliding_window')}"
+
+
+def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
+    """A window of w tokens (a token sees itself and the w - 1 before it) masks nothing in sequences of at most w
+    tokens, and the engine bounds every sequence by the context length: a window >= the context cannot matter."""
+    window, sliding, where = _sliding_window(model)
+    if sliding == 0:
+        return
+    layers = f"{sliding} of {model.num_layers} layers"
+    if window is None:
+        raise ValueError(f"sliding-window attention (layer_types lists sliding_attention for {layers}, {where} in "
+                         "config.json, so no window size) is not implemented by any attention backend of radixmesh "
+                         "yet, and transformers cannot run it without a window either")
+    if window < context_length:
+        raise ValueError(f"sliding-window attention ({where} in config.json: {layers}) is not implemented by any "
+                         f"attention backend of radixmesh yet, and the context length {context_length} is longer than "
+                         f"the window: serving it would attend past the window; pass --context-length {window} or "
+                         "less")
+
+
+def _rope_field(raw: dict) -> tuple[str, dict]:
+    """The RoPE dict transformers reads (rope_scaling wins over transformers 5's rope_parameters) and its name."""
+    if raw.get("rope_scaling"):
+        return "rope_scaling", raw["rope_scaling"]
+    return "rope_parameters", raw.get("rope_parameters") or {}
+
+
+def _check_rope(model: ModelConfig) -> None:
+    raw = model.raw
+    field, rope = _rope_field(raw)
+    nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if nested:
+        raise ValueError(f"per-layer-type RoPE ({field} keyed by {', '.join(nested)} in config.json) "
+                         f"is {_NOT_YET}: every layer rotates with one table")
+    key = "rope_type" if "rope_type" in rope else "type"  # transformers' order
+    rope_type = rope.get(key) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"RoPE scaling {rope_type!r} ({field}.{key}={rope_type!r} in config.json) "
+                         f"is {_NOT_YET} (it implements {', '.join(ROPE_TYPES)}): positions would be encoded "
+                         "differently from the model's training")
+    for where, location in ((raw, "partial_rotary_factor"), (rope, f"{field}.partial_rotary_factor")):
+        factor = where.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            raise ValueError(f"partial rotary embedding ({location}={factor} in config.json) is {_NOT_YET}: "
+                             "it rotates every dimension of each head")
+    theta = rope.get("rope_theta", raw.get("rope_theta", HF_DEFAULT_ROPE_THETA))
+    if not math.isclose(theta, model.rope_theta):
+        raise ValueError(f"config.json gives two RoPE bases: transformers reads {field}.rope_theta={theta}, radixmesh "
+                         f"reads rope_theta={model.rope_theta}; make them agree")
+    if rope_type == "llama3":
+        _check_llama3(raw, field, rope)
+
+
+def _check_llama3(raw: dict, field: str, rope: dict) -> None:
+    """rotary.py reads factor and original_max_position_embeddings from the rope dict; transformers takes the
+    latter from the top level first, then the rope dict, then max_position_embeddings."""
+    if "factor" not in rope:
+        raise ValueError(f"llama3 RoPE scaling without {field}.factor in config.json cannot be computed")
+    ours = rope.get("original_max_position_embeddings")
+    theirs = raw.get("original_max_position_embeddings", ours or raw.get("max_position_embeddings"))
+    if ours is None or ours != theirs:
+        raise ValueError(f"llama3 RoPE scaling: transformers uses original_max_position_embeddings={theirs} from "
+                         f"config.json, radixmesh reads {field}.original_max_position_embeddings={ours}; put "
+                         f"original_max_position_embeddings={theirs} in {field}")
+
+
+def _check_activation_and_biases(model: ModelConfig) -> None:
+    """transformers' Llama reads mlp_bias (Mistral's and Qwen's MLPs have none whatever it says): a config that sets
+    it declares biases we have no parameter for, refused here for every architecture rather than as missing tensors."""
+    act = model.raw.get("hidden_act", "silu")
+    if act not in _SILU:
+        raise ValueError(f"the MLP activation {act!r} (hidden_act={act!r} in config.json) is {_NOT_YET}: "
+                         "radixmesh's MLP computes silu(gate) * up")
+    if model.raw.get("mlp_bias"):
+        raise ValueError(f"MLP biases (mlp_bias=true in config.json) are {_NOT_YET}: radixmesh's MLP "
+                         "projections have no bias")
+
+
+def _neutral_values(model: ModelConfig) -> dict[str, tuple[str, Any]]:
+    """config.json field -> (the feature it turns on, the value at which it changes nothing). None: only absent (or
+    null) is neutral. None of these is read by transformers' Llama/Mistral/Qwen2/Qwen3 code: a config that sets one
+    was written for a model that computes it (Gemma 2, Granite, Cohere, MiniCPM, OLMo, Llama 4), mislabelled."""
+    return {
+        "attn_logit_softcapping": ("attention logit soft-capping", None),
+        "final_logit_softcapping": ("final logit soft-capping", None),
+        "query_pre_attn_scalar": ("query pre-attention scaling", model.head_dim),
+        "attention_multiplier": ("attention score scaling", model.head_dim ** -0.5),
+        "embedding_multiplier": ("embedding scaling", 1.0),
+        "scale_emb": ("embedding scaling", 1.0),
+        "residual_multiplier": ("residual scaling", 1.0),
+        "logits_scaling": ("logit scaling", 1.0),
+        "logit_scale": ("logit scaling", 1.0),
+        "clip_qkv": ("q/k/v clipping", None),
+        "use_qk_norm": ("q/k normalisation", False),
+    }
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    if value is None:
+        return True
+    if neutral is None or not isinstance(value, (int, float)):
+        return False
+    return math.isclose(value, neutral, rel_tol=1e-6)
+
+
+def _check_neutral_fields(model: ModelConfig) -> None:
+    for name, (feature, neutral) in _neutral_values(model).items():
+        value = model.raw.get(name)
+        if not _is_neutral(value, neutral):
+            raise ValueError(f"{feature} ({name}={value!r} in config.json) is {_NOT_YET}: the "
+                             f"{model.architecture} layers compute without it")
+
+
+# Checkpoint tensors' last name component -> the quantization scheme that stores it (bitsandbytes' 4-bit quant
+# state also ends `quant_state.bitsandbytes__nf4` / `__fp4`).
+_QUANT_TENSORS = {
+    "weight_scale_inv": "block-wise fp8", "weight_scale": "fp8 or compressed-tensors",
+    "weight_scale_2": "ModelOpt fp4", "input_scale": "fp8 (static activation scales)",
+    "output_scale": "fp8", "k_scale": "fp8 KV cache", "v_scale": "fp8 KV cache",
+    "qweight": "GPTQ/AWQ int4", "qzeros": "GPTQ/AWQ int4", "scales": "GPTQ/AWQ int4", "g_idx": "GPTQ",
+    "weight_packed": "compressed-tensors", "weight_zero_point": "compressed-tensors",
+    "weight_shape": "compressed-tensors", "weight_global_scale": "NVFP4", "input_global_scale": "NVFP4",
+    "SCB": "bitsandbytes int8", "weight_format": "bitsandbytes int8", "absmax": "bitsandbytes 4-bit",
+    "quant_map": "bitsandbytes 4-bit", "nested_absmax": "bitsandbytes 4-bit", "nested_quant_map": "bitsandbytes 4-bit",
+}
+# safetensors dtype names the model's float parameters take (copied and cast exactly)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def quantization_scheme(tensor: str) -> str | None:
+    """The quantization scheme a checkpoint tensor's name says it belongs to, or None."""
+    leaf = tensor.rsplit(".", 1)[-1]
+    return _QUANT_TENSORS.get(leaf) or ("bitsandbytes 4-bit" if leaf.startswith("bitsandbytes__") else None)
+
+
+def check_tensor_dtype(tensor: str, dtype: str, path: str) -> None:
+    """Raises ValueError unless `dtype` (a safetensors dtype name) is a float our parameters can hold."""
+    if dtype in _FLOAT_DTYPES:
+        return
+    kind = "fp8" if dtype.startswith("F8") else "low-bit float" if dtype.startswith("F") else "integer (packed)"
+    raise ValueError(f"tensor {tensor!r} in {path} is stored as {dtype}, but {kind} quantized weights are {_NOT_YET} "
+                     f"(and config.json declares no quantization); {_UNQUANTIZED}")
+
+
+def check_unexpected_tensors(tensors: list[str], model: ModelConfig) -> None:
+    """Raises ValueError if the checkpoint holds tensors the model has no parameter for: quantization data first
+    (named with its scheme), then any other weight, since a model served without weights it has answers wrong."""
+    for tensor in tensors:
+        scheme = quantization_scheme(tensor)
+        if scheme:
+            raise ValueError(f"tensor {tensor!r} in {model.path} holds {scheme} quantization data, but quantized "
+                             f"weights are {_NOT_YET}; {_UNQUANTIZED}")
+    if tensors:
+        shown = ", ".join(tensors[:8]) + (f" and {len(tensors) - 8} more" if len(tensors) > 8 else "")
+        raise ValueError(f"checkpoint {model.path} holds {len(tensors)} tensor(s) that radixmesh's "
+                         f"{model.architecture} has no parameter for ({shown}): serving without them would answer "
+                         "wrong (do config.json's architectures and num_hidden_layers match the weights?)")
