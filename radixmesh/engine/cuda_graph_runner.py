@@ -16,6 +16,7 @@ import time
 import torch
 
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.forward_context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,15 @@ class CudaGraphRunner:
         self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
         log.info("captured CUDA graphs for %d decode batch sizes (%d..%d) in %.1f s, using %.0f MiB of GPU memory",
                  len(self.sizes), self.sizes[0], self.max_bs, self.capture_seconds, self.capture_bytes / 2**20)
+
+    def close(self) -> None:
+        """Destroy the graphs (their pool's memory goes back to the caching allocator) and the static buffers."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.batches.clear()
+        self.metadata.clear()
+        release(tensors_of(self))
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from radixmesh.engine import shared_memory
 from radixmesh.engine.cache.build import build_cache
 from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.device_memory import return_to_device
 from radixmesh.engine.delivery import (async_deltas_until_done, coalesce, deltas_until_done, mailbox_for, next_output,
                              raise_if_stopped)
 from radixmesh.engine.early_aborts import EarlyAborts
@@ -36,6 +37,8 @@ from radixmesh.engine.sampling.grammar import GrammarCompilerCache
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.engine.tp_worker import rank_args, start_leader
 from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.embedding import EmbeddingSteps
+from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
 
 log = logging.getLogger(__name__)
@@ -75,15 +78,21 @@ class Engine:
         except BaseException:
             shared_memory.unlink(shared_memory.created() - made)  # no file of a failed start left in /dev/shm
             self._stop_followers(graceful=self.runner is not None)
+            if self.runner is not None:
+                self.runner.close()
+                if self.runner.device.type == "cuda":
+                    return_to_device()
             raise
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
                                self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
-        self.scheduler = Scheduler(self.runner, self.cache, limits, self.args.schedule_conservativeness,
+        self.scheduler = Scheduler(StepRunner(self.runner, self.pooling), self.cache, limits,
+                                   self.args.schedule_conservativeness,
                                    self.args.enable_mixed_chunk, self.args.context_length,
                                    # its own copy: a fast tokenizer must not be used by two threads at once
                                    load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
                                    self.args.num_reserved_decode_tokens,
-                                   overlap=not self.args.disable_overlap_schedule, pooling=self.pooling)
+                                   overlap=not self.args.disable_overlap_schedule,
+                                   embedding=EmbeddingSteps(self.pooling) if self.pooling is not None else None)
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.prefill_tokens_per_s = lambda: self.scheduler.prefill_tokens_per_s
         self._grammars: GrammarCompilerCache | None = None
@@ -461,6 +470,8 @@ class Engine:
         return self.scheduler.call(lambda: self.scheduler.release_kv(rid))
 
     def shutdown(self) -> None:
+        """Stop the scheduler and this node's tensor-parallel ranks, and give the device memory back (the KV pool,
+        the weights, CUDA graphs and workspaces), so another Engine in this process has the whole device."""
         if self._thread.is_alive():
             self.scheduler.stop()
             self._thread.join(timeout=30)
@@ -468,6 +479,14 @@ class Engine:
         self._prep.shutdown(wait=False)
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.close()
+        if self._thread.is_alive():
+            log.warning("the scheduler thread did not stop within 30 s: its device memory stays in use")
+            return
+        if self._crash is not None:  # its traceback's frames would keep the step's tensors alive
+            self._crash = self._crash.with_traceback(None)
+        self.runner.close()
+        if self.runner.device.type == "cuda":
+            return_to_device()
 
     def _stop_followers(self, graceful: bool) -> None:
         """This node's other tensor-parallel ranks: told to stop when the group still works, killed otherwise."""

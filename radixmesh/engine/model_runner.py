@@ -23,6 +23,7 @@ from radixmesh.engine.cuda_graph_runner import (CudaGraphRunner, clip_batch_size
 from radixmesh.engine.distributed import TensorParallel, TPConfig
 from radixmesh.engine.forward_context import ForwardContext, forward_context
 from radixmesh.engine.decode_products import plan as decode_products_plan
+from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
 from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
@@ -151,6 +152,22 @@ class ModelRunner:
         if tokens < page:
             raise ValueError(f"max_total_tokens ({tokens}) must hold at least one page ({page} tokens)")
         return tokens // page * page
+
+    def close(self) -> None:
+        """Give this runner's device memory back (CUDA graphs, KV pool, weights, rotary tables, request table,
+        penalty counts, attention workspaces): each large tensor's storage is released in place, so the memory is
+        freed even where something still refers to the runner or its parts. The runner is unusable afterwards."""
+        if self.model is None:
+            return
+        if self.graphs is not None:
+            self.graphs.close()
+        rotary = self.model.rotary
+        tensors = [*self.kv_pool.buffers(), *self.model.parameters(), *self.model.buffers(),
+                   *tensors_of(self.req_to_token), *tensors_of(self.penalties), *tensors_of(self.attn_backend)]
+        if rotary is not None:
+            tensors += [rotary.cos, rotary.sin]
+        release(tensors)
+        self.graphs = self.model = self.attn_backend = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

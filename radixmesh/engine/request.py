@@ -9,10 +9,16 @@ from typing import Callable
 from radixmesh.engine.sampling.params import SamplingParams
 
 
-class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+class ReqState(enum.Enum):
+    """Where a request is in the scheduler (engine.scheduler.requests.Requests moves it; see there for the edges)."""
+
+    WAITING = "waiting"  # queued for admission
+    PREFILLING = "prefilling"  # admitted; its prompt is being computed
+    RUNNING = "running"  # decoding
+    PREALLOC = "prealloc"  # decode role (PD): waiting for destination pages
+    RECEIVING = "receiving"  # decode role: pages allocated, waiting for its KV and first token
+    HELD = "held"  # finished for its caller, its pages pinned until released (PD)
+    FINISHED = "finished"  # done; holds nothing
 
 
 class FinishKind(enum.Enum):
@@ -91,7 +97,7 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[LogprobList] = field(default_factory=list)
     input_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
-    status: ReqStatus = ReqStatus.WAITING
+    state: ReqState = ReqState.WAITING
     finish_reason: FinishReason | None = None
     # KV state over row `pool_idx` of the req-to-token table.
     # See engine.cache.manager for the invariant tree_len <= kv_len <= alloc_len.
@@ -117,6 +123,9 @@ class Req:
     arrival: float = 0.0
     queue_time_s: float | None = None  # seconds from arrival to first admission (set by the scheduler)
     retractions: int = 0
+    # The req-to-token row whose penalty counts (engine.sampling.penalties) are this request's; None: count afresh
+    # before it next samples.
+    penalty_row: int | None = None
     # Embedding engines: the running sum of pooled states over a chunked prompt (mean pooling; a device tensor),
     # then the finished request's normalised vector.
     pooled: object | None = None
@@ -154,7 +163,8 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        """Finished for its caller (its pages may still be held for a peer: HELD)."""
+        return self.state is ReqState.FINISHED or self.state is ReqState.HELD
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)

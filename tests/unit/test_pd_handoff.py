@@ -219,15 +219,15 @@ def test_an_abort_while_the_last_prefill_step_is_in_flight_frees_its_pages(engin
     assert sched.overlap  # without overlap a step resolves before the inbox is read again: no gap
     ids = parity_prompts(model_path("tiny-llama"), seed=10)[2]
     assert len(ids) < OPTS["chunked_prefill_size"]  # one prefill step
-    rid, launch, handed = "aborted-in-flight", sched._launch, []
+    rid, execute, handed = "aborted-in-flight", sched._execute, []
 
-    def launch_then_abort(reqs, extend):
-        flight = launch(reqs, extend)
-        if any(r.rid == rid for r in reqs):  # as the service does when its call is cancelled: abort, then release
+    def execute_then_abort(batch):
+        result = execute(batch)
+        if any(r.rid == rid for r in batch.reqs):  # as the service does when its call is cancelled: abort, release
             sched.abort(rid, "the router gave up on this worker")
             sched.call(lambda: sched.release_kv(rid))
-        return flight
-    monkeypatch.setattr(sched, "_launch", launch_then_abort)
+        return result
+    monkeypatch.setattr(sched, "_execute", execute_then_abort)
 
     async def run():
         role = PrefillRole(lambda pages, first: handed.append(pages))

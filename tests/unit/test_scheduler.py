@@ -19,6 +19,7 @@ from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import SampleResult
 from radixmesh.engine.scheduler import Scheduler
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
+from radixmesh.engine.step_runner import StepRunner
 
 VOCAB = 97
 EOS = 0
@@ -28,13 +29,15 @@ def next_token(last: int, pos: int) -> int:
     return (last * 31 + pos * 7 + 3) % VOCAB
 
 
-class FakeRunner:
+class FakeModel:
+    """Stands in for the ModelRunner under the real StepRunner: its "logits" are the next token itself."""
+
     device = torch.device("cpu")
+    model_config = type("Cfg", (), {"vocab_size": VOCAB})
+    penalties = None
 
     def __init__(self):
         self.batches = []
-
-    model_config = type("Cfg", (), {"vocab_size": VOCAB})
 
     def forward(self, batch):
         self.batches.append((batch.mode, list(batch.extend_lens_host)))
@@ -45,6 +48,9 @@ class FakeRunner:
 
     def sample(self, logits, batch_size, sampling, prompt=None):
         return SampleResult(logits[:batch_size], None)
+
+    def heartbeat(self):
+        pass
 
 
 def alone(ids: list[int], max_new: int) -> list[int]:
@@ -62,8 +68,8 @@ def make(page=1, pages=512, chunk=16, max_prefill=64, max_running=4, policy="fcf
          conservativeness=1.0):
     kv = KVPool(pages, page, 1, 1, 2, torch.float32, torch.device("cpu"))
     cache = CacheManager(kv, ReqToTokenPool(max_running, 256, torch.device("cpu")), RadixTree(page) if tree else None)
-    runner = FakeRunner()
-    sched = Scheduler(runner, cache, PlannerLimits(max_prefill, chunk, max_running, page, policy), conservativeness,
+    runner = FakeModel()
+    sched = Scheduler(StepRunner(runner), cache, PlannerLimits(max_prefill, chunk, max_running, page, policy), conservativeness,
                       mixed, context_len=250)
     return sched, runner
 
@@ -75,7 +81,7 @@ def submit(sched, prompts, max_new=12):
         params = SamplingParams(max_new_tokens=max_new, temperature=0)
         r = Req(rid=str(i), input_ids=p, sampling=params, stop_ids=frozenset({EOS}),
                 sink=lambda o, i=i: outs.setdefault(i, []).append(o), arrival=float(i))
-        sched.waiting.append(r)
+        sched.requests.add(r, decode_role=False)
         reqs.append(r)
     return reqs, outs
 
@@ -105,6 +111,8 @@ def check_done(sched, reqs, prompts, max_new=12):
         assert r.finish_reason.kind is expected
     assert sched.flush_cache()
     assert sched.cache.pages.num_free == sched.cache.pages.num_pages
+    held = sched.requests
+    assert not (held.waiting or held.prefilling or held.running or held.chunked or held.held), "a request stayed"
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -144,7 +152,7 @@ def test_lpm_admits_longest_cached_prefix_first():
     run_all(sched)
     reqs, _ = submit(sched, [[60, 61, 62], base + [70, 71], base[:8] + [80]], max_new=2)
     sched.step()
-    first = next(r for r in reqs if r.status.value != "waiting")
+    first = next(r for r in reqs if r.state.value != "waiting")
     assert first.input_ids == base + [70, 71] and first.cached_tokens == 32
 
 

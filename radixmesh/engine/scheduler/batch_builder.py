@@ -6,13 +6,15 @@ input: a placeholder here, filled on the device from the previous step's next-to
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler.in_flight import InFlight
+
+if TYPE_CHECKING:
+    from radixmesh.engine.scheduler.step import StepResult
 
 
 class PromptLogprobPlan(NamedTuple):
@@ -25,7 +27,7 @@ class PromptLogprobPlan(NamedTuple):
 class _Pending:
     """Flat positions of in-flight input tokens and their rows in the previous step's results."""
 
-    def __init__(self, prev: InFlight | None):
+    def __init__(self, prev: StepResult | None):
         self.prev = prev
         self.positions: list[int] = []
         self.rows: list[int] = []
@@ -44,10 +46,10 @@ class _Pending:
         return ids + [0]
 
     def spec(self):
-        return (self.positions, self.rows, self.prev.result.next_ids) if self.positions else None
+        return (self.positions, self.rows, self.prev.sampled.next_ids) if self.positions else None
 
 
-def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev: InFlight | None = None
+def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev: StepResult | None = None
                  ) -> tuple[ForwardBatch, PromptLogprobPlan | None]:
     """Each request contributes tokens fill_ids[kv_len : kv_len + extend_len] (a decoding request: its last
     output token, extend_len 1). `locs` are the KV slots the new tokens write, in the same order. Positions whose
@@ -80,7 +82,7 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev
 
 
 def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
-                 prev: InFlight | None = None) -> ForwardBatch:
+                 prev: StepResult | None = None) -> ForwardBatch:
     """One token per request: its newest token at position kv_len (in flight when kv_len == fill_len)."""
     ids, pend_pos, pend_rows = [], [], []
     for i, r in enumerate(reqs):
@@ -101,5 +103,5 @@ def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
         seq_lens=[r.kv_len + 1 for r in reqs],
         extend_lens=[1] * len(reqs),
         device=device,
-        pending=(pend_pos, pend_rows, prev.result.next_ids) if pend_pos else None,
+        pending=(pend_pos, pend_rows, prev.sampled.next_ids) if pend_pos else None,
     )

@@ -15,26 +15,27 @@ import torch.nn.functional as F
 
 from radixmesh.engine.pooling import Pooling
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler.in_flight import InFlight
+from radixmesh.engine.scheduler.step import StepResult
 
 
 class EmbeddingSteps:
     def __init__(self, pooling: Pooling):
         self.pooling = pooling
 
-    def resolve(self, flight: InFlight, finish: Callable[[Req], None]) -> None:
-        """Fold the launched forward's pooled rows ([batch, hidden] float32, in flight.logits) into its requests;
-        set `req.embedding` and call `finish(req)` for each request whose prompt is now complete."""
-        pooled, flight.logits = flight.logits, None
+    def resolve(self, result: StepResult, finish: Callable[[Req], None]) -> None:
+        """Fold the step's pooled rows ([batch, hidden] float32, in result.output) into its requests; set
+        `req.embedding` and call `finish(req)` for each request whose prompt is now complete."""
+        pooled, result.output = result.output, None
+        reqs = result.batch.reqs
         done = []
-        for i, (r, complete) in enumerate(zip(flight.reqs, flight.samples)):
+        for i, (r, complete) in enumerate(zip(reqs, result.batch.samples)):
             if self.pooling is Pooling.MEAN:
                 r.pooled = pooled[i] if r.pooled is None else r.pooled + pooled[i]
             if complete and not r.finished:
                 done.append(i)
         if not done:
             return
-        reqs = [flight.reqs[i] for i in done]
+        reqs = [reqs[i] for i in done]
         if self.pooling is Pooling.MEAN:
             counts = torch.tensor([len(r.input_ids) for r in reqs], dtype=torch.float32, device=pooled.device)
             rows = torch.stack([r.pooled for r in reqs]) / counts[:, None]

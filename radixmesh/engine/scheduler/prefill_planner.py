@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.engine.cache.manager import CacheManager
-from radixmesh.engine.request import Req, ReqStatus
+from radixmesh.engine.request import Req
 
 # Remaining max_new_tokens above this count only up to it when reserving memory (a request asking for 100k tokens
 # should not block admission forever; retraction handles the rare overrun).
@@ -114,7 +114,6 @@ class PrefillPlanner:
             if (admitted or used_tokens) and extend > token_budget or not self._set_extend(req, extend):
                 self.cache.release(req)
                 break
-            req.status = ReqStatus.RUNNING
             if req.retractions == 0 and not req.output_ids:
                 req.cached_tokens = req.kv_len  # the tree's prefix and a tail's tokens after it
                 self.cache.count_hit(req)

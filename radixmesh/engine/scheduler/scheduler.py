@@ -1,15 +1,15 @@
-"""The scheduler: a coordinator over the prefill planner, the decoding set and the cache manager.
+"""The scheduler: a coordinator over the prefill planner, the requests by state, the cache manager and a Runner.
 
 Runs on one thread (the engine's loop). Each step either prefills (new requests and the next chunk of a chunked
 one; with `enable_mixed_chunk` the decoding requests ride along in the same forward) or decodes every running
-request by one token, retracting requests to the waiting queue when KV pages run out.
+request by one token, retracting requests to the waiting queue when KV pages run out. A step follows the contract of
+engine.scheduler.step: `schedule()`, `runner.execute`, `runner.sample`, `process(result)`.
 Other threads talk to it only through `submit`, `abort` and `call`, which go through a queue.
 
-A step is launched, then sampled, then resolved (its tokens read on the host and acted on). With overlap
-scheduling the resolve of step N waits until step N+1's forward is queued on the GPU, and step N+1's sampling waits
-until step N is resolved (grammar masks, penalties and min_new_tokens need step N's tokens). So the host's view of
-a request lags its device state by at most one token (`Req.pending`): a request that finished at step N may ride in
-step N+1, whose token for it is dropped. Anything that needs the exact state (retraction, flush) resolves first.
+With overlap scheduling step N is processed once step N+1's forward is queued on the GPU, and step N+1 is sampled
+once step N is processed (grammar masks, penalties and min_new_tokens need step N's tokens). So the host's view of a
+request lags its device state by at most one token (`Req.pending`): a request that finished at step N may ride in
+step N+1, whose token for it is dropped. Anything that needs the exact state (retraction, flush) processes first.
 """
 
 from __future__ import annotations
@@ -21,32 +21,31 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-import torch
-
 from radixmesh.engine import delivery
-from radixmesh.engine.distributed import GroupFailed
-from radixmesh.engine.profiling import ProfileError, StepProfiler
+from radixmesh.engine.batch import ForwardMode
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.disaggregation.handoff import PrefillRole
-from radixmesh.engine.request import FinishKind, FinishReason, Req, ReqStatus
-from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend
+from radixmesh.engine.distributed import GroupFailed
+from radixmesh.engine.profiling import ProfileError, StepProfiler
+from radixmesh.engine.request import FinishKind, FinishReason, Req, ReqState
 from radixmesh.engine.scheduler.embedding import EmbeddingSteps
 from radixmesh.engine.scheduler.finish import StopStrings, check_finished, step_output
-from radixmesh.engine.scheduler.handoffs import Handoffs
 from radixmesh.engine.scheduler.handoff_steps import HandoffSteps
-from radixmesh.engine.scheduler.in_flight import HostCopy, InFlight
-from radixmesh.engine.scheduler.logprob_lists import logprob_lists, store_prompt_logprobs
-from radixmesh.engine.sampling.sampler import SamplingBatch
+from radixmesh.engine.scheduler.handoffs import Handoffs
+from radixmesh.engine.scheduler.logprob_lists import store_prompt_logprobs
 from radixmesh.engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
+from radixmesh.engine.scheduler.requests import Requests
+from radixmesh.engine.scheduler.step import Resolved, Runner, ScheduledBatch, StepResult
 
 log = logging.getLogger(__name__)
 QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 
 
 class Scheduler:
-    def __init__(self, runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
+    def __init__(self, runner: Runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
-                 overlap: bool = False, pooling=None):
+                 overlap: bool = False, embedding: EmbeddingSteps | None = None):
+        """`embedding`: an embedding engine's pooling steps (its forwards pool hidden states, nothing samples)."""
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
@@ -54,21 +53,17 @@ class Scheduler:
         self.mixed = enable_mixed_chunk
         self.context_len = context_len
         self.stop_strings = StopStrings(tokenizer)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked: Req | None = None
-        self.handoffs = Handoffs(cache, reserved_decode_tokens)
-        self.handoff_steps = HandoffSteps(self)  # prefill/decode disaggregation's steps over `handoffs`
+        self.requests = Requests()
+        self.handoffs = Handoffs(cache, self.requests, reserved_decode_tokens)
+        self.handoff_steps = HandoffSteps(self)  # prefill/decode disaggregation's steps
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.overlap = overlap
-        # an embedding engine (pooling: engine.pooling.Pooling): forwards pool hidden states, nothing is sampled
-        self.embedding = EmbeddingSteps(pooling) if pooling is not None else None
-        self.in_flight: InFlight | None = None
+        self.embedding = embedding
+        self.in_flight: StepResult | None = None  # sampled, not processed yet (overlap)
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self.prefill_tokens_per_s = 0.0  # measured over extend steps (EMA), for routers' time-to-first-token model
         self.queue_time_s = 0.0  # arrival to admission of new requests (EMA)
         self._stop = threading.Event()
-        self._changed = False
         self.profiler = StepProfiler.from_env()  # RADIXMESH_TORCH_PROFILE: kernel timelines of chosen steps
 
     # ---- thread-safe entry points ---------------------------------------------------------------------------
@@ -98,12 +93,11 @@ class Scheduler:
     def release_kv(self, rid: str) -> bool:
         """Free the pages kept pinned for `rid` (handed over, or aborted while a peer may still write them); False when
         none are."""
-        return self.handoff_steps.release_kv(rid)
+        return self.handoffs.release(rid)
 
     # ---- loop -----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.handoffs.has_work()
-                    or self.in_flight is not None)
+        return self.requests.has_work() or self.in_flight is not None
 
     def run_forever(self) -> None:
         idle = True
@@ -125,12 +119,10 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                if self.handoffs.is_decode(item):
-                    self.handoffs.queue.append(item)
-                else:
-                    self.waiting.append(item)
-                    if self.cache.hierarchy is not None:
-                        self.cache.hierarchy.start_prefetch(item)
+                decode_role = self.handoffs.is_decode(item)
+                self.requests.add(item, decode_role)
+                if not decode_role and self.cache.hierarchy is not None:
+                    self.cache.hierarchy.start_prefetch(item)
             elif kind == "abort":
                 self._abort(*item)
             elif kind == "call":
@@ -143,8 +135,8 @@ class Scheduler:
     def step(self) -> bool:
         """One forward: a prefill (possibly mixed with decodes) when one can be planned, otherwise a decode.
         Returns False when nothing ran and nothing changed (the loop then waits for the inbox instead of
-        spinning); a step that only retracted, aborted or resolved requests counts as a change."""
-        self._changed = False
+        spinning); a step that only retracted, aborted or processed requests counts as a change."""
+        self.requests.changed = False
         if self.profiler is None:
             return self._step()
         profiler = self.profiler
@@ -156,54 +148,71 @@ class Scheduler:
         return launched
 
     def _step(self) -> bool:
-        if self.handoffs.queue:
-            self.handoff_steps.preallocate()
-        launched = self._plan_and_launch()
-        self._resolve()  # the previous step, now that this one is queued behind it
-        if launched is not None:
-            self._sample(launched)
-            if not self.overlap:
-                self._resolve()
-        return launched is not None or self._changed
+        batch = self.schedule()
+        result = self._execute(batch) if batch is not None else None
+        self._process_in_flight()  # the previous step, now that this one is queued behind it
+        if result is not None:
+            self._sample(result)
+            if not self.overlap or self.embedding is not None:
+                self._process_in_flight()
+        return result is not None or self.requests.changed
 
-    def _plan_and_launch(self) -> InFlight | None:
+    # ---- schedule -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """The next forward: which requests, their new tokens (`extend_len`) and KV slots. Pre-allocates
+        decode-role requests' pages first. None when nothing can run."""
+        if self.requests.prealloc:
+            self.handoff_steps.preallocate()
+        reqs = self.requests
         decode_reqs: list[Req] = []
-        if self.mixed and self.running and (self.waiting or self.chunked):
+        if self.mixed and reqs.running and (reqs.waiting or reqs.chunked):
             decode_reqs = self._prepare_decode()
         prefill = self._plan_prefill()
         if prefill or decode_reqs:
-            return self._launch(prefill + decode_reqs, extend=True)
-        if self.running:
-            reqs = self._prepare_decode()
-            if reqs:
+            return self._batch(prefill + decode_reqs, ForwardMode.EXTEND)
+        if reqs.running:
+            decode_reqs = self._prepare_decode()
+            if decode_reqs:
                 self.ratio.step()
-                return self._launch(reqs, extend=False)
+                return self._batch(decode_reqs, ForwardMode.DECODE)
         return None
 
+    def _batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduledBatch | None:
+        decoding = {id(r) for r in self.requests.running}
+        try:
+            locs = self.cache.slots_of_new_tokens(reqs)
+        except Exception as e:
+            self._fail(reqs, e)
+            return None
+        return ScheduledBatch(reqs, mode, locs, [r.kv_len + r.extend_len == r.fill_len + r.pending for r in reqs],
+                              [id(r) not in decoding for r in reqs], self.in_flight,
+                              sum(r.extend_len for r in reqs) if mode is ForwardMode.EXTEND else 0)
+
     def _plan_prefill(self) -> list[Req]:
-        reqs, used = [], 0
-        if self.chunked is not None:
-            if not self.planner.continue_chunked(self.chunked, self.running):
+        reqs, used = self.requests, 0
+        batch: list[Req] = []
+        chunked = reqs.chunked
+        if chunked is not None:
+            if not self.planner.continue_chunked(chunked, reqs.running):
                 return []
-            reqs, used = [self.chunked], self.chunked.extend_len
-        busy = len(self.running) + (self.chunked is not None)
-        admitted = self.planner.plan(self.waiting, self.running, busy, used) if self.waiting else []
+            batch, used = [chunked], chunked.extend_len
+        busy = len(reqs.running) + (chunked is not None)
+        admitted = self.planner.plan(reqs.waiting, reqs.running, busy, used) if reqs.waiting else []
         if admitted:
             now = time.monotonic()
             for r in admitted:
                 if r.retractions == 0 and not r.output_ids:
                     wait = r.queue_time_s = now - r.arrival
                     self.queue_time_s = wait if not self.queue_time_s else 0.8 * self.queue_time_s + 0.2 * wait
-            taken = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in taken]
-        self.chunked = None
-        return reqs + admitted
+            reqs.admit(admitted)
+        reqs.chunked = None
+        return batch + admitted
 
     def _prepare_decode(self) -> list[Req]:
         """Retract until every running request has a slot for its next token; allocate those slots. A request
-        whose in-flight token reaches its length limit is left out: it finishes when that token is resolved."""
+        whose in-flight token reaches its length limit is left out: it finishes when that token is processed."""
         self._retract_for_decode()
-        reqs = [r for r in self.running if not self._ends_by_length(r)]
+        reqs = [r for r in self.requests.running if not self._ends_by_length(r)]
         if reqs and self.cache.alloc_decode(reqs) is None:
             raise RuntimeError("decode slot allocation failed after the memory check")
         for r in reqs:
@@ -217,170 +226,137 @@ class Scheduler:
 
     def _decode_pages_short(self) -> bool:
         page = self.cache.page
-        need = sum(1 for r in self.running if r.alloc_len % page == 0)
+        need = sum(1 for r in self.requests.running if r.alloc_len % page == 0)
         return need > self.cache.available_tokens() // page
 
     def _retract_for_decode(self) -> None:
         if not self._decode_pages_short():
             return
-        self._resolve()  # choose victims on exact state: in-flight tokens land, finished requests free pages
+        self._process_in_flight()  # choose victims on exact state: in-flight tokens land, finished ones free pages
         if not self._decode_pages_short():
             return
         page = self.cache.page
-        need = sum(1 for r in self.running if r.alloc_len % page == 0)
+        running = self.requests.running
+        need = sum(1 for r in running if r.alloc_len % page == 0)
         # Retract the requests that lose least: fewest generated tokens, then longest prompts.
-        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
-        while self.running and need > self.cache.available_tokens() // page:
-            victim = self.running.pop()
-            if not self.running and self.chunked is None:
+        running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        while running and need > self.cache.available_tokens() // page:
+            victim = running[-1]
+            if len(running) == 1 and self.requests.chunked is None:
                 # Alone with every other page evictable and still short: the pool cannot hold this request.
-                self._finish(victim, FinishReason(FinishKind.ABORT, message="KV cache too small for this request"))
+                self.finish(victim, FinishReason(FinishKind.ABORT, message="KV cache too small for this request"))
                 return
             need -= victim.alloc_len % page == 0
             self.cache.release(victim)
             self._requeue(victim)
 
     def _requeue(self, req: Req) -> None:
-        req.status = ReqStatus.WAITING
         req.retractions += 1
-        self._changed = True
+        req.penalty_row = None  # its table row is gone; counted afresh on the row it gets next
+        self.requests.move(req, ReqState.WAITING)
         self.stats["retractions"] += 1
         self.ratio.on_retract()
-        self.waiting.append(req)
         log.info("retracted request %s after %d tokens (KV pages exhausted)", req.rid, len(req.output_ids))
 
-    # ---- forward and results --------------------------------------------------------------------------------
-    def _launch(self, reqs: list[Req], extend: bool) -> InFlight | None:
-        """Queue the forward of `reqs` and advance their KV state; requests that complete their fill now join the
-        running set (or, for a partial chunk, stay the chunked request)."""
-        decoding = {id(r) for r in self.running}
-        prev = self.in_flight
+    # ---- execute and sample ---------------------------------------------------------------------------------
+    def _execute(self, batch: ScheduledBatch) -> StepResult | None:
+        """Queue the batch's forward, then advance its requests' KV state: a request that completes its fill now
+        starts decoding (or, for a partial chunk, stays the chunked request)."""
+        reqs = batch.reqs
         try:
-            locs = self.cache.slots_of_new_tokens(reqs)
-            batch, plan = build_extend(reqs, locs, self.runner.device, prev) if extend else \
-                (build_decode(reqs, locs, self.runner.device, prev), None)
             if self.profiler is not None and self.profiler.active:
+                extend = batch.mode is ForwardMode.EXTEND
                 with self.profiler.forward(extend, len(reqs), sum(r.extend_len for r in reqs)):
-                    logits = self._forward(batch)
+                    result = self.runner.execute(batch)
             else:
-                logits = self._forward(batch)
+                result = self.runner.execute(batch)
         except Exception as e:
             self._fail(reqs, e)
             return None
-        flight = InFlight(reqs, [r.kv_len + r.extend_len == r.fill_len + r.pending for r in reqs],
-                          [id(r) not in decoding for r in reqs], extend, plan, logits, launched=time.perf_counter(),
-                          new_tokens=sum(r.extend_len for r in reqs) if extend else 0)
-        self.stats["forward_extend" if extend else "forward_decode"] += 1
-        for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
-            r.kv_len += r.extend_len
+        self.stats["forward_extend" if batch.mode is ForwardMode.EXTEND else "forward_decode"] += 1
+        for r, samples, new in zip(reqs, batch.samples, batch.prefilling):
             if new:
                 self.stats["prefill_tokens"] += r.extend_len
+            r.kv_len += r.extend_len
             if not samples:  # a chunk of a longer prefill: no token yet
-                self.chunked = r
+                self.requests.chunked = r
                 self.cache.cache_unfinished(r)
             elif new and r.sampling.max_new_tokens > 0 and not isinstance(r.handoff, PrefillRole):
-                self.running.append(r)  # decodes from the next step on; leaves again if its first token ends it
+                self.requests.move(r, ReqState.RUNNING)  # decodes from the next step on; may end with its first token
                 self.cache.cache_unfinished(r)
-        return flight
+        return result
 
-    def _forward(self, batch):
-        return self.runner.forward(batch) if self.embedding is None else \
-            self.runner.forward_pooled(batch, self.embedding.pooling)
-
-    def _sample(self, flight: InFlight) -> None:
-        """Sample the launched step on the device (after the previous step is resolved) and start copying the
-        results to the host."""
-        reqs = flight.reqs
-        if self.embedding is not None:
-            try:
-                self.embedding.resolve(flight, lambda r: self._finish(r, FinishReason(FinishKind.LENGTH, length=0)))
-            except Exception as e:
-                self._fail(reqs, e)
-            return
+    def _sample(self, result: StepResult) -> None:
+        """Sample the launched step (every earlier step is processed) and keep it in flight until processed."""
         try:
-            for r, samples, new in zip(reqs, flight.samples, flight.prefilling):
-                if samples and new and r.sampling.penalized and not r.finished:
-                    self.runner.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
-            sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs),
-                                           self.runner.model_config.vocab_size, self.runner.device)
-            result = self.runner.sample(flight.logits, len(reqs), sampling, flight.plan)
-            self._record_penalties(reqs, flight.samples, result.next_ids)
-            flight.host = HostCopy(result, self.runner.device)
+            self.runner.sample(result)
         except Exception as e:
-            self._fail(reqs, e)
+            self._fail(result.batch.reqs, e)
             return
-        flight.logits, flight.result = None, result
-        for i, (r, samples) in enumerate(zip(reqs, flight.samples)):
-            if samples:
-                r.pending += 1
-                flight.rows[id(r)] = i
-        self.in_flight = flight
+        if self.embedding is None:  # an embedding step samples nothing: no token is pending
+            for r, samples in zip(result.batch.reqs, result.batch.samples):
+                if samples:
+                    r.pending += 1
+        self.in_flight = result
 
-    def _resolve(self) -> None:
-        """Read the in-flight step's tokens on the host and act on them (append, finish, emit, hand over)."""
-        flight, self.in_flight = self.in_flight, None
-        if flight is None:
-            return
+    # ---- process --------------------------------------------------------------------------------------------
+    def _process_in_flight(self) -> None:
+        result, self.in_flight = self.in_flight, None
+        if result is not None:
+            self.process(result)
+
+    def process(self, result: StepResult) -> None:
+        """Read a sampled step's tokens on the host and act on them: append, finish, emit, hand over."""
+        batch = result.batch
         try:
-            result = flight.host.wait()
-            next_ids = result.next_ids.tolist()
-            extras = logprob_lists(result)
-            if flight.plan is not None:
-                store_prompt_logprobs(flight.reqs, flight.plan, result.prompt)
-            if flight.new_tokens:
-                rate = flight.new_tokens / max(time.perf_counter() - flight.launched, 1e-6)
+            resolved = result.wait()
+            if result.prompt_plan is not None:
+                store_prompt_logprobs(batch.reqs, result.prompt_plan, resolved.prompt)
+            if batch.new_tokens:
+                rate = batch.new_tokens / max(time.perf_counter() - result.launched, 1e-6)
                 self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
                     0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            if self.embedding is not None:
+                self.embedding.resolve(result, self._finish_embedded)
+                return
         except Exception as e:
-            self._fail(flight.reqs, e)
+            self._fail(batch.reqs, e)
             return
         with delivery.together():  # the step's outputs reach each caller's event loop in one wake-up
-            for i, r in enumerate(flight.reqs):
-                if not flight.samples[i]:
+            for i, r in enumerate(batch.reqs):
+                if not batch.samples[i]:
                     continue
                 r.pending -= 1
                 if r.finished:  # aborted, or finished by its previous token: this one is past its end
                     continue
-                self._advance(r, next_ids[i], extras[i] if extras else None)
+                self._advance(r, i, resolved)
 
-    def _fail(self, reqs: list[Req], e: Exception) -> None:
-        """Abort the step's requests. A broken tensor-parallel group is fatal (raised on: the loop stops)."""
-        log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
-        for r in reqs:
-            if r.finished:
-                continue
-            self._drop_from_sets(r)
-            self._finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
-        if isinstance(e, GroupFailed):
-            raise e
+    def _finish_embedded(self, req: Req) -> None:
+        self.finish(req, FinishReason(FinishKind.LENGTH, length=0))
 
-    def _record_penalties(self, reqs: list[Req], samples: list[bool], next_ids: torch.Tensor) -> None:
-        """Count this step's token for every penalized request that samples now."""
-        idx = [i for i, r in enumerate(reqs) if samples[i] and r.sampling.penalized and not r.finished
-               and r.sampling.max_new_tokens > 0]
-        if idx:
-            dev = next_ids.device
-            rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
-            self.runner.penalties.record(rows, next_ids[torch.tensor(idx).to(dev, non_blocking=True)])
-
-    def _advance(self, req: Req, token: int, logprobs: tuple | None) -> None:
+    def _advance(self, req: Req, row: int, resolved: Resolved) -> None:
+        """Take row `row`'s tokens into `req`, one by one, until it finishes or hands over."""
         handing_over = isinstance(req.handoff, PrefillRole)
         if req.sampling.max_new_tokens == 0 and not handing_over:
-            self._finish(req, FinishReason(FinishKind.LENGTH, length=0))
+            self.finish(req, FinishReason(FinishKind.LENGTH, length=0))
             return
-        if req.return_logprob:
-            chosen, top, by_id = logprobs
-            self._append_token(req, token, chosen, top[:req.logprob.top_logprobs_num] if top else [],
-                               list(zip(by_id, req.logprob.token_ids_logprob)) if req.logprob.token_ids_logprob
-                               else [])
-        else:
-            self._append_token(req, token)
-        if handing_over:
-            self.handoff_steps.hand_over(req)
-            return
-        self._continue(req, newly_prefilled=False)
+        logprobs = resolved.logprobs[row] if req.return_logprob else None
+        for k, token in enumerate(resolved.tokens[row]):
+            if logprobs is not None:
+                chosen, top, by_id = logprobs[k]
+                ids = req.logprob.token_ids_logprob
+                self.append_token(req, token, chosen, top[:req.logprob.top_logprobs_num] if top else [],
+                                  list(zip(by_id, ids)) if ids else [])
+            else:
+                self.append_token(req, token)
+            if handing_over:
+                self.handoff_steps.hand_over(req)
+                return
+            if not self.after_token(req):
+                return
 
-    def _append_token(self, req: Req, token: int, logprob: float | None = None, top=(), by_id=()) -> None:
+    # ---- what a request's new token leads to (also used by the handoff steps) -------------------------------
+    def append_token(self, req: Req, token: int, logprob: float | None = None, top=(), by_id=()) -> None:
         req.output_ids.append(token)
         if req.matcher is not None:
             req.matcher.accept_token(token)
@@ -389,34 +365,29 @@ class Scheduler:
             req.output_top_logprobs.append(list(top))
             req.output_token_ids_logprobs.append(list(by_id))
 
-    def _continue(self, req: Req, newly_prefilled: bool) -> None:
-        """After a request's newest token: finish it, or keep it decoding and emit the token."""
+    def after_token(self, req: Req) -> bool:
+        """After a request's newest token: finish it, or (starting it decoding if it is not yet) emit the token.
+        Returns whether it goes on decoding."""
         reason = check_finished(req, self.context_len, self.stop_strings)
         if reason is not None:
-            self._drop_from_sets(req)
-            self._finish(req, reason)
-            return
-        if newly_prefilled:
-            self.running.append(req)
+            self.finish(req, reason)
+            return False
+        if req.state is not ReqState.RUNNING:  # a decode-role request whose KV just landed
+            self.requests.move(req, ReqState.RUNNING)
             self.cache.cache_unfinished(req)
-        if not self._emit(req):
-            self._drop_from_sets(req)
-            self._finish(req, FinishReason(FinishKind.ABORT, message="the client stopped listening"))
+        if not self.emit(req):
+            self.finish(req, FinishReason(FinishKind.ABORT, message="the client stopped listening"))
+            return False
+        return True
 
-    def _drop_from_sets(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """The request is done: its pages go back to the cache manager, its caller gets the final output."""
+        self.requests.move(req, ReqState.FINISHED)
         self.cache.release(req)
-        req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        self._changed = True
-        self._emit(req)
+        self.emit(req)
 
-    def _emit(self, req: Req) -> bool:
+    def emit(self, req: Req) -> bool:
         """Hand the request's new output to its caller. A failing sink (say, the caller's event loop is closed)
         must not take the scheduler down: it is logged and reported as False."""
         try:
@@ -426,37 +397,32 @@ class Scheduler:
             log.warning("request %s: dropping output, its consumer failed: %r", req.rid, e)
             return False
 
-    # ---- prefill/decode disaggregation ----------------------------------------------------------------------
+    def _fail(self, reqs: list[Req], e: Exception) -> None:
+        """Abort the step's requests. A broken tensor-parallel group is fatal (raised on: the loop stops)."""
+        log.exception("forward failed; aborting %d request(s): %s", len(reqs), [r.rid for r in reqs])
+        for r in reqs:
+            if not r.finished:
+                self.finish(r, FinishReason(FinishKind.ABORT, message=f"internal error: {e}"))
+        if isinstance(e, GroupFailed):
+            raise e
+
     def _abort(self, rid: str, message: str | None = None) -> None:
-        reason = FinishReason(FinishKind.ABORT, message=message or "aborted by the client")
-        taken = self.handoffs.take(rid)
-        if taken is not None:
-            where, req = taken
-            if where == "receiving" and req.handoff.in_transfer:
-                self.handoffs.held[rid] = req
-                req.status, req.finish_reason = ReqStatus.FINISHED, reason
-                self._changed = True
-                self._emit(req)
-            else:
-                self._finish(req, reason)
+        req = self.requests.find(rid)
+        if req is None or req.finished:
             return
-        # A step in flight holds requests that are in no set until it resolves (a prefill-role request's last
-        # chunk: it hands over then instead of joining `running`); missed, such a request would hand over after
-        # its caller's abort and release, and keep its pages pinned for good.
-        in_flight = self.in_flight.reqs if self.in_flight is not None else []
-        for group in (self.waiting, self.running, [self.chunked] if self.chunked else [], in_flight):
-            for r in group:
-                if r.rid == rid and not r.finished:
-                    if r in self.waiting:
-                        self.waiting.remove(r)
-                    self._drop_from_sets(r)
-                    self._finish(r, reason)
-                    return
+        reason = FinishReason(FinishKind.ABORT, message=message or "aborted by the client")
+        if req.state is ReqState.RECEIVING and req.handoff.in_transfer:
+            # a peer may still write its pages: pinned until release_kv, so no other request gets them meanwhile
+            self.requests.move(req, ReqState.HELD)
+            req.finish_reason = reason
+            self.emit(req)
+            return
+        self.finish(req, reason)
 
     # ---- introspection (call through `call`) ----------------------------------------------------------------
     def flush_cache(self) -> bool:
-        self._resolve()  # a step launched after the last request finished holds no one's tokens
-        if self.has_work() or self.handoffs.receiving or self.handoffs.held:
+        self._process_in_flight()  # a step launched after the last request finished holds no one's tokens
+        if self.has_work() or self.requests.receiving or self.requests.held:
             return False
         return self.cache.flush()
 
@@ -478,13 +444,13 @@ class Scheduler:
         return files
 
     def load(self) -> dict:
+        reqs = self.requests
         tiers = self.cache.tier_stats()
         # prompt tokens still to prefill: the first QUEUE_SCAN waiting requests less what the cache holds for them
-        queued = sum(r.fill_len - self.cache.match_len(r.fill_ids, r.tenant) for r in self.waiting[:QUEUE_SCAN])
-        queued += self.chunked.fill_len - self.chunked.kv_len if self.chunked else 0
-        return {"waiting": len(self.waiting), "running": len(self.running) + (self.chunked is not None),
-                "available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
+        queued = sum(r.fill_len - self.cache.match_len(r.fill_ids, r.tenant) for r in reqs.waiting[:QUEUE_SCAN])
+        queued += reqs.chunked.fill_len - reqs.chunked.kv_len if reqs.chunked else 0
+        return {"available_kv_tokens": self.cache.available_tokens(), "evicted_tokens": self.cache.evicted_tokens,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "queued_prefill_tokens": queued,
-                "queue_time_s": max(self.queue_time_s, time.monotonic() - min(r.arrival for r in self.waiting))
-                if self.waiting else 0.0,
-                **self.cache.hit_counts(), **tiers, **self.handoffs.counts(), **self.stats}
+                "queue_time_s": max(self.queue_time_s, time.monotonic() - min(r.arrival for r in reqs.waiting))
+                if reqs.waiting else 0.0,
+                **reqs.counts(), **self.cache.hit_counts(), **tiers, **self.stats}
