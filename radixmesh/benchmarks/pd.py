@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixmesh.v1 import common_pb2, worker_pb2
 from radixmesh.services.launch import free_port
 from radixmesh.services.router.core import Router
-from radixmesh.services.router.policies import make_policy
+from radixmesh.services.router.policy_registry import make_policy
 from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.workers import WorkerRegistry
 

@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from radixmesh.engine.bench_one_batch import _make_reqs, decode, prefill
 from radixmesh.engine.cache.manager import CacheManager
-from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 
 

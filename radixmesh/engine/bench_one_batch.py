@@ -26,10 +26,11 @@ import time
 import torch
 
 from radixmesh.engine.bench_roofline import (attention_flops, decode_weight_bytes, linear_flops, measure_copy_bandwidth,
-                                   measure_matmul_tflops)
+                                             measure_matmul_tflops)
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.cli import add_engine_args, engine_kwargs
-from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.params import SamplingParams

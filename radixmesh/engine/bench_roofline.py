@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 
 
 def _time_ms(fn, iters: int, device: torch.device) -> float:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from radixmesh.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -102,104 +103,6 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return cls(model_path=model_path, **kwargs)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The parts of a Hugging Face `config.json` (and `generation_config.json`) the engine uses."""
-
-    path: str
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    torch_dtype: str
-    bos_token_id: int | None
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    # Sampling parameters recommended by generation_config.json (used when sampling_defaults == "model").
-    generation_defaults: dict = field(default_factory=dict, compare=False)
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def from_path(cls, path: str) -> "ModelConfig":
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise FileNotFoundError(f"model config not found: {cfg_file}")
-        with open(cfg_file) as f:
-            raw = json.load(f)
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ValueError(f"{cfg_file} has no 'architectures' entry")
-        heads = raw["num_attention_heads"]
-        rope_params = raw.get("rope_parameters") or {}
-        rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
-                                                   else None)
-        return cls(
-            path=path,
-            architecture=archs[0],
-            hidden_size=raw["hidden_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            intermediate_size=raw["intermediate_size"],
-            vocab_size=raw["vocab_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=frozenset(_eos_ids(raw, path)),
-            generation_defaults=_generation_defaults(path),
-            raw=raw,
-        )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-        """KV bytes of one token: all the model's KV heads, or `num_kv_heads` (one tensor-parallel rank's)."""
-        import torch
-
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
-
-
-def _as_list(v: Any) -> list[int]:
-    if v is None:
-        return []
-    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
-
-
-def _eos_ids(raw: dict, path: str) -> list[int]:
-    ids = _as_list(raw.get("eos_token_id"))
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_file):
-        with open(gen_file) as f:
-            ids += _as_list(json.load(f).get("eos_token_id"))
-    return ids
-
-
-_GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def _generation_defaults(path: str) -> dict:
-    gen_file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(gen_file):
-        return {}
-    with open(gen_file) as f:
-        gen = json.load(f)
-    return {k: gen[k] for k in _GENERATION_SAMPLING_KEYS if gen.get(k) is not None}
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: str) -> torch.dtype:

@@ -21,12 +21,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from radixmesh.engine import shared_memory
+import radixmesh.engine.shared_memory as shared_memory
 from radixmesh.engine.cache.build import build_cache
-from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.device_memory import return_to_device
 from radixmesh.engine.delivery import (async_deltas_until_done, coalesce, deltas_until_done, mailbox_for, next_output,
-                             raise_if_stopped)
+                                       raise_if_stopped)
 from radixmesh.engine.early_aborts import EarlyAborts
 from radixmesh.engine.embeddings import EmbeddingCollector, split_inputs
 from radixmesh.engine.model_runner import ModelRunner
@@ -36,7 +37,7 @@ from radixmesh.engine.results import BatchCollector, RequestSpec, normalize_batc
 from radixmesh.engine.sampling.grammar import GrammarCompilerCache
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.engine.tp_worker import rank_args, start_leader
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.scheduler import Scheduler
 from radixmesh.engine.scheduler.embedding import EmbeddingSteps
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits

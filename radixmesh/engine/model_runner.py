@@ -17,7 +17,8 @@ from radixmesh.engine.attention.registry import create_attention, supports_cuda_
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
-from radixmesh.engine.config import EngineArgs, ModelConfig, torch_dtype
+from radixmesh.engine.config import EngineArgs, torch_dtype
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.cuda_graph_runner import (CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes,
                                                 graph_batch_sizes)
 from radixmesh.engine.distributed import TensorParallel, TPConfig
@@ -31,7 +32,7 @@ from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
 
 if TYPE_CHECKING:
-    from radixmesh.engine.scheduler.batch_builder import PromptLogprobPlan
+    from radixmesh.engine.scheduler.step import PromptLogprobPlan
 
 log = logging.getLogger(__name__)
 

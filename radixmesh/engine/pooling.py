@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixmesh.engine.batch import ForwardBatch
-    from radixmesh.engine.config import ModelConfig
+    from radixmesh.engine.model_config import ModelConfig
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
 

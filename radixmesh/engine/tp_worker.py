@@ -16,7 +16,9 @@ import os
 import signal
 import sys
 
-from radixmesh.engine.config import EngineArgs, ModelConfig
+from radixmesh.engine.config import EngineArgs
+
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.distributed import TPConfig, free_local_addr, local_ranks, rank_device
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 from tests.conftest import model_path
 
 

@@ -12,7 +12,7 @@ from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.router.__main__ import build_app
 from radixmesh.services.router.core import Router
 from radixmesh.services.router.openapi import OPENAPI_PATH, document
-from radixmesh.services.router.policies import make_policy
+from radixmesh.services.router.policy_registry import make_policy
 from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.tokenizer_client import TokenizerClient
 from radixmesh.services.router.workers import WorkerRegistry

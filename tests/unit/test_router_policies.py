@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixmesh.services.router.policies import BLOCK, CacheAware, PrefixTree, RoundRobin, block_keys, make_policy
+from radixmesh.services.router.policies import BLOCK, CacheAware, PrefixTree, RoundRobin, block_keys
+from radixmesh.services.router.policy_registry import make_policy
 from radixmesh.services.router.settings import RouterSettings
 
 

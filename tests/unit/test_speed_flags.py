@@ -14,7 +14,8 @@ import pytest
 
 from radixmesh.engine.attention import registry
 from radixmesh.engine.cli import add_engine_args, engine_kwargs
-from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.cuda_graph_runner import clip_batch_sizes, graph_batch_sizes
 from tests.conftest import model_path
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from radixmesh.engine import Engine
-from radixmesh.engine.config import EngineArgs, ModelConfig, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models import loader
 from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine

@@ -12,7 +12,8 @@ from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.cache.page_keys import chain_keys, namespace_root
 from radixmesh.engine.cache.radix_tree import RadixTree
 from radixmesh.engine.cache.storage import KvLayout, StorageOptions, check_storage_backend, open_storage
-from radixmesh.engine.config import EngineArgs, ModelConfig, hicache_extra
+from radixmesh.engine.config import EngineArgs, hicache_extra
+from radixmesh.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.activation import silu_and_mul

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class

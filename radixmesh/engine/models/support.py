@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from radixmesh.engine.layers.rotary import ROPE_TYPES
 
 if TYPE_CHECKING:
-    from radixmesh.engine.config import ModelConfig
+    from radixmesh.engine.model_config import ModelConfig
 
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # transformers' MistralConfig and Qwen2Config/Qwen3Config default: a config.json without the field has this window

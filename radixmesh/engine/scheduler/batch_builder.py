@@ -6,22 +6,11 @@ input: a placeholder here, filled on the device from the previous step's next-to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.request import Req
-
-if TYPE_CHECKING:
-    from radixmesh.engine.scheduler.step import StepResult
-
-
-class PromptLogprobPlan(NamedTuple):
-    counts: list[int]  # per request of the batch: prompt logprobs this forward yields
-    targets: list[int]  # the prompt tokens they are for, in batch order
-    top_k: int  # the largest top_logprobs_num among those requests
-    token_ids: list[list[int]] | None  # per extra position: its request's token_ids_logprob, zero-padded
+from radixmesh.engine.scheduler.step import PromptLogprobPlan, StepResult
 
 
 class _Pending:

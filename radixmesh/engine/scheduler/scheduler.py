@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from radixmesh.engine import delivery
+import radixmesh.engine.delivery as delivery
 from radixmesh.engine.batch import ForwardMode
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.disaggregation.handoff import PrefillRole

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -26,8 +26,14 @@ from radixmesh.engine.batch import ForwardMode
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import SampleResult
 
-if TYPE_CHECKING:
-    from radixmesh.engine.scheduler.batch_builder import PromptLogprobPlan
+
+class PromptLogprobPlan(NamedTuple):
+    """The prompt logprobs one forward computes (from its extra logit rows, after each request's last token)."""
+
+    counts: list[int]  # per request of the batch: prompt logprobs this forward yields
+    targets: list[int]  # the prompt tokens they are for, in batch order
+    top_k: int  # the largest top_logprobs_num among those requests
+    token_ids: list[list[int]] | None  # per extra position: its request's token_ids_logprob, zero-padded
 
 
 @dataclass(slots=True)

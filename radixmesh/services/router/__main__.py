@@ -30,11 +30,11 @@ from radixmesh.services.router.core import Router
 from radixmesh.services.router.discovery import DnsDiscovery
 from radixmesh.services.router.grpc_api import RouterServicer
 from radixmesh.services.router.http_common import (INFLIGHT, OPEN_PATHS, errors_middleware, make_auth_middleware,
-                                         routing_key_middleware, traced_errors_middleware)
+                                                   routing_key_middleware, traced_errors_middleware)
 from radixmesh.services.router.metrics import RouterMetrics
 from radixmesh.services.router import peers as peers_mod, supervisor
 from radixmesh.services.router.peers import Peers
-from radixmesh.services.router.policies import make_policy
+from radixmesh.services.router.policy_registry import make_policy
 from radixmesh.services.router.resilience import CircuitBreaker
 from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.tokenizer_client import TokenizerUnavailable

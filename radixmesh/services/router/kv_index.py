@@ -26,7 +26,7 @@ from radixmesh.services.router.decisions import RoutingDecisions
 from radixmesh.services.router.policies import Candidate
 from radixmesh.services.router.rendezvous import prompt_key, rendezvous
 from radixmesh.services.router.ttft_cost import (UNMEASURED, Match, WorkerSpeeds, expected_ttft_s, fleet_prefill_rate,
-                                       rates_of, uncached_tokens)
+                                                 rates_of, uncached_tokens)
 
 log = logging.getLogger(__name__)
 

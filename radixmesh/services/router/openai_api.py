@@ -28,7 +28,7 @@ from radixmesh.services.router.openai_errors import OpenAIError, from_status, no
 from radixmesh.services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from radixmesh.services.router.policies import routing_key_var
 from radixmesh.services.router.reasoning import closes_reasoning, reasoning_format, starts_in_reasoning
-from radixmesh.services.router.tool_parsers import NamedCallParser, RequiredCallsParser, make_tool_parser
+from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser, make_tool_parser
 from radixmesh.services.router.completion_response import CompletionResult, CompletionStream
 from radixmesh.services.router.openai_response import SSE_DONE, ChatResult, ChatStream, error_event, sse
 

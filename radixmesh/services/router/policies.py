@@ -2,7 +2,8 @@
 random, power_of_two (the less loaded of two random workers), manual (sticky: a routing key, from the
 X-SMG-Routing-Key header or the OpenAI `user` field, always lands on the same worker while it is there: rendezvous
 hashing, so every router process agrees without shared state; a request without a key goes by
---assignment-mode), cache_aware; and ours, kv_index (services.router.kv_index).
+--assignment-mode), cache_aware; and ours, kv_index (services.router.kv_index). `policy_registry.make_policy`
+makes one by name.
 
 cache_aware follows SGLang's router: when load is balanced, send the request where the longest prefix of it was
 sent before (if that covers at least cache_threshold of the prompt), else to the worker that has seen the least
@@ -18,7 +19,7 @@ import contextvars
 import hashlib
 import itertools
 import random
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from radixmesh.services.router.rendezvous import rendezvous
 
@@ -197,23 +198,3 @@ class CacheAware:
 
     def forget(self, url: str) -> None:
         self.trees.pop(url, None)
-
-
-def _kv_index(settings, registry):
-    from radixmesh.services.router.kv_index import KvIndexPolicy  # lazy: only this policy talks to the kvstore
-
-    return KvIndexPolicy(settings.kvstore_url, settings.kvstore_timeout_s, registry)
-
-
-def make_policy(name: str, settings, registry=None) -> Policy:
-    """The policy `name`; `registry` (WorkerRegistry) lets a policy poll the workers (kv_index polls GetLoads)."""
-    makers: dict[str, Callable[[], Policy]] = {
-        "round_robin": RoundRobin,
-        "random": Random,
-        "power_of_two": PowerOfTwo,
-        "manual": lambda: Manual(settings.assignment_mode),
-        "cache_aware": lambda: CacheAware(settings.cache_threshold, settings.balance_abs_threshold,
-                                          settings.balance_rel_threshold, settings.max_tree_tokens),
-        "kv_index": lambda: _kv_index(settings, registry),
-    }
-    return makers[name]()

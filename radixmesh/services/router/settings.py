@@ -140,7 +140,7 @@ class RouterSettings:
 
             reasoning_format(self.reasoning_parser)
         if self.tool_call_parser is not None:
-            from radixmesh.services.router.tool_parsers import TOOL_CALL_PARSERS
+            from radixmesh.services.router.tool_formats import TOOL_CALL_PARSERS
 
             if self.tool_call_parser not in TOOL_CALL_PARSERS:
                 raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "

@@ -8,7 +8,7 @@ the state-machine conventions they follow).
 
 The JSON formats stream each call's arguments as they arrive; pythonic emits each call whole once its list closes
 (read with `ast`, never evaluated). RequiredCallsParser and NamedCallParser read the constrained outputs of
-tool_choice="required" and of a named tool_choice."""
+tool_choice="required" and of a named tool_choice. `make_tool_parser(name, tools)` makes one by name."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from radixmesh.services.router.tool_parsers import (
     ObjectScanner,
@@ -26,8 +26,29 @@ from radixmesh.services.router.tool_parsers import (
     ToolCallDelta,
     ToolCallParser,
     held_tail,
-    register,
 )
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
+
+
+def register(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]]:
+    """Class decorator: files the parser under each of SGLang's `--tool-call-parser` names."""
+
+    def add(cls: type[ToolCallParser]) -> type[ToolCallParser]:
+        for name in names:
+            TOOL_CALL_PARSERS[name] = cls
+        return cls
+
+    return add
+
+
+def make_tool_parser(name: str, tools: Sequence[dict]) -> ToolCallParser:
+    """A fresh parser for one sample; ValueError naming the known parsers for an unknown name."""
+    cls = TOOL_CALL_PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_CALL_PARSERS))}")
+    return cls(tools)
+
 
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

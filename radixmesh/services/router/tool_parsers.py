@@ -11,8 +11,8 @@ commits as soon as the function's name is known and then forwards the raw argume
 chunking of a well-formed output yields parse()'s content and calls.
 
 JSON formats are read by ObjectScanner, an incremental scanner over one object that tracks strings, escapes and
-nesting and records each top-level member's value span. The per-format parsers live in tool_formats.py and
-register themselves here."""
+nesting and records each top-level member's value span. The per-format parsers, and the registry of them by name
+(`make_tool_parser`), live in tool_formats.py, which builds on this module."""
 
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ import enum
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
-
-if TYPE_CHECKING:
-    from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser  # noqa: F401
+from typing import Callable, Sequence
 
 WHITESPACE = " \t\r\n"
 ARG_KEYS = ("arguments", "parameters")  # the member holding a call's arguments; the first present wins
@@ -447,36 +444,3 @@ def required_calls_schema(tools: Sequence[dict], parallel: bool) -> dict:
 def named_call_schema(tool: dict) -> dict:
     """JSON schema for a named tool_choice: the tool's parameters."""
     return tool_parameters(tool)
-
-
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
-
-
-def register(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]]:
-    """Class decorator: files the parser under each of SGLang's `--tool-call-parser` names."""
-
-    def add(cls: type[ToolCallParser]) -> type[ToolCallParser]:
-        for name in names:
-            TOOL_CALL_PARSERS[name] = cls
-        return cls
-
-    return add
-
-
-def make_tool_parser(name: str, tools: Sequence[dict]) -> ToolCallParser:
-    """A fresh parser for one sample; ValueError naming the known parsers for an unknown name."""
-    cls = TOOL_CALL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_CALL_PARSERS))}")
-    return cls(tools)
-
-
-def __getattr__(name: str):
-    """RequiredCallsParser and NamedCallParser live in tool_formats.py with the other parsers."""
-    if name in ("RequiredCallsParser", "NamedCallParser"):
-        return getattr(_tool_formats, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# The formats register themselves on import; imported last because they build on the classes above.
-from radixmesh.services.router import tool_formats as _tool_formats  # noqa: E402

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
-from radixmesh.engine.config import ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.services.tokenizer.chat import ChatSpec, render_chat
 from radixmesh.services.tokenizer.settings import TokenizerSettings

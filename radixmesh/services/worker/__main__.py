@@ -177,7 +177,8 @@ async def _watch_engine(engine: Engine, service: GrpcService) -> None:
 
 def _serve_follower_node(engine_kwargs: dict) -> int:
     """--node-rank > 0: this machine runs its tensor-parallel ranks of the worker whose node 0 serves gRPC."""
-    from radixmesh.engine.config import ModelConfig, resolve_args
+    from radixmesh.engine.config import resolve_args
+    from radixmesh.engine.model_config import ModelConfig
     from radixmesh.engine.tp_worker import serve_node
 
     args = EngineArgs.from_kwargs(**engine_kwargs)
