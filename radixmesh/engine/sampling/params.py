@@ -1,4 +1,7 @@
-"""Per-request sampling parameters (SGLang's `sampling_params` dict, same names and defaults), validated at the edge."""
+"""Per-request sampling parameters (SGLang's `sampling_params` dict, same names and defaults), validated at the edge.
+
+The scalar fields are declared with their rows of the field table (engine.sampling.fields): bounds, OpenAI names
+and APIs there drive validation here and the router's parsing, OpenAPI schemas and proto mapping."""
 
 from __future__ import annotations
 
@@ -7,39 +10,47 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.engine.sampling.fields import Api, flag, integer, number, rows
+
 # Below this temperature a request is decoded greedily (as SGLang does).
 GREEDY_EPS = 1e-6
 _STRUCTURED = ("json_schema", "regex", "ebnf")
+INT64_MAX = 2**63 - 1
+# n samples cost n requests' work on one worker, so the serving APIs bound n (a huge n would keep a worker busy for
+# minutes); the engine does not.
+MAX_N = 128
+_SEED = "sample j of n draws with seed + j, which must stay at most 2**63 - 1"
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    max_new_tokens: int = integer(128, low=0, openai=("max_completion_tokens", "max_tokens"))
+    min_new_tokens: int = integer(0, low=0, openai=("min_tokens",))
+    temperature: float = number(1.0, low=0.0)
+    top_p: float = number(1.0, low=0.0, high=1.0, low_open=True)
+    top_k: int = integer(-1, off=-1, low=1, description="-1 disables top-k; 0 is refused")
+    min_p: float = number(0.0, low=0.0, high=1.0)
+    frequency_penalty: float = number(0.0, low=-2.0, high=2.0)
+    presence_penalty: float = number(0.0, low=-2.0, high=2.0)
+    repetition_penalty: float = number(1.0, low=0.0, high=2.0, low_open=True)
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = 1
+    ignore_eos: bool = flag(False)
+    skip_special_tokens: bool = flag(True)
+    spaces_between_special_tokens: bool = flag(True)
+    no_stop_trim: bool = flag(False)
+    n: int = integer(1, low=1, api_high=MAX_N)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = integer(None, low=0, openai=("seed",), description=_SEED)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     # Structured outputs of reasoning models: the constraint binds the answer only. The output is free up to and
     # including reasoning_end_token_id (the end of the thinking); with reasoning_start_token_id too, the output
     # starts in its answer but may open its thinking with that token as its first token (else it starts thinking).
-    reasoning_end_token_id: int | None = None
-    reasoning_start_token_id: int | None = None
+    # The router sets them (for chat with --reasoning-parser); no HTTP API takes them.
+    reasoning_end_token_id: int | None = integer(None, low=0, apis=frozenset({Api.ENGINE}))
+    reasoning_start_token_id: int | None = integer(None, low=0, apis=frozenset({Api.ENGINE}))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> "SamplingParams":
@@ -85,47 +96,25 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
-        _int_field("max_new_tokens", self.max_new_tokens, low=0)
-        _int_field("min_new_tokens", self.min_new_tokens, low=0)
-        _int_field("n", self.n, low=1)
-        _int_field("top_k", self.top_k, low=-1)
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        for row in FIELDS:
+            error = row.engine_error(getattr(self, row.name))
+            if error is not None:
+                raise ValueError(error)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                              f"({self.max_new_tokens})")
-        _float_field("temperature", self.temperature, 0.0, None)
-        _float_field("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _float_field("min_p", self.min_p, 0.0, 1.0)
-        _float_field("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_field("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _float_field("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if self.sampling_seed is not None:
-            _int_field("sampling_seed", self.sampling_seed, low=0)
-            top = 2**63 - 1 - (self.n - 1)  # sample j of n draws with seed + j, a signed 64-bit integer on the device
+            top = INT64_MAX - (self.n - 1)  # sample j of n draws with seed + j, a signed 64-bit integer on the device
             if self.sampling_seed > top:
                 raise ValueError(f"sampling_seed must be at most {top} with n = {self.n} (sample j draws with seed + "
                                  f"j, a signed 64-bit integer), got {self.sampling_seed}")
-        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
-            if getattr(self, name) is not None:
-                _int_field(name, getattr(self, name), low=0)
         if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
             raise ValueError("reasoning_start_token_id needs reasoning_end_token_id")
 
 
-def _int_field(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def _float_field(name: str, value: Any, low: float, high: float | None, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < low or (low_open and value == low) or (high is not None and value > high):
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high if high is not None else 'inf'}], got {value}")
+# The field table: SamplingParams' scalar fields in declaration order, and by name.
+FIELDS = rows(SamplingParams)
+BY_NAME = {row.name: row for row in FIELDS}
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

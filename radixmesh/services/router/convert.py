@@ -7,34 +7,24 @@ import math
 from typing import Any
 
 from radixmesh.v1 import common_pb2
-from radixmesh.services.router.openai_request import MAX_N, sample_seed_error
+from radixmesh.services.router.openai_request import sample_seed_error
 from radixmesh.services.router.request_fields import token_key
+from radixmesh.services.router.sampling_fields import GENERATE_ROWS, checked_int, finite_float, generate_value
 
-_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
-_FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-_STRS = ("regex", "ebnf")
-SUPPORTED = (*_INTS, *_FLOATS, *_BOOLS, *_STRS, "stop", "stop_token_ids", "logit_bias", "json_schema")
+# The scalar fields come from the field table; these have shapes of their own.
+_STRUCTURED = ("stop", "stop_token_ids", "logit_bias", "json_schema", "regex", "ebnf")
+SUPPORTED = (*GENERATE_ROWS, *_STRUCTURED)
 _FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_TYPE_LENGTH: "length",
            common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
 INT32_MAX = 2**31 - 1
-# Checked here (the engine bounds n only below): n samples cost n requests' work on one worker, so a huge n would
-# keep it busy for minutes; the OpenAI endpoints and the gRPC API take the same bound.
-_INT_RANGES = {"sampling_seed": (-2**63, 2**63 - 1), "n": (1, MAX_N)}
 
 
 def _int(name: str, v: Any, lo: int = -INT32_MAX, hi: int = INT32_MAX) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"sampling_params.{name} must be an integer, got {v!r}")
-    if not lo <= v <= hi:
-        raise ValueError(f"sampling_params.{name} must be in [{lo}, {hi}], got {v}")
-    return v
+    return checked_int(f"sampling_params.{name}", v, lo, hi)
 
 
 def _float(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"sampling_params.{name} must be a finite number, got {v!r}")
-    return float(v)
+    return finite_float(f"sampling_params.{name}", v)
 
 
 def sampling_params(d: Any) -> common_pb2.SamplingParams:
@@ -51,15 +41,10 @@ def sampling_params(d: Any) -> common_pb2.SamplingParams:
     for k, v in d.items():
         if v is None:
             continue
-        if k in _INTS:
-            setattr(sp, k, _int(k, v, *_INT_RANGES.get(k, (-INT32_MAX, INT32_MAX))))
-        elif k in _FLOATS:
-            setattr(sp, k, _float(k, v))
-        elif k in _BOOLS:
-            if not isinstance(v, bool):
-                raise ValueError(f"sampling_params.{k} must be true or false, got {v!r}")
-            setattr(sp, k, v)
-        elif k in _STRS or k == "json_schema":
+        row = GENERATE_ROWS.get(k)
+        if row is not None:
+            setattr(sp, k, generate_value(row, v))
+        elif k in ("json_schema", "regex", "ebnf"):
             setattr(sp, k, json.dumps(v) if k == "json_schema" and isinstance(v, dict) else _str(k, v))
         elif k == "stop":
             stops = [v] if isinstance(v, str) else v

@@ -21,16 +21,17 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixmesh.engine.sampling.params import MAX_N
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from radixmesh.services.router.completion_templates import CompletionTemplate
 from radixmesh.services.router.openai_errors import bad_request
 from radixmesh.services.router.request_fields import (INT32_MAX, Fields, are_token_ids, body_fields, is_token_id,
                                                       served_model, show, token_key)
+from radixmesh.services.router.sampling_fields import OPENAI_ROWS, openai_value
 from radixmesh.services.router.tool_parsers import named_call_schema, required_calls_schema
 
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
-MAX_N = 128
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _NON_TEXT_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video_url", "file")
 
@@ -76,12 +77,6 @@ class OpenAIJob:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Common fields
-
-
-def _max_tokens(f: Fields) -> int | None:
-    """max_completion_tokens, else max_tokens; both are checked when both are given."""
-    values = [f.int(name) for name in ("max_completion_tokens", "max_tokens")]
-    return next((v for v in values if v is not None), None)
 
 
 def _stop(f: Fields) -> list[str]:
@@ -162,27 +157,19 @@ def sample_seed_error(sp: common_pb2.SamplingParams) -> str | None:
 
 
 def _sampling(f: Fields) -> common_pb2.SamplingParams:
+    """The scalar fields (the field table's OpenAI rows: max_completion_tokens or max_tokens, min_tokens, seed and
+    the rest under their own names), then stops, logit_bias and the output constraint."""
     sp = common_pb2.SamplingParams()
-    ints = {"max_new_tokens": _max_tokens(f), "min_new_tokens": f.int("min_tokens"), "n": f.int("n", 1, MAX_N),
-            "sampling_seed": f.int("seed", 0, INT64_MAX), "top_k": f.int("top_k", -1)}
-    if ints["top_k"] == 0:
-        raise f.fail("top_k", "must be -1 (disabled) or >= 1")
-    floats = {"temperature": f.number("temperature", 0.0), "top_p": f.number("top_p", 0.0, 1.0, low_open=True),
-              "min_p": f.number("min_p", 0.0, 1.0), "frequency_penalty": f.number("frequency_penalty", -2.0, 2.0),
-              "presence_penalty": f.number("presence_penalty", -2.0, 2.0),
-              "repetition_penalty": f.number("repetition_penalty", 0.0, 2.0, low_open=True)}
-    bools = {name: f.bool(name) for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                                             "no_stop_trim")}
-    for name, value in {**ints, **floats, **bools}.items():
+    for row in OPENAI_ROWS:
+        value = openai_value(f, row)
         if value is not None:
-            setattr(sp, name, value)
+            setattr(sp, row.name, value)
     seed_error = sample_seed_error(sp)
     if seed_error:
         raise bad_request(seed_error, param="seed")
-    low, high = ints["min_new_tokens"], ints["max_new_tokens"]
-    if low is not None and high is not None and low > high:
-        raise bad_request(f"'min_tokens' ({low}) must be <= the maximum number of new tokens ({high})",
-                          param="min_tokens")
+    if sp.HasField("min_new_tokens") and sp.HasField("max_new_tokens") and sp.min_new_tokens > sp.max_new_tokens:
+        raise bad_request(f"'min_tokens' ({sp.min_new_tokens}) must be <= the maximum number of new tokens "
+                          f"({sp.max_new_tokens})", param="min_tokens")
     sp.stop.extend(_stop(f))
     stop_ids = f.list("stop_token_ids") or []
     if not are_token_ids(stop_ids):

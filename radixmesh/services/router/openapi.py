@@ -1,8 +1,9 @@
 """GET /openapi.json: an OpenAPI 3.1 description of every HTTP endpoint the router serves.
 
 The request schemas state what the handlers accept (openai_request, generate_api with convert, embeddings_api,
-utility_api, native_api): types, enums and the ranges they check. Where a handler ignores unknown fields the schema
-allows them (additionalProperties true); where it refuses them (/generate, sampling_params, /v1/embeddings,
+utility_api, native_api): types, enums and the ranges they check; the scalar sampling fields' schemas come from the
+sampling field table (sampling_fields), which drives those handlers too. Where a handler ignores unknown fields the
+schema allows them (additionalProperties true); where it refuses them (/generate, sampling_params, /v1/embeddings,
 /encode) it does not. `null` reads as absent in the OpenAI bodies, so their optional fields also take null. What a
 schema cannot say (a prompt longer than the model's context, a token id outside the vocabulary, min_tokens above
 max_tokens, a grammar that does not compile) is a 400 all the same. Every error status carries an OpenAI error
@@ -16,8 +17,9 @@ from typing import Any
 from aiohttp import web
 
 from radixmesh.services.router.embeddings_api import MAX_INPUTS
-from radixmesh.services.router.openai_request import INT64_MAX, MAX_N, MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixmesh.services.router.openai_request import MAX_N, MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixmesh.services.router.request_fields import INT32_MAX
+from radixmesh.services.router.sampling_fields import generate_schemas, openai_schemas
 
 OPENAPI_PATH = "/openapi.json"
 JSON = "application/json"
@@ -58,9 +60,6 @@ def _given(name: str) -> dict[str, Any]:
 BOOL = {"type": "boolean"}
 STR = {"type": "string"}
 NONEMPTY = {"type": "string", "minLength": 1}
-_SEED = "sample j of n draws with seed + j, which must stay at most 2**63 - 1"
-TOP_K = {"type": "integer", "minimum": -1, "maximum": INT32_MAX, "not": {"const": 0},
-         "description": "-1 disables top-k; 0 is refused"}
 
 SCHEMAS: dict[str, Any] = {
     "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": {"type": ["string", "null"]},
@@ -78,12 +77,7 @@ SCHEMAS: dict[str, Any] = {
         _obj({"type": {"const": "json_schema"}, "json_schema": _obj({"schema": {"type": "object"}}, ("schema",))},
              ("type", "json_schema"))]},
     "SamplingParams": _obj({k: _opt(v) for k, v in {
-        "max_new_tokens": _int(0), "min_new_tokens": _int(0), "n": _int(1, MAX_N), "top_k": TOP_K,
-        "sampling_seed": _int(0, INT64_MAX, description=_SEED), "temperature": _num(0),
-        "top_p": _num(0, 1, low_open=True), "min_p": _num(0, 1), "frequency_penalty": _num(-2, 2), "presence_penalty": _num(-2, 2),
-        "repetition_penalty": _num(0, 2, low_open=True), "ignore_eos": BOOL, "skip_special_tokens": BOOL,
-        "spaces_between_special_tokens": BOOL, "no_stop_trim": BOOL, "stop": _ref("Stop"),
-        "stop_token_ids": {"type": "array", "items": _ref("TokenId")},
+        **generate_schemas(), "stop": _ref("Stop"), "stop_token_ids": {"type": "array", "items": _ref("TokenId")},
         "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                        "additionalProperties": {"type": "number"}},
         "json_schema": {"anyOf": [NONEMPTY, {"type": "object"}]}, "regex": NONEMPTY, "ebnf": NONEMPTY,
@@ -92,12 +86,8 @@ SCHEMAS: dict[str, Any] = {
 }
 
 _SAMPLING_FIELDS = {  # shared by chat and text completions (openai_request._sampling and _stream)
-    "model": STR, "max_tokens": _int(0), "max_completion_tokens": _int(0), "min_tokens": _int(0),
-    "n": _int(1, MAX_N), "seed": _int(0, INT64_MAX, description=_SEED), "top_k": TOP_K, "temperature": _num(0),
-    "top_p": _num(0, 1, low_open=True), "min_p": _num(0, 1), "frequency_penalty": _num(-2, 2),
-    "presence_penalty": _num(-2, 2), "repetition_penalty": _num(0, 2, low_open=True), "ignore_eos": BOOL,
-    "skip_special_tokens": BOOL, "spaces_between_special_tokens": BOOL, "no_stop_trim": BOOL,
-    "stop": _ref("Stop"), "stop_token_ids": {"type": "array", "items": _ref("TokenId")},
+    "model": STR, **openai_schemas(), "stop": _ref("Stop"),
+    "stop_token_ids": {"type": "array", "items": _ref("TokenId")},
     "logit_bias": _ref("LogitBias"), "response_format": _ref("ResponseFormat"), "regex": NONEMPTY,
     "ebnf": NONEMPTY, "stream": BOOL, "stream_options": _obj({"include_usage": _opt(BOOL)}),
     "user": {"description": "ignored, but a string is the manual policy's routing key"},

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import math
 
+from radixmesh.engine.sampling.params import FIELDS
 from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
 
-_OPTIONAL_SCALARS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
-                     "reasoning_end_token_id", "reasoning_start_token_id")
+# Every row of the sampling field table is a proto3 optional field of the same name.
+_SCALARS = tuple(row.name for row in FIELDS)
 _FINISH_TYPES = {"stop": common_pb2.FINISH_REASON_TYPE_STOP, "length": common_pb2.FINISH_REASON_TYPE_LENGTH,
                  "abort": common_pb2.FINISH_REASON_TYPE_ABORT}
 
 
 def sampling_dict(sp: common_pb2.SamplingParams) -> dict:
     """Only the fields the caller set: the engine fills the rest from the model's defaults, then SGLang's."""
-    out = {name: getattr(sp, name) for name in _OPTIONAL_SCALARS if sp.HasField(name)}
+    out = {name: getattr(sp, name) for name in _SCALARS if sp.HasField(name)}
     if sp.stop:
         out["stop"] = list(sp.stop)
     if sp.stop_token_ids:
