@@ -7,8 +7,8 @@ put_nowait (a task waits on the queue), or a sink that handles the output right 
 scheduler hands a step's outputs over inside `together()`, which wakes each loop once, at the end. On the
 receiving side `coalesce` merges the outputs of one request that arrived together into one, so a consumer that fell
 behind gets one larger chunk (one detokenization, one message downstream) instead of many small ones; the concatenation
-is exactly what the separate outputs carried. `deltas_until_done` streams a call's deltas to a consumer and aborts
-the call's requests when the consumer stops early."""
+is exactly what the separate outputs carried. `deltas_until_done` streams a call's deltas to a consumer of the public
+API (as SGLang's dicts) and aborts the call's requests when the consumer stops early."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import threading
 import weakref
 from typing import AsyncIterator, Callable, Iterator
 
+from radixmesh.engine.outputs import RequestOutput
 from radixmesh.engine.request import StepOutput
 
 log = logging.getLogger(__name__)
@@ -132,21 +133,22 @@ def coalesce(items: list[tuple[int, StepOutput]]) -> list[tuple[int, StepOutput]
     return list(merged.items())
 
 
-def deltas_until_done(deltas: Iterator[dict | None], abort: Callable[[], None]) -> Iterator[dict]:
-    """A call's non-empty deltas, streamed; a consumer that stops early (or the call's end) runs `abort`."""
+def deltas_until_done(deltas: Iterator[RequestOutput | None], abort: Callable[[], None]) -> Iterator[dict]:
+    """A call's non-empty deltas, streamed as SGLang's dicts; a consumer that stops early (or the call's end) runs
+    `abort`."""
     try:
-        yield from (d for d in deltas if d is not None)
+        yield from (d.to_dict() for d in deltas if d is not None)
     finally:
         abort()  # a consumer that stops early frees its requests (a no-op for finished ones)
 
 
-async def async_deltas_until_done(deltas: AsyncIterator[dict | None], abort: Callable[[], None]
+async def async_deltas_until_done(deltas: AsyncIterator[RequestOutput | None], abort: Callable[[], None]
                                   ) -> AsyncIterator[dict]:
     """As deltas_until_done, for an async consumer."""
     try:
         async for d in deltas:
             if d is not None:
-                yield d
+                yield d.to_dict()
     finally:
         abort()
 

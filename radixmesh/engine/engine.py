@@ -32,6 +32,7 @@ from radixmesh.engine.early_aborts import EarlyAborts
 from radixmesh.engine.embeddings import EmbeddingCollector, split_inputs
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import check_dimensions, pooling_of
+from radixmesh.engine.outputs import RequestOutput
 from radixmesh.engine.request import Req, StepOutput
 from radixmesh.engine.results import BatchCollector, RequestSpec, normalize_batch, resume_req, resumed
 from radixmesh.engine.sampling.grammar import GrammarCompilerCache
@@ -220,7 +221,7 @@ class Engine:
     def _abort_all(self, specs: list[RequestSpec]) -> Callable[[], None]:
         return lambda: [self.scheduler.abort(s.rid) for s in specs]
 
-    def _receive_sync(self, collector: BatchCollector, inbox: queue.SimpleQueue) -> Iterator[dict | None]:
+    def _receive_sync(self, collector: BatchCollector, inbox: queue.SimpleQueue) -> Iterator[RequestOutput | None]:
         while not collector.done:
             got = self._next_output(inbox)
             if got is not None:
@@ -235,6 +236,27 @@ class Engine:
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
         engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
         (for latency metrics; it must be quick and not raise)."""
+        collector, deltas, abort = await self._start_async(
+            stream, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant, on_finish, resume_ids, resume_text_chars)
+        if stream:
+            return async_deltas_until_done(deltas, abort)
+        await _drain(deltas, collector, abort)
+        return collector.results if collector.is_batch else collector.results[0]
+
+    async def async_generate_outputs(self, **kwargs) -> list[RequestOutput]:
+        """As `async_generate(stream=False)`, with its keyword arguments but `stream`: every request's final output,
+        typed (engine.outputs.RequestOutput) and always in a list, for servers that make their own messages of them."""
+        collector, deltas, abort = await self._start_async(False, **kwargs)
+        await _drain(deltas, collector, abort)
+        return collector.outputs
+
+    async def _start_async(self, stream: bool, prompt=None, sampling_params=None, input_ids=None,
+                           return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
+                           token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
+                           tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None):
+        """Validates and submits an async call. Returns its collector, its outputs as they are recorded (an async
+        iterator) and the function that aborts its requests."""
         with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
@@ -245,26 +267,18 @@ class Engine:
             mailbox = mailbox_for(asyncio.get_running_loop())
             self._submit(specs, lambda i: (lambda out: mailbox.put(inbox.put_nowait, (i, out))), handoff, tenant)
         # If the loop closes first, the mailbox raises in the scheduler thread, which then aborts the request.
-        deltas = self._receive_async(collector, inbox)
-        if stream:
-            return async_deltas_until_done(deltas, self._abort_all(specs))
-        try:
-            async for _ in deltas:
-                pass
-        finally:  # cancelled (a timeout, a dropped client): free what is still running
-            if not collector.done:
-                self._abort_all(specs)()
-        return collector.results if is_batch else collector.results[0]
+        return collector, self._receive_async(collector, inbox), self._abort_all(specs)
 
-    async def generate_into(self, on_delta: Callable[[dict], None], prompt=None, sampling_params=None,
+    async def generate_into(self, on_delta: Callable[[RequestOutput], None], prompt=None, sampling_params=None,
                             input_ids=None, return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                             token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
                             tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None) -> None:
-        """As `async_generate(stream=True)`, but each delta is handed to `on_delta(delta)` where the event loop
-        receives the scheduler's outputs: no task wakes up per token, which is what a server streaming many
-        requests at once spends most of its event loop on. Returns when every request of the call has finished.
-        An exception from `on_delta` ends the call (its requests are aborted) and is raised here; so is a
-        cancellation. `on_delta` is never called after this returns or raises."""
+        """As `async_generate(stream=True)`, but each delta, typed (engine.outputs.RequestOutput, its `index` set in
+        a batch), is handed to `on_delta(delta)` where the event loop receives the scheduler's outputs: no task wakes
+        up per token, which is what a server streaming many requests at once spends most of its event loop on.
+        Returns when every request of the call has finished. An exception from `on_delta` ends the call (its
+        requests are aborted) and is raised here; so is a cancellation. `on_delta` is never called after this
+        returns or raises."""
         with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
@@ -322,7 +336,8 @@ class Engine:
                                       sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
         return specs, is_batch
 
-    async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue) -> AsyncIterator[dict | None]:
+    async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue
+                             ) -> AsyncIterator[RequestOutput | None]:
         while not collector.done:
             try:
                 # asyncio.timeout, not wait_for: on Python 3.11 a nested wait_for can swallow the caller's cancel.
@@ -508,6 +523,18 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+async def _drain(deltas: AsyncIterator[RequestOutput | None], collector: BatchCollector,
+                 abort: Callable[[], None]) -> None:
+    """Records a call's outputs until its requests finish; cancelled (a timeout, a dropped client), frees what is
+    still running."""
+    try:
+        async for _ in deltas:
+            pass
+    finally:
+        if not collector.done:
+            abort()
 
 
 def _check_tenant(tenant: str) -> None:

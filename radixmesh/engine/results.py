@@ -1,5 +1,6 @@
-"""The Engine API's edges: turning user arguments into validated request specs, and scheduler outputs into
-SGLang-shaped result dicts (`text`, `output_ids`, `meta_info`)."""
+"""The Engine API's edges: turning user arguments into validated request specs, and scheduler outputs into typed
+RequestOutputs (engine.outputs), which the public API returns as SGLang-shaped dicts (`text`, `output_ids`,
+`meta_info`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from radixmesh.engine.detokenizer import IncrementalDetokenizer
+from radixmesh.engine.outputs import Logprobs, RequestOutput
 from radixmesh.engine.request import LogprobSpec, StepOutput
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -264,8 +266,8 @@ class ResultBuilder:
         hold = max((n for s in params.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         return text[:len(text) - hold]
 
-    def push(self, out: StepOutput) -> dict | None:
-        """Record a scheduler output. When streaming, returns the dict to send: cumulative text, ids and logprobs
+    def push(self, out: StepOutput) -> RequestOutput | None:
+        """Record a scheduler output. When streaming, returns the output to send: cumulative text, ids and logprobs
         (SGLang's default), or with `segments` only what is new since the last one."""
         if self.first_token_at is None and out.new_token_ids:
             self.first_token_at = time.monotonic()
@@ -289,32 +291,24 @@ class ResultBuilder:
         self.sent_ids = len(self.output_ids)
         visible = self._visible(self.detok.text, out.finished) if self.detok is not None else ""
         if not self.segments:
-            return {"text": visible, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+            return self._output(visible, list(self.output_ids))
         text, self.sent_chars = visible[self.sent_chars:], max(self.sent_chars, len(visible))
-        meta = self.meta_info(logprobs_from=sent)
-        return {"text": text, "output_ids": self.output_ids[sent:], "meta_info": meta}
+        return self._output(text, self.output_ids[sent:], logprobs_from=sent)
 
-    def meta_info(self, logprobs_from: int = 0) -> dict:
+    def _output(self, text: str, output_ids: list[int], logprobs_from: int = 0) -> RequestOutput:
         out = self.last
-        meta = {
-            "id": self.spec.rid,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
-        }
-        if self.spec.logprob is not None:
-            a = logprobs_from
-            meta["input_token_logprobs"], meta["input_top_logprobs"], by_id = self._input_logprobs()
-            if self.spec.logprob.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = by_id
-            meta["output_token_logprobs"] = [self._triple(lp, tok) for lp, tok in
-                                             zip(self.logprobs[a:], self.output_ids[a:])]
-            if self.spec.logprob.top_logprobs_num:
-                meta["output_top_logprobs"] = [[self._triple(*p) for p in row] for row in self.top_logprobs[a:]]
-            if self.spec.logprob.token_ids_logprob:
-                meta["output_token_ids_logprobs"] = [[self._triple(*p) for p in row] for row in self.id_logprobs[a:]]
-        return meta
+        return RequestOutput(self.spec.rid, text, output_ids, out.prompt_tokens, out.completion_tokens,
+                             out.cached_tokens, out.finish_reason,
+                             self._logprobs(logprobs_from) if self.spec.logprob is not None else None)
+
+    def _logprobs(self, start: int) -> Logprobs:
+        """The lists the request asked for; output tokens from index `start` on."""
+        spec = self.spec.logprob
+        inputs, input_top, by_id = self._input_logprobs()
+        output = [self._triple(lp, tok) for lp, tok in zip(self.logprobs[start:], self.output_ids[start:])]
+        top = [[self._triple(*p) for p in row] for row in self.top_logprobs[start:]] if spec.top_logprobs_num else None
+        ids = [[self._triple(*p) for p in row] for row in self.id_logprobs[start:]] if spec.token_ids_logprob else None
+        return Logprobs(output, inputs, input_top, top, ids, by_id if spec.token_ids_logprob else None)
 
     def _input_logprobs(self) -> tuple[list, list, list]:
         """Prompt tokens from logprob_start_len on; the very first token has no logprob (None), as in SGLang."""
@@ -335,23 +329,23 @@ class ResultBuilder:
         text = self.tokenizer.decode([token]) if self.spec.return_text_in_logprobs else None
         return logprob, token, text
 
-    def result(self) -> dict:
+    def result(self) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens,
                                          spaces_between_special_tokens=self.spec.params.spaces_between_special_tokens)
             text = self._visible(text, finished=True)
-        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        return self._output(text, list(self.output_ids))
 
 
 class BatchCollector:
     """Routes one API call's scheduler outputs to per-request builders: yields streaming deltas (tagged with
-    `index` for a batch) or collects the final results."""
+    `index` for a batch) or collects the final outputs."""
 
     def __init__(self, specs: list[RequestSpec], tokenizer, stream: bool, is_batch: bool, segments: bool = False,
                  on_finish: Callable[[int, RequestTiming], None] | None = None, interval: int = 1):
         self.builders = [ResultBuilder(s, tokenizer, stream, segments, interval) for s in specs]
-        self.results: list[dict | None] = [None] * len(specs)
+        self.outputs: list[RequestOutput | None] = [None] * len(specs)  # each request's final output (not streamed)
         self.stream, self.is_batch = stream, is_batch
         self.remaining = len(specs)
         self.on_finish = on_finish
@@ -361,15 +355,20 @@ class BatchCollector:
     def done(self) -> bool:
         return self.remaining == 0
 
-    def record(self, i: int, out: StepOutput) -> dict | None:
+    @property
+    def results(self) -> list[dict | None]:
+        """The final outputs as the public API returns them (SGLang's dicts; None: not finished, or streamed)."""
+        return [out.to_dict() if out is not None else None for out in self.outputs]
+
+    def record(self, i: int, out: StepOutput) -> RequestOutput | None:
         delta = self.builders[i].push(out)
         if out.finished:
             self.remaining -= 1
             if not self.stream:
-                self.results[i] = self.builders[i].result()
+                self.outputs[i] = self.builders[i].result()
             if self.on_finish is not None:
                 self.on_finish(i, RequestTiming(self.submitted, self.builders[i].first_token_at, time.monotonic(),
                                                 out.queue_time_s))
         if delta is not None and self.is_batch:
-            delta["index"] = i
+            delta.index = i
         return delta

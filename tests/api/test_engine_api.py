@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from radixmesh.engine.outputs import RequestOutput
 from tests.conftest import model_path
 from tests.engine_utils import assert_no_leak, parity_prompts, running_engine, vocab_size
 from tests.reference import hf_greedy, hf_model
@@ -322,15 +323,21 @@ def test_prompt_scoring_with_no_new_tokens(llm):
 
 
 def test_generate_into_hands_over_what_the_stream_yields(llm):
+    """generate_into hands typed outputs (engine.outputs.RequestOutput) whose SGLang dicts are what the public
+    stream yields."""
     prompts = ["Once upon a time", "The river"]
 
     async def both():
         streamed = [d async for d in await llm.async_generate(prompts, GREEDY, stream=True)]
-        handed: list[dict] = []
-        assert await llm.generate_into(handed.append, prompts, GREEDY) is None
-        return streamed, handed
+        typed: list[RequestOutput] = []
+        assert await llm.generate_into(typed.append, prompts, GREEDY) is None
+        return streamed, typed
 
-    streamed, handed = asyncio.run(both())
+    streamed, typed = asyncio.run(both())
+    assert all(isinstance(d, RequestOutput) for d in typed)
+    assert all(d.finished == (d.finish_reason is not None) for d in typed)
+    handed = [d.to_dict() for d in typed]
+    assert all(set(d) == set(streamed[0]) for d in handed)  # text, output_ids, meta_info and index
     for i in (0, 1):  # per prompt the same cumulative deltas (how they group into steps may differ)
         mine = [d for d in handed if d["index"] == i]
         theirs = [d for d in streamed if d["index"] == i]
@@ -341,9 +348,9 @@ def test_generate_into_hands_over_what_the_stream_yields(llm):
 
 def test_generate_into_error_or_cancel_frees_the_request(llm):
     params = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
-    seen: list[dict] = []
+    seen: list[RequestOutput] = []
 
-    def failing(delta: dict) -> None:
+    def failing(delta: RequestOutput) -> None:
         seen.append(delta)
         if len(seen) == 3:
             raise KeyError("the consumer broke")
@@ -383,4 +390,4 @@ def test_stream_interval_counts_from_the_first_token_not_from_an_output_without_
 
     steps = [([], False), ([7], False), ([8], False), ([9], False), ([10], False), ([11], False), ([12], True)]
     sent = [builder.push(out(ids, done)) for ids, done in steps]
-    assert [d and d["output_ids"] for d in sent] == [[], [7], None, None, None, [8, 9, 10, 11], [12]]
+    assert [d and d.output_ids for d in sent] == [[], [7], None, None, None, [8, 9, 10, 11], [12]]

@@ -181,14 +181,14 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
         kwargs = convert.generate_kwargs(request)
         kwargs["on_finish"] = timings.__setitem__
         try:
-            result = await self.engine.async_generate(**kwargs, handoff=role)
+            (result,) = await self.engine.async_generate_outputs(**kwargs, handoff=role)
         except BaseException:
             # Cancelled or failed around the hand-over: queued after the engine's own abort, this frees pages
             # the request may hold by now (a no-op otherwise).
             self.engine.release_kv(rid)
             raise
         if not ready.done():
-            reason = result["meta_info"]["finish_reason"] or {}
+            reason = result.finish_reason.to_dict() if result.finish_reason is not None else {}
             raise HandoffFailed(f"prefill did not complete: {reason.get('message', reason)}", "prefill_failed")
         pages, first = ready.result()
         if 0 in timings and tracing.enabled():

@@ -1,4 +1,5 @@
-"""Router-side conversions between SGLang's JSON (`sampling_params`, `meta_info`) and the protobuf contract."""
+"""Router-side conversions between SGLang's JSON (`sampling_params`, `meta_info`) and the protobuf contract; a
+worker's finish reason becomes the engine's typed FinishReason, a dict only in the JSON the router writes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from radixmesh.engine.request import FinishKind, FinishReason
 from radixmesh.v1 import common_pb2
 from radixmesh.services.router.openai_request import sample_seed_error
 from radixmesh.services.router.request_fields import token_key
@@ -14,8 +16,8 @@ from radixmesh.services.router.sampling_fields import GENERATE_ROWS, checked_int
 # The scalar fields come from the field table; these have shapes of their own.
 _STRUCTURED = ("stop", "stop_token_ids", "logit_bias", "json_schema", "regex", "ebnf")
 SUPPORTED = (*GENERATE_ROWS, *_STRUCTURED)
-_FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_TYPE_LENGTH: "length",
-           common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
+_FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: FinishKind.STOP, common_pb2.FINISH_REASON_TYPE_LENGTH: FinishKind.LENGTH,
+           common_pb2.FINISH_REASON_TYPE_ABORT: FinishKind.ABORT}
 INT32_MAX = 2**31 - 1
 
 
@@ -79,17 +81,15 @@ def _logit_bias(sp: common_pb2.SamplingParams, v: Any) -> None:
         sp.logit_bias[_int("logit_bias", tok_id, 0)] = _float("logit_bias", bias)
 
 
-def finish_reason(fr: common_pb2.FinishReason) -> dict:
-    kind = _FINISH.get(fr.type, "abort")
-    out: dict = {"type": kind}
-    if kind == "stop":
+def finish_reason(fr: common_pb2.FinishReason) -> FinishReason:
+    """The engine's FinishReason of a worker's message (an unspecified type reads as an abort)."""
+    kind = _FINISH.get(fr.type, FinishKind.ABORT)
+    if kind is FinishKind.STOP:
         which = fr.WhichOneof("matched")
-        out["matched"] = getattr(fr, which) if which else None
-    elif kind == "length":
-        out["length"] = fr.length
-    else:
-        out["message"] = fr.message
-    return out
+        return FinishReason(kind, matched=getattr(fr, which) if which else None)
+    if kind is FinishKind.LENGTH:
+        return FinishReason(kind, length=fr.length)
+    return FinishReason(kind, message=fr.message)
 
 
 def _texts(texts, n: int) -> list:

@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.engine.request import FinishReason
 from radixmesh.engine.results import all_ints, sample_rids
 from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from radixmesh.services.common import tracing
@@ -36,7 +37,7 @@ class _Sample:
     input_top: list = field(default_factory=list)
     input_by_id: list = field(default_factory=list)
     usage: tuple[int, int, int] = (0, 0, 0)
-    finish: dict | None = None
+    finish: FinishReason | None = None  # None: still running
 
     def add_output(self, lp: common_pb2.OutputLogprobs) -> None:
         self.logprobs += convert.triples(lp.token_ids, lp.token_logprobs, lp.texts)
@@ -75,7 +76,8 @@ class _Sample:
                 self.set_input(c.input_logprobs)
 
     def result(self, lp: common_pb2.LogprobOptions) -> dict:
-        meta: dict[str, Any] = {"id": self.rid, "finish_reason": self.finish, "prompt_tokens": self.usage[0],
+        finish = self.finish.to_dict() if self.finish is not None else None
+        meta: dict[str, Any] = {"id": self.rid, "finish_reason": finish, "prompt_tokens": self.usage[0],
                                 "completion_tokens": self.usage[1], "cached_tokens": self.usage[2]}
         if lp.return_logprob:
             meta.update(output_token_logprobs=self.logprobs, input_token_logprobs=self.input_lp)

@@ -1,18 +1,21 @@
 """Proto <-> engine conversions for workers: GenerateRequest -> Engine.async_generate keyword arguments, and the
-engine's result dicts (`text`, `output_ids`, `meta_info`) -> GenerateStreamChunk / GenerateComplete; EmbedRequest ->
+engine's typed outputs (engine.outputs.RequestOutput) -> GenerateStreamChunk / GenerateComplete; EmbedRequest ->
 Engine.async_encode keyword arguments, and its results -> EmbedResponse."""
 
 from __future__ import annotations
 
 import math
 
+from radixmesh.engine.outputs import Logprobs, RequestOutput
+from radixmesh.engine.request import FinishKind, FinishReason
 from radixmesh.engine.sampling.params import FIELDS
 from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
 
 # Every row of the sampling field table is a proto3 optional field of the same name.
 _SCALARS = tuple(row.name for row in FIELDS)
-_FINISH_TYPES = {"stop": common_pb2.FINISH_REASON_TYPE_STOP, "length": common_pb2.FINISH_REASON_TYPE_LENGTH,
-                 "abort": common_pb2.FINISH_REASON_TYPE_ABORT}
+_FINISH_TYPES = {FinishKind.STOP: common_pb2.FINISH_REASON_TYPE_STOP,
+                 FinishKind.LENGTH: common_pb2.FINISH_REASON_TYPE_LENGTH,
+                 FinishKind.ABORT: common_pb2.FINISH_REASON_TYPE_ABORT}
 
 
 def sampling_dict(sp: common_pb2.SamplingParams) -> dict:
@@ -85,64 +88,65 @@ def _logprobs(msg_type, chosen, tops, by_ids):
                     top_logprobs=_top(tops or []), token_ids_logprobs=_top(by_ids or []))
 
 
-def output_logprobs(meta: dict) -> common_pb2.OutputLogprobs | None:
-    if "output_token_logprobs" not in meta:
+def output_logprobs(lp: Logprobs | None) -> common_pb2.OutputLogprobs | None:
+    if lp is None:
         return None
-    return _logprobs(common_pb2.OutputLogprobs, meta["output_token_logprobs"], meta.get("output_top_logprobs"),
-                     meta.get("output_token_ids_logprobs"))
+    return _logprobs(common_pb2.OutputLogprobs, lp.output, lp.output_top, lp.output_by_id)
 
 
-def input_logprobs(meta: dict) -> common_pb2.InputLogprobs | None:
-    if not meta.get("input_token_logprobs"):
+def input_logprobs(lp: Logprobs | None) -> common_pb2.InputLogprobs | None:
+    if lp is None or not lp.input:
         return None
-    return _logprobs(common_pb2.InputLogprobs, meta["input_token_logprobs"], meta.get("input_top_logprobs"),
-                     meta.get("input_token_ids_logprobs"))
+    return _logprobs(common_pb2.InputLogprobs, lp.input, lp.input_top, lp.input_by_id)
 
 
-def finish_reason(d: dict | None) -> common_pb2.FinishReason | None:
-    if d is None:
+def finish_reason(reason: FinishReason | None) -> common_pb2.FinishReason | None:
+    if reason is None:
         return None
-    out = common_pb2.FinishReason(type=_FINISH_TYPES[d["type"]])
-    matched = d.get("matched")
-    if isinstance(matched, int):
-        out.matched_token_id = matched
-    elif isinstance(matched, str):
-        out.matched_stop_str = matched
-    if d.get("length") is not None:
-        out.length = d["length"]
-    if d.get("message"):
-        out.message = d["message"]
+    out = common_pb2.FinishReason(type=_FINISH_TYPES[reason.kind])
+    if reason.kind is FinishKind.STOP:
+        if isinstance(reason.matched, int):
+            out.matched_token_id = reason.matched
+        elif isinstance(reason.matched, str):
+            out.matched_stop_str = reason.matched
+    elif reason.kind is FinishKind.LENGTH:
+        if reason.length is not None:
+            out.length = reason.length
+    elif reason.message:
+        out.message = reason.message
     return out
 
 
-def usage(meta: dict) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-                            cached_tokens=meta["cached_tokens"])
+def usage(out: RequestOutput) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            cached_tokens=out.cached_tokens)
 
 
-def chunk(delta: dict, with_input_logprobs: bool) -> worker_pb2.GenerateStreamChunk:
+def chunk(delta: RequestOutput, with_input_logprobs: bool) -> worker_pb2.GenerateStreamChunk:
     """A streamed segment (the engine runs with stream_output, so ids, text and logprobs are only the new ones)."""
-    meta = delta["meta_info"]
-    msg = worker_pb2.GenerateStreamChunk(token_ids=delta["output_ids"], text=delta["text"],
-                                         prompt_tokens=meta["prompt_tokens"],
-                                         completion_tokens=meta["completion_tokens"],
-                                         cached_tokens=meta["cached_tokens"])
-    out_lp = output_logprobs(meta)
-    if out_lp is not None:
-        msg.output_logprobs.CopyFrom(out_lp)
-    if meta["finish_reason"] is not None:
-        msg.finish_reason.CopyFrom(finish_reason(meta["finish_reason"]))
-    in_lp = input_logprobs(meta) if with_input_logprobs else None
+    msg = worker_pb2.GenerateStreamChunk(token_ids=delta.output_ids, text=delta.text,
+                                         prompt_tokens=delta.prompt_tokens,
+                                         completion_tokens=delta.completion_tokens,
+                                         cached_tokens=delta.cached_tokens)
+    lp = delta.logprobs
+    if lp is not None:
+        msg.output_logprobs.CopyFrom(output_logprobs(lp))
+    if delta.finish_reason is not None:
+        msg.finish_reason.CopyFrom(finish_reason(delta.finish_reason))
+    in_lp = input_logprobs(lp) if with_input_logprobs else None
     if in_lp is not None:
         msg.input_logprobs.CopyFrom(in_lp)
     return msg
 
 
-def complete(output_ids: list[int], text: str, meta: dict, with_logprobs: bool) -> worker_pb2.GenerateComplete:
-    msg = worker_pb2.GenerateComplete(output_ids=output_ids, text=text, usage=usage(meta),
-                                      finish_reason=finish_reason(meta["finish_reason"]))
+def complete(output_ids: list[int], text: str, out: RequestOutput, with_logprobs: bool
+             ) -> worker_pb2.GenerateComplete:
+    """A sample's whole output (`output_ids` and `text`: a streamed sample's chunks joined); usage and finish reason
+    from `out`, its last output; with_logprobs: `out`'s logprobs (a whole result's) too."""
+    msg = worker_pb2.GenerateComplete(output_ids=output_ids, text=text, usage=usage(out),
+                                      finish_reason=finish_reason(out.finish_reason))
     if with_logprobs:
-        out_lp, in_lp = output_logprobs(meta), input_logprobs(meta)
+        out_lp, in_lp = output_logprobs(out.logprobs), input_logprobs(out.logprobs)
         if out_lp is not None:
             msg.output_logprobs.CopyFrom(out_lp)
         if in_lp is not None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from radixmesh.engine.outputs import RequestOutput
+from radixmesh.engine.request import FinishKind
 from radixmesh.engine.results import RequestTiming
 from radixmesh.services.common.metrics import (E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
                                                Families, ServiceMetrics)
@@ -84,10 +86,12 @@ class WorkerMetrics:
         m.collect(self._collect)
 
     # ---- per request ------------------------------------------------------------------------------------------
-    def finished(self, meta: dict, started: float, timing: RequestTiming | None) -> None:
-        """A colocated or decode request finished; `started`: time.monotonic() when its Generate arrived."""
-        completion = meta["completion_tokens"]
-        self._count(meta["prompt_tokens"], meta["cached_tokens"], meta["finish_reason"])
+    def finished(self, out: RequestOutput, started: float, timing: RequestTiming | None) -> None:
+        """A colocated or decode request finished (`out`: its last output); `started`: time.monotonic() when its
+        Generate arrived."""
+        completion = out.completion_tokens
+        aborted = out.finish_reason is not None and out.finish_reason.kind is FinishKind.ABORT
+        self._count(out.prompt_tokens, out.cached_tokens, aborted)
         self.generation_tokens.inc(completion)
         if timing is None:
             self.e2e.observe(time.monotonic() - started)
@@ -104,7 +108,7 @@ class WorkerMetrics:
                   timing: RequestTiming | None = None) -> None:
         """A prefill-role request ended: its KV was handed over (`ok`) or the handoff failed; `timing`, when the
         engine finished it, gives its wait in the queue."""
-        self._count(prompt_tokens, cached_tokens, None if ok else {"type": "abort"})
+        self._count(prompt_tokens, cached_tokens, aborted=not ok)
         self.e2e.observe(time.monotonic() - started)
         if timing is not None and timing.queue_time_s is not None:
             self.queue.observe(timing.queue_time_s)
@@ -112,14 +116,14 @@ class WorkerMetrics:
     def left(self, prompt_tokens: int, started: float) -> None:
         """A request whose caller went away before it finished (the engine aborts it): counted as aborted; the
         tokens it generated are not known here and not counted."""
-        self._count(prompt_tokens, 0, {"type": "abort"})
+        self._count(prompt_tokens, 0, aborted=True)
         self.e2e.observe(time.monotonic() - started)
 
-    def _count(self, prompt: int, cached: int, finish_reason: dict | None) -> None:
+    def _count(self, prompt: int, cached: int, aborted: bool) -> None:
         self.requests.inc()
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
-        if finish_reason is not None and finish_reason.get("type") == "abort":
+        if aborted:
             self.aborted.inc()
 
     def chunk_gap(self, seconds: float, tokens: int) -> None:

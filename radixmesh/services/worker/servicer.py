@@ -19,6 +19,7 @@ import grpc
 
 from radixmesh.engine.cache.kv_events import EventKind, KvEvent
 from radixmesh.engine.engine import Engine
+from radixmesh.engine.outputs import RequestOutput
 from radixmesh.engine.profiling import ProfileError
 from radixmesh.engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -68,30 +69,29 @@ class _StreamOut:
         self.samples: dict[int, _SampleState] = {}
         self.finished = 0
 
-    def push(self, delta: dict) -> None:
+    def push(self, delta: RequestOutput) -> None:
         sv = self.servicer
-        i = delta.get("index", 0)
+        i = delta.index or 0
         state = self.samples.get(i)
         if state is None:
             state = self.samples[i] = _SampleState()
-        meta = delta["meta_info"]
-        ids = delta["output_ids"]
+        ids = delta.output_ids
         if sv.metrics is not None and ids:
             sv._chunk_gap(state, len(ids))
         state.ids += ids
-        state.text.append(delta["text"])
+        state.text.append(delta.text)
         sv.stats.tokens_out(len(ids))
         piece = convert.chunk(delta, with_input_logprobs=not state.sent_input_logprobs)
         state.sent_input_logprobs = True
-        done = meta["finish_reason"] is not None
+        done = delta.finish_reason is not None
         if done:  # counted before the caller may stop reading
             self.finished += 1
-            sv._record_done(meta, 0)
+            sv._record_done(delta, 0)
             if self.timings is not None:
-                sv._finished(i, meta, self.started, self.timings.get(i))
+                sv._finished(i, delta, self.started, self.timings.get(i))
         self.emit(worker_pb2.GenerateResponse(request_id=self.rid, index=i, chunk=piece))
         if done:
-            whole = convert.complete(state.ids, "".join(state.text), meta, with_logprobs=False)
+            whole = convert.complete(state.ids, "".join(state.text), delta, with_logprobs=False)
             self.emit(worker_pb2.GenerateResponse(request_id=self.rid, index=i, complete=whole))
 
 
@@ -227,20 +227,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _whole(self, rid: str, kwargs: dict, started: float,
                      timings: dict | None) -> list[worker_pb2.GenerateResponse]:
         try:
-            results = await self.engine.async_generate(**kwargs)
+            results = await self.engine.async_generate_outputs(**kwargs)
         except asyncio.CancelledError:
             if self.metrics is not None:  # the caller left: its samples count as aborted
                 for _ in range(kwargs["sampling_params"].get("n", 1)):
                     self.metrics.left(len(kwargs["input_ids"]), started)
             raise
-        results = results if isinstance(results, list) else [results]
         out = []
         for i, res in enumerate(results):
-            meta = res["meta_info"]
-            self._record_done(meta, len(res["output_ids"]))
+            self._record_done(res, len(res.output_ids))
             if timings is not None:
-                self._finished(i, meta, started, timings.get(i))
-            done = convert.complete(res["output_ids"], res["text"], meta, with_logprobs=True)
+                self._finished(i, res, started, timings.get(i))
+            done = convert.complete(res.output_ids, res.text, res, with_logprobs=True)
             out.append(worker_pb2.GenerateResponse(request_id=rid, index=i, complete=done))
         return out
 
@@ -253,12 +251,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 for _ in range(kwargs["sampling_params"].get("n", 1) - out.finished):
                     self.metrics.left(len(kwargs["input_ids"]), started)
 
-    def _finished(self, index: int, meta: dict, started: float, timing) -> None:
+    def _finished(self, index: int, out: RequestOutput, started: float, timing) -> None:
         """A sample finished: metrics, and with tracing on its queue, prefill and decode spans."""
         if self.metrics is not None:
-            self.metrics.finished(meta, started, timing)
+            self.metrics.finished(out, started, timing)
         if timing is not None and tracing.enabled():
-            trace_sample(self.settings.disaggregation_mode, index, meta, timing)
+            trace_sample(self.settings.disaggregation_mode, index, out.meta_info(), timing)
 
     def _chunk_gap(self, state: _SampleState, tokens: int) -> None:
         now = time.monotonic()
@@ -266,8 +264,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.metrics.chunk_gap(now - state.last_chunk_at, tokens)
         state.last_chunk_at = now
 
-    def _record_done(self, meta: dict, new_tokens: int) -> None:
-        self.stats.request_done(meta["prompt_tokens"], meta["cached_tokens"])
+    def _record_done(self, out: RequestOutput, new_tokens: int) -> None:
+        self.stats.request_done(out.prompt_tokens, out.cached_tokens)
         self.stats.tokens_out(new_tokens)
 
     async def Abort(self, request, context):
