@@ -187,3 +187,26 @@ def test_max_prefill_tokens_bounds_a_batch_of_several():
     prefills = [extend for mode, extend in runner.batches if mode is ForwardMode.EXTEND]
     assert all(sum(e) <= 64 or len(e) == 1 for e in prefills), prefills
     assert [90] in prefills  # a lone prompt larger than the budget still runs
+
+
+def test_steps_do_not_keep_earlier_steps_alive():
+    """A step reads the step in flight for its pending inputs; kept past execute, every step would hold the one
+    before it and the whole history would stay in memory (device tensors, pinned copies, a slower collector)."""
+    import gc
+
+    from radixmesh.engine.scheduler.step import StepResult
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, StepResult) for o in gc.get_objects())
+
+    sched, runner = make(page=4, mixed=True)
+    sched.overlap = True
+    prompts = prompts_for(3)
+    reqs, _ = submit(sched, prompts)
+    before = alive()
+    for _ in range(40):
+        sched.step()
+    assert sched.stats["forward_decode"] + sched.stats["forward_extend"] == 40 and alive() - before <= 1
+    run_all(sched)
+    check_done(sched, reqs, prompts)

@@ -273,6 +273,8 @@ class Scheduler:
         except Exception as e:
             self._fail(reqs, e)
             return None
+        finally:
+            batch.after = None  # read by execute only: kept, every step would hold the one before it, and so on
         self.stats["forward_extend" if batch.mode is ForwardMode.EXTEND else "forward_decode"] += 1
         for r, samples, new in zip(reqs, batch.samples, batch.prefilling):
             if new:

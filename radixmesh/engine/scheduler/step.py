@@ -46,7 +46,7 @@ class ScheduledBatch:
     locs: torch.Tensor  # [new tokens] int64 KV slots the new tokens write, in batch order
     samples: list[bool]  # per request: this forward completes its fill, so it samples a token
     prefilling: list[bool]  # per request: it was not decoding before this forward
-    after: StepResult | None = None  # the step still in flight, whose tokens are some requests' inputs
+    after: StepResult | None = None  # the step in flight whose tokens are inputs here; cleared once executed
     new_tokens: int = 0  # tokens an EXTEND forward computes (the prefill rate's numerator); 0 for DECODE
 
 
