@@ -25,14 +25,14 @@ def _children_map() -> dict[int, list[int]]:
 
 
 def _label(pid: int, root: int) -> str:
-    """The service a process runs (`python -m radixmesh.services.worker ...` -> decode), else `root` or the pid."""
+    """The service a process runs (`python -m radixmesh.services.worker ...` -> worker), else `root` or the pid."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return str(pid)
     for i, arg in enumerate(argv[:-1]):
         if arg == b"-m":
-            return argv[i + 1].decode().removeprefix("services.")
+            return argv[i + 1].decode().removeprefix("radixmesh.services.")
     return "root" if pid == root else str(pid)
 
 

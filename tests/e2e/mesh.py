@@ -73,10 +73,10 @@ class Mesh:
         return f"http://127.0.0.1:{self.port}"
 
     def services(self) -> dict[str, int]:
-        """Service module name (services.router, services.worker, ...) -> pid; several workers get -0, -1, ..."""
+        """Service module name (radixmesh.services.router, radixmesh.services.worker, ...) -> pid; several workers get -0, -1, ..."""
         out: dict[str, int] = {}
         for pid in child_pids(self.proc.pid):
-            name = next((a for a in cmdline(pid).split() if a.startswith("services.")), "?")
+            name = next((a for a in cmdline(pid).split() if a.startswith("radixmesh.services.")), "?")
             key, i = name, 0
             while key in out:
                 i += 1

@@ -134,7 +134,7 @@ def _whole_again(mesh, service: str, victim: tuple[int, str], killed: bool, work
     assert mesh.proc.poll() is None, "the mesh stopped"
 
 
-@pytest.mark.parametrize("service,fault", CASES, ids=[f"{s.split('.')[1]}-{f}" for s, f in CASES])
+@pytest.mark.parametrize("service,fault", CASES, ids=[f"{s.split('.')[2]}-{f}" for s, f in CASES])
 def test_a_service_killed_or_stopped_under_streaming_load(chaos, service, fault):
     mesh, want = chaos
     pid = _pid(mesh, service)

@@ -46,10 +46,10 @@ def addresses(mesh) -> dict[str, str]:
     out = {}
     for pid in mesh.services().values():
         argv = cmdline(pid).split()
-        module = next((a for a in argv if a.startswith("services.")), "")
+        module = next((a for a in argv if a.startswith("radixmesh.services.")), "")
         if "--port" not in argv or module == "radixmesh.services.router":
             continue
-        name = module.removeprefix("services.")
+        name = module.removeprefix("radixmesh.services.")
         if "--disaggregation-mode" in argv:
             name = argv[argv.index("--disaggregation-mode") + 1]
         out[name] = f"127.0.0.1:{argv[argv.index('--port') + 1]}"

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    _early = sorted(m for m in sys.modules if m.startswith("kernels."))
+    _early = sorted(m for m in sys.modules if m.startswith("radixmesh.kernels."))
     if _early:
         raise RuntimeError(f"{_early} imported before TRITON_INTERPRET was set: their kernels would need a GPU")
     os.environ["TRITON_INTERPRET"] = "1"

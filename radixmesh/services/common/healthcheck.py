@@ -128,7 +128,7 @@ def main_service(proc: Path = Path("/proc")) -> tuple[list[str], dict]:
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile, or not ours to read
         for i, arg in enumerate(argv[:-1]):
-            if arg == "-m" and argv[i + 1].startswith("services."):
+            if arg == "-m" and argv[i + 1].startswith("radixmesh.services."):
                 found.append((started, int(entry.name), argv[i:]))
                 break
     if not found:
