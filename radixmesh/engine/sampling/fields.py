@@ -19,10 +19,13 @@ and a seed whose last sample (seed + n - 1) still fits a signed 64-bit integer.
 
 Error shapes (the message names the field; `{bounds}` as `Row.bounds` writes them):
   engine:             `{name} must be an integer, got {value!r}`, `{name} must be >= {low}, got {value}`,
-                      `{name} must be a number, got {value!r}`, `{name} must be in {bounds}, got {value}`
+                      `{name} must be a number, got {value!r}`, `{name} must be in {bounds}, got {value}`; flags
+                      are not checked (SGLang's engine takes any value)
   OpenAI (HTTP 400):  `'{openai name}' must be in {bounds}, got {value as JSON}` (param: that name)
-  SGLang /generate:   `sampling_params.{name} must be an integer, got {value!r}` (types and proto widths only: the
-                      worker's engine checks the bounds and answers with the engine's message)"""
+  both, in a gap:     `... must be {off} (disabled) or >= {low}, got {value}`
+  SGLang /generate:   `sampling_params.{name} must be an integer, got {value!r}`, `... must be in [low, high], got
+                      {value}` (types and proto widths, and the whole range of a row with `api_high`; the worker's
+                      engine checks the other bounds and answers with the engine's message)"""
 
 from __future__ import annotations
 
@@ -41,8 +44,8 @@ class Kind(enum.Enum):
 class Api(enum.Enum):
     """Where a field can be given."""
 
-    ENGINE = "engine"  # Engine.generate's sampling_params, and the worker's proto (which carries every row)
-    GENERATE = "generate"  # SGLang's POST /generate `sampling_params` (and the router's gRPC API)
+    ENGINE = "engine"  # Engine.generate's sampling_params, and the proto message (which carries every row)
+    GENERATE = "generate"  # SGLang's POST /generate `sampling_params`
     OPENAI = "openai"  # /v1/chat/completions and /v1/completions bodies
 
 
@@ -61,7 +64,7 @@ class Row:
     high: int | float | None = None
     low_open: bool = False  # `low` itself is refused (top_p, repetition_penalty)
     off: int | None = None  # a value below `low` that disables the option and is accepted too (top_k's -1)
-    api_high: int | None = None  # an upper bound of the serving APIs the engine does not impose (a request's cost)
+    api_high: int | None = None  # integers: a bound of the serving APIs the engine does not impose (a request's cost)
     openai: tuple[str, ...] = ()  # names in OpenAI bodies, the first given wins (all are checked); (): the name
     apis: frozenset[Api] = EVERY_API
     description: str | None = None  # for the OpenAPI document
