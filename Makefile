@@ -20,7 +20,7 @@ PROTO_STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: all run test test-gpu model venv native apt-deps container-deps image protos lint-protos helm bench-router soak clean
+.PHONY: all run test test-gpu model venv apt-deps container-deps image protos lint-protos helm bench-router soak clean
 
 all: test
 
@@ -61,15 +61,6 @@ $(STAMPS)/venv: pyproject.toml | $(STAMPS)/apt
 	@touch $@
 
 venv: $(STAMPS)/venv
-
-# The native span recorder (radixmesh/services/common/_spanrec.c, which #includes _spanrec_otlp.c and
-# _spanrec_root.c), beside its source; without it tracing uses the Python one.
-NATIVE_STAMP := $(STAMPS)/native
-$(NATIVE_STAMP): $(wildcard radixmesh/services/common/_spanrec*.c) scripts/build_native.py | $(STAMPS)/venv
-	$(PY) scripts/build_native.py
-	@touch $@
-
-native: $(NATIVE_STAMP)
 
 # grpcio-tools is pinned with protobuf in pyproject.toml, so stubs always match the runtime.
 $(PROTO_STUBS) &: $(PROTOS) | $(STAMPS)/venv
@@ -138,22 +129,22 @@ $(TINY) &: scripts/make_tiny_models.py scripts/tiny_corpus.py | $(STAMPS)/venv
 
 model: $(TINY)
 
-run: $(TINY) $(PROTO_STUBS) $(NATIVE_STAMP)
+run: $(TINY) $(PROTO_STUBS)
 	$(PY) -m radixmesh.services.launch serve --model-path $(MODELS)/tiny-qwen2 $(RUN_ARGS)
 
-test: $(TINY) $(PROTO_STUBS) $(NATIVE_STAMP) lint-protos container-deps $(HELM)
+test: $(TINY) $(PROTO_STUBS) lint-protos container-deps $(HELM)
 	$(PY) -m pytest -q -m "not gpu" $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The router alone against fast fake workers, beside SGLang's Rust router (sglang-router, in the dev extra) on the
 # same workload: CPU ms per request on one pinned core. `python -m radixmesh.benchmarks.router` has the longer
 # scenario list.
-bench-router: $(PROTO_STUBS) $(NATIVE_STAMP)
+bench-router: $(PROTO_STUBS)
 	$(PY) -m radixmesh.benchmarks.router_vs_sglang $(BENCH_ARGS)
 
 # The launched mesh (2 workers, tiny-qwen2, CPU) under a mixed load for SOAK_DURATION, sampling RSS, fds and KV;
 # fails on any failed request, invalid output, leaked KV or growth (radixmesh/benchmarks/soak.py states the rule).
 SOAK_DURATION ?= 30m
-soak: $(TINY) $(PROTO_STUBS) $(NATIVE_STAMP)
+soak: $(TINY) $(PROTO_STUBS)
 	$(PY) -m radixmesh.benchmarks.soak --duration $(SOAK_DURATION) $(BENCH_ARGS)
 
 # On a CUDA machine: the GPU tests (kernels at the 8B shapes, every attention backend against torch_native, bf16
@@ -162,4 +153,4 @@ test-gpu: $(TINY)
 	$(PY) -m pytest -q tests/kernels tests/gpu tests/parity/test_attention_backends.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(STAMPS) $(MODELS) .pytest_cache .tools radixmesh/v1 radixmesh/services/common/_spanrec*.so
+	rm -rf $(STAMPS) $(MODELS) .pytest_cache .tools radixmesh/v1

@@ -36,6 +36,7 @@ from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuth
 from radixmesh.services.common.auth_channel import sync_channel
 from radixmesh.services.common.ports import free_port, reserve
 from radixmesh.services.common.settings import parse_settings
+from radixmesh.services.common.tracing import DEFAULT_SAMPLE_RATIO, TraceSettings
 from radixmesh.services.worker.settings import PdSettings
 from radixmesh.services.supervise import Supervisor
 
@@ -109,6 +110,9 @@ class LaunchSettings:
     otlp_traces_endpoint: str | None = field(default=None, metadata={
         "help": "host:port of the OTLP/gRPC trace collector, passed to every service (default: OTEL_EXPORTER_OTLP_"
                 "TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317); giving it turns tracing on"})
+    trace_sample_ratio: float | None = field(default=None, metadata={
+        "help": f"the share of new traces every service keeps, in [0, 1] (default: OTEL_TRACES_SAMPLER[_ARG] when "
+                f"set, else {DEFAULT_SAMPLE_RATIO}); 1.0 traces every request"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "routers: split chat outputs into reasoning_content and content (qwen3, deepseek-r1, ...)"})
     tool_call_parser: str | None = field(default=None, metadata={
@@ -133,6 +137,7 @@ class LaunchSettings:
             raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
         if self.metrics_sd_file and not self.enable_metrics:
             raise ValueError("--metrics-sd-file lists the metrics targets: add --enable-metrics")
+        TraceSettings(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # raises on a bad ratio
         if self.kvstore_transport not in STORAGE_TRANSPORTS:
             raise ValueError(f"--kvstore-transport must be one of {', '.join(STORAGE_TRANSPORTS)}, "
                              f"got {self.kvstore_transport!r}")
@@ -312,6 +317,8 @@ def trace_flags(settings: LaunchSettings) -> list[str]:
     flags = ["--enable-trace"] if settings.enable_trace or settings.otlp_traces_endpoint is not None else []
     if settings.otlp_traces_endpoint is not None:
         flags += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+    if flags and settings.trace_sample_ratio is not None:
+        flags += ["--trace-sample-ratio", repr(settings.trace_sample_ratio)]
     return flags
 
 

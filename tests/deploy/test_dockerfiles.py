@@ -80,7 +80,7 @@ def test_requirements_come_from_pyproject_without_torch():
 @pytest.mark.parametrize("path", [CPU, CUDA], ids=["cpu", "cuda"])
 def test_dockerfile_structure(path):
     instructions = dockerfile.parse(path)
-    assert dockerfile.stages(instructions) == ["base", "deps", "native", "models", "app", "runtime"]
+    assert dockerfile.stages(instructions) == ["base", "deps", "models", "app", "runtime"]
     final = [i for i in instructions if i.stage == "runtime"]
     user = [i.args for i in final if i.keyword == "USER"]
     assert user and user[-1].split(":")[0] not in ("0", "root"), "the image must run as an unprivileged user"
@@ -103,7 +103,7 @@ def test_cpu_and_cuda_build_alike():
     def steps(instructions, stage, keywords=("RUN", "COPY", "WORKDIR", "USER", "ENTRYPOINT", "EXPOSE")):
         return [(i.keyword, i.args) for i in instructions if i.stage == stage and i.keyword in keywords]
 
-    for stage in ("native", "models", "app", "runtime"):
+    for stage in ("models", "app", "runtime"):
         assert steps(cpu, stage) == steps(cuda, stage), f"stage {stage} differs"
     cpu_deps, cuda_deps = steps(cpu, "deps"), steps(cuda, "deps")
     assert [k for k, _ in cpu_deps] == [k for k, _ in cuda_deps]

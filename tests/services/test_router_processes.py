@@ -36,7 +36,7 @@ def children(pid: int) -> set[int]:
 
 
 def routers(m: Mesh) -> set[int]:
-    """The supervisor's router processes (not their trace exporters: tracing is off here)."""
+    """The supervisor's router processes."""
     return children(m.procs[-1].pid)
 
 

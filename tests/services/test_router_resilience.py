@@ -127,7 +127,7 @@ def test_a_traced_retry_shows_the_failed_call_and_no_client_span_for_the_call_th
         bad = mesh.worker("--fail-first", "1000")
         good = mesh.worker()
         base = mesh.router("--policy", "round_robin", "--retry-initial-backoff-ms", "5", "--enable-trace",
-                           "--otlp-traces-endpoint", receiver.endpoint)
+                           "--otlp-traces-endpoint", receiver.endpoint, "--trace-sample-ratio", "1.0")
         for _ in range(2):  # round robin: one of the two goes to the failing worker first
             status, body, _ = generate(base)
             assert status == 200 and body["meta_info"]["completion_tokens"] == 4

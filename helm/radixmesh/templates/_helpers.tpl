@@ -109,6 +109,10 @@ app.kubernetes.io/component: {{ .component }}
 - --otlp-traces-endpoint
 - {{ . | quote }}
 {{- end }}
+{{- with .Values.tracing.sampleRatio }}
+- --trace-sample-ratio
+- {{ . | quote }}
+{{- end }}
 {{- end }}
 - --log-level
 - {{ .Values.logLevel | quote }}

@@ -1,8 +1,10 @@
-"""W3C trace context over gRPC (grpc.aio), installed only while tracing is on (services.common.tracing):
+"""W3C trace context over gRPC (grpc.aio), installed only while tracing is on (services.common.tracing); two small
+interceptors of ours rather than opentelemetry-instrumentation-grpc, whose server interceptor starts a trace for
+every call (health probes and load polls included) and whose client one adds a client span to every call:
 
-- the client interceptors add the current span's `traceparent` (and `tracestate`, baggage) to the metadata of
-  every call made inside a span; calls outside any span (health probes, load polls) go out untouched. The router
-  gets the unary-unary one only (for its admin calls: /health_generate, /get_server_info, /flush_cache): its
+- the client interceptors add the current sampled span's `traceparent` (and `tracestate`, baggage) to the metadata
+  of every call made inside it; calls outside any sampled span (health probes, load polls) go out untouched. The
+  router gets the unary-unary one only (for its admin calls: /health_generate, /get_server_info, /flush_cache): its
   per-request calls pass the context themselves (Generate: tracing.metadata_for; Tokenize, Detokenize and
   MatchPrefix: tracing.current_metadata, on channels without interceptors), because grpc.aio puts every call of
   an intercepted type on a slower path (a task per call, a wrapper per streamed message).

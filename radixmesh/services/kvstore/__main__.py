@@ -18,7 +18,7 @@ from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService
 from radixmesh.services.common.settings import parse_settings
-from radixmesh.services.common.tracing import TraceSettings, setup_tracing
+from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.kvstore.index import PrefixIndex
 from radixmesh.services.kvstore.metrics import KvStoreMetrics
 from radixmesh.services.kvstore.servicer import KvStoreServicer, add_to_server
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     setup_logging("kvstore", settings.log_level)
     auth.setup(auth_kwargs)
-    setup_tracing(TraceSettings(**trace_kwargs), "kvstore")
+    setup_tracing(settings_or_exit(trace_kwargs), "kvstore")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
     except ValueError as e:

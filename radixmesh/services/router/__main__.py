@@ -22,7 +22,7 @@ from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService, GrpcSettings
 from radixmesh.services.common import tracing
 from radixmesh.services.common.settings import parse_settings
-from radixmesh.services.common.tracing import TraceSettings, setup_tracing
+from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.router import embeddings_api
 from radixmesh.services.router import native_api, openai_api, openapi, utility_api
 from radixmesh.services.router.admission import Admission, admission_middleware
@@ -221,6 +221,7 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
+    trace_settings = settings_or_exit(trace_kwargs)  # checked before --router-workers starts any process
     link = peers_mod.from_env()
     setup_logging("router" if link is None else f"router-{link[1]}", settings.log_level)
     auth.setup(auth_kwargs)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(supervisor.supervise(argv, count, settings.shutdown_grace_s,
                                                   metrics_settings.metrics_host or settings.host,
                                                   metrics_settings.metrics_port)))
-    setup_tracing(TraceSettings(**trace_kwargs), "router")
+    setup_tracing(trace_settings, "router")
     heap.opt_in()
     event_loop.run(serve(settings, metrics_settings), settings.event_loop)
 

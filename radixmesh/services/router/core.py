@@ -142,7 +142,7 @@ class Router:
         policy = self.role_policies[role]
         # a policy that must await (kv_index asks the kvstore) has pick_async(workers, input_ids, tenant), under a
         # route span made current (its kvstore call is a span under it); the others keep their plain synchronous
-        # pick, called without a coroutine in between, and their route span is a leaf (tracing.start_span)
+        # pick, called without a coroutine in between, and their route span is a leaf (tracing.leaf)
         pick_async = getattr(policy, "pick_async", None)
         if pick_async is None:
             start = tracing.clock()
@@ -163,7 +163,7 @@ class Router:
                           prompt_tokens=len(request.input_ids)) as span:
             worker = await pick_async(candidates, request.input_ids, request.tenant)
             if span is not None:
-                _route_attributes(span, policy, worker)
+                _route_attributes(policy, worker)
             return worker
 
     async def generate(self, request: worker_pb2.GenerateRequest, migrations: int = 0, broke: str = ""
@@ -331,11 +331,10 @@ _ROUTE = ("policy", "role", "candidates", "prompt_tokens", "worker", "reason", "
 _WORKER_CALL = ("worker", "role", "attempt")
 
 
-def _route_attributes(span, policy, worker) -> None:
-    """The route span's outcome: the chosen worker, why, and the prefix it holds (bare names: the exporter adds
-    `radixmesh.` and drops None values)."""
-    span.set_attributes({"worker": worker.url, "reason": getattr(policy, "last_reason", None),
-                         "matched_tokens": getattr(policy, "last_matched_tokens", None)})
+def _route_attributes(policy, worker) -> None:
+    """The outcome on the route span (the current one): the chosen worker, why, and the prefix it holds."""
+    tracing.set_attributes(worker=worker.url, reason=getattr(policy, "last_reason", None),
+                           matched_tokens=getattr(policy, "last_matched_tokens", None))
 
 
 class _Attempt:

@@ -112,22 +112,10 @@ async def traced_errors_middleware(request: web.Request, handler):
     errors_middleware's place, first in the chain: a middleware layer of its own cost as much again as the span,
     `benchmarks.router --trace-ab`). The span is the root of the request's trace, or a child of the client's W3C
     `traceparent`; everything the router does for the request is under it, errors answered here included. Probes
-    and scrapes (UNTRACED_PATHS) get none."""
+    and scrapes (UNTRACED_PATHS) get none, nor do requests the sampler leaves out: they take the same path, with no
+    coroutine of errors_middleware's in between."""
     url_path = request.path
-    if url_path in UNTRACED_PATHS:
-        return await errors_middleware(request, handler)
-    method = request.method
-    route = request.match_info.route
-    named = _SPAN_NAMES.get((method, route))
-    if named is None:
-        resource = route.resource
-        path = resource.canonical if resource is not None else "unmatched"
-        named = (f"{method} {path}", path)
-        if resource is not None and len(_SPAN_NAMES) < 1024:  # an unmatched request's route is made for it alone
-            _SPAN_NAMES[(method, route)] = named
-    span = tracing.server_span(request.headers)
-    if span is None:  # tracing was shut down (at exit)
-        return await errors_middleware(request, handler)
+    span = None if url_path in UNTRACED_PATHS else tracing.server_span(request.headers)
     counter = _arrived(request)
     try:
         try:
@@ -137,12 +125,29 @@ async def traced_errors_middleware(request: web.Request, handler):
         finally:
             counter["n"] -= 1
     except BaseException as e:  # re-raised by _answer_error (a redirect), or a cancellation
-        span.finish(named[0], _HTTP_SPAN[:3], (method, url_path, named[1]), e)
+        if span is not None:
+            name, route = _span_name(request)
+            span.finish(name, _HTTP_SPAN[:3], (request.method, url_path, route), e)
         raise
-    status = response.status
-    span.finish(named[0], _HTTP_SPAN, (method, url_path, named[1], status),
-                f"HTTP {status}" if status >= 500 else None)
+    if span is not None:  # None: a probe, a request the sampler left out, or tracing shut down (at exit)
+        status = response.status
+        name, route = _span_name(request)
+        span.finish(name, _HTTP_SPAN, (request.method, url_path, route, status),
+                    f"HTTP {status}" if status >= 500 else None)
     return response
+
+
+def _span_name(request: web.Request) -> tuple[str, str]:
+    """(the server span's name, the route's path) of a request, by its method and matched route."""
+    method, route = request.method, request.match_info.route
+    named = _SPAN_NAMES.get((method, route))
+    if named is None:
+        resource = route.resource
+        path = resource.canonical if resource is not None else "unmatched"
+        named = (f"{method} {path}", path)
+        if resource is not None and len(_SPAN_NAMES) < 1024:  # an unmatched request's route is made for it alone
+            _SPAN_NAMES[(method, route)] = named
+    return named
 
 
 # the attributes of a request's server span (OpenTelemetry's HTTP semantic conventions)

@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 _rotation = itertools.count()
-_PAIR_CALL = ("worker", "role", "bootstrap_room")  # a worker call span's attribute names (tracing.close_call)
 
 
 class PairRouter(Protocol):
@@ -246,11 +245,8 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
     room = new_room()
     timeout = router.settings.request_timeout_s
     room_hex = format(room, "016x")
-    pspan, dspan = tracing.open_call(), tracing.open_call()
-
-    def ended(span, worker: Worker, role: str, error: BaseException | None) -> None:
-        if span is not None:
-            tracing.close_call(span, "worker Generate", tracing.CLIENT, _PAIR_CALL, (worker.url, role, room_hex), error)
+    pspan = tracing.start_span("worker Generate", worker=prefill.url, role="prefill", bootstrap_room=room_hex)
+    dspan = tracing.start_span("worker Generate", worker=decode.url, role="decode", bootstrap_room=room_hex)
 
     pcall = prefill.stub.Generate(_paired(request, prefill, room, stream=False), timeout=timeout,
                                   metadata=tracing.metadata_for(pspan))
@@ -261,7 +257,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
     decoding = [False]  # the decode side streams: the handoff is over, whatever happens to the prefill call now
 
     def prefill_done(task: asyncio.Task) -> None:
-        ended(pspan, prefill, "prefill", asyncio.CancelledError() if task.cancelled() else task.exception())
+        tracing.end_span(pspan, asyncio.CancelledError() if task.cancelled() else task.exception())
         if task.cancelled() or task.exception() is None:
             return
         e = task.exception()
@@ -325,7 +321,7 @@ async def _run_pair(router: PairRouter, request, prefill: Worker, decode: Worker
         raise _PairFailed(grpc.StatusCode.UNAVAILABLE, reason, retry,
                           decode.url if router.calls.why_cancelled(dcall) else prefill.url) from None
     finally:
-        ended(dspan, decode, "decode", error)
+        tracing.end_span(dspan, error)
         for worker, call in ((prefill, pcall), (decode, dcall)):
             router.calls.forget(call)
             worker.in_flight -= 1

@@ -14,7 +14,7 @@ from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService
 from radixmesh.services.common.settings import parse_settings
-from radixmesh.services.common.tracing import TraceSettings, setup_tracing
+from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.tokenizer.backend import TokenizerBackend
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.tokenizer.servicer import TokenizerServicer, add_to_server
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     setup_logging("tokenizer", settings.log_level)
     auth.setup(auth_kwargs)
-    setup_tracing(TraceSettings(**trace_kwargs), "tokenizer")
+    setup_tracing(settings_or_exit(trace_kwargs), "tokenizer")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
         backend = TokenizerBackend.from_settings(settings)
