@@ -63,10 +63,6 @@ if [[ $PARTS == *setup* ]]; then
   $PY -c 'import torch, triton, flashinfer, grpc; print("torch", torch.__version__, "triton", triton.__version__,
 "flashinfer", flashinfer.__version__, "grpc", grpc.__version__)' | tee -a "$OUT/device.txt"
   git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
-  # the native span recorder for this Python (the router part measures tracing with it; without it, the Python one)
-  $PY scripts/build_native.py > "$OUT/native.log" 2>&1 || echo "native span recorder not built: $OUT/native.log"
-  $PY -c 'from radixmesh.services.common import trace_recorder as t
-print("span recorder", "native" if t.native else "python")' 2>&1 | tee -a "$OUT/device.txt"
   [[ -f models/tiny-qwen3/config.json ]] || $PY scripts/make_tiny_models.py --out models > "$OUT/models.log" 2>&1
   [[ -f build/llama-3.1-8b/tokenizer.json ]] || $PY scripts/make_bench_tokenizer.py --config $CFG --out build/llama-3.1-8b
 fi
@@ -213,15 +209,12 @@ if [[ $PARTS == *router* ]]; then
         | tail -3
     done
   fi
-  # tracing on against off, per scenario (TRACE_SCEN), the exporter on the router's core and then elsewhere
-  # (TRACE_PLACES="same" keeps only the first); TRACE_PAIRS fresh router pairs one after another, rounds pooled
-  for place in ${TRACE_PLACES:-same elsewhere}; do
-    extra=""; [[ $place == elsewhere ]] && extra="--exporter-elsewhere"
-    for sc in ${TRACE_SCEN:-generate_1 chat_stream_16}; do
-      $PY -m radixmesh.benchmarks.router --scenarios $sc --requests ${TRACE_REQUESTS:-500} --stream-requests 300 \
-        --repeats ${TRACE_REPEATS:-20} --pairs ${TRACE_PAIRS:-1} --warmup 200 --trace-ab $extra ${TRACE_ARGS:-} \
-        --out "$OUT/trace-ab-$sc${extra:+-elsewhere}.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
-    done
+  # tracing off against the default ratio and 1.0, per scenario (TRACE_SCEN); TRACE_PAIRS fresh router sets one
+  # after another, rounds pooled
+  for sc in ${TRACE_SCEN:-generate_1 chat_stream_16}; do
+    $PY -m radixmesh.benchmarks.router --scenarios $sc --requests ${TRACE_REQUESTS:-500} --stream-requests 300 \
+      --repeats ${TRACE_REPEATS:-20} --pairs ${TRACE_PAIRS:-1} --warmup 200 --trace-ab ${TRACE_ARGS:-} \
+      --out "$OUT/trace-ab-$sc.json" 2>&1 | tee -a "$OUT/trace_ab.log" | tail -4
   done
 fi
 

@@ -1,10 +1,10 @@
 """`python -m radixmesh.benchmarks.router [--out PATH]`: the router's own cost. Starts the real tokenizer service, two
 fake workers (benchmarks.fake_worker: answers at once) and the router as separate processes; pins the router to one core
 and everything else (this load generator included) to the others; runs closed-loop HTTP load per scenario and
-reads the router's CPU time (its CPU-time clock, in ns) around each measured run. With --enable-trace the router's
-trace exporter process (a child of the router, on the router's core) has its CPU reported on its own
-(`trace_exporter`, and router + exporter per request), and the spans the sink received are counted. Every response is checked; any error makes the run fail (exit 1) after the
-results are written."""
+reads the router's CPU time (its CPU-time clock, in ns: every thread's, the trace exporter's included) around each
+measured run. With --enable-trace the router exports its spans to a local sink (benchmarks.otlp_sink), which counts
+them. --trace-ab compares tracing off with tracing at the default ratio and at the ratios of --trace-ratios. Every
+response is checked; any error makes the run fail (exit 1) after the results are written."""
 
 from __future__ import annotations
 
@@ -63,10 +63,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (e.g. the router's trace exporter)."""
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of `pid`'s threads (utime + stime, clock ticks: for shares over a run of seconds): its main thread
+    (the event loop) as `main`, the others by their OS names, added up per name (Python's own threads, such as the
+    trace exporter's, are all `python`; grpc names its own)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            stat = (task / "stat").read_text()
+            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+            name = "main" if task.name == str(pid) else name
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def core_busy_seconds(cpu: int) -> float:
@@ -164,12 +172,9 @@ async def run_load(base: str, sc: Scenario, count: int, concurrency: int, offset
     return {"errors": len(errors), "error_examples": errors[:3], "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
 
-def router_cpu_fields(router_s: float, exporter_s: float | None, count: int, wall_s: float) -> dict:
-    """A router's CPU over a measured run of `count` requests (and its trace exporter's with it, when it has one)."""
-    with_exporter = {"router_and_exporter_cpu_ms_per_request": (router_s + exporter_s) / count * 1e3} \
-        if exporter_s is not None else {}
-    return {**with_exporter, "wall_s": wall_s, "router_cpu_s": router_s,
-            "router_cpu_ms_per_request": router_s / count * 1e3}
+def router_cpu_fields(router_s: float, count: int, wall_s: float) -> dict:
+    """A router's CPU over a measured run of `count` requests."""
+    return {"wall_s": wall_s, "router_cpu_s": router_s, "router_cpu_ms_per_request": router_s / count * 1e3}
 
 
 def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int, offset: int) -> dict:
@@ -181,7 +186,7 @@ def measure_once(base: str, sc: Scenario, args, pids: dict[str, int], count: int
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     used["loadgen"] = (self_after.user + self_after.system) - (self_before.user + self_before.system)
     router = used.pop("router")
-    return {**router_cpu_fields(router, used.get("trace_exporter"), count, wall), "requests_per_s": count / wall,
+    return {**router_cpu_fields(router, count, wall), "requests_per_s": count / wall,
             "router_capacity_rps_one_core": count / router if router else None,
             "router_cpu_us_per_token": router / (count * sc.tokens) * 1e6,
             "router_cpu_utilization": router / wall, "router_core_foreign_load": max(core_busy - router, 0.0) / wall,
@@ -252,15 +257,14 @@ def provenance(argv: list[str]) -> dict:
 
 
 def trace_delivery(procs: Processes) -> dict:
-    """Spans the sink received (it prints the count on exit) and the router reported dropped."""
+    """Spans the sink received (it prints the count on exit) and the routers' warnings of spans the SDK's queue
+    dropped (it logs one per span)."""
     found = {}
-    traced = "router_traced" if "router_traced" in procs.procs else "router"
-    for name, key, pattern in (("otlp_sink", "spans_received", r"received (\d+) spans"),
-                               (traced, "spans_dropped", r"(\d+) spans dropped in all")):
-        if name not in procs.procs:  # the run failed before it started
-            continue
-        match = re.search(pattern, procs.tail(name, 200))
-        found[key] = int(match.group(1)) if match else 0
+    if "otlp_sink" in procs.procs:  # else the run failed before it started
+        match = re.search(r"received (\d+) spans", procs.tail("otlp_sink", 200))
+        found["spans_received"] = int(match.group(1)) if match else 0
+    found["spans_dropped"] = sum((procs.log_dir / f"{name}.log").read_text(errors="replace").count("dropping span")
+                                 for name in procs.procs if name.startswith("router"))
     return found
 
 
@@ -278,21 +282,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
     p.add_argument("--enable-trace", action="store_true", help="the router exports OpenTelemetry traces to a local "
                    "OTLP/gRPC sink (benchmarks.otlp_sink, on the other cores)")
-    p.add_argument("--trace-ab", action="store_true", help="a second router with tracing on (same core, same "
-                   "fakes) takes turns with the untraced one, round by round in alternating order; reports the "
-                   "median per-round CPU ratio (robust to the machine's speed drifting between separate runs)")
-    p.add_argument("--pairs", type=int, default=1, help="with --trace-ab: this many router pairs, one after another "
-                   "(fresh processes each: a pair carries its own luck of hashes and memory layout, which moved one "
-                   "pair's median by up to 3 points on a 2-vCPU VM); reports the median over every pair's rounds and "
-                   "each pair's own")
-    p.add_argument("--side-by-side", action="store_true", help="with --trace-ab: in each round both routers are "
+    p.add_argument("--trace-ab", action="store_true", help="routers with tracing on (same core, same fakes), one "
+                   "per --trace-ratios, take turns with the untraced one, round by round in alternating order; "
+                   "reports each one's median per-round CPU ratio to it (robust to the machine's speed drifting "
+                   "between separate runs)")
+    p.add_argument("--trace-ratios", nargs="+", default=["default", "1.0"], metavar="RATIO",
+                   help="with --trace-ab: the traced routers' --trace-sample-ratio, one router each; `default` "
+                   "gives none (what --enable-trace alone does)")
+    p.add_argument("--pairs", type=int, default=1, help="with --trace-ab: this many router sets, one after another "
+                   "(fresh processes each: a set carries its own luck of hashes and memory layout, which moved one "
+                   "set's median by up to 3 points on a 2-vCPU VM); reports the median over every set's rounds and "
+                   "each set's own")
+    p.add_argument("--side-by-side", action="store_true", help="with --trace-ab: in each round all routers are "
                    "loaded at once (sharing their core) instead of in turn, and their CPU is read over the same "
-                   "window: a drift in the machine's speed within a round falls on both")
-    p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the second router untraced too (an "
+                   "window: a drift in the machine's speed within a round falls on all")
+    p.add_argument("--ab-control", action="store_true", help="with --trace-ab: the other routers untraced too (an "
                    "A/A run: the spread the method shows when there is no difference)")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--exporter-elsewhere", action="store_true",
-                   help="with tracing: move the trace exporter process off the router's core (to the others)")
     p.add_argument("--router-args", nargs="*", default=[], metavar="FLAG",
                    help="more router flags, e.g. --router-args=--disable-generate-stream")
     p.add_argument("--profile-router", metavar="PATH", help="run the router under cProfile, stats to PATH (this "
@@ -325,15 +331,11 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
               "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)]
     bases = {"router": start_router(procs, "router", [*profile, "radixmesh.services.router", *common,
                                                       *(trace if args.enable_trace else [])], args.router_cpu)}
-    if args.trace_ab:
-        bases["router_traced"] = start_router(procs, "router_traced", ["radixmesh.services.router", *common,
-                                              *([] if args.ab_control else trace)], args.router_cpu)
+    for ratio in args.trace_ratios if args.trace_ab else ():
+        flags = [] if args.ab_control else [*trace, *(["--trace-sample-ratio", ratio] if ratio != "default" else [])]
+        bases[traced_name(ratio)] = start_router(procs, traced_name(ratio), ["radixmesh.services.router", *common,
+                                                 *flags], args.router_cpu)
     pids = {name: p.pid for name, p in procs.procs.items()}
-    for name in bases:  # the trace exporter shares the router's core, as it would share a one-CPU router pod
-        for pid in children(pids[name]):
-            pids["trace_exporter"] = pid
-            if args.exporter_elsewhere:  # as in a pod with a second CPU
-                os.sched_setaffinity(pid, others)
     results = []
     for n, sc in enumerate(s for s in SCENARIOS if s.name in args.scenarios):
         if args.trace_ab:
@@ -345,6 +347,11 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
     if not args.trace_ab:
         add_marginals(results)
     return results
+
+
+def traced_name(ratio: str) -> str:
+    """The name of the traced router at --trace-sample-ratio `ratio` ("default": none given)."""
+    return f"router_traced_{ratio}"
 
 
 def start_router(procs: Processes, name: str, argv: list[str], cpu: int) -> str:
@@ -360,78 +367,92 @@ def start_router(procs: Processes, name: str, argv: list[str], cpu: int) -> str:
 
 
 def measure_ab(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], offset: int) -> dict:
-    """The untraced and the traced router take turns (order alternating per round), so a drift in the machine's
-    speed falls on both; the change is the median of the per-round CPU ratios."""
+    """The untraced router and the traced ones take turns (order alternating per round) or, --side-by-side, are
+    loaded at once, so a drift in the machine's speed falls on all; each traced router's change is the median of
+    its per-round CPU ratios to the untraced one's (`traced`: by --trace-ratios)."""
     count = args.stream_requests if sc.stream else args.requests
     for base in bases.values():
         asyncio.run(run_load(base, sc, min(args.warmup, count), args.concurrency, offset))
     rounds: list[dict] = []
     for k in range(args.repeats):
         if args.side_by_side:
-            rounds.append(measure_together(bases, sc, args, pids, count, offset + (2 * k + 1) * count))
+            rounds.append(measure_together(bases, sc, args, pids, count, offset + (len(bases) * k + 1) * count))
             continue
         runs = {}
         for j, name in enumerate(list(bases)[::1 if k % 2 == 0 else -1]):
             own = {n: p for n, p in pids.items() if n not in bases or n == name}
             own["router"] = own.pop(name)
-            runs[name] = measure_once(bases[name], sc, args, own, count, offset + (2 * k + j + 1) * count)
+            runs[name] = measure_once(bases[name], sc, args, own, count, offset + (len(bases) * k + j + 1) * count)
         rounds.append(runs)
-    cpu = {name: [r[name]["router_cpu_ms_per_request"] for r in rounds] for name in bases}
-    both = [r["router_traced"].get("router_and_exporter_cpu_ms_per_request",
-                                   r["router_traced"]["router_cpu_ms_per_request"]) for r in rounds]
-    ratio = statistics.median(b / a for a, b in zip(cpu["router"], cpu["router_traced"]))
-    ratio_both = statistics.median(b / a for a, b in zip(cpu["router"], both))
+    off = [r["router"]["router_cpu_ms_per_request"] for r in rounds]
+    traced = {ratio: _traced_change(off, [r[traced_name(ratio)]["router_cpu_ms_per_request"] for r in rounds])
+              for ratio in args.trace_ratios}
     return {"scenario": sc.name, "description": sc.description, "requests": count, "rounds": args.repeats,
-            "side_by_side": args.side_by_side, "cpu_ms_per_request_off": statistics.median(cpu["router"]),
-            "cpu_ms_per_request_on": statistics.median(cpu["router_traced"]), "on_over_off_median_ratio": ratio,
-            "capacity_change_pct": (1 / ratio - 1) * 100,
-            "trace_exporter_cpu_ms_per_request": statistics.median(b - a for a, b in zip(cpu["router_traced"], both)),
-            "capacity_change_with_exporter_pct": (1 / ratio_both - 1) * 100,
-            "rounds_ratio": [b / a for a, b in zip(cpu["router"], cpu["router_traced"])],
-            "rounds_ratio_with_exporter": [b / a for a, b in zip(cpu["router"], both)],
+            "side_by_side": args.side_by_side, "cpu_ms_per_request_off": statistics.median(off), "traced": traced,
             "errors": sum(r[n]["errors"] for r in rounds for n in bases),
             "error_examples": [e for r in rounds for n in bases for e in r[n]["error_examples"]][:3],
             "rounds_cpu_ms_per_request": [[round(r[n]["router_cpu_ms_per_request"], 4) for n in bases]
-                                          for r in rounds]}
+                                          for r in rounds],
+            "threads_cpu_s": {n: _summed(r[n].get("threads_cpu_s", {}) for r in rounds) for n in bases}}
+
+
+def _summed(parts) -> dict[str, float]:
+    """Per-thread CPU seconds of several rounds added up."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.items():
+            out[name] = round(out.get(name, 0.0) + value, 2)
+    return out
+
+
+def _traced_change(off: list[float], on: list[float]) -> dict:
+    """A traced router's CPU per request against the untraced one's, round by round."""
+    return _change([b / a for a, b in zip(off, on)], statistics.median(on))
+
+
+def _change(ratios: list[float], cpu_on: float) -> dict:
+    ratio = statistics.median(ratios)
+    return {"cpu_ms_per_request_on": cpu_on, "on_over_off_median_ratio": ratio, "cpu_change_pct": (ratio - 1) * 100,
+            "capacity_change_pct": (1 / ratio - 1) * 100, "rounds_ratio": ratios}
 
 
 def measure_together(bases: dict[str, str], sc: Scenario, args, pids: dict[str, int], count: int,
                      offset: int) -> dict:
-    """One round of --side-by-side: both routers (they share one core) loaded at once by clients of their own,
-    each router's CPU read over the same window, so the machine's speed in that window falls on both alike. Returns,
-    per router, the CPU fields measure_ab reads and its load's results (the wall time is the two loads' together)."""
+    """One round of --side-by-side: every router (they share one core) loaded at once by clients of its own, each
+    router's CPU read over the same window, so the machine's speed in that window falls on all alike. Returns, per
+    router, the CPU fields measure_ab reads and its load's results (the wall time is the loads' together)."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    threads = {name: thread_cpu_seconds(pids[name]) for name in bases}
     t0 = time.perf_counter()
 
-    async def both() -> list[dict]:
+    async def together() -> list[dict]:
         return await asyncio.gather(*(run_load(base, sc, count, args.concurrency, offset + j * count)
                                       for j, base in enumerate(bases.values())))
 
-    loads = dict(zip(bases, asyncio.run(both())))
+    loads = dict(zip(bases, asyncio.run(together())))
     wall = time.perf_counter() - t0
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    return {name: {**router_cpu_fields(used[name], used.get("trace_exporter") if name == "router_traced" else None,
-                                       count, wall), "router_cpu_utilization": used[name] / wall, **loads[name]}
-            for name in bases}
+    for name in bases:
+        after = thread_cpu_seconds(pids[name])
+        threads[name] = {t: round(after[t] - threads[name].get(t, 0.0), 2) for t in after}
+    return {name: {**router_cpu_fields(used[name], count, wall), "router_cpu_utilization": used[name] / wall,
+                   "threads_cpu_s": threads[name], **loads[name]} for name in bases}
 
 
-def pooled(pairs: list[list[dict]]) -> list[dict]:
-    """The results of several router pairs (measure_ab's, scenario by scenario) as one: medians over all their rounds'
-    ratios, with each pair's own capacity change and its results kept."""
+def pooled(sets: list[list[dict]]) -> list[dict]:
+    """The results of several router sets (measure_ab's, scenario by scenario) as one: medians over all their
+    rounds' ratios, with each set's own capacity changes and its results kept."""
     out = []
-    for runs in zip(*pairs):
-        ratios = [x for r in runs for x in r["rounds_ratio"]]
-        both = [x for r in runs for x in r["rounds_ratio_with_exporter"]]
+    for runs in zip(*sets):
+        traced = {ratio: {**_change([x for r in runs for x in r["traced"][ratio]["rounds_ratio"]],
+                                    statistics.median(r["traced"][ratio]["cpu_ms_per_request_on"] for r in runs)),
+                          "per_set_cpu_change_pct": [round(r["traced"][ratio]["cpu_change_pct"], 2) for r in runs]}
+                  for ratio in runs[0]["traced"]}
         out.append({"scenario": runs[0]["scenario"], "description": runs[0]["description"],
-                    "requests": runs[0]["requests"], "rounds": len(ratios), "pairs": len(runs),
+                    "requests": runs[0]["requests"], "rounds": sum(r["rounds"] for r in runs), "sets": len(runs),
                     "cpu_ms_per_request_off": statistics.median(r["cpu_ms_per_request_off"] for r in runs),
-                    "cpu_ms_per_request_on": statistics.median(r["cpu_ms_per_request_on"] for r in runs),
-                    "on_over_off_median_ratio": statistics.median(ratios),
-                    "capacity_change_pct": (1 / statistics.median(ratios) - 1) * 100,
-                    "capacity_change_with_exporter_pct": (1 / statistics.median(both) - 1) * 100,
-                    "per_pair_capacity_change_pct": [round(r["capacity_change_pct"], 2) for r in runs],
-                    "errors": sum(r["errors"] for r in runs),
-                    "error_examples": [e for r in runs for e in r["error_examples"]][:3], "per_pair": list(runs)})
+                    "traced": traced, "errors": sum(r["errors"] for r in runs),
+                    "error_examples": [e for r in runs for e in r["error_examples"]][:3], "per_set": list(runs)})
     return out
 
 
@@ -453,6 +474,15 @@ def process_group(prefix: str, after_close=None):
                 after_close(procs)
 
 
+def print_traced(r: dict) -> None:
+    """One line per traced router of a --trace-ab scenario: its CPU per request against the untraced router's."""
+    for ratio, t in r["traced"].items():
+        per_set = f" over {r['sets']} router sets: {t['per_set_cpu_change_pct']}" if "sets" in r else ""
+        print(f"{r['scenario']}, ratio {ratio}: router CPU {r['cpu_ms_per_request_off']:.4f} -> "
+              f"{t['cpu_ms_per_request_on']:.4f} ms/request, {t['cpu_change_pct']:+.2f}% (capacity "
+              f"{t['capacity_change_pct']:+.1f}%; median of {r['rounds']} paired rounds{per_set})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -468,11 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     results = pairs[0] if len(pairs) == 1 else pooled(pairs)
     if args.trace_ab:
         for r in results:
-            print(f"{r['scenario']}: router CPU {r['cpu_ms_per_request_off']:.4f} -> {r['cpu_ms_per_request_on']:.4f}"
-                  f" ms/request, capacity {r['capacity_change_pct']:+.1f}% (router + exporter: "
-                  f"{r['capacity_change_with_exporter_pct']:+.1f}%; median of {r['rounds']} paired rounds"
-                  + (f" over {r['pairs']} router pairs: {r['per_pair_capacity_change_pct']}" if "pairs" in r else "")
-                  + ")")
+            print_traced(r)
     else:
         print_table(results)
     doc = {**provenance(argv), "router_rss_mb": round(args.router_rss_mb, 1), "results": results}

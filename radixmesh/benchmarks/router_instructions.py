@@ -7,7 +7,7 @@ It starts the real tokenizer service and two fake workers (benchmarks.fake_worke
 variant in turn) under `valgrind --tool=callgrind --instr-atstart=no`. After a warm-up it zeroes the counters,
 switches counting on (callgrind_control), sends `--requests` requests of each scenario from `--concurrency` closed-
 loop clients, switches counting off and dumps: instructions per request for that scenario, from every thread of
-the router process (not its trace exporter, a child process that runs natively). With `--annotate N` the N C
+the router process (its trace exporter's thread included). With `--annotate N` the N C
 functions whose counts differ most between the first and each other variant are listed (callgrind_annotate).
 
 Instructions are not time: cache misses, branch mispredictions and a slower or faster core do not show. Use this
@@ -39,7 +39,8 @@ from pathlib import Path
 from radixmesh.benchmarks.router import (Processes, free_port, process_group, provenance, run_load, wait_http)
 from radixmesh.benchmarks.router_scenarios import SCENARIOS
 
-VARIANTS = {"off": [], "trace": ["--enable-trace"]}
+# tracing at the default ratio, and on every request
+VARIANTS = {"off": [], "trace": ["--enable-trace"], "trace_all": ["--enable-trace", "--trace-sample-ratio", "1.0"]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -166,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         for i, port in enumerate(workers):
             procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most,
                                        *quiet], cpus)
-        if "trace" in args.variants:
+        if any(v.startswith("trace") for v in args.variants):
             procs.start("otlp_sink", ["radixmesh.benchmarks.otlp_sink", "--port", str(sink)], cpus)
         common = ["--tokenizer-url", f"127.0.0.1:{tok}", *quiet, *args.router_args,
                   "--worker-urls", *(f"127.0.0.1:{p}" for p in workers)]
         for variant in args.variants:
-            extra = VARIANTS[variant] + (["--otlp-traces-endpoint", f"127.0.0.1:{sink}"] if variant == "trace" else [])
+            traced = variant.startswith("trace")
+            extra = VARIANTS[variant] + (["--otlp-traces-endpoint", f"127.0.0.1:{sink}"] if traced else [])
             prefix = f"{tmp}/{variant}"
             pid, base = start_router(procs, f"router_{variant}", [*common, *extra], prefix, cpus)
             for n, sc in enumerate(s for s in SCENARIOS if s.name in args.scenarios):

@@ -74,7 +74,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.enable_trace = args.trace_ab = args.ab_control = False
     args.profile_router = None
     args.router_args = []
-    args.exporter_elsewhere = False
     return args
 
 

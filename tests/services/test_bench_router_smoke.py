@@ -66,7 +66,8 @@ def test_bench_router_smoke(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
 def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
-    """--trace-ab --pairs 2: two untraced/traced router pairs one after the other, their rounds pooled."""
+    """--trace-ab --pairs 2: two sets of routers (untraced, traced at the default ratio and at 1.0) one after the
+    other, their rounds pooled."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--pairs", "2",
                            "--scenarios", "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2",
@@ -74,27 +75,32 @@ def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
                           timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = json.loads(out.read_text())["results"]
-    assert (r["scenario"], r["pairs"], r["rounds"], r["errors"]) == ("generate_1", 2, 4, 0)
-    assert len(r["per_pair"]) == 2 and all(p["rounds"] == 2 for p in r["per_pair"])
-    assert r["cpu_ms_per_request_off"] > 0 and r["cpu_ms_per_request_on"] > 0
-    assert len(r["per_pair_capacity_change_pct"]) == 2 and "over 2 router pairs" in proc.stdout
+    assert (r["scenario"], r["sets"], r["rounds"], r["errors"]) == ("generate_1", 2, 4, 0)
+    assert len(r["per_set"]) == 2 and all(p["rounds"] == 2 for p in r["per_set"])
+    assert r["cpu_ms_per_request_off"] > 0 and set(r["traced"]) == {"default", "1.0"}
+    for t in r["traced"].values():
+        assert t["cpu_ms_per_request_on"] > 0 and len(t["rounds_ratio"]) == 4 and len(t["per_set_cpu_change_pct"]) == 2
+    assert "over 2 router sets" in proc.stdout
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
 def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
-    """--trace-ab --side-by-side: both routers loaded at once in each round; every request of both answered, each
-    router's CPU read over the round, the traced one's exporter counted with it."""
+    """--trace-ab --side-by-side: the untraced and the traced routers loaded at once in each round; every request
+    answered, each router's CPU (its exporter thread's included) read over the round, the spans delivered."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--side-by-side",
-                           "--scenarios", "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2",
-                           "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+                           "--trace-ratios", "1.0", "--scenarios", "generate_1", "--requests", "20", "--warmup", "2",
+                           "--repeats", "2", "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (r,) = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    (r,) = doc["results"]
     assert (r["scenario"], r["rounds"], r["errors"], r["side_by_side"]) == ("generate_1", 2, 0, True)
-    assert len(r["rounds_ratio"]) == 2 and all(x > 0 for x in r["rounds_ratio"])
-    assert all(on >= off > 0 for off, on in zip(r["rounds_ratio"], r["rounds_ratio_with_exporter"]))
-    assert "capacity" in proc.stdout
+    traced = r["traced"]["1.0"]
+    assert len(traced["rounds_ratio"]) == 2 and all(x > 0 for x in traced["rounds_ratio"])
+    assert set(r["threads_cpu_s"]) == {"router", "router_traced_1.0"} and "main" in r["threads_cpu_s"]["router"]
+    # ratio 1.0: every measured and warm-up request of the traced router is a trace (a span or more each)
+    assert doc["trace_delivery"]["spans_received"] >= 2 * 20 + 2 and "ratio 1.0" in proc.stdout
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
