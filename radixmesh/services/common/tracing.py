@@ -29,6 +29,7 @@ import os
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from random import getrandbits
 from typing import Any, Mapping
 
 from radixmesh.services.common import logs
@@ -316,7 +317,7 @@ def server_span(headers: Mapping[str, str]) -> _ServerSpan | None:
     if "traceparent" in headers:
         parent = _propagator.extract(headers)
     else:  # most requests: a new trace, decided on its id before the SDK makes anything
-        trace_id = _ids.generate_trace_id()
+        trace_id = getrandbits(128)  # as the SDK's RandomIdGenerator draws it, without its two calls
         if not _keeps_new(trace_id):
             return None
         parent, _ids.given = _new_trace, trace_id  # the span gets the kept id (and the SDK's same decision)
