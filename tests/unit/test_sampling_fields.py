@@ -98,6 +98,16 @@ def test_known_engine_messages():
         assert str(e.value) == message
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_the_engine_refuses_non_finite_numbers(value):
+    """NaN passes every bound check and would poison the whole batch's sampling; infinities are no temperature."""
+    for row in NUMERIC:
+        if row.kind is Kind.FLOAT:
+            with pytest.raises(ValueError) as e:
+                SamplingParams.from_dict({row.name: value})
+            assert str(e.value) == f"{row.name} must be a finite number, got {value}"
+
+
 def test_flags_take_any_value_in_the_engine_as_sglang_does():
     assert SamplingParams.from_dict({"ignore_eos": 1}).ignore_eos == 1
 

@@ -19,7 +19,8 @@ and a seed whose last sample (seed + n - 1) still fits a signed 64-bit integer.
 
 Error shapes (the message names the field; `{bounds}` as `Row.bounds` writes them):
   engine:             `{name} must be an integer, got {value!r}`, `{name} must be >= {low}, got {value}`,
-                      `{name} must be a number, got {value!r}`, `{name} must be in {bounds}, got {value}`; flags
+                      `{name} must be a number, got {value!r}`, `{name} must be a finite number, got {value}`,
+                      `{name} must be in {bounds}, got {value}`; flags
                       are not checked (SGLang's engine takes any value)
   OpenAI (HTTP 400):  `'{openai name}' must be in {bounds}, got {value as JSON}` (param: that name)
   both, in a gap:     `... must be {off} (disabled) or >= {low}, got {value}`
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +114,8 @@ class Row:
             return f"{self.name} {self.gap_rule}, got {value}" if self.in_gap(value) else None
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             return f"{self.name} must be a number, got {value!r}"
+        if not math.isfinite(value):  # NaN passes every bound check and poisons the whole batch's sampling
+            return f"{self.name} must be a finite number, got {value}"
         return f"{self.name} must be in {self.bounds()}, got {value}" if self.out_of_bounds(value) else None
 
 
