@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
+from radixmesh.engine.config import EngineArgs
+
+from radixmesh.settings import add_settings, resolve
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/results, models/
 TOP = 5
@@ -111,14 +113,14 @@ def main() -> None:
         _child(sys.argv[2])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
+    add_settings(parser, EngineArgs)
     parser.add_argument("--configs", nargs="+", required=True)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--result-file")
     ns = parser.parse_args()
-    base = engine_kwargs(ns)
+    base = resolve(ns, EngineArgs)[0]
     base.setdefault("skip_tokenizer_init", True)
     vocab = json.loads((Path(base["model_path"]) / "config.json").read_text())["vocab_size"]
     rows = agreement(base, ns.configs, ns.num_prompts, ns.prompt_len, ns.output_len, vocab)

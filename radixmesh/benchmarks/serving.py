@@ -40,7 +40,8 @@ from tqdm import tqdm
 from radixmesh.benchmarks import thread_cpu
 from radixmesh.benchmarks.serving_backends import (REPO, BenchError, CompletionsApi, EngineBackend, GenerateApi,
                                                    HttpBackend, LaunchedMesh, RequestOutput, WorkItem, describe_device)
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
+from radixmesh.engine.config import EngineArgs
+from radixmesh.settings import add_settings, resolve
 
 BACKENDS = ("radixmesh", "openai", "engine")
 WARMUP_OUTPUT_LEN = 32  # cap on the warm-up request's output, as SGLang's
@@ -318,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-args", default="", help="more launcher flags, as one string after '=': "
                    "--launch-args='--num-workers 2 --policy random'")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds the mesh may take to start")
-    add_engine_args(p)
+    add_settings(p, EngineArgs)
     return p
 
 
@@ -336,7 +337,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     if args.launch and (args.backend == "engine" or args.base_url):
         p.error("--launch starts its own mesh: use it with --backend radixmesh or openai and without --base-url")
     try:
-        engine = engine_kwargs(args) if args.backend == "engine" or args.launch else \
+        engine = resolve(args, EngineArgs)[0] if args.backend == "engine" or args.launch else \
             {k: v for k, v in vars(args).items() if k in ("model_path", "tokenizer_path")}
     except ValueError as e:
         p.error(str(e))

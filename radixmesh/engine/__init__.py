@@ -3,7 +3,7 @@
     from radixmesh.engine import Engine
     llm = Engine(model_path="models/tiny-qwen2")
 
-`Engine` is imported on first use, so light modules (radixmesh.engine.flags, .config) load without torch.
+`Engine` is imported on first use, so light modules (radixmesh.engine.config, .model_config) load without torch.
 """
 
 __all__ = ["Engine"]

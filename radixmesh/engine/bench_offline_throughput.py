@@ -16,7 +16,8 @@ import time
 import torch
 
 from radixmesh.engine import Engine
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
+from radixmesh.engine.config import EngineArgs
+from radixmesh.settings import add_settings, resolve
 
 
 def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -38,7 +39,7 @@ def run(llm: Engine, prompts: list[list[int]], output_len: int, sampling: dict |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
+    add_settings(parser, EngineArgs)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--random-input-len", type=int, default=512)
     parser.add_argument("--random-output-len", type=int, default=128)
@@ -51,7 +52,7 @@ def main() -> None:
                              "$SGLANG_TORCH_PROFILER_DIR (else /tmp)")
     parser.add_argument("--result-file", help="append one JSON line")
     ns = parser.parse_args()
-    kwargs = engine_kwargs(ns)
+    kwargs = resolve(ns, EngineArgs)[0]
     kwargs.setdefault("skip_tokenizer_init", True)
     llm = Engine(**kwargs)
     try:

@@ -28,7 +28,6 @@ import torch
 from radixmesh.engine.bench_roofline import (attention_flops, decode_weight_bytes, linear_flops, measure_copy_bandwidth,
                                              measure_matmul_tflops)
 from radixmesh.engine.cache.manager import CacheManager
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
 from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
@@ -37,6 +36,7 @@ from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import SamplingBatch
 from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend
 from radixmesh.engine.tp_worker import rank_args, start_leader
+from radixmesh.settings import add_settings, resolve
 
 # Prefill forwards take whole requests up to this many tokens (a longer request is chunked on its own): SGLang's
 # default chunked_prefill_size on GPUs.
@@ -204,7 +204,7 @@ def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) ->
 
 
 def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArgs]:
-    kwargs = engine_kwargs(ns)
+    kwargs = resolve(ns, EngineArgs)[0]
     sizes = list(ns.batch_size) + ([1] if ns.long_context else []) + ([ns.extend_over[2]] if ns.extend_over else [])
     kwargs.setdefault("max_running_requests", max(sizes))
     kwargs["disable_radix_cache"] = True
@@ -228,7 +228,7 @@ def _measure(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
+    add_settings(parser, EngineArgs)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)

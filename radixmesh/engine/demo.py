@@ -9,7 +9,8 @@ import argparse
 import asyncio
 
 from radixmesh.engine import Engine
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
+from radixmesh.engine.config import EngineArgs
+from radixmesh.settings import add_settings, resolve
 
 PROMPTS = [
     "The river runs past the old mill and",
@@ -31,8 +32,8 @@ async def _stream_one(llm: Engine, prompt: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
-    llm = Engine(**engine_kwargs(parser.parse_args()))
+    add_settings(parser, EngineArgs)
+    llm = Engine(**resolve(parser.parse_args(), EngineArgs)[0])
     try:
         outs = llm.generate(PROMPTS, {"max_new_tokens": 24, "temperature": 0})
         for prompt, out in zip(PROMPTS, outs):

@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     --dist-init-addr host:port`."""
     import argparse
 
-    from radixmesh.engine.cli import add_engine_args, engine_kwargs
     from radixmesh.engine.config import resolve_args
+    from radixmesh.settings import add_settings, resolve
 
     parser = argparse.ArgumentParser(description="the tensor-parallel ranks of one node other than node 0")
-    add_engine_args(parser)
-    kwargs = engine_kwargs(parser.parse_args(argv))
+    add_settings(parser, EngineArgs)
+    kwargs = resolve(parser.parse_args(argv), EngineArgs)[0]
     args = EngineArgs.from_kwargs(**kwargs)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve_node(resolve_args(args, ModelConfig.from_path(args.model_path)))

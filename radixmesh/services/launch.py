@@ -35,10 +35,11 @@ from radixmesh.services.common import auth
 from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
 from radixmesh.services.common.auth_channel import sync_channel
 from radixmesh.services.common.ports import free_port, reserve
-from radixmesh.services.common.settings import parse_settings
-from radixmesh.services.common.tracing import DEFAULT_SAMPLE_RATIO, TraceSettings
+from radixmesh.services.common.tracing import TraceSettings
+from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.worker.settings import PdSettings
 from radixmesh.services.supervise import Supervisor
+from radixmesh.settings import as_flags, build_parser, resolve
 
 log = logging.getLogger("radixmesh.launch")
 # the folder our package was imported from: children import the same code, wherever they start
@@ -46,8 +47,16 @@ PACKAGE_HOME = Path(radixmesh.__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 
+# What the launcher decides for its router children (the addresses it hands out): not flags of `radixmesh serve`.
+ROUTER_WIRED = frozenset({"tokenizer_url", "worker_urls", "discovery_dns", "discovery_interval_s", "kvstore_url"})
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchSettings:
+    """The launcher's own flags. The router's (RouterSettings, but for ROUTER_WIRED), the tracing flags
+    (TraceSettings), the engine's (EngineArgs), PD's (PdSettings) and the internal credentials (InternalAuthSettings)
+    are composed beside them, declared once in their own classes and passed to the children as given."""
+
     num_workers: int = field(default=1, metadata={
         "aliases": ("--dp-size", "--dp"),
         "help": "colocated workers (separate processes; SGLang's --dp-size): data parallelism, each worker one "
@@ -62,29 +71,11 @@ class LaunchSettings:
         "help": "router replicas over the same workers, on --port, --port + 1, ... (a load balancer goes in front)"})
     num_prefill: int = field(default=1, metadata={"help": "with --disaggregation pd: prefill workers"})
     num_decode: int = field(default=1, metadata={"help": "with --disaggregation pd: decode workers"})
-    host: str = field(default="127.0.0.1", metadata={"help": "router HTTP address"})
-    port: int = field(default=30000, metadata={"help": "router HTTP port"})
-    grpc_port: int | None = field(default=None, metadata={"help": "router public gRPC port (unset: off)"})
-    policy: str = field(default="cache_aware", metadata={
-        "help": "round_robin, random, cache_aware or kv_index (the kvstore's global prefix index; needs --kvstore)"})
-    router_workers: int = field(default=1, metadata={
-        "help": "processes of each router (its --router-workers: one port, a supervisor, shared routing state)"})
-    disable_generate_stream: bool = field(default=False, metadata={
-        "help": "routers call workers once per request instead of over one GenerateStream per worker"})
-    disable_stream_lane: bool = field(default=False, metadata={
-        "help": "routers carry GenerateStream and TokenizeStream over gRPC, not over the services' stream lanes"})
-    max_migrations: int = field(default=3, metadata={
-        "help": "routers: times a stream whose worker fails mid-stream moves to another worker (0: off)"})
     max_restarts: int = field(default=10, metadata={
         "help": "a service that exits once the mesh is up is started again (backoff 0.5 s doubling to 30 s); after "
                 "this many failures in a row (each under a minute of uptime) the mesh stops"})
     num_tokenizers: int = field(default=1, metadata={
         "help": "tokenizer service replicas; the routers balance over them and fail over between them"})
-    api_key: str | None = field(default=None, metadata={"help": "require Authorization: Bearer <key>"})
-    api_key_tenants: tuple[str, ...] = field(default=(), metadata={
-        "help": "router: KEY=TENANT pairs; each key is accepted and selects its tenant's KV cache namespace"})
-    tenant_header: str | None = field(default=None, metadata={
-        "help": "router: a trusted header naming the tenant (e.g. X-Tenant)"})
     kvstore: bool = field(default=False, metadata={
         "help": "start the kvstore: workers publish KV events to it and (with --enable-hierarchical-cache) use it "
                 "as their L3 tier; the router can route on its index (--policy kv_index)"})
@@ -104,25 +95,8 @@ class LaunchSettings:
     metrics_sd_file: str | None = field(default=None, metadata={
         "help": "with --enable-metrics: write the metrics targets here as a Prometheus file_sd JSON list (each "
                 "target labelled service=<name>)"})
-    enable_trace: bool = field(default=False, metadata={
-        "help": "every service exports OpenTelemetry traces over OTLP/gRPC (one trace per request; the standard "
-                "OTEL_* variables reach every service)"})
-    otlp_traces_endpoint: str | None = field(default=None, metadata={
-        "help": "host:port of the OTLP/gRPC trace collector, passed to every service (default: OTEL_EXPORTER_OTLP_"
-                "TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317); giving it turns tracing on"})
-    trace_sample_ratio: float | None = field(default=None, metadata={
-        "help": f"the share of new traces every service keeps, in [0, 1] (default: OTEL_TRACES_SAMPLER[_ARG] when "
-                f"set, else {DEFAULT_SAMPLE_RATIO}); 1.0 traces every request"})
-    reasoning_parser: str | None = field(default=None, metadata={
-        "help": "routers: split chat outputs into reasoning_content and content (qwen3, deepseek-r1, ...)"})
-    tool_call_parser: str | None = field(default=None, metadata={
-        "help": "routers: find tool calls in chat outputs (qwen25, llama3, mistral, pythonic)"})
-    completion_template: str | None = field(default=None, metadata={
-        "help": "routers: fill-in-the-middle template for /v1/completions' suffix (qwen_coder, ...)"})
-    served_model_name: str | None = None
     chat_template: str | None = field(default=None, metadata={"help": "chat template file or built-in name"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "give up if a service is not healthy by then"})
-    shutdown_grace_s: float = field(default=30.0, metadata={"help": "seconds open requests get on SIGTERM"})
 
     def __post_init__(self) -> None:
         if self.num_tokenizers < 1 or self.max_restarts < 0:
@@ -133,14 +107,20 @@ class LaunchSettings:
             raise ValueError(f"--disaggregation must be null or pd, got {self.disaggregation!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("--num-prefill and --num-decode must be at least 1")
-        if self.policy == "kv_index" and not self.kvstore:
-            raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
         if self.metrics_sd_file and not self.enable_metrics:
             raise ValueError("--metrics-sd-file lists the metrics targets: add --enable-metrics")
-        TraceSettings(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # raises on a bad ratio
         if self.kvstore_transport not in STORAGE_TRANSPORTS:
             raise ValueError(f"--kvstore-transport must be one of {', '.join(STORAGE_TRANSPORTS)}, "
                              f"got {self.kvstore_transport!r}")
+
+
+def router_view(settings: LaunchSettings, router: dict) -> RouterSettings:
+    """The routers' settings as given to the launcher, checked as each router will check them (with the addresses
+    the launcher hands out standing in for ROUTER_WIRED). ValueError on a bad one."""
+    if router.get("policy") == "kv_index" and not settings.kvstore:
+        raise ValueError("--policy kv_index routes on the kvstore's index: add --kvstore")
+    wired = {"tokenizer_url": "127.0.0.1:1", "kvstore_url": "127.0.0.1:1" if settings.kvstore else None}
+    return RouterSettings(**{**router, **wired})
 
 
 def _die_with_parent() -> None:
@@ -203,19 +183,23 @@ def _worker_roles(settings: LaunchSettings) -> list[tuple[str, list[str]]]:
     return roles + [(f"worker-decode-{i}", ["--disaggregation-mode", "decode"]) for i in range(settings.num_decode)]
 
 
-def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None) -> list[Child]:
-    """The processes to start, in start order (tokenizer, workers, router)."""
+def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None, router: dict | None = None,
+         trace: dict | None = None) -> list[Child]:
+    """The processes to start, in start order (tokenizer, workers, router). `router`, `trace`: the RouterSettings
+    and TraceSettings keyword arguments given (what is not given keeps the services' defaults)."""
+    router = router or {}
+    view = router_view(settings, router)
     model = engine_kwargs["model_path"]
     # the router's ports came with the flags (a test or benchmark may have picked them): none is handed out again
-    reserve(settings.grpc_port, *(settings.port + i for i in range(settings.num_routers)))
+    reserve(view.grpc_port, *(view.port + i for i in range(settings.num_routers)))
     tok_ports = [free_port() for _ in range(settings.num_tokenizers)]
     tok = ["radixmesh.services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model]
     if settings.chat_template:
         tok += ["--chat-template", settings.chat_template]
     if engine_kwargs.get("context_length"):
         tok += ["--context-length", str(engine_kwargs["context_length"])]
-    if settings.served_model_name:  # its metrics carry the model_name the router's and workers' do
-        tok += ["--served-model-name", settings.served_model_name]
+    if view.served_model_name:  # its metrics carry the model_name the router's and workers' do
+        tok += ["--served-model-name", view.served_model_name]
     # every port of the mesh from this process's free_port, the stream lanes' too (a lane on a port the kernel
     # picked could take one handed to a service that has not started yet)
     children = [Child("tokenizer" if i == 0 else f"tokenizer-{i}",
@@ -241,8 +225,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
         worker_urls.append(f"127.0.0.1:{port}")
         argv = ["radixmesh.services.worker", "--port", str(port), "--stream-lane-port", str(free_port()), *role,
                 *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
-        if settings.served_model_name:
-            argv += ["--served-model-name", settings.served_model_name]
+        if view.served_model_name:
+            argv += ["--served-model-name", view.served_model_name]
         gpus = settings.worker_gpu_ids
         env = {"CUDA_VISIBLE_DEVICES": gpus[(len(worker_urls) - 1) % len(gpus)]} if gpus else {}
         tp = engine_kwargs.get("tp_size") or 1
@@ -250,43 +234,28 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
             step = engine_kwargs.get("gpu_id_step") or 1
             argv += ["--base-gpu-id", str((engine_kwargs.get("base_gpu_id") or 0) + (len(worker_urls) - 1) * tp * step)]
         children.append(Child(name, argv, f"grpc://127.0.0.1:{port}", env=env))
-    router = ["radixmesh.services.router", "--host", settings.host, "--port", str(settings.port),
-              "--tokenizer-url", ",".join(f"127.0.0.1:{port}" for port in tok_ports), "--worker-urls", *worker_urls,
-              "--policy", settings.policy,
-              "--shutdown-grace-s", str(settings.shutdown_grace_s), "--router-workers", str(settings.router_workers),
-              "--max-migrations", str(settings.max_migrations), *router_kv]
-    if settings.disable_generate_stream:
-        router.append("--disable-generate-stream")
-    if settings.disable_stream_lane:
-        router.append("--disable-stream-lane")
-    if settings.api_key_tenants:
-        router += ["--api-key-tenants", *settings.api_key_tenants]
-    for flag, value in (("--grpc-port", settings.grpc_port), ("--api-key", settings.api_key),
-                        ("--served-model-name", settings.served_model_name),
-                        ("--tenant-header", settings.tenant_header),
-                        ("--reasoning-parser", settings.reasoning_parser),
-                        ("--tool-call-parser", settings.tool_call_parser),
-                        ("--completion-template", settings.completion_template)):
-        if value is not None:
-            router += [flag, str(value)]
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    children.append(Child("router", router, f"http://{host}:{settings.port}/health"))
+    router_argv = ["radixmesh.services.router", "--port", str(view.port),
+                   "--tokenizer-url", ",".join(f"127.0.0.1:{port}" for port in tok_ports),
+                   "--worker-urls", *worker_urls, *router_kv,
+                   *as_flags(RouterSettings, {k: v for k, v in router.items() if k != "port"})]
+    host = "127.0.0.1" if view.host in ("0.0.0.0", "::") else view.host
+    children.append(Child("router", router_argv, f"http://{host}:{view.port}/health"))
     for i in range(1, settings.num_routers):  # replicas: the same flags on the next ports, no public gRPC API
-        port = settings.port + i
-        replica = list(router)
+        port = view.port + i
+        replica = list(router_argv)
         replica[replica.index("--port") + 1] = str(port)
-        if settings.grpc_port is not None:
+        if view.grpc_port is not None:
             at = replica.index("--grpc-port")
             del replica[at:at + 2]
         children.append(Child(f"router-{i}", replica, f"http://{host}:{port}/health"))
     if settings.enable_metrics:
         _add_metrics(children, host)
     for c in children:
-        c.argv += trace_flags(settings)
+        c.argv += trace_flags(trace or {})
     return children
 
 
-def launcher_metrics(settings: LaunchSettings, children: list[Child]):
+def launcher_metrics(settings: LaunchSettings, children: list[Child], served_model_name: str | None = None):
     """With --enable-metrics: the launcher's own /metrics (radixmesh:launcher_restarts_total{service}) on a free
     port, logged, and --metrics-sd-file written with it and every child's; returns the restart counter's
     `count(service)` (else None). Called before any child starts, so the file is complete from its first version
@@ -298,7 +267,7 @@ def launcher_metrics(settings: LaunchSettings, children: list[Child]):
 
     from radixmesh.services.common.metrics import ServiceMetrics
 
-    metrics = ServiceMetrics("launcher", settings.served_model_name or "")
+    metrics = ServiceMetrics("launcher", served_model_name or "")
     restarts = metrics.counter("radixmesh:launcher_restarts_total", "Services started again after they exited",
                                ("service",))
     for c in children:
@@ -312,14 +281,12 @@ def launcher_metrics(settings: LaunchSettings, children: list[Child]):
     return lambda name: restarts.labels(name).inc()
 
 
-def trace_flags(settings: LaunchSettings) -> list[str]:
-    """The tracing flags every child gets (none when tracing is off)."""
-    flags = ["--enable-trace"] if settings.enable_trace or settings.otlp_traces_endpoint is not None else []
-    if settings.otlp_traces_endpoint is not None:
-        flags += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
-    if flags and settings.trace_sample_ratio is not None:
-        flags += ["--trace-sample-ratio", repr(settings.trace_sample_ratio)]
-    return flags
+def trace_flags(trace: dict) -> list[str]:
+    """The tracing flags every child gets (TraceSettings keyword arguments as given; none when tracing is off)."""
+    checked = TraceSettings(**trace)  # raises on a bad ratio or endpoint
+    if not (checked.enable_trace or checked.otlp_traces_endpoint is not None):
+        return []
+    return as_flags(TraceSettings, {**trace, "enable_trace": True})
 
 
 def _add_metrics(children: list[Child], router_host: str) -> None:
@@ -423,8 +390,11 @@ def secure(children: list[Child], auth_settings: InternalAuthSettings) -> Intern
 
 
 def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None = None,
-          auth_settings: InternalAuthSettings | None = None) -> int:
-    children = plan(settings, engine_kwargs, pd_kwargs)
+          auth_settings: InternalAuthSettings | None = None, router: dict | None = None,
+          trace: dict | None = None) -> int:
+    router = router or {}
+    view = router_view(settings, router)
+    children = plan(settings, engine_kwargs, pd_kwargs, router, trace)
     try:
         log.info("internal calls: %s", secure(children, auth_settings or InternalAuthSettings()).describe())
     except ValueError as e:
@@ -436,7 +406,7 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
     routers = [c for c in children if c.name.startswith("router")]
     backends = [c for c in children if c not in routers]
     try:
-        count_restart = launcher_metrics(settings, children)
+        count_restart = launcher_metrics(settings, children, view.served_model_name)
         for c in backends:
             c.start()
         wait_healthy(backends, time.monotonic() + settings.startup_timeout_s, stopping)
@@ -444,8 +414,8 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
             c.start()
         wait_healthy(routers, time.monotonic() + settings.startup_timeout_s, stopping)
         more = f" (and {settings.num_routers - 1} more routers on the next ports)" if settings.num_routers > 1 else ""
-        print(f"radixmesh is ready: http://{settings.host}:{settings.port} (OpenAI base URL "
-              f"http://{settings.host}:{settings.port}/v1){more}", flush=True)
+        print(f"radixmesh is ready: http://{view.host}:{view.port} (OpenAI base URL "
+              f"http://{view.host}:{view.port}/v1){more}", flush=True)
         code = 0
         supervisor = Supervisor(children, settings.max_restarts, count_restart)
         while not stopping:
@@ -462,8 +432,12 @@ def serve(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None 
         log.info("interrupted during startup")
         code = 0
     log.info("stopping all services")
-    stop_all(children, settings.shutdown_grace_s)
+    stop_all(children, view.shutdown_grace_s)
     return code
+
+
+# What `radixmesh serve` is made of, each part's flags declared once in its own class.
+SERVE_PARTS = (LaunchSettings, RouterSettings, TraceSettings, PdSettings, EngineArgs, InternalAuthSettings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,19 +451,20 @@ def main(argv: list[str] | None = None) -> int:
               "       radixmesh certs --out DIR [--hosts h1,h2]  (a CA and a certificate for mutual TLS)",
               file=sys.stderr)
         return 2
-    settings, pd_kwargs, engine_kwargs, auth_kwargs = parse_settings(
-        "radixmesh serve: tokenizer, workers and router on this machine", LaunchSettings, argv[1:], PdSettings,
-        EngineArgs, InternalAuthSettings)
-    if not engine_kwargs.get("model_path"):
-        print("--model-path is required", file=sys.stderr)
-        return 2
+    parser = build_parser("radixmesh serve: tokenizer, workers and router on this machine", *SERVE_PARTS,
+                          skip=ROUTER_WIRED)
     try:
+        launch, router, trace, pd_kwargs, engine_kwargs, auth_kwargs = resolve(parser.parse_args(argv[1:]),
+                                                                               *SERVE_PARTS, skip=ROUTER_WIRED)
+        settings = LaunchSettings(**launch)
+        router_view(settings, router)
+        trace_flags(trace)
         auth_settings = InternalAuthSettings(**auth_kwargs)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         print(e, file=sys.stderr)
         return 2
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s launch: %(message)s")
-    return serve(settings, engine_kwargs, pd_kwargs, auth_settings)
+    return serve(settings, engine_kwargs, pd_kwargs, auth_settings, router, trace)
 
 
 if __name__ == "__main__":

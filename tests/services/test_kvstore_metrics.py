@@ -59,7 +59,7 @@ def test_kvstore_counts_calls_pages_and_transfers(tmp_path):
 def test_the_launcher_gives_every_service_a_metrics_port(tmp_path):
     from radixmesh.engine.config import EngineArgs
     from radixmesh.services.common.metrics import MetricsSettings
-    from radixmesh.services.common.settings import build_parser
+    from radixmesh.settings import build_parser
     from radixmesh.services.worker.settings import PdSettings, WorkerSettings
     from radixmesh.services.kvstore.settings import KvStoreSettings
     from radixmesh.services.router.settings import RouterSettings

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
-from radixmesh.services.common.settings import parse_settings
+from radixmesh.settings import parse_settings
 from radixmesh.services.launch import free_port
 from radixmesh.services.router.settings import RouterSettings
 from tests.conftest import ROOT, model_path

@@ -44,9 +44,9 @@ def test_the_launch_plan_never_hands_out_the_routers_ports(monkeypatch):
     """The router's HTTP ports (one per replica) and gRPC port come with the flags; the kernel offering them first
     to the launcher's free_port must not put a tokenizer or worker on them (a CI run failed on exactly that)."""
     monkeypatch.setattr(ports, "_RECENT_PORTS", ports.collections.deque(maxlen=64))
-    settings = LaunchSettings(port=42000, grpc_port=42100, num_workers=2, num_routers=2)
+    settings = LaunchSettings(num_workers=2, num_routers=2)
     monkeypatch.setattr(socket, "socket", FakeKernel([42100, 42000, 42001, *range(43000, 43100)]))
-    children = plan(settings, {"model_path": "m"})
+    children = plan(settings, {"model_path": "m"}, router={"port": 42000, "grpc_port": 42100})
     chosen = [int(p) for c in children if not c.name.startswith("router")
               for p in re.findall(r"--(?:port|stream-lane-port)', '(\d+)", str(c.argv))]
     assert len(chosen) == 6 and min(chosen) >= 43000 and len(set(chosen)) == len(chosen), chosen

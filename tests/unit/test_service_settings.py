@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixmesh.engine.config import EngineArgs
-from radixmesh.services.common.settings import build_parser, resolve
+from radixmesh.settings import build_parser, resolve
 from radixmesh.services.worker.settings import WorkerSettings
 from radixmesh.services.router.settings import RouterSettings
 
@@ -59,7 +59,7 @@ def test_unknown_key_in_config_file(tmp_path):
 def test_the_launcher_names_the_served_model_for_every_service():
     from radixmesh.services.launch import LaunchSettings, plan
 
-    children = plan(LaunchSettings(served_model_name="tiny"), {"model_path": "/m"})
+    children = plan(LaunchSettings(), {"model_path": "/m"}, router={"served_model_name": "tiny"})
     for child in children:
         argv = child.argv
         assert argv[argv.index("--served-model-name") + 1] == "tiny", child.name
@@ -103,3 +103,50 @@ def test_every_port_the_launcher_hands_out_is_its_own():
             GrpcService(GrpcSettings("127.0.0.1", first.port, 0.1), lambda server: [])
         await first.server.stop(None)
     asyncio.run(two_on_one_port())
+
+
+def test_serve_composes_the_routers_flags_and_hands_them_on():
+    """`radixmesh serve` declares no router flag of its own: RouterSettings' flags (but the addresses the launcher
+    wires) are its flags, with the same precedence, and reach every router as given."""
+    from radixmesh.services.launch import ROUTER_WIRED, SERVE_PARTS, LaunchSettings, plan
+    from radixmesh.settings import build_parser, resolve
+
+    parser = build_parser("serve", *SERVE_PARTS, skip=ROUTER_WIRED)
+    ns = parser.parse_args(["--model-path", "m", "--cache-threshold", "0.25", "--port", "31000", "--num-routers",
+                            "2", "--no-kvstore-l3", "--api-key", "k"])
+    launch, router, trace, pd, engine, auth = resolve(ns, *SERVE_PARTS, skip=ROUTER_WIRED,
+                                                      environ={"RADIXMESH_MAX_MIGRATIONS": "0"})
+    assert router == {"cache_threshold": 0.25, "port": 31000, "api_key": "k", "max_migrations": 0}
+    assert launch == {"num_routers": 2, "kvstore_l3": False} and engine == {"model_path": "m"}
+    routers = [c for c in plan(LaunchSettings(**launch), engine, pd, router, trace) if c.name.startswith("router")]
+    for port, child in zip((31000, 31001), routers):
+        s, _ = settings_of(RouterSettings, child.argv[1:])
+        assert (s.port, s.cache_threshold, s.api_key, s.max_migrations) == (port, 0.25, "k", 0)
+    for wired in ("--tokenizer-url", "--worker-urls", "--kvstore-url"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model-path", "m", wired, "a:1"])
+
+
+def test_as_flags_gives_back_what_it_was_given():
+    from radixmesh.services.common.tracing import TraceSettings
+    from radixmesh.settings import as_flags
+
+    given = {"tokenizer_url": "t:1", "worker_urls": ("a:1", "b:2"), "cache_threshold": 0.75, "disable_retries": True,
+             "policy": "cache_aware", "grpc_port": None}
+    s, _ = settings_of(RouterSettings, as_flags(RouterSettings, given))
+    assert (s.tokenizer_url, s.worker_urls, s.cache_threshold, s.disable_retries) == ("t:1", ("a:1", "b:2"), 0.75, True)
+    assert as_flags(RouterSettings, {"policy": "cache_aware", "grpc_port": None}) == []  # defaults: nothing to say
+    assert as_flags(TraceSettings, {"trace_sample_ratio": 0.5}) == ["--trace-sample-ratio", "0.5"]
+
+
+def test_engine_tools_read_the_environment_as_services_do():
+    import argparse
+
+    from radixmesh.settings import add_settings, resolve
+
+    parser = argparse.ArgumentParser()
+    add_settings(parser, EngineArgs)
+    kwargs = resolve(parser.parse_args(["--model-path", "m"]), EngineArgs, environ={"RADIXMESH_PAGE_SIZE": "16"})[0]
+    assert kwargs == {"model_path": "m", "page_size": 16}
+    with pytest.raises(ValueError, match="--model-path is required"):
+        resolve(parser.parse_args([]), EngineArgs, environ={})

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from radixmesh.engine.attention import registry
-from radixmesh.engine.cli import add_engine_args, engine_kwargs
 from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.cuda_graph_runner import clip_batch_sizes, graph_batch_sizes
+from radixmesh.settings import add_settings, resolve
 from tests.conftest import model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _parse(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_kwargs(parser.parse_args(["--model-path", "m", *argv]))
+    add_settings(parser, EngineArgs)
+    return resolve(parser.parse_args(["--model-path", "m", *argv]), EngineArgs)[0]
 
 
 def test_flags_use_sglang_names():
@@ -33,7 +33,7 @@ def test_flags_use_sglang_names():
                  "--decode-attention-backend", "triton", "--cuda-graph-max-bs", "64", "--cuda-graph-bs", "1", "2",
                  "8", "--disable-cuda-graph", "--disable-overlap-schedule"])
     assert kw == {"model_path": "m", "attention_backend": "triton", "prefill_attention_backend": "flashinfer",
-                  "decode_attention_backend": "triton", "cuda_graph_max_bs": 64, "cuda_graph_bs": [1, 2, 8],
+                  "decode_attention_backend": "triton", "cuda_graph_max_bs": 64, "cuda_graph_bs": (1, 2, 8),
                   "disable_cuda_graph": True, "disable_overlap_schedule": True}
     # ours, with no SGLang twin
     assert _parse(["--disable-pdl", "--decode-gemm", "cublas"]) == {"model_path": "m", "disable_pdl": True,

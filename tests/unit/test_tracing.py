@@ -43,7 +43,7 @@ def test_tracing_off_installs_nothing():
         from radixmesh.services.common import tracing, trace_grpc
         from radixmesh.services.common.server import GrpcService, GrpcSettings, channel
         from radixmesh.services.common.errors import ErrorInterceptor
-        from radixmesh.services.launch import LaunchSettings, trace_flags
+        from radixmesh.services.launch import trace_flags
         assert tracing.setup_tracing(tracing.TraceSettings(), "router") is False
         assert not tracing.enabled() and tracing.tracer() is None
         assert tracing.span("x") is tracing.span("y")  # the shared null context
@@ -54,7 +54,7 @@ def test_tracing_off_installs_nothing():
         assert trace_grpc.client_interceptors() == [] and trace_grpc.server_interceptors() == []
         ch = channel("127.0.0.1:1")
         assert not ch._unary_unary_interceptors and not ch._unary_stream_interceptors
-        assert trace_flags(LaunchSettings()) == []
+        assert trace_flags({}) == []
         from radixmesh.services.common import logs
         assert logs.trace_id_source is None
         loaded = [m for m in sys.modules if m.startswith("opentelemetry")]
@@ -66,23 +66,23 @@ def test_tracing_off_installs_nothing():
 
 def test_trace_settings_and_launcher_flags():
     from radixmesh.services.common.tracing import TraceSettings
-    from radixmesh.services.launch import LaunchSettings, trace_flags
+    from radixmesh.services.launch import main as launch_main, trace_flags
 
     assert not TraceSettings().enabled and TraceSettings(enable_trace=True).enabled
     assert TraceSettings(otlp_traces_endpoint="c:4317").enabled  # asking for an endpoint means asking for traces
-    assert trace_flags(LaunchSettings(enable_trace=True)) == ["--enable-trace"]
-    assert trace_flags(LaunchSettings(otlp_traces_endpoint="c:4317")) == ["--enable-trace", "--otlp-traces-endpoint",
-                                                                           "c:4317"]
-    assert trace_flags(LaunchSettings(enable_trace=True, trace_sample_ratio=1.0)) == [
+    assert trace_flags({"enable_trace": True}) == ["--enable-trace"]
+    assert trace_flags({"otlp_traces_endpoint": "c:4317"}) == ["--otlp-traces-endpoint", "c:4317", "--enable-trace"]
+    assert trace_flags({"enable_trace": True, "trace_sample_ratio": 1.0}) == [
         "--enable-trace", "--trace-sample-ratio", "1.0"]
-    assert trace_flags(LaunchSettings(trace_sample_ratio=0.5)) == []  # a ratio alone does not turn tracing on
+    assert trace_flags({"trace_sample_ratio": 0.5}) == []  # a ratio alone does not turn tracing on
     for ratio in (0.0, 0.25, 1.0):
         assert TraceSettings(trace_sample_ratio=ratio).trace_sample_ratio == ratio
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match=r"--trace-sample-ratio must be in \[0, 1\]"):
             TraceSettings(trace_sample_ratio=bad)
         with pytest.raises(ValueError, match="--trace-sample-ratio"):
-            LaunchSettings(enable_trace=True, trace_sample_ratio=bad)
+            trace_flags({"enable_trace": True, "trace_sample_ratio": bad})
+    assert launch_main(["serve", "--model-path", "m", "--enable-trace", "--trace-sample-ratio", "7"]) == 2
 
 
 def test_bad_ratio_stops_a_service_with_the_reason():

@@ -17,7 +17,7 @@ from radixmesh.services.common.kv_transfer import transfer_host
 from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService
-from radixmesh.services.common.settings import parse_settings
+from radixmesh.settings import parse_settings
 from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.kvstore.index import PrefixIndex
 from radixmesh.services.kvstore.metrics import KvStoreMetrics

@@ -21,7 +21,7 @@ from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService, GrpcSettings
 from radixmesh.services.common import tracing
-from radixmesh.services.common.settings import parse_settings
+from radixmesh.settings import parse_settings
 from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.router import embeddings_api
 from radixmesh.services.router import native_api, openai_api, openapi, utility_api

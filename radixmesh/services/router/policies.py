@@ -19,7 +19,7 @@ import contextvars
 import hashlib
 import itertools
 import random
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from radixmesh.services.router.rendezvous import rendezvous
 

@@ -15,7 +15,7 @@ from radixmesh.services.common.auth import InternalAuthSettings
 from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService
-from radixmesh.services.common.settings import parse_settings
+from radixmesh.settings import parse_settings
 from radixmesh.services.common.tracing import TraceSettings, setup_tracing
 from radixmesh.services.worker.servicer import WorkerServicer
 from radixmesh.services.worker.settings import PdSettings, WorkerSettings
