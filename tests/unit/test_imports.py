@@ -4,6 +4,7 @@ which transformers imports for its MoE models, say)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -65,3 +66,39 @@ def test_router_and_launcher_load_no_model_stack():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = _python(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Our modules `path` imports, at module level or inside functions, TYPE_CHECKING blocks included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
+            if isinstance(node, ast.ImportFrom) and node.module else []
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def test_no_import_cycles():
+    """Every import among our modules points one way: a cycle (even through a function-level import) means two
+    concepts that should be one, or a piece in the wrong module."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "radixmesh").rglob("*.py")}
+    edges = {m: _imports_of(p, set(paths)) - {m} for m, p in paths.items()}
+    edges = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in edges.items()}  # its packages
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

@@ -32,15 +32,6 @@ def client_interceptors() -> list:
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
 
 
-def untraced_channel(url: str, extra_options=()) -> grpc.aio.Channel:
-    """A channel as services.common.server.channel makes, but never with interceptors: for a client whose calls
-    pass their trace context as metadata themselves (tracing.current_metadata)."""
-    from radixmesh.services.common.auth_channel import aio_channel
-    from radixmesh.services.common.server import CHANNEL_OPTIONS
-
-    return aio_channel(url, [*CHANNEL_OPTIONS, *extra_options])
-
-
 def server_interceptors() -> list:
     return [ServerTraceInterceptor()] if tracing.enabled() else []
 

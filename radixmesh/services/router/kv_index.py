@@ -21,7 +21,7 @@ import grpc
 
 from radixmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 from radixmesh.services.common import tracing
-from radixmesh.services.common.trace_grpc import untraced_channel
+from radixmesh.services.common.server import untraced_channel
 from radixmesh.services.router.decisions import RoutingDecisions
 from radixmesh.services.router.policies import Candidate
 from radixmesh.services.router.rendezvous import prompt_key, rendezvous

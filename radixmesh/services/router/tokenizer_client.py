@@ -13,8 +13,7 @@ import grpc
 
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.services.common import tracing
-from radixmesh.services.common.server import RECONNECT_OPTIONS
-from radixmesh.services.common.trace_grpc import untraced_channel
+from radixmesh.services.common.server import RECONNECT_OPTIONS, untraced_channel
 from radixmesh.services.router.tokenize_batch import TokenizeBatcher, TokenizerUnavailable
 
 __all__ = ["TokenizeCache", "TokenizerClient", "TokenizerUnavailable"]
