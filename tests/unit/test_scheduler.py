@@ -198,7 +198,7 @@ def test_steps_do_not_keep_earlier_steps_alive():
 
     def alive() -> int:
         gc.collect()
-        return sum(isinstance(o, StepResult) for o in gc.get_objects())
+        return sum(type(o) is StepResult for o in gc.get_objects())
 
     sched, runner = make(page=4, mixed=True)
     sched.overlap = True

@@ -29,6 +29,9 @@ _EDGES = {
     S.HELD: {S.FINISHED},
     S.FINISHED: set(),
 }
+# Each live state's collection: a list in arrival order, or a dict by rid (looked up by the peer's calls).
+_LISTS = {S.WAITING: "waiting", S.PREFILLING: "prefilling", S.RUNNING: "running", S.PREALLOC: "prealloc"}
+_DICTS = {S.RECEIVING: "receiving", S.HELD: "held"}
 
 
 class Requests:
@@ -53,16 +56,10 @@ class Requests:
             raise RuntimeError(f"request {req.rid}: no move from {req.state.name} to {to.name}")
         self._leave(req)
         req.state = to
-        if to is S.WAITING:
-            self.waiting.append(req)
-        elif to is S.PREFILLING:
-            self.prefilling.append(req)
-        elif to is S.RUNNING:
-            self.running.append(req)
-        elif to is S.RECEIVING:
-            self.receiving[req.rid] = req
-        elif to is S.HELD:
-            self.held[req.rid] = req
+        if to in _LISTS:
+            getattr(self, _LISTS[to]).append(req)
+        elif to in _DICTS:
+            getattr(self, _DICTS[to])[req.rid] = req
         self.changed = True
 
     def admit(self, reqs: list[Req]) -> None:
@@ -74,21 +71,12 @@ class Requests:
         self.prefilling += reqs
 
     def _leave(self, req: Req) -> None:
-        state = req.state
-        if state is S.WAITING:
-            self.waiting.remove(req)
-        elif state is S.PREFILLING:
-            self.prefilling.remove(req)
-            if self.chunked is req:
-                self.chunked = None
-        elif state is S.RUNNING:
-            self.running.remove(req)
-        elif state is S.PREALLOC:
-            self.prealloc.remove(req)
-        elif state is S.RECEIVING:
-            del self.receiving[req.rid]
-        elif state is S.HELD:
-            del self.held[req.rid]
+        if req.state in _LISTS:
+            getattr(self, _LISTS[req.state]).remove(req)
+        elif req.state in _DICTS:
+            del getattr(self, _DICTS[req.state])[req.rid]
+        if self.chunked is req:
+            self.chunked = None
 
     def find(self, rid: str) -> Req | None:
         """The live request (not FINISHED) named `rid`, or None; a HELD one only when nothing else has the name."""
