@@ -29,7 +29,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import radixmesh
 from radixmesh.engine.config import STORAGE_TRANSPORTS, EngineArgs
 from radixmesh.services.common import auth
 from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
@@ -42,8 +41,6 @@ from radixmesh.services.supervise import Supervisor
 from radixmesh.settings import as_flags, build_parser, resolve
 
 log = logging.getLogger("radixmesh.launch")
-# the folder our package was imported from: children import the same code, wherever they start
-PACKAGE_HOME = Path(radixmesh.__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 
@@ -150,8 +147,7 @@ class Child:
     metrics: str | None = None  # host:port of its /metrics (with --enable-metrics)
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_HOME),
-                                                                          os.environ.get("PYTHONPATH")])), **self.env}
+        env = {**os.environ, **self.env}  # the same interpreter and environment: it imports what this process does
         # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
                                      start_new_session=True)

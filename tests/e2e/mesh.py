@@ -104,13 +104,16 @@ def launch(model: str, tmp: Path, *args: str, num_workers: int = 1, api_key: str
            timeout: float = 180.0, env: dict | None = None) -> Mesh:
     """`env`: set for the launcher on top of this environment and INTERNAL_TOKEN."""
     port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "radixmesh.services.launch", "serve", "--model-path", model, "--port", str(port),
+    # the README's command, `radixmesh serve`, from a folder that is not the checkout: nothing may import from there
+    script = Path(sys.executable).with_name("radixmesh")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "radixmesh.services.launch"]
+    argv = [*command, "serve", "--model-path", model, "--port", str(port),
             "--grpc-port", str(grpc_port), "--num-workers", str(num_workers), "--shutdown-grace-s", "10",
             "--log-level", "warning", *args]
     if api_key:
         argv += ["--api-key", api_key]
     log_path = tmp / f"mesh-{port}.log"
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=tmp, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, TOKEN_ENV: INTERNAL_TOKEN, **(env or {})})
     mesh = Mesh(proc, port, grpc_port, api_key, log_path)
     deadline = time.monotonic() + timeout
