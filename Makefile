@@ -11,7 +11,7 @@ TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODE
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 # `make test` runs the suite in two pytest processes (pytest-xdist, a file's tests in one process, so module fixtures
-# start once): ~21-24 min on CI's 2 cores against ~31 in one process (TEST_WORKERS=0; NOTES.md, 2026-11-25 night).
+# start once): pytest 11.5 min on the 2-vCPU VM (README "Testing"; TEST_WORKERS=0 for one process).
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 PROTOS := $(wildcard protos/radixmesh/v1/*.proto)
