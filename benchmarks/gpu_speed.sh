@@ -26,6 +26,7 @@
 #   PARTS="setup tiles"     kernels.extend_attention's tiles swept on this GPU (TILES_APPLY=1: later parts use the best)
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
+#   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
 #                           per token (--thread-cpu)
@@ -159,6 +160,16 @@ if [[ $PARTS == *serving* ]]; then
     $PY -m radixmesh.benchmarks.serving --backend $backend $launch $LOAD $WORK 2>&1 | tee -a "$OUT/serving.log" \
       | tail -32
   done
+fi
+
+if [[ $PARTS == *scale* ]]; then
+  # Issue 50's table in one command: the engine and the mesh side by side at 1, 64, 256 and 512 streams (streamed,
+  # 256-512 tokens in, 64-128 out, greedy, ignore_eos), ROUNDS sweeps with the order alternating.
+  MODEL=build/llama-3.1-8b
+  $PY -m radixmesh.benchmarks.serving --backend engine radixmesh --launch --model-path $MODEL --load-format dummy \
+    --dtype bfloat16 --max-running-requests 256 --log-level warning --random-input-len 512 --random-output-len 128 \
+    --random-range-ratio 0.5 --max-concurrency 1 64 256 512 --num-prompts 24 512 1024 1024 --rounds ${ROUNDS:-2} \
+    --disable-tqdm --output-file "$OUT/scale.jsonl" 2>&1 | tee "$OUT/scale.log" | sed -n '/Side by side/,$p'
 fi
 
 if [[ $PARTS == *servab* ]]; then

@@ -7,13 +7,23 @@ shaped like SGLang's `python -m sglang.bench_serving`.
     python -m radixmesh.benchmarks.serving --backend engine --model-path ...
         (same workload flags: the engine in-process)
     python -m radixmesh.benchmarks.serving --backend openai --base-url http://host:30000 --tokenizer PATH ...
+    python -m radixmesh.benchmarks.serving --backend engine radixmesh --launch --model-path ... \
+        --max-concurrency 1 64 256 512 --num-prompts 24 512 1024 1024    (side by side, a table of both)
 
 Workload (`--dataset-name random`): prompts of random token ids drawn (from `--seed`) from the tokenizer's vocabulary
 minus its special tokens; input and output lengths uniform in [max(len * ratio, 1), len], as SGLang draws them. The
 same flags give the same workload on every backend (see `workload_digest` in the results). Requests arrive as a
 Poisson process of `--request-rate` per second (inf: all at once), at most `--max-concurrency` in flight. One warm-up
 request runs first and is left out. Metrics follow SGLang's definitions (see benchmarks.serving_backends for TTFT,
-ITL and E2E); `--output-file` appends one JSON line. Exit status 1 when any request failed."""
+ITL and E2E); `--output-file` appends one JSON line per backend and concurrency. Exit status 1 when any request
+failed.
+
+Several backends (`--backend engine radixmesh`) and several concurrency levels (`--max-concurrency 1 64 256`, with
+`--num-prompts` one count for all or one per level) make a sweep: each backend runs every level in turn (the engine
+in this process, then shut down, which gives its GPU memory back; the mesh launched with --launch), on the same
+workload per level, and a table compares them, the first backend the reference: output tok/s and their ratio, TTFT
+and ITL medians and their differences, failed requests. `--rounds N` repeats the sweep, alternating the backends'
+order, so a drift of the machine's speed falls on both."""
 
 from __future__ import annotations
 
@@ -163,9 +173,11 @@ async def arrivals(n: int, rate: float, seed: int):
         await asyncio.sleep(max(due - time.perf_counter(), 0.0))
 
 
-async def run_timed(backend, items: list[WorkItem], args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
-    """Every item sent at its arrival time, at most max_concurrency in flight. Returns (outputs in order, duration)."""
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+async def run_timed(backend, items: list[WorkItem], args: argparse.Namespace,
+                    concurrency: int | None) -> tuple[list[RequestOutput], float]:
+    """Every item sent at its arrival time, at most `concurrency` in flight (None: no bound). Returns (outputs in
+    order, duration)."""
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
     bar = tqdm(total=len(items), disable=args.disable_tqdm)
 
     async def one(item: WorkItem) -> RequestOutput:
@@ -185,50 +197,98 @@ async def run_timed(backend, items: list[WorkItem], args: argparse.Namespace) ->
     return outputs, duration
 
 
-def make_backend(args: argparse.Namespace, engine: dict):
-    if args.backend == "engine":
+def make_backend(args: argparse.Namespace, engine: dict, name: str):
+    if name == "engine":
         return EngineBackend(engine)
-    api = GenerateApi() if args.backend == "radixmesh" else CompletionsApi(args.model)
+    api = GenerateApi() if name == "radixmesh" else CompletionsApi(args.model)
     return HttpBackend(args.base_url or f"http://{args.host}:{args.port}", api)
 
 
-async def benchmark(args: argparse.Namespace, engine: dict) -> dict:
-    backend = make_backend(args, engine)
+async def benchmark(args: argparse.Namespace, engine: dict, name: str,
+                    levels: list[tuple[int | None, int]]) -> list[dict]:
+    """Backend `name` started once, warmed up, then each (max concurrency, prompts) level timed in turn; a result
+    per level."""
+    backend = make_backend(args, engine, name)
+    results = []
     try:
         hint = await backend.start()
         path = args.tokenizer or engine.get("tokenizer_path") or engine.get("model_path") or args.model or hint
         if path is None:
             raise BenchError("no tokenizer to draw prompts from: give --tokenizer or --model-path")
-        items = make_workload(args.num_prompts, args.random_input_len, args.random_output_len,
-                              args.random_range_ratio, args.seed, token_pool(path))
-        for _ in range(args.warmup_requests):
-            warm = await backend.send(WorkItem(items[0].input_ids, min(items[0].output_len, WARMUP_OUTPUT_LEN)))
-            if not warm.success:
-                raise BenchError(f"the warm-up request failed: {warm.error}")
-        if args.flush_cache:
-            await backend.flush_cache()
-        before = await backend.counters()
-        cpu_root = getattr(args, "cpu_root", None) or os.getpid()
-        cpu_before = thread_cpu.snapshot(cpu_root) if args.thread_cpu else None
-        if args.profile:
-            print((await backend.profile(True, args.profile_output_dir)).strip(), flush=True)
-        outputs, duration = await run_timed(backend, items, args)
-        if args.profile:
-            print((await backend.profile(False)).strip(), flush=True)
-        cpu = thread_cpu.per_token(cpu_before, thread_cpu.snapshot(cpu_root),
-                                   sum(o.output_len for o in outputs if o.success)) if args.thread_cpu else None
-        after = await backend.counters()
-        device = await backend.device()
-        device = describe_device(device) if args.launch or args.backend == "engine" else device  # else not here
+        pool = token_pool(path)
+        for concurrency, prompts in levels:
+            items = make_workload(prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                                  args.seed, pool)
+            if not results:
+                await warm_up(backend, items[0], args.warmup_requests)
+            results.append(await timed_level(backend, args, items, concurrency, name))
     finally:
         await backend.close()
+    return results
+
+
+async def warm_up(backend, item: WorkItem, requests: int) -> None:
+    for _ in range(requests):
+        warm = await backend.send(WorkItem(item.input_ids, min(item.output_len, WARMUP_OUTPUT_LEN)))
+        if not warm.success:
+            raise BenchError(f"the warm-up request failed: {warm.error}")
+
+
+async def timed_level(backend, args: argparse.Namespace, items: list[WorkItem], concurrency: int | None,
+                      name: str) -> dict:
+    if args.flush_cache:
+        await backend.flush_cache()
+    before = await backend.counters()
+    cpu_root = getattr(args, "cpu_root", None) or os.getpid()
+    cpu_before = thread_cpu.snapshot(cpu_root) if args.thread_cpu else None
+    if args.profile:
+        print((await backend.profile(True, args.profile_output_dir)).strip(), flush=True)
+    outputs, duration = await run_timed(backend, items, args, concurrency)
+    if args.profile:
+        print((await backend.profile(False)).strip(), flush=True)
+    cpu = thread_cpu.per_token(cpu_before, thread_cpu.snapshot(cpu_root),
+                               sum(o.output_len for o in outputs if o.success)) if args.thread_cpu else None
+    after = await backend.counters()
+    device = await backend.device()
+    device = describe_device(device) if args.launch or name == "engine" else device  # else not here
     errors = sorted({o.error for o in outputs if not o.success})
-    return {**Metrics.of(outputs, duration).flat(), "errors": errors[:10], "device": device,
-            "workload_digest": workload_digest(items), "workload_output_tokens": sum(i.output_len for i in items),
+    return {"backend": name, "max_concurrency": concurrency, **Metrics.of(outputs, duration).flat(),
+            "errors": errors[:10], "device": device, "workload_digest": workload_digest(items),
+            "workload_output_tokens": sum(i.output_len for i in items),
             "workload_input_tokens": sum(len(i.input_ids) for i in items),
             # The (first) worker's scheduler during the timed run: prefill and decode steps, prefilled tokens.
             "scheduler": {k: after[k] - before[k] for k in after if k in before},
             **({"thread_cpu": cpu} if cpu is not None else {})}
+
+
+def comparison(results: list[dict]) -> str:
+    """One row per concurrency level: each backend's output tok/s, TTFT and ITL medians, failed requests, and how the
+    others compare with the first backend (tok/s ratio, TTFT and ITL differences in ms)."""
+    names = list(dict.fromkeys(r["backend"] for r in results))
+    levels = list(dict.fromkeys(r["max_concurrency"] for r in results))
+    ref, others = names[0], names[1:]
+    head = ["conc", *(f"{n} tok/s" for n in names), *(f"{n}/{ref}" for n in others),
+            *(f"TTFT p50 {n}" for n in names), *(f"ITL p50 {n}" for n in names), "failed"]
+    rows = [head]
+    for level in levels:
+        got = {n: [r for r in results if r["backend"] == n and r["max_concurrency"] == level] for n in names}
+        tok = {n: _mean(r["output_throughput"] for r in got[n]) for n in names}
+        rows.append([str(level if level is not None else "inf"), *(f"{tok[n]:.1f}" for n in names),
+                     *(f"{tok[n] / tok[ref]:.3f}" if tok[ref] else "-" for n in others),
+                     *(f"{_mean(r['median_ttft_ms'] for r in got[n]):.1f}" for n in names),
+                     *(_ms(_mean(r['median_itl_ms'] for r in got[n])) for n in names),
+                     str(sum(r["failed"] for n in names for r in got[n]))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 SUMMARY = (("Backend", "backend", "s"), ("Traffic request rate", "request_rate", "s"),
@@ -285,7 +345,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m radixmesh.benchmarks.serving", description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default="radixmesh", help=f"one of {', '.join(BACKENDS)}")
+    p.add_argument("--backend", nargs="+", default=["radixmesh"],
+                   help=f"one of {', '.join(BACKENDS)}, or several side by side (the first is the reference)")
     p.add_argument("--base-url", help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, help="default 30000; with --launch a free port")
@@ -294,14 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer directory the prompts are drawn from (default: --model-path, "
                                        "--model or the server's)")
     p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, nargs="+", default=[1000],
+                   help="prompts per run: one count, or one per --max-concurrency level")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=1024)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len * ratio, len] (SGLang's default 0.0; 1.0: exactly len)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default inf)")
-    p.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                   help="requests in flight at most (default unbounded); several levels run one after another")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with several backends: sweeps of every level, the backends' order alternating by round")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="flush the prefix cache after the warm-up")
     p.add_argument("--thread-cpu", action="store_true",
@@ -328,16 +393,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     model and tokenizer paths); a bad flag exits with status 2 and one line."""
     p = build_parser()
     args = p.parse_args(argv)
-    if args.backend not in BACKENDS:
-        p.error(f"unknown backend {args.backend!r} (choose from {', '.join(BACKENDS)})")
-    if min(args.num_prompts, args.random_input_len, args.random_output_len) < 1:
-        p.error("--num-prompts, --random-input-len and --random-output-len must be at least 1")
+    for name in args.backend:
+        if name not in BACKENDS:
+            p.error(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if len(set(args.backend)) < len(args.backend) or ("radixmesh" in args.backend and "openai" in args.backend):
+        p.error("--backend names each backend once, and at most one of radixmesh and openai (one server)")
+    if len(args.num_prompts) not in (1, len(args.max_concurrency)):
+        p.error("--num-prompts takes one count, or one per --max-concurrency level")
+    if min(*args.num_prompts, args.random_input_len, args.random_output_len, args.rounds) < 1:
+        p.error("--num-prompts, --random-input-len, --random-output-len and --rounds must be at least 1")
+    if any(c is not None and c < 1 for c in args.max_concurrency):
+        p.error("--max-concurrency must be at least 1")
     if not 0.0 <= args.random_range_ratio <= 1.0 or args.request_rate <= 0:
         p.error("--random-range-ratio must be in [0, 1] and --request-rate positive")
-    if args.launch and (args.backend == "engine" or args.base_url):
+    if args.launch and (args.backend == ["engine"] or args.base_url):
         p.error("--launch starts its own mesh: use it with --backend radixmesh or openai and without --base-url")
     try:
-        engine = resolve(args, EngineArgs)[0] if args.backend == "engine" or args.launch else \
+        engine = resolve(args, EngineArgs)[0] if "engine" in args.backend or args.launch else \
             {k: v for k, v in vars(args).items() if k in ("model_path", "tokenizer_path")}
     except ValueError as e:
         p.error(str(e))
@@ -353,24 +425,48 @@ def mesh_for(args: argparse.Namespace, engine: dict, log_dir: str) -> LaunchedMe
     return LaunchedMesh(argv, f"http://127.0.0.1:{args.port}", Path(log_dir) / "mesh.log")
 
 
+def levels_of(args: argparse.Namespace) -> list[tuple[int | None, int]]:
+    """(max concurrency, prompts) per level, in the order given."""
+    prompts = args.num_prompts * len(args.max_concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    return list(zip(args.max_concurrency, prompts))
+
+
+def run_backend(args: argparse.Namespace, engine: dict, name: str, logs: str) -> list[dict]:
+    """Every level on backend `name`; a mesh it needs is launched first and stopped after (--launch)."""
+    mesh = mesh_for(args, engine, logs) if args.launch and name != "engine" else None
+    try:
+        if mesh is not None:
+            mesh.start(args.launch_timeout)
+            args.cpu_root = mesh.proc.pid
+        else:
+            args.cpu_root = None
+        results = asyncio.run(benchmark(args, engine, name, levels_of(args)))
+        if mesh is not None and any(r["failed"] for r in results):
+            print(f"--- the mesh's log, last lines ---\n{mesh.log_tail(30)}", file=sys.stderr)
+        return results
+    finally:
+        if mesh is not None:
+            mesh.stop()
+
+
+def sweep(args: argparse.Namespace, engine: dict) -> list[dict]:
+    """Every backend over every level, `--rounds` times (the order of the backends reversed every other round)."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as logs:
+        for round_ in range(args.rounds):
+            order = args.backend if round_ % 2 == 0 else args.backend[::-1]
+            for name in order:
+                results += [{**r, "round": round_} for r in run_backend(args, engine, name, logs)]
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, engine = parse_args(argv)
     args.port = args.port or (None if args.launch else 30000)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below: the mesh is stopped
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-serving-") as logs:
-            mesh = mesh_for(args, engine, logs) if args.launch else None
-            try:
-                if mesh is not None:
-                    mesh.start(args.launch_timeout)
-                    args.cpu_root = mesh.proc.pid
-                result = asyncio.run(benchmark(args, engine))
-                if mesh is not None and result["failed"]:
-                    print(f"--- the mesh's log, last lines ---\n{mesh.log_tail(30)}", file=sys.stderr)
-            finally:
-                if mesh is not None:
-                    mesh.stop()
+        results = sweep(args, engine)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -378,16 +474,19 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"  # JSON has no infinity
-    result = {"bench": "serving", "backend": args.backend, "request_rate": rate,
-              "max_concurrency": args.max_concurrency, **result,
-              "args": {**vars(args), "request_rate": rate, "engine": engine}, **provenance(argv)}
-    print(summary(result))
+    records = [{"bench": "serving", "request_rate": rate, **r,
+                "args": {**vars(args), "request_rate": rate, "engine": engine}, **provenance(argv)} for r in results]
+    for record in records:
+        print(summary(record))
+    if len(records) > 1:
+        print(f"{' Side by side (medians; mean of rounds) ':=^80}\n{comparison(records)}")
     if args.output_file:
         with open(args.output_file, "a") as fh:
-            fh.write(json.dumps(result) + "\n")
-    for error in result["errors"]:
+            fh.writelines(json.dumps(record) + "\n" for record in records)
+    errors = sorted({e for r in records for e in r["errors"]})
+    for error in errors:
         print(f"failed request: {error}", file=sys.stderr)
-    return 1 if result["failed"] else 0
+    return 1 if any(r["failed"] for r in records) else 0
 
 
 if __name__ == "__main__":

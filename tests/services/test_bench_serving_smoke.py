@@ -88,3 +88,29 @@ def test_bench_serving_bad_input():
     assert down.returncode != 0
     lines = down.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the server at {url}"), down.stderr
+
+
+def test_bench_serving_side_by_side_sweep(tmp_path):
+    """`--backend engine radixmesh --launch --max-concurrency 1 4`: both backends over both levels on the same
+    workload per level, a record each, and the side-by-side table."""
+    out = tmp_path / "sweep.jsonl"
+    engine = ["--model-path", model_path("tiny-qwen2"), "--device", "cpu", "--dtype", "float32", "--log-level",
+              "warning"]
+    run = _bench("--backend", "engine", "radixmesh", "--launch", *engine, "--num-prompts", "4", "8",
+                 "--max-concurrency", "1", "4", "--random-input-len", "16", "--random-output-len", "4",
+                 "--disable-tqdm", "--output-file", str(out), timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["backend"], r["max_concurrency"], r["completed"]) for r in records] == [
+        ("engine", 1, 4), ("engine", 4, 8), ("radixmesh", 1, 4), ("radixmesh", 4, 8)]
+    assert all(r["failed"] == 0 for r in records)
+    for level in (1, 4):
+        assert len({r["workload_digest"] for r in records if r["max_concurrency"] == level}) == 1
+    table = run.stdout.split("Side by side")[1].splitlines()
+    assert table[1].split()[:4] == ["conc", "engine", "tok/s", "radixmesh"] and "radixmesh/engine" in table[1]
+    assert [row.split()[0] for row in table[2:4]] == ["1", "4"]
+    bad = _bench("--backend", "engine", "engine", "--model-path", model_path("tiny-qwen2"))
+    assert bad.returncode == 2 and "names each backend once" in bad.stderr
+    bad = _bench("--backend", "engine", "--model-path", model_path("tiny-qwen2"), "--num-prompts", "1", "2",
+                 "--max-concurrency", "1", "2", "3")
+    assert bad.returncode == 2 and "one per --max-concurrency level" in bad.stderr
