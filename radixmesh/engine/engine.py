@@ -26,6 +26,7 @@ from radixmesh.engine.cache.build import build_cache
 from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.device_memory import return_to_device
+from radixmesh.engine.distributed import GroupFailed
 from radixmesh.engine.delivery import (async_deltas_until_done, coalesce, deltas_until_done, mailbox_for, next_output,
                                        raise_if_stopped)
 from radixmesh.engine.early_aborts import EarlyAborts
@@ -63,6 +64,9 @@ class Engine:
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.tokenizer_path)
         # tensor parallelism: this node's other ranks run in processes of their own (engine.tp_worker)
         tp, self._followers = start_leader(self.args)
+        self._crash: BaseException | None = None
+        if self._followers is not None:
+            self._followers.watch(self._rank_exited)
         self.runner = None
         made = shared_memory.created()
         try:
@@ -102,9 +106,14 @@ class Engine:
         self._prep = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixmesh-prep")
         self._grammar_lock = threading.Lock()
         self._early_aborts = EarlyAborts()
-        self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
+
+    def _rank_exited(self, reason: str) -> None:
+        """A follower process of this node died: the group is broken, so the engine is (callers get `reason`)."""
+        if self._crash is None:
+            log.error("%s: the engine stops", reason)
+            self._crash = GroupFailed(reason)
 
     def _loop(self) -> None:
         try:
@@ -490,7 +499,8 @@ class Engine:
         the weights, CUDA graphs and workspaces), so another Engine in this process has the whole device."""
         if self._thread.is_alive():
             self.scheduler.stop()
-            self._thread.join(timeout=30)
+            # a broken group's scheduler may be waiting out a collective's timeout: it is not waited for
+            self._thread.join(timeout=30 if self._crash is None else 1)
         self._stop_followers(graceful=self._crash is None and not self._thread.is_alive())
         self._prep.shutdown(wait=False)
         if self.cache.hierarchy is not None:
@@ -508,6 +518,7 @@ class Engine:
         """This node's other tensor-parallel ranks: told to stop when the group still works, killed otherwise."""
         if self._followers is None:
             return
+        self._followers.stopping = True  # their exit from here on is asked for
         if graceful:
             try:
                 self.runner.stop_followers()

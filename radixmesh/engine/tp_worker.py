@@ -12,9 +12,13 @@ import dataclasses
 import faulthandler
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import sys
+import threading
+import time
+from typing import Callable
 
 from radixmesh.engine.config import EngineArgs
 
@@ -45,11 +49,29 @@ class Followers:
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_follower_main, args=(rank_args(args, r), r, addr, os.getpid()),
                                   name=f"radixmesh-tp{r}", daemon=True) for r in ranks]
+        self.stopping = False  # set before they are told to stop: their exit is then no failure
         for p in self.procs:
             p.start()
 
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(reason)` (on a thread of its own) as soon as a follower exits unasked. A collective with a
+        dead peer can wait out the whole --dist-timeout before it fails; the process's exit is known at once."""
+        def wait() -> None:
+            ended = mp_connection.wait([p.sentinel for p in self.procs])
+            if self.stopping:
+                return
+            dead = next(p for p in self.procs if p.sentinel in ended)
+            dead.join(1)
+            deadline = time.monotonic() + 1  # another thread may be reaping it: its exit code lands there
+            while dead.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            on_exit(f"tensor parallel rank {dead.name.removeprefix('radixmesh-tp')} exited (code {dead.exitcode})")
+
+        threading.Thread(target=wait, name="radixmesh-tp-watch", daemon=True).start()
+
     def join(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
         """Wait for the followers to leave (after the leader's stop), killing any that do not."""
+        self.stopping = True
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():

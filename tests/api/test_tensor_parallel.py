@@ -160,19 +160,15 @@ def test_a_killed_rank_fails_the_engine_and_leaves_no_process():
     try:
         (follower,) = llm._followers.procs
         assert llm.generate("hello", {"max_new_tokens": 4, "temperature": 0})["meta_info"]["completion_tokens"] == 4
+        start = time.monotonic()
         follower.kill()
         follower.join(5)
-        start = time.monotonic()
-        out = llm.generate("hello again", {"max_new_tokens": 64, "temperature": 0})
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "tensor parallel rank 0 of 2" in out["meta_info"]["finish_reason"]["message"]
-        assert time.monotonic() - start < 25  # within --dist-timeout (gloo notices a closed peer at once)
-        for _ in range(50):  # the scheduler stops on the broken group
-            if not llm.alive:
-                break
-            time.sleep(0.1)
-        assert not llm.alive
-        with pytest.raises(RuntimeError, match="crashed"):
+        # the leader watches its node's ranks: a dead one fails the engine at once, not after a collective's
+        # --dist-timeout (a peer's death can leave a gloo collective waiting for all of it)
+        while llm.alive and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert not llm.alive and time.monotonic() - start < 5
+        with pytest.raises(RuntimeError, match=r"crashed: .*tensor parallel rank 1 exited \(code -9\)"):
             llm.generate("and again", {"max_new_tokens": 4})
     finally:
         llm.shutdown()
