@@ -27,6 +27,7 @@
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
+#   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
 #                           per token (--thread-cpu)
@@ -170,6 +171,52 @@ if [[ $PARTS == *scale* ]]; then
     --dtype bfloat16 --max-running-requests 256 --log-level warning --random-input-len 512 --random-output-len 128 \
     --random-range-ratio 0.5 --max-concurrency 1 64 256 512 --num-prompts 24 512 1024 1024 --rounds ${ROUNDS:-2} \
     --disable-tqdm --output-file "$OUT/scale.jsonl" 2>&1 | tee "$OUT/scale.log" | sed -n '/Side by side/,$p'
+fi
+
+if [[ $PARTS == *meshprof* ]]; then
+  # Where the mesh's time goes at 256 streams (issue 50 item 1): a mesh with metrics on, loaded by the serving
+  # benchmark, while load_timeline records where requests wait (router in flight, worker held/queued/running) and
+  # py-spy samples which thread of each mesh process holds the GIL (.whl/py_spy-*.whl carried). PROF_MODEL and
+  # PROF_FLAGS let the same part run on a CPU with a tiny model.
+  $PY -m pip install --no-deps --no-index --quiet .whl/py_spy-*.whl 2>&1 | tail -1
+  MODEL=${PROF_MODEL:-build/llama-3.1-8b}
+  FLAGS=${PROF_FLAGS:---load-format dummy --dtype bfloat16 --max-running-requests 256}
+  CONC=${PROF_CONC:-256}
+  PORT=30190
+  $PY -m radixmesh.services.launch serve --host 127.0.0.1 --port $PORT --model-path $MODEL $FLAGS --log-level warning \
+    --enable-metrics --metrics-sd-file "$OUT/targets.json" ${PROF_LAUNCH:-} > "$OUT/prof_mesh.log" 2>&1 &
+  MESH=$!
+  for _ in $(seq 600); do
+    curl -sf localhost:$PORT/health > /dev/null && break
+    kill -0 $MESH 2> /dev/null || { echo "the mesh exited:"; tail -20 "$OUT/prof_mesh.log"; break; }
+    sleep 1
+  done
+  BENCH="$PY -m radixmesh.benchmarks.serving --backend radixmesh --port $PORT --model-path $MODEL
+         --random-input-len 512 --random-output-len 128 --random-range-ratio 0.5 --disable-tqdm"
+  $BENCH --max-concurrency $CONC --num-prompts $CONC > /dev/null 2>&1  # warm-up: every batch size's first use
+  $PY -m radixmesh.benchmarks.load_timeline --targets "$OUT/targets.json" --output "$OUT/load.jsonl" \
+    > "$OUT/load_summary.json" 2> "$OUT/load.err" &
+  POLL=$!
+  SPIES=()
+  for svc in worker router tokenizer; do
+    pid=$(pgrep -f "radixmesh.services.$svc" | head -1)
+    [[ -n $pid ]] || continue
+    py-spy record --pid $pid --gil --threads --nonblocking --rate 200 --format raw --duration ${PROF_SECONDS:-25} \
+      -o "$OUT/gil_$svc.txt" > "$OUT/pyspy_$svc.log" 2>&1 &
+    SPIES+=($!)
+    py-spy record --pid $pid --threads --idle --nonblocking --rate 100 --format raw --duration ${PROF_SECONDS:-25} \
+      -o "$OUT/all_$svc.txt" > "$OUT/pyspy_all_$svc.log" 2>&1 &
+    SPIES+=($!)
+  done
+  (sleep 8; pid=$(pgrep -f radixmesh.services.worker | head -1); py-spy dump --pid $pid > "$OUT/dump_worker.txt" 2>&1) &
+  $BENCH --max-concurrency $CONC --num-prompts ${PROF_PROMPTS:-1024} --thread-cpu --thread-cpu-pid $MESH --output-file "$OUT/prof.jsonl" \
+    2>&1 | tee "$OUT/prof_bench.log" | tail -30
+  kill -INT $POLL; wait $POLL; cat "$OUT/load_summary.json"
+  wait "${SPIES[@]}" 2> /dev/null
+  kill $MESH; wait $MESH 2> /dev/null
+  for f in "$OUT"/gil_*.txt; do
+    echo "== $f: GIL samples by thread"; $PY -m radixmesh.benchmarks.spy_summary "$f" --top 10
+  done
 fi
 
 if [[ $PARTS == *servab* ]]; then

@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-cpu", action="store_true",
                    help="CPU per output token of each thread over the timed run, of the launched mesh (--launch) "
                         "or of this process (the engine backend); Linux only")
+    p.add_argument("--thread-cpu-pid", type=int,
+                   help="with --thread-cpu: the process tree to measure instead (a mesh started elsewhere: the "
+                        "launcher's pid)")
     p.add_argument("--profile", action="store_true",
                    help="SGLang's: /start_profile before the timed run and /stop_profile after it (torch.profiler "
                         "on every worker; the traces go to --profile-output-dir or the server's "
@@ -439,7 +442,7 @@ def run_backend(args: argparse.Namespace, engine: dict, name: str, logs: str) ->
             mesh.start(args.launch_timeout)
             args.cpu_root = mesh.proc.pid
         else:
-            args.cpu_root = None
+            args.cpu_root = args.thread_cpu_pid
         results = asyncio.run(benchmark(args, engine, name, levels_of(args)))
         if mesh is not None and any(r["failed"] for r in results):
             print(f"--- the mesh's log, last lines ---\n{mesh.log_tail(30)}", file=sys.stderr)

@@ -100,6 +100,7 @@ def test_gauges_while_running_and_the_aborted_counter(worker):
     loads = stub.GetLoads(worker_pb2.GetLoadsRequest())
     assert during.value("sglang:num_running_reqs", **ROLE) == 1
     assert during.value("sglang:num_queue_reqs", **ROLE) == 0
+    assert during.value("radixmesh:worker_active_requests", **ROLE) == 1
     assert during.value("sglang:max_total_num_tokens", **ROLE) == loads.total_kv_tokens
     assert 0 < during.value("sglang:num_used_tokens", **ROLE) <= loads.total_kv_tokens
     assert during.value("sglang:token_usage", **ROLE) == pytest.approx(
@@ -111,6 +112,7 @@ def test_gauges_while_running_and_the_aborted_counter(worker):
     assert after.value("sglang:num_aborted_requests_total", **ROLE) == base.value(
         "sglang:num_aborted_requests_total", **ROLE) + 1
     assert after.value("sglang:num_running_reqs", **ROLE) == 0
+    assert after.value("radixmesh:worker_active_requests", **ROLE) == 0
 
 
 def test_a_client_that_leaves_counts_as_aborted_and_bad_input_is_not_a_request(worker):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from radixmesh.engine.outputs import RequestOutput
 from radixmesh.engine.request import FinishKind
@@ -57,8 +58,8 @@ _ENGINE_COUNTERS = (
 class WorkerMetrics:
     """Owned by the WorkerServicer when metrics are on. `rooms`: the PrefillRooms or DecodeRooms of a PD worker."""
 
-    def __init__(self, metrics: ServiceMetrics, engine, stats, rooms=None):
-        self.engine, self.stats, self.rooms = engine, stats, rooms
+    def __init__(self, metrics: ServiceMetrics, engine, stats, rooms=None, active: Callable[[], int] = lambda: 0):
+        self.engine, self.stats, self.rooms, self.active = engine, stats, rooms, active
         self.role = metrics.role
         m = metrics
         self.requests = m.counter("sglang:num_requests_total", "Requests finished (any finish reason)")
@@ -146,6 +147,9 @@ class WorkerMetrics:
 
     def _collect(self, out: Families) -> None:
         load = self._load
+        out.gauge("radixmesh:worker_active_requests", "Requests this worker's servicer holds: being prepared, "
+                  "queued or running in the engine (the difference from running + queued is what waits before the "
+                  "scheduler)", self.active())
         out.gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the prefix cache since start",
                   self.stats.cache_hit_rate)
         out.gauge("sglang:gen_throughput", "Generated tokens per second (last 10 s)", self.stats.gen_throughput)

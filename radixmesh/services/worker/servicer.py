@@ -105,9 +105,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.decode_rooms = decode_rooms  # services.worker.receive.DecodeRooms in decode mode
         self.stats = WorkerStats()
         # None when metrics are off: then no timing is taken
-        self.metrics = WorkerMetrics(metrics, engine, self.stats, prefill_rooms or decode_rooms) \
-            if metrics is not None else None
         self.active: dict[str, list[str]] = {}  # request id -> the engine ids of its samples, while running
+        self.metrics = WorkerMetrics(metrics, engine, self.stats, prefill_rooms or decode_rooms,
+                                     lambda: len(self.active)) if metrics is not None else None
         self.started = time.time()
 
     async def _blocking(self, fn, *args):
