@@ -70,44 +70,70 @@ async def _one(router: Router, ids: list[int], output_len: int) -> dict:
                                      sampling_params=common_pb2.SamplingParams(max_new_tokens=output_len,
                                                                                temperature=0.0, ignore_eos=True))
     start = time.perf_counter()
-    first, tokens = None, 0
+    arrivals, tokens = [], 0
     async for msg in router.generate(req):
         if msg.HasField("chunk") and msg.chunk.token_ids:
-            first = first or time.perf_counter()
+            arrivals.append(time.perf_counter())
             tokens += len(msg.chunk.token_ids)
     end = time.perf_counter()
-    return {"ttft_s": first - start, "tokens": tokens, "decode_tok_s": (tokens - 1) / (end - first) if end > first
-            else 0.0, "latency_s": end - start}
+    first = arrivals[0]
+    return {"ttft_s": first - start, "tokens": tokens, "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "decode_tok_s": (tokens - 1) / (end - first) if end > first else 0.0, "latency_s": end - start}
 
 
-async def _drive(addresses: list[str], prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    settings = RouterSettings(tokenizer_url="unused:1", policy="round_robin", request_timeout_s=600)
-    registry = WorkerRegistry(connect_timeout_s=30, probe_interval_s=5)
-    for a in addresses:
-        await registry.add(a)
-    router = Router(settings, registry, make_policy("round_robin", settings), tokenizer=None)
-    for ids in prompts[:2]:  # warm-up: first-call costs (graphs, connections, Mooncake handshakes)
-        await _one(router, ids, 4)
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _level(router: Router, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    """`prompts` through the router, `concurrency` at a time: TTFT and inter-token latency (the gaps between a
+    stream's chunks; a decode worker interrupted by prefills shows them in the p99) and output tok/s."""
     sem = asyncio.Semaphore(concurrency)
 
     async def bounded(ids):
         async with sem:
             return await _one(router, ids, output_len)
     start = time.perf_counter()
-    results = await asyncio.gather(*(bounded(ids) for ids in prompts[2:]))
+    results = await asyncio.gather(*(bounded(ids) for ids in prompts))
     wall = time.perf_counter() - start
-    loads = {a: await registry.workers[a].stub.GetLoads(worker_pb2.GetLoadsRequest()) for a in addresses}
-    await registry.close()
-    ttft = sorted(r["ttft_s"] for r in results)
-    return {"requests": len(results), "wall_s": wall, "output_tok_s": sum(r["tokens"] for r in results) / wall,
-            "ttft_mean_ms": 1000 * statistics.mean(ttft), "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
-            "ttft_p90_ms": 1000 * ttft[int(len(ttft) * 0.9)],
-            "decode_tok_s_per_request": statistics.mean(r["decode_tok_s"] for r in results),
-            "kv_transfer": {a: {"gbps": l.kv_transfer_gbps, "latency_ms": l.kv_transfer_latency_ms}
-                            for a, l in loads.items() if l.kv_transfer_gbps}}
+    ttft = [1000 * r["ttft_s"] for r in results]
+    itl = [1000 * g for r in results for g in r["itl_s"]]
+    return {"concurrency": concurrency, "requests": len(results), "wall_s": wall,
+            "output_tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_mean_ms": statistics.mean(ttft), "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p90_ms": _pct(ttft, 0.9),
+            "ttft_p99_ms": _pct(ttft, 0.99), "itl_p50_ms": _pct(itl, 0.5), "itl_p99_ms": _pct(itl, 0.99),
+            "decode_tok_s_per_request": statistics.mean(r["decode_tok_s"] for r in results)}
 
 
-def run_mode(mode: str, args, engine_flags: list[str], prompts) -> dict:
+async def _drive(addresses: list[str], prompts: list[list[int]], output_len: int, levels: list[tuple[int, int]],
+                 mode: str) -> list[dict]:
+    """Each (concurrency, prompts) level in turn over the same workers, after a warm-up; each row printed as it
+    is measured."""
+    settings = RouterSettings(tokenizer_url="unused:1", policy="round_robin", request_timeout_s=600)
+    registry = WorkerRegistry(connect_timeout_s=30, probe_interval_s=5)
+    for a in addresses:
+        await registry.add(a)
+    router = Router(settings, registry, make_policy("round_robin", settings), tokenizer=None)
+    try:
+        for ids in prompts[:2]:  # warm-up: first-call costs (graphs, connections, Mooncake handshakes)
+            await _one(router, ids, 4)
+        rows, at = [], 2
+        for concurrency, n in levels:
+            row = await _level(router, prompts[at:at + n], output_len, concurrency)
+            at += n
+            loads = {a: await registry.workers[a].stub.GetLoads(worker_pb2.GetLoadsRequest()) for a in addresses}
+            row["kv_transfer"] = {a: {"gbps": l.kv_transfer_gbps, "latency_ms": l.kv_transfer_latency_ms}
+                                  for a, l in loads.items() if l.kv_transfer_gbps}
+            print(mode, json.dumps(row), flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        await registry.close()
+
+
+def run_mode(mode: str, args, engine_flags: list[str], prompts, levels) -> list[dict]:
     procs: list[subprocess.Popen] = []
     try:
         if mode == "colocated":
@@ -123,7 +149,7 @@ def run_mode(mode: str, args, engine_flags: list[str], prompts) -> dict:
             procs.append(proc)
             _wait_serving(proc, address)
             addresses.append(address)
-        return asyncio.run(_drive(addresses, prompts, args.output_len, args.concurrency))
+        return asyncio.run(_drive(addresses, prompts, args.output_len, levels, mode))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -139,8 +165,9 @@ def main() -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[48],
+                    help="prompts per concurrency level (one count for all, or one per level)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8], help="levels, each run in turn")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--modes", nargs="+", default=["colocated", "pd"])
     ap.add_argument("--transfer-backend", default="mooncake")
@@ -150,15 +177,31 @@ def main() -> None:
                          "first); unset: every process sees every GPU")
     ap.add_argument("--result-file")
     args, engine_flags = ap.parse_known_args()
+    if len(args.num_prompts) not in (1, len(args.concurrency)):
+        ap.error("--num-prompts takes one count, or one per --concurrency level")
+    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    levels = list(zip(args.concurrency, counts))
     engine_flags = ["--model-path", args.model_path, "--skip-tokenizer-init", *engine_flags]
-    prompts = _prompts(args.num_prompts + 2, args.input_len, args.vocab, seed=0)
+    prompts = _prompts(sum(counts) + 2, args.input_len, args.vocab, seed=0)
     out = {"config": {**vars(args), "engine_flags": engine_flags}}
     for mode in args.modes:
-        out[mode] = run_mode(mode, args, engine_flags, prompts)
-        print(mode, json.dumps(out[mode]), flush=True)
+        out[mode] = run_mode(mode, args, engine_flags, prompts, levels)
+    print(table(out, args.modes))
     if args.result_file:
         with open(args.result_file, "w") as fh:
             json.dump(out, fh, indent=1)
+
+
+def table(out: dict, modes: list[str]) -> str:
+    """One line per mode and level: what issue 50's PD table asks for."""
+    lines = ["mode       conc  TTFT p50  TTFT p99  ITL p50  ITL p99  out tok/s  KV GB/s"]
+    for mode in modes:
+        for r in out[mode]:
+            gbps = max((t["gbps"] for t in r["kv_transfer"].values()), default=None)
+            lines.append(f"{mode:<9} {r['concurrency']:>5} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
+                         f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} {r['output_tok_s']:>10.1f} "
+                         f"{'-' if gbps is None else format(gbps, '.2f'):>8}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

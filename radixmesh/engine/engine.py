@@ -427,10 +427,11 @@ class Engine:
         self._check_alive()
         return self.scheduler.call(fn).result(timeout=timeout_s)
 
-    def kv_mirror(self, staged: bool | None = None):
+    def kv_mirror(self, staged: bool | None = None, shared: bool = False):
         """The host memory a prefill/decode transfer moves this engine's KV pages through, with its staging copies
-        (engine.disaggregation.mirror); under tensor parallelism, every rank's. Made once per engine."""
-        return self._control(lambda: self.runner.kv_mirror(staged))
+        (engine.disaggregation.mirror); under tensor parallelism, every rank's. Made once per engine. `shared`: in
+        shared-memory files another process of this host maps (the shm transfer backend; one rank only)."""
+        return self._control(lambda: self.runner.kv_mirror(staged, shared))
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Returns False (and keeps it) while requests are in flight."""

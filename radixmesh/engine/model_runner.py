@@ -245,13 +245,16 @@ class ModelRunner:
             self._step_message(("sync", None, self._take_journal()))
             self.tp.all_min(0)
 
-    def kv_mirror(self, staged: bool | None = None):
+    def kv_mirror(self, staged: bool | None = None, shared: bool = False):
         """Host memory for KV transfers (engine.disaggregation.mirror); under tensor parallelism every rank's (the
-        leader's scheduler thread calls this, between steps)."""
+        leader's scheduler thread calls this, between steps). `shared`: in shared-memory files a peer maps."""
         from radixmesh.engine.disaggregation import mirror
 
         if self.tp.size == 1:
-            return mirror.KvMirror.for_pool(self.kv_pool, staged)
+            return mirror.KvMirror.for_pool(self.kv_pool, staged, shared)
+        if shared:
+            raise ValueError("the shm transfer backend moves one rank's KV (tp_size 1); with tensor parallelism use "
+                             "--disaggregation-transfer-backend mooncake")
         if self.kv_channel is not None:
             raise RuntimeError("this engine's KV transfer mirrors exist already")
         mirrors = mirror.lead(self)

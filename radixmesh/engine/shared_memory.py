@@ -18,6 +18,40 @@ def new_path(what: str) -> str:
     return os.path.join(where, f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "0"
+
+
+def lasting_path(what: str) -> str:
+    """A fresh file name in /dev/shm for a file whose name must last while its creator runs (a peer opens it by
+    name: the shm KV transfer backend's mirror and index). A creator that is killed cannot unlink it; the name says
+    which process (and pid namespace) made it, so `sweep_orphans` can remove it later."""
+    return new_path(f"lasting-{_pid_namespace()}-{what}")
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink the lasting files whose creator, a process of this pid namespace, is gone; returns their paths. Files
+    of other namespaces (another container sharing /dev/shm) are left alone: their pids mean nothing here."""
+    where = os.path.dirname(new_path("x"))
+    prefix = f"radixmesh-lasting-{_pid_namespace()}-"
+    removed = []
+    for name in os.listdir(where):
+        if not name.startswith(prefix):
+            continue
+        try:
+            pid = int(name.rsplit("-", 2)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            unlink([os.path.join(where, name)])
+            removed.append(os.path.join(where, name))
+        except (ValueError, IndexError, PermissionError):  # not ours to judge: another user's live process
+            continue
+    return removed
+
+
 _CREATED: set[str] = set()  # files this process created and has not unlinked yet
 
 

@@ -150,6 +150,32 @@ def test_two_prefill_two_decode_serve_100_concurrent_requests(pd_mesh, mesh):
     assert all(g > 0 for g in gbps), gbps  # both prefill workers moved KV
 
 
+def test_the_shm_backend_moves_kv_between_workers_of_one_host_and_leaves_nothing_in_dev_shm(tmp_path, mesh):
+    """--disaggregation-transfer-backend shm: the decode worker's mirror is in shared-memory files the prefill worker
+    maps; answers match the colocated mesh's (with --disaggregation-verify-kv), every page is freed, and once the
+    mesh stops no file of it is left."""
+    before = set(os.listdir("/dev/shm"))
+    flags = ("--disaggregation", "pd", "--disaggregation-transfer-backend", "shm", "--disaggregation-verify-kv")
+    prompts = [f"{SHARED * (i % 4)}Question {i}: what is {i} plus {i % 7}?" for i in range(24)]
+
+    async def run(url: str) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            outs = await asyncio.gather(*(c.completions.create(model=NAME, prompt=p, max_tokens=10, **GREEDY)
+                                          for p in prompts))
+        return [o.choices[0].text for o in outs]
+    with running_mesh(NAME, tmp_path, *flags) as pd:
+        made = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("radixmesh-lasting-")}
+        # the decode worker's mirror (peers write into it) and both workers' indexes; the prefill worker's mirror
+        # is private memory
+        mirror_pids = {f.rsplit("-", 2)[1] for f in made if "kv-mirror" in f}
+        assert len(mirror_pids) == 1 and sum("kv-shm-index" in f for f in made) == 2, made
+        assert asyncio.run(run(pd.url)) == asyncio.run(run(mesh.url))
+        roles = workers(pd)
+        assert_all_freed(roles["prefill"] + roles["decode"])
+        assert all(loads(a).kv_transfer_gbps > 0 for a in roles["prefill"])
+    assert not made & set(os.listdir("/dev/shm"))
+
+
 SAMPLED = dict(n=3, temperature=0.8, seed=1234, max_tokens=12)
 
 

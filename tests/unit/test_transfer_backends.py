@@ -8,6 +8,7 @@ import multiprocessing as mp
 import time
 
 import numpy as np
+import torch
 import pytest
 
 from radixmesh.engine.disaggregation.fake_backend import Faults
@@ -146,3 +147,100 @@ def test_a_requests_pages_move_between_pools_and_checksums_catch_corruption():
     other.k = [t[:, :1].contiguous() for t in other.k]  # a model with fewer KV heads
     with pytest.raises(ValueError, match="KV layouts differ"):
         kv_writes(layout_of(src), layout_of(other), [1], [1])
+
+
+def _shm_receiver(conn, pages: int) -> None:
+    """A second process: a zeroed shared mirror of a KV pool, registered with an shm backend; reports (session id,
+    layout), then returns the mirror's bytes."""
+    from radixmesh.engine.disaggregation.kv_pages import KvLayout
+    from radixmesh.engine.disaggregation.mirror import KvMirror
+
+    mirror = KvMirror.for_pool(_pool(seed=None), shared=True)
+    backend = make_backend("shm")
+    for t in mirror.buffers:
+        backend.register(t.data_ptr(), t.numel() * t.element_size())
+    conn.send((backend.session_id, KvLayout(tuple(t.data_ptr() for t in mirror.buffers), mirror.pool.page_bytes),
+               mirror.paths))
+    conn.recv()  # the sender is done
+    conn.send([t.clone() for t in mirror.buffers])
+    conn.recv()
+    backend.close()
+    mirror.close()
+
+
+def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
+    import os
+
+    from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    peer = ctx.Process(target=_shm_receiver, args=(there, 12), daemon=True)
+    peer.start()
+    try:
+        session, remote, files = here.recv()
+        assert session.startswith("shm:") and all(os.path.exists(f) for f in files)
+        src = _pool(seed=3)
+        backend = make_backend("shm")  # the source needs no shared memory: any local address can be written from
+        for t in src.buffers():
+            backend.register(t.data_ptr(), t.numel() * t.element_size())
+        src_pages, dst_pages = [0, 1, 2, 7, 3], [8, 9, 10, 0, 11]
+        backend.write(session, kv_writes(layout_of(src), remote, src_pages, dst_pages))
+        here.send("done")
+        got = here.recv()
+        size = src.page_size
+        for s_buf, d_buf in zip(src.buffers(), got):
+            for s, d in zip(src_pages, dst_pages):
+                assert (s_buf[s * size:(s + 1) * size] == d_buf[d * size:(d + 1) * size]).all()
+            untouched = sorted(set(range(12)) - set(dst_pages))
+            assert not any(d_buf[d * size:(d + 1) * size].any() for d in untouched)
+        with pytest.raises(TransferError, match="not in memory the peer registered"):
+            backend.write(session, [Write(src.buffers()[0].data_ptr(), max(remote.bases) + 2**30, 8)])
+        with pytest.raises(TransferError, match="not an shm transfer backend"):
+            backend.write("127.0.0.1:4000", [Write(src.buffers()[0].data_ptr(), remote.bases[0], 8)])
+        here.send("bye")
+        peer.join(timeout=10)
+        assert not any(os.path.exists(f) for f in [*files, session.removeprefix("shm:")])  # nothing left in /dev/shm
+        with pytest.raises(TransferError, match="cannot read its index"):
+            backend.write("shm:/dev/shm/radixmesh-none", [Write(src.buffers()[0].data_ptr(), 0, 8)])
+        backend.close()
+    finally:
+        peer.kill()
+
+
+def test_shm_files_of_a_killed_worker_are_swept_by_the_next_backend():
+    import os
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    peer = ctx.Process(target=_shm_receiver, args=(there, 12), daemon=True)
+    peer.start()
+    session, _, files = here.recv()
+    peer.kill()  # no atexit, no close: its mirror and index stay in /dev/shm
+    peer.join(timeout=10)
+    left = [*files, session.removeprefix("shm:")]
+    assert all(os.path.exists(f) for f in left)
+    make_backend("shm").close()
+    assert not any(os.path.exists(f) for f in left)
+
+
+@pytest.mark.parametrize("pages", [[2, 3, 4, 9, 10], [0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 11]])  # runs / scattered
+def test_staging_copies_exactly_the_pages_whether_in_runs_or_scattered(pages):
+    from radixmesh.engine.disaggregation.mirror import KvMirror
+
+    pool = _pool(seed=5)
+    mirror = KvMirror.for_pool(pool, staged=True)
+    for t in mirror.buffers:
+        t.fill_(-1.0)
+    before = [t.clone() for t in mirror.buffers]
+    mirror.stage_out(pages)
+    size = pool.page_size
+    for src, twin, old in zip(pool.buffers(), mirror.buffers, before):
+        for p in range(12):
+            want = src if p in pages else old  # pages not asked for are left as they were
+            assert torch.equal(twin[p * size:(p + 1) * size], want[p * size:(p + 1) * size]), p
+    back = _pool(seed=None)
+    KvMirror(back, mirror.buffers).stage_in(pages)
+    for src, got in zip(pool.buffers(), back.buffers()):
+        for p in pages:
+            assert torch.equal(got[p * size:(p + 1) * size], src[p * size:(p + 1) * size])

@@ -14,6 +14,7 @@ and all agree it succeeded before the leader goes on. Ranks on other nodes canno
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Sequence
@@ -22,14 +23,48 @@ import torch
 
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.disaggregation.kv_pages import pages_digest
+from radixmesh.engine.disaggregation.transfer import page_runs
 from radixmesh.engine.distributed import CommandChannel
-from radixmesh.engine.shared_memory import new_path, shared_tensor, unlink
+from radixmesh.engine.shared_memory import lasting_path, new_path, shared_tensor, unlink
 
 log = logging.getLogger(__name__)
 
 
 def _by_page(t: torch.Tensor, page_size: int) -> torch.Tensor:
     return t.view(-1, page_size * t[0].numel())
+
+
+MAX_RUNS = 8  # pages in more runs than this are gathered by index instead, one copy per buffer
+
+
+def _copy_pages(sources: list[torch.Tensor], targets: list[torch.Tensor], pages: Sequence[int], size: int) -> None:
+    """Page p of each source buffer into page p of its target (a pool and its mirror, either way). A request's pages
+    are mostly a few runs of consecutive pages: each run is one direct copy between device and pinned host memory
+    (DMA, no host-side gather). Waits for the device's copies to end."""
+    runs = page_runs(pages, pages)
+    if len(runs) <= MAX_RUNS:
+        for src, dst in zip(sources, targets):
+            src_pages, dst_pages = _by_page(src, size), _by_page(dst, size)
+            for first, _, n in runs:
+                dst_pages[first:first + n].copy_(src_pages[first:first + n], non_blocking=True)
+    else:
+        idx = torch.as_tensor(list(pages), dtype=torch.int64)
+        for src, dst in zip(sources, targets):
+            _by_page(dst, size)[idx.to(dst.device)] = _by_page(src, size)[idx.to(src.device)].to(dst.device)
+    device = next((t.device for t in (*sources[:1], *targets[:1]) if t.is_cuda), None)
+    if device is not None:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _shared_twin(t: torch.Tensor, path: str) -> torch.Tensor:
+    """A host twin of `t` in the shared-memory file `path`, whose name stays while the mirror is open (a peer maps it
+    by name); page-locked for the GPU's copies when `t` is on one."""
+    twin = shared_tensor(path, t.numel(), t.dtype, create=True).view(t.shape)
+    if t.is_cuda:
+        rc = torch.cuda.cudart().cudaHostRegister(twin.data_ptr(), twin.numel() * twin.element_size(), 0)
+        if int(rc) != 0:  # still correct, only slower to stage
+            log.warning("cudaHostRegister of the shared KV mirror failed (%s): staging copies are not pinned", rc)
+    return twin
 
 
 class KvMirror:
@@ -40,13 +75,22 @@ class KvMirror:
     def __init__(self, pool: KVPool, buffers: list[torch.Tensor] | None):
         """`buffers`: host twins of the pool's buffers; None: the pool is its own mirror (host memory)."""
         self.pool = pool
+        self.paths: list[str] = []  # the shared-memory files of a shared mirror, unlinked at close
         self.staged = buffers is not None
         self.local = buffers if buffers is not None else pool.buffers()
 
     @classmethod
-    def for_pool(cls, pool: KVPool, staged: bool | None = None) -> "KvMirror":
-        """Staged through pinned twins when the pool is on a GPU (or `staged` says so: a forced CPU test)."""
+    def for_pool(cls, pool: KVPool, staged: bool | None = None, shared: bool = False) -> "KvMirror":
+        """Staged through pinned twins when the pool is on a GPU (or `staged` says so: a forced CPU test). `shared`:
+        the twins are shared-memory files another process of this host can map (the shm transfer backend), always
+        staged, pinned on a GPU."""
         device = pool.buffers()[0].device
+        if shared:
+            paths = [lasting_path("kv-mirror") for _ in pool.buffers()]
+            atexit.register(unlink, paths)  # and at close()
+            mirror = cls(pool, [_shared_twin(t, p) for t, p in zip(pool.buffers(), paths)])
+            mirror.paths = paths
+            return mirror
         if not (device.type != "cpu" if staged is None else staged):
             return cls(pool, None)
         return cls(pool, [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in pool.buffers()])
@@ -57,31 +101,21 @@ class KvMirror:
         return self.local
 
     def stage_out(self, pages: Sequence[int]) -> None:
-        """Copy the pool's `pages` into the mirror (no-op unless staged)."""
-        if not self.staged or not len(pages):
-            return
-        idx = torch.as_tensor(list(pages), dtype=torch.int64)
-        size = self.pool.page_size
-        for src, dst in zip(self.pool.buffers(), self.local):
-            _by_page(dst, size)[idx] = _by_page(src, size)[idx.to(src.device)].to("cpu")
+        """Copy the pool's `pages` into the mirror (no-op unless staged); returns once they are there."""
+        if self.staged and len(pages):
+            _copy_pages(self.pool.buffers(), self.local, pages, self.pool.page_size)
 
     def stage_in(self, pages: Sequence[int]) -> None:
         """Copy `pages` from the mirror into the pool (no-op unless staged); returns once they are there."""
-        if not self.staged or not len(pages):
-            return
-        idx = torch.as_tensor(list(pages), dtype=torch.int64)
-        size, buffers = self.pool.page_size, self.pool.buffers()
-        for src, dst in zip(self.local, buffers):
-            _by_page(dst, size)[idx.to(dst.device)] = _by_page(src, size)[idx].to(dst.device, non_blocking=True)
-        if buffers[0].is_cuda:
-            torch.cuda.current_stream(buffers[0].device).synchronize()
+        if self.staged and len(pages):
+            _copy_pages(self.local, self.pool.buffers(), pages, self.pool.page_size)
 
     def checksum(self, pages: Sequence[int]) -> str:
         """A digest of the mirror's `pages` (what a transfer moves), every rank's."""
         return pages_digest(self.buffers, self.pool.page_size, pages)
 
     def close(self) -> None:
-        pass
+        unlink(self.paths)
 
 
 class RankMirrors(KvMirror):

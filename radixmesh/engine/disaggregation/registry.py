@@ -20,7 +20,13 @@ def _fake(host: str, **options) -> TransferBackend:
     return FakeBackend(host, **options)
 
 
-BACKENDS: dict[str, Callable[..., TransferBackend]] = {"mooncake": _mooncake, "fake": _fake}
+def _shm(host: str, **options) -> TransferBackend:
+    from radixmesh.engine.disaggregation.shm_backend import ShmBackend
+
+    return ShmBackend(host, **options)
+
+
+BACKENDS: dict[str, Callable[..., TransferBackend]] = {"mooncake": _mooncake, "shm": _shm, "fake": _fake}
 
 
 def make_backend(name: str, host: str = "127.0.0.1", faults=None, **options) -> TransferBackend:

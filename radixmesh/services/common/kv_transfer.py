@@ -62,10 +62,13 @@ def room_log(room: int, rid: str, state: str, detail: str = "", level: int = log
 
 
 class KvTransfer:
-    def __init__(self, engine, backend_name: str, host: str, faults: str | None = None, stage: bool | None = None):
+    def __init__(self, engine, backend_name: str, host: str, faults: str | None = None, stage: bool | None = None,
+                 receives: bool = True):
+        """`receives`: peers write into this worker's mirror (a decode worker); with a backend whose peers map the
+        receiver's memory (shm) only a receiver's mirror is made in shared memory."""
         self.backend = make_backend(backend_name, host, Faults.parse(faults) if faults else None)
         self.pool = engine.runner.kv_pool
-        self.mirror = engine.kv_mirror(stage)
+        self.mirror = engine.kv_mirror(stage, shared=receives and getattr(self.backend, "shared_mirror", False))
         for t in self.mirror.buffers:
             self.backend.register(t.data_ptr(), t.numel() * t.element_size())
         self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror.buffers), self.pool.page_bytes)
@@ -128,3 +131,4 @@ class KvTransfer:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self.backend.close()
+        self.mirror.close()

@@ -137,7 +137,8 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
     from radixmesh.services.common.kv_transfer import KvTransfer, transfer_host
 
     host = transfer_host(pd.disaggregation_transfer_host, settings.host)
-    transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host, pd.disaggregation_inject_fault)
+    transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host, pd.disaggregation_inject_fault,
+                          receives=mode == "decode")
     address = f"{host}:{settings.port}"
     if mode == "decode":
         from radixmesh.services.worker.receive import DecodeRooms
