@@ -251,7 +251,7 @@ def provenance(argv: list[str]) -> dict:
                 if ln.startswith("model name")), "unknown")
     return {"device": f"{cpu}, {os.cpu_count()} cores (router pinned to one)",
             "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "HEAD"),
-            "uncommitted_changes": git("status", "--porcelain", "--", "services", "benchmarks").splitlines(),
+            "uncommitted_changes": git("status", "--porcelain", "--", "radixmesh", "benchmarks").splitlines(),
             "command": "python -m radixmesh.benchmarks.router " + shlex.join(argv), "python": sys.version.split()[0],
             "aiohttp": aiohttp.__version__}
 

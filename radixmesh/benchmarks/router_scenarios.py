@@ -83,6 +83,19 @@ def _generate_body(n: int, stream: bool) -> Callable[[int], dict]:
     return lambda i: {"input_ids": prompt_ids(i), "sampling_params": {"max_new_tokens": n}, "stream": stream}
 
 
+WORDS = ("river stone lantern harbor meadow copper winter signal orchard canyon violet ember thunder quiet "
+         "marble falcon").split()
+
+
+def prompt_text(i: int, words: int = 64) -> str:
+    """A distinct 64-word prompt per request, as a client would send text: its first words differ."""
+    return " ".join([str(i)] + [WORDS[(i + j * 7) % len(WORDS)] for j in range(words - 1)])
+
+
+def _generate_text_body(n: int, stream: bool) -> Callable[[int], dict]:
+    return lambda i: {"text": prompt_text(i), "sampling_params": {"max_new_tokens": n}, "stream": stream}
+
+
 def _chat_body(n: int) -> Callable[[int], dict]:
     return lambda i: {"messages": [{"role": "user", "content": f"Tell me a story about the number {i}."}],
                       "max_tokens": n, "stream": True}
@@ -124,4 +137,8 @@ SCENARIOS = (
              _generate_body(16, True), check_generate_stream(16), baseline="generate_stream_1"),
     Scenario("chat_stream_16", "/v1/chat/completions, streaming, 16 tokens", "/v1/chat/completions", 16, True,
              _chat_body(16), check_chat_stream(16), baseline="chat_stream_1"),
+    # text prompts of 64 words: our router tokenizes them (the tokenizer service) before it routes; SGLang's router
+    # routes on the text and its workers tokenize
+    Scenario("generate_text_stream_16", "/generate, a 64-word text prompt, streaming, 16 tokens", "/generate", 16,
+             True, _generate_text_body(16, True), check_generate_stream(16)),
 )

@@ -22,7 +22,7 @@ from pathlib import Path
 from radixmesh.benchmarks import router as ours
 from radixmesh.benchmarks.router_scenarios import SCENARIOS
 
-COMPARED = ("generate_16", "generate_stream_16", "chat_stream_16")
+COMPARED = ("generate_16", "generate_stream_16", "chat_stream_16", "generate_text_stream_16")
 
 
 def run_sglang(args: argparse.Namespace, procs: ours.Processes) -> list[dict]:
