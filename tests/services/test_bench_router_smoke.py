@@ -106,7 +106,7 @@ def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
 def test_bench_router_vs_sglang_smoke(tmp_path):
     """`python -m radixmesh.benchmarks.router_vs_sglang` (what `make bench-router` runs) with tiny counts: both routers
-    answer every request of the three compared scenarios correctly, and the record pairs them."""
+    answer every request of the four compared scenarios correctly, and the record pairs them."""
     model_path("tiny-llama")
     out = tmp_path / "vs.json"
     marker = uuid.uuid4().hex
@@ -119,7 +119,7 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["sglang_router"] and doc["command"].startswith("python -m radixmesh.benchmarks.router_vs_sglang")
     rows = {r["scenario"]: r for r in doc["comparison"]}
-    assert set(rows) == {"generate_16", "generate_stream_16", "chat_stream_16"}
+    assert set(rows) == {"generate_16", "generate_stream_16", "chat_stream_16", "generate_text_stream_16"}
     for name, row in rows.items():
         assert row["errors"] == 0, (name, doc)
         assert row["radixmesh_cpu_ms_per_request"] > 0 and row["sglang_cpu_ms_per_request"] > 0, row
