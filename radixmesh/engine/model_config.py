@@ -12,6 +12,35 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts model's expert layout (config.json's num_experts / num_local_experts, ...)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the experts (transformers' rule for Qwen-MoE; every layer for Mixtral)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "MoeConfig | None":
+        experts = raw.get("num_experts") or raw.get("num_local_experts")
+        if not experts:
+            return None
+        return cls(num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]),
+                   intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                   mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The parts of a Hugging Face `config.json` (and `generation_config.json`) the engine uses."""
 
@@ -33,6 +62,7 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    moe: MoeConfig | None = None  # a mixture-of-experts model's experts
     # Sampling parameters recommended by generation_config.json (used when sampling_defaults == "model").
     generation_defaults: dict = field(default_factory=dict, compare=False)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -70,6 +100,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=frozenset(_eos_ids(raw, path)),
+            moe=MoeConfig.from_raw(raw),
             generation_defaults=_generation_defaults(path),
             raw=raw,
         )

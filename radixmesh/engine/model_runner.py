@@ -115,6 +115,10 @@ class ModelRunner:
             log.info("CUDA graphs off: the %s attention backend cannot run inside one",
                      args.decode_attention_backend)
             return []
+        if self.model_config.moe is not None:
+            log.info("CUDA graphs off: the mixture-of-experts layers run their plain-PyTorch path, which picks "
+                     "each step's experts on the host")
+            return []
         cap = args.max_running_requests or 256
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
 

@@ -9,6 +9,9 @@ _MODELS = {
     "MistralForCausalLM": "radixmesh.engine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "radixmesh.engine.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "radixmesh.engine.models.qwen:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "radixmesh.engine.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "radixmesh.engine.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -18,7 +18,7 @@ from radixmesh.engine.layers.rotary import ROPE_TYPES
 if TYPE_CHECKING:
     from radixmesh.engine.model_config import ModelConfig
 
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
 # transformers' MistralConfig and Qwen2Config/Qwen3Config default: a config.json without the field has this window
 HF_DEFAULT_WINDOW = 4096
 HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config: layers from this index on slide
@@ -80,6 +80,13 @@ def _sliding_window(model: ModelConfig) -> tuple[int | None, int, str]:
         where = (f"sliding_window={window}" if "sliding_window" in raw
                  else f"no sliding_window, which transformers' MistralConfig defaults to {HF_DEFAULT_WINDOW}")
         return window, layers if window is not None else listed, where
+    if arch == "MixtralForCausalLM":  # every layer slides once a window is set (MixtralConfig: none by default)
+        window = raw.get("sliding_window")
+        return window, layers if window is not None else listed, f"sliding_window={window}"
+    if arch == "Qwen3MoeForCausalLM":  # every layer slides under use_sliding_window (no max_window_layers)
+        window = raw.get("sliding_window", HF_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
+        flag = str(bool(raw.get("use_sliding_window"))).lower()
+        return window, layers if window is not None else listed, f"use_sliding_window={flag}, sliding_window={window}"
     if arch in _QWEN:  # the window applies only under use_sliding_window
         window = raw.get("sliding_window", HF_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
         if not types and window is not None:

@@ -1,0 +1,89 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts, and the token's output is the weighted sum of
+those experts' SiLU MLPs. This is the plain-PyTorch path (also the reference a fused kernel is tested against):
+tokens are grouped by expert and each expert runs once on its tokens.
+
+Weights are stacked at load time from the per-expert tensors Hugging Face checkpoints publish: `w13` [experts,
+2 x intermediate, hidden] (gate rows, then up rows) and `w2` [experts, hidden, intermediate]. Under tensor
+parallelism each rank holds every expert's share of the intermediate dimension (as a dense MLP's rows and columns
+are cut) and the partial outputs are summed over the ranks.
+
+Routing follows transformers: softmax over the router logits in float32, the top-k, optionally renormalized to sum
+to one, then cast to the activations' dtype before weighting (Mixtral renormalizes always; Qwen3-MoE and Qwen2-MoE
+when `norm_topk_prob`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.layers.activation import silu_and_mul
+from radixmesh.engine.layers.linear import Shard, linear
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """How a checkpoint names one expert's projections (Mixtral: w1 gate, w3 up, w2 down)."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (weights [tokens, top_k], expert ids [tokens, top_k]). The weights are
+    cast to `dtype` (the Qwen models), or stay float32 when it is None (Mixtral weighs in float32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if dtype is None else weights.to(dtype)), ids
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert ids[t, k], in x's dtype: each expert once, on
+    the tokens routed to it (in token order, as transformers does)."""
+    out = torch.zeros_like(x)
+    hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
+    hit[ids.flatten()] = True
+    for e in hit.nonzero().flatten().tolist():
+        token, slot = torch.where(ids == e)
+        h = silu_and_mul(linear(x[token], w13[e]))
+        out.index_add_(0, token, (linear(h, w2[e]) * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+class _Stacked(nn.Module):
+    """One stacked weight of the experts (`weight`), filled from every expert's checkpoint tensor."""
+
+    def __init__(self, shape: tuple[int, ...], shards: list[tuple[str, Shard]]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+        self._shards = shards
+
+    def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
+        return self._shards
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer, stacked (`w13`, `w2`; checkpoint names `experts.<e>.<projection>.weight` beside
+    them); `forward(x, weights, ids)` runs the routed tokens."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel, names: ExpertNames):
+        super().__init__()
+        self.tp = tp
+        start, local = tp.shard(intermediate, "moe_intermediate_size")
+        w13 = [shard for e in range(num_experts) for shard in (
+            (f"{e}.{names.gate}", Shard((e, slice(0, local)), 0, start, local)),
+            (f"{e}.{names.up}", Shard((e, slice(local, 2 * local)), 0, start, local)))]
+        self.w13 = _Stacked((num_experts, 2 * local, hidden), w13)
+        self.w2 = _Stacked((num_experts, hidden, local),
+                           [(f"{e}.{names.down}", Shard((e,), 1, start, local)) for e in range(num_experts)])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out

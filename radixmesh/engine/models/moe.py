@@ -1,0 +1,83 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE. Their attention is their dense family's
+(Mistral's, Qwen2's with q/k/v bias, Qwen3's with q/k RMSNorm); the MLP of a sparse layer is a router and stacked
+experts (engine.layers.moe), plus, in Qwen2-MoE, a shared expert whose output is gated by a sigmoid. Which layers
+are sparse follows the config (Qwen: `mlp_only_layers` are dense, and every `decoder_sparse_step`-th layer is sparse;
+Mixtral: all)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.layers.linear import linear
+from radixmesh.engine.layers.moe import ExpertNames, FusedMoE, route
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.llama import MLP, DecoderSpec, LlamaForCausalLM
+
+
+class Router(nn.Module):
+    """The router's [experts, hidden] weight, whole on every rank (checkpoint: `gate.weight`)."""
+
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool,
+                 float32_weights: bool, shared_intermediate: int = 0):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.renormalize, self.float32_weights = moe.top_k, renormalize, float32_weights
+        self.gate = Router(moe.num_experts, cfg.hidden_size)
+        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, names)
+        self.shared_expert = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
+        self.shared_expert_gate = Router(1, cfg.hidden_size) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize,
+                             None if self.float32_weights else x.dtype)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder whose sparse layers' MLPs are SparseMoeBlocks (at `block`, the checkpoint's name)."""
+
+    block = "mlp"
+    names = ExpertNames()
+    renormalize_always = False  # Mixtral; the Qwen models follow norm_topk_prob
+    float32_weights = False  # Mixtral weighs the experts' outputs in float32; the Qwen models in the activations' dtype
+    shared_expert = False
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__(cfg, tp)
+        moe = cfg.moe
+        renormalize = self.renormalize_always or moe.norm_topk_prob
+        for i, layer in enumerate(self.model.layers):
+            if moe.sparse(i):
+                del layer.mlp
+                setattr(layer, self.block, SparseMoeBlock(
+                    cfg, self.tp, self.names, renormalize, self.float32_weights,
+                    moe.shared_expert_intermediate_size if self.shared_expert else 0))
+                if self.block != "mlp":
+                    layer.mlp = getattr(layer, self.block)  # the layer's forward calls .mlp
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    block = "block_sparse_moe"
+    names = ExpertNames(gate="w1", up="w3", down="w2")
+    renormalize_always = True
+    float32_weights = True
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    spec = DecoderSpec(qkv_bias=True)
+    shared_expert = True
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    spec = DecoderSpec(qk_norm=True)
