@@ -200,6 +200,22 @@ def test_qwen2_windows_that_cover_no_layer_are_accepted(tmp_path):
     _resolve(_copy(tmp_path / "b", "tiny-qwen2", use_sliding_window=False, sliding_window=256, max_window_layers=0))
 
 
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def test_mixture_of_experts_sliding_windows_are_refused_as_their_configs_say(tmp_path):
+    """Mixtral slides every layer once sliding_window is set (MixtralConfig has none by default); Qwen3-MoE every
+    layer under use_sliding_window."""
+    mixtral = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, **MOE)
+    _refused(_copy(tmp_path / "m", **mixtral, sliding_window=256), "sliding_window=256", "4 of 4 layers",
+             "--context-length 256")
+    _resolve(_copy(tmp_path / "m0", **mixtral))  # no window: served
+    qwen3 = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, **MOE)
+    _refused(_copy(tmp_path / "q", "tiny-qwen3", **qwen3, use_sliding_window=True, sliding_window=128),
+             "use_sliding_window=true, sliding_window=128", "4 of 4 layers")
+    _resolve(_copy(tmp_path / "q0", "tiny-qwen3", **qwen3, use_sliding_window=False, sliding_window=128))
+
+
 def test_layer_types_with_sliding_attention_are_refused(tmp_path):
     types = ["full_attention", "sliding_attention"] * 2
     _refused(_copy(tmp_path / "q3", "tiny-qwen3", use_sliding_window=True, sliding_window=128, layer_types=types),
