@@ -7,6 +7,10 @@ Weights are stacked at load time from the per-expert tensors Hugging Face checkp
 parallelism each rank holds every expert's share of the intermediate dimension (as a dense MLP's rows and columns
 are cut) and the partial outputs are summed over the ranks.
 
+The experts run kernels.moe's plain-torch twin here, on every device: its grouped-GEMM kernel (tested against
+the twin in Triton's interpreter) takes over on GPUs once it has been checked and tuned on one, and CUDA graphs with
+it (engine.model_runner turns them off for these models until then).
+
 Routing follows transformers: softmax over the router logits in float32, the top-k, optionally renormalized to sum
 to one, then cast to the activations' dtype before weighting (Mixtral renormalizes always; Qwen3-MoE and Qwen2-MoE
 when `norm_topk_prob`)."""
@@ -19,8 +23,7 @@ import torch
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
-from radixmesh.engine.layers.activation import silu_and_mul
-from radixmesh.engine.layers.linear import Shard, linear
+from radixmesh.engine.layers.linear import Shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +48,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert ids[t, k], in x's dtype: each expert once, on
-    the tokens routed to it (in token order, as transformers does)."""
-    out = torch.zeros_like(x)
-    hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
-    hit[ids.flatten()] = True
-    for e in hit.nonzero().flatten().tolist():
-        token, slot = torch.where(ids == e)
-        h = silu_and_mul(linear(x[token], w13[e]))
-        out.index_add_(0, token, (linear(h, w2[e]) * weights[token, slot, None]).to(out.dtype))
-    return out
+    """sum_k weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert ids[t, k], in x's dtype (kernels.moe's twin:
+    each expert once, on its tokens)."""
+    from radixmesh.kernels.moe import fused_experts_reference
+
+    return fused_experts_reference(x, w13, w2, weights, ids)
 
 
 class _Stacked(nn.Module):
