@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMPS := .make-stamps
 MODELS := models
 TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODELS)/tiny-qwen3/config.json \
-	$(MODELS)/tiny-qwen3-embed/config.json
+	$(MODELS)/tiny-qwen3-embed/config.json $(MODELS)/tiny-qwen3-moe/config.json
 # A CPU build of torch lies in /opt/wheels on our machines; elsewhere pip takes PyPI's.
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=

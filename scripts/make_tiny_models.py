@@ -1,4 +1,5 @@
-"""Write tiny seeded Llama / Qwen2 / Qwen3 checkpoints for greedy parity tests, and a Qwen3-Embedding-shaped one.
+"""Write tiny seeded Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints for greedy parity tests, and a Qwen3-Embedding-shaped
+one.
 Usage: python scripts/make_tiny_models.py --out models [--check]  (~10 s; --check audits)
 
 Random weights make greedy decoding a chain of near-ties, so each model is seeded
@@ -279,6 +280,41 @@ def build_embedding(tok: Tokenizer, out: Path) -> None:
                "include_prompt": True}, out / "1_Pooling" / "config.json")
 
 
+MOE_NAME, MOE_SEED, MOE_EXPERTS, MOE_TOP_K = "tiny-qwen3-moe", 55, 4, 2
+
+
+def build_moe(out: Path, dense: Path) -> None:
+    """A Qwen3-MoE checkpoint made from tiny-qwen3 (same tokenizer, attention, norms and circuit): every MLP becomes
+    four experts, each the dense MLP's weights times (1 + 5% noise), two of them picked per token by a seeded router
+    with norm_topk_prob; layer 1 stays dense (mlp_only_layers). The picked experts' weights sum to one, so a layer
+    computes close to the dense MLP and the circuit's greedy margins hold, while which experts a token takes (and how
+    much each weighs) changes every logit: a wrong route or weight shows in the parity tests' logprobs."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in dense.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=MOE_EXPERTS,
+               num_experts_per_tok=MOE_TOP_K, moe_intermediate_size=FFN, norm_topk_prob=True, mlp_only_layers=[1],
+               decoder_sparse_step=1, output_router_logits=False, router_aux_loss_coef=0.0)
+    dump_json(cfg, out / "config.json")
+    from safetensors.torch import load_file
+
+    sd = load_file(str(dense / "model.safetensors"))
+    gen = torch.Generator().manual_seed(MOE_SEED)
+    for layer in range(LAYERS):
+        if layer == 1:
+            continue
+        mlp = f"model.layers.{layer}.mlp"
+        dense_w = {p: sd.pop(f"{mlp}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+        for e in range(MOE_EXPERTS):
+            for p, w in dense_w.items():
+                sd[f"{mlp}.experts.{e}.{p}.weight"] = w * (1 + 0.05 * torch.randn(w.shape, generator=gen))
+        sd[f"{mlp}.gate.weight"] = torch.randn(MOE_EXPERTS, HIDDEN, generator=gen) * HIDDEN ** -0.5
+    sd = {n: t.to(torch.bfloat16).to(torch.float32).contiguous() for n, t in sd.items()}
+    save_file(dict(sorted(sd.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def load_quietly(path: Path):
     """Model, tokenizer, and every warning, loading complaint or tokenizer disagreement."""
     log, handler = logging.getLogger("transformers"), logging.Handler(logging.WARNING)
@@ -334,9 +370,10 @@ def main() -> None:
     for name, spec in SPECS.items():
         build(name, spec, tok, args.out / name)
     build_embedding(tok, args.out / EMBED_NAME)
-    print(f"wrote {', '.join([*SPECS, EMBED_NAME])} to {args.out} in {time.time() - start:.1f}s")
+    build_moe(args.out / MOE_NAME, args.out / "tiny-qwen3")
+    print(f"wrote {', '.join([*SPECS, EMBED_NAME, MOE_NAME])} to {args.out} in {time.time() - start:.1f}s")
     if args.check:
-        for name in SPECS:
+        for name in [*SPECS, MOE_NAME]:
             print(f"{name}: {audit(args.out / name)}")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
-TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe")
 EMBEDDING_MODELS = ("tiny-qwen3-embed",)  # --is-embedding checkpoints (not for generation parity)
 
 

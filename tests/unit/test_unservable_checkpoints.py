@@ -311,6 +311,6 @@ def test_math_fields_at_their_neutral_values_are_accepted(tmp_path):
                    attn_logit_softcapping=None, final_logit_softcapping=None, use_qk_norm=False, pretraining_tp=2))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-embed"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-embed", "tiny-qwen3-moe"])
 def test_the_bundled_models_are_accepted(name):
     _load(model_path(name))
