@@ -52,6 +52,7 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
+    enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
     # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
     # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
     # product.
@@ -152,6 +153,9 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     _check_hicache(args)
     _check_tp(args, model)
+    _check(not args.enable_expert_distribution_metrics or model.moe is not None,
+           f"enable_expert_distribution_metrics counts the tokens routed to each expert: {model.architecture} has "
+           "no mixture-of-experts layers")
     disable_radix_cache = args.disable_radix_cache or _pooling_needs_every_token(args, model)
     context = args.context_length or model.max_position_embeddings
     check_servable(model, context)  # before any weight is read: what we would serve wrong is refused here

@@ -459,7 +459,21 @@ class Engine:
         info.update(max_total_num_tokens=self.runner.max_total_tokens,
                     max_running_requests=self.runner.max_running_requests,
                     available_kv_tokens=load["available_kv_tokens"], internal_states=[load])
+        if self.runner.expert_counts is not None:
+            info["expert_distribution"] = self.expert_distribution()
         return info
+
+    def expert_distribution(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
+        """With enable_expert_distribution_metrics: {"layers": [index of each mixture-of-experts layer],
+        "tokens": [[tokens routed to each expert] per layer]} since the engine started (a token counts once per
+        expert of its top-k, in every forward it takes part in)."""
+        counts = self.runner.expert_counts
+        if counts is None:
+            raise ValueError("start the engine with enable_expert_distribution_metrics=True "
+                             "(--enable-expert-distribution-metrics) to count the tokens routed to each expert")
+        self._check_alive()
+        tokens = self.scheduler.call(lambda: [c.tolist() for c in counts.values()]).result(timeout=timeout_s)
+        return {"layers": list(counts), "tokens": tokens}
 
     def get_load(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
         """The scheduler's gauges (waiting, running, available_kv_tokens, ...), its monotonic counters

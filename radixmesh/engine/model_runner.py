@@ -56,6 +56,11 @@ class ModelRunner:
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
+        self.expert_counts = None  # layer -> tokens per expert (--enable-expert-distribution-metrics)
+        if args.enable_expert_distribution_metrics:
+            from radixmesh.engine.models.moe import expert_counters
+
+            self.expert_counts = expert_counters(self.model)
         attn = self.model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         graph_sizes = self._graph_sizes()
@@ -101,6 +106,8 @@ class ModelRunner:
                 log.warning("CUDA graphs used %.0f MiB, more than the %.0f MiB set aside for them: the GPU may run "
                             "short of memory; lower --mem-fraction-static or --cuda-graph-max-bs",
                             self.graphs.capture_bytes / 2**20, graph_reserve / 2**20)
+        for counts in (self.expert_counts or {}).values():  # what the start's own forwards routed is not traffic
+            counts.zero_()
 
     def _max_running(self) -> int:
         return self.args.max_running_requests or min(256, max(1, self.max_total_tokens // 16))

@@ -5,12 +5,15 @@ on a repeated prompt, running/aborted requests, and counters that do not reset o
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import grpc
 import pytest
 
+from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.services.launch import free_port
 from tests.conftest import model_path
@@ -162,3 +165,32 @@ def test_counters_survive_a_cache_flush_and_concurrent_scrapes(worker):
     assert after.value("sglang:num_requests_total", **ROLE) == before.value("sglang:num_requests_total", **ROLE) + 1
     assert after.value("radixmesh:forward_steps_total", mode="extend", **ROLE) > 0
     assert after.value("radixmesh:forward_steps_total", mode="decode", **ROLE) > 0
+
+
+def test_expert_distribution_of_a_mixture_of_experts_worker():
+    """--enable-expert-distribution-metrics on the tiny Qwen3-MoE: tokens per expert summed over its three MoE
+    layers equal top_k x the tokens forwarded x 3, balancedness in (0, 1], and GetServerInfo has the per-layer
+    counts. A dense model refuses the flag with the reason."""
+    port = free_port()
+    proc, url = start_grpc("radixmesh.services.worker", "--model-path", model_path("tiny-qwen3-moe"),
+                           "--served-model-name", "tiny", "--enable-metrics", "--metrics-port", str(port),
+                           "--enable-expert-distribution-metrics", "--disable-radix-cache")
+    try:
+        with grpc.insecure_channel(url) as ch:
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            prompt = list(range(40, 60))
+            generate(stub, "m1", prompt, greedy(6), stream=False)
+            got = scrape(port)
+            forwarded = len(prompt) + 6 - 1  # the last token is sampled, never forwarded
+            experts = got.labels("radixmesh:moe_expert_tokens_total", "expert")
+            assert experts == {"0", "1", "2", "3"}
+            assert got.value("radixmesh:moe_expert_tokens_total", **ROLE) == 2 * forwarded * 3
+            assert 0 < got.value("radixmesh:moe_expert_balancedness", **ROLE) <= 1
+            info = json.loads(stub.GetServerInfo(worker_pb2.GetServerInfoRequest()).server_info_json)
+            dist = info["expert_distribution"]
+            assert dist["layers"] == [0, 2, 3] and all(sum(row) == 2 * forwarded for row in dist["tokens"])
+    finally:
+        assert stop(proc) == 0
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers"):
+        resolve_args(EngineArgs(model_path=MODEL, device="cpu", enable_expert_distribution_metrics=True),
+                     ModelConfig.from_path(MODEL))

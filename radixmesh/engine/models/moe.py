@@ -34,14 +34,30 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, names)
         self.shared_expert = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
         self.shared_expert_gate = Router(1, cfg.hidden_size) if shared_intermediate else None
+        self.counts: torch.Tensor | None = None  # tokens routed to each expert so far (expert_counters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize,
                              None if self.float32_weights else x.dtype)
+        if self.counts is not None:  # on the device, no host round trip (and capturable in a CUDA graph)
+            flat = ids.flatten()
+            self.counts.index_add_(0, flat, torch.ones_like(flat))
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
+
+
+def expert_counters(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Layer index -> a zeroed [experts] int64 counter on the model's device that the layer's router adds each
+    token's top-k experts to from now on (--enable-expert-distribution-metrics)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, SparseMoeBlock):
+            gate = layer.mlp.gate.weight
+            layer.mlp.counts = torch.zeros(gate.shape[0], dtype=torch.int64, device=gate.device)
+            out[i] = layer.mlp.counts
+    return out
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -75,6 +75,7 @@ class WorkerMetrics:
         self.e2e = m.histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency (s)", E2E_BUCKETS)
         self.queue = m.histogram("sglang:queue_time_seconds", "Arrival to first scheduling (s)", QUEUE_BUCKETS)
         self._load: dict = {}
+        self._experts: dict = {}  # engine.expert_distribution() at the last scrape (--enable-expert-distribution-metrics)
         if rooms is not None:
             self.transfer_bytes = m.counter("radixmesh:kv_transfer_bytes_total",
                                             "KV bytes transferred (prefill: sent; decode: received)")
@@ -142,8 +143,10 @@ class WorkerMetrics:
     # ---- scrape -------------------------------------------------------------------------------------------------
     async def _refresh(self) -> None:
         if self.engine.alive:
-            self._load = await asyncio.get_running_loop().run_in_executor(None, self.engine.get_load,
-                                                                          LOAD_TIMEOUT_S)
+            loop = asyncio.get_running_loop()
+            self._load = await loop.run_in_executor(None, self.engine.get_load, LOAD_TIMEOUT_S)
+            if self.engine.args.enable_expert_distribution_metrics:
+                self._experts = await loop.run_in_executor(None, self.engine.expert_distribution, LOAD_TIMEOUT_S)
 
     def _collect(self, out: Families) -> None:
         load = self._load
@@ -169,8 +172,22 @@ class WorkerMetrics:
             for name, doc, key, labels in _ENGINE_COUNTERS:
                 if key in load:
                     out.counter(name, doc, load[key], **labels)
+        if self._experts:
+            self._collect_experts(out)
         if self.rooms is not None:
             self._collect_pd(out)
+
+    def _collect_experts(self, out: Families) -> None:
+        """Tokens routed to each expert (summed over the layers) and SGLang's balancedness: per layer the mean
+        expert's tokens over the busiest one's (1.0: perfectly even), averaged over the layers."""
+        layers = self._experts["tokens"]
+        for expert, tokens in enumerate(map(sum, zip(*layers))):
+            out.counter("radixmesh:moe_expert_tokens_total", "Tokens routed to an expert, over every MoE layer "
+                        "(each token counts once per expert of its top-k)", tokens, expert=str(expert))
+        ratios = [sum(row) / len(row) / max(row) for row in layers if max(row) > 0]
+        if ratios:
+            out.gauge("radixmesh:moe_expert_balancedness", "Mean over MoE layers of (mean expert tokens / busiest "
+                      "expert tokens); 1 is an even load", sum(ratios) / len(ratios))
 
     def _collect_pd(self, out: Families) -> None:
         counts = self.rooms.counts()
