@@ -88,6 +88,8 @@ class EngineArgs:
     # Tensor parallelism (engine.distributed): the model spread over tp_size ranks, nnodes machines, node_rank this
     # one; dist_init_addr is rank 0's host:port for the rendezvous (default: a free local port, one node only).
     tp_size: int = field(default=1, metadata={"aliases": ("--tp",)})
+    # expert parallelism (SGLang's --ep-size): 1, or tp_size to place whole experts on the ranks
+    ep_size: int = field(default=1, metadata={"aliases": ("--expert-parallel-size", "--ep")})
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -246,6 +248,13 @@ def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
     _check(args.nnodes == 1 or args.dist_init_addr, "nnodes > 1 needs dist_init_addr (rank 0's host:port)")
     _check(args.dist_timeout is None or args.dist_timeout > 0, "dist_timeout must be > 0 seconds")
     _check(args.base_gpu_id >= 0 and args.gpu_id_step >= 1, "base_gpu_id must be >= 0 and gpu_id_step >= 1")
+    _check(args.ep_size in (1, tp), f"ep_size must be 1 or tp_size ({tp}): experts are placed whole on the tensor "
+           f"parallel ranks; got {args.ep_size}")
+    _check(args.ep_size == 1 or model.moe is not None,
+           f"ep_size {args.ep_size} places experts on ranks: {model.architecture} has no mixture-of-experts layers")
+    if args.ep_size > 1:
+        _check(model.moe.num_experts % args.ep_size == 0,
+               f"the model's {model.moe.num_experts} experts must be divisible by ep_size ({args.ep_size})")
     if tp == 1:
         return
     _check(model.num_heads % tp == 0,

@@ -56,6 +56,7 @@ class TPConfig:
     rank: int = 0
     init_addr: str | None = None  # host:port of rank 0's TCP store
     timeout_s: float = 600.0
+    expert_parallel: bool = False  # mixture-of-experts layers: whole experts per rank, not shares of every one
 
 
 RENDEZVOUS_MIN_S = 60.0

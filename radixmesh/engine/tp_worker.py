@@ -33,7 +33,7 @@ _JOIN_TIMEOUT_S = 30.0
 
 def tp_config(args: EngineArgs, rank: int, addr: str) -> TPConfig:
     return TPConfig(size=args.tp_size, rank=rank, init_addr=addr,
-                    timeout_s=float(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S))
+                    timeout_s=float(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S), expert_parallel=args.ep_size > 1)
 
 
 def rank_args(args: EngineArgs, rank: int) -> EngineArgs:

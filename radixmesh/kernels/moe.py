@@ -26,11 +26,13 @@ BLOCK_M = 16
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [tokens, top_k] -> (slots [capacity] grouped by expert, each group padded to block_m with the sentinel
-    tokens * top_k; the expert of each block [capacity / block_m], -1 for blocks past the last group)."""
+    tokens * top_k; the expert of each block [capacity / block_m], -1 for blocks no expert of this rank runs). An id
+    of -1 (an expert another rank holds) gets a group of its own, after the others, that no block runs."""
     flat = ids.flatten().to(torch.int64)
+    flat = torch.where(flat >= 0, flat, num_experts)
     n = flat.numel()
-    capacity = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    capacity = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
@@ -80,10 +82,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_experts_ptr, we
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_experts: torch.Tensor,
-                  n_slots: int, a_row_div: int, weights: torch.Tensor | None) -> torch.Tensor:
-    """[n_slots, N]: each slot's row of `a` (slot // a_row_div) times its expert's w [N, K] transposed."""
+                  n_slots: int, a_row_div: int, weights: torch.Tensor | None, zeroed: bool = False) -> torch.Tensor:
+    """[n_slots, N]: each slot's row of `a` (slot // a_row_div) times its expert's w [N, K] transposed (rows of
+    slots no block runs: zero when `zeroed`, else unset)."""
     n, k = w.shape[1], w.shape[2]
-    out = torch.empty((n_slots, n), dtype=a.dtype, device=a.device)
+    out = (torch.zeros if zeroed else torch.empty)((n_slots, n), dtype=a.dtype, device=a.device)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
@@ -107,19 +110,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     slots, block_experts = align_by_expert(ids, w13.shape[0])
     n_slots = tokens * top_k
-    gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None)
+    # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
+    gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, zeroed=True)
     act = silu_and_mul(gate_up)
-    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, weights.flatten().contiguous())
+    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, weights.flatten().contiguous(), zeroed=True)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                             ids: torch.Tensor) -> torch.Tensor:
     """The twin: each expert once, on the tokens routed to it (in token order, as transformers does), its weighted
-    output added into the token's row in x's dtype."""
+    output added into the token's row in x's dtype. Slots whose id is -1 (an expert of another rank) add nothing."""
     out = torch.zeros_like(x)
     hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
-    hit[ids.flatten()] = True
+    flat = ids.flatten()
+    hit[flat[flat >= 0]] = True
     for e in hit.nonzero().flatten().tolist():
         token, slot = torch.where(ids == e)
         gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)

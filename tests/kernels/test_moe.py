@@ -79,3 +79,17 @@ def test_float32_routing_weights_weigh_as_mixtral_does():
 def test_block_size_is_what_align_pads_to():
     _, block_experts = align_by_expert(torch.zeros(3, 1, dtype=torch.int64), 2)
     assert block_experts.tolist()[0] == 0 and BLOCK_M >= 16  # tl.dot needs 16 rows or more
+
+
+def test_slots_of_another_ranks_experts_add_nothing():
+    """Expert parallelism: ids of -1 (experts another rank holds) are skipped by both the kernel and the twin."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(10, 32, generator=gen)
+    w13 = torch.randn(3, 32, 32, generator=gen) * 0.2
+    w2 = torch.randn(3, 32, 16, generator=gen) * 0.2
+    weights, ids = route(_routing(10, 6, 2, seed=4), 2, True, torch.float32)
+    local = torch.where(ids >= 3, ids - 3, -1)  # this rank holds experts 3..5
+    want = fused_experts_reference(x, w13, w2, weights, local)
+    got = fused_experts(*[t.to(DEVICE) for t in (x, w13, w2, weights, local)]).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (want[(local < 0).all(dim=1)] == 0).all()  # a token with no local expert gets nothing here

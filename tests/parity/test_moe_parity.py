@@ -70,3 +70,35 @@ def test_experts_shard_over_tensor_parallel_ranks(checkpoints):
     with running_engine(path, skip_tokenizer_init=True, tp_size=2) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
     assert [o["output_ids"] for o in outs] == refs
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_ranks_hold_whole_experts(checkpoints, name):
+    """ep_size 2 (= tp_size): each rank holds half of the experts, whole, and skips the others' tensors at load;
+    every rank sees every token and the sum over the ranks is the layer's output: token-exact, logprobs within
+    1e-5 (the ranks' partial sums add in another order)."""
+    path = checkpoints[name]
+    refs, logprobs = _reference(path)
+    with running_engine(path, skip_tokenizer_init=True, tp_size=2, ep_size=2) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                            return_logprob=True)
+    assert [o["output_ids"] for o in outs] == refs
+    for out, want in zip(outs, logprobs):
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-5)
+
+
+def test_expert_parallel_sizes_are_checked():
+    from radixmesh.engine.config import EngineArgs, resolve_args
+    from radixmesh.engine.model_config import ModelConfig
+    from tests.conftest import model_path
+
+    def resolve(name, **kw):
+        path = model_path(name)
+        return resolve_args(EngineArgs(model_path=path, device="cpu", **kw), ModelConfig.from_path(path))
+
+    with pytest.raises(ValueError, match="ep_size must be 1 or tp_size"):
+        resolve("tiny-qwen3-moe", tp_size=2, ep_size=4)
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers"):
+        resolve("tiny-qwen3", tp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="experts must be divisible by ep_size"):
+        resolve("tiny-qwen3-moe", tp_size=8, ep_size=8)

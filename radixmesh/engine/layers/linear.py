@@ -38,6 +38,7 @@ class Shard:
 
 
 WHOLE = Shard()
+ELSEWHERE = Shard(dim=-1)  # a checkpoint tensor another rank holds (an expert placed there): this rank reads nothing
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

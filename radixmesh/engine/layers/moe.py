@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
-from radixmesh.engine.layers.linear import Shard
+from radixmesh.engine.layers.linear import ELSEWHERE, Shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +69,37 @@ class _Stacked(nn.Module):
 
 class FusedMoE(nn.Module):
     """The experts of one layer, stacked (`w13`, `w2`; checkpoint names `experts.<e>.<projection>.weight` beside
-    them); `forward(x, weights, ids)` runs the routed tokens."""
+    them); `forward(x, weights, ids)` runs the routed tokens. Under tensor parallelism a rank holds every expert's
+    share of the intermediate rows, or, with expert parallelism (TPConfig.expert_parallel, --ep-size), whole experts:
+    its 1/size of them, the other ranks' checkpoint tensors skipped at load. Either way every rank sees every token
+    and the ranks' partial outputs are summed."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel, names: ExpertNames):
         super().__init__()
         self.tp = tp
-        start, local = tp.shard(intermediate, "moe_intermediate_size")
-        w13 = [shard for e in range(num_experts) for shard in (
-            (f"{e}.{names.gate}", Shard((e, slice(0, local)), 0, start, local)),
-            (f"{e}.{names.up}", Shard((e, slice(local, 2 * local)), 0, start, local)))]
-        self.w13 = _Stacked((num_experts, 2 * local, hidden), w13)
-        self.w2 = _Stacked((num_experts, hidden, local),
-                           [(f"{e}.{names.down}", Shard((e,), 1, start, local)) for e in range(num_experts)])
+        if tp.config.expert_parallel:
+            self.first, local_experts = tp.shard(num_experts, "the number of experts")
+            start, local = 0, intermediate
+        else:
+            self.first, local_experts = 0, num_experts
+            start, local = tp.shard(intermediate, "moe_intermediate_size")
+        self.local_experts = local_experts
+        w13, w2 = [], []
+        for e in range(num_experts):
+            i = e - self.first
+            if not 0 <= i < local_experts:
+                w13 += [(f"{e}.{names.gate}", ELSEWHERE), (f"{e}.{names.up}", ELSEWHERE)]
+                w2.append((f"{e}.{names.down}", ELSEWHERE))
+                continue
+            w13 += [(f"{e}.{names.gate}", Shard((i, slice(0, local)), 0, start, local)),
+                    (f"{e}.{names.up}", Shard((i, slice(local, 2 * local)), 0, start, local))]
+            w2.append((f"{e}.{names.down}", Shard((i,), 1, start, local)))
+        self.w13 = _Stacked((local_experts, 2 * local, hidden), w13)
+        self.w2 = _Stacked((local_experts, hidden, local), w2)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
+            ids = ids - self.first
+            ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
         out = experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -13,7 +13,7 @@ from torch import nn
 
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.distributed import TensorParallel
-from radixmesh.engine.layers.linear import WHOLE, Shard, zero_padding
+from radixmesh.engine.layers.linear import ELSEWHERE, WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
 
@@ -123,6 +123,9 @@ def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
         if name is None:
             continue
         param, shard = targets[name]  # load_model's _check_checkpoint refused every other name
+        if shard is ELSEWHERE:
+            seen.add(name)
+            continue
         dest = param.data if shard.dest is None else param.data[shard.dest]
         full = tuple(lazy.get_shape())
         expected = list(dest.shape)
