@@ -40,24 +40,44 @@ def measure_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) 
     return 2 * n ** 3 / (ms / 1e3) / 1e12
 
 
+def _experts(model) -> list[tuple[int, int, int]]:
+    """(bytes of one expert's weights, elements of one expert's weights, experts a token takes) per
+    mixture-of-experts layer of the model (none for a dense one)."""
+    from radixmesh.engine.models.moe import SparseMoeBlock
+
+    out = []
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            stacked = (block.experts.w13.weight, block.experts.w2.weight)
+            per = sum(w[0].numel() for w in stacked)
+            out.append((per * stacked[0].element_size(), per, block.top_k))
+    return out
+
+
 def decode_weight_bytes(runner) -> int:
-    """Bytes of weights one decode step must read: every parameter except the embedding table (only a few rows are
-    gathered), plus the lm_head (the embedding again when tied)."""
+    """Bytes of weights one batch-1 decode step must read: every parameter except the embedding table (only a few
+    rows are gathered), plus the lm_head (the embedding again when tied); of a mixture of experts' layers, the
+    router, any shared expert and the top-k experts the token takes, not the others."""
     model = runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.model.embed_tokens.weight
     emb_bytes = emb.numel() * emb.element_size()
+    for block in model.modules():
+        if hasattr(block, "w13") and hasattr(block, "w2"):  # the stacked experts: all of them counted above
+            total -= sum(w.weight.numel() * w.weight.element_size() for w in (block.w13, block.w2))
+    total += sum(nbytes * top_k for nbytes, _, top_k in _experts(model))
     return total if model.lm_head is None else total - emb_bytes
 
 
 def linear_flops(runner, tokens: int) -> int:
     """Multiply-adds (x2) of every weight matrix over `tokens` tokens, except the embedding gather; the lm_head runs
-    on the last token only, as the engine computes it."""
+    on the last token only, as the engine computes it; each token runs its top-k experts of a MoE layer."""
     model = runner.model
     lm_head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
                and "lm_head" not in n)
-    return 2 * body * tokens + 2 * lm_head.numel()
+    experts = sum(elements * top_k for _, elements, top_k in _experts(model))
+    return 2 * (body + experts) * tokens + 2 * lm_head.numel()
 
 
 def attention_flops(cfg: ModelConfig, tokens: int) -> int:

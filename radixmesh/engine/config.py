@@ -53,6 +53,9 @@ class EngineArgs:
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
     enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
+    # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device), triton (kernels.moe's
+    # grouped GEMMs, CUDA), auto (torch until the kernel has been checked and tuned on a GPU)
+    moe_runner_backend: str = "auto"
     # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
     # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
     # product.
@@ -155,6 +158,11 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
            f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
     _check_hicache(args)
     _check_tp(args, model)
+    _check(args.moe_runner_backend in ("auto", "torch", "triton"),
+           f"moe_runner_backend must be auto, torch or triton, got {args.moe_runner_backend!r}")
+    _check(args.moe_runner_backend != "triton" or device != "cpu" or _triton_interpreting(),
+           "moe_runner_backend triton runs kernels.moe's Triton kernels on a CUDA device (on CPU only in Triton's "
+           "interpreter, TRITON_INTERPRET=1); on CPU use torch or auto")
     _check(not args.enable_expert_distribution_metrics or model.moe is not None,
            f"enable_expert_distribution_metrics counts the tokens routed to each expert: {model.architecture} has "
            "no mixture-of-experts layers")
@@ -265,6 +273,12 @@ def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
            "replicated when there are fewer than ranks)")
     _check(model.intermediate_size % tp == 0,
            f"the model's intermediate_size ({model.intermediate_size}) must be divisible by tp_size ({tp})")
+
+
+def _triton_interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:

@@ -57,6 +57,12 @@ class ModelRunner:
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
         self.expert_counts = None  # layer -> tokens per expert (--enable-expert-distribution-metrics)
+        if args.moe_runner_backend == "triton":
+            from radixmesh.engine.layers.moe import FusedMoE
+
+            for module in self.model.modules():
+                if isinstance(module, FusedMoE):
+                    module.backend = "triton"
         if args.enable_expert_distribution_metrics:
             from radixmesh.engine.models.moe import expert_counters
 

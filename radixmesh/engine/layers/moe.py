@@ -96,10 +96,16 @@ class FusedMoE(nn.Module):
             w2.append((f"{e}.{names.down}", Shard((i,), 1, start, local)))
         self.w13 = _Stacked((local_experts, 2 * local, hidden), w13)
         self.w2 = _Stacked((local_experts, hidden, local), w2)
+        self.backend = "torch"  # or "triton": kernels.moe.fused_experts (--moe-runner-backend)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
             ids = ids - self.first
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
-        out = experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
+        if self.backend == "triton":
+            from radixmesh.kernels.moe import fused_experts
+
+            out = fused_experts(x, self.w13.weight, self.w2.weight, weights, ids)
+        else:
+            out = experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
