@@ -27,6 +27,7 @@
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
+#   PARTS="setup moe"       issue 51: the MoE kernel tests on the GPU, a Qwen3-30B-A3B-shaped model per MoE runner
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -171,6 +172,19 @@ if [[ $PARTS == *scale* ]]; then
     --dtype bfloat16 --max-running-requests 256 --log-level warning --random-input-len 512 --random-output-len 128 \
     --random-range-ratio 0.5 --max-concurrency 1 64 256 512 --num-prompts 24 512 1024 1024 --rounds ${ROUNDS:-2} \
     --disable-tqdm --output-file "$OUT/scale.jsonl" 2>&1 | tee "$OUT/scale.log" | sed -n '/Side by side/,$p'
+fi
+
+if [[ $PARTS == *moe* ]]; then
+  # Issue 51: the MoE kernels on the GPU (their tests at these shapes too), then a Qwen3-30B-A3B-shaped dummy model
+  # with each --moe-runner-backend: batch 1, 64, 256 decode steps against the roofline (a batch-1 step reads the
+  # router, the dense parts and the top-k experts), an 8k prefill.
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py 2>&1 | tail -3
+  for moe in ${MOE_BACKENDS:-torch triton}; do
+    $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy \
+      --dtype bfloat16 --skip-tokenizer-init --log-level warning --moe-runner-backend $moe --batch-size 1 64 256 \
+      --input-len 512 --output-len 32 --prefill-len 8192 --roofline --result-file "$OUT/moe_one_batch.jsonl" 2>&1 \
+      | tee -a "$OUT/moe_one_batch.log" | grep -v Warning | tail -8
+  done
 fi
 
 if [[ $PARTS == *meshprof* ]]; then
