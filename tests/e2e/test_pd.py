@@ -133,15 +133,19 @@ def test_pd_serves_prompt_lists_and_constrained_tool_calls_as_colocated_does(pd_
     assert_all_freed(sum(workers(pd_mesh).values(), []))
 
 
-def test_two_prefill_two_decode_serve_100_concurrent_requests(pd_mesh, mesh):
-    prompts = [f"{SHARED * (i % 5)}Question {i}: what is {i} plus {i % 7}?" for i in range(100)]
-
-    async def run(url: str) -> list[str]:
+def _concurrent_texts(url: str, prompts: list[str]) -> list[str]:
+    """Every prompt's greedy 10-token completion, all sent at once."""
+    async def run() -> list[str]:
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
             outs = await asyncio.gather(*(c.completions.create(model=NAME, prompt=p, max_tokens=10, **GREEDY)
                                           for p in prompts))
         return [o.choices[0].text for o in outs]
-    got, want = asyncio.run(run(pd_mesh.url)), asyncio.run(run(mesh.url))
+    return asyncio.run(run())
+
+
+def test_two_prefill_two_decode_serve_100_concurrent_requests(pd_mesh, mesh):
+    prompts = [f"{SHARED * (i % 5)}Question {i}: what is {i} plus {i % 7}?" for i in range(100)]
+    got, want = _concurrent_texts(pd_mesh.url, prompts), _concurrent_texts(mesh.url, prompts)
     assert got == want
     roles = workers(pd_mesh)
     assert len(roles["prefill"]) == 2 and len(roles["decode"]) == 2
@@ -157,19 +161,13 @@ def test_the_shm_backend_moves_kv_between_workers_of_one_host_and_leaves_nothing
     before = set(os.listdir("/dev/shm"))
     flags = ("--disaggregation", "pd", "--disaggregation-transfer-backend", "shm", "--disaggregation-verify-kv")
     prompts = [f"{SHARED * (i % 4)}Question {i}: what is {i} plus {i % 7}?" for i in range(24)]
-
-    async def run(url: str) -> list[str]:
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
-            outs = await asyncio.gather(*(c.completions.create(model=NAME, prompt=p, max_tokens=10, **GREEDY)
-                                          for p in prompts))
-        return [o.choices[0].text for o in outs]
     with running_mesh(NAME, tmp_path, *flags) as pd:
         made = {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("radixmesh-lasting-")}
         # the decode worker's mirror (peers write into it) and both workers' indexes; the prefill worker's mirror
         # is private memory
         mirror_pids = {f.rsplit("-", 2)[1] for f in made if "kv-mirror" in f}
         assert len(mirror_pids) == 1 and sum("kv-shm-index" in f for f in made) == 2, made
-        assert asyncio.run(run(pd.url)) == asyncio.run(run(mesh.url))
+        assert _concurrent_texts(pd.url, prompts) == _concurrent_texts(mesh.url, prompts)
         roles = workers(pd)
         assert_all_freed(roles["prefill"] + roles["decode"])
         assert all(loads(a).kv_transfer_gbps > 0 for a in roles["prefill"])

@@ -5,11 +5,12 @@ when the peer is gone."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from radixmesh.engine.disaggregation.fake_backend import Faults
 from radixmesh.engine.disaggregation.registry import make_backend
@@ -168,15 +169,19 @@ def _shm_receiver(conn, pages: int) -> None:
     mirror.close()
 
 
-def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
-    import os
-
-    from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of
-
+def _shm_peer():
+    """A receiver process (_shm_receiver) and our end of its pipe."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     peer = ctx.Process(target=_shm_receiver, args=(there, 12), daemon=True)
     peer.start()
+    return peer, here
+
+
+def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
+    from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of
+
+    peer, here = _shm_peer()
     try:
         session, remote, files = here.recv()
         assert session.startswith("shm:") and all(os.path.exists(f) for f in files)
@@ -209,12 +214,7 @@ def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
 
 
 def test_shm_files_of_a_killed_worker_are_swept_by_the_next_backend():
-    import os
-
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    peer = ctx.Process(target=_shm_receiver, args=(there, 12), daemon=True)
-    peer.start()
+    peer, here = _shm_peer()
     session, _, files = here.recv()
     peer.kill()  # no atexit, no close: its mirror and index stay in /dev/shm
     peer.join(timeout=10)
