@@ -1,8 +1,8 @@
 """KV pages between the workers of one host through shared memory: the receiver's KV mirror lives in shared-memory
-files, and the sender maps them and copies the pages in with memcpy, on a few threads. No network stack and no
-transport engine: on one machine this moves pages at memory speed, where Mooncake's TCP transport (staged through
-the same host memory) measured 0.39 GB/s with one transfer at a time and 0.015 GB/s with 64 (an H200 host,
-2026-12-04, benchmarks/results/NOTES.md).
+files, and the sender maps them and copies the pages in with memcpy, on a few threads: no network stack and no
+transport engine between two processes of one machine. (On an H200 host, 2026-12-04, a 2k-token request's transfer
+took ~0.6 s with this backend and with Mooncake's TCP alike: the staging copies around the transport were the
+bottleneck then, and have changed since; benchmarks/results/NOTES.md.)
 
 Peers can write only into memory backed by a shared-memory file (engine.shared_memory.shared_tensor; KvTransfer
 asks the engine for such a mirror: `ShmBackend.shared_mirror`). Its session id is "shm:" and the path of an index file
