@@ -32,7 +32,10 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     flat = torch.where(flat >= 0, flat, num_experts)
     n = flat.numel()
     capacity = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts + 1)
+    # scatter_add, not bincount: bincount sizes its output from the largest id, a read back to the host that a
+    # CUDA graph cannot hold
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
