@@ -216,6 +216,12 @@ def test_mixture_of_experts_sliding_windows_are_refused_as_their_configs_say(tmp
     _resolve(_copy(tmp_path / "q0", "tiny-qwen3", **qwen3, use_sliding_window=False, sliding_window=128))
 
 
+def test_a_mixture_of_experts_config_without_its_experts_is_refused(tmp_path):
+    dst = _copy(tmp_path, "tiny-qwen3", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    with pytest.raises(ValueError, match="gives no num_experts"):
+        _load(dst)
+
+
 def test_layer_types_with_sliding_attention_are_refused(tmp_path):
     types = ["full_attention", "sliding_attention"] * 2
     _refused(_copy(tmp_path / "q3", "tiny-qwen3", use_sliding_window=True, sliding_window=128, layer_types=types),

@@ -70,6 +70,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     shared_expert = False
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture} is a mixture of experts, but config.json gives no num_experts (or "
+                             "num_local_experts): the experts cannot be laid out")
         super().__init__(cfg, tp)
         moe = cfg.moe
         renormalize = self.renormalize_always or moe.norm_topk_prob
