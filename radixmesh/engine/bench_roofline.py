@@ -40,8 +40,8 @@ def measure_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) 
     return 2 * n ** 3 / (ms / 1e3) / 1e12
 
 
-def _experts(model) -> list[tuple[int, int, int]]:
-    """(bytes of one expert's weights, elements of one expert's weights, experts a token takes) per
+def _experts(model) -> list[tuple[int, int, int, int]]:
+    """(bytes of one expert's weights, elements of one expert's weights, experts a token takes, experts held) per
     mixture-of-experts layer of the model (none for a dense one)."""
     from radixmesh.engine.models.moe import SparseMoeBlock
 
@@ -50,7 +50,7 @@ def _experts(model) -> list[tuple[int, int, int]]:
         if isinstance(block, SparseMoeBlock):
             stacked = (block.experts.w13.weight, block.experts.w2.weight)
             per = sum(w[0].numel() for w in stacked)
-            out.append((per * stacked[0].element_size(), per, block.top_k))
+            out.append((per * stacked[0].element_size(), per, block.top_k, stacked[0].shape[0]))
     return out
 
 
@@ -60,12 +60,9 @@ def decode_weight_bytes(runner) -> int:
     router, any shared expert and the top-k experts the token takes, not the others."""
     model = runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total -= sum(nbytes * (held - top_k) for nbytes, _, top_k, held in _experts(model))
     emb = model.model.embed_tokens.weight
     emb_bytes = emb.numel() * emb.element_size()
-    for block in model.modules():
-        if hasattr(block, "w13") and hasattr(block, "w2"):  # the stacked experts: all of them counted above
-            total -= sum(w.weight.numel() * w.weight.element_size() for w in (block.w13, block.w2))
-    total += sum(nbytes * top_k for nbytes, _, top_k in _experts(model))
     return total if model.lm_head is None else total - emb_bytes
 
 
@@ -76,7 +73,7 @@ def linear_flops(runner, tokens: int) -> int:
     lm_head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
                and "lm_head" not in n)
-    experts = sum(elements * top_k for _, elements, top_k in _experts(model))
+    experts = sum(elements * top_k for _, elements, top_k, _ in _experts(model))
     return 2 * (body + experts) * tokens + 2 * lm_head.numel()
 
 

@@ -276,9 +276,9 @@ def _check_tp(args: EngineArgs, model: ModelConfig) -> None:
 
 
 def _triton_interpreting() -> bool:
-    import os
+    from radixmesh.kernels.runtime import interpreting  # imported only when the triton MoE runner is asked for
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreting()
 
 
 def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:

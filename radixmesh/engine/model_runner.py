@@ -129,8 +129,8 @@ class ModelRunner:
                      args.decode_attention_backend)
             return []
         if self.model_config.moe is not None:
-            log.info("CUDA graphs off: the mixture-of-experts layers run their plain-PyTorch path, which picks "
-                     "each step's experts on the host")
+            log.info("CUDA graphs off: mixture-of-experts layers run eagerly until their kernel has been checked "
+                     "on a GPU (the plain-PyTorch path picks each step's experts on the host)")
             return []
         cap = args.max_running_requests or 256
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)

@@ -12,10 +12,13 @@ import uuid
 import torch
 
 
+def _folder() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def new_path(what: str) -> str:
     """A fresh file name in /dev/shm (or the temporary directory where there is none)."""
-    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(where, f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(_folder(), f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
 def _pid_namespace() -> str:
@@ -35,7 +38,7 @@ def lasting_path(what: str) -> str:
 def sweep_orphans() -> list[str]:
     """Unlink the lasting files whose creator, a process of this pid namespace, is gone; returns their paths. Files
     of other namespaces (another container sharing /dev/shm) are left alone: their pids mean nothing here."""
-    where = os.path.dirname(new_path("x"))
+    where = _folder()
     prefix = f"radixmesh-lasting-{_pid_namespace()}-"
     removed = []
     for name in os.listdir(where):

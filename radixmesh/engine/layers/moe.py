@@ -7,13 +7,13 @@ Weights are stacked at load time from the per-expert tensors Hugging Face checkp
 parallelism each rank holds every expert's share of the intermediate dimension (as a dense MLP's rows and columns
 are cut) and the partial outputs are summed over the ranks.
 
-The experts run kernels.moe's plain-torch twin here, on every device: its grouped-GEMM kernel (tested against
-the twin in Triton's interpreter) takes over on GPUs once it has been checked and tuned on one, and CUDA graphs with
-it (engine.model_runner turns them off for these models until then).
+The experts run kernels.moe: its plain-torch twin by default, on every device, or its grouped-GEMM kernel with
+--moe-runner-backend triton (tested against the twin in Triton's interpreter, not yet checked and tuned on a GPU;
+engine.model_runner keeps CUDA graphs off for these models until then).
 
 Routing follows transformers: softmax over the router logits in float32, the top-k, optionally renormalized to sum
-to one, then cast to the activations' dtype before weighting (Mixtral renormalizes always; Qwen3-MoE and Qwen2-MoE
-when `norm_topk_prob`)."""
+to one (Mixtral always; Qwen3-MoE and Qwen2-MoE when `norm_topk_prob`), then cast to the activations' dtype before
+weighting (the Qwen models; Mixtral weighs in float32)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights if dtype is None else weights.to(dtype)), ids
-
-
-def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert ids[t, k], in x's dtype (kernels.moe's twin:
-    each expert once, on its tokens)."""
-    from radixmesh.kernels.moe import fused_experts_reference
-
-    return fused_experts_reference(x, w13, w2, weights, ids)
 
 
 class _Stacked(nn.Module):
@@ -102,10 +93,8 @@ class FusedMoE(nn.Module):
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
             ids = ids - self.first
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
-        if self.backend == "triton":
-            from radixmesh.kernels.moe import fused_experts
+        from radixmesh.kernels.moe import fused_experts, fused_experts_reference
 
-            out = fused_experts(x, self.w13.weight, self.w2.weight, weights, ids)
-        else:
-            out = experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
+        run = fused_experts if self.backend == "triton" else fused_experts_reference
+        out = run(x, self.w13.weight, self.w2.weight, weights, ids)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -54,7 +54,7 @@ class PdSettings:
 
     disaggregation_transfer_backend: str = field(default="mooncake", metadata={
         "help": "how KV pages move between prefill and decode workers: mooncake (Mooncake transfer engine, TCP), "
-                "shm (workers on one host: shared memory, at memory speed) or fake (in-process, for tests)"})
+                "shm (workers on one host: through /dev/shm) or fake (in-process, for tests)"})
     disaggregation_transfer_host: str | None = field(default=None, metadata={
         "help": "address peers reach this worker's transfer engine at (default: --host, or this host's address "
                 "when --host is a wildcard)"})
