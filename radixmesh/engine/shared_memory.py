@@ -21,6 +21,11 @@ def new_path(what: str) -> str:
     return os.path.join(_folder(), f"radixmesh-{what}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
+def ours(path: str) -> bool:
+    """Whether `path` names a file `new_path` or `lasting_path` made (in this process or another)."""
+    return os.path.dirname(path) == _folder() and os.path.basename(path).startswith("radixmesh-")
+
+
 def _pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from radixmesh.engine.disaggregation.handoff import DecodeRole, PrefillRole
-from radixmesh.engine.disaggregation.kv_pages import kv_writes
 from radixmesh.services.common.kv_transfer import KvTransfer
 from tests.api.test_tensor_parallel import OPTS, _assert_same
 from tests.conftest import model_path
@@ -26,8 +25,10 @@ _rids = itertools.count()
 LP = {"return_logprob": True, "top_logprobs_num": 3}
 
 
-async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], params: dict) -> dict:
-    """One request through the pair, as services/prefill/bootstrap.py and services/worker/receive.py move it."""
+async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], params: dict,
+                   moved: list | None = None) -> dict:
+    """One request through the pair, as services/prefill/bootstrap.py and services/worker/receive.py move it;
+    (source pages, destination pages) appended to `moved`."""
     loop = asyncio.get_running_loop()
     ready, allocated = loop.create_future(), loop.create_future()
     rid = f"tp-pd-{next(_rids)}"
@@ -40,10 +41,14 @@ async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], par
                                                       handoff=prole, **LP))
     (src, first), (dst, cached) = await ready, await allocated
     src = src[cached // p.args.page_size:]
+    if moved is not None:
+        moved.append((list(src), list(dst)))
     try:
-        sent = await send.write(recv.session_id, kv_writes(send.layout, recv.layout, src, dst), src, verify=True)
-        assert sent and recv.checksum(dst) == sent  # every rank's shard arrived intact
-        recv.stage_in(dst)
+        landing = recv.hold(dst)
+        sent = await send.write(recv.session_id, recv.layout, src, landing, verify=True)
+        assert sent and recv.checksum(landing) == sent  # every rank's shard arrived intact
+        recv.stage_in(landing, dst)
+        recv.release(landing)
         assert d.deliver_kv(rid, first).result(timeout=30) is True
     finally:
         p.release_kv(prid).result(timeout=30)
@@ -83,4 +88,4 @@ def test_an_idle_tp_engine_outlives_the_dist_timeout():
         mirror = llm.kv_mirror()
         time.sleep(15)
         assert llm.generate("hello there", params)["output_ids"] == first
-        mirror.stage_out([1, 2])  # the staging channel's followers are still there
+        mirror.stage_out([1, 2], [5, 6])  # the staging channel's followers are still there

@@ -182,9 +182,11 @@ def test_aborting_a_queued_or_receiving_request_frees_its_pages(engines):
     assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
 
 
-def test_staged_transfer_through_host_mirrors_moves_the_pages(engines):
-    """The GPU path (pool -> pinned mirror -> backend -> peer mirror -> pool), forced on CPU pools."""
-    from radixmesh.engine.disaggregation.kv_pages import kv_writes
+@pytest.mark.parametrize("src,dst", [([3, 4, 9], [20, 7, 8]),  # a few runs
+                                     ([30, 2, 17, 5, 11, 8, 25, 14, 3, 21, 9], list(range(40, 29, -1)))])  # scattered
+def test_staged_transfer_through_host_mirrors_moves_the_pages(engines, src, dst):
+    """The GPU path (pool -> pinned mirror -> backend -> peer mirror -> pool), forced on CPU pools: the pages land
+    in one run of the receiver's mirror, whatever the pool pages, and every mirror page is lent back."""
     from radixmesh.services.common.kv_transfer import KvTransfer
 
     p, d, _ = engines
@@ -193,15 +195,20 @@ def test_staged_transfer_through_host_mirrors_moves_the_pages(engines):
     assert send.layout.bases != layout_of(p.runner.kv_pool).bases  # the mirrors, not the pools
     for t in p.runner.kv_pool.buffers():
         t.view(-1)[:t.numel() // 2].uniform_()
-    src, dst = [3, 4, 9], [20, 7, 8]
     before = page_checksum(d.runner.kv_pool, dst)
+    landing = recv.hold(dst)
+    assert landing == list(range(len(dst)))  # one run of mirror pages
 
     async def move():
-        await send.write(recv.session_id, kv_writes(send.layout, recv.layout, src, dst), src)
-    asyncio.run(move())
+        return await send.write(recv.session_id, recv.layout, src, landing, verify=True)
+    sent = asyncio.run(move())
+    assert sent == recv.checksum(landing) == page_checksum(p.runner.kv_pool, src)
     assert page_checksum(d.runner.kv_pool, dst) == before  # not in the pool until staged in
-    recv.stage_in(dst)
+    recv.stage_in(landing, dst)
+    recv.release(landing)
     assert page_checksum(d.runner.kv_pool, dst) == page_checksum(p.runner.kv_pool, src)
+    whole = recv.mirror.local[0].shape[0] // d.args.page_size
+    assert send.mirror.slots.num_free == recv.mirror.slots.num_free == whole  # nothing still lent
     assert send.gbps > 0 and send.latency_ms > 0
     for t in p.runner.kv_pool.buffers() + d.runner.kv_pool.buffers():
         t.zero_()

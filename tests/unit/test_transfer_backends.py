@@ -178,8 +178,13 @@ def _shm_peer():
     return peer, here
 
 
-def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
+@pytest.mark.parametrize("how,src_pages,dst_pages", [
+    ("memcpy", [0, 1, 2, 7, 3], [8, 9, 10, 0, 11]),  # host memory (write)
+    ("tensor copies", [0, 1, 2, 7, 3], [8, 9, 10, 0, 11]),  # a pool's tensors (copy_in), by runs
+    ("tensor copies", [11, 0, 9, 2, 7, 4, 5, 1, 10, 3], list(range(2, 12)))])  # scattered: gathered first
+def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach(how, src_pages, dst_pages):
     from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of
+    from radixmesh.engine.disaggregation.mirror import KvMirror
 
     peer, here = _shm_peer()
     try:
@@ -189,8 +194,17 @@ def test_shm_moves_pages_between_processes_and_refuses_what_it_cannot_reach():
         backend = make_backend("shm")  # the source needs no shared memory: any local address can be written from
         for t in src.buffers():
             backend.register(t.data_ptr(), t.numel() * t.element_size())
-        src_pages, dst_pages = [0, 1, 2, 7, 3], [8, 9, 10, 0, 11]
-        backend.write(session, kv_writes(layout_of(src), remote, src_pages, dst_pages))
+        if how == "memcpy":
+            backend.write(session, kv_writes(layout_of(src), remote, src_pages, dst_pages))
+        else:
+            pool_itself = KvMirror.for_pool(src, staged=False)  # what a sender on a GPU copies from
+            backend.copy_in(session, pool_itself.pieces(src_pages, remote, dst_pages))
+            with pytest.raises(TransferError, match="not in memory the peer registered"):
+                backend.copy_in(session, [(src.buffers()[0].view(-1).view(torch.uint8)[:8], max(remote.bases) + 2**30)])
+            with pytest.raises(TransferError, match="not an shm transfer backend"):
+                backend.copy_in("127.0.0.1:4000", pool_itself.pieces([1], remote, [1]))
+            with pytest.raises(ValueError, match="KV layouts differ"):
+                list(pool_itself.pieces([1], remote._replace(page_bytes=remote.page_bytes * 2), [1]))
         here.send("done")
         got = here.recv()
         size = src.page_size
@@ -233,14 +247,38 @@ def test_staging_copies_exactly_the_pages_whether_in_runs_or_scattered(pages):
     for t in mirror.buffers:
         t.fill_(-1.0)
     before = [t.clone() for t in mirror.buffers]
-    mirror.stage_out(pages)
+    slots = mirror.hold(pages)
+    assert slots == list(range(len(pages)))  # one run of the mirror's pages, whatever the pool's
+    mirror.stage_out(pages, slots)
     size = pool.page_size
     for src, twin, old in zip(pool.buffers(), mirror.buffers, before):
-        for p in range(12):
-            want = src if p in pages else old  # pages not asked for are left as they were
-            assert torch.equal(twin[p * size:(p + 1) * size], want[p * size:(p + 1) * size]), p
+        for m in range(12):
+            want = src[pages[m] * size:(pages[m] + 1) * size] if m < len(pages) else old[m * size:(m + 1) * size]
+            assert torch.equal(twin[m * size:(m + 1) * size], want), m  # mirror pages not lent are left alone
     back = _pool(seed=None)
-    KvMirror(back, mirror.buffers).stage_in(pages)
+    KvMirror(back, mirror.buffers).stage_in(slots, pages)
     for src, got in zip(pool.buffers(), back.buffers()):
-        for p in pages:
-            assert torch.equal(got[p * size:(p + 1) * size], src[p * size:(p + 1) * size])
+        for p in range(12):
+            want = src if p in pages else torch.zeros_like(src)
+            assert torch.equal(got[p * size:(p + 1) * size], want[p * size:(p + 1) * size]), p
+    mirror.release(slots)
+    assert mirror.slots.num_free == mirror.buffers[0].shape[0] // size  # every page lent came back
+
+
+def test_mirror_slots_lend_one_run_where_there_is_one_and_merge_what_comes_back():
+    from radixmesh.engine.disaggregation.mirror import Slots
+
+    slots = Slots(10)
+    a, b, c = slots.take(3), slots.take(3), slots.take(3)
+    assert (a, b, c) == ([0, 1, 2], [3, 4, 5], [6, 7, 8])
+    slots.give(a)
+    slots.give(c)  # free: 0-2, 6-9
+    assert slots.take(4) == [6, 7, 8, 9]  # the first run long enough
+    assert slots.take(2) == [0, 1]
+    slots.give([1, 0])
+    slots.give(b)  # 0-5 merged back into one run
+    assert slots.take(6) == [0, 1, 2, 3, 4, 5]
+    slots.give([0, 1, 4, 5])
+    assert slots.take(3) == [0, 1, 4]  # no run long enough: pieces of several
+    with pytest.raises(RuntimeError, match="1 free pages, 2 asked for"):
+        slots.take(2)

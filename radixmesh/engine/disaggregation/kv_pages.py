@@ -30,11 +30,16 @@ def register_pool(backend: TransferBackend, pool: KVPool) -> None:
         backend.register(t.data_ptr(), t.numel() * t.element_size())
 
 
-def kv_writes(src: KvLayout, dst: KvLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Write]:
-    """The batched writes that copy src_pages to dst_pages in every buffer (runs of consecutive pages merged)."""
+def check_layouts(src: KvLayout, dst: KvLayout) -> None:
+    """ValueError unless pages of `src` can move to `dst` (as many buffers, as many bytes a page)."""
     if len(src.bases) != len(dst.bases) or src.page_bytes != dst.page_bytes:
         raise ValueError(f"KV layouts differ: {len(src.bases)} buffers of {src.page_bytes} B/page here, "
                          f"{len(dst.bases)} of {dst.page_bytes} B/page at the peer (another model or page size?)")
+
+
+def kv_writes(src: KvLayout, dst: KvLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Write]:
+    """The batched writes that copy src_pages to dst_pages in every buffer (runs of consecutive pages merged)."""
+    check_layouts(src, dst)
     writes: list[Write] = []
     for s_base, d_base in zip(src.bases, dst.bases):
         writes += page_writes(s_base, d_base, src.page_bytes, src_pages, dst_pages)

@@ -15,6 +15,7 @@ and all agree it succeeded before the leader goes on. Ranks on other nodes canno
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 from typing import Sequence
@@ -22,7 +23,7 @@ from typing import Sequence
 import torch
 
 from radixmesh.engine.cache.kv_pool import KVPool
-from radixmesh.engine.disaggregation.kv_pages import pages_digest
+from radixmesh.engine.disaggregation.kv_pages import KvLayout, check_layouts, pages_digest
 from radixmesh.engine.disaggregation.transfer import page_runs
 from radixmesh.engine.distributed import CommandChannel
 from radixmesh.engine.shared_memory import lasting_path, new_path, shared_tensor, unlink
@@ -34,26 +35,90 @@ def _by_page(t: torch.Tensor, page_size: int) -> torch.Tensor:
     return t.view(-1, page_size * t[0].numel())
 
 
-MAX_RUNS = 8  # pages in more runs than this are gathered by index instead, one copy per buffer
+MAX_RUNS = 8  # pages in more runs than this are gathered (or scattered) on the device, one kernel per buffer
 
 
-def _copy_pages(sources: list[torch.Tensor], targets: list[torch.Tensor], pages: Sequence[int], size: int) -> None:
-    """Page p of each source buffer into page p of its target (a pool and its mirror, either way). A request's pages
-    are mostly a few runs of consecutive pages: each run is one direct copy between device and pinned host memory
-    (DMA, no host-side gather). Waits for the device's copies to end."""
-    runs = page_runs(pages, pages)
-    if len(runs) <= MAX_RUNS:
+def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first page, its position in `pages`, count) for each run of consecutive pages."""
+    return page_runs(pages, range(len(pages)))
+
+
+def _copy_pages(sources: list[torch.Tensor], targets: list[torch.Tensor], src_pages: Sequence[int],
+                dst_pages: Sequence[int], size: int, stream: torch.cuda.Stream | None = None,
+                after_queued: bool = False) -> None:
+    """Page src_pages[i] of each source buffer into page dst_pages[i] of its target (a pool and its mirror, either
+    way). Few runs of pages moving together: one direct copy each (DMA between device and pinned host memory).
+    Scattered pages: gathered into one packed block where the source is on the device and copied out by the
+    target's runs, or copied in by the source's runs and scattered on the device; both on the host: indexed. On a
+    GPU the copies run on `stream`, beside the forward passes on the default stream; `after_queued`: first wait
+    for the work queued there so far (a step in flight may still touch the pages). Waits for the copies to end."""
+    runs = page_runs(src_pages, dst_pages)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if stream is not None and after_queued:
+            stream.wait_stream(torch.cuda.default_stream(stream.device))
+        gather = len(runs) > MAX_RUNS and (sources[0].is_cuda or not targets[0].is_cuda)
+        scatter = len(runs) > MAX_RUNS and not gather
+        if gather:  # where the source is (the device, or both on the host), then copy out by the target's runs
+            index, target_runs = torch.as_tensor(list(src_pages), device=sources[0].device), _runs(dst_pages)
+        if scatter:  # a host source into the device: copy in by the source's runs, scatter on the device
+            index, source_runs = torch.as_tensor(list(dst_pages), device=targets[0].device), _runs(src_pages)
         for src, dst in zip(sources, targets):
-            src_pages, dst_pages = _by_page(src, size), _by_page(dst, size)
-            for first, _, n in runs:
-                dst_pages[first:first + n].copy_(src_pages[first:first + n], non_blocking=True)
-    else:
-        idx = torch.as_tensor(list(pages), dtype=torch.int64)
-        for src, dst in zip(sources, targets):
-            _by_page(dst, size)[idx.to(dst.device)] = _by_page(src, size)[idx.to(src.device)].to(dst.device)
-    device = next((t.device for t in (*sources[:1], *targets[:1]) if t.is_cuda), None)
-    if device is not None:
-        torch.cuda.current_stream(device).synchronize()
+            s, d = _by_page(src, size), _by_page(dst, size)
+            if gather:
+                packed = s[index]
+                for b, k, n in target_runs:
+                    d[b:b + n].copy_(packed[k:k + n], non_blocking=True)
+            elif scatter:
+                packed = torch.empty((len(src_pages), s.shape[1]), dtype=s.dtype, device=dst.device)
+                for a, k, n in source_runs:
+                    packed[k:k + n].copy_(s[a:a + n], non_blocking=True)
+                d[index] = packed
+            else:
+                for a, b, n in runs:
+                    d[b:b + n].copy_(s[a:a + n], non_blocking=True)
+    if stream is not None:
+        stream.synchronize()
+
+
+class Slots:
+    """The mirror pages lent to transfers in flight. A mirror's page numbers do not follow the pool's: a request's
+    pages, however scattered in the pool, are staged into one run of free mirror pages where there is one, so the
+    transfer is one write per buffer and the device gathers or scatters the pool's pages on its side."""
+
+    def __init__(self, num_pages: int):
+        self._free = [(0, num_pages)]  # (first, count), sorted, merged
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def take(self, n: int) -> list[int]:
+        """`n` free pages: the first run long enough, else pieces of several (first fit)."""
+        with self._lock:
+            for i, (first, count) in enumerate(self._free):
+                if count >= n:
+                    self._free[i:i + 1] = [(first + n, count - n)] if count > n else []
+                    return list(range(first, first + n))
+            if self.num_free < n:  # a mirror is as large as its pool: pages in flight never outnumber it
+                raise RuntimeError(f"the KV mirror has {self.num_free} free pages, {n} asked for")
+            taken: list[int] = []
+            while len(taken) < n:
+                first, count = self._free[0]
+                use = min(count, n - len(taken))
+                taken += range(first, first + use)
+                self._free[0:1] = [(first + use, count - use)] if count > use else []
+            return taken
+
+    def give(self, pages: Sequence[int]) -> None:
+        with self._lock:
+            merged: list[tuple[int, int]] = []
+            for first, count in sorted(self._free + [(p, n) for p, _, n in _runs(pages)]):
+                if merged and merged[-1][0] + merged[-1][1] == first:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + count)
+                else:
+                    merged.append((first, count))
+            self._free = merged
 
 
 def _shared_twin(t: torch.Tensor, path: str) -> torch.Tensor:
@@ -78,6 +143,10 @@ class KvMirror:
         self.paths: list[str] = []  # the shared-memory files of a shared mirror, unlinked at close
         self.staged = buffers is not None
         self.local = buffers if buffers is not None else pool.buffers()
+        self.slots: Slots | None = None  # made at the first `hold`
+        device = pool.buffers()[0].device
+        # the staging copies' own stream: a transfer does not queue behind the forward passes (a long prefill)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @classmethod
     def for_pool(cls, pool: KVPool, staged: bool | None = None, shared: bool = False) -> "KvMirror":
@@ -100,15 +169,58 @@ class KvMirror:
         """Every buffer the backend moves pages of (every rank's, under tensor parallelism)."""
         return self.local
 
-    def stage_out(self, pages: Sequence[int]) -> None:
-        """Copy the pool's `pages` into the mirror (no-op unless staged); returns once they are there."""
-        if self.staged and len(pages):
-            _copy_pages(self.pool.buffers(), self.local, pages, self.pool.page_size)
+    def hold(self, pages: Sequence[int]) -> list[int]:
+        """Mirror pages for a transfer of the pool's `pages`: the pages themselves when the pool is its own mirror,
+        else free pages of the mirror (one run where there is one), lent until `release`."""
+        if not self.staged:
+            return list(pages)
+        if self.slots is None:
+            self.slots = Slots(self.local[0].shape[0] // self.pool.page_size)
+        return self.slots.take(len(pages))
 
-    def stage_in(self, pages: Sequence[int]) -> None:
-        """Copy `pages` from the mirror into the pool (no-op unless staged); returns once they are there."""
+    def release(self, slots: Sequence[int]) -> None:
+        if self.staged and len(slots):
+            self.slots.give(slots)
+
+    def stage_out(self, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy the pool's `pages` into the mirror's `slots` (no-op unless staged); returns once they are there.
+        Called for a request whose prefill has sampled its token, so the forward that wrote its KV has ended:
+        nothing to wait for on the default stream, where other prefills may be queued for hundreds of ms."""
         if self.staged and len(pages):
-            _copy_pages(self.local, self.pool.buffers(), pages, self.pool.page_size)
+            _copy_pages(self.pool.buffers(), self.local, pages, slots, self.pool.page_size, self.stream)
+
+    def stage_in(self, slots: Sequence[int], pages: Sequence[int]) -> None:
+        """Copy the mirror's `slots` into the pool's `pages` (no-op unless staged); returns once they are there."""
+        if self.staged and len(pages):
+            _copy_pages(self.local, self.pool.buffers(), slots, pages, self.pool.page_size, self.stream,
+                        after_queued=True)
+
+    def pieces(self, pages: Sequence[int], dest: KvLayout, dst_pages: Sequence[int]):
+        """This mirror's `pages` as (source bytes, destination address) pieces for the peer's `dst_pages` in the
+        layout `dest`, for a backend that copies tensors into its peer's memory: views of the buffers (the pool
+        itself when unstaged, on the GPU then) where the pages run together, else a block gathered per buffer, one
+        buffer at a time (on the staging stream: iterate inside `copying`)."""
+        check_layouts(KvLayout(tuple(t.data_ptr() for t in self.buffers), self.pool.page_bytes), dest)
+        nbytes = self.pool.page_bytes
+        runs = page_runs(pages, dst_pages)
+        gather = len(runs) > MAX_RUNS
+        if gather:
+            index = torch.as_tensor(list(pages), device=self.buffers[0].device)
+            runs = [(k, b, n) for b, k, n in _runs(dst_pages)]  # (position in the gathered block, dest page, n)
+        for t, base in zip(self.buffers, dest.bases):
+            by_page = t.view(-1).view(torch.uint8).view(-1, nbytes)
+            if gather:
+                by_page = by_page[index]
+            for a, b, n in runs:
+                yield by_page[a:a + n].view(-1), base + b * nbytes
+
+    def copying(self):
+        """A context in which device copies run on the staging stream (nothing off a GPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def checksum(self, pages: Sequence[int]) -> str:
         """A digest of the mirror's `pages` (what a transfer moves), every rank's."""
@@ -130,11 +242,11 @@ class RankMirrors(KvMirror):
     def buffers(self) -> list[torch.Tensor]:
         return [t for rank in self.per_rank for t in rank]
 
-    def stage_out(self, pages: Sequence[int]) -> None:
-        self.channel.run(("out", list(pages)), lambda: super(RankMirrors, self).stage_out(pages))
+    def stage_out(self, pages: Sequence[int], slots: Sequence[int]) -> None:
+        self.channel.run(("out", list(pages), list(slots)), lambda: super(RankMirrors, self).stage_out(pages, slots))
 
-    def stage_in(self, pages: Sequence[int]) -> None:
-        self.channel.run(("in", list(pages)), lambda: super(RankMirrors, self).stage_in(pages))
+    def stage_in(self, slots: Sequence[int], pages: Sequence[int]) -> None:
+        self.channel.run(("in", list(slots), list(pages)), lambda: super(RankMirrors, self).stage_in(slots, pages))
 
 
 def _shared_buffers(path: str, like: list[torch.Tensor], create: bool) -> list[torch.Tensor]:
@@ -173,9 +285,9 @@ def follow(runner, paths: list[str]) -> CommandChannel:
     runner.tp.all_min(0)
 
     def handle(command: tuple) -> None:
-        op, pages = command
+        op, first, second = command  # ("out", pool pages, mirror pages) or ("in", mirror pages, pool pages)
         with torch.inference_mode():  # the mapping was made inside the step loop's inference mode
-            (mirror.stage_out if op == "out" else mirror.stage_in)(pages)
+            (mirror.stage_out if op == "out" else mirror.stage_in)(first, second)
     def serve() -> None:
         if runner.device.type == "cuda":
             torch.cuda.set_device(runner.device)  # per thread: copies go to this rank's GPU's default stream

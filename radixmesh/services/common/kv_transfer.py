@@ -4,8 +4,10 @@ runs its blocking writes, the measured transfer rate for GetLoads, and the room-
 Pages move between the engines' mirrors (engine.disaggregation.mirror): a pool on the GPU is staged through pinned
 host memory (a CPU build of Mooncake cannot register device memory), and under tensor parallelism the mirror holds
 every rank's shard, so each prefill rank's shard lands in the matching decode rank's. The sender copies the pages it
-sends into its mirror, the backend moves mirror pages to the peer's mirror, and the receiver copies them from its
-mirror into the pool before the request decodes. Page numbers are the same in a pool and its mirror."""
+sends into free pages of its mirror, the backend moves them to free pages of the peer's mirror (its "landing"
+pages), and the receiver copies them from there into the pool's pages before the request decodes: a request's pool
+pages may be scattered, its mirror pages are one run where there is one, so a transfer is one write per buffer. With
+the shm backend (one host) the sender has no mirror: its GPU copies the pages straight into the receiver's."""
 
 from __future__ import annotations
 
@@ -18,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from radixmesh.engine.disaggregation.fake_backend import Faults
-from radixmesh.engine.disaggregation.kv_pages import KvLayout
+from radixmesh.engine.disaggregation.kv_pages import KvLayout, check_layouts, kv_writes
 from radixmesh.engine.disaggregation.registry import make_backend
-from radixmesh.engine.disaggregation.transfer import Write
 
 log = logging.getLogger("radixmesh.pd")
 
@@ -68,7 +69,11 @@ class KvTransfer:
         receiver's memory (shm) only a receiver's mirror is made in shared memory."""
         self.backend = make_backend(backend_name, host, Faults.parse(faults) if faults else None)
         self.pool = engine.runner.kv_pool
-        self.mirror = engine.kv_mirror(stage, shared=receives and getattr(self.backend, "shared_mirror", False))
+        maps_peers = getattr(self.backend, "shared_mirror", False)
+        # A sender whose backend copies tensors into its peers' memory (shm) sends from the pool itself, GPU or not:
+        # no mirror of its own to stage through (under tensor parallelism the leader still gathers every rank's).
+        self.direct = maps_peers and not receives
+        self.mirror = engine.kv_mirror(False if self.direct else stage, shared=receives and maps_peers)
         for t in self.mirror.buffers:
             self.backend.register(t.data_ptr(), t.numel() * t.element_size())
         self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror.buffers), self.pool.page_bytes)
@@ -85,28 +90,51 @@ class KvTransfer:
         """Tensor-parallel ranks whose KV shards this transfer moves (a peer must have as many)."""
         return self.mirror.tp_size
 
-    def stage_in(self, pages: list[int]) -> None:
-        """Copy `pages` from the mirror into the pool (every rank's); returns once they are there."""
-        self.mirror.stage_in(pages)
+    def hold(self, pages: list[int]) -> list[int]:
+        """Mirror pages for the pool's `pages` to move through (a receiver's landing pages): lent until `release`."""
+        return self.mirror.hold(pages)
 
-    def checksum(self, pages: list[int]) -> str:
-        """A digest of the mirror's `pages` (every rank's): the bytes a transfer moved."""
-        return self.mirror.checksum(pages)
+    def release(self, slots: list[int]) -> None:
+        self.mirror.release(slots)
 
-    def write(self, peer: str, writes: list[Write], src_pages: list[int] = (), verify: bool = False) -> asyncio.Future:
-        """Start the writes on the writer thread (staging `src_pages` out first); the future completes when every
-        byte landed, with the staged pages' checksum when `verify` (else ""), or raises TransferError. A blocking
-        write cannot be interrupted: callers that stop waiting must keep its pages pinned until this future is done."""
+    def stage_in(self, slots: list[int], pages: list[int]) -> None:
+        """Copy the mirror's `slots` into the pool's `pages` (every rank's); returns once they are there."""
+        self.mirror.stage_in(slots, pages)
+
+    def checksum(self, slots: list[int]) -> str:
+        """A digest of the mirror's `slots` (every rank's): the bytes a transfer moved."""
+        return self.mirror.checksum(slots)
+
+    def write(self, peer: str, dest: KvLayout, src_pages: list[int], dst_pages: list[int],
+              verify: bool = False) -> asyncio.Future:
+        """Start moving the pool's `src_pages` into the peer's `dst_pages` (pages of its mirror, in the layout
+        `dest`) on the writer thread; the future completes when every byte landed, with the moved pages' checksum
+        when `verify` (else ""), or raises TransferError. A blocking write cannot be interrupted: callers that
+        stop waiting must keep the source pages pinned until this future is done. ValueError now when the layouts
+        do not match."""
+        check_layouts(self.layout, dest)
         started = time.perf_counter()
-        nbytes = sum(w.length for w in writes)
+        nbytes = len(src_pages) * self.layout.page_bytes * len(self.layout.bases)
+        return asyncio.get_running_loop().run_in_executor(
+            self._writer, lambda: self._write(peer, dest, list(src_pages), list(dst_pages), verify, nbytes, started))
 
-        def run() -> str:
-            self.mirror.stage_out(list(src_pages))
-            digest = self.mirror.checksum(list(src_pages)) if verify else ""
-            self.backend.write(peer, writes)
-            self.record(nbytes, time.perf_counter() - started)
-            return digest
-        return asyncio.get_running_loop().run_in_executor(self._writer, run)
+    def _write(self, peer: str, dest: KvLayout, src_pages: list[int], dst_pages: list[int], verify: bool,
+               nbytes: int, started: float) -> str:
+        if self.direct and not self.mirror.staged:  # the pool's pages straight into the peer's memory
+            digest = self.mirror.checksum(src_pages) if verify else ""
+            with self.mirror.copying():
+                self.backend.copy_in(peer, self.mirror.pieces(src_pages, dest, dst_pages))
+            self.mirror.synchronize()
+        else:  # staged through free pages of the mirror, then written from there
+            slots = self.mirror.hold(src_pages)
+            try:
+                self.mirror.stage_out(src_pages, slots)
+                digest = self.mirror.checksum(slots) if verify else ""
+                self.backend.write(peer, kv_writes(self.layout, dest, slots, dst_pages))
+            finally:
+                self.mirror.release(slots)
+        self.record(nbytes, time.perf_counter() - started)
+        return digest
 
     def record(self, nbytes: int, seconds: float) -> None:
         """A transfer completed: `nbytes` moved in `seconds` (sent, on a prefill worker; received, on a decode one)."""

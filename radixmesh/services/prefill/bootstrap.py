@@ -17,7 +17,8 @@ import time
 import grpc
 
 from radixmesh.engine.disaggregation.handoff import PrefillRole
-from radixmesh.engine.disaggregation.kv_pages import KvLayout, kv_writes
+from radixmesh.engine.disaggregation.kv_pages import KvLayout
+from radixmesh.engine.disaggregation.transfer import page_runs
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.common.kv_transfer import KvTransfer, room_log, set_once
@@ -226,22 +227,22 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                 raise ValueError(f"the decode worker runs --tp-size {dest.tp_size} and this prefill worker "
                                  f"--tp-size {self.transfer.tp_size}: the workers of a prefill/decode pair must use "
                                  "the same tensor parallel size (each rank's KV shard goes to the matching rank)")
-            writes = kv_writes(self.transfer.layout, KvLayout(tuple(dest.buffer_bases), dest.page_bytes), src,
-                               list(dest.pages))
+            layout = KvLayout(tuple(dest.buffer_bases), dest.page_bytes)
+            room.write = pending = self.transfer.write(dest.session_id, layout, src, list(dest.pages), dest.verify)
         except ValueError as e:
             self.engine.release_kv(rid)
             raise HandoffFailed(str(e), "transfer_error") from None
-        nbytes = sum(w.length for w in writes)
-        room.events.put_nowait(bootstrap_pb2.TransferStarted(bytes=nbytes, writes=len(writes)))
-        room_log(room.number, rid, "transferring", f"{len(src)} pages, {nbytes} bytes in {len(writes)} writes "
-                 f"to {dest.session_id}")
         started = time.perf_counter()
+        nbytes = len(src) * layout.page_bytes * len(layout.bases)
+        writes = len(page_runs(range(len(src)), dest.pages)) * len(layout.bases)  # per run of destination pages
+        room.events.put_nowait(bootstrap_pb2.TransferStarted(bytes=nbytes, writes=writes))
+        room_log(room.number, rid, "transferring", f"{len(src)} pages, {nbytes} bytes in {writes} writes "
+                 f"to {dest.session_id}")
         self.transferring += 1
-        room.write = pending = self.transfer.write(dest.session_id, writes, src, verify=dest.verify)
         pending.add_done_callback(lambda f: self._written(f, room.number, rid))
         try:
             with tracing.span("kv_transfer", direction="send", bootstrap_room=format(room.number, "016x"),
-                              pages=len(src), bytes=nbytes, writes=len(writes), peer=dest.session_id):
+                              pages=len(src), bytes=nbytes, writes=writes, peer=dest.session_id):
                 checksum = await _bounded(pending, self.transfer_timeout, "the KV write did not finish",
                                           "transfer_timeout")
         except HandoffFailed:

@@ -55,6 +55,7 @@ class DecodeRoom:
         self.error: str | None = None
         self.closed = False  # the Generate call ended while the handoff ran on (mid-transfer)
         self.handed_over = False  # the KV went to the engine: the transfer succeeded, whatever the call does next
+        self.landing: list[int] = []  # mirror pages held for the KV to land in, from the destination to stage_in
         self.task = asyncio.create_task(self._run())
 
     def _enter(self, state: str, detail: str = "") -> None:
@@ -82,6 +83,7 @@ class DecodeRoom:
         try:
             await self._handshake(call)
         except asyncio.CancelledError:
+            self._give_back_landing(safe_now=not self.role.in_transfer)
             raise
         except Exception as e:  # noqa: BLE001 - every failure ends the room with its reason
             reason = str(e) or type(e).__name__
@@ -112,10 +114,11 @@ class DecodeRoom:
         if not self.allocated.done():
             await reading  # raises: the prefill side ended the room first
         pages, cached = self.allocated.result()
+        self.landing = s.transfer.hold(pages)  # the mirror pages the KV lands in (the pool's own off a GPU)
         self.role.in_transfer = True  # from here on the prefill worker may write into these pages
         await call.write(bootstrap_pb2.HandoffRequest(destination=bootstrap_pb2.KvDestination(
             session_id=s.transfer.session_id, buffer_bases=s.transfer.layout.bases,
-            page_bytes=s.transfer.layout.page_bytes, pages=pages, cached_tokens=cached, verify=s.verify,
+            page_bytes=s.transfer.layout.page_bytes, pages=self.landing, cached_tokens=cached, verify=s.verify,
             tp_size=s.transfer.tp_size)))
         started = await reading
         self._enter("transferring", f"{started.bytes} bytes in {started.writes} writes")
@@ -128,11 +131,12 @@ class DecodeRoom:
                 raise HandoffFailed("its caller left mid-transfer; the write has landed", "cancelled")
             loop = asyncio.get_running_loop()
             if s.verify:
-                mine = await loop.run_in_executor(None, s.transfer.checksum, pages)
+                mine = await loop.run_in_executor(None, s.transfer.checksum, self.landing)
                 if mine != done.kv_checksum:
                     raise HandoffFailed(f"KV checksum mismatch on {len(pages)} pages (sent {done.kv_checksum}, "
                                         f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
-            await loop.run_in_executor(None, s.transfer.stage_in, pages)
+            await loop.run_in_executor(None, s.transfer.stage_in, self.landing, pages)
+            self._give_back_landing()
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
         self.handed_over = True  # (the engine may stream and finish the request before this task runs again)
         if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
@@ -148,13 +152,24 @@ class DecodeRoom:
         self._release_later()
 
     def _release_later(self) -> None:
-        """Free the request's pages if the engine pinned them (an abort while a write could land): after one more
-        transfer timeout while that may still be so, else now (queued after the abort: a no-op if nothing is held)."""
+        """Free the request's pages (and its landing pages) if the engine pinned them (an abort while a write could
+        land): after one more transfer timeout while that may still be so, else now (queued after the abort: a
+        no-op if nothing is held)."""
         engine = self.rooms.engine
         if self.role.in_transfer:  # a late write lands in pages nobody else uses yet
             asyncio.get_running_loop().call_later(self.rooms.transfer_timeout, engine.release_kv, self.rid)
         else:
             engine.release_kv(self.rid)
+        self._give_back_landing(safe_now=not self.role.in_transfer)
+
+    def _give_back_landing(self, safe_now: bool = True) -> None:
+        """Return the landing pages to the mirror: now, or after one more transfer timeout while a write may still
+        land in them."""
+        landing, self.landing = self.landing, []
+        if safe_now:
+            self.rooms.transfer.release(landing)
+        elif landing:
+            asyncio.get_running_loop().call_later(self.rooms.transfer_timeout, self.rooms.transfer.release, landing)
 
     async def close(self) -> None:
         """The Generate call ended (finished, failed or cancelled): stop the handoff if it still runs, except
