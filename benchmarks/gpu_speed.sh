@@ -27,7 +27,7 @@
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
-#   PARTS="setup moe"       issue 51: the MoE kernel tests on the GPU, a Qwen3-30B-A3B-shaped model per MoE runner
+#   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, a Qwen3-30B-A3B-shaped model (runner auto)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -175,16 +175,23 @@ if [[ $PARTS == *scale* ]]; then
 fi
 
 if [[ $PARTS == *moe* ]]; then
-  # Issue 51: the MoE kernels on the GPU (their tests at these shapes too), then a Qwen3-30B-A3B-shaped dummy model
-  # with each --moe-runner-backend: batch 1, 64, 256 decode steps against the roofline (a batch-1 step reads the
-  # router, the dense parts and the top-k experts), an 8k prefill.
-  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py 2>&1 | tail -3
-  for moe in ${MOE_BACKENDS:-torch triton}; do
+  # Issue 51: the MoE kernels on the GPU (their tests, a tiny Qwen3-MoE in CUDA graphs against transformers), the
+  # grouped GEMMs' tiles tuned for the Qwen3-30B-A3B layer shape (saved to kernels/configs and $OUT), then that
+  # shape as a dummy model with the default runner (triton, CUDA graphs): batch 1, 64, 256 decode steps against the
+  # roofline (a batch-1 step reads the router, the dense parts and the top-k experts), an 8k prefill, and offline
+  # throughput.
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/gpu/test_moe_cuda.py 2>&1 | tail -3
+  $PY -m radixmesh.benchmarks.tune_moe --model-path benchmarks/configs/qwen3-30b-a3b 2>&1 | tee "$OUT/tune_moe.log" \
+    | tail -3 && cp radixmesh/kernels/configs/moe-*.json "$OUT/"
+  for moe in ${MOE_BACKENDS:-auto}; do
     $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy \
       --dtype bfloat16 --skip-tokenizer-init --log-level warning --moe-runner-backend $moe --batch-size 1 64 256 \
       --input-len 512 --output-len 32 --prefill-len 8192 --roofline --result-file "$OUT/moe_one_batch.jsonl" 2>&1 \
       | tee -a "$OUT/moe_one_batch.log" | grep -v Warning | tail -8
   done
+  $PY -m radixmesh.engine.bench_offline_throughput --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy \
+    --dtype bfloat16 --skip-tokenizer-init --log-level warning --num-prompts ${MOE_PROMPTS:-512} --random-input-len 512 \
+    --random-output-len 128 --result-file "$OUT/moe_offline.jsonl" 2>&1 | tee -a "$OUT/moe_offline.log" | tail -2
 fi
 
 if [[ $PARTS == *meshprof* ]]; then

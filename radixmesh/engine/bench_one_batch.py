@@ -242,6 +242,9 @@ def main() -> None:
     parser.add_argument("--result-file", help="append one JSON line per measurement")
     parser.add_argument("--profile-collectives", action="store_true",
                         help="with --tp: the share of eager decode steps spent in NCCL kernels (torch profiler)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="also print where this many decode steps at each batch size spend their time (kernels "
+                             "by GPU time, operators by host time)")
     ns = parser.parse_args()
     runner, cache, args = _build(ns)
     run_once(runner, cache, min(ns.batch_size), min(ns.input_len, 64), 4)  # warm-up: allocator, kernels
@@ -253,6 +256,8 @@ def main() -> None:
     extra = {}
     if ns.profile_collectives and runner.tp.size > 1:
         extra["collective_share"] = collective_shares(runner, cache, ns)
+    if ns.profile_steps:
+        profile_steps(runner, cache, ns)
     if ns.prefill_len:
         extra.update(prefill_tflops(runner, cache, ns.prefill_len))
     if ns.extend_over:
@@ -300,6 +305,27 @@ def collective_shares(runner: ModelRunner, cache: CacheManager, ns: argparse.Nam
     finally:
         runner.graphs = graphs
     return out
+
+
+def profile_steps(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> None:
+    """Print where `--profile-steps` decode steps at each batch size spend their time: the kernels by GPU time and
+    the operators by host time (torch profiler; graphs as configured)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    for bs in ns.batch_size:
+        reqs = _make_reqs(cache, bs, min(ns.input_len, 128), runner.model_config.vocab_size,
+                          torch.Generator().manual_seed(bs))
+        first = prefill(runner, cache, reqs)
+        decode(runner, cache, reqs, first, 2)  # warm
+        with profile(activities=activities) as prof:
+            decode(runner, cache, reqs, first, ns.profile_steps)
+        for r in reqs:
+            cache.release(r)
+        table = prof.key_averages()
+        print(f"== batch {bs}, {ns.profile_steps} decode steps")
+        for key in (["self_cuda_time_total"] if len(activities) > 1 else []) + ["self_cpu_time_total"]:
+            print(table.table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
 def _report(rows: list[dict], extra: dict) -> None:

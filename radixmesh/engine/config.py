@@ -53,8 +53,8 @@ class EngineArgs:
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
     enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
-    # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device), triton (kernels.moe's
-    # grouped GEMMs, CUDA), auto (torch until the kernel has been checked and tuned on a GPU)
+    # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
+    # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)
     moe_runner_backend: str = "auto"
     # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
     # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
@@ -190,6 +190,10 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         kv_cache_dtype=str(dtype).removeprefix("torch.") if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         **attention,
         disable_cuda_graph=args.disable_cuda_graph or device == "cpu",
+        # auto: the grouped-GEMM kernel on a GPU (checked there, at the weight-read bound from 64 tokens on; graphs
+        # capture it), the plain-PyTorch twin elsewhere
+        moe_runner_backend=args.moe_runner_backend if args.moe_runner_backend != "auto"
+        else "triton" if device != "cpu" and model.moe is not None else "torch",
         cuda_graph_bs=tuple(sorted(set(args.cuda_graph_bs))) if args.cuda_graph_bs else None,
         mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.88,
         random_seed=args.random_seed if args.random_seed is not None else 42,

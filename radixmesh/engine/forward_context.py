@@ -43,6 +43,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         _current.reset(token)
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The forward context in effect, or None outside a forward."""
+    return _current.get()
+
+
 def get_forward_context() -> ForwardContext:
     ctx = _current.get()
     if ctx is None:

@@ -128,9 +128,9 @@ class ModelRunner:
             log.info("CUDA graphs off: the %s attention backend cannot run inside one",
                      args.decode_attention_backend)
             return []
-        if self.model_config.moe is not None:
-            log.info("CUDA graphs off: mixture-of-experts layers run eagerly until their kernel has been checked "
-                     "on a GPU (the plain-PyTorch path picks each step's experts on the host)")
+        if self.model_config.moe is not None and args.moe_runner_backend != "triton":
+            log.info("CUDA graphs off: --moe-runner-backend %s picks each step's experts on the host",
+                     args.moe_runner_backend)
             return []
         cap = args.max_running_requests or 256
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)

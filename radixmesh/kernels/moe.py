@@ -1,11 +1,13 @@
 """Mixture-of-experts MLP in two grouped-GEMM launches, and its plain-torch twin.
 
 Each token goes to `top_k` experts; a (token, k) pair is a "slot" (slot = token * top_k + k). `align_by_expert`
-orders the slots by expert and pads each expert's run to a multiple of BLOCK_M, so one program's rows all use one
-expert's weights. It makes no host round trip: the buffers have their worst-case size (every expert's last block
-padded), which keeps the shapes fixed for CUDA graphs.
+groups the slots by expert and pads each expert's group to a multiple of BLOCK_M, so one program's rows all use one
+expert's weights; one launch (its twin `align_by_expert_reference` is the same in torch operations). It makes no host
+round trip: the buffers have their worst-case size (every expert's last block padded), which keeps the shapes fixed
+for CUDA graphs.
 
-`fused_experts` then runs gate/up for every slot ([slots, 2 x intermediate]), SiLU-and-mul, and down with the
+Tile sizes come from kernels/configs/moe-<GPU>.json, tuned per layer shape and token count on that GPU
+(benchmarks.tune_moe), else defaults. `fused_experts` then runs gate/up for every slot ([slots, 2 x intermediate]), SiLU-and-mul, and down with the
 routing weight applied ([slots, hidden]), and sums each token's top_k rows. Rounding follows the twin: each product
 accumulates in float32 and is rounded to the activations' dtype once, as a dense `linear` is; the routing weight
 multiplies the rounded down-projection; the top_k rows are summed in float32 and rounded once (the twin adds them
@@ -13,25 +15,147 @@ one expert at a time in the dtype, so in bfloat16 the two may differ by an ulp).
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.runtime import dot_needs_upcast
+from radixmesh.kernels.runtime import dot_needs_upcast, interpreting
 
 BLOCK_M = 16
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constexpr, KB: tl.constexpr,
+                  EB: tl.constexpr, RENORM: tl.constexpr):
+    # One token (program_id 0): softmax over its E router logits in float32, the TOP_K largest (the lowest expert id
+    # first among equals), renormalized to sum to one when RENORM, stored in the weights' dtype.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EB)
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    p = tl.where(ok, e / tl.sum(e, 0), -1.0)
+    ks = tl.arange(0, KB)
+    top_w = tl.zeros((KB,), tl.float32)
+    top_i = tl.zeros((KB,), tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, cols, EB), 0)
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
+        p = tl.where(cols == pick, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, 0)
+    keep = ks < TOP_K
+    tl.store(weights_ptr + row * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (weights [tokens, top_k] in `dtype`, float32 when None; expert ids
+    [tokens, top_k] int64), in one launch: `route_reference`'s softmax, top-k and renormalization."""
+    if not (logits.is_cuda or interpreting()):  # no Triton here: the twin
+        return route_reference(logits, top_k, renormalize, dtype)
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=dtype or torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts),
+                                 RENORM=renormalize)
+    return weights, ids
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (weights [tokens, top_k], expert ids [tokens, top_k]), as transformers
+    routes: softmax in float32, the top-k, renormalized to sum to one when asked, the weights cast to `dtype` (the
+    Qwen models) or left float32 when it is None (Mixtral weighs in float32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if dtype is None else weights.to(dtype)), ids
+
+
+def _capacity(n: int, num_experts: int, block_m: int) -> int:
+    """Slots of the aligned buffer: every group (the experts', and one for other ranks' experts) padded to block_m."""
+    return triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(ids_ptr, n, slots_ptr, block_experts_ptr, scratch_ptr, num_blocks,
+                  E: tl.constexpr, BM: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                  BCHUNK: tl.constexpr):
+    # One program. Bin e < E counts expert e's slots, bin E the slots of other ranks' experts (id -1). Each group
+    # starts at a multiple of BM; a slot's place in its group comes from an atomic cursor (scratch[BINS:]), so the
+    # order within a group is arbitrary: every row of a grouped GEMM is computed alone, so outputs do not depend on
+    # it.
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros((BINS,), tl.int32)
+    for c in range(0, n, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ok = offs < n
+        e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        counts += tl.histogram(tl.where(e < 0, E, e), BINS, mask=ok)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    tl.store(scratch_ptr + bins, ends - padded)
+    tl.store(scratch_ptr + BINS + bins, tl.zeros((BINS,), tl.int32))
+    for c in range(0, num_blocks * BM, CHUNK):  # every slot the sentinel n until placed
+        offs = c + tl.arange(0, CHUNK)
+        tl.store(slots_ptr + offs, n.to(tl.int64), mask=offs < num_blocks * BM)
+    tl.debug_barrier()
+    for c in range(0, n, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ok = offs < n
+        e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        e = tl.where(e < 0, E, e)
+        rank = tl.atomic_add(scratch_ptr + BINS + e, 1, mask=ok)
+        start = tl.load(scratch_ptr + e, mask=ok, other=0)
+        tl.store(slots_ptr + start + rank, offs.to(tl.int64), mask=ok)
+    for b0 in range(0, num_blocks, BCHUNK):  # a block's group: how many groups end at or before its first slot
+        blocks = b0 + tl.arange(0, BCHUNK)
+        group = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.where(group < E, group, -1).to(tl.int64), mask=blocks < num_blocks)
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [tokens, top_k] -> (slots [capacity] grouped by expert, each group padded to block_m with the sentinel
     tokens * top_k; the expert of each block [capacity / block_m], -1 for blocks no expert of this rank runs). An id
-    of -1 (an expert another rank holds) gets a group of its own, after the others, that no block runs."""
+    of -1 (an expert another rank holds) gets a group of its own, after the others, that no block runs. One launch
+    (the twin takes about twenty: at batch 1 they cost more than the experts' GEMMs)."""
+    if not (ids.is_cuda or interpreting()):  # no Triton here: the twin
+        return align_by_expert_reference(ids, num_experts, block_m)
+    flat = ids.flatten().contiguous()
+    n = flat.numel()
+    capacity = _capacity(n, num_experts, block_m)
+    slots = torch.empty(capacity, dtype=torch.int64, device=ids.device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int64, device=ids.device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    scratch = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](flat, n, slots, block_experts, scratch, capacity // block_m, E=num_experts, BM=block_m,
+                        BINS=bins, CHUNK=1024, BCHUNK=max(1, 4096 // bins))
+    return slots, block_experts
+
+
+def align_by_expert_reference(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `align_by_expert`, in torch operations (about twenty launches), slots in slot order within an
+    expert."""
     flat = ids.flatten().to(torch.int64)
     flat = torch.where(flat >= 0, flat, num_experts)
     n = flat.numel()
-    capacity = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m
+    capacity = _capacity(n, num_experts, block_m)
     # scatter_add, not bincount: bincount sizes its output from the largest id, a read back to the host that a
     # CUDA graph cannot hold
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -48,6 +172,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     block_experts = torch.searchsorted(ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return slots, block_experts
+
 
 
 @triton.jit
@@ -84,39 +209,90 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_experts_ptr, we
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=valid[:, None] & col_ok[None, :])
 
 
+class Tiles(NamedTuple):
+    """One grouped GEMM's launch: the tile (BLOCK_M is shared by both GEMMs of a forward and the alignment), warps
+    and pipeline stages."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+def config_path(device: str, folder: Path = CONFIG_DIR) -> Path:
+    """Where the tuned tiles of a GPU (torch.cuda.get_device_name) live."""
+    return Path(folder) / f"moe-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+
+
+@functools.cache
+def _tuned(device: str) -> dict:
+    """The tuned entries for a device (written by benchmarks.tune_moe): {layer shape: {token count: {"block_m",
+    "up": Tiles fields, "down": Tiles fields}}}; {} when none was tuned."""
+    path = config_path(device)
+    return json.loads(path.read_text())["shapes"] if path.exists() else {}
+
+
+def tiles(x: torch.Tensor, w13: torch.Tensor, tokens: int) -> tuple[int, Tiles, Tiles]:
+    """(BLOCK_M, the gate/up GEMM's tiles, the down GEMM's) for `tokens` tokens through experts shaped like w13
+    ([experts, 2 x intermediate, hidden]): the entry tuned for this GPU at the nearest token count at or above
+    `tokens` (the largest tuned, past them all), else defaults."""
+    shape = _tuned(torch.cuda.get_device_name(x.device)).get(layer_key(*w13.shape)) if x.is_cuda else None
+    return pick(shape, tokens) if shape else (BLOCK_M, Tiles(), Tiles())
+
+
+def pick(entries: dict, tokens: int) -> tuple[int, Tiles, Tiles]:
+    """The entry of `entries` ({token count: entry}) tuned at the nearest count at or above `tokens`, else the
+    largest."""
+    counts = sorted(int(t) for t in entries)
+    entry = entries[str(next((t for t in counts if t >= tokens), counts[-1]))]
+    return entry["block_m"], Tiles(**entry["up"]), Tiles(**entry["down"])
+
+
+def layer_key(experts: int, two_inter: int, hidden: int) -> str:
+    return f"experts={experts},intermediate={two_inter // 2},hidden={hidden}"
+
+
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_experts: torch.Tensor,
-                  n_slots: int, a_row_div: int, weights: torch.Tensor | None, zeroed: bool = False) -> torch.Tensor:
+                  n_slots: int, a_row_div: int, weights: torch.Tensor | None, zeroed: bool = False,
+                  block_m: int = BLOCK_M, t: Tiles = Tiles()) -> torch.Tensor:
     """[n_slots, N]: each slot's row of `a` (slot // a_row_div) times its expert's w [N, K] transposed (rows of
-    slots no block runs: zero when `zeroed`, else unset)."""
+    slots no block runs: zero when `zeroed`, else unset). `slots` aligned to `block_m`."""
     n, k = w.shape[1], w.shape[2]
     out = (torch.zeros if zeroed else torch.empty)((n_slots, n), dtype=a.dtype, device=a.device)
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_n = min(t.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(t.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, w, out, slots, block_experts, weights if weights is not None else a, n_slots, n, k,
                                a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=weights is not None,
+                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=weights is not None,
                                UPCAST=dot_needs_upcast(a.dtype),
-                               PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
+                               PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                               num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, elsewhere: bool = True) -> torch.Tensor:
     """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter], routing weights and
-    expert ids [tokens, top_k] -> [tokens, hidden]: sum over k of weights * down(silu(gate) * up) of expert ids."""
+    expert ids [tokens, top_k] -> [tokens, hidden]: sum over k of weights * down(silu(gate) * up) of expert ids.
+    `elsewhere`: ids may be -1 (experts of other ranks); False saves zeroing rows that every expert writes."""
     from radixmesh.kernels.activation import silu_and_mul
 
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    slots, block_experts = align_by_expert(ids, w13.shape[0])
+    block_m, up, down_tiles = tiles(x, w13, tokens)
+    slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)
     n_slots = tokens * top_k
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
-    gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, zeroed=True)
+    gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
     act = silu_and_mul(gate_up)
-    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, weights.flatten().contiguous(), zeroed=True)
+    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, weights.flatten().contiguous(), elsewhere,
+                         block_m, down_tiles)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.engine.layers.moe import route
-from radixmesh.kernels.moe import BLOCK_M, align_by_expert, fused_experts, fused_experts_reference
+from radixmesh.kernels.moe import (BLOCK_M, align_by_expert, align_by_expert_reference, fused_experts,
+                                   fused_experts_reference, route, route_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,9 +22,11 @@ def _routing(tokens: int, experts: int, top_k: int, seed: int, used: int | None 
     return logits
 
 
-def test_align_by_expert_groups_every_slot_once_in_whole_blocks():
-    ids = torch.tensor([[2, 0], [2, 3], [0, 2], [3, 2], [2, 0]])
-    slots, block_experts = align_by_expert(ids, num_experts=5, block_m=4)
+@pytest.mark.parametrize("align", [align_by_expert, align_by_expert_reference], ids=["kernel", "twin"])
+def test_align_by_expert_groups_every_slot_once_in_whole_blocks(align):
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2], [3, 2], [2, 0]], device=DEVICE)
+    slots, block_experts = align(ids, num_experts=5, block_m=4)
+    slots, block_experts, ids = slots.cpu(), block_experts.cpu(), ids.cpu()
     n = ids.numel()
     assert slots.numel() % 4 == 0 and block_experts.numel() == slots.numel() // 4
     real = slots[slots < n]
@@ -38,9 +40,30 @@ def test_align_by_expert_groups_every_slot_once_in_whole_blocks():
         else:
             assert (flat[rows] == e).all()  # one expert per block
     assert set(block_experts.tolist()) - {-1} == {0, 2, 3}  # expert 1 and 4 get no block
-    for e in (0, 2, 3):  # within an expert, slots keep their order
-        mine = [s for s in slots.tolist() if s < n and flat[s] == e]
-        assert mine == sorted(mine)
+    if align is align_by_expert_reference:  # the kernel places a group's slots in any order (atomic cursors)
+        for e in (0, 2, 3):
+            mine = [s for s in slots.tolist() if s < n and flat[s] == e]
+            assert mine == sorted(mine)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,other_ranks", [
+    (1, 128, 8, 16, False), (64, 128, 8, 16, False), (300, 60, 4, 16, True), (3000, 8, 2, 16, False),
+    (5, 3, 2, 4, True)])
+def test_the_align_kernel_makes_the_twins_groups(tokens, experts, top_k, block_m, other_ranks):
+    """Same blocks, same expert per block, the same slots in each block (in any order), the same padding; ids of -1
+    (experts of other ranks, under expert parallelism) in no block that runs. Chunks of 1024 slots and of blocks
+    are crossed by the larger cases."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if other_ranks:
+        ids = torch.where(ids >= experts // 2, -1, ids)
+    slots, block_experts = align_by_expert(ids.to(DEVICE), experts, block_m)
+    want_slots, want_experts = align_by_expert_reference(ids, experts, block_m)
+    assert torch.equal(block_experts.cpu(), want_experts)
+    got, want = slots.cpu().view(-1, block_m), want_slots.view(-1, block_m)
+    for group in sorted(set(want_experts.tolist())):  # a group's slots may fill its blocks in any order
+        mine = want_experts == group
+        assert torch.equal(got[mine].flatten().sort().values, want[mine].flatten().sort().values), group
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,used", [
@@ -52,7 +75,7 @@ def test_fused_experts_match_the_twin(tokens, experts, top_k, hidden, inter, use
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
-    weights, ids = route(_routing(tokens, experts, top_k, seed=tokens, used=used), top_k, True, dtype)
+    weights, ids = route_reference(_routing(tokens, experts, top_k, seed=tokens, used=used), top_k, True, dtype)
     want = fused_experts_reference(x, w13, w2, weights, ids)
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     got = fused_experts(*args).cpu()
@@ -69,7 +92,7 @@ def test_float32_routing_weights_weigh_as_mixtral_does():
     x = torch.randn(9, 32, generator=gen).to(torch.bfloat16)
     w13 = (torch.randn(4, 64, 32, generator=gen) * 0.2).to(torch.bfloat16)
     w2 = (torch.randn(4, 32, 32, generator=gen) * 0.2).to(torch.bfloat16)
-    weights, ids = route(_routing(9, 4, 2, seed=3), 2, True, None)
+    weights, ids = route_reference(_routing(9, 4, 2, seed=3), 2, True, None)
     assert weights.dtype == torch.float32
     want = fused_experts_reference(x, w13, w2, weights, ids)
     got = fused_experts(*[t.to(DEVICE) for t in (x, w13, w2, weights, ids)]).cpu()
@@ -77,7 +100,7 @@ def test_float32_routing_weights_weigh_as_mixtral_does():
 
 
 def test_block_size_is_what_align_pads_to():
-    _, block_experts = align_by_expert(torch.zeros(3, 1, dtype=torch.int64), 2)
+    _, block_experts = align_by_expert(torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), 2)
     assert block_experts.tolist()[0] == 0 and BLOCK_M >= 16  # tl.dot needs 16 rows or more
 
 
@@ -87,9 +110,34 @@ def test_slots_of_another_ranks_experts_add_nothing():
     x = torch.randn(10, 32, generator=gen)
     w13 = torch.randn(3, 32, 32, generator=gen) * 0.2
     w2 = torch.randn(3, 32, 16, generator=gen) * 0.2
-    weights, ids = route(_routing(10, 6, 2, seed=4), 2, True, torch.float32)
+    weights, ids = route_reference(_routing(10, 6, 2, seed=4), 2, True, torch.float32)
     local = torch.where(ids >= 3, ids - 3, -1)  # this rank holds experts 3..5
     want = fused_experts_reference(x, w13, w2, weights, local)
     got = fused_experts(*[t.to(DEVICE) for t in (x, w13, w2, weights, local)]).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (want[(local < 0).all(dim=1)] == 0).all()  # a token with no local expert gets nothing here
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,dtype", [
+    (1, 128, 8, True, torch.bfloat16), (64, 128, 8, False, torch.bfloat16), (9, 8, 2, True, None),
+    (33, 60, 4, False, torch.float32), (5, 6, 3, True, torch.float32)])
+def test_the_route_kernel_picks_the_twins_experts_and_weights(tokens, experts, top_k, renormalize, dtype):
+    """One launch for softmax, top-k, renormalization and the cast: the same experts in the same order (largest
+    first), weights within float32 rounding of the twin's (a ulp of the dtype at most after the cast)."""
+    logits = _routing(tokens, experts, top_k, seed=experts + top_k) * 3
+    want_w, want_i = route_reference(logits, top_k, renormalize, dtype)
+    got_w, got_i = route(logits.to(DEVICE), top_k, renormalize, dtype)
+    assert got_w.dtype == want_w.dtype and got_i.dtype == torch.int64
+    assert torch.equal(got_i.cpu(), want_i)
+    tol = 1e-6 if want_w.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_w.cpu().float(), want_w.float(), rtol=tol, atol=tol)
+
+
+def test_tuned_tiles_are_picked_at_the_nearest_token_count_at_or_above():
+    from radixmesh.kernels.moe import Tiles, pick
+
+    entry = lambda bm, n: {"block_m": bm, "up": Tiles(block_n=n)._asdict(), "down": Tiles(block_k=n)._asdict()}  # noqa: E731
+    entries = {"1": entry(16, 64), "64": entry(16, 128), "2048": entry(64, 128)}
+    assert pick(entries, 1) == (16, Tiles(block_n=64), Tiles(block_k=64))
+    assert pick(entries, 2)[0:2] == (16, Tiles(block_n=128))
+    assert pick(entries, 65)[0] == 64 and pick(entries, 100000)[0] == 64  # past the largest: the largest

@@ -7,13 +7,14 @@ Weights are stacked at load time from the per-expert tensors Hugging Face checkp
 parallelism each rank holds every expert's share of the intermediate dimension (as a dense MLP's rows and columns
 are cut) and the partial outputs are summed over the ranks.
 
-The experts run kernels.moe: its plain-torch twin by default, on every device, or its grouped-GEMM kernel with
---moe-runner-backend triton (tested against the twin in Triton's interpreter, not yet checked and tuned on a GPU;
-engine.model_runner keeps CUDA graphs off for these models until then).
+The experts run kernels.moe: its grouped-GEMM kernels with --moe-runner-backend triton (the default on a GPU, where
+decode runs in CUDA graphs), its plain-torch twin with torch (the default on CPU; graphs off: it reads each step's
+experts on the host).
 
-Routing follows transformers: softmax over the router logits in float32, the top-k, optionally renormalized to sum
-to one (Mixtral always; Qwen3-MoE and Qwen2-MoE when `norm_topk_prob`), then cast to the activations' dtype before
-weighting (the Qwen models; Mixtral weighs in float32)."""
+Routing follows transformers (kernels.moe.route_reference; `route` in one launch): softmax over the router logits
+in float32, the top-k, optionally renormalized to sum to one (Mixtral always; Qwen3-MoE and Qwen2-MoE when
+`norm_topk_prob`), then cast to the activations' dtype before weighting (the Qwen models; Mixtral weighs in
+float32)."""
 
 from __future__ import annotations
 
@@ -33,17 +34,6 @@ class ExpertNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [tokens, experts] -> (weights [tokens, top_k], expert ids [tokens, top_k]). The weights are
-    cast to `dtype` (the Qwen models), or stay float32 when it is None (Mixtral weighs in float32)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if dtype is None else weights.to(dtype)), ids
 
 
 class _Stacked(nn.Module):
@@ -89,12 +79,23 @@ class FusedMoE(nn.Module):
         self.w2 = _Stacked((local_experts, hidden, local), w2)
         self.backend = "torch"  # or "triton": kernels.moe.fused_experts (--moe-runner-backend)
 
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [tokens, experts] -> (weights, expert ids) [tokens, top_k]: kernels.moe.route (one launch)
+        with the triton backend, its twin route_reference otherwise. `dtype`: the weights' (None: float32)."""
+        from radixmesh.kernels.moe import route, route_reference
+
+        return (route if self.backend == "triton" else route_reference)(logits, top_k, renormalize, dtype)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
             ids = ids - self.first
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
         from radixmesh.kernels.moe import fused_experts, fused_experts_reference
 
-        run = fused_experts if self.backend == "triton" else fused_experts_reference
-        out = run(x, self.w13.weight, self.w2.weight, weights, ids)
+        if self.backend == "triton":
+            out = fused_experts(x, self.w13.weight, self.w2.weight, weights, ids,
+                                elsewhere=self.tp.config.expert_parallel)
+        else:
+            out = fused_experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

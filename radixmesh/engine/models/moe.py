@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.forward_context import current_forward_context
 from radixmesh.engine.layers.linear import linear
-from radixmesh.engine.layers.moe import ExpertNames, FusedMoE, route
+from radixmesh.engine.layers.moe import ExpertNames, FusedMoE
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import MLP, DecoderSpec, LlamaForCausalLM
 
@@ -37,15 +38,23 @@ class SparseMoeBlock(nn.Module):
         self.counts: torch.Tensor | None = None  # tokens routed to each expert so far (expert_counters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize,
+        weights, ids = self.experts.route(linear(x, self.gate.weight), self.top_k, self.renormalize,
                              None if self.float32_weights else x.dtype)
         if self.counts is not None:  # on the device, no host round trip (and capturable in a CUDA graph)
-            flat = ids.flatten()
-            self.counts.index_add_(0, flat, torch.ones_like(flat))
+            self.counts.index_add_(0, ids.flatten(), _real_tokens(x.shape[0], x.device).repeat_interleave(self.top_k))
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
+
+
+def _real_tokens(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64: 1 for a request's token, 0 for a CUDA graph's padding row (it writes the scratch slot 0, which no
+    request's token does: engine.cuda_graph_runner)."""
+    ctx = current_forward_context()
+    if ctx is None or ctx.batch.out_cache_loc.shape[0] != n:
+        return torch.ones(n, dtype=torch.int64, device=device)
+    return (ctx.batch.out_cache_loc != 0).to(torch.int64)
 
 
 def expert_counters(model: nn.Module) -> dict[int, torch.Tensor]:
