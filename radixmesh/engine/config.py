@@ -30,6 +30,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     load_format: str = "auto"
+    # SGLang's: fp8 rounds an unquantized checkpoint's linear weights to fp8 at load (one scale per output row);
+    # fp8 checkpoints are read whatever this says (engine.quantization.fp8)
+    quantization: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str | None = None
@@ -143,6 +146,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     page = args.page_size or 1
     _check(page > 0 and page & (page - 1) == 0, f"page_size must be a power of two, got {page}")
     _check(args.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    _check(args.quantization in (None, "fp8"), f"quantization {args.quantization!r} is not implemented by radixmesh "
+           "yet: fp8 is (and fp8 checkpoints are read without the flag)")
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")

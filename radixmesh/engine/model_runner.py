@@ -55,7 +55,11 @@ class ModelRunner:
             set_pdl(not args.disable_pdl, gemv=args.decode_gemm == "gemv")
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
-                                max_positions=args.context_length, seed=args.random_seed, tp=self.tp)
+                                max_positions=args.context_length, seed=args.random_seed, tp=self.tp,
+                                quantization=args.quantization)
+        if (args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda":
+            log.warning("fp8 weights are held dequantized in %s on this build: the outputs are fp8's, the memory "
+                        "and speed not yet", args.dtype)
         self.expert_counts = None  # layer -> tokens per expert (--enable-expert-distribution-metrics)
         if args.moe_runner_backend == "triton":
             from radixmesh.engine.layers.moe import FusedMoE

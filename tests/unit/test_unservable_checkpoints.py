@@ -73,17 +73,21 @@ def _block_fp8(tensors):
         tensors[name + "_scale_inv"] = torch.ones(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
 
 
-def test_block_fp8_checkpoint_is_refused_by_the_engine(tmp_path, no_weight_read):
+def test_a_block_fp8_checkpoint_is_read_as_its_dequantized_weights(tmp_path):
+    """Once refused (issue 52: it used to load as garbage); now read (engine.quantization.fp8, parity in
+    tests/parity/test_fp8_parity.py): here DeepSeek's 128x128 blocks, whose scales of 1 leave each weight its fp8
+    value. The same file under a config.json that declares nothing is still refused, from the headers alone."""
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     dst = _copy(tmp_path, weights=True, quantization_config=fp8)
     _rewrite_weights(dst, _block_fp8)
-    with pytest.raises(ValueError, match=r"fp8 quantization \(quantization_config.quant_method='fp8'.*"
-                                         r"weight_block_size=\[128, 128\].*not implemented by radixmesh"):
-        Engine(model_path=str(dst), device="cpu", dtype="float32", log_level="warning")
+    stored = load_file(dst / "model.safetensors")
+    model = _load(dst)
+    q = model.model.layers[2].mlp.down_proj.weight
+    assert torch.equal(q, stored["model.layers.2.mlp.down_proj.weight"].float())
     plain = _copy(tmp_path / "unlabelled")  # the same weights under a config.json that says nothing
     shutil.copy(dst / "model.safetensors", plain)
-    with pytest.raises(ValueError, match=r"F8_E4M3.*fp8 quantized weights are not implemented by radixmesh"):
-        _load(plain)
+    with pytest.raises(ValueError, match=r"F8_E4M3.*config.json declares no fp8 quantization"):
+        loader.load_model(ModelConfig.from_path(str(plain)), "auto", torch.float32, torch.device("cpu"), 128)
 
 
 @pytest.mark.parametrize("key,quant", [
@@ -109,7 +113,7 @@ def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path, no_weig
     dst = _copy(tmp_path, weights=True)
     _rewrite_weights(dst, lambda t: t.update({"model.layers.2.mlp.down_proj.weight":
                                               t["model.layers.2.mlp.down_proj.weight"].to(torch.float8_e4m3fn)}))
-    with pytest.raises(ValueError, match=r"'model.layers.2.mlp.down_proj.weight'.*F8_E4M3.*fp8 quantized weights"):
+    with pytest.raises(ValueError, match=r"'model.layers.2.mlp.down_proj.weight'.*F8_E4M3.*declares no fp8 quantization"):
         _load(dst)
 
 

@@ -16,6 +16,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import ELSEWHERE, WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
+from radixmesh.engine.quantization.fp8 import Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
 
 # Checkpoint tensors that carry nothing the model computes with: RoPE frequencies (recomputed from config.json).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -102,24 +103,67 @@ def _target_name(name: str, targets: Collection[str], cfg: ModelConfig) -> str |
 
 def _check_checkpoint(targets: Collection[str], cfg: ModelConfig) -> None:
     """Refuses, from the weight files' headers alone (no weight read), a checkpoint with a tensor the model has no
-    parameter for or one stored in a dtype that is not a float (engine.models.support)."""
+    parameter for or one stored in a dtype that is not a float (engine.models.support); fp8 weights and their scales
+    are read when config.json declares fp8 (engine.quantization.fp8)."""
+    fp8 = checkpoint_scheme(cfg.raw)
     unexpected = []
     for name, lazy in iter_checkpoint(cfg.path):
+        if fp8 is not None and (scaled := scale_of(name)) is not None and \
+                _target_name(scaled[0], targets, cfg) in targets:
+            continue  # a weight's scale: read with the weight
         target = _target_name(name, targets, cfg)
         if target is None:
             continue
         if target in targets:
-            check_tensor_dtype(name, lazy.get_dtype(), cfg.path)
+            if not (fp8 is not None and lazy.get_dtype() == "F8_E4M3"):
+                check_tensor_dtype(name, lazy.get_dtype(), cfg.path)
         else:
             unexpected.append(name)
     check_unexpected_tensors(unexpected, cfg)
 
 
-def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
+def _fp8_scales(cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """Weight name -> {scale kind: tensor} of every fp8 scale in the checkpoint (small: read whole)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, lazy in iter_checkpoint(cfg.path):
+        if (scaled := scale_of(name)) is not None:
+            out.setdefault(scaled[0], {})[scaled[1]] = lazy[...]  # ([:] cannot index a scalar scale)
+    return out
+
+
+def _cut(full: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The part of a whole tensor `shard` takes (as _read does from the file)."""
+    if shard.dim is None:
+        return full
+    return full.narrow(shard.dim, shard.start, shard.length)
+
+
+def _weight(name: str, lazy, shard: Shard, fp8: Fp8Scheme | None, scales: dict, online: bool) -> torch.Tensor:
+    """What the checkpoint tensor `name` puts in its parameter: an fp8 weight dequantized with its scales, a weight
+    rounded to fp8 (--quantization fp8), else the tensor as stored; this rank's part of it."""
+    if fp8 is not None and lazy.get_dtype() == "F8_E4M3":
+        mine = scales.get(name, {})
+        scale = mine.get("weight_scale_inv" if fp8.block else "weight_scale")
+        if scale is None:
+            want = "weight_scale_inv" if fp8.block else "weight_scale"
+            raise ValueError(f"fp8 tensor {name!r} has no {want} beside it in the checkpoint (quantization_config: "
+                             f"{'block-wise' if fp8.block else 'per-tensor or per-channel'})")
+        return _cut(dequantize(lazy[:], scale, fp8.block), shard)
+    if online:
+        return _cut(quantized_online(name, lazy[:]), shard)
+    return _read(lazy, shard)
+
+
+def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None = None) -> None:
     targets = checkpoint_name_map(model)
+    fp8 = checkpoint_scheme(cfg.raw)
+    scales = _fp8_scales(cfg) if fp8 is not None else {}
+    online = quantization == "fp8" and fp8 is None
     seen: set[str] = set()
     for name, lazy in iter_checkpoint(cfg.path):
-        name = _target_name(name, targets, cfg)
+        if fp8 is not None and scale_of(name) is not None:
+            continue
+        stored, name = name, _target_name(name, targets, cfg)
         if name is None:
             continue
         param, shard = targets[name]  # load_model's _check_checkpoint refused every other name
@@ -137,7 +181,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig) -> None:
             raise ValueError(f"tensor {name!r} in {cfg.path} has shape {full}, expected "
                              f"{tuple(expected) if expected else tuple(dest.shape)} (this rank's part: "
                              f"{tuple(dest.shape)})")
-        dest.copy_(_read(lazy, shard))
+        dest.copy_(_weight(stored, lazy, shard, fp8, scales, online))
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -158,9 +202,11 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
 
 
 def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0, tp: TensorParallel | None = None) -> nn.Module:
+               max_positions: int, seed: int = 0, tp: TensorParallel | None = None,
+               quantization: str | None = None) -> nn.Module:
     """The model on `device`, holding this rank's part of every weight under tensor parallelism. Refuses (ValueError)
-    a config or checkpoint it would serve wrong before reading any weight (engine.models.support)."""
+    a config or checkpoint it would serve wrong before reading any weight (engine.models.support). fp8 checkpoints,
+    and `quantization="fp8"` for an unquantized one, are held dequantized (engine.quantization.fp8)."""
     cls = model_class(cfg.architecture)
     check_servable(cfg, max_positions)
     with _default_dtype(dtype), torch.device("meta"):
@@ -173,7 +219,7 @@ def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: t
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        _load_weights(model, cfg)
+        _load_weights(model, cfg, quantization)
     zero_padding(model)
     model.init_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

@@ -44,6 +44,10 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
 
 
 def _check_quantization(model: ModelConfig) -> None:
+    from radixmesh.engine.quantization.fp8 import checkpoint_scheme
+
+    if checkpoint_scheme(model.raw) is not None:  # fp8 weights we read (engine.quantization.fp8); fields checked
+        return
     for key in ("quantization_config", "compression_config"):
         quant = model.raw.get(key)
         if quant:
@@ -235,7 +239,11 @@ def check_tensor_dtype(tensor: str, dtype: str, path: str) -> None:
     """Raises ValueError unless `dtype` (a safetensors dtype name) is a float our parameters can hold."""
     if dtype in _FLOAT_DTYPES:
         return
-    kind = "fp8" if dtype.startswith("F8") else "low-bit float" if dtype.startswith("F") else "integer (packed)"
+    if dtype == "F8_E4M3":
+        raise ValueError(f"tensor {tensor!r} in {path} is stored as {dtype}, but config.json declares no fp8 "
+                         "quantization (quantization_config with quant_method 'fp8' and its scales): read as plain "
+                         f"floats it would answer wrong; {_UNQUANTIZED}")
+    kind = "fp8 (e5m2)" if dtype.startswith("F8") else "low-bit float" if dtype.startswith("F") else "integer (packed)"
     raise ValueError(f"tensor {tensor!r} in {path} is stored as {dtype}, but {kind} quantized weights are {_NOT_YET} "
                      f"(and config.json declares no quantization); {_UNQUANTIZED}")
 

@@ -1,0 +1,183 @@
+"""FP8 weights: checkpoints stored in float8_e4m3fn with their scales, and `--quantization fp8` (SGLang's flag) for
+an unquantized checkpoint.
+
+Formats read (config.json `quantization_config.quant_method == "fp8"`):
+  block-wise     `weight_block_size: [bn, bk]`, a `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] per weight (Hugging
+                 Face's fine-grained FP8, DeepSeek-V3, Qwen3-FP8): w = q * scale of its block
+  per-tensor     a scalar `weight_scale` (AutoFP8), with a static `input_scale` when `activation_scheme` is static
+  per-channel    `weight_scale` [N] or [N, 1]: one scale per output row
+Layers the config keeps unquantized (`ignored_layers`, `modules_to_not_convert`) are plain tensors in the file.
+`--quantization fp8` rounds each linear weight of an unquantized checkpoint to fp8 with one scale per output row
+(the router of a mixture of experts, the embedding and the head stay as they are, as SGLang leaves them).
+
+This build holds the weights dequantized in the model's dtype: the outputs are the fp8 weights' (the scales applied
+exactly, in float32), the memory and the speed are not yet (fp8 GEMM kernels are the next part of issue 52).
+Activations are not quantized, static `input_scale`s included, so a static-scheme checkpoint's outputs differ from
+an fp8 engine's by the activations' rounding. `write_checkpoint` is our writer of such checkpoints (tests, tiny
+models); `dequantized_checkpoint` writes the float twin they are checked against."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+SCALES = ("weight_scale_inv", "weight_scale", "input_scale")  # the tensors that travel with an fp8 weight
+_STAYS = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate")  # never quantized online (nor by the writer)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """A checkpoint's fp8 layout (config.json's quantization_config)."""
+
+    block: tuple[int, int] | None  # weight_block_size; None: per-tensor or per-channel scales
+    activation_scheme: str = "dynamic"
+
+
+def scheme_of(quant: dict) -> Fp8Scheme:
+    """The scheme of a `quant_method: fp8` quantization_config; ValueError naming a field we cannot serve."""
+    fmt = quant.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise ValueError(f"fp8 quantization with fmt={fmt!r} (quantization_config in config.json) is not "
+                         "implemented by radixmesh yet: only e4m3 weights are read")
+    block = quant.get("weight_block_size")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
+                              or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"fp8 quantization_config.activation_scheme must be dynamic or static, got {scheme!r}")
+    return Fp8Scheme(tuple(block) if block else None, scheme)
+
+
+def checkpoint_scheme(raw_config: dict) -> Fp8Scheme | None:
+    """The fp8 scheme a config.json declares (quantization_config.quant_method fp8), else None."""
+    quant = raw_config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        return scheme_of(quant)
+    return None
+
+
+def scale_of(name: str) -> tuple[str, str] | None:
+    """(the weight's name, the scale's kind) for a checkpoint tensor that is an fp8 weight's scale, else None."""
+    for kind in SCALES:
+        if name.endswith("." + kind):
+            return name[: -len(kind)] + "weight", kind
+    return None
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 weights [N, K] of fp8 `q` and its scale: one per block of `block` ([ceil(N/bn), ceil(K/bk)]), else a
+    scalar or one per output row."""
+    w = q.to(torch.float32)
+    scale = scale.to(torch.float32)
+    n, k = w.shape
+    if block is not None:
+        bn, bk = block
+        want = (-(-n // bn), -(-k // bk))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"a block-wise fp8 weight of shape {(n, k)} needs a weight_scale_inv of shape {want} "
+                             f"for blocks of {block}, got {tuple(scale.shape)}")
+        return w * scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if scale.numel() == n:
+        return w * scale.reshape(n, 1)
+    raise ValueError(f"an fp8 weight of shape {(n, k)} needs a scalar weight_scale or one per output row ({n}), got "
+                     f"shape {tuple(scale.shape)}")
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] | None = None, per_tensor: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weights, float32 scale) with w ~ dequantize(q, scale, block): amax / 448 per block, per tensor, or per
+    output row (the default)."""
+    w = w.to(torch.float32)
+    n, k = w.shape
+    if block is not None:
+        bn, bk = block
+        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+        padded[:n, :k] = w
+        amax = padded.abs().view(padded.shape[0] // bn, bn, -1, bk).amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.reshape(()) if per_tensor else scale
+
+
+def quantized_online(name: str, w: torch.Tensor) -> torch.Tensor:
+    """`--quantization fp8`: a linear weight rounded to fp8 with a scale per output row, back in its dtype (other
+    tensors as they are)."""
+    if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in _STAYS):
+        return w
+    q, scale = quantize(w)
+    return dequantize(q, scale, None).to(w.dtype)
+
+
+def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, per_tensor: bool = False,
+                     static_input: bool = False) -> str:
+    """Our fp8 writer: the model at `src` (safetensors) with every linear weight in fp8 and its scales, a
+    quantization_config saying how, tokenizer and config files copied. Returns `dst`."""
+    os.makedirs(dst, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(src, file), framework="pt") as f:
+            for name in f.keys():
+                w = f.get_tensor(name)
+                if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in _STAYS):
+                    out[name] = w
+                    continue
+                q, scale = quantize(w, block, per_tensor)
+                out[name] = q
+                out[name[: -len("weight")] + ("weight_scale_inv" if block else "weight_scale")] = scale
+                if static_input:
+                    out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(
+                os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8",
+                                     "activation_scheme": "static" if static_input else "dynamic",
+                                     **({"weight_block_size": list(block)} if block else {})}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return dst
+
+
+def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float32) -> str:
+    """The float twin of the fp8 checkpoint at `src`: every fp8 weight times its scales, in `dtype`, no
+    quantization_config. Returns `dst`."""
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    scheme = scheme_of(config.pop("quantization_config"))
+    os.makedirs(dst, exist_ok=True)
+    with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    out = {}
+    for name, t in tensors.items():
+        if scale_of(name):
+            continue
+        if t.dtype == FP8:
+            stem = name[: -len("weight")]
+            scale = tensors.get(stem + "weight_scale_inv", tensors.get(stem + "weight_scale"))
+            t = dequantize(t, scale, scheme.block)
+        out[name] = t.to(dtype)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return dst
