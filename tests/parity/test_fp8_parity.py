@@ -1,6 +1,7 @@
 """FP8 checkpoints (engine.quantization.fp8) against their dequantized twins, float32 on CPU: block-wise (Hugging
-Face's fine-grained FP8: `weight_scale_inv` per block), per-channel and per-tensor with static input scales, each
-written by our fp8 writer from a bundled tiny model, a mixture of experts included. The engine on the fp8 checkpoint
+Face's fine-grained FP8: `weight_scale_inv` per block), per-channel and per-tensor with static input scales, in
+Hugging Face's `fp8` layout and in llm-compressor's compressed-tensors one, each written by our fp8 writer from a
+bundled tiny model, a mixture of experts included. The engine on the fp8 checkpoint
 and transformers on the twin agree token for token (logprobs within 1e-4), under tensor parallelism too;
 `--quantization fp8` equals the checkpoint rounded the same way and stays near the unquantized model; what we cannot
 read is refused with the reason."""
@@ -22,7 +23,9 @@ from tests.reference import hf_greedy, hf_token_logprobs
 
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
-KINDS = {"block": dict(block=(32, 64)), "channel": {}, "tensor-static": dict(per_tensor=True, static_input=True)}
+KINDS = {"block": dict(block=(32, 64)), "channel": {}, "tensor-static": dict(per_tensor=True, static_input=True),
+         "ct-channel": dict(compressed_tensors=True), "ct-block": dict(block=(64, 32), compressed_tensors=True),
+         "ct-tensor-static": dict(per_tensor=True, static_input=True, compressed_tensors=True)}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,10 @@ def _with_quant(tmp_path, quant: dict) -> str:
 
 @pytest.mark.parametrize("quant,match", [
     ({"quant_method": "awq", "bits": 4}, "awq quantization"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "group"}}}}, "compressed-tensors quantization"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "type": "float", "num_bits": 8, "strategy": "group"}}}}, "strategy='group'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
 ])

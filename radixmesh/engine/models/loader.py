@@ -142,12 +142,10 @@ def _weight(name: str, lazy, shard: Shard, fp8: Fp8Scheme | None, scales: dict, 
     """What the checkpoint tensor `name` puts in its parameter: an fp8 weight dequantized with its scales, a weight
     rounded to fp8 (--quantization fp8), else the tensor as stored; this rank's part of it."""
     if fp8 is not None and lazy.get_dtype() == "F8_E4M3":
-        mine = scales.get(name, {})
-        scale = mine.get("weight_scale_inv" if fp8.block else "weight_scale")
+        scale = scales.get(name, {}).get(fp8.scale_name)
         if scale is None:
-            want = "weight_scale_inv" if fp8.block else "weight_scale"
-            raise ValueError(f"fp8 tensor {name!r} has no {want} beside it in the checkpoint (quantization_config: "
-                             f"{'block-wise' if fp8.block else 'per-tensor or per-channel'})")
+            raise ValueError(f"fp8 tensor {name!r} has no {fp8.scale_name} beside it in the checkpoint "
+                             f"(quantization_config: {'block-wise' if fp8.block else 'per-tensor or per-channel'})")
         return _cut(dequantize(lazy[:], scale, fp8.block), shard)
     if online:
         return _cut(quantized_online(name, lazy[:]), shard)

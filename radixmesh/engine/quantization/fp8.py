@@ -1,7 +1,8 @@
 """FP8 weights: checkpoints stored in float8_e4m3fn with their scales, and `--quantization fp8` (SGLang's flag) for
 an unquantized checkpoint.
 
-Formats read (config.json `quantization_config.quant_method == "fp8"`):
+Formats read (config.json `quantization_config.quant_method` "fp8", or "compressed-tensors" with 8-bit float
+weights, llm-compressor's layout: every scale named `weight_scale`):
   block-wise     `weight_block_size: [bn, bk]`, a `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] per weight (Hugging
                  Face's fine-grained FP8, DeepSeek-V3, Qwen3-FP8): w = q * scale of its block
   per-tensor     a scalar `weight_scale` (AutoFP8), with a static `input_scale` when `activation_scheme` is static
@@ -39,6 +40,7 @@ class Fp8Scheme:
 
     block: tuple[int, int] | None  # weight_block_size; None: per-tensor or per-channel scales
     activation_scheme: str = "dynamic"
+    scale_name: str = "weight_scale"  # the weight scale's tensor (`weight_scale_inv`: Hugging Face's block-wise)
 
 
 def scheme_of(quant: dict) -> Fp8Scheme:
@@ -54,14 +56,43 @@ def scheme_of(quant: dict) -> Fp8Scheme:
     scheme = quant.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"fp8 quantization_config.activation_scheme must be dynamic or static, got {scheme!r}")
-    return Fp8Scheme(tuple(block) if block else None, scheme)
+    return Fp8Scheme(tuple(block) if block else None, scheme, "weight_scale_inv" if block else "weight_scale")
+
+
+def compressed_tensors_scheme(quant: dict) -> Fp8Scheme | None:
+    """The fp8 scheme of a compressed-tensors quantization_config (llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK:
+    format float-quantized, 8-bit float weights per tensor, channel or block, scales in `weight_scale`); None when
+    its weights are not fp8 (the caller refuses it by name); ValueError for fp8 we cannot read."""
+    groups = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+    weights = [g.get("weights") or {} for g in groups]
+    if not weights or not all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+        return None
+    where = "compressed-tensors quantization_config"
+    if quant.get("format") != "float-quantized":
+        raise ValueError(f"fp8 weights in {where} with format={quant.get('format')!r} are not implemented by "
+                         "radixmesh yet: float-quantized is read")
+    kinds = {(w.get("strategy"), tuple(w.get("block_structure") or ())) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"fp8 weights in {where} mix strategies ({sorted(kinds)}): one strategy is read")
+    (strategy, block), = kinds
+    if strategy not in ("tensor", "channel", "block") or (strategy == "block") != bool(block):
+        raise ValueError(f"fp8 weights in {where} with strategy={strategy!r} are not implemented by radixmesh yet: "
+                         "tensor, channel and block (with its block_structure) are read")
+    if block and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 block_structure must be two positive integers, got {list(block)!r}")
+    acts = [g.get("input_activations") or {} for g in groups]
+    static = any(a and not a.get("dynamic", True) for a in acts)
+    return Fp8Scheme(block or None, "static" if static else "dynamic", "weight_scale")
 
 
 def checkpoint_scheme(raw_config: dict) -> Fp8Scheme | None:
-    """The fp8 scheme a config.json declares (quantization_config.quant_method fp8), else None."""
+    """The fp8 scheme a config.json declares (quantization_config.quant_method fp8, or compressed-tensors with fp8
+    weights), else None."""
     quant = raw_config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         return scheme_of(quant)
+    if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+        return compressed_tensors_scheme(quant)
     return None
 
 
@@ -123,9 +154,11 @@ def quantized_online(name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, per_tensor: bool = False,
-                     static_input: bool = False) -> str:
+                     static_input: bool = False, compressed_tensors: bool = False) -> str:
     """Our fp8 writer: the model at `src` (safetensors) with every linear weight in fp8 and its scales, a
-    quantization_config saying how, tokenizer and config files copied. Returns `dst`."""
+    quantization_config saying how (Hugging Face's `fp8`, or llm-compressor's compressed-tensors layout), tokenizer
+    and config files copied. Returns `dst`."""
+    scale_name = "weight_scale_inv" if block and not compressed_tensors else "weight_scale"
     os.makedirs(dst, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
     for file in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
@@ -137,7 +170,8 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
                     continue
                 q, scale = quantize(w, block, per_tensor)
                 out[name] = q
-                out[name[: -len("weight")] + ("weight_scale_inv" if block else "weight_scale")] = scale
+                out[name[: -len("weight")] + scale_name] = scale.reshape(1) if compressed_tensors and per_tensor \
+                    else scale
                 if static_input:
                     out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
     save_file(out, os.path.join(dst, "model.safetensors"))
@@ -147,9 +181,20 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
             shutil.copy(os.path.join(src, f), dst)
     with open(os.path.join(dst, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8",
-                                     "activation_scheme": "static" if static_input else "dynamic",
-                                     **({"weight_block_size": list(block)} if block else {})}
+    if compressed_tensors:
+        weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
+                   "strategy": "block" if block else "tensor" if per_tensor else "channel",
+                   "block_structure": list(block) if block else None}
+        acts = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": not static_input,
+                "strategy": "tensor" if static_input else "token"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "ignore": ["lm_head"]}
+    else:
+        config["quantization_config"] = {"quant_method": "fp8",
+                                         "activation_scheme": "static" if static_input else "dynamic",
+                                         **({"weight_block_size": list(block)} if block else {})}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return dst
@@ -160,7 +205,8 @@ def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float3
     quantization_config. Returns `dst`."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    scheme = scheme_of(config.pop("quantization_config"))
+    scheme = checkpoint_scheme(config)
+    del config["quantization_config"]
     os.makedirs(dst, exist_ok=True)
     with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -170,7 +216,7 @@ def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float3
             continue
         if t.dtype == FP8:
             stem = name[: -len("weight")]
-            scale = tensors.get(stem + "weight_scale_inv", tensors.get(stem + "weight_scale"))
+            scale = tensors[stem + scheme.scale_name]
             t = dequantize(t, scale, scheme.block)
         out[name] = t.to(dtype)
     save_file(out, os.path.join(dst, "model.safetensors"))
