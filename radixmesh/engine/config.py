@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # dtype names users may give -> torch attribute names. torch is imported only where a dtype is resolved, so the
 # services that only parse EngineArgs (the launcher) stay free of it.
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+# --kv-cache-dtype's fp8 values (SGLang's names): K and V stored rounded to fp8 with a scale of 1 (half the bytes of
+# bf16, twice the tokens), read back to the model dtype by the attention kernels
+_FP8_KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -159,8 +162,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
            f"grammar_backend must be 'xgrammar' or 'none', got {args.grammar_backend!r}")
     _check(args.sampling_defaults in ("model", "openai"),
            f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
-    _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES,
-           f"kv_cache_dtype must be auto or one of {', '.join(_DTYPES)}, got {args.kv_cache_dtype!r}")
+    _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES or args.kv_cache_dtype in _FP8_KV,
+           f"kv_cache_dtype must be auto or one of {', '.join([*_DTYPES, *_FP8_KV])}, got {args.kv_cache_dtype!r}")
     _check_hicache(args)
     _check_tp(args, model)
     _check(args.moe_runner_backend in ("auto", "torch", "triton"),
@@ -312,13 +315,18 @@ def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int)
     (registry.default_decode_backend)."""
     from radixmesh.engine.attention.registry import check_backend_name, default_backend, default_decode_backend
 
-    names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
+    fp8_kv = args.kv_cache_dtype in _FP8_KV
+    default = default_backend(device, dtype, head_dim)
+    names = {"attention_backend": args.attention_backend or ("triton" if fp8_kv and default == "flashinfer"
+                                                              else default)}
     names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
     decode = names["attention_backend"]
     if args.attention_backend is None:
         decode = default_decode_backend(device, decode)
     names["decode_attention_backend"] = args.decode_attention_backend or decode
     for flag, name in names.items():
+        _check(not (fp8_kv and name == "flashinfer"), f"{flag} flashinfer does not read an fp8 KV cache here yet "
+               f"(--kv-cache-dtype {args.kv_cache_dtype}): use triton or torch_native")
         check_backend_name(name, flag)
     return names
 
@@ -326,4 +334,4 @@ def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int)
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    return getattr(torch, _DTYPES[name])
+    return getattr(torch, _DTYPES.get(name) or _FP8_KV[name])

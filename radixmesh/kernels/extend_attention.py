@@ -57,9 +57,11 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         n_mask = n < prefix
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype)
         p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
-        v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -154,8 +156,8 @@ def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     for b in range(int(extend_lens.shape[0])):
         pre, ext, at = int(prefix_lens[b]), int(extend_lens[b]), int(qo_starts[b])
         slots = req_to_token[int(req_pool_indices[b]), :pre].long()
-        keys = torch.cat([k_buf[slots], k_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
-        values = torch.cat([v_buf[slots], v_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
+        keys = torch.cat([k_buf[slots].to(k_new.dtype), k_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
+        values = torch.cat([v_buf[slots].to(v_new.dtype), v_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[at:at + ext].float(), keys) * scale
         visible = torch.arange(pre + ext)[None, :] <= (pre + torch.arange(ext))[:, None]  # [ext, pre + ext]
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))

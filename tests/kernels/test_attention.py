@@ -49,9 +49,12 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
     assert err < _tolerance(dtype), f"relative error {err:.2e}"
 
 
-def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0):
-    """Checks the kernel against its twin; returns (its output, what was needed to run it again)."""
+def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0, kv_dtype=None):
+    """Checks the kernel against its twin; returns (its output, what was needed to run it again). `kv_dtype`: the
+    pool's, when it is not the model's (an fp8 cache)."""
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
+    if kv_dtype is not None:
+        pool.k, pool.v = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn((len(lens), heads, head_dim), generator=gen).to(dtype).to(device)
     seq_lens = torch.tensor(lens, device=device)
@@ -114,9 +117,12 @@ def test_decode_llama8b_shape_cuda(bs, ctx):
     _decode_case(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=bs)
 
 
-def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0, tiles=None):
+def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0, tiles=None,
+                 kv_dtype=None):
     lens = [p + e for p, e in zip(prefixes, extends)]
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
+    if kv_dtype is not None:
+        pool.k, pool.v = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     n = sum(extends)
     q = torch.randn((n, heads, head_dim), generator=gen).to(dtype).to(device)
@@ -175,3 +181,13 @@ def test_extend_tiles_from_the_environment(monkeypatch):
 def test_extend_with_tiles_given(device):
     """The same extend with tiles passed explicitly (the sweep's path) equals the reference."""
     _extend_case([40, 0], [24, 9], 4, 2, 16, 4, torch.float32, device, seed=5, tiles=(16, 32, 4, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_an_fp8_cache_is_read_back_in_the_models_dtype(device, kv_dtype, dtype):
+    """--kv-cache-dtype fp8_*: decode and the prefix part of extend read fp8 keys and values and attend in the
+    model's dtype, as their twins do with the same fp8 values."""
+    _decode_case([5, 40, 17], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
+    _extend_case([0, 30, 9], [12, 5, 20], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)

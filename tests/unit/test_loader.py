@@ -121,6 +121,11 @@ def test_arg_resolution():
         1, "float32", "torch_native", cfg.max_position_embeddings)
     assert cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"
     for bad in (dict(page_size=3), dict(schedule_policy="random"), dict(dtype="int8"), dict(load_format="gguf"),
-                dict(kv_cache_dtype="fp8_e5m2")):
+                dict(kv_cache_dtype="int8")):
         with pytest.raises(ValueError):
             resolve_args(EngineArgs(model_path=cfg.path, device="cpu", **bad), cfg)
+    with pytest.raises(ValueError, match="flashinfer does not read an fp8 KV cache"):
+        resolve_args(EngineArgs(model_path=cfg.path, device="cpu", kv_cache_dtype="fp8_e4m3",
+                                attention_backend="flashinfer"), cfg)
+    fp8 = resolve_args(EngineArgs(model_path=cfg.path, device="cpu", kv_cache_dtype="fp8_e5m2"), cfg)
+    assert fp8.kv_cache_dtype == "fp8_e5m2" and fp8.dtype == "float32"

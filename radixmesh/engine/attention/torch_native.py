@@ -24,6 +24,7 @@ class TorchNativeMetadata:
     mask: torch.Tensor  # [batch, 1, max_q * group, max_kv] True where a query row may attend a key
     token_to_pad: torch.Tensor | None  # [num_tokens] index into the flat [batch * max_q] query layout (None: decode)
     max_q: int
+    token_to_key: torch.Tensor | None = None  # [num_tokens] index into the flat [batch * max_kv] key layout
 
 
 # cuDNN's SDPA rebuilds its execution plan when shapes change, which cost ~1.5 ms of CPU per call (measured on an
@@ -46,13 +47,16 @@ class TorchNativeBackend(AttentionBackend):
         group = self.shape.num_heads // self.shape.num_kv_heads
         if max_q > 1 and group > 1:  # rows ordered (query position, head within group)
             mask = mask[:, :, None, :].expand(-1, -1, group, -1).reshape(batch.batch_size, max_q * group, max_kv)
-        token_to_pad = None
+        token_to_pad = token_to_key = None
         if batch.mode is not ForwardMode.DECODE:
             starts = batch.extend_lens.cumsum(0) - batch.extend_lens
             offset = torch.arange(batch.batch_size, device=dev) * max_q - starts
             token_to_pad = torch.repeat_interleave(offset, batch.extend_lens, output_size=batch.num_tokens)
             token_to_pad += torch.arange(batch.num_tokens, device=dev)
-        return TorchNativeMetadata(kv_indices, mask[:, None], token_to_pad, max_q)
+            if self.kv_pool.k[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # an fp8 cache
+                rows = token_to_pad // max_q
+                token_to_key = rows * max_kv + q_pos.reshape(-1)[token_to_pad]
+        return TorchNativeMetadata(kv_indices, mask[:, None], token_to_pad, max_q, token_to_key)
 
     def forward(self, layer_id, q, k, v, batch, metadata: TorchNativeMetadata) -> torch.Tensor:
         pool = self.kv_pool
@@ -69,8 +73,14 @@ class TorchNativeBackend(AttentionBackend):
         group = num_heads // kv_heads
         # [batch, max_q, kv_heads, group, head_dim] -> [batch, kv_heads, max_q * group, head_dim]
         rows = q_pad.view(bsz, max_q, kv_heads, group, head_dim).transpose(1, 2).reshape(bsz, kv_heads, -1, head_dim)
-        keys = pool.k[layer_id][metadata.kv_indices].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
-        values = pool.v[layer_id][metadata.kv_indices].transpose(1, 2)
+        # [batch, kv_heads, max_kv, head_dim], in q's dtype (an fp8 cache is read back to it)
+        keys = pool.k[layer_id][metadata.kv_indices].to(q.dtype)
+        values = pool.v[layer_id][metadata.kv_indices].to(q.dtype)
+        if metadata.token_to_key is not None:  # an fp8 cache: the tokens computed now attend to their own keys and
+            # values unrounded, as the Triton extend kernel does (only the cached prefix is read back from fp8)
+            keys.view(-1, *keys.shape[2:])[metadata.token_to_key] = k.to(q.dtype)
+            values.view(-1, *values.shape[2:])[metadata.token_to_key] = v.to(q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         with sdpa_kernel(_SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=metadata.mask, scale=self.shape.scale)
         out = out.view(bsz, kv_heads, max_q, group, head_dim).transpose(1, 2).reshape(bsz * max_q, num_heads, head_dim)

@@ -55,20 +55,23 @@ class KVPool:
         return self.allocator.num_pages * self.page_size
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`."""
-        if use_kernels(k):
+        """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`. An fp8 pool
+        (--kv-cache-dtype fp8_*) is written by torch's cast (round to nearest even), here and on the GPU alike: the
+        kernels' own fp8 conversion was not checked to match it (Triton's interpreter does not: it rounds ties
+        away and misplaces values near a power of two)."""
+        if use_kernels(k) and k.dtype == self.k[layer].dtype:
             from radixmesh.kernels.kv_store import store_kv
 
             store_kv(self.k[layer], self.v[layer], loc, k, v)
             return
-        self.k[layer][loc] = k
-        self.v[layer][loc] = v
+        self.k[layer][loc] = k.to(self.k[layer].dtype)  # (an fp8 cache rounds here)
+        self.v[layer][loc] = v.to(self.v[layer].dtype)
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope) -> torch.Tensor:
         """Rotary (`rope`: engine.layers.rotary.RopeInputs) on q and k, then `write` of the rotated k and v; returns
         the rotated q. Where the kernels run, one launch does it all (kernels.rotary.rotary_store_kv)."""
-        if rope.cos is None and use_kernels(k):  # the kernel rotary path: positions, no looked-up tables
+        if rope.cos is None and use_kernels(k) and k.dtype == self.k[layer].dtype:  # the kernel rotary path
             from radixmesh.kernels.rotary import rotary_store_kv
 
             return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],

@@ -23,7 +23,8 @@ class StorageError(Exception):
 
 
 # Bytes per element of the KV dtypes a page may hold.
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "fp8_e4m3": 1, "fp8_e5m2": 1}  # (the last two: --kv-cache-dtype's names)
 
 
 @dataclass(frozen=True, slots=True)
