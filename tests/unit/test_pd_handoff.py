@@ -280,3 +280,22 @@ def test_an_abort_that_arrives_while_the_request_is_prepared_is_not_lost(engines
         assert load["prealloc_waiting"] == load["prealloc_rooms"] == 0, load
         assert load["available_kv_tokens"] == load["max_total_num_tokens"], load
         assert engine._early_aborts._pending == {} and engine._early_aborts._preparing == {}
+
+
+def test_an_fp8_kv_cache_hands_over_half_the_bytes_and_decodes_as_colocated():
+    """--kv-cache-dtype fp8_e4m3 on both sides: the pages move as fp8 bytes (a quarter of float32's) and the handed
+    over request decodes as a colocated fp8 engine does (its first token from the prefill's unrounded chunk, every
+    later one from the rounded cache, on both)."""
+    path = model_path("tiny-llama")
+    opts = {**OPTS, "kv_cache_dtype": "fp8_e4m3"}
+    with running_engine(path, **opts) as p, running_engine(path, **opts) as d, running_engine(path, **opts) as c:
+        pool = p.runner.kv_pool
+        assert pool.page_bytes == pool.page_size * pool.k[0][0].numel()  # one byte an element
+        pair = Pair(p, d)
+        sp = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+        async def run():
+            for ids in parity_prompts(path)[:3]:
+                _same(await pair.generate(ids, sp, verify=True, **LP),
+                      await c.async_generate(input_ids=ids, sampling_params=sp, **LP))
+        asyncio.run(run())
