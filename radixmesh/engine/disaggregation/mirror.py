@@ -143,7 +143,8 @@ class KvMirror:
         self.paths: list[str] = []  # the shared-memory files of a shared mirror, unlinked at close
         self.staged = buffers is not None
         self.local = buffers if buffers is not None else pool.buffers()
-        self.slots: Slots | None = None  # made at the first `hold`
+        # the mirror pages lent to transfers (made here: two writer threads may ask at once)
+        self.slots = Slots(self.local[0].shape[0] // pool.page_size) if self.staged else None
         device = pool.buffers()[0].device
         # the staging copies' own stream: a transfer does not queue behind the forward passes (a long prefill)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -174,8 +175,6 @@ class KvMirror:
         else free pages of the mirror (one run where there is one), lent until `release`."""
         if not self.staged:
             return list(pages)
-        if self.slots is None:
-            self.slots = Slots(self.local[0].shape[0] // self.pool.page_size)
         return self.slots.take(len(pages))
 
     def release(self, slots: Sequence[int]) -> None:

@@ -122,9 +122,11 @@ class KvTransfer:
                nbytes: int, started: float) -> str:
         if self.direct and not self.mirror.staged:  # the pool's pages straight into the peer's memory
             digest = self.mirror.checksum(src_pages) if verify else ""
-            with self.mirror.copying():
-                self.backend.copy_in(peer, self.mirror.pieces(src_pages, dest, dst_pages))
-            self.mirror.synchronize()
+            try:
+                with self.mirror.copying():
+                    self.backend.copy_in(peer, self.mirror.pieces(src_pages, dest, dst_pages))
+            finally:  # (after a failure too: no copy may still read the source pages once this returns)
+                self.mirror.synchronize()
         else:  # staged through free pages of the mirror, then written from there
             slots = self.mirror.hold(src_pages)
             try:
