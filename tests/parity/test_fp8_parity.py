@@ -136,3 +136,13 @@ def test_quantize_and_dequantize_round_trip_within_fp8_precision():
         assert q.dtype == torch.float8_e4m3fn
         back = fp8.dequantize(q, scale, block)
         assert ((back - w).abs() <= w.abs() * 2 ** -3 + scale.max() * 2 ** -6).all()  # 3 mantissa bits
+
+
+def test_routers_the_embedding_and_the_head_keep_their_dtype_under_online_fp8():
+    """As SGLang leaves them: Qwen's and Mixtral's routers, the embedding, the head, the shared expert's gate."""
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight", "lm_head.weight",
+                 "model.embed_tokens.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
+        assert fp8.quantized_online(name, w) is w, name
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.block_sparse_moe.experts.1.w1.weight"):
+        assert not torch.equal(fp8.quantized_online(name, w), w), name  # rounded to fp8

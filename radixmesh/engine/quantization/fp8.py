@@ -31,7 +31,13 @@ from safetensors.torch import save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 SCALES = ("weight_scale_inv", "weight_scale", "input_scale")  # the tensors that travel with an fp8 weight
-_STAYS = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate")  # never quantized online (nor by the writer)
+_STAYS = ("embed_tokens", "lm_head", "shared_expert_gate")  # never quantized online (nor by the writer), nor a router
+
+
+def _stays(name: str) -> bool:
+    """Whether a weight keeps its dtype under --quantization fp8 (and in our writer): the embedding, the head and a
+    mixture of experts' routers (`mlp.gate`, Mixtral's `block_sparse_moe.gate`), as SGLang leaves them."""
+    return any(s in name for s in _STAYS) or name.endswith(".gate.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +153,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None = None, per_tensor: 
 def quantized_online(name: str, w: torch.Tensor) -> torch.Tensor:
     """`--quantization fp8`: a linear weight rounded to fp8 with a scale per output row, back in its dtype (other
     tensors as they are)."""
-    if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in _STAYS):
+    if w.dim() != 2 or not name.endswith(".weight") or _stays(name):
         return w
     q, scale = quantize(w)
     return dequantize(q, scale, None).to(w.dtype)
@@ -165,7 +171,7 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
         with safe_open(os.path.join(src, file), framework="pt") as f:
             for name in f.keys():
                 w = f.get_tensor(name)
-                if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in _STAYS):
+                if w.dim() != 2 or not name.endswith(".weight") or _stays(name):
                     out[name] = w
                     continue
                 q, scale = quantize(w, block, per_tensor)
