@@ -110,8 +110,8 @@ class _Peer:
 
     def tensor(self, ptr: int, length: int) -> torch.Tensor:
         """The peer's [ptr, ptr + length) as a byte tensor over its memory, page-locked here (for the GPU's copy
-        engines) where CUDA is: pinned by segments as transfers first reach them, since pinning a whole mirror (tens
-        of gigabytes) would take seconds, and transfers mostly reuse its first pages."""
+        engines) where CUDA is: pinned by segments as transfers first reach them (a mirror is the pool's size, tens of
+        gigabytes, and transfers mostly reuse its first pages; what pinning it whole would cost was not measured)."""
         i = self._find(ptr, length)
         r, base, at = self.ranges[i], self.bases[i], ptr - self.ranges[i].ptr
         if not self._tensors:

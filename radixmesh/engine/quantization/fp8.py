@@ -34,10 +34,19 @@ SCALES = ("weight_scale_inv", "weight_scale", "input_scale")  # the tensors that
 _STAYS = ("embed_tokens", "lm_head", "shared_expert_gate")  # never quantized online (nor by the writer), nor a router
 
 
-def _stays(name: str) -> bool:
-    """Whether a weight keeps its dtype under --quantization fp8 (and in our writer): the embedding, the head and a
-    mixture of experts' routers (`mlp.gate`, Mixtral's `block_sparse_moe.gate`), as SGLang leaves them."""
-    return any(s in name for s in _STAYS) or name.endswith(".gate.weight")
+def _quantizable(name: str, w: torch.Tensor) -> bool:
+    """Whether --quantization fp8 (and our writer) rounds this tensor: a linear layer's 2-d weight, but the
+    embedding, the head and a mixture of experts' routers (`mlp.gate`, Mixtral's `block_sparse_moe.gate`), which
+    keep their dtype as SGLang leaves them."""
+    return (w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in _STAYS)
+            and not name.endswith(".gate.weight"))
+
+
+def _copy_side_files(src: str, dst: str, skip: tuple[str, ...]) -> None:
+    """Every file of the model folder `src` but the weights and `skip` (config, tokenizer, ...) into `dst`."""
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f not in skip and os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +162,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None = None, per_tensor: 
 def quantized_online(name: str, w: torch.Tensor) -> torch.Tensor:
     """`--quantization fp8`: a linear weight rounded to fp8 with a scale per output row, back in its dtype (other
     tensors as they are)."""
-    if w.dim() != 2 or not name.endswith(".weight") or _stays(name):
+    if not _quantizable(name, w):
         return w
     q, scale = quantize(w)
     return dequantize(q, scale, None).to(w.dtype)
@@ -167,11 +176,13 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
     scale_name = "weight_scale_inv" if block and not compressed_tensors else "weight_scale"
     os.makedirs(dst, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
-    for file in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(src, file), framework="pt") as f:
+    from radixmesh.engine.models.loader import checkpoint_files  # (the loader imports this module)
+
+    for file in checkpoint_files(src):
+        with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 w = f.get_tensor(name)
-                if w.dim() != 2 or not name.endswith(".weight") or _stays(name):
+                if not _quantizable(name, w):
                     out[name] = w
                     continue
                 q, scale = quantize(w, block, per_tensor)
@@ -181,10 +192,7 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
                 if static_input:
                     out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
     save_file(out, os.path.join(dst, "model.safetensors"))
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(
-                os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), dst)
+    _copy_side_files(src, dst, ("model.safetensors.index.json",))
     with open(os.path.join(dst, "config.json")) as f:
         config = json.load(f)
     if compressed_tensors:
@@ -226,9 +234,7 @@ def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float3
             t = dequantize(t, scale, scheme.block)
         out[name] = t.to(dtype)
     save_file(out, os.path.join(dst, "model.safetensors"))
-    for f in os.listdir(src):
-        if f not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(src, f)):
-            shutil.copy(os.path.join(src, f), dst)
+    _copy_side_files(src, dst, ("config.json",))
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
