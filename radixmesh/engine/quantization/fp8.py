@@ -176,10 +176,8 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
     scale_name = "weight_scale_inv" if block and not compressed_tensors else "weight_scale"
     os.makedirs(dst, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
-    from radixmesh.engine.models.loader import checkpoint_files  # (the loader imports this module)
-
-    for file in checkpoint_files(src):
-        with safe_open(file, framework="pt") as f:
+    for file in sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors")):
+        with safe_open(file, framework="pt") as f:  # (not the loader's checkpoint_files: the loader imports us)
             for name in f.keys():
                 w = f.get_tensor(name)
                 if not _quantizable(name, w):
