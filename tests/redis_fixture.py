@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from radixmesh.services.common.ports import free_port
+
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers_ping(port: int) -> bool:

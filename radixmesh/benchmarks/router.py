@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,10 @@ from pathlib import Path
 import aiohttp
 
 from radixmesh.benchmarks.router_scenarios import SCENARIOS, Scenario
+from radixmesh.services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/results, models/
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:

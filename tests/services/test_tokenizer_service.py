@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from radixmesh.v1 import tokenizer_pb2_grpc
 from radixmesh.services.tokenizer.__main__ import main as tokenizer_main
 from radixmesh.services.tokenizer.templates import CHATML
 from tests.conftest import ROOT, model_path
+from radixmesh.services.common.ports import free_port
 
 MODEL = model_path("tiny-llama")
 SERVICE = "radixmesh.v1.TokenizerService"
@@ -59,14 +59,8 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(name: str, tmp: Path, *flags: str) -> Server:
-    port = _free_port()
+    port = free_port()
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.tokenizer", "--model-path", MODEL,

@@ -3,50 +3,72 @@ process picked the router's ports with a free_port of its own, and the kernel ma
 
 from __future__ import annotations
 
+import os
 import re
-import socket
+import subprocess
+import sys
+
+import pytest
 
 from radixmesh.services.common import ports
 from radixmesh.services.launch import LaunchSettings, plan
 
 
-class FakeKernel:
-    """socket.socket whose bind to port 0 gets the next of `offered`: the kernel offering ports again, as it may for
-    ports no one holds yet."""
-
-    def __init__(self, offered):
-        self.offered = iter(offered)
-
-    def __call__(self):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def bind(self, address):
-        self.port = next(self.offered)
-
-    def getsockname(self):
-        return ("127.0.0.1", self.port)
-
-
-def test_a_reserved_port_is_never_handed_out(monkeypatch):
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """free_port with no history, its locks in a folder of this test's own."""
     monkeypatch.setattr(ports, "_RECENT_PORTS", ports.collections.deque(maxlen=64))
-    monkeypatch.setattr(socket, "socket", FakeKernel([41001, 41002, 41001, 41003]))
-    ports.reserve(41002, None)
-    assert [ports.free_port(), ports.free_port()] == [41001, 41003]
+    monkeypatch.setattr(ports, "_LOCKS", ports.collections.OrderedDict())
+    monkeypatch.setattr(ports, "_LOCK_DIR", tmp_path / "locks")
+    yield monkeypatch
+    for fd in ports._LOCKS.values():
+        os.close(fd)
 
 
-def test_the_launch_plan_never_hands_out_the_routers_ports(monkeypatch):
+def offer(monkeypatch, offered):
+    """The random choice of port gives the next of `offered`, bound to repeat a port as chance may."""
+    it = iter(offered)
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(it))
+
+
+def test_a_reserved_port_is_never_handed_out(fresh):
+    offer(fresh, [31001, 31002, 31001, 31003])
+    ports.reserve(31002, None)
+    assert [ports.free_port(), ports.free_port()] == [31001, 31003]
+
+
+def test_the_launch_plan_never_hands_out_the_routers_ports(fresh):
     """The router's HTTP ports (one per replica) and gRPC port come with the flags; the kernel offering them first
     to the launcher's free_port must not put a tokenizer or worker on them (a CI run failed on exactly that)."""
-    monkeypatch.setattr(ports, "_RECENT_PORTS", ports.collections.deque(maxlen=64))
     settings = LaunchSettings(num_workers=2, num_routers=2)
-    monkeypatch.setattr(socket, "socket", FakeKernel([42100, 42000, 42001, *range(43000, 43100)]))
-    children = plan(settings, {"model_path": "m"}, router={"port": 42000, "grpc_port": 42100})
+    offer(fresh, [22100, 22000, 22001, *range(23000, 23100)])
+    children = plan(settings, {"model_path": "m"}, router={"port": 22000, "grpc_port": 22100})
     chosen = [int(p) for c in children if not c.name.startswith("router")
               for p in re.findall(r"--(?:port|stream-lane-port)', '(\d+)", str(c.argv))]
-    assert len(chosen) == 6 and min(chosen) >= 43000 and len(set(chosen)) == len(chosen), chosen
+    assert len(chosen) == 6 and min(chosen) >= 23000 and len(set(chosen)) == len(chosen), chosen
+
+
+def test_a_port_another_process_chose_is_not_handed_out(fresh):
+    """Two launchers (two test workers' meshes) choosing at once: a port one of them holds for a service that has
+    not bound it yet is skipped by the other (a CI run failed on a metrics port taken this way)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from radixmesh.services.common import ports; from pathlib import Path; "
+         "ports._LOCK_DIR = Path(sys.argv[1]); ports.random.randrange = lambda a, b: 24001; "
+         "print(ports.free_port(), flush=True); sys.stdin.read()", str(ports._LOCK_DIR)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "24001"
+        offer(fresh, [24001, 24002])
+        assert ports.free_port() == 24002
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    offer(fresh, [24001])  # its process gone, its lock went with it
+    assert ports.free_port() == 24001
+
+
+def test_ports_come_from_below_the_kernels_ephemeral_range(fresh):
+    """Where any process's bind(0) or outgoing connection could never take them."""
+    chosen = [ports.free_port() for _ in range(50)]
+    assert len(set(chosen)) == 50
+    assert all(ports._LOW <= p < ports._ephemeral_start() for p in chosen), chosen
