@@ -58,6 +58,23 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
+    # Speculative decoding (SGLang's flags; engine.speculative): NGRAM drafts from the request's own prompt and
+    # output (no second model). Each decode step then verifies the newest token and up to num_draft_tokens - 1
+    # drafted ones in one forward, keeping the longest prefix the target model agrees with (greedy: token-exact; sampled:
+    # rejection sampling, which keeps the target distribution). STANDALONE, EAGLE, EAGLE3 and NEXTN are refused
+    # until they land.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = field(default=None, metadata={"aliases": ("--speculative-draft-model",)})
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10_000_000
     enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
     # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
     # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)
@@ -143,6 +160,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     import torch
 
     from radixmesh.engine.models.support import check_servable
+    from radixmesh.engine.speculative.config import resolve_speculative
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
@@ -206,6 +224,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         mem_fraction_static=args.mem_fraction_static if args.mem_fraction_static is not None else 0.88,
         random_seed=args.random_seed if args.random_seed is not None else 42,
         tokenizer_path=args.tokenizer_path or args.model_path,
+        **resolve_speculative(args),
     )
 
 

@@ -122,7 +122,7 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
                       finished=b.finished, finish_reason=b.finish_reason, prompt_tokens=b.prompt_tokens,
                       completion_tokens=b.completion_tokens, cached_tokens=b.cached_tokens,
                       input_logprobs=a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
-                      queue_time_s=b.queue_time_s)
+                      queue_time_s=b.queue_time_s, spec=b.spec)
 
 
 def coalesce(items: list[tuple[int, StepOutput]]) -> list[tuple[int, StepOutput]]:

@@ -34,13 +34,16 @@ from radixmesh.engine.embeddings import EmbeddingCollector, split_inputs
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import check_dimensions, pooling_of
 from radixmesh.engine.outputs import RequestOutput
-from radixmesh.engine.request import Req, StepOutput
+from radixmesh.engine.request import Req, SpecCounts, StepOutput
 from radixmesh.engine.results import BatchCollector, RequestSpec, normalize_batch, resume_req, resumed
 from radixmesh.engine.sampling.grammar import GrammarCompilerCache
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.engine.tp_worker import rank_args, start_leader
 from radixmesh.engine.scheduler.scheduler import Scheduler
 from radixmesh.engine.scheduler.embedding import EmbeddingSteps
+from radixmesh.engine.scheduler.spec_steps import SpecSteps
+from radixmesh.engine.speculative.config import max_draft
+from radixmesh.engine.speculative.ngram import NgramIndex
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
 
@@ -98,7 +101,8 @@ class Engine:
                                    load_tokenizer(self.args.tokenizer_path) if self.tokenizer else None,
                                    self.args.num_reserved_decode_tokens,
                                    overlap=not self.args.disable_overlap_schedule,
-                                   embedding=EmbeddingSteps(self.pooling) if self.pooling is not None else None)
+                                   embedding=EmbeddingSteps(self.pooling) if self.pooling is not None else None,
+                                   spec=self._spec_steps())
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.prefill_tokens_per_s = lambda: self.scheduler.prefill_tokens_per_s
         self._grammars: GrammarCompilerCache | None = None
@@ -108,6 +112,14 @@ class Engine:
         self._early_aborts = EarlyAborts()
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
+
+    def _spec_steps(self) -> SpecSteps | None:
+        """Speculative decoding's scheduler steps, when --speculative-algorithm is given."""
+        args = self.args
+        if args.speculative_algorithm is None:
+            return None
+        windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+        return SpecSteps(self.cache, max_draft(args), lambda req: NgramIndex(*windows), args.context_length)
 
     def _rank_exited(self, reason: str) -> None:
         """A follower process of this node died: the group is broken, so the engine is (callers get `reason`)."""
@@ -130,7 +142,7 @@ class Engine:
         matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
         req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
-                  tenant=tenant)
+                  tenant=tenant, spec=SpecCounts() if self.args.speculative_algorithm else None)
         if spec.resume_ids:
             resume_req(req, spec.resume_ids)
         return req

@@ -30,6 +30,7 @@ from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult, verify
 
 if TYPE_CHECKING:
     from radixmesh.engine.scheduler.step import PromptLogprobPlan
@@ -391,3 +392,8 @@ class ModelRunner:
             extra = token_logprobs(logits[batch_size:], dev(prompt.targets), prompt.top_k, dev(prompt.token_ids))
             result = result._replace(prompt=extra)
         return result
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch) -> VerifyResult:
+        """A speculative verify forward's drafts checked against its logits (engine.speculative.verify)."""
+        return verify(logits, layout, sampling, self.generator, self.penalties)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixmesh.engine.request import FinishReason
+from radixmesh.engine.request import FinishReason, SpecCounts
 
 # SGLang's (logprob, token id, text) of one token; the text only with return_text_in_logprobs, and the logprob None
 # for the first prompt token (it has none).
@@ -53,6 +53,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None  # None: still running
     logprobs: Logprobs | None = None  # None: the request did not ask for logprobs
     index: int | None = None  # which request of a batch call a streamed delta belongs to (None: not a batch)
+    spec: SpecCounts | None = None  # speculative decoding's counts (None: speculation is off)
 
     @property
     def finished(self) -> bool:
@@ -65,6 +66,8 @@ class RequestOutput:
                 "finish_reason": self.finish_reason.to_dict() if self.finish_reason is not None else None}
         if self.logprobs is not None:
             self.logprobs.add_to(meta)
+        if self.spec is not None:
+            meta.update(self.spec.meta_info())
         return meta
 
     def to_dict(self) -> dict:

@@ -76,6 +76,24 @@ class StepOutput:
     input_logprobs: tuple[list[float], list[LogprobList], list[LogprobList]] | None = None
     queue_time_s: float | None = None  # arrival to first admission by the prefill planner (None: not admitted so)
     embedding: list[float] | None = None  # an embedding engine's finished request: its normalised vector
+    spec: SpecCounts | None = None  # speculative decoding's counts so far (None: speculation is off)
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    """One request's speculative decoding so far: verify forwards it took part in, tokens drafted for it, and of
+    those the ones the target model kept."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def meta_info(self) -> dict:
+        """SGLang's meta_info keys, and the mean tokens a verify produced (kept drafts and the target's own)."""
+        return {"spec_verify_ct": self.verify_ct, "spec_draft_token_num": self.draft_tokens,
+                "spec_accept_token_num": self.accepted_tokens,
+                "spec_accept_length": (self.accepted_tokens + self.verify_ct) / self.verify_ct if self.verify_ct
+                else 0.0}
 
 
 @dataclass(slots=True)
@@ -130,6 +148,10 @@ class Req:
     # then the finished request's normalised vector.
     pooled: object | None = None
     embedding: list[float] | None = None
+    # Speculative decoding: where the request's drafts come from (engine.scheduler.spec_steps.Drafter) and its
+    # counts; None when speculation is off.
+    drafter: object | None = None
+    spec: SpecCounts | None = None
 
     @property
     def fill_ids(self) -> list[int]:

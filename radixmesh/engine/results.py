@@ -299,7 +299,8 @@ class ResultBuilder:
         out = self.last
         return RequestOutput(self.spec.rid, text, output_ids, out.prompt_tokens, out.completion_tokens,
                              out.cached_tokens, out.finish_reason,
-                             self._logprobs(logprobs_from) if self.spec.logprob is not None else None)
+                             self._logprobs(logprobs_from) if self.spec.logprob is not None else None,
+                             spec=out.spec)
 
     def _logprobs(self, start: int) -> Logprobs:
         """The lists the request asked for; output tokens from index `start` on."""

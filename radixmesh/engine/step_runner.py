@@ -17,9 +17,10 @@ from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import Pooling
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch
-from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend
+from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend, build_verify
 from radixmesh.engine.scheduler.logprob_lists import to_host, token_logprob_rows
 from radixmesh.engine.scheduler.step import Resolved, ScheduledBatch, StepResult
+from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult
 
 
 def _map_tensors(obj: Any, fn) -> Any:
@@ -41,7 +42,7 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 class HostCopy:
     """A SampleResult on its way to pinned host memory; `wait` blocks until it is there and reads it as Resolved."""
 
-    def __init__(self, result: SampleResult, device: torch.device):
+    def __init__(self, result, device: torch.device):
         if device.type != "cuda":
             self.result, self.event = result, None
             return
@@ -52,9 +53,30 @@ class HostCopy:
     def wait(self) -> Resolved:
         if self.event is not None:
             self.event.synchronize()
-        r = self.result
+        return self.read(self.result)
+
+    @staticmethod
+    def read(r: SampleResult) -> Resolved:
         prompt = to_host(r.prompt.chosen, r.prompt.top, r.prompt.by_id) if r.prompt is not None else None
         return Resolved([[t] for t in r.next_ids.tolist()], token_logprob_rows(r), prompt)
+
+
+class VerifyCopy(HostCopy):
+    """A VerifyResult on its way to the host: each row's kept drafts and the token after them."""
+
+    @staticmethod
+    def read(r: VerifyResult) -> Resolved:
+        accepted = r.accepted.tolist()
+        tokens = [row[:a + 1] for row, a in zip(r.tokens.tolist(), accepted)]
+        if r.logprobs is None:
+            return Resolved(tokens, None, None)
+        chosen = r.logprobs.tolist()
+        top = [[list(zip(v, i)) for v, i in zip(vs, ids)] for vs, ids in zip(*(x.tolist() for x in r.top_logprobs))] \
+            if r.top_logprobs is not None else None
+        by_id = r.token_ids_logprobs.tolist() if r.token_ids_logprobs is not None else None
+        rows = [[(chosen[i][j], top[i][j] if top else None, by_id[i][j] if by_id else None) for j in range(a + 1)]
+                for i, a in enumerate(accepted)]
+        return Resolved(tokens, rows, None)
 
 
 class PooledResult:
@@ -74,6 +96,9 @@ class StepRunner:
         self.vocab_size = model.model_config.vocab_size
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.drafts is not None:
+            return StepResult(batch, self.model.forward(build_verify(batch.reqs, batch.drafts, batch.locs,
+                                                                     self.device)))
         if batch.mode is ForwardMode.EXTEND:
             forward, plan = build_extend(batch.reqs, batch.locs, self.device, batch.after)
         else:
@@ -89,12 +114,28 @@ class StepRunner:
         batch = result.batch
         reqs = batch.reqs
         self._reset_penalties(batch)
-        sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs), self.vocab_size, self.device)
-        sampled = self.model.sample(result.output, len(reqs), sampling, result.prompt_plan)
+        if batch.drafts is not None:
+            sampled, host = self._verify(result)
+        else:
+            sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs), self.vocab_size, self.device)
+            sampled = self.model.sample(result.output, len(reqs), sampling, result.prompt_plan)
+            host = HostCopy(sampled, self.device)
         self._record_penalties(batch, sampled.next_ids)
-        result.host = HostCopy(sampled, self.device)
+        result.host = host
         result.output, result.sampled = None, sampled
         result.rows = {id(r): i for i, (r, s) in enumerate(zip(reqs, batch.samples)) if s}
+
+    def _verify(self, result: StepResult) -> tuple[SampleResult, VerifyCopy]:
+        """A verify step's tokens: sampling rows for every position of every request (position j counts the j
+        drafted tokens before it as output), checked against the drafts (engine.speculative.verify). Penalized
+        requests never draft (their counts would differ per position), so `next_ids` records their one token."""
+        batch = result.batch
+        layout = VerifyLayout.build(batch.drafts, self.device)
+        rows = [r for r in batch.reqs for _ in range(layout.width)]
+        sampling = SamplingBatch.build(rows, any(r.return_logprob for r in batch.reqs), self.vocab_size, self.device,
+                                       offsets=list(range(layout.width)) * len(batch.reqs))
+        verified = self.model.verify(result.output, layout, sampling)
+        return SampleResult(verified.next_ids, None), VerifyCopy(verified, self.device)
 
     def heartbeat(self) -> None:
         self.model.heartbeat()

@@ -210,6 +210,18 @@ class CacheManager:
             r.alloc_len += 1
         return slots
 
+    def trim(self, req: Req, length: int) -> None:
+        """Shrink the request's allocation to its first `length` tokens (kv_len <= length <= alloc_len): the pages
+        wholly past it go back to the pool (a speculative verify's rejected drafts); slots after it in its last
+        page stay the request's, for its next tokens."""
+        if not req.kv_len <= length <= req.alloc_len:
+            raise ValueError(f"request {req.rid}: cannot trim to {length} tokens (kv_len {req.kv_len}, "
+                             f"alloc_len {req.alloc_len})")
+        keep = -(-length // self.page) * self.page
+        if keep < req.alloc_len:
+            self._free_slots(self.req_to_token.read(req.pool_idx, keep, req.alloc_len))
+        req.alloc_len = length
+
     def pages_of(self, req: Req, start: int, end: int) -> list[int]:
         """The pages holding tokens [start, end) of `req` (start page-aligned), in token order."""
         return (self.req_to_token.read(req.pool_idx, start, end)[::self.page] // self.page).tolist()

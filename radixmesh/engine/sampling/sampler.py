@@ -40,8 +40,13 @@ class SamplingBatch(NamedTuple):
     grammar: tuple[torch.Tensor, list[int]] | None  # (token bitmask [batch, words] int32, rows it applies to)
 
     @classmethod
-    def build(cls, reqs: list[Req], want_logprobs: bool, vocab: int, device: torch.device) -> "SamplingBatch":
+    def build(cls, reqs: list[Req], want_logprobs: bool, vocab: int, device: torch.device,
+              offsets: list[int] | None = None) -> "SamplingBatch":
+        """`offsets`: per row, the tokens the row comes after beyond the request's output so far (a speculative
+        verify step samples position j of a request's drafts as if j drafted tokens were already output: its
+        min_new_tokens and seeded draws count them). Grammars bind only rows at offset 0."""
         params = [r.sampling for r in reqs]
+        ahead = offsets or [0] * len(reqs)
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -62,29 +67,30 @@ class SamplingBatch(NamedTuple):
             penalty_rows=t([r.pool_idx or 0 for r in reqs], torch.int64) if penalized else None,
             penalties=tuple(t([getattr(p, name) for p in params], torch.float32) for name in
                             ("frequency_penalty", "presence_penalty", "repetition_penalty")) if penalized else None,
-            masked=_min_new_tokens_mask(reqs, t),
+            masked=_min_new_tokens_mask(reqs, ahead, t),
             bias=_bias(reqs, t),
             seeds=t([-1 if p.sampling_seed is None else p.sampling_seed for p in params], torch.int64)
             if seeded else None,
-            steps=t([len(r.output_ids) for r in reqs], torch.int64) if seeded else None,
+            steps=t([len(r.output_ids) + a for r, a in zip(reqs, ahead)], torch.int64) if seeded else None,
             want_logprobs=want_logprobs,
             top_logprobs_k=max((r.logprob.top_logprobs_num for r in reqs if r.logprob), default=0),
             logprob_token_ids=_logprob_token_ids(reqs, t),
-            grammar=_grammar_bitmask(reqs, vocab),
+            grammar=_grammar_bitmask(reqs, ahead, vocab),
         )
 
 
-def _min_new_tokens_mask(reqs: list[Req], t):
+def _min_new_tokens_mask(reqs: list[Req], ahead: list[int], t):
     rows, cols = [], []
-    for i, r in enumerate(reqs):
-        if len(r.output_ids) < r.sampling.min_new_tokens and r.stop_ids:
+    for i, (r, a) in enumerate(zip(reqs, ahead)):
+        if len(r.output_ids) + a < r.sampling.min_new_tokens and r.stop_ids:
             rows += [i] * len(r.stop_ids)
             cols += list(r.stop_ids)
     return (t(rows, torch.int64), t(cols, torch.int64)) if rows else None
 
 
-def _grammar_bitmask(reqs: list[Req], vocab: int):
-    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active and not r.finished]
+def _grammar_bitmask(reqs: list[Req], ahead: list[int], vocab: int):
+    rows = [i for i, (r, a) in enumerate(zip(reqs, ahead))
+            if a == 0 and r.matcher is not None and r.matcher.active and not r.finished]
     if not rows:
         return None
     import xgrammar as xgr
@@ -145,6 +151,23 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return x.double().div(2.0**32).float()
 
 
+def uniforms(batch: SamplingBatch, generator: torch.Generator | None, device: torch.device,
+             salt: int = 0) -> torch.Tensor:
+    """One uniform number in [0, 1) per row: from `generator`, or for a seeded row from (seed, step), where `salt`
+    tells apart several draws of one row and step (a speculative verify's acceptance test and its resampling)."""
+    u = torch.rand(batch.greedy.shape[0], generator=generator, device=device)
+    if batch.seeds is not None:
+        seeds = batch.seeds ^ salt if salt else batch.seeds
+        u = torch.where(batch.seeds >= 0, hashed_uniform(seeds, batch.steps), u)
+    return u
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [rows] drawn from probs [rows, vocab] (any non-negative weights) by inverse CDF at u [rows]."""
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None) -> torch.Tensor:
     """Penalties, min_new_tokens masking and logit_bias, applied to a copy of logits [batch, vocab]."""
     if batch.penalties is not None:
@@ -176,26 +199,26 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
     return probs / probs.sum(dim=-1, keepdim=True), order
 
 
+def token_probs(adjusted: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row draws from, in token order: filtered_probs of the adjusted logits."""
+    probs, order = filtered_probs(adjusted, batch)
+    if order is None:
+        return probs
+    # Back to token order: a row's draw must not depend on whether another row of the batch filters (which is
+    # what puts the whole batch in sorted order).
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None,
            penalties: PenaltyState | None = None) -> SampleResult:
     """logits [batch, vocab] float32 -> chosen token ids (and their logprobs under the raw distribution)."""
-    adjusted = adjust_logits(logits, batch, penalties) if _adjusts(batch) else logits
+    adjusted = adjust_logits(logits, batch, penalties) if adjusts(batch) else logits
     argmax = adjusted.argmax(dim=-1)
     if batch.all_greedy:
         next_ids = argmax
     else:
-        probs, order = filtered_probs(adjusted, batch)
-        if order is not None:
-            # Back to token order: a row's draw must not depend on whether another row of the batch filters
-            # (which is what puts the whole batch in sorted order).
-            probs = torch.zeros_like(probs).scatter_(1, order, probs)
-        u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
-        if batch.seeds is not None:
-            u = torch.where(batch.seeds >= 0, hashed_uniform(batch.seeds, batch.steps), u)
-        cdf = probs.cumsum(dim=-1)
-        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-        sampled = sampled.squeeze(1)
-        next_ids = torch.where(batch.greedy, argmax, sampled)
+        probs = token_probs(adjusted, batch)
+        next_ids = torch.where(batch.greedy, argmax, draw(probs, uniforms(batch, generator, probs.device)))
     if not batch.want_logprobs:
         return SampleResult(next_ids, None)
     raw = torch.log_softmax(logits, dim=-1)
@@ -204,6 +227,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     return SampleResult(next_ids, raw.gather(1, next_ids[:, None]).squeeze(1), top, by_id)
 
 
-def _adjusts(batch: SamplingBatch) -> bool:
+def adjusts(batch: SamplingBatch) -> bool:
     return (batch.penalties is not None or batch.bias is not None or batch.masked is not None
             or batch.grammar is not None)

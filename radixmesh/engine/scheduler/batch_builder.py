@@ -94,3 +94,26 @@ def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
         device=device,
         pending=(pend_pos, pend_rows, prev.sampled.next_ids) if pend_pos else None,
     )
+
+
+def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, device: torch.device) -> ForwardBatch:
+    """A speculative verify: each request's newest token (at kv_len) and its drafted tokens after it, in one
+    EXTEND forward (attention over each request's KV and its new tokens, causally). Logits come back for every new
+    token: each request's last one first, then the others in batch order as extra rows (engine.speculative.verify
+    reads them in that layout)."""
+    ids, positions, extra = [], [], []
+    for r, draft in zip(reqs, drafts):
+        if r.kv_len != r.fill_len - 1 or r.extend_len != 1 + len(draft):
+            raise RuntimeError(f"request {r.rid}: a verify needs its newest token known and not yet in the KV")
+        start = len(ids)
+        ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *draft]
+        positions += range(r.kv_len, r.kv_len + r.extend_len)
+        extra += range(start, start + len(draft))
+    return ForwardBatch.build(
+        ForwardMode.EXTEND, ids, positions, locs,
+        req_pool_indices=[r.pool_idx for r in reqs],
+        seq_lens=[r.kv_len + r.extend_len for r in reqs],
+        extend_lens=[r.extend_len for r in reqs],
+        device=device,
+        extra_logit_indices=extra,
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from radixmesh.engine.request import FinishKind, FinishReason, Req, StepOutput
 
 
@@ -59,4 +61,5 @@ def step_output(req: Req) -> StepOutput:
         input_logprobs=(req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs) if first else None,
         queue_time_s=req.queue_time_s,
         embedding=req.embedding,
+        spec=dataclasses.replace(req.spec) if req.spec is not None else None,
     )

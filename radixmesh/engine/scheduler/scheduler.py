@@ -35,6 +35,7 @@ from radixmesh.engine.scheduler.handoffs import Handoffs
 from radixmesh.engine.scheduler.logprob_lists import store_prompt_logprobs
 from radixmesh.engine.scheduler.prefill_planner import NewTokenRatio, PlannerLimits, PrefillPlanner
 from radixmesh.engine.scheduler.requests import Requests
+from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.scheduler.step import Resolved, Runner, ScheduledBatch, StepResult
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ QUEUE_SCAN = 256  # waiting requests whose cached prefix load() looks up
 class Scheduler:
     def __init__(self, runner: Runner, cache: CacheManager, limits: PlannerLimits, conservativeness: float,
                  enable_mixed_chunk: bool, context_len: int, tokenizer=None, reserved_decode_tokens: int = 512,
-                 overlap: bool = False, embedding: EmbeddingSteps | None = None):
-        """`embedding`: an embedding engine's pooling steps (its forwards pool hidden states, nothing samples)."""
+                 overlap: bool = False, embedding: EmbeddingSteps | None = None, spec: SpecSteps | None = None):
+        """`embedding`: an embedding engine's pooling steps (its forwards pool hidden states, nothing samples).
+        `spec`: speculative decoding's steps (decode steps verify drafted tokens; needs overlap off)."""
+        if spec is not None and overlap:
+            raise ValueError("speculative decoding runs without the overlap scheduler: a draft needs the tokens of "
+                             "the step before")
         self.runner = runner
         self.cache = cache
         self.ratio = NewTokenRatio(conservativeness)
@@ -59,6 +64,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.overlap = overlap
         self.embedding = embedding
+        self.spec = spec
         self.in_flight: StepResult | None = None  # sampled, not processed yet (overlap)
         self.stats = {"forward_extend": 0, "forward_decode": 0, "prefill_tokens": 0, "retractions": 0}
         self.prefill_tokens_per_s = 0.0  # measured over extend steps (EMA), for routers' time-to-first-token model
@@ -174,8 +180,24 @@ class Scheduler:
             decode_reqs = self._prepare_decode()
             if decode_reqs:
                 self.ratio.step()
+                if self.spec is not None:
+                    return self._verify_batch(decode_reqs)
                 return self._batch(decode_reqs, ForwardMode.DECODE)
         return None
+
+    def _verify_batch(self, reqs: list[Req]) -> ScheduledBatch | None:
+        """A decode step under speculation: the requests' drafts verified in one forward (a plain decode when none
+        has a draft: its forward is cheaper, and CUDA graphs run it)."""
+        drafts = self.spec.draft(reqs)
+        if not any(drafts):
+            return self._batch(reqs, ForwardMode.DECODE)
+        try:
+            locs = self.cache.slots_of_new_tokens(reqs)
+        except Exception as e:
+            self._fail(reqs, e)
+            return None
+        return ScheduledBatch(reqs, ForwardMode.EXTEND, locs, [True] * len(reqs), [False] * len(reqs),
+                              self.in_flight, drafts=drafts)
 
     def _batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduledBatch | None:
         decoding = {id(r) for r in self.requests.running}
@@ -275,7 +297,8 @@ class Scheduler:
             return None
         finally:
             batch.after = None  # read by execute only: kept, every step would hold the one before it, and so on
-        self.stats["forward_extend" if batch.mode is ForwardMode.EXTEND else "forward_decode"] += 1
+        decode = batch.mode is ForwardMode.DECODE or batch.drafts is not None  # a verify is a decode step
+        self.stats["forward_decode" if decode else "forward_extend"] += 1
         for r, samples, new in zip(reqs, batch.samples, batch.prefilling):
             if new:
                 self.stats["prefill_tokens"] += r.extend_len
@@ -331,6 +354,11 @@ class Scheduler:
                 r.pending -= 1
                 if r.finished:  # aborted, or finished by its previous token: this one is past its end
                     continue
+                if self.spec is not None:
+                    if batch.drafts is not None:  # first: the rejected drafts' KV must not reach the prefix cache
+                        self.spec.verified(r, len(batch.drafts[i]), resolved.tokens[i])
+                    elif batch.mode is ForwardMode.DECODE:
+                        self.spec.count(r)
                 self._advance(r, i, resolved)
 
     def _finish_embedded(self, req: Req) -> None:
@@ -455,4 +483,5 @@ class Scheduler:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "queued_prefill_tokens": queued,
                 "queue_time_s": max(self.queue_time_s, time.monotonic() - min(r.arrival for r in reqs.waiting))
                 if reqs.waiting else 0.0,
-                **reqs.counts(), **self.cache.hit_counts(), **tiers, **self.stats}
+                **reqs.counts(), **self.cache.hit_counts(), **tiers, **self.stats,
+                **(self.spec.stats if self.spec is not None else {})}

@@ -48,6 +48,8 @@ class ScheduledBatch:
     prefilling: list[bool]  # per request: it was not decoding before this forward
     after: StepResult | None = None  # the step in flight whose tokens are inputs here; cleared once executed
     new_tokens: int = 0  # tokens an EXTEND forward computes (the prefill rate's numerator); 0 for DECODE
+    # A speculative verify (an EXTEND of running requests): per request, the drafted tokens after its newest one
+    drafts: list[list[int]] | None = None
 
 
 class Resolved(NamedTuple):

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from radixmesh.engine.request import FinishKind, FinishReason
+from radixmesh.engine.request import FinishKind, FinishReason, SpecCounts
 from radixmesh.v1 import common_pb2
 from radixmesh.services.router.openai_request import sample_seed_error
 from radixmesh.services.router.request_fields import token_key
@@ -90,6 +90,11 @@ def finish_reason(fr: common_pb2.FinishReason) -> FinishReason:
     if kind is FinishKind.LENGTH:
         return FinishReason(kind, length=fr.length)
     return FinishReason(kind, message=fr.message)
+
+
+def spec_meta(spec: common_pb2.SpecInfo) -> dict:
+    """meta_info's spec_* keys from a worker's totals, as the engine writes them."""
+    return SpecCounts(spec.verify_ct, spec.draft_tokens, spec.accepted_tokens).meta_info()
 
 
 def _texts(texts, n: int) -> list:

@@ -38,6 +38,7 @@ class _Sample:
     input_by_id: list = field(default_factory=list)
     usage: tuple[int, int, int] = (0, 0, 0)
     finish: FinishReason | None = None  # None: still running
+    spec: common_pb2.SpecInfo | None = None  # speculative decoding's totals, when the worker speculates
 
     def add_output(self, lp: common_pb2.OutputLogprobs) -> None:
         self.logprobs += convert.triples(lp.token_ids, lp.token_logprobs, lp.texts)
@@ -64,11 +65,15 @@ class _Sample:
                     self.set_input(c.input_logprobs)
             if c.HasField("finish_reason"):
                 self.finish = convert.finish_reason(c.finish_reason)
+            if c.HasField("spec"):
+                self.spec = c.spec
         elif kind == "complete":
             c = msg.complete
             self.ids, self.text = c.output_ids[:], c.text
             self.usage = (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens)
             self.finish = convert.finish_reason(c.finish_reason)
+            if c.usage.HasField("spec"):
+                self.spec = c.usage.spec
             if c.HasField("output_logprobs"):
                 self.logprobs, self.top, self.by_id = [], [], []
                 self.add_output(c.output_logprobs)
@@ -79,6 +84,8 @@ class _Sample:
         finish = self.finish.to_dict() if self.finish is not None else None
         meta: dict[str, Any] = {"id": self.rid, "finish_reason": finish, "prompt_tokens": self.usage[0],
                                 "completion_tokens": self.usage[1], "cached_tokens": self.usage[2]}
+        if self.spec is not None:
+            meta.update(convert.spec_meta(self.spec))
         if lp.return_logprob:
             meta.update(output_token_logprobs=self.logprobs, input_token_logprobs=self.input_lp)
             if lp.top_logprobs_num:

@@ -116,6 +116,8 @@ class Streamed:
             complete.usage.prompt_tokens = chunk.prompt_tokens
             complete.usage.completion_tokens = chunk.completion_tokens
             complete.usage.cached_tokens = chunk.cached_tokens
+            if chunk.HasField("spec"):
+                complete.usage.spec.CopyFrom(chunk.spec)
             out.append(worker_pb2.GenerateResponse(request_id=self.request.request_id, index=i, complete=complete))
         return out
 

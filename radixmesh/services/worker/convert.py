@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from radixmesh.engine.outputs import Logprobs, RequestOutput
-from radixmesh.engine.request import FinishKind, FinishReason
+from radixmesh.engine.request import FinishKind, FinishReason, SpecCounts
 from radixmesh.engine.sampling.params import FIELDS
 from radixmesh.v1 import bootstrap_pb2, common_pb2, worker_pb2
 
@@ -119,7 +119,14 @@ def finish_reason(reason: FinishReason | None) -> common_pb2.FinishReason | None
 
 def usage(out: RequestOutput) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                            cached_tokens=out.cached_tokens)
+                            cached_tokens=out.cached_tokens, spec=spec_info(out.spec))
+
+
+def spec_info(spec: SpecCounts | None) -> common_pb2.SpecInfo | None:
+    if spec is None:
+        return None
+    return common_pb2.SpecInfo(verify_ct=spec.verify_ct, draft_tokens=spec.draft_tokens,
+                               accepted_tokens=spec.accepted_tokens)
 
 
 def chunk(delta: RequestOutput, with_input_logprobs: bool) -> worker_pb2.GenerateStreamChunk:
@@ -133,6 +140,8 @@ def chunk(delta: RequestOutput, with_input_logprobs: bool) -> worker_pb2.Generat
         msg.output_logprobs.CopyFrom(output_logprobs(lp))
     if delta.finish_reason is not None:
         msg.finish_reason.CopyFrom(finish_reason(delta.finish_reason))
+    if delta.spec is not None:
+        msg.spec.CopyFrom(spec_info(delta.spec))
     in_lp = input_logprobs(lp) if with_input_logprobs else None
     if in_lp is not None:
         msg.input_logprobs.CopyFrom(in_lp)

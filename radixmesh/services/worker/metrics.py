@@ -44,6 +44,11 @@ _ENGINE_COUNTERS = (
     ("radixmesh:forward_steps_total", "", "forward_decode", {"mode": "decode"}),
     ("radixmesh:prefill_computed_tokens_total", "Prompt tokens computed by prefill forwards (cache hits excluded)",
      "prefill_tokens", {}),
+    ("radixmesh:spec_verify_rows_total", "Speculative decoding: a request's rows in decode forwards (each verifies "
+     "its drafted tokens, if any)", "spec_verify_rows", {}),
+    ("radixmesh:spec_draft_tokens_total", "Speculative decoding: tokens drafted", "spec_draft_tokens", {}),
+    ("radixmesh:spec_accepted_tokens_total", "Speculative decoding: drafted tokens the target model kept",
+     "spec_accepted_tokens", {}),
     ("radixmesh:hicache_storage_pages_total", "KV pages moved to and from the L3 store, by operation",
      "storage_written_pages", {"op": "written"}),
     ("radixmesh:hicache_storage_pages_total", "", "storage_fetched_pages", {"op": "fetched"}),
@@ -172,6 +177,11 @@ class WorkerMetrics:
             for name, doc, key, labels in _ENGINE_COUNTERS:
                 if key in load:
                     out.counter(name, doc, load[key], **labels)
+            if load.get("spec_verify_rows"):
+                rows = load["spec_verify_rows"]
+                out.gauge("sglang:spec_accept_length", "Speculative decoding: mean tokens a request gets per decode "
+                          "forward (kept drafts and the target's own token) since start",
+                          (load["spec_accepted_tokens"] + rows) / rows)
         if self._experts:
             self._collect_experts(out)
         if self.rooms is not None:

@@ -1,0 +1,174 @@
+"""Speculative decoding (--speculative-algorithm NGRAM) against plain decoding, through the public Engine API.
+
+    python -m radixmesh.benchmarks.speculative --model-path meta-llama/Llama-3.1-8B-Instruct \\
+        --draft-tokens 2,4,6,8 --out benchmarks/results/<date>-<device>-speculative.json
+
+Workload: prompts whose continuation is predictable, as code edits and summaries are. For each seed prompt P the
+plain engine first decodes its greedy continuation G; the measured prompt is P + G + P (the model's own continuation
+is in the prompt), and both engines then decode --max-new-tokens greedily from it. Decode speed is a request's
+streamed tokens after its first, over the time from its first token to its last (prefill excluded), summed over
+requests run one at a time (batch 1) or `--streams` at once; the speculative engine reports its acceptance length
+(tokens per decode forward, from meta_info). Outputs are checked token for token against the plain engine's.
+
+`--verify-cost` adds the ceiling: one request of --context tokens, the seconds of a plain decode forward and of a
+verify forward of 1 + k tokens for each k (the model runner directly, as engine.bench_one_batch times steps), so a
+kept draft's worth is visible apart from the acceptance rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from radixmesh.engine import Engine
+
+SEEDS = [
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "Summarize the following meeting notes in three bullet points.\n\nNotes: The team reviewed the Q3 roadmap.",
+    "The history of the printing press begins in the fifteenth century, when",
+    "SELECT customers.name, SUM(orders.total) FROM customers JOIN orders ON",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "Explain how a hash map handles collisions, with an example in Python.",
+    "The quick brown fox jumps over the lazy dog. Translate this sentence into French, German and Spanish.",
+]
+
+
+def workload(plain: Engine, n: int, new_tokens: int) -> list[list[int]]:
+    """P + G + P per seed prompt P (G: the plain engine's greedy continuation of P)."""
+    prompts = [plain.tokenizer.encode(s) for s in (SEEDS * (n // len(SEEDS) + 1))[:n]]
+    outs = plain.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new_tokens})
+    return [p + o["output_ids"] + p for p, o in zip(prompts, outs)]
+
+
+def decode_speed(engine: Engine, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
+    """Streamed decode tok/s (tokens after the first over first-to-last token time), outputs, accept length."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens}
+
+    def one(ids: list[int]) -> tuple[int, float, list[int], dict]:
+        first = last = None
+        out = None
+        for out in engine.generate(input_ids=ids, sampling_params=params, stream=True):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+        return len(out["output_ids"]) - 1, last - first, out["output_ids"], out["meta_info"]
+
+    with ThreadPoolExecutor(streams) as pool:
+        started = time.perf_counter()
+        runs = list(pool.map(one, prompts))
+        wall = time.perf_counter() - started
+    tokens = sum(r[0] for r in runs)
+    per_stream = [r[0] / r[1] for r in runs if r[1] > 0]
+    metas = [r[3] for r in runs]
+    out = {"streams": streams, "requests": len(prompts), "decode_tokens": tokens,
+           "tok_s_per_stream": statistics.mean(per_stream), "tok_s_total": sum(len(r[2]) for r in runs) / wall,
+           "outputs": [r[2] for r in runs]}
+    if "spec_verify_ct" in metas[0]:
+        forwards = sum(m["spec_verify_ct"] for m in metas)
+        kept = sum(m["spec_accept_token_num"] for m in metas)
+        out.update(accept_length=(forwards + kept) / forwards, drafted=sum(m["spec_draft_token_num"] for m in metas),
+                   accepted=kept)
+    return out
+
+
+def verify_cost(engine: Engine, context: int, ks: list[int], steps: int) -> dict:
+    """Seconds of a plain decode forward and of verify forwards of 1 + k tokens, one request of `context` tokens."""
+    from radixmesh.engine.bench_one_batch import _make_reqs, _sync, prefill
+    from radixmesh.engine.scheduler.batch_builder import build_decode, build_verify
+
+    runner, cache = engine.runner, engine.cache
+
+    def run() -> dict:
+        req = _make_reqs(cache, 1, context, runner.model_config.vocab_size, torch.Generator().manual_seed(0))[0]
+        req.output_ids.append(prefill(runner, cache, [req])[0])
+        out = {}
+        try:
+            for k in [0, *ks]:
+                times = []
+                for i in range(steps + 3):
+                    req.extend_len = 1 + k
+                    if cache.alloc_tokens(req, 1 + k) is None:
+                        raise RuntimeError("KV pool too small")
+                    locs = cache.slots_of_new_tokens([req])
+                    batch = build_decode([req], locs, runner.device) if k == 0 else \
+                        build_verify([req], [[7] * k], locs, runner.device)
+                    _sync(runner.device)
+                    t0 = time.perf_counter()
+                    runner.forward(batch)
+                    _sync(runner.device)
+                    if i >= 3:
+                        times.append(time.perf_counter() - t0)
+                    cache.trim(req, req.kv_len)  # nothing kept: the same context every time
+                out["decode" if k == 0 else f"verify_k{k}"] = statistics.median(times)
+        finally:
+            cache.release(req)
+        return out
+
+    return engine.scheduler.call(run).result()  # on the scheduler thread, between steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixmesh.benchmarks.speculative", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft-tokens", default="4,8", help="--speculative-num-draft-tokens values, comma-separated")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--streams", default="1", help="concurrent requests, comma-separated (1: batch 1)")
+    ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--context", type=int, default=1024, help="--verify-cost's context length")
+    ap.add_argument("--engine-args", default="{}", help="more Engine keyword arguments, as JSON")
+    ap.add_argument("--out", type=Path, default=None)
+    ns = ap.parse_args(argv)
+    common = {"model_path": ns.model_path, "dtype": ns.dtype, "log_level": "warning", **json.loads(ns.engine_args)}
+    if ns.device:
+        common["device"] = ns.device
+    streams = [int(x) for x in ns.streams.split(",")]
+    record = {"bench": "speculative", "command": "python -m radixmesh.benchmarks.speculative " +
+              " ".join(sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": []}
+    plain = Engine(**common)
+    try:
+        prompts = workload(plain, ns.prompts, ns.max_new_tokens)
+        base = {s: decode_speed(plain, prompts, ns.max_new_tokens, s) for s in streams}
+        if ns.verify_cost:
+            record["verify_cost_s"] = verify_cost(plain, ns.context, [int(k) - 1 for k in ns.draft_tokens.split(",")],
+                                                  steps=20)
+    finally:
+        plain.shutdown()
+    for s, b in base.items():
+        record["runs"].append({"algorithm": None, **{k: v for k, v in b.items() if k != "outputs"}})
+        print(f"plain      streams {s:4d}: {b['tok_s_per_stream']:9.1f} tok/s per stream", flush=True)
+    for n in ns.draft_tokens.split(","):
+        spec = Engine(**common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=int(n))
+        try:
+            for s in streams:
+                r = decode_speed(spec, prompts, ns.max_new_tokens, s)
+                exact = r.pop("outputs") == base[s]["outputs"]
+                speedup = r["tok_s_per_stream"] / base[s]["tok_s_per_stream"]
+                record["runs"].append({"algorithm": "NGRAM", "num_draft_tokens": int(n), **r,
+                                       "speedup_per_stream": speedup, "token_exact": exact})
+                print(f"NGRAM n={n:>2} streams {s:4d}: {r['tok_s_per_stream']:9.1f} tok/s per stream ({speedup:.2f}x)"
+                      f", accept length {r['accept_length']:.2f}, token-exact {exact}", flush=True)
+        finally:
+            spec.shutdown()
+    if "verify_cost_s" in record:
+        print("verify cost (s):", json.dumps(record["verify_cost_s"]))
+    if ns.out:
+        ns.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if all(r.get("token_exact", True) for r in record["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Speculative decoding's part of the scheduler's steps: drafts for a decode step, and the verify's outcome applied.
+
+A decode step under speculation gives each running request up to `max_draft` drafted tokens (engine.speculative.ngram)
+after its newest one, with KV slots for all of them; the forward (a verify) computes them all at once. Once the
+step's tokens are read, a request that kept `a` of its `k` drafts gets a + 1 tokens; its KV is valid for its newest
+token and the kept drafts, so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the
+pool at once (CacheManager.trim). The prefix cache only ever sees tokens the request produced: it keys pages by
+fill_ids, and caches at most kv_len of them.
+
+Drafts are skipped (the request decodes one token in the same forward) where they could not be verified exactly:
+requests with a grammar (its matcher would have to follow each draft and roll back) or penalties (their counts
+differ per drafted position). They are also skipped where the pool has no free page for them: a draft never evicts
+cached prefixes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from radixmesh.engine.cache.manager import CacheManager
+from radixmesh.engine.request import Req
+
+
+class Drafter(Protocol):
+    """One request's source of drafts (engine.speculative.ngram.NgramIndex)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow `tokens`, the request's prompt and output so far."""
+        ...
+
+
+class SpecSteps:
+    """`new_drafter`: makes a request's Drafter, on its first decode step under speculation."""
+
+    def __init__(self, cache: CacheManager, max_draft: int, new_drafter: Callable[[Req], Drafter],
+                 context_len: int):
+        self.cache = cache
+        self.max_draft = max_draft
+        self.new_drafter = new_drafter
+        self.context_len = context_len
+        # since start: verify (or plain decode) rows, tokens drafted, drafts kept
+        self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+
+    def budget(self, req: Req) -> int:
+        """Drafted tokens `req` may verify in its next decode step."""
+        if req.matcher is not None or req.sampling.penalized:
+            return 0
+        # the step yields up to k + 1 tokens: within max_new_tokens and the context
+        room = min(req.remaining_new_tokens(), self.context_len - req.fill_len) - 1
+        return max(0, min(self.max_draft, room))
+
+    def draft(self, reqs: list[Req]) -> list[list[int]]:
+        """Drafts for a decode step's requests (each holding the slot of its newest token already); allocates
+        their slots and sets each request's extend_len to 1 + its draft's length."""
+        drafts = []
+        for r in reqs:
+            k = self.budget(r)
+            draft: list[int] = []
+            if k:
+                if r.drafter is None:
+                    r.drafter = self.new_drafter(r)
+                draft = r.drafter.propose(r.fill_ids, k)[:k]
+                draft = draft[:self._room(r, len(draft))]
+                if draft and self.cache.alloc_tokens(r, len(draft)) is None:
+                    draft = []
+            r.extend_len = 1 + len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _room(self, req: Req, k: int) -> int:
+        """Of k drafted tokens, those whose slots fit in free pages (or in the request's last page)."""
+        cache = self.cache
+        if cache.pages_for(req.alloc_len, k) <= cache.pages.num_free:
+            return k
+        return min(k, -req.alloc_len % cache.page)
+
+    def verified(self, req: Req, drafted: int, tokens: list[int]) -> None:
+        """A verify's outcome for `req` (which drafted `drafted` tokens and got `tokens`, the kept drafts and the
+        target's next token): the rejected drafts' KV slots are dropped."""
+        kept = len(tokens) - 1
+        self.count(req, drafted, kept)
+        rejected = drafted - kept
+        if rejected and req.pool_idx is not None:
+            req.kv_len -= rejected
+            self.cache.trim(req, req.kv_len)
+
+    def count(self, req: Req, drafted: int = 0, kept: int = 0) -> None:
+        """One decode forward of `req` under speculation (a plain decode: nothing drafted)."""
+        stats = self.stats
+        stats["spec_verify_rows"] += 1
+        stats["spec_draft_tokens"] += drafted
+        stats["spec_accepted_tokens"] += kept
+        if req.spec is not None:
+            req.spec.verify_ct += 1
+            req.spec.draft_tokens += drafted
+            req.spec.accepted_tokens += kept

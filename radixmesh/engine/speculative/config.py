@@ -1,0 +1,64 @@
+"""Speculative decoding's flags (SGLang's names), checked and resolved with the rest of the engine's arguments."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("NGRAM",)  # what runs here
+PLANNED = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")  # SGLang's others: refused by name until they land
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+NGRAM_DEFAULT_DRAFT_TOKENS = 8  # the newest token and up to 7 drafted ones per verify
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def resolve_speculative(args: Any) -> dict:
+    """`args`: engine.config.EngineArgs (not imported: engine.config imports this). The speculative fields resolved (algorithm upper-cased, defaults filled), as EngineArgs replacements; {}
+    when speculation is off. Raises ValueError on what we cannot run."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return {}
+    algo = str(algo).upper()
+    _check(algo not in PLANNED, f"speculative_algorithm {algo} is not implemented by radixmesh yet: "
+           f"{', '.join(ALGORITHMS)} is")
+    _check(algo in ALGORITHMS, f"speculative_algorithm must be one of {', '.join(ALGORITHMS + PLANNED)}, "
+           f"got {args.speculative_algorithm!r}")
+    _check(not args.is_embedding, "speculative decoding speeds up generation: an embedding engine (is_embedding) "
+           "generates nothing")
+    _check(args.speculative_draft_model_path is None,
+           f"speculative_algorithm {algo} drafts from the request's own tokens: it takes no "
+           "speculative_draft_model_path")
+    topk = args.speculative_eagle_topk
+    _check(topk is None or topk == 1, f"speculative_eagle_topk {topk}: draft trees (topk > 1) are not implemented "
+           "yet; drafts are one chain (topk 1)")
+    n = args.speculative_num_draft_tokens if args.speculative_num_draft_tokens is not None \
+        else NGRAM_DEFAULT_DRAFT_TOKENS
+    _check(isinstance(n, int) and n >= 2, "speculative_num_draft_tokens counts the newest token and the drafted "
+           f"ones a verify checks: it must be an integer >= 2, got {n!r}")
+    lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+    _check(1 <= lo <= hi, "speculative_ngram_min_match_window_size and ..._max_match_window_size must satisfy "
+           f"1 <= min <= max, got {lo} and {hi}")
+    b_lo, b_hi = args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth
+    _check(1 <= b_lo <= b_hi, "speculative_ngram_min_bfs_breadth and ..._max_bfs_breadth must satisfy "
+           f"1 <= min <= max, got {b_lo} and {b_hi}")
+    _check(args.speculative_ngram_match_type in NGRAM_MATCH_TYPES, "speculative_ngram_match_type must be one of "
+           f"{NGRAM_MATCH_TYPES}, got {args.speculative_ngram_match_type!r}")
+    _check(args.speculative_ngram_branch_length >= 1, "speculative_ngram_branch_length must be >= 1")
+    _check(args.speculative_ngram_capacity >= 1, "speculative_ngram_capacity must be >= 1")
+    if not args.disable_overlap_schedule:
+        log.info("speculative decoding: the overlap scheduler is off (a draft needs the previous step's tokens)")
+    return {"speculative_algorithm": algo, "speculative_num_draft_tokens": n, "speculative_eagle_topk": 1,
+            "speculative_num_steps": n - 1, "disable_overlap_schedule": True}
+
+
+def max_draft(args: Any) -> int:
+    """Drafted tokens a verify checks per request at most (0: speculation off)."""
+    if args.speculative_algorithm is None:
+        return 0
+    return min(args.speculative_num_draft_tokens - 1, args.speculative_ngram_branch_length)

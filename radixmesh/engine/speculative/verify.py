@@ -1,0 +1,118 @@
+"""Verification of drafted tokens: which of them the target model keeps, and the token it adds after them.
+
+A verify forward computes, for each request, logits at its newest token and at each of its k drafted tokens (k + 1
+positions; k may be 0). Position j's logits give the target's distribution p_j for the token after it, which the
+draft guessed to be d_{j+1}. Draft tokens are accepted from the first on while the test passes:
+
+- greedy rows: d_{j+1} == argmax p_j (the adjusted logits'), so the output is token for token what decoding one
+  token at a time gives;
+- sampled rows (a draft that proposes one token with certainty, as n-gram lookup does): d_{j+1} is kept with
+  probability p_j(d_{j+1}); at the first rejection the row's token is drawn from p_j with d_{j+1} taken out
+  (renormalized), and when every draft is kept the next token is drawn from p_k. Each token is then distributed
+  exactly as p_j, the distribution plain sampling draws from (speculative sampling, Leviathan et al. 2023, with a
+  one-hot draft distribution).
+
+p_j is what plain sampling would use at that position: penalties, logit_bias, min_new_tokens (counting the j drafted
+tokens before it), temperature, top-k, top-p and min-p (engine.sampling.sampler). Logprobs are those of the raw
+logits at each position, as without speculation.
+
+Tensors are laid out [batch, width] with width = 1 + the longest draft; a row's positions past its own draft are
+padding, whose values are never read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from radixmesh.engine.sampling.penalties import PenaltyState
+from radixmesh.engine.sampling.sampler import SamplingBatch, adjust_logits, adjusts, draw, token_probs, uniforms
+
+# Seeded rows draw two numbers per position: the acceptance test (the seed as given) and the resampling after a
+# rejection (the seed xor this), so the two never coincide.
+RESAMPLE_SALT = 0x5BD1E995
+
+
+class VerifyLayout(NamedTuple):
+    """Where each request's positions are among a verify forward's logits rows, which list each request's last new
+    token first (rows 0..batch-1), then the other new tokens in batch order (ModelRunner.forward)."""
+
+    rows: torch.Tensor  # [batch, width] int64 logits row of position j of request i (padding: row i)
+    drafts: torch.Tensor  # [batch, width] int64 the drafted token checked at position j (padding and j == k: 0)
+    draft_lens: torch.Tensor  # [batch] int64 k of each request
+    width: int
+
+    @classmethod
+    def build(cls, drafts: list[list[int]], device: torch.device) -> "VerifyLayout":
+        batch = len(drafts)
+        width = 1 + max(map(len, drafts), default=0)
+        rows = torch.arange(batch, dtype=torch.int64)[:, None].repeat(1, width)
+        checked = torch.zeros((batch, width), dtype=torch.int64)
+        extra = batch
+        for i, d in enumerate(drafts):
+            k = len(d)
+            if k:
+                rows[i, :k] = torch.arange(extra, extra + k)
+                checked[i, :k] = torch.tensor(d, dtype=torch.int64)
+                extra += k
+        lens = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+
+        def dev(t):
+            return t.to(device, non_blocking=True)
+
+        return cls(dev(rows), dev(checked), dev(lens), width)
+
+
+class VerifyResult(NamedTuple):
+    tokens: torch.Tensor  # [batch, width] int64 the row's output tokens, the first accepted + 1 of them real
+    accepted: torch.Tensor  # [batch] int64 drafted tokens kept
+    next_ids: torch.Tensor  # [batch] int64 the token after the accepted drafts (the next step's input)
+    logprobs: torch.Tensor | None = None  # [batch, width] raw logprob of each output token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, ids [batch, width, k]
+    token_ids_logprobs: torch.Tensor | None = None  # [batch, width, n]
+
+
+def verify(logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch, generator: torch.Generator | None,
+           penalties: PenaltyState | None = None) -> VerifyResult:
+    """`logits` [rows, vocab] float32 of a verify forward; `sampling` has one row per [batch, width] position in
+    row-major order (SamplingBatch.build with each request repeated `width` times and offsets 0..width-1)."""
+    batch, width = layout.rows.shape
+    flat = logits[layout.rows.reshape(-1)]  # [batch * width, vocab]
+    adjusted = adjust_logits(flat, sampling, penalties) if adjusts(sampling) else flat
+    best = adjusted.argmax(dim=-1)
+    checked = layout.drafts.reshape(-1)
+    if sampling.all_greedy:
+        keep, final = best == checked, best
+    else:
+        probs = token_probs(adjusted, sampling)
+        p_draft = probs.gather(1, checked[:, None]).squeeze(1)
+        keep_sampled = uniforms(sampling, generator, probs.device) < p_draft
+        # after a rejection: p without the rejected token; at j == k (and in padding) nothing is taken out
+        position = torch.arange(width, device=probs.device).repeat(batch)
+        drafted = position < layout.draft_lens.repeat_interleave(width)
+        residual = probs.scatter(1, checked[:, None], torch.where(drafted[:, None], 0.0, p_draft[:, None]))
+        empty = residual.sum(dim=-1) <= 0  # p was all on the draft: it cannot have been rejected there
+        residual = torch.where(empty[:, None], probs, residual)
+        drawn = draw(residual, uniforms(sampling, generator, probs.device, RESAMPLE_SALT))
+        keep = torch.where(sampling.greedy, best == checked, keep_sampled)
+        final = torch.where(sampling.greedy, best, drawn)
+    keep = keep.view(batch, width)
+    final = final.view(batch, width)
+    position = torch.arange(width, device=keep.device)[None, :]
+    keep &= position < layout.draft_lens[:, None]
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    next_ids = final.gather(1, accepted[:, None]).squeeze(1)
+    tokens = torch.where(position < accepted[:, None], layout.drafts, next_ids[:, None])
+    if not sampling.want_logprobs:
+        return VerifyResult(tokens, accepted, next_ids)
+    raw = torch.log_softmax(flat, dim=-1)
+    chosen = raw.gather(1, tokens.reshape(-1, 1)).view(batch, width)
+    top = None
+    if sampling.top_logprobs_k:
+        values, ids = raw.topk(sampling.top_logprobs_k, dim=-1)
+        top = (values.view(batch, width, -1), ids.view(batch, width, -1))
+    by_id = None
+    if sampling.logprob_token_ids is not None:
+        by_id = raw.gather(1, sampling.logprob_token_ids).view(batch, width, -1)
+    return VerifyResult(tokens, accepted, next_ids, chosen, top, by_id)

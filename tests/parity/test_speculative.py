@@ -1,0 +1,194 @@
+"""Speculative decoding (--speculative-algorithm NGRAM) keeps greedy outputs token-exact: against transformers, and
+against the same engine without speculation when drafts are mostly right (an oracle drafter that knows the answer
+and corrupts some of its drafts), through chunked prefill, shared prefixes, pages of 1 and 4 tokens, stop tokens and
+length limits inside a draft, logprobs; the pages of rejected drafts go back at once and nothing leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import model_path
+from tests.engine_utils import assert_no_leak, parity_prompts, running_engine
+from tests.reference import hf_greedy
+
+NAME = "tiny-llama"
+GREEDY = {"temperature": 0}
+
+
+def repetitive_prompts(path: str) -> list[list[int]]:
+    """Prompts whose tails repeat earlier spans, so n-gram lookup finds drafts, and the parity prompts' shared
+    prefixes and chunked lengths."""
+    base = parity_prompts(path)
+    loop = base[2][:9]
+    return [base[1] + base[1] + base[1][:5], loop * 6, base[4] + base[4][:30], base[5], base[7], base[0]]
+
+
+class Oracle:
+    """Drafts the answer the engine gives without speculation, with one drafted token in three wrong (from its own
+    seeded generator), so verifies keep whole drafts, part of them and none."""
+
+    def __init__(self, prompt_len: int, answer: list[int], seed: int):
+        self.prompt_len, self.answer = prompt_len, answer
+        self.rng = random.Random(seed)
+        self.proposed = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        done = len(tokens) - self.prompt_len
+        draft = list(self.answer[done:done + k])
+        if draft and self.rng.random() < 0.5:
+            at = self.rng.randrange(len(draft))
+            draft[at] = (draft[at] + 1 + self.rng.randrange(50)) % 256
+        self.proposed += len(draft)
+        return draft
+
+
+def use_oracle(llm, answers: dict[tuple, list[int]]) -> None:
+    llm.scheduler.spec.new_drafter = lambda req: Oracle(len(req.input_ids), answers[tuple(req.input_ids)],
+                                                        len(req.input_ids))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_ngram_greedy_matches_transformers(page):
+    path = model_path(NAME)
+    prompts = repetitive_prompts(path)
+    refs = hf_greedy(path, prompts, 24)
+    with running_engine(path, page_size=page, chunked_prefill_size=64, speculative_algorithm="NGRAM",
+                        speculative_num_draft_tokens=5) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
+        assert [o["output_ids"] for o in outs] == refs
+        # the n-gram index drafted, and some drafts were kept
+        assert sum(o["meta_info"]["spec_draft_token_num"] for o in outs) > 0
+        assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
+        stats = llm.scheduler.load()
+        assert stats["spec_accepted_tokens"] == sum(o["meta_info"]["spec_accept_token_num"] for o in outs)
+
+
+@pytest.mark.parametrize("page,radix", [(1, True), (4, True), (4, False)])
+def test_mostly_right_drafts_are_token_exact(page, radix):
+    """Oracle drafts: whole drafts kept, the rejected tails' pages returned; stop tokens and length limits falling
+    inside a draft end the request right there. Outputs and logprobs as without speculation."""
+    path = model_path(NAME)
+    prompts = parity_prompts(path)
+    lengths = [3, 17, 40, 9, 33, 25, 40, 12, 30]
+    params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
+    common = dict(page_size=page, chunked_prefill_size=64, disable_radix_cache=not radix)
+    with running_engine(path, **common) as plain:
+        want = plain.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    answers = {tuple(p): o["output_ids"] for p, o in zip(prompts, want)}
+    # a stop token in the middle of one answer: it must end that request there, whatever the draft says after it
+    stop_at = want[6]["output_ids"][20]
+    stopped = {**params[6], "stop_token_ids": [stop_at]}
+    with running_engine(path, **common) as plain:
+        want[6] = plain.generate(input_ids=prompts[6], sampling_params=stopped, return_logprob=True,
+                                 top_logprobs_num=2)
+    params[6] = stopped
+    with running_engine(path, **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6) as llm:
+        use_oracle(llm, answers)
+        got = llm.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        again = llm.generate(input_ids=prompts, sampling_params=params)  # over the prefix cache this time
+    for g, w, a in zip(got, want, again):
+        assert g["output_ids"] == w["output_ids"] == a["output_ids"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        lp_g = [x[0] for x in g["meta_info"]["output_token_logprobs"]]
+        lp_w = [x[0] for x in w["meta_info"]["output_token_logprobs"]]
+        assert lp_g == pytest.approx(lp_w, abs=1e-4)
+        tops_g = [[t[1] for t in row] for row in g["meta_info"]["output_top_logprobs"]]
+        assert tops_g == [[t[1] for t in row] for row in w["meta_info"]["output_top_logprobs"]]
+    accepted = sum(g["meta_info"]["spec_accept_token_num"] for g in got)
+    drafted = sum(g["meta_info"]["spec_draft_token_num"] for g in got)
+    assert drafted > accepted > drafted // 3, (drafted, accepted)
+    # fewer target forwards than tokens: the point of it
+    assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) - 1 for g in got)
+
+
+def test_rejected_pages_go_back_at_once():
+    """While a request decodes with drafts, it holds pages only for the tokens it has: after each step its
+    allocation ends where its KV does (no page held for rejected drafts)."""
+    path = model_path(NAME)
+    prompt = parity_prompts(path)[3]
+    with running_engine(path, page_size=4, disable_radix_cache=True) as plain:
+        answer = plain.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 30})["output_ids"]
+    with running_engine(path, page_size=4, disable_radix_cache=True, speculative_algorithm="NGRAM",
+                        speculative_num_draft_tokens=8) as llm:
+        use_oracle(llm, {tuple(prompt): answer})
+        seen = []
+        spec = llm.scheduler.spec
+        verified = spec.verified
+
+        def check(req, drafted, tokens):
+            verified(req, drafted, tokens)
+            seen.append((drafted, len(tokens) - 1, req.kv_len, req.alloc_len))
+
+        spec.verified = check
+        out = llm.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 30})
+        assert out["output_ids"] == answer
+        assert any(d > a for d, a, _, _ in seen) and any(d == a > 0 for d, a, _, _ in seen)
+        assert all(alloc == kv for _, _, kv, alloc in seen), seen
+        assert_no_leak(llm)
+
+
+def test_grammar_and_penalized_requests_decode_without_drafts():
+    """Requests whose sampling depends on each token before it in ways a draft would have to replay (a grammar,
+    penalties) decode one token per step beside drafted ones, with the outputs they get without speculation."""
+    path = model_path(NAME)
+    prompts = repetitive_prompts(path)[:2]
+    regex = {**GREEDY, "max_new_tokens": 12, "regex": "(ab|cd)+"}
+    penalized = {**GREEDY, "max_new_tokens": 12, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
+    params = [regex, penalized, {**GREEDY, "max_new_tokens": 12}]
+    inputs = [prompts[0], prompts[0], prompts[1]]
+    with running_engine(path) as plain:
+        want = plain.generate(input_ids=inputs, sampling_params=params)
+    with running_engine(path, speculative_algorithm="NGRAM") as llm:
+        got = llm.generate(input_ids=inputs, sampling_params=params)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert got[0]["meta_info"]["spec_draft_token_num"] == got[1]["meta_info"]["spec_draft_token_num"] == 0
+    assert got[2]["meta_info"]["spec_draft_token_num"] > 0
+
+
+def test_sampled_requests_run_and_seeds_reproduce():
+    """Sampled rows verify by rejection sampling (its distribution: tests/unit/test_spec_verify.py); a seeded
+    request gives the same output each time, alone or beside others."""
+    path = model_path(NAME)
+    prompts = repetitive_prompts(path)[:3]
+    seeded = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 20, "sampling_seed": 7}
+    with running_engine(path, speculative_algorithm="NGRAM") as llm:
+        answers = {tuple(p): llm.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 20})["output_ids"]
+                   for p in prompts}
+        use_oracle(llm, answers)  # drafts the greedy answer: a sampled row keeps some of it, rejects some
+        alone = llm.generate(input_ids=prompts[0], sampling_params=seeded)
+        batch = llm.generate(input_ids=prompts, sampling_params=[seeded, {**seeded, "sampling_seed": None},
+                                                                  {**GREEDY, "max_new_tokens": 20}])
+    assert alone["output_ids"] == batch[0]["output_ids"]
+    assert len(batch[1]["output_ids"]) == 20
+    assert batch[2]["output_ids"] == answers[tuple(prompts[2])]
+    assert alone["meta_info"]["spec_accept_token_num"] > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "x"}, "EAGLE is not implemented"),
+    ({"speculative_algorithm": "STANDALONE"}, "STANDALONE is not implemented"),
+    ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "draft trees"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"}, "takes no"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
+      "speculative_ngram_max_match_window_size": 2}, "min <= max"),
+])
+def test_bad_speculative_flags_are_refused(kwargs, message):
+    from radixmesh.engine import Engine
+
+    with pytest.raises(ValueError, match=message):
+        Engine(model_path=model_path(NAME), device="cpu", **kwargs)
+
+
+def test_ngram_resolves_sglang_defaults():
+    from radixmesh.engine.config import EngineArgs, resolve_args
+    from radixmesh.engine.model_config import ModelConfig
+
+    path = model_path(NAME)
+    args = resolve_args(EngineArgs(model_path=path, device="cpu", speculative_algorithm="ngram"),
+                        ModelConfig.from_path(path))
+    assert args.speculative_algorithm == "NGRAM" and args.disable_overlap_schedule
+    assert args.speculative_num_draft_tokens == 8 and args.speculative_eagle_topk == 1

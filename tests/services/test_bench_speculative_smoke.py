@@ -1,0 +1,28 @@
+"""`python -m radixmesh.benchmarks.speculative` with tiny counts on the bundled tiny model: the workload is built,
+both engines run at batch 1 and two streams, every speculative output is token-exact with the plain engine's, the
+verify-cost ceiling is measured, and the JSON record is complete. Asserts no speed (benchmarks measure)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, model_path
+
+
+def test_bench_speculative_smoke(tmp_path):
+    out = tmp_path / "spec.json"
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.speculative", "--model-path",
+                           model_path("tiny-llama"), "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "24",
+                           "--draft-tokens", "3,5", "--streams", "1,2", "--verify-cost", "--context", "64",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "speculative" and rec["command"].startswith("python -m radixmesh.benchmarks.speculative")
+    runs = rec["runs"]
+    assert [(r["algorithm"], r.get("num_draft_tokens"), r["streams"]) for r in runs] == [
+        (None, None, 1), (None, None, 2), ("NGRAM", 3, 1), ("NGRAM", 3, 2), ("NGRAM", 5, 1), ("NGRAM", 5, 2)]
+    spec = [r for r in runs if r["algorithm"]]
+    assert all(r["token_exact"] and r["accept_length"] >= 1.0 and r["decode_tokens"] > 0 for r in spec), spec
+    assert set(rec["verify_cost_s"]) == {"decode", "verify_k2", "verify_k4"}

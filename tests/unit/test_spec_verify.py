@@ -1,0 +1,133 @@
+"""Verification of drafted tokens (engine.speculative.verify) and n-gram drafts (engine.speculative.ngram).
+
+The statistical tests draw many verifies of one position set and compare the tokens' frequencies with the target
+distributions by a chi-square test: rejection sampling against a one-hot draft must give each output token the
+distribution plain sampling would (filters and temperature included), whether the draft is likely or unlikely."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.sampling.sampler import SamplingBatch
+from radixmesh.engine.speculative.ngram import NgramIndex
+from radixmesh.engine.speculative.verify import VerifyLayout, verify
+
+VOCAB = 6
+
+
+def rows_for(params: SamplingParams, n_reqs: int, width: int, **extra) -> SamplingBatch:
+    """A SamplingBatch of n_reqs identical requests, each `width` positions."""
+    req = SimpleNamespace(sampling=params, output_ids=[], stop_ids=frozenset(), matcher=None, finished=False,
+                          logprob=None, pool_idx=0, **extra)
+    rows = [req] * (n_reqs * width)
+    return SamplingBatch.build(rows, False, VOCAB, torch.device("cpu"), offsets=list(range(width)) * n_reqs)
+
+
+def layout_logits(position_logits: list[list[float]], drafts: list[list[int]]) -> torch.Tensor:
+    """The forward's logits rows (each request's last position first, then the others in batch order) when every
+    request has the same per-position logits."""
+    k = len(drafts[0])
+    pos = torch.tensor(position_logits)
+    last = pos[k].repeat(len(drafts), 1)
+    others = pos[:k].repeat(len(drafts), 1)
+    return torch.cat([last, others])
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Counts consistent with probs: the statistic below the 0.999 quantile (dof + 4.5 * sqrt(2 dof) bounds it for
+    the few degrees of freedom here), categories of zero probability never drawn."""
+    n = counts.sum()
+    assert not bool(counts[probs == 0].any()), f"drew a token of probability 0: {counts.tolist()}"
+    live = probs > 0
+    expected = probs[live] * n
+    stat = float(((counts[live] - expected) ** 2 / expected).sum())
+    dof = int(live.sum()) - 1
+    return stat < dof + 4.5 * math.sqrt(2 * dof) + 1
+
+
+def test_greedy_keeps_the_drafts_the_argmax_agrees_with():
+    logits = [[0, 5, 0, 0, 0, 0], [0, 0, 5, 0, 0, 0], [0, 0, 0, 5, 0, 0], [9, 0, 0, 0, 0, 0]]
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    for draft, want in [([1, 2, 3], [1, 2, 3, 0]), ([1, 4, 3], [1, 2]), ([5, 2, 3], [1])]:
+        layout = VerifyLayout.build([draft], torch.device("cpu"))
+        out = verify(layout_logits(logits, [draft]), layout, rows_for(params, 1, 4), None)
+        got = out.tokens[0, :int(out.accepted[0]) + 1].tolist()
+        assert got == want
+        assert int(out.next_ids[0]) == want[-1]
+
+
+def test_rows_of_different_draft_lengths_share_a_batch():
+    """Padding positions (past a short draft) never count: a row without a draft samples its one token."""
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    drafts = [[2, 3], [], [4]]
+    layout = VerifyLayout.build(drafts, torch.device("cpu"))
+    # rows: last positions of the 3 requests, then row 0's two drafted positions, then row 2's one
+    logits = torch.full((6, VOCAB), 0.0)
+    for row, best in [(0, 5), (1, 1), (2, 0), (3, 2), (4, 3), (5, 4)]:
+        logits[row, best] = 5.0
+    out = verify(logits, layout, rows_for(params, 3, layout.width), None)
+    assert [out.tokens[i, :int(a) + 1].tolist() for i, a in enumerate(out.accepted)] == [[2, 3, 5], [1], [4, 0]]
+
+
+@pytest.mark.parametrize("temperature,top_k,draft_token", [(1.0, 0, 2), (0.7, 4, 0), (1.3, 0, 5)])
+def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k, draft_token):
+    """Position 0's token follows p0 whether the draft is its likeliest token or a rare one; when the draft is kept,
+    the token after it follows p1."""
+    torch.manual_seed(0)
+    n = 60000
+    logits = [[2.0, 0.5, 1.5, -1.0, 0.0, -2.0], [0.3, -0.5, 1.0, 2.0, -1.0, 0.0]]
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=10)
+    drafts = [[draft_token]] * n
+    layout = VerifyLayout.build(drafts, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    out = verify(layout_logits(logits, drafts), layout, rows_for(params, n, 2), gen)
+
+    def target(row):
+        t = torch.tensor(row) / temperature
+        if top_k:
+            t[t < t.topk(top_k).values[-1]] = float("-inf")
+        return torch.softmax(t, dim=-1)
+
+    p0, p1 = target(logits[0]), target(logits[1])
+    first = out.tokens[:, 0]
+    assert chi_square_ok(torch.bincount(first, minlength=VOCAB).double(), p0.double())
+    kept = out.accepted == 1
+    assert torch.equal(kept, first == draft_token)  # a rejected draft is never drawn again
+    if int(kept.sum()) > 2000:
+        second = out.tokens[kept, 1]
+        assert chi_square_ok(torch.bincount(second, minlength=VOCAB).double(), p1.double())
+
+
+def test_seeded_rows_draw_the_same_tokens_in_any_batch():
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, sampling_seed=11)
+    logits = [[1.0, 0.5, 0.2, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]]
+    one = verify(layout_logits(logits, [[0]]), VerifyLayout.build([[0]], torch.device("cpu")),
+                 rows_for(params, 1, 2), torch.Generator().manual_seed(1))
+    many = verify(layout_logits(logits, [[0]] * 5), VerifyLayout.build([[0]] * 5, torch.device("cpu")),
+                  rows_for(params, 5, 2), torch.Generator().manual_seed(2))
+    assert all(torch.equal(many.tokens[i], one.tokens[0]) for i in range(5))
+
+
+def test_ngram_drafts_follow_the_longest_latest_match():
+    index = NgramIndex(1, 4)
+    seq = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6, 7]
+    # suffix (5, 6, 7) matched at positions 0-2 (length 3) beats (5, 6) at 5-6: the draft continues with 8, 1
+    assert index.propose(seq, 2) == [8, 1]
+    assert index.propose(seq + [8], 3) == [1, 5, 6]
+    assert index.propose([1, 2, 3], 4) == []  # nothing repeats
+    assert index.propose([4], 2) == []
+
+
+def test_ngram_drafts_continue_a_short_period():
+    index = NgramIndex(1, 12)
+    assert index.propose([3, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+
+
+def test_ngram_min_window_refuses_short_matches():
+    assert NgramIndex(3, 5).propose([1, 2, 9, 9, 1, 2], 3) == []
+    assert NgramIndex(2, 5).propose([1, 2, 9, 9, 1, 2], 3) == [9, 9, 1]
