@@ -1,6 +1,7 @@
 """compose.yaml for real, under podman-compose: the CPU profile's stack (tokenizer, kvstore on Redis, a worker, the
-router, Prometheus) from the CPU image, an OpenAI request through the router, Prometheus scraping every radixmesh
-service, then `down` with nothing left. Redis and Prometheus run from stand-in images of Debian's packages (the same
+router, Prometheus) from the CPU image, each service in its own container finding the others by name, an OpenAI
+request through the router, Prometheus scraping every radixmesh service, every radixmesh service unprivileged and
+stopping cleanly on SIGTERM, then `down` with nothing left. Redis and Prometheus run from stand-in images of Debian's packages (the same
 programs; no registry is reachable here), named through compose's REDIS_IMAGE and PROMETHEUS_IMAGE variables.
 Grafana and Jaeger have no Debian package, so they are validated (config) but not started here."""
 
@@ -21,7 +22,8 @@ import yaml
 
 from radixmesh.services.launch import free_port
 from tests.deploy import podman as pm
-from tests.deploy.test_image import READY_S, _chat, image  # noqa: F401 - a fixture
+from tests.deploy.test_image import (READY_S, _assert_unprivileged, _chat, _logs, _stop,  # noqa: F401 - a fixture
+                                     image)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 STANDINS = Path(__file__).parent / "standins"
@@ -41,6 +43,13 @@ def _standin(name: str) -> str:
     pm.podman("build", "--network=host", "--build-arg", f"BASE_IMAGE={pm.BASE_IMAGE}", "-f",
               str(STANDINS / f"{name}.Dockerfile"), "-t", tag, str(STANDINS), timeout=600)
     return tag
+
+
+def _container(project: str, service: str) -> str:
+    names = pm.podman("ps", "--filter", f"label=io.podman.compose.project={project}", "--filter",
+                      f"label=io.podman.compose.service={service}", "--format", "{{.Names}}").stdout.split()
+    assert len(names) == 1, (service, names)
+    return names[0]
 
 
 def _targets(prometheus: str) -> list[dict]:
@@ -100,6 +109,11 @@ def test_cpu_stack_serves_and_prometheus_scrapes_every_service(image):  # noqa: 
         query = urllib.parse.quote('sum(sglang:prompt_tokens_total)')
         with urllib.request.urlopen(f"{prometheus}/api/v1/query?query={query}", timeout=10) as r:
             assert json.loads(r.read())["data"]["result"], "the worker's counters reached Prometheus"
+        # each radixmesh service runs unprivileged in its container and stops cleanly on SIGTERM, router first
+        for role in ("router", "worker", "kvstore", "tokenizer"):
+            name = _container(project, role)
+            _assert_unprivileged(name)
+            assert _stop(name) == 0, f"the {role} did not shut down cleanly:\n{_logs(name, 30)}"
     finally:
         subprocess.run([sys.executable, "-m", "podman_compose", "-p", project, "down", "-t", "35"], cwd=pm.ROOT,
                        env=env, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

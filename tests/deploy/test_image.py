@@ -135,30 +135,6 @@ def test_serve_container(image, cleanup, mode):
     assert _stop(name) == 0, _logs(name, 30)  # the launcher as PID 1 took SIGTERM and stopped its services
 
 
-def test_one_container_per_role(image, cleanup):
-    """tokenizer, kvstore, worker and router, each in its own container, finding each other by name."""
-    net = _unique("net")
-    pm.podman("network", "create", "--label", pm.LABEL, net)
-    names = {role: _unique(role) for role in ("tokenizer", "kvstore", "worker", "router")}
-
-    def start(role: str, *args: str, publish: bool = False) -> None:
-        options = ("--network", net, "--network-alias", role, *(("--publish", "127.0.0.1::30000") if publish else ()))
-        _run(image, names[role], role, *args, options=options)
-
-    start("tokenizer", "--model-path", MODEL)
-    start("kvstore")
-    start("worker", "--model-path", MODEL, "--kvstore-url", "kvstore:50051")  # publishes its KV events there
-    _wait_healthy([names["tokenizer"], names["kvstore"], names["worker"]])  # gRPC health, via the HEALTHCHECK
-    start("router", "--tokenizer-url", "tokenizer:50051", "--worker-urls", "worker:50051",
-          "--kvstore-url", "kvstore:50051", "--policy", "kv_index", publish=True)
-    _wait_healthy([names["router"]])  # HTTP /health
-    _chat(_published(names["router"]))
-    for name in names.values():
-        _assert_unprivileged(name)
-    for role in ("router", "worker", "kvstore", "tokenizer"):
-        assert _stop(names[role]) == 0, f"the {role} did not shut down cleanly:\n{_logs(names[role], 30)}"
-
-
 def test_tracing_sets_up_in_the_image(image):
     """The image has what --enable-trace needs (the OpenTelemetry SDK and its OTLP/gRPC exporter): tracing starts."""
     out = pm.podman("run", "--rm", "--entrypoint", "python", image, "-c",

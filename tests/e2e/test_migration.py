@@ -3,14 +3,13 @@ chat completions, a worker SIGKILLed, or stopped (SIGSTOP: hung), mid-stream cos
 stream completes without an error event, and every output equals the unfailed run's, token for token (greedy, and
 every fifth stream two seeded samples: odd and even ones, so that round robin, which alternates, gives both workers
 some): the router moved each broken stream to the other worker, which continued after the tokens already streamed
-(services/router/core.py, engine.results.resume_req), an n = 2 stream sample by sample. The same on a PD mesh
-(2 prefill + 2 decode over Mooncake) with a decode worker or a prefill worker SIGKILLed.
+(services/router/core.py, engine.results.resume_req), an n = 2 stream sample by sample. (A PD mesh's prefill and
+decode workers killed and stopped under streaming load: tests/e2e/test_chaos.py.)
 With --max-migrations 0 the broken streams end with an error instead, naming why."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -21,8 +20,7 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, http_get, migrations, moved, running_mesh, streaming_on
-from tests.e2e.test_pd import PD, pid_of, workers
+from tests.e2e.mesh import cmdline, migrations, running_mesh, streaming_on
 
 NAME = model_path(MODEL)
 KEY = "migration-test-key"
@@ -133,34 +131,6 @@ def test_a_worker_killed_or_hung_mid_stream_costs_no_client_anything(tmp_path):
         finally:
             os.kill(second, signal.SIGCONT)
         assert migrations(mesh) > before, "no stream was in flight on the hung worker"
-
-
-def test_a_pd_worker_killed_mid_stream_costs_no_client_anything(tmp_path):
-    with running_mesh(NAME, tmp_path, *PD, "--num-prefill", "2", "--num-decode", "2", "--enable-metrics",
-                      "--policy", "round_robin", api_key=KEY) as mesh:
-        want = asyncio.run(_run(mesh))
-        assert all(err is None for _, _, err in want), want[:3]
-        for role in ("decode", "prefill"):
-            address = workers(mesh)[role][0]
-            victim = pid_of(mesh, address)
-            before = moved(mesh)
-            # the decode victim fails once it streams (by the router's metrics: counting chunks of any stream let
-            # the other decode worker's chunks fire the fault while this one held none yet, a CI run); the
-            # prefill victim when the streams have begun, so some are still in their prefill
-            on = streaming_on(mesh, address)
-            ready = (lambda started: on()) if role == "decode" else None
-            _check(asyncio.run(_run(mesh, lambda: os.kill(victim, signal.SIGKILL), ready)), want)
-            if role == "decode":
-                assert moved(mesh) > before, "no request was open on the killed decode worker"
-            deadline = time.monotonic() + 90  # restarted by the launcher, and back in the router's pairs
-            while len([w for w in workers(mesh)[role] if _answers_health(mesh, w)]) < 2:
-                assert time.monotonic() < deadline, f"the {role} worker did not come back"
-                time.sleep(0.5)
-
-
-def _answers_health(mesh, address: str) -> bool:
-    status, raw = http_get(mesh.url + "/get_server_info", {"Authorization": f"Bearer {KEY}"})
-    return status == 200 and any(w["url"].endswith(address) and "error" not in w for w in json.loads(raw)["workers"])
 
 
 def test_without_migration_broken_streams_end_with_a_clear_error(tmp_path):

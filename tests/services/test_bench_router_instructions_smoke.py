@@ -1,8 +1,8 @@
 """`python -m radixmesh.benchmarks.router_instructions` with tiny counts, as a subprocess: the router runs under
 valgrind's callgrind untraced and traced, every answer checks out, each variant gets a count, and the JSON record is
-complete. The traced router must execute more instructions than the untraced one (the same code plus its spans:
-instruction counts do not drift with the machine's load, so this holds on any run). Skipped where valgrind is not
-installed."""
+complete. Skipped where valgrind is not installed. It asserts no comparison of the two counts: they move with the
+machine's load (the event loop and gRPC's pollers wake more or less often), and a loaded run once counted the traced
+router 3% below the untraced one; the benchmark measures, the test guards it against rot."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ def test_bench_router_instructions_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     counts = {r["variant"]: r["instructions_per_request"] for r in doc["results"]}
-    assert set(counts) == {"off", "trace"} and counts["off"] > 100_000, counts
-    assert counts["trace"] > counts["off"], counts
+    assert set(counts) == {"off", "trace"} and min(counts.values()) > 100_000, counts
     assert doc["tool"] == "valgrind callgrind" and doc["annotate"]["trace - off, generate_1"]
     assert doc["hash_seed"] == "0"  # the seed every process it started ran with
