@@ -16,7 +16,7 @@ from radixmesh.engine.batch import ForwardMode
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import Pooling
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch
+from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, verify_extras
 from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend, build_verify
 from radixmesh.engine.scheduler.logprob_lists import to_host, token_logprob_rows
 from radixmesh.engine.scheduler.step import Resolved, ScheduledBatch, StepResult
@@ -120,21 +120,24 @@ class StepRunner:
             sampling = SamplingBatch.build(reqs, any(r.return_logprob for r in reqs), self.vocab_size, self.device)
             sampled = self.model.sample(result.output, len(reqs), sampling, result.prompt_plan)
             host = HostCopy(sampled, self.device)
-        self._record_penalties(batch, sampled.next_ids)
+            self._record_penalties(batch, sampled.next_ids[:, None])
         result.host = host
         result.output, result.sampled = None, sampled
         result.rows = {id(r): i for i, (r, s) in enumerate(zip(reqs, batch.samples)) if s}
 
     def _verify(self, result: StepResult) -> tuple[SampleResult, VerifyCopy]:
-        """A verify step's tokens: sampling rows for every position of every request (position j counts the j
-        drafted tokens before it as output), checked against the drafts (engine.speculative.verify). Penalized
-        requests never draft (their counts would differ per position), so `next_ids` records their one token."""
+        """A verify step's tokens: sampling rows for every position of every request (position j as if the j
+        drafted tokens before it were output: min_new_tokens, seeds, penalty counts, grammar state), checked against
+        the drafts (engine.speculative.verify); the penalty counts take every token a row produced."""
         batch = result.batch
+        reqs, width = batch.reqs, 1 + max(map(len, batch.drafts))
         layout = VerifyLayout.build(batch.drafts, self.device)
-        rows = [r for r in batch.reqs for _ in range(layout.width)]
-        sampling = SamplingBatch.build(rows, any(r.return_logprob for r in batch.reqs), self.vocab_size, self.device,
-                                       offsets=list(range(layout.width)) * len(batch.reqs))
-        verified = self.model.verify(result.output, layout, sampling)
+        sampling = SamplingBatch.build([r for r in reqs for _ in range(width)], any(r.return_logprob for r in reqs),
+                                       self.vocab_size, self.device, offsets=list(range(width)) * len(reqs))
+        sampling = verify_extras(sampling, reqs, batch.drafts, width, self.vocab_size, self.device)
+        verified = self.model.verify(result.output, layout, sampling, batch.draft_probs)
+        produced = torch.arange(width, device=verified.tokens.device)[None, :] <= verified.accepted[:, None]
+        self._record_penalties(batch, verified.tokens, produced)
         return SampleResult(verified.next_ids, None), VerifyCopy(verified, self.device)
 
     def heartbeat(self) -> None:
@@ -148,12 +151,19 @@ class StepRunner:
                 self.model.penalties.reset_row(r.pool_idx, r.input_ids, r.output_ids)
                 r.penalty_row = r.pool_idx
 
-    def _record_penalties(self, batch: ScheduledBatch, next_ids: torch.Tensor) -> None:
-        """Count this step's token for every penalized request that samples now."""
+    def _record_penalties(self, batch: ScheduledBatch, tokens: torch.Tensor, produced: torch.Tensor | None = None
+                          ) -> None:
+        """Count this step's tokens for every penalized request that samples now: tokens [batch, width], of which
+        `produced` [batch, width] (None: all) are the row's."""
         reqs: list[Req] = batch.reqs
         idx = [i for i, r in enumerate(reqs) if batch.samples[i] and r.sampling.penalized and not r.finished
                and r.sampling.max_new_tokens > 0]
         if idx:
-            dev = next_ids.device
+            dev = tokens.device
+            pick = torch.tensor(idx).to(dev, non_blocking=True)
             rows = torch.tensor([reqs[i].pool_idx for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
-            self.model.penalties.record(rows, next_ids[torch.tensor(idx).to(dev, non_blocking=True)])
+            rows, toks = rows[:, None].expand(-1, tokens.shape[1]), tokens[pick]
+            if produced is not None:
+                keep = produced[pick]
+                rows, toks = rows[keep], toks[keep]
+            self.model.penalties.record(rows.reshape(-1), toks.reshape(-1))

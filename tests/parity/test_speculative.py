@@ -103,6 +103,20 @@ def test_mostly_right_drafts_are_token_exact(page, radix):
     assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) - 1 for g in got)
 
 
+def test_the_triton_backend_verifies_as_torch_native_does():
+    """A verify forward through the Triton extend kernel (on CPU in Triton's interpreter) over a cached prefix and
+    pages of 4 tokens: transformers' greedy tokens, drafts kept whole and in part."""
+    path = model_path(NAME)
+    prompts = parity_prompts(path)[4:6]  # a shared 120-token prefix
+    refs = hf_greedy(path, prompts, 10)
+    with running_engine(path, page_size=4, chunked_prefill_size=64, attention_backend="triton",
+                        speculative_algorithm="NGRAM", speculative_num_draft_tokens=5) as llm:
+        use_oracle(llm, {tuple(p): r for p, r in zip(prompts, refs)})
+        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 10})
+    assert [o["output_ids"] for o in outs] == refs
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
+
+
 def test_rejected_pages_go_back_at_once():
     """While a request decodes with drafts, it holds pages only for the tokens it has: after each step its
     allocation ends where its KV does (no page held for rejected drafts)."""
@@ -129,22 +143,31 @@ def test_rejected_pages_go_back_at_once():
         assert_no_leak(llm)
 
 
-def test_grammar_and_penalized_requests_decode_without_drafts():
-    """Requests whose sampling depends on each token before it in ways a draft would have to replay (a grammar,
-    penalties) decode one token per step beside drafted ones, with the outputs they get without speculation."""
+@pytest.mark.parametrize("page", [1, 4])
+def test_grammars_penalties_and_min_tokens_apply_at_every_drafted_position(page):
+    """A drafted position is sampled as if the drafted tokens before it were output: the grammar's state after them
+    (its matcher walked along the draft, then rolled back), penalty counts that include them, min_new_tokens
+    counting them. With mostly right drafts (the oracle), outputs equal the plain engine's and drafts are kept."""
+    import json
+
     path = model_path(NAME)
-    prompts = repetitive_prompts(path)[:2]
-    regex = {**GREEDY, "max_new_tokens": 12, "regex": "(ab|cd)+"}
-    penalized = {**GREEDY, "max_new_tokens": 12, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
-    params = [regex, penalized, {**GREEDY, "max_new_tokens": 12}]
-    inputs = [prompts[0], prompts[0], prompts[1]]
-    with running_engine(path) as plain:
-        want = plain.generate(input_ids=inputs, sampling_params=params)
-    with running_engine(path, speculative_algorithm="NGRAM") as llm:
-        got = llm.generate(input_ids=inputs, sampling_params=params)
+    prompts = repetitive_prompts(path)[:4]
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                         "required": ["a", "b"]})
+    params = [{**GREEDY, "max_new_tokens": 40, "json_schema": schema},
+              {**GREEDY, "max_new_tokens": 24, "regex": "(ab|cd)+x"},
+              {**GREEDY, "max_new_tokens": 24, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+               "repetition_penalty": 1.3},
+              {**GREEDY, "max_new_tokens": 24, "min_new_tokens": 20, "stop_token_ids": [2, 3]}]
+    with running_engine(path, page_size=page) as plain:
+        want = plain.generate(input_ids=prompts, sampling_params=params)
+    with running_engine(path, page_size=page, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6) as llm:
+        use_oracle(llm, {tuple(p): w["output_ids"] for p, w in zip(prompts, want)})
+        got = llm.generate(input_ids=prompts, sampling_params=params)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-    assert got[0]["meta_info"]["spec_draft_token_num"] == got[1]["meta_info"]["spec_draft_token_num"] == 0
-    assert got[2]["meta_info"]["spec_draft_token_num"] > 0
+    assert all(g["meta_info"]["spec_accept_token_num"] > 0 for g in got), [g["meta_info"] for g in got]
+    if got[0]["meta_info"]["finish_reason"]["type"] == "stop":  # the grammar ended it: whole JSON
+        json.loads(got[0]["text"])
 
 
 def test_sampled_requests_run_and_seeds_reproduce():
@@ -168,7 +191,7 @@ def test_sampled_requests_run_and_seeds_reproduce():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "x"}, "EAGLE is not implemented"),
-    ({"speculative_algorithm": "STANDALONE"}, "STANDALONE is not implemented"),
+    ({"speculative_algorithm": "NEXTN"}, "NEXTN is not implemented"),
     ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "draft trees"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),

@@ -101,6 +101,33 @@ class ConstraintMatcher:
     def is_terminated(self) -> bool:
         return self.state == "answer" and self.grammar.is_terminated()
 
+    def fill_masks_along(self, draft: list[int], bitmask, rows: list[int]) -> list[int]:
+        """For a speculative verify: row rows[j] of `bitmask` gets the mask for the token after draft[:j], as if
+        those tokens had been accepted; returns the rows a mask applies to (positions in the thinking part are
+        free). The matcher ends as it began (its grammar rolled back). At the first drafted token the grammar
+        refuses, or after one that ends the grammar, the positions after it are left out: the target cannot
+        keep the first, and a request ends with the second, so nothing after either is used."""
+        state, fed, masked = self.state, 0, []
+        try:
+            for j, row in enumerate(rows):
+                if self.active:
+                    self.fill_next_token_bitmask(bitmask, row)
+                    masked.append(row)
+                if j == len(draft):
+                    break
+                token = draft[j]
+                consumes = self.state == "answer" or (self.state == "first" and token != self.start_id)
+                if not self.accept_token(token):
+                    break
+                fed += consumes
+                if self.is_terminated():  # the draft ends the output here: no position after it is used
+                    break
+        finally:
+            if fed:
+                self.grammar.rollback(fed)
+            self.state = state
+        return masked
+
 
 def allow_token(bitmask, row: int, token: int) -> None:
     """Set `token`'s bit in an xgrammar bitmask row (int32 words, 32 tokens each, low bit first)."""

@@ -40,14 +40,19 @@ class PenaltyState:
         self.seen[rows, tokens] = True
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-              repetition: torch.Tensor) -> torch.Tensor:
+              repetition: torch.Tensor, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """logits [batch, vocab] float32 of the requests in `rows`; penalties [batch]. Returns penalized logits:
         repetition divides positive / multiplies negative logits of seen tokens; frequency and presence subtract
         count * frequency + (count > 0) * presence. Rows of requests that do not sample in this step (a prefill
-        chunk riding with a penalized request) hold anything: their tokens are never used."""
+        chunk riding with a penalized request) hold anything: their tokens are never used. `ahead`: (batch rows,
+        token ids) counted on top of the state for those rows (a speculative verify's drafted tokens before each
+        position)."""
         self._ensure()
         counts = self.counts[rows].float()
         seen = self.seen[rows]
+        if ahead is not None:
+            counts.index_put_(ahead, torch.ones_like(ahead[1], dtype=counts.dtype), accumulate=True)
+            seen = seen.index_put(ahead, torch.ones_like(ahead[1], dtype=torch.bool))
         rep = repetition[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - counts * frequency[:, None] - (counts > 0).float() * presence[:, None]

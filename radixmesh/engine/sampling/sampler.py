@@ -38,13 +38,17 @@ class SamplingBatch(NamedTuple):
     top_logprobs_k: int  # the largest top_logprobs_num in the batch (0: none)
     logprob_token_ids: torch.Tensor | None  # [batch, longest token_ids_logprob] int64, zero-padded
     grammar: tuple[torch.Tensor, list[int]] | None  # (token bitmask [batch, words] int32, rows it applies to)
+    # (rows, token ids) the penalties count on top of each row's state: a speculative verify's drafted tokens
+    # before each position; None when there are none
+    penalized_ahead: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, reqs: list[Req], want_logprobs: bool, vocab: int, device: torch.device,
               offsets: list[int] | None = None) -> "SamplingBatch":
         """`offsets`: per row, the tokens the row comes after beyond the request's output so far (a speculative
         verify step samples position j of a request's drafts as if j drafted tokens were already output: its
-        min_new_tokens and seeded draws count them). Grammars bind only rows at offset 0."""
+        min_new_tokens and seeded draws count them). With offsets the caller adds the grammar masks and the
+        drafted tokens' penalty counts (`verify_extras`)."""
         params = [r.sampling for r in reqs]
         ahead = offsets or [0] * len(reqs)
 
@@ -75,7 +79,7 @@ class SamplingBatch(NamedTuple):
             want_logprobs=want_logprobs,
             top_logprobs_k=max((r.logprob.top_logprobs_num for r in reqs if r.logprob), default=0),
             logprob_token_ids=_logprob_token_ids(reqs, t),
-            grammar=_grammar_bitmask(reqs, ahead, vocab),
+            grammar=_grammar_bitmask(reqs, vocab) if offsets is None else None,
         )
 
 
@@ -88,9 +92,8 @@ def _min_new_tokens_mask(reqs: list[Req], ahead: list[int], t):
     return (t(rows, torch.int64), t(cols, torch.int64)) if rows else None
 
 
-def _grammar_bitmask(reqs: list[Req], ahead: list[int], vocab: int):
-    rows = [i for i, (r, a) in enumerate(zip(reqs, ahead))
-            if a == 0 and r.matcher is not None and r.matcher.active and not r.finished]
+def _grammar_bitmask(reqs: list[Req], vocab: int):
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.active and not r.finished]
     if not rows:
         return None
     import xgrammar as xgr
@@ -99,6 +102,33 @@ def _grammar_bitmask(reqs: list[Req], ahead: list[int], vocab: int):
     for i in rows:
         reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
     return bitmask, rows
+
+
+def verify_extras(batch: SamplingBatch, reqs: list[Req], drafts: list[list[int]], width: int, vocab: int,
+                  device: torch.device) -> SamplingBatch:
+    """A speculative verify's sampling rows (request i's position j at row i * width + j, built with offsets) with
+    what depends on the drafted tokens before each position: the grammar's mask there (the matcher walked along
+    the draft and rolled back) and the penalties' counts of those tokens."""
+    rows, tokens = [], []
+    for i, (r, draft) in enumerate(zip(reqs, drafts)):
+        if r.sampling.penalized:
+            for j in range(1, len(draft) + 1):
+                rows += [i * width + j] * j
+                tokens += draft[:j]
+    ahead = (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+             torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)) if rows else None
+    grammar = None
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.finished]
+    if constrained:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(reqs) * width, vocab)
+        masked = []
+        for i in constrained:
+            draft = drafts[i]
+            masked += reqs[i].matcher.fill_masks_along(draft, bitmask, [i * width + j for j in range(len(draft) + 1)])
+        grammar = (bitmask, masked) if masked else None
+    return batch._replace(penalized_ahead=ahead, grammar=grammar)
 
 
 def _logprob_token_ids(reqs: list[Req], t):
@@ -171,7 +201,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None) -> torch.Tensor:
     """Penalties, min_new_tokens masking and logit_bias, applied to a copy of logits [batch, vocab]."""
     if batch.penalties is not None:
-        logits = penalties.apply(logits, batch.penalty_rows, *batch.penalties)
+        logits = penalties.apply(logits, batch.penalty_rows, *batch.penalties, batch.penalized_ahead)
     else:
         logits = logits.clone()
     if batch.bias is not None:
