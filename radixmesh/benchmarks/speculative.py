@@ -1,7 +1,9 @@
-"""Speculative decoding (--speculative-algorithm NGRAM) against plain decoding, through the public Engine API.
+"""Speculative decoding (--speculative-algorithm NGRAM, and STANDALONE with --draft-model-path) against plain
+decoding, through the public Engine API.
 
     python -m radixmesh.benchmarks.speculative --model-path meta-llama/Llama-3.1-8B-Instruct \\
-        --draft-tokens 2,4,6,8 --out benchmarks/results/<date>-<device>-speculative.json
+        --draft-tokens 2,4,6,8 [--draft-model-path meta-llama/Llama-3.2-1B-Instruct] \\
+        --out benchmarks/results/<date>-<device>-speculative.json
 
 Workload: prompts whose continuation is predictable, as code edits and summaries are. For each seed prompt P the
 plain engine first decodes its greedy continuation G; the measured prompt is P + G + P (the model's own continuation
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-tokens", default="4,8", help="--speculative-num-draft-tokens values, comma-separated")
+    ap.add_argument("--draft-model-path", default=None, help="also run STANDALONE with this draft model")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--streams", default="1", help="concurrent requests, comma-separated (1: batch 1)")
@@ -150,19 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     for s, b in base.items():
         record["runs"].append({"algorithm": None, **{k: v for k, v in b.items() if k != "outputs"}})
         print(f"plain      streams {s:4d}: {b['tok_s_per_stream']:9.1f} tok/s per stream", flush=True)
-    for n in ns.draft_tokens.split(","):
-        spec = Engine(**common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=int(n))
-        try:
-            for s in streams:
-                r = decode_speed(spec, prompts, ns.max_new_tokens, s)
-                exact = r.pop("outputs") == base[s]["outputs"]
-                speedup = r["tok_s_per_stream"] / base[s]["tok_s_per_stream"]
-                record["runs"].append({"algorithm": "NGRAM", "num_draft_tokens": int(n), **r,
-                                       "speedup_per_stream": speedup, "token_exact": exact})
-                print(f"NGRAM n={n:>2} streams {s:4d}: {r['tok_s_per_stream']:9.1f} tok/s per stream ({speedup:.2f}x)"
-                      f", accept length {r['accept_length']:.2f}, token-exact {exact}", flush=True)
-        finally:
-            spec.shutdown()
+    algorithms = [("NGRAM", {})]
+    if ns.draft_model_path:
+        algorithms.append(("STANDALONE", {"speculative_draft_model_path": ns.draft_model_path}))
+    for algo, extra in algorithms:
+        for n in ns.draft_tokens.split(","):
+            spec = Engine(**common, **extra, speculative_algorithm=algo, speculative_num_draft_tokens=int(n))
+            try:
+                for s in streams:
+                    r = decode_speed(spec, prompts, ns.max_new_tokens, s)
+                    exact = r.pop("outputs") == base[s]["outputs"]
+                    speedup = r["tok_s_per_stream"] / base[s]["tok_s_per_stream"]
+                    record["runs"].append({"algorithm": algo, "num_draft_tokens": int(n), **r,
+                                           "speedup_per_stream": speedup, "token_exact": exact})
+                    print(f"{algo:10s} n={n:>2} streams {s:4d}: {r['tok_s_per_stream']:9.1f} tok/s per stream "
+                          f"({speedup:.2f}x), accept length {r['accept_length']:.2f}, token-exact {exact}", flush=True)
+            finally:
+                spec.shutdown()
     if "verify_cost_s" in record:
         print("verify cost (s):", json.dumps(record["verify_cost_s"]))
     if ns.out:

@@ -59,10 +59,11 @@ class EngineArgs:
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_overlap_schedule: bool = False
     # Speculative decoding (SGLang's flags; engine.speculative): NGRAM drafts from the request's own prompt and
-    # output (no second model). Each decode step then verifies the newest token and up to num_draft_tokens - 1
-    # drafted ones in one forward, keeping the longest prefix the target model agrees with (greedy: token-exact; sampled:
-    # rejection sampling, which keeps the target distribution). STANDALONE, EAGLE, EAGLE3 and NEXTN are refused
-    # until they land.
+    # output (no second model), STANDALONE with a smaller model sharing the tokenizer (speculative_draft_model_path,
+    # speculative_num_steps draft forwards). Each decode step then verifies the newest token and up to
+    # num_draft_tokens - 1 drafted ones in one forward, keeping the longest prefix the target model agrees with
+    # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). EAGLE, EAGLE3 and
+    # NEXTN are refused until they land.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = field(default=None, metadata={"aliases": ("--speculative-draft-model",)})
     speculative_num_steps: int | None = None

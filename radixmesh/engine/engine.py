@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import radixmesh.engine.shared_memory as shared_memory
 from radixmesh.engine.cache.build import build_cache
-from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.engine.config import EngineArgs, resolve_args, torch_dtype
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.device_memory import return_to_device
 from radixmesh.engine.distributed import GroupFailed
@@ -43,6 +43,7 @@ from radixmesh.engine.scheduler.scheduler import Scheduler
 from radixmesh.engine.scheduler.embedding import EmbeddingSteps
 from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.speculative.config import max_draft
+from radixmesh.engine.speculative.draft_model import DraftModel
 from radixmesh.engine.speculative.ngram import NgramIndex
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
@@ -70,10 +71,15 @@ class Engine:
         self._crash: BaseException | None = None
         if self._followers is not None:
             self._followers.watch(self._rank_exited)
-        self.runner = None
+        self.runner = self.draft_runner = None
         made = shared_memory.created()
         try:
-            self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp)
+            draft = self._draft_config()
+            self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp,
+                                      extra_kv_bytes_per_token=draft[1].kv_bytes_per_token(
+                                          torch_dtype(draft[0].kv_cache_dtype), draft[1].num_kv_heads) if draft else 0)
+            if draft is not None:
+                self.draft_runner = self._draft_runner(*draft)
             self.cache = build_cache(self.args, self.model_config, self.runner)
             if self.cache.hierarchy is not None and self._followers is not None:
                 from radixmesh.engine.cache.journaled_mover import JournaledMover
@@ -87,6 +93,8 @@ class Engine:
         except BaseException:
             shared_memory.unlink(shared_memory.created() - made)  # no file of a failed start left in /dev/shm
             self._stop_followers(graceful=self.runner is not None)
+            if self.draft_runner is not None:
+                self.draft_runner.close()
             if self.runner is not None:
                 self.runner.close()
                 if self.runner.device.type == "cuda":
@@ -118,8 +126,35 @@ class Engine:
         args = self.args
         if args.speculative_algorithm is None:
             return None
+        if self.draft_runner is not None:
+            return SpecSteps(self.cache, max_draft(args), None, args.context_length, DraftModel(self.draft_runner))
         windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
         return SpecSteps(self.cache, max_draft(args), lambda req: NgramIndex(*windows), args.context_length)
+
+    def _draft_config(self) -> tuple[EngineArgs, ModelConfig] | None:
+        """STANDALONE's draft model: its resolved arguments (the target's device, dtypes, pages and attention
+        backends; no CUDA graphs yet) and config. Refused unless it shares the target's vocabulary."""
+        args = self.args
+        if args.speculative_algorithm != "STANDALONE":
+            return None
+        path = args.speculative_draft_model_path
+        config = ModelConfig.from_path(path)
+        if config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens, {path}) differs from the "
+                             f"target's ({self.model_config.vocab_size}): a draft must share the target's tokenizer")
+        keep = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
+                "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend")
+        draft = EngineArgs.from_kwargs(path, **{k: getattr(args, k) for k in keep}, disable_cuda_graph=True,
+                                       skip_tokenizer_init=True, log_level=args.log_level)
+        return resolve_args(draft, config), config
+
+    def _draft_runner(self, args: EngineArgs, config: ModelConfig) -> ModelRunner:
+        """The draft model's runner: its KV pool mirrors the target's slot for slot (the target's table, as many
+        tokens), budgeted with the target's pool."""
+        target = self.runner
+        args = dataclasses.replace(args, max_total_tokens=target.kv_pool.capacity_tokens,
+                                   max_running_requests=target.max_running_requests)
+        return ModelRunner(args, config, table=target.req_to_token)
 
     def _rank_exited(self, reason: str) -> None:
         """A follower process of this node died: the group is broken, so the engine is (callers get `reason`)."""
@@ -537,6 +572,8 @@ class Engine:
             return
         if self._crash is not None:  # its traceback's frames would keep the step's tensors alive
             self._crash = self._crash.with_traceback(None)
+        if self.draft_runner is not None:
+            self.draft_runner.close()
         self.runner.close()
         if self.runner.device.type == "cuda":
             return_to_device()

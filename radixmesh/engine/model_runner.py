@@ -43,8 +43,13 @@ CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None):
-        """`tp`: this rank's place in its tensor-parallel group (default: alone)."""
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None,
+                 extra_kv_bytes_per_token: int = 0, table: ReqToTokenPool | None = None):
+        """`tp`: this rank's place in its tensor-parallel group (default: alone). `extra_kv_bytes_per_token`: KV
+        memory another model keeps per token of this one's pool (a speculative draft model's, slot for slot), left
+        out of this pool's budget. `table`: another runner's request-to-token table, whose slots this runner's pool
+        mirrors (a draft model's; its pool then holds exactly args.max_total_tokens tokens)."""
+        self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.args = args
         self.model_config = model_config
         self.device = torch.device(args.device)
@@ -76,14 +81,16 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         graph_sizes = self._graph_sizes()
         graph_reserve = self._graph_reserve(graph_sizes)
-        self.max_total_tokens = self.tp.all_min(self._kv_capacity_tokens(graph_reserve))
+        self.max_total_tokens = args.max_total_tokens if table is not None else \
+            self.tp.all_min(self._kv_capacity_tokens(graph_reserve))
         page = args.page_size
         self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
                               self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
                               self.device)
         self.max_running_requests = self._max_running()
         row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
-        self.req_to_token = ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        self.req_to_token = table or ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        self.owns_table = table is None
         # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last
         # forward, in order; published with the next forward.
         self.journal: list[tuple] = []
@@ -152,7 +159,7 @@ class ModelRunner:
         """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
         `graph_reserve` bytes set aside for CUDA graphs)."""
         per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype),
-                                                         self.num_kv_heads)
+                                                         self.num_kv_heads) + self.extra_kv_bytes_per_token
         page = self.args.page_size
         if self.device.type == "cuda":
             # an engine shut down earlier in this process may still hold its pool through a reference cycle that no
@@ -186,7 +193,8 @@ class ModelRunner:
             self.graphs.close()
         rotary = self.model.rotary
         tensors = [*self.kv_pool.buffers(), *self.model.parameters(), *self.model.buffers(),
-                   *tensors_of(self.req_to_token), *tensors_of(self.penalties), *tensors_of(self.attn_backend)]
+                   *(tensors_of(self.req_to_token) if self.owns_table else ()), *tensors_of(self.penalties),
+                   *tensors_of(self.attn_backend)]
         if rotary is not None:
             tensors += [rotary.cos, rotary.sin]
         release(tensors)
@@ -394,6 +402,7 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def verify(self, logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch) -> VerifyResult:
+    def verify(self, logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch,
+               draft_probs: torch.Tensor | None = None) -> VerifyResult:
         """A speculative verify forward's drafts checked against its logits (engine.speculative.verify)."""
-        return verify(logits, layout, sampling, self.generator, self.penalties)
+        return verify(logits, layout, sampling, self.generator, self.penalties, draft_probs)

@@ -152,6 +152,7 @@ class Req:
     # counts; None when speculation is off.
     drafter: object | None = None
     spec: SpecCounts | None = None
+    draft_len: int = 0  # a draft model's: positions [0, draft_len) hold its KV (engine.speculative.draft_model)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -1,5 +1,5 @@
-"""`python -m radixmesh.benchmarks.speculative` with tiny counts on the bundled tiny model: the workload is built,
-both engines run at batch 1 and two streams, every speculative output is token-exact with the plain engine's, the
+"""`python -m radixmesh.benchmarks.speculative` with tiny counts on the bundled tiny model (drafting for itself
+under STANDALONE): the workload is built, the plain, NGRAM and STANDALONE engines run at batch 1 and two streams, every speculative output is token-exact with the plain engine's, the
 verify-cost ceiling is measured, and the JSON record is complete. Asserts no speed (benchmarks measure)."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ def test_bench_speculative_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.speculative", "--model-path",
                            model_path("tiny-llama"), "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "24",
                            "--draft-tokens", "3,5", "--streams", "1,2", "--verify-cost", "--context", "64",
+                           "--draft-model-path", model_path("tiny-llama"),
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rec = json.loads(out.read_text())
     assert rec["bench"] == "speculative" and rec["command"].startswith("python -m radixmesh.benchmarks.speculative")
     runs = rec["runs"]
     assert [(r["algorithm"], r.get("num_draft_tokens"), r["streams"]) for r in runs] == [
-        (None, None, 1), (None, None, 2), ("NGRAM", 3, 1), ("NGRAM", 3, 2), ("NGRAM", 5, 1), ("NGRAM", 5, 2)]
+        (None, None, 1), (None, None, 2), *[(a, n, s) for a in ("NGRAM", "STANDALONE") for n in (3, 5) for s in (1, 2)]]
     spec = [r for r in runs if r["algorithm"]]
     assert all(r["token_exact"] and r["accept_length"] >= 1.0 and r["decode_tokens"] > 0 for r in spec), spec
     assert set(rec["verify_cost_s"]) == {"decode", "verify_k2", "verify_k4"}

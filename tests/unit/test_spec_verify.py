@@ -131,3 +131,24 @@ def test_ngram_drafts_continue_a_short_period():
 def test_ngram_min_window_refuses_short_matches():
     assert NgramIndex(3, 5).propose([1, 2, 9, 9, 1, 2], 3) == []
     assert NgramIndex(2, 5).propose([1, 2, 9, 9, 1, 2], 3) == [9, 9, 1]
+
+
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution():
+    """A draft model's tokens are drawn from its own q: kept with probability min(1, p/q), resampled from
+    max(p - q, 0) on rejection. Position 0's token follows p0 whatever q is (here one far from p)."""
+    n = 60000
+    gen = torch.Generator().manual_seed(3)
+    logits = [[2.0, 0.5, 1.5, -1.0, 0.0, -2.0], [0.3, -0.5, 1.0, 2.0, -1.0, 0.0]]
+    q0 = torch.tensor([0.05, 0.4, 0.05, 0.3, 0.1, 0.1])
+    drafts_t = torch.multinomial(q0, n, replacement=True, generator=gen)
+    drafts = [[int(t)] for t in drafts_t]
+    layout = VerifyLayout.build(drafts, torch.device("cpu"))
+    q = torch.zeros((n, 2, VOCAB))
+    q[:, 0] = q0
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    out = verify(layout_logits(logits, drafts), layout, rows_for(params, n, 2), gen, draft_probs=q)
+    p0 = torch.softmax(torch.tensor(logits[0]), dim=-1)
+    assert chi_square_ok(torch.bincount(out.tokens[:, 0], minlength=VOCAB).double(), p0.double())
+    # drafts are kept at speculative sampling's rate, the overlap sum_x min(p(x), q(x))
+    rate = float((out.accepted == 1).double().mean())
+    assert abs(rate - float(torch.minimum(p0, q0).sum())) < 0.015, rate

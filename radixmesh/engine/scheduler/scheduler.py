@@ -188,7 +188,7 @@ class Scheduler:
     def _verify_batch(self, reqs: list[Req]) -> ScheduledBatch | None:
         """A decode step under speculation: the requests' drafts verified in one forward (a plain decode when none
         has a draft: its forward is cheaper, and CUDA graphs run it)."""
-        drafts = self.spec.draft(reqs)
+        drafts, draft_probs = self.spec.draft(reqs)
         if not any(drafts):
             return self._batch(reqs, ForwardMode.DECODE)
         try:
@@ -197,7 +197,7 @@ class Scheduler:
             self._fail(reqs, e)
             return None
         return ScheduledBatch(reqs, ForwardMode.EXTEND, locs, [True] * len(reqs), [False] * len(reqs),
-                              self.in_flight, drafts=drafts)
+                              self.in_flight, drafts=drafts, draft_probs=draft_probs)
 
     def _batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduledBatch | None:
         decoding = {id(r) for r in self.requests.running}
@@ -275,6 +275,7 @@ class Scheduler:
     def _requeue(self, req: Req) -> None:
         req.retractions += 1
         req.penalty_row = None  # its table row is gone; counted afresh on the row it gets next
+        req.draft_len = 0  # and its slots: a draft model's KV is computed afresh too
         self.requests.move(req, ReqState.WAITING)
         self.stats["retractions"] += 1
         self.ratio.on_retract()

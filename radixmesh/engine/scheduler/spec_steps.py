@@ -7,10 +7,9 @@ token and the kept drafts, so kv_len steps back by k - a, and the pages that hel
 pool at once (CacheManager.trim). The prefix cache only ever sees tokens the request produced: it keys pages by
 fill_ids, and caches at most kv_len of them.
 
-Drafts are skipped (the request decodes one token in the same forward) where they could not be verified exactly:
-requests with a grammar (its matcher would have to follow each draft and roll back) or penalties (their counts
-differ per drafted position). They are also skipped where the pool has no free page for them: a draft never evicts
-cached prefixes.
+Every request may draft: grammars, penalties, min_new_tokens and seeds are applied per drafted position (the
+step runner builds each position's sampling row as if the drafted tokens before it were output). Drafts are skipped
+where the pool has no free page for them: a draft never evicts cached prefixes.
 """
 
 from __future__ import annotations
@@ -30,28 +29,33 @@ class Drafter(Protocol):
 
 
 class SpecSteps:
-    """`new_drafter`: makes a request's Drafter, on its first decode step under speculation."""
+    """`new_drafter`: makes a request's Drafter, on its first decode step under speculation. `model`: a draft
+    model that drafts for the whole batch at once (engine.speculative.draft_model.DraftModel); when given, it drafts
+    instead of the per-request drafters."""
 
-    def __init__(self, cache: CacheManager, max_draft: int, new_drafter: Callable[[Req], Drafter],
-                 context_len: int):
+    def __init__(self, cache: CacheManager, max_draft: int, new_drafter: Callable[[Req], Drafter] | None,
+                 context_len: int, model=None):
         self.cache = cache
         self.max_draft = max_draft
         self.new_drafter = new_drafter
         self.context_len = context_len
+        self.model = model
         # since start: verify (or plain decode) rows, tokens drafted, drafts kept
         self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
     def budget(self, req: Req) -> int:
         """Drafted tokens `req` may verify in its next decode step."""
-        if req.matcher is not None or req.sampling.penalized:
-            return 0
         # the step yields up to k + 1 tokens: within max_new_tokens and the context
         room = min(req.remaining_new_tokens(), self.context_len - req.fill_len) - 1
         return max(0, min(self.max_draft, room))
 
-    def draft(self, reqs: list[Req]) -> list[list[int]]:
+    def draft(self, reqs: list[Req]) -> tuple[list[list[int]], object]:
         """Drafts for a decode step's requests (each holding the slot of its newest token already); allocates
-        their slots and sets each request's extend_len to 1 + its draft's length."""
+        their slots and sets each request's extend_len to 1 + its draft's length. Also returns the distributions
+        the drafts were drawn from (a draft model's device tensor, engine.speculative.verify's draft_probs; None:
+        one-hot drafts)."""
+        if self.model is not None:
+            return self._model_drafts(reqs)
         drafts = []
         for r in reqs:
             k = self.budget(r)
@@ -65,7 +69,18 @@ class SpecSteps:
                     draft = []
             r.extend_len = 1 + len(draft)
             drafts.append(draft)
-        return drafts
+        return drafts, None
+
+    def _model_drafts(self, reqs: list[Req]) -> tuple[list[list[int]], object]:
+        """The draft model's: slots first (its forwards write their KV there), then up to max_draft tokens each."""
+        ks = []
+        for r in reqs:
+            k = self._room(r, self.budget(r))
+            if k and self.cache.alloc_tokens(r, k) is None:
+                k = 0
+            r.extend_len = 1 + k
+            ks.append(k)
+        return self.model.propose(reqs, ks)
 
     def _room(self, req: Req, k: int) -> int:
         """Of k drafted tokens, those whose slots fit in free pages (or in the request's last page)."""
@@ -79,6 +94,10 @@ class SpecSteps:
         target's next token): the rejected drafts' KV slots are dropped."""
         kept = len(tokens) - 1
         self.count(req, drafted, kept)
+        if self.model is not None and drafted:
+            # the draft ran on the newest token and drafts 1 .. k-1: its KV holds where the target kept the input
+            newest = req.kv_len - 1 - drafted
+            req.draft_len = newest + 1 + min(kept, drafted - 1)
         rejected = drafted - kept
         if rejected and req.pool_idx is not None:
             req.kv_len -= rejected

@@ -50,6 +50,7 @@ class ScheduledBatch:
     new_tokens: int = 0  # tokens an EXTEND forward computes (the prefill rate's numerator); 0 for DECODE
     # A speculative verify (an EXTEND of running requests): per request, the drafted tokens after its newest one
     drafts: list[list[int]] | None = None
+    draft_probs: Any = None  # the distributions a draft model drew them from (device tensor; None: one-hot drafts)
 
 
 class Resolved(NamedTuple):

@@ -6,11 +6,11 @@ draft guessed to be d_{j+1}. Draft tokens are accepted from the first on while t
 
 - greedy rows: d_{j+1} == argmax p_j (the adjusted logits'), so the output is token for token what decoding one
   token at a time gives;
-- sampled rows (a draft that proposes one token with certainty, as n-gram lookup does): d_{j+1} is kept with
-  probability p_j(d_{j+1}); at the first rejection the row's token is drawn from p_j with d_{j+1} taken out
-  (renormalized), and when every draft is kept the next token is drawn from p_k. Each token is then distributed
-  exactly as p_j, the distribution plain sampling draws from (speculative sampling, Leviathan et al. 2023, with a
-  one-hot draft distribution).
+- sampled rows: d_{j+1} was drawn from a draft distribution q_j (a draft model's; one-hot for n-gram lookup,
+  which proposes one token with certainty). It is kept with probability min(1, p_j(d_{j+1}) / q_j(d_{j+1})); at
+  the first rejection the row's token is drawn from max(p_j - q_j, 0), renormalized (for a one-hot q: p_j with
+  d_{j+1} taken out), and when every draft is kept the next token is drawn from p_k. Each token is then distributed
+  exactly as p_j, the distribution plain sampling draws from (speculative sampling, Leviathan et al. 2023).
 
 p_j is what plain sampling would use at that position: penalties, logit_bias, min_new_tokens (counting the j drafted
 tokens before it), temperature, top-k, top-p and min-p (engine.sampling.sampler). Logprobs are those of the raw
@@ -74,9 +74,11 @@ class VerifyResult(NamedTuple):
 
 
 def verify(logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch, generator: torch.Generator | None,
-           penalties: PenaltyState | None = None) -> VerifyResult:
+           penalties: PenaltyState | None = None, draft_probs: torch.Tensor | None = None) -> VerifyResult:
     """`logits` [rows, vocab] float32 of a verify forward; `sampling` has one row per [batch, width] position in
-    row-major order (SamplingBatch.build with each request repeated `width` times and offsets 0..width-1)."""
+    row-major order (SamplingBatch.build with each request repeated `width` times and offsets 0..width-1).
+    `draft_probs` [batch, width, vocab]: q_j, the distribution each drafted token was drawn from (rows of greedy
+    requests, padding and each row's last position: anything); None: one-hot drafts."""
     batch, width = layout.rows.shape
     flat = logits[layout.rows.reshape(-1)]  # [batch * width, vocab]
     adjusted = adjust_logits(flat, sampling, penalties) if adjusts(sampling) else flat
@@ -87,12 +89,18 @@ def verify(logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch, 
     else:
         probs = token_probs(adjusted, sampling)
         p_draft = probs.gather(1, checked[:, None]).squeeze(1)
-        keep_sampled = uniforms(sampling, generator, probs.device) < p_draft
-        # after a rejection: p without the rejected token; at j == k (and in padding) nothing is taken out
         position = torch.arange(width, device=probs.device).repeat(batch)
         drafted = position < layout.draft_lens.repeat_interleave(width)
-        residual = probs.scatter(1, checked[:, None], torch.where(drafted[:, None], 0.0, p_draft[:, None]))
-        empty = residual.sum(dim=-1) <= 0  # p was all on the draft: it cannot have been rejected there
+        u = uniforms(sampling, generator, probs.device)
+        if draft_probs is None:
+            keep_sampled = u < p_draft
+            # after a rejection: p without the rejected token; at j == k (and in padding) nothing is taken out
+            residual = probs.scatter(1, checked[:, None], torch.where(drafted[:, None], 0.0, p_draft[:, None]))
+        else:
+            q = draft_probs.reshape(batch * width, -1)
+            keep_sampled = u * q.gather(1, checked[:, None]).squeeze(1) < p_draft
+            residual = torch.where(drafted[:, None], (probs - q).clamp_(min=0.0), probs)
+        empty = residual.sum(dim=-1) <= 0  # p was all where q is: it cannot have been rejected there
         residual = torch.where(empty[:, None], probs, residual)
         drawn = draw(residual, uniforms(sampling, generator, probs.device, RESAMPLE_SALT))
         keep = torch.where(sampling.greedy, best == checked, keep_sampled)
