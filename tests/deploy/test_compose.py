@@ -15,6 +15,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -109,11 +110,14 @@ def test_cpu_stack_serves_and_prometheus_scrapes_every_service(image):  # noqa: 
         query = urllib.parse.quote('sum(sglang:prompt_tokens_total)')
         with urllib.request.urlopen(f"{prometheus}/api/v1/query?query={query}", timeout=10) as r:
             assert json.loads(r.read())["data"]["result"], "the worker's counters reached Prometheus"
-        # each radixmesh service runs unprivileged in its container and stops cleanly on SIGTERM, router first
-        for role in ("router", "worker", "kvstore", "tokenizer"):
-            name = _container(project, role)
+        # each radixmesh service runs unprivileged in its container and stops cleanly on SIGTERM (all at once)
+        names = {role: _container(project, role) for role in ("router", "worker", "kvstore", "tokenizer")}
+        for name in names.values():
             _assert_unprivileged(name)
-            assert _stop(name) == 0, f"the {role} did not shut down cleanly:\n{_logs(name, 30)}"
+        with ThreadPoolExecutor(len(names)) as pool:
+            codes = dict(zip(names, pool.map(_stop, names.values())))
+        assert all(code == 0 for code in codes.values()), \
+            {role: (code, _logs(names[role], 30)) for role, code in codes.items() if code}
     finally:
         subprocess.run([sys.executable, "-m", "podman_compose", "-p", project, "down", "-t", "35"], cwd=pm.ROOT,
                        env=env, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -193,61 +193,6 @@ def streaming_on(mesh: Mesh, worker: str, streams: int = 2):
     return ready
 
 
-def strike_frozen(mesh: Mesh, pid: int, worker: str, fault: int, streams: int = 1):
-    """A fault's strike on a colocated worker that cannot miss its answers: `fault` (SIGKILL; SIGSTOP: it stays
-    stopped) is dealt only while the worker is stopped (SIGSTOP) and the router, having read what the worker sent
-    before it stopped (two scrapes 0.1 s apart agree), has `streams` of its answers open; a stopped worker's answers
-    cannot end, so one is enough. When it has none, the worker stays stopped until the router has sent it two more
-    requests (at most 1.5 s), so that they run as one batch, begin together and last longer; then it runs on and is
-    stopped again as soon as an answer of it is open. The strike says False when none was found in 2 s (tried again).
-    `late`: strike whatever is open.
-
-    (A check before an unfrozen kill raced the answers: a tiny model's 128 tokens can take less than the scrape and
-    the signal on a loaded machine, and a CI run's kill found only calls still in their prefill: retried, not
-    migrated. A worker frozen and let go at fixed intervals was caught between its answers try after try.)"""
-    def metric(name: str) -> float:
-        return worker_metrics(mesh, worker).get(name, 0.0)
-
-    def confirmed() -> bool:
-        time.sleep(0.1)
-        now, last, deadline = metric("radixmesh_router_open_streams"), None, time.monotonic() + 2
-        while now != last and time.monotonic() < deadline:
-            time.sleep(0.1)
-            now, last = metric("radixmesh_router_open_streams"), now
-        return now >= streams
-
-    def deal() -> bool:
-        if fault != signal.SIGSTOP:
-            os.kill(pid, fault)
-        return True
-
-    def attempt(late: bool) -> bool:
-        os.kill(pid, signal.SIGSTOP)
-        if late or confirmed():
-            return deal()
-        sent, until = metric("sgl_router_processed_requests_total"), time.monotonic() + 1.5
-        while metric("sgl_router_processed_requests_total") < sent + 2 and time.monotonic() < until:
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGCONT)
-        until = time.monotonic() + 2
-        while time.monotonic() < until:
-            if metric("radixmesh_router_open_streams") >= streams:
-                os.kill(pid, signal.SIGSTOP)
-                if confirmed():
-                    return deal()
-                os.kill(pid, signal.SIGCONT)
-            time.sleep(0.02)
-        return False
-
-    def strike(late: bool = False) -> bool:
-        try:
-            return attempt(late)
-        except BaseException:  # a failed scrape: the worker is not left stopped behind the test's error
-            os.kill(pid, signal.SIGCONT)
-            raise
-    return strike
-
-
 def migrations(mesh: Mesh) -> float:
     """Streams the router moved to another worker mid-answer."""
     return metric_sum(mesh.url + "/metrics", "radixmesh_router_migrations_total")
