@@ -1,12 +1,15 @@
 """Speculative decoding in the mesh, on the decode side of prefill/decode disaggregation: `radixmesh serve
---speculative-algorithm NGRAM` with a prefill and a decode worker (shm transfer) streams, in order, the tokens the
-plain offline engine decodes greedily; /generate's meta_info carries SGLang's spec_* keys, and the decode worker's
-/metrics the acceptance length."""
+--speculative-algorithm NGRAM` (or STANDALONE, the model drafting for itself: its draft KV is built on the decode
+worker from the transferred prompt) with a prefill and a decode worker (shm transfer) streams, in order, the tokens
+the plain offline engine decodes greedily; /generate's meta_info carries SGLang's spec_* keys, and the decode
+worker's /metrics the acceptance length."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
+
+import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
@@ -14,8 +17,9 @@ from tests.e2e.mesh import metric_sum, running_mesh
 from tests.engine_utils import parity_prompts
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0}
-FLAGS = ("--disaggregation", "pd", "--disaggregation-transfer-backend", "shm", "--speculative-algorithm", "NGRAM",
-         "--speculative-num-draft-tokens", "6", "--enable-metrics")
+FLAGS = ("--disaggregation", "pd", "--disaggregation-transfer-backend", "shm", "--speculative-num-draft-tokens", "6",
+         "--enable-metrics")
+ALGORITHMS = {"NGRAM": (), "STANDALONE": ("--speculative-draft-model-path", model_path(MODEL))}
 
 
 def post(url: str, body: dict) -> bytes:
@@ -30,11 +34,13 @@ def prompts() -> list[list[int]]:
     return [base[1] * 3, base[2][:9] * 6, base[4] + base[4][:30], base[0], base[3]]
 
 
-def test_speculative_decode_worker_streams_the_plain_engines_tokens(tmp_path, offline):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_speculative_decode_worker_streams_the_plain_engines_tokens(tmp_path, offline, algorithm):
     inputs = prompts()
     want = [r["output_ids"] for r in offline.generate(input_ids=inputs, sampling_params=GREEDY)]
     sd_file = tmp_path / "targets.json"
-    with running_mesh(model_path(MODEL), tmp_path, *FLAGS, "--metrics-sd-file", str(sd_file)) as mesh:
+    with running_mesh(model_path(MODEL), tmp_path, *FLAGS, "--speculative-algorithm", algorithm,
+                      *ALGORITHMS[algorithm], "--metrics-sd-file", str(sd_file)) as mesh:
         batch = json.loads(post(mesh.url + "/generate", {"input_ids": inputs, "sampling_params": GREEDY}))
         assert [r["output_ids"] for r in batch] == want
         meta = [r["meta_info"] for r in batch]

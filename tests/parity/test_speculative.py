@@ -198,6 +198,8 @@ def test_sampled_requests_run_and_seeds_reproduce():
     ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"}, "takes no"),
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
       "speculative_ngram_max_match_window_size": 2}, "min <= max"),
+    ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5}, "verifies exactly"),
+    ({"speculative_algorithm": "NGRAM", "speculative_token_map": "map.pt"}, "FR-Spec"),
 ])
 def test_bad_speculative_flags_are_refused(kwargs, message):
     from radixmesh.engine import Engine
@@ -215,3 +217,49 @@ def test_ngram_resolves_sglang_defaults():
                         ModelConfig.from_path(path))
     assert args.speculative_algorithm == "NGRAM" and args.disable_overlap_schedule
     assert args.speculative_num_draft_tokens == 8 and args.speculative_eagle_topk == 1
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_a_mixed_load_on_a_small_pool_with_aborts_is_exact_and_leaks_nothing(algorithm):
+    """Everything at once on a pool small enough to retract: greedy requests with length limits, stop tokens and
+    min_new_tokens, a regex, penalties, seeded and unseeded sampled ones, and streams aborted mid-answer; every greedy
+    output equals the plain engine's on the same pool, and once all is done every page is back (running_engine)."""
+    import threading
+
+    path = model_path(NAME)
+    prompts = repetitive_prompts(path) + parity_prompts(path)[4:9]
+    greedy = [{**GREEDY, "max_new_tokens": 8 + 5 * i} for i in range(len(prompts))]
+    greedy[1]["stop_token_ids"] = [7, 11]
+    greedy[2]["min_new_tokens"] = 15
+    greedy[3]["regex"] = "[a-z ]+\\."
+    greedy[4].update(frequency_penalty=0.7, repetition_penalty=1.2)
+    sampled = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30, "sampling_seed": s} for s in (1, None)]
+    common = dict(page_size=4, max_total_tokens=512, chunked_prefill_size=32, schedule_conservativeness=0.05)
+    with running_engine(path, **common) as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+    extra = {"speculative_draft_model_path": path} if algorithm == "STANDALONE" else {}
+    with running_engine(path, **common, speculative_algorithm=algorithm, speculative_num_draft_tokens=5,
+                        **extra) as llm:
+        if algorithm == "NGRAM":
+            use_oracle(llm, {tuple(p): w for p, w in zip(prompts, want)})
+        aborted = []
+
+        def abort_mid_stream(i: int) -> None:
+            rid = f"abort-{i}"
+            for n, _ in enumerate(llm.generate(input_ids=prompts[i], sampling_params={**GREEDY, "max_new_tokens": 60},
+                                               stream=True, rid=rid)):
+                if n == 3:
+                    llm.abort_request(rid)
+            aborted.append(rid)
+
+        threads = [threading.Thread(target=abort_mid_stream, args=(i,)) for i in (0, 5)]
+        for t in threads:
+            t.start()
+        got = llm.generate(input_ids=prompts + prompts[:2], sampling_params=greedy + sampled)
+        for t in threads:
+            t.join(timeout=120)
+        assert len(aborted) == 2
+        assert llm.scheduler.stats["retractions"] > 0  # the pool was small enough to retract
+    assert [o["output_ids"] for o in got[:len(prompts)]] == want
+    assert all(len(o["output_ids"]) > 0 for o in got[len(prompts):])
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0

@@ -188,12 +188,12 @@ class Scheduler:
     def _verify_batch(self, reqs: list[Req]) -> ScheduledBatch | None:
         """A decode step under speculation: the requests' drafts verified in one forward (a plain decode when none
         has a draft: its forward is cheaper, and CUDA graphs run it)."""
-        drafts, draft_probs = self.spec.draft(reqs)
-        if not any(drafts):
-            return self._batch(reqs, ForwardMode.DECODE)
         try:
+            drafts, draft_probs = self.spec.draft(reqs)
+            if not any(drafts):
+                return self._batch(reqs, ForwardMode.DECODE)
             locs = self.cache.slots_of_new_tokens(reqs)
-        except Exception as e:
+        except Exception as e:  # a draft model's forward failed: its requests fail, the engine serves on
             self._fail(reqs, e)
             return None
         return ScheduledBatch(reqs, ForwardMode.EXTEND, locs, [True] * len(reqs), [False] * len(reqs),

@@ -32,6 +32,13 @@ def resolve_speculative(args: Any) -> dict:
            f"got {args.speculative_algorithm!r}")
     _check(not args.is_embedding, "speculative decoding speeds up generation: an embedding engine (is_embedding) "
            "generates nothing")
+    _check(args.speculative_accept_threshold_single == 1.0 and args.speculative_accept_threshold_acc == 1.0,
+           "speculative_accept_threshold_single and _acc below 1.0 accept drafts the target would not have chosen "
+           "(outputs no longer follow the model's distribution); radixmesh verifies exactly: leave them at 1.0")
+    _check(args.speculative_token_map is None, "speculative_token_map (FR-Spec's reduced draft vocabulary) is not "
+           "implemented yet")
+    _check(args.speculative_attention_mode == "prefill", "speculative_attention_mode: verify forwards run as an "
+           f"extend over the request's KV ('prefill'); got {args.speculative_attention_mode!r}")
     topk = args.speculative_eagle_topk
     _check(topk is None or topk == 1, f"speculative_eagle_topk {topk}: draft trees (topk > 1) are not implemented "
            "yet; drafts are one chain (topk 1)")

@@ -66,9 +66,10 @@ class DraftModel:
             full = torch.zeros(len(sub), dtype=torch.int64, device=self.device)
             full[torch.tensor(rows, device=self.device)] = step_tokens
             chosen.append(full)
-            if keep_q:
+            if keep_q:  # (rows still drafting may all be greedy: no q, and none needed for them)
                 q_full = torch.zeros((len(sub), self.vocab), dtype=torch.float32, device=self.device)
-                q_full[torch.tensor(rows, device=self.device)] = step_q
+                if step_q is not None:
+                    q_full[torch.tensor(rows, device=self.device)] = step_q
                 dists.append(q_full)
         host = torch.stack(chosen, dim=1).tolist()  # the one read: [active, kmax]
         for n, i in enumerate(active):
