@@ -83,9 +83,9 @@ def test_an_idle_tp_engine_outlives_the_dist_timeout():
     idle spell three times as long leaves the group and the transfer path working."""
     path = model_path("tiny-llama")
     params = {"max_new_tokens": 6, "temperature": 0}
-    with running_engine(path, tp_size=2, dist_timeout=5, **OPTS) as llm:
+    with running_engine(path, tp_size=2, dist_timeout=3, **OPTS) as llm:
         first = llm.generate("hello there", params)["output_ids"]
         mirror = llm.kv_mirror()
-        time.sleep(15)
+        time.sleep(9)
         assert llm.generate("hello there", params)["output_ids"] == first
         mirror.stage_out([1, 2], [5, 6])  # the staging channel's followers are still there
