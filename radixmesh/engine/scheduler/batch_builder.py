@@ -59,6 +59,12 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev
     width = max(map(len, id_rows), default=0)
     padded = [row + [0] * (width - len(row)) for row in id_rows] if width else None
     plan = PromptLogprobPlan(counts, targets, top_k, padded) if extra else None
+    return _extend(reqs, ids, positions, locs, device, extra, pending.spec()), plan
+
+
+def _extend(reqs: list[Req], ids: list[int], positions: list[int], locs: torch.Tensor, device: torch.device,
+            extra: list[int], pending=None) -> ForwardBatch:
+    """An EXTEND batch of each request's extend_len tokens from its kv_len on."""
     return ForwardBatch.build(
         ForwardMode.EXTEND, ids, positions, locs,
         req_pool_indices=[r.pool_idx for r in reqs],
@@ -66,8 +72,8 @@ def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev
         extend_lens=[r.extend_len for r in reqs],
         device=device,
         extra_logit_indices=extra,
-        pending=pending.spec(),
-    ), plan
+        pending=pending,
+    )
 
 
 def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
@@ -109,11 +115,4 @@ def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, d
         ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *draft]
         positions += range(r.kv_len, r.kv_len + r.extend_len)
         extra += range(start, start + len(draft))
-    return ForwardBatch.build(
-        ForwardMode.EXTEND, ids, positions, locs,
-        req_pool_indices=[r.pool_idx for r in reqs],
-        seq_lens=[r.kv_len + r.extend_len for r in reqs],
-        extend_lens=[r.extend_len for r in reqs],
-        device=device,
-        extra_logit_indices=extra,
-    )
+    return _extend(reqs, ids, positions, locs, device, extra)
