@@ -58,7 +58,8 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-            set_pdl(not args.disable_pdl, gemv=args.decode_gemm == "gemv")
+            if table is None:  # (a draft model's runner leaves the process-wide kernel choices to the target's)
+                set_pdl(not args.disable_pdl, gemv=args.decode_gemm == "gemv")
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp,
