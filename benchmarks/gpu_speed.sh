@@ -28,6 +28,9 @@
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
 #   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, a Qwen3-30B-A3B-shaped model (runner auto)
+#   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
+#                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
+#                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -192,6 +195,16 @@ if [[ $PARTS == *moe* ]]; then
   $PY -m radixmesh.engine.bench_offline_throughput --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy \
     --dtype bfloat16 --skip-tokenizer-init --log-level warning --num-prompts ${MOE_PROMPTS:-512} --random-input-len 512 \
     --random-output-len 128 --result-file "$OUT/moe_offline.jsonl" 2>&1 | tee -a "$OUT/moe_offline.log" | tail -2
+fi
+
+if [[ $PARTS == *spec* ]]; then
+  # Issue 53. Dummy weights: whether their greedy text repeats enough for n-gram drafts is the model's to say, so the
+  # record carries the acceptance length beside the speed; --verify-cost is the ceiling whatever the drafts.
+  $PY -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_cuda.py 2>&1 | tail -3
+  $PY -m radixmesh.benchmarks.speculative --model-path build/llama-3.1-8b --dtype bfloat16 \
+    --engine-args '{"load_format": "dummy"}' --draft-tokens ${SPEC_DRAFT_TOKENS:-2,4,6,8} --streams ${SPEC_STREAMS:-1,64} \
+    --prompts ${SPEC_PROMPTS:-8} --max-new-tokens 256 --verify-cost --context 1024 --out "$OUT/speculative.json" 2>&1 \
+    | tee "$OUT/speculative.log" | grep -v Warning | tail -14
 fi
 
 if [[ $PARTS == *meshprof* ]]; then
