@@ -72,3 +72,11 @@ def test_ports_come_from_below_the_kernels_ephemeral_range(fresh):
     chosen = [ports.free_port() for _ in range(50)]
     assert len(set(chosen)) == 50
     assert all(ports._LOW <= p < ports._ephemeral_start() for p in chosen), chosen
+
+
+def test_without_a_writable_lock_folder_ports_still_come(fresh, tmp_path):
+    """A read-only temp folder (a locked-down container): no lock, the range still keeps the kernel's picks away."""
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")
+    fresh.setattr(ports, "_LOCK_DIR", blocked / "locks")
+    assert ports._LOW <= ports.free_port() < ports._ephemeral_start()

@@ -42,9 +42,13 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def _lock(port: int) -> bool:
-    """This process's claim on `port` among every process on the machine (False: another holds it)."""
-    _LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(_LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    """This process's claim on `port` among every process on the machine (False: another holds it). Where no lock
+    file can be made (a read-only temp folder), the range alone keeps the kernel's picks away."""
+    try:
+        _LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(_LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
