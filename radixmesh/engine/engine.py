@@ -75,9 +75,9 @@ class Engine:
         made = shared_memory.created()
         try:
             draft = self._draft_config()
+            draft_kv = draft[1].kv_bytes_per_token(torch_dtype(draft[0].kv_cache_dtype)) if draft else 0
             self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp,
-                                      extra_kv_bytes_per_token=draft[1].kv_bytes_per_token(
-                                          torch_dtype(draft[0].kv_cache_dtype), draft[1].num_kv_heads) if draft else 0)
+                                      extra_kv_bytes_per_token=draft_kv)
             if draft is not None:
                 self.draft_runner = self._draft_runner(*draft)
             self.cache = build_cache(self.args, self.model_config, self.runner)

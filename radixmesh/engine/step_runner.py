@@ -130,8 +130,9 @@ class StepRunner:
         drafted tokens before it were output: min_new_tokens, seeds, penalty counts, grammar state), checked against
         the drafts (engine.speculative.verify); the penalty counts take every token a row produced."""
         batch = result.batch
-        reqs, width = batch.reqs, 1 + max(map(len, batch.drafts))
+        reqs = batch.reqs
         layout = VerifyLayout.build(batch.drafts, self.device)
+        width = layout.width
         sampling = SamplingBatch.build([r for r in reqs for _ in range(width)], any(r.return_logprob for r in reqs),
                                        self.vocab_size, self.device, offsets=list(range(width)) * len(reqs))
         sampling = verify_extras(sampling, reqs, batch.drafts, width, self.vocab_size, self.device)

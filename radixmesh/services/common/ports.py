@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import functools
 import os
 import random
 import socket
@@ -25,6 +26,7 @@ _LOW = 20000
 _LOCK_DIR = Path(tempfile.gettempdir()) / f"radixmesh-ports-{os.getuid()}"
 
 
+@functools.cache
 def _ephemeral_start() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
