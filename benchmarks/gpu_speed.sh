@@ -200,11 +200,12 @@ fi
 if [[ $PARTS == *spec* ]]; then
   # Issue 53. Dummy weights: whether their greedy text repeats enough for n-gram drafts is the model's to say, so the
   # record carries the acceptance length beside the speed; --verify-cost is the ceiling whatever the drafts.
-  $PY -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_cuda.py 2>&1 | tail -3
+  $PY -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_cuda.py 2>&1 | tee "$OUT/spec_tests.log" \
+    | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -30
   $PY -m radixmesh.benchmarks.speculative --model-path build/llama-3.1-8b --dtype bfloat16 \
-    --engine-args '{"load_format": "dummy"}' --draft-tokens ${SPEC_DRAFT_TOKENS:-2,4,6,8} --streams ${SPEC_STREAMS:-1,64} \
+    --engine-args '{"load_format": "dummy"}' --draft-tokens ${SPEC_DRAFT_TOKENS:-4,8} --streams ${SPEC_STREAMS:-1,64} \
     --prompts ${SPEC_PROMPTS:-8} --max-new-tokens 256 --verify-cost --context 1024 --out "$OUT/speculative.json" 2>&1 \
-    | tee "$OUT/speculative.log" | grep -v Warning | tail -14
+    | tee "$OUT/speculative.log" | grep -E "^(plain|NGRAM|STANDALONE|verify)|Error|error" | tail -30
 fi
 
 if [[ $PARTS == *meshprof* ]]; then

@@ -5,12 +5,18 @@ decoding, through the public Engine API.
         --draft-tokens 2,4,6,8 [--draft-model-path meta-llama/Llama-3.2-1B-Instruct] \\
         --out benchmarks/results/<date>-<device>-speculative.json
 
-Workload: prompts whose continuation is predictable, as code edits and summaries are. For each seed prompt P the
-plain engine first decodes its greedy continuation G; the measured prompt is P + G + P (the model's own continuation
-is in the prompt), and both engines then decode --max-new-tokens greedily from it. Decode speed is a request's
-streamed tokens after its first, over the time from its first token to its last (prefill excluded), summed over
-requests run one at a time (batch 1) or `--streams` at once; the speculative engine reports its acceptance length
-(tokens per decode forward, from meta_info). Outputs are checked token for token against the plain engine's.
+Workloads whose continuations are predictable. For each seed prompt P the plain engine first decodes its greedy
+continuation G. `repeat`: P asked again (a retried or repeated question, an agent re-running a step): each engine has
+served the run's requests once before, at the same concurrency, so the n-gram corpus of finished requests holds P and
+the engine's own continuation (`same_as_before`: the measured outputs equal that run's). `quote`: P + G + P, the
+model's own continuation in the prompt (as code edits and summaries quote their source): drafts come from the
+request's own sequence, and are kept where the model repeats what it said (a trained model does; random weights do
+not). Both engines decode --max-new-tokens greedily. Decode speed is a request's streamed tokens after its first,
+over the time from its first token to its last (prefill excluded), run one at a time (batch 1) or `--streams` at once;
+the speculative engine reports its acceptance length (tokens per decode forward, from meta_info). Outputs are compared
+token for token with the plain engine's (`token_exact`, and `matching`: the share of tokens before the first
+difference: in bfloat16 a verify, a decode batch of several rows per request, rounds as a plain decode of one row
+does only where their kernels do).
 
 `--verify-cost` adds the ceiling: one request of --context tokens, the seconds of a plain decode forward and of a
 verify forward of 1 + k tokens for each k (the model runner directly, as engine.bench_one_batch times steps), so a
@@ -44,11 +50,47 @@ SEEDS = [
 ]
 
 
-def workload(plain: Engine, n: int, new_tokens: int) -> list[list[int]]:
-    """P + G + P per seed prompt P (G: the plain engine's greedy continuation of P)."""
+WORKLOADS = ("repeat", "quote")  # in this order: `repeat` fills the corpus with P + G, which `quote` then ties
+
+
+def workloads(plain: Engine, n: int, new_tokens: int) -> dict[str, list[list[int]]]:
+    """{"repeat": [P], "quote": [P + G + P]} for n seed prompts P (G: the plain engine's greedy continuation)."""
     prompts = [plain.tokenizer.encode(s) for s in (SEEDS * (n // len(SEEDS) + 1))[:n]]
     outs = plain.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new_tokens})
-    return [p + o["output_ids"] + p for p, o in zip(prompts, outs)]
+    return {"repeat": prompts, "quote": [p + o["output_ids"] + p for p, o in zip(prompts, outs)]}
+
+
+def runs_of(prompts: list[list[int]], streams: int, count: int) -> list[list[int]]:
+    """The requests of a run at `streams`: `count` (--prompts) of them, or `streams` where that is more."""
+    return prompts[:max(count, streams)]
+
+
+def warm_up(engine: Engine, vocab: int, streams: int) -> None:
+    """Kernels compiled and graphs touched at this concurrency, on prompts that share nothing with the workloads."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(100, vocab, (96,), generator=gen).tolist() for _ in range(streams)]
+    engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16})
+
+
+def matching(got: list[int], want: list[int]) -> int:
+    """Tokens of `got` before its first difference from `want`."""
+    n = 0
+    for a, b in zip(got, want):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def measure(engine: Engine, workload: str, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
+    """decode_speed; for `repeat`, after the same requests ran once at the same concurrency (unmeasured), with
+    `same_as_before`: whether the measured outputs equal that run's."""
+    if workload != "repeat":
+        return decode_speed(engine, prompts, new_tokens, streams)
+    before = decode_speed(engine, prompts, new_tokens, streams)["outputs"]
+    out = decode_speed(engine, prompts, new_tokens, streams)
+    out["same_as_before"] = out["outputs"] == before
+    return out
 
 
 def decode_speed(engine: Engine, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
@@ -102,7 +144,7 @@ def verify_cost(engine: Engine, context: int, ks: list[int], steps: int) -> dict
                         raise RuntimeError("KV pool too small")
                     locs = cache.slots_of_new_tokens([req])
                     batch = build_decode([req], locs, runner.device) if k == 0 else \
-                        build_verify([req], [[7] * k], locs, runner.device)
+                        build_verify([req], [[7] * k], locs, runner.device, 1 + k)
                     _sync(runner.device)
                     t0 = time.perf_counter()
                     runner.forward(batch)
@@ -126,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-tokens", default="4,8", help="--speculative-num-draft-tokens values, comma-separated")
     ap.add_argument("--draft-model-path", default=None, help="also run STANDALONE with this draft model")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="requests per run (at least --streams of them)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--streams", default="1", help="concurrent requests, comma-separated (1: batch 1)")
     ap.add_argument("--verify-cost", action="store_true")
@@ -142,17 +184,20 @@ def main(argv: list[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "runs": []}
     plain = Engine(**common)
+    vocab = plain.model_config.vocab_size
     try:
-        prompts = workload(plain, ns.prompts, ns.max_new_tokens)
-        base = {s: decode_speed(plain, prompts, ns.max_new_tokens, s) for s in streams}
+        prompts = workloads(plain, max(ns.prompts, *streams), ns.max_new_tokens)
+        warm_up(plain, vocab, max(streams))
+        base = {(w, s): measure(plain, w, runs_of(prompts[w], s, ns.prompts), ns.max_new_tokens, s)
+                for w in WORKLOADS for s in streams}
         if ns.verify_cost:
-            record["verify_cost_s"] = verify_cost(plain, ns.context, [int(k) - 1 for k in ns.draft_tokens.split(",")],
-                                                  steps=20)
+            widest = max(int(n) for n in ns.draft_tokens.split(","))
+            record["verify_cost_s"] = verify_cost(plain, ns.context, list(range(1, widest)), steps=20)
     finally:
         plain.shutdown()
-    for s, b in base.items():
-        record["runs"].append({"algorithm": None, **{k: v for k, v in b.items() if k != "outputs"}})
-        print(f"plain      streams {s:4d}: {b['tok_s_per_stream']:9.1f} tok/s per stream", flush=True)
+    for (w, s), b in base.items():
+        record["runs"].append({"algorithm": None, "workload": w, **{k: v for k, v in b.items() if k != "outputs"}})
+        print(f"plain      {w:6s} streams {s:4d}: {b['tok_s_per_stream']:9.1f} tok/s per stream", flush=True)
     algorithms = [("NGRAM", {})]
     if ns.draft_model_path:
         algorithms.append(("STANDALONE", {"speculative_draft_model_path": ns.draft_model_path}))
@@ -160,14 +205,21 @@ def main(argv: list[str] | None = None) -> int:
         for n in ns.draft_tokens.split(","):
             spec = Engine(**common, **extra, speculative_algorithm=algo, speculative_num_draft_tokens=int(n))
             try:
-                for s in streams:
-                    r = decode_speed(spec, prompts, ns.max_new_tokens, s)
-                    exact = r.pop("outputs") == base[s]["outputs"]
-                    speedup = r["tok_s_per_stream"] / base[s]["tok_s_per_stream"]
-                    record["runs"].append({"algorithm": algo, "num_draft_tokens": int(n), **r,
-                                           "speedup_per_stream": speedup, "token_exact": exact})
-                    print(f"{algo:10s} n={n:>2} streams {s:4d}: {r['tok_s_per_stream']:9.1f} tok/s per stream "
-                          f"({speedup:.2f}x), accept length {r['accept_length']:.2f}, token-exact {exact}", flush=True)
+                warm_up(spec, vocab, max(streams))
+                for w in WORKLOADS:
+                    for s in streams:
+                        r = measure(spec, w, runs_of(prompts[w], s, ns.prompts), ns.max_new_tokens, s)
+                        want = base[(w, s)]["outputs"]
+                        outs = r.pop("outputs")
+                        same = sum(matching(g, x) for g, x in zip(outs, want)) / max(1, sum(map(len, want)))
+                        speedup = r["tok_s_per_stream"] / base[(w, s)]["tok_s_per_stream"]
+                        record["runs"].append({"algorithm": algo, "num_draft_tokens": int(n), "workload": w, **r,
+                                               "speedup_per_stream": speedup, "token_exact": outs == want,
+                                               "matching": same})
+                        print(f"{algo:10s} n={n:>2} {w:6s} streams {s:4d}: {r['tok_s_per_stream']:9.1f} tok/s per "
+                              f"stream ({speedup:.2f}x), accept length {r['accept_length']:.2f}, matching {same:.3f}"
+                              + (f", same as before {r['same_as_before']}" if "same_as_before" in r else ""),
+                              flush=True)
             finally:
                 spec.shutdown()
     if "verify_cost_s" in record:

@@ -44,7 +44,7 @@ from radixmesh.engine.scheduler.embedding import EmbeddingSteps
 from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.draft_model import DraftModel
-from radixmesh.engine.speculative.ngram import NgramIndex
+from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
 
@@ -126,14 +126,19 @@ class Engine:
         args = self.args
         if args.speculative_algorithm is None:
             return None
+        # a verify runs a row per token: within the largest CUDA graph where there are graphs
+        max_rows = self.runner.graphs.max_bs if self.runner.graphs is not None else None
         if self.draft_runner is not None:
-            return SpecSteps(self.cache, max_draft(args), None, args.context_length, DraftModel(self.draft_runner))
+            return SpecSteps(self.cache, max_draft(args), None, args.context_length, DraftModel(self.draft_runner),
+                             max_rows=max_rows)
         windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
-        return SpecSteps(self.cache, max_draft(args), lambda req: NgramIndex(*windows), args.context_length)
+        corpus = NgramCorpus(args.speculative_ngram_capacity)
+        return SpecSteps(self.cache, max_draft(args), lambda req: NgramIndex(*windows, corpus), args.context_length,
+                         corpus=corpus, max_rows=max_rows)
 
     def _draft_config(self) -> tuple[EngineArgs, ModelConfig] | None:
         """STANDALONE's draft model: its resolved arguments (the target's device, dtypes, pages and attention
-        backends; no CUDA graphs yet) and config. Refused unless it shares the target's vocabulary."""
+        backends and CUDA graphs) and config. Refused unless it shares the target's vocabulary."""
         args = self.args
         if args.speculative_algorithm != "STANDALONE":
             return None
@@ -144,8 +149,9 @@ class Engine:
                              f"target's ({self.model_config.vocab_size}): a draft must share the target's tokenizer")
         keep = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
                 "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend")
-        draft = EngineArgs.from_kwargs(path, **{k: getattr(args, k) for k in keep}, disable_cuda_graph=True,
-                                       skip_tokenizer_init=True, log_level=args.log_level)
+        keep += ("disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_bs")  # its one-token steps replay graphs
+        draft = EngineArgs.from_kwargs(path, **{k: getattr(args, k) for k in keep}, skip_tokenizer_init=True,
+                                       log_level=args.log_level)
         return resolve_args(draft, config), config
 
     def _draft_runner(self, args: EngineArgs, config: ModelConfig) -> ModelRunner:

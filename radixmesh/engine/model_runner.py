@@ -30,6 +30,7 @@ from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult, verify
 
 if TYPE_CHECKING:
@@ -113,8 +114,9 @@ class ModelRunner:
                  model_config.architecture, self.device, args.dtype, self.kv_pool.capacity_tokens, page,
                  self.max_running_requests, self.attn_backend.name)
         self.graphs: CudaGraphRunner | None = None
-        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests)
-        if graph_sizes and args.decode_gemm == "auto" and pdl_available(self.device):
+        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests * (1 + max_draft(args)))
+        # (a draft model's runner leaves the process-wide product choices to the target's, planned first)
+        if graph_sizes and args.decode_gemm == "auto" and table is None and pdl_available(self.device):
             gemv, rows = decode_products_plan(self.model, self.device, self.dtype)
             set_pdl(True, gemv=gemv, row=rows)
         if graph_sizes:
@@ -145,7 +147,8 @@ class ModelRunner:
             log.info("CUDA graphs off: --moe-runner-backend %s picks each step's experts on the host",
                      args.moe_runner_backend)
             return []
-        cap = args.max_running_requests or 256
+        # a speculative verify is a decode batch of one row per token (batch_builder.build_verify)
+        cap = (args.max_running_requests or 256) * (1 + max_draft(args))
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
 
     def _graph_reserve(self, graph_sizes: list[int]) -> int:

@@ -98,7 +98,7 @@ class StepRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.drafts is not None:
             return StepResult(batch, self.model.forward(build_verify(batch.reqs, batch.drafts, batch.locs,
-                                                                     self.device)))
+                                                                     self.device, batch.width)))
         if batch.mode is ForwardMode.EXTEND:
             forward, plan = build_extend(batch.reqs, batch.locs, self.device, batch.after)
         else:
@@ -131,7 +131,7 @@ class StepRunner:
         the drafts (engine.speculative.verify); the penalty counts take every token a row produced."""
         batch = result.batch
         reqs = batch.reqs
-        layout = VerifyLayout.build(batch.drafts, self.device)
+        layout = VerifyLayout.build(batch.drafts, self.device, batch.width)
         width = layout.width
         sampling = SamplingBatch.build([r for r in reqs for _ in range(width)], any(r.return_logprob for r in reqs),
                                        self.vocab_size, self.device, offsets=list(range(width)) * len(reqs))

@@ -1,55 +1,77 @@
-"""Speculative decoding on CUDA, every attention backend: a verify forward (an EXTEND of the newest token and its
-drafts over the request's KV) gives the greedy tokens plain decoding gives, with NGRAM drafts kept whole, in part
-and not at all (the oracle drafter of tests/parity/test_speculative.py), with a STANDALONE draft model (the target
-drafting for itself), pages of 1 and 16 tokens, shared prefixes; steps without drafts still run in CUDA graphs, and
-nothing leaks."""
+"""Speculative decoding on CUDA, every attention backend. A verify forward is a decode batch of a fixed number of rows
+per request (the newest token, its drafts, padding), in CUDA graphs: each position is computed alike whichever drafts
+its step had, so a greedy request's tokens are the same with drafts kept whole, in part or not at all (the oracle
+drafter of tests/parity/test_speculative.py against one that never drafts), bit for bit in float16; in float32 they
+are also plain decoding's. A STANDALONE draft model (the target drafting for itself) runs its steps in graphs of its
+own. Pages of 1 and 16 tokens; nothing leaks."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import model_path
-from tests.engine_utils import parity_prompts, running_engine
+from tests.engine_utils import assert_no_leak, parity_prompts, running_engine
 from tests.parity.test_speculative import use_oracle
 
 pytestmark = pytest.mark.gpu
 GREEDY = {"max_new_tokens": 24, "temperature": 0}
 
 
-@pytest.mark.parametrize("backend,page", [("flashinfer", 16), ("triton", 1), ("triton", 16), ("torch_native", 4)])
-def test_verify_forwards_on_cuda_decode_as_plain_steps(backend, page):
+class Never:
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return []
+
+
+def one_at_a_time(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone (a batch of one throughout, so every verify has one shape)."""
+    return [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+
+
+@pytest.mark.parametrize("backend,page,dtype", [("flashinfer", 16, "float16"), ("triton", 1, "float32"),
+                                                ("triton", 16, "float16"), ("torch_native", 4, "float32")])
+def test_verify_forwards_on_cuda_keep_greedy_outputs(backend, page, dtype):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     path = model_path("tiny-llama")
     prompts = parity_prompts(path)[3:7]
-    common = dict(device="cuda", page_size=page, attention_backend=backend, skip_tokenizer_init=True,
+    common = dict(device="cuda", dtype=dtype, page_size=page, attention_backend=backend, skip_tokenizer_init=True,
                   max_total_tokens=8192)
     with running_engine(path, **common) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+        plain_out = one_at_a_time(plain, prompts)
     with running_engine(path, **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6) as llm:
-        assert llm.runner.graphs is not None or backend == "torch_native"
-        use_oracle(llm, {tuple(p): w for p, w in zip(prompts, want)})
-        got = llm.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in got] == want
-    assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0
+        # verifies are decode batches of six rows per request: 4 requests at once replay graphs too
+        assert llm.runner.graphs is not None and max(llm.runner.graphs.sizes) >= 24 or backend == "torch_native"
+        llm.scheduler.spec.new_drafter = lambda req: Never()
+        undrafted = one_at_a_time(llm, prompts)
+        use_oracle(llm, {tuple(p): w for p, w in zip(prompts, undrafted)})
+        got = [llm.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        assert [o["output_ids"] for o in got] == undrafted
+        assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0
+        batched = llm.generate(input_ids=prompts, sampling_params=GREEDY)  # four at once: runs, keeps drafts
+        assert sum(o["meta_info"]["spec_accept_token_num"] for o in batched) > 0
+        assert_no_leak(llm)
+    if dtype == "float32":
+        assert undrafted == plain_out
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
 def test_a_standalone_draft_model_on_cuda_keeps_greedy_outputs(backend):
     """The target drafting for itself (its KV pool mirrored slot for slot by the draft's): drafts kept nearly
-    whole, outputs as plain decoding's."""
+    whole, outputs as with a draft model that is never right."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     path = model_path("tiny-llama")
     prompts = parity_prompts(path)[3:7]
-    common = dict(device="cuda", page_size=16, attention_backend=backend, skip_tokenizer_init=True,
-                  max_total_tokens=8192)
-    with running_engine(path, **common) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
-    with running_engine(path, **common, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
-                        speculative_num_steps=4) as llm:
+    common = dict(device="cuda", dtype="float16", page_size=16, attention_backend=backend, skip_tokenizer_init=True,
+                  max_total_tokens=8192, speculative_algorithm="STANDALONE", speculative_num_steps=4)
+    with running_engine(path, **common, speculative_draft_model_path=path) as llm:
         assert llm.draft_runner.kv_pool.capacity_tokens == llm.runner.kv_pool.capacity_tokens
-        got = llm.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in got] == want
-    kept = sum(o["meta_info"]["spec_accept_token_num"] for o in got)
-    assert kept > 0.8 * sum(o["meta_info"]["spec_draft_token_num"] for o in got)
+        assert llm.draft_runner.graphs is not None  # the draft's one-token steps replay graphs
+        got = [llm.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        kept = sum(o["meta_info"]["spec_accept_token_num"] for o in got)
+        assert kept > 0.8 * sum(o["meta_info"]["spec_draft_token_num"] for o in got)
+        assert_no_leak(llm)
+    with running_engine(path, **common, speculative_draft_model_path=path) as wrong:
+        wrong.scheduler.spec.model.propose = lambda reqs, ks: ([[(7 + i) % 50] * k for i, k in enumerate(ks)], None)
+        assert [wrong.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts] == \
+            [o["output_ids"] for o in got]

@@ -14,7 +14,7 @@ import torch
 
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import SamplingBatch
-from radixmesh.engine.speculative.ngram import NgramIndex
+from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.speculative.verify import VerifyLayout, verify
 
 VOCAB = 6
@@ -29,13 +29,9 @@ def rows_for(params: SamplingParams, n_reqs: int, width: int, **extra) -> Sampli
 
 
 def layout_logits(position_logits: list[list[float]], drafts: list[list[int]]) -> torch.Tensor:
-    """The forward's logits rows (each request's last position first, then the others in batch order) when every
-    request has the same per-position logits."""
-    k = len(drafts[0])
-    pos = torch.tensor(position_logits)
-    last = pos[k].repeat(len(drafts), 1)
-    others = pos[:k].repeat(len(drafts), 1)
-    return torch.cat([last, others])
+    """The forward's logits rows (one per new token: each request's positions in order, requests in batch order)
+    when every request of drafts of equal length has the same per-position logits."""
+    return torch.tensor(position_logits).repeat(len(drafts), 1)
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
@@ -66,9 +62,10 @@ def test_rows_of_different_draft_lengths_share_a_batch():
     params = SamplingParams(temperature=0, max_new_tokens=10)
     drafts = [[2, 3], [], [4]]
     layout = VerifyLayout.build(drafts, torch.device("cpu"))
-    # rows: last positions of the 3 requests, then row 0's two drafted positions, then row 2's one
-    logits = torch.full((6, VOCAB), 0.0)
-    for row, best in [(0, 5), (1, 1), (2, 0), (3, 2), (4, 3), (5, 4)]:
+    # three rows per request (the widest): request 0's three positions, request 1's one and two padding rows,
+    # request 2's two and one padding row
+    logits = torch.full((9, VOCAB), 0.0)
+    for row, best in [(0, 2), (1, 3), (2, 5), (3, 1), (6, 4), (7, 0)]:
         logits[row, best] = 5.0
     out = verify(logits, layout, rows_for(params, 3, layout.width), None)
     assert [out.tokens[i, :int(a) + 1].tolist() for i, a in enumerate(out.accepted)] == [[2, 3, 5], [1], [4, 0]]
@@ -152,3 +149,25 @@ def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribut
     # drafts are kept at speculative sampling's rate, the overlap sum_x min(p(x), q(x))
     rate = float((out.accepted == 1).double().mean())
     assert abs(rate - float(torch.minimum(p0, q0).sum())) < 0.015, rate
+
+
+def test_the_corpus_drafts_what_followed_in_earlier_requests():
+    corpus = NgramCorpus(capacity=1000)
+    corpus.add([10, 11, 12, 13, 14, 15])
+    corpus.add([20, 11, 12, 30, 31])
+    # the suffix (11, 12) occurs in both; the later one wins a tie of length; (10, 11, 12) is longer
+    assert NgramIndex(1, 4, corpus).propose([7, 11, 12], 3) == [30, 31]
+    assert NgramIndex(1, 4, corpus).propose([10, 11, 12], 5) == [13, 14, 15]  # never past a sequence's end
+    assert NgramIndex(1, 4, corpus).propose([7, 15], 3) == []  # the last token of a sequence has no continuation
+    # the request's own sequence wins a tie with the corpus
+    assert NgramIndex(1, 4, corpus).propose([11, 12, 99, 7, 11, 12], 2) == [99, 7]
+    assert NgramIndex(3, 4, corpus).propose([7, 11, 12], 3) == []  # below the min window
+
+
+def test_the_corpus_keeps_at_most_its_capacity():
+    corpus = NgramCorpus(capacity=20)
+    for base in range(0, 400, 8):
+        corpus.add(list(range(base, base + 8)))
+    assert corpus.size <= 20 + 4  # two generations of at most half each, separators included
+    assert NgramIndex(1, 4, corpus).propose([392, 393], 2) == [394, 395]  # the newest is kept
+    assert NgramIndex(1, 4, corpus).propose([0, 1], 2) == []  # the oldest is gone

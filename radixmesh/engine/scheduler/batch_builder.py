@@ -102,17 +102,26 @@ def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
     )
 
 
-def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, device: torch.device) -> ForwardBatch:
-    """A speculative verify: each request's newest token (at kv_len) and its drafted tokens after it, in one
-    EXTEND forward (attention over each request's KV and its new tokens, causally). Logits come back for every new
-    token: each request's last one first, then the others in batch order as extra rows (engine.speculative.verify
-    reads them in that layout)."""
-    ids, positions, extra = [], [], []
-    for r, draft in zip(reqs, drafts):
-        if r.kv_len != r.fill_len - 1 or r.extend_len != 1 + len(draft):
+def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, device: torch.device,
+                 width: int) -> ForwardBatch:
+    """A speculative verify: each request's newest token (at kv_len) and its drafted tokens after it, as a DECODE
+    batch of `width` rows per request. Row j of a request is position kv_len + j over the request's table row with
+    seq_len kv_len + j + 1: every layer stores the whole batch's K and V before it attends, so row j sees the
+    request's KV and the drafts before it, which is the causal mask a verify needs. Rows past a short draft are
+    padding (token 0 over the request's first KV token, writing the scratch slot 0), so every verify of a batch of
+    this size has the same shape: one CUDA graph, and each position computed alike however many drafts the step
+    had. Decode rows reuse the decode step's kernels; the cost is each request's KV read once per row (through L2
+    at these widths). Logits come back one per row, in row order (engine.speculative.verify.VerifyLayout)."""
+    ids, positions, rows, lens, slots = [], [], [], [], []
+    new = locs.split([r.extend_len for r in reqs])
+    for r, draft, loc in zip(reqs, drafts, new):
+        if r.kv_len != r.fill_len - 1 or r.extend_len != 1 + len(draft) or r.extend_len > width:
             raise RuntimeError(f"request {r.rid}: a verify needs its newest token known and not yet in the KV")
-        start = len(ids)
-        ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *draft]
-        positions += range(r.kv_len, r.kv_len + r.extend_len)
-        extra += range(start, start + len(draft))
-    return _extend(reqs, ids, positions, locs, device, extra)
+        pad = width - r.extend_len
+        ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *draft] + [0] * pad
+        positions += [*range(r.kv_len, r.kv_len + r.extend_len)] + [r.kv_len] * pad
+        rows += [r.pool_idx] * width
+        lens += [*range(r.kv_len + 1, r.kv_len + r.extend_len + 1)] + [1] * pad
+        slots += [loc, torch.zeros(pad, dtype=torch.int64)]
+    return ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
+                              seq_lens=lens, extend_lens=[1] * len(ids), device=device)

@@ -186,18 +186,18 @@ class Scheduler:
         return None
 
     def _verify_batch(self, reqs: list[Req]) -> ScheduledBatch | None:
-        """A decode step under speculation: the requests' drafts verified in one forward (a plain decode when none
-        has a draft: its forward is cheaper, and CUDA graphs run it)."""
+        """A decode step under speculation: the requests' drafts verified in one forward of a fixed number of rows
+        per request (a plain decode where the batch is too large for more than one row each)."""
         try:
-            drafts, draft_probs = self.spec.draft(reqs)
-            if not any(drafts):
+            drafts, draft_probs, width = self.spec.draft(reqs)
+            if width == 1:
                 return self._batch(reqs, ForwardMode.DECODE)
             locs = self.cache.slots_of_new_tokens(reqs)
         except Exception as e:  # a draft model's forward failed: its requests fail, the engine serves on
             self._fail(reqs, e)
             return None
-        return ScheduledBatch(reqs, ForwardMode.EXTEND, locs, [True] * len(reqs), [False] * len(reqs),
-                              self.in_flight, drafts=drafts, draft_probs=draft_probs)
+        return ScheduledBatch(reqs, ForwardMode.DECODE, locs, [True] * len(reqs), [False] * len(reqs),
+                              self.in_flight, drafts=drafts, draft_probs=draft_probs, width=width)
 
     def _batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduledBatch | None:
         decoding = {id(r) for r in self.requests.running}
@@ -415,6 +415,8 @@ class Scheduler:
         """The request is done: its pages go back to the cache manager, its caller gets the final output."""
         self.requests.move(req, ReqState.FINISHED)
         self.cache.release(req)
+        if self.spec is not None:
+            self.spec.finished(req)
         req.finish_reason = reason
         self.emit(req)
 

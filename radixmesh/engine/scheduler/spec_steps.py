@@ -1,11 +1,15 @@
 """Speculative decoding's part of the scheduler's steps: drafts for a decode step, and the verify's outcome applied.
 
-A decode step under speculation gives each running request up to `max_draft` drafted tokens (engine.speculative.ngram)
-after its newest one, with KV slots for all of them; the forward (a verify) computes them all at once. Once the
-step's tokens are read, a request that kept `a` of its `k` drafts gets a + 1 tokens; its KV is valid for its newest
-token and the kept drafts, so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the
-pool at once (CacheManager.trim). The prefix cache only ever sees tokens the request produced: it keys pages by
-fill_ids, and caches at most kv_len of them.
+A decode step under speculation gives each running request up to `max_draft` drafted tokens (engine.speculative.ngram,
+or a draft model) after its newest one, with KV slots for all of them; the forward (a verify) computes them all at once,
+in `width` rows per request whatever each drafted (padding fills the rest): every verify of a batch of this size has
+one shape (one CUDA graph), so a position's numerics never depend on how many drafts its step had, and a greedy
+request's output is the same whichever drafts were kept. The width is 1 + max_draft, less where the batch would
+outgrow the largest CUDA graph (`max_rows`); at 1 the step is a plain decode. Once the step's tokens are read, a
+request that kept `a` of its `k` drafts gets a + 1 tokens; its KV is valid for its newest token and the kept drafts,
+so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the pool at once
+(CacheManager.trim). The prefix cache only ever sees tokens the request produced: it keys pages by fill_ids, and
+caches at most kv_len of them.
 
 Every request may draft: grammars, penalties, min_new_tokens and seeds are applied per drafted position (the
 step runner builds each position's sampling row as if the drafted tokens before it were output). Drafts are skipped
@@ -15,6 +19,8 @@ where the pool has no free page for them: a draft never evicts cached prefixes.
 from __future__ import annotations
 
 from typing import Callable, Protocol
+
+import torch
 
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.request import Req
@@ -31,11 +37,14 @@ class Drafter(Protocol):
 class SpecSteps:
     """`new_drafter`: makes a request's Drafter, on its first decode step under speculation. `model`: a draft
     model that drafts for the whole batch at once (engine.speculative.draft_model.DraftModel); when given, it drafts
-    instead of the per-request drafters."""
+    instead of the per-request drafters. `corpus`: where finished requests' sequences go for later requests' drafts
+    (engine.speculative.ngram.NgramCorpus). `max_rows`: the largest decode batch a CUDA graph runs (None: any)."""
 
     def __init__(self, cache: CacheManager, max_draft: int, new_drafter: Callable[[Req], Drafter] | None,
-                 context_len: int, model=None):
+                 context_len: int, model=None, corpus=None, max_rows: int | None = None):
         self.cache = cache
+        self.corpus = corpus
+        self.max_rows = max_rows
         self.max_draft = max_draft
         self.new_drafter = new_drafter
         self.context_len = context_len
@@ -43,22 +52,32 @@ class SpecSteps:
         # since start: verify (or plain decode) rows, tokens drafted, drafts kept
         self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
-    def budget(self, req: Req) -> int:
-        """Drafted tokens `req` may verify in its next decode step."""
+    def budget(self, req: Req, width: int) -> int:
+        """Drafted tokens `req` may verify in a decode step of `width` rows per request."""
         # the step yields up to k + 1 tokens: within max_new_tokens and the context
         room = min(req.remaining_new_tokens(), self.context_len - req.fill_len) - 1
-        return max(0, min(self.max_draft, room))
+        return max(0, min(width - 1, room))
 
-    def draft(self, reqs: list[Req]) -> tuple[list[list[int]], object]:
+    def width(self, batch_size: int) -> int:
+        """Rows per request of a verify of this many requests."""
+        width = 1 + self.max_draft
+        if self.max_rows is not None:
+            width = min(width, max(1, self.max_rows // batch_size))
+        return width
+
+    def draft(self, reqs: list[Req]) -> tuple[list[list[int]], object, int]:
         """Drafts for a decode step's requests (each holding the slot of its newest token already); allocates
         their slots and sets each request's extend_len to 1 + its draft's length. Also returns the distributions
-        the drafts were drawn from (a draft model's device tensor, engine.speculative.verify's draft_probs; None:
-        one-hot drafts)."""
+        the drafts were drawn from (a draft model's device tensor [batch, width, vocab], engine.speculative.verify's
+        draft_probs; None: one-hot drafts), and the verify's rows per request (1: a plain decode, nothing drafted)."""
+        width = self.width(len(reqs))
+        if width == 1:
+            return [[] for _ in reqs], None, 1
         if self.model is not None:
-            return self._model_drafts(reqs)
+            return *self._model_drafts(reqs, width), width
         drafts = []
         for r in reqs:
-            k = self.budget(r)
+            k = self.budget(r, width)
             draft: list[int] = []
             if k:
                 if r.drafter is None:
@@ -69,18 +88,21 @@ class SpecSteps:
                     draft = []
             r.extend_len = 1 + len(draft)
             drafts.append(draft)
-        return drafts, None
+        return drafts, None, width
 
-    def _model_drafts(self, reqs: list[Req]) -> tuple[list[list[int]], object]:
-        """The draft model's: slots first (its forwards write their KV there), then up to max_draft tokens each."""
+    def _model_drafts(self, reqs: list[Req], width: int) -> tuple[list[list[int]], object]:
+        """The draft model's: slots first (its forwards write their KV there), then up to width - 1 tokens each."""
         ks = []
         for r in reqs:
-            k = self._room(r, self.budget(r))
+            k = self._room(r, self.budget(r, width))
             if k and self.cache.alloc_tokens(r, k) is None:
                 k = 0
             r.extend_len = 1 + k
             ks.append(k)
-        return self.model.propose(reqs, ks)
+        drafts, probs = self.model.propose(reqs, ks)
+        if probs is not None and probs.shape[1] < width:  # [batch, 1 + longest draft, vocab] -> [batch, width, vocab]
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
+        return drafts, probs
 
     def _room(self, req: Req, k: int) -> int:
         """Of k drafted tokens, those whose slots fit in free pages (or in the request's last page)."""
@@ -102,6 +124,11 @@ class SpecSteps:
         if rejected and req.pool_idx is not None:
             req.kv_len -= rejected
             self.cache.trim(req, req.kv_len)
+
+    def finished(self, req: Req) -> None:
+        """`req` is done: its prompt and output join the corpus."""
+        if self.corpus is not None and req.output_ids:
+            self.corpus.add(req.fill_ids)
 
     def count(self, req: Req, drafted: int = 0, kept: int = 0) -> None:
         """One decode forward of `req` under speculation (a plain decode: nothing drafted)."""

@@ -48,9 +48,11 @@ class ScheduledBatch:
     prefilling: list[bool]  # per request: it was not decoding before this forward
     after: StepResult | None = None  # the step in flight whose tokens are inputs here; cleared once executed
     new_tokens: int = 0  # tokens an EXTEND forward computes (the prefill rate's numerator); 0 for DECODE
-    # A speculative verify (an EXTEND of running requests): per request, the drafted tokens after its newest one
+    # A speculative verify (running requests' newest tokens and drafts): per request, the drafted tokens after its
+    # newest one, and the forward's rows per request (batch_builder.build_verify)
     drafts: list[list[int]] | None = None
     draft_probs: Any = None  # the distributions a draft model drew them from (device tensor; None: one-hot drafts)
+    width: int = 0
 
 
 class Resolved(NamedTuple):

@@ -35,28 +35,25 @@ RESAMPLE_SALT = 0x5BD1E995
 
 
 class VerifyLayout(NamedTuple):
-    """Where each request's positions are among a verify forward's logits rows, which list each request's last new
-    token first (rows 0..batch-1), then the other new tokens in batch order (ModelRunner.forward)."""
+    """Where each request's positions are among a verify forward's logits rows: `width` rows per request, its
+    newest token, its drafts and padding, requests in batch order (batch_builder.build_verify)."""
 
-    rows: torch.Tensor  # [batch, width] int64 logits row of position j of request i (padding: row i)
+    rows: torch.Tensor  # [batch, width] int64 logits row of position j of request i (padding: its last real row)
     drafts: torch.Tensor  # [batch, width] int64 the drafted token checked at position j (padding and j == k: 0)
     draft_lens: torch.Tensor  # [batch] int64 k of each request
     width: int
 
     @classmethod
-    def build(cls, drafts: list[list[int]], device: torch.device) -> "VerifyLayout":
+    def build(cls, drafts: list[list[int]], device: torch.device, width: int | None = None) -> "VerifyLayout":
+        """`width`: rows per request in the forward (default: 1 + the longest draft)."""
         batch = len(drafts)
-        width = 1 + max(map(len, drafts), default=0)
-        rows = torch.arange(batch, dtype=torch.int64)[:, None].repeat(1, width)
-        checked = torch.zeros((batch, width), dtype=torch.int64)
-        extra = batch
-        for i, d in enumerate(drafts):
-            k = len(d)
-            if k:
-                rows[i, :k] = torch.arange(extra, extra + k)
-                checked[i, :k] = torch.tensor(d, dtype=torch.int64)
-                extra += k
+        width = width or 1 + max(map(len, drafts), default=0)
         lens = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+        rows = torch.arange(batch)[:, None] * width + torch.minimum(torch.arange(width)[None, :], lens[:, None])
+        checked = torch.zeros((batch, width), dtype=torch.int64)
+        for i, d in enumerate(drafts):
+            if d:
+                checked[i, :len(d)] = torch.tensor(d, dtype=torch.int64)
 
         def dev(t):
             return t.to(device, non_blocking=True)
