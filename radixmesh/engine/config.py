@@ -78,11 +78,11 @@ class EngineArgs:
     speculative_ngram_capacity: int = 10_000_000
     # SGLang's relaxed acceptance (a draft kept above a probability threshold) changes the output distribution: only
     # its defaults (1.0: exact verification) are taken; its FR-Spec vocabulary map is not implemented; verify runs as
-    # an extend ("prefill" attention mode)
+    # a decode batch of a row per token ("decode" attention mode; SGLang's default, "prefill", is refused)
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_token_map: str | None = None
-    speculative_attention_mode: str = "prefill"
+    speculative_attention_mode: str = "decode"
     enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
     # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
     # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)

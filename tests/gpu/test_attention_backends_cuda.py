@@ -194,3 +194,9 @@ def test_registered_and_float32_is_refused():
     setup = make_setup([8], (8, 8), 64, seed=5, dtype=torch.float32)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         create_backend("flashinfer", setup.shape, setup.pool, setup.table)
+
+
+def test_flashinfer_refuses_a_head_size_its_kernels_lack():
+    setup = make_setup([8], (4, 2), 32, seed=6)  # the tiny models' head size: FlashInfer's merge kernels lack it
+    with pytest.raises(ValueError, match="head sizes .* not this model's 32"):
+        create_backend("flashinfer", setup.shape, setup.pool, setup.table)

@@ -205,6 +205,7 @@ def test_sampled_requests_run_and_seeds_reproduce():
       "speculative_ngram_max_match_window_size": 2}, "min <= max"),
     ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5}, "verifies exactly"),
     ({"speculative_algorithm": "NGRAM", "speculative_token_map": "map.pt"}, "FR-Spec"),
+    ({"speculative_algorithm": "NGRAM", "speculative_attention_mode": "prefill"}, "'prefill' .* not implemented"),
 ])
 def test_bad_speculative_flags_are_refused(kwargs, message):
     from radixmesh.engine import Engine

@@ -374,3 +374,41 @@ def test_alloc_decode_fails_cleanly_when_pages_run_out():
     assert cm.alloc_decode(reqs) is not None  # fills the second slot of those pages
     assert cm.alloc_decode(reqs) is None  # two fresh pages needed, none left
     assert cm.pages.num_free == free_before == 0 and [r.alloc_len for r in reqs] == [n + 1 for n in lens]
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_alloc_spans_gives_each_request_what_alloc_tokens_would(page):
+    """One vectorized allocation of several requests' drafts (counts 0 included) lays out slots as request-by-request
+    alloc_tokens does (continuing each last page, then fresh pages), writes the table, and refuses, allocating
+    nothing, when the pool is short; trimmed drafts come back in one free."""
+    import random
+
+    rng = random.Random(page)
+    twins = [make(page, 64, rows=6), make(page, 64, rows=6)]
+    groups = []
+    for cm in twins:
+        reqs = [new_req([1 + i] * (3 + 2 * i), rid=f"r{i}") for i in range(5)]
+        for r in reqs:
+            prefill(cm, r)
+        groups.append(reqs)
+    counts = [rng.randrange(0, 7) for _ in range(5)]
+    counts[2] = 0
+    spans = twins[0].alloc_spans(groups[0], counts).tolist()
+    one_by_one = [twins[1].alloc_tokens(r, c).tolist() if c else [] for r, c in zip(groups[1], counts)]
+    assert spans == [s for part in one_by_one for s in part]
+    assert [r.alloc_len for r in groups[0]] == [r.alloc_len for r in groups[1]]
+    assert torch.equal(twins[0].req_to_token.host, twins[1].req_to_token.host)
+    assert twins[0].pages.num_free == twins[1].pages.num_free
+    free_before = twins[0].pages.num_free
+    assert twins[0].alloc_spans(groups[0], [64 * page] * 5) is None and twins[0].pages.num_free == free_before
+    freed: list[torch.Tensor] = []
+    for r in groups[0]:
+        twins[0].trim(r, r.kv_len, freed)
+    twins[0].free_trimmed(freed)
+    for r in groups[1]:
+        twins[1].trim(r, r.kv_len)
+    assert twins[0].pages.num_free == twins[1].pages.num_free
+    for cm, reqs in zip(twins, groups):
+        for r in reqs:
+            cm.release(r)
+        assert_no_leak(cm)

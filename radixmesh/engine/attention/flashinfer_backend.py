@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from radixmesh.engine.attention.base import AttentionBackend, AttentionShape
+from radixmesh.engine.attention.registry import FLASHINFER_HEAD_DIMS
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
@@ -69,6 +70,9 @@ class FlashInferBackend(AttentionBackend):
         k0 = kv_pool.k[0]
         if k0.device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {k0.device}")
+        if shape.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"flashinfer's attention kernels take head sizes {FLASHINFER_HEAD_DIMS}, not this model's "
+                             f"{shape.head_dim}; use attention_backend triton")
         if k0.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"flashinfer attends over float16 or bfloat16 KV caches, not {k0.dtype}; "
                              "use attention_backend torch_native for float32")

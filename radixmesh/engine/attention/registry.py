@@ -20,7 +20,7 @@ def available_backends() -> list[str]:
 
 # What FlashInfer's attention kernels cover (float16/bfloat16 only, these head sizes).
 _FLASHINFER_DTYPES = ("float16", "bfloat16")
-_FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def default_backend(device: str, dtype: str, head_dim: int) -> str:
@@ -28,7 +28,7 @@ def default_backend(device: str, dtype: str, head_dim: int) -> str:
     and fixed head sizes), else Triton; plain torch on CPU."""
     if not device.startswith("cuda"):
         return "torch_native"
-    fits = dtype in _FLASHINFER_DTYPES and head_dim in _FLASHINFER_HEAD_DIMS
+    fits = dtype in _FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS
     return "flashinfer" if fits and importlib.util.find_spec("flashinfer") is not None else "triton"
 
 

@@ -91,7 +91,7 @@ class CacheManager:
     def _free_slots(self, slots: torch.Tensor) -> None:
         """Free the pages of page-aligned slot runs (each run starts on a page boundary)."""
         if len(slots):
-            self.pages.free(slots[slots % self.page == 0] // self.page)
+            self.pages.free(slots if self.page == 1 else slots[slots % self.page == 0] // self.page)
 
     def free_pages(self, pages: list[int]) -> None:
         self.pages.free(torch.tensor(pages, dtype=torch.int64))
@@ -210,17 +210,63 @@ class CacheManager:
             r.alloc_len += 1
         return slots
 
-    def trim(self, req: Req, length: int) -> None:
+    def alloc_spans(self, reqs: list[Req], counts: list[int]) -> torch.Tensor | None:
+        """Slots for tokens [alloc_len, alloc_len + counts[i]) of each request (a count may be 0; every request
+        holds a slot already), in one vectorized pass and one table write: a speculative step's drafts. Returns
+        the slots (host int64, concatenated in batch order) or None, allocating nothing, when memory is short."""
+        n = torch.tensor(counts, dtype=torch.int64)
+        total = int(n.sum())
+        if total == 0:
+            return torch.empty(0, dtype=torch.int64)
+        ends = n.cumsum(0)
+        begins = ends - n
+        rows = torch.tensor([r.pool_idx for r in reqs], dtype=torch.int64).repeat_interleave(n)
+        index = torch.arange(total)
+        pos = torch.tensor([r.alloc_len for r in reqs], dtype=torch.int64).repeat_interleave(n) + \
+            index - begins.repeat_interleave(n)
+        fresh = pos % self.page == 0  # the token starts a new page
+        n_fresh = int(fresh.sum())
+        if not self.ensure_free_pages(n_fresh):
+            return None
+        # runs of consecutive slots start at a fresh page or at a request's first new token (after its last slot)
+        starts = fresh.clone()
+        starts[begins[n > 0]] = True
+        at = starts.nonzero().squeeze(1)
+        base = torch.empty(len(at), dtype=torch.int64)
+        new_page = fresh[at]
+        if n_fresh:
+            base[new_page] = self.pages.alloc(n_fresh) * self.page
+        after = at[~new_page]
+        base[~new_page] = self.req_to_token.host[rows[after], pos[after] - 1] + 1
+        run = starts.long().cumsum(0) - 1
+        slots = base[run] + index - at[run]
+        self.req_to_token.scatter(rows, pos, slots)
+        for r, c in zip(reqs, counts):
+            r.alloc_len += c
+        return slots
+
+    def trim(self, req: Req, length: int, freed: list[torch.Tensor] | None = None) -> None:
         """Shrink the request's allocation to its first `length` tokens (kv_len <= length <= alloc_len): the pages
         wholly past it go back to the pool (a speculative verify's rejected drafts); slots after it in its last
-        page stay the request's, for its next tokens."""
+        page stay the request's, for its next tokens. `freed`: collects those pages' slots instead, for one
+        `free_trimmed` over a whole step (nothing may allocate in between)."""
         if not req.kv_len <= length <= req.alloc_len:
             raise ValueError(f"request {req.rid}: cannot trim to {length} tokens (kv_len {req.kv_len}, "
                              f"alloc_len {req.alloc_len})")
         keep = -(-length // self.page) * self.page
         if keep < req.alloc_len:
-            self._free_slots(self.req_to_token.read(req.pool_idx, keep, req.alloc_len))
+            slots = self.req_to_token.read(req.pool_idx, keep, req.alloc_len)
+            if freed is None:
+                self._free_slots(slots)
+            else:
+                freed.append(slots.clone())
         req.alloc_len = length
+
+    def free_trimmed(self, freed: list[torch.Tensor]) -> None:
+        """The pages `trim` collected go back to the pool."""
+        if freed:
+            self._free_slots(torch.cat(freed))
+            freed.clear()
 
     def pages_of(self, req: Req, start: int, end: int) -> list[int]:
         """The pages holding tokens [start, end) of `req` (start page-aligned), in token order."""

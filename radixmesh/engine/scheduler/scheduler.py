@@ -349,18 +349,22 @@ class Scheduler:
             self._fail(batch.reqs, e)
             return
         with delivery.together():  # the step's outputs reach each caller's event loop in one wake-up
-            for i, r in enumerate(batch.reqs):
-                if not batch.samples[i]:
-                    continue
-                r.pending -= 1
-                if r.finished:  # aborted, or finished by its previous token: this one is past its end
-                    continue
+            try:
+                for i, r in enumerate(batch.reqs):
+                    if not batch.samples[i]:
+                        continue
+                    r.pending -= 1
+                    if r.finished:  # aborted, or finished by its previous token: this one is past its end
+                        continue
+                    if self.spec is not None:
+                        if batch.drafts is not None:  # first: the rejected drafts' KV must not reach the prefix cache
+                            self.spec.verified(r, len(batch.drafts[i]), resolved.tokens[i])
+                        elif batch.mode is ForwardMode.DECODE:
+                            self.spec.count(r)
+                    self._advance(r, i, resolved)
+            finally:
                 if self.spec is not None:
-                    if batch.drafts is not None:  # first: the rejected drafts' KV must not reach the prefix cache
-                        self.spec.verified(r, len(batch.drafts[i]), resolved.tokens[i])
-                    elif batch.mode is ForwardMode.DECODE:
-                        self.spec.count(r)
-                self._advance(r, i, resolved)
+                    self.spec.flush()
 
     def _finish_embedded(self, req: Req) -> None:
         self.finish(req, FinishReason(FinishKind.LENGTH, length=0))

@@ -7,8 +7,8 @@ one shape (one CUDA graph), so a position's numerics never depend on how many dr
 request's output is the same whichever drafts were kept. The width is 1 + max_draft, less where the batch would
 outgrow the largest CUDA graph (`max_rows`); at 1 the step is a plain decode. Once the step's tokens are read, a
 request that kept `a` of its `k` drafts gets a + 1 tokens; its KV is valid for its newest token and the kept drafts,
-so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the pool at once
-(CacheManager.trim). The prefix cache only ever sees tokens the request produced: it keys pages by fill_ids, and
+so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the pool once the step's
+requests are processed (CacheManager.trim, free_trimmed), before anything allocates again. The prefix cache only ever sees tokens the request produced: it keys pages by fill_ids, and
 caches at most kv_len of them.
 
 Every request may draft: grammars, penalties, min_new_tokens and seeds are applied per drafted position (the
@@ -45,6 +45,7 @@ class SpecSteps:
         self.cache = cache
         self.corpus = corpus
         self.max_rows = max_rows
+        self._freed: list[torch.Tensor] = []  # a verify's rejected drafts' slots, until `flush`
         self.max_draft = max_draft
         self.new_drafter = new_drafter
         self.context_len = context_len
@@ -84,21 +85,22 @@ class SpecSteps:
                     r.drafter = self.new_drafter(r)
                 draft = r.drafter.propose(r.fill_ids, k)[:k]
                 draft = draft[:self._room(r, len(draft))]
-                if draft and self.cache.alloc_tokens(r, len(draft)) is None:
-                    draft = []
-            r.extend_len = 1 + len(draft)
             drafts.append(draft)
-        return drafts, None, width
+        ks = self._alloc(reqs, [len(d) for d in drafts])
+        return [d[:k] for d, k in zip(drafts, ks)], None, width
+
+    def _alloc(self, reqs: list[Req], ks: list[int]) -> list[int]:
+        """Slots for ks[i] drafted tokens of each request, at once where the pool has room for all (else request by
+        request, a draft dropped where its pages do not fit); sets extend_len. Returns the drafts' lengths."""
+        if self.cache.alloc_spans(reqs, ks) is None:
+            ks = [k if k and self.cache.alloc_tokens(r, k) is not None else 0 for r, k in zip(reqs, ks)]
+        for r, k in zip(reqs, ks):
+            r.extend_len = 1 + k
+        return ks
 
     def _model_drafts(self, reqs: list[Req], width: int) -> tuple[list[list[int]], object]:
         """The draft model's: slots first (its forwards write their KV there), then up to width - 1 tokens each."""
-        ks = []
-        for r in reqs:
-            k = self._room(r, self.budget(r, width))
-            if k and self.cache.alloc_tokens(r, k) is None:
-                k = 0
-            r.extend_len = 1 + k
-            ks.append(k)
+        ks = self._alloc(reqs, [self._room(r, self.budget(r, width)) for r in reqs])
         drafts, probs = self.model.propose(reqs, ks)
         if probs is not None and probs.shape[1] < width:  # [batch, 1 + longest draft, vocab] -> [batch, width, vocab]
             probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
@@ -123,7 +125,11 @@ class SpecSteps:
         rejected = drafted - kept
         if rejected and req.pool_idx is not None:
             req.kv_len -= rejected
-            self.cache.trim(req, req.kv_len)
+            self.cache.trim(req, req.kv_len, self._freed)
+
+    def flush(self) -> None:
+        """After a verify's requests are processed: the pages of their rejected drafts go back to the pool."""
+        self.cache.free_trimmed(self._freed)
 
     def finished(self, req: Req) -> None:
         """`req` is done: its prompt and output join the corpus."""

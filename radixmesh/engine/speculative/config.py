@@ -37,8 +37,9 @@ def resolve_speculative(args: Any) -> dict:
            "(outputs no longer follow the model's distribution); radixmesh verifies exactly: leave them at 1.0")
     _check(args.speculative_token_map is None, "speculative_token_map (FR-Spec's reduced draft vocabulary) is not "
            "implemented yet")
-    _check(args.speculative_attention_mode == "prefill", "speculative_attention_mode: verify forwards run as an "
-           f"extend over the request's KV ('prefill'); got {args.speculative_attention_mode!r}")
+    _check(args.speculative_attention_mode == "decode", "speculative_attention_mode: verify forwards run as decode "
+           "batches of a row per token, in the decode backend's kernels and CUDA graphs ('decode'); 'prefill' (an "
+           f"extend over the request's KV) is not implemented; got {args.speculative_attention_mode!r}")
     topk = args.speculative_eagle_topk
     _check(topk is None or topk == 1, f"speculative_eagle_topk {topk}: draft trees (topk > 1) are not implemented "
            "yet; drafts are one chain (topk 1)")
