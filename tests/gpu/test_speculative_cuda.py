@@ -28,6 +28,18 @@ def one_at_a_time(llm, prompts: list[list[int]]) -> list[list[int]]:
     return [llm.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
 
 
+def drafted_as_undrafted(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens with no drafts, then with an oracle's (mostly right, some wrong): the same, and
+    drafts were kept. Returns the tokens."""
+    llm.scheduler.spec.new_drafter = lambda req: Never()
+    undrafted = one_at_a_time(llm, prompts)
+    use_oracle(llm, {tuple(p): w for p, w in zip(prompts, undrafted)})
+    got = [llm.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+    assert [o["output_ids"] for o in got] == undrafted
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0
+    return undrafted
+
+
 @pytest.mark.parametrize("backend,page,dtype", [("triton", 1, "float32"), ("triton", 16, "float16"),
                                                 ("torch_native", 4, "float32")])
 def test_verify_forwards_on_cuda_keep_greedy_outputs(backend, page, dtype):
@@ -40,12 +52,7 @@ def test_verify_forwards_on_cuda_keep_greedy_outputs(backend, page, dtype):
     with running_engine(path, **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6) as llm:
         # verifies are decode batches of six rows per request: 4 requests at once replay graphs too
         assert llm.runner.graphs is not None and max(llm.runner.graphs.sizes) >= 24 or backend == "torch_native"
-        llm.scheduler.spec.new_drafter = lambda req: Never()
-        undrafted = one_at_a_time(llm, prompts)
-        use_oracle(llm, {tuple(p): w for p, w in zip(prompts, undrafted)})
-        got = [llm.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
-        assert [o["output_ids"] for o in got] == undrafted
-        assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0
+        undrafted = drafted_as_undrafted(llm, prompts)
         batched = llm.generate(input_ids=prompts, sampling_params=GREEDY)  # four at once: runs, keeps drafts
         assert sum(o["meta_info"]["spec_accept_token_num"] for o in batched) > 0
         assert_no_leak(llm)
@@ -63,12 +70,7 @@ def test_flashinfer_verifies_the_8b_shape_alike_whatever_was_drafted():
                         attention_backend="flashinfer", skip_tokenizer_init=True, max_running_requests=8,
                         context_length=1024, mem_fraction_static=0.5, speculative_algorithm="NGRAM",
                         speculative_num_draft_tokens=8) as llm:
-        llm.scheduler.spec.new_drafter = lambda req: Never()
-        undrafted = one_at_a_time(llm, prompts)
-        use_oracle(llm, {tuple(p): w for p, w in zip(prompts, undrafted)})
-        got = [llm.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
-        assert [o["output_ids"] for o in got] == undrafted
-        assert sum(o["meta_info"]["spec_accept_token_num"] for o in got) > 0
+        drafted_as_undrafted(llm, prompts)
         assert_no_leak(llm)
 
 

@@ -91,8 +91,9 @@ class NgramCorpus:
     def add(self, seq: list[int]) -> None:
         if len(seq) < 2:
             return
-        seq = seq[-self.capacity // 2:] if len(seq) > self.capacity // 2 else seq
-        if len(self.new.tokens) + len(seq) > self.capacity // 2:
+        half = max(1, self.capacity // 2)
+        seq = seq[-half:]
+        if len(self.new.tokens) + len(seq) > half:
             self.old, self.new = self.new, _Generation()
         self.new.add(seq)
 
