@@ -171,3 +171,44 @@ def test_the_corpus_keeps_at_most_its_capacity():
     assert corpus.size <= 20 + 4  # two generations of at most half each, separators included
     assert NgramIndex(1, 4, corpus).propose([392, 393], 2) == [394, 395]  # the newest is kept
     assert NgramIndex(1, 4, corpus).propose([0, 1], 2) == []  # the oldest is gone
+
+
+def test_drafts_that_fit_alone_but_not_together_never_evict_the_prefix_cache():
+    """Two requests whose drafts each fit the free pages, but not both: the step allocates request by request, the
+    second draft is cut to what is left, and the cached prefix of a finished request stays."""
+    from radixmesh.engine.scheduler.spec_steps import SpecSteps
+    from tests.unit.test_cache_manager import assert_no_leak, make, new_req, prefill
+
+    cm = make(page=4, num_pages=9)
+    done = new_req(range(50, 58), rid="done")
+    prefill(cm, done)
+    cm.release(done)  # its 8 tokens stay cached (evictable)
+    cached = cm.evictable_tokens()
+    assert cached == 8
+    reqs = [new_req(range(1 + 10 * i, 9 + 10 * i), rid=f"r{i}") for i in range(2)]
+    for r in reqs:
+        prefill(cm, r)  # 8 tokens each: two whole pages, the newest token included
+        r.kv_len = r.fill_len - 1
+    free = cm.pages.num_free
+    assert free == 3
+
+    class Fixed:
+        def propose(self, tokens, k):
+            return [7] * k
+
+    spec = SpecSteps(cm, 8, lambda req: Fixed(), context_len=64)  # (the requests may make 128 new tokens)
+    drafts, _, width = spec.draft(reqs)
+    assert width == 9 and len(drafts[0]) == 8  # two fresh pages for the first
+    assert len(drafts[1]) == 4  # the one page left for the second
+    assert cm.pages.num_free == 0 and cm.evictable_tokens() == cached
+    for r, d in zip(reqs, drafts):
+        assert r.extend_len == 1 + len(d) and r.alloc_len == r.fill_len + len(d)
+    for r, d in zip(reqs, drafts):
+        r.kv_len += r.extend_len  # the verify ran
+        spec.verified(r, len(d), [7])  # nothing kept
+        assert r.kv_len == r.alloc_len == r.fill_len
+    spec.flush()
+    assert cm.pages.num_free == free
+    for r in reqs:
+        cm.release(r)
+    assert_no_leak(cm)

@@ -90,10 +90,13 @@ class SpecSteps:
         return [d[:k] for d, k in zip(drafts, ks)], None, width
 
     def _alloc(self, reqs: list[Req], ks: list[int]) -> list[int]:
-        """Slots for ks[i] drafted tokens of each request, at once where the pool has room for all (else request by
-        request, a draft dropped where its pages do not fit); sets extend_len. Returns the drafts' lengths."""
-        if self.cache.alloc_spans(reqs, ks) is None:
-            ks = [k if k and self.cache.alloc_tokens(r, k) is not None else 0 for r, k in zip(reqs, ks)]
+        """Slots for ks[i] drafted tokens of each request, at once where the free pages hold them all (else request
+        by request, each draft cut to what is still free: drafts never evict the prefix cache); sets extend_len.
+        Returns the drafts' lengths."""
+        cache = self.cache
+        need = sum(cache.pages_for(r.alloc_len, k) for r, k in zip(reqs, ks))
+        if need > cache.pages.num_free or cache.alloc_spans(reqs, ks) is None:
+            ks = [self._alloc_one(r, k) for r, k in zip(reqs, ks)]
         for r, k in zip(reqs, ks):
             r.extend_len = 1 + k
         return ks
@@ -106,12 +109,14 @@ class SpecSteps:
             probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
         return drafts, probs
 
+    def _alloc_one(self, req: Req, k: int) -> int:
+        k = self._room(req, k)
+        return k if k and self.cache.alloc_tokens(req, k) is not None else 0
+
     def _room(self, req: Req, k: int) -> int:
-        """Of k drafted tokens, those whose slots fit in free pages (or in the request's last page)."""
+        """Of k drafted tokens, those whose slots fit in the request's last page and the free pages."""
         cache = self.cache
-        if cache.pages_for(req.alloc_len, k) <= cache.pages.num_free:
-            return k
-        return min(k, -req.alloc_len % cache.page)
+        return min(k, -req.alloc_len % cache.page + cache.pages.num_free * cache.page)
 
     def verified(self, req: Req, drafted: int, tokens: list[int]) -> None:
         """A verify's outcome for `req` (which drafted `drafted` tokens and got `tokens`, the kept drafts and the
