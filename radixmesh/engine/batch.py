@@ -45,6 +45,8 @@ class ForwardBatch:
     pending: PendingInputs | None = None
     # Decode batches: [5, batch] view over input_ids, positions, out_cache_loc, req_pool_indices, seq_lens.
     decode_block: torch.Tensor | None = None
+    # Per request: its LoRA adapter's slot (engine.lora.manager; 0: the base model); None: no adapters at all.
+    lora_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -91,11 +93,13 @@ class ForwardBatch:
     def build(cls, mode: ForwardMode, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,
               req_pool_indices: list[int], seq_lens: list[int], extend_lens: list[int],
               device: torch.device, extra_logit_indices: list[int] | None = None,
-              pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> "ForwardBatch":
+              pending: tuple[list[int], list[int], torch.Tensor] | None = None,
+              lora_slots: list[int] | None = None) -> "ForwardBatch":
         """Every int64 field travels in one host-to-device copy (from pinned memory on CUDA), packed in the order
         input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, ...: in a decode batch (one token per
         request) the first five form one [5, batch] block, which CUDA graphs copy into their static inputs at once.
-        `pending` is (flat positions, rows of the source, source next-ids) for inputs still on the device."""
+        `pending` is (flat positions, rows of the source, source next-ids) for inputs still on the device.
+        `lora_slots`: each request's LoRA adapter slot (None: no request has one)."""
         n, b = len(input_ids), len(seq_lens)
         extra = extra_logit_indices or []
         pend_pos, pend_idx = (pending[0], pending[1]) if pending else ([], [])
@@ -115,4 +119,4 @@ class ForwardBatch:
                    extend_lens=ext, logits_indices=logit_idx, seq_lens_host=list(seq_lens),
                    extend_lens_host=list(extend_lens), extra_logit_indices=extra_t if extra else None,
                    pending=PendingInputs(pend_pos_t, pend_idx_t, pending[2]) if pend_pos else None,
-                   decode_block=dev[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None)
+                   decode_block=dev[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None, lora_slots=lora_slots)

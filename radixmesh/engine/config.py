@@ -83,6 +83,14 @@ class EngineArgs:
     speculative_accept_threshold_acc: float = 1.0
     speculative_token_map: str | None = None
     speculative_attention_mode: str = "decode"
+    # SGLang's multi-LoRA flags (engine.lora): adapters in peft's format, `name=path` entries; every loaded adapter
+    # keeps a device slot (max_loaded_loras of them, default max(max_loras_per_batch, the adapters given))
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] | None = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    max_loaded_loras: int | None = None
     enable_expert_distribution_metrics: bool = False  # SGLang's: tokens routed to each expert (MoE models)
     # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
     # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)
@@ -169,6 +177,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
 
     from radixmesh.engine.models.support import check_servable
     from radixmesh.engine.speculative.config import resolve_speculative
+    from radixmesh.engine.lora.config import resolve_lora
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check(device in ("cpu", "cuda") or device.startswith("cuda:"), f"unsupported device {device!r}")
@@ -233,6 +242,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         random_seed=args.random_seed if args.random_seed is not None else 42,
         tokenizer_path=args.tokenizer_path or args.model_path,
         **resolve_speculative(args),
+        **resolve_lora(args, model),
     )
 
 

@@ -44,6 +44,7 @@ from radixmesh.engine.scheduler.embedding import EmbeddingSteps
 from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.draft_model import DraftModel
+from radixmesh.engine.lora.config import parse_lora_paths
 from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
@@ -80,6 +81,8 @@ class Engine:
                                       extra_kv_bytes_per_token=draft_kv)
             if draft is not None:
                 self.draft_runner = self._draft_runner(*draft)
+            for name, path in parse_lora_paths(self.args.lora_paths):
+                self.runner.lora.load(name, path)
             self.cache = build_cache(self.args, self.model_config, self.runner)
             if self.cache.hierarchy is not None and self._followers is not None:
                 from radixmesh.engine.cache.journaled_mover import JournaledMover
@@ -111,6 +114,9 @@ class Engine:
                                    overlap=not self.args.disable_overlap_schedule,
                                    embedding=EmbeddingSteps(self.pooling) if self.pooling is not None else None,
                                    spec=self._spec_steps())
+        if self.runner.lora is not None:  # a finished request lets go of its adapter (unload waits for none)
+            lora = self.runner.lora
+            self.scheduler.requests.on_finished = lambda r: lora.release(r.lora_slot) if r.lora is not None else None
         if self.cache.hierarchy is not None:
             self.cache.hierarchy.prefill_tokens_per_s = lambda: self.scheduler.prefill_tokens_per_s
         self._grammars: GrammarCompilerCache | None = None
@@ -175,15 +181,39 @@ class Engine:
             log.exception("scheduler loop crashed")
             self._crash = e
 
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the peft adapter at `lora_path` as `lora_name` (ValueError, nothing loaded, when it cannot be),
+        between two steps of the scheduler."""
+        self._lora_manager()  # refused at once without enable_lora
+        self.scheduler.call(lambda: self._lora_manager().load(lora_name, lora_path)).result()
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload adapter `lora_name` (ValueError while unfinished requests use it)."""
+        self.scheduler.call(lambda: self._lora_manager().unload(lora_name)).result()
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded adapters."""
+        return self.runner.lora.names() if self.runner.lora is not None else []
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora (SGLang's --enable-lora)")
+        return self.runner.lora
+
     # ---- request construction -------------------------------------------------------------------------------
     def _make_req(self, spec: RequestSpec, sink: Callable[[StepOutput], None], handoff=None, tenant: str = "") -> Req:
         stop = set(spec.params.stop_token_ids)
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
+        slot = self.runner.lora.acquire(spec.lora) if spec.lora is not None else 0
+        # an adapter's KV is its own: its name is part of the prefix-cache namespace
+        namespace = tenant if spec.lora is None else f"{tenant}\x00lora:{spec.lora}"
         req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
-                  tenant=tenant, spec=SpecCounts() if self.args.speculative_algorithm else None)
+                  tenant=namespace, spec=SpecCounts() if self.args.speculative_algorithm else None, lora=spec.lora,
+                  lora_slot=slot)
         if spec.resume_ids:
             resume_req(req, spec.resume_ids)
         return req
@@ -197,12 +227,12 @@ class Engine:
         return self._grammars.compile(params)
 
     def _specs(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-               token_ids_logprob, return_text_in_logprobs, rid=None) -> tuple[list[RequestSpec], bool]:
+               token_ids_logprob, return_text_in_logprobs, rid=None, lora_path=None) -> tuple[list[RequestSpec], bool]:
         self._check_alive()
         if self.pooling is not None:
             raise ValueError("this engine serves an embedding model (is_embedding / --is-embedding): it computes "
                              "embeddings with encode, it does not generate text")
-        return normalize_batch(prompt, sampling_params, input_ids, return_logprob,
+        specs, is_batch = normalize_batch(prompt, sampling_params, input_ids, return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
                                tokenizer=self.tokenizer, compile_grammar=self._compile_grammar
@@ -211,7 +241,26 @@ class Engine:
                                max_total_tokens=self.runner.max_total_tokens, rid=rid,
                                sampling_defaults=self.model_config.generation_defaults
                                if self.args.sampling_defaults == "model" else None)
+        return self._with_lora(specs, lora_path), is_batch
 
+    def _with_lora(self, specs: list[RequestSpec], lora_path) -> list[RequestSpec]:
+        """Each spec's adapter name from `lora_path` (one for all, or one per prompt: a prompt's n samples share
+        it), checked against the loaded adapters."""
+        if lora_path is None or (not isinstance(lora_path, str) and all(n is None for n in lora_path)):
+            return specs
+        if self.runner.lora is None:
+            raise ValueError("lora_path needs an engine started with enable_lora (SGLang's --enable-lora)")
+        prompts = sum(s.sample_index == 0 for s in specs)
+        names = [lora_path] * prompts if isinstance(lora_path, str) else list(lora_path)
+        if len(names) != prompts:
+            raise ValueError(f"lora_path lists {len(names)} adapters for {prompts} prompts")
+        for name in set(names) - {None}:
+            self.runner.lora.slot(name)  # ValueError for an adapter not loaded
+        out, at = [], -1
+        for spec in specs:
+            at += spec.sample_index == 0
+            out.append(dataclasses.replace(spec, lora=names[at]))
+        return out
     def _shared_prefills(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """Prompts with n > 1 are prefilled once, by a request without output tokens that leaves the prompt in the
         prefix cache; the n samples then start from the cached prompt. Without the cache each sample prefills."""
@@ -241,19 +290,22 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | list[str] | None = None, tenant: str = ""):
+                 stream: bool = False, rid: str | list[str] | None = None, tenant: str = "",
+                 lora_path: str | list[str | None] | None = None):
         """One request or a list. Returns a dict (or list of dicts) with `text`, `output_ids`, `meta_info`; with
         stream=True an iterator of dicts as the output grows: cumulative, or only what is new when the engine runs
         with stream_output=True (SGLang's --stream-output); `index` says which request of a list it belongs to.
         `rid` names the request(s) for abort_request (n > 1 samples get `<rid>-<index>`). `tenant` is the prefix
-        cache namespace: cached KV is only reused between requests of the same tenant (default: one shared)."""
+        cache namespace: cached KV is only reused between requests of the same tenant (default: one shared).
+        `lora_path`: the LoRA adapter (its name; one for all, or one per prompt, None for the base model) of an
+        engine started with enable_lora."""
         _check_tenant(tenant)
         specs, is_batch = self._specs(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid)
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid, lora_path)
         warm = self._shared_prefills(specs)
         if warm:
             self.generate(input_ids=[s.input_ids for s in warm], sampling_params=[{"max_new_tokens": 0}] * len(warm),
-                          tenant=tenant)
+                          tenant=tenant, lora_path=[s.lora for s in warm])
         collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output,
                                    interval=self.args.stream_interval)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -293,14 +345,16 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
                              return_text_in_logprobs: bool = False, stream: bool = False, rid=None, handoff=None,
-                             tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None):
+                             tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None,
+                             lora_path=None):
         """As `generate`; with stream=True returns an async iterator of incremental dicts. `handoff` (one prompt,
         n = 1) makes it one side of a prefill/decode pair: see engine.disaggregation.handoff. `on_finish(index,
         engine.results.RequestTiming)` is called in the caller's event loop as each request of the call finishes
         (for latency metrics; it must be quick and not raise)."""
         collector, deltas, abort = await self._start_async(
             stream, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant, on_finish, resume_ids, resume_text_chars)
+            token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant, on_finish, resume_ids, resume_text_chars,
+            lora_path)
         if stream:
             return async_deltas_until_done(deltas, abort)
         await _drain(deltas, collector, abort)
@@ -316,13 +370,14 @@ class Engine:
     async def _start_async(self, stream: bool, prompt=None, sampling_params=None, input_ids=None,
                            return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                            token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
-                           tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None):
+                           tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None,
+                           lora_path=None):
         """Validates and submits an async call. Returns its collector, its outputs as they are recorded (an async
         iterator) and the function that aborts its requests."""
         with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                                  handoff, tenant, resume_ids, resume_text_chars)
+                                                  handoff, tenant, resume_ids, resume_text_chars, lora_path)
             collector = BatchCollector(specs, self.tokenizer, stream, is_batch, self.args.stream_output, on_finish,
                                        self.args.stream_interval)
             inbox: asyncio.Queue = asyncio.Queue()
@@ -334,7 +389,8 @@ class Engine:
     async def generate_into(self, on_delta: Callable[[RequestOutput], None], prompt=None, sampling_params=None,
                             input_ids=None, return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                             token_ids_logprob=None, return_text_in_logprobs: bool = False, rid=None, handoff=None,
-                            tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None) -> None:
+                            tenant: str = "", on_finish=None, resume_ids=None, resume_text_chars=None,
+                            lora_path=None) -> None:
         """As `async_generate(stream=True)`, but each delta, typed (engine.outputs.RequestOutput, its `index` set in
         a batch), is handed to `on_delta(delta)` where the event loop receives the scheduler's outputs: no task wakes
         up per token, which is what a server streaming many requests at once spends most of its event loop on.
@@ -344,7 +400,7 @@ class Engine:
         with self._early_aborts.preparing(rid):  # an abort before the submit is not lost
             specs, is_batch = await self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                   top_logprobs_num, token_ids_logprob, return_text_in_logprobs, rid,
-                                                  handoff, tenant, resume_ids, resume_text_chars)
+                                                  handoff, tenant, resume_ids, resume_text_chars, lora_path)
             collector = BatchCollector(specs, self.tokenizer, True, is_batch, self.args.stream_output, on_finish,
                                        self.args.stream_interval)
             loop = asyncio.get_running_loop()
@@ -381,7 +437,7 @@ class Engine:
 
     async def _prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
                        token_ids_logprob, return_text_in_logprobs, rid, handoff, tenant: str, resume_ids=None,
-                       resume_text_chars=None) -> tuple[list[RequestSpec], bool]:
+                       resume_text_chars=None, lora_path=None) -> tuple[list[RequestSpec], bool]:
         """Validation, tokenization and grammars on the prep threads; n > 1 prompts prefilled once first.
         `resume_ids`: a migrated request's tokens so far, of whose text the client has `resume_text_chars`
         characters (engine.results.resumed)."""
@@ -389,13 +445,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         specs, is_batch = await loop.run_in_executor(self._prep, functools.partial(
             self._specs, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            token_ids_logprob, return_text_in_logprobs, rid))
+            token_ids_logprob, return_text_in_logprobs, rid, lora_path))
         if resume_ids:
             specs = resumed(specs, resume_ids, self.model_config.vocab_size, resume_text_chars)
         warm = self._shared_prefills(specs) if handoff is None else []
         if warm:
             await self.async_generate(input_ids=[s.input_ids for s in warm],
-                                      sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant)
+                                      sampling_params=[{"max_new_tokens": 0}] * len(warm), tenant=tenant,
+                                      lora_path=[s.lora for s in warm])
         return specs, is_batch
 
     async def _receive_async(self, collector: BatchCollector, inbox: asyncio.Queue

@@ -30,6 +30,7 @@ from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+from radixmesh.engine.lora.manager import LoraManager
 from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult, verify
 
@@ -68,6 +69,10 @@ class ModelRunner:
         if (args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda":
             log.warning("fp8 weights are held dequantized in %s on this build: the outputs are fp8's, the memory "
                         "and speed not yet", args.dtype)
+        # LoRA adapters' device slots (engine.lora), attached to the projections; adapters are loaded by the engine
+        self.lora = LoraManager(self.model, model_config, args.max_loaded_loras, args.max_lora_rank,
+                                frozenset(args.lora_target_modules) if args.lora_target_modules else None,
+                                self.device, self.dtype) if args.enable_lora else None
         self.expert_counts = None  # layer -> tokens per expert (--enable-expert-distribution-metrics)
         if args.moe_runner_backend == "triton":
             from radixmesh.engine.layers.moe import FusedMoE
@@ -138,6 +143,9 @@ class ModelRunner:
         backend cannot run inside a graph (said in the log)."""
         args = self.args
         if args.disable_cuda_graph or self.device.type != "cuda":
+            return []
+        if args.enable_lora:
+            log.info("CUDA graphs off: LoRA adapters run in plain PyTorch for now")
             return []
         if not supports_cuda_graph(args.decode_attention_backend):
             log.info("CUDA graphs off: the %s attention backend cannot run inside one",
@@ -373,7 +381,9 @@ class ModelRunner:
         try:
             batch.fill_pending()
             metadata = self.attn_backend.plan(batch)
-            with forward_context(ForwardContext(batch, self.attn_backend, metadata, ready)):
+            lora = self.lora.batch(batch.lora_slots, batch.extend_lens_host) \
+                if self.lora is not None and batch.lora_slots is not None else None
+            with forward_context(ForwardContext(batch, self.attn_backend, metadata, ready, lora)):
                 return self.model(batch.input_ids, batch.positions)
         finally:
             if ready is not None:  # whatever runs next is ordered after every load, even if the forward failed

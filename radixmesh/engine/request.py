@@ -108,6 +108,8 @@ class Req:
     # Prefill/decode disaggregation role (engine.disaggregation.handoff.PrefillRole / DecodeRole); None: colocated
     handoff: object | None = None
     tenant: str = ""  # the prefix-cache namespace: cached pages are only shared between requests of one tenant
+    lora: str | None = None  # the LoRA adapter's name (None: the base model); part of the prefix-cache namespace
+    lora_slot: int = 0  # its slot in the engine's LoraManager, fixed at admission
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[LogprobList] = field(default_factory=list)

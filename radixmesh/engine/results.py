@@ -29,6 +29,7 @@ class RequestSpec:
     # it had produced them itself (they count for lengths, penalties, the seeded draw's step and stop strings).
     resume_ids: tuple[int, ...] = ()
     resume_text_chars: int | None = None  # characters of their text the client has (None: as a token-by-token stream)
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 def resumed(specs: list[RequestSpec], resume_ids, vocab_size: int, text_chars: int | None = None

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.forward_context import current_forward_context
 from radixmesh.engine.layers.triton_ops import use_kernels
 
 # Up to this many rows (a decode batch), a CUDA product runs kernels.gemv, which starts streaming its weights while
@@ -60,6 +61,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def apply_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` (module's product of x) with the forward's LoRA adapters added (engine.lora.manager.LoraBatch; unchanged
+    when the forward has none)."""
+    ctx = current_forward_context()
+    if ctx is None or ctx.lora is None:
+        return out
+    return ctx.lora.apply(module.lora, x, out)
+
+
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -89,12 +99,14 @@ class QKVParallelLinear(nn.Module):
                         "v": _rows(slice(q + kv, q + 2 * kv), kv_start * head_dim, kv)}
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden))
         self.bias = nn.Parameter(torch.empty(q + 2 * kv)) if bias else None
+        self.lora = None  # engine.lora.manager.ModuleLora once LoRA is enabled
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
+        return out if self.lora is None else apply_lora(self, x, out)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -106,12 +118,14 @@ class MergedColumnParallelLinear(nn.Module):
         self._shards = {names[0]: _rows(slice(0, self.local), start, self.local),
                         names[1]: _rows(slice(self.local, 2 * self.local), start, self.local)}
         self.weight = nn.Parameter(torch.empty(2 * self.local, hidden))
+        self.lora = None
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return list(self._shards.items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        out = linear(x, self.weight)
+        return out if self.lora is None else apply_lora(self, x, out)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,13 +138,15 @@ class RowParallelLinear(nn.Module):
         self._weight = Shard(None, 1, start, local)
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora = None
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str | None, Shard]]:
         return [(None, self._weight if leaf == "weight" else WHOLE)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
+            out = linear(x, self.weight, self.bias)
+            return out if self.lora is None else apply_lora(self, x, out)
         out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 

@@ -38,6 +38,12 @@ class _Pending:
         return (self.positions, self.rows, self.prev.sampled.next_ids) if self.positions else None
 
 
+def _lora_slots(reqs: list[Req]) -> list[int] | None:
+    """Each request's LoRA adapter slot, or None when every request runs the base model."""
+    slots = [r.lora_slot for r in reqs]
+    return slots if any(slots) else None
+
+
 def build_extend(reqs: list[Req], locs: torch.Tensor, device: torch.device, prev: StepResult | None = None
                  ) -> tuple[ForwardBatch, PromptLogprobPlan | None]:
     """Each request contributes tokens fill_ids[kv_len : kv_len + extend_len] (a decoding request: its last
@@ -73,6 +79,7 @@ def _extend(reqs: list[Req], ids: list[int], positions: list[int], locs: torch.T
         device=device,
         extra_logit_indices=extra,
         pending=pending,
+        lora_slots=_lora_slots(reqs),
     )
 
 
@@ -99,6 +106,7 @@ def build_decode(reqs: list[Req], locs: torch.Tensor, device: torch.device,
         extend_lens=[1] * len(reqs),
         device=device,
         pending=(pend_pos, pend_rows, prev.sampled.next_ids) if pend_pos else None,
+        lora_slots=_lora_slots(reqs),
     )
 
 

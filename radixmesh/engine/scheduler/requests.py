@@ -17,6 +17,8 @@ and `move` says so. A request in a step still in flight keeps its state; the ste
 
 from __future__ import annotations
 
+from typing import Callable
+
 from radixmesh.engine.request import Req, ReqState
 
 S = ReqState
@@ -44,6 +46,7 @@ class Requests:
         self.receiving: dict[str, Req] = {}
         self.held: dict[str, Req] = {}
         self.changed = False  # a request moved since the scheduler last cleared this
+        self.on_finished: Callable[[Req], None] | None = None  # called as each request moves to FINISHED
 
     def add(self, req: Req, decode_role: bool) -> None:
         """A new request: queued for admission, or (decode role) for pre-allocation."""
@@ -56,6 +59,8 @@ class Requests:
             raise RuntimeError(f"request {req.rid}: no move from {req.state.name} to {to.name}")
         self._leave(req)
         req.state = to
+        if to is S.FINISHED and self.on_finished is not None:
+            self.on_finished(req)
         if to in _LISTS:
             getattr(self, _LISTS[to]).append(req)
         elif to in _DICTS:

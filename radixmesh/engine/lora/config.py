@@ -1,0 +1,54 @@
+"""SGLang's LoRA flags resolved and checked (engine.config.resolve_args calls `resolve_lora`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixmesh.engine.lora.adapter import PROJECTIONS, read_config
+
+DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def parse_lora_paths(entries) -> list[tuple[str, str]]:
+    """`name=path` or `path` (named by itself) entries, as SGLang's --lora-paths takes them."""
+    out = []
+    for entry in entries or ():
+        name, sep, path = str(entry).partition("=")
+        out.append((name, path) if sep else (entry, entry))
+    names = [n for n, _ in out]
+    _check(len(set(names)) == len(names), f"lora_paths names an adapter twice: {names}")
+    return out
+
+
+def resolve_lora(args: Any, model: Any) -> dict:
+    """The LoRA fields of the resolved arguments."""
+    if not args.enable_lora:
+        _check(not args.lora_paths, "lora_paths needs enable_lora (SGLang's --enable-lora)")
+        return {}
+    _check(model.moe is None, f"LoRA on {model.architecture}'s mixture-of-experts layers is not supported yet")
+    _check(args.tp_size == 1, "LoRA with tensor parallelism is not implemented yet: use tp_size 1")
+    _check(args.speculative_algorithm is None, "LoRA with speculative decoding is not implemented yet")
+    paths = parse_lora_paths(args.lora_paths)
+    targets = args.lora_target_modules
+    if targets is not None:
+        targets = tuple(PROJECTIONS) if "all" in targets else tuple(targets)
+        unknown = sorted(set(targets) - set(PROJECTIONS))
+        _check(not unknown, f"lora_target_modules {unknown}: the projections that can be adapted are "
+               f"{', '.join(PROJECTIONS)} (or all)")
+    rank = args.max_lora_rank
+    if rank is None:  # SGLang: the largest rank among the adapters given at start
+        ranks = [read_config(path).get("r") for _, path in paths]
+        rank = max([r for r in ranks if isinstance(r, int)], default=0) or 64
+    _check(isinstance(rank, int) and rank >= 1, f"max_lora_rank must be an integer >= 1, got {rank!r}")
+    per_batch = args.max_loras_per_batch
+    _check(isinstance(per_batch, int) and per_batch >= 1, f"max_loras_per_batch must be >= 1, got {per_batch!r}")
+    loaded = args.max_loaded_loras if args.max_loaded_loras is not None else max(per_batch, len(paths))
+    _check(loaded >= len(paths), f"max_loaded_loras ({loaded}) is below the {len(paths)} adapters in lora_paths")
+    return {"max_lora_rank": rank, "max_loaded_loras": loaded,
+            "lora_target_modules": tuple(sorted(targets)) if targets is not None else None,
+            "lora_paths": tuple(f"{n}={p}" for n, p in paths) if paths else None}
