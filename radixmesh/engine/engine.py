@@ -34,7 +34,7 @@ from radixmesh.engine.embeddings import EmbeddingCollector, split_inputs
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import check_dimensions, pooling_of
 from radixmesh.engine.outputs import RequestOutput
-from radixmesh.engine.request import Req, SpecCounts, StepOutput
+from radixmesh.engine.request import Req, SpecCounts, StepOutput, cache_namespace
 from radixmesh.engine.results import BatchCollector, RequestSpec, normalize_batch, resume_req, resumed
 from radixmesh.engine.sampling.grammar import GrammarCompilerCache
 from radixmesh.engine.tokenizer_loader import load_tokenizer
@@ -208,8 +208,7 @@ class Engine:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
         slot = self.runner.lora.acquire(spec.lora) if spec.lora is not None else 0
-        # an adapter's KV is its own: its name is part of the prefix-cache namespace
-        namespace = tenant if spec.lora is None else f"{tenant}\x00lora:{spec.lora}"
+        namespace = cache_namespace(tenant, spec.lora)  # an adapter's KV is its own
         req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
                   tenant=namespace, spec=SpecCounts() if self.args.speculative_algorithm else None, lora=spec.lora,

@@ -9,6 +9,12 @@ from typing import Callable
 from radixmesh.engine.sampling.params import SamplingParams
 
 
+def cache_namespace(tenant: str, lora: str | None) -> str:
+    """The prefix-cache namespace of a tenant's requests run with LoRA adapter `lora` (None or empty: the base
+    model): an adapter's KV is never reused for the base model or another adapter."""
+    return f"{tenant}\x00lora:{lora}" if lora else tenant
+
+
 class ReqState(enum.Enum):
     """Where a request is in the scheduler (engine.scheduler.requests.Requests moves it; see there for the edges)."""
 

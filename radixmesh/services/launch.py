@@ -132,6 +132,8 @@ def engine_flags(engine_kwargs: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
+        elif isinstance(value, (list, tuple)):  # a flag of several values (--lora-paths a=x b=y, --cuda-graph-bs)
+            flags += [flag, *map(str, value)] if value else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags

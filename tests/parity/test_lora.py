@@ -162,9 +162,3 @@ def test_what_cannot_be_served_right_is_refused(adapters, tmp_path):
         with pytest.raises(ValueError, match="needs an engine started with enable_lora"):
             llm.generate(input_ids=[1, 2, 3], lora_path="chat")
 
-
-def test_the_mesh_worker_refuses_lora_until_requests_can_name_an_adapter():
-    from radixmesh.services.worker.__main__ import main
-
-    with pytest.raises(SystemExit, match="not served through the mesh yet"):
-        main(["--model-path", model_path(NAME), "--enable-lora"])

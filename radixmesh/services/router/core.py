@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from radixmesh.engine.request import cache_namespace
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.router.calls import OpenCalls
@@ -161,7 +162,8 @@ class Router:
             return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
-            worker = await pick_async(candidates, request.input_ids, request.tenant)
+            worker = await pick_async(candidates, request.input_ids,
+                                      cache_namespace(request.tenant, request.lora_path))
             if span is not None:
                 _route_attributes(policy, worker)
             return worker

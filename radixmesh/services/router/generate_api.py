@@ -19,7 +19,7 @@ from radixmesh.services.router import convert
 from radixmesh.services.router.core import Router, RouterError, new_request_id
 
 _KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-         "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "rid"}
+         "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "rid", "lora_path"}
 
 
 @dataclass(slots=True)
@@ -130,6 +130,7 @@ class GenerateJob:
     input_ids: list[int] | None
     sampling: common_pb2.SamplingParams
     rid: str
+    lora: str = ""  # the LoRA adapter's name (empty: the base model)
 
     @property
     def n(self) -> int:
@@ -169,8 +170,14 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
     if len(rid_list) != n or (isinstance(rids, str) and n > 1) or not all(r is None or isinstance(r, str)
                                                                            for r in rid_list):
         raise ValueError("rid must be a string (a list of strings, one per prompt, for a batch)")
+    loras = body.get("lora_path")
+    lora_list = loras if isinstance(loras, list) else [loras] * n
+    if len(lora_list) != n or not all(x is None or isinstance(x, str) for x in lora_list):
+        raise ValueError("lora_path must be an adapter's name (a list of names or nulls, one per prompt, for a "
+                         "batch)")
     jobs = [GenerateJob(texts[i] if texts else None, id_lists[i] if id_lists else None,
-                        convert.sampling_params(raw_list[i]), rid_list[i] or new_request_id()) for i in range(n)]
+                        convert.sampling_params(raw_list[i]), rid_list[i] or new_request_id(), lora_list[i] or "")
+            for i in range(n)]
     return jobs, is_batch, _bool(body, "stream"), _logprob_options(body)
 
 
@@ -184,7 +191,7 @@ async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.Logpro
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)
     return worker_pb2.GenerateRequest(request_id=worker_rid, input_ids=ids, text=job.text or "",
                                       sampling_params=job.sampling, logprob_options=lp, stream=stream,
-                                      tenant=tenant)
+                                      tenant=tenant, lora_path=job.lora)
 
 
 async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOptions, tenant: str) -> list[dict]:

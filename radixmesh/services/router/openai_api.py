@@ -48,6 +48,11 @@ async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
     return _Prepared(list(tokenized.input_ids), tokenized.prompt if p.shown is None else p.shown)
 
 
+def lora_of_model(model: str) -> str:
+    """The LoRA adapter an OpenAI `model` names, SGLang's way: `base-model:adapter` (empty: the base model)."""
+    return model.rpartition(":")[2] if ":" in model else ""
+
+
 def _output_spec(router: Router, job: OpenAIJob, prompt: str) -> OutputSpec:
     """How the chat outputs are parsed: reasoning by --reasoning-parser (unless separate_reasoning is false), tool
     calls by the constrained format of tool_choice "required" or a named function, else by --tool-call-parser."""
@@ -121,7 +126,8 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     tracing.set_attribute("request_id", rid)
     requests = [worker_pb2.GenerateRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", input_ids=p.ids,
                                            sampling_params=sampling, logprob_options=job.logprobs,
-                                           stream=job.stream, tenant=tenant_of(request))
+                                           stream=job.stream, tenant=tenant_of(request),
+                                           lora_path=lora_of_model(job.model))
                 for i, p in enumerate(prompts)]
     builder = _builder(router, job, rid, prompts)
     if not job.stream:

@@ -135,9 +135,11 @@ SCHEMAS.update({
         "token_ids_logprob": _opt({"type": "array", "items": _int(-INT32_MAX - 1),
                                    "description": "checked against the vocabulary when return_logprob"}),
         "rid": {"anyOf": [{"type": "null"}, STR, {"type": "array", "items": {"type": ["string", "null"]}}]},
+        "lora_path": {"anyOf": [{"type": "null"}, STR, {"type": "array", "items": {"type": ["string", "null"]}}],
+                      "description": "the LoRA adapter's name (workers started with --enable-lora)"},
     }, extra=False, oneOf=[_given("text"), _given("input_ids")],
-        description="exactly one of text and input_ids (null: not given); a batch's sampling_params and rid "
-                    "lists have one entry per prompt"),
+        description="exactly one of text and input_ids (null: not given); a batch's sampling_params, rid and "
+                    "lora_path lists have one entry per prompt"),
     "StartProfileRequest": _obj({"output_dir": _opt(STR), "num_steps": _opt(_int(1)),
                                  "activities": _opt({"type": "array", "items": {"enum": ["CPU", "GPU"]}}),
                                  "with_stack": _opt({"type": "boolean"}), "record_shapes": _opt({"type": "boolean"}),

@@ -114,7 +114,8 @@ def served_model(f: Fields, served_models: Collection[str]) -> str:
         raise unavailable("no model is being served yet")
     if name is None:
         return served_models[0] if isinstance(served_models, (list, tuple)) else min(served_models)
-    if name not in served_models:
+    # SGLang's `base:adapter` names a LoRA adapter of a served model (the worker checks the adapter)
+    if name not in served_models and name.rpartition(":")[0] not in served_models:
         served = ", ".join(sorted(served_models)) or "none"
         raise not_found(f"The model '{name}' does not exist; this server serves: {served}", param="model",
                         code="model_not_found")

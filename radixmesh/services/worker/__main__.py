@@ -211,10 +211,6 @@ def main(argv: list[str] | None = None, description: str = "radixmesh worker (co
     if (engine_kwargs.get("nnodes") or 1) > 1 and settings.disaggregation_mode != "null":
         sys.exit("--nnodes > 1 does not run with prefill/decode disaggregation: the KV shards of every rank are "
                  "staged through node 0's memory for the transfer; run a PD worker's ranks on one node")
-    if engine_kwargs.get("enable_lora"):
-        # requests through the mesh cannot name an adapter yet: a worker would answer them with the base model
-        sys.exit("--enable-lora is not served through the mesh yet (requests cannot name an adapter on their way "
-                 "to a worker): use the engine API (Engine(enable_lora=True, lora_paths=...), generate(lora_path=...))")
     if engine_kwargs.get("node_rank"):
         sys.exit(_serve_follower_node(engine_kwargs))
     auth.setup(auth_settings)

@@ -45,6 +45,8 @@ def generate_kwargs(req: worker_pb2.GenerateRequest) -> dict:
     lp = req.logprob_options
     kwargs = {"input_ids": list(req.input_ids), "sampling_params": sampling_dict(req.sampling_params),
               "rid": engine_rid(req) or None, "tenant": req.tenant}
+    if req.lora_path:
+        kwargs["lora_path"] = req.lora_path
     if req.resume_output_ids:
         kwargs["resume_ids"] = list(req.resume_output_ids)
         kwargs["resume_text_chars"] = req.resume_text_chars
