@@ -207,14 +207,14 @@ class Engine:
         if not spec.params.ignore_eos:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
-        slot = self.runner.lora.acquire(spec.lora) if spec.lora is not None else 0
         namespace = cache_namespace(tenant, spec.lora)  # an adapter's KV is its own
         req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
-                  tenant=namespace, spec=SpecCounts() if self.args.speculative_algorithm else None, lora=spec.lora,
-                  lora_slot=slot)
+                  tenant=namespace, spec=SpecCounts() if self.args.speculative_algorithm else None, lora=spec.lora)
         if spec.resume_ids:
             resume_req(req, spec.resume_ids)
+        if spec.lora is not None:  # last: held from here until the request finishes (Requests.on_finished)
+            req.lora_slot = self.runner.lora.acquire(spec.lora)
         return req
 
     def _compile_grammar(self, params):
@@ -260,6 +260,7 @@ class Engine:
             at += spec.sample_index == 0
             out.append(dataclasses.replace(spec, lora=names[at]))
         return out
+
     def _shared_prefills(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """Prompts with n > 1 are prefilled once, by a request without output tokens that leaves the prompt in the
         prefix cache; the n samples then start from the cached prompt. Without the cache each sample prefills."""
