@@ -84,7 +84,8 @@ class EngineArgs:
     speculative_token_map: str | None = None
     speculative_attention_mode: str = "decode"
     # SGLang's multi-LoRA flags (engine.lora): adapters in peft's format, `name=path` entries; every loaded adapter
-    # keeps a device slot (max_loaded_loras of them, default max(max_loras_per_batch, the adapters given))
+    # keeps a device slot (max_loaded_loras of them, default max(max_loras_per_batch, the adapters given)); at most
+    # max_loras_per_batch adapters run at once (requests of another wait for admission)
     enable_lora: bool = False
     lora_paths: tuple[str, ...] | None = None
     max_loras_per_batch: int = 8

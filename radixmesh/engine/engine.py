@@ -104,7 +104,8 @@ class Engine:
                     return_to_device()
             raise
         limits = PlannerLimits(self.args.max_prefill_tokens, self.args.chunked_prefill_size,
-                               self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy)
+                               self.runner.max_running_requests, self.args.page_size, self.args.schedule_policy,
+                               self.args.max_loras_per_batch if self.args.enable_lora else 0)
         self.scheduler = Scheduler(StepRunner(self.runner, self.pooling), self.cache, limits,
                                    self.args.schedule_conservativeness,
                                    self.args.enable_mixed_chunk, self.args.context_length,

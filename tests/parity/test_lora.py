@@ -162,3 +162,27 @@ def test_what_cannot_be_served_right_is_refused(adapters, tmp_path):
         with pytest.raises(ValueError, match="needs an engine started with enable_lora"):
             llm.generate(input_ids=[1, 2, 3], lora_path="chat")
 
+
+
+def test_max_loras_per_batch_keeps_other_adapters_waiting(adapters):
+    """With --max-loras-per-batch 1, requests of a second adapter wait until the first's are done: no forward runs
+    two adapters, and every output is still peft's."""
+    base = model_path(NAME)
+    prompts = parity_prompts(base)[1:4]
+    want = {n: peft_greedy(base, p, prompts) for n, p in adapters.items()}
+    with running_engine(base, enable_lora=True, max_loras_per_batch=1,
+                        lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
+        seen = []
+        forward = llm.runner.forward
+
+        def record(batch):
+            seen.append({s for s in batch.lora_slots or () if s})
+            return forward(batch)
+
+        llm.runner.forward = record
+        names = ["sql", "chat"] * len(prompts)
+        outs = llm.generate(input_ids=[p for p in prompts for _ in range(2)], lora_path=names,
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == [want[n][i] for i in range(len(prompts)) for n in ("sql", "chat")]
+        assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2
+        assert_no_leak(llm)

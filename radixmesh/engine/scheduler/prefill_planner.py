@@ -27,6 +27,7 @@ class PlannerLimits:
     max_running_requests: int
     page_size: int
     schedule_policy: str
+    max_adapters: int = 0  # LoRA adapters running at once (--max-loras-per-batch; 0: no limit)
 
 
 class NewTokenRatio:
@@ -97,11 +98,15 @@ class PrefillPlanner:
         chunk_size = self.limits.chunked_prefill_size
         chunk_budget = (chunk_size if chunk_size > 0 else 1 << 62) - used_tokens
         tiers = self.cache.hierarchy
+        limit = self.limits.max_adapters
+        adapters = {r.lora_slot for r in running if r.lora_slot} if limit else set()
         for req in self.order(waiting):
             if busy_slots + len(admitted) >= self.limits.max_running_requests or chunk_budget <= 0:
                 break
             if tiers is not None and not tiers.prefetch_ready(req):
                 continue  # its L3 prefetch is still running and the policy says wait
+            if limit and req.lora_slot and req.lora_slot not in adapters and len(adapters) >= limit:
+                continue  # another adapter would make the batch run more than --max-loras-per-batch
             if not self.cache.admit(req):
                 break
             left = req.fill_len - req.kv_len
@@ -118,6 +123,8 @@ class PrefillPlanner:
                 req.cached_tokens = req.kv_len  # the tree's prefix and a tail's tokens after it
                 self.cache.count_hit(req)
             admitted.append(req)
+            if limit and req.lora_slot:
+                adapters.add(req.lora_slot)
             reserved += future
             token_budget -= extend
             chunk_budget -= extend
