@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, load_adapter, projection_shapes
+from radixmesh.engine.lora.adapter import PROJECTIONS, load_adapter, projection_shapes
 from radixmesh.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,8 @@ FUSED = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn"
 class ModuleLora:
     """One fused projection's adapter weights: for each peft projection in it, its output slice and weight stacks."""
 
-    def __init__(self, layer: int, parts: dict[str, slice], fan_in: int, slots: int, rank: int,
-                 device: torch.device, dtype: torch.dtype):
-        self.layer = layer
+    def __init__(self, parts: dict[str, slice], fan_in: int, slots: int, rank: int, device: torch.device,
+                 dtype: torch.dtype):
         self.parts = parts
         self.a = {p: torch.zeros((slots, rank, fan_in), dtype=dtype, device=device) for p in parts}
         self.b = {p: torch.zeros((slots, s.stop - s.start, rank), dtype=dtype, device=device) for p, s in parts.items()}
@@ -63,18 +62,17 @@ class LoraManager:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, max_loaded: int, max_rank: int,
                  targets: frozenset[str] | None, device: torch.device, dtype: torch.dtype):
-        self.cfg, self.max_rank, self.allowed, self.device, self.dtype = cfg, max_rank, targets, device, dtype
+        self.cfg, self.max_rank, self.allowed = cfg, max_rank, targets
         self.max_loaded = max_loaded
         slots = max_loaded + 1
         self.by_name: dict[str, int] = {}
         self.in_use = [0] * slots  # requests made and not finished, per slot (acquire / release)
         self._lock = threading.Lock()
-        self.adapters: list[LoraAdapter | None] = [None] * slots
         self.ranks = [0] * slots
         self.scalings = [0.0] * slots
         self.targets: list[frozenset[str]] = [frozenset()] * slots
         shapes = projection_shapes(cfg)
-        self.modules: dict[tuple[int, str], tuple[ModuleLora, slice]] = {}  # (layer, peft projection) -> its place
+        self.modules: dict[tuple[int, str], ModuleLora] = {}  # (layer, peft projection) -> the module holding it
         for i, layer in enumerate(model.model.layers):
             for (block, attr), projs in FUSED.items():
                 linear = getattr(getattr(layer, block), attr)
@@ -86,20 +84,20 @@ class LoraManager:
                 if at != linear.weight.shape[0]:
                     raise ValueError("LoRA needs the whole model on one device (tensor parallelism is not supported "
                                      "with --enable-lora yet)")
-                linear.lora = ModuleLora(i, parts, linear.weight.shape[1], slots, max_rank, device, dtype)
+                linear.lora = ModuleLora(parts, linear.weight.shape[1], slots, max_rank, device, dtype)
                 for p in projs:
-                    self.modules[(i, p)] = (linear.lora, parts[p])
+                    self.modules[(i, p)] = linear.lora
 
     def load(self, name: str, path: str) -> None:
         """Read, check and place adapter `path` as `name` (ValueError, nothing loaded, when it cannot be)."""
         if name in self.by_name:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        free = [s for s in range(1, len(self.adapters)) if self.adapters[s] is None]
+        free = sorted(set(range(1, self.max_loaded + 1)) - set(self.by_name.values()))
         if not free:
             raise ValueError(f"{self.max_loaded} LoRA adapters are loaded (--max-loaded-loras): unload one first")
         adapter = load_adapter(name, path, self.cfg, self.max_rank, self.allowed)
         slot = free[0]
-        for key, (module, _) in self.modules.items():
+        for key, module in self.modules.items():
             proj = key[1]
             module.a[proj][slot].zero_()
             module.b[proj][slot].zero_()
@@ -107,7 +105,7 @@ class LoraManager:
                 a, b = adapter.weights[key]
                 module.a[proj][slot, :adapter.rank].copy_(a)
                 module.b[proj][slot, :, :adapter.rank].copy_(b)
-        self.adapters[slot], self.ranks[slot], self.scalings[slot] = adapter, adapter.rank, adapter.scaling
+        self.ranks[slot], self.scalings[slot] = adapter.rank, adapter.scaling
         self.targets[slot] = adapter.targets
         with self._lock:
             self.by_name[name] = slot
@@ -124,7 +122,7 @@ class LoraManager:
                 raise ValueError(f"LoRA adapter {name!r} serves {self.in_use[slot]} unfinished request(s): unload "
                                  "it once they finish")
             del self.by_name[name]
-        self.adapters[slot], self.ranks[slot], self.scalings[slot] = None, 0, 0.0
+        self.ranks[slot], self.scalings[slot] = 0, 0.0
         self.targets[slot] = frozenset()
         log.info("LoRA adapter %s unloaded", name)
 

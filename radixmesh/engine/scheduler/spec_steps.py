@@ -8,8 +8,8 @@ request's output is the same whichever drafts were kept. The width is 1 + max_dr
 outgrow the largest CUDA graph (`max_rows`); at 1 the step is a plain decode. Once the step's tokens are read, a
 request that kept `a` of its `k` drafts gets a + 1 tokens; its KV is valid for its newest token and the kept drafts,
 so kv_len steps back by k - a, and the pages that held only rejected drafts go back to the pool once the step's
-requests are processed (CacheManager.trim, free_trimmed), before anything allocates again. The prefix cache only ever sees tokens the request produced: it keys pages by fill_ids, and
-caches at most kv_len of them.
+requests are processed (CacheManager.trim, free_trimmed), before anything allocates again. The prefix cache only
+ever sees tokens the request produced: it keys pages by fill_ids, and caches at most kv_len of them.
 
 Every request may draft: grammars, penalties, min_new_tokens and seeds are applied per drafted position (the
 step runner builds each position's sampling row as if the drafted tokens before it were output). Drafts are skipped

@@ -62,14 +62,9 @@ class _Generation:
             where.append(p)
 
     def match(self, tokens: list[int], limit: int) -> tuple[int, int | None]:
-        """(length, end) as _longest, among positions with a token after them."""
+        """(length, end) as _longest (an end before a separator has nothing to draft: `after` gives [])."""
         ends = self.positions.get(tokens[-1])
-        if not ends:
-            return 0, None
-        last = len(self.tokens) - 1
-        # (an end followed by the separator has nothing to draft: excluded by the draft's length check)
-        length, end = _longest(self.tokens, ends, tokens, limit)
-        return (length, end) if end is not None and end < last else (0, None)
+        return _longest(self.tokens, ends, tokens, limit) if ends else (0, None)
 
     def after(self, end: int, k: int) -> list[int]:
         out = []
