@@ -13,11 +13,15 @@ merges the splits of each (request, head). With one split, stage 1 writes the fi
 times: benchmarks/results/NOTES.md, 2026-11-25 and 2026-11-29. Under PDL the kernel boundary costs almost nothing,
 and stage 2 merges the heads in parallel where the last split would merge them one after another.)
 
+A sliding window of w tokens (a per-layer constant) shows the query at position seq_len - 1 the keys at positions
+seq_len - w .. seq_len - 1 (transformers' rule: key > query - w); both stages walk only those, so a windowed layer
+reads at most w keys per request. Scores may be soft-capped (kernels.online_softmax).
+
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
-stays valid for any lengths; each request's tokens are cut into `num_splits` ranges of whole `BLOCK_N` blocks on
-the device, so a short request simply leaves trailing splits empty. An empty split's program returns at once (it
-neither waits for the kernel before nor writes), and the merge walks only the splits the length fills, `MERGE_CHUNK`
-at a time: a wide split count chosen for long contexts costs a short one almost nothing.
+stays valid for any lengths; each request's keys (its window's, when it has one) are cut into `num_splits` ranges
+of whole `BLOCK_N` blocks on the device, so a short request simply leaves trailing splits empty. An empty split's
+program returns at once (it neither waits for the kernel before nor writes), and the merge walks only the splits the
+length fills, `MERGE_CHUNK` at a time: a wide split count chosen for long contexts costs a short one almost nothing.
 """
 
 from __future__ import annotations
@@ -45,12 +49,18 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _window_start(seq_len, window):
+    """First key position the query at seq_len - 1 sees: seq_len - window, or 0 (window 0: no window)."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
 def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                   scale_log2, cap_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,8 +70,9 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     # (the one new token's slot may still be being written; a prefetch binds no value, so it is harmless).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = _window_start(seq_len, window)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -72,10 +83,10 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     if PDL:
         if PREFETCH_LINES > 0:
             n = start + tl.arange(0, BLOCK_N)
-            first = n < end
-            slots = tl.load(ReqToToken + row * stride_rt + n, mask=first, other=0).to(tl.int64)
+            first_block = n < end
+            slots = tl.load(ReqToToken + row * stride_rt + n, mask=first_block, other=0).to(tl.int64)
             cols = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # the first element of each 128-byte line of a row
-            line = first[:, None] & (cols[None, :] < HEAD_DIM)
+            line = first_block[:, None] & (cols[None, :] < HEAD_DIM)
             prefetch_l2(tl.where(line, K + slots[:, None] * stride_kt + kv_head * stride_kh + cols[None, :], K))
             prefetch_l2(tl.where(line, V + slots[:, None] * stride_vt + kv_head * stride_vh + cols[None, :], V))
         tl.extra.cuda.gdc_wait()  # from here on the kernel before (rotary, the KV store) has finished
@@ -100,7 +111,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         k = k.to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype; else nothing)
-        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
+        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, cap_log2, PRECISION, UPCAST,
+                                          CAPPED, False)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         v = v.to(Q.dtype.element_ty)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
@@ -118,15 +130,16 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
 
 @triton.jit
 def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                   stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    # Which splits stage 1 filled follows from the length alone (an input of the step, so read before the PDL
-    # wait): after it, the scores and the partial outputs load side by side.
+    # Which splits stage 1 filled follows from the length (and the window) alone (an input of the step, so read
+    # before the PDL wait): after it, the scores and the partial outputs load side by side.
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_live = tl.cdiv(seq_len, split_len)  # at least split 0: every request has seq_len >= 1
+    kv_len = seq_len - _window_start(seq_len, window)
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_live = tl.cdiv(kv_len, split_len)  # at least split 0: every request has seq_len >= 1
     pdl_enter(PDL)
     # the live splits, BLOCK_S at a time with a running maximum: splits past n_live cost nothing, and a wide split
     # count keeps a small tile
@@ -171,10 +184,12 @@ def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
-                     partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
-    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch."""
+    `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
+    `window`: the query sees only the last `window` keys; `softcap`: scores become softcap * tanh(scores / softcap)."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
@@ -196,30 +211,44 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), scale * _LOG2E,
+        lse.stride(0), lse.stride(1), scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
-        UPCAST=dot_needs_upcast(q.dtype), PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0,
-        LINE_ELEMS=line, num_warps=4, num_stages=2, **pdl)
+        UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap),
+        PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, num_warps=4,
+        num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2, **pdl_options(q))
+            out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
+            **pdl_options(q))
     return out
+
+
+def _window_arg(window: int | None) -> int:
+    """The kernels' encoding of a window: its size, or 0 for none."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one token, not {window}")
+    return window or 0
 
 
 def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Plain-torch twin of `decode_attention`: per request, gather its keys and values and attend in float32."""
+                               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Plain-torch twin of `decode_attention`: per request, gather its keys and values (the last `window` of them,
+    given one) and attend in float32, scores soft-capped when `softcap` is given."""
     bsz, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(bsz):
-        slots = req_to_token[int(req_pool_indices[b]), :int(seq_lens[b])].long()
+        seq = int(seq_lens[b])
+        first = max(0, seq - window) if window else 0
+        slots = req_to_token[int(req_pool_indices[b]), first:seq].long()
         keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [seq, heads, head_dim]
         values = v_buf[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), values).to(q.dtype)
     return out

@@ -6,6 +6,10 @@ Request b has `prefix_lens[b]` tokens already in the pool (reached through `req_
 ForwardBatch). New token i of a request sits at position prefix + i and sees every prefix token and new tokens
 0..i. One program handles BLOCK_M new tokens of one request for one query head: it first streams the prefix from the
 pool (gathered by slot), then the new tokens up to the diagonal from the contiguous k_new / v_new.
+
+Under a sliding window of w tokens (a per-layer constant) the query at position p sees only keys at positions
+p - w + 1 .. p (transformers' rule: key > query - w): a program starts both walks at its first row's window, and
+masks per row within it. Scores may be soft-capped (kernels.online_softmax).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, QoStarts,
                    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
-                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, num_m_blocks,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, cap_log2, window, num_m_blocks,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr,
+                   WINDOWED: tl.constexpr):
     # Blocks furthest down the diagonal do the most work: launch them first (program 0 of axis 0 goes first).
     m_block = num_m_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -52,32 +57,50 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, prefix, BLOCK_N):  # the cached prefix: every query sees all of it
+    # Positions are prefix + m. Without a window every query sees the whole prefix; with one, row m sees keys after
+    # prefix + m - window, and no row of the block sees a key before its first row's window.
+    prefix_from = 0
+    new_from = 0
+    if WINDOWED:
+        lowest = prefix + m_block * BLOCK_M - window + 1
+        prefix_from = tl.maximum(lowest, 0)
+        new_from = tl.maximum(lowest - prefix, 0)
+    for n0 in range(prefix_from, prefix, BLOCK_N):  # the cached prefix
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < prefix
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype)
-        p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, PRECISION, UPCAST)
+        visible = n_mask[None, :]
+        if WINDOWED:
+            visible = visible & (n[None, :] > (prefix + m - window)[:, None])
+        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, cap_log2, PRECISION, UPCAST, CAPPED,
+                                          WINDOWED)
         v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):  # the new tokens, up to the diagonal
+    for n0 in range(new_from, end, BLOCK_N):  # the new tokens, up to the diagonal
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KNew + (q_start + n)[:, None] * stride_knt + kv_head * stride_knh + d[None, :], mask=kv_mask,
                     other=0.0)
-        # Block 0 shows key 0 to every row, so no row's max is -inf after it.
+        # Without a window, block 0 shows key 0 to every row, so no row's max is -inf after it; with one, a row may
+        # see nothing in a block before its window (softmax_step's SPARSE), and always sees itself.
         visible = n_mask[None, :] & (n[None, :] <= m[:, None])
-        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, PRECISION, UPCAST)
+        if WINDOWED:
+            visible = visible & (n[None, :] > (m - window)[:, None])
+        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, cap_log2, PRECISION, UPCAST, CAPPED,
+                                          WINDOWED)
         v = tl.load(VNew + (q_start + n)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=kv_mask,
                     other=0.0)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
+    if WINDOWED:  # padding rows past the request's end may have seen no key: keep them finite (never stored)
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
@@ -121,12 +144,14 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
                      max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; k_new, v_new [num_tokens, num_kv_heads, head_dim] (the new tokens);
     k_buf, v_buf [num_slots, num_kv_heads, head_dim] (the pool); req_to_token [rows, row_len]; req_pool_indices,
     prefix_lens, extend_lens, qo_starts [batch]; max_extend_len >= every extend_len (host int).
     `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the choice for this head size and dtype.
-    Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+    `window`: a query sees only the keys of the last `window` positions up to its own; `softcap`: scores become
+    softcap * tanh(scores / softcap). Returns [num_tokens, num_heads, head_dim] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     bsz = int(extend_lens.shape[0])
     out = torch.empty_like(q) if out is None else out
@@ -138,19 +163,20 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), scale * _LOG2E, m_blocks,
+        req_to_token.stride(0), scale * _LOG2E, (softcap or 0.0) * _LOG2E, window or 0, m_blocks,
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=dot_needs_upcast(q.dtype), num_warps=warps, num_stages=stages)
+        UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap), WINDOWED=bool(window), num_warps=warps,
+        num_stages=stages)
     return out
 
 
 def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
                                v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Plain-torch twin of `extend_attention`: per request, prefix keys from the pool plus the new keys, causal by
-    position, softmax in float32."""
+    position (and within `window`, given one), scores soft-capped when `softcap` is given, softmax in float32."""
     group = q.shape[1] // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(int(extend_lens.shape[0])):
@@ -159,7 +185,12 @@ def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
         keys = torch.cat([k_buf[slots].to(k_new.dtype), k_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
         values = torch.cat([v_buf[slots].to(v_new.dtype), v_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[at:at + ext].float(), keys) * scale
-        visible = torch.arange(pre + ext)[None, :] <= (pre + torch.arange(ext))[:, None]  # [ext, pre + ext]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        key_pos, q_pos = torch.arange(pre + ext)[None, :], (pre + torch.arange(ext))[:, None]
+        visible = key_pos <= q_pos  # [ext, pre + ext]
+        if window:
+            visible &= key_pos > q_pos - window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         out[at:at + ext] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out

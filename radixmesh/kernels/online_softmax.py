@@ -1,26 +1,56 @@
 """The online softmax shared by the attention kernels (flash-attention style, in log2 units), in two halves so a
-kernel loads a block's values between them, after the scores (the order the kernels were measured with)."""
+kernel loads a block's values between them, after the scores (the order the kernels were measured with).
+
+Scores may be soft-capped (Gemma 2): s becomes cap * tanh(s / cap). In log2 units that is the same formula with the
+cap in log2 units too (cap_log2 = cap * log2(e)), which is what the kernels pass."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+_TWO_LOG2E = tl.constexpr(2.8853900817779268)  # 2 * log2(e): e^(-2a) = 2^(-2 * log2(e) * a)
+# Below this |x|, tanh's series (to x^5, next term < 4e-9 relative) replaces (1 - e^-2x) / (1 + e^-2x), whose
+# numerator loses digits near 0.
+_TANH_SERIES_BELOW = tl.constexpr(0.0625)
+
 
 @triton.jit
-def softmax_step(q, k, visible, m_i, l_i, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def tanh(x):
+    """float32 tanh from exp2 (Triton's interpreter has no tanh of its own): odd, a few ulp from torch.tanh."""
+    a = tl.abs(x)
+    t = tl.exp2(a * -_TWO_LOG2E)
+    big = (1.0 - t) / (1.0 + t)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0)))
+    y = tl.where(a < _TANH_SERIES_BELOW, small, big)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def softmax_step(q, k, visible, m_i, l_i, scale_log2, cap_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 CAPPED: tl.constexpr, SPARSE: tl.constexpr):
     """Scores of one block of keys against a tile of query rows, folded into the running max and normalizer.
 
     q [ROWS, D]; k [BLOCK_N, D]; visible broadcasts to [ROWS, BLOCK_N] (False: masked key); m_i, l_i [ROWS].
-    Returns (p [ROWS, BLOCK_N] unnormalized weights, alpha [ROWS] rescale of the old accumulator, new m_i, new l_i).
-    Every row must see at least one key before its first fully masked block, or its max stays -inf."""
+    CAPPED: scores are soft-capped at cap_log2 (log2 units). SPARSE: a row may see no key of a block before it has
+    seen any (a sliding window's lower edge); otherwise every row must see a key of its first block, or its max stays
+    -inf. Returns (p [ROWS, BLOCK_N] unnormalized weights, alpha [ROWS] rescale of the old accumulator, new m_i,
+    new l_i)."""
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if CAPPED:
+        s = cap_log2 * tanh(s / cap_log2)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if SPARSE:  # a row that has seen nothing yet keeps p = 0 and alpha = 0 instead of NaN
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+    else:
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 

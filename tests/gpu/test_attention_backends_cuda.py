@@ -1,7 +1,8 @@
 """The flashinfer and triton attention backends against TorchNativeBackend on CUDA in bfloat16: ragged decode batches (1, 7, 64
 requests of 1..4096 tokens) and extend batches (with and without cached prefixes, 1..300 new tokens), GQA groups 1,
-4 and 8, head dims 64 and 128, the pool in shuffled pages of 16; a decode CUDA graph replayed with new lengths and
-padding rows; plans that never wait for the GPU; float32 refused (FlashInfer has no float32 kernels).
+4 and 8, head dims 64 and 128, the pool in shuffled pages of 16; sliding windows and soft-capped scores; a decode
+CUDA graph replayed with new lengths and padding rows (with and without a window); plans that never wait for the GPU;
+float32 refused (FlashInfer has no float32 kernels).
 
 The first run JIT-compiles FlashInfer's kernels with nvcc (cached under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer,
 $HOME by default)."""
@@ -39,8 +40,10 @@ class Setup(NamedTuple):
     rows: list[int]  # table row of request i
 
 
-def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed: int, dtype=DTYPE) -> Setup:
-    """Random KV in every slot; request i owns max_lens[i] tokens on shuffled pages, in a shuffled table row."""
+def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed: int, dtype=DTYPE,
+               attention: dict | None = None) -> Setup:
+    """Random KV in every slot; request i owns max_lens[i] tokens on shuffled pages, in a shuffled table row.
+    `attention`: more AttentionShape fields (windows, softcap)."""
     torch.manual_seed(seed)
     pages_each = [-(-n // PAGE) for n in max_lens]
     pool = KVPool(sum(pages_each) + 3, PAGE, 2, heads[1], head_dim, dtype, DEV)
@@ -53,7 +56,7 @@ def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed:
     for row, n, count in zip(order, max_lens, pages_each):
         table.write(row, 0, (pages[at:at + count, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:n])
         at += count
-    shape = AttentionShape(heads[0], heads[1], head_dim, head_dim ** -0.5)
+    shape = AttentionShape(heads[0], heads[1], head_dim, head_dim ** -0.5, **(attention or {}))
     return Setup(shape, pool, table, order[:len(max_lens)])
 
 
@@ -137,12 +140,32 @@ def test_extend_matches_torch_native(name, case, heads, head_dim):
     compare_with_torch_native(name, setup, batch, f"extend {case}: prefixes {prefix[:8]}, new {new[:8]}")
 
 
+# LAYER is 1: (None, w) slides the layer attended, (w, None) another one (FlashInfer plans a wrapper per window)
+WINDOWED = {"window300": dict(windows=(None, 300)), "window1": dict(windows=(None, 1)),
+            "window256-softcap": dict(windows=(None, 256), softcap=2.0), "softcap": dict(softcap=2.0),
+            "other-layer-slides": dict(windows=(64, None), softcap=2.0)}
+
+
+@pytest.mark.parametrize("attention", list(WINDOWED))
 @pytest.mark.parametrize("name", BACKENDS)
-def test_cuda_graph_decode_replays_new_lengths(name):
+def test_windows_and_soft_caps_match_torch_native(name, attention):
+    """Decode and extend (over cached prefixes longer than the window) with the layer's window and soft-cap."""
+    lens = ragged_lens(7, seed=5)
+    setup = make_setup(lens, (32, 8), 128, seed=5, attention=WINDOWED[attention])
+    compare_with_torch_native(name, setup, decode_batch(setup, lens), f"{attention} decode lens {lens}")
+    prefix, new = EXTENDS["cached"]
+    setup = make_setup([p + e for p, e in zip(prefix, new)], (32, 4), 64, seed=6, attention=WINDOWED[attention])
+    batch = make_batch(setup, prefix, new, ForwardMode.EXTEND)
+    compare_with_torch_native(name, setup, batch, f"{attention} extend: prefixes {prefix}, new {new}")
+
+
+@pytest.mark.parametrize("attention", [None, "window256-softcap", "other-layer-slides"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cuda_graph_decode_replays_new_lengths(name, attention):
     """Capture one decode forward for 8 requests, replay it for two other batches (longer lengths; then 6 requests
     plus 2 padding rows) and compare with eager runs of the same requests."""
     bs = 8
-    setup = make_setup([4096] * bs, (32, 8), 128, seed=3)
+    setup = make_setup([4096] * bs, (32, 8), 128, seed=3, attention=WINDOWED.get(attention))
     backend = create_backend(name, setup.shape, setup.pool, setup.table)
     backend.init_cuda_graph(max_bs=16)
     static = decode_batch(setup, [1] * bs)

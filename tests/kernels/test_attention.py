@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference, num_kv_splits
 from radixmesh.kernels.extend_attention import extend_attention, extend_attention_reference
+from radixmesh.kernels.online_softmax import tanh
 
 CUDA = torch.cuda.is_available()
 # Small shapes run wherever the suite runs: compiled on a GPU, in Triton's interpreter on CPU. The real shapes below
@@ -49,21 +52,22 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
     assert err < _tolerance(dtype), f"relative error {err:.2e}"
 
 
-def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0, kv_dtype=None):
+def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0, kv_dtype=None,
+                 window=None, softcap=None, q_gain=1.0):
     """Checks the kernel against its twin; returns (its output, what was needed to run it again). `kv_dtype`: the
-    pool's, when it is not the model's (an fp8 cache)."""
+    pool's, when it is not the model's (an fp8 cache); `q_gain` scales the queries (larger scores)."""
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
     if kv_dtype is not None:
         pool.k, pool.v = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn((len(lens), heads, head_dim), generator=gen).to(dtype).to(device)
+    q = (q_gain * torch.randn((len(lens), heads, head_dim), generator=gen)).to(dtype).to(device)
     seq_lens = torch.tensor(lens, device=device)
     splits = splits or num_kv_splits(len(lens), kv_heads, torch.device(device))
     out = torch.full_like(q, float("nan"))
     args = (q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, head_dim ** -0.5, splits)
-    decode_attention(*args, out=out)
+    decode_attention(*args, out=out, window=window, softcap=softcap)
     ref = decode_attention_reference(q.cpu(), pool.k.cpu(), pool.v.cpu(), pool.req_to_token.cpu(), pool.rows.cpu(),
-                                     seq_lens.cpu(), head_dim ** -0.5)
+                                     seq_lens.cpu(), head_dim ** -0.5, window=window, softcap=softcap)
     _check(out.cpu(), ref, dtype)
     return out, args
 
@@ -118,22 +122,22 @@ def test_decode_llama8b_shape_cuda(bs, ctx):
 
 
 def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0, tiles=None,
-                 kv_dtype=None):
+                 kv_dtype=None, window=None, softcap=None, q_gain=1.0):
     lens = [p + e for p, e in zip(prefixes, extends)]
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
     if kv_dtype is not None:
         pool.k, pool.v = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     n = sum(extends)
-    q = torch.randn((n, heads, head_dim), generator=gen).to(dtype).to(device)
+    q = (q_gain * torch.randn((n, heads, head_dim), generator=gen)).to(dtype).to(device)
     k_new = torch.randn((n, kv_heads, head_dim), generator=gen).to(dtype).to(device)
     v_new = torch.randn((n, kv_heads, head_dim), generator=gen).to(dtype).to(device)
     ext = torch.tensor(extends, device=device)
     args = (q, k_new, v_new, pool.k, pool.v, pool.req_to_token, pool.rows, torch.tensor(prefixes, device=device),
             ext, ext.cumsum(0) - ext)
     out = torch.full_like(q, float("nan"))
-    extend_attention(*args, max(extends), head_dim ** -0.5, out=out, tiles=tiles)
-    ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5)
+    extend_attention(*args, max(extends), head_dim ** -0.5, out=out, tiles=tiles, window=window, softcap=softcap)
+    ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5, window=window, softcap=softcap)
     _check(out.cpu(), ref, dtype)
 
 
@@ -191,3 +195,60 @@ def test_an_fp8_cache_is_read_back_in_the_models_dtype(device, kv_dtype, dtype):
     model's dtype, as their twins do with the same fp8 values."""
     _decode_case([5, 40, 17], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
     _extend_case([0, 30, 9], [12, 5, 20], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
+
+
+# ---- sliding windows and soft-capping (Gemma 2/3, Mistral, Qwen2 windows) ------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,splits", [(1, 1), (8, 3), (16, 1), (64, 8), (37, 2), (500, 3)])
+def test_decode_sliding_window(device, window, splits):
+    """The query at position seq_len - 1 sees the last `window` keys (all of them when the request is shorter); the
+    splits cover only those, short requests leaving splits empty."""
+    _decode_case([1, 5, 37, 100, 130], 8, 2, 32, 16, torch.float32, device, splits=splits, seed=window, window=window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,page,dtype", [(1, 1, torch.float32), (5, 4, torch.float32), (16, 16, torch.float32),
+                                               (17, 1, torch.bfloat16), (40, 16, torch.float32),
+                                               (300, 4, torch.float32)])
+def test_extend_sliding_window(device, window, page, dtype):
+    """Windows that end inside the cached prefix, inside the new tokens and across tile edges (16-row tiles in the
+    interpreter), with requests that have no prefix, a short one, and a prefix longer than the window."""
+    _extend_case([0, 10, 33, 0, 70], [7, 1, 40, 19, 33], 4, 2, 32, page, dtype, device, seed=window, window=window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 12])
+def test_soft_capped_scores(device, window):
+    """Scores soft-capped at 5 (queries scaled up so most scores pass the cap) in decode and extend, alone and under
+    a window."""
+    _decode_case([1, 17, 64, 129], 8, 2, 32, 16, torch.float32, device, splits=3, seed=3, window=window, softcap=5.0,
+                 q_gain=6.0)
+    _extend_case([0, 30, 9], [12, 5, 20], 8, 2, 32, 16, torch.float32, device, seed=4, window=window, softcap=5.0,
+                 q_gain=6.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_cap_changes_the_output(device):
+    """The cap is applied at all: with it the kernel differs from the uncapped twin."""
+    _, args = _decode_case([40, 9], 4, 2, 32, 16, torch.float32, device, splits=1, softcap=2.0, q_gain=6.0)
+    capped = decode_attention(*args, softcap=2.0)
+    plain = decode_attention_reference(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args[:7]))
+    assert (capped.cpu() - plain).abs().max() > 1e-2
+
+
+@triton.jit
+def _tanh_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, tanh(tl.load(X + i)))
+
+
+def test_kernel_tanh_matches_torch():
+    """online_softmax.tanh (exp2 based, with a series near 0) within a few float32 ulp of torch.tanh."""
+    device = "cuda" if CUDA else "cpu"
+    x = torch.cat([torch.linspace(-12, 12, 900), torch.logspace(-8, 0, 24), -torch.logspace(-8, 0, 24)])
+    x = torch.cat([x, torch.zeros(1024 - x.numel())]).to(device)
+    y = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, y, N=1024)
+    want = x.double().tanh()
+    assert ((y.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()

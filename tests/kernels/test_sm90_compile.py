@@ -24,7 +24,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import activation, decode_attention, gemv, kv_store, norm, rotary
+from radixmesh.kernels import activation, decode_attention, extend_attention, gemv, kv_store, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -38,9 +38,9 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
             PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64)
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64)
 out = {
-    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2"}, stage1, 4, 2),
+    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"}, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
                      PRECISION="tf32", HAS_BIAS=False), 4, 4),
@@ -51,6 +51,14 @@ out = {
                          dict(K=14336, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
+# Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
+out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"},
+                           dict(stage1, HEAD_DIM=256, BLOCK_N=32, BLOCK_D=256, CAPPED=True), 4, 2)
+ext = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", ReqToToken="*i32",
+           ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64")
+out["extend_windowed"] = ptx(extend_attention._extend_kernel, ext, {"scale_log2", "cap_log2"},
+                             dict(GROUP=4, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, PRECISION="tf32",
+                                  UPCAST=False, CAPPED=True, WINDOWED=True), 4, 2)
 # kernels that begin with runtime.pdl_enter: the wait comes before any load
 bf16 = "*bf16"
 out["stage2"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
@@ -138,3 +146,10 @@ def test_an_empty_split_returns_before_its_wait(ptx):
 
     # Triton 3.9 branches on the negated test, 3.6 (the GPU machine's) falls through to an unconditional branch
     assert any(returns(label) for label in branches), branches
+
+
+@pytest.mark.parametrize("kernel", ["stage1_capped", "extend_windowed"])
+def test_windowed_and_soft_capped_attention_compiles(ptx, kernel):
+    """The sliding-window and soft-cap paths (Triton's interpreter runs them on CPU) compile for sm_90: the cap's
+    tanh is exp2-based (one ex2 more per score than the plain kernel's softmax)."""
+    assert _lines(ptx[kernel], r"ex2\.approx")

@@ -8,6 +8,10 @@ Backends that can run inside a captured CUDA graph (decode batches only) set `su
 three graph hooks: `init_cuda_graph` once (static buffers for the largest batch), `capture_metadata` once per
 captured batch size (what it returns is baked into that graph), and `replay_metadata` before every replay (host-side
 planning only: it may fill the static buffers, never reallocate them).
+
+Beyond plain causal attention a shape may ask for a sliding window per layer and soft-capped scores (Gemma 2/3,
+Mistral, Qwen2 windows); a backend that does not compute them says so (`supports_sliding_window`,
+`supports_softcap`) and is refused for such a model when it is built, never run without them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    scale: float
+    scale: float  # scores are q.k * scale
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the softmax
+    # One entry per layer, or none at all (no layer slides): the query at position p of a layer with window w sees
+    # keys at positions p - w < j <= p (itself and the w - 1 before it, transformers' rule); None: every key up to p.
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer_id: int) -> int | None:
+        return self.windows[layer_id] if self.windows else None
+
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        """The windows the layers have, each once (None first)."""
+        return tuple(sorted(set(self.windows) or {None}, key=lambda w: -1 if w is None else w))
 
 
 class AttentionBackend(ABC):
@@ -37,8 +52,16 @@ class AttentionBackend(ABC):
     # Decode reads the new tokens' K and V back from the pool (forward() is pool.write, then attend_stored()): so
     # rotary and the KV store can be one kernel (forward_rope).
     fuses_rope_store: bool = False
+    supports_sliding_window: bool = False  # honours AttentionShape.windows
+    supports_softcap: bool = False  # honours AttentionShape.softcap
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        if any(w is not None for w in shape.windows) and not self.supports_sliding_window:
+            raise ValueError(f"attention backend {self.name!r} has no sliding-window attention, which this model's "
+                             "layers use; pick another --attention-backend")
+        if shape.softcap is not None and not self.supports_softcap:
+            raise ValueError(f"attention backend {self.name!r} has no attention logit soft-capping, which this "
+                             "model uses; pick another --attention-backend")
         self.shape = shape
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

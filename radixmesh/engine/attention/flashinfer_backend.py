@@ -14,6 +14,13 @@ prefix + new tokens and one paged call covers both.
 FlashInfer's plan copies the indptrs (qo and kv) and last_page_len to the CPU and schedules the work there, so they
 are passed as pinned host tensors (device tensors would make every plan wait for the GPU); kv_indices stays on the
 device.
+
+A sliding window and the logit soft-cap are plan-time parameters of a wrapper (`window_left`, `logits_soft_cap`; its
+run asserts the window it was planned with). So there is one wrapper per window the layers use (usually one; two for
+models that alternate sliding and global layers), all planned over the same page lists, and each layer runs its
+window's. FlashInfer's window_left is inclusive: the query at position p sees keys p - window_left .. p, so a window
+of w tokens (transformers: keys after p - w) is window_left = w - 1; -1 means no window. Soft-capping follows
+transformers' formula: cap * tanh(q.k * sm_scale / cap).
 """
 
 from __future__ import annotations
@@ -52,18 +59,26 @@ class _GraphBuffers:
     kv_indptr: torch.Tensor  # [max_bs + 1] int32, bound to every captured decode wrapper
     kv_indices: torch.Tensor  # [max_bs * row_len] int32
     last_page_len: torch.Tensor  # [max_bs] int32, all ones
-    # [INT_WORKSPACE_BYTES] uint8 schedule buffer shared by the captured wrappers (one per batch size): graphs replay
-    # one at a time and each replay re-plans its wrapper first, rewriting the schedule.
-    int_workspace: torch.Tensor
+    # window -> [INT_WORKSPACE_BYTES] uint8 schedule buffer shared by that window's captured wrappers (one per batch
+    # size): graphs replay one at a time and each replay re-plans its wrappers first, rewriting the schedules. The
+    # wrappers of one graph (one per window) are all planned before it runs, so each window has its own buffer.
+    int_workspaces: dict[int | None, torch.Tensor]
+
+
+def _window_left(window: int | None) -> int:
+    """FlashInfer's inclusive left window for a window of `window` tokens (see the module docstring)."""
+    return -1 if window is None else window - 1
 
 
 class FlashInferBackend(AttentionBackend):
-    """Metadata is the planned FlashInfer wrapper; the eager wrappers are re-planned by every `plan`, so a batch's
-    metadata is valid until the next call to `plan`."""
+    """Metadata is {window: planned FlashInfer wrapper}; the eager wrappers are re-planned by every `plan`, so a
+    batch's metadata is valid until the next call to `plan`."""
 
     name = "flashinfer"
     supports_cuda_graph = True
     fuses_rope_store = True
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         super().__init__(shape, kv_pool, req_to_token)
@@ -88,10 +103,14 @@ class FlashInferBackend(AttentionBackend):
         self._v_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.v]
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # zeroed for first use
         self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # One wrapper per window and mode; they share the float workspace (their kernels run one after another on
+        # one stream) and each keeps its own schedule buffer.
+        prefill_kernel = os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND
+        self.decode_wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNEL_BACKEND)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND)
+            for w in shape.distinct_windows()}
+        self.prefill_wrappers = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_kernel) for w in shape.distinct_windows()}
         self._ones_host = torch.ones(req_to_token.host.shape[0], dtype=torch.int32, pin_memory=True)
         self._graph: _GraphBuffers | None = None
         # Per wrapper: an event after its last plan's host-to-device copy of the schedule. A wrapper's plan rewrites
@@ -99,28 +118,25 @@ class FlashInferBackend(AttentionBackend):
         # so the next plan waits for the previous copy to have run (already true in the steady state: no stall).
         self._planned: dict[int, torch.cuda.Event] = {}
 
-    def plan(self, batch: ForwardBatch) -> Any:
+    def plan(self, batch: ForwardBatch) -> dict[int | None, Any]:
         indptr, indices = self._kv_indices(batch, None)
         if batch.mode is ForwardMode.DECODE:
-            self._plan_decode(self.decode_wrapper, indptr, indices)
-            return self.decode_wrapper
-        s = self.shape
-        self._before_plan(self.prefill_wrapper)
-        self.prefill_wrapper.plan(
-            _host_indptr(batch.extend_lens_host), indptr, indices, self._last_page_lens(batch.batch_size),
-            s.num_heads, s.num_kv_heads, s.head_dim, PAGE_SIZE, causal=True, sm_scale=s.scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
-            max_token_per_sequence=max(batch.extend_lens_host))
-        self._after_plan(self.prefill_wrapper)
-        return self.prefill_wrapper
+            for window, wrapper in self.decode_wrappers.items():
+                self._plan_decode(wrapper, indptr, indices, window)
+            return self.decode_wrappers
+        qo_indptr = _host_indptr(batch.extend_lens_host)
+        for window, wrapper in self.prefill_wrappers.items():
+            self._plan_prefill(wrapper, batch, qo_indptr, indptr, indices, window)
+        return self.prefill_wrappers
 
     def forward(self, layer_id, q, k, v, batch, metadata: Any) -> torch.Tensor:
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         return self.attend_stored(layer_id, q, batch, metadata)
 
-    def attend_stored(self, layer_id, q, batch, metadata: Any) -> torch.Tensor:
+    def attend_stored(self, layer_id, q, batch, metadata: dict[int | None, Any]) -> torch.Tensor:
         # [num_tokens, num_heads, head_dim] in q's dtype (the dtype planned: the KV cache's)
-        return metadata.run(q.contiguous(), (self._k_pages[layer_id], self._v_pages[layer_id]))
+        wrapper = metadata[self.shape.window(layer_id)]
+        return wrapper.run(q.contiguous(), (self._k_pages[layer_id], self._v_pages[layer_id]))
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:
@@ -131,29 +147,35 @@ class FlashInferBackend(AttentionBackend):
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indices=torch.zeros(max_bs * self.req_to_token.row_len, dtype=torch.int32, device=dev),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            int_workspace=torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev))
+            int_workspaces={w: torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+                            for w in self.shape.distinct_windows()})
         self._last_page_lens(max_bs)
 
-    def capture_metadata(self, bs: int, batch: ForwardBatch) -> Any:
-        """A decode wrapper bound to the static buffers (its batch size fixed to `bs`), planned for `batch`. Waits
-        for the planned buffers (once per size, at start-up), so any stream may warm up and capture the graph."""
+    def capture_metadata(self, bs: int, batch: ForwardBatch) -> dict[int | None, Any]:
+        """A decode wrapper per window bound to the static buffers (its batch size fixed to `bs`), planned for
+        `batch`. Waits for the planned buffers (once per size, at start-up), so any stream may warm up and capture
+        the graph."""
         g = self._graph
         if g is None:
             raise RuntimeError("init_cuda_graph must run before capture_metadata")
-        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=g.kv_indptr[:bs + 1], paged_kv_indices_buffer=g.kv_indices,
-            paged_kv_last_page_len_buffer=g.last_page_len[:bs], backend=KERNEL_BACKEND)
-        wrapper.reset_workspace_buffer(self.workspace, g.int_workspace)
-        self.replay_metadata(bs, batch, wrapper)
+        wrappers = {}
+        for window, int_workspace in g.int_workspaces.items():
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=g.kv_indptr[:bs + 1], paged_kv_indices_buffer=g.kv_indices,
+                paged_kv_last_page_len_buffer=g.last_page_len[:bs], backend=KERNEL_BACKEND)
+            wrapper.reset_workspace_buffer(self.workspace, int_workspace)
+            wrappers[window] = wrapper
+        self.replay_metadata(bs, batch, wrappers)
         torch.cuda.current_stream(self.device).synchronize()
-        return wrapper
+        return wrappers
 
-    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: Any) -> None:
-        """Refills the static kv_indices on the device and re-plans `metadata` (its plan copies the host indptr into
-        the static kv_indptr): nothing is reallocated."""
+    def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: dict[int | None, Any]) -> None:
+        """Refills the static kv_indices on the device and re-plans each window's wrapper in `metadata` (a plan
+        copies the host indptr into the static kv_indptr they share): nothing is reallocated."""
         indptr, indices = self._kv_indices(batch, self._graph.kv_indices)
-        self._plan_decode(metadata, indptr, indices)
+        for window, wrapper in metadata.items():
+            self._plan_decode(wrapper, indptr, indices, window)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _kv_indices(self, batch: ForwardBatch, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,12 +191,22 @@ class FlashInferBackend(AttentionBackend):
                          indptr.to(self.device, non_blocking=True), out)
         return indptr, out[:total]
 
-    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, window: int | None) -> None:
         s = self.shape
         self._before_plan(wrapper)
         wrapper.plan(indptr, indices, self._last_page_lens(indptr.numel() - 1), s.num_heads, s.num_kv_heads,
                      s.head_dim, PAGE_SIZE, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=s.scale,
-                     non_blocking=True)
+                     window_left=_window_left(window), logits_soft_cap=s.softcap, non_blocking=True)
+        self._after_plan(wrapper)
+
+    def _plan_prefill(self, wrapper: Any, batch: ForwardBatch, qo_indptr: torch.Tensor, indptr: torch.Tensor,
+                      indices: torch.Tensor, window: int | None) -> None:
+        s = self.shape
+        self._before_plan(wrapper)
+        wrapper.plan(qo_indptr, indptr, indices, self._last_page_lens(batch.batch_size), s.num_heads, s.num_kv_heads,
+                     s.head_dim, PAGE_SIZE, causal=True, sm_scale=s.scale, window_left=_window_left(window),
+                     logits_soft_cap=s.softcap, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+                     max_token_per_sequence=max(batch.extend_lens_host))
         self._after_plan(wrapper)
 
     def _before_plan(self, wrapper: Any) -> None:

@@ -11,9 +11,11 @@ from radixmesh.engine.batch import ForwardBatch, ForwardMode
 
 class HybridBackend(AttentionBackend):
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
+        self.name = f"{prefill.name}+{decode.name}"
+        self.supports_sliding_window = prefill.supports_sliding_window and decode.supports_sliding_window
+        self.supports_softcap = prefill.supports_softcap and decode.supports_softcap
         super().__init__(prefill.shape, prefill.kv_pool, prefill.req_to_token)
         self.prefill, self.decode = prefill, decode
-        self.name = f"{prefill.name}+{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:

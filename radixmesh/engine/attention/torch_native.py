@@ -4,6 +4,10 @@ Each request's keys are gathered from the pool into a padded [batch, max_kv] lay
 [batch, max_q]; one scaled_dot_product_attention call with a causal-by-position mask covers the whole batch.
 Grouped-query attention is folded into the query rows: the `group` query heads that share a KV head become
 `group` extra rows of that KV head, so keys are never repeated and the fused (memory-efficient) kernel applies.
+
+A sliding window is one more term of the mask (one mask per window the layers use, built once per batch); soft-capped
+scores (Gemma 2) have no SDPA kernel, so those layers compute the scores, cap, mask and softmax in plain ops, in
+transformers' order.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from radixmesh.engine.batch import ForwardBatch, ForwardMode
 @dataclass(slots=True)
 class TorchNativeMetadata:
     kv_indices: torch.Tensor  # [batch, max_kv] KV slots of each request's tokens (padding points at stale slots)
-    mask: torch.Tensor  # [batch, 1, max_q * group, max_kv] True where a query row may attend a key
+    # window (None: none) -> [batch, 1, max_q * group, max_kv] True where a query row may attend a key
+    masks: dict[int | None, torch.Tensor]
     token_to_pad: torch.Tensor | None  # [num_tokens] index into the flat [batch * max_q] query layout (None: decode)
     max_q: int
     token_to_key: torch.Tensor | None = None  # [num_tokens] index into the flat [batch * max_kv] key layout
@@ -34,6 +39,8 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    supports_sliding_window = True
+    supports_softcap = True
 
     def plan(self, batch: ForwardBatch) -> TorchNativeMetadata:
         dev = batch.seq_lens.device
@@ -42,11 +49,7 @@ class TorchNativeBackend(AttentionBackend):
         kv_indices = self.req_to_token.device[batch.req_pool_indices, :max_kv]
         prefix = batch.seq_lens - batch.extend_lens  # [batch]
         q_pos = prefix[:, None] + torch.arange(max_q, device=dev)  # [batch, max_q]
-        # Padded query rows get q_pos >= 0, so key 0 stays visible and no softmax row is all -inf.
-        mask = torch.arange(max_kv, device=dev)[None, None, :] <= q_pos[:, :, None]  # [batch, max_q, max_kv]
-        group = self.shape.num_heads // self.shape.num_kv_heads
-        if max_q > 1 and group > 1:  # rows ordered (query position, head within group)
-            mask = mask[:, :, None, :].expand(-1, -1, group, -1).reshape(batch.batch_size, max_q * group, max_kv)
+        masks = {w: self._mask(q_pos, batch.seq_lens, max_kv, w) for w in self.shape.distinct_windows()}
         token_to_pad = token_to_key = None
         if batch.mode is not ForwardMode.DECODE:
             starts = batch.extend_lens.cumsum(0) - batch.extend_lens
@@ -56,7 +59,22 @@ class TorchNativeBackend(AttentionBackend):
             if self.kv_pool.k[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # an fp8 cache
                 rows = token_to_pad // max_q
                 token_to_key = rows * max_kv + q_pos.reshape(-1)[token_to_pad]
-        return TorchNativeMetadata(kv_indices, mask[:, None], token_to_pad, max_q, token_to_key)
+        return TorchNativeMetadata(kv_indices, masks, token_to_pad, max_q, token_to_key)
+
+    def _mask(self, q_pos: torch.Tensor, seq_lens: torch.Tensor, max_kv: int, window: int | None) -> torch.Tensor:
+        """[batch, 1, max_q * group, max_kv] True where query row (position q_pos) may attend key j: j <= q_pos,
+        and j > q_pos - window under a window. Padded query rows (past a request's last token) see at least its last
+        key, so no softmax row is all -inf."""
+        bsz, max_q = q_pos.shape
+        keys = torch.arange(max_kv, device=q_pos.device)[None, None, :]
+        mask = keys <= q_pos[:, :, None]  # [batch, max_q, max_kv]
+        if window is not None:
+            last = torch.minimum(q_pos, (seq_lens - 1)[:, None])  # padded rows: as the request's last token
+            mask &= keys > (last - window)[:, :, None]
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        if max_q > 1 and group > 1:  # rows ordered (query position, head within group)
+            mask = mask[:, :, None, :].expand(-1, -1, group, -1).reshape(bsz, max_q * group, max_kv)
+        return mask[:, None]
 
     def forward(self, layer_id, q, k, v, batch, metadata: TorchNativeMetadata) -> torch.Tensor:
         pool = self.kv_pool
@@ -81,7 +99,21 @@ class TorchNativeBackend(AttentionBackend):
             keys.view(-1, *keys.shape[2:])[metadata.token_to_key] = k.to(q.dtype)
             values.view(-1, *values.shape[2:])[metadata.token_to_key] = v.to(q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        with sdpa_kernel(_SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=metadata.mask, scale=self.shape.scale)
+        mask = metadata.masks[self.shape.window(layer_id)]
+        if self.shape.softcap is None:
+            with sdpa_kernel(_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=self.shape.scale)
+        else:
+            out = _capped_attention(rows, keys, values, mask, self.shape.scale, self.shape.softcap)
         out = out.view(bsz, kv_heads, max_q, group, head_dim).transpose(1, 2).reshape(bsz * max_q, num_heads, head_dim)
         return out if metadata.token_to_pad is None else out[metadata.token_to_pad]
+
+
+def _capped_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, in transformers' order: scores in the model's dtype, capped, masked, softmax
+    in float32 and back. rows [b, kv_heads, r, d]; keys, values [b, kv_heads, k, d]; mask [b, 1, r, k]."""
+    scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(rows.dtype), values)

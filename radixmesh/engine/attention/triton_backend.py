@@ -2,7 +2,8 @@
 
 Works on CUDA, and on CPU only inside Triton's interpreter (TRITON_INTERPRET=1, for tests). Decode batches can run
 in CUDA graphs: the kernels read lengths and table rows from the batch's device tensors, and the split count depends
-only on the batch size.
+only on the batch size. A layer's sliding window and the soft-cap are constants of the model, passed to each launch
+(so captured with it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     fuses_rope_store = True
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, shape, kv_pool, req_to_token):
         super().__init__(shape, kv_pool, req_to_token)
@@ -61,15 +64,16 @@ class TritonBackend(AttentionBackend):
         pool.write(layer_id, batch.out_cache_loc, k, v)
         if isinstance(metadata, DecodeMetadata):
             return self.attend_stored(layer_id, q, batch, metadata)
+        s = self.shape
         return extend_attention(q, k, v, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
                                 batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
-                                metadata.max_extend_len, self.shape.scale)
+                                metadata.max_extend_len, s.scale, window=s.window(layer_id), softcap=s.softcap)
 
     def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
-        pool = self.kv_pool
+        pool, s = self.kv_pool, self.shape
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
-                                batch.req_pool_indices, batch.seq_lens, self.shape.scale, metadata.num_splits,
-                                partials=metadata.partials)
+                                batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
+                                partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

@@ -1,4 +1,5 @@
-"""SiLU-and-mul of a fused gate/up projection, in PyTorch's rounding (silu rounded to the dtype, then the product)."""
+"""SiLU-and-mul (GELU-and-mul for Gemma) of a fused gate/up projection, in PyTorch's rounding (the activation rounded
+to the dtype, then the product)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2 * intermediate] (gate first) -> gelu(gate, tanh approximation) * up [n, intermediate], as
+    transformers' gelu_pytorch_tanh activation computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -36,3 +36,20 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (transformers' Gemma2RMSNorm / Gemma3RMSNorm): the weight is stored as an offset from 1 and
+    applied in float32 before the cast back, x * rsqrt(mean(x^2) + eps) * (1 + weight). No residual fusion (Gemma's
+    decoder norms the sublayers' outputs before adding them)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> normed x in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,0 +1,141 @@
+"""Gemma 2 and Gemma 3 (text) decoders over the paged KV cache.
+
+What sets them apart from the Llama family (transformers' modeling_gemma2 / modeling_gemma3):
+- RMSNorms weigh by (1 + weight), in float32 (engine.layers.norm.GemmaRMSNorm), and each sublayer's output is
+  normed before it joins the residual stream (post_attention_layernorm, pre/post_feedforward_layernorm);
+- the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype;
+- the MLP gate is GELU with the tanh approximation;
+- attention scores are scaled by query_pre_attn_scalar^-1/2; layers alternate between a sliding window and global
+  attention (engine.models.attention_spec: the window reaches the attention backend through its AttentionShape);
+- Gemma 2 soft-caps attention scores (in the backend) and the final logits: cap * tanh(x / cap);
+- Gemma 3 norms q and k per head, and rotates its sliding layers with a local RoPE table (rope_local_base_freq) and
+  its global layers with the global one (rope_theta, with rope scaling).
+Configs they would compute otherwise are refused by engine.models.gemma_config.check_gemma before this is built.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.forward_context import get_forward_context
+from radixmesh.engine.layers.activation import gelu_tanh_and_mul
+from radixmesh.engine.layers.linear import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                            VocabParallelEmbedding, vocab_logits)
+from radixmesh.engine.layers.norm import GemmaRMSNorm
+from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.attention_spec import sliding_layers
+from radixmesh.engine.models.gemma_config import gemma_config
+from radixmesh.engine.models.llama import MLP
+
+
+class GemmaMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel, qk_norm: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          cfg.attention_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp,
+                                        "the number of attention heads x head_dim")
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = get_forward_context().attend(self.layer_id, q, k, v, rope)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel, qk_norm: bool):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = GemmaAttention(cfg, layer_id, tp, qk_norm)
+        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        """hidden [num_tokens, hidden] -> the residual stream after this layer."""
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, tp, qk_norm) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@functools.cache
+def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) as transformers applies it: a float32 scalar cast to the model's dtype (55.4256 is 55.5 in
+    bfloat16), kept as a Python number (exact in that dtype) so the forward creates no tensor."""
+    return float(torch.tensor(hidden_size ** 0.5, dtype=torch.float32).to(dtype))
+
+
+class Gemma2ForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        self.config = cfg
+        self.gemma = gemma_config(cfg)
+        self.tp = tp or TensorParallel.single()
+        self.model = GemmaModel(cfg, self.tp, self.qk_norm)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
+        self.sliding = sliding_layers(cfg).sliding  # per layer: a sliding (local) layer
+        self.rotary: RotaryEmbedding | None = None  # global layers' table (Gemma 2: every layer's)
+        self.rotary_local: RotaryEmbedding | None = None  # sliding layers'
+
+    def init_rotary(self, max_positions: int, device: torch.device) -> None:
+        cfg, ropes = self.config, self.gemma.ropes
+        if ropes is None:
+            self.rotary = self.rotary_local = RotaryEmbedding.for_model(cfg, max_positions, device)
+            return
+        full, local = ropes
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, full.theta, full.scaling, device)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, local.theta, local.scaling, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = self.model.embed_tokens(input_ids)
+        hidden = hidden * _embed_scale(self.config.hidden_size, hidden.dtype)
+        rope = self.rotary.prepare(positions, hidden.dtype)
+        local = rope if self.rotary_local is self.rotary else self.rotary_local.prepare(positions, hidden.dtype)
+        for layer, sliding in zip(self.model.layers, self.sliding):
+            hidden = layer(hidden, local if sliding else rope)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> float32 logits [n, vocab], soft-capped when the config says so."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = vocab_logits(self.tp, hidden, weight, self.config.vocab_size)
+        cap = self.gemma.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True

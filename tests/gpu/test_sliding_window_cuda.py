@@ -1,0 +1,87 @@
+"""Sliding windows and soft-caps on CUDA: the tiny windowed checkpoints (tests/sliding_models.py) through every
+attention backend, with CUDA graphs (the window and the cap are constants of each layer's captured launches) and
+without.
+
+float32 (Triton, torch_native): transformers' greedy tokens and teacher-forced logprobs. bfloat16 (Triton, FlashInfer,
+whose window_left and logits_soft_cap are planned per wrapper, one wrapper per window): each generated token's
+logprob within bfloat16 noise of transformers' float32 teacher-forced one; a backend that ignored the window or a cap
+would be off by several nats (tests/parity/test_sliding_window.py's test_the_features_matter)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.engine_utils import running_engine
+from tests.reference import hf_greedy, hf_token_logprobs
+from tests.sliding_models import build, prompts
+
+pytestmark = pytest.mark.gpu
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+KINDS = ("gemma2", "gemma3", "mistral", "qwen2")
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """head_dim 64: a size FlashInfer's kernels take (Qwen2's is hidden / heads = 16: not for FlashInfer)."""
+    root = tmp_path_factory.mktemp("sliding-cuda")
+    return {kind: build(kind, root / kind, head_dim=64) for kind in KINDS}
+
+
+def _generate(path: str, **kwargs) -> list[dict]:
+    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, page_size=16,
+                        chunked_prefill_size=32, **kwargs) as llm:
+        first = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
+        again = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)  # cached prefixes
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    return first
+
+
+def _logprob_errors(path: str, outs: list[dict]) -> list[float]:
+    errors = []
+    for out, prompt in zip(outs, prompts()):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        want = hf_token_logprobs(path, prompt, out["output_ids"])
+        errors += [abs(a - b) for a, b in zip(got, want)]
+    return errors
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend,graphs", [("triton", True), ("triton", False), ("torch_native", False)])
+def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
+    path = checkpoints[kind]
+    outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
+    assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
+    assert max(_logprob_errors(path, outs)) < 1e-3
+
+
+BF16_BACKENDS = [("triton", "triton")] + ([("flashinfer", "flashinfer"), ("flashinfer", "triton")]
+                                          if HAS_FLASHINFER else [])
+
+
+@pytest.mark.parametrize("kind", ("gemma2", "gemma3", "mistral"))
+@pytest.mark.parametrize("prefill,decode", BF16_BACKENDS)
+@pytest.mark.parametrize("graphs", [True, False])
+def test_bfloat16_within_noise_of_transformers(checkpoints, kind, prefill, decode, graphs):
+    path = checkpoints[kind]
+    outs = _generate(path, dtype="bfloat16", attention_backend=prefill, decode_attention_backend=decode,
+                     disable_cuda_graph=not graphs)
+    errors = _logprob_errors(path, outs)
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_flashinfer_plans_one_wrapper_per_window(checkpoints):
+    """Gemma 2's sliding and global layers run different wrappers, planned with window_left = window - 1 and -1."""
+    with running_engine(checkpoints["gemma2"], device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+                        mem_fraction_static=0.3, attention_backend="flashinfer") as llm:
+        backend = llm.runner.attn_backend
+        assert set(backend.decode_wrappers) == set(backend.prefill_wrappers) == {None, 12}
+        llm.generate(input_ids=prompts()[:2], sampling_params=GREEDY)
+        assert backend.decode_wrappers[12]._window_left == 11 and backend.decode_wrappers[None]._window_left == -1
+        assert backend.prefill_wrappers[12]._logits_soft_cap == 4.0
+    torch.cuda.synchronize()
