@@ -211,7 +211,7 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
     longest = max([ns.input_len + ns.output_len, ns.long_context + ns.output_len, ns.prefill_len + 1,
                    sum(ns.extend_over[:2]) + 1 if ns.extend_over else 0])
     kwargs.setdefault("context_length", longest + 16)
-    model_config = ModelConfig.from_path(kwargs["model_path"])
+    model_config = ModelConfig.from_path(kwargs["model_path"], kwargs.get("revision"))
     args = resolve_args(EngineArgs.from_kwargs(**kwargs), model_config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tp, ns.followers = start_leader(args)

@@ -7,8 +7,16 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixmesh.engine.model_source import resolve_model_dir
+
 if TYPE_CHECKING:
     import torch
+
+
+# transformers' rms_norm_eps for a config.json without the field, where an architecture's default is not 1e-6
+_DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
+# architectures whose transformers config ties the output layer to the embedding when config.json does not say
+_TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +76,10 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_path(cls, path: str) -> "ModelConfig":
+    def from_path(cls, path: str, revision: str | None = None) -> "ModelConfig":
+        """The config of the model at `path`: a folder, or a Hugging Face model id in the local cache at `revision`
+        (engine.model_source); `path` of the result is the folder the files are read from."""
+        path = resolve_model_dir(path, revision)
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"model config not found: {cfg_file}")
@@ -91,11 +102,11 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             intermediate_size=raw["intermediate_size"],
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(archs[0], 1e-6)),
             rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", archs[0] in _TIED_BY_DEFAULT)),
             attention_bias=bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),

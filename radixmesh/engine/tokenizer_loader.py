@@ -16,10 +16,15 @@ from __future__ import annotations
 import json
 import os
 
+from radixmesh.engine.model_source import resolve_model_dir
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer at `path`: a folder, or a Hugging Face model id in the local cache at `revision`
+    (engine.model_source)."""
     from transformers import AutoTokenizer
 
+    path = resolve_model_dir(path, revision)
     config = _plain_config(path)
     if config is None:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -116,7 +116,7 @@ def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int) -> None:
 
     runner = None
     try:
-        runner = ModelRunner(args, ModelConfig.from_path(args.model_path), tp_config(args, rank, addr))
+        runner = ModelRunner(args, ModelConfig.from_path(args.model_path, args.revision), tp_config(args, rank, addr))
         runner.follow()
     except Exception:
         log.exception("tensor parallel rank %d failed", rank)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = resolve(parser.parse_args(argv), EngineArgs)[0]
     args = EngineArgs.from_kwargs(**kwargs)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve_node(resolve_args(args, ModelConfig.from_path(args.model_path)))
+    return serve_node(resolve_args(args, ModelConfig.from_path(args.model_path, args.revision)))
 
 
 if __name__ == "__main__":

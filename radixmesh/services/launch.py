@@ -192,6 +192,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
     reserve(view.grpc_port, *(view.port + i for i in range(settings.num_routers)))
     tok_ports = [free_port() for _ in range(settings.num_tokenizers)]
     tok = ["radixmesh.services.tokenizer", "--model-path", engine_kwargs.get("tokenizer_path") or model]
+    if engine_kwargs.get("revision"):  # the tokenizer of the model id's snapshot the workers read
+        tok += ["--revision", engine_kwargs["revision"]]
     if settings.chat_template:
         tok += ["--chat-template", settings.chat_template]
     if engine_kwargs.get("context_length"):

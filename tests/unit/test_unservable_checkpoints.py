@@ -165,23 +165,31 @@ def _mistral(tmp_path, weights=False, **config):
     return _copy(tmp_path, weights=weights, architectures=["MistralForCausalLM"], model_type="mistral", **config)
 
 
-def test_mistral_window_shorter_than_the_context_is_refused(tmp_path):
+def _windows(path, **kw) -> tuple:
+    """The per-layer windows the attention backends get for `path` (engine.models.attention_spec) once it resolves."""
+    from radixmesh.engine.models.attention_spec import layer_windows
+
+    return layer_windows(ModelConfig.from_path(str(path)), _resolve(path, **kw).context_length)
+
+
+def test_mistral_window_shorter_than_the_context_slides_every_layer(tmp_path):
+    """Once refused (issue 55: it used to run full attention); now every layer slides over its window (parity with
+    transformers: tests/parity/test_sliding_window.py)."""
     dst = _mistral(tmp_path, sliding_window=256)
-    msg = _refused(dst, "sliding-window attention (sliding_window=256 in config.json", "context length 1024",
-                   "not implemented by any attention backend", "--context-length 256 or less")
-    assert "\n" not in msg
-    _refused(dst, "context length 257", context_length=257)
+    assert _windows(dst) == (256,) * 4
+    assert _windows(dst, context_length=256) == (None,) * 4  # a window covering the whole context masks nothing
 
 
 def test_mistral_without_a_window_field_gets_transformers_default(tmp_path):
     dst = _mistral(tmp_path, max_position_embeddings=8192)
     assert "sliding_window" not in json.loads((dst / "config.json").read_text())
-    _refused(dst, "MistralConfig defaults to 4096", "--context-length 4096")
-    assert _resolve(dst, context_length=4096).context_length == 4096
+    assert _windows(dst) == (4096,) * 4
 
 
 def test_mistral_with_a_null_window_is_accepted(tmp_path):
-    assert _resolve(_mistral(tmp_path, sliding_window=None, max_position_embeddings=8192)).context_length == 8192
+    dst = _mistral(tmp_path, sliding_window=None, max_position_embeddings=8192)
+    assert _resolve(dst).context_length == 8192
+    assert _windows(dst) == (None,) * 4
 
 
 def test_mistral_window_at_least_the_context_loads_and_matches_transformers(tmp_path):
@@ -192,32 +200,34 @@ def test_mistral_window_at_least_the_context_loads_and_matches_transformers(tmp_
     assert [o["output_ids"] for o in outs] == hf_greedy(str(dst), prompts, GREEDY["max_new_tokens"])
 
 
-def test_qwen2_use_sliding_window_is_refused_for_the_layers_it_covers(tmp_path):
+def test_qwen2_use_sliding_window_slides_the_layers_from_max_window_layers(tmp_path):
     dst = _copy(tmp_path, "tiny-qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=2)
-    _refused(dst, "sliding-window attention (use_sliding_window=true, sliding_window=256, max_window_layers=2",
-             "2 of 4 layers", "--context-length 256")
-    assert _resolve(dst, context_length=256).context_length == 256
+    assert _windows(dst) == (None, None, 256, 256)
 
 
 def test_qwen2_windows_that_cover_no_layer_are_accepted(tmp_path):
-    _resolve(_copy(tmp_path / "a", "tiny-qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=4))
-    _resolve(_copy(tmp_path / "b", "tiny-qwen2", use_sliding_window=False, sliding_window=256, max_window_layers=0))
+    for name, flag, first in (("a", True, 4), ("b", False, 0)):
+        dst = _copy(tmp_path / name, "tiny-qwen2", use_sliding_window=flag, sliding_window=256, max_window_layers=first)
+        assert _windows(dst) == (None,) * 4
 
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def test_mixture_of_experts_sliding_windows_are_refused_as_their_configs_say(tmp_path):
+def test_mixture_of_experts_sliding_windows_as_their_configs_say(tmp_path):
     """Mixtral slides every layer once sliding_window is set (MixtralConfig has none by default); Qwen3-MoE every
-    layer under use_sliding_window."""
+    layer under use_sliding_window; Qwen2-MoE the even layers below max_window_layers under it."""
     mixtral = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4, **MOE)
-    _refused(_copy(tmp_path / "m", **mixtral, sliding_window=256), "sliding_window=256", "4 of 4 layers",
-             "--context-length 256")
-    _resolve(_copy(tmp_path / "m0", **mixtral))  # no window: served
+    assert _windows(_copy(tmp_path / "m", **mixtral, sliding_window=256)) == (256,) * 4
+    assert _windows(_copy(tmp_path / "m0", **mixtral)) == (None,) * 4
     qwen3 = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, **MOE)
-    _refused(_copy(tmp_path / "q", "tiny-qwen3", **qwen3, use_sliding_window=True, sliding_window=128),
-             "use_sliding_window=true, sliding_window=128", "4 of 4 layers")
-    _resolve(_copy(tmp_path / "q0", "tiny-qwen3", **qwen3, use_sliding_window=False, sliding_window=128))
+    assert _windows(_copy(tmp_path / "q", "tiny-qwen3", **qwen3, use_sliding_window=True,
+                          sliding_window=128)) == (128,) * 4
+    assert _windows(_copy(tmp_path / "q0", "tiny-qwen3", **qwen3, use_sliding_window=False,
+                          sliding_window=128)) == (None,) * 4
+    qwen2 = dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, **MOE)
+    assert _windows(_copy(tmp_path / "q2", "tiny-qwen2", **qwen2, use_sliding_window=True, sliding_window=128,
+                          max_window_layers=3)) == (128, None, 128, None)
 
 
 def test_a_mixture_of_experts_config_without_its_experts_is_refused(tmp_path):
@@ -226,38 +236,37 @@ def test_a_mixture_of_experts_config_without_its_experts_is_refused(tmp_path):
         _load(dst)
 
 
-def test_layer_types_with_sliding_attention_are_refused(tmp_path):
+def test_layer_types_say_which_layers_slide(tmp_path):
+    """Where transformers reads layer_types (Qwen2/3, Gemma) they pick the sliding layers. Llama's attention ignores
+    them: a window there contradicts the architecture and is refused where it would matter; sliding layers without
+    a window cannot be computed at all."""
     types = ["full_attention", "sliding_attention"] * 2
-    _refused(_copy(tmp_path / "q3", "tiny-qwen3", use_sliding_window=True, sliding_window=128, layer_types=types),
-             "sliding-window attention", "sliding_window=128", "2 of 4 layers", "--context-length 128")
+    dst = _copy(tmp_path / "q3", "tiny-qwen3", use_sliding_window=True, sliding_window=128, layer_types=types)
+    assert _windows(dst) == (None, 128, None, 128)
     dst = _copy(tmp_path / "llama", layer_types=types, sliding_window=512)
-    _refused(dst, "sliding_window=512", "2 of 4 layers")
-    _resolve(dst, context_length=512)
+    _refused(dst, "sliding-window attention (sliding_window=512, layer_types in config.json: 2 of 4 layers)",
+             "not read by transformers' LlamaForCausalLM", "--context-length 512 or less")
+    assert _windows(dst, context_length=512) == (None,) * 4
     _refused(_copy(tmp_path / "nowin", layer_types=types), "sliding-window attention", "no window size")
 
 
-# ---- RoPE ------------------------------------------------------------------------------------------------------------
+# ---- RoPE (what it computes, and its tables against transformers': tests/unit/test_rope_scaling.py) -----------------
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-    {"type": "dynamic", "factor": 2.0},
-    {"type": "linear", "factor": 2.0},
-    {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-     "original_max_position_embeddings": 256},
-])
+@pytest.mark.parametrize("rope", [{"rope_type": "proportional", "factor": 2.0}, {"type": "su", "factor": 2.0}])
 def test_rope_scaling_we_do_not_compute_is_refused(tmp_path, rope):
     key = "rope_type" if "rope_type" in rope else "type"
     _refused(_copy(tmp_path, rope_scaling=rope), f"RoPE scaling {rope[key]!r} (rope_scaling.{key}={rope[key]!r}",
-             "not implemented by radixmesh", "default, llama3")
+             "not implemented by radixmesh", "default, linear, dynamic, llama3, yarn, longrope")
 
 
 def test_transformers5_rope_parameters_are_read(tmp_path):
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    _refused(_copy(tmp_path / "yarn", rope_scaling=None, rope_parameters=yarn), "rope_parameters.rope_type='yarn'")
+    unknown = {"rope_type": "proportional", "rope_theta": 10000.0}
+    _refused(_copy(tmp_path / "unknown", rope_scaling=None, rope_parameters=unknown),
+             "rope_parameters.rope_type='proportional'")
     nested = {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}
     _refused(_copy(tmp_path / "nested", rope_scaling=None, rope_parameters=nested), "per-layer-type RoPE")
-    default = {"rope_type": "default", "rope_theta": 10000.0}
-    _resolve(_copy(tmp_path / "default", rope_scaling=None, rope_parameters=default))
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    _resolve(_copy(tmp_path / "yarn", rope_scaling=None, rope_parameters=yarn))
 
 
 def test_partial_rotary_factor_is_refused(tmp_path):
@@ -268,21 +277,9 @@ def test_partial_rotary_factor_is_refused(tmp_path):
     _resolve(_copy(tmp_path / "one", partial_rotary_factor=1.0))
 
 
-def test_llama3_scaling_must_say_what_transformers_reads(tmp_path):
-    rope = json.loads((_copy(tmp_path / "base") / "config.json").read_text())["rope_scaling"]
-    _refused(_copy(tmp_path / "top", original_max_position_embeddings=512), "original_max_position_embeddings=512")
-    del rope["original_max_position_embeddings"]
-    _refused(_copy(tmp_path / "none", rope_scaling=rope), "rope_scaling.original_max_position_embeddings=None")
-
-
-def test_two_disagreeing_rope_bases_are_refused(tmp_path):
-    rope = {"rope_type": "default", "rope_theta": 500000.0}
-    _refused(_copy(tmp_path, rope_scaling=rope), "rope_scaling.rope_theta=500000.0", "rope_theta=10000.0")
-
-
 def test_unsupported_rope_is_refused_before_weights_load(tmp_path, no_weight_read):
-    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
-        _load(_copy(tmp_path, weights=True, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="RoPE scaling 'proportional'"):
+        _load(_copy(tmp_path, weights=True, rope_scaling={"rope_type": "proportional", "factor": 4.0}))
 
 
 # ---- fields that change the math -------------------------------------------------------------------------------------

@@ -1,43 +1,24 @@
-"""Rotary position embedding (rotate-half layout), with Llama-3.1 frequency scaling.
+"""Rotary position embedding (rotate-half layout) over a cos/sin table of every position.
 
-The cos/sin table is built once in float32 for every position and cast to the model dtype at lookup, matching how
+The table is built once in float32 from the frequencies of the model's RoPE type (engine.layers.rope_scaling, where
+YaRN and LongRoPE also scale cos and sin by an attention factor) and cast to the model dtype at lookup, matching how
 Hugging Face computes it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.engine.layers.rope_scaling import ROPE_TYPES, RopeSpec, frequencies, rope_spec, spec_of_dict
 from radixmesh.engine.layers.triton_ops import use_kernels
 
-# The rope_scaling types this module computes; engine.models.support refuses any other at config time.
-ROPE_TYPES = ("default", "llama3")
+if TYPE_CHECKING:
+    from radixmesh.engine.model_config import ModelConfig
 
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama-3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_ctx = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, blended, scaled)
-
-
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+__all__ = ["ROPE_TYPES", "RopeInputs", "RotaryEmbedding", "apply_rotary"]
 
 
 class RotaryEmbedding:
@@ -45,11 +26,23 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device):
-        inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)
+        """The table of one rope dict (`scaling`: config.json's rope_scaling, original_max_position_embeddings in
+        it); a model's table comes from `for_model`, which resolves its config as transformers does."""
+        self._fill(spec_of_dict(head_dim, theta, scaling), max_positions, device)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device) -> "RotaryEmbedding":
+        table = cls.__new__(cls)
+        table._fill(rope_spec(cfg), max_positions, device)
+        return table
+
+    def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device) -> None:
+        inv_freq, attention_factor = frequencies(spec)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # float32, scaled as transformers scales them before the cast to the model dtype (x 1.0 changes nothing)
+        self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, 1, head_dim] in `dtype`; looked up once per forward, shared by every layer."""

@@ -12,6 +12,14 @@ _MODELS = {
     "MixtralForCausalLM": "radixmesh.engine.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "radixmesh.engine.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "radixmesh.engine.models.phi3:Phi3ForCausalLM",
+    "Olmo2ForCausalLM": "radixmesh.engine.models.olmo2:Olmo2ForCausalLM",
+    "GraniteForCausalLM": "radixmesh.engine.models.granite:GraniteForCausalLM",
+    # speculative decoding's EAGLE draft heads (served only as drafts: --speculative-draft-model-path)
+    "LlamaForCausalLMEagle": "radixmesh.engine.speculative.eagle_head:EagleHead",
+    "LlamaForCausalLMEagle3": "radixmesh.engine.speculative.eagle_head:Eagle3Head",
 }
 
 

@@ -3,7 +3,8 @@ implements is refused at load, before any weight is read, with a ValueError that
 
 `check_servable` reads the config (once the context length is known: a sliding window matters only when it is shorter);
 `check_tensor_dtype` and `check_unexpected_tensors` read what the weight files' headers hold. The reference for what a
-field does is transformers' modeling code for the architectures we accept (Llama, Mistral, Qwen2, Qwen3).
+field does is transformers' modeling code for the architectures we accept (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3,
+...). Gemma's own fields are checked by engine.models.gemma_config, which layers slide by engine.models.attention_spec.
 """
 
 from __future__ import annotations
@@ -13,33 +14,37 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.engine.layers.rotary import ROPE_TYPES
+from radixmesh.engine.layers.rope_scaling import (ROPE_TYPES, exact_context, frequencies, rope_field, rope_spec,
+                                                  rope_type, types_for)
+from radixmesh.engine.models.attention_spec import sliding_layers
+from radixmesh.engine.models.gemma_config import GEMMA3, GEMMA_ARCHITECTURES, GEMMA_FIELDS, check_gemma
 
 if TYPE_CHECKING:
     from radixmesh.engine.model_config import ModelConfig
 
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
-# transformers' MistralConfig and Qwen2Config/Qwen3Config default: a config.json without the field has this window
-HF_DEFAULT_WINDOW = 4096
-HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config: layers from this index on slide
-HF_DEFAULT_ROPE_THETA = 10000.0
 _NOT_YET = "not implemented by radixmesh yet"
 _UNQUANTIZED = "serve an unquantized (bfloat16, float16 or float32) checkpoint"
 # Quantization files that sit beside config.json (AutoGPTQ, AutoAWQ, NVIDIA ModelOpt) -> the method they imply
 _QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq", "hf_quant_config.json": "modelopt"}
 _QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "load_in_4bit", "load_in_8bit")
+# Granite's scalars (engine.models.granite computes them)
+GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
 _SILU = ("silu", "swish")
 
 
 def check_servable(model: ModelConfig, context_length: int) -> None:
     """Raises ValueError if serving `model` up to `context_length` tokens would compute something other than the
-    model: quantized weights, a sliding window shorter than the context, RoPE we do not compute, or a config field
+    model: quantized weights, sliding layers without a usable window, RoPE we do not compute, or a config field
     that changes the math away from its neutral value. Reads config.json's fields and the model directory only."""
     _check_quantization(model)
     _check_sliding_window(model, context_length)
-    _check_rope(model)
-    _check_activation_and_biases(model)
+    if model.architecture in GEMMA_ARCHITECTURES:  # its activation, soft-caps, score scale, Gemma 3's RoPE tables
+        check_gemma(model)
+    else:
+        _check_activation_and_biases(model)
+    if model.architecture != GEMMA3:  # (Gemma 3 rotates sliding and global layers with two tables, checked above)
+        _check_rope(model, context_length)
     _check_neutral_fields(model)
 
 
@@ -74,96 +79,57 @@ def _json_field(file: str, key: str) -> Any:
     return data.get(key) if isinstance(data, dict) else None
 
 
-def _sliding_window(model: ModelConfig) -> tuple[int | None, int, str]:
-    """(the window transformers applies or None, how many layers slide, the config.json fields that say so)."""
-    raw, arch, layers = model.raw, model.architecture, model.num_layers
-    types = raw.get("layer_types") or []
-    listed = sum(t == "sliding_attention" for t in types)
-    if arch == "MistralForCausalLM":  # every layer slides once a window is set; layer_types is not read
-        window = raw.get("sliding_window", HF_DEFAULT_WINDOW)
-        where = (f"sliding_window={window}" if "sliding_window" in raw
-                 else f"no sliding_window, which transformers' MistralConfig defaults to {HF_DEFAULT_WINDOW}")
-        return window, layers if window is not None else listed, where
-    if arch == "MixtralForCausalLM":  # every layer slides once a window is set (MixtralConfig: none by default)
-        window = raw.get("sliding_window")
-        return window, layers if window is not None else listed, f"sliding_window={window}"
-    if arch == "Qwen3MoeForCausalLM":  # every layer slides under use_sliding_window (no max_window_layers)
-        window = raw.get("sliding_window", HF_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
-        flag = str(bool(raw.get("use_sliding_window"))).lower()
-        return window, layers if window is not None else listed, f"use_sliding_window={flag}, sliding_window={window}"
-    if arch in _QWEN:  # the window applies only under use_sliding_window
-        window = raw.get("sliding_window", HF_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
-        if not types and window is not None:
-            first = raw.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
-            return window, max(0, layers - first), (f"use_sliding_window=true, sliding_window={window}, "
-                                                    f"max_window_layers={first}")
-        flag = str(bool(raw.get("use_sliding_window"))).lower()
-        return window, listed, f"use_sliding_window={flag}, sliding_window={window}"
-    return raw.get("sliding_window"), listed, f"sliding_window={raw.get('sliding_window')}"
-
-
 def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
-    """A window of w tokens (a token sees itself and the w - 1 before it) masks nothing in sequences of at most w
-    tokens, and the engine bounds every sequence by the context length: a window >= the context cannot matter."""
-    window, sliding, where = _sliding_window(model)
-    if sliding == 0:
+    """Every attention backend computes sliding windows, on the layers transformers slides
+    (engine.models.attention_spec). Refused: sliding layers without a usable window, and a window in the config of an
+    architecture whose transformers attention ignores it (Llama), where the window would matter: the config
+    contradicts its architecture. A window of w tokens masks nothing in sequences of at most w tokens, and the engine
+    bounds every sequence by the context length."""
+    spec = sliding_layers(model)
+    if spec.count == 0:
         return
-    layers = f"{sliding} of {model.num_layers} layers"
-    if window is None:
-        raise ValueError(f"sliding-window attention (layer_types lists sliding_attention for {layers}, {where} in "
-                         "config.json, so no window size) is not implemented by any attention backend of radixmesh "
-                         "yet, and transformers cannot run it without a window either")
-    if window < context_length:
-        raise ValueError(f"sliding-window attention ({where} in config.json: {layers}) is not implemented by any "
-                         f"attention backend of radixmesh yet, and the context length {context_length} is longer than "
-                         f"the window: serving it would attend past the window; pass --context-length {window} or "
-                         "less")
+    layers = f"{spec.count} of {model.num_layers} layers"
+    if spec.window is None:
+        raise ValueError(f"sliding-window attention ({spec.where} in config.json: {layers} slide, but there is no "
+                         "window size) cannot be computed: transformers cannot run it without a window either")
+    if not isinstance(spec.window, int) or spec.window < 1:
+        raise ValueError(f"sliding-window attention ({spec.where} in config.json: {layers}) needs a window of at "
+                         "least one token")
+    if not spec.implemented and spec.window < context_length:
+        raise ValueError(f"sliding-window attention ({spec.where} in config.json: {layers}) is not read by "
+                         f"transformers' {model.architecture}, which attends to every earlier token, so the config "
+                         f"contradicts its architecture; the context length {context_length} is longer than the "
+                         f"window, where the two would differ: pass --context-length {spec.window} or less")
 
 
-def _rope_field(raw: dict) -> tuple[str, dict]:
-    """The RoPE dict transformers reads (rope_scaling wins over transformers 5's rope_parameters) and its name."""
-    if raw.get("rope_scaling"):
-        return "rope_scaling", raw["rope_scaling"]
-    return "rope_parameters", raw.get("rope_parameters") or {}
-
-
-def _check_rope(model: ModelConfig) -> None:
-    raw = model.raw
-    field, rope = _rope_field(raw)
+def _check_rope(model: ModelConfig, context_length: int) -> None:
+    """RoPE we compute exactly as transformers does (engine.layers.rope_scaling), up to `context_length` tokens."""
+    raw, arch = model.raw, model.architecture
+    field, rope = rope_field(raw)
     nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
     if nested:
         raise ValueError(f"per-layer-type RoPE ({field} keyed by {', '.join(nested)} in config.json) "
                          f"is {_NOT_YET}: every layer rotates with one table")
-    key = "rope_type" if "rope_type" in rope else "type"  # transformers' order
-    rope_type = rope.get(key) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"RoPE scaling {rope_type!r} ({field}.{key}={rope_type!r} in config.json) "
+    kind, key = rope_type(arch, rope)
+    named = rope.get(key) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"RoPE scaling {named!r} ({field}.{key}={named!r} in config.json) "
                          f"is {_NOT_YET} (it implements {', '.join(ROPE_TYPES)}): positions would be encoded "
                          "differently from the model's training")
+    if kind not in types_for(arch):
+        raise ValueError(f"RoPE scaling {named!r} ({field}.{key}={named!r} in config.json) is not one transformers' "
+                         f"{arch} computes (it accepts {', '.join(types_for(arch))})")
     for where, location in ((raw, "partial_rotary_factor"), (rope, f"{field}.partial_rotary_factor")):
         factor = where.get("partial_rotary_factor")
         if factor is not None and factor != 1:
             raise ValueError(f"partial rotary embedding ({location}={factor} in config.json) is {_NOT_YET}: "
                              "it rotates every dimension of each head")
-    theta = rope.get("rope_theta", raw.get("rope_theta", HF_DEFAULT_ROPE_THETA))
-    if not math.isclose(theta, model.rope_theta):
-        raise ValueError(f"config.json gives two RoPE bases: transformers reads {field}.rope_theta={theta}, radixmesh "
-                         f"reads rope_theta={model.rope_theta}; make them agree")
-    if rope_type == "llama3":
-        _check_llama3(raw, field, rope)
-
-
-def _check_llama3(raw: dict, field: str, rope: dict) -> None:
-    """rotary.py reads factor and original_max_position_embeddings from the rope dict; transformers takes the
-    latter from the top level first, then the rope dict, then max_position_embeddings."""
-    if "factor" not in rope:
-        raise ValueError(f"llama3 RoPE scaling without {field}.factor in config.json cannot be computed")
-    ours = rope.get("original_max_position_embeddings")
-    theirs = raw.get("original_max_position_embeddings", ours or raw.get("max_position_embeddings"))
-    if ours is None or ours != theirs:
-        raise ValueError(f"llama3 RoPE scaling: transformers uses original_max_position_embeddings={theirs} from "
-                         f"config.json, radixmesh reads {field}.original_max_position_embeddings={ours}; put "
-                         f"original_max_position_embeddings={theirs} in {field}")
+    spec = rope_spec(model)
+    frequencies(spec)  # ValueError for a dict the rule cannot compute
+    limit = exact_context(spec)
+    if limit is not None and context_length > limit[0]:
+        raise ValueError(f"{limit[1]}. A context of {context_length} tokens would rotate some tokens otherwise than "
+                         f"transformers does; pass --context-length {limit[0]} or less")
 
 
 def _check_activation_and_biases(model: ModelConfig) -> None:
@@ -206,7 +172,11 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 
 
 def _check_neutral_fields(model: ModelConfig) -> None:
+    read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
+            else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM" else ())
     for name, (feature, neutral) in _neutral_values(model).items():
+        if name in read:
+            continue
         value = model.raw.get(name)
         if not _is_neutral(value, neutral):
             raise ValueError(f"{feature} ({name}={value!r} in config.json) is {_NOT_YET}: the "

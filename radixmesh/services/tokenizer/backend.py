@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.model_source import resolve_model_dir
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.services.tokenizer.chat import ChatSpec, render_chat
 from radixmesh.services.tokenizer.settings import TokenizerSettings
@@ -64,7 +65,7 @@ class TokenizerBackend:
         """Load the tokenizer, the template override and config.json; OSError / ValueError when one is unusable."""
         start = time.monotonic()
         path = settings.resolved_tokenizer_path
-        tokenizer = load_tokenizer(path, settings.trust_remote_code)
+        tokenizer = load_tokenizer(path, settings.trust_remote_code, settings.revision)
         override = load_chat_template(settings.chat_template) if settings.chat_template else None
         info = describe(tokenizer, settings, override)
         log.info("loaded tokenizer %s in %.1f s: vocab %d, context %d, chat template: %s", path,
@@ -108,8 +109,9 @@ class TokenizerBackend:
 
 def describe(tokenizer, settings: TokenizerSettings, template_override: str | None) -> TokenizerInfo:
     """Everything GetTokenizerInfo reports. Context length and EOS ids come from the model's config.json."""
-    config_file = os.path.join(settings.model_path, "config.json")
-    model = ModelConfig.from_path(settings.model_path) if os.path.isfile(config_file) else None
+    model_dir = resolve_model_dir(settings.model_path, settings.revision)
+    config_file = os.path.join(model_dir, "config.json")
+    model = ModelConfig.from_path(model_dir) if os.path.isfile(config_file) else None
     if settings.context_length is None and model is None:
         raise ValueError(f"{config_file} not found: pass --context-length")
     eos = set(model.eos_token_ids if model else ())

@@ -9,8 +9,12 @@ from radixmesh.services.common.server import LaneGrpcSettings
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSettings(LaneGrpcSettings):
-    model_path: str = field(default="", metadata={"help": "model folder (its tokenizer and config.json); required"})
-    tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer folder (default: --model-path)"})
+    model_path: str = field(default="", metadata={
+        "help": "model folder (its tokenizer and config.json) or Hugging Face model id (local cache); required"})
+    tokenizer_path: str | None = field(default=None, metadata={
+        "help": "tokenizer folder or model id (default: --model-path)"})
+    revision: str | None = field(default=None, metadata={
+        "help": "the cached snapshot of a model id: a branch, tag or commit hash (default main)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name in this service's metrics labels (default: --model-path)"})
     chat_template: str | None = field(default=None, metadata={

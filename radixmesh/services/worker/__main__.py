@@ -184,7 +184,7 @@ def _serve_follower_node(engine_kwargs: dict) -> int:
 
     args = EngineArgs.from_kwargs(**engine_kwargs)
     try:
-        args = resolve_args(args, ModelConfig.from_path(args.model_path))
+        args = resolve_args(args, ModelConfig.from_path(args.model_path, args.revision))
     except ValueError as e:
         return str(e)
     return serve_node(args)
