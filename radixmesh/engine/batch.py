@@ -45,7 +45,7 @@ class ForwardBatch:
     pending: PendingInputs | None = None
     # Decode batches: [5, batch] view over input_ids, positions, out_cache_loc, req_pool_indices, seq_lens.
     decode_block: torch.Tensor | None = None
-    # Per request: its LoRA adapter's slot (engine.lora.manager; 0: the base model); None: no adapters at all.
+    # Per request: its LoRA adapter's id (engine.lora.manager; 0: the base model); None: no adapters at all.
     lora_slots: list[int] | None = None
 
     @property

@@ -20,7 +20,7 @@ class ForwardContext:
     # CUDA events of host -> device page loads (engine.cache.host_pool.KVMover.take_ready): layer l's attention
     # waits for kv_ready[l] before it writes or reads that layer's KV
     kv_ready: list | None = None
-    lora: Any = None  # engine.lora.manager.LoraBatch: the adapters of this forward's tokens (None: the base model)
+    lora: Any = None  # engine.lora.batch.LoraBatch: the adapters of this forward's tokens (None: the base model)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
         """Attention of this layer; `rope` (engine.layers.rotary.RopeInputs): q and k are not rotated yet, and the

@@ -186,3 +186,143 @@ def test_max_loras_per_batch_keeps_other_adapters_waiting(adapters):
         assert [o["output_ids"] for o in outs] == [want[n][i] for i in range(len(prompts)) for n in ("sql", "chat")]
         assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2
         assert_no_leak(llm)
+
+
+# two more adapters for the device-slot tests: the highest rank (every projection) and the lowest
+MORE = [("math", 16, 16, list(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), False),
+        ("code", 2, 4, ["v_proj", "up_proj", "down_proj"], False)]
+
+
+@pytest.fixture(scope="module")
+def four_adapters(adapters, tmp_path_factory) -> dict[str, str]:
+    base = model_path(NAME)
+    root = tmp_path_factory.mktemp("lora-more")
+    more = {name: write_adapter(base, root / name, r, a, t, rs, seed=10 + i)
+            for i, (name, r, a, t, rs) in enumerate(MORE)}
+    return {**adapters, **more}
+
+
+def test_more_adapters_than_device_slots_are_evicted_and_copied_back(four_adapters):
+    """Four adapters, two device slots (--max-loras-per-batch 2): adapters move in and out of the slots as the
+    requests of each run, least recently used first, and every output is still peft's; a long prompt prefilled in
+    chunks counts as running (no forward mixes more than two); every adapter is let go of at the end."""
+    base = model_path(NAME)
+    prompts = parity_prompts(base)
+    chosen = [prompts[7], prompts[1], prompts[2], prompts[3]]  # the first (300 tokens) runs in chunks of 32
+    names = list(four_adapters)
+    want = {n: peft_greedy(base, four_adapters[n], chosen) for n in names}
+    want[None] = hf_greedy(base, chosen, NEW)
+    order = [(n, i) for i in range(len(chosen)) for n in [*names, None]]
+    with running_engine(base, enable_lora=True, max_loras_per_batch=2, max_loaded_loras=4, chunked_prefill_size=32,
+                        page_size=4, lora_paths=[f"{n}={p}" for n, p in four_adapters.items()]) as llm:
+        lora = llm.runner.lora
+        seen = []
+        forward = llm.runner.forward
+
+        def record(batch):
+            seen.append({s for s in batch.lora_slots or () if s})
+            return forward(batch)
+
+        llm.runner.forward = record
+        outs = llm.generate(input_ids=[chosen[i] for _, i in order], lora_path=[n for n, _ in order],
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == [want[n][i] for n, i in order]
+        assert max(map(len, seen)) == 2 and len(set().union(*seen)) == 4
+        assert lora.pool.evictions >= 2 and lora.pool.loads >= 4
+        assert sum(lora.in_use) == 0  # every request let go of its adapter
+        assert len(lora.pool.resident) + len(lora.pool.free) == 2
+        assert_no_leak(llm)
+
+
+def test_an_unloaded_adapters_device_slot_goes_to_the_next(four_adapters):
+    """Unloading an adapter frees its device slot; one loaded after it runs there, token-exact."""
+    base = model_path(NAME)
+    prompt = parity_prompts(base)[2]
+    params = {"temperature": 0, "max_new_tokens": NEW}
+    with running_engine(base, enable_lora=True, max_loras_per_batch=1, max_loaded_loras=1, max_lora_rank=16) as llm:
+        lora = llm.runner.lora
+        for name in ("math", "code"):
+            llm.load_lora_adapter(name, four_adapters[name])
+            assert llm.generate(input_ids=prompt, sampling_params=params, lora_path=name)["output_ids"] == \
+                peft_greedy(base, four_adapters[name], [prompt])[0]
+            assert lora.pool.evictions == 0
+            llm.unload_lora_adapter(name)
+            assert lora.pool.resident == {} and lora.pool.free == [0]
+
+
+def test_a_graphs_static_slots_give_the_eager_batchs_products(adapters):
+    """What a CUDA graph reads (engine.lora.graph), on the CPU: the LoRA batch built once over the static slots, as a
+    capture builds it, gives each replay's rows the products of that batch run eagerly, rows past it untouched."""
+    from types import SimpleNamespace
+
+    from radixmesh.engine.lora.graph import GraphLora
+
+    base = model_path(NAME)
+    with running_engine(base, enable_lora=True, max_loras_per_batch=2,
+                        lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as llm:
+        lora = llm.runner.lora
+        graph = GraphLora(lora, 8, torch.device("cpu"))
+        captured = graph.batch(6)
+        module = llm.runner.model.model.layers[1].self_attn.qkv_proj.lora
+        gen = torch.Generator().manual_seed(0)
+        x, out = torch.randn(6, 128, generator=gen), torch.randn(6, module.b.shape[1], generator=gen)
+        sql, chat = lora.slot("sql"), lora.slot("chat")
+        for ids in ([sql, 0, chat, sql], [chat, chat], None, [0, sql, 0, 0, chat]):
+            rows = len(ids) if ids else 3
+            graph.fill(SimpleNamespace(batch_size=rows, lora_slots=ids, extend_lens_host=[1] * rows))
+            placed = lora.pool.resident
+            assert graph.slots.tolist() == [placed[i] if i else -1 for i in ids or []] + [-1] * (8 - len(ids or []))
+            eager = lora.batch(ids, [1] * rows)
+            want = eager.apply(module, x[:rows], out[:rows].clone()) if eager else out[:rows]
+            got = captured.apply(module, x, out.clone())
+            assert torch.equal(got[:rows], want) and torch.equal(got[rows:], out[rows:])
+            assert not torch.equal(got, out) or not ids
+
+
+def test_a_decode_role_runs_no_more_adapters_at_once_than_its_device_slots(adapters):
+    """Prefill/decode disaggregated (two engines, the fake transfer backend): the decode side pre-allocates a request
+    of another adapter only once the running one's are done (--max-loras-per-batch 1: one device slot), and every
+    output is still peft's."""
+    import asyncio
+
+    from tests.unit.test_pd_handoff import OPTS, Pair
+
+    base = model_path(NAME)
+    prompts = parity_prompts(base)[1:4]
+    want = {n: peft_greedy(base, p, prompts) for n, p in adapters.items()}
+    lora = {"enable_lora": True, "max_loras_per_batch": 1, "lora_paths": [f"{n}={p}" for n, p in adapters.items()]}
+    with running_engine(base, **OPTS, **lora) as prefill, running_engine(base, **OPTS, **lora) as decode:
+        seen = []
+        forward = decode.runner.forward
+
+        def record(batch):
+            seen.append({s for s in batch.lora_slots or () if s})
+            return forward(batch)
+
+        decode.runner.forward = record
+        pair = Pair(prefill, decode)
+        order = [(n, i) for i in range(len(prompts)) for n in adapters]
+        params = {"temperature": 0, "max_new_tokens": NEW}
+
+        async def run():
+            return await asyncio.gather(*(pair.generate(prompts[i], params, lora_path=n) for n, i in order))
+
+        outs = asyncio.run(run())
+        assert [o["output_ids"] for o in outs] == [want[n][i] for n, i in order]
+        assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2
+        assert sum(decode.runner.lora.in_use) == 0 and decode.runner.lora.pool.evictions >= 1
+
+
+def test_lora_target_modules_leave_the_other_projections_without_adapter_weights(adapters):
+    """--lora-target-modules q_proj v_proj down_proj: o_proj and gate/up carry no slots and run no LoRA products;
+    the adapter of exactly those projections is still peft's."""
+    base = model_path(NAME)
+    prompts = parity_prompts(base)[2:4]
+    with running_engine(base, enable_lora=True, lora_target_modules=["q_proj", "v_proj", "down_proj"],
+                        lora_paths=[f"sql={adapters['sql']}"]) as llm:
+        layer = llm.runner.model.model.layers[0]
+        assert layer.self_attn.o_proj.lora is None and layer.mlp.gate_up_proj.lora is None
+        assert layer.self_attn.qkv_proj.lora is not None and layer.mlp.down_proj.lora is not None
+        outs = llm.generate(input_ids=prompts, lora_path="sql",
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == peft_greedy(base, adapters["sql"], prompts)

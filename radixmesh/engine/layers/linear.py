@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def apply_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` (module's product of x) with the forward's LoRA adapters added (engine.lora.manager.LoraBatch; unchanged
+    """`out` (module's product of x) with the forward's LoRA adapters added (engine.lora.batch.LoraBatch; unchanged
     when the forward has none)."""
     ctx = current_forward_context()
     if ctx is None or ctx.lora is None:
@@ -99,7 +99,7 @@ class QKVParallelLinear(nn.Module):
                         "v": _rows(slice(q + kv, q + 2 * kv), kv_start * head_dim, kv)}
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden))
         self.bias = nn.Parameter(torch.empty(q + 2 * kv)) if bias else None
-        self.lora = None  # engine.lora.manager.ModuleLora once LoRA is enabled
+        self.lora = None  # engine.lora.stacks.ModuleLora once LoRA is enabled (its adapters' device slots)
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]

@@ -1,1 +1,3 @@
-"""Multi-LoRA serving: adapters in peft's format (adapter.py) in device slots, applied per run of tokens (manager.py)."""
+"""Multi-LoRA serving: peft adapters checked and read (adapter.py), kept packed in host memory and placed in device
+slots as batches need them (manager.py, pool.py, stacks.py), applied per token by the kernels of kernels.lora or
+their twin (batch.py), inside CUDA graphs too (graph.py)."""

@@ -15,10 +15,12 @@ log = logging.getLogger(__name__)
 
 
 class Handoffs:
-    def __init__(self, cache: CacheManager, requests: Requests, reserved_decode_tokens: int):
+    def __init__(self, cache: CacheManager, requests: Requests, reserved_decode_tokens: int, max_adapters: int = 0):
+        """`max_adapters`: LoRA adapters running at once (--max-loras-per-batch; 0: no limit)."""
         self.cache = cache
         self.requests = requests
         self.reserve = reserved_decode_tokens
+        self.max_adapters = max_adapters
 
     def _reserve_of(self, req: Req) -> int:
         return min(self.reserve, req.remaining_new_tokens())
@@ -26,13 +28,18 @@ class Handoffs:
     def preallocate(self) -> list[Req]:
         """Allocate destination pages for queued decode-role requests while they fit, keeping
         `num_reserved_decode_tokens` per active request (running, receiving, and the new one) free for decoding;
-        each allocated request moves to RECEIVING. Returns them; the scheduler tells their callers."""
+        each allocated request moves to RECEIVING. Returns them; the scheduler tells their callers. A request of a
+        LoRA adapter beyond the --max-loras-per-batch running or receiving waits (FCFS) until one's requests end."""
         reqs = self.requests
         done: list[Req] = []
+        limit = self.max_adapters
+        adapters = {r.lora_slot for r in (*reqs.running, *reqs.receiving.values()) if r.lora_slot} if limit else set()
         reserved = sum(self._reserve_of(r) for r in reqs.running) + sum(self._reserve_of(r) for r in
                                                                        reqs.receiving.values())
         while reqs.prealloc:
             req = reqs.prealloc[0]
+            if limit and req.lora_slot and req.lora_slot not in adapters and len(adapters) >= limit:
+                break
             if not self.cache.admit(req, whole_prompt=True):
                 break  # no free request row
             n = req.fill_len - req.tree_len  # the prompt, and a migrated request's tokens so far
@@ -46,6 +53,8 @@ class Handoffs:
             reqs.move(req, ReqState.RECEIVING)
             reserved += self._reserve_of(req)
             done.append(req)
+            if req.lora_slot:
+                adapters.add(req.lora_slot)
         return done
 
     def destination(self, req: Req) -> tuple[list[int], int]:

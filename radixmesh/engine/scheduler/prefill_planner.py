@@ -88,10 +88,12 @@ class PrefillPlanner:
         req.extend_len = extend
         return True
 
-    def plan(self, waiting: list[Req], running: list[Req], busy_slots: int, used_tokens: int = 0) -> list[Req]:
+    def plan(self, waiting: list[Req], running: list[Req], busy_slots: int, used_tokens: int = 0,
+             chunked: Req | None = None) -> list[Req]:
         """Admit requests from `waiting` (not removed from it here). Admitted requests hold a table row, a locked
         cached prefix and KV slots for `extend_len` new tokens. `busy_slots`: running requests plus a chunked one;
-        `used_tokens`: prefill tokens this batch already carries (a continuing chunk)."""
+        `used_tokens`: prefill tokens this batch already carries (a continuing chunk); `chunked`: the request whose
+        prefill is still in chunks (its adapter runs too)."""
         admitted: list[Req] = []
         reserved = self.reserved_tokens(running)
         token_budget = self.limits.max_prefill_tokens - used_tokens
@@ -99,7 +101,8 @@ class PrefillPlanner:
         chunk_budget = (chunk_size if chunk_size > 0 else 1 << 62) - used_tokens
         tiers = self.cache.hierarchy
         limit = self.limits.max_adapters
-        adapters = {r.lora_slot for r in running if r.lora_slot} if limit else set()
+        holding = [*running, chunked] if chunked is not None else running
+        adapters = {r.lora_slot for r in holding if r.lora_slot} if limit else set()
         for req in self.order(waiting):
             if busy_slots + len(admitted) >= self.limits.max_running_requests or chunk_budget <= 0:
                 break

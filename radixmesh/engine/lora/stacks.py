@@ -1,0 +1,112 @@
+"""LoRA weights in device slots: one flat buffer row per slot holding an adapter's A and B for every adapted module,
+and the per-module views the projections read (`linear.lora`, a ModuleLora).
+
+A slot's row holds, module after module in model order, A [P * R, K] then B [N, R]: the module fuses P peft
+projections (q/k/v: 3, gate/up: 2, o and down: 1), R is --max-lora-rank, K the module's input and N its output
+features. An adapter is packed once into a host row of the same layout (pinned on CUDA) when it is loaded, so placing
+it in a slot is one copy, and the buffer never moves: a CUDA graph captured once reads whichever adapter a slot holds.
+A's rows past an adapter's rank, B's columns past it and the projections it does not adapt are zero: they add nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, projection_shapes
+from radixmesh.engine.model_config import ModelConfig
+
+# our fused modules: attribute path in a decoder layer -> the peft projections it holds, in output order
+FUSED = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),
+         ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"), ("mlp", "down_proj"): ("down_proj",)}
+assert set(p for projs in FUSED.values() for p in projs) == set(PROJECTIONS)
+
+
+class ModuleLora:
+    """One fused projection's adapter weights in every slot: views of the slot buffer."""
+
+    def __init__(self, parts: dict[str, slice], a: torch.Tensor, b: torch.Tensor):
+        self.parts = parts  # peft projection -> its output columns
+        self.slices = tuple((s.start, s.stop - s.start) for s in parts.values())  # (start, width) in output order
+        self.a = a  # [slots, P * R, K]: projection p's A in rows p * R .. p * R + rank
+        self.b = b  # [slots, N, R]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """Where one module's weights sit in a slot's row."""
+
+    layer: int
+    parts: dict[str, slice]
+    fan_in: int
+    fan_out: int
+    offset: int  # of A; B follows it
+
+    def views(self, rows: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [n, P * R, K] and B [n, N, R] of `rows` [n, slot size]."""
+        a_size = len(self.parts) * rank * self.fan_in
+        a = rows[:, self.offset:self.offset + a_size].view(-1, len(self.parts) * rank, self.fan_in)
+        b_end = self.offset + a_size + self.fan_out * rank
+        return a, rows[:, self.offset + a_size:b_end].view(-1, self.fan_out, rank)
+
+
+class SlotStacks:
+    """`slots` device slots of adapter weights attached to `model`'s projections (those holding one of `targets`,
+    None: all), with each slot's scaling (on the device, float32, read by the kernels) and rank (on the host, read
+    by the plain-torch twin)."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, slots: int, rank: int, device: torch.device,
+                 dtype: torch.dtype, targets: frozenset[str] | None = None):
+        self.rank, self.dtype = rank, dtype
+        shapes = projection_shapes(cfg)
+        self.entries: list[_Entry] = []
+        self.where: dict[tuple[int, str], tuple[_Entry, int]] = {}  # (layer, peft projection) -> module, its part
+        size = 0
+        linears = []
+        for i, layer in enumerate(model.model.layers):
+            for (block, attr), projs in FUSED.items():
+                if targets is not None and not targets & set(projs):
+                    continue  # no adapter may adapt it (--lora-target-modules): it runs no LoRA kernels
+                linear = getattr(getattr(layer, block), attr)
+                parts, at = {}, 0
+                for p in projs:
+                    parts[p] = slice(at, at + shapes[p][1])
+                    at += shapes[p][1]
+                if at != linear.weight.shape[0]:
+                    raise ValueError("LoRA needs the whole model on one device (tensor parallelism is not supported "
+                                     "with --enable-lora yet)")
+                entry = _Entry(i, parts, linear.weight.shape[1], at, size)
+                size += (len(projs) * linear.weight.shape[1] + at) * rank
+                self.entries.append(entry)
+                linears.append(linear)
+                for j, p in enumerate(projs):
+                    self.where[(i, p)] = (entry, j)
+        self.size = size
+        self.flat = torch.zeros((slots, size), dtype=dtype, device=device)  # never reallocated (CUDA graphs)
+        self.scalings = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.ranks = [0] * slots
+        for entry, linear in zip(self.entries, linears):
+            linear.lora = ModuleLora(entry.parts, *entry.views(self.flat, rank))
+
+    def pack(self, adapter: LoraAdapter, pin: bool) -> torch.Tensor:
+        """The adapter as one slot's row [size] on the host in the model's dtype (pinned when `pin`)."""
+        row = torch.zeros((1, self.size), dtype=self.dtype, pin_memory=pin)
+        r = adapter.rank
+        for key, (a, b) in adapter.weights.items():
+            entry, part = self.where[key]
+            a_view, b_view = entry.views(row, self.rank)
+            a_view[0, part * self.rank:part * self.rank + r].copy_(a)
+            b_view[0, entry.parts[key[1]], :r].copy_(b)
+        return row[0]
+
+    def place(self, slot: int, row: torch.Tensor, rank: int, scaling: float) -> None:
+        """Copy a packed adapter into `slot` (stream-ordered after the forwards queued before: one that still reads
+        the slot's previous adapter reads it whole)."""
+        self.flat[slot].copy_(row, non_blocking=True)
+        self.scalings[slot].fill_(scaling)
+        self.ranks[slot] = rank
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat, self.scalings]

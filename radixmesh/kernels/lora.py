@@ -1,0 +1,307 @@
+"""Multi-LoRA products over a batch whose rows use different adapters: Triton's segmented shrink and expand, and
+their plain-torch twin.
+
+A projection with adapters adds, to each row i of its output, (x_i A_s^T) B_s^T * scaling_s for the adapter slot
+s = slots[i] of that row (slot -1: no adapter, the row is left alone). The weights of every slot are stacks of a
+fixed size, so a CUDA graph captured once reads whichever adapters its slots name on each replay:
+
+    a         [S, P * R, K]  per slot, the A of each of the P projections fused in the module (q, k, v; gate, up; or
+                             one), R rows each (R: the largest rank; an adapter of a lower rank has zero rows past it)
+    b         [S, N, R]      per slot, B of every output column (columns of projection p: its slice (start, width))
+    scalings  [S]            float32, per slot
+
+`lora_layout` groups the rows by slot without a host round trip and with shapes fixed by the row count: `order` lists
+the rows slot by slot, and each slot's rows are cut into tiles of BLOCK_M; a program takes one tile and so one slot's
+weights (the tile list's length is bounded by cdiv(rows, BLOCK_M) + S; programs past the tiles in use exit at once).
+
+`lora_shrink` computes x A^T for the tiles, split along K so that a decode batch of a few tiles still fills the GPU:
+float32 partial sums [SPLIT, rows, P * R]. `lora_expand` sums the partials, rounds them to the activations' dtype (as
+the twin's product is rounded), multiplies by B^T (rounded), scales (rounded) and adds into the output columns of
+each projection, in place: the twin's roundings one for one, with sums in another order.
+
+The twin (`lora_apply_reference`) computes the same per slot with torch's products; given each slot's rank it cuts A
+and B to it, which is peft's arithmetic exactly (the CPU engine's parity with peft in float32 rests on it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+try:  # the layout and the twin need torch only: the CPU images ship without Triton (docker/Dockerfile)
+    import triton
+    import triton.language as tl
+
+    from radixmesh.kernels.runtime import dot_needs_upcast, pdl_enter, pdl_options
+
+    jit = triton.jit
+except ImportError:
+    triton = tl = None
+
+    def jit(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+MAX_PARTS = 3  # projections fused in one module (q, k, v)
+_TARGET_PROGRAMS = 264  # two per SM of a 132-SM GPU: a prefill's shrink splits K until its tiles reach this many
+_MIN_SPLIT_K = 256  # columns of K per shrink program at the least
+_DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (fewer where K is short)
+_BLOCK_N = 128  # output columns of one expand step
+_DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
+
+
+class LoraLayout(NamedTuple):
+    """Rows grouped by adapter slot (device tensors, int32; shapes fixed by the row count and the slot count)."""
+
+    order: torch.Tensor  # [rows] the rows, slot by slot (rows without an adapter last)
+    seg_start: torch.Tensor  # [S] where slot s's rows begin in `order`
+    seg_count: torch.Tensor  # [S] how many rows slot s has
+    tile_end: torch.Tensor  # [S] tiles of slots 0..s, cumulative (slot s has cdiv(seg_count[s], block_m) tiles)
+    max_tiles: int  # an upper bound of the tiles in use: the programs each launch starts along its first axis
+    block_m: int
+
+
+def block_m_for(rows: int) -> int:
+    """Rows per tile: 16 (the least a tensor-core dot takes) for decode-sized batches, 64 for prefills."""
+    return 16 if rows < 1024 else 64
+
+
+def lora_layout(slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> LoraLayout:
+    """The layout of rows whose adapter slots are `slots` [rows] (int, -1: none), in torch operations of fixed shapes
+    (a CUDA graph captures them; the slots may change between replays)."""
+    rows = slots.shape[0]
+    block_m = block_m or block_m_for(rows)
+    dev = slots.device
+    key = torch.where(slots < 0, num_slots, slots.to(torch.int64))  # [rows]; num_slots: no adapter
+    member = key[None, :] == torch.arange(num_slots + 1, device=dev)[:, None]  # [S + 1, rows]
+    counts = member.sum(1)  # [S + 1]
+    before = member.cumsum(1).gather(0, key[None, :])[0] - 1  # [rows] earlier rows of the same slot
+    pos = (counts.cumsum(0) - counts)[key] + before  # [rows] each row's place in `order`
+    order = torch.empty(rows, dtype=torch.int64, device=dev).scatter_(0, pos, torch.arange(rows, device=dev))
+    seg_count = counts[:num_slots]
+    tiles = (seg_count + block_m - 1) // block_m
+    return LoraLayout(order.to(torch.int32), (counts.cumsum(0) - counts)[:num_slots].to(torch.int32),
+                      seg_count.to(torch.int32), tiles.cumsum(0).to(torch.int32),
+                      -(-rows // block_m) + num_slots, block_m)
+
+
+@jit
+def _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """This program's tile: (its slot, NUM_SLOTS for a tile past those in use; its first position in `order`; the
+    end of its slot's positions)."""
+    t = tl.program_id(0)
+    s_idx = tl.arange(0, S_BLOCK)
+    ends = tl.load(tile_end_ptr + s_idx, mask=s_idx < NUM_SLOTS, other=2147483647)  # [S_BLOCK]
+    s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the slot whose tiles hold tile t
+    valid = s < NUM_SLOTS
+    first_tile = tl.load(tile_end_ptr + s - 1, mask=valid & (s > 0), other=0)
+    seg = tl.load(seg_start_ptr + s, mask=valid, other=0)
+    count = tl.load(seg_count_ptr + s, mask=valid, other=0)
+    return s, seg + (t - first_tile) * BLOCK_M, seg + count
+
+
+@jit(do_not_specialize=["rows"])  # one compiled kernel for every batch size (CUDA graphs capture many)
+def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, seg_start_ptr, seg_count_ptr, tile_end_ptr,
+                   rows, K, PR, k_per_split, stride_xm, stride_as, stride_ar,
+                   NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # grid (tiles, SPLIT): partial[split, row, :] = x[row, k range] @ a[slot, :, k range]^T for the tile's rows.
+    pdl_enter(PDL)
+    s, first, end = _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS, S_BLOCK, BLOCK_M)
+    if s >= NUM_SLOTS:
+        return
+    pos = first + tl.arange(0, BLOCK_M)
+    m_mask = pos < end
+    row = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < PR
+    a_rows = a_ptr + s.to(tl.int64) * stride_as + r.to(tl.int64) * stride_ar  # [BLOCK_R]
+    k_begin = tl.program_id(1) * k_per_split
+    k_stop = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(k_begin, k_stop, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_stop
+        x = tl.load(x_ptr + row[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        a = tl.load(a_rows[:, None] + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [R, BLOCK_K]
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, tl.trans(a), input_precision=PRECISION)
+    out = part_ptr + (tl.program_id(1).to(tl.int64) * rows + row[:, None]) * PR + r[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+def _split(layout: LoraLayout, k: int) -> int:
+    """Programs along K per tile, each with at least _MIN_SPLIT_K columns. Decode-sized batches (tiles of 16 rows):
+    _DECODE_SPLIT whatever the rows, so that a row's sums are the same in a CUDA graph padded to more rows as in an
+    eager forward; prefills: enough for _TARGET_PROGRAMS in all."""
+    want = _DECODE_SPLIT if layout.block_m == 16 else _TARGET_PROGRAMS // layout.max_tiles
+    return max(1, min(want, k // _MIN_SPLIT_K))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout) -> torch.Tensor:
+    """x [rows, K] (unit column stride), a [S, PR, K] (unit stride along K) -> float32 partial sums
+    [SPLIT, rows, PR] of x A_slot^T over SPLIT ranges of K, written for rows with an adapter only."""
+    rows, k = x.shape
+    num_slots, pr = a.shape[0], a.shape[1]
+    if a.shape[2] != k or a.stride(2) != 1 or a.dtype != x.dtype:
+        raise ValueError(f"a must be [S, PR, {k}] of {x.dtype} with unit stride along K, got {tuple(a.shape)} "
+                         f"{a.dtype} strides {a.stride()}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_k = 64
+    split = _split(layout, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    partials = torch.empty((split, rows, pr), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return partials
+    _shrink_kernel[(layout.max_tiles, split)](
+        x, a, partials, layout.order, layout.seg_start, layout.seg_count, layout.tile_end,
+        rows, k, pr, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        NUM_SLOTS=num_slots, S_BLOCK=max(2, triton.next_power_of_2(num_slots)), BLOCK_M=layout.block_m,
+        BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k, UPCAST=dot_needs_upcast(x.dtype),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(x))
+    return partials
+
+
+@jit(do_not_specialize=["rows"])
+def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, order_ptr, seg_start_ptr, seg_count_ptr, tile_end_ptr,
+                   rows, PR, R, split, num_blocks, stride_bs, stride_bn, stride_om,
+                   start0, width0, start1, width1, start2, width2,
+                   NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PR: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    # grid (tiles, cdiv(column blocks of every projection, BLOCKS)): the tile's partial sums are summed once, then
+    # for each of BLOCKS column blocks out[row, cols] += round(round(inter @ B^T) * scaling), where B's tile holds
+    # the block's projection's columns in that projection's rows of the partial sums (zero elsewhere).
+    pdl_enter(PDL)
+    s, first, end = _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS, S_BLOCK, BLOCK_M)
+    if s >= NUM_SLOTS:
+        return
+    pos = first + tl.arange(0, BLOCK_M)
+    m_mask = pos < end
+    row = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    j = tl.arange(0, BLOCK_PR)  # partial-sum columns: projection j // R, rank j % R
+    inter = tl.zeros([BLOCK_M, BLOCK_PR], tl.float32)
+    inter_ptrs = part_ptr + row[:, None] * PR + j[None, :]
+    for sp in range(0, split):
+        inter += tl.load(inter_ptrs + sp * rows * PR, mask=m_mask[:, None] & (j < PR)[None, :], other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    inter = inter.to(dtype)
+    if UPCAST:
+        inter = inter.to(tl.float32)
+    scale = tl.load(scale_ptr + s)
+    b_slot = b_ptr + s.to(tl.int64) * stride_bs
+    blocks0 = tl.cdiv(width0, BLOCK_N)
+    blocks1 = tl.cdiv(width1, BLOCK_N)
+    for i in tl.static_range(BLOCKS):
+        nb = tl.program_id(1) * BLOCKS + i
+        part = (nb >= blocks0).to(tl.int32) + (nb >= blocks0 + blocks1).to(tl.int32)
+        col0 = tl.where(part == 0, start0, tl.where(part == 1, start1, start2))
+        width = tl.where(part == 0, width0, tl.where(part == 1, width1, width2))
+        width = tl.where(nb < num_blocks, width, 0)  # a block past the last: nothing
+        block = nb - tl.where(part == 0, 0, tl.where(part == 1, blocks0, blocks0 + blocks1))
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < width
+        r = j - part * R  # [BLOCK_PR] rank index in this projection's B, valid in [0, R)
+        b = tl.load(b_slot + (col0 + n).to(tl.int64)[:, None] * stride_bn + r[None, :],
+                    mask=n_mask[:, None] & ((r >= 0) & (r < R))[None, :], other=0.0)  # [BLOCK_N, BLOCK_PR]
+        if UPCAST:
+            b = b.to(tl.float32)
+        delta = tl.dot(inter, tl.trans(b), input_precision=PRECISION).to(dtype).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+        delta = (delta * scale).to(dtype).to(tl.float32)
+        out_ptrs = out_ptr + row[:, None] * stride_om + (col0 + n)[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (out + delta).to(dtype), mask=mask)
+
+
+def _check_slices(slices: Sequence[tuple[int, int]], b: torch.Tensor, pr: int) -> None:
+    if not 1 <= len(slices) <= MAX_PARTS or pr != len(slices) * b.shape[2]:
+        raise ValueError(f"{len(slices)} projections ({MAX_PARTS} at most) of rank {b.shape[2]} do not fit "
+                         f"partial sums of {pr} columns")
+    if any(start < 0 or width < 1 or start + width > b.shape[1] for start, width in slices):
+        raise ValueError(f"slices {list(slices)} fall outside the {b.shape[1]} columns of b")
+
+
+def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
+                slices: Sequence[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+    """Adds (sum of partials) B_slot^T * scaling_slot into `out` [rows, N] (unit column stride), in place, for the
+    columns (start, width) of each projection; b [S, N, R] (unit stride along R), scalings [S] float32."""
+    split, rows, pr = partials.shape
+    if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
+        raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
+                         f"stride expected; got b {tuple(b.shape)} {b.dtype} {b.stride()}, out {tuple(out.shape)} "
+                         f"{out.dtype} {out.stride()}")
+    _check_slices(slices, b, pr)
+    if rows == 0:
+        return out
+    block_n = _BLOCK_N
+    flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
+    blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
+    per_program = _DECODE_BLOCKS if layout.block_m == 16 else 1
+    _expand_kernel[(layout.max_tiles, triton.cdiv(blocks, per_program))](
+        partials, b, scalings, out, layout.order, layout.seg_start, layout.seg_count, layout.tile_end,
+        rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1), out.stride(0), *flat,
+        NUM_SLOTS=b.shape[0], S_BLOCK=max(2, triton.next_power_of_2(b.shape[0])), BLOCK_M=layout.block_m,
+        BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
+        UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32", num_warps=4,
+        **pdl_options(out))
+    return out
+
+
+def lora_apply(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
+               slices: Sequence[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+    """`out` [rows, N] plus each row's adapter (x A^T) B^T * scaling, in place (see the module's docstring)."""
+    return lora_expand(lora_shrink(x, a, layout), b, scalings, layout, slices, out)
+
+
+# ---- the twin -------------------------------------------------------------------------------------------------------
+def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, rank_stride: int,
+                          ranks: Sequence[int] | None = None) -> torch.Tensor:
+    """x A_slot^T [rows, PR] in x's dtype (zero for rows without an adapter): projection p's columns are
+    p * rank_stride .. + rank_stride (`ranks` given: only the slot's rank of them are computed, the rest stay zero),
+    each the product lora_apply_reference makes."""
+    _check_rows(slots, x)
+    inter = x.new_zeros((x.shape[0], a.shape[1]))
+    for s, rows in _rows_by_slot(slots, x.device):
+        r = ranks[s] if ranks is not None else rank_stride
+        xs = x[rows]
+        for p0 in range(0, a.shape[1], rank_stride):
+            inter[rows, p0:p0 + r] = xs @ a[s, p0:p0 + r].T
+    return inter
+
+
+def lora_apply_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
+                         slots: torch.Tensor, slices: Sequence[tuple[int, int]], out: torch.Tensor,
+                         ranks: Sequence[int] | None = None) -> torch.Tensor:
+    """The twin of lora_apply, from each row's slot `slots` [rows] (-1: none): per slot present and projection,
+    out[rows, cols] += (x[rows] A^T) B^T * scaling in torch's products (each rounded to the dtype); `ranks` (per
+    slot) cuts A and B to the slot's rank, peft's arithmetic exactly."""
+    _check_rows(slots, x)
+    _check_slices(slices, b, a.shape[1])
+    rank_stride = b.shape[2]
+    scales = scalings.tolist()
+    for s, rows in _rows_by_slot(slots, x.device):
+        r = ranks[s] if ranks is not None else rank_stride
+        xs = x[rows]
+        for p, (start, width) in enumerate(slices):
+            inter = xs @ a[s, p * rank_stride:p * rank_stride + r].T
+            out[rows, start:start + width] += inter @ b[s, start:start + width, :r].T * scales[s]
+    return out
+
+
+def _check_rows(slots: torch.Tensor, x: torch.Tensor) -> None:
+    if slots.dim() != 1 or slots.shape[0] != x.shape[0]:
+        raise ValueError(f"slots must be one per row of x ({x.shape[0]}), got {tuple(slots.shape)}")
+
+
+def _rows_by_slot(slots: torch.Tensor, device: torch.device):
+    """(slot, its rows as an index tensor on `device`) for each slot present (not -1), in slot order."""
+    slots = slots.cpu()
+    for s in sorted(set(slots.tolist()) - {-1}):
+        yield s, (slots == s).nonzero().squeeze(1).to(device)
