@@ -138,3 +138,26 @@ def test_start_profile_bodies_the_router_takes_and_refuses():
         with pytest.raises(ValueError):
             _profile_request(body)
     assert _profile_request(None).num_steps == 0 and _profile_request({"num_steps": 7}).num_steps == 7
+
+
+def test_lora_adapter_bodies_the_router_takes_and_refuses():
+    """/load_lora_adapter's and /unload_lora_adapter's bodies as the router reads them agree with their schemas."""
+    from radixmesh.services.router.lora_api import parse_load, parse_unload
+    from radixmesh.services.router.openai_errors import OpenAIError
+
+    load, unload = _validator("LoadLoraAdapterRequest"), _validator("UnloadLoraAdapterRequest")
+    for body in ({"lora_name": "sql", "lora_path": "/a/sql"}, {"lora_name": "sql", "lora_path": "/a", "pinned": None},
+                 {"lora_name": "s q", "lora_path": " /a", "pinned": True}):
+        assert load.is_valid(body), body
+        parse_load(body, ("served",))
+    for body in ({}, {"lora_name": "sql"}, {"lora_path": "/a"}, {"lora_name": "", "lora_path": "/a"},
+                 {"lora_name": "  ", "lora_path": "/a"}, {"lora_name": "x" * 257, "lora_path": "/a"},
+                 {"lora_name": "sql", "lora_path": "/a", "pinned": 1}, {"lora_name": "sql", "lora_path": "/a", "x": 1}):
+        assert not load.is_valid(body), body
+        with pytest.raises(OpenAIError):
+            parse_load(body, ("served",))
+    assert unload.is_valid({"lora_name": "sql"}) and parse_unload({"lora_name": "sql"}) == "sql"
+    for body in ({}, {"lora_name": ""}, {"lora_name": "sql", "lora_path": "/a"}, {"lora_name": 5}):
+        assert not unload.is_valid(body), body
+        with pytest.raises(OpenAIError):
+            parse_unload(body)

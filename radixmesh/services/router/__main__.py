@@ -24,7 +24,7 @@ from radixmesh.services.common import tracing
 from radixmesh.settings import parse_settings
 from radixmesh.services.common.tracing import TraceSettings, settings_or_exit, setup_tracing
 from radixmesh.services.router import embeddings_api
-from radixmesh.services.router import native_api, openai_api, openapi, utility_api
+from radixmesh.services.router import lora_api, native_api, openai_api, openapi, utility_api
 from radixmesh.services.router.admission import Admission, admission_middleware
 from radixmesh.services.router.core import Router
 from radixmesh.services.router.discovery import DnsDiscovery
@@ -65,6 +65,7 @@ def build_app(router: Router, metrics: ServiceMetrics | None = None) -> web.Appl
     openai_api.add_routes(app)
     embeddings_api.add_routes(app)
     utility_api.add_routes(app)
+    lora_api.add_routes(app)
     openapi.add_routes(app)
     peers = getattr(router, "peers", None)
     if peers is not None and metrics is not None:  # one of several router processes: answer for all of them
@@ -109,8 +110,9 @@ async def build_router(settings: RouterSettings) -> Router:
     policy = make_policy(settings.policy, settings, registry)
     roles = {role: make_policy(name, settings, registry) for role, name in
              (("prefill", settings.prefill_policy), ("decode", settings.decode_policy)) if name is not None}
-    registry.start()
     router = Router(settings, registry, policy, tokenizer, roles)
+    registry.every(settings.health_check_interval_s, router.lora.refresh)  # each worker's LoRA adapters
+    registry.start()
     router.admission = Admission.from_settings(settings)  # the HTTP and gRPC front ends share its limits
     return router
 

@@ -1,5 +1,6 @@
 """Router-side conversions between SGLang's JSON (`sampling_params`, `meta_info`) and the protobuf contract; a
-worker's finish reason becomes the engine's typed FinishReason, a dict only in the JSON the router writes."""
+worker's finish reason becomes the engine's typed FinishReason, a dict only in the JSON the router writes; a public
+gRPC Generate request becomes the worker's GenerateRequest."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 from typing import Any
 
 from radixmesh.engine.request import FinishKind, FinishReason, SpecCounts
-from radixmesh.v1 import common_pb2
+from radixmesh.v1 import common_pb2, router_pb2, worker_pb2
 from radixmesh.services.router.openai_request import sample_seed_error
 from radixmesh.services.router.request_fields import token_key
 from radixmesh.services.router.sampling_fields import GENERATE_ROWS, checked_int, finite_float, generate_value
@@ -109,3 +110,15 @@ def triples(ids, logprobs, texts) -> list[list]:
 def top_rows(rows) -> list:
     """Per position a list of triples; an empty row (the first prompt token) becomes None."""
     return [triples(r.token_ids, r.logprobs, r.texts) if len(r.token_ids) else None for r in rows]
+
+
+def worker_request(req: router_pb2.RouterServiceGenerateRequest, request_id: str, input_ids: list[int], tenant: str,
+                   model_lora: str = "") -> worker_pb2.GenerateRequest:
+    """The worker's request for a public gRPC Generate call, its prompt tokenized (`input_ids`), in `tenant`'s
+    namespace, with its LoRA adapter: `lora_path`, else `model_lora`, the one its `model` names (ValueError when
+    the two name different adapters)."""
+    if req.lora_path and model_lora and req.lora_path != model_lora:
+        raise ValueError(f"lora_path {req.lora_path!r} and model {req.model!r} name different LoRA adapters")
+    return worker_pb2.GenerateRequest(
+        request_id=request_id, input_ids=input_ids, text=req.text, sampling_params=req.sampling_params,
+        logprob_options=req.logprob_options, stream=req.stream, tenant=tenant, lora_path=req.lora_path or model_lora)

@@ -21,6 +21,7 @@ from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.router.calls import OpenCalls
 from radixmesh.services.router.errors import RouterError, status_of
+from radixmesh.services.router.lora_directory import LoraDirectory
 from radixmesh.services.router.merge import merged
 from radixmesh.services.router.migration import Streamed
 from radixmesh.services.router.pd import generate_pd
@@ -77,6 +78,7 @@ class Router:
         # cancel allows a retry and nothing was streamed yet, moves to another worker.
         self.calls = OpenCalls()
         self.backoff = backoff_of(settings)
+        self.lora = LoraDirectory(registry, settings.health_check_timeout_secs)  # which worker has which adapter
 
     def _worker_removed(self, url: str) -> None:
         for policy in {id(p): p for p in self.role_policies.values()}.values():
@@ -149,7 +151,7 @@ class Router:
             start = tracing.clock()
             ids = request.input_ids  # one wrapper of the repeated field for the policy and the span (each costs)
             try:
-                worker = policy.pick(candidates, ids)
+                worker = policy.pick(candidates, ids, _namespace(request))
             except Exception as e:
                 if start:
                     tracing.leaf("route", tracing.INTERNAL, start, _ROUTE[:4],
@@ -162,8 +164,7 @@ class Router:
             return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
-            worker = await pick_async(candidates, request.input_ids,
-                                      cache_namespace(request.tenant, request.lora_path))
+            worker = await pick_async(candidates, request.input_ids, _namespace(request))
             if span is not None:
                 _route_attributes(policy, worker)
             return worker
@@ -243,11 +244,14 @@ class Router:
                 yield msg
 
     async def choose(self, request, tried: set[str], role: str = "colocated"):
-        """The policy's pick among healthy workers of `role` (colocated or prefill) not tried yet for this request
-        (all healthy ones when every one was), taking the pick's circuit-breaker permission; RouterError(503) when
-        there is none."""
+        """The policy's pick among healthy workers of `role` (colocated or prefill) that have the request's LoRA
+        adapter loaded, not tried yet for this request (all of them when every one was), taking the pick's
+        circuit-breaker permission; RouterError(503) when there is none (400 for an adapter no worker has)."""
+        lora = getattr(request, "lora_path", "")  # embedding requests have none
         while True:
             healthy = self.registry.healthy("null" if role == "colocated" else role)
+            if lora and healthy:
+                healthy = await self.lora.serving(healthy, lora, role)
             candidates = [w for w in healthy if w.url not in tried] or healthy
             if not candidates:
                 raise RouterError(503, "no healthy worker" + (" left to retry on" if tried else ""))
@@ -326,6 +330,12 @@ class Router:
             return mux.start(request, self.settings.request_timeout_s)
         return worker.stub.Generate(request, timeout=self.settings.request_timeout_s,
                                     metadata=tracing.metadata_for(span))
+
+
+def _namespace(request) -> str:
+    """The prefix-cache namespace a request's KV lives in on a worker: its tenant's, and its LoRA adapter's (an
+    embedding request's route key names no adapter)."""
+    return cache_namespace(request.tenant, getattr(request, "lora_path", ""))
 
 
 # attribute names of the router's spans recorded as tuples (tracing.leaf)

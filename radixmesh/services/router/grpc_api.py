@@ -10,11 +10,13 @@ import time
 
 import grpc
 
-from radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2, worker_pb2
+from radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2
+from radixmesh.services.router import convert
 from radixmesh.services.router.admission import Admission, Overloaded, client_key
 from radixmesh.services.router.core import Router, RouterError, new_request_id
 from radixmesh.services.router.openai_request import MAX_N, sample_seed_error
 from radixmesh.services.router.policies import ROUTING_KEY_HEADER, routing_key_var
+from radixmesh.services.router.request_fields import adapter_of_model
 from radixmesh.services.router.tenants import AuthError, TenantError
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -84,7 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         tenant: str):
         rid = request.request_id or new_request_id()
         try:
-            self.router.require_model(request.model)
+            model_lora = await self._model_lora(request.model)
             if request.sampling_params.n > MAX_N:  # a huge n would keep a worker busy for minutes
                 raise RouterError(400, f"sampling_params.n must be in [1, {MAX_N}], got {request.sampling_params.n}")
             seed_error = sample_seed_error(request.sampling_params)
@@ -98,9 +100,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 ids = list(request.input_ids.ids)
             else:
                 raise RouterError(400, "give text or input_ids")
-            worker_request = worker_pb2.GenerateRequest(
-                request_id=rid, input_ids=ids, text=request.text, sampling_params=request.sampling_params,
-                logprob_options=request.logprob_options, stream=request.stream, tenant=tenant)
+            try:
+                worker_request = convert.worker_request(request, rid, ids, tenant, model_lora)
+            except ValueError as e:
+                raise RouterError(400, str(e)) from None
             async with contextlib.aclosing(self.router.generate(worker_request)) as messages:
                 async for msg in messages:
                     kind = msg.WhichOneof("response")
@@ -111,6 +114,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     yield out
         except RouterError as e:
             await context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+
+    async def _model_lora(self, model: str) -> str:
+        """The LoRA adapter a request's `model` names ("" for none or the served model, as over HTTP: SGLang's
+        `<served model>:<adapter>` or a loaded adapter's name); RouterError 404 for a name that is neither, 503
+        before any worker said what it serves."""
+        router = self.router
+        if not model or not router.served_models:
+            router.require_model(model)
+            return ""
+        adapters = await router.lora.names_for(model, router.served_models)
+        lora = adapter_of_model(model, router.served_models, adapters)
+        if lora is None:
+            router.require_model(model)  # raises: a name the mesh does not serve
+        return lora or ""
 
     async def ListModels(self, request, context):
         await self._tenant(context)

@@ -21,7 +21,8 @@ from radixmesh.services.router.tenants import SHARED, AuthError, TenantError, Te
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 # the admin key's, when one is set
-ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/start_profile", "/stop_profile"})
+ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/start_profile", "/stop_profile",
+                         "/load_lora_adapter", "/unload_lora_adapter"})
 UNTRACED_PATHS = OPEN_PATHS  # liveness probes and scrapes, many a minute, would drown the request traces
 INFLIGHT = web.AppKey("inflight", dict)
 TENANT = "radixmesh.tenant"  # request key: the tenant namespace the auth middleware resolved

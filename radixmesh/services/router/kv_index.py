@@ -75,7 +75,7 @@ class KvIndexPolicy:
             return self._fallback(workers, input_ids)
         return self._cheapest(workers, input_ids, matches)
 
-    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int]) -> Candidate:
+    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int], namespace: str = "") -> Candidate:
         """The synchronous interface can not ask the index: least loaded, ties by rendezvous (a "fallback")."""
         return self._fallback(workers, input_ids)
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 
@@ -46,11 +47,6 @@ async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
         return _Prepared(list(p.ids), await router.detokenize(list(p.ids)) if job.echo else "")
     tokenized = await router.tokenize(p.tokenize)
     return _Prepared(list(tokenized.input_ids), tokenized.prompt if p.shown is None else p.shown)
-
-
-def lora_of_model(model: str) -> str:
-    """The LoRA adapter an OpenAI `model` names, SGLang's way: `base-model:adapter` (empty: the base model)."""
-    return model.rpartition(":")[2] if ":" in model else ""
 
 
 def _output_spec(router: Router, job: OpenAIJob, prompt: str) -> OutputSpec:
@@ -126,8 +122,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     tracing.set_attribute("request_id", rid)
     requests = [worker_pb2.GenerateRequest(request_id=rid if len(prompts) == 1 else f"{rid}-{i}", input_ids=p.ids,
                                            sampling_params=sampling, logprob_options=job.logprobs,
-                                           stream=job.stream, tenant=tenant_of(request),
-                                           lora_path=lora_of_model(job.model))
+                                           stream=job.stream, tenant=tenant_of(request), lora_path=job.lora)
                 for i, p in enumerate(prompts)]
     builder = _builder(router, job, rid, prompts)
     if not job.stream:
@@ -171,7 +166,8 @@ def _user_routing_key(body) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     body = await json_body(request)
-    job = parse_chat_completion(body, router.served_models)
+    adapters = await _adapters(router, body)
+    job = parse_chat_completion(body, router.served_models, adapters)
     _user_routing_key(body)
     return await _serve(request, job)
 
@@ -180,33 +176,56 @@ async def completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     body = await json_body(request)
     template = router.settings.completion_template
-    job = parse_completion(body, router.served_models, load_completion_template(template) if template else None)
+    adapters = await _adapters(router, body)
+    job = parse_completion(body, router.served_models, load_completion_template(template) if template else None,
+                           adapters)
     _user_routing_key(body)
     return await _serve(request, job)
+
+
+async def _adapters(router: Router, body) -> Collection[str]:
+    """The LoRA adapters loaded, whose names a request's `model` may give."""
+    return await router.lora.names_for(body.get("model") if isinstance(body, dict) else None, router.served_models)
 
 
 def _model_card(router: Router) -> dict:
     info = router.registry.any_info()
     return {"id": router.model_name, "object": "model", "created": int(time.time()), "owned_by": "radixmesh",
-            "root": info.model_path if info else router.model_name,
+            "root": info.model_path if info else router.model_name, "parent": None,
             "max_model_len": info.max_context_length if info else None}
 
 
+def _adapter_card(router: Router, name: str, path: str) -> dict:
+    """A loaded LoRA adapter's card, as SGLang lists one: its name, the directory it was loaded from as `root`,
+    the served model as `parent`."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "radixmesh", "root": path,
+            "parent": router.model_name, "max_model_len": None}
+
+
 async def models(request: web.Request) -> web.Response:
-    """The served model's card; an empty list before any worker said what it serves."""
+    """The served model's card, then each loaded LoRA adapter's; an empty list before any worker said what it
+    serves."""
     router = request.app[ROUTER]
-    return web.json_response({"object": "list", "data": [_model_card(router)] if router.served_models else []})
+    if not router.served_models:
+        return web.json_response({"object": "list", "data": []})
+    cards = [_model_card(router), *(_adapter_card(router, n, p) for n, p in router.lora.adapters().items())]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
-    """/v1/models/{model}: the served model's card; another name is a 404 naming what is served."""
+    """/v1/models/{model}: the served model's or a loaded LoRA adapter's card; another name is a 404 naming what
+    is served."""
     router = request.app[ROUTER]
     name = request.match_info["model"]
-    if name not in router.served_models:
-        served = ", ".join(router.served_models) or "none yet"
-        raise not_found(f"The model '{name}' does not exist; this server serves: {served}",
-                        param="model", code="model_not_found")
-    return web.json_response(_model_card(router))
+    if name in router.served_models:
+        return web.json_response(_model_card(router))
+    await router.lora.names_for(name, router.served_models)
+    adapters = router.lora.adapters()
+    if name in adapters and router.served_models:
+        return web.json_response(_adapter_card(router, name, adapters[name]))
+    served = ", ".join([*router.served_models, *adapters]) or "none yet"
+    raise not_found(f"The model '{name}' does not exist; this server serves: {served}", param="model",
+                    code="model_not_found")
 
 
 def add_routes(app: web.Application) -> None:

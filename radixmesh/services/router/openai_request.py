@@ -25,8 +25,8 @@ from radixmesh.engine.sampling.params import MAX_N
 from radixmesh.v1 import common_pb2, tokenizer_pb2
 from radixmesh.services.router.completion_templates import CompletionTemplate
 from radixmesh.services.router.openai_errors import bad_request
-from radixmesh.services.router.request_fields import (INT32_MAX, Fields, are_token_ids, body_fields, is_token_id,
-                                                      served_model, show, token_key)
+from radixmesh.services.router.request_fields import (INT32_MAX, Fields, adapter_of_model, are_token_ids,
+                                                      body_fields, is_token_id, served_model, show, token_key)
 from radixmesh.services.router.sampling_fields import OPENAI_ROWS, openai_value
 from radixmesh.services.router.tool_parsers import named_call_schema, required_calls_schema
 
@@ -69,6 +69,8 @@ class OpenAIJob:
     tools: tuple[dict[str, Any], ...] = ()
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
+    # The LoRA adapter `model` names (SGLang's `<served model>:<adapter>`, or the adapter's name); "": the base model.
+    lora: str = ""
 
     @property
     def named_tool(self) -> str | None:
@@ -315,10 +317,11 @@ def _chat_input(f: Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
     return chat
 
 
-def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJob:
-    """Validates a /v1/chat/completions body; raises OpenAIError (400, 404 unknown model, 503 no model)."""
+def parse_chat_completion(body: Any, served_models: Collection[str], adapters: Collection[str] = ()) -> OpenAIJob:
+    """Validates a /v1/chat/completions body; raises OpenAIError (400, 404 unknown model, 503 no model).
+    `adapters`: the LoRA adapters loaded, whose names `model` may give."""
     f = body_fields(body)
-    model = served_model(f, served_models)
+    model = served_model(f, served_models, adapters)
     tools, tool_choice = _tools(f)
     chat = _chat_input(f, tools)
     sampling = _sampling(f)
@@ -330,7 +333,8 @@ def parse_chat_completion(body: Any, served_models: Collection[str]) -> OpenAIJo
     if top and not want:
         raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
     stream, include_usage = _stream(f)
-    return OpenAIJob(model=model, kind="chat", sampling=sampling,
+    lora = adapter_of_model(model, served_models, adapters) or ""
+    return OpenAIJob(model=model, lora=lora, kind="chat", sampling=sampling,
                      logprobs=_logprob_options(top or 0, False) if want else common_pb2.LogprobOptions(),
                      prompts=(PromptInput(tokenize=tokenizer_pb2.TokenizeRequest(chat=chat)),), stream=stream,
                      include_usage=include_usage,
@@ -393,11 +397,13 @@ def _fill_in_the_middle(prompts: tuple[PromptInput, ...], suffix: str,
 
 
 def parse_completion(body: Any, served_models: Collection[str],
-                     completion_template: CompletionTemplate | None = None) -> OpenAIJob:
+                     completion_template: CompletionTemplate | None = None, adapters: Collection[str] = ()
+                     ) -> OpenAIJob:
     """Validates a /v1/completions body; raises OpenAIError (400, 404 unknown model, 503 no model). A `suffix`
-    needs the router's --completion-template, which renders each text prompt with it for fill-in-the-middle."""
+    needs the router's --completion-template, which renders each text prompt with it for fill-in-the-middle.
+    `adapters`: the LoRA adapters loaded, whose names `model` may give."""
     f = body_fields(body)
-    model = served_model(f, served_models)
+    model = served_model(f, served_models, adapters)
     prompts = _prompts(f)
     suffix = f.str("suffix")
     if suffix:
@@ -410,7 +416,8 @@ def parse_completion(body: Any, served_models: Collection[str],
     top = f.int("logprobs", 0, MAX_TOP_LOGPROBS)
     echo = bool(f.bool("echo"))
     stream, include_usage = _stream(f)
-    return OpenAIJob(model=model, kind="completion", sampling=sampling,
+    lora = adapter_of_model(model, served_models, adapters) or ""
+    return OpenAIJob(model=model, lora=lora, kind="completion", sampling=sampling,
                      logprobs=_logprob_options(top, echo) if top is not None else common_pb2.LogprobOptions(),
                      prompts=prompts, stream=stream, include_usage=include_usage, n=n, echo=echo,
                      want_logprobs=top is not None, top_logprobs=top or 0)

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from radixmesh.services.router.embeddings_api import MAX_INPUTS
+from radixmesh.services.router.lora_api import MAX_NAME
 from radixmesh.services.router.openai_request import MAX_N, MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixmesh.services.router.request_fields import INT32_MAX
 from radixmesh.services.router.sampling_fields import generate_schemas, openai_schemas
@@ -140,6 +141,21 @@ SCHEMAS.update({
     }, extra=False, oneOf=[_given("text"), _given("input_ids")],
         description="exactly one of text and input_ids (null: not given); a batch's sampling_params, rid and "
                     "lora_path lists have one entry per prompt"),
+    "LoadLoraAdapterRequest": _obj({
+        "lora_name": {**NONEMPTY, "maxLength": MAX_NAME, "pattern": r"\S",
+                      "description": "the name requests give (lora_path, or model: the name or "
+                                     "<served model>:<name>); not the served model's"},
+        "lora_path": {**NONEMPTY, "maxLength": 4096, "pattern": r"\S",
+                      "description": "a peft adapter directory on the workers' machines"},
+        "pinned": _opt(BOOL)}, ("lora_name", "lora_path"), extra=False,
+        description="pinned is accepted for SGLang's clients: every adapter stays loaded until unloaded"),
+    "UnloadLoraAdapterRequest": _obj({"lora_name": {**NONEMPTY, "maxLength": MAX_NAME, "pattern": r"\S"}},
+                                     ("lora_name",), extra=False),
+    "LoraAdapterResult": _obj({"success": BOOL, "error_message": STR,
+                               "loaded_adapters": {"type": "object", "additionalProperties": STR,
+                                                   "description": "adapter name -> the directory it was loaded "
+                                                                  "from"}},
+                              ("success", "error_message", "loaded_adapters")),
     "StartProfileRequest": _obj({"output_dir": _opt(STR), "num_steps": _opt(_int(1)),
                                  "activities": _opt({"type": "array", "items": {"enum": ["CPU", "GPU"]}}),
                                  "with_stack": _opt({"type": "boolean"}), "record_shapes": _opt({"type": "boolean"}),
@@ -209,7 +225,9 @@ def _query(name: str, schema: dict, required: bool, what: str) -> dict[str, Any]
 
 
 _WORKER_URL = _query("url", NONEMPTY, True, "the worker's gRPC address, host:port")
-_CARD = _obj({"id": STR, "object": {"const": "model"}, "owned_by": STR, "root": STR,
+_CARD = _obj({"id": STR, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": STR, "root": STR,
+              "parent": {"type": ["string", "null"],
+                         "description": "a LoRA adapter's: the served model it adapts (null for the served model)"},
               "max_model_len": {"type": ["integer", "null"]}}, ("id", "object"))
 _TEXT_OK = _ok(media="text/plain")
 _GEN = ("openai",)
@@ -219,12 +237,15 @@ PATHS: dict[str, dict[str, Any]] = {
                                          _WORK, "ChatCompletionRequest", tags=_GEN)},
     "/v1/completions": {"post": _op("OpenAI text completion, one prompt or a batch, whole or streamed",
                                     _ok(stream=True), _WORK, "CompletionRequest", tags=_GEN)},
-    "/v1/models": {"get": _op("The served model", _ok(_obj({"object": {"const": "list"},
-                                                           "data": {"type": "array", "items": _CARD}})),
+    "/v1/models": {"get": _op("The served model, then each loaded LoRA adapter (root: where it was loaded from, "
+                              "parent: the served model)", _ok(_obj({"object": {"const": "list"},
+                                                                    "data": {"type": "array", "items": _CARD}})),
                               tags=_GEN)},
-    "/v1/models/{model}": {"get": _op("The served model's card; another name is a 404", _ok(_CARD), (404,),
+    "/v1/models/{model}": {"get": _op("The served model's or a loaded LoRA adapter's card; another name is a 404",
+                                      _ok(_CARD), (404,),
                                       params=[{"name": "model", "in": "path", "required": True, "schema": STR,
-                                               "description": "the served model name (it may contain '/')"}],
+                                               "description": "the served model name (it may contain '/') or an "
+                                                              "adapter's"}],
                                       tags=_GEN)},
     "/v1/embeddings": {"post": _op("OpenAI embeddings (an --is-embedding model)", _ok(), _WORK, "EmbeddingRequest",
                                    tags=_GEN)},
@@ -259,6 +280,14 @@ PATHS: dict[str, dict[str, Any]] = {
                                 tags=("admin",))},
     "/remove_worker": {"post": _op("Forget a worker", _TEXT_OK, (400, 403, 404), params=[_WORKER_URL],
                                    tags=("admin",))},
+    "/load_lora_adapter": {"post": _op("Load a LoRA adapter on every worker (all or none: a failure undoes the "
+                                       "others' loads and names each failed worker and why)",
+                                       _ok(_ref("LoraAdapterResult")), (400, 403, 503, 504),
+                                       "LoadLoraAdapterRequest", tags=("admin", "sglang"))},
+    "/unload_lora_adapter": {"post": _op("Unload a LoRA adapter from every worker that has it (all or none; a 400 "
+                                         "for one no worker has, or one that unfinished requests use)",
+                                         _ok(_ref("LoraAdapterResult")), (400, 403, 503, 504),
+                                         "UnloadLoraAdapterRequest", tags=("admin", "sglang"))},
     "/metrics": {"get": _op("Prometheus metrics (served when metrics are on: --enable-metrics)",
                             _ok(media="text/plain"), open_path=True, tags=("probes",))},
     OPENAPI_PATH: {"get": _op("This document", _ok({"type": "object"}), tags=("meta",))},

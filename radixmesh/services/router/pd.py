@@ -35,6 +35,7 @@ from radixmesh.v1 import worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.router.calls import OpenCalls
 from radixmesh.services.router.errors import RouterError, status_of
+from radixmesh.services.router.lora_directory import LoraDirectory
 from radixmesh.services.router.merge import merged
 from radixmesh.services.router.migration import Streamed, sample_request
 from radixmesh.services.router.policies import Policy
@@ -59,6 +60,7 @@ class PairRouter(Protocol):
     policy_name: Callable[[str], str]
     metrics: object | None  # services.router.metrics.RouterMetrics when metrics are on
     calls: OpenCalls
+    lora: LoraDirectory  # which worker has which LoRA adapter
 
 
 def new_room() -> int:
@@ -216,13 +218,16 @@ async def _pick_prefill(router: PairRouter, prefills: list[Worker], request, tri
 async def _pick_pair(router: PairRouter, request, tried: set[str], prefer: Worker | None = None
                      ) -> tuple[Worker, Worker]:
     """A prefill and a decode worker, each by its role's policy (the prefill one `prefer` when it can take it: see
-    _pick_prefill), not tried yet where possible, each holding its circuit breaker's permission; RouterError(503)
-    when no healthy pair is left."""
+    _pick_prefill), both with the request's LoRA adapter loaded, not tried yet where possible, each holding its
+    circuit breaker's permission; RouterError(503) when no healthy pair is left (400 for an adapter no worker has)."""
     while True:
         prefills, decodes = router.registry.healthy("prefill"), router.registry.healthy("decode")
         if not prefills or not decodes:
             raise RouterError(503, f"no healthy prefill/decode pair ({len(prefills)} prefill, {len(decodes)} "
                                    "decode workers healthy)")
+        if request.lora_path:
+            prefills = await router.lora.serving(prefills, request.lora_path, "prefill")
+            decodes = await router.lora.serving(decodes, request.lora_path, "decode")
         prefill = await _pick_prefill(router, prefills, request, tried, prefer)
         decode = (await router.pick(_pick(decodes, tried), request, "decode") if "decode" in router.role_policies
                   else _least_loaded(_pick(decodes, tried)))

@@ -10,7 +10,9 @@ sent before (if that covers at least cache_threshold of the prompt), else to the
 (the most free cache); when load is imbalanced (max - min > balance_abs_threshold and max > min *
 balance_rel_threshold) send it to the least loaded worker. "Seen" is an approximate radix tree per worker of the
 token ids routed there, at block granularity: a block of BLOCK tokens is keyed by a hash chained over every block
-before it, so a dict of keys is a trie of blocks; the oldest blocks are forgotten past max_tree_tokens."""
+before it, so a dict of keys is a trie of blocks; the oldest blocks are forgotten past max_tree_tokens. The chain
+starts from the request's prefix-cache namespace (its tenant and LoRA adapter, engine.request.cache_namespace), as
+the workers' caches do: a prompt sent with one adapter says nothing of where it is cached for another."""
 
 from __future__ import annotations
 
@@ -35,10 +37,12 @@ class Candidate(Protocol):
 
 
 class Policy(Protocol):
-    """Policies may also define `async pick_async(workers, input_ids, tenant)`, which the router then uses instead
-    of `pick` (kv_index: it asks the kvstore), and `async close()`, awaited at shutdown."""
+    """`namespace`: the request's prefix-cache namespace (engine.request.cache_namespace of its tenant and LoRA
+    adapter; "" for the shared one and the base model), for the policies that route by cached prefix. Policies may
+    also define `async pick_async(workers, input_ids, tenant)`, which the router then uses instead of `pick`
+    (kv_index: it asks the kvstore), and `async close()`, awaited at shutdown."""
 
-    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int]) -> Candidate: ...
+    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int], namespace: str = "") -> Candidate: ...
 
     def forget(self, url: str) -> None: ...
 
@@ -47,7 +51,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, workers, input_ids):
+    def pick(self, workers, input_ids, namespace=""):
         return workers[next(self._counter) % len(workers)]
 
     def forget(self, url: str) -> None:
@@ -58,7 +62,7 @@ class Random:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def pick(self, workers, input_ids):
+    def pick(self, workers, input_ids, namespace=""):
         return self._rng.choice(list(workers))
 
     def forget(self, url: str) -> None:
@@ -71,7 +75,7 @@ class PowerOfTwo:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def pick(self, workers, input_ids):
+    def pick(self, workers, input_ids, namespace=""):
         if len(workers) == 1:
             return workers[0]
         a, b = self._rng.sample(range(len(workers)), 2)
@@ -92,7 +96,7 @@ class Manual:
         self.counts = {"routing_key": 0, "no_key": 0}
         self.last_reason = ""
 
-    def pick(self, workers, input_ids):
+    def pick(self, workers, input_ids, namespace=""):
         key = routing_key_var.get()
         if key:
             self.counts["routing_key"] += 1
@@ -108,13 +112,19 @@ class Manual:
         pass
 
 
-def block_keys(input_ids: Sequence[int]) -> list[int]:
-    """Chained hashes of the full BLOCK-token blocks of a sequence (a partial last block is not remembered)."""
-    keys, prev = [], 0
+def block_keys(input_ids: Sequence[int], namespace: str = "") -> list[int]:
+    """Chained hashes of the full BLOCK-token blocks of a sequence in a prefix-cache namespace (a partial last
+    block is not remembered). The same in every process (sibling routers share keys): no str hash, whose seed is
+    per process."""
+    keys, prev = [], _namespace_seed(namespace) if namespace else 0
     for start in range(0, len(input_ids) - BLOCK + 1, BLOCK):
         prev = hash((prev, tuple(input_ids[start:start + BLOCK])))
         keys.append(prev)
     return keys
+
+
+def _namespace_seed(namespace: str) -> int:
+    return int.from_bytes(hashlib.blake2b(namespace.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 class PrefixTree:
@@ -167,8 +177,8 @@ class CacheAware:
             self.trees[url] = PrefixTree(self.max_tree_tokens)
         return self.trees[url]
 
-    def pick(self, workers, input_ids):
-        keys = block_keys(input_ids)
+    def pick(self, workers, input_ids, namespace=""):
+        keys = block_keys(input_ids, namespace)
         loads = [w.in_flight for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:

@@ -108,15 +108,31 @@ def body_fields(body: Any) -> Fields:
     return Fields(body)
 
 
-def served_model(f: Fields, served_models: Collection[str]) -> str:
+def served_model(f: Fields, served_models: Collection[str], adapters: Collection[str] = ()) -> str:
+    """The body's `model` (absent: the served one): a served model, SGLang's `<served model>:<adapter>` or a
+    loaded LoRA adapter's name (adapter_of_model); a 404 for anything else, a 503 before any worker said what it
+    serves."""
     name = f.str("model")
     if not served_models:  # no worker has said what it serves yet
         raise unavailable("no model is being served yet")
     if name is None:
         return served_models[0] if isinstance(served_models, (list, tuple)) else min(served_models)
-    # SGLang's `base:adapter` names a LoRA adapter of a served model (the worker checks the adapter)
-    if name not in served_models and name.rpartition(":")[0] not in served_models:
-        served = ", ".join(sorted(served_models)) or "none"
+    if adapter_of_model(name, served_models, adapters) is None:
+        served = ", ".join([*sorted(served_models), *sorted(adapters)]) or "none"
         raise not_found(f"The model '{name}' does not exist; this server serves: {served}", param="model",
                         code="model_not_found")
     return name
+
+
+def adapter_of_model(model: str, served_models: Collection[str], adapters: Collection[str] = ()) -> str | None:
+    """The LoRA adapter a request's `model` runs with: "" for a served model (the base model, also when empty), the
+    adapter of SGLang's `<served model>:<adapter>` (whether loaded or not: routing says), an adapter's own name
+    among `adapters`; None when it names none of these."""
+    if not model or model in served_models:
+        return ""
+    if model in adapters:
+        return model
+    for served in served_models:
+        if model.startswith(served + ":") and len(model) > len(served) + 1:
+            return model[len(served) + 1:]
+    return None

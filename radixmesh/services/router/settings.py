@@ -63,6 +63,8 @@ class RouterSettings:
     health_check_interval_s: float = field(default=2.0, metadata={"aliases": ("--health-check-interval-secs",),
                                                                   "help": "seconds between worker health probes"})
     health_check_timeout_secs: float = field(default=2.0, metadata={"help": "bound on one health probe"})
+    lora_timeout_s: float = field(default=60.0, metadata={
+        "help": "bound on each worker's part of /load_lora_adapter and /unload_lora_adapter (and of undoing one)"})
     health_failure_threshold: int = field(default=3, metadata={
         "help": "failed probes in a row that mark a worker unhealthy (a refused call marks it at once)"})
     health_success_threshold: int = field(default=2, metadata={

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from radixmesh.services.common.server import channel
+from radixmesh.services.router.lora_state import LoraState, poll as poll_lora
 from radixmesh.services.router.mux import WorkerMux
 from radixmesh.services.router.resilience import CircuitBreaker
 
@@ -37,6 +38,7 @@ class Worker:
     passes: int = field(default=0)  # passed probes in a row
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     mux: WorkerMux | None = None  # the worker's GenerateStream (services/router/mux.py)
+    lora: LoraState = field(default_factory=LoraState)  # its LoRA adapters, as it reported them
 
 
 class NoHealthyWorker(Exception):
@@ -101,6 +103,8 @@ class WorkerRegistry:
         except grpc.aio.AioRpcError as e:
             await ch.close()
             raise ValueError(f"worker {url} did not answer GetModelInfo: {e.code().name} {e.details()}") from None
+        lora = LoraState()
+        await poll_lora(stub, lora, self.connect_timeout_s)
         if url in self.workers:  # added by a concurrent call while this one waited
             await ch.close()
             return self.workers[url]
@@ -111,7 +115,7 @@ class WorkerRegistry:
         # GenerateStream carries colocated calls; a PD pair's calls are plain Generate calls (services/router/pd.py)
         mux = WorkerMux(stub, url, self.connect_timeout_s, ch if self.stream_lanes else None) \
             if info.disaggregation_mode == "null" else None
-        worker = Worker(url, ch, stub, info, breaker=self.new_breaker(), mux=mux)
+        worker = Worker(url, ch, stub, info, breaker=self.new_breaker(), mux=mux, lora=lora)
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         return worker

@@ -27,6 +27,7 @@ from radixmesh.services.common import generate_mux, tracing
 from radixmesh.services.common.errors import Exhausted
 from radixmesh.services.common.metrics import ServiceMetrics
 from radixmesh.services.worker import convert
+from radixmesh.services.worker.lora import WorkerLora
 from radixmesh.services.worker.metrics import WorkerMetrics
 from radixmesh.services.worker.settings import WorkerSettings
 from radixmesh.services.worker.spans import trace_sample
@@ -109,6 +110,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics = WorkerMetrics(metrics, engine, self.stats, prefill_rooms or decode_rooms,
                                      lambda: len(self.active)) if metrics is not None else None
         self.started = time.time()
+        self.lora = WorkerLora(engine)
 
     async def _blocking(self, fn, *args):
         """Engine control calls wait for the scheduler thread; keep them off the event loop."""
@@ -365,6 +367,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except ProfileError as e:
             await context.abort(_profile_status(e), str(e))
         return worker_pb2.StopProfileResponse(files=files)
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self.lora.load(request, context)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self.lora.unload(request, context)
+
+    async def ListLoraAdapters(self, request, context):
+        return self.lora.listing()
 
     async def SubscribeKvEvents(self, request, context):
         """A snapshot of the prefix cache (after a `cleared`) unless the caller is resuming within the kept events,

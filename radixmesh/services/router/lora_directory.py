@@ -1,0 +1,96 @@
+"""Which worker has which LoRA adapter, and routing by adapter.
+
+Each registered worker's adapters are what it reported (services/router/lora_state.py): fetched when it is added,
+polled every --health-check-interval-s, and replaced by the answers of the router's own load and unload calls. A
+request that names an adapter goes only to workers that have it loaded (`serving`); when no registered worker has
+it, every worker is asked again before the request is refused (an adapter loaded through another router process,
+or a worker restarted with other --lora-paths, is then found without waiting for the next poll); those refreshes
+are shared by concurrent requests and happen at most once per `min_refresh_s`, so requests naming unknown adapters
+cost the workers nothing more. The answer for an adapter no worker has is a 400 naming it and those loaded; for
+one that only unhealthy workers have, a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Collection
+
+from radixmesh.services.router.errors import RouterError
+from radixmesh.services.router.lora_state import poll
+
+
+class LoraDirectory:
+    def __init__(self, registry, timeout_s: float, min_refresh_s: float = 1.0):
+        """`registry`: the WorkerRegistry whose workers' adapters this follows; `timeout_s`: bound on one poll."""
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self.min_refresh_s = min_refresh_s
+        self._refreshing: asyncio.Future | None = None
+        self._refreshed_at = -math.inf
+
+    async def refresh(self, worker) -> None:
+        """Ask one worker for its adapters (the registry's poll calls this for every worker)."""
+        await poll(worker.stub, worker.lora, self.timeout_s)
+
+    async def refresh_all(self) -> None:
+        """Ask every worker now, unless that was done within `min_refresh_s`; concurrent callers share one round."""
+        if self._refreshing is None or self._refreshing.done():
+            if time.monotonic() - self._refreshed_at < self.min_refresh_s:
+                return
+            self._refreshing = asyncio.ensure_future(self._poll_all())
+        await asyncio.shield(self._refreshing)
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self.refresh(w) for w in list(self.registry.workers.values())))
+        self._refreshed_at = time.monotonic()
+
+    def adapters(self) -> dict[str, str]:
+        """Every adapter some registered worker has loaded: name -> the directory it was loaded from, by name."""
+        out: dict[str, str] = {}
+        for w in self.registry.workers.values():
+            for name, path in w.lora.adapters.items():
+                if not out.get(name):
+                    out[name] = path
+        return dict(sorted(out.items()))
+
+    def holders(self, name: str) -> list:
+        """The registered workers (healthy or not) that have adapter `name` loaded."""
+        return [w for w in self.registry.workers.values() if name in w.lora.adapters]
+
+    async def names_for(self, model, served: Collection[str]) -> Collection[str]:
+        """The adapter names a request's `model` may be (request_fields.adapter_of_model): none needed when it is
+        absent, not a string, a served model or `<served model>:<adapter>`; else the adapters loaded, asking the
+        workers again first when none has `model` (see refresh_all)."""
+        if not isinstance(model, str) or not model or model in served or any(
+                model.startswith(s + ":") for s in served):
+            return ()
+        if not self.holders(model):
+            await self.refresh_all()
+        return self.adapters().keys()
+
+    async def serving(self, workers: list, name: str, role: str) -> list:
+        """Those of `workers` (the healthy ones of one role) that have adapter `name` loaded; RouterError 400 when
+        no registered worker has it (after asking them again), 503 when only workers left out here have it."""
+        have = [w for w in workers if name in w.lora.adapters]
+        if have:
+            return have
+        if not self.holders(name):
+            await self.refresh_all()
+            have = [w for w in workers if name in w.lora.adapters]
+            if have:
+                return have
+        raise self.missing(name, role)
+
+    def missing(self, name: str, role: str) -> RouterError:
+        """Why no `role` worker can serve adapter `name`."""
+        holders = self.holders(name)
+        if holders:
+            where = ", ".join(w.url for w in holders)
+            return RouterError(503, f"no healthy {role} worker has LoRA adapter {name!r} loaded (it is loaded on "
+                                    f"{where})")
+        if not any(w.lora.enabled for w in self.registry.workers.values()):
+            return RouterError(400, f"unknown LoRA adapter {name!r}: no worker serves LoRA adapters (start the "
+                                    "workers with --enable-lora)")
+        loaded = ", ".join(self.adapters()) or "none"
+        return RouterError(400, f"unknown LoRA adapter {name!r} (loaded: {loaded})")

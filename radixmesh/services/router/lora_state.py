@@ -1,0 +1,55 @@
+"""What the router knows of one worker's LoRA adapters, as the worker itself reported them.
+
+A worker's adapters are what it answered last: ListLoraAdapters when it is added and at every poll
+(services/router/lora_directory.py), and the adapters a LoadLoraAdapter or UnloadLoraAdapter call of the router's
+answered with. A restarted worker (other --lora-paths) is so seen as it is within one poll. A poll that was asked
+before the router changed the worker's adapters answers with the state before the change; `epoch` counts the
+router's changes, and a poll's answer is only taken when none happened while it was on its way."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoraState:
+    enabled: bool = False  # the worker serves LoRA adapters (--enable-lora)
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> the directory it was loaded from ("": unknown)
+    epoch: int = 0  # changes the router made (load/unload answers); a poll sent before one of them is stale
+
+    def changed(self, adapters) -> None:
+        """The adapters a load or unload call answered with (LoraAdapter messages)."""
+        self.adapters = as_dict(adapters)
+        self.enabled = True
+        self.epoch += 1
+
+    def polled(self, response: worker_pb2.ListLoraAdaptersResponse, epoch: int) -> None:
+        """A ListLoraAdapters answer to a call sent when the state's epoch was `epoch` (ignored if it moved on)."""
+        if epoch == self.epoch:
+            self.enabled, self.adapters = response.enabled, as_dict(response.adapters)
+
+
+def as_dict(adapters) -> dict[str, str]:
+    return {a.lora_name: a.lora_path for a in adapters}
+
+
+async def poll(stub: worker_pb2_grpc.WorkerServiceStub, state: LoraState, timeout_s: float) -> None:
+    """Ask the worker which adapters it has loaded and take its answer into `state`. A worker that does not know the
+    RPC serves no adapters; another failure leaves `state` as it was (the next poll asks again)."""
+    epoch = state.epoch
+    try:
+        response = await stub.ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            state.polled(worker_pb2.ListLoraAdaptersResponse(), epoch)
+        else:
+            log.debug("ListLoraAdapters failed: %s %s", e.code().name, e.details())
+        return
+    state.polled(response, epoch)
