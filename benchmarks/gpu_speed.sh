@@ -31,6 +31,8 @@
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
+#   PARTS="setup eagle"     issue 53: an EAGLE-3 head (dummy weights, the published 8B head's shape) on the 8B shape:
+#                           what a drafting step costs against plain decoding at batch 1 and 64
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -206,6 +208,17 @@ if [[ $PARTS == *spec* ]]; then
     --engine-args '{"load_format": "dummy"}' --draft-tokens ${SPEC_DRAFT_TOKENS:-4,8} --streams ${SPEC_STREAMS:-1,64} \
     --prompts ${SPEC_PROMPTS:-8} --max-new-tokens 256 --verify-cost --context 1024 --out "$OUT/speculative.json" 2>&1 \
     | tee "$OUT/speculative.log" | grep -E "^(plain|NGRAM|STANDALONE|verify)|Error|error" | tail -30
+fi
+
+if [[ $PARTS == *eagle* ]]; then
+  # Issue 53, EAGLE: the 8B shape with an EAGLE-3 head of the published Llama-3.1-8B head's shape, both with dummy
+  # weights: the drafts are random (nothing is kept), so the runs measure what a drafting step (the head's catch-up
+  # and steps, then the verify) costs against a plain decode step; a trained head's acceptance length sets the speedup.
+  $PY -m radixmesh.benchmarks.speculative --model-path build/llama-3.1-8b --dtype bfloat16 \
+    --engine-args '{"load_format": "dummy"}' --eagle3-head benchmarks/configs/eagle3-llama-3.1-8b --skip-ngram \
+    --draft-tokens ${EAGLE_DRAFT_TOKENS:-2,4} --streams ${SPEC_STREAMS:-1,64} --prompts ${SPEC_PROMPTS:-8} \
+    --max-new-tokens 128 --out "$OUT/eagle.json" 2>&1 | tee "$OUT/eagle.log" \
+    | grep -E "^(plain|EAGLE)|Error|error" | tail -20
 fi
 
 if [[ $PARTS == *meshprof* ]]; then

@@ -1,9 +1,9 @@
-"""Speculative decoding (--speculative-algorithm NGRAM, and STANDALONE with --draft-model-path) against plain
-decoding, through the public Engine API.
+"""Speculative decoding (--speculative-algorithm NGRAM; STANDALONE with --draft-model-path; EAGLE and EAGLE3 with
+--eagle-head / --eagle3-head) against plain decoding, through the public Engine API.
 
     python -m radixmesh.benchmarks.speculative --model-path meta-llama/Llama-3.1-8B-Instruct \\
         --draft-tokens 2,4,6,8 [--draft-model-path meta-llama/Llama-3.2-1B-Instruct] \\
-        --out benchmarks/results/<date>-<device>-speculative.json
+        [--eagle3-head yuhuili/EAGLE3-LLaMA3.1-Instruct-8B] --out benchmarks/results/<date>-<device>-speculative.json
 
 Workloads whose continuations are predictable. For each seed prompt P the plain engine first decodes its greedy
 continuation G. `repeat`: P asked again (a retried or repeated question, an agent re-running a step): each engine has
@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-tokens", default="4,8", help="--speculative-num-draft-tokens values, comma-separated")
     ap.add_argument("--draft-model-path", default=None, help="also run STANDALONE with this draft model")
+    ap.add_argument("--eagle-head", default=None, help="also run EAGLE with this head (an EAGLE checkpoint or config)")
+    ap.add_argument("--eagle3-head", default=None, help="also run EAGLE3 with this head")
+    ap.add_argument("--skip-ngram", action="store_true", help="run the draft models only")
     ap.add_argument("--prompts", type=int, default=8, help="requests per run (at least --streams of them)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--streams", default="1", help="concurrent requests, comma-separated (1: batch 1)")
@@ -198,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     for (w, s), b in base.items():
         record["runs"].append({"algorithm": None, "workload": w, **{k: v for k, v in b.items() if k != "outputs"}})
         print(f"plain      {w:6s} streams {s:4d}: {b['tok_s_per_stream']:9.1f} tok/s per stream", flush=True)
-    algorithms = [("NGRAM", {})]
-    if ns.draft_model_path:
-        algorithms.append(("STANDALONE", {"speculative_draft_model_path": ns.draft_model_path}))
+    algorithms = [] if ns.skip_ngram else [("NGRAM", {})]
+    for algo, path in (("STANDALONE", ns.draft_model_path), ("EAGLE", ns.eagle_head), ("EAGLE3", ns.eagle3_head)):
+        if path:
+            algorithms.append((algo, {"speculative_draft_model_path": path}))
     for algo, extra in algorithms:
         for n in ns.draft_tokens.split(","):
             spec = Engine(**common, **extra, speculative_algorithm=algo, speculative_num_draft_tokens=int(n))

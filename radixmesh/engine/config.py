@@ -28,8 +28,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    model_path: str
+    model_path: str  # a folder, or a Hugging Face model id in the local cache (engine.model_source)
     tokenizer_path: str | None = None
+    revision: str | None = None  # the cached snapshot of a model id: a branch, tag or commit hash (default main)
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     load_format: str = "auto"
@@ -60,10 +61,11 @@ class EngineArgs:
     disable_overlap_schedule: bool = False
     # Speculative decoding (SGLang's flags; engine.speculative): NGRAM drafts from the request's own prompt and
     # output (no second model), STANDALONE with a smaller model sharing the tokenizer (speculative_draft_model_path,
-    # speculative_num_steps draft forwards). Each decode step then verifies the newest token and up to
+    # speculative_num_steps draft forwards), EAGLE and EAGLE3 with a one-layer head reading the target's hidden
+    # states (engine.speculative.eagle_head). Each decode step then verifies the newest token and up to
     # num_draft_tokens - 1 drafted ones in one forward, keeping the longest prefix the target model agrees with
-    # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). EAGLE, EAGLE3 and
-    # NEXTN are refused until they land.
+    # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). Draft trees
+    # (speculative_eagle_topk > 1) and NEXTN are refused until they land.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = field(default=None, metadata={"aliases": ("--speculative-draft-model",)})
     speculative_num_steps: int | None = None
@@ -83,9 +85,10 @@ class EngineArgs:
     speculative_accept_threshold_acc: float = 1.0
     speculative_token_map: str | None = None
     speculative_attention_mode: str = "decode"
-    # SGLang's multi-LoRA flags (engine.lora): adapters in peft's format, `name=path` entries; every loaded adapter
-    # keeps a device slot (max_loaded_loras of them, default max(max_loras_per_batch, the adapters given)); at most
-    # max_loras_per_batch adapters run at once (requests of another wait for admission)
+    # SGLang's multi-LoRA flags (engine.lora): adapters in peft's format, `name=path` entries; max_loaded_loras of
+    # them stay loaded in host memory (default max(max_loras_per_batch, the adapters given)); at most
+    # max_loras_per_batch run at once (requests of another wait for admission), each in one of that many device
+    # slots, copied in when a batch needs it over the least recently used one no admitted request uses
     enable_lora: bool = False
     lora_paths: tuple[str, ...] | None = None
     max_loras_per_batch: int = 8

@@ -5,6 +5,8 @@ list. A decode batch of n requests replays the smallest captured size >= n: its 
 static input block and the rows past n are padding (token 0 at position 0, writing its KV into scratch slot 0 and
 attending over the padding table row, so it touches no request's memory). Larger batches run eagerly.
 All graphs share one memory pool and write their logits into one static buffer: graphs replay one at a time.
+With LoRA enabled each row's adapter slot is a static input as well (engine.lora.graph), so the graphs serve any mix
+of adapters; each size is captured a second time without the LoRA kernels, for batches of the base model only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.forward_context import ForwardContext, forward_context
+from radixmesh.engine.hidden_capture import HiddenCapture
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,13 @@ class CudaGraphRunner:
     """Holds the model and attention backend, never the ModelRunner (no reference cycle: a shut-down engine's GPU
     memory is freed as soon as its last reference goes)."""
 
-    def __init__(self, model, backend, device: torch.device, vocab_size: int, pad_row: int, sizes: list[int]):
+    def __init__(self, model, backend, device: torch.device, vocab_size: int, pad_row: int, sizes: list[int],
+                 keep: HiddenCapture | None = None, lora=None):
+        """`keep`: hidden states the forwards keep (engine.hidden_capture), copied to `hidden` by the graphs.
+        `lora`: the LoRA adapters' static inputs (engine.lora.graph.GraphLora) when LoRA is enabled."""
+        self.lora = lora
         self.model = model
+        self.keep = keep
         self.backend = backend
         self.device = device
         self.sizes = sorted(sizes)
@@ -73,7 +81,10 @@ class CudaGraphRunner:
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.arange = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         self.logits = torch.empty((self.max_bs, vocab_size), dtype=torch.float32, device=dev)
+        self.hidden = None if keep is None else torch.empty(
+            (self.max_bs, keep.width(model.config.hidden_size)), dtype=next(model.parameters()).dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with LoRA enabled: graphs without its kernels
         self.batches: dict[int, ForwardBatch] = {}
         self.metadata: dict = {}
         self.capture_seconds = 0.0
@@ -86,11 +97,14 @@ class CudaGraphRunner:
                             extend_lens=self.ones[:bs], logits_indices=self.arange[:bs], seq_lens_host=[1] * bs,
                             extend_lens_host=[1] * bs, decode_block=s[:, :bs])
 
-    def _forward(self, bs: int) -> None:
+    def _forward(self, bs: int, with_lora: bool = True) -> None:
         batch = self.batches[bs]
         model = self.model
-        with forward_context(ForwardContext(batch, self.backend, self.metadata[bs])):
+        lora = self.lora.batch(bs) if with_lora and self.lora is not None else None  # (its row grouping too)
+        with forward_context(ForwardContext(batch, self.backend, self.metadata[bs], lora=lora)):
             hidden = model(batch.input_ids, batch.positions)
+        if self.keep is not None:
+            self.hidden[:bs].copy_(self.keep.take(hidden))
         self.logits[:bs].copy_(model.compute_logits(hidden))
 
     def capture(self) -> None:
@@ -106,14 +120,15 @@ class CudaGraphRunner:
             for bs in reversed(self.sizes):
                 self.batches[bs] = self._static_batch(bs)
                 self.metadata[bs] = self.backend.capture_metadata(bs, self.batches[bs])
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # compile Triton kernels, create library handles: nothing lazy in capture
-                        self._forward(bs)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward(bs)
-                self.graphs[bs] = graph
+                for with_lora in (True, False) if self.lora is not None else (True,):
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # compile Triton kernels, create library handles: nothing lazy in capture
+                            self._forward(bs, with_lora)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._forward(bs, with_lora)
+                    (self.graphs if with_lora else self.base_graphs)[bs] = graph
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
@@ -122,12 +137,13 @@ class CudaGraphRunner:
 
     def close(self) -> None:
         """Destroy the graphs (their pool's memory goes back to the caching allocator) and the static buffers."""
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.base_graphs.values()):
             graph.reset()
         self.graphs.clear()
+        self.base_graphs.clear()
         self.batches.clear()
         self.metadata.clear()
-        release(tensors_of(self))
+        release([*tensors_of(self), *(tensors_of(self.lora) if self.lora is not None else ())])
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
@@ -145,5 +161,9 @@ class CudaGraphRunner:
         static_batch = self.batches[padded]
         static_batch.seq_lens_host = batch.seq_lens_host + [1] * (padded - bs)
         self.backend.replay_metadata(padded, static_batch, self.metadata[padded])
-        self.graphs[padded].replay()
+        graphs = self.graphs
+        if self.lora is not None:
+            self.lora.fill(batch)
+            graphs = self.graphs if batch.lora_slots is not None else self.base_graphs
+        graphs[padded].replay()
         return self.logits[:bs]

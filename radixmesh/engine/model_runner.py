@@ -11,8 +11,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch import nn
 
-from radixmesh.engine.attention.base import AttentionShape
 from radixmesh.engine.attention.registry import create_attention, supports_cuda_graph
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
@@ -23,13 +23,16 @@ from radixmesh.engine.cuda_graph_runner import (CudaGraphRunner, clip_batch_size
                                                 graph_batch_sizes)
 from radixmesh.engine.distributed import TensorParallel, TPConfig
 from radixmesh.engine.forward_context import ForwardContext, forward_context
+from radixmesh.engine.hidden_capture import HiddenCapture
 from radixmesh.engine.decode_products import plan as decode_products_plan
 from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
+from radixmesh.engine.models.attention_spec import attention_shape
 from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
+from radixmesh.engine.lora.graph import GraphLora, graphs_supported
 from radixmesh.engine.lora.manager import LoraManager
 from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult, verify
@@ -46,11 +49,14 @@ CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
 
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None,
-                 extra_kv_bytes_per_token: int = 0, table: ReqToTokenPool | None = None):
+                 extra_kv_bytes_per_token: int = 0, table: ReqToTokenPool | None = None,
+                 capture_layers: tuple[int, ...] | None = None, shared_with: nn.Module | None = None):
         """`tp`: this rank's place in its tensor-parallel group (default: alone). `extra_kv_bytes_per_token`: KV
         memory another model keeps per token of this one's pool (a speculative draft model's, slot for slot), left
         out of this pool's budget. `table`: another runner's request-to-token table, whose slots this runner's pool
-        mirrors (a draft model's; its pool then holds exactly args.max_total_tokens tokens)."""
+        mirrors (a draft model's; its pool then holds exactly args.max_total_tokens tokens). `capture_layers`: the
+        hidden states each forward keeps in `captured` for an EAGLE draft (engine.hidden_capture; empty: the final
+        ones; None: none). `shared_with`: the target model whose embedding (and output layer) an EAGLE head uses."""
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.args = args
         self.model_config = model_config
@@ -66,13 +72,17 @@ class ModelRunner:
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp,
                                 quantization=args.quantization)
+        if shared_with is not None:  # before any CUDA graph is captured: the graphs read the shared weights
+            self.model.share_weights(shared_with, args.max_running_requests or 256)
+        self.capture = HiddenCapture(self.model, capture_layers) if capture_layers is not None else None
+        self.captured: torch.Tensor | None = None  # the last forward's kept hidden states (`capture`)
         if (args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda":
             log.warning("fp8 weights are held dequantized in %s on this build: the outputs are fp8's, the memory "
                         "and speed not yet", args.dtype)
         # LoRA adapters' device slots (engine.lora), attached to the projections; adapters are loaded by the engine
         self.lora = LoraManager(self.model, model_config, args.max_loaded_loras, args.max_lora_rank,
                                 frozenset(args.lora_target_modules) if args.lora_target_modules else None,
-                                self.device, self.dtype) if args.enable_lora else None
+                                self.device, self.dtype, args.max_loras_per_batch) if args.enable_lora else None
         self.expert_counts = None  # layer -> tokens per expert (--enable-expert-distribution-metrics)
         if args.moe_runner_backend == "triton":
             from radixmesh.engine.layers.moe import FusedMoE
@@ -109,8 +119,8 @@ class ModelRunner:
         self.kv_loads: Callable[[], list | None] | None = None
         self.kv_channel = None  # KV staging for transfers (engine.disaggregation.mirror), once asked for
         self._published = time.monotonic()  # the leader's last step message
-        shape = AttentionShape(self.num_heads, self.num_kv_heads, model_config.head_dim,
-                               model_config.head_dim ** -0.5)
+        # the score scale, soft-cap and per-layer sliding windows the model's attention computes
+        shape = attention_shape(model_config, self.num_heads, self.num_kv_heads, args.context_length)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
                                              self.kv_pool, self.req_to_token)
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
@@ -125,8 +135,9 @@ class ModelRunner:
             gemv, rows = decode_products_plan(self.model, self.device, self.dtype)
             set_pdl(True, gemv=gemv, row=rows)
         if graph_sizes:
+            lora = GraphLora(self.lora, max(graph_sizes), self.device) if self.lora is not None else None
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
-                                          self.req_to_token.pad_row, graph_sizes)
+                                          self.req_to_token.pad_row, graph_sizes, self.capture, lora=lora)
             self.graphs.capture()
             if self.graphs.capture_bytes > graph_reserve:
                 log.warning("CUDA graphs used %.0f MiB, more than the %.0f MiB set aside for them: the GPU may run "
@@ -144,8 +155,8 @@ class ModelRunner:
         args = self.args
         if args.disable_cuda_graph or self.device.type != "cuda":
             return []
-        if args.enable_lora:
-            log.info("CUDA graphs off: LoRA adapters run in plain PyTorch for now")
+        if args.enable_lora and not graphs_supported(self.device):
+            log.info("CUDA graphs off: LoRA's kernels need Triton")
             return []
         if not supports_cuda_graph(args.decode_attention_backend):
             log.info("CUDA graphs off: the %s attention backend cannot run inside one",
@@ -206,7 +217,7 @@ class ModelRunner:
         rotary = self.model.rotary
         tensors = [*self.kv_pool.buffers(), *self.model.parameters(), *self.model.buffers(),
                    *(tensors_of(self.req_to_token) if self.owns_table else ()), *tensors_of(self.penalties),
-                   *tensors_of(self.attn_backend)]
+                   *tensors_of(self.attn_backend), *(self.lora.tensors() if self.lora is not None else ())]
         if rotary is not None:
             tensors += [rotary.cos, rotary.sin]
         release(tensors)
@@ -222,13 +233,18 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             if ready is not None:  # a graph waits for every layer's pages before it starts
                 torch.cuda.current_stream().wait_event(ready[-1])
-            return self.graphs.replay(batch)
+            logits = self.graphs.replay(batch)
+            if self.capture is not None:  # (the static buffer is rewritten by the next replay)
+                self.captured = self.graphs.hidden[:batch.batch_size].clone()
+            return logits
         try:
             hidden = self._hidden(batch, ready)
         except Exception:
             if ready is not None:
                 self._settle_loads(ready)
             raise
+        if self.capture is not None:
+            self.captured = self.capture.take(hidden)
         if batch.mode is ForwardMode.DECODE and batch.extra_logit_indices is None:
             return self.model.compute_logits(hidden)  # one token per request: every row is wanted
         rows = batch.logits_indices

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -161,6 +161,7 @@ class Req:
     drafter: object | None = None
     spec: SpecCounts | None = None
     draft_len: int = 0  # a draft model's: positions [0, draft_len) hold its KV (engine.speculative.draft_model)
+    draft_features: Any = None  # an EAGLE draft's: the target's hidden states it has yet to read (FeatureRows)
 
     @property
     def fill_ids(self) -> list[int]:

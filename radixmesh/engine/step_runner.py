@@ -96,6 +96,12 @@ class StepRunner:
         self.vocab_size = model.model_config.vocab_size
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        result = self._execute(batch)
+        if getattr(self.model, "capture", None) is not None:  # (an EAGLE target's; a stand-in model has none)
+            result.hidden = self.model.captured
+        return result
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.drafts is not None:
             return StepResult(batch, self.model.forward(build_verify(batch.reqs, batch.drafts, batch.locs,
                                                                      self.device, batch.width)))

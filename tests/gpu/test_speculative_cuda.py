@@ -93,3 +93,29 @@ def test_a_standalone_draft_model_on_cuda_keeps_greedy_outputs(backend):
         wrong.scheduler.spec.model.propose = lambda reqs, ks: ([[(7 + i) % 50] * k for i, k in enumerate(ks)], None)
         assert [wrong.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts] == \
             [o["output_ids"] for o in got]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_heads_draft_alike_in_cuda_graphs_and_outside(algorithm, tmp_path):
+    """An EAGLE head's one-token steps replay CUDA graphs (reading the previous step's output from a static buffer)
+    and the target's verifies keep their hidden states from inside its graphs: every draft equals the one computed
+    without graphs, and the outputs are the plain engine's (float32)."""
+    from tests.parity.test_speculative_eagle import record_proposals, write_head
+
+    path = model_path("tiny-llama")
+    prompts = parity_prompts(path)[3:7]
+    head = write_head(tmp_path / "head", path, algorithm.lower())
+    common = dict(device="cuda", dtype="float32", page_size=4, attention_backend="triton", skip_tokenizer_init=True,
+                  max_total_tokens=8192)
+    with running_engine(path, **common) as plain:
+        want = one_at_a_time(plain, prompts)
+    runs = []
+    for graphs in (True, False):
+        with running_engine(path, **common, disable_cuda_graph=not graphs, speculative_algorithm=algorithm,
+                            speculative_draft_model_path=head, speculative_num_steps=3) as llm:
+            assert (llm.draft_runner.graphs is not None) == graphs and (llm.runner.graphs is not None) == graphs
+            seen = record_proposals(llm)
+            runs.append((one_at_a_time(llm, prompts), seen))
+            assert_no_leak(llm)
+    assert runs[0][0] == runs[1][0] == want
+    assert runs[0][1] == runs[1][1] and len(runs[0][1]) > 10

@@ -67,10 +67,11 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"cannot read tensor {name!r} from weight file {file}: {e}") from e
 
 
-def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, Shard]]:
-    """Hugging Face tensor name -> (our parameter, the part of it and of the tensor) for every weight the model
-    needs. Layers that fuse or shard weights say where each checkpoint tensor goes (`checkpoint_shards`)."""
-    out: dict[str, tuple[nn.Parameter, Shard]] = {}
+def checkpoint_name_map(model: nn.Module) -> dict[str, list[tuple[nn.Parameter, Shard]]]:
+    """Hugging Face tensor name -> the (our parameter, the part of it and of the tensor) it fills, for every weight
+    the model needs: one, or several where a checkpoint tensor holds parts a rank keeps apart (Phi-3's fused qkv_proj
+    under tensor parallelism). Layers that fuse or shard weights say where each tensor goes (`checkpoint_shards`)."""
+    out: dict[str, list[tuple[nn.Parameter, Shard]]] = {}
     for pname, param in model.named_parameters():
         mod_path, leaf = pname.rsplit(".", 1)
         module = model.get_submodule(mod_path)
@@ -78,7 +79,7 @@ def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[nn.Parameter, Shard
         shards = module.checkpoint_shards(leaf) if hasattr(module, "checkpoint_shards") else [(None, WHOLE)]
         for ckpt_module, shard in shards:
             name = pname if ckpt_module is None else f"{owner}.{ckpt_module}.{leaf}".lstrip(".")
-            out[name] = (param, shard)
+            out.setdefault(name, []).append((param, shard))
     return out
 
 
@@ -90,18 +91,19 @@ def _read(lazy, shard: Shard) -> torch.Tensor:
     return lazy[cut] if shard.dim == 0 else lazy[:, cut]
 
 
-def _target_name(name: str, targets: Collection[str], cfg: ModelConfig) -> str | None:
+def _target_name(name: str, targets: Collection[str], cfg: ModelConfig, skipped: Collection[str] = ()
+                 ) -> str | None:
     """The checkpoint_name_map key a checkpoint tensor fills (possibly not in `targets`), or None for a tensor that
-    is harmless to skip: one of _IGNORED_SUFFIXES, or lm_head.weight under tied embeddings (transformers, too, computes
-    logits with the embedding then)."""
-    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    is harmless to skip: one of _IGNORED_SUFFIXES, lm_head.weight under tied embeddings (transformers, too, computes
+    logits with the embedding then), or one the model class reads otherwise (its `skipped_tensors`)."""
+    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings) or name in skipped:
         return None
     if name not in targets and f"model.{name}" in targets:  # a bare backbone (sentence-transformers saves)
         return f"model.{name}"
     return name
 
 
-def _check_checkpoint(targets: Collection[str], cfg: ModelConfig) -> None:
+def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Collection[str] = ()) -> None:
     """Refuses, from the weight files' headers alone (no weight read), a checkpoint with a tensor the model has no
     parameter for or one stored in a dtype that is not a float (engine.models.support); fp8 weights and their scales
     are read when config.json declares fp8 (engine.quantization.fp8)."""
@@ -111,7 +113,7 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig) -> None:
         if fp8 is not None and (scaled := scale_of(name)) is not None and \
                 _target_name(scaled[0], targets, cfg) in targets:
             continue  # a weight's scale: read with the weight
-        target = _target_name(name, targets, cfg)
+        target = _target_name(name, targets, cfg, skipped)
         if target is None:
             continue
         if target in targets:
@@ -152,6 +154,24 @@ def _weight(name: str, lazy, shard: Shard, fp8: Fp8Scheme | None, scales: dict, 
     return _read(lazy, shard)
 
 
+def _destination(param: nn.Parameter, shard: Shard) -> torch.Tensor:
+    return param.data if shard.dest is None else param.data[shard.dest]
+
+
+def _check_shape(name: str, lazy, param: nn.Parameter, shard: Shard, cfg: ModelConfig) -> None:
+    dest = _destination(param, shard)
+    full = tuple(lazy.get_shape())
+    expected = list(dest.shape)
+    if shard.dim is not None:
+        expected[shard.dim] = full[shard.dim]  # the whole tensor the shard is cut from
+        if shard.start + shard.length > full[shard.dim]:
+            expected = None
+    if expected is None or tuple(expected) != full:
+        raise ValueError(f"tensor {name!r} in {cfg.path} has shape {full}, expected "
+                         f"{tuple(expected) if expected else tuple(dest.shape)} (this rank's part: "
+                         f"{tuple(dest.shape)})")
+
+
 def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None = None) -> None:
     targets = checkpoint_name_map(model)
     fp8 = checkpoint_scheme(cfg.raw)
@@ -161,25 +181,13 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
     for name, lazy in iter_checkpoint(cfg.path):
         if fp8 is not None and scale_of(name) is not None:
             continue
-        stored, name = name, _target_name(name, targets, cfg)
+        stored, name = name, _target_name(name, targets, cfg, getattr(model, "skipped_tensors", ()))
         if name is None:
             continue
-        param, shard = targets[name]  # load_model's _check_checkpoint refused every other name
-        if shard is ELSEWHERE:
-            seen.add(name)
-            continue
-        dest = param.data if shard.dest is None else param.data[shard.dest]
-        full = tuple(lazy.get_shape())
-        expected = list(dest.shape)
-        if shard.dim is not None:
-            expected[shard.dim] = full[shard.dim]  # the whole tensor the shard is cut from
-            if shard.start + shard.length > full[shard.dim]:
-                expected = None
-        if expected is None or tuple(expected) != full:
-            raise ValueError(f"tensor {name!r} in {cfg.path} has shape {full}, expected "
-                             f"{tuple(expected) if expected else tuple(dest.shape)} (this rank's part: "
-                             f"{tuple(dest.shape)})")
-        dest.copy_(_weight(stored, lazy, shard, fp8, scales, online))
+        for param, shard in targets[name]:  # load_model's _check_checkpoint refused every other name
+            if shard is not ELSEWHERE:
+                _check_shape(name, lazy, param, shard, cfg)
+                _destination(param, shard).copy_(_weight(stored, lazy, shard, fp8, scales, online))
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -210,7 +218,7 @@ def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: t
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, tp)
     if load_format != "dummy":
-        _check_checkpoint(set(checkpoint_name_map(model)), cfg)
+        _check_checkpoint(set(checkpoint_name_map(model)), cfg, getattr(cls, "skipped_tensors", ()))
     # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
     # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

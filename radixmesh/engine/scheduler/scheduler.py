@@ -59,7 +59,7 @@ class Scheduler:
         self.context_len = context_len
         self.stop_strings = StopStrings(tokenizer)
         self.requests = Requests()
-        self.handoffs = Handoffs(cache, self.requests, reserved_decode_tokens)
+        self.handoffs = Handoffs(cache, self.requests, reserved_decode_tokens, limits.max_adapters)
         self.handoff_steps = HandoffSteps(self)  # prefill/decode disaggregation's steps
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.overlap = overlap
@@ -219,7 +219,7 @@ class Scheduler:
                 return []
             batch, used = [chunked], chunked.extend_len
         busy = len(reqs.running) + (chunked is not None)
-        admitted = self.planner.plan(reqs.waiting, reqs.running, busy, used) if reqs.waiting else []
+        admitted = self.planner.plan(reqs.waiting, reqs.running, busy, used, chunked) if reqs.waiting else []
         if admitted:
             now = time.monotonic()
             for r in admitted:
@@ -276,6 +276,7 @@ class Scheduler:
         req.retractions += 1
         req.penalty_row = None  # its table row is gone; counted afresh on the row it gets next
         req.draft_len = 0  # and its slots: a draft model's KV is computed afresh too
+        req.draft_features = None
         self.requests.move(req, ReqState.WAITING)
         self.stats["retractions"] += 1
         self.ratio.on_retract()
@@ -298,6 +299,9 @@ class Scheduler:
             return None
         finally:
             batch.after = None  # read by execute only: kept, every step would hold the one before it, and so on
+        if result.hidden is not None and self.spec is not None:  # (before kv_len moves: rows start there)
+            self.spec.forwarded(batch, result.hidden)
+            result.hidden = None
         decode = batch.mode is ForwardMode.DECODE or batch.drafts is not None  # a verify is a decode step
         self.stats["forward_decode" if decode else "forward_extend"] += 1
         for r, samples, new in zip(reqs, batch.samples, batch.prefilling):

@@ -123,14 +123,18 @@ class SpecSteps:
         target's next token): the rejected drafts' KV slots are dropped."""
         kept = len(tokens) - 1
         self.count(req, drafted, kept)
-        if self.model is not None and drafted:
-            # the draft ran on the newest token and drafts 1 .. k-1: its KV holds where the target kept the input
-            newest = req.kv_len - 1 - drafted
-            req.draft_len = newest + 1 + min(kept, drafted - 1)
+        newest = req.kv_len - 1 - drafted
         rejected = drafted - kept
         if rejected and req.pool_idx is not None:
             req.kv_len -= rejected
             self.cache.trim(req, req.kv_len, self._freed)
+        if self.model is not None:
+            self.model.verified(req, newest, drafted, kept)
+
+    def forwarded(self, batch, hidden: torch.Tensor) -> None:
+        """A target forward's kept hidden states (an EAGLE draft reads them), before its requests advance."""
+        if self.model is not None:
+            self.model.observe(batch, hidden)
 
     def flush(self) -> None:
         """After a verify's requests are processed: the pages of their rejected drafts go back to the pool."""

@@ -74,6 +74,7 @@ class StepResult:
     sampled: SampleResult | None = None  # device tensors; the next step's pending inputs read `next_ids`
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> its row in sampled.next_ids
     host: Any = None  # the runner's handle on the host copy: `wait()` -> Resolved
+    hidden: torch.Tensor | None = None  # the forward's kept hidden states, a row per token (an EAGLE draft's input)
 
     def wait(self) -> Resolved:
         """Block until the sampled tokens are on the host; returns them."""

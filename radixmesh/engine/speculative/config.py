@@ -7,11 +7,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("NGRAM", "STANDALONE")  # what runs here
-PLANNED = ("EAGLE", "EAGLE3", "NEXTN")  # SGLang's others: refused by name until they land
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # what runs here
+DRAFTED = ("STANDALONE", "EAGLE", "EAGLE3")  # a draft model runs a chain of steps
+PLANNED = ("NEXTN",)  # SGLang's others: refused by name until they land
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # the newest token and up to 7 drafted ones per verify
-STANDALONE_DEFAULT_STEPS = 3  # draft forwards per verify (SGLang's draft-model default chain: 3 steps, 4 tokens)
+DEFAULT_STEPS = 3  # draft forwards per verify (SGLang's draft-model default chain: 3 steps, 4 tokens)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -43,8 +44,8 @@ def resolve_speculative(args: Any) -> dict:
     topk = args.speculative_eagle_topk
     _check(topk is None or topk == 1, f"speculative_eagle_topk {topk}: draft trees (topk > 1) are not implemented "
            "yet; drafts are one chain (topk 1)")
-    if algo == "STANDALONE":
-        n = _standalone_chain(args)
+    if algo in DRAFTED:
+        n = _chain(args, algo)
     else:
         _check(args.speculative_draft_model_path is None,
                f"speculative_algorithm {algo} drafts from the request's own tokens: it takes no "
@@ -69,16 +70,17 @@ def resolve_speculative(args: Any) -> dict:
             "speculative_num_steps": n - 1, "disable_overlap_schedule": True}
 
 
-def _standalone_chain(args: Any) -> int:
-    """STANDALONE's num_draft_tokens: a chain of num_steps draft forwards verifies num_steps + 1 tokens (either flag
-    gives the other; both must agree)."""
+def _chain(args: Any, algo: str) -> int:
+    """A draft model's num_draft_tokens: a chain of num_steps draft forwards verifies num_steps + 1 tokens (either
+    flag gives the other; both must agree)."""
+    what = "a smaller model" if algo == "STANDALONE" else "an EAGLE head"
     _check(args.speculative_draft_model_path is not None,
-           "speculative_algorithm STANDALONE drafts with a smaller model: give speculative_draft_model_path")
-    _check(args.tp_size == 1, "speculative_algorithm STANDALONE with tensor parallelism is not implemented yet "
+           f"speculative_algorithm {algo} drafts with {what}: give speculative_draft_model_path")
+    _check(args.tp_size == 1, f"speculative_algorithm {algo} with tensor parallelism is not implemented yet "
            "(the draft model runs on one device): use tp_size 1, or NGRAM")
     steps, n = args.speculative_num_steps, args.speculative_num_draft_tokens
     if steps is None:
-        steps = n - 1 if isinstance(n, int) else STANDALONE_DEFAULT_STEPS
+        steps = n - 1 if isinstance(n, int) else DEFAULT_STEPS
     _check(isinstance(steps, int) and steps >= 1, f"speculative_num_steps must be an integer >= 1, got {steps!r}")
     _check(n is None or n == steps + 1, f"speculative_num_draft_tokens ({n}) must be speculative_num_steps + 1 "
            f"({steps + 1}): a chain of draft steps (topk 1) verifies the newest token and one drafted per step")
@@ -89,6 +91,6 @@ def max_draft(args: Any) -> int:
     """Drafted tokens a verify checks per request at most (0: speculation off)."""
     if args.speculative_algorithm is None:
         return 0
-    if args.speculative_algorithm == "STANDALONE":
+    if args.speculative_algorithm in DRAFTED:
         return args.speculative_num_draft_tokens - 1
     return min(args.speculative_num_draft_tokens - 1, args.speculative_ngram_branch_length)

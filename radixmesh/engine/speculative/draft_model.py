@@ -1,4 +1,5 @@
-"""STANDALONE speculative decoding's drafter: a smaller model with the target's tokenizer.
+"""The drafter of STANDALONE (a smaller model with the target's tokenizer) and EAGLE/EAGLE3 (a head reading the
+target's hidden states, engine.speculative.eagle_head) speculative decoding.
 
 Its KV pool mirrors the target's slot for slot: the draft runner shares the target's request-to-token table, so a
 position's draft KV lives in the draft pool at the slot the target's KV has in its own. The draft's KV is computed
@@ -11,6 +12,12 @@ scheduling does), and the host reads the drafts once, after the last step.
 Greedy requests draft the argmax; sampled ones draw from the draft's distribution with the request's temperature
 and filters (q), which the verify needs for its acceptance test (engine.speculative.verify). After the verify keeps
 `a` of k drafts, the draft's KV is valid up to the newest position whose input the target kept (SpecSteps.verified).
+
+An EAGLE head at position t reads token t + 1 and the target's hidden state at t (engine.speculative.features): its
+catch-up covers the positions from draft_len to the one before the newest token (whose successor is known), and
+its steps read, instead of the target's hidden state, the head's own output of the step before. Those steps' KV is
+not the target-fed one: after a verify, the head's KV counts as valid only up to the position before the newest token
+of that step, and the next catch-up recomputes from there with the target's hidden states of the kept tokens.
 """
 
 from __future__ import annotations
@@ -21,15 +28,51 @@ from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import SamplingBatch, draw, token_probs, uniforms
+from radixmesh.engine.speculative.features import observe
 
 DRAFT_SALT = 0x27D4EB2F  # a seeded request's draft draws: apart from the verify's two (engine.speculative.verify)
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, eagle: bool = False):
         self.runner = runner
         self.device = runner.device
         self.vocab = runner.model_config.vocab_size
+        self.head = runner.model if eagle else None  # an EAGLE head (reads features)
+        self.shift = 1 if eagle else 0  # an EAGLE head's position t holds token t + 1
+        # an EAGLE head's KV slot -> the token it read there from the target's features (-1: none, or the head's
+        # own output): the prefix-cache hits whose draft KV can be kept are those whose slots read their tokens
+        self.pairs = torch.full((runner.kv_pool.num_slots,), -1, dtype=torch.int64) if eagle else None
+        self._previous_rows = 0  # rows of the head's last forward (its outputs in step_out)
+
+    def observe(self, batch, hidden: torch.Tensor) -> None:
+        """A target forward's hidden states, for an EAGLE head's next catch-up (engine.speculative.features). A
+        request's first forward starts its draft KV after the prefix-cache hit's part that holds the head's KV of
+        these very tokens."""
+        if self.head is None:
+            return
+        for r, first in zip(batch.reqs, batch.prefilling):
+            if first and r.draft_len == 0 and r.draft_features is None and r.kv_len:
+                r.draft_len = self._kept_prefix(r, r.kv_len)
+        width = batch.width if batch.drafts is not None else None
+        observe(batch.reqs, [r.extend_len for r in batch.reqs], width, hidden)
+
+    def _kept_prefix(self, req: Req, hit: int) -> int:
+        """How many of the first `hit` positions' slots hold the head's KV of this request's tokens."""
+        slots = self.runner.req_to_token.read(req.pool_idx, 0, hit)
+        same = self.pairs[slots] == torch.tensor(req.tokens(1, hit + 1), dtype=torch.int64)
+        return hit if bool(same.all()) else int(same.to(torch.int8).argmin())
+
+    def verified(self, req: Req, newest: int, drafted: int, kept: int) -> None:
+        """After a verify: how far the draft's KV stays valid (`newest`: the position of the step's input token)."""
+        if self.head is not None:
+            if drafted:  # its catch-up reached the position before `newest`; the steps' KV (from the head's own
+                req.draft_len = newest  # outputs) is recomputed by the next catch-up
+            if req.draft_features is not None:
+                req.draft_features = req.draft_features.trim(req.kv_len)
+        elif drafted:
+            # the draft ran on the newest token and drafts 1 .. k-1: its KV holds where the target kept the input
+            req.draft_len = newest + 1 + min(kept, drafted - 1)
 
     def propose(self, reqs: list[Req], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """ks[i] drafted tokens for reqs[i] (its KV slots up to position fill_len - 1 + ks[i] allocated), and the
@@ -48,7 +91,7 @@ class DraftModel:
         kmax = max(ks[i] for i in active)
         keep_q = not sampling.all_greedy
         chosen, dists = [], []
-        logits = self.runner.forward(self._catch_up(sub))
+        logits = self._forward(self._catch_up(sub), self._catch_up_features(sub))
         tokens, q = self._choose(logits, sampling, 0)
         chosen.append(tokens)
         dists.append(q)
@@ -57,8 +100,9 @@ class DraftModel:
             prev_rows = rows
             rows = [n for n in rows if ks[active[n]] > j]
             at = {n: m for m, n in enumerate(prev_rows)}
-            batch = self._step(sub, rows, j, [at[n] for n in rows], tokens)
-            logits = self.runner.forward(batch)
+            sources = [at[n] for n in rows]
+            batch = self._step(sub, rows, j, sources, tokens)
+            logits = self._forward(batch, None, sources)
             step_sampling = sampling if len(rows) == len(sub) else _rows(sampling, rows, [sub[n] for n in rows],
                                                                           self.device)
             step_tokens, step_q = self._choose(logits, step_sampling, j)
@@ -99,27 +143,76 @@ class DraftModel:
         drawn = draw(q, uniforms(sampling, self.runner.generator, self.device, DRAFT_SALT))
         return torch.where(sampling.greedy, best, drawn), q
 
+    def _forward(self, batch: ForwardBatch, features: torch.Tensor | None, sources: list[int] | None = None
+                 ) -> torch.Tensor:
+        """The draft's logits for `batch`. An EAGLE head reads `features` (a catch-up's), else its outputs of the
+        step before, rows `sources` (copied to the static rows a CUDA graph reads)."""
+        head = self.head
+        if head is None:
+            return self.runner.forward(batch)
+        if features is None:
+            previous = head.step_out[:self._previous_rows][torch.tensor(sources, device=self.device)]
+            head.step_features[:len(sources)].copy_(previous)
+        head.features_in = features
+        try:
+            logits = self.runner.forward(batch)
+        finally:
+            head.features_in = None
+        if features is not None:  # the output rows the first step reads: each request's last
+            last = torch.tensor(batch.extend_lens_host, device=self.device).cumsum(0) - 1
+            head.step_out[:len(last)].copy_(head.last_out[last])
+        self._previous_rows = batch.batch_size
+        return logits
+
     def _catch_up(self, reqs: list[Req]) -> ForwardBatch:
-        """Each request's tokens from its first position without draft KV to its newest, in one EXTEND."""
+        """Each request's tokens from its first position without draft KV to its newest (to the one before it for an
+        EAGLE head, whose positions hold the token after), in one EXTEND."""
         table = self.runner.req_to_token
         ids, positions, locs = [], [], []
+        shift = self.shift
         for r in reqs:
-            start, end = r.draft_len, r.fill_len
-            ids += r.tokens(start, end)
+            start, end = min(r.draft_len, r.fill_len - 1 - shift), r.fill_len - shift
+            r.draft_len = start
+            ids += r.tokens(start + shift, end + shift)
             positions += range(start, end)
             locs.append(table.read(r.pool_idx, start, end))
+        if self.pairs is not None:
+            self.pairs[torch.cat(locs)] = torch.tensor(ids, dtype=torch.int64)  # (_catch_up_features unmarks
+            # the rows that had no feature)
+        ends = [r.fill_len - shift for r in reqs]
         return ForwardBatch.build(ForwardMode.EXTEND, ids, positions, torch.cat(locs),
-                                  req_pool_indices=[r.pool_idx for r in reqs], seq_lens=[r.fill_len for r in reqs],
-                                  extend_lens=[r.fill_len - r.draft_len for r in reqs], device=self.device)
+                                  req_pool_indices=[r.pool_idx for r in reqs], seq_lens=ends,
+                                  extend_lens=[e - r.draft_len for r, e in zip(reqs, ends)], device=self.device)
+
+    def _catch_up_features(self, reqs: list[Req]) -> torch.Tensor | None:
+        """The target's hidden states for an EAGLE head's catch-up rows (zeros where none was kept); they are read."""
+        if self.head is None:
+            return None
+        param, width = self.head.model.fc.weight, self.head.feature_width
+        parts = []
+        table = self.runner.req_to_token
+        for r in reqs:
+            start, end = r.draft_len, r.fill_len - 1
+            kept = r.draft_features
+            lo, hi = (max(start, kept.start), min(end, kept.end)) if kept is not None else (end, end)
+            for a, b in ((start, min(lo, end)), (max(hi, start), end)):  # rows without the target's hidden state
+                if a < b:
+                    self.pairs[table.read(r.pool_idx, a, b)] = -1
+            parts.append(kept.read(start, end, width, param) if kept is not None
+                         else param.new_zeros((end - start, width)))
+            r.draft_features = None
+        return torch.cat(parts)
 
     def _step(self, reqs: list[Req], rows: list[int], j: int, sources: list[int],
               prev: torch.Tensor) -> ForwardBatch:
         """One token for each of reqs[rows]: the one it drafted last (prev[sources], still on the device) at
-        position fill_len - 1 + j."""
+        position fill_len - 1 + j (for an EAGLE head, whose positions hold the token after, fill_len - 2 + j)."""
         table = self.runner.req_to_token
         chosen = [reqs[n] for n in rows]
-        positions = [r.fill_len - 1 + j for r in chosen]
+        positions = [r.fill_len - 1 - self.shift + j for r in chosen]
         locs = table.host[torch.tensor([r.pool_idx for r in chosen]), torch.tensor(positions)]
+        if self.pairs is not None:
+            self.pairs[locs] = -1  # KV from the head's own output, not the target's hidden state
         return ForwardBatch.build(ForwardMode.DECODE, [0] * len(chosen), positions, locs,
                                   req_pool_indices=[r.pool_idx for r in chosen], seq_lens=[p + 1 for p in positions],
                                   extend_lens=[1] * len(chosen), device=self.device,
