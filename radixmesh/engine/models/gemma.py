@@ -21,16 +21,14 @@ import torch
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
-from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.activation import gelu_tanh_and_mul
-from radixmesh.engine.layers.linear import (ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                                            VocabParallelEmbedding, vocab_logits)
+from radixmesh.engine.layers.linear import ParallelLMHead, VocabParallelEmbedding, vocab_logits
 from radixmesh.engine.layers.norm import GemmaRMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.attention_spec import sliding_layers
 from radixmesh.engine.models.gemma_config import gemma_config
-from radixmesh.engine.models.llama import MLP
+from radixmesh.engine.models.llama import MLP, Attention, DecoderSpec
 
 
 class GemmaMLP(MLP):
@@ -38,30 +36,13 @@ class GemmaMLP(MLP):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's (1 + weight) norms on q and k (Gemma 3)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel, qk_norm: bool):
-        super().__init__()
-        self.layer_id = layer_id
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          cfg.attention_bias, tp)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp,
-                                        "the number of attention heads x head_dim")
+        super().__init__(cfg, DecoderSpec(), layer_id, tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-
-    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = get_forward_context().attend(self.layer_id, q, k, v, rope)
-        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class GemmaDecoderLayer(nn.Module):
