@@ -41,17 +41,13 @@ from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.engine.tp_worker import rank_args, start_leader
 from radixmesh.engine.scheduler.scheduler import Scheduler
 from radixmesh.engine.scheduler.embedding import EmbeddingSteps
-from radixmesh.engine.scheduler.spec_steps import SpecSteps
-from radixmesh.engine.speculative.config import max_draft
-from radixmesh.engine.speculative.draft_model import DraftModel
-from radixmesh.engine.speculative.eagle_head import EAGLE, EAGLE3, as_draft_config, eagle3_layers
+from radixmesh.engine.speculative.setup import (capture_layers, draft_config, draft_runner, refuse_head_as_model,
+                                                spec_steps)
 from radixmesh.engine.lora.config import parse_lora_paths
-from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.step_runner import StepRunner
 from radixmesh.engine.scheduler.prefill_planner import PlannerLimits
 
 log = logging.getLogger(__name__)
-EAGLES = ("EAGLE", "EAGLE3")  # speculative algorithms whose draft is a head reading the target's hidden states
 
 # How long API calls that need the scheduler thread (flush_cache, get_server_info) wait for it.
 CONTROL_TIMEOUT_S = 60.0
@@ -65,10 +61,7 @@ class Engine:
         logging.basicConfig(level=kwargs.get("log_level", "info").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.model_config = ModelConfig.from_path(model_path, kwargs.get("revision"))
-        if self.model_config.architecture in (EAGLE, EAGLE3):
-            raise ValueError(f"{model_path} is an EAGLE draft head ({self.model_config.architecture}): serve its "
-                             "target model with --speculative-algorithm EAGLE/EAGLE3 --speculative-draft-model-path "
-                             "pointing here")
+        refuse_head_as_model(self.model_config)
         self.args = resolve_args(EngineArgs.from_kwargs(model_path, **kwargs), self.model_config)
         # an embedding engine's pooling (engine.pooling); None: a generation engine
         self.pooling = pooling_of(self.model_config.path) if self.args.is_embedding else None
@@ -82,12 +75,12 @@ class Engine:
         self.runner = self.draft_runner = None
         made = shared_memory.created()
         try:
-            draft = self._draft_config()
+            draft = draft_config(self.args, self.model_config)
             draft_kv = draft[1].kv_bytes_per_token(torch_dtype(draft[0].kv_cache_dtype)) if draft else 0
             self.runner = ModelRunner(rank_args(self.args, 0) if self._followers else self.args, self.model_config, tp,
-                                      extra_kv_bytes_per_token=draft_kv, capture_layers=self._capture_layers(draft))
+                                      extra_kv_bytes_per_token=draft_kv, capture_layers=capture_layers(self.args, draft, self.model_config))
             if draft is not None:
-                self.draft_runner = self._draft_runner(*draft)
+                self.draft_runner = draft_runner(self.args.speculative_algorithm, draft, self.runner)
             for name, path in parse_lora_paths(self.args.lora_paths):
                 self.runner.lora.load(name, path)
             self.cache = build_cache(self.args, self.model_config, self.runner)
@@ -122,7 +115,7 @@ class Engine:
                                    self.args.num_reserved_decode_tokens,
                                    overlap=not self.args.disable_overlap_schedule,
                                    embedding=EmbeddingSteps(self.pooling) if self.pooling is not None else None,
-                                   spec=self._spec_steps())
+                                   spec=spec_steps(self.args, self.cache, self.runner, self.draft_runner))
         if self.runner.lora is not None:  # a finished request lets go of its adapter (unload waits for none)
             lora = self.runner.lora
             reqs = self.scheduler.requests
@@ -138,63 +131,6 @@ class Engine:
         self._early_aborts = EarlyAborts()
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
-
-    def _spec_steps(self) -> SpecSteps | None:
-        """Speculative decoding's scheduler steps, when --speculative-algorithm is given."""
-        args = self.args
-        if args.speculative_algorithm is None:
-            return None
-        # a verify runs a row per token: within the largest CUDA graph where there are graphs
-        max_rows = self.runner.graphs.max_bs if self.runner.graphs is not None else None
-        if self.draft_runner is not None:
-            drafter = DraftModel(self.draft_runner, eagle=args.speculative_algorithm in EAGLES)
-            return SpecSteps(self.cache, max_draft(args), None, args.context_length, drafter, max_rows=max_rows)
-        windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
-        corpus = NgramCorpus(args.speculative_ngram_capacity)
-        return SpecSteps(self.cache, max_draft(args), lambda req: NgramIndex(*windows, corpus), args.context_length,
-                         corpus=corpus, max_rows=max_rows)
-
-    def _draft_config(self) -> tuple[EngineArgs, ModelConfig] | None:
-        """STANDALONE's draft model or an EAGLE head: its resolved arguments (the target's device, dtypes, pages and
-        attention backends and CUDA graphs) and config. Refused unless it shares the target's vocabulary (and, for
-        a head, its hidden size)."""
-        args = self.args
-        algo = args.speculative_algorithm
-        if algo not in ("STANDALONE", *EAGLES):
-            return None
-        path = args.speculative_draft_model_path
-        config = ModelConfig.from_path(path)
-        if algo in EAGLES:
-            config = as_draft_config(config, algo)
-            if config.hidden_size != self.model_config.hidden_size:
-                raise ValueError(f"the {algo} head's hidden size ({config.hidden_size}, {path}) differs from the "
-                                 f"target's ({self.model_config.hidden_size}): it was trained for another model")
-        if config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens, {path}) differs from the "
-                             f"target's ({self.model_config.vocab_size}): a draft must share the target's tokenizer")
-        keep = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
-                "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend")
-        keep += ("disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_bs")  # its one-token steps replay graphs
-        draft = EngineArgs.from_kwargs(path, **{k: getattr(args, k) for k in keep}, skip_tokenizer_init=True,
-                                       log_level=args.log_level)
-        return resolve_args(draft, config), config
-
-    def _draft_runner(self, args: EngineArgs, config: ModelConfig) -> ModelRunner:
-        """The draft model's runner: its KV pool mirrors the target's slot for slot (the target's table, as many
-        tokens), budgeted with the target's pool."""
-        target = self.runner
-        args = dataclasses.replace(args, max_total_tokens=target.kv_pool.capacity_tokens,
-                                   max_running_requests=target.max_running_requests)
-        shared = target.model if self.args.speculative_algorithm in EAGLES else None
-        return ModelRunner(args, config, table=target.req_to_token, shared_with=shared)
-
-    def _capture_layers(self, draft: tuple[EngineArgs, ModelConfig] | None) -> tuple[int, ...] | None:
-        """The target's hidden states an EAGLE head reads (engine.hidden_capture): its final ones (EAGLE), three
-        layers' inputs (EAGLE3); None: no draft reads any."""
-        algo = self.args.speculative_algorithm
-        if draft is None or algo not in EAGLES:
-            return None
-        return eagle3_layers(draft[1], self.model_config.num_layers) if algo == "EAGLE3" else ()
 
     def _rank_exited(self, reason: str) -> None:
         """A follower process of this node died: the group is broken, so the engine is (callers get `reason`)."""

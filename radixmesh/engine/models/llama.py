@@ -104,9 +104,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp or TensorParallel.single()
-        self.model = DecoderModel(cfg, self.spec, self.tp)
+        self.model = self.body(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.rotary: RotaryEmbedding | None = None
+
+    def body(self, cfg: ModelConfig) -> nn.Module:
+        """The decoder under `model.`: embedding, layers, final norm."""
+        return DecoderModel(cfg, self.spec, self.tp)
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device)

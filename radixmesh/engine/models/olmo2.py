@@ -16,11 +16,10 @@ from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import get_forward_context
-from radixmesh.engine.layers.linear import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, Shard,
-                                            VocabParallelEmbedding, vocab_logits)
-from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
+from radixmesh.engine.layers.linear import QKVParallelLinear, RowParallelLinear, Shard, VocabParallelEmbedding
+from radixmesh.engine.layers.rotary import RopeInputs
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.llama import MLP
+from radixmesh.engine.models.llama import MLP, LlamaForCausalLM
 
 
 class Olmo2RMSNorm(nn.Module):
@@ -95,17 +94,9 @@ class Olmo2Model(nn.Module):
         self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Olmo2ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
-        super().__init__()
-        self.config = cfg
-        self.tp = tp or TensorParallel.single()
-        self.model = Olmo2Model(cfg, self.tp)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
-        self.rotary: RotaryEmbedding | None = None
-
-    def init_rotary(self, max_positions: int, device: torch.device) -> None:
-        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device)
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    def body(self, cfg: ModelConfig) -> nn.Module:
+        return Olmo2Model(cfg, self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
@@ -114,8 +105,3 @@ class Olmo2ForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden = layer(hidden, rope)
         return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> float32 logits [n, vocab] (gathered from every rank under tensor parallelism)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_logits(self.tp, hidden, weight, self.config.vocab_size)
