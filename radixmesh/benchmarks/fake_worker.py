@@ -37,7 +37,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
                  no_generate_stream: bool = False, token_gap_s: float | None = 0.0,
-                 die_after_last_chunk: bool = False):
+                 die_after_last_chunk: bool = False, tokenizes_text: bool = False):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
@@ -46,6 +46,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.no_generate_stream = no_generate_stream
         self.token_gap_s = token_gap_s  # None: no step between tokens (an answer leaves in one message batch)
         self.die_after_last_chunk = die_after_last_chunk  # the process exits between a stream's last chunk and its end
+        # takes text-only requests, as a worker with a tokenizer does (its words stand in for the prompt's tokens)
+        self.tokenizes_text = tokenizes_text
         self.draining: asyncio.Event | None = None
         self.calls = 0
 
@@ -69,6 +71,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)
+        if not prompt:
+            if not self.tokenizes_text:
+                raise ValueError("input_ids is empty (this fake tokenizes no text)")
+            prompt = len(request.text.split())
         ids = token_ids(n)
         if request.stream:
             for i, tok in enumerate(ids):
@@ -107,7 +113,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             model_path=self.model_name, tokenizer_path=self.model_name, is_generation=True,
             served_model_name=self.model_name, max_context_length=4096, vocab_size=VOCAB, model_type="fake",
             eos_token_ids=[], preferred_sampling_params="{}", max_total_num_tokens=1 << 20,
-            disaggregation_mode=self.mode)
+            disaggregation_mode=self.mode, tokenizes_text=self.tokenizes_text)
 
     async def GetServerInfo(self, request, context):
         return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls}))
@@ -134,11 +140,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="answer GenerateStream with UNIMPLEMENTED, as a worker of an older release")
     parser.add_argument("--die-after-last-chunk", action="store_true",
                         help="exit after a streamed answer's last chunk, before its `complete` (a fault)")
+    parser.add_argument("--tokenizes-text", action="store_true",
+                        help="take text-only requests, as a worker with a tokenizer does (the router then sends text)")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
                           args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s,
-                          args.die_after_last_chunk)
+                          args.die_after_last_chunk, args.tokenizes_text)
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

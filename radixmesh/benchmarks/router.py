@@ -274,6 +274,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--policy", default="cache_aware", help="the router's --policy")
     p.add_argument("--router-cpu", type=int, default=0, help="the core the router runs on")
     p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
+    p.add_argument("--router-tokenizes", action="store_true", help="text prompts are tokenized by the router "
+                   "(through the tokenizer service), as with workers that have no tokenizer; default: the workers")
     p.add_argument("--enable-trace", action="store_true", help="the router exports OpenTelemetry traces to a local "
                    "OTLP/gRPC sink (benchmarks.otlp_sink, on the other cores)")
     p.add_argument("--trace-ab", action="store_true", help="routers with tracing on (same core, same fakes), one "
@@ -300,6 +302,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def fake_tokenizes(args: argparse.Namespace) -> list[str]:
+    """The fake workers' flag: they take text prompts, as workers with a tokenizer do, unless --router-tokenizes
+    (text prompts then go through the tokenizer service, as with --skip-tokenizer-init workers)."""
+    return [] if getattr(args, "router_tokenizes", False) else ["--tokenizes-text"]
+
+
 def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
     cores = args.cores = getattr(args, "cores", None) or os.sched_getaffinity(0)  # before a first pair narrowed it
     others = cores - {args.router_cpu}
@@ -313,8 +321,8 @@ def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
                               *quiet], others)
     most = str(max(s.tokens for s in SCENARIOS))  # the fakes answer min(this, max_new_tokens) tokens
     for i, port in enumerate(workers):
-        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet],
-                    others)
+        procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most, *quiet,
+                                   *fake_tokenizes(args)], others)
     profile = ["cProfile", "-o", str(Path(args.profile_router).resolve()), "-m"] if args.profile_router else []
     trace = []
     if args.enable_trace or args.trace_ab:

@@ -36,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from radixmesh.benchmarks.router import (Processes, free_port, process_group, provenance, run_load, wait_http)
+from radixmesh.benchmarks.router import (Processes, fake_tokenizes, free_port, process_group, provenance, run_load,
+                                         wait_http)
 from radixmesh.benchmarks.router_scenarios import SCENARIOS
 
 # tracing at the default ratio, and on every request
@@ -53,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="counted runs per scenario and variant (all reported)")
     p.add_argument("--model-path", default="models/tiny-llama", help="tokenizer of the tokenizer service")
+    p.add_argument("--router-tokenizes", action="store_true", help="text prompts are tokenized by the router "
+                   "(through the tokenizer service), as with workers that have no tokenizer; default: the workers")
     p.add_argument("--router-args", nargs="*", default=[], metavar="FLAG", help="more router flags for every variant")
     p.add_argument("--annotate", type=int, default=0, metavar="N",
                    help="list the N C functions whose instruction counts differ most from the first variant's")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         most = str(max(s.tokens for s in SCENARIOS))
         for i, port in enumerate(workers):
             procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", most,
-                                       *quiet], cpus)
+                                       *quiet, *fake_tokenizes(args)], cpus)
         if any(v.startswith("trace") for v in args.variants):
             procs.start("otlp_sink", ["radixmesh.benchmarks.otlp_sink", "--port", str(sink)], cpus)
         common = ["--tokenizer-url", f"127.0.0.1:{tok}", *quiet, *args.router_args,

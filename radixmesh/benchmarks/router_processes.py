@@ -50,7 +50,7 @@ def one_setting(count: int, args) -> dict:
                                   *quiet], cores)
         for i, port in enumerate(workers):
             procs.start(f"worker{i}", ["radixmesh.benchmarks.fake_worker", "--port", str(port), "--tokens", "16",
-                                       *quiet], cores)
+                                       *quiet, *bench.fake_tokenizes(args)], cores)
         port = bench.free_port()
         base = f"http://127.0.0.1:{port}"
         procs.start("router", ["radixmesh.services.router", "--host", "127.0.0.1", "--port", str(port),

@@ -6,8 +6,9 @@ fake gRPC workers); SGLang's runs with two fake SGLang HTTP workers (benchmarks.
 answers, so the same checks judge both.
 
 Not the same work: in HTTP mode SGLang's router passes /generate and chat requests through to the workers, which
-tokenize and apply the chat template themselves; ours calls the tokenizer service for chat (and converts between
-HTTP/JSON and gRPC both ways). The ratio is what a user sees: router CPU per request for the same client traffic."""
+tokenize and apply the chat template themselves; ours sends /generate's text to the workers too (they tokenize it),
+but calls the tokenizer service for chat (and converts between HTTP/JSON and gRPC both ways). The ratio is what a
+user sees: router CPU per request for the same client traffic."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--policy", default="cache_aware", help="both routers' --policy")
     p.add_argument("--router-cpu", type=int, default=0)
     p.add_argument("--model-path", default="models/tiny-llama", help="our tokenizer service's model")
+    p.add_argument("--router-tokenizes", action="store_true", help="our router tokenizes text prompts (through the "
+                   "tokenizer service) instead of sending them to the workers as SGLang's does")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.enable_trace = args.trace_ab = args.ab_control = False

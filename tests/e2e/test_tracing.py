@@ -23,10 +23,13 @@ from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 NAME = model_path(MODEL)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 WORKER = "radixmesh.v1.WorkerService/Generate"
-COLOCATED = {"POST /generate", "radixmesh.v1.TokenizerService/Tokenize", "route", WORKER, "queue", "prefill",
-             "decode"}
-PD = COLOCATED | {"worker Generate", "kvstore MatchPrefix", "radixmesh.v1.KvStoreService/MatchPrefix", "kv_handoff",
-                  "radixmesh.v1.KvBootstrapService/Handoff", "kv_transfer"}
+TOKENIZE = "radixmesh.v1.TokenizerService/Tokenize"
+# colocated, the router sends /generate's text to the worker, which tokenizes it (its `tokenize` span); a PD pair
+# (and kv_index) gets ids from the tokenizer service
+COLOCATED = {"POST /generate", "route", WORKER, "tokenize", "queue", "prefill", "decode"}
+PD = COLOCATED - {"tokenize"} | {TOKENIZE, "worker Generate", "kvstore MatchPrefix",
+                                 "radixmesh.v1.KvStoreService/MatchPrefix", "kv_handoff",
+                                 "radixmesh.v1.KvBootstrapService/Handoff", "kv_transfer"}
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +74,23 @@ def parent(spans: list[ReceivedSpan], s: ReceivedSpan) -> ReceivedSpan:
     return next(p for p in spans if p.span_id == s.parent_id)
 
 
-def check_common(spans: list[ReceivedSpan], root: ReceivedSpan) -> None:
+def check_common(spans: list[ReceivedSpan], root: ReceivedSpan, router_tokenizes: bool) -> None:
     assert root.service == "radixmesh-router"
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["radixmesh.request_id"]
-    # the router's call to the tokenizer has no client span: the tokenizer's server span hangs off the request's
-    tok = by_name(spans, "radixmesh.v1.TokenizerService/Tokenize")[0]
-    assert tok.service == "radixmesh-tokenizer" and parent(spans, tok) == root
-    assert by_name(spans, "tokenize") == []
     route = by_name(spans, "route")[0]
     assert parent(spans, route) == root
-    assert {"radixmesh.policy", "radixmesh.worker", "radixmesh.prompt_tokens"} <= set(route.attributes)
+    if router_tokenizes:
+        # the router's call to the tokenizer has no client span: the tokenizer's server span hangs off the request's
+        tok = by_name(spans, TOKENIZE)[0]
+        assert tok.service == "radixmesh-tokenizer" and parent(spans, tok) == root
+        assert by_name(spans, "tokenize") == []
+        assert {"radixmesh.policy", "radixmesh.worker", "radixmesh.prompt_tokens"} <= set(route.attributes)
+    else:  # routed on the text (its length in bytes), tokenized in the worker's Generate
+        assert by_name(spans, TOKENIZE) == []
+        assert {"radixmesh.policy", "radixmesh.worker", "radixmesh.prompt_bytes"} <= set(route.attributes)
+        tokenize = by_name(spans, "tokenize")[0]
+        assert parent(spans, tokenize).name == WORKER and tokenize.attributes["radixmesh.prompt_tokens"] > 0
     decode = by_name(spans, "decode")[0]
     assert decode.events == ("first_token", "finished")
     assert decode.attributes["radixmesh.completion_tokens"] == GREEDY["max_new_tokens"]
@@ -104,8 +113,8 @@ def test_colocated_request_is_one_trace_with_the_clients_trace_id(receiver, tmp_
         stop_and_check(mesh)
     assert COLOCATED <= {s.name for s in spans}, sorted({s.name for s in spans})
     root = assert_connected(spans, client_parent=client_span)
-    check_common(spans, root)
-    assert {s.service for s in spans} == {"radixmesh-router", "radixmesh-tokenizer", "radixmesh-colocated"}
+    check_common(spans, root, router_tokenizes=False)
+    assert {s.service for s in spans} == {"radixmesh-router", "radixmesh-colocated"}
     worker = {s.name for s in spans if s.service == "radixmesh-colocated"}
     assert {"queue", "prefill", "decode", WORKER} <= worker
     # a colocated call that worked has no client span either: the worker's server span is the request's child
@@ -135,7 +144,7 @@ def test_pd_request_is_one_trace_across_router_tokenizer_prefill_decode_and_kvst
         stop_and_check(mesh)
     assert PD <= {s.name for s in spans}, sorted({s.name for s in spans})
     root = assert_connected(spans, client_parent=client_span)
-    check_common(spans, root)
+    check_common(spans, root, router_tokenizes=True)
     assert {s.service for s in spans} == {"radixmesh-router", "radixmesh-tokenizer", "radixmesh-kvstore",
                                          "radixmesh-prefill", "radixmesh-decode"}
     calls = {s.attributes["radixmesh.role"]: s for s in by_name(spans, "worker Generate")}

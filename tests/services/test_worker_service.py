@@ -3,6 +3,7 @@ request's KV pages at once, loads/info/flush/health answer, a prefill worker ans
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -102,6 +103,30 @@ def test_info_loads_health_and_errors(worker):
     with pytest.raises(grpc.RpcError) as err:  # started without --kv-events-config / --kvstore-url
         list(worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest()))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "kv-events" in err.value.details()
+
+
+def test_a_text_prompt_is_tokenized_by_the_worker_as_the_tokenizer_service_does(worker):
+    """A request with text and no input_ids (what the router sends when it routes on text): the worker's prompt ids
+    are the tokenizer service's, so the output is the tokenized request's, on GenerateStream as on Generate."""
+    from radixmesh.services.tokenizer.backend import TokenizerBackend
+    from radixmesh.services.tokenizer.settings import TokenizerSettings
+
+    assert worker.GetModelInfo(worker_pb2.GetModelInfoRequest()).tokenizes_text
+    text = "Hello, world! Ünïcödé, 1234 numbers\tand tabs: the tokenizer sees it all."
+    backend = TokenizerBackend.from_settings(TokenizerSettings(model_path=MODEL))
+    try:
+        ids = asyncio.run(backend.run(backend.tokenize_text, text)).input_ids
+    finally:
+        backend.close()
+    by_ids = list(worker.Generate(worker_pb2.GenerateRequest(request_id="t-ids", input_ids=ids,
+                                                             sampling_params=greedy(10))))[-1].complete
+    by_text = list(worker.Generate(worker_pb2.GenerateRequest(request_id="t-text", text=text,
+                                                              sampling_params=greedy(10), stream=True)))[-1].complete
+    assert list(by_text.output_ids) == list(by_ids.output_ids) and by_text.text == by_ids.text
+    assert by_text.usage.prompt_tokens == len(ids)
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.Generate(worker_pb2.GenerateRequest(request_id="t-none", sampling_params=greedy(4))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "neither input_ids nor text" in err.value.details()
 
 
 def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout():

@@ -114,7 +114,8 @@ def top_rows(rows) -> list:
 
 def worker_request(req: router_pb2.RouterServiceGenerateRequest, request_id: str, input_ids: list[int], tenant: str,
                    model_lora: str = "") -> worker_pb2.GenerateRequest:
-    """The worker's request for a public gRPC Generate call, its prompt tokenized (`input_ids`), in `tenant`'s
+    """The worker's request for a public gRPC Generate call, its prompt tokenized (`input_ids`; empty: the worker
+    tokenizes `text`), in `tenant`'s
     namespace, with its LoRA adapter: `lora_path`, else `model_lora`, the one its `model` names (ValueError when
     the two name different adapters)."""
     if req.lora_path and model_lora and req.lora_path != model_lora:

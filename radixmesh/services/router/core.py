@@ -136,6 +136,13 @@ class Router:
         with tracing.span("detokenize", "client", tokens=len(ids)):
             return await _tokenizer_call(self.tokenizer.detokenize(ids, skip_special_tokens))
 
+    def routes_text(self) -> bool:
+        """Whether a text prompt goes to its worker as text, for the worker to tokenize (as SGLang's router leaves
+        tokenization to its workers): when every worker is colocated and tokenizes, and the policy needs no token
+        ids (cache_aware then matches the text's characters). Otherwise the tokenizer service tokenizes it here:
+        kv_index matches token pages in the kvstore, and a PD pair is sent the ids."""
+        return getattr(self.policy, "routes_text", False) and self.registry.tokenize_text
+
     def policy_name(self, role: str = "colocated") -> str:
         return self._policy_names.get(role) or self.settings.policy
 
@@ -149,18 +156,21 @@ class Router:
         pick_async = getattr(policy, "pick_async", None)
         if pick_async is None:
             start = tracing.clock()
-            ids = request.input_ids  # one wrapper of the repeated field for the policy and the span (each costs)
+            # the ids, else (a text-only request: routes_text) the text; one wrapper of the repeated field for the
+            # policy and the span (each costs)
+            prompt = request.input_ids or request.text
             try:
-                worker = policy.pick(candidates, ids, _namespace(request))
+                worker = policy.pick(candidates, prompt, _namespace(request))
             except Exception as e:
                 if start:
-                    tracing.leaf("route", tracing.INTERNAL, start, _ROUTE[:4],
-                                 (self.policy_name(role), role, len(candidates), len(ids)), e)
+                    tracing.leaf("route", tracing.INTERNAL, start, _ROUTE[:5],
+                                 (self.policy_name(role), role, len(candidates), *_in_units(prompt, _size(prompt))), e)
                 raise
             if start:
                 tracing.leaf("route", tracing.INTERNAL, start, _ROUTE, (
-                    self.policy_name(role), role, len(candidates), len(ids), worker.url,
-                    getattr(policy, "last_reason", None), getattr(policy, "last_matched_tokens", None)))
+                    self.policy_name(role), role, len(candidates), *_in_units(prompt, _size(prompt)), worker.url,
+                    getattr(policy, "last_reason", None),
+                    *_in_units(prompt, getattr(policy, "last_matched_tokens", None))))
             return worker
         with tracing.span("route", policy=self.policy_name(role), role=role, candidates=len(candidates),
                           prompt_tokens=len(request.input_ids)) as span:
@@ -339,8 +349,20 @@ def _namespace(request) -> str:
 
 
 # attribute names of the router's spans recorded as tuples (tracing.leaf)
-_ROUTE = ("policy", "role", "candidates", "prompt_tokens", "worker", "reason", "matched_tokens")
+# (a text-only request's prompt and matched prefix are counted in UTF-8 bytes, a tokenized one's in tokens)
+_ROUTE = ("policy", "role", "candidates", "prompt_tokens", "prompt_bytes", "worker", "reason", "matched_tokens",
+          "matched_bytes")
 _WORKER_CALL = ("worker", "role", "attempt")
+
+
+def _size(prompt) -> int:
+    """A prompt's length: tokens of ids, UTF-8 bytes of a text."""
+    return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else len(prompt)
+
+
+def _in_units(prompt, n) -> tuple:
+    """(n, None) for a tokenized prompt, (None, n) for a text one: the tokens and bytes attributes."""
+    return (None, n) if isinstance(prompt, str) else (n, None)
 
 
 def _route_attributes(policy, worker) -> None:

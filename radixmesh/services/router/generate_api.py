@@ -187,7 +187,7 @@ async def worker_request(router: Router, job: GenerateJob, lp: common_pb2.Logpro
     request_id_var.set(worker_rid)
     tracing.set_attribute("request_id", worker_rid)
     ids = job.input_ids
-    if ids is None:
+    if ids is None and not router.routes_text():
         ids = list((await router.tokenize(tokenizer_pb2.TokenizeRequest(text=job.text))).input_ids)
     return worker_pb2.GenerateRequest(request_id=worker_rid, input_ids=ids, text=job.text or "",
                                       sampling_params=job.sampling, logprob_options=lp, stream=stream,

@@ -93,7 +93,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if seed_error:
                 raise RouterError(400, f"sampling_params: {seed_error}")
             which = request.WhichOneof("input")
-            if which == "text":
+            if which == "text" and self.router.routes_text():
+                ids = []  # the worker tokenizes the text (Router.routes_text)
+            elif which == "text":
                 tokenized = await self.router.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))
                 ids = list(tokenized.input_ids)
             elif which == "input_ids" and request.input_ids.ids:

@@ -12,7 +12,12 @@ balance_rel_threshold) send it to the least loaded worker. "Seen" is an approxim
 token ids routed there, at block granularity: a block of BLOCK tokens is keyed by a hash chained over every block
 before it, so a dict of keys is a trie of blocks; the oldest blocks are forgotten past max_tree_tokens. The chain
 starts from the request's prefix-cache namespace (its tenant and LoRA adapter, engine.request.cache_namespace), as
-the workers' caches do: a prompt sent with one adapter says nothing of where it is cached for another."""
+the workers' caches do: a prompt sent with one adapter says nothing of where it is cached for another.
+
+A prompt the router does not tokenize (a text-only request, Router.routes_text) is matched on its text, as SGLang's
+router matches characters: blocks of TEXT_BLOCK bytes of its UTF-8, about as many tokens as BLOCK, in a key space of
+their own (a prompt sent once as text and once as ids is two prompts to the trees). Every policy but kv_index routes
+text (`routes_text`); lengths and thresholds are then in bytes."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from typing import Callable, Protocol, Sequence
 from radixmesh.services.router.rendezvous import rendezvous
 
 BLOCK = 16
+TEXT_BLOCK = 64  # bytes of a text prompt's UTF-8 per block (~16 tokens of English)
+_TEXT_SEED = 0x7E47  # starts a text prompt's chain, apart from a token prompt's
 # The request's sticky routing key (manual policy), set by the front end that received it.
 routing_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("routing_key", default=None)
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -40,14 +47,17 @@ class Policy(Protocol):
     """`namespace`: the request's prefix-cache namespace (engine.request.cache_namespace of its tenant and LoRA
     adapter; "" for the shared one and the base model), for the policies that route by cached prefix. Policies may
     also define `async pick_async(workers, input_ids, tenant)`, which the router then uses instead of `pick`
-    (kv_index: it asks the kvstore), and `async close()`, awaited at shutdown."""
+    (kv_index: it asks the kvstore), and `async close()`, awaited at shutdown. `prompt` is the request's token ids,
+    or its text for a policy with `routes_text = True` (Router.routes_text: the worker tokenizes it)."""
 
-    def pick(self, workers: Sequence[Candidate], input_ids: Sequence[int], namespace: str = "") -> Candidate: ...
+    def pick(self, workers: Sequence[Candidate], prompt: Sequence[int] | str, namespace: str = "") -> Candidate: ...
 
     def forget(self, url: str) -> None: ...
 
 
 class RoundRobin:
+    routes_text = True  # needs no token ids (Router.routes_text)
+
     def __init__(self) -> None:
         self._counter = itertools.count()
 
@@ -59,6 +69,8 @@ class RoundRobin:
 
 
 class Random:
+    routes_text = True  # needs no token ids (Router.routes_text)
+
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
@@ -71,6 +83,8 @@ class Random:
 
 class PowerOfTwo:
     """Two distinct workers at random; the one with fewer requests in flight (SGLang router's power_of_two)."""
+
+    routes_text = True  # needs no token ids (Router.routes_text)
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -89,6 +103,8 @@ class Manual:
     """Sticky routing by key: the highest rendezvous score of (key, worker url) wins, so a key stays on its worker
     as long as that worker is healthy and moves (alone) when it goes. Keyless requests: `assignment_mode` random or
     min_load. Counts sticky and keyless picks for metrics."""
+
+    routes_text = True
 
     def __init__(self, assignment_mode: str = "random", seed: int | None = None) -> None:
         self.assignment_mode = assignment_mode
@@ -112,13 +128,34 @@ class Manual:
         pass
 
 
-def block_keys(input_ids: Sequence[int], namespace: str = "") -> list[int]:
-    """Chained hashes of the full BLOCK-token blocks of a sequence in a prefix-cache namespace (a partial last
-    block is not remembered). The same in every process (sibling routers share keys): no str hash, whose seed is
-    per process."""
+def block_keys(prompt: Sequence[int] | str, namespace: str = "") -> list[int]:
+    """Chained hashes of the full blocks of a prompt in a prefix-cache namespace: BLOCK tokens of token ids, or
+    TEXT_BLOCK bytes of a text's UTF-8 (a partial last block is not remembered). The same in every process (sibling
+    routers share keys): no str or bytes hash, whose seed is per process (an int's hash has none)."""
+    if isinstance(prompt, str):
+        return _text_block_keys(prompt.encode("utf-8", "surrogatepass"), namespace)
+    input_ids = prompt
     keys, prev = [], _namespace_seed(namespace) if namespace else 0
     for start in range(0, len(input_ids) - BLOCK + 1, BLOCK):
         prev = hash((prev, tuple(input_ids[start:start + BLOCK])))
+        keys.append(prev)
+    return keys
+
+
+def _keyed(prompt: Sequence[int] | str, namespace: str) -> tuple[list[int], int, int]:
+    """(block keys, the prompt's length, a block's length): in tokens for ids, in UTF-8 bytes for a text."""
+    if isinstance(prompt, str):
+        data = prompt.encode("utf-8", "surrogatepass")
+        return _text_block_keys(data, namespace), len(data), TEXT_BLOCK
+    return block_keys(prompt, namespace), len(prompt), BLOCK
+
+
+def _text_block_keys(data: bytes, namespace: str) -> list[int]:
+    # a block's bytes as one int, whose hash is its value mod 2**61 - 1: blocks differ in that unless their 61-bit
+    # pieces sum alike, which text does not by chance (a collision would only misroute, never mis-serve)
+    keys, prev = [], (_namespace_seed(namespace) if namespace else 0) ^ _TEXT_SEED
+    for start in range(0, len(data) - TEXT_BLOCK + 1, TEXT_BLOCK):
+        prev = hash((prev, int.from_bytes(data[start:start + TEXT_BLOCK], "little")))
         keys.append(prev)
     return keys
 
@@ -156,6 +193,8 @@ class PrefixTree:
 
 
 class CacheAware:
+    routes_text = True  # needs no token ids (Router.routes_text)
+
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
                  max_tree_tokens: int):
         self.cache_threshold = cache_threshold
@@ -177,8 +216,8 @@ class CacheAware:
             self.trees[url] = PrefixTree(self.max_tree_tokens)
         return self.trees[url]
 
-    def pick(self, workers, input_ids, namespace=""):
-        keys = block_keys(input_ids, namespace)
+    def pick(self, workers, prompt, namespace=""):
+        keys, size, unit = _keyed(prompt, namespace)
         loads = [w.in_flight for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
@@ -188,7 +227,7 @@ class CacheAware:
         else:
             matches = [self._tree(w.url).match(keys) for w in workers]
             best = max(range(len(workers)), key=lambda i: (matches[i], -loads[i]))
-            if keys and matches[best] * BLOCK >= self.cache_threshold * len(input_ids):
+            if keys and matches[best] * unit >= self.cache_threshold * size:
                 chosen = workers[best]
                 self.counts["cache_hits"] += 1
                 self.last_reason = "cache_hit"
@@ -196,7 +235,7 @@ class CacheAware:
                 chosen = min(workers, key=lambda w: (self._tree(w.url).size, w.in_flight))
                 self.counts["cache_misses"] += 1
                 self.last_reason = "cache_miss"
-        self.last_matched_tokens = self._tree(chosen.url).match(keys) * BLOCK
+        self.last_matched_tokens = self._tree(chosen.url).match(keys) * unit  # bytes for a text prompt
         self._tree(chosen.url).insert(keys)
         if self.on_insert is not None and keys:
             self.on_insert(chosen.url, keys)

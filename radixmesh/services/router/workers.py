@@ -77,6 +77,7 @@ class WorkerRegistry:
         self._jobs: list[tuple[float, Callable[[], Awaitable[object]]]] = [(1.0, self._expire_leases)]
         self._tasks: list[asyncio.Task] = []
         self._leases: dict[str, float] = {}  # url -> monotonic deadline of a worker's self-registration
+        self.on_add: Callable[[Worker], None] = lambda worker: None  # called once a worker is registered
         self.on_remove = lambda url: None
         self.on_lost = lambda worker: None  # called once a worker failed failure_threshold probes in a row
         # what this process changed, for its sibling router processes (--router-workers; services/router/peers.py):
@@ -118,6 +119,7 @@ class WorkerRegistry:
         worker = Worker(url, ch, stub, info, breaker=self.new_breaker(), mux=mux, lora=lora)
         self.workers[url] = worker
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
+        self.on_add(worker)
         return worker
 
     def lease(self, url: str, lease_s: float | None, quiet: bool = False) -> None:
@@ -162,6 +164,13 @@ class WorkerRegistry:
     def disaggregated(self) -> bool:
         """True when prefill/decode workers are registered (requests then go to a pair)."""
         return any(w.info.disaggregation_mode != "null" for w in self.workers.values())
+
+    @property
+    def tokenize_text(self) -> bool:
+        """True when every registered worker is colocated and tokenizes text-only requests itself (its model info
+        says `tokenizes_text`): text prompts may then go to any of them untokenized."""
+        return bool(self.workers) and all(w.info.tokenizes_text and w.info.disaggregation_mode == "null"
+                                          for w in self.workers.values())
 
     def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
         for w in self.workers.values():

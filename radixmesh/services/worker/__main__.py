@@ -51,6 +51,8 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         if bootstrap is not None:
             await bootstrap.stop(settings.shutdown_grace_s)
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        if servicer.prompts is not None:
+            servicer.prompts.close()
         rooms = prefill_rooms or decode_rooms
         if rooms is not None:
             rooms.transfer.close()

@@ -29,6 +29,7 @@ from radixmesh.services.common.metrics import ServiceMetrics
 from radixmesh.services.worker import convert
 from radixmesh.services.worker.lora import WorkerLora
 from radixmesh.services.worker.metrics import WorkerMetrics
+from radixmesh.services.worker.prompts import PromptTokenizer
 from radixmesh.services.worker.settings import WorkerSettings
 from radixmesh.services.worker.spans import trace_sample
 from radixmesh.services.worker.stats import WorkerStats
@@ -111,6 +112,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      lambda: len(self.active)) if metrics is not None else None
         self.started = time.time()
         self.lora = WorkerLora(engine)
+        self.prompts = PromptTokenizer.for_engine(engine)  # text-only requests; None without a tokenizer
 
     async def _blocking(self, fn, *args):
         """Engine control calls wait for the scheduler thread; keep them off the event loop."""
@@ -140,13 +142,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                              "/encode), not Generate")
         if not request.request_id:
             raise ValueError("request_id is required")
-        if request.request_id in self.active:
-            raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
-        tracing.set_attributes(request_id=request.request_id, prompt_tokens=len(request.input_ids))
         paired = request.HasField("disaggregated_params")
         if paired != (mode != "null"):
             raise ValueError(f"this is a {mode} worker: disaggregated_params must be " +
                              ("absent" if mode == "null" else "given (the router pairs prefill and decode workers)"))
+        if not request.input_ids:  # every path below (prefill, decode, colocated) reads the ids from the request
+            request.input_ids[:] = await self._prompt_ids(request.text)
+        if request.request_id in self.active:
+            raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        tracing.set_attributes(request_id=request.request_id, prompt_tokens=len(request.input_ids))
         kwargs = convert.generate_kwargs(request)
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         if paired and n != 1:
@@ -176,6 +180,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await room.close()
         finally:
             self.active.pop(request.request_id, None)
+
+    async def _prompt_ids(self, text: str) -> list[int]:
+        """A text-only request's prompt ids (services.worker.prompts), tokenized off the event loop."""
+        if self.prompts is None:
+            raise ValueError("this worker has no tokenizer (--skip-tokenizer-init): send input_ids, not text")
+        with tracing.span("tokenize", prompt_bytes=len(text.encode("utf-8", "surrogatepass"))) as span:
+            ids = await self.prompts.ids(text)
+            if span is not None:
+                tracing.set_attribute("prompt_tokens", len(ids))
+            return ids
 
     # ---- embeddings ------------------------------------------------------------------------------------------
     async def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
@@ -335,7 +349,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             preferred_sampling_params=json.dumps(e.model_config.generation_defaults or {}),
             max_total_num_tokens=e.runner.max_total_tokens,
             disaggregation_mode=self.settings.disaggregation_mode,
-            bootstrap_port=self.prefill_rooms.bootstrap_port if self.prefill_rooms is not None else 0)
+            bootstrap_port=self.prefill_rooms.bootstrap_port if self.prefill_rooms is not None else 0,
+            tokenizes_text=self.prompts is not None and e.pooling is None)
 
     async def GetModelInfo(self, request, context):
         return self._model_info()

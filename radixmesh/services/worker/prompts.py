@@ -1,0 +1,79 @@
+"""Prompts that arrive as text (GenerateRequest.text with no input_ids), tokenized in the worker as SGLang's server
+tokenizes them: the router then neither tokenizes nor calls the tokenizer service for them.
+
+Tokenization runs on a thread of its own with a tokenizer of its own (a fast tokenizer must not be used by two
+threads at once, and the engine's is used on the event loop). A fast tokenizer's batch encode releases the GIL while
+it works, so a long prompt costs neither the event loop nor the scheduler thread its time; a slow (Python)
+tokenizer holds the GIL, as it would anywhere. The ids are those of the tokenizer service's Tokenize (the same files,
+special tokens added), which tests/services/test_worker_text_prompts.py checks."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+from radixmesh.engine.tokenizer_loader import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer_path: str, revision: str | None = None):
+        """Starts loading the tokenizer on the tokenizing thread: requests that come before it is ready wait."""
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prompt-tokenizer")
+        self._loaded = self._pool.submit(load_tokenizer, tokenizer_path, revision=revision)
+        self._encode = None
+
+    @classmethod
+    def for_engine(cls, engine) -> "PromptTokenizer | None":
+        """None for an engine without a tokenizer (--skip-tokenizer-init): its requests must carry input_ids."""
+        if engine.tokenizer is None:
+            return None
+        return cls(engine.args.tokenizer_path, engine.args.revision)
+
+    async def ids(self, text: str) -> list[int]:
+        """`text`'s token ids, special tokens added; ValueError for an empty text or one the tokenizer rejects."""
+        if not text:
+            raise ValueError("the request has neither input_ids nor text")
+        return await asyncio.wrap_future(self._pool.submit(self._tokenize, text))
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self._encode is None:
+            self._encode = _encoder(self._loaded.result())
+        try:
+            ids = self._encode(text)
+        except Exception as e:  # the tokenizer's own errors (e.g. text it cannot encode) are the request's
+            raise ValueError(f"the prompt could not be tokenized: {e}") from None
+        if not ids:
+            raise ValueError("the prompt tokenizes to no tokens")
+        return ids
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# Text whose ids the backend's encode must give as the tokenizer's own encode does before it is used: spaces,
+# digits, accents, tabs, newlines and special-token spellings, where a tokenizer class's Python side may differ.
+_PROBE = "Hello, world!  1234 \u00fcn\u00efc\u00f6d\u00e9 \u4f60\u597d\n\tand\ttabs <s> </s> <|im_start|> <|endoftext|>"
+
+
+def _encoder(tokenizer):
+    """text -> ids with special tokens. For a fast tokenizer, its backend's batch encode of one text: what
+    `tokenizer.encode` computes, without holding the GIL (the single-text encode holds it throughout). A tokenizer
+    class that does more in Python (the probe's ids differ) keeps its own encode."""
+    def plain(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=True)
+
+    backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return plain
+
+    def batched(text: str) -> list[int]:
+        return backend.encode_batch([text], add_special_tokens=True)[0].ids
+
+    if batched(_PROBE) != plain(_PROBE):
+        log.warning("%s encodes in Python beyond its backend: prompts are tokenized with the GIL held",
+                    type(tokenizer).__name__)
+        return plain
+    return batched

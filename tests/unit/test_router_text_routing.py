@@ -1,0 +1,91 @@
+"""Text prompts routed untokenized (Router.routes_text): when the router sends text to the workers, cache_aware
+matches it by its text, in every router process alike, and the router only does so where every worker tokenizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from radixmesh.v1 import worker_pb2
+from radixmesh.services.router.core import Router
+from radixmesh.services.router.kv_index import KvIndexPolicy
+from radixmesh.services.router.policies import TEXT_BLOCK, CacheAware, PowerOfTwo, RoundRobin, block_keys
+from radixmesh.services.router.settings import RouterSettings
+from radixmesh.services.router.workers import Worker, WorkerRegistry
+
+PREFIX = "You are a careful assistant. Answer in one sentence, and cite the source you used. " * 3
+
+
+def _worker(url: str, mode: str = "null", tokenizes: bool = True) -> Worker:
+    info = worker_pb2.GetModelInfoResponse(served_model_name="m", disaggregation_mode=mode, tokenizes_text=tokenizes)
+    return Worker(url, channel=None, stub=None, info=info)
+
+
+def _policy() -> CacheAware:
+    return CacheAware(cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.5,
+                      max_tree_tokens=1 << 16)
+
+
+def test_cache_aware_sends_a_shared_text_prefix_where_it_went_before():
+    policy = _policy()
+    workers = [SimpleNamespace(url=f"w{i}", in_flight=0) for i in range(4)]
+    first = {policy.pick(workers, PREFIX + f"Question {q}: why is the sky blue?").url for q in range(3)}
+    assert len(first) == 1, "one prefix went to several workers"
+    assert policy.last_reason == "cache_hit" and policy.last_matched_tokens >= len(PREFIX.encode()) - TEXT_BLOCK
+    other = policy.pick(workers, "An unrelated prompt about gardening, long enough to fill two blocks of text. " * 2)
+    assert policy.last_reason == "cache_miss" and other.url not in first  # the least-seen worker
+    # the same text in another namespace (tenant or adapter) is not cached there
+    policy.pick(workers, PREFIX + "Question 9", namespace="tenant-b")
+    assert policy.last_reason == "cache_miss"
+
+
+def test_text_thresholds_count_bytes_not_characters():
+    """A prompt of multibyte characters: the matched share is measured in UTF-8 bytes on both sides."""
+    policy = _policy()
+    workers = [SimpleNamespace(url=f"w{i}", in_flight=0) for i in range(2)]
+    shared = "日本語の長い共有された前置きです。" * 8  # 3 bytes a character
+    policy.pick(workers, shared + "一")
+    policy.pick(workers, shared + "二")
+    assert policy.last_reason == "cache_hit"
+    assert policy.last_matched_tokens == len(shared.encode()) // TEXT_BLOCK * TEXT_BLOCK
+
+
+def test_text_and_token_prompts_have_keys_of_their_own():
+    ids = list(range(64))
+    assert set(block_keys(ids)).isdisjoint(block_keys("x" * 256))
+    assert block_keys("a" * (TEXT_BLOCK - 1)) == []  # a partial block is not remembered
+    assert len(block_keys("é" * TEXT_BLOCK)) == 2  # bytes, not characters
+    assert block_keys(PREFIX, "t") != block_keys(PREFIX)
+
+
+def test_text_keys_are_the_same_in_every_process():
+    """Sibling router processes share keys: a text's keys may not depend on the process's hash seed."""
+    code = ("from radixmesh.services.router.policies import block_keys;"
+            f"print(block_keys({PREFIX!r}, 'tenant'))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert outs == {f"{block_keys(PREFIX, 'tenant')}\n"}
+
+
+def _router(policy, *workers: Worker) -> Router:
+    registry = WorkerRegistry(connect_timeout_s=1.0, probe_interval_s=60)
+    registry.workers = {w.url: w for w in workers}
+    return Router(RouterSettings(tokenizer_url="127.0.0.1:1"), registry, policy, tokenizer=None)
+
+
+@pytest.mark.parametrize("policy", [_policy(), RoundRobin(), PowerOfTwo()], ids=lambda p: type(p).__name__)
+def test_text_goes_untokenized_only_where_every_worker_tokenizes(policy):
+    assert _router(policy, _worker("a:1"), _worker("b:1")).routes_text()
+    assert not _router(policy, _worker("a:1"), _worker("b:1", tokenizes=False)).routes_text()
+    assert not _router(policy).routes_text()  # no worker yet: nobody to say it tokenizes
+    # a PD mesh gets ids: the prefill and decode sides must hold the same ones
+    assert not _router(policy, _worker("p:1", "prefill"), _worker("d:1", "decode")).routes_text()
+
+
+def test_kv_index_routing_needs_token_ids():
+    policy = KvIndexPolicy.__new__(KvIndexPolicy)  # (its kvstore connection plays no part here)
+    assert not _router(policy, _worker("a:1")).routes_text()
