@@ -17,6 +17,7 @@ from radixmesh.engine.attention.registry import create_attention, supports_cuda_
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.cache.swa import all_layers_window
 from radixmesh.engine.config import EngineArgs, torch_dtype
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.cuda_graph_runner import (CudaGraphRunner, clip_batch_sizes, estimated_graph_bytes,
@@ -27,7 +28,7 @@ from radixmesh.engine.hidden_capture import HiddenCapture
 from radixmesh.engine.decode_products import plan as decode_products_plan
 from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
-from radixmesh.engine.models.attention_spec import attention_shape
+from radixmesh.engine.models.attention_spec import attention_shape, layer_windows
 from radixmesh.engine.models.loader import load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
@@ -105,7 +106,11 @@ class ModelRunner:
                               self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
                               self.device)
         self.max_running_requests = self._max_running()
-        row_len = min(args.context_length, self.kv_pool.capacity_tokens) + page
+        # a request holds at most the pool, unless every layer slides: then it frees pages as it goes
+        # (engine.cache.swa) and only the context bounds its length
+        longest = args.context_length if all_layers_window(layer_windows(model_config, args.context_length)) else \
+            min(args.context_length, self.kv_pool.capacity_tokens)
+        row_len = longest + page
         self.req_to_token = table or ReqToTokenPool(self.max_running_requests, row_len, self.device)
         self.owns_table = table is None
         # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last

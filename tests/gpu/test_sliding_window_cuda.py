@@ -85,3 +85,34 @@ def test_flashinfer_plans_one_wrapper_per_window(checkpoints):
         assert backend.decode_wrappers[12]._window_left == 11 and backend.decode_wrappers[None]._window_left == -1
         assert backend.prefill_wrappers[12]._logits_soft_cap == 4.0
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_flashinfer_sliding_lists_hold_only_the_window(checkpoints, graphs):
+    """Mistral (every layer slides over 12 tokens): the sliding wrappers' page lists hold at most window - 1 keys
+    before each request's new tokens, whatever the request's length, while engine.cache.swa frees the pages behind the
+    window; the outputs stay within bfloat16 noise of transformers."""
+    path = checkpoints["mistral"]
+    with running_engine(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, mem_fraction_static=0.3,
+                        page_size=16, chunked_prefill_size=32, attention_backend="flashinfer",
+                        disable_cuda_graph=not graphs) as llm:
+        backend, lists = llm.runner.attn_backend, []
+        assert set(backend.decode_wrappers) == {12} and llm.cache.swa is not None
+        build = backend._kv_indices
+
+        def recorded(batch, window, out):
+            indptr, indices = build(batch, window, out)
+            new = [1] * batch.batch_size if batch.mode.name == "DECODE" else batch.extend_lens_host
+            lists.append((window, (indptr[1:] - indptr[:-1]).tolist(), new, list(batch.seq_lens_host)))
+            return indptr, indices
+
+        backend._kv_indices = recorded
+        outs = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
+        assert llm.cache.swa.freed_tokens > 0
+    assert lists and all(w == 12 for w, _, _, _ in lists)
+    for _, lens, new, seq in lists:
+        assert all(n <= 11 + e and (n == s or n == 11 + e) for n, e, s in zip(lens, new, seq)), (lens, new, seq)
+    assert any(s > n for _, lens, _, seq in lists for n, s in zip(lens, seq))  # some lists really are cut
+    errors = _logprob_errors(path, outs)
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))

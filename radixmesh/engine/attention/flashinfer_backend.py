@@ -17,10 +17,16 @@ device.
 
 A sliding window and the logit soft-cap are plan-time parameters of a wrapper (`window_left`, `logits_soft_cap`; its
 run asserts the window it was planned with). So there is one wrapper per window the layers use (usually one; two for
-models that alternate sliding and global layers), all planned over the same page lists, and each layer runs its
-window's. FlashInfer's window_left is inclusive: the query at position p sees keys p - window_left .. p, so a window
-of w tokens (transformers: keys after p - w) is window_left = w - 1; -1 means no window. Soft-capping follows
-transformers' formula: cap * tanh(q.k * sm_scale / cap).
+models that alternate sliding and global layers), and each layer runs its window's. FlashInfer's window_left is
+inclusive: the query at position p sees keys p - window_left .. p, so a window of w tokens (transformers: keys after
+p - w) is window_left = w - 1; -1 means no window. Soft-capping follows transformers' formula:
+cap * tanh(q.k * sm_scale / cap).
+
+A sliding wrapper's page list holds only the keys its window can show: request b's first query is at position
+prefix_b = seq_len_b - extend_len_b and sees keys after prefix_b - w, so its list is
+req_to_token[row, start_b:seq_len_b] with start_b = max(0, prefix_b - w + 1). The causal alignment and window_left
+are relative to the end of the list, so dropping keys from its front changes no score: the list shrinks from seq_len
+to at most w - 1 + extend_len keys, and it never names a page that engine.cache.swa freed behind the window.
 """
 
 from __future__ import annotations
@@ -56,8 +62,10 @@ PREFILL_KERNEL_ENV = "RADIXMESH_FLASHINFER_PREFILL_KERNEL"
 
 @dataclass(slots=True)
 class _GraphBuffers:
-    kv_indptr: torch.Tensor  # [max_bs + 1] int32, bound to every captured decode wrapper
-    kv_indices: torch.Tensor  # [max_bs * row_len] int32
+    # window -> [max_bs + 1] int32, bound to that window's captured decode wrappers
+    kv_indptr: dict[int | None, torch.Tensor]
+    # window -> [max_bs * min(row_len, window)] int32: a decode query sees at most `window` keys
+    kv_indices: dict[int | None, torch.Tensor]
     last_page_len: torch.Tensor  # [max_bs] int32, all ones
     # window -> [INT_WORKSPACE_BYTES] uint8 schedule buffer shared by that window's captured wrappers (one per batch
     # size): graphs replay one at a time and each replay re-plans its wrappers first, rewriting the schedules. The
@@ -119,14 +127,13 @@ class FlashInferBackend(AttentionBackend):
         self._planned: dict[int, torch.cuda.Event] = {}
 
     def plan(self, batch: ForwardBatch) -> dict[int | None, Any]:
-        indptr, indices = self._kv_indices(batch, None)
         if batch.mode is ForwardMode.DECODE:
             for window, wrapper in self.decode_wrappers.items():
-                self._plan_decode(wrapper, indptr, indices, window)
+                self._plan_decode(wrapper, *self._kv_indices(batch, window, None), window)
             return self.decode_wrappers
         qo_indptr = _host_indptr(batch.extend_lens_host)
         for window, wrapper in self.prefill_wrappers.items():
-            self._plan_prefill(wrapper, batch, qo_indptr, indptr, indices, window)
+            self._plan_prefill(wrapper, batch, qo_indptr, *self._kv_indices(batch, window, None), window)
         return self.prefill_wrappers
 
     def forward(self, layer_id, q, k, v, batch, metadata: Any) -> torch.Tensor:
@@ -142,13 +149,13 @@ class FlashInferBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int) -> None:
         # A request's KV never exceeds a table row. The pool size is no bound on the total: requests sharing a cached
         # prefix list the same slots.
-        dev = self.device
+        dev, windows, row_len = self.device, self.shape.distinct_windows(), self.req_to_token.row_len
         self._graph = _GraphBuffers(
-            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
-            kv_indices=torch.zeros(max_bs * self.req_to_token.row_len, dtype=torch.int32, device=dev),
+            kv_indptr={w: torch.zeros(max_bs + 1, dtype=torch.int32, device=dev) for w in windows},
+            kv_indices={w: torch.zeros(max_bs * (row_len if w is None else min(row_len, w)), dtype=torch.int32,
+                                       device=dev) for w in windows},
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            int_workspaces={w: torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-                            for w in self.shape.distinct_windows()})
+            int_workspaces={w: torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev) for w in windows})
         self._last_page_lens(max_bs)
 
     def capture_metadata(self, bs: int, batch: ForwardBatch) -> dict[int | None, Any]:
@@ -162,7 +169,7 @@ class FlashInferBackend(AttentionBackend):
         for window, int_workspace in g.int_workspaces.items():
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=g.kv_indptr[:bs + 1], paged_kv_indices_buffer=g.kv_indices,
+                paged_kv_indptr_buffer=g.kv_indptr[window][:bs + 1], paged_kv_indices_buffer=g.kv_indices[window],
                 paged_kv_last_page_len_buffer=g.last_page_len[:bs], backend=KERNEL_BACKEND)
             wrapper.reset_workspace_buffer(self.workspace, int_workspace)
             wrappers[window] = wrapper
@@ -171,24 +178,34 @@ class FlashInferBackend(AttentionBackend):
         return wrappers
 
     def replay_metadata(self, bs: int, batch: ForwardBatch, metadata: dict[int | None, Any]) -> None:
-        """Refills the static kv_indices on the device and re-plans each window's wrapper in `metadata` (a plan
-        copies the host indptr into the static kv_indptr they share): nothing is reallocated."""
-        indptr, indices = self._kv_indices(batch, self._graph.kv_indices)
+        """Refills each window's static kv_indices on the device and re-plans its wrapper in `metadata` (a plan
+        copies the host indptr into the window's static kv_indptr): nothing is reallocated."""
         for window, wrapper in metadata.items():
-            self._plan_decode(wrapper, indptr, indices, window)
+            self._plan_decode(wrapper, *self._kv_indices(batch, window, self._graph.kv_indices[window]), window)
 
     # ---- helpers --------------------------------------------------------------------------------------------
-    def _kv_indices(self, batch: ForwardBatch, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv_indptr [batch + 1] int32 on the pinned host, kv_indices [sum(seq_lens)] int32 on the device, a prefix
-        of `out` when given)."""
-        indptr = _host_indptr(batch.seq_lens_host)
-        total = sum(batch.seq_lens_host)
+    def _kv_indices(self, batch: ForwardBatch, window: int | None,
+                    out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page list of the wrappers of `window`: (kv_indptr [batch + 1] int32 on the pinned host, kv_indices
+        int32 on the device, a prefix of `out` when given): every key of each request, or under a window only the
+        keys it can show (module docstring)."""
+        if window is None:
+            starts, lens = None, batch.seq_lens_host
+        else:
+            new = [1] * batch.batch_size if batch.mode is ForwardMode.DECODE else batch.extend_lens_host
+            starts = window_starts(batch.seq_lens_host, new, window)
+            lens = (torch.tensor(batch.seq_lens_host, dtype=torch.int64) - starts).tolist()
+        indptr = _host_indptr(lens)
+        total = int(indptr[-1])
         if out is None:
             out = torch.empty(total, dtype=torch.int32, device=self.device)
         elif total > out.numel():
             raise RuntimeError(f"{total} KV tokens do not fit the CUDA-graph index buffer ({out.numel()})")
-        build_kv_indices(self.req_to_token.device, batch.req_pool_indices, batch.seq_lens,
-                         indptr.to(self.device, non_blocking=True), out)
+        indptr_dev = indptr.to(self.device, non_blocking=True)
+        if starts is None:
+            build_kv_indices(self.req_to_token.device, batch.req_pool_indices, batch.seq_lens, indptr_dev, out)
+        else:
+            _window_indices(self.req_to_token.device, batch.req_pool_indices, starts, indptr_dev, out, total)
         return indptr, out[:total]
 
     def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, window: int | None) -> None:
@@ -224,6 +241,29 @@ class FlashInferBackend(AttentionBackend):
         if bs > self._ones_host.numel():
             self._ones_host = torch.ones(bs, dtype=torch.int32, pin_memory=True)
         return self._ones_host[:bs]
+
+
+def window_starts(seq_lens: list[int], extend_lens: list[int], window: int) -> torch.Tensor:
+    """[batch] int64 (host): the first key position a layer of `window` tokens can show each request's queries, the
+    first of which is at seq_len - extend_len (module docstring)."""
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    return (seq - torch.tensor(extend_lens, dtype=torch.int64) - window + 1).clamp(min=0)
+
+
+def _window_indices(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, indptr_dev: torch.Tensor,
+                    out: torch.Tensor, total: int) -> None:
+    """out[indptr[b]:indptr[b + 1]] = table[rows[b], starts[b]:starts[b] + n_b] as int32 for every request b, where
+    n_b = indptr[b + 1] - indptr[b]; `starts` [batch] int64 on the host, `indptr_dev` [batch + 1] on the table's
+    device, `total` = indptr[-1] (known on the host). A handful of launches; the host never waits for the GPU (the
+    starts travel from pinned memory)."""
+    if total == 0:
+        return
+    dev = table.device
+    lens = indptr_dev[1:] - indptr_dev[:-1]
+    pinned = torch.empty(starts.shape, dtype=torch.int64, pin_memory=dev.type == "cuda").copy_(starts)
+    shift = pinned.to(dev, non_blocking=True) - indptr_dev[:-1]  # column = output index + shift, per request
+    cols = torch.arange(total, device=dev) + torch.repeat_interleave(shift, lens, output_size=total)
+    out[:total] = table[torch.repeat_interleave(rows, lens, output_size=total), cols].to(torch.int32)
 
 
 def _host_indptr(lens: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.cache.page_keys import chain_keys, namespace_root
 from radixmesh.engine.cache.radix_tree import RadixTree
 from radixmesh.engine.cache.storage import KvLayout, StorageOptions, check_storage_backend, open_storage
+from radixmesh.engine.cache.swa import all_layers_window
 from radixmesh.engine.config import EngineArgs, hicache_extra
 from radixmesh.engine.model_config import ModelConfig
 
@@ -29,16 +30,28 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
     return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
 
 
+def swa_window(args: EngineArgs, runner) -> int | None:
+    """The window behind which running requests free their pages (engine.cache.swa), or None: pages are kept. Only
+    when every layer slides; not with the host tier (its copies and loads run on a stream of their own, and its
+    tree would need paths with pages missing) nor with speculative decoding (draft models read the rows too)."""
+    window = all_layers_window(runner.attn_backend.shape.windows)
+    if window is None or args.enable_hierarchical_cache or args.speculative_algorithm:
+        return None
+    log.info("every layer slides over at most %d tokens: requests free the pages behind the window", window)
+    return window
+
+
 def build_cache(args: EngineArgs, model: ModelConfig, runner) -> CacheManager:
+    window = swa_window(args, runner)
     if args.disable_radix_cache:
-        return CacheManager(runner.kv_pool, runner.req_to_token, None)
+        return CacheManager(runner.kv_pool, runner.req_to_token, None, window=window)
     layout = kv_layout(args, model)
     named = args.kv_events_config is not None or args.hicache_storage_backend is not None
     page = args.page_size
     tree = RadixTree(page, (lambda parent, tokens: chain_keys(parent, tokens, page)) if named else None,
                      (lambda ns: namespace_root(layout, ns)) if named else None)
     events = KvEventLog(page) if args.kv_events_config is not None else None
-    cache = CacheManager(runner.kv_pool, runner.req_to_token, tree, events)
+    cache = CacheManager(runner.kv_pool, runner.req_to_token, tree, events, window)
     if args.enable_hierarchical_cache:
         cache.hierarchy = _hierarchy(args, cache, layout, events)
     return cache

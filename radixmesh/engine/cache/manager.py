@@ -8,6 +8,8 @@ Per request it tracks three lengths over the request's row of the table (all in 
     [0, kv_len)           slots whose KV has been computed (or copied in from the cache)
 With pages of more than one token, the partly filled last page of a released request is kept as a tail of the tree
 (engine.cache.tails): a later request that continues those tokens gets their KV copied into its own first page.
+When every layer of the model slides (`window`), a running request's own pages behind the window go back to the pool
+as it advances (engine.cache.swa: what is freed, and what the tree may then keep).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from radixmesh.engine.cache.kv_events import KvEventLog, Tier
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.radix_tree import RadixTree
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+from radixmesh.engine.cache.swa import SlidingWindowPages
 from radixmesh.engine.cache.tails import TailCache
 from radixmesh.engine.request import Req
 
@@ -28,10 +31,11 @@ log = logging.getLogger(__name__)
 
 class CacheManager:
     """`events`: where page changes are published (KV events), or None. `hierarchy` (set by the engine after
-    construction): the host and storage tiers, engine.cache.hierarchy.CacheHierarchy, or None."""
+    construction): the host and storage tiers, engine.cache.hierarchy.CacheHierarchy, or None. `window`: the
+    largest layer window when every layer slides and pages behind it may be freed (engine.cache.swa), else None."""
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None,
-                 events: KvEventLog | None = None):
+                 events: KvEventLog | None = None, window: int | None = None):
         self.kv = kv_pool
         self.pages = kv_pool.allocator
         self.page = kv_pool.page_size
@@ -47,6 +51,7 @@ class CacheManager:
         self.tails = TailCache(self) if tree is not None and self.page > 1 else None
         if self.tails is not None:
             tree.on_remove = self.tails.node_removed
+        self.swa = SlidingWindowPages(req_to_token, self.page, self._free_slots, window) if window is not None else None
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -122,6 +127,8 @@ class CacheManager:
             return False
         req.pool_idx = row
         req.kv_len = req.alloc_len = req.tree_len = req.host_loaded_tokens = 0
+        if self.swa is not None:
+            self.swa.admitted(req)
         if self.tree is not None:
             limit = req.fill_len if whole_prompt else req.fill_len - 1
             if not whole_prompt and req.logprob is not None and req.logprob.start >= 0 and not req.output_ids:
@@ -174,7 +181,10 @@ class CacheManager:
     # ---- allocation -----------------------------------------------------------------------------------------
     def alloc_tokens(self, req: Req, n: int) -> torch.Tensor | None:
         """Allocate slots for tokens [alloc_len, alloc_len + n) of `req`, evicting if needed. Returns the slots
-        (host int64 [n]) or None, allocating nothing, when memory is short."""
+        (host int64 [n]) or None, allocating nothing, when memory is short. Under a sliding window the request's
+        pages behind it are freed first (the next chunk of a chunked prefill reads none of them)."""
+        if self.swa is not None:
+            self.swa.slide([req])
         start = req.alloc_len
         need = self.pages_for(start, n)
         if not self.ensure_free_pages(need):
@@ -192,6 +202,18 @@ class CacheManager:
         self.req_to_token.write(req.pool_idx, start, slots)
         req.alloc_len = start + n
         return slots
+
+    def settle(self) -> None:
+        """Under a sliding window, the pages running requests slid behind it before the last schedule go back to
+        the pool (engine.cache.swa); nothing otherwise. The scheduler calls it as each schedule begins."""
+        if self.swa is not None:
+            self.swa.settle()
+
+    def slide(self, reqs: list[Req]) -> None:
+        """Under a sliding window (every layer slides), free the pages of `reqs` their next queries no longer see;
+        nothing otherwise. Called before a decode step's memory check, so those pages count as free."""
+        if self.swa is not None:
+            self.swa.slide(reqs)
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per request at its alloc_len (a decode step), in one vectorized pass and one device write.
@@ -285,8 +307,8 @@ class CacheManager:
         Returns the aligned length now owned by the tree. Only tokens the host knows can key the tree: with
         overlap scheduling the KV of an in-flight token (one past fill_len) may be computed already."""
         aligned = min(req.kv_len, req.fill_len) // self.page * self.page
-        if self.tree is None or aligned <= req.tree_len:
-            return req.tree_len
+        if self.tree is None or aligned <= req.tree_len or (self.swa is not None and self.swa.slid(req)):
+            return req.tree_len  # (a slid request's prefix lacks freed pages: the tree keeps complete ones only)
         slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()
         already = self.tree.insert(req.tokens(0, aligned), slots, req.tenant)
         if already > req.tree_len:
@@ -300,7 +322,8 @@ class CacheManager:
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:
-        """Share a running request's computed prefix through the tree; the request keeps using it under a lock."""
+        """Share a running request's computed prefix through the tree; the request keeps using it under a lock.
+        (Under a sliding window: not once the request has freed pages of its own, engine.cache.swa.)"""
         if self.tree is None:
             return
         aligned = self._insert_computed(req)
@@ -321,7 +344,8 @@ class CacheManager:
         if req.pool_idx is None:
             return
         owned_from = self._insert_computed(req)
-        tail = self.req_to_token.read(req.pool_idx, owned_from, req.alloc_len)
+        live_from = owned_from if self.swa is None else self.swa.live_from(req, owned_from)
+        tail = self.req_to_token.read(req.pool_idx, live_from, req.alloc_len)
         kept = None
         if req.tail_load is not None:
             pending, page = req.tail_load
@@ -329,7 +353,7 @@ class CacheManager:
             if not pending.done():  # released before its forward: a load still writes the page, freed once done
                 self.tails.defer([pending], [page])
                 kept = page
-        if kept is None:
+        if kept is None and live_from == owned_from:
             kept = self._keep_tail(req, owned_from, tail)
         if kept is not None:
             tail = tail[tail // self.page != kept]
@@ -398,7 +422,9 @@ class CacheManager:
 
     def flush(self) -> bool:
         """Drop the whole prefix cache (every tier of this worker; not the shared L3 store). Refused (False) while
-        any request holds a lock in it."""
+        any request holds a lock in it. Pages slid behind a sliding window go back to the pool first (the scheduler
+        flushes only with no step in flight)."""
+        self.settle()
         if self.tree is not None:
             if self.hierarchy is not None:
                 self.hierarchy.drain()

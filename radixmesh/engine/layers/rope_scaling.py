@@ -89,8 +89,8 @@ def rope_theta(architecture: str, raw: dict, rope: dict) -> float:
 
 
 def rope_spec(model: ModelConfig) -> RopeSpec:
-    """The RoPE transformers computes for `model` (nested per-layer-type dicts and partial rotary are refused by
-    engine.models.support before this is asked)."""
+    """The RoPE transformers computes for `model` (nested per-layer-type dicts, and partial rotary where the
+    architecture does not compute it, are refused by engine.models.support before this is asked)."""
     raw, arch = model.raw, model.architecture
     where, rope = rope_field(raw)
     kind, _ = rope_type(arch, rope)
@@ -98,8 +98,28 @@ def rope_spec(model: ModelConfig) -> RopeSpec:
     if kind in _ORIGINAL_CONTEXT_TYPES:  # the top-level field (Phi3Config: always one) wins over the rope dict's
         original = raw.get("original_max_position_embeddings", _DEFAULT_ORIGINAL_CONTEXT.get(arch))
         original = original or rope.get("original_max_position_embeddings") or model.max_position_embeddings
-    return RopeSpec(kind, model.head_dim, rope_theta(arch, raw, rope), rope, where, original,
-                    model.max_position_embeddings)
+    return RopeSpec(kind, rotary_dim(model.head_dim, partial_rotary_factor(raw, rope)), rope_theta(arch, raw, rope),
+                    rope, where, original, model.max_position_embeddings)
+
+
+def partial_rotary_factor(raw: dict, rope: dict) -> float:
+    """The share of each head's dimensions RoPE rotates: the rope dict's partial_rotary_factor, else config.json's
+    (transformers' Phi3Config copies the top-level field into rope_parameters unless that has one), else 1."""
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    return 1.0 if factor is None else factor
+
+
+def rotary_dim(head_dim: int, factor: float) -> int:
+    """The leading dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor)); the rest
+    pass through unrotated. ValueError where that is no even count in (0, head_dim]."""
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor={factor!r} in config.json: the share of each head RoPE rotates is a "
+                         "number in (0, 1]")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} rotates {dim} of the {head_dim} dimensions of a head: "
+                         "rotate-half RoPE needs an even count of at least 2")
+    return dim
 
 
 def spec_of_dict(dim: int, theta: float, scaling: dict | None) -> RopeSpec:

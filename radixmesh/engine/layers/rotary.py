@@ -3,6 +3,10 @@
 The table is built once in float32 from the frequencies of the model's RoPE type (engine.layers.rope_scaling, where
 YaRN and LongRoPE also scale cos and sin by an attention factor) and cast to the model dtype at lookup, matching how
 Hugging Face computes it.
+
+Partial rotary (Phi-4-mini's partial_rotary_factor): the table covers the first `rotary_dim` dimensions of a head,
+which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does. The
+rotary kernel rotates whole heads, so such a table is always applied in plain torch.
 """
 
 from __future__ import annotations
@@ -28,30 +32,33 @@ class RotaryEmbedding:
                  device: torch.device):
         """The table of one rope dict (`scaling`: config.json's rope_scaling, original_max_position_embeddings in
         it); a model's table comes from `for_model`, which resolves its config as transformers does."""
-        self._fill(spec_of_dict(head_dim, theta, scaling), max_positions, device)
+        self._fill(spec_of_dict(head_dim, theta, scaling), max_positions, device, head_dim)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device) -> "RotaryEmbedding":
         table = cls.__new__(cls)
-        table._fill(rope_spec(cfg), max_positions, device)
+        table._fill(rope_spec(cfg), max_positions, device, cfg.head_dim)
         return table
 
-    def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device) -> None:
+    def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int) -> None:
         inv_freq, attention_factor = frequencies(spec)
+        self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
+        self.partial = spec.dim < head_dim
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
         # float32, scaled as transformers scales them before the cast to the model dtype (x 1.0 changes nothing)
         self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim] in `dtype`; looked up once per forward, shared by every layer."""
+        """cos, sin [num_tokens, 1, rotary_dim] in `dtype`; looked up once per forward, shared by every layer."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":
         """What every layer of one forward needs to rotate its q and k: on CUDA the positions (the kernel reads the
-        float32 tables itself), elsewhere the looked-up cos/sin."""
-        if use_kernels(positions):
+        float32 tables itself), elsewhere the looked-up cos/sin. A partial table is always looked up (module
+        docstring)."""
+        if use_kernels(positions) and not self.partial:
             return RopeInputs(self, positions, None, None)
         return RopeInputs(self, positions, *self.lookup(positions, dtype))
 
@@ -60,7 +67,7 @@ class RotaryEmbedding:
 class RopeInputs:
     table: RotaryEmbedding
     positions: torch.Tensor  # [num_tokens] int64
-    cos: torch.Tensor | None  # [num_tokens, 1, head_dim] in the model dtype; None: the Triton kernel looks up
+    cos: torch.Tensor | None  # [num_tokens, 1, rotary_dim] in the model dtype; None: the Triton kernel looks up
     sin: torch.Tensor | None
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +80,17 @@ class RopeInputs:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies. cos, sin
+    [num_tokens, 1, rotary_dim]: with rotary_dim < head_dim only the leading rotary_dim dimensions rotate."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :dim]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, x[..., dim:]], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,11 @@ def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
                          f"window, where the two would differ: pass --context-length {spec.window} or less")
 
 
+# architectures whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dimensions
+# (engine.layers.rotary); elsewhere transformers' rotary multiplies whole heads by a shorter table and fails
+_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+
+
 def _check_rope(model: ModelConfig, context_length: int) -> None:
     """RoPE we compute exactly as transformers does (engine.layers.rope_scaling), up to `context_length` tokens."""
     raw, arch = model.raw, model.architecture
@@ -121,9 +126,9 @@ def _check_rope(model: ModelConfig, context_length: int) -> None:
                          f"{arch} computes (it accepts {', '.join(types_for(arch))})")
     for where, location in ((raw, "partial_rotary_factor"), (rope, f"{field}.partial_rotary_factor")):
         factor = where.get("partial_rotary_factor")
-        if factor is not None and factor != 1:
-            raise ValueError(f"partial rotary embedding ({location}={factor} in config.json) is {_NOT_YET}: "
-                             "it rotates every dimension of each head")
+        if factor is not None and factor != 1 and arch not in _PARTIAL_ROTARY:
+            raise ValueError(f"partial rotary embedding ({location}={factor} in config.json) is {_NOT_YET} for "
+                             f"{arch}: it rotates every dimension of each head")
     spec = rope_spec(model)
     frequencies(spec)  # ValueError for a dict the rule cannot compute
     limit = exact_context(spec)

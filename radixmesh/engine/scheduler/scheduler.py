@@ -167,6 +167,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next forward: which requests, their new tokens (`extend_len`) and KV slots. Pre-allocates
         decode-role requests' pages first. None when nothing can run."""
+        self.cache.settle()  # pages slid behind a sliding window last time: no forward reads them any more
         if self.requests.prealloc:
             self.handoff_steps.preallocate()
         reqs = self.requests
@@ -233,6 +234,7 @@ class Scheduler:
     def _prepare_decode(self) -> list[Req]:
         """Retract until every running request has a slot for its next token; allocate those slots. A request
         whose in-flight token reaches its length limit is left out: it finishes when that token is processed."""
+        self.cache.slide(self.requests.running)  # free at the next schedule (engine.cache.swa)
         self._retract_for_decode()
         reqs = [r for r in self.requests.running if not self._ends_by_length(r)]
         if reqs and self.cache.alloc_decode(reqs) is None:
