@@ -10,6 +10,7 @@ worker), after which it is a 400, and it loads again."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +18,11 @@ import urllib.request
 import grpc
 import pytest
 
-from radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import running_mesh
+from tests.e2e.mesh import internal_channel, running_mesh
+from tests.e2e.test_supervision import _healthy_workers, _kill, _restarted, _wait
 from tests.engine_utils import parity_prompts
 from tests.parity.test_lora import ADAPTERS, NEW, peft_greedy, write_adapter
 from tests.reference import hf_greedy
@@ -142,3 +144,57 @@ def _unload_once_idle(mesh, name: str) -> dict:
             body = e.read()
             assert e.code == 400 and b"unfinished request" in body and time.monotonic() < deadline, body
             time.sleep(0.2)
+
+
+def _grpc_models(mesh) -> list[tuple[str, str, str]]:
+    """The router's public gRPC ListModels: (id, root, parent) of each model."""
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        answer = router_pb2_grpc.RouterServiceStub(ch).ListModels(router_pb2.ListModelsRequest(), timeout=30)
+    assert list(answer.models) == [c.id for c in answer.cards]
+    return [(c.id, c.root, c.parent) for c in answer.cards]
+
+
+def _processed(mesh, worker: str) -> float:
+    """The router's count of calls sent to `worker` (sgl_router_processed_requests_total)."""
+    with urllib.request.urlopen(mesh.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    pattern = r'sgl_router_processed_requests_total\{[^}]*worker="' + re.escape(worker) + r'"[^}]*\} (\S+)'
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_restarted_worker_serves_the_run_time_adapter_again(tmp_path):
+    """Two colocated workers, an adapter loaded at run time through the router (listed by the public gRPC
+    ListModels as by /v1/models). One worker is killed and the launcher starts it again with its flags only: the
+    router loads the adapter there again before routing it requests for it, and those requests (round robin: half
+    of them go there) give peft's tokens, as the restarted worker itself does."""
+    base = model_path(MODEL)
+    extra = write_adapter(base, tmp_path / "extra", 8, 32, ["q_proj", "up_proj", "o_proj"], True, seed=7)
+    prompt = parity_prompts(base)[3]
+    want = peft_greedy(base, extra, [prompt])[0]
+    one = {"input_ids": prompt, "sampling_params": GREEDY, "lora_path": "extra"}
+    with running_mesh(base, tmp_path, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all",
+                      "--policy", "round_robin", "--enable-metrics", num_workers=2) as mesh:
+        model = get(mesh.url + "/v1/models")["data"][0]["id"]
+        post(mesh.url + "/load_lora_adapter", {"lora_name": "extra", "lora_path": extra})
+        assert _grpc_models(mesh)[1:] == [("extra", extra, model)] and _grpc_models(mesh)[0][0] == model
+        assert post(mesh.url + "/generate", one)["output_ids"] == want
+        pid, port = _kill(mesh, "radixmesh.services.worker")
+        _wait(lambda: _restarted(mesh, "radixmesh.services.worker", (pid, port)), 60, "the worker was not restarted")
+        url = f"127.0.0.1:{port}"
+
+        def has_extra() -> bool:
+            try:
+                with internal_channel(url) as ch:
+                    listing = worker_pb2_grpc.WorkerServiceStub(ch).ListLoraAdapters(
+                        worker_pb2.ListLoraAdaptersRequest(), timeout=5)
+            except grpc.RpcError:
+                return False
+            return "extra" in {a.lora_name for a in listing.adapters}
+
+        _wait(has_extra, 120, "the router did not load the adapter on the restarted worker")
+        _wait(lambda: _healthy_workers(mesh) == 2, 60, "the restarted worker is not healthy again")
+        before = _processed(mesh, url)
+        outs = [post(mesh.url + "/generate", one)["output_ids"] for _ in range(6)]
+        assert outs == [want] * 6 and _processed(mesh, url) - before >= 2, mesh.log_tail()
+        assert _grpc_models(mesh)[1:] == [("extra", extra, model)]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
 
-from radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.services.router.core import Router
 from radixmesh.services.router.errors import RouterError
 from radixmesh.services.router.lora_fanout import LoraFanout
@@ -22,6 +23,7 @@ from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.tokenizer_client import TokenizerClient
 from radixmesh.services.router.workers import WorkerRegistry
 from tests.conftest import model_path
+from tests.engine_utils import parity_prompts
 from tests.parity.test_lora import write_adapter
 from tests.services.metrics_utils import spawn_grpc, stop, wait_grpc
 
@@ -138,7 +140,10 @@ async def test_a_load_whose_caller_gave_up_is_undone(workers, adapters):
             await stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(
                 lora_name="late", lora_path=adapters["small"]), timeout=0.001)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await asyncio.sleep(2.0)  # whatever the load did by now, it is undone
+    await asyncio.sleep(2.0)  # the load has completed by now (or soon, on a busy machine) and is then undone
+    deadline = time.monotonic() + 30
+    while "late" in loaded_on(a) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
     assert "late" not in loaded_on(a)
 
 
@@ -149,3 +154,84 @@ async def test_an_unreachable_worker_fails_the_load_and_the_others_are_undone(wo
         message = await fails(LoraFanout(router.registry, 10.0).load("small2", adapters["small"]), 503)
         assert f"worker {b} (colocated)" in message and f"undone on {a}" in message
         assert loaded_on(a) == {} and "small2" not in router.lora.adapters()
+
+
+async def output(url: str, lora: str, prompt: list[int]) -> list[int]:
+    """The worker's own greedy output ids for `prompt` with adapter `lora`."""
+    async with grpc.aio.insecure_channel(url) as ch:
+        request = worker_pb2.GenerateRequest(request_id=f"r-{time.monotonic_ns()}", input_ids=prompt, lora_path=lora,
+                                             sampling_params=common_pb2.SamplingParams(temperature=0, max_new_tokens=8))
+        msgs = [m async for m in worker_pb2_grpc.WorkerServiceStub(ch).Generate(request, timeout=60)]
+    return list(msgs[-1].complete.output_ids)
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+def restart(procs: dict, key: str, flags: tuple[str, ...]) -> None:
+    """SIGKILL the worker and start another on its port (as the launcher's supervisor does)."""
+    proc, url = procs[key]
+    proc.kill()
+    proc.wait()
+    procs[key] = spawn_grpc(WORKER, *flags, port=int(url.rpartition(":")[2]))
+
+
+async def test_a_restarted_worker_gets_the_run_time_changes_back_before_it_is_routed_an_adapter(adapters):
+    """Two workers started with adapter `flag`; at run time `run` is loaded and `flag` unloaded through the router.
+    Worker d is killed and started again on its port with its flags only: the router (no health probes, no polls
+    here: only its watch of d's connection) sees the connection go, routes d no adapter until it has loaded `run`
+    and unloaded `flag` there again, then routes `run` to it, which gives the outputs it gave before. Then an unload
+    of `run` that raced d's next restart (queued before d's resync): `run` does not come back on d."""
+    flags = ("--model-path", MODEL, "--enable-lora", "--max-lora-rank", "8", "--lora-paths",
+             f"flag={adapters['small']}")
+    procs = {"c": spawn_grpc(WORKER, *flags), "d": spawn_grpc(WORKER, *flags)}
+    try:
+        for proc, url in procs.values():
+            wait_grpc(proc, url)
+        c, d = procs["c"][1], procs["d"][1]
+        prompt = parity_prompts(MODEL)[0]
+        async with router_over(c, d) as router:
+            worker_c, worker_d = router.registry.workers[c], router.registry.workers[d]
+            await router.lora.sync.settle([worker_c, worker_d])
+            fanout = LoraFanout(router.registry, 60.0, router.lora.intent)
+            await fanout.load("run", adapters["big"])
+            await fanout.unload("flag")
+            want = await output(d, "run", prompt)
+            assert want != await output(d, "", prompt)  # the adapter changes what the model says
+            restart(procs, "d", flags)
+            await until(lambda: not worker_d.lora.synced, 10, "the lost connection was not noticed")
+            assert await router.choose(worker_pb2.GenerateRequest(lora_path="run"), set()) is worker_c
+            wait_grpc(*procs["d"])
+            await until(lambda: worker_d.lora.synced, 60, "d was not resynced once it was back")
+            assert loaded_on(d) == {"run": adapters["big"]}  # `run` loaded again, `flag` from its flags unloaded
+            assert await router.choose(worker_pb2.GenerateRequest(lora_path="run"), {c}) is worker_d
+            assert await output(d, "run", prompt) == want
+            assert "unknown LoRA adapter 'flag'" in await fails(
+                router.choose(worker_pb2.GenerateRequest(lora_path="flag"), set()), 400)
+            await _an_unload_racing_a_restart_stays_done(router, fanout, procs, flags)
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
+
+
+async def _an_unload_racing_a_restart_stays_done(router, fanout: LoraFanout, procs: dict, flags) -> None:
+    """d restarts while an unload of `run` waits for the lock; d's resync (which found `run` missing) comes after the
+    unload, reads the adapter as unloaded and leaves it so."""
+    c, d = procs["c"][1], procs["d"][1]
+    worker_d = router.registry.workers[d]
+    async with router.lora.intent.lock:
+        unload = asyncio.ensure_future(fanout.unload("run"))
+        await asyncio.sleep(0.1)  # the unload waits for the lock now
+        restart(procs, "d", flags)
+        await until(lambda: not worker_d.lora.synced, 10, "the lost connection was not noticed")
+        wait_grpc(*procs["d"])
+        # d's resync polled it (no `run`: it came back with its flags only) and waits for the lock behind the unload
+        await until(lambda: "run" not in worker_d.lora.adapters, 60, "d's resync did not poll it")
+    await unload
+    await until(lambda: worker_d.lora.synced, 60, "d was not resynced")
+    assert loaded_on(c) == loaded_on(d) == {} and router.lora.adapters() == {}
+    assert router.lora.intent.unloaded == {"flag", "run"} and router.lora.intent.loaded == {}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from radixmesh.engine.model_config import ModelConfig
@@ -72,6 +73,16 @@ def read_config(path: str) -> dict:
     return raw
 
 
+def adapted_projections(path: str) -> frozenset[str]:
+    """The projections (peft names) an adapter's weights adapt, from its tensors' names (nothing read but the
+    safetensors header); ValueError when the file is missing."""
+    weights_file = Path(path) / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        _fail(path, "no adapter_model.safetensors")
+    with safe_open(str(weights_file), framework="pt") as f:
+        return frozenset(m.group(3) for m in map(_KEY.match, f.keys()) if m is not None and m.group(3) in PROJECTIONS)
+
+
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, allowed: frozenset[str] | None = None
                  ) -> LoraAdapter:
     """The adapter at `path`, checked against the base model `cfg` (ValueError naming the problem)."""
@@ -113,5 +124,8 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, allowed:
         _fail(path, "adapter_model.safetensors holds no LoRA weights")
     targets = frozenset(proj for _, proj in weights)
     if allowed is not None and not targets <= allowed:
-        _fail(path, f"adapts {sorted(targets - allowed)}, outside --lora-target-modules {sorted(allowed)}")
+        _fail(path, f"adapts {', '.join(sorted(targets - allowed))}, outside --lora-target-modules: this engine "
+              f"holds LoRA weights for {', '.join(sorted(allowed))} only (the flag's modules; without the flag, those "
+              "the adapters of --lora-paths adapt). Start it with --lora-target-modules naming every module the "
+              "adapters will need, or all")
     return LoraAdapter(name, path, rank, scaling, targets, weights)

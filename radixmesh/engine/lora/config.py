@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixmesh.engine.lora.adapter import PROJECTIONS, read_config
+from radixmesh.engine.lora.adapter import PROJECTIONS, adapted_projections, read_config
+from radixmesh.engine.lora.stacks import FUSED
+
+# our fused modules' names (SGLang's too) -> the peft projections each holds
+MODULES = {attr: projs for (_, attr), projs in FUSED.items()}
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's
 
@@ -25,6 +29,27 @@ def parse_lora_paths(entries) -> list[tuple[str, str]]:
     return out
 
 
+def resolve_targets(declared, paths: list[tuple[str, str]]) -> tuple[str, ...]:
+    """The projections (peft names) that get LoRA weight slots, as SGLang resolves --lora-target-modules: the flag's
+    modules (peft names or our fused modules' names; `all` alone: every one), else the union of those the adapters
+    of --lora-paths adapt, else (no adapters to infer from, where SGLang asks for the flag) every one. A name stands
+    for its whole fused module: the projections of one module share its slots (q/k/v, gate/up)."""
+    if declared is None and not paths:
+        return tuple(sorted(PROJECTIONS))
+    if declared is None:
+        names = set().union(*(adapted_projections(path) for _, path in paths))
+    else:
+        names = set(declared)
+        if "all" in names:
+            _check(len(names) == 1, f"lora_target_modules {sorted(names)}: 'all' is given alone")
+            return tuple(sorted(PROJECTIONS))
+        unknown = sorted(names - set(PROJECTIONS) - set(MODULES))
+        _check(not unknown, f"lora_target_modules {unknown}: the modules that can be adapted are "
+               f"{', '.join([*PROJECTIONS, *(m for m in MODULES if m not in PROJECTIONS)])} (or all)")
+    return tuple(sorted({p for module, projs in MODULES.items() for p in projs
+                         if module in names or names & set(projs)}))
+
+
 def resolve_lora(args: Any, model: Any) -> dict:
     """The LoRA fields of the resolved arguments."""
     if not args.enable_lora:
@@ -34,12 +59,7 @@ def resolve_lora(args: Any, model: Any) -> dict:
     _check(args.tp_size == 1, "LoRA with tensor parallelism is not implemented yet: use tp_size 1")
     _check(args.speculative_algorithm is None, "LoRA with speculative decoding is not implemented yet")
     paths = parse_lora_paths(args.lora_paths)
-    targets = args.lora_target_modules
-    if targets is not None:
-        targets = tuple(PROJECTIONS) if "all" in targets else tuple(targets)
-        unknown = sorted(set(targets) - set(PROJECTIONS))
-        _check(not unknown, f"lora_target_modules {unknown}: the projections that can be adapted are "
-               f"{', '.join(PROJECTIONS)} (or all)")
+    targets = resolve_targets(args.lora_target_modules, paths)
     rank = args.max_lora_rank
     if rank is None:  # SGLang: the largest rank among the adapters given at start
         ranks = [read_config(path).get("r") for _, path in paths]
@@ -50,5 +70,5 @@ def resolve_lora(args: Any, model: Any) -> dict:
     loaded = args.max_loaded_loras if args.max_loaded_loras is not None else max(per_batch, len(paths))
     _check(loaded >= len(paths), f"max_loaded_loras ({loaded}) is below the {len(paths)} adapters in lora_paths")
     return {"max_lora_rank": rank, "max_loaded_loras": loaded,
-            "lora_target_modules": tuple(sorted(targets)) if targets is not None else None,
+            "lora_target_modules": targets,
             "lora_paths": tuple(f"{n}={p}" for n, p in paths) if paths else None}

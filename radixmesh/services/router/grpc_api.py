@@ -132,5 +132,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return lora or ""
 
     async def ListModels(self, request, context):
+        """What /v1/models lists: the served model, then each loaded LoRA adapter (nothing before any worker said
+        what it serves)."""
         await self._tenant(context)
-        return router_pb2.ListModelsResponse(models=self.router.served_models)
+        router = self.router
+        if not router.served_models:
+            return router_pb2.ListModelsResponse()
+        info = router.registry.any_info()
+        cards = [router_pb2.ModelCard(id=router.model_name, root=info.model_path if info else router.model_name,
+                                      max_model_len=info.max_context_length if info else 0)]
+        cards += [router_pb2.ModelCard(id=name, root=path, parent=router.model_name)
+                  for name, path in router.lora.adapters().items()]
+        return router_pb2.ListModelsResponse(models=[c.id for c in cards], cards=cards)

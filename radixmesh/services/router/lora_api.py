@@ -4,9 +4,10 @@ POST /load_lora_adapter {"lora_name": str, "lora_path": str, "pinned": bool (opt
     until unloaded here)} loads a peft adapter directory (on the workers' machines) on every worker;
 POST /unload_lora_adapter {"lora_name": str} unloads it from every worker that has it.
 Both answer SGLang's {"success": true, "error_message": "", "loaded_adapters": {name: path}}; a change is made on
-every worker or on none (services/router/lora_fanout.py). A failure is an OpenAI error object (400 for bad input or
-what the workers refused, with each worker's reason; 503/504 when one could not be reached in time) that also
-carries SGLang's fields, success false."""
+every worker or on none (services/router/lora_fanout.py), and a worker that restarts or joins later gets the
+run-time changes before it is routed an adapter (services/router/lora_sync.py). A failure is an OpenAI error object
+(400 for bad input or what the workers refused, with each worker's reason; 503/504 when one could not be reached in
+time) that also carries SGLang's fields, success false."""
 
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     router = app[ROUTER]
-    app[FANOUT] = LoraFanout(router.registry, router.settings.lora_timeout_s)
+    app[FANOUT] = LoraFanout(router.registry, router.settings.lora_timeout_s, router.lora.intent)
+    router.lora.sync.load_timeout_s = router.settings.lora_timeout_s  # resyncs of (re)joining workers, too
     app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)

@@ -8,7 +8,8 @@ loaded on some workers only, and the error names every worker that failed and wh
 input: the engine's reason), a 504 when one timed out, else a 503. A call that failed without an answer (timed out,
 unreachable) may still have done its change there, so it is undone too; the worker answers that undo with NOT_FOUND
 or ALREADY_EXISTS when there was nothing to undo. Changes are made one at a time (a load racing an unload of the
-same name could leave either half done)."""
+same name could leave either half done), under the lock that resyncs of (re)joining workers hold too
+(services/router/lora_sync.py); a change made everywhere is recorded in the LoraIntent those resyncs apply."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import grpc
 
 from radixmesh.v1 import worker_pb2
 from radixmesh.services.router.errors import RouterError
+from radixmesh.services.router.lora_sync import LoraIntent
 
 log = logging.getLogger(__name__)
 # the worker refused the change for its input or its state: nothing changed there, and a client can do better
@@ -53,15 +55,16 @@ def role_of(worker) -> str:
 
 
 class LoraFanout:
-    def __init__(self, registry, timeout_s: float):
-        """`registry`: the WorkerRegistry whose workers change; `timeout_s`: bound on each worker call."""
+    def __init__(self, registry, timeout_s: float, intent: LoraIntent | None = None):
+        """`registry`: the WorkerRegistry whose workers change; `timeout_s`: bound on each worker call; `intent`:
+        where the changes made are recorded (the router's LoraDirectory.intent; None: a record of its own)."""
         self.registry = registry
         self.timeout_s = timeout_s
-        self._lock = asyncio.Lock()
+        self.intent = intent if intent is not None else LoraIntent()
 
     async def load(self, name: str, path: str) -> None:
         """Load adapter `name` from `path` on every worker; RouterError (everything undone) when one fails."""
-        async with self._lock:
+        async with self.intent.lock:
             request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
             outcomes = await self._on_each(self._workers(), lambda w: w.stub.LoadLoraAdapter(
                 request, timeout=self.timeout_s))
@@ -71,11 +74,14 @@ class LoraFanout:
                 notes = await self._undo(undo, lambda w: w.stub.UnloadLoraAdapter(
                     worker_pb2.UnloadLoraAdapterRequest(lora_name=name), timeout=self.timeout_s))
                 raise _failure(f"LoRA adapter {name!r} not loaded", failed, notes)
+            self.intent.did_load(name, path)
+            for w in self.registry.workers.values():
+                w.lora.refused.pop(name, None)  # a worker that refused it on rejoining may take it now
 
     async def unload(self, name: str) -> None:
         """Unload adapter `name` from every worker that has it; RouterError (everything undone) when one fails,
         400 when none has it."""
-        async with self._lock:
+        async with self.intent.lock:
             workers = self._workers()
             paths = {w.url: w.lora.adapters.get(name, "") for w in workers}  # to load it again from, if need be
             request = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
@@ -91,6 +97,7 @@ class LoraFanout:
                 undo = [o.worker for o in outcomes if o.ok or o.unsure]
                 notes = await self._undo(undo, lambda w: self._reload(w, name, paths[w.url]))
                 raise _failure(f"LoRA adapter {name!r} not unloaded", failed, notes)
+            self.intent.did_unload(name)
 
     def _workers(self) -> list:
         workers = list(self.registry.workers.values())

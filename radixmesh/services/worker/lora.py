@@ -51,6 +51,10 @@ class WorkerLora:
         except asyncio.CancelledError:
             loading.add_done_callback(lambda done: self._undo(name, done))
             raise
+        if _caller_gone(context):  # gRPC does not always cancel a handler whose deadline passed
+            self._undo(name, loading)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"LoRA adapter {name!r} loaded after the "
+                                "caller's deadline; unloaded again")
         self.paths[name] = path
         return worker_pb2.LoadLoraAdapterResponse(adapters=self.adapters())
 
@@ -73,6 +77,12 @@ class WorkerLora:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.unload_lora_adapter, name)
         path = self.paths.pop(name, "")
         return worker_pb2.UnloadLoraAdapterResponse(lora_path=path, adapters=self.adapters())
+
+
+def _caller_gone(context: grpc.aio.ServicerContext) -> bool:
+    """The call was cancelled or its deadline passed (its answer would reach no one)."""
+    remaining = context.time_remaining()
+    return context.cancelled() or (remaining is not None and remaining <= 0)
 
 
 def _log_failed_undo(name: str, undo: asyncio.Future) -> None:
