@@ -27,6 +27,10 @@
 #   PARTS="setup transport" L3 page bytes over gRPC against the Mooncake transfer engine (issue 11)
 #   PARTS="setup routing"   multi-turn over two workers: cache_aware against kv_index, one router and two (issue 11)
 #   PARTS="setup scale"     the engine and the mesh side by side at 1, 64, 256, 512 streams (issue 50), one command
+#   PARTS="setup fp8"       issue 52: the fp8 weight kernels' tests (tests/gpu/test_fp8_weights_cuda.py and the kernel
+#                           twins), then the 8B shape's decode steps at batch 1/8/64/256 and an 8192-token prefill with
+#                           fp8 weights (per-channel: --quantization fp8; block-wise 128x128: a config declaring
+#                           DeepSeek's weight_block_size) against bf16, each against its floor (--roofline)
 #   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, a Qwen3-30B-A3B-shaped model (runner auto)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
@@ -501,5 +505,34 @@ if [[ $PARTS == *routing* ]]; then
     echo "== routing $extra"
     $PY -m radixmesh.benchmarks.multiturn $W $extra 2>&1 | tee -a "$OUT/routing.log" \
       | grep -E "Mean TTFT|P90 TTFT|hit rate|rror" | head -5
+  done
+fi
+
+if [[ " $PARTS " == *" fp8 "* ]]; then
+  # Issue 52, fp8 weights. The floor of a batch-1 step is the weights it reads over the copy bandwidth: about 7.0 GB
+  # of fp8 projections + 1.05 GB of the bf16 LM head = 8.0 GB (bench_roofline.decode_weight_bytes counts the fp8
+  # weights' one byte). Prediction (written before any run): batch 1 at 2.1-2.3 ms per step per-channel (1.10-1.2x of
+  # a ~1.9 ms floor at ~4.2 TB/s; bf16 was 3.93 ms), block-wise 0.05-0.1 ms slower (its scale loads); batch 64/256
+  # near bf16's or better (W8A8 on torch._scaled_mm / the Triton block GEMM, plus one activation-quantization kernel
+  # per product); the 8192-token prefill faster than bf16's by 1.3-1.6x where the fp8 GEMMs reach ~2x bf16's rate.
+  $PY -m pytest -q -p no:cacheprovider --timeout 900 tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py \
+    tests/kernels/test_fp8_gemm.py tests/gpu/test_fp8_weights_cuda.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -8
+  BLOCK_CFG=build/llama-3.1-8b-fp8-block
+  mkdir -p $BLOCK_CFG && $PY - "$CFG" "$BLOCK_CFG" <<'PYEOF'
+import json, shutil, sys, pathlib
+src, dst = map(pathlib.Path, sys.argv[1:])
+for f in src.iterdir():
+    if f.is_file():
+        shutil.copy(f, dst)
+cfg = json.loads((src / "config.json").read_text())
+cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+(dst / "config.json").write_text(json.dumps(cfg, indent=1))
+PYEOF
+  B="--load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 8 64 256
+     --input-len 512 --output-len 32 --prefill-len 8192 --roofline --result-file $OUT/fp8.jsonl"
+  for variant in "bf16:--model-path $CFG" "fp8-channel:--model-path $CFG --quantization fp8 --fp8-gemm-backend triton" \
+                 "fp8-block:--model-path $BLOCK_CFG --fp8-gemm-backend triton"; do
+    echo "== ${variant%%:*}" | tee -a "$OUT/fp8.log"
+    $PY -m radixmesh.engine.bench_one_batch ${variant#*:} $B 2>&1 | tee -a "$OUT/fp8.log" | grep -v Warning | tail -10
   done
 fi

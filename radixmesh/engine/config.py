@@ -99,6 +99,10 @@ class EngineArgs:
     # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
     # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)
     moe_runner_backend: str = "auto"
+    # SGLang's: what runs fp8 weights' products (engine.quantization.fp8_load): auto (held dequantized until the fp8
+    # kernels have run on a GPU: fp8_load.AUTO_HOLDS_FP8), triton (the weights stay fp8 and Triton's kernels and
+    # torch._scaled_mm run them: CUDA, or on CPU in Triton's interpreter for tests)
+    fp8_gemm_backend: str = "auto"
     # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
     # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
     # product.
@@ -210,6 +214,11 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     _check(args.moe_runner_backend != "triton" or device != "cpu" or _triton_interpreting(),
            "moe_runner_backend triton runs kernels.moe's Triton kernels on a CUDA device (on CPU only in Triton's "
            "interpreter, TRITON_INTERPRET=1); on CPU use torch or auto")
+    _check(args.fp8_gemm_backend in ("auto", "triton"), f"fp8_gemm_backend {args.fp8_gemm_backend!r} is not "
+           "implemented by radixmesh: auto and triton are")
+    _check(args.fp8_gemm_backend != "triton" or device != "cpu" or _triton_interpreting(),
+           "fp8_gemm_backend triton runs fp8 products on Triton kernels on a CUDA device (on CPU only in Triton's "
+           "interpreter, TRITON_INTERPRET=1); on CPU use auto")
     _check(not args.enable_expert_distribution_metrics or model.moe is not None,
            f"enable_expert_distribution_metrics counts the tokens routed to each expert: {model.architecture} has "
            "no mixture-of-experts layers")

@@ -12,6 +12,10 @@ in one graph; a shape runs kernels.gemv (with its fastest tiles) only when that 
 keeps cuBLAS on every start (the choice changes the products' rounding). Products of one row (a batch-1 decode
 step) run gemv_row, kernels.gemv's CUDA-core product, instead: over the 8B shape's products it streams at 1.03x the
 copy floor on an H200 against cuBLAS's 1.21x, and it took the batch-1 step from 4.44-4.50 to 3.93 ms (2026-11-29).
+
+Weights held in fp8 (engine.quantization.fp8_load) have no cuBLAS product with 16-bit activations: their one-row
+products always run kernels.fp8_gemv.fp8_gemv_row, and the plan times its tiles per fp8 weight shape (FP8_ROW_TILES,
+gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps the fastest (fp8_row_plan).
 """
 
 from __future__ import annotations
@@ -86,11 +90,50 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+# (BLOCK_N, BLOCK_K, num_warps) tried for fp8_gemv_row; the first is its default (kernels.fp8_gemv.ROW_CONFIG)
+FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 1024, 4))
+
+
+def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], tuple]:
+    """Per shape of the model's fp8-held weights: the fp8_gemv_row tiles fastest over all that shape's weights in
+    one graph at one row (kernels.fp8_gemv.set_row_plan takes it). Empty without fp8 weights."""
+    from triton.runtime.errors import OutOfResources
+
+    from radixmesh.kernels.fp8_gemv import fp8_gemv_row
+
+    layers: dict[tuple[int, int], list[nn.Module]] = {}
+    for m in model.modules():
+        if getattr(m, "fp8", None) is not None:
+            layers.setdefault(tuple(m.weight.shape), []).append(m)
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for _, k in layers}
+    chosen, lines = {}, []
+    for shape, mods in layers.items():
+        by_weight = {id(m.weight): m for m in mods}
+        best, best_ms = None, float("inf")
+        for tiles in FP8_ROW_TILES:
+            def product(x, w, c=tiles):
+                m = by_weight[id(w)]
+                return fp8_gemv_row(x, w, m.weight_scale, m.fp8.block, pdl=True, config=c)
+            try:
+                ms = _graph_ms(product, [m.weight for m in mods], inputs)
+            except OutOfResources:
+                continue
+            if ms < best_ms:
+                best, best_ms = tiles, ms
+        if best is not None:
+            chosen[shape] = best
+            lines.append(f"{shape[0]}x{shape[1]} (x{len(mods)}): {best} {best_ms * 1e3 / len(mods):.1f} us")
+    if lines:
+        log.info("fp8 one-row products by weight shape: %s", "; ".join(lines))
+    return chosen
+
+
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
     and the shapes whose one-row products run gemv_row instead, with its tiles (--decode-gemm auto;
-    kernels.runtime.use_pdl takes both). gemv_row runs every shape unless, timed on the shape's own weights, it is
+    kernels.runtime.use_pdl takes both). Sets the fp8-held weights' one-row tiles (fp8_row_plan) for the process. gemv_row runs every shape unless, timed on the shape's own weights, it is
     clearly slower (ROW_GUARD) than the kernel chosen for more rows: on an H200 it was faster on every shape
     (qkv 12.6 against cuBLAS's 15.9 us, down_proj 27.6 against kernels.gemv's 28.7; 2026-11-29) and inside the step by
     0.5 ms, so the choice leans to it and does not flip between starts on a close call; the guard is for a GPU
@@ -126,6 +169,9 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
+    from radixmesh.kernels.fp8_gemv import set_row_plan
+
+    set_row_plan(fp8_row_plan(model, device, dtype))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

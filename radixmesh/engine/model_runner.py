@@ -72,14 +72,16 @@ class ModelRunner:
         self.tp = TensorParallel(tp or TPConfig(), self.device)
         self.model = load_model(model_config, args.load_format, self.dtype, self.device,
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp,
-                                quantization=args.quantization)
+                                quantization=args.quantization, fp8_gemm_backend=args.fp8_gemm_backend)
         if shared_with is not None:  # before any CUDA graph is captured: the graphs read the shared weights
             self.model.share_weights(shared_with, args.max_running_requests or 256)
         self.capture = HiddenCapture(self.model, capture_layers) if capture_layers is not None else None
         self.captured: torch.Tensor | None = None  # the last forward's kept hidden states (`capture`)
-        if (args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda":
-            log.warning("fp8 weights are held dequantized in %s on this build: the outputs are fp8's, the memory "
-                        "and speed not yet", args.dtype)
+        if ((args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda"
+                and not any(getattr(m, "fp8", None) for m in self.model.modules())):
+            log.warning("fp8 weights are held dequantized in %s: the outputs are fp8's, the memory and speed not "
+                        "(--fp8-gemm-backend triton holds them in fp8 on GPUs of compute capability 8.9+; its kernels "
+                        "await their first GPU run)", args.dtype)
         # LoRA adapters' device slots (engine.lora), attached to the projections; adapters are loaded by the engine
         self.lora = LoraManager(self.model, model_config, args.max_loaded_loras, args.max_lora_rank,
                                 frozenset(args.lora_target_modules) if args.lora_target_modules else None,

@@ -61,6 +61,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ module.weight^T (+ bias): `linear`, or engine.quantization.fp8_linear for a weight held in fp8 (the
+    module's `fp8` says how; its `weight_scale` buffer holds the scales)."""
+    if module.fp8 is None:
+        return linear(x, module.weight, bias)
+    from radixmesh.engine.quantization.fp8_linear import fp8_linear
+
+    return fp8_linear(x, module.weight, module.weight_scale, module.fp8, bias)
+
+
 def apply_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (module's product of x) with the forward's LoRA adapters added (engine.lora.batch.LoraBatch; unchanged
     when the forward has none)."""
@@ -100,12 +110,13 @@ class QKVParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden))
         self.bias = nn.Parameter(torch.empty(q + 2 * kv)) if bias else None
         self.lora = None  # engine.lora.stacks.ModuleLora once LoRA is enabled (its adapters' device slots)
+        self.fp8 = None  # engine.quantization.fp8_linear.Fp8Weights once the weight is held in fp8 (fp8_load)
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias)
+        out = product(self, x, self.bias)
         return out if self.lora is None else apply_lora(self, x, out)
 
 
@@ -119,12 +130,13 @@ class MergedColumnParallelLinear(nn.Module):
                         names[1]: _rows(slice(self.local, 2 * self.local), start, self.local)}
         self.weight = nn.Parameter(torch.empty(2 * self.local, hidden))
         self.lora = None
+        self.fp8 = None
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return list(self._shards.items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = product(self, x)
         return out if self.lora is None else apply_lora(self, x, out)
 
 
@@ -139,15 +151,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora = None
+        self.fp8 = None
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str | None, Shard]]:
         return [(None, self._weight if leaf == "weight" else WHOLE)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = linear(x, self.weight, self.bias)
+            out = product(self, x, self.bias)
             return out if self.lora is None else apply_lora(self, x, out)
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(product(self, x))
         return out if self.bias is None else out + self.bias
 
 

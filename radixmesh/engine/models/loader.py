@@ -16,7 +16,8 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import ELSEWHERE, WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
-from radixmesh.engine.quantization.fp8 import Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
+from radixmesh.engine.quantization import fp8_load
+from radixmesh.engine.quantization.fp8 import FP8, Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
 
 # Checkpoint tensors that carry nothing the model computes with: RoPE frequencies (recomputed from config.json).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -177,6 +178,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
     fp8 = checkpoint_scheme(cfg.raw)
     scales = _fp8_scales(cfg) if fp8 is not None else {}
     online = quantization == "fp8" and fp8 is None
+    held = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}  # fp8_load.hold_fp8
     seen: set[str] = set()
     for name, lazy in iter_checkpoint(cfg.path):
         if fp8 is not None and scale_of(name) is not None:
@@ -187,7 +189,10 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
         for param, shard in targets[name]:  # load_model's _check_checkpoint refused every other name
             if shard is not ELSEWHERE:
                 _check_shape(name, lazy, param, shard, cfg)
-                _destination(param, shard).copy_(_weight(stored, lazy, shard, fp8, scales, online))
+                if id(param) in held:
+                    fp8_load.fill(held[id(param)], stored, lazy, shard, fp8, scales, _read)
+                else:
+                    _destination(param, shard).copy_(_weight(stored, lazy, shard, fp8, scales, online))
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -197,28 +202,49 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
         raise ValueError(f"checkpoint {cfg.path} is missing tensor(s): {shown}{hint}")
 
 
+def _hold_fp8(model: nn.Module, cfg: ModelConfig, load_format: str, quantization: str | None, backend: str,
+              device: torch.device) -> None:
+    """The projections whose weights stay fp8 (engine.quantization.fp8_load), while the model is on meta."""
+    scheme = checkpoint_scheme(cfg.raw)
+    if (scheme is None and quantization != "fp8") or not fp8_load.kernels_wanted(backend, device):
+        return
+    names_of: dict[int, list[str]] = {}
+    for name, parts in checkpoint_name_map(model).items():
+        for param, _ in parts:
+            names_of.setdefault(id(param), []).append(name)
+    dtypes = None
+    if load_format != "dummy":
+        dtypes = {name: "online" if scheme is None else lazy.get_dtype() for name, lazy in iter_checkpoint(cfg.path)}
+    fp8_load.hold_fp8(model, names_of, dtypes, scheme, device)
+
+
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights for benchmarks: norms at 1, everything else small and uniform (bounded activations)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if param.dtype == FP8:
+            continue
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
         else:
             param.data.uniform_(-0.02, 0.02, generator=gen)
+    fp8_load.init_dummy(model, gen)
 
 
 def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
                max_positions: int, seed: int = 0, tp: TensorParallel | None = None,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, fp8_gemm_backend: str = "auto") -> nn.Module:
     """The model on `device`, holding this rank's part of every weight under tensor parallelism. Refuses (ValueError)
     a config or checkpoint it would serve wrong before reading any weight (engine.models.support). fp8 checkpoints,
-    and `quantization="fp8"` for an unquantized one, are held dequantized (engine.quantization.fp8)."""
+    and `quantization="fp8"` for an unquantized one, keep their projections in fp8 where fp8_load.kernels_wanted
+    says so (engine.quantization.fp8_load), and are held dequantized otherwise (engine.quantization.fp8)."""
     cls = model_class(cfg.architecture)
     check_servable(cfg, max_positions)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, tp)
     if load_format != "dummy":
         _check_checkpoint(set(checkpoint_name_map(model)), cfg, getattr(cls, "skipped_tensors", ()))
+    _hold_fp8(model, cfg, load_format, quantization, fp8_gemm_backend, device)
     # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
     # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -11,10 +11,13 @@ Layers the config keeps unquantized (`ignored_layers`, `modules_to_not_convert`)
 `--quantization fp8` rounds each linear weight of an unquantized checkpoint to fp8 with one scale per output row
 (the router of a mixture of experts, the embedding and the head stay as they are, as SGLang leaves them).
 
-This build holds the weights dequantized in the model's dtype: the outputs are the fp8 weights' (the scales applied
-exactly, in float32), the memory and the speed are not yet (fp8 GEMM kernels are the next part of issue 52).
-Activations are not quantized, static `input_scale`s included, so a static-scheme checkpoint's outputs differ from
-an fp8 engine's by the activations' rounding. `write_checkpoint` is our writer of such checkpoints (tests, tiny
+Where the fp8 kernels run (--fp8-gemm-backend auto on a CUDA GPU of sm89+, or triton), the projections keep their
+weights in fp8 with their scales (engine.quantization.fp8_load) and run engine.quantization.fp8_linear: decode-sized
+products read the fp8 weights with unquantized activations, larger ones quantize the activations per token (and
+group) for fp8 GEMMs. Elsewhere (CPU by default), and for the weights those layers do not cover (MoE experts, whose
+grouped GEMMs read 16-bit weights), the weights are held dequantized in the model's dtype: the outputs are the fp8
+weights' (the scales applied exactly, in float32), the memory and the speed are not. Static `input_scale`s are read
+but not used: activations are quantized dynamically per token where they are quantized at all. `write_checkpoint` is our writer of such checkpoints (tests, tiny
 models); `dequantized_checkpoint` writes the float twin they are checked against."""
 
 from __future__ import annotations

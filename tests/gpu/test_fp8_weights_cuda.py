@@ -1,0 +1,122 @@
+"""fp8 weights on CUDA (issue 52): the kernels compiled at the 8B shape's projections against their twins (the
+per-token / per-token-group activation quantization bit for bit, the W8A16 decode products, the block-scaled GEMM,
+torch._scaled_mm's row-wise path and its Triton fallback), the one-row product under programmatic dependent launch in
+a CUDA graph equal to its eager launch, and the engine with `--fp8-gemm-backend auto` holding a block-wise
+checkpoint's projections in fp8, in CUDA graphs, token-exact with the dequantized twin (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixmesh.engine.quantization import fp8
+from radixmesh.engine.quantization.fp8_linear import Fp8Weights, fp8_linear
+from radixmesh.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from radixmesh.kernels.fp8_gemv import fp8_gemv, fp8_gemv_row, fp8_linear_reference
+from radixmesh.kernels.fp8_quant import group_quant, group_quant_reference
+from tests.conftest import model_path
+from tests.engine_utils import parity_prompts, running_engine
+from tests.reference import hf_greedy, hf_token_logprobs
+
+pytestmark = pytest.mark.gpu
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate/up, down of Llama-3.1-8B
+BF16 = {"rtol": 1.6e-2, "atol": 1e-2}
+
+
+def _weight(n: int, k: int, block, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, s = fp8.quantize(torch.randn((n, k), generator=g) / k ** 0.5, block)
+    return q.cuda(), (s.reshape(n) if block is None else s).cuda()
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_activation_quantization_is_bit_exact_with_its_twin(group):
+    x = (torch.randn((300, 4096), device="cuda") * 3).to(torch.bfloat16)
+    q, s = group_quant(x, group)
+    want_q, want_s = group_quant_reference(x, group)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_decode_products_at_the_8b_shape(n, k, block):
+    w, s = _weight(n, k, block)
+    for m in (1, 4, 16):
+        x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+        got = (fp8_gemv_row if m == 1 else fp8_gemv)(x, w, s, block)
+        torch.testing.assert_close(got, fp8_linear_reference(x, w, s, block), **BF16)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_prefill_products_at_the_8b_shape(n, k):
+    x = torch.randn((300, k), device="cuda", dtype=torch.bfloat16)
+    for block in ((128, 128), None):
+        w, s = _weight(n, k, block)
+        a, a_s = group_quant(x, block[1] if block else None)
+        want = fp8_gemm_reference(a, a_s, w, s, block, torch.bfloat16)
+        torch.testing.assert_close(fp8_gemm(a, a_s, w, s, block, torch.bfloat16), want, **BF16)
+        # fp8_linear: the block GEMM, or torch._scaled_mm (per-channel, bfloat16) and its Triton fallback (float16)
+        got = fp8_linear(x, w, s, Fp8Weights(block, scaled_mm=True))
+        torch.testing.assert_close(got, want, **BF16)
+        half = fp8_linear(x.half(), w, s, Fp8Weights(block, scaled_mm=True))
+        torch.testing.assert_close(half.float(), want.float(), **BF16)
+
+
+def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
+    from radixmesh.kernels.runtime import pdl_supported
+
+    if not pdl_supported():
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    chain = [_weight(n, k, (128, 128), seed=i) for i, (n, k) in enumerate([(4096, 4096), (14336, 4096),
+                                                                          (4096, 14336)])]
+    x = torch.randn((1, 4096), device="cuda", dtype=torch.bfloat16)
+
+    def run(pdl: bool) -> torch.Tensor:
+        y = x
+        for w, s in chain:
+            y = fp8_gemv_row(y, w, s, (128, 128), pdl=pdl) / 8
+        return y
+
+    eager = run(False)
+    graph = torch.cuda.CUDAGraph()
+    run(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_the_engine_holds_block_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_graphs(tmp_path):
+    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
+    twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
+    prompts = parity_prompts(q)[:3]  # short prompts prefilled in 16-row chunks: every product is W8A16
+    refs = hf_greedy(twin, prompts, 12)
+    with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                        fp8_gemm_backend="triton") as llm:
+        held = [m for m in llm.runner.model.modules() if getattr(m, "fp8", None) is not None]
+        assert len(held) == 16 and all(m.weight.dtype == torch.float8_e4m3fn for m in held)
+        assert llm.runner.graphs is not None
+        outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0},
+                            return_logprob=True)
+    assert [o["output_ids"] for o in outs] == refs
+    for p, out, ref in zip(prompts, outs, refs):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(hf_token_logprobs(twin, p, ref), abs=1e-3)
+
+
+def test_online_fp8_in_bfloat16_runs_scaled_mm_prefills_and_stays_near_the_model():
+    """--quantization fp8 in bfloat16 on long prompts (prefill on torch._scaled_mm, decode on fp8_gemv_row in
+    graphs): the first greedy token of each prompt agrees with the unquantized bfloat16 engine's for most prompts."""
+    path = model_path("tiny-llama")
+    prompts = parity_prompts(path)
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    with running_engine(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, quantization="fp8",
+                        fp8_gemm_backend="triton") as llm:
+        assert any(getattr(m, "fp8", None) is not None and m.fp8.scaled_mm for m in llm.runner.model.modules())
+        fp8_first = [o["output_ids"][0] for o in llm.generate(input_ids=prompts, sampling_params=sp)]
+    with running_engine(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True) as llm:
+        plain_first = [o["output_ids"][0] for o in llm.generate(input_ids=prompts, sampling_params=sp)]
+    assert sum(a == b for a, b in zip(fp8_first, plain_first)) >= len(prompts) - 2, (fp8_first, plain_first)

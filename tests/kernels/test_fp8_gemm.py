@@ -1,0 +1,80 @@
+"""kernels.fp8_gemm, the fp8 x fp8 GEMM with block-wise (per-token-group x 2-D block) and row-wise (per-token x
+per-channel) scales, against its plain-torch twin, fed by kernels.fp8_quant: ragged M, N and K (partial tiles,
+partial blocks), blocks narrower than the column tile, and the output near the unquantized product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixmesh.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from radixmesh.kernels.fp8_quant import group_quant
+from radixmesh.engine.quantization.fp8 import quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m: int, n: int, k: int, block, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((m, k), generator=g).to(dtype)
+    w = torch.randn((n, k), generator=g) / k ** 0.5
+    q, scale = quantize(w, block)
+    a, a_s = group_quant(x.to(DEVICE), block[1] if block else None)
+    return x, w, a, a_s, q.to(DEVICE), scale.reshape(-1, scale.shape[-1]).squeeze(-1).to(DEVICE) if block is None \
+        else scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k,block", [(1, 64, 128, (64, 64)), (37, 200, 300, (32, 64)), (70, 256, 256, (128, 128)),
+                                         (17, 96, 160, (32, 32)), (5, 80, 96, None), (130, 200, 300, None)])
+def test_fp8_gemm_matches_its_twin(m, n, k, block, dtype):
+    x, w, a, a_s, q, w_s = _operands(m, n, k, block, dtype, seed=m + n + k)
+    got = fp8_gemm(a, a_s, q, w_s, block, dtype)
+    want = fp8_gemm_reference(a, a_s, q, w_s, block, dtype)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)  # float32 sums in another order, one rounding
+    exact = x.float() @ w.t()
+    assert (got.float().cpu() - exact).abs().mean() < 0.05 * exact.abs().mean()  # fp8 on both sides: ~2-3%
+
+
+def test_fp8_gemm_refuses_what_it_cannot_compute():
+    x, w, a, a_s, q, w_s = _operands(4, 64, 128, (64, 64), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="needs w_scales"):
+        fp8_gemm(a, a_s, q, w_s[:, :1], (64, 64), torch.float32)
+    with pytest.raises(ValueError, match="power-of-two blocks"):
+        fp8_gemm(a, a_s, q, w_s, (64, 48), torch.float32)
+    with pytest.raises(ValueError, match="fp8_gemm takes"):
+        fp8_gemm(a.float(), a_s, q, w_s, (64, 64), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("block,scaled_mm", [((32, 64), False), (None, False), (None, True)],
+                         ids=["block", "channel", "channel-scaled-mm"])
+def test_fp8_linear_picks_a_product_that_matches_its_twin(rows, block, scaled_mm):
+    """engine.quantization.fp8_linear by the number of rows: W8A16 up to 16 (the weights' twin exactly), else the
+    activations quantized per token (group) and the fp8 GEMM: kernels.fp8_gemm, or torch._scaled_mm for per-channel
+    bfloat16 (on CUDA in the engine; here on CPU where this torch has it, which checks the call's layout: row-wise
+    scale_a [M, 1], scale_b [1, N], the weight's transpose as mat2)."""
+    from radixmesh.engine.quantization.fp8_linear import Fp8Weights, fp8_linear
+    from radixmesh.kernels.fp8_gemv import fp8_linear_reference
+
+    dtype = torch.bfloat16 if scaled_mm else torch.float32
+    x, _, _, _, q, w_s = _operands(rows, 96, 128, block, dtype, seed=rows)
+    x = x.to(DEVICE).reshape(1, rows, 128)  # [batch, tokens, hidden]: products keep the leading dimensions
+    bias = torch.randn(96).to(DEVICE, dtype)
+    try:
+        got = fp8_linear(x, q, w_s, Fp8Weights(block, scaled_mm), bias)
+    except (RuntimeError, NotImplementedError) as e:
+        if scaled_mm and not x.is_cuda:
+            pytest.skip(f"this torch has no CPU torch._scaled_mm: {e}")
+        raise
+    assert got.shape == (1, rows, 96) and got.dtype == dtype
+    flat = x.reshape(rows, 128)
+    if rows <= 16:
+        want = fp8_linear_reference(flat, q, w_s, block, bias)
+    else:
+        a, a_s = group_quant(flat, block[1] if block else None)
+        want = fp8_gemm_reference(a, a_s, q, w_s, block, torch.float32) + bias.float()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.reshape(rows, 96).float(), want.float(), **tol)
