@@ -47,6 +47,9 @@ class ForwardBatch:
     decode_block: torch.Tensor | None = None
     # Per request: its LoRA adapter's id (engine.lora.manager; 0: the base model); None: no adapters at all.
     lora_slots: list[int] | None = None
+    # Decode rows of a draft tree (engine.speculative.tree): [2, batch] int64, each row's first masked table index
+    # and the bits of the keys from there on it sees (keys before it: all); None: every key up to seq_len.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -64,8 +64,9 @@ class EngineArgs:
     # speculative_num_steps draft forwards), EAGLE and EAGLE3 with a one-layer head reading the target's hidden
     # states (engine.speculative.eagle_head). Each decode step then verifies the newest token and up to
     # num_draft_tokens - 1 drafted ones in one forward, keeping the longest prefix the target model agrees with
-    # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). Draft trees
-    # (speculative_eagle_topk > 1) and NEXTN are refused until they land.
+    # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). EAGLE heads draft
+    # trees with speculative_eagle_topk > 1 (engine.speculative.tree: the target verifies every node under a tree
+    # mask and keeps the longest accepted path); NEXTN is refused until it lands.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = field(default=None, metadata={"aliases": ("--speculative-draft-model",)})
     speculative_num_steps: int | None = None

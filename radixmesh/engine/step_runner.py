@@ -17,9 +17,10 @@ from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.pooling import Pooling
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, verify_extras
-from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend, build_verify
+from radixmesh.engine.scheduler.batch_builder import build_decode, build_extend, build_tree_verify, build_verify
 from radixmesh.engine.scheduler.logprob_lists import to_host, token_logprob_rows
 from radixmesh.engine.scheduler.step import Resolved, ScheduledBatch, StepResult
+from radixmesh.engine.speculative.tree_verify import verify_tree_step
 from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult
 
 
@@ -102,6 +103,9 @@ class StepRunner:
         return result
 
     def _execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.trees is not None:
+            return StepResult(batch, self.model.forward(build_tree_verify(batch.reqs, batch.trees, batch.locs,
+                                                                          self.device, batch.width)))
         if batch.drafts is not None:
             return StepResult(batch, self.model.forward(build_verify(batch.reqs, batch.drafts, batch.locs,
                                                                      self.device, batch.width)))
@@ -137,12 +141,17 @@ class StepRunner:
         the drafts (engine.speculative.verify); the penalty counts take every token a row produced."""
         batch = result.batch
         reqs = batch.reqs
-        layout = VerifyLayout.build(batch.drafts, self.device, batch.width)
-        width = layout.width
-        sampling = SamplingBatch.build([r for r in reqs for _ in range(width)], any(r.return_logprob for r in reqs),
-                                       self.vocab_size, self.device, offsets=list(range(width)) * len(reqs))
-        sampling = verify_extras(sampling, reqs, batch.drafts, width, self.vocab_size, self.device)
-        verified = self.model.verify(result.output, layout, sampling, batch.draft_probs)
+        width = batch.width
+        if batch.trees is not None:
+            verified = verify_tree_step(self.model, batch, result.output)
+        else:
+            layout = VerifyLayout.build(batch.drafts, self.device, batch.width)
+            width = layout.width
+            sampling = SamplingBatch.build([r for r in reqs for _ in range(width)],
+                                           any(r.return_logprob for r in reqs), self.vocab_size, self.device,
+                                           offsets=list(range(width)) * len(reqs))
+            sampling = verify_extras(sampling, reqs, batch.drafts, width, self.vocab_size, self.device)
+            verified = self.model.verify(result.output, layout, sampling, batch.draft_probs)
         produced = torch.arange(width, device=verified.tokens.device)[None, :] <= verified.accepted[:, None]
         self._record_penalties(batch, verified.tokens, produced)
         return SampleResult(verified.next_ids, None), VerifyCopy(verified, self.device)

@@ -17,6 +17,11 @@ A sliding window of w tokens (a per-layer constant) shows the query at position 
 seq_len - w .. seq_len - 1 (transformers' rule: key > query - w); both stages walk only those, so a windowed layer
 reads at most w keys per request. Scores may be soft-capped (kernels.online_softmax).
 
+A draft tree's verify rows (engine.speculative.tree) see only some of their request's last keys: `tree` gives each row
+the first table index of its masked span (`start`) and a 64-bit set of the keys there it sees (`bits`, bit i: key
+start + i); keys before `start` are all seen. Each row's own key is its last (seq_len - 1) and is seen, so every
+split a row fills holds a key it sees, except splits that lie wholly in the span: those keep a zero weight.
+
 The split count depends only on the batch size (not on the lengths), so a CUDA graph captured for a batch size
 stays valid for any lengths; each request's keys (its window's, when it has one) are cut into `num_splits` ranges
 of whole `BLOCK_N` blocks on the device, so a short request simply leaves trailing splits empty. An empty split's
@@ -55,13 +60,20 @@ def _window_start(seq_len, window):
 
 
 @triton.jit
-def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse,
+def _tree_visible(n, tree_start, tree_bits):
+    """Whether keys at table indices n (a block) are seen by a row with this tree span (keys before it: all)."""
+    rel = n - tree_start
+    return (rel < 0) | (((tree_bits >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1) != 0)
+
+
+@triton.jit
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeStart, TreeBits, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, cap_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, TREE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,20 +116,27 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Part
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if TREE:
+        tree_start = tl.load(TreeStart + b).to(tl.int32)
+        tree_bits = tl.load(TreeBits + b)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
+        if TREE:
+            n_mask = n_mask & _tree_visible(n, tree_start, tree_bits)
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         k = k.to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype; else nothing)
         p, alpha, m_i, l_i = softmax_step(q, k, n_mask[None, :], m_i, l_i, scale_log2, cap_log2, PRECISION, UPCAST,
-                                          CAPPED, False)
+                                          CAPPED, TREE)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         v = v.to(Q.dtype.element_ty)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     out_mask = h_mask[:, None] & d_mask[None, :]
+    if TREE:  # a split wholly inside a row's tree span may see no key: its weight is zero, not NaN
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
@@ -155,13 +174,14 @@ def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, str
         part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
         lse = tl.load(lse_ptrs, mask=live, other=float("-inf"))
         part = tl.load(part_ptrs, mask=part_mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every chunk has a live split
-        alpha = tl.exp2(m - m_new)
-        w = tl.where(live, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite once a split saw a key (split 0 sees the prefix or the row)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a tree row's splits wholly in its span see none)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)  # [BLOCK_S]
         acc = acc * alpha + tl.sum(part * w[:, None], 0)
         total = total * alpha + tl.sum(w, 0)
         m = m_new
-    out = acc / total
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -185,12 +205,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
                      partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
     `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
-    `window`: the query sees only the last `window` keys; `softcap`: scores become softcap * tanh(scores / softcap)."""
+    `window`: the query sees only the last `window` keys; `softcap`: scores become softcap * tanh(scores / softcap).
+    `tree` [2, batch] int64: each row's masked span (first table index, bits of the keys it sees there)."""
     bsz, num_heads, head_dim = q.shape
+    if tree is not None and window is not None:
+        raise ValueError("a draft tree's mask and a sliding window do not combine (table indices are not positions)")
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -208,14 +231,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     line = LINE_BYTES // k_buf.element_size()
     prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, tree[0] if tree is not None else seq_lens,
+        tree[1] if tree is not None else seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1), scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap),
-        PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, num_warps=4,
+        PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, TREE=tree is not None,
+        num_warps=4,
         num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
@@ -235,16 +260,22 @@ def _window_arg(window: int | None) -> int:
 
 def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                               scale: float, window: int | None = None, softcap: float | None = None,
+                               tree: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `decode_attention`: per request, gather its keys and values (the last `window` of them,
-    given one) and attend in float32, scores soft-capped when `softcap` is given."""
+    given one; those its tree span lets it see, given `tree`) and attend in float32, scores soft-capped when
+    `softcap` is given."""
     bsz, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(bsz):
         seq = int(seq_lens[b])
         first = max(0, seq - window) if window else 0
-        slots = req_to_token[int(req_pool_indices[b]), first:seq].long()
+        index = torch.arange(first, seq)
+        if tree is not None:
+            start, bits = int(tree[0, b]), int(tree[1, b])
+            index = index[[i < start or bool((bits >> (i - start)) & 1) for i in index.tolist()]]
+        slots = req_to_token[int(req_pool_indices[b]), index].long()
         keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [seq, heads, head_dim]
         values = v_buf[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale

@@ -50,6 +50,9 @@ class TorchNativeBackend(AttentionBackend):
         prefix = batch.seq_lens - batch.extend_lens  # [batch]
         q_pos = prefix[:, None] + torch.arange(max_q, device=dev)  # [batch, max_q]
         masks = {w: self._mask(q_pos, batch.seq_lens, max_kv, w) for w in self.shape.distinct_windows()}
+        if batch.tree_mask is not None:
+            seen = _tree_visible(batch.tree_mask, max_kv)[:, None, None, :]  # decode rows: [batch, 1, 1, max_kv]
+            masks = {w: m & seen for w, m in masks.items()}
         token_to_pad = token_to_key = None
         if batch.mode is not ForwardMode.DECODE:
             starts = batch.extend_lens.cumsum(0) - batch.extend_lens
@@ -107,6 +110,14 @@ class TorchNativeBackend(AttentionBackend):
             out = _capped_attention(rows, keys, values, mask, self.shape.scale, self.shape.softcap)
         out = out.view(bsz, kv_heads, max_q, group, head_dim).transpose(1, 2).reshape(bsz * max_q, num_heads, head_dim)
         return out if metadata.token_to_pad is None else out[metadata.token_to_pad]
+
+
+def _tree_visible(tree: torch.Tensor, max_kv: int) -> torch.Tensor:
+    """[batch, max_kv] True where a draft tree's decode row sees key j: before its span tree[0], or bit j - tree[0]
+    of tree[1] (batch.ForwardBatch.tree_mask)."""
+    rel = torch.arange(max_kv, device=tree.device)[None, :] - tree[0][:, None]
+    bits = (tree[1][:, None] >> rel.clamp(0, 63)) & 1
+    return (rel < 0) | (bits != 0)
 
 
 def _capped_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -73,7 +73,8 @@ class TritonBackend(AttentionBackend):
         pool, s = self.kv_pool, self.shape
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.device,
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
-                                partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap)
+                                partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,
+                                tree=batch.tree_mask)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

@@ -11,6 +11,7 @@ import torch
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler.step import PromptLogprobPlan, StepResult
+from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits
 
 
 class _Pending:
@@ -133,3 +134,40 @@ def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, d
         slots += [loc, torch.zeros(pad, dtype=torch.int64)]
     return ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
                               seq_lens=lens, extend_lens=[1] * len(ids), device=device)
+
+
+def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]], locs: torch.Tensor,
+                      device: torch.device, width: int) -> ForwardBatch:
+    """A draft tree's verify (engine.speculative.tree): `width` decode rows per request, node j (0: the newest token,
+    at kv_len; then the tree's nodes, their tokens and parents in `trees`) at table index kv_len + j, position
+    kv_len + its depth, with seq_len kv_len + j + 1 and a tree mask over the keys from kv_len on: the row sees the
+    request's KV, its ancestors and itself. Rows past a request's tree are padding (token 0 over its first KV token,
+    writing the scratch slot 0). Runs eagerly (no CUDA graph has the mask). Logits come back one per row."""
+    ids, positions, rows, lens, slots, starts, seen = [], [], [], [], [], [], []
+    new = locs.split([r.extend_len for r in reqs])
+    for r, (tokens, parents), loc in zip(reqs, trees, new):
+        n = 1 + len(tokens)
+        if r.kv_len != r.fill_len - 1 or r.extend_len < n or n > width:
+            raise RuntimeError(f"request {r.rid}: a tree verify needs its newest token known and not yet in the KV")
+        pad = width - n
+        ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *tokens] + [0] * pad
+        positions += [r.kv_len + d for d in depths(parents)] + [r.kv_len] * pad
+        rows += [r.pool_idx] * width
+        lens += [*range(r.kv_len + 1, r.kv_len + n + 1)] + [1] * pad
+        slots += [loc[:n], torch.zeros(pad, dtype=torch.int64)]
+        starts += [r.kv_len] * n + [1] * pad
+        seen += [as_signed(b) for b in seen_bits(parents)] + [1] * pad
+    batch = ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
+                               seq_lens=lens, extend_lens=[1] * len(ids), device=device)
+    batch.decode_block = None  # (what a CUDA graph replays: a graph has no tree mask)
+    batch.tree_mask = torch.tensor([starts, seen], dtype=torch.int64).to(device, non_blocking=True)
+    return batch
+
+
+def tree_node_slots(reqs: list[Req], trees: list[tuple[list[int], list[int]]], locs: torch.Tensor,
+                    width: int) -> torch.Tensor:
+    """[batch, width] int64 (host) the KV slot of each request's node j (past its tree: 0)."""
+    out = torch.zeros((len(reqs), width), dtype=torch.int64)
+    for i, (loc, (tokens, _)) in enumerate(zip(locs.split([r.extend_len for r in reqs]), trees)):
+        out[i, :1 + len(tokens)] = loc[:1 + len(tokens)]
+    return out

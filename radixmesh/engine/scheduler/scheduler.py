@@ -198,7 +198,8 @@ class Scheduler:
             self._fail(reqs, e)
             return None
         return ScheduledBatch(reqs, ForwardMode.DECODE, locs, [True] * len(reqs), [False] * len(reqs),
-                              self.in_flight, drafts=drafts, draft_probs=draft_probs, width=width)
+                              self.in_flight, drafts=drafts, draft_probs=draft_probs, width=width,
+                              trees=self.spec.trees)
 
     def _batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduledBatch | None:
         decoding = {id(r) for r in self.requests.running}

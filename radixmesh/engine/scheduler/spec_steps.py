@@ -11,6 +11,13 @@ so kv_len steps back by k - a, and the pages that held only rejected drafts go b
 requests are processed (CacheManager.trim, free_trimmed), before anything allocates again. The prefix cache only
 ever sees tokens the request produced: it keys pages by fill_ids, and caches at most kv_len of them.
 
+An EAGLE head may draft a tree instead (--speculative-eagle-topk > 1; engine.speculative.tree): `width` is then the
+tree's num_draft_tokens (its nodes are the step's drafts, in node order), and a request takes the tree's scratch
+slots after its newest token (the nodes' and the draft steps' KV). The verify keeps a root-to-node path and moves
+its KV to the consecutive positions after the newest token (engine.speculative.tree_verify), so the same trim frees
+everything past the kept tokens. A request drafts a tree only when all of it fits (its length limit, the context,
+the free pages); otherwise it verifies its newest token alone.
+
 Every request may draft: grammars, penalties, min_new_tokens and seeds are applied per drafted position (the
 step runner builds each position's sampling row as if the drafted tokens before it were output). Drafts are skipped
 where the pool has no free page for them: a draft never evicts cached prefixes.
@@ -24,6 +31,7 @@ import torch
 
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.request import Req
+from radixmesh.engine.speculative.tree import path_of
 
 
 class Drafter(Protocol):
@@ -38,11 +46,16 @@ class SpecSteps:
     """`new_drafter`: makes a request's Drafter, on its first decode step under speculation. `model`: a draft
     model that drafts for the whole batch at once (engine.speculative.draft_model.DraftModel); when given, it drafts
     instead of the per-request drafters. `corpus`: where finished requests' sequences go for later requests' drafts
-    (engine.speculative.ngram.NgramCorpus). `max_rows`: the largest decode batch a CUDA graph runs (None: any)."""
+    (engine.speculative.ngram.NgramCorpus). `max_rows`: the largest decode batch a CUDA graph runs (None: any).
+    `tree`: an EAGLE head drafting trees (engine.speculative.tree_draft.TreeDrafter), instead of `model`'s chains."""
 
     def __init__(self, cache: CacheManager, max_draft: int, new_drafter: Callable[[Req], Drafter] | None,
-                 context_len: int, model=None, corpus=None, max_rows: int | None = None):
+                 context_len: int, model=None, corpus=None, max_rows: int | None = None, tree=None):
         self.cache = cache
+        self.tree = tree
+        # the last draft's trees, per request (node tokens, node parents; both empty: none), None for chains
+        self.trees: list[tuple[list[int], list[int]]] | None = None
+        self._tree_of: dict[int, tuple[list[int], list[int], int]] = {}  # id(req) -> tokens, parents, slots
         self.corpus = corpus
         self.max_rows = max_rows
         self._freed: list[torch.Tensor] = []  # a verify's rejected drafts' slots, until `flush`
@@ -61,6 +74,8 @@ class SpecSteps:
 
     def width(self, batch_size: int) -> int:
         """Rows per request of a verify of this many requests."""
+        if self.tree is not None:  # (tree verifies run eagerly: no CUDA graph bounds them)
+            return self.tree.shape.num_draft_tokens
         width = 1 + self.max_draft
         if self.max_rows is not None:
             width = min(width, max(1, self.max_rows // batch_size))
@@ -72,8 +87,12 @@ class SpecSteps:
         the drafts were drawn from (a draft model's device tensor [batch, width, vocab], engine.speculative.verify's
         draft_probs; None: one-hot drafts), and the verify's rows per request (1: a plain decode, nothing drafted)."""
         width = self.width(len(reqs))
+        self.trees = None
+        self._tree_of = {}  # (a request that left before its verify was processed leaves nothing behind)
         if width == 1:
             return [[] for _ in reqs], None, 1
+        if self.tree is not None:
+            return self._tree_drafts(reqs), None, width
         if self.model is not None:
             return *self._model_drafts(reqs, width), width
         drafts = []
@@ -109,6 +128,32 @@ class SpecSteps:
             probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
         return drafts, probs
 
+    def _tree_drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's tree (where all of it fits; its node tokens are its drafts), its scratch slots allocated."""
+        shape = self.tree.shape
+        room = shape.scratch
+        ks = [room if self._tree_fits(r, room) else 0 for r in reqs]
+        ks = self._alloc(reqs, ks)
+        for r, k in zip(reqs, ks):
+            if 0 < k < room:  # cut short by the pages left: no tree, its slots back
+                self.cache.trim(r, r.alloc_len - k)
+                r.extend_len = 1
+        on = [r for r, k in zip(reqs, ks) if k == room]
+        tokens, parents = self.tree.propose(on)
+        made = iter(zip(tokens, parents))
+        self.trees = [next(made) if k == room else ([], []) for k in ks]
+        for r, (toks, pars) in zip(reqs, self.trees):
+            if toks:
+                self._tree_of[id(r)] = (toks, pars, room)
+        return [toks for toks, _ in self.trees]
+
+    def _tree_fits(self, req: Req, slots: int) -> bool:
+        """A tree's tokens within the request's length limit and its slots within the context and the free pages."""
+        shape = self.tree.shape
+        longest = min(shape.steps, shape.nodes)  # drafted tokens a tree can keep
+        room = min(req.remaining_new_tokens(), self.context_len - req.fill_len) - 1
+        return room >= longest and req.fill_len + slots <= self.context_len and self._room(req, slots) == slots
+
     def _alloc_one(self, req: Req, k: int) -> int:
         k = self._room(req, k)
         return k if k and self.cache.alloc_tokens(req, k) is not None else 0
@@ -120,11 +165,16 @@ class SpecSteps:
 
     def verified(self, req: Req, drafted: int, tokens: list[int]) -> None:
         """A verify's outcome for `req` (which drafted `drafted` tokens and got `tokens`, the kept drafts and the
-        target's next token): the rejected drafts' KV slots are dropped."""
+        target's next token): the rejected drafts' KV slots are dropped (a tree's kept path's KV was moved to the
+        consecutive positions by the verify)."""
         kept = len(tokens) - 1
         self.count(req, drafted, kept)
-        newest = req.kv_len - 1 - drafted
-        rejected = drafted - kept
+        tree = self._tree_of.pop(id(req), None)
+        slots = tree[2] if tree is not None else drafted  # a tree's scratch slots past its nodes are dropped too
+        newest = req.kv_len - 1 - slots
+        rejected = slots - kept
+        if tree is not None and self.model is not None:  # its kept nodes' hidden states, in path order
+            self.model.kept_path(req, newest, path_of(tree[0], tree[1], tokens[:kept]))
         if rejected and req.pool_idx is not None:
             req.kv_len -= rejected
             self.cache.trim(req, req.kv_len, self._freed)

@@ -53,6 +53,8 @@ class ScheduledBatch:
     drafts: list[list[int]] | None = None
     draft_probs: Any = None  # the distributions a draft model drew them from (device tensor; None: one-hot drafts)
     width: int = 0
+    # A draft tree's verify: per request, its node tokens (= drafts) and node parents (engine.speculative.tree)
+    trees: list[tuple[list[int], list[int]]] | None = None
 
 
 class Resolved(NamedTuple):

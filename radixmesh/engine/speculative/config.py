@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from radixmesh.engine.speculative.tree import MAX_TREE_KEYS, TreeShape
+
 log = logging.getLogger(__name__)
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # what runs here
 DRAFTED = ("STANDALONE", "EAGLE", "EAGLE3")  # a draft model runs a chain of steps
+EAGLES = ("EAGLE", "EAGLE3")  # a head reading the target's hidden states: may draft trees (topk > 1)
 PLANNED = ("NEXTN",)  # SGLang's others: refused by name until they land
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # the newest token and up to 7 drafted ones per verify
@@ -41,10 +44,13 @@ def resolve_speculative(args: Any) -> dict:
     _check(args.speculative_attention_mode == "decode", "speculative_attention_mode: verify forwards run as decode "
            "batches of a row per token, in the decode backend's kernels and CUDA graphs ('decode'); 'prefill' (an "
            f"extend over the request's KV) is not implemented; got {args.speculative_attention_mode!r}")
-    topk = args.speculative_eagle_topk
-    _check(topk is None or topk == 1, f"speculative_eagle_topk {topk}: draft trees (topk > 1) are not implemented "
-           "yet; drafts are one chain (topk 1)")
-    if algo in DRAFTED:
+    topk = args.speculative_eagle_topk if args.speculative_eagle_topk is not None else 1
+    _check(isinstance(topk, int) and topk >= 1, f"speculative_eagle_topk must be an integer >= 1, got {topk!r}")
+    _check(topk == 1 or algo in EAGLES, f"speculative_eagle_topk {topk}: draft trees are drafted by an EAGLE head "
+           f"(speculative_algorithm EAGLE or EAGLE3); {algo} drafts one chain (topk 1)")
+    if topk > 1:
+        n, steps = _tree(args, algo, topk)
+    elif algo in DRAFTED:
         n = _chain(args, algo)
     else:
         _check(args.speculative_draft_model_path is None,
@@ -66,8 +72,8 @@ def resolve_speculative(args: Any) -> dict:
     _check(args.speculative_ngram_capacity >= 1, "speculative_ngram_capacity must be >= 1")
     if not args.disable_overlap_schedule:
         log.info("speculative decoding: the overlap scheduler is off (a draft needs the previous step's tokens)")
-    return {"speculative_algorithm": algo, "speculative_num_draft_tokens": n, "speculative_eagle_topk": 1,
-            "speculative_num_steps": n - 1, "disable_overlap_schedule": True}
+    return {"speculative_algorithm": algo, "speculative_num_draft_tokens": n, "speculative_eagle_topk": topk,
+            "speculative_num_steps": steps if topk > 1 else n - 1, "disable_overlap_schedule": True}
 
 
 def _chain(args: Any, algo: str) -> int:
@@ -85,6 +91,30 @@ def _chain(args: Any, algo: str) -> int:
     _check(n is None or n == steps + 1, f"speculative_num_draft_tokens ({n}) must be speculative_num_steps + 1 "
            f"({steps + 1}): a chain of draft steps (topk 1) verifies the newest token and one drafted per step")
     return steps + 1
+
+
+def _tree(args: Any, algo: str, topk: int) -> tuple[int, int]:
+    """A draft tree's num_draft_tokens and num_steps (engine.speculative.tree): steps default to 3, draft tokens to
+    1 + steps * topk (at most 64); the tree's nodes must be candidates the steps propose, and a verify row's or a
+    draft step's masked span at most 64 keys."""
+    _check(args.speculative_draft_model_path is not None,
+           f"speculative_algorithm {algo} drafts with an EAGLE head: give speculative_draft_model_path")
+    _check(args.tp_size == 1, f"speculative_algorithm {algo} with tensor parallelism is not implemented yet "
+           "(the draft model runs on one device): use tp_size 1, or NGRAM")
+    steps = args.speculative_num_steps if args.speculative_num_steps is not None else DEFAULT_STEPS
+    _check(isinstance(steps, int) and steps >= 1, f"speculative_num_steps must be an integer >= 1, got {steps!r}")
+    n = args.speculative_num_draft_tokens
+    if n is None:
+        n = min(MAX_TREE_KEYS, 1 + steps * topk)
+    shape = TreeShape(topk, steps, n) if isinstance(n, int) else None
+    _check(shape is not None and n >= 2, "speculative_num_draft_tokens counts the newest token and the drafted "
+           f"ones a verify checks: it must be an integer >= 2, got {n!r}")
+    _check(shape.nodes <= shape.candidates, f"speculative_num_draft_tokens {n}: a tree of {steps} steps with topk "
+           f"{topk} proposes {shape.candidates} nodes, so at most {shape.candidates + 1} draft tokens")
+    _check(n <= MAX_TREE_KEYS and (steps - 1) * topk <= MAX_TREE_KEYS, f"a draft tree's verify rows attend to "
+           f"at most {MAX_TREE_KEYS} tree slots: speculative_num_draft_tokens ({n}) and (speculative_num_steps - 1) "
+           f"* speculative_eagle_topk ({(steps - 1) * topk}) must be <= {MAX_TREE_KEYS}")
+    return n, steps
 
 
 def max_draft(args: Any) -> int:

@@ -55,7 +55,15 @@ class DraftModel:
             if first and r.draft_len == 0 and r.draft_features is None and r.kv_len:
                 r.draft_len = self._kept_prefix(r, r.kv_len)
         width = batch.width if batch.drafts is not None else None
-        observe(batch.reqs, [r.extend_len for r in batch.reqs], width, hidden)
+        # (a tree's request holds scratch slots past its nodes: only its `width` rows were computed)
+        observe(batch.reqs, [r.extend_len if width is None else min(r.extend_len, width) for r in batch.reqs],
+                width, hidden)
+
+    def kept_path(self, req: Req, newest: int, path: list[int]) -> None:
+        """After a tree verify: the hidden states of the kept path's nodes (node numbers; the root at `newest`)
+        become those of positions newest + 1, newest + 2, ..."""
+        if self.head is not None and req.draft_features is not None:
+            req.draft_features = req.draft_features.keep_path(newest, path)
 
     def _kept_prefix(self, req: Req, hit: int) -> int:
         """How many of the first `hit` positions' slots hold the head's KV of this request's tokens."""

@@ -38,6 +38,18 @@ class FeatureRows:
             self.end = end
         return self
 
+    def keep_path(self, root: int, path: list[int]) -> "FeatureRows | None":
+        """A tree verify's rows (node n at position root + n) reordered: node path[i]'s row to position root + 1 + i;
+        the rows after the path's are dropped."""
+        at = [root + n - self.start for n in path]
+        if root < self.start or any(not 0 <= a < self.end - self.start for a in at):
+            return self.trim(root + 1)  # (rows missing: the next catch-up reads zeros from the gap on)
+        rows = self.rows()
+        index = torch.tensor(at, dtype=torch.int64, device=rows.device)
+        self.chunks = [torch.cat([rows[:root + 1 - self.start], rows[index]])]
+        self.end = root + 1 + len(path)
+        return self
+
     def rows(self) -> torch.Tensor:
         if len(self.chunks) > 1:
             self.chunks = [torch.cat(self.chunks)]

@@ -12,9 +12,13 @@ from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.speculative.config import max_draft
 from radixmesh.engine.speculative.draft_model import DraftModel
 from radixmesh.engine.speculative.eagle_head import EAGLE, EAGLE3, as_draft_config, eagle3_layers
+from radixmesh.engine.models.attention_spec import layer_windows
 from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
+from radixmesh.engine.speculative.tree import TreeShape
+from radixmesh.engine.speculative.tree_draft import TreeDrafter
 
 EAGLES = ("EAGLE", "EAGLE3")  # speculative algorithms whose draft is a head reading the target's hidden states
+TREE_BACKENDS = ("triton", "torch_native")  # decode attention backends with a draft tree's mask (batch.tree_mask)
 # the target's arguments a draft runs with (its one-token steps replay CUDA graphs of their own)
 _DRAFT_KEEPS = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
                 "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend", "disable_cuda_graph",
@@ -34,6 +38,8 @@ def draft_config(args: EngineArgs, target: ModelConfig) -> tuple[EngineArgs, Mod
     algo = args.speculative_algorithm
     if algo not in ("STANDALONE", *EAGLES):
         return None
+    if args.speculative_eagle_topk > 1:
+        _check_tree(args, target)
     path = args.speculative_draft_model_path
     config = ModelConfig.from_path(path)
     if algo in EAGLES:
@@ -47,6 +53,19 @@ def draft_config(args: EngineArgs, target: ModelConfig) -> tuple[EngineArgs, Mod
     draft = EngineArgs.from_kwargs(path, **{k: getattr(args, k) for k in _DRAFT_KEEPS}, skip_tokenizer_init=True,
                                    log_level=args.log_level)
     return resolve_args(draft, config), config
+
+
+def _check_tree(args: EngineArgs, target: ModelConfig) -> None:
+    """Draft trees need a decode attention backend with the tree mask, and no sliding window (a window counts table
+    indices as positions, which a tree's rows are not)."""
+    topk, backend = args.speculative_eagle_topk, args.decode_attention_backend
+    if backend not in TREE_BACKENDS:  # (a tree's rows are decode rows; prefills need no mask)
+        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) verifies with a tree mask, which the {backend} "
+                         f"attention backend does not have (decode_attention_backend): use --decode-attention-backend "
+                         f"{' or '.join(TREE_BACKENDS)}, or speculative_eagle_topk 1")
+    if any(w is not None for w in layer_windows(target, args.context_length)):
+        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) is not implemented for models with "
+                         "sliding-window attention layers: use speculative_eagle_topk 1")
 
 
 def capture_layers(args: EngineArgs, draft: tuple[EngineArgs, ModelConfig] | None,
@@ -77,7 +96,11 @@ def spec_steps(args: EngineArgs, cache, runner: ModelRunner, drafts: ModelRunner
     max_rows = runner.graphs.max_bs if runner.graphs is not None else None
     if drafts is not None:
         drafter = DraftModel(drafts, eagle=args.speculative_algorithm in EAGLES)
-        return SpecSteps(cache, max_draft(args), None, args.context_length, drafter, max_rows=max_rows)
+        tree = None
+        if args.speculative_eagle_topk > 1:
+            tree = TreeDrafter(drafter, TreeShape(args.speculative_eagle_topk, args.speculative_num_steps,
+                                                  args.speculative_num_draft_tokens))
+        return SpecSteps(cache, max_draft(args), None, args.context_length, drafter, max_rows=max_rows, tree=tree)
     windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
     corpus = NgramCorpus(args.speculative_ngram_capacity)
     return SpecSteps(cache, max_draft(args), lambda req: NgramIndex(*windows, corpus), args.context_length,

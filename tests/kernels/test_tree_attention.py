@@ -1,0 +1,97 @@
+"""Decode attention under a draft tree's mask (batch.ForwardBatch.tree_mask): each row sees its request's keys before
+its span and, in the span, the keys whose bits it holds. The Triton kernel (interpreter on CPU) and its plain-torch
+twin against an independent computation over the listed keys, and the torch_native backend's mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference
+
+
+def _tree_case(seed: int, prefix: int, parents: list[int], heads=4, kv_heads=2, dim=32):
+    """A pool holding one request: `prefix` keys, then a tree of len(parents) + 1 nodes (node 0 the root); one row
+    per node, its span starting at the root."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(parents) + 1
+    slots = 256
+    k_buf = torch.randn(slots, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(slots, kv_heads, dim, generator=gen)
+    table = torch.zeros((2, 128), dtype=torch.int64)
+    table[0, :prefix + n] = torch.randperm(slots - 1, generator=gen)[:prefix + n] + 1  # shuffled slots
+    seen = [1]
+    for i, p in enumerate(parents, start=1):
+        seen.append(seen[p] | (1 << i))
+    q = torch.randn(n, heads, dim, generator=gen)
+    rows = torch.zeros(n, dtype=torch.int64)
+    lens = torch.tensor([prefix + j + 1 for j in range(n)])
+    tree = torch.tensor([[prefix] * n, [b - (1 << 64) if b >= 1 << 63 else b for b in seen]], dtype=torch.int64)
+    return q, k_buf, v_buf, table, rows, lens, tree, seen
+
+
+def _direct(q, k_buf, v_buf, table, prefix, seen, scale):
+    """Each row over its listed keys: the prefix, then the nodes whose bits it holds."""
+    group = q.shape[1] // k_buf.shape[1]
+    out = torch.empty_like(q)
+    for j, bits in enumerate(seen):
+        keys = list(range(prefix)) + [prefix + i for i in range(j + 1) if bits >> i & 1]
+        s = table[0, keys]
+        kk, vv = k_buf[s].repeat_interleave(group, 1), v_buf[s].repeat_interleave(group, 1)
+        w = (torch.einsum("hd,shd->hs", q[j], kk) * scale).softmax(-1)
+        out[j] = torch.einsum("hs,shd->hd", w, vv)
+    return out
+
+
+TREES = [[0, 0, 1, 1, 2, 3], [0, 1, 2, 3], [0, 0, 0, 0, 1, 1, 2, 5, 5, 7]]
+
+
+@pytest.mark.parametrize("parents", TREES)
+@pytest.mark.parametrize("prefix", [0, 5, 70])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_tree_decode_matches_direct(parents, prefix, splits):
+    q, k, v, table, rows, lens, tree, seen = _tree_case(len(parents) + prefix, prefix, parents)
+    scale = 32 ** -0.5
+    want = _direct(q, k, v, table, prefix, seen, scale)
+    ref = decode_attention_reference(q, k, v, table, rows, lens, scale, tree=tree)
+    got = decode_attention(q, k, v, table, rows, lens, scale, splits, tree=tree)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = decode_attention(q, k, v, table, rows, lens, scale, splits)  # causal over the table: what a tree is not
+    if parents != sorted(range(len(parents))):  # (a chain's mask is causal)
+        assert not torch.allclose(plain, want, atol=1e-3)
+
+
+def test_a_span_of_64_keys_uses_the_sign_bit():
+    parents = list(range(63))  # a chain of 64 nodes: the last row holds bit 63
+    q, k, v, table, rows, lens, tree, seen = _tree_case(7, 3, parents)
+    assert int(tree[1, -1]) < 0
+    want = _direct(q, k, v, table, 3, seen, 0.2)
+    torch.testing.assert_close(decode_attention(q, k, v, table, rows, lens, 0.2, 2, tree=tree), want,
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("parents", TREES)
+def test_torch_native_tree_mask(parents):
+    from radixmesh.engine.attention.base import AttentionShape
+    from radixmesh.engine.attention.torch_native import TorchNativeBackend
+    from radixmesh.engine.batch import ForwardBatch, ForwardMode
+    from radixmesh.engine.cache.kv_pool import KVPool
+    from radixmesh.engine.cache.req_to_token import ReqToTokenPool
+
+    prefix = 9
+    q, k, v, table, rows, lens, tree, seen = _tree_case(3, prefix, parents)
+    pool = KVPool(255, 1, 1, 2, 32, torch.float32, torch.device("cpu"))
+    pool.k[0].copy_(k)
+    pool.v[0].copy_(v)
+    r2t = ReqToTokenPool(2, 128, torch.device("cpu"))
+    r2t.device[:2] = table
+    backend = TorchNativeBackend(AttentionShape(4, 2, 32, 0.2), pool, r2t)
+    n = len(seen)
+    locs = table[0, prefix:prefix + n]
+    batch = ForwardBatch.build(ForwardMode.DECODE, [0] * n, [prefix] * n, locs, req_pool_indices=[0] * n,
+                               seq_lens=lens.tolist(), extend_lens=[1] * n, device=torch.device("cpu"))
+    batch.tree_mask = tree
+    meta = backend.plan(batch)
+    got = backend.forward(0, q, k[locs], v[locs], batch, meta)
+    torch.testing.assert_close(got, _direct(q, k, v, table, prefix, seen, 0.2), atol=1e-5, rtol=1e-5)
