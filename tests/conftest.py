@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.file_order import longest_first
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe")
@@ -69,6 +71,7 @@ def broad_model(tmp_path_factory) -> str:
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

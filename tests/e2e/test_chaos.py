@@ -10,9 +10,11 @@ without a fault (greedy, so every text is fixed):
 - the router killed: the streams open on it break (their text so far is the start of the right one), requests in the
   window are refused, and once the launcher has restarted it the mesh serves again.
 
-After every fault the mesh is whole again (a killed service restarted on its port, both workers healthy) before the
-next one; the mesh never stops. The same for PD (two prefill and two decode workers over Mooncake): a prefill or a
-decode worker killed or stopped costs no client anything."""
+The faults come one after another on one mesh (PLAN): after every fault the mesh is whole again (a killed service
+restarted on its port, both workers healthy) and serves as before, which the next fault's load checks (every stream
+must equal the unfailed run's), and after the last one the load again without a fault. The mesh never stops. The
+same for PD (two prefill and two decode workers over Mooncake), checked against the colocated mesh's run: a prefill or
+a decode worker killed or stopped costs no client anything."""
 
 from __future__ import annotations
 
@@ -43,9 +45,12 @@ PREFIX = "The keeper of the lighthouse on the northern cape wrote in his log eve
 pytestmark = pytest.mark.timeout(300)
 
 # (a colocated worker killed or stopped under streaming load: tests/e2e/test_migration.py, with more streams)
-CASES = [(service, fault) for service in ("radixmesh.services.tokenizer", "radixmesh.services.kvstore",
-                                          "radixmesh.services.router")
-         for fault in ("SIGKILL", "SIGSTOP")]
+# Every victim is killed, then stopped. Each fault's load but the router's kill's (its open streams break) lets no
+# stream fail or differ, so it is also the check that the mesh serves as before after the fault ahead of it: the
+# router comes first, and the load without a fault runs once, after the last fault.
+PLAN = [(service, fault) for service in ("radixmesh.services.router", "radixmesh.services.tokenizer",
+                                         "radixmesh.services.kvstore") for fault in ("SIGKILL", "SIGSTOP")]
+PD_PLAN = [(role, fault) for role in ("prefill", "decode") for fault in ("SIGKILL", "SIGSTOP")]
 
 
 def _prompt(i: int) -> list[dict]:
@@ -135,11 +140,13 @@ def _whole_again(mesh, service: str, victim: tuple[int, str], killed: bool, work
     assert mesh.proc.poll() is None, "the mesh stopped"
 
 
-@pytest.mark.parametrize("service,fault", CASES, ids=[f"{s.split('.')[2]}-{f}" for s, f in CASES])
-def test_a_service_killed_or_stopped_under_streaming_load(chaos, service, fault):
+@pytest.mark.timeout(1200)
+def test_each_service_killed_then_stopped_under_streaming_load(chaos):
     mesh, want = chaos
-    pid = _pid(mesh, service)
-    _fault(mesh, want, service, (pid, _port_of(pid)), fault)
+    for service, fault in PLAN:
+        pid = _pid(mesh, service)
+        _step(f"{service} {fault}", mesh, want, service, (pid, _port_of(pid)), fault)
+    assert asyncio.run(_load(mesh)) == [(text, None) for text in want]  # and it serves as before
 
 
 def test_after_the_faults_no_kv_page_or_room_is_left(chaos):
@@ -148,21 +155,31 @@ def test_after_the_faults_no_kv_page_or_room_is_left(chaos):
 
 
 @pytest.fixture(scope="module")
-def pd_chaos(tmp_path_factory):
+def pd_chaos(tmp_path_factory, chaos):
+    """The PD mesh, and what every client must get from it: the colocated mesh's unfailed run (PD is token-exact
+    with it, tests/e2e/test_pd.py; greedy, and the samples seeded)."""
     with running_mesh(NAME, tmp_path_factory.mktemp("pd-chaos"), *PD, "--num-prefill", "2", "--num-decode", "2",
                       "--enable-metrics", "--policy", "round_robin", api_key=KEY) as mesh:
-        want = asyncio.run(_load(mesh))
-        assert all(err is None for _, err in want), [err for _, err in want if err][:3]
-        yield mesh, [text for text, _ in want]
+        yield mesh, chaos[1]
 
 
-@pytest.mark.parametrize("role,fault", [(r, f) for r in ("prefill", "decode") for f in ("SIGKILL", "SIGSTOP")])
-def test_a_pd_worker_killed_or_stopped_under_streaming_load(pd_chaos, role, fault):
+@pytest.mark.timeout(900)
+def test_each_pd_worker_role_killed_then_stopped_under_streaming_load(pd_chaos):
     """Prefill and decode workers are both services.worker processes (in a role): the victim is the first of the
-    role; a killed one comes back on its port."""
+    role, killed, then (back on its port) stopped."""
     mesh, want = pd_chaos
-    pid = pid_of(mesh, workers(mesh)[role][0])
-    _fault(mesh, want, "radixmesh.services.worker", (pid, _port_of(pid)), fault, role)
+    for role, fault in PD_PLAN:
+        pid = pid_of(mesh, workers(mesh)[role][0])
+        _step(f"{role} worker {fault}", mesh, want, "radixmesh.services.worker", (pid, _port_of(pid)), fault, role)
+    assert asyncio.run(_load(mesh)) == [(text, None) for text in want]  # and it serves as before
+
+
+def _step(name: str, *fault_args) -> None:
+    """_fault(*fault_args), one of a plan; a failure names it."""
+    try:
+        _fault(*fault_args)
+    except AssertionError as e:
+        raise AssertionError(f"{name}: {e}") from e
 
 
 def test_after_the_pd_faults_no_kv_page_or_room_is_left(pd_chaos):
@@ -178,7 +195,8 @@ def _worker_addresses(mesh) -> list[str]:
 
 def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: str, role: str = "") -> None:
     """The load with `fault` done to the victim (pid, port) mid-stream (see _load); checks what every
-    client got, that the mesh is whole again after, and that it serves as before. `role`: of a PD worker."""
+    client got and that the mesh is whole again after (that it serves as before: the next fault's load, PLAN).
+    `role`: of a PD worker."""
     before = _restarts(mesh)
     pid = victim[0]
 
@@ -222,4 +240,3 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
     if fault == "SIGKILL":
         after = _restarts(mesh)
         assert sum(after.values()) == sum(before.values()) + 1, (before, after)
-    assert asyncio.run(_load(mesh)) == [(text, None) for text in want]  # and it serves as before
