@@ -60,9 +60,11 @@ def test_transformers_moe_models_import_beside_ours(cwd):
     assert proc.stdout.strip() == str(ROOT / "radixmesh" / "engine" / "engine.py")
 
 
-def test_router_and_launcher_load_no_model_stack():
-    """The router must stay light: no torch, no transformers (it never loads a model)."""
-    code = ("import sys, radixmesh.services.router.__main__, radixmesh.services.launch; "
+def test_router_launcher_and_kvstore_load_no_model_stack():
+    """The router, the launcher and the kvstore stay light: no torch, no transformers (none loads a model; each
+    starts once per mesh, and torch's import is ~2 s of CPU)."""
+    code = ("import sys, radixmesh.services.router.__main__, radixmesh.services.launch, "
+            "radixmesh.services.kvstore.__main__; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = _python(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -39,16 +38,6 @@ class TransferObserver(Protocol):
     def transferred(self, nbytes: int, seconds: float) -> None: ...
 
     def failed(self, reason: str) -> None: ...
-
-
-def transfer_host(configured: str | None, listen_host: str) -> str:
-    """The address peers reach this worker's transfer engine at: the configured one, else the gRPC listen address
-    unless that is a wildcard, else this host's name resolved."""
-    if configured:
-        return configured
-    if listen_host not in ("0.0.0.0", "::", ""):
-        return listen_host
-    return socket.gethostbyname(socket.gethostname())
 
 
 def set_once(fut: asyncio.Future, value) -> None:

@@ -13,7 +13,7 @@ from typing import Sequence
 from radixmesh.engine.cache.storage import PageStorage, StorageError, open_storage
 from radixmesh.services.common import auth, event_loop, heap
 from radixmesh.services.common.auth import InternalAuthSettings
-from radixmesh.services.common.kv_transfer import transfer_host
+from radixmesh.services.common.transfer_host import transfer_host
 from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService

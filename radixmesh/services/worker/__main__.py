@@ -100,7 +100,7 @@ def kvstore_engine_kwargs(settings: WorkerSettings, engine_kwargs: dict) -> dict
 def advertised_url(settings: WorkerSettings, port: int) -> str:
     """host:port the kvstore and the routers know this worker by: --advertise-url, else where it listens (this
     host's address when that is a wildcard)."""
-    from radixmesh.services.common.kv_transfer import transfer_host
+    from radixmesh.services.common.transfer_host import transfer_host
 
     return settings.advertise_url or f"{transfer_host(None, settings.host)}:{port}"
 
@@ -136,7 +136,8 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
     mode = settings.disaggregation_mode
     if mode == "null":
         return None, None, None
-    from radixmesh.services.common.kv_transfer import KvTransfer, transfer_host
+    from radixmesh.services.common.kv_transfer import KvTransfer
+    from radixmesh.services.common.transfer_host import transfer_host
 
     host = transfer_host(pd.disaggregation_transfer_host, settings.host)
     transfer = KvTransfer(engine, pd.disaggregation_transfer_backend, host, pd.disaggregation_inject_fault,
