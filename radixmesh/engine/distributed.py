@@ -62,10 +62,11 @@ class TPConfig:
 RENDEZVOUS_MIN_S = 60.0
 
 
-def _forget_failed_start() -> None:
-    """After a failed init_process_group: torch names the default group from a per-process counter that it bumps
-    before the rendezvous, so a later group of this process would be named "1" where its fresh followers name theirs
-    "0", and both would wait for keys the other never writes. Reset it, as destroy_process_group does."""
+def forget_group() -> None:
+    """After a failed init_process_group, or a start that failed after it (the leader's model did not load): the
+    default group is destroyed, or, where none formed, its name counter reset. torch names the default group from a
+    per-process counter that it bumps before the rendezvous, so a later group of this process would be named "1"
+    where its fresh followers name theirs "0", and both would wait for keys the other never writes."""
     if dist.is_initialized():
         dist.destroy_process_group()
         return
@@ -100,7 +101,7 @@ class TensorParallel:
             dist.init_process_group(backend, store=store, world_size=self.size, rank=self.rank, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
         except BaseException:
-            _forget_failed_start()
+            forget_group()
             raise
         self.group = dist.group.WORLD
         self.cpu_group = self.group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)

@@ -26,7 +26,7 @@ from radixmesh.engine.cache.build import build_cache
 from radixmesh.engine.config import EngineArgs, resolve_args, torch_dtype
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.device_memory import return_to_device
-from radixmesh.engine.distributed import GroupFailed
+from radixmesh.engine.distributed import GroupFailed, forget_group
 from radixmesh.engine.delivery import (async_deltas_until_done, coalesce, deltas_until_done, mailbox_for, next_output,
                                        raise_if_stopped)
 from radixmesh.engine.early_aborts import EarlyAborts
@@ -618,6 +618,8 @@ class Engine:
         self._followers.join(timeout=30 if graceful else 1)
         if self.runner is not None:
             self.runner.tp.close()
+        else:  # the runner failed to build: the group it may have formed goes too (a later engine forms its own)
+            forget_group()
         self._followers = None
 
     def __enter__(self) -> "Engine":

@@ -58,6 +58,20 @@ def _ranks(mesh) -> dict[int, list[int]]:
     return out
 
 
+def _wait_in_flight_on_every_worker(mesh, timeout_s: float = 60.0) -> None:
+    """Until every worker runs a request (its scheduler's `running`, from /get_server_info): on a busy machine the
+    first requests can take seconds to get there, and a rank killed before that kills an idle worker."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = http_get(mesh.url + "/get_server_info")
+        workers = json.loads(body).get("workers", []) if status == 200 else []
+        running = [sum(s.get("running", 0) for s in w.get("internal_states", [])) for w in workers]
+        if len(running) >= 2 and all(running):
+            return
+        assert time.monotonic() < deadline, running
+        time.sleep(0.05)
+
+
 def _running(pid: int) -> bool:
     """Alive and not exited (an exited child keeps its pid until the launcher reaps it; its exe link is gone)."""
     return alive(pid) and os.path.exists(f"/proc/{pid}/exe")
@@ -80,7 +94,7 @@ def test_a_killed_rank_takes_its_worker_down_and_the_mesh_serves_on(tp_mesh):
                     errors.append(e)
     t = threading.Thread(target=long_requests)
     t.start()
-    time.sleep(1.0)
+    _wait_in_flight_on_every_worker(tp_mesh)
     os.kill(victim, signal.SIGKILL)
     start = time.monotonic()
     while _running(victim_worker) and time.monotonic() - start < 30:

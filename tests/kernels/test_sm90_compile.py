@@ -35,10 +35,10 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
-attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
-            PartialO="*fp32", PartialLse="*fp32")
+attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64",
+            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64)
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False)
 out = {
     "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"}, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
@@ -52,6 +52,8 @@ out = {
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
+out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"},
+                        dict(stage1, TREE=True), 4, 2)
 out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"},
                            dict(stage1, HEAD_DIM=256, BLOCK_N=32, BLOCK_D=256, CAPPED=True), 4, 2)
 ext = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", ReqToToken="*i32",
@@ -153,3 +155,9 @@ def test_windowed_and_soft_capped_attention_compiles(ptx, kernel):
     """The sliding-window and soft-cap paths (Triton's interpreter runs them on CPU) compile for sm_90: the cap's
     tanh is exp2-based (one ex2 more per score than the plain kernel's softmax)."""
     assert _lines(ptx[kernel], r"ex2\.approx")
+
+
+def test_the_tree_masked_decode_compiles(ptx):
+    """A draft tree's verify rows (engine.speculative.tree; the interpreter runs them on CPU) compile for sm_90 and
+    read their two mask words once per row."""
+    assert _lines(ptx["stage1_tree"], r"ld\.global.*\.b64") and ptx["stage1_tree"] != ptx["stage1"]

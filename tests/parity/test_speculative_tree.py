@@ -58,16 +58,6 @@ def test_trees_are_token_exact_through_shared_prefixes(algorithm, topk, steps, n
     assert sum(o["meta_info"]["spec_draft_token_num"] for o in first) >= (n - 1) * len(prompts)
 
 
-@pytest.mark.parametrize("algorithm,page", [("EAGLE3", 1)])  # (page 4: the oracle test's triton case)
-def test_trees_on_the_triton_backend(algorithm, page, heads):
-    path = model_path(NAME)
-    prompts = parity_prompts(path)[3:5]
-    refs = hf_greedy(path, prompts, 6)
-    with tree_engine(path, heads, algorithm, 2, 3, 7, page_size=page, attention_backend="triton") as llm:
-        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 6})
-    assert [o["output_ids"] for o in outs] == refs
-
-
 class Oracle:
     """Replaces the head's logits: at head position t after input token x (token t + 1 of the sequence) the wrong
     token (x * 7 + 3) % vocab ranks first and the reference answer's token t + 2 second, every other token far
