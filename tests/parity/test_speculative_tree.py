@@ -258,3 +258,22 @@ def test_flashinfer_decode_is_refused_for_trees(heads):
 
     with pytest.raises(ValueError, match="tree mask, which the flashinfer attention backend does not have"):
         draft_config(dataclasses.replace(resolved, decode_attention_backend="flashinfer"), target)
+
+
+def test_tree_verifies_report_the_plain_engine_s_logprobs(heads):
+    """Logprobs (the chosen token's and the top 2) of outputs that came from tree verifies, along the kept path,
+    are those of decoding without speculation."""
+    path = model_path(NAME)
+    prompts = parity_prompts(path)[:3]
+    want_lp = {**GREEDY, "max_new_tokens": 12}
+    with running_engine(path, chunked_prefill_size=64) as plain:
+        want = plain.generate(input_ids=prompts, sampling_params=want_lp, return_logprob=True, top_logprobs_num=2)
+    with tree_engine(path, heads, "EAGLE", 3, 3, 8) as llm:
+        got = llm.generate(input_ids=prompts, sampling_params=want_lp, return_logprob=True, top_logprobs_num=2)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"] and g["meta_info"]["spec_verify_ct"] > 0
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in gl] == [t for _, t, _ in wl]
+        assert [lp for lp, _, _ in gl] == pytest.approx([lp for lp, _, _ in wl], abs=1e-5)
+        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
+        assert [[t for _, t, _ in row] for row in gt] == [[t for _, t, _ in row] for row in wt]

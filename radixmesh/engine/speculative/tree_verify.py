@@ -30,7 +30,7 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SamplingBatch, adjust_logits, adjusts, draw, token_probs, uniforms
 from radixmesh.engine.speculative.tree import depths
-from radixmesh.engine.speculative.verify import RESAMPLE_SALT, VerifyResult
+from radixmesh.engine.speculative.verify import RESAMPLE_SALT, VerifyResult, with_logprobs
 
 # A seeded row's draw for its parent's s-th child test: (seed xor (TEST_SALT + s), step of the parent's depth).
 TEST_SALT = 0x3C6EF372
@@ -129,16 +129,9 @@ def _with_logprobs(logits: torch.Tensor, sampling: SamplingBatch, path: torch.Te
     batch, width = tokens.shape
     at = torch.nn.functional.pad(path, (0, width - path.shape[1]), value=0)[:, :width]
     rows = (torch.arange(batch, device=at.device)[:, None] * width + at).reshape(-1)
-    raw = torch.log_softmax(logits[rows], dim=-1)
-    chosen = raw.gather(1, tokens.reshape(-1, 1)).view(batch, width)
-    top = None
-    if sampling.top_logprobs_k:
-        values, ids = raw.topk(sampling.top_logprobs_k, dim=-1)
-        top = (values.view(batch, width, -1), ids.view(batch, width, -1))
-    by_id = None
-    if sampling.logprob_token_ids is not None:
-        by_id = raw.gather(1, sampling.logprob_token_ids[rows]).view(batch, width, -1)
-    return VerifyResult(tokens, accepted, next_ids, chosen, top, by_id)
+    ids = sampling.logprob_token_ids
+    return with_logprobs(VerifyResult(tokens, accepted, next_ids), torch.log_softmax(logits[rows], dim=-1), sampling,
+                         None if ids is None else ids[rows])
 
 
 def move_path_kv(pool: KVPool, node_slots: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:

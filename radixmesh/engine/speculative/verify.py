@@ -111,13 +111,20 @@ def verify(logits: torch.Tensor, layout: VerifyLayout, sampling: SamplingBatch, 
     tokens = torch.where(position < accepted[:, None], layout.drafts, next_ids[:, None])
     if not sampling.want_logprobs:
         return VerifyResult(tokens, accepted, next_ids)
-    raw = torch.log_softmax(flat, dim=-1)
-    chosen = raw.gather(1, tokens.reshape(-1, 1)).view(batch, width)
+    return with_logprobs(VerifyResult(tokens, accepted, next_ids), torch.log_softmax(flat, dim=-1), sampling,
+                         sampling.logprob_token_ids)
+
+
+def with_logprobs(result: VerifyResult, raw: torch.Tensor, sampling: SamplingBatch,
+                  token_ids: torch.Tensor | None) -> VerifyResult:
+    """`result` with the raw logprobs of its tokens (and the top-k and the asked-for ids' when the batch wants them):
+    `raw` [batch * width, vocab] log-softmax rows, row b * width + j the one output j of request b follows;
+    `token_ids` the asked-for ids per such row (None: none asked)."""
+    batch, width = result.tokens.shape
+    chosen = raw.gather(1, result.tokens.reshape(-1, 1)).view(batch, width)
     top = None
     if sampling.top_logprobs_k:
         values, ids = raw.topk(sampling.top_logprobs_k, dim=-1)
         top = (values.view(batch, width, -1), ids.view(batch, width, -1))
-    by_id = None
-    if sampling.logprob_token_ids is not None:
-        by_id = raw.gather(1, sampling.logprob_token_ids).view(batch, width, -1)
-    return VerifyResult(tokens, accepted, next_ids, chosen, top, by_id)
+    by_id = None if token_ids is None else raw.gather(1, token_ids).view(batch, width, -1)
+    return result._replace(logprobs=chosen, top_logprobs=top, token_ids_logprobs=by_id)
