@@ -137,8 +137,8 @@ SCENARIOS = (
              _generate_body(16, True), check_generate_stream(16), baseline="generate_stream_1"),
     Scenario("chat_stream_16", "/v1/chat/completions, streaming, 16 tokens", "/v1/chat/completions", 16, True,
              _chat_body(16), check_chat_stream(16), baseline="chat_stream_1"),
-    # text prompts of 64 words: our router tokenizes them (the tokenizer service) before it routes; SGLang's router
-    # routes on the text and its workers tokenize
+    # text prompts of 64 words: both routers route on the text and their workers tokenize it (ours through the
+    # tokenizer service instead with --router-tokenizes, as for workers without a tokenizer)
     Scenario("generate_text_stream_16", "/generate, a 64-word text prompt, streaming, 16 tokens", "/generate", 16,
              True, _generate_text_body(16, True), check_generate_stream(16)),
 )
