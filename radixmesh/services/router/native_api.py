@@ -21,7 +21,7 @@ from radixmesh.services.router.cork import Cork
 from radixmesh.services.router.http_common import first_then_sse, json_body, require_model_kind, start_sse, tenant_of
 from radixmesh.services.router.allowlist import allowlist
 from radixmesh.services.router.openai_errors import OpenAIError, bad_request, from_status
-from radixmesh.services.router.openai_response import SSE_DONE, error_event, sse
+from radixmesh.services.router.openai_response import SSE_DONE, error_event, json_body_response, sse
 from radixmesh.services.router.workers import normalize_url
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad_request(str(e)) from None
     if not stream:
         results = await generate_api.run_batch(router, jobs, lp, tenant_of(request))
-        return web.json_response(results if is_batch or len(results) > 1 else results[0])
+        return json_body_response(results if is_batch or len(results) > 1 else results[0])
     # Tokenize and build every prompt's request first: bad input is a 400 before the stream starts.
     requests = [await generate_api.worker_request(router, job, lp, stream=True, tenant=tenant_of(request))
                 for job in jobs]

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from radixmesh.v1 import common_pb2, worker_pb2
 from radixmesh.services.router.chat_output import CallsJson, OutputSpec, SampleParser, call_id
@@ -44,14 +45,25 @@ _FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: "stop", common_pb2.FINISH_REASON_
            common_pb2.FINISH_REASON_TYPE_ABORT: "abort"}
 
 
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying `obj` as compact UTF-8 JSON. orjson writes it (a tenth of the stdlib's time,
-    on every streamed token); what orjson refuses (an integer past 64 bits, a key that is not a string) takes the
-    stdlib's path. The two spell some floats differently (1e-06 / 1e-6): the same JSON numbers."""
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as compact UTF-8 JSON. orjson writes it (a tenth of the stdlib's time); what orjson refuses (an integer
+    past 64 bits, a key that is not a string) takes the stdlib's path. The two spell some floats differently
+    (1e-06 / 1e-6): the same JSON numbers."""
     try:
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
+        return orjson.dumps(obj)
     except TypeError:
-        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as compact UTF-8 JSON (json_bytes), on every streamed token."""
+    return b"data: " + json_bytes(obj) + b"\n\n"
+
+
+def json_body_response(obj: Any) -> web.Response:
+    """A whole JSON response body written as the streamed events are (json_bytes: the same spelling of a value
+    streamed or not, and strict JSON: a non-finite float is null, never NaN or Infinity)."""
+    return web.Response(body=json_bytes(obj), content_type="application/json")
 
 
 TEXT_MARK = "\x00"  # stands for a chunk's text in a template (as JSON: "\u0000")
