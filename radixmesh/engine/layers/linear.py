@@ -19,6 +19,7 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import current_forward_context
 from radixmesh.engine.layers.triton_ops import use_kernels
+from radixmesh.engine.quantization.fp8_linear import fp8_linear
 
 # Up to this many rows (a decode batch), a CUDA product runs kernels.gemv, which starts streaming its weights while
 # the kernel before it still runs, where the model runner chose it for this GPU and this weight's shape, with the
@@ -66,8 +67,6 @@ def product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     module's `fp8` says how; its `weight_scale` buffer holds the scales)."""
     if module.fp8 is None:
         return linear(x, module.weight, bias)
-    from radixmesh.engine.quantization.fp8_linear import fp8_linear
-
     return fp8_linear(x, module.weight, module.weight_scale, module.fp8, bias)
 
 
