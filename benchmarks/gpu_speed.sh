@@ -37,6 +37,10 @@
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
 #   PARTS="setup eagle"     issue 53: an EAGLE-3 head (dummy weights, the published 8B head's shape) on the 8B shape:
 #                           what a drafting step costs against plain decoding at batch 1 and 64
+#   PARTS="setup newgpu"    the GPU tests of issues 51-55 (fp8 weights first: fp8_load.AUTO_HOLDS_FP8 waits on them, then
+#                           LoRA, speculative trees, sliding windows, model families, attention backends, MoE), under
+#                           NEWGPU_TIMEOUT seconds (480) so the call ends with its log
+#   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -67,6 +71,8 @@ if [[ $PARTS == *setup* ]]; then
   # the services' own dependencies, where the machine lacks them (.whl/router: pip download of pyproject's pins;
   # the mesh parts need them as the router part does)
   [[ -d .whl/router ]] && $PY -m pip install --no-deps --no-index --quiet .whl/router/*.whl 2>&1 | tail -2
+  # peft and what it needs beyond torch/transformers, for the LoRA parity tests (pip download of pyproject's pins)
+  [[ -d .whl/lora ]] && $PY -m pip install --no-deps --no-index --quiet .whl/lora/*.whl 2>&1 | tail -2
   if [[ -d .gpu-wheels ]]; then  # Mooncake's CPU build and its Debian libraries (benchmarks/gpu_pd.sh says how)
     $PY -m pip install --no-deps --no-index --quiet .gpu-wheels/*.whl 2>&1 | tail -2
     mkdir -p /tmp/debs && for f in .gpu-wheels/*.deb; do dpkg -x "$f" /tmp/debs; done
@@ -223,6 +229,21 @@ if [[ $PARTS == *eagle* ]]; then
     --draft-tokens ${EAGLE_DRAFT_TOKENS:-2,4} --streams ${SPEC_STREAMS:-1,64} --prompts ${SPEC_PROMPTS:-8} \
     --max-new-tokens 128 --out "$OUT/eagle.json" 2>&1 | tee "$OUT/eagle.log" \
     | grep -E "^(plain|EAGLE)|Error|error" | tail -20
+fi
+
+if [[ " $PARTS " == *" newgpu "* ]]; then
+  timeout ${NEWGPU_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/newgpu.xml" \
+    tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py \
+    tests/gpu/test_fp8_weights_cuda.py tests/kernels/test_lora.py tests/gpu/test_lora_cuda.py \
+    tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_sliding_window_cuda.py \
+    tests/gpu/test_model_families_cuda.py tests/gpu/test_attention_backends_cuda.py tests/kernels/test_attention.py \
+    tests/kernels/test_moe.py tests/gpu/test_moe_cuda.py 2>&1 | tee "$OUT/newgpu_tests.log" \
+    | grep -E "^(FAILED|ERROR)|passed|failed|Timeout" | tail -40
+fi
+
+if [[ " $PARTS " == *" lora "* ]]; then
+  timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
+    --engine-args '{"load_format": "dummy"}' --out "$OUT/lora.json" 2>&1 | tee "$OUT/lora.log" | grep -v Warning | tail -20
 fi
 
 if [[ $PARTS == *meshprof* ]]; then
@@ -515,8 +536,9 @@ if [[ " $PARTS " == *" fp8 "* ]]; then
   # a ~1.9 ms floor at ~4.2 TB/s; bf16 was 3.93 ms), block-wise 0.05-0.1 ms slower (its scale loads); batch 64/256
   # near bf16's or better (W8A8 on torch._scaled_mm / the Triton block GEMM, plus one activation-quantization kernel
   # per product); the 8192-token prefill faster than bf16's by 1.3-1.6x where the fp8 GEMMs reach ~2x bf16's rate.
-  $PY -m pytest -q -p no:cacheprovider --timeout 900 tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py \
-    tests/kernels/test_fp8_gemm.py tests/gpu/test_fp8_weights_cuda.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -8
+  [[ " $PARTS " == *" newgpu "* ]] || $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_quant.py \
+    tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py tests/gpu/test_fp8_weights_cuda.py 2>&1 \
+    | tee "$OUT/fp8_tests.log" | tail -8
   BLOCK_CFG=build/llama-3.1-8b-fp8-block
   mkdir -p $BLOCK_CFG && $PY - "$CFG" "$BLOCK_CFG" <<'PYEOF'
 import json, shutil, sys, pathlib
