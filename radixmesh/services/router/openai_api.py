@@ -6,7 +6,6 @@ and shaped by openai_response (chat) and completion_response."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Collection
@@ -31,7 +30,8 @@ from radixmesh.services.router.policies import routing_key_var
 from radixmesh.services.router.reasoning import closes_reasoning, reasoning_format, starts_in_reasoning
 from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser, make_tool_parser
 from radixmesh.services.router.completion_response import CompletionResult, CompletionStream
-from radixmesh.services.router.openai_response import SSE_DONE, ChatResult, ChatStream, error_event, sse
+from radixmesh.services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, error_event,
+                                                      json_body_response, sse)
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
         async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
             async for msg in messages:
                 builder.on_message(msg)
-        return web.json_response(builder.result(), dumps=_dumps)
+        return json_body_response(builder.result())
     async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:
         with Cork() as out:  # entered first, so that the first message says whether more are queued
             first, resp = await first_then_sse(request, messages)
@@ -150,10 +150,6 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
 def _events(chunks: list) -> bytes:
     """The SSE events of one worker message's chunks, in one piece."""
     return b"".join(map(sse, chunks))
-
-
-def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False)
 
 
 def _user_routing_key(body) -> None:
