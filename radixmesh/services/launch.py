@@ -227,6 +227,8 @@ def plan(settings: LaunchSettings, engine_kwargs: dict, pd_kwargs: dict | None =
                 *pd_flags, *kv_flags, *engine_flags(engine_kwargs)]
         if view.served_model_name:
             argv += ["--served-model-name", view.served_model_name]
+        if settings.chat_template:  # the template the tokenizer service renders with: workers render chat alike
+            argv += ["--chat-template", settings.chat_template]
         gpus = settings.worker_gpu_ids
         env = {"CUDA_VISIBLE_DEVICES": gpus[(len(worker_urls) - 1) % len(gpus)]} if gpus else {}
         tp = engine_kwargs.get("tp_size") or 1

@@ -108,9 +108,22 @@ def test_colocated_request_is_one_trace_with_the_clients_trace_id(receiver, tmp_
         status, raw = post(mesh.url + "/generate", {"text": "Another prompt", "sampling_params": GREEDY},
                            headers={})
         assert status == 200, raw
+        # a chat prompt goes to the worker as messages too: the worker renders and tokenizes it
+        chat_trace = secrets.token_hex(16)
+        status, raw = post(mesh.url + "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3,
+                            "temperature": 0}, headers={"traceparent": f"00-{chat_trace}-{client_span}-01"})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["prompt_tokens"] > 0
         spans = receiver.wait_for(trace_id, COLOCATED)
+        chat_spans = receiver.wait_for(chat_trace, {"POST /v1/chat/completions", "route", WORKER, "tokenize",
+                                                    "decode"})
     finally:
         stop_and_check(mesh)
+    assert by_name(chat_spans, TOKENIZE) == [], "the router asked the tokenizer service to render the chat"
+    rendered = by_name(chat_spans, "tokenize")[0]
+    assert parent(chat_spans, rendered).name == WORKER and rendered.attributes["radixmesh.chat_messages"] == 1
+    assert rendered.attributes["radixmesh.prompt_tokens"] > 0
     assert COLOCATED <= {s.name for s in spans}, sorted({s.name for s in spans})
     root = assert_connected(spans, client_parent=client_span)
     check_common(spans, root, router_tokenizes=False)
@@ -124,7 +137,8 @@ def test_colocated_request_is_one_trace_with_the_clients_trace_id(receiver, tmp_
     # the request without a traceparent got a trace of its own; nothing else (health probes, polls) was traced
     roots = [s for s in receiver.spans if s.name == "POST /generate"]
     assert len(roots) == 2 and len({r.trace_id for r in roots}) == 2
-    assert [(s.service, s.name) for s in receiver.spans if s.trace_id not in {r.trace_id for r in roots}] == []
+    traced = {r.trace_id for r in roots} | {chat_trace}
+    assert [(s.service, s.name) for s in receiver.spans if s.trace_id not in traced] == []
     for r in roots:
         assert_connected(receiver.trace(r.trace_id), client_parent=client_span if r.trace_id == trace_id else "")
 

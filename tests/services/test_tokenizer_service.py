@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from radixmesh.v1 import tokenizer_pb2 as pb
 from radixmesh.v1 import tokenizer_pb2_grpc
 from radixmesh.services.tokenizer.__main__ import main as tokenizer_main
-from radixmesh.services.tokenizer.templates import CHATML
+from radixmesh.services.common.chat_templates import CHATML
 from tests.conftest import ROOT, model_path
 from radixmesh.services.common.ports import free_port
 

@@ -129,6 +129,47 @@ def test_a_text_prompt_is_tokenized_by_the_worker_as_the_tokenizer_service_does(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "neither input_ids nor text" in err.value.details()
 
 
+def test_a_chat_prompt_is_rendered_by_the_worker_as_the_tokenizer_service_does(worker):
+    """A request with chat messages and no input_ids (what the router sends when it routes chat to the workers): the
+    worker renders the model's chat template (tools, a tool call's JSON arguments, template kwargs) and tokenizes it
+    as the tokenizer service does, and reports that template's SHA-256; messages the template cannot take are the
+    request's INVALID_ARGUMENT."""
+    from radixmesh.v1 import tokenizer_pb2
+    from radixmesh.services.common.chat_render import chat_from_proto, template_sha256
+    from radixmesh.services.tokenizer.backend import TokenizerBackend
+    from radixmesh.services.tokenizer.settings import TokenizerSettings
+
+    chat = tokenizer_pb2.ChatInput(
+        messages=[tokenizer_pb2.ChatMessage(role="system", content="You answer briefly."),
+                  tokenizer_pb2.ChatMessage(role="user", content="What is 2 + 2? Ünïcödé too."),
+                  tokenizer_pb2.ChatMessage(role="assistant", content="",
+                                            tool_calls_json=json.dumps([{"id": "c1", "type": "function", "function": {
+                                                "name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}])),
+                  tokenizer_pb2.ChatMessage(role="tool", content="4", tool_call_id="c1")],
+        tools_json=json.dumps([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]),
+        chat_template_kwargs_json=json.dumps({"enable_thinking": False}))
+    backend = TokenizerBackend.from_settings(TokenizerSettings(model_path=MODEL))
+    try:
+        ids = asyncio.run(backend.run(backend.tokenize_chat, chat_from_proto(chat))).input_ids
+        sha = template_sha256(backend.info.chat_template)
+    finally:
+        backend.close()
+    assert sha and worker.GetModelInfo(worker_pb2.GetModelInfoRequest()).chat_template_sha256 == sha
+    by_ids = list(worker.Generate(worker_pb2.GenerateRequest(request_id="c-ids", input_ids=ids,
+                                                             sampling_params=greedy(10))))[-1].complete
+    by_chat = list(worker.Generate(worker_pb2.GenerateRequest(request_id="c-chat", chat=chat,
+                                                              sampling_params=greedy(10), stream=True)))[-1].complete
+    assert list(by_chat.output_ids) == list(by_ids.output_ids) and by_chat.text == by_ids.text
+    assert by_chat.usage.prompt_tokens == len(ids)
+    for bad, text in ((tokenizer_pb2.ChatInput(), "chat.messages is empty"),
+                      (tokenizer_pb2.ChatInput(messages=chat.messages, tools_json="{not json"), "tools_json"),
+                      (tokenizer_pb2.ChatInput(messages=chat.messages, continue_final_message=True,
+                                               add_generation_prompt=True), "cannot both be true")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(worker.Generate(worker_pb2.GenerateRequest(request_id="c-bad", chat=bad, sampling_params=greedy(4))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+
+
 def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout():
     """A prefill request no decode worker registers for, and a decode request whose room the prefill worker never
     gets, each end in ABORTED with the reason within --disaggregation-bootstrap-timeout, holding no page."""

@@ -10,18 +10,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from radixmesh.v1 import worker_pb2
+from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from radixmesh.services.common.chat_render import template_sha256
 from radixmesh.services.router.core import Router
 from radixmesh.services.router.kv_index import KvIndexPolicy
-from radixmesh.services.router.policies import TEXT_BLOCK, CacheAware, PowerOfTwo, RoundRobin, block_keys
+from radixmesh.services.router.policies import (TEXT_BLOCK, CacheAware, PowerOfTwo, RoundRobin, block_keys,
+                                                chat_routing_text)
 from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.workers import Worker, WorkerRegistry
 
 PREFIX = "You are a careful assistant. Answer in one sentence, and cite the source you used. " * 3
 
 
-def _worker(url: str, mode: str = "null", tokenizes: bool = True) -> Worker:
-    info = worker_pb2.GetModelInfoResponse(served_model_name="m", disaggregation_mode=mode, tokenizes_text=tokenizes)
+def _worker(url: str, mode: str = "null", tokenizes: bool = True, template: str = "TEMPLATE") -> Worker:
+    info = worker_pb2.GetModelInfoResponse(served_model_name="m", disaggregation_mode=mode, tokenizes_text=tokenizes,
+                                           chat_template_sha256=template_sha256(template) if tokenizes else "")
     return Worker(url, channel=None, stub=None, info=info)
 
 
@@ -71,10 +74,13 @@ def test_text_keys_are_the_same_in_every_process():
     assert outs == {f"{block_keys(PREFIX, 'tenant')}\n"}
 
 
-def _router(policy, *workers: Worker) -> Router:
+def _router(policy, *workers: Worker, template: str | None = "TEMPLATE") -> Router:
+    """`template`: the tokenizer service's chat template (None: the service has not answered yet)."""
     registry = WorkerRegistry(connect_timeout_s=1.0, probe_interval_s=60)
     registry.workers = {w.url: w for w in workers}
-    return Router(RouterSettings(tokenizer_url="127.0.0.1:1"), registry, policy, tokenizer=None)
+    info = None if template is None else tokenizer_pb2.GetTokenizerInfoResponse(chat_template=template)
+    return Router(RouterSettings(tokenizer_url="127.0.0.1:1"), registry, policy,
+                  tokenizer=SimpleNamespace(info=info))
 
 
 @pytest.mark.parametrize("policy", [_policy(), RoundRobin(), PowerOfTwo()], ids=lambda p: type(p).__name__)
@@ -89,3 +95,36 @@ def test_text_goes_untokenized_only_where_every_worker_tokenizes(policy):
 def test_kv_index_routing_needs_token_ids():
     policy = KvIndexPolicy.__new__(KvIndexPolicy)  # (its kvstore connection plays no part here)
     assert not _router(policy, _worker("a:1")).routes_text()
+
+
+def test_chat_goes_to_the_workers_only_where_every_one_renders_the_tokenizer_services_template():
+    policy = _policy()
+    assert _router(policy, _worker("a:1"), _worker("b:1")).routes_chat()
+    # a worker started with another --chat-template than the tokenizer service's: the service renders
+    assert not _router(policy, _worker("a:1"), _worker("b:1", template="OTHER")).routes_chat()
+    assert not _router(policy, _worker("a:1"), _worker("b:1"), template="OTHER").routes_chat()
+    assert not _router(policy, _worker("a:1"), _worker("b:1", tokenizes=False)).routes_chat()
+    assert not _router(policy, _worker("a:1"), template=None).routes_chat()  # the service's template not known yet
+    assert not _router(policy, _worker("a:1", template=""), template="").routes_chat()  # no template anywhere
+    assert _router(RoundRobin(), _worker("a:1")).routes_chat()
+    kv = KvIndexPolicy.__new__(KvIndexPolicy)
+    assert not _router(kv, _worker("a:1")).routes_chat()  # kv_index needs the ids
+
+
+def test_a_conversations_next_turn_is_routed_where_its_earlier_turns_went():
+    """A chat the worker renders is matched on its messages, which grow at the end as the conversation goes on."""
+    def chat(*turns: tuple[str, str]) -> tokenizer_pb2.ChatInput:
+        return tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+
+    policy = _policy()
+    workers = [SimpleNamespace(url=f"w{i}", in_flight=0) for i in range(4)]
+    first = chat(("system", PREFIX), ("user", "Why is the sky blue? Explain it to a child, please."))
+    url = policy.pick(workers, chat_routing_text(first)).url
+    policy.pick(workers, chat_routing_text(chat(("user", "Something else entirely, about gardens and soil."))))
+    second = chat(*((m.role, m.content) for m in first.messages), ("assistant", "Because of scattering."),
+                  ("user", "And sunsets?"))
+    assert chat_routing_text(second).startswith(chat_routing_text(first))
+    assert policy.pick(workers, chat_routing_text(second)).url == url and policy.last_reason == "cache_hit"
+    # the same words in other roles are another prompt
+    assert chat_routing_text(chat(("user", "a"), ("assistant", "b"))) != chat_routing_text(chat(("user", "a"),
+                                                                                              ("user", "b")))

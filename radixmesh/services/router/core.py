@@ -19,13 +19,14 @@ import grpc
 from radixmesh.engine.request import cache_namespace
 from radixmesh.v1 import tokenizer_pb2, worker_pb2
 from radixmesh.services.common import tracing
+from radixmesh.services.common.chat_render import template_sha256
 from radixmesh.services.router.calls import OpenCalls
 from radixmesh.services.router.errors import RouterError, status_of
 from radixmesh.services.router.lora_directory import LoraDirectory
 from radixmesh.services.router.merge import merged
 from radixmesh.services.router.migration import Streamed
 from radixmesh.services.router.pd import generate_pd
-from radixmesh.services.router.policies import Policy
+from radixmesh.services.router.policies import Policy, chat_routing_text
 from radixmesh.services.router.resilience import attempts_of, backoff_of
 from radixmesh.services.router.settings import RouterSettings
 from radixmesh.services.router.tenants import TenantResolver
@@ -67,6 +68,7 @@ class Router:
         self._policy_names = {"colocated": settings.policy, "prefill": settings.prefill_policy or settings.policy,
                               "decode": settings.decode_policy or settings.policy}
         self.tokenizer = tokenizer
+        self._chat_template: tuple = (None, "")  # (the tokenizer info it is of, its chat template's SHA-256)
         self.tenants = TenantResolver.from_settings(settings)
         self._single_tokens: dict[str, int | None] = {}
         registry.on_remove = self._worker_removed
@@ -143,6 +145,19 @@ class Router:
         kv_index matches token pages in the kvstore, and a PD pair is sent the ids."""
         return getattr(self.policy, "routes_text", False) and self.registry.tokenize_text
 
+    def routes_chat(self) -> bool:
+        """Whether a chat prompt goes to its worker as messages, for the worker to render and tokenize (as SGLang's
+        router leaves chat templates to its workers): when text prompts do (routes_text) and every worker renders
+        with the tokenizer service's chat template (GetModelInfo's chat_template_sha256 is the service's)."""
+        if not self.routes_text():
+            return False
+        info = getattr(self.tokenizer, "info", None)
+        if info is None:  # the tokenizer service has not answered yet: its template is not known
+            return False
+        if self._chat_template[0] is not info:
+            self._chat_template = (info, template_sha256(info.chat_template))
+        return self.registry.renders_chat(self._chat_template[1])
+
     def policy_name(self, role: str = "colocated") -> str:
         return self._policy_names.get(role) or self.settings.policy
 
@@ -159,6 +174,8 @@ class Router:
             # the ids, else (a text-only request: routes_text) the text; one wrapper of the repeated field for the
             # policy and the span (each costs)
             prompt = request.input_ids or request.text
+            if not prompt and request.HasField("chat"):  # a chat prompt the worker renders (routes_chat)
+                prompt = chat_routing_text(request.chat)
             try:
                 worker = policy.pick(candidates, prompt, _namespace(request))
             except Exception as e:

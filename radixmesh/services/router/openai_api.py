@@ -14,7 +14,7 @@ from functools import partial
 
 from aiohttp import web
 
-from radixmesh.v1 import common_pb2, worker_pb2
+from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.common.logs import request_id_var
 from radixmesh.services.router.completion_templates import load_completion_template
@@ -38,13 +38,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    ids: list[int]
-    text: str  # the prompt's text (templated, for chat), for completions' echo
+    ids: list[int] | None  # None: the worker renders and tokenizes `sent` itself
+    text: str  # the prompt's text (templated, for chat), for completions' echo ("" when the worker renders it)
+    sent: tokenizer_pb2.TokenizeRequest | None = None
+
+
+def _to_worker(router: Router, job: OpenAIJob, p: PromptInput) -> bool:
+    """Whether a prompt goes to its worker as text or chat messages, untokenized (as SGLang's router sends them):
+    when the workers tokenize (Router.routes_text) and, for chat, render with the tokenizer service's template
+    (Router.routes_chat), and the router needs nothing of the rendered prompt: no echo, and no --reasoning-parser
+    (whose parsing starts from where the rendered prompt leaves the thinking)."""
+    t = p.tokenize
+    if t is None:
+        return False
+    if t.WhichOneof("input") == "chat":
+        return not router.settings.reasoning_parser and router.routes_chat()
+    return not job.echo and (not t.HasField("add_special_tokens") or t.add_special_tokens) and router.routes_text()
 
 
 async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
     if p.ids is not None:
         return _Prepared(list(p.ids), await router.detokenize(list(p.ids)) if job.echo else "")
+    if _to_worker(router, job, p):
+        return _Prepared(None, "", p.tokenize)
     tokenized = await router.tokenize(p.tokenize)
     return _Prepared(list(tokenized.input_ids), tokenized.prompt if p.shown is None else p.shown)
 
@@ -94,9 +110,14 @@ def _builder(router: Router, job: OpenAIJob, rid: str, prompts: list[_Prepared])
     created = int(time.time())
     if job.kind == "chat":
         cls = ChatStream if job.stream else ChatResult
-        return cls(job, "chatcmpl-" + rid, created, len(prompts[0].ids), _output_spec(router, job, prompts[0].text))
+        return cls(job, "chatcmpl-" + rid, created, _count(prompts[0]), _output_spec(router, job, prompts[0].text))
     cls = CompletionStream if job.stream else CompletionResult
-    return cls(job, "cmpl-" + rid, created, [p.text for p in prompts], [len(p.ids) for p in prompts])
+    return cls(job, "cmpl-" + rid, created, [p.text for p in prompts], [_count(p) for p in prompts])
+
+
+def _count(p: _Prepared) -> int | None:
+    """The prompt's tokens, where the router tokenized it (else the worker's chunks say)."""
+    return len(p.ids) if p.ids is not None else None
 
 
 def _messages(router: Router, requests: list[worker_pb2.GenerateRequest], n: int):
@@ -124,6 +145,12 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
                                            sampling_params=sampling, logprob_options=job.logprobs,
                                            stream=job.stream, tenant=tenant_of(request), lora_path=job.lora)
                 for i, p in enumerate(prompts)]
+    for r, p in zip(requests, prompts):
+        if p.sent is not None:  # the worker renders / tokenizes the prompt
+            if p.sent.WhichOneof("input") == "chat":
+                r.chat.CopyFrom(p.sent.chat)
+            else:
+                r.text = p.sent.text
     builder = _builder(router, job, rid, prompts)
     if not job.stream:
         async with contextlib.aclosing(_messages(router, requests, job.n)) as messages:

@@ -142,6 +142,16 @@ def block_keys(prompt: Sequence[int] | str, namespace: str = "") -> list[int]:
     return keys
 
 
+def chat_routing_text(chat) -> str:
+    """What cache_aware matches a chat prompt on when the worker renders it (radixmesh.v1 ChatInput): the tools, then
+    each message's role and content, in order. Like the rendering, it grows at its end as a conversation goes on, so
+    a conversation's next turn matches its earlier ones' blocks."""
+    parts = [chat.tools_json, "\x00"]
+    for m in chat.messages:
+        parts += (m.role, "\x00", m.content, "\x00", m.tool_calls_json, "\x00")
+    return "".join(parts)
+
+
 def _keyed(prompt: Sequence[int] | str, namespace: str) -> tuple[list[int], int, int]:
     """(block keys, the prompt's length, a block's length): in tokens for ids, in UTF-8 bytes for a text."""
     if isinstance(prompt, str):

@@ -172,6 +172,13 @@ class WorkerRegistry:
         return bool(self.workers) and all(w.info.tokenizes_text and w.info.disaggregation_mode == "null"
                                           for w in self.workers.values())
 
+    def renders_chat(self, template_sha256: str) -> bool:
+        """True when text prompts go to the workers (tokenize_text) and every one renders chat prompts with the
+        chat template whose SHA-256 is `template_sha256` (the tokenizer service's): chat prompts may then go to
+        any of them as messages."""
+        return bool(template_sha256) and self.tokenize_text and all(
+            w.info.chat_template_sha256 == template_sha256 for w in self.workers.values())
+
     def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
         for w in self.workers.values():
             return w.info

@@ -19,9 +19,9 @@ from typing import Callable, NamedTuple, Sequence, TypeVar
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_source import resolve_model_dir
 from radixmesh.engine.tokenizer_loader import load_tokenizer
-from radixmesh.services.tokenizer.chat import ChatSpec, render_chat
+from radixmesh.services.common.chat_render import ChatSpec, model_template, render_chat
 from radixmesh.services.tokenizer.settings import TokenizerSettings
-from radixmesh.services.tokenizer.templates import load_chat_template
+from radixmesh.services.common.chat_templates import load_chat_template
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,18 +120,11 @@ def describe(tokenizer, settings: TokenizerSettings, template_override: str | No
     return TokenizerInfo(
         vocab_size=len(tokenizer),
         special_tokens=special_tokens(tokenizer),
-        chat_template=template_override or _model_template(tokenizer),
+        chat_template=template_override or model_template(tokenizer),
         tokenizer_path=settings.resolved_tokenizer_path,
         eos_token_ids=tuple(sorted(eos)),
         context_length=settings.context_length or model.max_position_embeddings,
     )
-
-
-def _model_template(tokenizer) -> str:
-    template = tokenizer.chat_template or ""
-    if isinstance(template, dict):  # several named templates: the default one is used for chat
-        template = template.get("default", "")
-    return template
 
 
 def special_tokens(tokenizer) -> tuple[SpecialToken, ...]:

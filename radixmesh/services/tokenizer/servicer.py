@@ -12,6 +12,7 @@ import grpc
 
 from radixmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.services.common import tracing
+from radixmesh.services.common.chat_render import chat_from_proto
 from radixmesh.services.tokenizer import convert
 from radixmesh.services.tokenizer.backend import TokenizerBackend
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
@@ -40,7 +41,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             return self.backend.tokenize_text(request.text,
                                               convert.optional_bool(request, "add_special_tokens", True))
         if kind == "chat":
-            return self.backend.tokenize_chat(convert.chat_from_proto(request.chat))
+            return self.backend.tokenize_chat(chat_from_proto(request.chat))
         raise ValueError("TokenizeRequest needs `text` or `chat`")
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,

@@ -112,7 +112,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      lambda: len(self.active)) if metrics is not None else None
         self.started = time.time()
         self.lora = WorkerLora(engine)
-        self.prompts = PromptTokenizer.for_engine(engine)  # text-only requests; None without a tokenizer
+        # text-only and chat requests; None without a tokenizer
+        self.prompts = PromptTokenizer.for_engine(engine, settings.chat_template)
 
     async def _blocking(self, fn, *args):
         """Engine control calls wait for the scheduler thread; keep them off the event loop."""
@@ -147,7 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise ValueError(f"this is a {mode} worker: disaggregated_params must be " +
                              ("absent" if mode == "null" else "given (the router pairs prefill and decode workers)"))
         if not request.input_ids:  # every path below (prefill, decode, colocated) reads the ids from the request
-            request.input_ids[:] = await self._prompt_ids(request.text)
+            request.input_ids[:] = await self._prompt_ids(request)
         if request.request_id in self.active:
             raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
         tracing.set_attributes(request_id=request.request_id, prompt_tokens=len(request.input_ids))
@@ -181,10 +182,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             self.active.pop(request.request_id, None)
 
-    async def _prompt_ids(self, text: str) -> list[int]:
-        """A text-only request's prompt ids (services.worker.prompts), tokenized off the event loop."""
+    async def _prompt_ids(self, request: worker_pb2.GenerateRequest) -> list[int]:
+        """The prompt ids of a request without them: its chat messages rendered and tokenized, or its text
+        tokenized (services.worker.prompts), off the event loop."""
+        chat = request.chat if request.HasField("chat") else None
         if self.prompts is None:
-            raise ValueError("this worker has no tokenizer (--skip-tokenizer-init): send input_ids, not text")
+            raise ValueError("this worker has no tokenizer (--skip-tokenizer-init): send input_ids, not "
+                             + ("chat messages" if chat is not None else "text"))
+        if chat is not None:
+            with tracing.span("tokenize", chat_messages=len(chat.messages)) as span:
+                ids = await self.prompts.chat_ids(chat)
+                if span is not None:
+                    tracing.set_attribute("prompt_tokens", len(ids))
+                return ids
+        text = request.text
         with tracing.span("tokenize", prompt_bytes=len(text.encode("utf-8", "surrogatepass"))) as span:
             ids = await self.prompts.ids(text)
             if span is not None:
@@ -339,8 +350,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             out.kv_transfer_gbps, out.kv_transfer_latency_ms = rooms.transfer.gbps, rooms.transfer.latency_ms
         return out
 
-    def _model_info(self) -> worker_pb2.GetModelInfoResponse:
+    async def _model_info(self) -> worker_pb2.GetModelInfoResponse:
         e = self.engine
+        tokenizes = self.prompts is not None and e.pooling is None
         return worker_pb2.GetModelInfoResponse(
             model_path=e.args.model_path, tokenizer_path=e.args.tokenizer_path or e.args.model_path,
             is_generation=e.pooling is None, served_model_name=self.settings.served_model_name or e.args.model_path,
@@ -350,10 +362,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_total_num_tokens=e.runner.max_total_tokens,
             disaggregation_mode=self.settings.disaggregation_mode,
             bootstrap_port=self.prefill_rooms.bootstrap_port if self.prefill_rooms is not None else 0,
-            tokenizes_text=self.prompts is not None and e.pooling is None)
+            tokenizes_text=tokenizes,
+            chat_template_sha256=await self.prompts.template_sha256() if tokenizes else "")
 
     async def GetModelInfo(self, request, context):
-        return self._model_info()
+        return await self._model_info()
 
     async def GetServerInfo(self, request, context):
         info = await self._blocking(self.engine.get_server_info)

@@ -15,6 +15,9 @@ class WorkerSettings(LaneGrpcSettings):
     disaggregation_mode: str = field(default="null", metadata={
         "help": "null: a colocated worker (prefill + decode); prefill / decode: one side of a PD pair"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: path)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "chat template file or built-in name for chat prompts the worker renders (as the tokenizer "
+                "service's --chat-template; the router sends chat prompts to workers whose template is the service's)"})
     health_check_timeout_s: float = field(default=20.0, metadata={
         "help": "seconds the HealthCheck test generation may take"})
     disaggregation_bootstrap_port: int = field(default=8998, metadata={

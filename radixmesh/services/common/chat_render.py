@@ -1,4 +1,5 @@
-"""Chat prompts: messages + tools rendered by the tokenizer's chat template (or the --chat-template override).
+"""Chat prompts: messages + tools rendered by the tokenizer's chat template (or the --chat-template override), in
+the tokenizer service and in workers that render chat prompts themselves (GenerateRequest.chat).
 
 Rendering produces text; tokenizing it must not add special tokens again, because templates write BOS themselves.
 """
@@ -6,10 +7,13 @@ Rendering produces text; tokenizing it must not add special tokens again, becaus
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixmesh.v1 import tokenizer_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +86,56 @@ def render_chat(tokenizer, chat: ChatSpec, template: str | None = None) -> str:
     if not isinstance(prompt, str):
         raise ValueError(f"chat template rendered {type(prompt).__name__}, expected text")
     return prompt
+
+
+def model_template(tokenizer) -> str:
+    """The tokenizer's own chat template ("" when it has none)."""
+    template = tokenizer.chat_template or ""
+    if isinstance(template, dict):  # several named templates: the default one is used for chat
+        template = template.get("default", "")
+    return template
+
+
+def template_sha256(template: str) -> str:
+    """What GetModelInfo's chat_template_sha256 holds for `template` ("" for none)."""
+    return hashlib.sha256(template.encode()).hexdigest() if template else ""
+
+
+# ---- radixmesh.v1 ChatInput -> ChatSpec (JSON fields parsed here; malformed ones are a ValueError naming the field)
+def _json(text: str, what: str, kind: type) -> Any:
+    """Parse `text` (non-empty) and check it is a `kind` (list or dict)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, kind):
+        expected = "a list" if kind is list else "an object"
+        raise ValueError(f"{what} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def message_from_proto(i: int, m: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
+    if not m.role:
+        raise ValueError(f"messages[{i}].role is empty")
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls_json:
+        out["tool_calls"] = _json(m.tool_calls_json, f"messages[{i}].tool_calls_json", list)
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def chat_from_proto(chat: tokenizer_pb2.ChatInput) -> ChatSpec:
+    """add_generation_prompt defaults to true, or to false when continuing the final message."""
+    tools = _json(chat.tools_json, "tools_json", list) if chat.tools_json else None
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools_json must be a list of objects")
+    kwargs = _json(chat.chat_template_kwargs_json, "chat_template_kwargs_json", dict) \
+        if chat.chat_template_kwargs_json else {}
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") \
+        else not chat.continue_final_message
+    return ChatSpec(messages=[message_from_proto(i, m) for i, m in enumerate(chat.messages)], tools=tools or None,
+                    add_generation_prompt=add_prompt, continue_final_message=chat.continue_final_message,
+                    template_kwargs=kwargs)
