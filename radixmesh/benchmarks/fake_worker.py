@@ -18,6 +18,7 @@ import grpc
 
 from radixmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.services.common import generate_mux
+from radixmesh.services.common.chat_render import template_sha256
 from radixmesh.services.common.logs import setup_logging
 from radixmesh.services.common.server import GrpcService, LaneGrpcSettings
 
@@ -37,7 +38,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
                  no_generate_stream: bool = False, token_gap_s: float | None = 0.0,
-                 die_after_last_chunk: bool = False, tokenizes_text: bool = False):
+                 die_after_last_chunk: bool = False, tokenizes_text: bool = False, chat_template_sha256: str = ""):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
@@ -48,6 +49,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.die_after_last_chunk = die_after_last_chunk  # the process exits between a stream's last chunk and its end
         # takes text-only requests, as a worker with a tokenizer does (its words stand in for the prompt's tokens)
         self.tokenizes_text = tokenizes_text
+        self.chat_template_sha256 = chat_template_sha256  # with tokenizes_text: it takes chat prompts rendered so
         self.draining: asyncio.Event | None = None
         self.calls = 0
 
@@ -74,7 +76,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         if not prompt:
             if not self.tokenizes_text:
                 raise ValueError("input_ids is empty (this fake tokenizes no text)")
-            prompt = len(request.text.split())
+            prompt = (sum(len(m.content.split()) for m in request.chat.messages) if request.HasField("chat")
+                      else len(request.text.split()))
         ids = token_ids(n)
         if request.stream:
             for i, tok in enumerate(ids):
@@ -113,13 +116,28 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             model_path=self.model_name, tokenizer_path=self.model_name, is_generation=True,
             served_model_name=self.model_name, max_context_length=4096, vocab_size=VOCAB, model_type="fake",
             eos_token_ids=[], preferred_sampling_params="{}", max_total_num_tokens=1 << 20,
-            disaggregation_mode=self.mode, tokenizes_text=self.tokenizes_text)
+            disaggregation_mode=self.mode, tokenizes_text=self.tokenizes_text,
+            chat_template_sha256=self.chat_template_sha256)
 
     async def GetServerInfo(self, request, context):
         return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls}))
 
     async def FlushCache(self, request, context):
         return worker_pb2.FlushCacheResponse(success=True)
+
+
+def _template_sha256(model_dir: str) -> str:
+    """The SHA-256 of a model folder's chat template, as a worker with its tokenizer reports it: chat_template.jinja,
+    else tokenizer_config.json's chat_template (the one named "default" of several)."""
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as fh:
+            return template_sha256(fh.read())
+    with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as fh:
+        template = json.load(fh).get("chat_template") or ""
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default") or ""
+    return template_sha256(template)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,11 +160,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="exit after a streamed answer's last chunk, before its `complete` (a fault)")
     parser.add_argument("--tokenizes-text", action="store_true",
                         help="take text-only requests, as a worker with a tokenizer does (the router then sends text)")
+    parser.add_argument("--chat-template-of", default=None, metavar="MODEL_DIR",
+                        help="with --tokenizes-text: take chat prompts too, reporting that model's chat template (the "
+                             "router then sends chat prompts whose template is its tokenizer service's)")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
                           args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s,
-                          args.die_after_last_chunk, args.tokenizes_text)
+                          args.die_after_last_chunk, args.tokenizes_text,
+                          _template_sha256(args.chat_template_of) if args.chat_template_of else "")
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

@@ -304,8 +304,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def fake_tokenizes(args: argparse.Namespace) -> list[str]:
     """The fake workers' flag: they take text prompts, as workers with a tokenizer do, unless --router-tokenizes
-    (text prompts then go through the tokenizer service, as with --skip-tokenizer-init workers)."""
-    return [] if getattr(args, "router_tokenizes", False) else ["--tokenizes-text"]
+    (text prompts then go through the tokenizer service, as with --skip-tokenizer-init workers). With a local
+    --model-path they take chat prompts too, as workers that render that model's chat template do."""
+    if getattr(args, "router_tokenizes", False):
+        return []
+    model = getattr(args, "model_path", None)  # the tokenizer service's model: its chat template
+    return ["--tokenizes-text", *(["--chat-template-of", model] if model and os.path.isdir(model) else [])]
 
 
 def run(args: argparse.Namespace, procs: Processes) -> list[dict]:
