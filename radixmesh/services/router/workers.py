@@ -71,7 +71,7 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
         self.new_breaker = new_breaker
-        self.workers: dict[str, Worker] = {}
+        self.workers: dict[str, Worker] = {}  # (a property: setting it, as tests do, forgets _prompts)
         self._loops: list[tuple[float, Callable[[Worker], Awaitable[object]]]] = \
             [(probe_interval_s, self.probe)] if probing else []
         self._jobs: list[tuple[float, Callable[[], Awaitable[object]]]] = [(1.0, self._expire_leases)]
@@ -117,7 +117,8 @@ class WorkerRegistry:
         mux = WorkerMux(stub, url, self.connect_timeout_s, ch if self.stream_lanes else None) \
             if info.disaggregation_mode == "null" else None
         worker = Worker(url, ch, stub, info, breaker=self.new_breaker(), mux=mux, lora=lora)
-        self.workers[url] = worker
+        self._workers[url] = worker
+        self._prompts = None
         log.info("added worker %s (%s, %s)", url, info.served_model_name, info.disaggregation_mode)
         self.on_add(worker)
         return worker
@@ -142,9 +143,10 @@ class WorkerRegistry:
     async def remove(self, url: str, quiet: bool = False) -> bool:
         url = normalize_url(url)
         self._leases.pop(url, None)
-        worker = self.workers.pop(url, None)
+        worker = self._workers.pop(url, None)
         if worker is None:
             return False
+        self._prompts = None
         if not quiet:
             self.on_change("remove", worker.url)
         self.on_remove(worker.url)
@@ -166,18 +168,36 @@ class WorkerRegistry:
         return any(w.info.disaggregation_mode != "null" for w in self.workers.values())
 
     @property
+    def workers(self) -> dict[str, Worker]:
+        return self._workers
+
+    @workers.setter
+    def workers(self, workers: dict[str, Worker]) -> None:
+        self._workers = workers
+        self._prompts = None
+
+    def _prompt_kinds(self) -> tuple[bool, str]:
+        """(tokenize_text, the chat template's SHA-256 every worker renders with or ""), kept until a worker is added
+        or removed (asked on every request)."""
+        if self._prompts is None:
+            workers = self._workers.values()
+            text = bool(workers) and all(w.info.tokenizes_text and w.info.disaggregation_mode == "null"
+                                         for w in workers)
+            shas = {w.info.chat_template_sha256 for w in workers}
+            self._prompts = (text, shas.pop() if text and len(shas) == 1 else "")
+        return self._prompts
+
+    @property
     def tokenize_text(self) -> bool:
         """True when every registered worker is colocated and tokenizes text-only requests itself (its model info
         says `tokenizes_text`): text prompts may then go to any of them untokenized."""
-        return bool(self.workers) and all(w.info.tokenizes_text and w.info.disaggregation_mode == "null"
-                                          for w in self.workers.values())
+        return self._prompt_kinds()[0]
 
     def renders_chat(self, template_sha256: str) -> bool:
         """True when text prompts go to the workers (tokenize_text) and every one renders chat prompts with the
         chat template whose SHA-256 is `template_sha256` (the tokenizer service's): chat prompts may then go to
         any of them as messages."""
-        return bool(template_sha256) and self.tokenize_text and all(
-            w.info.chat_template_sha256 == template_sha256 for w in self.workers.values())
+        return bool(template_sha256) and self._prompt_kinds()[1] == template_sha256
 
     def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
         for w in self.workers.values():
