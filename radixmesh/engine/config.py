@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 # dtype names users may give -> torch attribute names. torch is imported only where a dtype is resolved, so the
 # services that only parse EngineArgs (the launcher) stay free of it.
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
-# --kv-cache-dtype's fp8 values (SGLang's names): K and V stored rounded to fp8 with a scale of 1 (half the bytes of
-# bf16, twice the tokens), read back to the model dtype by the attention kernels
+# --kv-cache-dtype's fp8 values (SGLang's names): K and V stored rounded to fp8 (half the bytes of bf16, twice the
+# tokens) divided by the checkpoint's per-layer k_scale / v_scale (1.0 without them: engine.quantization.kv_scales),
+# read back to the model dtype times them by the attention backends
 _FP8_KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -113,6 +114,11 @@ class EngineArgs:
     # start-up, kernels.gemv with a few tile configurations, each shape on the faster (engine.decode_products); under
     # `auto` one-row products run kernels.gemv.gemv_row unless it times clearly slower on the shape.
     decode_gemm: str = "auto"
+    # SGLang's hybrid SWA memory (engine.cache.swa_pool): in a model that mixes sliding-window and full-attention
+    # layers, the sliding layers' KV has a pool of its own of swa_full_tokens_ratio times the full pool's tokens, whose
+    # pages go back behind each request's window; disable_hybrid_swa_memory keeps every layer's KV in one pool
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int = 0
@@ -208,6 +214,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
            f"sampling_defaults must be 'model' or 'openai', got {args.sampling_defaults!r}")
     _check(args.kv_cache_dtype == "auto" or args.kv_cache_dtype in _DTYPES or args.kv_cache_dtype in _FP8_KV,
            f"kv_cache_dtype must be auto or one of {', '.join([*_DTYPES, *_FP8_KV])}, got {args.kv_cache_dtype!r}")
+    _check(0 < args.swa_full_tokens_ratio <= 1, "swa_full_tokens_ratio (SWA pool tokens per full pool token) must "
+           f"be in (0, 1], got {args.swa_full_tokens_ratio!r}")
     _check_hicache(args)
     _check_tp(args, model)
     _check(args.moe_runner_backend in ("auto", "torch", "triton"),

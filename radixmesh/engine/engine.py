@@ -288,6 +288,10 @@ class Engine:
     def _submit(self, specs: list[RequestSpec], make_sink, handoff=None, tenant: str = "") -> None:
         if handoff is not None and len(specs) != 1:
             raise ValueError("a disaggregated (prefill/decode) request must be one prompt with n = 1")
+        if handoff is not None and self.cache.hybrid is not None:
+            raise ValueError("this engine keeps its sliding-window layers' KV in a pool of their own (hybrid SWA "
+                             "memory, engine.cache.swa_pool), which prefill/decode transfers do not carry yet: start "
+                             "the prefill and decode workers with --disable-hybrid-swa-memory")
         if handoff is not None and self.args.tp_size > 1 and self.runner.kv_channel is None:
             raise ValueError("with tp_size > 1 a disaggregated request's KV moves through every rank's mirror: "
                              "create them with Engine.kv_mirror() first")

@@ -15,7 +15,7 @@ from torch import nn
 
 from radixmesh.engine.attention.registry import create_attention, supports_cuda_graph
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
-from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.swa_pool import hybrid_layout, make_kv_pool, why_no_hybrid
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from radixmesh.engine.cache.swa import all_layers_window
 from radixmesh.engine.config import EngineArgs, torch_dtype
@@ -29,7 +29,7 @@ from radixmesh.engine.decode_products import plan as decode_products_plan
 from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
 from radixmesh.engine.models.attention_spec import attention_shape, layer_windows
-from radixmesh.engine.models.loader import load_model
+from radixmesh.engine.models.loader import load_kv_scales, load_model
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
@@ -101,12 +101,15 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         graph_sizes = self._graph_sizes()
         graph_reserve = self._graph_reserve(graph_sizes)
+        # sliding layers' KV in a pool of their own (engine.cache.swa_pool), or None: one pool
+        self.swa_layout = hybrid_layout(layer_windows(model_config, args.context_length), args.swa_full_tokens_ratio,
+                                        why_no_hybrid(args, table is not None))
         self.max_total_tokens = args.max_total_tokens if table is not None else \
             self.tp.all_min(self._kv_capacity_tokens(graph_reserve))
         page = args.page_size
-        self.kv_pool = KVPool(self.max_total_tokens // page, page, model_config.num_layers,
-                              self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
-                              self.device)
+        self.kv_pool = make_kv_pool(self.swa_layout, self.max_total_tokens // page, page, model_config.num_layers,
+                                    self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
+                                    self.device, load_kv_scales(model_config, args.kv_cache_dtype, args.load_format))
         self.max_running_requests = self._max_running()
         # a request holds at most the pool, unless every layer slides: then it frees pages as it goes
         # (engine.cache.swa) and only the context bounds its length
@@ -114,6 +117,8 @@ class ModelRunner:
             min(args.context_length, self.kv_pool.capacity_tokens)
         row_len = longest + page
         self.req_to_token = table or ReqToTokenPool(self.max_running_requests, row_len, self.device)
+        if self.swa_layout is not None:
+            self.req_to_token.add_swa_table(self.kv_pool.translate, self.swa_layout.swa_layers)
         self.owns_table = table is None
         # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last
         # forward, in order; published with the next forward.
@@ -188,8 +193,10 @@ class ModelRunner:
     def _kv_capacity_tokens(self, graph_reserve: int) -> int:
         """KV tokens that fit in the static budget (mem_fraction_static of the GPU, after the weights and the
         `graph_reserve` bytes set aside for CUDA graphs)."""
-        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype),
-                                                         self.num_kv_heads) + self.extra_kv_bytes_per_token
+        per_token = self.model_config.kv_bytes_per_token(torch_dtype(self.args.kv_cache_dtype), self.num_kv_heads)
+        if self.swa_layout is not None:  # the SWA pool's share per full-pool token
+            per_token = self.swa_layout.bytes_per_token(per_token)
+        per_token += self.extra_kv_bytes_per_token
         page = self.args.page_size
         if self.device.type == "cuda":
             # an engine shut down earlier in this process may still hold its pool through a reference cycle that no

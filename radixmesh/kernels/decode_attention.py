@@ -17,6 +17,11 @@ A sliding window of w tokens (a per-layer constant) shows the query at position 
 seq_len - w .. seq_len - 1 (transformers' rule: key > query - w); both stages walk only those, so a windowed layer
 reads at most w keys per request. Scores may be soft-capped (kernels.online_softmax).
 
+An fp8 cache (--kv-cache-dtype fp8_*) holds keys divided by a per-layer `k_scale` and values divided by `v_scale`:
+the key scale multiplies the score scale (q . (k * ks) * scale = (q . k) * (scale * ks)) and the value scale the
+output, once (every value of the sum carries it), so a cache read costs what an unscaled one does (V_SCALED: 1.0
+skips even the multiply).
+
 A draft tree's verify rows (engine.speculative.tree) see only some of their request's last keys: `tree` gives each row
 the first table index of its masked span (`start`) and a 64-bit set of the keys there it sees (`bits`, bit i: key
 start + i); keys before `start` are all seen. Each row's own key is its last (seq_len - 1) and is seen, so every
@@ -70,10 +75,11 @@ def _tree_visible(n, tree_start, tree_bits):
 def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeStart, TreeBits, Out, PartialO, PartialLse,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   scale_log2, cap_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   scale_log2, cap_log2, window, v_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, TREE: tl.constexpr):
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, TREE: tl.constexpr,
+                   V_SCALED: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,6 +140,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeStart, TreeBits
         v = v.to(Q.dtype.element_ty)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
+    if V_SCALED:  # an fp8 cache's values are stored divided by v_scale (the partial sums merge linearly)
+        acc = acc * v_scale
     out_mask = h_mask[:, None] & d_mask[None, :]
     if TREE:  # a split wholly inside a row's tree span may see no key: its weight is zero, not NaN
         l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -205,12 +213,14 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
                      partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
-                     softcap: float | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+                     softcap: float | None = None, tree: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
     `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
     `window`: the query sees only the last `window` keys; `softcap`: scores become softcap * tanh(scores / softcap).
-    `tree` [2, batch] int64: each row's masked span (first table index, bits of the keys it sees there)."""
+    `tree` [2, batch] int64: each row's masked span (first table index, bits of the keys it sees there).
+    `k_scale`, `v_scale`: the cache holds keys and values divided by them (an fp8 cache's per-layer scales)."""
     bsz, num_heads, head_dim = q.shape
     if tree is not None and window is not None:
         raise ValueError("a draft tree's mask and a sliding window do not combine (table indices are not positions)")
@@ -235,12 +245,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         tree[1] if tree is not None else seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
-        lse.stride(0), lse.stride(1), scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        lse.stride(0), lse.stride(1), scale * k_scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
+        float(v_scale), GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap),
         PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, TREE=tree is not None,
-        num_warps=4,
+        V_SCALED=v_scale != 1.0, num_warps=4,
         num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
@@ -261,10 +271,11 @@ def _window_arg(window: int | None) -> int:
 def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float, window: int | None = None, softcap: float | None = None,
-                               tree: torch.Tensor | None = None) -> torch.Tensor:
+                               tree: torch.Tensor | None = None, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """Plain-torch twin of `decode_attention`: per request, gather its keys and values (the last `window` of them,
-    given one; those its tree span lets it see, given `tree`) and attend in float32, scores soft-capped when
-    `softcap` is given."""
+    given one; those its tree span lets it see, given `tree`), times `k_scale` and `v_scale`, and attend in float32,
+    scores soft-capped when `softcap` is given."""
     bsz, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
@@ -276,8 +287,8 @@ def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torc
             start, bits = int(tree[0, b]), int(tree[1, b])
             index = index[[i < start or bool((bits >> (i - start)) & 1) for i in index.tolist()]]
         slots = req_to_token[int(req_pool_indices[b]), index].long()
-        keys = k_buf[slots].float().repeat_interleave(group, dim=1)  # [seq, heads, head_dim]
-        values = v_buf[slots].float().repeat_interleave(group, dim=1)
+        keys = (k_buf[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [seq, heads, head_dim]
+        values = (v_buf[slots].float() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)

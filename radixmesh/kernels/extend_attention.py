@@ -10,6 +10,10 @@ pool (gathered by slot), then the new tokens up to the diagonal from the contigu
 Under a sliding window of w tokens (a per-layer constant) the query at position p sees only keys at positions
 p - w + 1 .. p (transformers' rule: key > query - w): a program starts both walks at its first row's window, and
 masks per row within it. Scores may be soft-capped (kernels.online_softmax).
+
+An fp8 cache (--kv-cache-dtype fp8_*) holds the prefix's keys divided by a per-layer `k_scale` and its values divided
+by `v_scale`; the new tokens come unscaled from k_new / v_new. The prefix walk scores with scale * k_scale (exact:
+q . (k * ks) * scale = (q . k) * (scale * ks)) and weighs its values by p * v_scale (V_SCALED; 1.0 costs nothing).
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, QoStarts,
                    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
-                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, cap_log2, window, num_m_blocks,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr,
-                   WINDOWED: tl.constexpr):
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, prefix_scale_log2, v_scale,
+                   cap_log2, window, num_m_blocks, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   CAPPED: tl.constexpr, WINDOWED: tl.constexpr, V_SCALED: tl.constexpr):
     # Blocks furthest down the diagonal do the most work: launch them first (program 0 of axis 0 goes first).
     m_block = num_m_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -75,10 +79,12 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
         visible = n_mask[None, :]
         if WINDOWED:
             visible = visible & (n[None, :] > (prefix + m - window)[:, None])
-        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, scale_log2, cap_log2, PRECISION, UPCAST, CAPPED,
-                                          WINDOWED)
+        p, alpha, m_i, l_i = softmax_step(q, k, visible, m_i, l_i, prefix_scale_log2, cap_log2, PRECISION, UPCAST,
+                                          CAPPED, WINDOWED)
         v = tl.load(VBuf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
+        if V_SCALED:  # the cached values are stored divided by v_scale (the normalizer l_i keeps the plain p)
+            p = p * v_scale
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -145,13 +151,14 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
                      max_extend_len: int, scale: float, out: torch.Tensor | None = None,
                      tiles: tuple[int, int, int, int] | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; k_new, v_new [num_tokens, num_kv_heads, head_dim] (the new tokens);
     k_buf, v_buf [num_slots, num_kv_heads, head_dim] (the pool); req_to_token [rows, row_len]; req_pool_indices,
     prefix_lens, extend_lens, qo_starts [batch]; max_extend_len >= every extend_len (host int).
     `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the choice for this head size and dtype.
     `window`: a query sees only the keys of the last `window` positions up to its own; `softcap`: scores become
-    softcap * tanh(scores / softcap). Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+    softcap * tanh(scores / softcap). `k_scale`, `v_scale`: the pool holds keys and values divided by them (an fp8
+    cache's per-layer scales; k_new and v_new are unscaled). Returns [num_tokens, num_heads, head_dim] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     bsz = int(extend_lens.shape[0])
     out = torch.empty_like(q) if out is None else out
@@ -163,10 +170,12 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), scale * _LOG2E, (softcap or 0.0) * _LOG2E, window or 0, m_blocks,
+        req_to_token.stride(0), scale * _LOG2E, scale * k_scale * _LOG2E, float(v_scale), (softcap or 0.0) * _LOG2E,
+        window or 0, m_blocks,
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap), WINDOWED=bool(window), num_warps=warps,
+        UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap), WINDOWED=bool(window), V_SCALED=v_scale != 1.0,
+        num_warps=warps,
         num_stages=stages)
     return out
 
@@ -174,16 +183,18 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
                                v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
-                               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Plain-torch twin of `extend_attention`: per request, prefix keys from the pool plus the new keys, causal by
-    position (and within `window`, given one), scores soft-capped when `softcap` is given, softmax in float32."""
+                               scale: float, window: int | None = None, softcap: float | None = None,
+                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Plain-torch twin of `extend_attention`: per request, prefix keys from the pool (times `k_scale`, values times
+    `v_scale`) plus the new keys, causal by position (and within `window`, given one), scores soft-capped when
+    `softcap` is given, softmax in float32."""
     group = q.shape[1] // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(int(extend_lens.shape[0])):
         pre, ext, at = int(prefix_lens[b]), int(extend_lens[b]), int(qo_starts[b])
         slots = req_to_token[int(req_pool_indices[b]), :pre].long()
-        keys = torch.cat([k_buf[slots].to(k_new.dtype), k_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
-        values = torch.cat([v_buf[slots].to(v_new.dtype), v_new[at:at + ext]]).float().repeat_interleave(group, dim=1)
+        keys = torch.cat([k_buf[slots].float() * k_scale, k_new[at:at + ext].float()]).repeat_interleave(group, dim=1)
+        values = torch.cat([v_buf[slots].float() * v_scale, v_new[at:at + ext].float()]).repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[at:at + ext].float(), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)

@@ -38,9 +38,10 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64",
             TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False)
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False)
+scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale"}  # the float arguments of the attention kernels
 out = {
-    "stage1": ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"}, stage1, 4, 2),
+    "stage1": ptx(decode_attention._decode_stage1, attn, scales, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, PREFETCH_LINES=16, LINE_ELEMS=64, PDL=True, UPCAST=False,
                      PRECISION="tf32", HAS_BIAS=False), 4, 4),
@@ -52,15 +53,22 @@ out = {
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
-out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"},
+out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
                         dict(stage1, TREE=True), 4, 2)
-out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, {"scale_log2", "cap_log2"},
+out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, scales,
                            dict(stage1, HEAD_DIM=256, BLOCK_N=32, BLOCK_D=256, CAPPED=True), 4, 2)
 ext = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", ReqToToken="*i32",
            ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64")
-out["extend_windowed"] = ptx(extend_attention._extend_kernel, ext, {"scale_log2", "cap_log2"},
+out["extend_windowed"] = ptx(extend_attention._extend_kernel, ext, scales,
                              dict(GROUP=4, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, PRECISION="tf32",
-                                  UPCAST=False, CAPPED=True, WINDOWED=True), 4, 2)
+                                  UPCAST=False, CAPPED=True, WINDOWED=True, V_SCALED=False), 4, 2)
+# an fp8 cache with per-layer K and V scales (--kv-cache-dtype fp8_e4m3 and a checkpoint's k_scale / v_scale)
+fp8 = dict(K="*fp8e4nv", V="*fp8e4nv")
+out["stage1_fp8_scaled"] = ptx(decode_attention._decode_stage1, dict(attn, **fp8), scales,
+                               dict(stage1, V_SCALED=True), 4, 2)
+out["extend_fp8_scaled"] = ptx(extend_attention._extend_kernel, dict(ext, KBuf="*fp8e4nv", VBuf="*fp8e4nv"), scales,
+                               dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION="tf32",
+                                    UPCAST=False, CAPPED=False, WINDOWED=False, V_SCALED=True), 4, 3)
 # kernels that begin with runtime.pdl_enter: the wait comes before any load
 bf16 = "*bf16"
 out["stage2"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
@@ -161,3 +169,10 @@ def test_the_tree_masked_decode_compiles(ptx):
     """A draft tree's verify rows (engine.speculative.tree; the interpreter runs them on CPU) compile for sm_90 and
     read their two mask words once per row."""
     assert _lines(ptx["stage1_tree"], r"ld\.global.*\.b64") and ptx["stage1_tree"] != ptx["stage1"]
+
+
+@pytest.mark.parametrize("kernel", ["stage1_fp8_scaled", "extend_fp8_scaled"])
+def test_the_scaled_fp8_cache_paths_compile(ptx, kernel):
+    """Decode and extend over an e4m3 cache with its per-layer scales (the interpreter runs them on CPU) compile for
+    sm_90, converting the cached bytes from e4m3 in registers."""
+    assert _lines(ptx[kernel], r"cvt\S*\.e4m3x2")

@@ -93,11 +93,14 @@ def test_phi3_window_changes_the_outputs(checkpoints, tmp_path):
     assert _reference(plain)[1] != _reference(checkpoints["phi3-window"])[1]
 
 
-def test_phi3_longrope_past_the_original_context_is_refused(checkpoints):
+def test_phi3_longrope_past_the_original_context_uses_long_factor(checkpoints, caplog):
+    """Served past its original context, LongRoPE rotates every position with long_factor and says so at start-up
+    (tests/parity/test_longrope_long_context.py: token-exact with transformers for prompts past it)."""
     from radixmesh.engine.config import EngineArgs, resolve_args
     from radixmesh.engine.model_config import ModelConfig
 
     path = checkpoints["phi3"]
-    with pytest.raises(ValueError, match=f"original_max_position_embeddings={ORIGINAL}") as err:
+    with caplog.at_level("WARNING"):
         resolve_args(EngineArgs(model_path=path, device="cpu"), ModelConfig.from_path(path))
-    assert "--context-length 128 or less" in str(err.value)
+    assert f"original_max_position_embeddings={ORIGINAL}" in caplog.text
+    assert "--context-length 128 or less" in caplog.text

@@ -3,17 +3,19 @@ config.json as transformers resolves it (rope_scaling over rope_parameters, the 
 original_max_position_embeddings over the rope dict's, per-architecture defaults and aliases), compared with the cos
 and sin of the model's own rotary embedding over every position the served context allows. Where transformers'
 rotation depends on the sequence length (dynamic past max_position_embeddings, longrope past the original context),
-the tests show it and that longer contexts are refused."""
+the tests show it, that dynamic's longer contexts are refused and that longrope past its original context rotates
+every position with long_factor."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from radixmesh.engine.config import EngineArgs, resolve_args
-from radixmesh.engine.layers.rope_scaling import exact_context, rope_spec
+from radixmesh.engine.layers.rope_scaling import exact_context, longrope_notice, rope_spec
 from radixmesh.engine.layers.rotary import RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
 
@@ -127,16 +129,22 @@ def test_dynamic_ntk_depends_on_what_transformers_saw_before(tmp_path):
 
 def test_longrope_rotates_a_long_prompt_with_its_long_factors(tmp_path):
     """A forward past original_max_position_embeddings rotates every position with long_factor, a shorter one with
-    short_factor: the keys of a prefix depend on the length of the request. Served up to the original context."""
+    short_factor: the keys of a prefix depend on the length of the request. Served past the original context, every
+    position takes long_factor (engine.layers.rope_scaling's decision): transformers' table of a longer forward, and
+    a start-up warning says so; served within it, short_factor."""
     kind, fields = CASES["longrope-phi3"]
     path = _write(tmp_path, kind, **fields)
     rotary = _transformers_rotary(path)
     short, _ = _transformers_table(rotary, 256)
     long, _ = _transformers_table(rotary, 257)
     assert not torch.equal(long[:16], short[:16])
-    with pytest.raises(ValueError, match="original_max_position_embeddings=256") as err:
-        resolve_args(EngineArgs(model_path=path, device="cpu"), ModelConfig.from_path(path))
-    assert "--context-length 256 or less" in str(err.value)
+    cfg = ModelConfig.from_path(path)
+    assert torch.equal(RotaryEmbedding.for_model(cfg, 256, torch.device("cpu")).cos, short)
+    assert torch.equal(RotaryEmbedding.for_model(cfg, 257, torch.device("cpu")).cos, long)
+    assert longrope_notice(replace(rope_spec(cfg), context=256)) is None
+    notice = longrope_notice(replace(rope_spec(cfg), context=MAX_POSITIONS))
+    assert "original_max_position_embeddings=256" in notice and "--context-length 256 or less" in notice
+    resolve_args(EngineArgs(model_path=path, device="cpu"), cfg)
 
 
 @pytest.mark.parametrize("kind,rope,words", [

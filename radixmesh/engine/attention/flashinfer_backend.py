@@ -204,8 +204,9 @@ class FlashInferBackend(AttentionBackend):
         indptr_dev = indptr.to(self.device, non_blocking=True)
         if starts is None:
             build_kv_indices(self.req_to_token.device, batch.req_pool_indices, batch.seq_lens, indptr_dev, out)
-        else:
-            _window_indices(self.req_to_token.device, batch.req_pool_indices, starts, indptr_dev, out, total)
+        else:  # (a hybrid SWA pool's sliding layers: their own page table, engine.cache.swa_pool)
+            _window_indices(self.req_to_token.window_table(window), batch.req_pool_indices, starts, indptr_dev, out,
+                            total)
         return indptr, out[:total]
 
     def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, window: int | None) -> None:

@@ -5,6 +5,9 @@ Each request's keys are gathered from the pool into a padded [batch, max_kv] lay
 Grouped-query attention is folded into the query rows: the `group` query heads that share a KV head become
 `group` extra rows of that KV head, so keys are never repeated and the fused (memory-efficient) kernel applies.
 
+An fp8 cache (--kv-cache-dtype fp8_*) is read back in the model's dtype times the layer's K and V scales
+(KVPool.read); the tokens of the forward itself attend to their own unrounded keys and values.
+
 A sliding window is one more term of the mask (one mask per window the layers use, built once per batch); soft-capped
 scores (Gemma 2) have no SDPA kernel, so those layers compute the scores, cap, mask and softmax in plain ops, in
 transformers' order.
@@ -94,9 +97,8 @@ class TorchNativeBackend(AttentionBackend):
         group = num_heads // kv_heads
         # [batch, max_q, kv_heads, group, head_dim] -> [batch, kv_heads, max_q * group, head_dim]
         rows = q_pad.view(bsz, max_q, kv_heads, group, head_dim).transpose(1, 2).reshape(bsz, kv_heads, -1, head_dim)
-        # [batch, kv_heads, max_kv, head_dim], in q's dtype (an fp8 cache is read back to it)
-        keys = pool.k[layer_id][metadata.kv_indices].to(q.dtype)
-        values = pool.v[layer_id][metadata.kv_indices].to(q.dtype)
+        # [batch, max_kv, kv_heads, head_dim], in q's dtype (an fp8 cache is read back to it, times its scales)
+        keys, values = pool.read(layer_id, metadata.kv_indices, q.dtype)
         if metadata.token_to_key is not None:  # an fp8 cache: the tokens computed now attend to their own keys and
             # values unrounded, as the Triton extend kernel does (only the cached prefix is read back from fp8)
             keys.view(-1, *keys.shape[2:])[metadata.token_to_key] = k.to(q.dtype)

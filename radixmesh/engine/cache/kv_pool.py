@@ -38,11 +38,18 @@ class PageAllocator:
         return self._free
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class KVPool:
-    """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each, on the model's device."""
+    """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each, on the model's device. An fp8 pool
+    (--kv-cache-dtype fp8_*) stores clamp(x / scale) in fp8 and means stored * scale, with one K and one V scale per
+    layer (`scales`: engine.quantization.kv_scales.KvScales; default 1.0); a pool of another dtype has no scales."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device,
+                 scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+        self.k_scale, self.v_scale = _layer_scales(scales, num_layers, dtype)  # per layer, host floats
         self.page_size = page_size
         self.num_slots = (num_pages + 1) * page_size
         shape = (self.num_slots, num_kv_heads, head_dim)
@@ -56,16 +63,22 @@ class KVPool:
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots `loc` ([num_tokens]) of `layer`. An fp8 pool
-        (--kv-cache-dtype fp8_*) is written by torch's cast (round to nearest even), here and on the GPU alike: the
-        kernels' own fp8 conversion was not checked to match it (Triton's interpreter does not: it rounds ties
-        away and misplaces values near a power of two)."""
+        (--kv-cache-dtype fp8_*) is written by torch's cast (round to nearest even) of clamp(x / scale), here and on
+        the GPU alike: the kernels' own fp8 conversion was not checked to match it (Triton's interpreter does not: it
+        rounds ties away and misplaces values near a power of two)."""
         if use_kernels(k) and k.dtype == self.k[layer].dtype:
             from radixmesh.kernels.kv_store import store_kv
 
             store_kv(self.k[layer], self.v[layer], loc, k, v)
             return
-        self.k[layer][loc] = k.to(self.k[layer].dtype)  # (an fp8 cache rounds here)
-        self.v[layer][loc] = v.to(self.v[layer].dtype)
+        self.k[layer][loc] = _stored(k, self.k[layer].dtype, self.k_scale[layer])  # (an fp8 cache rounds here)
+        self.v[layer][loc] = _stored(v, self.v[layer].dtype, self.v_scale[layer])
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at `slots` (any shape S) as [*S, num_kv_heads, head_dim] in `dtype`: what the cache
+        means (an fp8 cache's values times its scales)."""
+        return (_meant(self.k[layer][slots], dtype, self.k_scale[layer]),
+                _meant(self.v[layer][slots], dtype, self.v_scale[layer]))
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope) -> torch.Tensor:
@@ -95,3 +108,32 @@ class KVPool:
         """Bytes of one page in one buffer: page_size slots of [num_kv_heads, head_dim]."""
         t = self.k[0]
         return self.page_size * t.shape[1] * t.shape[2] * t.element_size()
+
+
+def _layer_scales(scales, num_layers: int, dtype: torch.dtype) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    if scales is None:
+        return (1.0,) * num_layers, (1.0,) * num_layers
+    k, v = (tuple(float(x) for x in s) for s in scales)
+    if len(k) != num_layers or len(v) != num_layers:
+        raise ValueError(f"KV cache scales for {len(k)} / {len(v)} layers, but the pool has {num_layers}")
+    if dtype not in _FP8 and any(x != 1.0 for x in k + v):
+        raise ValueError(f"KV cache scales other than 1.0 apply to an fp8 KV cache only, not to {dtype}")
+    return k, v
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x [num_tokens, num_kv_heads, head_dim] as the cache stores it: cast; for fp8, clamp(x / scale) to fp8's
+    finite range first (beyond it e5m2 would round to inf), divided in float32 so x is rounded once."""
+    if dtype not in _FP8:
+        return x.to(dtype)
+    if scale != 1.0:
+        x = x.float() / scale
+    bound = torch.finfo(dtype).max
+    return x.clamp(-bound, bound).to(dtype)
+
+
+def _meant(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Stored values in `dtype`, times the scale (fp8 values are exact in every model dtype; the product is rounded
+    once)."""
+    out = stored.to(dtype)
+    return out if scale == 1.0 else out.mul_(scale)

@@ -9,7 +9,9 @@ Per request it tracks three lengths over the request's row of the table (all in 
 With pages of more than one token, the partly filled last page of a released request is kept as a tail of the tree
 (engine.cache.tails): a later request that continues those tokens gets their KV copied into its own first page.
 When every layer of the model slides (`window`), a running request's own pages behind the window go back to the pool
-as it advances (engine.cache.swa: what is freed, and what the tree may then keep).
+as it advances (engine.cache.swa: what is freed, and what the tree may then keep). When only some do and their KV has
+a pool of its own (engine.cache.swa_pool), every full page holds an SWA partner page while a window may read it:
+engine.cache.swa_hybrid says which, and which cached prefixes stay usable.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.radix_tree import RadixTree
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from radixmesh.engine.cache.swa import SlidingWindowPages
+from radixmesh.engine.cache.swa_hybrid import HybridWindowPages
+from radixmesh.engine.cache.swa_pool import HybridKVPool
 from radixmesh.engine.cache.tails import TailCache
 from radixmesh.engine.request import Req
 
@@ -52,6 +56,9 @@ class CacheManager:
         if self.tails is not None:
             tree.on_remove = self.tails.node_removed
         self.swa = SlidingWindowPages(req_to_token, self.page, self._free_slots, window) if window is not None else None
+        # a hybrid pool's sliding-layer pages (engine.cache.swa_hybrid); None with one pool
+        self.hybrid = HybridWindowPages(kv_pool, req_to_token, self.page, tree) \
+            if isinstance(kv_pool, HybridKVPool) else None
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -64,7 +71,8 @@ class CacheManager:
     def available_tokens(self) -> int:
         """Tokens that can be handed out now: free pages plus what eviction can reclaim."""
         tails = self.tails.evictable_pages if self.tails is not None else 0
-        return (self.pages.num_free + tails) * self.page + self.evictable_tokens()
+        full = (self.pages.num_free + tails) * self.page + self.evictable_tokens()
+        return full if self.hybrid is None else min(full, (self.hybrid.available_pages() + tails) * self.page)
 
     def pages_for(self, start: int, n: int) -> int:
         """New pages needed to grow a row from `start` tokens to `start + n`."""
@@ -91,15 +99,30 @@ class CacheManager:
                 self.evicted_tokens += len(slots)
                 if self.events is not None and keys:
                     self.events.removed(Tier.DEVICE, keys)
+        if self.hybrid is not None and not self.hybrid.ensure(n):  # (tails hold SWA partners too)
+            if self.tails is not None:
+                self.tails.evict_device(n - self.hybrid.swa.num_free)
+            if self.hybrid.swa.num_free < n:
+                return False
         return self.pages.num_free >= n
+
+    def alloc_pages(self, n: int) -> torch.Tensor:
+        """n fresh device pages (host int64), with SWA partners under a hybrid pool; `ensure_free_pages(n)` first."""
+        pages = self.pages.alloc(n)
+        if self.hybrid is not None:
+            self.hybrid.paired(pages)
+        return pages
 
     def _free_slots(self, slots: torch.Tensor) -> None:
         """Free the pages of page-aligned slot runs (each run starts on a page boundary)."""
         if len(slots):
-            self.pages.free(slots if self.page == 1 else slots[slots % self.page == 0] // self.page)
+            self.free_pages(slots if self.page == 1 else slots[slots % self.page == 0] // self.page)
 
-    def free_pages(self, pages: list[int]) -> None:
-        self.pages.free(torch.tensor(pages, dtype=torch.int64))
+    def free_pages(self, pages: list[int] | torch.Tensor) -> None:
+        pages = torch.as_tensor(pages, dtype=torch.int64)
+        if self.hybrid is not None:
+            self.hybrid.freeing(pages)
+        self.pages.free(pages)
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
         """The KV of the first n slots of device page src into page dst, every layer (in stream order before the
@@ -115,6 +138,8 @@ class CacheManager:
         if self.tree is None or len(tokens) <= 1:
             return 0
         match = self.tree.match_prefix(tokens[:-1], namespace, touch=False)
+        if self.hybrid is not None:
+            return self.hybrid.usable(match.indices)
         return len(match.indices) + match.host_len
 
     def admit(self, req: Req, whole_prompt: bool = False) -> bool:
@@ -135,6 +160,9 @@ class CacheManager:
                 limit = min(limit, max(req.logprob.start - 1, 0))  # prompt logprobs need those logits computed
             match = self.tree.match_prefix(req.tokens(0, limit), req.tenant)
             indices, node = match.indices, match.node
+            usable = self.hybrid.usable(indices) if self.hybrid is not None else len(indices)
+            if usable < len(indices):  # the window there lost its SWA pages (engine.cache.swa_hybrid); no tail
+                limit, indices = usable, indices[:usable]
             self.tree.lock(node)
             if self.hierarchy is not None:
                 self.hierarchy.on_match(match)
@@ -152,6 +180,8 @@ class CacheManager:
             # (not for a PD decode side's whole prompt: its KV arrives in whole pages after the tree's prefix)
             if self.tails is not None and not whole_prompt and limit > req.tree_len:
                 self._take_tail(req, node, limit)
+        if self.hybrid is not None:
+            self.hybrid.hold(req)
         return True
 
     def _take_tail(self, req: Req, node, limit: int) -> None:
@@ -183,8 +213,7 @@ class CacheManager:
         """Allocate slots for tokens [alloc_len, alloc_len + n) of `req`, evicting if needed. Returns the slots
         (host int64 [n]) or None, allocating nothing, when memory is short. Under a sliding window the request's
         pages behind it are freed first (the next chunk of a chunked prefill reads none of them)."""
-        if self.swa is not None:
-            self.swa.slide([req])
+        self.slide([req])
         start = req.alloc_len
         need = self.pages_for(start, n)
         if not self.ensure_free_pages(need):
@@ -195,7 +224,9 @@ class CacheManager:
             last = int(self.req_to_token.host[req.pool_idx, start - 1])
             parts.append(torch.arange(last + 1, last + 1 + in_last, dtype=torch.int64))
         if need:
-            pages = self.pages.alloc(need)
+            pages = self.alloc_pages(need)
+            if self.hybrid is not None:
+                self.hybrid.hold_pages(pages)
             slots = (pages[:, None] * self.page + torch.arange(self.page)).reshape(-1)
             parts.append(slots[: n - in_last])
         slots = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -211,9 +242,12 @@ class CacheManager:
 
     def slide(self, reqs: list[Req]) -> None:
         """Under a sliding window (every layer slides), free the pages of `reqs` their next queries no longer see;
-        nothing otherwise. Called before a decode step's memory check, so those pages count as free."""
+        under a hybrid pool, those pages' SWA partners (engine.cache.swa_hybrid); nothing otherwise. Called before a
+        decode step's memory check, so those pages count as free."""
         if self.swa is not None:
             self.swa.slide(reqs)
+        if self.hybrid is not None:
+            self.hybrid.slide(reqs)
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per request at its alloc_len (a decode step), in one vectorized pass and one device write.
@@ -226,7 +260,10 @@ class CacheManager:
             return None
         slots = self.req_to_token.host[rows, (pos - 1).clamp(min=0)] + 1
         if n_fresh:
-            slots[fresh] = self.pages.alloc(n_fresh) * self.page
+            pages = self.alloc_pages(n_fresh)
+            if self.hybrid is not None:
+                self.hybrid.hold_pages(pages)
+            slots[fresh] = pages * self.page
         self.req_to_token.scatter(rows, pos, slots)
         for r in reqs:
             r.alloc_len += 1
@@ -257,7 +294,7 @@ class CacheManager:
         base = torch.empty(len(at), dtype=torch.int64)
         new_page = fresh[at]
         if n_fresh:
-            base[new_page] = self.pages.alloc(n_fresh) * self.page
+            base[new_page] = self.alloc_pages(n_fresh) * self.page
         after = at[~new_page]
         base[~new_page] = self.req_to_token.host[rows[after], pos[after] - 1] + 1
         run = starts.long().cumsum(0) - 1
@@ -302,15 +339,18 @@ class CacheManager:
         return torch.cat([self.req_to_token.read(r.pool_idx, r.kv_len, r.kv_len + r.extend_len) for r in reqs])
 
     # ---- release --------------------------------------------------------------------------------------------
-    def _insert_computed(self, req: Req) -> int:
+    def _insert_computed(self, req: Req, held: bool = False) -> int:
         """Insert the request's computed, page-aligned KV into the tree and free its duplicate slots.
         Returns the aligned length now owned by the tree. Only tokens the host knows can key the tree: with
-        overlap scheduling the KV of an in-flight token (one past fill_len) may be computed already."""
+        overlap scheduling the KV of an in-flight token (one past fill_len) may be computed already. `held`: the
+        request goes on over the tree's pages (a hybrid pool's window references move to them)."""
         aligned = min(req.kv_len, req.fill_len) // self.page * self.page
         if self.tree is None or aligned <= req.tree_len or (self.swa is not None and self.swa.slid(req)):
             return req.tree_len  # (a slid request's prefix lacks freed pages: the tree keeps complete ones only)
         slots = self.req_to_token.read(req.pool_idx, 0, aligned).clone()
         already = self.tree.insert(req.tokens(0, aligned), slots, req.tenant)
+        if self.hybrid is not None:
+            self.hybrid.inserted(req, slots, already, held)
         if already > req.tree_len:
             self._free_slots(slots[req.tree_len:already])
         added = self.tree.take_added()
@@ -326,7 +366,7 @@ class CacheManager:
         (Under a sliding window: not once the request has freed pages of its own, engine.cache.swa.)"""
         if self.tree is None:
             return
-        aligned = self._insert_computed(req)
+        aligned = self._insert_computed(req, held=True)
         if aligned == req.tree_len:
             return
         indices, node, _ = self.tree.match_prefix(req.tokens(0, aligned), req.tenant)
@@ -343,6 +383,8 @@ class CacheManager:
             self.hierarchy.forget(req)
         if req.pool_idx is None:
             return
+        if self.hybrid is not None:
+            self.hybrid.release(req)
         owned_from = self._insert_computed(req)
         live_from = owned_from if self.swa is None else self.swa.live_from(req, owned_from)
         tail = self.req_to_token.read(req.pool_idx, live_from, req.alloc_len)
@@ -415,6 +457,8 @@ class CacheManager:
         (RadixTree.begin_epoch)."""
         if self.tree is not None:
             self.tree.begin_epoch()
+        if self.hybrid is not None:
+            self.hybrid.new_epoch()
         if self.hierarchy is not None:
             self.hierarchy.poll()
         if self.tails is not None:

@@ -124,7 +124,7 @@ class TailCache:
                 return None
         finally:
             self._pinned = None
-        dest = int(self.m.pages.alloc(1)[0])
+        dest = int(self.m.alloc_pages(1)[0])
         pending = None
         if best.page is not None:
             self.m.copy_page_prefix(best.page, dest, n)

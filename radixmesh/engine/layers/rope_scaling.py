@@ -6,14 +6,26 @@ float32 and the attention factor that scales cos and sin (YaRN's mscale, LongRoP
 float operations, in the same order, as transformers' rope init functions (modeling_rope_utils), so the tables are
 bit for bit theirs (tests/unit/test_rope_scaling.py).
 
-Two types change with the sequence length in transformers, which a position-indexed table with a shared paged prefix
-cache cannot do; `exact_context` says up to which context length the table is still exactly theirs:
+Two types change with the sequence length in transformers:
 - dynamic: every frequency is recomputed from the forward's sequence length once it passes max_position_embeddings
-  (and the enlarged base stays for later, shorter sequences down to that length). Up to it, plain RoPE.
-- longrope: short_factor while the forward's sequence fits in original_max_position_embeddings, long_factor once it
-  does not: a prompt longer than that is rotated whole with long_factor, a shorter one keeps its short-rotated keys
-  and rotates only the tokens it generates past it with long_factor. Which keys a cached prefix holds would depend
-  on the length of the request that wrote it. Up to the original length, short_factor throughout.
+  (and the enlarged base stays for later, shorter sequences down to that length), which a position-indexed table with
+  a shared paged prefix cache cannot do; `exact_context` says up to which context length the table is still exactly
+  theirs (plain RoPE up to max_position_embeddings) and longer contexts are refused.
+- longrope: transformers rotates with short_factor while the forward's sequence (max position + 1) fits in
+  original_max_position_embeddings and with long_factor once it does not: a prompt longer than that is rotated whole
+  with long_factor; a shorter one keeps its short-rotated keys and rotates only the tokens it generates past it with
+  long_factor. Which rotation a cached key holds would then depend on the length of the request that wrote it.
+  Decision (the one vLLM takes, for the same reason; SGLang switches per batch, when any position in it passes the
+  original context, so a key's rotation would depend on what it was batched with): the factors are chosen once per
+  server by the context length it serves (`RopeSpec.context`): short_factor for every position when the context
+  fits in the original one (every request token-exact with transformers), long_factor for every position when it
+  is longer (every prompt longer than the original context token-exact with transformers, generation included; a
+  prompt that fits in it is rotated with long_factor where transformers would use short_factor: `longrope_notice`
+  says so at start-up, and --context-length set to the original context gives short_factor back). One rotation per
+  position, so a cached prefix is reusable by every request and chunked prefill and CUDA graphs see a plain table.
+  (Exact for every prompt would take a table per request, chosen by its prompt length, and prefix-cache namespaces
+  apart: transformers' rotation of a prompt that fits is position-indexed too, short_factor before the original
+  context and long_factor from it.)
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ class RopeSpec:
     where: str = "rope_scaling"  # its config.json field, for messages
     original_context: int | None = None  # original_max_position_embeddings as transformers resolves it
     max_position_embeddings: int | None = None
+    # the longest sequence the table serves (the engine's context length; None: unknown, up to the original
+    # context): longrope picks its factors by it (module docstring)
+    context: int | None = None
 
     def require(self, key: str) -> Any:
         if self.params.get(key) is None:
@@ -221,18 +236,24 @@ def _longrope_factors(spec: RopeSpec, key: str) -> list[float]:
     return factors
 
 
+def longrope_is_long(spec: RopeSpec) -> bool:
+    """Whether a LongRoPE table serving `spec.context` positions rotates with long_factor (module docstring)."""
+    return spec.context is not None and spec.context > spec.original()
+
+
 def _longrope(spec: RopeSpec) -> tuple[torch.Tensor, float]:
-    """LongRoPE with short_factor, the frequencies of every sequence up to original_max_position_embeddings
-    (exact_context refuses longer contexts); cos/sin scaled by attention_factor, by default
-    sqrt(1 + ln(factor) / ln(original context))."""
-    _longrope_factors(spec, "long_factor")  # checked as transformers does, though no context served here uses it
+    """LongRoPE: short_factor when the served context fits in original_max_position_embeddings, long_factor for
+    every position when it does not (module docstring); cos/sin scaled by attention_factor, by default
+    sqrt(1 + ln(factor) / ln(original context)), the same for both factors as in transformers."""
+    short = _longrope_factors(spec, "short_factor")
+    long = _longrope_factors(spec, "long_factor")
     factor = spec.factor()
     attention = spec.params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(spec.original()))
-    short = torch.tensor(_longrope_factors(spec, "short_factor"), dtype=torch.float32)
+    ext = torch.tensor(long if longrope_is_long(spec) else short, dtype=torch.float32)
     shape = torch.arange(0, spec.dim, 2, dtype=torch.int64).float() / spec.dim
-    return 1.0 / (short * spec.theta ** shape), attention
+    return 1.0 / (ext * spec.theta ** shape), attention
 
 
 _RULES: dict[str, Callable[[RopeSpec], tuple[torch.Tensor, float]]] = {
@@ -264,11 +285,17 @@ def exact_context(spec: RopeSpec) -> tuple[int, str] | None:
                        f"frequency from the sequence length once a sequence passes max_position_embeddings={limit} "
                        "(transformers keeps the enlarged base for later, shorter sequences too), while a paged KV "
                        "cache keeps each key as it was rotated when written; up to that length it is plain RoPE")
-    if spec.rope_type == "longrope" and spec.original_context is not None:
-        limit = spec.original_context
-        return limit, (f"LongRoPE switches from {spec.where}.short_factor to long_factor once a sequence passes "
-                       f"original_max_position_embeddings={limit}: transformers rotates a longer prompt whole with "
-                       "long_factor but keeps a shorter one's keys short-rotated, so the keys of a cached prefix "
-                       "would depend on the length of the request that wrote them; up to that length every request "
-                       "uses short_factor")
     return None
+
+
+def longrope_notice(spec: RopeSpec) -> str | None:
+    """What a LongRoPE model served past its original context does unlike transformers (module docstring), for the
+    start-up log; None otherwise."""
+    if spec.rope_type != "longrope" or not longrope_is_long(spec):
+        return None
+    original = spec.original()
+    return (f"LongRoPE: the context length {spec.context} is longer than original_max_position_embeddings="
+            f"{original}, so every position is rotated with {spec.where}.long_factor, for every request: prompts "
+            f"longer than {original} tokens are rotated as transformers rotates them, shorter ones with long_factor "
+            f"where transformers would use short_factor (one rotation per position keeps cached prefixes valid for "
+            f"every request); pass --context-length {original} or less for short_factor")

@@ -2,7 +2,8 @@
 
 The table is built once in float32 from the frequencies of the model's RoPE type (engine.layers.rope_scaling, where
 YaRN and LongRoPE also scale cos and sin by an attention factor) and cast to the model dtype at lookup, matching how
-Hugging Face computes it.
+Hugging Face computes it. The table serves positions [0, max_positions): LongRoPE picks its factors by that length
+(engine.layers.rope_scaling).
 
 Partial rotary (Phi-4-mini's partial_rotary_factor): the table covers the first `rotary_dim` dimensions of a head,
 which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does. The
@@ -11,7 +12,7 @@ rotary kernel rotates whole heads, so such a table is always applied in plain to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +33,13 @@ class RotaryEmbedding:
                  device: torch.device):
         """The table of one rope dict (`scaling`: config.json's rope_scaling, original_max_position_embeddings in
         it); a model's table comes from `for_model`, which resolves its config as transformers does."""
-        self._fill(spec_of_dict(head_dim, theta, scaling), max_positions, device, head_dim)
+        self._fill(replace(spec_of_dict(head_dim, theta, scaling), context=max_positions), max_positions, device,
+                   head_dim)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device) -> "RotaryEmbedding":
         table = cls.__new__(cls)
-        table._fill(rope_spec(cfg), max_positions, device, cfg.head_dim)
+        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim)
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from typing import Any, Collection, Iterator
 
@@ -18,6 +19,9 @@ from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
 from radixmesh.engine.quantization import fp8_load
 from radixmesh.engine.quantization.fp8 import FP8, Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
+from radixmesh.engine.quantization.kv_scales import KvScales, check_scale, collect, kv_scale_of
+
+log = logging.getLogger(__name__)
 
 # Checkpoint tensors that carry nothing the model computes with: RoPE frequencies (recomputed from config.json).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,10 +111,12 @@ def _target_name(name: str, targets: Collection[str], cfg: ModelConfig, skipped:
 def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Collection[str] = ()) -> None:
     """Refuses, from the weight files' headers alone (no weight read), a checkpoint with a tensor the model has no
     parameter for or one stored in a dtype that is not a float (engine.models.support); fp8 weights and their scales
-    are read when config.json declares fp8 (engine.quantization.fp8)."""
+    are read when config.json declares fp8 (engine.quantization.fp8), KV cache scales by `load_kv_scales`."""
     fp8 = checkpoint_scheme(cfg.raw)
     unexpected = []
     for name, lazy in iter_checkpoint(cfg.path):
+        if kv_scale_of(name, cfg.num_layers) is not None:
+            continue
         if fp8 is not None and (scaled := scale_of(name)) is not None and \
                 _target_name(scaled[0], targets, cfg) in targets:
             continue  # a weight's scale: read with the weight
@@ -181,7 +187,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
     held = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}  # fp8_load.hold_fp8
     seen: set[str] = set()
     for name, lazy in iter_checkpoint(cfg.path):
-        if fp8 is not None and scale_of(name) is not None:
+        if (fp8 is not None and scale_of(name) is not None) or kv_scale_of(name, cfg.num_layers) is not None:
             continue
         stored, name = name, _target_name(name, targets, cfg, getattr(model, "skipped_tensors", ()))
         if name is None:
@@ -216,6 +222,27 @@ def _hold_fp8(model: nn.Module, cfg: ModelConfig, load_format: str, quantization
     if load_format != "dummy":
         dtypes = {name: "online" if scheme is None else lazy.get_dtype() for name, lazy in iter_checkpoint(cfg.path)}
     fp8_load.hold_fp8(model, names_of, dtypes, scheme, device)
+
+
+def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str) -> KvScales | None:
+    """The checkpoint's per-layer KV cache scales (engine.quantization.kv_scales) for an fp8 KV cache
+    (`kv_cache_dtype` fp8_*), 1.0 for a layer without one; None where the cache is not fp8 (the scales are then
+    ignored) or the weights are dummy. ValueError for a scale that is not one positive float."""
+    if not kv_cache_dtype.startswith("fp8") or load_format == "dummy":
+        return None
+    found = []
+    for name, lazy in iter_checkpoint(cfg.path):
+        if kv_scale_of(name, cfg.num_layers) is not None:
+            check_scale(name, lazy.get_dtype(), tuple(lazy.get_shape()), cfg.path)
+            found.append((name, lazy[...]))  # ([:] cannot index a scalar)
+    scales, given = collect(found, cfg.num_layers, cfg.path)
+    if given == 0:
+        log.warning("--kv-cache-dtype %s: the checkpoint has no KV cache scales (k_scale / v_scale), so keys and "
+                    "values are stored with scale 1.0; activations beyond fp8's range are clipped", kv_cache_dtype)
+    elif given < cfg.num_layers:
+        log.warning("--kv-cache-dtype %s: the checkpoint gives KV cache scales for %d of %d layers; the others use "
+                    "1.0", kv_cache_dtype, given, cfg.num_layers)
+    return scales
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:

@@ -9,18 +9,22 @@ field does is transformers' modeling code for the architectures we accept (Llama
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.engine.layers.rope_scaling import (ROPE_TYPES, exact_context, frequencies, rope_field, rope_spec,
-                                                  rope_type, types_for)
+from radixmesh.engine.layers.rope_scaling import (ROPE_TYPES, exact_context, frequencies, longrope_notice, rope_field,
+                                                  rope_spec, rope_type, types_for)
 from radixmesh.engine.models.attention_spec import sliding_layers
 from radixmesh.engine.models.gemma_config import GEMMA3, GEMMA_ARCHITECTURES, GEMMA_FIELDS, check_gemma
 
 if TYPE_CHECKING:
     from radixmesh.engine.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 _NOT_YET = "not implemented by radixmesh yet"
 _UNQUANTIZED = "serve an unquantized (bfloat16, float16 or float32) checkpoint"
@@ -129,8 +133,11 @@ def _check_rope(model: ModelConfig, context_length: int) -> None:
         if factor is not None and factor != 1 and arch not in _PARTIAL_ROTARY:
             raise ValueError(f"partial rotary embedding ({location}={factor} in config.json) is {_NOT_YET} for "
                              f"{arch}: it rotates every dimension of each head")
-    spec = rope_spec(model)
+    spec = dataclasses.replace(rope_spec(model), context=context_length)
     frequencies(spec)  # ValueError for a dict the rule cannot compute
+    notice = longrope_notice(spec)
+    if notice is not None:
+        log.warning(notice)
     limit = exact_context(spec)
     if limit is not None and context_length > limit[0]:
         raise ValueError(f"{limit[1]}. A context of {context_length} tokens would rotate some tokens otherwise than "
@@ -189,11 +196,13 @@ def _check_neutral_fields(model: ModelConfig) -> None:
 
 
 # Checkpoint tensors' last name component -> the quantization scheme that stores it (bitsandbytes' 4-bit quant
-# state also ends `quant_state.bitsandbytes__nf4` / `__fp4`).
+# state also ends `quant_state.bitsandbytes__nf4` / `__fp4`). KV cache scales where a decoder layer's attention has
+# them are read, not refused (engine.quantization.kv_scales); these names anywhere else are.
+_KV_SCALE = "fp8 KV cache"
 _QUANT_TENSORS = {
     "weight_scale_inv": "block-wise fp8", "weight_scale": "fp8 or compressed-tensors",
     "weight_scale_2": "ModelOpt fp4", "input_scale": "fp8 (static activation scales)",
-    "output_scale": "fp8", "k_scale": "fp8 KV cache", "v_scale": "fp8 KV cache",
+    "output_scale": "fp8", "k_scale": _KV_SCALE, "v_scale": _KV_SCALE, "kv_scale": _KV_SCALE,
     "qweight": "GPTQ/AWQ int4", "qzeros": "GPTQ/AWQ int4", "scales": "GPTQ/AWQ int4", "g_idx": "GPTQ",
     "weight_packed": "compressed-tensors", "weight_zero_point": "compressed-tensors",
     "weight_shape": "compressed-tensors", "weight_global_scale": "NVFP4", "input_global_scale": "NVFP4",
@@ -228,6 +237,10 @@ def check_unexpected_tensors(tensors: list[str], model: ModelConfig) -> None:
     (named with its scheme), then any other weight, since a model served without weights it has answers wrong."""
     for tensor in tensors:
         scheme = quantization_scheme(tensor)
+        if scheme == _KV_SCALE:
+            raise ValueError(f"tensor {tensor!r} in {model.path} looks like an fp8 KV cache scale, but not one of a "
+                             "decoder layer's attention (radixmesh reads model.layers.<i>.self_attn.k_scale, v_scale, "
+                             "kv_scale, k_proj.output_scale, v_proj.output_scale): serving without it may answer wrong")
         if scheme:
             raise ValueError(f"tensor {tensor!r} in {model.path} holds {scheme} quantization data, but quantized "
                              f"weights are {_NOT_YET}; {_UNQUANTIZED}")

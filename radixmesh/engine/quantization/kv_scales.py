@@ -1,0 +1,90 @@
+"""Per-layer scales of an fp8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): layer i stores
+clamp(k / k_scale[i]) rounded to fp8 and reads the stored value times k_scale[i] back (v likewise), so activations
+larger than fp8's range (448 for e4m3) or too small for its precision keep their relative precision.
+
+Checkpoints made for an fp8 KV cache hold one float per layer for keys and one for values, named (under the decoder
+layer `layers.<i>.self_attn.`, with or without the leading `model.`):
+  k_scale, v_scale                        vLLM, SGLang, llm-compressor's kv_cache_scheme, Quark
+  kv_scale                                older exporters (AutoFP8): one scale for both
+  k_proj.output_scale, v_proj.output_scale  exporters that name the projections' static output scales
+  k_proj.k_scale, v_proj.v_scale          NVIDIA ModelOpt
+  attn.k_scale, attn.v_scale              vLLM's own module names
+A layer the checkpoint gives no scale keeps 1.0 (SGLang's default). The scales are read only when the KV cache is fp8;
+a float cache holds the model's values unscaled and ignores them, as SGLang does. Under tensor parallelism every rank
+reads the same scalars (one per layer, for all its KV heads); pages moved between tiers or workers as raw bytes are
+read with the scales of the checkpoint both sides load."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+# name tail after `layers.<i>.self_attn.` -> which scales it sets ("kv": both)
+_NAMES = {"k_scale": "k", "v_scale": "v", "kv_scale": "kv", "k_proj.output_scale": "k", "v_proj.output_scale": "v",
+          "k_proj.k_scale": "k", "v_proj.v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v"}
+_PATTERN = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(" + "|".join(map(re.escape, _NAMES)) + r")$")
+_FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+class KvScales(NamedTuple):
+    """Per layer: the scale an fp8 cache's keys and values are stored divided by (1.0 where none is given)."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+
+def kv_scale_of(name: str, num_layers: int) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") for a checkpoint tensor that is a KV cache scale, else None; ValueError for a scale
+    of a layer the config does not have."""
+    match = _PATTERN.match(name)
+    if match is None:
+        return None
+    layer = int(match.group(1))
+    if layer >= num_layers:
+        raise ValueError(f"KV cache scale {name!r} belongs to layer {layer}, but config.json has "
+                         f"num_hidden_layers={num_layers} (do the config and the weights match?)")
+    return layer, _NAMES[match.group(2)]
+
+
+def check_scale(name: str, dtype: str, shape: tuple[int, ...], where: str) -> None:
+    """Raises ValueError unless the tensor (safetensors `dtype` name, `shape`) can be one layer's scale."""
+    if dtype not in _FLOATS:
+        raise ValueError(f"KV cache scale {name!r} in {where} is stored as {dtype}: a scale is a float")
+    if math.prod(shape) != 1:
+        raise ValueError(f"KV cache scale {name!r} in {where} has shape {tuple(shape)}: radixmesh reads one scale per "
+                         "layer (a scalar or a single element); per-head or per-channel KV cache scales are not "
+                         "implemented by radixmesh yet")
+
+
+def _value(name: str, tensor: torch.Tensor, where: str) -> float:
+    value = float(tensor.reshape(()).to(torch.float32))
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"KV cache scale {name!r} in {where} is {value}: a scale must be a positive finite number")
+    return value
+
+
+def _set(scales: list[float | None], layer: int, value: float, name: str) -> None:
+    if scales[layer] is not None and scales[layer] != value:
+        raise ValueError(f"layer {layer} has two different KV cache scales in the checkpoint ({scales[layer]} and "
+                         f"{value}, the second from {name!r})")
+    scales[layer] = value
+
+
+def collect(tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int, where: str) -> tuple[KvScales, int]:
+    """The per-layer scales of (name, tensor) pairs that are all KV cache scales (kv_scale_of, check_scale passed),
+    and how many layers the checkpoint gave one; 1.0 for the rest."""
+    k: list[float | None] = [None] * num_layers
+    v: list[float | None] = [None] * num_layers
+    for name, tensor in tensors:
+        layer, which = kv_scale_of(name, num_layers)
+        value = _value(name, tensor, where)
+        if "k" in which:
+            _set(k, layer, value, name)
+        if "v" in which:
+            _set(v, layer, value, name)
+    given = sum(a is not None or b is not None for a, b in zip(k, v))
+    return KvScales(tuple(1.0 if s is None else s for s in k), tuple(1.0 if s is None else s for s in v)), given

@@ -1,0 +1,93 @@
+"""Hybrid SWA memory on CUDA (engine.cache.swa_pool): Gemma 2 and Gemma 3's sliding layers in a pool of their own, read
+through their own page table by the Triton kernels (and FlashInfer's window page lists) and written through the
+full-slot -> SWA-slot map inside captured CUDA graphs, with a pool small enough that cached pages lose their SWA
+partners and hits are cut back (tests/parity/test_hybrid_swa_memory.py is the CPU twin).
+
+float32 (Triton, torch_native): transformers' greedy tokens and teacher-forced logprobs within 1e-3. bfloat16
+(Triton, FlashInfer): within bfloat16 noise of transformers' float32 logprobs. Both pools whole after every run.
+
+On an H200 (2026-12-05) these failed for Gemma 2 (float32 tokens with every backend; bfloat16 logprobs off by up to
+2.7 with CUDA graphs) and passed for Gemma 3, so CUDA keeps one pool (swa_pool.why_no_hybrid) until the cause is
+found: `test_cuda_keeps_one_pool` checks that, and the hybrid tests run again once HYBRID_ON_CUDA is set."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.engine_utils import running_engine
+from tests.reference import hf_greedy, hf_token_logprobs
+from tests.sliding_models import build, prompts
+
+pytestmark = pytest.mark.gpu
+HYBRID_ON_CUDA = False  # swa_pool.why_no_hybrid lets CUDA engines have the hybrid pool
+needs_hybrid = pytest.mark.skipif(not HYBRID_ON_CUDA, reason="CUDA keeps one pool until these pass on a GPU")
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+GREEDY = {"max_new_tokens": 40, "temperature": 0}
+# a 2048-token full pool and a 192-token SWA pool: every prompt's cached window competes for it
+SMALL = dict(max_total_tokens=2048, swa_full_tokens_ratio=0.09375, page_size=16, chunked_prefill_size=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid-swa-cuda")
+    return {kind: build(kind, root / kind, head_dim=64) for kind in ("gemma2", "gemma3")}
+
+
+def _generate(path: str, **kwargs) -> list[dict]:
+    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, **SMALL,
+                        **kwargs) as llm:
+        assert llm.cache.hybrid is not None and llm.cache.hybrid.swa.num_pages == 12
+        first = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
+        again = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
+        torch.cuda.synchronize()
+        assert llm.cache.hybrid.freed_tokens > 0 and llm.cache.hybrid.evicted_tokens > 0
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    return first
+
+
+def _logprob_errors(path: str, outs: list[dict]) -> list[float]:
+    errors = []
+    for out, prompt in zip(outs, prompts()):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        errors += [abs(a - b) for a, b in zip(got, hf_token_logprobs(path, prompt, out["output_ids"]))]
+    return errors
+
+
+@pytest.mark.parametrize("kind", ("gemma2", "gemma3"))
+def test_cuda_keeps_one_pool(checkpoints, kind):
+    """Until the hybrid pool passes here, a CUDA engine serves alternating models from one pool, as transformers."""
+    path = checkpoints[kind]
+    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, dtype="float32",
+                        attention_backend="triton", **SMALL) as llm:
+        assert llm.cache.hybrid is None
+        outs = llm.generate(input_ids=prompts(), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
+
+
+@needs_hybrid
+@pytest.mark.parametrize("kind", ("gemma2", "gemma3"))
+@pytest.mark.parametrize("backend,graphs", [("triton", True), ("triton", False), ("torch_native", False)])
+def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
+    path = checkpoints[kind]
+    outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
+    assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
+    assert max(_logprob_errors(path, outs)) < 1e-3
+
+
+BF16_BACKENDS = [("triton", "triton")] + ([("flashinfer", "flashinfer"), ("flashinfer", "triton")]
+                                          if HAS_FLASHINFER else [])
+
+
+@needs_hybrid
+@pytest.mark.parametrize("prefill,decode", BF16_BACKENDS)
+@pytest.mark.parametrize("graphs", [True, False])
+def test_bfloat16_within_noise_of_transformers(checkpoints, prefill, decode, graphs):
+    path = checkpoints["gemma2"]
+    outs = _generate(path, dtype="bfloat16", attention_backend=prefill, decode_attention_backend=decode,
+                     disable_cuda_graph=not graphs)
+    errors = _logprob_errors(path, outs)
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))

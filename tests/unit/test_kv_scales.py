@@ -1,0 +1,149 @@
+"""KV cache scales in checkpoints (engine.quantization.kv_scales, loader.load_kv_scales) and the pool that applies
+them (engine.cache.kv_pool): the names exporters give them, 1.0 where a layer has none, a clear refusal of a scale we
+cannot use, nothing read (and nothing refused) for a float cache, and an fp8 pool that stores clamp(x / scale)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from radixmesh.engine import Engine
+from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models import loader
+from radixmesh.engine.quantization.kv_scales import KvScales
+from tests.conftest import model_path
+from tests.engine_utils import running_engine
+
+LAYERS = 4  # tiny-llama's
+
+
+def _with(tmp_path, extra: dict[str, torch.Tensor], name: str = "m"):
+    """A copy of tiny-llama whose checkpoint also holds `extra`."""
+    dst = tmp_path / name
+    shutil.copytree(model_path("tiny-llama"), dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update(extra)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def _scales(path, kv_cache_dtype="fp8_e4m3") -> KvScales | None:
+    return loader.load_kv_scales(ModelConfig.from_path(str(path)), kv_cache_dtype, "auto")
+
+
+def _at(layer: int, tail: str) -> str:
+    return f"model.layers.{layer}.self_attn.{tail}"
+
+
+@pytest.mark.parametrize("k_name,v_name,shape", [
+    ("k_scale", "v_scale", ()),  # vLLM, SGLang, llm-compressor
+    ("k_proj.output_scale", "v_proj.output_scale", (1,)),  # exporters' static output scales
+    ("k_proj.k_scale", "v_proj.v_scale", (1,)),  # ModelOpt
+    ("attn.k_scale", "attn.v_scale", ()),  # vLLM's module names
+])
+def test_the_names_exporters_give_read_the_same_scales(tmp_path, k_name, v_name, shape):
+    extra = {}
+    for i in range(LAYERS):
+        extra[_at(i, k_name)] = torch.full(shape, 0.5 + i)
+        extra[_at(i, v_name)] = torch.full(shape, 0.25 * (i + 1), dtype=torch.bfloat16)
+    assert _scales(_with(tmp_path, extra)) == KvScales((0.5, 1.5, 2.5, 3.5), (0.25, 0.5, 0.75, 1.0))
+
+
+def test_one_kv_scale_sets_both_and_a_layer_without_scales_keeps_one(tmp_path):
+    extra = {_at(0, "kv_scale"): torch.tensor(2.0), _at(2, "k_scale"): torch.tensor(3.0),
+             _at(3, "v_scale"): torch.tensor(0.5)}
+    assert _scales(_with(tmp_path, extra)) == KvScales((2.0, 1.0, 3.0, 1.0), (2.0, 1.0, 1.0, 0.5))
+
+
+@pytest.mark.parametrize("name,tensor,words", [
+    (_at(1, "k_scale"), torch.tensor([0.5, 0.7]), ("shape (2,)", "per-head")),
+    (_at(1, "v_scale"), torch.ones(2, 64), ("shape (2, 64)", "one scale per layer")),
+    (_at(1, "k_scale"), torch.tensor(3, dtype=torch.int32), ("I32", "a scale is a float")),
+    (_at(1, "k_scale"), torch.tensor(0.0), ("is 0.0", "positive finite")),
+    (_at(1, "v_scale"), torch.tensor(-1.0), ("is -1.0", "positive finite")),
+    (_at(1, "k_scale"), torch.tensor(float("nan")), ("is nan", "positive finite")),
+    (_at(4, "k_scale"), torch.tensor(1.0), ("layer 4", "num_hidden_layers=4")),
+], ids=["per-head", "per-channel", "integer", "zero", "negative", "nan", "no-such-layer"])
+def test_a_scale_we_cannot_use_is_refused_by_name(tmp_path, name, tensor, words):
+    path = _with(tmp_path, {name: tensor})
+    with pytest.raises(ValueError) as err:
+        _scales(path)
+    assert repr(name) in str(err.value)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_two_different_scales_for_one_layer_are_refused(tmp_path):
+    path = _with(tmp_path, {_at(2, "k_scale"): torch.tensor(0.5), _at(2, "k_proj.output_scale"): torch.tensor(0.6)})
+    with pytest.raises(ValueError, match="layer 2 has two different KV cache scales"):
+        _scales(path)
+    same = _with(tmp_path, {_at(2, "k_scale"): torch.tensor(0.5), _at(2, "kv_scale"): torch.tensor(0.5)}, "same")
+    assert _scales(same) == KvScales((1.0, 1.0, 0.5, 1.0), (1.0, 1.0, 0.5, 1.0))
+
+
+def test_a_malformed_scale_stops_an_fp8_engine_and_is_ignored_by_a_float_one(tmp_path):
+    """As SGLang: the scales are read only for an fp8 cache (load_kv_scales returns None otherwise), so a float
+    cache neither reads nor refuses them; the fp8 engine fails to start with the reason."""
+    path = _with(tmp_path, {_at(0, "k_scale"): torch.tensor([0.5, 0.7])})
+    with pytest.raises(ValueError, match="per-head or per-channel KV cache scales"):
+        Engine(model_path=str(path), device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", log_level="warning")
+    assert _scales(path, "auto") is None and _scales(path, "float32") is None
+    with running_engine(str(path), skip_tokenizer_init=True) as llm:
+        assert llm.runner.kv_pool.k_scale == (1.0,) * LAYERS
+        assert len(llm.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+
+
+def test_a_scale_outside_a_decoder_layers_attention_is_refused_at_load(tmp_path):
+    """Names that say KV cache scale but sit where no attention reads them: the model would be served without
+    them, so the loader refuses the checkpoint (whatever the cache's dtype)."""
+    path = _with(tmp_path, {"model.layers.0.mlp.k_scale": torch.tensor(0.5)})
+    with pytest.raises(ValueError, match="looks like an fp8 KV cache scale"):
+        loader.load_model(ModelConfig.from_path(str(path)), "auto", torch.float32, torch.device("cpu"), 128)
+
+
+# ---- the pool ---------------------------------------------------------------------------------------------------------
+
+def _pool(dtype, scales=None) -> KVPool:
+    return KVPool(4, 4, 2, 2, 8, dtype, torch.device("cpu"), scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_an_fp8_pool_stores_x_over_its_scale_and_reads_back_x(dtype):
+    """Keys of magnitude ~2000 (beyond e4m3's 448) and values of ~0.001 (in its subnormals): with the scales they
+    come back within fp8's relative precision (2^-4 for e4m3, 2^-3 for e5m2); the stored bytes are clamp(x / s)."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(6, 2, 8, generator=gen) * 2000
+    v = torch.randn(6, 2, 8, generator=gen) * 1e-3
+    pool = _pool(dtype, ((1.0, 2000 * 4 / 448), (1.0, 1e-3 * 4 / 448)))
+    loc = torch.tensor([4, 5, 6, 9, 10, 11])
+    pool.write(1, loc, k, v)
+    assert torch.equal(pool.k[1][loc], (k / pool.k_scale[1]).to(dtype))
+    got_k, got_v = pool.read(1, loc, torch.float32)
+    bound = 2 ** -4 if dtype == torch.float8_e4m3fn else 2 ** -3
+    for got, want in ((got_k, k), (got_v, v)):
+        big = want.abs() > 0.05 * want.abs().max()  # (smaller ones are in fp8's subnormals even when scaled)
+        assert ((got - want).abs()[big] <= bound * want.abs()[big]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_values_beyond_the_range_are_clamped_not_inf(dtype):
+    pool = _pool(dtype, ((1.0, 2.0), (1.0, 1.0)))
+    big = torch.finfo(dtype).max
+    x = torch.ones(3, 2, 8)
+    x[0], x[1] = 3 * big, -5 * big
+    pool.write(1, torch.tensor([1, 2, 3]), x, x)
+    k, v = pool.read(1, torch.tensor([1, 2, 3]), torch.float32)
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert k.abs().max() == 2.0 * big and v.abs().max() == big
+
+
+def test_scales_belong_to_an_fp8_pool_of_the_models_layers():
+    with pytest.raises(ValueError, match="apply to an fp8 KV cache only"):
+        _pool(torch.float32, ((2.0, 1.0), (1.0, 1.0)))
+    with pytest.raises(ValueError, match="for 3 / 2 layers, but the pool has 2"):
+        _pool(torch.float8_e4m3fn, ((1.0,) * 3, (1.0, 1.0)))
+    assert _pool(torch.float32, ((1.0, 1.0), (1.0, 1.0))).k_scale == (1.0, 1.0)
