@@ -4,7 +4,12 @@ one chunk per token (id i % 1000, text " tok") then one `complete`; with stream=
 No model, no sleeping: per token it costs one protobuf message, far less than the router spends forwarding it. Between
 tokens it yields to the event loop, so concurrent requests' tokens interleave as a scheduler's steps make them (one
 token of each running request per step): GenerateStream then carries a step's tokens together, as a real worker's
-does, not a whole answer in one message."""
+does, not a whole answer in one message.
+
+With --enable-lora it keeps LoRA adapters in memory (FakeLora): --lora-paths NAME=DIR at start, LoadLoraAdapter and
+UnloadLoraAdapter at run time with a real worker's answers (ALREADY_EXISTS, NOT_FOUND, INVALID_ARGUMENT for a folder
+that does not exist or LoRA off), a load taking --lora-load-delay-s (as reading the weights does); a Generate naming
+an adapter not loaded is refused as the engine refuses it, and GetServerInfo counts the calls per adapter."""
 
 from __future__ import annotations
 
@@ -32,13 +37,63 @@ def token_ids(n: int) -> list[int]:
     return [i % VOCAB for i in range(n)]
 
 
+class FakeLora:
+    """A worker's LoRA adapters, in memory: name -> the directory it was loaded from (no weights are read)."""
+
+    def __init__(self, enabled: bool = False, paths: list[str] | None = None, load_delay_s: float = 0.0):
+        self.enabled = enabled
+        self.load_delay_s = load_delay_s
+        self.paths: dict[str, str] = {}
+        for entry in paths or ():  # SGLang's --lora-paths: NAME=DIR, or DIR named by itself
+            name, sep, path = entry.partition("=")
+            self.paths[name] = path if sep else entry
+        self.calls: dict[str, int] = {}  # adapter -> Generate calls that ran with it
+
+    def adapters(self) -> list[worker_pb2.LoraAdapter]:
+        return [worker_pb2.LoraAdapter(lora_name=n, lora_path=p) for n, p in sorted(self.paths.items())]
+
+    def use(self, name: str) -> None:
+        """A Generate call runs with adapter `name` (""; the base model); ValueError for one not loaded."""
+        if not name:
+            return
+        if name not in self.paths:
+            loaded = ", ".join(sorted(self.paths)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    async def load(self, request, context):
+        name, path = request.lora_name, request.lora_path
+        if not self.enabled:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoRA adapters need a worker started with "
+                                "--enable-lora")
+        if not name or not os.path.isdir(path):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {path}: no such directory")
+        if name in self.paths:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a LoRA adapter named {name!r} is already loaded")
+        await asyncio.sleep(self.load_delay_s)
+        if name in self.paths:  # loaded by another call meanwhile (the engine checks again, too)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a LoRA adapter named {name!r} is already loaded")
+        self.paths[name] = path
+        return worker_pb2.LoadLoraAdapterResponse(adapters=self.adapters())
+
+    async def unload(self, request, context):
+        path = self.paths.pop(request.lora_name, None)
+        if path is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora_name!r} is loaded")
+        return worker_pb2.UnloadLoraAdapterResponse(lora_path=path, adapters=self.adapters())
+
+    def listing(self) -> worker_pb2.ListLoraAdaptersResponse:
+        return worker_pb2.ListLoraAdaptersResponse(enabled=self.enabled, adapters=self.adapters())
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     """Also a stand-in for failure tests: `delay_s` before answering, the first `fail_first` Generate calls refused
     with UNAVAILABLE, a prefill or decode `mode` (PD routing); GetServerInfo reports the Generate calls it got."""
 
     def __init__(self, tokens: int, model_name: str, delay_s: float = 0.0, fail_first: int = 0, mode: str = "null",
                  no_generate_stream: bool = False, token_gap_s: float | None = 0.0,
-                 die_after_last_chunk: bool = False, tokenizes_text: bool = False, chat_template_sha256: str = ""):
+                 die_after_last_chunk: bool = False, tokenizes_text: bool = False, chat_template_sha256: str = "",
+                 lora: FakeLora | None = None):
         self.tokens = tokens
         self.model_name = model_name
         self.delay_s = delay_s
@@ -50,6 +105,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         # takes text-only requests, as a worker with a tokenizer does (its words stand in for the prompt's tokens)
         self.tokenizes_text = tokenizes_text
         self.chat_template_sha256 = chat_template_sha256  # with tokenizes_text: it takes chat prompts rendered so
+        self.lora = lora or FakeLora()
         self.draining: asyncio.Event | None = None
         self.calls = 0
 
@@ -70,6 +126,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     async def _answer(self, request, context, emit, call: int) -> None:
         if call <= self.fail_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake failure {call} of {self.fail_first}")
+        self.lora.use(request.lora_path)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         n, rid, prompt = self._count(request), request.request_id, len(request.input_ids)
@@ -120,7 +177,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             chat_template_sha256=self.chat_template_sha256)
 
     async def GetServerInfo(self, request, context):
-        return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls}))
+        return worker_pb2.GetServerInfoResponse(server_info_json=json.dumps({"generate_calls": self.calls,
+                                                                             "lora_calls": self.lora.calls}))
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self.lora.load(request, context)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self.lora.unload(request, context)
+
+    async def ListLoraAdapters(self, request, context):
+        return self.lora.listing()
 
     async def FlushCache(self, request, context):
         return worker_pb2.FlushCacheResponse(success=True)
@@ -163,12 +230,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat-template-of", default=None, metavar="MODEL_DIR",
                         help="with --tokenizes-text: take chat prompts too, reporting that model's chat template (the "
                              "router then sends chat prompts whose template is its tokenizer service's)")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (kept in memory: no weights)")
+    parser.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=DIR", help="adapters loaded at start")
+    parser.add_argument("--lora-load-delay-s", type=float, default=0.0, help="how long a LoadLoraAdapter takes")
     args = parser.parse_args(argv)
     setup_logging("fake-worker", args.log_level)
     servicer = FakeWorker(args.tokens, args.served_model_name, args.delay_s, args.fail_first,
                           args.disaggregation_mode, args.no_generate_stream, None if args.burst else args.token_gap_s,
                           args.die_after_last_chunk, args.tokenizes_text,
-                          _template_sha256(args.chat_template_of) if args.chat_template_of else "")
+                          _template_sha256(args.chat_template_of) if args.chat_template_of else "",
+                          FakeLora(args.enable_lora, args.lora_paths if args.enable_lora else [],
+                                   args.lora_load_delay_s))
 
     def register(server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)

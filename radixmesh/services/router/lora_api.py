@@ -5,12 +5,16 @@ POST /load_lora_adapter {"lora_name": str, "lora_path": str, "pinned": bool (opt
 POST /unload_lora_adapter {"lora_name": str} unloads it from every worker that has it.
 Both answer SGLang's {"success": true, "error_message": "", "loaded_adapters": {name: path}}; a change is made on
 every worker or on none (services/router/lora_fanout.py), and a worker that restarts or joins later gets the
-run-time changes before it is routed an adapter (services/router/lora_sync.py). A failure is an OpenAI error object
-(400 for bad input or what the workers refused, with each worker's reason; 503/504 when one could not be reached in
-time) that also carries SGLang's fields, success false."""
+run-time changes before it is routed an adapter (services/router/lora_sync.py). With --router-workers N, changes
+made through different processes are made one at a time, and every process routes by a change once it is answered
+(services/router/lora_peers.py). A failure is an OpenAI error object (400 for bad input or what the workers
+refused, with each worker's reason; 503/504 when one could not be reached in time; 503 when another process's
+change held the turn too long) that also carries SGLang's fields, success false."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +26,7 @@ from radixmesh.services.router.native_api import ROUTER
 from radixmesh.services.router.openai_errors import OpenAIError, bad_request, from_status
 from radixmesh.services.router.request_fields import show
 
+log = logging.getLogger(__name__)
 FANOUT = web.AppKey("lora_fanout", LoraFanout)
 MAX_NAME = 256
 LOAD_FIELDS = ("lora_name", "lora_path", "pinned")
@@ -74,15 +79,28 @@ def parse_unload(body: Any) -> str:
 
 
 async def _change(request: web.Request, change) -> web.Response:
-    """Run `change(fanout, body)`; SGLang's answer, or a LoraError with the adapters loaded after it."""
+    """Run `change(fanout, body)` to its end (a client that leaves does not cut it in the middle, with some workers
+    changed and the other router processes not told); SGLang's answer, or a LoraError with the adapters loaded after
+    it."""
     router = request.app[ROUTER]
     try:
-        await change(request.app[FANOUT], await json_body(request))
+        task = asyncio.ensure_future(change(request.app[FANOUT], await json_body(request)))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_log_unanswered)
+            raise
     except OpenAIError as e:
         raise LoraError(e.status, e.message, router.lora.adapters(), e.param) from None
     except RouterError as e:
         raise LoraError(e.status, e.message, router.lora.adapters()) from None
     return web.json_response({"success": True, "error_message": "", "loaded_adapters": router.lora.adapters()})
+
+
+def _log_unanswered(task: asyncio.Task) -> None:
+    """A change whose caller left: how it ended, since nobody else hears of it."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("a LoRA adapter change whose caller left failed: %s", task.exception())
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -96,7 +114,9 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     router = app[ROUTER]
-    app[FANOUT] = LoraFanout(router.registry, router.settings.lora_timeout_s, router.lora.intent)
+    peers = getattr(router, "peers", None)  # one of several router processes (services/router/peers.py)
+    app[FANOUT] = LoraFanout(router.registry, router.settings.lora_timeout_s, router.lora.intent,
+                             peers.lora if peers is not None else None)
     router.lora.sync.load_timeout_s = router.settings.lora_timeout_s  # resyncs of (re)joining workers, too
     app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)

@@ -3,11 +3,12 @@
 Each registered worker's adapters are what it reported (services/router/lora_state.py): fetched when it is added,
 polled every --health-check-interval-s, and replaced by the answers of the router's own load and unload calls. A
 request that names an adapter goes only to workers that have it loaded (`serving`); when no registered worker has
-it, every worker is asked again before the request is refused (an adapter loaded through another router process,
-or a worker restarted with other --lora-paths, is then found without waiting for the next poll); those refreshes
-are shared by concurrent requests and happen at most once per `min_refresh_s`, so requests naming unknown adapters
-cost the workers nothing more. The answer for an adapter no worker has is a 400 naming it and those loaded; for
-one that only unhealthy workers have, a 503.
+it, every worker is asked again before the request is refused (a worker restarted with other --lora-paths is then
+found without waiting for the next poll; a change made through a sibling router process needs no asking: it is
+applied here before it is answered, services/router/lora_peers.py); those refreshes are shared by concurrent
+requests and happen at most once per `min_refresh_s`, so requests naming unknown adapters cost the workers nothing
+more. The answer for an adapter no worker has is a 400 naming it and those loaded; for one that only unhealthy
+workers have, a 503.
 
 Run-time changes follow a worker that (re)joins (services/router/lora_sync.py): a worker is only routed adapters once
 it is synced, and a request whose adapter only unsynced workers may have waits for their resync. An adapter unloaded

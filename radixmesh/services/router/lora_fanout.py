@@ -9,7 +9,9 @@ input: the engine's reason), a 504 when one timed out, else a 503. A call that f
 unreachable) may still have done its change there, so it is undone too; the worker answers that undo with NOT_FOUND
 or ALREADY_EXISTS when there was nothing to undo. Changes are made one at a time (a load racing an unload of the
 same name could leave either half done), under the lock that resyncs of (re)joining workers hold too
-(services/router/lora_sync.py); a change made everywhere is recorded in the LoraIntent those resyncs apply."""
+(services/router/lora_sync.py); a change made everywhere is recorded in the LoraIntent those resyncs apply. With
+--router-workers N, one at a time across the processes too: a change first takes the mesh-wide turn and, once made,
+is applied by every other process before it is answered (services/router/lora_peers.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import grpc
 
 from radixmesh.v1 import worker_pb2
 from radixmesh.services.router.errors import RouterError
+from radixmesh.services.router.lora_peers import Alone, turn_wait_s
 from radixmesh.services.router.lora_sync import LoraIntent
 
 log = logging.getLogger(__name__)
@@ -55,16 +58,19 @@ def role_of(worker) -> str:
 
 
 class LoraFanout:
-    def __init__(self, registry, timeout_s: float, intent: LoraIntent | None = None):
+    def __init__(self, registry, timeout_s: float, intent: LoraIntent | None = None, peers=None):
         """`registry`: the WorkerRegistry whose workers change; `timeout_s`: bound on each worker call; `intent`:
-        where the changes made are recorded (the router's LoraDirectory.intent; None: a record of its own)."""
+        where the changes made are recorded (the router's LoraDirectory.intent; None: a record of its own);
+        `peers`: the sibling router processes' part (lora_peers.LoraPeer: `turn(wait_s)`, `announce(...)`; None:
+        this is the only process)."""
         self.registry = registry
         self.timeout_s = timeout_s
         self.intent = intent if intent is not None else LoraIntent()
+        self.peers = peers if peers is not None else Alone()
 
     async def load(self, name: str, path: str) -> None:
         """Load adapter `name` from `path` on every worker; RouterError (everything undone) when one fails."""
-        async with self.intent.lock:
+        async with self.peers.turn(turn_wait_s(self.timeout_s)), self.intent.lock:
             request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
             outcomes = await self._on_each(self._workers(), lambda w: w.stub.LoadLoraAdapter(
                 request, timeout=self.timeout_s))
@@ -77,11 +83,12 @@ class LoraFanout:
             self.intent.did_load(name, path)
             for w in self.registry.workers.values():
                 w.lora.refused.pop(name, None)  # a worker that refused it on rejoining may take it now
+            await self.peers.announce("load", name, path, [o.worker.url for o in outcomes])
 
     async def unload(self, name: str) -> None:
         """Unload adapter `name` from every worker that has it; RouterError (everything undone) when one fails,
         400 when none has it."""
-        async with self.intent.lock:
+        async with self.peers.turn(turn_wait_s(self.timeout_s)), self.intent.lock:
             workers = self._workers()
             paths = {w.url: w.lora.adapters.get(name, "") for w in workers}  # to load it again from, if need be
             request = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
@@ -98,6 +105,7 @@ class LoraFanout:
                 notes = await self._undo(undo, lambda w: self._reload(w, name, paths[w.url]))
                 raise _failure(f"LoRA adapter {name!r} not unloaded", failed, notes)
             self.intent.did_unload(name)
+            await self.peers.announce("unload", name, "", [o.worker.url for o in outcomes])
 
     def _workers(self) -> list:
         workers = list(self.registry.workers.values())

@@ -2,9 +2,10 @@
 
 A worker's adapters are what it answered last: ListLoraAdapters when it is added and at every poll
 (services/router/lora_directory.py), and the adapters a LoadLoraAdapter or UnloadLoraAdapter call of the router's
-answered with. A poll that was asked before the router changed the worker's adapters answers with the state before
-the change; `epoch` counts the router's changes (and lost connections), and a poll's answer is only taken when none
-happened while it was on its way.
+answered with (with --router-workers N, also the changes a sibling process made: `applied`). A poll that was asked
+before the router changed the worker's adapters answers with the state before the change; `epoch` counts the
+router's changes (and lost connections), and a poll's answer is only taken when none happened while it was on its
+way.
 
 A worker is `synced` once the router has brought it in line with the mesh's run-time changes
 (services/router/lora_sync.py); until then, and from the moment its connection is lost (the process may come back
@@ -35,6 +36,17 @@ class LoraState:
         """The adapters a load or unload call answered with (LoraAdapter messages)."""
         self.adapters = as_dict(adapters)
         self.enabled = True
+        self.epoch += 1
+
+    def applied(self, name: str, path: str | None) -> None:
+        """A change made on the worker by another router process (services/router/lora_peers.py), or found made
+        (a load answered ALREADY_EXISTS, an unload NOT_FOUND): adapter `name` loaded from `path`, or unloaded
+        (None)."""
+        if path is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = path
+            self.enabled = True
         self.epoch += 1
 
     def lost(self) -> None:

@@ -2,18 +2,19 @@
 
 A worker comes up with its --lora-paths adapters only: one the launcher restarted on its port, one that registered
 or was discovered anew. The router remembers the mesh's run-time changes (`LoraIntent`: what /load_lora_adapter
-loaded and /unload_lora_adapter unloaded, through this router process) and applies them to such a worker before it
-is routed any adapter: it loads the run-time adapters it lacks and unloads those unloaded at run time that its flags
-brought back (an unloaded adapter never comes back). Each call is bounded by --lora-timeout-s; one that fails is
-logged with its reason, and the worker then serves the others but not that adapter (tried again once it reconnects
-or the adapter is loaded anew).
+loaded and /unload_lora_adapter unloaded, through any of its processes: services/router/lora_peers.py) and applies
+them to such a worker before it is routed any adapter: it loads the run-time adapters it lacks and unloads those
+unloaded at run time that its flags brought back (an unloaded adapter never comes back). Each call is bounded by
+--lora-timeout-s; one that fails is logged with its reason, and the worker then serves the others but not that
+adapter (tried again once it reconnects or the adapter is loaded anew).
 
 Which workers need it: one just added (WorkerRegistry.on_add), and one whose connection was lost (the process may
 be a new one once the channel is READY again): a watcher per worker follows its channel's connectivity and marks it
 unsynced (LoraState.lost) the moment it leaves READY. A periodic poll that finds a run-time adapter missing, or an
 unloaded one present, resyncs too. Resyncs and the fan-out's changes hold the same lock (`LoraIntent.lock`), and a
 resync reads the intent under it, so a resync racing an unload either ran before it (the unload then reaches the
-worker) or sees the adapter unloaded."""
+worker) or sees the adapter unloaded. With --router-workers N, resyncs also take the mesh-wide turn first, as
+changes do (services/router/lora_peers.py), so none acts on an intent that a sibling process is changing."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from radixmesh.v1 import worker_pb2
+from radixmesh.services.router.errors import RouterError
+from radixmesh.services.router.lora_peers import Alone, turn_wait_s
 from radixmesh.services.router.lora_state import poll
 
 log = logging.getLogger(__name__)
@@ -33,7 +36,8 @@ SHUTDOWN = grpc.ChannelConnectivity.SHUTDOWN
 
 @dataclass(slots=True)
 class LoraIntent:
-    """The mesh's run-time LoRA changes made through this router process."""
+    """The mesh's run-time LoRA changes: those made through this router process, and with --router-workers N those
+    its siblings made (lora_peers.py applies them, and gives a process that joins the hub's record)."""
 
     loaded: dict[str, str] = field(default_factory=dict)  # name -> directory: loaded at run time, not unloaded since
     unloaded: set[str] = field(default_factory=set)  # unloaded at run time, not loaded again since
@@ -64,6 +68,7 @@ class LoraSync:
         self.intent = intent
         self.poll_timeout_s = poll_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.peers = Alone()  # with --router-workers N: this process's lora_peers.LoraPeer (its mesh-wide turn)
         self._resyncs: dict[object, asyncio.Task] = {}  # worker -> its resync under way
         self._watchers: dict[object, asyncio.Task] = {}  # worker -> the task following its channel
 
@@ -105,7 +110,19 @@ class LoraSync:
         generation = state.generation
         if not await poll(worker.stub, state, self.poll_timeout_s):
             return
-        async with self.intent.lock:
+        try:
+            await self._apply(worker)
+        except RouterError as e:  # the mesh-wide turn did not come in time: the next poll or reconnect tries again
+            log.warning("LoRA adapters of worker %s not resynced: %s", worker.url, e.message)
+            return
+        if state.generation == generation:
+            state.synced = True
+
+    async def _apply(self, worker) -> None:
+        """Brings `worker` in line with the intent, holding the mesh-wide turn (as changes do: no sibling process
+        changes the intent meanwhile) and then the intent's lock."""
+        state = worker.lora
+        async with self.peers.turn(turn_wait_s(self.load_timeout_s)), self.intent.lock:
             if state.enabled:
                 loads, unloads = self.intent.to_load(state), self.intent.to_unload(state)
                 await asyncio.gather(*(self._load(worker, n, p) for n, p in loads.items()),
@@ -113,15 +130,14 @@ class LoraSync:
             elif self.intent.loaded and not state.synced:
                 log.warning("worker %s (re)joined without --enable-lora: it serves none of the LoRA adapters loaded "
                             "at run time (%s)", worker.url, ", ".join(sorted(self.intent.loaded)))
-        if state.generation == generation:
-            state.synced = True
 
     async def _load(self, worker, name: str, path: str) -> None:
         request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
         try:
             response = await worker.stub.LoadLoraAdapter(request, timeout=self.load_timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.ALREADY_EXISTS:  # loaded since it was polled: nothing to do
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:  # loaded since it was polled (a sibling's resync did)
+                worker.lora.applied(name, path)
                 return
             reason = f"{e.code().name}: {e.details()}"
             worker.lora.refused[name] = reason
@@ -136,7 +152,8 @@ class LoraSync:
         try:
             response = await worker.stub.UnloadLoraAdapter(request, timeout=self.load_timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            if e.code() == grpc.StatusCode.NOT_FOUND:  # unloaded since it was polled
+                worker.lora.applied(name, None)
                 return
             reason = f"{e.code().name}: {e.details()}"
             worker.lora.refused[name] = reason

@@ -7,9 +7,12 @@ What this process changes, it announces; what its siblings announce, it applies 
   each transition (and a worker lost with its open requests), so every process routes on the same view;
 - cache-aware routes: every pick's (worker, prefix blocks), sent in batches every few milliseconds, so each
   process's approximate trees hold what all of them sent where and the hit rate does not fall as N grows;
-- metrics: GET /metrics on any process answers for all of them (each sample labelled router_process).
-A process the supervisor starts again gets the registry and health from the hub; its trees fill from its siblings'
-routes from then on. When the hub goes away (the supervisor died), the process shuts down gracefully."""
+- metrics: GET /metrics on any process answers for all of them (each sample labelled router_process);
+- run-time LoRA changes: made one at a time across the processes, applied by every process before they are answered
+  (services/router/lora_peers.py).
+A process the supervisor starts again gets the registry, health and run-time LoRA changes from the hub; its trees
+fill from its siblings' routes from then on. When the hub goes away (the supervisor died), the process shuts down
+gracefully."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from collections import defaultdict
 from typing import Any
 
 import orjson
+
+from radixmesh.services.router.lora_peers import LoraPeer
 
 log = logging.getLogger(__name__)
 HUB_ENV = "RADIXMESH_ROUTER_HUB"  # the hub's socket path: set for the supervisor's children
@@ -51,11 +56,13 @@ class Peers:
         self._flush: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
         self._scrapes: dict[int, asyncio.Future] = {}
+        self.lora = LoraPeer(self._send, router)  # run-time LoRA changes (services/router/lora_fanout.py)
+        router.lora.sync.peers = self.lora  # resyncs of (re)joining workers take the same turn as changes
         self.closing = False
 
     async def connect(self, timeout_s: float = 30.0) -> None:
-        """Joins the hub and applies its snapshot (the workers the others added, their leases and health) before
-        returning, so this process serves with the same registry as its siblings."""
+        """Joins the hub and applies its snapshot (the workers the others added, their leases and health, the
+        run-time LoRA changes) before returning, so this process serves with the same registry as its siblings."""
         reader, self._writer = await asyncio.open_unix_connection(self.path, limit=LINE_LIMIT)
         self._snapshot_done = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.create_task(self._read(reader))
@@ -138,7 +145,10 @@ class Peers:
                 registry.mark_failed(worker, reason, quiet=True)
         elif op == "lost" and worker is not None:
             registry.on_lost(worker)
-        elif op == "snapshot":  # on (re)start: what the others added, their leases and health
+        elif op.startswith("lora"):
+            self.lora.handle(msg)
+        elif op == "snapshot":  # on (re)start: what the others added, their leases and health, the LoRA intent
+            self.lora.restore(msg.get("lora"))
             self._spawn(self._apply_snapshot(msg))
         elif op == "scrape":
             self._spawn(self._answer_scrape(msg["id"]))

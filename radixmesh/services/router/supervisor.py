@@ -2,7 +2,9 @@
 spreads connections over them), under this supervisor, which
 
 - runs the hub they share state through (services/router/peers.py): it forwards each process's announcements to the
-  others and keeps the registry (workers added at run time, their leases, their health) for a process it restarts;
+  others and keeps the registry (workers added at run time, their leases, their health) and the run-time LoRA
+  changes for a process it restarts, and grants the turn to change LoRA adapters to one process at a time
+  (services/router/lora_peers.py);
 - starts a process again when one dies (a process that dies before it ever served stops the whole router: a bad
   flag or an unreachable tokenizer would only die again);
 - serves --metrics-port with every process's metrics, each sample labelled router_process;
@@ -25,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from radixmesh.services.router.lora_peers import LoraLedger
 from radixmesh.services.router.peers import COUNT_ENV, HUB_ENV, INDEX_ENV, LINE_LIMIT, SCRAPE_TIMEOUT_S
 
 log = logging.getLogger("radixmesh.services.router.supervisor")
@@ -74,6 +77,7 @@ class Hub:
         self._scrapes: dict[int, dict[int, str]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._server: asyncio.base_events.Server | None = None
+        self.lora = LoraLedger(self._write)
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, self.path, limit=LINE_LIMIT)
@@ -85,7 +89,10 @@ class Hub:
             w.close()
 
     def _send(self, index: int, msg: dict[str, Any] | bytes) -> None:
-        w = self.conns.get(index)
+        self._write(self.conns.get(index), msg)
+
+    @staticmethod
+    def _write(w: asyncio.StreamWriter | None, msg: dict[str, Any] | bytes) -> None:
         if w is not None and not w.is_closing():
             w.write(msg if isinstance(msg, bytes) else orjson.dumps(msg) + b"\n")
 
@@ -97,7 +104,7 @@ class Hub:
                 out["lease_s"] = None if entry["lease_s"] is None else \
                     max(entry["lease_s"] - (now - entry["leased_at"]), 0.1)
             workers[url] = out
-        return {"op": "snapshot", "workers": workers, "removed": sorted(self.removed)}
+        return {"op": "snapshot", "workers": workers, "removed": sorted(self.removed), "lora": self.lora.snapshot()}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = None
@@ -112,6 +119,7 @@ class Hub:
         finally:
             if index is not None and self.conns.get(index) is writer:
                 del self.conns[index]
+            self.lora.left(writer)
             writer.close()
 
     def _handle(self, msg: dict[str, Any], index: int | None, writer: asyncio.StreamWriter) -> int | None:
@@ -125,6 +133,9 @@ class Hub:
             self.ready.add(index)
             self.served.add(index)
             log.info("router process %d (pid %d) serves", index, msg["pid"])
+            return index
+        if op.startswith("lora"):
+            self.lora.handle(msg, writer, [w for w in self.conns.values() if w is not writer])
             return index
         if op == "scrape_all":
             asyncio.create_task(self._scrape_for(index, msg["id"]))
