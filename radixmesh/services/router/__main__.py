@@ -111,6 +111,8 @@ async def build_router(settings: RouterSettings) -> Router:
     roles = {role: make_policy(name, settings, registry) for role, name in
              (("prefill", settings.prefill_policy), ("decode", settings.decode_policy)) if name is not None}
     router = Router(settings, registry, policy, tokenizer, roles)
+    for worker in list(registry.workers.values()):  # added before the router set registry.on_add
+        router.lora.sync.joined(worker)
     registry.every(settings.health_check_interval_s, router.lora.refresh)  # each worker's LoRA adapters
     registry.start()
     router.admission = Admission.from_settings(settings)  # the HTTP and gRPC front ends share its limits
