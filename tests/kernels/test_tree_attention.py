@@ -9,6 +9,15 @@ import torch
 
 from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a compiled kernel on a GPU, Triton's interpreter on CPU
+
+
+def _triton(q, k, v, table, rows, lens, scale, splits, tree=None) -> torch.Tensor:
+    """kernels.decode_attention where it runs (a compiled kernel reads device memory only: on an H200 these cases
+    failed on host tensors, 2026-12-05), its output back on the host."""
+    on = [t.to(DEVICE) for t in (q, k, v, table, rows, lens)]
+    return decode_attention(*on, scale, splits, tree=None if tree is None else tree.to(DEVICE)).cpu()
+
 
 def _tree_case(seed: int, prefix: int, parents: list[int], heads=4, kv_heads=2, dim=32):
     """A pool holding one request: `prefix` keys, then a tree of len(parents) + 1 nodes (node 0 the root); one row
@@ -54,10 +63,10 @@ def test_triton_tree_decode_matches_direct(parents, prefix, splits):
     scale = 32 ** -0.5
     want = _direct(q, k, v, table, prefix, seen, scale)
     ref = decode_attention_reference(q, k, v, table, rows, lens, scale, tree=tree)
-    got = decode_attention(q, k, v, table, rows, lens, scale, splits, tree=tree)
+    got = _triton(q, k, v, table, rows, lens, scale, splits, tree=tree)
     torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    plain = decode_attention(q, k, v, table, rows, lens, scale, splits)  # causal over the table: what a tree is not
+    plain = _triton(q, k, v, table, rows, lens, scale, splits)  # causal over the table: what a tree is not
     if parents != sorted(range(len(parents))):  # (a chain's mask is causal)
         assert not torch.allclose(plain, want, atol=1e-3)
 
@@ -67,7 +76,7 @@ def test_a_span_of_64_keys_uses_the_sign_bit():
     q, k, v, table, rows, lens, tree, seen = _tree_case(7, 3, parents)
     assert int(tree[1, -1]) < 0
     want = _direct(q, k, v, table, 3, seen, 0.2)
-    torch.testing.assert_close(decode_attention(q, k, v, table, rows, lens, 0.2, 2, tree=tree), want,
+    torch.testing.assert_close(_triton(q, k, v, table, rows, lens, 0.2, 2, tree=tree), want,
                                atol=1e-4, rtol=1e-4)
 
 

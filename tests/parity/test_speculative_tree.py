@@ -278,22 +278,3 @@ def test_tree_verifies_report_the_plain_engine_s_logprobs(heads):
         gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
         assert [[t for _, t, _ in row] for row in gt] == [[t for _, t, _ in row] for row in wt]
 
-
-def test_triton_trees_are_refused_on_cuda_until_their_kernel_passes_there(heads):
-    """Every Triton tree-decode case failed on an H200 (2026-12-05): on CUDA a tree must decode with torch_native."""
-    import dataclasses
-
-    from radixmesh.engine.config import EngineArgs, resolve_args
-    from radixmesh.engine.model_config import ModelConfig
-    from radixmesh.engine.speculative.setup import draft_config
-
-    path = model_path(NAME)
-    target = ModelConfig.from_path(path)
-    resolved = resolve_args(EngineArgs.from_kwargs(path, device="cpu", speculative_algorithm="EAGLE",
-                                                   speculative_eagle_topk=2,
-                                                   speculative_draft_model_path=heads["EAGLE"]), target)
-    on_cuda = dataclasses.replace(resolved, device="cuda", decode_attention_backend="triton")
-    with pytest.raises(ValueError, match="use --decode-attention-backend torch_native"):
-        draft_config(on_cuda, target)
-    draft_config(dataclasses.replace(on_cuda, decode_attention_backend="torch_native"), target)  # not refused
-    draft_config(dataclasses.replace(on_cuda, device="cpu"), target)  # Triton's interpreter: tested here

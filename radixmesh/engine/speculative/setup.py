@@ -63,12 +63,6 @@ def _check_tree(args: EngineArgs, target: ModelConfig) -> None:
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) verifies with a tree mask, which the {backend} "
                          f"attention backend does not have (decode_attention_backend): use --decode-attention-backend "
                          f"{' or '.join(TREE_BACKENDS)}, or speculative_eagle_topk 1")
-    if backend == "triton" and str(args.device).startswith("cuda"):
-        # every Triton tree-decode case of tests/kernels/test_tree_attention.py failed on an H200 (2026-12-05): until
-        # they pass there, a tree decodes with the plain-torch mask on CUDA
-        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) with decode_attention_backend triton on CUDA: "
-                         "its tree mask has not passed its GPU tests yet; use --decode-attention-backend torch_native, "
-                         "or speculative_eagle_topk 1")
     if any(w is not None for w in layer_windows(target, args.context_length)):
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) is not implemented for models with "
                          "sliding-window attention layers: use speculative_eagle_topk 1")
