@@ -64,29 +64,27 @@ class PromptTokenizer:
     def _tokenize(self, text: str) -> list[int]:
         if self._encode is None:
             self._encode = _encoder(self._loaded.result())
-        try:
-            ids = self._encode(text)
-        except Exception as e:  # the tokenizer's own errors (e.g. text it cannot encode) are the request's
-            raise ValueError(f"the prompt could not be tokenized: {e}") from None
-        if not ids:
-            raise ValueError("the prompt tokenizes to no tokens")
-        return ids
+        return _ids(self._encode, text, "the prompt")
 
     def _tokenize_chat(self, spec) -> list[int]:
         tokenizer = self._loaded.result()
         if self._encode_rendered is None:
             self._encode_rendered = _encoder(tokenizer, add_special_tokens=False)
-        prompt = render_chat(tokenizer, spec, self._override)
-        try:
-            ids = self._encode_rendered(prompt)
-        except Exception as e:  # the tokenizer's own errors are the request's
-            raise ValueError(f"the chat prompt could not be tokenized: {e}") from None
-        if not ids:
-            raise ValueError("the chat prompt renders to no tokens")
-        return ids
+        return _ids(self._encode_rendered, render_chat(tokenizer, spec, self._override), "the chat prompt")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ids(encode, text: str, what: str) -> list[int]:
+    """encode(text); the tokenizer's own errors (e.g. text it cannot encode) and no ids at all are the request's."""
+    try:
+        ids = encode(text)
+    except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises
+        raise ValueError(f"{what} could not be tokenized: {e}") from None
+    if not ids:
+        raise ValueError(f"{what} tokenizes to no tokens")
+    return ids
 
 
 # Text whose ids the backend's encode must give as the tokenizer's own encode does before it is used: spaces,
