@@ -1,9 +1,11 @@
 """Speculative decoding in the mesh, on the decode side of prefill/decode disaggregation: `radixmesh serve
 --speculative-algorithm NGRAM` (or STANDALONE, the model drafting for itself: its draft KV is built on the decode
-worker from the transferred prompt; or EAGLE3, a random head in the published format, which on a decode worker has
-no hidden states of the transferred prompt and drafts from the ones of its own forwards) with a prefill and a decode
-worker (shm transfer) streams, in order, the tokens the plain offline engine decodes greedily; /generate's meta_info
-carries SGLang's spec_* keys, and the decode worker's /metrics the acceptance length."""
+worker from the transferred prompt; or EAGLE3, a random head in the published format: the prefill worker's head
+catches up over the prompt and its KV and the last position's hidden states travel with the first token,
+engine.disaggregation.draft_state) with a prefill and a decode worker (shm transfer) streams, in order, the tokens
+the plain offline engine decodes greedily (tests/parity/test_pd_speculative.py shows the decode worker's drafts are
+a colocated engine's); /generate's meta_info carries SGLang's spec_* keys, and the decode worker's /metrics the
+acceptance length."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def test_speculative_decode_worker_streams_the_plain_engines_tokens(tmp_path, of
         batch = json.loads(post(mesh.url + "/generate", {"input_ids": inputs, "sampling_params": GREEDY}))
         assert [r["output_ids"] for r in batch] == want
         meta = [r["meta_info"] for r in batch]
+        if algorithm == "EAGLE3":  # every handoff carried the head's state (else the decode worker warns)
+            log = mesh.log_path.read_text(errors="replace")
+            assert "draft state" not in log and "draft head" not in log, mesh.log_tail()
         assert all(m["spec_verify_ct"] > 0 for m in meta), meta
         random_head = algorithm == "EAGLE3"  # (its drafts are wrong: drafting is what to see)
         assert sum(m["spec_draft_token_num" if random_head else "spec_accept_token_num"] for m in meta) > 0, meta

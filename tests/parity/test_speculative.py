@@ -196,7 +196,8 @@ def test_sampled_requests_run_and_seeds_reproduce():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"speculative_algorithm": "EAGLE"}, "drafts with an EAGLE head: give speculative_draft_model_path"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "tp_size": 2}, "tensor parallelism"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x", "tp_size": 2,
+      "speculative_eagle_topk": 2}, "draft tree.* with tensor parallelism"),
     ({"speculative_algorithm": "NEXTN"}, "NEXTN is not implemented"),
     ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "draft trees"),

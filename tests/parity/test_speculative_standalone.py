@@ -88,7 +88,6 @@ def test_seeded_sampling_reproduces_beside_other_requests(random_draft):
     ({}, "give speculative_draft_model_path"),
     ({"speculative_draft_model_path": "DRAFT", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
      "must be speculative_num_steps \\+ 1"),
-    ({"speculative_draft_model_path": "DRAFT", "tp_size": 2}, "tensor parallelism"),
     ({"speculative_draft_model_path": model_path("tiny-qwen2")}, "vocabulary"),
 ])
 def test_bad_standalone_flags_are_refused(kwargs, message, random_draft):

@@ -10,6 +10,10 @@ Decode role: the request waits in the pre-allocation queue until its prompt's KV
 `num_reserved_decode_tokens` per active request); then slots are allocated (a cached prefix in the local radix
 tree is reused and not transferred) and `on_allocated(pages, cached_len)` is called on the scheduler thread. The
 caller fills the pages and calls `Engine.deliver_kv(rid, first)`; the request then decodes like any other.
+
+Speculative decoding with an EAGLE head (engine.disaggregation.draft_state): the decode side sets
+`DecodeRole.draft_wanted` before `on_allocated`, the prefill side's `FirstToken.draft` holds its head's state of the
+prompt, and the caller passes on what `draft_wanted` asks for.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from radixmesh.engine.disaggregation.draft_state import DraftState, DraftWanted
 from radixmesh.engine.request import LogprobList
 
 
@@ -33,6 +38,8 @@ class FirstToken:
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[LogprobList] = field(default_factory=list)
     input_token_ids_logprobs: list[LogprobList] = field(default_factory=list)
+    # an EAGLE head's state of the prompt (prefill side: all of it; decode side: what was asked for and received)
+    draft: DraftState | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +55,9 @@ class DecodeRole:
     # Set by the caller while a peer may be writing into the pages: an abort then keeps them pinned until
     # Engine.release_kv, so a late write cannot land in pages another request reuses.
     in_transfer: bool = False
+    # Set on the scheduler thread before on_allocated when the engine drafts with an EAGLE head: what its head lacks
+    # of the prompt (engine.disaggregation.draft_state), for the caller to ask the prefill side for.
+    draft_wanted: DraftWanted | None = None
 
 
 Role = PrefillRole | DecodeRole

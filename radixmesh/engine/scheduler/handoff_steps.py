@@ -20,11 +20,19 @@ class HandoffSteps:
     def __init__(self, scheduler):
         self.s = scheduler
 
+    def _drafter(self):
+        """The speculative draft model (engine.speculative.draft_model.DraftModel), if the engine has one."""
+        spec = self.s.spec
+        return spec.model if spec is not None else None
+
     def preallocate(self) -> None:
         """Destination pages for the decode-role requests that fit; each one's caller is told where they are."""
         handoffs = self.s.handoffs
+        drafter = self._drafter()
         for req in handoffs.preallocate():
             pages, cached = handoffs.destination(req)
+            if drafter is not None:  # (what an EAGLE head lacks of the prompt: engine.disaggregation.draft_state)
+                req.handoff.draft_wanted = drafter.wanted(req)
             try:
                 req.handoff.on_allocated(pages, cached)
             except Exception as e:  # the caller is gone: nothing will fill these pages
@@ -40,6 +48,12 @@ class HandoffSteps:
         if req.return_logprob:
             first.logprob, first.top_logprobs = req.output_logprobs[-1], req.output_top_logprobs[-1]
             first.token_ids_logprobs = req.output_token_ids_logprobs[-1]
+        drafter = self._drafter()
+        if drafter is not None:  # (an EAGLE head catches up over the prompt, for the decode side)
+            try:
+                first.draft = drafter.handed_over(req)
+            except Exception:  # the decode side's head then drafts from zeros: slower, never wrong
+                log.exception("request %s: the draft head's catch-up over the prompt failed", req.rid)
         try:
             req.handoff.on_ready(pages, first)
         except Exception as e:
@@ -54,6 +68,9 @@ class HandoffSteps:
         req = self.s.requests.receiving.get(rid)
         if req is None:
             return False
+        drafter = self._drafter()
+        if drafter is not None:  # (first: it refuses a draft state that does not fit before anything changed)
+            drafter.received(req, first.draft)
         req.kv_len = req.fill_len
         req.cached_tokens = first.cached_tokens
         if req.logprob is not None and req.logprob.start >= 0:

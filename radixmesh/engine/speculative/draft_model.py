@@ -18,6 +18,11 @@ catch-up covers the positions from draft_len to the one before the newest token 
 its steps read, instead of the target's hidden state, the head's own output of the step before. Those steps' KV is
 not the target-fed one: after a verify, the head's KV counts as valid only up to the position before the newest token
 of that step, and the next catch-up recomputes from there with the target's hidden states of the kept tokens.
+
+Prefill/decode disaggregation (engine.disaggregation.draft_state): a prefill worker's head catches up over the prompt
+when its first token is sampled and hands its KV over (`handed_over`); a decode worker asks for the head KV its own
+prefix cache lacks (`wanted`), writes what comes into its pool and recomputes only the last prompt position from the
+target's hidden state sent with it (`received`).
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ from __future__ import annotations
 import torch
 
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.disaggregation.draft_state import DraftState, DraftWanted, kv_rows_of, row_bytes, write_kv_rows
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import SamplingBatch, draw, token_probs, uniforms
-from radixmesh.engine.speculative.features import observe
+from radixmesh.engine.speculative.features import FeatureRows, observe
 
 DRAFT_SALT = 0x27D4EB2F  # a seeded request's draft draws: apart from the verify's two (engine.speculative.verify)
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner, eagle: bool = False):
+    def __init__(self, runner: ModelRunner, eagle: bool = False, layers: tuple[int, ...] = ()):
+        """`layers`: the target's hidden states an EAGLE head reads (engine.hidden_capture; empty: the final ones)."""
         self.runner = runner
+        self.layers = tuple(layers)
         self.device = runner.device
         self.vocab = runner.model_config.vocab_size
         self.head = runner.model if eagle else None  # an EAGLE head (reads features)
@@ -58,6 +66,71 @@ class DraftModel:
         # (a tree's request holds scratch slots past its nodes: only its `width` rows were computed)
         observe(batch.reqs, [r.extend_len if width is None else min(r.extend_len, width) for r in batch.reqs],
                 width, hidden)
+
+    def handed_over(self, req: Req) -> DraftState | None:
+        """A prefill-role request whose first token was just sampled: its head catches up over the prompt (P
+        positions: the prompt and any resumed tokens), as a colocated engine's first draft step would, and this
+        returns the head's KV rows of positions [0, P - 1) (device copies), whether each read the target's hidden
+        state, and the target's hidden state at P - 1. None without an EAGLE head."""
+        if self.head is None:
+            return None
+        last = req.fill_len - 2  # (the first token is appended: fill_len is P + 1)
+        kept, width = req.draft_features, self.head.feature_width
+        like = self.head.model.fc.weight
+        hidden = (kept.read(last, last + 1, width, like) if kept is not None else like.new_zeros((1, width)))[0]
+        with torch.inference_mode():
+            self._forward(self._catch_up([req]), self._catch_up_features([req]))
+        slots = self.runner.req_to_token.read(req.pool_idx, 0, last)
+        read = self.pairs[slots] == torch.tensor(req.tokens(1, last + 1), dtype=torch.int64)
+        return DraftState(self.layers, 0, kv_rows_of(self.runner.kv_pool, slots), read, last, hidden)
+
+    def wanted(self, req: Req) -> DraftWanted | None:
+        """A decode-role request just allocated (its cached prefix `tree_len` long, its prompt P = fill_len): what
+        its head lacks, from the first position whose head KV the prefix does not hold. None without an EAGLE head."""
+        if self.head is None:
+            return None
+        return DraftWanted(self._held(req), self.layers, self.head.feature_width, row_bytes(self.runner.kv_pool))
+
+    def _held(self, req: Req) -> int:
+        """Leading positions of a decode-role request's cached prefix whose head KV is this request's (never position
+        P - 1, whose head KV reads the first token: the decode side computes it)."""
+        return self._kept_prefix(req, min(req.tree_len, req.fill_len - 1))
+
+    def received(self, req: Req, state: DraftState | None) -> None:
+        """A decode-role request's KV landed (before its first token is appended) with `state` (None: the prefill
+        side sent none; the head then catches up over what it lacks reading zeros): the head KV rows go to the
+        request's slots from the first position the head lacks, and its first catch-up reads the hidden state of
+        the last prompt position. ValueError, before anything changed, for a state another head wrote."""
+        if self.head is None:
+            return
+        pool, last = self.runner.kv_pool, req.fill_len - 1
+        if state is not None:
+            problem = state.problem(DraftWanted(0, self.layers, self.head.feature_width, row_bytes(pool)))
+            if problem is None and state.hidden_position != last:
+                problem = f"it ends at position {state.hidden_position}, the prompt at {last}"
+            if problem is not None:
+                raise ValueError(f"request {req.rid}: the prefill side's draft state does not fit: {problem}")
+        held = self._held(req)
+        req.draft_len, req.draft_features = held, None
+        if state is None:
+            return
+        end = state.kv_start + state.kv_rows
+        if state.kv_start <= held < end:  # (rows starting after `held` would leave a gap: the catch-up redoes all)
+            skip = held - state.kv_start
+            slots = self.runner.req_to_token.read(req.pool_idx, held, end)
+            write_kv_rows(pool, slots, [t[skip:] for t in state.kv])
+            tokens = torch.tensor(req.tokens(held + 1, end + 1), dtype=torch.int64)
+            self.pairs[slots] = torch.where(state.read_features[skip:], tokens, -1)
+            req.draft_len = end
+        req.draft_features = FeatureRows(last, state.hidden.to(self.device, self.head.model.fc.weight.dtype)[None])
+
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """The target's pool copied the first n slots of page src into page dst (a cached page's tail: engine.cache
+        .tails): the head's pool, a slot-for-slot mirror, copies its own, with the tokens they read."""
+        self.runner.kv_pool.copy_page_prefix(src, dst, n)
+        if self.pairs is not None:
+            page = self.runner.kv_pool.page_size
+            self.pairs[dst * page:dst * page + n] = self.pairs[src * page:src * page + n]
 
     def kept_path(self, req: Req, newest: int, path: list[int]) -> None:
         """After a tree verify: the hidden states of the kept path's nodes (node numbers; the root at `newest`)

@@ -31,6 +31,7 @@ from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderLayer, DecoderSpec, LlamaForCausalLM
 from radixmesh.engine.models.loader import checkpoint_files, iter_checkpoint
+from radixmesh.engine.speculative.whole_vocab import WholeVocab
 
 EAGLE = "LlamaForCausalLMEagle"
 EAGLE3 = "LlamaForCausalLMEagle3"
@@ -60,6 +61,7 @@ class EagleHead(nn.Module):
     """EAGLE-1/2."""
 
     skipped_tensors = ("embed_tokens.weight",)  # the target's embedding is used (the checkpoint holds a copy)
+    uses_target_logits = True  # its logits are the target's output layer's (EAGLE-3 has its own)
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -81,9 +83,10 @@ class EagleHead(nn.Module):
         LlamaForCausalLM.init_rotary(self, max_positions, device)
 
     def share_weights(self, target: nn.Module, rows: int) -> None:
-        """Use `target`'s embedding (and output layer); static feature buffers for one-token steps of up to `rows`
-        requests."""
-        self._target = [target]
+        """Use `target`'s embedding (and output layer): whole copies of them on a tensor-parallel leader
+        (engine.speculative.whole_vocab); static feature buffers for one-token steps of up to `rows` requests."""
+        tp = getattr(target, "tp", None)
+        self._target = [target if tp is None or tp.size == 1 else WholeVocab(target, self.uses_target_logits)]
         param = self.model.fc.weight
         h = self.config.hidden_size
         self.step_features = torch.zeros((rows, h), dtype=param.dtype, device=param.device)
@@ -117,6 +120,7 @@ class Eagle3Head(EagleHead):
     """EAGLE-3."""
 
     skipped_tensors = ("embed_tokens.weight", "d2t", "t2d")  # (d2t is read by share_weights; t2d follows from it)
+    uses_target_logits = False
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         nn.Module.__init__(self)

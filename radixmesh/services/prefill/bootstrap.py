@@ -4,7 +4,8 @@ A room meets two calls: the router's Generate (the prompt and its sampling param
 Handoff stream on the bootstrap port (where the KV goes). Whichever arrives first waits for the other for at most
 --disaggregation-bootstrap-timeout. Then the prompt is prefilled (prefix cache and chunked prefill as usual), its
 pages stay pinned, and once the decode worker's destination is known they are written there in batched page runs;
-`done` carries the first token. Waiting for the destination and the writes are bounded by
+`done` carries the first token (and, for a decode worker drafting with an EAGLE head, the head's state of the prompt
+it lacks: engine.disaggregation.draft_state). Waiting for the destination and the writes are bounded by
 --disaggregation-transfer-timeout. Any failure frees the room's pages (only after an in-flight write returned) and
 ends both calls with the reason."""
 
@@ -17,15 +18,22 @@ import time
 import grpc
 
 from radixmesh.engine.disaggregation.handoff import PrefillRole
+from radixmesh.engine.disaggregation.draft_state import DraftState, describe
 from radixmesh.engine.disaggregation.kv_pages import KvLayout
 from radixmesh.engine.disaggregation.transfer import page_runs
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
 from radixmesh.services.common import tracing
 from radixmesh.services.common.kv_transfer import KvTransfer, room_log, set_once
+from radixmesh.services.common.server import MAX_MESSAGE_BYTES
 from radixmesh.services.worker import convert
 from radixmesh.services.worker.spans import trace_sample
 
 log = logging.getLogger(__name__)
+
+# The most bytes of an EAGLE head's KV one `done` carries (within gRPC's message limit, beside the logprobs): for a
+# longer prompt none is sent, and the decode worker's head catches up over the prompt reading zeros (its drafts are
+# worse; its outputs stay exact).
+MAX_DRAFT_KV_BYTES = MAX_MESSAGE_BYTES // 2
 
 
 class HandoffFailed(Exception):
@@ -227,6 +235,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                 raise ValueError(f"the decode worker runs --tp-size {dest.tp_size} and this prefill worker "
                                  f"--tp-size {self.transfer.tp_size}: the workers of a prefill/decode pair must use "
                                  "the same tensor parallel size (each rank's KV shard goes to the matching rank)")
+            draft = draft_to_send(first, dest, rid)
             layout = KvLayout(tuple(dest.buffer_bases), dest.page_bytes)
             room.write = pending = self.transfer.write(dest.session_id, layout, src, list(dest.pages), dest.verify)
         except ValueError as e:
@@ -251,8 +260,29 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
             raise HandoffFailed(f"KV transfer to {dest.session_id} failed: {e}", "transfer_error") from None
         finally:
             self.transferring -= 1
-        done = convert.kv_ready(first)
+        done = await asyncio.get_running_loop().run_in_executor(None, convert.kv_ready, first, draft)
         done.bytes, done.transfer_ms = nbytes, 1000 * (time.perf_counter() - started)
         done.kv_checksum = checksum
         room_log(room.number, rid, "sent", f"{done.transfer_ms:.1f} ms")
         return done
+
+
+def draft_to_send(first, dest, rid: str = "?") -> DraftState | None:
+    """The draft state the decode worker asked for (None: it asked for none). ValueError when this worker has none,
+    or another head's."""
+    if not dest.HasField("draft_state"):
+        return None
+    wanted = convert.draft_wanted(dest.draft_state)
+    same_flags = "give both workers the same --speculative-algorithm and --speculative-draft-model-path"
+    if first.draft is None:
+        raise ValueError(f"the decode worker drafts with an EAGLE head reading {describe(wanted.layers)} of the "
+                         f"target, and this prefill worker runs none: {same_flags}")
+    problem = first.draft.problem(wanted)
+    if problem is not None:
+        raise ValueError(f"the decode worker's EAGLE head is not this prefill worker's ({problem}): {same_flags}")
+    sent = first.draft.since(wanted.start, MAX_DRAFT_KV_BYTES)
+    if sent.kv_start + sent.kv_rows < first.draft.kv_start + first.draft.kv_rows:
+        log.warning("request %s: the draft head's KV of its %d-token prompt exceeds %d MiB; the decode worker's "
+                    "head recomputes it reading zeros", rid, sent.hidden_position + 1,
+                    MAX_DRAFT_KV_BYTES >> 20)
+    return sent

@@ -174,8 +174,38 @@ def _msg_pairs(msg: common_pb2.TopLogprobs) -> list[tuple[float, int]]:
     return list(zip(msg.logprobs, msg.token_ids))
 
 
-def kv_ready(first) -> bootstrap_pb2.KvReady:
-    """engine.disaggregation.handoff.FirstToken -> KvReady (without checksum and transfer figures)."""
+def draft_wanted_msg(wanted) -> bootstrap_pb2.DraftStateWanted:
+    """engine.disaggregation.draft_state.DraftWanted -> DraftStateWanted."""
+    return bootstrap_pb2.DraftStateWanted(format=wanted.format, layers=list(wanted.layers), width=wanted.width,
+                                          kv_row_bytes=list(wanted.kv_row_bytes), start=wanted.start)
+
+
+def draft_wanted(msg: bootstrap_pb2.DraftStateWanted):
+    from radixmesh.engine.disaggregation.draft_state import DraftWanted
+
+    return DraftWanted(msg.start, tuple(msg.layers), msg.width, tuple(msg.kv_row_bytes), msg.format)
+
+
+def draft_state_msg(state) -> bootstrap_pb2.DraftState:
+    """engine.disaggregation.draft_state.DraftState -> DraftState (format 1)."""
+    from radixmesh.engine.disaggregation.draft_state import DRAFT_FORMAT
+
+    return bootstrap_pb2.DraftState(format=DRAFT_FORMAT, layers=list(state.layers), width=state.width,
+                                    kv_row_bytes=list(state.kv_row_bytes), kv_start=state.kv_start,
+                                    kv_rows=state.kv_rows, hidden_position=state.hidden_position, **state.to_wire())
+
+
+def draft_state(msg: bootstrap_pb2.DraftState):
+    """DraftState -> engine.disaggregation.draft_state.DraftState; ValueError when malformed."""
+    from radixmesh.engine.disaggregation.draft_state import DraftState
+
+    return DraftState.from_wire(msg.format, tuple(msg.layers), msg.width, tuple(msg.kv_row_bytes), msg.kv_start,
+                                msg.kv_rows, msg.kv, msg.kv_read_features, msg.hidden_position, msg.dtype, msg.hidden)
+
+
+def kv_ready(first, draft=None) -> bootstrap_pb2.KvReady:
+    """engine.disaggregation.handoff.FirstToken -> KvReady (without checksum and transfer figures); `draft`: the
+    draft state to send (engine.disaggregation.draft_state.DraftState), if any."""
     msg = bootstrap_pb2.KvReady(first_token_id=first.token_id, cached_tokens=first.cached_tokens,
                                 top_logprobs=_pairs_msg(first.top_logprobs),
                                 token_ids_logprobs=_pairs_msg(first.token_ids_logprobs),
@@ -184,16 +214,20 @@ def kv_ready(first) -> bootstrap_pb2.KvReady:
                                 input_token_ids_logprobs=[_pairs_msg(r) for r in first.input_token_ids_logprobs])
     if first.logprob is not None:
         msg.logprob = first.logprob
+    if draft is not None:
+        msg.draft_state.CopyFrom(draft_state_msg(draft))
     return msg
 
 
 def first_token(msg) -> "FirstToken":
+    """KvReady -> engine.disaggregation.handoff.FirstToken (with its draft state; ValueError when malformed)."""
     from radixmesh.engine.disaggregation.handoff import FirstToken
 
     return FirstToken(msg.first_token_id, msg.cached_tokens, msg.logprob if msg.HasField("logprob") else None,
                       _msg_pairs(msg.top_logprobs), _msg_pairs(msg.token_ids_logprobs), list(msg.input_logprobs),
                       [_msg_pairs(r) for r in msg.input_top_logprobs],
-                      [_msg_pairs(r) for r in msg.input_token_ids_logprobs])
+                      [_msg_pairs(r) for r in msg.input_token_ids_logprobs],
+                      draft_state(msg.draft_state) if msg.HasField("draft_state") else None)
 
 
 _TIERS = {1: worker_pb2.KV_TIER_DEVICE, 2: worker_pb2.KV_TIER_HOST}

@@ -116,10 +116,12 @@ class DecodeRoom:
         pages, cached = self.allocated.result()
         self.landing = s.transfer.hold(pages)  # the mirror pages the KV lands in (the pool's own off a GPU)
         self.role.in_transfer = True  # from here on the prefill worker may write into these pages
+        wanted = self.role.draft_wanted  # (set by the engine before it told us the pages)
         await call.write(bootstrap_pb2.HandoffRequest(destination=bootstrap_pb2.KvDestination(
             session_id=s.transfer.session_id, buffer_bases=s.transfer.layout.bases,
             page_bytes=s.transfer.layout.page_bytes, pages=self.landing, cached_tokens=cached, verify=s.verify,
-            tp_size=s.transfer.tp_size)))
+            tp_size=s.transfer.tp_size,
+            draft_state=convert.draft_wanted_msg(wanted) if wanted is not None else None)))
         started = await reading
         self._enter("transferring", f"{started.bytes} bytes in {started.writes} writes")
         with tracing.span("kv_transfer", direction="receive", bootstrap_room=format(self.number, "016x"),
@@ -137,12 +139,30 @@ class DecodeRoom:
                                         f"received {mine}): the transfer corrupted the KV", "checksum_mismatch")
             await loop.run_in_executor(None, s.transfer.stage_in, self.landing, pages)
             self._give_back_landing()
+        first = self._first_token(done, wanted)
         s.transfer.record(done.bytes, done.transfer_ms / 1000)
         self.handed_over = True  # (the engine may stream and finish the request before this task runs again)
-        if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, convert.first_token(done))):
+        if not await asyncio.wrap_future(s.engine.deliver_kv(self.rid, first)):
             raise HandoffFailed("the request was aborted while its KV arrived", "aborted")
         self._enter("decoding", f"{done.bytes} bytes in {done.transfer_ms:.1f} ms")
         await call.done_writing()
+
+    def _first_token(self, done, wanted):
+        """`done` as the engine's FirstToken, its draft state checked against what this worker asked for."""
+        try:
+            first = convert.first_token(done)
+        except ValueError as e:
+            raise HandoffFailed(f"malformed draft state from prefill worker {self.prefill}: {e}",
+                                "transfer_error") from None
+        if wanted is None:
+            first.draft = None
+        elif first.draft is None:  # a prefill worker that does not know the field: the head drafts from zeros
+            log.warning("request %s: prefill worker %s sent no draft state for this worker's EAGLE head (an older "
+                        "version?): its drafts of this request read zeros for the prompt", self.rid, self.prefill)
+        elif (problem := first.draft.problem(wanted)) is not None:
+            raise HandoffFailed(f"prefill worker {self.prefill} sent another EAGLE head's state: {problem}",
+                                "transfer_error")
+        return first
 
     def fail(self, message: str, pinned: bool = False) -> None:
         self.error = message
