@@ -257,3 +257,11 @@ def test_models_retrieve_and_openai_extra_fields(client):
     assert out.choices[0].message.content is not None
     comp = client.completions.create(model=NAME, prompt="hi", max_tokens=2, user="u-2")
     assert comp.choices[0].text is not None
+
+
+def test_an_empty_completions_prompt_is_its_special_tokens(client, offline):
+    """An empty prompt is served as what the tokenizer makes of it (BOS), as before prompts went to the workers as
+    text (the fuzz's first find, 2026-12-05: a worker refuses an empty text)."""
+    ref = offline.generate(input_ids=offline.tokenizer("").input_ids, sampling_params={"max_new_tokens": 4, **GREEDY})
+    comp = client.completions.create(model=NAME, prompt="", max_tokens=4, **GREEDY)
+    assert comp.choices[0].text == ref["text"] and comp.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"] >= 1

@@ -47,13 +47,16 @@ def _to_worker(router: Router, job: OpenAIJob, p: PromptInput) -> bool:
     """Whether a prompt goes to its worker as text or chat messages, untokenized (as SGLang's router sends them):
     when the workers tokenize (Router.routes_text) and, for chat, render with the tokenizer service's template
     (Router.routes_chat), and the router needs nothing of the rendered prompt: no echo, and no --reasoning-parser
-    (whose parsing starts from where the rendered prompt leaves the thinking)."""
+    (whose parsing starts from where the rendered prompt leaves the thinking). An empty text stays with the tokenizer
+    service, which gives it its special tokens (BOS), as before."""
     t = p.tokenize
     if t is None:
         return False
     if t.WhichOneof("input") == "chat":
         return not router.settings.reasoning_parser and router.routes_chat()
-    return not job.echo and (not t.HasField("add_special_tokens") or t.add_special_tokens) and router.routes_text()
+    # (an empty prompt is the tokenizer's special tokens alone: the tokenizer service says which)
+    return (bool(t.text) and not job.echo and (not t.HasField("add_special_tokens") or t.add_special_tokens)
+            and router.routes_text())
 
 
 async def _prepare(router: Router, job: OpenAIJob, p: PromptInput) -> _Prepared:
