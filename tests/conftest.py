@@ -97,3 +97,7 @@ def _cuda_available() -> bool:
 # variable must be set before any module decorates a kernel.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import install as _install_interpreter_patch
+
+    _install_interpreter_patch()  # the interpreter without its per-helper repatch (a quarter of its time)

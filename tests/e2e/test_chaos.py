@@ -5,7 +5,7 @@ without a fault (greedy, so every text is fixed):
 
 - a tokenizer replica or the kvstore, killed or stopped: no client sees anything (the router fails over to the other
   tokenizer; the workers go on without their L3 store); a colocated worker killed or stopped is
-  tests/e2e/test_migration.py's (100 streams, each broken one migrated, two-sample ones sample by sample);
+  tests/e2e/test_migration.py's (60 streams at once, each broken one migrated, two-sample ones sample by sample);
 - the router stopped: the clients wait and every stream completes, unchanged;
 - the router killed: the streams open on it break (their text so far is the start of the right one), requests in the
   window are refused, and once the launcher has restarted it the mesh serves again.
@@ -37,8 +37,12 @@ from tests.e2e.test_supervision import _answers, _healthy_workers, _pid, _port_o
 
 NAME = model_path(MODEL)
 KEY = "chaos-test-key"
-STREAMS = 48
-ARRIVE_S = 3.0  # the streams start one after another over this long; the fault comes a third of the way in
+# The streams start one after another, STREAMS over ARRIVE_S (16 a second), and the fault comes a third of the way in,
+# once a sixth of them have tokens: a handful are mid-answer then, and the two thirds after it arrive during the fault
+# (a kill's restart, a stop's hold). At the same rate, 48 over 3 s had no more streams open at the fault (1 to 7 in
+# runs of the load alone, against 1 to 6) and cost the 13 loads of this file 20 s and 50 CPU-s more.
+STREAMS = 24
+ARRIVE_S = 1.5
 TOKENS = 128  # at 48, a quiet machine ended each stream before its worker's next began: no fault found two open
 HOLD_S = 8.0  # how long a stopped service stays stopped (longer than the router's timeouts and health probes)
 PREFIX = "The keeper of the lighthouse on the northern cape wrote in his log every night, and tonight he wrote "
@@ -59,17 +63,24 @@ def _prompt(i: int) -> list[dict]:
 
 async def _chat(client: openai.AsyncOpenAI, i: int, streaming: list[int]) -> tuple[str, str | None]:
     """(text, error) of one streamed completion started at its turn. Every fourth asks for two seeded samples
-    (n = 2, temperature 0.8): its text is both, "|"-separated; the others are greedy."""
+    (n = 2, temperature 0.8): its text is both, "|"-separated; the others are greedy. Every third is a text
+    completion with `echo`, which the router has the tokenizer service tokenize (chat prompts go to the workers to
+    render): the tokenizer's faults are felt."""
     await asyncio.sleep(i * ARRIVE_S / STREAMS)
     texts = ["", ""]
     sampled = {"n": 2, "temperature": 0.8, "seed": i} if i % 4 == 0 else {"temperature": 0}
     try:
-        stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS,
-                                                      stream=True, extra_body={"ignore_eos": True}, **sampled)
+        if i % 3 == 1:
+            stream = await client.completions.create(model=NAME, prompt=_prompt(i)[0]["content"], echo=True,
+                                                     max_tokens=TOKENS, stream=True, extra_body={"ignore_eos": True},
+                                                     **sampled)
+        else:
+            stream = await client.chat.completions.create(model=NAME, messages=_prompt(i), max_tokens=TOKENS,
+                                                          stream=True, extra_body={"ignore_eos": True}, **sampled)
         first = True
         async for chunk in stream:
             for choice in chunk.choices:
-                texts[choice.index] += choice.delta.content or ""
+                texts[choice.index] += (choice.text if hasattr(choice, "text") else choice.delta.content) or ""
             if first:
                 streaming[0], first = streaming[0] + 1, False
         return "|".join(texts), None
@@ -108,6 +119,13 @@ def _kvstore_page_sets(mesh) -> float:
     return metric_sum(match.group(1).rstrip(","), "radixmesh:kvstore_page_sets_total")
 
 
+def _tokenizer_calls(mesh) -> float:
+    """Texts the tokenizer replicas have tokenized since they started (their metrics' URLs are in the launcher's log)."""
+    urls = re.findall(r"tokenizer(?:-\d+)? (http://\S+/metrics)", mesh.log_path.read_text())
+    assert len(urls) == 2, mesh.log_tail()
+    return sum(metric_sum(u.rstrip(","), "radixmesh:tokenizer_requests_total") for u in urls)
+
+
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory):
     with running_mesh(NAME, tmp_path_factory.mktemp("chaos"), "--num-tokenizers", "2", "--kvstore",
@@ -115,6 +133,7 @@ def chaos(tmp_path_factory):
         want = asyncio.run(_load(mesh))
         assert all(err is None for _, err in want), [err for _, err in want if err][:3]
         assert _kvstore_page_sets(mesh) > 0  # the workers write to L3: its faults are felt
+        assert _tokenizer_calls(mesh) >= STREAMS // 3  # the echoed completions: the tokenizers' faults are felt
         yield mesh, [text for text, _ in want]
 
 

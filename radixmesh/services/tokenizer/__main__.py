@@ -19,6 +19,7 @@ from radixmesh.services.tokenizer.backend import TokenizerBackend
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.tokenizer.servicer import TokenizerServicer, add_to_server
 from radixmesh.services.tokenizer.settings import TokenizerSettings
+from radixmesh.services.tokenizer.without_torch import leave_out, restart_with_torch
 
 log = logging.getLogger("radixmesh.services.tokenizer")
 
@@ -52,14 +53,20 @@ def parse_args(argv: Sequence[str] | None = None):
         MetricsSettings, TraceSettings, InternalAuthSettings)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
+    """`own_process`: this process is the service's alone (`python -m`), so torch is left out of it (without_torch)."""
     settings, metrics_kwargs, trace_kwargs, auth_kwargs = parse_args(argv)
     setup_logging("tokenizer", settings.log_level)
+    without_torch = own_process and leave_out(settings.trust_remote_code)
     auth.setup(auth_kwargs)
     setup_tracing(settings_or_exit(trace_kwargs), "tokenizer")
     try:
         metrics_settings = MetricsSettings(**metrics_kwargs)
         backend = TokenizerBackend.from_settings(settings)
+    except ImportError as e:
+        if without_torch:
+            restart_with_torch(e)
+        raise
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -69,4 +76,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))
