@@ -102,7 +102,7 @@ def test_router_worker_and_tokenizer_metrics_add_up(mesh):
         usages.append(json.loads(body)["meta_info"])
     for text in prompts[:2]:
         status, body = post(ports["router"], "/v1/completions", json.dumps(
-            {"model": "tiny", "prompt": text, "max_tokens": 3, "stream": True, "temperature": 0,
+            {"model": "tiny", "prompt": text, "max_tokens": 3, "stream": True, "temperature": 0, "echo": True,
              "stream_options": {"include_usage": True}}).encode(), KEY)
         assert status == 200
         events = [json.loads(line[6:]) for line in body.decode().splitlines()
@@ -138,7 +138,8 @@ def test_router_worker_and_tokenizer_metrics_add_up(mesh):
     assert total("sglang:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
     assert total("sglang:e2e_request_latency_seconds_count") == 8
 
-    # /generate's text went to the workers, which tokenized it; the tokenizer service tokenized the completions
+    # /generate's text went to the workers, which tokenized it; the tokenizer service tokenized the completions,
+    # whose `echo` needs the prompt's ids in the router (without it they go to the workers as text too)
     tok = scrape(ports["tokenizer"])
     labels = {"model_name": "tiny", "role": "tokenizer"}
     assert tok.value("radixmesh:tokenizer_requests_total", method="tokenize_text", **labels) == 2

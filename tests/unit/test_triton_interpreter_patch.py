@@ -77,7 +77,8 @@ def test_helpers_inside_a_launch_skip_the_repatch_and_outputs_stay_bit_identical
     np.testing.assert_allclose(fast.numpy(), want, rtol=1e-6)
     # a launch scans tl, tl.tensor, tl.math and the descriptor base, tl.max's first call triton.language.core, its
     # tensor and the descriptor base again; without the patch every helper call scanned them all again
-    assert fast_scans == 7 and slow_scans > 5 * fast_scans, (fast_scans, slow_scans)
+    # (how many a launch scans depends on what earlier tests loaded: 7 alone, 10 in a full run)
+    assert 0 < fast_scans <= 12 and slow_scans > 5 * fast_scans, (fast_scans, slow_scans)
 
 
 def _language_state() -> tuple:
