@@ -8,6 +8,7 @@ tests check that it does). No tokenizer: engines run them with skip_tokenizer_in
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -74,3 +75,20 @@ def prompts(seed: int = 7) -> list[list[int]]:
 
     shared = rand(40)
     return [rand(5), rand(23), shared + rand(3), shared + rand(17), shared + rand(41), rand(90)]
+
+
+# the bfloat16 (prefill, decode) backend pairs the CUDA tests of these models run
+BF16_BACKENDS = [("triton", "triton")] + ([("flashinfer", "flashinfer"), ("flashinfer", "triton")]
+                                          if importlib.util.find_spec("flashinfer") is not None else [])
+
+
+def logprob_errors(path: str, outs: list[dict]) -> list[float]:
+    """|engine - transformers| of every generated token's logprob (transformers' teacher-forced, float32), over the
+    outputs of `prompts()`."""
+    from tests.reference import hf_token_logprobs
+
+    errors = []
+    for out, prompt in zip(outs, prompts()):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        errors += [abs(a - b) for a, b in zip(got, hf_token_logprobs(path, prompt, out["output_ids"]))]
+    return errors

@@ -12,20 +12,17 @@ found: `test_cuda_keeps_one_pool` checks that, and the hybrid tests run again on
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from tests.engine_utils import running_engine
-from tests.reference import hf_greedy, hf_token_logprobs
-from tests.sliding_models import build, prompts
+from tests.reference import hf_greedy
+from tests.sliding_models import BF16_BACKENDS, build, logprob_errors, prompts
 
 pytestmark = pytest.mark.gpu
 HYBRID_ON_CUDA = False  # swa_pool.why_no_hybrid lets CUDA engines have the hybrid pool
 needs_hybrid = pytest.mark.skipif(not HYBRID_ON_CUDA, reason="CUDA keeps one pool until these pass on a GPU")
 
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 GREEDY = {"max_new_tokens": 40, "temperature": 0}
 # a 2048-token full pool and a 192-token SWA pool: every prompt's cached window competes for it
 SMALL = dict(max_total_tokens=2048, swa_full_tokens_ratio=0.09375, page_size=16, chunked_prefill_size=32)
@@ -49,14 +46,6 @@ def _generate(path: str, **kwargs) -> list[dict]:
     return first
 
 
-def _logprob_errors(path: str, outs: list[dict]) -> list[float]:
-    errors = []
-    for out, prompt in zip(outs, prompts()):
-        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        errors += [abs(a - b) for a, b in zip(got, hf_token_logprobs(path, prompt, out["output_ids"]))]
-    return errors
-
-
 @pytest.mark.parametrize("kind", ("gemma2", "gemma3"))
 def test_cuda_keeps_one_pool(checkpoints, kind):
     """Until the hybrid pool passes here, a CUDA engine serves alternating models from one pool, as transformers."""
@@ -75,11 +64,7 @@ def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
     path = checkpoints[kind]
     outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
     assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
-    assert max(_logprob_errors(path, outs)) < 1e-3
-
-
-BF16_BACKENDS = [("triton", "triton")] + ([("flashinfer", "flashinfer"), ("flashinfer", "triton")]
-                                          if HAS_FLASHINFER else [])
+    assert max(logprob_errors(path, outs)) < 1e-3
 
 
 @needs_hybrid
@@ -89,5 +74,5 @@ def test_bfloat16_within_noise_of_transformers(checkpoints, prefill, decode, gra
     path = checkpoints["gemma2"]
     outs = _generate(path, dtype="bfloat16", attention_backend=prefill, decode_attention_backend=decode,
                      disable_cuda_graph=not graphs)
-    errors = _logprob_errors(path, outs)
+    errors = logprob_errors(path, outs)
     assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.engine_utils import running_engine
-from tests.reference import hf_greedy, hf_token_logprobs
-from tests.sliding_models import build, prompts
+from tests.reference import hf_greedy
+from tests.sliding_models import BF16_BACKENDS, build, logprob_errors, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -41,26 +41,13 @@ def _generate(path: str, **kwargs) -> list[dict]:
     return first
 
 
-def _logprob_errors(path: str, outs: list[dict]) -> list[float]:
-    errors = []
-    for out, prompt in zip(outs, prompts()):
-        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        want = hf_token_logprobs(path, prompt, out["output_ids"])
-        errors += [abs(a - b) for a, b in zip(got, want)]
-    return errors
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend,graphs", [("triton", True), ("triton", False), ("torch_native", False)])
 def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
     path = checkpoints[kind]
     outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
     assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
-    assert max(_logprob_errors(path, outs)) < 1e-3
-
-
-BF16_BACKENDS = [("triton", "triton")] + ([("flashinfer", "flashinfer"), ("flashinfer", "triton")]
-                                          if HAS_FLASHINFER else [])
+    assert max(logprob_errors(path, outs)) < 1e-3
 
 
 @pytest.mark.parametrize("kind", ("gemma2", "gemma3", "mistral"))
@@ -70,7 +57,7 @@ def test_bfloat16_within_noise_of_transformers(checkpoints, kind, prefill, decod
     path = checkpoints[kind]
     outs = _generate(path, dtype="bfloat16", attention_backend=prefill, decode_attention_backend=decode,
                      disable_cuda_graph=not graphs)
-    errors = _logprob_errors(path, outs)
+    errors = logprob_errors(path, outs)
     assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
 
 
@@ -114,5 +101,5 @@ def test_flashinfer_sliding_lists_hold_only_the_window(checkpoints, graphs):
     for _, lens, new, seq in lists:
         assert all(n <= 11 + e and (n == s or n == 11 + e) for n, e, s in zip(lens, new, seq)), (lens, new, seq)
     assert any(s > n for _, lens, _, seq in lists for n, s in zip(lens, seq))  # some lists really are cut
-    errors = _logprob_errors(path, outs)
+    errors = logprob_errors(path, outs)
     assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))

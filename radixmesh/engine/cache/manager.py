@@ -41,6 +41,8 @@ class CacheManager:
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None,
                  events: KvEventLog | None = None, window: int | None = None):
         self.kv = kv_pool
+        # pools that mirror this one's slots (an EAGLE head's KV: engine.speculative.setup) and copy what it copies
+        self.page_copy_followers: list = []
         self.pages = kv_pool.allocator
         self.page = kv_pool.page_size
         self.req_to_token = req_to_token
@@ -128,6 +130,8 @@ class CacheManager:
         """The KV of the first n slots of device page src into page dst, every layer (in stream order before the
         next forward; under tensor parallelism every rank does the same, from the step journal)."""
         self.kv.copy_page_prefix(src, dst, n)
+        for follow in self.page_copy_followers:
+            follow(src, dst, n)
         if self.req_to_token.journal is not None:
             self.req_to_token.journal.append(("copy_pages", src, dst, n))
 

@@ -88,20 +88,6 @@ def draft_runner(algorithm: str, draft: tuple[EngineArgs, ModelConfig], target: 
     return ModelRunner(args, config, table=target.req_to_token, shared_with=shared)
 
 
-def _mirror_page_copies(cache, drafter: DraftModel) -> None:
-    """An EAGLE head keeps its KV of cached prefixes (its pool mirrors the target's slot for slot): when the cache
-    manager copies part of a cached page into a request's fresh page (a tail, engine.cache.tails), the head's pool
-    copies the same slots, else the head would catch up over them reading zeros (the target computed no hidden states
-    there). Composed onto the manager's copy, which the tails call."""
-    copy = cache.copy_page_prefix
-
-    def both(src: int, dst: int, n: int) -> None:
-        copy(src, dst, n)
-        drafter.copy_page_prefix(src, dst, n)
-
-    cache.copy_page_prefix = both
-
-
 def spec_steps(args: EngineArgs, cache, runner: ModelRunner, drafts: ModelRunner | None) -> SpecSteps | None:
     """Speculative decoding's scheduler steps, when --speculative-algorithm is given."""
     if args.speculative_algorithm is None:
@@ -112,7 +98,9 @@ def spec_steps(args: EngineArgs, cache, runner: ModelRunner, drafts: ModelRunner
         layers = runner.capture.layers if runner.capture is not None else ()
         drafter = DraftModel(drafts, eagle=args.speculative_algorithm in EAGLES, layers=layers)
         if drafter.head is not None:
-            _mirror_page_copies(cache, drafter)
+            # the head's pool mirrors the target's slot for slot: a tail's copy of part of a cached page
+            # (engine.cache.tails) copies the head's KV too, else its catch-up would read zeros there
+            cache.page_copy_followers.append(drafter.copy_page_prefix)
         tree = None
         if args.speculative_eagle_topk > 1:
             tree = TreeDrafter(drafter, TreeShape(args.speculative_eagle_topk, args.speculative_num_steps,
