@@ -144,6 +144,11 @@ class GrpcService:
             self._grace_s = grace_s
         self._stopping.set()
 
+    @property
+    def stop_requested(self) -> bool:
+        """A stop was asked for (a signal, or request_stop): the engine's shutdown that follows is expected."""
+        return self._stopping.is_set()
+
     async def stop(self) -> None:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period, then release."""
         self.draining.set()

@@ -73,7 +73,7 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
         registration = _register_with_kvstore(engine, settings, service.port)
     watchdog = asyncio.create_task(_watch_engine(engine, service))
     await service.run_until_signal()
-    if watchdog.done():  # stopped because the engine died, not by a signal
+    if watchdog.done() and watchdog.result():  # stopped because the engine died, not by a signal
         raise SystemExit(1)
     watchdog.cancel()
 
@@ -170,13 +170,19 @@ def _disaggregation(engine: Engine, settings: WorkerSettings, pd: PdSettings):
     return rooms, None, server
 
 
-async def _watch_engine(engine: Engine, service: GrpcService) -> None:
+async def _watch_engine(engine: Engine, service: GrpcService) -> bool:
     """A worker whose scheduler died must not keep answering SERVING: stop (health NOT_SERVING, calls drained) and
-    exit non-zero, so routers move on and a supervisor restarts it."""
+    exit non-zero, so routers move on and a supervisor restarts it. True when it stopped the worker; False when a
+    stop (a signal) came first, since that stop shuts the engine down itself."""
     while engine.alive:
+        if service.stop_requested:
+            return False
         await asyncio.sleep(1.0)
+    if service.stop_requested:
+        return False
     logging.getLogger(__name__).error("the engine's scheduler is not running; stopping this worker")
     service.request_stop(grace_s=0)  # nothing in flight can finish without the scheduler
+    return True
 
 
 def _serve_follower_node(engine_kwargs: dict) -> int:
