@@ -201,6 +201,28 @@ def test_every_draft_equals_the_reference_head_s(algorithm, heads):
         assert drafts == reference.drafts(fill, len(drafts)), len(fill)
 
 
+def test_a_freed_page_forgets_the_tokens_the_head_read_there(heads):
+    """The head's per-slot records (which token it read from the target's features at each KV slot) decide which of
+    a later prefix hit's draft KV is kept; a page freed and handed to another request must not keep them."""
+    path = model_path(NAME)
+    prompt = parity_prompts(path)[1][:40]
+    with running_engine(path, page_size=4, disable_radix_cache=True, speculative_algorithm="EAGLE",
+                        speculative_draft_model_path=heads["EAGLE"], speculative_num_steps=3) as llm:
+        pairs = llm.scheduler.spec.model.pairs
+        seen = []
+        observe = llm.scheduler.spec.model.observe
+
+        def observing(batch, hidden):
+            observe(batch, hidden)
+            seen.append(int((pairs >= 0).sum()))
+
+        llm.scheduler.spec.model.observe = observing
+        out = llm.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 12})
+        assert out["meta_info"]["spec_verify_ct"] > 0
+        assert max(seen) >= len(prompt), "the head recorded the prompt's slots while the request ran"
+        assert int((pairs >= 0).sum()) == 0, "the finished request's pages were freed with their records"
+
+
 @pytest.mark.parametrize("change,message", [
     ({"num_hidden_layers": 2}, "one decoder layer"),
     ({"architectures": ["Qwen2ForCausalLM"]}, "reads LlamaForCausalLMEagle heads"),

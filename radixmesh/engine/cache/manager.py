@@ -41,8 +41,9 @@ class CacheManager:
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, tree: RadixTree | None,
                  events: KvEventLog | None = None, window: int | None = None):
         self.kv = kv_pool
-        # pools that mirror this one's slots (an EAGLE head's KV: engine.speculative.setup) and copy what it copies
-        self.page_copy_followers: list = []
+        # pools that mirror this one's slots (an EAGLE head's KV: engine.speculative.setup): each copies what this
+        # pool copies (`copy_page_prefix(src, dst, n)`) and forgets what it frees (`pages_freed(pages)`)
+        self.page_followers: list = []
         self.pages = kv_pool.allocator
         self.page = kv_pool.page_size
         self.req_to_token = req_to_token
@@ -124,14 +125,16 @@ class CacheManager:
         pages = torch.as_tensor(pages, dtype=torch.int64)
         if self.hybrid is not None:
             self.hybrid.freeing(pages)
+        for follow in self.page_followers:
+            follow.pages_freed(pages)
         self.pages.free(pages)
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
         """The KV of the first n slots of device page src into page dst, every layer (in stream order before the
         next forward; under tensor parallelism every rank does the same, from the step journal)."""
         self.kv.copy_page_prefix(src, dst, n)
-        for follow in self.page_copy_followers:
-            follow(src, dst, n)
+        for follow in self.page_followers:
+            follow.copy_page_prefix(src, dst, n)
         if self.req_to_token.journal is not None:
             self.req_to_token.journal.append(("copy_pages", src, dst, n))
 

@@ -132,6 +132,11 @@ class DraftModel:
             page = self.runner.kv_pool.page_size
             self.pairs[dst * page:dst * page + n] = self.pairs[src * page:src * page + n]
 
+    def pages_freed(self, pages: torch.Tensor) -> None:
+        """The target freed device `pages` (host int64): their slots read no token any more."""
+        if self.pairs is not None:
+            self.pairs.view(-1, self.runner.kv_pool.page_size)[pages] = -1
+
     def kept_path(self, req: Req, newest: int, path: list[int]) -> None:
         """After a tree verify: the hidden states of the kept path's nodes (node numbers; the root at `newest`)
         become those of positions newest + 1, newest + 2, ..."""

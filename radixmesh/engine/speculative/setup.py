@@ -99,8 +99,9 @@ def spec_steps(args: EngineArgs, cache, runner: ModelRunner, drafts: ModelRunner
         drafter = DraftModel(drafts, eagle=args.speculative_algorithm in EAGLES, layers=layers)
         if drafter.head is not None:
             # the head's pool mirrors the target's slot for slot: a tail's copy of part of a cached page
-            # (engine.cache.tails) copies the head's KV too, else its catch-up would read zeros there
-            cache.page_copy_followers.append(drafter.copy_page_prefix)
+            # (engine.cache.tails) copies the head's KV too, else its catch-up would read zeros there; a freed
+            # page's records go, else a later owner's prefix hit could keep the head's KV of another context
+            cache.page_followers.append(drafter)
         tree = None
         if args.speculative_eagle_topk > 1:
             tree = TreeDrafter(drafter, TreeShape(args.speculative_eagle_topk, args.speculative_num_steps,
