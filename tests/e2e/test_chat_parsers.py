@@ -1,19 +1,28 @@
 """Tool calls, reasoning and fill-in-the-middle completions through the launched mesh (tiny-qwen3, whose template
 lists tools, renders calls as <tool_call> blocks and closes the thinking block when enable_thinking is false), with
 the official openai client: outputs parse into the SDK's types, arguments validate against the tools' schemas,
-reasoning is split off, constraints bind the answer only."""
+reasoning is split off, constraints bind the answer only. The worker renders the chats (it reports where its
+rendering leaves the thinking), with the outputs of the tokenizer service's rendering."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import re
 
+import aiohttp
 import jsonschema
 import openai
 import pytest
+from aiohttp import web
 from transformers import AutoTokenizer
 
+from radixmesh.services.common import auth
+from radixmesh.services.common.auth import InternalAuth
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
-from tests.e2e.mesh import openai_client, running_mesh
+from tests.e2e.mesh import INTERNAL_TOKEN, cmdline, metric_sum, openai_client, running_mesh
 
 MODEL = model_path("tiny-qwen3")
 END_THINK = 1001  # "</think>" in tiny-qwen3's tokenizer (an added, non-special token, as in Qwen3's)
@@ -38,7 +47,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     with running_mesh(MODEL, tmp_path_factory.mktemp("parsers"), "--reasoning-parser", "qwen3",
-                      "--tool-call-parser", "qwen25", "--completion-template", "qwen_coder") as m:
+                      "--tool-call-parser", "qwen25", "--completion-template", "qwen_coder", "--enable-metrics") as m:
         yield m
 
 
@@ -237,3 +246,126 @@ def test_suffix_fills_in_the_middle_with_the_completion_template(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**common, prompt=[1, 2, 3], suffix=suffix)
     assert e.value.body["param"] == "suffix"
+
+
+# Chats whose rendering leaves the thinking open (the assistant turn opened it), outside (thinking on: the output
+# may open it) and closed (enable_thinking false), split or not, free or constrained (the gate is the worker's).
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+BIAS = {"logit_bias": {str(END_THINK): 8}}  # closes the thinking after a few tokens
+CASES = [
+    {"messages": THINKING, **CONTINUE, **BIAS},
+    {"messages": THINKING, **CONTINUE, **BIAS, "separate_reasoning": False},
+    {"messages": ASK, **NO_THINKING},
+    {"messages": THINKING, **CONTINUE, **BIAS, "max_tokens": 40,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "clock", "schema": CLOCK}}},
+    {"messages": ASK, "regex": r"Sure\. [a-z]{2,6}", "temperature": 1.0, "seed": 1},
+]
+
+
+def _addresses(mesh) -> dict[str, str]:
+    """The mesh's tokenizer and worker gRPC addresses, from their command lines."""
+    out = {}
+    for name, pid in mesh.services().items():
+        argv = cmdline(pid).split()
+        for service in ("tokenizer", "worker"):
+            if name == f"radixmesh.services.{service}":
+                out[service] = f"127.0.0.1:{argv[argv.index('--port') + 1]}"
+    return out
+
+
+def _tokenizer_calls(mesh) -> float:
+    """Calls the tokenizer service has served (its metrics' URL is in the launcher's log)."""
+    match = re.search(r"tokenizer (http://\S+/metrics)", mesh.log_path.read_text())
+    assert match, mesh.log_tail()
+    return metric_sum(match.group(1).rstrip(","), "radixmesh:tokenizer_requests_total")
+
+
+@contextlib.asynccontextmanager
+async def _tokenizer_path_router(mesh):
+    """A second router, in this process, over the mesh's tokenizer service and worker, which it takes for a worker of
+    an older release (its GetModelInfo without reports_prompt_thinking): the tokenizer service renders its chats
+    under --reasoning-parser, as every router's before workers said where a rendering leaves the thinking. Yields
+    its base URL."""
+    from radixmesh.services.router.__main__ import build_app, build_router
+    from radixmesh.services.router.settings import RouterSettings
+
+    where = _addresses(mesh)
+    before = auth.current()
+    auth.configure(InternalAuth((INTERNAL_TOKEN,)))
+    router = await build_router(RouterSettings(
+        tokenizer_url=where["tokenizer"], worker_urls=(where["worker"],), reasoning_parser="qwen3",
+        tool_call_parser="qwen25", disable_health_check=True))
+    runner = web.AppRunner(build_app(router))
+    try:
+        for worker in router.registry.workers.values():
+            worker.info.reports_prompt_thinking = False
+        router.registry.workers = dict(router.registry.workers)  # what it knew of the workers is asked anew
+        assert router.routes_chat() and not router.routes_chat(thinking=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        await router.registry.close()
+        await router.tokenizer.close()
+        auth.configure(before)
+
+
+async def _chat(session: aiohttp.ClientSession, base: str, body: dict) -> dict:
+    """What a client gets, without the response's id, times, tool calls' ids and cached tokens: the choices and
+    usage of a whole answer; each choice's reasoning, content and finish reason of a streamed one."""
+    async with session.post(base + "/v1/chat/completions", json={"model": MODEL, **body}) as r:
+        assert r.status == 200, await r.text()
+        if not body.get("stream"):
+            out = await r.json()
+            for c in out["choices"]:
+                for call in c["message"].get("tool_calls") or ():
+                    call.pop("id")
+            out["usage"].pop("prompt_tokens_details", None)  # the first router's requests cached the prompts
+            return {"choices": out["choices"], "usage": out["usage"]}
+        choices: dict[int, dict] = {}
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                got = choices.setdefault(c["index"], {"reasoning": "", "content": "", "finish": None})
+                got["reasoning"] += c["delta"].get("reasoning_content") or ""
+                got["content"] += c["delta"].get("content") or ""
+                got["finish"] = c["finish_reason"] or got["finish"]
+        return choices
+
+
+def test_chats_the_worker_renders_answer_as_the_tokenizer_services_renderings_do(mesh):
+    """The mesh's router sends every chat to the worker (which says where its rendering leaves the thinking, and
+    gates constraints): the tokenizer service is not called, and each answer, whole or streamed, is the one a
+    router gives that has the tokenizer service render the chat (reasoning_content, content, finish, usage; its
+    streamed answers are its whole ones, as test_reasoning_is_split_from_the_answer checks)."""
+    bodies = [{"max_tokens": 24, "temperature": 0, **case} for case in CASES]
+
+    async def run() -> tuple[list, list, list, float]:
+        async with aiohttp.ClientSession() as session:
+            await _chat(session, mesh.url, bodies[-1])  # the router learns the think tags' token ids (once)
+            calls = _tokenizer_calls(mesh)
+            by_worker = [await _chat(session, mesh.url, b) for b in bodies]
+            streamed = [await _chat(session, mesh.url, {**b, "stream": True}) for b in bodies]
+            assert _tokenizer_calls(mesh) == calls, "the router had the tokenizer service render a chat"
+            async with _tokenizer_path_router(mesh) as base:
+                by_tokenizer = [await _chat(session, base, b) for b in bodies]
+            return by_worker, streamed, by_tokenizer, _tokenizer_calls(mesh) - calls
+
+    by_worker, streamed, by_tokenizer, rendered = asyncio.run(run())
+    assert rendered >= len(bodies)  # the second router's chats were the tokenizer service's
+    for body, worker, pieces, tokenizer in zip(bodies, by_worker, streamed, by_tokenizer):
+        assert worker == tokenizer, body
+        (choice,) = tokenizer["choices"]
+        message = choice["message"]
+        assert pieces == {0: {"reasoning": message.get("reasoning_content") or "", "content": message["content"],
+                              "finish": choice["finish_reason"]}}, body
+    whole = [w["choices"][0]["message"] for w in by_worker]
+    assert whole[0]["reasoning_content"] and whole[0]["content"]  # open: thought, then answered
+    assert "reasoning_content" not in whole[1] and "</think>" in whole[1]["content"]  # not split
+    assert whole[2]["reasoning_content"] is None and whole[2]["content"]  # closed: all answer
+    assert whole[3]["reasoning_content"] == whole[0]["reasoning_content"]  # the gate let the thinking be
+    jsonschema.validate(json.loads(whole[3]["content"]), CLOCK)
+    assert whole[4]["reasoning_content"] and not whole[4]["content"]  # outside: the output opened the thinking

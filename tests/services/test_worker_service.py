@@ -170,6 +170,59 @@ def test_a_chat_prompt_is_rendered_by_the_worker_as_the_tokenizer_service_does(w
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
 
 
+def test_a_chat_with_reasoning_tags_says_where_the_rendering_leaves_the_thinking(worker):
+    """What a router's --reasoning-parser needs of a chat the worker renders (GenerateRequest.reasoning_tags): the
+    request's first message, streamed or not, says where the rendering leaves the thinking, as prompt_thinking finds
+    it in the tokenizer service's rendering; and a constraint's reasoning gate, sent as both tags' token ids, is
+    kept as answer_gate gives it for that state: the output is the one of the prompt's ids with that gate."""
+    from radixmesh.v1 import tokenizer_pb2
+    from radixmesh.services.common import thinking
+    from radixmesh.services.common.chat_render import chat_from_proto
+    from radixmesh.services.tokenizer.backend import TokenizerBackend
+    from radixmesh.services.tokenizer.settings import TokenizerSettings
+
+    assert worker.GetModelInfo(worker_pb2.GetModelInfoRequest()).reports_prompt_thinking
+    user = tokenizer_pb2.ChatMessage(role="user", content="What is two plus two?")
+    chats = {state: tokenizer_pb2.ChatInput(messages=[user, tokenizer_pb2.ChatMessage(role="assistant", content=c)],
+                                            continue_final_message=True)
+             for state, c in ((thinking.OPEN, "<think>\nLet me see"), (thinking.CLOSED, "<think>a</think>\n"))}
+    chats[thinking.OUTSIDE] = tokenizer_pb2.ChatInput(messages=[user])
+    tags = worker_pb2.ReasoningTags(start="<think>", end="</think>")
+    regex = r"Sure\. [a-z]{2,6}"
+    backend = TokenizerBackend.from_settings(TokenizerSettings(model_path=MODEL))
+    try:
+        rendered = {s: asyncio.run(backend.run(backend.tokenize_chat, chat_from_proto(c))) for s, c in chats.items()}
+    finally:
+        backend.close()
+    texts = {}
+    for state, chat in chats.items():
+        assert thinking.prompt_thinking(rendered[state].prompt, tags.start, tags.end) == state
+        gate = thinking.answer_gate(state, False, 7, 9)
+        gated = {} if gate is None else {"reasoning_end_token_id": gate.end}
+        if gate is not None and gate.start is not None:
+            gated["reasoning_start_token_id"] = gate.start
+        by_ids = list(worker.Generate(worker_pb2.GenerateRequest(
+            request_id=f"think-ids-{state}", input_ids=rendered[state].input_ids,
+            sampling_params=greedy(8, regex=regex, **gated))))
+        assert all(not m.prompt_thinking for m in by_ids)
+        texts[state] = by_ids[-1].complete.text
+        for stream in (False, True):
+            out = list(worker.Generate(worker_pb2.GenerateRequest(
+                request_id=f"think-{state}-{stream}", chat=chat, reasoning_tags=tags, stream=stream,
+                sampling_params=greedy(8, regex=regex, reasoning_start_token_id=7, reasoning_end_token_id=9))))
+            assert [m.prompt_thinking for m in out] == [state] + [thinking.UNSPECIFIED] * (len(out) - 1)
+            assert out[-1].complete.text == texts[state], (state, stream)
+    assert len(set(texts.values())) == 3, texts  # the gates differ: a gate kept wrongly changes the output
+    plain = list(worker.Generate(worker_pb2.GenerateRequest(request_id="think-none", chat=chats[thinking.OPEN],
+                                                            sampling_params=greedy(2))))
+    assert all(not m.prompt_thinking for m in plain)  # no tags, nothing said
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.Generate(worker_pb2.GenerateRequest(request_id="think-bad", chat=chats[thinking.OPEN],
+                                                        reasoning_tags=worker_pb2.ReasoningTags(start="<think>"),
+                                                        sampling_params=greedy(2))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reasoning_tags" in err.value.details()
+
+
 def test_unpaired_prefill_and_decode_requests_fail_within_the_bootstrap_timeout():
     """A prefill request no decode worker registers for, and a decode request whose room the prefill worker never
     gets, each end in ABORTED with the reason within --disaggregation-bootstrap-timeout, holding no page."""

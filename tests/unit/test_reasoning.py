@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from radixmesh.services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, reasoning_format,
-                                                 split_reasoning, starts_in_reasoning)
+from radixmesh.services.common import thinking
+from radixmesh.services.router.reasoning import (REASONING_PARSERS, ReasoningSplitter, closes_reasoning,
+                                                 reasoning_format, split_reasoning, starts_in_reasoning)
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek-r1"]
 
@@ -73,3 +74,23 @@ def test_starts_in_reasoning(fmt, prompt, expected):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="qwen3"):
         reasoning_format("nope")
+
+
+@pytest.mark.parametrize("prompt, state", [
+    ("<|im_start|>assistant\n", thinking.OUTSIDE),
+    ("<|im_start|>assistant\n<think>\n", thinking.OPEN),
+    ("<|im_start|>assistant\n<think>\nLet me see", thinking.OPEN),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", thinking.CLOSED),
+    ("old <think>a</think> turn<|im_start|>assistant\n", thinking.OUTSIDE),
+    ("</think> then <think>", thinking.OPEN),
+])
+def test_where_a_prompt_leaves_the_thinking(prompt, state):
+    """The state a worker reports for its rendering, from which the router decides as from the tokenizer service's
+    rendering: a format that starts inside the thinking (deepseek-r1) does so unless the prompt closed it."""
+    assert thinking.prompt_thinking(prompt, "<think>", "</think>") == state
+    for fmt in (QWEN3, R1):
+        assert thinking.starts_thinking(state, fmt.force) == starts_in_reasoning(fmt, prompt)
+        assert (state == thinking.CLOSED) == closes_reasoning(fmt, prompt)
+    # a message that does not say (none of a request's but its first) counts as OUTSIDE
+    assert not thinking.starts_thinking(thinking.UNSPECIFIED, False)
+    assert thinking.starts_thinking(thinking.UNSPECIFIED, True)

@@ -3,6 +3,7 @@ matches it by its text, in every router process alike, and the router only does 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from radixmesh.v1 import tokenizer_pb2, worker_pb2
+from radixmesh.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from radixmesh.services.common.chat_render import template_sha256
 from radixmesh.services.router.core import Router
 from radixmesh.services.router.kv_index import KvIndexPolicy
@@ -22,9 +23,12 @@ from radixmesh.services.router.workers import Worker, WorkerRegistry
 PREFIX = "You are a careful assistant. Answer in one sentence, and cite the source you used. " * 3
 
 
-def _worker(url: str, mode: str = "null", tokenizes: bool = True, template: str = "TEMPLATE") -> Worker:
+def _worker(url: str, mode: str = "null", tokenizes: bool = True, template: str = "TEMPLATE",
+            thinking: bool = True) -> Worker:
+    """`thinking`: it reports where its chat renderings leave the thinking (a worker of an older release does not)."""
     info = worker_pb2.GetModelInfoResponse(served_model_name="m", disaggregation_mode=mode, tokenizes_text=tokenizes,
-                                           chat_template_sha256=template_sha256(template) if tokenizes else "")
+                                           chat_template_sha256=template_sha256(template) if tokenizes else "",
+                                           reports_prompt_thinking=tokenizes and thinking)
     return Worker(url, channel=None, stub=None, info=info)
 
 
@@ -109,6 +113,57 @@ def test_chat_goes_to_the_workers_only_where_every_one_renders_the_tokenizer_ser
     assert _router(RoundRobin(), _worker("a:1")).routes_chat()
     kv = KvIndexPolicy.__new__(KvIndexPolicy)
     assert not _router(kv, _worker("a:1")).routes_chat()  # kv_index needs the ids
+
+
+def test_chat_under_a_reasoning_parser_goes_to_the_workers_only_where_every_one_reports_the_thinking():
+    """A --reasoning-parser needs to know where the rendering leaves the thinking: a worker of an older release
+    (GetModelInfo without reports_prompt_thinking) among them has the tokenizer service render such chats."""
+    policy = _policy()
+    assert _router(policy, _worker("a:1"), _worker("b:1")).routes_chat(thinking=True)
+    mixed = _router(policy, _worker("a:1"), _worker("b:1", thinking=False))
+    assert mixed.routes_chat() and not mixed.routes_chat(thinking=True)
+    assert not _router(policy, _worker("a:1"), _worker("b:1", template="OTHER")).routes_chat(thinking=True)
+    assert not _router(policy, _worker("a:1"), template=None).routes_chat(thinking=True)
+
+
+class _Vocabulary:
+    """The tokenizer service's Tokenize of single words (a test double: `ids` maps the texts that are one token)."""
+
+    def __init__(self, ids: dict[str, int]) -> None:
+        self.ids, self.info = ids, None
+
+    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        one = self.ids.get(request.text)
+        return tokenizer_pb2.TokenizeResponse(input_ids=[one] if one is not None else [5, 6], prompt=request.text)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+@pytest.mark.parametrize("vocab", [{"<think>": 7, "</think>": 8}, {"</think>": 8}, {"<think>": 7}],
+                         ids=["both-tags-one-token", "end-only", "start-only"])
+def test_a_worker_gates_a_constraint_as_the_router_does_from_the_tokenizer_services_rendering(parser, vocab):
+    """A constrained chat under --reasoning-parser: the sampling params the engine gets are the same whether the
+    router gated them from the tokenizer service's rendering, or sent the tags' tokens to the worker that renders
+    the chat, which keeps of them what its rendering calls for (thinking.regate)."""
+    from radixmesh.services.common import thinking
+    from radixmesh.services.router.openai_api import _answer_constraint, _Prepared
+    from radixmesh.services.router.openai_request import parse_chat_completion
+    from radixmesh.services.router.reasoning import reasoning_format
+
+    fmt = reasoning_format(parser)
+    router = Router(RouterSettings(tokenizer_url="127.0.0.1:1", reasoning_parser=parser),
+                    WorkerRegistry(connect_timeout_s=1.0, probe_interval_s=60), RoundRobin(), _Vocabulary(vocab))
+    job = parse_chat_completion({"messages": [{"role": "user", "content": "hi"}], "regex": "a+"}, ("m",))
+    seen = set()
+    for prompt in ("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n",
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n", "old <think>a</think> turn<|im_start|>"):
+        state = thinking.prompt_thinking(prompt, fmt.start, fmt.end)
+        seen.add(state)
+        by_router = asyncio.run(_answer_constraint(router, job, _Prepared([1, 2], prompt)))
+        by_worker = common_pb2.SamplingParams()
+        by_worker.CopyFrom(asyncio.run(_answer_constraint(router, job, _Prepared(None, "", job.prompts[0].tokenize))))
+        thinking.regate(by_worker, state, fmt.force)
+        assert by_worker == by_router, (prompt, by_worker, by_router)
+    assert seen == {thinking.OPEN, thinking.CLOSED, thinking.OUTSIDE}
 
 
 def test_a_conversations_next_turn_is_routed_where_its_earlier_turns_went():

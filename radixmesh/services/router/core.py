@@ -145,10 +145,12 @@ class Router:
         kv_index matches token pages in the kvstore, and a PD pair is sent the ids."""
         return getattr(self.policy, "routes_text", False) and self.registry.tokenize_text
 
-    def routes_chat(self) -> bool:
+    def routes_chat(self, thinking: bool = False) -> bool:
         """Whether a chat prompt goes to its worker as messages, for the worker to render and tokenize (as SGLang's
         router leaves chat templates to its workers): when text prompts do (routes_text) and every worker renders
-        with the tokenizer service's chat template (GetModelInfo's chat_template_sha256 is the service's)."""
+        with the tokenizer service's chat template (GetModelInfo's chat_template_sha256 is the service's).
+        `thinking`: the router needs to know where the rendering leaves the thinking (--reasoning-parser), which
+        every worker must then report (GetModelInfo's reports_prompt_thinking)."""
         if not self.routes_text():
             return False
         info = getattr(self.tokenizer, "info", None)
@@ -156,7 +158,7 @@ class Router:
             return False
         if self._chat_template[0] is not info:
             self._chat_template = (info, template_sha256(info.chat_template))
-        return self.registry.renders_chat(self._chat_template[1])
+        return self.registry.renders_chat(self._chat_template[1], thinking)
 
     def policy_name(self, role: str = "colocated") -> str:
         return self._policy_names.get(role) or self.settings.policy

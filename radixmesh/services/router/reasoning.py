@@ -1,11 +1,12 @@
 """Reasoning parsers (SGLang's --reasoning-parser): split a model's output into its thinking and its answer.
 
 A format names the tags around the thinking and whether the output starts inside it. Whether a sample starts in
-its thinking is decided per request from the rendered prompt: a prompt whose last think tag is an opening one (the
-template opened the block, as Qwen3's thinking-only and DeepSeek-R1's templates do) starts inside; one whose
-template already closed it (Qwen3 with enable_thinking=false) does not; `force` formats start inside unless the
-prompt closed the block. An opening tag at the very start of the output (after whitespace) enters the thinking
-too, or is dropped when the output starts inside it (older DeepSeek-R1 outputs repeat the template's tag).
+its thinking is decided per request from the rendered prompt (services/common/thinking.py, which a worker that
+renders the chat itself runs too): a prompt whose last think tag is an opening one (the template opened the block,
+as Qwen3's thinking-only and DeepSeek-R1's templates do) starts inside; one whose template already closed it (Qwen3
+with enable_thinking=false) does not; `force` formats start inside unless the prompt closed the block. An opening
+tag at the very start of the output (after whitespace) enters the thinking too, or is dropped when the output starts
+inside it (older DeepSeek-R1 outputs repeat the template's tag).
 
 The splitter works on streamed text: `feed` returns (reasoning, answer) pieces as soon as they are certain, holding
 back only a possible partial tag; `finish` flushes. Whole outputs go through the same code, so streamed and whole
@@ -14,6 +15,8 @@ results are equal. Output that never closes its thinking is all reasoning (the a
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from radixmesh.services.common.thinking import CLOSED, prompt_thinking, starts_thinking
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +46,13 @@ def reasoning_format(name: str) -> ReasoningFormat:
 
 def starts_in_reasoning(fmt: ReasoningFormat, prompt: str) -> bool:
     """Whether the output of `prompt` (the rendered chat prompt) begins inside the thinking block."""
-    if prompt.rfind(fmt.start) > prompt.rfind(fmt.end):
-        return True
-    return fmt.force and not closes_reasoning(fmt, prompt)
+    return starts_thinking(prompt_thinking(prompt, fmt.start, fmt.end), fmt.force)
 
 
 def closes_reasoning(fmt: ReasoningFormat, prompt: str) -> bool:
     """Whether the rendered prompt ends by closing the thinking block (Qwen3 with enable_thinking=false): the
     output is all answer."""
-    closed = prompt.rfind(fmt.end)
-    return closed >= 0 and not prompt[closed + len(fmt.end):].strip()
+    return prompt_thinking(prompt, fmt.start, fmt.end) == CLOSED
 
 
 def _held(text: str, tag: str) -> int:

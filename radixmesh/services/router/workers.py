@@ -176,15 +176,17 @@ class WorkerRegistry:
         self._workers = workers
         self._prompts = None
 
-    def _prompt_kinds(self) -> tuple[bool, str]:
-        """(tokenize_text, the chat template's SHA-256 every worker renders with or ""), kept until a worker is added
-        or removed (asked on every request)."""
+    def _prompt_kinds(self) -> tuple[bool, str, bool]:
+        """(tokenize_text, the chat template's SHA-256 every worker renders with or "", whether every worker reports
+        where its rendering leaves the thinking), kept until a worker is added or removed (asked on every
+        request)."""
         if self._prompts is None:
             workers = self._workers.values()
             text = bool(workers) and all(w.info.tokenizes_text and w.info.disaggregation_mode == "null"
                                          for w in workers)
             shas = {w.info.chat_template_sha256 for w in workers}
-            self._prompts = (text, shas.pop() if text and len(shas) == 1 else "")
+            thinking = text and all(w.info.reports_prompt_thinking for w in workers)
+            self._prompts = (text, shas.pop() if text and len(shas) == 1 else "", thinking)
         return self._prompts
 
     @property
@@ -193,11 +195,13 @@ class WorkerRegistry:
         says `tokenizes_text`): text prompts may then go to any of them untokenized."""
         return self._prompt_kinds()[0]
 
-    def renders_chat(self, template_sha256: str) -> bool:
+    def renders_chat(self, template_sha256: str, thinking: bool = False) -> bool:
         """True when text prompts go to the workers (tokenize_text) and every one renders chat prompts with the
         chat template whose SHA-256 is `template_sha256` (the tokenizer service's): chat prompts may then go to
-        any of them as messages."""
-        return bool(template_sha256) and self._prompt_kinds()[1] == template_sha256
+        any of them as messages. `thinking`: and every one says where its rendering leaves the thinking
+        (GetModelInfo's reports_prompt_thinking), as a --reasoning-parser needs."""
+        kinds = self._prompt_kinds()
+        return bool(template_sha256) and kinds[1] == template_sha256 and (kinds[2] or not thinking)
 
     def any_info(self) -> worker_pb2.GetModelInfoResponse | None:
         for w in self.workers.values():

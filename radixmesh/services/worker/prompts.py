@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+from typing import NamedTuple
 
 from radixmesh.engine.tokenizer_loader import load_tokenizer
 from radixmesh.services.common.chat_render import chat_from_proto, model_template, render_chat, template_sha256
@@ -21,6 +22,11 @@ from radixmesh.services.common.chat_templates import load_chat_template
 from radixmesh.v1 import tokenizer_pb2
 
 log = logging.getLogger(__name__)
+
+
+class RenderedChat(NamedTuple):
+    ids: list[int]
+    text: str  # the template's rendering, which `ids` tokenize
 
 
 class PromptTokenizer:
@@ -52,6 +58,10 @@ class PromptTokenizer:
     async def chat_ids(self, chat: tokenizer_pb2.ChatInput) -> list[int]:
         """A chat prompt's ids: the template's rendering, tokenized with no special tokens added (the template wrote
         them), as the tokenizer service's Tokenize does; ValueError for messages the template cannot take."""
+        return (await self.chat_prompt(chat)).ids
+
+    async def chat_prompt(self, chat: tokenizer_pb2.ChatInput) -> RenderedChat:
+        """chat_ids' ids with the rendering they tokenize (the tokenizer service's TokenizeResponse.prompt)."""
         spec = chat_from_proto(chat)
         return await asyncio.wrap_future(self._pool.submit(self._tokenize_chat, spec))
 
@@ -66,11 +76,12 @@ class PromptTokenizer:
             self._encode = _encoder(self._loaded.result())
         return _ids(self._encode, text, "the prompt")
 
-    def _tokenize_chat(self, spec) -> list[int]:
+    def _tokenize_chat(self, spec) -> RenderedChat:
         tokenizer = self._loaded.result()
         if self._encode_rendered is None:
             self._encode_rendered = _encoder(tokenizer, add_special_tokens=False)
-        return _ids(self._encode_rendered, render_chat(tokenizer, spec, self._override), "the chat prompt")
+        text = render_chat(tokenizer, spec, self._override)
+        return RenderedChat(_ids(self._encode_rendered, text, "the chat prompt"), text)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

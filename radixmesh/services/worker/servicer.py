@@ -23,7 +23,7 @@ from radixmesh.engine.outputs import RequestOutput
 from radixmesh.engine.profiling import ProfileError
 from radixmesh.engine.results import sample_rids
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from radixmesh.services.common import generate_mux, tracing
+from radixmesh.services.common import generate_mux, thinking, tracing
 from radixmesh.services.common.errors import Exhausted
 from radixmesh.services.common.metrics import ServiceMetrics
 from radixmesh.services.worker import convert
@@ -97,6 +97,21 @@ class _StreamOut:
             self.emit(worker_pb2.GenerateResponse(request_id=self.rid, index=i, complete=whole))
 
 
+class _FirstTells:
+    """An emit that puts where the chat's rendering leaves the thinking (a PromptThinking) on the request's first
+    message, before handing each message on."""
+
+    __slots__ = ("emit", "state")
+
+    def __init__(self, emit: Callable, state: int) -> None:
+        self.emit, self.state = emit, state
+
+    def __call__(self, msg: worker_pb2.GenerateResponse) -> None:
+        if self.state:
+            msg.prompt_thinking, self.state = self.state, thinking.UNSPECIFIED
+        self.emit(msg)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: Engine, settings: WorkerSettings, prefill_rooms=None, decode_rooms=None,
                  metrics: ServiceMetrics | None = None):
@@ -148,7 +163,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise ValueError(f"this is a {mode} worker: disaggregated_params must be " +
                              ("absent" if mode == "null" else "given (the router pairs prefill and decode workers)"))
         if not request.input_ids:  # every path below (prefill, decode, colocated) reads the ids from the request
-            request.input_ids[:] = await self._prompt_ids(request)
+            request.input_ids[:], state = await self._prompt_ids(request)
+            if state:  # a chat with reasoning_tags: the router learns where the rendering leaves the thinking
+                thinking.regate(request.sampling_params, state, request.reasoning_tags.starts_inside)
+                emit = _FirstTells(emit, state)
         if request.request_id in self.active:
             raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
         tracing.set_attributes(request_id=request.request_id, prompt_tokens=len(request.input_ids))
@@ -182,25 +200,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             self.active.pop(request.request_id, None)
 
-    async def _prompt_ids(self, request: worker_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: worker_pb2.GenerateRequest) -> tuple[list[int], int]:
         """The prompt ids of a request without them: its chat messages rendered and tokenized, or its text
-        tokenized (services.worker.prompts), off the event loop."""
+        tokenized (services.worker.prompts), off the event loop; with them, for a chat with reasoning_tags, where
+        the rendering leaves the thinking (else PROMPT_THINKING_UNSPECIFIED)."""
         chat = request.chat if request.HasField("chat") else None
         if self.prompts is None:
             raise ValueError("this worker has no tokenizer (--skip-tokenizer-init): send input_ids, not "
                              + ("chat messages" if chat is not None else "text"))
         if chat is not None:
+            tags = request.reasoning_tags if request.HasField("reasoning_tags") else None
+            if tags is not None and not (tags.start and tags.end):
+                raise ValueError("reasoning_tags needs both its start and end tags")
             with tracing.span("tokenize", chat_messages=len(chat.messages)) as span:
-                ids = await self.prompts.chat_ids(chat)
+                ids, text = await self.prompts.chat_prompt(chat)
                 if span is not None:
                     tracing.set_attribute("prompt_tokens", len(ids))
-                return ids
+            return ids, thinking.UNSPECIFIED if tags is None else thinking.prompt_thinking(text, tags.start, tags.end)
         text = request.text
         with tracing.span("tokenize", prompt_bytes=len(text.encode("utf-8", "surrogatepass"))) as span:
             ids = await self.prompts.ids(text)
             if span is not None:
                 tracing.set_attribute("prompt_tokens", len(ids))
-            return ids
+            return ids, thinking.UNSPECIFIED
 
     # ---- embeddings ------------------------------------------------------------------------------------------
     async def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
@@ -363,7 +385,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             disaggregation_mode=self.settings.disaggregation_mode,
             bootstrap_port=self.prefill_rooms.bootstrap_port if self.prefill_rooms is not None else 0,
             tokenizes_text=tokenizes,
-            chat_template_sha256=await self.prompts.template_sha256() if tokenizes else "")
+            chat_template_sha256=await self.prompts.template_sha256() if tokenizes else "",
+            reports_prompt_thinking=tokenizes)
 
     async def GetModelInfo(self, request, context):
         return await self._model_info()
