@@ -31,7 +31,8 @@
 #                           twins), then the 8B shape's decode steps at batch 1/8/64/256 and an 8192-token prefill with
 #                           fp8 weights (per-channel: --quantization fp8; block-wise 128x128: a config declaring
 #                           DeepSeek's weight_block_size) against bf16, each against its floor (--roofline)
-#   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, a Qwen3-30B-A3B-shaped model (runner auto)
+#   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, the few-token expert path against the
+#                           grouped GEMMs per layer, a Qwen3-30B-A3B-shaped model (runner auto)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -194,8 +195,13 @@ if [[ $PARTS == *moe* ]]; then
   # grouped GEMMs' tiles tuned for the Qwen3-30B-A3B layer shape (saved to kernels/configs and $OUT), then that
   # shape as a dummy model with the default runner (triton, CUDA graphs): batch 1, 64, 256 decode steps against the
   # roofline (a batch-1 step reads the router, the dense parts and the top-k experts), an 8k prefill, and offline
-  # throughput.
-  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/gpu/test_moe_cuda.py 2>&1 | tail -3
+  # throughput. Batch 1 runs kernels.moe_decode's few-token path (up to 4 tokens at this shape) and Qwen3's q/k norms
+  # inside the rotary kernel; benchmarks.moe_decode times one layer's experts on both paths at 1-8 tokens (its tiles
+  # searched) against the floor.
+  $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/kernels/test_moe_decode.py \
+    tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py 2>&1 | tail -3
+  $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 8 16 \
+    --result-file "$OUT/moe_decode.jsonl" 2>&1 | tee "$OUT/moe_decode.log" | grep -v "^  skipped" | tail -15
   $PY -m radixmesh.benchmarks.tune_moe --model-path benchmarks/configs/qwen3-30b-a3b 2>&1 | tee "$OUT/tune_moe.log" \
     | tail -3 && cp radixmesh/kernels/configs/moe-*.json "$OUT/"
   for moe in ${MOE_BACKENDS:-auto}; do

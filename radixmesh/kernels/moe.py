@@ -275,15 +275,20 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_e
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, elsewhere: bool = True) -> torch.Tensor:
+                  ids: torch.Tensor, elsewhere: bool = True, decode_path: bool | None = None) -> torch.Tensor:
     """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter], routing weights and
     expert ids [tokens, top_k] -> [tokens, hidden]: sum over k of weights * down(silu(gate) * up) of expert ids.
-    `elsewhere`: ids may be -1 (experts of other ranks); False saves zeroing rows that every expert writes."""
+    `elsewhere`: ids may be -1 (experts of other ranks); False saves zeroing rows that every expert writes.
+    A few tokens (kernels.moe_decode.use_decode_path) run kernels.moe_decode's two gemv-shaped launches instead of the
+    alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks)."""
     from radixmesh.kernels.activation import silu_and_mul
+    from radixmesh.kernels.moe_decode import decode_experts, use_decode_path
 
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
+    if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
+        return decode_experts(x, w13, w2, weights, ids)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m, up, down_tiles = tiles(x, w13, tokens)
     slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)

@@ -1,30 +1,47 @@
 """Rotary position embedding (rotate-half / neox layout) for q and k in one Triton launch, and its plain-torch twin;
 and for decode the same launch fused with the KV store (`rotary_store_kv`): the rotated k and the v of each token go
-straight into their slot of the paged pool, one kernel per layer fewer.
+straight into their slot of the paged pool, one kernel per layer fewer. Either may also apply Qwen3's per-head
+RMSNorm of q and k first (`qk_norm`: the two weights and eps), two launches a layer fewer again.
 
 Numerics are those of engine.layers.rotary (Hugging Face's): the float32 cos/sin rows are cast to the model dtype,
 then out = x * cos + rotate_half(x) * sin with PyTorch's per-op rounding: each product rounded to the model dtype, then
 the sum rounded. Every step is an exactly rounded elementwise op, so the kernel equals the twin bit for bit; on the
-GPU it is compiled without fused multiply-adds, which would skip the float32 rounding of the products.
+GPU it is compiled without fused multiply-adds, which would skip the float32 rounding of the products. The norm is
+kernels.norm.rmsnorm's (float32 statistics over the head, x * rstd rounded to the model dtype, times the weight rounded
+again) on each head before it rotates; its sum of squares adds the head's two halves in another order than a
+whole-row sum, so a normed value may round to the neighbour of the twin's.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from radixmesh.kernels.kv_store import check_store, store_kv_reference
+from radixmesh.kernels.norm import rmsnorm_reference
 from radixmesh.kernels.runtime import pdl_enter, pdl_options
+
+
+
+class QKNorm(NamedTuple):
+    """Qwen3's per-head RMSNorm of q and k (any (q weight, k weight, eps) tuple will do)."""
+
+    q_weight: torch.Tensor  # [head_dim], q's dtype
+    k_weight: torch.Tensor
+    eps: float
 
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
 _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1 KiB each at head_dim 128 in bf16
 
 
 @triton.jit
-def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotates heads [head0, head0 + BLOCK_H) of one token; src rows are stride_head apart, dst's dst_stride_head."""
+def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2, norm_w, eps,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF] first when NORM;
+    src rows are stride_head apart, dst's dst_stride_head."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
@@ -33,6 +50,12 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
     x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = dst.dtype.element_ty
+    if NORM:  # kernels.norm's rounding: x * rstd to the dtype, times the weight to the dtype
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_w + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # rotate_half(x) = [-x2, x1]; round(-a) == -round(a), so x1*cos1 + (-x2)*sin1 == round(x1*cos1) - round(x2*sin1).
     out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
     out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
@@ -55,14 +78,16 @@ def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                   q_norm_ptr, k_norm_ptr, eps,
                    num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
                    v_stride_tok, v_stride_head, kd_stride_row, kd_stride_head, vd_stride_row, vd_stride_head,
                    table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   STORE: tl.constexpr, PDL: tl.constexpr):
+                   STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
     # rotate k heads into row tok of k_dst, or with STORE into row loc[tok] of the pool k_dst, and then copy the
-    # same v heads into that row of the pool v_dst.
+    # same v heads into that row of the pool v_dst. NORM: each q head RMS-normed by q_norm first, each k head by
+    # k_norm.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -70,14 +95,14 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
     if blk < q_blocks:
         _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
-                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, q_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM)
     else:
         head0 = (blk - q_blocks) * BLOCK_H
         row = tok
         if STORE:
             row = tl.load(loc_ptr + tok).to(tl.int64)
         _rotate_heads(k_ptr + tok * k_stride_tok, k_dst_ptr + row * kd_stride_row, k_stride_head, kd_stride_head,
-                      head0, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_HALF)
+                      head0, num_kv_heads, c1, c2, s1, s2, k_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM)
         if STORE:
             heads = head0 + tl.arange(0, BLOCK_H)
             d = tl.arange(0, 2 * BLOCK_HALF)
@@ -86,9 +111,9 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
             tl.store(v_dst_ptr + row * vd_stride_row + heads[:, None] * vd_stride_head + d[None, :], v, mask=mask)
 
 
-def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc) -> None:
+def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm) -> None:
     """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] of the pools k_dst,
-    v_dst with v copied beside it."""
+    v_dst with v copied beside it; q and k RMS-normed first by `qk_norm` (q weight, k weight, eps) unless None."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -96,52 +121,56 @@ def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc) -> None:
     block_h = _heads_per_program(n, num_heads, num_kv_heads)
     q_blocks = triton.cdiv(num_heads, block_h)
     block_half = triton.next_power_of_2(head_dim // 2)
+    q_norm, k_norm, eps = (cos, cos, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
     _rotary_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
-        q, k, v, q_out, k_dst, v_dst, cos, sin, positions, positions if loc is None else loc, num_heads,
+        q, k, v, q_out, k_dst, v_dst, cos, sin, positions, positions if loc is None else loc, q_norm, k_norm, eps,
+        num_heads,
         num_kv_heads, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), cos.stride(0),
-        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None,
+        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None, NORM=qk_norm is not None,
         num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
         **pdl_options(q))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 q_out: torch.Tensor | None = None,
-                 k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+                 qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim] (one dtype; any strides but a unit last one),
     cos/sin [max_positions, head_dim] float32, positions [n] int -> rotated (q, k), written to `q_out`, `k_out`
-    (contiguous; they may be q and k themselves when those are contiguous) or new tensors."""
-    _check(q, k, cos, sin, positions)
+    (contiguous; they may be q and k themselves when those are contiguous) or new tensors. `qk_norm` (q weight, k
+    weight [head_dim] of q's dtype, eps): each head RMS-normed first (module docstring)."""
+    _check(q, k, cos, sin, positions, qk_norm)
     q_out, k_out = _output(q_out, q), _output(k_out, k)
     if q.shape[0]:
-        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None)
+        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None, qk_norm)
     return q_out, k_out
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-                    q_out: torch.Tensor | None = None) -> torch.Tensor:
-    """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does, the rotated k and
-    v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache [num_slots, num_kv_heads, head_dim];
-    returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit the two kernels it replaces."""
-    _check(q, k, cos, sin, positions)
+                    q_out: torch.Tensor | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does (RMS-normed first
+    with `qk_norm`), the rotated k and v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache
+    [num_slots, num_kv_heads, head_dim]; returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit
+    the two kernels it replaces."""
+    _check(q, k, cos, sin, positions, qk_norm)
     check_store(k_cache, v_cache, loc, k, v)
     q_out = _output(q_out, q)
     if q.shape[0]:
-        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc)
+        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc, qk_norm)
     return q_out
 
 
 def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                               sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    """The twin of `rotary_store_kv`: the twins of the two kernels it fuses, one after the other."""
-    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions)
+                              v_cache: torch.Tensor, loc: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """The twin of `rotary_store_kv`: the twins of the kernels it fuses, one after the other."""
+    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions, qk_norm)
     store_kv_reference(k_cache, v_cache, loc, k_rot, v)
     return q_rot
 
 
-def _check(q, k, cos, sin, positions) -> None:
+def _check(q, k, cos, sin, positions, qk_norm=None) -> None:
     n, _, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != n or k.shape[2] != head_dim or k.dtype != q.dtype or head_dim % 2:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not fit together")
@@ -151,6 +180,10 @@ def _check(q, k, cos, sin, positions) -> None:
         raise ValueError(f"positions must be int [{n}], got {tuple(positions.shape)} {positions.dtype}")
     if len({t.device for t in (q, k, cos, sin, positions)}) != 1:
         raise ValueError("q, k, cos, sin and positions must be on one device")
+    if qk_norm is not None and any(w.shape != (head_dim,) or w.stride(0) != 1 or w.dtype != q.dtype
+                                   or w.device != q.device for w in qk_norm[:2]):
+        raise ValueError(f"the q/k norm weights must be [{head_dim}] {q.dtype} on {q.device}, got "
+                         f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in qk_norm[:2]]}")
 
 
 def _output(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -172,8 +205,11 @@ def _heads_per_program(n_tokens: int, num_heads: int, num_kv_heads: int) -> int:
 
 
 def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin of `apply_rotary`: RotaryEmbedding.lookup then engine.layers.rotary.apply_rotary, op for op."""
+                           positions: torch.Tensor, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `apply_rotary`: (with `qk_norm` kernels.norm's twin on q and on k, then) RotaryEmbedding.lookup
+    and engine.layers.rotary.apply_rotary, op for op."""
+    if qk_norm is not None:
+        q, k = rmsnorm_reference(q, qk_norm[0], qk_norm[2]), rmsnorm_reference(k, qk_norm[1], qk_norm[2])
     c = cos[positions].to(q.dtype)[:, None, :]  # [n, 1, head_dim]
     s = sin[positions].to(q.dtype)[:, None, :]
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s

@@ -106,15 +106,26 @@ def test_expert_parallel_sizes_are_checked():
 
 def test_the_triton_moe_runner_matches_transformers_in_the_interpreter(checkpoints):
     """--moe-runner-backend triton: kernels.moe's grouped GEMMs (here in Triton's CPU interpreter) in the engine,
-    token-exact with transformers, logprobs within 1e-4."""
+    and for decode batches of one token (three pairs over eight experts) kernels.moe_decode's few-token path instead:
+    token-exact with transformers, logprobs within 1e-4; the expert counters count top_k experts per forwarded token
+    on both paths."""
     import os
 
+    from radixmesh.kernels.moe_decode import use_decode_path
+
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py: kernels run in the interpreter on CPU
+    assert use_decode_path(1, 3, 8) and not use_decode_path(2, 3, 8)
     path = checkpoints["qwen3_moe"]
     refs, logprobs = _reference(path)
-    with running_engine(path, skip_tokenizer_init=True, moe_runner_backend="triton") as llm:
-        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
-                            return_logprob=True)
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    # overlap scheduling off: a request stopping on EOS would forward the EOS too, a token `forwarded` leaves out
+    with running_engine(path, skip_tokenizer_init=True, moe_runner_backend="triton", disable_radix_cache=True,
+                        disable_overlap_schedule=True, enable_expert_distribution_metrics=True) as llm:
+        outs = llm.generate(input_ids=PROMPTS[:1], sampling_params=params, return_logprob=True)  # decode: 1 token
+        outs += llm.generate(input_ids=PROMPTS[1:], sampling_params=params, return_logprob=True)  # 2: grouped
+        dist = llm.expert_distribution()
     assert [o["output_ids"] for o in outs] == refs
     for out, want in zip(outs, logprobs):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    forwarded = sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(PROMPTS, outs))  # the last is sampled only
+    assert len(dist["tokens"]) == 2 and all(sum(row) == 3 * forwarded for row in dist["tokens"]), dist

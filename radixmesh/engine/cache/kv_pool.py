@@ -82,13 +82,14 @@ class KVPool:
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope) -> torch.Tensor:
-        """Rotary (`rope`: engine.layers.rotary.RopeInputs) on q and k, then `write` of the rotated k and v; returns
-        the rotated q. Where the kernels run, one launch does it all (kernels.rotary.rotary_store_kv)."""
+        """Rotary (`rope`: engine.layers.rotary.RopeInputs, with its q/k norm first if it carries one) on q and k,
+        then `write` of the rotated k and v; returns the rotated q. Where the kernels run, one launch does it all
+        (kernels.rotary.rotary_store_kv)."""
         if rope.cos is None and use_kernels(k) and k.dtype == self.k[layer].dtype:  # the kernel rotary path
             from radixmesh.kernels.rotary import rotary_store_kv
 
             return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],
-                                   self.v[layer], loc)
+                                   self.v[layer], loc, qk_norm=rope.qk_norm)
         q, k = rope.apply(q, k)
         self.write(layer, loc, k, v)
         return q

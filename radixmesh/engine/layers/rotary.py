@@ -8,6 +8,11 @@ Hugging Face computes it. The table serves positions [0, max_positions): LongRoP
 Partial rotary (Phi-4-mini's partial_rotary_factor): the table covers the first `rotary_dim` dimensions of a head,
 which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does. The
 rotary kernel rotates whole heads, so such a table is always applied in plain torch.
+
+Interleaved pairs (transformers' Cohere: GPT-J's layout): dimensions (2i, 2i + 1) rotate together by frequency i,
+where rotate-half pairs (i, i + rotary_dim / 2); the table repeats each frequency twice in a row. As Cohere computes it,
+q and k rotate in float32 (cos and sin rounded to the model dtype first) and round back once. The kernel rotates
+rotate-half pairs only, so such a table is always applied in plain torch too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rope_scaling import ROPE_TYPES, RopeSpec, frequencies, rope_spec, spec_of_dict
 from radixmesh.engine.layers.triton_ops import use_kernels
 
@@ -30,25 +36,30 @@ class RotaryEmbedding:
     """Holds cos/sin for positions [0, max_positions); not an nn.Module, so it is never meta-initialised."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 device: torch.device):
+                 device: torch.device, interleaved: bool = False):
         """The table of one rope dict (`scaling`: config.json's rope_scaling, original_max_position_embeddings in
         it); a model's table comes from `for_model`, which resolves its config as transformers does."""
         self._fill(replace(spec_of_dict(head_dim, theta, scaling), context=max_positions), max_positions, device,
-                   head_dim)
+                   head_dim, interleaved)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device) -> "RotaryEmbedding":
+    def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device,
+                  interleaved: bool = False) -> "RotaryEmbedding":
+        """`cfg`'s table; `interleaved`: GPT-J's pair layout (module docstring) instead of rotate-half."""
         table = cls.__new__(cls)
-        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim)
+        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved)
         return table
 
-    def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int) -> None:
+    def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,
+              interleaved: bool) -> None:
         inv_freq, attention_factor = frequencies(spec)
         self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
         self.partial = spec.dim < head_dim
+        self.interleaved = interleaved
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
+        # [max_positions, rotary_dim]: frequency i at i and i + rotary_dim / 2, or (interleaved) at 2i and 2i + 1
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
         # float32, scaled as transformers scales them before the cast to the model dtype (x 1.0 changes nothing)
         self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
 
@@ -58,9 +69,9 @@ class RotaryEmbedding:
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":
         """What every layer of one forward needs to rotate its q and k: on CUDA the positions (the kernel reads the
-        float32 tables itself), elsewhere the looked-up cos/sin. A partial table is always looked up (module
-        docstring)."""
-        if use_kernels(positions) and not self.partial:
+        float32 tables itself), elsewhere the looked-up cos/sin. A partial or interleaved table is always looked up
+        (module docstring)."""
+        if use_kernels(positions) and not self.partial and not self.interleaved:
             return RopeInputs(self, positions, None, None)
         return RopeInputs(self, positions, *self.lookup(positions, dtype))
 
@@ -71,19 +82,37 @@ class RopeInputs:
     positions: torch.Tensor  # [num_tokens] int64
     cos: torch.Tensor | None  # [num_tokens, 1, rotary_dim] in the model dtype; None: the Triton kernel looks up
     sin: torch.Tensor | None
+    # (q weight, k weight, eps): per-head RMSNorm the kernel applies to q and k before it rotates them (norm_qk)
+    qk_norm: tuple | None = None
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm
+                ) -> tuple[torch.Tensor, torch.Tensor, "RopeInputs"]:
+        """The per-head norms `q_norm`, `k_norm` of q and k, before they rotate. Qwen3's (engine.layers.norm.RMSNorm
+        itself, weights of q's dtype), where the rotary kernel runs (no cos looked up), are left to its launch: q and
+        k come back as they are, with RopeInputs that carry the weights (two launches a layer fewer). Any other
+        (Gemma's offset weights, per-head LayerNorms, the torch path) is applied now. Either way `apply` (or the
+        pool's fused write) then returns normed, rotated q and k."""
+        if (self.cos is None and type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps
+                and q_norm.weight.dtype == q.dtype == k_norm.weight.dtype):
+            return q, k, replace(self, qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps))
+        return q_norm(q), k_norm(k), self
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies."""
+        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies (normed first when
+        `qk_norm` is set, which only norm_qk does, and only where the kernel runs)."""
         if self.cos is None:
             from radixmesh.kernels.rotary import apply_rotary as kernel
 
-            return kernel(q, k, self.table.cos, self.table.sin, self.positions)
-        return apply_rotary(q, k, self.cos, self.sin)
+            return kernel(q, k, self.table.cos, self.table.sin, self.positions, qk_norm=self.qk_norm)
+        return apply_rotary(q, k, self.cos, self.sin, self.table.interleaved)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False):
     """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies. cos, sin
-    [num_tokens, 1, rotary_dim]: with rotary_dim < head_dim only the leading rotary_dim dimensions rotate."""
+    [num_tokens, 1, rotary_dim]: with rotary_dim < head_dim only the leading rotary_dim dimensions rotate;
+    `interleaved`: GPT-J's pairs, in float32 (module docstring)."""
+    if interleaved:
+        return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -98,3 +127,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by interleaved pairs in float32, rounded back to x's dtype once."""
+    dim = cos.shape[-1]
+    rot = x[..., :dim].float()
+    swapped = torch.stack([-rot[..., 1::2], rot[..., ::2]], dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0) per pair
+    out = (rot * cos + swapped * sin).to(x.dtype)
+    return out if dim == x.shape[-1] else torch.cat([out, x[..., dim:]], dim=-1)

@@ -51,8 +51,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # in the rotary kernel's launch where it runs
+            q, k, rope = rope.norm_qk(q, k, self.q_norm, self.k_norm)
         out = get_forward_context().attend(self.layer_id, q, k, v, rope)
         return self.o_proj(out.reshape(n, self.q_size))
 

@@ -1,0 +1,112 @@
+"""Issue 51: the experts of one mixture-of-experts layer at decode batch sizes, kernels.moe_decode's few-token path
+(a small grid of its tiles, searched one launch at a time) against kernels.moe's alignment, grouped GEMMs, SiLU and
+top-k sum. Each variant runs `--layers` layers of distinct random weights (more bytes than L2 holds, as in a model's
+step) in one CUDA graph; the time per layer is set against the floor of reading the experts the tokens picked (each
+distinct expert once) at this run's copy bandwidth. Every variant's output is checked against the grouped path's.
+
+    python -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 8 \\
+        [--layers 8] [--tp-size 1] [--result-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from radixmesh.benchmarks.pdl_chain import _copy_gbps, _time_graph, write_rows
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.kernels.moe import fused_experts, route_reference
+from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode_path
+
+UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (512, 1024, 2048),
+                                                                                         (4, 8))]
+DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w) for n, k, w in itertools.product((2, 4, 8), (256, 512),
+                                                                                                 (4, 8))]
+
+
+class Layers:
+    """`layers` layers of experts (bf16, random), one routing of `tokens` tokens each, and the outputs."""
+
+    def __init__(self, layers: int, experts: int, hidden: int, inter: int, top_k: int, tokens: int):
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        dt = torch.bfloat16
+        self.x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dt)
+        self.w = [((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=dt) * hidden ** -0.5),
+                   (torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=dt) * inter ** -0.5))
+                  for _ in range(layers)]
+        self.route = [route_reference(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True, dt)
+                      for _ in range(layers)]
+        self.out = [None] * layers
+        expert_bytes = (3 * inter * hidden) * 2
+        self.floor_bytes = sum(len(set(ids.flatten().tolist())) for _, ids in self.route) * expert_bytes / layers
+
+    def run(self, path) -> None:
+        for i, ((w13, w2), (weights, ids)) in enumerate(zip(self.w, self.route)):
+            self.out[i] = path(self.x, w13, w2, weights, ids)
+
+
+def _measure(layers: Layers, path, want: list | None) -> float | None:
+    """Microseconds per layer in a CUDA graph, or None where the tiles do not compile or launch on this GPU; the
+    outputs must match `want` (bf16 rounding) where given."""
+    try:
+        ms = _time_graph(lambda: layers.run(path))
+    except Exception as e:  # noqa: BLE001 - a tile the GPU cannot hold (registers, shared memory)
+        print(f"  skipped: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+    if want is not None:
+        for got, ref in zip(layers.out, want):
+            torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    return ms * 1e3 / len(layers.w)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--layers", type=int, default=8, help="distinct layers a graph runs (their experts exceed L2)")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--result-file")
+    ns = ap.parse_args()
+    cfg = ModelConfig.from_path(ns.model_path)
+    if cfg.moe is None:
+        ap.error(f"{cfg.architecture} has no mixture-of-experts layers")
+    moe, inter = cfg.moe, cfg.moe.intermediate_size // ns.tp_size
+    copy = _copy_gbps(torch.device("cuda"))
+    base = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "experts": moe.num_experts,
+            "top_k": moe.top_k, "hidden": cfg.hidden_size, "intermediate": inter, "layers": ns.layers}
+    rows = []
+    for tokens in ns.tokens:
+        layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens)
+        floor_us = layers.floor_bytes / copy / 1e3
+
+        def report(path: str, us: float | None, **extra) -> None:
+            if us is None:
+                return
+            rows.append({**base, "tokens": tokens, "path": path, "us_per_layer": us, "floor_us": floor_us,
+                         "x_floor": us / floor_us, "default_path": "decode" if use_decode_path(
+                             tokens, moe.top_k, moe.num_experts) else "grouped", **extra})
+            print(f"tokens {tokens}: {path:>8} {us:7.2f} us a layer, {us / floor_us:.2f}x the floor "
+                  f"({floor_us:.2f} us at {copy:.0f} GB/s) {extra or ''}", flush=True)
+
+        grouped = _measure(layers, lambda *a: fused_experts(*a, elsewhere=False, decode_path=False), None)
+        want = list(layers.out)
+        report("grouped", grouped)
+        best = DecodeTiles()
+        report("decode", _measure(layers, lambda *a: decode_experts(*a, tiles=best), want), tiles=best._asdict())
+        for grid in (UP_GRID, DOWN_GRID):  # one launch's tiles at a time, the other's at their best so far
+            timed = []
+            for change in grid:
+                t = best._replace(**change)
+                us = _measure(layers, lambda *a, t=t: decode_experts(*a, tiles=t), want)
+                if us is not None:
+                    timed.append((us, t))
+            best = min(timed, key=lambda r: r[0])[1] if timed else best
+        report("decode", _measure(layers, lambda *a: decode_experts(*a, tiles=best), want), tiles=best._asdict(),
+               best_tiles=True)
+    write_rows(ns.result_file, rows)
+
+
+if __name__ == "__main__":
+    main()

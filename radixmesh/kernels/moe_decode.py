@@ -1,0 +1,172 @@
+"""Mixture-of-experts MLP for a few tokens (small decode batches) in two gemv-shaped launches, and its plain-torch
+twin. No alignment and no sorting: every (token, k) pair ("pair" = token * top_k + k, kernels.moe's slot) reads its
+expert's weights itself.
+
+  gate/up   grid (cdiv(inter, BLOCK_N), pairs): a program loads its pair's expert id, streams BLOCK_N gate rows and
+            the BLOCK_N matching up rows of w13[expert] (whole rows, unrolled over K, in registers: kernels.gemv's
+            gemv_row) against x[pair // top_k], and writes silu(gate) * up to act [pairs, inter].
+  down      grid (cdiv(hidden, BLOCK_N), tokens): a program owns BLOCK_N output columns of one token and loops over
+            its top_k experts, each product times the routing weight, summed in registers in k order (the top-k sum
+            fused: deterministic, no atomics), written once to out [tokens, hidden] in the activations' dtype.
+
+Rounding is kernels.moe.fused_experts': each product accumulates in float32 and is rounded to the activations' dtype
+once; SiLU-and-mul as kernels.activation; the routing weight multiplies the rounded down-projection, rounded again; the
+top_k rows are summed in float32 and rounded once. An id of -1 (an expert of another rank) loads nothing and adds
+nothing. Expert ids are read on the device and every shape follows the token count: CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.activation import silu_and_mul_reference
+from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
+
+# Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
+# distinct expert once, but it saves their alignment, SiLU and top-k sum launches (at batch 1 on an H200: 7.7, ~2 and
+# 4.4 us a layer, against 17.6 us of expert weights at 4.3 TB/s) and their 16-row tiles' waste. With pairs spread
+# uniformly over E experts, pairs <= E / 4 keeps the expected re-read near 10% (Qwen3-30B-A3B, E = 128, top-8: 4
+# tokens give 32 pairs over 29.3 distinct experts, +9%; 8 tokens would re-read 24%, ~27 us of a 113-us layer, more
+# than the ~12 us of launches saved; E = 256: 8 tokens, +12%); 64 pairs bound the grid and the act buffer. One token
+# always qualifies (its pairs are distinct experts: no re-read), so batch-1 decode takes this path in every model.
+# benchmarks.moe_decode times both paths at 1-16 tokens: the crossover to set this by.
+MAX_PAIRS = 64
+
+
+def use_decode_path(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether `tokens` tokens routed to `top_k` of `num_experts` experts run here rather than the grouped GEMMs."""
+    return tokens * top_k <= max(top_k, min(MAX_PAIRS, num_experts // 4))
+
+
+class DecodeTiles(NamedTuple):
+    """Both launches' tiles: output columns per program, the K chunk each load covers (a power of two; K is a
+    constant of the compiled kernel, so the chunks unroll and their loads go out together) and warps."""
+
+    up_block_n: int = 2  # act columns per gate/up program: it reads 2 x up_block_n rows of w13
+    up_block_k: int = 1024
+    up_warps: int = 4
+    down_block_n: int = 4  # hidden columns per down program: it reads top_k x down_block_n rows of w2
+    down_block_k: int = 256
+    down_warps: int = 4
+
+
+# Triton's interpreter runs programs one by one in Python (~20 ms each): wide blocks, a handful of programs
+INTERPRETER_TILES = DecodeTiles(up_block_n=64, up_block_k=256, down_block_n=64, down_block_k=256)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, stride_wn,
+                    TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, inter + n]), e = ids[pair], token = pair // TOP_K,
+    # for the BLOCK_N columns n of program_id(0); act [pairs, inter] contiguous. An id of -1 loads nothing: zeros.
+    pair = tl.program_id(1).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < inter
+    rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]  # no row at all for an id of -1
+    gate_rows = w_ptr + tl.maximum(expert, 0) * stride_we + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    x_row = x_ptr + (pair // TOP_K) * stride_x
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every load of the program is independent of the others
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(gate_rows + k[None, :], mask=rows_ok & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        u = tl.load(up_rows + k[None, :], mask=rows_ok & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc_gate += g.to(tl.float32) * x
+        acc_up += u.to(tl.float32) * x
+    dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N], rounded as a dense product is
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair * inter + n, (silu * up).to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out,
+                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # out[token, n] = sum over k of weights[pair] * (act[pair] . w2[ids[pair], n]), pair = token * TOP_K + k, for the
+    # BLOCK_N columns n of program_id(0); act [pairs, K] contiguous. Pairs of id -1 load nothing and add nothing.
+    token = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        k_end = tl.where(expert >= 0, K, 0)  # an id of -1: no column of act or w2 at all
+        rows = w_ptr + tl.maximum(expert, 0) * stride_we + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            a = tl.load(act_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a[None, :]
+        down = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
+        weight = tl.load(weights_ptr + pair).to(tl.float32)  # finite, and down is zero for an id of -1
+        total += (down * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
+
+
+def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   tiles: DecodeTiles | None = None) -> torch.Tensor:
+    """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter] (x's dtype, unit last
+    stride), routing weights [tokens, top_k] (x's dtype or float32) and expert ids [tokens, top_k] (-1: another
+    rank's) -> [tokens, hidden] in x's dtype: kernels.moe.fused_experts' result in two launches (module docstring).
+    `tiles` overrides DecodeTiles() (INTERPRETER_TILES in the interpreter) for tuning. Meant for use_decode_path's
+    token counts; any count is computed."""
+    tokens, top_k = ids.shape
+    experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if (x.shape != (tokens, hidden) or w2.shape != (experts, hidden, inter) or weights.shape != ids.shape
+            or two_inter % 2 or w13.dtype != x.dtype or w2.dtype != x.dtype):
+        raise ValueError(f"decode_experts takes x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, "
+                         f"hidden, inter] of x's dtype and weights, ids [tokens, top_k]; got x {tuple(x.shape)} "
+                         f"{x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, weights "
+                         f"{tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    t = tiles or (INTERPRETER_TILES if interpreting() else DecodeTiles())
+    x, w13, w2 = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, w13, w2))
+    ids, weights = ids.contiguous(), weights.contiguous()
+    act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
+    _gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
+        x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, K=hidden,
+        BLOCK_N=t.up_block_n, BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), num_warps=t.up_warps,
+        num_stages=1, **pdl_options(x))
+    _down_sum_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
+        act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, K=inter,
+        BLOCK_N=t.down_block_n, BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)),
+        num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+    return out
+
+
+def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                             ids: torch.Tensor) -> torch.Tensor:
+    """The twin of `decode_experts`, pair by pair in batched torch operations: each product in float32 rounded once
+    to x's dtype, SiLU-and-mul as kernels.activation's twin, the weighted rows rounded, summed over k in float32 and
+    rounded once."""
+    tokens, top_k = ids.shape
+    here = (ids >= 0).flatten()
+    experts = ids.clamp(min=0).flatten()  # [pairs]
+    xs = x.repeat_interleave(top_k, dim=0).float()  # [pairs, hidden]
+    gate_up = torch.bmm(w13[experts].float(), xs[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, 2 x inter]
+    act = silu_and_mul_reference(gate_up)
+    down = torch.bmm(w2[experts].float(), act.float()[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, hidden]
+    weighted = (down.float() * weights.flatten().float()[:, None]).to(x.dtype)
+    weighted = torch.where(here[:, None], weighted, torch.zeros_like(weighted))
+    return weighted.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
