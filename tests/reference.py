@@ -17,7 +17,7 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu")
 def eos_ids(model) -> set[int]:
     ids = model.generation_config.eos_token_id
     ids = ids if isinstance(ids, list) else [ids]
-    extra = model.config.eos_token_id
+    extra = model.config.get_text_config().eos_token_id  # (a multimodal config holds it in its text config)
     ids += extra if isinstance(extra, list) else [extra]
     return {i for i in ids if i is not None}
 

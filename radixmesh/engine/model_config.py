@@ -16,7 +16,20 @@ if TYPE_CHECKING:
 # transformers' rms_norm_eps for a config.json without the field, where an architecture's default is not 1e-6
 _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
-_TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                    "CohereForCausalLM", "Starcoder2ForCausalLM")
+# Multimodal architectures served text-only: config.json holds their language model's fields under text_config, often
+# only those that differ from its config class's defaults (published Gemma 3 4B/12B/27B), which are these
+# (Gemma3TextConfig's; tests/parity/test_model_families_more.py compares them with transformers')
+TEXT_CONFIG_DEFAULTS = {
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1,
+        "bos_token_id": 2, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+    },
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +97,7 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"model config not found: {cfg_file}")
         with open(cfg_file) as f:
-            raw = json.load(f)
+            raw = text_config(json.load(f))
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_file} has no 'architectures' entry")
@@ -122,6 +135,19 @@ class ModelConfig:
 
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
+
+
+def text_config(raw: dict) -> dict:
+    """config.json's fields as the language model reads them: for an architecture of TEXT_CONFIG_DEFAULTS, its
+    defaults, then text_config's fields, then the top level's (what the whole model declares: architectures, dtype,
+    tie_word_embeddings, which transformers reads from the top-level config, quantization), without the sub-configs;
+    any other config as it is."""
+    archs = raw.get("architectures") or []
+    defaults = TEXT_CONFIG_DEFAULTS.get(archs[0]) if archs else None
+    if defaults is None:
+        return raw
+    top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    return {**defaults, **(raw.get("text_config") or {}), **top}
 
 
 def _as_list(v: Any) -> list[int]:

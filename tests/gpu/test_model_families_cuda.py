@@ -1,6 +1,7 @@
 """On CUDA (Triton kernels: rotary over the scaled tables, attention with Granite's score scale; decode in CUDA
-graphs) in float32, Phi-3, OLMo 2, Granite and the RoPE scalings greedy-match transformers' float32 reference, with
-logprobs within 1e-3, on the checkpoints the CPU parity tests build (tests/parity/test_model_families.py,
+graphs) in float32, Phi-3, OLMo 2, Granite, Gemma 1, Gemma 3 served from Gemma3ForConditionalGeneration, Cohere,
+StableLM, StarCoder2 and the RoPE scalings greedy-match transformers' float32 reference, with logprobs within 1e-3, on
+the checkpoints the CPU parity tests build (tests/parity/test_model_families.py, test_model_families_more.py,
 test_rope_parity.py)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 
 from tests.engine_utils import running_engine
 from tests.parity import test_model_families as families
+from tests.parity import test_model_families_more as more
 from tests.parity import test_rope_parity as scalings
 from tests.reference import hf_greedy, hf_token_logprobs
 
@@ -32,6 +34,11 @@ def test_families_on_cuda(tmp_path, name):
     seed = 100 + list(families.FAMILIES).index(name)
     _check(families.write_checkpoint(tmp_path, *families.FAMILIES[name], seed=seed), families.PROMPTS,
            **families.SERVE.get(name, {}))
+
+
+@pytest.mark.parametrize("name", [*more.FAMILIES, more.MULTIMODAL])
+def test_more_families_on_cuda(tmp_path, name):
+    _check(more.build(name, tmp_path), more.PROMPTS)
 
 
 @pytest.mark.parametrize("name", scalings.SCALINGS)

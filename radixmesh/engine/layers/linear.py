@@ -30,10 +30,10 @@ SKINNY_ROWS = 8
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Where a checkpoint tensor goes: rows `dest` of the parameter (None: all of it) take the checkpoint's
-    elements `start .. start + length` along `dim` (dim None: the whole tensor)."""
+    """Where a checkpoint tensor goes: rows `dest` of the parameter (None: all of it; an int: that one row) take the
+    checkpoint's elements `start .. start + length` along `dim` (dim None: the whole tensor)."""
 
-    dest: slice | None = None
+    dest: slice | int | None = None
     dim: int | None = None
     start: int = 0
     length: int = 0
@@ -82,7 +82,7 @@ def apply_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.T
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _rows(dest: slice, start: int, length: int) -> Shard:
+def _rows(dest: slice | None, start: int, length: int) -> Shard:
     return Shard(dest, 0, start, length)
 
 
@@ -137,6 +137,25 @@ class MergedColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = product(self, x)
         return out if self.lora is None else apply_lora(self, x, out)
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's rows of the output features, and of the bias (Starcoder2's MLP c_fc)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str):
+        super().__init__()
+        start, local = tp.shard(out_features, what)
+        self._rows = _rows(None, start, local)
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+        self.lora = None
+        self.fp8 = None
+
+    def checkpoint_shards(self, leaf: str) -> list[tuple[str | None, Shard]]:
+        return [(None, self._rows)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product(self, x, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 HF_DEFAULT_ROPE_THETA = 10000.0
 # transformers' per-architecture defaults where they differ from the generic ones
-_DEFAULT_THETA = {"MixtralForCausalLM": 1e6}
+_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0}
+_DEFAULT_PARTIAL_ROTARY = {"StableLmForCausalLM": 0.25}  # StableLmConfig's partial_rotary_factor
 _DEFAULT_ORIGINAL_CONTEXT = {"Phi3ForCausalLM": 4096}  # Phi3Config.original_max_position_embeddings
 # Phi3Config reads the old names of LongRoPE ("su", and "yarn" for Phi-3's LongRoPE) as longrope and refuses others
 _TYPE_ALIASES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
@@ -113,15 +114,16 @@ def rope_spec(model: ModelConfig) -> RopeSpec:
     if kind in _ORIGINAL_CONTEXT_TYPES:  # the top-level field (Phi3Config: always one) wins over the rope dict's
         original = raw.get("original_max_position_embeddings", _DEFAULT_ORIGINAL_CONTEXT.get(arch))
         original = original or rope.get("original_max_position_embeddings") or model.max_position_embeddings
-    return RopeSpec(kind, rotary_dim(model.head_dim, partial_rotary_factor(raw, rope)), rope_theta(arch, raw, rope),
-                    rope, where, original, model.max_position_embeddings)
+    return RopeSpec(kind, rotary_dim(model.head_dim, partial_rotary_factor(raw, rope, arch)),
+                    rope_theta(arch, raw, rope), rope, where, original, model.max_position_embeddings)
 
 
-def partial_rotary_factor(raw: dict, rope: dict) -> float:
+def partial_rotary_factor(raw: dict, rope: dict, architecture: str = "") -> float:
     """The share of each head's dimensions RoPE rotates: the rope dict's partial_rotary_factor, else config.json's
-    (transformers' Phi3Config copies the top-level field into rope_parameters unless that has one), else 1."""
+    (transformers' Phi3Config copies the top-level field into rope_parameters unless that has one), else the
+    architecture's default (StableLM: 0.25), else 1."""
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    return 1.0 if factor is None else factor
+    return _DEFAULT_PARTIAL_ROTARY.get(architecture, 1.0) if factor is None else factor
 
 
 def rotary_dim(head_dim: int, factor: float) -> int:

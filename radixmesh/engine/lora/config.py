@@ -11,6 +11,10 @@ from radixmesh.engine.lora.stacks import FUSED
 MODULES = {attr: projs for (_, attr), projs in FUSED.items()}
 
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's
+# architectures peft adapters cannot be put on yet, and why
+_NO_LORA = {"Starcoder2ForCausalLM": "its MLP (c_fc, c_proj) has no gate/up/down projections to adapt",
+            "Gemma3ForConditionalGeneration": "its adapters also name the vision tower's projections (served "
+                                              "text-only, it has none)"}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -56,6 +60,8 @@ def resolve_lora(args: Any, model: Any) -> dict:
         _check(not args.lora_paths, "lora_paths needs enable_lora (SGLang's --enable-lora)")
         return {}
     _check(model.moe is None, f"LoRA on {model.architecture}'s mixture-of-experts layers is not supported yet")
+    _check(model.architecture not in _NO_LORA,
+           f"LoRA on {model.architecture} is not supported yet: {_NO_LORA.get(model.architecture)}")
     _check(args.tp_size == 1, "LoRA with tensor parallelism is not implemented yet: use tp_size 1")
     _check(args.speculative_algorithm is None, "LoRA with speculative decoding is not implemented yet")
     paths = parse_lora_paths(args.lora_paths)

@@ -7,14 +7,14 @@ A query at position p of a sliding layer sees the keys at positions p - window <
 Which layers slide is each architecture's own rule (transformers' config classes):
 
   Mistral, Mixtral      every layer, once sliding_window is set (Mistral defaults it to 4096; layer_types unread)
-  Phi-3                 the same (Phi3Config: no window by default)
+  Phi-3, Starcoder2     the same (Phi3Config, Starcoder2Config: no window by default)
   Qwen3-MoE             every layer under use_sliding_window (window default 4096)
   Qwen2, Qwen3          under use_sliding_window: layer_types, else the layers from max_window_layers (default 28) on
   Qwen2-MoE             under use_sliding_window: layer_types, else the even layers below max_window_layers
   Gemma 2               layer_types, else every other layer from layer 0 (window default 4096)
   Gemma 3               layer_types, else all but every sliding_window_pattern-th layer (default 6; window 4096)
 
-Other architectures (Llama) attend to every earlier token whatever the config says: a window or layer_types there
+Other architectures (Llama, Gemma 1, Cohere, StableLM) attend to every earlier token whatever the config says: a window or layer_types there
 is a contradiction, which engine.models.support refuses unless the window covers the whole context.
 """
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 HF_DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2/Qwen3(-MoE)Config, Gemma2Config, Gemma3TextConfig
 HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config/Qwen2MoeConfig
 HF_DEFAULT_GEMMA3_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern
-_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 _QWEN_LISTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
 _LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries radixmesh computes
 

@@ -1,6 +1,6 @@
-"""Gemma 2 and Gemma 3 (text) decoders over the paged KV cache.
+"""Gemma 1, Gemma 2 and Gemma 3 (text) decoders over the paged KV cache.
 
-What sets them apart from the Llama family (transformers' modeling_gemma2 / modeling_gemma3):
+What sets Gemma 2 and 3 apart from the Llama family (transformers' modeling_gemma2 / modeling_gemma3):
 - RMSNorms weigh by (1 + weight), in float32 (engine.layers.norm.GemmaRMSNorm), and each sublayer's output is
   normed before it joins the residual stream (post_attention_layernorm, pre/post_feedforward_layernorm);
 - the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype;
@@ -11,6 +11,16 @@ What sets them apart from the Llama family (transformers' modeling_gemma2 / mode
 - Gemma 3 norms q and k per head, and rotates its sliding layers with a local RoPE table (rope_local_base_freq) and
   its global layers with the global one (rope_theta, with rope scaling).
 Configs they would compute otherwise are refused by engine.models.gemma_config.check_gemma before this is built.
+
+Gemma 1 (modeling_gemma) is Llama's pre-norm decoder with Gemma's (1 + weight) RMSNorms, GELU-tanh MLP and
+sqrt(hidden_size)-scaled embedding; scores scale by head_dim^-1/2 (head_dim need not be hidden_size / heads).
+
+Gemma3ForConditionalGeneration (the 4B, 12B and 27B checkpoints) is served text-only: its language model is
+Gemma3ForCausalLM's decoder, read from `language_model.model.*` (published checkpoints, and what transformers 5 saves)
+or `model.language_model.*` (transformers 5's own module names), its config from text_config
+(engine.model_config.text_config); the vision tower and projector are not loaded. Text-only prompts compute exactly
+what transformers' Gemma3ForConditionalGeneration does (no image embedded: plain causal and sliding attention).
+Images cannot reach the engine: requests carry token ids, and the router refuses image parts of chat messages.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.attention_spec import sliding_layers
 from radixmesh.engine.models.gemma_config import gemma_config
-from radixmesh.engine.models.llama import MLP, Attention, DecoderSpec
+from radixmesh.engine.models.llama import MLP, Attention, DecoderSpec, LlamaForCausalLM
 
 
 class GemmaMLP(MLP):
@@ -120,3 +130,41 @@ class Gemma2ForCausalLM(nn.Module):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    # stored name prefix -> ours (module docstring); the lm_head is there only when untied
+    _RENAMED = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
+    _UNSERVED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A stored tensor's name in our modules (engine.models.loader.model_tensors); None: the vision parts."""
+        cls = Gemma3ForConditionalGeneration
+        for stored, ours in cls._RENAMED:
+            if name.startswith(stored):
+                return ours + name[len(stored):]
+        return None if name.startswith(cls._UNSERVED) else name
+
+
+class GemmaScaledEmbedding(VocabParallelEmbedding):
+    """The token embedding times sqrt(hidden_size), rounded to the model dtype as transformers scales it."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        return out * _embed_scale(out.shape[-1], out.dtype)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 1 (module docstring): Llama's layers with Gemma's norms, MLP and embedding."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__(cfg, tp)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.model.embed_tokens = GemmaScaledEmbedding(cfg.vocab_size, hidden, self.tp)
+        for layer in self.model.layers:
+            layer.mlp = GemmaMLP(hidden, cfg.intermediate_size, self.tp)
+            layer.input_layernorm = GemmaRMSNorm(hidden, eps)
+            layer.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.model.norm = GemmaRMSNorm(hidden, eps)

@@ -1,5 +1,8 @@
 """The `config.json` fields Gemma 2 and Gemma 3 (text) layers read, with transformers' defaults
-(Gemma2Config, Gemma3TextConfig), and the refusal of what radixmesh's Gemma layers do not compute.
+(Gemma2Config, Gemma3TextConfig), and the refusal of what radixmesh's Gemma layers do not compute; Gemma 1's
+(GemmaConfig: its activation, causal attention) too.
+
+Gemma3ForConditionalGeneration is served text-only as Gemma 3: engine.model_config reads its text_config.
 
 Gemma 3 rotates its sliding (local) layers and its global layers with different RoPE tables. transformers reads
 them from `rope_parameters` keyed by layer type (what transformers 5 writes), or from the older fields: global layers
@@ -18,11 +21,16 @@ from radixmesh.engine.layers.rotary import ROPE_TYPES
 if TYPE_CHECKING:
     from radixmesh.engine.model_config import ModelConfig
 
-GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
-GEMMA_ARCHITECTURES = (GEMMA2, GEMMA3)
+GEMMA1, GEMMA2, GEMMA3, GEMMA3_MM = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                     "Gemma3ForConditionalGeneration")
+GEMMA3_ARCHITECTURES = (GEMMA3, GEMMA3_MM)
+# the architectures with Gemma 2/3's fields (soft-caps, query_pre_attn_scalar, sliding layers, Gemma 3's RoPE tables)
+GEMMA_ARCHITECTURES = (GEMMA2, *GEMMA3_ARCHITECTURES)
 # Fields engine.models.support refuses away from their neutral value in other architectures: Gemma's layers read them.
 GEMMA_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 ACTIVATION = "gelu_pytorch_tanh"  # the MLP's gate: GELU with the tanh approximation (torch's approximate="tanh")
+# Gemma 1's hidden_act values transformers computes as ACTIVATION (GemmaConfig reads the legacy "gelu" as it)
+_GEMMA1_ACTIVATIONS = (ACTIVATION, "gelu")
 # RoPE types Gemma checkpoints use; each also needs engine.layers.rotary to compute it (ROPE_TYPES)
 _GEMMA_ROPE_TYPES = ("default", "linear")
 _NOT_YET = "not implemented by radixmesh yet"
@@ -91,16 +99,38 @@ def gemma_config(cfg: ModelConfig) -> GemmaConfig:
         ropes=None if gemma2 else _gemma3_ropes(raw))
 
 
-def check_gemma(cfg: ModelConfig) -> None:
-    """Raises ValueError if radixmesh's Gemma layers would compute something other than transformers' for `cfg`."""
-    raw, arch = cfg.raw, cfg.architecture
+def _check_causal(raw: dict, arch: str) -> None:
     if raw.get("use_bidirectional_attention"):
         raise ValueError(f"bidirectional attention (use_bidirectional_attention=true in config.json) is {_NOT_YET}: "
                          f"radixmesh's {arch} attends causally")
-    if arch == GEMMA3 and raw.get("attn_logit_softcapping") is not None:
+
+
+def check_gemma1(cfg: ModelConfig) -> None:
+    """Raises ValueError if radixmesh's Gemma 1 layers would compute something other than transformers' for `cfg`
+    (GemmaConfig reads hidden_act, not Gemma 2's hidden_activation; its other fields are Llama's, checked as theirs)."""
+    raw, arch = cfg.raw, cfg.architecture
+    _check_causal(raw, arch)
+    act = raw.get("hidden_act") or ACTIVATION
+    if act not in _GEMMA1_ACTIVATIONS:
+        raise ValueError(f"the MLP activation {act!r} (hidden_act={act!r} in config.json) is {_NOT_YET} for {arch}: "
+                         f"its MLP computes {ACTIVATION}(gate) * up")
+    if raw.get("mlp_bias"):
+        raise ValueError(f"MLP biases (mlp_bias=true in config.json) are not read by transformers' {arch}, whose MLP "
+                         "has none, so what the checkpoint expects is unclear; remove the field")
+
+
+def check_gemma(cfg: ModelConfig) -> None:
+    """Raises ValueError if radixmesh's Gemma layers would compute something other than transformers' for `cfg`."""
+    raw, arch = cfg.raw, cfg.architecture
+    _check_causal(raw, arch)
+    if arch in GEMMA3_ARCHITECTURES and raw.get("attn_logit_softcapping") is not None:
         raise ValueError(f"attention logit soft-capping (attn_logit_softcapping={raw['attn_logit_softcapping']!r} "
                          "in config.json) is ignored by transformers' Gemma 3, so what the checkpoint expects is "
                          "unclear; set it to null")
+    if arch == GEMMA3_MM and raw.get("final_logit_softcapping") is not None:
+        raise ValueError(f"final logit soft-capping (text_config.final_logit_softcapping="
+                         f"{raw['final_logit_softcapping']!r} in config.json) is ignored by transformers' {arch}, so "
+                         "what the checkpoint expects is unclear; set it to null")
     spec = gemma_config(cfg)
     if spec.activation != ACTIVATION:
         raise ValueError(f"the MLP activation {spec.activation!r} (hidden_activation in config.json) is {_NOT_YET} "

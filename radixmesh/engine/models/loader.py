@@ -72,6 +72,20 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"cannot read tensor {name!r} from weight file {file}: {e}") from e
 
 
+def model_tensors(cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """iter_checkpoint under the names the model class reads: a class whose checkpoints nest its weights elsewhere
+    (a multimodal model served text-only) renames each stored name with its static `checkpoint_name`, which returns
+    None for a tensor the engine does not serve (a vision tower), skipped unread."""
+    try:
+        rename = getattr(model_class(cfg.architecture), "checkpoint_name", None)
+    except ValueError:  # an architecture no class serves: its tensors under their stored names
+        rename = None
+    for name, lazy in iter_checkpoint(cfg.path):
+        if rename is not None and (name := rename(name)) is None:
+            continue
+        yield name, lazy
+
+
 def checkpoint_name_map(model: nn.Module) -> dict[str, list[tuple[nn.Parameter, Shard]]]:
     """Hugging Face tensor name -> the (our parameter, the part of it and of the tensor) it fills, for every weight
     the model needs: one, or several where a checkpoint tensor holds parts a rank keeps apart (Phi-3's fused qkv_proj
@@ -114,7 +128,7 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Colle
     are read when config.json declares fp8 (engine.quantization.fp8), KV cache scales by `load_kv_scales`."""
     fp8 = checkpoint_scheme(cfg.raw)
     unexpected = []
-    for name, lazy in iter_checkpoint(cfg.path):
+    for name, lazy in model_tensors(cfg):
         if kv_scale_of(name, cfg.num_layers) is not None:
             continue
         if fp8 is not None and (scaled := scale_of(name)) is not None and \
@@ -134,7 +148,7 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Colle
 def _fp8_scales(cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
     """Weight name -> {scale kind: tensor} of every fp8 scale in the checkpoint (small: read whole)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, lazy in iter_checkpoint(cfg.path):
+    for name, lazy in model_tensors(cfg):
         if (scaled := scale_of(name)) is not None:
             out.setdefault(scaled[0], {})[scaled[1]] = lazy[...]  # ([:] cannot index a scalar scale)
     return out
@@ -186,7 +200,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
     online = quantization == "fp8" and fp8 is None
     held = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}  # fp8_load.hold_fp8
     seen: set[str] = set()
-    for name, lazy in iter_checkpoint(cfg.path):
+    for name, lazy in model_tensors(cfg):
         if (fp8 is not None and scale_of(name) is not None) or kv_scale_of(name, cfg.num_layers) is not None:
             continue
         stored, name = name, _target_name(name, targets, cfg, getattr(model, "skipped_tensors", ()))
@@ -220,7 +234,7 @@ def _hold_fp8(model: nn.Module, cfg: ModelConfig, load_format: str, quantization
             names_of.setdefault(id(param), []).append(name)
     dtypes = None
     if load_format != "dummy":
-        dtypes = {name: "online" if scheme is None else lazy.get_dtype() for name, lazy in iter_checkpoint(cfg.path)}
+        dtypes = {name: "online" if scheme is None else lazy.get_dtype() for name, lazy in model_tensors(cfg)}
     fp8_load.hold_fp8(model, names_of, dtypes, scheme, device)
 
 
@@ -231,7 +245,7 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str) -> K
     if not kv_cache_dtype.startswith("fp8") or load_format == "dummy":
         return None
     found = []
-    for name, lazy in iter_checkpoint(cfg.path):
+    for name, lazy in model_tensors(cfg):
         if kv_scale_of(name, cfg.num_layers) is not None:
             check_scale(name, lazy.get_dtype(), tuple(lazy.get_shape()), cfg.path)
             found.append((name, lazy[...]))  # ([:] cannot index a scalar)

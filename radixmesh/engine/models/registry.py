@@ -12,11 +12,17 @@ _MODELS = {
     "MixtralForCausalLM": "radixmesh.engine.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "radixmesh.engine.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
+    "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",
+    # served text-only (engine.models.gemma)
+    "Gemma3ForConditionalGeneration": "radixmesh.engine.models.gemma:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "radixmesh.engine.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "radixmesh.engine.models.olmo2:Olmo2ForCausalLM",
     "GraniteForCausalLM": "radixmesh.engine.models.granite:GraniteForCausalLM",
+    "CohereForCausalLM": "radixmesh.engine.models.cohere:CohereForCausalLM",
+    "StableLmForCausalLM": "radixmesh.engine.models.stablelm:StableLmForCausalLM",
+    "Starcoder2ForCausalLM": "radixmesh.engine.models.starcoder2:Starcoder2ForCausalLM",
     # speculative decoding's EAGLE draft heads (served only as drafts: --speculative-draft-model-path)
     "LlamaForCausalLMEagle": "radixmesh.engine.speculative.eagle_head:EagleHead",
     "LlamaForCausalLMEagle3": "radixmesh.engine.speculative.eagle_head:Eagle3Head",

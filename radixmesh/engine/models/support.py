@@ -4,7 +4,8 @@ implements is refused at load, before any weight is read, with a ValueError that
 `check_servable` reads the config (once the context length is known: a sliding window matters only when it is shorter);
 `check_tensor_dtype` and `check_unexpected_tensors` read what the weight files' headers hold. The reference for what a
 field does is transformers' modeling code for the architectures we accept (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3,
-...). Gemma's own fields are checked by engine.models.gemma_config, which layers slide by engine.models.attention_spec.
+...). Gemma's own fields are checked by engine.models.gemma_config, Cohere's, StableLM's and Starcoder2's by
+engine.models.layernorm_config, which layers slide by engine.models.attention_spec.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from radixmesh.engine.layers.rope_scaling import (ROPE_TYPES, exact_context, frequencies, longrope_notice, rope_field,
                                                   rope_spec, rope_type, types_for)
 from radixmesh.engine.models.attention_spec import sliding_layers
-from radixmesh.engine.models.gemma_config import GEMMA3, GEMMA_ARCHITECTURES, GEMMA_FIELDS, check_gemma
+from radixmesh.engine.models.gemma_config import (GEMMA1, GEMMA3_ARCHITECTURES, GEMMA_ARCHITECTURES, GEMMA_FIELDS,
+                                                  check_gemma, check_gemma1)
+from radixmesh.engine.models.layernorm_config import LAYERNORM_ARCHITECTURES, READ_FIELDS, check_layernorm
 
 if TYPE_CHECKING:
     from radixmesh.engine.model_config import ModelConfig
@@ -45,9 +48,13 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
     _check_sliding_window(model, context_length)
     if model.architecture in GEMMA_ARCHITECTURES:  # its activation, soft-caps, score scale, Gemma 3's RoPE tables
         check_gemma(model)
+    elif model.architecture == GEMMA1:
+        check_gemma1(model)
+    elif model.architecture in LAYERNORM_ARCHITECTURES:  # activation, biases, epsilon, logit scale
+        check_layernorm(model)
     else:
         _check_activation_and_biases(model)
-    if model.architecture != GEMMA3:  # (Gemma 3 rotates sliding and global layers with two tables, checked above)
+    if model.architecture not in GEMMA3_ARCHITECTURES:  # (two tables: sliding and global layers, checked above)
         _check_rope(model, context_length)
     _check_neutral_fields(model)
 
@@ -108,7 +115,7 @@ def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
 
 # architectures whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dimensions
 # (engine.layers.rotary); elsewhere transformers' rotary multiplies whole heads by a shorter table and fails
-_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM")
 
 
 def _check_rope(model: ModelConfig, context_length: int) -> None:
@@ -185,7 +192,8 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 
 def _check_neutral_fields(model: ModelConfig) -> None:
     read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
-            else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM" else ())
+            else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM"
+            else READ_FIELDS.get(model.architecture, ()))
     for name, (feature, neutral) in _neutral_values(model).items():
         if name in read:
             continue
