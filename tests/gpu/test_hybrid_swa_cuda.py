@@ -76,3 +76,33 @@ def test_bfloat16_within_noise_of_transformers(checkpoints, prefill, decode, gra
                      disable_cuda_graph=not graphs)
     errors = logprob_errors(path, outs)
     assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
+
+
+@pytest.fixture
+def hybrid_allowed(monkeypatch):
+    """The hybrid pool on CUDA despite swa_pool.why_no_hybrid's CUDA gate (the diagnosis below; the engine is built
+    in this process, so the runner's reference is the one to replace)."""
+    from radixmesh.engine import model_runner
+    from radixmesh.engine.cache import swa_pool
+
+    def without_cuda_gate(args, shares_table):
+        why = swa_pool.why_no_hybrid(args, shares_table)
+        return None if why is not None and why.startswith("a CUDA device") else why
+
+    monkeypatch.setattr(model_runner, "why_no_hybrid", without_cuda_gate)
+
+
+@pytest.mark.skipif(HYBRID_ON_CUDA, reason="the hybrid pool is on for CUDA: the tests above run instead")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("backend,graphs", [("torch_native", False), ("triton", False), ("triton", True)])
+def test_gemma2_hybrid_diagnosis(checkpoints, hybrid_allowed, backend, graphs, overlap):
+    """Which part of a CUDA engine breaks Gemma 2 with the hybrid pool (float32, where its outputs must be
+    transformers'): the overlap scheduler (host bookkeeping one step ahead of the device), CUDA graphs, or a backend.
+    The same engine on CPU passes (tests/parity/test_hybrid_swa_memory.py); test_cuda_keeps_one_pool says whether
+    Gemma 2 on CUDA is right without the hybrid pool."""
+    path = checkpoints["gemma2"]
+    outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs,
+                     disable_overlap_schedule=not overlap)
+    got, want = [o["output_ids"] for o in outs], hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
+    first_bad = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+    assert got == want, f"first differing token per prompt: {first_bad}"
