@@ -103,7 +103,7 @@ def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
     layers: dict[tuple[int, int], list[nn.Module]] = {}
     for m in model.modules():
-        if getattr(m, "fp8", None) is not None:
+        if getattr(m, "fp8", None) is not None and m.weight.dim() == 2:  # (stacked experts run kernels.moe_fp8)
             layers.setdefault(tuple(m.weight.shape), []).append(m)
     g = torch.Generator(device=device).manual_seed(0)
     inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for _, k in layers}

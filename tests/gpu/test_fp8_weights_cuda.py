@@ -2,7 +2,10 @@
 per-token / per-token-group activation quantization bit for bit, the W8A16 decode products, the block-scaled GEMM,
 torch._scaled_mm's row-wise path and its Triton fallback), the one-row product under programmatic dependent launch in
 a CUDA graph equal to its eager launch, and the engine with `--fp8-gemm-backend auto` holding a block-wise
-checkpoint's projections in fp8, in CUDA graphs, token-exact with the dequantized twin (float32)."""
+checkpoint's projections in fp8, in CUDA graphs, token-exact with the dequantized twin (float32). Mixture-of-experts
+layers: kernels.moe_fp8 at Qwen3-30B-A3B's expert shape against its twin, in a CUDA graph equal to its eager call, and
+the engine holding tiny-qwen3-moe's fp8 experts in fp8, in CUDA graphs, token-exact with the checkpoint served
+dequantized."""
 
 from __future__ import annotations
 
@@ -120,3 +123,81 @@ def test_online_fp8_in_bfloat16_runs_scaled_mm_prefills_and_stays_near_the_model
     with running_engine(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True) as llm:
         plain_first = [o["output_ids"][0] for o in llm.generate(input_ids=prompts, sampling_params=sp)]
     assert sum(a == b for a, b in zip(fp8_first, plain_first)) >= len(prompts) - 2, (fp8_first, plain_first)
+
+
+MOE = (128, 2048, 768, 8)  # Qwen3-30B-A3B's experts: how many, hidden, moe_intermediate_size, top-k
+
+
+def _fp8_experts(experts: int, n: int, k: int, block, gen: torch.Generator):
+    """Random fp8 codes [experts, n, k] over most of e4m3's range, with scales making the weights ~ k^-0.5."""
+    from radixmesh.kernels.moe_fp8 import scale_shape
+
+    w = (torch.randn((experts, n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = (0.5 + torch.rand(scale_shape(w, block), device="cuda", generator=gen)) * k ** -0.5 / 64
+    return w, s
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_fp8_experts_at_the_qwen3_30b_a3b_shape_match_the_twin_eager_and_in_a_graph(block):
+    """kernels.moe_fp8 in bfloat16 at 1, 8 and 300 tokens against its twin (within bfloat16 rounding: the twin adds
+    the top-k rows one at a time in bfloat16); at 8 tokens captured in a CUDA graph, replayed with other tokens and
+    routes written into the same tensors, each replay equal to the eager call bit for bit."""
+    from radixmesh.kernels.moe import route_reference
+    from radixmesh.kernels.moe_fp8 import fused_experts_fp8, fused_experts_fp8_reference
+
+    experts, hidden, inter, top_k = MOE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fp8_experts = (*_fp8_experts(experts, 2 * inter, hidden, block, gen), *_fp8_experts(experts, hidden, inter,
+                                                                                         block, gen), block)
+
+    def inputs(tokens: int):
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+        return (x, *route_reference(logits, top_k, True, torch.bfloat16))
+
+    for tokens in (1, 8, 300):
+        x, weights, ids = inputs(tokens)
+        got = fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False)
+        want = fused_experts_fp8_reference(x, *fp8_experts, weights, ids)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    x, weights, ids = inputs(8)
+    fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False)
+    for _ in range(2):
+        for dst, src in zip((x, weights, ids), inputs(8)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False))
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_the_engine_holds_moe_experts_in_fp8_in_cuda_graphs(tmp_path, kind):
+    """tiny-qwen3-moe's fp8 checkpoint (blocks of 32 x 128, or per channel) with --fp8-gemm-backend triton: every
+    layer's experts held in fp8 and run by kernels.moe_fp8 (--moe-runner-backend auto: triton) in CUDA graphs,
+    token-exact with the same checkpoint served dequantized (float32); logprobs within 1e-2 block-wise (the experts'
+    activations in fp8), 1e-3 per channel (the same products)."""
+    from radixmesh.engine.layers.moe import FusedMoE
+
+    q = fp8.write_checkpoint(model_path("tiny-qwen3-moe"), str(tmp_path / "fp8"),
+                             **({"block": (32, 128)} if kind == "block" else {}))
+    prompts = parity_prompts(q)[:3]
+    sp = {"max_new_tokens": 12, "temperature": 0}
+
+    def serve(**opts) -> list[dict]:
+        with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                            **opts) as llm:
+            experts = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+            assert len(experts) == 3 and llm.runner.graphs is not None
+            held = {p.weight.dtype for m in experts for p in (m.w13, m.w2)}
+            assert held == ({torch.float8_e4m3fn} if opts else {torch.float32})
+            return llm.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+
+    outs, refs = serve(fp8_gemm_backend="triton"), serve()
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in refs]
+    for out, ref in zip(outs, refs):
+        got, want = ([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (out, ref))
+        assert got == pytest.approx(want, abs=1e-2 if kind == "block" else 1e-3)

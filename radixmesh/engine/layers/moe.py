@@ -9,7 +9,8 @@ are cut) and the partial outputs are summed over the ranks.
 
 The experts run kernels.moe: its grouped-GEMM kernels with --moe-runner-backend triton (the default on a GPU, where
 decode runs in CUDA graphs), its plain-torch twin with torch (the default on CPU; graphs off: it reads each step's
-experts on the host).
+experts on the host). Experts of an fp8 checkpoint (or of --quantization fp8) that engine.quantization.fp8_load holds
+in fp8, `w13` and `w2` together, run kernels.moe_fp8 the same way (its kernels, or its twin with torch).
 
 Routing follows transformers (kernels.moe.route_reference; `route` in one launch): softmax over the router logits
 in float32, the top-k, optionally renormalized to sum to one (Mixtral always; Qwen3-MoE and Qwen2-MoE when
@@ -37,12 +38,14 @@ class ExpertNames:
 
 
 class _Stacked(nn.Module):
-    """One stacked weight of the experts (`weight`), filled from every expert's checkpoint tensor."""
+    """One stacked weight of the experts (`weight`), filled from every expert's checkpoint tensor; held in fp8 with
+    a `weight_scale` buffer where `fp8` says so (engine.quantization.fp8_load)."""
 
     def __init__(self, shape: tuple[int, ...], shards: list[tuple[str, Shard]]):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape))
         self._shards = shards
+        self.fp8 = None  # engine.quantization.fp8_linear.Fp8Weights once the weight is held in fp8 (fp8_load)
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return self._shards
@@ -91,11 +94,22 @@ class FusedMoE(nn.Module):
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
             ids = ids - self.first
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
+        out = self._experts(x, weights, ids)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the routed tokens: kernels.moe (16-bit experts) or kernels.moe_fp8 (fp8 experts),
+        the grouped GEMMs with the triton backend, their twin otherwise."""
+        elsewhere = self.tp.config.expert_parallel
+        if self.w13.fp8 is not None:
+            from radixmesh.kernels.moe_fp8 import fused_experts_fp8, fused_experts_fp8_reference
+
+            fp8 = (self.w13.weight, self.w13.weight_scale, self.w2.weight, self.w2.weight_scale, self.w13.fp8.block)
+            if self.backend == "triton":
+                return fused_experts_fp8(x, *fp8, weights, ids, elsewhere=elsewhere)
+            return fused_experts_fp8_reference(x, *fp8, weights, ids)
         from radixmesh.kernels.moe import fused_experts, fused_experts_reference
 
         if self.backend == "triton":
-            out = fused_experts(x, self.w13.weight, self.w2.weight, weights, ids,
-                                elsewhere=self.tp.config.expert_parallel)
-        else:
-            out = fused_experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
-        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+            return fused_experts(x, self.w13.weight, self.w2.weight, weights, ids, elsewhere=elsewhere)
+        return fused_experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)

@@ -14,11 +14,12 @@ Layers the config keeps unquantized (`ignored_layers`, `modules_to_not_convert`)
 Where the fp8 kernels run (--fp8-gemm-backend auto on a CUDA GPU of sm89+, or triton), the projections keep their
 weights in fp8 with their scales (engine.quantization.fp8_load) and run engine.quantization.fp8_linear: decode-sized
 products read the fp8 weights with unquantized activations, larger ones quantize the activations per token (and
-group) for fp8 GEMMs. Elsewhere (CPU by default), and for the weights those layers do not cover (MoE experts, whose
-grouped GEMMs read 16-bit weights), the weights are held dequantized in the model's dtype: the outputs are the fp8
-weights' (the scales applied exactly, in float32), the memory and the speed are not. Static `input_scale`s are read
-but not used: activations are quantized dynamically per token where they are quantized at all. `write_checkpoint` is our writer of such checkpoints (tests, tiny
-models); `dequantized_checkpoint` writes the float twin they are checked against."""
+group) for fp8 GEMMs. Mixture-of-experts layers keep their experts in fp8 there too and run kernels.moe_fp8 (16-bit
+activations with per-row scales; activations quantized per token and group with block scales). Elsewhere (CPU by
+default) the weights are held dequantized in the model's dtype: the outputs are the fp8 weights' (the scales applied
+exactly, in float32), the memory and the speed are not. Static `input_scale`s are read but not used: activations are
+quantized dynamically per token where they are quantized at all. `write_checkpoint` is our writer of such
+checkpoints (tests, tiny models); `dequantized_checkpoint` writes the float twin they are checked against."""
 
 from __future__ import annotations
 

@@ -1,17 +1,22 @@
 """fp8 weights held as fp8 (with --fp8-gemm-backend auto on a CUDA GPU of compute capability 8.9 or later, or
-triton): which linear layers keep their weight in float8_e4m3fn with its scales, and how the loader fills them.
+triton): which linear layers and experts keep their weights in float8_e4m3fn with their scales, and how the loader
+fills them.
 
 A layer is held so when it is one of the tensor-parallel projections (engine.layers.linear: QKV, merged gate/up,
 row-parallel) and every checkpoint tensor it reads is fp8 (a pre-quantized checkpoint; a layer the checkpoint left
 unquantized stays as it is), or under `--quantization fp8` for an unquantized checkpoint (rounded here with a scale
-per output row, as engine.quantization.fp8.quantized_online does). Other weights (embedding, head, routers, MoE
-experts: kernels.moe's grouped GEMMs read 16-bit weights) are dequantized as before.
+per output row, as engine.quantization.fp8.quantized_online does). A mixture of experts' layer (engine.layers.moe)
+is held the same way, its stacked `w13` and `w2` together (every expert's gate, up and down tensors fp8), and runs
+kernels.moe_fp8's grouped GEMMs (scales [experts, N] or [experts, ceil(N/bn), ceil(K/bk)]). Other weights
+(embedding, head, routers, a shared expert's gate) are dequantized as before.
 
 Scales follow their weights' rows: per-tensor scales become one per output row (a fused QKV's q, k and v each keep
-their own), per-channel ones are cut with their rows. Block scales [ceil(N/bn), ceil(K/bk)] are cut by block rows
-and columns, which needs every part of a fused layer and every tensor-parallel cut to start on a block boundary:
-a cut inside a block is refused with the reason (the dequantized path, --fp8-gemm-backend's CPU default, serves it).
-Blocks the kernels do not take (not powers of two, or narrower than 32 columns) leave the weights dequantized.
+their own; each expert its own), per-channel ones are cut with their rows. Block scales [ceil(N/bn), ceil(K/bk)] are
+cut by block rows and columns, which needs every part of a fused layer (an expert's up rows follow its gate rows in
+w13) and every tensor-parallel cut (of an expert's intermediate rows, too) to start on a block boundary: a cut inside
+a block is refused with the reason (the dequantized path, --fp8-gemm-backend's CPU default, serves it; experts cut
+whole by --ep-size need no cut). Blocks the kernels do not take (not powers of two, or narrower than 32 columns)
+leave the weights dequantized.
 """
 
 from __future__ import annotations
@@ -44,45 +49,70 @@ def _servable_block(block: tuple[int, int] | None) -> bool:
     return block is None or (block[0] & (block[0] - 1) == 0 and block[1] & (block[1] - 1) == 0 and block[1] >= 32)
 
 
+def _held_parts(module: nn.Module) -> list[nn.Module]:
+    """The modules whose weights hold_fp8 keeps in fp8 together: a projection alone, a layer's experts' stacked
+    `w13` and `w2` both (kernels.moe_fp8 takes both in fp8); [] for any other module."""
+    from radixmesh.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from radixmesh.engine.layers.moe import FusedMoE
+
+    if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)):
+        return [module]
+    return [module.w13, module.w2] if isinstance(module, FusedMoE) else []
+
+
 def hold_fp8(model: nn.Module, names_of: dict[int, list[str]], dtypes: dict[str, str] | None,
              scheme: Fp8Scheme | None, device: torch.device) -> int:
-    """Give every projection whose checkpoint tensors are all fp8 (`dtypes`: name -> safetensors dtype; None: dummy
-    weights, every projection) an fp8 `weight` and a `weight_scale` buffer (on the model's device, meta while it is
-    built); `names_of`: id(weight) -> its checkpoint names. Returns the number of layers held so."""
-    from radixmesh.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
+    """Give every projection, and every layer's stacked experts, whose checkpoint tensors are all fp8 (`dtypes`:
+    name -> safetensors dtype; None: dummy weights, all of them) an fp8 `weight` and a `weight_scale` buffer (on the
+    model's device, meta while it is built); `names_of`: id(weight) -> its checkpoint names. Returns the number of
+    weights held so."""
     block = scheme.block if scheme is not None else None
     if not _servable_block(block):
         return 0
     held = 0
     for module in model.modules():
-        if not isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)):
+        parts = _held_parts(module)
+        if not parts or (dtypes is not None and not all(_all_fp8(names_of.get(id(p.weight), []), dtypes)
+                                                         for p in parts)):
             continue
-        names = names_of.get(id(module.weight), [])
-        if dtypes is not None and not (names and all(_dtype(dtypes, n) in ("F8_E4M3", "online") for n in names)):
-            continue
-        n, k = module.weight.shape
-        where = module.weight.device
-        module.weight = nn.Parameter(torch.empty((n, k), dtype=FP8, device=where), requires_grad=False)
-        shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
-        module.register_buffer("weight_scale", torch.empty(shape, dtype=torch.float32, device=where))
-        module.fp8 = Fp8Weights(block, scaled_mm_fits(device, n, k))
-        held += 1
+        for part in parts:
+            _hold(part, block, device)
+        held += len(parts)
     return held
+
+
+def _all_fp8(names: list[str], dtypes: dict[str, str]) -> bool:
+    return bool(names) and all(_dtype(dtypes, n) in ("F8_E4M3", "online") for n in names)
+
+
+def _hold(module: nn.Module, block: tuple[int, int] | None, device: torch.device) -> None:
+    """`module.weight` [..., N, K] (stacked experts lead with their index) made fp8, its scales [..., N] or
+    [..., ceil(N/bn), ceil(K/bk)] added."""
+    *lead, n, k = module.weight.shape
+    where = module.weight.device
+    module.weight = nn.Parameter(torch.empty((*lead, n, k), dtype=FP8, device=where), requires_grad=False)
+    shape = (*lead, n) if block is None else (*lead, -(-n // block[0]), -(-k // block[1]))
+    module.register_buffer("weight_scale", torch.empty(shape, dtype=torch.float32, device=where))
+    module.fp8 = Fp8Weights(block, not lead and scaled_mm_fits(device, n, k))
 
 
 def _dtype(dtypes: dict[str, str], name: str) -> str | None:
     return dtypes.get(name, dtypes.get(name.removeprefix("model.")))
 
 
-def _rows_of(shard) -> slice:
-    """The rows of the layer a checkpoint part fills (a Shard's `dest`; None: all of them)."""
-    return shard.dest if shard.dest is not None else slice(0, None)
+def _place(shard) -> tuple[tuple, slice]:
+    """Where a checkpoint part goes (a Shard's `dest`): (the leading index of the held weight and scales, an
+    expert's in stacked experts, () for a projection; the rows it fills in that weight, all of them for None)."""
+    dest = shard.dest if isinstance(shard.dest, tuple) else () if shard.dest is None else (shard.dest,)
+    if dest and isinstance(dest[-1], slice):
+        return dest[:-1], dest[-1]
+    return dest, slice(0, None)
 
 
-def _block_cut(scale: torch.Tensor, shard, full: tuple[int, int], block: tuple[int, int], name: str) -> torch.Tensor:
+def _block_cut(scale: torch.Tensor, shard, full: tuple[int, int], block: tuple[int, int], name: str,
+               experts: bool = False) -> torch.Tensor:
     """The block scales of the part `shard` cuts from a weight of shape `full`; ValueError for a cut inside a
-    block."""
+    block (`experts`: the weight is an expert's, which expert parallelism would keep whole)."""
     if shard.dim is None:
         return scale
     size = block[shard.dim]
@@ -92,7 +122,7 @@ def _block_cut(scale: torch.Tensor, shard, full: tuple[int, int], block: tuple[i
         raise ValueError(f"{name}: this rank's {what} {shard.start}..{end} of {full[shard.dim]} cut a block of "
                          f"{size} {what} of the block-wise fp8 scales {tuple(block)}: the tensor parallel size "
                          "must split the weight on block boundaries (or run --fp8-gemm-backend auto on CPU, which "
-                         "holds the weights dequantized)")
+                         "holds the weights dequantized" + ("; --ep-size keeps each expert whole)" if experts else ")"))
     return scale.narrow(shard.dim, shard.start // size, -(-end // size) - shard.start // size)
 
 
@@ -102,7 +132,8 @@ def fill(module: nn.Module, name: str, lazy, shard, scheme: Fp8Scheme | None, sc
     and the matching scales into `weight_scale`."""
     block = module.fp8.block
     full = tuple(lazy.get_shape())
-    rows = _rows_of(shard)
+    lead, rows = _place(shard)
+    weight, scales_held = module.weight.data[lead], module.weight_scale[lead]  # views: this expert's, or all
     if lazy.get_dtype() == "F8_E4M3":
         scale = scales.get(name, {}).get(scheme.scale_name)
         if scale is None:
@@ -111,21 +142,21 @@ def fill(module: nn.Module, name: str, lazy, shard, scheme: Fp8Scheme | None, sc
     else:  # --quantization fp8: rounded whole (a row's scale is its amax over all its columns), then cut
         whole, scale = quantize(lazy[:])
         q = whole if shard.dim is None else whole.narrow(shard.dim, shard.start, shard.length)
-    module.weight.data[rows].copy_(q)
+    weight[rows].copy_(q)
     scale = scale.to(torch.float32)
     if block is None:
         per_row = scale.reshape(-1).expand(full[0]) if scale.numel() == 1 else scale.reshape(full[0])
         if shard.dim == 0:
             per_row = per_row.narrow(0, shard.start, shard.length)
-        module.weight_scale[rows].copy_(per_row)
+        scales_held[rows].copy_(per_row)
         return
     first = rows.start or 0
     if first % block[0]:
         raise ValueError(f"{name} fills rows from {first} of its fused layer, inside a block of {block[0]} rows of "
                          f"the block-wise fp8 scales {tuple(block)}: its block scales cannot be kept (run on CPU's "
                          "dequantized path)")
-    cut = _block_cut(scale, shard, full, block, name)
-    module.weight_scale[first // block[0]: first // block[0] + cut.shape[0]].copy_(cut)
+    cut = _block_cut(scale, shard, full, block, name, experts=bool(lead))
+    scales_held[first // block[0]: first // block[0] + cut.shape[0]].copy_(cut)
 
 
 def init_dummy(model: nn.Module, generator: torch.Generator) -> None:
