@@ -14,6 +14,20 @@ from radixmesh.engine.quantization.fp8 import quantize
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def assert_near_twin(got: torch.Tensor, want: torch.Tensor, a, a_s, q, w_s, block) -> None:
+    """float32 outputs against the float32 twin. Triton's interpreter sums as the twin does (1e-5). A GPU's fp8 MMA
+    does not: Hopper adds fp8 products in an accumulator of fewer bits than float32 (about 2^-13 of the running sum
+    per addition, the limit DeepSeek-V3's report measured), so there each output is held within 2^-10 of the sum of
+    its terms' magnitudes, the bound of such a summation, not within float32's rounding of it."""
+    if got.device.type != "cuda":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    magnitudes = fp8_gemm_reference(a.float().abs().to(a.dtype), a_s, q.float().abs().to(q.dtype), w_s, block,
+                                    torch.float32)
+    excess = (got.float() - want.float()).abs() - (2.0 ** -10 * magnitudes + 1e-6)
+    assert excess.max() <= 0, f"{int((excess > 0).sum())} outputs past the bound, worst by {excess.max():.3g}"
+
+
 def _operands(m: int, n: int, k: int, block, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((m, k), generator=g).to(dtype)
@@ -32,8 +46,10 @@ def test_fp8_gemm_matches_its_twin(m, n, k, block, dtype):
     got = fp8_gemm(a, a_s, q, w_s, block, dtype)
     want = fp8_gemm_reference(a, a_s, q, w_s, block, dtype)
     assert got.shape == (m, n) and got.dtype == dtype
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
-    torch.testing.assert_close(got, want, **tol)  # float32 sums in another order, one rounding
+    if dtype == torch.float32:  # float32 sums in another order, one rounding (on a GPU, in fp8 MMA's accumulator)
+        assert_near_twin(got, want, a, a_s, q, w_s, block)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     exact = x.float() @ w.t()
     assert (got.float().cpu() - exact).abs().mean() < 0.05 * exact.abs().mean()  # fp8 on both sides: ~2-3%
 
@@ -76,5 +92,7 @@ def test_fp8_linear_picks_a_product_that_matches_its_twin(rows, block, scaled_mm
     else:
         a, a_s = group_quant(flat, block[1] if block else None)
         want = fp8_gemm_reference(a, a_s, q, w_s, block, torch.float32) + bias.float()
+        if dtype == torch.float32:
+            return assert_near_twin(got.reshape(rows, 96), want, a, a_s, q, w_s, block)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.reshape(rows, 96).float(), want.float(), **tol)
