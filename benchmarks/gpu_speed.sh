@@ -38,8 +38,9 @@
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
 #   PARTS="setup eagle"     issue 53: an EAGLE-3 head (dummy weights, the published 8B head's shape) on the 8B shape:
 #                           what a drafting step costs against plain decoding at batch 1 and 64
-#   PARTS="setup newgpu"    the GPU tests of issues 51-55 (fp8 weights first: fp8_load.AUTO_HOLDS_FP8 waits on them, then
-#                           LoRA, speculative trees, sliding windows, model families, attention backends, MoE), under
+#   PARTS="setup newgpu"    the GPU tests of issues 51-55 not yet run on a GPU, the most telling per second first (the
+#                           hybrid SWA pool's Gemma 2 diagnosis, model families, sliding windows, the few-token MoE
+#                           path, speculative trees, LoRA kernels, attention backends, then the fp8 kernel files), under
 #                           NEWGPU_TIMEOUT seconds (480) so the call ends with its log
 #   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
@@ -239,11 +240,13 @@ fi
 
 if [[ " $PARTS " == *" newgpu "* ]]; then
   timeout ${NEWGPU_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/newgpu.xml" \
+    tests/gpu/test_hybrid_swa_cuda.py tests/gpu/test_model_families_cuda.py tests/gpu/test_sliding_window_cuda.py \
+    tests/kernels/test_moe_decode.py tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py \
+    tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_pd_speculative_cuda.py \
+    tests/kernels/test_lora.py \
+    tests/gpu/test_attention_backends_cuda.py tests/kernels/test_moe_fp8.py tests/gpu/test_fp8_weights_cuda.py \
     tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py \
-    tests/gpu/test_fp8_weights_cuda.py tests/kernels/test_lora.py tests/gpu/test_lora_cuda.py \
-    tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_sliding_window_cuda.py \
-    tests/gpu/test_model_families_cuda.py tests/gpu/test_attention_backends_cuda.py tests/kernels/test_attention.py \
-    tests/kernels/test_moe.py tests/gpu/test_moe_cuda.py 2>&1 | tee "$OUT/newgpu_tests.log" \
+    tests/kernels/test_moe.py tests/kernels/test_attention.py 2>&1 | tee "$OUT/newgpu_tests.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed|Timeout" | tail -40
 fi
 
