@@ -200,9 +200,11 @@ if [[ $PARTS == *moe* ]]; then
   # inside the rotary kernel; benchmarks.moe_decode times one layer's experts on both paths at 1-8 tokens (its tiles
   # searched) against the floor.
   $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/kernels/test_moe_decode.py \
-    tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py 2>&1 | tail -3
+    tests/kernels/test_moe_decode_fp8.py tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py 2>&1 | tail -3
   $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 8 16 \
     --result-file "$OUT/moe_decode.jsonl" 2>&1 | tee "$OUT/moe_decode.log" | grep -v "^  skipped" | tail -15
+  $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 --fp8 block \
+    --result-file "$OUT/moe_decode_fp8.jsonl" 2>&1 | tee "$OUT/moe_decode_fp8.log" | grep -v "^  skipped" | tail -10
   $PY -m radixmesh.benchmarks.tune_moe --model-path benchmarks/configs/qwen3-30b-a3b 2>&1 | tee "$OUT/tune_moe.log" \
     | tail -3 && cp radixmesh/kernels/configs/moe-*.json "$OUT/"
   for moe in ${MOE_BACKENDS:-auto}; do
@@ -242,7 +244,7 @@ if [[ " $PARTS " == *" newgpu "* ]]; then
   timeout ${NEWGPU_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/newgpu.xml" \
     tests/gpu/test_hybrid_swa_cuda.py tests/gpu/test_model_families_cuda.py tests/gpu/test_sliding_window_cuda.py \
     tests/kernels/test_moe_decode.py tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py \
-    tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_pd_speculative_cuda.py \
+    tests/kernels/test_moe_decode_fp8.py tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_pd_speculative_cuda.py \
     tests/kernels/test_lora.py \
     tests/gpu/test_attention_backends_cuda.py tests/kernels/test_moe_fp8.py tests/gpu/test_fp8_weights_cuda.py \
     tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py \

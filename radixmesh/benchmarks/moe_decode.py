@@ -4,8 +4,13 @@ top-k sum. Each variant runs `--layers` layers of distinct random weights (more 
 step) in one CUDA graph; the time per layer is set against the floor of reading the experts the tokens picked (each
 distinct expert once) at this run's copy bandwidth. Every variant's output is checked against the grouped path's.
 
+`--fp8 block|channel`: the experts in float8_e4m3fn with 128 x 128 block scales (Qwen3-30B-A3B-FP8's) or one per row,
+kernels.moe_decode_fp8 against kernels.moe_fp8's grouped GEMMs; the floor counts one byte a weight. Block-wise the
+grouped GEMMs quantize the activations (W8A8) and the few-token path does not: there the few-token variants are
+checked against the first one, which is checked against its twin.
+
     python -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 8 \\
-        [--layers 8] [--tp-size 1] [--result-file F]
+        [--layers 8] [--tp-size 1] [--fp8 block|channel] [--result-file F]
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from radixmesh.benchmarks.pdl_chain import _copy_gbps, _time_graph, write_rows
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.kernels.moe import fused_experts, route_reference
 from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode_path
+from radixmesh.kernels.moe_decode_fp8 import FP8_TILES, decode_experts_fp8, decode_experts_fp8_reference
+from radixmesh.kernels.moe_fp8 import fused_experts_fp8, scale_shape
 
 UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (512, 1024, 2048),
                                                                                          (4, 8))]
@@ -26,25 +33,47 @@ DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w) for n, k, w in i
                                                                                                  (4, 8))]
 
 
-class Layers:
-    """`layers` layers of experts (bf16, random), one routing of `tokens` tokens each, and the outputs."""
+# fp8: a load of the same bytes covers twice the K
+FP8_UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (1024, 2048),
+                                                                                             (4, 8))]
+FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w)
+                 for n, k, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))]
 
-    def __init__(self, layers: int, experts: int, hidden: int, inter: int, top_k: int, tokens: int):
+
+def _fp8_weights(experts: int, n: int, k: int, block, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random fp8 codes [experts, n, k] over most of e4m3's range, with scales making the weights ~ k^-0.5."""
+    w = (torch.randn((experts, n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return w, (0.5 + torch.rand(scale_shape(w, block), device="cuda", generator=gen)) * k ** -0.5 / 64
+
+
+class Layers:
+    """`layers` layers of experts (bf16, or fp8 with `fp8`'s scales: "block" 128 x 128 or "channel"; random), one
+    routing of `tokens` tokens each, and the outputs. `w[i]`: layer i's expert arguments between x and the routing
+    ((w13, w2), or (w13, s13, w2, s2, block))."""
+
+    def __init__(self, layers: int, experts: int, hidden: int, inter: int, top_k: int, tokens: int,
+                 fp8: str | None = None):
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         dt = torch.bfloat16
         self.x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dt)
-        self.w = [((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=dt) * hidden ** -0.5),
-                   (torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=dt) * inter ** -0.5))
-                  for _ in range(layers)]
+        self.block = (128, 128) if fp8 == "block" else None
+        if fp8:
+            self.w = [(*_fp8_weights(experts, 2 * inter, hidden, self.block, gen),
+                       *_fp8_weights(experts, hidden, inter, self.block, gen), self.block) for _ in range(layers)]
+        else:
+            self.w = [((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=dt)
+                        * hidden ** -0.5),
+                       (torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=dt) * inter ** -0.5))
+                      for _ in range(layers)]
         self.route = [route_reference(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True, dt)
                       for _ in range(layers)]
         self.out = [None] * layers
-        expert_bytes = (3 * inter * hidden) * 2
+        expert_bytes = (3 * inter * hidden) * (1 if fp8 else 2)  # (scales: under 1% of an fp8 expert's bytes)
         self.floor_bytes = sum(len(set(ids.flatten().tolist())) for _, ids in self.route) * expert_bytes / layers
 
     def run(self, path) -> None:
-        for i, ((w13, w2), (weights, ids)) in enumerate(zip(self.w, self.route)):
-            self.out[i] = path(self.x, w13, w2, weights, ids)
+        for i, (w, (weights, ids)) in enumerate(zip(self.w, self.route)):
+            self.out[i] = path(self.x, *w, weights, ids)
 
 
 def _measure(layers: Layers, path, want: list | None) -> float | None:
@@ -67,6 +96,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--layers", type=int, default=8, help="distinct layers a graph runs (their experts exceed L2)")
     ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--fp8", choices=["block", "channel"], help="fp8 experts with these scales (module docstring)")
     ap.add_argument("--result-file")
     ns = ap.parse_args()
     cfg = ModelConfig.from_path(ns.model_path)
@@ -75,10 +105,13 @@ def main() -> None:
     moe, inter = cfg.moe, cfg.moe.intermediate_size // ns.tp_size
     copy = _copy_gbps(torch.device("cuda"))
     base = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "experts": moe.num_experts,
-            "top_k": moe.top_k, "hidden": cfg.hidden_size, "intermediate": inter, "layers": ns.layers}
+            "top_k": moe.top_k, "hidden": cfg.hidden_size, "intermediate": inter, "layers": ns.layers,
+            "weights": f"fp8-{ns.fp8}" if ns.fp8 else "bf16"}
+    grouped_path, decode_path, start = ((fused_experts_fp8, decode_experts_fp8, FP8_TILES) if ns.fp8 else
+                                        (fused_experts, decode_experts, DecodeTiles()))
     rows = []
     for tokens in ns.tokens:
-        layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens)
+        layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens, ns.fp8)
         floor_us = layers.floor_bytes / copy / 1e3
 
         def report(path: str, us: float | None, **extra) -> None:
@@ -90,20 +123,28 @@ def main() -> None:
             print(f"tokens {tokens}: {path:>8} {us:7.2f} us a layer, {us / floor_us:.2f}x the floor "
                   f"({floor_us:.2f} us at {copy:.0f} GB/s) {extra or ''}", flush=True)
 
-        grouped = _measure(layers, lambda *a: fused_experts(*a, elsewhere=False, decode_path=False), None)
+        grouped = _measure(layers, lambda *a: grouped_path(*a, elsewhere=False, decode_path=False), None)
         want = list(layers.out)
         report("grouped", grouped)
-        best = DecodeTiles()
-        report("decode", _measure(layers, lambda *a: decode_experts(*a, tiles=best), want), tiles=best._asdict())
-        for grid in (UP_GRID, DOWN_GRID):  # one launch's tiles at a time, the other's at their best so far
+        best = start
+        first = _measure(layers, lambda *a: decode_path(*a, tiles=best), None if layers.block else want)
+        if layers.block:  # W8A8 grouped, W8A16 here: the first variant against its twin, the others against it
+            want = None
+            if first is not None:
+                twin = decode_experts_fp8_reference(layers.x, *layers.w[0], *layers.route[0])
+                torch.testing.assert_close(layers.out[0].float(), twin.float(), rtol=2e-2, atol=2e-2)
+                want = list(layers.out)
+        report("decode", first, tiles=best._asdict())
+        # one launch's tiles at a time, the other's at their best so far
+        for grid in (FP8_UP_GRID, FP8_DOWN_GRID) if ns.fp8 else (UP_GRID, DOWN_GRID):
             timed = []
             for change in grid:
                 t = best._replace(**change)
-                us = _measure(layers, lambda *a, t=t: decode_experts(*a, tiles=t), want)
+                us = _measure(layers, lambda *a, t=t: decode_path(*a, tiles=t), want)
                 if us is not None:
                     timed.append((us, t))
             best = min(timed, key=lambda r: r[0])[1] if timed else best
-        report("decode", _measure(layers, lambda *a: decode_experts(*a, tiles=best), want), tiles=best._asdict(),
+        report("decode", _measure(layers, lambda *a: decode_path(*a, tiles=best), want), tiles=best._asdict(),
                best_tiles=True)
     write_rows(ns.result_file, rows)
 

@@ -16,6 +16,10 @@ Routing, the alignment of slots by expert, SiLU-and-mul and the sum of each toke
 Each product accumulates in float32 and is rounded once to the activations' dtype; the twin dequantizes the weights
 (and, block-wise, the quantized activations) to float32 and makes the same products with one rounding each. No
 host round trip (CUDA graphs capture it).
+
+A few tokens (kernels.moe_decode.use_decode_path, as for 16-bit experts) run kernels.moe_decode_fp8's two
+gemv-shaped launches instead of the alignment and grouped GEMMs: W8A16 for both scale layouts, so with block scales
+they do not quantize the activations and are not this twin's products (moe_decode_fp8's docstring).
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ def scale_shape(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, ..
     return (e, n) if block is None else (e, -(-n // block[0]), -(-k // block[1]))
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+def check_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
            block: tuple[int, int] | None) -> None:
     """ValueError unless block-wise blocks are powers of two with bk >= 32 and the experts' weights are contiguous fp8
     [experts, 2 x inter, hidden] and [experts, hidden, inter] with contiguous float32 scales of their layout."""
@@ -133,17 +137,23 @@ def _check(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tens
 
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                       block: tuple[int, int] | None, weights: torch.Tensor, ids: torch.Tensor,
-                      elsewhere: bool = True) -> torch.Tensor:
+                      elsewhere: bool = True, decode_path: bool | None = None) -> torch.Tensor:
     """kernels.moe.fused_experts with fp8 experts: x [tokens, hidden], w13 fp8 [experts, 2 x inter, hidden] and w2
     fp8 [experts, hidden, inter] with float32 scales `s13`, `s2` (scale_shape: per row, or per block of `block`),
     routing weights and expert ids [tokens, top_k] -> [tokens, hidden] in x's dtype. `elsewhere`: ids may be -1
-    (experts of other ranks)."""
+    (experts of other ranks). A few tokens (kernels.moe_decode.use_decode_path) run
+    kernels.moe_decode_fp8.decode_experts_fp8 instead; `decode_path` True or False forces the choice (tests,
+    benchmarks)."""
     from radixmesh.kernels.activation import silu_and_mul
+    from radixmesh.kernels.moe_decode import use_decode_path
+    from radixmesh.kernels.moe_decode_fp8 import decode_experts_fp8
 
-    _check(x, w13, s13, w2, s2, block)
+    check_experts(x, w13, s13, w2, s2, block)
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
+    if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
+        return decode_experts_fp8(x, w13, s13, w2, s2, block, weights, ids)
     x = x.contiguous()
     block_m, up, down_tiles = tiles(x, w13, tokens)
     if interpreting():

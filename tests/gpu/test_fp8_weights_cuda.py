@@ -3,9 +3,9 @@ per-token / per-token-group activation quantization bit for bit, the W8A16 decod
 torch._scaled_mm's row-wise path and its Triton fallback), the one-row product under programmatic dependent launch in
 a CUDA graph equal to its eager launch, and the engine with `--fp8-gemm-backend auto` holding a block-wise
 checkpoint's projections in fp8, in CUDA graphs, token-exact with the dequantized twin (float32). Mixture-of-experts
-layers: kernels.moe_fp8 at Qwen3-30B-A3B's expert shape against its twin, in a CUDA graph equal to its eager call, and
-the engine holding tiny-qwen3-moe's fp8 experts in fp8, in CUDA graphs, token-exact with the checkpoint served
-dequantized."""
+layers: kernels.moe_fp8 at Qwen3-30B-A3B's expert shape against its twin, in a CUDA graph equal to its eager call, its
+few-token path (kernels.moe_decode_fp8) the same way, and the engine holding tiny-qwen3-moe's fp8 experts in fp8, in
+CUDA graphs, token-exact with the checkpoint served dequantized."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_fp8_experts_at_the_qwen3_30b_a3b_shape_match_the_twin_eager_and_in_a_gr
 
     for tokens in (1, 8, 300):
         x, weights, ids = inputs(tokens)
-        got = fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False)
+        got = fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False, decode_path=False)  # grouped at 1 too
         want = fused_experts_fp8_reference(x, *fp8_experts, weights, ids)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     x, weights, ids = inputs(8)
@@ -174,17 +174,63 @@ def test_fp8_experts_at_the_qwen3_30b_a3b_shape_match_the_twin_eager_and_in_a_gr
         assert torch.equal(out, fused_experts_fp8(x, *fp8_experts, weights, ids, elsewhere=False))
 
 
-@pytest.mark.parametrize("kind", ["block", "channel"])
-def test_the_engine_holds_moe_experts_in_fp8_in_cuda_graphs(tmp_path, kind):
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_fp8_few_token_experts_at_the_qwen3_30b_a3b_shape_match_the_twin_eager_and_in_a_graph(block):
+    """kernels.moe_decode_fp8 (W8A16) in bfloat16 at 1, 2 and 4 tokens (the counts fused_experts_fp8 sends it at 128
+    experts, top-8) against its twin: the same roundings, so nearly every element equal; captured at 1 and 4 tokens
+    under programmatic dependent launch, replayed with other tokens and routes (an expert of another rank among
+    them), each replay equal to the eager call bit for bit."""
+    from radixmesh.kernels.moe import route_reference
+    from radixmesh.kernels.moe_decode import use_decode_path
+    from radixmesh.kernels.moe_decode_fp8 import decode_experts_fp8_reference
+    from radixmesh.kernels.moe_fp8 import fused_experts_fp8
+
+    experts, hidden, inter, top_k = MOE
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    fp8_experts = (*_fp8_experts(experts, 2 * inter, hidden, block, gen), *_fp8_experts(experts, hidden, inter,
+                                                                                         block, gen), block)
+
+    def inputs(tokens: int):
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        weights, ids = route_reference(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True,
+                                       torch.bfloat16)
+        ids[0, -1] = -1  # another rank's expert: adds nothing
+        return x, weights, ids
+
+    for tokens in (1, 2, 4):
+        assert use_decode_path(tokens, top_k, experts)
+        x, weights, ids = inputs(tokens)
+        got = fused_experts_fp8(x, *fp8_experts, weights, ids)
+        want = decode_experts_fp8_reference(x, *fp8_experts, weights, ids)
+        torch.testing.assert_close(got.float(), want.float(), **BF16)
+        assert (got != want).float().mean().item() <= 0.05
+    for tokens in (1, 4):
+        x, weights, ids = inputs(tokens)
+        fused_experts_fp8(x, *fp8_experts, weights, ids)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_experts_fp8(x, *fp8_experts, weights, ids)
+        for _ in range(2):
+            for dst, src in zip((x, weights, ids), inputs(tokens)):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, fused_experts_fp8(x, *fp8_experts, weights, ids))
+
+
+@pytest.mark.parametrize("kind,batch", [("block", 3), ("channel", 3), ("block", 1)])
+def test_the_engine_holds_moe_experts_in_fp8_in_cuda_graphs(tmp_path, kind, batch):
     """tiny-qwen3-moe's fp8 checkpoint (blocks of 32 x 128, or per channel) with --fp8-gemm-backend triton: every
     layer's experts held in fp8 and run by kernels.moe_fp8 (--moe-runner-backend auto: triton) in CUDA graphs,
     token-exact with the same checkpoint served dequantized (float32); logprobs within 1e-2 block-wise (the experts'
-    activations in fp8), 1e-3 per channel (the same products)."""
+    activations in fp8 in the grouped GEMMs), 1e-3 per channel (the same products). One prompt: every decode step's
+    experts take the few-token path (kernels.moe_decode_fp8) in the graphs."""
     from radixmesh.engine.layers.moe import FusedMoE
 
     q = fp8.write_checkpoint(model_path("tiny-qwen3-moe"), str(tmp_path / "fp8"),
                              **({"block": (32, 128)} if kind == "block" else {}))
-    prompts = parity_prompts(q)[:3]
+    prompts = parity_prompts(q)[:batch]
     sp = {"max_new_tokens": 12, "temperature": 0}
 
     def serve(**opts) -> list[dict]:

@@ -10,7 +10,8 @@ are cut) and the partial outputs are summed over the ranks.
 The experts run kernels.moe: its grouped-GEMM kernels with --moe-runner-backend triton (the default on a GPU, where
 decode runs in CUDA graphs), its plain-torch twin with torch (the default on CPU; graphs off: it reads each step's
 experts on the host). Experts of an fp8 checkpoint (or of --quantization fp8) that engine.quantization.fp8_load holds
-in fp8, `w13` and `w2` together, run kernels.moe_fp8 the same way (its kernels, or its twin with torch).
+in fp8, `w13` and `w2` together, run kernels.moe_fp8 the same way (its kernels, a few tokens kernels.moe_decode_fp8's,
+or its twin with torch).
 
 Routing follows transformers (kernels.moe.route_reference; `route` in one launch): softmax over the router logits
 in float32, the top-k, optionally renormalized to sum to one (Mixtral always; Qwen3-MoE and Qwen2-MoE when
