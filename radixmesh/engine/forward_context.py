@@ -24,11 +24,13 @@ class ForwardContext:
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
         """Attention of this layer; `rope` (engine.layers.rotary.RopeInputs): q and k are not rotated yet, and the
-        backend rotates them (with the KV store in one kernel where it can)."""
+        backend rotates them (with the KV store in one kernel where it can); None: they attend as they are (Cohere 2's
+        global layers), contiguous as `forward` takes them."""
         if self.kv_ready is not None:
             torch.cuda.current_stream().wait_event(self.kv_ready[layer_id])
         if rope is None:
-            return self.backend.forward(layer_id, q, k, v.contiguous(), self.batch, self.metadata)
+            return self.backend.forward(layer_id, q.contiguous(), k.contiguous(), v.contiguous(), self.batch,
+                                        self.metadata)
         return self.backend.forward_rope(layer_id, q, k, v, rope, self.batch, self.metadata)
 
 

@@ -14,10 +14,11 @@ if TYPE_CHECKING:
 
 
 # transformers' rms_norm_eps for a config.json without the field, where an architecture's default is not 1e-6
-_DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
+_DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
+                         "GlmForCausalLM": 1.5625e-7, "Glm4ForCausalLM": 1.5625e-7}
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                    "CohereForCausalLM", "Starcoder2ForCausalLM")
+                    "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
 # Multimodal architectures served text-only: config.json holds their language model's fields under text_config, often
 # only those that differ from its config class's defaults (published Gemma 3 4B/12B/27B), which are these
 # (Gemma3TextConfig's; tests/parity/test_model_families_more.py compares them with transformers')

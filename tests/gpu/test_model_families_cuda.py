@@ -1,7 +1,8 @@
 """On CUDA (Triton kernels: rotary over the scaled tables, attention with Granite's score scale; decode in CUDA
 graphs) in float32, Phi-3, OLMo 2, Granite, Gemma 1, Gemma 3 served from Gemma3ForConditionalGeneration, Cohere,
-StableLM, StarCoder2 and the RoPE scalings greedy-match transformers' float32 reference, with logprobs within 1e-3, on
-the checkpoints the CPU parity tests build (tests/parity/test_model_families.py, test_model_families_more.py,
+StableLM, StarCoder2, Cohere 2 (global layers unrotated), Phi, GLM-4, OLMo and the RoPE scalings greedy-match
+transformers' float32 reference, with logprobs within 1e-3, on the checkpoints the CPU parity tests build
+(tests/parity/test_model_families.py, test_model_families_more.py, test_model_families_third.py,
 test_rope_parity.py)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from tests.engine_utils import running_engine
 from tests.parity import test_model_families as families
 from tests.parity import test_model_families_more as more
+from tests.parity import test_model_families_third as third
 from tests.parity import test_rope_parity as scalings
 from tests.reference import hf_greedy, hf_token_logprobs
 
@@ -39,6 +41,11 @@ def test_families_on_cuda(tmp_path, name):
 @pytest.mark.parametrize("name", [*more.FAMILIES, more.MULTIMODAL])
 def test_more_families_on_cuda(tmp_path, name):
     _check(more.build(name, tmp_path), more.PROMPTS)
+
+
+@pytest.mark.parametrize("name", third.FAMILIES)
+def test_third_families_on_cuda(tmp_path, name):
+    _check(third.build(name, tmp_path), more.PROMPTS)
 
 
 @pytest.mark.parametrize("name", scalings.SCALINGS)

@@ -210,10 +210,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The LM head, sharded as the embedding is (see vocab_logits)."""
 
 
-def vocab_logits(tp: TensorParallel, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_logits(tp: TensorParallel, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits [n, vocab] from this rank's vocabulary share `weight` (the LM head's, or the embedding's when
-    the model ties them), gathered from every rank: each takes part in the gather, the leader samples from it."""
-    out = linear(hidden, weight).float()
+    the model ties them) and of `bias` where the head has one (Phi), gathered from every rank: each takes part in the
+    gather, the leader samples from it."""
+    out = linear(hidden, weight, bias).float()
     if tp.size == 1:
         return out
     return tp.all_gather_last(out)[:, :vocab_size]
@@ -224,3 +226,5 @@ def zero_padding(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, VocabParallelEmbedding) and m.held < m.per_rank:
             m.weight.data[m.held:].zero_()
+            if getattr(m, "bias", None) is not None:  # an LM head's bias (Phi's)
+                m.bias.data[m.held:].zero_()

@@ -64,13 +64,13 @@ class GemmaRMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim as torch's nn.LayerNorm computes it: statistics in float32, the weight (and the
-    bias, where the model has one: StableLM, Starcoder2) applied before the one rounding to the input dtype.
-    transformers' CohereLayerNorm (no bias) computes the same in float32 and rounds once. With a residual, as
-    RMSNorm: (norm(x + residual), x + residual)."""
+    bias, where the model has one: StableLM, Starcoder2, Phi) applied before the one rounding to the input dtype.
+    transformers' CohereLayerNorm (no bias) computes the same in float32 and rounds once, and OLMo's OlmoLayerNorm
+    (`weight` False: neither weight nor bias) too. With a residual, as RMSNorm: (norm(x + residual), x + residual)."""
 
-    def __init__(self, dim: int, eps: float, bias: bool):
+    def __init__(self, dim: int, eps: float, bias: bool, weight: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.eps = eps
 

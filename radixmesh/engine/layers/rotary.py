@@ -9,10 +9,11 @@ Partial rotary (Phi-4-mini's partial_rotary_factor): the table covers the first 
 which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does. The
 rotary kernel rotates whole heads, so such a table is always applied in plain torch.
 
-Interleaved pairs (transformers' Cohere: GPT-J's layout): dimensions (2i, 2i + 1) rotate together by frequency i,
-where rotate-half pairs (i, i + rotary_dim / 2); the table repeats each frequency twice in a row. As Cohere computes it,
-q and k rotate in float32 (cos and sin rounded to the model dtype first) and round back once. The kernel rotates
-rotate-half pairs only, so such a table is always applied in plain torch too.
+Interleaved pairs (transformers' Cohere and GLM: GPT-J's layout): dimensions (2i, 2i + 1) rotate together by
+frequency i, where rotate-half pairs (i, i + rotary_dim / 2); the table repeats each frequency twice in a row. As Cohere
+computes it, q and k rotate in float32 (cos and sin rounded to the model dtype first) and round back once; GLM rotates
+them in the model dtype (`upcast_pairs` False), which float32 models compute alike. The kernel rotates rotate-half
+pairs only, so such a table is always applied in plain torch too.
 """
 
 from __future__ import annotations
@@ -36,26 +37,28 @@ class RotaryEmbedding:
     """Holds cos/sin for positions [0, max_positions); not an nn.Module, so it is never meta-initialised."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 device: torch.device, interleaved: bool = False):
+                 device: torch.device, interleaved: bool = False, upcast_pairs: bool = True):
         """The table of one rope dict (`scaling`: config.json's rope_scaling, original_max_position_embeddings in
         it); a model's table comes from `for_model`, which resolves its config as transformers does."""
         self._fill(replace(spec_of_dict(head_dim, theta, scaling), context=max_positions), max_positions, device,
-                   head_dim, interleaved)
+                   head_dim, interleaved, upcast_pairs)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device,
-                  interleaved: bool = False) -> "RotaryEmbedding":
-        """`cfg`'s table; `interleaved`: GPT-J's pair layout (module docstring) instead of rotate-half."""
+                  interleaved: bool = False, upcast_pairs: bool = True) -> "RotaryEmbedding":
+        """`cfg`'s table; `interleaved`: GPT-J's pair layout (module docstring) instead of rotate-half, rotated in
+        float32 (`upcast_pairs`, Cohere's) or in the model dtype (GLM's)."""
         table = cls.__new__(cls)
-        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved)
+        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved,
+                    upcast_pairs)
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,
-              interleaved: bool) -> None:
+              interleaved: bool, upcast_pairs: bool) -> None:
         inv_freq, attention_factor = frequencies(spec)
         self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
         self.partial = spec.dim < head_dim
-        self.interleaved = interleaved
+        self.interleaved, self.upcast_pairs = interleaved, upcast_pairs
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
         # [max_positions, rotary_dim]: frequency i at i and i + rotary_dim / 2, or (interleaved) at 2i and 2i + 1
@@ -104,15 +107,16 @@ class RopeInputs:
             from radixmesh.kernels.rotary import apply_rotary as kernel
 
             return kernel(q, k, self.table.cos, self.table.sin, self.positions, qk_norm=self.qk_norm)
-        return apply_rotary(q, k, self.cos, self.sin, self.table.interleaved)
+        return apply_rotary(q, k, self.cos, self.sin, self.table.interleaved, self.table.upcast_pairs)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False):
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 upcast_pairs: bool = True):
     """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies. cos, sin
     [num_tokens, 1, rotary_dim]: with rotary_dim < head_dim only the leading rotary_dim dimensions rotate;
-    `interleaved`: GPT-J's pairs, in float32 (module docstring)."""
+    `interleaved`: GPT-J's pairs, in float32 unless not `upcast_pairs` (module docstring)."""
     if interleaved:
-        return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
+        return _rotate_pairs(q, cos, sin, upcast_pairs), _rotate_pairs(k, cos, sin, upcast_pairs)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -129,10 +133,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x rotated by interleaved pairs in float32, rounded back to x's dtype once."""
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    """x rotated by interleaved pairs in float32, rounded back to x's dtype once; without `upcast`, in x's dtype."""
     dim = cos.shape[-1]
-    rot = x[..., :dim].float()
+    rot = x[..., :dim].float() if upcast else x[..., :dim]
     swapped = torch.stack([-rot[..., 1::2], rot[..., ::2]], dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0) per pair
     out = (rot * cos + swapped * sin).to(x.dtype)
     return out if dim == x.shape[-1] else torch.cat([out, x[..., dim:]], dim=-1)

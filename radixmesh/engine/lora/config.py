@@ -13,6 +13,7 @@ MODULES = {attr: projs for (_, attr), projs in FUSED.items()}
 DEFAULT_MAX_LORAS_PER_BATCH = 8  # SGLang's
 # architectures peft adapters cannot be put on yet, and why
 _NO_LORA = {"Starcoder2ForCausalLM": "its MLP (c_fc, c_proj) has no gate/up/down projections to adapt",
+            "PhiForCausalLM": "its MLP (fc1, fc2) has no gate/up/down projections to adapt",
             "Gemma3ForConditionalGeneration": "its adapters also name the vision tower's projections (served "
                                               "text-only, it has none)"}
 

@@ -13,9 +13,11 @@ Which layers slide is each architecture's own rule (transformers' config classes
   Qwen2-MoE             under use_sliding_window: layer_types, else the even layers below max_window_layers
   Gemma 2               layer_types, else every other layer from layer 0 (window default 4096)
   Gemma 3               layer_types, else all but every sliding_window_pattern-th layer (default 6; window 4096)
+  Cohere 2              the same, sliding_window_pattern defaulting to 4 (window 4096)
 
-Other architectures (Llama, Gemma 1, Cohere, StableLM) attend to every earlier token whatever the config says: a window or layer_types there
-is a contradiction, which engine.models.support refuses unless the window covers the whole context.
+Other architectures (Llama, Gemma 1, Cohere, StableLM, Phi, GLM, OLMo) attend to every earlier token whatever the
+config says: layer_types with sliding layers there is a contradiction, which engine.models.support refuses unless the
+window covers the whole context.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 HF_DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2/Qwen3(-MoE)Config, Gemma2Config, Gemma3TextConfig
 HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config/Qwen2MoeConfig
 HF_DEFAULT_GEMMA3_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern
+_DEFAULT_PATTERN = {"Cohere2ForCausalLM": 4}  # others: Gemma 3's
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 _QWEN_LISTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
 _LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries radixmesh computes
@@ -79,12 +82,14 @@ def _qwen(raw: dict, arch: str, layers: int) -> SlidingLayers:
     return SlidingLayers(window, sliding, f"{where}, max_window_layers={first}", True)
 
 
-def _gemma(raw: dict, arch: str, layers: int) -> SlidingLayers:
+def _patterned(raw: dict, arch: str, layers: int) -> SlidingLayers:
+    """Gemma 2/3's and Cohere 2's rule: layer_types, else every pattern-th layer global."""
     window = raw.get("sliding_window", HF_DEFAULT_WINDOW)
     listed = _listed(raw, layers)
     if listed is not None:
         return SlidingLayers(window, listed, f"sliding_window={window}, layer_types", True)
-    pattern = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern", HF_DEFAULT_GEMMA3_PATTERN)
+    pattern = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern",
+                                                              _DEFAULT_PATTERN.get(arch, HF_DEFAULT_GEMMA3_PATTERN))
     if not isinstance(pattern, int) or pattern < 1:
         raise ValueError(f"sliding_window_pattern={pattern!r} in config.json: every how many layers one is global "
                          "needs a positive whole number")
@@ -109,8 +114,8 @@ def sliding_layers(cfg: ModelConfig) -> SlidingLayers:
                              f"use_sliding_window={str(on).lower()}, sliding_window={window}", True)
     if arch in _QWEN_LISTED:
         return _qwen(raw, arch, layers)
-    if arch in GEMMA_ARCHITECTURES:
-        return _gemma(raw, arch, layers)
+    if arch in GEMMA_ARCHITECTURES or arch == "Cohere2ForCausalLM":
+        return _patterned(raw, arch, layers)
     window = raw.get("sliding_window")  # unread by transformers here, as layer_types: what they would say
     types = raw.get("layer_types") or []
     listed = tuple(i < len(types) and types[i] == "sliding_attention" for i in range(layers))

@@ -1,11 +1,12 @@
-"""Decoders with LayerNorm in place of RMSNorm (Cohere, StableLM, Starcoder2): Llama's attention with the biases and
-per-head q/k norms each config asks for (engine.models.layernorm_config), a sequential or a parallel residual block,
-and Llama's forward (`LlamaForCausalLM.forward`), whose contract both blocks keep: a layer returns (its last
-sublayer's output, the residual stream before it), and the next norm adds the two.
+"""Decoders with LayerNorm in place of RMSNorm (Cohere, Cohere 2, StableLM, Starcoder2, Phi): Llama's attention with
+the biases and per-head q/k norms each config asks for (engine.models.layernorm_config), a sequential or a parallel
+residual block, and Llama's forward (`LlamaForCausalLM.forward`), whose contract both blocks keep: a layer returns (its
+last sublayer's output, the residual stream before it), and the next norm adds the two.
 
 - sequential (StableLM by default, Starcoder2): h = h + attn(ln1(h)); h = h + mlp(ln2(h));
-- parallel (Cohere, StableLM under use_parallel_residual): x = ln(h); h = h + attn(x) + mlp(x), added in that order
-  (the layer returns (mlp(x), h + attn(x)), whose sum rounds as transformers' does).
+- parallel (Cohere, Cohere 2, StableLM under use_parallel_residual): x = ln(h); h = h + attn(x) + mlp(x), added in that
+  order (the layer returns (mlp(x), h + attn(x)), whose sum rounds as transformers' does); Phi adds
+  (attn(x) + mlp(x)) + h (engine.models.phi).
 """
 
 from __future__ import annotations

@@ -18,11 +18,16 @@ _MODELS = {
     # served text-only (engine.models.gemma)
     "Gemma3ForConditionalGeneration": "radixmesh.engine.models.gemma:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "radixmesh.engine.models.phi3:Phi3ForCausalLM",
+    "OlmoForCausalLM": "radixmesh.engine.models.olmo:OlmoForCausalLM",
     "Olmo2ForCausalLM": "radixmesh.engine.models.olmo2:Olmo2ForCausalLM",
     "GraniteForCausalLM": "radixmesh.engine.models.granite:GraniteForCausalLM",
     "CohereForCausalLM": "radixmesh.engine.models.cohere:CohereForCausalLM",
     "StableLmForCausalLM": "radixmesh.engine.models.stablelm:StableLmForCausalLM",
     "Starcoder2ForCausalLM": "radixmesh.engine.models.starcoder2:Starcoder2ForCausalLM",
+    "Cohere2ForCausalLM": "radixmesh.engine.models.cohere2:Cohere2ForCausalLM",
+    "PhiForCausalLM": "radixmesh.engine.models.phi:PhiForCausalLM",
+    "GlmForCausalLM": "radixmesh.engine.models.glm:GlmForCausalLM",
+    "Glm4ForCausalLM": "radixmesh.engine.models.glm:Glm4ForCausalLM",
     # speculative decoding's EAGLE draft heads (served only as drafts: --speculative-draft-model-path)
     "LlamaForCausalLMEagle": "radixmesh.engine.speculative.eagle_head:EagleHead",
     "LlamaForCausalLMEagle3": "radixmesh.engine.speculative.eagle_head:Eagle3Head",

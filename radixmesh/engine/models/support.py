@@ -4,8 +4,8 @@ implements is refused at load, before any weight is read, with a ValueError that
 `check_servable` reads the config (once the context length is known: a sliding window matters only when it is shorter);
 `check_tensor_dtype` and `check_unexpected_tensors` read what the weight files' headers hold. The reference for what a
 field does is transformers' modeling code for the architectures we accept (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3,
-...). Gemma's own fields are checked by engine.models.gemma_config, Cohere's, StableLM's and Starcoder2's by
-engine.models.layernorm_config, which layers slide by engine.models.attention_spec.
+...). Gemma's own fields are checked by engine.models.gemma_config, Cohere's, Cohere 2's, StableLM's, Starcoder2's and
+Phi's by engine.models.layernorm_config, which layers slide by engine.models.attention_spec.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ _QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq", "hf_
 _QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "load_in_4bit", "load_in_8bit")
 # Granite's scalars (engine.models.granite computes them)
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+OLMO = "OlmoForCausalLM"  # reads clip_qkv (engine.models.olmo clamps q, k and v)
 # Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
 _SILU = ("silu", "swish")
 
@@ -54,6 +55,8 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
         check_layernorm(model)
     else:
         _check_activation_and_biases(model)
+    if model.architecture == OLMO:
+        _check_clip_qkv(model)
     if model.architecture not in GEMMA3_ARCHITECTURES:  # (two tables: sliding and global layers, checked above)
         _check_rope(model, context_length)
     _check_neutral_fields(model)
@@ -115,7 +118,7 @@ def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
 
 # architectures whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dimensions
 # (engine.layers.rotary); elsewhere transformers' rotary multiplies whole heads by a shorter table and fails
-_PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM")
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
 
 
 def _check_rope(model: ModelConfig, context_length: int) -> None:
@@ -163,6 +166,14 @@ def _check_activation_and_biases(model: ModelConfig) -> None:
                          "projections have no bias")
 
 
+def _check_clip_qkv(model: ModelConfig) -> None:
+    clip = model.raw.get("clip_qkv")
+    if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0
+                                 and math.isfinite(clip)):
+        raise ValueError(f"clip_qkv={clip!r} in config.json: {model.architecture} clamps q, k and v to "
+                         "[-clip_qkv, clip_qkv], which needs a positive number (or null: no clamping)")
+
+
 def _neutral_values(model: ModelConfig) -> dict[str, tuple[str, Any]]:
     """config.json field -> (the feature it turns on, the value at which it changes nothing). None: only absent (or
     null) is neutral. None of these is read by transformers' Llama/Mistral/Qwen2/Qwen3 code: a config that sets one
@@ -193,6 +204,7 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 def _check_neutral_fields(model: ModelConfig) -> None:
     read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
             else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM"
+            else ("clip_qkv",) if model.architecture == OLMO
             else READ_FIELDS.get(model.architecture, ()))
     for name, (feature, neutral) in _neutral_values(model).items():
         if name in read:

@@ -1,0 +1,165 @@
+"""Cohere 2 (Command-R7B / Command-A), Phi (1, 1.5, 2), GLM-4 (GlmForCausalLM, Glm4ForCausalLM) and OLMo (1)
+token-exact with transformers (float32, CPU), each a tiny random checkpoint written here by transformers itself (no
+download), norms drawn away from their neutral weights and biases away from zero, every generated token's logprob
+compared too (tests/parity/test_model_families_more.py's method and helpers): a weight read from the wrong rows, a
+rotation of the wrong pairs, dimensions or layers, a norm or clamp left out, a wrong default or a bias left out moves
+those far beyond the tolerance. Prompts longer than the sliding window go in one batch with shorter ones. (What only
+rounds otherwise cannot show there: the order of Phi's residual sum; GELU variants and GLM's rotation in bfloat16 are
+compared bit for bit below.)
+
+Also here: the configs these families' layers would compute otherwise are refused naming the field."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from tests.parity.test_model_families_more import WINDOW, _check, _config_dir, _refused, write_checkpoint
+
+FAMILIES = {
+    # 4 layers: sliding (rotated, every 12 tokens), sliding, global (unrotated, every token), sliding, by layer_types;
+    # q/k/v/o biases; the logit scale; an output layer of its own
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(num_hidden_layers=4, sliding_window=WINDOW, attention_bias=True, logit_scale=0.5,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
+    # written tied (config.json edited: _cohere2_pattern), layers 1 and 3 global
+    "cohere2-pattern": ("Cohere2Config", "Cohere2ForCausalLM",
+                        dict(num_hidden_layers=4, sliding_window=WINDOW, tie_word_embeddings=True)),
+    # Phi-2's layout: 8 of each head's 16 dimensions rotate (PhiConfig's default 0.5: _legacy), gelu_new, biases
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    # q/k LayerNorms shared by the heads, 4 rotated dimensions, torch's tanh GELU
+    "phi-qk-layernorm": ("PhiConfig", "PhiForCausalLM",
+                         dict(qk_layernorm=True, partial_rotary_factor=0.25, hidden_act="gelu_pytorch_tanh")),
+    # head_dim 24 with 4 heads (96 != hidden 64): 12 interleaved dimensions rotate (the default 0.5); q/k/v biases by
+    # GlmConfig's default (_glm_defaults)
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(head_dim=24, rms_norm_eps=1e-5)),
+    # post-sublayer norms; the output layer tied to the embedding
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    # q, k and v clamped: about half of their elements at this scale; q/k/v/o biases
+    "olmo-clip": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.8, attention_bias=True)),
+}
+
+
+def _legacy(raw: dict) -> None:
+    """config.json as transformers 4 wrote it: rope_theta at the top level, and no partial_rotary_factor (the
+    architecture's default applies)."""
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+
+
+def _glm_defaults(raw: dict) -> None:
+    """No attention_bias (GlmConfig's default: q/k/v biases) and no partial_rotary_factor (0.5)."""
+    _legacy(raw)
+    del raw["attention_bias"]
+
+
+def _cohere2_pattern(raw: dict) -> None:
+    """A Command-R7B-style config.json: no layer_types, every second layer global (sliding_window_pattern), the
+    output layer tied to the embedding by Cohere2Config's default."""
+    del raw["layer_types"], raw["tie_word_embeddings"]
+    raw["sliding_window_pattern"] = 2
+
+
+CONFIG_EDITS = {"phi": _legacy, "glm": _glm_defaults, "cohere2-pattern": _cohere2_pattern}
+
+
+def build(name: str, path) -> str:
+    write_checkpoint(path, *FAMILIES[name], seed=400 + list(FAMILIES).index(name))
+    if name in CONFIG_EDITS:
+        raw = json.loads((path / "config.json").read_text())
+        CONFIG_EDITS[name](raw)
+        (path / "config.json").write_text(json.dumps(raw, indent=1))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """name -> its checkpoint's path, written on first use."""
+    return functools.cache(lambda name: build(name, tmp_path_factory.mktemp(name)))
+
+
+def _edited(tmp_path, config_cls: str, edits: dict, **fields) -> str:
+    """_config_dir's config.json with `edits` written over it (fields a config class would reset)."""
+    path = _config_dir(tmp_path, config_cls, **fields)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **edits}))
+    return path
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_families_match_transformers(checkpoint, name):
+    _check(checkpoint(name))
+
+
+def test_phi_shards_over_tensor_parallel_ranks(checkpoint):
+    """tp_size 2: each rank adds its share of the output layer's bias to its vocabulary rows, fc1's to its rows, and
+    the dense and fc2 biases once, after the sum over the ranks; the shared q/k LayerNorms on every rank."""
+    _check(checkpoint("phi-qk-layernorm"), tp_size=2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm_rotary_is_transformers(tmp_path, dtype):
+    """GlmForCausalLM's table rotates q and k bit for bit as transformers' GLM does: half of each head
+    (partial_rotary_factor 0.5), interleaved pairs, in the model dtype, where pairs rotated in float32 (Cohere's,
+    upcast_pairs) round otherwise in bfloat16."""
+    from transformers import GlmConfig
+    from transformers.models.glm import modeling_glm as hf
+
+    from radixmesh.engine.layers.rotary import RotaryEmbedding
+    from radixmesh.engine.model_config import ModelConfig
+    from radixmesh.engine.models.glm import GlmForCausalLM
+
+    cfg = ModelConfig.from_path(_edited(tmp_path, "GlmConfig", {}, head_dim=16, rope_theta=1000.0))
+    with torch.device("meta"):
+        model = GlmForCausalLM(cfg)
+    model.init_rotary(40, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(40, n, 16, generator=gen).to(dtype) for n in (4, 2))
+    positions = torch.arange(40)
+    cos, sin = hf.GlmRotaryEmbedding(GlmConfig.from_pretrained(tmp_path))(q, positions[None])
+    want = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    upcast = RotaryEmbedding(8, 40, 1000.0, None, torch.device("cpu"), interleaved=True)
+    for table, equal in ((model.rotary, True), (upcast, dtype == torch.float32)):
+        got = table.prepare(positions, dtype).apply(q, k)
+        assert all(torch.equal(g, w[0].transpose(0, 1)) == equal for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"])
+def test_gelus_are_transformers(name):
+    from transformers.activations import ACT2FN
+
+    from radixmesh.engine.layers.activation import GELUS
+
+    x = torch.linspace(-6.0, 6.0, 4001)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(GELUS[name](x.to(dtype)), ACT2FN[name](x.to(dtype)))
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config_cls,fields,edits,words", [
+    ("Cohere2Config", dict(hidden_act="gelu"), {}, ["hidden_act='gelu'"]),
+    ("Cohere2Config", {}, dict(use_qk_norm=True), ["use_qk_norm=True"]),
+    ("Cohere2Config", {}, dict(head_dim=32), ["head_dim=32"]),
+    ("Cohere2Config", dict(sliding_window=None), {}, ["sliding_window=None", "no window size"]),
+    ("Cohere2Config", {}, dict(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
+    ("PhiConfig", dict(hidden_act="relu"), {}, ["hidden_act='relu'"]),
+    ("PhiConfig", dict(tie_word_embeddings=True), {}, ["tie_word_embeddings=true"]),
+    ("PhiConfig", dict(qk_layernorm=True), dict(head_dim=32), ["head_dim=32", "qk_layernorm"]),
+    ("PhiConfig", {}, dict(mlp_bias=True), ["mlp_bias=true"]),
+    ("PhiConfig", dict(partial_rotary_factor=1.5), {}, ["partial_rotary_factor=1.5"]),
+    ("GlmConfig", dict(hidden_act="gelu"), {}, ["hidden_act='gelu'"]),
+    ("Glm4Config", {}, dict(mlp_bias=True), ["mlp_bias=true"]),
+    ("OlmoConfig", dict(clip_qkv=-1.0), {}, ["clip_qkv=-1.0"]),
+    ("OlmoConfig", dict(hidden_act="gelu"), {}, ["hidden_act='gelu'"]),
+])
+def test_configs_the_layers_would_compute_otherwise_are_refused(tmp_path, config_cls, fields, edits, words):
+    _refused(_edited(tmp_path, config_cls, edits, **fields), *words)
+
+
+def test_lora_is_refused_for_phi(tmp_path):
+    """Phi's MLP has no gate/up/down projections for adapters."""
+    _refused(_config_dir(tmp_path, "PhiConfig"), "LoRA on PhiForCausalLM", "fc1", enable_lora=True)
