@@ -247,8 +247,9 @@ if [[ " $PARTS " == *" newgpu "* ]]; then
     tests/kernels/test_moe_decode_fp8.py tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_pd_speculative_cuda.py \
     tests/kernels/test_lora.py \
     tests/gpu/test_attention_backends_cuda.py tests/kernels/test_moe_fp8.py tests/gpu/test_fp8_weights_cuda.py \
-    tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py \
-    tests/kernels/test_moe.py tests/kernels/test_attention.py 2>&1 | tee "$OUT/newgpu_tests.log" \
+    tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemv_rows.py \
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py tests/kernels/test_attention.py 2>&1 \
+    | tee "$OUT/newgpu_tests.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed|Timeout" | tail -40
 fi
 
@@ -548,8 +549,16 @@ if [[ " $PARTS " == *" fp8 "* ]]; then
   # near bf16's or better (W8A8 on torch._scaled_mm / the Triton block GEMM, plus one activation-quantization kernel
   # per product); the 8192-token prefill faster than bf16's by 1.3-1.6x where the fp8 GEMMs reach ~2x bf16's rate.
   [[ " $PARTS " == *" newgpu "* || -n ${SKIP_FP8_TESTS:-} ]] || $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_quant.py \
-    tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py tests/gpu/test_fp8_weights_cuda.py 2>&1 \
-    | tee "$OUT/fp8_tests.log" | tail -8
+    tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemv_rows.py tests/kernels/test_fp8_gemm.py \
+    tests/gpu/test_fp8_weights_cuda.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -8
+  # The fp8 products of 2-16 rows (kernels.fp8_gemv_rows: each weight element read once for all rows) alone, per 8B
+  # projection and summed per layer, at 1/2/4/8/16 rows against the fp8 weight-read floor (~51 us a layer at
+  # ~4.3 TB/s): the one-row kernel once per row, the old tensor-core fp8_gemv, each fp8_gemv_rows tile, bf16 cuBLAS.
+  # Prediction (before any run, H200, us a layer at 8 rows): fp8_gemv_rows on the tensor cores 60-75 (1.2-1.5x the
+  # floor), on the CUDA cores 110-130; the one-row kernel x8 520-600; the old fp8_gemv ~200; bf16 cuBLAS 125-140.
+  # At 2 rows the CUDA-core tiles 60-70; at 16 rows the tensor cores as at 8 (65-80).
+  [[ -n ${SKIP_FP8_ROWS:-} ]] || $PY -m radixmesh.benchmarks.fp8_rows --scales ${FP8_ROWS_SCALES:-channel} \
+    --result-file $OUT/fp8_rows.jsonl 2>&1 | tee "$OUT/fp8_rows.log" | grep -E "^rows|rror" | tail -60
   BLOCK_CFG=build/llama-3.1-8b-fp8-block
   mkdir -p $BLOCK_CFG && $PY - "$CFG" "$BLOCK_CFG" <<'PYEOF'
 import json, shutil, sys, pathlib

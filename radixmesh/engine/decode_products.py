@@ -15,11 +15,14 @@ copy floor on an H200 against cuBLAS's 1.21x, and it took the batch-1 step from 
 
 Weights held in fp8 (engine.quantization.fp8_load) have no cuBLAS product with 16-bit activations: their one-row
 products always run kernels.fp8_gemv.fp8_gemv_row, and the plan times its tiles per fp8 weight shape (FP8_ROW_TILES,
-gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps the fastest (fp8_row_plan).
+gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps the fastest (fp8_row_plan); their
+products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 16 rows over its CUDA-core and
+tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -94,33 +97,47 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
 FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 1024, 4))
 
 
+def _fp8_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
+    """The model's layers whose weights are held in fp8, by weight shape (stacked experts run kernels.moe_fp8)."""
+    layers: dict[tuple[int, int], list[nn.Module]] = {}
+    for m in model.modules():
+        if getattr(m, "fp8", None) is not None and m.weight.dim() == 2:
+            layers.setdefault(tuple(m.weight.shape), []).append(m)
+    return layers
+
+
+def _fastest(product, candidates, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+             ) -> tuple[tuple | None, float]:
+    """The candidate config `product(x, w, config=...)` runs fastest over `weights` in one graph, and its ms (None,
+    inf where none fits this GPU)."""
+    from triton.runtime.errors import OutOfResources
+
+    best, best_ms = None, float("inf")
+    for config in candidates:
+        try:
+            ms = _graph_ms(functools.partial(product, config=config), weights, inputs)
+        except OutOfResources:  # tiles too large for this GPU's registers or shared memory
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best, best_ms
+
+
 def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], tuple]:
     """Per shape of the model's fp8-held weights: the fp8_gemv_row tiles fastest over all that shape's weights in
     one graph at one row (kernels.fp8_gemv.set_row_plan takes it). Empty without fp8 weights."""
-    from triton.runtime.errors import OutOfResources
-
     from radixmesh.kernels.fp8_gemv import fp8_gemv_row
 
-    layers: dict[tuple[int, int], list[nn.Module]] = {}
-    for m in model.modules():
-        if getattr(m, "fp8", None) is not None and m.weight.dim() == 2:  # (stacked experts run kernels.moe_fp8)
-            layers.setdefault(tuple(m.weight.shape), []).append(m)
     g = torch.Generator(device=device).manual_seed(0)
-    inputs = {k: torch.randn((1, k), device=device, dtype=dtype, generator=g) for _, k in layers}
     chosen, lines = {}, []
-    for shape, mods in layers.items():
+    for shape, mods in _fp8_layers(model).items():
         by_weight = {id(m.weight): m for m in mods}
-        best, best_ms = None, float("inf")
-        for tiles in FP8_ROW_TILES:
-            def product(x, w, c=tiles):
-                m = by_weight[id(w)]
-                return fp8_gemv_row(x, w, m.weight_scale, m.fp8.block, pdl=True, config=c)
-            try:
-                ms = _graph_ms(product, [m.weight for m in mods], inputs)
-            except OutOfResources:
-                continue
-            if ms < best_ms:
-                best, best_ms = tiles, ms
+        inputs = {shape[1]: torch.randn((1, shape[1]), device=device, dtype=dtype, generator=g)}
+
+        def product(x, w, config):
+            m = by_weight[id(w)]
+            return fp8_gemv_row(x, w, m.weight_scale, m.fp8.block, pdl=True, config=config)
+        best, best_ms = _fastest(product, FP8_ROW_TILES, [m.weight for m in mods], inputs)
         if best is not None:
             chosen[shape] = best
             lines.append(f"{shape[0]}x{shape[1]} (x{len(mods)}): {best} {best_ms * 1e3 / len(mods):.1f} us")
@@ -129,15 +146,55 @@ def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return chosen
 
 
+# (BLOCK_N, BLOCK_K, num_warps, mode[, K splits]) tried for kernels.fp8_gemv_rows by padded row count; the first of
+# each is its default (kernels.fp8_gemv_rows.ROWS_CONFIG). The CUDA-core tiles ("cores") at 2 and 4 rows only, beyond
+# which their multiply-adds cannot keep up with the weights' stream; each compiles per K and row count. The
+# tensor-core tiles ("dot") compile once for every K and row count; they split K where the column blocks are too few
+# for the SMs (kernels.fp8_gemv_rows.dot_splits), and one tile is also tried unsplit.
+FP8_ROWS_TILES = {2: ((4, 512, 2, "cores"), (4, 1024, 4, "cores"), (32, 256, 4, "dot"), (16, 256, 1, "dot")),
+                  4: ((32, 256, 4, "dot"), (4, 512, 2, "cores"), (32, 256, 4, "dot", 1), (64, 256, 4, "dot")),
+                  8: ((32, 256, 4, "dot"), (32, 256, 4, "dot", 1), (16, 256, 1, "dot"), (64, 256, 4, "dot")),
+                  16: ((32, 256, 4, "dot"), (32, 256, 4, "dot", 1), (16, 256, 1, "dot"), (64, 256, 4, "dot"))}
+
+
+def fp8_rows_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
+                  ) -> dict[tuple[int, int, int], tuple]:
+    """Per shape of the model's fp8-held weights and padded row count (2, 4, 8, 16): the kernels.fp8_gemv_rows
+    config fastest over all that shape's weights in one graph at that many rows (kernels.fp8_gemv_rows.set_rows_plan
+    takes it). Empty without fp8 weights."""
+    from radixmesh.kernels.fp8_gemv_rows import fp8_gemv_rows
+
+    g = torch.Generator(device=device).manual_seed(0)
+    chosen, lines = {}, []
+    for (n, k), mods in _fp8_layers(model).items():
+        by_weight = {id(m.weight): m for m in mods}
+
+        def product(x, w, config):
+            m = by_weight[id(w)]
+            return fp8_gemv_rows(x, w, m.weight_scale, m.fp8.block, pdl=True, config=config)
+        times = []
+        for rows, tiles in FP8_ROWS_TILES.items():
+            inputs = {k: torch.randn((rows, k), device=device, dtype=dtype, generator=g)}
+            best, best_ms = _fastest(product, tiles, [m.weight for m in mods], inputs)
+            if best is not None:
+                chosen[(n, k, rows)] = best
+                times.append(f"{rows} rows {best} {best_ms * 1e3 / len(mods):.1f} us")
+        lines.append(f"{n}x{k} (x{len(mods)}): " + ", ".join(times))
+    if lines:
+        log.info("fp8 products of 2-16 rows by weight shape: %s", "; ".join(lines))
+    return chosen
+
+
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
     and the shapes whose one-row products run gemv_row instead, with its tiles (--decode-gemm auto;
-    kernels.runtime.use_pdl takes both). Sets the fp8-held weights' one-row tiles (fp8_row_plan) for the process. gemv_row runs every shape unless, timed on the shape's own weights, it is
-    clearly slower (ROW_GUARD) than the kernel chosen for more rows: on an H200 it was faster on every shape
-    (qkv 12.6 against cuBLAS's 15.9 us, down_proj 27.6 against kernels.gemv's 28.7; 2026-11-29) and inside the step by
-    0.5 ms, so the choice leans to it and does not flip between starts on a close call; the guard is for a GPU
-    where it is plainly the wrong kernel."""
+    kernels.runtime.use_pdl takes both). Sets the fp8-held weights' tiles for the process (fp8_row_plan,
+    fp8_rows_plan). gemv_row runs every shape unless, timed on the shape's own weights, it is clearly slower
+    (ROW_GUARD) than the kernel chosen for more rows: on an H200 it was faster on every shape (qkv 12.6 against
+    cuBLAS's 15.9 us, down_proj 27.6 against kernels.gemv's 28.7; 2026-11-29) and inside the step by 0.5 ms, so the
+    choice leans to it and does not flip between starts on a close call; the guard is for a GPU where it is plainly
+    the wrong kernel."""
     from triton.runtime.errors import OutOfResources
 
     from radixmesh.kernels.gemv import ROW_CONFIG, gemv, gemv_row
@@ -170,8 +227,10 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
     from radixmesh.kernels.fp8_gemv import set_row_plan
+    from radixmesh.kernels.fp8_gemv_rows import set_rows_plan
 
     set_row_plan(fp8_row_plan(model, device, dtype))
+    set_rows_plan(fp8_rows_plan(model, device, dtype))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

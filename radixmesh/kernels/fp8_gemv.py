@@ -12,6 +12,8 @@ of x is scaled once for all of the program's rows.
 rows, the tensor-core dot of gemv with the fp8 tile converted to x's dtype in registers, exact: e4m3 values are
 bfloat16 and float16 values). Both launch as programmatic dependents under PDL (kernels.runtime) the way gemv_row
 does, waiting before they read x. `ROW_PLAN` holds the one-row tiles engine.decode_products chose per weight shape.
+Products of 2-16 rows run kernels.fp8_gemv_rows in the engine; fp8_gemv stays as its measured predecessor
+(benchmarks.fp8_rows).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _fp8_gemv_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
              mask=(m[:, None] < M) & n_mask[None, :])
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
+def check_operands(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
            bias: torch.Tensor | None, max_rows: int) -> None:
     m, k = x.shape
     n = w.shape[0]
@@ -127,7 +129,7 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, k] -> x @ (w * scales)^T (+ bias) [1, n] in x's dtype, float32 sums (module docstring). `config`:
     (BLOCK_N, BLOCK_K, num_warps), default ROW_PLAN's for this shape or ROW_CONFIG. A kernel is compiled per k."""
-    _check(x, w, scales, block, bias, 1)
+    check_operands(x, w, scales, block, bias, 1)
     n, k = w.shape
     block_n, block_k, warps = config or ROW_PLAN.get((n, k), ROW_CONFIG)
     if interpreting() and config is None:
@@ -148,7 +150,7 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x [m <= 16, k] -> x @ (w * scales)^T (+ bias) [m, n] in x's dtype on the tensor cores, float32 sums."""
-    _check(x, w, scales, block, bias, MAX_ROWS)
+    check_operands(x, w, scales, block, bias, MAX_ROWS)
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

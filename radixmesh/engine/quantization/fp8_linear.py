@@ -1,8 +1,9 @@
 """A linear layer's product with its weight held in fp8 (engine.quantization.fp8_load puts it there): which kernel
 runs it, by the number of rows.
 
-  rows <= SKINNY_ROWS (decode)  W8A16: kernels.fp8_gemv (one row: fp8_gemv_row with the tiles engine.decode_products
-                                chose for the shape; more: the tensor-core fp8_gemv); activations stay in their dtype
+  rows <= SKINNY_ROWS (decode)  W8A16, activations in their dtype: one row, kernels.fp8_gemv.fp8_gemv_row; 2-16 rows,
+                                kernels.fp8_gemv_rows (each weight element read once for all rows), both with the
+                                tiles engine.decode_products chose for the shape (and row count) on this GPU
   more rows, block-wise weights activations quantized per token and group of bk columns (kernels.fp8_quant), then
                                 kernels.fp8_gemm's block-scaled GEMM
   more rows, per-channel        activations quantized per token, then torch._scaled_mm (cuBLAS's fp8 GEMM with row-wise
@@ -48,9 +49,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, how:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m <= SKINNY_ROWS:
-        from radixmesh.kernels.fp8_gemv import fp8_gemv, fp8_gemv_row
+        from radixmesh.kernels.fp8_gemv import fp8_gemv_row
+        from radixmesh.kernels.fp8_gemv_rows import fp8_gemv_rows
 
-        y = (fp8_gemv_row if m == 1 else fp8_gemv)(x2, weight, scales, how.block, bias, pdl=True)
+        y = (fp8_gemv_row if m == 1 else fp8_gemv_rows)(x2, weight, scales, how.block, bias, pdl=True)
         return y.reshape(*lead, n)
     from radixmesh.kernels.fp8_gemm import fp8_gemm
     from radixmesh.kernels.fp8_quant import group_quant
