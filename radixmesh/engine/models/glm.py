@@ -20,7 +20,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.llama import DecoderModel, DecoderSpec, LlamaForCausalLM
+from radixmesh.engine.models.llama import DecoderModel, DecoderSpec, LlamaForCausalLM, pre_norm
 from radixmesh.engine.models.phi3 import FusedGateUpLinear
 
 
@@ -54,10 +54,7 @@ class Glm4DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's normed MLP output, the residual before it), as Llama's DecoderLayer."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(hidden, rope))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual

@@ -16,7 +16,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import VocabParallelEmbedding
 from radixmesh.engine.layers.rotary import RopeInputs
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.llama import DecoderLayer, DecoderSpec, LlamaForCausalLM
+from radixmesh.engine.models.llama import DecoderLayer, DecoderSpec, LlamaForCausalLM, pre_norm
 
 
 def multiplier(cfg: ModelConfig, name: str) -> float:
@@ -43,10 +43,7 @@ class GraniteDecoderLayer(DecoderLayer):
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """As DecoderLayer's, with the attention's and the MLP's outputs scaled by residual_multiplier before they
         join the residual stream (the returned pair still sums to the next layer's input)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, rope) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_multiplier, residual

@@ -22,7 +22,7 @@ from radixmesh.engine.layers.norm import HeadLayerNorm, LayerNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layernorm_config import LayerNormSpec, layernorm_spec
-from radixmesh.engine.models.llama import MLP, Attention, DecoderSpec, LlamaForCausalLM
+from radixmesh.engine.models.llama import MLP, Attention, DecoderSpec, LlamaForCausalLM, pre_norm
 
 
 def _first_head(qkv: QKVParallelLinear, part: str, head_dim: int) -> int:
@@ -55,10 +55,7 @@ class SequentialDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual before it), as Llama's DecoderLayer."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, rope), residual)
         return self.mlp(hidden), residual
 
@@ -73,10 +70,7 @@ class ParallelDecoderLayer(nn.Module):
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual plus its attention output): the next norm adds them (module
         docstring)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         return self.mlp(hidden), residual + self.self_attn(hidden, rope)
 
 

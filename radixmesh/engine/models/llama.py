@@ -68,6 +68,15 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm: (normed input, residual). The first layer's input is its own residual; a later
+    one's norm adds the previous layer's output to the residual first (one fused kernel where the norm has one)."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, tp: TensorParallel):
         super().__init__()
@@ -80,10 +89,7 @@ class DecoderLayer(nn.Module):
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream: returns (this layer's MLP output, the residual before it); the next norm adds them,
         which rounds exactly as `hidden + mlp(...)` does."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

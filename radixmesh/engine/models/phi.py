@@ -28,7 +28,7 @@ from radixmesh.engine.layers.rotary import RopeInputs
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layernorm_config import LayerNormSpec, layernorm_spec
 from radixmesh.engine.models.layernorm_decoder import LayerNormForCausalLM, ParallelDecoderLayer, attention
-from radixmesh.engine.models.llama import Attention
+from radixmesh.engine.models.llama import Attention, pre_norm
 
 
 class StoredLayerNorm(LayerNorm):
@@ -72,10 +72,7 @@ class PhiDecoderLayer(ParallelDecoderLayer):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(attn(x) + mlp(x), the residual before them): the next norm adds them, as transformers' Phi rounds."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         return self.self_attn(hidden, rope) + self.mlp(hidden), residual
 
 
