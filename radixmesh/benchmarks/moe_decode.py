@@ -25,7 +25,8 @@ from radixmesh.engine.model_config import ModelConfig
 from radixmesh.kernels.moe import fused_experts, route_reference
 from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode_path
 from radixmesh.kernels.moe_decode_fp8 import FP8_TILES, decode_experts_fp8, decode_experts_fp8_reference
-from radixmesh.kernels.moe_fp8 import fused_experts_fp8, scale_shape
+from radixmesh.kernels.fp8_experts import scale_shape
+from radixmesh.kernels.moe_fp8 import fused_experts_fp8
 
 UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (512, 1024, 2048),
                                                                                          (4, 8))]

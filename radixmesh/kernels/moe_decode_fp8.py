@@ -1,5 +1,5 @@
 """kernels.moe_decode's few-token expert path on fp8 experts (engine.quantization.fp8_load holds them so: float8_e4m3fn
-w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] with float32 scales, kernels.moe_fp8.scale_shape),
+w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] with float32 scales, kernels.fp8_experts.scale_shape),
 W8A16, and its plain-torch twin. The same two gemv-shaped launches (gate/up per (token, k) pair with SiLU-and-mul,
 down per token summing its top_k experts in registers), each reading one byte per weight and the weights' scales:
 
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixmesh.kernels.fp8_experts import check_experts
 from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
 from radixmesh.kernels.moe_decode import INTERPRETER_TILES, DecodeTiles, decode_experts_reference
-from radixmesh.kernels.moe_fp8 import check_experts  # (moe_fp8 imports this module only when called)
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # The 16-bit tiles' bytes per load (fp8_gemv's one-row rule: twice the elements): gate/up twice the K; down twice
@@ -163,7 +163,7 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
                        block: tuple[int, int] | None, weights: torch.Tensor, ids: torch.Tensor,
                        tiles: DecodeTiles | None = None) -> torch.Tensor:
     """x [tokens, hidden], fp8 w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] with float32 scales
-    s13, s2 (kernels.moe_fp8.scale_shape: per row, or per block of `block`), routing weights and expert ids [tokens,
+    s13, s2 (kernels.fp8_experts.scale_shape: per row, or per block of `block`), routing weights and expert ids [tokens,
     top_k] (-1: another rank's) -> [tokens, hidden] in x's dtype, in two launches (module docstring). `tiles`
     overrides FP8_TILES (INTERPRETER_TILES in the interpreter). Meant for use_decode_path's token counts (through
     kernels.moe_fp8.fused_experts_fp8); any count is computed. ValueError on what kernels.moe_fp8 refuses."""

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from radixmesh.kernels.fp8_gemm import fp8_gemm_reference
 from radixmesh.kernels.fp8_gemv import fp8_linear_reference
-from radixmesh.kernels.fp8_quant import FP8, group_quant, group_quant_reference
+from radixmesh.kernels.fp8_experts import check_experts
+from radixmesh.kernels.fp8_quant import group_quant, group_quant_reference
 from radixmesh.kernels.moe import Tiles, align_by_expert, tiles
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting
 
@@ -109,37 +110,11 @@ def _fp8_grouped_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bl
     return out
 
 
-def scale_shape(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, ...]:
-    """The scales of stacked fp8 expert weights w [experts, N, K]: [experts, N] (per row), else [experts,
-    ceil(N/bn), ceil(K/bk)]."""
-    e, n, k = w.shape
-    return (e, n) if block is None else (e, -(-n // block[0]), -(-k // block[1]))
-
-
-def check_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-           block: tuple[int, int] | None) -> None:
-    """ValueError unless block-wise blocks are powers of two with bk >= 32 and the experts' weights are contiguous fp8
-    [experts, 2 x inter, hidden] and [experts, hidden, inter] with contiguous float32 scales of their layout."""
-    if block is not None and (block[0] & (block[0] - 1) or block[1] & (block[1] - 1) or block[1] < 32):
-        raise ValueError(f"fp8 experts' block-wise scales need power-of-two blocks with bk >= 32, got {block}")
-    e, two_inter, hidden = w13.shape
-    ok = (w13.dtype == FP8 and w2.dtype == FP8 and w2.shape == (e, hidden, two_inter // 2) and two_inter % 2 == 0
-          and x.shape[-1] == hidden and w13.is_contiguous() and w2.is_contiguous())
-    for w, s in ((w13, s13), (w2, s2)):
-        ok = ok and tuple(s.shape) == scale_shape(w, block) and s.dtype == torch.float32 and s.is_contiguous()
-    if not ok:
-        raise ValueError(f"fp8 experts take contiguous fp8 w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, "
-                         f"inter] with float32 scales {scale_shape(w13, block)} and {scale_shape(w2, block)} (block "
-                         f"{block}) for x [tokens, hidden]; got x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
-                         f"{w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, scales {tuple(s13.shape)} {s13.dtype} and "
-                         f"{tuple(s2.shape)} {s2.dtype}")
-
-
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                       block: tuple[int, int] | None, weights: torch.Tensor, ids: torch.Tensor,
                       elsewhere: bool = True, decode_path: bool | None = None) -> torch.Tensor:
     """kernels.moe.fused_experts with fp8 experts: x [tokens, hidden], w13 fp8 [experts, 2 x inter, hidden] and w2
-    fp8 [experts, hidden, inter] with float32 scales `s13`, `s2` (scale_shape: per row, or per block of `block`),
+    fp8 [experts, hidden, inter] with float32 scales `s13`, `s2` (kernels.fp8_experts.scale_shape: per row, or per block of `block`),
     routing weights and expert ids [tokens, top_k] -> [tokens, hidden] in x's dtype. `elsewhere`: ids may be -1
     (experts of other ranks). A few tokens (kernels.moe_decode.use_decode_path) run
     kernels.moe_decode_fp8.decode_experts_fp8 instead; `decode_path` True or False forces the choice (tests,

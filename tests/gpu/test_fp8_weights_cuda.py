@@ -130,7 +130,7 @@ MOE = (128, 2048, 768, 8)  # Qwen3-30B-A3B's experts: how many, hidden, moe_inte
 
 def _fp8_experts(experts: int, n: int, k: int, block, gen: torch.Generator):
     """Random fp8 codes [experts, n, k] over most of e4m3's range, with scales making the weights ~ k^-0.5."""
-    from radixmesh.kernels.moe_fp8 import scale_shape
+    from radixmesh.kernels.fp8_experts import scale_shape
 
     w = (torch.randn((experts, n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = (0.5 + torch.rand(scale_shape(w, block), device="cuda", generator=gen)) * k ** -0.5 / 64
