@@ -24,7 +24,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import activation, decode_attention, extend_attention, gemv, kv_store, norm, rotary
+from radixmesh.kernels import activation, decode_attention, extend_attention, gemv, kv_store, moe_decode, norm, rotary
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -87,6 +87,15 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
+# the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
+tiles = moe_decode.DecodeTiles()
+out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16), set(),
+                         dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True),
+                         tiles.up_warps, 1)
+out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32",
+                                                        out_ptr=bf16), set(),
+                      dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
+                      tiles.down_warps, 1)
 json.dump(out, sys.stdout)
 '''
 
@@ -116,7 +125,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
-                                                 ("rotary", 0)])
+                                                 ("rotary", 0), ("moe_gate_up", 0), ("moe_down", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
     global memory only after that (what it reads may be that kernel's output). Stage 2 alone reads one value before
