@@ -26,15 +26,17 @@ def fresh(monkeypatch, tmp_path):
 
 
 def offer(monkeypatch, offered):
-    """The random choice of port gives the next of `offered`, bound to repeat a port as chance may."""
+    """The random choice of port gives the next of `offered`, bound to repeat a port as chance may. Tests that need
+    an offered port taken offer ports below the range free_port draws from (19xxx): the other test process's meshes
+    never listen there (a CI run's mesh held 24002 when this test offered it)."""
     it = iter(offered)
     monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(it))
 
 
 def test_a_reserved_port_is_never_handed_out(fresh):
-    offer(fresh, [31001, 31002, 31001, 31003])
-    ports.reserve(31002, None)
-    assert [ports.free_port(), ports.free_port()] == [31001, 31003]
+    offer(fresh, [19101, 19102, 19101, 19103])
+    ports.reserve(19102, None)
+    assert [ports.free_port(), ports.free_port()] == [19101, 19103]
 
 
 def test_the_launch_plan_never_hands_out_the_routers_ports(fresh):
@@ -53,18 +55,18 @@ def test_a_port_another_process_chose_is_not_handed_out(fresh):
     not bound it yet is skipped by the other (a CI run failed on a metrics port taken this way)."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from radixmesh.services.common import ports; from pathlib import Path; "
-         "ports._LOCK_DIR = Path(sys.argv[1]); ports.random.randrange = lambda a, b: 24001; "
+         "ports._LOCK_DIR = Path(sys.argv[1]); ports.random.randrange = lambda a, b: 19001; "
          "print(ports.free_port(), flush=True); sys.stdin.read()", str(ports._LOCK_DIR)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "24001"
-        offer(fresh, [24001, 24002])
-        assert ports.free_port() == 24002
+        assert holder.stdout.readline().strip() == "19001"
+        offer(fresh, [19001, 19002])
+        assert ports.free_port() == 19002
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    offer(fresh, [24001])  # its process gone, its lock went with it
-    assert ports.free_port() == 24001
+    offer(fresh, [19001])  # its process gone, its lock went with it
+    assert ports.free_port() == 19001
 
 
 def test_ports_come_from_below_the_kernels_ephemeral_range(fresh):
