@@ -88,13 +88,14 @@ async def _run(mesh, fault=None, ready=None) -> list[tuple[str, str | None, str 
 
 
 def _streaming_on(mesh, pid: int, samples: bool = False):
-    """_run's `ready`: once the worker of `pid` has calls streaming; with `samples`, also once half the n = 2 streams
-    have streamed (so some of them are mid-stream on that worker: its first streams may be a prefill batch of n = 1
-    ones only, a CI run)."""
+    """_run's `ready`: once the worker of `pid` has calls streaming; with `samples`, also once every n = 2 stream
+    has streamed (so some of them are mid-stream on that worker: its first streams may be a prefill batch of n = 1
+    ones only, a CI run; and half of them streaming were all the other worker's, arriving in round robin's
+    alternation, another CI run)."""
     argv = cmdline(pid).split()
     on = streaming_on(mesh, "127.0.0.1:" + argv[argv.index("--port") + 1])
     pairs = {i for i in range(STREAMS) if i % 5 == 0}
-    return lambda started: (not samples or 2 * len(pairs.intersection(started)) >= len(pairs)) and on()
+    return lambda started: (not samples or pairs.issubset(started)) and on()
 
 
 def _workers(mesh) -> list[int]:
