@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from radixmesh.engine.config import EngineArgs
-from radixmesh.engine.engine import Engine
 from radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from radixmesh.services.common import auth, event_loop, heap
 from radixmesh.services.common.auth import InternalAuthSettings
@@ -17,8 +17,10 @@ from radixmesh.services.common.metrics import MetricsSettings, ServiceMetrics
 from radixmesh.services.common.server import GrpcService
 from radixmesh.settings import parse_settings
 from radixmesh.services.common.tracing import TraceSettings, setup_tracing
-from radixmesh.services.worker.servicer import WorkerServicer
 from radixmesh.services.worker.settings import PdSettings, WorkerSettings
+
+if TYPE_CHECKING:
+    from radixmesh.engine.engine import Engine
 
 
 ROLES = {"null": "colocated", "prefill": "prefill", "decode": "decode"}  # --disaggregation-mode -> metrics role
@@ -26,6 +28,10 @@ ROLES = {"null": "colocated", "prefill": "prefill", "decode": "decode"}  # --dis
 
 async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | None = None,
                 metrics_settings: MetricsSettings | None = None) -> None:
+    # torch comes with the engine, imported here: `--help` and a flag error answer in half a second, not four
+    from radixmesh.engine.engine import Engine
+    from radixmesh.services.worker.servicer import WorkerServicer
+
     # The worker streams disjoint segments; the router rebuilds cumulative text where a client wants it.
     engine_kwargs = kvstore_engine_kwargs(settings, engine_kwargs)
     engine = Engine(**{**engine_kwargs, "stream_output": True, "log_level": settings.log_level})
