@@ -1,6 +1,8 @@
 """kernels.fp8_gemm, the fp8 x fp8 GEMM with block-wise (per-token-group x 2-D block) and row-wise (per-token x
-per-channel) scales, against its plain-torch twin, fed by kernels.fp8_quant: ragged M, N and K (partial tiles,
-partial blocks), blocks narrower than the column tile, and the output near the unquantized product."""
+per-channel) scales, against its plain-torch twin: ragged M, N and K (partial tiles, partial blocks), blocks narrower
+than the column tile, and the output near the unquantized product. The GEMM's activations are quantized as
+kernels.fp8_quant.group_quant does by its plain-torch twin (bit-identical to it: tests/kernels/test_fp8_quant.py; in
+Triton's interpreter the kernel would be most of this file's time); fp8_linear below runs group_quant itself."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from radixmesh.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
-from radixmesh.kernels.fp8_quant import group_quant
+from radixmesh.kernels.fp8_quant import group_quant_reference
 from radixmesh.engine.quantization.fp8 import quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +35,7 @@ def _operands(m: int, n: int, k: int, block, dtype, seed: int):
     x = torch.randn((m, k), generator=g).to(dtype)
     w = torch.randn((n, k), generator=g) / k ** 0.5
     q, scale = quantize(w, block)
-    a, a_s = group_quant(x.to(DEVICE), block[1] if block else None)
+    a, a_s = group_quant_reference(x.to(DEVICE), block[1] if block else None)
     return x, w, a, a_s, q.to(DEVICE), scale.reshape(-1, scale.shape[-1]).squeeze(-1).to(DEVICE) if block is None \
         else scale.to(DEVICE)
 
@@ -90,7 +92,7 @@ def test_fp8_linear_picks_a_product_that_matches_its_twin(rows, block, scaled_mm
     if rows <= 16:
         want = fp8_linear_reference(flat, q, w_s, block, bias)
     else:
-        a, a_s = group_quant(flat, block[1] if block else None)
+        a, a_s = group_quant_reference(flat, block[1] if block else None)
         want = fp8_gemm_reference(a, a_s, q, w_s, block, torch.float32) + bias.float()
         if dtype == torch.float32:
             return assert_near_twin(got.reshape(rows, 96), want, a, a_s, q, w_s, block)

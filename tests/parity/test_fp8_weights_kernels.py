@@ -21,7 +21,7 @@ from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import eos_ids, hf_greedy, hf_model, hf_token_logprobs
 
-MAX_NEW = 10
+MAX_NEW = 5  # a prefill and four decode steps: Triton's interpreter runs every product of every step
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 KERNELS = {"fp8_gemm_backend": "triton", "skip_tokenizer_init": True}
 SHORT = {"chunked_prefill_size": 16}  # every product has at most 16 rows: fp8 weights, float32 activations
@@ -45,11 +45,20 @@ def _held(llm) -> list[torch.nn.Module]:
     return [m for m in llm.runner.model.modules() if getattr(m, "fp8", None) is not None]
 
 
+_runs: dict[tuple, tuple[list[dict], int]] = {}
+
+
 def _generate(path: str, prompts, **opts) -> tuple[list[dict], int]:
-    with running_engine(path, **KERNELS, **opts) as llm:
-        held = _held(llm)
-        assert all(m.weight.dtype == torch.float8_e4m3fn for m in held)
-        return llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True), len(held)
+    """The engine's greedy outputs (with logprobs) and how many modules hold fp8 weights. An engine of the same
+    arguments given the same prompts is run once per module (a deterministic greedy run: the decode test's channel
+    run is the online test's rounded-checkpoint side)."""
+    key = (path, tuple(map(tuple, prompts)), tuple(sorted(opts.items())))
+    if key not in _runs:
+        with running_engine(path, **KERNELS, **opts) as llm:
+            held = _held(llm)
+            assert all(m.weight.dtype == torch.float8_e4m3fn for m in held)
+            _runs[key] = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True), len(held)
+    return _runs[key]
 
 
 def _logprobs(out: dict) -> list[float]:
@@ -106,7 +115,7 @@ def _w8a8_prefill_reference(twin: str, prompt: list[int], group: int | None) -> 
 @pytest.mark.parametrize("kind,group", [("block", 64), ("channel", None)])
 def test_long_prefills_quantize_activations_as_the_reference_does(checkpoints, kind, group):
     q, twin = checkpoints[kind]
-    prompts = parity_prompts(q)[2:3]  # 29 tokens: the prefill forward has more than 16 rows
+    prompts = [parity_prompts(q)[2][:18]]  # 18 tokens: the prefill forward has more than 16 rows
     outs, _ = _generate(q, prompts)
     for p, out in zip(prompts, outs):
         ids, logprobs = _w8a8_prefill_reference(twin, p, group)

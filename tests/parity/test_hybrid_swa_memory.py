@@ -102,12 +102,12 @@ def _long_decode(path: str, prompt: list[int], max_new: int, page: int, radix: b
 
 
 def test_swa_pages_go_back_during_a_long_decode(checkpoints):
-    """A 20-token prompt decoding 240 tokens: its full pages grow to the whole sequence while the SWA pages its
-    window holds stay within the window's pages (the page holding the window's first key up to the newest page);
-    without the radix cache every other SWA page is back in the pool too."""
+    """A 20-token prompt decoding 120 tokens (ten windows): its full pages grow to the whole sequence while the SWA
+    pages its window holds stay within the window's pages (the page holding the window's first key up to the newest
+    page); without the radix cache every other SWA page is back in the pool too."""
     path, page = checkpoints["gemma2"], 4
     prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(20)]
-    max_new = 240
+    max_new = 120
     want = hf_greedy(path, [prompt], max_new)[0]
     bound = -(-(WINDOW + 2 * page) // page)  # pages of [floor(end - w + 1), alloc_len]
     for radix in (True, False):

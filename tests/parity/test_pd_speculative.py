@@ -33,7 +33,7 @@ from tests.parity.test_speculative_eagle import ReferenceHead, record_proposals,
 
 NAME = "tiny-llama"
 OPTS = {"page_size": 16, "chunked_prefill_size": 64, "max_total_tokens": 4096}
-GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}  # several verifies a request
 SPEC_KEYS = ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")
 _rids = itertools.count()
 

@@ -112,7 +112,8 @@ def test_the_triton_backend_verifies_as_torch_native_does():
     """A verify forward through the Triton extend kernel (on CPU in Triton's interpreter) over a cached prefix and
     pages of 4 tokens: transformers' greedy tokens, drafts kept whole and in part."""
     path = model_path(NAME)
-    prompts = parity_prompts(path)[4:6]  # a shared 120-token prefix
+    shared = parity_prompts(path)[4:6]  # 120 shared tokens and 5 and 13 of their own
+    prompts = [p[:40] + p[120:] for p in shared]  # 45 and 53 tokens, a shared 40-token prefix
     refs = hf_greedy(path, prompts, 10)
     with running_engine(path, page_size=4, chunked_prefill_size=64, attention_backend="triton",
                         speculative_algorithm="NGRAM", speculative_num_draft_tokens=5) as llm:
