@@ -98,6 +98,8 @@ def test_concurrent_async_requests_with_grammars(llm):
 
 # Strings bounded by minLength/maxLength: xgrammar 0.2.8 lets raw control characters (\x00-\x1f except the
 # newline) into them, which JSON forbids (json.loads fails); the grammar cache lowers them to patterns.
+# Without that lowering, 164 of 500 sampled outputs failed (one in three; the first at the 4th prompt): 100 prompts
+# leave the regression unnoticed with a probability of about 1e-17.
 BOUNDED = {
     "type": "object",
     "properties": {
@@ -115,7 +117,7 @@ BOUNDED = {
 
 
 def test_bounded_string_outputs_always_parse_and_validate(llm):
-    prompts = [f"Record {i}: write a short title, a code and a note." for i in range(500)]
+    prompts = [f"Record {i}: write a short title, a code and a note." for i in range(100)]
     params = {"max_new_tokens": 160, "temperature": 1.0, "json_schema": json.dumps(BOUNDED)}
     outs = llm.generate(prompts, [params] * len(prompts))
     for out in outs:

@@ -5,6 +5,7 @@ engine cleanly, leaving no process behind."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -96,41 +97,50 @@ def test_tp_host_tier_serves_evicted_prefixes_as_one_process(policy):
     assert all(cached == 36 for _, cached in runs[1][1])  # every prompt came back from the host pool
 
 
+def _l3_run(llm) -> tuple[list[list[int]], list[int]]:
+    """The L3 tests' prompts one at a time, greedy: (output ids, cached tokens) of each."""
+    from tests.api.test_hicache_engine import _prompts
+
+    outs = [llm.generate(input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0})
+            for p in _prompts(6, 40, seed=5)]
+    return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
+
+
+@functools.cache
+def _l3_want() -> list[list[int]]:
+    """One process's outputs for the L3 tests' prompts (no hierarchy), computed once for both of them."""
+    with running_engine(model_path("tiny-qwen2"), page_size=4, max_total_tokens=1024) as one:
+        return _l3_run(one)[0]
+
+
 @pytest.mark.parametrize("policy, store", [("write_through", "file"), ("write_back", "memory")])
 def test_tp_l3_store_keeps_every_ranks_shard(tmp_path, policy, store):
     """An L3 store under TP=2: a stored page holds both ranks' shards (keys of their own, which a TP=1 engine does
     not match). write_through: a new TP=2 engine on the same file store serves the prompts from it; write_back: the
     store takes what leaves the host pool and serves it back. Tokens equal one process's; nothing leaks."""
-    from tests.api.test_hicache_engine import NO_SKIP, _flush_and_check_leaks, _prompts
+    from tests.api.test_hicache_engine import NO_SKIP, _flush_and_check_leaks
 
     path = model_path("tiny-qwen2")
-    prompts = _prompts(6, 40, seed=5)
     l3 = dict(page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_ratio=1,
               hicache_write_policy=policy, hicache_storage_backend=store, hicache_storage_url=str(tmp_path / "l3"),
               hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=NO_SKIP)
-    params = {"max_new_tokens": 6, "temperature": 0}
-
-    def run(llm):
-        outs = [llm.generate(input_ids=p, sampling_params=params) for p in prompts]
-        return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
-    with running_engine(path, page_size=4, max_total_tokens=1024) as one:
-        want, _ = run(one)
+    want = _l3_want()
     with running_engine(path, tp_size=2, **l3) as llm:
         layout = llm.cache.hierarchy.host
         assert layout.page_bytes == 2 * layout.data[0].numel() * layout.data.element_size()
-        first, _ = run(llm)
-        again, cached = run(llm)
+        first, _ = _l3_run(llm)
+        again, cached = _l3_run(llm)
         assert first == again == want
         if store == "memory":
             assert llm.get_load()["storage_hit_tokens"] > 0 and cached == [36] * 6
         _flush_and_check_leaks(llm)
     if store == "file":
         with running_engine(path, tp_size=2, **l3) as llm:
-            got, cached = run(llm)
+            got, cached = _l3_run(llm)
             assert got == want and cached == [36] * 6, "every prompt should come back from the store"
             _flush_and_check_leaks(llm)
         with running_engine(path, **l3) as llm:  # one rank's pages are another layout: nothing to find
-            got, cached = run(llm)
+            got, cached = _l3_run(llm)
             assert got == want and cached == [0] * 6
 
 
@@ -151,31 +161,6 @@ def test_two_nodes_on_loopback():
     finally:
         node1.kill()
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-
-
-def test_a_killed_rank_fails_the_engine_and_leaves_no_process():
-    path = model_path("tiny-llama")
-    llm = Engine(model_path=path, device="cpu", dtype="float32", log_level="warning", tp_size=2, dist_timeout=20,
-                 **OPTS)
-    try:
-        (follower,) = llm._followers.procs
-        assert llm.generate("hello", {"max_new_tokens": 4, "temperature": 0})["meta_info"]["completion_tokens"] == 4
-        start = time.monotonic()
-        follower.kill()
-        follower.join(5)
-        # the leader watches its node's ranks: a dead one fails the engine at once, not after a collective's
-        # --dist-timeout (a peer's death can leave a gloo collective waiting for all of it)
-        while llm.alive and time.monotonic() - start < 10:
-            time.sleep(0.05)
-        assert not llm.alive and time.monotonic() - start < 5
-        with pytest.raises(RuntimeError, match=r"crashed: .*tensor parallel rank 1 exited \(code -9\)"):
-            llm.generate("and again", {"max_new_tokens": 4})
-    finally:
-        llm.shutdown()
-    follower.join(5)
-    assert not follower.is_alive()
-    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
-    assert str(follower.pid) not in children
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -236,10 +221,11 @@ def test_a_failed_start_leaves_no_shared_memory_file(tmp_path, monkeypatch):
     assert children() <= others  # the follower is gone
 
 
-def test_a_failed_rendezvous_leaves_the_process_able_to_start_a_group(monkeypatch):
+def test_a_failed_rendezvous_leaves_the_process_able_to_start_a_group_and_a_killed_rank_fails_it(monkeypatch):
     """A group start whose followers never come (the rendezvous times out) leaves torch's per-process group counter
     as it found it: a TP engine started afterwards in the same process forms its group and generates, instead of its
-    leader and fresh followers waiting for each other's keys until the timeout (a CI failure, 2026-11-29)."""
+    leader and fresh followers waiting for each other's keys until the timeout (a CI failure, 2026-11-29). That
+    engine (one start for both claims) then has its follower killed: the engine fails at once, leaving no process."""
     import torch
     import torch.distributed as dist
 
@@ -251,6 +237,26 @@ def test_a_failed_rendezvous_leaves_the_process_able_to_start_a_group(monkeypatc
         TensorParallel(TPConfig(size=2, rank=0, init_addr=free_local_addr(), timeout_s=1.0), torch.device("cpu"))
     assert not dist.is_initialized() and dist.distributed_c10d._world.group_count == 0
     monkeypatch.setattr(distributed, "RENDEZVOUS_MIN_S", 60.0)
-    with running_engine(model_path("tiny-llama"), tp_size=2, dist_timeout=20, **OPTS) as llm:
+    path = model_path("tiny-llama")
+    llm = Engine(model_path=path, device="cpu", dtype="float32", log_level="warning", tp_size=2, dist_timeout=20,
+                 **OPTS)
+    try:
+        (follower,) = llm._followers.procs
         out = llm.generate("hello", {"max_new_tokens": 4, "temperature": 0})
-    assert len(out["output_ids"]) == 4
+        assert len(out["output_ids"]) == 4 and out["meta_info"]["completion_tokens"] == 4
+        start = time.monotonic()
+        follower.kill()
+        follower.join(5)
+        # the leader watches its node's ranks: a dead one fails the engine at once, not after a collective's
+        # --dist-timeout (a peer's death can leave a gloo collective waiting for all of it)
+        while llm.alive and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert not llm.alive and time.monotonic() - start < 5
+        with pytest.raises(RuntimeError, match=r"crashed: .*tensor parallel rank 1 exited \(code -9\)"):
+            llm.generate("and again", {"max_new_tokens": 4})
+    finally:
+        llm.shutdown()
+    follower.join(5)
+    assert not follower.is_alive()
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    assert str(follower.pid) not in children

@@ -23,6 +23,19 @@ OPTS = {"page_size": 16, "chunked_prefill_size": 64, "max_total_tokens": 4096}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 
 
+def _prompts() -> list[list[int]]:
+    """Through chunked prefills (a 3x-repeated prompt past the 64-token chunk) and prefix hits."""
+    base = parity_prompts(model_path(NAME))
+    return [base[1] * 3, base[3], base[5], base[7]]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    """One process's greedy output ids for _prompts() * 2 (no speculation): computed once for the file's tests."""
+    with running_engine(model_path(NAME), **OPTS) as llm:
+        return [o["output_ids"] for o in llm.generate(input_ids=_prompts() * 2, sampling_params=GREEDY)]
+
+
 def _spec(algorithm: str, paths: dict[str, str]) -> dict:
     if algorithm == "NGRAM":
         return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
@@ -40,13 +53,11 @@ def _run(llm, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[lis
 
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE3", "NGRAM"])
-def test_tp2_drafts_and_decodes_as_one_process(algorithm, drafts):  # noqa: F811 - the fixture
+def test_tp2_drafts_and_decodes_as_one_process(algorithm, drafts, plain):  # noqa: F811 - the fixture
     path = model_path(NAME)
-    base = parity_prompts(path)
-    prompts = [base[1] * 3, base[3], base[5], base[7]]
+    prompts = _prompts()
     spec = _spec(algorithm, drafts)
-    with running_engine(path, **OPTS) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts * 2, sampling_params=GREEDY)]
+    want = plain
     with running_engine(path, tp_size=2, **OPTS, **spec) as many:
         assert many.runner.tp.size == 2
         assert many.draft_runner is None or many.draft_runner.tp.size == 1  # the leader's, whole
@@ -84,7 +95,7 @@ def test_tp2_eagle_head_of_a_tied_target_drafts_as_the_reference(tmp_path):
         assert proposed == reference.drafts(fill, len(proposed)), len(fill)
 
 
-def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts):  # noqa: F811 - the fixture
+def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts, plain):  # noqa: F811 - the fixture
     """Prefill/decode disaggregation under TP=2 (one engine in both roles, the services' KvTransfer over every rank's
     mirror, tests.api.test_tp_disaggregation): the head's state of the prompt is the leader's alone, and the
     decode-role requests draft what the reference head drafts."""
@@ -94,10 +105,8 @@ def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts):  # noqa: F811 - t
     from tests.api.test_tp_disaggregation import _handoff
 
     path = model_path(NAME)
-    base = parity_prompts(path)
-    prompts = [base[1] * 3, base[3], base[7]]
-    with running_engine(path, **OPTS) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+    prompts = [_prompts()[i] for i in (0, 1, 3)]
+    want = [plain[i] for i in (0, 1, 3)]
     with running_engine(path, tp_size=2, **OPTS, **_spec("EAGLE3", drafts)) as llm:
         seen = record_proposals(llm)
         transfer = KvTransfer(llm, "fake", "127.0.0.1")

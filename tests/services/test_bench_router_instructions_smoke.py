@@ -21,8 +21,8 @@ from tests.conftest import ROOT, model_path
 def test_bench_router_instructions_smoke(tmp_path):
     model_path("tiny-llama")  # builds the tiny models if missing
     out = tmp_path / "instructions.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_instructions", "--requests", "20",
-                           "--warmup", "20", "--annotate", "5", "--out", str(out)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_instructions", "--requests", "10",
+                           "--warmup", "10", "--annotate", "5", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())

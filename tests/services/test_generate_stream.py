@@ -196,29 +196,34 @@ def test_router_falls_back_to_calls_for_a_worker_without_generate_stream(tmp_pat
         stop(proc)
 
 
-@TRANSPORTS
-def test_sigterm_finishes_the_running_requests_then_ends_the_stream(transport):
+def test_sigterm_finishes_the_running_requests_then_ends_the_stream():
     """A draining worker answers what runs on the stream, refuses new submits (UNAVAILABLE: the router retries
-    elsewhere) and ends the stream once idle, so it exits long before its 30 s grace period."""
+    elsewhere) and ends the stream once idle, so it exits long before its 30 s grace period. One worker, a stream
+    over gRPC and one over the stream lane side by side (each with its running request): both drained alike."""
     import signal
 
     proc, url = start("radixmesh.services.worker", "--shutdown-grace-s", "30")
     with grpc.insecure_channel(url) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         stub.url = url
-        s = open_stream(transport, stub)
-        s.submit(request_id="running", input_ids=list(range(30, 60)), sampling_params=greedy(800, ignore_eos=True),
-                 stream=True)
-        first = s.next()
-        assert first.responses[0].request_id == "running"
+        streams = {t: open_stream(t, stub) for t in ("grpc", "lane")}
+        for t, s in streams.items():
+            s.submit(request_id=f"running-{t}", input_ids=list(range(30, 60)),
+                     sampling_params=greedy(800, ignore_eos=True), stream=True)
+        for t, s in streams.items():
+            first = s.next()
+            assert first.responses[0].request_id == f"running-{t}"
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        s.submit(request_id="late", input_ids=[1, 2, 3], sampling_params=greedy(2))
-        msgs, ends, _ = s.collect({"running", "late"})
-        assert ends["running"] == (0, "")
-        assert msgs["running"][-1].complete.usage.completion_tokens == 800
-        assert ends["late"][0] == grpc.StatusCode.UNAVAILABLE.value[0] and "shutting down" in ends["late"][1]
-        assert s.next(30) is None  # the worker ended the stream
+        for t, s in streams.items():
+            s.submit(request_id=f"late-{t}", input_ids=[1, 2, 3], sampling_params=greedy(2))
+        for t, s in streams.items():
+            running, late = f"running-{t}", f"late-{t}"
+            msgs, ends, _ = s.collect({running, late})
+            assert ends[running] == (0, "")
+            assert msgs[running][-1].complete.usage.completion_tokens == 800
+            assert ends[late][0] == grpc.StatusCode.UNAVAILABLE.value[0] and "shutting down" in ends[late][1]
+            assert s.next(30) is None, t  # the worker ended the stream
     assert proc.wait(timeout=30) == 0
     assert time.monotonic() - started < 20, "the drain waited for the stream's grace period"

@@ -84,8 +84,8 @@ def wait_until(check, timeout_s: float = 20.0, what: str = "") -> None:
 
 
 def test_registry_health_and_metrics_are_shared(mesh):
-    first = mesh.worker()
-    second_port_worker = mesh.worker()
+    first = mesh.worker(wait=False)
+    second_port_worker = mesh.worker(wait=False)
     mesh.workers.remove(second_port_worker)  # the router starts with the first only
     base = mesh.router("--router-workers", "2", "--health-check-interval-secs", "0.3",
                        "--health-failure-threshold", "1", "--health-success-threshold", "1")
@@ -123,7 +123,7 @@ def test_registry_health_and_metrics_are_shared(mesh):
 def test_cache_aware_routes_are_shared(mesh):
     """A prefix-heavy workload over fresh connections (spread over both processes): after each prefix's first
     request, every later one is a prefix hit on whichever process it lands, and goes to the same worker."""
-    a, b = mesh.worker(), mesh.worker()
+    a, b = mesh.worker(wait=False), mesh.worker(wait=False)
     base = mesh.router("--router-workers", "2", "--policy", "cache_aware")
     wait_until(lambda: serving(mesh) == 2, what="two router processes serving")
     prefixes = [f"conversation {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(6)]
@@ -147,8 +147,8 @@ def test_cache_aware_routes_are_shared(mesh):
 
 
 def test_killed_process_is_replaced(mesh):
-    mesh.worker()
-    extra = mesh.worker()
+    mesh.worker(wait=False)
+    extra = mesh.worker(wait=False)
     mesh.workers.remove(extra)
     base = mesh.router("--router-workers", "2")
     wait_until(lambda: serving(mesh) == 2, what="two router processes serving")

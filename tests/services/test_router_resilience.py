@@ -41,19 +41,30 @@ class Mesh:
     def __init__(self, tokenizer: str, tmp):
         self.tokenizer, self.tmp, self.procs = tokenizer, tmp, []
         self.workers: list[str] = []
+        self.starting: list[str] = []  # workers started with wait=False, not yet serving
 
-    def worker(self, *args: str) -> str:
+    def worker(self, *args: str, wait: bool = True) -> str:
+        """A fake worker on a free port, serving once this returns; wait=False: only started (the next router()
+        waits for it), so that several start side by side."""
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "radixmesh.benchmarks.fake_worker", "--port", str(port),
                                  "--served-model-name", "fake", "--tokens", "4", *args], cwd=ROOT)
         self.procs.append(proc)
         url = f"127.0.0.1:{port}"
-        with grpc.insecure_channel(url) as ch:
-            grpc.channel_ready_future(ch).result(timeout=30)
+        self.starting.append(url)
+        if wait:
+            self.wait_workers()
         self.workers.append(url)
         return url
 
+    def wait_workers(self) -> None:
+        for url in self.starting:
+            with grpc.insecure_channel(url) as ch:
+                grpc.channel_ready_future(ch).result(timeout=30)
+        self.starting.clear()
+
     def router(self, *args: str) -> str:
+        self.wait_workers()
         port, metrics = free_port(), free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "radixmesh.services.router", "--port", str(port), "--tokenizer-url", self.tokenizer,
@@ -101,8 +112,8 @@ def generate(base: str, **kw):
 
 
 def test_retries_go_around_a_failing_worker_and_its_breaker_opens(mesh):
-    bad = mesh.worker("--fail-first", "1000")
-    good = mesh.worker()
+    bad = mesh.worker("--fail-first", "1000", wait=False)
+    good = mesh.worker(wait=False)
     base = mesh.router("--policy", "round_robin", "--retry-initial-backoff-ms", "5", "--cb-failure-threshold", "3",
                        "--cb-timeout-duration-secs", "600", "--health-check-interval-s", "0.2",
                        "--health-success-threshold", "1")
@@ -124,8 +135,8 @@ def test_a_traced_retry_shows_the_failed_call_and_no_client_span_for_the_call_th
     receiver = OtlpReceiver()
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     try:
-        bad = mesh.worker("--fail-first", "1000")
-        good = mesh.worker()
+        bad = mesh.worker("--fail-first", "1000", wait=False)
+        good = mesh.worker(wait=False)
         base = mesh.router("--policy", "round_robin", "--retry-initial-backoff-ms", "5", "--enable-trace",
                            "--otlp-traces-endpoint", receiver.endpoint, "--trace-sample-ratio", "1.0")
         for _ in range(2):  # round robin: one of the two goes to the failing worker first
@@ -153,8 +164,8 @@ def test_a_traced_retry_shows_the_failed_call_and_no_client_span_for_the_call_th
 
 
 def test_a_worker_that_dies_after_the_last_chunk_costs_the_client_nothing(mesh):
-    dying = mesh.worker("--die-after-last-chunk")
-    spare = mesh.worker()
+    dying = mesh.worker("--die-after-last-chunk", wait=False)
+    spare = mesh.worker(wait=False)
     base = mesh.router("--policy", "round_robin", "--health-check-interval-s", "60")
     req = urllib.request.Request(base + "/generate", method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, data=json.dumps({
@@ -217,7 +228,7 @@ def test_the_rate_limit_is_per_key_and_refills(mesh):
 
 
 def test_sticky_sessions_stay_on_one_worker(mesh):
-    workers = [mesh.worker() for _ in range(3)]
+    workers = [mesh.worker(wait=False) for _ in range(3)]
     base = mesh.router("--policy", "manual")
     chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for session in ("alpha", "beta", "gamma", "delta"):
@@ -230,8 +241,8 @@ def test_sticky_sessions_stay_on_one_worker(mesh):
 
 
 def test_pd_policies_choose_as_configured(mesh):
-    prefills = [mesh.worker("--disaggregation-mode", "prefill") for _ in range(2)]
-    decodes = [mesh.worker("--disaggregation-mode", "decode") for _ in range(2)]
+    prefills = [mesh.worker("--disaggregation-mode", "prefill", wait=False) for _ in range(2)]
+    decodes = [mesh.worker("--disaggregation-mode", "decode", wait=False) for _ in range(2)]
     base = mesh.router("--policy", "cache_aware", "--prefill-policy", "round_robin", "--decode-policy", "manual")
     for i in range(6):
         status, body, _ = generate(base, headers={"X-SMG-Routing-Key": "one-session"})
@@ -248,8 +259,8 @@ def test_pd_policies_choose_as_configured(mesh):
 
 
 def test_admin_endpoints_need_the_admin_key_and_a_host_port(mesh):
-    mesh.worker()
-    extra = mesh.worker()
+    mesh.worker(wait=False)
+    extra = mesh.worker(wait=False)
     mesh.workers.remove(extra)
     base = mesh.router("--admin-api-key", "sk-admin")
     assert post(base, f"/add_worker?url={extra}", {})[0] == 403  # the API key is not the admin key
