@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -103,8 +104,13 @@ def test_a_killed_rank_takes_its_worker_down_and_the_mesh_serves_on(tp_mesh):
     assert not _running(victim_worker), "the worker outlived its rank by more than --dist-timeout"
     assert time.monotonic() - start < 20
     t.join(120)
-    # the prompt on the broken worker was aborted (SGLang's finish_reason "abort"), or its call failed naming why
-    assert "abort" in reasons or errors, reasons
+    # the prompt on the broken worker was aborted (SGLang's finish_reason "abort"), its call failed naming why, or
+    # the worker's stream ended before its scheduler aborted it and the router retried or migrated the open
+    # requests on the other worker (a run here: "GenerateStream ... ended ...; failing its 2 open requests", then
+    # every answer "length")
+    moved = re.search(r"failing its [1-9]\d* open requests|mid-stream; migrating",
+                      tp_mesh.log_path.read_text(errors="replace"))
+    assert "abort" in reasons or errors or moved, (reasons, tp_mesh.log_tail())
     for e in errors:
         assert "tensor parallel" in str(e) or "worker" in str(e), e
     # the other worker answers everything, token-exact as before
