@@ -18,17 +18,7 @@ from radixmesh.kernels.fp8_gemv import fp8_gemv_row, fp8_linear_reference
 from radixmesh.kernels.fp8_gemv_rows import CORES, DOT, fp8_gemv_rows, padded_rows, rows_config, set_rows_plan
 from radixmesh.kernels.fp8_quant import FP8
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _case(m: int, n: int, k: int, block, dtype, bias: bool):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn((m, k), generator=g).to(DEVICE, dtype)
-    q, scale = quantize(torch.randn((n, k), generator=g) / k ** 0.5, block)
-    scale = scale.reshape(n) if block is None else scale
-    b = torch.randn((n,), generator=g).to(DEVICE, dtype) if bias else None
-    return x, q.to(DEVICE), scale.to(DEVICE), b
+from tests.kernels.test_fp8_gemv import DEVICE, DTYPES, _case  # the one-row kernel's operands, seeded alike
 
 
 def _tol(dtype):
