@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,48 @@ def _ensure_models() -> None:
         return
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_models.py"), "--out", str(MODELS)],
                    check=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    """One fork server per test process (radixmesh.services.forkserver), named to every launcher by
+    RADIXMESH_FORK_SERVER: the services of the meshes tests launch start from it without importing torch and
+    transformers again (most of a tiny mesh's start-up CPU). A launch whose environment differs in more than
+    RADIXMESH_* variables starts its services afresh, as does one with tests.e2e.mesh.NOT_FORKED. Off on machines
+    with a GPU (the suite there measures what users run) and with RADIXMESH_TEST_FORK_SERVER=0."""
+    from radixmesh.services.forkserver import ENV
+
+    if os.environ.get("RADIXMESH_TEST_FORK_SERVER", "1") == "0" or os.environ.get(ENV) or _has_cuda():
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("forkserver")
+    path = folder / "sock"
+    log = open(folder / "forkserver.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
+                             "--free-env", "PYTEST_CURRENT_TEST"], cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not path.exists():
+        proc.kill()
+        raise RuntimeError(f"the fork server did not start:\n{(folder / 'forkserver.log').read_text()[-3000:]}")
+    os.environ[ENV] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop(ENV, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,11 @@ router first (it lets open requests finish), then the workers and the tokenizer.
 launcher itself dies (PR_SET_PDEATHSIG), so nothing is left over. Calls between the services carry an internal
 token (--internal-token, else a random one made per launch, passed by the environment) and, with --tls-cert,
 --tls-key and --tls-ca, run over mutual TLS (services.common.auth). `radixmesh certs --out DIR` makes a CA and a
-certificate for that (services.certs)."""
+certificate for that (services.certs).
+
+Each service's start is logged with its pid and command line (secret flag values left out). With
+RADIXMESH_FORK_SERVER naming a running fork server's socket (services.forkserver), services are forked from it instead
+of started afresh, skipping their heavy imports; where it refuses or does not answer they start afresh."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.engine.config import STORAGE_TRANSPORTS, EngineArgs
+from radixmesh.services import forkserver
 from radixmesh.services.common import auth
 from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
 from radixmesh.services.common.auth_channel import sync_channel
@@ -120,6 +125,23 @@ def router_view(settings: LaunchSettings, router: dict) -> RouterSettings:
     return RouterSettings(**{**router, **wired})
 
 
+SECRET_FLAG_ENDS = ("-key", "-token", "-secret", "-password")
+
+
+def shown_argv(argv: list[str]) -> str:
+    """A command line for the log, the values of flags that may hold secrets (--api-key ...) left out."""
+    out = []
+    for i, arg in enumerate(argv):
+        previous = argv[i - 1] if i else ""
+        flag, _, value = arg.partition("=")
+        if arg.startswith("--") and value and flag.endswith(SECRET_FLAG_ENDS):  # --api-key=...
+            arg = flag + "=***"
+        elif previous.startswith("--") and previous.endswith(SECRET_FLAG_ENDS) and not arg.startswith("--"):
+            arg = "***"
+        out.append(arg)
+    return " ".join(out)
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -144,15 +166,24 @@ class Child:
     name: str
     argv: list[str]
     health: str  # "grpc://host:port" or "http://host:port/health"
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | forkserver.Forked | None = None
     env: dict = field(default_factory=dict)  # set on top of the launcher's environment
     metrics: str | None = None  # host:port of its /metrics (with --enable-metrics)
 
     def start(self) -> None:
         env = {**os.environ, **self.env}  # the same interpreter and environment: it imports what this process does
-        # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
-                                     start_new_session=True)
+        server = os.environ.get(forkserver.ENV)
+        forked = forkserver.spawn(server, self.argv, env) if server else None
+        if isinstance(forked, forkserver.Forked):
+            self.proc = forked
+        else:
+            if forked:
+                log.info("%s: not forked (%s); started afresh", self.name, forked)
+            # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
+            self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
+                                         start_new_session=True)
+        log.info("%s started (pid %d%s): %s", self.name, self.proc.pid, ", forked" if forked is self.proc else "",
+                 shown_argv(self.argv))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

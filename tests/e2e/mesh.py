@@ -1,10 +1,16 @@
 """Launch the real mesh (`python -m radixmesh.services.launch serve`: tokenizer, workers and router as OS processes) for
-end-to-end tests, and check on teardown that no process is left over."""
+end-to-end tests, and check on teardown that no process is left over.
+
+The services are found by the launcher's log ("worker-0 started (pid N): radixmesh.services.worker --port ..."), not by
+the launcher's child processes: in this suite they are forked from a fork server (tests/conftest.py,
+radixmesh.services.forkserver), so their parent is that server and their /proc cmdline its own. A test that needs
+services started afresh (their parent, their /proc environ) launches with NOT_FORKED."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -23,6 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 # The internal token of every mesh launched here (the launcher passes it to each service); tests that call a worker
 # or the tokenizer directly send it through internal_channel().
 INTERNAL_TOKEN = secrets.token_urlsafe(24)
+# launch(env=NOT_FORKED): every service a fresh `python -m` process, the launcher's child, as users run it
+NOT_FORKED = {"RADIXMESH_FORK_SERVER": ""}
+_STARTED = re.compile(r"launch: (\S+) started \(pid (\d+)(?:, forked)?\): (.*)$")
+_LOGGED: dict[int, str] = {}  # pid -> the command line its launcher logged (every mesh of this process)
 
 
 def internal_channel(address: str, token: str = INTERNAL_TOKEN):
@@ -40,6 +50,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 def cmdline(pid: int) -> str:
+    """The command line of `pid`: as a launcher logged it for a service (forked services' own is the fork server's),
+    else from /proc."""
+    if pid in _LOGGED:
+        return _LOGGED[pid]
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return fh.read().replace(b"\0", b" ").decode()
@@ -72,10 +86,23 @@ class Mesh:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def started(self) -> dict[str, int]:
+        """Child name (tokenizer, worker-0, router ...) -> pid of its latest start, in start order, from the log."""
+        out: dict[str, int] = {}
+        if self.log_path is None or not self.log_path.exists():
+            return out
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            m = _STARTED.search(line)
+            if m:
+                pid = int(m.group(2))
+                out[m.group(1)] = pid
+                _LOGGED[pid] = f"{sys.executable} -m {m.group(3)}"
+        return out
+
     def services(self) -> dict[str, int]:
         """Service module name (radixmesh.services.router, radixmesh.services.worker, ...) -> pid; several workers get -0, -1, ..."""
         out: dict[str, int] = {}
-        for pid in child_pids(self.proc.pid):
+        for pid in self.started().values():
             name = next((a for a in cmdline(pid).split() if a.startswith("radixmesh.services.")), "?")
             key, i = name, 0
             while key in out:

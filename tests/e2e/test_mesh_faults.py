@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.services.launch import free_port
 from tests.conftest import model_path
-from tests.e2e.mesh import REPO, alive, http_get, launch, stop_and_check
+from tests.e2e.mesh import NOT_FORKED, REPO, alive, http_get, launch, stop_and_check
 
 MODEL = model_path("tiny-llama")  # also the served model name (the workers default to the model path)
 KEY = "sk-test"
@@ -130,7 +130,8 @@ def wait_for(predicate, timeout: float, interval: float = 0.1):
 # ---- the shared mesh (API key on); the worker-kill test goes last, it leaves the mesh on a replacement worker --
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = launch(MODEL, tmp_path_factory.mktemp("faults"), api_key=KEY)
+    # started afresh, as users run it: test_one_process_per_service checks each service is the launcher's child
+    m = launch(MODEL, tmp_path_factory.mktemp("faults"), api_key=KEY, env=NOT_FORKED)
     try:
         yield m
     finally:

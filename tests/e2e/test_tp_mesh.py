@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
 from radixmesh.services.launch import free_port
-from tests.e2e.mesh import REPO, alive, child_pids, cmdline, http_get, openai_client, running_mesh
+from tests.e2e.mesh import NOT_FORKED, REPO, alive, child_pids, cmdline, http_get, openai_client, running_mesh
 from tests.e2e.test_mesh_faults import post
 from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
 
@@ -141,7 +141,8 @@ def _wait(predicate, timeout: float) -> bool:
 
 
 def test_pd_with_tp_matches_the_colocated_mesh_and_refuses_a_mixed_pair(tmp_path, mesh):
-    with running_mesh(NAME, tmp_path, *PD, "--tp", "2", "--dist-timeout", "30") as pd:
+    # not forked: a decode worker is started again below with the old one's /proc environ
+    with running_mesh(NAME, tmp_path, *PD, "--tp", "2", "--dist-timeout", "30", env=NOT_FORKED) as pd:
         got, want = _answers(pd), _answers(mesh)
         assert [g[0] for g in got] == [w[0] for w in want]
         assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1], w[1])) < 1e-5
