@@ -51,7 +51,8 @@ PRELOAD = ("numpy", "torch", "transformers", "tokenizers", "safetensors", "grpc"
 # transformers builds these lazily on first use: resolved once here
 PRELOAD_ATTRS = (("transformers", ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "PretrainedConfig")),)
 # may differ between the server's environment and a request's (read at run time only, or applied per service)
-FREE_ENV_PREFIXES = ("RADIXMESH_",)
+FREE_ENV_PREFIXES = ("RADIXMESH_", "TORCHINDUCTOR_", "OTEL_")  # ours; read where torch._inductor and OpenTelemetry are
+# imported, which the server does not do
 FREE_ENV = frozenset({"PYTHONUNBUFFERED", "SHLVL", "_", "PWD", "OLDPWD", "COLUMNS", "LINES"})  # a shell's own, but the first
 _HEADER = struct.Struct(">I")
 _PR_SET_PDEATHSIG = 1
@@ -118,6 +119,7 @@ def _send(conn: socket.socket, message: dict) -> None:
 class Server:
     def __init__(self, path: str, free_env: frozenset = frozenset()):
         self.path = path
+        self.pid = os.getpid()
         self.env = dict(os.environ)
         self.free_env = free_env
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
@@ -210,6 +212,8 @@ class Server:
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self.pid:  # the server died before the line above: nothing would signal this child
+            os.kill(os.getpid(), signal.SIGKILL)
         if request.get("new_session", True):
             os.setsid()
         for target, fd in enumerate(fds):
@@ -362,15 +366,17 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn(path: str, argv: list[str], env: dict, cwd: str | None = None, new_session: bool = True) -> Forked | str:
-    """Asks the server at `path` to fork `python -m argv[0] argv[1:]` with this process's stdin/stdout/stderr.
-    Returns the service, or why not (the server's refusal, or no server there): the caller starts it itself."""
+def spawn(path: str, argv: list[str], env: dict, cwd: str | None = None, new_session: bool = True,
+          fds: tuple[int, int, int] = (0, 1, 2)) -> Forked | str:
+    """Asks the server at `path` to fork `python -m argv[0] argv[1:]` with `fds` as its stdin, stdout and stderr
+    (this process's own by default). Returns the service, or why not (the server's refusal, or no server there): the
+    caller starts it itself."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(CONNECT_TIMEOUT_S)
         conn.connect(path)
         body = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "new_session": new_session}).encode()
-        socket.send_fds(conn, [_HEADER.pack(len(body)) + body], [0, 1, 2])
+        socket.send_fds(conn, [_HEADER.pack(len(body)) + body], list(fds))
         buf = b""
         while b"\n" not in buf:
             data = conn.recv(256)

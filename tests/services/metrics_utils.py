@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixmesh.services import forkserver
 from radixmesh.services.launch import free_port
 from tests.e2e.mesh import http_get  # noqa: F401 - re-exported for the metrics tests
 from tests.conftest import ROOT
@@ -33,15 +34,22 @@ def spawn_grpc(module: str, *args: str, log: Path | None = None, port: int | Non
     side, as the launcher starts a mesh, instead of each one's start-up waiting for the one before."""
     port = port or free_port()
     out = open(log, "w") if log else None
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning", *args],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            env={**os.environ, **(env or {})})
+    argv = [module, "--port", str(port), "--log-level", "warning", *args]
+    env = {**os.environ, **(env or {})}
+    server = os.environ.get(forkserver.ENV)  # the suite's fork server (tests/conftest.py), where there is one
+    if server:
+        fds = (0, out.fileno(), out.fileno()) if out else (0, 1, 2)
+        proc = forkserver.spawn(server, argv, env, cwd=str(ROOT), new_session=False, fds=fds)
+        if isinstance(proc, forkserver.Forked):
+            return proc, f"127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT if out else None, env=env)
     return proc, f"127.0.0.1:{port}"
 
 
 def wait_grpc(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
     """Wait until the service spawn_grpc started at `url` says SERVING (killed if it does not within `timeout`)."""
-    module = proc.args[2]
+    module = proc.args[0] if isinstance(proc, forkserver.Forked) else proc.args[2]
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(url) as ch:
         while time.monotonic() < deadline:
