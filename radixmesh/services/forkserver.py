@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s forkserver: %(message)s")
     loaded = _preload(args.preload)
     log.info("imported %s", ", ".join(loaded))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
+        log.error("CUDA was initialized while importing %s: not serving", ", ".join(loaded))
+        return 1
     logging.getLogger().handlers.clear()  # a forked service configures logging itself, as a fresh process would
     job = Server(args.socket, frozenset(args.free_env)).run()
     if job is None:
