@@ -92,21 +92,28 @@ def _preload(modules=PRELOAD) -> list[str]:
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The request and its three file descriptors; ValueError or OSError (none left open) when it is malformed."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    if len(data) < _HEADER.size:
-        raise ValueError("short request")
-    (size,) = _HEADER.unpack_from(data)
-    data = data[_HEADER.size:]
-    while len(data) < size:
-        more = conn.recv(size - len(data))
-        if not more:
-            raise ValueError("request cut short")
-        data += more
-    if len(fds) != 3:
+    try:
+        if len(fds) != 3:
+            raise ValueError(f"expected stdin, stdout and stderr, got {len(fds)} file descriptors")
+        if len(data) < _HEADER.size:
+            raise ValueError("short request")
+        (size,) = _HEADER.unpack_from(data)
+        data = data[_HEADER.size:]
+        while len(data) < size:
+            more = conn.recv(size - len(data))
+            if not more:
+                raise ValueError("request cut short")
+            data += more
+        request = json.loads(data)
+        if not isinstance(request, dict) or not isinstance(request.get("argv"), list) or not request["argv"]:
+            raise ValueError("a request needs argv: [module, args...]")
+        return request, fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"expected stdin, stdout and stderr, got {len(fds)} file descriptors")
-    return json.loads(data), fds
+        raise
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -127,6 +134,7 @@ class Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
+        self._in_child = False  # set in a forked child, which must not tear down the server's socket
 
     def run(self) -> _Job | None:
         """Serves until SIGTERM/SIGINT (returns None) or, in a forked child, returns the child's job."""
@@ -160,8 +168,6 @@ class Server:
             if not self._in_child:
                 self._shutdown()
         return None
-
-    _in_child = False
 
     def _stop(self, *_) -> None:
         self.stopping = True

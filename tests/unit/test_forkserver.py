@@ -145,3 +145,17 @@ def test_logged_command_lines_leave_secrets_out():
             "--internal-token-file", "/t", "--router-api-key=abc", "--speculative-token-map", "m.json"]
     assert shown_argv(argv) == ("radixmesh.services.router --port 1 --api-key *** --tls-key *** "
                                 "--internal-token-file /t --router-api-key=*** --speculative-token-map m.json")
+
+
+def test_a_malformed_request_is_dropped_and_the_server_serves_on(server):
+    import socket
+
+    for payload, fds in ((b"\x00\x00\x00\x05nope!", [0, 1, 2]), (b"\x00\x00\x00\x02{}", [0, 1, 2]),
+                         (b"\x00\x00\x00\x02{}", [])):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(10)
+            conn.connect(server)
+            socket.send_fds(conn, [payload], fds)
+            assert conn.recv(64) == b""  # closed without an answer
+    proc = forkserver.spawn(server, [PROBE, "0"], dict(os.environ), cwd=str(ROOT))
+    assert isinstance(proc, forkserver.Forked) and proc.wait(30) == 0
