@@ -41,7 +41,8 @@ def fork_server(tmp_path_factory):
     path = folder / "sock"
     log = open(folder / "forkserver.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
-                             "--free-env", "PYTEST_CURRENT_TEST"], cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+                             "--free-env", "PYTEST_CURRENT_TEST", "--exit-with-parent"], cwd=folder, stdout=log,
+                            stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -124,9 +124,10 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 class Server:
-    def __init__(self, path: str, free_env: frozenset = frozenset()):
+    def __init__(self, path: str, free_env: frozenset = frozenset(), exit_with_parent: bool = False):
         self.path = path
         self.pid = os.getpid()
+        self.parent = os.getppid() if exit_with_parent else None
         self.env = dict(os.environ)
         self.free_env = free_env
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
@@ -154,6 +155,9 @@ class Server:
         print(f"fork server ready on {self.path}", flush=True)
         try:
             while not self.stopping:
+                if self.parent is not None and os.getppid() != self.parent:
+                    log.warning("the process that started this server exited: stopping")
+                    break
                 for key, _ in self.sel.select(timeout=1.0):
                     if key.data == "accept":
                         job = self._accept()
@@ -305,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-env", nargs="*", default=[], metavar="NAME",
                         help="more environment variables a request may set otherwise than this server's (ones no "
                              "preloaded module reads, such as a test runner's PYTEST_CURRENT_TEST)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop (and so stop every service forked from here) once the process that started this "
+                             "server has exited, even if it was killed")
     parser.add_argument("--preload", nargs="*", default=list(PRELOAD), metavar="MODULE",
                         help="modules imported before any fork (default: the services' heavy imports)")
     args = parser.parse_args(argv)
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("CUDA was initialized while importing %s: not serving", ", ".join(loaded))
         return 1
     logging.getLogger().handlers.clear()  # a forked service configures logging itself, as a fresh process would
-    job = Server(args.socket, frozenset(args.free_env)).run()
+    job = Server(args.socket, frozenset(args.free_env), args.exit_with_parent).run()
     if job is None:
         return 0
     return _run_job(job)

@@ -159,3 +159,23 @@ def test_a_malformed_request_is_dropped_and_the_server_serves_on(server):
             assert conn.recv(64) == b""  # closed without an answer
     proc = forkserver.spawn(server, [PROBE, "0"], dict(os.environ), cwd=str(ROOT))
     assert isinstance(proc, forkserver.Forked) and proc.wait(30) == 0
+
+
+def test_with_exit_with_parent_the_server_stops_when_its_starter_is_killed(tmp_path):
+    path = tmp_path / "sock"
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', "
+         f"'radixmesh.services.forkserver', '--socket', {str(path)!r}, '--exit-with-parent', '--preload', 'json'], "
+         "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    server_pid = int(starter.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.02)
+    service = forkserver.spawn(str(path), [PROBE, "0", "60"], dict(os.environ), cwd=str(ROOT))
+    assert isinstance(service, forkserver.Forked)
+    starter.kill()
+    starter.wait(10)
+    assert _gone(server_pid), "the server outlived the process that started it"
+    assert _gone(service.pid)
