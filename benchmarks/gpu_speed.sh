@@ -241,7 +241,8 @@ if [[ $PARTS == *eagle* ]]; then
 fi
 
 if [[ " $PARTS " == *" newgpu "* ]]; then
-  timeout ${NEWGPU_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/newgpu.xml" \
+  # -v: each test's id and outcome lands in the log as it ends, so a run its bound cuts still names its failures
+  timeout ${NEWGPU_TIMEOUT:-480} $PY -m pytest -v -p no:cacheprovider -rfE --junitxml="$OUT/newgpu.xml" \
     tests/gpu/test_hybrid_swa_cuda.py tests/gpu/test_model_families_cuda.py tests/gpu/test_sliding_window_cuda.py \
     tests/kernels/test_moe_decode.py tests/kernels/test_rotary_qk_norm.py tests/gpu/test_moe_cuda.py \
     tests/kernels/test_moe_decode_fp8.py tests/kernels/test_tree_attention.py tests/gpu/test_speculative_cuda.py tests/gpu/test_pd_speculative_cuda.py \
@@ -250,7 +251,7 @@ if [[ " $PARTS " == *" newgpu "* ]]; then
     tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemv_rows.py \
     tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py tests/kernels/test_attention.py 2>&1 \
     | tee "$OUT/newgpu_tests.log" \
-    | grep -E "^(FAILED|ERROR)|passed|failed|Timeout" | tail -40
+    | grep -E "^(FAILED|ERROR)| FAILED| ERROR|passed|failed|Timeout" | tail -40
 fi
 
 if [[ " $PARTS " == *" lora "* ]]; then
