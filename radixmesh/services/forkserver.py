@@ -199,7 +199,14 @@ class Server:
             _send(conn, {"refused": f"environment differs from the fork server's in {', '.join(differ[:5])}"})
             conn.close()
             return None
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:  # out of processes or memory: the requester starts it itself
+            for fd in fds:
+                os.close(fd)
+            _send(conn, {"refused": f"fork failed: {e}"})
+            conn.close()
+            return None
         if pid == 0:
             self._in_child = True
             return self._become_child(conn, request, fds)
