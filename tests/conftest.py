@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,8 @@ def fork_server(tmp_path_factory):
         return
     folder = tmp_path_factory.mktemp("forkserver")
     path = folder / "sock"
+    if len(str(path)) > 100:  # AF_UNIX paths end at 107 bytes: a long temporary folder gets a short one beside it
+        path = Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp" if os.path.isdir("/tmp") else None)) / "sock"
     log = open(folder / "forkserver.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
                              "--free-env", "PYTEST_CURRENT_TEST", "--exit-with-parent"], cwd=folder, stdout=log,
@@ -46,9 +51,12 @@ def fork_server(tmp_path_factory):
     deadline = time.monotonic() + 120
     while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not path.exists():
+    if not path.exists():  # the suite runs without it (slower), saying why
         proc.kill()
-        raise RuntimeError(f"the fork server did not start:\n{(folder / 'forkserver.log').read_text()[-3000:]}")
+        log.close()
+        warnings.warn(f"no fork server: {(folder / 'forkserver.log').read_text()[-2000:]}")
+        yield None
+        return
     os.environ[ENV] = str(path)
     try:
         yield path
@@ -60,6 +68,8 @@ def fork_server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        if path.parent != folder:
+            shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def _has_cuda() -> bool:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = "tests.unit.forked_probe"
 
 
-def _start_server(folder: Path, *preload: str) -> tuple[subprocess.Popen, str]:
+def _socket(folder: Path) -> Path:
+    """A socket path in `folder`, or in a short folder of /tmp where that would pass AF_UNIX's 107 bytes."""
     path = folder / "sock"
+    return path if len(str(path)) <= 100 else Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp")) / "sock"
+
+
+def _start_server(folder: Path, *preload: str) -> tuple[subprocess.Popen, str]:
+    path = _socket(folder)
     proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
                              "--free-env", "PYTEST_CURRENT_TEST", "--preload", *preload], cwd=folder,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,7 +169,7 @@ def test_a_malformed_request_is_dropped_and_the_server_serves_on(server):
 
 
 def test_with_exit_with_parent_the_server_stops_when_its_starter_is_killed(tmp_path):
-    path = tmp_path / "sock"
+    path = _socket(tmp_path)
     starter = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', "
          f"'radixmesh.services.forkserver', '--socket', {str(path)!r}, '--exit-with-parent', '--preload', 'json'], "
