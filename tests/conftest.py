@@ -32,8 +32,8 @@ def _ensure_models() -> None:
 def fork_server(tmp_path_factory):
     """One fork server per test process (radixmesh.services.forkserver), named to every launcher by
     RADIXMESH_FORK_SERVER: the services of the meshes tests launch start from it without importing torch and
-    transformers again (most of a tiny mesh's start-up CPU). A launch whose environment differs in more than
-    RADIXMESH_* variables starts its services afresh, as does one with tests.e2e.mesh.NOT_FORKED. Off on machines
+    transformers again (most of a tiny mesh's start-up CPU). A launch whose environment differs in variables a
+    preloaded module may have read (forkserver.env_difference) starts its services afresh, as does one with tests.e2e.mesh.NOT_FORKED. Off on machines
     with a GPU (the suite there measures what users run) and with RADIXMESH_TEST_FORK_SERVER=0."""
     from radixmesh.services.forkserver import ENV
 
@@ -41,18 +41,9 @@ def fork_server(tmp_path_factory):
         yield None
         return
     folder = tmp_path_factory.mktemp("forkserver")
-    path = folder / "sock"
-    if len(str(path)) > 100:  # AF_UNIX paths end at 107 bytes: a long temporary folder gets a short one beside it
-        path = Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp" if os.path.isdir("/tmp") else None)) / "sock"
     log = open(folder / "forkserver.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
-                             "--free-env", "PYTEST_CURRENT_TEST", "--exit-with-parent"], cwd=folder, stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc, path = start_fork_server(folder, "--exit-with-parent", out=log)
     if not path.exists():  # the suite runs without it (slower), saying why
-        proc.kill()
         log.close()
         warnings.warn(f"no fork server: {(folder / 'forkserver.log').read_text()[-2000:]}")
         yield None
@@ -70,6 +61,33 @@ def fork_server(tmp_path_factory):
         log.close()
         if path.parent != folder:
             shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def fork_socket(folder: Path) -> Path:
+    """A fork server's socket path in `folder`, or in a short folder of /tmp where the path would pass AF_UNIX's
+    107 bytes (a long temporary folder)."""
+    path = folder / "sock"
+    if len(str(path)) <= 100:
+        return path
+    return Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp" if os.path.isdir("/tmp") else None)) / "sock"
+
+
+def start_fork_server(folder: Path, *args: str, out=subprocess.DEVNULL,
+                      timeout: float = 120.0) -> tuple[subprocess.Popen, Path]:
+    """`python -m radixmesh.services.forkserver ARGS` run from `folder` (a test's PYTEST_CURRENT_TEST free to differ),
+    once its socket exists; a server that exits or does not listen in `timeout` is killed and its socket path left
+    absent (the caller checks path.exists())."""
+    path = fork_socket(folder)
+    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
+                             "--free-env", "PYTEST_CURRENT_TEST", *args], cwd=folder, stdout=out,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not path.exists():
+        proc.kill()
+        proc.wait()
+    return proc, path
 
 
 def _has_cuda() -> bool:

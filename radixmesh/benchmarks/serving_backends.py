@@ -11,7 +11,6 @@ succeeds only when the server reports exactly the tokens asked for (ignore_eos m
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import re
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from radixmesh.engine.lifetime import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/results, models/
 _COMPLETION_KEY = b'"completion_tokens"'
@@ -345,10 +346,6 @@ def describe_device(kind: str | None) -> str | None:
     return f"cpu ({cpu})"
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan mesh if we are killed
-
-
 class LaunchedMesh:
     """`python -m radixmesh.services.launch serve ...` as a child process, its output in `log_path`; stop() ends it (the
     launcher stops its own services, router first)."""
@@ -360,7 +357,7 @@ class LaunchedMesh:
     def start(self, timeout_s: float) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.launch", "serve", *self.argv],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # no orphan mesh if we are killed
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:

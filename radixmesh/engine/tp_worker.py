@@ -7,7 +7,6 @@ leaves a process behind: the leader's scheduler fails, the worker reports unheal
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import faulthandler
 import logging
@@ -21,6 +20,7 @@ import time
 from typing import Callable
 
 from radixmesh.engine.config import EngineArgs
+from radixmesh.engine.lifetime import die_with_parent
 
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.distributed import TPConfig, free_local_addr, local_ranks, rank_device
@@ -108,7 +108,7 @@ def serve_node(args: EngineArgs) -> int:
 
 
 def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
@@ -124,17 +124,6 @@ def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int) -> None:
     finally:
         if runner is not None:
             runner.tp.close()
-
-
-def _die_with_parent(parent: int) -> None:
-    """Be killed when the process that started this one dies, however it dies (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:  # it died before the prctl
-        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,9 @@ service is that same `python -m` run (runpy, with its argv, environment, working
 session of its own), with three differences a caller may see: its /proc cmdline is the server's (the launcher logs
 each service's pid and command line instead), its parent is the server, and modules the server imported read their
 import-time settings from the server's environment. So the server refuses a request whose environment differs from
-its own in anything but RADIXMESH_* variables and PYTHONUNBUFFERED: the caller then starts the process itself.
+its own in anything but RADIXMESH_*, TORCHINDUCTOR_* and OTEL_* variables (their packages are not preloaded),
+PYTHONUNBUFFERED (applied per service), a shell's own variables and those given with --free-env: the caller then
+starts the process itself.
 
 Lifetimes are tied as PR_SET_PDEATHSIG ties a launcher's children: when the requester's connection closes (it exited
 or was killed) the server kills the service with SIGKILL, and every service gets SIGKILL when the server dies. The
@@ -28,7 +30,6 @@ signal, as Popen says)."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -42,6 +43,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from radixmesh.engine.lifetime import die_with_parent
+
 log = logging.getLogger("radixmesh.forkserver")
 
 ENV = "RADIXMESH_FORK_SERVER"  # the socket of the server `radixmesh serve` forks its services from
@@ -51,11 +54,11 @@ PRELOAD = ("numpy", "torch", "transformers", "tokenizers", "safetensors", "grpc"
 # transformers builds these lazily on first use: resolved once here
 PRELOAD_ATTRS = (("transformers", ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "PretrainedConfig")),)
 # may differ between the server's environment and a request's (read at run time only, or applied per service)
-FREE_ENV_PREFIXES = ("RADIXMESH_", "TORCHINDUCTOR_", "OTEL_")  # ours; read where torch._inductor and OpenTelemetry are
-# imported, which the server does not do
-FREE_ENV = frozenset({"PYTHONUNBUFFERED", "SHLVL", "_", "PWD", "OLDPWD", "COLUMNS", "LINES"})  # a shell's own, but the first
+# ours, and those read where torch._inductor and OpenTelemetry are imported, which the server does not do
+FREE_ENV_PREFIXES = ("RADIXMESH_", "TORCHINDUCTOR_", "OTEL_")
+# PYTHONUNBUFFERED: applied per service (_run_job); the rest: a shell's own
+FREE_ENV = frozenset({"PYTHONUNBUFFERED", "SHLVL", "_", "PWD", "OLDPWD", "COLUMNS", "LINES"})
 _HEADER = struct.Struct(">I")
-_PR_SET_PDEATHSIG = 1
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -121,6 +124,14 @@ def _send(conn: socket.socket, message: dict) -> None:
         conn.sendall(json.dumps(message).encode() + b"\n")
     except OSError:  # the requester is gone
         pass
+
+
+def _refuse(conn: socket.socket, fds: list[int], reason: str) -> None:
+    """Answers a request with why it is not forked and lets go of it."""
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"refused": reason})
+    conn.close()
 
 
 class Server:
@@ -194,19 +205,11 @@ class Server:
             return None
         differ = env_difference(self.env, request.get("env", {}), self.free_env)
         if differ:
-            for fd in fds:
-                os.close(fd)
-            _send(conn, {"refused": f"environment differs from the fork server's in {', '.join(differ[:5])}"})
-            conn.close()
-            return None
+            return _refuse(conn, fds, f"environment differs from the fork server's in {', '.join(differ[:5])}")
         try:
             pid = os.fork()
         except OSError as e:  # out of processes or memory: the requester starts it itself
-            for fd in fds:
-                os.close(fd)
-            _send(conn, {"refused": f"fork failed: {e}"})
-            conn.close()
-            return None
+            return _refuse(conn, fds, f"fork failed: {e}")
         if pid == 0:
             self._in_child = True
             return self._become_child(conn, request, fds)
@@ -228,9 +231,7 @@ class Server:
             s.close()
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != self.pid:  # the server died before the line above: nothing would signal this child
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_with_parent(self.pid)
         if request.get("new_session", True):
             os.setsid()
         for target, fd in enumerate(fds):

@@ -15,7 +15,6 @@ of started afresh, skipping their heavy imports; where it refuses or does not an
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import logging
@@ -34,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.engine.config import STORAGE_TRANSPORTS, EngineArgs
+from radixmesh.engine.lifetime import die_with_parent
 from radixmesh.services import forkserver
 from radixmesh.services.common import auth
 from radixmesh.services.common.auth import TOKEN_ENV, InternalAuth, InternalAuthSettings
@@ -46,7 +46,6 @@ from radixmesh.services.supervise import Supervisor
 from radixmesh.settings import as_flags, build_parser, resolve
 
 log = logging.getLogger("radixmesh.launch")
-_PR_SET_PDEATHSIG = 1
 
 
 # What the launcher decides for its router children (the addresses it hands out): not flags of `radixmesh serve`.
@@ -142,11 +141,6 @@ def shown_argv(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def engine_flags(engine_kwargs: dict) -> list[str]:
     """Engine keyword arguments back into SGLang-named flags for the workers."""
     flags = []
@@ -180,7 +174,7 @@ class Child:
             if forked:
                 log.info("%s: not forked (%s); started afresh", self.name, forked)
             # Its own session: a terminal's Ctrl-C reaches only the launcher, which then stops the services in order.
-            self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=_die_with_parent,
+            self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=env, preexec_fn=die_with_parent,
                                          start_new_session=True)
         log.info("%s started (pid %d%s): %s", self.name, self.proc.pid, ", forked" if forked is self.proc else "",
                  shown_argv(self.argv))

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,26 +19,14 @@ import pytest
 
 from radixmesh.services import forkserver
 from radixmesh.services.launch import Child, shown_argv
+from tests.conftest import ROOT, fork_socket, start_fork_server
 
-ROOT = Path(__file__).resolve().parents[2]
 PROBE = "tests.unit.forked_probe"
 
 
-def _socket(folder: Path) -> Path:
-    """A socket path in `folder`, or in a short folder of /tmp where that would pass AF_UNIX's 107 bytes."""
-    path = folder / "sock"
-    return path if len(str(path)) <= 100 else Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp")) / "sock"
-
-
 def _start_server(folder: Path, *preload: str) -> tuple[subprocess.Popen, str]:
-    path = _socket(folder)
-    proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.forkserver", "--socket", str(path),
-                             "--free-env", "PYTEST_CURRENT_TEST", "--preload", *preload], cwd=folder,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the fork server did not start"
-        time.sleep(0.02)
+    proc, path = start_fork_server(folder, "--preload", *preload, timeout=60)
+    assert path.exists(), "the fork server did not start"
     return proc, str(path)
 
 
@@ -169,7 +156,7 @@ def test_a_malformed_request_is_dropped_and_the_server_serves_on(server):
 
 
 def test_with_exit_with_parent_the_server_stops_when_its_starter_is_killed(tmp_path):
-    path = _socket(tmp_path)
+    path = fork_socket(tmp_path)
     starter = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', "
          f"'radixmesh.services.forkserver', '--socket', {str(path)!r}, '--exit-with-parent', '--preload', 'json'], "
