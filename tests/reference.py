@@ -9,9 +9,15 @@ import torch
 
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
+    """transformers' model in its eager attention where the config soft-caps attention scores: SDPA has no soft-cap,
+    and transformers 5.17 runs Gemma 2 through SDPA by default, silently uncapped (its greedy tokens then differed
+    from the eager path's, which computes the model as defined; 5.25 refuses SDPA for Gemma 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    config = AutoConfig.from_pretrained(path)
+    capped = getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None
+    kwargs = {"attn_implementation": "eager"} if capped else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
 
 
 def eos_ids(model) -> set[int]:

@@ -65,12 +65,20 @@ def test_bfloat16_within_noise_of_transformers(checkpoints, kind, prefill, decod
 def test_flashinfer_plans_one_wrapper_per_window(checkpoints):
     """Gemma 2's sliding and global layers run different wrappers, planned with window_left = window - 1 and -1."""
     with running_engine(checkpoints["gemma2"], device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
-                        mem_fraction_static=0.3, attention_backend="flashinfer") as llm:
+                        mem_fraction_static=0.3, attention_backend="flashinfer", disable_cuda_graph=True) as llm:
         backend = llm.runner.attn_backend
         assert set(backend.decode_wrappers) == set(backend.prefill_wrappers) == {None, 12}
+        planned = {}  # (mode, window) -> the plan's (window_left, logits_soft_cap): FlashInfer keeps neither public
+        for mode, wrappers in (("decode", backend.decode_wrappers), ("prefill", backend.prefill_wrappers)):
+            for window, wrapper in wrappers.items():
+                def spy(*args, _plan=wrapper.plan, _key=(mode, window), **kwargs):
+                    planned[_key] = (kwargs["window_left"], kwargs["logits_soft_cap"])
+                    return _plan(*args, **kwargs)
+
+                wrapper.plan = spy
         llm.generate(input_ids=prompts()[:2], sampling_params=GREEDY)
-        assert backend.decode_wrappers[12]._window_left == 11 and backend.decode_wrappers[None]._window_left == -1
-        assert backend.prefill_wrappers[12]._logits_soft_cap == 4.0
+        assert planned == {("decode", 12): (11, 4.0), ("decode", None): (-1, 4.0),
+                           ("prefill", 12): (11, 4.0), ("prefill", None): (-1, 4.0)}
     torch.cuda.synchronize()
 
 

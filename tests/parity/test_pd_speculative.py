@@ -22,7 +22,7 @@ import pytest
 
 from radixmesh.engine.disaggregation.handoff import DecodeRole, FirstToken, PrefillRole
 from radixmesh.engine.disaggregation.draft_state import DraftState, DraftWanted
-from radixmesh.engine.disaggregation.kv_pages import kv_writes, layout_of, register_pool
+from radixmesh.engine.disaggregation.kv_pages import KvLayout, kv_writes
 from radixmesh.engine.disaggregation.registry import make_backend
 from radixmesh.services.prefill.bootstrap import draft_to_send
 from radixmesh.services.worker import convert
@@ -44,8 +44,12 @@ class Pair:
     def __init__(self, prefill, decode):
         self.p, self.d = prefill, decode
         self.bp, self.bd = make_backend("fake"), make_backend("fake")
-        register_pool(self.bp, prefill.runner.kv_pool)
-        register_pool(self.bd, decode.runner.kv_pool)
+        # Pages move between the engines' mirrors, as services.common.kv_transfer moves them: on a GPU, pinned host
+        # twins of the pools (the fake backend copies host memory; a device address would crash it)
+        self.mp, self.md = prefill.kv_mirror(), decode.kv_mirror()
+        for backend, mirror in ((self.bp, self.mp), (self.bd, self.md)):
+            for t in mirror.buffers:
+                backend.register(t.data_ptr(), t.numel() * t.element_size())
         # (first position, positions) of the head KV sent for each request, its prompt's length, and whether the
         # head read the target's hidden state at every one of those positions
         self.sent: list[tuple[int, int, int, bool]] = []
@@ -66,9 +70,7 @@ class Pair:
                                            if wanted is not None else None)
         try:
             draft = draft_to_send(first, dest)
-            self.bp.write(self.bd.session_id, kv_writes(layout_of(self.p.runner.kv_pool),
-                                                        layout_of(self.d.runner.kv_pool),
-                                                        src[cached // self.p.args.page_size:], dst))
+            self._move(src[cached // self.p.args.page_size:], dst)
         finally:
             self.p.release_kv(rid).result(timeout=10)
         wire = bootstrap_pb2.KvReady.FromString(convert.kv_ready(first, draft).SerializeToString())
@@ -79,6 +81,22 @@ class Pair:
         assert self.d.deliver_kv(rid, got).result(timeout=10) is True
         await prefilling
         return await decoding
+
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        """The prefill pool's pages `src` into the decode pool's `dst`: staged out to free mirror pages, written to
+        free mirror pages of the decode side, staged in (no copies where a pool is its own mirror, on a CPU)."""
+        out, landing = self.mp.hold(src), self.md.hold(dst)
+        try:
+            self.mp.stage_out(src, out)
+            self.bp.write(self.bd.session_id, kv_writes(_layout(self.mp), _layout(self.md), out, landing))
+            self.md.stage_in(landing, dst)
+        finally:
+            self.mp.release(out)
+            self.md.release(landing)
+
+
+def _layout(mirror) -> KvLayout:
+    return KvLayout(tuple(t.data_ptr() for t in mirror.buffers), mirror.pool.page_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -128,3 +128,13 @@ def test_the_features_matter(checkpoints, tmp_path, kind, change):
     assert _max_logprob_change(path, _variant(path, tmp_path / kind, **change)) > 0.1
     outs, _ = reference(path)
     assert all(len(set(o)) >= MAX_NEW // 2 for o in outs)
+
+
+def test_the_reference_computes_the_soft_cap(checkpoints):
+    """transformers 5.17 runs Gemma 2 through SDPA unless told otherwise, and SDPA has no soft-cap: that reference's
+    greedy tokens differed from the model's (an H100, 2026-12-05). The reference asks for eager attention wherever
+    scores are capped; the others keep transformers' default."""
+    from tests.reference import hf_model
+
+    assert hf_model(checkpoints["gemma2"]).config._attn_implementation == "eager"
+    assert hf_model(checkpoints["mistral"]).config._attn_implementation != "eager"
