@@ -3,24 +3,27 @@ through their own page table by the Triton kernels (and FlashInfer's window page
 full-slot -> SWA-slot map inside captured CUDA graphs, with a pool small enough that cached pages lose their SWA
 partners and hits are cut back (tests/parity/test_hybrid_swa_memory.py is the CPU twin).
 
-float32 (Triton, torch_native): transformers' greedy tokens and teacher-forced logprobs within 1e-3. bfloat16
-(Triton, FlashInfer): within bfloat16 noise of transformers' float32 logprobs. Both pools whole after every run.
+float32 (Triton, torch_native): transformers' greedy tokens and teacher-forced logprobs within 1e-3, and a rerun over
+the cached prefixes gives the same tokens. bfloat16 (Triton, FlashInfer): both runs within bfloat16 noise of
+transformers' float32 logprobs (tests.sliding_models.check_runs). Both pools whole after every run.
 
-CUDA engines keep one pool until these pass on a GPU with every backend (swa_pool.why_no_hybrid says what is
-missing), so the hybrid tests lift that gate for their engines (`hybrid_allowed`), and `test_cuda_keeps_one_pool`
-checks that the gate holds and that one pool matches transformers. On an H100 (2026-12-05) every float32 case and
-the bfloat16 Triton cases passed (FlashInfer was not installed). An H200's Gemma 2 failures a day before were the
-reference's: transformers 5.17 runs Gemma 2 through SDPA, which drops the soft-cap (tests.reference.hf_model asks
-for eager attention wherever scores are capped)."""
+On an H100 (2026-12-05) every float32 case and the bfloat16 Triton cases passed; FlashInfer was not installed. So a
+CUDA engine has the hybrid pool unless a FlashInfer backend runs it (swa_pool.why_no_hybrid): the FlashInfer cases
+lift that gate for their own engines (`hybrid_allowed`) until they pass on a GPU, and `test_flashinfer_keeps_one_pool`
+checks that the gate holds. An H200's Gemma 2 failures a day before were the reference's: transformers 5.17 runs
+Gemma 2 through SDPA, which drops the soft-cap (tests.reference.hf_model asks for eager attention wherever scores are
+capped)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from tests.engine_utils import running_engine
 from tests.reference import hf_greedy
-from tests.sliding_models import BF16_BACKENDS, build, logprob_errors, prompts
+from tests.sliding_models import BF16_BACKENDS, build, check_runs, logprob_errors, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -31,16 +34,16 @@ SMALL = dict(max_total_tokens=2048, swa_full_tokens_ratio=0.09375, page_size=16,
 
 @pytest.fixture
 def hybrid_allowed(monkeypatch):
-    """The hybrid pool on CUDA despite swa_pool.why_no_hybrid's CUDA gate (the engine is built in this process, so
-    the runner's reference is the one to replace)."""
+    """The hybrid pool on CUDA despite swa_pool.why_no_hybrid's FlashInfer gate (the engine is built in this process,
+    so the runner's reference is the one to replace)."""
     from radixmesh.engine import model_runner
     from radixmesh.engine.cache import swa_pool
 
-    def without_cuda_gate(args, shares_table):
+    def without_flashinfer_gate(args, shares_table):
         why = swa_pool.why_no_hybrid(args, shares_table)
-        return None if why is not None and why.startswith("a CUDA device") else why
+        return None if why is not None and why.startswith("FlashInfer on a CUDA device") else why
 
-    monkeypatch.setattr(model_runner, "why_no_hybrid", without_cuda_gate)
+    monkeypatch.setattr(model_runner, "why_no_hybrid", without_flashinfer_gate)
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +52,23 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return {kind: build(kind, root / kind, head_dim=64) for kind in ("gemma2", "gemma3")}
 
 
-def _generate(path: str, **kwargs) -> list[dict]:
-    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, **SMALL,
+def _generate(path: str, dtype: str, **kwargs) -> list[dict]:
+    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, dtype=dtype, **SMALL,
                         **kwargs) as llm:
         assert llm.cache.hybrid is not None and llm.cache.hybrid.swa.num_pages == 12
         first = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
         again = llm.generate(input_ids=prompts(), sampling_params=GREEDY, return_logprob=True)
         torch.cuda.synchronize()
         assert llm.cache.hybrid.freed_tokens > 0 and llm.cache.hybrid.evicted_tokens > 0
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    check_runs(path, first, again, dtype)
     return first
 
 
 @pytest.mark.parametrize("kind", ("gemma2", "gemma3"))
-def test_cuda_keeps_one_pool(checkpoints, kind):
-    """Until the hybrid pool passes here with every backend, a CUDA engine serves alternating models from one
-    pool, as transformers."""
-    path = checkpoints[kind]
-    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, dtype="float32",
-                        attention_backend="triton", **SMALL) as llm:
-        assert llm.cache.hybrid is None
-        outs = llm.generate(input_ids=prompts(), sampling_params=GREEDY)
-    assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
-
-
-@pytest.mark.usefixtures("hybrid_allowed")
-@pytest.mark.parametrize("kind", ("gemma2", "gemma3"))
 @pytest.mark.parametrize("backend,graphs", [("triton", True), ("triton", False), ("torch_native", False)])
 def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
     path = checkpoints[kind]
-    outs = _generate(path, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
+    outs = _generate(path, "float32", attention_backend=backend, disable_cuda_graph=not graphs)
     assert [o["output_ids"] for o in outs] == hf_greedy(path, prompts(), GREEDY["max_new_tokens"])
     assert max(logprob_errors(path, outs)) < 1e-3
 
@@ -87,26 +77,15 @@ def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
 @pytest.mark.parametrize("prefill,decode", BF16_BACKENDS)
 @pytest.mark.parametrize("graphs", [True, False])
 def test_bfloat16_within_noise_of_transformers(checkpoints, prefill, decode, graphs):
+    _generate(checkpoints["gemma2"], "bfloat16", attention_backend=prefill, decode_attention_backend=decode,
+              disable_cuda_graph=not graphs)  # (both runs within noise: check_runs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+def test_flashinfer_keeps_one_pool(checkpoints):
+    """Until the FlashInfer cases above pass on a GPU, a CUDA engine with a FlashInfer backend serves alternating
+    models from one pool, as transformers."""
     path = checkpoints["gemma2"]
-    outs = _generate(path, dtype="bfloat16", attention_backend=prefill, decode_attention_backend=decode,
-                     disable_cuda_graph=not graphs)
-    errors = logprob_errors(path, outs)
-    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
-
-
-@pytest.mark.usefixtures("hybrid_allowed")
-@pytest.mark.parametrize("graphs", [True, False])
-def test_bfloat16_gemma2_repeats_itself_over_cached_prefixes(checkpoints, graphs):
-    """The case that failed on an H100 (2026-12-05; Triton, no graphs, the hybrid pool at the sizes
-    test_sliding_window_cuda.py's engines get): the second run over the cached prefixes chose other greedy tokens
-    (prompt 1 from its fourth). test_sliding_window_cuda.py runs the same engine with one pool."""
-    path, greedy = checkpoints["gemma2"], {"max_new_tokens": 16, "temperature": 0}  # as that file's
-    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, page_size=16,
-                        chunked_prefill_size=32, dtype="bfloat16", attention_backend="triton",
-                        disable_cuda_graph=not graphs) as llm:
-        assert llm.cache.hybrid is not None
-        first = llm.generate(input_ids=prompts(), sampling_params=greedy, return_logprob=True)
-        again = llm.generate(input_ids=prompts(), sampling_params=greedy, return_logprob=True)
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
-    errors = logprob_errors(path, first)
-    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
+    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, dtype="bfloat16",
+                        attention_backend="flashinfer", **SMALL) as llm:
+        assert llm.cache.hybrid is None

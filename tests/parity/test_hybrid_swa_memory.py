@@ -228,6 +228,18 @@ def test_disaggregated_requests_are_refused(checkpoints):
             asyncio.run(llm.async_generate(input_ids=[1, 2, 3], sampling_params=GREEDY, handoff=object()))
 
 
+@pytest.mark.parametrize("mode", ["null", "prefill", "decode"])
+def test_pd_workers_keep_one_pool(checkpoints, mode):
+    """A prefill or decode worker's engine keeps one pool, so its disaggregated requests are served (above: refused
+    under the hybrid pool); a colocated worker's has the hybrid pool."""
+    from radixmesh.services.worker.__main__ import pd_engine_kwargs
+    from radixmesh.services.worker.settings import WorkerSettings
+
+    kwargs = pd_engine_kwargs(WorkerSettings(disaggregation_mode=mode), {"max_total_tokens": 256})
+    with running_engine(checkpoints["gemma2"], skip_tokenizer_init=True, **kwargs) as llm:
+        assert (llm.cache.hybrid is None) == (mode != "null")
+
+
 def test_command_line_flags():
     """SGLang's flag names reach EngineArgs (every service and the launcher parse them so)."""
     from radixmesh.engine.config import EngineArgs

@@ -33,7 +33,7 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
     from radixmesh.services.worker.servicer import WorkerServicer
 
     # The worker streams disjoint segments; the router rebuilds cumulative text where a client wants it.
-    engine_kwargs = kvstore_engine_kwargs(settings, engine_kwargs)
+    engine_kwargs = pd_engine_kwargs(settings, kvstore_engine_kwargs(settings, engine_kwargs))
     engine = Engine(**{**engine_kwargs, "stream_output": True, "log_level": settings.log_level})
     prefill_rooms, decode_rooms, bootstrap = _disaggregation(engine, settings, pd or PdSettings())
     metrics_settings = metrics_settings or MetricsSettings()
@@ -82,6 +82,15 @@ async def serve(settings: WorkerSettings, engine_kwargs: dict, pd: PdSettings | 
     if watchdog.done() and watchdog.result():  # stopped because the engine died, not by a signal
         raise SystemExit(1)
     watchdog.cancel()
+
+
+def pd_engine_kwargs(settings: WorkerSettings, engine_kwargs: dict) -> dict:
+    """A prefill or decode worker keeps its sliding layers' KV in the one pool the transfers carry (the engine
+    refuses a disaggregated request under hybrid SWA memory, engine.cache.swa_pool), as if started with
+    --disable-hybrid-swa-memory; a colocated worker's kwargs are unchanged."""
+    if settings.disaggregation_mode == "null" or engine_kwargs.get("disable_hybrid_swa_memory"):
+        return engine_kwargs
+    return {**engine_kwargs, "disable_hybrid_swa_memory": True}
 
 
 def kvstore_engine_kwargs(settings: WorkerSettings, engine_kwargs: dict) -> dict:
