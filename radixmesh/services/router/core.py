@@ -298,7 +298,7 @@ class Router:
         worker.in_flight += 1
         start = tracing.clock()
         streamed, error, verdict, call = False, None, worker.breaker.release, None
-        failed = functools.partial(worker.breaker.failure, worker.breaker.clock())
+        began = worker.breaker.clock()  # a failure counts from the call's start
         try:
             call = await self._open_call(worker, request)
             self.calls.track(call, worker.url)
@@ -318,7 +318,7 @@ class Router:
             if code not in WORKER_FAULTS:  # the request's fault (bad input, ...): the worker is fine
                 verdict = worker.breaker.success
                 raise RouterError(status_of(code), e.details() or code.name) from None
-            verdict = failed
+            verdict = functools.partial(worker.breaker.failure, began)
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise RouterError(status_of(code), e.details() or code.name) from None
             self.registry.mark_failed(worker, e.details() or "unavailable")
@@ -332,7 +332,7 @@ class Router:
             if cancelled is None or (task is not None and task.cancelling()):
                 raise  # our caller was cancelled (e.g. its client went away)
             reason, retry = cancelled  # we cancelled the call: shutdown, a lost or a removed worker
-            verdict = failed
+            verdict = functools.partial(worker.breaker.failure, began)
             if metrics is not None:
                 metrics.worker_failed(worker.url, grpc.StatusCode.CANCELLED.name)
             outcome.fail(RouterError(503, reason), retry and not streamed, streamed and retry)

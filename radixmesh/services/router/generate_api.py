@@ -198,9 +198,10 @@ async def run_whole(router: Router, job: GenerateJob, lp: common_pb2.LogprobOpti
     """Every sample's final dict (n > 1 gives several)."""
     samples: dict[int, _Sample] = {}
     request = await worker_request(router, job, lp, stream=False, tenant=tenant)
-    async with contextlib.aclosing(_updates(router, job, request, samples, lp.return_logprob)) as updates:
-        async for _ in updates:
-            pass
+    want = lp.return_logprob
+    async with contextlib.aclosing(router.generate(request)) as messages:  # (no generator of ours between)
+        async for msg in messages:
+            _feed(samples, job, msg, want)
     return [samples[i].result(lp) for i in sorted(samples)]
 
 
@@ -209,15 +210,21 @@ async def _updates(router: Router, job: GenerateJob, request: worker_pb2.Generat
     """Feeds the worker's messages into `samples` (by index), yielding (index, message kind) after each."""
     async with contextlib.aclosing(router.generate(request)) as messages:
         async for msg in messages:
-            kind = msg.WhichOneof("response")
-            if kind == "error":
-                raise RouterError(msg.error.http_status_code or 500, msg.error.message)
-            index = msg.index
-            sample = samples.get(index)
-            if sample is None:  # (not setdefault: that would build a _Sample for every message)
-                sample = samples[index] = _Sample(job.sample_rid(index), want_logprobs)
-            sample.on_message(msg, kind)
-            yield index, kind
+            yield _feed(samples, job, msg, want_logprobs)
+
+
+def _feed(samples: dict[int, _Sample], job: GenerateJob, msg: worker_pb2.GenerateResponse,
+          want_logprobs: bool) -> tuple[int, str]:
+    """One worker message into its sample (made on its first message): (the sample's index, the message's kind)."""
+    kind = msg.WhichOneof("response")
+    if kind == "error":
+        raise RouterError(msg.error.http_status_code or 500, msg.error.message)
+    index = msg.index
+    sample = samples.get(index)
+    if sample is None:  # (not setdefault: that would build a _Sample for every message)
+        sample = samples[index] = _Sample(job.sample_rid(index), want_logprobs)
+    sample.on_message(msg, kind)
+    return index, kind
 
 
 async def run_batch(router: Router, jobs: list[GenerateJob], lp: common_pb2.LogprobOptions,

@@ -229,24 +229,27 @@ class CacheAware:
     def pick(self, workers, prompt, namespace=""):
         keys, size, unit = _keyed(prompt, namespace)
         loads = [w.in_flight for w in workers]
+        trees = [self._tree(w.url) for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
-            chosen = workers[loads.index(lo)]
+            i = loads.index(lo)
+            matched = trees[i].match(keys)
             self.counts["balance"] += 1
             self.last_reason = "balance"
         else:
-            matches = [self._tree(w.url).match(keys) for w in workers]
-            best = max(range(len(workers)), key=lambda i: (matches[i], -loads[i]))
-            if keys and matches[best] * unit >= self.cache_threshold * size:
-                chosen = workers[best]
+            matches = [t.match(keys) for t in trees]
+            i = max(range(len(workers)), key=lambda j: (matches[j], -loads[j]))
+            if keys and matches[i] * unit >= self.cache_threshold * size:
                 self.counts["cache_hits"] += 1
                 self.last_reason = "cache_hit"
             else:
-                chosen = min(workers, key=lambda w: (self._tree(w.url).size, w.in_flight))
+                i = min(range(len(workers)), key=lambda j: (trees[j].size, loads[j]))
                 self.counts["cache_misses"] += 1
                 self.last_reason = "cache_miss"
-        self.last_matched_tokens = self._tree(chosen.url).match(keys) * unit  # bytes for a text prompt
-        self._tree(chosen.url).insert(keys)
+            matched = matches[i]
+        chosen = workers[i]
+        self.last_matched_tokens = matched * unit  # bytes for a text prompt
+        trees[i].insert(keys)
         if self.on_insert is not None and keys:
             self.on_insert(chosen.url, keys)
         return chosen
