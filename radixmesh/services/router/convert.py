@@ -16,7 +16,7 @@ from radixmesh.services.router.sampling_fields import GENERATE_ROWS, checked_int
 
 # The scalar fields come from the field table; these have shapes of their own.
 _STRUCTURED = ("stop", "stop_token_ids", "logit_bias", "json_schema", "regex", "ebnf")
-SUPPORTED = (*GENERATE_ROWS, *_STRUCTURED)
+SUPPORTED = frozenset((*GENERATE_ROWS, *_STRUCTURED))
 _FINISH = {common_pb2.FINISH_REASON_TYPE_STOP: FinishKind.STOP, common_pb2.FINISH_REASON_TYPE_LENGTH: FinishKind.LENGTH,
            common_pb2.FINISH_REASON_TYPE_ABORT: FinishKind.ABORT}
 INT32_MAX = 2**31 - 1
@@ -36,7 +36,7 @@ def sampling_params(d: Any) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams()
     if not isinstance(d, dict):
         raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-    unknown = sorted(k for k in d if k not in SUPPORTED)
+    unknown = [] if SUPPORTED.issuperset(d) else sorted(k for k in d if k not in SUPPORTED)
     if unknown:
         raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}; supported: "
                          f"{', '.join(sorted(SUPPORTED))}")

@@ -18,8 +18,8 @@ from radixmesh.services.common.logs import request_id_var
 from radixmesh.services.router import convert
 from radixmesh.services.router.core import Router, RouterError, new_request_id
 
-_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-         "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "rid", "lora_path"}
+_KEYS = frozenset({"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "rid", "lora_path"})
 
 
 @dataclass(slots=True)
@@ -145,7 +145,7 @@ def parse(body: Any) -> tuple[list[GenerateJob], bool, bool, common_pb2.LogprobO
     """Returns (jobs, is_batch, stream, logprob options); ValueError names what is wrong."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KEYS)
+    unknown = [] if _KEYS.issuperset(body) else sorted(set(body) - _KEYS)
     if unknown:
         raise ValueError(f"unsupported field(s): {', '.join(unknown)}")
     text, ids = body.get("text"), body.get("input_ids")

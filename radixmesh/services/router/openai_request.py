@@ -158,13 +158,16 @@ def sample_seed_error(sp: common_pb2.SamplingParams) -> str | None:
     return None
 
 
+_OPENAI_NAMES = tuple((row, row.openai_names) for row in OPENAI_ROWS)  # (the names: a property, made once)
+
+
 def _sampling(f: Fields) -> common_pb2.SamplingParams:
     """The scalar fields (the field table's OpenAI rows: max_completion_tokens or max_tokens, min_tokens, seed and
     the rest under their own names), then stops, logit_bias and the output constraint."""
     sp = common_pb2.SamplingParams()
     given = f.body.keys()
-    for row in OPENAI_ROWS:
-        if given.isdisjoint(row.openai_names):  # none of its names in the body (most rows, most requests)
+    for row, names in _OPENAI_NAMES:
+        if given.isdisjoint(names):  # none of its names in the body (most rows, most requests)
             continue
         value = openai_value(f, row)
         if value is not None:
