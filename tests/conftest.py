@@ -33,8 +33,9 @@ def fork_server(tmp_path_factory):
     """One fork server per test process (radixmesh.services.forkserver), named to every launcher by
     RADIXMESH_FORK_SERVER: the services of the meshes tests launch start from it without importing torch and
     transformers again (most of a tiny mesh's start-up CPU). A launch whose environment differs in variables a
-    preloaded module may have read (forkserver.env_difference) starts its services afresh, as does one with tests.e2e.mesh.NOT_FORKED. Off on machines
-    with a GPU (the suite there measures what users run) and with RADIXMESH_TEST_FORK_SERVER=0."""
+    preloaded module may have read (forkserver.env_difference) starts its services afresh, as does one with
+    tests.e2e.mesh.NOT_FORKED. Off on machines with a GPU (the suite there measures what users run) and with
+    RADIXMESH_TEST_FORK_SERVER=0."""
     from radixmesh.services.forkserver import ENV
 
     if os.environ.get("RADIXMESH_TEST_FORK_SERVER", "1") == "0" or os.environ.get(ENV) or _has_cuda():

@@ -355,9 +355,9 @@ class LaunchedMesh:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb") as log:  # (die_with_parent: no orphan mesh if we are killed)
             self.proc = subprocess.Popen([sys.executable, "-m", "radixmesh.services.launch", "serve", *self.argv],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # no orphan mesh if we are killed
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:
