@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -60,8 +61,6 @@ def fork_server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        if path.parent != folder:
-            shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def fork_socket(folder: Path) -> Path:
@@ -70,7 +69,9 @@ def fork_socket(folder: Path) -> Path:
     path = folder / "sock"
     if len(str(path)) <= 100:
         return path
-    return Path(tempfile.mkdtemp(prefix="rmfs-", dir="/tmp" if os.path.isdir("/tmp") else None)) / "sock"
+    short = tempfile.mkdtemp(prefix="rmfs-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    atexit.register(shutil.rmtree, short, ignore_errors=True)  # (the test process's end: every caller's server is gone)
+    return Path(short) / "sock"
 
 
 def start_fork_server(folder: Path, *args: str, out=subprocess.DEVNULL,

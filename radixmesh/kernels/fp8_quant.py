@@ -86,8 +86,8 @@ def group_quant_reference(x: torch.Tensor, group: int | None = None) -> tuple[to
     padded[:, :k] = x.float()
     amax = padded.view(m, groups, group).abs().amax(dim=2)
     # a tensor divisor, not the Python float: on CUDA torch computes `tensor / python_float` as a product with the
-    # float's reciprocal, up to a bit off the correctly rounded quotient the kernel computes (and torch on a CPU): the
-    # likely cause of every test_group_quant_matches_its_twin case failing on an H100 (2026-12-05; not rerun there)
+    # float's reciprocal, up to a bit off the correctly rounded quotient the kernel computes (and torch on a CPU): why
+    # every test_group_quant_matches_its_twin case failed on an H100 (2026-12-05; all 18 passed there after this)
     s = amax.clamp(min=EPS) / torch.full_like(amax, FP8_MAX)
     q = (padded.view(m, groups, group) / s[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(m, -1)[:, :k].to(FP8), s

@@ -10,7 +10,7 @@ transformers' float32 logprobs (tests.sliding_models.check_runs). Both pools who
 On an H100 (2026-12-05) every float32 case and the bfloat16 Triton cases passed; FlashInfer was not installed. So a
 CUDA engine has the hybrid pool unless a FlashInfer backend runs it (swa_pool.why_no_hybrid): the FlashInfer cases
 lift that gate for their own engines (`hybrid_allowed`) until they pass on a GPU, and `test_flashinfer_keeps_one_pool`
-checks that the gate holds. An H200's Gemma 2 failures a day before were the reference's: transformers 5.17 runs
+checks that the gate holds. An H200's Gemma 2 failures earlier that day were the reference's: transformers 5.17 runs
 Gemma 2 through SDPA, which drops the soft-cap (tests.reference.hf_model asks for eager attention wherever scores are
 capped)."""
 
