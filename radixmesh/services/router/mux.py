@@ -112,8 +112,9 @@ class WorkerMux:
                                self._read, lane)
 
     async def open(self) -> bool:
-        """True when the stream is up (opened now if needed); False when the worker does not speak GenerateStream.
-        AioRpcError (UNAVAILABLE) when it cannot be reached."""
+        """True when the stream is up (opened now if needed); False when this request goes as a call of its own (the
+        worker does not speak GenerateStream, or its handshake just failed: stream_link.StreamLink). AioRpcError
+        (UNAVAILABLE) when the handshake timed out."""
         return await self.link.open()
 
     def start(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxCall:

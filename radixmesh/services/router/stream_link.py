@@ -3,7 +3,10 @@ the tokenizer service), the plumbing WorkerMux (mux.py) and TokenizeBatcher (tok
 
 - `open()` starts the stream with a handshake (an empty message, answered with an empty one). The callers that wait
   for it resume together. A peer without the method (UNIMPLEMENTED) makes it return False from then on: the owner
-  goes back to a call per request. Any other failure raises `unavailable(reason)`.
+  goes back to a call per request. A handshake that times out raises `unavailable(reason)` (a hung peer). Any other
+  failed handshake (INTERNAL, UNAVAILABLE, ...) costs no request: open() returns False, so each waiter makes a call
+  of its own, which meets the peer's real state (answered, or failed with the peer's own status), and the stream is
+  tried again after a short pause (_REOPEN_AFTER_S).
 - `send(msg)` queues a message; one task writes them in order (writes never overlap on a gRPC stream); on a stream
   lane (services.common.stream_lane: the same messages over a plain TCP connection, tried first when the owner
   gives `lane`) it is written at once.
@@ -22,6 +25,7 @@ import grpc
 log = logging.getLogger(__name__)
 _HANDSHAKE_ATTEMPTS = 4  # asks of a gRPC handshake that ended INTERNAL (see StreamLink._open)
 _STATUS_WAIT_S = 1.0  # how long a failed handshake waits for the call's own status
+_REOPEN_AFTER_S = 2.0  # after a failed handshake, requests go as calls this long before the stream is tried again
 
 
 async def _final_code(call, raised: grpc.StatusCode) -> grpc.StatusCode:
@@ -38,6 +42,10 @@ async def _final_code(call, raised: grpc.StatusCode) -> grpc.StatusCode:
     return code if code not in (None, grpc.StatusCode.OK) else raised
 
 
+class _HandshakeFailed(Exception):
+    """A handshake failed otherwise than by time (the reason is its message): see StreamLink._failed."""
+
+
 class StreamLink:
     def __init__(self, url: str, method: str, start: Callable[[], object], hello, timeout_s: float,
                  unavailable: Callable[[str], Exception], read: Callable[[object], Awaitable[None]],
@@ -51,6 +59,7 @@ class StreamLink:
         self.supported: bool | None = None  # unknown until the first handshake
         self.call = None
         self._opening: asyncio.Future | None = None
+        self._calls_until = 0.0  # loop time until which open() answers False (a handshake failed)
         self._outbox: collections.deque = collections.deque()
         self._writer: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
@@ -58,7 +67,7 @@ class StreamLink:
     async def open(self) -> bool:
         if self.call is not None:
             return True
-        if self.supported is False:
+        if self.supported is False or asyncio.get_running_loop().time() < self._calls_until:
             return False
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
@@ -72,7 +81,10 @@ class StreamLink:
 
     async def _open(self) -> bool:
         if self._lane is not None:
-            lane = await self._open_lane()
+            try:
+                lane = await self._open_lane()
+            except _HandshakeFailed as e:
+                return self._failed(str(e))
             if lane is not None:
                 return self._up(lane, True)
         for attempt in range(1, _HANDSHAKE_ATTEMPTS + 1):
@@ -96,7 +108,7 @@ class StreamLink:
                     # machine a second ask met the same race once: a CI run, so a few, a little apart)
                     log.info("%s to %s: %s at the handshake; asking again", self.method, self.url, e.details())
                     continue
-                raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
+                return self._failed(f"{code.name} {e.details()}")
             except asyncio.TimeoutError:
                 call.cancel()
                 raise self._unavailable(f"no {self.method} handshake in {self.timeout_s:.0f} s") from None
@@ -105,13 +117,25 @@ class StreamLink:
             return self._up(call, False)
         raise AssertionError("unreachable")
 
+    def _failed(self, why: str) -> bool:
+        """A handshake that failed otherwise than by time: False (each waiter makes a call of its own, whose own
+        status says whether the peer is fine), and calls for _REOPEN_AFTER_S before the next handshake. Raising
+        `unavailable` here instead once had the router mark a healthy worker failed and answer 503: grpc's client can
+        report a handshake's lost race as INTERNAL however often it is asked (CI, a worker without GenerateStream)."""
+        log.warning("%s to %s failed at its handshake (%s): calls for %.0f s, then the stream again", self.method,
+                    self.url, why, _REOPEN_AFTER_S)
+        self._calls_until = asyncio.get_running_loop().time() + _REOPEN_AFTER_S
+        return False
+
     async def _open_lane(self):
         """The stream over a lane, handshake done; None when there is none (the peer offers none, or it failed its
         handshake: the reason is logged)."""
         try:
             lane = await self._lane()
         except grpc.aio.AioRpcError as e:
-            raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a hung peer, as a gRPC handshake's timeout
+                raise self._unavailable(f"{self.method}: {e.code().name} {e.details()}") from None
+            raise _HandshakeFailed(f"{e.code().name} {e.details()}") from None
         if lane is None:
             return None
         try:

@@ -51,8 +51,9 @@ class TokenizeBatcher:
         return self.link.supported
 
     async def open(self) -> bool:
-        """True when the stream is up (opened now if needed); False when the service has no TokenizeStream.
-        TokenizerUnavailable when it cannot be reached."""
+        """True when the stream is up (opened now if needed); False when this request goes as a call of its own (the
+        service has no TokenizeStream, or its handshake just failed: stream_link.StreamLink). TokenizerUnavailable
+        when the handshake timed out."""
         return await self.link.open()
 
     def submit(self, request: tokenizer_pb2.TokenizeRequest) -> asyncio.Future:
