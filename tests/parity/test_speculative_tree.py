@@ -97,12 +97,12 @@ def _oracle_run(path, heads, prompts, refs, topk, steps, n, **kw):
 
 
 @pytest.mark.parametrize("page,backend", [(1, "torch_native"), (4, "triton")])
-def test_second_ranked_paths_are_kept_token_exact_and_beat_the_chain(page, backend):
+def test_second_ranked_paths_are_kept_token_exact_and_beat_the_chain(page, backend, tmp_path_factory):
     """Depth-1 trees (steps 1) hold the chain's draft and more, so at every state they keep at least what it
     keeps; with steps 3 and every candidate in the tree, the second-ranked child of the second-ranked child is a
     node too: paths through later siblings two deep, whose KV moves to the consecutive positions."""
     path = model_path(NAME)
-    heads_ = {"EAGLE": write_head_once(path)}
+    heads_ = {"EAGLE": write_head_once(path, tmp_path_factory)}
     if backend == "triton":  # (Triton's interpreter is slow: the deep tree alone, on one prompt, for its mask)
         prompts = parity_prompts(path)[2:3]
         refs = hf_greedy(path, prompts, 8)  # (each verify of 11 rows is a tree-masked decode over every layer)
@@ -122,11 +122,10 @@ def test_second_ranked_paths_are_kept_token_exact_and_beat_the_chain(page, backe
 _HEAD: dict[str, str] = {}
 
 
-def write_head_once(target: str) -> str:
-    import tempfile
-
+def write_head_once(target: str, tmp_path_factory) -> str:
+    """One random EAGLE head for the file's cases, in pytest's own temporary folder (removed with its old runs)."""
     if "EAGLE" not in _HEAD:
-        _HEAD["EAGLE"] = write_head(tempfile.mkdtemp(prefix="eagle_oracle_"), target, "eagle", seed=3)
+        _HEAD["EAGLE"] = write_head(str(tmp_path_factory.mktemp("eagle_oracle")), target, "eagle", seed=3)
     return _HEAD["EAGLE"]
 
 
