@@ -70,27 +70,30 @@ class ForwardBatch:
         """(header, one int64 device tensor) from which `unpacked` rebuilds this batch on another tensor-parallel
         rank; the pending tokens must be filled in first."""
         assert self.pending is None, "fill_pending() before packing"
-        extra = self.extra_logit_indices
+        extra, tree = self.extra_logit_indices, self.tree_mask
         parts = [self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices, self.seq_lens,
-                 self.extend_lens, self.logits_indices] + ([extra] if extra is not None else [])
+                 self.extend_lens, self.logits_indices] + ([extra] if extra is not None else []) + \
+            ([tree.reshape(-1)] if tree is not None else [])
         header = (self.mode, self.seq_lens_host, self.extend_lens_host, self.num_tokens,
-                  0 if extra is None else int(extra.shape[0]))
+                  0 if extra is None else int(extra.shape[0]), tree is not None)
         return header, torch.cat(parts)
 
     @classmethod
     def unpacked(cls, header: tuple, packed: torch.Tensor) -> "ForwardBatch":
-        mode, seq_lens, extend_lens, n, n_extra = header
+        mode, seq_lens, extend_lens, n, n_extra, has_tree = header
         b = len(seq_lens)
-        ids, pos, loc, rows, lens, ext, logit_idx, extra = packed.split([n, n, n, b, b, b, b, n_extra])
+        ids, pos, loc, rows, lens, ext, logit_idx, extra, tree = packed.split(
+            [n, n, n, b, b, b, b, n_extra, 2 * b if has_tree else 0])
         return cls(mode=mode, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rows, seq_lens=lens,
                    extend_lens=ext, logits_indices=logit_idx, seq_lens_host=list(seq_lens),
                    extend_lens_host=list(extend_lens), extra_logit_indices=extra if n_extra else None,
-                   decode_block=packed[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None)
+                   decode_block=packed[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None,
+                   tree_mask=tree.view(2, b) if has_tree else None)
 
     @staticmethod
     def packed_size(header: tuple) -> int:
-        _, seq_lens, _, n, n_extra = header
-        return 3 * n + 4 * len(seq_lens) + n_extra
+        _, seq_lens, _, n, n_extra, has_tree = header
+        return 3 * n + (6 if has_tree else 4) * len(seq_lens) + n_extra
 
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,

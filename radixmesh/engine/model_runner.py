@@ -334,6 +334,15 @@ class ModelRunner:
         self._published = time.monotonic()
         return mirrors
 
+    def mirror_kv_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The leader copied its KV at slots `src` into slots `dst` (a draft tree's kept path,
+        engine.speculative.tree_verify): each follower copies its heads' KV alike before its next forward."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            keep = src != dst  # (the rows past a request's accepted depth copy onto themselves)
+            src, dst = src[keep].cpu(), dst[keep].cpu()
+            if src.numel():
+                self.journal.append(("copy_kv", src, dst))
+
     def _replay(self, journal: list[tuple]) -> None:
         """A follower applies the leader's writes since its last forward, in order, before running the next one."""
         for op, *rest in journal:
@@ -345,6 +354,10 @@ class ModelRunner:
                 self.mover.to_host(*rest).wait()
             elif op == "copy_pages":
                 self.kv_pool.copy_page_prefix(*rest)
+            elif op == "copy_kv":
+                from radixmesh.engine.speculative.tree_verify import copy_slots
+
+                copy_slots(self.kv_pool, *(t.to(self.device) for t in rest))
             else:
                 self.mover.to_device(*rest).wait()
 

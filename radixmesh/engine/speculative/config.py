@@ -97,9 +97,6 @@ def _tree(args: Any, algo: str, topk: int) -> tuple[int, int]:
     draft step's masked span at most 64 keys."""
     _check(args.speculative_draft_model_path is not None,
            f"speculative_algorithm {algo} drafts with an EAGLE head: give speculative_draft_model_path")
-    _check(args.tp_size == 1, f"speculative_eagle_topk {topk} (a draft tree) with tensor parallelism (tp_size "
-           f"{args.tp_size}) is not implemented yet: a tree verify moves the kept path's KV within the leader's pool "
-           "only; use speculative_eagle_topk 1 (a chain), or tp_size 1")
     steps = args.speculative_num_steps if args.speculative_num_steps is not None else DEFAULT_STEPS
     _check(isinstance(steps, int) and steps >= 1, f"speculative_num_steps must be an integer >= 1, got {steps!r}")
     n = args.speculative_num_draft_tokens

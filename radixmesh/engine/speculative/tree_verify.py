@@ -134,18 +134,27 @@ def _with_logprobs(logits: torch.Tensor, sampling: SamplingBatch, path: torch.Te
                          None if ids is None else ids[rows])
 
 
-def move_path_kv(pool: KVPool, node_slots: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
+def move_path_kv(pool: KVPool, node_slots: torch.Tensor, path: torch.Tensor,
+                 accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kept path's KV to the request's consecutive positions: node path[:, d]'s slot into node d's (node d sits
     at position newest + d in the request's table) for d <= accepted, in every layer. node_slots [batch, width]
-    (device) int64. Nodes are numbered parents first, so path[:, d] >= d: every source is read before any write."""
+    (device) int64. Nodes are numbered parents first, so path[:, d] >= d: every source is read before any write.
+    Returns the copy (source slots, destination slots), for the other ranks of a tensor-parallel engine; None when
+    the tree had no depth."""
     depth = path.shape[1] - 1
     if depth == 0:
-        return
+        return None
     d = torch.arange(1, depth + 1, device=path.device)[None, :]
     dst = node_slots[:, 1:depth + 1]
     src = node_slots.gather(1, path[:, 1:])
     src = torch.where(d <= accepted[:, None], src, dst).reshape(-1)
     dst = dst.reshape(-1)
+    copy_slots(pool, src, dst)
+    return src, dst
+
+
+def copy_slots(pool: KVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's KV at slots `src` into slots `dst` (all sources read before any write)."""
     for buf in pool.buffers():
         buf.index_copy_(0, dst, buf.index_select(0, src))
 
@@ -213,5 +222,7 @@ def verify_tree_step(runner, batch, logits: torch.Tensor) -> VerifyResult:
     sampling = tree_sampling(reqs, trees, width, runner.model_config.vocab_size, runner.device)
     out = verify_tree(logits, layout, sampling, runner.generator, runner.penalties)
     slots = tree_node_slots(reqs, trees, batch.locs, width).to(runner.device, non_blocking=True)
-    move_path_kv(runner.kv_pool, slots, out.path, out.verified.accepted)
+    moved = move_path_kv(runner.kv_pool, slots, out.path, out.verified.accepted)
+    if moved is not None:
+        runner.mirror_kv_copy(*moved)
     return out.verified
