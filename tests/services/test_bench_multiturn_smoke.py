@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
-from tests.services.test_bench_router_smoke import _tagged
+from tests.services.test_bench_router_smoke import Leftovers
 
 CLIENTS, ROUNDS, REQUEST_LEN, OUTPUT_LEN, SYSTEM_LEN = 3, 3, 16, 4, 8
 WORKLOAD = ["--num-clients", str(CLIENTS), "--num-rounds", str(ROUNDS), "--request-length", str(REQUEST_LEN),
@@ -34,12 +33,13 @@ def _prompt_len(round_: int) -> int:
 def test_bench_multiturn_mesh(tmp_path):
     model = model_path("tiny-qwen2")
     out = tmp_path / "multiturn.jsonl"
-    marker = uuid.uuid4().hex
-    # --device and friends are not the benchmark's flags: they reach the launcher unchanged.
+    left = Leftovers()
+    # --device and friends are not the benchmark's flags: they reach the launcher unchanged. Two warm-up conversations
+    # (default 8): side by side at --max-parallel 2, then the cache flush.
     proc = _bench("--launch", "--model-path", model, "--device", "cpu", "--dtype", "float32", "--log-level",
-                  "warning", *WORKLOAD, "--output-file", str(out), env={"BENCH_MULTITURN_SMOKE": marker})
+                  "warning", *WORKLOAD, "--warmup-requests", "2", "--output-file", str(out), env=left.env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not _tagged(f"BENCH_MULTITURN_SMOKE={marker}"), "the benchmark left mesh processes behind"
+    assert not left.found(), "the benchmark left mesh processes behind"
     assert "Multi-turn Benchmark Result" in proc.stdout and "Cache hit rate" in proc.stdout
     [rec] = [json.loads(line) for line in out.read_text().splitlines()]
 

@@ -4,6 +4,7 @@ left behind. Asserts no speed (benchmarks measure; tests only guard the benchmar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,16 @@ import pytest
 
 from radixmesh.benchmarks.router_scenarios import SCENARIOS
 from tests.conftest import ROOT, model_path
+from tests.e2e.mesh import alive
+
+# Requests per measured run (non-streaming, streaming) and per --trace-ab round: enough for every scenario's answers
+# to be checked and every CPU figure to be non-zero; the counts differ so that each is seen to reach its scenarios.
+REQUESTS, STREAM_REQUESTS, AB_REQUESTS = 8, 6, 6
+# A benchmark run's processes carry this variable (a fresh value per run) in their environment. RADIXMESH_*: the
+# suite's fork server (tests/conftest.py) forks the services of a mesh the benchmark launches only where the
+# environment differs from its own in such variables; any other name makes every service start afresh (~3-7 CPU-s
+# each, the imports the server has done once).
+TAG_ENV = "RADIXMESH_TEST_TAG"
 
 
 def _tagged(tag: str) -> list[int]:
@@ -30,29 +41,60 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
+def _children(pid: int) -> set[int]:
+    """Children of `pid`, every thread's, from /proc (zombies left out: they have exited)."""
+    kids: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as fh:
+                kids.update(int(p) for p in fh.read().split())
+    return {p for p in kids if alive(p)}
+
+
+def _forked() -> set[int]:
+    """The services this test process's fork server runs now (a forked service's /proc environ is the server's,
+    so it does not carry a benchmark's tag)."""
+    servers = set()
+    for pid in _children(os.getpid()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"radixmesh.services.forkserver" in fh.read():
+                servers.add(pid)
+    return {kid for server in servers for kid in _children(server)}
+
+
+class Leftovers:
+    """What one benchmark run leaves behind: processes carrying its tag (`env`, given to the benchmark), and
+    services the fork server forked during the run that still live."""
+
+    def __init__(self) -> None:
+        self.env = {TAG_ENV: uuid.uuid4().hex}
+        self.forked_before = _forked()
+
+    def found(self) -> list[int]:
+        return _tagged(f"{TAG_ENV}={self.env[TAG_ENV]}") + sorted(_forked() - self.forked_before)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
 def test_bench_router_smoke(tmp_path):
     model_path("tiny-llama")  # builds the tiny models if missing
     out = tmp_path / "router.json"
-    marker = uuid.uuid4().hex
-    tag = f"BENCH_ROUTER_SMOKE={marker}"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--requests", "40",
-                           "--stream-requests", "24", "--warmup", "4", "--repeats", "2", "--concurrency", "4",
-                           "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
+    left = Leftovers()
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--requests", str(REQUESTS),
+                           "--stream-requests", str(STREAM_REQUESTS), "--warmup", "2", "--repeats", "2",
+                           "--concurrency", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **left.env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     for key in ("device", "date", "commit", "command"):
         assert doc[key], key
-    assert doc["command"].startswith("python -m radixmesh.benchmarks.router --requests 40")
+    assert doc["command"].startswith(f"python -m radixmesh.benchmarks.router --requests {REQUESTS}")
     assert doc["router_rss_mb"] > 0
     by_name = {r["scenario"]: r for r in doc["results"]}
     assert set(by_name) == {s.name for s in SCENARIOS}
     for sc in SCENARIOS:
         r = by_name[sc.name]
         assert r["errors"] == 0, r["error_examples"]
-        assert r["requests"] == (24 if sc.stream else 40)
+        assert r["requests"] == (STREAM_REQUESTS if sc.stream else REQUESTS)
         assert r["tokens_per_request"] == sc.tokens
         assert len(r["runs"]) == 2
         for key in ("wall_s", "requests_per_s", "router_cpu_s", "router_cpu_ms_per_request",
@@ -61,23 +103,24 @@ def test_bench_router_smoke(tmp_path):
     assert "router_cpu_us_per_extra_token" in by_name["generate_stream_64"]
     assert "router_cpu_us_per_extra_token" in by_name["chat_stream_64"]
     assert sc.name in proc.stdout  # the table was printed
-    assert not _tagged(tag), "the benchmark left processes behind"
+    assert not left.found(), "the benchmark left processes behind"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
 def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
-    """--trace-ab --pairs 2: two sets of routers (untraced, traced at the default ratio and at 1.0) one after the
-    other, their rounds pooled."""
+    """--trace-ab --pairs 2: two sets of routers (untraced, and traced at the default ratio) one after the other,
+    their rounds pooled. One traced router a set: a second ratio would be one more router per set through the same
+    code (the side-by-side test runs both default ratios)."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--pairs", "2",
-                           "--scenarios", "generate_1", "--requests", "20", "--warmup", "2", "--repeats", "2",
-                           "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+                           "--trace-ratios", "default", "--scenarios", "generate_1", "--requests", str(AB_REQUESTS),
+                           "--warmup", "1", "--repeats", "2", "--concurrency", "2", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (r,) = json.loads(out.read_text())["results"]
     assert (r["scenario"], r["sets"], r["rounds"], r["errors"]) == ("generate_1", 2, 4, 0)
     assert len(r["per_set"]) == 2 and all(p["rounds"] == 2 for p in r["per_set"])
-    assert r["cpu_ms_per_request_off"] > 0 and set(r["traced"]) == {"default", "1.0"}
+    assert r["cpu_ms_per_request_off"] > 0 and set(r["traced"]) == {"default"}
     for t in r["traced"].values():
         assert t["cpu_ms_per_request_on"] > 0 and len(t["rounds_ratio"]) == 4 and len(t["per_set_cpu_change_pct"]) == 2
     assert "over 2 router sets" in proc.stdout
@@ -85,22 +128,25 @@ def test_bench_router_trace_ab_over_router_pairs_smoke(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the router to its own core")
 def test_bench_router_trace_ab_side_by_side_smoke(tmp_path):
-    """--trace-ab --side-by-side: the untraced and the traced routers loaded at once in each round; every request
-    answered, each router's CPU (its exporter thread's included) read over the round, the spans delivered."""
+    """--trace-ab --side-by-side: the untraced and the traced routers (the default --trace-ratios: the default
+    ratio and 1.0) loaded at once in each round; every request answered, each router's CPU (its exporter thread's
+    included) read over the round, the spans delivered."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router", "--trace-ab", "--side-by-side",
-                           "--trace-ratios", "1.0", "--scenarios", "generate_1", "--requests", "20", "--warmup", "2",
-                           "--repeats", "2", "--concurrency", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+                           "--scenarios", "generate_1", "--requests", str(AB_REQUESTS),
+                           "--warmup", "1", "--repeats", "2", "--concurrency", "2", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     (r,) = doc["results"]
     assert (r["scenario"], r["rounds"], r["errors"], r["side_by_side"]) == ("generate_1", 2, 0, True)
-    traced = r["traced"]["1.0"]
-    assert len(traced["rounds_ratio"]) == 2 and all(x > 0 for x in traced["rounds_ratio"])
-    assert set(r["threads_cpu_s"]) == {"router", "router_traced_1.0"} and "main" in r["threads_cpu_s"]["router"]
+    assert set(r["traced"]) == {"default", "1.0"}
+    for traced in r["traced"].values():
+        assert len(traced["rounds_ratio"]) == 2 and all(x > 0 for x in traced["rounds_ratio"])
+    assert set(r["threads_cpu_s"]) == {"router", "router_traced_default", "router_traced_1.0"}
+    assert "main" in r["threads_cpu_s"]["router"]
     # ratio 1.0: every measured and warm-up request of the traced router is a trace (a span or more each)
-    assert doc["trace_delivery"]["spans_received"] >= 2 * 20 + 2 and "ratio 1.0" in proc.stdout
+    assert doc["trace_delivery"]["spans_received"] >= 2 * AB_REQUESTS + 1 and "ratio 1.0" in proc.stdout
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the routers to their own core")
@@ -109,12 +155,11 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
     answer every request of the four compared scenarios correctly, and the record pairs them."""
     model_path("tiny-llama")
     out = tmp_path / "vs.json"
-    marker = uuid.uuid4().hex
-    tag = f"BENCH_ROUTER_SMOKE={marker}"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_vs_sglang", "--requests", "40",
-                           "--stream-requests", "24", "--warmup", "4", "--repeats", "1", "--concurrency", "4",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "BENCH_ROUTER_SMOKE": marker})
+    left = Leftovers()
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_vs_sglang", "--requests", str(REQUESTS),
+                           "--stream-requests", str(STREAM_REQUESTS), "--warmup", "2", "--repeats", "1",
+                           "--concurrency", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, **left.env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["sglang_router"] and doc["command"].startswith("python -m radixmesh.benchmarks.router_vs_sglang")
@@ -125,8 +170,8 @@ def test_bench_router_vs_sglang_smoke(tmp_path):
         assert row["radixmesh_cpu_ms_per_request"] > 0 and row["sglang_cpu_ms_per_request"] > 0, row
     for side in ("radixmesh", "sglang"):
         for r in doc[side]["results"]:
-            assert r["requests"] == (24 if r["scenario"] != "generate_16" else 40), (side, r)
-    assert not _tagged(tag), "the benchmark left processes behind"
+            assert r["requests"] == (STREAM_REQUESTS if r["scenario"] != "generate_16" else REQUESTS), (side, r)
+    assert not left.found(), "the benchmark left processes behind"
 
 
 def test_bench_router_processes_smoke(tmp_path):
@@ -134,9 +179,9 @@ def test_bench_router_processes_smoke(tmp_path):
     shared routes keep the prefix-heavy hit rate at its best with two processes."""
     model_path("tiny-llama")
     out = tmp_path / "procs.json"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_processes", "--requests", "40",
-                           "--warmup", "4", "--repeats", "1", "--concurrency", "4", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.router_processes", "--requests",
+                           str(REQUESTS), "--warmup", "2", "--repeats", "1", "--concurrency", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert [s["router_workers"] for s in doc["settings"]] == [1, 2]
@@ -151,12 +196,12 @@ def test_transport_cost_smoke(tmp_path):
     """`python -m radixmesh.benchmarks.transport_cost` with tiny counts: both transports answer every round trip and the
     JSON holds a row per transport and in-flight count; its echo servers are gone afterwards."""
     out = tmp_path / "transport.json"
-    marker = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.transport_cost", "--round-trips", "400",
+    left = Leftovers()
+    proc = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.transport_cost", "--round-trips", "100",
                            "--repeats", "1", "--inflight", "1", "4", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "BENCH_TRANSPORT_SMOKE": marker})
+                          text=True, timeout=120, env={**os.environ, **left.env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["transport"], r["inflight"]) for r in rows] == [("grpc", 1), ("grpc", 4), ("tcp", 1), ("tcp", 4)]
     assert all(r["client_cpu_us_per_round_trip"] > 0 for r in rows), rows
-    assert not _tagged(f"BENCH_TRANSPORT_SMOKE={marker}"), "an echo server was left behind"
+    assert not left.found(), "an echo server was left behind"

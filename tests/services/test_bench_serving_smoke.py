@@ -1,26 +1,28 @@
-"""`python -m radixmesh.benchmarks.serving` with a tiny workload, as a subprocess: against the mesh it launches itself
-(radixmesh backend) and against the in-process engine, on CPU. Every request completes with exactly the drawn
-output length, both backends draw the identical workload, the JSON line is complete, no process is left behind, and
-bad input ends in one clear line with a non-zero status. Asserts no speed (benchmarks measure; tests only guard the
-benchmark against rot)."""
+"""`python -m radixmesh.benchmarks.serving` with a tiny workload, as a subprocess: side by side against the in-process
+engine and the mesh it launches itself (radixmesh backend), on CPU, over two concurrency levels. Every request
+completes with exactly the drawn output length, both backends draw the identical workload per level, every JSON line is
+complete, each timed run is profiled, no process is left behind, and bad input ends in one clear line with a non-zero
+status. Asserts no speed (benchmarks measure; tests only guard the benchmark against rot)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import uuid
 
-from radixmesh.benchmarks.serving import make_workload, token_pool
+from radixmesh.benchmarks.serving import make_workload, token_pool, workload_digest
 from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
-from tests.services.test_bench_router_smoke import _tagged
+from tests.services.test_bench_router_smoke import Leftovers
 
-SEED, PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO = 3, 8, 32, 8, 0.5
-WORKLOAD = ["--num-prompts", str(PROMPTS), "--random-input-len", str(INPUT_LEN), "--random-output-len",
-            str(OUTPUT_LEN), "--random-range-ratio", str(RATIO), "--seed", str(SEED), "--max-concurrency", "4",
-            "--disable-tqdm"]
+# two levels, (max concurrency, prompts): one request at a time, then all at once. Few short requests: each timed run
+# is profiled, and a profile's CPU grows with the steps it records.
+SEED, LEVELS, INPUT_LEN, OUTPUT_LEN, RATIO = 3, ((1, 2), (4, 4)), 16, 4, 0.5
+WORKLOAD = ["--num-prompts", *(str(n) for _, n in LEVELS), "--max-concurrency", *(str(c) for c, _ in LEVELS),
+            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio",
+            str(RATIO), "--seed", str(SEED), "--disable-tqdm"]
 
 
 def _bench(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -28,9 +30,8 @@ def _bench(*args: str, env: dict | None = None, timeout: float = 180) -> subproc
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def _check_record(rec: dict, backend: str, expected_output_tokens: int) -> None:
-    assert rec["backend"] == backend
-    assert rec["completed"] == PROMPTS and rec["failed"] == 0, rec["errors"]
+def _check_record(rec: dict, prompts: int, expected_output_tokens: int) -> None:
+    assert rec["completed"] == prompts and rec["failed"] == 0, rec["errors"]
     assert rec["total_output_tokens"] == expected_output_tokens == rec["workload_output_tokens"]
     assert rec["total_input_tokens"] == rec["workload_input_tokens"]
     for stat in ("mean", "median", "p99"):
@@ -39,7 +40,7 @@ def _check_record(rec: dict, backend: str, expected_output_tokens: int) -> None:
     # the in-process engine yields each step's token as it comes; through the mesh, a client that reads late gets a
     # request's queued events in one write (the router's cork), and tokens that come with the first event get no
     # ITL sample: on a loaded machine every one of these short answers can arrive that way
-    if backend == "engine":
+    if rec["backend"] == "engine":
         assert rec["mean_itl_ms"] > 0 and rec["max_itl_ms"] > 0
     else:
         assert rec["max_itl_ms"] >= rec["mean_itl_ms"] >= 0
@@ -47,35 +48,48 @@ def _check_record(rec: dict, backend: str, expected_output_tokens: int) -> None:
         assert rec[key] > 0, key
     for key in ("device", "date", "commit", "command", "workload_digest"):
         assert rec[key], key
+    # the worker's scheduler during the timed run, read from the engine or /get_server_info
+    assert rec["scheduler"]["forward_extend"] >= 1 and rec["scheduler"]["forward_decode"] >= 1, rec["scheduler"]
 
 
-def test_bench_serving_mesh_and_engine(tmp_path):
+def test_bench_serving_side_by_side(tmp_path):
+    """`--backend engine radixmesh --launch --max-concurrency 1 4 --profile`: both backends over both levels on the
+    same workload per level, a record each, the side-by-side table, and a trace per timed run. One run covers the
+    engine and the mesh alike: a second one per backend would start the same engine and mesh again."""
     model = model_path("tiny-qwen2")
     pool = token_pool(model)
-    expected = sum(item.output_len for item in make_workload(PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO, SEED, pool))
-    out = tmp_path / "serving.jsonl"
+    # each level's workload as drawn here, in another process than the benchmark's (the seed alone decides it)
+    drawn = {c: make_workload(n, INPUT_LEN, OUTPUT_LEN, RATIO, SEED, pool) for c, n in LEVELS}
+    expected = {c: sum(item.output_len for item in items) for c, items in drawn.items()}
+    out, prof = tmp_path / "serving.jsonl", tmp_path / "prof"
     engine = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
-    marker = uuid.uuid4().hex
-    # --profile (SGLang's): the timed run between /start_profile and /stop_profile, one trace per worker
-    mesh = _bench("--backend", "radixmesh", "--launch", *engine, *WORKLOAD, "--output-file", str(out),
-                  "--profile", "--profile-output-dir", str(tmp_path / "prof-mesh"), env={"BENCH_SERVING_SMOKE": marker})
-    assert mesh.returncode == 0, mesh.stdout + mesh.stderr
-    assert not _tagged(f"BENCH_SERVING_SMOKE={marker}"), "the benchmark left mesh processes behind"
-    offline = _bench("--backend", "engine", *engine, *WORKLOAD, "--output-file", str(out), "--profile",
-                     "--profile-output-dir", str(tmp_path / "prof-engine"))
-    assert offline.returncode == 0, offline.stdout + offline.stderr
-    assert "Serving Benchmark Result" in mesh.stdout and "Mean TTFT (ms)" in offline.stdout
+    left = Leftovers()
+    # --profile (SGLang's): each timed run between /start_profile and /stop_profile, one trace per worker
+    run = _bench("--backend", "engine", "radixmesh", "--launch", *engine, *WORKLOAD, "--output-file", str(out),
+                 "--profile", "--profile-output-dir", str(prof), env=left.env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not left.found(), "the benchmark left mesh processes behind"
+    assert "Serving Benchmark Result" in run.stdout and "Mean TTFT (ms)" in run.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["backend"] for r in records] == ["radixmesh", "engine"]
+    assert [(r["backend"], r["max_concurrency"]) for r in records] == [
+        ("engine", 1), ("engine", 4), ("radixmesh", 1), ("radixmesh", 4)]
+    prompts = dict(LEVELS)
     for rec in records:
-        _check_record(rec, rec["backend"], expected)
-    assert records[0]["workload_digest"] == records[1]["workload_digest"]
-    for r in records:  # the worker's scheduler during the timed run, read from the engine or /get_server_info
-        assert r["scheduler"]["forward_extend"] >= 1 and r["scheduler"]["forward_decode"] >= 1, r["scheduler"]
-    assert records[0]["command"].startswith("python -m radixmesh.benchmarks.serving --backend radixmesh --launch")
-    for run, where in ((mesh, "prof-mesh"), (offline, "prof-engine")):
-        traces = list((tmp_path / where).glob("*-TP-0.trace.json.gz"))
-        assert len(traces) == 1 and str(traces[0]) in run.stdout, (where, run.stdout)
+        _check_record(rec, prompts[rec["max_concurrency"]], expected[rec["max_concurrency"]])
+    for level, _ in LEVELS:
+        assert {r["workload_digest"] for r in records if r["max_concurrency"] == level} == {
+            workload_digest(drawn[level])}
+    assert records[0]["command"].startswith("python -m radixmesh.benchmarks.serving --backend engine radixmesh "
+                                            "--launch")
+    table = run.stdout.split("Side by side")[1].splitlines()
+    assert table[1].split()[:4] == ["conc", "engine", "tok/s", "radixmesh"] and "radixmesh/engine" in table[1]
+    assert [row.split()[0] for row in table[2:4]] == ["1", "4"]
+    # a trace per timed run, named by the process that profiled it: two of the engine's (this benchmark's process),
+    # then two of the mesh's worker
+    traces = [str(t) for t in prof.glob("*-TP-0.trace.json.gz")]
+    assert len(traces) == 4 and all(t in run.stdout for t in traces), (traces, run.stdout)
+    pids = [re.search(r"-(\d+)(?:\.\d+)?-TP-0", t).group(1) for t in sorted(traces, key=run.stdout.index)]
+    assert pids[0] == pids[1] != pids[2] == pids[3], (traces, run.stdout)
 
 
 def test_bench_serving_bad_input():
@@ -88,27 +102,6 @@ def test_bench_serving_bad_input():
     assert down.returncode != 0
     lines = down.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the server at {url}"), down.stderr
-
-
-def test_bench_serving_side_by_side_sweep(tmp_path):
-    """`--backend engine radixmesh --launch --max-concurrency 1 4`: both backends over both levels on the same
-    workload per level, a record each, and the side-by-side table."""
-    out = tmp_path / "sweep.jsonl"
-    engine = ["--model-path", model_path("tiny-qwen2"), "--device", "cpu", "--dtype", "float32", "--log-level",
-              "warning"]
-    run = _bench("--backend", "engine", "radixmesh", "--launch", *engine, "--num-prompts", "4", "8",
-                 "--max-concurrency", "1", "4", "--random-input-len", "16", "--random-output-len", "4",
-                 "--disable-tqdm", "--output-file", str(out), timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["backend"], r["max_concurrency"], r["completed"]) for r in records] == [
-        ("engine", 1, 4), ("engine", 4, 8), ("radixmesh", 1, 4), ("radixmesh", 4, 8)]
-    assert all(r["failed"] == 0 for r in records)
-    for level in (1, 4):
-        assert len({r["workload_digest"] for r in records if r["max_concurrency"] == level}) == 1
-    table = run.stdout.split("Side by side")[1].splitlines()
-    assert table[1].split()[:4] == ["conc", "engine", "tok/s", "radixmesh"] and "radixmesh/engine" in table[1]
-    assert [row.split()[0] for row in table[2:4]] == ["1", "4"]
     bad = _bench("--backend", "engine", "engine", "--model-path", model_path("tiny-qwen2"))
     assert bad.returncode == 2 and "names each backend once" in bad.stderr
     bad = _bench("--backend", "engine", "--model-path", model_path("tiny-qwen2"), "--num-prompts", "1", "2",

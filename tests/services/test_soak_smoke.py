@@ -9,13 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 from radixmesh.benchmarks.soak_load import KINDS
 from radixmesh.benchmarks.soak_report import growth
 from radixmesh.services.launch import free_port
 from tests.conftest import ROOT, model_path
-from tests.services.test_bench_router_smoke import _tagged
+from tests.e2e.mesh import NOT_FORKED
+from tests.services.test_bench_router_smoke import Leftovers
 
 SERVICES = {"launcher", "tokenizer", "worker-0", "worker-1", "router"}
 
@@ -27,15 +27,16 @@ def _soak(*args: str, env: dict | None = None, timeout: float = 120) -> subproce
 
 def test_soak_smoke(tmp_path):
     out = tmp_path / "soak.json"
-    marker = uuid.uuid4().hex
+    left = Leftovers()
     # 6 s, a sample every 2 s: t=0 (idle) and three under load, the fewest the growth check judges (thirds); every
-    # sample 2 s apart leaves a late one (a loaded machine) 1 s of slack. A 1 s timed warm-up: every client starts
-    # a request in it.
+    # sample 2 s apart leaves a late one (a loaded machine) 1 s of slack. A 0.5 s timed warm-up: every client
+    # starts a request in it (each checks the clock before its first). Services started afresh (NOT_FORKED): the
+    # soak samples the launcher's children, and a forked service is the fork server's.
     proc = _soak("--model-path", model_path("tiny-qwen2"), "--duration", "6s", "--sample-interval", "2s",
-                 "--concurrency", "4", "--warmup-requests", "1", "--warmup-time", "1s", "--out", str(out),
-                 "--launch-args=--log-level warning", env={"BENCH_SOAK_SMOKE": marker})
+                 "--concurrency", "4", "--warmup-requests", "1", "--warmup-time", "0.5s", "--out", str(out),
+                 "--launch-args=--log-level warning", env={**NOT_FORKED, **left.env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not _tagged(f"BENCH_SOAK_SMOKE={marker}"), "the soak left mesh processes behind"
+    assert not left.found(), "the soak left mesh processes behind"
     assert "PASSED" in proc.stdout
     rec = json.loads(out.read_text())
     assert rec["bench"] == "soak" and rec["passed"] and rec["failures"] == []
