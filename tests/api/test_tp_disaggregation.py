@@ -4,7 +4,8 @@ handed-over request decodes token-exact with the single-process engine (logprobs
 checksum covers every rank's shard, and the pages come back free. One process holds one tensor-parallel group (the
 default process group), so here one TP=2 engine plays both roles, moving pages from its prefill-role request to its
 decode-role request; tests/e2e/test_tp_mesh.py runs the pair as separate workers. Also: an idle tensor-parallel
-engine outlives --dist-timeout (the leader's heartbeat), and so does its staging channel."""
+engine outlives --dist-timeout (the leader's heartbeat), and so does its staging channel. Both tests share one TP=2
+engine."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ from tests.engine_utils import parity_prompts, running_engine
 pytestmark = pytest.mark.timeout(300)
 _rids = itertools.count()
 LP = {"return_logprob": True, "top_logprobs_num": 3}
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    """One TP=2 engine and its transfer path (an engine makes its mirrors once) for both tests: its follower process,
+    which imports torch and loads the model, is most of a test's CPU. At the idle test's short --dist-timeout, so the
+    handoff's staging commands also run under it."""
+    with running_engine(model_path("tiny-llama"), tp_size=2, dist_timeout=3, **OPTS) as llm:
+        transfer = KvTransfer(llm, "fake", "127.0.0.1")
+        try:
+            yield llm, transfer
+        finally:
+            transfer.close()
 
 
 async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], params: dict,
@@ -56,36 +70,34 @@ async def _handoff(p, d, send: KvTransfer, recv: KvTransfer, ids: list[int], par
     return await decoding
 
 
-def test_a_tp2_handoff_decodes_as_one_process():
+def test_a_tp2_handoff_decodes_as_one_process(tp2):
     path = model_path("tiny-llama")
     prompts = parity_prompts(path)[:4]
     greedy = {"max_new_tokens": 10, "temperature": 0}
     with running_engine(path, **OPTS) as one:
         want = one.generate(input_ids=prompts, sampling_params=greedy, **LP)
-    with running_engine(path, tp_size=2, **OPTS) as llm:
-        transfer = KvTransfer(llm, "fake", "127.0.0.1")
-        try:
-            assert transfer.tp_size == 2
-            assert len(transfer.layout.bases) == 2 * len(llm.runner.kv_pool.buffers())  # rank 0's, then rank 1's
+    llm, transfer = tp2
+    assert llm.flush_cache() is True  # nothing cached from the other test: every page moves, and all come back
+    assert transfer.tp_size == 2
+    assert len(transfer.layout.bases) == 2 * len(llm.runner.kv_pool.buffers())  # rank 0's, then rank 1's
 
-            async def run():
-                return [await _handoff(llm, llm, transfer, transfer, ids, greedy) for ids in prompts]
-            got = asyncio.run(run())
-        finally:
-            transfer.close()
-        _assert_same(got, want)
-        load = llm.get_load()
-        assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
+    async def run():
+        return [await _handoff(llm, llm, transfer, transfer, ids, greedy) for ids in prompts]
+    got = asyncio.run(run())
+    _assert_same(got, want)
+    load = llm.get_load()
+    assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
 
 
-def test_an_idle_tp_engine_outlives_the_dist_timeout():
-    """Followers wait for the next step (and the next staging command) in collectives bound by --dist-timeout; an
-    idle spell three times as long leaves the group and the transfer path working."""
-    path = model_path("tiny-llama")
+def test_an_idle_tp_engine_outlives_the_dist_timeout(tp2):
+    """Followers wait for the next step (and the next staging command) in collectives bound by --dist-timeout (3 s
+    here); an idle spell twice as long (a missed heartbeat fails the group at 3 s) leaves the group and the transfer
+    path working."""
+    llm, transfer = tp2
+    assert llm.args.dist_timeout == 3
     params = {"max_new_tokens": 6, "temperature": 0}
-    with running_engine(path, tp_size=2, dist_timeout=3, **OPTS) as llm:
-        first = llm.generate("hello there", params)["output_ids"]
-        mirror = llm.kv_mirror()
-        time.sleep(9)
-        assert llm.generate("hello there", params)["output_ids"] == first
-        mirror.stage_out([1, 2], [5, 6])  # the staging channel's followers are still there
+    first = llm.generate("hello there", params)["output_ids"]
+    mirror = transfer.mirror
+    time.sleep(6)
+    assert llm.generate("hello there", params)["output_ids"] == first
+    mirror.stage_out([1, 2], [5, 6])  # the staging channel's followers are still there

@@ -4,10 +4,14 @@ copies of the target's embedding and output layer read from its checkpoint (engi
 
 TP=2 with STANDALONE, EAGLE, EAGLE3 and NGRAM gives one process's greedy tokens (through chunked prefills and prefix
 hits) and proposes, request by request, the drafts one process proposes (EAGLE: the reference head's, recomputed from
-scratch with transformers). Draft trees under tensor parallelism, and an EAGLE-1 head whose target transforms its
-logits, are refused at start, naming the flags. A TP=2 prefill/decode handoff carries an EAGLE-3 head's state."""
+scratch with transformers). An EAGLE-1 head whose target transforms its logits is refused at start, naming the flags.
+A TP=2 prefill/decode handoff carries an EAGLE-3 head's state. (Draft trees under tensor parallelism:
+tests/api/test_tp_speculative_tree.py.)"""
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import pytest
 import torch
@@ -36,6 +40,33 @@ def plain() -> list[list[int]]:
         return [o["output_ids"] for o in llm.generate(input_ids=_prompts() * 2, sampling_params=GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def eagle3_tp2(drafts):  # noqa: F811 - the fixture
+    """The TP=2 engine with the EAGLE-3 head, shared by the parity test and the handoff test (each of its followers is
+    a process that imports torch and loads the model: most of a TP test's CPU). Each test flushes its cache first, so
+    it starts cold whichever ran before."""
+    with running_engine(model_path(NAME), tp_size=2, **OPTS, **_spec("EAGLE3", drafts)) as llm:
+        yield llm
+
+
+@functools.cache
+def _reference(head: str, target: str, kind: str) -> ReferenceHead:
+    return ReferenceHead(head, target, kind)
+
+
+@functools.cache
+def _reference_drafts(head: str, target: str, kind: str, fill: tuple[int, ...], k: int) -> list[int]:
+    """The reference head's k drafts after `fill`, computed once per fill: the second pass over the prompts (from the
+    prefix cache) and the handoff test propose after the same fills as the first pass."""
+    return _reference(head, target, kind).drafts(list(fill), k)
+
+
+def _assert_reference_drafts(seen: list[tuple[list[int], list[int]]], head: str, target: str, kind: str) -> None:
+    """Every proposal is the reference head's drafts for its fill (each distinct proposal checked once)."""
+    for fill, proposed in dict.fromkeys((tuple(f), tuple(p)) for f, p in seen):
+        assert list(proposed) == _reference_drafts(head, target, kind, fill, len(proposed)), len(fill)
+
+
 def _spec(algorithm: str, paths: dict[str, str]) -> dict:
     if algorithm == "NGRAM":
         return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
@@ -52,29 +83,6 @@ def _run(llm, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[lis
     return [o["output_ids"] for o in outs], seen, [o["meta_info"]["spec_accept_token_num"] for o in outs]
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE3", "NGRAM"])
-def test_tp2_drafts_and_decodes_as_one_process(algorithm, drafts, plain):  # noqa: F811 - the fixture
-    path = model_path(NAME)
-    prompts = _prompts()
-    spec = _spec(algorithm, drafts)
-    want = plain
-    with running_engine(path, tp_size=2, **OPTS, **spec) as many:
-        assert many.runner.tp.size == 2
-        assert many.draft_runner is None or many.draft_runner.tp.size == 1  # the leader's, whole
-        got, seen, kept = _run(many, prompts)
-    assert got == want
-    if algorithm.startswith("EAGLE"):
-        reference = ReferenceHead(drafts[algorithm], path, algorithm.lower())
-        assert len(seen) >= len(want)
-        for fill, proposed in seen:
-            assert proposed == reference.drafts(fill, len(proposed)), len(fill)
-        return
-    with running_engine(path, **OPTS, **spec) as one:
-        _, alone, kept_alone = _run(one, prompts)
-    assert seen == alone and kept == kept_alone
-    assert sum(kept) > 0
-
-
 def test_tp2_eagle_head_of_a_tied_target_drafts_as_the_reference(tmp_path):
     """tiny-qwen2 ties its output layer to its embedding: the leader's whole copy serves both."""
     from tests.parity.test_speculative_eagle import write_head
@@ -89,13 +97,36 @@ def test_tp2_eagle_head_of_a_tied_target_drafts_as_the_reference(tmp_path):
         seen = record_proposals(many)
         got = [many.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] for ids in prompts]
     assert got == want
-    reference = ReferenceHead(head, path, "eagle")
     assert len(seen) >= len(prompts)
-    for fill, proposed in seen:
-        assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+    _assert_reference_drafts(seen, head, path, "eagle")
 
 
-def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts, plain):  # noqa: F811 - the fixture
+# EAGLE3 last, and the handoff test right after it: they share the eagle3_tp2 engine, which lives to the end of the
+# module, and a process holds one tensor-parallel group at a time (no other TP engine may start after it)
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "NGRAM", "EAGLE3"])
+def test_tp2_drafts_and_decodes_as_one_process(algorithm, drafts, plain, request):  # noqa: F811 - the fixture
+    path = model_path(NAME)
+    prompts = _prompts()
+    spec = _spec(algorithm, drafts)
+    want = plain
+    with (contextlib.nullcontext(request.getfixturevalue("eagle3_tp2")) if algorithm == "EAGLE3" else
+          running_engine(path, tp_size=2, **OPTS, **spec)) as many:
+        assert many.flush_cache() is True  # cold, as a fresh engine would be
+        assert many.runner.tp.size == 2
+        assert many.draft_runner is None or many.draft_runner.tp.size == 1  # the leader's, whole
+        got, seen, kept = _run(many, prompts)
+    assert got == want
+    if algorithm.startswith("EAGLE"):
+        assert len(seen) >= len(want)
+        _assert_reference_drafts(seen, drafts[algorithm], path, algorithm.lower())
+        return
+    with running_engine(path, **OPTS, **spec) as one:
+        _, alone, kept_alone = _run(one, prompts)
+    assert seen == alone and kept == kept_alone
+    assert sum(kept) > 0
+
+
+def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts, plain, eagle3_tp2):  # noqa: F811 - the fixture
     """Prefill/decode disaggregation under TP=2 (one engine in both roles, the services' KvTransfer over every rank's
     mirror, tests.api.test_tp_disaggregation): the head's state of the prompt is the leader's alone, and the
     decode-role requests draft what the reference head drafts."""
@@ -107,30 +138,19 @@ def test_a_tp2_handoff_carries_the_eagle_head_s_state(drafts, plain):  # noqa: F
     path = model_path(NAME)
     prompts = [_prompts()[i] for i in (0, 1, 3)]
     want = [plain[i] for i in (0, 1, 3)]
-    with running_engine(path, tp_size=2, **OPTS, **_spec("EAGLE3", drafts)) as llm:
-        seen = record_proposals(llm)
-        transfer = KvTransfer(llm, "fake", "127.0.0.1")
-        try:
-            async def run():
-                return [await _handoff(llm, llm, transfer, transfer, ids, GREEDY) for ids in prompts]
-            got = asyncio.run(run())
-        finally:
-            transfer.close()
+    llm = eagle3_tp2
+    assert llm.flush_cache() is True  # the prompts' KV all moves, as on a fresh engine
+    seen = record_proposals(llm)
+    transfer = KvTransfer(llm, "fake", "127.0.0.1")
+    try:
+        async def run():
+            return [await _handoff(llm, llm, transfer, transfer, ids, GREEDY) for ids in prompts]
+        got = asyncio.run(run())
+    finally:
+        transfer.close()
     assert [o["output_ids"] for o in got] == want
-    reference = ReferenceHead(drafts["EAGLE3"], path, "eagle3")
     assert len(seen) >= len(prompts)
-    for fill, proposed in seen:
-        assert proposed == reference.drafts(fill, len(proposed)), len(fill)
-
-
-def test_a_draft_tree_under_tp_is_refused_at_start(drafts):  # noqa: F811 - the fixture
-    from radixmesh.engine import Engine
-
-    with pytest.raises(ValueError, match=r"speculative_eagle_topk 2 \(a draft tree\) with tensor parallelism "
-                                         r"\(tp_size 2\) is not implemented"):
-        Engine(model_path=model_path(NAME), device="cpu", tp_size=2, decode_attention_backend="torch_native",
-               speculative_algorithm="EAGLE", speculative_eagle_topk=2,
-               speculative_draft_model_path=drafts["EAGLE"])
+    _assert_reference_drafts(seen, drafts["EAGLE3"], path, "eagle3")
 
 
 def test_an_eagle1_head_is_refused_for_a_target_transforming_its_logits():

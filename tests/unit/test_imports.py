@@ -5,6 +5,7 @@ which transformers imports for its MoE models, say)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -33,31 +34,69 @@ def test_engine_sources_import_no_service_libraries():
     assert offenders == []
 
 
-def test_importing_engine_loads_no_service_libraries():
-    code = ("import sys, radixmesh.engine, radixmesh.engine.engine, radixmesh.engine.bench_one_batch, "
-            "radixmesh.engine.bench_offline_throughput; "
-            f"bad = [m for m in sys.modules if m.split('.')[0] in {SERVICE_ROOTS!r} "
-            "or m.startswith(('google.protobuf', 'radixmesh.services', 'radixmesh.v1'))]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    proc = _python(code)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+# One interpreter, started at the filesystem root, answers three tests: torch + transformers' MoE models are most of
+# an import check's CPU (~12 s each), so it is paid once. In order: the engine alone (nothing else imported yet),
+# then transformers' MoE models beside all of ours, then, after moving to the repo root, where every top-level module
+# it loaded would be found from there (the repo root is first on sys.path there: a folder of ours named like another
+# distribution's package shadows it only from there). The same files found from both places means the same code runs
+# from both, so the imports above stand for the repo root too.
+_IMPORTS = f"""
+import importlib, importlib.util, json, os, sys
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+import radixmesh.engine, radixmesh.engine.engine, radixmesh.engine.bench_one_batch
+import radixmesh.engine.bench_offline_throughput
+say(engine_loads=[m for m in sys.modules if m.split('.')[0] in {SERVICE_ROOTS!r}
+                  or m.startswith(('google.protobuf', 'radixmesh.services', 'radixmesh.v1'))])
+
+from transformers import Qwen3MoeForCausalLM, MixtralForCausalLM
+from radixmesh.engine import Engine
+import radixmesh.kernels.norm, radixmesh.services.launch, radixmesh.v1.worker_pb2
+spec = importlib.util.find_spec('kernels')
+assert spec is None or 'radixmesh' not in str(spec.origin or spec.submodule_search_locations), spec
+say(engine_file=radixmesh.engine.engine.__file__)
+
+def found(name):  # what `import name` would load now, whatever sys.modules holds
+    for finder in sys.meta_path:
+        spec = finder.find_spec(name, None) if hasattr(finder, 'find_spec') else None
+        if spec is not None:
+            return [spec.origin, list(spec.submodule_search_locations or [])]
+    return None
+
+names = sorted({{m.partition('.')[0] for m in sys.modules}} | {{'kernels', 'radixmesh'}})
+here = {{n: found(n) for n in names}}
+os.chdir({str(ROOT)!r})
+importlib.invalidate_caches()
+say(checked=len(names), differ={{n: [here[n], found(n)] for n in names if found(n) != here[n]}})
+"""
 
 
-@pytest.mark.parametrize("cwd", [ROOT, "/"], ids=["repo-root", "filesystem-root"])
-def test_transformers_moe_models_import_beside_ours(cwd):
+@pytest.fixture(scope="module")
+def imports_from_root() -> tuple[dict, str]:
+    """What the one interpreter said (its JSON lines merged) and its whole output, for the failure message."""
+    proc = _python(_IMPORTS, "/")
+    said = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            said.update(json.loads(line))
+    return said, f"exit {proc.returncode}: {proc.stdout}{proc.stderr}"
+
+
+def test_importing_engine_loads_no_service_libraries(imports_from_root):
+    said, output = imports_from_root
+    assert said.get("engine_loads") == [], output
+
+
+def test_transformers_moe_models_import_beside_ours(imports_from_root):
     """transformers' MoE models import Hugging Face's `kernels` hub when it is installed: no folder of ours may stand
     in for it, from the repo root or anywhere else, and our services and stubs import from any directory."""
-    code = ("from transformers import Qwen3MoeForCausalLM, MixtralForCausalLM\n"
-            "from radixmesh.engine import Engine\n"
-            "import radixmesh.engine.engine, radixmesh.kernels.norm, radixmesh.services.launch, "
-            "radixmesh.v1.worker_pb2\n"
-            "import importlib.util\n"
-            "spec = importlib.util.find_spec('kernels')\n"
-            "assert spec is None or 'radixmesh' not in str(spec.origin or spec.submodule_search_locations), spec\n"
-            "print(radixmesh.engine.engine.__file__)\n")
-    proc = _python(code, cwd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == str(ROOT / "radixmesh" / "engine" / "engine.py")
+    said, output = imports_from_root
+    assert "exit 0:" in output, output
+    assert said["engine_file"] == str(ROOT / "radixmesh" / "engine" / "engine.py"), output
+    # from the repo root, every module found is the one found from / (`kernels` and `radixmesh` among them)
+    assert said["checked"] > 100 and said["differ"] == {}, output
 
 
 def test_router_launcher_and_kvstore_load_no_model_stack():
