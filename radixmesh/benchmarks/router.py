@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from radixmesh.benchmarks.router_scenarios import SCENARIOS, Scenario
+from radixmesh.services import forkserver
 from radixmesh.services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/results, models/
@@ -85,15 +86,23 @@ class Processes:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str], cpus: set[int]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], cpus: set[int]) -> subprocess.Popen | forkserver.Forked:
+        """`python -m argv` pinned to `cpus`, its output in the log folder. A module of ours is forked from the fork
+        server that RADIXMESH_FORK_SERVER names where there is one (the test suite's: services.forkserver), then
+        pinned."""
         def pin() -> None:
             os.sched_setaffinity(0, cpus)
             ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=pin)
-        log.close()
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            server = os.environ.get(forkserver.ENV) if argv[0].startswith("radixmesh.") else None
+            proc = forkserver.spawn(server, argv, dict(os.environ), cwd=str(REPO),
+                                    fds=(0, log.fileno(), log.fileno())) if server else None
+            if isinstance(proc, forkserver.Forked):  # (it dies with this process too: the server's rule)
+                os.sched_setaffinity(proc.pid, cpus)
+            else:
+                proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=log,
+                                        stderr=subprocess.STDOUT, preexec_fn=pin)
         self.procs[name] = proc
         return proc
 
