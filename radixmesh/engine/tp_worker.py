@@ -13,12 +13,15 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
 from typing import Callable
 
+from radixmesh.engine import forked as forked_client
 from radixmesh.engine.config import EngineArgs
 from radixmesh.engine.lifetime import die_with_parent
 
@@ -42,16 +45,55 @@ def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
                                                         args.base_gpu_id, args.gpu_id_step))
 
 
+class _ForkedRank:
+    """A follower forked by the fork server (engine.forked), answering as the multiprocessing.Process it replaces
+    does for what Followers uses. It dies with this process (the server's rule for its requester's services)."""
+
+    def __init__(self, forked: forked_client.Forked, name: str):
+        self.forked, self.name, self.pid = forked, name, forked.pid
+        self.sentinel = forked.fileno()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.forked.poll()
+
+    def is_alive(self) -> bool:
+        return self.forked.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.forked.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.forked.kill()
+
+
+def _start_rank(args: EngineArgs, rank: int, addr: str, ctx):
+    """Rank `rank`'s follower process: forked from the fork server RADIXMESH_FORK_SERVER names (engine.forked: it
+    has imported torch already, most of a CPU rank's start) where there is one and the ranks run on the CPU (a
+    server never touches CUDA, but a GPU rank is no place to try it); else a fresh `spawn` process."""
+    server = os.environ.get(forked_client.ENV)
+    if server and str(args.device).startswith("cpu"):
+        payload = pickle.dumps((args, rank, addr)).hex()
+        got = forked_client.spawn(server, ["radixmesh.engine.tp_worker", "--forked-rank", payload], dict(os.environ))
+        if isinstance(got, forked_client.Forked):
+            return _ForkedRank(got, f"radixmesh-tp{rank}")
+        log.info("tensor parallel rank %d: not forked (%s); started afresh", rank, got)
+    proc = ctx.Process(target=_follower_main, args=(args, rank, addr, os.getpid()), name=f"radixmesh-tp{rank}",
+                       daemon=True)
+    proc.start()
+    return proc
+
+
 class Followers:
     """This node's follower processes."""
 
     def __init__(self, args: EngineArgs, ranks: list[int], addr: str):
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_follower_main, args=(rank_args(args, r), r, addr, os.getpid()),
-                                  name=f"radixmesh-tp{r}", daemon=True) for r in ranks]
+        self.procs = [_start_rank(rank_args(args, r), r, addr, ctx) for r in ranks]
         self.stopping = False  # set before they are told to stop: their exit is then no failure
-        for p in self.procs:
-            p.start()
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """Call `on_exit(reason)` (on a thread of its own) as soon as a follower exits unasked. A collective with a
@@ -107,8 +149,11 @@ def serve_node(args: EngineArgs) -> int:
     return next((c for c in codes if c), 0)
 
 
-def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int) -> None:
-    die_with_parent(parent)
+def _follower_main(args: EngineArgs, rank: int, addr: str, parent: int | None) -> None:
+    """A follower's life. `parent`: the leader's pid, whose death kills it (None when forked by the fork server,
+    whose services die with their requester already)."""
+    if parent is not None:
+        die_with_parent(parent)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
@@ -134,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from radixmesh.engine.config import resolve_args
     from radixmesh.settings import add_settings, resolve
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--forked-rank"]:  # a follower the fork server forked for a leader (_start_rank)
+        _follower_main(*pickle.loads(bytes.fromhex(argv[1])), None)
+        return 0
     parser = argparse.ArgumentParser(description="the tensor-parallel ranks of one node other than node 0")
     add_settings(parser, EngineArgs)
     kwargs = resolve(parser.parse_args(argv), EngineArgs)[0]

@@ -37,17 +37,15 @@ import runpy
 import selectors
 import signal
 import socket
-import struct
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from radixmesh.engine.forked import CONNECT_TIMEOUT_S, ENV, HEADER, Forked, spawn  # noqa: F401 (the client)
 from radixmesh.engine.lifetime import die_with_parent
 
 log = logging.getLogger("radixmesh.forkserver")
 
-ENV = "RADIXMESH_FORK_SERVER"  # the socket of the server `radixmesh serve` forks its services from
 # what the services import that costs most; each is imported where installed
 PRELOAD = ("numpy", "torch", "transformers", "tokenizers", "safetensors", "grpc", "google.protobuf", "aiohttp",
            "uvloop", "orjson", "yaml", "jinja2", "prometheus_client")
@@ -58,8 +56,6 @@ PRELOAD_ATTRS = (("transformers", ("AutoConfig", "AutoTokenizer", "PreTrainedTok
 FREE_ENV_PREFIXES = ("RADIXMESH_", "TORCHINDUCTOR_", "OTEL_")
 # PYTHONUNBUFFERED: applied per service (_run_job); the rest: a shell's own
 FREE_ENV = frozenset({"PYTHONUNBUFFERED", "SHLVL", "_", "PWD", "OLDPWD", "COLUMNS", "LINES"})
-_HEADER = struct.Struct(">I")
-CONNECT_TIMEOUT_S = 10.0
 
 
 def env_difference(server_env: dict, env: dict, free: frozenset = frozenset()) -> list[str]:
@@ -100,10 +96,10 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     try:
         if len(fds) != 3:
             raise ValueError(f"expected stdin, stdout and stderr, got {len(fds)} file descriptors")
-        if len(data) < _HEADER.size:
+        if len(data) < HEADER.size:
             raise ValueError("short request")
-        (size,) = _HEADER.unpack_from(data)
-        data = data[_HEADER.size:]
+        (size,) = HEADER.unpack_from(data)
+        data = data[HEADER.size:]
         while len(data) < size:
             more = conn.recv(size - len(data))
             if not more:
@@ -335,88 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     if job is None:
         return 0
     return _run_job(job)
-
-
-# ---- the client ----
-
-class Forked:
-    """A service forked by the server, answering as subprocess.Popen does for what the launcher uses."""
-
-    def __init__(self, conn: socket.socket, pid: int, args: list[str], buffered: bytes = b""):
-        self._conn = conn
-        self._buf = buffered  # what came after the pid's line
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-
-    def _read(self, timeout: float | None) -> None:
-        if self.returncode is not None:
-            return
-        self._conn.settimeout(timeout)
-        try:
-            while b"\n" not in self._buf:
-                data = self._conn.recv(256)
-                if not data:  # the server died: the service died with it (its PR_SET_PDEATHSIG)
-                    self.returncode = -signal.SIGKILL
-                    self._conn.close()
-                    return
-                self._buf += data
-        except (TimeoutError, BlockingIOError):
-            return
-        line, _, self._buf = self._buf.partition(b"\n")
-        self.returncode = int(json.loads(line)["exit"])
-        self._conn.close()
-
-    def poll(self) -> int | None:
-        self._read(0.0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._read(timeout)
-        if self.returncode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def spawn(path: str, argv: list[str], env: dict, cwd: str | None = None, new_session: bool = True,
-          fds: tuple[int, int, int] = (0, 1, 2)) -> Forked | str:
-    """Asks the server at `path` to fork `python -m argv[0] argv[1:]` with `fds` as its stdin, stdout and stderr
-    (this process's own by default). Returns the service, or why not (the server's refusal, or no server there): the
-    caller starts it itself."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(CONNECT_TIMEOUT_S)
-        conn.connect(path)
-        body = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "new_session": new_session}).encode()
-        socket.send_fds(conn, [_HEADER.pack(len(body)) + body], list(fds))
-        buf = b""
-        while b"\n" not in buf:
-            data = conn.recv(256)
-            if not data:
-                raise ConnectionError("the fork server closed the connection")
-            buf += data
-    except OSError as e:
-        conn.close()
-        return f"no fork server at {path}: {e}"
-    line, _, rest = buf.partition(b"\n")
-    answer = json.loads(line)
-    if "pid" not in answer:
-        conn.close()
-        return answer.get("refused", "refused")
-    return Forked(conn, int(answer["pid"]), argv, rest)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4
 
 @pytest.fixture(scope="module")
 def tp_mesh(tmp_path_factory):
-    with running_mesh(NAME, tmp_path_factory.mktemp("tp"), "--tp", "2", "--dist-timeout", "20", num_workers=2) as m:
+    # NOT_FORKED: each worker spawns its follower rank as its own child, as users run it (_ranks finds them there;
+    # under the suite's fork server the ranks would be forked from it too)
+    with running_mesh(NAME, tmp_path_factory.mktemp("tp"), "--tp", "2", "--dist-timeout", "20", num_workers=2,
+                      env=NOT_FORKED) as m:
         yield m
 
 
