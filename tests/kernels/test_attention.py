@@ -17,6 +17,9 @@ CUDA = torch.cuda.is_available()
 # Small shapes run wherever the suite runs: compiled on a GPU, in Triton's interpreter on CPU. The real shapes below
 # are GPU-only.
 DEVICES = [pytest.param("cuda" if CUDA else "cpu", id="small")]
+# Cases about something other than the head layout (pages, dtypes, splits, windows, caps, an fp8 cache) take 4 query
+# heads on 2 KV heads: a group of 2 in the same 16-row head tile as any group up to 16 (the GQA tests cover the
+# ratios), and the interpreter runs a program per query head (extend, the decode merge) in turn.
 
 
 class Pool:
@@ -82,7 +85,7 @@ def test_decode_gqa_ratios(device, heads, kv_heads):
 @pytest.mark.parametrize("page,dtype,splits", [(1, torch.float32, 1), (16, torch.bfloat16, 3), (64, torch.float16, 8),
                                                (64, torch.float32, 3), (1, torch.bfloat16, 8), (16, torch.float16, 1)])
 def test_decode_pages_dtypes_splits(device, page, dtype, splits):
-    _decode_case([1, 17, 64, 129, 200], 8, 2, 48, page, dtype, device, splits=splits, seed=page + splits)
+    _decode_case([1, 17, 64, 129, 200], 4, 2, 48, page, dtype, device, splits=splits, seed=page + splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,9 +97,11 @@ def test_decode_long_context_split_kv(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lens,heads,kv_heads,splits,dtype", [
-    ([1, 17, 64, 129, 200], 8, 2, 3, torch.float32),  # splits left empty by the short requests
+    ([1, 17, 64, 129, 200], 4, 2, 3, torch.float32),  # splits left empty by the short requests
     ([300, 2], 12, 3, 8, torch.bfloat16),
-    ([2600, 5], 4, 1, 40, torch.float32),  # more live splits (21) than the merge reads at a time (MERGE_CHUNK)
+    # more live splits (1100 keys in 64-key splits: 18) than the merge reads at a time (MERGE_CHUNK, 16), and empty
+    # ones (24 - 18): the fewest keys that do so, as the interpreter walks every 64-key block
+    ([1100, 5], 4, 1, 24, torch.float32),
 ])
 def test_decode_reads_no_split_the_length_leaves_empty(device, lens, heads, kv_heads, splits, dtype):
     """An empty split's program writes nothing and the merge reads only the splits the lengths fill, so scratch left
@@ -193,8 +198,8 @@ def test_extend_with_tiles_given(device):
 def test_an_fp8_cache_is_read_back_in_the_models_dtype(device, kv_dtype, dtype):
     """--kv-cache-dtype fp8_*: decode and the prefix part of extend read fp8 keys and values and attend in the
     model's dtype, as their twins do with the same fp8 values."""
-    _decode_case([5, 40, 17], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
-    _extend_case([0, 30, 9], [12, 5, 20], 8, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
+    _decode_case([5, 40, 17], 4, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
+    _extend_case([0, 30, 9], [12, 5, 20], 4, 2, 64, 16, dtype, device, kv_dtype=kv_dtype)
 
 
 # ---- sliding windows and soft-capping (Gemma 2/3, Mistral, Qwen2 windows) ------------------------------------------
@@ -204,7 +209,7 @@ def test_an_fp8_cache_is_read_back_in_the_models_dtype(device, kv_dtype, dtype):
 def test_decode_sliding_window(device, window, splits):
     """The query at position seq_len - 1 sees the last `window` keys (all of them when the request is shorter); the
     splits cover only those, short requests leaving splits empty."""
-    _decode_case([1, 5, 37, 100, 130], 8, 2, 32, 16, torch.float32, device, splits=splits, seed=window, window=window)
+    _decode_case([1, 5, 37, 100, 130], 4, 2, 32, 16, torch.float32, device, splits=splits, seed=window, window=window)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -222,9 +227,9 @@ def test_extend_sliding_window(device, window, page, dtype):
 def test_soft_capped_scores(device, window):
     """Scores soft-capped at 5 (queries scaled up so most scores pass the cap) in decode and extend, alone and under
     a window."""
-    _decode_case([1, 17, 64, 129], 8, 2, 32, 16, torch.float32, device, splits=3, seed=3, window=window, softcap=5.0,
+    _decode_case([1, 17, 64, 129], 4, 2, 32, 16, torch.float32, device, splits=3, seed=3, window=window, softcap=5.0,
                  q_gain=6.0)
-    _extend_case([0, 30, 9], [12, 5, 20], 8, 2, 32, 16, torch.float32, device, seed=4, window=window, softcap=5.0,
+    _extend_case([0, 30, 9], [12, 5, 20], 4, 2, 32, 16, torch.float32, device, seed=4, window=window, softcap=5.0,
                  q_gain=6.0)
 
 

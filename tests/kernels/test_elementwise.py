@@ -169,9 +169,11 @@ def _qkv(n, heads, kv_heads, head_dim, dtype, device, gen):
 
 
 ROTARY_CASES = _cases(
-    # (tokens, heads, kv_heads, head_dim, max_positions): GQA ratios 1, 2, 3, 4, 8; odd head counts; head_dim 24
-    small=[(0, 4, 2, 16, 256), (1, 3, 1, 16, 256), (3, 7, 7, 32, 4096), (4, 8, 2, 16, 4096), (5, 8, 1, 24, 4096),
-           (6, 4, 4, 64, 300)],
+    # (tokens, heads, kv_heads, head_dim, max_positions): GQA ratios 1, 2, 3, 4, 8; odd head counts; head_dim 24.
+    # No token, one, and two (one position near the table's end, one anywhere): tokens are the grid's first axis,
+    # each program one token's heads, so more tokens repeat the same program (narrow tiles: one per token and head)
+    small=[(0, 4, 2, 16, 256), (1, 3, 1, 16, 256), (2, 7, 7, 32, 4096), (2, 8, 2, 16, 4096), (2, 8, 1, 24, 4096),
+           (2, 4, 4, 64, 300)],
     large=[(1, 32, 8, 128, 131072), (7, 32, 8, 128, 131072), (8192, 32, 8, 128, 131072)])
 
 
@@ -204,8 +206,9 @@ def test_silu_and_mul(device, n, inter, dtype, gen, tiles):
 
 
 STORE_CASES = _cases(
-    # (tokens, kv_heads, head_dim, pages of 16 slots)
-    small=[(0, 2, 16, 4), (5, 1, 16, 4), (6, 3, 24, 2), (9, 8, 32, 3), (4, 7, 16, 8)],
+    # (tokens, kv_heads, head_dim, pages of 16 slots); a program per token (and head, narrow): a few scattered
+    # tokens show what more of them would
+    small=[(0, 2, 16, 4), (5, 1, 16, 4), (3, 3, 24, 2), (3, 8, 32, 3), (4, 7, 16, 8)],
     large=[(1, 8, 128, 1100), (7, 8, 128, 1100), (8192, 8, 128, 1100)])
 
 

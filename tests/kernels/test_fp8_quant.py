@@ -17,13 +17,22 @@ def test_every_finite_e4m3_value_and_every_rounding_boundary_round_as_torch_roun
     finite = codes[~codes.isnan()].sort().values
     mids = (finite[1:] + finite[:-1]) / 2  # ties: half to even
     near = torch.cat([mids, mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9))])
-    values = torch.cat([finite, near, torch.tensor([127.97, -127.97, 447.9, 449.0, 463.9])])
-    # one group per value: each row's scale is its own amax / 448; a row [v, 448 * sign] keeps the scale at 1
-    x = torch.stack([values, torch.full_like(values, 448.0)], dim=1).to(DEVICE)
+    values = torch.cat([finite, near, torch.tensor([127.97, -127.97, 447.9])])
+    # rows of 63 values and a 448 (scale exactly 1: each value is rounded as it is), and rows of their own, padded
+    # with zeros, for the two past 448 (a scale above 1); per-row scales (group None) as one group per value had
+    # them, in 19 programs instead of one per value (the interpreter runs programs one by one)
+    width = 64
+    pad = -len(values) % (width - 1)
+    body = torch.cat([values, torch.zeros(pad)]).view(-1, width - 1)
+    body = torch.cat([body, torch.full((len(body), 1), 448.0)], dim=1)
+    over = torch.zeros((2, width))
+    over[:, 0], over[:, 1] = torch.tensor([449.0, 463.9]), 448.0
+    x = torch.cat([body, over]).to(DEVICE)
     q, s = group_quant(x)
     want_q, want_s = group_quant_reference(x)
+    assert torch.equal(want_s[:-2], torch.ones_like(want_s[:-2])) and (want_s[-2:] > 1).all()
     assert torch.equal(s, want_s)
-    assert torch.equal(q.float(), want_q.float()), values[(q.float() != want_q.float()).any(1).cpu()]
+    assert torch.equal(q.float(), want_q.float()), x[(q.float() != want_q.float()).cpu()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -21,7 +21,9 @@ from tests.conftest import model_path
 from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import eos_ids, hf_greedy, hf_model, hf_token_logprobs
 
-MAX_NEW = 5  # a prefill and four decode steps: Triton's interpreter runs every product of every step
+# a prefill and two decode steps (the second reads keys and values the first one's fp8 products wrote): each step runs
+# the same products again, and Triton's interpreter runs every product of every step
+MAX_NEW = 3
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 KERNELS = {"fp8_gemm_backend": "triton", "skip_tokenizer_init": True}
 SHORT = {"chunked_prefill_size": 16}  # every product has at most 16 rows: fp8 weights, float32 activations
@@ -51,7 +53,7 @@ _runs: dict[tuple, tuple[list[dict], int]] = {}
 def _generate(path: str, prompts, **opts) -> tuple[list[dict], int]:
     """The engine's greedy outputs (with logprobs) and how many modules hold fp8 weights. An engine of the same
     arguments given the same prompts is run once per module (a deterministic greedy run: the decode test's channel
-    run is the online test's rounded-checkpoint side)."""
+    run is the online test's rounded-checkpoint side, its block run the tensor-parallel test's one-process side)."""
     key = (path, tuple(map(tuple, prompts)), tuple(sorted(opts.items())))
     if key not in _runs:
         with running_engine(path, **KERNELS, **opts) as llm:
@@ -127,7 +129,9 @@ def test_block_scales_shard_with_their_weights_under_tensor_parallelism(checkpoi
     """tp_size 2 on blocks of 32 x 64: each rank holds its rows' (columns') block scales; token-exact with one
     process, logprobs within 1e-5 (the row-parallel sums add in another order)."""
     q, _ = checkpoints["block"]
-    prompts = parity_prompts(q)[:1]
+    # the decode test's prompts and options: its one-process run (block kind) is this test's `one`, and each rank's
+    # prefill and decode products still go through the fp8 kernels with its shard of the block scales
+    prompts = parity_prompts(q)[:2]
     one, _ = _generate(q, prompts, **SHORT)
     two, _ = _generate(q, prompts, tp_size=2, **SHORT)
     assert [o["output_ids"] for o in two] == [o["output_ids"] for o in one]

@@ -19,7 +19,10 @@ from tests.reference import hf_greedy, hf_token_logprobs
 from tests.sliding_models import build, prompts
 
 KINDS = ("gemma2", "gemma3", "mistral", "qwen2")
-MAX_NEW = 16
+# 10 new tokens: the longer prompts decode past the window (12) from the start, and the 5-token one crosses it (its
+# last two steps no longer see its first keys); the features still move logprobs far more than
+# test_the_features_matter's 0.1 (already over the first 8 tokens: 1.96 to 30.8 nats, 0.53 for either soft-cap)
+MAX_NEW = 10
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 LOGPROB_ATOL = 1e-4
 CONFIGS = [
@@ -73,15 +76,16 @@ def test_triton_parity(checkpoints, kind, prefill, decode):
     picked = [1, 3]  # 23 and 57 prompt tokens (in chunks of 32), the second after a 40-token prefix; the second
     # pass finds both cached
     want_ids, want_logprobs = reference(path)
-    sp = {"max_new_tokens": 6, "temperature": 0}
+    n = 4  # a prefill and three decode steps a pass, every one past the window (and the interpreter runs each)
+    sp = {"max_new_tokens": n, "temperature": 0}
     with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=32, page_size=4,
                         attention_backend=prefill, decode_attention_backend=decode) as llm:
         for _ in range(2):
             outs = llm.generate(input_ids=[prompts()[i] for i in picked], sampling_params=sp, return_logprob=True)
             for out, i in zip(outs, picked):
-                assert out["output_ids"] == want_ids[i][:6]
+                assert out["output_ids"] == want_ids[i][:n]
                 got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-                assert got == pytest.approx(want_logprobs[i][:6], abs=LOGPROB_ATOL)
+                assert got == pytest.approx(want_logprobs[i][:n], abs=LOGPROB_ATOL)
 
 
 def _variant(path: str, dst, **config) -> str:
