@@ -31,16 +31,24 @@ def eos_ids(model) -> set[int]:
 @torch.inference_mode()
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32,
               device: str = "cpu") -> list[list[int]]:
+    """Each prompt's greedy continuation, cut after its first EOS. Continuations already computed with this model
+    object (hf_model's cache) are reused: greedy's first n tokens do not depend on how many more are asked for, and
+    many test files ask for the same prompts' references (a tenth of a parity file's CPU went to them)."""
     model = hf_model(path, dtype, device)
     stops = eos_ids(model)
+    memo = model.__dict__.setdefault("_greedy_memo", {})  # prompt -> (continuation so far, whether it ended)
     outs = []
     for p in prompts:
-        ids = torch.tensor([p], device=device)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
-        toks = gen[0, len(p):].tolist()
-        cut = next((i + 1 for i, t in enumerate(toks) if t in stops), len(toks))
-        outs.append(toks[:cut])
+        known, ended = memo.get(tuple(p), ((), False))
+        if len(known) < max_new_tokens and not ended:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+            toks = gen[0, len(p):].tolist()
+            cut = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
+            known, ended = tuple(toks[:cut]), cut is not None
+            memo[tuple(p)] = (known, ended)
+        outs.append(list(known[:max_new_tokens]))
     return outs
 
 
