@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 
 ENV = "RADIXMESH_FORK_SERVER"  # the socket of the server `radixmesh serve` forks its services from
 HEADER = struct.Struct(">I")
@@ -25,9 +26,22 @@ class Forked:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        # one reader at a time: a tensor-parallel leader's watch thread and its main thread both wait for a rank
+        # (engine.tp_worker), and a read that closed the connection under another's recv failed it (EBADF: a CI run)
+        self._reading = threading.Lock()
 
     def _read(self, timeout: float | None) -> None:
         if self.returncode is not None:
+            return
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        try:
+            self._read_locked(timeout)
+        finally:
+            self._reading.release()
+
+    def _read_locked(self, timeout: float | None) -> None:
+        if self.returncode is not None:  # (another thread read it meanwhile)
             return
         self._conn.settimeout(timeout)
         try:
