@@ -11,9 +11,9 @@ TINY := $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen2/config.json $(MODE
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 # `make test` runs the suite in two pytest processes (pytest-xdist, a file's tests in one process, so module fixtures
-# start once): pytest 21 min on the 2-vCPU VM with the suite's fork server (26 without), over its 15-minute budget
-# (README "Testing"; TEST_WORKERS=0 for one process). Files go out longest first, in the collection's order
-# (tests/file_order.py), not xdist's most-tests-first.
+# start once): pytest 18 min on the 2-vCPU VM with the suite's fork server (24 before the thirteenth session's
+# cuts), over its 15-minute budget (README "Testing"; TEST_WORKERS=0 for one process). Files go out longest first,
+# in the collection's order (tests/file_order.py), not xdist's most-tests-first.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,)
 PROTOS := $(wildcard protos/radixmesh/v1/*.proto)
