@@ -26,14 +26,17 @@ _MAGIC = 1.5 * 2.0 ** 14  # float32's spacing at this magnitude is 2^-9, e4m3's 
 @triton.jit
 def round_e4m3(x):
     """float32 x (|x| <= 448 after the caller's scaling) -> float32 on e4m3's grid, to nearest even, clamped to
-    +-448; exactly representable in e4m3."""
-    bits = x.to(tl.int32, bitcast=True)
+    +-448; exactly representable in e4m3. Rounded as a magnitude with x's sign put back, so a negative x that rounds
+    to zero gives -0.0 (code 0x80) as torch's cast does."""
+    xbits = x.to(tl.int32, bitcast=True)
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
     # keep 3 of float32's 23 mantissa bits, half to even; a carry moves into the exponent as it should
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     normal = bits.to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0  # _MAGIC: rounds to a multiple of 2^-9, half to even
-    r = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
-    return tl.minimum(tl.maximum(r, -448.0), 448.0)
+    subnormal = (a + 24576.0) - 24576.0  # _MAGIC: rounds to a multiple of 2^-9, half to even
+    r = tl.minimum(tl.where(a < 0.015625, subnormal, normal), 448.0)
+    return (r.to(tl.int32, bitcast=True) | (xbits & -0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
