@@ -97,19 +97,45 @@ def measure(engine: Engine, batch_size: int, adapters: list[str | None], ns: arg
                for r in range(ns.repeats))
 
 
+def profile(engine: Engine, batch_size: int, adapters: list[str | None], ns: argparse.Namespace, vocab: int,
+            label: str) -> dict:
+    """--profile-steps: one streamed call of `batch_size` requests decoding that many tokens under torch's profiler
+    (CUDA kernels, or the CPU's operators on a CPU; the engine's scheduler thread is in this process); prints them by
+    self time and returns the time in all and in the LoRA kernels (kernels.lora's shrink and expand; the layout's
+    torch ops count in all only)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    names = [adapters[i % len(adapters)] for i in range(batch_size)]
+    batch = prompts(batch_size, ns.input_len, vocab, seed=99)
+    gpu = torch.cuda.is_available() and ns.device != "cpu"
+    with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        decode_ms(engine, batch, names, ns.profile_steps)
+    events = prof.key_averages()
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events)
+    lora = sum(getattr(e, key) for e in events if "_shrink_kernel" in e.key or "_expand_kernel" in e.key)
+    print(f"== {label}, batch {batch_size}: kernels over {ns.profile_steps} decode steps (and the prefill)", flush=True)
+    print(events.table(sort_by=key, row_limit=16, max_name_column_width=60), flush=True)
+    return {"label": label, "batch": batch_size, "steps": ns.profile_steps, "device": "cuda" if gpu else "cpu",
+            "time_us": total, "lora_kernels_us": lora}
+
+
 def run(ns: argparse.Namespace, common: dict, adapter_dir: Path) -> dict:
     cfg = ModelConfig.from_path(ns.model_path)
     sizes = [int(x) for x in ns.batch_sizes.split(",")]
     counts = [int(x) for x in ns.adapters.split(",")]
     paths = [write_adapter(adapter_dir / f"a{i}", cfg, ns.rank, seed=i) for i in range(max(counts))]
     names = [f"a{i}" for i in range(len(paths))]
-    runs = []
+    runs, profiles = [], []
     base = Engine(**common)
     try:
         for bs in sizes:
             runs.append({"lora": False, "batch": bs, "adapters": 0, "ms_per_token": measure(base, bs, [None], ns,
                                                                                              cfg.vocab_size)})
             print(f"base engine        batch {bs:4d}: {runs[-1]['ms_per_token']:8.3f} ms/token", flush=True)
+            if ns.profile_steps:
+                profiles.append(profile(base, bs, [None], ns, cfg.vocab_size, "base engine"))
     finally:
         base.shutdown()
     base_ms = {r["batch"]: r["ms_per_token"] for r in runs}
@@ -125,12 +151,14 @@ def run(ns: argparse.Namespace, common: dict, adapter_dir: Path) -> dict:
                              "overhead": ms / base_ms[bs] - 1})
                 print(f"--enable-lora, {a} adapters batch {bs:4d}: {ms:8.3f} ms/token ({ms / base_ms[bs] - 1:+.1%})",
                       flush=True)
+                if ns.profile_steps and a == max(counts):
+                    profiles.append(profile(lora, bs, names[:a] or [None], ns, cfg.vocab_size, f"{a} adapters"))
         pool = lora.runner.lora.pool
         stats = {"adapter_loads": pool.loads, "adapter_evictions": pool.evictions,
                  "cuda_graphs": lora.runner.graphs is not None}
     finally:
         lora.shutdown()
-    return {"runs": runs, **stats}
+    return {"runs": runs, **stats, **({"profiles": profiles} if profiles else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine-args", default="{}", help="more Engine keyword arguments, as JSON")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile a call decoding this many tokens (base, and the most adapters)")
     ns = ap.parse_args(argv)
     common = {"model_path": ns.model_path, "dtype": ns.dtype, "log_level": "warning", "skip_tokenizer_init": True,
               **json.loads(ns.engine_args)}
