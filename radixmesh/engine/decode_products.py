@@ -40,9 +40,11 @@ REPLAYS = 5
 
 
 def _weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights of the model's decode products, in forward order, then the LM head's (or the tied embedding's)."""
+    """The weights of the model's decode products, in forward order, then the LM head's (or the tied embedding's).
+    Besides the projections, a module that says `decode_product = True` (a mixture-of-experts router: its [experts,
+    hidden] product runs once a layer) is planned alike."""
     kinds = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
-    out = [m.weight for m in model.modules() if isinstance(m, kinds)]
+    out = [m.weight for m in model.modules() if isinstance(m, kinds) or getattr(m, "decode_product", False)]
     head = getattr(model, "lm_head", None)
     out.append(model.model.embed_tokens.weight if head is None else head.weight)
     return out

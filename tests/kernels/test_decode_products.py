@@ -99,3 +99,23 @@ def test_auto_plans_every_shape_of_the_model(restore_pdl):
         assert set(rows) <= set(chosen) and all(c == ROW_CONFIG for c in rows.values())
         out = llm.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert len(out["output_ids"]) == 4
+
+
+def test_a_mixture_of_experts_plans_its_routers_products_too():
+    """A MoE layer's router ([experts, hidden], once a layer) is a decode product like the projections: the plan
+    times it and a one-row step runs it on gemv_row (under PDL) rather than cuBLAS where that is faster; the stacked
+    experts are not (kernels.moe runs them)."""
+    from radixmesh.engine.decode_products import _weights
+    from radixmesh.engine.model_config import ModelConfig
+    from radixmesh.engine.models.loader import load_model
+    from tests.conftest import model_path
+
+    cfg = ModelConfig.from_path(model_path("tiny-qwen3-moe"))
+    model = load_model(cfg, "dummy", torch.float32, torch.device("cpu"), 64)
+    planned = {id(w) for w in _weights(model)}
+    routers = [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")
+               and not hasattr(layer.mlp, "gate_up_proj")]
+    assert routers and all(id(w) in planned for w in routers)
+    assert all(id(layer.mlp.experts.w13.weight) not in planned for layer in model.model.layers
+               if hasattr(layer.mlp, "experts"))
+    assert tuple(routers[0].shape) == (cfg.moe.num_experts, cfg.hidden_size)
