@@ -175,9 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine-args", default="{}", help="more Engine keyword arguments, as JSON")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--decode-split", type=int, default=None,
+                    help="kernels.lora.DECODE_SPLIT for this run (the K parts of a decode batch's shrink)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile a call decoding this many tokens (base, and the most adapters)")
     ns = ap.parse_args(argv)
+    if ns.decode_split:
+        from radixmesh.kernels import lora as lora_kernels
+
+        lora_kernels.DECODE_SPLIT = ns.decode_split
     common = {"model_path": ns.model_path, "dtype": ns.dtype, "log_level": "warning", "skip_tokenizer_init": True,
               **json.loads(ns.engine_args)}
     if ns.device:
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"bench": "lora", "command": "python -m radixmesh.benchmarks.lora " +
               " ".join(sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and ns.device != "cpu" else "cpu",
-              "rank": ns.rank, "input_len": ns.input_len, "output_len": ns.output_len}
+              "rank": ns.rank, "input_len": ns.input_len, "output_len": ns.output_len,
+              "decode_split": ns.decode_split or "default"}
     with tempfile.TemporaryDirectory(prefix="radixmesh-lora-bench-") as tmp:
         record.update(run(ns, common, Path(tmp)))
     goal = [r for r in record["runs"] if r["lora"] and r["batch"] == GOAL_BATCH and r["adapters"] == GOAL_ADAPTERS]

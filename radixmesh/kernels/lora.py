@@ -45,7 +45,8 @@ except ImportError:
 MAX_PARTS = 3  # projections fused in one module (q, k, v)
 _TARGET_PROGRAMS = 264  # two per SM of a 132-SM GPU: a prefill's shrink splits K until its tiles reach this many
 _MIN_SPLIT_K = 256  # columns of K per shrink program at the least
-_DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (fewer where K is short)
+DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (fewer where K is short; the expand
+# sums them, unrolled)
 _BLOCK_N = 128  # output columns of one expand step
 _DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
 
@@ -136,9 +137,9 @@ def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, seg_start_ptr, seg_count_p
 
 def _split(layout: LoraLayout, k: int) -> int:
     """Programs along K per tile, each with at least _MIN_SPLIT_K columns. Decode-sized batches (tiles of 16 rows):
-    _DECODE_SPLIT whatever the rows, so that a row's sums are the same in a CUDA graph padded to more rows as in an
+    DECODE_SPLIT whatever the rows, so that a row's sums are the same in a CUDA graph padded to more rows as in an
     eager forward; prefills: enough for _TARGET_PROGRAMS in all."""
-    want = _DECODE_SPLIT if layout.block_m == 16 else _TARGET_PROGRAMS // layout.max_tiles
+    want = DECODE_SPLIT if layout.block_m == 16 else _TARGET_PROGRAMS // layout.max_tiles
     return max(1, min(want, k // _MIN_SPLIT_K))
 
 
@@ -174,7 +175,7 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, order_ptr, seg_start_ptr
                    start0, width0, start1, width1, start2, width2,
                    NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PR: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, SPLIT: tl.constexpr):
     # grid (tiles, cdiv(column blocks of every projection, BLOCKS)): the tile's partial sums are summed once, then
     # for each of BLOCKS column blocks out[row, cols] += round(round(inter @ B^T) * scaling), where B's tile holds
     # the block's projection's columns in that projection's rows of the partial sums (zero elsewhere).
@@ -188,8 +189,13 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, order_ptr, seg_start_ptr
     j = tl.arange(0, BLOCK_PR)  # partial-sum columns: projection j // R, rank j % R
     inter = tl.zeros([BLOCK_M, BLOCK_PR], tl.float32)
     inter_ptrs = part_ptr + row[:, None] * PR + j[None, :]
-    for sp in range(0, split):
-        inter += tl.load(inter_ptrs + sp * rows * PR, mask=m_mask[:, None] & (j < PR)[None, :], other=0.0)
+    part_mask = m_mask[:, None] & (j < PR)[None, :]
+    if SPLIT > 0:  # a decode batch's split, fixed: unrolled, so that the loads are all in flight at once
+        for sp in tl.static_range(SPLIT):
+            inter += tl.load(inter_ptrs + sp * rows * PR, mask=part_mask, other=0.0)
+    else:  # a prefill's, which varies with its tiles (one compiled kernel for all)
+        for sp in range(0, split):
+            inter += tl.load(inter_ptrs + sp * rows * PR, mask=part_mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     inter = inter.to(dtype)
     if UPCAST:
@@ -250,7 +256,7 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
         NUM_SLOTS=b.shape[0], S_BLOCK=max(2, triton.next_power_of_2(b.shape[0])), BLOCK_M=layout.block_m,
         BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
         UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32", num_warps=4,
-        **pdl_options(out))
+        SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))
     return out
 
 
