@@ -101,9 +101,9 @@ class EngineArgs:
     # SGLang's: how MoE layers run their experts: torch (the plain-PyTorch twin, any device; no CUDA graphs: it picks
     # each step's experts on the host), triton (kernels.moe's grouped GEMMs, CUDA), auto (triton on a GPU, else torch)
     moe_runner_backend: str = "auto"
-    # SGLang's: what runs fp8 weights' products (engine.quantization.fp8_load): auto (held dequantized until the fp8
-    # kernels have run on a GPU: fp8_load.AUTO_HOLDS_FP8), triton (the weights stay fp8 and Triton's kernels and
-    # torch._scaled_mm run them: CUDA, or on CPU in Triton's interpreter for tests)
+    # SGLang's: what runs fp8 weights' products (engine.quantization.fp8_load): auto (held in fp8 on CUDA GPUs of
+    # compute capability 8.9+, dequantized elsewhere: fp8_load.AUTO_HOLDS_FP8), triton (the weights stay fp8 and
+    # Triton's kernels and torch._scaled_mm run them: CUDA, or on CPU in Triton's interpreter for tests)
     fp8_gemm_backend: str = "auto"
     # Programmatic dependent launch (Hopper and later): inside CUDA graphs each Triton kernel may start while the one
     # before it finishes (kernels/runtime.py). Off: every kernel waits for the one before, and cuBLAS runs every
