@@ -62,18 +62,29 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab - 100, (length,), generator=gen).tolist() for _ in range(count)]
 
 
-def decode_ms(engine: Engine, batch: list[list[int]], names: list[str | None], new_tokens: int) -> float:
+def decode_ms(engine: Engine, batch: list[list[int]], names: list[str | None], new_tokens: int,
+              window=None) -> float:
     """ms per decode step of `batch` run as one streamed call: over the window in which every request is decoding
     (from the last first token to the first last token), its length over the tokens a request received in it (the
-    median over the requests; every request decodes one token a step)."""
+    median over the requests; every request decodes one token a step). `window` (a profiler): started when every
+    request has its first token and stopped when the first one ends, so that it holds decode steps only."""
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     arrivals: dict[int, list[tuple[float, int]]] = {}  # request -> (time, tokens received by then)
     lora = names if any(n is not None for n in names) else None
+    state = "before"
     for out in engine.generate(input_ids=batch, sampling_params=params, lora_path=lora, stream=True):
         now, n = time.perf_counter(), len(out["output_ids"])
         seen = arrivals.setdefault(out["index"], [])
         if n and (not seen or n > seen[-1][1]):
             seen.append((now, n))
+        if window is not None and state == "before" and len(arrivals) == len(batch) and all(arrivals.values()):
+            window.start()
+            state = "open"
+        elif window is not None and state == "open" and n >= new_tokens:
+            window.stop()
+            state = "closed"
+    if state == "open":
+        window.stop()
     if len(arrivals) != len(batch):
         raise RuntimeError(f"{len(batch) - len(arrivals)} requests produced no token")
     start = max(seen[0][0] for seen in arrivals.values())
@@ -99,23 +110,23 @@ def measure(engine: Engine, batch_size: int, adapters: list[str | None], ns: arg
 
 def profile(engine: Engine, batch_size: int, adapters: list[str | None], ns: argparse.Namespace, vocab: int,
             label: str) -> dict:
-    """--profile-steps: one streamed call of `batch_size` requests decoding that many tokens under torch's profiler
-    (CUDA kernels, or the CPU's operators on a CPU; the engine's scheduler thread is in this process); prints them by
-    self time and returns the time in all and in the LoRA kernels (kernels.lora's shrink and expand; the layout's
-    torch ops count in all only)."""
+    """--profile-steps: one streamed call of `batch_size` requests decoding that many tokens, its decode steps (every
+    request decoding; no prefill) under torch's profiler (CUDA kernels, or the CPU's operators on a CPU; the engine's
+    scheduler thread is in this process); prints them by self time and returns the time in all and in the LoRA kernels
+    (kernels.lora's shrink and expand; the layout's torch ops count in all only)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     names = [adapters[i % len(adapters)] for i in range(batch_size)]
     batch = prompts(batch_size, ns.input_len, vocab, seed=99)
     gpu = torch.cuda.is_available() and ns.device != "cpu"
-    with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
-        decode_ms(engine, batch, names, ns.profile_steps)
+    prof = torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU])
+    decode_ms(engine, batch, names, ns.profile_steps, window=prof)
     events = prof.key_averages()
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     total = sum(getattr(e, key) for e in events)
     lora = sum(getattr(e, key) for e in events if "_shrink_kernel" in e.key or "_expand_kernel" in e.key)
-    print(f"== {label}, batch {batch_size}: kernels over {ns.profile_steps} decode steps (and the prefill)", flush=True)
+    print(f"== {label}, batch {batch_size}: kernels of the decode steps of a {ns.profile_steps}-token call", flush=True)
     print(events.table(sort_by=key, row_limit=16, max_name_column_width=60), flush=True)
     return {"label": label, "batch": batch_size, "steps": ns.profile_steps, "device": "cuda" if gpu else "cpu",
             "time_us": total, "lora_kernels_us": lora}
