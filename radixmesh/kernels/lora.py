@@ -13,6 +13,9 @@ fixed size, so a CUDA graph captured once reads whichever adapters its slots nam
 `lora_layout` groups the rows by slot without a host round trip and with shapes fixed by the row count: `order` lists
 the rows slot by slot, and each slot's rows are cut into tiles of BLOCK_M; a program takes one tile and so one slot's
 weights (the tile list's length is bounded by cdiv(rows, BLOCK_M) + S; programs past the tiles in use exit at once).
+Each tile's slot and rows are written out as one row of a table, so that a program learns them in one round trip
+to memory (a decode step's LoRA kernels are chains of dependent loads on the step's critical path: H100 profile,
+benchmarks/results/NOTES.md, 2026-12-05).
 
 `lora_shrink` computes x A^T for the tiles, split along K so that a decode batch of a few tiles still fills the GPU:
 float32 partial sums [SPLIT, rows, P * R]. `lora_expand` sums the partials, rounds them to the activations' dtype (as
@@ -60,6 +63,9 @@ class LoraLayout(NamedTuple):
     tile_end: torch.Tensor  # [S] tiles of slots 0..s, cumulative (slot s has cdiv(seg_count[s], block_m) tiles)
     max_tiles: int  # an upper bound of the tiles in use: the programs each launch starts along its first axis
     block_m: int
+    # [max_tiles, 1 + block_m] what each program reads first, in one round trip: its tile's slot (S past the tiles in
+    # use) and the tile's rows (-1 past its slot's rows); the kernels read nothing else of the layout
+    tiles: torch.Tensor
 
 
 def block_m_for(rows: int) -> int:
@@ -80,41 +86,53 @@ def lora_layout(slots: torch.Tensor, num_slots: int, block_m: int | None = None)
     pos = (counts.cumsum(0) - counts)[key] + before  # [rows] each row's place in `order`
     order = torch.empty(rows, dtype=torch.int64, device=dev).scatter_(0, pos, torch.arange(rows, device=dev))
     seg_count = counts[:num_slots]
+    seg_start = (counts.cumsum(0) - counts)[:num_slots]
     tiles = (seg_count + block_m - 1) // block_m
-    return LoraLayout(order.to(torch.int32), (counts.cumsum(0) - counts)[:num_slots].to(torch.int32),
-                      seg_count.to(torch.int32), tiles.cumsum(0).to(torch.int32),
-                      -(-rows // block_m) + num_slots, block_m)
+    tile_end = tiles.cumsum(0)
+    max_tiles = -(-rows // block_m) + num_slots
+    return LoraLayout(order.to(torch.int32), seg_start.to(torch.int32), seg_count.to(torch.int32),
+                      tile_end.to(torch.int32), max_tiles, block_m,
+                      _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots))
+
+
+def _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles: int, block_m: int, num_slots: int
+                ) -> torch.Tensor:
+    """LoraLayout.tiles from the grouping (int64 device tensors), in torch operations of fixed shapes."""
+    dev, rows = order.device, order.shape[0]
+    t = torch.arange(max_tiles, device=dev)
+    slot = torch.searchsorted(tile_end, t, right=True)  # [T] the slot whose tiles hold tile t; S: none
+    used = slot < num_slots
+    s = slot.clamp(max=num_slots - 1)
+    first = seg_start[s] + (t - (tile_end - tiles)[s]) * block_m  # [T] the tile's first place in `order`
+    pos = first[:, None] + torch.arange(block_m, device=dev)[None, :]  # [T, BM]
+    valid = used[:, None] & (pos < (seg_start + seg_count)[s][:, None])
+    if rows:
+        members = torch.where(valid, order[pos.clamp(max=rows - 1)], -1)
+    else:
+        members = torch.full_like(pos, -1)
+    return torch.cat([slot[:, None], members], dim=1).to(torch.int32).contiguous()
 
 
 @jit
-def _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr,
-          BLOCK_M: tl.constexpr):
-    """This program's tile: (its slot, NUM_SLOTS for a tile past those in use; its first position in `order`; the
-    end of its slot's positions)."""
-    t = tl.program_id(0)
-    s_idx = tl.arange(0, S_BLOCK)
-    ends = tl.load(tile_end_ptr + s_idx, mask=s_idx < NUM_SLOTS, other=2147483647)  # [S_BLOCK]
-    s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the slot whose tiles hold tile t
-    valid = s < NUM_SLOTS
-    first_tile = tl.load(tile_end_ptr + s - 1, mask=valid & (s > 0), other=0)
-    seg = tl.load(seg_start_ptr + s, mask=valid, other=0)
-    count = tl.load(seg_count_ptr + s, mask=valid, other=0)
-    return s, seg + (t - first_tile) * BLOCK_M, seg + count
+def _tile(tiles_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile from LoraLayout.tiles: (its slot, NUM_SLOTS for a tile past those in use; its rows as
+    int64, 0 where masked; the mask of its rows), two loads of one row of the table, issued together."""
+    base = tiles_ptr + tl.program_id(0).to(tl.int64) * (BLOCK_M + 1)
+    s = tl.load(base)
+    row = tl.load(base + 1 + tl.arange(0, BLOCK_M))
+    m_mask = row >= 0
+    return s, tl.where(m_mask, row, 0).to(tl.int64), m_mask
 
 
 @jit(do_not_specialize=["rows"])  # one compiled kernel for every batch size (CUDA graphs capture many)
-def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, seg_start_ptr, seg_count_ptr, tile_end_ptr,
-                   rows, K, PR, k_per_split, stride_xm, stride_as, stride_ar,
-                   NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, part_ptr, tiles_ptr, rows, K, PR, k_per_split, stride_xm, stride_as, stride_ar,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     # grid (tiles, SPLIT): partial[split, row, :] = x[row, k range] @ a[slot, :, k range]^T for the tile's rows.
     pdl_enter(PDL)
-    s, first, end = _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS, S_BLOCK, BLOCK_M)
+    s, row, m_mask = _tile(tiles_ptr, BLOCK_M)  # [BLOCK_M] rows
     if s >= NUM_SLOTS:
         return
-    pos = first + tl.arange(0, BLOCK_M)
-    m_mask = pos < end
-    row = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
     r = tl.arange(0, BLOCK_R)
     r_mask = r < PR
     a_rows = a_ptr + s.to(tl.int64) * stride_as + r.to(tl.int64) * stride_ar  # [BLOCK_R]
@@ -161,31 +179,25 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout) -> torch.T
     if rows == 0:
         return partials
     _shrink_kernel[(layout.max_tiles, split)](
-        x, a, partials, layout.order, layout.seg_start, layout.seg_count, layout.tile_end,
-        rows, k, pr, k_per_split, x.stride(0), a.stride(0), a.stride(1),
-        NUM_SLOTS=num_slots, S_BLOCK=max(2, triton.next_power_of_2(num_slots)), BLOCK_M=layout.block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k, UPCAST=dot_needs_upcast(x.dtype),
+        x, a, partials, layout.tiles, rows, k, pr, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        NUM_SLOTS=num_slots, BLOCK_M=layout.block_m, BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k, UPCAST=dot_needs_upcast(x.dtype),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(x))
     return partials
 
 
 @jit(do_not_specialize=["rows"])
-def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, order_ptr, seg_start_ptr, seg_count_ptr, tile_end_ptr,
-                   rows, PR, R, split, num_blocks, stride_bs, stride_bn, stride_om,
-                   start0, width0, start1, width1, start2, width2,
-                   NUM_SLOTS: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PR: tl.constexpr,
+def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, tiles_ptr, rows, PR, R, split, num_blocks, stride_bs,
+                   stride_bn, stride_om, start0, width0, start1, width1, start2, width2,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PR: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, SPLIT: tl.constexpr):
     # grid (tiles, cdiv(column blocks of every projection, BLOCKS)): the tile's partial sums are summed once, then
     # for each of BLOCKS column blocks out[row, cols] += round(round(inter @ B^T) * scaling), where B's tile holds
     # the block's projection's columns in that projection's rows of the partial sums (zero elsewhere).
     pdl_enter(PDL)
-    s, first, end = _tile(tile_end_ptr, seg_start_ptr, seg_count_ptr, NUM_SLOTS, S_BLOCK, BLOCK_M)
+    s, row, m_mask = _tile(tiles_ptr, BLOCK_M)  # [BLOCK_M] rows
     if s >= NUM_SLOTS:
         return
-    pos = first + tl.arange(0, BLOCK_M)
-    m_mask = pos < end
-    row = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
     j = tl.arange(0, BLOCK_PR)  # partial-sum columns: projection j // R, rank j % R
     inter = tl.zeros([BLOCK_M, BLOCK_PR], tl.float32)
     inter_ptrs = part_ptr + row[:, None] * PR + j[None, :]
@@ -251,9 +263,8 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
     per_program = _DECODE_BLOCKS if layout.block_m == 16 else 1
     _expand_kernel[(layout.max_tiles, triton.cdiv(blocks, per_program))](
-        partials, b, scalings, out, layout.order, layout.seg_start, layout.seg_count, layout.tile_end,
-        rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1), out.stride(0), *flat,
-        NUM_SLOTS=b.shape[0], S_BLOCK=max(2, triton.next_power_of_2(b.shape[0])), BLOCK_M=layout.block_m,
+        partials, b, scalings, out, layout.tiles, rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1),
+        out.stride(0), *flat, NUM_SLOTS=b.shape[0], BLOCK_M=layout.block_m,
         BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
         UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32", num_warps=4,
         SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))

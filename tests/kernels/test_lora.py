@@ -52,6 +52,17 @@ def test_the_layout_groups_rows_by_slot_in_whole_tiles():
     assert order[7:] == [1, 5]
     assert tile_end == [1, 1, 3, 4, 4]  # cdiv(count, 2) tiles per slot, cumulative
     assert layout.max_tiles >= tile_end[-1]
+    # what the kernels read: per tile, its slot and its rows (-1 past them); tiles past those in use: slot 5
+    table = layout.tiles.cpu().tolist()
+    assert layout.tiles.dtype == torch.int32 and len(table) == layout.max_tiles
+    assert table[:4] == [[0, 2, 6], [2, 0, 3], [2, 4, 8], [3, 7, -1]]
+    assert all(t == [5, -1, -1] for t in table[4:])
+
+
+def test_the_tile_table_of_no_rows_and_of_rows_without_adapters():
+    assert lora_layout(torch.empty(0, dtype=torch.int32, device=DEVICE), 3).tiles.cpu().tolist() == [[3] + [-1] * 16] * 3
+    layout = lora_layout(torch.full((5,), -1, dtype=torch.int32, device=DEVICE), 2)
+    assert layout.tiles.cpu().tolist() == [[2] + [-1] * 16] * 3  # cdiv(5, 16) + 2 tiles, none in use
 
 
 @pytest.mark.parametrize("rows,k,widths,slots,rank,used", [
