@@ -180,8 +180,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout) -> torch.T
         return partials
     _shrink_kernel[(layout.max_tiles, split)](
         x, a, partials, layout.tiles, rows, k, pr, k_per_split, x.stride(0), a.stride(0), a.stride(1),
-        NUM_SLOTS=num_slots, BLOCK_M=layout.block_m, BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k, UPCAST=dot_needs_upcast(x.dtype),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(x))
+        NUM_SLOTS=num_slots, BLOCK_M=layout.block_m, BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k,
+        UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        **pdl_options(x))
     return partials
 
 

@@ -60,7 +60,8 @@ def test_the_layout_groups_rows_by_slot_in_whole_tiles():
 
 
 def test_the_tile_table_of_no_rows_and_of_rows_without_adapters():
-    assert lora_layout(torch.empty(0, dtype=torch.int32, device=DEVICE), 3).tiles.cpu().tolist() == [[3] + [-1] * 16] * 3
+    none = lora_layout(torch.empty(0, dtype=torch.int32, device=DEVICE), 3)
+    assert none.tiles.cpu().tolist() == [[3] + [-1] * 16] * 3
     layout = lora_layout(torch.full((5,), -1, dtype=torch.int32, device=DEVICE), 2)
     assert layout.tiles.cpu().tolist() == [[2] + [-1] * 16] * 3  # cdiv(5, 16) + 2 tiles, none in use
 
