@@ -42,7 +42,8 @@
 #                           then the engine files (hybrid SWA pool, sliding windows, model families, speculative,
 #                           LoRA, attention backends, fp8 weights), under NEWGPU_TIMEOUT seconds (480) in all so
 #                           the call ends with its logs
-#   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights)
+#   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights),
+#                           the decode steps profiled (LORA_NOPDL=1: again with PDL off, each kernel's own time)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -268,8 +269,16 @@ if [[ " $PARTS " == *" newgpu "* ]]; then
 fi
 
 if [[ " $PARTS " == *" lora "* ]]; then
+  # Issue 54: the decode step with 0, 1 and 8 rank-16 adapters against the base engine, each batch's decode steps
+  # profiled; then (LORA_NOPDL=1) the profile with programmatic dependent launch off, where each kernel's time is its
+  # own (under PDL a kernel's time includes its wait for the one before: the 2026-12-05 profile).
   timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
-    --engine-args '{"load_format": "dummy"}' --out "$OUT/lora.json" 2>&1 | tee "$OUT/lora.log" | grep -v Warning | tail -20
+    --engine-args '{"load_format": "dummy"}' --profile-steps 16 --out "$OUT/lora.json" 2>&1 | tee "$OUT/lora.log" \
+    | grep -E "ms/token|goal|Error"
+  [[ -n ${LORA_NOPDL:-} ]] && timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora \
+    --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy", "disable_pdl": true}' \
+    --batch-sizes 64 --adapters 0,8 --repeats 1 --profile-steps 16 --out "$OUT/lora_nopdl.json" 2>&1 \
+    | tee "$OUT/lora_nopdl.log" | grep -E "ms/token|goal|Error"
 fi
 
 if [[ $PARTS == *meshprof* ]]; then
