@@ -111,25 +111,29 @@ def measure(engine: Engine, batch_size: int, adapters: list[str | None], ns: arg
 def profile(engine: Engine, batch_size: int, adapters: list[str | None], ns: argparse.Namespace, vocab: int,
             label: str) -> dict:
     """--profile-steps: one streamed call of `batch_size` requests decoding that many tokens, its decode steps (every
-    request decoding; no prefill) under torch's profiler (CUDA kernels, or the CPU's operators on a CPU; the engine's
-    scheduler thread is in this process); prints them by self time and returns the time in all and in the LoRA kernels
-    (kernels.lora's shrink and expand; the layout's torch ops count in all only)."""
+    request decoding; no prefill) under torch's profiler, which records the CUDA kernels the engine's scheduler thread
+    launches; prints them by GPU time and returns the GPU time in all and in the LoRA kernels (kernels.lora's shrink
+    and expand; the layout's torch ops count in all only). Without a CUDA device the call runs unprofiled (the
+    profiler records a CPU's operators only on its own thread, not the scheduler's): no times."""
+    names = [adapters[i % len(adapters)] for i in range(batch_size)]
+    batch = prompts(batch_size, ns.input_len, vocab, seed=99)
+    record = {"label": label, "batch": batch_size, "steps": ns.profile_steps, "gpu_us": None, "lora_kernels_us": None}
+    if not torch.cuda.is_available() or ns.device == "cpu":
+        decode_ms(engine, batch, names, ns.profile_steps)
+        print(f"== {label}, batch {batch_size}: no CUDA device, no kernels recorded", flush=True)
+        return record
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    names = [adapters[i % len(adapters)] for i in range(batch_size)]
-    batch = prompts(batch_size, ns.input_len, vocab, seed=99)
-    gpu = torch.cuda.is_available() and ns.device != "cpu"
-    prof = torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU])
+    prof = torch_profile(activities=[ProfilerActivity.CUDA])
     decode_ms(engine, batch, names, ns.profile_steps, window=prof)
     events = prof.key_averages()
-    key = "self_device_time_total" if gpu else "self_cpu_time_total"
-    total = sum(getattr(e, key) for e in events)
-    lora = sum(getattr(e, key) for e in events if "_shrink_kernel" in e.key or "_expand_kernel" in e.key)
+    record["gpu_us"] = sum(e.self_device_time_total for e in events)
+    record["lora_kernels_us"] = sum(e.self_device_time_total for e in events
+                                    if "_shrink_kernel" in e.key or "_expand_kernel" in e.key)
     print(f"== {label}, batch {batch_size}: kernels of the decode steps of a {ns.profile_steps}-token call", flush=True)
-    print(events.table(sort_by=key, row_limit=16, max_name_column_width=60), flush=True)
-    return {"label": label, "batch": batch_size, "steps": ns.profile_steps, "device": "cuda" if gpu else "cpu",
-            "time_us": total, "lora_kernels_us": lora}
+    print(events.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60), flush=True)
+    return record
 
 
 def run(ns: argparse.Namespace, common: dict, adapter_dir: Path) -> dict:

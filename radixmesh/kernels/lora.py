@@ -55,7 +55,8 @@ _DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch r
 
 
 class LoraLayout(NamedTuple):
-    """Rows grouped by adapter slot (device tensors, int32; shapes fixed by the row count and the slot count)."""
+    """Rows grouped by adapter slot (device tensors; shapes fixed by the row count and the slot count). The kernels
+    read `tiles` alone; the grouping it is made from is kept as computed (int64), with no conversion in the step."""
 
     order: torch.Tensor  # [rows] the rows, slot by slot (rows without an adapter last)
     seg_start: torch.Tensor  # [S] where slot s's rows begin in `order`
@@ -90,8 +91,7 @@ def lora_layout(slots: torch.Tensor, num_slots: int, block_m: int | None = None)
     tiles = (seg_count + block_m - 1) // block_m
     tile_end = tiles.cumsum(0)
     max_tiles = -(-rows // block_m) + num_slots
-    return LoraLayout(order.to(torch.int32), seg_start.to(torch.int32), seg_count.to(torch.int32),
-                      tile_end.to(torch.int32), max_tiles, block_m,
+    return LoraLayout(order, seg_start, seg_count, tile_end, max_tiles, block_m,
                       _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots))
 
 
