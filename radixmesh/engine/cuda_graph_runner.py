@@ -7,6 +7,9 @@ attending over the padding table row, so it touches no request's memory). Larger
 All graphs share one memory pool and write their logits into one static buffer: graphs replay one at a time.
 With LoRA enabled each row's adapter slot is a static input as well (engine.lora.graph), so the graphs serve any mix
 of adapters; each size is captured a second time without the LoRA kernels, for batches of the base model only.
+An engine drafting trees (speculative_eagle_topk > 1) captures its graphs with a draft tree's mask as two more static
+input rows (batch.ForwardBatch.tree_mask): its verifies and its head's tree steps replay them; a row without a tree
+sees every key up to its length (its span starts at seq_len).
 """
 
 from __future__ import annotations
@@ -62,10 +65,12 @@ class CudaGraphRunner:
     memory is freed as soon as its last reference goes)."""
 
     def __init__(self, model, backend, device: torch.device, vocab_size: int, pad_row: int, sizes: list[int],
-                 keep: HiddenCapture | None = None, lora=None):
+                 keep: HiddenCapture | None = None, lora=None, tree: bool = False):
         """`keep`: hidden states the forwards keep (engine.hidden_capture), copied to `hidden` by the graphs.
-        `lora`: the LoRA adapters' static inputs (engine.lora.graph.GraphLora) when LoRA is enabled."""
+        `lora`: the LoRA adapters' static inputs (engine.lora.graph.GraphLora) when LoRA is enabled. `tree`: the
+        graphs read a draft tree's mask (the decode attention kernels' tree variant)."""
         self.lora = lora
+        self.tree = tree
         self.model = model
         self.keep = keep
         self.backend = backend
@@ -73,10 +78,11 @@ class CudaGraphRunner:
         self.sizes = sorted(sizes)
         self.max_bs = self.sizes[-1]
         dev = device
-        # Rows: input_ids, positions, out_cache_loc, req_pool_indices, seq_lens (ForwardBatch.decode_block order).
-        self.pad = torch.zeros((5, self.max_bs), dtype=torch.int64, device=dev)
+        # Rows: input_ids, positions, out_cache_loc, req_pool_indices, seq_lens (ForwardBatch.decode_block order),
+        # with trees each row's tree span start and bits (ForwardBatch.tree_mask; padding sees its one key)
+        self.pad = torch.zeros((7 if tree else 5, self.max_bs), dtype=torch.int64, device=dev)
         self.pad[3].fill_(pad_row)
-        self.pad[4].fill_(1)
+        self.pad[4:].fill_(1)
         self.static = self.pad.clone()
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.arange = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
@@ -95,7 +101,8 @@ class CudaGraphRunner:
         return ForwardBatch(mode=ForwardMode.DECODE, input_ids=s[0, :bs], positions=s[1, :bs],
                             out_cache_loc=s[2, :bs], req_pool_indices=s[3, :bs], seq_lens=s[4, :bs],
                             extend_lens=self.ones[:bs], logits_indices=self.arange[:bs], seq_lens_host=[1] * bs,
-                            extend_lens_host=[1] * bs, decode_block=s[:, :bs])
+                            extend_lens_host=[1] * bs, decode_block=s[:5, :bs],
+                            tree_mask=s[5:7, :bs] if self.tree else None)
 
     def _forward(self, bs: int, with_lora: bool = True) -> None:
         batch = self.batches[bs]
@@ -147,17 +154,30 @@ class CudaGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
-                and batch.extra_logit_indices is None and batch.decode_block is not None)
+                and batch.extra_logit_indices is None and batch.decode_block is not None
+                and (batch.tree_mask is None or self.tree))
+
+    def load(self, batch: ForwardBatch) -> int:
+        """Copy a decode batch into the static inputs of the graph of the next size up (its rows past the batch:
+        padding); returns that size."""
+        bs = batch.batch_size
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        batch.fill_pending()
+        static = self.static
+        static[:5, :bs].copy_(batch.decode_block)
+        if batch.tree_mask is not None:
+            static[5:, :bs].copy_(batch.tree_mask)
+        elif self.tree:  # no tree: a span from seq_len on leaves every key seen
+            static[5, :bs].copy_(static[4, :bs])
+        if padded > bs:
+            static[:, bs:padded].copy_(self.pad[:, bs:padded])
+        return padded
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run a decode batch through the graph of the next size up; returns float32 logits [batch, vocab] (a view
         of the static buffer, valid until the next replay)."""
         bs = batch.batch_size
-        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        batch.fill_pending()
-        self.static[:, :bs].copy_(batch.decode_block)
-        if padded > bs:
-            self.static[:, bs:padded].copy_(self.pad[:, bs:padded])
+        padded = self.load(batch)
         static_batch = self.batches[padded]
         static_batch.seq_lens_host = batch.seq_lens_host + [1] * (padded - bs)
         self.backend.replay_metadata(padded, static_batch, self.metadata[padded])

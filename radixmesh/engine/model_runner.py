@@ -35,7 +35,7 @@ from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
 from radixmesh.engine.lora.graph import GraphLora, graphs_supported
 from radixmesh.engine.lora.manager import LoraManager
-from radixmesh.engine.speculative.config import max_draft
+from radixmesh.engine.speculative.config import EAGLES, max_draft
 from radixmesh.engine.speculative.verify import VerifyLayout, VerifyResult, verify
 
 if TYPE_CHECKING:
@@ -51,16 +51,24 @@ CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None,
                  extra_kv_bytes_per_token: int = 0, table: ReqToTokenPool | None = None,
-                 capture_layers: tuple[int, ...] | None = None, shared_with: nn.Module | None = None):
+                 capture_layers: tuple[int, ...] | None = None, shared_with: nn.Module | None = None,
+                 draft_topk: int = 1):
         """`tp`: this rank's place in its tensor-parallel group (default: alone). `extra_kv_bytes_per_token`: KV
         memory another model keeps per token of this one's pool (a speculative draft model's, slot for slot), left
         out of this pool's budget. `table`: another runner's request-to-token table, whose slots this runner's pool
         mirrors (a draft model's; its pool then holds exactly args.max_total_tokens tokens). `capture_layers`: the
         hidden states each forward keeps in `captured` for an EAGLE draft (engine.hidden_capture; empty: the final
-        ones; None: none). `shared_with`: the target model whose embedding (and output layer) an EAGLE head uses."""
+        ones; None: none). `shared_with`: the target model whose embedding (and output layer) an EAGLE head uses.
+        `draft_topk`: K > 1 for an EAGLE head drafting trees (its steps forward K rows per request under a tree
+        mask)."""
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.args = args
         self.model_config = model_config
+        # decode rows a request may take in one forward (a verify's drafts, a tree step's frontier), and whether
+        # decode forwards carry a draft tree's mask (the target's tree verifies, a head's tree steps)
+        self.rows_per_request = draft_topk if draft_topk > 1 else 1 + max_draft(args)
+        self.tree_graphs = draft_topk > 1 or (args.speculative_algorithm in EAGLES
+                                              and (args.speculative_eagle_topk or 1) > 1)
         self.device = torch.device(args.device)
         self.dtype = torch_dtype(args.dtype)
         if self.device.type == "cuda":
@@ -74,7 +82,7 @@ class ModelRunner:
                                 max_positions=args.context_length, seed=args.random_seed, tp=self.tp,
                                 quantization=args.quantization, fp8_gemm_backend=args.fp8_gemm_backend)
         if shared_with is not None:  # before any CUDA graph is captured: the graphs read the shared weights
-            self.model.share_weights(shared_with, args.max_running_requests or 256)
+            self.model.share_weights(shared_with, (args.max_running_requests or 256) * draft_topk)
         self.capture = HiddenCapture(self.model, capture_layers) if capture_layers is not None else None
         self.captured: torch.Tensor | None = None  # the last forward's kept hidden states (`capture`)
         if ((args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda"
@@ -141,7 +149,7 @@ class ModelRunner:
                  model_config.architecture, self.device, args.dtype, self.kv_pool.capacity_tokens, page,
                  self.max_running_requests, self.attn_backend.name)
         self.graphs: CudaGraphRunner | None = None
-        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests * (1 + max_draft(args)))
+        graph_sizes = clip_batch_sizes(graph_sizes, self.max_running_requests * self.rows_per_request)
         # (a draft model's runner leaves the process-wide product choices to the target's, planned first)
         if graph_sizes and args.decode_gemm == "auto" and table is None and pdl_available(self.device):
             gemv, rows = decode_products_plan(self.model, self.device, self.dtype)
@@ -149,7 +157,8 @@ class ModelRunner:
         if graph_sizes:
             lora = GraphLora(self.lora, max(graph_sizes), self.device) if self.lora is not None else None
             self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.device, model_config.vocab_size,
-                                          self.req_to_token.pad_row, graph_sizes, self.capture, lora=lora)
+                                          self.req_to_token.pad_row, graph_sizes, self.capture, lora=lora,
+                                          tree=self.tree_graphs)
             self.graphs.capture()
             if self.graphs.capture_bytes > graph_reserve:
                 log.warning("CUDA graphs used %.0f MiB, more than the %.0f MiB set aside for them: the GPU may run "
@@ -178,8 +187,9 @@ class ModelRunner:
             log.info("CUDA graphs off: --moe-runner-backend %s picks each step's experts on the host",
                      args.moe_runner_backend)
             return []
-        # a speculative verify is a decode batch of one row per token (batch_builder.build_verify)
-        cap = (args.max_running_requests or 256) * (1 + max_draft(args))
+        # a speculative verify is a decode batch of one row per token (batch_builder.build_verify), a tree step one
+        # of K rows per request
+        cap = (args.max_running_requests or 256) * self.rows_per_request
         return graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, cap)
 
     def _graph_reserve(self, graph_sizes: list[int]) -> int:

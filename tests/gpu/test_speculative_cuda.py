@@ -119,3 +119,58 @@ def test_eagle_heads_draft_alike_in_cuda_graphs_and_outside(algorithm, tmp_path)
             assert_no_leak(llm)
     assert runs[0][0] == runs[1][0] == want
     assert runs[0][1] == runs[1][1] and len(runs[0][1]) > 10
+
+
+def _count_tree_replays(runner) -> list[int]:
+    """[replays of batches with a draft tree's mask] of `runner`'s graphs, counted from now on."""
+    count, replay = [0], runner.graphs.replay
+
+    def counting(batch):
+        count[0] += batch.tree_mask is not None
+        return replay(batch)
+
+    runner.graphs.replay = counting
+    return count
+
+
+@pytest.mark.parametrize("algorithm,topk,steps,n,page", [("EAGLE", 2, 3, 6, 4), ("EAGLE3", 4, 3, 12, 1)])
+def test_draft_trees_replay_cuda_graphs_and_draft_alike(algorithm, topk, steps, n, page, tmp_path):
+    """Draft trees (speculative_eagle_topk > 1) in CUDA graphs: the head's tree steps and the target's tree verifies
+    replay graphs whose static inputs hold the tree mask; every tree equals the one drafted without graphs, and the
+    outputs are the plain engine's (float32), one request at a time and four at once; nothing leaks."""
+    from tests.parity.test_speculative_eagle import write_head
+
+    path = model_path("tiny-llama")
+    prompts = parity_prompts(path)[3:7]
+    head = write_head(tmp_path / "head", path, algorithm.lower())
+    common = dict(device="cuda", dtype="float32", page_size=page, attention_backend="triton",
+                  skip_tokenizer_init=True, max_total_tokens=8192)
+    with running_engine(path, **common) as plain:
+        want = one_at_a_time(plain, prompts)
+    runs = []
+    for graphs in (True, False):
+        with running_engine(path, **common, disable_cuda_graph=not graphs, speculative_algorithm=algorithm,
+                            speculative_draft_model_path=head, speculative_num_steps=steps,
+                            speculative_eagle_topk=topk, speculative_num_draft_tokens=n) as llm:
+            trees, drafter = [], llm.scheduler.spec.tree
+            propose = drafter.propose
+
+            def recording(reqs, _propose=propose, _trees=trees):
+                tokens, parents = _propose(reqs)
+                _trees.extend((list(r.fill_ids), t, p) for r, t, p in zip(reqs, tokens, parents))
+                return tokens, parents
+
+            drafter.propose = recording
+            if graphs:
+                assert llm.runner.graphs.tree and llm.draft_runner.graphs.tree
+                assert max(llm.draft_runner.graphs.sizes) >= 4 * topk  # K rows per request
+                verifies, steps_run = _count_tree_replays(llm.runner), _count_tree_replays(llm.draft_runner)
+            alone = one_at_a_time(llm, prompts)
+            batched = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=GREEDY)]
+            runs.append((alone, trees))
+            assert batched == want
+            assert_no_leak(llm)
+            if graphs:
+                assert verifies[0] > 20 and steps_run[0] >= (steps - 1) * verifies[0]
+    assert runs[0][0] == runs[1][0] == want
+    assert runs[0][1] == runs[1][1] and len(runs[0][1]) > 20

@@ -142,7 +142,8 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
     at kv_len; then the tree's nodes, their tokens and parents in `trees`) at table index kv_len + j, position
     kv_len + its depth, with seq_len kv_len + j + 1 and a tree mask over the keys from kv_len on: the row sees the
     request's KV, its ancestors and itself. Rows past a request's tree are padding (token 0 over its first KV token,
-    writing the scratch slot 0). Runs eagerly (no CUDA graph has the mask). Logits come back one per row."""
+    writing the scratch slot 0). A tree engine's CUDA graphs read the mask as a static input (cuda_graph_runner).
+    Logits come back one per row."""
     ids, positions, rows, lens, slots, starts, seen = [], [], [], [], [], [], []
     new = locs.split([r.extend_len for r in reqs])
     for r, (tokens, parents), loc in zip(reqs, trees, new):
@@ -159,7 +160,6 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
         seen += [as_signed(b) for b in seen_bits(parents)] + [1] * pad
     batch = ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
                                seq_lens=lens, extend_lens=[1] * len(ids), device=device)
-    batch.decode_block = None  # (what a CUDA graph replays: a graph has no tree mask)
     batch.tree_mask = torch.tensor([starts, seen], dtype=torch.int64).to(device, non_blocking=True)
     return batch
 

@@ -74,7 +74,7 @@ class SpecSteps:
 
     def width(self, batch_size: int) -> int:
         """Rows per request of a verify of this many requests."""
-        if self.tree is not None:  # (tree verifies run eagerly: no CUDA graph bounds them)
+        if self.tree is not None:  # (a tree is verified whole: more rows than the largest graph run eagerly)
             return self.tree.shape.num_draft_tokens
         width = 1 + self.max_draft
         if self.max_rows is not None:

@@ -80,12 +80,14 @@ def capture_layers(args: EngineArgs, draft: tuple[EngineArgs, ModelConfig] | Non
 
 def draft_runner(algorithm: str, draft: tuple[EngineArgs, ModelConfig], target: ModelRunner) -> ModelRunner:
     """The draft's runner: its KV pool mirrors the target's slot for slot (the target's table, as many tokens),
-    budgeted with the target's pool; a head uses the target's embedding (and output layer)."""
+    budgeted with the target's pool; a head uses the target's embedding (and output layer), and a head drafting
+    trees captures its CUDA graphs for K rows per request under a tree mask."""
     args, config = draft
     args = dataclasses.replace(args, max_total_tokens=target.kv_pool.capacity_tokens,
                                max_running_requests=target.max_running_requests)
     shared = target.model if algorithm in EAGLES else None
-    return ModelRunner(args, config, table=target.req_to_token, shared_with=shared)
+    topk = (target.args.speculative_eagle_topk or 1) if algorithm in EAGLES else 1
+    return ModelRunner(args, config, table=target.req_to_token, shared_with=shared, draft_topk=topk)
 
 
 def spec_steps(args: EngineArgs, cache, runner: ModelRunner, drafts: ModelRunner | None) -> SpecSteps | None:

@@ -10,7 +10,9 @@ writes only the target's pool there). A row attends to the request's head KV bef
 span from there, to its ancestors' and its own (a tree mask: batch.ForwardBatch.tree_mask). The head's KV of these
 steps comes from its own outputs: the next catch-up recomputes those positions, as after a chain.
 
-Frontier choices stay on the device; the host reads the chosen tree once, after the last step.
+Frontier choices stay on the device; the host reads the chosen tree once, after the last step. The steps replay the
+head's CUDA graphs (captured with the tree mask as a static input, for K rows per request): the parents' outputs go
+in through the head's static feature rows and come back from its static output rows.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class TreeDrafter:
             raise ValueError("draft trees (speculative_eagle_topk > 1) are drafted by an EAGLE head")
         self.draft = draft
         self.shape = shape
+        k = shape.topk
+        # step j's frontier's own scratch bits (1 << 63 wraps to the sign bit: the same 64 bits), made once
+        self.own = [torch.tensor([1 << ((j - 1) * k + f) for f in range(k)], dtype=torch.int64).to(draft.device)
+                    for j in range(1, shape.steps)]
 
     def propose(self, reqs: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
         """A tree for each of `reqs` (each holding shape.scratch slots after its newest token): its node tokens and
@@ -52,8 +58,7 @@ class TreeDrafter:
         frontier = torch.arange(k, device=dev).expand(bsz, k)  # candidate numbers of the frontier
         seen = torch.zeros((bsz, k), dtype=torch.int64, device=dev)  # frontier's ancestors' scratch bits
         for j in range(1, self.shape.steps):
-            own = torch.tensor([1 << ((j - 1) * k + f) for f in range(k)], dtype=torch.int64, device=dev)
-            seen = seen | own  # (1 << 63 wraps to the sign bit: the same 64 bits)
+            seen = seen | self.own[j - 1]
             out, step_logits = self._step(reqs, j, tokens, seen, features)
             child_lp, child_tok = torch.log_softmax(step_logits.float(), dim=-1).topk(k, dim=-1)  # [B * K, K]
             child_scores = (scores.reshape(-1, 1) + child_lp).view(bsz, k * k)
@@ -91,13 +96,16 @@ class TreeDrafter:
         batch = ForwardBatch.build(ForwardMode.DECODE, [0] * n, positions, locs, req_pool_indices=rows,
                                    seq_lens=[i + 1 for i in index], extend_lens=[1] * n, device=draft.device,
                                    pending=(list(range(n)), list(range(n)), tokens.reshape(-1)))
-        batch.decode_block = None  # eager: a CUDA graph has no tree mask
         start = torch.tensor(starts, dtype=torch.int64).to(draft.device, non_blocking=True)
         batch.tree_mask = torch.stack([start, seen.reshape(-1)])
         head = draft.head
-        head.features_in = features
+        staged = n <= head.step_features.shape[0]  # the static rows a CUDA graph reads (more rows: eager)
+        if staged:
+            head.step_features[:n].copy_(features)
+        else:
+            head.features_in = features
         try:
             logits = draft.runner.forward(batch)
         finally:
             head.features_in = None
-        return head.last_out, logits
+        return head.step_out[:n] if staged else head.last_out, logits
