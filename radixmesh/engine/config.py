@@ -374,18 +374,13 @@ def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int)
     (registry.default_decode_backend)."""
     from radixmesh.engine.attention.registry import check_backend_name, default_backend, default_decode_backend
 
-    fp8_kv = args.kv_cache_dtype in _FP8_KV
-    default = default_backend(device, dtype, head_dim)
-    names = {"attention_backend": args.attention_backend or ("triton" if fp8_kv and default == "flashinfer"
-                                                              else default)}
+    names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
     names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
     decode = names["attention_backend"]
     if args.attention_backend is None:
         decode = default_decode_backend(device, decode)
     names["decode_attention_backend"] = args.decode_attention_backend or decode
     for flag, name in names.items():
-        _check(not (fp8_kv and name == "flashinfer"), f"{flag} flashinfer does not read an fp8 KV cache here yet "
-               f"(--kv-cache-dtype {args.kv_cache_dtype}): use triton or torch_native")
         check_backend_name(name, flag)
     return names
 

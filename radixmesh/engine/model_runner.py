@@ -140,7 +140,7 @@ class ModelRunner:
         self.kv_channel = None  # KV staging for transfers (engine.disaggregation.mirror), once asked for
         self._published = time.monotonic()  # the leader's last step message
         # the score scale, soft-cap and per-layer sliding windows the model's attention computes
-        shape = attention_shape(model_config, self.num_heads, self.num_kv_heads, args.context_length)
+        shape = attention_shape(model_config, self.num_heads, self.num_kv_heads, args.context_length, self.dtype)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
                                              self.kv_pool, self.req_to_token)
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)

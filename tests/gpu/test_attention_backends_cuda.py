@@ -2,7 +2,10 @@
 requests of 1..4096 tokens) and extend batches (with and without cached prefixes, 1..300 new tokens), GQA groups 1,
 4 and 8, head dims 64 and 128, the pool in shuffled pages of 16; sliding windows and soft-capped scores; a decode
 CUDA graph replayed with new lengths and padding rows (with and without a window); plans that never wait for the GPU;
-float32 refused (FlashInfer has no float32 kernels).
+float32 refused (FlashInfer has no float32 kernels). fp8 KV caches (e4m3 and e5m2, per-tensor scales of 0.5 and 2):
+FlashInfer's bfloat16 queries over fp8 pages against torch_native over the same pages dequantized (FlashInfer's
+prefill reads its new tokens back from the fp8 pool: the reference is given them rounded alike), and graphs over fp8
+pages replay as they run eagerly.
 
 The first run JIT-compiles FlashInfer's kernels with nvcc (cached under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer,
 $HOME by default)."""
@@ -18,7 +21,7 @@ from radixmesh.engine.attention import create_backend
 from radixmesh.engine.attention.base import AttentionShape
 from radixmesh.engine.attention.torch_native import TorchNativeBackend
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
-from radixmesh.engine.cache.kv_pool import KVPool
+from radixmesh.engine.cache.kv_pool import KVPool, _meant, _stored
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 
 pytestmark = pytest.mark.gpu
@@ -31,6 +34,8 @@ TOL = 1e-2  # relative L2 error per request; two bfloat16 kernels differ by ~0.5
 HEADS = [pytest.param((8, 8), id="group1"), pytest.param((32, 8), id="group4"), pytest.param((32, 4), id="group8")]
 HEAD_DIMS = [64, 128]
 BACKENDS = ["flashinfer", "triton"]
+FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+SCALES = ((0.5, 0.5), (2.0, 2.0))  # per layer: k_scale, v_scale (powers of two: dequantized bfloat16 is exact)
 
 
 class Setup(NamedTuple):
@@ -43,12 +48,14 @@ class Setup(NamedTuple):
 def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed: int, dtype=DTYPE,
                attention: dict | None = None) -> Setup:
     """Random KV in every slot; request i owns max_lens[i] tokens on shuffled pages, in a shuffled table row.
-    `attention`: more AttentionShape fields (windows, softcap)."""
+    `attention`: more AttentionShape fields (windows, softcap). `dtype`: the pool's (an fp8 one with SCALES; the
+    queries then bfloat16)."""
     torch.manual_seed(seed)
     pages_each = [-(-n // PAGE) for n in max_lens]
-    pool = KVPool(sum(pages_each) + 3, PAGE, 2, heads[1], head_dim, dtype, DEV)
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    pool = KVPool(sum(pages_each) + 3, PAGE, 2, heads[1], head_dim, dtype, DEV, scales=SCALES if fp8 else None)
     for buf in pool.buffers():
-        buf.normal_()
+        buf.copy_(torch.randn(buf.shape, device=DEV))
     table = ReqToTokenPool(len(max_lens) + 2, max(max_lens) + PAGE, DEV)
     order = torch.randperm(len(max_lens) + 2).tolist()
     pages = torch.randperm(pool.allocator.num_pages) + 1  # page 0 is the scratch page
@@ -56,7 +63,8 @@ def make_setup(max_lens: list[int], heads: tuple[int, int], head_dim: int, seed:
     for row, n, count in zip(order, max_lens, pages_each):
         table.write(row, 0, (pages[at:at + count, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:n])
         at += count
-    shape = AttentionShape(heads[0], heads[1], head_dim, head_dim ** -0.5, **(attention or {}))
+    shape = AttentionShape(heads[0], heads[1], head_dim, head_dim ** -0.5, **(attention or {}),
+                           dtype=DTYPE if fp8 else dtype)
     return Setup(shape, pool, table, order[:len(max_lens)])
 
 
@@ -159,13 +167,14 @@ def test_windows_and_soft_caps_match_torch_native(name, attention):
     compare_with_torch_native(name, setup, batch, f"{attention} extend: prefixes {prefix}, new {new}")
 
 
+@pytest.mark.parametrize("kv_dtype", [pytest.param(DTYPE, id="bf16"), FP8[0]])
 @pytest.mark.parametrize("attention", [None, "window256-softcap", "other-layer-slides"])
 @pytest.mark.parametrize("name", BACKENDS)
-def test_cuda_graph_decode_replays_new_lengths(name, attention):
+def test_cuda_graph_decode_replays_new_lengths(name, attention, kv_dtype):
     """Capture one decode forward for 8 requests, replay it for two other batches (longer lengths; then 6 requests
-    plus 2 padding rows) and compare with eager runs of the same requests."""
+    plus 2 padding rows) and compare with eager runs of the same requests (bfloat16 pages and fp8 ones)."""
     bs = 8
-    setup = make_setup([4096] * bs, (32, 8), 128, seed=3, attention=WINDOWED.get(attention))
+    setup = make_setup([4096] * bs, (32, 8), 128, seed=3, attention=WINDOWED.get(attention), dtype=kv_dtype)
     backend = create_backend(name, setup.shape, setup.pool, setup.table)
     backend.init_cuda_graph(max_bs=16)
     static = decode_batch(setup, [1] * bs)
@@ -195,10 +204,11 @@ def test_cuda_graph_decode_replays_new_lengths(name, attention):
         assert_matches(out[:real], eager, [1] * real, f"replay {step} (lens {lens}) vs eager")
 
 
+@pytest.mark.parametrize("kv_dtype", [pytest.param(DTYPE, id="bf16"), FP8[0]])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=["decode", "extend"])
 @pytest.mark.parametrize("name", BACKENDS)
-def test_plan_never_waits_for_the_gpu(name, mode):
-    setup = make_setup([700, 33, 2000], (32, 8), 128, seed=4)
+def test_plan_never_waits_for_the_gpu(name, mode, kv_dtype):
+    setup = make_setup([700, 33, 2000], (32, 8), 128, seed=4, dtype=kv_dtype)
     backend = create_backend(name, setup.shape, setup.pool, setup.table)
     if mode is ForwardMode.DECODE:
         batch = decode_batch(setup, [700, 33, 2000])
@@ -223,3 +233,55 @@ def test_flashinfer_refuses_a_head_size_its_kernels_lack():
     setup = make_setup([8], (4, 2), 32, seed=6)  # the tiny models' head size: FlashInfer's merge kernels lack it
     with pytest.raises(ValueError, match="head sizes .* not this model's 32"):
         create_backend("flashinfer", setup.shape, setup.pool, setup.table)
+
+
+def dequantized(pool: KVPool) -> KVPool:
+    """A bfloat16 pool holding an fp8 pool's values as it means them (times its scales)."""
+    out = KVPool(pool.allocator.num_pages, PAGE, 2, pool.k[0].shape[1], pool.k[0].shape[2], DTYPE, DEV)
+    slots = torch.arange(pool.num_slots, device=DEV)
+    for layer in range(2):
+        k, v = pool.read(layer, slots, DTYPE)
+        out.k[layer].copy_(k)
+        out.v[layer].copy_(v)
+    return out
+
+
+def compare_fp8_with_torch_native(setup: Setup, batch: ForwardBatch, what: str) -> None:
+    """FlashInfer over setup's fp8 pool against torch_native over it dequantized, the new tokens' K and V given to
+    the reference as the fp8 pool stores and means them."""
+    pool = setup.pool
+    q, k, v = random_qkv(setup.shape, batch.num_tokens, seed=1)
+    reference = TorchNativeBackend(setup.shape, dequantized(pool), setup.table)
+    rounded = [_meant(_stored(x, pool.k[LAYER].dtype, scale), DTYPE, scale)
+               for x, scale in ((k, pool.k_scale[LAYER]), (v, pool.v_scale[LAYER]))]
+    got = attend(create_backend("flashinfer", setup.shape, pool, setup.table), batch, (q, k, v))
+    want = attend(reference, batch, (q, *rounded))
+    assert_matches(got, want, batch.extend_lens_host, what)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS[1:])
+def test_flashinfer_reads_fp8_pages_as_torch_native_reads_them_dequantized(heads, head_dim, kv_dtype):
+    pytest.importorskip("flashinfer")
+    lens = ragged_lens(7, seed=8)
+    setup = make_setup(lens, heads, head_dim, seed=8, dtype=kv_dtype)
+    compare_fp8_with_torch_native(setup, decode_batch(setup, lens), f"fp8 decode lens {lens}")
+    for case in ("cached", "mixed"):
+        prefix, new = EXTENDS[case]
+        setup = make_setup([p + e for p, e in zip(prefix, new)], heads, head_dim, seed=9, dtype=kv_dtype)
+        batch = make_batch(setup, prefix, new, ForwardMode.EXTEND)
+        compare_fp8_with_torch_native(setup, batch, f"fp8 extend {case}: prefixes {prefix[:8]}, new {new[:8]}")
+
+
+@pytest.mark.parametrize("attention", ["window256-softcap", "other-layer-slides"])
+def test_flashinfer_fp8_pages_with_windows_and_soft_caps(attention):
+    pytest.importorskip("flashinfer")
+    lens = ragged_lens(7, seed=5)
+    setup = make_setup(lens, (32, 8), 128, seed=5, dtype=torch.float8_e4m3fn, attention=WINDOWED[attention])
+    compare_fp8_with_torch_native(setup, decode_batch(setup, lens), f"fp8 {attention} decode lens {lens}")
+    prefix, new = EXTENDS["cached"]
+    setup = make_setup([p + e for p, e in zip(prefix, new)], (32, 4), 64, seed=6, dtype=torch.float8_e4m3fn,
+                       attention=WINDOWED[attention])
+    batch = make_batch(setup, prefix, new, ForwardMode.EXTEND)
+    compare_fp8_with_torch_native(setup, batch, f"fp8 {attention} extend: prefixes {prefix}, new {new}")

@@ -37,6 +37,8 @@ class AttentionShape:
     # One entry per layer, or none at all (no layer slides): the query at position p of a layer with window w sees
     # keys at positions p - w < j <= p (itself and the w - 1 before it, transformers' rule); None: every key up to p.
     windows: tuple[int | None, ...] = ()
+    # the queries' dtype (the model's), where the KV cache's may differ (an fp8 cache); None: the cache's
+    dtype: torch.dtype | None = None
 
     def window(self, layer_id: int) -> int | None:
         return self.windows[layer_id] if self.windows else None

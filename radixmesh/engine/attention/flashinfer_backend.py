@@ -27,6 +27,14 @@ prefix_b = seq_len_b - extend_len_b and sees keys after prefix_b - w, so its lis
 req_to_token[row, start_b:seq_len_b] with start_b = max(0, prefix_b - w + 1). The causal alignment and window_left
 are relative to the end of the list, so dropping keys from its front changes no score: the list shrinks from seq_len
 to at most w - 1 + extend_len keys, and it never names a page that engine.cache.swa freed behind the window.
+
+An fp8 KV cache (--kv-cache-dtype fp8_e4m3|fp8_e5m2): the wrappers are planned with the model's dtype for the queries
+and fp8 for the pages, and each layer's run passes its per-tensor scales as floats (FlashInfer folds k_scale into the
+score scale and multiplies the output by v_scale; floats, so a captured graph holds them and nothing is copied). The
+pool stores the K and V (engine.cache.kv_pool: divided by the scale, clamped, rounded to fp8) as for every backend.
+Prefill reads its new tokens back from the pool like the prefix, so it attends over their fp8 values, where Triton's
+extend kernel and torch_native use the unrounded ones (a difference of fp8 rounding, the size of the cache's own).
+FA3 has no kernels for bfloat16 queries over fp8 pages: fp8 caches prefill on FA2.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from radixmesh.kernels.kv_indices import build_kv_indices
 WORKSPACE_BYTES = 256 << 20
 INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's own size for a wrapper's schedule (plan info) buffer
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer has no float32 attention kernels
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # pages it reads under 16-bit queries
 PAGE_SIZE = 1  # tokens per FlashInfer page (see the module docstring)
 # The tensor-core decode kernel packs the group of query heads sharing a KV head into MMA rows: worth it from 4 up.
 TENSOR_CORE_MIN_GROUP = 4
@@ -96,16 +105,20 @@ class FlashInferBackend(AttentionBackend):
         if shape.head_dim not in FLASHINFER_HEAD_DIMS:
             raise ValueError(f"flashinfer's attention kernels take head sizes {FLASHINFER_HEAD_DIMS}, not this model's "
                              f"{shape.head_dim}; use attention_backend triton")
-        if k0.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"flashinfer attends over float16 or bfloat16 KV caches, not {k0.dtype}; "
+        q_dtype = shape.dtype or k0.dtype
+        if q_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"flashinfer attends with float16 or bfloat16 queries, not {q_dtype}; "
                              "use attention_backend torch_native for float32")
+        if k0.dtype != q_dtype and k0.dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"flashinfer reads KV caches of the model's dtype ({q_dtype}) or fp8, not {k0.dtype}")
         try:
             import flashinfer
         except ImportError as e:
             raise ImportError("the flashinfer attention backend needs flashinfer-python==0.6.18.post1 and "
                               "apache-tvm-ffi (pip install --no-deps; see DESIGN.md)") from e
         self._fi = flashinfer
-        self.device, self.dtype = k0.device, k0.dtype
+        self.device, self.dtype, self.kv_dtype = k0.device, q_dtype, k0.dtype
+        self.fp8 = k0.dtype in FP8_KV_DTYPES
         # [num_slots, 1, kv_heads, head_dim] views of each layer's buffers: pages of one token.
         self._k_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.k]
         self._v_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.v]
@@ -113,7 +126,7 @@ class FlashInferBackend(AttentionBackend):
         self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         # One wrapper per window and mode; they share the float workspace (their kernels run one after another on
         # one stream) and each keeps its own schedule buffer.
-        prefill_kernel = os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND
+        prefill_kernel = KERNEL_BACKEND if self.fp8 else os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND
         self.decode_wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNEL_BACKEND)
             for w in shape.distinct_windows()}
@@ -141,9 +154,13 @@ class FlashInferBackend(AttentionBackend):
         return self.attend_stored(layer_id, q, batch, metadata)
 
     def attend_stored(self, layer_id, q, batch, metadata: dict[int | None, Any]) -> torch.Tensor:
-        # [num_tokens, num_heads, head_dim] in q's dtype (the dtype planned: the KV cache's)
+        # [num_tokens, num_heads, head_dim] in q's dtype (the dtype planned: the model's)
         wrapper = metadata[self.shape.window(layer_id)]
-        return wrapper.run(q.contiguous(), (self._k_pages[layer_id], self._v_pages[layer_id]))
+        pages = (self._k_pages[layer_id], self._v_pages[layer_id])
+        if not self.fp8:
+            return wrapper.run(q.contiguous(), pages)
+        pool = self.kv_pool
+        return wrapper.run(q.contiguous(), pages, k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id])
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:
@@ -213,7 +230,7 @@ class FlashInferBackend(AttentionBackend):
         s = self.shape
         self._before_plan(wrapper)
         wrapper.plan(indptr, indices, self._last_page_lens(indptr.numel() - 1), s.num_heads, s.num_kv_heads,
-                     s.head_dim, PAGE_SIZE, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=s.scale,
+                     s.head_dim, PAGE_SIZE, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=s.scale,
                      window_left=_window_left(window), logits_soft_cap=s.softcap, non_blocking=True)
         self._after_plan(wrapper)
 
@@ -223,7 +240,7 @@ class FlashInferBackend(AttentionBackend):
         self._before_plan(wrapper)
         wrapper.plan(qo_indptr, indptr, indices, self._last_page_lens(batch.batch_size), s.num_heads, s.num_kv_heads,
                      s.head_dim, PAGE_SIZE, causal=True, sm_scale=s.scale, window_left=_window_left(window),
-                     logits_soft_cap=s.softcap, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+                     logits_soft_cap=s.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype, non_blocking=True,
                      max_token_per_sequence=max(batch.extend_lens_host))
         self._after_plan(wrapper)
 

@@ -29,6 +29,8 @@ from radixmesh.engine.attention.base import AttentionShape
 from radixmesh.engine.models.gemma_config import GEMMA_ARCHITECTURES, gemma_config
 
 if TYPE_CHECKING:
+    import torch
+
     from radixmesh.engine.model_config import ModelConfig
 
 HF_DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2/Qwen3(-MoE)Config, Gemma2Config, Gemma3TextConfig
@@ -131,8 +133,10 @@ def layer_windows(cfg: ModelConfig, context_length: int) -> tuple[int | None, ..
     return tuple(spec.window if slides else None for slides in spec.sliding)
 
 
-def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context_length: int) -> AttentionShape:
-    """The attention backend's view of `cfg` on one tensor-parallel rank (`num_heads`, `num_kv_heads`: its own)."""
+def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context_length: int,
+                    dtype: torch.dtype | None = None) -> AttentionShape:
+    """The attention backend's view of `cfg` on one tensor-parallel rank (`num_heads`, `num_kv_heads`: its own;
+    `dtype`: the model's, which its queries have)."""
     scale, softcap = cfg.head_dim ** -0.5, None
     if cfg.architecture in GEMMA_ARCHITECTURES:
         gemma = gemma_config(cfg)
@@ -141,4 +145,4 @@ def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context
         scale = cfg.raw.get("attention_multiplier", 1.0)
     windows = layer_windows(cfg, context_length)
     return AttentionShape(num_heads, num_kv_heads, cfg.head_dim, scale, softcap,
-                          windows if any(w is not None for w in windows) else ())
+                          windows if any(w is not None for w in windows) else (), dtype)
