@@ -108,6 +108,9 @@ def check_runs(path: str, first: list[dict], again: list[dict], dtype: str) -> N
 
 
 def assert_bf16_noise(path: str, outs: list[dict]) -> None:
-    """bfloat16 outputs of prompts() within bfloat16 noise of transformers' float32 teacher-forced logprobs."""
+    """bfloat16 outputs of prompts() within bfloat16 noise of transformers' float32 teacher-forced logprobs. The bound
+    on the largest error is FlashInfer's decode: on an H200 (2026-12-06) Mistral's worst token was 0.205 off through
+    Triton and 0.392 through FlashInfer's decode kernel, 0.377 with its page lists holding every key (so the window
+    lists were not the cause), mean 0.031 and 0.034; a backend ignoring the window is off by several nats."""
     errors = logprob_errors(path, outs)
-    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
+    assert max(errors) < 0.5 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))

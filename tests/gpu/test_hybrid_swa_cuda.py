@@ -7,16 +7,12 @@ float32 (Triton, torch_native): transformers' greedy tokens and teacher-forced l
 the cached prefixes gives the same tokens. bfloat16 (Triton, FlashInfer): both runs within bfloat16 noise of
 transformers' float32 logprobs (tests.sliding_models.check_runs). Both pools whole after every run.
 
-On an H100 (2026-12-05) every float32 case and the bfloat16 Triton cases passed; FlashInfer was not installed. So a
-CUDA engine has the hybrid pool unless a FlashInfer backend runs it (swa_pool.why_no_hybrid): the FlashInfer cases
-lift that gate for their own engines (`hybrid_allowed`) until they pass on a GPU, and `test_flashinfer_keeps_one_pool`
-checks that the gate holds. An H200's Gemma 2 failures earlier that day were the reference's: transformers 5.17 runs
-Gemma 2 through SDPA, which drops the soft-cap (tests.reference.hf_model asks for eager attention wherever scores are
-capped)."""
+On an H100 (2026-12-05) every float32 case and the bfloat16 Triton cases passed, and (2026-12-06) the FlashInfer
+ones: CUDA engines with FlashInfer backends have the hybrid pool since. An H200's Gemma 2 failures earlier that day
+were the reference's: transformers 5.17 runs Gemma 2 through SDPA, which drops the soft-cap (tests.reference.hf_model
+asks for eager attention wherever scores are capped)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -30,20 +26,6 @@ pytestmark = pytest.mark.gpu
 GREEDY = {"max_new_tokens": 40, "temperature": 0}
 # a 2048-token full pool and a 192-token SWA pool: every prompt's cached window competes for it
 SMALL = dict(max_total_tokens=2048, swa_full_tokens_ratio=0.09375, page_size=16, chunked_prefill_size=32)
-
-
-@pytest.fixture
-def hybrid_allowed(monkeypatch):
-    """The hybrid pool on CUDA despite swa_pool.why_no_hybrid's FlashInfer gate (the engine is built in this process,
-    so the runner's reference is the one to replace)."""
-    from radixmesh.engine import model_runner
-    from radixmesh.engine.cache import swa_pool
-
-    def without_flashinfer_gate(args, shares_table):
-        why = swa_pool.why_no_hybrid(args, shares_table)
-        return None if why is not None and why.startswith("FlashInfer on a CUDA device") else why
-
-    monkeypatch.setattr(model_runner, "why_no_hybrid", without_flashinfer_gate)
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +55,8 @@ def test_float32_matches_transformers(checkpoints, kind, backend, graphs):
     assert max(logprob_errors(path, outs)) < 1e-3
 
 
-@pytest.mark.usefixtures("hybrid_allowed")
 @pytest.mark.parametrize("prefill,decode", BF16_BACKENDS)
 @pytest.mark.parametrize("graphs", [True, False])
 def test_bfloat16_within_noise_of_transformers(checkpoints, prefill, decode, graphs):
     _generate(checkpoints["gemma2"], "bfloat16", attention_backend=prefill, decode_attention_backend=decode,
               disable_cuda_graph=not graphs)  # (both runs within noise: check_runs)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
-def test_flashinfer_keeps_one_pool(checkpoints):
-    """Until the FlashInfer cases above pass on a GPU, a CUDA engine with a FlashInfer backend serves alternating
-    models from one pool, as transformers."""
-    path = checkpoints["gemma2"]
-    with running_engine(path, device="cuda", skip_tokenizer_init=True, mem_fraction_static=0.3, dtype="bfloat16",
-                        attention_backend="flashinfer", **SMALL) as llm:
-        assert llm.cache.hybrid is None

@@ -133,11 +133,14 @@ def _count_tree_replays(runner) -> list[int]:
     return count
 
 
-@pytest.mark.parametrize("algorithm,topk,steps,n,page", [("EAGLE", 2, 3, 6, 4), ("EAGLE3", 4, 3, 12, 1)])
+@pytest.mark.parametrize("algorithm,topk,steps,n,page", [("EAGLE", 2, 3, 8, 4), ("EAGLE3", 4, 3, 12, 1)])
 def test_draft_trees_replay_cuda_graphs_and_draft_alike(algorithm, topk, steps, n, page, tmp_path):
     """Draft trees (speculative_eagle_topk > 1) in CUDA graphs: the head's tree steps and the target's tree verifies
-    replay graphs whose static inputs hold the tree mask; every tree equals the one drafted without graphs, and the
-    outputs are the plain engine's (float32), one request at a time and four at once; nothing leaks."""
+    replay graphs whose static inputs hold the tree mask; every tree of a request run alone equals the one drafted
+    without graphs, and the outputs are the plain engine's (float32), one request at a time and four at once;
+    nothing leaks. (Alone, K and N are captured sizes, so graphs and eager runs split attention alike. A padded
+    batch may split it otherwise, and a random head's scores are close together: on an H200 (2026-12-06) the trees
+    recorded over the single and the batched runs differed from the 85th on, EAGLE-3 with K 4, outputs unchanged.)"""
     from tests.parity.test_speculative_eagle import write_head
 
     path = model_path("tiny-llama")
@@ -152,12 +155,13 @@ def test_draft_trees_replay_cuda_graphs_and_draft_alike(algorithm, topk, steps, 
         with running_engine(path, **common, disable_cuda_graph=not graphs, speculative_algorithm=algorithm,
                             speculative_draft_model_path=head, speculative_num_steps=steps,
                             speculative_eagle_topk=topk, speculative_num_draft_tokens=n) as llm:
-            trees, drafter = [], llm.scheduler.spec.tree
+            trees, proposals, drafter = [], [0], llm.scheduler.spec.tree
             propose = drafter.propose
 
-            def recording(reqs, _propose=propose, _trees=trees):
+            def recording(reqs, _propose=propose, _trees=trees, _proposals=proposals):
                 tokens, parents = _propose(reqs)
                 _trees.extend((list(r.fill_ids), t, p) for r, t, p in zip(reqs, tokens, parents))
+                _proposals[0] += bool(reqs)
                 return tokens, parents
 
             drafter.propose = recording
@@ -166,11 +170,12 @@ def test_draft_trees_replay_cuda_graphs_and_draft_alike(algorithm, topk, steps, 
                 assert max(llm.draft_runner.graphs.sizes) >= 4 * topk  # K rows per request
                 verifies, steps_run = _count_tree_replays(llm.runner), _count_tree_replays(llm.draft_runner)
             alone = one_at_a_time(llm, prompts)
+            runs.append((alone, list(trees)))
             batched = [o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=GREEDY)]
-            runs.append((alone, trees))
             assert batched == want
             assert_no_leak(llm)
-            if graphs:
-                assert verifies[0] > 20 and steps_run[0] >= (steps - 1) * verifies[0]
+            if graphs:  # every tree step replayed a graph, and every verify of a drafted tree (a request with no
+                # room left to draft verifies an empty tree: more verifies than proposals)
+                assert steps_run[0] == (steps - 1) * proposals[0] and verifies[0] >= proposals[0] > 20
     assert runs[0][0] == runs[1][0] == want
     assert runs[0][1] == runs[1][1] and len(runs[0][1]) > 20

@@ -77,16 +77,10 @@ def why_no_hybrid(args, shares_table: bool) -> str | None:
     reasons = [(args.disable_hybrid_swa_memory, "--disable-hybrid-swa-memory"),
                (args.tp_size > 1, "tensor parallelism (the followers' page tables would need the SWA pairing)"),
                (args.enable_hierarchical_cache, "the hierarchical cache (its host pages hold every layer)"),
-               (bool(args.speculative_algorithm) or shares_table, "speculative decoding (draft KV shares the table)"),
-               # On CUDA the hybrid pool matched transformers in float32 token for token (Gemma 2 and 3; Triton with
-               # and without graphs, torch_native) and in bfloat16 through Triton on an H100 (2026-12-05; the
-               # earlier Gemma 2 failures were the reference's: transformers 5.17 ran it through SDPA, uncapped).
-               # FlashInfer's window page lists over it have not run on a GPU yet: until they pass there
-               # (tests/gpu/test_hybrid_swa_cuda.py), a CUDA engine with a FlashInfer backend keeps one pool
-               (str(args.device).startswith("cuda") and "flashinfer" in (args.prefill_attention_backend,
-                                                         args.decode_attention_backend),
-                "FlashInfer on a CUDA device (its window page lists over the hybrid pool have not passed their GPU "
-                "tests)")]
+               (bool(args.speculative_algorithm) or shares_table, "speculative decoding (draft KV shares the table)")]
+    # (On CUDA the hybrid pool matched transformers in float32 token for token, Gemma 2 and 3 through Triton with and
+    # without graphs and torch_native, and in bfloat16 within noise through Triton (an H100, 2026-12-05) and through
+    # FlashInfer's window page lists, prefill and decode, with and without graphs (an H100, 2026-12-06).)
     return next((why for on, why in reasons if on), None)
 
 
