@@ -43,7 +43,8 @@
 #                           LoRA, attention backends, fp8 weights), under NEWGPU_TIMEOUT seconds (480) in all so
 #                           the call ends with its logs
 #   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights),
-#                           the decode steps profiled (LORA_NOPDL=1: again with PDL off, each kernel's own time)
+#                           the decode steps profiled (LORA_NOPDL=1: again with PDL off, each kernel's own time;
+#                           LORA_SIDE=1: again with the shrinks on a side stream)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -279,6 +280,10 @@ if [[ " $PARTS " == *" lora "* ]]; then
     --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy", "disable_pdl": true}' \
     --batch-sizes 64 --adapters 0,8 --repeats 1 --profile-steps 16 --out "$OUT/lora_nopdl.json" 2>&1 \
     | tee "$OUT/lora_nopdl.log" | grep -E "ms/token|goal|Error"
+  # the shrinks on a side stream beside the base products (engine.lora.batch), against the run above
+  [[ -n ${LORA_SIDE:-} ]] && timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora \
+    --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy"}' --side-stream \
+    --out "$OUT/lora_side.json" 2>&1 | tee "$OUT/lora_side.log" | grep -E "ms/token|goal|Error"
 fi
 
 if [[ $PARTS == *meshprof* ]]; then

@@ -21,6 +21,7 @@ import argparse
 import bisect
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -194,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="kernels.lora.DECODE_SPLIT for this run (the K parts of a decode batch's shrink)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile a call decoding this many tokens (base, and the most adapters)")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="the shrinks on a second stream beside the base products (engine.lora.batch)")
     ns = ap.parse_args(argv)
+    if ns.side_stream:
+        from radixmesh.engine.lora.batch import SIDE_STREAM_ENV
+
+        os.environ[SIDE_STREAM_ENV] = "1"
     if ns.decode_split:
         from radixmesh.kernels import lora as lora_kernels
 
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and ns.device != "cpu" else "cpu",
               "rank": ns.rank, "input_len": ns.input_len, "output_len": ns.output_len,
-              "decode_split": ns.decode_split or "default"}
+              "decode_split": ns.decode_split or "default", "side_stream": ns.side_stream}
     with tempfile.TemporaryDirectory(prefix="radixmesh-lora-bench-") as tmp:
         record.update(run(ns, common, Path(tmp)))
     goal = [r for r in record["runs"] if r["lora"] and r["batch"] == GOAL_BATCH and r["adapters"] == GOAL_ADAPTERS]

@@ -66,10 +66,15 @@ def adapter_paths(tmp_path_factory) -> dict[str, str]:
             for i, (name, r, a, t, rs) in enumerate([*ADAPTERS, *MORE])}
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch_native"])
-def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, adapter_paths):
+@pytest.mark.parametrize("backend,side", [("triton", False), ("triton", True), ("torch_native", False)])
+def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, side, adapter_paths, monkeypatch):
     """Two adapters and the base in one batch, decode in CUDA graphs where the backend has them (float32): peft's
-    tokens."""
+    tokens; also with the shrinks on a side stream beside the base products (engine.lora.batch)."""
+    from radixmesh.engine.lora import batch as lora_batch
+
+    monkeypatch.setattr(lora_batch, "_side_streams", {})
+    if side:
+        monkeypatch.setenv(lora_batch.SIDE_STREAM_ENV, "1")
     base = model_path(NAME)
     paths = {n: adapter_paths[n] for n, *_ in ADAPTERS}
     prompts = parity_prompts(base)[:4]
@@ -79,6 +84,7 @@ def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, adapter_paths)
                         cuda_graph_max_bs=32) as llm:
         graphs = llm.runner.graphs  # (torch_native attention runs no graphs: the LoRA kernels run eagerly there)
         assert (graphs is not None and graphs.lora is not None) == (backend == "triton")
+        assert (torch.device("cuda", torch.cuda.current_device()) in lora_batch._side_streams) == side
         names = [None, "sql", "chat"] * len(prompts)
         outs = llm.generate(input_ids=[p for p in prompts for _ in range(3)], lora_path=names,
                             sampling_params={"temperature": 0, "max_new_tokens": NEW})

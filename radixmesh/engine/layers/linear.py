@@ -70,13 +70,13 @@ def product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     return fp8_linear(x, module.weight, module.weight_scale, module.fp8, bias)
 
 
-def apply_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` (module's product of x) with the forward's LoRA adapters added (engine.lora.batch.LoraBatch; unchanged
-    when the forward has none)."""
+def lora_product(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`product` with the forward's LoRA adapters added (engine.lora.batch.LoraBatch; the product alone when the
+    forward has none)."""
     ctx = current_forward_context()
     if ctx is None or ctx.lora is None:
-        return out
-    return ctx.lora.apply(module.lora, x, out)
+        return product(module, x, bias)
+    return ctx.lora.project(module.lora, x, lambda: product(module, x, bias))
 
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -115,8 +115,7 @@ class QKVParallelLinear(nn.Module):
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = product(self, x, self.bias)
-        return out if self.lora is None else apply_lora(self, x, out)
+        return product(self, x, self.bias) if self.lora is None else lora_product(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -135,8 +134,7 @@ class MergedColumnParallelLinear(nn.Module):
         return list(self._shards.items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = product(self, x)
-        return out if self.lora is None else apply_lora(self, x, out)
+        return product(self, x) if self.lora is None else lora_product(self, x)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -176,8 +174,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = product(self, x, self.bias)
-            return out if self.lora is None else apply_lora(self, x, out)
+            return product(self, x, self.bias) if self.lora is None else lora_product(self, x, self.bias)
         out = self.tp.all_reduce(product(self, x))
         return out if self.bias is None else out + self.bias
 
