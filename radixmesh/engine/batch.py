@@ -50,6 +50,9 @@ class ForwardBatch:
     # Decode rows of a draft tree (engine.speculative.tree): [2, batch] int64, each row's first masked table index
     # and the bits of the keys from there on it sees (keys before it: all); None: every key up to seq_len.
     tree_mask: torch.Tensor | None = None
+    # With tree_mask: the keys each row sees (kernels.kv_indices.tree_row_keys), known on the host where the tree was
+    # built, for backends that list each row's keys (FlashInfer's page lists)
+    tree_keys_host: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -75,12 +78,13 @@ class ForwardBatch:
                  self.extend_lens, self.logits_indices] + ([extra] if extra is not None else []) + \
             ([tree.reshape(-1)] if tree is not None else [])
         header = (self.mode, self.seq_lens_host, self.extend_lens_host, self.num_tokens,
-                  0 if extra is None else int(extra.shape[0]), tree is not None)
+                  0 if extra is None else int(extra.shape[0]), self.tree_keys_host if tree is not None else None)
         return header, torch.cat(parts)
 
     @classmethod
     def unpacked(cls, header: tuple, packed: torch.Tensor) -> "ForwardBatch":
-        mode, seq_lens, extend_lens, n, n_extra, has_tree = header
+        mode, seq_lens, extend_lens, n, n_extra, tree_keys = header
+        has_tree = tree_keys is not None
         b = len(seq_lens)
         ids, pos, loc, rows, lens, ext, logit_idx, extra, tree = packed.split(
             [n, n, n, b, b, b, b, n_extra, 2 * b if has_tree else 0])
@@ -88,12 +92,13 @@ class ForwardBatch:
                    extend_lens=ext, logits_indices=logit_idx, seq_lens_host=list(seq_lens),
                    extend_lens_host=list(extend_lens), extra_logit_indices=extra if n_extra else None,
                    decode_block=packed[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None,
-                   tree_mask=tree.view(2, b) if has_tree else None)
+                   tree_mask=tree.view(2, b) if has_tree else None,
+                   tree_keys_host=list(tree_keys) if has_tree else None)
 
     @staticmethod
     def packed_size(header: tuple) -> int:
-        _, seq_lens, _, n, n_extra, has_tree = header
-        return 3 * n + (6 if has_tree else 4) * len(seq_lens) + n_extra
+        _, seq_lens, _, n, n_extra, tree_keys = header
+        return 3 * n + (6 if tree_keys is not None else 4) * len(seq_lens) + n_extra
 
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,

@@ -64,11 +64,12 @@ class ModelRunner:
         self.extra_kv_bytes_per_token = extra_kv_bytes_per_token
         self.args = args
         self.model_config = model_config
-        # decode rows a request may take in one forward (a verify's drafts, a tree step's frontier), and whether
-        # decode forwards carry a draft tree's mask (the target's tree verifies, a head's tree steps)
+        # decode rows a request may take in one forward (a verify's drafts, a tree step's frontier), and whether the
+        # CUDA graphs take a draft tree's mask (the target's tree verifies, a head's tree steps: Triton's kernels read
+        # it; FlashInfer's tree rows, listed per row, run eagerly)
         self.rows_per_request = draft_topk if draft_topk > 1 else 1 + max_draft(args)
-        self.tree_graphs = draft_topk > 1 or (args.speculative_algorithm in EAGLES
-                                              and (args.speculative_eagle_topk or 1) > 1)
+        trees = draft_topk > 1 or (args.speculative_algorithm in EAGLES and (args.speculative_eagle_topk or 1) > 1)
+        self.tree_graphs = trees and args.decode_attention_backend == "triton"
         self.device = torch.device(args.device)
         self.dtype = torch_dtype(args.dtype)
         if self.device.type == "cuda":

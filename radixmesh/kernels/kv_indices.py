@@ -49,3 +49,36 @@ def build_kv_indices_reference(table: torch.Tensor, req_pool_indices: torch.Tens
     for row, n, start in zip(req_pool_indices.tolist(), seq_lens.tolist(), kv_indptr.tolist()):
         out[start:start + n] = table[row, :n].to(torch.int32)
     return out
+
+
+TREE_SPAN = 64  # keys of a draft tree's span a row's bits cover (engine.speculative.tree.MAX_TREE_KEYS)
+
+
+def build_tree_kv_indices(table: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                          tree: torch.Tensor, kv_indptr: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The page lists of a draft tree's decode rows (engine.batch.ForwardBatch.tree_mask): row b lists the slots it
+    sees, table[row, :start_b], then table[row, start_b + i] for each bit i of bits_b with start_b + i < seq_lens[b]
+    (its ancestors and itself), in that order; a decode kernel over these lists computes the tree mask's attention
+    (keys are stored rotated: their order in a list changes no score). tree [2, batch] int64 (start, bits);
+    kv_indptr [batch + 1] the exclusive prefix sums of the rows' counts; out int32 with at least kv_indptr[-1] + 1
+    elements (the last one is scratch for the bits not taken). Device ops of fixed shapes: the host never waits."""
+    start, bits = tree[0], tree[1]
+    if table.is_cuda:
+        build_kv_indices(table, req_pool_indices, start, kv_indptr, out)
+    else:
+        build_kv_indices_reference(table, req_pool_indices, start, kv_indptr, out)
+    cols = torch.arange(TREE_SPAN, device=table.device)
+    index = start[:, None] + cols  # [batch, 64] table columns of the span
+    seen = (((bits[:, None] >> cols) & 1) != 0) & (index < seq_lens[:, None])
+    dest = kv_indptr[:-1, None].to(torch.int64) + start[:, None] + seen.cumsum(1) - 1
+    dest = torch.where(seen, dest, out.numel() - 1)
+    src = table[req_pool_indices[:, None], index.clamp(max=table.shape[1] - 1)]
+    out[dest.reshape(-1)] = src.reshape(-1).to(torch.int32)
+    return out
+
+
+def tree_row_keys(start: int, bits: int, seq_len: int) -> int:
+    """Keys a draft tree's decode row sees (the length of its build_tree_kv_indices list), on the host: `bits` as the
+    int64 the mask holds (its sign bit is key 63)."""
+    span = max(0, min(seq_len - start, TREE_SPAN))
+    return start + bin(bits & ((1 << span) - 1)).count("1")

@@ -285,3 +285,37 @@ def test_flashinfer_fp8_pages_with_windows_and_soft_caps(attention):
                        attention=WINDOWED[attention])
     batch = make_batch(setup, prefix, new, ForwardMode.EXTEND)
     compare_fp8_with_torch_native(setup, batch, f"fp8 {attention} extend: prefixes {prefix}, new {new}")
+
+
+def tree_batch(setup: Setup, prefixes: list[int], parents: list[int]) -> ForwardBatch:
+    """A draft tree's verify rows (one per node of `parents`' tree and the root) for each request, over its prefix,
+    with the tree's mask and key counts as engine.scheduler.batch_builder.build_tree_verify makes them."""
+    from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits
+    from radixmesh.kernels.kv_indices import tree_row_keys
+
+    bits = seen_bits(parents)
+    n = len(bits)
+    rows, locs, pos, lens, starts, seen = [], [], [], [], [], []
+    for row, p in zip(setup.rows, prefixes):
+        rows += [row] * n
+        locs.append(setup.table.device[row, p:p + n].cpu())
+        pos += [p + d for d in depths(parents)]
+        lens += [p + j + 1 for j in range(n)]
+        starts += [p] * n
+        seen += [as_signed(b) for b in bits]
+    batch = ForwardBatch.build(ForwardMode.DECODE, [0] * len(pos), pos, torch.cat(locs), rows, lens, [1] * len(pos),
+                               DEV)
+    batch.tree_mask = torch.tensor([starts, seen], dtype=torch.int64, device=DEV)
+    batch.tree_keys_host = [tree_row_keys(s, b, m) for s, b, m in zip(starts, seen, lens)]
+    return batch
+
+
+@pytest.mark.parametrize("parents", [[0, 0, 1, 1, 2, 3], [0, 0, 0, 0, 1, 1, 2, 5, 5, 7], list(range(63))])
+def test_flashinfer_decodes_a_draft_tree_through_its_page_lists(parents):
+    """FlashInfer's decode kernel over each tree row's page list (the keys it sees, no mask) against torch_native's
+    tree mask, requests with prefixes of 0 to 3000 keys."""
+    pytest.importorskip("flashinfer")
+    prefixes = [0, 17, 3000, 400]
+    setup = make_setup([p + len(parents) + 1 for p in prefixes], (32, 8), 128, seed=12)
+    batch = tree_batch(setup, prefixes, parents)
+    compare_with_torch_native("flashinfer", setup, batch, f"tree {parents[:12]}, prefixes {prefixes}")

@@ -1,6 +1,7 @@
 """Decode attention under a draft tree's mask (batch.ForwardBatch.tree_mask): each row sees its request's keys before
 its span and, in the span, the keys whose bits it holds. The Triton kernel (interpreter on CPU) and its plain-torch
-twin against an independent computation over the listed keys, and the torch_native backend's mask."""
+twin against an independent computation over the listed keys, and the torch_native backend's mask; the page lists
+FlashInfer's decode kernel reads instead of a mask (kernels.kv_indices.build_tree_kv_indices) hold those keys."""
 
 from __future__ import annotations
 
@@ -112,3 +113,25 @@ def test_torch_native_tree_mask(parents):
     meta = backend.plan(batch)
     got = backend.forward(0, q, k[locs], v[locs], batch, meta)
     torch.testing.assert_close(got, _direct(q, k, v, table, prefix, seen, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parents", [*TREES, list(range(63))])
+@pytest.mark.parametrize("prefix", [0, 5, 60])
+def test_tree_page_lists_hold_the_keys_each_row_sees(parents, prefix):
+    """The lists (and their host-side counts) are _direct's keys row by row, after a padding row (span start 1, bit
+    0, seq_len 1: its one key) and before a row whose span runs past its seq_len (bits past it are not keys)."""
+    from radixmesh.kernels.kv_indices import build_tree_kv_indices, tree_row_keys
+
+    _, _, _, table, rows, lens, tree, seen = _tree_case(11, prefix, parents)
+    table[1, :4] = torch.tensor([40, 41, 42, 43])
+    rows = torch.cat([torch.tensor([1]), rows, torch.tensor([1])])
+    lens = torch.cat([torch.tensor([1]), lens, torch.tensor([2])])
+    tree = torch.cat([torch.tensor([[1], [1]]), tree, torch.tensor([[1], [0b111]])], dim=1)  # last: sees keys 0, 1
+    want = [[40]] + [table[0, list(range(prefix)) + [prefix + i for i in range(j + 1) if bits >> i & 1]].tolist()
+                     for j, bits in enumerate(seen)] + [[40, 41]]
+    counts = [tree_row_keys(int(s), int(b), int(n)) for s, b, n in zip(tree[0], tree[1], lens)]
+    assert counts == [len(w) for w in want]
+    indptr = torch.tensor([0, *counts]).cumsum(0)
+    out = torch.full((int(indptr[-1]) + 1,), -7, dtype=torch.int32)
+    build_tree_kv_indices(table, rows, lens, tree, indptr, out)
+    assert [out[a:b].tolist() for a, b in zip(indptr[:-1], indptr[1:])] == want

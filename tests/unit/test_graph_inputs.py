@@ -59,3 +59,27 @@ def test_a_tree_batch_never_replays_a_graph_without_the_mask():
     assert not _runner(tree=False).can_run(masked)
     assert _runner(tree=True).can_run(masked)
     assert _runner(tree=False).can_run(_decode(2)) and not _runner(tree=True).can_run(_decode(9))
+
+
+def test_a_tree_verify_counts_each_rows_keys_and_ships_them_to_followers():
+    """build_tree_verify's host-side key counts (what FlashInfer's page lists hold) are tree_row_keys of its mask,
+    and a tensor-parallel follower's copy of the batch (packed, unpacked) keeps mask and counts."""
+    from radixmesh.engine.request import Req
+    from radixmesh.engine.sampling.params import SamplingParams
+    from radixmesh.engine.scheduler.batch_builder import build_tree_verify
+    from radixmesh.kernels.kv_indices import tree_row_keys
+
+    reqs = []
+    for i, n in enumerate((7, 30)):
+        r = Req(rid=str(i), input_ids=list(range(1, n + 1)), sampling=SamplingParams(), stop_ids=frozenset(),
+                sink=lambda out: None)
+        r.pool_idx, r.kv_len, r.extend_len = i, n - 1, 5
+        reqs.append(r)
+    trees = [([5, 6, 7, 8], [0, 0, 1, 3]), ([9, 10], [0, 1])]  # (a request's tree may be smaller than its slots)
+    batch = build_tree_verify(reqs, trees, torch.arange(100, 110), torch.device("cpu"), width=6)
+    mask = batch.tree_mask.tolist()
+    assert batch.tree_keys_host == [tree_row_keys(s, b, n) for s, b, n in zip(*mask, batch.seq_lens_host)]
+    assert batch.tree_keys_host[:6] == [7, 8, 8, 9, 10, 1] and batch.tree_keys_host[6:] == [30, 31, 32, 1, 1, 1]
+    header, packed = batch.packed()
+    copy = ForwardBatch.unpacked(header, packed)
+    assert copy.tree_keys_host == batch.tree_keys_host and torch.equal(copy.tree_mask, batch.tree_mask)

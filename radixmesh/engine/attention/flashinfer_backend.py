@@ -35,6 +35,12 @@ pool stores the K and V (engine.cache.kv_pool: divided by the scale, clamped, ro
 Prefill reads its new tokens back from the pool like the prefix, so it attends over their fp8 values, where Triton's
 extend kernel and torch_native use the unrounded ones (a difference of fp8 rounding, the size of the cache's own).
 FA3 has no kernels for bfloat16 queries over fp8 pages: fp8 caches prefill on FA2.
+
+A draft tree's decode rows (speculative_eagle_topk > 1: batch.ForwardBatch.tree_mask) each list only the keys they
+see, the request's KV before the tree's span and the row's ancestors and itself in it
+(kernels.kv_indices.build_tree_kv_indices; the counts come from the host, ForwardBatch.tree_keys_host), so the plain
+decode kernel computes the tree's attention with no mask. They run eagerly (the CUDA graphs of a tree engine are
+Triton's).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from radixmesh.engine.attention.registry import FLASHINFER_HEAD_DIMS
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
-from radixmesh.kernels.kv_indices import build_kv_indices
+from radixmesh.kernels.kv_indices import build_kv_indices, build_tree_kv_indices
 
 # Split-KV partial outputs live here: FA2 plans up to (2 * SMs / num_kv_heads) tiles per query head, each of up to 128
 # query rows of head_dim floats: 69 MB for 32 heads over 8 KV heads of 128 on a 132-SM H100, so 256 MB leaves room for
@@ -206,6 +212,10 @@ class FlashInferBackend(AttentionBackend):
         """The page list of the wrappers of `window`: (kv_indptr [batch + 1] int32 on the pinned host, kv_indices
         int32 on the device, a prefix of `out` when given): every key of each request, or under a window only the
         keys it can show (module docstring)."""
+        if batch.tree_mask is not None:  # a draft tree's rows: each lists only the keys it sees (module docstring)
+            if window is not None:
+                raise ValueError("draft trees with sliding windows are not implemented")
+            return self._tree_indices(batch, out)
         if window is None:
             starts, lens = None, batch.seq_lens_host
         else:
@@ -224,6 +234,17 @@ class FlashInferBackend(AttentionBackend):
         else:  # (a hybrid SWA pool's sliding layers: their own page table, engine.cache.swa_pool)
             _window_indices(self.req_to_token.window_table(window), batch.req_pool_indices, starts, indptr_dev, out,
                             total)
+        return indptr, out[:total]
+
+    def _tree_indices(self, batch: ForwardBatch, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        indptr = _host_indptr(batch.tree_keys_host)
+        total = int(indptr[-1])
+        if out is None:
+            out = torch.empty(total + 1, dtype=torch.int32, device=self.device)
+        elif total + 1 > out.numel():
+            raise RuntimeError(f"{total} KV tokens do not fit the CUDA-graph index buffer ({out.numel()})")
+        build_tree_kv_indices(self.req_to_token.device, batch.req_pool_indices, batch.seq_lens, batch.tree_mask,
+                              indptr.to(self.device, non_blocking=True), out)
         return indptr, out[:total]
 
     def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, window: int | None) -> None:

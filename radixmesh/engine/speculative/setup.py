@@ -18,7 +18,10 @@ from radixmesh.engine.speculative.tree import TreeShape
 from radixmesh.engine.speculative.tree_draft import TreeDrafter
 
 EAGLES = ("EAGLE", "EAGLE3")  # speculative algorithms whose draft is a head reading the target's hidden states
-TREE_BACKENDS = ("triton", "torch_native")  # decode attention backends with a draft tree's mask (batch.tree_mask)
+# decode attention backends with a draft tree's mask (batch.tree_mask). FlashInfer lists each tree row's keys instead
+# (engine.attention.flashinfer_backend; tests/gpu/test_attention_backends_cuda.py's tree cases): it joins these once
+# those cases have passed on a GPU (written 2026-12-06 with no device time left)
+TREE_BACKENDS = ("triton", "torch_native")
 # the target's arguments a draft runs with (its one-token steps replay CUDA graphs of their own)
 _DRAFT_KEEPS = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
                 "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend", "disable_cuda_graph",

@@ -98,6 +98,7 @@ class TreeDrafter:
                                    pending=(list(range(n)), list(range(n)), tokens.reshape(-1)))
         start = torch.tensor(starts, dtype=torch.int64).to(draft.device, non_blocking=True)
         batch.tree_mask = torch.stack([start, seen.reshape(-1)])
+        batch.tree_keys_host = [s + j for s in starts]  # (a depth-j node sees its j - 1 ancestors and itself)
         head = draft.head
         staged = n <= head.step_features.shape[0]  # the static rows a CUDA graph reads (more rows: eager)
         if staged:
