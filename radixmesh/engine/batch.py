@@ -78,7 +78,8 @@ class ForwardBatch:
                  self.extend_lens, self.logits_indices] + ([extra] if extra is not None else []) + \
             ([tree.reshape(-1)] if tree is not None else [])
         header = (self.mode, self.seq_lens_host, self.extend_lens_host, self.num_tokens,
-                  0 if extra is None else int(extra.shape[0]), self.tree_keys_host if tree is not None else None)
+                  0 if extra is None else int(extra.shape[0]),
+                  None if tree is None else self.tree_keys_host or [])
         return header, torch.cat(parts)
 
     @classmethod

@@ -261,7 +261,7 @@ def compare_fp8_with_torch_native(setup: Setup, batch: ForwardBatch, what: str) 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("heads", HEADS[1:])
+@pytest.mark.parametrize("heads", HEADS)
 def test_flashinfer_reads_fp8_pages_as_torch_native_reads_them_dequantized(heads, head_dim, kv_dtype):
     pytest.importorskip("flashinfer")
     lens = ragged_lens(7, seed=8)

@@ -129,7 +129,8 @@ class FlashInferBackend(AttentionBackend):
         self._k_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.k]
         self._v_pages = [t.view(t.shape[0], PAGE_SIZE, *t.shape[1:]) for t in kv_pool.v]
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # zeroed for first use
-        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        # (fp8 pages: always the tensor-core kernel, FA2's prefill kernel, as SGLang does; its fp8 GPU tests ran there)
+        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP or self.fp8
         # One wrapper per window and mode; they share the float workspace (their kernels run one after another on
         # one stream) and each keeps its own schedule buffer.
         prefill_kernel = KERNEL_BACKEND if self.fp8 else os.environ.get(PREFILL_KERNEL_ENV) or KERNEL_BACKEND
