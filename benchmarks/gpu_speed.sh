@@ -276,7 +276,8 @@ if [[ " $PARTS " == *" pending "* ]]; then
   # trees in CUDA graphs, FlashInfer's sliding lists, its tree page lists, an engine over fp8 pages, LoRA's side
   # stream, then the model families (3 of 24 never ran)
   for t in "tests/gpu/test_speculative_cuda.py -k trees" "tests/gpu/test_sliding_window_cuda.py -k lists" \
-           "tests/gpu/test_attention_backends_cuda.py -k tree" "tests/gpu/test_attention_backends_cuda.py -k fp8_pages" "tests/gpu/test_fp8_kv_cuda.py -k flashinfer" \
+           "tests/gpu/test_attention_backends_cuda.py -k tree" "tests/gpu/test_attention_backends_cuda.py -k fp8_pages" \
+           "tests/gpu/test_fp8_kv_cuda.py -k flashinfer" \
            "tests/gpu/test_lora_cuda.py -k peft" "tests/gpu/test_model_families_cuda.py"; do
     timeout ${PENDING_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider $t 2>&1 | tee -a "$OUT/pending.log" \
       | grep -E "passed|failed|^E  |FAILED" | tail -6
