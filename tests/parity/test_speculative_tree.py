@@ -43,6 +43,7 @@ def tree_engine(path, heads, algorithm, topk, steps, n, **kw):
 
 @pytest.mark.parametrize("algorithm,topk,steps,n,page", [
     ("EAGLE", 2, 3, 6, 1), ("EAGLE", 4, 4, 12, 4), ("EAGLE3", 3, 2, 8, 4), ("EAGLE3", 4, 3, 16, 1),
+    ("EAGLE", 16, 5, 20, 4),  # 64 scratch slots: the last frontier's bits reach the sign bit (once an OverflowError)
 ])
 def test_trees_are_token_exact_through_shared_prefixes(algorithm, topk, steps, n, page, heads):
     path = model_path(NAME)

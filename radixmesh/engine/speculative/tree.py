@@ -44,6 +44,13 @@ class TreeShape:
         return max(self.nodes, (self.steps - 1) * self.topk)
 
 
+def frontier_bits(shape: TreeShape) -> list[list[int]]:
+    """For each drafting step j = 1 .. steps - 1, the scratch bit of each of its K frontier nodes, 1 << ((j - 1) * K
+    + f), as the int64 a tensor holds (bit 63 is the sign bit: a span of 64 scratch slots is allowed)."""
+    k = shape.topk
+    return [[as_signed(1 << ((j - 1) * k + f)) for f in range(k)] for j in range(1, shape.steps)]
+
+
 def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, nodes: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `nodes` best candidates of each request as a tree. scores, tokens [batch, C]; parents [batch, C]: each

@@ -21,7 +21,7 @@ import torch
 
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.request import Req
-from radixmesh.engine.speculative.tree import TreeShape, select_tree
+from radixmesh.engine.speculative.tree import TreeShape, frontier_bits, select_tree
 
 
 class TreeDrafter:
@@ -32,10 +32,8 @@ class TreeDrafter:
             raise ValueError("draft trees (speculative_eagle_topk > 1) are drafted by an EAGLE head")
         self.draft = draft
         self.shape = shape
-        k = shape.topk
-        # step j's frontier's own scratch bits (1 << 63 wraps to the sign bit: the same 64 bits), made once
-        self.own = [torch.tensor([1 << ((j - 1) * k + f) for f in range(k)], dtype=torch.int64).to(draft.device)
-                    for j in range(1, shape.steps)]
+        # step j's frontier's own scratch bits, made once
+        self.own = [torch.tensor(bits, dtype=torch.int64).to(draft.device) for bits in frontier_bits(shape)]
 
     def propose(self, reqs: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
         """A tree for each of `reqs` (each holding shape.scratch slots after its newest token): its node tokens and
