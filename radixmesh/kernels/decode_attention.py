@@ -72,8 +72,8 @@ def _tree_visible(n, tree_start, tree_bits):
 
 
 @triton.jit
-def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeStart, TreeBits, Out, PartialO, PartialLse,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStart, TreeBits, Out, PartialO,
+                   PartialLse, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, cap_log2, window, v_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -88,7 +88,10 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, TreeStart, TreeBits
     # (the one new token's slot may still be being written; a prefetch binds no value, so it is harmless).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    first = _window_start(seq_len, window)
+    if TREE:  # a tree row's window runs back from its position (its depth past the span's start), not its index
+        first = _window_start(tl.load(Positions + b).to(tl.int32) + 1, window)
+    else:
+        first = _window_start(seq_len, window)
     split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -214,16 +217,19 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      out: torch.Tensor | None = None,
                      partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
                      softcap: float | None = None, tree: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> torch.Tensor:
+                     v_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
     `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
     `window`: the query sees only the last `window` keys; `softcap`: scores become softcap * tanh(scores / softcap).
-    `tree` [2, batch] int64: each row's masked span (first table index, bits of the keys it sees there).
-    `k_scale`, `v_scale`: the cache holds keys and values divided by them (an fp8 cache's per-layer scales)."""
+    `tree` [2, batch] int64: each row's masked span (first table index, bits of the keys it sees there); under a
+    window a tree row sees the keys after `positions` [batch] - window (its position: the span's start plus its
+    depth; a table index past the start is not a position), and its ancestors, which a window longer than the tree
+    is deep always shows. `k_scale`, `v_scale`: the cache holds keys and values divided by them (an fp8 cache's
+    per-layer scales)."""
     bsz, num_heads, head_dim = q.shape
-    if tree is not None and window is not None:
-        raise ValueError("a draft tree's mask and a sliding window do not combine (table indices are not positions)")
+    if tree is not None and window is not None and positions is None:
+        raise ValueError("a draft tree under a sliding window needs its rows' positions")
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -241,7 +247,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     line = LINE_BYTES // k_buf.element_size()
     prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, tree[0] if tree is not None else seq_lens,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
+        positions if positions is not None and tree is not None else seq_lens,
+        tree[0] if tree is not None else seq_lens,
         tree[1] if tree is not None else seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
@@ -272,16 +280,17 @@ def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torc
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float, window: int | None = None, softcap: float | None = None,
                                tree: torch.Tensor | None = None, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `decode_attention`: per request, gather its keys and values (the last `window` of them,
-    given one; those its tree span lets it see, given `tree`), times `k_scale` and `v_scale`, and attend in float32,
-    scores soft-capped when `softcap` is given."""
+    given one, counted back from its position where it is a tree row; those its tree span lets it see, given
+    `tree`), times `k_scale` and `v_scale`, and attend in float32, scores soft-capped when `softcap` is given."""
     bsz, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(bsz):
         seq = int(seq_lens[b])
-        first = max(0, seq - window) if window else 0
+        last = int(positions[b]) + 1 if tree is not None and positions is not None else seq
+        first = max(0, last - window) if window else 0
         index = torch.arange(first, seq)
         if tree is not None:
             start, bits = int(tree[0, b]), int(tree[1, b])

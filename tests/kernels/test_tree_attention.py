@@ -135,3 +135,33 @@ def test_tree_page_lists_hold_the_keys_each_row_sees(parents, prefix):
     out = torch.full((int(indptr[-1]) + 1,), -7, dtype=torch.int32)
     build_tree_kv_indices(table, rows, lens, tree, indptr, out)
     assert [out[a:b].tolist() for a, b in zip(indptr[:-1], indptr[1:])] == want
+
+
+@pytest.mark.parametrize("window", [4, 9, 40])
+def test_a_tree_row_s_window_counts_back_from_its_position(window):
+    """Under a sliding window a tree row at depth d (position prefix + d, table index prefix + its node number) sees
+    the prefix keys after its position - window and its ancestors: the Triton kernel and its twin against _direct's
+    lists cut by position. (A window counted from the table index would drop prefix keys the row's position shows.)"""
+    parents = [0, 0, 1, 1, 2, 3]
+    prefix = 30
+    q, k, v, table, rows, lens, tree, seen = _tree_case(5, prefix, parents, heads=2, kv_heads=1)
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    positions = torch.tensor([prefix + d for d in depth])
+    group, scale = 2, 32 ** -0.5
+    want = torch.empty_like(q)
+    for j, bits in enumerate(seen):
+        keys = [i for i in range(prefix) if i > prefix + depth[j] - window]
+        keys += [prefix + i for i in range(j + 1) if bits >> i & 1]
+        s = table[0, keys]
+        kk, vv = k[s].repeat_interleave(group, 1), v[s].repeat_interleave(group, 1)
+        w = (torch.einsum("hd,shd->hs", q[j], kk) * scale).softmax(-1)
+        want[j] = torch.einsum("hs,shd->hd", w, vv)
+    ref = decode_attention_reference(q, k, v, table, rows, lens, scale, window=window, tree=tree, positions=positions)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    on = [t.to(DEVICE) for t in (q, k, v, table, rows, lens)]
+    got = decode_attention(*on, scale, 2, window=window, tree=tree.to(DEVICE), positions=positions.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="needs its rows' positions"):
+        decode_attention(*on, scale, 2, window=window, tree=tree.to(DEVICE))

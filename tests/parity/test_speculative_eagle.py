@@ -42,8 +42,8 @@ def write_head(path, target: str, kind: str, seed: int = 0) -> str:
 
     keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
             "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "hidden_act",
-            "torch_dtype", "bos_token_id", "eos_token_id")
-    cfg = {k: t[k] for k in keep} | {"num_hidden_layers": 1, "model_type": "llama", "tie_word_embeddings": False}
+            "torch_dtype", "bos_token_id", "eos_token_id", "rope_parameters")
+    cfg = {k: t[k] for k in keep if k in t} | {"num_hidden_layers": 1, "model_type": "llama", "tie_word_embeddings": False}
     width, pre = (h, "layers.0.") if kind == "eagle" else (2 * h, "midlayer.")
     w = {pre + "self_attn.q_proj.weight": rand(heads * hd, width), pre + "self_attn.k_proj.weight": rand(kv * hd, width),
          pre + "self_attn.v_proj.weight": rand(kv * hd, width), pre + "self_attn.o_proj.weight": rand(h, heads * hd),

@@ -278,3 +278,28 @@ def test_tree_verifies_report_the_plain_engine_s_logprobs(heads):
         gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
         assert [[t for _, t, _ in row] for row in gt] == [[t for _, t, _ in row] for row in wt]
 
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_trees_under_a_sliding_window_keep_deep_paths_token_exact(backend, tmp_path):
+    """Mistral with a 12-token window on every layer, an oracle head (deep nodes accepted): outputs equal
+    transformers', and most verifies keep more than one token. A tree row's window counts back from its position, not
+    its table index (kernels.decode_attention); counted from the index, a row at depth d < its node number would lose
+    prefix keys its position shows, and the kept deep paths would differ. A window no longer than the tree is deep is
+    refused."""
+    from tests.sliding_models import VOCAB, build, prompts as window_prompts
+
+    path = build("mistral", tmp_path / "mistral")
+    heads_ = {"EAGLE": write_head(str(tmp_path / "head"), path, "eagle", seed=3)}
+    prompts = window_prompts()[4:6]  # 81 and 90 tokens, past the window
+    refs = hf_greedy(path, prompts, 12)
+    with tree_engine(path, heads_, "EAGLE", 2, 3, 11, page_size=4, attention_backend=backend,
+                     skip_tokenizer_init=True) as llm:
+        Oracle(llm.scheduler.spec.model.runner, [p + r for p, r in zip(prompts, refs)], VOCAB)
+        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
+        stats = llm.scheduler.load()
+    assert [o["output_ids"] for o in outs] == refs
+    assert stats["spec_accepted_tokens"] / stats["spec_verify_rows"] > 1
+    with pytest.raises(ValueError, match="longer than the tree is deep"):
+        with tree_engine(path, heads_, "EAGLE", 2, 12, 13, attention_backend=backend, skip_tokenizer_init=True):
+            pass

@@ -52,7 +52,10 @@ class TorchNativeBackend(AttentionBackend):
         kv_indices = self.req_to_token.device[batch.req_pool_indices, :max_kv]
         prefix = batch.seq_lens - batch.extend_lens  # [batch]
         q_pos = prefix[:, None] + torch.arange(max_q, device=dev)  # [batch, max_q]
-        masks = {w: self._mask(q_pos, batch.seq_lens, max_kv, w) for w in self.shape.distinct_windows()}
+        # a draft tree's decode rows: the window counts back from each row's position (the span's start plus its
+        # depth), not from its table index (kernels.decode_attention)
+        last = batch.positions[:, None] if batch.tree_mask is not None else None
+        masks = {w: self._mask(q_pos, batch.seq_lens, max_kv, w, last) for w in self.shape.distinct_windows()}
         if batch.tree_mask is not None:
             seen = _tree_visible(batch.tree_mask, max_kv)[:, None, None, :]  # decode rows: [batch, 1, 1, max_kv]
             masks = {w: m & seen for w, m in masks.items()}
@@ -67,15 +70,17 @@ class TorchNativeBackend(AttentionBackend):
                 token_to_key = rows * max_kv + q_pos.reshape(-1)[token_to_pad]
         return TorchNativeMetadata(kv_indices, masks, token_to_pad, max_q, token_to_key)
 
-    def _mask(self, q_pos: torch.Tensor, seq_lens: torch.Tensor, max_kv: int, window: int | None) -> torch.Tensor:
+    def _mask(self, q_pos: torch.Tensor, seq_lens: torch.Tensor, max_kv: int, window: int | None,
+              last: torch.Tensor | None = None) -> torch.Tensor:
         """[batch, 1, max_q * group, max_kv] True where query row (position q_pos) may attend key j: j <= q_pos,
-        and j > q_pos - window under a window. Padded query rows (past a request's last token) see at least its last
-        key, so no softmax row is all -inf."""
+        and j > q_pos - window under a window (`last` given: j > last - window). Padded query rows (past a request's
+        last token) see at least its last key, so no softmax row is all -inf."""
         bsz, max_q = q_pos.shape
         keys = torch.arange(max_kv, device=q_pos.device)[None, None, :]
         mask = keys <= q_pos[:, :, None]  # [batch, max_q, max_kv]
         if window is not None:
-            last = torch.minimum(q_pos, (seq_lens - 1)[:, None])  # padded rows: as the request's last token
+            if last is None:
+                last = torch.minimum(q_pos, (seq_lens - 1)[:, None])  # padded rows: as the request's last token
             mask &= keys > (last - window)[:, :, None]
         group = self.shape.num_heads // self.shape.num_kv_heads
         if max_q > 1 and group > 1:  # rows ordered (query position, head within group)

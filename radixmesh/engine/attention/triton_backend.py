@@ -75,7 +75,8 @@ class TritonBackend(AttentionBackend):
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
                                 partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,
-                                tree=batch.tree_mask, k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id])
+                                tree=batch.tree_mask, k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id],
+                                positions=batch.positions)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

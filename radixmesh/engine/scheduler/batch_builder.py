@@ -152,7 +152,7 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
             raise RuntimeError(f"request {r.rid}: a tree verify needs its newest token known and not yet in the KV")
         pad = width - n
         ids += [r.output_ids[-1] if r.output_ids else r.input_ids[-1], *tokens] + [0] * pad
-        positions += [r.kv_len + d for d in depths(parents)] + [r.kv_len] * pad
+        positions += [r.kv_len + d for d in depths(parents)] + [0] * pad  # (padding at 0: a window shows key 0)
         rows += [r.pool_idx] * width
         lens += [*range(r.kv_len + 1, r.kv_len + n + 1)] + [1] * pad
         slots += [loc[:n], torch.zeros(pad, dtype=torch.int64)]

@@ -59,16 +59,19 @@ def draft_config(args: EngineArgs, target: ModelConfig) -> tuple[EngineArgs, Mod
 
 
 def _check_tree(args: EngineArgs, target: ModelConfig) -> None:
-    """Draft trees need a decode attention backend with the tree mask, and no sliding window (a window counts table
-    indices as positions, which a tree's rows are not)."""
+    """Draft trees need a decode attention backend with the tree mask, and windows longer than the tree is deep: a
+    tree row's window counts back from its position, and an ancestor's table index is not its position, so only a
+    window that shows every ancestor whatever their indices is exact (kernels.decode_attention)."""
     topk, backend = args.speculative_eagle_topk, args.decode_attention_backend
     if backend not in TREE_BACKENDS:  # (a tree's rows are decode rows; prefills need no mask)
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) verifies with a tree mask, which the {backend} "
                          f"attention backend does not have (decode_attention_backend): use --decode-attention-backend "
                          f"{' or '.join(TREE_BACKENDS)}, or speculative_eagle_topk 1")
-    if any(w is not None for w in layer_windows(target, args.context_length)):
-        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) is not implemented for models with "
-                         "sliding-window attention layers: use speculative_eagle_topk 1")
+    windows = [w for w in layer_windows(target, args.context_length) if w is not None]
+    if windows and min(windows) <= args.speculative_num_steps:
+        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) needs sliding windows longer than the tree is "
+                         f"deep: this model's shortest window is {min(windows)} tokens, speculative_num_steps "
+                         f"{args.speculative_num_steps}; use fewer steps or speculative_eagle_topk 1")
 
 
 def capture_layers(args: EngineArgs, draft: tuple[EngineArgs, ModelConfig] | None,
