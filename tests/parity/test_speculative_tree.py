@@ -291,12 +291,13 @@ def test_trees_under_a_sliding_window_keep_deep_paths_token_exact(backend, tmp_p
 
     path = build("mistral", tmp_path / "mistral")
     heads_ = {"EAGLE": write_head(str(tmp_path / "head"), path, "eagle", seed=3)}
-    prompts = window_prompts()[4:6]  # 81 and 90 tokens, past the window
-    refs = hf_greedy(path, prompts, 12)
+    # 81 and 90 tokens, past the window (Triton's interpreter is slow: the longer one alone, for its kernel's window)
+    prompts = window_prompts()[4:6] if backend == "torch_native" else window_prompts()[5:6]
+    refs = hf_greedy(path, prompts, 12 if backend == "torch_native" else 8)
     with tree_engine(path, heads_, "EAGLE", 2, 3, 11, page_size=4, attention_backend=backend,
                      skip_tokenizer_init=True) as llm:
         Oracle(llm.scheduler.spec.model.runner, [p + r for p, r in zip(prompts, refs)], VOCAB)
-        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
+        outs = llm.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": len(refs[0])})
         stats = llm.scheduler.load()
     assert [o["output_ids"] for o in outs] == refs
     assert stats["spec_accepted_tokens"] / stats["spec_verify_rows"] > 1
