@@ -61,7 +61,8 @@ def build_tree_kv_indices(table: torch.Tensor, req_pool_indices: torch.Tensor, s
     (its ancestors and itself), in that order; a decode kernel over these lists computes the tree mask's attention
     (keys are stored rotated: their order in a list changes no score). tree [2, batch] int64 (start, bits);
     kv_indptr [batch + 1] the exclusive prefix sums of the rows' counts; out int32 with at least kv_indptr[-1] + 1
-    elements (the last one is scratch for the bits not taken). Device ops of fixed shapes: the host never waits."""
+    elements (the last one is scratch for the bits not taken; engine.speculative.tree.tree_row_keys counts a row's keys on the
+    host). Device ops of fixed shapes: the host never waits."""
     start, bits = tree[0], tree[1]
     if table.is_cuda:
         build_kv_indices(table, req_pool_indices, start, kv_indptr, out)
@@ -76,9 +77,3 @@ def build_tree_kv_indices(table: torch.Tensor, req_pool_indices: torch.Tensor, s
     out[dest.reshape(-1)] = src.reshape(-1).to(torch.int32)
     return out
 
-
-def tree_row_keys(start: int, bits: int, seq_len: int) -> int:
-    """Keys a draft tree's decode row sees (the length of its build_tree_kv_indices list), on the host: `bits` as the
-    int64 the mask holds (its sign bit is key 63)."""
-    span = max(0, min(seq_len - start, TREE_SPAN))
-    return start + bin(bits & ((1 << span) - 1)).count("1")

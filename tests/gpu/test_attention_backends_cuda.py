@@ -290,8 +290,7 @@ def test_flashinfer_fp8_pages_with_windows_and_soft_caps(attention):
 def tree_batch(setup: Setup, prefixes: list[int], parents: list[int]) -> ForwardBatch:
     """A draft tree's verify rows (one per node of `parents`' tree and the root) for each request, over its prefix,
     with the tree's mask and key counts as engine.scheduler.batch_builder.build_tree_verify makes them."""
-    from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits
-    from radixmesh.kernels.kv_indices import tree_row_keys
+    from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits, tree_row_keys
 
     bits = seen_bits(parents)
     n = len(bits)

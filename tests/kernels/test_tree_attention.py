@@ -120,7 +120,8 @@ def test_torch_native_tree_mask(parents):
 def test_tree_page_lists_hold_the_keys_each_row_sees(parents, prefix):
     """The lists (and their host-side counts) are _direct's keys row by row, after a padding row (span start 1, bit
     0, seq_len 1: its one key) and before a row whose span runs past its seq_len (bits past it are not keys)."""
-    from radixmesh.kernels.kv_indices import build_tree_kv_indices, tree_row_keys
+    from radixmesh.engine.speculative.tree import tree_row_keys
+    from radixmesh.kernels.kv_indices import build_tree_kv_indices
 
     _, _, _, table, rows, lens, tree, seen = _tree_case(11, prefix, parents)
     table[1, :4] = torch.tensor([40, 41, 42, 43])

@@ -67,7 +67,7 @@ def test_a_tree_verify_counts_each_rows_keys_and_ships_them_to_followers():
     from radixmesh.engine.request import Req
     from radixmesh.engine.sampling.params import SamplingParams
     from radixmesh.engine.scheduler.batch_builder import build_tree_verify
-    from radixmesh.kernels.kv_indices import tree_row_keys
+    from radixmesh.engine.speculative.tree import tree_row_keys
 
     reqs = []
     for i, n in enumerate((7, 30)):

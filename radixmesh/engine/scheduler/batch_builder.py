@@ -11,7 +11,7 @@ import torch
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler.step import PromptLogprobPlan, StepResult
-from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits
+from radixmesh.engine.speculative.tree import as_signed, depths, seen_bits, tree_row_keys
 
 
 class _Pending:
@@ -144,7 +144,7 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
     request's KV, its ancestors and itself. Rows past a request's tree are padding (token 0 over its first KV token,
     writing the scratch slot 0). A tree engine's CUDA graphs read the mask as a static input (cuda_graph_runner).
     Logits come back one per row."""
-    ids, positions, rows, lens, slots, starts, seen, keys = [], [], [], [], [], [], [], []
+    ids, positions, rows, lens, slots, starts, seen = [], [], [], [], [], [], []
     new = locs.split([r.extend_len for r in reqs])
     for r, (tokens, parents), loc in zip(reqs, trees, new):
         n = 1 + len(tokens)
@@ -157,13 +157,11 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
         lens += [*range(r.kv_len + 1, r.kv_len + n + 1)] + [1] * pad
         slots += [loc[:n], torch.zeros(pad, dtype=torch.int64)]
         starts += [r.kv_len] * n + [1] * pad
-        bits = seen_bits(parents)  # (a node's bits are its ancestors' and its own: all before its seq_len)
-        seen += [as_signed(b) for b in bits] + [1] * pad
-        keys += [r.kv_len + bin(b).count("1") for b in bits] + [1] * pad
+        seen += [as_signed(b) for b in seen_bits(parents)] + [1] * pad
     batch = ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
                                seq_lens=lens, extend_lens=[1] * len(ids), device=device)
     batch.tree_mask = torch.tensor([starts, seen], dtype=torch.int64).to(device, non_blocking=True)
-    batch.tree_keys_host = keys
+    batch.tree_keys_host = [tree_row_keys(*row) for row in zip(starts, seen, lens)]
     return batch
 
 

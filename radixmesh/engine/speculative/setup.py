@@ -9,7 +9,7 @@ from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.scheduler.spec_steps import SpecSteps
-from radixmesh.engine.speculative.config import max_draft
+from radixmesh.engine.speculative.config import EAGLES, max_draft
 from radixmesh.engine.speculative.draft_model import DraftModel
 from radixmesh.engine.speculative.eagle_head import EAGLE, EAGLE3, as_draft_config, eagle3_layers
 from radixmesh.engine.models.attention_spec import layer_windows
@@ -17,7 +17,6 @@ from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.speculative.tree import TreeShape
 from radixmesh.engine.speculative.tree_draft import TreeDrafter
 
-EAGLES = ("EAGLE", "EAGLE3")  # speculative algorithms whose draft is a head reading the target's hidden states
 # decode attention backends with a draft tree's mask (batch.tree_mask). FlashInfer lists each tree row's keys instead
 # (engine.attention.flashinfer_backend; tests/gpu/test_attention_backends_cuda.py's tree cases): it joins these once
 # those cases have passed on a GPU (written 2026-12-06 with no device time left)

@@ -91,6 +91,14 @@ def path_of(tokens: list[int], parents: list[int], kept: list[int]) -> list[int]
     return path
 
 
+def tree_row_keys(start: int, bits: int, seq_len: int) -> int:
+    """Keys a draft tree's decode row sees: those before its span `start`, and the span's keys whose bits it holds
+    that lie before `seq_len` (the length of its kernels.kv_indices.build_tree_kv_indices list). `bits` as the int64
+    the mask holds (its sign bit is key 63)."""
+    span = max(0, min(seq_len - start, MAX_TREE_KEYS))
+    return start + bin(bits & ((1 << span) - 1)).count("1")
+
+
 def as_signed(bits: int) -> int:
     """A 64-bit set as the int64 a tensor holds."""
     return bits - (1 << 64) if bits >= 1 << 63 else bits
