@@ -36,7 +36,8 @@ def _config(kind: str, head_dim: int, **overrides):
                                 sliding_window_pattern=3, query_pre_attn_scalar=40, rope_theta=500_000.0,
                                 rope_local_base_freq=5_000.0, final_logit_softcapping=None, **overrides)
     if kind == "mistral":  # every layer slides
-        return MistralConfig(**_SHAPE, head_dim=head_dim, num_hidden_layers=2, sliding_window=WINDOW, **overrides)
+        window = {"sliding_window": WINDOW, **overrides}  # (sliding_window=None: full attention)
+        return MistralConfig(**_SHAPE, head_dim=head_dim, num_hidden_layers=2, **window)
     if kind == "qwen2":  # layers 1 and 2 slide (max_window_layers=1), layer 0 is global
         return Qwen2Config(**_SHAPE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=1, **overrides)

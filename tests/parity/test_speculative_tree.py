@@ -78,7 +78,7 @@ class Oracle:
         self.forward(batch)  # (the head's KV and outputs as without the oracle)
         rows = slice(None) if batch.mode is ForwardMode.DECODE else batch.logits_indices  # a logits row each
         ids, positions = batch.input_ids[rows].tolist(), batch.positions[rows].tolist()
-        logits = torch.zeros((len(ids), self.vocab))
+        logits = torch.zeros((len(ids), self.vocab), device=batch.input_ids.device)
         for row, (x, t) in enumerate(zip(ids, positions)):
             wrong = (x * 7 + 3) % self.vocab
             right = self.next.get((t, x), (x + 1) % self.vocab)
@@ -242,22 +242,31 @@ def test_trees_that_cannot_run_are_refused(kwargs, message, heads):
         Engine(model_path=model_path(NAME), device="cpu", **kwargs, **draft)
 
 
-def test_flashinfer_decode_is_refused_for_trees(heads):
-    from radixmesh.engine.config import EngineArgs
-    from radixmesh.engine.model_config import ModelConfig
-    from radixmesh.engine.speculative.setup import draft_config
-
-    path = model_path(NAME)
-    args = EngineArgs.from_kwargs(path, device="cpu", speculative_algorithm="EAGLE", speculative_eagle_topk=2,
-                                  speculative_draft_model_path=heads["EAGLE"])
-    from radixmesh.engine.config import resolve_args
-
-    target = ModelConfig.from_path(path)
-    resolved = resolve_args(args, target)
+def test_flashinfer_decode_takes_trees_but_not_under_windows(heads, tmp_path):
+    """FlashInfer verifies trees through each row's page list (tests/gpu: test_attention_backends_cuda.py's tree
+    cases, test_speculative_cuda.py's engine), which has no sliding window: a windowed model's trees are refused by
+    name there, and taken on Triton."""
     import dataclasses
 
-    with pytest.raises(ValueError, match="tree mask, which the flashinfer attention backend does not have"):
-        draft_config(dataclasses.replace(resolved, decode_attention_backend="flashinfer"), target)
+    from radixmesh.engine.config import EngineArgs, resolve_args
+    from radixmesh.engine.model_config import ModelConfig
+    from radixmesh.engine.speculative.setup import draft_config
+    from tests.sliding_models import build
+
+    windowed = build("mistral", tmp_path / "mistral")
+    for path, refused in ((model_path(NAME), False), (windowed, True)):
+        head = heads["EAGLE"] if not refused else write_head(str(tmp_path / "head"), windowed, "eagle")
+        args = EngineArgs.from_kwargs(path, device="cpu", speculative_algorithm="EAGLE", speculative_eagle_topk=2,
+                                      speculative_draft_model_path=head)
+        target = ModelConfig.from_path(path)
+        resolved = resolve_args(args, target)
+        flashinfer = dataclasses.replace(resolved, decode_attention_backend="flashinfer")
+        if refused:
+            with pytest.raises(ValueError, match="under sliding windows verifies with Triton or torch_native"):
+                draft_config(flashinfer, target)
+        else:
+            assert draft_config(flashinfer, target)[0].decode_attention_backend == "flashinfer"
+        draft_config(dataclasses.replace(resolved, decode_attention_backend="triton"), target)
 
 
 def test_tree_verifies_report_the_plain_engine_s_logprobs(heads):

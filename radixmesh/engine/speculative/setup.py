@@ -17,10 +17,9 @@ from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.speculative.tree import TreeShape
 from radixmesh.engine.speculative.tree_draft import TreeDrafter
 
-# decode attention backends with a draft tree's mask (batch.tree_mask). FlashInfer lists each tree row's keys instead
-# (engine.attention.flashinfer_backend; tests/gpu/test_attention_backends_cuda.py's tree cases): it joins these once
-# those cases have passed on a GPU (written 2026-12-06 with no device time left)
-TREE_BACKENDS = ("triton", "torch_native")
+# decode attention backends that verify a draft tree (batch.tree_mask): Triton and torch_native mask it, FlashInfer
+# lists each tree row's keys instead (engine.attention.flashinfer_backend; no windows there; its tree rows run eagerly)
+TREE_BACKENDS = ("triton", "torch_native", "flashinfer")
 # the target's arguments a draft runs with (its one-token steps replay CUDA graphs of their own)
 _DRAFT_KEEPS = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
                 "decode_attention_backend", "random_seed", "load_format", "moe_runner_backend", "disable_cuda_graph",
@@ -67,6 +66,10 @@ def _check_tree(args: EngineArgs, target: ModelConfig) -> None:
                          f"attention backend does not have (decode_attention_backend): use --decode-attention-backend "
                          f"{' or '.join(TREE_BACKENDS)}, or speculative_eagle_topk 1")
     windows = [w for w in layer_windows(target, args.context_length) if w is not None]
+    if windows and backend == "flashinfer":
+        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) under sliding windows verifies with Triton or "
+                         f"torch_native: FlashInfer's tree rows list their keys with no window: use "
+                         f"--decode-attention-backend triton, or speculative_eagle_topk 1")
     if windows and min(windows) <= args.speculative_num_steps:
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) needs sliding windows longer than the tree is "
                          f"deep: this model's shortest window is {min(windows)} tokens, speculative_num_steps "
