@@ -248,9 +248,12 @@ def _check_slices(slices: Sequence[tuple[int, int]], b: torch.Tensor, pr: int) -
 
 
 def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
-                slices: Sequence[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+                slices: Sequence[tuple[int, int]], out: torch.Tensor, block_n: int | None = None,
+                per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Adds (sum of partials) B_slot^T * scaling_slot into `out` [rows, N] (unit column stride), in place, for the
-    columns (start, width) of each projection; b [S, N, R] (unit stride along R), scalings [S] float32."""
+    columns (start, width) of each projection; b [S, N, R] (unit stride along R), scalings [S] float32. `block_n`,
+    `per_program` (column blocks one program runs; decode-sized batches only) and `num_warps` override the tiling
+    (radixmesh.benchmarks.lora_kernels sweeps them)."""
     split, rows, pr = partials.shape
     if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
         raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
@@ -259,16 +262,16 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     _check_slices(slices, b, pr)
     if rows == 0:
         return out
-    block_n = _BLOCK_N
+    block_n = block_n or _BLOCK_N
     flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
     blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
-    per_program = _DECODE_BLOCKS if layout.block_m == 16 else 1
+    per_program = (per_program or _DECODE_BLOCKS) if layout.block_m == 16 else 1
     _expand_kernel[(layout.max_tiles, triton.cdiv(blocks, per_program))](
         partials, b, scalings, out, layout.tiles, rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1),
         out.stride(0), *flat, NUM_SLOTS=b.shape[0], BLOCK_M=layout.block_m,
         BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
-        UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32", num_warps=4,
-        SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))
+        UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))
     return out
 
 

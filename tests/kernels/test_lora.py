@@ -96,6 +96,25 @@ def test_prefill_tiles_of_64_rows_match_the_twin():
                                **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("block_n,per_program,warps", [(64, 1, 4), (32, 2, 2), (256, 1, 8)])
+def test_the_expand_tilings_add_the_same_sums(block_n, per_program, warps):
+    """The expand's tiling (columns a step, column blocks a program, warps; benchmarks.lora_kernels sweeps them)
+    changes which program adds what, not the sums: each equals the default tiling's bit for bit (bfloat16, q/k/v of
+    uneven widths over several column blocks, rows without an adapter)."""
+    from radixmesh.kernels.lora import lora_expand
+
+    x, a, b, scalings, row_slots, out, slices = make_case(37, 96, [300, 24, 72], 4, 8, torch.bfloat16, seed=5)
+    dx, da, db, dsc, dslots, dout = on(DEVICE, x, a, b, scalings, row_slots, out)
+    layout = lora_layout(dslots, 4)
+    partials = lora_shrink(dx, da, layout)
+    want = lora_expand(partials, db, dsc, layout, slices, dout.clone())
+    got = lora_expand(partials, db, dsc, layout, slices, dout.clone(), block_n=block_n, per_program=per_program,
+                      num_warps=warps)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(want.cpu(), lora_apply_reference(x, a, b, scalings, row_slots, slices, out.clone()),
+                               **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_shrinks_partial_sums_add_up_to_the_twins_product(dtype):
     x, a, _, _, row_slots, _, _ = make_case(30, 640, [16, 16], 3, 8, dtype, seed=3)
