@@ -197,15 +197,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="after timing, profile a call decoding this many tokens (base, and the most adapters)")
     ap.add_argument("--side-stream", action="store_true",
                     help="the shrinks on a second stream beside the base products (engine.lora.batch)")
+    ap.add_argument("--reduce-partials", action="store_true",
+                    help="a decode batch's shrink sums its partial sums itself (kernels.lora.REDUCE_DECODE_PARTIALS)")
+    ap.add_argument("--expand-tiling", default=None, metavar="BLOCK_NxPER_PROGRAMxWARPS",
+                    help="the expand's tiling for decode batches (benchmarks.lora_kernels sweeps it), e.g. 64x1x4")
     ns = ap.parse_args(argv)
     if ns.side_stream:
         from radixmesh.engine.lora.batch import SIDE_STREAM_ENV
 
         os.environ[SIDE_STREAM_ENV] = "1"
-    if ns.decode_split:
-        from radixmesh.kernels import lora as lora_kernels
+    from radixmesh.kernels import lora as lora_kernels
 
+    if ns.decode_split:
         lora_kernels.DECODE_SPLIT = ns.decode_split
+    lora_kernels.REDUCE_DECODE_PARTIALS = ns.reduce_partials
+    if ns.expand_tiling:
+        lora_kernels.EXPAND_BLOCK_N, lora_kernels.EXPAND_DECODE_BLOCKS, lora_kernels.EXPAND_WARPS = (
+            int(v) for v in ns.expand_tiling.split("x"))
     common = {"model_path": ns.model_path, "dtype": ns.dtype, "log_level": "warning", "skip_tokenizer_init": True,
               **json.loads(ns.engine_args)}
     if ns.device:
@@ -214,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
               " ".join(sys.argv[1:] if argv is None else argv), "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and ns.device != "cpu" else "cpu",
               "rank": ns.rank, "input_len": ns.input_len, "output_len": ns.output_len,
-              "decode_split": ns.decode_split or "default", "side_stream": ns.side_stream}
+              "decode_split": ns.decode_split or "default", "side_stream": ns.side_stream,
+              "reduce_partials": ns.reduce_partials, "expand_tiling": ns.expand_tiling or "default"}
     with tempfile.TemporaryDirectory(prefix="radixmesh-lora-bench-") as tmp:
         record.update(run(ns, common, Path(tmp)))
     goal = [r for r in record["runs"] if r["lora"] and r["batch"] == GOAL_BATCH and r["adapters"] == GOAL_ADAPTERS]

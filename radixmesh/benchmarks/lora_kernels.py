@@ -5,9 +5,10 @@ per step includes what a graph pays per kernel (launch, dependent latency) and n
     python -m radixmesh.benchmarks.lora_kernels --batch 64 --adapters 8 --out result.json
 
 Shapes: Llama-3.1-8B's by default (hidden 4096, q 4096, k/v 1024, intermediate 14336, 32 layers), rank 16, bfloat16.
-Variants of the expand's tiling (`--expand`: block_n x column blocks per program x warps) are timed against each
-other in the same process; the shrinks once, beside them. The output checks each variant's sums against the first's
-(they add the same terms in the same order). Prints ms per step and us per kernel."""
+Variants of the expand's tiling (`--expand`: block_n x column blocks per program x warps, and a trailing "r": over
+partial sums the shrink has summed, kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same
+process; the shrinks once, beside them, with and without that sum. The output checks each variant's sums against the
+first's (they add the same terms in the same order). Prints ms per step and us per kernel."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from radixmesh.kernels.lora import lora_expand, lora_layout, lora_shrink
+from radixmesh.kernels.lora import lora_expand, lora_layout, lora_shrink, lora_sum_partials
 
 
 def modules(hidden: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, list[tuple[int, int]]]]:
@@ -73,9 +74,10 @@ def time_graph(fn, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def parse_variant(text: str) -> tuple[int, int, int]:
-    block_n, per_program, warps = (int(v) for v in text.split("x"))
-    return block_n, per_program, warps
+def parse_variant(text: str) -> tuple[int, int, int, bool]:
+    """"BLOCK_NxPER_PROGRAMxWARPS", "r" appended: over summed partials."""
+    block_n, per_program, warps = (int(v) for v in text.rstrip("r").split("x"))
+    return block_n, per_program, warps, text.endswith("r")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shape", default="4096,4096,1024,14336", help="hidden,q,kv,intermediate")
-    ap.add_argument("--expand", nargs="+", default=["128x4x4", "128x1x4", "64x1x4", "64x2x4", "32x1x4", "256x1x8",
-                                                       "128x2x4", "64x1x2"],
+    ap.add_argument("--expand", nargs="+", default=["128x4x4", "128x1x4", "64x1x4", "64x2x4", "256x1x8", "128x4x4r",
+                                                       "128x1x4r", "64x1x4r", "64x1x2r", "32x1x4r", "256x1x8r"],
                     help="block_n x column blocks per program x warps; the first is the default tiling")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
@@ -97,32 +99,41 @@ def main(argv: list[str] | None = None) -> dict:
     layout, mods, scalings = build(ns.batch, ns.adapters, ns.slots, ns.rank, shapes, torch.bfloat16, dev)
     partials = {name: lora_shrink(m["x"], m["a"], layout) for name, m in mods.items()}
     result = {"bench": "lora_kernels", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "batch": ns.batch, "adapters": ns.adapters,
-              "slots": ns.slots, "rank": ns.rank, "layers": ns.layers, "shape": ns.shape, "runs": []}
+              "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "batch": ns.batch,
+              "adapters": ns.adapters, "slots": ns.slots, "rank": ns.rank, "layers": ns.layers, "shape": ns.shape,
+              "runs": []}
 
     def shrinks():
         for _ in range(ns.layers):
             for m in mods.values():
                 lora_shrink(m["x"], m["a"], layout)
 
-    ms = time_graph(shrinks, ns.replays)
-    result["runs"].append({"kernel": "shrink", "ms_per_step": ms, "us_per_kernel": 1e3 * ms / (4 * ns.layers)})
-    print(f"shrink                      {ms:7.3f} ms/step {1e3 * ms / (4 * ns.layers):7.2f} us/kernel", flush=True)
+    def summed_shrinks():
+        for _ in range(ns.layers):
+            for m in mods.values():
+                lora_shrink(m["x"], m["a"], layout, reduce=True)
+
+    for label, fn in (("shrink", shrinks), ("shrink+sum", summed_shrinks)):
+        ms = time_graph(fn, ns.replays)
+        result["runs"].append({"kernel": label, "ms_per_step": ms, "us_per_kernel": 1e3 * ms / (4 * ns.layers)})
+        print(f"{label:28s}{ms:7.3f} ms/step {1e3 * ms / (4 * ns.layers):7.2f} us/kernel", flush=True)
+    summed = {name: lora_sum_partials(p) for name, p in partials.items()}
     first = None
     for text in ns.expand:
-        block_n, per_program, warps = parse_variant(text)
+        block_n, per_program, warps, reduced = parse_variant(text)
+        parts = summed if reduced else partials
 
         def expands(block_n=block_n, per_program=per_program, warps=warps):
             for _ in range(ns.layers):
                 for name, m in mods.items():
-                    lora_expand(partials[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
+                    lora_expand(parts[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
                                 per_program=per_program, num_warps=warps)
 
         for m in mods.values():
             m["out"].zero_()
         lora_expand_once = {name: m["out"].clone() for name, m in mods.items()}
         for name, m in mods.items():
-            lora_expand(partials[name], m["b"], scalings, layout, m["slices"], lora_expand_once[name],
+            lora_expand(parts[name], m["b"], scalings, layout, m["slices"], lora_expand_once[name],
                         block_n=block_n, per_program=per_program, num_warps=warps)
         if first is None:
             first = lora_expand_once
@@ -131,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         per_module = {}
         for name, m in mods.items():
             one = time_graph(lambda name=name, m=m: [lora_expand(
-                partials[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
+                parts[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
                 per_program=per_program, num_warps=warps) for _ in range(ns.layers)], ns.replays)
             per_module[name] = 1e3 * one / ns.layers
         result["runs"].append({"kernel": "expand", "variant": text, "ms_per_step": ms,

@@ -50,8 +50,13 @@ _TARGET_PROGRAMS = 264  # two per SM of a 132-SM GPU: a prefill's shrink splits 
 _MIN_SPLIT_K = 256  # columns of K per shrink program at the least
 DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (fewer where K is short; the expand
 # sums them, unrolled)
-_BLOCK_N = 128  # output columns of one expand step
-_DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
+EXPAND_BLOCK_N = 128  # output columns of one expand step
+EXPAND_DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
+EXPAND_WARPS = 4
+# A decode batch's shrink sums its DECODE_SPLIT partial sums itself, in a kernel of its own after the products (the
+# expand's order, so the same bits): each expand program then reads one [BLOCK_M, PR] block instead of DECODE_SPLIT.
+# An experiment (benchmarks.lora --reduce-partials), off until a GPU measures it.
+REDUCE_DECODE_PARTIALS = False
 
 
 class LoraLayout(NamedTuple):
@@ -161,9 +166,10 @@ def _split(layout: LoraLayout, k: int) -> int:
     return max(1, min(want, k // _MIN_SPLIT_K))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout, reduce: bool | None = None) -> torch.Tensor:
     """x [rows, K] (unit column stride), a [S, PR, K] (unit stride along K) -> float32 partial sums
-    [SPLIT, rows, PR] of x A_slot^T over SPLIT ranges of K, written for rows with an adapter only."""
+    [SPLIT, rows, PR] of x A_slot^T over SPLIT ranges of K, written for rows with an adapter only; `reduce`
+    (default: REDUCE_DECODE_PARTIALS for decode-sized batches) sums them into [1, rows, PR] (lora_sum_partials)."""
     rows, k = x.shape
     num_slots, pr = a.shape[0], a.shape[1]
     if a.shape[2] != k or a.stride(2) != 1 or a.dtype != x.dtype:
@@ -183,7 +189,34 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, layout: LoraLayout) -> torch.T
         NUM_SLOTS=num_slots, BLOCK_M=layout.block_m, BLOCK_R=max(16, triton.next_power_of_2(pr)), BLOCK_K=block_k,
         UPCAST=dot_needs_upcast(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
         **pdl_options(x))
-    return partials
+    if reduce is None:
+        reduce = REDUCE_DECODE_PARTIALS and layout.block_m == 16
+    return lora_sum_partials(partials) if reduce and split > 1 else partials
+
+
+@jit
+def _sum_partials_kernel(part_ptr, out_ptr, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # out[i] = ((0 + part[0, i]) + part[1, i]) + ... in split order: the expand's own order of the same sums
+    pdl_enter(PDL)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for sp in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + sp * n + i, mask=mask, other=0.0)
+    tl.store(out_ptr + i, acc, mask=mask)
+
+
+def lora_sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[SPLIT, rows, PR] float32 partial sums -> [1, rows, PR], each the sum in split order (so the expand's result is
+    the same bit for bit from either)."""
+    split, rows, pr = partials.shape
+    out = torch.empty((1, rows, pr), dtype=torch.float32, device=partials.device)
+    n = rows * pr
+    if n:
+        block = 1024
+        _sum_partials_kernel[(triton.cdiv(n, block),)](partials, out, n, SPLIT=split, BLOCK=block, num_warps=4,
+                                                        **pdl_options(partials))
+    return out
 
 
 @jit(do_not_specialize=["rows"])
@@ -249,7 +282,7 @@ def _check_slices(slices: Sequence[tuple[int, int]], b: torch.Tensor, pr: int) -
 
 def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
                 slices: Sequence[tuple[int, int]], out: torch.Tensor, block_n: int | None = None,
-                per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Adds (sum of partials) B_slot^T * scaling_slot into `out` [rows, N] (unit column stride), in place, for the
     columns (start, width) of each projection; b [S, N, R] (unit stride along R), scalings [S] float32. `block_n`,
     `per_program` (column blocks one program runs; decode-sized batches only) and `num_warps` override the tiling
@@ -262,10 +295,10 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     _check_slices(slices, b, pr)
     if rows == 0:
         return out
-    block_n = block_n or _BLOCK_N
+    block_n, num_warps = block_n or EXPAND_BLOCK_N, num_warps or EXPAND_WARPS
     flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
     blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
-    per_program = (per_program or _DECODE_BLOCKS) if layout.block_m == 16 else 1
+    per_program = (per_program or EXPAND_DECODE_BLOCKS) if layout.block_m == 16 else 1
     _expand_kernel[(layout.max_tiles, triton.cdiv(blocks, per_program))](
         partials, b, scalings, out, layout.tiles, rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1),
         out.stride(0), *flat, NUM_SLOTS=b.shape[0], BLOCK_M=layout.block_m,

@@ -115,6 +115,27 @@ def test_the_expand_tilings_add_the_same_sums(block_n, per_program, warps):
                                **TOLERANCE[torch.bfloat16])
 
 
+def test_partial_sums_summed_by_the_shrink_expand_to_the_same_bits():
+    """kernels.lora.REDUCE_DECODE_PARTIALS: the shrink sums its K parts itself in the expand's order, so the expand over
+    [1, rows, PR] writes what it writes over the parts (bfloat16, K split in 4)."""
+    from radixmesh.kernels.lora import lora_expand, lora_sum_partials
+
+    x, a, b, scalings, row_slots, out, slices = make_case(40, 1024, [96, 64], 3, 16, torch.bfloat16, seed=6)
+    dx, da, db, dsc, dslots, dout = on(DEVICE, x, a, b, scalings, row_slots, out)
+    layout = lora_layout(dslots, 3)
+    parts = lora_shrink(dx, da, layout, reduce=False)
+    summed = lora_shrink(dx, da, layout, reduce=True)
+    assert parts.shape[0] == 4 and summed.shape == (1, *parts.shape[1:])
+    rows = (row_slots >= 0).nonzero().squeeze(1).to(DEVICE)  # (the parts of rows without an adapter are not written)
+    assert torch.equal(summed[0, rows], lora_sum_partials(parts)[0, rows])
+    want = torch.zeros_like(parts[0, rows])
+    for part in parts[:, rows]:
+        want += part
+    assert torch.equal(summed[0, rows], want)
+    assert torch.equal(lora_expand(summed, db, dsc, layout, slices, dout.clone()),
+                       lora_expand(parts, db, dsc, layout, slices, dout.clone()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_shrinks_partial_sums_add_up_to_the_twins_product(dtype):
     x, a, _, _, row_slots, _, _ = make_case(30, 640, [16, 16], 3, 8, dtype, seed=3)
