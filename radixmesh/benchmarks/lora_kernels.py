@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from radixmesh.benchmarks.pdl_chain import _time_graph
 from radixmesh.kernels.lora import lora_expand, lora_layout, lora_shrink, lora_sum_partials
 
 
@@ -46,32 +47,15 @@ def build(batch: int, adapters: int, slots: int, rank: int, shapes: dict, dtype:
 
 
 def time_graph(fn, replays: int) -> float:
-    """ms per replay of a CUDA graph of fn() (warmed up first); off CUDA (Triton's interpreter: a smoke run), ms per
-    call."""
-    if not torch.cuda.is_available():
-        fn()
-        start = time.perf_counter()
-        for _ in range(replays):
-            fn()
-        return 1e3 * (time.perf_counter() - start) / replays
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    """ms per replay of a CUDA graph of fn() (benchmarks.pdl_chain's timing); off CUDA (Triton's interpreter: a smoke
+    run), ms per call."""
+    if torch.cuda.is_available():
+        return _time_graph(fn, replays)
+    fn()
+    start = time.perf_counter()
     for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+        fn()
+    return 1e3 * (time.perf_counter() - start) / replays
 
 
 def parse_variant(text: str) -> tuple[int, int, int, bool]:
