@@ -49,8 +49,9 @@
 #                           LORA_SIDE=1: again with the shrinks on a side stream)
 #   PARTS="setup lorasweep" issue 54: the LoRA kernels alone (radixmesh.benchmarks.lora_kernels: a decode step's
 #                           shrinks and expands at batch 64 with 8 adapters, per expand tiling, over K parts or summed
-#                           parts), then the decode step at batch 64 with 0 and 8 adapters with the shrinks summing
-#                           their parts, on the side stream, and the expand tiled as LORA_TILING (64x1x4)
+#                           parts, the row-ordered expand), then the decode step (batch 1 and 64, 0/1/8 adapters)
+#                           with the shrinks summing their parts on the side stream, per expand of LORA_TILINGS
+#                           ("d64x64x4 64x1x4": the row-ordered expand, the tiled one a block a program)
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -308,10 +309,12 @@ fi
 if [[ " $PARTS " == *" lorasweep "* ]]; then
   timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora_kernels --out "$OUT/lora_kernels.json" 2>&1 \
     | tee "$OUT/lora_kernels.log" | grep -E "^(shrink|expand)|Error"
-  timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
-    --engine-args '{"load_format": "dummy"}' --side-stream --reduce-partials --expand-tiling ${LORA_TILING:-64x1x4} \
-    --batch-sizes 1,64 --adapters 0,1,8 --out "$OUT/lora_tiled.json" 2>&1 | tee "$OUT/lora_tiled.log" \
-    | grep -E "ms/token|goal|Error"
+  for tiling in ${LORA_TILINGS:-d64x64x4 64x1x4}; do
+    timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
+      --engine-args '{"load_format": "dummy"}' --side-stream --reduce-partials --expand-tiling $tiling \
+      --batch-sizes 1,64 --adapters 0,1,8 --repeats 2 --out "$OUT/lora_$tiling.json" 2>&1 \
+      | tee "$OUT/lora_$tiling.log" | grep -E "ms/token|goal|Error"
+  done
 fi
 
 if [[ $PARTS == *meshprof* ]]; then

@@ -5,10 +5,11 @@ per step includes what a graph pays per kernel (launch, dependent latency) and n
     python -m radixmesh.benchmarks.lora_kernels --batch 64 --adapters 8 --out result.json
 
 Shapes: Llama-3.1-8B's by default (hidden 4096, q 4096, k/v 1024, intermediate 14336, 32 layers), rank 16, bfloat16.
-Variants of the expand's tiling (`--expand`: block_n x column blocks per program x warps, and a trailing "r": over
-partial sums the shrink has summed, kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same
-process; the shrinks once, beside them, with and without that sum. The output checks each variant's sums against the
-first's (they add the same terms in the same order). Prints ms per step and us per kernel."""
+Variants of the expand (`--expand`: the tiled kernel's block_n x column blocks per program x warps, or "d" and the
+row-ordered kernel's rows x columns x warps; a trailing "r": over partial sums the shrink has summed,
+kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same process; the shrinks once, beside
+them, with and without that sum. The output checks each variant's sums against the first's (they make the same
+roundings of the same terms). Prints ms per step and us per kernel."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from radixmesh.benchmarks.pdl_chain import _time_graph
-from radixmesh.kernels.lora import lora_expand, lora_layout, lora_shrink, lora_sum_partials
+from radixmesh.kernels.lora import lora_expand, lora_expand_rows, lora_layout, lora_shrink, lora_sum_partials
 
 
 def modules(hidden: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, list[tuple[int, int]]]]:
@@ -58,10 +59,19 @@ def time_graph(fn, replays: int) -> float:
     return 1e3 * (time.perf_counter() - start) / replays
 
 
-def parse_variant(text: str) -> tuple[int, int, int, bool]:
-    """"BLOCK_NxPER_PROGRAMxWARPS", "r" appended: over summed partials."""
-    block_n, per_program, warps = (int(v) for v in text.rstrip("r").split("x"))
-    return block_n, per_program, warps, text.endswith("r")
+def expander(text: str):
+    """An expand variant from its name: "BLOCK_NxPER_PROGRAMxWARPS" (the tiled expand), "dBLOCK_MxBLOCK_NxWARPS" (the
+    row-ordered one, kernels.lora.lora_expand_rows); "r" appended: over summed partials. Returns (fn(partials, b,
+    scalings, layout, slices, out), summed)."""
+    summed = text.endswith("r")
+    values = [int(v) for v in text.removesuffix("r").removeprefix("d").split("x")]
+    if text.startswith("d"):
+        block_m, block_n, warps = values
+        return (lambda p, b, sc, lay, sl, out: lora_expand_rows(p, b, sc, lay, sl, out, block_m=block_m,
+                                                                block_n=block_n, num_warps=warps)), summed
+    block_n, per_program, warps = values
+    return (lambda p, b, sc, lay, sl, out: lora_expand(p, b, sc, lay, sl, out, block_n=block_n,
+                                                       per_program=per_program, num_warps=warps)), summed
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,9 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shape", default="4096,4096,1024,14336", help="hidden,q,kv,intermediate")
-    ap.add_argument("--expand", nargs="+", default=["128x4x4", "128x1x4", "64x1x4", "64x2x4", "256x1x8", "128x4x4r",
-                                                       "128x1x4r", "64x1x4r", "64x1x2r", "32x1x4r", "256x1x8r"],
-                    help="block_n x column blocks per program x warps; the first is the default tiling")
+    ap.add_argument("--expand", nargs="+", default=["128x4x4", "128x1x4", "64x1x4", "256x1x8", "128x4x4r", "128x1x4r",
+                                                       "64x1x4r", "32x1x4r", "d64x64x4", "d64x64x4r", "d64x32x4r",
+                                                       "d64x128x8r", "d32x64x4r", "d16x64x4r"],
+                    help="expand variants (benchmarks.lora_kernels.expander); the first is the default tiling")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
     ns = ap.parse_args(argv)
@@ -104,30 +115,25 @@ def main(argv: list[str] | None = None) -> dict:
     summed = {name: lora_sum_partials(p) for name, p in partials.items()}
     first = None
     for text in ns.expand:
-        block_n, per_program, warps, reduced = parse_variant(text)
+        expand, reduced = expander(text)
         parts = summed if reduced else partials
 
-        def expands(block_n=block_n, per_program=per_program, warps=warps):
+        def expands(expand=expand, parts=parts):
             for _ in range(ns.layers):
                 for name, m in mods.items():
-                    lora_expand(parts[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
-                                per_program=per_program, num_warps=warps)
+                    expand(parts[name], m["b"], scalings, layout, m["slices"], m["out"])
 
-        for m in mods.values():
-            m["out"].zero_()
-        lora_expand_once = {name: m["out"].clone() for name, m in mods.items()}
+        once = {name: torch.zeros_like(m["out"]) for name, m in mods.items()}
         for name, m in mods.items():
-            lora_expand(parts[name], m["b"], scalings, layout, m["slices"], lora_expand_once[name],
-                        block_n=block_n, per_program=per_program, num_warps=warps)
+            expand(parts[name], m["b"], scalings, layout, m["slices"], once[name])
         if first is None:
-            first = lora_expand_once
-        same = all(torch.equal(first[k], v) for k, v in lora_expand_once.items())
+            first = once
+        same = all(torch.equal(first[k], v) for k, v in once.items())
         ms = time_graph(expands, ns.replays)
         per_module = {}
         for name, m in mods.items():
-            one = time_graph(lambda name=name, m=m: [lora_expand(
-                parts[name], m["b"], scalings, layout, m["slices"], m["out"], block_n=block_n,
-                per_program=per_program, num_warps=warps) for _ in range(ns.layers)], ns.replays)
+            one = time_graph(lambda expand=expand, parts=parts, name=name, m=m: [expand(
+                parts[name], m["b"], scalings, layout, m["slices"], m["out"]) for _ in range(ns.layers)], ns.replays)
             per_module[name] = 1e3 * one / ns.layers
         result["runs"].append({"kernel": "expand", "variant": text, "ms_per_step": ms,
                                "us_per_kernel": 1e3 * ms / (4 * ns.layers), "us_by_module": per_module,

@@ -18,9 +18,13 @@ to memory (a decode step's LoRA kernels are chains of dependent loads on the ste
 benchmarks/results/NOTES.md, 2026-12-05).
 
 `lora_shrink` computes x A^T for the tiles, split along K so that a decode batch of a few tiles still fills the GPU:
-float32 partial sums [SPLIT, rows, P * R]. `lora_expand` sums the partials, rounds them to the activations' dtype (as
-the twin's product is rounded), multiplies by B^T (rounded), scales (rounded) and adds into the output columns of
-each projection, in place: the twin's roundings one for one, with sums in another order.
+float32 partial sums [SPLIT, rows, P * R] (or, asked to, their sum [1, rows, P * R]: `lora_sum_partials`).
+`lora_expand` sums the partials, rounds them to the activations' dtype (as the twin's product is rounded), multiplies
+by B^T (rounded), scales (rounded) and adds into the output columns of each projection, in place: the twin's
+roundings one for one, with sums in another order. `lora_expand_rows` does the same with the rows in their own order:
+its product runs over every slot's B columns at once, a row's partial sums placed in its slot's columns, so a program
+needs no tile of one slot (an experiment for decode batches, whose tiles by slot are mostly empty rows:
+benchmarks.lora_kernels measures both).
 
 The twin (`lora_apply_reference`) computes the same per slot with torch's products; given each slot's rank it cuts A
 and B to it, which is peft's arithmetic exactly (the CPU engine's parity with peft in float32 rests on it).
@@ -53,6 +57,10 @@ DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (
 EXPAND_BLOCK_N = 128  # output columns of one expand step
 EXPAND_DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
 EXPAND_WARPS = 4
+# The row-ordered expand (lora_expand_rows) for decode-sized batches instead of the tiled one: (rows a program, columns
+# a program, warps), or None. An experiment (benchmarks.lora --expand-tiling d64x64x4), off until a GPU measures it.
+EXPAND_ROWS: tuple[int, int, int] | None = None
+_ROWS_MAX_COLUMNS = 256  # slots x rank at most for the row-ordered expand (one B tile holds every slot's columns)
 # A decode batch's shrink sums its DECODE_SPLIT partial sums itself, in a kernel of its own after the products (the
 # expand's order, so the same bits): each expand program then reads one [BLOCK_M, PR] block instead of DECODE_SPLIT.
 # An experiment (benchmarks.lora --reduce-partials), off until a GPU measures it.
@@ -70,8 +78,9 @@ class LoraLayout(NamedTuple):
     max_tiles: int  # an upper bound of the tiles in use: the programs each launch starts along its first axis
     block_m: int
     # [max_tiles, 1 + block_m] what each program reads first, in one round trip: its tile's slot (S past the tiles in
-    # use) and the tile's rows (-1 past its slot's rows); the kernels read nothing else of the layout
+    # use) and the tile's rows (-1 past its slot's rows); the tiled kernels read nothing else of the layout
     tiles: torch.Tensor
+    slots: torch.Tensor  # [rows] int32, each row's slot (-1: none): what the row-ordered expand reads
 
 
 def block_m_for(rows: int) -> int:
@@ -97,7 +106,8 @@ def lora_layout(slots: torch.Tensor, num_slots: int, block_m: int | None = None)
     tile_end = tiles.cumsum(0)
     max_tiles = -(-rows // block_m) + num_slots
     return LoraLayout(order, seg_start, seg_count, tile_end, max_tiles, block_m,
-                      _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots))
+                      _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots),
+                      slots.to(torch.int32))
 
 
 def _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles: int, block_m: int, num_slots: int
@@ -280,6 +290,16 @@ def _check_slices(slices: Sequence[tuple[int, int]], b: torch.Tensor, pr: int) -
         raise ValueError(f"slices {list(slices)} fall outside the {b.shape[1]} columns of b")
 
 
+def _check_expand(partials: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                  slices: Sequence[tuple[int, int]]) -> None:
+    rows = partials.shape[1]
+    if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
+        raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
+                         f"stride expected; got b {tuple(b.shape)} {b.dtype} {b.stride()}, out {tuple(out.shape)} "
+                         f"{out.dtype} {out.stride()}")
+    _check_slices(slices, b, partials.shape[2])
+
+
 def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
                 slices: Sequence[tuple[int, int]], out: torch.Tensor, block_n: int | None = None,
                 per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -288,13 +308,12 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     `per_program` (column blocks one program runs; decode-sized batches only) and `num_warps` override the tiling
     (radixmesh.benchmarks.lora_kernels sweeps them)."""
     split, rows, pr = partials.shape
-    if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
-        raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
-                         f"stride expected; got b {tuple(b.shape)} {b.dtype} {b.stride()}, out {tuple(out.shape)} "
-                         f"{out.dtype} {out.stride()}")
-    _check_slices(slices, b, pr)
+    _check_expand(partials, b, out, slices)
     if rows == 0:
         return out
+    if (EXPAND_ROWS is not None and block_n is None and layout.block_m == 16
+            and b.shape[0] * b.shape[2] <= _ROWS_MAX_COLUMNS):
+        return lora_expand_rows(partials, b, scalings, layout, slices, out, *EXPAND_ROWS)
     block_n, num_warps = block_n or EXPAND_BLOCK_N, num_warps or EXPAND_WARPS
     flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
     blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
@@ -305,6 +324,81 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
         BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
         UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
         num_warps=num_warps, SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))
+    return out
+
+
+@jit(do_not_specialize=["rows"])
+def _expand_rows_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, slots_ptr, count_ptr, rows, PR, R, stride_bs, stride_bn,
+                        stride_om, start0, width0, start1, width1, start2, width2,
+                        NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+    # grid (cdiv(rows, BLOCK_M), column blocks of every projection): rows in their own order, whatever their slots.
+    # Column c of the product is slot c // R's rank c % R: a row's partial sums stand in its slot's columns (zero in the
+    # others), B's tile holds every slot present, so one product gives each row its own adapter's delta.
+    pdl_enter(PDL)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < rows
+    slot = tl.load(slots_ptr + m, mask=m_mask, other=-1)
+    nb = tl.program_id(1)
+    blocks0 = tl.cdiv(width0, BLOCK_N)
+    blocks1 = tl.cdiv(width1, BLOCK_N)
+    part = (nb >= blocks0).to(tl.int32) + (nb >= blocks0 + blocks1).to(tl.int32)
+    col0 = tl.where(part == 0, start0, tl.where(part == 1, start1, start2))
+    width = tl.where(part == 0, width0, tl.where(part == 1, width1, width2))
+    block = nb - tl.where(part == 0, 0, tl.where(part == 1, blocks0, blocks0 + blocks1))
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < width
+    c = tl.arange(0, BLOCK_C)
+    cs = c // R
+    cr = c % R
+    c_valid = cs < NUM_SLOTS
+    used = tl.load(count_ptr + cs, mask=c_valid, other=0) > 0  # slots with rows in this batch (B of others unread)
+    sel = (slot[:, None] == cs[None, :]) & m_mask[:, None] & c_valid[None, :]
+    inter_ptrs = part_ptr + m[:, None] * PR + (part * R + cr)[None, :]
+    inter = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for sp in tl.static_range(SPLIT):  # the tiled expand's order
+        inter += tl.load(inter_ptrs + sp * rows * PR, mask=sel, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    inter = inter.to(dtype)
+    if UPCAST:
+        inter = inter.to(tl.float32)
+    b = tl.load(b_ptr + cs.to(tl.int64)[None, :] * stride_bs + (col0 + n).to(tl.int64)[:, None] * stride_bn
+                + cr[None, :], mask=n_mask[:, None] & (c_valid & used)[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
+    if UPCAST:
+        b = b.to(tl.float32)
+    delta = tl.dot(inter, tl.trans(b), input_precision=PRECISION).to(dtype).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+    has = slot >= 0
+    scale = tl.load(scale_ptr + tl.where(has, slot, 0), mask=has, other=0.0)
+    delta = (delta * scale[:, None]).to(dtype).to(tl.float32)
+    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + (col0 + n)[None, :]
+    mask = has[:, None] & n_mask[None, :]
+    out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (out + delta).to(dtype), mask=mask)
+
+
+def lora_expand_rows(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
+                     slices: Sequence[tuple[int, int]], out: torch.Tensor, block_m: int = 64, block_n: int = 64,
+                     num_warps: int = 4) -> torch.Tensor:
+    """lora_expand's sums with the rows in their own order (no tiles by slot): a program takes BLOCK_M rows of any
+    slots and BLOCK_N columns, and one product over every slot's B columns (slots x rank of them, at most
+    _ROWS_MAX_COLUMNS) gives each row its adapter's delta; B of slots no row uses is not read. The same roundings as
+    the tiled expand."""
+    split, rows, pr = partials.shape
+    _check_expand(partials, b, out, slices)
+    num_slots, _, rank = b.shape
+    if num_slots * rank > _ROWS_MAX_COLUMNS:
+        raise ValueError(f"{num_slots} slots of rank {rank} exceed the row-ordered expand's "
+                         f"{_ROWS_MAX_COLUMNS} columns")
+    if rows == 0:
+        return out
+    flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
+    blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
+    _expand_rows_kernel[(triton.cdiv(rows, block_m), blocks)](
+        partials, b, scalings, out, layout.slots, layout.seg_count, rows, pr, rank, b.stride(0), b.stride(1),
+        out.stride(0), *flat, NUM_SLOTS=num_slots, BLOCK_M=block_m,
+        BLOCK_C=max(16, triton.next_power_of_2(num_slots * rank)), BLOCK_N=block_n,
+        UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, SPLIT=split, **pdl_options(out))
     return out
 
 
