@@ -13,6 +13,11 @@ folder's FOLDER_S."""
 from __future__ import annotations
 
 FILE_S = {
+    # The image's first build (its module fixture, ~80 s on a bare machine) goes first, and the compose tests, which
+    # use the same image, well after it: their build then finds every layer cached (tests/deploy/podman.build takes
+    # one build at a time, so they would otherwise wait for it)
+    "tests/deploy/test_image.py": 250,
+    "tests/deploy/test_compose.py": 60,
     "tests/e2e/test_pd.py": 210,
     "tests/e2e/test_chaos.py": 184,
     "tests/parity/test_fp8_weights_kernels.py": 122,
@@ -23,12 +28,10 @@ FILE_S = {
     "tests/e2e/test_tp_mesh.py": 55,
     "tests/e2e/test_hicache_mesh.py": 55,
     "tests/kernels/test_attention.py": 54,
-    "tests/deploy/test_compose.py": 54,
     "tests/parity/test_speculative_tree.py": 53,
     "tests/services/test_bench_serving_smoke.py": 52,
     "tests/e2e/test_speculative_mesh.py": 52,
     "tests/e2e/test_mesh_faults.py": 50,
-    "tests/deploy/test_image.py": 49,
     "tests/parity/test_parity_cpu.py": 49,
     "tests/e2e/test_lora_mesh.py": 48,
     "tests/services/test_router_lora.py": 48,

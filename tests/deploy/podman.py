@@ -8,6 +8,7 @@ format has no HEALTHCHECK)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -58,11 +59,17 @@ def image_id(tag: str) -> str | None:
 
 def build(tag: str = CPU_IMAGE, dockerfile: str = "docker/Dockerfile", timeout: float = 1800) -> float:
     """Build (from the layer cache where nothing changed); returns the seconds it took. The image this tag named
-    before is removed when the build replaces it (its layers that the new one shares stay)."""
-    before = image_id(tag)
+    before is removed when the build replaces it (its layers that the new one shares stay). One build at a time on
+    this machine: the suite's two processes (test_image.py, test_compose.py) would otherwise build the same layers
+    twice at once; the second waits and finds them cached."""
+    lock_path = ROOT / "build" / "podman-build.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    proc = subprocess.run(["podman", "build", *build_options(), "-f", dockerfile, "-t", tag, "."], cwd=ROOT,
-                          timeout=timeout, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before = image_id(tag)
+        proc = subprocess.run(["podman", "build", *build_options(), "-f", dockerfile, "-t", tag, "."], cwd=ROOT,
+                              timeout=timeout, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     took = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"podman build failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
