@@ -47,7 +47,8 @@
 #   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights),
 #                           the decode steps profiled (LORA_NOPDL=1: again with PDL off, each kernel's own time;
 #                           LORA_SIDE=1: again with the shrinks on a side stream)
-#   PARTS="setup lorasweep" issue 54: the LoRA kernels alone (radixmesh.benchmarks.lora_kernels: a decode step's
+#   PARTS="setup lorasweep" issue 54: the LoRA kernel tests and the engine's peft parity with the experiments on, then
+#                           the LoRA kernels alone (radixmesh.benchmarks.lora_kernels: a decode step's
 #                           shrinks and expands at batch 64 with 8 adapters, per expand tiling, over K parts or summed
 #                           parts, the row-ordered expand), then the decode step (batch 1 and 64, 0/1/8 adapters)
 #                           with the shrinks summing their parts on the side stream, per expand of LORA_TILINGS
@@ -307,6 +308,11 @@ if [[ " $PARTS " == *" lora "* ]]; then
 fi
 
 if [[ " $PARTS " == *" lorasweep "* ]]; then
+  # first the experiments' correctness: the kernel twins, and peft's tokens with the summed parts and the row-ordered
+  # expand in CUDA graphs
+  timeout ${LORA_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_lora.py \
+    "tests/gpu/test_lora_cuda.py::test_adapters_and_the_base_in_cuda_graphs_match_peft" 2>&1 \
+    | tee "$OUT/lora_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora_kernels --out "$OUT/lora_kernels.json" 2>&1 \
     | tee "$OUT/lora_kernels.log" | grep -E "^(shrink|expand)|Error"
   for tiling in ${LORA_TILINGS:-d64x64x4 64x1x4}; do
