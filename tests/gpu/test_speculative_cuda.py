@@ -209,7 +209,6 @@ def test_flashinfer_verifies_draft_trees_through_page_lists(tmp_path):
                                 return_logprob=True)
             stats = llm.scheduler.load()
             assert_no_leak(llm)
-        print(backend, stats)
         # (refs are float32's: where bfloat16's greedy path leaves them, the oracle drafts wrong tokens)
         assert stats["spec_accepted_tokens"] > 0.5 * stats["spec_verify_rows"] > 0, (backend, stats)
         assert_bf16_noise(path, outs)

@@ -18,7 +18,8 @@ from radixmesh.engine.speculative.tree import TreeShape
 from radixmesh.engine.speculative.tree_draft import TreeDrafter
 
 # decode attention backends that verify a draft tree (batch.tree_mask): Triton and torch_native mask it, FlashInfer
-# lists each tree row's keys instead (engine.attention.flashinfer_backend; no windows there; its tree rows run eagerly)
+# lists each tree row's keys instead (engine.attention.flashinfer_backend; no windows there; its tree rows run eagerly).
+# Every registered backend today; one added to the registry is refused for trees until it joins.
 TREE_BACKENDS = ("triton", "torch_native", "flashinfer")
 # the target's arguments a draft runs with (its one-token steps replay CUDA graphs of their own)
 _DRAFT_KEEPS = ("dtype", "kv_cache_dtype", "device", "context_length", "page_size", "prefill_attention_backend",
