@@ -37,11 +37,13 @@ def _check_record(rec: dict, prompts: int, expected_output_tokens: int) -> None:
     for stat in ("mean", "median", "p99"):
         assert 0 < rec[f"{stat}_ttft_ms"] <= rec[f"{stat}_e2e_latency_ms"], (stat, rec)
     assert rec["mean_tpot_ms"] > 0
-    # the in-process engine yields each step's token as it comes; through the mesh, a client that reads late gets a
-    # request's queued events in one write (the router's cork), and tokens that come with the first event get no
-    # ITL sample: on a loaded machine every one of these short answers can arrive that way
-    if rec["backend"] == "engine":
-        assert rec["mean_itl_ms"] > 0 and rec["max_itl_ms"] > 0
+    # A consumer that reads late gets a request's queued outputs in one chunk (the in-process engine's delivery
+    # coalesces them, engine.delivery; the mesh's router corks them), and tokens that come with the first chunk get no
+    # ITL sample: on a loaded machine every one of these short answers (2-4 tokens) can arrive that way, and then the
+    # level has no ITL figures at all (a suite run on 2026-12-06 had none for the engine at concurrency 1). How the
+    # samples are made is tests/unit/test_serving_timer.py's.
+    if rec["mean_itl_ms"] is None:
+        assert all(rec[f"{stat}_itl_ms"] is None for stat in ("median", "p99", "max")), rec
     else:
         assert rec["max_itl_ms"] >= rec["mean_itl_ms"] >= 0
     for key in ("request_throughput", "output_throughput", "total_throughput", "duration", "concurrency"):
