@@ -50,8 +50,8 @@ class ForwardBatch:
     # Decode rows of a draft tree (engine.speculative.tree): [2, batch] int64, each row's first masked table index
     # and the bits of the keys from there on it sees (keys before it: all); None: every key up to seq_len.
     tree_mask: torch.Tensor | None = None
-    # With tree_mask: the keys each row sees (engine.speculative.tree.tree_row_keys), known on the host where the tree was
-    # built, for backends that list each row's keys (FlashInfer's page lists)
+    # With tree_mask: the keys each row sees (engine.speculative.tree.tree_row_keys), known on the host where the tree
+    # was built, for backends that list each row's keys (FlashInfer's page lists)
     tree_keys_host: list[int] | None = None
 
     @property

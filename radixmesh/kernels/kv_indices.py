@@ -61,8 +61,8 @@ def build_tree_kv_indices(table: torch.Tensor, req_pool_indices: torch.Tensor, s
     (its ancestors and itself), in that order; a decode kernel over these lists computes the tree mask's attention
     (keys are stored rotated: their order in a list changes no score). tree [2, batch] int64 (start, bits);
     kv_indptr [batch + 1] the exclusive prefix sums of the rows' counts; out int32 with at least kv_indptr[-1] + 1
-    elements (the last one is scratch for the bits not taken; engine.speculative.tree.tree_row_keys counts a row's keys on the
-    host). Device ops of fixed shapes: the host never waits."""
+    elements (the last one is scratch for the bits not taken; engine.speculative.tree.tree_row_keys counts a row's
+    keys on the host). Device ops of fixed shapes: the host never waits."""
     start, bits = tree[0], tree[1]
     if table.is_cuda:
         build_kv_indices(table, req_pool_indices, start, kv_indptr, out)
