@@ -46,13 +46,12 @@
 #                           tree lists and sliding lists, FlashInfer over fp8 pages, LoRA's side stream, families)
 #   PARTS="setup lora"      issue 54: multi-LoRA decode cost on the 8B shape (radixmesh.benchmarks.lora, dummy weights),
 #                           the decode steps profiled (LORA_NOPDL=1: again with PDL off, each kernel's own time;
-#                           LORA_SIDE=1: again with the shrinks on a side stream)
-#   PARTS="setup lorasweep" issue 54: the LoRA kernel tests and the engine's peft parity with the experiments on, then
-#                           the LoRA kernels alone (radixmesh.benchmarks.lora_kernels: a decode step's
-#                           shrinks and expands at batch 64 with 8 adapters, per expand tiling, over K parts or summed
-#                           parts, the row-ordered expand), then the decode step (batch 1 and 64, 0/1/8 adapters)
-#                           with the shrinks summing their parts on the side stream, per expand of LORA_TILINGS
-#                           ("d64x64x4 64x1x4": the row-ordered expand, the tiled one a block a program)
+#                           LORA_NOSIDE=1: again with every LoRA kernel on the one stream)
+#   PARTS="setup lorasweep" issue 54: the LoRA kernel tests and the engine's peft parity (defaults and both decode
+#                           options off), then the LoRA kernels alone (radixmesh.benchmarks.lora_kernels: a decode
+#                           step's shrinks and expands at batch 64 with 8 adapters, per expand tiling, over K parts or
+#                           summed parts), then the decode step (batch 1 and 64, 0/1/8 adapters) per expand tiling of
+#                           LORA_TILINGS ("128x1x4 64x1x4")
 #   PARTS="setup meshprof" where the mesh's time goes at 256 streams: queue depths over time, GIL holders (py-spy)
 #   PARTS="setup servab"    engine, mesh, and mesh with a call per request (--disable-generate-stream), alternated
 #   PARTS="setup meshab"    engine, mesh, and the mesh of an earlier tree ($BASE), alternated, with each thread's CPU
@@ -301,23 +300,22 @@ if [[ " $PARTS " == *" lora "* ]]; then
     --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy", "disable_pdl": true}' \
     --batch-sizes 64 --adapters 0,8 --repeats 1 --profile-steps 16 --out "$OUT/lora_nopdl.json" 2>&1 \
     | tee "$OUT/lora_nopdl.log" | grep -E "ms/token|goal|Error"
-  # the shrinks on a side stream beside the base products (engine.lora.batch), against the run above
-  [[ -n ${LORA_SIDE:-} ]] && timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora \
-    --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy"}' --side-stream \
-    --out "$OUT/lora_side.json" 2>&1 | tee "$OUT/lora_side.log" | grep -E "ms/token|goal|Error"
+  # every LoRA kernel on the one stream (no shrink beside the base products: engine.lora.batch), against the run above
+  [[ -n ${LORA_NOSIDE:-} ]] && timeout ${LORA_TIMEOUT:-300} $PY -m radixmesh.benchmarks.lora \
+    --model-path build/llama-3.1-8b --dtype bfloat16 --engine-args '{"load_format": "dummy"}' --no-side-stream \
+    --out "$OUT/lora_noside.json" 2>&1 | tee "$OUT/lora_noside.log" | grep -E "ms/token|goal|Error"
 fi
 
 if [[ " $PARTS " == *" lorasweep "* ]]; then
-  # first the experiments' correctness: the kernel twins, and peft's tokens with the summed parts and the row-ordered
-  # expand in CUDA graphs
+  # first the kernels' correctness: their twins, and peft's tokens in CUDA graphs
   timeout ${LORA_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_lora.py \
     "tests/gpu/test_lora_cuda.py::test_adapters_and_the_base_in_cuda_graphs_match_peft" 2>&1 \
     | tee "$OUT/lora_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora_kernels --out "$OUT/lora_kernels.json" 2>&1 \
     | tee "$OUT/lora_kernels.log" | grep -E "^(shrink|expand)|Error"
-  for tiling in ${LORA_TILINGS:-d64x64x4 64x1x4}; do
+  for tiling in ${LORA_TILINGS:-128x1x4 64x1x4}; do
     timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
-      --engine-args '{"load_format": "dummy"}' --side-stream --reduce-partials --expand-tiling $tiling \
+      --engine-args '{"load_format": "dummy"}' --expand-tiling $tiling \
       --batch-sizes 1,64 --adapters 0,1,8 --repeats 2 --out "$OUT/lora_$tiling.json" 2>&1 \
       | tee "$OUT/lora_$tiling.log" | grep -E "ms/token|goal|Error"
   done

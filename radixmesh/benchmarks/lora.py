@@ -195,26 +195,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="kernels.lora.DECODE_SPLIT for this run (the K parts of a decode batch's shrink)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile a call decoding this many tokens (base, and the most adapters)")
-    ap.add_argument("--side-stream", action="store_true",
-                    help="the shrinks on a second stream beside the base products (engine.lora.batch)")
-    ap.add_argument("--reduce-partials", action="store_true",
-                    help="a decode batch's shrink sums its partial sums itself (kernels.lora.REDUCE_DECODE_PARTIALS)")
+    ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
+                    help="the shrinks on a second stream beside the base products (engine.lora.batch; the default)")
+    ap.add_argument("--reduce-partials", action=argparse.BooleanOptionalAction, default=True,
+                    help="a decode batch's shrink sums its partial sums itself (kernels.lora.REDUCE_DECODE_PARTIALS; "
+                         "the default)")
     ap.add_argument("--expand-tiling", default=None, metavar="BLOCK_NxPER_PROGRAMxWARPS",
-                    help="the expand's tiling for decode batches (benchmarks.lora_kernels sweeps it), e.g. 64x1x4; "
-                         "dBLOCK_MxBLOCK_NxWARPS: the row-ordered expand (kernels.lora.EXPAND_ROWS), e.g. d64x64x4")
+                    help="the expand's tiling for decode batches (benchmarks.lora_kernels sweeps it), e.g. 64x1x4")
     ns = ap.parse_args(argv)
-    if ns.side_stream:
-        from radixmesh.engine.lora.batch import SIDE_STREAM_ENV
+    from radixmesh.engine.lora.batch import SIDE_STREAM_ENV
 
-        os.environ[SIDE_STREAM_ENV] = "1"
+    os.environ[SIDE_STREAM_ENV] = "1" if ns.side_stream else "0"
     from radixmesh.kernels import lora as lora_kernels
 
     if ns.decode_split:
         lora_kernels.DECODE_SPLIT = ns.decode_split
     lora_kernels.REDUCE_DECODE_PARTIALS = ns.reduce_partials
-    if ns.expand_tiling and ns.expand_tiling.startswith("d"):
-        lora_kernels.EXPAND_ROWS = tuple(int(v) for v in ns.expand_tiling[1:].split("x"))
-    elif ns.expand_tiling:
+    if ns.expand_tiling:
         lora_kernels.EXPAND_BLOCK_N, lora_kernels.EXPAND_DECODE_BLOCKS, lora_kernels.EXPAND_WARPS = (
             int(v) for v in ns.expand_tiling.split("x"))
     common = {"model_path": ns.model_path, "dtype": ns.dtype, "log_level": "warning", "skip_tokenizer_init": True,

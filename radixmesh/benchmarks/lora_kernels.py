@@ -5,9 +5,8 @@ per step includes what a graph pays per kernel (launch, dependent latency) and n
     python -m radixmesh.benchmarks.lora_kernels --batch 64 --adapters 8 --out result.json
 
 Shapes: Llama-3.1-8B's by default (hidden 4096, q 4096, k/v 1024, intermediate 14336, 32 layers), rank 16, bfloat16.
-Variants of the expand (`--expand`: the tiled kernel's block_n x column blocks per program x warps, or "d" and the
-row-ordered kernel's rows x columns x warps; a trailing "r": over partial sums the shrink has summed,
-kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same process; the shrinks once, beside
+Variants of the expand (`--expand`: block_n x column blocks per program x warps; a trailing "r": over partial sums
+the shrink has summed, kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same process; the shrinks once, beside
 them, with and without that sum. The output checks each variant's sums against the first's (they make the same
 roundings of the same terms). Prints ms per step and us per kernel."""
 
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from radixmesh.benchmarks.pdl_chain import _time_graph
-from radixmesh.kernels.lora import lora_expand, lora_expand_rows, lora_layout, lora_shrink, lora_sum_partials
+from radixmesh.kernels.lora import lora_expand, lora_layout, lora_shrink, lora_sum_partials
 
 
 def modules(hidden: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, list[tuple[int, int]]]]:
@@ -60,16 +59,10 @@ def time_graph(fn, replays: int) -> float:
 
 
 def expander(text: str):
-    """An expand variant from its name: "BLOCK_NxPER_PROGRAMxWARPS" (the tiled expand), "dBLOCK_MxBLOCK_NxWARPS" (the
-    row-ordered one, kernels.lora.lora_expand_rows); "r" appended: over summed partials. Returns (fn(partials, b,
-    scalings, layout, slices, out), summed)."""
+    """An expand variant from its name: "BLOCK_NxPER_PROGRAMxWARPS"; "r" appended: over summed partials. Returns
+    (fn(partials, b, scalings, layout, slices, out), summed)."""
     summed = text.endswith("r")
-    values = [int(v) for v in text.removesuffix("r").removeprefix("d").split("x")]
-    if text.startswith("d"):
-        block_m, block_n, warps = values
-        return (lambda p, b, sc, lay, sl, out: lora_expand_rows(p, b, sc, lay, sl, out, block_m=block_m,
-                                                                block_n=block_n, num_warps=warps)), summed
-    block_n, per_program, warps = values
+    block_n, per_program, warps = (int(v) for v in text.removesuffix("r").split("x"))
     return (lambda p, b, sc, lay, sl, out: lora_expand(p, b, sc, lay, sl, out, block_n=block_n,
                                                        per_program=per_program, num_warps=warps)), summed
 
@@ -82,9 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shape", default="4096,4096,1024,14336", help="hidden,q,kv,intermediate")
-    ap.add_argument("--expand", nargs="+", default=["128x4x4", "128x1x4", "64x1x4", "256x1x8", "128x4x4r", "128x1x4r",
-                                                       "64x1x4r", "32x1x4r", "d64x64x4", "d64x64x4r", "d64x32x4r",
-                                                       "d64x128x8r", "d32x64x4r", "d16x64x4r"],
+    ap.add_argument("--expand", nargs="+", default=["128x1x4r", "128x4x4r", "64x1x4r", "256x1x8r", "128x1x4",
+                                                       "128x4x4"],
                     help="expand variants (benchmarks.lora_kernels.expander); the first is the default tiling")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)

@@ -21,10 +21,12 @@ benchmarks/results/NOTES.md, 2026-12-05).
 float32 partial sums [SPLIT, rows, P * R] (or, asked to, their sum [1, rows, P * R]: `lora_sum_partials`).
 `lora_expand` sums the partials, rounds them to the activations' dtype (as the twin's product is rounded), multiplies
 by B^T (rounded), scales (rounded) and adds into the output columns of each projection, in place: the twin's
-roundings one for one, with sums in another order. `lora_expand_rows` does the same with the rows in their own order:
-its product runs over every slot's B columns at once, a row's partial sums placed in its slot's columns, so a program
-needs no tile of one slot (an experiment for decode batches, whose tiles by slot are mostly empty rows:
-benchmarks.lora_kernels measures both).
+roundings one for one, with sums in another order.
+
+A decode batch's tiling is what measured fastest on an H100 (benchmarks.lora_kernels, 8B shape, 8 adapters of rank
+16 at batch 64; benchmarks/results/NOTES.md, 2026-12-06): the shrink sums its K parts in a kernel of its own, and each
+expand program takes one tile and one block of 128 columns (3.5 us a kernel, against 9.2 for the best tiling over
+the K parts and 5.3 for an expand that ordered rows without tiles by slot, since dropped).
 
 The twin (`lora_apply_reference`) computes the same per slot with torch's products; given each slot's rank it cuts A
 and B to it, which is peft's arithmetic exactly (the CPU engine's parity with peft in float32 rests on it).
@@ -55,16 +57,12 @@ _MIN_SPLIT_K = 256  # columns of K per shrink program at the least
 DECODE_SPLIT = 16  # a decode-sized batch's shrink splits K in this many parts (fewer where K is short; the expand
 # sums them, unrolled)
 EXPAND_BLOCK_N = 128  # output columns of one expand step
-EXPAND_DECODE_BLOCKS = 4  # column blocks one expand program of a decode-sized batch runs (its partial sums read once)
+EXPAND_DECODE_BLOCKS = 1  # column blocks one expand program of a decode-sized batch runs
 EXPAND_WARPS = 4
-# The row-ordered expand (lora_expand_rows) for decode-sized batches instead of the tiled one: (rows a program, columns
-# a program, warps), or None. An experiment (benchmarks.lora --expand-tiling d64x64x4), off until a GPU measures it.
-EXPAND_ROWS: tuple[int, int, int] | None = None
-_ROWS_MAX_COLUMNS = 256  # slots x rank at most for the row-ordered expand (one B tile holds every slot's columns)
 # A decode batch's shrink sums its DECODE_SPLIT partial sums itself, in a kernel of its own after the products (the
-# expand's order, so the same bits): each expand program then reads one [BLOCK_M, PR] block instead of DECODE_SPLIT.
-# An experiment (benchmarks.lora --reduce-partials), off until a GPU measures it.
-REDUCE_DECODE_PARTIALS = False
+# expand's order, so the same bits): each expand program then reads one [BLOCK_M, PR] block instead of DECODE_SPLIT
+# (benchmarks.lora --no-reduce-partials turns it off).
+REDUCE_DECODE_PARTIALS = True
 
 
 class LoraLayout(NamedTuple):
@@ -80,7 +78,6 @@ class LoraLayout(NamedTuple):
     # [max_tiles, 1 + block_m] what each program reads first, in one round trip: its tile's slot (S past the tiles in
     # use) and the tile's rows (-1 past its slot's rows); the tiled kernels read nothing else of the layout
     tiles: torch.Tensor
-    slots: torch.Tensor  # [rows] int32, each row's slot (-1: none): what the row-ordered expand reads
 
 
 def block_m_for(rows: int) -> int:
@@ -106,8 +103,7 @@ def lora_layout(slots: torch.Tensor, num_slots: int, block_m: int | None = None)
     tile_end = tiles.cumsum(0)
     max_tiles = -(-rows // block_m) + num_slots
     return LoraLayout(order, seg_start, seg_count, tile_end, max_tiles, block_m,
-                      _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots),
-                      slots.to(torch.int32))
+                      _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles, block_m, num_slots))
 
 
 def _tile_table(order, seg_start, seg_count, tile_end, tiles, max_tiles: int, block_m: int, num_slots: int
@@ -326,9 +322,6 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     _check_expand(partials, b, out, slices)
     if rows == 0:
         return out
-    if (EXPAND_ROWS is not None and block_n is None and layout.block_m == 16
-            and b.shape[0] * b.shape[2] <= _ROWS_MAX_COLUMNS):
-        return lora_expand_rows(partials, b, scalings, layout, slices, out, *EXPAND_ROWS)
     block_n, num_warps = block_n or EXPAND_BLOCK_N, num_warps or EXPAND_WARPS
     flat, blocks = _column_blocks(slices, block_n)
     per_program = (per_program or EXPAND_DECODE_BLOCKS) if layout.block_m == 16 else 1
@@ -338,73 +331,6 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
         BLOCK_PR=max(16, triton.next_power_of_2(pr)), BLOCK_N=block_n, BLOCKS=per_program,
         UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
         num_warps=num_warps, SPLIT=split if layout.block_m == 16 else 0, **pdl_options(out))
-    return out
-
-
-@jit(do_not_specialize=["rows"])
-def _expand_rows_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, slots_ptr, count_ptr, rows, PR, R, stride_bs, stride_bn,
-                        stride_om, start0, width0, start1, width1, start2, width2,
-                        NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
-    # grid (cdiv(rows, BLOCK_M), column blocks of every projection): rows in their own order, whatever their slots.
-    # Column c of the product is slot c // R's rank c % R: a row's partial sums stand in its slot's columns (zero in the
-    # others), B's tile holds every slot present, so one product gives each row its own adapter's delta.
-    pdl_enter(PDL)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < rows
-    slot = tl.load(slots_ptr + m, mask=m_mask, other=-1)
-    part, col0, n, n_mask = _column_block(tl.program_id(1), tl.num_programs(1), start0, width0, start1, width1,
-                                          start2, width2, BLOCK_N)
-    c = tl.arange(0, BLOCK_C)
-    cs = c // R
-    cr = c % R
-    c_valid = cs < NUM_SLOTS
-    used = tl.load(count_ptr + cs, mask=c_valid, other=0) > 0  # slots with rows in this batch (B of others unread)
-    sel = (slot[:, None] == cs[None, :]) & m_mask[:, None] & c_valid[None, :]
-    inter_ptrs = part_ptr + m[:, None] * PR + (part * R + cr)[None, :]
-    inter = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    for sp in tl.static_range(SPLIT):  # the tiled expand's order
-        inter += tl.load(inter_ptrs + sp * rows * PR, mask=sel, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    inter = inter.to(dtype)
-    if UPCAST:
-        inter = inter.to(tl.float32)
-    b = tl.load(b_ptr + cs.to(tl.int64)[None, :] * stride_bs + (col0 + n).to(tl.int64)[:, None] * stride_bn
-                + cr[None, :], mask=n_mask[:, None] & (c_valid & used)[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
-    if UPCAST:
-        b = b.to(tl.float32)
-    delta = tl.dot(inter, tl.trans(b), input_precision=PRECISION).to(dtype).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-    has = slot >= 0
-    scale = tl.load(scale_ptr + tl.where(has, slot, 0), mask=has, other=0.0)
-    delta = (delta * scale[:, None]).to(dtype).to(tl.float32)
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + (col0 + n)[None, :]
-    mask = has[:, None] & n_mask[None, :]
-    out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (out + delta).to(dtype), mask=mask)
-
-
-def lora_expand_rows(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
-                     slices: Sequence[tuple[int, int]], out: torch.Tensor, block_m: int = 64, block_n: int = 64,
-                     num_warps: int = 4) -> torch.Tensor:
-    """lora_expand's sums with the rows in their own order (no tiles by slot): a program takes BLOCK_M rows of any
-    slots and BLOCK_N columns, and one product over every slot's B columns (slots x rank of them, at most
-    _ROWS_MAX_COLUMNS) gives each row its adapter's delta; B of slots no row uses is not read. The same roundings as
-    the tiled expand."""
-    split, rows, pr = partials.shape
-    _check_expand(partials, b, out, slices)
-    num_slots, _, rank = b.shape
-    if num_slots * rank > _ROWS_MAX_COLUMNS:
-        raise ValueError(f"{num_slots} slots of rank {rank} exceed the row-ordered expand's "
-                         f"{_ROWS_MAX_COLUMNS} columns")
-    if rows == 0:
-        return out
-    flat, blocks = _column_blocks(slices, block_n)
-    _expand_rows_kernel[(triton.cdiv(rows, block_m), blocks)](
-        partials, b, scalings, out, layout.slots, layout.seg_count, rows, pr, rank, b.stride(0), b.stride(1),
-        out.stride(0), *flat, NUM_SLOTS=num_slots, BLOCK_M=block_m,
-        BLOCK_C=max(16, triton.next_power_of_2(num_slots * rank)), BLOCK_N=block_n,
-        UPCAST=dot_needs_upcast(out.dtype), PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, SPLIT=split, **pdl_options(out))
     return out
 
 

@@ -66,23 +66,21 @@ def adapter_paths(tmp_path_factory) -> dict[str, str]:
             for i, (name, r, a, t, rs) in enumerate([*ADAPTERS, *MORE])}
 
 
-@pytest.mark.parametrize("backend,side,rows", [("triton", False, False), ("triton", True, False),
-                                               ("triton", True, True), ("torch_native", False, False)])
-def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, side, rows, adapter_paths, monkeypatch):
+@pytest.mark.parametrize("backend,side,reduce", [("triton", True, True), ("triton", False, False),
+                                                 ("torch_native", True, True)])
+def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, side, reduce, adapter_paths, monkeypatch):
     """Two adapters and the base in one batch, decode in CUDA graphs where the backend has them (float32): peft's
-    tokens; also with the shrinks on a side stream beside the base products (engine.lora.batch), and with the
-    decode-step experiments of kernels.lora on (the shrink's K parts summed, the row-ordered expand)."""
+    tokens, by default (the shrinks on a side stream beside the base products, engine.lora.batch; a decode batch's
+    K parts summed by the shrink, kernels.lora.REDUCE_DECODE_PARTIALS) and with both turned off."""
     from radixmesh.engine.lora import batch as lora_batch
     from radixmesh.kernels import lora as lora_kernels
 
     monkeypatch.setattr(lora_batch, "_side_streams", {})
     if side:
-        monkeypatch.setenv(lora_batch.SIDE_STREAM_ENV, "1")
-    if rows:
-        monkeypatch.setattr(lora_kernels, "REDUCE_DECODE_PARTIALS", True)
-        monkeypatch.setattr(lora_kernels, "EXPAND_ROWS", (64, 64, 4))
-        expand_rows, used = lora_kernels.lora_expand_rows, []
-        monkeypatch.setattr(lora_kernels, "lora_expand_rows", lambda *a: used.append(1) or expand_rows(*a))
+        monkeypatch.delenv(lora_batch.SIDE_STREAM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(lora_batch.SIDE_STREAM_ENV, "0")
+    monkeypatch.setattr(lora_kernels, "REDUCE_DECODE_PARTIALS", reduce)
     base = model_path(NAME)
     paths = {n: adapter_paths[n] for n, *_ in ADAPTERS}
     prompts = parity_prompts(base)[:4]
@@ -99,8 +97,6 @@ def test_adapters_and_the_base_in_cuda_graphs_match_peft(backend, side, rows, ad
         assert [o["output_ids"] for o in outs] == [want[n][i] for i in range(len(prompts))
                                                    for n in (None, "sql", "chat")]
         assert_no_leak(llm)
-    if rows:
-        assert used  # (captured into the graphs, and eager steps)
 
 
 def _mixed(adapter_paths: dict[str, str], graphs: bool) -> tuple[list[list[int]], int, int]:

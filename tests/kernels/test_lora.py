@@ -115,63 +115,6 @@ def test_the_expand_tilings_add_the_same_sums(block_n, per_program, warps):
                                **TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.parametrize("rows,widths,slots,rank,used,block_m,block_n", [
-    (37, [300, 24, 72], 4, 8, None, 16, 64),  # q/k/v over several column blocks, rows of every slot and none
-    (64, [96, 96], 8, 16, [0, 3, 5, 6, 7], 64, 32),  # gate/up, 8 slots of rank 16 (the 8B benchmark's 128 columns)
-    (5, [40], 2, 4, [1], 16, 128),  # one slot used of two: the other's B is not read
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_the_row_ordered_expand_adds_the_tiled_expand_s_sums(rows, widths, slots, rank, used, block_m, block_n,
-                                                             dtype):
-    """lora_expand_rows (rows in their own order, one product over every slot's B columns) against the twin and the
-    tiled expand, over the shrink's K parts and over their sum; rows without an adapter untouched."""
-    from radixmesh.kernels.lora import lora_expand, lora_expand_rows
-
-    x, a, b, scalings, row_slots, out, slices = make_case(rows, 512, widths, slots, rank, dtype, seed=rows,
-                                                          used=used)
-    want = lora_apply_reference(x, a, b, scalings, row_slots, slices, out.clone())
-    dx, da, db, dsc, dslots, dout = on(DEVICE, x, a, b, scalings, row_slots, out)
-    layout = lora_layout(dslots, slots)
-    tiled = lora_expand(lora_shrink(dx, da, layout), db, dsc, layout, slices, dout.clone())
-    for reduce in (False, True):
-        parts = lora_shrink(dx, da, layout, reduce=reduce)
-        got = lora_expand_rows(parts, db, dsc, layout, slices, dout.clone(), block_m=block_m, block_n=block_n)
-        torch.testing.assert_close(got.cpu(), want, **TOLERANCE[dtype])
-        torch.testing.assert_close(got, tiled, rtol=1e-6, atol=1e-6)  # the same roundings, in one product
-        base = row_slots < 0
-        assert torch.equal(got.cpu()[base], out[base])
-
-
-def test_lora_expand_takes_the_row_ordered_kernel_when_asked(monkeypatch):
-    """kernels.lora.EXPAND_ROWS (benchmarks.lora --expand-tiling d64x64x4) sends decode-sized expands to the
-    row-ordered kernel, with the same sums; more slot columns than one tile holds stay tiled."""
-    import radixmesh.kernels.lora as lora
-
-    x, a, b, scalings, row_slots, out, slices = make_case(24, 256, [64, 32], 3, 8, torch.bfloat16, seed=9)
-    dx, da, db, dsc, dslots, dout = on(DEVICE, x, a, b, scalings, row_slots, out)
-    layout = lora_layout(dslots, 3)
-    parts = lora_shrink(dx, da, layout)
-    want = lora.lora_expand(parts, db, dsc, layout, slices, dout.clone())
-    calls = []
-    rows_kernel = lora.lora_expand_rows
-    monkeypatch.setattr(lora, "lora_expand_rows", lambda *args: calls.append(args[-3:]) or rows_kernel(*args))
-    monkeypatch.setattr(lora, "EXPAND_ROWS", (16, 32, 4))
-    assert torch.equal(lora.lora_expand(parts, db, dsc, layout, slices, dout.clone()), want)
-    assert calls == [(16, 32, 4)]
-    monkeypatch.setattr(lora, "_ROWS_MAX_COLUMNS", 16)  # 3 slots x rank 8 > 16: tiled
-    assert torch.equal(lora.lora_expand(parts, db, dsc, layout, slices, dout.clone()), want) and len(calls) == 1
-
-
-def test_the_row_ordered_expand_refuses_more_columns_than_one_tile():
-    from radixmesh.kernels.lora import lora_expand_rows
-
-    x, a, b, scalings, row_slots, out, slices = make_case(4, 64, [32], 5, 64, torch.float32, seed=1)
-    layout = lora_layout(row_slots.to(DEVICE), 5)
-    with pytest.raises(ValueError, match="5 slots of rank 64 exceed"):
-        lora_expand_rows(torch.zeros(1, 4, 64, device=DEVICE), b.to(DEVICE), scalings.to(DEVICE), layout, slices,
-                         out.to(DEVICE))
-
-
 def test_partial_sums_summed_by_the_shrink_expand_to_the_same_bits():
     """kernels.lora.REDUCE_DECODE_PARTIALS: the shrink sums its K parts itself in the expand's order, so the expand over
     [1, rows, PR] writes what it writes over the parts (bfloat16, K split in 4)."""
@@ -197,7 +140,7 @@ def test_partial_sums_summed_by_the_shrink_expand_to_the_same_bits():
 def test_the_shrinks_partial_sums_add_up_to_the_twins_product(dtype):
     x, a, _, _, row_slots, _, _ = make_case(30, 640, [16, 16], 3, 8, dtype, seed=3)
     dx, da, dslots = on(DEVICE, x, a, row_slots)
-    partials = lora_shrink(dx, da, lora_layout(dslots, 3))
+    partials = lora_shrink(dx, da, lora_layout(dslots, 3), reduce=False)
     assert partials.shape[0] > 1 and partials.dtype == torch.float32  # split along K
     got = partials.sum(0).to(dtype).cpu()
     want = lora_shrink_reference(x, a, row_slots, rank_stride=8)

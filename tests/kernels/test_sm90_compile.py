@@ -97,18 +97,13 @@ out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16
                                                         out_ptr=bf16), set(),
                       dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
                       tiles.down_warps, 1)
-# LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the row-ordered and the tiled expand,
-# which share their column-block helper)
+# LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
 out["lora_sum_partials"] = ptx(lora._sum_partials_kernel, dict(part_ptr="*fp32", out_ptr="*fp32"), set(),
                                dict(SPLIT=16, BLOCK=1024, PDL=True), 4, 1)
-out["lora_expand_rows"] = ptx(lora._expand_rows_kernel, dict(part_ptr="*fp32", b_ptr=bf16, scale_ptr="*fp32",
-                                                             out_ptr=bf16, slots_ptr="*i32", count_ptr="*i64"), set(),
-                              dict(NUM_SLOTS=8, BLOCK_M=64, BLOCK_C=128, BLOCK_N=64, UPCAST=False, PRECISION="tf32",
-                                   PDL=True, SPLIT=1), 4, 1)
 out["lora_expand"] = ptx(lora._expand_kernel, dict(part_ptr="*fp32", b_ptr=bf16, scale_ptr="*fp32", out_ptr=bf16,
                                                   tiles_ptr="*i32"), set(),
-                         dict(NUM_SLOTS=8, BLOCK_M=16, BLOCK_PR=64, BLOCK_N=128, BLOCKS=4, UPCAST=False,
-                              PRECISION="tf32", PDL=True, SPLIT=16), 4, 1)
+                         dict(NUM_SLOTS=8, BLOCK_M=16, BLOCK_PR=64, BLOCK_N=128, BLOCKS=1, UPCAST=False,
+                              PRECISION="tf32", PDL=True, SPLIT=1), 4, 1)
 json.dump(out, sys.stdout)
 '''
 
@@ -139,8 +134,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_gate_up", 0), ("moe_down", 0),
-                                                 ("lora_sum_partials", 0), ("lora_expand_rows", 0),
-                                                 ("lora_expand", 0)])
+                                                 ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
     global memory only after that (what it reads may be that kernel's output). Stage 2 alone reads one value before
@@ -203,6 +197,7 @@ def test_the_scaled_fp8_cache_paths_compile(ptx, kernel):
     assert _lines(ptx[kernel], r"cvt\S*\.e4m3x2")
 
 
-def test_the_row_ordered_lora_expand_is_one_tensor_core_product(ptx):
-    """kernels.lora.lora_expand_rows compiles for sm_90 with its product on tensor cores (bfloat16 MMAs)."""
-    assert _lines(ptx["lora_expand_rows"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
+def test_the_lora_expand_is_a_tensor_core_product(ptx):
+    """kernels.lora.lora_expand, as a decode batch tiles it, compiles for sm_90 with its product on tensor cores
+    (bfloat16 MMAs)."""
+    assert _lines(ptx["lora_expand"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
