@@ -133,6 +133,18 @@ def test_the_route_kernel_picks_the_twins_experts_and_weights(tokens, experts, t
     torch.testing.assert_close(got_w.cpu().float(), want_w.float(), rtol=tol, atol=tol)
 
 
+def test_the_route_kernel_takes_the_lowest_expert_first_among_equals():
+    """Logits with many equal values: the kernel's order is by probability, then expert id (torch.topk's order among
+    equals is its own), the same on every rank and in the few-token path's folded routing."""
+    logits = torch.randint(-2, 3, (16, 60), generator=torch.Generator().manual_seed(1)).float()
+    weights, ids = route(logits.to(DEVICE), 4, True, torch.float32)
+    probs = torch.softmax(logits, dim=-1)
+    for t in range(logits.shape[0]):
+        assert ids[t].tolist() == sorted(range(60), key=lambda e: (-probs[t, e].item(), e))[:4]
+    picked = probs.gather(1, ids.cpu())
+    torch.testing.assert_close(weights.cpu(), picked / picked.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
 def test_tuned_tiles_are_picked_at_the_nearest_token_count_at_or_above():
     from radixmesh.kernels.moe import Tiles, pick
 

@@ -90,9 +90,13 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
-out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16), set(),
-                         dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True),
-                         tiles.up_warps, 1)
+moe_ptrs = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, logits_ptr=bf16, weights_ptr=bf16)
+moe_up = dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True)
+out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
+                         dict(moe_up, ROUTED=False, KB=1, EB=1, RENORM=False, CHUNK=1), tiles.up_warps, 1)
+# (with the routing of Qwen3-30B-A3B's 128 experts folded in)
+out["moe_gate_up_routed"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
+                                dict(moe_up, ROUTED=True, KB=8, EB=128, RENORM=True, CHUNK=32), tiles.up_warps, 1)
 out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32",
                                                         out_ptr=bf16), set(),
                       dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
@@ -133,7 +137,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
-                                                 ("rotary", 0), ("moe_gate_up", 0), ("moe_down", 0),
+                                                 ("rotary", 0), ("moe_gate_up", 0), ("moe_gate_up_routed", 0),
+                                                 ("moe_down", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
