@@ -25,7 +25,7 @@ import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
 from radixmesh.kernels.moe import _route_row, route_blocks, route_reference
-from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
+from radixmesh.kernels.runtime import LINE_BYTES, interpreting, pdl_enter, pdl_options, prefetch_l2
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
 # distinct expert once, but it saves their alignment, SiLU and top-k sum launches (at batch 1 on an H200: 7.7, ~2 and
@@ -36,6 +36,12 @@ from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 # always qualifies (its pairs are distinct experts: no re-read), so batch-1 decode takes this path in every model.
 # benchmarks.moe_decode times both paths at 1-16 tokens: the crossover to set this by.
 MAX_PAIRS = 64
+
+# While the gate/up launch streams w13, its programs pull the start of their experts' w2 into L2 behind their own
+# loads, so that the down launch begins on L2 hits instead of a cold chain to memory: at most this many bytes in all
+# (the L2 of an H100 or H200 holds 50 MB; w13 streams past it marked evict-first). At batch 1 of Qwen3-30B-A3B the
+# 8 experts' w2 is 25 MB: all of it. 0 turns it off (benchmarks.moe_decode measures both).
+PREFETCH_DOWN_BYTES = 32 << 20
 
 
 def use_decode_path(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -62,10 +68,11 @@ INTERPRETER_TILES = DecodeTiles(up_block_n=64, up_block_k=256, down_block_n=64, 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, stride_wn,
-                    logits_ptr, weights_ptr, E, stride_l, first, local,
+                    logits_ptr, weights_ptr, E, stride_l, first, local, w2_ptr, stride_w2e, w2_lines,
                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr, ROUTED: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr,
-                    RENORM: tl.constexpr, CHUNK: tl.constexpr):
+                    RENORM: tl.constexpr, CHUNK: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                    LINE_ELEMS: tl.constexpr):
     pdl_enter(PDL)
     # act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, inter + n]), e = ids[pair], token = pair // TOP_K,
     # for the BLOCK_N columns n of program_id(0); act [pairs, inter] contiguous. An id of -1 loads nothing: zeros.
@@ -104,6 +111,10 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, 
     gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N], rounded as a dense product is
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    if PREFETCH_LINES > 0:  # this program's share of the first w2_lines 128-byte lines of its expert's w2, into L2
+        line = tl.program_id(0) * PREFETCH_LINES + tl.arange(0, PREFETCH_LINES)
+        ok = (line < w2_lines) & (expert >= 0)
+        prefetch_l2(tl.where(ok, w2_ptr + tl.maximum(expert, 0) * stride_w2e + line.to(tl.int64) * LINE_ELEMS, w2_ptr))
     tl.store(act_ptr + pair * inter + n, (silu * up).to(dtype), mask=n_ok)
 
 
@@ -197,16 +208,29 @@ def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         logits, renormalize, first = routed
         blocks = route_blocks(top_k, logits.shape[1])
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
-    _gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
+    up_programs = triton.cdiv(inter, t.up_block_n)
+    line = LINE_BYTES // w2.element_size()
+    w2_lines = _prefetch_lines(w2, tokens * top_k)
+    _gate_up_kernel[(up_programs, tokens * top_k)](
         x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), logits, weights, logits.shape[1],
-        logits.stride(0), first, experts, TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n,
+        logits.stride(0), first, experts, w2, w2.stride(0), w2_lines, TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n,
         BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), ROUTED=routed is not None, RENORM=renormalize,
-        **blocks, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
+        **blocks, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(w2_lines, up_programs)) if w2_lines else 0,
+        LINE_ELEMS=line, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
     _down_sum_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
         act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0), first, experts, TOP_K=top_k,
         K=inter, BLOCK_N=t.down_block_n, BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)),
         num_warps=t.down_warps, num_stages=1, **pdl_options(x))
     return out
+
+
+def _prefetch_lines(w2: torch.Tensor, pairs: int) -> int:
+    """How many 128-byte lines of each pair's w2 the gate/up launch pulls into L2 (PREFETCH_DOWN_BYTES in all); 0
+    in the interpreter, off CUDA, or where an expert's w2 is not one contiguous block."""
+    if interpreting() or not w2.is_cuda or not PREFETCH_DOWN_BYTES or not w2[0].is_contiguous():
+        return 0
+    per_expert = w2[0].numel() * w2.element_size()
+    return min(per_expert, PREFETCH_DOWN_BYTES // pairs) // LINE_BYTES
 
 
 def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

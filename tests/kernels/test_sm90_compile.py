@@ -90,13 +90,16 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
-moe_ptrs = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, logits_ptr=bf16, weights_ptr=bf16)
-moe_up = dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True)
+moe_ptrs = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, logits_ptr=bf16, weights_ptr=bf16, w2_ptr=bf16)
+moe_up = dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True, PREFETCH_LINES=0,
+              LINE_ELEMS=64)
 out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
                          dict(moe_up, ROUTED=False, KB=1, EB=1, RENORM=False, CHUNK=1), tiles.up_warps, 1)
 # (with the routing of Qwen3-30B-A3B's 128 experts folded in)
+# and each program pulling its share of its expert's w2 into L2 (at Qwen3-30B-A3B's batch 1: 32 lines)
 out["moe_gate_up_routed"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
-                                dict(moe_up, ROUTED=True, KB=8, EB=128, RENORM=True, CHUNK=32), tiles.up_warps, 1)
+                                dict(moe_up, ROUTED=True, KB=8, EB=128, RENORM=True, CHUNK=32, PREFETCH_LINES=32),
+                                tiles.up_warps, 1)
 out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32",
                                                         out_ptr=bf16), set(),
                       dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
@@ -163,6 +166,15 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
+
+
+def test_the_moe_gate_up_launch_pulls_its_experts_w2_into_l2_after_its_own_loads(ptx):
+    """kernels.moe_decode: a gate/up program that routes its token (no load before the wait) issues its share of
+    L2 prefetches of its expert's w2 after its wait and after its w13 loads; without lines to pull, none."""
+    code = ptx["moe_gate_up_routed"]
+    wait, loads, prefetch = (_lines(code, p) for p in (r"griddepcontrol\.wait", r"ld\.global", r"prefetch\.global\.L2"))
+    assert prefetch and loads and wait[0] < loads[0] < prefetch[0], (len(wait), len(loads), len(prefetch))
+    assert not _lines(ptx["moe_gate_up"], r"prefetch\.global\.L2")
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):
