@@ -1,7 +1,6 @@
 """Issue 51: the experts of one mixture-of-experts layer at decode batch sizes, kernels.moe_decode's few-token path
 (a small grid of its tiles, searched one launch at a time) against kernels.moe's alignment, grouped GEMMs, SiLU and
-top-k sum; then the engine's launches (the routing folded into the first, `routed`) at the default and the best
-tiles, with the down weights pulled into L2 by the first launch and without (kernels.moe_decode.PREFETCH_DOWN_BYTES). Each variant runs `--layers` layers of distinct random weights (more bytes than L2 holds, as in a model's
+top-k sum. Each variant runs `--layers` layers of distinct random weights (more bytes than L2 holds, as in a model's
 step) in one CUDA graph; the time per layer is set against the floor of reading the experts the tokens picked (each
 distinct expert once) at this run's copy bandwidth. Every variant's output is checked against the grouped path's.
 
@@ -24,8 +23,7 @@ import torch
 from radixmesh.benchmarks.pdl_chain import _copy_gbps, _time_graph, write_rows
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.kernels.moe import fused_experts, route_reference
-from radixmesh.kernels import moe_decode
-from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, decode_routed_experts, use_decode_path
+from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode_path
 from radixmesh.kernels.moe_decode_fp8 import FP8_TILES, decode_experts_fp8, decode_experts_fp8_reference
 from radixmesh.kernels.fp8_experts import scale_shape
 from radixmesh.kernels.moe_fp8 import fused_experts_fp8
@@ -68,9 +66,8 @@ class Layers:
                         * hidden ** -0.5),
                        (torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=dt) * inter ** -0.5))
                       for _ in range(layers)]
-        self.logits = [torch.randn(tokens, experts, device="cuda", generator=gen).to(dt) for _ in range(layers)]
-        self.route = [route_reference(logits, top_k, True, dt) for logits in self.logits]
-        self.top_k = top_k
+        self.route = [route_reference(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True, dt)
+                      for _ in range(layers)]
         self.out = [None] * layers
         expert_bytes = (3 * inter * hidden) * (1 if fp8 else 2)  # (scales: under 1% of an fp8 expert's bytes)
         self.floor_bytes = sum(len(set(ids.flatten().tolist())) for _, ids in self.route) * expert_bytes / layers
@@ -79,17 +76,12 @@ class Layers:
         for i, (w, (weights, ids)) in enumerate(zip(self.w, self.route)):
             self.out[i] = path(self.x, *w, weights, ids)
 
-    def run_routed(self, tiles: DecodeTiles) -> None:
-        """The few-token path with the routing in its first launch, from each layer's router logits."""
-        for i, (w, logits) in enumerate(zip(self.w, self.logits)):
-            self.out[i] = decode_routed_experts(self.x, logits, *w, self.top_k, True, self.x.dtype, tiles=tiles)[0]
 
-
-def _measure(layers: Layers, path, want: list | None, run=None) -> float | None:
-    """Microseconds per layer in a CUDA graph of `run` (default: layers.run(path)), or None where the tiles do not
-    compile or launch on this GPU; the outputs must match `want` (bf16 rounding) where given."""
+def _measure(layers: Layers, path, want: list | None) -> float | None:
+    """Microseconds per layer in a CUDA graph, or None where the tiles do not compile or launch on this GPU; the
+    outputs must match `want` (bf16 rounding) where given."""
     try:
-        ms = _time_graph(run or (lambda: layers.run(path)))
+        ms = _time_graph(lambda: layers.run(path))
     except Exception as e:  # noqa: BLE001 - a tile the GPU cannot hold (registers, shared memory)
         print(f"  skipped: {type(e).__name__}: {str(e)[:120]}", flush=True)
         return None
@@ -155,14 +147,6 @@ def main() -> None:
             best = min(timed, key=lambda r: r[0])[1] if timed else best
         report("decode", _measure(layers, lambda *a: decode_path(*a, tiles=best), want), tiles=best._asdict(),
                best_tiles=True)
-        if not ns.fp8:  # the engine's launches: the routing folded in, with and without w2 pulled into L2 early
-            default = moe_decode.PREFETCH_DOWN_BYTES
-            for prefetch in (default, 0):
-                moe_decode.PREFETCH_DOWN_BYTES = prefetch
-                for tiles, label in ((DecodeTiles(), "default"), (best, "best")):
-                    report("routed", _measure(layers, None, want, run=lambda: layers.run_routed(tiles)),
-                           tiles=label, prefetch_down_bytes=prefetch)
-            moe_decode.PREFETCH_DOWN_BYTES = default
     write_rows(ns.result_file, rows)
 
 

@@ -26,60 +26,39 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.runtime import dot_needs_upcast, interpreting
+from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16
 
 
-ROUTE_CHUNK = 32  # experts compared at once when ranking (_route_row): a [EB, ROUTE_CHUNK] comparison per step
-
-
-@triton.jit
-def _route_row(row_ptr, E, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr,
-               CHUNK: tl.constexpr):
-    """One token's routing from its E router logits at `row_ptr`: softmax in float32, the TOP_K largest (the lowest
-    expert id first among equals), renormalized to sum to one when RENORM -> (weights [KB] float32, expert ids [KB]
-    int32; zero past TOP_K). Each expert's place in that order is counted at once (how many experts come before it)
-    instead of TOP_K rounds of max and argmax, so the chain is a few reductions long whatever TOP_K is
-    (kernels.moe_decode runs it at the head of every program of the few-token path)."""
-    cols = tl.arange(0, EB)
-    ok = cols < E
-    x = tl.load(row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, 0)
-    s = tl.sum(tl.exp(x - m), 0)
-    p = tl.where(ok, tl.exp(x - m) / s, -1.0)
-    rank = tl.zeros((EB,), tl.int32)
-    for j0 in tl.static_range(0, EB, CHUNK):  # the same probabilities again, CHUNK at a time, to compare against
-        cj = j0 + tl.arange(0, CHUNK)
-        okj = cj < E
-        pj = tl.where(okj, tl.exp(tl.load(row_ptr + cj, mask=okj, other=float("-inf")).to(tl.float32) - m) / s, -1.0)
-        first = (pj[None, :] > p[:, None]) | ((pj[None, :] == p[:, None]) & (cj[None, :] < cols[:, None]))
-        rank += tl.sum(first.to(tl.int32), 1)
-    ks = tl.arange(0, KB)
-    hit = (rank[None, :] == ks[:, None]) & (ks < TOP_K)[:, None]  # [KB, EB]: the expert in place k
-    top_w = tl.sum(tl.where(hit, p[None, :], 0.0), 1)
-    top_i = tl.sum(tl.where(hit, cols[None, :], 0), 1)
-    if RENORM:
-        top_w = top_w / tl.sum(top_w, 0)
-    return top_w, top_i
-
-
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constexpr, KB: tl.constexpr,
-                  EB: tl.constexpr, RENORM: tl.constexpr, CHUNK: tl.constexpr):
-    # One token (program_id 0): _route_row's weights in the weights' dtype and its expert ids.
+                  EB: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    # One token (program_id 0): softmax over its E router logits in float32, the TOP_K largest (the lowest expert id
+    # first among equals), renormalized to sum to one when RENORM, stored in the weights' dtype. Under PDL it launches
+    # while the router's product runs and waits for it (at batch 1 the launch was ~3.7 us of a 62-us layer on an
+    # H100 without: benchmarks/results/NOTES.md, 2026-12-06).
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _route_row(logits_ptr + row * stride, E, TOP_K, KB, EB, RENORM, CHUNK)
+    cols = tl.arange(0, EB)
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    p = tl.where(ok, e / tl.sum(e, 0), -1.0)
     ks = tl.arange(0, KB)
+    top_w = tl.zeros((KB,), tl.float32)
+    top_i = tl.zeros((KB,), tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, cols, EB), 0)
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
+        p = tl.where(cols == pick, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, 0)
     keep = ks < TOP_K
     tl.store(weights_ptr + row * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
-    tl.store(ids_ptr + row * TOP_K + ks, top_i.to(tl.int64), mask=keep)
-
-
-def route_blocks(top_k: int, experts: int) -> dict:
-    """The routing helper's block sizes (_route_row's KB, EB, CHUNK) for `experts` router logits."""
-    eb = triton.next_power_of_2(experts)
-    return {"KB": triton.next_power_of_2(top_k), "EB": eb, "CHUNK": min(ROUTE_CHUNK, eb)}
+    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
@@ -92,8 +71,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     weights = torch.empty((tokens, top_k), dtype=dtype or torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k, RENORM=renormalize,
-                                 **route_blocks(top_k, experts))
+        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts),
+                                 RENORM=renormalize, **pdl_options(logits))
     return weights, ids
 
 

@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
-from radixmesh.kernels.moe import _route_row, route_blocks, route_reference
-from radixmesh.kernels.runtime import LINE_BYTES, interpreting, pdl_enter, pdl_options, prefetch_l2
+from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
 # distinct expert once, but it saves their alignment, SiLU and top-k sum launches (at batch 1 on an H200: 7.7, ~2 and
@@ -36,12 +35,6 @@ from radixmesh.kernels.runtime import LINE_BYTES, interpreting, pdl_enter, pdl_o
 # always qualifies (its pairs are distinct experts: no re-read), so batch-1 decode takes this path in every model.
 # benchmarks.moe_decode times both paths at 1-16 tokens: the crossover to set this by.
 MAX_PAIRS = 64
-
-# While the gate/up launch streams w13, its programs pull the start of their experts' w2 into L2 behind their own
-# loads, so that the down launch begins on L2 hits instead of a cold chain to memory: at most this many bytes in all
-# (the L2 of an H100 or H200 holds 50 MB; w13 streams past it marked evict-first). At batch 1 of Qwen3-30B-A3B the
-# 8 experts' w2 is 25 MB: all of it. 0 turns it off (benchmarks.moe_decode measures both).
-PREFETCH_DOWN_BYTES = 32 << 20
 
 
 def use_decode_path(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -68,29 +61,13 @@ INTERPRETER_TILES = DecodeTiles(up_block_n=64, up_block_k=256, down_block_n=64, 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, stride_wn,
-                    logits_ptr, weights_ptr, E, stride_l, first, local, w2_ptr, stride_w2e, w2_lines,
                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr, ROUTED: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr,
-                    RENORM: tl.constexpr, CHUNK: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                    LINE_ELEMS: tl.constexpr):
+                    PDL: tl.constexpr):
     pdl_enter(PDL)
     # act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, inter + n]), e = ids[pair], token = pair // TOP_K,
     # for the BLOCK_N columns n of program_id(0); act [pairs, inter] contiguous. An id of -1 loads nothing: zeros.
-    # ROUTED: the program routes its token itself from the router's logits (kernels.moe._route_row) and takes expert
-    # k = pair % TOP_K of it; the first program of each pair writes the pair's weight and (global) id out. The global
-    # id minus `first` is this rank's expert, -1 outside [0, local).
     pair = tl.program_id(1).to(tl.int64)
-    if ROUTED:
-        top_w, top_i = _route_row(logits_ptr + (pair // TOP_K) * stride_l, E, TOP_K, KB, EB, RENORM, CHUNK)
-        mine = tl.arange(0, KB) == pair % TOP_K
-        expert = tl.sum(tl.where(mine, top_i, 0), 0).to(tl.int64)
-        if tl.program_id(0) == 0:
-            tl.store(weights_ptr + pair, tl.sum(tl.where(mine, top_w, 0.0), 0).to(weights_ptr.dtype.element_ty))
-            tl.store(ids_ptr + pair, expert)
-        expert -= first
-        expert = tl.where((expert >= 0) & (expert < local), expert, -1)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < inter
     rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]  # no row at all for an id of -1
@@ -111,21 +88,16 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, 
     gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N], rounded as a dense product is
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    if PREFETCH_LINES > 0:  # this program's share of the first w2_lines 128-byte lines of its expert's w2, into L2
-        line = tl.program_id(0) * PREFETCH_LINES + tl.arange(0, PREFETCH_LINES)
-        ok = (line < w2_lines) & (expert >= 0)
-        prefetch_l2(tl.where(ok, w2_ptr + tl.maximum(expert, 0) * stride_w2e + line.to(tl.int64) * LINE_ELEMS, w2_ptr))
     tl.store(act_ptr + pair * inter + n, (silu * up).to(dtype), mask=n_ok)
 
 
 @triton.jit
-def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out, first,
-                     local, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out,
+                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr):
     pdl_enter(PDL)
-    # out[token, n] = sum over k of weights[pair] * (act[pair] . w2[e, n]), e = ids[pair] - first (-1 outside
-    # [0, local)), pair = token * TOP_K + k, for the BLOCK_N columns n of program_id(0); act [pairs, K] contiguous.
-    # Pairs of id -1 load nothing and add nothing.
+    # out[token, n] = sum over k of weights[pair] * (act[pair] . w2[ids[pair], n]), pair = token * TOP_K + k, for the
+    # BLOCK_N columns n of program_id(0); act [pairs, K] contiguous. Pairs of id -1 load nothing and add nothing.
     token = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < hidden
@@ -133,8 +105,7 @@ def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stri
     total = tl.zeros([BLOCK_N], tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64) - first
-        expert = tl.where((expert >= 0) & (expert < local), expert, -1)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
         k_end = tl.where(expert >= 0, K, 0)  # an id of -1: no column of act or w2 at all
         rows = w_ptr + tl.maximum(expert, 0) * stride_we + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -158,79 +129,31 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     rank's) -> [tokens, hidden] in x's dtype: kernels.moe.fused_experts' result in two launches (module docstring).
     `tiles` overrides DecodeTiles() (INTERPRETER_TILES in the interpreter) for tuning. Meant for use_decode_path's
     token counts; any count is computed."""
-    _check(x, w13, w2, weights.shape == ids.shape, f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
-    return _launch(x, w13, w2, weights.contiguous(), ids.contiguous(), tiles)
-
-
-def decode_routed_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                          renormalize: bool, weight_dtype: torch.dtype | None, first: int = 0,
-                          tiles: DecodeTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """decode_experts with the routing folded into its first launch: from the router's logits [tokens, E] every
-    gate/up program routes its token itself (kernels.moe.route's softmax, top-k and renormalization; no launch of its
-    own on the step's chain). w13 and w2 hold this rank's experts, global ids first .. first + len(w13) - 1 (expert
-    parallelism; others add nothing). -> (the output, the routing weights [tokens, top_k] in `weight_dtype` (None:
-    float32), the global expert ids [tokens, top_k] int64)."""
-    tokens = x.shape[0]
-    _check(x, w13, w2, logits.dim() == 2 and logits.shape[0] == tokens and top_k <= logits.shape[1],
-           f"logits {tuple(logits.shape)}, top_k {top_k}")
-    weights = torch.empty((tokens, top_k), dtype=weight_dtype or torch.float32, device=x.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
-    out = _launch(x, w13, w2, weights, ids, tiles, (logits if logits.stride(1) == 1 else logits.contiguous(),
-                                                    renormalize, first))
-    return out, weights, ids
-
-
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing_ok: bool, routing: str) -> None:
-    experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
-    if (x.dim() != 2 or x.shape[1] != hidden or w2.shape != (experts, hidden, inter) or not routing_ok
-            or two_inter % 2 or w13.dtype != x.dtype or w2.dtype != x.dtype):
-        raise ValueError(f"decode_experts takes x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, "
-                         f"hidden, inter] of x's dtype and weights, ids [tokens, top_k] (or router logits [tokens, "
-                         f"experts]); got x {tuple(x.shape)} {x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}, w2 "
-                         f"{tuple(w2.shape)} {w2.dtype}, {routing}")
-
-
-def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-            tiles: DecodeTiles | None, routed: tuple | None = None) -> torch.Tensor:
-    """The two launches; `routed`: (logits, renormalize, first), and `weights`, `ids` are written by the first."""
     tokens, top_k = ids.shape
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    if (x.shape != (tokens, hidden) or w2.shape != (experts, hidden, inter) or weights.shape != ids.shape
+            or two_inter % 2 or w13.dtype != x.dtype or w2.dtype != x.dtype):
+        raise ValueError(f"decode_experts takes x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, "
+                         f"hidden, inter] of x's dtype and weights, ids [tokens, top_k]; got x {tuple(x.shape)} "
+                         f"{x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, weights "
+                         f"{tuple(weights.shape)}, ids {tuple(ids.shape)}")
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     t = tiles or (INTERPRETER_TILES if interpreting() else DecodeTiles())
     x, w13, w2 = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, w13, w2))
-    if routed is None:
-        logits, renormalize, first, blocks = x, False, 0, {"KB": 1, "EB": 1, "CHUNK": 1}
-    else:
-        logits, renormalize, first = routed
-        blocks = route_blocks(top_k, logits.shape[1])
+    ids, weights = ids.contiguous(), weights.contiguous()
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
-    up_programs = triton.cdiv(inter, t.up_block_n)
-    line = LINE_BYTES // w2.element_size()
-    w2_lines = _prefetch_lines(w2, tokens * top_k)
-    _gate_up_kernel[(up_programs, tokens * top_k)](
-        x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), logits, weights, logits.shape[1],
-        logits.stride(0), first, experts, w2, w2.stride(0), w2_lines, TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n,
-        BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), ROUTED=routed is not None, RENORM=renormalize,
-        **blocks, PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(w2_lines, up_programs)) if w2_lines else 0,
-        LINE_ELEMS=line, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
+    _gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
+        x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, K=hidden,
+        BLOCK_N=t.up_block_n, BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), num_warps=t.up_warps,
+        num_stages=1, **pdl_options(x))
     _down_sum_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
-        act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0), first, experts, TOP_K=top_k,
-        K=inter, BLOCK_N=t.down_block_n, BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)),
+        act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, K=inter,
+        BLOCK_N=t.down_block_n, BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)),
         num_warps=t.down_warps, num_stages=1, **pdl_options(x))
     return out
-
-
-def _prefetch_lines(w2: torch.Tensor, pairs: int) -> int:
-    """How many 128-byte lines of each pair's w2 the gate/up launch pulls into L2 (PREFETCH_DOWN_BYTES in all); 0
-    in the interpreter, off CUDA, or where an expert's w2 is not one contiguous block."""
-    if interpreting() or not w2.is_cuda or not PREFETCH_DOWN_BYTES or not w2[0].is_contiguous():
-        return 0
-    per_expert = w2[0].numel() * w2.element_size()
-    return min(per_expert, PREFETCH_DOWN_BYTES // pairs) // LINE_BYTES
 
 
 def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -248,14 +171,3 @@ def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     weighted = (down.float() * weights.flatten().float()[:, None]).to(x.dtype)
     weighted = torch.where(here[:, None], weighted, torch.zeros_like(weighted))
     return weighted.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
-
-
-def decode_routed_experts_reference(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                                    top_k: int, renormalize: bool, weight_dtype: torch.dtype | None, first: int = 0
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The twin of `decode_routed_experts`: kernels.moe.route_reference, the ids outside this rank's experts -1, then
-    decode_experts_reference."""
-    weights, ids = route_reference(logits, top_k, renormalize, weight_dtype)
-    local = ids - first
-    local = torch.where((local >= 0) & (local < w13.shape[0]), local, -1)
-    return decode_experts_reference(x, w13, w2, weights, local), weights, ids

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.kernels.moe import fused_experts, fused_experts_reference, route, route_reference
+from radixmesh.kernels.moe import fused_experts, fused_experts_reference, route_reference
 from radixmesh.kernels.moe_decode import (MAX_PAIRS, DecodeTiles, decode_experts, decode_experts_reference,
-                                          decode_routed_experts, decode_routed_experts_reference, use_decode_path)
+                                          use_decode_path)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DecodeTiles(up_block_n=4, up_block_k=32, up_warps=1, down_block_n=8, down_block_k=16, down_warps=1)
@@ -107,47 +107,9 @@ def test_fused_experts_sends_a_few_tokens_here_and_more_to_the_grouped_gemms():
     assert torch.equal(fused_experts(*many), grouped)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,renormalize,weight_dtype,first,local", [
-    (1, 128, 8, True, "same", 0, 128),  # Qwen3-30B-A3B's routing (norm_topk_prob), one token
-    (2, 60, 4, False, "same", 0, 60),  # Qwen2-MoE: no renormalization
-    (1, 8, 2, True, None, 0, 8),  # Mixtral: float32 weights
-    (3, 16, 4, True, "same", 4, 8),  # expert parallelism: this rank holds experts 4..11
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_routing_folded_into_the_first_launch_equals_route_then_experts(tokens, experts, top_k, renormalize,
-                                                                        weight_dtype, first, local, dtype):
-    """decode_routed_experts: each gate/up program routes its token itself from the router's logits. Against the
-    twin (route_reference, then decode_experts_reference on this rank's experts) and, bit for bit, against the same
-    work in three launches (kernels.moe.route, then decode_experts on local ids): the same weights, global ids and
-    output."""
-    hidden, inter = 48, 24
-    gen = torch.Generator().manual_seed(tokens * 100 + experts)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(local, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
-    w2 = (torch.randn(local, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
-    logits = (torch.randn(tokens, experts, generator=gen) * 3).to(dtype)
-    wdtype = dtype if weight_dtype == "same" else weight_dtype
-    dx, dlogits, dw13, dw2 = _on_device(x, logits, w13, w2)
-    out, weights, ids = decode_routed_experts(dx, dlogits, dw13, dw2, top_k, renormalize, wdtype, first=first,
-                                              tiles=WIDE)
-    want_out, want_w, want_i = decode_routed_experts_reference(x, logits, w13, w2, top_k, renormalize, wdtype, first)
-    assert torch.equal(ids.cpu(), want_i) and weights.dtype == want_w.dtype
-    torch.testing.assert_close(weights.cpu().float(), want_w.float(), rtol=1e-2, atol=1e-6)
-    _close(out.cpu(), want_out, same_rounding=True)
-    if first:
-        assert ((want_i < first) | (want_i >= first + local)).any()  # some pairs are another rank's
-    # the same work unfused
-    w3, i3 = route(dlogits, top_k, renormalize, wdtype)
-    mine = torch.where((i3 >= first) & (i3 < first + local), i3 - first, -1)
-    assert torch.equal(weights, w3) and torch.equal(ids, i3)
-    assert torch.equal(out, decode_experts(dx, dw13, dw2, w3, mine, tiles=WIDE))
-
-
 def test_decode_experts_refuse_mismatched_shapes():
     x, w13, w2, weights, ids = _layer(1, 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="decode_experts takes"):
         decode_experts(x, w13, w2.transpose(1, 2), weights, ids)
     with pytest.raises(ValueError, match="decode_experts takes"):
         decode_experts(x, w13.to(torch.bfloat16), w2, weights, ids)
-    with pytest.raises(ValueError, match="decode_experts takes.*logits \\(1, 2\\), top_k 4"):
-        decode_routed_experts(x, torch.zeros(1, 2), w13, w2, 4, True, None)

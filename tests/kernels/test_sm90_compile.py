@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe_decode, norm,
-                               rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
+                               norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -90,20 +90,15 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
-moe_ptrs = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, logits_ptr=bf16, weights_ptr=bf16, w2_ptr=bf16)
-moe_up = dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True, PREFETCH_LINES=0,
-              LINE_ELEMS=64)
-out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
-                         dict(moe_up, ROUTED=False, KB=1, EB=1, RENORM=False, CHUNK=1), tiles.up_warps, 1)
-# (with the routing of Qwen3-30B-A3B's 128 experts folded in)
-# and each program pulling its share of its expert's w2 into L2 (at Qwen3-30B-A3B's batch 1: 32 lines)
-out["moe_gate_up_routed"] = ptx(moe_decode._gate_up_kernel, moe_ptrs, set(),
-                                dict(moe_up, ROUTED=True, KB=8, EB=128, RENORM=True, CHUNK=32, PREFETCH_LINES=32),
-                                tiles.up_warps, 1)
+out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16), set(),
+                         dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True),
+                         tiles.up_warps, 1)
 out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32",
                                                         out_ptr=bf16), set(),
                       dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
                       tiles.down_warps, 1)
+out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
+                      dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
 out["lora_sum_partials"] = ptx(lora._sum_partials_kernel, dict(part_ptr="*fp32", out_ptr="*fp32"), set(),
                                dict(SPLIT=16, BLOCK=1024, PDL=True), 4, 1)
@@ -140,8 +135,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
-                                                 ("rotary", 0), ("moe_gate_up", 0), ("moe_gate_up_routed", 0),
-                                                 ("moe_down", 0),
+                                                 ("rotary", 0), ("moe_route", 0), ("moe_gate_up", 0), ("moe_down", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
@@ -166,15 +160,6 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
-
-
-def test_the_moe_gate_up_launch_pulls_its_experts_w2_into_l2_after_its_own_loads(ptx):
-    """kernels.moe_decode: a gate/up program that routes its token (no load before the wait) issues its share of
-    L2 prefetches of its expert's w2 after its wait and after its w13 loads; without lines to pull, none."""
-    code = ptx["moe_gate_up_routed"]
-    wait, loads, prefetch = (_lines(code, p) for p in (r"griddepcontrol\.wait", r"ld\.global", r"prefetch\.global\.L2"))
-    assert prefetch and loads and wait[0] < loads[0] < prefetch[0], (len(wait), len(loads), len(prefetch))
-    assert not _lines(ptx["moe_gate_up"], r"prefetch\.global\.L2")
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):

@@ -91,22 +91,6 @@ class FusedMoE(nn.Module):
 
         return (route if self.backend == "triton" else route_reference)(logits, top_k, renormalize, dtype)
 
-    def routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' output for the tokens x routed by the router's logits, and each token's expert ids
-        [tokens, top_k]. With the triton backend and 16-bit experts, a few tokens (kernels.moe_decode's path) are
-        routed inside its first launch (decode_routed_experts: one launch less on a decode step's chain); otherwise
-        `route`, then the experts."""
-        from radixmesh.kernels.moe_decode import decode_routed_experts, use_decode_path
-
-        if (self.backend == "triton" and self.w13.fp8 is None and x.shape[0]
-                and use_decode_path(x.shape[0], top_k, self.local_experts)):
-            out, _, ids = decode_routed_experts(x, logits, self.w13.weight, self.w2.weight, top_k, renormalize, dtype,
-                                                first=self.first)
-            return (self.tp.all_reduce(out) if self.tp.size > 1 else out), ids
-        weights, ids = self.route(logits, top_k, renormalize, dtype)
-        return self(x, weights, ids), ids
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1
             ids = ids - self.first

@@ -41,10 +41,11 @@ class SparseMoeBlock(nn.Module):
         self.counts: torch.Tensor | None = None  # tokens routed to each expert so far (expert_counters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, ids = self.experts.routed(x, linear(x, self.gate.weight), self.top_k, self.renormalize,
-                                       None if self.float32_weights else x.dtype)
+        weights, ids = self.experts.route(linear(x, self.gate.weight), self.top_k, self.renormalize,
+                             None if self.float32_weights else x.dtype)
         if self.counts is not None:  # on the device, no host round trip (and capturable in a CUDA graph)
             self.counts.index_add_(0, ids.flatten(), _real_tokens(x.shape[0], x.device).repeat_interleave(self.top_k))
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
