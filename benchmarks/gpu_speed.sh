@@ -33,9 +33,10 @@
 #                           DeepSeek's weight_block_size) against bf16, each against its floor (--roofline)
 #   PARTS="setup moe"       issue 51: the MoE tests on the GPU, tiles tuned, the few-token expert path against the
 #                           grouped GEMMs per layer, a Qwen3-30B-A3B-shaped model (runner auto)
-#   PARTS="setup moebs1"    issue 51 at batch 1 (seventeenth session): the MoE and LoRA peft parity tests on CUDA, the
-#                           Qwen3-30B-A3B-shaped model's batch 1 and 64 steps against the roofline, one batch-1
-#                           step's kernels in order, then LoRA's decode cost with the tree's defaults (issue 54)
+#   PARTS="setup moebs1"    issue 51 at batch 1 (seventeenth session): the MoE tests on CUDA, one layer's experts at 1
+#                           token with the tiles searched (the down launch's expert loop or stacked form), then the
+#                           Qwen3-30B-A3B-shaped model's batch-1 step against the roofline with the default tiles and
+#                           with the best (RADIXMESH_MOE_DECODE_TILES)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -231,19 +232,22 @@ if [[ " $PARTS " == *" moe "* ]]; then
 fi
 
 if [[ " $PARTS " == *" moebs1 "* ]]; then
-  timeout ${MOE_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_moe_cuda.py \
-    "tests/gpu/test_lora_cuda.py::test_adapters_and_the_base_in_cuda_graphs_match_peft" 2>&1 \
+  timeout ${MOE_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py \
+    tests/kernels/test_moe_decode.py tests/gpu/test_moe_cuda.py 2>&1 \
     | tee "$OUT/moebs1_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
-  timeout ${MOE_TIMEOUT:-240} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/qwen3-30b-a3b \
-    --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 \
-    --input-len 512 --output-len 32 --roofline --result-file "$OUT/moe_one_batch.jsonl" 2>&1 \
-    | tee "$OUT/moe_one_batch.log" | grep -v Warning | tail -6
-  timeout ${MOE_TIMEOUT:-240} $PY -m radixmesh.benchmarks.profile_decode --model-path benchmarks/configs/qwen3-30b-a3b \
-    --batch-size 1 --timeline --result-file "$OUT/moe_profile.jsonl" 2>&1 | grep -v Warning | grep "bs 1"
-  # LoRA with this tree's defaults (no flags): 8 adapters at batch 64 against the base step
-  timeout ${LORA_TIMEOUT:-200} $PY -m radixmesh.benchmarks.lora --model-path build/llama-3.1-8b --dtype bfloat16 \
-    --engine-args '{"load_format": "dummy"}' --batch-sizes 1,64 --adapters 0,1,8 --repeats 2 \
-    --out "$OUT/lora_defaults.json" 2>&1 | tee "$OUT/lora_defaults.log" | grep -E "ms/token|goal|Error"
+  # one layer's experts at 1 token, the tiles searched (the down launch's expert loop and its stacked form)
+  timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b \
+    --tokens 1 --result-file "$OUT/moe_decode.jsonl" 2>&1 | tee "$OUT/moe_decode.log" | grep -E "^tokens|Error"
+  BEST=$($PY -c 'import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(json.dumps(
+[r for r in rows if r.get("best_tiles")][-1]["tiles"]))' "$OUT/moe_decode.jsonl" 2>/dev/null)
+  # the model's batch-1 step with the default tiles, then with the best found above
+  for tiles in "" "$BEST"; do
+    echo "== tiles: ${tiles:-default}"
+    RADIXMESH_MOE_DECODE_TILES="$tiles" timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.engine.bench_one_batch \
+      --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+      --log-level warning --batch-size 1 --input-len 512 --output-len 32 --roofline \
+      --result-file "$OUT/moe_one_batch.jsonl" 2>&1 | tee -a "$OUT/moe_one_batch.log" | grep -v Warning | tail -3
+  done
 fi
 
 if [[ $PARTS == *spec* ]]; then

@@ -37,7 +37,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constex
     # One token (program_id 0): softmax over its E router logits in float32, the TOP_K largest (the lowest expert id
     # first among equals), renormalized to sum to one when RENORM, stored in the weights' dtype. Under PDL it launches
     # while the router's product runs and waits for it (at batch 1 the launch was ~3.7 us of a 62-us layer on an
-    # H100 without: benchmarks/results/NOTES.md, 2026-12-06).
+    # H100 without: benchmarks/results/NOTES.md, 2026-12-06). One warp for up to 256 experts: its max and argmax
+    # rounds are then warp shuffles, with no barrier between warps.
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EB)
@@ -73,7 +74,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if tokens:
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts),
-                                 RENORM=renormalize, **pdl_options(logits))
+                                 RENORM=renormalize, num_warps=1 if experts <= 256 else 4, **pdl_options(logits))
     return weights, ids
 
 

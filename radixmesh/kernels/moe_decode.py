@@ -17,6 +17,8 @@ nothing. Expert ids are read on the device and every shape follows the token cou
 
 from __future__ import annotations
 
+import json
+import os
 from typing import NamedTuple
 
 import torch
@@ -53,10 +55,29 @@ class DecodeTiles(NamedTuple):
     down_block_n: int = 4  # hidden columns per down program: it reads top_k x down_block_n rows of w2
     down_block_k: int = 256
     down_warps: int = 4
+    down_stacked: int = 0  # 1: the down launch loads its top_k experts' rows as one [top_k, block_n, block_k] tile
+    # per K chunk and reduces them at once (_down_stacked_kernel) instead of expert after expert
 
 
 # Triton's interpreter runs programs one by one in Python (~20 ms each): wide blocks, a handful of programs
 INTERPRETER_TILES = DecodeTiles(up_block_n=64, up_block_k=256, down_block_n=64, down_block_k=256)
+TILES_ENV = "RADIXMESH_MOE_DECODE_TILES"  # JSON of DecodeTiles fields overriding the defaults (an operator's tuning)
+
+
+def default_tiles() -> DecodeTiles:
+    """DecodeTiles(), with the fields RADIXMESH_MOE_DECODE_TILES names (benchmarks.moe_decode finds a GPU's best);
+    INTERPRETER_TILES in Triton's interpreter."""
+    if interpreting():
+        return INTERPRETER_TILES
+    text = os.environ.get(TILES_ENV)
+    if not text:
+        return DecodeTiles()
+    try:
+        fields = json.loads(text)
+        return DecodeTiles()._replace(**{k: int(v) for k, v in fields.items()})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{TILES_ENV}={text!r} is not a JSON object of DecodeTiles fields "
+                         f"({', '.join(DecodeTiles._fields)}): {e}") from None
 
 
 @triton.jit
@@ -122,6 +143,38 @@ def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stri
     tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
 
 
+@triton.jit
+def _down_stacked_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out,
+                         TOP_K: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # _down_sum_kernel's result with the top_k experts as a tensor axis: per K chunk one [KB, BLOCK_N, BLOCK_K] load of
+    # every expert's rows, one reduction over K for all of them, then the weighted, rounded rows summed over k in
+    # float32 (a tree's order, not k's: float32 sums of 8 terms, rounded once to the dtype).
+    token = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, KB)
+    pair = token * TOP_K + j  # [KB]
+    expert = tl.load(ids_ptr + pair, mask=j < TOP_K, other=-1).to(tl.int64)
+    here = expert >= 0  # (an id of -1, or past TOP_K: no row of act or w2 at all)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < hidden
+    rows = (w_ptr + tl.maximum(expert, 0)[:, None, None] * stride_we
+            + n.to(tl.int64)[None, :, None] * stride_wn)  # [KB, BLOCK_N, 1]
+    acc = tl.zeros([KB, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(act_ptr + pair[:, None] * K + k[None, :], mask=here[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(rows + k[None, None, :], mask=here[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :],
+                    other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    dtype = out_ptr.dtype.element_ty
+    down = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # [KB, BLOCK_N]
+    weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
+    weighted = (down * weight[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + n, tl.sum(weighted, axis=0).to(dtype), mask=n_ok)
+
+
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    tiles: DecodeTiles | None = None) -> torch.Tensor:
     """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter] (x's dtype, unit last
@@ -141,7 +194,7 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    t = tiles or (INTERPRETER_TILES if interpreting() else DecodeTiles())
+    t = tiles or default_tiles()
     x, w13, w2 = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, w13, w2))
     ids, weights = ids.contiguous(), weights.contiguous()
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
@@ -149,10 +202,15 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, K=hidden,
         BLOCK_N=t.up_block_n, BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), num_warps=t.up_warps,
         num_stages=1, **pdl_options(x))
-    _down_sum_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
-        act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, K=inter,
-        BLOCK_N=t.down_block_n, BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)),
-        num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+    down_args = (act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0))
+    down_tiles = dict(TOP_K=top_k, K=inter, BLOCK_N=t.down_block_n,
+                      BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)), num_warps=t.down_warps,
+                      num_stages=1, **pdl_options(x))
+    grid = (triton.cdiv(hidden, t.down_block_n), tokens)
+    if t.down_stacked:
+        _down_stacked_kernel[grid](*down_args, KB=triton.next_power_of_2(top_k), **down_tiles)
+    else:
+        _down_sum_kernel[grid](*down_args, **down_tiles)
     return out
 
 

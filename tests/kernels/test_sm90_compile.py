@@ -97,6 +97,9 @@ out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16
                                                         out_ptr=bf16), set(),
                       dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
                       tiles.down_warps, 1)
+out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i64",
+                                                                     weights_ptr=bf16, out_ptr=bf16), set(),
+                              dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
@@ -136,6 +139,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_gate_up", 0), ("moe_down", 0),
+                                                 ("moe_down_stacked", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
