@@ -16,7 +16,7 @@ from radixmesh.kernels.moe_decode import (MAX_PAIRS, DecodeTiles, decode_experts
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DecodeTiles(up_block_n=4, up_block_k=32, up_warps=1, down_block_n=8, down_block_k=16, down_warps=1)
 WIDE = DecodeTiles(up_block_n=16, down_block_n=32)  # fewer programs: the interpreter runs them one by one
-STACKED = [SMALL._replace(down_stacked=1), WIDE._replace(down_stacked=1)]  # the down launch's experts as one axis
+LOOP = [SMALL._replace(down_stacked=0), WIDE._replace(down_stacked=0)]  # the down launch's experts one by one
 
 
 def _layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -49,8 +49,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, same_rounding: bool = False) -
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,tiles", [
     (1, 8, 2, 64, 48, WIDE), (2, 6, 3, 40, 24, SMALL), (2, 16, 4, 72, 20, WIDE),
-    (1, 8, 2, 64, 48, STACKED[1]), (2, 6, 3, 40, 24, STACKED[0]), (1, 16, 8, 72, 20, STACKED[1])],
-    ids=["wide", "small", "wide-k4", "stacked-wide", "stacked-small-k3", "stacked-k8"])
+    (1, 8, 2, 64, 48, LOOP[1]), (2, 6, 3, 40, 24, LOOP[0]), (1, 16, 8, 72, 20, WIDE)],
+    ids=["wide", "small", "wide-k4", "loop-wide", "loop-small-k3", "wide-k8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_decode_experts_match_the_twin(tokens, experts, top_k, hidden, inter, tiles, dtype):
     """SMALL tiles cut K into several unrolled chunks with a ragged last one (40 = 32 + 8, 24 = 16 + 8) and leave
@@ -84,19 +84,20 @@ def test_experts_of_other_ranks_add_nothing():
     local = torch.where(ids >= 3, ids - 3, -1)
     local[0, 0], local[1] = 1, -1  # token 0: one expert here, one elsewhere; token 1: none here
     want = fused_experts_reference(x, w13, w2, weights, local)
-    for tiles in (WIDE, STACKED[1]):
+    for tiles in (WIDE, LOOP[1]):
         got = decode_experts(*_on_device(x, w13, w2, weights, local), tiles=tiles).cpu()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got[1] == 0).all() and got[0].abs().sum() > 0
 
 
 def test_the_stacked_down_launch_equals_the_expert_loop():
-    """down_stacked sums the weighted rows of the top_k experts in a tree's order instead of k's: float32 sums
-    rounded once, so in bfloat16 nearly every element is the loop's, and in float32 all are within a few ulps."""
+    """down_stacked (the default) sums the weighted rows of the top_k experts in a tree's order instead of k's:
+    float32 sums rounded once, so in bfloat16 nearly every element is the loop's, and in float32 all are within a
+    few ulps."""
     for dtype in (torch.float32, torch.bfloat16):
         layer = _on_device(*_layer(2, 16, 8, 64, 40, dtype))
-        loop = decode_experts(*layer, tiles=WIDE)
-        stacked = decode_experts(*layer, tiles=WIDE._replace(down_stacked=1))
+        loop = decode_experts(*layer, tiles=LOOP[1])
+        stacked = decode_experts(*layer, tiles=WIDE)
         _close(stacked, loop, same_rounding=True)
 
 
@@ -106,15 +107,15 @@ def test_the_tiles_can_be_set_from_the_environment(monkeypatch):
     from radixmesh.kernels import moe_decode
 
     monkeypatch.setattr(moe_decode, "interpreting", lambda: False)
-    monkeypatch.setenv(moe_decode.TILES_ENV, '{"down_stacked": 1, "down_warps": 8}')
-    assert moe_decode.default_tiles() == DecodeTiles(down_stacked=1, down_warps=8)
+    monkeypatch.setenv(moe_decode.TILES_ENV, '{"down_stacked": 0, "down_warps": 8}')
+    assert moe_decode.default_tiles() == DecodeTiles(down_stacked=0, down_warps=8) != DecodeTiles()
     monkeypatch.setenv(moe_decode.TILES_ENV, '{"down_stack": 1}')
     with pytest.raises(ValueError, match="RADIXMESH_MOE_DECODE_TILES=.*up_block_n, up_block_k"):
         moe_decode.default_tiles()
     monkeypatch.delenv(moe_decode.TILES_ENV)
     assert moe_decode.default_tiles() == DecodeTiles()
     monkeypatch.setattr(moe_decode, "interpreting", lambda: True)
-    monkeypatch.setenv(moe_decode.TILES_ENV, '{"down_stacked": 1}')
+    monkeypatch.setenv(moe_decode.TILES_ENV, '{"down_stacked": 0}')
     assert moe_decode.default_tiles() == moe_decode.INTERPRETER_TILES
 
 
