@@ -37,8 +37,10 @@ from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # The 16-bit tiles' bytes per load (fp8_gemv's one-row rule: twice the elements): gate/up twice the K; down twice
 # the rows, whose 256-column chunks divide Qwen3-30B-A3B's 768 (512 would leave a chunk half masked). Not yet
-# measured: benchmarks.moe_decode --fp8 searches them.
-FP8_TILES = DecodeTiles(up_block_n=2, up_block_k=2048, up_warps=4, down_block_n=8, down_block_k=256, down_warps=4)
+# measured: benchmarks.moe_decode --fp8 searches them. The fp8 down launch has the expert loop only (down_stacked 0:
+# the 16-bit launch's stacked form is not written for fp8 rows and their scales).
+FP8_TILES = DecodeTiles(up_block_n=2, up_block_k=2048, up_warps=4, down_block_n=8, down_block_k=256, down_warps=4,
+                        down_stacked=0)
 
 
 @triton.jit
