@@ -37,6 +37,9 @@
 #                           token with the tiles searched (the down launch's expert loop or stacked form), then the
 #                           Qwen3-30B-A3B-shaped model's batch-1 step against the roofline with the default tiles and
 #                           with the best (RADIXMESH_MOE_DECODE_TILES)
+#   PARTS="setup moefp8"    issues 51/52: the fp8 few-token expert tests on CUDA, then one layer's fp8 experts (block-wise
+#                           and per row) at 1 and 2 tokens, the tiles searched with the down launch's stacked form
+#                           (FP8_TILES keeps the expert loop until this measures the stacked one)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -247,6 +250,16 @@ if [[ " $PARTS " == *" moebs1 "* ]]; then
       --model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
       --log-level warning --batch-size 1 --input-len 512 --output-len 32 --roofline \
       --result-file "$OUT/moe_one_batch.jsonl" 2>&1 | tee -a "$OUT/moe_one_batch.log" | grep -v Warning | tail -3
+  done
+fi
+
+if [[ " $PARTS " == *" moefp8 "* ]]; then
+  timeout ${MOE_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe_decode_fp8.py 2>&1 \
+    | tee "$OUT/moefp8_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
+  for scales in block channel; do
+    timeout ${MOE_TIMEOUT:-200} $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b \
+      --tokens 1 2 --fp8 $scales --result-file "$OUT/moe_decode_fp8.jsonl" 2>&1 | tee -a "$OUT/moe_decode_fp8.log" \
+      | grep -E "^tokens|Error"
   done
 fi
 

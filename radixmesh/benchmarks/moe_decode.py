@@ -37,8 +37,8 @@ DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stacked=st)
 # fp8: a load of the same bytes covers twice the K
 FP8_UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (1024, 2048),
                                                                                              (4, 8))]
-FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w)
-                 for n, k, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))]
+FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stacked=st)
+                 for n, k, w, st in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (0, 1))]
 
 
 def _fp8_weights(experts: int, n: int, k: int, block, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,8 +37,8 @@ from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # The 16-bit tiles' bytes per load (fp8_gemv's one-row rule: twice the elements): gate/up twice the K; down twice
 # the rows, whose 256-column chunks divide Qwen3-30B-A3B's 768 (512 would leave a chunk half masked). Not yet
-# measured: benchmarks.moe_decode --fp8 searches them. The fp8 down launch has the expert loop only (down_stacked 0:
-# the 16-bit launch's stacked form is not written for fp8 rows and their scales).
+# measured: benchmarks.moe_decode --fp8 searches them, the down launch's stacked form among them (down_stacked 1:
+# the 16-bit launch's best on an H100, not yet measured for fp8 rows: off until it is).
 FP8_TILES = DecodeTiles(up_block_n=2, up_block_k=2048, up_warps=4, down_block_n=8, down_block_k=256, down_warps=4,
                         down_stacked=0)
 
@@ -150,6 +150,56 @@ def _fp8_down_sum_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, h
     tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
 
 
+@triton.jit
+def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn,
+                             stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, KB: tl.constexpr,
+                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # _fp8_down_sum_kernel's result with the top_k experts as a tensor axis (kernels.moe_decode's stacked down launch):
+    # per K chunk one [KB, BLOCK_N, NB, SUB] load of every expert's rows, the same products and scales row by row,
+    # then the weighted, rounded rows summed over k in float32 in a tree's order and rounded once.
+    NB: tl.constexpr = BLOCK_K // SUB
+    token = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, KB)
+    pair = token * TOP_K + j  # [KB]
+    expert = tl.load(ids_ptr + pair, mask=j < TOP_K, other=-1).to(tl.int64)
+    here = expert >= 0  # (an id of -1, or past TOP_K: no row of act or w2 at all)
+    e = tl.maximum(expert, 0)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows_ok = here[:, None] & (n < hidden)[None, :]  # [KB, BLOCK_N]
+    w_rows = w_ptr + e[:, None, None, None] * stride_we + n.to(tl.int64)[None, :, None, None] * stride_wn
+    s_rows = s_ptr + e[:, None] * stride_se + (n // BN)[None, :] * stride_sn  # [KB, BLOCK_N]
+    if BLOCKWISE:
+        acc = tl.zeros([KB, BLOCK_N, NB], tl.float32)
+    else:
+        acc = tl.zeros([KB, BLOCK_N, NB, SUB], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        starts = k0 + tl.arange(0, NB) * SUB  # [NB] first column of each sub-chunk
+        k = starts[:, None] + tl.arange(0, SUB)[None, :]  # [NB, SUB]
+        k_ok = k < K
+        a = tl.load(act_ptr + pair[:, None, None] * K + k[None, :, :], mask=here[:, None, None] & k_ok[None, :, :],
+                    other=0.0).to(tl.float32)  # [KB, NB, SUB]
+        w = tl.load(w_rows + k[None, None, :, :], mask=rows_ok[:, :, None, None] & k_ok[None, None, :, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # [KB, BLOCK_N, NB, SUB]
+        prod = w * a[:, None, :, :]
+        if BLOCKWISE:  # each sub-chunk's partial sum times its row's scale of its K-block
+            s = tl.load(s_rows[:, :, None] + (starts // BK)[None, None, :],
+                        mask=rows_ok[:, :, None] & (starts < K)[None, None, :], other=0.0)  # [KB, BLOCK_N, NB]
+            acc += tl.sum(prod, axis=3) * s
+        else:
+            acc += prod
+    if BLOCKWISE:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = tl.sum(tl.sum(acc, axis=3), axis=2) * tl.load(s_rows, mask=rows_ok, other=0.0)  # [KB, BLOCK_N]
+    dtype = out_ptr.dtype.element_ty
+    down = y.to(dtype).to(tl.float32)
+    weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
+    weighted = (down * weight[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + n, tl.sum(weighted, axis=0).to(dtype), mask=n < hidden)
+
+
 def _scale_strides(s: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, int]:
     """(per expert, per block row) of scales; per row the row index is the scale's, stride 1."""
     return s.stride(0), s.stride(1) if block is not None else 1
@@ -190,10 +240,15 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
         TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n, BLOCK_K=up_k, SUB=up_sub, BN=bn, BK=bk,
         BLOCKWISE=block is not None, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
     down_k, down_sub = _chunks(t.down_block_k, inter, block)
-    _fp8_down_sum_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
-        act, w2, s2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), *_scale_strides(s2, block),
-        out.stride(0), TOP_K=top_k, K=inter, BLOCK_N=t.down_block_n, BLOCK_K=down_k, SUB=down_sub, BN=bn, BK=bk,
-        BLOCKWISE=block is not None, num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+    down_args = (act, w2, s2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), *_scale_strides(s2, block),
+                 out.stride(0))
+    down_tiles = dict(TOP_K=top_k, K=inter, BLOCK_N=t.down_block_n, BLOCK_K=down_k, SUB=down_sub, BN=bn, BK=bk,
+                      BLOCKWISE=block is not None, num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+    grid = (triton.cdiv(hidden, t.down_block_n), tokens)
+    if t.down_stacked:
+        _fp8_down_stacked_kernel[grid](*down_args, KB=triton.next_power_of_2(top_k), **down_tiles)
+    else:
+        _fp8_down_sum_kernel[grid](*down_args, **down_tiles)
     return out
 
 

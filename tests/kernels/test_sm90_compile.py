@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
-                               norm, rotary)
+                               moe_decode_fp8, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -100,6 +100,12 @@ out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16
 out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i64",
                                                                      weights_ptr=bf16, out_ptr=bf16), set(),
                               dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True), 4, 1)
+# and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
+fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
+for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
+    out[name] = ptx(moe_decode_fp8._fp8_down_stacked_kernel, fp8_down, set(),
+                    dict(TOP_K=8, KB=8, K=768, BLOCK_N=8, BLOCK_K=256, SUB=sub, BN=128, BK=128,
+                         BLOCKWISE=blockwise, PDL=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
@@ -139,7 +145,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_gate_up", 0), ("moe_down", 0),
-                                                 ("moe_down_stacked", 0),
+                                                 ("moe_down_stacked", 0), ("moe_fp8_down_stacked_block", 0),
+                                                 ("moe_fp8_down_stacked_row", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
