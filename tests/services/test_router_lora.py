@@ -133,18 +133,28 @@ async def _load_refused_by_rank_then_unload(router, a: str, b: str, adapters: di
 
 
 async def test_a_load_whose_caller_gave_up_is_undone(workers, adapters):
+    """A load whose caller's 1-ms deadline passed is unloaded again when it completes. Under a loaded suite the
+    call has once come back OK (neither side saw the deadline pass; seventeenth session): such an attempt is
+    unloaded and another made, and one of a few must meet its deadline."""
     a = workers["a"][1]
     async with grpc.aio.insecure_channel(a) as ch:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(
-                lora_name="late", lora_path=adapters["small"]), timeout=0.001)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for attempt in range(5):
+            name = f"late{attempt}"
+            try:
+                await stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(
+                    lora_name=name, lora_path=adapters["small"]), timeout=0.001)
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                break
+            await stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(lora_name=name), timeout=30)
+        else:
+            pytest.fail("5 loads with a 1-ms deadline all came back in time")
     await asyncio.sleep(2.0)  # the load has completed by now (or soon, on a busy machine) and is then undone
     deadline = time.monotonic() + 30
-    while "late" in loaded_on(a) and time.monotonic() < deadline:
+    while name in loaded_on(a) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
-    assert "late" not in loaded_on(a)
+    assert name not in loaded_on(a) and not [n for n in loaded_on(a) if n.startswith("late")]
 
 
 async def test_an_unreachable_worker_fails_the_load_and_the_others_are_undone(workers, adapters):
