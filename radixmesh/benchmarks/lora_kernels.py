@@ -6,8 +6,8 @@ per step includes what a graph pays per kernel (launch, dependent latency) and n
 
 Shapes: Llama-3.1-8B's by default (hidden 4096, q 4096, k/v 1024, intermediate 14336, 32 layers), rank 16, bfloat16.
 Variants of the expand (`--expand`: block_n x column blocks per program x warps; a trailing "r": over partial sums
-the shrink has summed, kernels.lora.REDUCE_DECODE_PARTIALS) are timed against each other in the same process; the shrinks once, beside
-them, with and without that sum. The output checks each variant's sums against the first's (they make the same
+the shrink has summed, kernels.lora.REDUCE_DECODE_PARTIALS; without it over the K parts) are timed against each other
+in the same process; the shrinks once, beside them, with and without that sum. The output checks each variant's sums against the first's (they make the same
 roundings of the same terms). Prints ms per step and us per kernel."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = modules(*(int(v) for v in ns.shape.split(",")))
     layout, mods, scalings = build(ns.batch, ns.adapters, ns.slots, ns.rank, shapes, torch.bfloat16, dev)
-    partials = {name: lora_shrink(m["x"], m["a"], layout) for name, m in mods.items()}
+    partials = {name: lora_shrink(m["x"], m["a"], layout, reduce=False) for name, m in mods.items()}  # K parts
     result = {"bench": "lora_kernels", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "batch": ns.batch,
               "adapters": ns.adapters, "slots": ns.slots, "rank": ns.rank, "layers": ns.layers, "shape": ns.shape,
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     def shrinks():
         for _ in range(ns.layers):
             for m in mods.values():
-                lora_shrink(m["x"], m["a"], layout)
+                lora_shrink(m["x"], m["a"], layout, reduce=False)
 
     def summed_shrinks():
         for _ in range(ns.layers):

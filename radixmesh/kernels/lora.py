@@ -225,22 +225,6 @@ def lora_sum_partials(partials: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@jit
-def _column_block(nb, num_blocks, start0, width0, start1, width1, start2, width2, BLOCK_N: tl.constexpr):
-    """Column block `nb` of the fused projections' `num_blocks` blocks (each projection's cdiv(width, BLOCK_N) in
-    turn): (its projection, the projection's first output column, the block's columns within it, their mask; none
-    for a block past the last)."""
-    blocks0 = tl.cdiv(width0, BLOCK_N)
-    blocks1 = tl.cdiv(width1, BLOCK_N)
-    part = (nb >= blocks0).to(tl.int32) + (nb >= blocks0 + blocks1).to(tl.int32)
-    col0 = tl.where(part == 0, start0, tl.where(part == 1, start1, start2))
-    width = tl.where(part == 0, width0, tl.where(part == 1, width1, width2))
-    width = tl.where(nb < num_blocks, width, 0)
-    block = nb - tl.where(part == 0, 0, tl.where(part == 1, blocks0, blocks0 + blocks1))
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    return part, col0, n, n < width
-
-
 @jit(do_not_specialize=["rows"])
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, tiles_ptr, rows, PR, R, split, num_blocks, stride_bs,
                    stride_bn, stride_om, start0, width0, start1, width1, start2, width2,
@@ -270,9 +254,17 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, out_ptr, tiles_ptr, rows, PR, R, 
         inter = inter.to(tl.float32)
     scale = tl.load(scale_ptr + s)
     b_slot = b_ptr + s.to(tl.int64) * stride_bs
+    blocks0 = tl.cdiv(width0, BLOCK_N)
+    blocks1 = tl.cdiv(width1, BLOCK_N)
     for i in tl.static_range(BLOCKS):
         nb = tl.program_id(1) * BLOCKS + i
-        part, col0, n, n_mask = _column_block(nb, num_blocks, start0, width0, start1, width1, start2, width2, BLOCK_N)
+        part = (nb >= blocks0).to(tl.int32) + (nb >= blocks0 + blocks1).to(tl.int32)
+        col0 = tl.where(part == 0, start0, tl.where(part == 1, start1, start2))
+        width = tl.where(part == 0, width0, tl.where(part == 1, width1, width2))
+        width = tl.where(nb < num_blocks, width, 0)  # a block past the last: nothing
+        block = nb - tl.where(part == 0, 0, tl.where(part == 1, blocks0, blocks0 + blocks1))
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < width
         r = j - part * R  # [BLOCK_PR] rank index in this projection's B, valid in [0, R)
         b = tl.load(b_slot + (col0 + n).to(tl.int64)[:, None] * stride_bn + r[None, :],
                     mask=n_mask[:, None] & ((r >= 0) & (r < R))[None, :], other=0.0)  # [BLOCK_N, BLOCK_PR]
@@ -294,23 +286,6 @@ def _check_slices(slices: Sequence[tuple[int, int]], b: torch.Tensor, pr: int) -
         raise ValueError(f"slices {list(slices)} fall outside the {b.shape[1]} columns of b")
 
 
-def _column_blocks(slices: Sequence[tuple[int, int]], block_n: int) -> tuple[list[int], int]:
-    """The kernels' (start, width) arguments of the MAX_PARTS projections (unused ones zero) and the column blocks of
-    them all (_column_block)."""
-    flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
-    return flat, sum(triton.cdiv(width, block_n) for _, width in slices)
-
-
-def _check_expand(partials: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                  slices: Sequence[tuple[int, int]]) -> None:
-    rows = partials.shape[1]
-    if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
-        raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
-                         f"stride expected; got b {tuple(b.shape)} {b.dtype} {b.stride()}, out {tuple(out.shape)} "
-                         f"{out.dtype} {out.stride()}")
-    _check_slices(slices, b, partials.shape[2])
-
-
 def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, layout: LoraLayout,
                 slices: Sequence[tuple[int, int]], out: torch.Tensor, block_n: int | None = None,
                 per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -319,11 +294,16 @@ def lora_expand(partials: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
     `per_program` (column blocks one program runs; decode-sized batches only) and `num_warps` override the tiling
     (radixmesh.benchmarks.lora_kernels sweeps them)."""
     split, rows, pr = partials.shape
-    _check_expand(partials, b, out, slices)
+    if b.stride(2) != 1 or b.dtype != out.dtype or out.stride(1) != 1 or out.shape[0] != rows:
+        raise ValueError(f"b [S, N, R] of out's dtype with unit stride along R and out [{rows}, N] with unit column "
+                         f"stride expected; got b {tuple(b.shape)} {b.dtype} {b.stride()}, out {tuple(out.shape)} "
+                         f"{out.dtype} {out.stride()}")
+    _check_slices(slices, b, pr)
     if rows == 0:
         return out
     block_n, num_warps = block_n or EXPAND_BLOCK_N, num_warps or EXPAND_WARPS
-    flat, blocks = _column_blocks(slices, block_n)
+    flat = [v for start_width in slices for v in start_width] + [0, 0] * (MAX_PARTS - len(slices))
+    blocks = sum(triton.cdiv(width, block_n) for _, width in slices)
     per_program = (per_program or EXPAND_DECODE_BLOCKS) if layout.block_m == 16 else 1
     _expand_kernel[(layout.max_tiles, triton.cdiv(blocks, per_program))](
         partials, b, scalings, out, layout.tiles, rows, pr, b.shape[2], split, blocks, b.stride(0), b.stride(1),

@@ -18,6 +18,7 @@ nothing. Expert ids are read on the device and every shape follows the token cou
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import NamedTuple
@@ -70,9 +71,13 @@ TILES_ENV = "RADIXMESH_MOE_DECODE_TILES"  # JSON of DecodeTiles fields overridin
 def default_tiles() -> DecodeTiles:
     """DecodeTiles(), with the fields RADIXMESH_MOE_DECODE_TILES names (benchmarks.moe_decode finds a GPU's best);
     INTERPRETER_TILES in Triton's interpreter."""
-    if interpreting():
-        return INTERPRETER_TILES
-    text = os.environ.get(TILES_ENV)
+    return INTERPRETER_TILES if interpreting() else _tiles_from(os.environ.get(TILES_ENV, ""))
+
+
+@functools.cache
+def _tiles_from(text: str) -> DecodeTiles:
+    """DecodeTiles with the fields of RADIXMESH_MOE_DECODE_TILES's value (parsed once per value: every MoE layer of
+    an eager forward asks)."""
     if not text:
         return DecodeTiles()
     try:

@@ -46,7 +46,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
             with open(f"/proc/{pid}/stat") as fh:
                 if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped between the open and the read: gone too)
             return True
         time.sleep(0.05)
     return False
