@@ -32,19 +32,14 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constexpr, KB: tl.constexpr,
-                  EB: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    # One token (program_id 0): softmax over its E router logits in float32, the TOP_K largest (the lowest expert id
-    # first among equals), renormalized to sum to one when RENORM, stored in the weights' dtype. Under PDL it launches
-    # while the router's product runs and waits for it (at batch 1 the launch was ~3.7 us of a 62-us layer on an
-    # H100 without: benchmarks/results/NOTES.md, 2026-12-06). One warp for up to 256 experts: its max and argmax
-    # rounds are then warp shuffles, with no barrier between warps.
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, EB)
+def top_k_probs(logits, cols, E, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr):
+    """Router logits [EB] (float32, -inf past E) -> (the TOP_K largest softmax probabilities [KB], largest first, the
+    lowest expert id first among equals; their expert ids [KB] int64), renormalized to sum to one when RENORM; the
+    slots past TOP_K hold zeros. TOP_K rounds of max and argmax: in one warp, warp shuffles with no barrier between
+    warps. (Each expert's place counted against all the others at once, an [EB, EB] comparison over four warps, took
+    5.8 us a route against 3.0 on an H100 inside the Qwen3-30B-A3B step: benchmarks/results/NOTES.md, 2026-12-06.)"""
     ok = cols < E
-    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, 0))
+    e = tl.exp(logits - tl.max(logits, 0))
     p = tl.where(ok, e / tl.sum(e, 0), -1.0)
     ks = tl.arange(0, KB)
     top_w = tl.zeros((KB,), tl.float32)
@@ -57,6 +52,22 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constex
         p = tl.where(cols == pick, -1.0, p)
     if RENORM:
         top_w = top_w / tl.sum(top_w, 0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constexpr, KB: tl.constexpr,
+                  EB: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    # One token (program_id 0): softmax over its E router logits in float32, the TOP_K largest (the lowest expert id
+    # first among equals), renormalized to sum to one when RENORM, stored in the weights' dtype. Under PDL it launches
+    # while the router's product runs and waits for it (at batch 1 the launch was ~3.7 us of a 62-us layer on an
+    # H100 without: benchmarks/results/NOTES.md, 2026-12-06). One warp for up to 256 experts (route_warps).
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EB)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    top_w, top_i = top_k_probs(x, cols, E, TOP_K, KB, EB, RENORM)
+    ks = tl.arange(0, KB)
     keep = ks < TOP_K
     tl.store(weights_ptr + row * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep)
@@ -74,8 +85,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if tokens:
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts),
-                                 RENORM=renormalize, num_warps=1 if experts <= 256 else 4, **pdl_options(logits))
+                                 RENORM=renormalize, num_warps=route_warps(experts), **pdl_options(logits))
     return weights, ids
+
+
+def route_warps(experts: int) -> int:
+    """Warps for routing a token among `experts` (top_k_probs): one up to 256 experts, its reductions then warp
+    shuffles with no barrier between warps."""
+    return 1 if experts <= 256 else 4
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixmesh.engine.models.moe import SparseMoeBlock
 from tests.conftest import model_path
 from tests.engine_utils import assert_no_leak, parity_prompts, running_engine
 from tests.reference import hf_greedy, hf_token_logprobs
@@ -37,8 +38,9 @@ def test_qwen3_moe_in_cuda_graphs_matches_transformers_and_counts_only_real_toke
 
 def test_batch_one_decode_on_the_few_token_path_in_cuda_graphs_matches_transformers():
     """One request at a time: every decode step replays the graph of batch 1, whose experts run kernels.moe_decode
-    (two of four experts: use_decode_path), the prefill kernels.moe's grouped GEMMs; token-exact with transformers in
-    float32, logprobs within 1e-3, expert counts exact."""
+    (two of four experts: use_decode_path) after kernels.moe_gate (norm, router and routing in one launch), the
+    prefill kernels.moe's grouped GEMMs; token-exact with transformers in float32, logprobs within 1e-3, expert counts
+    exact."""
     from radixmesh.kernels.moe_decode import use_decode_path
 
     path = model_path("tiny-qwen3-moe")
@@ -58,6 +60,10 @@ def test_batch_one_decode_on_the_few_token_path_in_cuda_graphs_matches_transform
         forwarded = sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(prompts, outs))
         dist = llm.expert_distribution()
         assert all(sum(row) == 2 * forwarded for row in dist["tokens"]), dist
+        # every sparse layer's post-attention norm, router and routing ran as kernels.moe_gate (its counter exists
+        # once it has, and is back at zero after each launch)
+        blocks = [m for m in llm.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert blocks and all(b.gate_counter is not None and int(b.gate_counter.item()) == 0 for b in blocks)
         assert_no_leak(llm)
 
 

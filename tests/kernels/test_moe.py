@@ -120,7 +120,7 @@ def test_slots_of_another_ranks_experts_add_nothing():
 
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize,dtype", [
     (1, 128, 8, True, torch.bfloat16), (64, 128, 8, False, torch.bfloat16), (9, 8, 2, True, None),
-    (33, 60, 4, False, torch.float32), (5, 6, 3, True, torch.float32)])
+    (33, 60, 4, False, torch.float32), (5, 6, 3, True, torch.float32), (3, 256, 8, True, torch.bfloat16)])
 def test_the_route_kernel_picks_the_twins_experts_and_weights(tokens, experts, top_k, renormalize, dtype):
     """One launch for softmax, top-k, renormalization and the cast: the same experts in the same order (largest
     first), weights within float32 rounding of the twin's (a ulp of the dtype at most after the cast)."""

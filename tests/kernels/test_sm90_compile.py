@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
-                               moe_decode_fp8, norm, rotary)
+                               moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -108,6 +108,10 @@ for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp
                          BLOCKWISE=blockwise, PDL=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
+# a sparse layer's norm, router and routing at one token (Qwen3-30B-A3B's shape)
+out["moe_gate"] = ptx(moe_gate._gate_kernel, dict(H=bf16, R=bf16, G=bf16, W=bf16, ResOut=bf16, XOut=bf16, Logits=bf16,
+                                                 Weights=bf16, Ids="*i64", Counter="*i32"), {"eps"},
+                      dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
 out["lora_sum_partials"] = ptx(lora._sum_partials_kernel, dict(part_ptr="*fp32", out_ptr="*fp32"), set(),
                                dict(SPLIT=16, BLOCK=1024, PDL=True), 4, 1)
@@ -159,6 +163,20 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
     assert launch[0] < wait[0]
     assert len([i for i in loads if i < wait[0]]) == early_loads
 
+
+
+def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_gpu_scope(ptx):
+    """kernels.moe_gate under PDL: the router's rows and the norm's weight load before the wait (no kernel writes
+    them), the hidden row after it; each program arrives by an acquire-release atomic at GPU scope, and the last one
+    reads the logits past L1."""
+    code = ptx["moe_gate"]
+    launch, wait, loads = (_lines(code, p) for p in
+                           (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"ld\.global"))
+    assert launch and wait and launch[0] < wait[0]
+    assert [i for i in loads if i < wait[0]] and [i for i in loads if i > wait[0]]
+    arrive = _lines(code, r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add")
+    assert arrive and arrive[0] > wait[0]
+    assert [i for i in _lines(code, r"ld\.global\.cg") if i > arrive[0]]
 
 
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):

@@ -91,6 +91,9 @@ class DecoderLayer(nn.Module):
         which rounds exactly as `hidden + mlp(...)` does."""
         hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, rope)
+        fused = getattr(self.mlp, "forward_with_norm", None)  # an MLP that may take its norm into its own kernels
+        if fused is not None:
+            return fused(self.post_attention_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -6,6 +6,8 @@ Mixtral: all)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -13,8 +15,15 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import current_forward_context
 from radixmesh.engine.layers.linear import linear
 from radixmesh.engine.layers.moe import ExpertNames, FusedMoE
+from radixmesh.engine.layers.norm import RMSNorm
+from radixmesh.engine.layers.triton_ops import use_kernels
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import MLP, DecoderSpec, LlamaForCausalLM
+
+
+# One token's post-attention norm, router product and routing in one launch on the GPU (kernels.moe_gate);
+# RADIXMESH_MOE_FUSED_GATE=0 runs the three kernels instead (benchmarks compare the two).
+FUSED_GATE = os.environ.get("RADIXMESH_MOE_FUSED_GATE", "1") != "0"
 
 
 class Router(nn.Module):
@@ -39,10 +48,41 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
         self.shared_expert_gate = Router(1, cfg.hidden_size) if shared_intermediate else None
         self.counts: torch.Tensor | None = None  # tokens routed to each expert so far (expert_counters)
+        self.gate_counter: torch.Tensor | None = None  # kernels.moe_gate's arrival counter (made at the first use)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.experts.route(linear(x, self.gate.weight), self.top_k, self.renormalize,
-                             None if self.float32_weights else x.dtype)
+                                          self._weights_dtype(x))
+        return self._routed(x, weights, ids)
+
+    def forward_with_norm(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's post-attention norm (`norm`, adding `hidden` to `residual`) and then this block: (its output,
+        the new residual). One token on the GPU takes kernels.moe_gate, one launch for the residual add, the norm,
+        the router's product and the routing (RADIXMESH_MOE_FUSED_GATE=0: the three kernels, for comparison)."""
+        if self._gate_fuses(norm, hidden, residual):
+            from radixmesh.kernels.moe_gate import moe_gate, new_counter
+
+            if self.gate_counter is None or self.gate_counter.device != hidden.device:
+                self.gate_counter = new_counter(hidden.device)
+            x, residual, weights, ids = moe_gate(hidden, residual, norm.weight, norm.eps, self.gate.weight,
+                                                 self.top_k, self.renormalize, self._weights_dtype(hidden),
+                                                 self.gate_counter, pdl=True)
+            return self._routed(x, weights, ids), residual
+        hidden, residual = norm(hidden, residual)
+        return self(hidden), residual
+
+    def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (FUSED_GATE and type(norm) is RMSNorm and hidden.dim() == 2 and hidden.shape[0] == 1
+                and use_kernels(hidden) and self.experts.backend == "triton"
+                and hidden.dtype == residual.dtype == norm.weight.dtype == self.gate.weight.dtype
+                and hidden.is_contiguous() and residual.is_contiguous())
+
+    def _weights_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        return None if self.float32_weights else x.dtype
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts (and the shared expert) on the normed rows x, routed by (weights, ids)."""
         if self.counts is not None:  # on the device, no host round trip (and capturable in a CUDA graph)
             self.counts.index_add_(0, ids.flatten(), _real_tokens(x.shape[0], x.device).repeat_interleave(self.top_k))
         out = self.experts(x, weights, ids)
