@@ -24,7 +24,7 @@ from radixmesh.benchmarks.pdl_chain import _copy_gbps, _time_graph, write_rows
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.kernels.moe import fused_experts, route_reference
 from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode_path
-from radixmesh.kernels.moe_decode_fp8 import FP8_TILES, decode_experts_fp8, decode_experts_fp8_reference
+from radixmesh.kernels.moe_decode_fp8 import decode_experts_fp8, decode_experts_fp8_reference, fp8_tiles
 from radixmesh.kernels.fp8_experts import scale_shape
 from radixmesh.kernels.moe_fp8 import fused_experts_fp8
 
@@ -108,8 +108,8 @@ def main() -> None:
     base = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "experts": moe.num_experts,
             "top_k": moe.top_k, "hidden": cfg.hidden_size, "intermediate": inter, "layers": ns.layers,
             "weights": f"fp8-{ns.fp8}" if ns.fp8 else "bf16"}
-    grouped_path, decode_path, start = ((fused_experts_fp8, decode_experts_fp8, FP8_TILES) if ns.fp8 else
-                                        (fused_experts, decode_experts, DecodeTiles()))
+    grouped_path, decode_path = ((fused_experts_fp8, decode_experts_fp8) if ns.fp8 else
+                                 (fused_experts, decode_experts))
     rows = []
     for tokens in ns.tokens:
         layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens, ns.fp8)
@@ -127,7 +127,7 @@ def main() -> None:
         grouped = _measure(layers, lambda *a: grouped_path(*a, elsewhere=False, decode_path=False), None)
         want = list(layers.out)
         report("grouped", grouped)
-        best = start
+        best = fp8_tiles(layers.block) if ns.fp8 else DecodeTiles()  # the defaults, where the search starts
         first = _measure(layers, lambda *a: decode_path(*a, tiles=best), None if layers.block else want)
         if layers.block:  # W8A8 grouped, W8A16 here: the first variant against its twin, the others against it
             want = None

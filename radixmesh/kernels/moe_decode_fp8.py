@@ -35,12 +35,19 @@ from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
 from radixmesh.kernels.moe_decode import INTERPRETER_TILES, DecodeTiles, decode_experts_reference
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
-# The 16-bit tiles' bytes per load (fp8_gemv's one-row rule: twice the elements): gate/up twice the K; down twice
-# the rows, whose 256-column chunks divide Qwen3-30B-A3B's 768 (512 would leave a chunk half masked). Not yet
-# measured: benchmarks.moe_decode --fp8 searches them, the down launch's stacked form among them (down_stacked 1:
-# the 16-bit launch's best on an H100, not yet measured for fp8 rows: off until it is).
-FP8_TILES = DecodeTiles(up_block_n=2, up_block_k=2048, up_warps=4, down_block_n=8, down_block_k=256, down_warps=4,
-                        down_stacked=0)
+# The tiles by scale kind (block-wise, per row), the best of benchmarks.moe_decode --fp8's search at one token of the
+# Qwen3-30B-A3B layer on an H100 (2026-12-06): one layer's experts 16.95 us block-wise and 16.76 per row, against
+# 25.71 and 22.63 with the first guess (the 16-bit tiles' bytes per load, the down launch's expert loop). Both take
+# the down launch's stacked form; per row the programs carry more columns.
+FP8_TILES = {"block": DecodeTiles(up_block_n=1, up_block_k=2048, up_warps=4, down_block_n=2, down_block_k=256,
+                                  down_warps=4, down_stacked=1),
+             "row": DecodeTiles(up_block_n=4, up_block_k=2048, up_warps=4, down_block_n=4, down_block_k=256,
+                                down_warps=4, down_stacked=1)}
+
+
+def fp8_tiles(block: tuple[int, int] | None) -> DecodeTiles:
+    """The default tiles for fp8 experts with these scales (block-wise [n, k], or None: one per row)."""
+    return FP8_TILES["row" if block is None else "block"]
 
 
 @triton.jit
@@ -217,7 +224,7 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
     """x [tokens, hidden], fp8 w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] with float32 scales
     s13, s2 (kernels.fp8_experts.scale_shape: per row, or per block of `block`), routing weights and expert ids [tokens,
     top_k] (-1: another rank's) -> [tokens, hidden] in x's dtype, in two launches (module docstring). `tiles`
-    overrides FP8_TILES (INTERPRETER_TILES in the interpreter). Meant for use_decode_path's token counts (through
+    overrides fp8_tiles(block) (INTERPRETER_TILES in the interpreter). Meant for use_decode_path's token counts (through
     kernels.moe_fp8.fused_experts_fp8); any count is computed. ValueError on what kernels.moe_fp8 refuses."""
     check_experts(x, w13, s13, w2, s2, block)
     tokens, top_k = ids.shape
@@ -229,7 +236,7 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    t = tiles or (INTERPRETER_TILES if interpreting() else FP8_TILES)
+    t = tiles or (INTERPRETER_TILES if interpreting() else fp8_tiles(block))
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     bn, bk = block if block is not None else (1, 1)

@@ -60,13 +60,14 @@ CASES = {  # (tokens, experts, top_k, hidden, inter, block, tiles)
     "row": (2, 6, 3, 96, 64, None, CHUNK_64),  # hidden 96: a chunk and a ragged one
     "block-32x32": (2, 6, 3, 96, 64, (32, 32), CHUNK_64),  # chunks of two K-blocks; the last K-block past hidden
     "block-32x64": (1, 8, 2, 96, 48, (32, 64), CHUNK_32),  # chunks inside a K-block; up rows from 48 (block row 1)
-    "gpu-tiles": (1, 4, 2, 64, 16, (32, 32), FP8_TILES),  # the GPU's default tiles, narrow programs
+    "gpu-tiles": (1, 4, 2, 64, 16, (32, 32), FP8_TILES["block"]),  # the GPU's default tiles, narrow programs
+    "gpu-tiles-row": (1, 4, 2, 64, 16, None, FP8_TILES["row"]),
 }
 
 
 @pytest.mark.parametrize("stacked", [0, 1], ids=["loop", "stacked"])
 @pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in (torch.float32, torch.bfloat16)
-                                        if c != "gpu-tiles" or d == torch.float32],
+                                        if not c.startswith("gpu-tiles") or d == torch.float32],
                          ids=lambda v: v if isinstance(v, str) else str(v).rpartition(".")[2])
 def test_fp8_decode_experts_match_the_twin(case, dtype, stacked):
     """Both forms of the down launch: the experts one by one, and stacked (their rows one tensor axis)."""
