@@ -40,6 +40,13 @@
 #   PARTS="setup moefp8"    issues 51/52: the fp8 few-token expert tests on CUDA, then one layer's fp8 experts (block-wise
 #                           and per row) at 1 and 2 tokens, the tiles searched with the down launch's stacked form
 #                           (FP8_TILES keeps the expert loop until this measures the stacked one)
+#   PARTS="setup moegate"   issue 51 (eighteenth session): kernels.moe_gate's tests on CUDA, then the Qwen3-30B-A3B-shaped
+#                           model's batch-1 step with the sparse layers' norm, router and routing in one launch and in
+#                           three (RADIXMESH_MOE_FUSED_GATE=0), synchronous and profiled by kernel
+#   PARTS="setup moefp8step" issues 51/52: the Qwen3-30B-A3B-shaped model's batch-1 and 64 steps with fp8 experts,
+#                           block-wise and per row, beside bf16
+#   PARTS="setup rowprefetch" issue 51: the batch-1 step with o_proj's rows pulled into L2 before its wait, or not
+#                           (RADIXMESH_ROW_PREFETCH), the Qwen3-30B-A3B and dense 8B shapes
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -260,6 +267,77 @@ if [[ " $PARTS " == *" moefp8 "* ]]; then
     timeout ${MOE_TIMEOUT:-200} $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b \
       --tokens 1 2 --fp8 $scales --result-file "$OUT/moe_decode_fp8.jsonl" 2>&1 | tee -a "$OUT/moe_decode_fp8.log" \
       | grep -E "^tokens|Error"
+  done
+fi
+
+if [[ " $PARTS " == *" moegate "* ]]; then
+  # issue 51 (eighteenth session): kernels.moe_gate (a sparse layer's norm, router and routing in one launch) on CUDA,
+  # then the Qwen3-30B-A3B-shaped model's batch-1 step with it and without (RADIXMESH_MOE_FUSED_GATE=0), alternated,
+  # synchronous (bench_one_batch) and in GPU time by kernel (profile_decode)
+  timeout ${MOE_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe_gate.py \
+    tests/kernels/test_moe.py tests/gpu/test_moe_cuda.py 2>&1 | tee "$OUT/moegate_tests.log" \
+    | grep -E "passed|failed|^E  |FAILED" | tail -8
+  MOE="--model-path benchmarks/configs/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --skip-tokenizer-init"
+  for round in 1 2; do
+    for fused in 0 1; do
+      echo "== fused gate: $fused (round $round)"
+      RADIXMESH_MOE_FUSED_GATE=$fused timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.engine.bench_one_batch $MOE \
+        --log-level warning --batch-size 1 --input-len 512 --output-len 32 --roofline \
+        --result-file "$OUT/moegate_one_batch.jsonl" 2>&1 | tee -a "$OUT/moegate_one_batch.log" | grep -v Warning \
+        | tail -2
+    done
+  done
+  for fused in 0 1; do
+    echo "== profile, fused gate: $fused"
+    RADIXMESH_MOE_FUSED_GATE=$fused timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.benchmarks.profile_decode \
+      --model-path benchmarks/configs/qwen3-30b-a3b --attention-backend triton --batch-size 1 --timeline --result-file "$OUT/moegate_profile.jsonl" 2>&1 \
+      | tee -a "$OUT/moegate_profile.log" | grep -v Warning | tail -30
+  done
+fi
+
+if [[ " $PARTS " == *" moefp8step "* ]]; then
+  # issues 51/52 (eighteenth session): the Qwen3-30B-A3B-shaped model with fp8 weights, block-wise 128 x 128 (a
+  # config declaring them, as Qwen3-30B-A3B-FP8 does) and per row (--quantization fp8), at batch 1 with the fp8
+  # experts' new default tiles (kernels.moe_decode_fp8.FP8_TILES), beside bf16, against each floor
+  MOE_BLOCK=build/qwen3-30b-a3b-fp8-block
+  mkdir -p $MOE_BLOCK && $PY - benchmarks/configs/qwen3-30b-a3b "$MOE_BLOCK" <<'PYEOF'
+import json, shutil, sys, pathlib
+src, dst = map(pathlib.Path, sys.argv[1:])
+for f in src.iterdir():
+    if f.is_file():
+        shutil.copy(f, dst)
+cfg = json.loads((src / "config.json").read_text())
+cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+(dst / "config.json").write_text(json.dumps(cfg, indent=1))
+PYEOF
+  for weights in bf16 block channel; do
+    case $weights in
+      bf16) args="--model-path benchmarks/configs/qwen3-30b-a3b" ;;
+      block) args="--model-path $MOE_BLOCK" ;;
+      channel) args="--model-path benchmarks/configs/qwen3-30b-a3b --quantization fp8" ;;
+    esac
+    echo "== weights: $weights"
+    timeout ${MOE_TIMEOUT:-200} $PY -m radixmesh.engine.bench_one_batch $args --load-format dummy --dtype bfloat16 \
+      --skip-tokenizer-init --log-level warning --batch-size 1 64 --input-len 512 --output-len 32 --roofline \
+      --result-file "$OUT/moefp8_step.jsonl" 2>&1 | tee -a "$OUT/moefp8_step.log" | grep -v Warning | tail -4
+  done
+fi
+
+if [[ " $PARTS " == *" rowprefetch "* ]]; then
+  # Issue 51 (eighteenth session): the one-row product after attention (o_proj) pulling its rows into L2 before its PDL
+  # wait (RADIXMESH_ROW_PREFETCH names the weight shapes), so its weights stream while rotary and attention run, which
+  # read little; the batch-1 step's GPU time by kernel, Qwen3-30B-A3B shape then the dense 8B shape, alternated
+  for pf in "" 2048x4096 "" 2048x4096 2048x4096,5120x2048; do
+    echo "== Qwen3-30B-A3B, prefetching: ${pf:-none}"
+    RADIXMESH_ROW_PREFETCH=$pf timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.benchmarks.profile_decode \
+      --model-path benchmarks/configs/qwen3-30b-a3b --attention-backend triton --batch-size 1 --timeline \
+      --result-file "$OUT/rowprefetch_moe.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" | grep "^bs 1"
+  done
+  for pf in "" 4096x4096 "" 4096x4096; do
+    echo "== 8B, prefetching: ${pf:-none}"
+    RADIXMESH_ROW_PREFETCH=$pf timeout 150 $PY -m radixmesh.benchmarks.profile_decode --attention-backend triton \
+      --batch-size 1 --timeline --result-file "$OUT/rowprefetch_8b.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" \
+      | grep "^bs 1"
   done
 fi
 
