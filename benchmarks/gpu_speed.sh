@@ -45,8 +45,10 @@
 #                           three (RADIXMESH_MOE_FUSED_GATE=0), synchronous and profiled by kernel
 #   PARTS="setup moefp8step" issues 51/52: the Qwen3-30B-A3B-shaped model's batch-1 and 64 steps with fp8 experts,
 #                           block-wise and per row, beside bf16
-#   PARTS="setup rowprefetch" issue 51: the batch-1 step with o_proj's rows pulled into L2 before its wait, or not
+#   PARTS="setup pullrows"  issue 51: the batch-1 step with o_proj's rows pulled into L2 before its wait, or not
 #                           (RADIXMESH_ROW_PREFETCH), the Qwen3-30B-A3B and dense 8B shapes
+#   PARTS="setup ropeattn"  issues 51/52: decode's rotation and KV store inside attention's stage 1, or in the rotary
+#                           kernel before it (RADIXMESH_ROPE_IN_ATTENTION): its CUDA tests, the batch-1 step by kernel
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -323,7 +325,7 @@ PYEOF
   done
 fi
 
-if [[ " $PARTS " == *" rowprefetch "* ]]; then
+if [[ " $PARTS " == *" pullrows "* ]]; then
   # Issue 51 (eighteenth session): the one-row product after attention (o_proj) pulling its rows into L2 before its PDL
   # wait (RADIXMESH_ROW_PREFETCH names the weight shapes), so its weights stream while rotary and attention run, which
   # read little; the batch-1 step's GPU time by kernel, Qwen3-30B-A3B shape then the dense 8B shape, alternated
@@ -338,6 +340,24 @@ if [[ " $PARTS " == *" rowprefetch "* ]]; then
     RADIXMESH_ROW_PREFETCH=$pf timeout 150 $PY -m radixmesh.benchmarks.profile_decode --attention-backend triton \
       --batch-size 1 --timeline --result-file "$OUT/rowprefetch_8b.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" \
       | grep "^bs 1"
+  done
+fi
+
+if [[ " $PARTS " == *" ropeattn "* ]]; then
+  # Issues 51/52 (written in the eighteenth session, not yet run): decode rotating q and storing the step's keys and
+  # values inside attention's stage 1 (RADIXMESH_ROPE_IN_ATTENTION=1) against kernels.rotary's launch before it: its
+  # tests on CUDA, then the batch-1 step's GPU time by kernel, Qwen3-30B-A3B and dense 8B shapes, alternated.
+  # Prediction: the rotary link (~1.6 us a layer) gone, stage 1 ~0.3 us longer: -1.0 to -1.4 us a layer.
+  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rotary_decode_attention.py \
+    tests/gpu/test_rope_in_attention_cuda.py 2>&1 | tee "$OUT/ropeattn_tests.log" | grep -E "passed|failed|^E  |FAILED" \
+    | tail -8
+  for model in benchmarks/configs/qwen3-30b-a3b $CFG; do
+    for fused in 0 1 0 1; do
+      echo "== $model, rope in attention: $fused"
+      RADIXMESH_ROPE_IN_ATTENTION=$fused timeout 150 $PY -m radixmesh.benchmarks.profile_decode --model-path $model \
+        --attention-backend triton --batch-size 1 --timeline --result-file "$OUT/ropeattn_profile.jsonl" 2>&1 \
+        | tee -a "$OUT/ropeattn_profile.log" | grep "^bs 1"
+    done
   done
 fi
 

@@ -37,10 +37,13 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Positions="*i64",
-            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
+            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32", KNew="*bf16",
+            VNew="*bf16", Loc="*i64", Cos="*fp32", Sin="*fp32", QNorm="*bf16", KNorm="*bf16")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False)
-scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale"}  # the float arguments of the attention kernels
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False,
+              ROPE=False, NORM=False)
+# the float arguments of the attention kernels
+scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale", "rope_eps"}
 out = {
     "stage1": ptx(decode_attention._decode_stage1, attn, scales, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
@@ -54,6 +57,9 @@ out = {
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
+# decode attention rotating q and storing the step's key and value itself (Qwen3's q/k norm: the MoE model's layers)
+out["stage1_rope"] = ptx(decode_attention._decode_stage1, attn, scales, dict(stage1, GROUP=8, ROPE=True, NORM=True),
+                         4, 2)
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
                         dict(stage1, TREE=True), 4, 2)
 out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, scales,
@@ -189,6 +195,16 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
+
+
+def test_stage_one_rotating_q_writes_nothing_before_its_wait(ptx):
+    """Decode attention with a RopeStore (kernels.decode_attention) compiles for sm_90: it lets its dependents launch
+    and waits before its first store (the new key and value into the pool), and differs from the plain stage 1."""
+    code = ptx["stage1_rope"]
+    launch, wait, stores = (_lines(code, p) for p in
+                            (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"st\.global"))
+    assert launch and wait and stores and launch[0] < wait[0] < stores[0]
+    assert code != ptx["stage1"]
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):

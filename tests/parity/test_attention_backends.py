@@ -37,3 +37,39 @@ def test_greedy_parity(name, page, backends):
     assert [o["output_ids"] for o in first] == refs
     assert [o["output_ids"] for o in again] == refs
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+
+
+@pytest.mark.parametrize("name", ["diffuse-llama", "qwen3"])
+def test_rotating_inside_decode_attention_keeps_parity(name, monkeypatch, diffuse_model, tmp_path):
+    """Decode rotating q and storing the step's keys and values inside attention's stage 1 (the triton backend's
+    ROPE_IN_ATTENTION, off by default until a GPU measures it): on CPU the rotation is made to take the kernels' path
+    (RopeInputs without looked-up cos/sin, as on CUDA), so the backend's fused decode runs in Triton's interpreter;
+    prefill keeps the rotary kernel. Checkpoints whose attention spreads over the whole context (Llama; Qwen3 with its
+    q/k norms), so a key stored wrong moves every later logprob: greedy tokens equal transformers', logprobs within
+    1e-4, with and without a cached prefix."""
+    from radixmesh.engine.attention import triton_backend
+    from radixmesh.engine.layers import rotary
+    from tests.reference import hf_token_logprobs
+    from tests.sliding_models import build
+
+    monkeypatch.setattr(triton_backend, "ROPE_IN_ATTENTION", True)
+    monkeypatch.setattr(rotary, "use_kernels", lambda t: True)
+    calls = []
+    fused = triton_backend.TritonBackend.attend_stored
+    monkeypatch.setattr(triton_backend.TritonBackend, "attend_stored",
+                        lambda self, *a, rope=None, **k: calls.append(rope is not None) or fused(self, *a, rope=rope,
+                                                                                                 **k))
+    path = diffuse_model if name == "diffuse-llama" else build(name, tmp_path / name, head_dim=64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 500, (n,), generator=gen).tolist() for n in (9, 21)]
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with running_engine(path, device=DEVICE, page_size=4, attention_backend="triton", disable_cuda_graph=True,
+                        skip_tokenizer_init=True) as llm:
+        runs = [llm.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True) for _ in range(2)]
+    for outs in runs:
+        assert [o["output_ids"] for o in outs] == refs
+        for p, out, ref in zip(prompts, outs, refs):
+            got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+            assert got == pytest.approx(hf_token_logprobs(path, p, ref), abs=1e-4)
+    assert calls and all(calls)  # every decode step attended through the fused path
