@@ -93,6 +93,19 @@ export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-l
 CFG=benchmarks/configs/llama-3.1-8b
 COMMON="--model-path $CFG --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning"
 
+block_fp8_config() {  # SRC DST: a copy of the config folder SRC declaring DeepSeek-style block-wise fp8 (128 x 128)
+  mkdir -p "$2" && $PY - "$1" "$2" <<'PYEOF'
+import json, shutil, sys, pathlib
+src, dst = map(pathlib.Path, sys.argv[1:])
+for f in src.iterdir():
+    if f.is_file():
+        shutil.copy(f, dst)
+cfg = json.loads((src / "config.json").read_text())
+cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+(dst / "config.json").write_text(json.dumps(cfg, indent=1))
+PYEOF
+}
+
 if [[ $PARTS == *setup* ]]; then
   $PY -m pip install --no-deps --no-index --quiet .whl/*.whl 2>&1 | tail -2
   # the services' own dependencies, where the machine lacks them (.whl/router: pip download of pyproject's pins;
@@ -302,16 +315,7 @@ if [[ " $PARTS " == *" moefp8step "* ]]; then
   # config declaring them, as Qwen3-30B-A3B-FP8 does) and per row (--quantization fp8), at batch 1 with the fp8
   # experts' new default tiles (kernels.moe_decode_fp8.FP8_TILES), beside bf16, against each floor
   MOE_BLOCK=build/qwen3-30b-a3b-fp8-block
-  mkdir -p $MOE_BLOCK && $PY - benchmarks/configs/qwen3-30b-a3b "$MOE_BLOCK" <<'PYEOF'
-import json, shutil, sys, pathlib
-src, dst = map(pathlib.Path, sys.argv[1:])
-for f in src.iterdir():
-    if f.is_file():
-        shutil.copy(f, dst)
-cfg = json.loads((src / "config.json").read_text())
-cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-(dst / "config.json").write_text(json.dumps(cfg, indent=1))
-PYEOF
+  block_fp8_config benchmarks/configs/qwen3-30b-a3b $MOE_BLOCK
   for weights in bf16 block channel; do
     case $weights in
       bf16) args="--model-path benchmarks/configs/qwen3-30b-a3b" ;;
@@ -757,16 +761,7 @@ if [[ " $PARTS " == *" fp8 "* ]]; then
   [[ -n ${SKIP_FP8_ROWS:-} ]] || $PY -m radixmesh.benchmarks.fp8_rows --scales ${FP8_ROWS_SCALES:-channel} \
     --result-file $OUT/fp8_rows.jsonl 2>&1 | tee "$OUT/fp8_rows.log" | grep -E "^rows|rror" | tail -60
   BLOCK_CFG=build/llama-3.1-8b-fp8-block
-  mkdir -p $BLOCK_CFG && $PY - "$CFG" "$BLOCK_CFG" <<'PYEOF'
-import json, shutil, sys, pathlib
-src, dst = map(pathlib.Path, sys.argv[1:])
-for f in src.iterdir():
-    if f.is_file():
-        shutil.copy(f, dst)
-cfg = json.loads((src / "config.json").read_text())
-cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-(dst / "config.json").write_text(json.dumps(cfg, indent=1))
-PYEOF
+  block_fp8_config $CFG $BLOCK_CFG
   B="--load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 8 64 256
      --input-len 512 --output-len 32 --prefill-len 8192 --roofline --result-file $OUT/fp8.jsonl"
   for variant in "bf16:--model-path $CFG" "fp8-channel:--model-path $CFG --quantization fp8 --fp8-gemm-backend triton" \

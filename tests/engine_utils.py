@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 
+import pytest
 import torch
 
 from radixmesh.engine import Engine
@@ -67,3 +68,19 @@ def converse(llm: Engine, plain: Engine, convs: list[list[int]], sp: dict, rng, 
             if round_:
                 assert out["meta_info"]["cached_tokens"] == len(conv) - 1 - 8, (round_, i)
             convs[i] = conv + out["output_ids"] + [rng.randrange(5, vocab) for _ in range(8)]
+
+
+def greedy_like_transformers(llm: Engine, path: str, prompts: list[list[int]], max_new: int,
+                             logprob_tol: float = 1e-3) -> list[dict]:
+    """The engine's greedy outputs for `prompts` (token ids), with their logprobs; asserts their tokens are
+    transformers' float32 greedy continuation and each logprob within `logprob_tol` of its teacher-forced one."""
+    from tests.reference import hf_greedy, hf_token_logprobs
+
+    refs = hf_greedy(path, prompts, max_new)
+    outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new, "temperature": 0},
+                        return_logprob=True)
+    assert [o["output_ids"] for o in outs] == refs
+    for p, out, ref in zip(prompts, outs, refs):
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(hf_token_logprobs(path, p, ref), abs=logprob_tol)
+    return outs

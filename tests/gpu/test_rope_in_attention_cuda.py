@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import model_path
-from tests.engine_utils import parity_prompts, running_engine
-from tests.reference import hf_greedy, hf_token_logprobs
+from tests.engine_utils import greedy_like_transformers, parity_prompts, running_engine
 from tests.sliding_models import build, prompts as seeded_prompts
 
 pytestmark = pytest.mark.gpu
@@ -27,13 +26,7 @@ def test_rotating_inside_decode_attention_matches_transformers(model, monkeypatc
     else:
         path, prompts = build(model, tmp_path / model, head_dim=64), seeded_prompts()[:3]
     # a batch of 3 replays the graph of 4: one padding row
-    refs = hf_greedy(path, prompts, MAX_NEW)
     with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, disable_radix_cache=True,
                         attention_backend="triton") as llm:
         assert llm.runner.graphs is not None
-        outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
-                            return_logprob=True)
-        assert [o["output_ids"] for o in outs] == refs
-        for p, out, ref in zip(prompts, outs, refs):
-            got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-            assert got == pytest.approx(hf_token_logprobs(path, p, ref), abs=1e-3)
+        greedy_like_transformers(llm, path, prompts, MAX_NEW)
