@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
-                               moe_decode_fp8, moe_gate, norm, rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, fp8_gemv, gemv, kv_store, lora, moe,
+                               moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -114,6 +114,11 @@ for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp
                          BLOCKWISE=blockwise, PDL=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
+# the fp8 one-row product (the 8B shape's down_proj K), its weights converted by instructions or by their bits
+for name, bits in (("fp8_row", False), ("fp8_row_bits", True)):
+    out[name] = ptx(fp8_gemv._fp8_gemv_row_kernel, dict(X=bf16, W="*fp8e4nv", S="*fp32", B=bf16, Y=bf16), set(),
+                    dict(K=14336, BLOCK_N=2, BLOCK_K=4096, BN=1, BK=1, BLOCKWISE=False, PDL=True, HAS_BIAS=False,
+                         BITS=bits), 4, 1, aligned=("X", "W", "S", "B", "Y", "N", "stride_wn"))
 # a sparse layer's norm, router and routing at one token (Qwen3-30B-A3B's shape)
 out["moe_gate"] = ptx(moe_gate._gate_kernel, dict(H=bf16, R=bf16, G=bf16, W=bf16, ResOut=bf16, XOut=bf16, Logits=bf16,
                                                  Weights=bf16, Ids="*i64", Counter="*i32"), {"eps"},
@@ -183,6 +188,16 @@ def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_g
     arrive = _lines(code, r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add")
     assert arrive and arrive[0] > wait[0]
     assert [i for i in _lines(code, r"ld\.global\.cg") if i > arrive[0]]
+
+
+def test_the_fp8_row_product_converts_its_weights_by_their_bits_when_asked(ptx):
+    """kernels.fp8_gemv's one-row product compiles for sm_90 both ways (ptxas takes the bit conversion's PTX): by
+    default through e4m3x2 -> f16x2 conversions, with BITS through byte permutes and shifts and no conversion of a
+    weight at all."""
+    plain, bits = ptx["fp8_row"], ptx["fp8_row_bits"]
+    assert _lines(plain, r"cvt\S*\.e4m3x2") and not _lines(plain, r"prmt\.b32")
+    assert _lines(bits, r"prmt\.b32") and not _lines(bits, r"cvt\S*\.e4m3x2")
+    assert not _lines(bits, r"cvt\.f32\.f16")
 
 
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):
