@@ -40,8 +40,8 @@
 #   PARTS="setup moefp8"    issues 51/52: the fp8 few-token expert tests on CUDA, then one layer's fp8 experts (block-wise
 #                           and per row) at 1 and 2 tokens, the tiles searched with the down launch's stacked form
 #                           (FP8_TILES keeps the expert loop until this measures the stacked one)
-#   PARTS="setup moegate"   issue 51 (eighteenth session): kernels.moe_gate's tests on CUDA, then the Qwen3-30B-A3B-shaped
-#                           model's batch-1 step with the sparse layers' norm, router and routing in one launch and in
+#   PARTS="setup moegate"   issue 51 (eighteenth session): kernels.moe_gate's tests on CUDA, then the Qwen3-30B-A3B
+#                           shape's batch-1 step with the sparse layers' norm, router and routing in one launch and in
 #                           three (RADIXMESH_MOE_FUSED_GATE=0), synchronous and profiled by kernel
 #   PARTS="setup moefp8step" issues 51/52: the Qwen3-30B-A3B-shaped model's batch-1 and 64 steps with fp8 experts,
 #                           block-wise and per row, beside bf16
@@ -307,8 +307,8 @@ if [[ " $PARTS " == *" moegate "* ]]; then
   for fused in 0 1; do
     echo "== profile, fused gate: $fused"
     RADIXMESH_MOE_FUSED_GATE=$fused timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.benchmarks.profile_decode \
-      --model-path benchmarks/configs/qwen3-30b-a3b --attention-backend triton --batch-size 1 --timeline --result-file "$OUT/moegate_profile.jsonl" 2>&1 \
-      | tee -a "$OUT/moegate_profile.log" | grep -v Warning | tail -30
+      --model-path benchmarks/configs/qwen3-30b-a3b --attention-backend triton --batch-size 1 --timeline \
+      --result-file "$OUT/moegate_profile.jsonl" 2>&1 | tee -a "$OUT/moegate_profile.log" | grep -v Warning | tail -30
   done
 fi
 
@@ -355,8 +355,8 @@ if [[ " $PARTS " == *" ropeattn "* ]]; then
   # tests on CUDA, then the batch-1 step's GPU time by kernel, Qwen3-30B-A3B and dense 8B shapes, alternated.
   # Prediction: the rotary link (~1.6 us a layer) gone, stage 1 ~0.3 us longer: -1.0 to -1.4 us a layer.
   timeout 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rotary_decode_attention.py \
-    tests/gpu/test_rope_in_attention_cuda.py 2>&1 | tee "$OUT/ropeattn_tests.log" | grep -E "passed|failed|^E  |FAILED" \
-    | tail -8
+    tests/gpu/test_rope_in_attention_cuda.py 2>&1 | tee "$OUT/ropeattn_tests.log" \
+    | grep -E "passed|failed|^E  |FAILED" | tail -8
   for model in benchmarks/configs/qwen3-30b-a3b $CFG; do
     for fused in 0 1 0 1; do
       echo "== $model, rope in attention: $fused"

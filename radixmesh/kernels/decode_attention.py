@@ -169,8 +169,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
 
 
 @triton.jit
-def _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, eps, b, kv_head, heads, h_mask, holds_new,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_knt, stride_knh,
+def _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, eps, b, kv_head, heads, h_mask,
+                   holds_new, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_knt, stride_knh,
                    stride_vnt, stride_vnh, stride_cos, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     """Stage 1's q for rotary_decode_attention: the group's heads of Q (not rotated) normed by QNorm when NORM and

@@ -10,7 +10,9 @@ from L2, what the norm kernel would have read; every program the same bits, prog
 rows' logits. The programs then count themselves in on an arrival counter; the last to arrive routes the token from
 all the logits (kernels.moe.top_k_probs) and sets the counter back to zero for the next launch, so a CUDA graph
 replays it as captured. The routing is paid once, by one program, not by every program of a wide launch (the
-lesson of routing folded into the experts' gate/up launch, NOTES 2026-12-06).
+lesson of routing folded into the experts' gate/up launch, NOTES 2026-12-06). Measured on an H100 in that step: the
+three links' 5.05 us became 4.09 (and o_proj before it 0.6 us longer), the step 2.916 -> 2.880 ms: under PDL a kernel
+boundary costs little, and the fused kernel keeps most of the three's chain of dependent memory round trips.
 
 Numerics are the three kernels': the residual sum and the normed row rounded as kernels.norm rounds them, float32 dot
 products rounded once to the logits' dtype, then kernels.moe's routing over those rounded logits.
