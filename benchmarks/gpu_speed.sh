@@ -49,8 +49,8 @@
 #                           (RADIXMESH_ROW_PREFETCH), the Qwen3-30B-A3B and dense 8B shapes
 #   PARTS="setup ropeattn"  issues 51/52: decode's rotation and KV store inside attention's stage 1, or in the rotary
 #                           kernel before it (RADIXMESH_ROPE_IN_ATTENTION): its CUDA tests, the batch-1 step by kernel
-#   PARTS="setup fp8bits"   issue 52: the fp8 one-row product's weights converted by their bits or by conversion
-#                           instructions (RADIXMESH_FP8_BITS): its CUDA test, one layer's products, the 8B batch-1 step
+#   PARTS="setup fp8bits"   issue 52: fp8 weights converted by their bits or by conversion instructions
+#                           (RADIXMESH_FP8_BITS): the CUDA tests, one layer's products and experts, the 8B batch-1 step
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -368,17 +368,24 @@ if [[ " $PARTS " == *" ropeattn "* ]]; then
 fi
 
 if [[ " $PARTS " == *" fp8bits "* ]]; then
-  # Issue 52 (written in the eighteenth session, not yet run): the fp8 one-row product's weights converted by integer
-  # operations on their bits (RADIXMESH_FP8_BITS=1, kernels.fp8_gemv.e4m3_bits_f32) against the conversion
-  # instructions: its CUDA test (bit for bit), one 8B layer's one-row products (benchmarks.fp8_rows --rows 1), then the
-  # 8B shape's batch-1 step with per-channel fp8 weights, alternated. Prediction: if the conversions bound the
-  # products (1.12x their floor), the products near 1.03x and the step ~0.15-0.2 ms faster; if not, no change.
-  timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemv.py 2>&1 | tee "$OUT/fp8bits_tests.log" \
-    | grep -E "passed|failed|^E  |FAILED" | tail -6
+  # Issue 52 (written in the eighteenth session, not yet run): fp8 weights converted by integer operations on their
+  # bits (RADIXMESH_FP8_BITS=1, kernels.fp8_gemv.e4m3_bits_f32; the one-row product and the fp8 experts' decode
+  # launches) against the conversion instructions: the CUDA tests (bit for bit), one 8B layer's one-row products
+  # (benchmarks.fp8_rows --rows 1), one layer's fp8 experts, then the 8B shape's batch-1 step with per-channel fp8
+  # weights, alternated. Prediction: if the conversions bound the products (1.12x their floor), the products near
+  # 1.03x and the step ~0.15-0.2 ms faster; if not, no change.
+  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_decode_fp8.py \
+    2>&1 | tee "$OUT/fp8bits_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
   for bits in 0 1; do
     echo "== fp8 rows, bits: $bits"
     RADIXMESH_FP8_BITS=$bits timeout 150 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 \
       --result-file "$OUT/fp8bits_rows.jsonl" 2>&1 | tee -a "$OUT/fp8bits.log" | grep -E "^rows|rror" | tail -8
+  done
+  for bits in 0 1; do  # one layer's fp8 experts at one token (Qwen3-30B-A3B), block-wise, defaults then the search
+    echo "== fp8 experts, bits: $bits"
+    RADIXMESH_FP8_BITS=$bits timeout 150 $PY -m radixmesh.benchmarks.moe_decode \
+      --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 --fp8 block \
+      --result-file "$OUT/fp8bits_experts.jsonl" 2>&1 | tee -a "$OUT/fp8bits.log" | grep -E "^tokens|Error"
   done
   for bits in 0 1 0 1; do
     echo "== 8B fp8 per channel, batch 1, bits: $bits"

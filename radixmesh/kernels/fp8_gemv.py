@@ -41,9 +41,10 @@ def set_row_plan(plan: dict[tuple[int, int], tuple[int, int, int]]) -> None:
     ROW_PLAN.update(plan)
 
 
-# The one-row kernel's weights to float32 by integer operations on their bits instead of the conversion instructions
-# (e4m3x2 -> f16x2, then f16 -> f32: ~1.5 a weight, at 3 TB/s near what an H100's conversion units issue, by my
-# estimate: benchmarks/results/NOTES.md, 2026-12-06). Off until a GPU measures it (RADIXMESH_FP8_BITS=1).
+# The one-row kernel's weights (and kernels.moe_decode_fp8's experts') to float32 by integer operations on their bits
+# instead of the conversion instructions (e4m3x2 -> f16x2, then f16 -> f32: ~1.5 a weight, at 3 TB/s near what an
+# H100's conversion units issue, by my estimate: benchmarks/results/NOTES.md, 2026-12-06). Off until a GPU measures
+# it (RADIXMESH_FP8_BITS=1).
 BITS_CONVERT = os.environ.get("RADIXMESH_FP8_BITS", "0") == "1"
 
 

@@ -108,10 +108,16 @@ out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, dict(act_ptr=bf16
                               dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True), 4, 1)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
-for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
+for name, blockwise, sub, bits in (("moe_fp8_down_stacked_block", True, 128, False),
+                                   ("moe_fp8_down_stacked_row", False, 256, False),
+                                   ("moe_fp8_down_stacked_row_bits", False, 256, True)):
     out[name] = ptx(moe_decode_fp8._fp8_down_stacked_kernel, fp8_down, set(),
                     dict(TOP_K=8, KB=8, K=768, BLOCK_N=8, BLOCK_K=256, SUB=sub, BN=128, BK=128,
-                         BLOCKWISE=blockwise, PDL=True), 4, 1)
+                         BLOCKWISE=blockwise, PDL=True, BITS=bits), 4, 1)
+out["moe_fp8_gate_up_block_bits"] = ptx(
+    moe_decode_fp8._fp8_gate_up_kernel, dict(x_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64",
+                                             act_ptr=bf16), set(),
+    dict(TOP_K=8, K=2048, BLOCK_N=1, BLOCK_K=2048, SUB=128, BN=128, BK=128, BLOCKWISE=True, PDL=True, BITS=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
 # the fp8 one-row product (the 8B shape's down_proj K), its weights converted by instructions or by their bits
@@ -191,13 +197,16 @@ def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_g
 
 
 def test_the_fp8_row_product_converts_its_weights_by_their_bits_when_asked(ptx):
-    """kernels.fp8_gemv's one-row product compiles for sm_90 both ways (ptxas takes the bit conversion's PTX): by
-    default through e4m3x2 -> f16x2 conversions, with BITS through byte permutes and shifts and no conversion of a
-    weight at all."""
+    """kernels.fp8_gemv's one-row product, and the fp8 experts' decode launches, compile for sm_90 both ways (ptxas
+    takes the bit conversion's PTX): by default through e4m3x2 -> f16x2 conversions, with BITS through byte permutes
+    and shifts and no conversion of a weight at all."""
     plain, bits = ptx["fp8_row"], ptx["fp8_row_bits"]
     assert _lines(plain, r"cvt\S*\.e4m3x2") and not _lines(plain, r"prmt\.b32")
     assert _lines(bits, r"prmt\.b32") and not _lines(bits, r"cvt\S*\.e4m3x2")
     assert not _lines(bits, r"cvt\.f32\.f16")
+    for kernel in ("moe_fp8_down_stacked_row_bits", "moe_fp8_gate_up_block_bits"):  # the fp8 experts' launches too
+        assert _lines(ptx[kernel], r"prmt\.b32") and not _lines(ptx[kernel], r"cvt\S*\.e4m3x2"), kernel
+    assert _lines(ptx["moe_fp8_down_stacked_row"], r"cvt\S*\.e4m3x2")
 
 
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):
