@@ -121,7 +121,7 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
     h_mask = h < GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    if ROPE:  # q (and the new token's k) not rotated yet: the rotary kernel's work, done here (rotary_decode_attention)
+    if ROPE:  # q (and the new token's k) not rotated yet: the rotary kernel's work, done here (a RopeStore)
         q = _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, rope_eps, b, kv_head, heads,
                            h_mask, end == seq_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos, HEAD_DIM, BLOCK_H, BLOCK_D,
@@ -173,11 +173,11 @@ def _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, 
                    holds_new, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_knt, stride_knh,
                    stride_vnt, stride_vnh, stride_cos, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    """Stage 1's q for rotary_decode_attention: the group's heads of Q (not rotated) normed by QNorm when NORM and
-    rotated at the request's position, as kernels.rotary's launch would (HEAD_DIM a power of two: the halves join
-    into the [BLOCK_H, BLOCK_D] tile). The program whose split holds the new token (`holds_new`) also rotates its
-    key (KNew, normed by KNorm) and writes it and its value (VNew) into the pool rows Loc[b] of K and V, before any
-    of its threads reads them."""
+    """Stage 1's q under a RopeStore (decode_attention's `rope`): the group's heads of Q (not rotated) normed by
+    QNorm when NORM and rotated at the request's position, as kernels.rotary's launch would (HEAD_DIM a power of two:
+    the halves join into the [BLOCK_H, BLOCK_D] tile). The program whose split holds the new token (`holds_new`)
+    also rotates its key (KNew, normed by KNorm) and writes it and its value (VNew) into the pool rows Loc[b] of K
+    and V, before any of its threads reads them."""
     half: tl.constexpr = HEAD_DIM // 2
     dtype = Q.dtype.element_ty
     pos = tl.load(Positions + b).to(tl.int64)

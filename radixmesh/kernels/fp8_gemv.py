@@ -72,6 +72,38 @@ def e4m3_bits_f32(w):
         }""", "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.float32, is_pure=True, pack=4)
 
 
+def bits_wanted() -> bool:
+    """Whether fp8 decode kernels launched now convert their weights by their bits (BITS_CONVERT, on a GPU: the
+    interpreter cannot run the PTX)."""
+    return BITS_CONVERT and not interpreting()
+
+
+@triton.jit
+def weights_f32(w, BITS: tl.constexpr):
+    """fp8 weights as float32: by the conversion instructions, or with BITS by their bits (e4m3_bits_f32: 2^-120
+    times their values; the activations they multiply then go through bits_scaled and the sums through
+    bits_unscaled, exact powers of two, so every product and partial sum rounds as the conversion's would)."""
+    if BITS:
+        return e4m3_bits_f32(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def bits_scaled(x, BITS: tl.constexpr):
+    """Activations (float32) for weights_f32's BITS form: 2^64 times them."""
+    if BITS:
+        return x * 18446744073709551616.0
+    return x
+
+
+@triton.jit
+def bits_unscaled(y, BITS: tl.constexpr):
+    """A sum of weights_f32 x bits_scaled products back to its value: 2^56 times it (2^120 / 2^64)."""
+    if BITS:
+        return y * 72057594037927936.0
+    return y
+
+
 @triton.jit
 def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr,
@@ -98,13 +130,8 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
             if BLOCKWISE:
                 x = x * tl.load(scale_row + k // BK, mask=k < K, other=0.0)
-        if BITS:  # weights 2^-120 times theirs, x 2^64 times (exact: powers of two), the sum 2^56 times after
-            acc += e4m3_bits_f32(w) * (x * 18446744073709551616.0)[None, :]
-        else:
-            acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if BITS:
-        y = y * 72057594037927936.0  # 2^56: every product and partial sum rounded as the conversion's are
+        acc += weights_f32(w, BITS) * bits_scaled(x, BITS)[None, :]
+    y = bits_unscaled(tl.sum(acc, axis=1), BITS)
     if not BLOCKWISE:
         y *= tl.load(S + n, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -181,7 +208,7 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
         x, w, scales, w if bias is None else bias.contiguous(), y, n, w.stride(0),
         scales.stride(0) if block is not None else 0, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         BN=block[0] if block else 1, BK=block[1] if block else 1, BLOCKWISE=block is not None, PDL=pdl,
-        HAS_BIAS=bias is not None, BITS=BITS_CONVERT and not interpreting(), num_warps=warps, num_stages=1,
+        HAS_BIAS=bias is not None, BITS=bits_wanted(), num_warps=warps, num_stages=1,
         **({"launch_pdl": True} if pdl else {}))
     return y
 

@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels import fp8_gemv
 from radixmesh.kernels.fp8_experts import check_experts
-from radixmesh.kernels.fp8_gemv import e4m3_bits_f32
+from radixmesh.kernels.fp8_gemv import bits_scaled, bits_unscaled, bits_wanted, weights_f32
 from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
 from radixmesh.kernels.moe_decode import INTERPRETER_TILES, DecodeTiles, decode_experts_reference
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
@@ -58,7 +57,7 @@ def _fp8_chunk(acc, w_rows, s_rows, x, k, ok, kb, kb_ok, BLOCKWISE: tl.constexpr
     # of SUB <= bk columns, each inside one K-block), x [1, NB, SUB] float32, ok [BLOCK_N, NB, SUB]. Per row: acc
     # [BLOCK_N, NB, SUB] gathers the products elementwise. BLOCKWISE: acc [BLOCK_N, NB] gathers each sub-chunk's
     # partial sum times its row's scale of block kb [NB] (s_rows [BLOCK_N] pointers to the rows' block rows).
-    w = _weights_f32(tl.load(w_rows + k, mask=ok, other=0.0, eviction_policy="evict_first"), BITS)
+    w = weights_f32(tl.load(w_rows + k, mask=ok, other=0.0, eviction_policy="evict_first"), BITS)
     if BLOCKWISE:
         s = tl.load(s_rows[:, None] + kb[None, :], mask=kb_ok, other=0.0)  # [BLOCK_N, NB]
         acc += tl.sum(w * x, axis=2) * s
@@ -71,33 +70,9 @@ def _fp8_chunk(acc, w_rows, s_rows, x, k, ok, kb, kb_ok, BLOCKWISE: tl.constexpr
 def _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE: tl.constexpr, BITS: tl.constexpr):
     # [BLOCK_N] float32: the rows' scaled sums from _fp8_chunk's accumulator (per row: the row's scale once)
     if BLOCKWISE:
-        y = _unscaled(tl.sum(acc, axis=1), BITS)
+        y = bits_unscaled(tl.sum(acc, axis=1), BITS)
     else:
-        y = _unscaled(tl.sum(tl.sum(acc, axis=2), axis=1), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
-    return y
-
-
-@triton.jit
-def _weights_f32(w, BITS: tl.constexpr):
-    """fp8 weights as float32: by the conversion instructions, or with BITS by their bits (kernels.fp8_gemv's
-    e4m3_bits_f32: 2^-120 times their values, the activations then taken 2^64 times by _scaled, the sums 2^56 times
-    by _unscaled, every rounding unchanged)."""
-    if BITS:
-        return e4m3_bits_f32(w)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _scaled(a, BITS: tl.constexpr):
-    if BITS:
-        return a * 18446744073709551616.0  # 2^64
-    return a
-
-
-@triton.jit
-def _unscaled(y, BITS: tl.constexpr):
-    if BITS:
-        return y * 72057594037927936.0  # 2^56
+        y = bits_unscaled(tl.sum(tl.sum(acc, axis=2), axis=1), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
     return y
 
 
@@ -132,7 +107,7 @@ def _fp8_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, inter, stride_x, 
         starts = k0 + tl.arange(0, NB) * SUB  # [NB] first column of each sub-chunk
         k = (starts[:, None] + tl.arange(0, SUB)[None, :])[None, :, :]  # [1, NB, SUB]
         k_ok = k < K
-        x = _scaled(tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
+        x = bits_scaled(tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
         ok = rows_ok[:, None, None] & k_ok
         kb_ok = rows_ok[:, None] & (starts < K)[None, :]
         acc_gate = _fp8_chunk(acc_gate, gate_w, gate_s, x, k, ok, starts // BK, kb_ok, BLOCKWISE, BITS)
@@ -174,7 +149,7 @@ def _fp8_down_sum_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, h
             starts = k0 + tl.arange(0, NB) * SUB  # [NB]
             k = (starts[:, None] + tl.arange(0, SUB)[None, :])[None, :, :]  # [1, NB, SUB]
             k_ok = k < k_end
-            a = _scaled(tl.load(act_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
+            a = bits_scaled(tl.load(act_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
             kb_ok = rows_ok[:, None] & (starts < k_end)[None, :]
             acc = _fp8_chunk(acc, w_rows, s_rows, a, k, n_ok[:, None, None] & k_ok, starts // BK, kb_ok, BLOCKWISE,
                              BITS)
@@ -215,8 +190,8 @@ def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_pt
         k_ok = k < K
         a = tl.load(act_ptr + pair[:, None, None] * K + k[None, :, :], mask=here[:, None, None] & k_ok[None, :, :],
                     other=0.0).to(tl.float32)  # [KB, NB, SUB]
-        a = _scaled(a, BITS)
-        w = _weights_f32(tl.load(w_rows + k[None, None, :, :], mask=rows_ok[:, :, None, None] & k_ok[None, None, :, :],
+        a = bits_scaled(a, BITS)
+        w = weights_f32(tl.load(w_rows + k[None, None, :, :], mask=rows_ok[:, :, None, None] & k_ok[None, None, :, :],
                                  other=0.0, eviction_policy="evict_first"), BITS)  # [KB, BLOCK_N, NB, SUB]
         prod = w * a[:, None, :, :]
         if BLOCKWISE:  # each sub-chunk's partial sum times its row's scale of its K-block
@@ -226,9 +201,9 @@ def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_pt
         else:
             acc += prod
     if BLOCKWISE:
-        y = _unscaled(tl.sum(acc, axis=2), BITS)
+        y = bits_unscaled(tl.sum(acc, axis=2), BITS)
     else:
-        y = _unscaled(tl.sum(tl.sum(acc, axis=3), axis=2), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
+        y = bits_unscaled(tl.sum(tl.sum(acc, axis=3), axis=2), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
     dtype = out_ptr.dtype.element_ty
     down = y.to(dtype).to(tl.float32)
     weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
@@ -266,7 +241,7 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
     if tokens == 0:
         return out
     t = tiles or (INTERPRETER_TILES if interpreting() else fp8_tiles(block))
-    bits = fp8_gemv.BITS_CONVERT and not interpreting()  # (RADIXMESH_FP8_BITS: kernels.fp8_gemv)
+    bits = bits_wanted()  # (RADIXMESH_FP8_BITS: kernels.fp8_gemv)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     bn, bk = block if block is not None else (1, 1)

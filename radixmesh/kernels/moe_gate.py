@@ -26,6 +26,7 @@ import triton.language as tl
 
 from radixmesh.kernels.moe import route_reference, route_warps, top_k_probs
 from radixmesh.kernels.norm import fused_add_rmsnorm_reference
+from radixmesh.kernels.runtime import pdl_on
 
 BLOCK_N = 2  # router rows a program: 64 programs for 128 experts (gemv_row's one-row tiles)
 
@@ -87,8 +88,6 @@ def moe_gate(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     None), expert ids [1, top_k] int64): `moe_gate_reference` in one launch. `counter`: from `new_counter`, one per
     call site (two launches in flight must not share one). `pdl`: a programmatic dependent of the kernel before
     (where kernels.runtime.pdl_on says so)."""
-    from radixmesh.kernels.runtime import pdl_on
-
     d = hidden.shape[-1]
     experts = router.shape[0]
     if (hidden.shape != (1, d) or residual.shape != (1, d) or norm_weight.shape != (d,) or router.shape != (experts, d)

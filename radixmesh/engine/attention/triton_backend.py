@@ -85,7 +85,7 @@ class TritonBackend(AttentionBackend):
         otherwise as every backend does (one kernel rotates and stores, then attention)."""
         pool = self.kv_pool
         if (ROPE_IN_ATTENTION and isinstance(metadata, DecodeMetadata) and rope.cos is None
-                and batch.tree_mask is None and rope_fits(q, pool.k[layer_id], None)):
+                and rope_fits(q, pool.k[layer_id], batch.tree_mask)):
             store = RopeStore(k, v, batch.out_cache_loc, rope.table.cos, rope.table.sin, rope.positions, rope.qk_norm)
             return self.attend_stored(layer_id, q, batch, metadata, rope=store)
         return super().forward_rope(layer_id, q, k, v, rope, batch, metadata)
