@@ -47,10 +47,6 @@
 #                           block-wise and per row, beside bf16
 #   PARTS="setup pullrows"  issue 51: the batch-1 step with o_proj's rows pulled into L2 before its wait, or not
 #                           (RADIXMESH_ROW_PREFETCH), the Qwen3-30B-A3B and dense 8B shapes
-#   PARTS="setup ropeattn"  issues 51/52: decode's rotation and KV store inside attention's stage 1, or in the rotary
-#                           kernel before it (RADIXMESH_ROPE_IN_ATTENTION): its CUDA tests, the batch-1 step by kernel
-#   PARTS="setup fp8bits"   issue 52: fp8 weights converted by their bits or by conversion instructions
-#                           (RADIXMESH_FP8_BITS): the CUDA tests, one layer's products and experts, the 8B batch-1 step
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -346,52 +342,6 @@ if [[ " $PARTS " == *" pullrows "* ]]; then
     RADIXMESH_ROW_PREFETCH=$pf timeout 150 $PY -m radixmesh.benchmarks.profile_decode --attention-backend triton \
       --batch-size 1 --timeline --result-file "$OUT/rowprefetch_8b.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" \
       | grep "^bs 1"
-  done
-fi
-
-if [[ " $PARTS " == *" ropeattn "* ]]; then
-  # Issues 51/52 (written in the eighteenth session, not yet run): decode rotating q and storing the step's keys and
-  # values inside attention's stage 1 (RADIXMESH_ROPE_IN_ATTENTION=1) against kernels.rotary's launch before it: its
-  # tests on CUDA, then the batch-1 step's GPU time by kernel, Qwen3-30B-A3B and dense 8B shapes, alternated.
-  # Prediction: the rotary link (~1.6 us a layer) gone, stage 1 ~0.3 us longer: -1.0 to -1.4 us a layer.
-  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_rotary_decode_attention.py \
-    tests/gpu/test_rope_in_attention_cuda.py 2>&1 | tee "$OUT/ropeattn_tests.log" \
-    | grep -E "passed|failed|^E  |FAILED" | tail -8
-  for model in benchmarks/configs/qwen3-30b-a3b $CFG; do
-    for fused in 0 1 0 1; do
-      echo "== $model, rope in attention: $fused"
-      RADIXMESH_ROPE_IN_ATTENTION=$fused timeout 150 $PY -m radixmesh.benchmarks.profile_decode --model-path $model \
-        --attention-backend triton --batch-size 1 --timeline --result-file "$OUT/ropeattn_profile.jsonl" 2>&1 \
-        | tee -a "$OUT/ropeattn_profile.log" | grep "^bs 1"
-    done
-  done
-fi
-
-if [[ " $PARTS " == *" fp8bits "* ]]; then
-  # Issue 52 (written in the eighteenth session, not yet run): fp8 weights converted by integer operations on their
-  # bits (RADIXMESH_FP8_BITS=1, kernels.fp8_gemv.e4m3_bits_f32; the one-row product and the fp8 experts' decode
-  # launches) against the conversion instructions: the CUDA tests (bit for bit), one 8B layer's one-row products
-  # (benchmarks.fp8_rows --rows 1), one layer's fp8 experts, then the 8B shape's batch-1 step with per-channel fp8
-  # weights, alternated. Prediction: if the conversions bound the products (1.12x their floor), the products near
-  # 1.03x and the step ~0.15-0.2 ms faster; if not, no change.
-  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_decode_fp8.py \
-    2>&1 | tee "$OUT/fp8bits_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
-  for bits in 0 1; do
-    echo "== fp8 rows, bits: $bits"
-    RADIXMESH_FP8_BITS=$bits timeout 150 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 \
-      --result-file "$OUT/fp8bits_rows.jsonl" 2>&1 | tee -a "$OUT/fp8bits.log" | grep -E "^rows|rror" | tail -8
-  done
-  for bits in 0 1; do  # one layer's fp8 experts at one token (Qwen3-30B-A3B), block-wise, defaults then the search
-    echo "== fp8 experts, bits: $bits"
-    RADIXMESH_FP8_BITS=$bits timeout 150 $PY -m radixmesh.benchmarks.moe_decode \
-      --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 --fp8 block \
-      --result-file "$OUT/fp8bits_experts.jsonl" 2>&1 | tee -a "$OUT/fp8bits.log" | grep -E "^tokens|Error"
-  done
-  for bits in 0 1 0 1; do
-    echo "== 8B fp8 per channel, batch 1, bits: $bits"
-    RADIXMESH_FP8_BITS=$bits timeout 150 $PY -m radixmesh.engine.bench_one_batch $COMMON --quantization fp8 \
-      --batch-size 1 --input-len 512 --output-len 32 --roofline --result-file "$OUT/fp8bits_step.jsonl" 2>&1 \
-      | tee -a "$OUT/fp8bits.log" | grep -v Warning | tail -2
   done
 fi
 

@@ -1,7 +1,6 @@
 """Tiny seeded checkpoints of the sliding-window families, made with transformers' own classes (no download): Gemma 2
 (alternating sliding/global layers, attention and final soft-caps, query_pre_attn_scalar), Gemma 3 (q/k norms, local
-and global RoPE tables), Mistral with a short window, Qwen2 with use_sliding_window and max_window_layers; and, with
-the same weights' scale, a windowless Qwen3 (per-head q/k norms) for tests of the rotation itself.
+and global RoPE tables), Mistral with a short window, Qwen2 with use_sliding_window and max_window_layers.
 
 Like tests.conftest's diffuse Llama, their weights are seeded noise at a scale that keeps attention spread over the
 whole context, so a window of WINDOW tokens, shorter than the test prompts, changes every logit after it (the parity
@@ -21,11 +20,11 @@ _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atten
 # Output layers of their own: tied to these random embeddings (Gemma's default), every model repeats its last token.
 _UNTIED = dict(tie_word_embeddings=False)
 # Seeds whose greedy reference never comes within 0.02 of a tie on prompts() (16 new tokens each)
-SEEDS = {"gemma2": 7, "gemma3": 6, "mistral": 5, "qwen2": 4, "qwen3": 1}
+SEEDS = {"gemma2": 7, "gemma3": 6, "mistral": 5, "qwen2": 4}
 
 
 def _config(kind: str, head_dim: int, **overrides):
-    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
     overrides = {**_UNTIED, **overrides}
     if kind == "gemma2":  # layers 0 and 2 slide; 1 and 3 are global
@@ -42,13 +41,11 @@ def _config(kind: str, head_dim: int, **overrides):
     if kind == "qwen2":  # layers 1 and 2 slide (max_window_layers=1), layer 0 is global
         return Qwen2Config(**_SHAPE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=1, **overrides)
-    if kind == "qwen3":  # no window: every layer global, q and k RMS-normed per head before they rotate
-        return Qwen3Config(**_SHAPE, head_dim=head_dim, num_hidden_layers=2, **overrides)
     raise ValueError(kind)
 
 
 def build(kind: str, path: Path, head_dim: int = 32, seed: int | None = None, **overrides) -> str:
-    """Writes the `kind` checkpoint (gemma2, gemma3, mistral, qwen2, qwen3) to `path`; `overrides` go to its config."""
+    """Writes the `kind` checkpoint (gemma2, gemma3, mistral, qwen2) to `path`; `overrides` go to its config."""
     from transformers import AutoModelForCausalLM
 
     seed = SEEDS[kind] if seed is None else seed

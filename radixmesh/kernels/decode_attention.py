@@ -37,14 +37,12 @@ length fills, `MERGE_CHUNK` at a time: a wide split count chosen for long contex
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from radixmesh.kernels.online_softmax import accumulate, softmax_step
-from radixmesh.kernels.rotary import cos_sin, rotated_halves
 from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
@@ -77,13 +75,11 @@ def _tree_visible(n, tree_start, tree_bits):
 def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStart, TreeBits, Out, PartialO,
                    PartialLse, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   scale_log2, cap_log2, window, v_scale,
-                   KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, rope_eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   stride_cos, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   scale_log2, cap_log2, window, v_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, TREE: tl.constexpr,
-                   V_SCALED: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+                   V_SCALED: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,14 +117,8 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
     h_mask = h < GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    if ROPE:  # q (and the new token's k) not rotated yet: the rotary kernel's work, done here (a RopeStore)
-        q = _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, rope_eps, b, kv_head, heads,
-                           h_mask, end == seq_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                           stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos, HEAD_DIM, BLOCK_H, BLOCK_D,
-                           NORM)
-    else:
-        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -166,41 +156,6 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
         tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
         tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
                  acc / l_i[:, None], mask=out_mask)
-
-
-@triton.jit
-def _rope_prologue(Q, K, V, KNew, VNew, Loc, Cos, Sin, QNorm, KNorm, Positions, eps, b, kv_head, heads, h_mask,
-                   holds_new, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_knt, stride_knh,
-                   stride_vnt, stride_vnh, stride_cos, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    """Stage 1's q under a RopeStore (decode_attention's `rope`): the group's heads of Q (not rotated) normed by
-    QNorm when NORM and rotated at the request's position, as kernels.rotary's launch would (HEAD_DIM a power of two:
-    the halves join into the [BLOCK_H, BLOCK_D] tile). The program whose split holds the new token (`holds_new`)
-    also rotates its key (KNew, normed by KNorm) and writes it and its value (VNew) into the pool rows Loc[b] of K
-    and V, before any of its threads reads them."""
-    half: tl.constexpr = HEAD_DIM // 2
-    dtype = Q.dtype.element_ty
-    pos = tl.load(Positions + b).to(tl.int64)
-    c1, c2, s1, s2 = cos_sin(Cos, Sin, pos * stride_cos, dtype, half, half)
-    e = tl.arange(0, half)
-    rows = Q + b * stride_qt + heads[:, None] * stride_qh + e[None, :]
-    mask = h_mask[:, None] & (e < half)[None, :]
-    q1, q2 = rotated_halves(tl.load(rows, mask=mask, other=0.0), tl.load(rows + half, mask=mask, other=0.0), c1, c2,
-                            s1, s2, QNorm, eps, dtype, half, half, NORM)
-    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, BLOCK_D)).to(dtype)  # [q1 | q2] per head
-    if holds_new:
-        slot = tl.load(Loc + b).to(tl.int64)
-        k_row = KNew + b * stride_knt + kv_head * stride_knh + e[None, :]  # [1, half]
-        k1, k2 = rotated_halves(tl.load(k_row), tl.load(k_row + half), c1, c2, s1, s2, KNorm, eps, dtype, half, half,
-                                NORM)
-        dst = K + slot * stride_kt + kv_head * stride_kh + e[None, :]
-        tl.store(dst, k1.to(K.dtype.element_ty))
-        tl.store(dst + half, k2.to(K.dtype.element_ty))
-        d = tl.arange(0, BLOCK_D)
-        v = tl.load(VNew + b * stride_vnt + kv_head * stride_vnh + d)
-        tl.store(V + slot * stride_vt + kv_head * stride_vh + d, v)
-        tl.debug_barrier()  # the key and value are in the pool for every thread of this program's loop
-    return q
 
 
 @triton.jit
@@ -262,8 +217,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      out: torch.Tensor | None = None,
                      partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
                      softcap: float | None = None, tree: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, positions: torch.Tensor | None = None,
-                     rope: RopeStore | None = None) -> torch.Tensor:
+                     v_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
     `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
@@ -272,9 +226,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     window a tree row sees the keys after `positions` [batch] - window (its position: the span's start plus its
     depth; a table index past the start is not a position), and its ancestors, which a window longer than the tree
     is deep always shows. `k_scale`, `v_scale`: the cache holds keys and values divided by them (an fp8 cache's
-    per-layer scales). `rope`: q (any strides with a unit last one) is not rotated yet, and this step's keys and
-    values are not in the pool yet: stage 1 rotates q (and the program whose split holds a request's new token, its
-    key) and stores the key and value itself (RopeStore, rope_fits)."""
+    per-layer scales)."""
     bsz, num_heads, head_dim = q.shape
     if tree is not None and window is not None and positions is None:
         raise ValueError("a draft tree under a sliding window needs its rows' positions")
@@ -294,31 +246,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     pdl = pdl_options(q)
     line = LINE_BYTES // k_buf.element_size()
     prefetch = triton.cdiv(head_dim, line) if pdl["PDL"] and PREFETCH_KV else 0
-    if rope is not None:
-        k_new, v_new, loc, cos, sin, qk_norm = _check_rope(rope, q, k_buf, v_buf, tree)
-        positions = rope.positions
-    else:
-        k_new = v_new = loc = cos = sin = seq_lens
-        qk_norm = None
-    q_norm, k_norm, rope_eps = qk_norm if qk_norm is not None else (seq_lens, seq_lens, 0.0)
     _decode_stage1[(bsz, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        positions if positions is not None and (tree is not None or rope is not None) else seq_lens,
+        positions if positions is not None and tree is not None else seq_lens,
         tree[0] if tree is not None else seq_lens,
         tree[1] if tree is not None else seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1), scale * k_scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
-        float(v_scale), k_new, v_new, loc, cos, sin, q_norm, k_norm, float(rope_eps),
-        *(k_new.stride()[:2] if rope is not None else (0, 0)), *(v_new.stride()[:2] if rope is not None else (0, 0)),
-        cos.stride(0) if rope is not None else 0,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        float(v_scale), GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap),
         PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, TREE=tree is not None,
-        V_SCALED=v_scale != 1.0, ROPE=rope is not None, NORM=qk_norm is not None, num_warps=4, num_stages=2,
-        # the rotation rounds op by op as kernels.rotary's (compiled without fused multiply-adds, as that is)
-        **({"enable_fp_fusion": False} if rope is not None else {}), **pdl)
+        V_SCALED=v_scale != 1.0, num_warps=4,
+        num_stages=2, **pdl)
     if num_splits > 1:
         _decode_stage2[(bsz, num_heads)](
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
@@ -326,45 +267,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
             **pdl_options(q))
     return out
-
-
-class RopeStore(NamedTuple):
-    """What `decode_attention` needs to rotate q itself and store the step's keys and values (the work of
-    kernels.rotary.rotary_store_kv, one launch fewer): the new tokens' k, v [batch, num_kv_heads, head_dim] (not
-    rotated; any strides with a unit last one), their pool slots `loc` [batch], the float32 cos/sin tables
-    [max_positions, head_dim], the tokens' positions [batch], and Qwen3's per-head q/k norm (kernels.rotary.QKNorm)
-    or None."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    loc: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    qk_norm: tuple | None = None
-
-
-def rope_fits(q: torch.Tensor, k_buf: torch.Tensor, tree: torch.Tensor | None) -> bool:
-    """Whether decode_attention can take a RopeStore for q [batch, heads, head_dim] over this pool: a head_dim that
-    is a power of two, a pool of q's dtype (an fp8 pool rounds its stores as torch's cast does: KVPool.write), and
-    no draft tree (a tree's rows store several keys a request)."""
-    head_dim = q.shape[-1]
-    return tree is None and k_buf.dtype == q.dtype and head_dim >= 2 and head_dim & (head_dim - 1) == 0
-
-
-def _check_rope(rope: RopeStore, q, k_buf, v_buf, tree):
-    from radixmesh.kernels.kv_store import check_store
-    from radixmesh.kernels.rotary import check_rotary
-
-    if not rope_fits(q, k_buf, tree):
-        raise ValueError(f"decode_attention rotates q itself only for a power-of-two head_dim over a pool of q's "
-                         f"dtype and no draft tree; got head_dim {q.shape[-1]}, q {q.dtype}, pool {k_buf.dtype}, "
-                         f"tree {tree is not None}")
-    check_rotary(q, rope.k, rope.cos, rope.sin, rope.positions, rope.qk_norm)
-    check_store(k_buf, v_buf, rope.loc, rope.k, rope.v)
-    if rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1:
-        raise ValueError("the new keys and values need a unit stride along head_dim")
-    return rope.k, rope.v, rope.loc, rope.cos.contiguous(), rope.sin.contiguous(), rope.qk_norm
 
 
 def _window_arg(window: int | None) -> int:

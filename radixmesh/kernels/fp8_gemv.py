@@ -18,8 +18,6 @@ Products of 2-16 rows run kernels.fp8_gemv_rows in the engine; fp8_gemv stays as
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -41,73 +39,10 @@ def set_row_plan(plan: dict[tuple[int, int], tuple[int, int, int]]) -> None:
     ROW_PLAN.update(plan)
 
 
-# The one-row kernel's weights (and kernels.moe_decode_fp8's experts') to float32 by integer operations on their bits
-# instead of the conversion instructions (e4m3x2 -> f16x2, then f16 -> f32: ~1.5 a weight, at 3 TB/s near what an
-# H100's conversion units issue, by my estimate: benchmarks/results/NOTES.md, 2026-12-06). Off until a GPU measures
-# it (RADIXMESH_FP8_BITS=1).
-BITS_CONVERT = os.environ.get("RADIXMESH_FP8_BITS", "0") == "1"
-
-
-@triton.jit
-def e4m3_bits_f32(w):
-    """fp8 e4m3 codes -> float32 values exactly 2^-120 times theirs (subnormal codes included, as float32
-    subnormals), four codes per 32-bit register: the magnitude's 7 bits moved to float32's exponent-and-mantissa
-    boundary (bits 26..20: e4m3's exponent becomes float32's with its bias 7 short of 127), the sign to bit 31; 2.75
-    integer operations a weight, no conversion instruction (GPU only: the interpreter cannot run PTX). NaN codes come
-    out finite (no checkpoint weight is NaN)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 m, s, t0, t1, t2, t3;
-        and.b32 m, $4, 0x7F7F7F7F;
-        and.b32 s, $4, 0x80808080;
-        shr.b32 s, s, 4;
-        prmt.b32 t0, m, s, 0x4088;
-        prmt.b32 t1, m, s, 0x5188;
-        prmt.b32 t2, m, s, 0x6288;
-        prmt.b32 t3, m, s, 0x7388;
-        shl.b32 $0, t0, 4;
-        shl.b32 $1, t1, 4;
-        shl.b32 $2, t2, 4;
-        shl.b32 $3, t3, 4;
-        }""", "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.float32, is_pure=True, pack=4)
-
-
-def bits_wanted() -> bool:
-    """Whether fp8 decode kernels launched now convert their weights by their bits (BITS_CONVERT, on a GPU: the
-    interpreter cannot run the PTX)."""
-    return BITS_CONVERT and not interpreting()
-
-
-@triton.jit
-def weights_f32(w, BITS: tl.constexpr):
-    """fp8 weights as float32: by the conversion instructions, or with BITS by their bits (e4m3_bits_f32: 2^-120
-    times their values; the activations they multiply then go through bits_scaled and the sums through
-    bits_unscaled, exact powers of two, so every product and partial sum rounds as the conversion's would)."""
-    if BITS:
-        return e4m3_bits_f32(w)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def bits_scaled(x, BITS: tl.constexpr):
-    """Activations (float32) for weights_f32's BITS form: 2^64 times them."""
-    if BITS:
-        return x * 18446744073709551616.0
-    return x
-
-
-@triton.jit
-def bits_unscaled(y, BITS: tl.constexpr):
-    """A sum of weights_f32 x bits_scaled products back to its value: 2^56 times it (2^120 / 2^64)."""
-    if BITS:
-        return y * 72057594037927936.0
-    return y
-
-
 @triton.jit
 def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, BITS: tl.constexpr):
+                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -130,8 +65,8 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
             if BLOCKWISE:
                 x = x * tl.load(scale_row + k // BK, mask=k < K, other=0.0)
-        acc += weights_f32(w, BITS) * bits_scaled(x, BITS)[None, :]
-    y = bits_unscaled(tl.sum(acc, axis=1), BITS)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
     if not BLOCKWISE:
         y *= tl.load(S + n, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -208,8 +143,7 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
         x, w, scales, w if bias is None else bias.contiguous(), y, n, w.stride(0),
         scales.stride(0) if block is not None else 0, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         BN=block[0] if block else 1, BK=block[1] if block else 1, BLOCKWISE=block is not None, PDL=pdl,
-        HAS_BIAS=bias is not None, BITS=bits_wanted(), num_warps=warps, num_stages=1,
-        **({"launch_pdl": True} if pdl else {}))
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

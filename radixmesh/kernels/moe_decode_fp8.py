@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.fp8_experts import check_experts
-from radixmesh.kernels.fp8_gemv import bits_scaled, bits_unscaled, bits_wanted, weights_f32
 from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
 from radixmesh.kernels.moe_decode import INTERPRETER_TILES, DecodeTiles, decode_experts_reference
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
@@ -52,12 +51,12 @@ def fp8_tiles(block: tuple[int, int] | None) -> DecodeTiles:
 
 
 @triton.jit
-def _fp8_chunk(acc, w_rows, s_rows, x, k, ok, kb, kb_ok, BLOCKWISE: tl.constexpr, BITS: tl.constexpr):
+def _fp8_chunk(acc, w_rows, s_rows, x, k, ok, kb, kb_ok, BLOCKWISE: tl.constexpr):
     # One K chunk of BLOCK_N fp8 rows: w_rows [BLOCK_N, 1, 1] row pointers, k [1, NB, SUB] columns (NB sub-chunks
     # of SUB <= bk columns, each inside one K-block), x [1, NB, SUB] float32, ok [BLOCK_N, NB, SUB]. Per row: acc
     # [BLOCK_N, NB, SUB] gathers the products elementwise. BLOCKWISE: acc [BLOCK_N, NB] gathers each sub-chunk's
     # partial sum times its row's scale of block kb [NB] (s_rows [BLOCK_N] pointers to the rows' block rows).
-    w = weights_f32(tl.load(w_rows + k, mask=ok, other=0.0, eviction_policy="evict_first"), BITS)
+    w = tl.load(w_rows + k, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if BLOCKWISE:
         s = tl.load(s_rows[:, None] + kb[None, :], mask=kb_ok, other=0.0)  # [BLOCK_N, NB]
         acc += tl.sum(w * x, axis=2) * s
@@ -67,12 +66,12 @@ def _fp8_chunk(acc, w_rows, s_rows, x, k, ok, kb, kb_ok, BLOCKWISE: tl.constexpr
 
 
 @triton.jit
-def _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE: tl.constexpr, BITS: tl.constexpr):
+def _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE: tl.constexpr):
     # [BLOCK_N] float32: the rows' scaled sums from _fp8_chunk's accumulator (per row: the row's scale once)
     if BLOCKWISE:
-        y = bits_unscaled(tl.sum(acc, axis=1), BITS)
+        y = tl.sum(acc, axis=1)
     else:
-        y = bits_unscaled(tl.sum(tl.sum(acc, axis=2), axis=1), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(s_rows, mask=rows_ok, other=0.0)
     return y
 
 
@@ -80,7 +79,7 @@ def _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE: tl.constexpr, BITS: tl.conste
 def _fp8_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, stride_wn, stride_se,
                         stride_sn, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        BLOCKWISE: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr):
+                        BLOCKWISE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # act[pair, n] = silu(gate) * up, gate = x[token] . (w13[e, n] * scales), up the same of row inter + n, e =
     # ids[pair], token = pair // TOP_K, for the BLOCK_N columns n of program_id(0); act [pairs, inter] contiguous.
@@ -107,14 +106,14 @@ def _fp8_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, inter, stride_x, 
         starts = k0 + tl.arange(0, NB) * SUB  # [NB] first column of each sub-chunk
         k = (starts[:, None] + tl.arange(0, SUB)[None, :])[None, :, :]  # [1, NB, SUB]
         k_ok = k < K
-        x = bits_scaled(tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
         ok = rows_ok[:, None, None] & k_ok
         kb_ok = rows_ok[:, None] & (starts < K)[None, :]
-        acc_gate = _fp8_chunk(acc_gate, gate_w, gate_s, x, k, ok, starts // BK, kb_ok, BLOCKWISE, BITS)
-        acc_up = _fp8_chunk(acc_up, up_w, up_s, x, k, ok, starts // BK, kb_ok, BLOCKWISE, BITS)
+        acc_gate = _fp8_chunk(acc_gate, gate_w, gate_s, x, k, ok, starts // BK, kb_ok, BLOCKWISE)
+        acc_up = _fp8_chunk(acc_up, up_w, up_s, x, k, ok, starts // BK, kb_ok, BLOCKWISE)
     dtype = act_ptr.dtype.element_ty
-    gate = _fp8_rows_sum(acc_gate, gate_s, rows_ok, BLOCKWISE, BITS).to(dtype).to(tl.float32)  # as a product is
-    up = _fp8_rows_sum(acc_up, up_s, rows_ok, BLOCKWISE, BITS).to(dtype).to(tl.float32)
+    gate = _fp8_rows_sum(acc_gate, gate_s, rows_ok, BLOCKWISE).to(dtype).to(tl.float32)  # rounded as a product is
+    up = _fp8_rows_sum(acc_up, up_s, rows_ok, BLOCKWISE).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(act_ptr + pair * inter + n, (silu * up).to(dtype), mask=n_ok)
 
@@ -123,7 +122,7 @@ def _fp8_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, inter, stride_x, 
 def _fp8_down_sum_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn,
                          stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, K: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr):
+                         BK: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # out[token, n] = sum over k of weights[pair] * (act[pair] . (w2[ids[pair], n] * scales)), pair = token * TOP_K
     # + k, for the BLOCK_N columns n of program_id(0); act [pairs, K] contiguous. Pairs of id -1 load nothing and
@@ -149,11 +148,10 @@ def _fp8_down_sum_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, h
             starts = k0 + tl.arange(0, NB) * SUB  # [NB]
             k = (starts[:, None] + tl.arange(0, SUB)[None, :])[None, :, :]  # [1, NB, SUB]
             k_ok = k < k_end
-            a = bits_scaled(tl.load(act_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32), BITS)
+            a = tl.load(act_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32)
             kb_ok = rows_ok[:, None] & (starts < k_end)[None, :]
-            acc = _fp8_chunk(acc, w_rows, s_rows, a, k, n_ok[:, None, None] & k_ok, starts // BK, kb_ok, BLOCKWISE,
-                             BITS)
-        down = _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE, BITS).to(dtype).to(tl.float32)  # [BLOCK_N]
+            acc = _fp8_chunk(acc, w_rows, s_rows, a, k, n_ok[:, None, None] & k_ok, starts // BK, kb_ok, BLOCKWISE)
+        down = _fp8_rows_sum(acc, s_rows, rows_ok, BLOCKWISE).to(dtype).to(tl.float32)  # [BLOCK_N]
         weight = tl.load(weights_ptr + pair).to(tl.float32)  # finite, and down is zero for an id of -1
         total += (down * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
@@ -163,8 +161,7 @@ def _fp8_down_sum_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, h
 def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn,
                              stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, KB: tl.constexpr,
                              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
-                             BITS: tl.constexpr):
+                             BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # _fp8_down_sum_kernel's result with the top_k experts as a tensor axis (kernels.moe_decode's stacked down launch):
     # per K chunk one [KB, BLOCK_N, NB, SUB] load of every expert's rows, the same products and scales row by row,
@@ -190,9 +187,8 @@ def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_pt
         k_ok = k < K
         a = tl.load(act_ptr + pair[:, None, None] * K + k[None, :, :], mask=here[:, None, None] & k_ok[None, :, :],
                     other=0.0).to(tl.float32)  # [KB, NB, SUB]
-        a = bits_scaled(a, BITS)
-        w = weights_f32(tl.load(w_rows + k[None, None, :, :], mask=rows_ok[:, :, None, None] & k_ok[None, None, :, :],
-                                 other=0.0, eviction_policy="evict_first"), BITS)  # [KB, BLOCK_N, NB, SUB]
+        w = tl.load(w_rows + k[None, None, :, :], mask=rows_ok[:, :, None, None] & k_ok[None, None, :, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # [KB, BLOCK_N, NB, SUB]
         prod = w * a[:, None, :, :]
         if BLOCKWISE:  # each sub-chunk's partial sum times its row's scale of its K-block
             s = tl.load(s_rows[:, :, None] + (starts // BK)[None, None, :],
@@ -201,9 +197,9 @@ def _fp8_down_stacked_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_pt
         else:
             acc += prod
     if BLOCKWISE:
-        y = bits_unscaled(tl.sum(acc, axis=2), BITS)
+        y = tl.sum(acc, axis=2)
     else:
-        y = bits_unscaled(tl.sum(tl.sum(acc, axis=3), axis=2), BITS) * tl.load(s_rows, mask=rows_ok, other=0.0)
+        y = tl.sum(tl.sum(acc, axis=3), axis=2) * tl.load(s_rows, mask=rows_ok, other=0.0)  # [KB, BLOCK_N]
     dtype = out_ptr.dtype.element_ty
     down = y.to(dtype).to(tl.float32)
     weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
@@ -241,7 +237,6 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
     if tokens == 0:
         return out
     t = tiles or (INTERPRETER_TILES if interpreting() else fp8_tiles(block))
-    bits = bits_wanted()  # (RADIXMESH_FP8_BITS: kernels.fp8_gemv)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     bn, bk = block if block is not None else (1, 1)
@@ -250,13 +245,12 @@ def decode_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2
     _fp8_gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
         x, w13, s13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(s13, block),
         TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n, BLOCK_K=up_k, SUB=up_sub, BN=bn, BK=bk,
-        BLOCKWISE=block is not None, BITS=bits, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
+        BLOCKWISE=block is not None, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
     down_k, down_sub = _chunks(t.down_block_k, inter, block)
     down_args = (act, w2, s2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), *_scale_strides(s2, block),
                  out.stride(0))
     down_tiles = dict(TOP_K=top_k, K=inter, BLOCK_N=t.down_block_n, BLOCK_K=down_k, SUB=down_sub, BN=bn, BK=bk,
-                      BLOCKWISE=block is not None, BITS=bits, num_warps=t.down_warps, num_stages=1,
-                      **pdl_options(x))
+                      BLOCKWISE=block is not None, num_warps=t.down_warps, num_stages=1, **pdl_options(x))
     grid = (triton.cdiv(hidden, t.down_block_n), tokens)
     if t.down_stacked:
         _fp8_down_stacked_kernel[grid](*down_args, KB=triton.next_power_of_2(top_k), **down_tiles)

@@ -47,24 +47,10 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
     src_off = heads[:, None] * stride_head + d[None, :]
     dst_off = heads[:, None] * dst_stride_head + d[None, :]
-    x1 = tl.load(src + src_off, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_HALF]
-    x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0)
+    x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = dst.dtype.element_ty
-    out1, out2 = rotated_halves(x1, x2, c1, c2, s1, s2, norm_w, eps, dtype, HALF, BLOCK_HALF, NORM)
-    tl.store(dst + dst_off, out1.to(dtype), mask=mask)
-    tl.store(dst + dst_off + HALF, out2.to(dtype), mask=mask)
-
-
-@triton.jit
-def rotated_halves(x1, x2, c1, c2, s1, s2, norm_w, eps, dtype: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
-    """Heads as their two halves [heads, BLOCK_HALF] (padding zeros) -> the rotated halves as float32 values of
-    `dtype` (each RMS-normed by norm_w [2 * HALF] first when NORM), rounded op by op as the twin is; a kernel using
-    it compiles without fused multiply-adds (module docstring)."""
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
     if NORM:  # kernels.norm's rounding: x * rstd to the dtype, times the weight to the dtype
-        d = tl.arange(0, BLOCK_HALF)
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(norm_w + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(norm_w + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -73,11 +59,12 @@ def rotated_halves(x1, x2, c1, c2, s1, s2, norm_w, eps, dtype: tl.constexpr, HAL
     # rotate_half(x) = [-x2, x1]; round(-a) == -round(a), so x1*cos1 + (-x2)*sin1 == round(x1*cos1) - round(x2*sin1).
     out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
     out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    return out1, out2
+    tl.store(dst + dst_off, out1.to(dtype), mask=mask)
+    tl.store(dst + dst_off + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
-def cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """A position's cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch
     lookup does."""
     d = tl.arange(0, BLOCK_HALF)
@@ -105,7 +92,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
-    c1, c2, s1, s2 = cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
     if blk < q_blocks:
         _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
                       blk * BLOCK_H, num_heads, c1, c2, s1, s2, q_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM)
@@ -152,7 +139,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     cos/sin [max_positions, head_dim] float32, positions [n] int -> rotated (q, k), written to `q_out`, `k_out`
     (contiguous; they may be q and k themselves when those are contiguous) or new tensors. `qk_norm` (q weight, k
     weight [head_dim] of q's dtype, eps): each head RMS-normed first (module docstring)."""
-    check_rotary(q, k, cos, sin, positions, qk_norm)
+    _check(q, k, cos, sin, positions, qk_norm)
     q_out, k_out = _output(q_out, q), _output(k_out, k)
     if q.shape[0]:
         _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None, qk_norm)
@@ -166,7 +153,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     with `qk_norm`), the rotated k and v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache
     [num_slots, num_kv_heads, head_dim]; returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit
     the two kernels it replaces."""
-    check_rotary(q, k, cos, sin, positions, qk_norm)
+    _check(q, k, cos, sin, positions, qk_norm)
     check_store(k_cache, v_cache, loc, k, v)
     q_out = _output(q_out, q)
     if q.shape[0]:
@@ -183,8 +170,7 @@ def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return q_rot
 
 
-def check_rotary(q, k, cos, sin, positions, qk_norm=None) -> None:
-    """ValueError unless q, k, the cos/sin tables, the positions and the q/k norm fit together."""
+def _check(q, k, cos, sin, positions, qk_norm=None) -> None:
     n, _, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != n or k.shape[2] != head_dim or k.dtype != q.dtype or head_dim % 2:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not fit together")

@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, fp8_gemv, gemv, kv_store, lora, moe,
-                               moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
+                               moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -37,13 +37,10 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Positions="*i64",
-            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32", KNew="*bf16",
-            VNew="*bf16", Loc="*i64", Cos="*fp32", Sin="*fp32", QNorm="*bf16", KNorm="*bf16")
+            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False,
-              ROPE=False, NORM=False)
-# the float arguments of the attention kernels
-scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale", "rope_eps"}
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False)
+scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale"}  # the float arguments of the attention kernels
 out = {
     "stage1": ptx(decode_attention._decode_stage1, attn, scales, stage1, 4, 2),
     "gemv": ptx(gemv._gemv_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
@@ -57,9 +54,6 @@ out = {
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
-# decode attention rotating q and storing the step's key and value itself (Qwen3's q/k norm: the MoE model's layers)
-out["stage1_rope"] = ptx(decode_attention._decode_stage1, attn, scales, dict(stage1, GROUP=8, ROPE=True, NORM=True),
-                         4, 2)
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
                         dict(stage1, TREE=True), 4, 2)
 out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, scales,
@@ -108,23 +102,12 @@ out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, dict(act_ptr=bf16
                               dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True), 4, 1)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
-for name, blockwise, sub, bits in (("moe_fp8_down_stacked_block", True, 128, False),
-                                   ("moe_fp8_down_stacked_row", False, 256, False),
-                                   ("moe_fp8_down_stacked_row_bits", False, 256, True)):
+for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
     out[name] = ptx(moe_decode_fp8._fp8_down_stacked_kernel, fp8_down, set(),
                     dict(TOP_K=8, KB=8, K=768, BLOCK_N=8, BLOCK_K=256, SUB=sub, BN=128, BK=128,
-                         BLOCKWISE=blockwise, PDL=True, BITS=bits), 4, 1)
-out["moe_fp8_gate_up_block_bits"] = ptx(
-    moe_decode_fp8._fp8_gate_up_kernel, dict(x_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64",
-                                             act_ptr=bf16), set(),
-    dict(TOP_K=8, K=2048, BLOCK_N=1, BLOCK_K=2048, SUB=128, BN=128, BK=128, BLOCKWISE=True, PDL=True, BITS=True), 4, 1)
+                         BLOCKWISE=blockwise, PDL=True), 4, 1)
 out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr="*i64"), set(),
                       dict(TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
-# the fp8 one-row product (the 8B shape's down_proj K), its weights converted by instructions or by their bits
-for name, bits in (("fp8_row", False), ("fp8_row_bits", True)):
-    out[name] = ptx(fp8_gemv._fp8_gemv_row_kernel, dict(X=bf16, W="*fp8e4nv", S="*fp32", B=bf16, Y=bf16), set(),
-                    dict(K=14336, BLOCK_N=2, BLOCK_K=4096, BN=1, BK=1, BLOCKWISE=False, PDL=True, HAS_BIAS=False,
-                         BITS=bits), 4, 1, aligned=("X", "W", "S", "B", "Y", "N", "stride_wn"))
 # a sparse layer's norm, router and routing at one token (Qwen3-30B-A3B's shape)
 out["moe_gate"] = ptx(moe_gate._gate_kernel, dict(H=bf16, R=bf16, G=bf16, W=bf16, ResOut=bf16, XOut=bf16, Logits=bf16,
                                                  Weights=bf16, Ids="*i64", Counter="*i32"), {"eps"},
@@ -196,19 +179,6 @@ def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_g
     assert [i for i in _lines(code, r"ld\.global\.cg") if i > arrive[0]]
 
 
-def test_the_fp8_row_product_converts_its_weights_by_their_bits_when_asked(ptx):
-    """kernels.fp8_gemv's one-row product, and the fp8 experts' decode launches, compile for sm_90 both ways (ptxas
-    takes the bit conversion's PTX): by default through e4m3x2 -> f16x2 conversions, with BITS through byte permutes
-    and shifts and no conversion of a weight at all."""
-    plain, bits = ptx["fp8_row"], ptx["fp8_row_bits"]
-    assert _lines(plain, r"cvt\S*\.e4m3x2") and not _lines(plain, r"prmt\.b32")
-    assert _lines(bits, r"prmt\.b32") and not _lines(bits, r"cvt\S*\.e4m3x2")
-    assert not _lines(bits, r"cvt\.f32\.f16")
-    for kernel in ("moe_fp8_down_stacked_row_bits", "moe_fp8_gate_up_block_bits"):  # the fp8 experts' launches too
-        assert _lines(ptx[kernel], r"prmt\.b32") and not _lines(ptx[kernel], r"cvt\S*\.e4m3x2"), kernel
-    assert _lines(ptx["moe_fp8_down_stacked_row"], r"cvt\S*\.e4m3x2")
-
-
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):
     """gemv_row under PDL: no global load before the wait (the weights go to L2 by prefetch), x and the weights
     after it, the weights 16 bytes a load (a block's whole rows, unrolled)."""
@@ -219,16 +189,6 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
-
-
-def test_stage_one_rotating_q_writes_nothing_before_its_wait(ptx):
-    """Decode attention with a RopeStore (kernels.decode_attention) compiles for sm_90: it lets its dependents launch
-    and waits before its first store (the new key and value into the pool), and differs from the plain stage 1."""
-    code = ptx["stage1_rope"]
-    launch, wait, stores = (_lines(code, p) for p in
-                            (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"st\.global"))
-    assert launch and wait and stores and launch[0] < wait[0] < stores[0]
-    assert code != ptx["stage1"]
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):

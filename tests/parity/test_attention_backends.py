@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import model_path
-from tests.engine_utils import greedy_like_transformers, parity_prompts, running_engine
+from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import hf_greedy
 
 MAX_NEW = 3  # a prefill and two decode steps a pass: the second decode step reads a key the first one stored
@@ -37,32 +37,3 @@ def test_greedy_parity(name, page, backends):
     assert [o["output_ids"] for o in first] == refs
     assert [o["output_ids"] for o in again] == refs
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-
-
-@pytest.mark.parametrize("name", ["diffuse-llama", "qwen3"])
-def test_rotating_inside_decode_attention_keeps_parity(name, monkeypatch, diffuse_model, tmp_path):
-    """Decode rotating q and storing the step's keys and values inside attention's stage 1 (the triton backend's
-    ROPE_IN_ATTENTION, off by default until a GPU measures it): on CPU the rotation is made to take the kernels' path
-    (RopeInputs without looked-up cos/sin, as on CUDA), so the backend's fused decode runs in Triton's interpreter;
-    prefill keeps the rotary kernel. Checkpoints whose attention spreads over the whole context (Llama; Qwen3 with its
-    q/k norms), so a key stored wrong moves every later logprob: greedy tokens equal transformers', logprobs within
-    1e-4, with and without a cached prefix."""
-    from radixmesh.engine.attention import triton_backend
-    from radixmesh.engine.layers import rotary
-    from tests.sliding_models import build
-
-    monkeypatch.setattr(triton_backend, "ROPE_IN_ATTENTION", True)
-    monkeypatch.setattr(rotary, "use_kernels", lambda t: True)
-    calls = []
-    fused = triton_backend.TritonBackend.attend_stored
-    monkeypatch.setattr(triton_backend.TritonBackend, "attend_stored",
-                        lambda self, *a, rope=None, **k: calls.append(rope is not None) or fused(self, *a, rope=rope,
-                                                                                                 **k))
-    path = diffuse_model if name == "diffuse-llama" else build(name, tmp_path / name, head_dim=64)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 500, (n,), generator=gen).tolist() for n in (9, 21)]
-    with running_engine(path, device=DEVICE, page_size=4, attention_backend="triton", disable_cuda_graph=True,
-                        skip_tokenizer_init=True) as llm:
-        for _ in range(2):  # the second time over a cached prefix
-            greedy_like_transformers(llm, path, prompts, MAX_NEW, logprob_tol=1e-4)
-    assert calls and all(calls)  # every decode step attended through the fused path

@@ -8,24 +8,15 @@ model, passed to each launch (so captured with it).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from radixmesh.engine.attention.base import AttentionBackend
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
-from radixmesh.kernels.decode_attention import (RopeStore, decode_attention, num_kv_splits, partial_buffers,
-                                                rope_fits)
+from radixmesh.kernels.decode_attention import decode_attention, num_kv_splits, partial_buffers
 from radixmesh.kernels.extend_attention import extend_attention
 from radixmesh.kernels.runtime import interpreting
-
-
-# Decode rotating q (and the step's keys, with Qwen3's q/k norm) and storing the keys and values inside attention's
-# stage 1 instead of kernels.rotary's launch before it (kernels.decode_attention's RopeStore): one link fewer in a
-# batch-1 step's chain of kernels. Off until a GPU measures it (RADIXMESH_ROPE_IN_ATTENTION=1 turns it on; NOTES,
-# 2026-12-06, eighteenth session).
-ROPE_IN_ATTENTION = os.environ.get("RADIXMESH_ROPE_IN_ATTENTION", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -79,25 +70,13 @@ class TritonBackend(AttentionBackend):
                                 metadata.max_extend_len, s.scale, window=s.window(layer_id), softcap=s.softcap,
                                 k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id])
 
-    def forward_rope(self, layer_id, q, k, v, rope, batch, metadata) -> torch.Tensor:
-        """With ROPE_IN_ATTENTION, a decode step whose rotation the kernels do (no looked-up cos/sin), with no draft
-        tree, over a pool of q's dtype and a power-of-two head_dim, rotates and stores inside decode attention;
-        otherwise as every backend does (one kernel rotates and stores, then attention)."""
-        pool = self.kv_pool
-        if (ROPE_IN_ATTENTION and isinstance(metadata, DecodeMetadata) and rope.cos is None
-                and rope_fits(q, pool.k[layer_id], batch.tree_mask)):
-            store = RopeStore(k, v, batch.out_cache_loc, rope.table.cos, rope.table.sin, rope.positions, rope.qk_norm)
-            return self.attend_stored(layer_id, q, batch, metadata, rope=store)
-        return super().forward_rope(layer_id, q, k, v, rope, batch, metadata)
-
-    def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata, rope: RopeStore | None = None
-                      ) -> torch.Tensor:
+    def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
         pool, s = self.kv_pool, self.shape
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
                                 partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,
                                 tree=batch.tree_mask, k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id],
-                                positions=batch.positions, rope=rope)
+                                positions=batch.positions)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:
