@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from radixmesh.engine.bench_one_batch import _make_reqs, decode, prefill
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.config import EngineArgs, resolve_args
+from radixmesh.kernels.fp8_gemv import ROW_PLAN
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 
@@ -149,13 +150,19 @@ def main() -> None:
     parser.add_argument("--result-file")
     parser.add_argument("--timeline", action="store_true",
                         help="record one step's kernels in order (name, start, duration) in the result file")
+    parser.add_argument("--quantization", choices=["fp8"],
+                        help="weights quantized to fp8 at load (SGLang's --quantization); a checkpoint config's "
+                             "quantization_config is read either way")
     ns = parser.parse_args()
-    runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len)
+    extra = {"quantization": ns.quantization} if ns.quantization else {}
+    runner, cache = decode_runner(ns.model_path, ns.attention_backend, ns.batch_size, ns.input_len, **extra)
     for bs in ns.batch_size:
-        row = {"backend": ns.attention_backend, **profile_batch(runner, cache, bs, ns.input_len, ns.timeline)}
+        row = {"backend": ns.attention_backend, "quantization": ns.quantization,
+               "fp8_row_plan": {f"{n}x{k}": list(c) for (n, k), c in ROW_PLAN.items()},
+               **profile_batch(runner, cache, bs, ns.input_len, ns.timeline)}
         print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "
               f"{row['kernels_per_step']:.0f} kernels, span {row['span_us_per_step'] / 1e3:.3f} ms); synchronous "
-              f"step {row['wall_ms']:.3f} ms")
+              f"step {row['wall_ms']:.3f} ms" + (f"; fp8 one-row tiles {row['fp8_row_plan']}" if ROW_PLAN else ""))
         for name, us in row["top"]:
             print(f"   {us:9.1f} us  {name}")
         if ns.result_file:
