@@ -84,7 +84,8 @@ def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_l
     return runner, CacheManager(runner.kv_pool, runner.req_to_token, None)
 
 
-def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], input_len: int, rounds: int) -> list[dict]:
+def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], input_len: int,
+              rounds: int) -> list[dict]:
     """An A/B inside one process: per round, per variant, `switch(runner, variant)` and the graphs captured again,
     then per batch size the GPU time of a decode step and the first 8 greedy tokens of up to 4 requests."""
     vocab = runner.model_config.vocab_size
@@ -111,8 +112,8 @@ def ab_rounds(runner, cache, switch, variants: tuple, batch_sizes: list[int], in
 
 def ab_main(description: str, switch, key: str, variants: tuple = (False, True)) -> None:
     """The command line of an in-step A/B (benchmarks.transposed_step, benchmarks.pdl_step): the 8B-shaped model with
-    an attention backend (triton by default) and graphs for the batch sizes asked, `switch(runner, variant)` for each of `variants`,
-    alternated; each row's variant is recorded under `key`."""
+    an attention backend (triton by default) and graphs for the batch sizes asked, `switch(runner, variant)` for each
+    of `variants`, alternated; each row's variant is recorded under `key`."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
     p.add_argument("--attention-backend", default="triton")
