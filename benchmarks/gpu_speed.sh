@@ -53,6 +53,9 @@
 #                           traceback reaches the log
 #   PARTS="setup fp8prof"   issue 52: the 8B shape's batch-1 step with fp8 weights (per channel, then block-wise) by
 #                           kernel (profile_decode --timeline; the plan's fp8 one-row tiles recorded per shape)
+#   PARTS="setup fp8issue"  issue 52: the fp8 one-row tiles' instructions a weight byte on this machine's Triton
+#                           (benchmarks.row_issue), then each tile timed at one row on the 8B layer's four products
+#                           (benchmarks.fp8_rows --row-configs): does time follow instructions a byte?
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -364,6 +367,14 @@ if [[ " $PARTS " == *" fp8prof "* ]]; then
     timeout 150 $PY -m radixmesh.benchmarks.profile_decode --model-path $model --batch-size 1 --timeline \
       --result-file "$OUT/fp8prof.jsonl" 2>&1 | tee -a "$OUT/fp8prof.log" | grep "^bs 1"
   done
+fi
+
+if [[ " $PARTS " == *" fp8issue "* ]]; then
+  TILES="2,2048,4 2,4096,4 4,2048,4 2,4096,8 8,1024,4 8,512,2 4,512,2 16,256,4"
+  $PY -m radixmesh.benchmarks.row_issue --fp8-tiles $TILES --result-file "$OUT/fp8issue_static.jsonl" 2>&1 \
+    | tee "$OUT/fp8issue.log" | grep -E "^(fp8|bf16)"
+  timeout 400 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 --row-configs $TILES \
+    --result-file "$OUT/fp8issue_rows.jsonl" 2>&1 | tee -a "$OUT/fp8issue.log" | grep -E "^rows|rror" | tail -12
 fi
 
 if [[ $PARTS == *spec* ]]; then

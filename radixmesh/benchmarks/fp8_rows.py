@@ -3,7 +3,8 @@
 under programmatic dependent launch, so every product streams its weight from HBM as in a decode step; us per
 product and per layer (the four summed) against the fp8 weight-read floor at this run's copy bandwidth. Variants:
 
-  row xM        kernels.fp8_gemv.fp8_gemv_row, once per row (the one-row kernel M times)
+  row xM        kernels.fp8_gemv.fp8_gemv_row, once per row (the one-row kernel M times); at one row also
+                "row <config>" for each of --row-configs' tiles
   gemv16        kernels.fp8_gemv.fp8_gemv (the tensor-core product that ran 2-16 rows before fp8_gemv_rows)
   rows <config> kernels.fp8_gemv_rows with each of engine.decode_products.FP8_ROWS_TILES' configs for the padded row
                 count, and --cores-configs (the CUDA cores at more rows, to check where they stop keeping up)
@@ -47,11 +48,14 @@ def _weights(dev) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return out
 
 
-def _variants(m: int, cores: list[tuple], cores_rows: list[int]) -> dict:
-    """name -> product(x, w, scales, block) for a product of m rows."""
+def _variants(m: int, cores: list[tuple], cores_rows: list[int], row_configs: list[tuple] = ()) -> dict:
+    """name -> product(x, w, scales, block) for a product of m rows; at one row, fp8_gemv_row with its default tiles
+    and with each of `row_configs`."""
     out = {}
     if m == 1:
         out["row"] = lambda x, w, s, b: fp8_gemv_row(x, w, s, b, pdl=True)
+        for config in row_configs:
+            out[f"row {config}"] = lambda x, w, s, b, c=config: fp8_gemv_row(x, w, s, b, pdl=True, config=c)
         return out
     out[f"row x{m}"] = lambda x, w, s, b: [fp8_gemv_row(x[i:i + 1], w, s, b, pdl=True) for i in range(m)][-1]
     out["gemv16"] = lambda x, w, s, b: fp8_gemv(x, w, s, b, pdl=True)
@@ -119,11 +123,15 @@ def main() -> None:
     p.add_argument("--cores-rows", type=int, nargs="*", default=[8],
                    help="row counts the planner gives no CUDA-core tile, timed with --cores-configs (each compiles "
                         "per K and row count: 16 rows takes minutes)")
+    p.add_argument("--row-configs", nargs="*", default=[],
+                   help="fp8_gemv_row tiles BLOCK_N,BLOCK_K,warps also timed at one row (radixmesh.benchmarks."
+                        "row_issue counts their instructions a byte)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 cuBLAS comparison (its 15 GB)")
     p.add_argument("--result-file")
     ns = p.parse_args()
     dev = torch.device("cuda")
     cores = [tuple(int(v) for v in c.split(",")) + ("cores",) for c in ns.cores_configs]
+    row_configs = [tuple(int(v) for v in c.split(",")) for c in ns.row_configs]
     copy = _copy_gbps(dev)
     print(f"pdl supported: {pdl_supported()}; copy bandwidth {copy:.0f} GB/s")
     weights = _weights(dev)
@@ -132,7 +140,7 @@ def main() -> None:
         for role, (n, k) in ROLES.items()}
     rows, layer_floor = [], sum(n * k for n, k in ROLES.values()) / copy / 1e3  # us
     for m in ns.rows:
-        variants = _variants(m, cores, ns.cores_rows)
+        variants = _variants(m, cores, ns.cores_rows, row_configs)
         print(f"rows {m}: largest error / largest output", {k: f"{v:.1e}" for k, v in
                                                             _check(variants, weights, m, dev).items()})
         x = {k: torch.randn((m, k), device=dev, dtype=torch.bfloat16) for _, k in ROLES.values()}
