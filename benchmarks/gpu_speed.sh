@@ -56,6 +56,9 @@
 #   PARTS="setup fp8issue"  issue 52: the fp8 one-row tiles' instructions a weight byte on this machine's Triton
 #                           (benchmarks.row_issue), then each tile timed at one row on the 8B layer's four products
 #                           (benchmarks.fp8_rows --row-configs): does time follow instructions a byte?
+#   PARTS="setup fp8tput"   issue 52: offline throughput (1024 prompts, 512 in / 128 out, 256 running) on the 8B shape
+#                           with bf16 weights, fp8 weights (per channel), and fp8 weights with an fp8 KV cache; then
+#                           an 8192-token prefill with fp8 weights against the fp8 matmul peak (bench_one_batch)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -375,6 +378,16 @@ if [[ " $PARTS " == *" fp8issue "* ]]; then
     | tee "$OUT/fp8issue.log" | grep -E "^(fp8|bf16)"
   timeout 400 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 --row-configs $TILES \
     --result-file "$OUT/fp8issue_rows.jsonl" 2>&1 | tee -a "$OUT/fp8issue.log" | grep -E "^rows|rror" | tail -12
+fi
+
+if [[ " $PARTS " == *" fp8tput "* ]]; then
+  SHAPE="--num-prompts 1024 --random-input-len 512 --random-output-len 128"
+  offline "bf16" $SHAPE
+  offline "fp8 weights" $SHAPE --quantization fp8
+  offline "fp8 weights, fp8 KV" $SHAPE --quantization fp8 --kv-cache-dtype fp8_e4m3
+  $PY -m radixmesh.engine.bench_one_batch $COMMON --quantization fp8 --batch-size 1 --input-len 512 --output-len 8 \
+    --prefill-len 8192 --roofline --result-file "$OUT/fp8tput_prefill.jsonl" 2>&1 | tee -a "$OUT/offline.log" \
+    | grep -E "matmul|prefill of"
 fi
 
 if [[ $PARTS == *spec* ]]; then

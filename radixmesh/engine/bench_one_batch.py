@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from radixmesh.engine.bench_roofline import (attention_flops, decode_weight_bytes, linear_flops, measure_copy_bandwidth,
-                                             measure_matmul_tflops)
+from radixmesh.engine.bench_roofline import (attention_flops, decode_weight_bytes, holds_fp8, linear_flops,
+                                             measure_copy_bandwidth, measure_fp8_matmul_tflops, measure_matmul_tflops)
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
@@ -271,8 +271,12 @@ def main() -> None:
                      bs1_decode_roofline_s=weight_bytes / bw, matmul_tflops=measure_matmul_tflops(runner.device))
         for r in rows:
             _floor(r, weight_bytes, kv_per_token, bw)
+        if holds_fp8(runner.model):  # the fp8 products' own ceiling (issue 52)
+            extra["fp8_matmul_tflops"] = measure_fp8_matmul_tflops(runner.device)
         if ns.prefill_len:
             extra["prefill_fraction_of_matmul_peak"] = extra["prefill_tflops"] / extra["matmul_tflops"]
+            if extra.get("fp8_matmul_tflops"):
+                extra["prefill_fraction_of_fp8_matmul_peak"] = extra["prefill_tflops"] / extra["fp8_matmul_tflops"]
     _report(rows, extra)
     runner.stop_followers()
     if ns.followers is not None:
@@ -342,13 +346,18 @@ def _report(rows: list[dict], extra: dict) -> None:
         print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {extra['matmul_tflops']:.0f} "
               f"TFLOP/s; decode reads {extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 floor "
               f"{extra['bs1_decode_roofline_s'] * 1e3:.2f} ms/step")
+        if "fp8_matmul_tflops" in extra:
+            fp8 = extra["fp8_matmul_tflops"]
+            print(f"fp8 matmul (row-wise scales) {fp8:.0f} TFLOP/s" if fp8 else "fp8 matmul: not on this GPU")
     if "collective_share" in extra:
         print("NCCL share of eager decode GPU time by batch size:",
               ", ".join(f"{bs}: {v:.1%}" for bs, v in extra["collective_share"].items()))
     if "prefill_tflops" in extra:
         frac = extra.get("prefill_fraction_of_matmul_peak")
         print(f"prefill of {extra['prefill_len']} tokens: {extra['prefill_s'] * 1e3:.1f} ms, "
-              f"{extra['prefill_tflops']:.0f} TFLOP/s" + (f" ({frac:.0%} of the matmul peak)" if frac else ""))
+              f"{extra['prefill_tflops']:.0f} TFLOP/s" + (f" ({frac:.0%} of the matmul peak)" if frac else "")
+              + (f", {frac8:.0%} of the fp8 matmul peak" if (frac8 := extra.get("prefill_fraction_of_fp8_matmul_peak"))
+                 else ""))
     if "extend_over_prefix_s" in extra:
         rate = extra["prefix_attention_tflops"]
         print(f"extend of {extra['extend_batch']} x {extra['extend_new']} tokens: "

@@ -1,7 +1,8 @@
 """The GPU's two ceilings, measured in the run that reports against them, and the work a forward must do.
 
 Bandwidth counts bytes read plus bytes written by a large device-to-device copy; the matmul rate is a large bf16
-product on random data (never zeros: they run faster than real data).
+product on random data (never zeros: they run faster than real data), and for models holding fp8 weights the fp8
+product's rate too (row-wise scales, as their prefill runs it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,29 @@ def measure_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) 
     out = torch.empty((n, n), dtype=torch.bfloat16, device=device)
     ms = _time_ms(lambda: torch.matmul(a, b, out=out), iters, device)
     return 2 * n ** 3 / (ms / 1e3) / 1e12
+
+
+def measure_fp8_matmul_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float | None:
+    """fp8 (e4m3) n x n x n product rate in TFLOP/s, bf16 out, with row-wise scales as the fp8 prefill of per-channel
+    weights runs it (torch._scaled_mm, cuBLAS/CUTLASS), on random codes; None where the GPU has no fp8 product
+    (compute capability below 8.9) or torch lacks it."""
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    a = (torch.randn((n, n), device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    b = (torch.randn((n, n), device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).t()  # column-major
+    scale_a = torch.rand((n, 1), device=device) + 0.5
+    scale_b = torch.rand((1, n), device=device) + 0.5
+    try:
+        ms = _time_ms(lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16),
+                      iters, device)
+    except (RuntimeError, NotImplementedError):  # no row-wise fp8 product in this build
+        return None
+    return 2 * n ** 3 / (ms / 1e3) / 1e12
+
+
+def holds_fp8(model: torch.nn.Module) -> bool:
+    """Whether any of the model's weights is held in fp8 (engine.quantization.fp8_load)."""
+    return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in model.parameters())
 
 
 def _experts(model) -> list[tuple[int, int, int, int]]:

@@ -29,3 +29,15 @@ def test_a_decode_step_reads_the_top_k_experts_not_all():
                    and "lm_head" not in n)
     lm_head = model.lm_head.weight.numel()
     assert linear_flops(runner, 10) == 2 * (matrices + sparse * moe.top_k * expert) * 10 + 2 * lm_head
+
+
+def test_the_roofline_knows_a_model_holding_fp8_weights():
+    """bench_one_batch --roofline measures the fp8 product's rate beside bf16's for a model whose weights stay in fp8
+    (--quantization fp8 with the Triton kernels), and not for one that holds none."""
+    from radixmesh.engine.bench_roofline import holds_fp8
+
+    cfg = ModelConfig.from_path(model_path("tiny-qwen3-moe"))
+    plain = load_model(cfg, "dummy", torch.float32, torch.device("cpu"), 64)
+    held = load_model(cfg, "dummy", torch.float32, torch.device("cpu"), 64, quantization="fp8",
+                      fp8_gemm_backend="triton")
+    assert not holds_fp8(plain) and holds_fp8(held)
