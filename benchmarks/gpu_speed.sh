@@ -378,7 +378,7 @@ if [[ " $PARTS " == *" fp8prof "* ]]; then
 fi
 
 if [[ " $PARTS " == *" fp8issue "* ]]; then
-  TILES="2,2048,4 2,4096,4 4,2048,4 2,4096,8 8,1024,4 8,512,2 4,512,2 16,256,4"
+  TILES="2,2048,4 2,4096,4 4,2048,4 2,4096,8 8,1024,4 4,4096,8 4,2048,8 8,512,2 4,512,2 16,256,4"
   $PY -m radixmesh.benchmarks.row_issue --fp8-tiles $TILES --result-file "$OUT/fp8issue_static.jsonl" 2>&1 \
     | tee "$OUT/fp8issue.log" | grep -E "^(fp8|bf16)"
   timeout 400 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 --row-configs $TILES \
