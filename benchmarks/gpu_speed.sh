@@ -362,8 +362,8 @@ if [[ " $PARTS " == *" fp8moeengine "* ]]; then
   timeout 480 $PY -m pytest -q -p no:cacheprovider --timeout 420 -x --tb=long tests/gpu/test_fp8_weights_cuda.py \
     -k engine_holds_moe 2>&1 | tee "$OUT/fp8moeengine.log" | grep -E "passed|failed|^E  |FAILED" | tail -12
   # then which suspect it is: one switched off at a time (graphs, the fused gate, the experts' runner, the dtype)
-  timeout 420 $PY -m radixmesh.benchmarks.fp8_moe_agreement --result-file "$OUT/fp8moeengine.jsonl" 2>&1 \
-    | tee -a "$OUT/fp8moeengine.log" | grep "variant"
+  timeout 300 $PY -m radixmesh.benchmarks.fp8_moe_agreement --child-timeout 150 \
+    --result-file "$OUT/fp8moeengine.jsonl" 2>&1 | tee -a "$OUT/fp8moeengine.log" | grep "variant"
   timeout 120 $PY -m radixmesh.benchmarks.fp8_moe_agreement --block 0 0 --variants graphs \
     --result-file "$OUT/fp8moeengine.jsonl" 2>&1 | tee -a "$OUT/fp8moeengine.log" | grep "variant"
 fi

@@ -72,11 +72,25 @@ def run_variant(ns: argparse.Namespace, name: str) -> dict:
     gen = torch.Generator().manual_seed(ns.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = fp8.write_checkpoint(ns.model_path, tmp, block=tuple(ns.block) if ns.block else None)
-        vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
         prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in ns.prompt_lens]
         held = serve(path, prompts, ns.max_new_tokens, ns.device, {**opts, "fp8_gemm_backend": "triton"})
         twin = serve(path, prompts, ns.max_new_tokens, ns.device, opts)
     return {"variant": name, "block": ns.block, "device": ns.device, **compare(held, twin)}
+
+
+def _child(name: str, timeout: float) -> dict:
+    """One variant in a child process with its environment: its result row, or the reason it gave none."""
+    cmd = [sys.executable, "-m", "radixmesh.benchmarks.fp8_moe_agreement", *sys.argv[1:], "--one", name]
+    try:
+        done = subprocess.run(cmd, env={**os.environ, **VARIANTS[name][1]}, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": name, "error": f"no result within {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"variant": name, "error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -88,6 +102,7 @@ def main() -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[9, 21, 33])
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child-timeout", type=float, default=300, help="seconds a variant may take (two engines)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child's variant
     p.add_argument("--result-file")
     ns = p.parse_args()
@@ -97,14 +112,7 @@ def main() -> None:
         print(json.dumps(run_variant(ns, ns.one)))
         return
     for name in ns.variants:
-        env = {**os.environ, **VARIANTS[name][1]}
-        args = [a for a in sys.argv[1:]]
-        done = subprocess.run([sys.executable, "-m", "radixmesh.benchmarks.fp8_moe_agreement", *args, "--one", name],
-                              env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            row = {"variant": name, "error": done.stderr.strip().splitlines()[-1:] or ["exit " + str(done.returncode)]}
-        else:
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = _child(name, ns.child_timeout)
         print(json.dumps(row))
         if ns.result_file:
             with open(ns.result_file, "a") as f:
