@@ -1,6 +1,7 @@
 """Where a decode step's time goes (8B-shaped model, dummy weights): per batch size, the GPU time of one step (CUDA
 events around graph replay + sampling), its kernels (count, time by kernel, the gaps between them) and the host time
-the synchronous step adds on top.
+the synchronous step adds on top; with --timeline one step's kernels in order and each kernel's share of the step
+(its end minus the previous kernel's end, the median per kernel name: `shares`).
 
     python -m radixmesh.benchmarks.profile_decode [--attention-backend triton] [--batch-size 1 64] [--input-len 512]
                                         [--timeline] [--result-file F]
@@ -19,9 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 from radixmesh.engine.bench_one_batch import _make_reqs, decode, prefill
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.config import EngineArgs, resolve_args
-from radixmesh.kernels.fp8_gemv import ROW_PLAN
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
+from radixmesh.kernels.fp8_gemv import ROW_PLAN
 
 
 def _gpu_ms(runner, cache, reqs, ids, steps: int = 20) -> tuple[float, float, list[int]]:
@@ -52,6 +53,20 @@ def _timeline(prof) -> list[tuple[str, float, float]]:
     return [(e.name[:60], e.time_range.start - t0, e.time_range.elapsed_us()) for e in events]
 
 
+def shares(timeline: list[tuple[str, float, float]], least: int = 8) -> dict[str, dict]:
+    """Each kernel's share of a step: its end minus the end of the kernel before it (under programmatic dependent
+    launch a kernel's own duration includes its wait for the one before, so durations overlap and mislead; ends
+    do not), by kernel name: how many, the median share and their sum, us; names seen fewer than `least` times
+    (the step's one-off kernels) are left out. Largest sum first."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    ends = [start + us for _, start, us in timeline]
+    for (name, _, _), end, before in zip(timeline[1:], ends[1:], ends):
+        by_name[name].append(end - before)
+    rows = {name: {"count": len(v), "median_us": round(statistics.median(v), 2), "sum_us": round(sum(v), 1)}
+            for name, v in by_name.items() if len(v) >= least}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["sum_us"]))
+
+
 def profile_batch(runner, cache, bs: int, input_len: int, trace: bool = False) -> dict:
     """`trace`: also one more step's kernels in order (name, start, duration), under "timeline"."""
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
@@ -69,7 +84,7 @@ def profile_batch(runner, cache, bs: int, input_len: int, trace: bool = False) -
     for r in reqs:
         cache.release(r)
     out = {"batch_size": bs, "gpu_ms": gpu_ms, "wall_ms": wall_ms, **_kernels(prof, steps)}
-    return out if timeline is None else {**out, "timeline": timeline}
+    return out if timeline is None else {**out, "timeline": timeline, "shares": shares(timeline)}
 
 
 def decode_runner(model_path: str, backend: str, batch_sizes: list[int], input_len: int,
@@ -166,6 +181,8 @@ def main() -> None:
               f"step {row['wall_ms']:.3f} ms" + (f"; fp8 one-row tiles {row['fp8_row_plan']}" if ROW_PLAN else ""))
         for name, us in row["top"]:
             print(f"   {us:9.1f} us  {name}")
+        for name, share in row.get("shares", {}).items():  # --timeline
+            print(f"   share {share['median_us']:7.2f} us x {share['count']:3}  {name}")
         if ns.result_file:
             with open(ns.result_file, "a") as f:
                 f.write(json.dumps(row) + "\n")
