@@ -45,8 +45,6 @@
 #                           three (RADIXMESH_MOE_FUSED_GATE=0), synchronous and profiled by kernel
 #   PARTS="setup moefp8step" issues 51/52: the Qwen3-30B-A3B-shaped model's batch-1 and 64 steps with fp8 experts,
 #                           block-wise and per row, beside bf16
-#   PARTS="setup pullrows"  issue 51: the batch-1 step with o_proj's rows pulled into L2 before its wait, or not
-#                           (RADIXMESH_ROW_PREFETCH), the Qwen3-30B-A3B and dense 8B shapes
 #   PARTS="setup fp8moeengine" issues 51/52: tiny-qwen3-moe's fp8 experts held in fp8 in CUDA graphs against the
 #                           dequantized twin (tests/gpu/test_fp8_weights_cuda.py -k engine_holds_moe; failed on an H100
 #                           in the nineteenth session, cause not yet seen), bounded by pytest's own timeout so the
@@ -339,24 +337,6 @@ if [[ " $PARTS " == *" moefp8step "* ]]; then
   done
 fi
 
-if [[ " $PARTS " == *" pullrows "* ]]; then
-  # Issue 51 (eighteenth session): the one-row product after attention (o_proj) pulling its rows into L2 before its PDL
-  # wait (RADIXMESH_ROW_PREFETCH names the weight shapes), so its weights stream while rotary and attention run, which
-  # read little; the batch-1 step's GPU time by kernel, Qwen3-30B-A3B shape then the dense 8B shape, alternated
-  for pf in "" 2048x4096 "" 2048x4096 2048x4096,5120x2048; do
-    echo "== Qwen3-30B-A3B, prefetching: ${pf:-none}"
-    RADIXMESH_ROW_PREFETCH=$pf timeout ${MOE_TIMEOUT:-150} $PY -m radixmesh.benchmarks.profile_decode \
-      --model-path benchmarks/configs/qwen3-30b-a3b --attention-backend triton --batch-size 1 --timeline \
-      --result-file "$OUT/rowprefetch_moe.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" | grep "^bs 1"
-  done
-  for pf in "" 4096x4096 "" 4096x4096; do
-    echo "== 8B, prefetching: ${pf:-none}"
-    RADIXMESH_ROW_PREFETCH=$pf timeout 150 $PY -m radixmesh.benchmarks.profile_decode --attention-backend triton \
-      --batch-size 1 --timeline --result-file "$OUT/rowprefetch_8b.jsonl" 2>&1 | tee -a "$OUT/rowprefetch.log" \
-      | grep "^bs 1"
-  done
-fi
-
 if [[ " $PARTS " == *" fp8moeengine "* ]]; then
   # A cold Triton cache compiles every MoE and fp8 kernel in the first test: keep the bound generous (over 150 s).
   timeout 480 $PY -m pytest -q -p no:cacheprovider --timeout 420 -x --tb=long tests/gpu/test_fp8_weights_cuda.py \
@@ -369,8 +349,8 @@ if [[ " $PARTS " == *" fp8moeengine "* ]]; then
 fi
 
 if [[ " $PARTS " == *" fp8prof "* ]]; then
-  block_fp8_config $CFG build/llama-8b-block
-  for model in "$CFG --quantization fp8" build/llama-8b-block; do
+  block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
+  for model in "$CFG --quantization fp8" build/llama-3.1-8b-fp8-block; do
     echo "== $model"
     timeout 150 $PY -m radixmesh.benchmarks.profile_decode --model-path $model --batch-size 1 --timeline \
       --result-file "$OUT/fp8prof.jsonl" 2>&1 | tee -a "$OUT/fp8prof.log" | grep "^bs 1"

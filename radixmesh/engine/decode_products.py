@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import torch
@@ -188,22 +187,6 @@ def fp8_rows_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
     return chosen
 
 
-PREFETCH_ENV = "RADIXMESH_ROW_PREFETCH"  # "NxK,NxK": one-row products of these weight shapes pull their rows into L2
-
-
-def _prefetch_shapes() -> list[tuple[int, int]]:
-    """The weight shapes RADIXMESH_ROW_PREFETCH names ("4096x4096,2048x4096"): their one-row products run gemv_row in
-    its ROW_PDL_PREFETCH mode (their block's weights pulled into L2 before the PDL wait)."""
-    out = []
-    for item in filter(None, os.environ.get(PREFETCH_ENV, "").split(",")):
-        n, _, k = item.strip().partition("x")
-        try:
-            out.append((int(n), int(k)))
-        except ValueError:
-            raise ValueError(f"{PREFETCH_ENV} takes weight shapes as NxK, comma-separated; got {item!r}") from None
-    return out
-
-
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
@@ -216,7 +199,7 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
     the wrong kernel."""
     from triton.runtime.errors import OutOfResources
 
-    from radixmesh.kernels.gemv import ROW_CONFIG, ROW_PDL_PREFETCH, gemv, gemv_row
+    from radixmesh.kernels.gemv import ROW_CONFIG, gemv, gemv_row
 
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for w in _weights(model):
@@ -245,9 +228,6 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
-    for shape in _prefetch_shapes():  # (an experiment's override: these shapes pull their rows into L2 first)
-        if shape in rows:
-            rows[shape] = (*rows[shape][:3], ROW_PDL_PREFETCH)
     from radixmesh.kernels.fp8_gemv import set_row_plan
     from radixmesh.kernels.fp8_gemv_rows import set_rows_plan
 
