@@ -1,12 +1,14 @@
 """Where an fp8 mixture-of-experts checkpoint served in fp8 parts from the same checkpoint served dequantized: greedy
 tokens and logprobs of a few prompts, one engine per variant, each against the dequantized twin of its dtype.
 
-Why (issues 51/52, nineteenth session): tests/gpu/test_fp8_weights_cuda.py::test_the_engine_holds_moe_experts_in_fp8_
-in_cuda_graphs failed on an H100 (tiny-qwen3-moe written in fp8 by our writer, blocks of 32 x 128, float32, CUDA
-graphs) while the same scenario passes on CPU in Triton's interpreter. The variants switch one suspect off at a time:
-CUDA graphs (and with them programmatic dependent launch between the step's kernels), the sparse layers' gate in one
-launch (RADIXMESH_MOE_FUSED_GATE, read at import: each variant runs in a child process), the experts' Triton runner
-(`--moe-runner-backend torch`: the experts dequantized in the forward, the projections still fp8), the dtype.
+Why (issues 51/52): tests/gpu/test_fp8_weights_cuda.py::test_the_engine_holds_moe_experts_in_fp8_in_cuda_graphs
+failed on an H100 in the nineteenth session. The cause (twentieth session) was the test's twin: served from the fp8
+checkpoint under `auto`, which holds fp8 weights in fp8 on an fp8 GPU, so it was never dequantized; the twin is now a
+checkpoint of its own (quantization.fp8.dequantized_checkpoint), here as there. The variants switch one suspect off
+at a time: CUDA graphs (and with them programmatic dependent launch between the step's kernels), the sparse layers'
+gate in one launch (RADIXMESH_MOE_FUSED_GATE, read at import: each variant runs in a child process), the experts'
+Triton runner (`--moe-runner-backend torch`: the experts dequantized in the forward, the projections still fp8), the
+dtype.
 
     python -m radixmesh.benchmarks.fp8_moe_agreement --model-path models/tiny-qwen3-moe [--block 32 128]
         [--variants graphs eager unfused-gate torch-experts bf16] [--result-file out.jsonl]
@@ -71,12 +73,15 @@ def run_variant(ns: argparse.Namespace, name: str) -> dict:
     opts, _ = VARIANTS[name]
     gen = torch.Generator().manual_seed(ns.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        path = fp8.write_checkpoint(ns.model_path, tmp, block=tuple(ns.block) if ns.block else None)
+        path = fp8.write_checkpoint(ns.model_path, os.path.join(tmp, "fp8"),
+                                    block=tuple(ns.block) if ns.block else None)
+        # the twin is a checkpoint of its own (on an fp8 GPU `auto` would hold the fp8 one in fp8 too)
+        twin_path = fp8.dequantized_checkpoint(path, os.path.join(tmp, "twin"))
         with open(os.path.join(path, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in ns.prompt_lens]
         held = serve(path, prompts, ns.max_new_tokens, ns.device, {**opts, "fp8_gemm_backend": "triton"})
-        twin = serve(path, prompts, ns.max_new_tokens, ns.device, opts)
+        twin = serve(twin_path, prompts, ns.max_new_tokens, ns.device, opts)
     return {"variant": name, "block": ns.block, "device": ns.device, **compare(held, twin)}
 
 

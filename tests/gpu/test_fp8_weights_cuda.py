@@ -230,19 +230,20 @@ def test_the_engine_holds_moe_experts_in_fp8_in_cuda_graphs(tmp_path, kind, batc
 
     q = fp8.write_checkpoint(model_path("tiny-qwen3-moe"), str(tmp_path / "fp8"),
                              **({"block": (32, 128)} if kind == "block" else {}))
+    # the twin is a checkpoint of its own: on an fp8 GPU `auto` holds the fp8 one in fp8 too
+    twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
     prompts = parity_prompts(q)[:batch]
     sp = {"max_new_tokens": 12, "temperature": 0}
 
-    def serve(**opts) -> list[dict]:
-        with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
-                            **opts) as llm:
+    def serve(path: str, dtype: torch.dtype) -> list[dict]:
+        with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                            fp8_gemm_backend="triton") as llm:
             experts = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
             assert len(experts) == 3 and llm.runner.graphs is not None
-            held = {p.weight.dtype for m in experts for p in (m.w13, m.w2)}
-            assert held == ({torch.float8_e4m3fn} if opts else {torch.float32})
+            assert {p.weight.dtype for m in experts for p in (m.w13, m.w2)} == {dtype}
             return llm.generate(input_ids=prompts, sampling_params=sp, return_logprob=True, top_logprobs_num=2)
 
-    outs, refs = serve(fp8_gemm_backend="triton"), serve()
+    outs, refs = serve(q, torch.float8_e4m3fn), serve(twin, torch.float32)
     for i, (out, ref) in enumerate(zip(outs, refs)):  # where they part: the step, both tokens, the twin's top-2 gap
         got, want = out["output_ids"], ref["output_ids"]
         at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
