@@ -52,8 +52,9 @@
 #   PARTS="setup fp8prof"   issue 52: the 8B shape's batch-1 step with fp8 weights (per channel, then block-wise) by
 #                           kernel (profile_decode --timeline; the plan's fp8 one-row tiles recorded per shape)
 #   PARTS="setup fp8issue"  issue 52: the fp8 one-row tiles' instructions a weight byte on this machine's Triton
-#                           (benchmarks.row_issue), then each tile timed at one row on the 8B layer's four products
-#                           (benchmarks.fp8_rows --row-configs): does time follow instructions a byte?
+#                           (benchmarks.row_issue), then each tile (also grouped: kernels.fp8_gemv's GROUP) timed at
+#                           one row on the 8B layer's four products (benchmarks.fp8_rows --row-configs), after the
+#                           one-row kernel's tests on CUDA: does time follow instructions a byte, or registers?
 #   PARTS="setup fp8tput"   issue 52: offline throughput (1024 prompts, 512 in / 128 out, 256 running) on the 8B shape
 #                           with bf16 weights, fp8 weights (per channel), and fp8 weights with an fp8 KV cache; then
 #                           an 8192-token prefill with fp8 weights against the fp8 matmul peak (bench_one_batch)
@@ -360,7 +361,10 @@ if [[ " $PARTS " == *" fp8prof "* ]]; then
 fi
 
 if [[ " $PARTS " == *" fp8issue "* ]]; then
-  TILES="2,2048,4 2,4096,4 4,2048,4 2,4096,8 8,1024,4 4,4096,8 4,2048,8 8,512,2 4,512,2 16,256,4"
+  # the plan's ungrouped tiles, then grouped ones (each thread's 16 products summed first: fewer registers)
+  TILES="2,2048,4 2,4096,4 4,2048,4 2,4096,8 8,1024,4 2,2048,4,16 4,2048,4,16 8,1024,4,16 2,1024,2,16 4,1024,4,16"
+  timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 180 tests/kernels/test_fp8_gemv.py -k row 2>&1 \
+    | tee "$OUT/fp8issue_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
   $PY -m radixmesh.benchmarks.row_issue --fp8-tiles $TILES --result-file "$OUT/fp8issue_static.jsonl" 2>&1 \
     | tee "$OUT/fp8issue.log" | grep -E "^(fp8|bf16)"
   timeout 400 $PY -m radixmesh.benchmarks.fp8_rows --rows 1 --scales channel --no-bf16 --row-configs $TILES \

@@ -30,7 +30,8 @@ MAX_WARPS, REGISTERS = 64, 65536  # an sm_90 SM's resident warps and registers
 # the one-row plans' tiles (engine.decode_products: FP8_ROW_TILES and what an 8B step chose on an H100, 2026-12-06;
 # kernels.gemv.ROW_CONFIG), then tiles with more rows or fewer threads a row
 FP8_TILES = ("2,2048,4", "2,4096,4", "4,2048,4", "2,4096,8", "8,1024,4", "4,4096,8", "4,2048,8", "8,512,2", "4,512,2",
-             "16,256,4")
+             "16,256,4", "2,2048,4,16", "4,2048,4,16", "8,1024,4,16", "2,1024,2,16")  # (the last: products summed 16
+# at a time first, kernels.fp8_gemv's GROUP)
 BF16_TILES = ("2,2048,4",)
 ALIGNED = ("X", "W", "S", "B", "Y", "N", "stride_wn")  # what a launch finds divisible by 16
 
@@ -41,9 +42,10 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_row(kind: str, k: int, block_n: int, block_k: int, warps: int):
-    """The one-row kernel of `kind` ("fp8": per-channel scales, or "bf16") for weights [n, k], compiled for sm_90
-    under programmatic dependent launch: Triton's CompiledKernel."""
+def compile_row(kind: str, k: int, block_n: int, block_k: int, warps: int, group: int = 1):
+    """The one-row kernel of `kind` ("fp8": per-channel scales, each thread's `group` consecutive products summed
+    first, or "bf16") for weights [n, k], compiled for sm_90 under programmatic dependent launch: Triton's
+    CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,13 +56,13 @@ def compile_row(kind: str, k: int, block_n: int, block_k: int, warps: int):
     if kind == "fp8":
         fn, pointers = fp8_gemv._fp8_gemv_row_kernel, dict(X="*bf16", W="*fp8e4nv", S="*fp32", B="*bf16", Y="*bf16")
         constexprs = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, BN=1, BK=1, BLOCKWISE=False, PDL=True,
-                          HAS_BIAS=False)
-    elif kind == "bf16":
+                          HAS_BIAS=False, GROUP=min(group, block_k))
+    elif kind == "bf16" and group == 1:
         fn, pointers = gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16")
         constexprs = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
                           HAS_BIAS=False)
     else:
-        raise ValueError(f"kind is 'fp8' or 'bf16', got {kind!r}")
+        raise ValueError(f"kind is 'fp8' or 'bf16' (without groups), got {kind!r} (group {group})")
     signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
@@ -84,9 +86,9 @@ def machine_code(cubin: bytes) -> tuple[int, int, collections.Counter]:
     return regs, stack, collections.Counter(op for op in ops if op != "NOP")
 
 
-def row_cost(kind: str, k: int, block_n: int, block_k: int, warps: int) -> dict:
+def row_cost(kind: str, k: int, block_n: int, block_k: int, warps: int, group: int = 1) -> dict:
     """One tile's static cost (module docstring)."""
-    kernel = compile_row(kind, k, block_n, block_k, warps)
+    kernel = compile_row(kind, k, block_n, block_k, warps, group)
     import triton
 
     regs, stack, ops = machine_code(kernel.asm["cubin"])
@@ -94,18 +96,21 @@ def row_cost(kind: str, k: int, block_n: int, block_k: int, warps: int) -> dict:
     per_byte = sum(ops.values()) * 32 * warps / weight_bytes  # thread-instructions a weight byte
     programs = min(REGISTERS // (max(regs, 1) * 32 * warps), MAX_WARPS // warps)
     bound = SMS * ISSUE_PER_CLOCK * CLOCK_HZ / per_byte / 1e12
-    return {"kind": kind, "k": k, "tile": [block_n, block_k, warps], "triton": triton.__version__,
+    return {"kind": kind, "k": k, "tile": [block_n, block_k, warps] + ([group] if group > 1 else []),
+            "triton": triton.__version__,
             "registers": regs, "stack_bytes": stack, "instructions_per_thread": sum(ops.values()),
             "instructions_per_byte": round(per_byte, 2), "programs_per_sm": programs,
             "issue_bound_tbps": round(bound, 2), "opcodes": dict(ops.most_common())}
 
 
-def _tile(text: str) -> tuple[int, int, int]:
+def _tile(text: str) -> tuple[int, ...]:
     try:
-        block_n, block_k, warps = (int(v) for v in text.split(","))
+        tile = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a tile is BLOCK_N,BLOCK_K,num_warps; got {text!r}") from None
-    return block_n, block_k, warps
+        tile = ()
+    if len(tile) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"a tile is BLOCK_N,BLOCK_K,num_warps[,GROUP]; got {text!r}")
+    return tile
 
 
 def main() -> None:

@@ -95,8 +95,11 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-# (BLOCK_N, BLOCK_K, num_warps) tried for fp8_gemv_row; the first is its default (kernels.fp8_gemv.ROW_CONFIG)
-FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 1024, 4))
+# (BLOCK_N, BLOCK_K, num_warps[, GROUP]) tried for fp8_gemv_row; the first is its default (kernels.fp8_gemv.ROW_CONFIG).
+# The grouped tiles sum each thread's 16 consecutive products first: at sm_90 they take a third to a half of the
+# registers of their full-accumulator twins (benchmarks.row_issue), so more programs fit an SM (twentieth session).
+FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 1024, 4),
+                 (2, 2048, 4, 16), (4, 2048, 4, 16), (8, 1024, 4, 16), (2, 1024, 2, 16))
 
 
 def _fp8_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:

@@ -8,7 +8,10 @@ checkpoints, and --quantization fp8), applied once to each row's float32 sum; or
 [ceil(N/bn), ceil(K/bk)], where a program's BLOCK_N rows lie in one block row (BLOCK_N divides bn), so each column
 of x is scaled once for all of the program's rows.
 
-`fp8_gemv_row` (one row, CUDA cores, as gemv_row: whole rows in flight, float32 products) and `fp8_gemv` (up to 16
+`fp8_gemv_row` (one row, CUDA cores, as gemv_row: whole rows in flight, float32 products; with GROUP > 1 each
+thread's GROUP consecutive products of a row are summed before they join its float32 accumulator, which then holds
+BLOCK_K / GROUP columns a row instead of BLOCK_K: at sm_90 the registers a thread fall from 234 to 78 for the 8B
+down_proj's (8, 1024, 4) tile (benchmarks.row_issue), so three times the programs fit an SM) and `fp8_gemv` (up to 16
 rows, the tensor-core dot of gemv with the fp8 tile converted to x's dtype in registers, exact: e4m3 values are
 bfloat16 and float16 values). Both launch as programmatic dependents under PDL (kernels.runtime) the way gemv_row
 does, waiting before they read x. `ROW_PLAN` holds the one-row tiles engine.decode_products chose per weight shape.
@@ -42,7 +45,7 @@ def set_row_plan(plan: dict[tuple[int, int], tuple[int, int, int]]) -> None:
 @triton.jit
 def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -51,7 +54,7 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x is the kernel before's output
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP], tl.float32)  # GROUP consecutive products a sum (module docstring)
     for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every load of the rows is independent of the others
         k = k0 + tl.arange(0, BLOCK_K)
         if k0 + BLOCK_K <= K:
@@ -65,7 +68,10 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
             if BLOCKWISE:
                 x = x * tl.load(scale_row + k // BK, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        if GROUP == 1:
+            acc += w.to(tl.float32) * x[None, :]
+        else:
+            acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     y = tl.sum(acc, axis=1)
     if not BLOCKWISE:
         y *= tl.load(S + n, mask=n_mask, other=0.0)
@@ -126,24 +132,27 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                  bias: torch.Tensor | None = None, pdl: bool = False,
-                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [1, k] -> x @ (w * scales)^T (+ bias) [1, n] in x's dtype, float32 sums (module docstring). `config`:
-    (BLOCK_N, BLOCK_K, num_warps), default ROW_PLAN's for this shape or ROW_CONFIG. A kernel is compiled per k."""
+    (BLOCK_N, BLOCK_K, num_warps[, GROUP]), default ROW_PLAN's for this shape or ROW_CONFIG; GROUP (a power of two,
+    default 1) consecutive products summed before they join the accumulator. A kernel is compiled per k."""
     check_operands(x, w, scales, block, bias, 1)
     n, k = w.shape
-    block_n, block_k, warps = config or ROW_PLAN.get((n, k), ROW_CONFIG)
+    block_n, block_k, warps, *group = config or ROW_PLAN.get((n, k), ROW_CONFIG)
     if interpreting() and config is None:
         block_n = INTERPRETED_ROWS
     if block is not None:
         block_n = min(block_n, block[0])
     block_k = min(block_k, triton.next_power_of_2(k))
+    group = min(group[0] if group else 1, block_k)
     pdl = pdl and pdl_on(x)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, w, scales, w if bias is None else bias.contiguous(), y, n, w.stride(0),
         scales.stride(0) if block is not None else 0, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         BN=block[0] if block else 1, BK=block[1] if block else 1, BLOCKWISE=block is not None, PDL=pdl,
-        HAS_BIAS=bias is not None, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        HAS_BIAS=bias is not None, GROUP=group, num_warps=warps, num_stages=1,
+        **({"launch_pdl": True} if pdl else {}))
     return y
 
 

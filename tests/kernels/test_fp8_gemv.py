@@ -1,6 +1,7 @@
 """kernels.fp8_gemv, the decode products reading fp8 weights (W8A16: x in its own dtype, the scales applied in the
 kernel), against their plain-torch twin: per-channel and block-wise scales, ragged N and K (partial blocks, partial
-chunks), one row (fp8_gemv_row, CUDA cores) and up to 16 (fp8_gemv, tensor cores), bias, bad input refused."""
+chunks), one row (fp8_gemv_row, CUDA cores; also with each thread's products summed in groups first) and up to 16
+(fp8_gemv, tensor cores), bias, bad input refused."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def _tol(dtype):  # float32 sums in another order; a 16-bit output may round to 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("n,k,block,config", [(40, 200, None, (2, 64, 4)), (96, 256, (32, 64), None),
                                               (70, 300, (16, 128), (4, 256, 4)), (17, 1030, None, (8, 1024, 4)),
-                                              (256, 384, (128, 128), None)])
+                                              (256, 384, (128, 128), None),
+                                              # each thread's products summed 16 (or 8) at a time first
+                                              (40, 200, None, (2, 64, 4, 16)), (70, 300, (16, 128), (4, 256, 4, 16)),
+                                              (17, 1030, None, (8, 1024, 4, 16)), (96, 256, (32, 64), (2, 128, 2, 8))])
 def test_fp8_gemv_row_matches_its_twin(n, k, block, config, dtype):
     x, q, s, b = _case(1, n, k, block, dtype, bias=n % 2 == 0)
     got = fp8_gemv_row(x, q, s, block, b, config=config)

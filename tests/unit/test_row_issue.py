@@ -34,3 +34,17 @@ def test_the_counts_are_the_kernels_multiply_adds_and_conversions(tmp_path):
         assert row["instructions_per_byte"] == round(row["instructions_per_thread"] * threads / weight_bytes, 2)
         assert 0 < row["registers"] <= 255 and row["stack_bytes"] == 0
         assert 1 <= row["programs_per_sm"] <= 64 // (threads // 32)
+
+
+def test_grouped_products_keep_every_multiply_in_fewer_registers(tmp_path):
+    """kernels.fp8_gemv's GROUP: each thread's 16 consecutive products summed before they join the accumulator: the
+    same multiplies (one a weight, a multiply-add or a multiply), a narrower accumulator in fewer registers."""
+    full, grouped = _costs(tmp_path, "--k", "4096", "--fp8-tiles", "8,1024,4", "8,1024,4,16", "--bf16-tiles")
+    assert full["tile"] == [8, 1024, 4] and grouped["tile"] == [8, 1024, 4, 16]
+    weights = 8 * 4096 // 128  # a thread's
+    assert full["opcodes"]["FFMA"] == weights
+    ops = grouped["opcodes"]
+    # (Triton 3.6 chains a group's products, FMUL then 15 FFMA; 3.9 sums them as a tree, pairs then FADDs)
+    assert ops["FFMA"] + ops["FMUL"] == weights + full["opcodes"].get("FMUL", 0)
+    assert ops["F2FP"] == full["opcodes"]["F2FP"]  # the same conversions
+    assert grouped["registers"] < full["registers"] and grouped["programs_per_sm"] > full["programs_per_sm"]
