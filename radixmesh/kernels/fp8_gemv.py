@@ -32,10 +32,10 @@ MAX_ROWS = 16
 ROW_CONFIG = (2, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): gemv_row's H200 tiles, twice the elements per byte read
 # Triton's interpreter runs the programs one after another in Python: there, fewer and larger ones (the same sums)
 INTERPRETED_ROWS = 64
-ROW_PLAN: dict[tuple[int, int], tuple[int, int, int]] = {}  # (n, k) -> tiles (engine.decode_products.plan)
+ROW_PLAN: dict[tuple[int, int], tuple[int, ...]] = {}  # (n, k) -> tiles (engine.decode_products.plan)
 
 
-def set_row_plan(plan: dict[tuple[int, int], tuple[int, int, int]]) -> None:
+def set_row_plan(plan: dict[tuple[int, int], tuple[int, ...]]) -> None:
     """The one-row tiles by weight shape for this process (shapes not named take ROW_CONFIG); graphs captured
     afterwards use them."""
     ROW_PLAN.clear()
@@ -145,6 +145,8 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
         block_n = min(block_n, block[0])
     block_k = min(block_k, triton.next_power_of_2(k))
     group = min(group[0] if group else 1, block_k)
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"a one-row tile's GROUP is a power of two, got {config}")
     pdl = pdl and pdl_on(x)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_row_kernel[(triton.cdiv(n, block_n),)](

@@ -56,6 +56,8 @@ def test_fp8_decode_products_refuse_bad_input():
     x, q, s, _ = _case(2, 64, 128, (32, 64), torch.float32, bias=False)
     with pytest.raises(ValueError, match="x \\[m <= 1"):
         fp8_gemv_row(x, q, s, (32, 64))
+    with pytest.raises(ValueError, match="GROUP is a power of two"):
+        fp8_gemv_row(x[:1], q, s, (32, 64), config=(2, 128, 4, 12))
     with pytest.raises(ValueError, match="float32 scales \\(2, 2\\)"):
         fp8_gemv(x, q, s[:, :1].contiguous(), (32, 64))
     with pytest.raises(ValueError, match="contiguous fp8 weight"):
