@@ -58,6 +58,10 @@
 #   PARTS="setup fp8tput"   issue 52: offline throughput (1024 prompts, 512 in / 128 out, 256 running) on the 8B shape
 #                           with bf16 weights, fp8 weights (per channel), and fp8 weights with an fp8 KV cache; then
 #                           an 8192-token prefill with fp8 weights against the fp8 matmul peak (bench_one_batch)
+#   PARTS="setup fp8norm"   issue 52: the add-and-RMSNorm before qkv and gate_up inside the fp8 one-row product's launch
+#                           (kernels.fp8_gemv_norm's CUDA tests, then benchmarks.fp8_norm_rows: 32 8B layers' two
+#                           norm + product pairs in a graph, two launches against one, per fused tile; then the 8B
+#                           fp8 batch-1 step with the plan free to take it or not, alternated)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -379,6 +383,23 @@ if [[ " $PARTS " == *" fp8tput "* ]]; then
   $PY -m radixmesh.engine.bench_one_batch $COMMON --quantization fp8 --batch-size 1 --input-len 512 --output-len 8 \
     --prefill-len 8192 --roofline --result-file "$OUT/fp8tput_prefill.jsonl" 2>&1 | tee -a "$OUT/offline.log" \
     | grep -E "matmul|prefill of"
+fi
+
+if [[ " $PARTS " == *" fp8norm "* ]]; then
+  timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 180 tests/kernels/test_fp8_gemv_norm.py 2>&1 \
+    | tee "$OUT/fp8norm_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
+  timeout 300 $PY -m radixmesh.benchmarks.fp8_norm_rows --result-file "$OUT/fp8norm.jsonl" 2>&1 \
+    | tee "$OUT/fp8norm.log" | grep -E "^(channel|block)|rror" | tail -14
+  # the 8B fp8 step with the plan free to take the norm into the products (its margin) or not (0), alternated
+  A='import sys; from radixmesh.engine import decode_products as d; d.NORM_MARGIN = float(sys.argv.pop(1)); '
+  A+='from radixmesh.benchmarks.profile_decode import main; main()'
+  for round in 1 2; do
+    for margin in 0 0.98; do
+      echo "== norm margin $margin"
+      timeout 120 $PY -c "$A" $margin --model-path $CFG --quantization fp8 --batch-size 1 --timeline \
+        --result-file "$OUT/fp8norm_step_$margin.jsonl" 2>&1 | tee -a "$OUT/fp8norm.log" | grep -E "^bs 1|rror"
+    done
+  done
 fi
 
 if [[ $PARTS == *spec* ]]; then

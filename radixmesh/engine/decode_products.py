@@ -17,7 +17,9 @@ Weights held in fp8 (engine.quantization.fp8_load) have no cuBLAS product with 1
 products always run kernels.fp8_gemv.fp8_gemv_row, and the plan times its tiles per fp8 weight shape (FP8_ROW_TILES,
 gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps the fastest (fp8_row_plan); their
 products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 16 rows over its CUDA-core and
-tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan).
+tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). A one-row product that
+follows a decoder's RMSNorm may take the norm into its own launch (kernels.fp8_gemv_norm): the plan times that
+against the two launches per shape and keeps it where it is faster (fp8_norm_plan).
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 102
                  (2, 2048, 4, 16), (4, 2048, 4, 16), (8, 1024, 4, 16), (2, 1024, 2, 16))
 
 
+# (BLOCK_N, num_warps) tried for kernels.fp8_gemv_norm (a decoder's RMSNorm and the fp8 one-row product after it in
+# one launch); it runs a shape only when it takes at most NORM_MARGIN of the two launches' time
+FP8_NORM_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 4), (8, 8))
+NORM_MARGIN = 0.98
+
+
 def _fp8_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     """The model's layers whose weights are held in fp8, by weight shape (stacked experts run kernels.moe_fp8)."""
     layers: dict[tuple[int, int], list[nn.Module]] = {}
@@ -148,6 +156,47 @@ def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             lines.append(f"{shape[0]}x{shape[1]} (x{len(mods)}): {best} {best_ms * 1e3 / len(mods):.1f} us")
     if lines:
         log.info("fp8 one-row products by weight shape: %s", "; ".join(lines))
+    return chosen
+
+
+def fp8_norm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], tuple]:
+    """Per shape of the fp8-held projections that follow a decoder's RMSNorm (engine.models.llama.norm_linear_pairs):
+    the kernels.fp8_gemv_norm config fastest over all that shape's pairs in one graph at one row, kept where it takes
+    at most NORM_MARGIN of the two launches it replaces (kernels.norm.fused_add_rmsnorm, then fp8_gemv_row with the
+    row plan's tiles, which must be set first). kernels.fp8_gemv_norm.set_norm_plan takes it."""
+    from radixmesh.engine.models.llama import norm_linear_pairs
+    from radixmesh.kernels.fp8_gemv import fp8_gemv_row
+    from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
+    from radixmesh.kernels.norm import fused_add_rmsnorm
+
+    by_shape: dict[tuple[int, int], dict[int, tuple[nn.Module, nn.Module]]] = {}
+    for norm, proj in norm_linear_pairs(model):
+        if proj.fp8 is not None and proj.lora is None and norm.weight.dtype == dtype:
+            by_shape.setdefault(tuple(proj.weight.shape), {})[id(proj.weight)] = (norm, proj)
+    g = torch.Generator(device=device).manual_seed(0)
+    chosen, lines = {}, []
+    for shape, pairs in by_shape.items():
+        h, d = (torch.randn((1, shape[1]), device=device, dtype=dtype, generator=g) for _ in range(2))
+        inputs = {shape[1]: h}
+
+        def two(x, w):
+            norm, proj = pairs[id(w)]
+            normed, _ = fused_add_rmsnorm(x, d, norm.weight, norm.eps)
+            return fp8_gemv_row(normed, w, proj.weight_scale, proj.fp8.block, pdl=True)
+
+        def one(x, w, config):
+            norm, proj = pairs[id(w)]
+            return fp8_gemv_row_norm(x, d, norm.weight, norm.eps, w, proj.weight_scale, proj.fp8.block, pdl=True,
+                                     config=config)
+        weights = [proj.weight for _, proj in pairs.values()]
+        two_ms = _graph_ms(two, weights, inputs)
+        best, best_ms = _fastest(one, FP8_NORM_CONFIGS, weights, inputs)
+        if best is not None and best_ms <= NORM_MARGIN * two_ms:
+            chosen[shape] = best
+        lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): two launches {two_ms * 1e3 / len(weights):.1f} us, "
+                     f"one {best} {best_ms * 1e3 / len(weights):.1f} us" + ("" if shape in chosen else " (not used)"))
+    if lines:
+        log.info("fp8 norm and one-row product in one launch, by weight shape: %s", "; ".join(lines))
     return chosen
 
 
@@ -232,10 +281,12 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
     from radixmesh.kernels.fp8_gemv import set_row_plan
+    from radixmesh.kernels.fp8_gemv_norm import set_norm_plan
     from radixmesh.kernels.fp8_gemv_rows import set_rows_plan
 
     set_row_plan(fp8_row_plan(model, device, dtype))
     set_rows_plan(fp8_rows_plan(model, device, dtype))
+    set_norm_plan(fp8_norm_plan(model, device, dtype))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

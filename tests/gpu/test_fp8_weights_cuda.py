@@ -110,6 +110,31 @@ def test_the_engine_holds_block_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_
         assert got == pytest.approx(hf_token_logprobs(twin, p, ref), abs=1e-3)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["norm-in-product", "two-launches"])
+def test_the_norm_in_the_products_launch_in_cuda_graphs_matches_the_twin(tmp_path, monkeypatch, fused):
+    """engine.decode_products' norm plan made to take (or refuse) kernels.fp8_gemv_norm for every qkv and gate/up
+    shape: the one-row steps in CUDA graphs stay token-exact with the twin, logprobs within 1e-3."""
+    from radixmesh.engine import decode_products
+    from radixmesh.kernels import fp8_gemv_norm
+
+    monkeypatch.setattr(decode_products, "NORM_MARGIN", 1e9 if fused else 0.0)
+    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
+    twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
+    prompts = parity_prompts(q)[:1]
+    refs = hf_greedy(twin, prompts, 12)
+    try:
+        with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                            fp8_gemm_backend="triton") as llm:
+            assert len(fp8_gemv_norm.NORM_PLAN) == (2 if fused else 0) and llm.runner.graphs is not None
+            outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0},
+                                return_logprob=True)
+    finally:
+        fp8_gemv_norm.set_norm_plan({})
+    assert [o["output_ids"] for o in outs] == refs
+    got = [lp for lp, _, _ in outs[0]["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(hf_token_logprobs(twin, prompts[0], refs[0]), abs=1e-3)
+
+
 def test_online_fp8_in_bfloat16_runs_scaled_mm_prefills_and_stays_near_the_model():
     """--quantization fp8 in bfloat16 on long prompts (prefill on torch._scaled_mm, decode on fp8_gemv_row in
     graphs): the first greedy token of each prompt agrees with the unquantized bfloat16 engine's for most prompts."""
