@@ -19,13 +19,15 @@ gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps th
 products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 16 rows over its CUDA-core and
 tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). A one-row product that
 follows a decoder's RMSNorm may take the norm into its own launch (kernels.fp8_gemv_norm): the plan times that
-against the two launches per shape and keeps it where it is faster (fp8_norm_plan).
+against the two launches per shape and keeps it where it is faster (fp8_norm_plan; under
+RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -105,9 +107,12 @@ FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 102
 
 
 # (BLOCK_N, num_warps) tried for kernels.fp8_gemv_norm (a decoder's RMSNorm and the fp8 one-row product after it in
-# one launch); it runs a shape only when it takes at most NORM_MARGIN of the two launches' time
+# one launch); it runs a shape only when it takes at most NORM_MARGIN of the two launches' time. Not planned unless
+# RADIXMESH_FP8_NORM_IN_PRODUCT=1 until its CUDA tests and the step's A/B have run on a GPU (gpu_speed.sh fp8norm;
+# written in the twentieth session without device time): the plan picks by speed, not by output.
 FP8_NORM_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 4), (8, 8))
 NORM_MARGIN = 0.98
+NORM_IN_PRODUCT = os.environ.get("RADIXMESH_FP8_NORM_IN_PRODUCT", "0") == "1"
 
 
 def _fp8_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
@@ -163,12 +168,15 @@ def fp8_norm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     """Per shape of the fp8-held projections that follow a decoder's RMSNorm (engine.models.llama.norm_linear_pairs):
     the kernels.fp8_gemv_norm config fastest over all that shape's pairs in one graph at one row, kept where it takes
     at most NORM_MARGIN of the two launches it replaces (kernels.norm.fused_add_rmsnorm, then fp8_gemv_row with the
-    row plan's tiles, which must be set first). kernels.fp8_gemv_norm.set_norm_plan takes it."""
+    row plan's tiles, which must be set first). kernels.fp8_gemv_norm.set_norm_plan takes it. Empty unless
+    NORM_IN_PRODUCT."""
     from radixmesh.engine.models.llama import norm_linear_pairs
     from radixmesh.kernels.fp8_gemv import fp8_gemv_row
     from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
     from radixmesh.kernels.norm import fused_add_rmsnorm
 
+    if not NORM_IN_PRODUCT:
+        return {}
     by_shape: dict[tuple[int, int], dict[int, tuple[nn.Module, nn.Module]]] = {}
     for norm, proj in norm_linear_pairs(model):
         if proj.fp8 is not None and proj.lora is None and norm.weight.dtype == dtype:

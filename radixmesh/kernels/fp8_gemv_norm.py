@@ -21,7 +21,8 @@ Whole rows a program: K is a constant of the compiled kernel and one load covers
 of x before the first product), so this serves the hidden-size K of qkv and gate_up (4096 at the 8B shape).
 
 The engine takes it per weight shape where engine.decode_products timed it faster than the two launches on this GPU
-(NORM_PLAN; engine.models.llama.norm_then_linear); benchmarks.fp8_norm_rows times it at the 8B shape.
+(NORM_PLAN; engine.models.llama.norm_then_linear), under RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU;
+benchmarks.fp8_norm_rows times it at the 8B shape.
 """
 
 from __future__ import annotations

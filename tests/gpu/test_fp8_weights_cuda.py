@@ -117,6 +117,7 @@ def test_the_norm_in_the_products_launch_in_cuda_graphs_matches_the_twin(tmp_pat
     from radixmesh.engine import decode_products
     from radixmesh.kernels import fp8_gemv_norm
 
+    monkeypatch.setattr(decode_products, "NORM_IN_PRODUCT", True)
     monkeypatch.setattr(decode_products, "NORM_MARGIN", 1e9 if fused else 0.0)
     q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
     twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
