@@ -63,6 +63,10 @@
 #                           benchmarks.fp8_norm_rows: 32 8B layers' two norm + product pairs in a graph, two launches
 #                           against one, per fused tile; then the 8B fp8 batch-1 step with the plan free to take it
 #                           (RADIXMESH_FP8_NORM_IN_PRODUCT=1) or not, alternated)
+#   PARTS="setup fp8gemmplan" issue 52: kernels.fp8_gemm's block-wise tiles timed per shape and row bucket at start-up
+#                           (engine.decode_products.fp8_gemm_plan): every candidate tile's CUDA test at the 8B shape,
+#                           then the block-fp8 8B model's batch 64 and 256 steps and 8k prefill with
+#                           RADIXMESH_FP8_GEMM_PLAN 0 and 1, alternated
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -400,6 +404,21 @@ if [[ " $PARTS " == *" fp8norm "* ]]; then
       RADIXMESH_FP8_NORM_IN_PRODUCT=$on timeout 120 $PY -m radixmesh.benchmarks.profile_decode --model-path $CFG \
         --quantization fp8 --batch-size 1 --timeline --result-file "$OUT/fp8norm_step_$on.jsonl" 2>&1 \
         | tee -a "$OUT/fp8norm.log" | grep -E "^bs 1|rror"
+    done
+  done
+fi
+
+if [[ " $PARTS " == *" fp8gemmplan "* ]]; then
+  timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/gpu/test_fp8_weights_cuda.py \
+    -k planned_block_gemm 2>&1 | tee "$OUT/fp8gemmplan_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
+  block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
+  for round in 1 2; do
+    for on in 0 1; do
+      echo "== RADIXMESH_FP8_GEMM_PLAN=$on"
+      RADIXMESH_FP8_GEMM_PLAN=$on timeout 200 $PY -m radixmesh.engine.bench_one_batch \
+        --model-path build/llama-3.1-8b-fp8-block --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+        --log-level warning --batch-size 64 256 --input-len 512 --output-len 16 --prefill-len 8192 \
+        --result-file "$OUT/fp8gemmplan_$on.jsonl" 2>&1 | tee -a "$OUT/fp8gemmplan.log" | grep -E "True|prefill of|rror"
     done
   done
 fi

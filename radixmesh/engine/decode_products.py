@@ -20,7 +20,9 @@ products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 
 tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). A one-row product that
 follows a decoder's RMSNorm may take the norm into its own launch (kernels.fp8_gemv_norm): the plan times that
 against the two launches per shape and keeps it where it is faster (fp8_norm_plan; under
-RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU).
+RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU). Block-wise fp8 products of more than 16 rows (batches
+of 17-256, prefill) run kernels.fp8_gemm, whose tiles it may time per shape and row bucket (fp8_gemm_plan; under
+RADIXMESH_FP8_GEMM_PLAN=1 likewise).
 """
 
 from __future__ import annotations
@@ -247,6 +249,56 @@ def fp8_rows_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
     return chosen
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried for kernels.fp8_gemm's block-wise products by row bucket
+# (kernels.fp8_gemm.BUCKETS, timed at that many rows); the first of each is its default (kernels.fp8_gemm._config).
+# Narrower tiles fill the SMs where a bucket's row tiles times the column blocks are fewer than them (an 8B
+# down_proj at 256 rows runs 2 x 32 = 64 programs of 128 x 128 on 132 SMs); four stages keep more of K in flight.
+# Each compiles for sm_90 without spilling (Triton 3.6; 128 x 128 on 4 warps spills, so it is not here).
+# Planned only under RADIXMESH_FP8_GEMM_PLAN=1 until its CUDA tests have run (twentieth session, no device time).
+FP8_GEMM_TILES = {32: ((32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4)),
+                  64: ((64, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4)),
+                  128: ((128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
+                  256: ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)),
+                  1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
+GEMM_PLAN_ON = os.environ.get("RADIXMESH_FP8_GEMM_PLAN", "0") == "1"
+
+
+def fp8_gemm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
+                  ) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
+    """Per shape of the model's block-wise fp8 weights and row bucket: the kernels.fp8_gemm tiles fastest over all
+    that shape's weights in one graph at the bucket's rows (activations quantized as fp8_linear does), where they
+    beat the default tiles (kernels.fp8_gemm.set_gemm_plan takes it). Empty unless GEMM_PLAN_ON."""
+    if not GEMM_PLAN_ON:
+        return {}
+    from radixmesh.kernels.fp8_gemm import fp8_gemm
+    from radixmesh.kernels.fp8_quant import group_quant
+
+    g = torch.Generator(device=device).manual_seed(0)
+    chosen, lines = {}, []
+    for (n, k), mods in _fp8_layers(model).items():
+        block = mods[0].fp8.block
+        if block is None:
+            continue
+        by_weight = {id(m.weight): m for m in mods}
+        times = []
+        for rows, tiles in FP8_GEMM_TILES.items():
+            a, a_scales = group_quant(torch.randn((rows, k), device=device, dtype=dtype, generator=g), block[1])
+
+            def product(x, w, config):
+                return fp8_gemm(x, a_scales, w, by_weight[id(w)].weight_scale, block, dtype, config=config)
+            weights = [m.weight for m in mods]
+            default_ms = _graph_ms(functools.partial(product, config=tiles[0]), weights, {k: a})
+            best, best_ms = _fastest(product, tiles[1:], weights, {k: a})
+            if best is not None and best_ms < default_ms:
+                chosen[(n, k, rows)] = best
+            times.append(f"{rows} rows {chosen.get((n, k, rows), tiles[0])} "
+                         f"{min(best_ms, default_ms) * 1e3 / len(mods):.1f} us")
+        lines.append(f"{n}x{k} (x{len(mods)}): " + ", ".join(times))
+    if lines:
+        log.info("fp8 block-wise products of more than 16 rows by weight shape: %s", "; ".join(lines))
+    return chosen
+
+
 def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
          ) -> tuple[dict[tuple[int, int], tuple | None], dict[tuple[int, int], tuple]]:
     """Per weight shape of the model's decode products: the kernels.gemv tiles to run it with, or None for cuBLAS;
@@ -288,6 +340,7 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
+    from radixmesh.kernels.fp8_gemm import set_gemm_plan
     from radixmesh.kernels.fp8_gemv import set_row_plan
     from radixmesh.kernels.fp8_gemv_norm import set_norm_plan
     from radixmesh.kernels.fp8_gemv_rows import set_rows_plan
@@ -295,6 +348,7 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
     set_row_plan(fp8_row_plan(model, device, dtype))
     set_rows_plan(fp8_rows_plan(model, device, dtype))
     set_norm_plan(fp8_norm_plan(model, device, dtype))
+    set_gemm_plan(fp8_gemm_plan(model, device, dtype))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

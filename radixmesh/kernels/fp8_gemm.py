@@ -10,7 +10,9 @@ Two scale layouts, as the quantized weights come:
                On a GPU this is what torch._scaled_mm does (engine.quantization.fp8_linear prefers it there); this
                kernel is its fallback (float16 outputs, the interpreter) and the twin it is checked against
 The tensor-core dot takes the fp8 tiles as they are (Hopper's fp8 MMA); products of fp8 values are exact in float32.
-Tiles are Triton's usual square-ish ones, grouped along M for L2 reuse of w.
+Tiles are Triton's usual square-ish ones by the row count, grouped along M for L2 reuse of w; for block-wise weights
+engine.decode_products may time others per weight shape and row bucket at start-up (GEMM_PLAN). Every tile sums
+each output's K in the same BLOCK_K = bk steps, in the same order.
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ import triton.language as tl
 from radixmesh.kernels.fp8_quant import FP8, dequantize_groups, dequantize_weight
 
 GROUP_M = 8
+# Rows a plan entry serves (up to each; the last also every longer product) and, by (n, k, bucket), the tiles
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) engine.decode_products.fp8_gemm_plan timed fastest for block-wise weights
+# on this GPU; a product it does not name takes _config's
+BUCKETS = (32, 64, 128, 256, 1024)
+GEMM_PLAN: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def gemm_bucket(m: int) -> int:
+    """The plan bucket of a product of `m` rows."""
+    return next((b for b in BUCKETS if m <= b), BUCKETS[-1])
+
+
+def set_gemm_plan(plan: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
+    """The block-wise products' tiles by (n, k, bucket) for this process; graphs captured afterwards use them."""
+    GEMM_PLAN.clear()
+    GEMM_PLAN.update(plan)
 
 
 @triton.jit
@@ -70,11 +88,26 @@ def _config(m: int, blockwise_k: int | None) -> tuple[int, int, int, int, int]:
     return block_m, 128, block_k, 4 if block_m <= 64 else 8, 3
 
 
+def gemm_config(m: int, n: int, k: int, block: tuple[int, int] | None,
+                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) a product runs with: `config` ((BLOCK_M, BLOCK_N,
+    num_warps, num_stages)), else GEMM_PLAN's for a block-wise weight's shape and bucket, else _config's; BLOCK_K is
+    bk block-wise (each step one scale) and BLOCK_N at most bn (one block row a program)."""
+    block_m, block_n, block_k, warps, stages = _config(m, block[1] if block is not None else None)
+    chosen = config or (GEMM_PLAN.get((n, k, gemm_bucket(m))) if block is not None else None)
+    if chosen is not None:
+        block_m, block_n, warps, stages = chosen
+    if block is not None:
+        block_n = min(block_n, block[0])
+    return block_m, block_n, block_k, warps, stages
+
+
 def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
-             block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
+             block: tuple[int, int] | None, out_dtype: torch.dtype,
+             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """a [M, K] fp8 with a_scales [M, ceil(K/bk)] (block-wise) or [M, 1]; w [N, K] fp8 contiguous with w_scales
     [ceil(N/bn), ceil(K/bk)] (block = (bn, bk)) or [N] (block None) -> [M, N] in out_dtype (see the module
-    docstring). A new tensor; no host sync."""
+    docstring). `config`: gemm_config's. A new tensor; no host sync."""
     m, k = a.shape
     n = w.shape[0]
     if a.dtype != FP8 or w.dtype != FP8 or w.shape[1] != k or a.stride(1) != 1 or not w.is_contiguous():
@@ -94,9 +127,7 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales:
     y = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return y
-    block_m, block_n, block_k, warps, stages = _config(m, bk)
-    if block is not None:
-        block_n = min(block_n, bn)
+    block_m, block_n, block_k, warps, stages = gemm_config(m, n, k, block, config)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](a, a_scales, w, w_scales, y, m, n, k, a.stride(0), a_scales.stride(0), w.stride(0),
                            w_scales.stride(0) if block is not None else 0, y.stride(0), BLOCK_M=block_m,

@@ -65,6 +65,21 @@ def test_prefill_products_at_the_8b_shape(n, k):
         torch.testing.assert_close(half.float(), want.float(), **BF16)
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_planned_block_gemm_tile_at_the_8b_shape(n, k):
+    """engine.decode_products.FP8_GEMM_TILES, every bucket's tiles (what its plan may pick under
+    RADIXMESH_FP8_GEMM_PLAN=1) at the bucket's rows, block-wise 128 x 128, bfloat16: each matches the twin."""
+    from radixmesh.engine.decode_products import FP8_GEMM_TILES
+
+    w, s = _weight(n, k, (128, 128))
+    for rows, tiles in FP8_GEMM_TILES.items():
+        a, a_s = group_quant(torch.randn((rows - 3, k), device="cuda", dtype=torch.bfloat16), 128)  # (ragged M)
+        want = fp8_gemm_reference(a, a_s, w, s, (128, 128), torch.bfloat16)
+        for config in tiles:
+            torch.testing.assert_close(fp8_gemm(a, a_s, w, s, (128, 128), torch.bfloat16, config=config), want,
+                                       **BF16)
+
+
 def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
     from radixmesh.kernels.runtime import pdl_supported
 

@@ -98,3 +98,33 @@ def test_fp8_linear_picks_a_product_that_matches_its_twin(rows, block, scaled_mm
             return assert_near_twin(got.reshape(rows, 96), want, a, a_s, q, w_s, block)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.reshape(rows, 96).float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("rows", [37, 200])
+def test_every_planned_block_tile_matches_the_twin(rows):
+    """engine.decode_products.FP8_GEMM_TILES (the tiles its plan may time for block-wise weights) for the buckets
+    around `rows`: each gives the twin's product (ragged M, N and K; BLOCK_N capped at the block's bn)."""
+    from radixmesh.engine.decode_products import FP8_GEMM_TILES
+    from radixmesh.kernels.fp8_gemm import gemm_bucket
+
+    block = (64, 64)
+    x, w, a, a_s, q, w_s = _operands(rows, 200, 300, block, torch.float32, seed=rows)
+    want = fp8_gemm_reference(a, a_s, q, w_s, block, torch.float32)
+    for config in FP8_GEMM_TILES[gemm_bucket(rows)]:
+        assert_near_twin(fp8_gemm(a, a_s, q, w_s, block, torch.float32, config=config), want, a, a_s, q, w_s, block)
+
+
+def test_the_plan_picks_tiles_by_weight_shape_and_row_bucket():
+    from radixmesh.kernels.fp8_gemm import BUCKETS, gemm_bucket, gemm_config, set_gemm_plan
+
+    assert [gemm_bucket(m) for m in (17, 32, 33, 100, 256, 257, 9000)] == [32, 32, 64, 128, 256, 1024, 1024]
+    assert BUCKETS[-1] == 1024
+    set_gemm_plan({(4096, 14336, 256): (64, 128, 4, 4)})
+    try:
+        assert gemm_config(200, 4096, 14336, (128, 128)) == (64, 128, 128, 4, 4)  # planned: its bucket's tiles
+        assert gemm_config(100, 4096, 14336, (128, 128)) == (128, 128, 128, 8, 3)  # another bucket: the default
+        assert gemm_config(200, 4096, 14336, (32, 128)) == (64, 32, 128, 4, 4)  # BLOCK_N within one block row
+        assert gemm_config(200, 4096, 14336, None) == (128, 128, 128, 8, 3)  # row-wise weights: never planned
+        assert gemm_config(200, 4096, 14336, (128, 128), (16, 64, 4, 4)) == (16, 64, 128, 4, 4)  # asked
+    finally:
+        set_gemm_plan({})
