@@ -172,13 +172,13 @@ def fp8_norm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     at most NORM_MARGIN of the two launches it replaces (kernels.norm.fused_add_rmsnorm, then fp8_gemv_row with the
     row plan's tiles, which must be set first). kernels.fp8_gemv_norm.set_norm_plan takes it. Empty unless
     NORM_IN_PRODUCT."""
+    if not NORM_IN_PRODUCT:
+        return {}
     from radixmesh.engine.models.llama import norm_linear_pairs
     from radixmesh.kernels.fp8_gemv import fp8_gemv_row
     from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
     from radixmesh.kernels.norm import fused_add_rmsnorm
 
-    if not NORM_IN_PRODUCT:
-        return {}
     by_shape: dict[tuple[int, int], dict[int, tuple[nn.Module, nn.Module]]] = {}
     for norm, proj in norm_linear_pairs(model):
         if proj.fp8 is not None and proj.lora is None and norm.weight.dtype == dtype:

@@ -31,12 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.fp8_gemv import check_operands
+from radixmesh.kernels.fp8_gemv import INTERPRETED_ROWS, check_operands
 from radixmesh.kernels.norm import rms_normed
 from radixmesh.kernels.runtime import interpreting, pdl_on
 
 NORM_ROW_CONFIG = (2, 4)  # (BLOCK_N, num_warps): two rows a program, as fp8_gemv_row's default
-INTERPRETED_ROWS = 64  # the interpreter runs programs one after another: there, fewer and larger ones
 # (n, k) -> config: the fp8 weight shapes whose one-row products after a decoder's RMSNorm take this kernel
 # (engine.decode_products.fp8_norm_plan times it against the two launches; engine.models.llama.norm_then_linear)
 NORM_PLAN: dict[tuple[int, int], tuple[int, int]] = {}
