@@ -397,8 +397,8 @@ if [[ " $PARTS " == *" fp8norm "* ]]; then
     | grep -E "passed|failed|^E  |FAILED" | tail -6
   timeout 300 $PY -m radixmesh.benchmarks.fp8_norm_rows --result-file "$OUT/fp8norm.jsonl" 2>&1 \
     | tee "$OUT/fp8norm.log" | grep -E "^(channel|block)|rror" | tail -14
-  # the 8B fp8 step with the plan free to take the norm into the products or not, alternated
-  for round in 1 2; do
+  # the 8B fp8 step with the plan free to take the norm into the products or not, alternated (FP8NORM_ROUNDS times)
+  for round in $(seq ${FP8NORM_ROUNDS:-2}); do
     for on in 0 1; do
       echo "== RADIXMESH_FP8_NORM_IN_PRODUCT=$on"
       RADIXMESH_FP8_NORM_IN_PRODUCT=$on timeout 120 $PY -m radixmesh.benchmarks.profile_decode --model-path $CFG \
@@ -412,7 +412,7 @@ if [[ " $PARTS " == *" fp8gemmplan "* ]]; then
   timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/gpu/test_fp8_weights_cuda.py \
     -k planned_block_gemm 2>&1 | tee "$OUT/fp8gemmplan_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
   block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
-  for round in 1 2; do
+  for round in $(seq ${FP8GEMMPLAN_ROUNDS:-2}); do
     for on in 0 1; do
       echo "== RADIXMESH_FP8_GEMM_PLAN=$on"
       RADIXMESH_FP8_GEMM_PLAN=$on timeout 200 $PY -m radixmesh.engine.bench_one_batch \
