@@ -63,12 +63,6 @@
 #                           benchmarks.fp8_norm_rows: 32 8B layers' two norm + product pairs in a graph, two launches
 #                           against one, per fused tile; then the 8B fp8 batch-1 step with the plan free to take it
 #                           (RADIXMESH_FP8_NORM_IN_PRODUCT=1) or not, alternated)
-#   PARTS="setup bs1fuse"   issues 51/52, the batch-1 chain's small launches folded into the products: the CUDA tests of
-#                           the norm in the fp8 one-row product (kernels.fp8_gemv_norm) and of SiLU-and-mul in the
-#                           gate/up product's epilogue (kernels.activation.row_block, bf16 and fp8), then the 8B batch-1
-#                           step (profile_decode --timeline), fp8 with each on or off and bf16 with the second,
-#                           alternated (RADIXMESH_FP8_NORM_IN_PRODUCT, RADIXMESH_GATED_PRODUCT; BS1FUSE_FP8 and
-#                           BS1FUSE_BF16 name the runs)
 #   PARTS="setup fp8gemmplan" issue 52: kernels.fp8_gemm's block-wise tiles timed per shape and row bucket at start-up
 #                           (engine.decode_products.fp8_gemm_plan): every candidate tile's CUDA test at the 8B shape,
 #                           then the block-fp8 8B model's batch 64 and 256 steps and 8k prefill with
@@ -411,27 +405,6 @@ if [[ " $PARTS " == *" fp8norm "* ]]; then
         --quantization fp8 --batch-size 1 --timeline --result-file "$OUT/fp8norm_step_$on.jsonl" 2>&1 \
         | tee -a "$OUT/fp8norm.log" | grep -E "^bs 1|rror"
     done
-  done
-fi
-
-if [[ " $PARTS " == *" bs1fuse "* ]]; then
-  # (cold Triton cache: the engine tests compile every fp8 and attention kernel; a generous bound)
-  NORM_GPU=tests/gpu/test_fp8_weights_cuda.py::test_the_norm_in_the_products_launch_in_cuda_graphs_matches_the_twin
-  timeout 400 $PY -m pytest -q -p no:cacheprovider --timeout 380 --tb=short tests/kernels/test_fp8_gemv_norm.py \
-    tests/kernels/test_gated_row.py tests/gpu/test_gated_row_cuda.py "$NORM_GPU" 2>&1 | tee "$OUT/bs1fuse_tests.log" \
-    | grep -E "passed|failed|^E  |FAILED" | tail -8
-  # the fp8 step as (norm, gated): neither, both, each alone, then neither and both again; then bf16 without and with
-  for flags in ${BS1FUSE_FP8:-00 11 10 01 00 11}; do
-    echo "== fp8 RADIXMESH_FP8_NORM_IN_PRODUCT=${flags:0:1} RADIXMESH_GATED_PRODUCT=${flags:1:1}"
-    RADIXMESH_FP8_NORM_IN_PRODUCT=${flags:0:1} RADIXMESH_GATED_PRODUCT=${flags:1:1} timeout 120 $PY -m \
-      radixmesh.benchmarks.profile_decode --model-path $CFG --quantization fp8 --batch-size 1 --timeline \
-      --result-file "$OUT/bs1fuse_fp8_$flags.jsonl" 2>&1 | tee -a "$OUT/bs1fuse.log" | grep -E "^bs 1|rror"
-  done
-  for on in ${BS1FUSE_BF16:-0 1}; do
-    echo "== bf16 RADIXMESH_GATED_PRODUCT=$on"
-    RADIXMESH_GATED_PRODUCT=$on timeout 120 $PY -m radixmesh.benchmarks.profile_decode --model-path $CFG \
-      --batch-size 1 --timeline --result-file "$OUT/bs1fuse_bf16_$on.jsonl" 2>&1 | tee -a "$OUT/bs1fuse.log" \
-      | grep -E "^bs 1|rror"
   done
 fi
 

@@ -20,9 +20,7 @@ products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 
 tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). A one-row product that
 follows a decoder's RMSNorm may take the norm into its own launch (kernels.fp8_gemv_norm): the plan times that
 against the two launches per shape and keeps it where it is faster (fp8_norm_plan; under
-RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU). A one-row gate/up product (16-bit on gemv_row, or fp8
-with per-row scales) may write silu(gate) * up itself, the two launches' result bit for bit (gated_plan, timed per
-shape likewise; under RADIXMESH_GATED_PRODUCT=1 until it has run on a GPU). Block-wise fp8 products of more than 16 rows (batches
+RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU). Block-wise fp8 products of more than 16 rows (batches
 of 17-256, prefill) run kernels.fp8_gemm, whose tiles it may time per shape and row bucket (fp8_gemm_plan; under
 RADIXMESH_FP8_GEMM_PLAN=1 likewise).
 """
@@ -212,55 +210,6 @@ def fp8_norm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return chosen
 
 
-# The gate/up products of one token that may write silu(gate) * up themselves (kernels.activation.row_block), so the
-# SiLU-and-mul launch leaves the batch-1 chain; bit for bit the two launches' result, so the plan picks by time
-# alone. Not planned unless RADIXMESH_GATED_PRODUCT=1 until its CUDA tests and the step's A/B have run on a GPU
-# (gpu_speed.sh gatedrow; written in the twenty-first session without device time).
-GATED_ON = os.environ.get("RADIXMESH_GATED_PRODUCT", "0") == "1"
-
-
-def gated_plan(model: nn.Module, device: torch.device, dtype: torch.dtype, rows: dict[tuple[int, int], tuple]
-               ) -> set[tuple[int, int]]:
-    """The shapes of the model's SiLU-gated gate/up projections (engine.models.llama.gated_projections) whose
-    one-row product, timed over all that shape's weights in one graph, takes at most NORM_MARGIN of the product and
-    kernels.activation.silu_and_mul; 16-bit weights only where `rows` (the one-row plan) runs gemv_row, fp8 ones
-    with per-row scales (fp8_row_plan's tiles, set first). kernels.activation.set_gated_shapes takes it. Empty
-    unless GATED_ON."""
-    if not GATED_ON:
-        return set()
-    from radixmesh.engine.models.llama import gated_projections
-    from radixmesh.kernels.activation import silu_and_mul
-    from radixmesh.kernels.fp8_gemv import fp8_gemv_row
-    from radixmesh.kernels.gemv import gemv_row
-
-    by_shape: dict[tuple[int, int], dict[int, nn.Module]] = {}
-    for proj in gated_projections(model):
-        shape = tuple(proj.weight.shape)
-        if proj.lora is None and (shape in rows and dtype in (torch.bfloat16, torch.float16) if proj.fp8 is None
-                                  else proj.fp8.block is None):
-            by_shape.setdefault(shape, {})[id(proj.weight)] = proj
-    g = torch.Generator(device=device).manual_seed(0)
-    chosen, lines = set(), []
-    for shape, projs in by_shape.items():
-        inputs = {shape[1]: torch.randn((1, shape[1]), device=device, dtype=dtype, generator=g)}
-
-        def row(x, w, gated):
-            proj = projs[id(w)]
-            if proj.fp8 is None:
-                return gemv_row(x, w, pdl=True, config=rows[shape], gated=gated)
-            return fp8_gemv_row(x, w, proj.weight_scale, None, pdl=True, gated=gated)
-        weights = [proj.weight for proj in projs.values()]
-        two_ms = _graph_ms(lambda x, w: silu_and_mul(row(x, w, False)), weights, inputs)
-        one_ms = _graph_ms(lambda x, w: row(x, w, True), weights, inputs)
-        if one_ms <= NORM_MARGIN * two_ms:
-            chosen.add(shape)
-        lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): two launches {two_ms * 1e3 / len(weights):.1f} us, "
-                     f"one {one_ms * 1e3 / len(weights):.1f} us" + ("" if shape in chosen else " (not used)"))
-    if lines:
-        log.info("SiLU-and-mul in the gate/up product's launch at one row, by weight shape: %s", "; ".join(lines))
-    return chosen
-
-
 # (BLOCK_N, BLOCK_K, num_warps, mode[, K splits]) tried for kernels.fp8_gemv_rows by padded row count; the first of
 # each is its default (kernels.fp8_gemv_rows.ROWS_CONFIG). The CUDA-core tiles ("cores") at 2 and 4 rows only, beyond
 # which their multiply-adds cannot keep up with the weights' stream; each compiles per K and row count. The
@@ -391,7 +340,6 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
-    from radixmesh.kernels.activation import set_gated_shapes
     from radixmesh.kernels.fp8_gemm import set_gemm_plan
     from radixmesh.kernels.fp8_gemv import set_row_plan
     from radixmesh.kernels.fp8_gemv_norm import set_norm_plan
@@ -401,7 +349,6 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
     set_rows_plan(fp8_rows_plan(model, device, dtype))
     set_norm_plan(fp8_norm_plan(model, device, dtype))
     set_gemm_plan(fp8_gemm_plan(model, device, dtype))
-    set_gated_shapes(gated_plan(model, device, dtype, rows))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

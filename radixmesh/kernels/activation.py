@@ -18,14 +18,6 @@ _MIN_BLOCK, _MAX_BLOCK = 256, 2048  # columns per program: one 16-byte bf16 vect
 
 
 @triton.jit
-def silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up in float32 from values of `dtype` (gate and up already rounded to it), the activation rounded
-    to `dtype` before the multiply, the result rounded once: the module docstring's numerics."""
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     # x [n, 2 * inter] (gate then up; unit column stride), out [n, inter] contiguous; grid (n, cdiv(inter, BLOCK)).
@@ -34,57 +26,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride_row, BLOCK: tl.constexp
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
-
-
-# ---- the activation in a one-row product's epilogue ---------------------------------------------------------------
-# A gate/up product of one token ([2 * inter, k] weights, gate rows first) whose programs each take gate row j and up
-# row inter + j side by side can write silu(gate) * up itself: the SiLU-and-mul launch leaves the chain (kernels.gemv.
-# gemv_row, kernels.fp8_gemv.fp8_gemv_row and kernels.fp8_gemv_norm.fp8_gemv_row_norm with `gated=True`). Both
-# products are rounded to the output dtype first, as the unfused product stores them, so the result is the two
-# launches' bit for bit. The weight shapes whose one-row gate/up products take it in this process:
-# engine.decode_products.gated_plan times one launch against two per shape; engine.layers.linear.
-# MergedColumnParallelLinear.silu_and_mul reads it.
-GATED_SHAPES: set[tuple[int, int]] = set()
-
-
-def set_gated_shapes(shapes) -> None:
-    """The gate/up weight shapes whose one-row products write the activation themselves; graphs captured afterwards
-    follow it."""
-    GATED_SHAPES.clear()
-    GATED_SHAPES.update(shapes)
-
-
-def check_gated(gated: bool, n: int, block_n: int) -> None:
-    """A gated one-row product needs an even number of weight rows and whole pairs in every program."""
-    if gated and (n % 2 or block_n < 2 or block_n & (block_n - 1)):
-        raise ValueError(f"a gated one-row product takes [2 * inter, k] weights and a power-of-two BLOCK_N >= 2 "
-                         f"(gate and up rows in pairs); got {n} rows, BLOCK_N {block_n}")
-
-
-@triton.jit
-def row_block(pid, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-    """The weight rows of a one-row product's program and their mask: BLOCK_N consecutive rows, or (GATED) BLOCK_N //
-    2 pairs (gate row j, up row N // 2 + j) interleaved."""
-    i = tl.arange(0, BLOCK_N)
-    if GATED:
-        j = pid * (BLOCK_N // 2) + i // 2
-        return j + (i % 2) * (N // 2), j < N // 2
-    n = pid * BLOCK_N + i
-    return n, n < N
-
-
-@triton.jit
-def store_row_block(Y, y, pid, n, n_mask, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-    """Stores a program's float32 sums `y` (rows `n`, from row_block) rounded to Y's dtype, or (GATED) silu(gate) *
-    up of each pair at its column of Y [N // 2]."""
-    dtype = Y.dtype.element_ty
-    if GATED:
-        gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
-        j = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(Y + j, silu_mul(gate, up, dtype), mask=j < N // 2)
-    else:
-        tl.store(Y + n, y.to(dtype), mask=n_mask)
+    dtype = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.activation import check_gated, row_block, store_row_block
 from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_on
 
@@ -46,11 +45,12 @@ def set_row_plan(plan: dict[tuple[int, int], tuple[int, ...]]) -> None:
 @triton.jit
 def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr = False):
+                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
-    n, n_mask = row_block(pid, N, BLOCK_N, GATED)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     rows = W + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    scale_row = S + (pid * BLOCK_N // BN) * stride_sn  # the program's block row (BLOCKWISE; never GATED)
+    scale_row = S + (pid * BLOCK_N // BN) * stride_sn  # the program's block row (BLOCKWISE)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x is the kernel before's output
@@ -77,7 +77,7 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
         y *= tl.load(S + n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
-    store_row_block(Y, y, pid, n, n_mask, N, BLOCK_N, GATED)
+    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -132,21 +132,15 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block
 
 def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                  bias: torch.Tensor | None = None, pdl: bool = False,
-                 config: tuple[int, ...] | None = None, gated: bool = False) -> torch.Tensor:
+                 config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [1, k] -> x @ (w * scales)^T (+ bias) [1, n] in x's dtype, float32 sums (module docstring). `config`:
     (BLOCK_N, BLOCK_K, num_warps[, GROUP]), default ROW_PLAN's for this shape or ROW_CONFIG; GROUP (a power of two,
-    default 1) consecutive products summed before they join the accumulator. `gated`: w is a gate/up pair [2 * inter,
-    k] with per-row scales, and the result silu(gate) * up [1, inter] (kernels.activation.row_block). A kernel is
-    compiled per k."""
+    default 1) consecutive products summed before they join the accumulator. A kernel is compiled per k."""
     check_operands(x, w, scales, block, bias, 1)
     n, k = w.shape
     block_n, block_k, warps, *group = config or ROW_PLAN.get((n, k), ROW_CONFIG)
     if interpreting() and config is None:
         block_n = INTERPRETED_ROWS
-    if gated and block is not None:
-        raise ValueError(f"a gated fp8 one-row product takes per-row scales, not {block} blocks (a program's gate "
-                         f"and up rows lie in different block rows)")
-    check_gated(gated, n, block_n)
     if block is not None:
         block_n = min(block_n, block[0])
     block_k = min(block_k, triton.next_power_of_2(k))
@@ -154,12 +148,12 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
     if group < 1 or group & (group - 1):
         raise ValueError(f"a one-row tile's GROUP is a power of two, got {config}")
     pdl = pdl and pdl_on(x)
-    y = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, w, scales, w if bias is None else bias.contiguous(), y, n, w.stride(0),
         scales.stride(0) if block is not None else 0, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         BN=block[0] if block else 1, BK=block[1] if block else 1, BLOCKWISE=block is not None, PDL=pdl,
-        HAS_BIAS=bias is not None, GROUP=group, GATED=gated, num_warps=warps, num_stages=1,
+        HAS_BIAS=bias is not None, GROUP=group, num_warps=warps, num_stages=1,
         **({"launch_pdl": True} if pdl else {}))
     return y
 

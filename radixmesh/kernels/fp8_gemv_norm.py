@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.activation import check_gated, row_block, store_row_block
 from radixmesh.kernels.fp8_gemv import INTERPRETED_ROWS, check_operands
 from radixmesh.kernels.norm import rms_normed
 from radixmesh.kernels.runtime import interpreting, pdl_on
@@ -53,9 +52,10 @@ def set_norm_plan(plan: dict[tuple[int, int], tuple[int, int]]) -> None:
 def _fp8_gemv_row_norm_kernel(H, D, G, W, S, B, Y, R_OUT, N, stride_wn, stride_sn, eps, K: tl.constexpr,
                               KP: tl.constexpr, BLOCK_N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               BLOCKWISE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, GATED: tl.constexpr = False):
+                              HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
-    n, n_mask = row_block(pid, N, BLOCK_N, GATED)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     k = tl.arange(0, KP)
     k_mask = k < K
     if PDL:
@@ -79,19 +79,16 @@ def _fp8_gemv_row_norm_kernel(H, D, G, W, S, B, Y, R_OUT, N, stride_wn, stride_s
         y *= tl.load(S + n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
-    store_row_block(Y, y, pid, n, n_mask, N, BLOCK_N, GATED)
+    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
 def fp8_gemv_row_norm(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                       bias: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, pdl: bool = False,
-                      config: tuple[int, int] | None = None, gated: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [1, k] (and `residual` [1, k] of its dtype, added first), norm_weight [k] -> (rmsnorm(h + residual) @ (w *
     scales)^T (+ bias) [1, n] in h's dtype, h + residual written to `residual_out` (a new tensor if None; None
-    without a residual)). `config`: (BLOCK_N, num_warps), default NORM_ROW_CONFIG. `gated`: w is a gate/up pair
-    with per-row scales and the product silu(gate) * up [1, n // 2] (kernels.activation.row_block). Module
-    docstring."""
+    without a residual)). `config`: (BLOCK_N, num_warps), default NORM_ROW_CONFIG. Module docstring."""
     check_operands(h, w, scales, block, bias, 1)
     n, k = w.shape
     if (norm_weight.shape != (k,) or norm_weight.dtype != h.dtype or norm_weight.device != h.device
@@ -110,17 +107,14 @@ def fp8_gemv_row_norm(h: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     block_n, warps = config or NORM_ROW_CONFIG
     if interpreting() and config is None:
         block_n = INTERPRETED_ROWS
-    if gated and block is not None:
-        raise ValueError(f"a gated fp8 one-row product takes per-row scales, not {block} blocks")
-    check_gated(gated, n, block_n)
     if block is not None:
         block_n = min(block_n, block[0])
     pdl = pdl and pdl_on(h)
-    y = torch.empty((1, n // 2 if gated else n), dtype=h.dtype, device=h.device)
+    y = torch.empty((1, n), dtype=h.dtype, device=h.device)
     _fp8_gemv_row_norm_kernel[(triton.cdiv(n, block_n),)](
         h, h if residual is None else residual, norm_weight, w, scales, w if bias is None else bias.contiguous(), y,
         h if residual is None else residual_out, n, w.stride(0), scales.stride(0) if block is not None else 0, eps,
         K=k, KP=triton.next_power_of_2(k), BLOCK_N=block_n, BN=block[0] if block else 1, BK=block[1] if block else 1,
         BLOCKWISE=block is not None, HAS_RESIDUAL=residual is not None, PDL=pdl, HAS_BIAS=bias is not None,
-        GATED=gated, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return y, (residual_out if residual is not None else None)

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.activation import check_gated, row_block, store_row_block
 from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2
 
 MAX_ROWS = 16
@@ -123,9 +122,10 @@ ROW_CONFIG = (2, 2048, 4, ROW_PDL)  # (BLOCK_N, BLOCK_K, num_warps, PDL mode): t
 @triton.jit
 def _gemv_row_kernel(X, W, B, Y, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr = False):
+                     HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
-    n, n_mask = row_block(pid, N, BLOCK_N, GATED)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     rows = W + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -147,17 +147,15 @@ def _gemv_row_kernel(X, W, B, Y, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.cons
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
-    store_row_block(Y, y, pid, n, n_mask, N, BLOCK_N, GATED)
+    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
 def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             pdl: bool = False, config: tuple[int, ...] | None = None, gated: bool = False) -> torch.Tensor:
+             pdl: bool = False, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [1, k] (unit stride), weight [n, k] contiguous of x's dtype (bias [n]) -> x @ weight^T (+ bias) [1, n] in x's
     dtype, written to `out` ([1, n], unit stride) or a new tensor; float32 sums. `pdl` and `out` as for gemv;
     `config`: (BLOCK_N, BLOCK_K, num_warps[, PDL mode: ROW_PLAIN, ROW_PDL (the default), ROW_PDL_PREFETCH]),
-    default ROW_CONFIG. `gated`: the weight is a gate/up pair [2 * inter, k] (gate rows first) and the result
-    silu(gate) * up [1, inter] (kernels.activation.row_block; BLOCK_N counts both rows of a pair). A kernel is
-    compiled per k."""
+    default ROW_CONFIG. A kernel is compiled per k."""
     k = x.shape[-1]
     n = weight.shape[0]
     if (x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype
@@ -165,14 +163,12 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         raise ValueError(f"gemv_row takes x [1, k] and a contiguous weight [n, k] of x's dtype; got x "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}, bias {None if bias is None else tuple(bias.shape)}")
-    block_n, block_k, warps, *mode = config or ROW_CONFIG
-    check_gated(gated, n, block_n)
-    cols = n // 2 if gated else n
     if out is None:
-        out = torch.empty((1, cols), dtype=x.dtype, device=x.device)
-    elif out.shape != (1, cols) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [1, {cols}] {x.dtype} with unit column stride, got {tuple(out.shape)} "
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [1, {n}] {x.dtype} with unit column stride, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
+    block_n, block_k, warps, *mode = config or ROW_CONFIG
     mode = mode[0] if mode else ROW_PDL
     block_k = min(block_k, triton.next_power_of_2(k))
     pdl = pdl and pdl_on(x) and mode != ROW_PLAIN
@@ -181,7 +177,7 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias.contiguous(), out, n, weight.stride(0), K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, PREFETCH_LINES=prefetch, LINE_ELEMS=line, PDL=pdl,
-        HAS_BIAS=bias is not None, GATED=gated, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -52,10 +52,6 @@ out = {
     "gemv_row_wait": ptx(gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
                          dict(K=14336, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
-    # a gate/up pair a program, SiLU-and-mul in its epilogue (the 8B shape's gate_up: K 4096, two rows of 2048)
-    "gemv_row_gated": ptx(gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16"), set(),
-                          dict(K=4096, BLOCK_N=2, BLOCK_K=2048, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
-                               HAS_BIAS=False, GATED=True), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
@@ -193,16 +189,6 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
-
-
-def test_a_gated_gemv_row_keeps_its_wide_loads_and_computes_the_activation(ptx):
-    """gemv_row with a gate row and an up row a program (kernels.activation.row_block): the weights still go 16 bytes
-    a load after the wait, and the epilogue takes the exponential of SiLU once a pair, storing one value."""
-    code = ptx["gemv_row_gated"]
-    wait, loads, wide = (_lines(code, p) for p in (r"griddepcontrol\.wait", r"ld\.global", r"ld\.global\S*\.v4\.b32"))
-    assert wait and not [i for i in loads if i < wait[0]]
-    assert len(wide) >= 4096 * 2 * 2 // 16 // 128
-    assert _lines(code, r"ex2\.approx") and len(_lines(code, r"st\.global")) >= 1
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):

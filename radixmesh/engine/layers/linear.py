@@ -18,7 +18,6 @@ from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import current_forward_context
-from radixmesh.engine.layers.activation import silu_and_mul
 from radixmesh.engine.layers.triton_ops import use_kernels
 from radixmesh.engine.quantization.fp8_linear import fp8_linear
 
@@ -136,35 +135,6 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(self, x) if self.lora is None else lora_product(self, x)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this projection of x: for one token in the product's own launch where engine.
-        decode_products planned that for the weight's shape (gated_in_launch), else the product, then the
-        activation (the same rounding either way)."""
-        if self.gated_in_launch(x):
-            if self.fp8 is None:
-                from radixmesh.kernels.gemv import gemv_row
-                from radixmesh.kernels.runtime import row_plan
-
-                return gemv_row(x, self.weight, pdl=True, config=row_plan(x, tuple(self.weight.shape)), gated=True)
-            from radixmesh.kernels.fp8_gemv import fp8_gemv_row
-
-            return fp8_gemv_row(x, self.weight, self.weight_scale, None, pdl=True, gated=True)
-        return silu_and_mul(self(x))
-
-    def gated_in_launch(self, x: torch.Tensor) -> bool:
-        """Whether the activation of x's product (one token) runs in the product's launch (kernels.activation.
-        row_block): planned for the weight's shape on this GPU (kernels.activation.GATED_SHAPES), no adapter, and
-        the product a one-row kernel (gemv_row where the plan runs it, fp8_gemv_row with per-row scales)."""
-        if (not use_kernels(x) or x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or self.lora is not None
-                or (self.fp8 is not None and self.fp8.block is not None)):
-            return False
-        from radixmesh.kernels.activation import GATED_SHAPES
-        from radixmesh.kernels.runtime import row_plan
-
-        shape = tuple(self.weight.shape)
-        return shape in GATED_SHAPES and (self.fp8 is not None
-                                          or (x.dtype in _SKINNY_DTYPES and row_plan(x, shape) is not None))
 
 
 class ColumnParallelLinear(nn.Module):

@@ -69,7 +69,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -81,23 +81,20 @@ def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | Non
     return norm(hidden, residual)
 
 
-def norm_then_linear(norm: nn.Module, proj: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
-                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_then_linear(norm: nn.Module, proj: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """pre_norm, then the projection `proj`: (its output, the residual). One token whose projection holds fp8 weights
     takes one launch for both (kernels.fp8_gemv_norm) where engine.decode_products timed that faster than two for
-    the weight's shape on this GPU (kernels.fp8_gemv_norm.NORM_PLAN). `gated`: proj is a gate/up pair
-    (MergedColumnParallelLinear) and the output silu(gate) * up, in the product's launch where it plans that."""
+    the weight's shape on this GPU (kernels.fp8_gemv_norm.NORM_PLAN)."""
     config = _fused_norm_config(norm, proj, hidden, residual)
     if config is None:
         x, residual = pre_norm(norm, hidden, residual)
-        return (proj.silu_and_mul(x) if gated else proj(x)), residual
+        return proj(x), residual
     from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
 
-    in_launch = gated and proj.gated_in_launch(hidden)
     y, summed = fp8_gemv_row_norm(hidden, residual, norm.weight, norm.eps, proj.weight, proj.weight_scale,
-                                  proj.fp8.block, getattr(proj, "bias", None), pdl=True, config=config,
-                                  gated=in_launch)
-    return (silu_and_mul(y) if gated and not in_launch else y), hidden if residual is None else summed
+                                  proj.fp8.block, getattr(proj, "bias", None), pdl=True, config=config)
+    return y, hidden if residual is None else summed
 
 
 def _fused_norm_config(norm: nn.Module, proj: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -123,12 +120,6 @@ def norm_linear_pairs(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return pairs
 
 
-def gated_projections(model: nn.Module) -> list[nn.Module]:
-    """The gate/up projections of `model` whose activation is SiLU-and-mul (MLP.forward, DecoderLayer.forward):
-    MergedColumnParallelLinear.silu_and_mul runs them."""
-    return [m.gate_up_proj for m in model.modules() if type(m) is MLP]
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, tp: TensorParallel):
         super().__init__()
@@ -151,9 +142,9 @@ class DecoderLayer(nn.Module):
         if fused is not None:
             return fused(self.post_attention_layernorm, hidden, residual)
         if type(self.mlp) is MLP:  # (GemmaMLP and others have their own activation)
-            act, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual,
-                                             gated=True)
-            return self.mlp.down_proj(act), residual
+            gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden,
+                                                 residual)
+            return self.mlp.down_proj(silu_and_mul(gate_up)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
