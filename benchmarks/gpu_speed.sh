@@ -58,15 +58,10 @@
 #   PARTS="setup fp8tput"   issue 52: offline throughput (1024 prompts, 512 in / 128 out, 256 running) on the 8B shape
 #                           with bf16 weights, fp8 weights (per channel), and fp8 weights with an fp8 KV cache; then
 #                           an 8192-token prefill with fp8 weights against the fp8 matmul peak (bench_one_batch)
-#   PARTS="setup fp8norm"   issue 52: the add-and-RMSNorm before qkv and gate_up inside the fp8 one-row product's launch
-#                           (kernels.fp8_gemv_norm's CUDA tests and the engine's in graphs, then
-#                           benchmarks.fp8_norm_rows: 32 8B layers' two norm + product pairs in a graph, two launches
-#                           against one, per fused tile; then the 8B fp8 batch-1 step with the plan free to take it
-#                           (RADIXMESH_FP8_NORM_IN_PRODUCT=1) or not, alternated)
-#   PARTS="setup fp8gemmplan" issue 52: kernels.fp8_gemm's block-wise tiles timed per shape and row bucket at start-up
-#                           (engine.decode_products.fp8_gemm_plan): every candidate tile's CUDA test at the 8B shape,
-#                           then the block-fp8 8B model's batch 64 and 256 steps and 8k prefill with
-#                           RADIXMESH_FP8_GEMM_PLAN 0 and 1, alternated
+#   PARTS="setup fp8gemmtune" issue 52: kernels.fp8_gemm's block-wise tiles tuned offline for the 8B shapes on this GPU
+#                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the candidate
+#                           tiles' and the tuner's CUDA tests, then the block-fp8 8B model's batch 64 and 256 steps and
+#                           8k prefill without tuned tiles, tuned, then without and with them again
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -390,37 +385,28 @@ if [[ " $PARTS " == *" fp8tput "* ]]; then
     | grep -E "matmul|prefill of"
 fi
 
-if [[ " $PARTS " == *" fp8norm "* ]]; then
-  # (the engine test compiles every fp8 and attention kernel on a cold Triton cache: a generous bound)
-  timeout 450 $PY -m pytest -q -p no:cacheprovider --timeout 420 --tb=long tests/kernels/test_fp8_gemv_norm.py \
-    tests/gpu/test_fp8_weights_cuda.py -k norm 2>&1 | tee "$OUT/fp8norm_tests.log" \
-    | grep -E "passed|failed|^E  |FAILED" | tail -6
-  timeout 300 $PY -m radixmesh.benchmarks.fp8_norm_rows --result-file "$OUT/fp8norm.jsonl" 2>&1 \
-    | tee "$OUT/fp8norm.log" | grep -E "^(channel|block)|rror" | tail -14
-  # the 8B fp8 step with the plan free to take the norm into the products or not, alternated (FP8NORM_ROUNDS times)
-  for round in $(seq ${FP8NORM_ROUNDS:-2}); do
-    for on in 0 1; do
-      echo "== RADIXMESH_FP8_NORM_IN_PRODUCT=$on"
-      RADIXMESH_FP8_NORM_IN_PRODUCT=$on timeout 120 $PY -m radixmesh.benchmarks.profile_decode --model-path $CFG \
-        --quantization fp8 --batch-size 1 --timeline --result-file "$OUT/fp8norm_step_$on.jsonl" 2>&1 \
-        | tee -a "$OUT/fp8norm.log" | grep -E "^bs 1|rror"
-    done
-  done
-fi
-
-if [[ " $PARTS " == *" fp8gemmplan "* ]]; then
-  timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/gpu/test_fp8_weights_cuda.py \
-    -k planned_block_gemm 2>&1 | tee "$OUT/fp8gemmplan_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
+if [[ " $PARTS " == *" fp8gemmtune "* ]]; then
+  timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 190 tests/gpu/test_fp8_weights_cuda.py \
+    -k "candidate_block or tuner" 2>&1 | tee "$OUT/fp8gemmtune_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
   block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
-  for round in $(seq ${FP8GEMMPLAN_ROUNDS:-2}); do
-    for on in 0 1; do
-      echo "== RADIXMESH_FP8_GEMM_PLAN=$on"
-      RADIXMESH_FP8_GEMM_PLAN=$on timeout 200 $PY -m radixmesh.engine.bench_one_batch \
-        --model-path build/llama-3.1-8b-fp8-block --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
-        --log-level warning --batch-size 64 256 --input-len 512 --output-len 16 --prefill-len 8192 \
-        --result-file "$OUT/fp8gemmplan_$on.jsonl" 2>&1 | tee -a "$OUT/fp8gemmplan.log" | grep -E "True|prefill of|rror"
-    done
-  done
+  tuned_file() { $PY -c "import torch; from radixmesh.kernels.fp8_gemm import config_path; \
+print(config_path(torch.cuda.get_device_name(), '$1'))"; }
+  gemm_run() {  # LABEL: the block-fp8 8B's batch 64 and 256 steps and 8k prefill with the tiles as they are now
+    echo "== $1"
+    timeout 150 $PY -m radixmesh.engine.bench_one_batch --model-path build/llama-3.1-8b-fp8-block --load-format dummy \
+      --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 64 256 --input-len 512 --output-len 16 \
+      --prefill-len 8192 --result-file "$OUT/fp8gemmtune_$1.jsonl" 2>&1 | tee -a "$OUT/fp8gemmtune.log" \
+      | grep -E "True|prefill of|rror"
+  }
+  PKG=$(tuned_file radixmesh/kernels/configs)
+  [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
+  gemm_run untuned
+  timeout 240 $PY -m radixmesh.benchmarks.tune_fp8_gemm --model-path $CFG --out "$OUT/configs" 2>&1 \
+    | tee "$OUT/fp8gemmtune_tune.log" | grep -E "wrote|rror" | tail -3
+  cp "$(tuned_file "$OUT/configs")" "$PKG" && gemm_run tuned && mv "$PKG" "$PKG.new" && gemm_run untuned2 \
+    && mv "$PKG.new" "$PKG" && gemm_run tuned2
+  rm -f "$PKG" "$PKG.new"
+  [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
 fi
 
 if [[ $PARTS == *spec* ]]; then

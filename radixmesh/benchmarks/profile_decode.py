@@ -23,7 +23,6 @@ from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.kernels.fp8_gemv import ROW_PLAN
-from radixmesh.kernels.fp8_gemv_norm import NORM_PLAN
 
 
 def _gpu_ms(runner, cache, reqs, ids, steps: int = 20) -> tuple[float, float, list[int]]:
@@ -176,12 +175,10 @@ def main() -> None:
     for bs in ns.batch_size:
         row = {"backend": ns.attention_backend, "quantization": ns.quantization,
                "fp8_row_plan": {f"{n}x{k}": list(c) for (n, k), c in ROW_PLAN.items()},
-               "fp8_norm_plan": {f"{n}x{k}": list(c) for (n, k), c in NORM_PLAN.items()},
                **profile_batch(runner, cache, bs, ns.input_len, ns.timeline)}
         print(f"bs {bs}: GPU {row['gpu_ms']:.3f} ms/step (kernels {row['kernel_us_per_step'] / 1e3:.3f} ms busy, "
               f"{row['kernels_per_step']:.0f} kernels, span {row['span_us_per_step'] / 1e3:.3f} ms); synchronous "
-              f"step {row['wall_ms']:.3f} ms" + (f"; fp8 one-row tiles {row['fp8_row_plan']}" if ROW_PLAN else "")
-              + (f"; norm in the product's launch {row['fp8_norm_plan']}" if ROW_PLAN else ""))
+              f"step {row['wall_ms']:.3f} ms" + (f"; fp8 one-row tiles {row['fp8_row_plan']}" if ROW_PLAN else ""))
         for name, us in row["top"]:
             print(f"   {us:9.1f} us  {name}")
         for name, share in row.get("shares", {}).items():  # --timeline

@@ -17,12 +17,9 @@ Weights held in fp8 (engine.quantization.fp8_load) have no cuBLAS product with 1
 products always run kernels.fp8_gemv.fp8_gemv_row, and the plan times its tiles per fp8 weight shape (FP8_ROW_TILES,
 gemv_row's tiles with 1 or 2 times the columns: a byte per element) and keeps the fastest (fp8_row_plan); their
 products of 2-16 rows run kernels.fp8_gemv_rows, timed per shape at 2, 4, 8 and 16 rows over its CUDA-core and
-tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). A one-row product that
-follows a decoder's RMSNorm may take the norm into its own launch (kernels.fp8_gemv_norm): the plan times that
-against the two launches per shape and keeps it where it is faster (fp8_norm_plan; under
-RADIXMESH_FP8_NORM_IN_PRODUCT=1 until it has run on a GPU). Block-wise fp8 products of more than 16 rows (batches
-of 17-256, prefill) run kernels.fp8_gemm, whose tiles it may time per shape and row bucket (fp8_gemm_plan; under
-RADIXMESH_FP8_GEMM_PLAN=1 likewise).
+tensor-core tiles (FP8_ROWS_TILES), the fastest kept for each row count (fp8_rows_plan). (Block-wise fp8 products of
+more than 16 rows run kernels.fp8_gemm with tiles tuned offline per GPU and shipped as data, benchmarks.
+tune_fp8_gemm: timing and compiling them at every start took over a minute.)
 """
 
 from __future__ import annotations
@@ -108,15 +105,6 @@ FP8_ROW_TILES = ((2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (2, 4096, 8), (8, 102
                  (2, 2048, 4, 16), (4, 2048, 4, 16), (8, 1024, 4, 16), (2, 1024, 2, 16))
 
 
-# (BLOCK_N, num_warps) tried for kernels.fp8_gemv_norm (a decoder's RMSNorm and the fp8 one-row product after it in
-# one launch); it runs a shape only when it takes at most NORM_MARGIN of the two launches' time. Not planned unless
-# RADIXMESH_FP8_NORM_IN_PRODUCT=1 until its CUDA tests and the step's A/B have run on a GPU (gpu_speed.sh fp8norm;
-# written in the twentieth session without device time): the plan picks by speed, not by output.
-FP8_NORM_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 4), (8, 8))
-NORM_MARGIN = 0.98
-NORM_IN_PRODUCT = os.environ.get("RADIXMESH_FP8_NORM_IN_PRODUCT", "0") == "1"
-
-
 def _fp8_layers(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     """The model's layers whose weights are held in fp8, by weight shape (stacked experts run kernels.moe_fp8)."""
     layers: dict[tuple[int, int], list[nn.Module]] = {}
@@ -166,50 +154,6 @@ def fp8_row_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return chosen
 
 
-def fp8_norm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, int], tuple]:
-    """Per shape of the fp8-held projections that follow a decoder's RMSNorm (engine.models.llama.norm_linear_pairs):
-    the kernels.fp8_gemv_norm config fastest over all that shape's pairs in one graph at one row, kept where it takes
-    at most NORM_MARGIN of the two launches it replaces (kernels.norm.fused_add_rmsnorm, then fp8_gemv_row with the
-    row plan's tiles, which must be set first). kernels.fp8_gemv_norm.set_norm_plan takes it. Empty unless
-    NORM_IN_PRODUCT."""
-    if not NORM_IN_PRODUCT:
-        return {}
-    from radixmesh.engine.models.llama import norm_linear_pairs
-    from radixmesh.kernels.fp8_gemv import fp8_gemv_row
-    from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
-    from radixmesh.kernels.norm import fused_add_rmsnorm
-
-    by_shape: dict[tuple[int, int], dict[int, tuple[nn.Module, nn.Module]]] = {}
-    for norm, proj in norm_linear_pairs(model):
-        if proj.fp8 is not None and proj.lora is None and norm.weight.dtype == dtype:
-            by_shape.setdefault(tuple(proj.weight.shape), {})[id(proj.weight)] = (norm, proj)
-    g = torch.Generator(device=device).manual_seed(0)
-    chosen, lines = {}, []
-    for shape, pairs in by_shape.items():
-        h, d = (torch.randn((1, shape[1]), device=device, dtype=dtype, generator=g) for _ in range(2))
-        inputs = {shape[1]: h}
-
-        def two(x, w):
-            norm, proj = pairs[id(w)]
-            normed, _ = fused_add_rmsnorm(x, d, norm.weight, norm.eps)
-            return fp8_gemv_row(normed, w, proj.weight_scale, proj.fp8.block, pdl=True)
-
-        def one(x, w, config):
-            norm, proj = pairs[id(w)]
-            return fp8_gemv_row_norm(x, d, norm.weight, norm.eps, w, proj.weight_scale, proj.fp8.block, pdl=True,
-                                     config=config)
-        weights = [proj.weight for _, proj in pairs.values()]
-        two_ms = _graph_ms(two, weights, inputs)
-        best, best_ms = _fastest(one, FP8_NORM_CONFIGS, weights, inputs)
-        if best is not None and best_ms <= NORM_MARGIN * two_ms:
-            chosen[shape] = best
-        lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): two launches {two_ms * 1e3 / len(weights):.1f} us, "
-                     f"one {best} {best_ms * 1e3 / len(weights):.1f} us" + ("" if shape in chosen else " (not used)"))
-    if lines:
-        log.info("fp8 norm and one-row product in one launch, by weight shape: %s", "; ".join(lines))
-    return chosen
-
-
 # (BLOCK_N, BLOCK_K, num_warps, mode[, K splits]) tried for kernels.fp8_gemv_rows by padded row count; the first of
 # each is its default (kernels.fp8_gemv_rows.ROWS_CONFIG). The CUDA-core tiles ("cores") at 2 and 4 rows only, beyond
 # which their multiply-adds cannot keep up with the weights' stream; each compiles per K and row count. The
@@ -246,56 +190,6 @@ def fp8_rows_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{n}x{k} (x{len(mods)}): " + ", ".join(times))
     if lines:
         log.info("fp8 products of 2-16 rows by weight shape: %s", "; ".join(lines))
-    return chosen
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried for kernels.fp8_gemm's block-wise products by row bucket
-# (kernels.fp8_gemm.BUCKETS, timed at that many rows); the first of each is its default (kernels.fp8_gemm._config).
-# Narrower tiles fill the SMs where a bucket's row tiles times the column blocks are fewer than them (an 8B
-# down_proj at 256 rows runs 2 x 32 = 64 programs of 128 x 128 on 132 SMs); four stages keep more of K in flight.
-# Each compiles for sm_90 without spilling (Triton 3.6; 128 x 128 on 4 warps spills, so it is not here).
-# Planned only under RADIXMESH_FP8_GEMM_PLAN=1 until its CUDA tests have run (twentieth session, no device time).
-FP8_GEMM_TILES = {32: ((32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4)),
-                  64: ((64, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4)),
-                  128: ((128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
-                  256: ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)),
-                  1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
-GEMM_PLAN_ON = os.environ.get("RADIXMESH_FP8_GEMM_PLAN", "0") == "1"
-
-
-def fp8_gemm_plan(model: nn.Module, device: torch.device, dtype: torch.dtype
-                  ) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
-    """Per shape of the model's block-wise fp8 weights and row bucket: the kernels.fp8_gemm tiles fastest over all
-    that shape's weights in one graph at the bucket's rows (activations quantized as fp8_linear does), where they
-    beat the default tiles (kernels.fp8_gemm.set_gemm_plan takes it). Empty unless GEMM_PLAN_ON."""
-    if not GEMM_PLAN_ON:
-        return {}
-    from radixmesh.kernels.fp8_gemm import fp8_gemm
-    from radixmesh.kernels.fp8_quant import group_quant
-
-    g = torch.Generator(device=device).manual_seed(0)
-    chosen, lines = {}, []
-    for (n, k), mods in _fp8_layers(model).items():
-        block = mods[0].fp8.block
-        if block is None:
-            continue
-        by_weight = {id(m.weight): m for m in mods}
-        times = []
-        for rows, tiles in FP8_GEMM_TILES.items():
-            a, a_scales = group_quant(torch.randn((rows, k), device=device, dtype=dtype, generator=g), block[1])
-
-            def product(x, w, config):
-                return fp8_gemm(x, a_scales, w, by_weight[id(w)].weight_scale, block, dtype, config=config)
-            weights = [m.weight for m in mods]
-            default_ms = _graph_ms(functools.partial(product, config=tiles[0]), weights, {k: a})
-            best, best_ms = _fastest(product, tiles[1:], weights, {k: a})
-            if best is not None and best_ms < default_ms:
-                chosen[(n, k, rows)] = best
-            times.append(f"{rows} rows {chosen.get((n, k, rows), tiles[0])} "
-                         f"{min(best_ms, default_ms) * 1e3 / len(mods):.1f} us")
-        lines.append(f"{n}x{k} (x{len(mods)}): " + ", ".join(times))
-    if lines:
-        log.info("fp8 block-wise products of more than 16 rows by weight shape: %s", "; ".join(lines))
     return chosen
 
 
@@ -340,15 +234,11 @@ def plan(model: nn.Module, device: torch.device, dtype: torch.dtype
         lines.append(f"{shape[0]}x{shape[1]} (x{len(weights)}): cuBLAS {cublas * 1e3 / len(weights):.1f} us"
                      + ("" if best is None else f", kernels.gemv {best} {best_ms * 1e3 / len(weights):.1f} us")
                      + f", gemv_row {row_ms * 1e3 / len(weights):.1f} us" + ("" if shape in rows else " (not used)"))
-    from radixmesh.kernels.fp8_gemm import set_gemm_plan
     from radixmesh.kernels.fp8_gemv import set_row_plan
-    from radixmesh.kernels.fp8_gemv_norm import set_norm_plan
     from radixmesh.kernels.fp8_gemv_rows import set_rows_plan
 
     set_row_plan(fp8_row_plan(model, device, dtype))
     set_rows_plan(fp8_rows_plan(model, device, dtype))
-    set_norm_plan(fp8_norm_plan(model, device, dtype))
-    set_gemm_plan(fp8_gemm_plan(model, device, dtype))
     torch.cuda.empty_cache()
     log.info("decode products at one row, by weight shape (timed in %.2f s): %s; one-row products on "
              "kernels.gemv.gemv_row %s", time.monotonic() - started, "; ".join(lines), ROW_CONFIG)

@@ -11,35 +11,67 @@ Two scale layouts, as the quantized weights come:
                kernel is its fallback (float16 outputs, the interpreter) and the twin it is checked against
 The tensor-core dot takes the fp8 tiles as they are (Hopper's fp8 MMA); products of fp8 values are exact in float32.
 Tiles are Triton's usual square-ish ones by the row count, grouped along M for L2 reuse of w; for block-wise weights
-engine.decode_products may time others per weight shape and row bucket at start-up (GEMM_PLAN). Every tile sums
-each output's K in the same BLOCK_K = bk steps, in the same order.
+a GPU may have tiles tuned per weight shape and row bucket (benchmarks.tune_fp8_gemm, saved as data in
+kernels/configs/fp8-gemm-<GPU>.json, as SGLang keeps its kernels' configs), which the product then runs with. Every
+tile sums each output's K in the same BLOCK_K = bk steps, in the same order.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from radixmesh.kernels.fp8_quant import FP8, dequantize_groups, dequantize_weight
+from radixmesh.kernels.runtime import CONFIG_DIR, config_file
 
 GROUP_M = 8
-# Rows a plan entry serves (up to each; the last also every longer product) and, by (n, k, bucket), the tiles
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) engine.decode_products.fp8_gemm_plan timed fastest for block-wise weights
-# on this GPU; a product it does not name takes _config's
+# Rows a tuned entry serves (up to each; the last also every longer product)
 BUCKETS = (32, 64, 128, 256, 1024)
-GEMM_PLAN: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) benchmarks.tune_fp8_gemm tries for block-wise weights per row bucket; the
+# first of each is _config's default. Narrower tiles fill the SMs where a bucket's row tiles times the column blocks
+# are fewer than them (an 8B down_proj at 256 rows runs 2 x 32 = 64 programs of 128 x 128 on 132 SMs); four stages
+# keep more of K in flight. Each compiles for sm_90 without spilling (Triton 3.6; 128 x 128 on 4 warps spills, so it
+# is not here); every one passed its CUDA test against the twin at the 8B shapes (H100, 2026-12-06).
+CANDIDATES = {32: ((32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4)),
+              64: ((64, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4)),
+              128: ((128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
+              256: ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)),
+              1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
+Tuned = dict[tuple[int, int, int], tuple[int, int, int, int]]  # (n, k, bucket) -> tiles
 
 
 def gemm_bucket(m: int) -> int:
-    """The plan bucket of a product of `m` rows."""
+    """The tuning bucket of a product of `m` rows."""
     return next((b for b in BUCKETS if m <= b), BUCKETS[-1])
 
 
-def set_gemm_plan(plan: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
-    """The block-wise products' tiles by (n, k, bucket) for this process; graphs captured afterwards use them."""
-    GEMM_PLAN.clear()
-    GEMM_PLAN.update(plan)
+def config_path(device: str, folder: Path | str = CONFIG_DIR) -> Path:
+    """Where the tuned block-wise tiles of a GPU (torch.cuda.get_device_name) live."""
+    return config_file("fp8-gemm", device, folder)
+
+
+def read_tuned(path: Path) -> Tuned:
+    """A tuned-tiles file (benchmarks.tune_fp8_gemm: {"shapes": {"n,k": {"bucket": {"tiles": [BLOCK_M, BLOCK_N,
+    num_warps, num_stages], ...}}}}) by (n, k, bucket); {} when there is none."""
+    if not path.exists():
+        return {}
+    out = {}
+    for shape, buckets in json.loads(path.read_text())["shapes"].items():
+        n, k = (int(v) for v in shape.split(","))
+        for bucket, entry in buckets.items():
+            out[(n, k, int(bucket))] = tuple(entry["tiles"])
+    return out
+
+
+@functools.cache
+def tuned_tiles(device_index: int) -> Tuned:
+    """The tiles tuned for the GPU at `device_index` (read once a process, from CONFIG_DIR)."""
+    return read_tuned(config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR))
 
 
 @triton.jit
@@ -89,12 +121,13 @@ def _config(m: int, blockwise_k: int | None) -> tuple[int, int, int, int, int]:
 
 
 def gemm_config(m: int, n: int, k: int, block: tuple[int, int] | None,
-                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int, int]:
+                config: tuple[int, int, int, int] | None = None, tuned: Tuned | None = None
+                ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) a product runs with: `config` ((BLOCK_M, BLOCK_N,
-    num_warps, num_stages)), else GEMM_PLAN's for a block-wise weight's shape and bucket, else _config's; BLOCK_K is
+    num_warps, num_stages)), else `tuned`'s for a block-wise weight's shape and bucket, else _config's; BLOCK_K is
     bk block-wise (each step one scale) and BLOCK_N at most bn (one block row a program)."""
     block_m, block_n, block_k, warps, stages = _config(m, block[1] if block is not None else None)
-    chosen = config or (GEMM_PLAN.get((n, k, gemm_bucket(m))) if block is not None else None)
+    chosen = config or ((tuned or {}).get((n, k, gemm_bucket(m))) if block is not None else None)
     if chosen is not None:
         block_m, block_n, warps, stages = chosen
     if block is not None:
@@ -107,7 +140,8 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales:
              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """a [M, K] fp8 with a_scales [M, ceil(K/bk)] (block-wise) or [M, 1]; w [N, K] fp8 contiguous with w_scales
     [ceil(N/bn), ceil(K/bk)] (block = (bn, bk)) or [N] (block None) -> [M, N] in out_dtype (see the module
-    docstring). `config`: gemm_config's. A new tensor; no host sync."""
+    docstring). `config`: gemm_config's (default: the tiles tuned for this GPU, if any). A new tensor; no host
+    sync."""
     m, k = a.shape
     n = w.shape[0]
     if a.dtype != FP8 or w.dtype != FP8 or w.shape[1] != k or a.stride(1) != 1 or not w.is_contiguous():
@@ -127,7 +161,8 @@ def fp8_gemm(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales:
     y = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return y
-    block_m, block_n, block_k, warps, stages = gemm_config(m, n, k, block, config)
+    tuned = tuned_tiles(a.device.index or 0) if a.is_cuda and block is not None and config is None else None
+    block_m, block_n, block_k, warps, stages = gemm_config(m, n, k, block, config, tuned)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](a, a_scales, w, w_scales, y, m, n, k, a.stride(0), a_scales.stride(0), w.stride(0),
                            w_scales.stride(0) if block is not None else 0, y.stride(0), BLOCK_M=block_m,

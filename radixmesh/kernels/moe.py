@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
+from radixmesh.kernels.runtime import CONFIG_DIR, config_file, dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16
 
@@ -240,12 +239,9 @@ class Tiles(NamedTuple):
     num_stages: int = 2
 
 
-CONFIG_DIR = Path(__file__).with_name("configs")
-
-
-def config_path(device: str, folder: Path = CONFIG_DIR) -> Path:
+def config_path(device: str, folder: Path | str = CONFIG_DIR) -> Path:
     """Where the tuned tiles of a GPU (torch.cuda.get_device_name) live."""
-    return Path(folder) / f"moe-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+    return config_file("moe", device, folder)
 
 
 @functools.cache

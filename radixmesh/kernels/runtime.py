@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+from pathlib import Path
 
 import torch
 import triton
@@ -105,6 +107,15 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+# Kernel tiles tuned per GPU and saved as data (benchmarks.tune_moe, benchmarks.tune_fp8_gemm)
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+def config_file(kind: str, device: str, folder: Path | str = CONFIG_DIR) -> Path:
+    """The file of `kind`'s tiles tuned for a GPU (its torch.cuda.get_device_name) in `folder`."""
+    return Path(folder) / f"{kind}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
 
 
 LINE_BYTES = 128  # what one L2 prefetch pulls

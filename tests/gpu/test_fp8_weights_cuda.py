@@ -66,18 +66,50 @@ def test_prefill_products_at_the_8b_shape(n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_every_planned_block_gemm_tile_at_the_8b_shape(n, k):
-    """engine.decode_products.FP8_GEMM_TILES, every bucket's tiles (what its plan may pick under
-    RADIXMESH_FP8_GEMM_PLAN=1) at the bucket's rows, block-wise 128 x 128, bfloat16: each matches the twin."""
-    from radixmesh.engine.decode_products import FP8_GEMM_TILES
+def test_every_candidate_block_gemm_tile_at_the_8b_shape(n, k):
+    """kernels.fp8_gemm.CANDIDATES, every bucket's tiles (what benchmarks.tune_fp8_gemm may keep) at the bucket's
+    rows, block-wise 128 x 128, bfloat16: each matches the twin."""
+    from radixmesh.kernels.fp8_gemm import CANDIDATES
 
     w, s = _weight(n, k, (128, 128))
-    for rows, tiles in FP8_GEMM_TILES.items():
+    for rows, tiles in CANDIDATES.items():
         a, a_s = group_quant(torch.randn((rows - 3, k), device="cuda", dtype=torch.bfloat16), 128)  # (ragged M)
         want = fp8_gemm_reference(a, a_s, w, s, (128, 128), torch.bfloat16)
         for config in tiles:
             torch.testing.assert_close(fp8_gemm(a, a_s, w, s, (128, 128), torch.bfloat16, config=config), want,
                                        **BF16)
+
+
+def test_the_tuner_writes_tiles_the_products_then_run_with(tmp_path, monkeypatch):
+    """benchmarks.tune_fp8_gemm on a small block-wise shape: one entry a row bucket, each a candidate of its bucket
+    no slower than MARGIN of the default where it is not the default; the file it writes is what kernels.fp8_gemm
+    reads for this GPU, and a product of that shape then runs with the tuned tiles (the twin's result)."""
+    import json
+    import sys
+
+    from radixmesh.benchmarks import tune_fp8_gemm
+    from radixmesh.kernels import fp8_gemm as gemm
+
+    monkeypatch.setattr(sys, "argv", ["tune", "--shapes", "512,1024", "--out", str(tmp_path)])
+    tune_fp8_gemm.main()
+    path = gemm.config_path(torch.cuda.get_device_name(), tmp_path)
+    entries = json.loads(path.read_text())["shapes"]["512,1024"]
+    assert set(entries) == {str(b) for b in gemm.BUCKETS}
+    for bucket, entry in entries.items():
+        tiles = tuple(entry["tiles"])
+        assert tiles in gemm.CANDIDATES[int(bucket)]
+        assert tiles == gemm.CANDIDATES[int(bucket)][0] or entry["ms"] <= tune_fp8_gemm.MARGIN * entry["default_ms"]
+    monkeypatch.setattr(gemm, "CONFIG_DIR", tmp_path)
+    gemm.tuned_tiles.cache_clear()
+    try:
+        tuned = gemm.tuned_tiles(torch.cuda.current_device())
+        assert tuned[(512, 1024, 256)] == tuple(entries["256"]["tiles"])
+        w, s = _weight(512, 1024, (128, 128))
+        a, a_s = group_quant(torch.randn((200, 1024), device="cuda", dtype=torch.bfloat16), 128)
+        torch.testing.assert_close(gemm.fp8_gemm(a, a_s, w, s, (128, 128), torch.bfloat16),
+                                   fp8_gemm_reference(a, a_s, w, s, (128, 128), torch.bfloat16), **BF16)
+    finally:
+        gemm.tuned_tiles.cache_clear()
 
 
 def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
@@ -123,32 +155,6 @@ def test_the_engine_holds_block_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_
     for p, out, ref in zip(prompts, outs, refs):
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert got == pytest.approx(hf_token_logprobs(twin, p, ref), abs=1e-3)
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["norm-in-product", "two-launches"])
-def test_the_norm_in_the_products_launch_in_cuda_graphs_matches_the_twin(tmp_path, monkeypatch, fused):
-    """engine.decode_products' norm plan made to take (or refuse) kernels.fp8_gemv_norm for every qkv and gate/up
-    shape: the one-row steps in CUDA graphs stay token-exact with the twin, logprobs within 1e-3."""
-    from radixmesh.engine import decode_products
-    from radixmesh.kernels import fp8_gemv_norm
-
-    monkeypatch.setattr(decode_products, "NORM_IN_PRODUCT", True)
-    monkeypatch.setattr(decode_products, "NORM_MARGIN", 1e9 if fused else 0.0)
-    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
-    twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
-    prompts = parity_prompts(q)[:1]
-    refs = hf_greedy(twin, prompts, 12)
-    try:
-        with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
-                            fp8_gemm_backend="triton") as llm:
-            assert len(fp8_gemv_norm.NORM_PLAN) == (2 if fused else 0) and llm.runner.graphs is not None
-            outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0},
-                                return_logprob=True)
-    finally:
-        fp8_gemv_norm.set_norm_plan({})
-    assert [o["output_ids"] for o in outs] == refs
-    got = [lp for lp, _, _ in outs[0]["meta_info"]["output_token_logprobs"]]
-    assert got == pytest.approx(hf_token_logprobs(twin, prompts[0], refs[0]), abs=1e-3)
 
 
 def test_online_fp8_in_bfloat16_runs_scaled_mm_prefills_and_stays_near_the_model():

@@ -101,30 +101,39 @@ def test_fp8_linear_picks_a_product_that_matches_its_twin(rows, block, scaled_mm
 
 
 @pytest.mark.parametrize("rows", [37, 200])
-def test_every_planned_block_tile_matches_the_twin(rows):
-    """engine.decode_products.FP8_GEMM_TILES (the tiles its plan may time for block-wise weights) for the buckets
-    around `rows`: each gives the twin's product (ragged M, N and K; BLOCK_N capped at the block's bn)."""
-    from radixmesh.engine.decode_products import FP8_GEMM_TILES
-    from radixmesh.kernels.fp8_gemm import gemm_bucket
+def test_every_candidate_block_tile_matches_the_twin(rows):
+    """kernels.fp8_gemm.CANDIDATES (the tiles benchmarks.tune_fp8_gemm tries for block-wise weights) for the bucket
+    of `rows`: each gives the twin's product (ragged M, N and K; BLOCK_N capped at the block's bn)."""
+    from radixmesh.kernels.fp8_gemm import CANDIDATES, gemm_bucket
 
     block = (64, 64)
     x, w, a, a_s, q, w_s = _operands(rows, 200, 300, block, torch.float32, seed=rows)
     want = fp8_gemm_reference(a, a_s, q, w_s, block, torch.float32)
-    for config in FP8_GEMM_TILES[gemm_bucket(rows)]:
+    for config in CANDIDATES[gemm_bucket(rows)]:
         assert_near_twin(fp8_gemm(a, a_s, q, w_s, block, torch.float32, config=config), want, a, a_s, q, w_s, block)
 
 
-def test_the_plan_picks_tiles_by_weight_shape_and_row_bucket():
-    from radixmesh.kernels.fp8_gemm import BUCKETS, gemm_bucket, gemm_config, set_gemm_plan
+def test_tuned_tiles_are_read_from_data_and_picked_by_weight_shape_and_row_bucket(tmp_path):
+    """A GPU's tuned file (what benchmarks.tune_fp8_gemm writes, named by the GPU) is read by (n, k, bucket); a
+    product takes its bucket's tiles for a block-wise weight of that shape, the defaults elsewhere."""
+    import json
+
+    from radixmesh.kernels.fp8_gemm import BUCKETS, CANDIDATES, config_path, gemm_bucket, gemm_config, read_tuned
 
     assert [gemm_bucket(m) for m in (17, 32, 33, 100, 256, 257, 9000)] == [32, 32, 64, 128, 256, 1024, 1024]
-    assert BUCKETS[-1] == 1024
-    set_gemm_plan({(4096, 14336, 256): (64, 128, 4, 4)})
-    try:
-        assert gemm_config(200, 4096, 14336, (128, 128)) == (64, 128, 128, 4, 4)  # planned: its bucket's tiles
-        assert gemm_config(100, 4096, 14336, (128, 128)) == (128, 128, 128, 8, 3)  # another bucket: the default
-        assert gemm_config(200, 4096, 14336, (32, 128)) == (64, 32, 128, 4, 4)  # BLOCK_N within one block row
-        assert gemm_config(200, 4096, 14336, None) == (128, 128, 128, 8, 3)  # row-wise weights: never planned
-        assert gemm_config(200, 4096, 14336, (128, 128), (16, 64, 4, 4)) == (16, 64, 128, 4, 4)  # asked
-    finally:
-        set_gemm_plan({})
+    assert set(CANDIDATES) == set(BUCKETS) and all(CANDIDATES[b][0] == gemm_config(b, 1, 1, (128, 128))[:2]
+                                                   + gemm_config(b, 1, 1, (128, 128))[3:] for b in BUCKETS)
+    path = config_path("NVIDIA H100 80GB HBM3", tmp_path)
+    assert path.name == "fp8-gemm-nvidia-h100-80gb-hbm3.json"
+    assert read_tuned(path) == {}  # no file: nothing tuned
+    path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "shapes": {"4096,14336": {
+        "256": {"tiles": [64, 128, 4, 4], "ms": 0.1, "default_ms": 0.12},
+        "128": {"tiles": [128, 128, 8, 3], "ms": 0.07, "default_ms": 0.07}}}}))
+    tuned = read_tuned(path)
+    assert tuned == {(4096, 14336, 256): (64, 128, 4, 4), (4096, 14336, 128): (128, 128, 8, 3)}
+    assert gemm_config(200, 4096, 14336, (128, 128), tuned=tuned) == (64, 128, 128, 4, 4)  # its bucket's tiles
+    assert gemm_config(40, 4096, 14336, (128, 128), tuned=tuned) == (64, 128, 128, 4, 3)  # a bucket not tuned
+    assert gemm_config(200, 4096, 4096, (128, 128), tuned=tuned) == (128, 128, 128, 8, 3)  # another shape
+    assert gemm_config(200, 4096, 14336, (32, 128), tuned=tuned) == (64, 32, 128, 4, 4)  # BLOCK_N in a block row
+    assert gemm_config(200, 4096, 14336, None, tuned=tuned) == (128, 128, 128, 8, 3)  # row-wise weights: never
+    assert gemm_config(200, 4096, 14336, (128, 128), (16, 64, 4, 4), tuned) == (16, 64, 128, 4, 4)  # asked

@@ -179,29 +179,3 @@ def test_dummy_weights_under_online_fp8_are_held_in_fp8():
         assert all(m.weight.float().abs().amax() > 100 and bool((m.weight_scale == 0.02 / 448).all()) for m in held)
         out = llm.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert len(out[0]["output_ids"]) == 2
-
-
-@pytest.mark.parametrize("kind", ["block", "channel"])
-def test_a_norm_in_its_products_launch_matches_the_twin(checkpoints, kind, monkeypatch):
-    """kernels.fp8_gemv_norm planned for every qkv and gate/up shape (engine.decode_products does it where it times
-    faster): each one-row decode step takes both norms of every layer into the products' launches, token-exact with
-    the twin, logprobs within 1e-4."""
-    from radixmesh.engine.models.llama import norm_linear_pairs
-    from radixmesh.kernels import fp8_gemv_norm
-
-    q, twin = checkpoints[kind]
-    prompts = parity_prompts(q)[:1]  # one row a decode step
-    refs = hf_greedy(twin, prompts, MAX_NEW)
-    real, calls = fp8_gemv_norm.fp8_gemv_row_norm, []
-    monkeypatch.setattr(fp8_gemv_norm, "fp8_gemv_row_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with running_engine(q, **KERNELS, **SHORT) as llm:
-        pairs = norm_linear_pairs(llm.runner.model)
-        assert len(pairs) == 2 * 4
-        fp8_gemv_norm.set_norm_plan({tuple(proj.weight.shape): (64, 4) for _, proj in pairs})
-        try:
-            outs = llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-        finally:
-            fp8_gemv_norm.set_norm_plan({})
-    assert len(calls) == len(pairs) * (MAX_NEW - 1)  # every pair of every decode step, none in the prefill
-    assert [o["output_ids"] for o in outs] == refs
-    assert _logprobs(outs[0]) == pytest.approx(hf_token_logprobs(twin, prompts[0], refs[0]), abs=1e-4)

@@ -46,12 +46,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        return self.attend(self.qkv_proj(hidden), rope)
-
-    def attend(self, qkv: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        """The layer after its q/k/v projection: qkv [n, (heads + 2 kv heads) x head_dim] -> o_proj's output."""
-        n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -81,45 +77,6 @@ def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | Non
     return norm(hidden, residual)
 
 
-def norm_then_linear(norm: nn.Module, proj: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """pre_norm, then the projection `proj`: (its output, the residual). One token whose projection holds fp8 weights
-    takes one launch for both (kernels.fp8_gemv_norm) where engine.decode_products timed that faster than two for
-    the weight's shape on this GPU (kernels.fp8_gemv_norm.NORM_PLAN)."""
-    config = _fused_norm_config(norm, proj, hidden, residual)
-    if config is None:
-        x, residual = pre_norm(norm, hidden, residual)
-        return proj(x), residual
-    from radixmesh.kernels.fp8_gemv_norm import fp8_gemv_row_norm
-
-    y, summed = fp8_gemv_row_norm(hidden, residual, norm.weight, norm.eps, proj.weight, proj.weight_scale,
-                                  proj.fp8.block, getattr(proj, "bias", None), pdl=True, config=config)
-    return y, hidden if residual is None else summed
-
-
-def _fused_norm_config(norm: nn.Module, proj: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
-                       ) -> tuple[int, int] | None:
-    if (proj.fp8 is None or proj.lora is not None or type(norm) is not RMSNorm or hidden.dim() != 2
-            or hidden.shape[0] != 1 or not hidden.is_contiguous() or norm.weight.dtype != hidden.dtype
-            or (residual is not None and (residual.dtype != hidden.dtype or not residual.is_contiguous()))):
-        return None
-    from radixmesh.kernels.fp8_gemv_norm import NORM_PLAN
-
-    return NORM_PLAN.get(tuple(proj.weight.shape))
-
-
-def norm_linear_pairs(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """The (norm, projection) pairs of `model` that DecoderLayer.forward runs through norm_then_linear."""
-    pairs = []
-    for layer in model.modules():
-        if type(layer) is DecoderLayer:
-            if type(layer.self_attn) is Attention:
-                pairs.append((layer.input_layernorm, layer.self_attn.qkv_proj))
-            if type(layer.mlp) is MLP:
-                pairs.append((layer.post_attention_layernorm, layer.mlp.gate_up_proj))
-    return pairs
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, layer_id: int, tp: TensorParallel):
         super().__init__()
@@ -132,19 +89,11 @@ class DecoderLayer(nn.Module):
                 rope: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream: returns (this layer's MLP output, the residual before it); the next norm adds them,
         which rounds exactly as `hidden + mlp(...)` does."""
-        if type(self.self_attn) is Attention:  # (a subclass may project or attend otherwise)
-            qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-            hidden = self.self_attn.attend(qkv, rope)
-        else:
-            hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-            hidden = self.self_attn(hidden, rope)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(hidden, rope)
         fused = getattr(self.mlp, "forward_with_norm", None)  # an MLP that may take its norm into its own kernels
         if fused is not None:
             return fused(self.post_attention_layernorm, hidden, residual)
-        if type(self.mlp) is MLP:  # (GemmaMLP and others have their own activation)
-            gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden,
-                                                 residual)
-            return self.mlp.down_proj(silu_and_mul(gate_up)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
