@@ -22,9 +22,12 @@ import argparse
 import json
 
 import torch
+import triton
 
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.quantization.fp8 import quantize
 from radixmesh.kernels.fp8_gemm import BUCKETS, CANDIDATES, config_path, fp8_gemm, fp8_gemm_reference
+from radixmesh.kernels.fp8_quant import group_quant
 from radixmesh.kernels.runtime import CONFIG_DIR
 
 MARGIN = 0.97  # a tuned tile must take at most this share of the default's time
@@ -48,11 +51,6 @@ def dense_shapes(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
 
 def tune_shape(n: int, k: int, block: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:
     """{bucket: {"tiles", "ms", "default_ms"}} for one weight shape, timed on this GPU."""
-    import triton
-
-    from radixmesh.engine.quantization.fp8 import quantize
-    from radixmesh.kernels.fp8_quant import group_quant
-
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w, w_scales = quantize(torch.randn((n, k), device="cuda", generator=g) / k ** 0.5, block)
     w, w_scales = w.contiguous(), w_scales.contiguous()
