@@ -403,8 +403,9 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
   gemm_run untuned
   timeout 240 $PY -m radixmesh.benchmarks.tune_fp8_gemm --model-path $CFG --out "$OUT/configs" 2>&1 \
     | tee "$OUT/fp8gemmtune_tune.log" | grep -E "wrote|rror" | tail -3
-  cp "$(tuned_file "$OUT/configs")" "$PKG" && gemm_run tuned && mv "$PKG" "$PKG.new" && gemm_run untuned2 \
-    && mv "$PKG.new" "$PKG" && gemm_run tuned2
+  if cp "$(tuned_file "$OUT/configs")" "$PKG"; then
+    gemm_run tuned; mv "$PKG" "$PKG.new"; gemm_run untuned2; mv "$PKG.new" "$PKG"; gemm_run tuned2
+  fi
   rm -f "$PKG" "$PKG.new"
   [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
 fi
