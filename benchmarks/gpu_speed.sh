@@ -62,6 +62,9 @@
 #                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the candidate
 #                           tiles' and the tuner's CUDA tests, then the block-fp8 8B model's batch 64 and 256 steps and
 #                           8k prefill without tuned tiles, tuned, then without and with them again
+#   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
+#                           (benchmarks.tune_moe; only the H200 has a file), written to $OUT/configs, and the model's
+#                           batch-64 step and 8k prefill without, with, without and with the file
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -405,6 +408,28 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
     | tee "$OUT/fp8gemmtune_tune.log" | grep -E "wrote|rror" | tail -3
   if cp "$(tuned_file "$OUT/configs")" "$PKG"; then
     gemm_run tuned; mv "$PKG" "$PKG.new"; gemm_run untuned2; mv "$PKG.new" "$PKG"; gemm_run tuned2
+  fi
+  rm -f "$PKG" "$PKG.new"
+  [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
+fi
+
+if [[ " $PARTS " == *" moetune "* ]]; then
+  MOE_CFG=benchmarks/configs/qwen3-30b-a3b
+  moe_file() { $PY -c "import torch; from radixmesh.kernels.moe import config_path; \
+print(config_path(torch.cuda.get_device_name(), '$1'))"; }
+  moe_run() {  # LABEL: the batch-64 step and 8k prefill with the expert tiles as they are now
+    echo "== $1"
+    timeout 150 $PY -m radixmesh.engine.bench_one_batch --model-path $MOE_CFG --load-format dummy --dtype bfloat16 \
+      --skip-tokenizer-init --log-level warning --batch-size 64 --input-len 512 --output-len 16 --prefill-len 8192 \
+      --result-file "$OUT/moetune_$1.jsonl" 2>&1 | tee -a "$OUT/moetune.log" | grep -E "True|prefill of|rror"
+  }
+  PKG=$(moe_file radixmesh/kernels/configs)
+  [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
+  moe_run untuned
+  timeout 300 $PY -m radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 256 2048 --out "$OUT/configs" \
+    2>&1 | tee "$OUT/moetune_tune.log" | grep -E "wrote|rror" | tail -3
+  if cp "$(moe_file "$OUT/configs")" "$PKG"; then
+    moe_run tuned; mv "$PKG" "$PKG.new"; moe_run untuned2; mv "$PKG.new" "$PKG"; moe_run tuned2
   fi
   rm -f "$PKG" "$PKG.new"
   [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
