@@ -69,7 +69,7 @@ def tune_shape(n: int, k: int, block: tuple[int, int], dtype: torch.dtype = torc
         best = min(times, key=times.get)
         keep = best if times[best] <= MARGIN * times[default] else default
         out[str(rows)] = {"tiles": list(keep), "ms": times[keep], "default_ms": times[default]}
-        print(json.dumps({"shape": f"{n},{k}", "rows": rows, **out[str(rows)],
+        print(json.dumps({"shape": f"{n},{k}", "block": list(block), "rows": rows, **out[str(rows)],
                           "all_ms": {str(list(t)): round(ms, 5) for t, ms in times.items()}}), flush=True)
     return out
 
@@ -91,7 +91,7 @@ def main() -> None:
     path = config_path(device, args.out)
     saved = json.loads(path.read_text()) if path.exists() else {"device": device, "shapes": {}}
     for n, k in dict.fromkeys(shapes):
-        saved["shapes"][f"{n},{k}"] = tune_shape(n, k, tuple(args.block))
+        saved["shapes"][f"{n},{k},{args.block[0]},{args.block[1]}"] = tune_shape(n, k, tuple(args.block))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=1) + "\n")
     print("wrote", path)

@@ -42,7 +42,7 @@ CANDIDATES = {32: ((32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4,
               128: ((128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
               256: ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)),
               1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
-Tuned = dict[tuple[int, int, int], tuple[int, int, int, int]]  # (n, k, bucket) -> tiles
+Tuned = dict[tuple[int, int, int, int, int], tuple[int, int, int, int]]  # (n, k, bn, bk, bucket) -> tiles
 
 
 def gemm_bucket(m: int) -> int:
@@ -56,15 +56,16 @@ def config_path(device: str, folder: Path | str = CONFIG_DIR) -> Path:
 
 
 def read_tuned(path: Path) -> Tuned:
-    """A tuned-tiles file (benchmarks.tune_fp8_gemm: {"shapes": {"n,k": {"bucket": {"tiles": [BLOCK_M, BLOCK_N,
-    num_warps, num_stages], ...}}}}) by (n, k, bucket); {} when there is none."""
+    """A tuned-tiles file (benchmarks.tune_fp8_gemm: {"shapes": {"n,k,bn,bk": {"bucket": {"tiles": [BLOCK_M,
+    BLOCK_N, num_warps, num_stages], ...}}}}, a weight shape and its scale block) by (n, k, bn, bk, bucket); {} when
+    there is none."""
     if not path.exists():
         return {}
     out = {}
     for shape, buckets in json.loads(path.read_text())["shapes"].items():
-        n, k = (int(v) for v in shape.split(","))
+        n, k, bn, bk = (int(v) for v in shape.split(","))
         for bucket, entry in buckets.items():
-            out[(n, k, int(bucket))] = tuple(entry["tiles"])
+            out[(n, k, bn, bk, int(bucket))] = tuple(entry["tiles"])
     return out
 
 
@@ -124,10 +125,10 @@ def gemm_config(m: int, n: int, k: int, block: tuple[int, int] | None,
                 config: tuple[int, int, int, int] | None = None, tuned: Tuned | None = None
                 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) a product runs with: `config` ((BLOCK_M, BLOCK_N,
-    num_warps, num_stages)), else `tuned`'s for a block-wise weight's shape and bucket, else _config's; BLOCK_K is
-    bk block-wise (each step one scale) and BLOCK_N at most bn (one block row a program)."""
+    num_warps, num_stages)), else `tuned`'s for a block-wise weight's shape, scale block and row bucket, else
+    _config's; BLOCK_K is bk block-wise (each step one scale) and BLOCK_N at most bn (one block row a program)."""
     block_m, block_n, block_k, warps, stages = _config(m, block[1] if block is not None else None)
-    chosen = config or ((tuned or {}).get((n, k, gemm_bucket(m))) if block is not None else None)
+    chosen = config or ((tuned or {}).get((n, k, *block, gemm_bucket(m))) if block is not None else None)
     if chosen is not None:
         block_m, block_n, warps, stages = chosen
     if block is not None:

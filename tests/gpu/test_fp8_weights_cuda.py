@@ -93,7 +93,7 @@ def test_the_tuner_writes_tiles_the_products_then_run_with(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["tune", "--shapes", "512,1024", "--out", str(tmp_path)])
     tune_fp8_gemm.main()
     path = gemm.config_path(torch.cuda.get_device_name(), tmp_path)
-    entries = json.loads(path.read_text())["shapes"]["512,1024"]
+    entries = json.loads(path.read_text())["shapes"]["512,1024,128,128"]
     assert set(entries) == {str(b) for b in gemm.BUCKETS}
     for bucket, entry in entries.items():
         tiles = tuple(entry["tiles"])
@@ -103,7 +103,7 @@ def test_the_tuner_writes_tiles_the_products_then_run_with(tmp_path, monkeypatch
     gemm.tuned_tiles.cache_clear()
     try:
         tuned = gemm.tuned_tiles(torch.cuda.current_device())
-        assert tuned[(512, 1024, 256)] == tuple(entries["256"]["tiles"])
+        assert tuned[(512, 1024, 128, 128, 256)] == tuple(entries["256"]["tiles"])
         w, s = _weight(512, 1024, (128, 128))
         a, a_s = group_quant(torch.randn((200, 1024), device="cuda", dtype=torch.bfloat16), 128)
         torch.testing.assert_close(gemm.fp8_gemm(a, a_s, w, s, (128, 128), torch.bfloat16),

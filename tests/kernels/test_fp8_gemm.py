@@ -114,8 +114,9 @@ def test_every_candidate_block_tile_matches_the_twin(rows):
 
 
 def test_tuned_tiles_are_read_from_data_and_picked_by_weight_shape_and_row_bucket(tmp_path):
-    """A GPU's tuned file (what benchmarks.tune_fp8_gemm writes, named by the GPU) is read by (n, k, bucket); a
-    product takes its bucket's tiles for a block-wise weight of that shape, the defaults elsewhere."""
+    """A GPU's tuned file (what benchmarks.tune_fp8_gemm writes, named by the GPU) is read by (n, k, scale block,
+    row bucket); a product takes its bucket's tiles for a block-wise weight of that shape and block, the defaults
+    elsewhere."""
     import json
 
     from radixmesh.kernels.fp8_gemm import BUCKETS, CANDIDATES, config_path, gemm_bucket, gemm_config, read_tuned
@@ -126,14 +127,15 @@ def test_tuned_tiles_are_read_from_data_and_picked_by_weight_shape_and_row_bucke
     path = config_path("NVIDIA H100 80GB HBM3", tmp_path)
     assert path.name == "fp8-gemm-nvidia-h100-80gb-hbm3.json"
     assert read_tuned(path) == {}  # no file: nothing tuned
-    path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "shapes": {"4096,14336": {
+    path.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "shapes": {"4096,14336,128,128": {
         "256": {"tiles": [64, 128, 4, 4], "ms": 0.1, "default_ms": 0.12},
         "128": {"tiles": [128, 128, 8, 3], "ms": 0.07, "default_ms": 0.07}}}}))
     tuned = read_tuned(path)
-    assert tuned == {(4096, 14336, 256): (64, 128, 4, 4), (4096, 14336, 128): (128, 128, 8, 3)}
+    assert tuned == {(4096, 14336, 128, 128, 256): (64, 128, 4, 4), (4096, 14336, 128, 128, 128): (128, 128, 8, 3)}
     assert gemm_config(200, 4096, 14336, (128, 128), tuned=tuned) == (64, 128, 128, 4, 4)  # its bucket's tiles
     assert gemm_config(40, 4096, 14336, (128, 128), tuned=tuned) == (64, 128, 128, 4, 3)  # a bucket not tuned
     assert gemm_config(200, 4096, 4096, (128, 128), tuned=tuned) == (128, 128, 128, 8, 3)  # another shape
-    assert gemm_config(200, 4096, 14336, (32, 128), tuned=tuned) == (64, 32, 128, 4, 4)  # BLOCK_N in a block row
+    assert gemm_config(200, 4096, 14336, (64, 128), tuned=tuned) == (128, 64, 128, 8, 3)  # another scale block:
+    # not tuned (the default, BLOCK_N capped at its bn)
     assert gemm_config(200, 4096, 14336, None, tuned=tuned) == (128, 128, 128, 8, 3)  # row-wise weights: never
     assert gemm_config(200, 4096, 14336, (128, 128), (16, 64, 4, 4), tuned) == (16, 64, 128, 4, 4)  # asked
