@@ -426,7 +426,7 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
   PKG=$(moe_file radixmesh/kernels/configs)
   [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
   moe_run untuned
-  timeout 300 $PY -m radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 256 2048 --out "$OUT/configs" \
+  timeout 300 $PY -m radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 2048 --out "$OUT/configs" \
     2>&1 | tee "$OUT/moetune_tune.log" | grep -E "wrote|rror" | tail -3
   if cp "$(moe_file "$OUT/configs")" "$PKG"; then
     moe_run tuned; mv "$PKG" "$PKG.new"; moe_run untuned2; mv "$PKG.new" "$PKG"; moe_run tuned2
