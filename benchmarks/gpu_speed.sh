@@ -102,6 +102,14 @@ OUT=${1:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=$PWD/build/fi  # JIT-compiled FlashInfer kernels survive between calls here
+# Triton's compiled kernels at a fixed path: a cache packed on an earlier machine (PACK_TRITON=1 below; its group files
+# name their members by absolute path) and carried here as .tcache/triton.tgz is unpacked once, so a fresh machine
+# skips the compiles an earlier one did (a key that differs, another Triton or source, only misses)
+export TRITON_CACHE_DIR=/tmp/radixmesh-triton
+if [[ -f .tcache/triton.tgz && ! -e $TRITON_CACHE_DIR/.unpacked ]]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xzf .tcache/triton.tgz -C / && touch "$TRITON_CACHE_DIR/.unpacked"
+  echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels unpacked"
+fi
 PY=python3
 TIMELINE=${TIMELINE:+--timeline}  # TIMELINE=1: profile_decode also records one step's kernels in order
 PARTS=${PARTS:-setup tests}
@@ -839,4 +847,14 @@ if [[ " $PARTS " == *" fp8 "* ]]; then
     echo "== ${variant%%:*}" | tee -a "$OUT/fp8.log"
     $PY -m radixmesh.engine.bench_one_batch ${variant#*:} $B 2>&1 | tee -a "$OUT/fp8.log" | grep -v Warning | tail -10
   done
+fi
+
+if [[ -n ${PACK_TRITON:-} ]]; then
+  # The compiled kernels (binaries, metadata, launchers; not the intermediate IR) for the next fresh machine, if they
+  # fit what comes back from $OUT (16 MiB a file): copy $OUT's triton.tgz to .tcache/ and carry .tcache
+  tar -czf "$OUT/triton.tgz" -C / --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+    --exclude='*.source' --exclude=.unpacked "${TRITON_CACHE_DIR#/}"
+  size=$(stat -c %s "$OUT/triton.tgz")
+  echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels, packed $((size / 1024)) KiB"
+  (( size < 16 * 1024 * 1024 )) || { rm -f "$OUT/triton.tgz"; echo "triton cache: too large to bring back"; }
 fi
