@@ -30,8 +30,8 @@ MAX_WARPS, REGISTERS = 64, 65536  # an sm_90 SM's resident warps and registers
 # the one-row plans' tiles (engine.decode_products: FP8_ROW_TILES and what an 8B step chose on an H100, 2026-12-06;
 # kernels.gemv.ROW_CONFIG), then tiles with more rows or fewer threads a row
 FP8_TILES = ("2,2048,4", "2,4096,4", "4,2048,4", "2,4096,8", "8,1024,4", "4,4096,8", "4,2048,8", "8,512,2", "4,512,2",
-             "16,256,4", "2,2048,4,16", "4,2048,4,16", "8,1024,4,16", "2,1024,2,16")  # (the last: products summed 16
-# at a time first, kernels.fp8_gemv's GROUP)
+             "16,256,4", "2,2048,4,16", "4,2048,4,16", "8,1024,4,16", "2,1024,2,16")  # (the last four: products
+# summed 16 at a time first, kernels.fp8_gemv's GROUP)
 BF16_TILES = ("2,2048,4",)
 ALIGNED = ("X", "W", "S", "B", "Y", "N", "stride_wn")  # what a launch finds divisible by 16
 

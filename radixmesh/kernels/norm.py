@@ -46,15 +46,6 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, 
     tl.store(out_ptr + out_off, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def rms_normed(s, eps, D: tl.constexpr, dtype: tl.constexpr):
-    """One row's RMSNorm inside another kernel, before its weight: s [BLOCK] float32 (the residual sum, already
-    rounded to `dtype`; zeros past D) -> s * rsqrt(mean(s^2) + eps) rounded to `dtype`, in float32 (times the weight
-    in float32, rounded to the result dtype: the module docstring's numerics)."""
-    rstd = tl.rsqrt(tl.sum(s * s, 0) / D + eps)
-    return (s * rstd).to(dtype).to(tl.float32)
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., dim], weight [dim] -> weight * x / rms(x) [..., dim], written to `out` (contiguous) or a new tensor."""
     return _launch(x, None, weight, eps, out, None)[0]
