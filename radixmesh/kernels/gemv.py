@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2
+from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2, pull_on
 
 MAX_ROWS = 16
 
@@ -172,6 +172,8 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     mode = mode[0] if mode else ROW_PDL
     block_k = min(block_k, triton.next_power_of_2(k))
     pdl = pdl and pdl_on(x) and mode != ROW_PLAIN
+    if mode == ROW_PDL and pull_on(x):  # (the kernel before lets this one launch only after its own wait)
+        mode = ROW_PDL_PREFETCH
     line = LINE_BYTES // weight.element_size()
     prefetch = triton.next_power_of_2(triton.cdiv(k, line)) if pdl and mode == ROW_PDL_PREFETCH else 0
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](
