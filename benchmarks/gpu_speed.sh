@@ -59,9 +59,10 @@
 #                           with bf16 weights, fp8 weights (per channel), and fp8 weights with an fp8 KV cache; then
 #                           an 8192-token prefill with fp8 weights against the fp8 matmul peak (bench_one_batch)
 #   PARTS="setup fp8gemmtune" issue 52: kernels.fp8_gemm's block-wise tiles tuned offline for the 8B shapes on this GPU
-#                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the candidate
-#                           tiles' and the tuner's CUDA tests, then the block-fp8 8B model's batch 64 and 256 steps and
-#                           8k prefill without tuned tiles, tuned, then without and with them again
+#                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the block-fp8
+#                           8B model's batch 64 and 256 steps and 8k prefill without tuned tiles, tuned, then without
+#                           and with them again (not with FP8GEMMTUNE_ONE_PAIR=1), then the candidate tiles' and the
+#                           tuner's CUDA tests
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; only the H200 has a file), written to $OUT/configs, and the model's
 #                           batch-64 step and 8k prefill without, with, without and with the file
@@ -402,16 +403,15 @@ if [[ " $PARTS " == *" fp8tput "* ]]; then
 fi
 
 if [[ " $PARTS " == *" fp8gemmtune "* ]]; then
-  timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 190 tests/gpu/test_fp8_weights_cuda.py \
-    -k "candidate_block or tuner" 2>&1 | tee "$OUT/fp8gemmtune_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
   block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
   tuned_file() { $PY -c "import torch; from radixmesh.kernels.fp8_gemm import config_path; \
 print(config_path(torch.cuda.get_device_name(), '$1'))"; }
   gemm_run() {  # LABEL: the block-fp8 8B's batch 64 and 256 steps and 8k prefill with the tiles as they are now
     echo "== $1"
+    echo "{\"label\": \"$1\"}" >> "$OUT/fp8gemmtune_runs.jsonl"  # (one file for all runs: $OUT brings back 8)
     timeout 150 $PY -m radixmesh.engine.bench_one_batch --model-path build/llama-3.1-8b-fp8-block --load-format dummy \
       --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 64 256 --input-len 512 --output-len 16 \
-      --prefill-len 8192 --result-file "$OUT/fp8gemmtune_$1.jsonl" 2>&1 | tee -a "$OUT/fp8gemmtune.log" \
+      --prefill-len 8192 --result-file "$OUT/fp8gemmtune_runs.jsonl" 2>&1 | tee -a "$OUT/fp8gemmtune.log" \
       | grep -E "True|prefill of|rror"
   }
   PKG=$(tuned_file radixmesh/kernels/configs)
@@ -420,10 +420,16 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
   timeout 240 $PY -m radixmesh.benchmarks.tune_fp8_gemm --model-path $CFG --out "$OUT/configs" 2>&1 \
     | tee "$OUT/fp8gemmtune_tune.log" | grep -E "wrote|rror" | tail -3
   if cp "$(tuned_file "$OUT/configs")" "$PKG"; then
-    gemm_run tuned; mv "$PKG" "$PKG.new"; gemm_run untuned2; mv "$PKG.new" "$PKG"; gemm_run tuned2
+    gemm_run tuned
+    if [[ -z ${FP8GEMMTUNE_ONE_PAIR:-} ]]; then
+      mv "$PKG" "$PKG.new"; gemm_run untuned2; mv "$PKG.new" "$PKG"; gemm_run tuned2
+    fi
   fi
   rm -f "$PKG" "$PKG.new"
   [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
+  # the candidate tiles' and the tuner's CUDA tests last: a call cut at its bound keeps the runs above
+  timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 190 tests/gpu/test_fp8_weights_cuda.py \
+    -k "candidate_block or tuner" 2>&1 | tee -a "$OUT/fp8gemmtune.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
 fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then

@@ -90,10 +90,10 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     path = config_path(device, args.out)
     saved = json.loads(path.read_text()) if path.exists() else {"device": device, "shapes": {}}
-    for n, k in dict.fromkeys(shapes):
-        saved["shapes"][f"{n},{k},{args.block[0]},{args.block[1]}"] = tune_shape(n, k, tuple(args.block))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(saved, indent=1) + "\n")
+    for n, k in dict.fromkeys(shapes):  # written after each shape: a run cut short keeps the shapes it finished
+        saved["shapes"][f"{n},{k},{args.block[0]},{args.block[1]}"] = tune_shape(n, k, tuple(args.block))
+        path.write_text(json.dumps(saved, indent=1) + "\n")
     print("wrote", path)
 
 
