@@ -66,11 +66,6 @@
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; only the H200 has a file), written to $OUT/configs, and the model's
 #                           batch-64 step and 8k prefill without, with, without and with the file
-#   PARTS="setup latepull"  issues 51/52, the batch-1 chain: the kernels that feed a product (norms, SiLU-and-mul,
-#                           attention's merge) let their dependents launch only after their own wait, and the one-row
-#                           products pull their rows into L2 before theirs (RADIXMESH_PDL_PULL=1): the 8B fp8 step,
-#                           the MoE shape's and the 8B bf16 step (profile_decode --timeline) with it off and on,
-#                           alternated (LATEPULL_RUNS names the runs, model:switch), then its CUDA tests
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -452,23 +447,6 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
   fi
   rm -f "$PKG" "$PKG.new"
   [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
-fi
-
-if [[ " $PARTS " == *" latepull "* ]]; then
-  # (the step A/B first: a call cut at its bound still brings back the pairs it finished)
-  for run in ${LATEPULL_RUNS:-fp8:0 fp8:1 moe:0 moe:1 fp8:0 fp8:1 bf16:0 bf16:1}; do
-    model=${run%%:*}; on=${run##*:}
-    case $model in
-      fp8) args="--model-path $CFG --quantization fp8" ;;
-      moe) args="--model-path benchmarks/configs/qwen3-30b-a3b" ;;
-      *) args="--model-path $CFG" ;;
-    esac
-    echo "== $model RADIXMESH_PDL_PULL=$on"
-    RADIXMESH_PDL_PULL=$on timeout 120 $PY -m radixmesh.benchmarks.profile_decode $args --batch-size 1 --timeline \
-      --result-file "$OUT/latepull_${model}_$on.jsonl" 2>&1 | tee -a "$OUT/latepull.log" | grep -E "^bs 1|rror"
-  done
-  timeout 240 $PY -m pytest -q -p no:cacheprovider --timeout 220 --tb=short tests/gpu/test_fp8_weights_cuda.py \
-    -k "pdl_in_a_graph or weight_pull" 2>&1 | tee "$OUT/latepull_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
 fi
 
 if [[ $PARTS == *spec* ]]; then

@@ -56,7 +56,7 @@ def compile_row(kind: str, k: int, block_n: int, block_k: int, warps: int, group
     if kind == "fp8":
         fn, pointers = fp8_gemv._fp8_gemv_row_kernel, dict(X="*bf16", W="*fp8e4nv", S="*fp32", B="*bf16", Y="*bf16")
         constexprs = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, BN=1, BK=1, BLOCKWISE=False, PDL=True,
-                          HAS_BIAS=False, GROUP=min(group, block_k), PREFETCH_LINES=0)
+                          HAS_BIAS=False, GROUP=min(group, block_k))
     elif kind == "bf16" and group == 1:
         fn, pointers = gemv._gemv_row_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Y="*bf16")
         constexprs = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,

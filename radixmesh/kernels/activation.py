@@ -47,10 +47,9 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if gate_up.stride(1) != 1:
         gate_up = gate_up.contiguous()
     block = _block_columns(n, inter)
-    warps = max(1, min(8, block * gate_up.element_size() // (16 * 32)))
     _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=warps,
-        **pdl_options(gate_up, feeds_product=True))
+        gate_up, out, inter, gate_up.stride(0), BLOCK=block,
+        num_warps=max(1, min(8, block * gate_up.element_size() // (16 * 32))), **pdl_options(gate_up))
     return out
 
 

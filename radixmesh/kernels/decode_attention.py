@@ -265,7 +265,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
-            **pdl_options(q, feeds_product=True))
+            **pdl_options(q))
     return out
 
 

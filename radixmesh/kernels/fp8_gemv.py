@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.fp8_quant import FP8, dequantize_weight
-from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, interpreting, pdl_on, prefetch_l2, pull_on
+from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_on
 
 MAX_ROWS = 16
 ROW_CONFIG = (2, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): gemv_row's H200 tiles, twice the elements per byte read
@@ -45,8 +45,7 @@ def set_row_plan(plan: dict[tuple[int, int], tuple[int, ...]]) -> None:
 @triton.jit
 def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
-                         PREFETCH_LINES: tl.constexpr):
+                         PDL: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -54,9 +53,6 @@ def _fp8_gemv_row_kernel(X, W, S, B, Y, N, stride_wn, stride_sn, K: tl.constexpr
     scale_row = S + (pid * BLOCK_N // BN) * stride_sn  # the program's block row (BLOCKWISE)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:  # the rows into L2 while the kernel before ends (runtime.pull_on)
-            cols = tl.arange(0, PREFETCH_LINES) * 128  # the first byte of each 128-byte line
-            prefetch_l2(tl.where(n_mask[:, None] & (cols[None, :] < K), rows + cols[None, :], W))
         tl.extra.cuda.gdc_wait()  # x is the kernel before's output
     acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP], tl.float32)  # GROUP consecutive products a sum (module docstring)
     for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every load of the rows is independent of the others
@@ -152,13 +148,12 @@ def fp8_gemv_row(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: 
     if group < 1 or group & (group - 1):
         raise ValueError(f"a one-row tile's GROUP is a power of two, got {config}")
     pdl = pdl and pdl_on(x)
-    prefetch = triton.next_power_of_2(triton.cdiv(k, LINE_BYTES)) if pdl and pull_on(x) else 0
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _fp8_gemv_row_kernel[(triton.cdiv(n, block_n),)](
         x, w, scales, w if bias is None else bias.contiguous(), y, n, w.stride(0),
         scales.stride(0) if block is not None else 0, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
         BN=block[0] if block else 1, BK=block[1] if block else 1, BLOCKWISE=block is not None, PDL=pdl,
-        HAS_BIAS=bias is not None, GROUP=group, PREFETCH_LINES=prefetch, num_warps=warps, num_stages=1,
+        HAS_BIAS=bias is not None, GROUP=group, num_warps=warps, num_stages=1,
         **({"launch_pdl": True} if pdl else {}))
     return y
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2, pull_on
+from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_on, prefetch_l2
 
 MAX_ROWS = 16
 
@@ -114,7 +114,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 # launch, waiting for the kernel before), as a dependent that only waits, or one that first pulls its block's
 # weights into L2. Inside the 8B shape's batch-1 step on an H200 the three took 4.36-4.40, 3.93 and 4.64-4.67 ms
 # (benchmarks.pdl_step, 2026-11-29): the prefetch of every early program's whole block floods the memory system
-# the kernel before is streaming from.
+# the kernel before is streaming from. Nor does it pay when the small kernel before lets it launch only after its
+# own wait (the product before finished): that kernel's loads queue behind the pull, and the H100's 8B fp8 step took
+# 3.47 ms against 3.24-3.27 (twenty-second session; o_proj reached its floor, attention's merge grew 3 us a layer).
 ROW_PLAIN, ROW_PDL, ROW_PDL_PREFETCH = 0, 1, 2
 ROW_CONFIG = (2, 2048, 4, ROW_PDL)  # (BLOCK_N, BLOCK_K, num_warps, PDL mode): the best of 9 tiles in the H200 step
 
@@ -172,8 +174,6 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     mode = mode[0] if mode else ROW_PDL
     block_k = min(block_k, triton.next_power_of_2(k))
     pdl = pdl and pdl_on(x) and mode != ROW_PLAIN
-    if mode == ROW_PDL and pull_on(x):  # (the kernel before lets this one launch only after its own wait)
-        mode = ROW_PDL_PREFETCH
     line = LINE_BYTES // weight.element_size()
     prefetch = triton.next_power_of_2(triton.cdiv(k, line)) if pdl and mode == ROW_PDL_PREFETCH else 0
     _gemv_row_kernel[(triton.cdiv(n, block_n),)](

@@ -80,7 +80,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, r3, weight.contiguous(), out, out if res_out is None else res_out, n_rows, x3.shape[1], dim, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
-        num_warps=_num_warps(rows * block, x.element_size()), **pdl_options(x, feeds_product=True))
+        num_warps=_num_warps(rows * block, x.element_size()), **pdl_options(x))
     return out, res_out
 
 

@@ -31,18 +31,7 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
 # waits before it can finish, the order of the stream holds transitively. Kernels launched without it (torch ops,
 # cuBLAS) wait for the kernel before as usual.
 
-#
-# Pulling a product's weights into L2 before its wait pays only where the kernel before it moves few bytes: the pull
-# then overlaps that kernel's latency instead of the stream of the product before it. So with the pull on (`pull`,
-# RADIXMESH_PDL_PULL=1 until measured), the small kernels that feed a product (the norms, SiLU-and-mul, attention's
-# merge) let their dependents launch only after their own wait (PDL_LATE), by when the product before has finished,
-# and the one-row products pull their rows before their wait. With it off every kernel lets its dependents launch
-# first: on an H200 the pull behind early launches flooded the memory system the product before was streaming from
-# (the 8B step 4.64 against 3.93 ms, 2026-11-29), and o_proj's pull slowed attention's stage 1 (2026-12-06).
-
-PDL_LATE = 2  # a kernel's PDL argument: wait first, then let dependents launch
-
-_pdl: dict = {"enabled": True, "gemv": True, "row": {}, "pull": os.environ.get("RADIXMESH_PDL_PULL", "0") == "1"}
+_pdl: dict = {"enabled": True, "gemv": True, "row": {}}
 
 
 def use_pdl(enabled: bool, gemv: bool | dict = True, row: dict | None = None) -> None:
@@ -108,32 +97,16 @@ def pdl_on(t: torch.Tensor) -> bool:
     return pdl_enabled(t.device) and torch.cuda.is_current_stream_capturing()
 
 
-def pull_on(t: torch.Tensor) -> bool:
-    """Whether a one-row product on `t` pulls its weights into L2 before its PDL wait (see PDL_LATE above)."""
-    return _pdl["pull"] and pdl_on(t)
-
-
-def set_pull(on: bool) -> None:
-    """Turn the weight pull (and the late launches that go with it) on or off; graphs captured afterwards follow."""
-    _pdl["pull"] = on
-
-
-def pdl_options(t: torch.Tensor, feeds_product: bool = False) -> dict:
-    """Keyword arguments for launching a kernel that takes `PDL: tl.constexpr` and begins with pdl_enter(PDL);
-    `feeds_product`: its output is a product's input, so with the pull on it lets its dependents launch late."""
-    if not pdl_on(t):
-        return {"PDL": False}
-    return {"PDL": PDL_LATE if feeds_product and _pdl["pull"] else True, "launch_pdl": True}
+def pdl_options(t: torch.Tensor) -> dict:
+    """Keyword arguments for launching a kernel that takes `PDL: tl.constexpr` and begins with pdl_enter(PDL)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_on(t) else {"PDL": False}
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     if PDL:
-        if PDL != 2:  # (PDL_LATE)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 # Kernel tiles tuned per GPU and saved as data (benchmarks.tune_moe, benchmarks.tune_fp8_gemm)

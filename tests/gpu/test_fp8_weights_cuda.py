@@ -112,66 +112,31 @@ def test_the_tuner_writes_tiles_the_products_then_run_with(tmp_path, monkeypatch
         gemm.tuned_tiles.cache_clear()
 
 
-@pytest.mark.parametrize("pull", [False, True])
-def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch(pull):
-    """Products and the norms between them, as in a layer, captured under PDL (with the weight pull and the norms'
-    late launches, or without) and replayed: bit for bit their eager launches."""
-    from radixmesh.kernels.norm import fused_add_rmsnorm
-    from radixmesh.kernels.runtime import pdl_supported, set_pull
+def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
+    from radixmesh.kernels.runtime import pdl_supported
 
     if not pdl_supported():
         pytest.skip("programmatic dependent launch needs Hopper or later")
     chain = [_weight(n, k, (128, 128), seed=i) for i, (n, k) in enumerate([(4096, 4096), (14336, 4096),
                                                                           (4096, 14336)])]
     x = torch.randn((1, 4096), device="cuda", dtype=torch.bfloat16)
-    norm_w = {k: torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5 for k in (4096, 14336)}
 
     def run(pdl: bool) -> torch.Tensor:
         y = x
         for w, s in chain:
-            y = fp8_gemv_row(y, w, s, (128, 128), pdl=pdl)
-            y, _ = fused_add_rmsnorm(y, torch.ones_like(y), norm_w[y.shape[1]], 1e-6)
+            y = fp8_gemv_row(y, w, s, (128, 128), pdl=pdl) / 8
         return y
 
-    set_pull(pull)
-    try:
-        eager = run(False)
-        graph = torch.cuda.CUDAGraph()
-        run(True)  # compile outside the capture
+    eager = run(False)
+    graph = torch.cuda.CUDAGraph()
+    run(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(3):
+        graph.replay()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            out = run(True)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager)
-    finally:
-        set_pull(False)
-
-
-def test_an_fp8_engine_gives_the_same_tokens_and_logprobs_with_the_weight_pull(tmp_path):
-    """The pull and the late launches (runtime.set_pull) change when kernels start, not what they compute: the same
-    tokens and logprobs from a block-fp8 checkpoint served in bfloat16, one request at a time in CUDA graphs (the
-    fp8 one-row products, norms, SiLU-and-mul, attention's merge), with and without."""
-    from radixmesh.kernels.runtime import pdl_supported, set_pull
-
-    if not pdl_supported():
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
-    prompts = parity_prompts(q)[:3]
-    got = {}
-    for pull in (False, True):
-        set_pull(pull)
-        try:
-            with running_engine(q, device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
-                                fp8_gemm_backend="triton") as llm:
-                assert llm.runner.graphs is not None
-                outs = [llm.generate(input_ids=[p], sampling_params={"max_new_tokens": 12, "temperature": 0},
-                                     return_logprob=True)[0] for p in prompts]
-        finally:
-            set_pull(False)
-        got[pull] = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
-    assert got[True] == got[False]
+        assert torch.equal(out, eager)
 
 
 def test_the_engine_holds_block_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_graphs(tmp_path):

@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, fp8_gemv, gemv, kv_store, lora, moe,
-                               moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
+                               moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -88,20 +88,6 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
-# with the weight pull on (runtime.pull_on): the kernels that feed a product let their dependents launch after their
-# wait, and the fp8 one-row product pulls its rows into L2 before its wait
-out["stage2_late"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
-                                                                SeqLens="*i64"), set(),
-                         dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=16, BLOCK_D=128, PDL=2), 4, 1)
-out["silu_and_mul_late"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
-                               dict(BLOCK=1024, PDL=2), 4, 1)
-out["rmsnorm_late"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
-                                                     res_out_ptr=bf16), {"eps"},
-                          dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=2), 8, 1)
-for name, lines in (("fp8_gemv_row", 0), ("fp8_gemv_row_pull", 128)):
-    out[name] = ptx(fp8_gemv._fp8_gemv_row_kernel, dict(X=bf16, W="*fp8e4nv", S="*fp32", B=bf16, Y=bf16), set(),
-                    dict(K=14336, BLOCK_N=2, BLOCK_K=2048, BN=1, BK=1, BLOCKWISE=False, PDL=True, HAS_BIAS=False,
-                         GROUP=16, PREFETCH_LINES=lines), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn"))
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16), set(),
@@ -203,30 +189,6 @@ def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx)
         assert launch and wait and loads and launch[0] < wait[0] and not [i for i in loads if i < wait[0]]
         assert len(wide) >= k * 2 * 2 // 16 // 128  # the block's bytes over 16-byte loads of 128 threads
     assert not _lines(ptx["gemv_row_wait"], r"prefetch\.global\.L2")
-
-
-@pytest.mark.parametrize("kernel,early_loads", [("stage2_late", 1), ("silu_and_mul_late", 0), ("rmsnorm_late", 0)])
-def test_a_kernel_feeding_a_product_lets_dependents_launch_after_its_wait_with_the_pull_on(ptx, kernel, early_loads):
-    """PDL_LATE: the kernel waits for the one before, then lets its dependents launch (so the product after it
-    pulls its weights only once the product before has finished streaming), and still reads nothing the kernel before
-    wrote ahead of the wait."""
-    code = ptx[kernel]
-    launch, wait, loads = (_lines(code, p) for p in
-                           (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"ld\.global"))
-    assert launch and wait and loads and wait[0] < launch[0]
-    assert len(launch) == 1 and len([i for i in loads if i < wait[0]]) == early_loads
-
-
-def test_the_fp8_one_row_product_pulls_its_rows_before_its_wait_only_with_the_pull_on(ptx):
-    """fp8_gemv_row under PDL with PREFETCH_LINES: dependents launch, the rows' 128-byte lines go to L2, then the wait,
-    and no load reads global memory before it; without, no prefetch at all."""
-    code = ptx["fp8_gemv_row_pull"]
-    launch, prefetch, wait, loads = (_lines(code, p) for p in (r"griddepcontrol\.launch_dependents",
-                                     r"prefetch\.global\.L2", r"griddepcontrol\.wait", r"ld\.global"))
-    assert launch and prefetch and wait and launch[0] < prefetch[0] and prefetch[-1] < wait[0]
-    assert len(prefetch) >= 2 * 112 // 128  # the block's 2 x 112 lines over 128 threads
-    assert loads and not [i for i in loads if i < wait[0]]
-    assert not _lines(ptx["fp8_gemv_row"], r"prefetch\.global\.L2")
 
 
 def test_an_empty_split_returns_before_its_wait(ptx):
