@@ -61,8 +61,8 @@
 #   PARTS="setup fp8gemmtune" issue 52: kernels.fp8_gemm's block-wise tiles tuned offline for the 8B shapes on this GPU
 #                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the block-fp8
 #                           8B model's batch 64 and 256 steps and 8k prefill without tuned tiles, tuned, then without
-#                           and with them again (not with FP8GEMMTUNE_ONE_PAIR=1), then the candidate tiles' and the
-#                           tuner's CUDA tests
+#                           and with them again (not with FP8GEMMTUNE_ONE_PAIR=1; no runs with FP8GEMMTUNE_ONLY=1),
+#                           then the candidate tiles' and the tuner's CUDA tests
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; only the H200 has a file), written to $OUT/configs, and the model's
 #                           batch-64 step and 8k prefill without, with, without and with the file
@@ -409,6 +409,7 @@ print(config_path(torch.cuda.get_device_name(), '$1'))"; }
       --prefill-len 8192 --result-file "$OUT/fp8gemmtune_runs.jsonl" 2>&1 | tee -a "$OUT/fp8gemmtune.log" \
       | grep -E "True|prefill of|rror"
   }
+  [[ -n ${FP8GEMMTUNE_ONLY:-} ]] && gemm_run() { :; }  # FP8GEMMTUNE_ONLY=1: tune and bring the file back, no runs
   PKG=$(tuned_file radixmesh/kernels/configs)
   [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
   gemm_run untuned
