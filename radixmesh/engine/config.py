@@ -40,6 +40,9 @@ class EngineArgs:
     quantization: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # SGLang's: a JSON file of an fp8_e4m3 KV cache's per-layer scales for each TP rank, used instead of the
+    # checkpoint's (engine.quantization.kv_scales)
+    quantization_param_path: str | None = None
     device: str | None = None
     context_length: int | None = None
     page_size: int | None = None

@@ -1,9 +1,11 @@
 """KV cache scales in checkpoints (engine.quantization.kv_scales, loader.load_kv_scales) and the pool that applies
 them (engine.cache.kv_pool): the names exporters give them, 1.0 where a layer has none, a clear refusal of a scale we
-cannot use, nothing read (and nothing refused) for a float cache, and an fp8 pool that stores clamp(x / scale)."""
+cannot use, nothing read (and nothing refused) for a float cache, and an fp8 pool that stores clamp(x / scale); and
+SGLang's --quantization-param-path file of per-rank scales in their place."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -103,6 +105,75 @@ def test_a_scale_outside_a_decoder_layers_attention_is_refused_at_load(tmp_path)
     path = _with(tmp_path, {"model.layers.0.mlp.k_scale": torch.tensor(0.5)})
     with pytest.raises(ValueError, match="looks like an fp8 KV cache scale"):
         loader.load_model(ModelConfig.from_path(str(path)), "auto", torch.float32, torch.device("cpu"), 128)
+
+
+# ---- --quantization-param-path ---------------------------------------------------------------------------------------
+
+def _param_file(tmp_path, ranks: dict, dtype="float8_e4m3fn", model_type="llama", name="kv_cache_scales.json") -> str:
+    doc = {"model_type": model_type, "kv_cache": {"dtype": dtype, "scaling_factor": ranks}}
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _from_file(path, file, kv_cache_dtype="fp8_e4m3", rank=0, size=1, load_format="auto"):
+    return loader.load_kv_scales(ModelConfig.from_path(str(path)), kv_cache_dtype, load_format, file, rank, size)
+
+
+def test_a_param_file_gives_each_rank_its_scales_in_place_of_the_checkpoint_s(tmp_path):
+    """One scale a layer for keys and values, from the rank's own map (ranks hold different KV heads); the
+    checkpoint's scales are not used once a file is given; dummy weights take the file too."""
+    ckpt = _with(tmp_path, {_at(i, "k_scale"): torch.tensor(9.0) for i in range(LAYERS)})
+    file = _param_file(tmp_path, {"0": {str(i): 0.5 + i for i in range(LAYERS)},
+                                  "1": {str(i): 2.0 for i in range(LAYERS)}})
+    assert _from_file(ckpt, file, rank=0, size=2) == KvScales((0.5, 1.5, 2.5, 3.5), (0.5, 1.5, 2.5, 3.5))
+    assert _from_file(ckpt, file, rank=1, size=2, load_format="dummy") == KvScales((2.0,) * LAYERS, (2.0,) * LAYERS)
+
+
+@pytest.mark.parametrize("ranks,kwargs,words", [
+    ({"0": {str(i): 1.0 for i in range(LAYERS)}}, {"dtype": "float8_e5m2"}, "for a 'float8_e5m2' KV cache"),
+    ({"0": {str(i): 1.0 for i in range(LAYERS)}}, {"model_type": "qwen2"}, "made for model_type 'qwen2'"),
+    ({"0": {str(i): 1.0 for i in range(LAYERS)}, "1": {str(i): 1.0 for i in range(LAYERS)}}, {},
+     "runs with tp_size 1"),
+    ({"0": {str(i): 1.0 for i in range(LAYERS - 1)}}, {}, "each needs one"),
+    ({"0": {**{str(i): 1.0 for i in range(LAYERS - 1)}, str(LAYERS - 1): "x"}}, {}, "not a number"),
+    ({"0": {**{str(i): 1.0 for i in range(LAYERS - 1)}, str(LAYERS - 1): -1.0}}, {}, "positive finite"),
+])
+def test_a_param_file_that_does_not_fit_is_refused_with_the_reason(tmp_path, ranks, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        _from_file(model_path("tiny-llama"), _param_file(tmp_path, ranks, **kwargs))
+
+
+def test_a_param_file_is_for_an_e4m3_cache_read_by_no_float_one_and_must_parse(tmp_path):
+    file = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}})
+    with pytest.raises(ValueError, match="--kv-cache-dtype is fp8_e5m2"):
+        _from_file(model_path("tiny-llama"), file, "fp8_e5m2")
+    assert _from_file(model_path("tiny-llama"), file, "auto") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        _from_file(model_path("tiny-llama"), str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="no kv_cache.scaling_factor"):
+        _from_file(model_path("tiny-llama"), _param_file(tmp_path, [], name="list.json"))
+
+
+def test_an_engine_serves_the_same_with_a_param_file_as_with_the_checkpoint_s_scales(tmp_path):
+    """The same per-layer scales from the file (--quantization-param-path) or in the checkpoint: the same pool
+    scales, tokens and logprobs; with scales large enough to change what the fp8 cache stores, so a file that was not
+    applied would show."""
+    values = [4.0, 0.25, 8.0, 2.0]
+    ckpt = _with(tmp_path, {_at(i, "kv_scale"): torch.tensor(v) for i, v in enumerate(values)})
+    file = _param_file(tmp_path, {"0": {str(i): v for i, v in enumerate(values)}})
+    got = {}
+    for name, path, extra in (("file", model_path("tiny-llama"), {"quantization_param_path": file}),
+                              ("checkpoint", str(ckpt), {}), ("none", model_path("tiny-llama"), {})):
+        with running_engine(path, skip_tokenizer_init=True, kv_cache_dtype="fp8_e4m3", **extra) as llm:
+            scales = llm.runner.kv_pool.k_scale, llm.runner.kv_pool.v_scale
+            out = llm.generate(input_ids=[5, 6, 7, 8, 9], sampling_params={"max_new_tokens": 6, "temperature": 0},
+                               return_logprob=True)
+        got[name] = scales, out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert got["file"][0] == (tuple(values), tuple(values))
+    assert got["file"] == got["checkpoint"]
+    assert got["none"][2] != got["file"][2]
 
 
 # ---- the pool ---------------------------------------------------------------------------------------------------------

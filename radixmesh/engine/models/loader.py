@@ -19,7 +19,7 @@ from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
 from radixmesh.engine.quantization import fp8_load
 from radixmesh.engine.quantization.fp8 import FP8, Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
-from radixmesh.engine.quantization.kv_scales import KvScales, check_scale, collect, kv_scale_of
+from radixmesh.engine.quantization.kv_scales import KvScales, check_scale, collect, from_param_file, kv_scale_of
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +238,27 @@ def _hold_fp8(model: nn.Module, cfg: ModelConfig, load_format: str, quantization
     fp8_load.hold_fp8(model, names_of, dtypes, scheme, device)
 
 
-def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str) -> KvScales | None:
+def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, param_path: str | None = None,
+                   tp_rank: int = 0, tp_size: int = 1) -> KvScales | None:
     """The checkpoint's per-layer KV cache scales (engine.quantization.kv_scales) for an fp8 KV cache
-    (`kv_cache_dtype` fp8_*), 1.0 for a layer without one; None where the cache is not fp8 (the scales are then
-    ignored) or the weights are dummy. ValueError for a scale that is not one positive float."""
-    if not kv_cache_dtype.startswith("fp8") or load_format == "dummy":
+    (`kv_cache_dtype` fp8_*), 1.0 for a layer without one, or this TP rank's from `param_path`
+    (--quantization-param-path, which SGLang reads for an fp8_e4m3 cache, in place of the checkpoint's); None where
+    the cache is not fp8 (the scales are then ignored) or the weights are dummy and no file is given. ValueError for
+    a scale that is not one positive float, or a file that does not fit."""
+    if not kv_cache_dtype.startswith("fp8"):
+        if param_path is not None:
+            log.warning("--quantization-param-path %s is not read: KV cache scales apply to an fp8 KV cache, and "
+                        "--kv-cache-dtype is %s", param_path, kv_cache_dtype)
+        return None
+    if param_path is not None:
+        if kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(f"--quantization-param-path holds scales for an fp8_e4m3 KV cache (float8_e4m3fn), but "
+                             f"--kv-cache-dtype is {kv_cache_dtype}")
+        scales = from_param_file(param_path, tp_rank, tp_size, cfg.num_layers, _model_type(cfg))
+        log.info("KV cache scales for TP rank %d from %s (the checkpoint's, if any, are not used)", tp_rank,
+                 param_path)
+        return scales
+    if load_format == "dummy":
         return None
     found = []
     for name, lazy in model_tensors(cfg):
@@ -257,6 +273,15 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str) -> K
         log.warning("--kv-cache-dtype %s: the checkpoint gives KV cache scales for %d of %d layers; the others use "
                     "1.0", kv_cache_dtype, given, cfg.num_layers)
     return scales
+
+
+def _model_type(cfg: ModelConfig) -> str | None:
+    """config.json's model_type, which a --quantization-param-path file names the scales it holds for."""
+    try:
+        with open(os.path.join(cfg.path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:

@@ -12,10 +12,16 @@ layer `layers.<i>.self_attn.`, with or without the leading `model.`):
 A layer the checkpoint gives no scale keeps 1.0 (SGLang's default). The scales are read only when the KV cache is fp8;
 a float cache holds the model's values unscaled and ignores them, as SGLang does. Under tensor parallelism every rank
 reads the same scalars (one per layer, for all its KV heads); pages moved between tiers or workers as raw bytes are
-read with the scales of the checkpoint both sides load."""
+read with the scales of the checkpoint both sides load.
+
+SGLang's `--quantization-param-path` names a JSON file of scales instead (vLLM's format, written by calibration tools
+for an fp8_e4m3 cache): {"model_type": ..., "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"<tp rank>":
+{"<layer>": scale, ...}, ...}}}, one scale a layer for both keys and values, per tensor-parallel rank (each rank holds
+other KV heads). It takes the place of the checkpoint's scales (`from_param_file`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -88,3 +94,41 @@ def collect(tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int, where:
             _set(v, layer, value, name)
     given = sum(a is not None or b is not None for a, b in zip(k, v))
     return KvScales(tuple(1.0 if s is None else s for s in k), tuple(1.0 if s is None else s for s in v)), given
+
+
+def from_param_file(path: str, tp_rank: int, tp_size: int, num_layers: int, model_type: str | None) -> KvScales:
+    """This rank's per-layer scales from a --quantization-param-path file (module docstring); ValueError naming what
+    does not fit: a file for another cache dtype, model type, TP size or layer count, or a scale that is not one
+    positive finite number."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"quantization_param_path {path!r} is not a readable JSON file: {e}") from None
+    kv = doc.get("kv_cache") if isinstance(doc, dict) else None
+    if not isinstance(kv, dict) or not isinstance(kv.get("scaling_factor"), dict):
+        raise ValueError(f"quantization_param_path {path!r} has no kv_cache.scaling_factor map (the file SGLang and "
+                         "vLLM read: {\"kv_cache\": {\"dtype\": \"float8_e4m3fn\", \"scaling_factor\": {rank: {layer: "
+                         "scale}}}})")
+    if kv.get("dtype") != "float8_e4m3fn":
+        raise ValueError(f"quantization_param_path {path!r} holds scales for a {kv.get('dtype')!r} KV cache; they are "
+                         "for float8_e4m3fn (--kv-cache-dtype fp8_e4m3)")
+    file_type = doc.get("model_type")
+    if file_type is not None and model_type is not None and file_type != model_type:
+        raise ValueError(f"quantization_param_path {path!r} was made for model_type {file_type!r}, but this model is "
+                         f"{model_type!r}")
+    ranks = kv["scaling_factor"]
+    if len(ranks) != tp_size or str(tp_rank) not in {str(r) for r in ranks}:
+        raise ValueError(f"quantization_param_path {path!r} has scales for TP ranks {sorted(ranks)}, but the engine "
+                         f"runs with tp_size {tp_size} (rank {tp_rank})")
+    layers = next(v for r, v in ranks.items() if str(r) == str(tp_rank))
+    if not isinstance(layers, dict) or sorted(str(i) for i in layers) != sorted(str(i) for i in range(num_layers)):
+        raise ValueError(f"quantization_param_path {path!r} gives TP rank {tp_rank} scales for layers "
+                         f"{sorted(layers, key=str) if isinstance(layers, dict) else layers!r}; the model has layers "
+                         f"0-{num_layers - 1}, each needs one")
+    found = []
+    for layer, value in layers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"quantization_param_path {path!r}: layer {layer}'s scale is {value!r}, not a number")
+        found.append((f"layers.{layer}.self_attn.kv_scale", torch.tensor(float(value))))
+    return collect(found, num_layers, path)[0]
