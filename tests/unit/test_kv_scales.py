@@ -156,6 +156,26 @@ def test_a_param_file_is_for_an_e4m3_cache_read_by_no_float_one_and_must_parse(t
         _from_file(model_path("tiny-llama"), _param_file(tmp_path, [], name="list.json"))
 
 
+def test_stored_pages_of_a_param_file_s_scales_never_meet_pages_of_other_scales(tmp_path):
+    """The storage tiers' page keys bind the layout: with a --quantization-param-path file its content is part of
+    it, so pages stored under other scales (another file, or the checkpoint's) are never read back under these."""
+    from radixmesh.engine.cache.build import kv_layout
+    from radixmesh.engine.config import EngineArgs
+
+    cfg = ModelConfig.from_path(model_path("tiny-llama"))
+    ones = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}}, name="a.json")
+    twos = _param_file(tmp_path, {"0": {str(i): 2.0 for i in range(LAYERS)}}, name="b.json")
+    same = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}}, name="c.json")
+
+    def layout(file, dtype="fp8_e4m3"):
+        args = EngineArgs(model_path=model_path("tiny-llama"), kv_cache_dtype=dtype, quantization_param_path=file,
+                          page_size=1, tp_size=1)
+        return kv_layout(args, cfg)
+    assert len({layout(None), layout(ones), layout(twos)}) == 3
+    assert layout(ones) == layout(same)
+    assert layout(ones, "bfloat16") == layout(None, "bfloat16")  # (a float cache reads no scales)
+
+
 def test_an_engine_serves_the_same_with_a_param_file_as_with_the_checkpoint_s_scales(tmp_path):
     """The same per-layer scales from the file (--quantization-param-path) or in the checkpoint: the same pool
     scales, tokens and logprobs; with scales large enough to change what the fp8 cache stores, so a file that was not
