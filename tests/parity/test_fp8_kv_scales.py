@@ -5,7 +5,8 @@ smaller) and its values 1/128-500 times their size (its output projection the in
 and values an unscaled e4m3 cache clips at 448 or rounds into its subnormals. Its k_scale / v_scale tensors are
 calibrated the way exporters do (the largest activation over other prompts / 448), and with them the fp8 cache
 answers as the float32 cache does; the same weights without them do not. The scales travel through both attention
-backends, tensor parallelism, the hierarchical cache and a prefill/decode handoff; a float cache ignores them."""
+backends, tensor parallelism, the hierarchical cache and a prefill/decode handoff; a float cache ignores them. A
+--quantization-param-path file (SGLang's) gives each TP rank its scales instead."""
 
 from __future__ import annotations
 
@@ -195,3 +196,26 @@ def test_a_prefill_decode_handoff_reads_the_pages_with_the_same_scales(checkpoin
                 _same(await pair.generate(ids, sp, verify=True, **LP),
                       await c.async_generate(input_ids=ids, sampling_params=sp, **LP))
         asyncio.run(run())
+
+
+def test_a_param_file_s_scales_under_tensor_parallelism(checkpoints, tmp_path):
+    """SGLang's --quantization-param-path: one scale a layer for keys and values, a map for each TP rank. Two ranks,
+    each reading its own map, answer as one process reading the file, and with the scales, not without them."""
+    import json
+
+    per_layer = {str(i): max(k, v) for i, (k, v) in enumerate(checkpoints["scales"])}
+
+    def param_file(ranks: int) -> str:
+        path = tmp_path / f"kv_scales_tp{ranks}.json"
+        path.write_text(json.dumps({"model_type": "llama", "kv_cache": {
+            "dtype": "float8_e4m3fn", "scaling_factor": {str(r): per_layer for r in range(ranks)}}}))
+        return str(path)
+
+    bare = checkpoints["bare"]
+    one = _generate(bare, kv_cache_dtype="fp8_e4m3", quantization_param_path=param_file(1))
+    two = _generate(bare, kv_cache_dtype="fp8_e4m3", quantization_param_path=param_file(2), tp_size=2)
+    assert [o["output_ids"] for o in two] == [o["output_ids"] for o in one]
+    for a, b in zip(one, two):
+        assert _logprobs(a) == pytest.approx(_logprobs(b), abs=1e-3)
+    unscaled = _generate(bare, kv_cache_dtype="fp8_e4m3")
+    assert [_logprobs(o) for o in unscaled] != [_logprobs(o) for o in one]
