@@ -12,7 +12,8 @@ layer `layers.<i>.self_attn.`, with or without the leading `model.`):
 A layer the checkpoint gives no scale keeps 1.0 (SGLang's default). The scales are read only when the KV cache is fp8;
 a float cache holds the model's values unscaled and ignores them, as SGLang does. Under tensor parallelism every rank
 reads the same scalars (one per layer, for all its KV heads); pages moved between tiers or workers as raw bytes are
-read with the scales of the checkpoint both sides load.
+read with the scales both sides load (the storage tiers' page keys bind a param file's digest, below; a prefill and a
+decode worker must be given the same checkpoint and file).
 
 SGLang's `--quantization-param-path` names a JSON file of scales instead (vLLM's format, written by calibration tools
 for an fp8_e4m3 cache): {"model_type": ..., "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"<tp rank>":
