@@ -238,3 +238,22 @@ def test_scales_belong_to_an_fp8_pool_of_the_models_layers():
     with pytest.raises(ValueError, match="for 3 / 2 layers, but the pool has 2"):
         _pool(torch.float8_e4m3fn, ((1.0,) * 3, (1.0, 1.0)))
     assert _pool(torch.float32, ((1.0, 1.0), (1.0, 1.0))).k_scale == (1.0, 1.0)
+
+
+def test_a_prefill_decode_pair_refuses_pages_that_would_read_back_wrong():
+    """The handoff's kv_format (sent by the decode worker, compared by the prefill worker): fp8_e4m3 and fp8_e5m2
+    pages have the same bytes, and so do pages under other scales, so both are named in it; a float cache's is its
+    dtype; an older decode worker sends none and is not refused for it."""
+    from radixmesh.engine.disaggregation.kv_pages import check_kv_format, kv_format
+
+    scales = ((1.0, 2.0), (1.0, 1.0))
+    e4m3 = kv_format(_pool(torch.float8_e4m3fn, scales))
+    other_scales = kv_format(_pool(torch.float8_e4m3fn, ((1.0, 3.0), (1.0, 1.0))))
+    e5m2 = kv_format(_pool(torch.float8_e5m2, scales))
+    assert e4m3 == kv_format(_pool(torch.float8_e4m3fn, scales)) and kv_format(_pool(torch.float32)) == "float32"
+    assert len({e4m3, other_scales, e5m2, "float32"}) == 4
+    check_kv_format(e4m3, e4m3)
+    check_kv_format(e4m3, "")
+    for theirs in (other_scales, e5m2):
+        with pytest.raises(ValueError, match="same --kv-cache-dtype and KV cache scales"):
+            check_kv_format(e4m3, theirs)

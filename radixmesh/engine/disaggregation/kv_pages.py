@@ -37,6 +37,25 @@ def check_layouts(src: KvLayout, dst: KvLayout) -> None:
                          f"{len(dst.bases)} of {dst.page_bytes} B/page at the peer (another model or page size?)")
 
 
+def kv_format(pool: KVPool) -> str:
+    """What a page's bytes mean beyond the layout's sizes: the cache dtype and, for an fp8 cache, a digest of its
+    per-layer scales. Two workers of one model and page size can differ in these (fp8_e4m3 and fp8_e5m2 pages have
+    the same bytes; scales come from the checkpoint or a --quantization-param-path file)."""
+    dtype = str(pool.buffers()[0].dtype).removeprefix("torch.")
+    if not dtype.startswith("float8"):
+        return dtype
+    scales = repr((tuple(pool.k_scale), tuple(pool.v_scale))).encode()
+    return f"{dtype} with scales {hashlib.sha256(scales).hexdigest()[:12]}"
+
+
+def check_kv_format(mine: str, theirs: str) -> None:
+    """ValueError unless a peer's pages (kv_format `theirs`; empty: a peer too old to say) mean what ours do."""
+    if theirs and theirs != mine:
+        raise ValueError(f"the decode worker's KV cache holds {theirs} and this prefill worker's {mine}: the workers "
+                         "of a prefill/decode pair must use the same --kv-cache-dtype and KV cache scales (the same "
+                         "checkpoint and --quantization-param-path)")
+
+
 def kv_writes(src: KvLayout, dst: KvLayout, src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Write]:
     """The batched writes that copy src_pages to dst_pages in every buffer (runs of consecutive pages merged)."""
     check_layouts(src, dst)

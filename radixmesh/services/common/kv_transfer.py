@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from radixmesh.engine.disaggregation.fake_backend import Faults
-from radixmesh.engine.disaggregation.kv_pages import KvLayout, check_layouts, kv_writes
+from radixmesh.engine.disaggregation.kv_pages import KvLayout, check_layouts, kv_format, kv_writes
 from radixmesh.engine.disaggregation.registry import make_backend
 
 log = logging.getLogger("radixmesh.pd")
@@ -66,6 +66,7 @@ class KvTransfer:
         for t in self.mirror.buffers:
             self.backend.register(t.data_ptr(), t.numel() * t.element_size())
         self.layout: KvLayout = KvLayout(tuple(t.data_ptr() for t in self.mirror.buffers), self.pool.page_bytes)
+        self.kv_format = kv_format(self.pool)  # (what a peer's pages must mean too)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixmesh-kv-write")
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
         self.observer: TransferObserver | None = None  # set when metrics are on

@@ -19,7 +19,7 @@ import grpc
 
 from radixmesh.engine.disaggregation.handoff import PrefillRole
 from radixmesh.engine.disaggregation.draft_state import DraftState, describe
-from radixmesh.engine.disaggregation.kv_pages import KvLayout
+from radixmesh.engine.disaggregation.kv_pages import KvLayout, check_kv_format
 from radixmesh.engine.disaggregation.transfer import page_runs
 from radixmesh.v1 import bootstrap_pb2, bootstrap_pb2_grpc, common_pb2, worker_pb2
 from radixmesh.services.common import tracing
@@ -235,6 +235,7 @@ class PrefillRooms(bootstrap_pb2_grpc.KvBootstrapServiceServicer):
                 raise ValueError(f"the decode worker runs --tp-size {dest.tp_size} and this prefill worker "
                                  f"--tp-size {self.transfer.tp_size}: the workers of a prefill/decode pair must use "
                                  "the same tensor parallel size (each rank's KV shard goes to the matching rank)")
+            check_kv_format(self.transfer.kv_format, dest.kv_format)
             draft = draft_to_send(first, dest, rid)
             layout = KvLayout(tuple(dest.buffer_bases), dest.page_bytes)
             room.write = pending = self.transfer.write(dest.session_id, layout, src, list(dest.pages), dest.verify)

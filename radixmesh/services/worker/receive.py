@@ -120,7 +120,7 @@ class DecodeRoom:
         await call.write(bootstrap_pb2.HandoffRequest(destination=bootstrap_pb2.KvDestination(
             session_id=s.transfer.session_id, buffer_bases=s.transfer.layout.bases,
             page_bytes=s.transfer.layout.page_bytes, pages=self.landing, cached_tokens=cached, verify=s.verify,
-            tp_size=s.transfer.tp_size,
+            tp_size=s.transfer.tp_size, kv_format=s.transfer.kv_format,
             draft_state=convert.draft_wanted_msg(wanted) if wanted is not None else None)))
         started = await reading
         self._enter("transferring", f"{started.bytes} bytes in {started.writes} writes")
