@@ -72,7 +72,7 @@ def read_tuned(path: Path) -> Tuned:
 @functools.cache
 def tuned_tiles(device_index: int) -> Tuned:
     """The tiles tuned for the GPU at `device_index` (read once a process, from CONFIG_DIR)."""
-    return read_tuned(config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR))
+    return read_tuned(config_path(torch.cuda.get_device_name(device_index)))
 
 
 @triton.jit

@@ -118,18 +118,19 @@ def from_param_file(path: str, tp_rank: int, tp_size: int, num_layers: int, mode
     if file_type is not None and model_type is not None and file_type != model_type:
         raise ValueError(f"quantization_param_path {path!r} was made for model_type {file_type!r}, but this model is "
                          f"{model_type!r}")
-    ranks = kv["scaling_factor"]
-    if len(ranks) != tp_size or str(tp_rank) not in {str(r) for r in ranks}:
+    ranks = kv["scaling_factor"]  # (JSON keys are strings)
+    if len(ranks) != tp_size or str(tp_rank) not in ranks:
         raise ValueError(f"quantization_param_path {path!r} has scales for TP ranks {sorted(ranks)}, but the engine "
                          f"runs with tp_size {tp_size} (rank {tp_rank})")
-    layers = next(v for r, v in ranks.items() if str(r) == str(tp_rank))
-    if not isinstance(layers, dict) or sorted(str(i) for i in layers) != sorted(str(i) for i in range(num_layers)):
+    layers = ranks[str(tp_rank)]
+    if not isinstance(layers, dict) or set(layers) != {str(i) for i in range(num_layers)}:
         raise ValueError(f"quantization_param_path {path!r} gives TP rank {tp_rank} scales for layers "
-                         f"{sorted(layers, key=str) if isinstance(layers, dict) else layers!r}; the model has layers "
+                         f"{sorted(layers) if isinstance(layers, dict) else layers!r}; the model has layers "
                          f"0-{num_layers - 1}, each needs one")
-    found = []
-    for layer, value in layers.items():
+    scales = []
+    for i in range(num_layers):
+        value = layers[str(i)]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"quantization_param_path {path!r}: layer {layer}'s scale is {value!r}, not a number")
-        found.append((f"layers.{layer}.self_attn.kv_scale", torch.tensor(float(value))))
-    return collect(found, num_layers, path)[0]
+            raise ValueError(f"quantization_param_path {path!r}: layer {i}'s scale is {value!r}, not a number")
+        scales.append(_value(f"layer {i}", torch.tensor(float(value)), path))
+    return KvScales(tuple(scales), tuple(scales))
