@@ -152,7 +152,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None = None, per_tensor: 
     n, k = w.shape
     if block is not None:
         bn, bk = block
-        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, device=w.device)
         padded[:n, :k] = w
         amax = padded.abs().view(padded.shape[0] // bn, bn, -1, bk).amax(dim=(1, 3))
         scale = (amax / FP8_MAX).clamp(min=1e-12)
