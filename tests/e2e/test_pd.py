@@ -2,26 +2,31 @@
 Mooncake transfer engine over TCP on loopback. Outputs (and logprobs) are token-identical to the colocated mesh's
 through the `openai` client, n > 1 samples included (the router runs one pair per sample); 2 prefill + 2 decode
 workers serve 100 concurrent requests; killing a prefill or a decode worker mid-transfer and corrupted or dropped
-writes free every page and never stream a wrong token; an embedding model's PD mesh embeds as the colocated one."""
+writes free every page and never stream a wrong token; an embedding model's PD mesh embeds as the colocated one; a
+decode worker whose KV cache holds another dtype is refused with the reason."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import grpc
 import openai
 import pytest
 
+from radixmesh.services.launch import free_port
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from tests.e2e.mesh import cmdline, launch, loads, openai_client, running_mesh, stop_and_check
+from tests.e2e.mesh import (NOT_FORKED, REPO, cmdline, http_get, launch, loads, openai_client, running_mesh,
+                             stop_and_check)
 from tests.e2e.test_mesh_faults import post
 
 NAME = model_path(MODEL)
@@ -58,6 +63,54 @@ def assert_all_freed(addresses: list[str], timeout: float = 20.0) -> None:
             return
         assert time.monotonic() < deadline, f"pages or rooms still held: {busy}"
         time.sleep(0.2)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        return dict(item.decode().split("=", 1) for item in fh.read().split(b"\0") if b"=" in item)
+
+
+def _wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@contextlib.contextmanager
+def decode_worker_in_place(pd, tmp_path, flags: dict[str, str]):
+    """A copy of `pd`'s first decode worker with `flags` set (replaced, or added), in the router in place of every
+    decode worker the mesh started; yields its address. `pd` must be launched NOT_FORKED: the copy starts from the
+    old worker's command line and /proc environ."""
+    old = workers(pd)["decode"]
+    first = pid_of(pd, old[0])
+    argv, port = cmdline(first).split(), free_port()
+    flags = {"--port": str(port), "--stream-lane-port": "0", **flags}  # (the launcher gave the old one a fixed lane)
+    for flag, value in flags.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    with open(tmp_path / f"decode-{port}.log", "w") as log:
+        extra = subprocess.Popen(argv, cwd=REPO, env=_environ(first), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(lambda: post(f"{pd.url}/add_worker?url=127.0.0.1:{port}", b"")[0] == 200, 120)
+        info = json.loads(http_get(pd.url + "/get_server_info")[1])
+        for url in [w["url"] for w in info["workers"] if any(w["url"].endswith(a) for a in old)]:
+            assert post(f"{pd.url}/remove_worker?url={url}", b"")[0] == 200
+        yield f"127.0.0.1:{port}"
+    finally:
+        extra.terminate()
+        extra.wait(30)
+
+
+def assert_pair_refused(pd, addresses: list[str], words: str) -> None:
+    """A request through `pd` fails with an error naming `words`, and `addresses` (the pair's workers) hold nothing."""
+    status, raw = post(pd.url + "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4})
+    assert status >= 400 and words.encode() in raw, (status, raw)
+    assert_all_freed(addresses)
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +422,15 @@ def test_corrupted_or_dropped_transfers_are_caught_and_reported(tmp_path, fault,
         assert_all_freed(roles["prefill"] + roles["decode"])
     finally:
         stop_and_check(m)
+
+
+def test_a_decode_worker_whose_kv_cache_means_other_bytes_is_refused(tmp_path):
+    """fp8_e4m3 and fp8_e5m2 pages have the same size, so a handoff that compared only sizes moved them and the
+    decode worker read every key and value wrong. The decode worker says what its cache holds (dtype and scales); a
+    prefill worker whose cache differs refuses the room with the reason, and neither holds a page after."""
+    with running_mesh(NAME, tmp_path, *PD, "--kv-cache-dtype", "fp8_e4m3", env=NOT_FORKED) as pd:
+        status, raw = _generate(pd)
+        assert status == 200, raw  # (the fp8_e4m3 pair serves)
+        roles = workers(pd)
+        with decode_worker_in_place(pd, tmp_path, {"--kv-cache-dtype": "fp8_e5m2"}) as decode:
+            assert_pair_refused(pd, roles["prefill"] + [decode], "same --kv-cache-dtype and KV cache scales")

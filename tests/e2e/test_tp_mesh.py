@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 
@@ -20,10 +19,8 @@ import pytest
 
 from tests.conftest import model_path
 from tests.e2e.conftest import MODEL
-from radixmesh.services.launch import free_port
-from tests.e2e.mesh import NOT_FORKED, REPO, alive, child_pids, cmdline, http_get, openai_client, running_mesh
-from tests.e2e.test_mesh_faults import post
-from tests.e2e.test_pd import PD, assert_all_freed, pid_of, workers
+from tests.e2e.mesh import NOT_FORKED, alive, child_pids, cmdline, http_get, openai_client, running_mesh
+from tests.e2e.test_pd import PD, assert_all_freed, assert_pair_refused, decode_worker_in_place, workers
 
 NAME = model_path(MODEL)
 PROMPTS = ["The history of the lighthouse keepers", "Once upon a time", "1 2 3 4 5", "def f(x):"]
@@ -129,20 +126,6 @@ def test_a_killed_rank_takes_its_worker_down_and_the_mesh_serves_on(tp_mesh):
     assert len(texts) == len(PROMPTS) and all(texts)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as fh:
-        return dict(item.decode().split("=", 1) for item in fh.read().split(b"\0") if b"=" in item)
-
-
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def test_pd_with_tp_matches_the_colocated_mesh_and_refuses_a_mixed_pair(tmp_path, mesh):
     # not forked: a decode worker is started again below with the old one's /proc environ
     with running_mesh(NAME, tmp_path, *PD, "--tp", "2", "--dist-timeout", "30", env=NOT_FORKED) as pd:
@@ -152,22 +135,5 @@ def test_pd_with_tp_matches_the_colocated_mesh_and_refuses_a_mixed_pair(tmp_path
         roles = workers(pd)
         assert_all_freed(roles["prefill"] + roles["decode"])
         # the same decode worker at --tp-size 1 in place of the TP=2 one: the prefill worker refuses its rooms
-        old = pid_of(pd, roles["decode"][0])
-        argv = cmdline(old).split()
-        port = free_port()
-        argv[argv.index("--port") + 1] = str(port)
-        argv[argv.index("--stream-lane-port") + 1] = "0"  # its own (the launcher gave the old one a fixed one)
-        argv[argv.index("--tp-size") + 1] = "1"
-        with open(tmp_path / "tp1-decode.log", "w") as log:
-            extra = subprocess.Popen(argv, cwd=REPO, env=_environ(old), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            assert _wait(lambda: post(f"{pd.url}/add_worker?url=127.0.0.1:{port}", b"")[0] == 200, 120)
-            info = json.loads(http_get(pd.url + "/get_server_info")[1])
-            old_url = next(w["url"] for w in info["workers"] if w["url"].endswith(roles["decode"][0]))
-            assert post(f"{pd.url}/remove_worker?url={old_url}", b"")[0] == 200
-            status, raw = post(pd.url + "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4})
-            assert status >= 400 and b"same tensor parallel size" in raw, (status, raw)
-            assert_all_freed(roles["prefill"] + [f"127.0.0.1:{port}"])
-        finally:
-            extra.terminate()
-            extra.wait(30)
+        with decode_worker_in_place(pd, tmp_path, {"--tp-size": "1"}) as decode:
+            assert_pair_refused(pd, roles["prefill"] + [decode], "same tensor parallel size")
