@@ -156,24 +156,35 @@ def test_a_param_file_is_for_an_e4m3_cache_read_by_no_float_one_and_must_parse(t
         _from_file(model_path("tiny-llama"), _param_file(tmp_path, [], name="list.json"))
 
 
-def test_stored_pages_of_a_param_file_s_scales_never_meet_pages_of_other_scales(tmp_path):
-    """The storage tiers' page keys bind the layout: with a --quantization-param-path file its content is part of
-    it, so pages stored under other scales (another file, or the checkpoint's) are never read back under these."""
+def test_stored_pages_are_keyed_by_the_scales_they_were_stored_under(tmp_path):
+    """The storage tiers' page keys bind the layout, and an fp8 cache's layout binds the values of its scales (every
+    TP rank's), wherever they come from: pages stored under other scales are never read back under these, and pages
+    stored under the same values are, whether a file or the checkpoint gave them."""
     from radixmesh.engine.cache.build import kv_layout
     from radixmesh.engine.config import EngineArgs
 
-    cfg = ModelConfig.from_path(model_path("tiny-llama"))
-    ones = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}}, name="a.json")
-    twos = _param_file(tmp_path, {"0": {str(i): 2.0 for i in range(LAYERS)}}, name="b.json")
-    same = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}}, name="c.json")
+    values = [4.0, 0.25, 8.0, 2.0]
+    ckpt = _with(tmp_path, {_at(i, "kv_scale"): torch.tensor(v) for i, v in enumerate(values)}, name="llama")
+    plain = _with(tmp_path, {}, name="plain/llama")  # (the same directory name as ckpt's, without scales)
+    file = _param_file(tmp_path, {"0": {str(i): v for i, v in enumerate(values)}}, name="a.json")
+    spaced = tmp_path / "b.json"  # the same values in other bytes
+    spaced.write_text(json.dumps(json.loads(open(file).read()), indent=4))
+    ones = _param_file(tmp_path, {"0": {str(i): 1.0 for i in range(LAYERS)}}, name="c.json")
+    twos = _param_file(tmp_path, {"0": {str(i): 2.0 for i in range(LAYERS)}}, name="d.json")
+    per_rank = _param_file(tmp_path, {"0": {str(i): 2.0 for i in range(LAYERS)},
+                                      "1": {str(i): 2.0 for i in range(LAYERS)}}, name="e.json")
+    per_rank2 = _param_file(tmp_path, {"0": {str(i): 2.0 for i in range(LAYERS)},
+                                       "1": {str(i): 3.0 for i in range(LAYERS)}}, name="f.json")
 
-    def layout(file, dtype="fp8_e4m3"):
-        args = EngineArgs(model_path=model_path("tiny-llama"), kv_cache_dtype=dtype, quantization_param_path=file,
-                          page_size=1, tp_size=1)
-        return kv_layout(args, cfg)
-    assert len({layout(None), layout(ones), layout(twos)}) == 3
-    assert layout(ones) == layout(same)
-    assert layout(ones, "bfloat16") == layout(None, "bfloat16")  # (a float cache reads no scales)
+    def layout(path, file=None, dtype="fp8_e4m3", tp=1):
+        args = EngineArgs(model_path=str(path), kv_cache_dtype=dtype, quantization_param_path=file, page_size=1,
+                          tp_size=tp)
+        return kv_layout(args, ModelConfig.from_path(str(path)))
+    assert layout(plain, file) == layout(plain, str(spaced)) == layout(ckpt)  # the same values
+    assert layout(plain) == layout(plain, ones)  # 1.0 everywhere: no scales
+    assert len({layout(plain), layout(plain, file), layout(plain, twos)}) == 3
+    assert layout(plain, per_rank, tp=2) != layout(plain, per_rank2, tp=2)  # (rank 1's scales differ)
+    assert layout(ckpt, dtype="bfloat16") == layout(plain, file, "bfloat16")  # (a float cache reads no scales)
 
 
 def test_an_engine_serves_the_same_with_a_param_file_as_with_the_checkpoint_s_scales(tmp_path):

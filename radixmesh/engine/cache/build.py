@@ -4,7 +4,6 @@ worker names pages), the cache manager, KV events, and the host and storage tier
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 
@@ -16,6 +15,8 @@ from radixmesh.engine.cache.storage import KvLayout, StorageOptions, check_stora
 from radixmesh.engine.cache.swa import all_layers_window
 from radixmesh.engine.config import EngineArgs, hicache_extra
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.loader import load_kv_scales
+from radixmesh.engine.quantization import kv_scales
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +25,17 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
     """The layout every page key binds: the model (directory name and architecture), page size, dtype, shape. Under
     tensor parallelism a stored page holds every rank's shard, rank after rank (KV heads replicated on ranks when
     fewer than them are counted once per rank), and the model name says so: its keys never meet one rank's pages.
-    An fp8 cache scaled by a --quantization-param-path file binds the file's digest too: the same model's pages
-    stored under other scales would read back wrong."""
+    An fp8 cache binds a digest of its scales (every rank's, from the checkpoint or a --quantization-param-path
+    file) where any is not 1.0: the same model's pages stored under other scales would read back wrong."""
     name = f"{os.path.basename(os.path.normpath(model.path))}:{model.architecture}"
     tp, heads = args.tp_size, model.num_kv_heads
     if tp > 1:
         name, heads = f"{name}:tp{tp}", tp * max(1, heads // tp)
-    if args.quantization_param_path and args.kv_cache_dtype.startswith("fp8"):
-        with open(args.quantization_param_path, "rb") as f:
-            name = f"{name}:kv-scales-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+    if args.kv_cache_dtype.startswith("fp8"):
+        scales = kv_scales.digest(load_kv_scales(model, args.kv_cache_dtype, args.load_format,
+                                                 args.quantization_param_path, rank, tp, quiet=True)
+                                  for rank in range(tp))
+        name = f"{name}:kv-scales-{scales}" if scales else name
     return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
 
 

@@ -11,6 +11,8 @@ import torch
 
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.disaggregation.transfer import TransferBackend, Write, page_writes
+from radixmesh.engine.quantization import kv_scales
+from radixmesh.engine.quantization.kv_scales import KvScales
 
 
 class KvLayout(NamedTuple):
@@ -44,8 +46,7 @@ def kv_format(pool: KVPool) -> str:
     dtype = str(pool.buffers()[0].dtype).removeprefix("torch.")
     if not dtype.startswith("float8"):
         return dtype
-    scales = repr((tuple(pool.k_scale), tuple(pool.v_scale))).encode()
-    return f"{dtype} with scales {hashlib.sha256(scales).hexdigest()[:12]}"
+    return f"{dtype} with scales {kv_scales.digest([KvScales(tuple(pool.k_scale), tuple(pool.v_scale))]) or '1.0'}"
 
 
 def check_kv_format(mine: str, theirs: str) -> None:

@@ -239,14 +239,15 @@ def _hold_fp8(model: nn.Module, cfg: ModelConfig, load_format: str, quantization
 
 
 def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, param_path: str | None = None,
-                   tp_rank: int = 0, tp_size: int = 1) -> KvScales | None:
+                   tp_rank: int = 0, tp_size: int = 1, quiet: bool = False) -> KvScales | None:
     """The checkpoint's per-layer KV cache scales (engine.quantization.kv_scales) for an fp8 KV cache
     (`kv_cache_dtype` fp8_*), 1.0 for a layer without one, or this TP rank's from `param_path`
     (--quantization-param-path, which SGLang reads for an fp8_e4m3 cache, in place of the checkpoint's); None where
     the cache is not fp8 (the scales are then ignored) or the weights are dummy and no file is given. ValueError for
-    a scale that is not one positive float, or a file that does not fit."""
+    a scale that is not one positive float, or a file that does not fit. `quiet`: log nothing (a second read, to
+    name the scales)."""
     if not kv_cache_dtype.startswith("fp8"):
-        if param_path is not None:
+        if param_path is not None and not quiet:
             log.warning("--quantization-param-path %s is not read: KV cache scales apply to an fp8 KV cache, and "
                         "--kv-cache-dtype is %s", param_path, kv_cache_dtype)
         return None
@@ -255,8 +256,9 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, para
             raise ValueError(f"--quantization-param-path holds scales for an fp8_e4m3 KV cache (float8_e4m3fn), but "
                              f"--kv-cache-dtype is {kv_cache_dtype}")
         scales = from_param_file(param_path, tp_rank, tp_size, cfg.num_layers, _model_type(cfg))
-        log.info("KV cache scales for TP rank %d from %s (the checkpoint's, if any, are not used)", tp_rank,
-                 param_path)
+        if not quiet:
+            log.info("KV cache scales for TP rank %d from %s (the checkpoint's, if any, are not used)", tp_rank,
+                     param_path)
         return scales
     if load_format == "dummy":
         return None
@@ -266,10 +268,12 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, para
             check_scale(name, lazy.get_dtype(), tuple(lazy.get_shape()), cfg.path)
             found.append((name, lazy[...]))  # ([:] cannot index a scalar)
     scales, given = collect(found, cfg.num_layers, cfg.path)
+    if quiet or given == cfg.num_layers:
+        return scales
     if given == 0:
         log.warning("--kv-cache-dtype %s: the checkpoint has no KV cache scales (k_scale / v_scale), so keys and "
                     "values are stored with scale 1.0; activations beyond fp8's range are clipped", kv_cache_dtype)
-    elif given < cfg.num_layers:
+    else:
         log.warning("--kv-cache-dtype %s: the checkpoint gives KV cache scales for %d of %d layers; the others use "
                     "1.0", kv_cache_dtype, given, cfg.num_layers)
     return scales

@@ -12,8 +12,8 @@ layer `layers.<i>.self_attn.`, with or without the leading `model.`):
 A layer the checkpoint gives no scale keeps 1.0 (SGLang's default). The scales are read only when the KV cache is fp8;
 a float cache holds the model's values unscaled and ignores them, as SGLang does. Under tensor parallelism every rank
 reads the same scalars (one per layer, for all its KV heads); pages moved between tiers or workers as raw bytes are
-read with the scales both sides load (the storage tiers' page keys bind a param file's digest, below; a prefill and a
-decode worker must be given the same checkpoint and file).
+read with the scales both sides load: the storage tiers' page keys bind a digest of every rank's scales, and a
+prefill/decode handoff compares the two workers' (`digest`).
 
 SGLang's `--quantization-param-path` names a JSON file of scales instead (vLLM's format, written by calibration tools
 for an fp8_e4m3 cache): {"model_type": ..., "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"<tp rank>":
@@ -22,6 +22,7 @@ other KV heads). It takes the place of the checkpoint's scales (`from_param_file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -134,3 +135,13 @@ def from_param_file(path: str, tp_rank: int, tp_size: int, num_layers: int, mode
             raise ValueError(f"quantization_param_path {path!r}: layer {i}'s scale is {value!r}, not a number")
         scales.append(_value(f"layer {i}", torch.tensor(float(value)), path))
     return KvScales(tuple(scales), tuple(scales))
+
+
+def digest(ranks: Iterable[KvScales | None]) -> str | None:
+    """A digest of the scale values of each rank in turn (None: 1.0 for every layer), or None where every scale is
+    1.0: pages stored under the same values mean the same, wherever the values came from (a checkpoint, a
+    --quantization-param-path file, its formatting)."""
+    ranks = [r or KvScales((), ()) for r in ranks]
+    if all(s == 1.0 for r in ranks for s in r.k + r.v):
+        return None
+    return hashlib.sha256(repr([(tuple(r.k), tuple(r.v)) for r in ranks]).encode()).hexdigest()[:16]
