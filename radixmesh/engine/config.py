@@ -35,8 +35,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     load_format: str = "auto"
-    # SGLang's: fp8 rounds an unquantized checkpoint's linear weights to fp8 at load (one scale per output row);
-    # fp8 checkpoints are read whatever this says (engine.quantization.fp8)
+    # SGLang's: fp8 (or w8a8_fp8) rounds an unquantized checkpoint's linear weights to fp8 at load (one scale per
+    # output row); fp8 checkpoints are read whatever this says (engine.quantization.fp8); modelopt / modelopt_fp8
+    # insist on an NVIDIA ModelOpt FP8 checkpoint (QUANTIZATIONS)
     quantization: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -202,8 +203,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     page = args.page_size or 1
     _check(page > 0 and page & (page - 1) == 0, f"page_size must be a power of two, got {page}")
     _check(args.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
-    _check(args.quantization in (None, "fp8"), f"quantization {args.quantization!r} is not implemented by radixmesh "
-           "yet: fp8 is (and fp8 checkpoints are read without the flag)")
+    quantization = _resolve_quantization(args.quantization, model)
     _check(args.schedule_policy in SCHEDULE_POLICIES,
            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     _check(args.schedule_conservativeness > 0, "schedule_conservativeness must be > 0")
@@ -250,6 +250,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     return dataclasses.replace(
         args,
         device=device,
+        quantization=quantization,
         disable_radix_cache=disable_radix_cache,
         page_size=page,
         context_length=context,
@@ -279,6 +280,27 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
 HICACHE_EXTRA_KEYS = ("timeout_s", "prefetch_timeout_s", "capacity_bytes", "ttl_s", "skip_slow_fetches", "transport",
                       "transfer_host")
 STORAGE_TRANSPORTS = ("grpc", "mooncake")
+
+
+# --quantization values (SGLang's) -> what the engine does: round an unquantized checkpoint's weights to fp8
+# ("fp8"; SGLang's w8a8_fp8 does the same: fp8 weights per output row, activations quantized per token), or read
+# the checkpoint's own (None: fp8 checkpoints are read without the flag; modelopt says which kind it must be)
+QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "modelopt": None, "modelopt_fp8": None}
+
+
+def _resolve_quantization(quantization: str | None, model: ModelConfig) -> str | None:
+    from radixmesh.engine.quantization.fp8 import checkpoint_scheme
+
+    _check(quantization is None or quantization in QUANTIZATIONS, f"quantization {quantization!r} is not implemented "
+           f"by radixmesh yet: {', '.join(QUANTIZATIONS)} are (and fp8 checkpoints are read without the flag)")
+    if quantization in ("modelopt", "modelopt_fp8"):
+        quant = model.raw.get("quantization_config")
+        _check(isinstance(quant, dict) and quant.get("quant_method") == "modelopt" and
+               checkpoint_scheme(model.raw) is not None,
+               f"quantization {quantization!r} reads an NVIDIA ModelOpt FP8 checkpoint (hf_quant_config.json, or "
+               f"quantization_config.quant_method 'modelopt' in config.json); {model.path} is not one: serve it "
+               "without the flag, or with --quantization fp8 to round its weights to fp8")
+    return QUANTIZATIONS[quantization] if quantization else None
 
 
 def hicache_extra(args: EngineArgs) -> dict:

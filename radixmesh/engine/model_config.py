@@ -19,6 +19,8 @@ _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "O
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                     "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
+# NVIDIA ModelOpt's quantization file beside config.json (its exports' older form; newer ones also say it in config.json)
+HF_QUANT_FILE = "hf_quant_config.json"
 # Multimodal architectures served text-only: config.json holds their language model's fields under text_config, often
 # only those that differ from its config class's defaults (published Gemma 3 4B/12B/27B), which are these
 # (Gemma3TextConfig's; tests/parity/test_model_families_more.py compares them with transformers')
@@ -98,7 +100,7 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"model config not found: {cfg_file}")
         with open(cfg_file) as f:
-            raw = text_config(json.load(f))
+            raw = with_quant_file(text_config(json.load(f)), path)
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_file} has no 'architectures' entry")
@@ -136,6 +138,22 @@ class ModelConfig:
 
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
+
+
+def with_quant_file(raw: dict, path: str) -> dict:
+    """config.json's fields with NVIDIA ModelOpt's hf_quant_config.json (the file its exports put beside config.json,
+    `{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", ...}}`) as its quantization_config
+    (quant_method "modelopt" and the file's `quantization` fields), where config.json declares none; else as it is."""
+    file = os.path.join(path, HF_QUANT_FILE)
+    if raw.get("quantization_config") or not os.path.isfile(file):
+        return raw
+    try:
+        with open(file) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} is not a readable JSON file: {e}") from None
+    fields = doc.get("quantization") if isinstance(doc, dict) else None
+    return {**raw, "quantization_config": {"quant_method": "modelopt", **(fields if isinstance(fields, dict) else {})}}
 
 
 def text_config(raw: dict) -> dict:

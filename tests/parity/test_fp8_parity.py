@@ -1,7 +1,8 @@
 """FP8 checkpoints (engine.quantization.fp8) against their dequantized twins, float32 on CPU: block-wise (Hugging
 Face's fine-grained FP8: `weight_scale_inv` per block), per-channel and per-tensor with static input scales, in
-Hugging Face's `fp8` layout and in llm-compressor's compressed-tensors one, each written by our fp8 writer from a
-bundled tiny model, a mixture of experts included. The engine on the fp8 checkpoint
+Hugging Face's `fp8` layout, in llm-compressor's compressed-tensors one and in NVIDIA ModelOpt's (declared in
+config.json or in hf_quant_config.json, with KV cache scales beside the weights), each written by our fp8 writer
+from a bundled tiny model, mixtures of experts included. The engine on the fp8 checkpoint
 and transformers on the twin agree token for token (logprobs within 1e-4), under tensor parallelism too;
 `--quantization fp8` equals the checkpoint rounded the same way and stays near the unquantized model; what we cannot
 read is refused with the reason."""
@@ -25,7 +26,9 @@ MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 KINDS = {"block": dict(block=(32, 64)), "channel": {}, "tensor-static": dict(per_tensor=True, static_input=True),
          "ct-channel": dict(compressed_tensors=True), "ct-block": dict(block=(64, 32), compressed_tensors=True),
-         "ct-tensor-static": dict(per_tensor=True, static_input=True, compressed_tensors=True)}
+         "ct-tensor-static": dict(per_tensor=True, static_input=True, compressed_tensors=True),
+         "modelopt-config": dict(modelopt="config"), "modelopt-file": dict(modelopt="file")}
+MOE_KINDS = ("block", "modelopt-file")  # written from tiny-qwen3-moe (the rest from tiny-llama)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """kind -> (fp8 checkpoint, its float32 twin)."""
     out = {}
     for kind, how in KINDS.items():
-        base = "tiny-qwen3-moe" if kind == "block" else "tiny-llama"
+        base = "tiny-qwen3-moe" if kind in MOE_KINDS else "tiny-llama"
         root = tmp_path_factory.mktemp(kind)
         q = fp8.write_checkpoint(model_path(base), str(root / "fp8"), **how)
         out[kind] = (q, fp8.dequantized_checkpoint(q, str(root / "twin")))
@@ -43,6 +46,10 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
 def _generate(path: str, prompts, **opts) -> list[dict]:
     with running_engine(path, skip_tokenizer_init=True, **opts) as llm:
         return llm.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+
+
+def _tokens(outs: list[dict]) -> list[tuple]:
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,11 +112,43 @@ def _with_quant(tmp_path, quant: dict) -> str:
         "type": "float", "num_bits": 8, "strategy": "group"}}}}, "strategy='group'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "ModelOpt quantization with "
+     "quant_algo='NVFP4'"),
 ])
 def test_what_we_cannot_read_is_refused_with_the_reason(tmp_path, quant, match):
     with pytest.raises(ValueError, match=match):
         with running_engine(_with_quant(tmp_path, quant), skip_tokenizer_init=True):
             pass
+
+
+def test_modelopt_s_own_file_is_read_and_what_it_names_we_cannot_read_is_refused(tmp_path, checkpoints):
+    """ModelOpt's exports declare their quantization in hf_quant_config.json beside config.json: an NVFP4 one is
+    refused by its algorithm (not read as plain floats); --quantization modelopt insists on a ModelOpt checkpoint."""
+    q, _ = checkpoints["modelopt-file"]
+    assert os.path.isfile(os.path.join(q, "hf_quant_config.json"))
+    assert "quantization_config" not in json.loads(open(os.path.join(q, "config.json")).read())
+    nvfp4 = tmp_path / "nvfp4"
+    shutil.copytree(model_path("tiny-llama"), nvfp4)
+    (nvfp4 / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    with pytest.raises(ValueError, match="ModelOpt quantization with quant_algo='NVFP4' is not implemented"):
+        with running_engine(str(nvfp4), skip_tokenizer_init=True):
+            pass
+    prompts = parity_prompts(q)[:1]
+    assert _tokens(_generate(q, prompts, quantization="modelopt")) == _tokens(_generate(q, prompts))
+    with running_engine(q, skip_tokenizer_init=True, kv_cache_dtype="fp8_e4m3") as llm:  # its KV scales are read
+        assert llm.runner.kv_pool.k_scale == llm.runner.kv_pool.v_scale == (0.0625,) * llm.model_config.num_layers
+    for flag in ("modelopt", "modelopt_fp8"):
+        with pytest.raises(ValueError, match=f"quantization '{flag}' reads an NVIDIA ModelOpt FP8 checkpoint"):
+            with running_engine(checkpoints["channel"][0], skip_tokenizer_init=True, quantization=flag):
+                pass
+
+
+def test_w8a8_fp8_rounds_an_unquantized_checkpoint_as_fp8_does():
+    base = model_path("tiny-llama")
+    prompts = parity_prompts(base)[:2]
+    assert _tokens(_generate(base, prompts, quantization="w8a8_fp8")) == \
+        _tokens(_generate(base, prompts, quantization="fp8"))
 
 
 def test_an_fp8_weight_without_its_scale_is_refused(tmp_path, checkpoints):

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 _NOT_YET = "not implemented by radixmesh yet"
 _UNQUANTIZED = "serve an unquantized (bfloat16, float16 or float32) checkpoint"
-# Quantization files that sit beside config.json (AutoGPTQ, AutoAWQ, NVIDIA ModelOpt) -> the method they imply
-_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq", "hf_quant_config.json": "modelopt"}
+# Quantization files that sit beside config.json (AutoGPTQ, AutoAWQ) -> the method they imply (NVIDIA ModelOpt's
+# hf_quant_config.json is read as the config's quantization_config: engine.model_config.with_quant_file)
+_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 _QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "load_in_4bit", "load_in_8bit")
 # Granite's scalars (engine.models.granite computes them)
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")

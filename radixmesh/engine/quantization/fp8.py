@@ -1,13 +1,16 @@
 """FP8 weights: checkpoints stored in float8_e4m3fn with their scales, and `--quantization fp8` (SGLang's flag) for
 an unquantized checkpoint.
 
-Formats read (config.json `quantization_config.quant_method` "fp8", or "compressed-tensors" with 8-bit float
-weights, llm-compressor's layout: every scale named `weight_scale`):
+Formats read (config.json `quantization_config.quant_method` "fp8"; "compressed-tensors" with 8-bit float
+weights, llm-compressor's layout: every scale named `weight_scale`; "modelopt" with `quant_algo` FP8, NVIDIA
+ModelOpt's per-tensor layout, declared in config.json or in the hf_quant_config.json beside it):
   block-wise     `weight_block_size: [bn, bk]`, a `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] per weight (Hugging
                  Face's fine-grained FP8, DeepSeek-V3, Qwen3-FP8): w = q * scale of its block
-  per-tensor     a scalar `weight_scale` (AutoFP8), with a static `input_scale` when `activation_scheme` is static
+  per-tensor     a scalar `weight_scale` (AutoFP8, ModelOpt), with a static `input_scale` when `activation_scheme` is
+                 static (ModelOpt's always is)
   per-channel    `weight_scale` [N] or [N, 1]: one scale per output row
-Layers the config keeps unquantized (`ignored_layers`, `modules_to_not_convert`) are plain tensors in the file.
+Layers the config keeps unquantized (`ignored_layers`, `modules_to_not_convert`, `exclude_modules`) are plain tensors
+in the file.
 `--quantization fp8` rounds each linear weight of an unquantized checkpoint to fp8 with one scale per output row
 (the router of a mixture of experts, the embedding and the head stay as they are, as SGLang leaves them).
 
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from radixmesh.engine.model_config import HF_QUANT_FILE, with_quant_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -104,14 +109,33 @@ def compressed_tensors_scheme(quant: dict) -> Fp8Scheme | None:
     return Fp8Scheme(block or None, "static" if static else "dynamic", "weight_scale")
 
 
+# ModelOpt's quant_algo values -> the fp8 scheme their checkpoints hold (the others are refused by name: NVFP4,
+# W4A8_AWQ, W4A16_AWQ, INT8_SQ, ...)
+_MODELOPT_ALGOS = {"FP8": Fp8Scheme(None, "static", "weight_scale")}
+
+
+def modelopt_scheme(quant: dict) -> Fp8Scheme:
+    """The fp8 scheme of an NVIDIA ModelOpt quantization_config (quant_method "modelopt": its fields at the top or
+    under `quantization`, as hf_quant_config.json nests them); ValueError naming a quant_algo we do not read."""
+    algo = quant.get("quant_algo") or (quant.get("quantization") or {}).get("quant_algo")
+    if algo not in _MODELOPT_ALGOS:
+        raise ValueError(f"NVIDIA ModelOpt quantization with quant_algo={algo!r} is not implemented by radixmesh "
+                         f"yet: {', '.join(_MODELOPT_ALGOS)} is read (fp8 weights with a scalar weight_scale)")
+    return _MODELOPT_ALGOS[algo]
+
+
 def checkpoint_scheme(raw_config: dict) -> Fp8Scheme | None:
-    """The fp8 scheme a config.json declares (quantization_config.quant_method fp8, or compressed-tensors with fp8
-    weights), else None."""
+    """The fp8 scheme a config.json declares (quantization_config.quant_method fp8, compressed-tensors with fp8
+    weights, or modelopt: engine.model_config.with_quant_file folds ModelOpt's hf_quant_config.json in), else
+    None."""
     quant = raw_config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "fp8":
         return scheme_of(quant)
-    if isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+    if method == "compressed-tensors":
         return compressed_tensors_scheme(quant)
+    if method == "modelopt":
+        return modelopt_scheme(quant)
     return None
 
 
@@ -173,10 +197,14 @@ def quantized_online(name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, per_tensor: bool = False,
-                     static_input: bool = False, compressed_tensors: bool = False) -> str:
+                     static_input: bool = False, compressed_tensors: bool = False, modelopt: str | None = None) -> str:
     """Our fp8 writer: the model at `src` (safetensors) with every linear weight in fp8 and its scales, a
     quantization_config saying how (Hugging Face's `fp8`, or llm-compressor's compressed-tensors layout), tokenizer
-    and config files copied. Returns `dst`."""
+    and config files copied. `modelopt` "config" or "file": NVIDIA ModelOpt's FP8 layout (scalar weight and input
+    scales, and each layer's k_proj.k_scale / v_proj.v_scale for an fp8 KV cache) declared in config.json or in
+    hf_quant_config.json. Returns `dst`."""
+    if modelopt is not None:
+        per_tensor, static_input = True, True
     scale_name = "weight_scale_inv" if block and not compressed_tensors else "weight_scale"
     os.makedirs(dst, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
@@ -193,11 +221,21 @@ def write_checkpoint(src: str, dst: str, block: tuple[int, int] | None = None, p
                     else scale
                 if static_input:
                     out[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
+                if modelopt is not None and name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+                    kind = "k_scale" if "k_proj" in name else "v_scale"
+                    out[name[: -len("weight")] + kind] = torch.tensor(0.0625)
     save_file(out, os.path.join(dst, "model.safetensors"))
     _copy_side_files(src, dst, ("model.safetensors.index.json",))
     with open(os.path.join(dst, "config.json")) as f:
         config = json.load(f)
-    if compressed_tensors:
+    if modelopt is not None:
+        fields = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "*.mlp.gate"]}
+        if modelopt == "file":
+            with open(os.path.join(dst, HF_QUANT_FILE), "w") as f:
+                json.dump({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": fields}, f, indent=1)
+        else:
+            config["quantization_config"] = {"quant_method": "modelopt", **fields}
+    elif compressed_tensors:
         weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
                    "strategy": "block" if block else "tensor" if per_tensor else "channel",
                    "block_structure": list(block) if block else None}
@@ -221,8 +259,8 @@ def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float3
     quantization_config. Returns `dst`."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    scheme = checkpoint_scheme(config)
-    del config["quantization_config"]
+    scheme = checkpoint_scheme(with_quant_file(config, src))
+    config.pop("quantization_config", None)
     os.makedirs(dst, exist_ok=True)
     with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -236,7 +274,7 @@ def dequantized_checkpoint(src: str, dst: str, dtype: torch.dtype = torch.float3
             t = dequantize(t, scale, scheme.block)
         out[name] = t.to(dtype)
     save_file(out, os.path.join(dst, "model.safetensors"))
-    _copy_side_files(src, dst, ("config.json",))
+    _copy_side_files(src, dst, ("config.json", HF_QUANT_FILE))
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
