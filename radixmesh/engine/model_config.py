@@ -19,7 +19,7 @@ _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "O
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                     "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
-# NVIDIA ModelOpt's quantization file beside config.json (its exports' older form; newer ones also say it in config.json)
+# NVIDIA ModelOpt's quantization file beside config.json (its exports' older form; newer ones say it in config.json)
 HF_QUANT_FILE = "hf_quant_config.json"
 # Multimodal architectures served text-only: config.json holds their language model's fields under text_config, often
 # only those that differ from its config class's defaults (published Gemma 3 4B/12B/27B), which are these
