@@ -61,11 +61,12 @@
 #   PARTS="setup fp8gemmtune" issue 52: kernels.fp8_gemm's block-wise tiles tuned offline for the 8B shapes on this GPU
 #                           (benchmarks.tune_fp8_gemm, written to $OUT/configs and into kernels/configs): the block-fp8
 #                           8B model's batch 64 and 256 steps and 8k prefill without tuned tiles, tuned, then without
-#                           and with them again (not with FP8GEMMTUNE_ONE_PAIR=1; no runs with FP8GEMMTUNE_ONLY=1),
-#                           then the candidate tiles' and the tuner's CUDA tests
+#                           and with them again (not with TUNE_ONE_PAIR=1; no runs with TUNE_ONLY=1), then the
+#                           candidate tiles' and the tuner's CUDA tests
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
-#                           (benchmarks.tune_moe; only the H200 has a file), written to $OUT/configs, and the model's
-#                           batch-64 step and 8k prefill without, with, without and with the file
+#                           (benchmarks.tune_moe; the H100 and H200 have files), written to $OUT/configs, and the
+#                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
+#                           TUNE_ONE_PAIR and TUNE_ONLY)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -397,32 +398,44 @@ if [[ " $PARTS " == *" fp8tput "* ]]; then
     | grep -E "matmul|prefill of"
 fi
 
-if [[ " $PARTS " == *" fp8gemmtune "* ]]; then
-  block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
-  tuned_file() { $PY -c "import torch; from radixmesh.kernels.fp8_gemm import config_path; \
-print(config_path(torch.cuda.get_device_name(), '$1'))"; }
-  gemm_run() {  # LABEL: the block-fp8 8B's batch 64 and 256 steps and 8k prefill with the tiles as they are now
-    echo "== $1"
-    echo "{\"label\": \"$1\"}" >> "$OUT/fp8gemmtune_runs.jsonl"  # (one file for all runs: $OUT brings back 8)
-    timeout 150 $PY -m radixmesh.engine.bench_one_batch --model-path build/llama-3.1-8b-fp8-block --load-format dummy \
-      --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 64 256 --input-len 512 --output-len 16 \
-      --prefill-len 8192 --result-file "$OUT/fp8gemmtune_runs.jsonl" 2>&1 | tee -a "$OUT/fp8gemmtune.log" \
-      | grep -E "True|prefill of|rror"
-  }
-  [[ -n ${FP8GEMMTUNE_ONLY:-} ]] && gemm_run() { :; }  # FP8GEMMTUNE_ONLY=1: tune and bring the file back, no runs
-  PKG=$(tuned_file radixmesh/kernels/configs)
-  [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
-  gemm_run untuned
-  timeout 240 $PY -m radixmesh.benchmarks.tune_fp8_gemm --model-path $CFG --out "$OUT/configs" 2>&1 \
-    | tee "$OUT/fp8gemmtune_tune.log" | grep -E "wrote|rror" | tail -3
-  if cp "$(tuned_file "$OUT/configs")" "$PKG"; then
-    gemm_run tuned
-    if [[ -z ${FP8GEMMTUNE_ONE_PAIR:-} ]]; then
-      mv "$PKG" "$PKG.new"; gemm_run untuned2; mv "$PKG.new" "$PKG"; gemm_run tuned2
+# A tuner's A/B (the fp8gemmtune and moetune parts). NAME MODULE TUNE_TIMEOUT "TUNER ARGS" BENCH ARGS...: the tile file
+# kernels.MODULE's config_path names for this GPU is moved aside if one is shipped (and restored after); the model
+# runs (bench_one_batch with BENCH ARGS, each run's rows after a label line in $OUT/NAME_runs.jsonl: $OUT brings
+# back 8 files) untuned, the tuner (its module and arguments) writes under $OUT/configs, then the model runs tuned,
+# untuned and tuned again (TUNE_ONE_PAIR=1: once each; TUNE_ONLY=1: no runs, the file alone).
+tile_file() { $PY -c "import torch; from radixmesh.kernels.$1 import config_path; \
+print(config_path(torch.cuda.get_device_name(), '$2'))"; }
+tuner_run() {  # NAME LABEL BENCH ARGS...
+  local name=$1 label=$2; shift 2
+  [[ -n ${TUNE_ONLY:-} ]] && return
+  echo "== $label"
+  echo "{\"label\": \"$label\"}" >> "$OUT/${name}_runs.jsonl"
+  timeout 150 $PY -m radixmesh.engine.bench_one_batch --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+    --log-level warning --input-len 512 --output-len 16 --prefill-len 8192 --result-file "$OUT/${name}_runs.jsonl" \
+    "$@" 2>&1 | tee -a "$OUT/$name.log" | grep -E "True|prefill of|rror"
+}
+tuner_ab() {
+  local name=$1 module=$2 limit=$3 tuner=$4 pkg; shift 4
+  pkg=$(tile_file "$module" radixmesh/kernels/configs)
+  [[ -f $pkg ]] && mv "$pkg" "$pkg.kept"
+  tuner_run "$name" untuned "$@"
+  # shellcheck disable=SC2086  # (the tuner's arguments split on spaces)
+  timeout "$limit" $PY -m $tuner --out "$OUT/configs" 2>&1 | tee "$OUT/${name}_tune.log" | grep -E "wrote|rror" \
+    | tail -3
+  if cp "$(tile_file "$module" "$OUT/configs")" "$pkg"; then
+    tuner_run "$name" tuned "$@"
+    if [[ -z ${TUNE_ONE_PAIR:-} ]]; then
+      mv "$pkg" "$pkg.new"; tuner_run "$name" untuned2 "$@"; mv "$pkg.new" "$pkg"; tuner_run "$name" tuned2 "$@"
     fi
   fi
-  rm -f "$PKG" "$PKG.new"
-  [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
+  rm -f "$pkg" "$pkg.new"
+  [[ -f $pkg.kept ]] && mv "$pkg.kept" "$pkg"
+}
+
+if [[ " $PARTS " == *" fp8gemmtune "* ]]; then
+  block_fp8_config $CFG build/llama-3.1-8b-fp8-block  # (the fp8 part's copy)
+  tuner_ab fp8gemmtune fp8_gemm 240 "radixmesh.benchmarks.tune_fp8_gemm --model-path $CFG" \
+    --model-path build/llama-3.1-8b-fp8-block --batch-size 64 256
   # the candidate tiles' and the tuner's CUDA tests last: a call cut at its bound keeps the runs above
   timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 190 tests/gpu/test_fp8_weights_cuda.py \
     -k "candidate_block or tuner" 2>&1 | tee -a "$OUT/fp8gemmtune.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
@@ -430,24 +443,8 @@ fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then
   MOE_CFG=benchmarks/configs/qwen3-30b-a3b
-  moe_file() { $PY -c "import torch; from radixmesh.kernels.moe import config_path; \
-print(config_path(torch.cuda.get_device_name(), '$1'))"; }
-  moe_run() {  # LABEL: the batch-64 step and 8k prefill with the expert tiles as they are now
-    echo "== $1"
-    timeout 150 $PY -m radixmesh.engine.bench_one_batch --model-path $MOE_CFG --load-format dummy --dtype bfloat16 \
-      --skip-tokenizer-init --log-level warning --batch-size 64 --input-len 512 --output-len 16 --prefill-len 8192 \
-      --result-file "$OUT/moetune_$1.jsonl" 2>&1 | tee -a "$OUT/moetune.log" | grep -E "True|prefill of|rror"
-  }
-  PKG=$(moe_file radixmesh/kernels/configs)
-  [[ -f $PKG ]] && mv "$PKG" "$PKG.kept"  # (a file shipped for this GPU: measured against, restored below)
-  moe_run untuned
-  timeout 300 $PY -m radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 2048 --out "$OUT/configs" \
-    2>&1 | tee "$OUT/moetune_tune.log" | grep -E "wrote|rror" | tail -3
-  if cp "$(moe_file "$OUT/configs")" "$PKG"; then
-    moe_run tuned; mv "$PKG" "$PKG.new"; moe_run untuned2; mv "$PKG.new" "$PKG"; moe_run tuned2
-  fi
-  rm -f "$PKG" "$PKG.new"
-  [[ -f $PKG.kept ]] && mv "$PKG.kept" "$PKG"
+  tuner_ab moetune moe 300 "radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 2048" \
+    --model-path $MOE_CFG --batch-size 64
 fi
 
 if [[ $PARTS == *spec* ]]; then
