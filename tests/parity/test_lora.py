@@ -1,7 +1,7 @@
 """Multi-LoRA (issue 54), engine side: adapters written by peft itself (random A and B, so every adapted projection
 moves the outputs) served in one batch with the base model, token-exact with transformers + peft in float32; the
-prefix cache keeps each adapter's KV apart; adapters load and unload at run time; what cannot be served right is
-refused with the reason."""
+prefix cache keeps each adapter's KV apart; adapters load and unload at run time; a mixture of experts' attention is
+adapted; what cannot be served right is refused with the reason."""
 
 from __future__ import annotations
 
@@ -326,3 +326,38 @@ def test_lora_target_modules_leave_the_other_projections_without_adapter_weights
         outs = llm.generate(input_ids=prompts, lora_path="sql",
                             sampling_params={"temperature": 0, "max_new_tokens": NEW})
         assert [o["output_ids"] for o in outs] == peft_greedy(base, adapters["sql"], prompts)
+
+
+def test_a_mixture_of_experts_serves_adapters_of_its_attention(tmp_path):
+    """tiny-qwen3-moe: an adapter of the attention projections is served token-exact with transformers + peft beside
+    the base model, also with slots for every projection (--lora-target-modules all: layer 1's dense MLP gets them,
+    the sparse layers' experts none). peft puts an adapter of the MLP names on a mixture's fused expert parameters
+    (target_parameters); that one, and one naming a sparse layer's MLP, are refused with the reason."""
+    from safetensors.torch import save_file
+
+    base = model_path("tiny-qwen3-moe")
+    adapter = write_adapter(base, tmp_path / "attn", 4, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=7)
+    prompts = parity_prompts(base)[:6]
+    params = {"temperature": 0, "max_new_tokens": NEW}
+    want = peft_greedy(base, adapter, prompts)
+    assert want != hf_greedy(base, prompts, NEW) and sum(map(len, want)) >= 3 * NEW, want  # (changed, and long)
+    for targets in (None, ["all"]):
+        with running_engine(base, enable_lora=True, lora_paths=[f"attn={adapter}"], lora_target_modules=targets,
+                            max_lora_rank=8) as llm:
+            outs = llm.generate(input_ids=prompts + prompts, sampling_params=params,
+                                lora_path=["attn"] * len(prompts) + [None] * len(prompts))
+            assert [o["output_ids"] for o in outs[:len(prompts)]] == want
+            assert_no_leak(llm)
+    experts = write_adapter(base, tmp_path / "experts", 4, 16, ["q_proj", "gate_proj", "up_proj", "down_proj"], False,
+                            seed=8)
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    (sparse / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 16}))
+    key = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(4, 128), f"{key}.lora_B.weight": torch.zeros(64, 4)},
+              str(sparse / "adapter_model.safetensors"))
+    for path, words in ((experts, "experts, router and shared expert cannot be adapted"),
+                        (sparse, "layer 0 of Qwen3MoeForCausalLM is a mixture-of-experts layer")):
+        with pytest.raises(ValueError, match=words):
+            with running_engine(base, enable_lora=True, lora_paths=[f"x={path}"]):
+                pass

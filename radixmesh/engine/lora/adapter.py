@@ -7,7 +7,9 @@ W x + (B (A x)) * scaling, scaling = lora_alpha / r (lora_alpha / sqrt(r) with u
 
 What this engine would serve wrong is refused here with the field that says so: DoRA, per-module rank or alpha
 patterns, adapted biases, modules other than the attention and MLP projections (embeddings, the LM head, saved
-whole modules), fan-in/fan-out layouts, a rank over --max-lora-rank, shapes that do not fit the base model.
+whole modules; in a mixture of experts, its experts, router and shared expert: a sparse layer's adaptable
+projections are its attention's, a dense layer's all seven), fan-in/fan-out layouts, a rank over --max-lora-rank,
+shapes that do not fit the base model.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def adaptable(cfg: ModelConfig, layer: int, proj: str) -> bool:
+    """Whether `layer` has the projection `proj` to adapt: every attention projection does; the MLP's only where the
+    layer's MLP is dense (a mixture of experts' sparse layers hold experts there)."""
+    return PROJECTIONS[proj] == "self_attn" or cfg.moe is None or not cfg.moe.sparse(layer)
+
+
+def _not_adaptable(key: str) -> str:
+    if any(f".mlp.{part}" in key for part in ("experts", "gate.", "shared_expert")):
+        return (f"tensor {key}: a mixture of experts' experts, router and shared expert cannot be adapted yet (the "
+                "attention projections, and the MLP projections of its dense layers, can)")
+    return f"tensor {key}: only the attention and MLP projections ({', '.join(PROJECTIONS)}) can be adapted"
+
+
 def read_config(path: str) -> dict:
     cfg_file = Path(path) / "adapter_config.json"
     if not cfg_file.is_file():
@@ -60,6 +75,10 @@ def read_config(path: str) -> dict:
     raw = json.loads(cfg_file.read_text())
     if raw.get("peft_type", "LORA") != "LORA":
         _fail(path, f"peft_type {raw.get('peft_type')!r}: only LORA adapters are served")
+    if raw.get("target_parameters"):
+        _fail(path, f"target_parameters={raw['target_parameters']} (LoRA on parameters, which is how peft adapts a "
+              "mixture of experts' fused experts) is not supported: a mixture of experts' experts, router and shared "
+              "expert cannot be adapted yet (its attention projections can)")
     for flag, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
         if raw.get(flag):
             _fail(path, f"{flag}=true ({what}) is not supported")
@@ -103,11 +122,13 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, allowed:
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(3) not in PROJECTIONS or PROJECTIONS[m.group(3)] != m.group(2):
-            _fail(path, f"tensor {key}: only the attention and MLP projections ({', '.join(PROJECTIONS)}) can be "
-                  "adapted")
+            _fail(path, _not_adaptable(key))
         layer, proj = int(m.group(1)), m.group(3)
         if layer >= cfg.num_layers:
             _fail(path, f"tensor {key}: the base model has {cfg.num_layers} layers")
+        if not adaptable(cfg, layer, proj):
+            _fail(path, f"tensor {key}: layer {layer} of {cfg.architecture} is a mixture-of-experts layer, whose MLP "
+                  "is its experts (which cannot be adapted yet)")
         parts.setdefault((layer, proj), {})[m.group(4)] = tensor.to(torch.float32)
     weights = {}
     for (layer, proj), ab in parts.items():

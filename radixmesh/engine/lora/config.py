@@ -60,7 +60,6 @@ def resolve_lora(args: Any, model: Any) -> dict:
     if not args.enable_lora:
         _check(not args.lora_paths, "lora_paths needs enable_lora (SGLang's --enable-lora)")
         return {}
-    _check(model.moe is None, f"LoRA on {model.architecture}'s mixture-of-experts layers is not supported yet")
     _check(model.architecture not in _NO_LORA,
            f"LoRA on {model.architecture} is not supported yet: {_NO_LORA.get(model.architecture)}")
     _check(args.tp_size == 1, "LoRA with tensor parallelism is not implemented yet: use tp_size 1")

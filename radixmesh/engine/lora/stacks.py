@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, projection_shapes
+from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, adaptable, projection_shapes
 from radixmesh.engine.model_config import ModelConfig
 
 # our fused modules: attribute path in a decoder layer -> the peft projections it holds, in output order
@@ -69,6 +69,8 @@ class SlotStacks:
             for (block, attr), projs in FUSED.items():
                 if targets is not None and not targets & set(projs):
                     continue  # no adapter may adapt it (--lora-target-modules): it runs no LoRA kernels
+                if not adaptable(cfg, i, projs[0]):
+                    continue  # a mixture of experts' sparse layer: its MLP is the experts
                 linear = getattr(getattr(layer, block), attr)
                 parts, at = {}, 0
                 for p in projs:
