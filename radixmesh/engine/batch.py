@@ -79,12 +79,12 @@ class ForwardBatch:
             ([tree.reshape(-1)] if tree is not None else [])
         header = (self.mode, self.seq_lens_host, self.extend_lens_host, self.num_tokens,
                   0 if extra is None else int(extra.shape[0]),
-                  None if tree is None else self.tree_keys_host or [])
+                  None if tree is None else self.tree_keys_host or [], self.lora_slots)
         return header, torch.cat(parts)
 
     @classmethod
     def unpacked(cls, header: tuple, packed: torch.Tensor) -> "ForwardBatch":
-        mode, seq_lens, extend_lens, n, n_extra, tree_keys = header
+        mode, seq_lens, extend_lens, n, n_extra, tree_keys, lora_slots = header
         has_tree = tree_keys is not None
         b = len(seq_lens)
         ids, pos, loc, rows, lens, ext, logit_idx, extra, tree = packed.split(
@@ -94,11 +94,11 @@ class ForwardBatch:
                    extend_lens_host=list(extend_lens), extra_logit_indices=extra if n_extra else None,
                    decode_block=packed[:5 * n].view(5, n) if mode is ForwardMode.DECODE else None,
                    tree_mask=tree.view(2, b) if has_tree else None,
-                   tree_keys_host=list(tree_keys) if has_tree else None)
+                   tree_keys_host=list(tree_keys) if has_tree else None, lora_slots=lora_slots)
 
     @staticmethod
     def packed_size(header: tuple) -> int:
-        _, seq_lens, _, n, n_extra, tree_keys = header
+        _, seq_lens, _, n, n_extra, tree_keys, _ = header
         return 3 * n + (6 if tree_keys is not None else 4) * len(seq_lens) + n_extra
 
     @classmethod

@@ -134,6 +134,8 @@ class ModelRunner:
         # The leader's writes to state the followers mirror (request-to-token rows, host-tier copies) since its last
         # forward, in order; published with the next forward.
         self.journal: list[tuple] = []
+        if self.lora is not None and self.tp.size > 1 and self.tp.rank == 0:
+            self.lora.journal = self.journal  # the followers load and unload the adapters the leader does
         if self.tp.size > 1 and self.tp.rank == 0:
             self.req_to_token.journal = self.journal
         self.mover = None  # a follower's host tier (engine.cache.host_pool), once the leader's setup says so
@@ -371,6 +373,10 @@ class ModelRunner:
                 from radixmesh.engine.speculative.tree_verify import copy_slots
 
                 copy_slots(self.kv_pool, *(t.to(self.device) for t in rest))
+            elif op == "lora_load":
+                self.lora.load(*rest)
+            elif op == "lora_unload":
+                self.lora.unload(*rest)
             else:
                 self.mover.to_device(*rest).wait()
 

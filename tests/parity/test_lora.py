@@ -361,3 +361,26 @@ def test_a_mixture_of_experts_serves_adapters_of_its_attention(tmp_path):
         with pytest.raises(ValueError, match=words):
             with running_engine(base, enable_lora=True, lora_paths=[f"x={path}"]):
                 pass
+
+
+def test_adapters_under_tensor_parallelism_match_transformers_and_peft(adapters):
+    """--tp-size 2: each rank holds its shard of every adapter (column-parallel projections: B's rows of its heads;
+    row-parallel ones: A's columns, its share of B (A x) summed by the all-reduce with the products), token-exact
+    with transformers + peft beside the base model; an adapter loaded and unloaded at run time reaches every rank
+    (the other rank replays the leader's loads before its next forward)."""
+    base = model_path(NAME)
+    prompts = parity_prompts(base)[:3]
+    want = {n: peft_greedy(base, p, prompts) for n, p in adapters.items()}
+    params = {"temperature": 0, "max_new_tokens": NEW}
+    with running_engine(base, enable_lora=True, lora_paths=[f"sql={adapters['sql']}"], max_lora_rank=8,
+                        lora_target_modules=["all"], tp_size=2) as llm:
+        outs = llm.generate(input_ids=prompts * 2, sampling_params=params, lora_path=["sql"] * 3 + [None] * 3)
+        assert [o["output_ids"] for o in outs] == want["sql"] + hf_greedy(base, prompts, NEW)
+        llm.load_lora_adapter("chat", adapters["chat"])
+        outs = llm.generate(input_ids=prompts * 2, sampling_params=params, lora_path=["chat"] * 3 + ["sql"] * 3)
+        assert [o["output_ids"] for o in outs] == want["chat"] + want["sql"]
+        llm.unload_lora_adapter("sql")
+        llm.load_lora_adapter("sql2", adapters["sql"])  # (into the slot "sql" held, on every rank)
+        outs = llm.generate(input_ids=prompts, sampling_params=params, lora_path="sql2")
+        assert [o["output_ids"] for o in outs] == want["sql"]
+        assert_no_leak(llm)

@@ -114,6 +114,11 @@ class QKVParallelLinear(nn.Module):
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return [(f"{name}_proj", shard) for name, shard in self._shards.items()]
 
+    def lora_parts(self) -> dict[str, Shard]:
+        """peft's name of each projection this layer fuses -> the rows of it this rank holds (where in the layer's
+        output, and where in the whole projection): what of an adapter's B it keeps (engine.lora.stacks)."""
+        return {f"{name}_proj": shard for name, shard in self._shards.items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(self, x, self.bias) if self.lora is None else lora_product(self, x, self.bias)
 
@@ -132,6 +137,9 @@ class MergedColumnParallelLinear(nn.Module):
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, Shard]]:
         return list(self._shards.items())
+
+    def lora_parts(self) -> dict[str, Shard]:
+        return dict(self._shards)  # (the names are peft's: gate_proj, up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(self, x) if self.lora is None else lora_product(self, x)
@@ -172,10 +180,16 @@ class RowParallelLinear(nn.Module):
     def checkpoint_shards(self, leaf: str) -> list[tuple[str | None, Shard]]:
         return [(None, self._weight if leaf == "weight" else WHOLE)]
 
+    def lora_parts(self) -> dict[str | None, Shard]:
+        """The input columns this rank holds (dim 1): what of an adapter's A it keeps (engine.lora.stacks)."""
+        return {None: self._weight}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return product(self, x, self.bias) if self.lora is None else lora_product(self, x, self.bias)
-        out = self.tp.all_reduce(product(self, x))
+        # (an adapter's B (A x) is linear in x: each rank adds B times its columns' share of A x, and the all-reduce
+        # sums the shares with the products')
+        out = self.tp.all_reduce(product(self, x) if self.lora is None else lora_product(self, x))
         return out if self.bias is None else out + self.bias
 
 

@@ -53,6 +53,10 @@ class LoraManager:
         # the adapter ids of admitted (prefilling or running) requests; the engine sets it. Unset: those of
         # unfinished requests (waiting ones too)
         self.admitted: Callable[[], Iterable[int]] | None = None
+        # the tensor-parallel leader's journal (engine.model_runner): each load and unload is replayed by the other
+        # ranks before their next forward, each packing its own shard of the adapter. Their slot placements need not
+        # match the leader's: a rank's forward reads its own slots
+        self.journal: list[tuple] | None = None
 
     # ---- loading (the scheduler's thread) ------------------------------------------------------------------------
     def load(self, name: str, path: str) -> None:
@@ -68,6 +72,8 @@ class LoraManager:
         self.host[ident] = HostAdapter(name, row, adapter.rank, adapter.scaling)
         with self._lock:
             self.by_name[name] = ident
+        if self.journal is not None:
+            self.journal.append(("lora_load", name, path))
         log.info("LoRA adapter %s loaded from %s (rank %d, %s) as %d", name, path, adapter.rank,
                  ", ".join(sorted(adapter.targets)), ident)
 
@@ -83,6 +89,8 @@ class LoraManager:
             del self.by_name[name]
         self.pool.drop(ident)
         del self.host[ident]
+        if self.journal is not None:
+            self.journal.append(("lora_unload", name))
         log.info("LoRA adapter %s unloaded", name)
 
     # ---- requests (any thread) -----------------------------------------------------------------------------------

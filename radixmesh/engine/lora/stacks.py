@@ -15,13 +15,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, adaptable, projection_shapes
+from radixmesh.engine.lora.adapter import PROJECTIONS, LoraAdapter, adaptable
 from radixmesh.engine.model_config import ModelConfig
 
 # our fused modules: attribute path in a decoder layer -> the peft projections it holds, in output order
 FUSED = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),
          ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"), ("mlp", "down_proj"): ("down_proj",)}
 assert set(p for projs in FUSED.values() for p in projs) == set(PROJECTIONS)
+
+
+def _rank_parts(linear: nn.Module, projs: tuple[str, ...]
+                ) -> tuple[dict[str, slice], dict[str, tuple[int, int, int]]]:
+    """(each peft projection's output columns in `linear`, this rank's cut of its adapter), from the rows (or, in a
+    row-parallel layer, the input columns) of each projection the tensor-parallel layer holds (`lora_parts`)."""
+    held = linear.lora_parts()
+    if None in held:  # a row-parallel layer: every output row, this rank's input columns
+        (p,) = projs
+        return {p: slice(0, linear.weight.shape[0])}, {p: (1, held[None].start, held[None].length)}
+    return ({p: held[p].dest for p in projs}, {p: (0, held[p].start, held[p].length) for p in projs})
 
 
 class ModuleLora:
@@ -43,6 +54,9 @@ class _Entry:
     fan_in: int
     fan_out: int
     offset: int  # of A; B follows it
+    # this tensor-parallel rank's cut of each projection's adapter: (dim of the weight, start, length), dim 0: the
+    # output rows (a column-parallel module: B's rows), 1: the input columns (a row-parallel one: A's columns)
+    cuts: dict[str, tuple[int, int, int]]
 
     def views(self, rows: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A [n, P * R, K] and B [n, N, R] of `rows` [n, slot size]."""
@@ -60,7 +74,6 @@ class SlotStacks:
     def __init__(self, model: nn.Module, cfg: ModelConfig, slots: int, rank: int, device: torch.device,
                  dtype: torch.dtype, targets: frozenset[str] | None = None):
         self.rank, self.dtype = rank, dtype
-        shapes = projection_shapes(cfg)
         self.entries: list[_Entry] = []
         self.where: dict[tuple[int, str], tuple[_Entry, int]] = {}  # (layer, peft projection) -> module, its part
         size = 0
@@ -72,14 +85,9 @@ class SlotStacks:
                 if not adaptable(cfg, i, projs[0]):
                     continue  # a mixture of experts' sparse layer: its MLP is the experts
                 linear = getattr(getattr(layer, block), attr)
-                parts, at = {}, 0
-                for p in projs:
-                    parts[p] = slice(at, at + shapes[p][1])
-                    at += shapes[p][1]
-                if at != linear.weight.shape[0]:
-                    raise ValueError("LoRA needs the whole model on one device (tensor parallelism is not supported "
-                                     "with --enable-lora yet)")
-                entry = _Entry(i, parts, linear.weight.shape[1], at, size)
+                parts, cuts = _rank_parts(linear, projs)
+                at = linear.weight.shape[0]
+                entry = _Entry(i, parts, linear.weight.shape[1], at, size, cuts)
                 size += (len(projs) * linear.weight.shape[1] + at) * rank
                 self.entries.append(entry)
                 linears.append(linear)
@@ -98,6 +106,8 @@ class SlotStacks:
         r = adapter.rank
         for key, (a, b) in adapter.weights.items():
             entry, part = self.where[key]
+            dim, start, length = entry.cuts[key[1]]
+            a, b = (a, b[start:start + length]) if dim == 0 else (a[:, start:start + length], b)
             a_view, b_view = entry.views(row, self.rank)
             a_view[0, part * self.rank:part * self.rank + r].copy_(a)
             b_view[0, entry.parts[key[1]], :r].copy_(b)
