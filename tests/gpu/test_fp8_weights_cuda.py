@@ -139,8 +139,10 @@ def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
         assert torch.equal(out, eager)
 
 
-def test_the_engine_holds_block_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_graphs(tmp_path):
-    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), block=(32, 64))
+@pytest.mark.parametrize("how", [{"block": (32, 64)}, {"modelopt": "file"}], ids=["block", "modelopt"])
+def test_the_engine_holds_fp8_weights_in_fp8_and_matches_the_twin_in_cuda_graphs(tmp_path, how):
+    """Block-wise fp8, and NVIDIA ModelOpt's per-tensor layout (hf_quant_config.json) held per row."""
+    q = fp8.write_checkpoint(model_path("tiny-llama"), str(tmp_path / "fp8"), **how)
     twin = fp8.dequantized_checkpoint(q, str(tmp_path / "twin"))
     prompts = parity_prompts(q)[:3]  # short prompts prefilled in 16-row chunks: every product is W8A16
     refs = hf_greedy(twin, prompts, 12)

@@ -138,3 +138,19 @@ def test_cuda_graphs_equal_eager_with_adapters_evicted_and_copied_back(adapter_p
     want = {n: peft_greedy(base, p, prompts) for n, p in adapter_paths.items()}
     want[None] = hf_greedy(base, prompts, NEW)
     assert graphed == [want[n][i] for i in range(len(prompts)) for n in [*adapter_paths, None]]
+
+
+def test_a_mixture_of_experts_attention_adapter_in_cuda_graphs_matches_peft(tmp_path):
+    """tiny-qwen3-moe with an adapter of its attention projections, decode in CUDA graphs (float32, the experts on
+    the Triton grouped GEMMs): peft's tokens, beside the base model's."""
+    base = model_path("tiny-qwen3-moe")
+    adapter = write_adapter(base, tmp_path / "attn", 4, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=7)
+    prompts = parity_prompts(base)[:6]
+    want = peft_greedy(base, adapter, prompts) + hf_greedy(base, prompts, NEW)
+    with running_engine(base, device="cuda", dtype="float32", enable_lora=True, lora_paths=[f"attn={adapter}"],
+                        max_total_tokens=8192, cuda_graph_max_bs=32) as llm:
+        assert llm.runner.graphs is not None and llm.runner.graphs.lora is not None
+        outs = llm.generate(input_ids=prompts * 2, lora_path=["attn"] * len(prompts) + [None] * len(prompts),
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == want
+        assert_no_leak(llm)
