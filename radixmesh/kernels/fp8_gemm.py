@@ -30,8 +30,10 @@ from radixmesh.kernels.fp8_quant import FP8, dequantize_groups, dequantize_weigh
 from radixmesh.kernels.runtime import CONFIG_DIR, config_file
 
 GROUP_M = 8
-# Rows a tuned entry serves (up to each; the last also every longer product)
-BUCKETS = (32, 64, 128, 256, 1024)
+# Rows a tuned entry serves (up to each; the last also every longer product). 8192: a long prefill chunk's products,
+# whose best tile the 1024-row one is not (H100, the 8B shapes: tiles tuned at 1024 rows, 8-13% faster there, left the
+# 8k prefill as it was or slower)
+BUCKETS = (32, 64, 128, 256, 1024, 8192)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) benchmarks.tune_fp8_gemm tries for block-wise weights per row bucket; the
 # first of each is _config's default. Narrower tiles fill the SMs where a bucket's row tiles times the column blocks
 # are fewer than them (an 8B down_proj at 256 rows runs 2 x 32 = 64 programs of 128 x 128 on 132 SMs); four stages
@@ -41,7 +43,8 @@ CANDIDATES = {32: ((32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4,
               64: ((64, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4)),
               128: ((128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
               256: ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)),
-              1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
+              1024: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4)),
+              8192: ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4))}
 Tuned = dict[tuple[int, int, int, int, int], tuple[int, int, int, int]]  # (n, k, bn, bk, bucket) -> tiles
 
 
@@ -71,8 +74,9 @@ def read_tuned(path: Path) -> Tuned:
 
 @functools.cache
 def tuned_tiles(device_index: int) -> Tuned:
-    """The tiles tuned for the GPU at `device_index` (read once a process, from CONFIG_DIR)."""
-    return read_tuned(config_path(torch.cuda.get_device_name(device_index)))
+    """The tiles tuned for the GPU at `device_index` (read once a process, from CONFIG_DIR as it is when first
+    called: config_path's default was bound when it was defined)."""
+    return read_tuned(config_path(torch.cuda.get_device_name(device_index), CONFIG_DIR))
 
 
 @triton.jit

@@ -121,7 +121,7 @@ def test_tuned_tiles_are_read_from_data_and_picked_by_weight_shape_and_row_bucke
 
     from radixmesh.kernels.fp8_gemm import BUCKETS, CANDIDATES, config_path, gemm_bucket, gemm_config, read_tuned
 
-    assert [gemm_bucket(m) for m in (17, 32, 33, 100, 256, 257, 9000)] == [32, 32, 64, 128, 256, 1024, 1024]
+    assert [gemm_bucket(m) for m in (17, 32, 33, 100, 256, 257, 1025, 9000)] == [32, 32, 64, 128, 256, 1024, 8192, 8192]
     assert set(CANDIDATES) == set(BUCKETS) and all(CANDIDATES[b][0] == gemm_config(b, 1, 1, (128, 128))[:2]
                                                    + gemm_config(b, 1, 1, (128, 128))[3:] for b in BUCKETS)
     path = config_path("NVIDIA H100 80GB HBM3", tmp_path)
