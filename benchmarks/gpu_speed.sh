@@ -63,6 +63,8 @@
 #                           8B model's batch 64 and 256 steps and 8k prefill without tuned tiles, tuned, then without
 #                           and with them again (not with TUNE_ONE_PAIR=1; no runs with TUNE_ONLY=1), then the
 #                           candidate tiles' and the tuner's CUDA tests
+#   PARTS="setup gemmab"    issue 52: the block-fp8 8B model's batch 64 and 256 steps without the shipped fp8 GEMM tile
+#                           file and with it (GEMMAB_RUNS, default "none shipped": labels starting "none" run without)
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; the H100 and H200 have files), written to $OUT/configs, and the
 #                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
@@ -439,6 +441,16 @@ if [[ " $PARTS " == *" fp8gemmtune "* ]]; then
   # the candidate tiles' and the tuner's CUDA tests last: a call cut at its bound keeps the runs above
   timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 190 tests/gpu/test_fp8_weights_cuda.py \
     -k "candidate_block or tuner" 2>&1 | tee -a "$OUT/fp8gemmtune.log" | grep -E "passed|failed|^E  |FAILED" | tail -6
+fi
+
+if [[ " $PARTS " == *" gemmab "* ]]; then  # the shipped block-fp8 tile file against none, on one machine
+  block_fp8_config $CFG build/llama-3.1-8b-fp8-block
+  pkg=$(tile_file fp8_gemm radixmesh/kernels/configs)
+  for label in ${GEMMAB_RUNS:-none shipped}; do
+    [[ $label == none* ]] && mv "$pkg" "$pkg.kept"
+    tuner_run gemmab "$label" --model-path build/llama-3.1-8b-fp8-block --batch-size 64 256 --prefill-len 0
+    [[ -f $pkg.kept ]] && mv "$pkg.kept" "$pkg"
+  done
 fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then
