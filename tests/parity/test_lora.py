@@ -384,3 +384,29 @@ def test_adapters_under_tensor_parallelism_match_transformers_and_peft(adapters)
         outs = llm.generate(input_ids=prompts, sampling_params=params, lora_path="sql2")
         assert [o["output_ids"] for o in outs] == want["sql"]
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE-tree"])
+def test_adapters_with_speculative_decoding_match_transformers_and_peft(adapters, algorithm, tmp_path):
+    """--speculative-algorithm with adapters (as SGLang serves them: the target model's): every verify row (a chain's
+    or a draft tree's) runs its request's adapter, the drafts come from the base model (STANDALONE: the base model
+    itself as the draft, so the adapters' requests have drafts rejected and the base's accepted; an EAGLE head reads
+    the adapted target's hidden states), and every output is transformers + peft's."""
+    from tests.parity.test_speculative_eagle import write_head
+
+    base = model_path(NAME)
+    prompts = parity_prompts(base)[:3]
+    want = {None: hf_greedy(base, prompts, NEW), **{n: peft_greedy(base, p, prompts) for n, p in adapters.items()}}
+    extra = {"NGRAM": {}, "STANDALONE": {"speculative_draft_model_path": base, "speculative_num_steps": 3},
+             "EAGLE-tree": {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2, "speculative_num_steps": 2,
+                            "speculative_draft_model_path": write_head(tmp_path / "head", base, "eagle")}}[algorithm]
+    extra = {"speculative_algorithm": algorithm, **extra}
+    with running_engine(base, enable_lora=True, lora_paths=[f"{n}={p}" for n, p in adapters.items()], page_size=4,
+                        speculative_num_draft_tokens=4, **extra) as llm:
+        names = [None, "sql", "chat"] * len(prompts)
+        outs = llm.generate(input_ids=[p for p in prompts for _ in range(3)], lora_path=names,
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == [want[n][i] for i in range(len(prompts))
+                                                   for n in (None, "sql", "chat")]
+        assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs) > 0  # (verifies ran)
+        assert_no_leak(llm)

@@ -62,7 +62,6 @@ def resolve_lora(args: Any, model: Any) -> dict:
         return {}
     _check(model.architecture not in _NO_LORA,
            f"LoRA on {model.architecture} is not supported yet: {_NO_LORA.get(model.architecture)}")
-    _check(args.speculative_algorithm is None, "LoRA with speculative decoding is not implemented yet")
     paths = parse_lora_paths(args.lora_paths)
     targets = resolve_targets(args.lora_target_modules, paths)
     rank = args.max_lora_rank

@@ -39,9 +39,10 @@ class _Pending:
         return (self.positions, self.rows, self.prev.sampled.next_ids) if self.positions else None
 
 
-def _lora_slots(reqs: list[Req]) -> list[int] | None:
-    """Each request's LoRA adapter slot, or None when every request runs the base model."""
-    slots = [r.lora_slot for r in reqs]
+def _lora_slots(reqs: list[Req], rows: int = 1) -> list[int] | None:
+    """Each request's LoRA adapter slot (`rows` times: a verify's rows per request), or None when every request runs
+    the base model."""
+    slots = [r.lora_slot for r in reqs for _ in range(rows)]
     return slots if any(slots) else None
 
 
@@ -133,7 +134,8 @@ def build_verify(reqs: list[Req], drafts: list[list[int]], locs: torch.Tensor, d
         lens += [*range(r.kv_len + 1, r.kv_len + r.extend_len + 1)] + [1] * pad
         slots += [loc, torch.zeros(pad, dtype=torch.int64)]
     return ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
-                              seq_lens=lens, extend_lens=[1] * len(ids), device=device)
+                              seq_lens=lens, extend_lens=[1] * len(ids), device=device,
+                              lora_slots=_lora_slots(reqs, width))
 
 
 def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]], locs: torch.Tensor,
@@ -159,7 +161,8 @@ def build_tree_verify(reqs: list[Req], trees: list[tuple[list[int], list[int]]],
         starts += [r.kv_len] * n + [1] * pad
         seen += [as_signed(b) for b in seen_bits(parents)] + [1] * pad
     batch = ForwardBatch.build(ForwardMode.DECODE, ids, positions, torch.cat(slots), req_pool_indices=rows,
-                               seq_lens=lens, extend_lens=[1] * len(ids), device=device)
+                               seq_lens=lens, extend_lens=[1] * len(ids), device=device,
+                               lora_slots=_lora_slots(reqs, width))
     batch.tree_mask = torch.tensor([starts, seen], dtype=torch.int64).to(device, non_blocking=True)
     batch.tree_keys_host = [tree_row_keys(*row) for row in zip(starts, seen, lens)]
     return batch
