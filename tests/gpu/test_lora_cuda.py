@@ -154,3 +154,28 @@ def test_a_mixture_of_experts_attention_adapter_in_cuda_graphs_matches_peft(tmp_
                             sampling_params={"temperature": 0, "max_new_tokens": NEW})
         assert [o["output_ids"] for o in outs] == want
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE-tree"])
+def test_adapters_with_speculative_decoding_in_cuda_graphs_match_peft(adapter_paths, algorithm, tmp_path):
+    """Verify rows (a chain's, or a draft tree's in the tree graphs) run their request's adapter in CUDA graphs
+    (float32): peft's tokens beside the base model's."""
+    from tests.parity.test_speculative_eagle import write_head
+
+    base = model_path(NAME)
+    paths = {n: adapter_paths[n] for n, *_ in ADAPTERS}
+    prompts = parity_prompts(base)[:3]
+    want = {None: hf_greedy(base, prompts, NEW), **{n: peft_greedy(base, p, prompts) for n, p in paths.items()}}
+    spec = {"speculative_algorithm": "NGRAM"} if algorithm == "NGRAM" else {
+        "speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2, "speculative_num_steps": 2,
+        "speculative_draft_model_path": write_head(tmp_path / "head", base, "eagle")}
+    with running_engine(base, device="cuda", dtype="float32", enable_lora=True, max_total_tokens=8192,
+                        lora_paths=[f"{n}={p}" for n, p in paths.items()], cuda_graph_max_bs=32,
+                        speculative_num_draft_tokens=4, **spec) as llm:
+        assert llm.runner.graphs is not None and llm.runner.graphs.lora is not None
+        names = [None, "sql", "chat"] * len(prompts)
+        outs = llm.generate(input_ids=[p for p in prompts for _ in range(3)], lora_path=names,
+                            sampling_params={"temperature": 0, "max_new_tokens": NEW})
+        assert [o["output_ids"] for o in outs] == [want[n][i] for i in range(len(prompts))
+                                                   for n in (None, "sql", "chat")]
+        assert_no_leak(llm)
