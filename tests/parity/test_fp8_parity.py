@@ -67,8 +67,11 @@ def test_fp8_checkpoints_match_their_dequantized_twin_in_transformers(checkpoint
         assert got == pytest.approx(hf_token_logprobs(twin, p, ref), abs=1e-4)
 
 
-def test_a_block_fp8_checkpoint_under_tensor_parallelism_matches_one_process(checkpoints):
-    q, _ = checkpoints["block"]  # blocks of 32 rows x 64 columns: the ranks' cuts fall inside blocks too
+@pytest.mark.parametrize("kind", ["block", "modelopt-file"])
+def test_an_fp8_checkpoint_under_tensor_parallelism_matches_one_process(checkpoints, kind):
+    # block: blocks of 32 rows x 64 columns, the ranks' cuts fall inside blocks too; modelopt-file: a mixture of
+    # experts with one scale a tensor
+    q, _ = checkpoints[kind]
     prompts = parity_prompts(q)[:2]
     one = _generate(q, prompts)
     two = _generate(q, prompts, tp_size=2)
