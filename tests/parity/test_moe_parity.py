@@ -1,5 +1,6 @@
 """Mixture-of-experts models token-exact with transformers (float32, CPU): Mixtral, Qwen2-MoE (shared expert, sparse
-every other layer) and Qwen3-MoE (a dense layer in mlp_only_layers), each a tiny random checkpoint written here by
+every other layer), Qwen3-MoE (a dense layer in mlp_only_layers) and OLMoE (q/k norms over the whole projection, with
+and without clip_qkv), each a tiny random checkpoint written here by
 transformers itself (per-expert tensors, as published), through the public Engine API, with tensor parallelism too.
 Every generated token's logprob is compared as well: a wrong expert, weight or routing rule moves those far beyond
 the tolerance even where the greedy choice survives."""
@@ -28,6 +29,12 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=80, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
                        moe_intermediate_size=32, head_dim=16, norm_topk_prob=False, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=32, num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,
+                   norm_topk_prob=False)),
+    "olmoe_clipped": ("OlmoeConfig", "OlmoeForCausalLM",  # clip_qkv: a bound the normed q and k pass
+                      dict(intermediate_size=32, num_hidden_layers=2, num_experts=6, num_experts_per_tok=3,
+                           norm_topk_prob=True, clip_qkv=0.8)),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
@@ -66,10 +73,11 @@ def test_moe_models_match_transformers(checkpoints, name):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
 
 
-def test_experts_shard_over_tensor_parallel_ranks(checkpoints):
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped"])
+def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     """tp_size 2: each rank holds half of every expert's (and the shared expert's) intermediate rows; the sum over
-    the ranks is the layer's output."""
-    path = checkpoints["qwen2_moe"]
+    the ranks is the layer's output (OLMoE: each rank's q/k norm sums the mean square over both ranks' heads)."""
+    path = checkpoints[name]
     refs, _ = _reference(path)
     with running_engine(path, skip_tokenizer_init=True, tp_size=2) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})

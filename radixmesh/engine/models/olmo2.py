@@ -35,12 +35,16 @@ class Olmo2RMSNorm(nn.Module):
         return [(None, self.shard or Shard())]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * self.normed(x)).to(x.dtype)
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """x over the root mean square of its whole last dim (every rank's part of it), in float32."""
         h = x.float()
         if self.tp is None or self.tp.size == 1:
             variance = h.pow(2).mean(-1, keepdim=True)
         else:  # every rank holds as many elements (replicated KV heads counted as often as each other)
             variance = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / (h.shape[-1] * self.tp.size)
-        return (self.weight * (h * torch.rsqrt(variance + self.eps))).to(x.dtype)
+        return h * torch.rsqrt(variance + self.eps)
 
 
 def _norm_shard(qkv: QKVParallelLinear, part: str) -> Shard:
@@ -50,6 +54,8 @@ def _norm_shard(qkv: QKVParallelLinear, part: str) -> Shard:
 
 
 class Olmo2Attention(nn.Module):
+    norm = Olmo2RMSNorm  # the q/k norms' class
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.layer_id, self.head_dim = layer_id, cfg.head_dim
@@ -60,17 +66,22 @@ class Olmo2Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias, tp,
                                         "the number of attention heads x head_dim")
         eps = cfg.rms_norm_eps
-        self.q_norm = Olmo2RMSNorm(cfg.num_heads * cfg.head_dim, eps, tp, _norm_shard(self.qkv_proj, "q_proj"))
-        self.k_norm = Olmo2RMSNorm(cfg.num_kv_heads * cfg.head_dim, eps, tp, _norm_shard(self.qkv_proj, "k_proj"))
+        self.q_norm = self.norm(cfg.num_heads * cfg.head_dim, eps, tp, _norm_shard(self.qkv_proj, "q_proj"))
+        self.k_norm = self.norm(cfg.num_kv_heads * cfg.head_dim, eps, tp, _norm_shard(self.qkv_proj, "k_proj"))
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q).view(n, self.num_heads, self.head_dim)  # normalised over all heads, then split
-        k = self.k_norm(k).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.normed_qkv(hidden)
+        q = q.view(n, self.num_heads, self.head_dim)  # normalised over all heads, then split
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = get_forward_context().attend(self.layer_id, q, k, v, rope)
         return self.o_proj(out.reshape(n, self.q_size))
+
+
+    def normed_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class Olmo2DecoderLayer(nn.Module):

@@ -12,6 +12,7 @@ _MODELS = {
     "MixtralForCausalLM": "radixmesh.engine.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "radixmesh.engine.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "radixmesh.engine.models.olmoe:OlmoeForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",

@@ -38,6 +38,7 @@ _QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "l
 # Granite's scalars (engine.models.granite computes them)
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OLMO = "OlmoForCausalLM"  # reads clip_qkv (engine.models.olmo clamps q, k and v)
+CLIP_QKV = (OLMO, "OlmoeForCausalLM")  # the architectures whose layers read clip_qkv (engine.models.olmoe too)
 # Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
 _SILU = ("silu", "swish")
 
@@ -56,7 +57,7 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
         check_layernorm(model)
     else:
         _check_activation_and_biases(model)
-    if model.architecture == OLMO:
+    if model.architecture in CLIP_QKV:
         _check_clip_qkv(model)
     if model.architecture not in GEMMA3_ARCHITECTURES:  # (two tables: sliding and global layers, checked above)
         _check_rope(model, context_length)
@@ -205,7 +206,7 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
 def _check_neutral_fields(model: ModelConfig) -> None:
     read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
             else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM"
-            else ("clip_qkv",) if model.architecture == OLMO
+            else ("clip_qkv",) if model.architecture in CLIP_QKV
             else READ_FIELDS.get(model.architecture, ()))
     for name, (feature, neutral) in _neutral_values(model).items():
         if name in read:
