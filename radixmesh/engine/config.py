@@ -289,14 +289,11 @@ QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "modelopt": None, "modelopt_fp
 
 
 def _resolve_quantization(quantization: str | None, model: ModelConfig) -> str | None:
-    from radixmesh.engine.quantization.fp8 import checkpoint_scheme
-
     _check(quantization is None or quantization in QUANTIZATIONS, f"quantization {quantization!r} is not implemented "
            f"by radixmesh yet: {', '.join(QUANTIZATIONS)} are (and fp8 checkpoints are read without the flag)")
     if quantization in ("modelopt", "modelopt_fp8"):
         quant = model.raw.get("quantization_config")
-        _check(isinstance(quant, dict) and quant.get("quant_method") == "modelopt" and
-               checkpoint_scheme(model.raw) is not None,
+        _check(isinstance(quant, dict) and quant.get("quant_method") == "modelopt",  # (its quant_algo: check_servable)
                f"quantization {quantization!r} reads an NVIDIA ModelOpt FP8 checkpoint (hf_quant_config.json, or "
                f"quantization_config.quant_method 'modelopt' in config.json); {model.path} is not one: serve it "
                "without the flag, or with --quantization fp8 to round its weights to fp8")

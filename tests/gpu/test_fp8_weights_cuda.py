@@ -18,6 +18,7 @@ from radixmesh.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from radixmesh.kernels.fp8_gemv import fp8_gemv, fp8_gemv_row, fp8_linear_reference
 from radixmesh.kernels.fp8_quant import group_quant, group_quant_reference
 from tests.conftest import model_path
+from tests.cuda_graphs import assert_pdl_graph_equals_eager
 from tests.engine_utils import parity_prompts, running_engine
 from tests.reference import hf_greedy, hf_token_logprobs
 
@@ -127,16 +128,7 @@ def test_the_one_row_product_under_pdl_in_a_graph_equals_its_eager_launch():
             y = fp8_gemv_row(y, w, s, (128, 128), pdl=pdl) / 8
         return y
 
-    eager = run(False)
-    graph = torch.cuda.CUDAGraph()
-    run(True)  # compile outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = run(True)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    assert_pdl_graph_equals_eager(run)
 
 
 @pytest.mark.parametrize("how", [{"block": (32, 64)}, {"modelopt": "file"}], ids=["block", "modelopt"])

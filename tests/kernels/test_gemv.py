@@ -10,6 +10,7 @@ import torch
 
 from radixmesh.kernels.gemv import MAX_ROWS, gemv, gemv_reference, gemv_row
 from radixmesh.kernels.runtime import pdl_supported
+from tests.cuda_graphs import assert_pdl_graph_equals_eager
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,16 +94,7 @@ def test_a_pdl_chain_in_a_graph_equals_the_plain_chain(rows):
             h = gemv(h[:, :w.shape[1]], w, pdl=pdl)
         return h
 
-    plain = chain(False)
-    graph = torch.cuda.CUDAGraph()
-    chain(True)  # compile outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = chain(True)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+    assert_pdl_graph_equals_eager(chain)
 
 
 @pytest.mark.gpu
@@ -121,14 +113,4 @@ def test_a_pdl_chain_of_row_products_in_a_graph_equals_the_plain_chain():
             h = gemv_row(h[:, :w.shape[1]], w, pdl=pdl)
         return h
 
-    plain = chain(False)
-    assert torch.isfinite(plain).all()
-    graph = torch.cuda.CUDAGraph()
-    chain(True)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = chain(True)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+    assert torch.isfinite(assert_pdl_graph_equals_eager(chain)).all()

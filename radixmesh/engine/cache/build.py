@@ -32,10 +32,12 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
     if tp > 1:
         name, heads = f"{name}:tp{tp}", tp * max(1, heads // tp)
     if args.kv_cache_dtype.startswith("fp8"):
-        scales = kv_scales.digest(load_kv_scales(model, args.kv_cache_dtype, args.load_format,
-                                                 args.quantization_param_path, rank, tp, quiet=True)
-                                  for rank in range(tp))
-        name = f"{name}:kv-scales-{scales}" if scales else name
+        read = functools.partial(load_kv_scales, model, args.kv_cache_dtype, args.load_format,
+                                 args.quantization_param_path, tp_size=tp, quiet=True)
+        # (a file gives each rank its own; the checkpoint's are every rank's, read once)
+        per_rank = [read(tp_rank=r) for r in range(tp)] if args.quantization_param_path else [read()] * tp
+        digest = kv_scales.digest(per_rank)
+        name = f"{name}:kv-scales-{digest}" if digest else name
     return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
 
 

@@ -255,7 +255,7 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, para
         if kv_cache_dtype != "fp8_e4m3":
             raise ValueError(f"--quantization-param-path holds scales for an fp8_e4m3 KV cache (float8_e4m3fn), but "
                              f"--kv-cache-dtype is {kv_cache_dtype}")
-        scales = from_param_file(param_path, tp_rank, tp_size, cfg.num_layers, _model_type(cfg))
+        scales = from_param_file(param_path, tp_rank, tp_size, cfg.num_layers, cfg.raw.get("model_type"))
         if not quiet:
             log.info("KV cache scales for TP rank %d from %s (the checkpoint's, if any, are not used)", tp_rank,
                      param_path)
@@ -277,15 +277,6 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, para
         log.warning("--kv-cache-dtype %s: the checkpoint gives KV cache scales for %d of %d layers; the others use "
                     "1.0", kv_cache_dtype, given, cfg.num_layers)
     return scales
-
-
-def _model_type(cfg: ModelConfig) -> str | None:
-    """config.json's model_type, which a --quantization-param-path file names the scales it holds for."""
-    try:
-        with open(os.path.join(cfg.path, "config.json")) as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError):
-        return None
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
