@@ -65,6 +65,9 @@
 #                           candidate tiles' and the tuner's CUDA tests
 #   PARTS="setup gemmab"    issue 52: the block-fp8 8B model's batch 64 and 256 steps without the shipped fp8 GEMM tile
 #                           file and with it (GEMMAB_RUNS, default "none shipped": labels starting "none" run without)
+#   PARTS="setup moeunion"  issue 51: the Qwen3-30B-A3B shape at batch 1, 64, 256 against the experts each step reads
+#                           (bench_one_batch --roofline counts the union of its tokens' top-k), the 8k prefill, and
+#                           the batch-64 step's time by kernel (profile_decode)
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; the H100 and H200 have files), written to $OUT/configs, and the
 #                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
@@ -451,6 +454,19 @@ if [[ " $PARTS " == *" gemmab "* ]]; then  # the shipped block-fp8 tile file aga
     tuner_run gemmab "$label" --model-path build/llama-3.1-8b-fp8-block --batch-size 64 256 --prefill-len 0
     [[ -f $pkg.kept ]] && mv "$pkg.kept" "$pkg"
   done
+fi
+
+if [[ " $PARTS " == *" moeunion "* ]]; then
+  # issue 51's batch rows: the Qwen3-30B-A3B shape's steps at batch 1, 64 and 256 against floors of the experts each
+  # batch's step reads (bench_one_batch counts them: the union of its tokens' top-k), the 8k prefill beside them; then
+  # the batch-64 step's time by kernel (profile_decode: what the grouped expert GEMMs take against the rest)
+  timeout ${MOEUNION_TIMEOUT:-240} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/qwen3-30b-a3b \
+    --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
+    --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/moeunion.jsonl" 2>&1 \
+    | tee "$OUT/moeunion.log" | grep -E "True|distinct|copy|prefill of|rror"
+  timeout ${MOEUNION_TIMEOUT:-240} $PY -m radixmesh.benchmarks.profile_decode --model-path benchmarks/configs/qwen3-30b-a3b \
+    --batch-size 64 --result-file "$OUT/moeunion_profile.jsonl" 2>&1 | tee -a "$OUT/moeunion.log" | grep -v Warning \
+    | tail -30
 fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then

@@ -26,7 +26,8 @@ import time
 import torch
 
 from radixmesh.engine.bench_roofline import (attention_flops, decode_weight_bytes, holds_fp8, linear_flops,
-                                             measure_copy_bandwidth, measure_fp8_matmul_tflops, measure_matmul_tflops)
+                                             measure_copy_bandwidth, measure_fp8_matmul_tflops, measure_matmul_tflops,
+                                             moe_blocks)
 from radixmesh.engine.cache.manager import CacheManager
 from radixmesh.engine.config import EngineArgs, resolve_args
 from radixmesh.engine.model_config import ModelConfig
@@ -120,14 +121,18 @@ def decode(runner: ModelRunner, cache: CacheManager, reqs: list[Req], first: lis
     return step_s, next_ids
 
 
-def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int) -> dict:
+def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, output_len: int,
+             count_experts: bool = False) -> dict:
+    """One static batch: prefill, then `output_len` timed decode steps. With `count_experts` (a mixture of experts),
+    also how many distinct experts each sparse layer's step reads (experts_read, after the timed steps)."""
     reqs = _make_reqs(cache, bs, input_len, runner.model_config.vocab_size, torch.Generator().manual_seed(bs))
     _sync(runner.device)
     t0 = time.perf_counter()
     first = prefill(runner, cache, reqs)
     prefill_s = time.perf_counter() - t0
     gpu_s: list[float] = []
-    step_s, _ = decode(runner, cache, reqs, first, output_len, gpu_s)
+    step_s, last = decode(runner, cache, reqs, first, output_len, gpu_s)
+    read = experts_read(runner, cache, reqs, last) if count_experts and moe_blocks(runner.model) else None
     for r in reqs:
         cache.release(r)
     median = statistics.median(step_s)
@@ -136,7 +141,34 @@ def run_once(runner: ModelRunner, cache: CacheManager, bs: int, input_len: int, 
             "prefill_latency_s": prefill_s, "prefill_throughput_tok_s": bs * input_len / prefill_s,
             "decode_median_latency_s": median, "decode_throughput_tok_s": bs / median,
             **({"decode_median_gpu_s": statistics.median(gpu_s)} if gpu_s else {}),
+            **({"experts_read": read} if read is not None else {}),
             "total_latency_s": prefill_s + sum(step_s)}
+
+
+def experts_read(runner: ModelRunner, cache: CacheManager, reqs: list[Req], next_ids: list[int],
+                 steps: int = 2) -> list[float]:
+    """Per sparse layer of a mixture of experts: how many distinct experts of this rank's a decode step of `reqs`
+    reads, the mean over `steps` more steps (from tokens `next_ids`) run without CUDA graphs, with the routing
+    counters (engine.models.moe.expert_counters' hook) attached for them only. A batch's step reads the union of its
+    tokens' top-k, which is what its floor is made of (issue 51: at batch 64 the step should read close to it)."""
+    blocks = moe_blocks(runner.model)
+    saved, graphs, runner.graphs = [b.counts for b in blocks], runner.graphs, None
+    sums = [0] * len(blocks)
+    try:
+        for b in blocks:
+            b.counts = torch.zeros(b.gate.weight.shape[0], dtype=torch.int64, device=b.gate.weight.device)
+        for _ in range(steps):
+            for b in blocks:
+                b.counts.zero_()
+            _, next_ids = decode(runner, cache, reqs, next_ids, 1)
+            for i, b in enumerate(blocks):
+                first, held = b.experts.first, b.experts.local_experts
+                sums[i] += int((b.counts[first:first + held] > 0).sum())
+    finally:
+        runner.graphs = graphs
+        for b, counts in zip(blocks, saved):
+            b.counts = counts
+    return [n / steps for n in sums]
 
 
 def prefill_tflops(runner: ModelRunner, cache: CacheManager, length: int, repeats: int = 3) -> dict:
@@ -194,8 +226,11 @@ def extend_over_prefix(runner: ModelRunner, cache: CacheManager, batch: int, pre
             "prefix_attention_tflops": extra_flops / gap / 1e12 if gap > 0 else None}
 
 
-def _floor(row: dict, weight_bytes: int, kv_per_token: int, bandwidth: float) -> None:
-    """Add the decode step's floor: weights + each request's KV at its mean context, over the copy bandwidth."""
+def _floor(row: dict, runner: ModelRunner, kv_per_token: int, bandwidth: float) -> None:
+    """Add the decode step's floor: the weights it reads (of a mixture of experts, the experts its batch took:
+    experts_read) + each request's KV at its mean context, over the copy bandwidth."""
+    weight_bytes = decode_weight_bytes(runner, row.get("experts_read"))
+    row["decode_weight_bytes"] = weight_bytes
     ctx = row["input_len"] + row["output_len"] / 2
     floor = (weight_bytes + row["batch_size"] * ctx * kv_per_token) / bandwidth
     row.update(decode_floor_s=floor, decode_over_floor=row["decode_median_latency_s"] / floor)
@@ -220,7 +255,8 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
 
 
 def _measure(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> list[dict]:
-    rows = [run_once(runner, cache, bs, ns.input_len, ns.output_len) for bs in ns.batch_size]
+    rows = [run_once(runner, cache, bs, ns.input_len, ns.output_len, count_experts=ns.roofline)
+            for bs in ns.batch_size]
     if ns.long_context:
         rows.append(run_once(runner, cache, 1, ns.long_context, ns.output_len))
     return rows
@@ -270,7 +306,7 @@ def main() -> None:
         extra.update(copy_bandwidth_GBps=bw / 1e9, decode_weight_bytes=weight_bytes,
                      bs1_decode_roofline_s=weight_bytes / bw, matmul_tflops=measure_matmul_tflops(runner.device))
         for r in rows:
-            _floor(r, weight_bytes, kv_per_token, bw)
+            _floor(r, runner, kv_per_token, bw)
         if holds_fp8(runner.model):  # the fp8 products' own ceiling (issue 52)
             extra["fp8_matmul_tflops"] = measure_fp8_matmul_tflops(runner.device)
         if ns.prefill_len:
@@ -342,6 +378,9 @@ def _report(rows: list[dict], extra: dict) -> None:
         print(f"{r['attention_backend']:>22} {str(r['cuda_graph']):>5} {r['batch_size']:>4} {r['input_len']:>6} "
               f"{r['prefill_latency_s']:>10.4f} {r['decode_median_latency_s'] * 1e3:>10.3f} "
               f"{r['decode_throughput_tok_s']:>9.1f} {over:>8} {gpu:>8} {gpu_over:>8}")
+    if counted := [r for r in rows if "experts_read" in r]:  # a mixture of experts: its floors take the union
+        print("distinct experts a sparse layer's step reads (mean over layers), by batch size: " + ", ".join(
+            f"{r['batch_size']}: {statistics.mean(r['experts_read']):.1f}" for r in counted))
     if "copy_bandwidth_GBps" in extra:
         print(f"copy bandwidth {extra['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {extra['matmul_tflops']:.0f} "
               f"TFLOP/s; decode reads {extra['decode_weight_bytes'] / 1e9:.2f} GB of weights -> batch-1 floor "

@@ -64,30 +64,39 @@ def holds_fp8(model: torch.nn.Module) -> bool:
     return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in model.parameters())
 
 
+def moe_blocks(model) -> list:
+    """The model's mixture-of-experts blocks (engine.models.moe.SparseMoeBlock), in layer order (none if dense)."""
+    from radixmesh.engine.models.moe import SparseMoeBlock
+
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
 def _experts(model) -> list[tuple[int, int, int, int]]:
     """(bytes of one expert's weights, elements of one expert's weights, experts a token takes, experts held) per
     mixture-of-experts layer of the model (none for a dense one)."""
-    from radixmesh.engine.models.moe import SparseMoeBlock
-
     out = []
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            stacked = (block.experts.w13.weight, block.experts.w2.weight)
-            per = sum(w[0].numel() for w in stacked)
-            out.append((per * stacked[0].element_size(), per, block.top_k, stacked[0].shape[0]))
+    for block in moe_blocks(model):
+        stacked = (block.experts.w13.weight, block.experts.w2.weight)
+        per = sum(w[0].numel() for w in stacked)
+        out.append((per * stacked[0].element_size(), per, block.top_k, stacked[0].shape[0]))
     return out
 
 
-def decode_weight_bytes(runner) -> int:
-    """Bytes of weights one batch-1 decode step must read: every parameter except the embedding table (only a few
-    rows are gathered), plus the lm_head (the embedding again when tied); of a mixture of experts' layers, the
-    router, any shared expert and the top-k experts the token takes, not the others."""
+def decode_weight_bytes(runner, experts_read: list[float] | None = None) -> int:
+    """Bytes of weights one decode step must read: every parameter except the embedding table (only a few rows are
+    gathered), plus the lm_head (the embedding again when tied); of a mixture of experts' layers, the router, any
+    shared expert and the experts the step's tokens take: `experts_read` per sparse layer (what a step of a batch
+    reads is the union of its tokens' top-k; engine.bench_one_batch counts it), by default one token's top-k."""
     model = runner.model
+    layers = _experts(model)
+    read = experts_read if experts_read is not None else [min(top_k, held) for _, _, top_k, held in layers]
+    if len(read) != len(layers):
+        raise ValueError(f"experts_read names {len(read)} sparse layers; the model has {len(layers)}")
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total -= sum(nbytes * (held - top_k) for nbytes, _, top_k, held in _experts(model))
+    total -= sum(nbytes * (held - n) for (nbytes, _, _, held), n in zip(layers, read))
     emb = model.model.embed_tokens.weight
     emb_bytes = emb.numel() * emb.element_size()
-    return total if model.lm_head is None else total - emb_bytes
+    return round(total if model.lm_head is None else total - emb_bytes)
 
 
 def linear_flops(runner, tokens: int) -> int:
