@@ -37,7 +37,9 @@ TEXT_CONFIG_DEFAULTS = {
 
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
-    """A mixture-of-experts model's expert layout (config.json's num_experts / num_local_experts, ...)."""
+    """A mixture-of-experts model's expert layout (config.json's num_experts / num_local_experts / n_routed_experts,
+    ...) and the fields of group-limited sigmoid routing (GLM-4.5's, DeepSeek-V3's: n_group, topk_group,
+    routed_scaling_factor), which only the models that route so read (engine.models.glm4_moe)."""
 
     num_experts: int
     top_k: int
@@ -46,22 +48,32 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    first_dense: int = 0  # first_k_dense_replace: the first layers keep a dense MLP
+    groups: int = 1  # n_group: the experts split into groups, a token's experts come from its best topk_group
+    top_groups: int = 1  # topk_group
+    scaling: float = 1.0  # routed_scaling_factor: multiplies the routing weights
 
     def sparse(self, layer: int) -> bool:
-        """Whether layer `layer`'s MLP is the experts (transformers' rule for Qwen-MoE; every layer for Mixtral)."""
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        """Whether layer `layer`'s MLP is the experts (transformers' rule for Qwen-MoE; every layer for Mixtral; from
+        first_k_dense_replace on for GLM-4.5)."""
+        return (layer >= self.first_dense and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_raw(cls, raw: dict) -> "MoeConfig | None":
-        experts = raw.get("num_experts") or raw.get("num_local_experts")
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")
         if not experts:
             return None
-        return cls(num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]),
-                   intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+        shared = raw.get("shared_expert_intermediate_size") or inter * int(raw.get("n_shared_experts") or 0)
+        return cls(num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]), intermediate_size=inter,
                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                   shared_expert_intermediate_size=int(shared),
                    mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1))
+                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+                   first_dense=int(raw.get("first_k_dense_replace") or 0), groups=int(raw.get("n_group") or 1),
+                   top_groups=int(raw.get("topk_group") or 1),
+                   scaling=float(raw.get("routed_scaling_factor", 1.0) or 1.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,107 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: 
     return (weights if dtype is None else weights.to(dtype)), ids
 
 
+@triton.jit
+def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, TOP_K: tl.constexpr,
+                          KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr, GB: tl.constexpr,
+                          GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, RENORM: tl.constexpr,
+                          PDL: tl.constexpr):
+    # One token (program_id 0), route_grouped_reference's rule: sigmoid scores in float32; the choice adds the
+    # correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose two best choices sum highest
+    # compete; the TOP_K best choices (the lowest expert id first among equals) weigh their scores (not the choices),
+    # renormalized (+1e-20) when RENORM, times `scale`.
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EB)
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
+    scores = 1.0 / (1.0 + tl.exp(-x))
+    choice = tl.where(ok, scores + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    if GROUPS > 1:
+        group = cols // GROUP_SIZE
+        gs = tl.arange(0, GB)
+        group_score = tl.full((GB,), float("-inf"), tl.float32)  # (past GROUPS: never picked)
+        for g in tl.static_range(GROUPS):
+            mine = tl.where(group == g, choice, float("-inf"))
+            best = tl.max(mine, 0)
+            first = tl.min(tl.where(mine == best, cols, EB), 0)
+            second = tl.max(tl.where(cols == first, float("-inf"), mine), 0)
+            group_score = tl.where(gs == g, best + second, group_score)
+        keep = cols < 0  # no group chosen yet
+        for _ in tl.static_range(TOP_GROUPS):
+            best = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == best, gs, GB), 0)
+            keep = keep | (group == pick)
+            group_score = tl.where(gs == pick, float("-inf"), group_score)
+        choice = tl.where(keep, choice, float("-inf"))
+    ks = tl.arange(0, KB)
+    top_w = tl.zeros((KB,), tl.float32)
+    top_i = tl.zeros((KB,), tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(choice, 0)
+        pick = tl.min(tl.where(choice == best, cols, EB), 0)
+        top_w = tl.where(ks == k, tl.sum(tl.where(cols == pick, scores, 0.0), 0), top_w)
+        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
+        choice = tl.where(cols == pick, float("-inf"), choice)
+    if RENORM:
+        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    keep_k = ks < TOP_K
+    tl.store(weights_ptr + row * TOP_K + ks, (top_w * scale).to(weights_ptr.dtype.element_ty), mask=keep_k)
+    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep_k)
+
+
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_grouped_reference in one launch (float32 weights [tokens, top_k], int64 ids)."""
+    if not (logits.is_cuda or interpreting()):
+        return route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale)
+    tokens, experts = logits.shape
+    check_grouping(experts, top_k, groups, top_groups)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_grouped_kernel[(tokens,)](logits, bias, weights, ids, experts, logits.stride(0), float(scale),
+                                         TOP_K=top_k, KB=triton.next_power_of_2(top_k),
+                                         EB=triton.next_power_of_2(experts), GROUPS=groups,
+                                         GB=triton.next_power_of_2(groups), GROUP_SIZE=experts // groups, TOP_GROUPS=top_groups, RENORM=renormalize,
+                                         num_warps=route_warps(experts), **pdl_options(logits))
+    return weights, ids
+
+
+def check_grouping(experts: int, top_k: int, groups: int, top_groups: int) -> None:
+    """ValueError unless `experts` split into `groups` equal groups of at least two (a group's score is its two best
+    choices), `top_groups` of them can hold `top_k` experts, and top_k <= experts."""
+    if groups < 1 or experts % groups or (groups > 1 and experts // groups < 2) or not 1 <= top_groups <= groups \
+            or not 1 <= top_k <= top_groups * (experts // groups):
+        raise ValueError(f"group-limited routing of {experts} experts in n_group={groups} groups, the best "
+                         f"topk_group={top_groups} of them, top {top_k} experts a token: the groups must be equal, "
+                         "hold two experts or more each, and the chosen groups at least num_experts_per_tok experts")
+
+
+def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                            renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, experts] -> (float32 weights, int64 expert ids) [tokens, top_k], as transformers routes
+    GLM-4.5 (and DeepSeek-V3's noaux_tc): sigmoid scores in float32; each expert's choice is its score plus the
+    correction `bias` [experts]; with `groups` > 1 the experts split into equal groups, a group's score is the sum of
+    its two best choices, and only the `top_groups` best groups' experts compete; the `top_k` best choices are
+    picked, weighted by their scores (without the bias), renormalized to sum to one (+1e-20) when asked, times
+    `scale` (routed_scaling_factor)."""
+    experts = logits.shape[-1]
+    check_grouping(experts, top_k, groups, top_groups)
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if groups > 1:
+        grouped = choice.view(-1, groups, experts // groups)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [tokens, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(top_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def _capacity(n: int, num_experts: int, block_m: int) -> int:
     """Slots of the aligned buffer: every group (the experts', and one for other ranks' experts) padded to block_m."""
     return triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m

@@ -2,7 +2,7 @@
 in CUDA graphs (padded rows included), and the tiny Qwen3-MoE stays token-exact with transformers in float32
 (logprobs within 1e-3); the expert counters count each request's tokens, never a graph's padding rows. Batch-1 decode
 runs kernels.moe_decode's few-token path: in the engine, and at the Qwen3-30B-A3B layer shape in a CUDA graph. A tiny
-OLMoE runs the same kernels under its own attention."""
+OLMoE and a tiny GLM-4.5 run the same kernels under their own attention (and GLM-4.5's routing)."""
 
 from __future__ import annotations
 
@@ -98,19 +98,15 @@ def test_the_few_token_path_at_the_qwen3_30b_a3b_layer_shape_in_a_cuda_graph(tok
         torch.testing.assert_close(out.float(), grouped.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_olmoe_in_cuda_graphs_matches_transformers(tmp_path):
-    """A tiny OLMoE (whole-projection q/k norms, clip_qkv) written by transformers, in CUDA graphs on the grouped
-    GEMMs and the few-token path (batch 3 and batch 1): token-exact in float32, logprobs within 1e-3."""
-    import torch
-    import transformers
+@pytest.mark.parametrize("name", ["olmoe_clipped", "glm4_moe"])
+def test_other_moe_families_in_cuda_graphs_match_transformers(tmp_path, name):
+    """A tiny OLMoE (whole-projection q/k norms, clip_qkv) and a tiny GLM-4.5 (group-limited sigmoid routing in
+    kernels.moe.route_grouped, a shared expert, q/k/v biases, half-rotary heads) written by transformers, in CUDA
+    graphs on the grouped GEMMs and the few-token path (batch 3 and batch 1): token-exact in float32, logprobs within
+    1e-3."""
+    from tests.parity.test_moe_parity import PROMPTS, write_family
 
-    from tests.parity.test_moe_parity import COMMON, PROMPTS
-
-    torch.manual_seed(5)
-    config = transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_hidden_layers=2, num_experts=6,
-                                      num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.8)
-    transformers.OlmoeForCausalLM(config).float().eval().save_pretrained(tmp_path)
-    path = str(tmp_path)
+    path = write_family(name, tmp_path)
     refs = hf_greedy(path, PROMPTS, MAX_NEW)
     with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True) as llm:
         assert llm.args.moe_runner_backend == "triton" and llm.runner.graphs is not None

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from radixmesh.kernels.moe import (BLOCK_M, align_by_expert, align_by_expert_reference, fused_experts,
-                                   fused_experts_reference, route, route_reference)
+                                   fused_experts_reference, route, route_grouped, route_grouped_reference,
+                                   route_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -143,6 +144,34 @@ def test_the_route_kernel_takes_the_lowest_expert_first_among_equals():
         assert ids[t].tolist() == sorted(range(60), key=lambda e: (-probs[t, e].item(), e))[:4]
     picked = probs.gather(1, ids.cpu())
     torch.testing.assert_close(weights.cpu(), picked / picked.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,groups,top_groups,renormalize,scale", [
+    (1, 128, 8, 1, 1, True, 1.0),  # GLM-4.5-Air: one group
+    (7, 160, 8, 1, 1, True, 2.5),  # GLM-4.5: 160 experts (not a power of two), scaled
+    (3, 256, 8, 8, 4, True, 2.5),  # DeepSeek-V3's shape of the rule
+    (33, 8, 3, 2, 1, True, 2.5), (5, 64, 6, 4, 2, False, 1.0), (2, 6, 2, 3, 3, False, 1.0)])
+def test_the_grouped_route_kernel_picks_the_twins_experts_and_weights(tokens, experts, top_k, groups, top_groups,
+                                                                      renormalize, scale):
+    """Group-limited sigmoid routing in one launch (GLM-4.5, DeepSeek-V3): the same experts in the same order as the
+    twin (largest choice first), float32 weights within float32 rounding."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    bias = torch.randn(experts, generator=gen) * 0.5
+    want_w, want_i = route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale)
+    got_w, got_i = route_grouped(logits.to(DEVICE), bias.to(DEVICE), top_k, groups, top_groups, renormalize, scale)
+    assert got_w.dtype == torch.float32 and got_i.dtype == torch.int64
+    assert torch.equal(got_i.cpu(), want_i)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-6)
+    if groups > 1:  # every token's experts lie in top_groups groups
+        assert all(len({e // (experts // groups) for e in row}) <= top_groups for row in got_i.tolist())
+
+
+def test_grouped_routing_that_cannot_fill_its_top_k_is_refused():
+    for experts, top_k, groups, top_groups in [(8, 3, 3, 1), (8, 5, 2, 1), (8, 2, 8, 1), (8, 2, 2, 3)]:
+        with pytest.raises(ValueError, match="group-limited routing"):
+            route_grouped_reference(torch.zeros(1, experts), torch.zeros(experts), top_k, groups, top_groups, True,
+                                    1.0)
 
 
 def test_tuned_tiles_are_picked_at_the_nearest_token_count_at_or_above():

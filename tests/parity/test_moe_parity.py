@@ -35,23 +35,39 @@ FAMILIES = {
     "olmoe_clipped": ("OlmoeConfig", "OlmoeForCausalLM",  # clip_qkv: a bound the normed q and k pass
                       dict(intermediate_size=32, num_hidden_layers=2, num_experts=6, num_experts_per_tok=3,
                            norm_topk_prob=True, clip_qkv=0.8)),
+    # GLM-4.5: group-limited sigmoid routing with a correction bias (set random below: transformers starts it at
+    # zero), a scaling factor, an ungated shared expert, a first dense layer, q/k/v biases and half-rotary heads
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(intermediate_size=80, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)),
+    # GLM-4.5's own shape of the rule: one group (every expert competes), q/k norms, no renormalization
+    "glm4_moe_qk_norm": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                         dict(intermediate_size=80, num_hidden_layers=2, n_routed_experts=6, num_experts_per_tok=2,
+                              moe_intermediate_size=32, n_shared_experts=2, n_group=1, topk_group=1,
+                              first_k_dense_replace=0, norm_topk_prob=False, use_qk_norm=True)),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, str]:
+def write_family(name: str, path) -> str:
+    """FAMILIES[name]'s tiny random checkpoint, written by transformers into `path` (float32)."""
     import transformers
 
-    out = {}
-    for name, (config_cls, model_cls, fields) in FAMILIES.items():
-        torch.manual_seed(hash(name) % 1000)
-        config = getattr(transformers, config_cls)(**COMMON, **fields)
-        model = getattr(transformers, model_cls)(config).float().eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = str(path)
-    return out
+    config_cls, model_cls, fields = FAMILIES[name]
+    torch.manual_seed(hash(name) % 1000)
+    config = getattr(transformers, config_cls)(**COMMON, **fields)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    for buffer_name, buffer in model.named_buffers():  # GLM-4.5's routing bias: not zero, so it is exercised
+        if buffer_name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn_like(buffer))
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {name: write_family(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
 
 
 @functools.cache
@@ -73,10 +89,11 @@ def test_moe_models_match_transformers(checkpoints, name):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe"])
 def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     """tp_size 2: each rank holds half of every expert's (and the shared expert's) intermediate rows; the sum over
-    the ranks is the layer's output (OLMoE: each rank's q/k norm sums the mean square over both ranks' heads)."""
+    the ranks is the layer's output (OLMoE: each rank's q/k norm sums the mean square over both ranks' heads; GLM-4.5:
+    every rank routes with the whole float32 router and its bias)."""
     path = checkpoints[name]
     refs, _ = _reference(path)
     with running_engine(path, skip_tokenizer_init=True, tp_size=2) as llm:
@@ -84,7 +101,7 @@ def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     assert [o["output_ids"] for o in outs] == refs
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "glm4_moe"])
 def test_expert_parallel_ranks_hold_whole_experts(checkpoints, name):
     """ep_size 2 (= tp_size): each rank holds half of the experts, whole, and skips the others' tensors at load;
     every rank sees every token and the sum over the ranks is the layer's output: token-exact, logprobs within
@@ -142,3 +159,87 @@ def test_the_triton_moe_runner_matches_transformers_in_the_interpreter(checkpoin
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
     forwarded = sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(PROMPTS, outs))  # the last is sampled only
     assert len(dist["tokens"]) == 2 and all(sum(row) == 3 * forwarded for row in dist["tokens"]), dist
+
+
+def test_glm_routing_in_one_launch_matches_transformers_in_the_interpreter(checkpoints):
+    """--moe-runner-backend triton on GLM-4.5: kernels.moe.route_grouped (sigmoid, correction bias, groups, scaling
+    in one launch, here in Triton's CPU interpreter) and the experts' kernels weighing in float32, a decode batch of one
+    token on the few-token path: token-exact with transformers, logprobs within 1e-4."""
+    path = checkpoints["glm4_moe"]
+    new = MAX_NEW // 4  # (the interpreter runs every expert product of every step)
+    refs, logprobs = ([r[:new] for r in got] for got in _reference(path))
+    with running_engine(path, skip_tokenizer_init=True, moe_runner_backend="triton",
+                        disable_radix_cache=True) as llm:
+        outs = llm.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": new, "temperature": 0},
+                            return_logprob=True)
+    assert [o["output_ids"] for o in outs] == refs[:2]
+    for out, want in zip(outs, logprobs):
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+
+
+def _rewrite(src: str, dst, extra: dict[str, torch.Tensor], **config_fields) -> str:
+    """A copy of the checkpoint at `src` with `extra` tensors added and config.json fields set."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{src}/model.safetensors")
+    save_file({**weights, **extra}, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **config_fields}))
+    return str(dst)
+
+
+def test_glm_multi_token_prediction_layers_are_skipped_and_nothing_else(checkpoints, tmp_path):
+    """Published GLM-4.5 checkpoints hold num_nextn_predict_layers layers after the last decoder layer
+    (model.layers.<num_hidden_layers>.*: eh_proj, enorm, hnorm, shared_head, a whole decoder layer): served without
+    them, as transformers does; a tensor no layer has elsewhere is still refused."""
+    path = checkpoints["glm4_moe"]
+    mtp = {f"model.layers.3.{name}": torch.zeros(shape) for name, shape in [
+        ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+        ("shared_head.norm.weight", (64,)), ("self_attn.q_proj.weight", (64, 64)),
+        ("mlp.experts.0.gate_proj.weight", (32, 64)), ("mlp.gate.e_score_correction_bias", (8,))]}
+    with_mtp = _rewrite(path, tmp_path / "mtp", mtp, num_nextn_predict_layers=1)
+    refs, logprobs = _reference(path)
+    with running_engine(with_mtp, skip_tokenizer_init=True) as llm:
+        out = llm.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                           return_logprob=True)
+    assert out["output_ids"] == refs[0]
+    assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(logprobs[0], abs=1e-4)
+    stray = _rewrite(path, tmp_path / "stray", {"model.layers.2.mlp.extra_proj.weight": torch.zeros(8, 64)})
+    with pytest.raises(Exception, match="extra_proj"):
+        with running_engine(stray, skip_tokenizer_init=True):
+            pass
+
+
+def test_glm_block_fp8_checkpoint_matches_its_dequantized_twin(checkpoints, tmp_path):
+    """Our fp8 writer's block-wise GLM-4.5 (experts, shared expert, attention and dense MLP in fp8 with 16 x 32
+    blocks; the float32 router and its bias left as they are, as GLM-4.5-FP8 publishes them) served on CPU, where
+    it is dequantized at load: the dequantized twin's tokens, logprobs within 1e-5."""
+    from radixmesh.engine.quantization import fp8
+
+    quantized = fp8.write_checkpoint(checkpoints["glm4_moe"], str(tmp_path / "fp8"), block=(16, 32))
+    twin = fp8.dequantized_checkpoint(quantized, str(tmp_path / "twin"))
+    got, want = [], []
+    for path, outs in ((quantized, got), (twin, want)):
+        with running_engine(path, skip_tokenizer_init=True) as llm:
+            outs += llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                                 return_logprob=True)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    for a, b in zip(got, want):
+        assert ([lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+                == pytest.approx([lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]], abs=1e-5))
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(n_group=3), "n_group=3 groups"),  # 8 experts do not split into 3 groups
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=5), "topk_group=1"),  # one group of 4 cannot hold 5
+    (dict(use_qk_norm=True), "q_norm"),  # the config says q/k norms, the checkpoint has none: missing tensors
+])
+def test_glm_configs_it_cannot_serve_are_refused(checkpoints, tmp_path, fields, words):
+    bad = _rewrite(checkpoints["glm4_moe"], tmp_path / "bad", {}, **fields)
+    with pytest.raises(Exception, match=words):
+        with running_engine(bad, skip_tokenizer_init=True):
+            pass

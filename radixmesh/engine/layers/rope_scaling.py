@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 HF_DEFAULT_ROPE_THETA = 10000.0
 # transformers' per-architecture defaults where they differ from the generic ones
 _DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0}
-# StableLmConfig's, PhiConfig's, GlmConfig's and Glm4Config's partial_rotary_factor
+# StableLmConfig's, PhiConfig's, GlmConfig's, Glm4Config's and Glm4MoeConfig's partial_rotary_factor
 _DEFAULT_PARTIAL_ROTARY = {"StableLmForCausalLM": 0.25, "PhiForCausalLM": 0.5, "GlmForCausalLM": 0.5,
-                           "Glm4ForCausalLM": 0.5}
+                           "Glm4ForCausalLM": 0.5, "Glm4MoeForCausalLM": 0.5}
 _DEFAULT_ORIGINAL_CONTEXT = {"Phi3ForCausalLM": 4096}  # Phi3Config.original_max_position_embeddings
 # Phi3Config reads the old names of LongRoPE ("su", and "yarn" for Phi-3's LongRoPE) as longrope and refuses others
 _TYPE_ALIASES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}

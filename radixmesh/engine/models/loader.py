@@ -304,7 +304,7 @@ def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: t
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, tp)
     if load_format != "dummy":
-        _check_checkpoint(set(checkpoint_name_map(model)), cfg, getattr(cls, "skipped_tensors", ()))
+        _check_checkpoint(set(checkpoint_name_map(model)), cfg, getattr(model, "skipped_tensors", ()))
     _hold_fp8(model, cfg, load_format, quantization, fp8_gemm_backend, device)
     # what Module.to_empty does, with torch.empty: empty_like on a meta tensor goes through torch's Python
     # reference implementation, whose first call imports sympy (~1.3 s of CPU in every worker's start)

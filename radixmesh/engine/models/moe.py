@@ -126,16 +126,18 @@ class MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architecture} is a mixture of experts, but config.json gives no num_experts (or "
                              "num_local_experts): the experts cannot be laid out")
         super().__init__(cfg, tp)
-        moe = cfg.moe
-        renormalize = self.renormalize_always or moe.norm_topk_prob
         for i, layer in enumerate(self.model.layers):
-            if moe.sparse(i):
+            if cfg.moe.sparse(i):
                 del layer.mlp
-                setattr(layer, self.block, SparseMoeBlock(
-                    cfg, self.tp, self.names, renormalize, self.float32_weights,
-                    moe.shared_expert_intermediate_size if self.shared_expert else 0))
+                setattr(layer, self.block, self.sparse_block(cfg))
                 if self.block != "mlp":
                     layer.mlp = getattr(layer, self.block)  # the layer's forward calls .mlp
+
+    def sparse_block(self, cfg: ModelConfig) -> nn.Module:
+        """A sparse layer's MLP: softmax routing, and Qwen2-MoE's gated shared expert where the class has one."""
+        moe = cfg.moe
+        return SparseMoeBlock(cfg, self.tp, self.names, self.renormalize_always or moe.norm_topk_prob,
+                              self.float32_weights, moe.shared_expert_intermediate_size if self.shared_expert else 0)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -13,6 +13,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "radixmesh.engine.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "radixmesh.engine.models.olmoe:OlmoeForCausalLM",
+    "Glm4MoeForCausalLM": "radixmesh.engine.models.glm4_moe:Glm4MoeForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",

@@ -120,7 +120,8 @@ def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
 
 # architectures whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dimensions
 # (engine.layers.rotary); elsewhere transformers' rotary multiplies whole heads by a shorter table and fails
-_PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                   "Glm4MoeForCausalLM")
 
 
 def _check_rope(model: ModelConfig, context_length: int) -> None:
@@ -207,6 +208,7 @@ def _check_neutral_fields(model: ModelConfig) -> None:
     read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
             else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM"
             else ("clip_qkv",) if model.architecture in CLIP_QKV
+            else ("use_qk_norm",) if model.architecture == "Glm4MoeForCausalLM"  # per-head q/k norms
             else READ_FIELDS.get(model.architecture, ()))
     for name, (feature, neutral) in _neutral_values(model).items():
         if name in read:
