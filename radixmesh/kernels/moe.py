@@ -168,8 +168,9 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: 
         _route_grouped_kernel[(tokens,)](logits, bias, weights, ids, experts, logits.stride(0), float(scale),
                                          TOP_K=top_k, KB=triton.next_power_of_2(top_k),
                                          EB=triton.next_power_of_2(experts), GROUPS=groups,
-                                         GB=triton.next_power_of_2(groups), GROUP_SIZE=experts // groups, TOP_GROUPS=top_groups, RENORM=renormalize,
-                                         num_warps=route_warps(experts), **pdl_options(logits))
+                                         GB=triton.next_power_of_2(groups), GROUP_SIZE=experts // groups,
+                                         TOP_GROUPS=top_groups, RENORM=renormalize, num_warps=route_warps(experts),
+                                         **pdl_options(logits))
     return weights, ids
 
 
