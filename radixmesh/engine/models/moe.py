@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
@@ -110,6 +111,52 @@ def expert_counters(model: nn.Module) -> dict[int, torch.Tensor]:
             layer.mlp.counts = torch.zeros(gate.shape[0], dtype=torch.int64, device=gate.device)
             out[i] = layer.mlp.counts
     return out
+
+
+class SigmoidRouter(nn.Module):
+    """A router whose [experts, hidden] weight and per-expert choice bias are held in float32 whatever the model dtype
+    (GLM-4.5's, as transformers holds them; checkpoint: `gate.weight`, `gate.e_score_correction_bias`)."""
+
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+
+class SigmoidMoeBlock(SparseMoeBlock):
+    """A sparse layer routed by sigmoid scores and a per-expert choice bias (GLM-4.5, MiniMax-M2; DeepSeek-V3's
+    noaux_tc rule): kernels.moe.route_grouped (group-limited with n_group > 1, scaled by routed_scaling_factor), the
+    experts weighed in float32, plus an ungated shared expert (`shared_experts.*`) where `shared_intermediate` > 0.
+    With `float32_router` the router and its bias are float32 and so are its logits (GLM-4.5); otherwise the router
+    is the model dtype's and the bias a float32 parameter of the block (`e_score_correction_bias`, MiniMax-M2)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool,
+                 float32_router: bool, shared_intermediate: int = 0):
+        moe = cfg.moe
+        super().__init__(cfg, tp, names, renormalize, True)
+        self.float32_router = float32_router
+        if float32_router:
+            self.gate = SigmoidRouter(moe.num_experts, cfg.hidden_size)
+        else:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+        self.shared_experts = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
+        self.groups, self.top_groups, self.scaling = moe.groups, moe.top_groups, moe.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_router:
+            logits, bias = F.linear(x.float(), self.gate.weight), self.gate.e_score_correction_bias
+        else:
+            logits, bias = linear(x, self.gate.weight), self.e_score_correction_bias
+        weights, ids = self.experts.route_grouped(logits, bias, self.top_k, self.groups, self.top_groups,
+                                                  self.renormalize, self.scaling)
+        return self._routed(x, weights, ids)
+
+    def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
+        return False  # kernels.moe_gate routes by softmax
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = super()._routed(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
