@@ -2,7 +2,7 @@
 in CUDA graphs (padded rows included), and the tiny Qwen3-MoE stays token-exact with transformers in float32
 (logprobs within 1e-3); the expert counters count each request's tokens, never a graph's padding rows. Batch-1 decode
 runs kernels.moe_decode's few-token path: in the engine, and at the Qwen3-30B-A3B layer shape in a CUDA graph. A tiny
-OLMoE and a tiny GLM-4.5 run the same kernels under their own attention (and GLM-4.5's routing)."""
+OLMoE, a tiny GLM-4.5 and a tiny MiniMax-M2 run the same kernels under their own attention (and their routing)."""
 
 from __future__ import annotations
 
@@ -98,10 +98,11 @@ def test_the_few_token_path_at_the_qwen3_30b_a3b_layer_shape_in_a_cuda_graph(tok
         torch.testing.assert_close(out.float(), grouped.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["olmoe_clipped", "glm4_moe"])
+@pytest.mark.parametrize("name", ["olmoe_clipped", "glm4_moe", "minimax_m2"])
 def test_other_moe_families_in_cuda_graphs_match_transformers(tmp_path, name):
-    """A tiny OLMoE (whole-projection q/k norms, clip_qkv) and a tiny GLM-4.5 (group-limited sigmoid routing in
-    kernels.moe.route_grouped, a shared expert, q/k/v biases, half-rotary heads) written by transformers, in CUDA
+    """A tiny OLMoE (whole-projection q/k norms, clip_qkv), a tiny GLM-4.5 (group-limited sigmoid routing in
+    kernels.moe.route_grouped, a shared expert, q/k/v biases, half-rotary heads) and a tiny MiniMax-M2 (sigmoid routing
+    with the block's bias, whole-projection q/k norms) written by transformers, in CUDA
     graphs on the grouped GEMMs and the few-token path (batch 3 and batch 1): token-exact in float32, logprobs within
     1e-3."""
     from tests.parity.test_moe_parity import PROMPTS, write_family

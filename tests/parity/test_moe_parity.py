@@ -47,6 +47,11 @@ FAMILIES = {
                          dict(intermediate_size=80, num_hidden_layers=2, n_routed_experts=6, num_experts_per_tok=2,
                               moe_intermediate_size=32, n_shared_experts=2, n_group=1, topk_group=1,
                               first_k_dense_replace=0, norm_topk_prob=False, use_qk_norm=True)),
+    # MiniMax-M2: sigmoid routing with the block's bias, Mixtral's expert names, OLMoE's whole-projection q/k norms,
+    # RoPE on a quarter of each head (rotary_dim)
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2,
+                        head_dim=16, rotary_dim=4)),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
@@ -90,11 +95,11 @@ def test_moe_models_match_transformers(checkpoints, name):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2"])
 def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     """tp_size 2: each rank holds half of every expert's (and the shared expert's) intermediate rows; the sum over
-    the ranks is the layer's output (OLMoE: each rank's q/k norm sums the mean square over both ranks' heads; GLM-4.5:
-    every rank routes with the whole float32 router and its bias)."""
+    the ranks is the layer's output (OLMoE, MiniMax-M2: each rank's q/k norm sums the mean square over both ranks'
+    heads; GLM-4.5: every rank routes with the whole float32 router and its bias)."""
     path = checkpoints[name]
     refs, _ = _reference(path)
     with running_engine(path, skip_tokenizer_init=True, tp_size=2) as llm:
@@ -252,6 +257,30 @@ def _generate(path: str, prompts: list[list[int]], n: int, **opts) -> tuple[list
 ])
 def test_glm_configs_it_cannot_serve_are_refused(checkpoints, tmp_path, fields, words):
     bad = _rewrite(checkpoints["glm4_moe"], tmp_path / "bad", {}, **fields)
+    with pytest.raises(Exception, match=words):
+        with running_engine(bad, skip_tokenizer_init=True):
+            pass
+
+
+def test_minimax_m2_as_published_gives_partial_rotary_as_rotary_dim(checkpoints, tmp_path):
+    """MiniMax-M2's published config.json says `rotary_dim` (no partial_rotary_factor; transformers 5 derives one from
+    it): served from such a config, the same tokens and logprobs."""
+    import json
+
+    path = checkpoints["minimax_m2"]
+    config = json.loads(open(f"{path}/config.json").read())
+    rope = {k: v for k, v in config["rope_parameters"].items() if k != "partial_rotary_factor"}
+    legacy = _rewrite(path, tmp_path / "legacy", {}, rope_parameters=rope)
+    refs, logprobs = _reference(path)
+    ids, got = _generate(legacy, PROMPTS, MAX_NEW)
+    assert ids == [t for r in refs for t in r] and got == pytest.approx([lp for r in logprobs for lp in r], abs=1e-4)
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(attn_type_list=[1, 0]), "lightning attention"), (dict(qk_norm_type="per_head"), "qk_norm_type"),
+    (dict(use_routing_bias=False), "use_routing_bias"), (dict(shared_intermediate_size=64), "shared expert")])
+def test_minimax_m2_fields_transformers_does_not_compute_are_refused(checkpoints, tmp_path, fields, words):
+    bad = _rewrite(checkpoints["minimax_m2"], tmp_path / "bad", {}, **fields)
     with pytest.raises(Exception, match=words):
         with running_engine(bad, skip_tokenizer_init=True):
             pass

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 HF_DEFAULT_ROPE_THETA = 10000.0
 # transformers' per-architecture defaults where they differ from the generic ones
-_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0}
+_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0, "MiniMaxM2ForCausalLM": 5e6}
 # StableLmConfig's, PhiConfig's, GlmConfig's, Glm4Config's and Glm4MoeConfig's partial_rotary_factor
 _DEFAULT_PARTIAL_ROTARY = {"StableLmForCausalLM": 0.25, "PhiForCausalLM": 0.5, "GlmForCausalLM": 0.5,
                            "Glm4ForCausalLM": 0.5, "Glm4MoeForCausalLM": 0.5}
+# architectures whose published configs give partial rotary as `rotary_dim` (MiniMaxM2Config reads it so)
+_LEGACY_ROTARY_DIM = ("MiniMaxM2ForCausalLM",)
 _DEFAULT_ORIGINAL_CONTEXT = {"Phi3ForCausalLM": 4096}  # Phi3Config.original_max_position_embeddings
 # Phi3Config reads the old names of LongRoPE ("su", and "yarn" for Phi-3's LongRoPE) as longrope and refuses others
 _TYPE_ALIASES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
@@ -123,8 +125,12 @@ def rope_spec(model: ModelConfig) -> RopeSpec:
 def partial_rotary_factor(raw: dict, rope: dict, architecture: str = "") -> float:
     """The share of each head's dimensions RoPE rotates: the rope dict's partial_rotary_factor, else config.json's
     (transformers' Phi3Config copies the top-level field into rope_parameters unless that has one), else the
-    architecture's default (StableLM: 0.25; Phi, GLM: 0.5), else 1."""
+    architecture's default (StableLM: 0.25; Phi, GLM: 0.5), else 1; MiniMax-M2's `rotary_dim` over its head_dim where
+    neither field says."""
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None and architecture in _LEGACY_ROTARY_DIM and raw.get("rotary_dim"):
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        factor = raw["rotary_dim"] / head_dim
     return _DEFAULT_PARTIAL_ROTARY.get(architecture, 1.0) if factor is None else factor
 
 

@@ -14,6 +14,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": "radixmesh.engine.models.moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "radixmesh.engine.models.olmoe:OlmoeForCausalLM",
     "Glm4MoeForCausalLM": "radixmesh.engine.models.glm4_moe:Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM": "radixmesh.engine.models.minimax_m2:MiniMaxM2ForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",

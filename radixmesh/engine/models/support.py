@@ -39,6 +39,8 @@ _QUANT_DETAILS = ("weight_block_size", "bits", "group_size", "format", "fmt", "l
 GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OLMO = "OlmoForCausalLM"  # reads clip_qkv (engine.models.olmo clamps q, k and v)
 CLIP_QKV = (OLMO, "OlmoeForCausalLM")  # the architectures whose layers read clip_qkv (engine.models.olmoe too)
+# the architectures whose layers read use_qk_norm (engine.models.glm4_moe, engine.models.minimax_m2)
+QK_NORM_FLAG = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
 _SILU = ("silu", "swish")
 
@@ -121,7 +123,7 @@ def _check_sliding_window(model: ModelConfig, context_length: int) -> None:
 # architectures whose transformers attention rotates only the first int(head_dim * partial_rotary_factor) dimensions
 # (engine.layers.rotary); elsewhere transformers' rotary multiplies whole heads by a shorter table and fails
 _PARTIAL_ROTARY = ("Phi3ForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                   "Glm4MoeForCausalLM")
+                   "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
 
 
 def _check_rope(model: ModelConfig, context_length: int) -> None:
@@ -208,7 +210,7 @@ def _check_neutral_fields(model: ModelConfig) -> None:
     read = (GEMMA_FIELDS if model.architecture in GEMMA_ARCHITECTURES  # fields its layers compute
             else GRANITE_FIELDS if model.architecture == "GraniteForCausalLM"
             else ("clip_qkv",) if model.architecture in CLIP_QKV
-            else ("use_qk_norm",) if model.architecture == "Glm4MoeForCausalLM"  # per-head q/k norms
+            else ("use_qk_norm",) if model.architecture in QK_NORM_FLAG  # q/k norms their layers compute
             else READ_FIELDS.get(model.architecture, ()))
     for name, (feature, neutral) in _neutral_values(model).items():
         if name in read:
