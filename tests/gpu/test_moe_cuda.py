@@ -98,13 +98,21 @@ def test_the_few_token_path_at_the_qwen3_30b_a3b_layer_shape_in_a_cuda_graph(tok
         torch.testing.assert_close(out.float(), grouped.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["olmoe_clipped", "glm4_moe", "minimax_m2"])
-def test_other_moe_families_in_cuda_graphs_match_transformers(tmp_path, name):
-    """A tiny OLMoE (whole-projection q/k norms, clip_qkv), a tiny GLM-4.5 (group-limited sigmoid routing in
-    kernels.moe.route_grouped, a shared expert, q/k/v biases, half-rotary heads) and a tiny MiniMax-M2 (sigmoid routing
-    with the block's bias, whole-projection q/k norms) written by transformers, in CUDA
-    graphs on the grouped GEMMs and the few-token path (batch 3 and batch 1): token-exact in float32, logprobs within
-    1e-3."""
+def test_olmoe_in_cuda_graphs_matches_transformers(tmp_path):
+    """A tiny OLMoE (whole-projection q/k norms, clip_qkv) written by transformers, in CUDA graphs on the grouped
+    GEMMs and the few-token path (batch 3 and batch 1): token-exact in float32, logprobs within 1e-3."""
+    _family_in_cuda_graphs_like_transformers("olmoe_clipped", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
+def test_sigmoid_routed_families_in_cuda_graphs_match_transformers(tmp_path, name):
+    """A tiny GLM-4.5 (group-limited sigmoid routing in kernels.moe.route_grouped, a shared expert, q/k/v biases,
+    half-rotary heads) and a tiny MiniMax-M2 (sigmoid routing with the block's bias, whole-projection q/k norms), as
+    the OLMoE test above."""
+    _family_in_cuda_graphs_like_transformers(name, tmp_path)
+
+
+def _family_in_cuda_graphs_like_transformers(name: str, tmp_path) -> None:
     from tests.parity.test_moe_parity import PROMPTS, write_family
 
     path = write_family(name, tmp_path)
