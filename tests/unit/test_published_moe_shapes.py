@@ -1,0 +1,57 @@
+"""The published shapes of GLM-4.5-Air and MiniMax-M2 (their config.json, in benchmarks/configs/) pass the engine's
+checks and build with the layout their checkpoints fill (on the meta device: no memory, no weights), and a batch-1
+decode step's floor reads what their model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B
+of 230B (MiniMax-M2)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixmesh.engine.bench_roofline import decode_weight_bytes
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.models.support import check_servable
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+
+def _build(name: str):
+    cfg = ModelConfig.from_path(str(CONFIGS / name))
+    check_servable(cfg, 32768)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = model_class(cfg.architecture)(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return cfg, model
+
+
+@pytest.mark.parametrize("name,total,active,sparse,experts", [
+    ("glm-4.5-air", 106e9, 12e9, 45, (128, 2 * 1408, 4096)), ("minimax-m2", 230e9, 10e9, 62, (256, 2 * 1536, 3072))])
+def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, total, active, sparse, experts):
+    cfg, model = _build(name)
+    blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(blocks) == sparse and all(tuple(b.experts.w13.weight.shape) == experts for b in blocks)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == pytest.approx(total, rel=0.05)
+    read = decode_weight_bytes(types.SimpleNamespace(model=model)) / 2  # bf16: parameters a token reads
+    assert read == pytest.approx(active, rel=0.15)
+    names = model.skipped_tensors
+    assert f"model.layers.{cfg.num_layers}.eh_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+
+
+def test_glm_router_and_bias_stay_float32_and_rope_turns_half_of_each_head():
+    cfg, model = _build("glm-4.5-air")
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    attn = model.model.layers[1].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None  # attention_bias: q, k and v only
+    from radixmesh.engine.layers.rope_scaling import rope_spec
+
+    assert rope_spec(cfg).dim == 64 and rope_spec(ModelConfig.from_path(str(CONFIGS / "minimax-m2"))).dim == 64
