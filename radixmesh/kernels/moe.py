@@ -31,6 +31,27 @@ BLOCK_M = 16
 
 
 @triton.jit
+def pick_top_k(key, value, cols, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, SAME: tl.constexpr):
+    """The TOP_K largest entries of `key` [EB] (float32; largest first, the lowest column first among equals):
+    (`value` at each [KB] float32, its column [KB] int64), the slots past TOP_K zeros. SAME: `value` is `key` (its
+    maximum is the value; no gather). TOP_K rounds of max and argmax."""
+    ks = tl.arange(0, KB)
+    top_w = tl.zeros((KB,), tl.float32)
+    top_i = tl.zeros((KB,), tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, 0)
+        pick = tl.min(tl.where(key == best, cols, EB), 0)
+        if SAME:
+            got = best
+        else:
+            got = tl.sum(tl.where(cols == pick, value, 0.0), 0)
+        top_w = tl.where(ks == k, got, top_w)
+        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
+        key = tl.where(cols == pick, float("-inf"), key)
+    return top_w, top_i
+
+
+@triton.jit
 def top_k_probs(logits, cols, E, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr):
     """Router logits [EB] (float32, -inf past E) -> (the TOP_K largest softmax probabilities [KB], largest first, the
     lowest expert id first among equals; their expert ids [KB] int64), renormalized to sum to one when RENORM; the
@@ -40,15 +61,7 @@ def top_k_probs(logits, cols, E, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.c
     ok = cols < E
     e = tl.exp(logits - tl.max(logits, 0))
     p = tl.where(ok, e / tl.sum(e, 0), -1.0)
-    ks = tl.arange(0, KB)
-    top_w = tl.zeros((KB,), tl.float32)
-    top_i = tl.zeros((KB,), tl.int64)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        pick = tl.min(tl.where(p == best, cols, EB), 0)
-        top_w = tl.where(ks == k, best, top_w)
-        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
-        p = tl.where(cols == pick, -1.0, p)
+    top_w, top_i = pick_top_k(p, p, cols, TOP_K, KB, EB, True)
     if RENORM:
         top_w = top_w / tl.sum(top_w, 0)
     return top_w, top_i
@@ -139,15 +152,8 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride,
             keep = keep | (group == pick)
             group_score = tl.where(gs == pick, float("-inf"), group_score)
         choice = tl.where(keep, choice, float("-inf"))
+    top_w, top_i = pick_top_k(choice, scores, cols, TOP_K, KB, EB, False)
     ks = tl.arange(0, KB)
-    top_w = tl.zeros((KB,), tl.float32)
-    top_i = tl.zeros((KB,), tl.int64)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(choice, 0)
-        pick = tl.min(tl.where(choice == best, cols, EB), 0)
-        top_w = tl.where(ks == k, tl.sum(tl.where(cols == pick, scores, 0.0), 0), top_w)
-        top_i = tl.where(ks == k, pick.to(tl.int64), top_i)
-        choice = tl.where(cols == pick, float("-inf"), choice)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
     keep_k = ks < TOP_K
