@@ -48,10 +48,12 @@ FAMILIES = {
                               moe_intermediate_size=32, n_shared_experts=2, n_group=1, topk_group=1,
                               first_k_dense_replace=0, norm_topk_prob=False, use_qk_norm=True)),
     # MiniMax-M2: sigmoid routing with the block's bias, Mixtral's expert names, OLMoE's whole-projection q/k norms,
-    # RoPE on a quarter of each head (rotary_dim)
+    # RoPE on a quarter of each head (rotary_dim; said as partial_rotary_factor too, which transformers before 5.25
+    # needs: it rotates whole heads when a config says only rotary_dim)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
                    dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2,
-                        head_dim=16, rotary_dim=4)),
+                        head_dim=16, rotary_dim=4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.25})),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
