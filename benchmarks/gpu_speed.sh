@@ -65,9 +65,10 @@
 #                           candidate tiles' and the tuner's CUDA tests
 #   PARTS="setup gemmab"    issue 52: the block-fp8 8B model's batch 64 and 256 steps without the shipped fp8 GEMM tile
 #                           file and with it (GEMMAB_RUNS, default "none shipped": labels starting "none" run without)
-#   PARTS="setup moeunion"  issue 51: the Qwen3-30B-A3B shape at batch 1, 64, 256 against the experts each step reads
-#                           (bench_one_batch --roofline counts the union of its tokens' top-k), the 8k prefill, and
-#                           the batch-64 step's time by kernel (profile_decode)
+#   PARTS="setup moeunion"  issue 51: the Qwen3-30B-A3B shape at batch 1, 64, 128, 256 (those whose KV fits) against
+#                           the experts each step reads (bench_one_batch --roofline counts the union of its tokens'
+#                           top-k), the 8k prefill, and the batch-64 step's time by kernel (profile_decode;
+#                           MOEUNION_PROFILE= empty skips it)
 #   PARTS="setup moetune"   issue 51: the grouped expert GEMMs' tiles tuned for the Qwen3-30B-A3B layer on this GPU
 #                           (benchmarks.tune_moe; the H100 and H200 have files), written to $OUT/configs, and the
 #                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
@@ -461,12 +462,12 @@ if [[ " $PARTS " == *" moeunion "* ]]; then
   # batch's step reads (bench_one_batch counts them: the union of its tokens' top-k), the 8k prefill beside them; then
   # the batch-64 step's time by kernel (profile_decode: what the grouped expert GEMMs take against the rest)
   timeout ${MOEUNION_TIMEOUT:-240} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/qwen3-30b-a3b \
-    --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
+    --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 128 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/moeunion.jsonl" 2>&1 \
-    | tee "$OUT/moeunion.log" | grep -E "True|distinct|copy|prefill of|rror"
-  timeout ${MOEUNION_TIMEOUT:-240} $PY -m radixmesh.benchmarks.profile_decode --model-path benchmarks/configs/qwen3-30b-a3b \
-    --batch-size 64 --result-file "$OUT/moeunion_profile.jsonl" 2>&1 | tee -a "$OUT/moeunion.log" | grep -v Warning \
-    | tail -30
+    | tee "$OUT/moeunion.log" | grep -E "True|distinct|copy|prefill of|skipped|rror"
+  [[ -n ${MOEUNION_PROFILE-1} ]] && timeout ${MOEUNION_TIMEOUT:-240} $PY -m radixmesh.benchmarks.profile_decode \
+    --model-path benchmarks/configs/qwen3-30b-a3b --batch-size 64 --result-file "$OUT/moeunion_profile.jsonl" 2>&1 \
+    | tee -a "$OUT/moeunion.log" | grep -v Warning | tail -30
 fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then

@@ -255,8 +255,14 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
 
 
 def _measure(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> list[dict]:
-    rows = [run_once(runner, cache, bs, ns.input_len, ns.output_len, count_experts=ns.roofline)
-            for bs in ns.batch_size]
+    rows = []
+    for bs in ns.batch_size:
+        # (+2: experts_read's counting steps)
+        if (need := bs * (ns.input_len + ns.output_len + 2)) > runner.max_total_tokens:
+            print(f"batch {bs} skipped: its {need} tokens of KV exceed the pool's {runner.max_total_tokens} "
+                  "(--mem-fraction-static sets the pool's share of the memory)")
+            continue
+        rows.append(run_once(runner, cache, bs, ns.input_len, ns.output_len, count_experts=ns.roofline))
     if ns.long_context:
         rows.append(run_once(runner, cache, 1, ns.long_context, ns.output_len))
     return rows
