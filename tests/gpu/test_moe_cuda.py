@@ -104,11 +104,11 @@ def test_olmoe_in_cuda_graphs_matches_transformers(tmp_path):
     _family_in_cuda_graphs_like_transformers("olmoe_clipped", tmp_path)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2", "dots1"])
 def test_sigmoid_routed_families_in_cuda_graphs_match_transformers(tmp_path, name):
     """A tiny GLM-4.5 (group-limited sigmoid routing in kernels.moe.route_grouped, a shared expert, q/k/v biases,
-    half-rotary heads) and a tiny MiniMax-M2 (sigmoid routing with the block's bias, whole-projection q/k norms), as
-    the OLMoE test above."""
+    half-rotary heads), a tiny MiniMax-M2 (sigmoid routing with the block's bias, whole-projection q/k norms) and a
+    tiny dots.llm1 (four groups, two chosen; a sliding last layer), as the OLMoE test above."""
     _family_in_cuda_graphs_like_transformers(name, tmp_path)
 
 

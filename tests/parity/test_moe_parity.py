@@ -54,6 +54,13 @@ FAMILIES = {
                    dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2,
                         head_dim=16, rotary_dim=4,
                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.25})),
+    # dots.llm1: Qwen3's attention (with biases here) over GLM-4.5's routing and shared experts; its last layer slides
+    # over 6 tokens (max_window_layers), so the prompts' later tokens see only their window there
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              dict(intermediate_size=80, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                   routed_scaling_factor=2.0, norm_topk_prob=True, attention_bias=True, head_dim=16,
+                   sliding_window=6, max_window_layers=2)),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
@@ -97,7 +104,7 @@ def test_moe_models_match_transformers(checkpoints, name):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2", "dots1"])
 def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     """tp_size 2: each rank holds half of every expert's (and the shared expert's) intermediate rows; the sum over
     the ranks is the layer's output (OLMoE, MiniMax-M2: each rank's q/k norm sums the mean square over both ranks'

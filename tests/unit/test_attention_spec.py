@@ -138,3 +138,19 @@ def test_distinct_windows():
     assert AttentionShape(4, 2, 32, 0.1).distinct_windows() == (None,)
     assert AttentionShape(4, 2, 32, 0.1, windows=(8, None, 8, 4)).distinct_windows() == (None, 4, 8)
     assert AttentionShape(4, 2, 32, 0.1, windows=(8, 8)).distinct_windows() == (8,)
+
+
+def test_dots1_slides_from_max_window_layers_without_a_switch(tmp_path):
+    """dots.llm1's config (Dots1Config): no use_sliding_window switch; without layer_types the layers from
+    max_window_layers on slide over sliding_window tokens (window 4096 and 62 layers by default: none of its published
+    62 layers slides); layer_types wins when given."""
+    dots = dict(architectures=["Dots1ForCausalLM"], model_type="dots1", hidden_size=64, intermediate_size=128,
+                moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=512, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=1024)
+    assert sliding_layers(_config(tmp_path / "a", dots, sliding_window=64, max_window_layers=2)).sliding == (
+        False, False, True, True)
+    assert sliding_layers(_config(tmp_path / "b", dots)).sliding == (False,) * 4  # 62 by default
+    assert sliding_layers(_config(tmp_path / "b2", dots, num_hidden_layers=64)).count == 2  # 4096 from layer 62
+    listed = _config(tmp_path / "c", dots, sliding_window=64, max_window_layers=2,
+                     layer_types=["sliding_attention", "full_attention", "full_attention", "full_attention"])
+    assert layer_windows(listed, 1024) == (64, None, None, None)

@@ -11,6 +11,7 @@ Which layers slide is each architecture's own rule (transformers' config classes
   Qwen3-MoE             every layer under use_sliding_window (window default 4096)
   Qwen2, Qwen3          under use_sliding_window: layer_types, else the layers from max_window_layers (default 28) on
   Qwen2-MoE             under use_sliding_window: layer_types, else the even layers below max_window_layers
+  dots.llm1             layer_types, else the layers from max_window_layers (default 62) on (window default 4096)
   Gemma 2               layer_types, else every other layer from layer 0 (window default 4096)
   Gemma 3               layer_types, else all but every sliding_window_pattern-th layer (default 6; window 4096)
   Cohere 2              the same, sliding_window_pattern defaulting to 4 (window 4096)
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 HF_DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2/Qwen3(-MoE)Config, Gemma2Config, Gemma3TextConfig
 HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config/Qwen3Config/Qwen2MoeConfig
+DOTS1_DEFAULT_MAX_WINDOW_LAYERS = 62  # Dots1Config's
 HF_DEFAULT_GEMMA3_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern
 _DEFAULT_PATTERN = {"Cohere2ForCausalLM": 4}  # others: Gemma 3's
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
@@ -116,6 +118,13 @@ def sliding_layers(cfg: ModelConfig) -> SlidingLayers:
                              f"use_sliding_window={str(on).lower()}, sliding_window={window}", True)
     if arch in _QWEN_LISTED:
         return _qwen(raw, arch, layers)
+    if arch == "Dots1ForCausalLM":  # Qwen's rule with no use_sliding_window switch
+        window = raw.get("sliding_window", HF_DEFAULT_WINDOW)
+        first = raw.get("max_window_layers", DOTS1_DEFAULT_MAX_WINDOW_LAYERS)
+        listed = _listed(raw, layers)
+        sliding = listed if listed is not None else tuple(window is not None and i >= first for i in range(layers))
+        return SlidingLayers(window, sliding, f"sliding_window={window}, " + (
+            "layer_types" if listed is not None else f"max_window_layers={first}"), True)
     if arch in GEMMA_ARCHITECTURES or arch == "Cohere2ForCausalLM":
         return _patterned(raw, arch, layers)
     window = raw.get("sliding_window")  # unread by transformers here, as layer_types: what they would say

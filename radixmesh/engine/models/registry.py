@@ -15,6 +15,7 @@ _MODELS = {
     "OlmoeForCausalLM": "radixmesh.engine.models.olmoe:OlmoeForCausalLM",
     "Glm4MoeForCausalLM": "radixmesh.engine.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "radixmesh.engine.models.minimax_m2:MiniMaxM2ForCausalLM",
+    "Dots1ForCausalLM": "radixmesh.engine.models.dots1:Dots1ForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",
