@@ -48,7 +48,8 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
-    first_dense: int = 0  # first_k_dense_replace: the first layers keep a dense MLP
+    first_dense: int = 0  # first_k_dense_replace (ERNIE: moe_layer_start_index): the first layers keep a dense MLP
+    last_sparse: int | None = None  # ERNIE's moe_layer_end_index: no sparse layer after it (None: no bound)
     groups: int = 1  # n_group: the experts split into groups, a token's experts come from its best topk_group
     top_groups: int = 1  # topk_group
     scaling: float = 1.0  # routed_scaling_factor: multiplies the routing weights
@@ -56,23 +57,27 @@ class MoeConfig:
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the experts (transformers' rule for Qwen-MoE; every layer for Mixtral; from
         first_k_dense_replace on for GLM-4.5)."""
-        return (layer >= self.first_dense and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (layer >= self.first_dense and (self.last_sparse is None or layer <= self.last_sparse)
+                and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_raw(cls, raw: dict) -> "MoeConfig | None":
-        experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")
+        experts = (raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")
+                   or raw.get("moe_num_experts"))
         if not experts:
             return None
         inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
-        shared = raw.get("shared_expert_intermediate_size") or inter * int(raw.get("n_shared_experts") or 0)
-        return cls(num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]), intermediate_size=inter,
-                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared = raw.get("shared_expert_intermediate_size") or inter * int(
+            raw.get("n_shared_experts") or raw.get("moe_num_shared_experts") or 0)
+        last = raw.get("moe_layer_end_index")
+        return cls(num_experts=int(experts), top_k=int(raw.get("num_experts_per_tok") or raw["moe_k"]),
+                   intermediate_size=inter, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                    shared_expert_intermediate_size=int(shared),
                    mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-                   first_dense=int(raw.get("first_k_dense_replace") or 0), groups=int(raw.get("n_group") or 1),
-                   top_groups=int(raw.get("topk_group") or 1),
+                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or raw.get("moe_layer_interval") or 1),
+                   first_dense=int(raw.get("first_k_dense_replace") or raw.get("moe_layer_start_index") or 0),
+                   last_sparse=None if last is None or int(last) < 0 else int(last),
+                   groups=int(raw.get("n_group") or 1), top_groups=int(raw.get("topk_group") or 1),
                    scaling=float(raw.get("routed_scaling_factor", 1.0) or 1.0))
 
 

@@ -120,20 +120,25 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: 
 
 
 @triton.jit
-def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, TOP_K: tl.constexpr,
-                          KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr, GB: tl.constexpr,
-                          GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, RENORM: tl.constexpr,
-                          PDL: tl.constexpr):
-    # One token (program_id 0), route_grouped_reference's rule: sigmoid scores in float32; the choice adds the
-    # correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose two best choices sum highest
-    # compete; the TOP_K best choices (the lowest expert id first among equals) weigh their scores (not the choices),
-    # renormalized (+1e-20) when RENORM, times `scale`.
+def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, norm_min,
+                          TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr,
+                          GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, RENORM: tl.constexpr,
+                          SOFTMAX: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr):
+    # One token (program_id 0), route_grouped_reference's rule: sigmoid (or SOFTMAX) scores in float32; the choice
+    # adds the correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose two best choices sum
+    # highest compete; the TOP_K best choices (the lowest expert id first among equals) weigh their scores (not the
+    # choices), renormalized when RENORM (by sum + 1e-20, or with CLAMP by max(sum, norm_min)), times `scale`.
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EB)
     ok = cols < E
-    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
-    scores = 1.0 / (1.0 + tl.exp(-x))
+    if SOFTMAX:
+        x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, 0))
+        scores = e / tl.sum(e, 0)
+    else:
+        x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
+        scores = 1.0 / (1.0 + tl.exp(-x))
     choice = tl.where(ok, scores + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32), float("-inf"))
     if GROUPS > 1:
         group = cols // GROUP_SIZE
@@ -155,28 +160,33 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride,
     top_w, top_i = pick_top_k(choice, scores, cols, TOP_K, KB, EB, False)
     ks = tl.arange(0, KB)
     if RENORM:
-        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+        if CLAMP:
+            top_w = top_w / tl.maximum(tl.sum(top_w, 0), norm_min)
+        else:
+            top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
     keep_k = ks < TOP_K
     tl.store(weights_ptr + row * TOP_K + ks, (top_w * scale).to(weights_ptr.dtype.element_ty), mask=keep_k)
     tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep_k)
 
 
 def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """route_grouped_reference in one launch (float32 weights [tokens, top_k], int64 ids)."""
     if not (logits.is_cuda or interpreting()):
-        return route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale)
+        return route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax, norm_min)
     tokens, experts = logits.shape
     check_grouping(experts, top_k, groups, top_groups)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
         _route_grouped_kernel[(tokens,)](logits, bias, weights, ids, experts, logits.stride(0), float(scale),
+                                         float(norm_min),
                                          TOP_K=top_k, KB=triton.next_power_of_2(top_k),
                                          EB=triton.next_power_of_2(experts), GROUPS=groups,
                                          GB=triton.next_power_of_2(groups), GROUP_SIZE=experts // groups,
-                                         TOP_GROUPS=top_groups, RENORM=renormalize, num_warps=route_warps(experts),
-                                         **pdl_options(logits))
+                                         TOP_GROUPS=top_groups, RENORM=renormalize, SOFTMAX=softmax,
+                                         CLAMP=norm_min > 0, num_warps=route_warps(experts), **pdl_options(logits))
     return weights, ids
 
 
@@ -191,16 +201,18 @@ def check_grouping(experts: int, top_k: int, groups: int, top_groups: int) -> No
 
 
 def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                            renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (float32 weights, int64 expert ids) [tokens, top_k], as transformers routes
-    GLM-4.5 (and DeepSeek-V3's noaux_tc): sigmoid scores in float32; each expert's choice is its score plus the
-    correction `bias` [experts]; with `groups` > 1 the experts split into equal groups, a group's score is the sum of
-    its two best choices, and only the `top_groups` best groups' experts compete; the `top_k` best choices are
-    picked, weighted by their scores (without the bias), renormalized to sum to one (+1e-20) when asked, times
-    `scale` (routed_scaling_factor)."""
+    GLM-4.5 (and DeepSeek-V3's noaux_tc): sigmoid scores in float32 (ERNIE 4.5: `softmax` scores); each expert's
+    choice is its score plus the correction `bias` [experts]; with `groups` > 1 the experts split into equal groups, a
+    group's score is the sum of its two best choices, and only the `top_groups` best groups' experts compete; the
+    `top_k` best choices are picked, weighted by their scores (without the bias), renormalized to sum to one when
+    asked (over sum + 1e-20, or, with `norm_min` > 0, over max(sum, norm_min) as ERNIE does), times `scale`
+    (routed_scaling_factor)."""
     experts = logits.shape[-1]
     check_grouping(experts, top_k, groups, top_groups)
-    scores = logits.float().sigmoid()
+    scores = torch.softmax(logits.float(), dim=-1) if softmax else logits.float().sigmoid()
     choice = scores + bias.float()
     if groups > 1:
         grouped = choice.view(-1, groups, experts // groups)
@@ -210,7 +222,8 @@ def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total.clamp(min=norm_min) if norm_min > 0 else total + 1e-20)
     return weights * scale, ids
 
 

@@ -2,7 +2,8 @@
 in CUDA graphs (padded rows included), and the tiny Qwen3-MoE stays token-exact with transformers in float32
 (logprobs within 1e-3); the expert counters count each request's tokens, never a graph's padding rows. Batch-1 decode
 runs kernels.moe_decode's few-token path: in the engine, and at the Qwen3-30B-A3B layer shape in a CUDA graph. A tiny
-OLMoE, a tiny GLM-4.5 and a tiny MiniMax-M2 run the same kernels under their own attention (and their routing)."""
+OLMoE, GLM-4.5, MiniMax-M2, dots.llm1 and ERNIE 4.5 MoE run the same kernels under their own attention (and their
+routing)."""
 
 from __future__ import annotations
 
@@ -104,11 +105,12 @@ def test_olmoe_in_cuda_graphs_matches_transformers(tmp_path):
     _family_in_cuda_graphs_like_transformers("olmoe_clipped", tmp_path)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2", "dots1"])
-def test_sigmoid_routed_families_in_cuda_graphs_match_transformers(tmp_path, name):
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2", "dots1", "ernie4_5_moe"])
+def test_bias_routed_families_in_cuda_graphs_match_transformers(tmp_path, name):
     """A tiny GLM-4.5 (group-limited sigmoid routing in kernels.moe.route_grouped, a shared expert, q/k/v biases,
-    half-rotary heads), a tiny MiniMax-M2 (sigmoid routing with the block's bias, whole-projection q/k norms) and a
-    tiny dots.llm1 (four groups, two chosen; a sliding last layer), as the OLMoE test above."""
+    half-rotary heads), a tiny MiniMax-M2 (sigmoid routing with the block's bias, whole-projection q/k norms), a
+    tiny dots.llm1 (four groups, two chosen; a sliding last layer) and a tiny ERNIE 4.5 MoE (softmax scores with a
+    bias, interleaved RoPE in float32), as the OLMoE test above."""
     _family_in_cuda_graphs_like_transformers(name, tmp_path)
 
 

@@ -1,4 +1,4 @@
-"""Cohere 2 (Command-R7B / Command-A), Phi (1, 1.5, 2), GLM-4 (GlmForCausalLM, Glm4ForCausalLM) and OLMo (1)
+"""Cohere 2 (Command-R7B / Command-A), Phi (1, 1.5, 2), GLM-4 (GlmForCausalLM, Glm4ForCausalLM), ERNIE 4.5 and OLMo (1)
 token-exact with transformers (float32, CPU), each a tiny random checkpoint written here by transformers itself (no
 download), norms drawn away from their neutral weights and biases away from zero, every generated token's logprob
 compared too (tests/parity/test_model_families_more.py's method and helpers): a weight read from the wrong rows, a
@@ -38,6 +38,8 @@ FAMILIES = {
     "glm": ("GlmConfig", "GlmForCausalLM", dict(head_dim=24, rms_norm_eps=1e-5)),
     # post-sublayer norms; the output layer tied to the embedding
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    # ERNIE 4.5: interleaved pairs over whole heads, rotated in float32 with float32 cos/sin; tied by its default
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
     # q, k and v clamped: about half of their elements at this scale; q/k/v/o biases
     "olmo-clip": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.8, attention_bias=True)),
@@ -127,6 +129,34 @@ def test_glm_rotary_is_transformers(tmp_path, dtype):
         assert all(torch.equal(g, w[0].transpose(0, 1)) == equal for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ernie_rotary_is_transformers(tmp_path, dtype):
+    """ERNIE 4.5's table rotates q and k bit for bit as transformers' does: interleaved pairs in float32 with cos
+    and sin left in float32 (float32_table), where Cohere's (cos and sin rounded to the model dtype first) rounds
+    otherwise in bfloat16."""
+    from transformers import Ernie4_5Config
+    from transformers.models.ernie4_5 import modeling_ernie4_5 as hf
+
+    from radixmesh.engine.layers.rotary import RotaryEmbedding
+    from radixmesh.engine.model_config import ModelConfig
+    from radixmesh.engine.models.ernie4_5 import Ernie4_5ForCausalLM
+
+    cfg = ModelConfig.from_path(_edited(tmp_path, "Ernie4_5Config", {}, head_dim=16))
+    with torch.device("meta"):
+        model = Ernie4_5ForCausalLM(cfg)
+    model.init_rotary(40, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(40, n, 16, generator=gen).to(dtype) for n in (4, 2))
+    positions = torch.arange(40)
+    cos, sin = hf.Ernie4_5RotaryEmbedding(Ernie4_5Config.from_pretrained(tmp_path))(q, positions[None])
+    want = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    theta = cfg.raw["rope_parameters"]["rope_theta"]
+    rounded = RotaryEmbedding(16, 40, theta, None, torch.device("cpu"), interleaved=True)
+    for table, equal in ((model.rotary, True), (rounded, dtype == torch.float32)):
+        got = table.prepare(positions, dtype).apply(q, k)
+        assert all(torch.equal(g, w[0].transpose(0, 1)) == equal for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"])
 def test_gelus_are_transformers(name):
     from transformers.activations import ACT2FN
@@ -155,6 +185,7 @@ def test_gelus_are_transformers(name):
     ("Glm4Config", {}, dict(mlp_bias=True), ["mlp_bias=true"]),
     ("OlmoConfig", dict(clip_qkv=-1.0), {}, ["clip_qkv=-1.0"]),
     ("OlmoConfig", dict(hidden_act="gelu"), {}, ["hidden_act='gelu'"]),
+    ("Ernie4_5Config", dict(use_bias=True), {}, ["use_bias=true"]),
 ])
 def test_configs_the_layers_would_compute_otherwise_are_refused(tmp_path, config_cls, fields, edits, words):
     _refused(_edited(tmp_path, config_cls, edits, **fields), *words)

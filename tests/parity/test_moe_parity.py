@@ -61,6 +61,11 @@ FAMILIES = {
                    moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                    routed_scaling_factor=2.0, norm_topk_prob=True, attention_bias=True, head_dim=16,
                    sliding_window=6, max_window_layers=2)),
+    # ERNIE 4.5 MoE: softmax scores plus moe_statics' bias choose the experts, weights over max(sum, moe_norm_min),
+    # shared experts, a dense first layer (moe_layer_start_index), interleaved RoPE in float32
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(intermediate_size=80, num_hidden_layers=3, moe_num_experts=8, moe_k=3,
+                          moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16)),
 }
 PROMPTS = [[1, 17, 42, 99, 3], [1] + list(range(20, 60)), [1, 200, 201, 5, 5, 5, 7, 9, 11, 250, 30, 31, 32]]
 
@@ -73,9 +78,11 @@ def write_family(name: str, path) -> str:
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # (not hash(): a seed every run shares)
     config = getattr(transformers, config_cls)(**COMMON, **fields)
     model = getattr(transformers, model_cls)(config).float().eval()
-    for buffer_name, buffer in model.named_buffers():  # GLM-4.5's routing bias: not zero, so it is exercised
-        if buffer_name.endswith("e_score_correction_bias"):
-            buffer.copy_(0.3 * torch.randn_like(buffer))
+    # the routing biases (GLM-4.5's buffers, ERNIE's parameters): not zero, so they are exercised
+    for bias_name, bias in [*model.named_buffers(), *model.named_parameters()]:
+        if bias_name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                bias.copy_((0.02 if name.startswith("ernie") else 0.3) * torch.randn_like(bias))
     model.save_pretrained(path)
     return str(path)
 
@@ -104,7 +111,7 @@ def test_moe_models_match_transformers(checkpoints, name):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2", "dots1"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2", "dots1", "ernie4_5_moe"])
 def test_experts_shard_over_tensor_parallel_ranks(checkpoints, name):
     """tp_size 2: each rank holds half of every expert's (and the shared expert's) intermediate rows; the sum over
     the ranks is the layer's output (OLMoE, MiniMax-M2: each rank's q/k norm sums the mean square over both ranks'

@@ -45,12 +45,15 @@ class RotaryEmbedding:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device,
-                  interleaved: bool = False, upcast_pairs: bool = True) -> "RotaryEmbedding":
+                  interleaved: bool = False, upcast_pairs: bool = True, float32_table: bool = False
+                  ) -> "RotaryEmbedding":
         """`cfg`'s table; `interleaved`: GPT-J's pair layout (module docstring) instead of rotate-half, rotated in
-        float32 (`upcast_pairs`, Cohere's) or in the model dtype (GLM's)."""
+        float32 (`upcast_pairs`, Cohere's) or in the model dtype (GLM's); `float32_table`: cos and sin stay float32
+        at lookup instead of rounding to the model dtype (ERNIE 4.5 keeps them "in full precision")."""
         table = cls.__new__(cls)
         table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved,
                     upcast_pairs)
+        table.float32_table = float32_table
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,
@@ -58,7 +61,7 @@ class RotaryEmbedding:
         inv_freq, attention_factor = frequencies(spec)
         self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
         self.partial = spec.dim < head_dim
-        self.interleaved, self.upcast_pairs = interleaved, upcast_pairs
+        self.interleaved, self.upcast_pairs, self.float32_table = interleaved, upcast_pairs, False
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
         # [max_positions, rotary_dim]: frequency i at i and i + rotary_dim / 2, or (interleaved) at 2i and 2i + 1
@@ -67,7 +70,9 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, rotary_dim] in `dtype`; looked up once per forward, shared by every layer."""
+        """cos, sin [num_tokens, 1, rotary_dim] in `dtype` (float32 with `float32_table`); looked up once per forward,
+        shared by every layer."""
+        dtype = torch.float32 if self.float32_table else dtype
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":

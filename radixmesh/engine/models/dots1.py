@@ -4,7 +4,7 @@ Differences from Llama, all of transformers' Dots1 code:
 - per-head q/k RMSNorm before RoPE (as Qwen3), q/k/v and o biases with `attention_bias`;
 - the first `first_k_dense_replace` layers keep a dense MLP; the others route by group-limited sigmoid scores with a
   float32 router and `e_score_correction_bias`, scaled by `routed_scaling_factor`, plus an ungated shared expert of
-  `n_shared_experts` x `moe_intermediate_size` (engine.models.moe.SigmoidMoeBlock, as engine.models.glm4_moe);
+  `n_shared_experts` x `moe_intermediate_size` (engine.models.moe.BiasRoutedMoeBlock, as engine.models.glm4_moe);
 - layers from `max_window_layers` on slide over `sliding_window` tokens where `layer_types` does not say otherwise
   (engine.models.attention_spec).
 """
@@ -17,7 +17,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.glm4_moe import check_routing
 from radixmesh.engine.models.llama import DecoderSpec
-from radixmesh.engine.models.moe import MoeForCausalLM, SigmoidMoeBlock
+from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
 
 
 class Dots1ForCausalLM(MoeForCausalLM):
@@ -29,4 +29,5 @@ class Dots1ForCausalLM(MoeForCausalLM):
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
-        return SigmoidMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob, True, moe.shared_expert_intermediate_size)
+        return BiasRoutedMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob,
+                                  shared_intermediate=moe.shared_expert_intermediate_size)

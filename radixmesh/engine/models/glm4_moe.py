@@ -8,7 +8,7 @@ Differences from Llama, all of transformers' Glm4Moe code:
   and computes its logits in float32; each expert's score is the logit's sigmoid, the choice adds the bias, the
   experts of the best `topk_group` of `n_group` groups compete (a group scores its two best choices), the top
   `num_experts_per_tok` choices weigh by their scores (renormalized with `norm_topk_prob`), times
-  `routed_scaling_factor` (engine.models.moe.SigmoidMoeBlock);
+  `routed_scaling_factor` (engine.models.moe.BiasRoutedMoeBlock);
 - the experts' outputs are weighed in float32, and an ungated shared expert (`n_shared_experts` x
   `moe_intermediate_size` wide, `shared_experts.*` in the checkpoint) is added to them.
 Published checkpoints also hold `num_nextn_predict_layers` multi-token-prediction layers after the last decoder layer
@@ -25,7 +25,7 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderModel, DecoderSpec
-from radixmesh.engine.models.moe import MoeForCausalLM, SigmoidMoeBlock
+from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
 
 
 class NextnLayers:
@@ -62,4 +62,5 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
-        return SigmoidMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob, True, moe.shared_expert_intermediate_size)
+        return BiasRoutedMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob,
+                                  shared_intermediate=moe.shared_expert_intermediate_size)

@@ -8,7 +8,7 @@ Differences from Llama, all of transformers' MiniMaxM2 code:
 - every layer's MLP is `block_sparse_moe`: Mixtral's expert names (w1 gate, w3 up, w2 down), a router in the model
   dtype whose logits' sigmoid scores the experts, the choice adding the block's `e_score_correction_bias` (held in
   float32), the top `num_experts_per_tok` weighed by their scores renormalized to sum to one, weighed in float32
-  (engine.models.moe.SigmoidMoeBlock); no shared expert.
+  (engine.models.moe.BiasRoutedMoeBlock); no shared expert.
 Fields of MiniMax's own code that transformers computes one way only are checked to say that way (all layers full
 attention, per-layer q/k norms, sigmoid scoring with the routing bias, no shared expert); multi-token-prediction layers
 after the last decoder layer are skipped at load.
@@ -22,7 +22,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.moe import ExpertNames
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.glm4_moe import NextnLayers
-from radixmesh.engine.models.moe import MoeForCausalLM, SigmoidMoeBlock
+from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
 from radixmesh.engine.models.olmoe import OlmoeAttention
 
 _NOT_COMPUTED = "is not what transformers' MiniMaxM2ForCausalLM computes, nor radixmesh"
@@ -56,4 +56,4 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
         self.skipped_tensors = NextnLayers(cfg.num_layers)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
-        return SigmoidMoeBlock(cfg, self.tp, self.names, True, False)
+        return BiasRoutedMoeBlock(cfg, self.tp, self.names, True, bias_at="block")

@@ -113,46 +113,67 @@ def expert_counters(model: nn.Module) -> dict[int, torch.Tensor]:
     return out
 
 
-class SigmoidRouter(nn.Module):
-    """A router whose [experts, hidden] weight and per-expert choice bias are held in float32 whatever the model dtype
-    (GLM-4.5's, as transformers holds them; checkpoint: `gate.weight`, `gate.e_score_correction_bias`)."""
+class Float32Router(nn.Module):
+    """A router whose [experts, hidden] weight (and, with `bias`, its per-expert choice bias) is held in float32
+    whatever the model dtype, as transformers holds GLM-4.5's, dots.llm1's and ERNIE 4.5's (checkpoint: `gate.weight`,
+    `gate.e_score_correction_bias`)."""
 
-    def __init__(self, num_experts: int, hidden: int):
+    def __init__(self, num_experts: int, hidden: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        if bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
 
 
-class SigmoidMoeBlock(SparseMoeBlock):
-    """A sparse layer routed by sigmoid scores and a per-expert choice bias (GLM-4.5, MiniMax-M2; DeepSeek-V3's
-    noaux_tc rule): kernels.moe.route_grouped (group-limited with n_group > 1, scaled by routed_scaling_factor), the
-    experts weighed in float32, plus an ungated shared expert (`shared_experts.*`) where `shared_intermediate` > 0.
-    With `float32_router` the router and its bias are float32 and so are its logits (GLM-4.5); otherwise the router
-    is the model dtype's and the bias a float32 parameter of the block (`e_score_correction_bias`, MiniMax-M2)."""
+class CorrectionStatics(nn.Module):
+    """ERNIE 4.5's `moe_statics`: the choice bias as a [1, experts] float32 tensor."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool,
-                 float32_router: bool, shared_intermediate: int = 0):
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.e_score_correction_bias = nn.Parameter(torch.empty(1, num_experts, dtype=torch.float32))
+
+
+class BiasRoutedMoeBlock(SparseMoeBlock):
+    """A sparse layer whose experts are chosen by their scores plus a per-expert correction bias and weighed by their
+    scores alone (DeepSeek-V3's noaux_tc rule and its kin): kernels.moe.route_grouped, group-limited with n_group > 1,
+    renormalized (by the sum, or by the sum clamped below at `norm_min`), scaled by routed_scaling_factor; plus an
+    ungated shared expert (`shared_experts.*`) where `shared_intermediate` > 0.
+
+    `scoring`: "sigmoid" (GLM-4.5, dots.llm1, MiniMax-M2) or "softmax" (ERNIE 4.5). `bias_at`: where the checkpoint
+    keeps the bias: "gate" (in the float32 router: GLM-4.5, dots.llm1), "block" (MiniMax-M2, whose router is the
+    model dtype's) or "statics" (ERNIE 4.5's `moe_statics`). `float32_weights`: weigh the experts in float32 (else the
+    weights are cast to the activations' dtype first, as ERNIE does)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool, *,
+                 scoring: str = "sigmoid", bias_at: str = "gate", float32_weights: bool = True,
+                 norm_min: float = 0.0, shared_intermediate: int = 0):
         moe = cfg.moe
-        super().__init__(cfg, tp, names, renormalize, True)
-        self.float32_router = float32_router
-        if float32_router:
-            self.gate = SigmoidRouter(moe.num_experts, cfg.hidden_size)
-        else:
+        super().__init__(cfg, tp, names, renormalize, float32_weights)
+        self.float32_router = bias_at != "block"
+        if self.float32_router:
+            self.gate = Float32Router(moe.num_experts, cfg.hidden_size, bias=bias_at == "gate")
+        if bias_at == "block":
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+        elif bias_at == "statics":
+            self.moe_statics = CorrectionStatics(moe.num_experts)
+        self.bias_at, self.softmax, self.norm_min = bias_at, scoring == "softmax", norm_min
         self.shared_experts = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
         self.groups, self.top_groups, self.scaling = moe.groups, moe.top_groups, moe.scaling
 
+    def _bias(self) -> torch.Tensor:
+        return {"gate": lambda: self.gate.e_score_correction_bias, "block": lambda: self.e_score_correction_bias,
+                "statics": lambda: self.moe_statics.e_score_correction_bias[0]}[self.bias_at]()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.float32_router:
-            logits, bias = F.linear(x.float(), self.gate.weight), self.gate.e_score_correction_bias
-        else:
-            logits, bias = linear(x, self.gate.weight), self.e_score_correction_bias
-        weights, ids = self.experts.route_grouped(logits, bias, self.top_k, self.groups, self.top_groups,
-                                                  self.renormalize, self.scaling)
+        logits = F.linear(x.float(), self.gate.weight) if self.float32_router else linear(x, self.gate.weight)
+        weights, ids = self.experts.route_grouped(logits, self._bias(), self.top_k, self.groups, self.top_groups,
+                                                  self.renormalize, self.scaling, self.softmax, self.norm_min)
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
         return self._routed(x, weights, ids)
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
-        return False  # kernels.moe_gate routes by softmax
+        return False  # kernels.moe_gate routes by softmax without a bias
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = super()._routed(x, weights, ids)

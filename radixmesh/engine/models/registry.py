@@ -16,6 +16,8 @@ _MODELS = {
     "Glm4MoeForCausalLM": "radixmesh.engine.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "radixmesh.engine.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Dots1ForCausalLM": "radixmesh.engine.models.dots1:Dots1ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5_MoeForCausalLM",
+    "Ernie4_5ForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5ForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",

@@ -41,6 +41,8 @@ OLMO = "OlmoForCausalLM"  # reads clip_qkv (engine.models.olmo clamps q, k and v
 CLIP_QKV = (OLMO, "OlmoeForCausalLM")  # the architectures whose layers read clip_qkv (engine.models.olmoe too)
 # the architectures whose layers read use_qk_norm (engine.models.glm4_moe, engine.models.minimax_m2)
 QK_NORM_FLAG = ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+# the architectures whose every projection takes a bias with use_bias (transformers' ERNIE 4.5)
+_USE_BIAS = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
 # Activations our MLP computes (transformers' ACT2FN maps both names to SiLU)
 _SILU = ("silu", "swish")
 
@@ -169,6 +171,10 @@ def _check_activation_and_biases(model: ModelConfig) -> None:
     if model.raw.get("mlp_bias"):
         raise ValueError(f"MLP biases (mlp_bias=true in config.json) are {_NOT_YET}: radixmesh's MLP "
                          "projections have no bias")
+    if model.architecture in _USE_BIAS and model.raw.get("use_bias"):  # (other architectures do not read it)
+        raise ValueError(f"biases on every projection (use_bias=true in config.json, which {model.architecture} "
+                         f"reads) are {_NOT_YET}: radixmesh's MLP projections have no bias; no published ERNIE 4.5 "
+                         "text model sets it")
 
 
 def _check_clip_qkv(model: ModelConfig) -> None:
