@@ -2,7 +2,8 @@
 (Mistral's, Qwen2's with q/k/v bias, Qwen3's with q/k RMSNorm); the MLP of a sparse layer is a router and stacked
 experts (engine.layers.moe), plus, in Qwen2-MoE, a shared expert whose output is gated by a sigmoid. Which layers
 are sparse follows the config (Qwen: `mlp_only_layers` are dense, and every `decoder_sparse_step`-th layer is sparse;
-Mixtral: all)."""
+Mixtral: all; MoeConfig.sparse). The families whose experts are chosen by scores plus a correction bias (GLM-4.5,
+dots.llm1, MiniMax-M2, ERNIE 4.5: their own modules) take `BiasRoutedMoeBlock` here."""
 
 from __future__ import annotations
 
@@ -161,8 +162,9 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
         self.groups, self.top_groups, self.scaling = moe.groups, moe.top_groups, moe.scaling
 
     def _bias(self) -> torch.Tensor:
-        return {"gate": lambda: self.gate.e_score_correction_bias, "block": lambda: self.e_score_correction_bias,
-                "statics": lambda: self.moe_statics.e_score_correction_bias[0]}[self.bias_at]()
+        if self.bias_at == "gate":
+            return self.gate.e_score_correction_bias
+        return self.e_score_correction_bias if self.bias_at == "block" else self.moe_statics.e_score_correction_bias[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight) if self.float32_router else linear(x, self.gate.weight)
@@ -192,7 +194,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         if cfg.moe is None:
             raise ValueError(f"{cfg.architecture} is a mixture of experts, but config.json gives no num_experts (or "
-                             "num_local_experts): the experts cannot be laid out")
+                             "num_local_experts, n_routed_experts, moe_num_experts): the experts cannot be laid out")
         super().__init__(cfg, tp)
         for i, layer in enumerate(self.model.layers):
             if cfg.moe.sparse(i):
