@@ -103,56 +103,36 @@ def test_phi_shards_over_tensor_parallel_ranks(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_glm_rotary_is_transformers(tmp_path, dtype):
-    """GlmForCausalLM's table rotates q and k bit for bit as transformers' GLM does: half of each head
-    (partial_rotary_factor 0.5), interleaved pairs, in the model dtype, where pairs rotated in float32 (Cohere's,
-    upcast_pairs) round otherwise in bfloat16."""
-    from transformers import GlmConfig
-    from transformers.models.glm import modeling_glm as hf
+@pytest.mark.parametrize("family,config_fields,rotated", [
+    ("glm", dict(head_dim=16, rope_theta=1000.0), 8), ("ernie4_5", dict(head_dim=16), 16)])
+def test_interleaved_rotary_is_transformers(tmp_path, dtype, family, config_fields, rotated):
+    """The interleaved tables rotate q and k bit for bit as transformers does. GLM: half of each head (its default
+    partial_rotary_factor 0.5), in the model dtype, where pairs rotated in float32 (Cohere's, upcast_pairs) round
+    otherwise in bfloat16. ERNIE 4.5: whole heads in float32 with cos and sin left in float32 (float32_table), where
+    Cohere's (cos and sin rounded to the model dtype first) round otherwise in bfloat16."""
+    import importlib
+
+    import transformers
 
     from radixmesh.engine.layers.rotary import RotaryEmbedding
     from radixmesh.engine.model_config import ModelConfig
-    from radixmesh.engine.models.glm import GlmForCausalLM
+    from radixmesh.engine.models.registry import model_class
 
-    cfg = ModelConfig.from_path(_edited(tmp_path, "GlmConfig", {}, head_dim=16, rope_theta=1000.0))
+    config_cls = {"glm": "GlmConfig", "ernie4_5": "Ernie4_5Config"}[family]
+    hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cfg = ModelConfig.from_path(_edited(tmp_path, config_cls, {}, **config_fields))
     with torch.device("meta"):
-        model = GlmForCausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     model.init_rotary(40, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(40, n, 16, generator=gen).to(dtype) for n in (4, 2))
     positions = torch.arange(40)
-    cos, sin = hf.GlmRotaryEmbedding(GlmConfig.from_pretrained(tmp_path))(q, positions[None])
+    rope_cls = next(getattr(hf, n) for n in dir(hf) if n.endswith("RotaryEmbedding"))
+    cos, sin = rope_cls(getattr(transformers, config_cls).from_pretrained(tmp_path))(q, positions[None])
     want = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    upcast = RotaryEmbedding(8, 40, 1000.0, None, torch.device("cpu"), interleaved=True)
-    for table, equal in ((model.rotary, True), (upcast, dtype == torch.float32)):
-        got = table.prepare(positions, dtype).apply(q, k)
-        assert all(torch.equal(g, w[0].transpose(0, 1)) == equal for g, w in zip(got, want))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ernie_rotary_is_transformers(tmp_path, dtype):
-    """ERNIE 4.5's table rotates q and k bit for bit as transformers' does: interleaved pairs in float32 with cos
-    and sin left in float32 (float32_table), where Cohere's (cos and sin rounded to the model dtype first) rounds
-    otherwise in bfloat16."""
-    from transformers import Ernie4_5Config
-    from transformers.models.ernie4_5 import modeling_ernie4_5 as hf
-
-    from radixmesh.engine.layers.rotary import RotaryEmbedding
-    from radixmesh.engine.model_config import ModelConfig
-    from radixmesh.engine.models.ernie4_5 import Ernie4_5ForCausalLM
-
-    cfg = ModelConfig.from_path(_edited(tmp_path, "Ernie4_5Config", {}, head_dim=16))
-    with torch.device("meta"):
-        model = Ernie4_5ForCausalLM(cfg)
-    model.init_rotary(40, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(40, n, 16, generator=gen).to(dtype) for n in (4, 2))
-    positions = torch.arange(40)
-    cos, sin = hf.Ernie4_5RotaryEmbedding(Ernie4_5Config.from_pretrained(tmp_path))(q, positions[None])
-    want = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    theta = cfg.raw["rope_parameters"]["rope_theta"]
-    rounded = RotaryEmbedding(16, 40, theta, None, torch.device("cpu"), interleaved=True)
-    for table, equal in ((model.rotary, True), (rounded, dtype == torch.float32)):
+    theta = cfg.raw.get("rope_theta") or cfg.raw["rope_parameters"]["rope_theta"]
+    other = RotaryEmbedding(rotated, 40, theta, None, torch.device("cpu"), interleaved=True)  # Cohere's rounding
+    for table, equal in ((model.rotary, True), (other, dtype == torch.float32)):
         got = table.prepare(positions, dtype).apply(q, k)
         assert all(torch.equal(g, w[0].transpose(0, 1)) == equal for g, w in zip(got, want))
 
