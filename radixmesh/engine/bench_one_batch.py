@@ -257,8 +257,8 @@ def _build(ns: argparse.Namespace) -> tuple[ModelRunner, CacheManager, EngineArg
 def _measure(runner: ModelRunner, cache: CacheManager, ns: argparse.Namespace) -> list[dict]:
     rows = []
     for bs in ns.batch_size:
-        # (+2: experts_read's counting steps)
-        if (need := bs * (ns.input_len + ns.output_len + 2)) > runner.max_total_tokens:
+        page = cache.page  # (+2: experts_read's counting steps; each request holds whole pages)
+        if (need := bs * -(-(ns.input_len + ns.output_len + 2) // page) * page) > runner.max_total_tokens:
             print(f"batch {bs} skipped: its {need} tokens of KV exceed the pool's {runner.max_total_tokens} "
                   "(--mem-fraction-static sets the pool's share of the memory)")
             continue
