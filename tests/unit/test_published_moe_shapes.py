@@ -1,7 +1,8 @@
-"""The published shapes of GLM-4.5-Air and MiniMax-M2 (their config.json, in benchmarks/configs/) pass the engine's
-checks and build with the layout their checkpoints fill (on the meta device: no memory, no weights), and a batch-1
-decode step's floor reads what their model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B
-of 230B (MiniMax-M2)."""
+"""The published shapes of GLM-4.5-Air, MiniMax-M2 and ERNIE 4.5 21B-A3B (their config.json, in benchmarks/configs/;
+ERNIE's as transformers' Ernie4_5_MoeConfig defaults it) pass the engine's checks and build with the layout their
+checkpoints fill (on the meta device: no memory, no weights), and a batch-1 decode step's floor reads what their
+model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B of 230B (MiniMax-M2), ~3B of 21B
+(ERNIE 4.5)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _build(name: str):
 
 
 @pytest.mark.parametrize("name,total,active,sparse,experts", [
-    ("glm-4.5-air", 106e9, 12e9, 45, (128, 2 * 1408, 4096)), ("minimax-m2", 230e9, 10e9, 62, (256, 2 * 1536, 3072))])
+    ("glm-4.5-air", 106e9, 12e9, 45, (128, 2 * 1408, 4096)), ("minimax-m2", 230e9, 10e9, 62, (256, 2 * 1536, 3072)),
+    ("ernie-4.5-21b-a3b", 21e9, 3e9, 27, (64, 2 * 1536, 2560))])
 def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, total, active, sparse, experts):
     cfg, model = _build(name)
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
@@ -42,7 +44,7 @@ def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, tota
     assert params == pytest.approx(total, rel=0.05)
     read = decode_weight_bytes(types.SimpleNamespace(model=model)) / 2  # bf16: parameters a token reads
     assert read == pytest.approx(active, rel=0.15)
-    names = model.skipped_tensors
+    names = model.skipped_tensors  # multi-token-prediction layers past the last decoder layer
     assert f"model.layers.{cfg.num_layers}.eh_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
 
 
