@@ -18,7 +18,8 @@ _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "O
                          "GlmForCausalLM": 1.5625e-7, "Glm4ForCausalLM": 1.5625e-7}
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                    "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
+                    "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "Ernie4_5ForCausalLM",
+                    "Ernie4_5_MoeForCausalLM")
 # NVIDIA ModelOpt's quantization file beside config.json (its exports' older form; newer ones say it in config.json)
 HF_QUANT_FILE = "hf_quant_config.json"
 # Multimodal architectures served text-only: config.json holds their language model's fields under text_config, often

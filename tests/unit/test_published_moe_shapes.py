@@ -57,3 +57,13 @@ def test_glm_router_and_bias_stay_float32_and_rope_turns_half_of_each_head():
     from radixmesh.engine.layers.rope_scaling import rope_spec
 
     assert rope_spec(cfg).dim == 64 and rope_spec(ModelConfig.from_path(str(CONFIGS / "minimax-m2"))).dim == 64
+
+
+def test_ernie_ties_its_output_layer_by_default(tmp_path):
+    """Ernie4_5_MoeConfig (and Ernie4_5Config) tie the output layer to the embedding where config.json does not say."""
+    import json
+
+    raw = json.loads((CONFIGS / "ernie-4.5-21b-a3b" / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_path(str(tmp_path)).tie_word_embeddings
