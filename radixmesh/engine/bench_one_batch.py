@@ -8,8 +8,9 @@ No scheduler: this times the model runner alone (as SGLang's bench_one_batch doe
 `--roofline` measures the GPU's two ceilings in the same run (device-to-device copy bandwidth, bf16 matmul rate) and
 reports each decode step against its floor: the weights one step reads (of a mixture of experts, the distinct experts
 its batch's tokens took, counted on two more steps: `experts_read`) plus every request's KV at its context, over the
-copy bandwidth. A batch whose KV does not fit the pool is skipped with the reason. `--eager-too` repeats the decode batches with CUDA graphs off; `--long-context` adds one
-request decoding at that context (split-KV); `--prefill-len` times one prompt's prefill and its TFLOP/s.
+copy bandwidth. A batch whose KV does not fit the pool is skipped with the reason. `--eager-too` repeats the decode
+batches with CUDA graphs off; `--long-context` adds one request decoding at that context (split-KV); `--prefill-len`
+times one prompt's prefill and its TFLOP/s.
 With `--tp N` the runner is rank 0 of N (the other ranks follow in processes of their own, as in an engine); each
 rank reads 1/N of the weights, so the floor is the per-rank share; `--profile-collectives` reports the share of each
 eager decode step spent in NCCL kernels.

@@ -39,8 +39,8 @@ TEXT_CONFIG_DEFAULTS = {
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
     """A mixture-of-experts model's expert layout (config.json's num_experts / num_local_experts / n_routed_experts,
-    ...) and the fields of group-limited sigmoid routing (GLM-4.5's, DeepSeek-V3's: n_group, topk_group,
-    routed_scaling_factor), which only the models that route so read (engine.models.glm4_moe)."""
+    ...) and the fields of group-limited routing (GLM-4.5's, DeepSeek-V3's: n_group, topk_group,
+    routed_scaling_factor), which only the models that route so read (engine.models.moe.BiasRoutedMoeBlock)."""
 
     num_experts: int
     top_k: int
@@ -79,7 +79,7 @@ class MoeConfig:
                    first_dense=int(raw.get("first_k_dense_replace") or raw.get("moe_layer_start_index") or 0),
                    last_sparse=None if last is None or int(last) < 0 else int(last),
                    groups=int(raw.get("n_group") or 1), top_groups=int(raw.get("topk_group") or 1),
-                   scaling=float(raw.get("routed_scaling_factor", 1.0) or 1.0))
+                   scaling=float(raw.get("routed_scaling_factor") or 1.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,16 +52,15 @@ class RotaryEmbedding:
         at lookup instead of rounding to the model dtype (ERNIE 4.5 keeps them "in full precision")."""
         table = cls.__new__(cls)
         table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved,
-                    upcast_pairs)
-        table.float32_table = float32_table
+                    upcast_pairs, float32_table)
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,
-              interleaved: bool, upcast_pairs: bool) -> None:
+              interleaved: bool, upcast_pairs: bool, float32_table: bool = False) -> None:
         inv_freq, attention_factor = frequencies(spec)
         self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
         self.partial = spec.dim < head_dim
-        self.interleaved, self.upcast_pairs, self.float32_table = interleaved, upcast_pairs, False
+        self.interleaved, self.upcast_pairs, self.float32_table = interleaved, upcast_pairs, float32_table
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
         # [max_positions, rotary_dim]: frequency i at i and i + rotary_dim / 2, or (interleaved) at 2i and 2i + 1

@@ -13,19 +13,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.glm4_moe import check_routing
 from radixmesh.engine.models.llama import DecoderSpec
-from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM
 
 
 class Dots1ForCausalLM(MoeForCausalLM):
     spec = DecoderSpec(qk_norm=True)
-
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
-        check_routing(cfg)
-        super().__init__(cfg, tp)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe

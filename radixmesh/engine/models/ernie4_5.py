@@ -19,9 +19,8 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.rotary import RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.glm4_moe import NextnLayers
 from radixmesh.engine.models.llama import LlamaForCausalLM
-from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
 
 # transformers' Ernie4_5_MoeConfig default for moe_norm_min
 DEFAULT_NORM_MIN = 1e-12

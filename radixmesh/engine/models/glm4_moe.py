@@ -18,41 +18,17 @@ Published checkpoints also hold `num_nextn_predict_layers` multi-token-predictio
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderModel, DecoderSpec
-from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
-
-
-class NextnLayers:
-    """The checkpoint names of the layers past the last decoder layer (multi-token-prediction layers):
-    `name in NextnLayers(n)` for every tensor of `model.layers.<i>.` with i >= n."""
-
-    _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
-
-    def __contains__(self, name: object) -> bool:
-        m = self._LAYER.match(name) if isinstance(name, str) else None
-        return m is not None and int(m.group(1)) >= self.num_layers
-
-
-def check_routing(cfg: ModelConfig) -> None:
-    """ValueError for a sigmoid-routed config whose groups cannot be routed (kernels.moe.check_grouping)."""
-    from radixmesh.kernels.moe import check_grouping
-
-    if cfg.moe is not None:
-        check_grouping(cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.groups, cfg.moe.top_groups)
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
-        check_routing(cfg)
         super().__init__(cfg, tp)
         self.skipped_tensors = NextnLayers(cfg.num_layers)
 

@@ -21,8 +21,7 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.moe import ExpertNames
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.glm4_moe import NextnLayers
-from radixmesh.engine.models.moe import MoeForCausalLM, BiasRoutedMoeBlock
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
 from radixmesh.engine.models.olmoe import OlmoeAttention
 
 _NOT_COMPUTED = "is not what transformers' MiniMaxM2ForCausalLM computes, nor radixmesh"

@@ -8,6 +8,7 @@ dots.llm1, MiniMax-M2, ERNIE 4.5: their own modules) take `BiasRoutedMoeBlock` h
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,20 @@ def expert_counters(model: nn.Module) -> dict[int, torch.Tensor]:
     return out
 
 
+class NextnLayers:
+    """The checkpoint names of the layers past the last decoder layer (multi-token-prediction layers):
+    `name in NextnLayers(n)` for every tensor of `model.layers.<i>.` with i >= n."""
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def __contains__(self, name: object) -> bool:
+        m = self._LAYER.match(name) if isinstance(name, str) else None
+        return m is not None and int(m.group(1)) >= self.num_layers
+
+
 class Float32Router(nn.Module):
     """A router whose [experts, hidden] weight (and, with `bias`, its per-expert choice bias) is held in float32
     whatever the model dtype, as transformers holds GLM-4.5's, dots.llm1's and ERNIE 4.5's (checkpoint: `gate.weight`,
@@ -148,7 +163,10 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool, *,
                  scoring: str = "sigmoid", bias_at: str = "gate", float32_weights: bool = True,
                  norm_min: float = 0.0, shared_intermediate: int = 0):
+        from radixmesh.kernels.moe import check_grouping
+
         moe = cfg.moe
+        check_grouping(moe.num_experts, moe.top_k, moe.groups, moe.top_groups)  # (a config's groups that cannot route)
         super().__init__(cfg, tp, names, renormalize, float32_weights)
         self.float32_router = bias_at != "block"
         if self.float32_router:
