@@ -82,6 +82,40 @@ class MoeConfig:
                    scaling=float(raw.get("routed_scaling_factor") or 1.0))
 
 
+# architectures whose attention is multi-head latent attention (engine.models.deepseek)
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """Multi-head latent attention's ranks and head widths (DeepSeek-V2/V3's config.json). The KV cache holds one
+    latent a token and layer: the normed `kv_lora_rank` compression and the shared rotated key part
+    (`qk_rope_head_dim`), which is why such a model's ModelConfig says one KV head of their summed width."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q comes from one q_proj (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_raw(cls, raw: dict, architecture: str) -> "MlaConfig | None":
+        if architecture not in MLA_ARCHITECTURES:
+            return None
+        q_rank = raw.get("q_lora_rank")
+        return cls(kv_lora_rank=int(raw.get("kv_lora_rank", 512)), q_lora_rank=None if q_rank is None else int(q_rank),
+                   qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+                   qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim", 128)))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The parts of a Hugging Face `config.json` (and `generation_config.json`) the engine uses."""
@@ -105,6 +139,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     moe: MoeConfig | None = None  # a mixture-of-experts model's experts
+    # multi-head latent attention (DeepSeek-V2/V3): num_kv_heads is 1 and head_dim the latent's width (MlaConfig)
+    mla: MlaConfig | None = None
     # Sampling parameters recommended by generation_config.json (used when sampling_defaults == "model").
     generation_defaults: dict = field(default_factory=dict, compare=False)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -123,6 +159,7 @@ class ModelConfig:
         if not archs:
             raise ValueError(f"{cfg_file} has no 'architectures' entry")
         heads = raw["num_attention_heads"]
+        mla = MlaConfig.from_raw(raw, archs[0])
         rope_params = raw.get("rope_parameters") or {}
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default"
                                                    else None)
@@ -132,8 +169,8 @@ class ModelConfig:
             hidden_size=raw["hidden_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or heads,
+            head_dim=mla.latent_dim if mla else raw.get("head_dim") or raw["hidden_size"] // heads,
             intermediate_size=raw["intermediate_size"],
             vocab_size=raw["vocab_size"],
             rms_norm_eps=raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(archs[0], 1e-6)),
@@ -146,16 +183,27 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=frozenset(_eos_ids(raw, path)),
             moe=MoeConfig.from_raw(raw),
+            mla=mla,
             generation_defaults=_generation_defaults(path),
             raw=raw,
         )
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The width RoPE's table is built for: a head's, or MLA's rotated part (qk_rope_head_dim)."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_buffers(self) -> int:
+        """Buffers a layer's KV cache keeps: K and V, or one where V is read from K's latent (MLA)."""
+        return 1 if self.mla else 2
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
         """KV bytes of one token: all the model's KV heads, or `num_kv_heads` (one tensor-parallel rank's)."""
         import torch
 
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
+        return self.kv_buffers * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * elem
 
 
 def with_quant_file(raw: dict, path: str) -> dict:

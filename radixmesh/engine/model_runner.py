@@ -120,7 +120,7 @@ class ModelRunner:
                                     self.num_kv_heads, model_config.head_dim, torch_dtype(args.kv_cache_dtype),
                                     self.device, load_kv_scales(model_config, args.kv_cache_dtype, args.load_format,
                                                                 args.quantization_param_path, self.tp.rank,
-                                                                self.tp.size))
+                                                                self.tp.size), shared_kv=model_config.mla is not None)
         self.max_running_requests = self._max_running()
         # a request holds at most the pool, unless every layer slides: then it frees pages as it goes
         # (engine.cache.swa) and only the context bounds its length

@@ -122,12 +122,13 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: 
 @triton.jit
 def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, norm_min,
                           TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr,
-                          GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, RENORM: tl.constexpr,
-                          SOFTMAX: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr):
+                          GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr,
+                          GROUP_BEST: tl.constexpr, RENORM: tl.constexpr, SOFTMAX: tl.constexpr, CLAMP: tl.constexpr,
+                          PDL: tl.constexpr):
     # One token (program_id 0), route_grouped_reference's rule: sigmoid (or SOFTMAX) scores in float32; the choice
-    # adds the correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose two best choices sum
-    # highest compete; the TOP_K best choices (the lowest expert id first among equals) weigh their scores (not the
-    # choices), renormalized when RENORM (by sum + 1e-20, or with CLAMP by max(sum, norm_min)), times `scale`.
+    # adds the correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose best choice (GROUP_BEST
+    # 1) or two best choices (2) sum highest compete; the TOP_K best choices (the lowest expert id first among equals)
+    # weigh their scores (not the choices), renormalized when RENORM (by sum + 1e-20, or with CLAMP by max(sum, norm_min)), times `scale`.
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EB)
@@ -147,9 +148,10 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride,
         for g in tl.static_range(GROUPS):
             mine = tl.where(group == g, choice, float("-inf"))
             best = tl.max(mine, 0)
-            first = tl.min(tl.where(mine == best, cols, EB), 0)
-            second = tl.max(tl.where(cols == first, float("-inf"), mine), 0)
-            group_score = tl.where(gs == g, best + second, group_score)
+            if GROUP_BEST == 2:
+                first = tl.min(tl.where(mine == best, cols, EB), 0)
+                best += tl.max(tl.where(cols == first, float("-inf"), mine), 0)
+            group_score = tl.where(gs == g, best, group_score)
         keep = cols < 0  # no group chosen yet
         for _ in tl.static_range(TOP_GROUPS):
             best = tl.max(group_score, 0)
@@ -170,13 +172,14 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride,
 
 
 def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                  renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0
+                  renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0, group_best: int = 2
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """route_grouped_reference in one launch (float32 weights [tokens, top_k], int64 ids)."""
     if not (logits.is_cuda or interpreting()):
-        return route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax, norm_min)
+        return route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax, norm_min,
+                                       group_best)
     tokens, experts = logits.shape
-    check_grouping(experts, top_k, groups, top_groups)
+    check_grouping(experts, top_k, groups, top_groups, group_best)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
@@ -185,38 +188,43 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: 
                                          TOP_K=top_k, KB=triton.next_power_of_2(top_k),
                                          EB=triton.next_power_of_2(experts), GROUPS=groups,
                                          GB=triton.next_power_of_2(groups), GROUP_SIZE=experts // groups,
-                                         TOP_GROUPS=top_groups, RENORM=renormalize, SOFTMAX=softmax,
+                                         TOP_GROUPS=top_groups, GROUP_BEST=group_best, RENORM=renormalize,
+                                         SOFTMAX=softmax,
                                          CLAMP=norm_min > 0, num_warps=route_warps(experts), **pdl_options(logits))
     return weights, ids
 
 
-def check_grouping(experts: int, top_k: int, groups: int, top_groups: int) -> None:
-    """ValueError unless `experts` split into `groups` equal groups of at least two (a group's score is its two best
-    choices), `top_groups` of them can hold `top_k` experts, and top_k <= experts."""
-    if groups < 1 or experts % groups or (groups > 1 and experts // groups < 2) or not 1 <= top_groups <= groups \
-            or not 1 <= top_k <= top_groups * (experts // groups):
+def check_grouping(experts: int, top_k: int, groups: int, top_groups: int, group_best: int = 2) -> None:
+    """ValueError unless `experts` split into `groups` equal groups of at least `group_best` (1 or 2: a group's score
+    is its best choice or its two best), `top_groups` of them can hold `top_k` experts, and top_k <= experts."""
+    if group_best not in (1, 2):
+        raise ValueError(f"a group scores its best choice or its two best, not {group_best}")
+    if groups < 1 or experts % groups or (groups > 1 and experts // groups < group_best) \
+            or not 1 <= top_groups <= groups or not 1 <= top_k <= top_groups * (experts // groups):
+        size = "two experts or more" if group_best == 2 else "one expert or more"
         raise ValueError(f"group-limited routing of {experts} experts in n_group={groups} groups, the best "
                          f"topk_group={top_groups} of them, top {top_k} experts a token: the groups must be equal, "
-                         "hold two experts or more each, and the chosen groups at least num_experts_per_tok experts")
+                         f"hold {size} each, and the chosen groups at least num_experts_per_tok experts")
 
 
 def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                            renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0,
+                            group_best: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (float32 weights, int64 expert ids) [tokens, top_k], as transformers routes
     GLM-4.5 (and DeepSeek-V3's noaux_tc): sigmoid scores in float32 (ERNIE 4.5: `softmax` scores); each expert's
     choice is its score plus the correction `bias` [experts]; with `groups` > 1 the experts split into equal groups, a
-    group's score is the sum of its two best choices, and only the `top_groups` best groups' experts compete; the
+    group's score is the sum of its `group_best` best choices (DeepSeek-V2's group_limited_greedy: its best one),
+    and only the `top_groups` best groups' experts compete; the
     `top_k` best choices are picked, weighted by their scores (without the bias), renormalized to sum to one when
     asked (over sum + 1e-20, or, with `norm_min` > 0, over max(sum, norm_min) as ERNIE does), times `scale`
     (routed_scaling_factor)."""
     experts = logits.shape[-1]
-    check_grouping(experts, top_k, groups, top_groups)
+    check_grouping(experts, top_k, groups, top_groups, group_best)
     scores = torch.softmax(logits.float(), dim=-1) if softmax else logits.float().sigmoid()
     choice = scores + bias.float()
     if groups > 1:
         grouped = choice.view(-1, groups, experts // groups)
-        best = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [tokens, groups]
+        best = grouped.topk(group_best, dim=-1).values.sum(dim=-1)  # [tokens, groups]
         keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(top_groups, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
     ids = choice.topk(top_k, dim=-1).indices

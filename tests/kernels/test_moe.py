@@ -146,22 +146,29 @@ def test_the_route_kernel_takes_the_lowest_expert_first_among_equals():
     torch.testing.assert_close(weights.cpu(), picked / picked.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,groups,top_groups,renormalize,scale,softmax,norm_min", [
-    (1, 128, 8, 1, 1, True, 1.0, False, 0.0),  # GLM-4.5-Air: one group
-    (7, 160, 8, 1, 1, True, 2.5, False, 0.0),  # GLM-4.5: 160 experts (not a power of two), scaled
-    (3, 256, 8, 8, 4, True, 2.5, False, 0.0),  # DeepSeek-V3's shape of the rule
-    (33, 8, 3, 2, 1, True, 2.5, False, 0.0), (5, 64, 6, 4, 2, False, 1.0, False, 0.0),
-    (2, 6, 2, 3, 3, False, 1.0, False, 0.0),
-    (9, 64, 6, 1, 1, True, 1.0, True, 1e-12),  # ERNIE 4.5: softmax scores, the sum clamped below
-    (4, 8, 2, 1, 1, True, 1.0, True, 0.9)])  # (a clamp that bites: two softmax scores of eight sum under 0.9)
+@pytest.mark.parametrize("tokens,experts,top_k,groups,top_groups,renormalize,scale,softmax,norm_min,group_best", [
+    (1, 128, 8, 1, 1, True, 1.0, False, 0.0, 2),  # GLM-4.5-Air: one group
+    (7, 160, 8, 1, 1, True, 2.5, False, 0.0, 2),  # GLM-4.5: 160 experts (not a power of two), scaled
+    (3, 256, 8, 8, 4, True, 2.5, False, 0.0, 2),  # DeepSeek-V3's shape of the rule
+    (33, 8, 3, 2, 1, True, 2.5, False, 0.0, 2), (5, 64, 6, 4, 2, False, 1.0, False, 0.0, 2),
+    (2, 6, 2, 3, 3, False, 1.0, False, 0.0, 2),
+    (9, 64, 6, 1, 1, True, 1.0, True, 1e-12, 2),  # ERNIE 4.5: softmax scores, the sum clamped below
+    (4, 8, 2, 1, 1, True, 1.0, True, 0.9, 2),  # (a clamp that bites: two softmax scores of eight sum under 0.9)
+    # DeepSeek-V2's group_limited_greedy (a group scores its best expert; no bias: zeros below), and V2-Lite's greedy
+    (3, 160, 6, 8, 3, False, 16.0, True, 0.0, 1), (5, 12, 3, 4, 2, False, 1.0, True, 0.0, 1),
+    (2, 64, 6, 1, 1, False, 1.0, True, 0.0, 1)])
 def test_the_grouped_route_kernel_picks_the_twins_experts_and_weights(tokens, experts, top_k, groups, top_groups,
-                                                                      renormalize, scale, softmax, norm_min):
-    """Routing by scores plus a choice bias in one launch (GLM-4.5, DeepSeek-V3; ERNIE 4.5 by softmax): the same
-    experts in the same order as the twin (largest choice first), float32 weights within float32 rounding."""
+                                                                      renormalize, scale, softmax, norm_min,
+                                                                      group_best):
+    """Routing by scores plus a choice bias in one launch (GLM-4.5, DeepSeek-V3; ERNIE 4.5 and DeepSeek-V2 by
+    softmax): the same experts in the same order as the twin (largest choice first), float32 weights within float32
+    rounding."""
     gen = torch.Generator().manual_seed(experts + top_k)
     logits = torch.randn(tokens, experts, generator=gen) * 2
     bias = torch.randn(experts, generator=gen) * (0.05 if softmax else 0.5)
-    args = (top_k, groups, top_groups, renormalize, scale, softmax, norm_min)
+    if group_best == 1:  # (DeepSeek-V2 routes without a bias)
+        bias = torch.zeros(experts)
+    args = (top_k, groups, top_groups, renormalize, scale, softmax, norm_min, group_best)
     want_w, want_i = route_grouped_reference(logits, bias, *args)
     got_w, got_i = route_grouped(logits.to(DEVICE), bias.to(DEVICE), *args)
     assert got_w.dtype == torch.float32 and got_i.dtype == torch.int64

@@ -112,14 +112,18 @@ out["moe_route"] = ptx(moe._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16
 route = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64")
 out["moe_route_grouped"] = ptx(moe._route_grouped_kernel, route, {"scale", "norm_min"},
                                dict(TOP_K=8, KB=8, EB=256, GROUPS=1, GB=1, GROUP_SIZE=160, TOP_GROUPS=1, RENORM=True,
-                                    SOFTMAX=False, CLAMP=False, PDL=True), 1, 1)
+                                    SOFTMAX=False, CLAMP=False, GROUP_BEST=2, PDL=True), 1, 1)
 out["moe_route_groups"] = ptx(moe._route_grouped_kernel, route, {"scale", "norm_min"},
                               dict(TOP_K=8, KB=8, EB=256, GROUPS=8, GB=8, GROUP_SIZE=32, TOP_GROUPS=4, RENORM=True,
-                                   SOFTMAX=False, CLAMP=False, PDL=True), 1, 1)
+                                   SOFTMAX=False, CLAMP=False, GROUP_BEST=2, PDL=True), 1, 1)
+# DeepSeek-V2's group_limited_greedy: softmax scores, a group scored by its best expert (160 experts, 8 groups, 3)
+out["moe_route_group_max"] = ptx(moe._route_grouped_kernel, route, {"scale", "norm_min"},
+                                 dict(TOP_K=6, KB=8, EB=256, GROUPS=8, GB=8, GROUP_SIZE=20, TOP_GROUPS=3,
+                                      RENORM=False, SOFTMAX=True, CLAMP=False, GROUP_BEST=1, PDL=True), 1, 1)
 # ERNIE 4.5's: softmax scores, the sum clamped below
 out["moe_route_softmax_biased"] = ptx(moe._route_grouped_kernel, route, {"scale", "norm_min"},
                                       dict(TOP_K=6, KB=8, EB=64, GROUPS=1, GB=1, GROUP_SIZE=64, TOP_GROUPS=1,
-                                           RENORM=True, SOFTMAX=True, CLAMP=True, PDL=True), 1, 1)
+                                           RENORM=True, SOFTMAX=True, CLAMP=True, GROUP_BEST=2, PDL=True), 1, 1)
 # a sparse layer's norm, router and routing at one token (Qwen3-30B-A3B's shape)
 out["moe_gate"] = ptx(moe_gate._gate_kernel, dict(H=bf16, R=bf16, G=bf16, W=bf16, ResOut=bf16, XOut=bf16, Logits=bf16,
                                                  Weights=bf16, Ids="*i64", Counter="*i32"), {"eps"},
@@ -162,6 +166,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
+                                                 ("moe_route_group_max", 0),
                                                  ("moe_gate_up", 0), ("moe_down", 0),
                                                  ("moe_down_stacked", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0),

@@ -1,8 +1,8 @@
-"""The published shapes of GLM-4.5-Air, MiniMax-M2 and ERNIE 4.5 21B-A3B (their config.json, in benchmarks/configs/;
-ERNIE's as transformers' Ernie4_5_MoeConfig defaults it) pass the engine's checks and build with the layout their
-checkpoints fill (on the meta device: no memory, no weights), and a batch-1 decode step's floor reads what their
-model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B of 230B (MiniMax-M2), ~3B of 21B
-(ERNIE 4.5)."""
+"""The published shapes of GLM-4.5-Air, MiniMax-M2, ERNIE 4.5 21B-A3B, DeepSeek-V3 and DeepSeek-V2-Lite (their
+config.json, in benchmarks/configs/; ERNIE's as transformers' Ernie4_5_MoeConfig defaults it) pass the engine's checks
+and build with the layout their checkpoints fill (on the meta device: no memory, no weights), and a batch-1 decode
+step's floor reads what their model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B of 230B
+(MiniMax-M2), ~3B of 21B (ERNIE 4.5), 37B of 671B (DeepSeek-V3), 2.4B of 15.7B (DeepSeek-V2-Lite)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def _build(name: str):
 
 @pytest.mark.parametrize("name,total,active,sparse,experts", [
     ("glm-4.5-air", 106e9, 12e9, 45, (128, 2 * 1408, 4096)), ("minimax-m2", 230e9, 10e9, 62, (256, 2 * 1536, 3072)),
-    ("ernie-4.5-21b-a3b", 21e9, 3e9, 27, (64, 2 * 1536, 2560))])
+    ("ernie-4.5-21b-a3b", 21e9, 3e9, 27, (64, 2 * 1536, 2560)), ("deepseek-v3", 671e9, 37e9, 58, (256, 2 * 2048, 7168)),
+    ("deepseek-v2-lite", 15.7e9, 2.4e9, 26, (64, 2 * 1408, 2048))])
 def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, total, active, sparse, experts):
     cfg, model = _build(name)
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
@@ -67,3 +68,22 @@ def test_ernie_ties_its_output_layer_by_default(tmp_path):
     del raw["tie_word_embeddings"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert ModelConfig.from_path(str(tmp_path)).tie_word_embeddings
+
+
+def test_deepseek_v3_caches_one_latent_a_token_and_scales_its_scores_by_yarn():
+    """DeepSeek-V3's KV cache: one 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64) a token and layer,
+    70,272 bytes a token in bf16 over 61 layers (128 heads of 192 + 128 would take 4.8 MB); RoPE turns 64 dimensions;
+    the scores' scale is 1 / sqrt(192) times YaRN's mscale at factor 40 squared (mscale_all_dim 1.0)."""
+    import math
+
+    from radixmesh.engine.layers.rope_scaling import rope_spec
+    from radixmesh.engine.models.attention_spec import attention_shape
+
+    cfg, model = _build("deepseek-v3")
+    assert (cfg.num_kv_heads, cfg.head_dim, rope_spec(cfg).dim) == (1, 576, 64)
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == 61 * 576 * 2
+    shape = attention_shape(cfg, 128, 1, 32768)
+    assert shape.scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-12)
+    attn = model.model.layers[0].self_attn
+    assert tuple(attn.kv_b_proj.weight.shape) == (128 * 256, 512)
+    assert tuple(attn.q_b_proj.weight.shape) == (128 * 192, 1536)

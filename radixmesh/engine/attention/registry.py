@@ -23,10 +23,15 @@ _FLASHINFER_DTYPES = ("float16", "bfloat16")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
+# The widest head our Triton kernels tile (Gemma's 256); a wider one (multi-head latent attention's 576-wide latent)
+# attends in plain torch until kernels of its own exist
+TRITON_MAX_HEAD_DIM = 256
+
+
 def default_backend(device: str, dtype: str, head_dim: int) -> str:
     """SGLang's choice: FlashInfer on CUDA when it is installed and covers the model (its kernels have no float32
-    and fixed head sizes), else Triton; plain torch on CPU."""
-    if not device.startswith("cuda"):
+    and fixed head sizes), else Triton where its kernels tile the head, else plain torch; plain torch on CPU."""
+    if not device.startswith("cuda") or head_dim > TRITON_MAX_HEAD_DIM:
         return "torch_native"
     fits = dtype in _FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS
     return "flashinfer" if fits and importlib.util.find_spec("flashinfer") is not None else "triton"

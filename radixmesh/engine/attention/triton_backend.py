@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixmesh.engine.attention.base import AttentionBackend
+from radixmesh.engine.attention.registry import TRITON_MAX_HEAD_DIM
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.kernels.decode_attention import decode_attention, num_kv_splits, partial_buffers
 from radixmesh.kernels.extend_attention import extend_attention
@@ -45,6 +46,10 @@ class TritonBackend(AttentionBackend):
         if device.type != "cuda" and not interpreting():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing); "
                              "use 'torch_native' on CPU")
+        if shape.head_dim > TRITON_MAX_HEAD_DIM and not interpreting():
+            raise ValueError(f"attention_backend 'triton' tiles heads of up to {TRITON_MAX_HEAD_DIM} dimensions, this "
+                             f"model attends over {shape.head_dim} (a latent of multi-head latent attention: "
+                             "DeepSeek-V2/V3); use attention_backend 'torch_native'")
         self.device = device
 
     def _decode_metadata(self, bs: int) -> DecodeMetadata:

@@ -44,17 +44,25 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 class KVPool:
     """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each, on the model's device. An fp8 pool
     (--kv-cache-dtype fp8_*) stores clamp(x / scale) in fp8 and means stored * scale, with one K and one V scale per
-    layer (`scales`: engine.quantization.kv_scales.KvScales; default 1.0); a pool of another dtype has no scales."""
+    layer (`scales`: engine.quantization.kv_scales.KvScales; default 1.0); a pool of another dtype has no scales.
+
+    `shared_kv` (multi-head latent attention, engine.models.deepseek): a layer's V buffer is its K buffer, one
+    tensor: the model writes the same latent as its key and value and reads the value's leading part of the output.
+    Everything that walks `buffers()` (host copies, transfers) still sees a K and a V per layer, so it copies the
+    latent twice; only the device memory is held once."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
-                 scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+                 scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None, shared_kv: bool = False):
         self.k_scale, self.v_scale = _layer_scales(scales, num_layers, dtype)  # per layer, host floats
+        if shared_kv and self.k_scale != self.v_scale:
+            raise ValueError("a latent KV cache (K and V one buffer) needs the same K and V scale in every layer")
         self.page_size = page_size
         self.num_slots = (num_pages + 1) * page_size
+        self.shared_kv = shared_kv
         shape = (self.num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if shared_kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
 
     @property

@@ -85,10 +85,13 @@ def why_no_hybrid(args, shares_table: bool) -> str | None:
 
 
 def make_kv_pool(layout: HybridLayout | None, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, scales=None):
-    """The engine's KV pool: a KVPool, or under `layout` a HybridKVPool."""
+                 head_dim: int, dtype: torch.dtype, device: torch.device, scales=None, shared_kv: bool = False):
+    """The engine's KV pool: a KVPool (`shared_kv`: KVPool's), or under `layout` a HybridKVPool."""
     if layout is None:
-        return KVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, scales=scales)
+        return KVPool(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, scales=scales,
+                      shared_kv=shared_kv)
+    if shared_kv:
+        raise ValueError("a latent KV cache has no sliding-window layers to keep apart")
     return HybridKVPool(layout, num_pages, page_size, num_kv_heads, head_dim, dtype, device, scales)
 
 

@@ -92,14 +92,14 @@ class FusedMoE(nn.Module):
         return (route if self.backend == "triton" else route_reference)(logits, top_k, renormalize, dtype)
 
     def route_grouped(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                      renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing by scores plus a choice bias (GLM-4.5, DeepSeek-V3, ERNIE 4.5): kernels.moe.route_grouped with the
-        triton backend, its twin route_grouped_reference otherwise; float32 weights."""
+                      renormalize: bool, scale: float, softmax: bool = False, norm_min: float = 0.0,
+                      group_best: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing by scores plus a choice bias (GLM-4.5, DeepSeek-V2/V3, ERNIE 4.5): kernels.moe.route_grouped with
+        the triton backend, its twin route_grouped_reference otherwise; float32 weights."""
         from radixmesh.kernels.moe import route_grouped, route_grouped_reference
 
         fn = route_grouped if self.backend == "triton" else route_grouped_reference
-        return fn(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax, norm_min)
+        return fn(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax, norm_min, group_best)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.config.expert_parallel:  # this rank's experts by local index; the others' slots are -1

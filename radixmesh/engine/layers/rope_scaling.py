@@ -118,7 +118,7 @@ def rope_spec(model: ModelConfig) -> RopeSpec:
     if kind in _ORIGINAL_CONTEXT_TYPES:  # the top-level field (Phi3Config: always one) wins over the rope dict's
         original = raw.get("original_max_position_embeddings", _DEFAULT_ORIGINAL_CONTEXT.get(arch))
         original = original or rope.get("original_max_position_embeddings") or model.max_position_embeddings
-    return RopeSpec(kind, rotary_dim(model.head_dim, partial_rotary_factor(raw, rope, arch)),
+    return RopeSpec(kind, rotary_dim(model.rope_head_dim, partial_rotary_factor(raw, rope, arch)),
                     rope_theta(arch, raw, rope), rope, where, original, model.max_position_embeddings)
 
 
@@ -196,7 +196,7 @@ def _llama3(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     return torch.where(medium, blended, scaled), 1.0
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -207,8 +207,8 @@ def _yarn_attention(spec: RopeSpec, factor: float) -> float:
         return given
     mscale, mscale_all_dim = spec.params.get("mscale"), spec.params.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-    return _yarn_mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def _yarn_dims(spec: RopeSpec, rotations: float) -> float:

@@ -51,8 +51,8 @@ class RotaryEmbedding:
         float32 (`upcast_pairs`, Cohere's) or in the model dtype (GLM's); `float32_table`: cos and sin stay float32
         at lookup instead of rounding to the model dtype (ERNIE 4.5 keeps them "in full precision")."""
         table = cls.__new__(cls)
-        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.head_dim, interleaved,
-                    upcast_pairs, float32_table)
+        table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.rope_head_dim,
+                    interleaved, upcast_pairs, float32_table)
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,

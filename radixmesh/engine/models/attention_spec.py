@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixmesh.engine.attention.base import AttentionShape
+from radixmesh.engine.layers.rope_scaling import rope_field, rope_type, yarn_mscale
 from radixmesh.engine.models.gemma_config import GEMMA_ARCHITECTURES, gemma_config
 
 if TYPE_CHECKING:
@@ -142,6 +143,17 @@ def layer_windows(cfg: ModelConfig, context_length: int) -> tuple[int | None, ..
     return tuple(spec.window if slides else None for slides in spec.sliding)
 
 
+def mla_scale(cfg: ModelConfig) -> float:
+    """MLA's score scale as transformers computes it (DeepSeek's reference too): 1 / sqrt(qk_head_dim), times the
+    square of YaRN's mscale at `mscale_all_dim` where the RoPE type is not the default and that field is set."""
+    scale = cfg.mla.qk_head_dim ** -0.5
+    rope = rope_field(cfg.raw)[1]
+    all_dim = rope.get("mscale_all_dim")
+    if rope_type(cfg.architecture, rope)[0] != "default" and all_dim:
+        scale *= yarn_mscale(float(rope["factor"]), all_dim) ** 2
+    return scale
+
+
 def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context_length: int,
                     dtype: torch.dtype | None = None) -> AttentionShape:
     """The attention backend's view of `cfg` on one tensor-parallel rank (`num_heads`, `num_kv_heads`: its own;
@@ -152,6 +164,8 @@ def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context
         scale, softcap = gemma.query_pre_attn_scalar ** -0.5, gemma.attn_softcap
     if cfg.architecture == "GraniteForCausalLM":  # GraniteConfig's default is 1.0, not 1 / sqrt(head_dim)
         scale = cfg.raw.get("attention_multiplier", 1.0)
+    if cfg.mla is not None:  # scores of the whole q/k head (its un-rotated and rotated parts), not of the latent
+        scale = mla_scale(cfg)
     windows = layer_windows(cfg, context_length)
     return AttentionShape(num_heads, num_kv_heads, cfg.head_dim, scale, softcap,
                           windows if any(w is not None for w in windows) else (), dtype)

@@ -155,18 +155,23 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
     renormalized (by the sum, or by the sum clamped below at `norm_min`), scaled by routed_scaling_factor; plus an
     ungated shared expert (`shared_experts.*`) where `shared_intermediate` > 0.
 
-    `scoring`: "sigmoid" (GLM-4.5, dots.llm1, MiniMax-M2) or "softmax" (ERNIE 4.5). `bias_at`: where the checkpoint
-    keeps the bias: "gate" (in the float32 router: GLM-4.5, dots.llm1), "block" (MiniMax-M2, whose router is the
-    model dtype's) or "statics" (ERNIE 4.5's `moe_statics`). `float32_weights`: weigh the experts in float32 (else the
-    weights are cast to the activations' dtype first, as ERNIE does)."""
+    `scoring`: "sigmoid" (GLM-4.5, dots.llm1, MiniMax-M2, DeepSeek-V3) or "softmax" (ERNIE 4.5, DeepSeek-V2).
+    `bias_at`: where the checkpoint keeps the bias: "gate" (in the float32 router: GLM-4.5, dots.llm1, DeepSeek-V3),
+    "block" (MiniMax-M2, whose router is the model dtype's), "statics" (ERNIE 4.5's `moe_statics`) or "none" (no bias:
+    DeepSeek-V2, float32 router). `float32_weights`: weigh the experts in float32 (else the weights are cast to the
+    activations' dtype first, as ERNIE does). `groups`: the groups to route within (default: the config's n_group);
+    `group_best`: a group scores its two best choices (2) or its best (1, DeepSeek-V2)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, names: ExpertNames, renormalize: bool, *,
                  scoring: str = "sigmoid", bias_at: str = "gate", float32_weights: bool = True,
-                 norm_min: float = 0.0, shared_intermediate: int = 0):
+                 norm_min: float = 0.0, shared_intermediate: int = 0, groups: int | None = None,
+                 group_best: int = 2):
         from radixmesh.kernels.moe import check_grouping
 
         moe = cfg.moe
-        check_grouping(moe.num_experts, moe.top_k, moe.groups, moe.top_groups)  # (a config's groups that cannot route)
+        groups = moe.groups if groups is None else groups
+        top_groups = moe.top_groups if groups > 1 else 1
+        check_grouping(moe.num_experts, moe.top_k, groups, top_groups, group_best)  # (groups that cannot route)
         super().__init__(cfg, tp, names, renormalize, float32_weights)
         self.float32_router = bias_at != "block"
         if self.float32_router:
@@ -175,19 +180,25 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
         elif bias_at == "statics":
             self.moe_statics = CorrectionStatics(moe.num_experts)
+        self.zero_bias: torch.Tensor | None = None  # bias_at "none": zeros, made at the first use (not a weight)
         self.bias_at, self.softmax, self.norm_min = bias_at, scoring == "softmax", norm_min
         self.shared_experts = MLP(cfg.hidden_size, shared_intermediate, tp) if shared_intermediate else None
-        self.groups, self.top_groups, self.scaling = moe.groups, moe.top_groups, moe.scaling
+        self.groups, self.top_groups, self.group_best, self.scaling = groups, top_groups, group_best, moe.scaling
 
     def _bias(self) -> torch.Tensor:
         if self.bias_at == "gate":
             return self.gate.e_score_correction_bias
+        if self.bias_at == "none":
+            if self.zero_bias is None or self.zero_bias.device != self.gate.weight.device:
+                self.zero_bias = torch.zeros(self.gate.weight.shape[0], device=self.gate.weight.device)
+            return self.zero_bias
         return self.e_score_correction_bias if self.bias_at == "block" else self.moe_statics.e_score_correction_bias[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight) if self.float32_router else linear(x, self.gate.weight)
         weights, ids = self.experts.route_grouped(logits, self._bias(), self.top_k, self.groups, self.top_groups,
-                                                  self.renormalize, self.scaling, self.softmax, self.norm_min)
+                                                  self.renormalize, self.scaling, self.softmax, self.norm_min,
+                                                  self.group_best)
         if not self.float32_weights:
             weights = weights.to(x.dtype)
         return self._routed(x, weights, ids)

@@ -18,6 +18,8 @@ _MODELS = {
     "Dots1ForCausalLM": "radixmesh.engine.models.dots1:Dots1ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5_MoeForCausalLM",
     "Ernie4_5ForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5ForCausalLM",
+    "DeepseekV2ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV3ForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",

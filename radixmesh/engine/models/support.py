@@ -63,6 +63,8 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
         _check_activation_and_biases(model)
     if model.architecture in CLIP_QKV:
         _check_clip_qkv(model)
+    if model.architecture in _DEEPSEEK_ROUTING:
+        _check_deepseek_routing(model)
     if model.architecture not in GEMMA3_ARCHITECTURES:  # (two tables: sliding and global layers, checked above)
         _check_rope(model, context_length)
     _check_neutral_fields(model)
@@ -175,6 +177,32 @@ def _check_activation_and_biases(model: ModelConfig) -> None:
         raise ValueError(f"biases on every projection (use_bias=true in config.json, which {model.architecture} "
                          f"reads) are {_NOT_YET}: radixmesh's MLP projections have no bias; no published ERNIE 4.5 "
                          "text model sets it")
+
+
+# DeepSeek's routing fields that transformers computes one way per architecture (engine.models.deepseek): (the
+# scoring_func its code computes, the topk_method values it computes). DeepSeek's own modeling code reads both, and
+# moe_layer_freq and (V2) norm_topk_prob, which transformers ignores: a config that sets them otherwise was written
+# for other code, and is refused rather than served as transformers would.
+_DEEPSEEK_ROUTING = {"DeepseekV2ForCausalLM": ("softmax", ("greedy", "group_limited_greedy")),
+                     "DeepseekV3ForCausalLM": ("sigmoid", ("noaux_tc",))}
+
+
+def _check_deepseek_routing(model: ModelConfig) -> None:
+    raw, arch = model.raw, model.architecture
+    scoring, methods = _DEEPSEEK_ROUTING[arch]
+    method = raw.get("topk_method", "greedy" if arch == "DeepseekV2ForCausalLM" else None)
+    if method is not None and method not in methods:
+        raise ValueError(f"expert routing topk_method={method!r} in config.json is {_NOT_YET} for {arch}, which "
+                         f"routes by {' or '.join(methods)}")
+    if raw.get("scoring_func", scoring) != scoring:
+        raise ValueError(f"expert scores scoring_func={raw['scoring_func']!r} in config.json are {_NOT_YET} for "
+                         f"{arch}, whose experts are scored by {scoring}")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={raw['moe_layer_freq']!r} in config.json (a sparse layer every that many "
+                         f"layers) is {_NOT_YET}: every layer from first_k_dense_replace on is sparse")
+    if arch == "DeepseekV2ForCausalLM" and raw.get("norm_topk_prob"):
+        raise ValueError(f"norm_topk_prob=true in config.json is {_NOT_YET} for {arch}: its routing weights are "
+                         "the chosen experts' softmax scores as they are (times routed_scaling_factor)")
 
 
 def _check_clip_qkv(model: ModelConfig) -> None:

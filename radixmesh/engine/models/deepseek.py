@@ -1,0 +1,138 @@
+"""DeepSeek-V2 and DeepSeek-V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and other V3-shaped models):
+multi-head latent attention (MLA) over mixture-of-experts layers.
+
+MLA, as transformers computes it: q comes from `q_proj`, or through a low-rank `q_a_proj` -> `q_a_layernorm` ->
+`q_b_proj`; `kv_a_proj_with_mqa` compresses the token into a `kv_lora_rank` latent (normed by `kv_a_layernorm`) and
+one `qk_rope_head_dim` key part shared by every head, which RoPE rotates with q's last `qk_rope_head_dim` dimensions;
+`kv_b_proj` expands the latent into each head's un-rotated key part and its value; scores are scaled by
+1 / sqrt(qk_head_dim), times YaRN's mscale squared at `mscale_all_dim` (engine.models.attention_spec.mla_scale).
+
+What we cache and compute instead (the same scores and outputs, summed in another order): each token's latent and
+its rotated key part, one vector of kv_lora_rank + qk_rope_head_dim a layer, as the key of a single KV head whose
+value is the same vector (engine.cache.kv_pool's `shared_kv`: one buffer). Each head's q is carried into the latent
+space through its block of `kv_b_proj` (q_nope . W_uk c = (W_uk^T q_nope) . c) and attends there; the leading
+kv_lora_rank dimensions of its output are carried out through its value block (W_uv). So the cache holds 576 numbers
+a token and layer for DeepSeek-V3 instead of 128 heads x (192 + 128), and every attention backend runs it as
+grouped-query attention with one KV head.
+
+RoPE pairs: DeepSeek-V2 rotates interleaved pairs in float32 with a float32 table (transformers' complex product);
+V3 rotates interleaved pairs in the model dtype (`rope_interleave`, true by default) or rotate-half without it. Our
+interleaved rotation keeps the pairs in place where transformers' V3 gathers them apart; q and k are laid out alike,
+so their products are the same terms.
+
+The experts (engine.models.moe.BiasRoutedMoeBlock): V3 routes as GLM-4.5 does (sigmoid scores, the correction bias in
+the float32 router, the best `topk_group` of `n_group` groups by their two best choices, renormalized with
+`norm_topk_prob`, times `routed_scaling_factor`); V2 by softmax scores without a bias, either all experts
+(`topk_method` greedy) or those of the best groups by their single best score (group_limited_greedy), never
+renormalized, times `routed_scaling_factor`. Both add `n_shared_experts` ungated shared experts; the first
+`first_k_dense_replace` layers are dense. V3 checkpoints' multi-token-prediction layers (`model.layers.<N>.*`) are
+skipped at load. Heads shard over tensor-parallel ranks; the latent cache is whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixmesh.engine.distributed import TensorParallel
+from radixmesh.engine.forward_context import get_forward_context
+from radixmesh.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from radixmesh.engine.layers.norm import RMSNorm
+from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
+from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.llama import DecoderModel, DecoderSpec
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
+
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module):
+    """One layer's multi-head latent attention (module docstring); this rank's heads."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
+        super().__init__()
+        mla = cfg.mla
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"{cfg.num_heads} attention heads do not split over tensor-parallel size {tp.size}")
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, 1  # (the latent: whole on every rank)
+        self.nope, self.rope_dim, self.rank, self.v_dim = (mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                                                           mla.kv_lora_rank, mla.v_head_dim)
+        whole, heads, bias = TensorParallel.single(), cfg.num_heads, cfg.attention_bias
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * mla.qk_head_dim, False, tp, "q_proj's rows")
+        else:
+            self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, mla.q_lora_rank, bias, whole, "q_lora_rank")
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * mla.qk_head_dim, False, tp, "q_b_proj's rows")
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(cfg.hidden_size, mla.latent_dim, bias, whole, "the latent")
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope + self.v_dim), False, tp,
+                                              "kv_b_proj's rows")
+        self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias, tp, "heads x v_head_dim")
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def _up_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads' blocks of kv_b_proj: W_uk [heads, nope, rank] and W_uv [heads, v_dim, rank] (views)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        n = hidden.shape[0]
+        q_nope, q_pe = self._query(hidden).view(n, self.num_heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        table = rope.table
+        cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
+        q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None, :], cos, sin, table.interleaved, table.upcast_pairs)
+        w_uk, w_uv = self._up_blocks()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
+        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        key = torch.cat([latent, k_pe[:, 0].to(latent.dtype)], dim=-1)[:, None, :]  # [n, 1, rank + rope]
+        out = get_forward_context().attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
+        values = torch.bmm(out[..., :self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, n, v_dim]
+        return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
+
+
+class DeepseekV2ForCausalLM(MoeForCausalLM):
+    # RoPE of transformers' DeepSeek-V2: interleaved pairs rotated in float32 by a float32 table (a complex product)
+    rope_pairs = dict(interleaved=True, upcast_pairs=True, float32_table=True)
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__(cfg, tp)
+        self.skipped_tensors = NextnLayers(cfg.num_layers)
+
+    def body(self, cfg: ModelConfig) -> nn.Module:
+        model = DecoderModel(cfg, DecoderSpec(), self.tp)
+        for i, layer in enumerate(model.layers):
+            layer.self_attn = MlaAttention(cfg, i, self.tp)
+        return model
+
+    def init_rotary(self, max_positions: int, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device, **self.rope_options())
+
+    def rope_options(self) -> dict:
+        return self.rope_pairs
+
+    def sparse_block(self, cfg: ModelConfig) -> nn.Module:
+        moe = cfg.moe
+        grouped = cfg.raw.get("topk_method") == "group_limited_greedy"
+        return BiasRoutedMoeBlock(cfg, self.tp, self.names, False, scoring="softmax", bias_at="none",
+                                  shared_intermediate=moe.shared_expert_intermediate_size,
+                                  groups=moe.groups if grouped else 1, group_best=1)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    def rope_options(self) -> dict:
+        # interleaved pairs (rope_interleave, true by default) or rotate-half, in the model dtype either way
+        return dict(interleaved=bool(self.config.raw.get("rope_interleave", True)), upcast_pairs=False)
+
+    def sparse_block(self, cfg: ModelConfig) -> nn.Module:
+        moe = cfg.moe
+        return BiasRoutedMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob,
+                                  shared_intermediate=moe.shared_expert_intermediate_size)

@@ -1,0 +1,154 @@
+"""DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention over experts) token-exact with transformers (float32,
+CPU), each a tiny random checkpoint written here by transformers itself, through the public Engine API: V2-Lite's
+shape (one q_proj, greedy softmax routing), V2's (low-rank q, group-limited routing by each group's best score,
+attention biases), V3's (sigmoid routing with the correction bias in groups, YaRN RoPE whose mscale_all_dim scales
+the scores too) and V3 with rotate-half RoPE. We cache one latent a token and attend in the latent space
+(engine.models.deepseek), transformers expands every head's keys and values: the same sums in another order, so
+logprobs are compared within 1e-4 (a wrong absorption, scale or rotation moves them by far more)."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+from tests.engine_utils import running_engine
+from tests.parity.test_moe_parity import MAX_NEW, PROMPTS, _generate, _rewrite
+from tests.reference import hf_greedy, hf_token_logprobs
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
+              max_position_embeddings=512, initializer_range=0.15, eos_token_id=255, bos_token_id=1,
+              tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+FAMILIES = {
+    "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                         dict(num_hidden_layers=3, q_lora_rank=None, topk_method="greedy", n_shared_experts=2,
+                              first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(num_hidden_layers=2, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.0,
+                         attention_bias=True)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_hidden_layers=3, q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True,
+                         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                         rope_parameters=YARN)),
+    "deepseek_v3_rotate_half": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                                dict(num_hidden_layers=2, q_lora_rank=None, n_group=1, topk_group=1,
+                                     norm_topk_prob=False, n_shared_experts=1, first_k_dense_replace=0,
+                                     rope_interleave=False)),
+}
+
+
+def write_family(name: str, path) -> str:
+    """FAMILIES[name]'s tiny random checkpoint, written by transformers into `path` (float32), V3's correction bias
+    random (transformers starts it at zero)."""
+    import transformers
+
+    config_cls, model_cls, fields = FAMILIES[name]
+    torch.manual_seed(zlib.crc32(name.encode()) % 1000)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **fields)).float().eval()
+    for bias_name, bias in model.named_buffers():
+        if bias_name.endswith("e_score_correction_bias"):
+            bias.copy_(0.3 * torch.randn_like(bias))
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {name: write_family(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+
+
+@functools.cache
+def _reference(path: str) -> tuple[list[list[int]], list[list[float]]]:
+    refs = hf_greedy(path, PROMPTS, MAX_NEW)
+    return refs, [hf_token_logprobs(path, p, r) for p, r in zip(PROMPTS, refs)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_deepseek_models_match_transformers(checkpoints, name):
+    refs, logprobs = _reference(checkpoints[name])
+    assert len({tuple(r) for r in refs}) == len(refs), "the reference does not depend on the prompt"
+    with running_engine(checkpoints[name], skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                            return_logprob=True)
+        # the latent cache read back: the longest prompt again finds its pages in the radix cache
+        again = llm.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+    for out, want in zip(outs, logprobs):
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert again["output_ids"] == refs[1] and again["meta_info"]["cached_tokens"] >= 36
+
+
+@pytest.mark.parametrize("name,ep", [("deepseek_v2", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)])
+def test_heads_shard_over_tensor_parallel_ranks(checkpoints, name, ep):
+    """tp_size 2: each rank holds half of the heads (their q, kv_b_proj and o_proj blocks) and the whole latent
+    cache; the experts split by their intermediate rows, or (ep_size 2) whole experts a rank."""
+    path = checkpoints[name]
+    refs, _ = _reference(path)
+    with running_engine(path, skip_tokenizer_init=True, tp_size=2, ep_size=ep) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+
+
+def test_the_latent_cache_is_one_buffer_a_layer(checkpoints):
+    """The pool holds one latent (kv_lora_rank + qk_rope_head_dim) a token and layer: K and V are one tensor, and
+    the memory the engine plans for a token is that latent once."""
+    from radixmesh.engine.cache.kv_pool import KVPool
+    from radixmesh.engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(checkpoints["deepseek_v3"])
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_head_dim) == (1, 40, 8)
+    assert cfg.kv_bytes_per_token(torch.float32) == 3 * 40 * 4
+    pool = KVPool(4, 2, 3, 1, 40, torch.float32, torch.device("cpu"), shared_kv=True)
+    assert all(k is v for k, v in zip(pool.k, pool.v))
+    latent = torch.randn(2, 1, 40)
+    pool.write(1, torch.tensor([3, 5]), latent, latent)
+    k, v = pool.read(1, torch.tensor([3, 5]), torch.float32)
+    assert torch.equal(k, latent) and torch.equal(v, latent)
+
+
+def test_block_fp8_checkpoint_matches_its_dequantized_twin(checkpoints, tmp_path):
+    """Our fp8 writer's block-wise DeepSeek-V3 (every projection, kv_b_proj included, and the experts in fp8 with
+    16 x 32 blocks, as DeepSeek-V3's own checkpoint is published): served on CPU, dequantized at load (kv_b_proj's
+    blocks then carry q into the latent and the output out of it): the dequantized twin's tokens and logprobs."""
+    from radixmesh.engine.quantization import fp8
+
+    quantized = fp8.write_checkpoint(checkpoints["deepseek_v3"], str(tmp_path / "fp8"), block=(16, 32))
+    twin = fp8.dequantized_checkpoint(quantized, str(tmp_path / "twin"))
+    want_ids, want_logprobs = _generate(twin, PROMPTS, 8)
+    ids, logprobs = _generate(quantized, PROMPTS, 8)
+    assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
+    """DeepSeek-V3's published checkpoint holds its multi-token-prediction layer after the last decoder layer
+    (model.layers.<num_hidden_layers>.*): served without it, as transformers does."""
+    path = checkpoints["deepseek_v3"]
+    mtp = {f"model.layers.3.{name}": torch.zeros(shape) for name, shape in [
+        ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+        ("self_attn.kv_b_proj.weight", (112, 32)), ("mlp.gate.e_score_correction_bias", (8,))]}
+    refs, logprobs = _reference(path)
+    out_ids, out_logprobs = _generate(_rewrite(path, tmp_path / "mtp", mtp, num_nextn_predict_layers=1),
+                                      PROMPTS[:1], MAX_NEW)
+    assert out_ids == refs[0] and out_logprobs == pytest.approx(logprobs[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("name,fields,words", [
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
+    ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=true"),
+    ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    ("deepseek_v3", dict(moe_layer_freq=2), "moe_layer_freq=2"),
+    ("deepseek_v3", dict(n_group=3), "n_group=3 groups"),  # 8 experts do not split into 3 groups
+])
+def test_configs_it_cannot_serve_are_refused(checkpoints, tmp_path, name, fields, words):
+    """Routing DeepSeek's own code reads and transformers computes one way only, or cannot compute: refused at
+    load with the field named, never served otherwise."""
+    bad = _rewrite(checkpoints[name], tmp_path / "bad", {}, **fields)
+    with pytest.raises(Exception, match=words.replace("(", r"\(")):
+        with running_engine(bad, skip_tokenizer_init=True):
+            pass
