@@ -152,3 +152,28 @@ def test_configs_it_cannot_serve_are_refused(checkpoints, tmp_path, name, fields
     with pytest.raises(Exception, match=words.replace("(", r"\(")):
         with running_engine(bad, skip_tokenizer_init=True):
             pass
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_hierarchical_cache_brings_latent_pages_back_unchanged(checkpoints, kv_cache_dtype):
+    """The latent pool's pages (K and V one buffer) go to host memory and come back (an engine whose device pool is
+    too small for the conversations) and answer as an engine that holds them all, token for token, with the same
+    cached tokens; in fp8 too (the latent stored once, its K and V scales one)."""
+    import random
+
+    rng = random.Random(0)
+    convs = [[rng.randrange(5, 250) for _ in range(60)] for _ in range(6)]
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+    common = dict(kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True, page_size=4)
+    path = checkpoints["deepseek_v3"]
+    with running_engine(path, max_total_tokens=4096, **common) as roomy, \
+            running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=8,
+                           **common) as tiered:
+        for _ in range(3):
+            for i, conv in enumerate(convs):
+                want = roomy.generate(input_ids=conv, sampling_params=greedy)
+                got = tiered.generate(input_ids=conv, sampling_params=greedy)
+                assert got["output_ids"] == want["output_ids"]
+                assert got["meta_info"]["cached_tokens"] == want["meta_info"]["cached_tokens"]
+                convs[i] = conv + want["output_ids"] + [rng.randrange(5, 250) for _ in range(8)]
+        assert tiered.get_load()["host_hit_tokens"] > 0  # pages did come back from host memory
