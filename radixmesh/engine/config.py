@@ -244,7 +244,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         _check(chunk >= page, f"chunked_prefill_size ({chunk}) must be >= page_size ({page})")
         chunk = chunk // page * page
     dtype = resolve_dtype(args.dtype, model, device)
-    attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim)
+    attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim,
+                                   model.mla is not None)
     _check(args.cuda_graph_max_bs is None or args.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
     _check(not args.cuda_graph_bs or min(args.cuda_graph_bs) >= 1, "cuda_graph_bs sizes must be >= 1")
     return dataclasses.replace(
@@ -390,17 +391,21 @@ def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
     return True
 
 
-def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int) -> dict:
+def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int, latent: bool = False) -> dict:
     """attention_backend defaults by device and model; the prefill and decode backends default to it, except that
     with no backend flag at all a FlashInfer default decodes on Triton on Hopper and later
-    (registry.default_decode_backend)."""
-    from radixmesh.engine.attention.registry import check_backend_name, default_backend, default_decode_backend
+    (registry.default_decode_backend), and a `latent` KV cache (multi-head latent attention) prefills in plain torch
+    and decodes on Triton's latent kernel on CUDA (registry.default_latent_decode_backend)."""
+    from radixmesh.engine.attention.registry import (check_backend_name, default_backend, default_decode_backend,
+                                                     default_latent_decode_backend)
 
-    names = {"attention_backend": args.attention_backend or default_backend(device, dtype, head_dim)}
+    # (a latent KV cache prefills in plain torch: Triton's prefill kernel has no latent form)
+    names = {"attention_backend": args.attention_backend or
+             ("torch_native" if latent else default_backend(device, dtype, head_dim))}
     names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
     decode = names["attention_backend"]
     if args.attention_backend is None:
-        decode = default_decode_backend(device, decode)
+        decode = default_latent_decode_backend(device) if latent else default_decode_backend(device, decode)
     names["decode_attention_backend"] = args.decode_attention_backend or decode
     for flag, name in names.items():
         check_backend_name(name, flag)

@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, moe, moe_decode,
-                               moe_decode_fp8, moe_gate, norm, rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode, moe,
+                               moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -53,6 +53,12 @@ out = {
                          dict(K=14336, BLOCK_N=2, BLOCK_K=1024, PREFETCH_LINES=0, LINE_ELEMS=64, PDL=True,
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
+# decode over DeepSeek-V3's latent cache (512 + 64 a token, 128 heads in programs of 16; kernels.mla_decode)
+out["mla_stage1"] = ptx(mla_decode._latent_stage1,
+                        dict(Q="*bf16", KV="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
+                             PartialO="*fp32", PartialLse="*fp32"), {"scale_log2", "v_scale"},
+                        dict(HEADS=128, RANK=512, ROPE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64,
+                             NUM_SPLITS=4, PRECISION="tf32", UPCAST=False, V_SCALED=False, PDL=True), 4, 2)
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
                         dict(stage1, TREE=True), 4, 2)
@@ -166,7 +172,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
-                                                 ("moe_route_group_max", 0),
+                                                 ("moe_route_group_max", 0), ("mla_stage1", 2),
                                                  ("moe_gate_up", 0), ("moe_down", 0),
                                                  ("moe_down_stacked", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0),
@@ -174,7 +180,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
     global memory only after that (what it reads may be that kernel's output). Stage 2 alone reads one value before
-    its wait: the request's length, an input of the step (one 64-bit load)."""
+    its wait: the request's length, an input of the step (one 64-bit load); the latent decode two (the length and
+    the request's table row)."""
     code = ptx[kernel]
     launch, wait, loads = (_lines(code, p) for p in
                            (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"ld\.global"))

@@ -177,3 +177,39 @@ def test_the_hierarchical_cache_brings_latent_pages_back_unchanged(checkpoints, 
                 assert got["meta_info"]["cached_tokens"] == want["meta_info"]["cached_tokens"]
                 convs[i] = conv + want["output_ids"] + [rng.randrange(5, 250) for _ in range(8)]
         assert tiered.get_load()["host_hit_tokens"] > 0  # pages did come back from host memory
+
+
+def test_triton_latent_decode_matches_transformers_in_the_interpreter(checkpoints):
+    """Decode on Triton's latent kernel (kernels.mla_decode: what a GPU runs by default), prefill in plain torch, in
+    Triton's interpreter: transformers' tokens and logprobs."""
+    path = checkpoints["deepseek_v3"]
+    refs, logprobs = _reference(path)
+    with running_engine(path, skip_tokenizer_init=True, decode_attention_backend="triton",
+                        moe_runner_backend="triton") as llm:
+        assert llm.args.prefill_attention_backend == "torch_native"
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                            return_logprob=True)
+    assert [o["output_ids"] for o in outs] == refs
+    for out, want in zip(outs, logprobs):
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+
+
+def test_triton_cannot_prefill_a_latent_cache():
+    from radixmesh.engine.attention.base import AttentionShape
+    from radixmesh.engine.attention.registry import create_attention
+
+    shape = AttentionShape(4, 1, 40, 0.2, value_dim=32)
+    with pytest.raises(ValueError, match="prefill_attention_backend 'torch_native'"):
+        create_attention("triton", "triton", shape, None, None)
+
+
+def test_ngram_speculative_decoding_keeps_the_greedy_tokens(checkpoints):
+    """Draft tokens verified over the latent cache (a tree of rows attending to their own keys) give the tokens plain
+    decoding gives, on prompts whose continuations repeat (so drafts are proposed and accepted)."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5, 9, 5], list(range(20, 50))]
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    outs = []
+    for opts in ({}, {"speculative_algorithm": "NGRAM"}):
+        with running_engine(checkpoints["deepseek_v3"], skip_tokenizer_init=True, **opts) as llm:
+            outs.append([o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=greedy)])
+    assert outs[0] == outs[1]

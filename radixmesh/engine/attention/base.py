@@ -39,6 +39,9 @@ class AttentionShape:
     windows: tuple[int | None, ...] = ()
     # the queries' dtype (the model's), where the KV cache's may differ (an fp8 cache); None: the cache's
     dtype: torch.dtype | None = None
+    # a latent KV cache (multi-head latent attention, engine.models.deepseek): one KV head whose value is the leading
+    # `value_dim` numbers of its key, in one buffer; backends may return just those numbers of each head's output
+    value_dim: int | None = None
 
     def window(self, layer_id: int) -> int | None:
         return self.windows[layer_id] if self.windows else None

@@ -17,6 +17,7 @@ from radixmesh.engine.attention.registry import TRITON_MAX_HEAD_DIM
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.kernels.decode_attention import decode_attention, num_kv_splits, partial_buffers
 from radixmesh.kernels.extend_attention import extend_attention
+from radixmesh.kernels.mla_decode import head_blocks, latent_decode
 from radixmesh.kernels.runtime import interpreting
 
 
@@ -46,15 +47,17 @@ class TritonBackend(AttentionBackend):
         if device.type != "cuda" and not interpreting():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing); "
                              "use 'torch_native' on CPU")
-        if shape.head_dim > TRITON_MAX_HEAD_DIM and not interpreting():
+        if shape.head_dim > TRITON_MAX_HEAD_DIM and shape.value_dim is None and not interpreting():
             raise ValueError(f"attention_backend 'triton' tiles heads of up to {TRITON_MAX_HEAD_DIM} dimensions, this "
                              f"model attends over {shape.head_dim} (a latent of multi-head latent attention: "
                              "DeepSeek-V2/V3); use attention_backend 'torch_native'")
         self.device = device
 
     def _decode_metadata(self, bs: int) -> DecodeMetadata:
-        splits = num_kv_splits(bs, self.shape.num_kv_heads, self.device)
-        partials = partial_buffers(bs, self.shape.num_heads, splits, self.shape.head_dim, self.device) \
+        s = self.shape
+        latent = s.value_dim is not None  # (kernels.mla_decode: a program per 16 query heads, outputs of value_dim)
+        splits = num_kv_splits(bs, head_blocks(s.num_heads) if latent else s.num_kv_heads, self.device)
+        partials = partial_buffers(bs, s.num_heads, splits, s.value_dim if latent else s.head_dim, self.device) \
             if splits > 1 else None
         return DecodeMetadata(splits, partials)
 
@@ -77,6 +80,13 @@ class TritonBackend(AttentionBackend):
 
     def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
         pool, s = self.kv_pool, self.shape
+        if s.value_dim is not None:
+            if batch.tree_mask is not None:
+                raise ValueError("draft trees over a latent KV cache (multi-head latent attention) are not "
+                                 "implemented by radixmesh yet")
+            return latent_decode(q, pool.k[layer_id], s.value_dim, self.req_to_token.table(layer_id),
+                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
+                                 partials=metadata.partials, kv_scale=pool.k_scale[layer_id])
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
                                 partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,

@@ -168,4 +168,5 @@ def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context
         scale = mla_scale(cfg)
     windows = layer_windows(cfg, context_length)
     return AttentionShape(num_heads, num_kv_heads, cfg.head_dim, scale, softcap,
-                          windows if any(w is not None for w in windows) else (), dtype)
+                          windows if any(w is not None for w in windows) else (), dtype,
+                          cfg.mla.kv_lora_rank if cfg.mla is not None else None)

@@ -1,0 +1,156 @@
+"""Paged decode attention over a latent KV cache (multi-head latent attention: DeepSeek-V2/V3, engine.models.deepseek).
+
+Every token of a layer holds one latent row `kv[slot]` of `rank + rope` numbers: its key is the whole row and its
+value the leading `rank` numbers of it (one buffer; one KV head every query head shares). A query head is a row of the
+same width, already carried into the latent space by the model. So a program loads a block of latent rows once and
+uses it twice: the scores of its heads against the whole rows (the `rank` part and the `rope` part as two products, so
+neither width is padded to a power of two together: 512 + 64 stays 512 + 64, not 1024), then the weighted sum of
+the rows' `rank` part.
+
+Stage 1 runs one program per (request, block of BLOCK_H heads, split) and walks its split of the request's tokens
+with an online softmax, as kernels.decode_attention's stage 1 does; with one split it writes the output itself, else
+a partial output of `rank` numbers and its log-sum-exp per head, which kernels.decode_attention's stage 2 merges (the
+same split rule: the split count depends only on the batch size, so a CUDA graph stays valid for any lengths). An fp8
+latent cache's scale (one per layer: K and V are one buffer) multiplies the score scale and the output once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.decode_attention import _LOG2E, MERGE_CHUNK, _decode_stage2, partial_buffers
+from radixmesh.kernels.online_softmax import accumulate
+from radixmesh.kernels.runtime import dot_needs_upcast, pdl_options
+
+# Query heads a program takes: the rows of its tiles (tl.dot needs 16)
+BLOCK_H = 16
+
+
+@triton.jit
+def _latent_stage1(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse, stride_qt, stride_qh,
+                   stride_kt, stride_rt, stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   scale_log2, v_scale, HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   V_SCALED: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    # the length and the slot table are the step's inputs (no kernel of the step writes them): read before the wait
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if start >= seq_len:  # an empty split: stage 2 reads only the splits the length fills
+        return
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # from here on the kernel before (the latent's store) has finished
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < HEADS
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < RANK
+    p = tl.arange(0, BLOCK_P)
+    p_mask = p < ROPE
+    q_rows = Q + b * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    q_pe = tl.load(q_rows + RANK + p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
+        rows = KV + slots[:, None] * stride_kt
+        lat = tl.load(rows + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        pe = tl.load(rows + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        lat = lat.to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype; else nothing)
+        pe = pe.to(Q.dtype.element_ty)
+        if UPCAST:
+            lat = lat.to(tl.float32)
+            pe = pe.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+        s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every program's first block holds a key
+        w = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = accumulate(acc, w, alpha, lat, PRECISION, UPCAST)
+        m_i = m_new
+
+    if V_SCALED:  # an fp8 cache's latent is stored divided by its scale (the partial sums merge linearly)
+        acc = acc * v_scale
+    out_mask = h_mask[:, None] & r_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + r[None, :],
+                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(PartialLse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
+        tl.store(PartialO + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + r[None, :],
+                 acc / l_i[:, None], mask=out_mask)
+
+
+def head_blocks(num_heads: int) -> int:
+    """Stage-1 programs a (request, split) takes: one per BLOCK_H query heads."""
+    return triton.cdiv(num_heads, BLOCK_H)
+
+
+def latent_decode(q: torch.Tensor, kv_buf: torch.Tensor, rank: int, req_to_token: torch.Tensor,
+                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+                  partials: tuple[torch.Tensor, torch.Tensor] | None = None, kv_scale: float = 1.0,
+                  block_n: int = 32) -> torch.Tensor:
+    """q [batch, heads, rank + rope] (queries in the latent space); kv_buf [num_slots, 1, rank + rope] (a layer's
+    latents); req_to_token [rows, row_len]; req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns
+    [batch, heads, rank] in q's dtype: each head's softmax(q . kv * scale) over the request's latents, times their
+    leading `rank` numbers. `partials` (partial_buffers(batch, heads, num_splits, rank)) lets CUDA graphs keep
+    fixed scratch; `kv_scale`: the cache holds latents divided by it (an fp8 cache)."""
+    bsz, num_heads, width = q.shape
+    rope = width - rank
+    out = q.new_empty((bsz, num_heads, rank))
+    if bsz == 0:
+        return out
+    if num_splits > 1 and partials is None:
+        partials = partial_buffers(bsz, num_heads, num_splits, rank, q.device)
+    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
+                                               out.new_empty((1, 1, 1), dtype=torch.float32))
+    block_r = max(16, triton.next_power_of_2(rank))
+    _latent_stage1[(bsz, head_blocks(num_heads), num_splits)](
+        q, kv_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse, q.stride(0), q.stride(1),
+        kv_buf.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1),
+        po.stride(2), lse.stride(0), lse.stride(1), scale * kv_scale * _LOG2E, float(kv_scale),
+        HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_P=max(16, triton.next_power_of_2(rope)), NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=dot_needs_upcast(q.dtype),
+        V_SCALED=kv_scale != 1.0, num_warps=4, num_stages=2, **pdl_options(q))
+    if num_splits > 1:
+        _decode_stage2[(bsz, num_heads)](
+            po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), 0, HEAD_DIM=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n,
+            BLOCK_S=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))), BLOCK_D=block_r,
+            num_warps=4, **pdl_options(q))
+    return out
+
+
+def latent_decode_reference(q: torch.Tensor, kv_buf: torch.Tensor, rank: int, req_to_token: torch.Tensor,
+                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            kv_scale: float = 1.0) -> torch.Tensor:
+    """Plain-torch twin of `latent_decode`: per request, its latents (times `kv_scale`) as the keys of every head and
+    their leading `rank` numbers as the values, in float32."""
+    out = q.new_empty((q.shape[0], q.shape[1], rank))
+    for b in range(q.shape[0]):
+        slots = req_to_token[int(req_pool_indices[b]), :int(seq_lens[b])].long()
+        kv = kv_buf[slots, 0].float() * kv_scale  # [len, rank + rope]
+        weights = torch.softmax(q[b].float() @ kv.T * scale, dim=-1)  # [heads, len]
+        out[b] = (weights @ kv[:, :rank]).to(q.dtype)
+    return out
