@@ -73,9 +73,10 @@
 #                           (benchmarks.tune_moe; the H100 and H200 have files), written to $OUT/configs, and the
 #                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
 #                           TUNE_ONE_PAIR and TUNE_ONLY)
-#   PARTS="setup deepseek"  DeepSeek (multi-head latent attention): kernels.mla_decode's and the tiny DeepSeek models'
-#                           CUDA tests, then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64, 256 and an 8k
-#                           prefill against the roofline, the latent decoded on Triton (the default) and in plain torch
+#   PARTS="setup deepseek"  DeepSeek (multi-head latent attention): kernels.mla_decode's, mla_extend's and the tiny
+#                           DeepSeek models' CUDA tests, then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64,
+#                           256 and an 8k prefill against the roofline, decoded on Triton's latent kernel (the default)
+#                           and in plain torch
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -481,7 +482,7 @@ fi
 
 if [[ " $PARTS " == *" deepseek "* ]]; then
   timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/kernels/test_mla_decode.py \
-    tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py -k "mla or deepseek or grouped_route_kernel" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
+    tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py -k "mla or deepseek or grouped_route_kernel" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   for decode in triton torch_native; do
     echo "== decode $decode"
     timeout 200 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \

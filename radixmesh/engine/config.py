@@ -394,18 +394,17 @@ def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
 def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int, latent: bool = False) -> dict:
     """attention_backend defaults by device and model; the prefill and decode backends default to it, except that
     with no backend flag at all a FlashInfer default decodes on Triton on Hopper and later
-    (registry.default_decode_backend), and a `latent` KV cache (multi-head latent attention) prefills in plain torch
-    and decodes on Triton's latent kernel on CUDA (registry.default_latent_decode_backend)."""
+    (registry.default_decode_backend); a `latent` KV cache (multi-head latent attention) attends on Triton's latent
+    kernels on CUDA (registry.default_latent_backend)."""
     from radixmesh.engine.attention.registry import (check_backend_name, default_backend, default_decode_backend,
-                                                     default_latent_decode_backend)
+                                                     default_latent_backend)
 
-    # (a latent KV cache prefills in plain torch: Triton's prefill kernel has no latent form)
     names = {"attention_backend": args.attention_backend or
-             ("torch_native" if latent else default_backend(device, dtype, head_dim))}
+             (default_latent_backend(device) if latent else default_backend(device, dtype, head_dim))}
     names["prefill_attention_backend"] = args.prefill_attention_backend or names["attention_backend"]
     decode = names["attention_backend"]
     if args.attention_backend is None:
-        decode = default_latent_decode_backend(device) if latent else default_decode_backend(device, decode)
+        decode = decode if latent else default_decode_backend(device, decode)
     names["decode_attention_backend"] = args.decode_attention_backend or decode
     for flag, name in names.items():
         check_backend_name(name, flag)

@@ -1,7 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 on CUDA: the tiny checkpoints of tests/parity/test_deepseek_parity.py in float32,
-token-exact with transformers (logprobs within 1e-3), prefilled in plain torch and decoded by default on Triton's
-latent kernel (kernels.mla_decode) in CUDA graphs, with the experts' kernels and kernels.moe.route_grouped (V2's
-single-best group score, V3's two-best with the bias); and decoded in plain torch too, eagerly."""
+token-exact with transformers (logprobs within 1e-3), by default on Triton's latent kernels (kernels.mla_extend,
+kernels.mla_decode in CUDA graphs), with the experts' kernels and kernels.moe.route_grouped (V2's single-best group
+score, V3's two-best with the bias); and in plain torch too, eagerly."""
 
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ pytestmark = pytest.mark.gpu
 MAX_NEW = 12
 
 
-@pytest.mark.parametrize("decode", [None, "torch_native"])
+@pytest.mark.parametrize("backend", [None, "torch_native"])
 @pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2", "deepseek_v3"])
-def test_deepseek_on_cuda_matches_transformers(tmp_path, name, decode):
+def test_deepseek_on_cuda_matches_transformers(tmp_path, name, backend):
     from tests.parity.test_deepseek_parity import write_family
     from tests.parity.test_moe_parity import PROMPTS
 
     path = write_family(name, tmp_path)
     refs = hf_greedy(path, PROMPTS, MAX_NEW)
-    opts = {} if decode is None else {"decode_attention_backend": decode}
-    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, **opts) as llm:
-        assert llm.args.prefill_attention_backend == "torch_native"
-        assert llm.args.decode_attention_backend == (decode or "triton")
-        assert (llm.runner.graphs is not None) == (decode is None)
+    opts = {} if backend is None else {"attention_backend": backend}
+    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                        **opts) as llm:
+        assert llm.args.prefill_attention_backend == llm.args.decode_attention_backend == (backend or "triton")
+        assert (llm.runner.graphs is not None) == (backend is None)
         for batch in (PROMPTS, PROMPTS[:1]):
             outs = llm.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                                 return_logprob=True)

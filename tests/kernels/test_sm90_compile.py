@@ -24,8 +24,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode, moe,
-                               moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
+from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
+                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -59,6 +59,12 @@ out["mla_stage1"] = ptx(mla_decode._latent_stage1,
                              PartialO="*fp32", PartialLse="*fp32"), {"scale_log2", "v_scale"},
                         dict(HEADS=128, RANK=512, ROPE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64,
                              NUM_SPLITS=4, PRECISION="tf32", UPCAST=False, V_SCALED=False, PDL=True), 4, 2)
+out["mla_extend"] = ptx(mla_extend._latent_extend_kernel,
+                        dict(Q="*bf16", KvNew="*bf16", Out="*bf16", KvBuf="*bf16", ReqToToken="*i32",
+                             ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64"),
+                        {"scale_log2", "prefix_scale_log2", "kv_scale"},
+                        dict(RANK=512, ROPE=64, BLOCK_M=32, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32",
+                             UPCAST=False), 8, 2)
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
                         dict(stage1, TREE=True), 4, 2)
@@ -258,3 +264,10 @@ def test_the_lora_expand_is_a_tensor_core_product(ptx):
     """kernels.lora.lora_expand, as a decode batch tiles it, compiles for sm_90 with its product on tensor cores
     (bfloat16 MMAs)."""
     assert _lines(ptx["lora_expand"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
+
+
+@pytest.mark.parametrize("kernel", ["mla_stage1", "mla_extend"])
+def test_the_latent_attention_kernels_take_tensor_core_products(ptx, kernel):
+    """DeepSeek's latent (512 + 64) decode and prefill compile for sm_90 with bfloat16 tensor-core products for both
+    parts of the scores and the weighted sum."""
+    assert _lines(ptx[kernel], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"

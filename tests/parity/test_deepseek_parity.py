@@ -179,28 +179,20 @@ def test_the_hierarchical_cache_brings_latent_pages_back_unchanged(checkpoints, 
         assert tiered.get_load()["host_hit_tokens"] > 0  # pages did come back from host memory
 
 
-def test_triton_latent_decode_matches_transformers_in_the_interpreter(checkpoints):
-    """Decode on Triton's latent kernel (kernels.mla_decode: what a GPU runs by default), prefill in plain torch, in
-    Triton's interpreter: transformers' tokens and logprobs."""
+def test_triton_latent_kernels_match_transformers_in_the_interpreter(checkpoints):
+    """Prefill and decode on Triton's latent kernels (kernels.mla_extend, kernels.mla_decode: what a GPU runs by
+    default), over a cached prefix too (chunked prefill), in Triton's interpreter: transformers' tokens and
+    logprobs."""
     path = checkpoints["deepseek_v3"]
     refs, logprobs = _reference(path)
-    with running_engine(path, skip_tokenizer_init=True, decode_attention_backend="triton",
-                        moe_runner_backend="triton") as llm:
-        assert llm.args.prefill_attention_backend == "torch_native"
+    with running_engine(path, skip_tokenizer_init=True, attention_backend="triton", moe_runner_backend="triton",
+                        chunked_prefill_size=16, page_size=4) as llm:
+        assert llm.args.prefill_attention_backend == llm.args.decode_attention_backend == "triton"
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                             return_logprob=True)
     assert [o["output_ids"] for o in outs] == refs
     for out, want in zip(outs, logprobs):
         assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
-
-
-def test_triton_cannot_prefill_a_latent_cache():
-    from radixmesh.engine.attention.base import AttentionShape
-    from radixmesh.engine.attention.registry import create_attention
-
-    shape = AttentionShape(4, 1, 40, 0.2, value_dim=32)
-    with pytest.raises(ValueError, match="prefill_attention_backend 'torch_native'"):
-        create_attention("triton", "triton", shape, None, None)
 
 
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(checkpoints):

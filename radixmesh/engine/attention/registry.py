@@ -23,8 +23,8 @@ _FLASHINFER_DTYPES = ("float16", "bfloat16")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-# The widest head our Triton kernels tile (Gemma's 256); a wider one attends in plain torch, except a latent KV cache's
-# decode (multi-head latent attention's 576-wide latent), which kernels.mla_decode computes
+# The widest head our Triton kernels tile (Gemma's 256); a wider one attends in plain torch, except a latent KV cache
+# (multi-head latent attention's 576-wide latent), which kernels.mla_decode and kernels.mla_extend compute
 TRITON_MAX_HEAD_DIM = 256
 
 
@@ -37,9 +37,10 @@ def default_backend(device: str, dtype: str, head_dim: int) -> str:
     return "flashinfer" if fits and importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
-def default_latent_decode_backend(device: str) -> str:
-    """Decode over a latent KV cache (multi-head latent attention) where no backend flag is given: Triton's latent
-    kernel (kernels.mla_decode, in CUDA graphs) on CUDA, beside plain torch's prefill; plain torch elsewhere."""
+def default_latent_backend(device: str) -> str:
+    """Attention over a latent KV cache (multi-head latent attention) where no backend flag is given: Triton's latent
+    kernels (kernels.mla_extend, kernels.mla_decode in CUDA graphs) on CUDA; plain torch elsewhere. (FlashInfer's
+    paged kernels take no latent.)"""
     return "triton" if device.startswith("cuda") and importlib.util.find_spec("triton") is not None \
         else "torch_native"
 
@@ -88,9 +89,6 @@ def create_backend(name: str, shape: AttentionShape, kv_pool, req_to_token) -> A
 
 def create_attention(prefill: str, decode: str, shape: AttentionShape, kv_pool, req_to_token) -> AttentionBackend:
     """One backend, or a hybrid when prefill and decode batches use different ones."""
-    if shape.value_dim is not None and prefill == "triton":
-        raise ValueError("Triton's prefill kernel has no latent-cache form (multi-head latent attention: "
-                         "DeepSeek-V2/V3): use prefill_attention_backend 'torch_native' (decode can stay 'triton')")
     first = create_backend(prefill, shape, kv_pool, req_to_token)
     if decode == prefill:
         return first

@@ -18,6 +18,7 @@ from radixmesh.engine.batch import ForwardBatch, ForwardMode
 from radixmesh.kernels.decode_attention import decode_attention, num_kv_splits, partial_buffers
 from radixmesh.kernels.extend_attention import extend_attention
 from radixmesh.kernels.mla_decode import head_blocks, latent_decode
+from radixmesh.kernels.mla_extend import latent_extend
 from radixmesh.kernels.runtime import interpreting
 
 
@@ -48,9 +49,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing); "
                              "use 'torch_native' on CPU")
         if shape.head_dim > TRITON_MAX_HEAD_DIM and shape.value_dim is None and not interpreting():
-            raise ValueError(f"attention_backend 'triton' tiles heads of up to {TRITON_MAX_HEAD_DIM} dimensions, this "
-                             f"model attends over {shape.head_dim} (a latent of multi-head latent attention: "
-                             "DeepSeek-V2/V3); use attention_backend 'torch_native'")
+            raise ValueError(f"attention_backend 'triton' tiles heads of up to {TRITON_MAX_HEAD_DIM} dimensions (and "
+                             f"latent caches), this model's heads have {shape.head_dim}; use attention_backend "
+                             "'torch_native'")
         self.device = device
 
     def _decode_metadata(self, bs: int) -> DecodeMetadata:
@@ -73,6 +74,10 @@ class TritonBackend(AttentionBackend):
         if isinstance(metadata, DecodeMetadata):
             return self.attend_stored(layer_id, q, batch, metadata)
         s = self.shape
+        if s.value_dim is not None:  # a latent cache: k (= v) holds the new tokens' latents
+            return latent_extend(q, k, pool.k[layer_id], s.value_dim, self.req_to_token.table(layer_id),
+                                 batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
+                                 metadata.max_extend_len, s.scale, kv_scale=pool.k_scale[layer_id])
         return extend_attention(q, k, v, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
                                 metadata.max_extend_len, s.scale, window=s.window(layer_id), softcap=s.softcap,
