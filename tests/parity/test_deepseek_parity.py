@@ -205,3 +205,24 @@ def test_ngram_speculative_decoding_keeps_the_greedy_tokens(checkpoints):
         with running_engine(checkpoints["deepseek_v3"], skip_tokenizer_init=True, **opts) as llm:
             outs.append([o["output_ids"] for o in llm.generate(input_ids=prompts, sampling_params=greedy)])
     assert outs[0] == outs[1]
+
+
+def test_prefill_decode_disaggregation_moves_the_latent_pages(checkpoints):
+    """A prefill engine and a decode engine (the services' handoff, the fake transfer backend moving the pool's
+    pages through their mirrors): the latent pages the prefill side wrote decode on the other side to transformers'
+    tokens, every page back on both sides."""
+    import asyncio
+
+    from tests.parity.test_pd_speculative import Pair
+
+    path = checkpoints["deepseek_v2"]
+    refs, _ = _reference(path)
+    opts = dict(skip_tokenizer_init=True, page_size=4, chunked_prefill_size=16)
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with running_engine(path, **opts) as p, running_engine(path, **opts) as d:
+        pair = Pair(p, d)
+
+        async def run():
+            return [await pair.generate(ids, greedy) for ids in PROMPTS]
+        got = asyncio.run(run())
+    assert [o["output_ids"] for o in got] == refs
