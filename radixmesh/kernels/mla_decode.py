@@ -29,6 +29,40 @@ BLOCK_H = 16
 
 
 @triton.jit
+def latent_query(rows, row_mask, r, p, r_mask, p_mask, RANK: tl.constexpr, UPCAST: tl.constexpr):
+    """Query rows in the latent space (`rows`: each row's first element [ROWS]): their `rank` part [ROWS, BLOCK_R]
+    and their `rope` part [ROWS, BLOCK_P]."""
+    q_lat = tl.load(rows[:, None] + r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    q_pe = tl.load(rows[:, None] + RANK + p[None, :], mask=row_mask[:, None] & p_mask[None, :], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe
+
+
+@triton.jit
+def latent_step(q_lat, q_pe, rows, n_mask, visible, r, p, r_mask, p_mask, m_i, l_i, acc, scale_log2, weight,
+                RANK: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of latent rows (`rows`: each row's first element [BLOCK_N], `n_mask` the real ones; `visible`
+    [ROWS, BLOCK_N]: the pairs that attend) folded into the online softmax of the query rows: the scores of the
+    `rank` and the `rope` parts as two products, the rows' `rank` part summed, weighed by `weight` (an fp8 prefix's
+    scale; the normalizer keeps the plain weights). A row that sees nothing yet keeps zero weights, not NaN."""
+    lat = tl.load(rows[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(DTYPE)
+    pe = tl.load(rows[:, None] + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(DTYPE)
+    if UPCAST:
+        lat = lat.to(tl.float32)
+        pe = pe.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+    s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(w, 1), accumulate(acc, w * weight, alpha, lat, PRECISION, UPCAST)
+
+
+@triton.jit
 def _latent_stage1(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, PartialLse, stride_qt, stride_qh,
                    stride_kt, stride_rt, stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, v_scale, HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
@@ -57,12 +91,7 @@ def _latent_stage1(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Partia
     r_mask = r < RANK
     p = tl.arange(0, BLOCK_P)
     p_mask = p < ROPE
-    q_rows = Q + b * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
-    q_pe = tl.load(q_rows + RANK + p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0)
-    if UPCAST:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    q_lat, q_pe = latent_query(Q + b * stride_qt + heads * stride_qh, h_mask, r, p, r_mask, p_mask, RANK, UPCAST)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -71,23 +100,10 @@ def _latent_stage1(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, Out, PartialO, Partia
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
-        rows = KV + slots[:, None] * stride_kt
-        lat = tl.load(rows + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        pe = tl.load(rows + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
-        lat = lat.to(Q.dtype.element_ty)  # (an fp8 cache: its values in the model's dtype; else nothing)
-        pe = pe.to(Q.dtype.element_ty)
-        if UPCAST:
-            lat = lat.to(tl.float32)
-            pe = pe.to(tl.float32)
-        s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
-        s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every program's first block holds a key
-        w = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(w, 1)
-        acc = accumulate(acc, w, alpha, lat, PRECISION, UPCAST)
-        m_i = m_new
+        # (an fp8 cache: its values in the model's dtype; its scale multiplies scale_log2, and the output below)
+        m_i, l_i, acc = latent_step(q_lat, q_pe, KV + slots * stride_kt, n_mask, n_mask[None, :], r, p, r_mask,
+                                    p_mask, m_i, l_i, acc, scale_log2, 1.0, RANK, Q.dtype.element_ty, PRECISION,
+                                    UPCAST)
 
     if V_SCALED:  # an fp8 cache's latent is stored divided by its scale (the partial sums merge linearly)
         acc = acc * v_scale

@@ -14,32 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.online_softmax import accumulate
+from radixmesh.kernels.mla_decode import latent_query, latent_step
 from radixmesh.kernels.runtime import dot_needs_upcast
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _latent_block(q_lat, q_pe, rows, r, p, r_mask, p_mask, keep, m_i, l_i, acc, scale_log2, weight,
-                  RANK: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One block of latent rows (`rows`: their first element's pointers [BLOCK_N]; `keep` [BLOCK_M, BLOCK_N] the
-    pairs that attend) folded into the online softmax; values weighed by `weight` (an fp8 prefix's scale)."""
-    n_mask = tl.max(keep.to(tl.int32), 0) > 0
-    lat = tl.load(rows[:, None] + r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(DTYPE)
-    pe = tl.load(rows[:, None] + RANK + p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(DTYPE)
-    if UPCAST:
-        lat = lat.to(tl.float32)
-        pe = pe.to(tl.float32)
-    s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
-    s += tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-    s = tl.where(keep, s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a padding row past the request's end sees nothing)
-    w = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(w, 1)
-    return m_new, l_i, accumulate(acc, w * weight, alpha, lat, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -64,12 +42,8 @@ def _latent_extend_kernel(Q, KvNew, Out, KvBuf, ReqToToken, ReqPoolIdx, PrefixLe
     r_mask = r < RANK
     p = tl.arange(0, BLOCK_P)
     p_mask = p < ROPE
-    q_rows = Q + (q_start + m)[:, None] * stride_qt + head * stride_qh
-    q_lat = tl.load(q_rows + r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-    q_pe = tl.load(q_rows + RANK + p[None, :], mask=m_mask[:, None] & p_mask[None, :], other=0.0)
-    if UPCAST:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    q_lat, q_pe = latent_query(Q + (q_start + m) * stride_qt + head * stride_qh, m_mask, r, p, r_mask, p_mask, RANK,
+                               UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -78,15 +52,17 @@ def _latent_extend_kernel(Q, KvNew, Out, KvBuf, ReqToToken, ReqPoolIdx, PrefixLe
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < prefix
         slots = tl.load(ReqToToken + row * stride_rt + n, mask=n_mask, other=0).to(tl.int64)
-        keep = m_mask[:, None] & n_mask[None, :]
-        m_i, l_i, acc = _latent_block(q_lat, q_pe, KvBuf + slots * stride_kt, r, p, r_mask, p_mask, keep, m_i, l_i,
-                                      acc, prefix_scale_log2, kv_scale, RANK, Q.dtype.element_ty, PRECISION, UPCAST)
+        m_i, l_i, acc = latent_step(q_lat, q_pe, KvBuf + slots * stride_kt, n_mask, m_mask[:, None] & n_mask[None, :],
+                                    r, p, r_mask, p_mask, m_i, l_i, acc, prefix_scale_log2, kv_scale, RANK,
+                                    Q.dtype.element_ty, PRECISION, UPCAST)
     end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):  # the new tokens, up to the diagonal
         n = n0 + tl.arange(0, BLOCK_N)
-        keep = m_mask[:, None] & (n[None, :] < end) & (n[None, :] <= m[:, None])
-        m_i, l_i, acc = _latent_block(q_lat, q_pe, KvNew + (q_start + n) * stride_nt, r, p, r_mask, p_mask, keep,
-                                      m_i, l_i, acc, scale_log2, 1.0, RANK, Q.dtype.element_ty, PRECISION, UPCAST)
+        n_mask = n < end
+        visible = m_mask[:, None] & n_mask[None, :] & (n[None, :] <= m[:, None])
+        m_i, l_i, acc = latent_step(q_lat, q_pe, KvNew + (q_start + n) * stride_nt, n_mask, visible, r, p, r_mask,
+                                    p_mask, m_i, l_i, acc, scale_log2, 1.0, RANK, Q.dtype.element_ty, PRECISION,
+                                    UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + r[None, :], out.to(Out.dtype.element_ty),
@@ -108,8 +84,9 @@ def latent_extend(q: torch.Tensor, kv_new: torch.Tensor, kv_buf: torch.Tensor, r
     bsz = int(extend_lens.shape[0])
     if num_tokens == 0 or bsz == 0:
         return out
-    # (on sm_90 32 x 32 tiles over 8 warps hold a 512-wide latent without spilling; 4 warps or 64 rows spill)
-    block_m, block_n, warps, stages = tiles or ((16, 16, 4, 1) if q.device.type != "cuda" else (32, 32, 8, 2))
+    # (sm_90, by ptxas: 32 x 16 tiles over 8 warps hold a 512-wide latent in 230 registers, unspilled; 32 x 32 spill a
+    # little, 4 warps or 64 rows much)
+    block_m, block_n, warps, stages = tiles or ((16, 16, 4, 1) if q.device.type != "cuda" else (32, 16, 8, 2))
     m_blocks = triton.cdiv(max_extend_len, block_m)
     _latent_extend_kernel[(m_blocks, num_heads, bsz)](
         q, kv_new, out, kv_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,

@@ -63,7 +63,7 @@ out["mla_extend"] = ptx(mla_extend._latent_extend_kernel,
                         dict(Q="*bf16", KvNew="*bf16", Out="*bf16", KvBuf="*bf16", ReqToToken="*i32",
                              ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64"),
                         {"scale_log2", "prefix_scale_log2", "kv_scale"},
-                        dict(RANK=512, ROPE=64, BLOCK_M=32, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32",
+                        dict(RANK=512, ROPE=64, BLOCK_M=32, BLOCK_N=16, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32",
                              UPCAST=False), 8, 2)
 # Gemma's attention: soft-capped scores (decode), a sliding window and soft-capped scores (extend), head_dim 256
 out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
