@@ -213,3 +213,9 @@ def test_prefill_decode_disaggregation_moves_the_latent_pages(checkpoints):
             return [await pair.generate(ids, greedy) for ids in PROMPTS]
         got = asyncio.run(run())
     assert [o["output_ids"] for o in got] == refs
+
+
+def test_lora_is_refused_with_its_reason(checkpoints):
+    with pytest.raises(Exception, match="LoRA adapters of DeepseekV3ForCausalLM"):
+        with running_engine(checkpoints["deepseek_v3"], skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8):
+            pass

@@ -40,6 +40,10 @@ class LoraManager:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, max_loaded: int, max_rank: int,
                  targets: frozenset[str] | None, device: torch.device, dtype: torch.dtype, device_slots: int):
+        if cfg.mla is not None:
+            raise ValueError(f"LoRA adapters of {cfg.architecture} (multi-head latent attention: q_a_proj, "
+                             "kv_a_proj_with_mqa, kv_b_proj, ...) are not implemented by radixmesh yet; serve it "
+                             "without --enable-lora")
         self.cfg, self.max_rank, self.allowed = cfg, max_rank, targets
         self.max_loaded = max_loaded
         self.device = device
