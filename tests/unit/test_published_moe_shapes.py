@@ -1,8 +1,9 @@
-"""The published shapes of GLM-4.5-Air, MiniMax-M2, ERNIE 4.5 21B-A3B, DeepSeek-V3 and DeepSeek-V2-Lite (their
+"""The published shapes of GLM-4.5-Air, MiniMax-M2, ERNIE 4.5 21B-A3B, DeepSeek-V3, DeepSeek-V2-Lite and Kimi K2 (their
 config.json, in benchmarks/configs/; ERNIE's as transformers' Ernie4_5_MoeConfig defaults it) pass the engine's checks
 and build with the layout their checkpoints fill (on the meta device: no memory, no weights), and a batch-1 decode
 step's floor reads what their model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B of 230B
-(MiniMax-M2), ~3B of 21B (ERNIE 4.5), 37B of 671B (DeepSeek-V3), 2.4B of 15.7B (DeepSeek-V2-Lite)."""
+(MiniMax-M2), ~3B of 21B (ERNIE 4.5), 37B of 671B (DeepSeek-V3), 2.4B of 15.7B (DeepSeek-V2-Lite), 32B of 1T (Kimi
+K2, DeepSeek-V3's architecture with 384 experts in one group and 64 heads)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _build(name: str):
 @pytest.mark.parametrize("name,total,active,sparse,experts", [
     ("glm-4.5-air", 106e9, 12e9, 45, (128, 2 * 1408, 4096)), ("minimax-m2", 230e9, 10e9, 62, (256, 2 * 1536, 3072)),
     ("ernie-4.5-21b-a3b", 21e9, 3e9, 27, (64, 2 * 1536, 2560)), ("deepseek-v3", 671e9, 37e9, 58, (256, 2 * 2048, 7168)),
-    ("deepseek-v2-lite", 15.7e9, 2.4e9, 26, (64, 2 * 1408, 2048))])
+    ("deepseek-v2-lite", 15.7e9, 2.4e9, 26, (64, 2 * 1408, 2048)),
+    ("kimi-k2", 1.03e12, 32e9, 60, (384, 2 * 2048, 7168))])
 def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, total, active, sparse, experts):
     cfg, model = _build(name)
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
