@@ -71,7 +71,8 @@ class EngineArgs:
     # num_draft_tokens - 1 drafted ones in one forward, keeping the longest prefix the target model agrees with
     # (greedy: token-exact; sampled: rejection sampling, which keeps the target distribution). EAGLE heads draft
     # trees with speculative_eagle_topk > 1 (engine.speculative.tree: the target verifies every node under a tree
-    # mask and keeps the longest accepted path); NEXTN is refused until it lands.
+    # mask and keeps the longest accepted path). NEXTN is EAGLE with the model's own multi-token-prediction layer
+    # (DeepSeek-V3's, engine.speculative.nextn) as the head, from the model's checkpoint unless a draft path is given.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = field(default=None, metadata={"aliases": ("--speculative-draft-model",)})
     speculative_num_steps: int | None = None

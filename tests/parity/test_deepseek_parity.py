@@ -219,3 +219,91 @@ def test_lora_is_refused_with_its_reason(checkpoints):
     with pytest.raises(Exception, match="LoRA adapters of DeepseekV3ForCausalLM"):
         with running_engine(checkpoints["deepseek_v3"], skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8):
             pass
+
+
+def _with_mtp(path: str, tmp_path) -> tuple[str, torch.nn.Module]:
+    """The tiny DeepSeek-V3 with a multi-token-prediction layer after its last, as DeepSeek-V3 publishes one
+    (`model.layers.3.*`: a sparse decoder layer, written by transformers, and the module's enorm, hnorm, eh_proj,
+    shared_head and its copy of the embedding), and transformers' model whose layer 3 it is (the reference's)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    _, _, fields = FAMILIES["deepseek_v3"]
+    torch.manual_seed(11)
+    four = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**COMMON, **{**fields,
+                                                                                   "num_hidden_layers": 4})).float()
+    four.model.layers[3].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8))
+    four.save_pretrained(tmp_path / "four")
+    layer = {k: v for k, v in load_file(str(tmp_path / "four" / "model.safetensors")).items()
+             if k.startswith("model.layers.3.")}
+    h, vocab = COMMON["hidden_size"], COMMON["vocab_size"]
+    gen = torch.Generator().manual_seed(12)
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen), "eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=gen),
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+             "shared_head.head.weight": 0.15 * torch.randn(vocab, h, generator=gen),
+             "embed_tokens.weight": load_file(f"{path}/model.safetensors")["model.embed_tokens.weight"]}
+    layer |= {f"model.layers.3.{k}": v for k, v in extra.items()}
+    four.config._attn_implementation = "eager"
+    four.mtp = {k: v for k, v in extra.items()}
+    return _rewrite(path, tmp_path / "mtp", layer, num_nextn_predict_layers=1), four
+
+
+class ReferenceNextn:
+    """The multi-token-prediction layer recomputed with transformers' DeepSeek-V3 modules over the whole sequence
+    each time: eh_proj([enorm(embedding of t + 1), hnorm(the target's final hidden state at t)]), the decoder
+    layer, shared_head; chained on its own outputs as EAGLE heads are."""
+
+    def __init__(self, target: str, four):
+        from tests.reference import hf_model
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+        self.target, self.four = hf_model(target), four
+        eps = four.config.rms_norm_eps
+
+        def norm(weight):
+            module = DeepseekV3RMSNorm(weight.shape[0], eps)
+            module.weight.data.copy_(weight)
+            return module
+        self.enorm, self.hnorm, self.final = (norm(four.mtp[k]) for k in ("enorm.weight", "hnorm.weight",
+                                                                         "shared_head.norm.weight"))
+
+    def _outputs(self, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+        embed = self.target.model.embed_tokens(torch.tensor(tokens))
+        x = torch.cat([self.enorm(embed), self.hnorm(feats)], -1) @ self.four.mtp["eh_proj.weight"].T
+        n = len(tokens)
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = self.four.model.layers[3](x[None], attention_mask=mask, position_ids=pos,
+                                        position_embeddings=self.four.model.rotary_emb(x[None], pos))
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    @torch.inference_mode()
+    def drafts(self, fill: list[int], k: int) -> list[int]:
+        feats = self.target.model(torch.tensor([fill[:-1]])).last_hidden_state[0]  # after the final norm
+        tokens, out = list(fill[1:]), []
+        for _ in range(k):
+            outs = self._outputs(tokens, feats)
+            out.append(int((self.final(outs[-1]) @ self.four.mtp["shared_head.head.weight"].T).argmax()))
+            tokens.append(out[-1])
+            feats = torch.cat([feats, outs[-1:]])
+        return out
+
+
+def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path):
+    """speculative_algorithm NEXTN (SGLang's: EAGLE with DeepSeek-V3's multi-token-prediction layer, read from the
+    model's own checkpoint): transformers' greedy tokens, and every chain of drafts the reference layer proposes."""
+    from tests.parity.test_speculative_eagle import record_proposals
+
+    path, four = _with_mtp(checkpoints["deepseek_v3"], tmp_path)
+    refs, _ = _reference(checkpoints["deepseek_v3"])
+    with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                        page_size=4, chunked_prefill_size=16) as llm:
+        assert llm.args.speculative_algorithm == "EAGLE" and llm.args.speculative_draft_model_path == path
+        seen = record_proposals(llm)
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+    reference = ReferenceNextn(path, four)
+    assert len(seen) >= len(PROMPTS)
+    for fill, proposed in seen:
+        assert proposed == reference.drafts(fill, len(proposed)), len(fill)

@@ -204,7 +204,7 @@ def test_sampled_requests_run_and_seeds_reproduce():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"speculative_algorithm": "EAGLE"}, "drafts with an EAGLE head: give speculative_draft_model_path"),
-    ({"speculative_algorithm": "NEXTN"}, "NEXTN is not implemented"),
+    ({"speculative_algorithm": "NEXTN"}, "has none \\(num_nextn_predict_layers\\)"),
     ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "draft trees"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),

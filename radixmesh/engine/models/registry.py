@@ -39,6 +39,8 @@ _MODELS = {
     # speculative decoding's EAGLE draft heads (served only as drafts: --speculative-draft-model-path)
     "LlamaForCausalLMEagle": "radixmesh.engine.speculative.eagle_head:EagleHead",
     "LlamaForCausalLMEagle3": "radixmesh.engine.speculative.eagle_head:Eagle3Head",
+    # DeepSeek-V3's multi-token-prediction layer (speculative_algorithm NEXTN, or EAGLE with the model as the draft)
+    "DeepseekV3ForCausalLMNextN": "radixmesh.engine.speculative.nextn:NextnHead",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -12,7 +13,10 @@ log = logging.getLogger(__name__)
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # what runs here
 DRAFTED = ("STANDALONE", "EAGLE", "EAGLE3")  # a draft model runs a chain of steps
 EAGLES = ("EAGLE", "EAGLE3")  # a head reading the target's hidden states: may draft trees (topk > 1)
-PLANNED = ("NEXTN",)  # SGLang's others: refused by name until they land
+# SGLang's NEXTN: EAGLE with the model's own multi-token-prediction layer (DeepSeek-V3's; engine.speculative.nextn)
+# as the head, read from the model's checkpoint unless a draft path is given
+NEXTN = "NEXTN"
+PLANNED: tuple[str, ...] = ()  # SGLang's others: refused by name until they land
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # the newest token and up to 7 drafted ones per verify
 DEFAULT_STEPS = 3  # draft forwards per verify (SGLang's draft-model default chain: 3 steps, 4 tokens)
@@ -30,9 +34,15 @@ def resolve_speculative(args: Any) -> dict:
     if algo is None:
         return {}
     algo = str(algo).upper()
+    nextn = {}
+    if algo == NEXTN:
+        algo = "EAGLE"
+        nextn = {"speculative_draft_model_path": args.speculative_draft_model_path or args.model_path}
+        args = dataclasses.replace(args, **nextn)
     _check(algo not in PLANNED, f"speculative_algorithm {algo} is not implemented by radixmesh yet: "
            f"{', '.join(ALGORITHMS)} is")
-    _check(algo in ALGORITHMS, f"speculative_algorithm must be one of {', '.join(ALGORITHMS + PLANNED)}, "
+    named = ALGORITHMS + (NEXTN,) + PLANNED
+    _check(algo in ALGORITHMS, f"speculative_algorithm must be one of {', '.join(named)}, "
            f"got {args.speculative_algorithm!r}")
     _check(not args.is_embedding, "speculative decoding speeds up generation: an embedding engine (is_embedding) "
            "generates nothing")
@@ -73,7 +83,7 @@ def resolve_speculative(args: Any) -> dict:
     if not args.disable_overlap_schedule:
         log.info("speculative decoding: the overlap scheduler is off (a draft needs the previous step's tokens)")
     return {"speculative_algorithm": algo, "speculative_num_draft_tokens": n, "speculative_eagle_topk": topk,
-            "speculative_num_steps": steps if topk > 1 else n - 1, "disable_overlap_schedule": True}
+            "speculative_num_steps": steps if topk > 1 else n - 1, "disable_overlap_schedule": True, **nextn}
 
 
 def _chain(args: Any, algo: str) -> int:

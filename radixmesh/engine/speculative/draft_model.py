@@ -76,7 +76,7 @@ class DraftModel:
             return None
         last = req.fill_len - 2  # (the first token is appended: fill_len is P + 1)
         kept, width = req.draft_features, self.head.feature_width
-        like = self.head.model.fc.weight
+        like = self.head.input_weight()
         hidden = (kept.read(last, last + 1, width, like) if kept is not None else like.new_zeros((1, width)))[0]
         with torch.inference_mode():
             self._forward(self._catch_up([req]), self._catch_up_features([req]))
@@ -122,7 +122,7 @@ class DraftModel:
             tokens = torch.tensor(req.tokens(held + 1, end + 1), dtype=torch.int64)
             self.pairs[slots] = torch.where(state.read_features[skip:], tokens, -1)
             req.draft_len = end
-        req.draft_features = FeatureRows(last, state.hidden.to(self.device, self.head.model.fc.weight.dtype)[None])
+        req.draft_features = FeatureRows(last, state.hidden.to(self.device, self.head.input_weight().dtype)[None])
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
         """The target's pool copied the first n slots of page src into page dst (a cached page's tail: engine.cache
@@ -274,7 +274,7 @@ class DraftModel:
         """The target's hidden states for an EAGLE head's catch-up rows (zeros where none was kept); they are read."""
         if self.head is None:
             return None
-        param, width = self.head.model.fc.weight, self.head.feature_width
+        param, width = self.head.input_weight(), self.head.feature_width
         parts = []
         table = self.runner.req_to_token
         for r in reqs:

@@ -87,10 +87,14 @@ class EagleHead(nn.Module):
         (engine.speculative.whole_vocab); static feature buffers for one-token steps of up to `rows` requests."""
         tp = getattr(target, "tp", None)
         self._target = [target if tp is None or tp.size == 1 else WholeVocab(target, self.uses_target_logits)]
-        param = self.model.fc.weight
+        param = self.input_weight()
         h = self.config.hidden_size
         self.step_features = torch.zeros((rows, h), dtype=param.dtype, device=param.device)
         self.step_out = torch.zeros((rows, h), dtype=param.dtype, device=param.device)
+
+    def input_weight(self) -> torch.Tensor:
+        """The weight that first reads the feature: its dtype and device are the feature buffers'."""
+        return self.model.fc.weight
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._target[0].model.embed_tokens(input_ids)

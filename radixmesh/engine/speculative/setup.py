@@ -12,6 +12,7 @@ from radixmesh.engine.scheduler.spec_steps import SpecSteps
 from radixmesh.engine.speculative.config import EAGLES, max_draft
 from radixmesh.engine.speculative.draft_model import DraftModel
 from radixmesh.engine.speculative.eagle_head import EAGLE, EAGLE3, as_draft_config, eagle3_layers
+from radixmesh.engine.speculative.nextn import NEXTN_HEAD, nextn_config
 from radixmesh.engine.models.attention_spec import layer_windows
 from radixmesh.engine.speculative.ngram import NgramCorpus, NgramIndex
 from radixmesh.engine.speculative.tree import TreeShape
@@ -28,7 +29,7 @@ _DRAFT_KEEPS = ("dtype", "kv_cache_dtype", "device", "context_length", "page_siz
 
 
 def refuse_head_as_model(config: ModelConfig) -> None:
-    if config.architecture in (EAGLE, EAGLE3):
+    if config.architecture in (EAGLE, EAGLE3, NEXTN_HEAD):
         raise ValueError(f"{config.path} is an EAGLE draft head ({config.architecture}): serve its target model "
                          "with --speculative-algorithm EAGLE/EAGLE3 --speculative-draft-model-path pointing here")
 
@@ -44,7 +45,14 @@ def draft_config(args: EngineArgs, target: ModelConfig) -> tuple[EngineArgs, Mod
         _check_tree(args, target)
     path = args.speculative_draft_model_path
     config = ModelConfig.from_path(path)
-    if algo in EAGLES:
+    nextn = nextn_config(config) if algo == "EAGLE" else None
+    if nextn is not None:  # the model's own multi-token-prediction layer (SGLang's NEXTN)
+        config = nextn
+    elif algo in EAGLES and path == args.model_path:
+        raise ValueError(f"speculative_algorithm NEXTN (EAGLE with the model as its own draft) drafts with the "
+                         f"model's multi-token-prediction layers, and {path} ({config.architecture}) has none "
+                         "(num_nextn_predict_layers)")
+    elif algo in EAGLES:
         config = as_draft_config(config, algo)
         if config.hidden_size != target.hidden_size:
             raise ValueError(f"the {algo} head's hidden size ({config.hidden_size}, {path}) differs from the "
