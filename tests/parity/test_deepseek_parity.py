@@ -239,7 +239,8 @@ def _with_mtp(path: str, tmp_path) -> tuple[str, torch.nn.Module]:
     h, vocab = COMMON["hidden_size"], COMMON["vocab_size"]
     gen = torch.Generator().manual_seed(12)
     extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
-             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen), "eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=gen),
+             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+             "eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=gen),
              "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
              "shared_head.head.weight": 0.15 * torch.randn(vocab, h, generator=gen),
              "embed_tokens.weight": load_file(f"{path}/model.safetensors")["model.embed_tokens.weight"]}

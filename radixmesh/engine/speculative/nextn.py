@@ -58,7 +58,8 @@ class _OnlyLayer:
         self.prefix = f"model.layers.{index}."
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (not name.startswith(self.prefix) or name == self.prefix + "embed_tokens.weight")
+        return isinstance(name, str) and (not name.startswith(self.prefix)
+                                          or name == self.prefix + "embed_tokens.weight")
 
 
 class _SharedHead(nn.Module):
