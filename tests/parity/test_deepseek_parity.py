@@ -308,3 +308,8 @@ def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path
     assert len(seen) >= len(PROMPTS)
     for fill, proposed in seen:
         assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+    # draft trees verify under a tree mask, which Triton's latent decode has not: refused at start, not mid-step
+    with pytest.raises(ValueError, match="Triton's latent kernel does not have"):
+        with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_eagle_topk=2,
+                            decode_attention_backend="triton"):
+            pass
