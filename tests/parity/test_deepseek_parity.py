@@ -313,3 +313,16 @@ def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path
         with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_eagle_topk=2,
                             decode_attention_backend="triton"):
             pass
+
+
+@pytest.mark.parametrize("opts", [{"speculative_eagle_topk": 2}, {"tp_size": 2}], ids=["tree", "tp2"])
+def test_nextn_drafts_trees_and_runs_under_tensor_parallelism(checkpoints, tmp_path, opts):
+    """NEXTN drafting trees (two candidates a step, verified under the tree mask on torch_native), and with the
+    target's heads over two ranks (the head whole on the leader): transformers' greedy tokens, drafts proposed."""
+    path, _ = _with_mtp(checkpoints["deepseek_v3"], tmp_path)
+    refs, _ = _reference(checkpoints["deepseek_v3"])
+    with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                        **opts) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+    assert all(o["meta_info"]["spec_draft_token_num"] > 0 for o in outs)
