@@ -71,10 +71,11 @@ class MoeConfig:
         shared = raw.get("shared_expert_intermediate_size") or inter * int(
             raw.get("n_shared_experts") or raw.get("moe_num_shared_experts") or 0)
         last = raw.get("moe_layer_end_index")
+        dense = tuple(int(i) for i in raw.get("mlp_only_layers") or ()) + _listed_dense(raw)
         return cls(num_experts=int(experts), top_k=int(raw.get("num_experts_per_tok") or raw["moe_k"]),
                    intermediate_size=inter, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                    shared_expert_intermediate_size=int(shared),
-                   mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+                   mlp_only_layers=dense,
                    decoder_sparse_step=int(raw.get("decoder_sparse_step") or raw.get("moe_layer_interval") or 1),
                    first_dense=int(raw.get("first_k_dense_replace") or raw.get("moe_layer_start_index") or 0),
                    last_sparse=None if last is None or int(last) < 0 else int(last),
@@ -83,7 +84,10 @@ class MoeConfig:
 
 
 # architectures whose attention is multi-head latent attention (engine.models.deepseek)
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# architectures whose transformers config lists each layer's MLP in mlp_layer_types ("dense" or "sparse"), and
+# their default when config.json does not: a dense first layer, sparse after it
+_MLP_LAYER_TYPES = ("Glm4MoeLiteForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,20 @@ class MlaConfig:
         return cls(kv_lora_rank=int(raw.get("kv_lora_rank", 512)), q_lora_rank=None if q_rank is None else int(q_rank),
                    qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
                    qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim", 128)))
+
+
+def _listed_dense(raw: dict) -> tuple[int, ...]:
+    """The layers mlp_layer_types says are dense (GLM-4.7-Flash's field; its default where the architecture reads it
+    and config.json does not say); () elsewhere."""
+    archs = raw.get("architectures") or [None]
+    if archs[0] not in _MLP_LAYER_TYPES:
+        return ()
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
+        raise ValueError(f"mlp_layer_types in config.json must say 'dense' or 'sparse' for each of the "
+                         f"{layers} layers, got {types!r}")
+    return tuple(i for i, t in enumerate(types) if t == "dense")
 
 
 @dataclass(frozen=True, slots=True)

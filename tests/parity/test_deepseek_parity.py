@@ -34,6 +34,11 @@ FAMILIES = {
                     dict(num_hidden_layers=3, q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True,
                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
                          rope_parameters=YARN)),
+    # GLM-4.7-Flash: V3's attention and routing, its sparse layers listed (mlp_layer_types)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",
+                      dict(num_hidden_layers=3, q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True,
+                           n_shared_experts=1, routed_scaling_factor=1.8,
+                           mlp_layer_types=["sparse", "dense", "sparse"])),
     "deepseek_v3_rotate_half": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                                 dict(num_hidden_layers=2, q_lora_rank=None, n_group=1, topk_group=1,
                                      norm_topk_prob=False, n_shared_experts=1, first_k_dense_replace=0,
@@ -76,7 +81,7 @@ def test_deepseek_models_match_transformers(checkpoints, name):
     assert again["output_ids"] == refs[1] and again["meta_info"]["cached_tokens"] >= 36
 
 
-@pytest.mark.parametrize("name,ep", [("deepseek_v2", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)])
+@pytest.mark.parametrize("name,ep", [("deepseek_v2", 1), ("deepseek_v3", 1), ("deepseek_v3", 2), ("glm4_moe_lite", 1)])
 def test_heads_shard_over_tensor_parallel_ranks(checkpoints, name, ep):
     """tp_size 2: each rank holds half of the heads (their q, kv_b_proj and o_proj blocks) and the whole latent
     cache; the experts split by their intermediate rows, or (ep_size 2) whole experts a rank."""
@@ -326,3 +331,22 @@ def test_nextn_drafts_trees_and_runs_under_tensor_parallelism(checkpoints, tmp_p
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
     assert [o["output_ids"] for o in outs] == refs
     assert all(o["meta_info"]["spec_draft_token_num"] > 0 for o in outs)
+
+
+def test_glm_flash_layer_types_default_and_are_checked(checkpoints, tmp_path):
+    """GLM-4.7-Flash's mlp_layer_types: without it a dense first layer and sparse ones after (transformers'
+    default); a value other than dense or sparse, or a list of another length, is refused."""
+    import json
+
+    from radixmesh.engine.model_config import ModelConfig
+
+    src = checkpoints["glm4_moe_lite"]
+    raw = json.loads(open(f"{src}/config.json").read())
+    assert [ModelConfig.from_path(src).moe.sparse(i) for i in range(3)] == [True, False, True]
+    del raw["mlp_layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert [ModelConfig.from_path(str(tmp_path)).moe.sparse(i) for i in range(3)] == [False, True, True]
+    for bad in (["dense", "moe", "sparse"], ["dense", "sparse"]):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "mlp_layer_types": bad}))
+        with pytest.raises(ValueError, match="mlp_layer_types"):
+            ModelConfig.from_path(str(tmp_path))

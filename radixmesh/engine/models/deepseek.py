@@ -1,5 +1,6 @@
-"""DeepSeek-V2 and DeepSeek-V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and other V3-shaped models):
-multi-head latent attention (MLA) over mixture-of-experts layers.
+"""DeepSeek-V2 and DeepSeek-V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and other V3-shaped models),
+and GLM-4.7-Flash (Glm4MoeLiteForCausalLM: V3's layers, its sparse ones listed in `mlp_layer_types`): multi-head
+latent attention (MLA) over mixture-of-experts layers.
 
 MLA, as transformers computes it: q comes from `q_proj`, or through a low-rank `q_a_proj` -> `q_a_layernorm` ->
 `q_b_proj`; `kv_a_proj_with_mqa` compresses the token into a `kv_lora_rank` latent (normed by `kv_a_layernorm`) and
@@ -151,3 +152,8 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         return v3_sparse_block(cfg, self.tp)
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash: DeepSeek-V3's attention and experts (GLM-4.5's router is the same rule); which layers are sparse
+    follows `mlp_layer_types` (engine.model_config: a dense first layer by default)."""

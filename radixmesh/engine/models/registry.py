@@ -20,6 +20,7 @@ _MODELS = {
     "Ernie4_5ForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5ForCausalLM",
     "DeepseekV2ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "radixmesh.engine.models.deepseek:Glm4MoeLiteForCausalLM",
     "GemmaForCausalLM": "radixmesh.engine.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "radixmesh.engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixmesh.engine.models.gemma:Gemma3ForCausalLM",
