@@ -212,6 +212,29 @@ def partial_buffers(batch_size: int, num_heads: int, num_splits: int, head_dim: 
             torch.empty((batch_size, num_heads, num_splits), dtype=torch.float32, device=device))
 
 
+def split_scratch(out: torch.Tensor, num_splits: int, width: int,
+                  partials: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's partial outputs and log-sum-exp for `out` [batch, heads, width]: `partials` (or new ones) with
+    several splits; with one, stage 1 writes `out` itself and gets placeholders."""
+    if num_splits == 1:
+        return (out.new_empty((1, 1, 1, 1), dtype=torch.float32), out.new_empty((1, 1, 1), dtype=torch.float32))
+    return partials or partial_buffers(out.shape[0], out.shape[1], num_splits, width, out.device)
+
+
+def merge_splits(po: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
+                 num_splits: int, block_n: int, block_d: int) -> None:
+    """Stage 2 into `out` [batch, heads, width]: each (request, head)'s live splits merged (nothing with one split).
+    `block_n` must be stage 1's: both cut the keys into splits of whole blocks alike."""
+    if num_splits == 1:
+        return
+    bsz, num_heads, width = out.shape
+    _decode_stage2[(bsz, num_heads)](
+        po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=width, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, BLOCK_S=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))), BLOCK_D=block_d,
+        num_warps=4 if block_d > 64 else 2, **pdl_options(out))
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None,
@@ -235,11 +258,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     out = torch.empty_like(q) if out is None else out
     if bsz == 0:
         return out
-    if num_splits > 1 and partials is None:
-        partials = partial_buffers(bsz, num_heads, num_splits, head_dim, q.device)
-    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
-                                               out.new_empty((1, 1, 1), dtype=torch.float32))
-    block_s = max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits)))
+    po, lse = split_scratch(out, num_splits, head_dim, partials)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -260,12 +279,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, TREE=tree is not None,
         V_SCALED=v_scale != 1.0, num_warps=4,
         num_stages=2, **pdl)
-    if num_splits > 1:
-        _decode_stage2[(bsz, num_heads)](
-            po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_d > 64 else 2,
-            **pdl_options(q))
+    merge_splits(po, lse, out, seq_lens, window, num_splits, block_n, block_d)
     return out
 
 

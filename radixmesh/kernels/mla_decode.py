@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.decode_attention import _LOG2E, MERGE_CHUNK, _decode_stage2, partial_buffers
+from radixmesh.kernels.decode_attention import _LOG2E, merge_splits, split_scratch
 from radixmesh.kernels.online_softmax import accumulate
 from radixmesh.kernels.runtime import dot_needs_upcast, pdl_options
 
@@ -136,10 +136,7 @@ def latent_decode(q: torch.Tensor, kv_buf: torch.Tensor, rank: int, req_to_token
     out = q.new_empty((bsz, num_heads, rank))
     if bsz == 0:
         return out
-    if num_splits > 1 and partials is None:
-        partials = partial_buffers(bsz, num_heads, num_splits, rank, q.device)
-    po, lse = partials if num_splits > 1 else (out.new_empty((1, 1, 1, 1), dtype=torch.float32),
-                                               out.new_empty((1, 1, 1), dtype=torch.float32))
+    po, lse = split_scratch(out, num_splits, rank, partials)
     block_r = max(16, triton.next_power_of_2(rank))
     _latent_stage1[(bsz, head_blocks(num_heads), num_splits)](
         q, kv_buf, req_to_token, req_pool_indices, seq_lens, out, po, lse, q.stride(0), q.stride(1),
@@ -149,12 +146,7 @@ def latent_decode(q: torch.Tensor, kv_buf: torch.Tensor, rank: int, req_to_token
         BLOCK_P=max(16, triton.next_power_of_2(rope)), NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=dot_needs_upcast(q.dtype),
         V_SCALED=kv_scale != 1.0, num_warps=4, num_stages=2, **pdl_options(q))
-    if num_splits > 1:
-        _decode_stage2[(bsz, num_heads)](
-            po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), 0, HEAD_DIM=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))), BLOCK_D=block_r,
-            num_warps=4, **pdl_options(q))
+    merge_splits(po, lse, out, seq_lens, None, num_splits, block_n, block_r)
     return out
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.engine_utils import converse, running_engine
-from tests.parity.test_moe_parity import MAX_NEW, PROMPTS, _generate, _reference, _rewrite
+from tests.parity.test_moe_parity import MAX_NEW, PROMPTS, _generate, _reference, _rewrite, assert_like_reference
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
               max_position_embeddings=512, initializer_range=0.15, eos_token_id=255, bos_token_id=1,
@@ -75,9 +75,7 @@ def test_deepseek_models_match_transformers(checkpoints, name):
                             return_logprob=True)
         # the latent cache read back: the longest prompt again finds its pages in the radix cache
         again = llm.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
-    assert [o["output_ids"] for o in outs] == refs
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert_like_reference(outs, refs, logprobs)
     assert again["output_ids"] == refs[1] and again["meta_info"]["cached_tokens"] >= 36
 
 
@@ -182,9 +180,7 @@ def test_triton_latent_kernels_match_transformers_in_the_interpreter(checkpoints
         assert llm.args.prefill_attention_backend == llm.args.decode_attention_backend == "triton"
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                             return_logprob=True)
-    assert [o["output_ids"] for o in outs] == refs
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert_like_reference(outs, refs, logprobs)
 
 
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(checkpoints):
@@ -251,7 +247,7 @@ def _with_mtp(path: str, tmp_path) -> tuple[str, torch.nn.Module]:
              "embed_tokens.weight": load_file(f"{path}/model.safetensors")["model.embed_tokens.weight"]}
     layer |= {f"model.layers.3.{k}": v for k, v in extra.items()}
     four.config._attn_implementation = "eager"
-    four.mtp = {k: v for k, v in extra.items()}
+    four.mtp = extra
     return _rewrite(path, tmp_path / "mtp", layer, num_nextn_predict_layers=1), four
 
 

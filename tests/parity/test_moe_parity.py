@@ -99,6 +99,14 @@ def _reference(path: str) -> tuple[list[list[int]], list[list[float]]]:
     return refs, [hf_token_logprobs(path, p, r) for p, r in zip(PROMPTS, refs)]
 
 
+def assert_like_reference(outs: list[dict], refs: list[list[int]], logprobs: list[list[float]],
+                          tol: float = 1e-4) -> None:
+    """The engine's outputs are transformers' greedy tokens, each token's logprob within `tol` of its own."""
+    assert [o["output_ids"] for o in outs] == refs
+    for out, want in zip(outs, logprobs):
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=tol)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_moe_models_match_transformers(checkpoints, name):
     refs, logprobs = _reference(checkpoints[name])
@@ -106,9 +114,7 @@ def test_moe_models_match_transformers(checkpoints, name):
     with running_engine(checkpoints[name], skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                             return_logprob=True)
-    assert [o["output_ids"] for o in outs] == refs
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert_like_reference(outs, refs, logprobs)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "olmoe_clipped", "glm4_moe", "minimax_m2", "dots1", "ernie4_5_moe"])
@@ -133,9 +139,7 @@ def test_expert_parallel_ranks_hold_whole_experts(checkpoints, name):
     with running_engine(path, skip_tokenizer_init=True, tp_size=2, ep_size=2) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                             return_logprob=True)
-    assert [o["output_ids"] for o in outs] == refs
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-5)
+    assert_like_reference(outs, refs, logprobs, tol=1e-5)
 
 
 def test_expert_parallel_sizes_are_checked():
@@ -176,9 +180,7 @@ def test_the_triton_moe_runner_matches_transformers_in_the_interpreter(checkpoin
         outs = llm.generate(input_ids=PROMPTS[:1], sampling_params=params, return_logprob=True)  # decode: 1 token
         outs += llm.generate(input_ids=PROMPTS[1:], sampling_params=params, return_logprob=True)  # 2: grouped
         dist = llm.expert_distribution()
-    assert [o["output_ids"] for o in outs] == refs
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert_like_reference(outs, refs, logprobs)
     forwarded = sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(PROMPTS, outs))  # the last is sampled only
     assert len(dist["tokens"]) == 2 and all(sum(row) == 3 * forwarded for row in dist["tokens"]), dist
 
@@ -194,9 +196,7 @@ def test_glm_routing_in_one_launch_matches_transformers_in_the_interpreter(check
                         disable_radix_cache=True) as llm:
         outs = llm.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": new, "temperature": 0},
                             return_logprob=True)
-    assert [o["output_ids"] for o in outs] == refs[:2]
-    for out, want in zip(outs, logprobs):
-        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(want, abs=1e-4)
+    assert_like_reference(outs, refs[:2], logprobs)
 
 
 def _rewrite(src: str, dst, extra: dict[str, torch.Tensor], **config_fields) -> str:

@@ -59,7 +59,6 @@ class KVPool:
             raise ValueError("a latent KV cache (K and V one buffer) needs the same K and V scale in every layer")
         self.page_size = page_size
         self.num_slots = (num_pages + 1) * page_size
-        self.shared_kv = shared_kv
         shape = (self.num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = self.k if shared_kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -80,7 +79,8 @@ class KVPool:
             store_kv(self.k[layer], self.v[layer], loc, k, v)
             return
         self.k[layer][loc] = _stored(k, self.k[layer].dtype, self.k_scale[layer])  # (an fp8 cache rounds here)
-        self.v[layer][loc] = _stored(v, self.v[layer].dtype, self.v_scale[layer])
+        if self.v is not self.k:  # (a latent cache's value is its key, one buffer: written once)
+            self.v[layer][loc] = _stored(v, self.v[layer].dtype, self.v_scale[layer])
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` (any shape S) as [*S, num_kv_heads, head_dim] in `dtype`: what the cache

@@ -117,10 +117,13 @@ def mla_decoder_layer(cfg: ModelConfig, tp: TensorParallel, sparse: bool) -> Dec
     return layer
 
 
-class DeepseekV2ForCausalLM(MoeForCausalLM):
-    # RoPE of transformers' DeepSeek-V2: interleaved pairs rotated in float32 by a float32 table (a complex product)
-    rope_pairs = dict(interleaved=True, upcast_pairs=True, float32_table=True)
+def v3_rope_options(cfg: ModelConfig) -> dict:
+    """RotaryEmbedding.for_model's options for DeepSeek-V3's RoPE: interleaved pairs (rope_interleave, true by
+    default) or rotate-half, in the model dtype either way."""
+    return dict(interleaved=bool(cfg.raw.get("rope_interleave", True)), upcast_pairs=False)
 
+
+class DeepseekV2ForCausalLM(MoeForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__(cfg, tp)
         self.skipped_tensors = NextnLayers(cfg.num_layers)
@@ -135,7 +138,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device, **self.rope_options())
 
     def rope_options(self) -> dict:
-        return self.rope_pairs
+        # transformers' DeepSeek-V2: interleaved pairs rotated in float32 by a float32 table (a complex product)
+        return dict(interleaved=True, upcast_pairs=True, float32_table=True)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
@@ -147,8 +151,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     def rope_options(self) -> dict:
-        # interleaved pairs (rope_interleave, true by default) or rotate-half, in the model dtype either way
-        return dict(interleaved=bool(self.config.raw.get("rope_interleave", True)), upcast_pairs=False)
+        return v3_rope_options(self.config)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         return v3_sparse_block(cfg, self.tp)

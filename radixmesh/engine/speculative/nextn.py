@@ -23,7 +23,7 @@ from radixmesh.engine.layers.linear import vocab_logits
 from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RotaryEmbedding
 from radixmesh.engine.model_config import MLA_ARCHITECTURES, ModelConfig
-from radixmesh.engine.models.deepseek import DeepseekV3ForCausalLM, mla_decoder_layer
+from radixmesh.engine.models.deepseek import mla_decoder_layer, v3_rope_options
 from radixmesh.engine.speculative.eagle_head import EagleHead, _Body
 
 NEXTN_HEAD = "DeepseekV3ForCausalLMNextN"  # (SGLang's name for it)
@@ -96,8 +96,7 @@ class NextnHead(EagleHead):
         return self.model.layers[0]
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
-        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device,
-                                                **DeepseekV3ForCausalLM.rope_options(self))
+        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device, **v3_rope_options(self.config))
 
     def input_weight(self) -> torch.Tensor:
         return self.layer.eh_proj.weight
