@@ -16,7 +16,8 @@ _MAX_TILE = 2048  # elements of K (and as many of V) per program with many token
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, num_kv_heads,
                      k_stride_tok, k_stride_head, v_stride_tok, v_stride_head,
                      kc_stride_slot, kc_stride_head, vc_stride_slot, vc_stride_head,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE_V: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_enter(PDL)
     # Grid (tokens, cdiv(num_kv_heads, BLOCK_H)): token t's heads [b * BLOCK_H, ...) go to slot loc[t] of both caches.
     tok = tl.program_id(0).to(tl.int64)
@@ -25,16 +26,21 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, num_kv_hea
     mask = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
     slot = tl.load(loc_ptr + tok).to(tl.int64)
     k = tl.load(k_ptr + tok * k_stride_tok + heads[:, None] * k_stride_head + d[None, :], mask=mask)
-    v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
     tl.store(k_cache_ptr + slot * kc_stride_slot + heads[:, None] * kc_stride_head + d[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + slot * vc_stride_slot + heads[:, None] * vc_stride_head + d[None, :], v, mask=mask)
+    if STORE_V:
+        v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
+        tl.store(v_cache_ptr + slot * vc_stride_slot + heads[:, None] * vc_stride_head + d[None, :], v, mask=mask)
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor | None) -> None:
     """Writes k, v [n, num_kv_heads, head_dim] into rows `loc` [n] (int) of k_cache, v_cache
-    [num_slots, num_kv_heads, head_dim], in place. Where a slot repeats in `loc` (padding tokens share scratch slot 0),
-    one unspecified token's K and V win, as with index assignment."""
+    [num_slots, num_kv_heads, head_dim], in place; v_cache and v None: k alone (a latent cache, whose value is its
+    key). Where a slot repeats in `loc` (padding tokens share scratch slot 0), one unspecified token's K and V win, as
+    with index assignment."""
+    store_v = v_cache is not None
+    if not store_v:
+        v_cache, v = k_cache, k  # (checked as a pair, never stored)
     check_store(k_cache, v_cache, loc, k, v)
     n, num_kv_heads, head_dim = k.shape
     if n == 0:
@@ -45,7 +51,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     _store_kv_kernel[(n, triton.cdiv(num_kv_heads, block_h))](
         k, v, k_cache, v_cache, loc, num_kv_heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE_V=store_v,
         num_warps=max(1, min(8, block_h * block_d * k.element_size() // (16 * 32))), **pdl_options(k))
 
 
@@ -72,8 +78,9 @@ def _heads_per_program(n_tokens: int, num_kv_heads: int, block_d: int) -> int:
     return block_h
 
 
-def store_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor) -> None:
+def store_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor | None, loc: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor | None) -> None:
     """The twin of `store_kv`: engine.cache.kv_pool.KVPool.write, op for op."""
     k_cache[loc] = k
-    v_cache[loc] = v
+    if v_cache is not None:
+        v_cache[loc] = v

@@ -229,6 +229,22 @@ def test_store_kv(device, n, kv_heads, head_dim, pages, dtype, gen, tiles):
     assert pool.k[0].isnan().all() and pool.v[0].isnan().all()
 
 
+@pytest.mark.parametrize("n", [1, 37])
+def test_store_kv_latent_once(n, gen, tiles):
+    """A latent pool (K and V one buffer, engine.models.deepseek) is written through K alone: the store leaves V's
+    input unread (NaN here) and matches its twin bit for bit; the pool lists the buffer once a layer."""
+    pool = KVPool(8, 16, 2, 1, 576, torch.bfloat16, torch.device(KERNEL_DEVICE), shared_kv=True)
+    assert pool.parts == 1 and pool.buffers() == [pool.k[0], pool.k[1]] and pool.v[1] is pool.k[1]
+    latent = _randn((n, 1, 576), torch.bfloat16, KERNEL_DEVICE, gen)
+    loc = torch.randperm(pool.num_slots, generator=gen)[:n].to(KERNEL_DEVICE)
+    ref = pool.k[1].clone()
+    store_kv(pool.k[1], None, loc, latent, None)
+    store_kv_reference(ref, None, loc, latent, None)
+    assert torch.equal(pool.k[1].view(torch.int16), ref.view(torch.int16)) and not pool.k[0].any()
+    pool.write(0, loc, latent, torch.full_like(latent, float("nan")))  # (the pool's own path: the kernel on CUDA)
+    assert torch.equal(pool.k[0].view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.mark.parametrize("device,n,heads,kv_heads,head_dim,max_positions", ROTARY_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_store_kv(device, n, heads, kv_heads, head_dim, max_positions, dtype, gen, tiles):

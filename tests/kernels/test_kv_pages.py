@@ -48,6 +48,28 @@ def test_matches_reference(page, heads, dim, to_host, dtype, programs):
         assert torch.equal(v.view(-1, page, heads, dim)[2].cpu(), host[3, 2 * layer + 1].cpu())
 
 
+@pytest.mark.parametrize("to_host", [False, True], ids=["load", "backup"])
+def test_latent_pages_one_buffer_a_layer(to_host):
+    """A latent cache (K and V one buffer, engine.models.deepseek): host pages [pages, layers, ...] and v None; the
+    kernel moves layer l's one buffer to or from block l of the page and nothing else."""
+    page, layers, layer = 16, 3, 2
+    gen = torch.Generator().manual_seed(7)
+    host = torch.randn((9, layers, page, 1, 72), generator=gen).to(torch.bfloat16)
+    host = host.pin_memory() if DEVICE == "cuda" else host
+    latent = torch.randn((7 * page, 1, 72), generator=gen).to(torch.bfloat16).to(DEVICE)
+    host_pages, dev_pages = torch.tensor([5, 2, 8], dtype=torch.int64), torch.tensor([6, 1, 4], dtype=torch.int64)
+    want = [host.clone(), latent.clone()]
+    copy_kv_pages_reference(want[0], want[1], None, layer, host_pages, dev_pages, to_host)
+    copy_kv_pages(host, latent, None, layer, host_pages.to(DEVICE), dev_pages.to(DEVICE), to_host, 3)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host, want[0]) and torch.equal(latent.cpu(), want[1].cpu())
+    pages = latent.view(-1, page, 1, 72).cpu()
+    assert torch.equal(host[8, layer], pages[4]) and torch.equal(host[2, layer], pages[1])
+    with pytest.raises(ValueError, match="layer 3 outside the host pages' 3 layers"):
+        copy_kv_pages(host, latent, None, 3, host_pages.to(DEVICE), dev_pages.to(DEVICE), to_host)
+
+
 def test_empty_page_list_copies_nothing():
     host, k, v = _pools(16, 2, 8, 1, torch.float32, seed=0)
     before = k.clone()

@@ -94,7 +94,7 @@ out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=
                      dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True), 8, 1)
 out["store_kv"] = ptx(kv_store._store_kv_kernel, dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16,
                                                       loc_ptr="*i64"), set(),
-                      dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=True), 4, 1)
+                      dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, STORE_V=True, PDL=True), 4, 1)
 # (with Qwen3's q/k norms, whose weights it loads after the wait too)
 out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16, k_dst_ptr=bf16,
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",

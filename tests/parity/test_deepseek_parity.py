@@ -165,6 +165,10 @@ def test_the_hierarchical_cache_brings_latent_pages_back_unchanged(checkpoints, 
     with running_engine(path, **reference, **common) as plain, \
             running_engine(path, max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=8,
                            **common) as tiered:
+        # a host page holds each layer's latent once: [layers, page, 1, rank + rope], as the device pool holds it
+        host, pool = tiered.cache.hierarchy.host, tiered.cache.hierarchy.mover.kv
+        assert host.data.shape[1:] == (3, 4, 1, 40) and len(pool.buffers()) == 3
+        assert host.page_bytes == pool.page_bytes * 3
         converse(tiered, plain, convs, {"max_new_tokens": 8, "temperature": 0}, rng, vocab=250)
         assert tiered.get_load()["host_hit_tokens"] > 0  # pages did come back from host memory
 
@@ -209,6 +213,9 @@ def test_prefill_decode_disaggregation_moves_the_latent_pages(checkpoints):
     greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
     with running_engine(path, **opts) as p, running_engine(path, **opts) as d:
         pair = Pair(p, d)
+        # the pages move each layer's latent once: one buffer a layer, whose page is page_size latents
+        assert len(pair.mp.buffers) == len(pair.md.buffers) == 2 and p.runner.kv_pool.parts == 1
+        assert pair.mp.pool.page_bytes == 4 * (32 + 8) * 4
 
         async def run():
             return [await pair.generate(ids, greedy) for ids in PROMPTS]

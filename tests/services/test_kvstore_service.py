@@ -163,6 +163,25 @@ def test_large_batches_go_in_several_requests(kvstore, monkeypatch):
 
 
 @pytest.mark.parametrize("kvstore", ["memory"], indirect=True)
+def test_a_latent_layout_keeps_pages_of_one_buffer_a_layer(kvstore):
+    """A latent cache's layout (kv_buffers 1: DeepSeek's one buffer a layer) reaches the store with its page size,
+    half a K-and-V layout's of the same shape, under keys of its own; a K-and-V page is refused at that size."""
+    latent = KvLayout("tiny", page_size=4, dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, kv_buffers=1)
+    assert latent.page_bytes * 2 == PAGE_BYTES and latent.tag() != LAYOUT.tag()
+    assert convert.layout_from_proto(convert.layout_to_proto(latent)) == latent
+    assert convert.layout_from_proto(pb.KvLayout(model="tiny", page_size=4, dtype="float16", num_layers=2,
+                                                 num_kv_heads=2, head_dim=8)) == LAYOUT  # unset: K and V
+    with pytest.raises(ValueError, match="kv_buffers must be 1 or 2"):
+        convert.layout_from_proto(pb.KvLayout(model="m", page_size=4, dtype="float16", num_layers=1, num_kv_heads=1,
+                                              head_dim=1, kv_buffers=3))
+    store = KvStoreStorage(StorageOptions(url=kvstore.url, timeout_s=2.0, layout=latent))
+    page = make_page(b"latent".ljust(16, b"\0"), bytes(range(256)))
+    assert store.set([page]) == 1 and store.get([page.key]) == [page]
+    with pytest.raises(StorageError, match="a page of layout tiny\\|p4\\|float16\\|L2\\|H2\\|D8\\|B1 is 256 bytes"):
+        store.set([make_page(b"kv".ljust(16, b"\0"), b"x" * PAGE_BYTES)])
+
+
+@pytest.mark.parametrize("kvstore", ["memory"], indirect=True)
 def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(kvstore):
     store = client(kvstore)
     with pytest.raises(StorageError, match=r"INVALID_ARGUMENT: pages\[0\].data is 10 bytes; a page of layout "

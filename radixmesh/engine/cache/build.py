@@ -38,7 +38,8 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
         per_rank = [read(tp_rank=r) for r in range(tp)] if args.quantization_param_path else [read()] * tp
         digest = kv_scales.digest(per_rank)
         name = f"{name}:kv-scales-{digest}" if digest else name
-    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim)
+    return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim,
+                    model.kv_buffers)
 
 
 def swa_window(args: EngineArgs, runner) -> int | None:

@@ -7,8 +7,9 @@ ran as long as the loads and the layers one after the other (H200, benchmarks.kv
 GEMMs took 10.4-13.0 ms layer by layer). A DMA takes no SM: the same bytes over the copy engine took 5.4 ms and the
 layer-by-layer chain 5.65 ms, the longer of the two.
 
-A host page is one block [2 * layers, page, heads, dim], so one layer's K and V of a run of consecutive host pages
-is a 2-D copy: `count` rows of 2 * page_elems elements, `host page stride` apart.
+A host page is one block [2 * layers, page, heads, dim] (a latent cache's one buffer a layer: [layers, ...]), so one
+layer's K and V of a run of consecutive host pages is a 2-D copy: `count` rows of 2 * page_elems elements, `host page
+stride` apart.
 
 Where the driver has it (CUDA 12.8+), one call queues any number of copies at once: `copy_batch`
 (cuMemcpyBatchAsync) takes 1-D copies: a layer's K and V of every page straight between host and device pages, with

@@ -1,9 +1,10 @@
 """The host-memory KV pool (L2 of the hierarchical cache) and the copies between it and the device pool.
 
-Host page p is one contiguous block [2 * num_layers, page_size, num_kv_heads, head_dim] (layer 0 K, layer 0 V, ...),
-so a page is also the byte layout the L3 store keeps (`engine.cache.storage.KvLayout.page_bytes`). Page 0 is never
-handed out. On CUDA the pool is pinned and copies run on streams of their own, one per direction (a load never
-queues behind a backup, and the two use the GPU's separate copy engines at once):
+Host page p is one contiguous block [2 * num_layers, page_size, num_kv_heads, head_dim] (layer 0 K, layer 0 V, ...;
+a latent cache's one buffer a layer: [num_layers, ...], engine.cache.kv_pool's `parts`), so a page is also the byte
+layout the L3 store keeps (`engine.cache.storage.KvLayout.page_bytes`). Page 0 is never handed out. On CUDA the pool
+is pinned and copies run on streams of their own, one per direction (a load never queues behind a backup, and the two
+use the GPU's separate copy engines at once):
 - device -> host (`to_host`) is asynchronous: queued, then issued with the other queued ones by the next `flush`
   (the scheduler's poll or the next forward), after the compute stream's work so far (the KV must be written);
   the caller gets a `Pending` and may use the host pages once it is done;
@@ -38,7 +39,7 @@ class HostKVPool:
         k = kv.k[0]
         self.page_size = kv.page_size
         self.num_layers = len(kv.k)
-        self.shape = (2 * self.num_layers, kv.page_size, k.shape[1], k.shape[2])
+        self.shape = (kv.parts * self.num_layers, kv.page_size, k.shape[1], k.shape[2])
         self.path = path
         if ranks == 1:
             self.group = torch.zeros((num_pages + 1, 1, *self.shape), dtype=k.dtype, pin_memory=k.is_cuda)
@@ -185,10 +186,11 @@ class KVMover:
         self.scatter_stream = torch.cuda.Stream(device=kv.k[0].device, priority=-1) if self.dma else None
         self.buffers = kv.buffers()
         if self.batched:
-            # byte addresses for batched copies: each layer's K and V buffer; page p of a layer's K (or V) is
-            # `half` bytes at p * half; host page p is `host_stride` bytes at data + p * host_stride
-            self._k_ptrs = np.array([t.data_ptr() for t in kv.k], dtype=np.uint64)
-            self._v_ptrs = np.array([t.data_ptr() for t in kv.v], dtype=np.uint64)
+            # byte addresses for batched copies: each layer's K and V buffer (or its one latent buffer), [layers,
+            # parts]; page p of a layer's K (or V) is `half` bytes at p * half; host page p is `host_stride` bytes at
+            # data + p * host_stride
+            self._ptrs = np.array([[t.data_ptr() for t in kv.layer_buffers(i)] for i in range(len(kv.k))],
+                                  dtype=np.uint64)
             self._half = host.data[0, 0].numel() * host.data.element_size()
             self._host_stride = host.data.stride(0) * host.data.element_size()
         self._queued: list[tuple[list[int], list[int], Pending]] = []  # loads: host pages, device pages
@@ -200,7 +202,7 @@ class KVMover:
         return buf.view(-1, self.kv.page_size, buf.shape[1], buf.shape[2])
 
     def _gather(self, dev_pages: list[int]) -> torch.Tensor:
-        """Device pages as host-pool blocks [pages, 2 * layers, page, heads, dim], on the device."""
+        """Device pages as host-pool blocks [pages, parts * layers, page, heads, dim], on the device."""
         idx = torch.tensor(dev_pages, dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
         return torch.stack([self._device_pages(b)[idx] for b in self.buffers], dim=1)
 
@@ -219,8 +221,7 @@ class KVMover:
         both = torch.tensor([host_pages, dev_pages], dtype=torch.int64).to(self.kv.k[0].device, non_blocking=True)
         hp, dp = both[0], both[1]
         for layer in range(len(self.kv.k)):
-            copy_kv_pages(self.host.data, self.kv.k[layer], self.kv.v[layer], layer, hp, dp, to_host, programs,
-                          check=layer == 0)
+            copy_kv_pages(self.host.data, *self._k_v(layer), layer, hp, dp, to_host, programs, check=layer == 0)
             if after_layer is not None:
                 after_layer(layer)
         return hp, dp
@@ -331,15 +332,19 @@ class KVMover:
             pending.event, pending.start_event, pending.keep = event, start, keep
             pending.tokens, pending.seconds, pending.flush = tokens, seconds, finish
 
+    def _k_v(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kernels.kv_pages' k and v of `layer` (v None: a latent cache's one buffer)."""
+        return (self.kv.k[layer], self.kv.v[layer]) if self.kv.parts == 2 else (self.kv.k[layer], None)
+
     def _addresses(self, host_pages: list[int], dev_pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(host, device) byte addresses [layers, 2 (K, V), pages] of each page's K and V of each layer."""
-        layers = len(self.kv.k)
+        """(host, device) byte addresses [layers, parts (K, V), pages] of each page's K and V of each layer."""
+        layers, parts = self._ptrs.shape
         dev = np.asarray(dev_pages, dtype=np.uint64) * np.uint64(self._half)
-        on_device = np.stack([self._k_ptrs[:, None] + dev, self._v_ptrs[:, None] + dev], axis=1)
+        on_device = self._ptrs[:, :, None] + dev
         host = np.asarray(host_pages, dtype=np.uint64) * np.uint64(self._host_stride) \
             + np.uint64(self.host.data.data_ptr())
-        parts = (np.arange(2 * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, 2, 1)
-        return host[None, None, :] + parts, on_device
+        blocks = (np.arange(parts * layers, dtype=np.uint64) * np.uint64(self._half)).reshape(layers, parts, 1)
+        return host[None, None, :] + blocks, on_device
 
     def _backup_batched(self, dev_pages: list[int], host_pages: list[int]) -> None:
         """Backups over the copy engine (call on the backup stream): every layer's K and V of every page, device page
@@ -348,7 +353,8 @@ class KVMover:
 
     def _batches(self, host_pages: list[int], dev_pages: list[int], to_device: bool):
         """A function that queues the batch of copies between these pages for one layer (or, given None, every
-        layer) on the stream in use: one copy per page's K and one per its V (dma.copy_batch). The driver takes
+        layer) on the stream in use: one copy per page's K and one per its V (one a page for a latent cache;
+        dma.copy_batch). The driver takes
         ~0.45 us per copy (benchmarks.dma_issue), and a wave's loads of the 8B shape are ~66k page copies. (2-D copies
         per stretch of pages consecutive on both sides were measured and are slower here: the same benchmark's
         --runs.)"""
@@ -383,18 +389,18 @@ class KVMover:
             done = torch.cuda.Event(enable_timing=True)
             done.record(copy)
             return [done] * len(kv.k), ()
-        page_elems = data[0, 0].numel()
-        row = 2 * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
+        page_elems, parts = data[0, 0].numel(), kv.parts
+        row = parts * page_elems * data.element_size()  # one page's K and V of one layer, adjacent in a host page
         host_stride = data.stride(0) * data.element_size()
         device = kv.k[0].device
         groups = [(g, host_pages[g:g + STAGING_PAGES]) for g in range(0, len(host_pages), STAGING_PAGES)]
-        slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), 2, *data.shape[2:]),
+        slots = torch.empty((STAGING_SLOTS, min(len(host_pages), STAGING_PAGES), parts, *data.shape[2:]),
                             dtype=data.dtype, device=device)
         idx = torch.tensor(dev_pages, dtype=torch.int64).to(device, non_blocking=True)
         scatter.wait_stream(copy)  # the page index is on the device
         handle, used, ready = copy.cuda_stream, [], []
         for layer in range(len(kv.k)):
-            offset = data.data_ptr() + 2 * layer * page_elems * data.element_size()
+            offset = data.data_ptr() + parts * layer * page_elems * data.element_size()
             for g, pages in groups:
                 n = len(used)
                 slot = slots[n % STAGING_SLOTS]
@@ -408,8 +414,8 @@ class KVMover:
                 scatter.wait_event(arrived)
                 with torch.cuda.stream(scatter):
                     where = idx[g:g + len(pages)]
-                    self._device_pages(kv.k[layer]).index_copy_(0, where, slot[:len(pages), 0])
-                    self._device_pages(kv.v[layer]).index_copy_(0, where, slot[:len(pages), 1])
+                    for j, buf in enumerate(kv.layer_buffers(layer)):
+                        self._device_pages(buf).index_copy_(0, where, slot[:len(pages), j])
                     done = torch.cuda.Event(enable_timing=True)  # the last one times the flush (Pending)
                     done.record(scatter)
                 used.append(done)

@@ -48,8 +48,8 @@ class KVPool:
 
     `shared_kv` (multi-head latent attention, engine.models.deepseek): a layer's V buffer is its K buffer, one
     tensor: the model writes the same latent as its key and value and reads the value's leading part of the output.
-    Everything that walks `buffers()` (host copies, transfers) still sees a K and a V per layer, so it copies the
-    latent twice; only the device memory is held once."""
+    `buffers()` lists that buffer once a layer, so host copies, the host tier's pages, L3 pages and PD transfers hold
+    and move the latent once (`parts` buffers a layer: 2, or 1 for a latent cache)."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
@@ -62,6 +62,7 @@ class KVPool:
         shape = (self.num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = self.k if shared_kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.parts = 1 if shared_kv else 2
         self.allocator = PageAllocator(num_pages)
 
     @property
@@ -76,10 +77,13 @@ class KVPool:
         if use_kernels(k) and k.dtype == self.k[layer].dtype:
             from radixmesh.kernels.kv_store import store_kv
 
-            store_kv(self.k[layer], self.v[layer], loc, k, v)
+            if self.parts == 1:
+                store_kv(self.k[layer], None, loc, k, None)  # (the latent once: its value is its key)
+            else:
+                store_kv(self.k[layer], self.v[layer], loc, k, v)
             return
         self.k[layer][loc] = _stored(k, self.k[layer].dtype, self.k_scale[layer])  # (an fp8 cache rounds here)
-        if self.v is not self.k:  # (a latent cache's value is its key, one buffer: written once)
+        if self.parts == 2:  # (a latent cache's value is its key, one buffer: written once)
             self.v[layer][loc] = _stored(v, self.v[layer].dtype, self.v_scale[layer])
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +112,14 @@ class KVPool:
         bufs = self.buffers()
         torch._foreach_copy_([t[b:b + n] for t in bufs], [t[a:a + n] for t in bufs])
 
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The `parts` buffers of `layer`: its K and V, or its one latent buffer."""
+        return (self.k[layer], self.v[layer]) if self.parts == 2 else (self.k[layer],)
+
     def buffers(self) -> list[torch.Tensor]:
-        """Every KV buffer (layer 0 K, layer 0 V, layer 1 K, ...); page p of each is one contiguous byte range."""
-        return [t for pair in zip(self.k, self.v) for t in pair]
+        """Every KV buffer, layer by layer (layer 0 K, layer 0 V, layer 1 K, ...; a latent cache's one buffer a
+        layer); page p of each is one contiguous byte range."""
+        return [t for layer in range(len(self.k)) for t in self.layer_buffers(layer)]
 
     @property
     def page_bytes(self) -> int:

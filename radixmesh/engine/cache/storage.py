@@ -37,15 +37,18 @@ class KvLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_buffers: int = 2  # buffers a layer: K and V, or a latent cache's one (engine.cache.kv_pool's `parts`)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page: K and V of every layer, [2 * num_layers, page_size, num_kv_heads, head_dim]."""
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """Bytes of one page: K and V of every layer, [kv_buffers * num_layers, page_size, num_kv_heads, head_dim]."""
+        return (self.kv_buffers * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+                * DTYPE_BYTES[self.dtype])
 
     def tag(self) -> bytes:
+        buffers = "" if self.kv_buffers == 2 else f"|B{self.kv_buffers}"  # (K and V pages keep their old keys)
         return (f"{self.model}|p{self.page_size}|{self.dtype}|L{self.num_layers}|H{self.num_kv_heads}"
-                f"|D{self.head_dim}").encode()
+                f"|D{self.head_dim}{buffers}").encode()
 
 
 class StoredPage(NamedTuple):

@@ -19,8 +19,10 @@ def layout_from_proto(message: kvstore_pb2.KvLayout) -> KvLayout:
     for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
         if getattr(message, name) <= 0:
             raise ValueError(f"layout.{name} must be > 0, got {getattr(message, name)}")
+    if message.kv_buffers not in (0, 1, 2):
+        raise ValueError(f"layout.kv_buffers must be 1 or 2 (0: 2), got {message.kv_buffers}")
     return KvLayout(message.model, message.page_size, message.dtype, message.num_layers, message.num_kv_heads,
-                    message.head_dim)
+                    message.head_dim, message.kv_buffers or 2)
 
 
 def request_layout(request) -> KvLayout | None:
@@ -33,7 +35,7 @@ def request_layout(request) -> KvLayout | None:
 def layout_to_proto(layout: KvLayout) -> kvstore_pb2.KvLayout:
     return kvstore_pb2.KvLayout(model=layout.model, page_size=layout.page_size, dtype=layout.dtype,
                                 num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                head_dim=layout.head_dim)
+                                head_dim=layout.head_dim, kv_buffers=layout.kv_buffers)
 
 
 def check_keys(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
