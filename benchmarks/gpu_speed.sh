@@ -483,7 +483,9 @@ fi
 
 if [[ " $PARTS " == *" deepseek "* ]]; then
   timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/kernels/test_mla_decode.py \
-    tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py -k "mla or deepseek or grouped_route_kernel" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
+    tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py tests/kernels/test_kv_pages.py \
+    tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py \
+    -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   for decode in triton torch_native; do
     echo "== decode $decode"
     timeout 200 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \

@@ -96,12 +96,14 @@ def test_the_default_io_backend_is_the_copy_engine_where_the_driver_batches_copi
     assert mover.batched == dma.batch_available()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["k-and-v", "latent"])
 @pytest.mark.parametrize("path", ["page-batches", "2d-calls"])
-def test_direct_loads_equal_the_host_pages(monkeypatch, path):
+def test_direct_loads_equal_the_host_pages(monkeypatch, path, shared):
     """--hicache-io-backend direct into scattered device pages, on each of its paths: one batch per layer straight
     into place, a copy per page (cuMemcpyBatchAsync, CUDA 12.8+); or, for older drivers, a cudaMemcpy2DAsync per
     run of host pages into staging slots (groups, a ring of slots) scattered by index copies: every byte lands where
-    the kernel path puts it, and the per-layer events cover each layer."""
+    the kernel path puts it, and the per-layer events cover each layer. A latent pool (DeepSeek: K and V one buffer)
+    has one part a layer in its host pages."""
     from radixmesh.engine.cache import dma, host_pool
     from radixmesh.engine.cache.host_pool import HostKVPool
     from radixmesh.engine.cache.kv_pool import KVPool
@@ -109,8 +111,9 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     if path == "page-batches" and not dma.batch_available():
         pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
     monkeypatch.setattr(host_pool, "STAGING_PAGES", 3)  # several groups per layer, the ring wrapping within a layer
-    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
+    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"), shared_kv=shared)
     host = HostKVPool(40, kv)
+    assert host.data.shape[1] == 3 * kv.parts
     host.data.copy_(torch.randn(host.data.shape).to(host.data.dtype))
     mover = KVMover(kv, host, "direct")
     assert mover.dma and mover.batched == dma.batch_available()
@@ -128,21 +131,22 @@ def test_direct_loads_equal_the_host_pages(monkeypatch, path):
     assert len(mover.take_ready()) == 3
     for layer in range(3):
         for hp, dp in zip(host_pages, dev_pages):
-            k = kv.k[layer].view(-1, 4, 2, 8)[dp].cpu()
-            v = kv.v[layer].view(-1, 4, 2, 8)[dp].cpu()
-            assert torch.equal(k, host.data[hp, 2 * layer]) and torch.equal(v, host.data[hp, 2 * layer + 1])
+            for j, buf in enumerate(kv.layer_buffers(layer)):
+                assert torch.equal(buf.view(-1, 4, 2, 8)[dp].cpu(), host.data[hp, kv.parts * layer + j])
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["k-and-v", "latent"])
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
-def test_backups_equal_the_device_pages(io_backend):
+def test_backups_equal_the_device_pages(io_backend, shared):
     """Backups (device -> host) from scattered device pages into scattered host pages, by kernels.kv_pages or, with
     --hicache-io-backend direct, one batch of copy-engine copies (one per page's K or V): every layer's K and V
-    lands in its host page, and host pages not written keep their bytes."""
+    lands in its host page (a latent pool's one buffer a layer, once), and host pages not written keep their
+    bytes."""
     from radixmesh.engine.cache.host_pool import HostKVPool
     from radixmesh.engine.cache.kv_pool import KVPool
 
-    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"))
-    for t in kv.k + kv.v:
+    kv = KVPool(64, 4, 3, 2, 8, torch.bfloat16, torch.device("cuda"), shared_kv=shared)
+    for t in kv.buffers():
         t.copy_(torch.randn(t.shape))
     host = HostKVPool(40, kv)
     before = host.data.clone()
@@ -154,8 +158,8 @@ def test_backups_equal_the_device_pages(io_backend):
     assert pending.done() and pending.elapsed_s() >= 0
     for layer in range(3):
         for hp, dp in zip(host_pages, dev_pages):
-            assert torch.equal(host.data[hp, 2 * layer], kv.k[layer].view(-1, 4, 2, 8)[dp].cpu())
-            assert torch.equal(host.data[hp, 2 * layer + 1], kv.v[layer].view(-1, 4, 2, 8)[dp].cpu())
+            for j, buf in enumerate(kv.layer_buffers(layer)):
+                assert torch.equal(host.data[hp, kv.parts * layer + j], buf.view(-1, 4, 2, 8)[dp].cpu())
     untouched = [p for p in range(41) if p not in host_pages]
     assert torch.equal(host.data[untouched], before[untouched])
 
