@@ -28,3 +28,35 @@ def test_deepseek_on_cuda_matches_transformers(tmp_path, name, backend):
         for batch in (PROMPTS, PROMPTS[:1]):  # (batch 1: a graph of its own)
             greedy_like_transformers(llm, path, batch, MAX_NEW)
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("block", [(16, 32), None], ids=["block", "channel"])
+def test_fp8_deepseek_in_cuda_graphs_holds_its_projections_in_fp8(tmp_path, block):
+    """An fp8 DeepSeek-V3 (block-wise with blocks cut by the latent's 40 rows and q_b_proj's 24 columns, or per
+    channel) on CUDA in graphs: the low-rank projections, o_proj and the experts held in fp8, kv_b_proj dequantized;
+    the dequantized twin's first token of each prompt, its logprob within 0.05 (a prefill's expert GEMMs quantize
+    their activations per token group, W8A8, as SGLang's do: 0.011 off in Triton's interpreter, where the twin's
+    second token of the last prompt is a near tie that flips)."""
+    import torch
+
+    from radixmesh.engine.quantization import fp8
+    from tests.parity.test_deepseek_parity import write_family
+    from tests.parity.test_moe_parity import PROMPTS
+
+    path = fp8.write_checkpoint(write_family("deepseek_v3", tmp_path / "src"), str(tmp_path / "fp8"), block=block)
+    twin = fp8.dequantized_checkpoint(path, str(tmp_path / "twin"))
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    outs = []
+    for p in (twin, path):
+        with running_engine(p, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+                            fp8_gemm_backend="triton", moe_runner_backend="triton") as llm:
+            if p == path:
+                attn = llm.runner.model.model.layers[1].self_attn
+                assert {attn.q_a_proj.weight.dtype, attn.kv_a_proj_with_mqa.weight.dtype,
+                        attn.o_proj.weight.dtype} == {torch.float8_e4m3fn}
+                assert attn.kv_b_proj.weight.dtype == torch.float32 and llm.runner.graphs is not None
+            got = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
+            outs.append([o["meta_info"]["output_token_logprobs"][0][:2] for o in got])
+            assert_no_leak(llm)
+    assert [t for _, t in outs[1]] == [t for _, t in outs[0]]
+    assert [lp for lp, _ in outs[1]] == pytest.approx([lp for lp, _ in outs[0]], abs=0.05)

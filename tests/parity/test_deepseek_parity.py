@@ -120,6 +120,27 @@ def test_block_fp8_checkpoint_matches_its_dequantized_twin(checkpoints, tmp_path
     assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-5)
 
 
+def test_fp8_low_rank_projections_are_held_in_fp8(checkpoints, tmp_path):
+    """A per-channel fp8 DeepSeek-V3 on the fp8 kernels (Triton's interpreter here): q_a_proj, q_b_proj,
+    kv_a_proj_with_mqa and o_proj stay fp8 (half the bytes a decode step reads of them), kv_b_proj (whose head blocks
+    the model multiplies itself) is dequantized; a prompt of under 16 tokens runs 16-bit activations, so the tokens
+    and logprobs are the dequantized twin's."""
+    from radixmesh.engine.quantization import fp8
+
+    channel = fp8.write_checkpoint(checkpoints["deepseek_v3"], str(tmp_path / "fp8-channel"))
+    want_ids, want_logprobs = _generate(fp8.dequantized_checkpoint(channel, str(tmp_path / "twin")), PROMPTS[:1], 4)
+    with running_engine(channel, skip_tokenizer_init=True, fp8_gemm_backend="triton",
+                        moe_runner_backend="triton") as llm:
+        attn = llm.runner.model.model.layers[1].self_attn
+        held = {n: getattr(attn, n).weight.dtype for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")}
+        assert held == dict.fromkeys(held, torch.float8_e4m3fn) and attn.kv_b_proj.weight.dtype == torch.float32
+        outs = llm.generate(input_ids=PROMPTS[:1], sampling_params={"max_new_tokens": 4, "temperature": 0},
+                            return_logprob=True)
+    pairs = [(t, lp) for o in outs for lp, t, _ in o["meta_info"]["output_token_logprobs"]]
+    assert [t for t, _ in pairs] == want_ids
+    assert [lp for _, lp in pairs] == pytest.approx(want_logprobs, abs=1e-4)
+
+
 def test_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
     """DeepSeek-V3's published checkpoint holds its multi-token-prediction layer after the last decoder layer
     (model.layers.<num_hidden_layers>.*): served without it, as transformers does."""

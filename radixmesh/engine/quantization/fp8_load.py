@@ -3,7 +3,8 @@ triton): which linear layers and experts keep their weights in float8_e4m3fn wit
 fills them.
 
 A layer is held so when it is one of the tensor-parallel projections (engine.layers.linear: QKV, merged gate/up,
-row-parallel) and every checkpoint tensor it reads is fp8 (a pre-quantized checkpoint; a layer the checkpoint left
+column- and row-parallel; not one marked `keep_float`, as DeepSeek's kv_b_proj, whose blocks the model multiplies
+itself) and every checkpoint tensor it reads is fp8 (a pre-quantized checkpoint; a layer the checkpoint left
 unquantized stays as it is), or under `--quantization fp8` for an unquantized checkpoint (rounded here with a scale
 per output row, as engine.quantization.fp8.quantized_online does). A mixture of experts' layer (engine.layers.moe)
 is held the same way, its stacked `w13` and `w2` together (every expert's gate, up and down tensors fp8), and runs
@@ -54,13 +55,15 @@ def _servable_block(block: tuple[int, int] | None) -> bool:
 
 
 def _held_parts(module: nn.Module) -> list[nn.Module]:
-    """The modules whose weights hold_fp8 keeps in fp8 together: a projection alone, a layer's experts' stacked
-    `w13` and `w2` both (kernels.moe_fp8 takes both in fp8); [] for any other module."""
-    from radixmesh.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    """The modules whose weights hold_fp8 keeps in fp8 together: a projection alone (not one whose weight the model
+    reads other than through its forward: `keep_float`), a layer's experts' stacked `w13` and `w2` both
+    (kernels.moe_fp8 takes both in fp8); [] for any other module."""
+    from radixmesh.engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                                RowParallelLinear)
     from radixmesh.engine.layers.moe import FusedMoE
 
-    if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)):
-        return [module]
+    if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)):
+        return [] if getattr(module, "keep_float", False) else [module]
     return [module.w13, module.w2] if isinstance(module, FusedMoE) else []
 
 
