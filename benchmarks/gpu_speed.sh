@@ -494,6 +494,15 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
       --result-file "$OUT/deepseek_$decode.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" \
       | grep -E "True|distinct|copy|prefill of|skipped|rror"
   done
+  # The 8k prefill in the expanded form (engine.attention.mla_expanded) against the latent form just measured.
+  # Prediction (written before any run): attention is ~47% of V2-Lite's 8k prefill FLOPs in the latent form and ~25%
+  # in the expanded one (its keys and values rebuilt included): the prefill 1.2-1.5x faster if torch's attention runs
+  # near the latent kernel's rate.
+  echo "== prefill expanded"
+  RADIXMESH_MLA_PREFILL=expanded timeout 150 $PY -m radixmesh.engine.bench_one_batch \
+    --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+    --log-level warning --batch-size 1 --input-len 512 --output-len 4 --prefill-len 8192 --roofline \
+    --result-file "$OUT/deepseek_expanded.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "prefill of|rror"
 fi
 
 if [[ $PARTS == *spec* ]]; then

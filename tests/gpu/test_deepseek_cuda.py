@@ -60,3 +60,17 @@ def test_fp8_deepseek_in_cuda_graphs_holds_its_projections_in_fp8(tmp_path, bloc
             assert_no_leak(llm)
     assert [t for _, t in outs[1]] == [t for _, t in outs[0]]
     assert [lp for lp, _ in outs[1]] == pytest.approx([lp for lp, _ in outs[0]], abs=0.05)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_the_expanded_prefill_on_cuda_matches_transformers(tmp_path, monkeypatch, name):
+    """Prefill in the expanded form (engine.attention.mla_expanded, torch's fused attention kernels over each head's
+    rebuilt keys and values, 16-token chunks: a cached prefix too), decode on the latent kernels in CUDA graphs."""
+    from tests.parity.test_deepseek_parity import write_family
+    from tests.parity.test_moe_parity import PROMPTS
+
+    monkeypatch.setenv("RADIXMESH_MLA_PREFILL", "expanded")
+    path = write_family(name, tmp_path)
+    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16) as llm:
+        greedy_like_transformers(llm, path, PROMPTS, MAX_NEW)
+        assert_no_leak(llm)

@@ -9,6 +9,7 @@ logprobs are compared within 1e-4 (a wrong absorption, scale or rotation moves t
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,6 +193,61 @@ def test_the_hierarchical_cache_brings_latent_pages_back_unchanged(checkpoints, 
         assert host.page_bytes == pool.page_bytes * 3
         converse(tiered, plain, convs, {"max_new_tokens": 8, "temperature": 0}, rng, vocab=250)
         assert tiered.get_load()["host_hit_tokens"] > 0  # pages did come back from host memory
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_the_expanded_prefill_matches_transformers(checkpoints, monkeypatch, name, kv_cache_dtype):
+    """Prefill in the expanded form (engine.attention.mla_expanded: each head's keys and values rebuilt from the
+    latents, ordinary causal attention), in 16-token chunks (a cached prefix read back from the pool: fp8 in the
+    second case) and decode in the latent form: transformers' tokens and logprobs (fp8: the latent engine's tokens,
+    logprobs close)."""
+    from radixmesh.engine.attention import mla_expanded
+
+    path = checkpoints[name]
+    opts = dict(skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4, kv_cache_dtype=kv_cache_dtype)
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    if kv_cache_dtype == "auto":
+        refs, logprobs = _reference(path)
+    else:
+        with running_engine(path, **opts) as llm:
+            latent = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
+    calls = []
+    run = mla_expanded.expanded_attention
+    monkeypatch.setattr(mla_expanded, "expanded_attention", lambda *a: calls.append(a[0].batch) or run(*a))
+    monkeypatch.setenv("RADIXMESH_MLA_PREFILL", "expanded")
+    with running_engine(path, **opts) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
+    assert any(max(b.seq_lens_host[i] - b.extend_lens_host[i] for i in range(b.batch_size)) > 0 for b in calls)
+    if kv_cache_dtype == "auto":
+        assert_like_reference(outs, refs, logprobs)
+    else:
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in latent]
+        for a, b in zip(outs, latent):
+            assert [x[0] for x in a["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-3)
+
+
+def test_the_expanded_prefill_is_chosen_where_it_multiplies_less(monkeypatch):
+    """`auto` takes the expanded form for a long prompt, the latent one for a few new tokens over a long cached
+    prefix (rebuilding its keys and values would cost more than the pairs save); decode is always latent; a mode
+    that does not exist is refused."""
+    from radixmesh.engine.attention import mla_expanded
+    from radixmesh.engine.batch import ForwardMode
+
+    def batch(new, total, mode=ForwardMode.EXTEND):
+        return SimpleNamespace(mode=mode, tree_mask=None, extend_lens_host=new, seq_lens_host=total)
+    v3 = (512, 64, 128, 128)  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+    monkeypatch.setenv("RADIXMESH_MLA_PREFILL", "auto")
+    assert mla_expanded.wanted(batch([8192], [8192]), *v3)
+    assert mla_expanded.wanted(batch([512, 4], [1024, 4]), *v3)
+    assert not mla_expanded.wanted(batch([16], [8192]), *v3) and not mla_expanded.wanted(batch([150], [150]), *v3)
+    assert not mla_expanded.wanted(batch([1], [8192], ForwardMode.DECODE), *v3)
+    monkeypatch.setenv("RADIXMESH_MLA_PREFILL", "latent")
+    assert not mla_expanded.wanted(batch([8192], [8192]), *v3)
+    monkeypatch.setenv("RADIXMESH_MLA_PREFILL", "mha")
+    with pytest.raises(ValueError, match="RADIXMESH_MLA_PREFILL must be one of latent, expanded, auto"):
+        mla_expanded.wanted(batch([8192], [8192]), *v3)
 
 
 def test_triton_latent_kernels_match_transformers_in_the_interpreter(checkpoints):

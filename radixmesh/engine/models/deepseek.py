@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixmesh.engine.attention import mla_expanded
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -84,6 +85,12 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
+    def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [m, rank] -> each of this rank's heads' un-rotated key part [m, heads, nope] and value [m, heads,
+        v_dim] (kv_b_proj, as transformers computes them; engine.attention.mla_expanded)."""
+        kv = self.kv_b_proj(latents.to(self.kv_b_proj.weight.dtype)).view(-1, self.num_heads, self.nope + self.v_dim)
+        return kv.split([self.nope, self.v_dim], dim=-1)
+
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         n = hidden.shape[0]
         q_nope, q_pe = self._query(hidden).view(n, self.num_heads, -1).split([self.nope, self.rope_dim], dim=-1)
@@ -92,11 +99,16 @@ class MlaAttention(nn.Module):
         table = rope.table
         cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
         q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None, :], cos, sin, table.interleaved, table.upcast_pairs)
+        key = torch.cat([latent, k_pe[:, 0].to(latent.dtype)], dim=-1)[:, None, :]  # [n, 1, rank + rope]
+        ctx = get_forward_context()
+        if mla_expanded.wanted(ctx.batch, self.rank, self.rope_dim, self.nope, self.v_dim):  # (a long prefill)
+            query = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+            values = mla_expanded.expanded_attention(ctx, self.layer_id, query, key, self.rank, self._expand)
+            return self.o_proj(values.reshape(n, self.num_heads * self.v_dim))
         w_uk, w_uv = self._up_blocks()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
-        key = torch.cat([latent, k_pe[:, 0].to(latent.dtype)], dim=-1)[:, None, :]  # [n, 1, rank + rope]
-        out = get_forward_context().attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
+        out = ctx.attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
         values = torch.bmm(out[..., :self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, n, v_dim]
         return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
 
