@@ -74,9 +74,10 @@
 #                           model's batch-64 step and 8k prefill without, with, without and with the file (the same
 #                           TUNE_ONE_PAIR and TUNE_ONLY)
 #   PARTS="setup deepseek"  DeepSeek (multi-head latent attention): kernels.mla_decode's, mla_extend's and the tiny
-#                           DeepSeek models' CUDA tests, then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64,
-#                           256 and an 8k prefill against the roofline, decoded on Triton's latent kernel (the default)
-#                           and in plain torch
+#                           DeepSeek models' CUDA tests (fp8 projections, the expanded prefill, latent host pages too),
+#                           then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64, 256 and an 8k prefill
+#                           against the roofline, decoded on Triton's latent kernel (DEEPSEEK_DECODES adds
+#                           torch_native), and the 8k prefill in the expanded form
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -482,11 +483,11 @@ if [[ " $PARTS " == *" moetune "* ]]; then
 fi
 
 if [[ " $PARTS " == *" deepseek "* ]]; then
-  timeout 300 $PY -m pytest -q -p no:cacheprovider --timeout 280 tests/kernels/test_mla_decode.py \
+  timeout 330 $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/kernels/test_mla_decode.py \
     tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py tests/kernels/test_kv_pages.py \
     tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py \
     -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
-  for decode in triton torch_native; do
+  for decode in ${DEEPSEEK_DECODES:-triton}; do  # (DEEPSEEK_DECODES="triton torch_native": plain torch's too)
     echo "== decode $decode"
     timeout 200 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \
       --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --decode-attention-backend $decode \
