@@ -74,3 +74,21 @@ def test_the_expanded_prefill_on_cuda_matches_transformers(tmp_path, monkeypatch
     with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16) as llm:
         greedy_like_transformers(llm, path, PROMPTS, MAX_NEW)
         assert_no_leak(llm)
+
+
+def test_nextn_trees_on_the_latent_kernels_in_cuda_graphs_keep_the_greedy_tokens(tmp_path):
+    """NEXTN drafting trees (two candidates a step) on CUDA's defaults: the head's tree steps and the target's
+    verifies on kernels.mla_decode's tree mask, in CUDA graphs; transformers' greedy tokens."""
+    from tests.parity.test_deepseek_parity import _reference, _with_mtp, write_family
+    from tests.parity.test_moe_parity import MAX_NEW as REF_NEW
+    from tests.parity.test_moe_parity import PROMPTS
+
+    src = write_family("deepseek_v3", tmp_path / "src")
+    path, _ = _with_mtp(src, tmp_path)
+    refs, _ = _reference(src)
+    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, speculative_algorithm="NEXTN",
+                        speculative_num_steps=3, speculative_eagle_topk=2) as llm:
+        assert llm.args.decode_attention_backend == "triton" and llm.runner.graphs is not None
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": REF_NEW, "temperature": 0})
+        assert_no_leak(llm)
+    assert [o["output_ids"] for o in outs] == refs

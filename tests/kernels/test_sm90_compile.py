@@ -54,11 +54,14 @@ out = {
                               HAS_BIAS=False), 4, 1, aligned=("X", "W", "B", "Y", "N", "stride_wn")),
 }
 # decode over DeepSeek-V3's latent cache (512 + 64 a token, 128 heads in programs of 16; kernels.mla_decode)
-out["mla_stage1"] = ptx(mla_decode._latent_stage1,
-                        dict(Q="*bf16", KV="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Out="*bf16",
-                             PartialO="*fp32", PartialLse="*fp32"), {"scale_log2", "v_scale"},
-                        dict(HEADS=128, RANK=512, ROPE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64,
-                             NUM_SPLITS=4, PRECISION="tf32", UPCAST=False, V_SCALED=False, PDL=True), 4, 2)
+mla_args = dict(Q="*bf16", KV="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", TreeStart="*i64",
+                TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
+mla_stage1 = dict(HEADS=128, RANK=512, ROPE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, BLOCK_P=64, NUM_SPLITS=4,
+                  PRECISION="tf32", UPCAST=False, V_SCALED=False, TREE=False, PDL=True)
+out["mla_stage1"] = ptx(mla_decode._latent_stage1, mla_args, {"scale_log2", "v_scale"}, mla_stage1, 4, 2)
+# (NEXTN's draft trees: the tree rows' span bits masking the keys)
+out["mla_stage1_tree"] = ptx(mla_decode._latent_stage1, mla_args, {"scale_log2", "v_scale"},
+                             dict(mla_stage1, TREE=True), 4, 2)
 out["mla_extend"] = ptx(mla_extend._latent_extend_kernel,
                         dict(Q="*bf16", KvNew="*bf16", Out="*bf16", KvBuf="*bf16", ReqToToken="*i32",
                              ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64"),
@@ -179,6 +182,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
+                                                 ("mla_stage1_tree", 2),
                                                  ("moe_gate_up", 0), ("moe_down", 0),
                                                  ("moe_down_stacked", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0),
@@ -266,7 +270,7 @@ def test_the_lora_expand_is_a_tensor_core_product(ptx):
     assert _lines(ptx["lora_expand"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
 
 
-@pytest.mark.parametrize("kernel", ["mla_stage1", "mla_extend"])
+@pytest.mark.parametrize("kernel", ["mla_stage1", "mla_stage1_tree", "mla_extend"])
 def test_the_latent_attention_kernels_take_tensor_core_products(ptx, kernel):
     """DeepSeek's latent (512 + 64) decode and prefill compile for sm_90 with bfloat16 tensor-core products for both
     parts of the scores and the weighted sum."""

@@ -86,12 +86,9 @@ class TritonBackend(AttentionBackend):
     def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
         pool, s = self.kv_pool, self.shape
         if s.value_dim is not None:
-            if batch.tree_mask is not None:
-                raise ValueError("draft trees over a latent KV cache (multi-head latent attention) are not "
-                                 "implemented by radixmesh yet")
             return latent_decode(q, pool.k[layer_id], s.value_dim, self.req_to_token.table(layer_id),
                                  batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
-                                 partials=metadata.partials, kv_scale=pool.k_scale[layer_id])
+                                 partials=metadata.partials, kv_scale=pool.k_scale[layer_id], tree=batch.tree_mask)
         return decode_attention(q, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
                                 partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,

@@ -74,10 +74,6 @@ def _check_tree(args: EngineArgs, target: ModelConfig) -> None:
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) verifies with a tree mask, which the {backend} "
                          f"attention backend does not have (decode_attention_backend): use --decode-attention-backend "
                          f"{' or '.join(TREE_BACKENDS)}, or speculative_eagle_topk 1")
-    if target.mla is not None and backend == "triton":  # (kernels.mla_decode has no tree mask)
-        raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) over a latent KV cache (multi-head latent "
-                         "attention) verifies with a tree mask Triton's latent kernel does not have: use "
-                         "--decode-attention-backend torch_native, or speculative_eagle_topk 1")
     windows = [w for w in layer_windows(target, args.context_length) if w is not None]
     if windows and backend == "flashinfer":
         raise ValueError(f"speculative_eagle_topk {topk} (a draft tree) under sliding windows verifies with Triton or "
