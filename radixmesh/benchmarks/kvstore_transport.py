@@ -52,7 +52,7 @@ def host_pool(layout: KvLayout, pages: int) -> HostKVPool:
     """A real host pool of `pages` pages shaped like the layout (pinned on a CUDA machine, as a worker's is)."""
     k = torch.empty((1, layout.num_kv_heads, layout.head_dim), dtype=getattr(torch, layout.dtype),
                     device="cuda" if torch.cuda.is_available() else "cpu")
-    pool = HostKVPool(pages, SimpleNamespace(k=[k] * layout.num_layers, page_size=layout.page_size))
+    pool = HostKVPool(pages, SimpleNamespace(k=[k] * layout.num_layers, page_size=layout.page_size, parts=2))
     pool.data.view(torch.uint8).random_(0, 256)
     return pool
 

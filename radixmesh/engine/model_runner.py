@@ -319,7 +319,7 @@ class ModelRunner:
         from radixmesh.engine.shared_memory import unlink
 
         try:
-            self._step_message(("setup", (host.allocator.num_pages, host.path), None))
+            self._step_message(("setup", (host.allocator.num_pages, host.path, host.replicated), None))
             if host.path is not None:
                 self.tp.all_min(0)  # every follower mapped it
         finally:
@@ -391,9 +391,9 @@ class ModelRunner:
             if kind == "setup":
                 from radixmesh.engine.cache.host_pool import HostKVPool, KVMover
 
-                pages, path = header
+                pages, path, replicated = header
                 ranks = self.tp.size if path is not None else 1
-                host = HostKVPool(pages, self.kv_pool, self.tp.rank if path else 0, ranks, path)
+                host = HostKVPool(pages, self.kv_pool, self.tp.rank if path else 0, ranks, path, replicated)
                 self.mover = KVMover(self.kv_pool, host, self.args.hicache_io_backend)
                 if path is not None:
                     self.tp.all_min(0)

@@ -250,6 +250,49 @@ def test_the_expanded_prefill_is_chosen_where_it_multiplies_less(monkeypatch):
         mla_expanded.wanted(batch([8192], [8192]), *v3)
 
 
+@pytest.mark.parametrize("store", [None, "file"])
+def test_tp_host_tier_keeps_one_copy_of_the_latent(checkpoints, tmp_path, store):
+    """Under TP=2 every rank holds the same latent: the host tier is one copy both ranks map (the leader alone backs
+    pages up, the follower loads from it), and an L3 page is that one copy under keys any TP size shares. Without a
+    store, a small device pool sends conversations to the host and back: every turn answers as one process without
+    a prefix cache, every earlier token cached. With a file store (write-through, a host pool smaller than the
+    prompts): the prompts' second pass comes back whole pages from the host and the store, and a TP=1 engine on the
+    same store finds what the TP=2 one stored."""
+    import random
+
+    from tests.api.test_hicache_engine import NO_SKIP
+
+    path = checkpoints["deepseek_v3"]
+    common = dict(skip_tokenizer_init=True, page_size=4)
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    tier = dict(max_total_tokens=192, enable_hierarchical_cache=True, hicache_ratio=8 if store is None else 1)
+    if store is not None:
+        tier.update(hicache_storage_backend=store, hicache_storage_url=str(tmp_path / "l3"),
+                    hicache_write_policy="write_through", hicache_storage_prefetch_policy="wait_complete",
+                    hicache_storage_backend_extra_config=NO_SKIP)
+    rng = random.Random(1)
+    convs = [[rng.randrange(5, 250) for _ in range(60 if store is None else 40)] for _ in range(6)]
+    with running_engine(path, disable_radix_cache=True, **common) as plain, \
+            running_engine(path, tp_size=2, **tier, **common) as tiered:
+        host = tiered.cache.hierarchy.host
+        assert host.replicated and host.group.shape[1] == 1 and host.path is not None  # one copy, shared
+        assert host.page_bytes == 3 * 4 * 40 * 4  # layers x page x (rank + rope) x float32
+        if store is None:
+            converse(tiered, plain, convs, {"max_new_tokens": 8, "temperature": 0}, rng, vocab=250)
+        else:
+            want = [plain.generate(input_ids=c, sampling_params=greedy)["output_ids"] for c in convs]
+            for _ in range(2):
+                outs = [tiered.generate(input_ids=c, sampling_params=greedy) for c in convs]
+                assert [o["output_ids"] for o in outs] == want
+            assert [o["meta_info"]["cached_tokens"] for o in outs] == [36] * 6
+        load = tiered.get_load()
+        assert load["host_hit_tokens"] > 0 and (store is None or load["storage_hit_tokens"] > 0)
+    if store is not None:
+        with running_engine(path, **tier, **common) as one:  # (TP=1: the same keys)
+            out = one.generate(input_ids=convs[0], sampling_params=greedy)
+            assert out["output_ids"] == want[0] and out["meta_info"]["cached_tokens"] == 36
+
+
 def test_triton_latent_kernels_match_transformers_in_the_interpreter(checkpoints):
     """Prefill and decode on Triton's latent kernels (kernels.mla_extend, kernels.mla_decode: what a GPU runs by
     default), over a cached prefix too (chunked prefill), in Triton's interpreter: transformers' tokens and

@@ -181,7 +181,7 @@ def test_the_worker_s_storage_path_moves_host_pages_and_refuses_a_bad_one(kvstor
     from radixmesh.engine.cache.storage_io import JobKind, StorageIO, StorageJob
 
     k = torch.empty((1, LAYOUT.num_kv_heads, LAYOUT.head_dim), dtype=torch.float16)
-    host = HostKVPool(16, SimpleNamespace(k=[k] * LAYOUT.num_layers, page_size=LAYOUT.page_size))
+    host = HostKVPool(16, SimpleNamespace(k=[k] * LAYOUT.num_layers, page_size=LAYOUT.page_size, parts=2))
     assert host.page_bytes == PAGE_BYTES
     host.data.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
     storage = transfer_client(kvstore)

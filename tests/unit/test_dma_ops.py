@@ -58,16 +58,17 @@ def test_runs_of_strided_host_pages_land_packed_in_a_slot():
 
 
 class _Mover:
-    """What KVMover._batches reads, over one byte array: the host pool at 0, then each layer's K and V buffer."""
+    """What KVMover._batches reads, over one byte array: the host pool at 0, then each layer's K and V buffer (a
+    latent pool's one buffer a layer with `parts` 1)."""
 
-    def __init__(self, layers: int, half: int, host_pages: int, dev_pages: int):
+    def __init__(self, layers: int, half: int, host_pages: int, dev_pages: int, parts: int = 2):
         self.kv = type("KV", (), {"k": [None] * layers})()
-        self._half, self._host_stride = half, 2 * layers * half
+        self._half, self._host_stride = half, parts * layers * half
         self.host = type("Host", (), {"data": type("D", (), {"data_ptr": lambda self: 0})()})()
         base = host_pages * self._host_stride
-        self._k_ptrs = np.array([base + 2 * l * dev_pages * half for l in range(layers)], dtype=np.uint64)
-        self._v_ptrs = self._k_ptrs + np.uint64(dev_pages * half)
-        self.size = base + 2 * layers * dev_pages * half
+        self._ptrs = np.array([[base + (parts * l + j) * dev_pages * half for j in range(parts)]
+                               for l in range(layers)], dtype=np.uint64)
+        self.size = base + parts * layers * dev_pages * half
 
 
 def test_segments_are_stretches_consecutive_on_both_sides():
@@ -77,13 +78,15 @@ def test_segments_are_stretches_consecutive_on_both_sides():
     assert len(starts) == len(lengths) == 0
 
 
+@pytest.mark.parametrize("parts", [2, 1], ids=["k-and-v", "latent"])
 @pytest.mark.parametrize("to_device", [True, False])
 @pytest.mark.parametrize("layer", [1, None])
-def test_page_copies_move_each_layers_k_and_v_between_host_and_device_pages(monkeypatch, to_device, layer):
+def test_page_copies_move_each_layers_k_and_v_between_host_and_device_pages(monkeypatch, to_device, layer, parts):
     """KVMover's batch for one layer (a forward's wait is per layer) or for every layer (a step's backups): one copy
-    per page's K and one per its V, each between its host page's part and its device page, on the stream in use."""
+    per page's K and one per its V (one per page of a latent pool's one buffer a layer), each between its host page's
+    part and its device page, on the stream in use."""
     layers, half = 3, 8
-    m = _Mover(layers, half, host_pages=12, dev_pages=16)
+    m = _Mover(layers, half, host_pages=12, dev_pages=16, parts=parts)
     m._addresses = lambda *a: KVMover._addresses(m, *a)
     memory = np.random.default_rng(0).integers(0, 256, m.size).astype(np.uint8)
     before = memory.copy()
@@ -100,10 +103,10 @@ def test_page_copies_move_each_layers_k_and_v_between_host_and_device_pages(monk
     KVMover._batches(m, host_pages, dev_pages, to_device)(layer)
     assert streams == [7]
     for each in range(layers):
-        for kv, ptrs in ((0, m._k_ptrs), (1, m._v_ptrs)):
+        for kv in range(parts):
             for hp, dp in zip(host_pages, dev_pages):
-                h = hp * m._host_stride + (2 * each + kv) * half
-                d = int(ptrs[each]) + dp * half
+                h = hp * m._host_stride + (parts * each + kv) * half
+                d = int(m._ptrs[each, kv]) + dp * half
                 src = before[h:h + half] if to_device else before[d:d + half]
                 got = memory[d:d + half] if to_device else memory[h:h + half]
                 if layer is None or layer == each:

@@ -41,8 +41,8 @@ class _Mover:
         self.load_stream, self._half = _Stream(), 4096
         self._addresses = lambda host, dev: KVMover._addresses(self, host, dev)  # noqa: E731
         self._batches = lambda *a: KVMover._batches(self, *a)  # noqa: E731
-        self._k_ptrs = np.arange(layers, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
-        self._v_ptrs = self._k_ptrs + np.uint64(1 << 29)
+        k = np.arange(layers, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
+        self._ptrs = np.stack([k, k + np.uint64(1 << 29)], axis=1)  # [layers, K and V]
         self._host_stride = 2 * layers * self._half
         self.host = type("Host", (), {"data": torch.zeros(1)})()
 
@@ -76,8 +76,8 @@ def test_layers_go_out_as_the_forward_reaches_them(issued):
     # each batch: that layer's K and V of every page, host page -> device page, in one call on the load stream
     for layer, (dsts, srcs, sizes, stream) in enumerate(issued):
         assert stream == 1234 and list(sizes) == [4096] * 6
-        want_dst = [int(mover._k_ptrs[layer]) + 4096 * p for p in (2, 40, 7)] + \
-                   [int(mover._v_ptrs[layer]) + 4096 * p for p in (2, 40, 7)]
+        want_dst = [int(mover._ptrs[layer, 0]) + 4096 * p for p in (2, 40, 7)] + \
+                   [int(mover._ptrs[layer, 1]) + 4096 * p for p in (2, 40, 7)]
         base = mover.host.data.data_ptr()
         want_src = [base + mover._host_stride * p + 4096 * 2 * layer for p in (5, 6, 9)] + \
                    [base + mover._host_stride * p + 4096 * (2 * layer + 1) for p in (5, 6, 9)]

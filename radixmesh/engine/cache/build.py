@@ -29,7 +29,7 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
     file) where any is not 1.0: the same model's pages stored under other scales would read back wrong."""
     name = f"{os.path.basename(os.path.normpath(model.path))}:{model.architecture}"
     tp, heads = args.tp_size, model.num_kv_heads
-    if tp > 1:
+    if tp > 1 and not replicated_kv(args, model):  # (a latent is whole on every rank: its page is any rank's)
         name, heads = f"{name}:tp{tp}", tp * max(1, heads // tp)
     if args.kv_cache_dtype.startswith("fp8"):
         read = functools.partial(load_kv_scales, model, args.kv_cache_dtype, args.load_format,
@@ -40,6 +40,13 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
         name = f"{name}:kv-scales-{digest}" if digest else name
     return KvLayout(name, args.page_size, args.kv_cache_dtype, model.num_layers, heads, model.head_dim,
                     model.kv_buffers)
+
+
+def replicated_kv(args: EngineArgs, model: ModelConfig) -> bool:
+    """Whether every tensor-parallel rank holds the same KV: a latent cache (multi-head latent attention), whole on
+    every rank. Its host tier is then one copy all ranks map (the leader alone backs pages up), and a stored page is
+    that one copy."""
+    return args.tp_size > 1 and model.mla is not None
 
 
 def swa_window(args: EngineArgs, runner) -> int | None:
@@ -65,15 +72,18 @@ def build_cache(args: EngineArgs, model: ModelConfig, runner) -> CacheManager:
     events = KvEventLog(page) if args.kv_events_config is not None else None
     cache = CacheManager(runner.kv_pool, runner.req_to_token, tree, events, window)
     if args.enable_hierarchical_cache:
-        cache.hierarchy = _hierarchy(args, cache, layout, events)
+        cache.hierarchy = _hierarchy(args, model, cache, layout, events)
     return cache
 
 
-def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: KvEventLog | None):
+def _hierarchy(args: EngineArgs, model: ModelConfig, cache: CacheManager, layout: KvLayout,
+               events: KvEventLog | None):
     from radixmesh.engine.cache.hierarchy import CacheHierarchy
 
     device_pages = cache.pages.num_pages
-    if args.hicache_size:  # per rank, as the pool: a rank holds 1 / tp_size of a stored page
+    replicated = replicated_kv(args, model)
+    if args.hicache_size:  # per rank, as the pool: a rank holds 1 / tp_size of a stored page (of a replicated
+        # latent's one shared copy, 1 / tp_size of the pages)
         host_pages = args.hicache_size * (1 << 30) * args.tp_size // layout.page_bytes
     else:
         host_pages = int(device_pages * args.hicache_ratio)
@@ -92,4 +102,5 @@ def _hierarchy(args: EngineArgs, cache: CacheManager, layout: KvLayout, events: 
     return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
                           args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
                           bool(extra.get("skip_slow_fetches", True)),
-                          host_ranks=args.tp_size if storage is not None else 1, io_backend=args.hicache_io_backend)
+                          host_ranks=args.tp_size if storage is not None or replicated else 1,
+                          io_backend=args.hicache_io_backend, host_replicated=replicated)

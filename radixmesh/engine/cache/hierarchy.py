@@ -67,13 +67,14 @@ class CacheHierarchy:
     def __init__(self, manager: CacheManager, host_pages: int, write_policy: str, events: KvEventLog | None,
                  storage: Callable[[], PageStorage] | None = None, prefetch_policy: str = "best_effort",
                  prefetch_timeout_s: float = 2.0, skip_slow_fetches: bool = True, host_ranks: int = 1,
-                 io_backend: str | None = None):
+                 io_backend: str | None = None, host_replicated: bool = False):
         """`host_ranks`: tensor-parallel ranks whose host pages the store keeps together (this is rank 0's tier);
-        `io_backend`: how loads reach the device (host_pool.KVMover)."""
+        `host_replicated`: they keep one copy every rank maps (host_pool.HostKVPool's `replicated`); `io_backend`:
+        how loads reach the device (host_pool.KVMover)."""
         assert write_policy in WRITE_POLICIES and prefetch_policy in PREFETCH_POLICIES
         self.m, self.tree, self.page = manager, manager.tree, manager.page
         self.events = events
-        self.host = HostKVPool(host_pages, manager.kv, 0, host_ranks)
+        self.host = HostKVPool(host_pages, manager.kv, 0, host_ranks, replicated=host_replicated)
         self.mover = KVMover(manager.kv, self.host, io_backend)
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s

@@ -33,14 +33,18 @@ class HostKVPool:
     """`data` [pages + 1, *shape]: this rank's pages, which the copies to and from the device use; `group` [pages +
     1, ranks, *shape]: what the L3 store keeps, every rank's page p as one block (the same tensor with one rank).
     Under tensor parallelism with an L3 store the group lives in the shared file `path` (engine.shared_memory): the
-    leader makes it (`path` None), each follower maps it and uses its own rank's slice."""
+    leader makes it (`path` None), each follower maps it and uses its own rank's slice. `replicated`: every rank's KV
+    is the same (a latent cache under tensor parallelism: DeepSeek's latent is whole on every rank), so the group keeps
+    one slice, which every rank maps: the leader alone copies pages to it, and a page is stored once."""
 
-    def __init__(self, num_pages: int, kv: KVPool, rank: int = 0, ranks: int = 1, path: str | None = None):
+    def __init__(self, num_pages: int, kv: KVPool, rank: int = 0, ranks: int = 1, path: str | None = None,
+                 replicated: bool = False):
         k = kv.k[0]
         self.page_size = kv.page_size
         self.num_layers = len(kv.k)
         self.shape = (kv.parts * self.num_layers, kv.page_size, k.shape[1], k.shape[2])
-        self.path = path
+        self.path, self.replicated = path, replicated
+        slices = 1 if replicated else ranks
         if ranks == 1:
             self.group = torch.zeros((num_pages + 1, 1, *self.shape), dtype=k.dtype, pin_memory=k.is_cuda)
         else:
@@ -48,9 +52,9 @@ class HostKVPool:
 
             if rank == 0:
                 self.path = new_path("host-kv")
-            numel = (num_pages + 1) * ranks * math.prod(self.shape)
-            self.group = shared_tensor(self.path, numel, k.dtype, rank == 0).view(num_pages + 1, ranks, *self.shape)
-        self.data = self.group[:, rank]
+            numel = (num_pages + 1) * slices * math.prod(self.shape)
+            self.group = shared_tensor(self.path, numel, k.dtype, rank == 0).view(num_pages + 1, slices, *self.shape)
+        self.data = self.group[:, 0 if replicated else rank]
         self.allocator = PageAllocator(num_pages)
 
     @property
