@@ -343,6 +343,35 @@ def test_prefill_decode_disaggregation_moves_the_latent_pages(checkpoints):
     assert [o["output_ids"] for o in got] == refs
 
 
+def test_a_tp2_handoff_moves_one_copy_of_the_latent(checkpoints):
+    """Prefill/decode under TP=2 (one engine in both roles, the services' transfer path over its mirrors, as
+    tests/api/test_tp_disaggregation.py runs it): every rank holds the same latent, so one mirror serves them all (the
+    leader stages out, a transfer moves one rank's pages, every rank stages in); transformers' tokens, every page
+    back."""
+    import asyncio
+
+    from radixmesh.services.common.kv_transfer import KvTransfer
+    from tests.api.test_tp_disaggregation import _handoff
+
+    path = checkpoints["deepseek_v2"]
+    refs, _ = _reference(path)
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with running_engine(path, tp_size=2, skip_tokenizer_init=True, page_size=4) as llm:
+        transfer = KvTransfer(llm, "fake", "127.0.0.1")
+        try:
+            assert transfer.tp_size == 2 and transfer.mirror.replicated
+            assert len(transfer.layout.bases) == len(llm.runner.kv_pool.buffers()) == 2  # one rank's, one a layer
+
+            async def run():
+                return [await _handoff(llm, llm, transfer, transfer, ids, greedy) for ids in PROMPTS]
+            got = asyncio.run(run())
+        finally:
+            transfer.close()
+        load = llm.get_load()
+        assert load["prealloc_rooms"] == 0 and load["available_kv_tokens"] == load["max_total_num_tokens"]
+    assert [o["output_ids"] for o in got] == refs
+
+
 def test_lora_is_refused_with_its_reason(checkpoints):
     with pytest.raises(Exception, match="LoRA adapters of DeepseekV3ForCausalLM"):
         with running_engine(checkpoints["deepseek_v3"], skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8):

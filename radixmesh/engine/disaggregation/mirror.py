@@ -230,18 +230,25 @@ class KvMirror:
 
 
 class RankMirrors(KvMirror):
-    """The leader's view under tensor parallelism: its own mirror plus every follower's, staged together."""
+    """The leader's view under tensor parallelism: its own mirror plus every follower's, staged together. Where
+    every rank holds the same KV (a latent cache: engine.cache.build.replicated_kv) there is one mirror every rank
+    maps: the leader alone stages pages out of its pool into it, a transfer moves it once, and every rank stages it
+    into its own pool."""
 
-    def __init__(self, pool: KVPool, per_rank: list[list[torch.Tensor]], channel: CommandChannel):
+    def __init__(self, pool: KVPool, per_rank: list[list[torch.Tensor]], channel: CommandChannel, tp_size: int):
         super().__init__(pool, per_rank[0])
         self.per_rank, self.channel = per_rank, channel
-        self.tp_size = len(per_rank)
+        self.tp_size = tp_size
+        self.replicated = len(per_rank) == 1
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         return [t for rank in self.per_rank for t in rank]
 
     def stage_out(self, pages: Sequence[int], slots: Sequence[int]) -> None:
+        if self.replicated:  # (the followers' pages are the leader's)
+            super().stage_out(pages, slots)
+            return
         self.channel.run(("out", list(pages), list(slots)), lambda: super(RankMirrors, self).stage_out(pages, slots))
 
     def stage_in(self, slots: Sequence[int], pages: Sequence[int]) -> None:
@@ -263,7 +270,10 @@ def lead(runner) -> RankMirrors:
     if runner.args.nnodes > 1:
         raise ValueError("prefill/decode disaggregation with nnodes > 1 is not supported: every rank's KV shard is "
                          "staged through node 0's memory; run a PD worker's ranks on one node")
-    paths = [new_path(f"kv-mirror-tp{r}") for r in range(runner.tp.size)]
+    from radixmesh.engine.cache.build import replicated_kv
+
+    replicated = replicated_kv(runner.args, runner.model_config)  # (one mirror every rank maps)
+    paths = [new_path(f"kv-mirror-tp{r}") for r in range(1 if replicated else runner.tp.size)]
     like = runner.kv_pool.buffers()
     try:
         per_rank = [_shared_buffers(p, like, create=True) for p in paths]
@@ -272,14 +282,15 @@ def lead(runner) -> RankMirrors:
         runner.tp.all_min(0)  # every follower mapped its file: the names can go
     finally:
         unlink(paths)
-    log.info("KV transfer mirrors for %d tensor parallel ranks (%.1f MiB each)", len(paths),
+    log.info("KV transfer mirrors for %d tensor parallel ranks (%d of %.1f MiB)", runner.tp.size, len(paths),
              sum(t.numel() * t.element_size() for t in like) / 2**20)
-    return RankMirrors(runner.kv_pool, per_rank, channel)
+    return RankMirrors(runner.kv_pool, per_rank, channel, runner.tp.size)
 
 
 def follow(runner, paths: list[str]) -> CommandChannel:
     """Follower: map this rank's mirror and serve the leader's staging commands on a thread of its own."""
-    mirror = KvMirror(runner.kv_pool, _shared_buffers(paths[runner.tp.rank], runner.kv_pool.buffers(), False))
+    mine = paths[runner.tp.rank] if len(paths) > 1 else paths[0]  # (one mirror: every rank's KV is the same)
+    mirror = KvMirror(runner.kv_pool, _shared_buffers(mine, runner.kv_pool.buffers(), False))
     channel = CommandChannel(runner.tp)
     runner.tp.all_min(0)
 
