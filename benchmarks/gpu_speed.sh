@@ -483,13 +483,13 @@ if [[ " $PARTS " == *" moetune "* ]]; then
 fi
 
 if [[ " $PARTS " == *" deepseek "* ]]; then
-  timeout 330 $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/kernels/test_mla_decode.py \
+  timeout ${DS_TEST_S:-330} $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/kernels/test_mla_decode.py \
     tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py tests/kernels/test_kv_pages.py \
     tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py \
     -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   for decode in ${DEEPSEEK_DECODES:-triton}; do  # (DEEPSEEK_DECODES="triton torch_native": plain torch's too)
     echo "== decode $decode"
-    timeout 200 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \
+    timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \
       --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --decode-attention-backend $decode \
       --batch-size 1 64 256 --input-len 512 --output-len 16 --prefill-len 8192 --roofline \
       --result-file "$OUT/deepseek_$decode.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" \
@@ -500,7 +500,7 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
   # in the expanded one (its keys and values rebuilt included): the prefill 1.2-1.5x faster if torch's attention runs
   # near the latent kernel's rate.
   echo "== prefill expanded"
-  RADIXMESH_MLA_PREFILL=expanded timeout 150 $PY -m radixmesh.engine.bench_one_batch \
+  RADIXMESH_MLA_PREFILL=expanded timeout ${DS_EXP_S:-150} $PY -m radixmesh.engine.bench_one_batch \
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
     --log-level warning --batch-size 1 --input-len 512 --output-len 4 --prefill-len 8192 --roofline \
     --result-file "$OUT/deepseek_expanded.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "prefill of|rror"

@@ -82,8 +82,9 @@ def _hierarchy(args: EngineArgs, model: ModelConfig, cache: CacheManager, layout
 
     device_pages = cache.pages.num_pages
     replicated = replicated_kv(args, model)
-    if args.hicache_size:  # per rank, as the pool: a rank holds 1 / tp_size of a stored page (of a replicated
-        # latent's one shared copy, 1 / tp_size of the pages)
+    # --hicache-size is per rank, as the pool: a rank holds 1 / tp_size of a stored page (a replicated latent's
+    # shared copy: 1 / tp_size of its pages)
+    if args.hicache_size:
         host_pages = args.hicache_size * (1 << 30) * args.tp_size // layout.page_bytes
     else:
         host_pages = int(device_pages * args.hicache_ratio)

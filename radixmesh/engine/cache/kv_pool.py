@@ -88,9 +88,9 @@ class KVPool:
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` (any shape S) as [*S, num_kv_heads, head_dim] in `dtype`: what the cache
-        means (an fp8 cache's values times its scales)."""
-        return (_meant(self.k[layer][slots], dtype, self.k_scale[layer]),
-                _meant(self.v[layer][slots], dtype, self.v_scale[layer]))
+        means (an fp8 cache's values times its scales; a latent cache's one tensor, read once, as both)."""
+        k = _meant(self.k[layer][slots], dtype, self.k_scale[layer])
+        return (k, k) if self.parts == 1 else (k, _meant(self.v[layer][slots], dtype, self.v_scale[layer]))
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope) -> torch.Tensor:
