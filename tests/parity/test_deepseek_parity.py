@@ -378,17 +378,22 @@ def test_lora_is_refused_with_its_reason(checkpoints):
             pass
 
 
-def _with_mtp(path: str, tmp_path) -> tuple[str, torch.nn.Module]:
-    """The tiny DeepSeek-V3 with a multi-token-prediction layer after its last, as DeepSeek-V3 publishes one
-    (`model.layers.3.*`: a sparse decoder layer, written by transformers, and the module's enorm, hnorm, eh_proj,
-    shared_head and its copy of the embedding), and transformers' model whose layer 3 it is (the reference's)."""
-    import transformers
-    from safetensors.torch import load_file
+def _with_mtp(path: str, tmp_path, family: str = "deepseek_v3", apart: bool = False) -> tuple[str, torch.nn.Module]:
+    """The tiny DeepSeek-V3 (or `family`'s model) with a multi-token-prediction layer after its last, as DeepSeek-V3
+    publishes one (`model.layers.3.*`: a sparse decoder layer, written by transformers, and the module's enorm,
+    hnorm, eh_proj, shared_head and its copy of the embedding), and transformers' model whose layer 3 it is (the
+    reference's). `apart`: as GLM-4.x publish it, in an mtp.safetensors beside an index that does not list it."""
+    import json
 
-    _, _, fields = FAMILIES["deepseek_v3"]
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config_name, model_name, fields = FAMILIES[family]
+    fields = {**fields, "num_hidden_layers": 4}
+    if "mlp_layer_types" in fields:
+        fields["mlp_layer_types"] = [*fields["mlp_layer_types"], "sparse"]
     torch.manual_seed(11)
-    four = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**COMMON, **{**fields,
-                                                                                   "num_hidden_layers": 4})).float()
+    four = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **fields)).float()
     four.model.layers[3].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8))
     four.save_pretrained(tmp_path / "four")
     layer = {k: v for k, v in load_file(str(tmp_path / "four" / "model.safetensors")).items()
@@ -404,7 +409,16 @@ def _with_mtp(path: str, tmp_path) -> tuple[str, torch.nn.Module]:
     layer |= {f"model.layers.3.{k}": v for k, v in extra.items()}
     four.config._attn_implementation = "eager"
     four.mtp = extra
-    return _rewrite(path, tmp_path / "mtp", layer, num_nextn_predict_layers=1), four
+    if not apart:
+        return _rewrite(path, tmp_path / "mtp", layer, num_nextn_predict_layers=1), four
+    out = _rewrite(path, tmp_path / "mtp", {}, num_nextn_predict_layers=1)
+    weights = load_file(f"{out}/model.safetensors")
+    (tmp_path / "mtp" / "model.safetensors").unlink()
+    save_file(weights, f"{out}/model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    save_file(layer, f"{out}/mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(weights, "model-00001-of-00001.safetensors")}
+    (tmp_path / "mtp" / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out, four
 
 
 class ReferenceNextn:
@@ -465,6 +479,37 @@ def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path
     assert len(seen) >= len(PROMPTS)
     for fill, proposed in seen:
         assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+
+
+def test_glm_flash_drafts_with_its_prediction_layer_from_its_own_file(checkpoints, tmp_path):
+    """GLM-4.7-Flash's multi-token-prediction layer is DeepSeek-V3's; GLM-4.x publish it in an mtp.safetensors their
+    index does not list. NEXTN reads it from there (every chain of drafts equal to the reference layer's,
+    transformers' greedy tokens) and the model alone loads beside it; GLM-4.5's (attention of another kind) is
+    refused by name."""
+    from tests.parity.test_speculative_eagle import record_proposals
+
+    src = checkpoints["glm4_moe_lite"]
+    path, four = _with_mtp(src, tmp_path, "glm4_moe_lite", apart=True)
+    refs, _ = _reference(src)
+    with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                        page_size=4) as llm:
+        seen = record_proposals(llm)
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+    reference = ReferenceNextn(path, four)
+    assert len(seen) >= len(PROMPTS)
+    for fill, proposed in seen:
+        assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+    with running_engine(path, skip_tokenizer_init=True) as llm:  # (the MTP file read and skipped)
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert [o["output_ids"] for o in outs] == refs
+    from tests.parity.test_moe_parity import write_family as write_moe_family
+
+    glm45 = _rewrite(write_moe_family("glm4_moe", tmp_path / "glm45-src"), tmp_path / "glm45", {},
+                     num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match="Glm4MoeForCausalLM's multi-token-prediction layers are not implemented"):
+        with running_engine(glm45, skip_tokenizer_init=True, speculative_algorithm="NEXTN"):
+            pass
 
 
 @pytest.mark.parametrize("opts", [{"speculative_eagle_topk": 2},

@@ -37,6 +37,11 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+# GLM-4.x checkpoints publish their multi-token-prediction layer in this file, which their index does not list: read
+# with the rest (the models skip it unless it drafts: engine.speculative.nextn)
+MTP_FILE = "mtp.safetensors"
+
+
 def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -46,7 +51,8 @@ def checkpoint_files(path: str) -> list[str]:
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise FileNotFoundError(f"weight shard(s) listed in {index} are missing: {', '.join(missing)}")
-        return files
+        mtp = os.path.join(path, MTP_FILE)
+        return files + [mtp] if os.path.isfile(mtp) and mtp not in files else files
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]

@@ -1,6 +1,7 @@
-"""DeepSeek-V3's multi-token-prediction layer as a speculative draft head (SGLang's NEXTN: EAGLE with the model's
-own MTP module): the layer published after the last decoder layer, `model.layers.<num_hidden_layers>.*` of the
-model's own checkpoint.
+"""DeepSeek-V3's (and GLM-4.7-Flash's, the same layer) multi-token-prediction layer as a speculative draft head
+(SGLang's NEXTN: EAGLE with the model's own MTP module): the layer published after the last decoder layer,
+`model.layers.<num_hidden_layers>.*` of the model's own checkpoint (GLM-4.x publish it in an `mtp.safetensors` their
+index does not list: engine.models.loader reads it too).
 
 At draft position t it reads the embedding of token t + 1 and the target's final hidden state at t (after the final
 norm, as EAGLE heads read it): both normed apart (`enorm`, `hnorm`), concatenated (embedding first) and projected
@@ -22,21 +23,24 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import vocab_logits
 from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RotaryEmbedding
-from radixmesh.engine.model_config import MLA_ARCHITECTURES, ModelConfig
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.deepseek import mla_decoder_layer, v3_rope_options
 from radixmesh.engine.speculative.eagle_head import EagleHead, _Body
 
 NEXTN_HEAD = "DeepseekV3ForCausalLMNextN"  # (SGLang's name for it)
+# the models whose MTP layer this head is: DeepSeek-V3's decoder layer (GLM-4.7-Flash's is the same)
+NEXTN_MODELS = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def nextn_config(cfg: ModelConfig) -> ModelConfig | None:
-    """A DeepSeek-V3 checkpoint's config as its multi-token-prediction head's (one layer, at index
-    num_hidden_layers), or None when it has no such layer."""
-    if cfg.architecture not in MLA_ARCHITECTURES or not cfg.raw.get("num_nextn_predict_layers"):
+    """A DeepSeek-V3 (or GLM-4.7-Flash) checkpoint's config as its multi-token-prediction head's (one layer, at
+    index num_hidden_layers), or None when it has no such layer; a model whose MTP layers this head is not is
+    refused with its name."""
+    if not cfg.raw.get("num_nextn_predict_layers"):
         return None
-    if cfg.architecture != "DeepseekV3ForCausalLM":
+    if cfg.architecture not in NEXTN_MODELS:
         raise ValueError(f"{cfg.architecture}'s multi-token-prediction layers are not implemented by radixmesh yet "
-                         "(DeepseekV3ForCausalLM's are)")
+                         f"({' and '.join(NEXTN_MODELS)}'s are)")
     return dataclasses.replace(cfg, architecture=NEXTN_HEAD, num_layers=1,
                                raw={**cfg.raw, "nextn_layer": cfg.num_layers})
 
