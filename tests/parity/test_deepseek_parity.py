@@ -388,17 +388,20 @@ def _with_mtp(path: str, tmp_path, family: str = "deepseek_v3", apart: bool = Fa
     import transformers
     from safetensors.torch import load_file, save_file
 
-    config_name, model_name, fields = FAMILIES[family]
+    from tests.parity import test_moe_parity
+
+    config_name, model_name, fields = FAMILIES.get(family) or test_moe_parity.FAMILIES[family]
+    common = COMMON if family in FAMILIES else test_moe_parity.COMMON
     fields = {**fields, "num_hidden_layers": 4}
     if "mlp_layer_types" in fields:
         fields["mlp_layer_types"] = [*fields["mlp_layer_types"], "sparse"]
     torch.manual_seed(11)
-    four = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **fields)).float()
+    four = getattr(transformers, model_name)(getattr(transformers, config_name)(**common, **fields)).float()
     four.model.layers[3].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8))
     four.save_pretrained(tmp_path / "four")
     layer = {k: v for k, v in load_file(str(tmp_path / "four" / "model.safetensors")).items()
              if k.startswith("model.layers.3.")}
-    h, vocab = COMMON["hidden_size"], COMMON["vocab_size"]
+    h, vocab = common["hidden_size"], common["vocab_size"]
     gen = torch.Generator().manual_seed(12)
     extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
              "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
@@ -481,15 +484,18 @@ def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path
         assert proposed == reference.drafts(fill, len(proposed)), len(fill)
 
 
-def test_glm_flash_drafts_with_its_prediction_layer_from_its_own_file(checkpoints, tmp_path):
-    """GLM-4.7-Flash's multi-token-prediction layer is DeepSeek-V3's; GLM-4.x publish it in an mtp.safetensors their
-    index does not list. NEXTN reads it from there (every chain of drafts equal to the reference layer's,
-    transformers' greedy tokens) and the model alone loads beside it; GLM-4.5's (attention of another kind) is
-    refused by name."""
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "glm4_moe"])
+def test_glm_drafts_with_its_prediction_layer_from_its_own_file(checkpoints, tmp_path, family):
+    """GLM-4.7-Flash's multi-token-prediction layer is DeepSeek-V3's, GLM-4.5's holds GLM-4.5's own decoder layer
+    (grouped-query attention on half-rotary heads, its experts); GLM-4.x publish it in an mtp.safetensors their index
+    does not list. NEXTN reads it from there: every chain of drafts equal to the reference layer's (transformers'
+    modules), transformers' greedy tokens; the model alone loads beside it. A model whose MTP layers the head is not
+    is refused by name."""
+    from tests.parity import test_moe_parity
     from tests.parity.test_speculative_eagle import record_proposals
 
-    src = checkpoints["glm4_moe_lite"]
-    path, four = _with_mtp(src, tmp_path, "glm4_moe_lite", apart=True)
+    src = checkpoints[family] if family in FAMILIES else test_moe_parity.write_family(family, tmp_path / "src")
+    path, four = _with_mtp(src, tmp_path, family, apart=True)
     refs, _ = _reference(src)
     with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
                         page_size=4) as llm:
@@ -503,13 +509,12 @@ def test_glm_flash_drafts_with_its_prediction_layer_from_its_own_file(checkpoint
     with running_engine(path, skip_tokenizer_init=True) as llm:  # (the MTP file read and skipped)
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
     assert [o["output_ids"] for o in outs] == refs
-    from tests.parity.test_moe_parity import write_family as write_moe_family
-
-    glm45 = _rewrite(write_moe_family("glm4_moe", tmp_path / "glm45-src"), tmp_path / "glm45", {},
-                     num_nextn_predict_layers=1)
-    with pytest.raises(ValueError, match="Glm4MoeForCausalLM's multi-token-prediction layers are not implemented"):
-        with running_engine(glm45, skip_tokenizer_init=True, speculative_algorithm="NEXTN"):
-            pass
+    if family == "glm4_moe":
+        other = _rewrite(test_moe_parity.write_family("qwen3_moe", tmp_path / "qwen3"), tmp_path / "qwen3-mtp", {},
+                         num_nextn_predict_layers=1)
+        with pytest.raises(ValueError, match="Qwen3MoeForCausalLM's multi-token-prediction layers are not "):
+            with running_engine(other, skip_tokenizer_init=True, speculative_algorithm="NEXTN"):
+                pass
 
 
 @pytest.mark.parametrize("opts", [{"speculative_eagle_topk": 2},

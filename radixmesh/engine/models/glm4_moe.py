@@ -12,7 +12,8 @@ Differences from Llama, all of transformers' Glm4Moe code:
 - the experts' outputs are weighed in float32, and an ungated shared expert (`n_shared_experts` x
   `moe_intermediate_size` wide, `shared_experts.*` in the checkpoint) is added to them.
 Published checkpoints also hold `num_nextn_predict_layers` multi-token-prediction layers after the last decoder layer
-(`model.layers.<num_hidden_layers + i>.*`); they serve only its own speculative decoding and are skipped at load.
+(`model.layers.<num_hidden_layers + i>.*`); they serve only its own speculative decoding (engine.speculative.nextn,
+whose head holds one sparse layer: `glm_decoder_layer`) and are skipped at load.
 """
 
 from __future__ import annotations
@@ -23,8 +24,25 @@ from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.llama import DecoderModel, DecoderSpec
+from radixmesh.engine.models.llama import DecoderLayer, DecoderModel, DecoderSpec
 from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
+
+
+def _spec(cfg: ModelConfig) -> DecoderSpec:
+    return DecoderSpec(qkv_bias=cfg.attention_bias, qk_norm=bool(cfg.raw.get("use_qk_norm")))
+
+
+def _sparse_block(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
+    moe = cfg.moe
+    return BiasRoutedMoeBlock(cfg, tp, MoeForCausalLM.names, moe.norm_topk_prob,
+                              shared_intermediate=moe.shared_expert_intermediate_size)
+
+
+def glm_decoder_layer(cfg: ModelConfig, tp: TensorParallel) -> DecoderLayer:
+    """One sparse GLM-4.5 decoder layer alone (the multi-token-prediction head's): layer 0 of a cache of its own."""
+    layer = DecoderLayer(dataclasses.replace(cfg, attention_bias=False), _spec(cfg), 0, tp)
+    layer.mlp = _sparse_block(cfg, tp)
+    return layer
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):
@@ -33,10 +51,7 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         self.skipped_tensors = NextnLayers(cfg.num_layers)
 
     def body(self, cfg: ModelConfig) -> nn.Module:
-        spec = DecoderSpec(qkv_bias=cfg.attention_bias, qk_norm=bool(cfg.raw.get("use_qk_norm")))
-        return DecoderModel(dataclasses.replace(cfg, attention_bias=False), spec, self.tp)  # (o_proj: no bias)
+        return DecoderModel(dataclasses.replace(cfg, attention_bias=False), _spec(cfg), self.tp)  # (o_proj: no bias)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
-        moe = cfg.moe
-        return BiasRoutedMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob,
-                                  shared_intermediate=moe.shared_expert_intermediate_size)
+        return _sparse_block(cfg, self.tp)

@@ -50,7 +50,10 @@ _SILU = ("silu", "swish")
 def check_servable(model: ModelConfig, context_length: int) -> None:
     """Raises ValueError if serving `model` up to `context_length` tokens would compute something other than the
     model: quantized weights, sliding layers without a usable window, RoPE we do not compute, or a config field
-    that changes the math away from its neutral value. Reads config.json's fields and the model directory only."""
+    that changes the math away from its neutral value. Reads config.json's fields and the model directory only. A
+    multi-token-prediction head (engine.speculative.nextn) is checked as the model whose layer it holds."""
+    if "nextn_of" in model.raw:
+        model = dataclasses.replace(model, architecture=model.raw["nextn_of"])
     _check_quantization(model)
     _check_sliding_window(model, context_length)
     if model.architecture in GEMMA_ARCHITECTURES:  # its activation, soft-caps, score scale, Gemma 3's RoPE tables

@@ -1,12 +1,13 @@
-"""DeepSeek-V3's (and GLM-4.7-Flash's, the same layer) multi-token-prediction layer as a speculative draft head
-(SGLang's NEXTN: EAGLE with the model's own MTP module): the layer published after the last decoder layer,
-`model.layers.<num_hidden_layers>.*` of the model's own checkpoint (GLM-4.x publish it in an `mtp.safetensors` their
-index does not list: engine.models.loader reads it too).
+"""A model's own multi-token-prediction layer as a speculative draft head (SGLang's NEXTN: EAGLE with the model's
+MTP module): DeepSeek-V3's (GLM-4.7-Flash's is the same) and GLM-4.5's, the layer published after the last decoder
+layer, `model.layers.<num_hidden_layers>.*` of the model's own checkpoint (GLM-4.x publish it in an
+`mtp.safetensors` their index does not list: engine.models.loader reads it too).
 
 At draft position t it reads the embedding of token t + 1 and the target's final hidden state at t (after the final
 norm, as EAGLE heads read it): both normed apart (`enorm`, `hnorm`), concatenated (embedding first) and projected
-back to the hidden size (`eh_proj`), then one whole DeepSeek decoder layer (its input norm, multi-head latent
-attention over a latent cache of its own, a mixture of experts); its output is the feature its next step reads, and,
+back to the hidden size (`eh_proj`), then one whole sparse decoder layer of the model's (DeepSeek's: multi-head
+latent attention over a latent cache of its own; GLM-4.5's: its grouped-query attention; then the experts); its
+output is the feature its next step reads, and,
 normed (`shared_head.norm`), its own output layer's input (`shared_head.head`). The embedding is the target's (the
 checkpoint's `embed_tokens` copy in the layer is skipped). Everything else in the checkpoint (the model itself) is
 skipped at load.
@@ -25,24 +26,30 @@ from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RotaryEmbedding
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.deepseek import mla_decoder_layer, v3_rope_options
+from radixmesh.engine.models.glm4_moe import glm_decoder_layer
 from radixmesh.engine.speculative.eagle_head import EagleHead, _Body
 
 NEXTN_HEAD = "DeepseekV3ForCausalLMNextN"  # (SGLang's name for it)
-# the models whose MTP layer this head is: DeepSeek-V3's decoder layer (GLM-4.7-Flash's is the same)
-NEXTN_MODELS = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# the models whose MTP layer this head is, and how their layer is built: DeepSeek-V3's (GLM-4.7-Flash's is the same),
+# GLM-4.5's; each with its RoPE options (RotaryEmbedding.for_model's)
+NEXTN_MODELS = {
+    "DeepseekV3ForCausalLM": (lambda cfg, tp: mla_decoder_layer(cfg, tp, sparse=True), v3_rope_options),
+    "Glm4MoeLiteForCausalLM": (lambda cfg, tp: mla_decoder_layer(cfg, tp, sparse=True), v3_rope_options),
+    "Glm4MoeForCausalLM": (glm_decoder_layer, lambda cfg: {}),
+}
 
 
 def nextn_config(cfg: ModelConfig) -> ModelConfig | None:
-    """A DeepSeek-V3 (or GLM-4.7-Flash) checkpoint's config as its multi-token-prediction head's (one layer, at
-    index num_hidden_layers), or None when it has no such layer; a model whose MTP layers this head is not is
-    refused with its name."""
+    """A checkpoint's config as its multi-token-prediction head's (one layer, at index num_hidden_layers; the model's
+    architecture kept as `nextn_of`), or None when it has no such layer; a model whose MTP layers this head is not
+    is refused with its name."""
     if not cfg.raw.get("num_nextn_predict_layers"):
         return None
     if cfg.architecture not in NEXTN_MODELS:
         raise ValueError(f"{cfg.architecture}'s multi-token-prediction layers are not implemented by radixmesh yet "
-                         f"({' and '.join(NEXTN_MODELS)}'s are)")
+                         f"({', '.join(NEXTN_MODELS)}'s are)")
     return dataclasses.replace(cfg, architecture=NEXTN_HEAD, num_layers=1,
-                               raw={**cfg.raw, "nextn_layer": cfg.num_layers})
+                               raw={**cfg.raw, "nextn_layer": cfg.num_layers, "nextn_of": cfg.architecture})
 
 
 class _AtIndex(nn.ModuleDict):
@@ -83,7 +90,8 @@ class NextnHead(EagleHead):
         index, h = int(cfg.raw["nextn_layer"]), cfg.hidden_size
         self.skipped_tensors = _OnlyLayer(index)
         self.feature_width = h  # the target's final hidden states
-        layer = mla_decoder_layer(cfg, self.tp, sparse=True)
+        build, self._rope_options = NEXTN_MODELS[cfg.raw["nextn_of"]]
+        layer = build(cfg, self.tp)
         layer.enorm, layer.hnorm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
         layer.eh_proj = nn.Linear(2 * h, h, bias=False)
         layer.shared_head = _SharedHead(cfg)
@@ -100,7 +108,7 @@ class NextnHead(EagleHead):
         return self.model.layers[0]
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
-        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device, **v3_rope_options(self.config))
+        self.rotary = RotaryEmbedding.for_model(self.config, max_positions, device, **self._rope_options(self.config))
 
     def input_weight(self) -> torch.Tensor:
         return self.layer.eh_proj.weight
