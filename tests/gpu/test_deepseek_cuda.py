@@ -92,3 +92,25 @@ def test_nextn_trees_on_the_latent_kernels_in_cuda_graphs_keep_the_greedy_tokens
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": REF_NEW, "temperature": 0})
         assert_no_leak(llm)
     assert [o["output_ids"] for o in outs] == refs
+
+
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "glm4_moe"])
+def test_glm_nextn_in_cuda_graphs_keeps_the_greedy_tokens(tmp_path, family):
+    """NEXTN with GLM-4.7-Flash's (latent) and GLM-4.5's (grouped-query) multi-token-prediction layers, read from
+    the mtp.safetensors beside the index, in CUDA graphs: transformers' greedy tokens, drafts proposed."""
+    from tests.parity import test_moe_parity
+    from tests.parity.test_deepseek_parity import FAMILIES, _reference, _with_mtp, write_family
+    from tests.parity.test_moe_parity import MAX_NEW as REF_NEW
+    from tests.parity.test_moe_parity import PROMPTS
+
+    src = write_family(family, tmp_path / "src") if family in FAMILIES else \
+        test_moe_parity.write_family(family, tmp_path / "src")
+    path, _ = _with_mtp(src, tmp_path, family, apart=True)
+    refs, _ = _reference(src)
+    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True, speculative_algorithm="NEXTN",
+                        speculative_num_steps=3) as llm:
+        assert llm.runner.graphs is not None
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": REF_NEW, "temperature": 0})
+        assert_no_leak(llm)
+    assert [o["output_ids"] for o in outs] == refs
+    assert all(o["meta_info"]["spec_draft_token_num"] > 0 for o in outs)
