@@ -468,13 +468,18 @@ class ReferenceNextn:
 def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path):
     """speculative_algorithm NEXTN (SGLang's: EAGLE with DeepSeek-V3's multi-token-prediction layer, read from the
     model's own checkpoint): transformers' greedy tokens, and every chain of drafts the reference layer proposes."""
+    path, four = _with_mtp(checkpoints["deepseek_v3"], tmp_path)
+    llm_args = _drafts_like_reference(path, four, _reference(checkpoints["deepseek_v3"])[0], chunked_prefill_size=16)
+    assert llm_args.speculative_algorithm == "EAGLE" and llm_args.speculative_draft_model_path == path
+
+
+def _drafts_like_reference(path: str, four, refs: list[list[int]], **opts):
+    """NEXTN over the checkpoint at `path` (its MTP layer, transformers' `four`'s layer 3): transformers' greedy
+    tokens `refs`, and every chain of drafts the reference layer proposes. Returns the engine's args."""
     from tests.parity.test_speculative_eagle import record_proposals
 
-    path, four = _with_mtp(checkpoints["deepseek_v3"], tmp_path)
-    refs, _ = _reference(checkpoints["deepseek_v3"])
     with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                        page_size=4, chunked_prefill_size=16) as llm:
-        assert llm.args.speculative_algorithm == "EAGLE" and llm.args.speculative_draft_model_path == path
+                        page_size=4, **opts) as llm:
         seen = record_proposals(llm)
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
     assert [o["output_ids"] for o in outs] == refs
@@ -482,6 +487,7 @@ def test_nextn_drafts_with_the_models_own_prediction_layer(checkpoints, tmp_path
     assert len(seen) >= len(PROMPTS)
     for fill, proposed in seen:
         assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+    return llm.args
 
 
 @pytest.mark.parametrize("family", ["glm4_moe_lite", "glm4_moe"])
@@ -492,20 +498,11 @@ def test_glm_drafts_with_its_prediction_layer_from_its_own_file(checkpoints, tmp
     modules), transformers' greedy tokens; the model alone loads beside it. A model whose MTP layers the head is not
     is refused by name."""
     from tests.parity import test_moe_parity
-    from tests.parity.test_speculative_eagle import record_proposals
 
     src = checkpoints[family] if family in FAMILIES else test_moe_parity.write_family(family, tmp_path / "src")
     path, four = _with_mtp(src, tmp_path, family, apart=True)
     refs, _ = _reference(src)
-    with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                        page_size=4) as llm:
-        seen = record_proposals(llm)
-        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
-    assert [o["output_ids"] for o in outs] == refs
-    reference = ReferenceNextn(path, four)
-    assert len(seen) >= len(PROMPTS)
-    for fill, proposed in seen:
-        assert proposed == reference.drafts(fill, len(proposed)), len(fill)
+    _drafts_like_reference(path, four, refs)
     with running_engine(path, skip_tokenizer_init=True) as llm:  # (the MTP file read and skipped)
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
     assert [o["output_ids"] for o in outs] == refs
