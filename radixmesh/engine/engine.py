@@ -89,8 +89,7 @@ class Engine:
 
                 hierarchy = self.cache.hierarchy
                 hierarchy.mover = JournaledMover(hierarchy.mover, self.runner.journal, self.runner.sync_followers)
-                # the store reads and frees every rank's host pages; a replicated tier's followers read the leader's
-                if hierarchy.io is not None or hierarchy.host.replicated:
+                if hierarchy.io is not None:  # the store reads and frees every rank's host pages
                     hierarchy.sync_host = hierarchy.mover.sync
                 self.runner.publish_setup(hierarchy.host)
             self.runner.kv_loads = self.cache.issue_loads

@@ -252,12 +252,12 @@ def test_the_expanded_prefill_is_chosen_where_it_multiplies_less(monkeypatch):
 
 @pytest.mark.parametrize("store", [None, "file"])
 def test_tp_host_tier_keeps_one_copy_of_the_latent(checkpoints, tmp_path, store):
-    """Under TP=2 every rank holds the same latent: the host tier is one copy both ranks map (the leader alone backs
-    pages up, the follower loads from it), and an L3 page is that one copy under keys any TP size shares. Without a
-    store, a small device pool sends conversations to the host and back: every turn answers as one process without
-    a prefix cache, every earlier token cached. With a file store (write-through, a host pool smaller than the
-    prompts): the prompts' second pass comes back whole pages from the host and the store, and a TP=1 engine on the
-    same store finds what the TP=2 one stored."""
+    """Under TP=2 every rank holds the same latent. Without a store each rank keeps pinned host pages of its own (one
+    latent a token and layer), and a small device pool sends conversations to the host and back: every turn answers
+    as one process without a prefix cache, every earlier token cached. With a file store the host tier is one copy
+    both ranks map (the leader alone backs pages up, the follower loads from it) and an L3 page is that one copy
+    under keys any TP size shares: the prompts' second pass (write-through, a host pool smaller than the prompts)
+    comes back whole pages from the host and the store, and a TP=1 engine on the same store finds them."""
     import random
 
     from tests.api.test_hicache_engine import NO_SKIP
@@ -275,8 +275,9 @@ def test_tp_host_tier_keeps_one_copy_of_the_latent(checkpoints, tmp_path, store)
     with running_engine(path, disable_radix_cache=True, **common) as plain, \
             running_engine(path, tp_size=2, **tier, **common) as tiered:
         host = tiered.cache.hierarchy.host
-        assert host.replicated and host.group.shape[1] == 1 and host.path is not None  # one copy, shared
         assert host.page_bytes == 3 * 4 * 40 * 4  # layers x page x (rank + rope) x float32
+        shared = store is not None  # a store: one copy every rank maps; none: this rank's own pages
+        assert host.replicated == shared and host.group.shape[1] == 1 and (host.path is not None) == shared
         if store is None:
             converse(tiered, plain, convs, {"max_new_tokens": 8, "temperature": 0}, rng, vocab=250)
         else:

@@ -44,8 +44,8 @@ def kv_layout(args: EngineArgs, model: ModelConfig) -> KvLayout:
 
 def replicated_kv(args: EngineArgs, model: ModelConfig) -> bool:
     """Whether every tensor-parallel rank holds the same KV: a latent cache (multi-head latent attention), whole on
-    every rank. Its host tier is then one copy all ranks map (the leader alone backs pages up), and a stored page is
-    that one copy."""
+    every rank. A stored page is then one rank's copy; with a store the host tier is one copy all ranks map (the
+    leader alone backs pages up), and a PD transfer moves one rank's pages."""
     return args.tp_size > 1 and model.mla is not None
 
 
@@ -81,13 +81,6 @@ def _hierarchy(args: EngineArgs, model: ModelConfig, cache: CacheManager, layout
     from radixmesh.engine.cache.hierarchy import CacheHierarchy
 
     device_pages = cache.pages.num_pages
-    replicated = replicated_kv(args, model)
-    # --hicache-size is per rank, as the pool: a rank holds 1 / tp_size of a stored page (a replicated latent's
-    # shared copy: 1 / tp_size of its pages)
-    if args.hicache_size:
-        host_pages = args.hicache_size * (1 << 30) * args.tp_size // layout.page_bytes
-    else:
-        host_pages = int(device_pages * args.hicache_ratio)
     extra = hicache_extra(args)
     storage = None
     if args.hicache_storage_backend is not None:
@@ -97,11 +90,23 @@ def _hierarchy(args: EngineArgs, model: ModelConfig, cache: CacheManager, layout
         name = args.hicache_storage_backend
         check_storage_backend(name)
         storage = functools.partial(open_storage, name, options)  # opened (and reopened) on the storage thread
+    # Under tensor parallelism with a store the ranks' host pages are one shared file (the store keeps a page of every
+    # rank's), and a replicated latent's are one copy in it that every rank maps. Without a store each rank keeps
+    # pinned pages of its own (the copy kernels and the copy engine read them in place; a shared file is not pinned).
+    shared = storage is not None and args.tp_size > 1
+    replicated = shared and replicated_kv(args, model)
+    # --hicache-size is per rank, as the pool: a rank holds 1 / tp_size of a stored page, or of a replicated latent's
+    # shared pages; a rank's own copy of a latent page (no store) is a whole page of the layout
+    if args.hicache_size:
+        per_rank = 1 if replicated_kv(args, model) and not replicated else args.tp_size
+        host_pages = args.hicache_size * (1 << 30) * per_rank // layout.page_bytes
+    else:
+        host_pages = int(device_pages * args.hicache_ratio)
     log.info("hierarchical cache: %d host pages (%.2f GB) beside %d device pages, %s, io %s; L3: %s", host_pages,
              host_pages * layout.page_bytes / 1e9, device_pages, args.hicache_write_policy,
              args.hicache_io_backend or "default", args.hicache_storage_backend or "none")
     return CacheHierarchy(cache, host_pages, args.hicache_write_policy, events, storage,
                           args.hicache_storage_prefetch_policy, float(extra.get("prefetch_timeout_s", 2.0)),
                           bool(extra.get("skip_slow_fetches", True)),
-                          host_ranks=args.tp_size if storage is not None or replicated else 1,
-                          io_backend=args.hicache_io_backend, host_replicated=replicated)
+                          host_ranks=args.tp_size if shared else 1, io_backend=args.hicache_io_backend,
+                          host_replicated=replicated)
