@@ -43,7 +43,7 @@ from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderLayer, DecoderModel, DecoderSpec
-from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
+from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers, noaux_tc_block
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -113,20 +113,13 @@ class MlaAttention(nn.Module):
         return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
 
 
-def v3_sparse_block(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
-    """DeepSeek-V3's experts (module docstring)."""
-    moe = cfg.moe
-    return BiasRoutedMoeBlock(cfg, tp, MoeForCausalLM.names, moe.norm_topk_prob,
-                              shared_intermediate=moe.shared_expert_intermediate_size)
-
-
 def mla_decoder_layer(cfg: ModelConfig, tp: TensorParallel, sparse: bool) -> DecoderLayer:
     """One DeepSeek-V3 decoder layer alone (the multi-token-prediction head's, engine.speculative.nextn): layer 0 of
     a cache of its own; its MLP the experts (`sparse`) or dense."""
     layer = DecoderLayer(cfg, DecoderSpec(), 0, tp)
     layer.self_attn = MlaAttention(cfg, 0, tp)
     if sparse:
-        layer.mlp = v3_sparse_block(cfg, tp)
+        layer.mlp = noaux_tc_block(cfg, tp)
     return layer
 
 
@@ -167,7 +160,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return v3_rope_options(self.config)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
-        return v3_sparse_block(cfg, self.tp)
+        return noaux_tc_block(cfg, self.tp)
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):

@@ -15,13 +15,11 @@ from torch import nn
 
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderSpec
-from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM
+from radixmesh.engine.models.moe import MoeForCausalLM, noaux_tc_block
 
 
 class Dots1ForCausalLM(MoeForCausalLM):
     spec = DecoderSpec(qk_norm=True)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
-        moe = cfg.moe
-        return BiasRoutedMoeBlock(cfg, self.tp, self.names, moe.norm_topk_prob,
-                                  shared_intermediate=moe.shared_expert_intermediate_size)
+        return noaux_tc_block(cfg, self.tp)

@@ -25,23 +25,17 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderLayer, DecoderModel, DecoderSpec
-from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers
+from radixmesh.engine.models.moe import MoeForCausalLM, NextnLayers, noaux_tc_block
 
 
 def _spec(cfg: ModelConfig) -> DecoderSpec:
     return DecoderSpec(qkv_bias=cfg.attention_bias, qk_norm=bool(cfg.raw.get("use_qk_norm")))
 
 
-def _sparse_block(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
-    moe = cfg.moe
-    return BiasRoutedMoeBlock(cfg, tp, MoeForCausalLM.names, moe.norm_topk_prob,
-                              shared_intermediate=moe.shared_expert_intermediate_size)
-
-
 def glm_decoder_layer(cfg: ModelConfig, tp: TensorParallel) -> DecoderLayer:
     """One sparse GLM-4.5 decoder layer alone (the multi-token-prediction head's): layer 0 of a cache of its own."""
     layer = DecoderLayer(dataclasses.replace(cfg, attention_bias=False), _spec(cfg), 0, tp)
-    layer.mlp = _sparse_block(cfg, tp)
+    layer.mlp = noaux_tc_block(cfg, tp)
     return layer
 
 
@@ -54,4 +48,4 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         return DecoderModel(dataclasses.replace(cfg, attention_bias=False), _spec(cfg), self.tp)  # (o_proj: no bias)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
-        return _sparse_block(cfg, self.tp)
+        return noaux_tc_block(cfg, self.tp)

@@ -211,6 +211,14 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
+def noaux_tc_block(cfg: ModelConfig, tp: TensorParallel) -> BiasRoutedMoeBlock:
+    """DeepSeek-V3's noaux_tc block as DeepSeek-V3, GLM-4.5 and dots.llm1 lay it out: sigmoid scores, the bias in the
+    float32 router, renormalized with norm_topk_prob, the config's shared expert, the usual expert names."""
+    moe = cfg.moe
+    return BiasRoutedMoeBlock(cfg, tp, ExpertNames(), moe.norm_topk_prob,
+                              shared_intermediate=moe.shared_expert_intermediate_size)
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers' MLPs are SparseMoeBlocks (at `block`, the checkpoint's name)."""
 

@@ -32,9 +32,10 @@ from radixmesh.engine.speculative.eagle_head import EagleHead, _Body
 NEXTN_HEAD = "DeepseekV3ForCausalLMNextN"  # (SGLang's name for it)
 # the models whose MTP layer this head is, and how their layer is built: DeepSeek-V3's (GLM-4.7-Flash's is the same),
 # GLM-4.5's; each with its RoPE options (RotaryEmbedding.for_model's)
+_LATENT_LAYER = (lambda cfg, tp: mla_decoder_layer(cfg, tp, sparse=True), v3_rope_options)
 NEXTN_MODELS = {
-    "DeepseekV3ForCausalLM": (lambda cfg, tp: mla_decoder_layer(cfg, tp, sparse=True), v3_rope_options),
-    "Glm4MoeLiteForCausalLM": (lambda cfg, tp: mla_decoder_layer(cfg, tp, sparse=True), v3_rope_options),
+    "DeepseekV3ForCausalLM": _LATENT_LAYER,
+    "Glm4MoeLiteForCausalLM": _LATENT_LAYER,
     "Glm4MoeForCausalLM": (glm_decoder_layer, lambda cfg: {}),
 }
 
