@@ -515,15 +515,18 @@ def test_glm_drafts_with_its_prediction_layer_from_its_own_file(checkpoints, tmp
                 pass
 
 
-@pytest.mark.parametrize("opts", [{"speculative_eagle_topk": 2},
-                                  {"speculative_eagle_topk": 2, "attention_backend": "triton",
-                                   "moe_runner_backend": "triton"},
+@pytest.mark.parametrize("opts", [{"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 11},
+                                  {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 11,
+                                   "attention_backend": "triton", "moe_runner_backend": "triton"},
                                   {"tp_size": 2}], ids=["tree", "tree-triton", "tp2"])
 def test_nextn_drafts_trees_and_runs_under_tensor_parallelism(checkpoints, tmp_path, monkeypatch, opts):
     """NEXTN drafting trees (two candidates a step, verified under the tree mask on torch_native, and on Triton's
     latent kernels in the interpreter: a GPU's default), and with the target's heads over two ranks (the head whole
-    on the leader): transformers' greedy tokens, drafts proposed."""
+    on the leader): transformers' greedy tokens, drafts proposed. The trees' head is steered by the oracle of
+    tests/parity/test_speculative_tree (the answer ranked second at every node), so every verify keeps a path
+    through second-ranked children two deep, whose latent KV moves to the consecutive positions."""
     from radixmesh.engine.attention import triton_backend
+    from tests.parity.test_speculative_tree import Oracle
 
     path, _ = _with_mtp(checkpoints["deepseek_v3"], tmp_path)
     refs, _ = _reference(checkpoints["deepseek_v3"])
@@ -531,14 +534,20 @@ def test_nextn_drafts_trees_and_runs_under_tensor_parallelism(checkpoints, tmp_p
     monkeypatch.setattr(triton_backend, "latent_decode", lambda *a, **kw: masked.append(kw["tree"] is not None)
                         or run(*a, **kw))
     triton = opts.get("attention_backend") == "triton"
-    prompts = PROMPTS[1:2] if triton else PROMPTS  # (the interpreter is slow: the longest prompt alone)
+    prompts, want = (PROMPTS[1:2], refs[1:2]) if triton else (PROMPTS, refs)  # (the interpreter is slow)
+    tree = "speculative_eagle_topk" in opts
     with running_engine(path, skip_tokenizer_init=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                        **opts) as llm:
+                        page_size=4, **opts) as llm:
+        if tree:
+            Oracle(llm.scheduler.spec.model.runner, [p + r for p, r in zip(prompts, want)], COMMON["vocab_size"])
         outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
-    assert [o["output_ids"] for o in outs] == (refs[1:2] if triton else refs)
+        stats = llm.scheduler.load()
+    assert [o["output_ids"] for o in outs] == want
     assert all(o["meta_info"]["spec_draft_token_num"] > 0 for o in outs)
+    if tree:  # every tree (10 nodes) keeps at least the answer's two: the second-ranked child's second-ranked child
+        assert stats["spec_accepted_tokens"] >= 2 * stats["spec_draft_tokens"] // 10 > 0
     # on Triton the tree rows (the head's tree steps, the target's verifies) run the latent kernel's tree mask (its
-    # rule is tested against a twin in tests/kernels/test_mla_decode.py: random drafts are seldom kept here)
+    # rule is tested against a twin in tests/kernels/test_mla_decode.py too)
     assert any(masked) == triton
 
 
