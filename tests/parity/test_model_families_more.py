@@ -109,10 +109,16 @@ def build(name: str, path) -> str:
     """Writes the checkpoint `name` (of FAMILIES, or MULTIMODAL) to the folder `path`."""
     if name == MULTIMODAL:
         return write_multimodal(path, seed=300)
-    write_checkpoint(path, *FAMILIES[name], seed=200 + list(FAMILIES).index(name))
-    if name in CONFIG_EDITS:
+    return build_family(FAMILIES, CONFIG_EDITS, 200, name, path)
+
+
+def build_family(families: dict, edits: dict, seed: int, name: str, path) -> str:
+    """`families[name]`'s checkpoint written to `path` (its seed `seed` + its place in `families`), its config.json
+    then edited by `edits[name]` where there is one."""
+    write_checkpoint(path, *families[name], seed=seed + list(families).index(name))
+    if name in edits:
         raw = json.loads((path / "config.json").read_text())
-        CONFIG_EDITS[name](raw)
+        edits[name](raw)
         (path / "config.json").write_text(json.dumps(raw, indent=1))
     return str(path)
 

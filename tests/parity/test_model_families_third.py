@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from tests.parity.test_model_families_more import WINDOW, _check, _config_dir, _refused, write_checkpoint
+from tests.parity.test_model_families_more import WINDOW, _check, _config_dir, _refused, build_family
 
 FAMILIES = {
     # 4 layers: sliding (rotated, every 12 tokens), sliding, global (unrotated, every token), sliding, by layer_types;
@@ -69,12 +69,7 @@ CONFIG_EDITS = {"phi": _legacy, "glm": _glm_defaults, "cohere2-pattern": _cohere
 
 
 def build(name: str, path) -> str:
-    write_checkpoint(path, *FAMILIES[name], seed=400 + list(FAMILIES).index(name))
-    if name in CONFIG_EDITS:
-        raw = json.loads((path / "config.json").read_text())
-        CONFIG_EDITS[name](raw)
-        (path / "config.json").write_text(json.dumps(raw, indent=1))
-    return str(path)
+    return build_family(FAMILIES, CONFIG_EDITS, 400, name, path)
 
 
 @pytest.fixture(scope="module")
