@@ -15,7 +15,8 @@ and stage 2 merges the heads in parallel where the last split would merge them o
 
 A sliding window of w tokens (a per-layer constant) shows the query at position seq_len - 1 the keys at positions
 seq_len - w .. seq_len - 1 (transformers' rule: key > query - w); both stages walk only those, so a windowed layer
-reads at most w keys per request. Scores may be soft-capped (kernels.online_softmax).
+reads at most w keys per request. Scores may be soft-capped, and a head's attention sink (GPT-OSS) joins the softmax's
+denominator where the splits are merged (kernels.online_softmax).
 
 An fp8 cache (--kv-cache-dtype fp8_*) holds keys divided by a per-layer `k_scale` and values divided by `v_scale`:
 the key scale multiplies the score scale (q . (k * ks) * scale = (q . k) * (scale * ks)) and the value scale the
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.online_softmax import accumulate, softmax_step
+from radixmesh.kernels.online_softmax import accumulate, sink_normalizer, softmax_step
 from radixmesh.kernels.runtime import LINE_BYTES, dot_needs_upcast, pdl_enter, pdl_options, prefetch_l2
 
 # Splits beyond this add merge work without exposing more parallelism worth having.
@@ -72,14 +73,14 @@ def _tree_visible(n, tree_start, tree_bits):
 
 
 @triton.jit
-def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStart, TreeBits, Out, PartialO,
-                   PartialLse, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStart, TreeBits, Sinks, Out,
+                   PartialO, PartialLse, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
                    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    scale_log2, cap_log2, window, v_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, TREE: tl.constexpr,
-                   V_SCALED: tl.constexpr):
+                   V_SCALED: tl.constexpr, SINK: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,6 +150,9 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
     if TREE:  # a split wholly inside a row's tree span may see no key: its weight is zero, not NaN
         l_i = tl.where(l_i > 0, l_i, 1.0)
     if NUM_SPLITS == 1:
+        if SINK:
+            factor, l_i = sink_normalizer(m_i, l_i, tl.load(Sinks + heads, mask=h_mask, other=0.0))
+            acc = acc * factor[:, None]
         out = acc / l_i[:, None]
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=out_mask)
@@ -159,9 +163,10 @@ def _decode_stage1(Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, Positions, TreeStar
 
 
 @triton.jit
-def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                   stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _decode_stage2(PartialO, PartialLse, Out, SeqLens, Sinks, stride_pb, stride_ph, stride_ps, stride_lb,
+                   stride_lh, stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                   SINK: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     # Which splits stage 1 filled follows from the length (and the window) alone (an input of the step, so read
@@ -192,6 +197,9 @@ def _decode_stage2(PartialO, PartialLse, Out, SeqLens, stride_pb, stride_ph, str
         acc = acc * alpha + tl.sum(part * w[:, None], 0)
         total = total * alpha + tl.sum(w, 0)
         m = m_new
+    if SINK:
+        factor, total = sink_normalizer(m, total, tl.load(Sinks + head))
+        acc = acc * factor
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -222,17 +230,18 @@ def split_scratch(out: torch.Tensor, num_splits: int, width: int,
 
 
 def merge_splits(po: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                 num_splits: int, block_n: int, block_d: int) -> None:
-    """Stage 2 into `out` [batch, heads, width]: each (request, head)'s live splits merged (nothing with one split).
-    `block_n` must be stage 1's: both cut the keys into splits of whole blocks alike."""
+                 num_splits: int, block_n: int, block_d: int, sinks: torch.Tensor | None = None) -> None:
+    """Stage 2 into `out` [batch, heads, width]: each (request, head)'s live splits merged (nothing with one split),
+    with the head's attention sink in the denominator where `sinks` [heads] is given. `block_n` must be stage 1's:
+    both cut the keys into splits of whole blocks alike."""
     if num_splits == 1:
         return
     bsz, num_heads, width = out.shape
     _decode_stage2[(bsz, num_heads)](
-        po, lse, out, seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+        po, lse, out, seq_lens, sinks if sinks is not None else seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=width, NUM_SPLITS=num_splits,
         BLOCK_N=block_n, BLOCK_S=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))), BLOCK_D=block_d,
-        num_warps=4 if block_d > 64 else 2, **pdl_options(out))
+        SINK=sinks is not None, num_warps=4 if block_d > 64 else 2, **pdl_options(out))
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
@@ -240,7 +249,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      out: torch.Tensor | None = None,
                      partials: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
                      softcap: float | None = None, tree: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: float = 1.0, positions: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buf, v_buf [num_slots, num_kv_heads, head_dim]; req_to_token [rows, row_len];
     req_pool_indices, seq_lens [batch] (every seq_len >= 1). Returns [batch, num_heads, head_dim] in q's dtype.
     `partials` (from `partial_buffers`, at least [batch, heads, num_splits]) lets CUDA graphs keep fixed scratch.
@@ -249,7 +259,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     window a tree row sees the keys after `positions` [batch] - window (its position: the span's start plus its
     depth; a table index past the start is not a position), and its ancestors, which a window longer than the tree
     is deep always shows. `k_scale`, `v_scale`: the cache holds keys and values divided by them (an fp8 cache's
-    per-layer scales)."""
+    per-layer scales). `sinks` [num_heads]: each head's attention sink (a logit in the softmax's denominator)."""
     bsz, num_heads, head_dim = q.shape
     if tree is not None and window is not None and positions is None:
         raise ValueError("a draft tree under a sliding window needs its rows' positions")
@@ -269,7 +279,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
         positions if positions is not None and tree is not None else seq_lens,
         tree[0] if tree is not None else seq_lens,
-        tree[1] if tree is not None else seq_lens, out, po, lse,
+        tree[1] if tree is not None else seq_lens, sinks if sinks is not None else seq_lens, out, po, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         lse.stride(0), lse.stride(1), scale * k_scale * _LOG2E, (softcap or 0.0) * _LOG2E, _window_arg(window),
@@ -277,9 +287,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, PRECISION=precision,
         UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap),
         PREFETCH_LINES=triton.next_power_of_2(prefetch) if prefetch else 0, LINE_ELEMS=line, TREE=tree is not None,
-        V_SCALED=v_scale != 1.0, num_warps=4,
+        V_SCALED=v_scale != 1.0, SINK=sinks is not None, num_warps=4,
         num_stages=2, **pdl)
-    merge_splits(po, lse, out, seq_lens, window, num_splits, block_n, block_d)
+    merge_splits(po, lse, out, seq_lens, window, num_splits, block_n, block_d, sinks)
     return out
 
 
@@ -294,10 +304,12 @@ def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torc
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float, window: int | None = None, softcap: float | None = None,
                                tree: torch.Tensor | None = None, k_scale: float = 1.0,
-                               v_scale: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: float = 1.0, positions: torch.Tensor | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `decode_attention`: per request, gather its keys and values (the last `window` of them,
     given one, counted back from its position where it is a tree row; those its tree span lets it see, given
-    `tree`), times `k_scale` and `v_scale`, and attend in float32, scores soft-capped when `softcap` is given."""
+    `tree`), times `k_scale` and `v_scale`, and attend in float32, scores soft-capped when `softcap` is given, each
+    head's sink a score without a value (given `sinks`)."""
     bsz, num_heads, head_dim = q.shape
     group = num_heads // k_buf.shape[1]
     out = torch.empty_like(q)
@@ -315,5 +327,14 @@ def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torc
         scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), values).to(q.dtype)
+        out[b] = torch.einsum("hs,shd->hd", with_sinks_softmax(scores, sinks), values).to(q.dtype)
     return out
+
+
+def with_sinks_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last axis of float32 `scores` [heads, ..., keys], each head's sink (`sinks` [heads], or
+    None: none) one more logit of its row that weighs no value (dropped after the softmax)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, *(1,) * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1]

@@ -9,7 +9,8 @@ pool (gathered by slot), then the new tokens up to the diagonal from the contigu
 
 Under a sliding window of w tokens (a per-layer constant) the query at position p sees only keys at positions
 p - w + 1 .. p (transformers' rule: key > query - w): a program starts both walks at its first row's window, and
-masks per row within it. Scores may be soft-capped (kernels.online_softmax).
+masks per row within it. Scores may be soft-capped, and a head's attention sink (GPT-OSS) joins each row's softmax
+denominator at the end (kernels.online_softmax).
 
 An fp8 cache (--kv-cache-dtype fp8_*) holds the prefix's keys divided by a per-layer `k_scale` and its values divided
 by `v_scale`; the new tokens come unscaled from k_new / v_new. The prefix walk scores with scale * k_scale (exact:
@@ -24,19 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.online_softmax import accumulate, softmax_step
+from radixmesh.kernels.online_softmax import accumulate, sink_normalizer, softmax_step
 from radixmesh.kernels.runtime import dot_needs_upcast
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, QoStarts,
+def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, QoStarts, Sinks,
                    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
                    stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, scale_log2, prefix_scale_log2, v_scale,
                    cap_log2, window, num_m_blocks, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   CAPPED: tl.constexpr, WINDOWED: tl.constexpr, V_SCALED: tl.constexpr):
+                   CAPPED: tl.constexpr, WINDOWED: tl.constexpr, V_SCALED: tl.constexpr, SINK: tl.constexpr):
     # Blocks furthest down the diagonal do the most work: launch them first (program 0 of axis 0 goes first).
     m_block = num_m_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -105,7 +106,10 @@ def _extend_kernel(Q, KNew, VNew, Out, KBuf, VBuf, ReqToToken, ReqPoolIdx, Prefi
                     other=0.0)
         acc = accumulate(acc, p, alpha, v, PRECISION, UPCAST)
 
-    if WINDOWED:  # padding rows past the request's end may have seen no key: keep them finite (never stored)
+    if SINK:  # (a padding row that saw no key: factor 0, denominator 1)
+        factor, l_i = sink_normalizer(m_i, l_i, tl.load(Sinks + head))
+        acc = acc * factor[:, None]
+    elif WINDOWED:  # padding rows past the request's end may have seen no key: keep them finite (never stored)
         l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
@@ -151,14 +155,16 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
                      max_extend_len: int, scale: float, out: torch.Tensor | None = None,
                      tiles: tuple[int, int, int, int] | None = None, window: int | None = None,
-                     softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]; k_new, v_new [num_tokens, num_kv_heads, head_dim] (the new tokens);
     k_buf, v_buf [num_slots, num_kv_heads, head_dim] (the pool); req_to_token [rows, row_len]; req_pool_indices,
     prefix_lens, extend_lens, qo_starts [batch]; max_extend_len >= every extend_len (host int).
     `tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the choice for this head size and dtype.
     `window`: a query sees only the keys of the last `window` positions up to its own; `softcap`: scores become
     softcap * tanh(scores / softcap). `k_scale`, `v_scale`: the pool holds keys and values divided by them (an fp8
-    cache's per-layer scales; k_new and v_new are unscaled). Returns [num_tokens, num_heads, head_dim] in q's dtype."""
+    cache's per-layer scales; k_new and v_new are unscaled). `sinks` [num_heads]: each head's attention sink (a logit
+    in the softmax's denominator). Returns [num_tokens, num_heads, head_dim] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     bsz = int(extend_lens.shape[0])
     out = torch.empty_like(q) if out is None else out
@@ -168,14 +174,14 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     m_blocks = triton.cdiv(max_extend_len, block_m)
     _extend_kernel[(m_blocks, num_heads, bsz)](
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        sinks if sinks is not None else prefix_lens, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scale * _LOG2E, scale * k_scale * _LOG2E, float(v_scale), (softcap or 0.0) * _LOG2E,
         window or 0, m_blocks,
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=dot_needs_upcast(q.dtype), CAPPED=bool(softcap), WINDOWED=bool(window), V_SCALED=v_scale != 1.0,
-        num_warps=warps,
+        SINK=sinks is not None, num_warps=warps,
         num_stages=stages)
     return out
 
@@ -184,10 +190,13 @@ def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                                v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                prefix_lens: torch.Tensor, extend_lens: torch.Tensor, qo_starts: torch.Tensor,
                                scale: float, window: int | None = None, softcap: float | None = None,
-                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                               k_scale: float = 1.0, v_scale: float = 1.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `extend_attention`: per request, prefix keys from the pool (times `k_scale`, values times
     `v_scale`) plus the new keys, causal by position (and within `window`, given one), scores soft-capped when
-    `softcap` is given, softmax in float32."""
+    `softcap` is given, softmax in float32 with each head's sink (given `sinks`)."""
+    from radixmesh.kernels.decode_attention import with_sinks_softmax
+
     group = q.shape[1] // k_buf.shape[1]
     out = torch.empty_like(q)
     for b in range(int(extend_lens.shape[0])):
@@ -203,5 +212,5 @@ def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
         if window:
             visible &= key_pos > q_pos - window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        out[at:at + ext] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+        out[at:at + ext] = torch.einsum("hqk,khd->qhd", with_sinks_softmax(scores, sinks), values).to(q.dtype)
     return out

@@ -2,7 +2,11 @@
 kernel loads a block's values between them, after the scores (the order the kernels were measured with).
 
 Scores may be soft-capped (Gemma 2): s becomes cap * tanh(s / cap). In log2 units that is the same formula with the
-cap in log2 units too (cap_log2 = cap * log2(e)), which is what the kernels pass."""
+cap in log2 units too (cap_log2 = cap * log2(e)), which is what the kernels pass.
+
+An attention sink (GPT-OSS: a learned logit per query head) is one more term of the softmax's denominator that adds
+no value: out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^sink). `sink_normalizer` folds it in once a row's keys are all
+seen (or a row's split-KV partials merged)."""
 
 from __future__ import annotations
 
@@ -75,3 +79,17 @@ def accumulate(acc, p, alpha, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         v = v.to(tl.float32)
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def sink_normalizer(m_i, l_i, sink):
+    """A row's (rescale of its accumulator, denominator) once its attention sink (`sink`, a logit: natural units)
+    joins the softmax: out = acc * factor / denom. m_i, l_i: its running max and normalizer (log2 units); a row that
+    saw no key (m_i -inf) gets factor 0 and denominator 1, never NaN."""
+    sink_log2 = sink.to(tl.float32) * _LOG2E
+    m_new = tl.maximum(m_i, sink_log2)
+    factor = tl.exp2(m_i - m_new)
+    return factor, l_i * factor + tl.exp2(sink_log2 - m_new)

@@ -56,7 +56,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
 
 
 def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=None, seed=0, kv_dtype=None,
-                 window=None, softcap=None, q_gain=1.0):
+                 window=None, softcap=None, q_gain=1.0, sinks=None):
     """Checks the kernel against its twin; returns (its output, what was needed to run it again). `kv_dtype`: the
     pool's, when it is not the model's (an fp8 cache); `q_gain` scales the queries (larger scores)."""
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
@@ -68,9 +68,10 @@ def _decode_case(lens, heads, kv_heads, head_dim, page, dtype, device, splits=No
     splits = splits or num_kv_splits(len(lens), kv_heads, torch.device(device))
     out = torch.full_like(q, float("nan"))
     args = (q, pool.k, pool.v, pool.req_to_token, pool.rows, seq_lens, head_dim ** -0.5, splits)
-    decode_attention(*args, out=out, window=window, softcap=softcap)
+    decode_attention(*args, out=out, window=window, softcap=softcap,
+                     sinks=sinks.to(device) if sinks is not None else None)
     ref = decode_attention_reference(q.cpu(), pool.k.cpu(), pool.v.cpu(), pool.req_to_token.cpu(), pool.rows.cpu(),
-                                     seq_lens.cpu(), head_dim ** -0.5, window=window, softcap=softcap)
+                                     seq_lens.cpu(), head_dim ** -0.5, window=window, softcap=softcap, sinks=sinks)
     _check(out.cpu(), ref, dtype)
     return out, args
 
@@ -127,7 +128,7 @@ def test_decode_llama8b_shape_cuda(bs, ctx):
 
 
 def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, device, seed=0, tiles=None,
-                 kv_dtype=None, window=None, softcap=None, q_gain=1.0):
+                 kv_dtype=None, window=None, softcap=None, q_gain=1.0, sinks=None):
     lens = [p + e for p, e in zip(prefixes, extends)]
     pool = Pool(lens, kv_heads, head_dim, page, dtype, device, seed)
     if kv_dtype is not None:
@@ -141,9 +142,12 @@ def _extend_case(prefixes, extends, heads, kv_heads, head_dim, page, dtype, devi
     args = (q, k_new, v_new, pool.k, pool.v, pool.req_to_token, pool.rows, torch.tensor(prefixes, device=device),
             ext, ext.cumsum(0) - ext)
     out = torch.full_like(q, float("nan"))
-    extend_attention(*args, max(extends), head_dim ** -0.5, out=out, tiles=tiles, window=window, softcap=softcap)
-    ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5, window=window, softcap=softcap)
+    extend_attention(*args, max(extends), head_dim ** -0.5, out=out, tiles=tiles, window=window, softcap=softcap,
+                     sinks=sinks.to(device) if sinks is not None else None)
+    ref = extend_attention_reference(*(a.cpu() for a in args), head_dim ** -0.5, window=window, softcap=softcap,
+                                     sinks=sinks)
     _check(out.cpu(), ref, dtype)
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -240,6 +244,31 @@ def test_soft_cap_changes_the_output(device):
     capped = decode_attention(*args, softcap=2.0)
     plain = decode_attention_reference(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args[:7]))
     assert (capped.cpu() - plain).abs().max() > 1e-2
+
+
+# ---- attention sinks (GPT-OSS) ----------------------------------------------------------------------------------
+
+SINKS = torch.tensor([0.5, -1.0, 3.0, 8.0])  # per query head: one near the scores, one far above them
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,splits,dtype", [(None, 1, torch.float32), (None, 3, torch.float32),
+                                                 (12, 2, torch.float32), (None, 8, torch.bfloat16)])
+def test_sinks_join_the_softmax(device, window, splits, dtype):
+    """Each head's sink is one more logit of its softmax that weighs no value: decode with one split (stage 1
+    normalizes) and several (the merge does), extend over cached prefixes, alone and under a window; requests of one
+    token and splits the length leaves empty included."""
+    _decode_case([1, 17, 64, 129], 4, 2, 32, 16, dtype, device, splits=splits, seed=5, window=window, sinks=SINKS)
+    _extend_case([0, 30, 9], [12, 5, 20], 4, 2, 32, 16, dtype, device, seed=6, window=window, sinks=SINKS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sinks_change_the_output(device):
+    """The sink is applied at all: a large one shrinks the output toward zero, against the kernel without it."""
+    with_sink, args = _decode_case([40, 9], 4, 2, 32, 16, torch.float32, device, splits=2, sinks=SINKS)
+    plain = decode_attention(*args)
+    ratio = with_sink.cpu().norm(dim=-1) / plain.cpu().norm(dim=-1)
+    assert (ratio[:, 3] < 0.05).all() and (ratio[:, 0] < 1).all()
 
 
 @triton.jit

@@ -37,9 +37,10 @@ def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Positions="*i64",
-            TreeStart="*i64", TreeBits="*i64", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
+            TreeStart="*i64", TreeBits="*i64", Sinks="*bf16", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
 stage1 = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=64, PRECISION="tf32",
-              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False)
+              UPCAST=False, CAPPED=False, PDL=True, PREFETCH_LINES=2, LINE_ELEMS=64, TREE=False, V_SCALED=False,
+              SINK=False)
 scales = {"scale_log2", "prefix_scale_log2", "cap_log2", "v_scale"}  # the float arguments of the attention kernels
 out = {
     "stage1": ptx(decode_attention._decode_stage1, attn, scales, stage1, 4, 2),
@@ -74,22 +75,30 @@ out["stage1_tree"] = ptx(decode_attention._decode_stage1, attn, scales,
 out["stage1_capped"] = ptx(decode_attention._decode_stage1, attn, scales,
                            dict(stage1, HEAD_DIM=256, BLOCK_N=32, BLOCK_D=256, CAPPED=True), 4, 2)
 ext = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", ReqToToken="*i32",
-           ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64")
+           ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64", Sinks="*bf16")
 out["extend_windowed"] = ptx(extend_attention._extend_kernel, ext, scales,
                              dict(GROUP=4, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, PRECISION="tf32",
-                                  UPCAST=False, CAPPED=True, WINDOWED=True, V_SCALED=False), 4, 2)
+                                  UPCAST=False, CAPPED=True, WINDOWED=True, V_SCALED=False, SINK=False), 4, 2)
+# GPT-OSS's attention: 64-wide heads in groups of 8, each head's sink, every other layer windowed
+out["stage1_sinks"] = ptx(decode_attention._decode_stage1, attn, scales,
+                          dict(stage1, GROUP=8, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=1, SINK=True), 4, 2)
+out["extend_sinks"] = ptx(extend_attention._extend_kernel, ext, scales,
+                          dict(GROUP=8, HEAD_DIM=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32",
+                               UPCAST=False, CAPPED=False, WINDOWED=True, V_SCALED=False, SINK=True), 4, 3)
 # an fp8 cache with per-layer K and V scales (--kv-cache-dtype fp8_e4m3 and a checkpoint's k_scale / v_scale)
 fp8 = dict(K="*fp8e4nv", V="*fp8e4nv")
 out["stage1_fp8_scaled"] = ptx(decode_attention._decode_stage1, dict(attn, **fp8), scales,
                                dict(stage1, V_SCALED=True), 4, 2)
 out["extend_fp8_scaled"] = ptx(extend_attention._extend_kernel, dict(ext, KBuf="*fp8e4nv", VBuf="*fp8e4nv"), scales,
                                dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION="tf32",
-                                    UPCAST=False, CAPPED=False, WINDOWED=False, V_SCALED=True), 4, 3)
+                                    UPCAST=False, CAPPED=False, WINDOWED=False, V_SCALED=True, SINK=False), 4, 3)
 # kernels that begin with runtime.pdl_enter: the wait comes before any load
 bf16 = "*bf16"
-out["stage2"] = ptx(decode_attention._decode_stage2, dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16,
-                                                           SeqLens="*i64"), set(),
-                    dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=16, BLOCK_D=128, PDL=True), 4, 1)
+stage2_args = dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16, SeqLens="*i64", Sinks=bf16)
+out["stage2"] = ptx(decode_attention._decode_stage2, stage2_args, set(),
+                    dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=16, BLOCK_D=128, PDL=True, SINK=False), 4, 1)
+out["stage2_sinks"] = ptx(decode_attention._decode_stage2, stage2_args, set(),
+                          dict(HEAD_DIM=64, NUM_SPLITS=16, BLOCK_N=64, BLOCK_S=16, BLOCK_D=64, PDL=True, SINK=True), 4, 1)
 out["silu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
                           dict(BLOCK=1024, PDL=True), 4, 1)
 out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
@@ -178,7 +187,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
     assert launch[0] < prefetch[0] < wait[0]
 
 
-@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
+@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
@@ -242,6 +251,14 @@ def test_an_empty_split_returns_before_its_wait(ptx):
 
     # Triton 3.9 branches on the negated test, 3.6 (the GPU machine's) falls through to an unconditional branch
     assert any(returns(label) for label in branches), branches
+
+
+@pytest.mark.parametrize("kernel", ["stage1_sinks", "stage2_sinks", "extend_sinks"])
+def test_attention_with_sinks_compiles_and_reads_them(ptx, kernel):
+    """GPT-OSS's sinks (decode with one split, the merge of several, windowed extend) compile for sm_90, each
+    reading the sink (a 16-bit load) after the keys' walk."""
+    code = ptx[kernel]
+    assert _lines(code, r"ld\.global(\.\w+)*\.b16") and _lines(code, r"ex2\.approx")
 
 
 @pytest.mark.parametrize("kernel", ["stage1_capped", "extend_windowed"])
