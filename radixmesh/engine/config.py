@@ -195,6 +195,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     Memory-derived sizes (max_total_tokens) are resolved by the runner."""
     import torch
 
+    from radixmesh.engine.models.attention_spec import has_sinks
     from radixmesh.engine.models.support import check_servable
     from radixmesh.engine.speculative.config import resolve_speculative
     from radixmesh.engine.lora.config import resolve_lora
@@ -246,7 +247,7 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
         chunk = chunk // page * page
     dtype = resolve_dtype(args.dtype, model, device)
     attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim,
-                                   model.mla is not None)
+                                   model.mla is not None or has_sinks(model))
     _check(args.cuda_graph_max_bs is None or args.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
     _check(not args.cuda_graph_bs or min(args.cuda_graph_bs) >= 1, "cuda_graph_bs sizes must be >= 1")
     return dataclasses.replace(
@@ -286,8 +287,9 @@ STORAGE_TRANSPORTS = ("grpc", "mooncake")
 
 # --quantization values (SGLang's) -> what the engine does: round an unquantized checkpoint's weights to fp8
 # ("fp8"; SGLang's w8a8_fp8 does the same: fp8 weights per output row, activations quantized per token), or read
-# the checkpoint's own (None: fp8 checkpoints are read without the flag; modelopt says which kind it must be)
-QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "modelopt": None, "modelopt_fp8": None}
+# the checkpoint's own (None: fp8 and mxfp4 checkpoints are read without the flag; modelopt and mxfp4 say which kind
+# it must be)
+QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8", "modelopt": None, "modelopt_fp8": None, "mxfp4": None}
 
 
 def _resolve_quantization(quantization: str | None, model: ModelConfig) -> str | None:
@@ -299,6 +301,11 @@ def _resolve_quantization(quantization: str | None, model: ModelConfig) -> str |
                f"quantization {quantization!r} reads an NVIDIA ModelOpt FP8 checkpoint (hf_quant_config.json, or "
                f"quantization_config.quant_method 'modelopt' in config.json); {model.path} is not one: serve it "
                "without the flag, or with --quantization fp8 to round its weights to fp8")
+    if quantization == "mxfp4":
+        from radixmesh.engine.quantization.mxfp4 import is_mxfp4
+
+        _check(is_mxfp4(model.raw), f"quantization 'mxfp4' reads an MXFP4 checkpoint (quantization_config.quant_method "
+               f"'mxfp4' in config.json: GPT-OSS as published); {model.path} is not one: serve it without the flag")
     return QUANTIZATIONS[quantization] if quantization else None
 
 
@@ -395,8 +402,9 @@ def _pooling_needs_every_token(args: EngineArgs, model: ModelConfig) -> bool:
 def _resolve_attention(args: EngineArgs, device: str, dtype: str, head_dim: int, latent: bool = False) -> dict:
     """attention_backend defaults by device and model; the prefill and decode backends default to it, except that
     with no backend flag at all a FlashInfer default decodes on Triton on Hopper and later
-    (registry.default_decode_backend); a `latent` KV cache (multi-head latent attention) attends on Triton's latent
-    kernels on CUDA (registry.default_latent_backend)."""
+    (registry.default_decode_backend); a `latent` KV cache (multi-head latent attention), or heads with attention
+    sinks (GPT-OSS), attend on Triton's kernels on CUDA (registry.default_latent_backend: FlashInfer's paged kernels
+    take neither)."""
     from radixmesh.engine.attention.registry import (check_backend_name, default_backend, default_decode_backend,
                                                      default_latent_backend)
 

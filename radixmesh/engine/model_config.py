@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 # transformers' rms_norm_eps for a config.json without the field, where an architecture's default is not 1e-6
 _DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
+                         "GptOssForCausalLM": 1e-5,
                          "GlmForCausalLM": 1.5625e-7, "Glm4ForCausalLM": 1.5625e-7}
 # architectures whose transformers config ties the output layer to the embedding when config.json does not say
 _TIED_BY_DEFAULT = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
@@ -172,7 +173,7 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"model config not found: {cfg_file}")
         with open(cfg_file) as f:
-            raw = with_quant_file(text_config(json.load(f)), path)
+            raw = with_quant_file(with_defaults(text_config(json.load(f))), path)
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_file} has no 'architectures' entry")
@@ -238,6 +239,30 @@ def with_quant_file(raw: dict, path: str) -> dict:
         raise ValueError(f"{file} is not a readable JSON file: {e}") from None
     fields = doc.get("quantization") if isinstance(doc, dict) else None
     return {**raw, "quantization_config": {"quant_method": "modelopt", **(fields if isinstance(fields, dict) else {})}}
+
+
+# Fields a config class fills in where config.json leaves them out and its default differs from what a field's absence
+# means here (GptOssConfig's; tests/parity/test_gpt_oss_parity.py compares them with transformers'); a RoPE dict too,
+# where config.json has none
+CONFIG_DEFAULTS = {
+    "GptOssForCausalLM": {"attention_bias": True, "sliding_window": 128, "head_dim": 64, "num_experts_per_tok": 4,
+                          "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+}
+ROPE_DEFAULTS = {
+    "GptOssForCausalLM": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                          "original_max_position_embeddings": 4096},
+}
+
+
+def with_defaults(raw: dict) -> dict:
+    """config.json with its architecture's CONFIG_DEFAULTS (and ROPE_DEFAULTS, where it has no RoPE dict) filled in
+    where it says nothing."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    out = {**CONFIG_DEFAULTS.get(arch, {}), **raw}
+    if arch in ROPE_DEFAULTS and not raw.get("rope_scaling") and not raw.get("rope_parameters"):
+        out["rope_parameters"] = dict(ROPE_DEFAULTS[arch])
+    return out
 
 
 def text_config(raw: dict) -> dict:

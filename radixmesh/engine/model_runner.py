@@ -148,6 +148,8 @@ class ModelRunner:
         shape = attention_shape(model_config, self.num_heads, self.num_kv_heads, args.context_length, self.dtype)
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
                                              self.kv_pool, self.req_to_token)
+        if shape.sinks:  # (GPT-OSS) each layer's sinks, read in place by the kernels
+            self.attn_backend.attach_sinks([layer.self_attn.sinks for layer in self.model.model.layers])
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
         self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d, attention %s",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -420,20 +421,55 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_e
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertExtras:
+    """What some models' experts compute beyond bias-free SiLU-gated MLPs (GPT-OSS): per-expert biases after the
+    gate/up product (`b13` [experts, 2 x inter], gate then up) and after the down product (`b2` [experts, hidden];
+    None on a tensor-parallel rank that leaves it to rank 0), and the clamped SwiGLU (`swiglu_limit` > 0):
+    gate clamped above at the limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+
+
+def activate(gate_up: torch.Tensor, extras: ExpertExtras | None) -> torch.Tensor:
+    """[n, 2 x inter] (gate then up) -> [n, inter]: SiLU-and-mul (kernels.activation's kernel), or the clamped SwiGLU
+    in the dtype of gate_up, op for op as transformers' GPT-OSS experts compute it (plain torch)."""
+    if extras is None or extras.swiglu_limit <= 0:
+        from radixmesh.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    limit = extras.swiglu_limit
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * extras.swiglu_alpha))
+
+
+def _expert_rows(bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each slot's expert's bias row ([slots, n]; zero for an id of -1)."""
+    flat = ids.flatten()
+    return torch.where((flat >= 0)[:, None], bias[flat.clamp(min=0)], 0)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, elsewhere: bool = True, decode_path: bool | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, elsewhere: bool = True, decode_path: bool | None = None,
+                  extras: ExpertExtras | None = None) -> torch.Tensor:
     """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter], routing weights and
     expert ids [tokens, top_k] -> [tokens, hidden]: sum over k of weights * down(silu(gate) * up) of expert ids.
     `elsewhere`: ids may be -1 (experts of other ranks); False saves zeroing rows that every expert writes.
     A few tokens (kernels.moe_decode.use_decode_path) run kernels.moe_decode's two gemv-shaped launches instead of the
-    alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks)."""
-    from radixmesh.kernels.activation import silu_and_mul
+    alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks). `extras`
+    (biases, the clamped SwiGLU: ExpertExtras) run the grouped GEMMs with the biases added and the activation
+    between them in torch (the few-token launches compute neither)."""
     from radixmesh.kernels.moe_decode import decode_experts, use_decode_path
 
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
+    if extras is None and (use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path):
         return decode_experts(x, w13, w2, weights, ids)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m, up, down_tiles = tiles(x, w13, tokens)
@@ -441,23 +477,37 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n_slots = tokens * top_k
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
     gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
-    act = silu_and_mul(gate_up)
-    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, weights.flatten().contiguous(), elsewhere,
-                         block_m, down_tiles)
+    if extras is not None and extras.b13 is not None:
+        gate_up += _expert_rows(extras.b13, ids).to(gate_up.dtype)
+    act = activate(gate_up, extras)
+    flat_weights = weights.flatten().contiguous()
+    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
+    if extras is not None and extras.b2 is not None:  # sum_k w_k (act W2 + b2): the weighted biases added apart
+        down += (flat_weights[:, None] * _expert_rows(extras.b2, ids)).to(down.dtype)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                            ids: torch.Tensor) -> torch.Tensor:
+                            ids: torch.Tensor, extras: ExpertExtras | None = None) -> torch.Tensor:
     """The twin: each expert once, on the tokens routed to it (in token order, as transformers does), its weighted
-    output added into the token's row in x's dtype. Slots whose id is -1 (an expert of another rank) add nothing."""
+    output added into the token's row in x's dtype. Slots whose id is -1 (an expert of another rank) add nothing.
+    `extras`: each product's bias added to it, and the clamped SwiGLU in place of SiLU-and-mul."""
     out = torch.zeros_like(x)
     hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
     flat = ids.flatten()
     hit[flat[flat >= 0]] = True
     for e in hit.nonzero().flatten().tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        h = F.silu(gate) * up
-        out.index_add_(0, token, (F.linear(h, w2[e]) * weights[token, slot, None]).to(out.dtype))
+        b13, b2 = (None, None) if extras is None else (_row(extras.b13, e), _row(extras.b2, e))
+        gate_up = F.linear(x[token], w13[e], b13)
+        if extras is None or extras.swiglu_limit <= 0:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = activate(gate_up, extras)
+        out.index_add_(0, token, (F.linear(h, w2[e], b2) * weights[token, slot, None]).to(out.dtype))
     return out
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]

@@ -9,9 +9,11 @@ three graph hooks: `init_cuda_graph` once (static buffers for the largest batch)
 captured batch size (what it returns is baked into that graph), and `replay_metadata` before every replay (host-side
 planning only: it may fill the static buffers, never reallocate them).
 
-Beyond plain causal attention a shape may ask for a sliding window per layer and soft-capped scores (Gemma 2/3,
-Mistral, Qwen2 windows); a backend that does not compute them says so (`supports_sliding_window`,
-`supports_softcap`) and is refused for such a model when it is built, never run without them.
+Beyond plain causal attention a shape may ask for a sliding window per layer, soft-capped scores (Gemma 2/3,
+Mistral, Qwen2 windows) and attention sinks (GPT-OSS: a learned logit per head in each softmax's denominator, the
+layers' weights handed over once with `attach_sinks`); a backend that does not compute one says so
+(`supports_sliding_window`, `supports_softcap`, `supports_sinks`) and is refused for such a model when it is built,
+never run without it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class AttentionShape:
     # a latent KV cache (multi-head latent attention, engine.models.deepseek): one KV head whose value is the leading
     # `value_dim` numbers of its key, in one buffer; backends may return just those numbers of each head's output
     value_dim: int | None = None
+    sinks: bool = False  # each layer has a sink per query head (AttentionBackend.attach_sinks gives them)
 
     def window(self, layer_id: int) -> int | None:
         return self.windows[layer_id] if self.windows else None
@@ -59,6 +62,7 @@ class AttentionBackend(ABC):
     fuses_rope_store: bool = False
     supports_sliding_window: bool = False  # honours AttentionShape.windows
     supports_softcap: bool = False  # honours AttentionShape.softcap
+    supports_sinks: bool = False  # honours AttentionShape.sinks
 
     def __init__(self, shape: AttentionShape, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         if any(w is not None for w in shape.windows) and not self.supports_sliding_window:
@@ -67,9 +71,22 @@ class AttentionBackend(ABC):
         if shape.softcap is not None and not self.supports_softcap:
             raise ValueError(f"attention backend {self.name!r} has no attention logit soft-capping, which this "
                              "model uses; pick another --attention-backend")
+        if shape.sinks and not self.supports_sinks:
+            raise ValueError(f"attention backend {self.name!r} has no attention sinks, which this model's layers "
+                             "use; pick another --attention-backend (triton or torch_native)")
         self.shape = shape
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.layer_sinks: list[torch.Tensor] | None = None  # AttentionShape.sinks: each layer's [heads] (attach_sinks)
+
+    def attach_sinks(self, sinks: list[torch.Tensor]) -> None:
+        """Each layer's sinks ([this rank's query heads], the model's weights: fixed addresses, so CUDA graphs read
+        them in place), for a shape with `sinks`."""
+        self.layer_sinks = sinks
+
+    def sinks(self, layer_id: int) -> torch.Tensor | None:
+        """The layer's sinks, or None for a shape without them."""
+        return self.layer_sinks[layer_id] if self.shape.sinks else None
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> Any:

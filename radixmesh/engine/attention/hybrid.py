@@ -14,9 +14,15 @@ class HybridBackend(AttentionBackend):
         self.name = f"{prefill.name}+{decode.name}"
         self.supports_sliding_window = prefill.supports_sliding_window and decode.supports_sliding_window
         self.supports_softcap = prefill.supports_softcap and decode.supports_softcap
+        self.supports_sinks = prefill.supports_sinks and decode.supports_sinks
         super().__init__(prefill.shape, prefill.kv_pool, prefill.req_to_token)
         self.prefill, self.decode = prefill, decode
         self.supports_cuda_graph = decode.supports_cuda_graph
+
+    def attach_sinks(self, sinks: list) -> None:
+        super().attach_sinks(sinks)
+        self.prefill.attach_sinks(sinks)
+        self.decode.attach_sinks(sinks)
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.mode is ForwardMode.DECODE else self.prefill

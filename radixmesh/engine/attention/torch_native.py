@@ -9,7 +9,8 @@ An fp8 cache (--kv-cache-dtype fp8_*) is read back in the model's dtype times th
 (KVPool.read); the tokens of the forward itself attend to their own unrounded keys and values.
 
 A sliding window is one more term of the mask (one mask per window the layers use, built once per batch); soft-capped
-scores (Gemma 2) have no SDPA kernel, so those layers compute the scores, cap, mask and softmax in plain ops, in
+scores (Gemma 2) and attention sinks (GPT-OSS: a logit per head that weighs no value) have no SDPA kernel, so those
+layers compute the scores, cap, mask and softmax (the sink a last column, dropped after it) in plain ops, in
 transformers' order.
 """
 
@@ -44,6 +45,7 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def plan(self, batch: ForwardBatch) -> TorchNativeMetadata:
         dev = batch.seq_lens.device
@@ -110,11 +112,14 @@ class TorchNativeBackend(AttentionBackend):
             values.view(-1, *values.shape[2:])[metadata.token_to_key] = v.to(q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         mask = metadata.masks[self.shape.window(layer_id)]
-        if self.shape.softcap is None:
+        sinks = self.sinks(layer_id)
+        if self.shape.softcap is None and sinks is None:
             with sdpa_kernel(_SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=self.shape.scale)
         else:
-            out = _capped_attention(rows, keys, values, mask, self.shape.scale, self.shape.softcap)
+            if sinks is not None:  # a row (query position, head within group) of KV head g takes head g * group + i's
+                sinks = sinks.view(kv_heads, 1, group).expand(-1, max_q, -1).reshape(1, kv_heads, max_q * group, 1)
+            out = _plain_attention(rows, keys, values, mask, self.shape.scale, self.shape.softcap, sinks)
         out = out.view(bsz, kv_heads, max_q, group, head_dim).transpose(1, 2).reshape(bsz * max_q, num_heads, head_dim)
         return out if metadata.token_to_pad is None else out[metadata.token_to_pad]
 
@@ -127,11 +132,17 @@ def _tree_visible(tree: torch.Tensor, max_kv: int) -> torch.Tensor:
     return (rel < 0) | (bits != 0)
 
 
-def _capped_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, in transformers' order: scores in the model's dtype, capped, masked, softmax
-    in float32 and back. rows [b, kv_heads, r, d]; keys, values [b, kv_heads, k, d]; mask [b, 1, r, k]."""
+def _plain_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with soft-capped scores and/or sinks, in transformers' order: scores in the model's dtype, capped,
+    masked, each row's sink (`sinks` [1, kv_heads, r, 1]) a last column, softmax in float32, the sink's column
+    dropped, back to the model's dtype. rows [b, kv_heads, r, d]; keys, values [b, kv_heads, k, d]; mask
+    [b, 1, r, k]."""
     scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(rows.dtype), values)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).expand(scores.shape[0], -1, -1, -1)], -1)
+    probs = scores.softmax(-1, dtype=torch.float32)
+    return torch.matmul((probs[..., :-1] if sinks is not None else probs).to(rows.dtype), values)

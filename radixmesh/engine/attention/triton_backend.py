@@ -2,8 +2,8 @@
 
 Works on CUDA, and on CPU only inside Triton's interpreter (TRITON_INTERPRET=1, for tests). Decode batches can run
 in CUDA graphs: the kernels read lengths and table rows from the batch's device tensors, and the split count depends
-only on the batch size. A layer's sliding window, the soft-cap and an fp8 cache's K and V scales are constants of the
-model, passed to each launch (so captured with it).
+only on the batch size. A layer's sliding window, the soft-cap, its attention sinks and an fp8 cache's K and V scales
+are constants of the model, passed to each launch (so captured with it).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class TritonBackend(AttentionBackend):
     fuses_rope_store = True
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self, shape, kv_pool, req_to_token):
         super().__init__(shape, kv_pool, req_to_token)
@@ -81,7 +82,8 @@ class TritonBackend(AttentionBackend):
         return extend_attention(q, k, v, pool.k[layer_id], pool.v[layer_id], self.req_to_token.table(layer_id),
                                 batch.req_pool_indices, metadata.prefix_lens, batch.extend_lens, metadata.qo_starts,
                                 metadata.max_extend_len, s.scale, window=s.window(layer_id), softcap=s.softcap,
-                                k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id])
+                                k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id],
+                                sinks=self.sinks(layer_id))
 
     def attend_stored(self, layer_id, q, batch, metadata: DecodeMetadata) -> torch.Tensor:
         pool, s = self.kv_pool, self.shape
@@ -93,7 +95,7 @@ class TritonBackend(AttentionBackend):
                                 batch.req_pool_indices, batch.seq_lens, s.scale, metadata.num_splits,
                                 partials=metadata.partials, window=s.window(layer_id), softcap=s.softcap,
                                 tree=batch.tree_mask, k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id],
-                                positions=batch.positions)
+                                positions=batch.positions, sinks=self.sinks(layer_id))
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:

@@ -59,6 +59,8 @@ class FusedMoE(nn.Module):
     its 1/size of them, the other ranks' checkpoint tensors skipped at load. Either way every rank sees every token
     and the ranks' partial outputs are summed."""
 
+    holds_fp8 = True  # engine.quantization.fp8_load may hold w13 and w2 in fp8 (kernels.moe_fp8 computes them)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel, names: ExpertNames):
         super().__init__()
         self.tp = tp
@@ -82,6 +84,7 @@ class FusedMoE(nn.Module):
         self.w13 = _Stacked((local_experts, 2 * local, hidden), w13)
         self.w2 = _Stacked((local_experts, hidden, local), w2)
         self.backend = "torch"  # or "triton": kernels.moe.fused_experts (--moe-runner-backend)
+        self.extras = None  # kernels.moe.ExpertExtras: biases, the clamped SwiGLU (GPT-OSS's experts)
 
     def route(self, logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,5 +125,6 @@ class FusedMoE(nn.Module):
         from radixmesh.kernels.moe import fused_experts, fused_experts_reference
 
         if self.backend == "triton":
-            return fused_experts(x, self.w13.weight, self.w2.weight, weights, ids, elsewhere=elsewhere)
-        return fused_experts_reference(x, self.w13.weight, self.w2.weight, weights, ids)
+            return fused_experts(x, self.w13.weight, self.w2.weight, weights, ids, elsewhere=elsewhere,
+                                 extras=self.extras)
+        return fused_experts_reference(x, self.w13.weight, self.w2.weight, weights, ids, self.extras)

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 HF_DEFAULT_ROPE_THETA = 10000.0
 # transformers' per-architecture defaults where they differ from the generic ones
-_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0, "MiniMaxM2ForCausalLM": 5e6}
+_DEFAULT_THETA = {"MixtralForCausalLM": 1e6, "CohereForCausalLM": 500_000.0, "MiniMaxM2ForCausalLM": 5e6,
+                  "GptOssForCausalLM": 150_000.0}
 # StableLmConfig's, PhiConfig's, GlmConfig's, Glm4Config's and Glm4MoeConfig's partial_rotary_factor
 _DEFAULT_PARTIAL_ROTARY = {"StableLmForCausalLM": 0.25, "PhiForCausalLM": 0.5, "GlmForCausalLM": 0.5,
                            "Glm4ForCausalLM": 0.5, "Glm4MoeForCausalLM": 0.5}

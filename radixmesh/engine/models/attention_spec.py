@@ -15,10 +15,13 @@ Which layers slide is each architecture's own rule (transformers' config classes
   Gemma 2               layer_types, else every other layer from layer 0 (window default 4096)
   Gemma 3               layer_types, else all but every sliding_window_pattern-th layer (default 6; window 4096)
   Cohere 2              the same, sliding_window_pattern defaulting to 4 (window 4096)
+  GPT-OSS               layer_types, else every other layer from layer 0 (window default 128: model_config fills it)
 
 Other architectures (Llama, Gemma 1, Cohere, StableLM, Phi, GLM, OLMo) attend to every earlier token whatever the
 config says: layer_types with sliding layers there is a contradiction, which engine.models.support refuses unless the
 window covers the whole context.
+
+GPT-OSS's heads each have an attention sink (a learned logit in the softmax's denominator): `has_sinks`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ _DEFAULT_PATTERN = {"Cohere2ForCausalLM": 4}  # others: Gemma 3's
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 _QWEN_LISTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
 _LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types entries radixmesh computes
+_EVERY_OTHER = ("Gemma2ForCausalLM", "GptOssForCausalLM")  # without layer_types: layers 0, 2, 4, ... slide
+SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +98,13 @@ def _patterned(raw: dict, arch: str, layers: int) -> SlidingLayers:
     listed = _listed(raw, layers)
     if listed is not None:
         return SlidingLayers(window, listed, f"sliding_window={window}, layer_types", True)
-    pattern = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern",
+    pattern = 2 if arch in _EVERY_OTHER else raw.get("sliding_window_pattern",
                                                               _DEFAULT_PATTERN.get(arch, HF_DEFAULT_GEMMA3_PATTERN))
     if not isinstance(pattern, int) or pattern < 1:
         raise ValueError(f"sliding_window_pattern={pattern!r} in config.json: every how many layers one is global "
                          "needs a positive whole number")
     sliding = tuple((i + 1) % pattern != 0 for i in range(layers))
-    rule = "every other layer" if arch == "Gemma2ForCausalLM" else f"sliding_window_pattern={pattern}"
+    rule = "every other layer" if arch in _EVERY_OTHER else f"sliding_window_pattern={pattern}"
     return SlidingLayers(window, sliding, f"sliding_window={window}, {rule}", True)
 
 
@@ -126,7 +131,7 @@ def sliding_layers(cfg: ModelConfig) -> SlidingLayers:
         sliding = listed if listed is not None else tuple(window is not None and i >= first for i in range(layers))
         return SlidingLayers(window, sliding, f"sliding_window={window}, " + (
             "layer_types" if listed is not None else f"max_window_layers={first}"), True)
-    if arch in GEMMA_ARCHITECTURES or arch == "Cohere2ForCausalLM":
+    if arch in GEMMA_ARCHITECTURES or arch in ("Cohere2ForCausalLM", "GptOssForCausalLM"):
         return _patterned(raw, arch, layers)
     window = raw.get("sliding_window")  # unread by transformers here, as layer_types: what they would say
     types = raw.get("layer_types") or []
@@ -141,6 +146,11 @@ def layer_windows(cfg: ModelConfig, context_length: int) -> tuple[int | None, ..
     if not spec.implemented or spec.window is None or spec.window >= context_length:
         return (None,) * cfg.num_layers
     return tuple(spec.window if slides else None for slides in spec.sliding)
+
+
+def has_sinks(cfg: ModelConfig) -> bool:
+    """Whether the model's attention heads have sinks (a learned logit each, in every softmax's denominator)."""
+    return cfg.architecture in SINK_ARCHITECTURES
 
 
 def mla_scale(cfg: ModelConfig) -> float:
@@ -169,4 +179,4 @@ def attention_shape(cfg: ModelConfig, num_heads: int, num_kv_heads: int, context
     windows = layer_windows(cfg, context_length)
     return AttentionShape(num_heads, num_kv_heads, cfg.head_dim, scale, softcap,
                           windows if any(w is not None for w in windows) else (), dtype,
-                          cfg.mla.kv_lora_rank if cfg.mla is not None else None)
+                          cfg.mla.kv_lora_rank if cfg.mla is not None else None, has_sinks(cfg))

@@ -17,7 +17,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import ELSEWHERE, WHOLE, Shard, zero_padding
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.models.support import check_servable, check_tensor_dtype, check_unexpected_tensors
-from radixmesh.engine.quantization import fp8_load
+from radixmesh.engine.quantization import fp8_load, mxfp4
 from radixmesh.engine.quantization.fp8 import FP8, Fp8Scheme, checkpoint_scheme, dequantize, quantized_online, scale_of
 from radixmesh.engine.quantization.kv_scales import KvScales, check_scale, collect, from_param_file, kv_scale_of
 
@@ -81,12 +81,14 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
 def model_tensors(cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
     """iter_checkpoint under the names the model class reads: a class whose checkpoints nest its weights elsewhere
     (a multimodal model served text-only) renames each stored name with its static `checkpoint_name`, which returns
-    None for a tensor the engine does not serve (a vision tower), skipped unread."""
+    None for a tensor the engine does not serve (a vision tower), skipped unread. An MXFP4 checkpoint's experts read
+    as their dequantized tensors (engine.quantization.mxfp4)."""
     try:
         rename = getattr(model_class(cfg.architecture), "checkpoint_name", None)
     except ValueError:  # an architecture no class serves: its tensors under their stored names
         rename = None
-    for name, lazy in iter_checkpoint(cfg.path):
+    stored = iter_checkpoint(cfg.path)
+    for name, lazy in (mxfp4.paired(stored) if mxfp4.is_mxfp4(cfg.raw) else stored):
         if rename is not None and (name := rename(name)) is None:
             continue
         yield name, lazy
@@ -112,8 +114,7 @@ def _read(lazy, shard: Shard) -> torch.Tensor:
     """The part of a checkpoint tensor `shard` takes, read from the file alone."""
     if shard.dim is None:
         return lazy[:]
-    cut = slice(shard.start, shard.start + shard.length)
-    return lazy[cut] if shard.dim == 0 else lazy[:, cut]
+    return lazy[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)]
 
 
 def _target_name(name: str, targets: Collection[str], cfg: ModelConfig, skipped: Collection[str] = ()
@@ -320,5 +321,8 @@ def load_model(cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: t
     else:
         _load_weights(model, cfg, quantization)
     zero_padding(model)
+    for module in model.modules():  # weights a layer holds otherwise than the checkpoint lays them out
+        if hasattr(module, "after_load"):
+            module.after_load()
     model.init_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

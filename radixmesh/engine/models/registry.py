@@ -18,6 +18,7 @@ _MODELS = {
     "Dots1ForCausalLM": "radixmesh.engine.models.dots1:Dots1ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5_MoeForCausalLM",
     "Ernie4_5ForCausalLM": "radixmesh.engine.models.ernie4_5:Ernie4_5ForCausalLM",
+    "GptOssForCausalLM": "radixmesh.engine.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV2ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "radixmesh.engine.models.deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "radixmesh.engine.models.deepseek:Glm4MoeLiteForCausalLM",

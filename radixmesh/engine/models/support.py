@@ -74,10 +74,17 @@ def check_servable(model: ModelConfig, context_length: int) -> None:
 
 
 def _check_quantization(model: ModelConfig) -> None:
+    from radixmesh.engine.quantization import mxfp4
     from radixmesh.engine.quantization.fp8 import checkpoint_scheme
 
     if checkpoint_scheme(model.raw) is not None:  # fp8 weights we read (engine.quantization.fp8); fields checked
         return
+    if mxfp4.is_mxfp4(model.raw):  # GPT-OSS's experts, dequantized at load (engine.quantization.mxfp4)
+        if model.architecture in mxfp4.ARCHITECTURES:
+            return
+        raise ValueError(f"mxfp4 quantization (quantization_config.quant_method='mxfp4' in config.json) is read "
+                         f"for {', '.join(mxfp4.ARCHITECTURES)}'s experts, not {model.architecture}'s: its quantized "
+                         f"weights would be read as plain floats and answer wrong; {_UNQUANTIZED}")
     for key in ("quantization_config", "compression_config"):
         quant = model.raw.get(key)
         if quant:

@@ -57,14 +57,15 @@ def _servable_block(block: tuple[int, int] | None) -> bool:
 def _held_parts(module: nn.Module) -> list[nn.Module]:
     """The modules whose weights hold_fp8 keeps in fp8 together: a projection alone (not one whose weight the model
     reads other than through its forward: `keep_float`), a layer's experts' stacked `w13` and `w2` both
-    (kernels.moe_fp8 takes both in fp8); [] for any other module."""
+    (kernels.moe_fp8 takes both in fp8; not experts whose biases or activation it does not compute: `holds_fp8`);
+    [] for any other module."""
     from radixmesh.engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                 RowParallelLinear)
     from radixmesh.engine.layers.moe import FusedMoE
 
     if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)):
         return [] if getattr(module, "keep_float", False) else [module]
-    return [module.w13, module.w2] if isinstance(module, FusedMoE) else []
+    return [module.w13, module.w2] if isinstance(module, FusedMoE) and module.holds_fp8 else []
 
 
 def hold_fp8(model: nn.Module, names_of: dict[int, list[str]], dtypes: dict[str, str] | None,
