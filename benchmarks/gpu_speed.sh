@@ -78,6 +78,9 @@
 #                           then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64, 256 and an 8k prefill
 #                           against the roofline, decoded on Triton's latent kernel (DEEPSEEK_DECODES adds
 #                           torch_native), and the 8k prefill in the expanded form
+#   PARTS="setup gptoss"    GPT-OSS: the sink kernels' and the tiny GPT-OSS's CUDA tests, then the gpt-oss-20b shape
+#                           (dummy weights in bf16: the MXFP4 experts as the loader dequantizes them) at batch 1, 64,
+#                           256 and an 8k prefill against the roofline (GPTOSS_S bounds the benchmark)
 #   PARTS="setup spec"      issue 53: speculative decoding's CUDA tests, then the 8B shape (dummy weights, the stand-in
 #                           tokenizer): a decode forward against verifies of 2-8 tokens, and NGRAM against plain decoding
 #                           at batch 1 and 64 on prompts holding the model's own continuation (radixmesh.benchmarks.speculative)
@@ -504,6 +507,19 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
     --log-level warning --batch-size 1 --input-len 512 --output-len 4 --prefill-len 8192 --roofline \
     --result-file "$OUT/deepseek_expanded.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "prefill of|rror"
+fi
+
+if [[ " $PARTS " == *" gptoss "* ]]; then
+  timeout ${GPTOSS_TEST_S:-240} $PY -m pytest -q -p no:cacheprovider --timeout 200 tests/gpu/test_gpt_oss_cuda.py \
+    tests/kernels/test_attention.py -k "gpt_oss or sinks" 2>&1 | tee "$OUT/gptoss_tests.log" \
+    | grep -E "passed|failed|^E  |FAILED" | tail -8
+  # Prediction (written before any run): the experts' biases and clamped SwiGLU run between the grouped GEMMs in
+  # torch (the few-token launches compute neither), so batch 1 reads ~7.3 GB in bf16 at 1.6-2.0x its floor; batch 64
+  # and 256 near the Qwen3-30B-A3B shape's 1.2-1.3x of the experts they read; the 8k prefill ~35-45% of the bf16 peak.
+  timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
+    --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
+    --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \
+    | tee "$OUT/gptoss.log" | grep -E "True|distinct|copy|prefill of|skipped|rror"
 fi
 
 if [[ $PARTS == *spec* ]]; then

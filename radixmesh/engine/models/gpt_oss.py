@@ -105,7 +105,9 @@ class GptOssExperts(FusedMoE):
         down_bias = self.down_proj_bias.data
         del self.down_proj, self.down_proj_bias
         keeps_down_bias = self.tp.config.expert_parallel or self.tp.rank == 0
-        self.extras = ExpertExtras(b13, down_bias if keeps_down_bias else None, self.alpha, self.limit)
+        self.register_buffer("b13", b13)  # (buffers: counted and moved with the model's tensors)
+        self.register_buffer("b2", down_bias if keeps_down_bias else None)
+        self.extras = ExpertExtras(self.b13, self.b2, self.alpha, self.limit)
 
 
 class _Held(nn.Module):
