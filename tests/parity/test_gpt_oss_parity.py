@@ -25,7 +25,7 @@ WINDOW = 6
 FIELDS = dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
               sliding_window=WINDOW, swiglu_limit=0.6, rope_parameters={
                   "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                  "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+                  "original_max_position_embeddings": 128, "rope_theta": 10000.0})
 
 
 def write_gpt_oss(path, seed: int = 7, **fields) -> str:
