@@ -469,8 +469,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    if extras is None and (use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path):
-        return decode_experts(x, w13, w2, weights, ids)
+    if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
+        return decode_experts(x, w13, w2, weights, ids, extras=extras)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m, up, down_tiles = tiles(x, w13, tokens)
     slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)

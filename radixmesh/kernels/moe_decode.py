@@ -14,6 +14,10 @@ Rounding is kernels.moe.fused_experts': each product accumulates in float32 and 
 once; SiLU-and-mul as kernels.activation; the routing weight multiplies the rounded down-projection, rounded again; the
 top_k rows are summed in float32 and rounded once. An id of -1 (an expert of another rank) loads nothing and adds
 nothing. Expert ids are read on the device and every shape follows the token count: CUDA graphs capture it.
+
+Experts with biases and GPT-OSS's clamped SwiGLU (kernels.moe.ExpertExtras) take the same launches: each product's
+bias is added to its rounded result (rounded again, as a product and a bias add round in torch), and the activation
+rounds after each of its operations as torch's do in the activations' dtype (kernels.moe.activate).
 """
 
 from __future__ import annotations
@@ -89,9 +93,21 @@ def _tiles_from(text: str) -> DecodeTiles:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, stride_wn,
-                    TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+def _swiglu(gate, up, alpha, limit, dtype):
+    """GPT-OSS's clamped SwiGLU of float32 values already in `dtype`, rounding to `dtype` after each operation as
+    torch computes it there: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    scaled = (g * alpha).to(dtype).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+    glu = (g * sig).to(dtype).to(tl.float32)
+    return ((u + 1.0).to(dtype).to(tl.float32) * glu).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_we, stride_wn, stride_be,
+                    alpha, limit, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
     pdl_enter(PDL)
     # act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, inter + n]), e = ids[pair], token = pair // TOP_K,
     # for the BLOCK_N columns n of program_id(0); act [pairs, inter] contiguous. An id of -1 loads nothing: zeros.
@@ -116,14 +132,21 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, inter, stride_x, stride_we, 
     dtype = act_ptr.dtype.element_ty
     gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N], rounded as a dense product is
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair * inter + n, (silu * up).to(dtype), mask=n_ok)
+    if HAS_BIAS:  # this expert's gate and up biases (b [experts, 2 x inter]), each sum rounded
+        bias = b_ptr + tl.maximum(expert, 0) * stride_be + n
+        gate = (gate + tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        up = (up + tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    if SWIGLU:
+        act = _swiglu(gate, up, alpha, limit, dtype)
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair * inter + n, act.to(dtype), mask=n_ok)
 
 
 @triton.jit
-def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out,
-                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, b_ptr, hidden, stride_we, stride_wn, stride_out,
+                     stride_be, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
     pdl_enter(PDL)
     # out[token, n] = sum over k of weights[pair] * (act[pair] . w2[ids[pair], n]), pair = token * TOP_K + k, for the
     # BLOCK_N columns n of program_id(0); act [pairs, K] contiguous. Pairs of id -1 load nothing and add nothing.
@@ -146,15 +169,19 @@ def _down_sum_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stri
                         eviction_policy="evict_first")
             acc += w.to(tl.float32) * a[None, :]
         down = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
+        if HAS_BIAS:  # (an id of -1 adds none: its weight's product stays zero)
+            bias = tl.load(b_ptr + tl.maximum(expert, 0) * stride_be + n, mask=n < tl.where(expert >= 0, hidden, 0),
+                           other=0.0)
+            down = (down + bias.to(tl.float32)).to(dtype).to(tl.float32)
         weight = tl.load(weights_ptr + pair).to(tl.float32)  # finite, and down is zero for an id of -1
         total += (down * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
 
 
 @triton.jit
-def _down_stacked_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, stride_we, stride_wn, stride_out,
-                         TOP_K: tl.constexpr, KB: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _down_stacked_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, b_ptr, hidden, stride_we, stride_wn,
+                         stride_out, stride_be, TOP_K: tl.constexpr, KB: tl.constexpr, K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
     pdl_enter(PDL)
     # _down_sum_kernel's result with the top_k experts as a tensor axis: per K chunk one [KB, BLOCK_N, BLOCK_K] load of
     # every expert's rows, one reduction over K for all of them, then the weighted, rounded rows summed over k in
@@ -178,18 +205,23 @@ def _down_stacked_kernel(act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, 
         acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
     dtype = out_ptr.dtype.element_ty
     down = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # [KB, BLOCK_N]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + tl.maximum(expert, 0)[:, None] * stride_be + n[None, :],
+                       mask=here[:, None] & n_ok[None, :], other=0.0)
+        down = (down + bias.to(tl.float32)).to(dtype).to(tl.float32)
     weight = tl.load(weights_ptr + pair, mask=here, other=0.0).to(tl.float32)
     weighted = (down * weight[:, None]).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out + n, tl.sum(weighted, axis=0).to(dtype), mask=n_ok)
 
 
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   tiles: DecodeTiles | None = None) -> torch.Tensor:
+                   tiles: DecodeTiles | None = None, extras=None) -> torch.Tensor:
     """x [tokens, hidden], w13 [experts, 2 x inter, hidden], w2 [experts, hidden, inter] (x's dtype, unit last
     stride), routing weights [tokens, top_k] (x's dtype or float32) and expert ids [tokens, top_k] (-1: another
     rank's) -> [tokens, hidden] in x's dtype: kernels.moe.fused_experts' result in two launches (module docstring).
-    `tiles` overrides DecodeTiles() (INTERPRETER_TILES in the interpreter) for tuning. Meant for use_decode_path's
-    token counts; any count is computed."""
+    `tiles` overrides DecodeTiles() (INTERPRETER_TILES in the interpreter) for tuning; `extras`
+    (kernels.moe.ExpertExtras): the biases and the clamped SwiGLU. Meant for use_decode_path's token counts; any
+    count is computed."""
     tokens, top_k = ids.shape
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -206,14 +238,20 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     x, w13, w2 = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, w13, w2))
     ids, weights = ids.contiguous(), weights.contiguous()
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
+    b13 = extras.b13 if extras is not None else None
+    b2 = extras.b2 if extras is not None else None
+    swiglu = extras is not None and extras.swiglu_limit > 0
     _gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
-        x, w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, K=hidden,
-        BLOCK_N=t.up_block_n, BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), num_warps=t.up_warps,
-        num_stages=1, **pdl_options(x))
-    down_args = (act, w2, ids, weights, out, hidden, w2.stride(0), w2.stride(1), out.stride(0))
+        x, w13, ids, act, b13 if b13 is not None else x, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        b13.stride(0) if b13 is not None else 0, float(extras.swiglu_alpha) if swiglu else 1.0,
+        float(extras.swiglu_limit) if swiglu else 0.0, TOP_K=top_k, K=hidden, BLOCK_N=t.up_block_n,
+        BLOCK_K=min(t.up_block_k, triton.next_power_of_2(hidden)), HAS_BIAS=b13 is not None, SWIGLU=swiglu,
+        num_warps=t.up_warps, num_stages=1, **pdl_options(x))
+    down_args = (act, w2, ids, weights, out, b2 if b2 is not None else out, hidden, w2.stride(0), w2.stride(1),
+                 out.stride(0), b2.stride(0) if b2 is not None else 0)
     down_tiles = dict(TOP_K=top_k, K=inter, BLOCK_N=t.down_block_n,
                       BLOCK_K=min(t.down_block_k, triton.next_power_of_2(inter)), num_warps=t.down_warps,
-                      num_stages=1, **pdl_options(x))
+                      num_stages=1, HAS_BIAS=b2 is not None, **pdl_options(x))
     grid = (triton.cdiv(hidden, t.down_block_n), tokens)
     if t.down_stacked:
         _down_stacked_kernel[grid](*down_args, KB=triton.next_power_of_2(top_k), **down_tiles)
@@ -223,7 +261,7 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 
 def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                             ids: torch.Tensor) -> torch.Tensor:
+                             ids: torch.Tensor, extras=None) -> torch.Tensor:
     """The twin of `decode_experts`, pair by pair in batched torch operations: each product in float32 rounded once
     to x's dtype, SiLU-and-mul as kernels.activation's twin, the weighted rows rounded, summed over k in float32 and
     rounded once."""
@@ -232,8 +270,17 @@ def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     experts = ids.clamp(min=0).flatten()  # [pairs]
     xs = x.repeat_interleave(top_k, dim=0).float()  # [pairs, hidden]
     gate_up = torch.bmm(w13[experts].float(), xs[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, 2 x inter]
-    act = silu_and_mul_reference(gate_up)
+    if extras is not None and extras.b13 is not None:
+        gate_up = gate_up + extras.b13[experts].to(x.dtype)
+    if extras is not None and extras.swiglu_limit > 0:
+        from radixmesh.kernels.moe import activate
+
+        act = activate(gate_up, extras)
+    else:
+        act = silu_and_mul_reference(gate_up)
     down = torch.bmm(w2[experts].float(), act.float()[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, hidden]
+    if extras is not None and extras.b2 is not None:
+        down = down + extras.b2[experts].to(x.dtype)
     weighted = (down.float() * weights.flatten().float()[:, None]).to(x.dtype)
     weighted = torch.where(here[:, None], weighted, torch.zeros_like(weighted))
     return weighted.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.kernels.moe import fused_experts, fused_experts_reference, route_reference
+from radixmesh.kernels.moe import ExpertExtras, fused_experts, fused_experts_reference, route_reference
 from radixmesh.kernels.moe_decode import (MAX_PAIRS, DecodeTiles, decode_experts, decode_experts_reference,
                                           use_decode_path)
 
@@ -99,6 +99,39 @@ def test_the_stacked_down_launch_equals_the_expert_loop():
         loop = decode_experts(*layer, tiles=LOOP[1])
         stacked = decode_experts(*layer, tiles=WIDE)
         _close(stacked, loop, same_rounding=True)
+
+
+def _extras(experts: int, hidden: int, inter: int, dtype: torch.dtype, down_bias: bool = True, limit: float = 0.4):
+    """GPT-OSS's extras at a small limit (most gate and up values clamped) with biases away from zero."""
+    gen = torch.Generator().manual_seed(9)
+    b13 = (0.3 * torch.randn(experts, 2 * inter, generator=gen)).to(dtype)
+    b2 = (0.3 * torch.randn(experts, hidden, generator=gen)).to(dtype) if down_bias else None
+    return ExpertExtras(b13, b2, 1.702, limit)
+
+
+def _moved(extras):
+    return ExpertExtras(*_on_device(extras.b13), extras.b2.to(DEVICE) if extras.b2 is not None else None,
+                        extras.swiglu_alpha, extras.swiglu_limit)
+
+
+@pytest.mark.parametrize("tiles", [WIDE, LOOP[0], SMALL], ids=["stacked", "loop", "small"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_biases_and_the_clamped_swiglu_match_the_twin_and_the_grouped_gemms(tiles, dtype):
+    """GPT-OSS's experts (kernels.moe.ExpertExtras) on the few-token launches: the twin's roundings (bfloat16 nearly
+    element for element), the grouped GEMMs' path and the transformers-order twin within rounding; without the
+    down bias (a tensor-parallel rank other than 0) too; the biases and the clamp each change the result."""
+    layer = _layer(2, 8, 3, 40, 24, dtype)
+    extras = _extras(8, 40, 24, dtype)
+    got = decode_experts(*_on_device(*layer), tiles=tiles, extras=_moved(extras)).cpu()
+    _close(got, decode_experts_reference(*layer, extras=extras), same_rounding=True)
+    _close(got, fused_experts(*_on_device(*layer), decode_path=False, extras=_moved(extras)).cpu())
+    _close(got, fused_experts_reference(*layer, extras))
+    no_down = _extras(8, 40, 24, dtype, down_bias=False)
+    got = decode_experts(*_on_device(*layer), tiles=tiles, extras=_moved(no_down)).cpu()
+    _close(got, fused_experts_reference(*layer, no_down))
+    no_up = ExpertExtras(torch.zeros_like(no_down.b13), None, no_down.swiglu_alpha, no_down.swiglu_limit)
+    for other in (_extras(8, 40, 24, dtype, down_bias=False, limit=1e4), no_up, None):
+        assert (got - fused_experts_reference(*layer, other).to(got.dtype)).abs().max() > 1e-2
 
 
 def test_the_tiles_can_be_set_from_the_environment(monkeypatch):

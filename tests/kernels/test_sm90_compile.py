@@ -114,16 +114,24 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
-out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16), set(),
-                         dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True),
+gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)
+gate_up_tiles = dict(TOP_K=8, K=2048, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k, PDL=True, HAS_BIAS=False,
+                     SWIGLU=False)
+out["moe_gate_up"] = ptx(moe_decode._gate_up_kernel, gate_up_args, {"alpha", "limit"}, gate_up_tiles,
                          tiles.up_warps, 1)
-out["moe_down"] = ptx(moe_decode._down_sum_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32",
-                                                        out_ptr=bf16), set(),
-                      dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True),
-                      tiles.down_warps, 1)
-out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i64",
-                                                                     weights_ptr=bf16, out_ptr=bf16), set(),
-                              dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True), 4, 1)
+down_args = dict(act_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", weights_ptr="*fp32", out_ptr=bf16, b_ptr=bf16)
+out["moe_down"] = ptx(moe_decode._down_sum_kernel, down_args, set(),
+                      dict(TOP_K=8, K=768, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, PDL=True,
+                           HAS_BIAS=False), tiles.down_warps, 1)
+stacked_args = dict(down_args, ids_ptr="*i64", weights_ptr=bf16)
+out["moe_down_stacked"] = ptx(moe_decode._down_stacked_kernel, stacked_args, set(),
+                              dict(TOP_K=8, KB=8, K=768, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=False), 4, 1)
+# GPT-OSS's experts (gpt-oss-20b's layer: top 4 of 32, hidden and intermediate 2880): biases, the clamped SwiGLU
+out["moe_gate_up_gpt_oss"] = ptx(moe_decode._gate_up_kernel, gate_up_args, {"alpha", "limit"},
+                                 dict(gate_up_tiles, TOP_K=4, K=2880, HAS_BIAS=True, SWIGLU=True), tiles.up_warps, 1)
+out["moe_down_stacked_gpt_oss"] = ptx(moe_decode._down_stacked_kernel, stacked_args, set(),
+                                      dict(TOP_K=4, KB=4, K=2880, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=True),
+                                      4, 1)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -193,7 +201,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
                                                  ("mla_stage1_tree", 2),
                                                  ("moe_gate_up", 0), ("moe_down", 0),
-                                                 ("moe_down_stacked", 0), ("moe_fp8_down_stacked_block", 0),
+                                                 ("moe_down_stacked", 0), ("moe_gate_up_gpt_oss", 0),
+                                                 ("moe_down_stacked_gpt_oss", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):

@@ -19,7 +19,7 @@ import torch
 from tests.engine_utils import running_engine
 from tests.parity.test_model_families import COMMON, GREEDY, PROMPTS as SHORT_PROMPTS
 from tests.parity.test_model_families_more import PROMPTS, _check, _refused
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, hf_token_logprobs
 
 WINDOW = 6
 FIELDS = dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
@@ -61,10 +61,13 @@ def test_gpt_oss_matches_transformers(checkpoint):
 
 @torch.inference_mode()
 def _tokens_without(path: str, what: str) -> list[list[int]]:
-    """transformers' greedy tokens with the checkpoint's sinks, clamp or biases taken out."""
+    """transformers' greedy tokens with the checkpoint's sinks, clamp or biases taken out (of a copy: hf_model's
+    cached model is every other test's reference)."""
+    import copy
+
     from tests.reference import eos_ids, hf_model
 
-    model = hf_model(path)
+    model = copy.deepcopy(hf_model(path))
     for name, p in model.named_parameters():
         if what == "sinks" and name.endswith("sinks"):
             p.fill_(-1e4)
@@ -91,8 +94,20 @@ def test_the_checkpoint_depends_on_what_gpt_oss_adds(checkpoint, what):
 
 def test_triton_attention_and_experts_match_transformers_in_the_interpreter(checkpoint):
     """The sinks in the decode (split and merged) and extend kernels, the experts' biases and activation between the
-    grouped GEMMs."""
+    grouped GEMMs; one request alone decodes on the few-token expert launches (kernels.moe_decode), which compute
+    them in their own kernels."""
+    from radixmesh.kernels.moe_decode import use_decode_path
+
     _check(checkpoint, attention_backend="triton", moe_runner_backend="triton")
+    assert use_decode_path(1, 2, 8) and not use_decode_path(2, 2, 8)
+    prompt = PROMPTS[1]
+    with running_engine(checkpoint, skip_tokenizer_init=True, attention_backend="triton", moe_runner_backend="triton",
+                        chunked_prefill_size=16) as llm:
+        out = llm.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6}, return_logprob=True)
+    ref = hf_greedy(checkpoint, [prompt], 6)[0]
+    assert out["output_ids"] == ref
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(hf_token_logprobs(checkpoint, prompt, ref), abs=1e-4)
 
 
 @pytest.mark.parametrize("parallel", [dict(tp_size=2), dict(tp_size=2, ep_size=2)], ids=["tp2", "ep2"])
