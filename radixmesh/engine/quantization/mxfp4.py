@@ -35,16 +35,26 @@ def is_mxfp4(raw_config: dict) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
+_CHUNK_ROWS = 1 << 16  # output rows dequantized at a time: ~1 GB of temporaries at gpt-oss-120b's 2,880 inputs
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[..., out, in / 32, 16] codes and [..., out, in / 32] scales -> [..., out, in] weights in `dtype`."""
+    """[..., out, in / 32, 16] codes and [..., out, in / 32] scales -> [..., out, in] weights in `dtype`, a chunk of
+    rows at a time (a layer of gpt-oss-120b's experts is 1.1G weights)."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}: blocks are "
                          f"[..., groups, {GROUP // 2}] beside scales [..., groups]")
+    *lead, groups, half = blocks.shape
+    rows = blocks.reshape(-1, groups, half)
+    exps = scales.reshape(-1, groups)
+    out = torch.empty((rows.shape[0], groups * GROUP), dtype=dtype)
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = blocks.to(torch.uint8)
-    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)
-    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)  # [..., groups, 32]
-    return values.flatten(-2).to(dtype)
+    for r in range(0, rows.shape[0], _CHUNK_ROWS):
+        codes = rows[r:r + _CHUNK_ROWS].to(torch.uint8)
+        values = torch.stack([lut[(codes & 0x0F).int()], lut[(codes >> 4).int()]], dim=-1).flatten(-2)
+        values = torch.ldexp(values, exps[r:r + _CHUNK_ROWS].to(torch.int32).unsqueeze(-1) - 127)  # [rows, groups, 32]
+        out[r:r + _CHUNK_ROWS] = values.flatten(-2)
+    return out.reshape(*lead, groups * GROUP)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
