@@ -513,9 +513,11 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
   timeout ${GPTOSS_TEST_S:-240} $PY -m pytest -q -p no:cacheprovider --timeout 200 tests/gpu/test_gpt_oss_cuda.py \
     tests/kernels/test_attention.py -k "gpt_oss or sinks" 2>&1 | tee "$OUT/gptoss_tests.log" \
     | grep -E "passed|failed|^E  |FAILED" | tail -8
-  # Prediction (written before any run): the experts' biases and clamped SwiGLU run between the grouped GEMMs in
-  # torch (the few-token launches compute neither), so batch 1 reads ~7.3 GB in bf16 at 1.6-2.0x its floor; batch 64
-  # and 256 near the Qwen3-30B-A3B shape's 1.2-1.3x of the experts they read; the 8k prefill ~35-45% of the bf16 peak.
+  # Prediction (written before any run): batch 1 reads ~7.3 GB in bf16 (the dequantized experts) at 1.3-1.6x its
+  # floor (the few-token expert launches add the biases and the clamped SwiGLU themselves; the router's product has
+  # a bias, so kernels.moe_gate's one launch does not apply); batch 64 and 256 near the Qwen3-30B-A3B shape's 1.2-1.3x
+  # of the experts they read (there the activation runs in torch between the grouped GEMMs); the 8k prefill at 35-45%
+  # of the bf16 matmul peak.
   timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \
