@@ -238,7 +238,8 @@ def merge_splits(po: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_len
         return
     bsz, num_heads, width = out.shape
     _decode_stage2[(bsz, num_heads)](
-        po, lse, out, seq_lens, sinks if sinks is not None else seq_lens, po.stride(0), po.stride(1), po.stride(2), lse.stride(0), lse.stride(1),
+        po, lse, out, seq_lens, sinks if sinks is not None else seq_lens, po.stride(0), po.stride(1), po.stride(2),
+        lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), _window_arg(window), HEAD_DIM=width, NUM_SPLITS=num_splits,
         BLOCK_N=block_n, BLOCK_S=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))), BLOCK_D=block_d,
         SINK=sinks is not None, num_warps=4 if block_d > 64 else 2, **pdl_options(out))

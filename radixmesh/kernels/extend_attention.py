@@ -174,7 +174,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     m_blocks = triton.cdiv(max_extend_len, block_m)
     _extend_kernel[(m_blocks, num_heads, bsz)](
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, qo_starts,
-        sinks if sinks is not None else prefix_lens, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        sinks if sinks is not None else prefix_lens, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
         out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scale * _LOG2E, scale * k_scale * _LOG2E, float(v_scale), (softcap or 0.0) * _LOG2E,
         window or 0, m_blocks,

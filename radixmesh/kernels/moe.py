@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from radixmesh.kernels.moe_extras import ExpertExtras, activate, expert_rows
 from radixmesh.kernels.runtime import CONFIG_DIR, config_file, dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16
@@ -421,39 +421,6 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, block_e
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertExtras:
-    """What some models' experts compute beyond bias-free SiLU-gated MLPs (GPT-OSS): per-expert biases after the
-    gate/up product (`b13` [experts, 2 x inter], gate then up) and after the down product (`b2` [experts, hidden];
-    None on a tensor-parallel rank that leaves it to rank 0), and the clamped SwiGLU (`swiglu_limit` > 0):
-    gate clamped above at the limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)."""
-
-    b13: torch.Tensor | None = None
-    b2: torch.Tensor | None = None
-    swiglu_alpha: float = 1.0
-    swiglu_limit: float = 0.0
-
-
-def activate(gate_up: torch.Tensor, extras: ExpertExtras | None) -> torch.Tensor:
-    """[n, 2 x inter] (gate then up) -> [n, inter]: SiLU-and-mul (kernels.activation's kernel), or the clamped SwiGLU
-    in the dtype of gate_up, op for op as transformers' GPT-OSS experts compute it (plain torch)."""
-    if extras is None or extras.swiglu_limit <= 0:
-        from radixmesh.kernels.activation import silu_and_mul
-
-        return silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    limit = extras.swiglu_limit
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * extras.swiglu_alpha))
-
-
-def _expert_rows(bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Each slot's expert's bias row ([slots, n]; zero for an id of -1)."""
-    flat = ids.flatten()
-    return torch.where((flat >= 0)[:, None], bias[flat.clamp(min=0)], 0)
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, elsewhere: bool = True, decode_path: bool | None = None,
                   extras: ExpertExtras | None = None) -> torch.Tensor:
@@ -462,8 +429,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     `elsewhere`: ids may be -1 (experts of other ranks); False saves zeroing rows that every expert writes.
     A few tokens (kernels.moe_decode.use_decode_path) run kernels.moe_decode's two gemv-shaped launches instead of the
     alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks). `extras`
-    (biases, the clamped SwiGLU: ExpertExtras) run the grouped GEMMs with the biases added and the activation
-    between them in torch (the few-token launches compute neither)."""
+    (biases, the clamped SwiGLU: kernels.moe_extras.ExpertExtras) add the biases to the grouped GEMMs' results and
+    run the activation between them in torch; the few-token launches compute both in their own kernels."""
     from radixmesh.kernels.moe_decode import decode_experts, use_decode_path
 
     tokens, top_k = ids.shape
@@ -478,12 +445,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
     gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
     if extras is not None and extras.b13 is not None:
-        gate_up += _expert_rows(extras.b13, ids).to(gate_up.dtype)
+        gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
     act = activate(gate_up, extras)
     flat_weights = weights.flatten().contiguous()
     down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
     if extras is not None and extras.b2 is not None:  # sum_k w_k (act W2 + b2): the weighted biases added apart
-        down += (flat_weights[:, None] * _expert_rows(extras.b2, ids)).to(down.dtype)
+        down += (flat_weights[:, None] * expert_rows(extras.b2, ids)).to(down.dtype)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 

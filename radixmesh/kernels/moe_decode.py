@@ -15,9 +15,9 @@ once; SiLU-and-mul as kernels.activation; the routing weight multiplies the roun
 top_k rows are summed in float32 and rounded once. An id of -1 (an expert of another rank) loads nothing and adds
 nothing. Expert ids are read on the device and every shape follows the token count: CUDA graphs capture it.
 
-Experts with biases and GPT-OSS's clamped SwiGLU (kernels.moe.ExpertExtras) take the same launches: each product's
-bias is added to its rounded result (rounded again, as a product and a bias add round in torch), and the activation
-rounds after each of its operations as torch's do in the activations' dtype (kernels.moe.activate).
+Experts with biases and GPT-OSS's clamped SwiGLU (kernels.moe_extras.ExpertExtras) take the same launches: each
+product's bias is added to its rounded result (rounded again, as a product and a bias add round in torch), and the
+activation rounds after each of its operations as torch's do in the activations' dtype (kernels.moe_extras.activate).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
+from radixmesh.kernels.moe_extras import activate
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
@@ -220,7 +221,7 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     stride), routing weights [tokens, top_k] (x's dtype or float32) and expert ids [tokens, top_k] (-1: another
     rank's) -> [tokens, hidden] in x's dtype: kernels.moe.fused_experts' result in two launches (module docstring).
     `tiles` overrides DecodeTiles() (INTERPRETER_TILES in the interpreter) for tuning; `extras`
-    (kernels.moe.ExpertExtras): the biases and the clamped SwiGLU. Meant for use_decode_path's token counts; any
+    (kernels.moe_extras.ExpertExtras): the biases and the clamped SwiGLU. Meant for use_decode_path's token counts; any
     count is computed."""
     tokens, top_k = ids.shape
     experts, two_inter, hidden = w13.shape
@@ -273,8 +274,6 @@ def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     if extras is not None and extras.b13 is not None:
         gate_up = gate_up + extras.b13[experts].to(x.dtype)
     if extras is not None and extras.swiglu_limit > 0:
-        from radixmesh.kernels.moe import activate
-
         act = activate(gate_up, extras)
     else:
         act = silu_and_mul_reference(gate_up)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.kernels.moe import ExpertExtras, fused_experts, fused_experts_reference, route_reference
+from radixmesh.kernels.moe import fused_experts, fused_experts_reference, route_reference
+from radixmesh.kernels.moe_extras import ExpertExtras
 from radixmesh.kernels.moe_decode import (MAX_PAIRS, DecodeTiles, decode_experts, decode_experts_reference,
                                           use_decode_path)
 
@@ -117,8 +118,8 @@ def _moved(extras):
 @pytest.mark.parametrize("tiles", [WIDE, LOOP[0], SMALL], ids=["stacked", "loop", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_biases_and_the_clamped_swiglu_match_the_twin_and_the_grouped_gemms(tiles, dtype):
-    """GPT-OSS's experts (kernels.moe.ExpertExtras) on the few-token launches: the twin's roundings (bfloat16 nearly
-    element for element), the grouped GEMMs' path and the transformers-order twin within rounding; without the
+    """GPT-OSS's experts (kernels.moe_extras.ExpertExtras) on the few-token launches: the twin's roundings (bfloat16
+    nearly element for element), the grouped GEMMs' path and the transformers-order twin within rounding; without the
     down bias (a tensor-parallel rank other than 0) too; the biases and the clamp each change the result."""
     layer = _layer(2, 8, 3, 40, 24, dtype)
     extras = _extras(8, 40, 24, dtype)

@@ -98,7 +98,8 @@ stage2_args = dict(PartialO="*fp32", PartialLse="*fp32", Out=bf16, SeqLens="*i64
 out["stage2"] = ptx(decode_attention._decode_stage2, stage2_args, set(),
                     dict(HEAD_DIM=128, NUM_SPLITS=64, BLOCK_N=64, BLOCK_S=16, BLOCK_D=128, PDL=True, SINK=False), 4, 1)
 out["stage2_sinks"] = ptx(decode_attention._decode_stage2, stage2_args, set(),
-                          dict(HEAD_DIM=64, NUM_SPLITS=16, BLOCK_N=64, BLOCK_S=16, BLOCK_D=64, PDL=True, SINK=True), 4, 1)
+                          dict(HEAD_DIM=64, NUM_SPLITS=16, BLOCK_N=64, BLOCK_S=16, BLOCK_D=64, PDL=True, SINK=True),
+                          4, 1)
 out["silu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
                           dict(BLOCK=1024, PDL=True), 4, 1)
 out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
@@ -195,7 +196,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
     assert launch[0] < prefetch[0] < wait[0]
 
 
-@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0), ("rmsnorm", 0), ("store_kv", 0),
+@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0),
+                                                 ("rmsnorm", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),

@@ -84,7 +84,7 @@ class FusedMoE(nn.Module):
         self.w13 = _Stacked((local_experts, 2 * local, hidden), w13)
         self.w2 = _Stacked((local_experts, hidden, local), w2)
         self.backend = "torch"  # or "triton": kernels.moe.fused_experts (--moe-runner-backend)
-        self.extras = None  # kernels.moe.ExpertExtras: biases, the clamped SwiGLU (GPT-OSS's experts)
+        self.extras = None  # kernels.moe_extras.ExpertExtras: biases, the clamped SwiGLU (GPT-OSS's experts)
 
     def route(self, logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ Differences from Llama, all of transformers' GptOss code:
 - every layer's MLP is `mlp`: a router with a bias (`mlp.router`, the model dtype) whose top `num_experts_per_tok`
   logits are softmaxed into the weights (the same weights as a softmax over all experts renormalized over the top
   ones), and experts with biases on both products whose activation is the clamped SwiGLU (gate clamped above at
-  `swiglu_limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(`swiglu_alpha` * gate): kernels.moe.ExpertExtras);
+  `swiglu_limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(`swiglu_alpha` * gate):
+  kernels.moe_extras.ExpertExtras);
 - the checkpoint holds each layer's experts stacked: `mlp.experts.gate_up_proj` [experts, hidden, 2 x inter] with
   gate and up columns interleaved, `down_proj` [experts, inter, hidden], transposed against a linear layer's
   weight, and their biases. They load as stored (cut for tensor or expert parallelism) and become
@@ -32,7 +33,7 @@ from radixmesh.engine.layers.moe import FusedMoE
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import Attention, DecoderSpec
 from radixmesh.engine.models.moe import MoeForCausalLM, Router, SparseMoeBlock
-from radixmesh.kernels.moe import ExpertExtras
+from radixmesh.kernels.moe_extras import ExpertExtras
 
 
 class GptOssAttention(Attention):
