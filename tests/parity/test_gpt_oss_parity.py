@@ -226,3 +226,14 @@ def test_online_fp8_keeps_the_experts_and_holds_the_attention_in_fp8(checkpoint)
     assert held == {f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("qkv_proj", "o_proj")}
     assert all(m.w13.weight.dtype == torch.float32 and m.extras is not None for m in experts)
     assert len(out[0]["output_ids"]) == 3
+
+
+def test_ngram_speculative_decoding_keeps_gpt_oss_tokens(checkpoint):
+    """Draft tokens verified as decode rows over the sinks and the window: the tokens plain decoding gives, on
+    prompts whose continuations repeat (drafts proposed and kept)."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5, 9, 5], list(range(20, 50))]
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    with running_engine(checkpoint, skip_tokenizer_init=True, speculative_algorithm="NGRAM") as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=greedy)
+    assert [o["output_ids"] for o in outs] == hf_greedy(checkpoint, prompts, 16)
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
