@@ -91,24 +91,26 @@ def test_deepseek_v3_caches_one_latent_a_token_and_scales_its_scores_by_yarn():
     assert tuple(attn.q_b_proj.weight.shape) == (128 * 192, 1536)
 
 
-def test_gpt_oss_20b_builds_as_its_checkpoint_is_laid_out():
-    """gpt-oss-20b as published (MXFP4 experts, read dequantized): 24 layers of 32 experts stacked as stored
-    ([experts, hidden, 2 x inter] gate and up interleaved) until the load makes them FusedMoE's; ~20.9B parameters,
-    ~3.6B read a token (its model card: 21B and 3.6B active); every other layer slides over 128 tokens; each of 64
-    heads has a sink; YaRN of factor 32 on whole heads."""
+@pytest.mark.parametrize("name,layers,experts,total,active", [("gpt-oss-20b", 24, 32, 20.9e9, 3.6e9),
+                                                              ("gpt-oss-120b", 36, 128, 116.8e9, 5.1e9)])
+def test_gpt_oss_builds_as_its_checkpoint_is_laid_out(name, layers, experts, total, active):
+    """gpt-oss-20b and -120b as published (MXFP4 experts, read dequantized): their experts stacked as stored
+    ([experts, hidden, 2 x inter] gate and up interleaved) until the load makes them FusedMoE's; the parameters and
+    what a token reads as their model cards say (21B and 3.6B active, 117B and 5.1B); every other layer slides over
+    128 tokens; each of 64 heads has a sink; YaRN of factor 32 on whole heads."""
     from radixmesh.engine.layers.rope_scaling import rope_spec
     from radixmesh.engine.models.attention_spec import attention_shape
 
-    cfg, model = _build("gpt-oss-20b")
-    experts = [layer.mlp.experts for layer in model.model.layers]
-    assert len(experts) == 24 and all(tuple(e.gate_up_proj.shape) == (32, 2880, 5760) for e in experts)
-    assert sum(p.numel() for p in model.parameters()) == pytest.approx(20.9e9, rel=0.02)
-    for e in experts:
+    cfg, model = _build(name)
+    blocks = [layer.mlp.experts for layer in model.model.layers]
+    assert len(blocks) == layers and all(tuple(e.gate_up_proj.shape) == (experts, 2880, 5760) for e in blocks)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(total, rel=0.02)
+    for e in blocks:
         e.after_load()
-    assert all(tuple(e.w13.weight.shape) == (32, 5760, 2880) and e.extras.swiglu_limit == 7.0 for e in experts)
+    assert all(tuple(e.w13.weight.shape) == (experts, 5760, 2880) and e.extras.swiglu_limit == 7.0 for e in blocks)
     read = decode_weight_bytes(types.SimpleNamespace(model=model)) / 2
-    assert read == pytest.approx(3.6e9, rel=0.1)
+    assert read == pytest.approx(active, rel=0.1)
     shape = attention_shape(cfg, 64, 8, 32768)
-    assert shape.sinks and shape.windows == (128, None) * 12
+    assert shape.sinks and shape.windows == (128, None) * (layers // 2)
     spec = rope_spec(cfg)
     assert (spec.rope_type, spec.dim, spec.params["factor"]) == ("yarn", 64, 32.0)
