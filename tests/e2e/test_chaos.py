@@ -193,6 +193,14 @@ def test_each_pd_worker_role_killed_then_stopped_under_streaming_load(pd_chaos):
     assert asyncio.run(_load(mesh)) == [(text, None) for text in want]  # and it serves as before
 
 
+def _parting(got: str, want: str) -> str:
+    """Where a stream's text leaves the unfailed run's: the character and the streamed chunk (texts are chunks joined
+    by "|"), with a little of each side (a first wrong token says more than the whole texts)."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"at character {at} of {len(want)}, chunk {want[:at].count('|')}: got {got[max(0, at - 30):at + 30]!r}, "
+            f"want {want[max(0, at - 30):at + 30]!r}")
+
+
 def _step(name: str, *fault_args) -> None:
     """_fault(*fault_args), one of a plan; a failure names it."""
     try:
@@ -249,7 +257,8 @@ def _fault(mesh, want: list[str], service: str, victim: tuple[int, str], fault: 
         errors = [err for _, err in got if err is not None]
         assert not errors, f"{len(errors)} of {STREAMS} streams failed, e.g. {errors[:3]}"
         bad = [i for i, (text, _) in enumerate(got) if text != want[i]]
-        assert not bad, (len(bad), got[bad[0]][0], want[bad[0]])
+        assert not bad, (f"{len(bad)} of {STREAMS} streams differ from the unfailed run: "
+                         f"{_parting(got[bad[0]][0], want[bad[0]])}")
     assert took < ARRIVE_S + HOLD_S + 60, took
     if role == "decode":  # its requests were migrated or retried elsewhere (a decode worker is picked by load: the
         # victim may hold only requests still in their handoff, which are retried; a prefill worker's calls are
