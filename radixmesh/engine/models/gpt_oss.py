@@ -96,9 +96,13 @@ class GptOssExperts(FusedMoE):
         return [(None, self._shards[leaf])]
 
     def after_load(self) -> None:
-        """The stored layout made FusedMoE's, one layer at a time (a layer's experts twice, briefly)."""
+        """The stored layout made FusedMoE's, one layer at a time (a layer's experts twice, briefly: each gate and up
+        half copied straight into its rows)."""
         gate_up, bias = self.gate_up_proj.data, self.gate_up_proj_bias.data
-        w13 = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=2).transpose(1, 2).contiguous()
+        experts, hidden, two_inter = gate_up.shape
+        w13 = gate_up.new_empty((experts, two_inter, hidden))
+        w13[:, :two_inter // 2].copy_(gate_up[..., 0::2].transpose(1, 2))
+        w13[:, two_inter // 2:].copy_(gate_up[..., 1::2].transpose(1, 2))
         b13 = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=1)
         del self.gate_up_proj, self.gate_up_proj_bias
         self.w13 = _Held(w13)
