@@ -149,7 +149,7 @@ class ModelRunner:
         self.attn_backend = create_attention(args.prefill_attention_backend, args.decode_attention_backend, shape,
                                              self.kv_pool, self.req_to_token)
         if shape.sinks:  # (GPT-OSS) each layer's sinks, read in place by the kernels
-            self.attn_backend.attach_sinks([layer.self_attn.sinks for layer in self.model.model.layers])
+            self.attn_backend.attach_sinks(self.model.attention_sinks())
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
         self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d, attention %s",

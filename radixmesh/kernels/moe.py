@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe_extras import ExpertExtras, activate, expert_rows
+from radixmesh.kernels.moe_extras import ExpertExtras, clamped, clamped_swiglu, expert_rows
 from radixmesh.kernels.runtime import CONFIG_DIR, config_file, dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16
@@ -431,6 +431,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks). `extras`
     (biases, the clamped SwiGLU: kernels.moe_extras.ExpertExtras) add the biases to the grouped GEMMs' results and
     run the activation between them in torch; the few-token launches compute both in their own kernels."""
+    from radixmesh.kernels.activation import silu_and_mul
     from radixmesh.kernels.moe_decode import decode_experts, use_decode_path
 
     tokens, top_k = ids.shape
@@ -446,7 +447,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
     if extras is not None and extras.b13 is not None:
         gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
-    act = activate(gate_up, extras)
+    act = clamped_swiglu(gate_up, extras) if clamped(extras) else silu_and_mul(gate_up)
     flat_weights = weights.flatten().contiguous()
     down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
     if extras is not None and extras.b2 is not None:  # sum_k w_k (act W2 + b2): the weighted biases added apart
@@ -467,11 +468,11 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         token, slot = torch.where(ids == e)
         b13, b2 = (None, None) if extras is None else (_row(extras.b13, e), _row(extras.b2, e))
         gate_up = F.linear(x[token], w13[e], b13)
-        if extras is None or extras.swiglu_limit <= 0:
+        if clamped(extras):
+            h = clamped_swiglu(gate_up, extras)
+        else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
-        else:
-            h = activate(gate_up, extras)
         out.index_add_(0, token, (F.linear(h, w2[e], b2) * weights[token, slot, None]).to(out.dtype))
     return out
 

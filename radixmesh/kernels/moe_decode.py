@@ -17,7 +17,7 @@ nothing. Expert ids are read on the device and every shape follows the token cou
 
 Experts with biases and GPT-OSS's clamped SwiGLU (kernels.moe_extras.ExpertExtras) take the same launches: each
 product's bias is added to its rounded result (rounded again, as a product and a bias add round in torch), and the
-activation rounds after each of its operations as torch's do in the activations' dtype (kernels.moe_extras.activate).
+activation rounds after each of its operations as torch's do in the activations' dtype (kernels.moe_extras.clamped_swiglu).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
-from radixmesh.kernels.moe_extras import activate
+from radixmesh.kernels.moe_extras import clamped, clamped_swiglu
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
@@ -241,7 +241,7 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # [pairs, inter]
     b13 = extras.b13 if extras is not None else None
     b2 = extras.b2 if extras is not None else None
-    swiglu = extras is not None and extras.swiglu_limit > 0
+    swiglu = clamped(extras)
     _gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
         x, w13, ids, act, b13 if b13 is not None else x, inter, x.stride(0), w13.stride(0), w13.stride(1),
         b13.stride(0) if b13 is not None else 0, float(extras.swiglu_alpha) if swiglu else 1.0,
@@ -273,8 +273,8 @@ def decode_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     gate_up = torch.bmm(w13[experts].float(), xs[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, 2 x inter]
     if extras is not None and extras.b13 is not None:
         gate_up = gate_up + extras.b13[experts].to(x.dtype)
-    if extras is not None and extras.swiglu_limit > 0:
-        act = activate(gate_up, extras)
+    if clamped(extras):
+        act = clamped_swiglu(gate_up, extras)
     else:
         act = silu_and_mul_reference(gate_up)
     down = torch.bmm(w2[experts].float(), act.float()[:, :, None])[:, :, 0].to(x.dtype)  # [pairs, hidden]

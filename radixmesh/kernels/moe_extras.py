@@ -22,13 +22,14 @@ class ExpertExtras:
     swiglu_limit: float = 0.0
 
 
-def activate(gate_up: torch.Tensor, extras: ExpertExtras | None) -> torch.Tensor:
-    """[n, 2 x inter] (gate then up) -> [n, inter]: SiLU-and-mul (kernels.activation's kernel), or the clamped SwiGLU
-    in the dtype of gate_up, op for op as transformers' GPT-OSS experts compute it (plain torch)."""
-    if extras is None or extras.swiglu_limit <= 0:
-        from radixmesh.kernels.activation import silu_and_mul
+def clamped(extras: ExpertExtras | None) -> bool:
+    """Whether the experts' activation is the clamped SwiGLU (else SiLU-and-mul)."""
+    return extras is not None and extras.swiglu_limit > 0
 
-        return silu_and_mul(gate_up)
+
+def clamped_swiglu(gate_up: torch.Tensor, extras: ExpertExtras) -> torch.Tensor:
+    """[n, 2 x inter] (gate then up) -> [n, inter]: the clamped SwiGLU in the dtype of gate_up, op for op as
+    transformers' GPT-OSS experts compute it (plain torch)."""
     gate, up = gate_up.chunk(2, dim=-1)
     limit = extras.swiglu_limit
     gate = gate.clamp(max=limit)

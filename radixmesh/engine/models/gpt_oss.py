@@ -29,7 +29,7 @@ from torch import nn
 
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.linear import WHOLE, Shard
-from radixmesh.engine.layers.moe import FusedMoE
+from radixmesh.engine.layers.moe import ExpertNames, FusedMoE
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import Attention, DecoderSpec
 from radixmesh.engine.models.moe import MoeForCausalLM, Router, SparseMoeBlock
@@ -128,13 +128,9 @@ class GptOssMoeBlock(SparseMoeBlock):
     """The router with its bias and the experts (module docstring); the weights in the activations' dtype."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
-        nn.Module.__init__(self)
-        moe = cfg.moe
-        self.top_k, self.renormalize, self.float32_weights = moe.top_k, True, False
-        self.gate = BiasedRouter(moe.num_experts, cfg.hidden_size)
+        super().__init__(cfg, tp, ExpertNames(), renormalize=True, float32_weights=False)
+        self.gate = BiasedRouter(cfg.moe.num_experts, cfg.hidden_size)
         self.experts = GptOssExperts(cfg, tp)
-        self.shared_expert = self.shared_expert_gate = None
-        self.counts = self.gate_counter = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from radixmesh.engine.layers.linear import linear
@@ -157,3 +153,7 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         return GptOssMoeBlock(cfg, self.tp)
+
+    def attention_sinks(self) -> list[torch.Tensor]:
+        """Each layer's sinks (this rank's heads), for the attention backend (AttentionBackend.attach_sinks)."""
+        return [layer.self_attn.sinks for layer in self.model.layers]

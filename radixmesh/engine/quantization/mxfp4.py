@@ -35,7 +35,7 @@ def is_mxfp4(raw_config: dict) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
-_CHUNK_ROWS = 1 << 16  # output rows dequantized at a time: ~1 GB of temporaries at gpt-oss-120b's 2,880 inputs
+_CHUNK_ROWS = 1 << 16  # output rows dequantized at a time: ~1 GB of temporaries at 2,880 inputs (counted)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
