@@ -30,6 +30,8 @@ from radixmesh.engine.device_memory import release, tensors_of
 from radixmesh.engine.layers.triton_ops import pdl_available, set_pdl
 from radixmesh.engine.models.attention_spec import attention_shape, layer_windows
 from radixmesh.engine.models.loader import load_kv_scales, load_model
+from radixmesh.engine.quantization.fp8 import checkpoint_scheme
+from radixmesh.engine.quantization.mxfp4 import is_mxfp4
 from radixmesh.engine.pooling import Pooling, pool
 from radixmesh.engine.sampling.penalties import PenaltyState
 from radixmesh.engine.sampling.sampler import SampleResult, SamplingBatch, sample, token_logprobs
@@ -46,6 +48,18 @@ log = logging.getLogger(__name__)
 # KV budget on CPU when max_total_tokens is not given: enough for many full-length requests of a small model.
 CPU_KV_BUDGET_BYTES = 1 << 30
 CPU_MAX_DEFAULT_TOKENS_PER_CONTEXT = 16
+
+
+def _warn_dequantized(args, model_config, model) -> None:
+    """A CUDA runner whose quantized checkpoint is held dequantized says so: its outputs are the checkpoint's, its
+    memory and speed the model dtype's."""
+    if is_mxfp4(model_config.raw):
+        log.warning("MXFP4 experts are held dequantized in %s (twice MXFP4's bytes a weight): the outputs are the "
+                    "checkpoint's, the memory and speed bf16's", args.dtype)
+    elif ((args.quantization or checkpoint_scheme(model_config.raw))
+          and not any(getattr(m, "fp8", None) for m in model.modules())):
+        log.warning("fp8 weights are held dequantized in %s: the outputs are fp8's, the memory and speed not "
+                    "(--fp8-gemm-backend triton holds them in fp8 on GPUs of compute capability 8.9+)", args.dtype)
 
 
 class ModelRunner:
@@ -86,11 +100,8 @@ class ModelRunner:
             self.model.share_weights(shared_with, (args.max_running_requests or 256) * draft_topk)
         self.capture = HiddenCapture(self.model, capture_layers) if capture_layers is not None else None
         self.captured: torch.Tensor | None = None  # the last forward's kept hidden states (`capture`)
-        if ((args.quantization or model_config.raw.get("quantization_config")) and self.device.type == "cuda"
-                and not any(getattr(m, "fp8", None) for m in self.model.modules())):
-            log.warning("fp8 weights are held dequantized in %s: the outputs are fp8's, the memory and speed not "
-                        "(--fp8-gemm-backend triton holds them in fp8 on GPUs of compute capability 8.9+; its kernels "
-                        "await their first GPU run)", args.dtype)
+        if self.device.type == "cuda":
+            _warn_dequantized(args, model_config, self.model)
         # LoRA adapters' device slots (engine.lora), attached to the projections; adapters are loaded by the engine
         self.lora = LoraManager(self.model, model_config, args.max_loaded_loras, args.max_lora_rank,
                                 frozenset(args.lora_target_modules) if args.lora_target_modules else None,

@@ -228,6 +228,27 @@ def test_the_expanded_prefill_matches_transformers(checkpoints, monkeypatch, nam
                 [x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-3)
 
 
+@pytest.mark.parametrize("new", [20, 7])
+def test_the_expanded_prefills_attention_takes_a_fused_kernel(new):
+    """The expanded form's causal attention (a whole prompt, and new tokens after a cached prefix) runs on torch's
+    flash kernel, the plain fallback forbidden, and equals the scores computed by hand. (Given 3-D tensors, torch
+    had only its plain fallback, which holds every score: DeepSeek-V2-Lite's 8k prefill ran out of memory on an
+    H100 that way.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from radixmesh.engine.attention.mla_expanded import _causal
+
+    g = torch.Generator().manual_seed(new)
+    heads, total, dim, scale = 4, 20, 32, 0.2
+    q, k, v = (torch.randn(heads, n, dim, generator=g) for n in (new, total, total))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = _causal(q, k, v, scale)
+    scores = torch.einsum("hqd,hkd->hqk", q, k) * scale
+    position = torch.arange(total - new, total)[:, None]  # each query's own position: the keys up to it
+    scores = scores.masked_fill(torch.arange(total)[None, :] > position, float("-inf"))
+    torch.testing.assert_close(out, torch.einsum("hqk,hkd->hqd", scores.softmax(-1), v), atol=1e-5, rtol=1e-5)
+
+
 def test_the_expanded_prefill_is_chosen_where_it_multiplies_less(monkeypatch):
     """`auto` takes the expanded form for a long prompt, the latent one for a few new tokens over a long cached
     prefix (rebuilding its keys and values would cost more than the pairs save); decode is always latent; a mode

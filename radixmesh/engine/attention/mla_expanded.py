@@ -86,11 +86,14 @@ def expanded_attention(ctx, layer_id: int, q: torch.Tensor, key: torch.Tensor, r
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [heads, new, d] attends k, v [heads, total, d]: query i (at position total - new + i) sees keys up to its
-    own position."""
+    own position. (Given as one batch of 4-D tensors: torch's flash and memory-efficient kernels refuse 3-D ones, and
+    its plain fallback holds every score: heads x 8,192 x 8,192 of them for DeepSeek-V2-Lite's 8k prompt, which the
+    first GPU run ran out of memory on.)"""
     from torch.nn.attention.bias import causal_lower_right
 
     new, total = q.shape[1], k.shape[1]
+    q, k, v = q[None], k[None], v[None]
     if new == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0]
     # (causal from the bottom right: the flash and memory-efficient kernels take it without a mask tensor)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, total), scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, total), scale=scale)[0]
