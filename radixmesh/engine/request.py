@@ -39,6 +39,7 @@ class FinishReason:
     matched: int | str | None = None
     length: int | None = None
     message: str | None = None
+    stop_token: bool = False  # ended on one of its stop tokens (EOS, stop_token_ids), whose text is left out
 
     def to_dict(self) -> dict:
         out: dict = {"type": self.kind.value}

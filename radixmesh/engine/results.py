@@ -267,6 +267,12 @@ class ResultBuilder:
         hold = max((n for s in params.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         return text[:len(text) - hold]
 
+    def _trims(self, out: StepOutput | None) -> bool:
+        """Whether the output ended on a stop token whose text is left out (SGLang's, unless no_stop_trim: with
+        skip_special_tokens false a special EOS would otherwise show)."""
+        reason = out.finish_reason if out is not None and out.finished else None
+        return reason is not None and reason.stop_token and not self.spec.params.no_stop_trim
+
     def push(self, out: StepOutput) -> RequestOutput | None:
         """Record a scheduler output. When streaming, returns the output to send: cumulative text, ids and logprobs
         (SGLang's default), or with `segments` only what is new since the last one."""
@@ -283,7 +289,7 @@ class ResultBuilder:
         if not self.stream:
             return None
         if self.detok is not None:
-            self.detok.push(out.new_token_ids, final=out.finished)
+            self.detok.push(out.new_token_ids[:-1] if self._trims(out) else out.new_token_ids, final=out.finished)
         sent = self.sent_ids
         if self.interval > 1 and self.emitted and not out.finished and len(self.output_ids) - sent < self.interval:
             return None  # not due: these tokens go out with the next emission
@@ -334,7 +340,8 @@ class ResultBuilder:
     def result(self) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.spec.params.skip_special_tokens,
+            ids = self.output_ids[:-1] if self._trims(self.last) else self.output_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=self.spec.params.skip_special_tokens,
                                          spaces_between_special_tokens=self.spec.params.spaces_between_special_tokens)
             text = self._visible(text, finished=True)
         return self._output(text, list(self.output_ids))

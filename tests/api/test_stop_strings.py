@@ -59,3 +59,19 @@ def test_stop_strings_need_a_tokenizer():
     with running_engine(model_path("tiny-qwen2"), skip_tokenizer_init=True) as eng:
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):
             eng.generate(input_ids=[5, 6], sampling_params={"stop": "x"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_no_stop_trim(llm, stream):
+    """As SGLang: the output ends on the stop token (it is in output_ids), its text is not in the text; with
+    skip_special_tokens false a special EOS would otherwise show (GPT-OSS's <|return|>, DeepSeek's end of sentence)."""
+    ids = llm.generate(PROMPT, GREEDY)["output_ids"]
+    stop = next(t for t in ids[3:] if llm.tokenizer.decode([t]).strip())
+    k = ids.index(stop)
+    for trim in (True, False):
+        params = {**GREEDY, "stop_token_ids": [stop], "skip_special_tokens": False, "no_stop_trim": not trim}
+        out = llm.generate(PROMPT, params, stream=stream)
+        out = list(out)[-1] if stream else out
+        assert out["output_ids"] == ids[:k + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["text"] == llm.tokenizer.decode(ids[:k] if trim else ids[:k + 1], skip_special_tokens=False)

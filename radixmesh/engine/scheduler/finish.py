@@ -32,7 +32,7 @@ def check_finished(req: Req, context_len: int, stop_strings: StopStrings | None 
         return FinishReason(FinishKind.LENGTH, length=req.sampling.max_new_tokens)
     last = req.output_ids[-1]
     if last in req.stop_ids:
-        return FinishReason(FinishKind.STOP, matched=last)
+        return FinishReason(FinishKind.STOP, matched=last, stop_token=True)
     if req.matcher is not None and req.matcher.is_terminated():
         return FinishReason(FinishKind.STOP, matched=last)
     matched = stop_strings.match(req) if stop_strings is not None else None
