@@ -292,6 +292,14 @@ async def _tokenizer_path_router(mesh):
     an older release (its GetModelInfo without reports_prompt_thinking): the tokenizer service renders its chats
     under --reasoning-parser, as every router's before workers said where a rendering leaves the thinking. Yields
     its base URL."""
+    async with _second_router(mesh, "qwen3", "qwen25", older_worker=True) as base:
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def _second_router(mesh, reasoning_parser: str, tool_call_parser: str, older_worker: bool = False):
+    """A second router, in this process, over the mesh's tokenizer service and worker, with parsers of its own
+    (`older_worker`: see _tokenizer_path_router). Yields its base URL."""
     from radixmesh.services.router.__main__ import build_app, build_router
     from radixmesh.services.router.settings import RouterSettings
 
@@ -299,14 +307,15 @@ async def _tokenizer_path_router(mesh):
     before = auth.current()
     auth.configure(InternalAuth((INTERNAL_TOKEN,)))
     router = await build_router(RouterSettings(
-        tokenizer_url=where["tokenizer"], worker_urls=(where["worker"],), reasoning_parser="qwen3",
-        tool_call_parser="qwen25", disable_health_check=True))
+        tokenizer_url=where["tokenizer"], worker_urls=(where["worker"],), reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser, disable_health_check=True))
     runner = web.AppRunner(build_app(router))
     try:
-        for worker in router.registry.workers.values():
-            worker.info.reports_prompt_thinking = False
-        router.registry.workers = dict(router.registry.workers)  # what it knew of the workers is asked anew
-        assert router.routes_chat() and not router.routes_chat(thinking=True)
+        if older_worker:
+            for worker in router.registry.workers.values():
+                worker.info.reports_prompt_thinking = False
+            router.registry.workers = dict(router.registry.workers)  # what it knew of the workers is asked anew
+            assert router.routes_chat() and not router.routes_chat(thinking=True)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -375,3 +384,27 @@ def test_chats_the_worker_renders_answer_as_the_tokenizer_services_renderings_do
     assert whole[3]["reasoning_content"] == whole[0]["reasoning_content"]  # the gate let the thinking be
     jsonschema.validate(json.loads(whole[3]["content"]), CLOCK)
     assert whole[4]["reasoning_content"] and not whole[4]["content"]  # outside: the output opened the thinking
+
+
+def test_chats_read_by_gpt_oss_parsers_keep_special_tokens_in_their_text(mesh):
+    """Under --reasoning-parser and --tool-call-parser gpt-oss (GPT-OSS's channel markers are special tokens) the
+    router has the worker keep special tokens in a chat's text, unless the request set skip_special_tokens or its
+    output is not read so. tiny-qwen3 has no harmony markers: its <|endoftext|>, forced by logit_bias past
+    ignore_eos, is text outside any header, so content."""
+    forced = {"messages": ASK, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {"0": 100}}
+    kept = {"reasoning": "", "content": "<|endoftext|>" * 3, "finish": "length"}
+    skipped = {**kept, "content": ""}
+
+    async def run() -> list[dict]:
+        async with aiohttp.ClientSession() as session, _second_router(mesh, "gpt-oss", "gpt-oss") as base:
+            bodies = [forced, {**forced, "stream": True}, {**forced, "separate_reasoning": False, "tools": TOOLS},
+                      {**forced, "separate_reasoning": False}, {**forced, "skip_special_tokens": True}]
+            return [await _chat(session, base, b) for b in bodies]
+
+    whole, streamed, tools, plain, asked = asyncio.run(run())
+    (choice,) = whole["choices"]
+    assert choice["message"]["content"] == kept["content"] and choice["message"]["reasoning_content"] is None
+    assert streamed == {0: kept}
+    assert tools["choices"][0]["message"]["content"] == kept["content"]  # the tool-call parser's markers too
+    for out in (plain, asked):
+        assert out["choices"][0]["message"]["content"] == skipped["content"]

@@ -12,8 +12,8 @@ import sys
 import jsonschema
 import pytest
 
-from radixmesh.services.router.tool_formats import (TOOL_CALL_PARSERS, NamedCallParser, RequiredCallsParser,
-                                                    make_tool_parser)
+from radixmesh.services.router.tool_call_parsers import TOOL_CALL_PARSERS, make_tool_parser
+from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser
 from radixmesh.services.router.tool_parsers import (ToolCall, ToolCallDelta, ToolCallParser, named_call_schema,
                                                     required_calls_schema)
 
@@ -423,7 +423,8 @@ def test_arbitrary_text_never_raises_and_is_kept_when_it_holds_no_call(name):
 
 def test_every_format_is_registered_once_the_registry_is_imported():
     code = (
-        "from radixmesh.services.router.tool_formats import TOOL_CALL_PARSERS\n"
-        "assert sorted(TOOL_CALL_PARSERS) == ['hermes', 'llama3', 'mistral', 'pythonic', 'qwen', 'qwen25']\n"
+        "from radixmesh.services.router.tool_call_parsers import TOOL_CALL_PARSERS\n"
+        "assert sorted(TOOL_CALL_PARSERS) == ['deepseekv3', 'deepseekv31', 'glm', 'glm45', 'gpt-oss', 'hermes', "
+        "'kimi_k2', 'llama3', 'mistral', 'pythonic', 'qwen', 'qwen25', 'qwen3_coder'], sorted(TOOL_CALL_PARSERS)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[2])

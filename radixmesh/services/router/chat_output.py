@@ -3,7 +3,8 @@
 function). Reasoning is split off first; tool calls are parsed from the answer only.
 
 A stream feeds its pieces in order, then finishes; a whole output goes to `whole` (the reasoning splitter is the
-same code either way; tool calls that do not parse stay content in whole outputs)."""
+same code either way; tool calls that do not parse stay content in whole outputs). GPT-OSS's channels (harmony.py)
+are read by one splitter that gives the reasoning, the content and its own tool calls at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.services.router.harmony import HarmonySplitter, HarmonyToolParser, split_harmony
 from radixmesh.services.router.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 
 
@@ -44,38 +46,58 @@ class OutputSpec:
 class SampleParser:
     def __init__(self, spec: OutputSpec) -> None:
         self.spec = spec
-        self.splitter = ReasoningSplitter(spec.reasoning, spec.in_reasoning) if spec.reasoning else None
         self.tools = spec.tools() if spec.tools is not None else None
         self.single = not spec.parallel_calls
+        self.splitter = self.harmony = None
+        self.harmony_tools: dict | None = None  # harmony's own calls (--tool-call-parser gpt-oss with its reasoning)
+        if spec.reasoning is not None and spec.reasoning.channels:  # GPT-OSS: one splitter reads both
+            if isinstance(self.tools, HarmonyToolParser):
+                self.harmony_tools, self.tools = self.tools.tools, None
+            self.harmony = HarmonySplitter(True, self.harmony_tools, spec.in_reasoning)
+        elif spec.reasoning is not None:
+            self.splitter = ReasoningSplitter(spec.reasoning, spec.in_reasoning)
 
     def feed(self, text: str) -> Parts:
+        if self.harmony is not None:
+            reasoning, answer, calls = self.harmony.feed(text)
+            return self._answer(Parts(reasoning=reasoning, calls=calls), answer, final=False)
         reasoning, answer = self.splitter.feed(text) if self.splitter else ("", text)
         return self._answer(Parts(reasoning=reasoning), answer, final=False)
 
     def finish(self) -> Parts:
+        if self.harmony is not None:
+            reasoning, answer, calls = self.harmony.finish()
+            return self._answer(Parts(reasoning=reasoning, calls=calls), answer, final=True)
         reasoning, answer = self.splitter.finish() if self.splitter else ("", "")
         return self._answer(Parts(reasoning=reasoning), answer, final=True)
 
     def whole(self, text: str) -> tuple[str | None, str, list]:
         """(reasoning or None, content, tool_parsers.ToolCall list) of a whole output; tool calls that do not parse
         stay in the content."""
-        thought, answer = (None, text) if self.spec.reasoning is None else \
-            split_reasoning(self.spec.reasoning, text, self.spec.in_reasoning)
-        if self.tools is None:
-            return thought, answer, []
-        content, calls = self.tools.parse(answer)
-        return thought, content, calls[:1] if self.single else calls
+        calls: list = []
+        if self.harmony is not None:
+            thought, answer, calls = split_harmony(text, True, self.harmony_tools, self.spec.in_reasoning)
+        elif self.spec.reasoning is not None:
+            thought, answer = split_reasoning(self.spec.reasoning, text, self.spec.in_reasoning)
+        else:
+            thought, answer = None, text
+        if self.tools is not None:
+            answer, more = self.tools.parse(answer)
+            calls = calls + more
+        return thought, answer, calls[:1] if self.single else calls
 
     def _answer(self, parts: Parts, answer: str, final: bool) -> Parts:
+        """`parts`: the reasoning (and harmony's calls) of this piece; the answer's content and calls join them."""
         if self.tools is None:
             parts.content = answer
-            return parts
-        content, calls = self.tools.feed(answer) if answer else ("", [])
-        parts.content, parts.calls = content, list(calls)
-        if final:
-            more_content, more_calls = self.tools.finish()
-            parts.content += more_content
-            parts.calls.extend(more_calls)
+        else:
+            content, calls = self.tools.feed(answer) if answer else ("", [])
+            parts.content = content
+            parts.calls.extend(calls)
+            if final:
+                more_content, more_calls = self.tools.finish()
+                parts.content += more_content
+                parts.calls.extend(more_calls)
         if self.single:
             parts.calls = [d for d in parts.calls if d.index == 0]
         return parts

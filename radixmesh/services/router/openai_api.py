@@ -28,7 +28,8 @@ from radixmesh.services.router.openai_errors import OpenAIError, from_status, no
 from radixmesh.services.router.openai_request import OpenAIJob, PromptInput, parse_chat_completion, parse_completion
 from radixmesh.services.router.policies import routing_key_var
 from radixmesh.services.router.reasoning import ReasoningFormat, reasoning_format
-from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser, make_tool_parser
+from radixmesh.services.router.tool_call_parsers import TOOL_CALL_PARSERS, make_tool_parser
+from radixmesh.services.router.tool_formats import NamedCallParser, RequiredCallsParser
 from radixmesh.services.router.completion_response import CompletionResult, CompletionStream
 from radixmesh.services.router.openai_response import (SSE_DONE, ChatResult, ChatStream, error_event,
                                                       json_body_response, sse)
@@ -100,10 +101,35 @@ def _output_spec(router: Router, job: OpenAIJob, p: _Prepared, first: worker_pb2
         tools = partial(RequiredCallsParser, job.tools)
     elif job.named_tool is not None:
         tools = partial(NamedCallParser, job.tools, name=job.named_tool)
-    elif job.tools and settings.tool_call_parser:
+    elif _format_parsed(router, job):
         tools = partial(make_tool_parser, settings.tool_call_parser, job.tools)
     in_reasoning = fmt is not None and thinking.starts_thinking(_prompt_thinking(fmt, p, first), fmt.force)
     return OutputSpec(reasoning=fmt, in_reasoning=in_reasoning, tools=tools, parallel_calls=job.parallel_tool_calls)
+
+
+def _format_parsed(router: Router, job: OpenAIJob) -> bool:
+    """Whether a request's tool calls are read by --tool-call-parser's format (not by a constrained tool_choice)."""
+    return (bool(job.tools) and bool(router.settings.tool_call_parser) and job.tool_choice != "required"
+            and job.named_tool is None)
+
+
+def _keep_special_tokens(router: Router, job: OpenAIJob, sampling: common_pb2.SamplingParams
+                         ) -> common_pb2.SamplingParams:
+    """A chat whose output is read by a format made of special tokens (GPT-OSS's channels, DeepSeek's or Kimi's
+    tool-call markers) keeps them in its text, as SGLang does, unless the request itself set skip_special_tokens:
+    the parsers consume the markers (a stop token's text is left out either way)."""
+    settings = router.settings
+    if job.kind != "chat" or sampling.HasField("skip_special_tokens"):
+        return sampling
+    channels = bool(settings.reasoning_parser) and job.separate_reasoning and \
+        reasoning_format(settings.reasoning_parser).channels
+    markers = _format_parsed(router, job) and TOOL_CALL_PARSERS[settings.tool_call_parser].special_markers
+    if not channels and not markers:
+        return sampling
+    kept = common_pb2.SamplingParams()
+    kept.CopyFrom(sampling)
+    kept.skip_special_tokens = False
+    return kept
 
 
 async def _answer_constraint(router: Router, job: OpenAIJob, p: _Prepared) -> common_pb2.SamplingParams:
@@ -171,7 +197,7 @@ async def _serve(request: web.Request, job: OpenAIJob) -> web.StreamResponse:
     require_model_kind(router, generation=True)
     # Every prompt is tokenized before anything is generated: bad input is a 400 with nothing started.
     prompts = await each([_prepare(router, job, p) for p in job.prompts])
-    sampling = await _answer_constraint(router, job, prompts[0])
+    sampling = _keep_special_tokens(router, job, await _answer_constraint(router, job, prompts[0]))
     rid = new_request_id()
     request_id_var.set(rid)
     tracing.set_attribute("request_id", rid)

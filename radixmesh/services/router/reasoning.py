@@ -24,6 +24,7 @@ class ReasoningFormat:
     start: str
     end: str
     force: bool  # the output starts inside the thinking unless the prompt closed it
+    channels: bool = False  # GPT-OSS's harmony messages (services.router.harmony), read by channel, not by tags
 
 
 _THINK = ("<think>", "</think>")
@@ -34,6 +35,10 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "deepseek-v3": ReasoningFormat(*_THINK, force=False),
     "glm45": ReasoningFormat(*_THINK, force=False),
     "kimi": ReasoningFormat("◁think▷", "◁/think▷", force=False),
+    # an analysis message's header and end: where a rendered prompt leaves the thinking, and a constraint's gate
+    # (its end is one token; the output opens the analysis itself, with a header of several tokens: a constraint
+    # binds the whole output unless the prompt opened the analysis)
+    "gpt-oss": ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>", force=False, channels=True),
 }
 
 

@@ -121,10 +121,11 @@ class RouterSettings:
                 "are divided among them (0: one per available core)"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "split chat outputs into reasoning_content and content: qwen3, qwen3-thinking, deepseek-r1, "
-                "deepseek-v3, glm45 or kimi (default: off)"})
+                "deepseek-v3, glm45, kimi or gpt-oss (GPT-OSS's analysis channel; default: off)"})
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "find tool calls in chat outputs when tool_choice is auto: qwen25 (also qwen, hermes), llama3, "
-                "mistral or pythonic (default: off; tool_choice required or a named function needs none)"})
+                "mistral, pythonic, deepseekv3, deepseekv31, kimi_k2, glm45 (also glm), qwen3_coder or gpt-oss "
+                "(default: off; tool_choice required or a named function needs none)"})
     completion_template: str | None = field(default=None, metadata={
         "help": "fill-in-the-middle template for /v1/completions' suffix: deepseek_coder, star_coder, qwen_coder "
                 "or a JSON file (default: off; a suffix is then a 400)"})
@@ -142,7 +143,7 @@ class RouterSettings:
 
             reasoning_format(self.reasoning_parser)
         if self.tool_call_parser is not None:
-            from radixmesh.services.router.tool_formats import TOOL_CALL_PARSERS
+            from radixmesh.services.router.tool_call_parsers import TOOL_CALL_PARSERS
 
             if self.tool_call_parser not in TOOL_CALL_PARSERS:
                 raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "

@@ -8,7 +8,8 @@ the state-machine conventions they follow).
 
 The JSON formats stream each call's arguments as they arrive; pythonic emits each call whole once its list closes
 (read with `ast`, never evaluated). RequiredCallsParser and NamedCallParser read the constrained outputs of
-tool_choice="required" and of a named tool_choice. `make_tool_parser(name, tools)` makes one by name."""
+tool_choice="required" and of a named tool_choice. Every format module files its parsers here (`register`);
+tool_call_parsers.py imports them all and makes one by name."""
 
 from __future__ import annotations
 
@@ -40,14 +41,6 @@ def register(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCallParse
         return cls
 
     return add
-
-
-def make_tool_parser(name: str, tools: Sequence[dict]) -> ToolCallParser:
-    """A fresh parser for one sample; ValueError naming the known parsers for an unknown name."""
-    cls = TOOL_CALL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_CALL_PARSERS))}")
-    return cls(tools)
 
 
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"

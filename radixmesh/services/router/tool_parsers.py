@@ -12,7 +12,8 @@ chunking of a well-formed output yields parse()'s content and calls.
 
 JSON formats are read by ObjectScanner, an incremental scanner over one object that tracks strings, escapes and
 nesting and records each top-level member's value span. The per-format parsers, and the registry of them by name
-(`make_tool_parser`), live in tool_formats.py, which builds on this module."""
+(`make_tool_parser`), live in tool_formats.py and the modules tool_call_parsers.py gathers, which build on this
+module."""
 
 from __future__ import annotations
 
@@ -221,6 +222,8 @@ def held_tail(text: str, pos: int, markers: Sequence[str]) -> int:
 class ToolCallParser:
     """One instance per generated sample: feed() and finish() keep streaming state; parse() does not touch it.
     Subclasses set `_state` to their first state in `_begin`."""
+
+    special_markers = False  # the format's markers are special tokens: the text it reads must keep them
 
     def __init__(self, tools: Sequence[dict]) -> None:
         self._tool_defs = list(tools)
