@@ -78,6 +78,7 @@
 #                           then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64, 256 and an 8k prefill
 #                           against the roofline, decoded on Triton's latent kernel (DEEPSEEK_DECODES adds
 #                           torch_native), and the 8k prefill in the expanded form
+#   PARTS="setup moeprof"  GPT-OSS's and DeepSeek-V2-Lite's decode steps by kernel (profile_decode --timeline)
 #   PARTS="setup gptoss"    GPT-OSS: the sink kernels' and the tiny GPT-OSS's CUDA tests, then the gpt-oss-20b shape
 #                           (dummy weights in bf16: the MXFP4 experts as the loader dequantizes them) at batch 1, 64,
 #                           256 and an 8k prefill against the roofline (GPTOSS_S bounds the benchmark)
@@ -522,6 +523,17 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \
     | tee "$OUT/gptoss.log" | grep -E "True|distinct|copy|prefill of|skipped|rror"
+fi
+
+if [[ " $PARTS " == *" moeprof "* ]]; then
+  # GPT-OSS's and DeepSeek-V2-Lite's decode steps by kernel (batch 1 and 64, one step's timeline): where the first
+  # GPU run's 1.49x and 2.55x of the batch-1 floor go
+  for model in ${MOEPROF_MODELS:-gpt-oss-20b deepseek-v2-lite}; do
+    echo "== $model"
+    timeout ${MOEPROF_S:-120} $PY -m radixmesh.benchmarks.profile_decode --model-path benchmarks/configs/$model \
+      --batch-size ${MOEPROF_BATCH:-1 64} --timeline --result-file "$OUT/moeprof_$model.jsonl" 2>&1 \
+      | tee "$OUT/moeprof_$model.log" | grep -vE "share|Warning" | head -40
+  done
 fi
 
 if [[ $PARTS == *spec* ]]; then
