@@ -481,7 +481,7 @@ if [[ " $PARTS " == *" moeunion "* ]]; then
 fi
 
 if [[ " $PARTS " == *" moetune "* ]]; then
-  MOE_CFG=benchmarks/configs/qwen3-30b-a3b
+  MOE_CFG=${MOETUNE_CFG:-benchmarks/configs/qwen3-30b-a3b}  # (MOETUNE_CFG=benchmarks/configs/gpt-oss-20b: its layer)
   tuner_ab moetune moe 300 "radixmesh.benchmarks.tune_moe --model-path $MOE_CFG --tokens 64 2048" \
     --model-path $MOE_CFG --batch-size 64
 fi

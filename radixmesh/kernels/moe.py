@@ -382,12 +382,25 @@ def _tuned(device: str) -> dict:
     return json.loads(path.read_text())["shapes"] if path.exists() else {}
 
 
-def tiles(x: torch.Tensor, w13: torch.Tensor, tokens: int) -> tuple[int, Tiles, Tiles]:
-    """(BLOCK_M, the gate/up GEMM's tiles, the down GEMM's) for `tokens` tokens through experts shaped like w13
-    ([experts, 2 x intermediate, hidden]): the entry tuned for this GPU at the nearest token count at or above
-    `tokens` (the largest tuned, past them all), else defaults."""
+def tiles(x: torch.Tensor, w13: torch.Tensor, tokens: int, top_k: int = 1) -> tuple[int, Tiles, Tiles]:
+    """(BLOCK_M, the gate/up GEMM's tiles, the down GEMM's) for `tokens` tokens (`top_k` slots each) through experts
+    shaped like w13 ([experts, 2 x intermediate, hidden]): the entry tuned for this GPU at the nearest token count at
+    or above `tokens` (the largest tuned, past them all), else `default_tiles`."""
     shape = _tuned(torch.cuda.get_device_name(x.device)).get(layer_key(*w13.shape)) if x.is_cuda else None
-    return pick(shape, tokens) if shape else (BLOCK_M, Tiles(), Tiles())
+    return pick(shape, tokens) if shape else default_tiles(tokens * top_k / w13.shape[0])
+
+
+def default_tiles(slots_per_expert: float) -> tuple[int, Tiles, Tiles]:
+    """A shape tuned nowhere (GPT-OSS's, DeepSeek's, ...): by the slots an expert gets on average, what the tuner chose
+    for Qwen3-30B-A3B's layer on both the H100 and the H200 at like counts (128 a expert at 2,048 tokens: 64-row
+    blocks of 128 x 64 tiles in 3 stages; 16 at 256 tokens: 32-row blocks of 128 x 128); a few slots an expert keep
+    16-row blocks of 64 x 64 tiles. (16-row blocks for every size left an 8k prefill of gpt-oss-20b's shape at 17% of
+    the matmul peak on an H100, the twenty-eighth session's first GPU run.)"""
+    if slots_per_expert >= 64:
+        return 64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)
+    if slots_per_expert >= 16:
+        return 32, Tiles(128, 128, 4, 3), Tiles(128, 128, 4, 3)
+    return BLOCK_M, Tiles(), Tiles()
 
 
 def pick(entries: dict, tokens: int) -> tuple[int, Tiles, Tiles]:
@@ -440,7 +453,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
         return decode_experts(x, w13, w2, weights, ids, extras=extras)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    block_m, up, down_tiles = tiles(x, w13, tokens)
+    block_m, up, down_tiles = tiles(x, w13, tokens, top_k)
     slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)
     n_slots = tokens * top_k
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum

@@ -130,7 +130,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2:
     if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
         return decode_experts_fp8(x, w13, s13, w2, s2, block, weights, ids)
     x = x.contiguous()
-    block_m, up, down_tiles = tiles(x, w13, tokens)
+    block_m, up, down_tiles = tiles(x, w13, tokens, top_k)
     if interpreting():
         up = down_tiles = INTERPRETED_TILES
     slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)

@@ -69,6 +69,7 @@ def test_the_align_kernel_makes_the_twins_groups(tokens, experts, top_k, block_m
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,used", [
     (1, 4, 2, 32, 48, None), (7, 8, 2, 64, 32, None), (33, 6, 3, 48, 80, 4), (20, 4, 1, 32, 16, None),
+    (40, 4, 2, 32, 16, None), (130, 4, 2, 32, 48, None),  # untuned shapes' 32- and 64-row blocks (default_tiles)
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fused_experts_match_the_twin(tokens, experts, top_k, hidden, inter, used, dtype):
@@ -193,3 +194,15 @@ def test_tuned_tiles_are_picked_at_the_nearest_token_count_at_or_above():
     assert pick(entries, 1) == (16, Tiles(block_n=64), Tiles(block_k=64))
     assert pick(entries, 2)[0:2] == (16, Tiles(block_n=128))
     assert pick(entries, 65)[0] == 64 and pick(entries, 100000)[0] == 64  # past the largest: the largest
+
+
+def test_untuned_shapes_take_larger_blocks_as_experts_get_more_slots():
+    """A shape tuned nowhere: 16-row blocks for a few slots an expert, 32 from 16 slots, 64 from 64 (what the tuner
+    chose for Qwen3-30B-A3B's layer at like counts), on CPU too (no tuned file applies there)."""
+    from radixmesh.kernels.moe import BLOCK_M, Tiles, default_tiles, tiles
+
+    assert default_tiles(4) == (BLOCK_M, Tiles(), Tiles())
+    assert default_tiles(16)[0] == 32 and default_tiles(63.9)[0] == 32
+    assert default_tiles(64) == (64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3))
+    w13 = torch.empty(32, 2 * 8, 8)
+    assert tiles(torch.empty(0), w13, 8192, 4)[0] == 64 and tiles(torch.empty(0), w13, 64, 4)[0] == BLOCK_M
