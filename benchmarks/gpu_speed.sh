@@ -518,7 +518,11 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
   # floor (the few-token expert launches add the biases and the clamped SwiGLU themselves; the router's product has
   # a bias, so kernels.moe_gate's one launch does not apply); batch 64 and 256 near the Qwen3-30B-A3B shape's 1.2-1.3x
   # of the experts they read (there the activation runs in torch between the grouped GEMMs); the 8k prefill at 35-45%
-  # of the bf16 matmul peak.
+  # of the bf16 matmul peak. Measured (H100, 5e66916): 1.49x, 1.47x, 1.60x, 17%.
+  # Prediction for kernels.moe.default_tiles (283bc32: 64-row blocks where an expert gets >= 64 slots, 32-row from 16,
+  # written before any run): the 8k prefill 25-35% of the peak; batch 256 (~32 slots an expert) 1.40-1.50x; batch 1 and
+  # 64 unchanged (the few-token launches; 8 slots an expert keep 16-row blocks). DeepSeek-V2-Lite: its latent 8k prefill
+  # 11% -> 12-15% (attention is about half its FLOPs), batch 256 1.82x -> 1.6-1.7x.
   timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \
