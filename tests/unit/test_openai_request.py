@@ -137,6 +137,11 @@ def test_chat_template_controls():
     assert json.loads(c.chat_template_kwargs_json) == {"enable_thinking": False}
     c = chat(add_generation_prompt=False).prompts[0].tokenize.chat
     assert c.HasField("add_generation_prompt") and not c.add_generation_prompt
+    # OpenAI's reasoning_effort reaches the template (GPT-OSS's reads it), unless chat_template_kwargs gives its own
+    c = chat(reasoning_effort="high").prompts[0].tokenize.chat
+    assert json.loads(c.chat_template_kwargs_json) == {"reasoning_effort": "high"}
+    c = chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "medium", "x": 1}).prompts[0].tokenize.chat
+    assert json.loads(c.chat_template_kwargs_json) == {"reasoning_effort": "medium", "x": 1}
 
 
 def test_stream_and_include_usage():
@@ -281,6 +286,8 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": True}, "add_generation_prompt", "continue_final_message"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs", "chat_template_kwargs"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "low, medium, high"),
+    ({"reasoning_effort": 2}, "reasoning_effort", "string"),
 ]
 
 

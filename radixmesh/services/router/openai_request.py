@@ -298,6 +298,9 @@ def _tool_constraint(sp: common_pb2.SamplingParams, tools: list[dict], choice: A
     sp.json_schema = json.dumps(schema, ensure_ascii=False)
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
 def _chat_input(f: Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
     messages = f.body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -317,7 +320,12 @@ def _chat_input(f: Fields, tools: list[dict]) -> tokenizer_pb2.ChatInput:
     chat.continue_final_message = cont
     if add_prompt is not None:
         chat.add_generation_prompt = add_prompt
-    kwargs = f.object("chat_template_kwargs")
+    kwargs = dict(f.object("chat_template_kwargs") or {})
+    effort = f.str("reasoning_effort")
+    if effort is not None:  # OpenAI's field; GPT-OSS's template writes it into the system message
+        if effort not in REASONING_EFFORTS:
+            raise f.fail("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}")
+        kwargs.setdefault("reasoning_effort", effort)  # (chat_template_kwargs' own, where it gives one, stands)
     if kwargs:
         chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     return chat
