@@ -118,8 +118,32 @@ class NamedCallParser(ToolCallParser):
         return self._start_call(PendingCall(ObjectScanner(self._pos), name=self.name, bare=True), self._trailing)
 
 
+class TagBlocks(ToolCallParser):
+    """Formats of `<tool_call>` ... `</tool_call>` blocks (qwen25 here; glm45 and qwen3_coder in
+    tool_formats_tagged.py), whose text state is `_in_text`: a block that is not a call is content up to and
+    including its closing marker, and a closing marker takes one newline after it."""
+
+    def _raw_block(self, final: bool) -> bool:
+        text, pos = self._text, self._pos
+        j = self._find(QWEN_CLOSE)
+        stop = j + len(QWEN_CLOSE) if j >= 0 else len(text) - (0 if final else held_tail(text, pos, (QWEN_CLOSE,)))
+        self._emit(text[pos:stop])
+        self._pos = stop
+        if j >= 0:
+            self._state = self._in_text
+        return j >= 0
+
+    def _after_close(self, final: bool) -> bool:
+        if self._pos == len(self._text) and not final:
+            return False
+        if self._text.startswith("\n", self._pos):
+            self._pos += 1
+        self._state = self._in_text
+        return True
+
+
 @register("qwen25", "qwen", "hermes")
-class Qwen25Parser(ToolCallParser):
+class Qwen25Parser(TagBlocks):
     """Blocks of one JSON call each. The newline before an opening marker and the one after a closing marker go
     with the markers. A block that is not a call is content up to and including its closing marker."""
 
@@ -138,16 +162,6 @@ class Qwen25Parser(ToolCallParser):
         self._pos, self._state = self._raw_from, self._raw_block
         return True
 
-    def _raw_block(self, final: bool) -> bool:
-        text, pos = self._text, self._pos
-        j = text.find(QWEN_CLOSE, pos)
-        stop = j + len(QWEN_CLOSE) if j >= 0 else len(text) - (0 if final else held_tail(text, pos, (QWEN_CLOSE,)))
-        self._emit(text[pos:stop])
-        self._pos = stop
-        if j >= 0:
-            self._state = self._in_text
-        return j >= 0
-
     def _after_object(self, final: bool) -> bool:
         j = self._skip_space(self._pos)
         if self._text.startswith(QWEN_CLOSE, j):
@@ -158,13 +172,6 @@ class Qwen25Parser(ToolCallParser):
         self._pos, self._state = j, self._in_text
         return True
 
-    def _after_close(self, final: bool) -> bool:
-        if self._pos == len(self._text) and not final:
-            return False
-        if self._text.startswith("\n", self._pos):
-            self._pos += 1
-        self._state = self._in_text
-        return True
 
 
 @register("llama3")

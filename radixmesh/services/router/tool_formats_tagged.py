@@ -28,14 +28,13 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from radixmesh.services.router.tool_formats import QWEN_CLOSE, QWEN_OPEN, register
+from radixmesh.services.router.tool_formats import QWEN_CLOSE, QWEN_OPEN, TagBlocks, register
 from radixmesh.services.router.tool_parsers import (
     ObjectScanner,
     PendingCall,
     State,
     ToolCallDelta,
     ToolCallParser,
-    held_tail,
     loads_strict,
 )
 
@@ -321,7 +320,7 @@ class XmlCall:
     index: int = -1  # delta index once announced (streaming)
 
 
-class _BlockParser(_TaggedParser):
+class _BlockParser(_TaggedParser, TagBlocks):
     """<tool_call> blocks of tags (module docstring); subclasses read a block from `_pos` (just past its opening
     marker) in `_block`, opening its call with `_open_call` and ending it with `_end_call`."""
 
@@ -379,29 +378,9 @@ class _BlockParser(_TaggedParser):
         self._xml, self._pos, self._state = None, self._raw_from, self._raw_block
         return True
 
-    def _raw_block(self, final: bool) -> bool:
-        """A block that is not a call: content up to and including its closing marker."""
-        text, pos = self._text, self._pos
-        j = self._find(QWEN_CLOSE)
-        stop = j + len(QWEN_CLOSE) if j >= 0 else len(text) - (0 if final else held_tail(text, pos, (QWEN_CLOSE,)))
-        self._emit(text[pos:stop])
-        self._pos = stop
-        if j >= 0:
-            self._state = self._in_text
-        return j >= 0
-
     def _first_of(self, *markers: str) -> tuple[int, str] | None:
         """The first of `markers` from `_pos`: (its index, it); None when there is none yet."""
         return min(((i, m) for m in markers if (i := self._find(m)) >= 0), default=None)
-
-    def _after_block(self, final: bool) -> bool:
-        """Past a block's closing marker, which takes one newline after it."""
-        if self._pos == len(self._text) and not final:
-            return False
-        if self._text.startswith("\n", self._pos):
-            self._pos += 1
-        self._state = self._in_text
-        return True
 
 
 @register("glm45", "glm")
@@ -423,7 +402,7 @@ class Glm45Parser(_BlockParser):
             self._pos, self._state = j + len(GLM_KEY), self._key_text
             return True
         if text.startswith(QWEN_CLOSE, j):
-            return self._end_call(j + len(QWEN_CLOSE), self._after_block)
+            return self._end_call(j + len(QWEN_CLOSE), self._after_close)
         if self._waiting(j, final, GLM_KEY, QWEN_CLOSE):
             return False
         return self._broken(j)
@@ -502,7 +481,7 @@ class Qwen3CoderParser(_BlockParser):
         text = self._text
         j = self._skip_space(self._pos)
         if text.startswith(QWEN_CLOSE, j):
-            self._pos, self._state = j + len(QWEN_CLOSE), self._after_block
+            self._pos, self._state = j + len(QWEN_CLOSE), self._after_close
         elif text.startswith(QC_FUNCTION, j):
             self._raw_from, self._pos, self._state = j, j, self._block
         elif self._waiting(j, final, QWEN_CLOSE, QC_FUNCTION):
