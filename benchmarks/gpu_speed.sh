@@ -523,6 +523,10 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
   # written before any run): the 8k prefill 25-35% of the peak; batch 256 (~32 slots an expert) 1.40-1.50x; batch 1 and
   # 64 unchanged (the few-token launches; 8 slots an expert keep 16-row blocks). DeepSeek-V2-Lite: its latent 8k prefill
   # 11% -> 12-15% (attention is about half its FLOPs), batch 256 1.82x -> 1.6-1.7x.
+  # Prediction for kernels.moe_extras' two launches on the grouped path (the gate/up bias with the clamped SwiGLU, the
+  # weighted down bias: ~15 torch launches and ~10 passes over the slots' rows a layer become 2 launches and 3 passes;
+  # written before any run): gpt-oss-20b's batch 64 step 0.3-0.8 ms shorter (1.47x -> 1.40-1.45x before the tiles'
+  # change), the 8k prefill ~20 ms shorter (~5%).
   timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \

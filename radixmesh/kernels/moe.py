@@ -25,7 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe_extras import ExpertExtras, clamped, clamped_swiglu, expert_rows
+from radixmesh.kernels.moe_extras import (ExpertExtras, add_weighted_bias, biased_activation, clamped, clamped_swiglu,
+                                          expert_rows)
 from radixmesh.kernels.runtime import CONFIG_DIR, config_file, dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16
@@ -458,13 +459,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n_slots = tokens * top_k
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
     gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
-    if extras is not None and extras.b13 is not None:
-        gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
-    act = clamped_swiglu(gate_up, extras) if clamped(extras) else silu_and_mul(gate_up)
+    if clamped(extras):  # the gate/up bias and the clamped SwiGLU in one launch
+        act = biased_activation(gate_up, ids, extras)
+    else:
+        if extras is not None and extras.b13 is not None:
+            gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
+        act = silu_and_mul(gate_up)
     flat_weights = weights.flatten().contiguous()
     down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
     if extras is not None and extras.b2 is not None:  # sum_k w_k (act W2 + b2): the weighted biases added apart
-        down += (flat_weights[:, None] * expert_rows(extras.b2, ids)).to(down.dtype)
+        add_weighted_bias(down, ids, flat_weights, extras.b2)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 

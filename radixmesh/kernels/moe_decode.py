@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
-from radixmesh.kernels.moe_extras import clamped, clamped_swiglu
+from radixmesh.kernels.moe_extras import clamped, clamped_swiglu, swiglu_rounded
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each
@@ -94,18 +94,6 @@ def _tiles_from(text: str) -> DecodeTiles:
 
 
 @triton.jit
-def _swiglu(gate, up, alpha, limit, dtype):
-    """GPT-OSS's clamped SwiGLU of float32 values already in `dtype`, rounding to `dtype` after each operation as
-    torch computes it there: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    g = tl.minimum(gate, limit)
-    u = tl.minimum(tl.maximum(up, -limit), limit)
-    scaled = (g * alpha).to(dtype).to(tl.float32)
-    sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
-    glu = (g * sig).to(dtype).to(tl.float32)
-    return ((u + 1.0).to(dtype).to(tl.float32) * glu).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_we, stride_wn, stride_be,
                     alpha, limit, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
@@ -138,7 +126,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stri
         gate = (gate + tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         up = (up + tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
     if SWIGLU:
-        act = _swiglu(gate, up, alpha, limit, dtype)
+        act = swiglu_rounded(gate, up, alpha, limit, dtype)
     else:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
     tl.store(act_ptr + pair * inter + n, act.to(dtype), mask=n_ok)

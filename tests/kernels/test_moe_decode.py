@@ -135,6 +135,37 @@ def test_biases_and_the_clamped_swiglu_match_the_twin_and_the_grouped_gemms(tile
         assert (got - fused_experts_reference(*layer, other).to(got.dtype)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["biased", "unbiased"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_grouped_paths_bias_and_activation_launches_equal_their_twins(with_bias, dtype):
+    """kernels.moe_extras.biased_activation (the gate/up bias and the clamped SwiGLU) and add_weighted_bias (the
+    routing weight times the down bias) each in one launch: their twins' torch ops element for element (an id of -1,
+    another rank's expert, takes no bias), within float32's last bits (torch's sigmoid against Triton's exp), all
+    but a few bfloat16 elements equal."""
+    from radixmesh.kernels.moe_extras import (add_weighted_bias, add_weighted_bias_reference, biased_activation,
+                                              biased_activation_reference)
+
+    gen = torch.Generator().manual_seed(4)
+    extras = _extras(8, 40, 600, dtype)  # (600 columns: more than one program's block)
+    extras = extras if with_bias else ExpertExtras(None, None, extras.swiglu_alpha, extras.swiglu_limit)
+    ids = torch.randint(0, 8, (5, 3), generator=gen)
+    ids[1, 2] = -1
+    gate_up = torch.randn(15, 1200, generator=gen).to(dtype)
+    got = biased_activation(*_on_device(gate_up, ids), _moved(extras) if with_bias else extras).cpu()
+    want = biased_activation_reference(gate_up, ids, extras)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:  # each op rounded to bfloat16: torch's sigmoid and Triton's exp rarely part
+        assert (got != want).float().mean().item() < 0.01
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if not with_bias:
+        return
+    down, weights = torch.randn(15, 40, generator=gen).to(dtype), torch.rand(5, 3, generator=gen)
+    got = add_weighted_bias(*_on_device(down.clone(), ids, weights), extras.b2.to(DEVICE)).cpu()
+    assert torch.equal(got, add_weighted_bias_reference(down.clone(), ids, weights, extras.b2))
+    assert torch.equal(got[1 * 3 + 2], down[1 * 3 + 2])  # the id of -1: nothing added
+
+
 def test_the_tiles_can_be_set_from_the_environment(monkeypatch):
     """RADIXMESH_MOE_DECODE_TILES (a JSON object of DecodeTiles fields) overrides the defaults on a GPU; a bad value is
     a clear error naming the fields; the interpreter keeps its own tiles."""

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_gate, norm, rotary)
+                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_extras, moe_gate, norm, rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -133,6 +133,12 @@ out["moe_gate_up_gpt_oss"] = ptx(moe_decode._gate_up_kernel, gate_up_args, {"alp
 out["moe_down_stacked_gpt_oss"] = ptx(moe_decode._down_stacked_kernel, stacked_args, set(),
                                       dict(TOP_K=4, KB=4, K=2880, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=True),
                                       4, 1)
+# the grouped path's GPT-OSS steps around its products: the gate/up bias with the clamped SwiGLU, the weighted down bias
+out["moe_biased_act"] = ptx(moe_extras._biased_act_kernel, dict(gu_ptr=bf16, ids_ptr="*i64", b_ptr=bf16, out_ptr=bf16),
+                            {"alpha", "limit"}, dict(BLOCK=1024, HAS_BIAS=True, PDL=True), 4, 1)
+out["moe_weighted_bias"] = ptx(moe_extras._weighted_bias_kernel,
+                               dict(out_ptr=bf16, ids_ptr="*i64", w_ptr="*fp32", b_ptr=bf16), set(),
+                               dict(BLOCK=1024, PDL=True), 4, 1)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -205,7 +211,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_gate_up", 0), ("moe_down", 0),
                                                  ("moe_down_stacked", 0), ("moe_gate_up_gpt_oss", 0),
                                                  ("moe_down_stacked_gpt_oss", 0), ("moe_fp8_down_stacked_block", 0),
-                                                 ("moe_fp8_down_stacked_row", 0),
+                                                 ("moe_fp8_down_stacked_row", 0), ("moe_biased_act", 0),
+                                                 ("moe_weighted_bias", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
