@@ -63,14 +63,8 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel, names: ExpertNames):
         super().__init__()
-        self.tp = tp
-        if tp.config.expert_parallel:
-            self.first, local_experts = tp.shard(num_experts, "the number of experts")
-            start, local = 0, intermediate
-        else:
-            self.first, local_experts = 0, num_experts
-            start, local = tp.shard(intermediate, "moe_intermediate_size")
-        self.local_experts = local_experts
+        start, local = self._place(num_experts, intermediate, tp, "moe_intermediate_size")
+        local_experts = self.local_experts
         w13, w2 = [], []
         for e in range(num_experts):
             i = e - self.first
@@ -83,8 +77,18 @@ class FusedMoE(nn.Module):
             w2.append((f"{e}.{names.down}", Shard((i,), 1, start, local)))
         self.w13 = _Stacked((local_experts, 2 * local, hidden), w13)
         self.w2 = _Stacked((local_experts, hidden, local), w2)
+
+    def _place(self, num_experts: int, intermediate: int, tp: TensorParallel, label: str) -> tuple[int, int]:
+        """Which experts this rank holds (`first`, `local_experts`: all of them, or its whole share under expert
+        parallelism) and which run of their intermediate dimension: (start, length); the kernels' defaults."""
+        self.tp = tp
         self.backend = "torch"  # or "triton": kernels.moe.fused_experts (--moe-runner-backend)
         self.extras = None  # kernels.moe_extras.ExpertExtras: biases, the clamped SwiGLU (GPT-OSS's experts)
+        if tp.config.expert_parallel:
+            self.first, self.local_experts = tp.shard(num_experts, "the number of experts")
+            return 0, intermediate
+        self.first, self.local_experts = 0, num_experts
+        return tp.shard(intermediate, label)
 
     def route(self, logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,18 +69,14 @@ class GptOssExperts(FusedMoE):
     holds_fp8 = False  # (kernels.moe_fp8 computes neither the biases nor the activation)
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # (FusedMoE's placement, not its per-expert checkpoint tensors)
         moe, hidden = cfg.moe, cfg.hidden_size
-        self.tp, self.backend = tp, "torch"
+        start, local = self._place(moe.num_experts, moe.intermediate_size, tp, "intermediate_size")
         if tp.config.expert_parallel:
-            self.first, self.local_experts = tp.shard(moe.num_experts, "the number of experts")
-            start, local = 0, moe.intermediate_size
             experts = Shard(None, 0, self.first, self.local_experts)
             self._shards = {"gate_up_proj": experts, "gate_up_proj_bias": experts, "down_proj": experts,
                             "down_proj_bias": experts}
         else:
-            self.first, self.local_experts = 0, moe.num_experts
-            start, local = tp.shard(moe.intermediate_size, "intermediate_size")
             self._shards = {"gate_up_proj": Shard(None, 2, 2 * start, 2 * local),
                             "gate_up_proj_bias": Shard(None, 1, 2 * start, 2 * local),
                             "down_proj": Shard(None, 1, start, local), "down_proj_bias": WHOLE}
@@ -90,7 +86,6 @@ class GptOssExperts(FusedMoE):
         self.down_proj = nn.Parameter(torch.empty(e, local, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden))
         self.alpha, self.limit = float(cfg.raw["swiglu_alpha"]), float(cfg.raw["swiglu_limit"])
-        self.extras = None
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str | None, Shard]]:
         return [(None, self._shards[leaf])]
