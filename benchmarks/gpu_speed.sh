@@ -527,6 +527,11 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
   # weighted down bias: ~15 torch launches and ~10 passes over the slots' rows a layer become 2 launches and 3 passes;
   # written before any run): gpt-oss-20b's batch 64 step 0.3-0.8 ms shorter (1.47x -> 1.40-1.45x before the tiles'
   # change), the 8k prefill ~20 ms shorter (~5%).
+  # Prediction for the experts held in MXFP4 (kernels.moe_mxfp4: benchmarks/configs/gpt-oss-20b declares mxfp4, so its
+  # dummy experts are codes and scales now; written before any run): the batch-1 floor falls from 7.2 to ~3.7 GB
+  # (~1.2 ms); the step 2.3-2.8 ms (from 3.57): the few-token launches decode ~2.4G weights a token with ~10 integer
+  # operations each, which may bound them more than the bytes (1.9-2.3x the new floor); batch 64/256 within 10% of
+  # the bf16 steps; the 8k prefill at 0.8-1.1x the bf16 rate (a decode per tile, two half-depth products a step).
   timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \

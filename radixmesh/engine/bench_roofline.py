@@ -76,7 +76,12 @@ def _experts(model) -> list[tuple[int, int, int, int]]:
     mixture-of-experts layer of the model (none for a dense one)."""
     out = []
     for block in moe_blocks(model):
-        stacked = (block.experts.w13.weight, block.experts.w2.weight)
+        w13, w2 = block.experts.w13, block.experts.w2
+        if getattr(w13, "mxfp4", False):  # codes (two weights a byte) and scales (one a 32)
+            nbytes = sum(t[0].numel() for t in (w13.q, w13.s, w2.q, w2.s))
+            out.append((nbytes, 2 * (w13.q[0].numel() + w2.q[0].numel()), block.top_k, w13.q.shape[0]))
+            continue
+        stacked = (w13.weight, w2.weight)
         per = sum(w[0].numel() for w in stacked)
         out.append((per * stacked[0].element_size(), per, block.top_k, stacked[0].shape[0]))
     return out

@@ -25,7 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_extras, moe_gate, norm, rotary)
+                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_extras, moe_gate, moe_mxfp4, norm,
+                               rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
@@ -139,6 +140,19 @@ out["moe_biased_act"] = ptx(moe_extras._biased_act_kernel, dict(gu_ptr=bf16, ids
 out["moe_weighted_bias"] = ptx(moe_extras._weighted_bias_kernel,
                                dict(out_ptr=bf16, ids_ptr="*i64", w_ptr="*fp32", b_ptr=bf16), set(),
                                dict(BLOCK=1024, PDL=True), 4, 1)
+# GPT-OSS's experts in MXFP4 (gpt-oss-20b's layer): the few-token launches and the grouped GEMM decoding the codes
+mx = dict(q_ptr="*u8", s_ptr="*u8")
+out["moe_mxfp4_gate_up"] = ptx(moe_mxfp4._mxfp4_gate_up_kernel, dict(mx, x_ptr=bf16, ids_ptr="*i64", act_ptr=bf16,
+                                                                     b_ptr=bf16), {"alpha", "limit"},
+                               dict(TOP_K=4, K=2880, BLOCK_N=1, BLOCK_K=1024, PDL=True, HAS_BIAS=True, SWIGLU=True),
+                               4, 1)
+out["moe_mxfp4_down"] = ptx(moe_mxfp4._mxfp4_down_kernel, dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16,
+                                                               out_ptr=bf16, b_ptr=bf16), set(),
+                            dict(TOP_K=4, K=2880, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=True), 4, 1)
+out["moe_mxfp4_grouped"] = ptx(moe_mxfp4._mxfp4_grouped_kernel, dict(mx, a_ptr=bf16, out_ptr=bf16, slots_ptr="*i64",
+                                                                     block_experts_ptr="*i64", weights_ptr=bf16),
+                               set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WEIGHTED=True, UPCAST=False,
+                                           PRECISION="tf32"), 4, 3)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -212,7 +226,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_down_stacked", 0), ("moe_gate_up_gpt_oss", 0),
                                                  ("moe_down_stacked_gpt_oss", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0), ("moe_biased_act", 0),
-                                                 ("moe_weighted_bias", 0),
+                                                 ("moe_weighted_bias", 0), ("moe_mxfp4_gate_up", 0),
+                                                 ("moe_mxfp4_down", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
@@ -297,6 +312,11 @@ def test_the_scaled_fp8_cache_paths_compile(ptx, kernel):
     """Decode and extend over an e4m3 cache with its per-layer scales (the interpreter runs them on CPU) compile for
     sm_90, converting the cached bytes from e4m3 in registers."""
     assert _lines(ptx[kernel], r"cvt\S*\.e4m3x2")
+
+
+def test_the_mxfp4_grouped_gemm_takes_bfloat16_tensor_core_products(ptx):
+    """The MXFP4 experts' grouped GEMM decodes its codes into bfloat16 operands of tensor-core products."""
+    assert _lines(ptx["moe_mxfp4_grouped"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
 
 
 def test_the_lora_expand_is_a_tensor_core_product(ptx):

@@ -206,6 +206,57 @@ def test_an_mxfp4_checkpoint_matches_its_dequantized_twin(mxfp4_pair):
     _check(q, reference=twin, atol=1e-5, tp_size=2, ep_size=2)
 
 
+def test_an_mxfp4_checkpoint_is_held_in_mxfp4_on_the_kernels(mxfp4_pair):
+    """On the Triton kernels (the interpreter here, a GPU's default) the experts stay MXFP4 as stored, their rows
+    only reordered (kernels.moe_mxfp4 decodes them in registers: the grouped GEMMs of a prefill, the few-token
+    launches of a lone request's decode): token-exact with transformers on the twin, logprobs within 1e-4; EP holds
+    its whole experts so too. (A TP cut of 16 intermediate columns, half a group of 32, dequantizes as it reads:
+    the test above.)"""
+    q, twin = mxfp4_pair
+    kernels = dict(attention_backend="triton", moe_runner_backend="triton")
+    _check(q, reference=twin, **kernels)
+    with running_engine(q, skip_tokenizer_init=True, chunked_prefill_size=16, **kernels) as llm:
+        experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
+        out = llm.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 6}, return_logprob=True)
+    assert experts and all(m.w13.q.dtype == m.w2.s.dtype == torch.uint8 for m in experts)
+    ref = hf_greedy(twin, [PROMPTS[1]], 6)[0]
+    assert out["output_ids"] == ref
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(hf_token_logprobs(twin, PROMPTS[1], ref), abs=1e-4)
+    _check(q, reference=twin, atol=1e-5, tp_size=2, ep_size=2, **kernels)
+
+
+def test_without_kernels_the_mxfp4_experts_are_dequantized_once_after_the_load(mxfp4_pair, monkeypatch):
+    """On CPU without Triton's interpreter (a user's CPU run) the codes loaded as stored become float experts once,
+    after the load: the plain-torch experts read them, token-exact with transformers on the twin."""
+    from radixmesh.engine.models import gpt_oss
+
+    q, twin = mxfp4_pair
+    monkeypatch.setattr(gpt_oss, "interpreting", lambda: False)
+    with running_engine(q, skip_tokenizer_init=True) as llm:
+        experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
+        out = llm.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 6})
+    assert experts and all(m.w13.weight.dtype == torch.float32 and not hasattr(m.w13, "q") for m in experts)
+    assert out["output_ids"] == hf_greedy(twin, [PROMPTS[1]], 6)[0]
+
+
+def test_dummy_weights_of_an_mxfp4_config_are_mxfp4_and_the_roofline_counts_their_bytes(mxfp4_pair):
+    """--load-format dummy (the benchmarks') on an MXFP4 config: random codes under scales of 2^-8, finite logprobs;
+    a step reads 17/32 of a byte an expert weight (engine.bench_roofline)."""
+    from radixmesh.engine.bench_roofline import _experts
+
+    q, _ = mxfp4_pair
+    with running_engine(q, skip_tokenizer_init=True, load_format="dummy", attention_backend="triton",
+                        moe_runner_backend="triton") as llm:
+        experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
+        out = llm.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 3, "temperature": 0},
+                           return_logprob=True)
+        layers = _experts(llm.runner.model)
+    assert all(bool((m.w13.s == 119).all()) and m.w13.q.float().std() > 50 for m in experts)
+    assert all(torch.isfinite(torch.tensor(lp)) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+    assert all(nbytes * 32 == elements * 17 for nbytes, elements, _, _ in layers)
+
+
 def test_quantization_mxfp4_names_the_checkpoint_it_reads(checkpoint, mxfp4_pair):
     from radixmesh.engine.config import EngineArgs, resolve_args
     from radixmesh.engine.model_config import ModelConfig

@@ -94,22 +94,32 @@ def test_deepseek_v3_caches_one_latent_a_token_and_scales_its_scores_by_yarn():
 @pytest.mark.parametrize("name,layers,experts,total,active", [("gpt-oss-20b", 24, 32, 20.9e9, 3.6e9),
                                                               ("gpt-oss-120b", 36, 128, 116.8e9, 5.1e9)])
 def test_gpt_oss_builds_as_its_checkpoint_is_laid_out(name, layers, experts, total, active):
-    """gpt-oss-20b and -120b as published (MXFP4 experts, read dequantized): their experts stacked as stored
-    ([experts, hidden, 2 x inter] gate and up interleaved) until the load makes them FusedMoE's; the parameters and
-    what a token reads as their model cards say (21B and 3.6B active, 117B and 5.1B); every other layer slides over
-    128 tokens; each of 64 heads has a sink; YaRN of factor 32 on whole heads."""
+    """gpt-oss-20b and -120b as published (MXFP4 experts, held so where the kernels run): their experts' codes and
+    scales as stored ([experts, 2 x inter (gate and up interleaved), hidden / 32, 16] and [..., hidden / 32]) until
+    the load orders them as FusedMoE's rows; the weights and what a token reads as their model cards say (21B and
+    3.6B active, 117B and 5.1B; the experts' bytes 17/32 of their weights); every other layer slides over 128
+    tokens; each of 64 heads has a sink; YaRN of factor 32 on whole heads."""
+    from radixmesh.engine.bench_roofline import _experts
     from radixmesh.engine.layers.rope_scaling import rope_spec
     from radixmesh.engine.models.attention_spec import attention_shape
 
     cfg, model = _build(name)
     blocks = [layer.mlp.experts for layer in model.model.layers]
-    assert len(blocks) == layers and all(tuple(e.gate_up_proj.shape) == (experts, 2880, 5760) for e in blocks)
-    assert sum(p.numel() for p in model.parameters()) == pytest.approx(total, rel=0.02)
+    assert len(blocks) == layers and all(tuple(e.gate_up_proj_blocks.shape) == (experts, 5760, 90, 16)
+                                         and tuple(e.down_proj_scales.shape) == (experts, 2880, 90) for e in blocks)
+    weights = sum(p.numel() * (2 if n.endswith("_blocks") else 0 if n.endswith("_scales") else 1)
+                  for n, p in model.named_parameters())
+    assert weights == pytest.approx(total, rel=0.02)
     for e in blocks:
         e.after_load()
-    assert all(tuple(e.w13.weight.shape) == (experts, 5760, 2880) and e.extras.swiglu_limit == 7.0 for e in blocks)
-    read = decode_weight_bytes(types.SimpleNamespace(model=model)) / 2
-    assert read == pytest.approx(active, rel=0.1)
+    assert all(tuple(e.w13.q.shape) == (experts, 5760, 1440) and tuple(e.w2.s.shape) == (experts, 2880, 90)
+               and e.extras.swiglu_limit == 7.0 for e in blocks)
+    stacked = _experts(model)
+    dense = sum(p.numel() for n, p in model.named_parameters() if p.dtype != torch.uint8 and "embed_tokens" not in n)
+    assert dense + sum(elements * top_k for _, elements, top_k, _ in stacked) == pytest.approx(active, rel=0.1)
+    assert all(nbytes * 32 == elements * 17 for nbytes, elements, _, _ in stacked)
+    read = decode_weight_bytes(types.SimpleNamespace(model=model))
+    assert read == pytest.approx(2 * dense + sum(nbytes * top_k for nbytes, _, top_k, _ in stacked), rel=1e-6)
     shape = attention_shape(cfg, 64, 8, 32768)
     assert shape.sinks and shape.windows == (128, None) * (layers // 2)
     spec = rope_spec(cfg)

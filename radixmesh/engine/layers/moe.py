@@ -116,9 +116,16 @@ class FusedMoE(nn.Module):
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on the routed tokens: kernels.moe (16-bit experts) or kernels.moe_fp8 (fp8 experts),
-        the grouped GEMMs with the triton backend, their twin otherwise."""
+        """This rank's experts on the routed tokens: kernels.moe (16-bit experts), kernels.moe_fp8 (fp8 experts) or
+        kernels.moe_mxfp4 (MXFP4 experts), the grouped GEMMs with the triton backend, their twin otherwise."""
         elsewhere = self.tp.config.expert_parallel
+        if getattr(self.w13, "mxfp4", False):  # GPT-OSS's MXFP4 experts as stored (engine.models.gpt_oss)
+            from radixmesh.kernels.moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_reference
+
+            mx = (self.w13.q, self.w13.s, self.w2.q, self.w2.s)
+            if self.backend == "triton":
+                return fused_experts_mxfp4(x, *mx, weights, ids, elsewhere=elsewhere, extras=self.extras)
+            return fused_experts_mxfp4_reference(x, *mx, weights, ids, self.extras)
         if self.w13.fp8 is not None:
             from radixmesh.kernels.moe_fp8 import fused_experts_fp8, fused_experts_fp8_reference
 

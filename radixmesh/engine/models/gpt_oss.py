@@ -16,9 +16,13 @@ Differences from Llama, all of transformers' GptOss code:
   weight, and their biases. They load as stored (cut for tensor or expert parallelism) and become
   engine.layers.moe.FusedMoE's `w13` / `w2` right after (`after_load`), so its kernels and twin run them.
 
-Published GPT-OSS checkpoints hold the experts in MXFP4 (`quantization_config.quant_method: mxfp4`), which is refused
-by name (engine.models.support); the bf16 checkpoints (and MXFP4 ones dequantized to bf16) are served. The experts
-stay in the model dtype under `--quantization fp8` (kernels.moe_fp8 computes neither their biases nor their
+Published GPT-OSS checkpoints hold the experts in MXFP4 (`quantization_config.quant_method: mxfp4`:
+`..._blocks` codes and `..._scales` beside each). Where Triton's kernels run (a CUDA device, or the interpreter) the
+experts stay MXFP4 (`w13`/`w2` are `HeldMxfp4`: kernels.moe_mxfp4 decodes them in registers), loaded as stored and
+only reordered (gate rows, then up rows) after; on CPU they are dequantized once after the load; under a
+tensor-parallel cut that splits a group of 32 inputs (an intermediate share not a multiple of 32) they are
+dequantized as the checkpoint is read (engine.quantization.mxfp4.LazyMxfp4). bf16 checkpoints load as they are. The
+experts stay as they are under `--quantization fp8` (kernels.moe_fp8 computes neither their biases nor their
 activation); the attention's projections go fp8 as any model's.
 """
 
@@ -33,7 +37,9 @@ from radixmesh.engine.layers.moe import ExpertNames, FusedMoE
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import Attention, DecoderSpec
 from radixmesh.engine.models.moe import MoeForCausalLM, Router, SparseMoeBlock
+from radixmesh.engine.quantization.mxfp4 import GROUP, dequantize, is_mxfp4
 from radixmesh.kernels.moe_extras import ExpertExtras
+from radixmesh.kernels.runtime import interpreting
 
 
 class GptOssAttention(Attention):
@@ -72,18 +78,27 @@ class GptOssExperts(FusedMoE):
         nn.Module.__init__(self)  # (FusedMoE's placement, not its per-expert checkpoint tensors)
         moe, hidden = cfg.moe, cfg.hidden_size
         start, local = self._place(moe.num_experts, moe.intermediate_size, tp, "intermediate_size")
+        self.raw = is_mxfp4(cfg.raw) and start % GROUP == 0 and local % GROUP == 0  # (module docstring)
+        e = self.local_experts
         if tp.config.expert_parallel:
             experts = Shard(None, 0, self.first, self.local_experts)
-            self._shards = {"gate_up_proj": experts, "gate_up_proj_bias": experts, "down_proj": experts,
-                            "down_proj_bias": experts}
+            self._shards = dict.fromkeys(("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
+                                          *_RAW), experts)
         else:
-            self._shards = {"gate_up_proj": Shard(None, 2, 2 * start, 2 * local),
-                            "gate_up_proj_bias": Shard(None, 1, 2 * start, 2 * local),
-                            "down_proj": Shard(None, 1, start, local), "down_proj_bias": WHOLE}
-        e = self.local_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(e, hidden, 2 * local))
+            rows, groups = Shard(None, 1, 2 * start, 2 * local), Shard(None, 2, start // GROUP, local // GROUP)
+            self._shards = {"gate_up_proj": Shard(None, 2, 2 * start, 2 * local), "gate_up_proj_bias": rows,
+                            "down_proj": Shard(None, 1, start, local), "down_proj_bias": WHOLE,
+                            "gate_up_proj_blocks": rows, "gate_up_proj_scales": rows, "down_proj_blocks": groups,
+                            "down_proj_scales": groups}
+        if self.raw:  # the stored codes and scales, as stored ([.., out, in / 32, 16] and [.., out, in / 32])
+            self.gate_up_proj_blocks = _raw(e, 2 * local, hidden // GROUP, GROUP // 2)
+            self.gate_up_proj_scales = _raw(e, 2 * local, hidden // GROUP)
+            self.down_proj_blocks = _raw(e, hidden, local // GROUP, GROUP // 2)
+            self.down_proj_scales = _raw(e, hidden, local // GROUP)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, hidden, 2 * local))
+            self.down_proj = nn.Parameter(torch.empty(e, local, hidden))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * local))
-        self.down_proj = nn.Parameter(torch.empty(e, local, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden))
         self.alpha, self.limit = float(cfg.raw["swiglu_alpha"]), float(cfg.raw["swiglu_limit"])
 
@@ -93,21 +108,63 @@ class GptOssExperts(FusedMoE):
     def after_load(self) -> None:
         """The stored layout made FusedMoE's, one layer at a time (a layer's experts twice, briefly: each gate and up
         half copied straight into its rows)."""
-        gate_up, bias = self.gate_up_proj.data, self.gate_up_proj_bias.data
-        experts, hidden, two_inter = gate_up.shape
-        w13 = gate_up.new_empty((experts, two_inter, hidden))
-        w13[:, :two_inter // 2].copy_(gate_up[..., 0::2].transpose(1, 2))
-        w13[:, two_inter // 2:].copy_(gate_up[..., 1::2].transpose(1, 2))
+        bias = self.gate_up_proj_bias.data
         b13 = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=1)
-        del self.gate_up_proj, self.gate_up_proj_bias
-        self.w13 = _Held(w13)
-        self.w2 = _Held(self.down_proj.data.transpose(1, 2).contiguous())
+        if self.raw:
+            self._after_raw(b13.dtype)
+        else:
+            gate_up = self.gate_up_proj.data
+            experts, hidden, two_inter = gate_up.shape
+            w13 = gate_up.new_empty((experts, two_inter, hidden))
+            w13[:, :two_inter // 2].copy_(gate_up[..., 0::2].transpose(1, 2))
+            w13[:, two_inter // 2:].copy_(gate_up[..., 1::2].transpose(1, 2))
+            del self.gate_up_proj
+            self.w13 = _Held(w13)
+            self.w2 = _Held(self.down_proj.data.transpose(1, 2).contiguous())
+            del self.down_proj
         down_bias = self.down_proj_bias.data
-        del self.down_proj, self.down_proj_bias
+        del self.gate_up_proj_bias, self.down_proj_bias
         keeps_down_bias = self.tp.config.expert_parallel or self.tp.rank == 0
         self.register_buffer("b13", b13)  # (buffers: counted and moved with the model's tensors)
         self.register_buffer("b2", down_bias if keeps_down_bias else None)
         self.extras = ExpertExtras(self.b13, self.b2, self.alpha, self.limit)
+
+
+    def _after_raw(self, dtype: torch.dtype) -> None:
+        """MXFP4 codes and scales as loaded -> FusedMoE's row order (gate rows, then up rows), held as they are where
+        Triton's kernels read them, else dequantized once."""
+        q, s = self.gate_up_proj_blocks.data, self.gate_up_proj_scales.data  # [e, 2 x inter (interleaved), ...]
+        experts, two_inter, groups, _ = q.shape
+        q13 = torch.cat([q[:, 0::2], q[:, 1::2]], dim=1).reshape(experts, two_inter, groups * GROUP // 2)
+        s13 = torch.cat([s[:, 0::2], s[:, 1::2]], dim=1)
+        q2 = self.down_proj_blocks.data.flatten(2)
+        s2 = self.down_proj_scales.data
+        del self.gate_up_proj_blocks, self.gate_up_proj_scales, self.down_proj_blocks, self.down_proj_scales
+        if q13.is_cuda or interpreting():
+            self.w13, self.w2 = HeldMxfp4(q13, s13), HeldMxfp4(q2.contiguous(), s2)
+        else:  # (a chunk of rows at a time)
+            self.w13 = _Held(dequantize(q13.unflatten(-1, (-1, GROUP // 2)), s13, dtype))
+            self.w2 = _Held(dequantize(q2.unflatten(-1, (-1, GROUP // 2)), s2, dtype))
+
+
+_RAW = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def _raw(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+
+
+class HeldMxfp4(nn.Module):
+    """A stacked weight of the experts held in MXFP4 (kernels.moe_mxfp4's layout): codes `q` [experts, N, K / 2] and
+    scales `s` [experts, N, K / 32]."""
+
+    mxfp4 = True
+    fp8 = None
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor):
+        super().__init__()
+        self.q = nn.Parameter(q, requires_grad=False)
+        self.s = nn.Parameter(s, requires_grad=False)
 
 
 class _Held(nn.Module):

@@ -94,6 +94,20 @@ def model_tensors(cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
         yield name, lazy
 
 
+_RAW_SUFFIXES = ("_blocks", "_scales")  # MXFP4 codes and scales read as stored (uint8)
+
+
+def _raw_mxfp4(tensors: Iterator[tuple[str, Any]], targets: Collection[str]) -> Iterator[tuple[str, Any]]:
+    """An MXFP4 tensor (engine.quantization.mxfp4.LazyMxfp4) whose model holds its codes and scales as stored
+    (`<name>_blocks` and `<name>_scales` parameters: engine.models.gpt_oss) read as those two; the rest as given."""
+    for name, lazy in tensors:
+        if isinstance(lazy, mxfp4.LazyMxfp4) and f"{name}_blocks" in targets:
+            yield f"{name}_blocks", lazy.blocks
+            yield f"{name}_scales", lazy.scales
+        else:
+            yield name, lazy
+
+
 def checkpoint_name_map(model: nn.Module) -> dict[str, list[tuple[nn.Parameter, Shard]]]:
     """Hugging Face tensor name -> the (our parameter, the part of it and of the tensor) it fills, for every weight
     the model needs: one, or several where a checkpoint tensor holds parts a rank keeps apart (Phi-3's fused qkv_proj
@@ -135,7 +149,7 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Colle
     are read when config.json declares fp8 (engine.quantization.fp8), KV cache scales by `load_kv_scales`."""
     fp8 = checkpoint_scheme(cfg.raw)
     unexpected = []
-    for name, lazy in model_tensors(cfg):
+    for name, lazy in _raw_mxfp4(model_tensors(cfg), targets):
         if kv_scale_of(name, cfg.num_layers) is not None:
             continue
         if fp8 is not None and (scaled := scale_of(name)) is not None and \
@@ -145,7 +159,7 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Colle
         if target is None:
             continue
         if target in targets:
-            if not (fp8 is not None and lazy.get_dtype() == "F8_E4M3"):
+            if not (fp8 is not None and lazy.get_dtype() == "F8_E4M3") and not name.endswith(_RAW_SUFFIXES):
                 check_tensor_dtype(name, lazy.get_dtype(), cfg.path)
         else:
             unexpected.append(name)
@@ -207,7 +221,7 @@ def _load_weights(model: nn.Module, cfg: ModelConfig, quantization: str | None =
     online = quantization == "fp8" and fp8 is None
     held = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}  # fp8_load.hold_fp8
     seen: set[str] = set()
-    for name, lazy in model_tensors(cfg):
+    for name, lazy in _raw_mxfp4(model_tensors(cfg), targets):
         if (fp8 is not None and scale_of(name) is not None) or kv_scale_of(name, cfg.num_layers) is not None:
             continue
         stored, name = name, _target_name(name, targets, cfg, getattr(model, "skipped_tensors", ()))
@@ -287,10 +301,14 @@ def load_kv_scales(cfg: ModelConfig, kv_cache_dtype: str, load_format: str, para
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights for benchmarks: norms at 1, everything else small and uniform (bounded activations)."""
+    """Random weights for benchmarks: norms at 1, everything else small and uniform (bounded activations); MXFP4
+    codes random, their scales 2^-8 (weights up to ~0.02)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dtype == FP8:
+            continue
+        if param.dtype == torch.uint8:
+            param.data.fill_(127 - 8) if name.endswith("_scales") else param.data.random_(0, 256, generator=gen)
             continue
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)

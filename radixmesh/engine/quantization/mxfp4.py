@@ -1,5 +1,6 @@
-"""MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`: GPT-OSS as OpenAI publishes it), read by
-dequantizing the experts at load time, and our writer of such checkpoints (tests, and the tiny models).
+"""MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`: GPT-OSS as OpenAI publishes it): the experts'
+codes and scales read as stored where kernels.moe_mxfp4 computes them (engine.models.gpt_oss), else dequantized
+(`LazyMxfp4`, `dequantize`), and our writer of such checkpoints (tests, and the tiny models).
 
 The format (OCP microscaling, as GPT-OSS stores it): a mixture-of-experts projection `<name>` of the bf16 layout
 [experts, in, out] is stored transposed, as `<name>_blocks` [experts, out, in / 32, 16] uint8 (two 4-bit e2m1 codes a
@@ -8,8 +9,8 @@ scale, biased by 127). A code c is FP4_VALUES[c] (sign, 2 exponent bits, 1 manti
 2^(scale - 127): every such value is exact in bfloat16 (and float32), so the dequantized weights are the checkpoint's
 exactly. Other tensors (attention, router, embedding, biases) are stored as they are.
 
-Dequantizing costs the experts' memory in the model dtype (gpt-oss-20b: ~13 GB of experts in bf16, against ~12 GB of
-MXFP4); kernels that read MXFP4 are for later. A checkpoint of another architecture declaring mxfp4 is refused by
+Dequantized, the experts take the model dtype's memory (gpt-oss-20b's ~38 GB in bf16 against ~10 GB of MXFP4;
+-120b's ~229 GB against ~61). A checkpoint of another architecture declaring mxfp4 is refused by
 engine.models.support.
 """
 
@@ -24,8 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-GROUP = 32  # codes sharing a scale
+from radixmesh.kernels.moe_mxfp4 import E2M1 as FP4_VALUES  # (a code's value)
+from radixmesh.kernels.moe_mxfp4 import GROUP, dequantize_experts  # (GROUP: codes sharing a scale)
+
 ARCHITECTURES = ("GptOssForCausalLM",)  # whose mxfp4 checkpoints we read
 _BLOCKS, _SCALES = "_blocks", "_scales"
 
@@ -45,15 +47,11 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}: blocks are "
                          f"[..., groups, {GROUP // 2}] beside scales [..., groups]")
     *lead, groups, half = blocks.shape
-    rows = blocks.reshape(-1, groups, half)
+    rows = blocks.reshape(-1, groups * half)
     exps = scales.reshape(-1, groups)
-    out = torch.empty((rows.shape[0], groups * GROUP), dtype=dtype)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty((rows.shape[0], groups * GROUP), dtype=dtype, device=blocks.device)
     for r in range(0, rows.shape[0], _CHUNK_ROWS):
-        codes = rows[r:r + _CHUNK_ROWS].to(torch.uint8)
-        values = torch.stack([lut[(codes & 0x0F).int()], lut[(codes >> 4).int()]], dim=-1).flatten(-2)
-        values = torch.ldexp(values, exps[r:r + _CHUNK_ROWS].to(torch.int32).unsqueeze(-1) - 127)  # [rows, groups, 32]
-        out[r:r + _CHUNK_ROWS] = values.flatten(-2)
+        out[r:r + _CHUNK_ROWS] = dequantize_experts(rows[r:r + _CHUNK_ROWS], exps[r:r + _CHUNK_ROWS], dtype)
     return out.reshape(*lead, groups * GROUP)
 
 

@@ -1,0 +1,289 @@
+"""Experts held in MXFP4 (GPT-OSS's checkpoints: 4-bit e2m1 codes, two a byte, the low nibble first, and one
+power-of-two scale, e8m0, a row and 32 inputs), computed without a bf16 copy: the weights are decoded in registers,
+a tile at a time, where kernels.moe (the grouped GEMMs) and kernels.moe_decode (a few tokens) load bf16 rows. Half a
+byte and 1/32 of one a weight instead of two bytes: a batch-1 step of gpt-oss-20b reads ~3.7 GB instead of ~7.2, and
+gpt-oss-120b's experts take ~61 GB instead of ~229 (counted from the shapes). A code becomes its float32 value by
+integer operations on its bits (no table, no special-function unit): at batch 1 that decoding, not the bytes, may
+bound the launches; the GPU has not measured them yet.
+
+Layout (engine.models.gpt_oss after the load): `q` [experts, N, K / 2] uint8 and `s` [experts, N, K / 32] uint8 for
+each product (w13: N = 2 x inter, gate rows then up rows, K = hidden; w2: N = hidden, K = inter), the rows as
+kernels.moe's w13 and w2. Every decoded value is exact in bfloat16 (a 3-bit significand at most, times a power of
+two), so the products are those of the dequantized weights (engine.quantization.mxfp4.dequantize) summed in another
+order: `fused_experts_mxfp4_reference` dequantizes and runs kernels.moe's twin.
+
+The products split K into its even and odd positions: each byte's low nibble multiplies the activations' even
+columns and its high nibble the odd ones (no interleaving in registers). A few tokens take one gate/up and one down
+launch (kernels.moe_decode's shape, the expert loop of its down launch); more take the aligned grouped GEMMs with
+kernels.moe's tiles (BLOCK_K a multiple of 64). The biases and the clamped SwiGLU (kernels.moe_extras) are computed
+as on bf16 weights."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.moe import BLOCK_M, Tiles, align_by_expert, fused_experts_reference, tiles
+from radixmesh.kernels.moe_decode import default_tiles, use_decode_path
+from radixmesh.kernels.moe_extras import (ExpertExtras, add_weighted_bias, biased_activation, clamped,
+                                          expert_rows, swiglu_rounded)
+from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
+
+GROUP = 32  # weights a scale
+INTERPRETED_TILES = Tiles(block_n=64, block_k=64)
+
+
+@triton.jit
+def _e2m1(codes):
+    """4-bit codes (the low bits of an int32 tensor) -> their float32 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+    negatives: sign, 2-bit exponent, 1-bit mantissa), built as float32 bit patterns with integer operations (no
+    special-function unit, no subnormal): exponent e + 126 and the mantissa bit under it, 0.5 and 0 apart."""
+    mag = codes & 7
+    bits = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag < 2, tl.where(mag == 1, 0x3F000000, 0), bits)
+    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale(exps):
+    """e8m0 scales (int32 0..255) -> 2^(e - 127) in float32: the exponent field itself (2^-127, e = 0, the one
+    subnormal, apart)."""
+    return tl.where(exps == 0, 5.877471754111438e-39, (exps << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _halves(q_rows, s_rows, half, ok):
+    """One chunk of weight rows: bytes `half` (positions along K / 2) of rows `q_rows`, scaled by their groups'
+    scales -> (even columns' values, odd columns' values), float32, zero where not `ok`."""
+    codes = tl.load(q_rows + half, mask=ok, other=0, eviction_policy="evict_first").to(tl.int32)
+    scale = _scale(tl.load(s_rows + half // 16, mask=ok, other=127).to(tl.int32))
+    return _e2m1(codes) * scale, _e2m1(codes >> 4) * scale
+
+
+@triton.jit
+def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_qe, stride_qn,
+                          stride_se, stride_sn, stride_be, alpha, limit, TOP_K: tl.constexpr, K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SWIGLU: tl.constexpr):
+    pdl_enter(PDL)
+    # kernels.moe_decode._gate_up_kernel over MXFP4 rows: act[pair, n] = act(x . gate_n + b, x . up_n + b)
+    pair = tl.program_id(1).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]
+    e = tl.maximum(expert, 0)
+    gate_q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
+    gate_s = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
+    up_q, up_s = gate_q + inter * stride_qn, gate_s + inter * stride_sn
+    x_row = x_ptr + (pair // TOP_K) * stride_x
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        h_ok = half < K // 2
+        x_even = tl.load(x_row + 2 * half, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        x_odd = tl.load(x_row + 2 * half + 1, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        ok = rows_ok & h_ok[None, :]
+        g_even, g_odd = _halves(gate_q, gate_s, half[None, :], ok)
+        u_even, u_odd = _halves(up_q, up_s, half[None, :], ok)
+        acc_gate += g_even * x_even + g_odd * x_odd
+        acc_up += u_even * x_even + u_odd * x_odd
+    dtype = act_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = b_ptr + e * stride_be + n
+        b_ok = n < tl.where(expert >= 0, inter, 0)
+        gate = (gate + tl.load(bias, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        up = (up + tl.load(bias + inter, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    if SWIGLU:
+        act = swiglu_rounded(gate, up, alpha, limit, dtype)
+    else:  # SiLU-and-mul as kernels.activation rounds it
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair * inter + n, act.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _mxfp4_down_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, b_ptr, hidden, stride_qe, stride_qn,
+                       stride_se, stride_sn, stride_out, stride_be, TOP_K: tl.constexpr, K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pdl_enter(PDL)
+    # kernels.moe_decode._down_sum_kernel over MXFP4 rows: out[token, n] = sum_k w_k * (act[pair] . w2[e_k, n] + b)
+    token = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        half_end = tl.where(expert >= 0, K // 2, 0)
+        e = tl.maximum(expert, 0)
+        q_rows = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
+        s_rows = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            h_ok = half < half_end
+            a_even = tl.load(act_ptr + pair * K + 2 * half, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+            a_odd = tl.load(act_ptr + pair * K + 2 * half + 1, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+            w_even, w_odd = _halves(q_rows, s_rows, half[None, :], n_ok[:, None] & h_ok[None, :])
+            acc += w_even * a_even + w_odd * a_odd
+        down = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e * stride_be + n, mask=n < tl.where(expert >= 0, hidden, 0), other=0.0)
+            down = (down + bias.to(tl.float32)).to(dtype).to(tl.float32)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        total += (down * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts_ptr, weights_ptr, n_slots, N, K,
+                          a_row_div, stride_a, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # kernels.moe._grouped_gemm_kernel over MXFP4 weights: each K step decodes a [BLOCK_K / 2, BLOCK_N] tile of
+    # bytes into its even and odd columns' values (exact in the activations' dtype) and takes two tensor-core products
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < n_slots
+    a_rows = tl.where(valid, rows // a_row_div, 0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    q_cols = q_ptr + expert * stride_qe + cols.to(tl.int64)[None, :] * stride_qn  # [1, BLOCK_N]
+    s_cols = s_ptr + expert * stride_se + cols.to(tl.int64)[None, :] * stride_sn
+    dtype = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        h_ok = half < K // 2
+        a_base = a_ptr + a_rows[:, None] * stride_a + 2 * half[None, :]
+        a_ok = valid[:, None] & h_ok[None, :]
+        a_even = tl.load(a_base, mask=a_ok, other=0.0)
+        a_odd = tl.load(a_base + 1, mask=a_ok, other=0.0)
+        w_even, w_odd = _halves(q_cols, s_cols, half[:, None], h_ok[:, None] & col_ok[None, :])  # [BLOCK_K / 2, N]
+        if UPCAST:  # the interpreter's bfloat16 dot is wrong (kernels.runtime.dot_needs_upcast)
+            acc += tl.dot(a_even.to(tl.float32), w_even, input_precision=PRECISION)
+            acc += tl.dot(a_odd.to(tl.float32), w_odd, input_precision=PRECISION)
+        else:
+            acc += tl.dot(a_even, w_even.to(dtype), input_precision=PRECISION)
+            acc += tl.dot(a_odd, w_odd.to(dtype), input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    out = acc.to(out_dtype)
+    if WEIGHTED:
+        weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
+        out = (out.to(tl.float32) * weight.to(tl.float32)[:, None]).to(out_dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=valid[:, None] & col_ok[None, :])
+
+
+def check_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor) -> None:
+    """ValueError unless the four tensors are MXFP4 experts for x's rows (module docstring's layout)."""
+    experts, two_inter, half_hidden = q13.shape
+    hidden, inter = 2 * half_hidden, two_inter // 2
+    ok = (x.dim() == 2 and x.shape[1] == hidden and hidden % GROUP == 0 and inter % GROUP == 0 and two_inter % 2 == 0
+          and s13.shape == (experts, two_inter, hidden // GROUP) and q2.shape == (experts, hidden, inter // 2)
+          and s2.shape == (experts, hidden, inter // GROUP)
+          and all(t.dtype == torch.uint8 and t.stride(-1) == 1 for t in (q13, s13, q2, s2)))
+    if not ok:
+        raise ValueError(f"MXFP4 experts are q13 [E, 2 x inter, hidden / 2], s13 [E, 2 x inter, hidden / 32], q2 [E, "
+                         f"hidden, inter / 2], s2 [E, hidden, inter / 32] uint8 (unit last stride) for x [tokens, "
+                         f"hidden]; got x {tuple(x.shape)}, q13 {tuple(q13.shape)}, s13 {tuple(s13.shape)}, q2 "
+                         f"{tuple(q2.shape)}, s2 {tuple(s2.shape)}")
+
+
+def _grouped(a, q, s, slots, block_experts, n_slots, a_row_div, weights, zeroed, block_m, t: Tiles):
+    n, k = q.shape[1], 2 * q.shape[2]
+    out = (torch.zeros if zeroed else torch.empty)((n_slots, n), dtype=a.dtype, device=a.device)
+    block_n = min(t.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(max(64, t.block_k), max(64, triton.next_power_of_2(k)))  # (two 32-deep products a step at least)
+    _mxfp4_grouped_kernel[(block_experts.numel(), triton.cdiv(n, block_n))](
+        a, q, s, out, slots, block_experts, weights if weights is not None else a, n_slots, n, k, a_row_div,
+        a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=weights is not None, UPCAST=dot_needs_upcast(a.dtype),
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None) -> torch.Tensor:
+    tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], q13.shape[1] // 2
+    t = default_tiles()
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    b13 = extras.b13 if extras is not None else None
+    b2 = extras.b2 if extras is not None else None
+    swiglu = clamped(extras)
+    _mxfp4_gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
+        x, q13, s13, ids, act, b13 if b13 is not None else x, inter, x.stride(0), q13.stride(0), q13.stride(1),
+        s13.stride(0), s13.stride(1), b13.stride(0) if b13 is not None else 0,
+        float(extras.swiglu_alpha) if swiglu else 1.0, float(extras.swiglu_limit) if swiglu else 0.0, TOP_K=top_k,
+        K=hidden, BLOCK_N=t.up_block_n, BLOCK_K=max(64, min(t.up_block_k, triton.next_power_of_2(hidden))),
+        HAS_BIAS=b13 is not None, SWIGLU=swiglu, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
+    _mxfp4_down_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
+        act, q2, s2, ids, weights, out, b2 if b2 is not None else out, hidden, q2.stride(0), q2.stride(1),
+        s2.stride(0), s2.stride(1), out.stride(0), b2.stride(0) if b2 is not None else 0, TOP_K=top_k, K=inter,
+        BLOCK_N=t.down_block_n, BLOCK_K=max(64, min(t.down_block_k, triton.next_power_of_2(inter))),
+        HAS_BIAS=b2 is not None, num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+    return out
+
+
+def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor, elsewhere: bool = True,
+                        decode_path: bool | None = None, extras: ExpertExtras | None = None) -> torch.Tensor:
+    """kernels.moe.fused_experts over MXFP4 experts (module docstring): x [tokens, hidden], routing weights and
+    expert ids [tokens, top_k] (-1: another rank's) -> [tokens, hidden] in x's dtype. `decode_path` forces the
+    few-token launches (True) or the grouped GEMMs (False); `extras`: the biases and the clamped SwiGLU."""
+    check_mxfp4(x, q13, s13, q2, s2)
+    tokens, top_k = ids.shape
+    if tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    if use_decode_path(tokens, top_k, q13.shape[0]) if decode_path is None else decode_path:
+        return _decode(x, q13, s13, q2, s2, weights, ids, extras)
+    block_m, up, down_tiles = tiles(x, q13, tokens, top_k)  # (keyed by the layer's shape: its own entries)
+    if interpreting():
+        block_m, up, down_tiles = BLOCK_M, INTERPRETED_TILES, INTERPRETED_TILES
+    slots, block_experts = align_by_expert(ids, q13.shape[0], block_m)
+    n_slots = tokens * top_k
+    gate_up = _grouped(x, q13, s13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
+    if clamped(extras):
+        act = biased_activation(gate_up, ids, extras)
+    else:
+        from radixmesh.kernels.activation import silu_and_mul
+
+        if extras is not None and extras.b13 is not None:
+            gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
+        act = silu_and_mul(gate_up)
+    flat_weights = weights.flatten().contiguous()
+    down = _grouped(act, q2, s2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
+    if extras is not None and extras.b2 is not None:
+        add_weighted_bias(down, ids, flat_weights, extras.b2)
+    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # a code's value
+
+
+def dequantize_experts(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., N, K / 2] codes and [..., N, K / 32] scales -> [..., N, K] weights in `dtype` (plain torch, at once:
+    engine.quantization.mxfp4.dequantize runs it a chunk of rows at a time)."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=q.device)
+    codes = q.to(torch.uint8)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)
+    exps = s.to(torch.int32).repeat_interleave(GROUP, dim=-1) - 127
+    return torch.ldexp(values, exps).to(dtype)
+
+
+def fused_experts_mxfp4_reference(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor,
+                                  s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                                  extras: ExpertExtras | None = None) -> torch.Tensor:
+    """The twin: the experts dequantized (exact), then kernels.moe's twin."""
+    w13, w2 = dequantize_experts(q13, s13, x.dtype), dequantize_experts(q2, s2, x.dtype)
+    return fused_experts_reference(x, w13, w2, weights, ids, extras)
