@@ -226,6 +226,24 @@ def test_an_mxfp4_checkpoint_is_held_in_mxfp4_on_the_kernels(mxfp4_pair):
     _check(q, reference=twin, atol=1e-5, tp_size=2, ep_size=2, **kernels)
 
 
+def test_a_tensor_parallel_cut_on_whole_groups_holds_the_codes_as_cut(tmp_path_factory):
+    """intermediate_size 64 over two ranks: each rank's 32 columns are whole groups of 32, so its rows of the
+    interleaved gate/up codes and its groups of the down codes are read as stored and held in MXFP4 on the kernels
+    (--quantization fp8 beside them: the attention in fp8, the experts as they are); token-exact with transformers on
+    the twin."""
+    from radixmesh.engine.quantization import mxfp4
+
+    root = tmp_path_factory.mktemp("mxfp4_tp")
+    q = mxfp4.write_checkpoint(write_gpt_oss(root / "float", seed=11, intermediate_size=64), str(root / "mxfp4"))
+    twin = mxfp4.dequantized_checkpoint(q, str(root / "twin"))
+    _check(q, reference=twin, atol=1e-5, tp_size=2, attention_backend="triton", moe_runner_backend="triton")
+    with running_engine(q, skip_tokenizer_init=True, quantization="fp8", fp8_gemm_backend="triton",
+                        moe_runner_backend="triton") as llm:
+        experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
+        out = llm.generate(input_ids=SHORT_PROMPTS[:1], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert experts and all(m.w13.q.dtype == torch.uint8 for m in experts) and len(out[0]["output_ids"]) == 3
+
+
 def test_without_kernels_the_mxfp4_experts_are_dequantized_once_after_the_load(mxfp4_pair, monkeypatch):
     """On CPU without Triton's interpreter (a user's CPU run) the codes loaded as stored become float experts once,
     after the load: the plain-torch experts read them, token-exact with transformers on the twin."""
