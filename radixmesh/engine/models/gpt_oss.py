@@ -129,7 +129,6 @@ class GptOssExperts(FusedMoE):
         self.register_buffer("b2", down_bias if keeps_down_bias else None)
         self.extras = ExpertExtras(self.b13, self.b2, self.alpha, self.limit)
 
-
     def _after_raw(self, dtype: torch.dtype) -> None:
         """MXFP4 codes and scales as loaded -> FusedMoE's row order (gate rows, then up rows), held as they are where
         Triton's kernels read them, else dequantized once."""

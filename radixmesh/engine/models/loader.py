@@ -159,7 +159,8 @@ def _check_checkpoint(targets: Collection[str], cfg: ModelConfig, skipped: Colle
         if target is None:
             continue
         if target in targets:
-            if not (fp8 is not None and lazy.get_dtype() == "F8_E4M3") and not name.endswith(_RAW_SUFFIXES):
+            raw = mxfp4.is_mxfp4(cfg.raw) and name.endswith(_RAW_SUFFIXES) and lazy.get_dtype() == "U8"
+            if not (fp8 is not None and lazy.get_dtype() == "F8_E4M3") and not raw:
                 check_tensor_dtype(name, lazy.get_dtype(), cfg.path)
         else:
             unexpected.append(name)
@@ -307,8 +308,11 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if param.dtype == FP8:
             continue
-        if param.dtype == torch.uint8:
-            param.data.fill_(127 - 8) if name.endswith("_scales") else param.data.random_(0, 256, generator=gen)
+        if param.dtype == torch.uint8:  # MXFP4
+            if name.endswith("_scales"):
+                param.data.fill_(127 - 8)
+            else:
+                param.data.random_(0, 256, generator=gen)
             continue
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
