@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe_extras import (ExpertExtras, add_weighted_bias, biased_activation, clamped, clamped_swiglu,
-                                          expert_rows)
+from radixmesh.kernels.moe_activation import add_weighted_bias, biased_activation
+from radixmesh.kernels.moe_extras import ExpertExtras, clamped, clamped_swiglu, expert_rows
 from radixmesh.kernels.runtime import CONFIG_DIR, config_file, dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 BLOCK_M = 16

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.activation import silu_and_mul_reference
-from radixmesh.kernels.moe_extras import clamped, clamped_swiglu, swiglu_rounded
+from radixmesh.kernels.moe_activation import swiglu_rounded
+from radixmesh.kernels.moe_extras import clamped, clamped_swiglu
 from radixmesh.kernels.runtime import interpreting, pdl_enter, pdl_options
 
 # Which token counts take this path. It reads one expert's weights per pair, where the grouped GEMMs read each

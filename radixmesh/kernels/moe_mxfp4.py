@@ -15,7 +15,7 @@ order: `fused_experts_mxfp4_reference` dequantizes and runs kernels.moe's twin.
 The products split K into its even and odd positions: each byte's low nibble multiplies the activations' even
 columns and its high nibble the odd ones (no interleaving in registers). A few tokens take one gate/up and one down
 launch (kernels.moe_decode's shape, the expert loop of its down launch); more take the aligned grouped GEMMs with
-kernels.moe's tiles (BLOCK_K a multiple of 64). The biases and the clamped SwiGLU (kernels.moe_extras) are computed
+kernels.moe's tiles (BLOCK_K a multiple of 64). The biases and the clamped SwiGLU (kernels.moe_activation) are computed
 as on bf16 weights."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.moe import BLOCK_M, Tiles, align_by_expert, fused_experts_reference, tiles
+from radixmesh.kernels.moe_activation import add_weighted_bias, biased_activation, swiglu_rounded
 from radixmesh.kernels.moe_decode import default_tiles, use_decode_path
-from radixmesh.kernels.moe_extras import (ExpertExtras, add_weighted_bias, biased_activation, clamped,
-                                          expert_rows, swiglu_rounded)
+from radixmesh.kernels.moe_extras import ExpertExtras, clamped, expert_rows
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 GROUP = 32  # weights a scale

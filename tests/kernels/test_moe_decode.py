@@ -138,12 +138,12 @@ def test_biases_and_the_clamped_swiglu_match_the_twin_and_the_grouped_gemms(tile
 @pytest.mark.parametrize("with_bias", [True, False], ids=["biased", "unbiased"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_grouped_paths_bias_and_activation_launches_equal_their_twins(with_bias, dtype):
-    """kernels.moe_extras.biased_activation (the gate/up bias and the clamped SwiGLU) and add_weighted_bias (the
+    """kernels.moe_activation.biased_activation (the gate/up bias and the clamped SwiGLU) and add_weighted_bias (the
     routing weight times the down bias) each in one launch: their twins' torch ops element for element (an id of -1,
     another rank's expert, takes no bias), within float32's last bits (torch's sigmoid against Triton's exp), all
     but a few bfloat16 elements equal."""
-    from radixmesh.kernels.moe_extras import (add_weighted_bias, add_weighted_bias_reference, biased_activation,
-                                              biased_activation_reference)
+    from radixmesh.kernels.moe_activation import (add_weighted_bias, add_weighted_bias_reference,
+                                                  biased_activation, biased_activation_reference)
 
     gen = torch.Generator().manual_seed(4)
     extras = _extras(8, 40, 600, dtype)  # (600 columns: more than one program's block)

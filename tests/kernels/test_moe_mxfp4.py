@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.engine.quantization.mxfp4 import quantize
+from radixmesh.engine.quantization.mxfp4 import dequantize, quantize
 from radixmesh.kernels.moe import fused_experts, fused_experts_reference, route_reference
 from radixmesh.kernels.moe_extras import ExpertExtras
 from radixmesh.kernels.moe_mxfp4 import dequantize_experts, fused_experts_mxfp4, fused_experts_mxfp4_reference
@@ -69,6 +69,7 @@ def test_every_code_and_scale_decodes_as_the_checkpoint_reader_does():
     got = _grouped(a.to(DEVICE), q.to(DEVICE), s.to(DEVICE), slots, blocks, 64, 1, None, True, BLOCK_M,
                    Tiles(block_n=16, block_k=64)).cpu()  # [64 tokens, 16 rows]: got[k, n] = w[n, k]
     assert torch.equal(got.t(), dequantize_experts(q, s, torch.float32)[0])
+    assert torch.equal(got.t(), dequantize(q.reshape(1, 16, 2, 16), s, torch.float32)[0])  # the loader's reader
 
 
 def test_the_layout_is_checked():

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_extend, moe, moe_decode, moe_decode_fp8, moe_extras, moe_gate, moe_mxfp4, norm,
+                               mla_extend, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
                                rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
@@ -135,9 +135,9 @@ out["moe_down_stacked_gpt_oss"] = ptx(moe_decode._down_stacked_kernel, stacked_a
                                       dict(TOP_K=4, KB=4, K=2880, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=True),
                                       4, 1)
 # the grouped path's GPT-OSS steps around its products: the gate/up bias with the clamped SwiGLU, the weighted down bias
-out["moe_biased_act"] = ptx(moe_extras._biased_act_kernel, dict(gu_ptr=bf16, ids_ptr="*i64", b_ptr=bf16, out_ptr=bf16),
+out["moe_biased_act"] = ptx(moe_activation._biased_act_kernel, dict(gu_ptr=bf16, ids_ptr="*i64", b_ptr=bf16, out_ptr=bf16),
                             {"alpha", "limit"}, dict(BLOCK=1024, HAS_BIAS=True, PDL=True), 4, 1)
-out["moe_weighted_bias"] = ptx(moe_extras._weighted_bias_kernel,
+out["moe_weighted_bias"] = ptx(moe_activation._weighted_bias_kernel,
                                dict(out_ptr=bf16, ids_ptr="*i64", w_ptr="*fp32", b_ptr=bf16), set(),
                                dict(BLOCK=1024, PDL=True), 4, 1)
 # GPT-OSS's experts in MXFP4 (gpt-oss-20b's layer): the few-token launches and the grouped GEMM decoding the codes

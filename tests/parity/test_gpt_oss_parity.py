@@ -250,7 +250,7 @@ def test_without_kernels_the_mxfp4_experts_are_dequantized_once_after_the_load(m
     from radixmesh.engine.models import gpt_oss
 
     q, twin = mxfp4_pair
-    monkeypatch.setattr(gpt_oss, "interpreting", lambda: False)
+    monkeypatch.setattr(gpt_oss, "_interpreting", lambda: False)
     with running_engine(q, skip_tokenizer_init=True) as llm:
         experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
         out = llm.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": 6})

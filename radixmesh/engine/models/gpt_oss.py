@@ -28,6 +28,8 @@ activation); the attention's projections go fp8 as any model's.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -39,7 +41,6 @@ from radixmesh.engine.models.llama import Attention, DecoderSpec
 from radixmesh.engine.models.moe import MoeForCausalLM, Router, SparseMoeBlock
 from radixmesh.engine.quantization.mxfp4 import GROUP, dequantize, is_mxfp4
 from radixmesh.kernels.moe_extras import ExpertExtras
-from radixmesh.kernels.runtime import interpreting
 
 
 class GptOssAttention(Attention):
@@ -139,11 +140,17 @@ class GptOssExperts(FusedMoE):
         q2 = self.down_proj_blocks.data.flatten(2)
         s2 = self.down_proj_scales.data
         del self.gate_up_proj_blocks, self.gate_up_proj_scales, self.down_proj_blocks, self.down_proj_scales
-        if q13.is_cuda or interpreting():
+        if q13.is_cuda or _interpreting():
             self.w13, self.w2 = HeldMxfp4(q13, s13), HeldMxfp4(q2.contiguous(), s2)
         else:  # (a chunk of rows at a time)
             self.w13 = _Held(dequantize(q13.unflatten(-1, (-1, GROUP // 2)), s13, dtype))
             self.w2 = _Held(dequantize(q2.unflatten(-1, (-1, GROUP // 2)), s2, dtype))
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter on (kernels.runtime.interpreting's test, without importing Triton: a CPU install may
+    have none)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _RAW = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")

@@ -25,8 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from radixmesh.kernels.moe_mxfp4 import E2M1 as FP4_VALUES  # (a code's value)
-from radixmesh.kernels.moe_mxfp4 import GROUP, dequantize_experts  # (GROUP: codes sharing a scale)
+# (no radixmesh.kernels import: the engine runs on CPU without Triton; kernels.moe_mxfp4 keeps its own twin)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32  # codes sharing a scale
 
 ARCHITECTURES = ("GptOssForCausalLM",)  # whose mxfp4 checkpoints we read
 _BLOCKS, _SCALES = "_blocks", "_scales"
@@ -47,11 +48,15 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}: blocks are "
                          f"[..., groups, {GROUP // 2}] beside scales [..., groups]")
     *lead, groups, half = blocks.shape
-    rows = blocks.reshape(-1, groups * half)
+    rows = blocks.reshape(-1, groups, half)
     exps = scales.reshape(-1, groups)
     out = torch.empty((rows.shape[0], groups * GROUP), dtype=dtype, device=blocks.device)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     for r in range(0, rows.shape[0], _CHUNK_ROWS):
-        out[r:r + _CHUNK_ROWS] = dequantize_experts(rows[r:r + _CHUNK_ROWS], exps[r:r + _CHUNK_ROWS], dtype)
+        codes = rows[r:r + _CHUNK_ROWS].to(torch.uint8)
+        values = torch.stack([lut[(codes & 0x0F).int()], lut[(codes >> 4).int()]], dim=-1).flatten(-2)
+        values = torch.ldexp(values, exps[r:r + _CHUNK_ROWS].to(torch.int32).unsqueeze(-1) - 127)  # [rows, groups, 32]
+        out[r:r + _CHUNK_ROWS] = values.flatten(-2)
     return out.reshape(*lead, groups * GROUP)
 
 
