@@ -445,7 +445,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     alignment and grouped GEMMs; `decode_path` True or False forces the choice (tests, benchmarks). `extras`
     (biases, the clamped SwiGLU: kernels.moe_extras.ExpertExtras) add the biases to the grouped GEMMs' results and
     run the activation between them in torch; the few-token launches compute both in their own kernels."""
-    from radixmesh.kernels.activation import silu_and_mul
     from radixmesh.kernels.moe_decode import decode_experts, use_decode_path
 
     tokens, top_k = ids.shape
@@ -454,11 +453,28 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if use_decode_path(tokens, top_k, w13.shape[0]) if decode_path is None else decode_path:
         return decode_experts(x, w13, w2, weights, ids, extras=extras)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    block_m, up, down_tiles = tiles(x, w13, tokens, top_k)
-    slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)
+    layer = tiles(x, w13, tokens, top_k)
+    return grouped_experts(x, weights, ids, w13.shape[0], layer,
+                           lambda a, second, *launch: _grouped_gemm(a, w2 if second else w13, *launch), elsewhere,
+                           extras)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                    layer: tuple[int, Tiles, Tiles], product, elsewhere: bool = True,
+                    extras: ExpertExtras | None = None) -> torch.Tensor:
+    """The grouped path around its two products, whatever holds the experts (16-bit here, kernels.moe_fp8, kernels.
+    moe_mxfp4): the slots aligned by expert in blocks of `layer`'s BLOCK_M, `product(a, second, slots, block_experts,
+    n_slots, a_row_div, weights, zeroed, block_m, tiles)` for gate/up (second False) and down (True), the activation
+    between them (with `extras`' gate/up bias and clamped SwiGLU in one launch), the weighted down bias, the top-k
+    sum in float32."""
+    from radixmesh.kernels.activation import silu_and_mul
+
+    tokens, top_k = ids.shape
+    block_m, up, down_tiles = layer
+    slots, block_experts = align_by_expert(ids, num_experts, block_m)
     n_slots = tokens * top_k
     # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU, nothing in the sum
-    gate_up = _grouped_gemm(x, w13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
+    gate_up = product(x, False, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
     if clamped(extras):  # the gate/up bias and the clamped SwiGLU in one launch
         act = biased_activation(gate_up, ids, extras)
     else:
@@ -466,7 +482,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
             gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
         act = silu_and_mul(gate_up)
     flat_weights = weights.flatten().contiguous()
-    down = _grouped_gemm(act, w2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
+    down = product(act, True, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
     if extras is not None and extras.b2 is not None:  # sum_k w_k (act W2 + b2): the weighted biases added apart
         add_weighted_bias(down, ids, flat_weights, extras.b2)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -32,7 +32,7 @@ from radixmesh.kernels.fp8_gemm import fp8_gemm_reference
 from radixmesh.kernels.fp8_gemv import fp8_linear_reference
 from radixmesh.kernels.fp8_experts import check_experts
 from radixmesh.kernels.fp8_quant import group_quant, group_quant_reference
-from radixmesh.kernels.moe import Tiles, align_by_expert, tiles
+from radixmesh.kernels.moe import Tiles, grouped_experts, tiles
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting
 
 # Triton's interpreter runs the programs one after another in Python: there, fewer and wider ones (the same sums)
@@ -119,7 +119,6 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2:
     (experts of other ranks). A few tokens (kernels.moe_decode.use_decode_path) run
     kernels.moe_decode_fp8.decode_experts_fp8 instead; `decode_path` True or False forces the choice (tests,
     benchmarks)."""
-    from radixmesh.kernels.activation import silu_and_mul
     from radixmesh.kernels.moe_decode import use_decode_path
     from radixmesh.kernels.moe_decode_fp8 import decode_experts_fp8
 
@@ -133,15 +132,9 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2:
     block_m, up, down_tiles = tiles(x, w13, tokens, top_k)
     if interpreting():
         up = down_tiles = INTERPRETED_TILES
-    slots, block_experts = align_by_expert(ids, w13.shape[0], block_m)
-    n_slots = tokens * top_k
-    # rows of other ranks' experts (ids of -1) stay zero: no garbage through SiLU or the quantization, nothing summed
-    gate_up = _fp8_grouped_gemm(x, w13, s13, block, slots, block_experts, n_slots, top_k, None, elsewhere, block_m,
-                                up)
-    act = silu_and_mul(gate_up)
-    down = _fp8_grouped_gemm(act, w2, s2, block, slots, block_experts, n_slots, 1, weights.flatten().contiguous(),
-                             elsewhere, block_m, down_tiles)
-    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    experts = ((w13, s13), (w2, s2))
+    return grouped_experts(x, weights, ids, w13.shape[0], (block_m, up, down_tiles),
+                           lambda a, second, *launch: _fp8_grouped_gemm(a, *experts[second], block, *launch), elsewhere)
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

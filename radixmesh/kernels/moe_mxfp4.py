@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe import BLOCK_M, Tiles, align_by_expert, fused_experts_reference, tiles
-from radixmesh.kernels.moe_activation import add_weighted_bias, biased_activation, swiglu_rounded
+from radixmesh.kernels.moe import BLOCK_M, Tiles, fused_experts_reference, grouped_experts, tiles
+from radixmesh.kernels.moe_activation import swiglu_rounded
 from radixmesh.kernels.moe_decode import default_tiles, use_decode_path
-from radixmesh.kernels.moe_extras import ExpertExtras, clamped, expert_rows
+from radixmesh.kernels.moe_extras import ExpertExtras, clamped
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
 GROUP = 32  # weights a scale
@@ -247,25 +247,12 @@ def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q
     x = x.contiguous()
     if use_decode_path(tokens, top_k, q13.shape[0]) if decode_path is None else decode_path:
         return _decode(x, q13, s13, q2, s2, weights, ids, extras)
-    block_m, up, down_tiles = tiles(x, q13, tokens, top_k)  # (keyed by the layer's shape: its own entries)
+    layer = tiles(x, q13, tokens, top_k)  # (keyed by the codes' shape: entries of their own)
     if interpreting():
-        block_m, up, down_tiles = BLOCK_M, INTERPRETED_TILES, INTERPRETED_TILES
-    slots, block_experts = align_by_expert(ids, q13.shape[0], block_m)
-    n_slots = tokens * top_k
-    gate_up = _grouped(x, q13, s13, slots, block_experts, n_slots, top_k, None, elsewhere, block_m, up)
-    if clamped(extras):
-        act = biased_activation(gate_up, ids, extras)
-    else:
-        from radixmesh.kernels.activation import silu_and_mul
-
-        if extras is not None and extras.b13 is not None:
-            gate_up += expert_rows(extras.b13, ids).to(gate_up.dtype)
-        act = silu_and_mul(gate_up)
-    flat_weights = weights.flatten().contiguous()
-    down = _grouped(act, q2, s2, slots, block_experts, n_slots, 1, flat_weights, elsewhere, block_m, down_tiles)
-    if extras is not None and extras.b2 is not None:
-        add_weighted_bias(down, ids, flat_weights, extras.b2)
-    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+        layer = (BLOCK_M, INTERPRETED_TILES, INTERPRETED_TILES)
+    experts = ((q13, s13), (q2, s2))
+    return grouped_experts(x, weights, ids, q13.shape[0], layer,
+                           lambda a, second, *launch: _grouped(a, *experts[second], *launch), elsewhere, extras)
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # a code's value

@@ -21,13 +21,16 @@ def checkpoint(tmp_path_factory) -> str:
     return write_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
-def test_gpt_oss_in_cuda_graphs_matches_transformers(checkpoint):
-    refs = hf_greedy(checkpoint, PROMPTS, MAX_NEW)
+def _matches_transformers(path: str, reference: str, check=lambda llm: None) -> None:
+    """`path` on the GPU's defaults in float32, in a batch and one request at a time, against transformers on
+    `reference`: its tokens, logprobs within 1e-3, no KV page leaked; `check(llm)` looks at the engine."""
+    refs = hf_greedy(reference, PROMPTS, MAX_NEW)
     greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
-    with running_engine(checkpoint, device="cuda", dtype="float32", skip_tokenizer_init=True,
+    with running_engine(path, device="cuda", dtype="float32", skip_tokenizer_init=True,
                         disable_radix_cache=True) as llm:
         assert llm.args.decode_attention_backend == llm.args.prefill_attention_backend == "triton"
         assert llm.args.moe_runner_backend == "triton" and llm.runner.graphs is not None
+        check(llm)
         batch = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
         alone = [llm.generate(input_ids=p, sampling_params=greedy) for p in PROMPTS[:2]]
         assert_no_leak(llm)
@@ -35,7 +38,11 @@ def test_gpt_oss_in_cuda_graphs_matches_transformers(checkpoint):
     assert [o["output_ids"] for o in alone] == refs[:2]
     for p, out, ref in zip(PROMPTS, batch, refs):
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert got == pytest.approx(hf_token_logprobs(checkpoint, p, ref), abs=1e-3)
+        assert got == pytest.approx(hf_token_logprobs(reference, p, ref), abs=1e-3)
+
+
+def test_gpt_oss_in_cuda_graphs_matches_transformers(checkpoint):
+    _matches_transformers(checkpoint, checkpoint)
 
 
 def test_gpt_oss_in_bfloat16_agrees_with_transformers_first_tokens(checkpoint):
@@ -59,17 +66,8 @@ def test_an_mxfp4_checkpoint_held_in_mxfp4_in_cuda_graphs_matches_its_twin(check
 
     root = tmp_path_factory.mktemp("mxfp4")
     q = mxfp4.write_checkpoint(checkpoint, str(root / "mxfp4"))
-    twin = mxfp4.dequantized_checkpoint(q, str(root / "twin"))
-    refs = hf_greedy(twin, PROMPTS, MAX_NEW)
-    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
-    with running_engine(q, device="cuda", dtype="float32", skip_tokenizer_init=True, disable_radix_cache=True) as llm:
+
+    def held(llm) -> None:
         experts = [m for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts")]
         assert experts and all(m.w13.q.dtype == torch.uint8 and m.w13.q.is_cuda for m in experts)
-        batch = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
-        alone = [llm.generate(input_ids=p, sampling_params=greedy) for p in PROMPTS[:2]]
-        assert_no_leak(llm)
-    assert [o["output_ids"] for o in batch] == refs
-    assert [o["output_ids"] for o in alone] == refs[:2]
-    for p, out, ref in zip(PROMPTS, batch, refs):
-        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert got == pytest.approx(hf_token_logprobs(twin, p, ref), abs=1e-3)
+    _matches_transformers(q, mxfp4.dequantized_checkpoint(q, str(root / "twin")), held)
