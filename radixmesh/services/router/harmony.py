@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Sequence
 
 from radixmesh.services.router.tool_formats import register
-from radixmesh.services.router.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser, loads_strict
+from radixmesh.services.router.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser, held_tail, loads_strict
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -41,14 +40,6 @@ _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_][\w.-]*)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 FUNCTIONS = "functions."
 ANALYSIS = "analysis"
-
-
-def _held(text: str, markers: Sequence[str]) -> int:
-    """How many trailing characters of `text` could begin one of `markers`."""
-    for k in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-k:]) for m in markers):
-            return k
-    return 0
 
 
 class HarmonySplitter:
@@ -68,7 +59,8 @@ class HarmonySplitter:
         self.thought = in_analysis  # an analysis message was seen (even an empty one)
         self.calls = 0
         self.call: tuple[int, str] | None = None  # (index, name) of the call whose body is being read
-        self.body = ""  # a call's body so far (whole mode), or whether a streamed one sent anything but spaces
+        self.body = ""  # the body so far of a call read whole (committed once it parses)
+        self.sent = False  # a streamed call sent arguments other than spaces
         self._out: tuple[list[str], list[str], list[ToolCallDelta]] = ([], [], [])
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
@@ -89,7 +81,8 @@ class HarmonySplitter:
     def _drain(self) -> tuple[str, str, list[ToolCallDelta]]:
         reasoning, content, deltas = self._out
         out = "".join(reasoning), "".join(content), list(deltas)
-        reasoning.clear(), content.clear(), deltas.clear()
+        for part in self._out:
+            part.clear()
         return out
 
     # --- states -------------------------------------------------------------------------------------------
@@ -137,7 +130,7 @@ class HarmonySplitter:
         text = self.pending
         found = min(((i, m) for m in _MARKERS if (i := text.find(m)) >= 0), default=None)
         if found is None:
-            keep = 0 if final else _held(text, _MARKERS)
+            keep = 0 if final else held_tail(text, 0, _MARKERS)
             self._write(text[:len(text) - keep])
             self.pending = text[len(text) - keep:]
             return False
@@ -156,7 +149,7 @@ class HarmonySplitter:
             self.thought = True
         name = self.recipient[len(FUNCTIONS):] if self.recipient and self.recipient.startswith(FUNCTIONS) else None
         if self.channel != ANALYSIS and self.tools is not None and name in self.tools:
-            self.call, self.body = (self.calls, name), ""
+            self.call, self.body, self.sent = (self.calls, name), "", False
             if not self.whole:
                 self._out[2].append(ToolCallDelta(self.calls, name, ""))
                 self.calls += 1
@@ -168,7 +161,7 @@ class HarmonySplitter:
             if self.whole:
                 self.body += text
             else:
-                self.body = self.body or text.strip()
+                self.sent = self.sent or bool(text.strip())
                 self._out[2].append(ToolCallDelta(self.call[0], None, text))
         elif self.channel == ANALYSIS and self.split_reasoning:
             self._out[0].append(text)
@@ -182,7 +175,7 @@ class HarmonySplitter:
         index, name = self.call
         self.call = None
         if not self.whole:
-            if not self.body:  # no arguments written: an empty object
+            if not self.sent:  # no arguments written: an empty object
                 self._out[2].append(ToolCallDelta(index, None, "{}"))
             return
         try:
