@@ -54,6 +54,8 @@ def _warn_dequantized(args, model_config, model) -> None:
     """A CUDA runner whose quantized checkpoint is held dequantized says so: its outputs are the checkpoint's, its
     memory and speed the model dtype's."""
     if is_mxfp4(model_config.raw):
+        if any(getattr(getattr(m, "w13", None), "mxfp4", False) for m in model.modules()):
+            return  # held as codes and scales (engine.models.gpt_oss, kernels.moe_mxfp4)
         log.warning("MXFP4 experts are held dequantized in %s (twice MXFP4's bytes a weight): the outputs are the "
                     "checkpoint's, the memory and speed bf16's", args.dtype)
     elif ((args.quantization or checkpoint_scheme(model_config.raw))

@@ -1,7 +1,9 @@
 """GPT-OSS on CUDA: the defaults a GPU picks (Triton attention with the sinks, the Triton expert runner with the biases
 and the clamped SwiGLU, decode in CUDA graphs), token-exact with transformers in float32 (logprobs within 1e-3), one
 request at a time (batch-1 graphs) and in a batch (a padded graph); bfloat16 within greedy agreement of the first
-tokens. The tiny checkpoint is tests/parity/test_gpt_oss_parity's (sinks, a 6-token window, the clamp biting)."""
+tokens. The tiny checkpoint is tests/parity/test_gpt_oss_parity's (sinks, a 6-token window) with the published SwiGLU
+limit, 7, and experts' weights large enough for it to bite: transformers before 5.25 (the GPU machine's 5.17) ignores
+the config's swiglu_limit and swiglu_alpha for 7 and 1.702, so a checkpoint with another limit has two references."""
 
 from __future__ import annotations
 
@@ -18,7 +20,14 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    return write_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    return write_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), swiglu_limit=7.0, expert_std=0.4)
+
+
+def test_the_checkpoint_depends_on_the_clamp_sinks_and_biases(checkpoint):
+    from tests.parity.test_gpt_oss_parity import _tokens_without
+
+    refs = hf_greedy(checkpoint, PROMPTS, MAX_NEW)
+    assert all(_tokens_without(checkpoint, what) != refs for what in ("clamp", "sinks", "biases"))
 
 
 def _matches_transformers(path: str, reference: str, check=lambda llm: None) -> None:

@@ -28,9 +28,9 @@ FIELDS = dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, num_experts
                   "original_max_position_embeddings": 128, "rope_theta": 10000.0})
 
 
-def write_gpt_oss(path, seed: int = 7, **fields) -> str:
+def write_gpt_oss(path, seed: int = 7, expert_std: float = 0.15, **fields) -> str:
     """A random GPT-OSS checkpoint of COMMON's shape with FIELDS (and `fields`): norms from [0.5, 1.5), biases from
-    N(0, 0.3), sinks from N(0, 1.5)."""
+    N(0, 0.3), sinks from N(0, 1.5), the experts' weights from N(0, expert_std)."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(seed)
@@ -45,7 +45,7 @@ def write_gpt_oss(path, seed: int = 7, **fields) -> str:
             elif name.endswith("sinks"):
                 p.normal_(0.0, 1.5)
             elif name.endswith(("gate_up_proj", "down_proj")):
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, expert_std)
     model.save_pretrained(path)
     return str(path)
 
