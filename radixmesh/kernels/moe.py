@@ -387,8 +387,13 @@ def tiles(x: torch.Tensor, w13: torch.Tensor, tokens: int, top_k: int = 1) -> tu
     """(BLOCK_M, the gate/up GEMM's tiles, the down GEMM's) for `tokens` tokens (`top_k` slots each) through experts
     shaped like w13 ([experts, 2 x intermediate, hidden]): the entry tuned for this GPU at the nearest token count at
     or above `tokens` (the largest tuned, past them all), else `default_tiles`."""
+    return tuned_tiles(x, w13, tokens) or default_tiles(tokens * top_k / w13.shape[0])
+
+
+def tuned_tiles(x: torch.Tensor, w13: torch.Tensor, tokens: int) -> tuple[int, Tiles, Tiles] | None:
+    """`tiles`' tuned entry for this GPU, None where the shape was tuned nowhere."""
     shape = _tuned(torch.cuda.get_device_name(x.device)).get(layer_key(*w13.shape)) if x.is_cuda else None
-    return pick(shape, tokens) if shape else default_tiles(tokens * top_k / w13.shape[0])
+    return pick(shape, tokens) if shape else None
 
 
 def default_tiles(slots_per_expert: float) -> tuple[int, Tiles, Tiles]:

@@ -20,11 +20,14 @@ as on bf16 weights."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe import BLOCK_M, Tiles, fused_experts_reference, grouped_experts, tiles
+from radixmesh.kernels.moe import BLOCK_M, Tiles, fused_experts_reference, grouped_experts, tuned_tiles
+from radixmesh.kernels.moe import default_tiles as default_grouped_tiles
 from radixmesh.kernels.moe_activation import swiglu_rounded
 from radixmesh.kernels.moe_decode import default_tiles, use_decode_path
 from radixmesh.kernels.moe_extras import ExpertExtras, clamped
@@ -90,11 +93,20 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, s
         u_even, u_odd = _halves(up_q, up_s, half[None, :], ok)
         acc_gate += g_even * x_even + g_odd * x_odd
         acc_up += u_even * x_even + u_odd * x_odd
+    _store_activation(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), act_ptr, b_ptr, pair, expert, n, inter,
+                      stride_be, alpha, limit, HAS_BIAS, SWIGLU)
+
+
+@triton.jit
+def _store_activation(gate, up, act_ptr, b_ptr, pair, expert, n, inter, stride_be, alpha, limit,
+                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """A pair's gate and up products (float32 [BLOCK_N], columns n) -> its activation row, rounded as the twin
+    rounds: each product to act's dtype, the bias added (none for an id of -1), the clamped SwiGLU or SiLU-and-mul."""
     dtype = act_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
     if HAS_BIAS:
-        bias = b_ptr + e * stride_be + n
+        bias = b_ptr + tl.maximum(expert, 0) * stride_be + n
         b_ok = n < tl.where(expert >= 0, inter, 0)
         gate = (gate + tl.load(bias, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         up = (up + tl.load(bias + inter, mask=b_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
@@ -102,7 +114,7 @@ def _mxfp4_gate_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, s
         act = swiglu_rounded(gate, up, alpha, limit, dtype)
     else:  # SiLU-and-mul as kernels.activation rounds it
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    tl.store(act_ptr + pair * inter + n, act.to(dtype), mask=n_ok)
+    tl.store(act_ptr + pair * inter + n, act.to(dtype), mask=n < inter)
 
 
 @triton.jit
@@ -131,22 +143,95 @@ def _mxfp4_down_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, b_p
             a_odd = tl.load(act_ptr + pair * K + 2 * half + 1, mask=h_ok, other=0.0).to(tl.float32)[None, :]
             w_even, w_odd = _halves(q_rows, s_rows, half[None, :], n_ok[:, None] & h_ok[None, :])
             acc += w_even * a_even + w_odd * a_odd
-        down = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e * stride_be + n, mask=n < tl.where(expert >= 0, hidden, 0), other=0.0)
-            down = (down + bias.to(tl.float32)).to(dtype).to(tl.float32)
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
-        total += (down * weight).to(dtype).to(tl.float32)
+        total += _weighted_down(tl.sum(acc, axis=1), b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype,
+                                HAS_BIAS)
     tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS: tl.constexpr):
+    """A pair's down product (float32 [BLOCK_N]) -> its term of the token's sum, rounded as the twin rounds: the
+    product to `dtype`, the bias added (none for an id of -1), times the routing weight."""
+    down = down.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + tl.maximum(expert, 0) * stride_be + n, mask=n < tl.where(expert >= 0, hidden, 0),
+                       other=0.0)
+        down = (down + bias.to(tl.float32)).to(dtype).to(tl.float32)
+    weight = tl.load(weights_ptr + pair).to(tl.float32)
+    return (down * weight).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _row_times_codes(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One bf16 row x[K] times the MXFP4 rows at q_rows/s_rows ([BLOCK_N, 1] pointers; masked by rows_ok) -> float32
+    [BLOCK_N]: Triton's microscaled product (tl.dot_scaled decodes the codes and applies their scales), its 16-row
+    left operand the row repeated (the smallest tensor-core product), row 0 of the result taken."""
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.broadcast_to(tl.load(x_row + k, mask=k < K, other=0.0)[None, :], (16, BLOCK_K))
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # (a scale a GROUP of weights)
+        q = tl.load(q_rows + half[None, :], mask=rows_ok & (half < K // 2)[None, :], other=0,
+                    eviction_policy="evict_first")
+        s = tl.load(s_rows + groups[None, :], mask=rows_ok & (groups < K // 32)[None, :], other=127)
+        acc = tl.dot_scaled(x, None, "bf16", q.T, s, "e2m1", acc, fast_math=True)
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, acc, 0.0), axis=0)
+
+
+@triton.jit
+def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_qe,
+                                 stride_qn, stride_se, stride_sn, stride_be, alpha, limit, TOP_K: tl.constexpr,
+                                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    pdl_enter(PDL)
+    # _mxfp4_gate_up_kernel for bfloat16 activations, its products tl.dot_scaled's
+    pair = tl.program_id(1).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]
+    e = tl.maximum(expert, 0)
+    gate_q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
+    gate_s = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
+    x_row = x_ptr + (pair // TOP_K) * stride_x
+    gate = _row_times_codes(x_row, gate_q, gate_s, rows_ok, K, BLOCK_N, BLOCK_K)
+    up = _row_times_codes(x_row, gate_q + inter * stride_qn, gate_s + inter * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K)
+    _store_activation(gate, up, act_ptr, b_ptr, pair, expert, n, inter, stride_be, alpha, limit, HAS_BIAS, SWIGLU)
+
+
+@triton.jit
+def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, b_ptr, hidden, stride_qe,
+                              stride_qn, stride_se, stride_sn, stride_out, stride_be, TOP_K: tl.constexpr,
+                              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                              HAS_BIAS: tl.constexpr):
+    pdl_enter(PDL)
+    # _mxfp4_down_kernel for bfloat16 activations, its products tl.dot_scaled's
+    token = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        e = tl.maximum(expert, 0)
+        rows_ok = (n < tl.where(expert >= 0, hidden, 0))[:, None]
+        down = _row_times_codes(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
+                                s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N,
+                                BLOCK_K)
+        total += _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS)
+    tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n < hidden)
 
 
 @triton.jit
 def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts_ptr, weights_ptr, n_slots, N, K,
                           a_row_div, stride_a, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # kernels.moe._grouped_gemm_kernel over MXFP4 weights: each K step decodes a [BLOCK_K / 2, BLOCK_N] tile of
-    # bytes into its even and odd columns' values (exact in the activations' dtype) and takes two tensor-core products
+                          WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                          SCALED: tl.constexpr):
+    # kernels.moe._grouped_gemm_kernel over MXFP4 weights. SCALED (bfloat16 activations): each K step is Triton's
+    # microscaled product (tl.dot_scaled) of the activations' tile and a [BLOCK_N, BLOCK_K / 2] tile of codes with
+    # their scales; otherwise it decodes the tile's bytes into their even and odd columns' values (exact in the
+    # activations' dtype) and takes two tensor-core products
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
     if expert < 0:
@@ -163,17 +248,28 @@ def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts
     for k0 in range(0, K, BLOCK_K):
         half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         h_ok = half < K // 2
-        a_base = a_ptr + a_rows[:, None] * stride_a + 2 * half[None, :]
-        a_ok = valid[:, None] & h_ok[None, :]
-        a_even = tl.load(a_base, mask=a_ok, other=0.0)
-        a_odd = tl.load(a_base + 1, mask=a_ok, other=0.0)
-        w_even, w_odd = _halves(q_cols, s_cols, half[:, None], h_ok[:, None] & col_ok[None, :])  # [BLOCK_K / 2, N]
-        if UPCAST:  # the interpreter's bfloat16 dot is wrong (kernels.runtime.dot_needs_upcast)
-            acc += tl.dot(a_even.to(tl.float32), w_even, input_precision=PRECISION)
-            acc += tl.dot(a_odd.to(tl.float32), w_odd, input_precision=PRECISION)
+        if SCALED:
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
+                        other=0.0)
+            groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            q_rows = q_ptr + expert * stride_qe + cols.to(tl.int64)[:, None] * stride_qn  # [BLOCK_N, 1]
+            s_rows = s_ptr + expert * stride_se + cols.to(tl.int64)[:, None] * stride_sn
+            q = tl.load(q_rows + half[None, :], mask=col_ok[:, None] & h_ok[None, :], other=0)
+            s = tl.load(s_rows + groups[None, :], mask=col_ok[:, None] & (groups < K // 32)[None, :], other=127)
+            acc = tl.dot_scaled(a, None, "bf16", q.T, s, "e2m1", acc, fast_math=True)
         else:
-            acc += tl.dot(a_even, w_even.to(dtype), input_precision=PRECISION)
-            acc += tl.dot(a_odd, w_odd.to(dtype), input_precision=PRECISION)
+            a_base = a_ptr + a_rows[:, None] * stride_a + 2 * half[None, :]
+            a_ok = valid[:, None] & h_ok[None, :]
+            a_even = tl.load(a_base, mask=a_ok, other=0.0)
+            a_odd = tl.load(a_base + 1, mask=a_ok, other=0.0)
+            w_even, w_odd = _halves(q_cols, s_cols, half[:, None], h_ok[:, None] & col_ok[None, :])  # [K / 2, N]
+            if UPCAST:  # the interpreter's bfloat16 dot is wrong (kernels.runtime.dot_needs_upcast)
+                acc += tl.dot(a_even.to(tl.float32), w_even, input_precision=PRECISION)
+                acc += tl.dot(a_odd.to(tl.float32), w_odd, input_precision=PRECISION)
+            else:
+                acc += tl.dot(a_even, w_even.to(dtype), input_precision=PRECISION)
+                acc += tl.dot(a_odd, w_odd.to(dtype), input_precision=PRECISION)
     out_dtype = out_ptr.dtype.element_ty
     out = acc.to(out_dtype)
     if WEIGHTED:
@@ -197,6 +293,30 @@ def check_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch
                          f"{tuple(q2.shape)}, s2 {tuple(s2.shape)}")
 
 
+class ScaledTiles(NamedTuple):
+    """The few-token launches' tiles for bfloat16 activations (tl.dot_scaled): output columns a program, the K step
+    (a multiple of 64), warps and pipeline stages of each launch."""
+
+    up_block_n: int = 32  # an H100's best of 16/32/64 x 128/256 x 2-4 stages for gpt-oss-20b's gate/up at 1 token:
+    up_block_k: int = 256  # 35 us against 75 for the decoding launch (build-time sweep, twenty-ninth session)
+    down_block_n: int = 16  # (more programs: a token's down launch has hidden / block_n of them)
+    down_block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+SCALED_TILES = ScaledTiles()
+# The grouped GEMM's tiles for bfloat16 activations where no tuned entry exists: the H100's best of 64/128 columns x
+# 128/256 deep x 4/8 warps for one expert's 16 and 64 rows of gpt-oss-20b's gate/up (12.1 and 15.7 us)
+SCALED_GROUPED_TILES = Tiles(block_n=64, block_k=256, num_warps=4, num_stages=3)
+
+
+def scaled(x: torch.Tensor) -> bool:
+    """Whether x's rows take Triton's microscaled products (bfloat16 activations) rather than decoding the codes into
+    x's dtype (float32, float16)."""
+    return x.dtype == torch.bfloat16
+
+
 def _grouped(a, q, s, slots, block_experts, n_slots, a_row_div, weights, zeroed, block_m, t: Tiles):
     n, k = q.shape[1], 2 * q.shape[2]
     out = (torch.zeros if zeroed else torch.empty)((n_slots, n), dtype=a.dtype, device=a.device)
@@ -206,31 +326,42 @@ def _grouped(a, q, s, slots, block_experts, n_slots, a_row_div, weights, zeroed,
         a, q, s, out, slots, block_experts, weights if weights is not None else a, n_slots, n, k, a_row_div,
         a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTED=weights is not None, UPCAST=dot_needs_upcast(a.dtype),
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=t.num_warps, num_stages=t.num_stages)
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SCALED=scaled(a), num_warps=t.num_warps,
+        num_stages=t.num_stages)
     return out
 
 
-def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None) -> torch.Tensor:
+def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
+            st: ScaledTiles | None = None) -> torch.Tensor:
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], q13.shape[1] // 2
-    t = default_tiles()
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     ids, weights = ids.contiguous(), weights.contiguous()
     b13 = extras.b13 if extras is not None else None
     b2 = extras.b2 if extras is not None else None
     swiglu = clamped(extras)
-    _mxfp4_gate_up_kernel[(triton.cdiv(inter, t.up_block_n), tokens * top_k)](
+    if scaled(x):
+        st = st or SCALED_TILES
+        up_kernel, down_kernel = _mxfp4_gate_up_scaled_kernel, _mxfp4_down_scaled_kernel
+        up_n, up_k, down_n, down_k = st.up_block_n, st.up_block_k, st.down_block_n, st.down_block_k
+        up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages)
+    else:
+        t = default_tiles()
+        up_kernel, down_kernel = _mxfp4_gate_up_kernel, _mxfp4_down_kernel
+        up_n, up_k, down_n, down_k = t.up_block_n, t.up_block_k, t.down_block_n, t.down_block_k
+        up_launch, down_launch = dict(num_warps=t.up_warps, num_stages=1), dict(num_warps=t.down_warps, num_stages=1)
+    up_kernel[(triton.cdiv(inter, up_n), tokens * top_k)](
         x, q13, s13, ids, act, b13 if b13 is not None else x, inter, x.stride(0), q13.stride(0), q13.stride(1),
         s13.stride(0), s13.stride(1), b13.stride(0) if b13 is not None else 0,
         float(extras.swiglu_alpha) if swiglu else 1.0, float(extras.swiglu_limit) if swiglu else 0.0, TOP_K=top_k,
-        K=hidden, BLOCK_N=t.up_block_n, BLOCK_K=max(64, min(t.up_block_k, triton.next_power_of_2(hidden))),
-        HAS_BIAS=b13 is not None, SWIGLU=swiglu, num_warps=t.up_warps, num_stages=1, **pdl_options(x))
-    _mxfp4_down_kernel[(triton.cdiv(hidden, t.down_block_n), tokens)](
+        K=hidden, BLOCK_N=up_n, BLOCK_K=max(64, min(up_k, triton.next_power_of_2(hidden))),
+        HAS_BIAS=b13 is not None, SWIGLU=swiglu, **up_launch, **pdl_options(x))
+    down_kernel[(triton.cdiv(hidden, down_n), tokens)](
         act, q2, s2, ids, weights, out, b2 if b2 is not None else out, hidden, q2.stride(0), q2.stride(1),
         s2.stride(0), s2.stride(1), out.stride(0), b2.stride(0) if b2 is not None else 0, TOP_K=top_k, K=inter,
-        BLOCK_N=t.down_block_n, BLOCK_K=max(64, min(t.down_block_k, triton.next_power_of_2(inter))),
-        HAS_BIAS=b2 is not None, num_warps=t.down_warps, num_stages=1, **pdl_options(x))
+        BLOCK_N=down_n, BLOCK_K=max(64, min(down_k, triton.next_power_of_2(inter))),
+        HAS_BIAS=b2 is not None, **down_launch, **pdl_options(x))
     return out
 
 
@@ -247,7 +378,10 @@ def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q
     x = x.contiguous()
     if use_decode_path(tokens, top_k, q13.shape[0]) if decode_path is None else decode_path:
         return _decode(x, q13, s13, q2, s2, weights, ids, extras)
-    layer = tiles(x, q13, tokens, top_k)  # (keyed by the codes' shape: entries of their own)
+    layer = tuned_tiles(x, q13, tokens)  # (keyed by the codes' shape: entries of their own)
+    if layer is None:
+        block_m, up, down = default_grouped_tiles(tokens * top_k / q13.shape[0])
+        layer = (block_m, SCALED_GROUPED_TILES, SCALED_GROUPED_TILES) if scaled(x) else (block_m, up, down)
     if interpreting():
         layer = (BLOCK_M, INTERPRETED_TILES, INTERPRETED_TILES)
     experts = ((q13, s13), (q2, s2))

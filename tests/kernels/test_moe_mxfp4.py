@@ -54,22 +54,25 @@ def test_mxfp4_experts_equal_their_dequantized_twin(tokens, decode_path, dtype):
     assert torch.equal(twin, fused_experts_reference(x, w13, w2, weights, ids, extras))
 
 
-def test_every_code_and_scale_decodes_as_the_checkpoint_reader_does():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["decoded", "scaled-product"])
+def test_every_code_and_scale_decodes_as_the_checkpoint_reader_does(dtype):
     """All 256 bytes (both nibbles of each) under scales from 2^-27 to 2^33, read by the grouped GEMM against one-hot
     activation rows: each output is one decoded weight, equal to the checkpoint reader's
-    (engine.quantization.mxfp4.dequantize) bit for bit."""
+    (engine.quantization.mxfp4.dequantize) bit for bit; float32 rows through the kernel's own decoding, bfloat16 ones
+    through Triton's microscaled product (every value is exact in bfloat16)."""
     from radixmesh.kernels.moe import BLOCK_M, Tiles, align_by_expert
-    from radixmesh.kernels.moe_mxfp4 import _grouped
+    from radixmesh.kernels.moe_mxfp4 import _grouped, scaled
 
     q = (torch.arange(16 * 32) % 256).to(torch.uint8).reshape(1, 16, 32)  # 16 rows of 64 weights
     s = (100 + torch.arange(32) * 2).to(torch.uint8).reshape(1, 16, 2)
-    a = torch.eye(64)  # 64 tokens, token k one-hot at input k
+    a = torch.eye(64, dtype=dtype)  # 64 tokens, token k one-hot at input k
+    assert scaled(a) == (dtype == torch.bfloat16)
     ids = torch.zeros(64, 1, dtype=torch.int64)
     slots, blocks = align_by_expert(ids.to(DEVICE), 1, BLOCK_M)
     got = _grouped(a.to(DEVICE), q.to(DEVICE), s.to(DEVICE), slots, blocks, 64, 1, None, True, BLOCK_M,
                    Tiles(block_n=16, block_k=64)).cpu()  # [64 tokens, 16 rows]: got[k, n] = w[n, k]
-    assert torch.equal(got.t(), dequantize_experts(q, s, torch.float32)[0])
-    assert torch.equal(got.t(), dequantize(q.reshape(1, 16, 2, 16), s, torch.float32)[0])  # the loader's reader
+    assert torch.equal(got.t(), dequantize_experts(q, s, dtype)[0])
+    assert torch.equal(got.t(), dequantize(q.reshape(1, 16, 2, 16), s, dtype)[0])  # the loader's reader
 
 
 def test_the_layout_is_checked():

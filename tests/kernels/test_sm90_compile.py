@@ -149,10 +149,20 @@ out["moe_mxfp4_gate_up"] = ptx(moe_mxfp4._mxfp4_gate_up_kernel, dict(mx, x_ptr=b
 out["moe_mxfp4_down"] = ptx(moe_mxfp4._mxfp4_down_kernel, dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16,
                                                                out_ptr=bf16, b_ptr=bf16), set(),
                             dict(TOP_K=4, K=2880, BLOCK_N=4, BLOCK_K=256, PDL=True, HAS_BIAS=True), 4, 1)
-out["moe_mxfp4_grouped"] = ptx(moe_mxfp4._mxfp4_grouped_kernel, dict(mx, a_ptr=bf16, out_ptr=bf16, slots_ptr="*i64",
-                                                                     block_experts_ptr="*i64", weights_ptr=bf16),
-                               set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WEIGHTED=True, UPCAST=False,
-                                           PRECISION="tf32"), 4, 3)
+grouped_mx = dict(mx, a_ptr=bf16, out_ptr=bf16, slots_ptr="*i64", block_experts_ptr="*i64", weights_ptr=bf16)
+grouped_cx = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WEIGHTED=True, UPCAST=False, PRECISION="tf32")
+out["moe_mxfp4_grouped"] = ptx(moe_mxfp4._mxfp4_grouped_kernel, grouped_mx, set(), dict(grouped_cx, SCALED=False),
+                               4, 3)
+# and for bfloat16 activations: Triton's microscaled products (tl.dot_scaled)
+out["moe_mxfp4_grouped_scaled"] = ptx(moe_mxfp4._mxfp4_grouped_kernel, grouped_mx, set(),
+                                      dict(grouped_cx, BLOCK_N=64, BLOCK_K=256, SCALED=True), 4, 3)
+out["moe_mxfp4_gate_up_scaled"] = ptx(moe_mxfp4._mxfp4_gate_up_scaled_kernel,
+                                      dict(mx, x_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, b_ptr=bf16),
+                                      {"alpha", "limit"}, dict(TOP_K=4, K=2880, BLOCK_N=32, BLOCK_K=256, PDL=True,
+                                                               HAS_BIAS=True, SWIGLU=True), 4, 3)
+out["moe_mxfp4_down_scaled"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
+                                   dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16, b_ptr=bf16),
+                                   set(), dict(TOP_K=4, K=2880, BLOCK_N=16, BLOCK_K=256, PDL=True, HAS_BIAS=True), 4, 3)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -227,7 +237,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_down_stacked_gpt_oss", 0), ("moe_fp8_down_stacked_block", 0),
                                                  ("moe_fp8_down_stacked_row", 0), ("moe_biased_act", 0),
                                                  ("moe_weighted_bias", 0), ("moe_mxfp4_gate_up", 0),
-                                                 ("moe_mxfp4_down", 0),
+                                                 ("moe_mxfp4_down", 0), ("moe_mxfp4_gate_up_scaled", 0),
+                                                 ("moe_mxfp4_down_scaled", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
@@ -314,9 +325,12 @@ def test_the_scaled_fp8_cache_paths_compile(ptx, kernel):
     assert _lines(ptx[kernel], r"cvt\S*\.e4m3x2")
 
 
-def test_the_mxfp4_grouped_gemm_takes_bfloat16_tensor_core_products(ptx):
-    """The MXFP4 experts' grouped GEMM decodes its codes into bfloat16 operands of tensor-core products."""
-    assert _lines(ptx["moe_mxfp4_grouped"], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
+@pytest.mark.parametrize("kernel", ["moe_mxfp4_grouped", "moe_mxfp4_grouped_scaled", "moe_mxfp4_gate_up_scaled",
+                                    "moe_mxfp4_down_scaled"])
+def test_the_mxfp4_products_are_bfloat16_tensor_core_products(ptx, kernel):
+    """The MXFP4 experts' grouped GEMM (its own decoding, or Triton's microscaled product) and the few-token launches
+    for bfloat16 activations decode their codes into bfloat16 operands of tensor-core products."""
+    assert _lines(ptx[kernel], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
 
 
 def test_the_lora_expand_is_a_tensor_core_product(ptx):
