@@ -58,3 +58,13 @@ def hf_token_logprobs(path: str, prompt: list[int], output: list[int]) -> list[f
     logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
     steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
     return steps.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+@torch.inference_mode()
+def hf_argmax_gaps(path: str, prompt: list[int], output: list[int]) -> list[float]:
+    """For each token of `output`, how far its logprob falls below the best token's under the float32 reference
+    model, fed prompt + output[:i] (0.0 where it is the reference's greedy choice): a lower-precision run's tokens
+    judged against near ties rather than against one greedy path."""
+    logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
+    steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
+    return (steps.max(dim=1).values - steps.gather(1, torch.tensor(output)[:, None]).squeeze(1)).tolist()

