@@ -532,6 +532,10 @@ if [[ " $PARTS " == *" gptoss "* ]]; then
   # (~1.2 ms); the step 2.3-2.8 ms (from 3.57): the few-token launches decode ~2.4G weights a token with ~10 integer
   # operations each, which may bound them more than the bytes (1.9-2.3x the new floor); batch 64/256 within 10% of
   # the bf16 steps; the 8k prefill at 0.8-1.1x the bf16 rate (a decode per tile, two half-depth products a step).
+  # Measured (H100, c5cf3d3): batch 1 6.81 ms, 64 23.6, 256 62.6, the prefill 987 ms (8%): the integer decoding bound
+  # every launch. bfloat16 activations on Triton's tl.dot_scaled since (96e4d16): 4.65 ms (GPU 3.27), 15.4, 25.1, 311
+  # ms (26%). Prediction for the few-token down launch's 64-column programs (the default after that run; written
+  # before any run of it): batch 1 GPU time 3.0-3.1 ms (the sweep's 80 -> 68 us a layer), batches 64/256 unchanged.
   timeout ${GPTOSS_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
     --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 256 \
     --input-len 512 --output-len 16 --prefill-len 8192 --roofline --result-file "$OUT/gptoss.jsonl" 2>&1 \

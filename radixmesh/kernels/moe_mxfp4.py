@@ -3,8 +3,12 @@ power-of-two scale, e8m0, a row and 32 inputs), computed without a bf16 copy: th
 a tile at a time, where kernels.moe (the grouped GEMMs) and kernels.moe_decode (a few tokens) load bf16 rows. Half a
 byte and 1/32 of one a weight instead of two bytes: a batch-1 step of gpt-oss-20b reads ~3.7 GB instead of ~7.2, and
 gpt-oss-120b's experts take ~61 GB instead of ~229 (counted from the shapes). A code becomes its float32 value by
-integer operations on its bits (no table, no special-function unit): at batch 1 that decoding, not the bytes, may
-bound the launches; the GPU has not measured them yet.
+integer operations on its bits (no table, no special-function unit) where activations are float32 or float16;
+bfloat16 activations (a GPU's serving dtype) take Triton's microscaled products instead (tl.dot_scaled: its own
+decoding by byte permutes, then tensor-core products), which an H100 ran 2-3x faster: gpt-oss-20b's layer at one token
+68 us for both launches against 193, its batch-64 decode step 14.6 ms against 23.6, its 8k prefill 310 ms against
+987 (twenty-ninth session). The batch-1 launches still read at ~4x their 17.6-us floor: the decoding, not the bytes,
+bounds them.
 
 Layout (engine.models.gpt_oss after the load): `q` [experts, N, K / 2] uint8 and `s` [experts, N, K / 32] uint8 for
 each product (w13: N = 2 x inter, gate rows then up rows, K = hidden; w2: N = hidden, K = inter), the rows as
@@ -12,10 +16,12 @@ kernels.moe's w13 and w2. Every decoded value is exact in bfloat16 (a 3-bit sign
 two), so the products are those of the dequantized weights (engine.quantization.mxfp4.dequantize) summed in another
 order: `fused_experts_mxfp4_reference` dequantizes and runs kernels.moe's twin.
 
-The products split K into its even and odd positions: each byte's low nibble multiplies the activations' even
-columns and its high nibble the odd ones (no interleaving in registers). A few tokens take one gate/up and one down
-launch (kernels.moe_decode's shape, the expert loop of its down launch); more take the aligned grouped GEMMs with
-kernels.moe's tiles (BLOCK_K a multiple of 64). The biases and the clamped SwiGLU (kernels.moe_activation) are computed
+The kernels' own decoding splits K into its even and odd positions: each byte's low nibble multiplies the
+activations' even columns and its high nibble the odd ones (no interleaving in registers). A few tokens take one
+gate/up and one down launch (kernels.moe_decode's shape; for bfloat16 a program a pair in both, the row repeated into
+the 16 rows of the smallest tensor-core product, and a token's weighted terms summed after); more take the aligned
+grouped GEMMs (kernels.moe's tuned tiles where a GPU has them; for bfloat16 64 x 256 tiles otherwise, BLOCK_K a
+multiple of 64). The biases and the clamped SwiGLU (kernels.moe_activation) are computed
 as on bf16 weights."""
 
 from __future__ import annotations
@@ -294,10 +300,10 @@ class ScaledTiles(NamedTuple):
     """The few-token launches' tiles for bfloat16 activations (tl.dot_scaled): output columns a program, the K step
     (a multiple of 64), warps and pipeline stages of each launch."""
 
-    up_block_n: int = 32  # an H100's best of 16/32/64 x 128/256 x 2-4 stages for gpt-oss-20b's gate/up at 1 token:
-    up_block_k: int = 256  # 35 us against 75 for the decoding launch (build-time sweep, twenty-ninth session)
-    down_block_n: int = 16  # (a program a pair and block_n hidden columns)
-    down_block_k: int = 256
+    up_block_n: int = 32  # gpt-oss-20b's layer at one token on an H100, both launches: 68 us (32 / 64 columns) against
+    up_block_k: int = 256  # 80 with 16-column down programs, 89 with 128-deep steps, 193 before tl.dot_scaled; the
+    down_block_n: int = 64  # gate/up launch alone 35 us against 75 (twenty-ninth session; a program a pair and
+    down_block_k: int = 256  # block_n columns in each launch)
     num_warps: int = 4
     num_stages: int = 3
 
