@@ -499,6 +499,15 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
       --result-file "$OUT/deepseek_$decode.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" \
       | grep -E "True|distinct|copy|prefill of|skipped|rror"
   done
+  # The query's and key's rows in one launch (kernels.mla_rope) against torch's ~16 launches a layer (the twenty-ninth
+  # session's profile: 1,007 kernels a batch-1 step, ~18 a layer torch's elementwise/copy/concatenation kernels of
+  # 1.5-2.5 us). Prediction, written before any run: batch-1 GPU time 3.77 -> 3.2-3.4 ms (~15 links of 1.5-2 us a
+  # layer x 27 layers, less the kernel's own ~3 us a layer); batches 64/256 0.2-0.5 ms shorter.
+  echo "== decode triton, rows built by torch (RADIXMESH_MLA_FUSED_QK=0)"
+  RADIXMESH_MLA_FUSED_QK=0 timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch \
+    --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+    --log-level warning --batch-size 1 64 256 --input-len 512 --output-len 16 --roofline \
+    --result-file "$OUT/deepseek_torch_rows.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
   # The 8k prefill in the expanded form (engine.attention.mla_expanded) against the latent form just measured.
   # Prediction (written before any run): attention is ~47% of V2-Lite's 8k prefill FLOPs in the latent form and ~25%
   # in the expanded one (its keys and values rebuilt included): the prefill 1.2-1.5x faster if torch's attention runs

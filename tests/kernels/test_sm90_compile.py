@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_extend, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
+                               mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
                                rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
@@ -64,6 +64,12 @@ out["mla_stage1"] = ptx(mla_decode._latent_stage1, mla_args, {"scale_log2", "v_s
 # (NEXTN's draft trees: the tree rows' span bits masking the keys)
 out["mla_stage1_tree"] = ptx(mla_decode._latent_stage1, mla_args, {"scale_log2", "v_scale"},
                              dict(mla_stage1, TREE=True), 4, 2)
+# DeepSeek-V3's query and key rows (128 heads in blocks of 16, the latent of 512 and 64 rope dims, interleaved)
+out["mla_query_key"] = ptx(mla_rope._mla_query_key_kernel,
+                           dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", latent_ptr="*bf16", k_pe_ptr="*bf16",
+                                cos_ptr="*bf16", sin_ptr="*bf16", query_ptr="*bf16", key_ptr="*bf16"), set(),
+                           dict(RANK=512, ROPE=64, BLOCK_H=16, BLOCK_R=512, BLOCK_HALF=32, INTERLEAVED=True,
+                                ROUND=triton.language.bfloat16, MID=triton.language.bfloat16, PDL=True), 4, 1)
 out["mla_extend"] = ptx(mla_extend._latent_extend_kernel,
                         dict(Q="*bf16", KvNew="*bf16", Out="*bf16", KvBuf="*bf16", ReqToToken="*i32",
                              ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64"),
@@ -239,7 +245,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_fp8_down_stacked_row", 0), ("moe_biased_act", 0),
                                                  ("moe_weighted_bias", 0), ("moe_mxfp4_gate_up", 0),
                                                  ("moe_mxfp4_down", 0), ("moe_mxfp4_gate_up_scaled", 0),
-                                                 ("moe_mxfp4_down_scaled", 0),
+                                                 ("moe_mxfp4_down_scaled", 0), ("mla_query_key", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads

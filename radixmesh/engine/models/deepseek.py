@@ -32,6 +32,8 @@ skipped at load. Heads shard over tensor-parallel ranks; the latent cache is who
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -41,12 +43,16 @@ from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from radixmesh.engine.layers.norm import RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
+from radixmesh.engine.layers.triton_ops import use_kernels
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import DecoderLayer, DecoderModel, DecoderSpec
 from radixmesh.engine.models.moe import BiasRoutedMoeBlock, MoeForCausalLM, NextnLayers, noaux_tc_block
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
+# On a GPU the absorbed query's and the key's rows are built in one launch (kernels.mla_rope, bit for bit the torch
+# path); RADIXMESH_MLA_FUSED_QK=0 keeps torch's ~16 launches a layer (an A/B switch for benchmarks)
+FUSED_QUERY_KEY = os.environ.get("RADIXMESH_MLA_FUSED_QK", "1") != "0"
 
 
 class MlaAttention(nn.Module):
@@ -98,19 +104,31 @@ class MlaAttention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())
         table = rope.table
         cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
-        q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None, :], cos, sin, table.interleaved, table.upcast_pairs)
-        key = torch.cat([latent, k_pe[:, 0].to(latent.dtype)], dim=-1)[:, None, :]  # [n, 1, rank + rope]
         ctx = get_forward_context()
         if mla_expanded.wanted(ctx.batch, self.rank, self.rope_dim, self.nope, self.v_dim):  # (a long prefill)
-            query = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+            query, key = _query_key(q_nope, q_pe, latent, k_pe, cos, sin, table)
             values = mla_expanded.expanded_attention(ctx, self.layer_id, query, key, self.rank, self._expand)
             return self.o_proj(values.reshape(n, self.num_heads * self.v_dim))
         w_uk, w_uv = self._up_blocks()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
-        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        if FUSED_QUERY_KEY and use_kernels(hidden):  # one launch for the rotations and both rows (kernels.mla_rope)
+            from radixmesh.kernels.mla_rope import mla_query_key
+
+            query, key = mla_query_key(q_latent, q_pe, latent, k_pe, cos, sin, table.interleaved, table.upcast_pairs)
+        else:
+            query, key = _query_key(q_latent, q_pe, latent, k_pe, cos, sin, table)
         out = ctx.attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
         values = torch.bmm(out[..., :self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, n, v_dim]
         return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
+
+
+def _query_key(q_head: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, table: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's query row (q_head: its absorbed or un-rotated part [n, heads, d]) beside its rotated rope part, and
+    the key row [n, 1, rank + rope]: the latent beside the rotated shared rope part (kernels.mla_rope's twin)."""
+    q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None, :], cos, sin, table.interleaved, table.upcast_pairs)
+    key = torch.cat([latent, k_pe[:, 0].to(latent.dtype)], dim=-1)[:, None, :]
+    return torch.cat([q_head, q_pe.to(q_head.dtype)], dim=-1), key
 
 
 def mla_decoder_layer(cfg: ModelConfig, tp: TensorParallel, sparse: bool) -> DecoderLayer:
