@@ -52,12 +52,18 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, dtype=to
     return outs
 
 
+def _output_steps(path: str, prompt: list[int], output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 reference model's log-softmax at each of `output`'s steps (fed prompt + output[:i]) [len(output),
+    vocab], and each step's logprob of its output token."""
+    logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
+    steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
+    return steps, steps.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
 @torch.inference_mode()
 def hf_token_logprobs(path: str, prompt: list[int], output: list[int]) -> list[float]:
     """log p(output[i] | prompt + output[:i]) under the float32 reference model."""
-    logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
-    steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
-    return steps.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+    return _output_steps(path, prompt, output)[1].tolist()
 
 
 @torch.inference_mode()
@@ -65,6 +71,5 @@ def hf_argmax_gaps(path: str, prompt: list[int], output: list[int]) -> list[floa
     """For each token of `output`, how far its logprob falls below the best token's under the float32 reference
     model, fed prompt + output[:i] (0.0 where it is the reference's greedy choice): a lower-precision run's tokens
     judged against near ties rather than against one greedy path."""
-    logits = hf_model(path)(torch.tensor([prompt + output])).logits[0].float()
-    steps = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
-    return (steps.max(dim=1).values - steps.gather(1, torch.tensor(output)[:, None]).squeeze(1)).tolist()
+    steps, chosen = _output_steps(path, prompt, output)
+    return (steps.max(dim=1).values - chosen).tolist()

@@ -246,6 +246,8 @@ def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts
     col_ok = cols < N
     q_cols = q_ptr + expert * stride_qe + cols.to(tl.int64)[None, :] * stride_qn  # [1, BLOCK_N]
     s_cols = s_ptr + expert * stride_se + cols.to(tl.int64)[None, :] * stride_sn
+    q_rows = q_ptr + expert * stride_qe + cols.to(tl.int64)[:, None] * stride_qn  # [BLOCK_N, 1] (SCALED's loads)
+    s_rows = s_ptr + expert * stride_se + cols.to(tl.int64)[:, None] * stride_sn
     dtype = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -256,8 +258,6 @@ def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
                         other=0.0)
             groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            q_rows = q_ptr + expert * stride_qe + cols.to(tl.int64)[:, None] * stride_qn  # [BLOCK_N, 1]
-            s_rows = s_ptr + expert * stride_se + cols.to(tl.int64)[:, None] * stride_sn
             q = tl.load(q_rows + half[None, :], mask=col_ok[:, None] & h_ok[None, :], other=0)
             s = tl.load(s_rows + groups[None, :], mask=col_ok[:, None] & (groups < K // 32)[None, :], other=127)
             acc = tl.dot_scaled(a, None, "bf16", q.T, s, "e2m1", acc, fast_math=True)
