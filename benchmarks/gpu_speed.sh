@@ -503,6 +503,7 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
   # session's profile: 1,007 kernels a batch-1 step, ~18 a layer torch's elementwise/copy/concatenation kernels of
   # 1.5-2.5 us). Prediction, written before any run: batch-1 GPU time 3.77 -> 3.2-3.4 ms (~15 links of 1.5-2 us a
   # layer x 27 layers, less the kernel's own ~3 us a layer); batches 64/256 0.2-0.5 ms shorter.
+  # Measured (H100, 5dd61dd, batch 1 and 64 only): 3.770 -> 3.124 ms, 15.64 -> 14.73 ms: past the range both.
   echo "== decode triton, rows built by torch (RADIXMESH_MLA_FUSED_QK=0)"
   RADIXMESH_MLA_FUSED_QK=0 timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch \
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
