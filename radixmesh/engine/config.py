@@ -138,6 +138,9 @@ class EngineArgs:
     hicache_storage_backend_extra_config: str | None = None
     kv_events_config: str | None = None
     random_seed: int | None = None
+    # SGLang's: a request's tokens and logprobs independent of its batch, its cached prefix and its prefill's chunking
+    # (engine.batch_invariant: products and attention a row at a time; CPU only so far, plain-torch attention)
+    enable_deterministic_inference: bool = False
     stream_output: bool = False
     # A stream sends a request's first token at once, then every stream_interval tokens (and its last): fewer, larger
     # messages for the same tokens (SGLang's --stream-interval)
@@ -248,6 +251,8 @@ def resolve_args(args: EngineArgs, model: ModelConfig) -> EngineArgs:
     dtype = resolve_dtype(args.dtype, model, device)
     attention = _resolve_attention(args, device, str(dtype).removeprefix("torch."), model.head_dim,
                                    model.mla is not None or has_sinks(model))
+    if args.enable_deterministic_inference:
+        _check_deterministic(args, model, device, attention)
     _check(args.cuda_graph_max_bs is None or args.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
     _check(not args.cuda_graph_bs or min(args.cuda_graph_bs) >= 1, "cuda_graph_bs sizes must be >= 1")
     return dataclasses.replace(
@@ -347,6 +352,19 @@ def _check_hicache(args: EngineArgs) -> None:
     _check(args.kv_events_config is None or not args.disable_radix_cache,
            "kv_events_config needs the radix cache (events describe its pages)")
     hicache_extra(args)
+
+
+def _check_deterministic(args: EngineArgs, model: ModelConfig, device: str, attention: dict) -> None:
+    """What --enable-deterministic-inference covers (engine.batch_invariant): anything else is refused, not served
+    with results that still depend on the batch."""
+    _check(device == "cpu", "enable_deterministic_inference runs on CPU only so far: the GPU's Triton, FlashInfer and "
+           "cuBLAS kernels choose tiles and split counts by batch size, and batch-invariant GPU kernels are not built")
+    _check(model.mla is None, f"enable_deterministic_inference does not cover multi-head latent attention yet "
+           f"({model.architecture})")
+    _check(args.speculative_algorithm is None, "enable_deterministic_inference does not cover speculative decoding "
+           "yet (draft trees' verify rows)")
+    _check(set(attention.values()) == {"torch_native"}, "enable_deterministic_inference runs attention on the "
+           f"torch_native backend (each row alone); got {attention}")
 
 
 def _check_tp(args: EngineArgs, model: ModelConfig) -> None:

@@ -172,7 +172,12 @@ class Engine:
             stop |= self.model_config.eos_token_ids
         matcher = self._grammars.matcher(spec.grammar, spec.params) if spec.grammar is not None else None
         namespace = cache_namespace(tenant, spec.lora)  # an adapter's KV is its own
-        req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=spec.params, stop_ids=frozenset(stop),
+        params = spec.params
+        if self.args.enable_deterministic_inference and params.sampling_seed is None:
+            # an unseeded sample draws as if seeded with random_seed (+ its index among the prompt's n): the engine's
+            # generator would hand it the draws of whatever batch order it lands in
+            params = dataclasses.replace(params, sampling_seed=self.args.random_seed + spec.sample_index)
+        req = Req(rid=spec.rid, input_ids=spec.input_ids, sampling=params, stop_ids=frozenset(stop),
                   sink=sink, logprob=spec.logprob, matcher=matcher, arrival=time.monotonic(), handoff=handoff,
                   tenant=namespace, spec=SpecCounts() if self.args.speculative_algorithm else None, lora=spec.lora)
         if spec.resume_ids:

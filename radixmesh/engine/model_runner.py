@@ -15,6 +15,7 @@ from torch import nn
 
 from radixmesh.engine.attention.registry import create_attention, supports_cuda_graph
 from radixmesh.engine.batch import ForwardBatch, ForwardMode
+from radixmesh.engine.batch_invariant import row_products
 from radixmesh.engine.cache.swa_pool import hybrid_layout, make_kv_pool, why_no_hybrid
 from radixmesh.engine.cache.req_to_token import ReqToTokenPool
 from radixmesh.engine.cache.swa import all_layers_window
@@ -163,6 +164,11 @@ class ModelRunner:
                                              self.kv_pool, self.req_to_token)
         if shape.sinks:  # (GPT-OSS) each layer's sinks, read in place by the kernels
             self.attn_backend.attach_sinks(self.model.attention_sinks())
+        # --enable-deterministic-inference: each attention row alone, each product a row at a time (engine.config
+        # refuses what engine.batch_invariant does not cover)
+        self.deterministic = args.enable_deterministic_inference
+        if self.deterministic:
+            self.attn_backend.rows_alone = True
         self.generator = torch.Generator(device=self.device).manual_seed(args.random_seed)
         self.penalties = PenaltyState(self.max_running_requests, model_config.vocab_size, self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, page %d, max running %d, attention %s",
@@ -273,6 +279,10 @@ class ModelRunner:
         [batch + extra, vocab]: each request's last new token, then the tokens of batch.extra_logit_indices.
         Launches work on the device and returns without waiting for it."""
         self._publish("logits", batch)
+        with row_products(self.deterministic):
+            return self._logits(batch)
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         ready = self._kv_ready()
         if self.graphs is not None and self.graphs.can_run(batch):
             if ready is not None:  # a graph waits for every layer's pages before it starts
@@ -471,7 +481,8 @@ class ModelRunner:
         """An embedding engine's forward (extend batches): float32 [batch, hidden], each request's pooled final
         hidden states over this forward's tokens (engine.pooling.pool). Launches work and returns without waiting."""
         self._publish("hidden", batch)
-        return pool(self._hidden(batch, self._kv_ready()), batch, pooling)
+        with row_products(self.deterministic):
+            return pool(self._hidden(batch, self._kv_ready()), batch, pooling)
 
     @torch.inference_mode()
     def forward_and_sample(self, batch: ForwardBatch, sampling: SamplingBatch,

@@ -8,6 +8,10 @@ Grouped-query attention is folded into the query rows: the `group` query heads t
 An fp8 cache (--kv-cache-dtype fp8_*) is read back in the model's dtype times the layer's K and V scales
 (KVPool.read); the tokens of the forward itself attend to their own unrounded keys and values.
 
+Under --enable-deterministic-inference (`rows_alone`, engine.batch_invariant) each query row instead attends alone,
+over exactly the keys it sees, all read back from the pool (an fp8 cache's rounded ones too): a row's result is the
+same in any batch, and in a prefill as in the decode step of its position.
+
 A sliding window is one more term of the mask (one mask per window the layers use, built once per batch); soft-capped
 scores (Gemma 2) and attention sinks (GPT-OSS: a logit per head that weighs no value) have no SDPA kernel, so those
 layers compute the scores, cap, mask and softmax (the sink a last column, dropped after it) in plain ops, in
@@ -46,6 +50,7 @@ class TorchNativeBackend(AttentionBackend):
     supports_sliding_window = True
     supports_softcap = True
     supports_sinks = True
+    rows_alone = False  # engine.batch_invariant: each query row attends alone (set by the model runner)
 
     def plan(self, batch: ForwardBatch) -> TorchNativeMetadata:
         dev = batch.seq_lens.device
@@ -92,6 +97,8 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, layer_id, q, k, v, batch, metadata: TorchNativeMetadata) -> torch.Tensor:
         pool = self.kv_pool
         pool.write(layer_id, batch.out_cache_loc, k, v)
+        if self.rows_alone:
+            return self._rows_alone(layer_id, q, batch, metadata)
         bsz, max_q = batch.batch_size, metadata.max_q
         num_heads, head_dim = q.shape[1], q.shape[2]
         if metadata.token_to_pad is None:
@@ -124,6 +131,32 @@ class TorchNativeBackend(AttentionBackend):
         return out if metadata.token_to_pad is None else out[metadata.token_to_pad]
 
 
+    def _rows_alone(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch,
+                    metadata: TorchNativeMetadata) -> torch.Tensor:
+        """Each query row (a token at position p) over keys max(0, p - window + 1) .. p of its request, read back
+        from the pool, in `_plain_attention`'s order; under engine.batch_invariant's products. (No tree masks: draft
+        trees are refused with the flag.)"""
+        keys, values = self.kv_pool.read(layer_id, metadata.kv_indices, q.dtype)  # [batch, max_kv, kv_heads, d]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [batch, kv_heads, max_kv, d]
+        window, sinks = self.shape.window(layer_id), self.sinks(layer_id)
+        kv_heads = self.shape.num_kv_heads
+        group = q.shape[1] // kv_heads
+        if sinks is not None:  # row i of KV head g is head g * group + i
+            sinks = sinks.view(1, kv_heads, group, 1)
+        extends = batch.extend_lens_host if batch.mode is not ForwardMode.DECODE else [1] * batch.batch_size
+        out = torch.empty_like(q)
+        token = 0
+        for b, (seq_len, extend) in enumerate(zip(batch.seq_lens_host, extends)):
+            for pos in range(seq_len - extend, seq_len):
+                start = 0 if window is None else max(0, pos - window + 1)
+                seen = slice(start, pos + 1)
+                rows = q[token].view(1, kv_heads, group, -1)
+                out[token] = _plain_attention(rows, keys[b:b + 1, :, seen], values[b:b + 1, :, seen], None,
+                                              self.shape.scale, self.shape.softcap, sinks).view(q.shape[1:])
+                token += 1
+        return out
+
+
 def _tree_visible(tree: torch.Tensor, max_kv: int) -> torch.Tensor:
     """[batch, max_kv] True where a draft tree's decode row sees key j: before its span tree[0], or bit j - tree[0]
     of tree[1] (batch.ForwardBatch.tree_mask)."""
@@ -132,16 +165,17 @@ def _tree_visible(tree: torch.Tensor, max_kv: int) -> torch.Tensor:
     return (rel < 0) | (bits != 0)
 
 
-def _plain_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                     softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _plain_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Attention with soft-capped scores and/or sinks, in transformers' order: scores in the model's dtype, capped,
     masked, each row's sink (`sinks` [1, kv_heads, r, 1]) a last column, softmax in float32, the sink's column
     dropped, back to the model's dtype. rows [b, kv_heads, r, d]; keys, values [b, kv_heads, k, d]; mask
-    [b, 1, r, k]."""
+    [b, 1, r, k] (None: every key)."""
     scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.to(scores.dtype).expand(scores.shape[0], -1, -1, -1)], -1)
     probs = scores.softmax(-1, dtype=torch.float32)
