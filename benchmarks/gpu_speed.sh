@@ -489,8 +489,8 @@ fi
 if [[ " $PARTS " == *" deepseek "* ]]; then
   timeout ${DS_TEST_S:-330} $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/kernels/test_mla_decode.py \
     tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py tests/kernels/test_kv_pages.py \
-    tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py \
-    -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
+    tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py tests/kernels/test_moe_gate.py \
+    -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads or grouped_gate" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   for decode in ${DEEPSEEK_DECODES:-triton}; do  # (DEEPSEEK_DECODES="triton torch_native": plain torch's too)
     echo "== decode $decode"
     timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \
@@ -509,6 +509,15 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
     --log-level warning --batch-size 1 64 256 --input-len 512 --output-len 16 --roofline \
     --result-file "$OUT/deepseek_torch_rows.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
+  # The bias-routed gate in one launch (kernels.moe_gate.moe_gate_grouped: the residual add, the norm, the float32
+  # router's product and the grouped routing) against its four launches (RADIXMESH_MOE_FUSED_GATE=0). Prediction,
+  # written before any run: batch-1 GPU time 3.12 -> 2.90-3.00 ms (the float32 cast and cuBLAS's float32 product
+  # ~5-7 us each, the routing ~3, the norm ~1.5, against the one launch's ~4-5 us, x 26 sparse layers); batch 64 the same.
+  echo "== decode triton, the gate in four launches (RADIXMESH_MOE_FUSED_GATE=0)"
+  RADIXMESH_MOE_FUSED_GATE=0 timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch \
+    --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+    --log-level warning --batch-size 1 --input-len 512 --output-len 16 --roofline \
+    --result-file "$OUT/deepseek_unfused_gate.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
   # The 8k prefill in the expanded form (engine.attention.mla_expanded) against the latent form just measured.
   # Prediction (written before any run): attention is ~47% of V2-Lite's 8k prefill FLOPs in the latent form and ~25%
   # in the expanded one (its keys and values rebuilt included): the prefill 1.2-1.5x faster if torch's attention runs

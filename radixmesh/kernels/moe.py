@@ -122,27 +122,23 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: 
 
 
 @triton.jit
-def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, norm_min,
-                          TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr,
-                          GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr,
-                          GROUP_BEST: tl.constexpr, RENORM: tl.constexpr, SOFTMAX: tl.constexpr, CLAMP: tl.constexpr,
-                          PDL: tl.constexpr):
-    # One token (program_id 0), route_grouped_reference's rule: sigmoid (or SOFTMAX) scores in float32; the choice
-    # adds the correction bias; with GROUPS > 1 only the experts of the TOP_GROUPS groups whose best choice (GROUP_BEST
-    # 1) or two best choices (2) sum highest compete; the TOP_K best choices (the lowest expert id first among equals)
-    # weigh their scores (not the choices), renormalized when RENORM (by sum + 1e-20, or with CLAMP by max(sum, norm_min)), times `scale`.
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, EB)
+def grouped_top_k(x, bias, cols, E, scale, norm_min, TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr,
+                  GROUPS: tl.constexpr, GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr,
+                  GROUP_BEST: tl.constexpr, RENORM: tl.constexpr, SOFTMAX: tl.constexpr, CLAMP: tl.constexpr):
+    """route_grouped_reference's rule for one token's router logits `x` [EB] (float32; any value past E) and the
+    correction `bias` [EB] (float32, zeros past E): sigmoid (or SOFTMAX) scores; the choice adds the bias; with
+    GROUPS > 1 only the experts of the TOP_GROUPS groups whose best choice (GROUP_BEST 1) or two best choices (2) sum
+    highest compete; the TOP_K best choices (the lowest expert id first among equals) weigh their scores (not the
+    choices), renormalized when RENORM (by sum + 1e-20, or with CLAMP by max(sum, norm_min)), times `scale`.
+    Returns (weights [KB] float32, expert ids [KB] int64), zeros past TOP_K."""
     ok = cols < E
     if SOFTMAX:
-        x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        x = tl.where(ok, x, float("-inf"))
         e = tl.exp(x - tl.max(x, 0))
         scores = e / tl.sum(e, 0)
     else:
-        x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
-        scores = 1.0 / (1.0 + tl.exp(-x))
-    choice = tl.where(ok, scores + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+        scores = 1.0 / (1.0 + tl.exp(-tl.where(ok, x, 0.0)))
+    choice = tl.where(ok, scores + bias, float("-inf"))
     if GROUPS > 1:
         group = cols // GROUP_SIZE
         gs = tl.arange(0, GB)
@@ -162,14 +158,32 @@ def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride,
             group_score = tl.where(gs == pick, float("-inf"), group_score)
         choice = tl.where(keep, choice, float("-inf"))
     top_w, top_i = pick_top_k(choice, scores, cols, TOP_K, KB, EB, False)
-    ks = tl.arange(0, KB)
     if RENORM:
         if CLAMP:
             top_w = top_w / tl.maximum(tl.sum(top_w, 0), norm_min)
         else:
             top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    return top_w * scale, top_i
+
+
+@triton.jit
+def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride, scale, norm_min,
+                          TOP_K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, GROUPS: tl.constexpr,
+                          GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr,
+                          GROUP_BEST: tl.constexpr, RENORM: tl.constexpr, SOFTMAX: tl.constexpr, CLAMP: tl.constexpr,
+                          PDL: tl.constexpr):
+    # One token (program_id 0): grouped_top_k over its router logits.
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EB)
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    top_w, top_i = grouped_top_k(x, bias, cols, E, scale, norm_min, TOP_K, KB, EB, GROUPS, GB, GROUP_SIZE,
+                                 TOP_GROUPS, GROUP_BEST, RENORM, SOFTMAX, CLAMP)
+    ks = tl.arange(0, KB)
     keep_k = ks < TOP_K
-    tl.store(weights_ptr + row * TOP_K + ks, (top_w * scale).to(weights_ptr.dtype.element_ty), mask=keep_k)
+    tl.store(weights_ptr + row * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=keep_k)
     tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=keep_k)
 
 

@@ -16,6 +16,12 @@ boundary costs little, and the fused kernel keeps most of the three's chain of d
 
 Numerics are the three kernels': the residual sum and the normed row rounded as kernels.norm rounds them, float32 dot
 products rounded once to the logits' dtype, then kernels.moe's routing over those rounded logits.
+
+`moe_gate_grouped` is the same launch for the blocks whose experts are chosen by score plus a correction bias
+(DeepSeek-V2/V3, GLM-4.5, dots.llm1, Kimi K2: engine.models.moe.BiasRoutedMoeBlock), whose router is held in float32:
+the logits stay float32 (as `F.linear(x.float(), router)` leaves them) and the last program routes them by
+kernels.moe.grouped_top_k (route_grouped's rule). Unfused, that gate is four launches a layer at one token, two of them
+torch's (the cast to float32 and cuBLAS's float32 product, ~5-7 us each in DeepSeek-V2-Lite's batch-1 profile).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.moe import route_reference, route_warps, top_k_probs
+from radixmesh.kernels.moe import (check_grouping, grouped_top_k, route_grouped_reference, route_reference,
+                                   route_warps, top_k_probs)
 from radixmesh.kernels.norm import fused_add_rmsnorm_reference
 from radixmesh.kernels.runtime import pdl_on
 
@@ -32,9 +39,13 @@ BLOCK_N = 2  # router rows a program: 64 programs for 128 experts (gemv_row's on
 
 
 @triton.jit
-def _gate_kernel(H, R, G, W, ResOut, XOut, Logits, Weights, Ids, Counter, E, eps, D: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, KB: tl.constexpr,
-                 EB: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+def _gate_kernel(H, R, G, W, Bias, ResOut, XOut, Logits, Weights, Ids, Counter, E, eps, scale, norm_min,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, KB: tl.constexpr,
+                 EB: tl.constexpr, RENORM: tl.constexpr, GROUPED: tl.constexpr, GROUPS: tl.constexpr,
+                 GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, GROUP_BEST: tl.constexpr,
+                 SOFTMAX: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr):
+    # GROUPED: the last program routes by kernels.moe.grouped_top_k (Bias, scale, norm_min and the group constexprs
+    # are its); else by top_k_probs (softmax, RENORM)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < E
@@ -66,8 +77,14 @@ def _gate_kernel(H, R, G, W, ResOut, XOut, Logits, Weights, Ids, Counter, E, eps
     arrived = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
         cols = tl.arange(0, EB)
-        logits = tl.load(Logits + cols, mask=cols < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        top_w, top_i = top_k_probs(logits, cols, E, TOP_K, KB, EB, RENORM)
+        if GROUPED:
+            logits = tl.load(Logits + cols, mask=cols < E, other=0.0, cache_modifier=".cg").to(tl.float32)
+            bias = tl.load(Bias + cols, mask=cols < E, other=0.0).to(tl.float32)
+            top_w, top_i = grouped_top_k(logits, bias, cols, E, scale, norm_min, TOP_K, KB, EB, GROUPS, GB,
+                                         GROUP_SIZE, TOP_GROUPS, GROUP_BEST, RENORM, SOFTMAX, CLAMP)
+        else:
+            logits = tl.load(Logits + cols, mask=cols < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+            top_w, top_i = top_k_probs(logits, cols, E, TOP_K, KB, EB, RENORM)
         ks = tl.arange(0, KB)
         keep = ks < TOP_K
         tl.store(Weights + ks, top_w.to(Weights.dtype.element_ty), mask=keep)
@@ -99,17 +116,61 @@ def moe_gate(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
                          f"{tuple(hidden.shape)} {hidden.dtype}, residual {tuple(residual.shape)} {residual.dtype}, "
                          f"norm {tuple(norm_weight.shape)} {norm_weight.dtype}, router {tuple(router.shape)} "
                          f"{router.dtype}, counter {tuple(counter.shape)} {counter.dtype}, top_k {top_k}")
+    return _launch(hidden, residual, norm_weight, eps, router, hidden.dtype, dtype or torch.float32, counter, pdl,
+                   hidden, top_k, dict(RENORM=renormalize, GROUPED=False, GROUPS=1, GB=1, GROUP_SIZE=experts,
+                                       TOP_GROUPS=1, GROUP_BEST=1, SOFTMAX=True, CLAMP=False), 1.0, 0.0)
+
+
+def _launch(hidden, residual, norm_weight, eps, router, logits_dtype, weights_dtype, counter, pdl, bias, top_k,
+            routing: dict, scale: float, norm_min: float):
+    d, experts = hidden.shape[-1], router.shape[0]
     x, summed = torch.empty_like(hidden), torch.empty_like(hidden)
-    logits = hidden.new_empty((1, experts))
-    weights = torch.empty((1, top_k), dtype=dtype or torch.float32, device=hidden.device)
+    logits = torch.empty((1, experts), dtype=logits_dtype, device=hidden.device)
+    weights = torch.empty((1, top_k), dtype=weights_dtype, device=hidden.device)
     ids = torch.empty((1, top_k), dtype=torch.int64, device=hidden.device)
     pdl = pdl and pdl_on(hidden)
     _gate_kernel[(triton.cdiv(experts, BLOCK_N),)](
-        hidden, residual, norm_weight, router, summed, x, logits, weights, ids, counter, experts, eps, D=d,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=BLOCK_N, TOP_K=top_k, KB=triton.next_power_of_2(top_k),
-        EB=triton.next_power_of_2(experts), RENORM=renormalize, PDL=pdl,
-        num_warps=route_warps(experts), num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        hidden, residual, norm_weight, router, bias, summed, x, logits, weights, ids, counter, experts, eps,
+        float(scale), float(norm_min), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=BLOCK_N, TOP_K=top_k,
+        KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts), **routing, PDL=pdl,
+        num_warps=gate_warps(d, experts), num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return x, summed, weights, ids
+
+
+def gate_warps(d: int, experts: int) -> int:
+    """One warp (kernels.moe.route_warps: the routing's reductions warp shuffles) while a program's router rows and
+    the hidden row fit its registers (up to 4,096 wide); four past that (DeepSeek-V3's 7,168: the routing pays the
+    barriers between warps, the product does not spill)."""
+    return route_warps(experts) if d <= 4096 else 4
+
+
+def moe_gate_grouped(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     router: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                     renormalize: bool, scale: float, softmax: bool, norm_min: float, group_best: int,
+                     counter: torch.Tensor, pdl: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_gate` for a bias-routed block: one token's hidden row and residual [1, D] (one dtype), the norm's weight
+    [D] (that dtype), the router [E, D] and the correction bias [E] in float32 -> (normed row, residual + hidden,
+    float32 weights [1, top_k], int64 ids [1, top_k]): `moe_gate_grouped_reference` in one launch."""
+    d = hidden.shape[-1]
+    experts = router.shape[0]
+    if (hidden.shape != (1, d) or residual.shape != (1, d) or norm_weight.shape != (d,) or router.shape != (experts, d)
+            or bias.shape != (experts,) or len({hidden.dtype, residual.dtype, norm_weight.dtype}) != 1
+            or router.dtype != torch.float32 or bias.dtype != torch.float32
+            or not all(t.is_contiguous() for t in (hidden, residual, norm_weight, router, bias))
+            or counter.shape != (1,) or counter.dtype != torch.int32):
+        raise ValueError(f"moe_gate_grouped takes one contiguous row and residual [1, D] and a norm weight [D] of one "
+                         f"dtype, a float32 router [E, D] and bias [E], an int32 counter [1]; got hidden "
+                         f"{tuple(hidden.shape)} {hidden.dtype}, residual {tuple(residual.shape)} {residual.dtype}, "
+                         f"norm {tuple(norm_weight.shape)} {norm_weight.dtype}, router {tuple(router.shape)} "
+                         f"{router.dtype}, bias {tuple(bias.shape)} {bias.dtype}, counter {tuple(counter.shape)} "
+                         f"{counter.dtype}")
+    check_grouping(experts, top_k, groups, top_groups, group_best)
+    routing = dict(RENORM=renormalize, GROUPED=True, GROUPS=groups, GB=triton.next_power_of_2(groups),
+                   GROUP_SIZE=experts // groups, TOP_GROUPS=top_groups, GROUP_BEST=group_best, SOFTMAX=softmax,
+                   CLAMP=norm_min > 0)
+    return _launch(hidden, residual, norm_weight, eps, router, torch.float32, torch.float32, counter, pdl, bias,
+                   top_k, routing, scale, norm_min)
 
 
 def moe_gate_reference(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -119,4 +180,16 @@ def moe_gate_reference(hidden: torch.Tensor, residual: torch.Tensor, norm_weight
     x, summed = fused_add_rmsnorm_reference(hidden, residual, norm_weight, eps)
     logits = (x.float() @ router.float().t()).to(x.dtype)
     weights, ids = route_reference(logits, top_k, renormalize, dtype)
+    return x, summed, weights, ids
+
+
+def moe_gate_grouped_reference(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               router: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                               renormalize: bool, scale: float, softmax: bool, norm_min: float, group_best: int
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin of `moe_gate_grouped`: the norm's twin, the float32 router's product, kernels.moe's grouped routing."""
+    x, summed = fused_add_rmsnorm_reference(hidden, residual, norm_weight, eps)
+    logits = x.float() @ router.t()
+    weights, ids = route_grouped_reference(logits, bias, top_k, groups, top_groups, renormalize, scale, softmax,
+                                           norm_min, group_best)
     return x, summed, weights, ids

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.kernels.moe_gate import moe_gate, moe_gate_reference, new_counter
+from radixmesh.kernels.moe_gate import (moe_gate, moe_gate_grouped, moe_gate_grouped_reference, moe_gate_reference,
+                                        new_counter)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,3 +78,40 @@ def test_bad_input_is_refused():
         moe_gate(hidden, residual, norm, 1e-6, router, 9, True, None, counter)
     with pytest.raises(ValueError, match="bfloat16"):
         moe_gate(hidden, residual, norm.bfloat16(), 1e-6, router, 2, True, None, counter)
+
+
+@pytest.mark.parametrize("d,experts,top_k,groups,top_groups,group_best,renormalize,scale,softmax,norm_min,dtype", [
+    (256, 64, 6, 1, 1, 1, False, 1.0, True, 0.0, torch.float32),  # DeepSeek-V2-Lite's rule (softmax, no groups)
+    (2048, 64, 6, 1, 1, 1, False, 1.0, True, 0.0, torch.bfloat16),  # ... at its hidden size
+    (192, 160, 6, 8, 3, 1, False, 16.0, True, 0.0, torch.bfloat16),  # DeepSeek-V2's group_limited_greedy
+    (128, 256, 8, 8, 4, 2, True, 2.5, False, 0.0, torch.bfloat16),  # DeepSeek-V3's noaux_tc (sigmoid, bias)
+    (5120, 64, 8, 1, 1, 2, True, 1.0, True, 1e-12, torch.bfloat16)])  # ERNIE's clamp; past 4,096: four warps
+def test_the_grouped_gate_equals_its_twin(d, experts, top_k, groups, top_groups, group_best, renormalize, scale,
+                                          softmax, norm_min, dtype):
+    """The normed row and the residual sum as the norm kernel rounds them, the twin's experts in its order, the
+    weights within float32 rounding (the logits are float32 sums in another order than torch's)."""
+    hidden, residual, norm, router = _inputs(d, experts, dtype, seed=d + experts + groups)
+    router = router.float()
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(3)) * (0.0 if softmax else 0.1)
+    rule = (top_k, groups, top_groups, renormalize, scale, softmax, norm_min, group_best)
+    want = moe_gate_grouped_reference(hidden, residual, norm, 1e-6, router, bias, *rule)
+    counter = new_counter(torch.device(DEVICE))
+    got = [t.cpu() for t in moe_gate_grouped(*(t.to(DEVICE) for t in (hidden, residual, norm)), 1e-6,
+                                             router.to(DEVICE), bias.to(DEVICE), *rule, counter)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[3], want[3])  # (random logits: no near ties)
+    assert got[2].dtype == torch.float32
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    assert int(counter.item()) == 0
+
+
+def test_the_grouped_gate_refuses_what_it_cannot_route():
+    hidden, residual, norm, router = _inputs(32, 8, torch.bfloat16, seed=6)
+    counter, bias = new_counter(torch.device("cpu")), torch.zeros(8)
+    with pytest.raises(ValueError, match="a float32 router"):
+        moe_gate_grouped(hidden, residual, norm, 1e-6, router, bias, 2, 1, 1, True, 1.0, False, 0.0, 2, counter)
+    with pytest.raises(ValueError, match="groups must be equal"):
+        moe_gate_grouped(hidden, residual, norm, 1e-6, router.float(), bias, 2, 3, 1, True, 1.0, False, 0.0, 2,
+                         counter)

@@ -195,9 +195,24 @@ out["moe_route_softmax_biased"] = ptx(moe._route_grouped_kernel, route, {"scale"
                                       dict(TOP_K=6, KB=8, EB=64, GROUPS=1, GB=1, GROUP_SIZE=64, TOP_GROUPS=1,
                                            RENORM=True, SOFTMAX=True, CLAMP=True, GROUP_BEST=2, PDL=True), 1, 1)
 # a sparse layer's norm, router and routing at one token (Qwen3-30B-A3B's shape)
-out["moe_gate"] = ptx(moe_gate._gate_kernel, dict(H=bf16, R=bf16, G=bf16, W=bf16, ResOut=bf16, XOut=bf16, Logits=bf16,
-                                                 Weights=bf16, Ids="*i64", Counter="*i32"), {"eps"},
-                      dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=8, KB=8, EB=128, RENORM=True, PDL=True), 4, 1)
+gate_args = dict(H=bf16, R=bf16, G=bf16, W=bf16, Bias=bf16, ResOut=bf16, XOut=bf16, Logits=bf16, Weights=bf16,
+                 Ids="*i64", Counter="*i32")
+softmax_gate = dict(GROUPED=False, GROUPS=1, GB=1, GROUP_SIZE=128, TOP_GROUPS=1, GROUP_BEST=1, SOFTMAX=True,
+                    CLAMP=False)
+out["moe_gate"] = ptx(moe_gate._gate_kernel, gate_args, {"eps", "scale", "norm_min"},
+                      dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=8, KB=8, EB=128, RENORM=True, **softmax_gate,
+                           PDL=True), 1, 1)
+# the bias-routed blocks' gate (kernels.moe_gate.moe_gate_grouped): DeepSeek-V2-Lite's (softmax, 64 experts, hidden
+# 2,048: one warp) and DeepSeek-V3's (sigmoid with the bias, 8 groups, top 4, 256 experts, hidden 7,168: four warps)
+grouped_args = dict(gate_args, W="*fp32", Bias="*fp32", Logits="*fp32", Weights="*fp32")
+out["moe_gate_grouped"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "scale", "norm_min"},
+                              dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=6, KB=8, EB=64, RENORM=False,
+                                   GROUPED=True, GROUPS=1, GB=1, GROUP_SIZE=64, TOP_GROUPS=1, GROUP_BEST=1,
+                                   SOFTMAX=True, CLAMP=False, PDL=True), 1, 1)
+out["moe_gate_grouped_v3"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "scale", "norm_min"},
+                                 dict(D=7168, BLOCK_D=8192, BLOCK_N=2, TOP_K=8, KB=8, EB=256, RENORM=True,
+                                      GROUPED=True, GROUPS=8, GB=8, GROUP_SIZE=32, TOP_GROUPS=4, GROUP_BEST=2,
+                                      SOFTMAX=False, CLAMP=False, PDL=True), 4, 1)
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
 out["lora_sum_partials"] = ptx(lora._sum_partials_kernel, dict(part_ptr="*fp32", out_ptr="*fp32"), set(),
                                dict(SPLIT=16, BLOCK=1024, PDL=True), 4, 1)
@@ -261,11 +276,12 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
 
 
 
-def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_gpu_scope(ptx):
+@pytest.mark.parametrize("kernel", ["moe_gate", "moe_gate_grouped", "moe_gate_grouped_v3"])
+def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_gpu_scope(ptx, kernel):
     """kernels.moe_gate under PDL: the router's rows and the norm's weight load before the wait (no kernel writes
     them), the hidden row after it; each program arrives by an acquire-release atomic at GPU scope, and the last one
     reads the logits past L1."""
-    code = ptx["moe_gate"]
+    code = ptx[kernel]
     launch, wait, loads = (_lines(code, p) for p in
                            (r"griddepcontrol\.launch_dependents", r"griddepcontrol\.wait", r"ld\.global"))
     assert launch and wait and launch[0] < wait[0]

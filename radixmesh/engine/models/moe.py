@@ -64,16 +64,21 @@ class SparseMoeBlock(nn.Module):
         the new residual). One token on the GPU takes kernels.moe_gate, one launch for the residual add, the norm,
         the router's product and the routing (RADIXMESH_MOE_FUSED_GATE=0: the three kernels, for comparison)."""
         if self._gate_fuses(norm, hidden, residual):
-            from radixmesh.kernels.moe_gate import moe_gate, new_counter
+            from radixmesh.kernels.moe_gate import new_counter
 
             if self.gate_counter is None or self.gate_counter.device != hidden.device:
                 self.gate_counter = new_counter(hidden.device)
-            x, residual, weights, ids = moe_gate(hidden, residual, norm.weight, norm.eps, self.gate.weight,
-                                                 self.top_k, self.renormalize, self._weights_dtype(hidden),
-                                                 self.gate_counter, pdl=True)
+            x, residual, weights, ids = self._fused_gate(norm, hidden, residual)
             return self._routed(x, weights, ids), residual
         hidden, residual = norm(hidden, residual)
         return self(hidden), residual
+
+    def _fused_gate(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> tuple:
+        """(normed row, new residual, routing weights, expert ids) from kernels.moe_gate's one launch."""
+        from radixmesh.kernels.moe_gate import moe_gate
+
+        return moe_gate(hidden, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+                        self._weights_dtype(hidden), self.gate_counter, pdl=True)
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
         return (FUSED_GATE and type(norm) is RMSNorm and hidden.dim() == 2 and hidden.shape[0] == 1
@@ -204,7 +209,22 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
         return self._routed(x, weights, ids)
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
-        return False  # kernels.moe_gate routes by softmax without a bias
+        # (a router of the model's dtype, MiniMax-M2's, rounds its logits to that dtype: left to the kernels apart)
+        return (FUSED_GATE and self.float32_router and type(norm) is RMSNorm and hidden.dim() == 2
+                and hidden.shape[0] == 1 and use_kernels(hidden) and self.experts.backend == "triton"
+                and hidden.dtype == residual.dtype == norm.weight.dtype
+                and hidden.is_contiguous() and residual.is_contiguous())
+
+    def _fused_gate(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> tuple:
+        """kernels.moe_gate.moe_gate_grouped: the residual add, the norm, the float32 router's product and the
+        grouped routing in one launch."""
+        from radixmesh.kernels.moe_gate import moe_gate_grouped
+
+        x, residual, weights, ids = moe_gate_grouped(
+            hidden, residual, norm.weight, norm.eps, self.gate.weight, self._bias(), self.top_k, self.groups,
+            self.top_groups, self.renormalize, self.scaling, self.softmax, self.norm_min, self.group_best,
+            self.gate_counter, pdl=True)
+        return x, residual, (weights if self.float32_weights else weights.to(x.dtype)), ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = super()._routed(x, weights, ids)
