@@ -5,14 +5,17 @@ its KV was recomputed from its tokens after a migration (a prefill of generated 
 steps gave).
 
 Where a row's bits come from. Everything a forward does is elementwise or reduces along one row (norms, softmax, the
-sampler's), whose bits do not depend on the other rows, except two things:
+sampler's), whose bits do not depend on the other rows, except three things:
 - matrix products: the CPU's BLAS picks other kernels and blockings by the number of rows (torch 2.13 on x86: row 0 of
   `x[:m] @ W.T` has other bits for m = 1, 2-3 and 4+);
+- the CPU's exp-based elementwise functions (below);
 - attention over a batch: engine.attention.torch_native pads every request to the batch's longest context and runs one
   fused kernel over it, so a row's sums run over a length (and a tiling) the other requests set.
 Under the flag, `row_products` (a torch function mode around each forward) runs every product a row at a time: one
 torch.bmm over [rows, 1, k] with the weight broadcast, i.e. one single-row GEMM per row, the same call whatever the
-row count (then the bias, added after); and the attention backend runs each query row over exactly the keys it sees
+row count (then the bias, added after), and the elementwise functions built on exp (sigmoid, tanh, SiLU, GELU, ...)
+a row at a time too (their vectorized and scalar paths round differently, and which elements take which depends on
+the tensor's size: `_TRANSCENDENTAL`); and the attention backend runs each query row over exactly the keys it sees
 (TorchNativeBackend.rows_alone), so a prefill row and the decode step of the same position reduce over the same
 keys in the same way. A sampled request without a sampling_seed draws as if seeded with --random-seed (plus its
 index among the prompt's n; engine.Engine._make_req), since the engine's generator would hand it the draws of its batch
@@ -20,8 +23,9 @@ order. What costs: products a row at a time (~5x a batched GEMM's time at 64 row
 and attention a row at a time in Python; meant for tests, evaluation and RL rollouts that need reproducible bits.
 
 What runs only on the paths above: the CPU (the GPU's Triton, FlashInfer and cuBLAS kernels choose tiles and split
-counts by batch; batch-invariant GPU kernels are not built) and attention on plain torch (multi-head latent
-attention's own kernels and draft trees are refused with the flag: engine.config).
+counts by batch; batch-invariant GPU kernels are not built) and attention on plain torch (multi-head latent attention
+over its latent cache included, never in its expanded prefill form); draft trees are refused with the flag
+(engine.config).
 """
 
 from __future__ import annotations
@@ -64,6 +68,16 @@ def _baddbmm(bias: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta=1, 
     return _addmm(bias, b1, b2, beta=beta, alpha=alpha)
 
 
+def _row_by_row(fn):
+    """`fn` (an elementwise function whose first argument is the tensor) applied to each row alone."""
+    def rows(x, *args, **kwargs):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == 0:
+            return fn(x, *args, **kwargs)
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.stack([fn(row, *args, **kwargs) for row in flat]).reshape(x.shape)
+    return rows
+
+
 def _refused(name: str):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"{name} ran under --enable-deterministic-inference, whose row-at-a-time products and "
@@ -71,11 +85,21 @@ def _refused(name: str):
     return refuse
 
 
+# Elementwise functions whose vectorized and scalar CPU implementations round differently (exp and what is built on
+# it): TensorIterator runs a tensor's last (numel % vector) elements, and each thread's chunk's, through the scalar one,
+# so which of a row's elements take which path depends on the other rows (DeepSeek-V3's sigmoid router over 8 experts:
+# scalar alone, vectorized beside 11 other rows). Under the mode they run a row at a time.
+_TRANSCENDENTAL = (torch.exp, torch.Tensor.exp, torch.sigmoid, torch.Tensor.sigmoid, torch.tanh, torch.Tensor.tanh,
+                   torch.log, torch.Tensor.log, torch.erf, torch.Tensor.erf, torch.expm1, torch.log1p, F.silu, F.gelu,
+                   torch.sin, torch.Tensor.sin, torch.cos, torch.Tensor.cos, F.softplus, F.mish, F.elu, F.selu,
+                   F.logsigmoid)
+
 _ROWS = {F.linear: _linear, torch.matmul: row_matmul, torch.Tensor.matmul: row_matmul,
          torch.Tensor.__matmul__: row_matmul, torch.mm: row_matmul, torch.Tensor.mm: row_matmul,
          torch.bmm: row_matmul, torch.Tensor.bmm: row_matmul, torch.addmm: _addmm, torch.Tensor.addmm: _addmm,
          torch.baddbmm: _baddbmm, torch.Tensor.baddbmm: _baddbmm,
          torch.Tensor.__rmatmul__: lambda b, a: row_matmul(a, b),
+         **{f: _row_by_row(f) for f in _TRANSCENDENTAL},
          torch.einsum: _refused("torch.einsum"),
          F.scaled_dot_product_attention: _refused("scaled_dot_product_attention")}
 

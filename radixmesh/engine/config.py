@@ -359,8 +359,6 @@ def _check_deterministic(args: EngineArgs, model: ModelConfig, device: str, atte
     with results that still depend on the batch."""
     _check(device == "cpu", "enable_deterministic_inference runs on CPU only so far: the GPU's Triton, FlashInfer and "
            "cuBLAS kernels choose tiles and split counts by batch size, and batch-invariant GPU kernels are not built")
-    _check(model.mla is None, f"enable_deterministic_inference does not cover multi-head latent attention yet "
-           f"({model.architecture})")
     _check(args.speculative_algorithm is None, "enable_deterministic_inference does not cover speculative decoding "
            "yet (draft trees' verify rows)")
     _check(set(attention.values()) == {"torch_native"}, "enable_deterministic_inference runs attention on the "

@@ -105,7 +105,9 @@ class MlaAttention(nn.Module):
         table = rope.table
         cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
         ctx = get_forward_context()
-        if mla_expanded.wanted(ctx.batch, self.rank, self.rope_dim, self.nope, self.v_dim):  # (a long prefill)
+        # (a long prefill; never under --enable-deterministic-inference, whose rows attend alone over the latent)
+        if not getattr(ctx.backend, "rows_alone", False) and mla_expanded.wanted(ctx.batch, self.rank, self.rope_dim,
+                                                                                 self.nope, self.v_dim):
             query, key = _query_key(q_nope, q_pe, latent, k_pe, cos, sin, table)
             values = mla_expanded.expanded_attention(ctx, self.layer_id, query, key, self.rank, self._expand)
             return self.o_proj(values.reshape(n, self.num_heads * self.v_dim))
