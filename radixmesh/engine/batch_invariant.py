@@ -73,8 +73,10 @@ def _row_by_row(fn):
     def rows(x, *args, **kwargs):
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] == 0:
             return fn(x, *args, **kwargs)
+        inplace = bool(kwargs.pop("inplace", False))
         flat = x.reshape(-1, x.shape[-1])
-        return torch.stack([fn(row, *args, **kwargs) for row in flat]).reshape(x.shape)
+        out = torch.stack([fn(row, *args, **kwargs) for row in flat]).reshape(x.shape)
+        return x.copy_(out) if inplace else out
     return rows
 
 

@@ -66,6 +66,8 @@ def _warn_dequantized(args, model_config, model) -> None:
 
 
 class ModelRunner:
+    deterministic = False  # --enable-deterministic-inference (engine.batch_invariant); set per runner in __init__
+
     def __init__(self, args: EngineArgs, model_config: ModelConfig, tp: TPConfig | None = None,
                  extra_kv_bytes_per_token: int = 0, table: ReqToTokenPool | None = None,
                  capture_layers: tuple[int, ...] | None = None, shared_with: nn.Module | None = None,
