@@ -93,6 +93,7 @@ def _check_invariance(llm: Engine, vocab: int) -> None:
 
 
 CASES = {"llama, float32": lambda tmp: (model_path("tiny-llama"), {}),
+         "llama over two tensor-parallel ranks": lambda tmp: (model_path("tiny-llama"), {"tp_size": 2}),
          "qwen3-moe": lambda tmp: (model_path("tiny-qwen3-moe"), {}),
          "gpt-oss: window, sinks, biased experts": lambda tmp: (write_gpt_oss(tmp), {"skip_tokenizer_init": True}),
          "gemma2: window, soft-caps": lambda tmp: (sliding_models.build("gemma2", tmp), {"skip_tokenizer_init": True}),
@@ -107,6 +108,20 @@ def test_a_request_has_the_same_bits_in_any_batch_and_over_any_prefix(case, tmp_
     path, extra = CASES[case](tmp_path)
     with running_engine(path, enable_deterministic_inference=True, **extra) as llm:
         _check_invariance(llm, llm.model_config.vocab_size)
+
+
+def test_prompts_prefilled_in_chunks_give_the_bits_of_one_prefill():
+    """Another engine prefilling in 8-token chunks: the same tokens and logprobs for the same request, bit for bit."""
+    target = _prompt(256, 5, 29)
+    sampled = {"temperature": 0.8, "sampling_seed": 3, "max_new_tokens": NEW, "ignore_eos": True}
+    outs = []
+    for chunk in (None, 8):
+        with running_engine(model_path("tiny-llama"), enable_deterministic_inference=True,
+                            **({"chunked_prefill_size": chunk} if chunk else {})) as llm:
+            out = llm.generate(input_ids=[target], sampling_params=sampled, return_logprob=True,
+                               logprob_start_len=1)[0]
+            outs.append((out["output_ids"], _logprobs(out), out["meta_info"]["input_token_logprobs"]))
+    assert outs[0] == outs[1]
 
 
 def test_unseeded_samples_draw_as_if_seeded_with_the_random_seed():
