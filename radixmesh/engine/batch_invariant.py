@@ -30,6 +30,8 @@ over its latent cache included, never in its expanded prefill form); draft trees
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -64,10 +66,6 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, al
     return (bias if beta == 1 else bias * beta) + (prod if alpha == 1 else prod * alpha)
 
 
-def _baddbmm(bias: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    return _addmm(bias, b1, b2, beta=beta, alpha=alpha)
-
-
 def _row_by_row(fn):
     """`fn` (an elementwise function whose first argument is the tensor) applied to each row alone."""
     def rows(x, *args, **kwargs):
@@ -99,7 +97,7 @@ _TRANSCENDENTAL = (torch.exp, torch.Tensor.exp, torch.sigmoid, torch.Tensor.sigm
 _ROWS = {F.linear: _linear, torch.matmul: row_matmul, torch.Tensor.matmul: row_matmul,
          torch.Tensor.__matmul__: row_matmul, torch.mm: row_matmul, torch.Tensor.mm: row_matmul,
          torch.bmm: row_matmul, torch.Tensor.bmm: row_matmul, torch.addmm: _addmm, torch.Tensor.addmm: _addmm,
-         torch.baddbmm: _baddbmm, torch.Tensor.baddbmm: _baddbmm,
+         torch.baddbmm: _addmm, torch.Tensor.baddbmm: _addmm,
          torch.Tensor.__rmatmul__: lambda b, a: row_matmul(a, b),
          **{f: _row_by_row(f) for f in _TRANSCENDENTAL},
          torch.einsum: _refused("torch.einsum"),
@@ -120,6 +118,4 @@ class _RowProducts(TorchFunctionMode):
 def row_products(on: bool):
     """A context under which every matrix product (F.linear, matmul and @, mm, bmm, addmm, baddbmm) computes each
     output row alone (`row_matmul`); einsum and fused attention raise. `on` False: a context that changes nothing."""
-    import contextlib
-
     return _RowProducts() if on else contextlib.nullcontext()

@@ -57,6 +57,8 @@ class TorchNativeBackend(AttentionBackend):
         max_kv = max(batch.seq_lens_host)
         max_q = 1 if batch.mode is ForwardMode.DECODE else max(batch.extend_lens_host)
         kv_indices = self.req_to_token.device[batch.req_pool_indices, :max_kv]
+        if self.rows_alone:  # (each row's keys follow from its position: no masks, no padded layout)
+            return TorchNativeMetadata(kv_indices, {}, None, max_q)
         prefix = batch.seq_lens - batch.extend_lens  # [batch]
         q_pos = prefix[:, None] + torch.arange(max_q, device=dev)  # [batch, max_q]
         # a draft tree's decode rows: the window counts back from each row's position (the span's start plus its

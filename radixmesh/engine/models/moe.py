@@ -81,10 +81,7 @@ class SparseMoeBlock(nn.Module):
                         self._weights_dtype(hidden), self.gate_counter, pdl=True)
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
-        return (FUSED_GATE and type(norm) is RMSNorm and hidden.dim() == 2 and hidden.shape[0] == 1
-                and use_kernels(hidden) and self.experts.backend == "triton"
-                and hidden.dtype == residual.dtype == norm.weight.dtype == self.gate.weight.dtype
-                and hidden.is_contiguous() and residual.is_contiguous())
+        return _one_token_gate(self, norm, hidden, residual) and self.gate.weight.dtype == hidden.dtype
 
     def _weights_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         return None if self.float32_weights else x.dtype
@@ -97,6 +94,15 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
+
+
+def _one_token_gate(block: SparseMoeBlock, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether a sparse block's gate may run as kernels.moe_gate's one launch: one contiguous token on the GPU's
+    kernels, an RMSNorm of its dtype before it (the router's dtype is each block's own condition)."""
+    return (FUSED_GATE and type(norm) is RMSNorm and hidden.dim() == 2 and hidden.shape[0] == 1
+            and use_kernels(hidden) and block.experts.backend == "triton"
+            and hidden.dtype == residual.dtype == norm.weight.dtype
+            and hidden.is_contiguous() and residual.is_contiguous())
 
 
 def _real_tokens(n: int, device: torch.device) -> torch.Tensor:
@@ -210,10 +216,7 @@ class BiasRoutedMoeBlock(SparseMoeBlock):
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
         # (a router of the model's dtype, MiniMax-M2's, rounds its logits to that dtype: left to the kernels apart)
-        return (FUSED_GATE and self.float32_router and type(norm) is RMSNorm and hidden.dim() == 2
-                and hidden.shape[0] == 1 and use_kernels(hidden) and self.experts.backend == "triton"
-                and hidden.dtype == residual.dtype == norm.weight.dtype
-                and hidden.is_contiguous() and residual.is_contiguous())
+        return _one_token_gate(self, norm, hidden, residual) and self.float32_router
 
     def _fused_gate(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> tuple:
         """kernels.moe_gate.moe_gate_grouped: the residual add, the norm, the float32 router's product and the
