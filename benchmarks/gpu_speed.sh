@@ -490,7 +490,8 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
   timeout ${DS_TEST_S:-330} $PY -m pytest -q -p no:cacheprovider --timeout 300 tests/kernels/test_mla_decode.py \
     tests/kernels/test_mla_extend.py tests/gpu/test_deepseek_cuda.py tests/kernels/test_moe.py tests/kernels/test_kv_pages.py \
     tests/kernels/test_elementwise.py tests/gpu/test_hicache_cuda.py tests/kernels/test_moe_gate.py \
-    -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads or grouped_gate" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
+    tests/kernels/test_mla_absorb.py \
+    -k "mla or deepseek or grouped_route_kernel or latent or backups_equal or direct_loads or grouped_gate or absorb" 2>&1 | tee "$OUT/deepseek_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -8
   for decode in ${DEEPSEEK_DECODES:-triton}; do  # (DEEPSEEK_DECODES="triton torch_native": plain torch's too)
     echo "== decode $decode"
     timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/deepseek-v2-lite \
@@ -518,6 +519,19 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
     --log-level warning --batch-size 1 --input-len 512 --output-len 16 --roofline \
     --result-file "$OUT/deepseek_unfused_gate.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
+  # The absorbed products in kernels of their own (kernels.mla_absorb: the query's with its rows, the value's into
+  # o_proj's input) against torch.bmm (RADIXMESH_MLA_ABSORB=0), and with their weights loaded before the PDL wait
+  # (RADIXMESH_MLA_ABSORB_EARLY=1). Prediction, written before any run: cuBLAS's two bmms ~7-9 us each at one row (the
+  # twenty-ninth session's profile: ~530 us a step of cuBLAS with the float32 router) against ~2-3 us each here, and
+  # the latent's copy before its norm (~1.5 us) gone: -10 to -14 us a layer x 27, batch-1 GPU time -0.27 to -0.38 ms
+  # (3.12 -> 2.75-2.85 with the gate in four launches); batch 64 and up unchanged (torch.bmm past 8 rows).
+  for ab in "RADIXMESH_MLA_ABSORB=0" "RADIXMESH_MLA_ABSORB_EARLY=1"; do
+    echo "== decode triton, $ab"
+    env $ab timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch \
+      --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+      --log-level warning --batch-size 1 --input-len 512 --output-len 16 --roofline \
+      --result-file "$OUT/deepseek_absorb_ab.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
+  done
   # The 8k prefill in the expanded form (engine.attention.mla_expanded) against the latent form just measured.
   # Prediction (written before any run): attention is ~47% of V2-Lite's 8k prefill FLOPs in the latent form and ~25%
   # in the expanded one (its keys and values rebuilt included): the prefill 1.2-1.5x faster if torch's attention runs

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
+                               mla_absorb, mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
                                rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
@@ -213,6 +213,21 @@ out["moe_gate_grouped_v3"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "s
                                  dict(D=7168, BLOCK_D=8192, BLOCK_N=2, TOP_K=8, KB=8, EB=256, RENORM=True,
                                       GROUPED=True, GROUPS=8, GB=8, GROUP_SIZE=32, TOP_GROUPS=4, GROUP_BEST=2,
                                       SOFTMAX=False, CLAMP=False, PDL=True), 4, 1)
+# DeepSeek's absorbed products (kernels.mla_absorb), DeepSeek-V2-Lite's per-head shape, weights loaded after the wait
+# (the default) and before it
+absorb_q = dict(q_nope_ptr="*bf16", w_ptr="*bf16", q_pe_ptr="*bf16", latent_ptr="*bf16", k_pe_ptr="*bf16",
+                cos_ptr="*fp32", sin_ptr="*fp32", query_ptr="*bf16", key_ptr="*bf16")
+for early in (False, True):
+    name = "_early" if early else ""
+    out["mla_absorb_query" + name] = ptx(mla_absorb._absorb_query_kernel, absorb_q, set(),
+                                         dict(NOPE=128, RANK=512, ROPE=64, BLOCK_NOPE=128, BLOCK_R=32, BLOCK_HALF=32,
+                                              INTERLEAVED=True, ROUND=triton.language.float32,
+                                              MID=triton.language.bfloat16, PDL=True, EARLY=early), 4, 1,
+                                         aligned=("w_ptr", "stride_wh"))
+    out["mla_absorb_value" + name] = ptx(mla_absorb._absorb_value_kernel,
+                                         dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"), set(),
+                                         dict(NOPE=128, RANK=512, V_DIM=128, BLOCK_V=4, BLOCK_RANK=512, PDL=True,
+                                              EARLY=early), 4, 1, aligned=("w_ptr", "stride_wh"))
 # LoRA's decode-step kernels (kernels.lora: the shrink's sum of its K parts, the expand as decode batches tile it)
 out["lora_sum_partials"] = ptx(lora._sum_partials_kernel, dict(part_ptr="*fp32", out_ptr="*fp32"), set(),
                                dict(SPLIT=16, BLOCK=1024, PDL=True), 4, 1)
@@ -289,6 +304,20 @@ def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_g
     arrive = _lines(code, r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add")
     assert arrive and arrive[0] > wait[0]
     assert [i for i in _lines(code, r"ld\.global\.cg") if i > arrive[0]]
+
+
+@pytest.mark.parametrize("kernel", ["mla_absorb_query", "mla_absorb_value"])
+def test_the_absorbed_products_load_their_weights_after_their_wait_or_before_it_when_asked(ptx, kernel):
+    """kernels.mla_absorb under PDL: dependents launched, then the wait, then every load (the default); with
+    `early`, the head's block of kv_b_proj loads before the wait (in 16-byte loads), the rows after it."""
+    late, early = ptx[kernel], ptx[kernel + "_early"]
+    for code in (late, early):
+        launch, wait = _lines(code, r"griddepcontrol\.launch_dependents"), _lines(code, r"griddepcontrol\.wait")
+        assert launch and wait and launch[0] < wait[0]
+    assert not [i for i in _lines(late, r"ld\.global") if i < _lines(late, r"griddepcontrol\.wait")[0]]
+    wait = _lines(early, r"griddepcontrol\.wait")[0]
+    assert [i for i in _lines(early, r"ld\.global\S*\.v4\.b32") if i < wait]
+    assert [i for i in _lines(early, r"ld\.global") if i > wait]
 
 
 def test_gemv_row_reads_x_only_after_its_wait_and_its_weights_in_wide_loads(ptx):

@@ -589,3 +589,27 @@ def test_glm_flash_layer_types_default_and_are_checked(checkpoints, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**raw, "mlp_layer_types": bad}))
         with pytest.raises(ValueError, match="mlp_layer_types"):
             ModelConfig.from_path(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3", "deepseek_v3_rotate_half"])
+def test_the_absorbed_decode_kernels_match_transformers(checkpoints, monkeypatch, name):
+    """kernels.mla_absorb on the decode path (each head's query into the latent space with the query and key rows in
+    one launch; each head's value out of it into o_proj's input in another), run here in Triton's interpreter with the
+    model's kernel paths forced on: transformers' tokens and logprobs, every decode step through the kernels (V2's
+    float32 RoPE pairs, V3's interleaved, rotate-half; a batch of four rows and one alone)."""
+    from radixmesh.engine.models import deepseek
+    from radixmesh.kernels import mla_absorb
+
+    path = checkpoints[name]
+    refs, logprobs = _reference(path)
+    rows = []
+    run = mla_absorb.absorbed_values
+    monkeypatch.setattr(deepseek, "use_kernels", lambda t: True)
+    monkeypatch.setattr(mla_absorb, "absorbed_values", lambda out, *a, **k: rows.append(out.shape[0]) or run(out, *a, **k))
+    greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
+        alone = llm.generate(input_ids=PROMPTS[2], sampling_params=greedy)
+    assert_like_reference(outs, refs, logprobs)
+    assert alone["output_ids"] == refs[2]
+    assert rows and max(rows) <= mla_absorb.MAX_ROWS and 1 in rows and len(PROMPTS) in rows

@@ -53,6 +53,12 @@ LATENT_NORM_EPS = 1e-6
 # On a GPU the absorbed query's and the key's rows are built in one launch (kernels.mla_rope, bit for bit the torch
 # path); RADIXMESH_MLA_FUSED_QK=0 keeps torch's ~16 launches a layer (an A/B switch for benchmarks)
 FUSED_QUERY_KEY = os.environ.get("RADIXMESH_MLA_FUSED_QK", "1") != "0"
+# On a GPU a decode batch of up to kernels.mla_absorb.MAX_ROWS rows runs the absorbed products (each head's query into
+# the latent space, its output back out) in kernels of their own, the query's with the rows above; torch.bmm (cuBLAS)
+# took ~8-10 us a product at one row. RADIXMESH_MLA_ABSORB=0 keeps torch.bmm; RADIXMESH_MLA_ABSORB_EARLY=1 loads the
+# kernels' weights before their PDL wait (A/B switches for benchmarks)
+ABSORB_KERNELS = os.environ.get("RADIXMESH_MLA_ABSORB", "1") != "0"
+ABSORB_EARLY = os.environ.get("RADIXMESH_MLA_ABSORB_EARLY", "0") == "1"
 
 
 class MlaAttention(nn.Module):
@@ -101,7 +107,7 @@ class MlaAttention(nn.Module):
         n = hidden.shape[0]
         q_nope, q_pe = self._query(hidden).view(n, self.num_heads, -1).split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
+        latent = self.kv_a_layernorm(latent)  # (a strided view: the norm writes a new tensor)
         table = rope.table
         cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
         ctx = get_forward_context()
@@ -111,6 +117,8 @@ class MlaAttention(nn.Module):
             query, key = _query_key(q_nope, q_pe, latent, k_pe, cos, sin, table)
             values = mla_expanded.expanded_attention(ctx, self.layer_id, query, key, self.rank, self._expand)
             return self.o_proj(values.reshape(n, self.num_heads * self.v_dim))
+        if ABSORB_KERNELS and use_kernels(hidden) and self._absorbs(q_nope):
+            return self._absorbed_in_kernels(ctx, q_nope, q_pe, latent, k_pe, cos, sin, table)
         w_uk, w_uv = self._up_blocks()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
         if FUSED_QUERY_KEY and use_kernels(hidden):  # one launch for the rotations and both rows (kernels.mla_rope)
@@ -122,6 +130,26 @@ class MlaAttention(nn.Module):
         out = ctx.attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
         values = torch.bmm(out[..., :self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, n, v_dim]
         return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
+
+    def _absorbs(self, q_nope: torch.Tensor) -> bool:
+        """Whether kernels.mla_absorb takes these rows: a decode batch's few, kv_b_proj held whole in their dtype."""
+        from radixmesh.kernels.mla_absorb import MAX_ROWS
+
+        weight = self.kv_b_proj.weight
+        return 0 < q_nope.shape[0] <= MAX_ROWS and weight.dtype == q_nope.dtype and weight.is_contiguous()
+
+    def _absorbed_in_kernels(self, ctx, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                             k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             table: RotaryEmbedding) -> torch.Tensor:
+        """The decode path on a GPU (kernels.mla_absorb): the absorbed query with the query and key rows in one
+        launch, attention, then each head's value straight into o_proj's input in another."""
+        from radixmesh.kernels.mla_absorb import absorbed_query_key, absorbed_values
+
+        weight = self.kv_b_proj.weight
+        query, key = absorbed_query_key(q_nope, weight, self.v_dim, q_pe, latent, k_pe, cos, sin,
+                                        table.interleaved, table.upcast_pairs, early=ABSORB_EARLY)
+        out = ctx.attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
+        return self.o_proj(absorbed_values(out, weight, self.nope, self.v_dim, early=ABSORB_EARLY))
 
 
 def _query_key(q_head: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,

@@ -1,0 +1,202 @@
+"""DeepSeek's absorbed products for a decode batch of a few rows: each head's query carried into the latent space
+through its block of `kv_b_proj` (q_latent[h] = W_uk[h]^T q_nope[h], then, in the same launch, the query and key rows
+kernels.mla_decode reads, as kernels.mla_rope writes them), and each head's attention output carried back out through
+its value block (v[h] = W_uv[h] o[h][:rank]), written as the [rows, heads * v_dim] input o_proj takes.
+
+In torch these are two batched products over the heads (torch.bmm, cuBLAS): at one row they ran ~8-10 us each on an
+H100, where each reads 2 MB of weights (DeepSeek-V2-Lite's 16 heads x 128 x 512 in bfloat16; ~0.7 us at the copy
+rate): with the float32 router's product they were ~530 us of a 3.74-ms step (the twenty-ninth session's profile,
+benchmarks/results/NOTES.md). Here a program takes one head's block of W (the query side: BLOCK_R latent columns of
+all its nope rows; the value side: BLOCK_V value rows of all its latent columns), holds it in registers and runs the
+batch's rows through it one after another, float32 sums rounded once to the rows' dtype (`*_reference`: the twins).
+
+Under programmatic dependent launch a program lets its dependents launch, then waits (the weights never change, but
+pulling them before the wait competes with the small kernel before: benchmarks/results/NOTES.md, the twenty-second
+session); `early=True` loads the block before the wait instead, for the A/B (RADIXMESH_MLA_ABSORB_EARLY=1)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels.mla_rope import _TL, _rotated, mla_query_key_reference, rounding
+from radixmesh.kernels.runtime import pdl_on
+
+# Rows a launch takes (a decode batch); more rows run torch.bmm, whose tiles reuse each weight across rows.
+MAX_ROWS = 8
+QUERY_BLOCK_R = 32  # latent columns a query-side program holds: [nope, 32] of W_uk
+VALUE_BLOCK_V = 4  # value rows a value-side program holds: [4, rank] of W_uv
+
+
+@triton.jit
+def _wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_ptr, sin_ptr, query_ptr, key_ptr,
+                         rows, heads, stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h, stride_lat, stride_kp,
+                         stride_cs, stride_wh, NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         INTERLEAVED: tl.constexpr, ROUND: tl.constexpr, MID: tl.constexpr, PDL: tl.constexpr,
+                         EARLY: tl.constexpr):
+    # program (head, block of latent columns); each block's first-head program copies its columns of the latent into
+    # the key rows, and block 0's programs rotate the rope parts (each head's query, head 0's the key's)
+    h = tl.program_id(0)
+    rb = tl.program_id(1)
+    d = tl.arange(0, BLOCK_NOPE)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    w_at = w_ptr + h.to(tl.int64) * stride_wh + d[:, None] * RANK + r[None, :]
+    w_ok = (d < NOPE)[:, None] & r_ok[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if EARLY:
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+        _wait(PDL)
+    else:
+        _wait(PDL)
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+    dtype = query_ptr.dtype.element_ty
+    width = RANK + ROPE
+    for t in range(rows):
+        tok = tl.cast(t, tl.int64)
+        q = tl.load(q_nope_ptr + tok * stride_qn_n + h * stride_qn_h + d, mask=d < NOPE, other=0.0).to(tl.float32)
+        row = query_ptr + (tok * heads + h) * width
+        tl.store(row + r, tl.sum(w * q[:, None], axis=0).to(dtype), mask=r_ok)
+        if h == 0:
+            lat = tl.load(latent_ptr + tok * stride_lat + r, mask=r_ok, other=0.0)
+            tl.store(key_ptr + tok * width + r, lat.to(dtype), mask=r_ok)
+        if rb == 0:
+            one = tl.arange(0, 1)
+            one_ok = (one < 1)[:, None]
+            cos_row, sin_row = cos_ptr + tok * stride_cs, sin_ptr + tok * stride_cs
+            q_src = q_pe_ptr + tok * stride_qp_n + h * stride_qp_h + one.to(tl.int64)[:, None] * 0
+            qa, qb, a_at, b_at, ok = _rotated(q_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND, BLOCK_HALF)
+            q_rope = row + RANK + one.to(tl.int64)[:, None] * 0
+            tl.store(q_rope + a_at[None, :], qa.to(MID).to(dtype), mask=ok)
+            tl.store(q_rope + b_at[None, :], qb.to(MID).to(dtype), mask=ok)
+            if h == 0:
+                k_src = k_pe_ptr + tok * stride_kp + one.to(tl.int64)[:, None] * 0
+                ka, kb, ka_at, kb_at, k_ok = _rotated(k_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND,
+                                                      BLOCK_HALF)
+                k_rope = key_ptr + tok * width + RANK + one.to(tl.int64)[:, None] * 0
+                tl.store(k_rope + ka_at[None, :], ka.to(MID).to(dtype), mask=k_ok)
+                tl.store(k_rope + kb_at[None, :], kb.to(MID).to(dtype), mask=k_ok)
+
+
+@triton.jit
+def _absorb_value_kernel(o_ptr, w_ptr, out_ptr, rows, stride_on, stride_oh, stride_wh, stride_out,
+                         NOPE: tl.constexpr, RANK: tl.constexpr, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
+                         BLOCK_RANK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    # program (head, block of value rows): v[t, h * V_DIM + j] = sum_r W_uv[h, j, r] o[t, h, r]
+    h = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    r = tl.arange(0, BLOCK_RANK)
+    j_ok = j < V_DIM
+    w_at = w_ptr + h.to(tl.int64) * stride_wh + (NOPE + j)[:, None] * RANK + r[None, :]
+    w_ok = j_ok[:, None] & (r < RANK)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if EARLY:
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+        _wait(PDL)
+    else:
+        _wait(PDL)
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for t in range(rows):
+        tok = tl.cast(t, tl.int64)
+        o = tl.load(o_ptr + tok * stride_on + h * stride_oh + r, mask=r < RANK, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok * stride_out + h * V_DIM + j, tl.sum(w * o[None, :], axis=1).to(dtype), mask=j_ok)
+
+
+def _up_weight(weight: torch.Tensor, heads: int, nope: int, v_dim: int, rank: int) -> torch.Tensor:
+    """kv_b_proj's weight [heads * (nope + v_dim), rank] as [heads, nope + v_dim, rank] (a view; checked)."""
+    if weight.shape != (heads * (nope + v_dim), rank) or not weight.is_contiguous():
+        raise ValueError(f"kv_b_proj's weight must be a contiguous [{heads} x ({nope} + {v_dim}), {rank}], got "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    return weight.view(heads, nope + v_dim, rank)
+
+
+def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q_pe: torch.Tensor,
+                       latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       interleaved: bool, upcast_pairs: bool, early: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_nope [n, heads, nope] (n <= MAX_ROWS), kv_b_proj's weight [heads * (nope + v_dim), rank] of q_nope's dtype
+    and the rest as kernels.mla_rope.mla_query_key takes them -> (query [n, heads, rank + rope], key [n, 1, rank +
+    rope]): the absorbed query (float32 sums, `absorbed_query_key_reference`) beside the rotated rope parts (bit for
+    bit mla_query_key's), one launch."""
+    n, heads, nope = q_nope.shape
+    rank = weight.shape[-1]
+    w = _up_weight(weight, heads, nope, v_dim, rank)
+    rope = q_pe.shape[-1]
+    if (n > MAX_ROWS or weight.dtype != q_nope.dtype or q_pe.shape[:2] != (n, heads) or latent.shape != (n, rank)
+            or k_pe.shape != (n, rope) or rope % 2 or cos.shape[-1] != rope or sin.shape != cos.shape
+            or cos.shape[0] != n or any(t.stride(-1) != 1 for t in (q_nope, q_pe, latent, k_pe))):
+        raise ValueError(f"absorbed_query_key takes q_nope [n <= {MAX_ROWS}, heads, nope] of the weight's dtype, q_pe "
+                         f"[n, heads, rope], latent [n, rank], k_pe [n, rope], cos/sin [n, 1, rope] with unit last "
+                         f"strides; got {tuple(q_nope.shape)} {q_nope.dtype}, weight {weight.dtype}, "
+                         f"{tuple(q_pe.shape)}, {tuple(latent.shape)}, {tuple(k_pe.shape)}, {tuple(cos.shape)}")
+    dtype = q_nope.dtype
+    query = torch.empty((n, heads, rank + rope), dtype=dtype, device=q_nope.device)
+    key = torch.empty((n, 1, rank + rope), dtype=dtype, device=q_nope.device)
+    if n == 0:
+        return query, key
+    cos, sin = cos.reshape(n, rope).contiguous(), sin.reshape(n, rope).contiguous()
+    round_to = rounding(q_pe.dtype, cos.dtype, interleaved, upcast_pairs)
+    mid = q_pe.dtype if interleaved else round_to
+    pdl = pdl_on(query)
+    block_r = min(QUERY_BLOCK_R, triton.next_power_of_2(rank))
+    _absorb_query_kernel[(heads, triton.cdiv(rank, block_r))](
+        q_nope, w, q_pe, latent, k_pe, cos, sin, query, key, n, heads, q_nope.stride(0), q_nope.stride(1),
+        q_pe.stride(0), q_pe.stride(1), latent.stride(0), k_pe.stride(0), cos.stride(0), w.stride(0), NOPE=nope,
+        RANK=rank, ROPE=rope, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=block_r,
+        BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, ROUND=_TL[round_to], MID=_TL[mid],
+        PDL=pdl, EARLY=early, num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
+    return query, key
+
+
+def absorbed_values(out: torch.Tensor, weight: torch.Tensor, nope: int, v_dim: int, early: bool = False
+                    ) -> torch.Tensor:
+    """Attention's output out [n, heads, >= rank] (n <= MAX_ROWS; its leading rank columns are the latent part) and
+    kv_b_proj's weight [heads * (nope + v_dim), rank] -> each head's value, [n, heads * v_dim] in out's dtype (float32
+    sums, `absorbed_values_reference`), one launch."""
+    n, heads, _ = out.shape
+    rank = weight.shape[-1]
+    w = _up_weight(weight, heads, nope, v_dim, rank)
+    if n > MAX_ROWS or out.shape[-1] < rank or out.stride(-1) != 1 or weight.dtype != out.dtype:
+        raise ValueError(f"absorbed_values takes out [n <= {MAX_ROWS}, heads, >= {rank}] of the weight's dtype with a "
+                         f"unit last stride; got {tuple(out.shape)} {out.dtype} strides {out.stride()}, weight "
+                         f"{weight.dtype}")
+    values = torch.empty((n, heads * v_dim), dtype=out.dtype, device=out.device)
+    if n == 0:
+        return values
+    pdl = pdl_on(values)
+    block_v = min(VALUE_BLOCK_V, triton.next_power_of_2(v_dim))
+    _absorb_value_kernel[(heads, triton.cdiv(v_dim, block_v))](
+        out, w, values, n, out.stride(0), out.stride(1), w.stride(0), values.stride(0), NOPE=nope, RANK=rank,
+        V_DIM=v_dim, BLOCK_V=block_v, BLOCK_RANK=triton.next_power_of_2(rank), PDL=pdl, EARLY=early, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
+    return values
+
+
+def absorbed_query_key_reference(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q_pe: torch.Tensor,
+                                 latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                 interleaved: bool, upcast_pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin: the absorbed query in float32, rounded once, then mla_query_key_reference's rows."""
+    n, heads, nope = q_nope.shape
+    w = _up_weight(weight, heads, nope, v_dim, weight.shape[-1])
+    q_latent = torch.einsum("nhd,hdr->nhr", q_nope.float(), w[:, :nope].float()).to(q_nope.dtype)
+    return mla_query_key_reference(q_latent, q_pe, latent, k_pe, cos, sin, interleaved, upcast_pairs)
+
+
+def absorbed_values_reference(out: torch.Tensor, weight: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
+    """The twin: each head's value in float32, rounded once to out's dtype, [n, heads * v_dim]."""
+    n, heads, _ = out.shape
+    rank = weight.shape[-1]
+    w = _up_weight(weight, heads, nope, v_dim, rank)
+    values = torch.einsum("nhr,hjr->nhj", out[..., :rank].float(), w[:, nope:].float())
+    return values.to(out.dtype).reshape(n, heads * v_dim)
