@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from radixmesh.engine.batch import ForwardBatch
+from radixmesh.engine.batch import ForwardBatch, ForwardMode
 
 
 @dataclass(slots=True)
@@ -32,6 +32,22 @@ class ForwardContext:
             return self.backend.forward(layer_id, q.contiguous(), k.contiguous(), v.contiguous(), self.batch,
                                         self.metadata)
         return self.backend.forward_rope(layer_id, q, k, v, rope, self.batch, self.metadata)
+
+    def pool_rows(self, layer_id: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a decode step's latent rows may be stored by the model's own kernel, then attended with
+        `attend_written`: the layer's buffer of a latent pool (KVPool.latent_rows) on a backend that attends rows
+        already stored; None otherwise. Waits for the layer's page loads first, as `attend` does."""
+        if self.batch.mode is not ForwardMode.DECODE or not getattr(self.backend, "fuses_rope_store", False):
+            return None
+        rows = getattr(self.backend.kv_pool, "latent_rows", None)
+        buf = rows(layer_id, dtype) if rows is not None else None
+        if buf is not None and self.kv_ready is not None:
+            torch.cuda.current_stream().wait_event(self.kv_ready[layer_id])
+        return buf
+
+    def attend_written(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Decode attention of this layer once the step's rows are in the pool (after `pool_rows`)."""
+        return self.backend.attend_stored(layer_id, q, self.batch, self.metadata)
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("radixmesh_forward_context", default=None)

@@ -37,13 +37,15 @@ def _wait(PDL: tl.constexpr):
 
 @triton.jit
 def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_ptr, sin_ptr, query_ptr, key_ptr,
-                         rows, heads, stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h, stride_lat, stride_kp,
-                         stride_cs, stride_wh, NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+                         loc_ptr, rows, heads, stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h, stride_lat,
+                         stride_kp, stride_cs, stride_wh, stride_key, NOPE: tl.constexpr, RANK: tl.constexpr,
+                         ROPE: tl.constexpr, AT_SLOTS: tl.constexpr,
                          BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          INTERLEAVED: tl.constexpr, ROUND: tl.constexpr, MID: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # program (head, block of latent columns); each block's first-head program copies its columns of the latent into
-    # the key rows, and block 0's programs rotate the rope parts (each head's query, head 0's the key's)
+    # the key rows, and block 0's programs rotate the rope parts (each head's query, head 0's the key's). The key rows:
+    # row t of key_ptr, or with AT_SLOTS row loc[t] (a latent pool's slots: the KV store in this launch)
     h = tl.program_id(0)
     rb = tl.program_id(1)
     d = tl.arange(0, BLOCK_NOPE)
@@ -65,10 +67,14 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
         tok = tl.cast(t, tl.int64)
         q = tl.load(q_nope_ptr + tok * stride_qn_n + h * stride_qn_h + d, mask=d < NOPE, other=0.0).to(tl.float32)
         row = query_ptr + (tok * heads + h) * width
+        if AT_SLOTS:
+            key_row = key_ptr + tl.load(loc_ptr + tok).to(tl.int64) * stride_key
+        else:
+            key_row = key_ptr + tok * stride_key
         tl.store(row + r, tl.sum(w * q[:, None], axis=0).to(dtype), mask=r_ok)
         if h == 0:
             lat = tl.load(latent_ptr + tok * stride_lat + r, mask=r_ok, other=0.0)
-            tl.store(key_ptr + tok * width + r, lat.to(dtype), mask=r_ok)
+            tl.store(key_row + r, lat.to(key_ptr.dtype.element_ty), mask=r_ok)
         if rb == 0:
             one = tl.arange(0, 1)
             one_ok = (one < 1)[:, None]
@@ -82,9 +88,10 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
                 k_src = k_pe_ptr + tok * stride_kp + one.to(tl.int64)[:, None] * 0
                 ka, kb, ka_at, kb_at, k_ok = _rotated(k_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND,
                                                       BLOCK_HALF)
-                k_rope = key_ptr + tok * width + RANK + one.to(tl.int64)[:, None] * 0
-                tl.store(k_rope + ka_at[None, :], ka.to(MID).to(dtype), mask=k_ok)
-                tl.store(k_rope + kb_at[None, :], kb.to(MID).to(dtype), mask=k_ok)
+                k_rope = key_row + RANK + one.to(tl.int64)[:, None] * 0
+                key_dtype = key_ptr.dtype.element_ty
+                tl.store(k_rope + ka_at[None, :], ka.to(MID).to(key_dtype), mask=k_ok)
+                tl.store(k_rope + kb_at[None, :], kb.to(MID).to(key_dtype), mask=k_ok)
 
 
 @triton.jit
@@ -123,12 +130,15 @@ def _up_weight(weight: torch.Tensor, heads: int, nope: int, v_dim: int, rank: in
 
 def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q_pe: torch.Tensor,
                        latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       interleaved: bool, upcast_pairs: bool, early: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       interleaved: bool, upcast_pairs: bool, early: bool = False,
+                       cache: torch.Tensor | None = None, loc: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q_nope [n, heads, nope] (n <= MAX_ROWS), kv_b_proj's weight [heads * (nope + v_dim), rank] of q_nope's dtype
     and the rest as kernels.mla_rope.mla_query_key takes them -> (query [n, heads, rank + rope], key [n, 1, rank +
     rope]): the absorbed query (float32 sums, `absorbed_query_key_reference`) beside the rotated rope parts (bit for
-    bit mla_query_key's), one launch."""
+    bit mla_query_key's), one launch. With `cache` (a latent pool's layer, [slots, 1, rank + rope] of q_nope's dtype)
+    and `loc` ([n] slots) the key rows go into the cache at those slots instead (the KV store in the same launch),
+    and None is returned for the key."""
     n, heads, nope = q_nope.shape
     rank = weight.shape[-1]
     w = _up_weight(weight, heads, nope, v_dim, rank)
@@ -142,21 +152,28 @@ def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q
                          f"{tuple(q_pe.shape)}, {tuple(latent.shape)}, {tuple(k_pe.shape)}, {tuple(cos.shape)}")
     dtype = q_nope.dtype
     query = torch.empty((n, heads, rank + rope), dtype=dtype, device=q_nope.device)
-    key = torch.empty((n, 1, rank + rope), dtype=dtype, device=q_nope.device)
+    if cache is None:
+        key = torch.empty((n, 1, rank + rope), dtype=dtype, device=q_nope.device)
+    elif (cache.dim() != 3 or cache.shape[1:] != (1, rank + rope) or cache.dtype != dtype or cache.stride(-1) != 1
+          or loc is None or loc.shape != (n,) or loc.stride(0) != 1):
+        raise ValueError(f"a latent cache for absorbed_query_key is [slots, 1, {rank + rope}] of {dtype} with slots "
+                         f"[{n}]; got {tuple(cache.shape)} {cache.dtype}, slots "
+                         f"{None if loc is None else tuple(loc.shape)}")
     if n == 0:
-        return query, key
+        return query, (key if cache is None else None)
     cos, sin = cos.reshape(n, rope).contiguous(), sin.reshape(n, rope).contiguous()
     round_to = rounding(q_pe.dtype, cos.dtype, interleaved, upcast_pairs)
     mid = q_pe.dtype if interleaved else round_to
     pdl = pdl_on(query)
     block_r = min(QUERY_BLOCK_R, triton.next_power_of_2(rank))
     _absorb_query_kernel[(heads, triton.cdiv(rank, block_r))](
-        q_nope, w, q_pe, latent, k_pe, cos, sin, query, key, n, heads, q_nope.stride(0), q_nope.stride(1),
-        q_pe.stride(0), q_pe.stride(1), latent.stride(0), k_pe.stride(0), cos.stride(0), w.stride(0), NOPE=nope,
-        RANK=rank, ROPE=rope, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=block_r,
+        q_nope, w, q_pe, latent, k_pe, cos, sin, query, key if cache is None else cache,
+        query if loc is None else loc, n, heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        latent.stride(0), k_pe.stride(0), cos.stride(0), w.stride(0), (key if cache is None else cache).stride(0),
+        NOPE=nope, RANK=rank, ROPE=rope, AT_SLOTS=cache is not None, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=block_r,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, ROUND=_TL[round_to], MID=_TL[mid],
         PDL=pdl, EARLY=early, num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
-    return query, key
+    return query, (key if cache is None else None)
 
 
 def absorbed_values(out: torch.Tensor, weight: torch.Tensor, nope: int, v_dim: int, early: bool = False

@@ -90,6 +90,28 @@ def test_a_row_is_computed_alone():
     assert torch.equal(together[2:3], alone)
 
 
+@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+def test_the_key_rows_go_into_a_latent_pool_at_the_steps_slots(loc_dtype):
+    """With a latent pool's layer and the step's slots, the key rows are stored there (the KV store in the query's
+    launch), equal to the rows the plain launch returns, every other slot untouched; the query the same."""
+    args = _inputs(SHAPES["ragged"], torch.bfloat16, "v2", seed=5)
+    n, width = args[0].shape[0], args[4].shape[1] + args[5].shape[1]
+    pool = torch.randn(32, 1, width).to(torch.bfloat16)
+    before = pool.clone()
+    loc = torch.tensor([9, 3, 30, 17, 4], dtype=loc_dtype)[:n]
+    query, key = (t.cpu() for t in absorbed_query_key(*_on(*args)))
+    pool_d = pool.to(DEVICE)
+    query2, none = absorbed_query_key(*_on(*args), cache=pool_d, loc=loc.to(DEVICE))
+    assert none is None and torch.equal(query2.cpu(), query)
+    pool = pool_d.cpu()
+    assert torch.equal(pool[loc.long()], key)
+    others = torch.ones(32, dtype=torch.bool)
+    others[loc.long()] = False
+    assert torch.equal(pool[others], before[others])
+    with pytest.raises(ValueError, match="a latent cache for absorbed_query_key"):
+        absorbed_query_key(*args, cache=torch.zeros(32, 1, width + 1, dtype=torch.bfloat16), loc=loc)
+
+
 def test_bad_inputs_are_refused():
     args = list(_inputs(SHAPES["ragged"], torch.float32, "v3", seed=4))
     many = [torch.zeros((MAX_ROWS + 1,) + t.shape[1:]) if isinstance(t, torch.Tensor) and i != 1 else t

@@ -591,25 +591,33 @@ def test_glm_flash_layer_types_default_and_are_checked(checkpoints, tmp_path):
             ModelConfig.from_path(str(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3", "deepseek_v3_rotate_half"])
-def test_the_absorbed_decode_kernels_match_transformers(checkpoints, monkeypatch, name):
+@pytest.mark.parametrize("name, backend", [("deepseek_v2_lite", "torch_native"), ("deepseek_v3", "torch_native"),
+                                           ("deepseek_v3_rotate_half", "torch_native"), ("deepseek_v2_lite", "triton")])
+def test_the_absorbed_decode_kernels_match_transformers(checkpoints, monkeypatch, name, backend):
     """kernels.mla_absorb on the decode path (each head's query into the latent space with the query and key rows in
     one launch; each head's value out of it into o_proj's input in another), run here in Triton's interpreter with the
     model's kernel paths forced on: transformers' tokens and logprobs, every decode step through the kernels (V2's
-    float32 RoPE pairs, V3's interleaved, rotate-half; a batch of four rows and one alone)."""
+    float32 RoPE pairs, V3's interleaved, rotate-half; a batch of four rows and one alone). On the triton backend
+    (its latent kernels interpreted too) the key rows go straight into the pool from the query's launch."""
+    from radixmesh.engine.cache import kv_pool
     from radixmesh.engine.models import deepseek
     from radixmesh.kernels import mla_absorb
 
     path = checkpoints[name]
     refs, logprobs = _reference(path)
-    rows = []
-    run = mla_absorb.absorbed_values
+    rows, stored = [], []
+    run, query_key = mla_absorb.absorbed_values, mla_absorb.absorbed_query_key
     monkeypatch.setattr(deepseek, "use_kernels", lambda t: True)
+    monkeypatch.setattr(kv_pool, "use_kernels", lambda t: True)
     monkeypatch.setattr(mla_absorb, "absorbed_values", lambda out, *a, **k: rows.append(out.shape[0]) or run(out, *a, **k))
+    monkeypatch.setattr(mla_absorb, "absorbed_query_key",
+                        lambda *a, **k: stored.append(k["cache"] is not None) or query_key(*a, **k))
     greedy = {"max_new_tokens": MAX_NEW, "temperature": 0}
-    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4,
+                        attention_backend=backend) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params=greedy, return_logprob=True)
         alone = llm.generate(input_ids=PROMPTS[2], sampling_params=greedy)
     assert_like_reference(outs, refs, logprobs)
     assert alone["output_ids"] == refs[2]
     assert rows and max(rows) <= mla_absorb.MAX_ROWS and 1 in rows and len(PROMPTS) in rows
+    assert any(stored) == (backend == "triton")  # (short prefill chunks, not decode steps, pass their key rows)

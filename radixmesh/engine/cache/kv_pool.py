@@ -86,6 +86,13 @@ class KVPool:
         if self.parts == 2:  # (a latent cache's value is its key, one buffer: written once)
             self.v[layer][loc] = _stored(v, self.v[layer].dtype, self.v_scale[layer])
 
+    def latent_rows(self, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """`layer`'s buffer ([slots, 1, width]) where a model's kernel may store a step's latent rows itself, as
+        `write` would (kernels.mla_absorb): a latent pool of `dtype` (its rows hold what they mean) on the kernels'
+        device; None otherwise."""
+        buf = self.k[layer]
+        return buf if self.parts == 1 and buf.dtype == dtype and use_kernels(buf) else None
+
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `slots` (any shape S) as [*S, num_kv_heads, head_dim] in `dtype`: what the cache
         means (an fp8 cache's values times its scales; a latent cache's one tensor, read once, as both)."""

@@ -142,13 +142,16 @@ class MlaAttention(nn.Module):
                              k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              table: RotaryEmbedding) -> torch.Tensor:
         """The decode path on a GPU (kernels.mla_absorb): the absorbed query with the query and key rows in one
-        launch, attention, then each head's value straight into o_proj's input in another."""
+        launch (the key rows stored in the pool there on a decode step), attention, then each head's value straight
+        into o_proj's input in another."""
         from radixmesh.kernels.mla_absorb import absorbed_query_key, absorbed_values
 
         weight = self.kv_b_proj.weight
-        query, key = absorbed_query_key(q_nope, weight, self.v_dim, q_pe, latent, k_pe, cos, sin,
-                                        table.interleaved, table.upcast_pairs, early=ABSORB_EARLY)
-        out = ctx.attend(self.layer_id, query, key, key)  # [n, heads, rank + rope]
+        cache = ctx.pool_rows(self.layer_id, q_nope.dtype)  # (a decode step: the key rows straight into the pool)
+        query, key = absorbed_query_key(q_nope, weight, self.v_dim, q_pe, latent, k_pe, cos, sin, table.interleaved,
+                                        table.upcast_pairs, early=ABSORB_EARLY, cache=cache,
+                                        loc=None if cache is None else ctx.batch.out_cache_loc)
+        out = ctx.attend(self.layer_id, query, key, key) if cache is None else ctx.attend_written(self.layer_id, query)
         return self.o_proj(absorbed_values(out, weight, self.nope, self.v_dim, early=ABSORB_EARLY))
 
 
