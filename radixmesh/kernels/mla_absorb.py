@@ -37,9 +37,10 @@ def _wait(PDL: tl.constexpr):
 
 @triton.jit
 def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_ptr, sin_ptr, query_ptr, key_ptr,
-                         loc_ptr, rows, heads, stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h, stride_lat,
-                         stride_kp, stride_cs, stride_wh, stride_key, NOPE: tl.constexpr, RANK: tl.constexpr,
-                         ROPE: tl.constexpr, AT_SLOTS: tl.constexpr,
+                         loc_ptr, norm_w_ptr, eps, rows, heads, stride_qn_n, stride_qn_h, stride_qp_n, stride_qp_h,
+                         stride_lat, stride_kp, stride_cs, stride_wh, stride_key, NOPE: tl.constexpr,
+                         RANK: tl.constexpr, ROPE: tl.constexpr, AT_SLOTS: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_RANK: tl.constexpr,
                          BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          INTERLEAVED: tl.constexpr, ROUND: tl.constexpr, MID: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
@@ -74,6 +75,12 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
         tl.store(row + r, tl.sum(w * q[:, None], axis=0).to(dtype), mask=r_ok)
         if h == 0:
             lat = tl.load(latent_ptr + tok * stride_lat + r, mask=r_ok, other=0.0)
+            if NORM:  # kv_a_layernorm here, as kernels.norm computes it: the row's statistics, then this block
+                whole = tl.arange(0, BLOCK_RANK)
+                x = tl.load(latent_ptr + tok * stride_lat + whole, mask=whole < RANK, other=0.0).to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / RANK + eps)
+                normed = (lat.to(tl.float32) * rstd).to(latent_ptr.dtype.element_ty).to(tl.float32)
+                lat = normed * tl.load(norm_w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
             tl.store(key_row + r, lat.to(key_ptr.dtype.element_ty), mask=r_ok)
         if rb == 0:
             one = tl.arange(0, 1)
@@ -131,14 +138,15 @@ def _up_weight(weight: torch.Tensor, heads: int, nope: int, v_dim: int, rank: in
 def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q_pe: torch.Tensor,
                        latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        interleaved: bool, upcast_pairs: bool, early: bool = False,
-                       cache: torch.Tensor | None = None, loc: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       cache: torch.Tensor | None = None, loc: torch.Tensor | None = None,
+                       norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q_nope [n, heads, nope] (n <= MAX_ROWS), kv_b_proj's weight [heads * (nope + v_dim), rank] of q_nope's dtype
     and the rest as kernels.mla_rope.mla_query_key takes them -> (query [n, heads, rank + rope], key [n, 1, rank +
     rope]): the absorbed query (float32 sums, `absorbed_query_key_reference`) beside the rotated rope parts (bit for
     bit mla_query_key's), one launch. With `cache` (a latent pool's layer, [slots, 1, rank + rope] of q_nope's dtype)
     and `loc` ([n] slots) the key rows go into the cache at those slots instead (the KV store in the same launch),
-    and None is returned for the key."""
+    and None is returned for the key. `norm` (kv_a_layernorm's weight [rank] and epsilon): `latent` is not normed yet
+    and the key rows take it normed as kernels.norm.rmsnorm norms it (the norm's launch saved)."""
     n, heads, nope = q_nope.shape
     rank = weight.shape[-1]
     w = _up_weight(weight, heads, nope, v_dim, rank)
@@ -159,6 +167,9 @@ def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q
         raise ValueError(f"a latent cache for absorbed_query_key is [slots, 1, {rank + rope}] of {dtype} with slots "
                          f"[{n}]; got {tuple(cache.shape)} {cache.dtype}, slots "
                          f"{None if loc is None else tuple(loc.shape)}")
+    if norm is not None and (norm[0].shape != (rank,) or norm[0].device != latent.device):
+        raise ValueError(f"absorbed_query_key's norm weight must be [{rank}] on {latent.device}, got "
+                         f"{tuple(norm[0].shape)} on {norm[0].device}")
     if n == 0:
         return query, (key if cache is None else None)
     cos, sin = cos.reshape(n, rope).contiguous(), sin.reshape(n, rope).contiguous()
@@ -168,9 +179,11 @@ def absorbed_query_key(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q
     block_r = min(QUERY_BLOCK_R, triton.next_power_of_2(rank))
     _absorb_query_kernel[(heads, triton.cdiv(rank, block_r))](
         q_nope, w, q_pe, latent, k_pe, cos, sin, query, key if cache is None else cache,
-        query if loc is None else loc, n, heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        query if loc is None else loc, query if norm is None else norm[0], 0.0 if norm is None else norm[1], n,
+        heads, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent.stride(0), k_pe.stride(0), cos.stride(0), w.stride(0), (key if cache is None else cache).stride(0),
-        NOPE=nope, RANK=rank, ROPE=rope, AT_SLOTS=cache is not None, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=block_r,
+        NOPE=nope, RANK=rank, ROPE=rope, AT_SLOTS=cache is not None, NORM=norm is not None,
+        BLOCK_RANK=triton.next_power_of_2(rank), BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_R=block_r,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, ROUND=_TL[round_to], MID=_TL[mid],
         PDL=pdl, EARLY=early, num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return query, (key if cache is None else None)
@@ -202,8 +215,14 @@ def absorbed_values(out: torch.Tensor, weight: torch.Tensor, nope: int, v_dim: i
 
 def absorbed_query_key_reference(q_nope: torch.Tensor, weight: torch.Tensor, v_dim: int, q_pe: torch.Tensor,
                                  latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                 interleaved: bool, upcast_pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin: the absorbed query in float32, rounded once, then mla_query_key_reference's rows."""
+                                 interleaved: bool, upcast_pairs: bool,
+                                 norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin: the absorbed query in float32, rounded once, then mla_query_key_reference's rows (the latent normed
+    first by kernels.norm's twin where `norm` is given)."""
+    if norm is not None:
+        from radixmesh.kernels.norm import rmsnorm_reference
+
+        latent = rmsnorm_reference(latent, *norm)
     n, heads, nope = q_nope.shape
     w = _up_weight(weight, heads, nope, v_dim, weight.shape[-1])
     q_latent = torch.einsum("nhd,hdr->nhr", q_nope.float(), w[:, :nope].float()).to(q_nope.dtype)

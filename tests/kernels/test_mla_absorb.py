@@ -81,6 +81,22 @@ def test_the_values_match_their_twin_and_the_bmm_path(dtype, shape):
     _close(got, bmm.to(dt).reshape(n, heads * v_dim))
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_latents_norm_in_the_launch_matches_the_norm_kernels_twin(dtype):
+    """With kv_a_layernorm's weight and epsilon the launch norms the latent itself (a strided view as the projection
+    leaves it): the key rows as kernels.norm's twin then the rows' twin make them (one rounding step in bfloat16, the
+    statistics summed in another order), the rope parts and the query unchanged."""
+    args = _inputs(SHAPES["one-row"], DTYPES[dtype], "v3", seed=6)
+    rank = args[1].shape[1]
+    weight = (1 + 0.3 * torch.randn(rank, generator=torch.Generator().manual_seed(7))).to(DTYPES[dtype])
+    query, key = (t.cpu() for t in absorbed_query_key(*_on(*args), norm=(weight.to(DEVICE), 1e-6)))
+    want_q, want_k = absorbed_query_key_reference(*args, norm=(weight, 1e-6))
+    plain_q, plain_k = (t.cpu() for t in absorbed_query_key(*_on(*args)))
+    assert torch.equal(query, plain_q) and torch.equal(key[..., rank:], want_k[..., rank:])
+    _close(key[..., :rank], want_k[..., :rank])
+    assert not torch.allclose(key[..., :rank].float(), plain_k[..., :rank].float(), atol=1e-2)  # (it did norm)
+
+
 def test_a_row_is_computed_alone():
     """Each row's result is the same beside other rows as alone (the programs run the rows one after another)."""
     args = _inputs(SHAPES["ragged"], torch.float32, "v3", seed=3)

@@ -216,11 +216,13 @@ out["moe_gate_grouped_v3"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "s
 # DeepSeek's absorbed products (kernels.mla_absorb), DeepSeek-V2-Lite's per-head shape, weights loaded after the wait
 # (the default) and before it
 absorb_q = dict(q_nope_ptr="*bf16", w_ptr="*bf16", q_pe_ptr="*bf16", latent_ptr="*bf16", k_pe_ptr="*bf16",
-                cos_ptr="*fp32", sin_ptr="*fp32", query_ptr="*bf16", key_ptr="*bf16", loc_ptr="*i64")
+                cos_ptr="*fp32", sin_ptr="*fp32", query_ptr="*bf16", key_ptr="*bf16", loc_ptr="*i64",
+                norm_w_ptr="*bf16")
 for early in (False, True):
     name = "_early" if early else ""
-    out["mla_absorb_query" + name] = ptx(mla_absorb._absorb_query_kernel, absorb_q, set(),
-                                         dict(NOPE=128, RANK=512, ROPE=64, AT_SLOTS=True, BLOCK_NOPE=128, BLOCK_R=32,
+    out["mla_absorb_query" + name] = ptx(mla_absorb._absorb_query_kernel, absorb_q, {"eps"},
+                                         dict(NOPE=128, RANK=512, ROPE=64, AT_SLOTS=True, NORM=True, BLOCK_RANK=512,
+                                              BLOCK_NOPE=128, BLOCK_R=32,
                                               BLOCK_HALF=32,
                                               INTERLEAVED=True, ROUND=triton.language.float32,
                                               MID=triton.language.bfloat16, PDL=True, EARLY=early), 4, 1,

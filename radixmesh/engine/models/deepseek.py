@@ -107,18 +107,19 @@ class MlaAttention(nn.Module):
         n = hidden.shape[0]
         q_nope, q_pe = self._query(hidden).view(n, self.num_heads, -1).split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # (a strided view: the norm writes a new tensor)
         table = rope.table
         cos, sin = (rope.cos, rope.sin) if rope.cos is not None else table.lookup(rope.positions, hidden.dtype)
         ctx = get_forward_context()
         # (a long prefill; never under --enable-deterministic-inference, whose rows attend alone over the latent)
-        if not getattr(ctx.backend, "rows_alone", False) and mla_expanded.wanted(ctx.batch, self.rank, self.rope_dim,
-                                                                                 self.nope, self.v_dim):
+        expanded = not getattr(ctx.backend, "rows_alone", False) and mla_expanded.wanted(
+            ctx.batch, self.rank, self.rope_dim, self.nope, self.v_dim)
+        if not expanded and ABSORB_KERNELS and use_kernels(hidden) and self._absorbs(q_nope):
+            return self._absorbed_in_kernels(ctx, q_nope, q_pe, latent, k_pe, cos, sin, table)
+        latent = self.kv_a_layernorm(latent)  # (a strided view: the norm writes a new tensor)
+        if expanded:
             query, key = _query_key(q_nope, q_pe, latent, k_pe, cos, sin, table)
             values = mla_expanded.expanded_attention(ctx, self.layer_id, query, key, self.rank, self._expand)
             return self.o_proj(values.reshape(n, self.num_heads * self.v_dim))
-        if ABSORB_KERNELS and use_kernels(hidden) and self._absorbs(q_nope):
-            return self._absorbed_in_kernels(ctx, q_nope, q_pe, latent, k_pe, cos, sin, table)
         w_uk, w_uv = self._up_blocks()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, rank]
         if FUSED_QUERY_KEY and use_kernels(hidden):  # one launch for the rotations and both rows (kernels.mla_rope)
@@ -142,15 +143,16 @@ class MlaAttention(nn.Module):
                              k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              table: RotaryEmbedding) -> torch.Tensor:
         """The decode path on a GPU (kernels.mla_absorb): the absorbed query with the query and key rows in one
-        launch (the key rows stored in the pool there on a decode step), attention, then each head's value straight
-        into o_proj's input in another."""
+        launch (the latent, not normed yet, normed there; the key rows stored in the pool there on a decode step),
+        attention, then each head's value straight into o_proj's input in another."""
         from radixmesh.kernels.mla_absorb import absorbed_query_key, absorbed_values
 
-        weight = self.kv_b_proj.weight
+        weight, norm = self.kv_b_proj.weight, self.kv_a_layernorm
         cache = ctx.pool_rows(self.layer_id, q_nope.dtype)  # (a decode step: the key rows straight into the pool)
         query, key = absorbed_query_key(q_nope, weight, self.v_dim, q_pe, latent, k_pe, cos, sin, table.interleaved,
                                         table.upcast_pairs, early=ABSORB_EARLY, cache=cache,
-                                        loc=None if cache is None else ctx.batch.out_cache_loc)
+                                        loc=None if cache is None else ctx.batch.out_cache_loc,
+                                        norm=(norm.weight, norm.eps))
         out = ctx.attend(self.layer_id, query, key, key) if cache is None else ctx.attend_written(self.layer_id, query)
         return self.o_proj(absorbed_values(out, weight, self.nope, self.v_dim, early=ABSORB_EARLY))
 
