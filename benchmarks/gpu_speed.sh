@@ -521,10 +521,11 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
     --result-file "$OUT/deepseek_unfused_gate.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "True|rror"
   # The absorbed products in kernels of their own (kernels.mla_absorb: the query's with its rows, the value's into
   # o_proj's input) against torch.bmm (RADIXMESH_MLA_ABSORB=0), and with their weights loaded before the PDL wait
-  # (RADIXMESH_MLA_ABSORB_EARLY=1). Prediction, written before any run: cuBLAS's two bmms ~7-9 us each at one row (the
-  # twenty-ninth session's profile: ~530 us a step of cuBLAS with the float32 router) against ~2-3 us each here, and
-  # the latent's copy before its norm (~1.5 us) gone: -10 to -14 us a layer x 27, batch-1 GPU time -0.27 to -0.38 ms
-  # (3.12 -> 2.75-2.85 with the gate in four launches); batch 64 and up unchanged (torch.bmm past 8 rows).
+  # (RADIXMESH_MLA_ABSORB_EARLY=1). The query's launch also norms the latent and stores the key rows into the pool.
+  # Prediction, written before any run: cuBLAS's two bmms ~7-9 us each at one row (the twenty-ninth session's
+  # profile: ~530 us a step of cuBLAS with the float32 router) against ~2-3 us each here, and three small launches
+  # (~1.5 us each: the latent's copy, its norm, the KV store) gone: -12 to -17 us a layer x 27, batch-1 GPU time
+  # -0.32 to -0.46 ms (3.12 -> 2.66-2.80 with the gate in four launches); batch 64 and up unchanged (torch.bmm).
   for ab in "RADIXMESH_MLA_ABSORB=0" "RADIXMESH_MLA_ABSORB_EARLY=1"; do
     echo "== decode triton, $ab"
     env $ab timeout ${DS_BENCH_S:-200} $PY -m radixmesh.engine.bench_one_batch \
