@@ -5,6 +5,11 @@ residual sum is rounded to the input dtype; the statistics are float32 over that
 is rounded to the input dtype, then multiplied by the weight in float32 and rounded once to the result dtype (how
 PyTorch multiplies two half-precision tensors; their product is exact in float32, so this is the correctly rounded
 product). The result dtype is promote_types(x.dtype, weight.dtype), as in the torch layer.
+
+Gemma's RMSNorm (engine.layers.norm.GemmaRMSNorm, `offset=True` here) keeps h * rsqrt(mean(h^2) + eps) in float32,
+multiplies it by 1 + weight in float32 and rounds once to x's dtype. Gemma 2 and 3 norm each sublayer's output before it
+joins the residual stream and norm the sum again for the next sublayer: `gemma_sandwich` does that chain in one pass
+(the post-norm rounded to the dtype, the residual sum rounded to it, then the next norm), as torch computes it op by op.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ _MAX_TILE = 4096  # elements of one program's tile when short rows (per-head q/k
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, dim, eps,
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, post_w_ptr, n_rows, inner, dim, eps,
                     x_stride_outer, x_stride_inner, res_stride_outer, res_stride_inner,
-                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                    OFFSET: tl.constexpr = False, POST: tl.constexpr = False):
     pdl_enter(PDL)
     # Row r of the [outer, inner, dim] input sits at (r // inner) * stride_outer + (r % inner) * stride_inner; the
     # outputs are contiguous [n_rows, dim].
@@ -34,6 +40,10 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, 
     out_off = rows[:, None] * dim + cols[None, :]
     dtype = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK]
+    if POST:  # Gemma's norm of the sublayer's output first (post_w), rounded before it joins the residual
+        post_rstd = tl.rsqrt(tl.sum(h * h, axis=1) / dim + eps)
+        post_w = 1.0 + tl.load(post_w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+        h = (h * post_rstd[:, None] * post_w[None, :]).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         res_off = (outer * res_stride_outer + within * res_stride_inner)[:, None] + cols[None, :]
         r = tl.load(res_ptr + res_off, mask=mask, other=0.0).to(tl.float32)
@@ -41,9 +51,12 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, inner, 
         tl.store(res_out_ptr + out_off, summed, mask=mask)
         h = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=1) / dim + eps)  # [ROWS]
-    normed = (h * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)  # [BLOCK]
-    tl.store(out_ptr + out_off, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    if OFFSET:  # Gemma: float32 throughout, (1 + weight), one rounding
+        y = h * rstd[:, None] * (1.0 + w)[None, :]
+    else:
+        y = (h * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,12 +74,32 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return _launch(x, residual, weight, eps, out, residual_out)
 
 
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm: x [..., dim] (any row strides), weight [dim] (stored as an offset from 1) -> x / rms(x) * (1 +
+    weight) in x's dtype; with `residual` (Gemma 1's pre-norm decoder) -> (norm(x + residual), x + residual)."""
+    out, res_out = _launch(x, residual, weight, eps, None, None, offset=True)
+    return out if residual is None else (out, res_out)
+
+
+def gemma_sandwich(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 2/3 between sublayers: x (a sublayer's output) and residual [..., dim] -> (norm(s; weight), s) where s =
+    residual + norm(x; post_weight), both Gemma norms, each result rounded to x's dtype as torch rounds it."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    if post_weight.shape != (x.shape[-1],) or post_weight.device != x.device:
+        raise ValueError(f"post weight {tuple(post_weight.shape)} does not fit x {tuple(x.shape)}")
+    return _launch(x, residual, weight, eps, None, None, offset=True, post_weight=post_weight)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor | None, res_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out: torch.Tensor | None, res_out: torch.Tensor | None, offset: bool = False,
+            post_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim = x.shape[-1]
     if weight.shape != (dim,) or weight.device != x.device:
         raise ValueError(f"weight {tuple(weight.shape)} on {weight.device} does not fit x {tuple(x.shape)}")
-    out = _output(out, x, torch.promote_types(x.dtype, weight.dtype))
+    out = _output(out, x, x.dtype if offset else torch.promote_types(x.dtype, weight.dtype))
     if residual is not None:
         res_out = _output(res_out, x, x.dtype)
     n_rows = x.numel() // dim if dim else 0
@@ -77,9 +110,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block = triton.next_power_of_2(dim)
     rows = _rows_per_program(n_rows, block)
     _rmsnorm_kernel[(triton.cdiv(n_rows, rows),)](
-        x3, r3, weight.contiguous(), out, out if res_out is None else res_out, n_rows, x3.shape[1], dim, eps,
+        x3, r3, weight.contiguous(), out, out if res_out is None else res_out,
+        weight if post_weight is None else post_weight.contiguous(), n_rows, x3.shape[1], dim, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, OFFSET=offset, POST=post_weight is not None,
         num_warps=_num_warps(rows * block, x.element_size()), **pdl_options(x))
     return out, res_out
 
@@ -118,6 +152,20 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def gemma_rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The twin of `gemma_rmsnorm`: engine.layers.norm.GemmaRMSNorm.forward, op for op."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_sandwich_reference(x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `gemma_sandwich`: Gemma 2's `hidden + post_norm(sublayer)`, then the next norm."""
+    summed = residual + gemma_rmsnorm_reference(x, post_weight, eps)
+    return gemma_rmsnorm_reference(summed, weight, eps), summed
 
 
 def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -29,7 +29,9 @@ from radixmesh.engine.layers.rotary import RotaryEmbedding, apply_rotary as engi
 from radixmesh.engine.models.llama import MLP
 from radixmesh.kernels.activation import silu_and_mul, silu_and_mul_reference
 from radixmesh.kernels.kv_store import store_kv, store_kv_reference
-from radixmesh.kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_reference, rmsnorm, rmsnorm_reference
+from radixmesh.kernels.norm import (fused_add_rmsnorm, fused_add_rmsnorm_reference, gemma_rmsnorm,
+                                    gemma_rmsnorm_reference, gemma_sandwich, gemma_sandwich_reference, rmsnorm,
+                                    rmsnorm_reference)
 from radixmesh.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_store_kv, rotary_store_kv_reference
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,6 +154,47 @@ def test_fused_add_rmsnorm(device, shape, strided, dtype, gen, tiles):
     assert torch.equal(res_out, ref_res)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
     _assert_rounding_close(out, ref, _normalized(ref_res), lambda t: weight * t, NORM_FP32_RTOL, NORM_HALF_FRACTION)
+
+
+def _assert_one_rounding_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """A result rounded once from float32 sums taken in another order: float32 to 1e-6 relative; a half dtype within
+    one step of its precision of the twin, and most elements equal."""
+    assert not out.isnan().any() and out.dtype == ref.dtype
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=NORM_FP32_RTOL, atol=1e-6)
+        return
+    step = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -10
+    torch.testing.assert_close(out.float(), ref.float(), rtol=step, atol=step * 1e-3)
+    assert (out != ref).sum().item() <= 1 + 0.02 * out.numel()
+
+
+@pytest.mark.parametrize("device,shape,strided", NORM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rmsnorm(device, shape, strided, dtype, gen, tiles):
+    """Gemma's (1 + weight) norm in float32, rounded once (per head too: Gemma 3's q/k norms on strided rows); with a
+    residual, Gemma 1's sum first."""
+    x = _norm_input(shape, strided, dtype, device, gen)
+    weight = _randn(shape[-1:], dtype, device, gen)
+    _assert_one_rounding_close(gemma_rmsnorm(x, weight, EPS), gemma_rmsnorm_reference(x, weight, EPS))
+    residual = _randn(shape, dtype, device, gen)
+    out, summed = gemma_rmsnorm(x, weight, EPS, residual=residual)
+    assert torch.equal(summed, x + residual)
+    _assert_one_rounding_close(out, gemma_rmsnorm_reference(x + residual, weight, EPS))
+
+
+@pytest.mark.parametrize("device,shape,strided", NORM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_sandwich(device, shape, strided, dtype, gen, tiles):
+    """Gemma 2/3 between sublayers in one launch: the residual plus the sublayer's post-normed output (rounded as torch
+    rounds the two), and the next norm of that sum."""
+    x = _norm_input(shape, strided, dtype, device, gen)
+    residual = _randn(shape, dtype, device, gen)
+    post, weight = _randn(shape[-1:], dtype, device, gen), _randn(shape[-1:], dtype, device, gen)
+    out, summed = gemma_sandwich(x, residual, post, weight, EPS)
+    ref, ref_sum = gemma_sandwich_reference(x, residual, post, weight, EPS)
+    _assert_one_rounding_close(summed, ref_sum)
+    _assert_one_rounding_close(out, gemma_rmsnorm_reference(summed, weight, EPS))  # (the norm of its own sum)
+    _assert_one_rounding_close(out, ref)
 
 
 def _positions(n: int, max_positions: int, gen) -> torch.Tensor:

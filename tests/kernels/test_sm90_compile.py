@@ -109,9 +109,12 @@ out["stage2_sinks"] = ptx(decode_attention._decode_stage2, stage2_args, set(),
                           4, 1)
 out["silu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16), set(),
                           dict(BLOCK=1024, PDL=True), 4, 1)
-out["rmsnorm"] = ptx(norm._rmsnorm_kernel, dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
-                                                res_out_ptr=bf16), {"eps"},
-                     dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True), 8, 1)
+norm_args = dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, res_out_ptr=bf16, post_w_ptr=bf16)
+out["rmsnorm"] = ptx(norm._rmsnorm_kernel, norm_args, {"eps"},
+                     dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=False, POST=False), 8, 1)
+# Gemma 2/3 between sublayers (kernels.norm.gemma_sandwich): the post-norm, the residual sum, the next norm
+out["gemma_sandwich"] = ptx(norm._rmsnorm_kernel, norm_args, {"eps"},
+                            dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=True, POST=True), 8, 1)
 out["store_kv"] = ptx(kv_store._store_kv_kernel, dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16,
                                                       loc_ptr="*i64"), set(),
                       dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, STORE_V=True, PDL=True), 4, 1)
@@ -267,7 +270,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0),
-                                                 ("rmsnorm", 0), ("store_kv", 0),
+                                                 ("rmsnorm", 0), ("gemma_sandwich", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),

@@ -151,6 +151,15 @@ def test_families_match_transformers(checkpoint, name):
     _check(checkpoint(name))
 
 
+def test_gemma_norm_kernels_with_a_residual_match_transformers(checkpoint, monkeypatch):
+    """Gemma 1's pre-norm decoder with its (1 + weight) norms in the kernel (kernels.norm.gemma_rmsnorm, the
+    residual added in the same launch), forced on here in Triton's interpreter: transformers' tokens and logprobs."""
+    from radixmesh.engine.layers import norm
+
+    monkeypatch.setattr(norm, "use_kernels", lambda t: True)
+    _check(checkpoint("gemma"))
+
+
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-parallel", "starcoder2"])
 def test_families_shard_over_tensor_parallel_ranks(checkpoint, name):
     """tp_size 2: each rank reads its heads' rows of the per-head q/k norms (Cohere's one tensor, StableLM's tensor

@@ -88,6 +88,34 @@ def test_triton_parity(checkpoints, kind, prefill, decode):
                 assert got == pytest.approx(want_logprobs[i][:n], abs=LOGPROB_ATOL)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_norm_kernels_match_transformers(checkpoints, monkeypatch, kind):
+    """Gemma's (1 + weight) norms in kernels (kernels.norm.gemma_rmsnorm; Gemma 3's q/k norms per head), and between
+    sublayers the post-norm, the residual sum and the next norm in one launch (gemma_sandwich), as on CUDA: here in
+    Triton's interpreter with the kernel paths forced on, transformers' tokens and logprobs."""
+    from radixmesh.engine.layers import norm
+    from radixmesh.engine.models import gemma
+    from radixmesh.kernels import norm as norm_kernels
+
+    launches = []
+    sandwich = norm_kernels.gemma_sandwich
+    monkeypatch.setattr(norm, "use_kernels", lambda t: True)
+    monkeypatch.setattr(gemma, "use_kernels", lambda t: True)
+    monkeypatch.setattr(norm_kernels, "gemma_sandwich", lambda *a: launches.append(1) or sandwich(*a))
+    path = checkpoints[kind]
+    picked = [0, 3]
+    want_ids, want_logprobs = reference(path)
+    n = 4
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=32, page_size=4) as llm:
+        outs = llm.generate(input_ids=[prompts()[i] for i in picked], sampling_params={"max_new_tokens": n,
+                            "temperature": 0}, return_logprob=True)
+    for out, i in zip(outs, picked):
+        assert out["output_ids"] == want_ids[i][:n]
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want_logprobs[i][:n], abs=LOGPROB_ATOL)
+    assert launches  # (the sandwich ran: two a layer a forward)
+
+
 def _variant(path: str, dst, **config) -> str:
     shutil.copytree(path, dst)
     raw = json.loads((dst / "config.json").read_text())

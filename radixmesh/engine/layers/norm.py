@@ -7,6 +7,8 @@ and returns the sum as the new residual: one fused kernel on CUDA (RMSNorm).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,10 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+# Gemma's norms run kernels.norm on CUDA; RADIXMESH_GEMMA_NORMS=0 keeps torch's ops there (an A/B switch for benchmarks)
+GEMMA_NORM_KERNELS = os.environ.get("RADIXMESH_GEMMA_NORMS", "1") != "0"
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm (transformers' Gemma2RMSNorm / Gemma3RMSNorm): the weight is stored as an offset from 1 and
     applied in float32 before the cast back, x * rsqrt(mean(x^2) + eps) * (1 + weight). No residual fusion (Gemma's
@@ -53,7 +59,11 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., dim] -> normed x in x's dtype; with `residual` (Gemma 1's pre-norm decoder) -> (norm(x + residual),
-        x + residual)."""
+        x + residual). One kernel on CUDA (kernels.norm.gemma_rmsnorm): in torch a norm is ~9 launches."""
+        if GEMMA_NORM_KERNELS and use_kernels(x):
+            from radixmesh.kernels.norm import gemma_rmsnorm
+
+            return gemma_rmsnorm(x, self.weight, self.eps, residual=residual)
         if residual is not None:
             summed = x + residual
             return self.forward(summed), summed

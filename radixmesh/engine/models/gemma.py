@@ -33,8 +33,9 @@ from torch import nn
 from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.layers.activation import gelu_tanh_and_mul
 from radixmesh.engine.layers.linear import ParallelLMHead, VocabParallelEmbedding, vocab_logits
-from radixmesh.engine.layers.norm import GemmaRMSNorm
+from radixmesh.engine.layers.norm import GEMMA_NORM_KERNELS, GemmaRMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
+from radixmesh.engine.layers.triton_ops import use_kernels
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.attention_spec import sliding_layers
 from radixmesh.engine.models.gemma_config import gemma_config
@@ -70,6 +71,18 @@ class GemmaDecoderLayer(nn.Module):
         """hidden [num_tokens, hidden] -> the residual stream after this layer."""
         hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+    def forward_normed(self, normed: torch.Tensor, hidden: torch.Tensor, rope: RopeInputs,
+                       next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' form of `forward` (CUDA): from this layer's normed input and the residual stream to the next
+        norm's output (`next_norm`: the next layer's input norm, or the model's final one) and the stream after this
+        layer; each post-norm, residual sum and following norm one launch (kernels.norm.gemma_sandwich)."""
+        from radixmesh.kernels.norm import gemma_sandwich
+
+        eps = self.post_attention_layernorm.eps
+        normed, hidden = gemma_sandwich(self.self_attn(normed, rope), hidden, self.post_attention_layernorm.weight,
+                                        self.pre_feedforward_layernorm.weight, eps)
+        return gemma_sandwich(self.mlp(normed), hidden, self.post_feedforward_layernorm.weight, next_norm.weight, eps)
 
 
 class GemmaModel(nn.Module):
@@ -116,7 +129,16 @@ class Gemma2ForCausalLM(nn.Module):
         hidden = hidden * _embed_scale(self.config.hidden_size, hidden.dtype)
         rope = self.rotary.prepare(positions, hidden.dtype)
         local = rope if self.rotary_local is self.rotary else self.rotary_local.prepare(positions, hidden.dtype)
-        for layer, sliding in zip(self.model.layers, self.sliding):
+        layers = self.model.layers
+        # the norms' chain between sublayers in one launch each (forward_normed), unless a layer's output is hooked
+        # (engine.hidden_capture: EAGLE-3's target features), which forward_normed does not return
+        if GEMMA_NORM_KERNELS and use_kernels(hidden) and not any(layer._forward_hooks for layer in layers):
+            normed = layers[0].input_layernorm(hidden)
+            nexts = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+            for layer, sliding, next_norm in zip(layers, self.sliding, nexts):
+                normed, hidden = layer.forward_normed(normed, hidden, local if sliding else rope, next_norm)
+            return normed
+        for layer, sliding in zip(layers, self.sliding):
             hidden = layer(hidden, local if sliding else rope)
         return self.model.norm(hidden)
 
