@@ -78,6 +78,8 @@
 #                           then the DeepSeek-V2-Lite shape (dummy weights) at batch 1, 64, 256 and an 8k prefill
 #                           against the roofline, decoded on Triton's latent kernel (DEEPSEEK_DECODES adds
 #                           torch_native), and the 8k prefill in the expanded form
+#   PARTS="setup gemma"     Gemma's norms in kernels (kernels.norm.gemma_rmsnorm / gemma_sandwich) against torch's ops
+#                           (RADIXMESH_GEMMA_NORMS=0): the Gemma-3-12B and Gemma-2-9B shapes at batch 1 and 64
 #   PARTS="setup moeprof"  GPT-OSS's and DeepSeek-V2-Lite's decode steps by kernel (profile_decode --timeline)
 #   PARTS="setup gptoss"    GPT-OSS: the sink kernels' and the tiny GPT-OSS's CUDA tests, then the gpt-oss-20b shape
 #                           (dummy weights in bf16: the MXFP4 experts as the loader dequantizes them) at batch 1, 64,
@@ -464,6 +466,23 @@ if [[ " $PARTS " == *" gemmab "* ]]; then  # the shipped block-fp8 tile file aga
     # (the first run on a fresh machine compiles every tile: the twenty-fifth session's cold "none" run passed 150 s)
     RUN_TIMEOUT=${RUN_TIMEOUT:-270} tuner_run gemmab "$label" --model-path build/llama-3.1-8b-fp8-block --batch-size 64 256 --prefill-len 0
     [[ -f $pkg.kept ]] && mv "$pkg.kept" "$pkg"
+  done
+fi
+
+if [[ " $PARTS " == *" gemma "* ]]; then
+  # Prediction, written before any run: torch computes a Gemma norm in ~9 launches (float, pow, mean, add, rsqrt, mul,
+  # the weight's float and 1 +, mul, the cast); Gemma 3 has six a layer (four of the hidden rows, q's and k's per head)
+  # and two residual adds: ~56 launches of ~1.5-2 us a layer against 4 kernels (~6 us). Gemma-3-12B (48 layers) at
+  # batch 1: -3.7 to -5 ms a step of GPU time (its weight floor ~7.8 ms on an H100), about the same at batch 64.
+  for model in gemma-3-12b gemma-2-9b; do
+    for ab in "X=1" "RADIXMESH_GEMMA_NORMS=0"; do
+      echo "== $model $ab"
+      echo "{\"label\": \"$model $ab\"}" >> "$OUT/gemma.jsonl"
+      env $ab timeout ${GEMMA_S:-150} $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/$model \
+        --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 64 \
+        --input-len 512 --output-len 16 --roofline --result-file "$OUT/gemma.jsonl" 2>&1 | tee -a "$OUT/gemma.log" \
+        | grep -E "True|rror"
+    done
   done
 fi
 
