@@ -30,9 +30,20 @@ VALUE_BLOCK_V = 4  # value rows a value-side program holds: [4, rank] of W_uv
 
 
 @triton.jit
-def _wait(PDL: tl.constexpr):
+def _weights_and_wait(w_at, w_ok, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Under PDL: let dependents launch, then wait for the kernel before; the head's block of W loaded (float32)
+    after the wait, or before it with EARLY (no kernel writes it)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if EARLY:
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -54,14 +65,7 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
     r_ok = r < RANK
     w_at = w_ptr + h.to(tl.int64) * stride_wh + d[:, None] * RANK + r[None, :]
     w_ok = (d < NOPE)[:, None] & r_ok[None, :]
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if EARLY:
-        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
-        _wait(PDL)
-    else:
-        _wait(PDL)
-        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+    w = _weights_and_wait(w_at, w_ok, PDL, EARLY)
     dtype = query_ptr.dtype.element_ty
     width = RANK + ROPE
     for t in range(rows):
@@ -112,14 +116,7 @@ def _absorb_value_kernel(o_ptr, w_ptr, out_ptr, rows, stride_on, stride_oh, stri
     j_ok = j < V_DIM
     w_at = w_ptr + h.to(tl.int64) * stride_wh + (NOPE + j)[:, None] * RANK + r[None, :]
     w_ok = j_ok[:, None] & (r < RANK)[None, :]
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if EARLY:
-        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
-        _wait(PDL)
-    else:
-        _wait(PDL)
-        w = tl.load(w_at, mask=w_ok, other=0.0).to(tl.float32)
+    w = _weights_and_wait(w_at, w_ok, PDL, EARLY)
     dtype = out_ptr.dtype.element_ty
     for t in range(rows):
         tok = tl.cast(t, tl.int64)
