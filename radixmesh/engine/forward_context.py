@@ -37,7 +37,7 @@ class ForwardContext:
         """Where a decode step's latent rows may be stored by the model's own kernel, then attended with
         `attend_written`: the layer's buffer of a latent pool (KVPool.latent_rows) on a backend that attends rows
         already stored; None otherwise. Waits for the layer's page loads first, as `attend` does."""
-        if self.batch.mode is not ForwardMode.DECODE or not getattr(self.backend, "fuses_rope_store", False):
+        if self.batch.mode is not ForwardMode.DECODE or not self.backend.fuses_rope_store:
             return None
         rows = getattr(self.backend.kv_pool, "latent_rows", None)
         buf = rows(layer_id, dtype) if rows is not None else None

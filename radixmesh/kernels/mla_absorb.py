@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.mla_rope import _TL, _rotated, mla_query_key_reference, rounding
+from radixmesh.kernels.mla_rope import _TL, mla_query_key_reference, rotate_into, rounding
 from radixmesh.kernels.runtime import pdl_on
 
 # Rows a launch takes (a decode batch); more rows run torch.bmm, whose tiles reuse each weight across rows.
@@ -55,9 +55,9 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
                          BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          INTERLEAVED: tl.constexpr, ROUND: tl.constexpr, MID: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
-    # program (head, block of latent columns); each block's first-head program copies its columns of the latent into
-    # the key rows, and block 0's programs rotate the rope parts (each head's query, head 0's the key's). The key rows:
-    # row t of key_ptr, or with AT_SLOTS row loc[t] (a latent pool's slots: the KV store in this launch)
+    # program (head, block of latent columns); block 0's programs rotate each head's query rope part; head 0's
+    # programs write their columns of the key rows (the latent, normed here with NORM), block 0's its rope part too.
+    # The key rows: row t of key_ptr, or with AT_SLOTS row loc[t] (a latent pool's slots: the KV store in this launch)
     h = tl.program_id(0)
     rb = tl.program_id(1)
     d = tl.arange(0, BLOCK_NOPE)
@@ -67,17 +67,22 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
     w_ok = (d < NOPE)[:, None] & r_ok[None, :]
     w = _weights_and_wait(w_at, w_ok, PDL, EARLY)
     dtype = query_ptr.dtype.element_ty
-    width = RANK + ROPE
+    one = tl.arange(0, 1).to(tl.int64)[:, None] * 0  # ([1, 1]: the rope helper's one row)
+    one_ok = one == 0
     for t in range(rows):
         tok = tl.cast(t, tl.int64)
         q = tl.load(q_nope_ptr + tok * stride_qn_n + h * stride_qn_h + d, mask=d < NOPE, other=0.0).to(tl.float32)
-        row = query_ptr + (tok * heads + h) * width
-        if AT_SLOTS:
-            key_row = key_ptr + tl.load(loc_ptr + tok).to(tl.int64) * stride_key
-        else:
-            key_row = key_ptr + tok * stride_key
+        row = query_ptr + (tok * heads + h) * (RANK + ROPE)
         tl.store(row + r, tl.sum(w * q[:, None], axis=0).to(dtype), mask=r_ok)
+        cos_row, sin_row = cos_ptr + tok * stride_cs, sin_ptr + tok * stride_cs
+        if rb == 0:
+            rotate_into(q_pe_ptr + tok * stride_qp_n + h * stride_qp_h + one, row + RANK + one, cos_row, sin_row,
+                        one_ok, ROPE, INTERLEAVED, ROUND, MID, BLOCK_HALF)
         if h == 0:
+            if AT_SLOTS:
+                key_row = key_ptr + tl.load(loc_ptr + tok).to(tl.int64) * stride_key
+            else:
+                key_row = key_ptr + tok * stride_key
             lat = tl.load(latent_ptr + tok * stride_lat + r, mask=r_ok, other=0.0)
             if NORM:  # kv_a_layernorm here, as kernels.norm computes it: the row's statistics, then this block
                 whole = tl.arange(0, BLOCK_RANK)
@@ -86,23 +91,9 @@ def _absorb_query_kernel(q_nope_ptr, w_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_
                 normed = (lat.to(tl.float32) * rstd).to(latent_ptr.dtype.element_ty).to(tl.float32)
                 lat = normed * tl.load(norm_w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
             tl.store(key_row + r, lat.to(key_ptr.dtype.element_ty), mask=r_ok)
-        if rb == 0:
-            one = tl.arange(0, 1)
-            one_ok = (one < 1)[:, None]
-            cos_row, sin_row = cos_ptr + tok * stride_cs, sin_ptr + tok * stride_cs
-            q_src = q_pe_ptr + tok * stride_qp_n + h * stride_qp_h + one.to(tl.int64)[:, None] * 0
-            qa, qb, a_at, b_at, ok = _rotated(q_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND, BLOCK_HALF)
-            q_rope = row + RANK + one.to(tl.int64)[:, None] * 0
-            tl.store(q_rope + a_at[None, :], qa.to(MID).to(dtype), mask=ok)
-            tl.store(q_rope + b_at[None, :], qb.to(MID).to(dtype), mask=ok)
-            if h == 0:
-                k_src = k_pe_ptr + tok * stride_kp + one.to(tl.int64)[:, None] * 0
-                ka, kb, ka_at, kb_at, k_ok = _rotated(k_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND,
-                                                      BLOCK_HALF)
-                k_rope = key_row + RANK + one.to(tl.int64)[:, None] * 0
-                key_dtype = key_ptr.dtype.element_ty
-                tl.store(k_rope + ka_at[None, :], ka.to(MID).to(key_dtype), mask=k_ok)
-                tl.store(k_rope + kb_at[None, :], kb.to(MID).to(key_dtype), mask=k_ok)
+            if rb == 0:
+                rotate_into(k_pe_ptr + tok * stride_kp + one, key_row + RANK + one, cos_row, sin_row, one_ok, ROPE,
+                            INTERLEAVED, ROUND, MID, BLOCK_HALF)
 
 
 @triton.jit

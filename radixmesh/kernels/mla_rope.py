@@ -21,11 +21,11 @@ from radixmesh.kernels.runtime import pdl_enter, pdl_options
 
 
 @triton.jit
-def _rotated(src, cos_row, sin_row, h_ok, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND: tl.constexpr,
-             BLOCK_HALF: tl.constexpr):
-    """Rows `src` ([rows, 1] pointers to each row's rope part) rotated by one token's cos/sin rows -> (first outputs,
-    second outputs) float32 [rows, BLOCK_HALF]: interleaved, the pairs' even and odd elements; rotate-half, the two
-    halves. Each op rounded to ROUND as torch rounds it."""
+def rotate_into(src, dst, cos_row, sin_row, h_ok, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                ROUND: tl.constexpr, MID: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rows `src` ([rows, 1] pointers to each row's rope part) rotated by one token's cos/sin rows and stored at `dst`
+    ([rows, 1] pointers, in dst's dtype through MID): interleaved, the pairs' even and odd elements; rotate-half, the
+    two halves. Each op rounded to ROUND as torch rounds it."""
     i = tl.arange(0, BLOCK_HALF)
     ok = h_ok & (i < ROPE // 2)[None, :]
     if INTERLEAVED:
@@ -42,7 +42,9 @@ def _rotated(src, cos_row, sin_row, h_ok, ROPE: tl.constexpr, INTERLEAVED: tl.co
     # a' = a c_a + (-b) s_a, b' = b c_b + a s_b (rotate_half and the interleaved swap alike)
     out_a = ((a * ca).to(ROUND).to(tl.float32) + (-b * sa).to(ROUND).to(tl.float32)).to(ROUND).to(tl.float32)
     out_b = ((b * cb).to(ROUND).to(tl.float32) + (a * sb).to(ROUND).to(tl.float32)).to(ROUND).to(tl.float32)
-    return out_a, out_b, a_at, b_at, ok
+    dtype = dst.dtype.element_ty
+    tl.store(dst + a_at[None, :], out_a.to(MID).to(dtype), mask=ok)
+    tl.store(dst + b_at[None, :], out_b.to(MID).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -67,9 +69,7 @@ def _mla_query_key_kernel(q_lat_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_ptr, si
         tl.store(rows + r0 + r[None, :], part.to(dtype), mask=h_ok & (r0 + r < RANK)[None, :])
     cos_row, sin_row = cos_ptr + tok * stride_cs, sin_ptr + tok * stride_cs
     q_src = q_pe_ptr + tok * stride_qp_n + h.to(tl.int64)[:, None] * stride_qp_h
-    qa, qb, a_at, b_at, ok = _rotated(q_src, cos_row, sin_row, h_ok, ROPE, INTERLEAVED, ROUND, BLOCK_HALF)
-    tl.store(rows + RANK + a_at[None, :], qa.to(MID).to(dtype), mask=ok)
-    tl.store(rows + RANK + b_at[None, :], qb.to(MID).to(dtype), mask=ok)
+    rotate_into(q_src, rows + RANK, cos_row, sin_row, h_ok, ROPE, INTERLEAVED, ROUND, MID, BLOCK_HALF)
     if block == tl.num_programs(1) - 1:
         one = tl.arange(0, 1)
         one_ok = (one < 1)[:, None]
@@ -79,9 +79,7 @@ def _mla_query_key_kernel(q_lat_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, cos_ptr, si
                           mask=one_ok & (r0 + r < RANK)[None, :], other=0.0)
             tl.store(key + r0 + r[None, :], lat.to(dtype), mask=one_ok & (r0 + r < RANK)[None, :])
         k_src = k_pe_ptr + tok * stride_kp + one.to(tl.int64)[:, None] * 0
-        ka, kb, ka_at, kb_at, k_ok = _rotated(k_src, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND, BLOCK_HALF)
-        tl.store(key + RANK + ka_at[None, :], ka.to(MID).to(dtype), mask=k_ok)
-        tl.store(key + RANK + kb_at[None, :], kb.to(MID).to(dtype), mask=k_ok)
+        rotate_into(k_src, key + RANK, cos_row, sin_row, one_ok, ROPE, INTERLEAVED, ROUND, MID, BLOCK_HALF)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
