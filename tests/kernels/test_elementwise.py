@@ -186,15 +186,21 @@ def test_gemma_rmsnorm(device, shape, strided, dtype, gen, tiles):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma_sandwich(device, shape, strided, dtype, gen, tiles):
     """Gemma 2/3 between sublayers in one launch: the residual plus the sublayer's post-normed output (rounded as torch
-    rounds the two), and the next norm of that sum."""
+    rounds the two), and the next norm of that sum. The post-norm may differ from the twin's by one rounding (its
+    statistics summed in another order); where the residual nearly cancels it, that step is all of the sum (on the
+    H100, 32-215 of 8-33M elements of the large cases, relative differences up to 1), so the sum is held to a step of
+    its two terms, and the next norm to one rounding of the norm of the sum it got."""
     x = _norm_input(shape, strided, dtype, device, gen)
     residual = _randn(shape, dtype, device, gen)
     post, weight = _randn(shape[-1:], dtype, device, gen), _randn(shape[-1:], dtype, device, gen)
     out, summed = gemma_sandwich(x, residual, post, weight, EPS)
-    ref, ref_sum = gemma_sandwich_reference(x, residual, post, weight, EPS)
-    _assert_one_rounding_close(summed, ref_sum)
+    _, ref_sum = gemma_sandwich_reference(x, residual, post, weight, EPS)
+    step = {torch.float32: NORM_FP32_RTOL, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    terms = gemma_rmsnorm_reference(x, post, EPS).float().abs() + residual.float().abs()
+    assert ((summed.float() - ref_sum.float()).abs() <= step * terms + 1e-30).all()
+    if dtype != torch.float32:  # (in float32 most sums' last bits follow the post-norm's)
+        assert (summed != ref_sum).sum().item() <= 1 + 0.02 * summed.numel()
     _assert_one_rounding_close(out, gemma_rmsnorm_reference(summed, weight, EPS))  # (the norm of its own sum)
-    _assert_one_rounding_close(out, ref)
 
 
 def _positions(n: int, max_positions: int, gen) -> torch.Tensor:
