@@ -152,11 +152,16 @@ class Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of each exit
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        self.listener.bind(self.path)
-        os.chmod(self.path, 0o600)
+        # bound and listening under a temporary name, then renamed into place: a client that finds the path can
+        # connect (bound at the path itself, the socket refused connections until listen(), and a client that took
+        # the path's existence for readiness was refused: a suite run's failure)
+        staging = f"{self.path}.{os.getpid()}.tmp"
+        if os.path.exists(staging):
+            os.unlink(staging)
+        self.listener.bind(staging)
+        os.chmod(staging, 0o600)
         self.listener.listen(64)
+        os.replace(staging, self.path)
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
         print(f"fork server ready on {self.path}", flush=True)
