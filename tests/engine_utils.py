@@ -84,3 +84,17 @@ def greedy_like_transformers(llm: Engine, path: str, prompts: list[list[int]], m
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert got == pytest.approx(hf_token_logprobs(path, p, ref), abs=logprob_tol)
     return outs
+
+
+def force_rotary_kernel(monkeypatch) -> list:
+    """engine.layers.rotary takes kernels.rotary's path, as where use_kernels holds (here in Triton's interpreter);
+    returns the list each of the kernel's launches appends its q/k norm (None or a kernels.rotary.QKNorm tuple) to."""
+    from radixmesh.engine.layers import rotary
+    from radixmesh.kernels import rotary as rotary_kernels
+
+    launches = []
+    kernel = rotary_kernels.apply_rotary
+    monkeypatch.setattr(rotary, "use_kernels", lambda t: True)
+    monkeypatch.setattr(rotary_kernels, "apply_rotary",
+                        lambda *a, qk_norm=None, **k: launches.append(qk_norm) or kernel(*a, qk_norm=qk_norm, **k))
+    return launches

@@ -9,7 +9,12 @@ the sum rounded. Every step is an exactly rounded elementwise op, so the kernel 
 GPU it is compiled without fused multiply-adds, which would skip the float32 rounding of the products. The norm is
 kernels.norm.rmsnorm's (float32 statistics over the head, x * rstd rounded to the model dtype, times the weight rounded
 again) on each head before it rotates; its sum of squares adds the head's two halves in another order than a
-whole-row sum, so a normed value may round to the neighbour of the twin's.
+whole-row sum, so a normed value may round to the neighbour of the twin's. Gemma 3's norm (`QKNorm.offset`: the
+weight stored as an offset from 1) is kernels.norm.gemma_rmsnorm's instead: float32 throughout, one rounding.
+
+Partial rotary (cos/sin narrower than a head: Phi-4-mini, GLM-4.5, MiniMax-M2, StableLM): the leading `rotary_dim`
+dimensions of each head rotate, the rest pass through (normed first, over the whole head, when `qk_norm` is set), as
+engine.layers.rotary does it.
 """
 
 from __future__ import annotations
@@ -21,17 +26,18 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.kv_store import check_store, store_kv_reference
-from radixmesh.kernels.norm import rmsnorm_reference
+from radixmesh.kernels.norm import gemma_rmsnorm_reference, rmsnorm_reference
 from radixmesh.kernels.runtime import pdl_enter, pdl_options
 
 
 
 class QKNorm(NamedTuple):
-    """Qwen3's per-head RMSNorm of q and k (any (q weight, k weight, eps) tuple will do)."""
+    """Qwen3's per-head RMSNorm of q and k (any (q weight, k weight, eps) tuple will do); with `offset` Gemma 3's."""
 
     q_weight: torch.Tensor  # [head_dim], q's dtype
     k_weight: torch.Tensor
     eps: float
+    offset: bool = False  # Gemma's x * rsqrt(mean(x^2) + eps) * (1 + weight), in float32, rounded once
 
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
 _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1 KiB each at head_dim 128 in bf16
@@ -39,9 +45,11 @@ _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1
 
 @triton.jit
 def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2, norm_w, eps,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
-    """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF] first when NORM;
-    src rows are stride_head apart, dst's dst_stride_head."""
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                  TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, OFFSET: tl.constexpr):
+    """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF + TAIL] first when
+    NORM (Gemma's offset weight with OFFSET); the TAIL dimensions after the rotated 2 * HALF pass through. src rows
+    are stride_head apart, dst's dst_stride_head."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
@@ -50,17 +58,37 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
     x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = dst.dtype.element_ty
-    if NORM:  # kernels.norm's rounding: x * rstd to the dtype, times the weight to the dtype
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(norm_w + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(norm_w + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    if TAIL > 0:
+        t = tl.arange(0, BLOCK_TAIL)
+        tmask = (heads < n_heads)[:, None] & (t < TAIL)[None, :]
+        x3 = tl.load(src + heads[:, None] * stride_head + 2 * HALF + t[None, :], mask=tmask, other=0.0).to(tl.float32)
+    if NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if TAIL > 0:
+            squares += tl.sum(x3 * x3, axis=1)
+        rstd = tl.rsqrt(squares / (2 * HALF + TAIL) + eps)[:, None]
+        x1 = _normed(x1, rstd, norm_w + d, d < HALF, dtype, OFFSET)
+        x2 = _normed(x2, rstd, norm_w + HALF + d, d < HALF, dtype, OFFSET)
+        if TAIL > 0:
+            x3 = _normed(x3, rstd, norm_w + 2 * HALF + t, t < TAIL, dtype, OFFSET)
     # rotate_half(x) = [-x2, x1]; round(-a) == -round(a), so x1*cos1 + (-x2)*sin1 == round(x1*cos1) - round(x2*sin1).
     out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
     out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
     tl.store(dst + dst_off, out1.to(dtype), mask=mask)
     tl.store(dst + dst_off + HALF, out2.to(dtype), mask=mask)
+    if TAIL > 0:
+        tl.store(dst + heads[:, None] * dst_stride_head + 2 * HALF + t[None, :], x3.to(dtype), mask=tmask)
+
+
+@triton.jit
+def _normed(x, rstd, w_ptrs, wmask, dtype, OFFSET: tl.constexpr):
+    """x [BLOCK_H, block] (float32) times rstd [BLOCK_H, 1] and the weight at w_ptrs, rounded to dtype as
+    kernels.norm rounds (Llama's: x * rstd to the dtype, times the weight to the dtype; OFFSET, Gemma's: float32
+    throughout with (1 + weight), one rounding), back in float32."""
+    w = tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32)[None, :]
+    if OFFSET:
+        return (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
+    return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -82,53 +110,66 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
                    num_heads, num_kv_heads, q_blocks, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
                    v_stride_tok, v_stride_head, kd_stride_row, kd_stride_head, vd_stride_row, vd_stride_head,
                    table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                   STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, TAIL: tl.constexpr = 0,
+                   BLOCK_TAIL: tl.constexpr = 1, BLOCK_HEAD: tl.constexpr = 0, OFFSET: tl.constexpr = False,
+                   map_ptr=None, MAPPED: tl.constexpr = False):
     pdl_enter(PDL)
     # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
     # rotate k heads into row tok of k_dst, or with STORE into row loc[tok] of the pool k_dst, and then copy the
     # same v heads into that row of the pool v_dst. NORM: each q head RMS-normed by q_norm first, each k head by
-    # k_norm.
+    # k_norm. A head is 2 * HALF rotated dimensions and TAIL passed through. MAPPED: the pool's row is
+    # map[loc[tok]] (a sliding layer's slot for a full slot).
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
     if blk < q_blocks:
-        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * 2 * HALF, q_stride_head, 2 * HALF,
-                      blk * BLOCK_H, num_heads, c1, c2, s1, s2, q_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM)
+        _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * (2 * HALF + TAIL), q_stride_head,
+                      2 * HALF + TAIL, blk * BLOCK_H, num_heads, c1, c2, s1, s2, q_norm_ptr, eps, HALF, BLOCK_H,
+                      BLOCK_HALF, NORM, TAIL, BLOCK_TAIL, OFFSET)
     else:
         head0 = (blk - q_blocks) * BLOCK_H
         row = tok
         if STORE:
             row = tl.load(loc_ptr + tok).to(tl.int64)
+            if MAPPED:
+                row = tl.load(map_ptr + row).to(tl.int64)
         _rotate_heads(k_ptr + tok * k_stride_tok, k_dst_ptr + row * kd_stride_row, k_stride_head, kd_stride_head,
-                      head0, num_kv_heads, c1, c2, s1, s2, k_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM)
+                      head0, num_kv_heads, c1, c2, s1, s2, k_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, TAIL,
+                      BLOCK_TAIL, OFFSET)
         if STORE:
             heads = head0 + tl.arange(0, BLOCK_H)
-            d = tl.arange(0, 2 * BLOCK_HALF)
-            mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF)[None, :]
+            d = tl.arange(0, BLOCK_HEAD if BLOCK_HEAD > 0 else 2 * BLOCK_HALF)
+            mask = (heads < num_kv_heads)[:, None] & (d < 2 * HALF + TAIL)[None, :]
             v = tl.load(v_ptr + tok * v_stride_tok + heads[:, None] * v_stride_head + d[None, :], mask=mask)
             tl.store(v_dst_ptr + row * vd_stride_row + heads[:, None] * vd_stride_head + d[None, :], v, mask=mask)
 
 
-def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm) -> None:
-    """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] of the pools k_dst,
-    v_dst with v copied beside it; q and k RMS-normed first by `qk_norm` (q weight, k weight, eps) unless None."""
+def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm, slot_map=None) -> None:
+    """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] (slot_map[loc[t]])
+    of the pools k_dst, v_dst with v copied beside it; q and k RMS-normed first by `qk_norm` (q weight, k weight,
+    eps[, offset]) unless None."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos, sin = cos.contiguous(), sin.contiguous()
     block_h = _heads_per_program(n, num_heads, num_kv_heads)
     q_blocks = triton.cdiv(num_heads, block_h)
-    block_half = triton.next_power_of_2(head_dim // 2)
+    rotary_dim = cos.shape[1]
+    tail = head_dim - rotary_dim
+    block_half = triton.next_power_of_2(rotary_dim // 2)
     q_norm, k_norm, eps = (cos, cos, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
+    offset = qk_norm is not None and len(qk_norm) > 3 and bool(qk_norm[3])
     _rotary_kernel[(n, q_blocks + triton.cdiv(num_kv_heads, block_h))](
         q, k, v, q_out, k_dst, v_dst, cos, sin, positions, positions if loc is None else loc, q_norm, k_norm, eps,
         num_heads,
         num_kv_heads, q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), cos.stride(0),
-        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None, NORM=qk_norm is not None,
-        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))), enable_fp_fusion=False,
+        HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None, NORM=qk_norm is not None,
+        TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 1, BLOCK_HEAD=triton.next_power_of_2(head_dim),
+        OFFSET=offset, map_ptr=slot_map, MAPPED=slot_map is not None, num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))),
+        enable_fp_fusion=False,
         **pdl_options(q))
 
 
@@ -136,9 +177,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                  q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
                  qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim] (one dtype; any strides but a unit last one),
-    cos/sin [max_positions, head_dim] float32, positions [n] int -> rotated (q, k), written to `q_out`, `k_out`
-    (contiguous; they may be q and k themselves when those are contiguous) or new tensors. `qk_norm` (q weight, k
-    weight [head_dim] of q's dtype, eps): each head RMS-normed first (module docstring)."""
+    cos/sin [max_positions, rotary_dim] float32 (rotary_dim <= head_dim: the leading dimensions that rotate), positions
+    [n] int -> rotated (q, k), written to `q_out`, `k_out` (contiguous; they may be q and k themselves when those are
+    contiguous) or new tensors. `qk_norm` (q weight, k weight [head_dim] of q's dtype, eps[, offset]): each head
+    RMS-normed first (module docstring)."""
     _check(q, k, cos, sin, positions, qk_norm)
     q_out, k_out = _output(q_out, q), _output(k_out, k)
     if q.shape[0]:
@@ -148,25 +190,32 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-                    q_out: torch.Tensor | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                    q_out: torch.Tensor | None = None, qk_norm: QKNorm | None = None,
+                    slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does (RMS-normed first
     with `qk_norm`), the rotated k and v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache
-    [num_slots, num_kv_heads, head_dim]; returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit
-    the two kernels it replaces."""
+    [num_slots, num_kv_heads, head_dim] (rows slot_map[loc] with `slot_map`, int64 [any]: a sliding layer's pool,
+    addressed by full slots); returns the rotated q (in `q_out`, contiguous, or a new tensor). Bit for bit the two
+    kernels it replaces."""
     _check(q, k, cos, sin, positions, qk_norm)
     check_store(k_cache, v_cache, loc, k, v)
+    if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype not in (torch.int32, torch.int64)
+                                 or slot_map.device != loc.device):
+        raise ValueError(f"slot_map must be a 1-D int tensor on {loc.device}, got {tuple(slot_map.shape)} "
+                         f"{slot_map.dtype} on {slot_map.device}")
     q_out = _output(q_out, q)
     if q.shape[0]:
-        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc, qk_norm)
+        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc, qk_norm, slot_map)
     return q_out
 
 
 def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                               sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, loc: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                              v_cache: torch.Tensor, loc: torch.Tensor, qk_norm: QKNorm | None = None,
+                              slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `rotary_store_kv`: the twins of the kernels it fuses, one after the other."""
     q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions, qk_norm)
-    store_kv_reference(k_cache, v_cache, loc, k_rot, v)
+    store_kv_reference(k_cache, v_cache, loc if slot_map is None else slot_map[loc], k_rot, v)
     return q_rot
 
 
@@ -174,8 +223,10 @@ def _check(q, k, cos, sin, positions, qk_norm=None) -> None:
     n, _, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != n or k.shape[2] != head_dim or k.dtype != q.dtype or head_dim % 2:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not fit together")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or cos.dtype != torch.float32:
-        raise ValueError(f"cos/sin must be float32 [max_positions, {head_dim}], got {tuple(cos.shape)} {cos.dtype}")
+    if cos.shape != sin.shape or cos.dim() != 2 or not 0 < cos.shape[1] <= head_dim or cos.shape[1] % 2 \
+            or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32 [max_positions, rotary_dim], rotary_dim even and at most {head_dim}, "
+                         f"got {tuple(cos.shape)} {cos.dtype}")
     if positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int [{n}], got {tuple(positions.shape)} {positions.dtype}")
     if len({t.device for t in (q, k, cos, sin, positions)}) != 1:
@@ -209,10 +260,19 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
     """The twin of `apply_rotary`: (with `qk_norm` kernels.norm's twin on q and on k, then) RotaryEmbedding.lookup
     and engine.layers.rotary.apply_rotary, op for op."""
     if qk_norm is not None:
-        q, k = rmsnorm_reference(q, qk_norm[0], qk_norm[2]), rmsnorm_reference(k, qk_norm[1], qk_norm[2])
-    c = cos[positions].to(q.dtype)[:, None, :]  # [n, 1, head_dim]
+        norm = gemma_rmsnorm_reference if len(qk_norm) > 3 and qk_norm[3] else rmsnorm_reference
+        q, k = norm(q, qk_norm[0], qk_norm[2]), norm(k, qk_norm[1], qk_norm[2])
+    c = cos[positions].to(q.dtype)[:, None, :]  # [n, 1, rotary_dim]
     s = sin[positions].to(q.dtype)[:, None, :]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    dim = c.shape[-1]
+    if dim == x.shape[-1]:
+        return x * c + _rotate_half(x) * s
+    rot = x[..., :dim]
+    return torch.cat([rot * c + _rotate_half(rot) * s, x[..., dim:]], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from tests.engine_utils import running_engine
+from tests.engine_utils import force_rotary_kernel, running_engine
 from tests.reference import hf_greedy, hf_token_logprobs
 
 VOCAB, MAX_NEW = 256, 16
@@ -197,6 +197,20 @@ def test_glm_routing_in_one_launch_matches_transformers_in_the_interpreter(check
         outs = llm.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": new, "temperature": 0},
                             return_logprob=True)
     assert_like_reference(outs, refs[:2], logprobs)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_qk_norm", "minimax_m2"])
+def test_partial_rotary_in_the_rotary_kernel_matches_transformers(checkpoints, name, monkeypatch):
+    """GLM-4.5's half-rotary heads (with its per-head q/k norms in the same launch) and MiniMax-M2's quarter-rotary
+    ones rotated by kernels.rotary, as on CUDA (here in Triton's interpreter): transformers' tokens and logprobs."""
+    launches = force_rotary_kernel(monkeypatch)
+    path = checkpoints[name]
+    refs, logprobs = _reference(path)
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                            return_logprob=True)
+    assert_like_reference(outs, refs, logprobs)
+    assert launches and all((norm is not None) == (name == "glm4_moe_qk_norm") for norm in launches)
 
 
 def _rewrite(src: str, dst, extra: dict[str, torch.Tensor], **config_fields) -> str:

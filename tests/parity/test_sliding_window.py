@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from tests.engine_utils import running_engine
+from tests.engine_utils import force_rotary_kernel, running_engine
 from tests.reference import hf_greedy, hf_token_logprobs
 from tests.sliding_models import build, prompts
 
@@ -91,9 +91,13 @@ def test_triton_parity(checkpoints, kind, prefill, decode):
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_gemma_norm_kernels_match_transformers(checkpoints, monkeypatch, kind):
     """Gemma's (1 + weight) norms in kernels (kernels.norm.gemma_rmsnorm; Gemma 3's q/k norms per head), and between
-    sublayers the post-norm, the residual sum and the next norm in one launch (gemma_sandwich), as on CUDA: here in
-    Triton's interpreter with the kernel paths forced on, transformers' tokens and logprobs."""
-    from radixmesh.engine.layers import norm
+    sublayers the post-norm, the residual sum and the next norm in one launch (gemma_sandwich), Gemma 3's q/k norms
+    inside the rotary launch, the GELU-and-multiply in one kernel, and on the triton backend's decode steps the
+    rotation and the KV store in one launch (a sliding layer's slots looked up in it), as on CUDA: here in Triton's
+    interpreter with the kernel paths forced on, transformers' tokens and logprobs."""
+    from radixmesh.engine.cache import kv_pool
+    from radixmesh.engine.layers import activation, norm
+    from radixmesh.kernels import rotary as rotary_kernels
     from radixmesh.engine.models import gemma
     from radixmesh.kernels import norm as norm_kernels
 
@@ -101,12 +105,19 @@ def test_gemma_norm_kernels_match_transformers(checkpoints, monkeypatch, kind):
     sandwich = norm_kernels.gemma_sandwich
     monkeypatch.setattr(norm, "use_kernels", lambda t: True)
     monkeypatch.setattr(gemma, "use_kernels", lambda t: True)
+    monkeypatch.setattr(activation, "use_kernels", lambda t: True)
     monkeypatch.setattr(norm_kernels, "gemma_sandwich", lambda *a: launches.append(1) or sandwich(*a))
+    rotations = force_rotary_kernel(monkeypatch)
+    monkeypatch.setattr(kv_pool, "use_kernels", lambda t: True)
+    stores, store = [], rotary_kernels.rotary_store_kv
+    monkeypatch.setattr(rotary_kernels, "rotary_store_kv",
+                        lambda *a, slot_map=None, **k: stores.append(slot_map) or store(*a, slot_map=slot_map, **k))
     path = checkpoints[kind]
     picked = [0, 3]
     want_ids, want_logprobs = reference(path)
     n = 4
-    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=32, page_size=4) as llm:
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=32, page_size=4,
+                        attention_backend="triton") as llm:
         outs = llm.generate(input_ids=[prompts()[i] for i in picked], sampling_params={"max_new_tokens": n,
                             "temperature": 0}, return_logprob=True)
     for out, i in zip(outs, picked):
@@ -114,6 +125,8 @@ def test_gemma_norm_kernels_match_transformers(checkpoints, monkeypatch, kind):
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert got == pytest.approx(want_logprobs[i][:n], abs=LOGPROB_ATOL)
     assert launches  # (the sandwich ran: two a layer a forward)
+    assert rotations and all(qk is None if kind == "gemma2" else qk[3] for qk in rotations)  # (Gemma 3's offset)
+    assert any(m is None for m in stores) and any(m is not None for m in stores)  # (global and sliding layers)
 
 
 def _variant(path: str, dst, **config) -> str:

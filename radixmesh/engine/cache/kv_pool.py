@@ -100,17 +100,17 @@ class KVPool:
         return (k, k) if self.parts == 1 else (k, _meant(self.v[layer][slots], dtype, self.v_scale[layer]))
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      rope) -> torch.Tensor:
+                      rope, slot_map: torch.Tensor | None = None) -> torch.Tensor:
         """Rotary (`rope`: engine.layers.rotary.RopeInputs, with its q/k norm first if it carries one) on q and k,
-        then `write` of the rotated k and v; returns the rotated q. Where the kernels run, one launch does it all
-        (kernels.rotary.rotary_store_kv)."""
+        then `write` of the rotated k and v at `loc` (at slot_map[loc] with a map); returns the rotated q. Where the
+        kernels run, one launch does it all, the map's lookup included (kernels.rotary.rotary_store_kv)."""
         if rope.cos is None and use_kernels(k) and k.dtype == self.k[layer].dtype:  # the kernel rotary path
             from radixmesh.kernels.rotary import rotary_store_kv
 
             return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],
-                                   self.v[layer], loc, qk_norm=rope.qk_norm)
+                                   self.v[layer], loc, qk_norm=rope.qk_norm, slot_map=slot_map)
         q, k = rope.apply(q, k)
-        self.write(layer, loc, k, v)
+        self.write(layer, loc if slot_map is None else slot_map[loc], k, v)
         return q
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:

@@ -181,8 +181,8 @@ class HybridKVPool:
 
     def write_rotated(self, layer: int, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       rope) -> torch.Tensor:
-        pool, i = self._where[layer]
-        return pool.write_rotated(i, self._slots(layer, loc), q, k, v, rope)
+        pool, i = self._where[layer]  # (a sliding layer's slots looked up inside the fused kernel's launch)
+        return pool.write_rotated(i, loc, q, k, v, rope, self.slot_map if layer in self.layout.swa_layers else None)
 
     def _slots(self, layer: int, full_slots: torch.Tensor) -> torch.Tensor:
         """A sliding layer's slots for full slots (a device gather: CUDA graphs capture it, reading the map live)."""

@@ -23,7 +23,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [n, 2 * intermediate] (gate first) -> gelu(gate, tanh approximation) * up [n, intermediate], as
-    transformers' gelu_pytorch_tanh activation computes it."""
+    transformers' gelu_pytorch_tanh activation computes it (one kernel on CUDA, two torch launches otherwise)."""
+    if use_kernels(gate_up):
+        from radixmesh.kernels.activation import gelu_tanh_and_mul as kernel
+
+        return kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

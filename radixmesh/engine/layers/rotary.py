@@ -6,8 +6,8 @@ Hugging Face computes it. The table serves positions [0, max_positions): LongRoP
 (engine.layers.rope_scaling).
 
 Partial rotary (Phi-4-mini's partial_rotary_factor): the table covers the first `rotary_dim` dimensions of a head,
-which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does. The
-rotary kernel rotates whole heads, so such a table is always applied in plain torch.
+which rotate among themselves (rotate-half within them); the others pass through, as transformers' Phi-3 does (the
+rotary kernel does the same).
 
 Interleaved pairs (transformers' Cohere and GLM: GPT-J's layout): dimensions (2i, 2i + 1) rotate together by
 frequency i, where rotate-half pairs (i, i + rotary_dim / 2); the table repeats each frequency twice in a row. As Cohere
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.engine.layers.norm import RMSNorm
+from radixmesh.engine.layers.norm import GEMMA_NORM_KERNELS, GemmaRMSNorm, RMSNorm
 from radixmesh.engine.layers.rope_scaling import ROPE_TYPES, RopeSpec, frequencies, rope_spec, spec_of_dict
 from radixmesh.engine.layers.triton_ops import use_kernels
 
@@ -76,9 +76,9 @@ class RotaryEmbedding:
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":
         """What every layer of one forward needs to rotate its q and k: on CUDA the positions (the kernel reads the
-        float32 tables itself), elsewhere the looked-up cos/sin. A partial or interleaved table is always looked up
-        (module docstring)."""
-        if use_kernels(positions) and not self.partial and not self.interleaved:
+        float32 tables itself), elsewhere the looked-up cos/sin. An interleaved table, or one kept in float32 at
+        lookup, is always looked up (the kernel rotates rotate-half pairs with cos and sin in the model dtype)."""
+        if use_kernels(positions) and not self.interleaved and not self.float32_table:
             return RopeInputs(self, positions, None, None)
         return RopeInputs(self, positions, *self.lookup(positions, dtype))
 
@@ -89,19 +89,22 @@ class RopeInputs:
     positions: torch.Tensor  # [num_tokens] int64
     cos: torch.Tensor | None  # [num_tokens, 1, rotary_dim] in the model dtype; None: the Triton kernel looks up
     sin: torch.Tensor | None
-    # (q weight, k weight, eps): per-head RMSNorm the kernel applies to q and k before it rotates them (norm_qk)
+    # (q weight, k weight, eps, Gemma's offset weights): per-head RMSNorm the kernel applies to q and k before it
+    # rotates them (norm_qk)
     qk_norm: tuple | None = None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm
                 ) -> tuple[torch.Tensor, torch.Tensor, "RopeInputs"]:
         """The per-head norms `q_norm`, `k_norm` of q and k, before they rotate. Qwen3's (engine.layers.norm.RMSNorm
-        itself, weights of q's dtype), where the rotary kernel runs (no cos looked up), are left to its launch: q and
-        k come back as they are, with RopeInputs that carry the weights (two launches a layer fewer). Any other
-        (Gemma's offset weights, per-head LayerNorms, the torch path) is applied now. Either way `apply` (or the
-        pool's fused write) then returns normed, rotated q and k."""
-        if (self.cos is None and type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps
+        itself, weights of q's dtype) and Gemma 3's (GemmaRMSNorm, offset weights), where the rotary kernel runs (no
+        cos looked up), are left to its launch: q and k come back as they are, with RopeInputs that carry the
+        weights (two launches a layer fewer). Any other (per-head LayerNorms, the torch path) is applied now. Either
+        way `apply` (or the pool's fused write) then returns normed, rotated q and k."""
+        kind = type(q_norm)
+        if (self.cos is None and kind is type(k_norm) and q_norm.eps == k_norm.eps
+                and (kind is RMSNorm or (kind is GemmaRMSNorm and GEMMA_NORM_KERNELS))
                 and q_norm.weight.dtype == q.dtype == k_norm.weight.dtype):
-            return q, k, replace(self, qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps))
+            return q, k, replace(self, qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps, kind is GemmaRMSNorm))
         return q_norm(q), k_norm(k), self
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
