@@ -17,7 +17,8 @@ boundary costs little, and the fused kernel keeps most of the three's chain of d
 Numerics are the three kernels': the residual sum and the normed row rounded as kernels.norm rounds them, float32 dot
 products rounded once to the logits' dtype, then kernels.moe's routing over those rounded logits.
 
-`moe_gate_grouped` is the same launch for the blocks whose experts are chosen by score plus a correction bias
+GPT-OSS's router has a bias (`router_bias`): added to each logit in float32 before its rounding, as kernels.gemv's
+products add theirs (cuBLAS's epilogue). `moe_gate_grouped` is the same launch for the blocks whose experts are chosen by score plus a correction bias
 (DeepSeek-V2/V3, GLM-4.5, dots.llm1, Kimi K2: engine.models.moe.BiasRoutedMoeBlock), whose router is held in float32:
 the logits stay float32 (as `F.linear(x.float(), router)` leaves them) and the last program routes them by
 kernels.moe.grouped_top_k (route_grouped's rule). Unfused, that gate is four launches a layer at one token, two of them
@@ -43,9 +44,11 @@ def _gate_kernel(H, R, G, W, Bias, ResOut, XOut, Logits, Weights, Ids, Counter, 
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, KB: tl.constexpr,
                  EB: tl.constexpr, RENORM: tl.constexpr, GROUPED: tl.constexpr, GROUPS: tl.constexpr,
                  GB: tl.constexpr, GROUP_SIZE: tl.constexpr, TOP_GROUPS: tl.constexpr, GROUP_BEST: tl.constexpr,
-                 SOFTMAX: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr):
+                 SOFTMAX: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr, RouterBias=None,
+                 ROUTER_BIAS: tl.constexpr = False):
     # GROUPED: the last program routes by kernels.moe.grouped_top_k (Bias, scale, norm_min and the group constexprs
-    # are its); else by top_k_probs (softmax, RENORM)
+    # are its); else by top_k_probs (softmax, RENORM). ROUTER_BIAS: the router's own bias (GPT-OSS), added to each
+    # logit in float32 before its rounding
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < E
@@ -70,6 +73,8 @@ def _gate_kernel(H, R, G, W, Bias, ResOut, XOut, Logits, Weights, Ids, Counter, 
         tl.store(ResOut + d, summed, mask=d_mask)
         tl.store(XOut + d, x, mask=d_mask)
     y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+    if ROUTER_BIAS:
+        y += tl.load(RouterBias + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(Logits + n, y.to(Logits.dtype.element_ty), mask=n_mask)
     # Every thread's stores come before the barrier, the barrier before the arrival (a release at GPU scope), and
     # the last program's acquire before its loads, which skip L1 (.cg): it sees every program's logits.
@@ -99,30 +104,35 @@ def new_counter(device: torch.device) -> torch.Tensor:
 
 def moe_gate(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
              router: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None, counter: torch.Tensor,
-             pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             pdl: bool = False, router_bias: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's hidden row and residual [1, D] (one dtype), the norm's weight [D] and the router's [E, D] (that
-    dtype) -> (normed row [1, D], residual + hidden [1, D], routing weights [1, top_k] in `dtype` (float32 when
-    None), expert ids [1, top_k] int64): `moe_gate_reference` in one launch. `counter`: from `new_counter`, one per
-    call site (two launches in flight must not share one). `pdl`: a programmatic dependent of the kernel before
-    (where kernels.runtime.pdl_on says so)."""
+    dtype; with `router_bias` [E] of it, GPT-OSS's) -> (normed row [1, D], residual + hidden [1, D], routing weights
+    [1, top_k] in `dtype` (float32 when None), expert ids [1, top_k] int64): `moe_gate_reference` in one launch.
+    `counter`: from `new_counter`, one per call site (two launches in flight must not share one). `pdl`: a
+    programmatic dependent of the kernel before (where kernels.runtime.pdl_on says so)."""
     d = hidden.shape[-1]
     experts = router.shape[0]
+    with_bias = (router,) if router_bias is None else (router, router_bias)
     if (hidden.shape != (1, d) or residual.shape != (1, d) or norm_weight.shape != (d,) or router.shape != (experts, d)
-            or len({t.dtype for t in (hidden, residual, norm_weight, router)}) != 1
-            or not all(t.is_contiguous() for t in (hidden, residual, norm_weight, router))
+            or len({t.dtype for t in (hidden, residual, norm_weight, *with_bias)}) != 1
+            or not all(t.is_contiguous() for t in (hidden, residual, norm_weight, *with_bias))
+            or (router_bias is not None and router_bias.shape != (experts,))
             or counter.shape != (1,) or counter.dtype != torch.int32 or not 0 < top_k <= experts):
         raise ValueError(f"moe_gate takes one contiguous row and residual [1, D], a norm weight [D] and a router "
                          f"[E, D] of one dtype, an int32 counter [1] and 0 < top_k <= E; got hidden "
                          f"{tuple(hidden.shape)} {hidden.dtype}, residual {tuple(residual.shape)} {residual.dtype}, "
                          f"norm {tuple(norm_weight.shape)} {norm_weight.dtype}, router {tuple(router.shape)} "
-                         f"{router.dtype}, counter {tuple(counter.shape)} {counter.dtype}, top_k {top_k}")
+                         f"{router.dtype}, counter {tuple(counter.shape)} {counter.dtype}, top_k {top_k}"
+                         + ("" if router_bias is None else f", router bias {tuple(router_bias.shape)} "
+                            f"{router_bias.dtype}"))
     return _launch(hidden, residual, norm_weight, eps, router, hidden.dtype, dtype or torch.float32, counter, pdl,
                    hidden, top_k, dict(RENORM=renormalize, GROUPED=False, GROUPS=1, GB=1, GROUP_SIZE=experts,
-                                       TOP_GROUPS=1, GROUP_BEST=1, SOFTMAX=True, CLAMP=False), 1.0, 0.0)
+                                       TOP_GROUPS=1, GROUP_BEST=1, SOFTMAX=True, CLAMP=False), 1.0, 0.0, router_bias)
 
 
 def _launch(hidden, residual, norm_weight, eps, router, logits_dtype, weights_dtype, counter, pdl, bias, top_k,
-            routing: dict, scale: float, norm_min: float):
+            routing: dict, scale: float, norm_min: float, router_bias: torch.Tensor | None = None):
     d, experts = hidden.shape[-1], router.shape[0]
     x, summed = torch.empty_like(hidden), torch.empty_like(hidden)
     logits = torch.empty((1, experts), dtype=logits_dtype, device=hidden.device)
@@ -133,6 +143,7 @@ def _launch(hidden, residual, norm_weight, eps, router, logits_dtype, weights_dt
         hidden, residual, norm_weight, router, bias, summed, x, logits, weights, ids, counter, experts, eps,
         float(scale), float(norm_min), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=BLOCK_N, TOP_K=top_k,
         KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(experts), **routing, PDL=pdl,
+        RouterBias=router_bias, ROUTER_BIAS=router_bias is not None,
         num_warps=gate_warps(d, experts), num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return x, summed, weights, ids
 
@@ -174,11 +185,13 @@ def moe_gate_grouped(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: 
 
 
 def moe_gate_reference(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       router: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+                       router: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None,
+                       router_bias: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The twin of `moe_gate`: the twins of the three kernels it fuses, one after the other."""
     x, summed = fused_add_rmsnorm_reference(hidden, residual, norm_weight, eps)
-    logits = (x.float() @ router.float().t()).to(x.dtype)
+    logits = x.float() @ router.float().t()
+    logits = (logits if router_bias is None else logits + router_bias.float()).to(x.dtype)
     weights, ids = route_reference(logits, top_k, renormalize, dtype)
     return x, summed, weights, ids
 

@@ -31,7 +31,8 @@ from radixmesh.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_r
                                          silu_and_mul_reference)
 from radixmesh.kernels.kv_store import store_kv, store_kv_reference
 from radixmesh.kernels.norm import (fused_add_rmsnorm, fused_add_rmsnorm_reference, gemma_rmsnorm,
-                                    gemma_rmsnorm_reference, gemma_sandwich, gemma_sandwich_reference, rmsnorm,
+                                    gemma_rmsnorm_reference, gemma_sandwich, gemma_sandwich_reference, olmo2_post_add,
+                                    olmo2_post_add_reference, olmo2_rmsnorm, olmo2_rmsnorm_reference, rmsnorm,
                                     rmsnorm_reference)
 from radixmesh.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_store_kv, rotary_store_kv_reference
 
@@ -203,6 +204,27 @@ def test_gemma_sandwich(device, shape, strided, dtype, gen, tiles):
     if dtype != torch.float32:  # (in float32 most sums' last bits follow the post-norm's)
         assert (summed != ref_sum).sum().item() <= 1 + 0.02 * summed.numel()
     _assert_one_rounding_close(out, gemma_rmsnorm_reference(summed, weight, EPS))  # (the norm of its own sum)
+
+
+@pytest.mark.parametrize("device,shape,strided", NORM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_olmo2_rmsnorm_and_post_add(device, shape, strided, dtype, gen, tiles):
+    """OLMo 2's norm (the weight applied in float32, one rounding; strided rows: q and k out of the fused projection,
+    normed over all their heads), and its `residual + norm(sublayer)` in one launch, held as gemma_sandwich's sum."""
+    x = _norm_input(shape, strided, dtype, device, gen)
+    weight = _randn(shape[-1:], dtype, device, gen)
+    _assert_one_rounding_close(olmo2_rmsnorm(x, weight, EPS), olmo2_rmsnorm_reference(x, weight, EPS))
+    residual = _randn(shape, dtype, device, gen)
+    summed = olmo2_post_add(x, residual, weight, EPS)
+    ref_sum = olmo2_post_add_reference(x, residual, weight, EPS)
+    assert summed.shape == ref_sum.shape and summed.dtype == dtype
+    step = {torch.float32: NORM_FP32_RTOL, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    terms = olmo2_rmsnorm_reference(x, weight, EPS).float().abs() + residual.float().abs()
+    assert ((summed.float() - ref_sum.float()).abs() <= 2 * step * terms + 1e-30).all()
+    if dtype != torch.float32:
+        assert (summed != ref_sum).sum().item() <= 1 + 0.02 * summed.numel()
+    if dtype != torch.float32 and x.numel() >= 200:  # (in a half dtype the one rounding shows against Llama's two)
+        assert not torch.equal(olmo2_rmsnorm(x, weight, EPS), rmsnorm(x, weight, EPS))
 
 
 def _positions(n: int, max_positions: int, gen) -> torch.Tensor:

@@ -47,6 +47,27 @@ def test_the_gate_equals_its_twin(d, experts, top_k, renormalize, weights_dtype,
     assert int(counter.item()) == 0  # the last program set it back for the next launch
 
 
+@pytest.mark.parametrize("d,experts,top_k,dtype", [(256, 32, 4, torch.float32), (2880, 32, 4, torch.bfloat16)],
+                         ids=["float32", "gpt-oss-20b"])
+def test_the_router_bias_is_added_before_the_logits_round(d, experts, top_k, dtype):
+    """GPT-OSS's biased router: the bias (large enough to change which experts win) added to each logit in float32
+    before its rounding; the same experts in the same order as the twin, weights within a rounding."""
+    args = _inputs(d, experts, dtype, seed=d)
+    bias = (torch.randn(experts, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    want = moe_gate_reference(*args[:3], 1e-6, args[3], top_k, True, dtype, router_bias=bias)
+    unbiased = moe_gate_reference(*args[:3], 1e-6, args[3], top_k, True, dtype)
+    assert not torch.equal(want[3], unbiased[3])  # (the bias matters here)
+    counter = new_counter(torch.device(DEVICE))
+    got = [t.cpu() for t in moe_gate(*(t.to(DEVICE) for t in args[:3]), 1e-6, args[3].to(DEVICE), top_k, True, dtype,
+                                     counter, router_bias=bias.to(DEVICE))]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="router bias"):
+        moe_gate(*args[:3], 1e-6, args[3], top_k, True, dtype, new_counter(torch.device("cpu")),
+                 router_bias=bias[:-1])
+
+
 def test_a_second_launch_on_the_same_counter_routes_again():
     """The counter a call site keeps is zero after each launch, so the next one (a CUDA graph's replay) routes the
     new token, not the old one's experts."""

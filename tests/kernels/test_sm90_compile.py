@@ -114,10 +114,16 @@ out["gelu_and_mul"] = ptx(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_
                           dict(BLOCK=1024, PDL=True, GELU=True), 4, 1)
 norm_args = dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, res_out_ptr=bf16, post_w_ptr=bf16)
 out["rmsnorm"] = ptx(norm._rmsnorm_kernel, norm_args, {"eps"},
-                     dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=False, POST=False), 8, 1)
+                     dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=False, POST=False,
+                          FLOAT_WEIGHT=False, FINAL=True), 8, 1)
 # Gemma 2/3 between sublayers (kernels.norm.gemma_sandwich): the post-norm, the residual sum, the next norm
 out["gemma_sandwich"] = ptx(norm._rmsnorm_kernel, norm_args, {"eps"},
-                            dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=True, POST=True), 8, 1)
+                            dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=True, POST=True,
+                                 FLOAT_WEIGHT=False, FINAL=True), 8, 1)
+# OLMo 2 between sublayers (kernels.norm.olmo2_post_add): the post-norm with its float32 weight, the residual sum
+out["olmo2_post_add"] = ptx(norm._rmsnorm_kernel, norm_args, {"eps"},
+                            dict(HAS_RESIDUAL=True, ROWS=1, BLOCK=4096, PDL=True, OFFSET=False, POST=True,
+                                 FLOAT_WEIGHT=True, FINAL=False), 8, 1)
 out["store_kv"] = ptx(kv_store._store_kv_kernel, dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16,
                                                       loc_ptr="*i64"), set(),
                       dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, STORE_V=True, PDL=True), 4, 1)
@@ -126,14 +132,15 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
-                         BLOCK_HEAD=128, OFFSET=False), 4, 1)
-# (GLM-4.5's partial rotary with its q/k norms: 64 of 128 dimensions rotate; Gemma 3's offset norms)
+                         BLOCK_HEAD=128, OFFSET=False, MAPPED=False), 4, 1)
+# (partial rotary with q/k norms: 64 of 128 dimensions rotate, offset norms, the store through a slot map)
 out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16,
                                                         k_dst_ptr=bf16, v_dst_ptr=bf16, cos_ptr="*fp32",
                                                         sin_ptr="*fp32", pos_ptr="*i64", loc_ptr="*i64",
-                                                        q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
+                                                        q_norm_ptr=bf16, k_norm_ptr=bf16, map_ptr="*i64"),
+                            {"eps"},
                             dict(HALF=32, BLOCK_H=8, BLOCK_HALF=32, STORE=True, NORM=True, PDL=True, TAIL=64,
-                                 BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True), 4, 1)
+                                 BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True, MAPPED=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)
@@ -281,7 +288,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 
 
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0), ("gelu_and_mul", 0),
-                                                 ("rmsnorm", 0), ("gemma_sandwich", 0), ("store_kv", 0),
+                                                 ("rmsnorm", 0), ("gemma_sandwich", 0), ("olmo2_post_add", 0), ("store_kv", 0),
                                                  ("rotary", 0), ("rotary_partial", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),

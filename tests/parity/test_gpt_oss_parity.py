@@ -110,6 +110,26 @@ def test_triton_attention_and_experts_match_transformers_in_the_interpreter(chec
     assert got == pytest.approx(hf_token_logprobs(checkpoint, prompt, ref), abs=1e-4)
 
 
+def test_the_gate_in_one_launch_with_the_router_bias_matches_transformers(checkpoint, monkeypatch):
+    """One request decoding (a token a step): the residual add, the norm, the biased router and the routing in
+    kernels.moe_gate's one launch, as on CUDA, forced here in Triton's interpreter: transformers' tokens and
+    logprobs."""
+    from radixmesh.engine.models import moe
+    from radixmesh.kernels import moe_gate
+
+    launches, gate = [], moe_gate.moe_gate
+    monkeypatch.setattr(moe, "use_kernels", lambda t: True)
+    monkeypatch.setattr(moe_gate, "moe_gate", lambda *a, **k: launches.append(k["router_bias"]) or gate(*a, **k))
+    prompt = PROMPTS[1]
+    with running_engine(checkpoint, skip_tokenizer_init=True, moe_runner_backend="triton") as llm:
+        out = llm.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6}, return_logprob=True)
+    ref = hf_greedy(checkpoint, [prompt], 6)[0]
+    assert out["output_ids"] == ref
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(hf_token_logprobs(checkpoint, prompt, ref), abs=1e-4)
+    assert launches and all(b is not None for b in launches)
+
+
 @pytest.mark.parametrize("parallel", [dict(tp_size=2), dict(tp_size=2, ep_size=2)], ids=["tp2", "ep2"])
 def test_gpt_oss_over_two_ranks(checkpoint, parallel):
     """TP: each rank its heads' sinks, its interleaved gate/up columns, rank 0 the down bias; EP: whole experts."""

@@ -86,6 +86,22 @@ def test_families_shard_over_tensor_parallel_ranks(checkpoints, name):
     _assert_matches(outs, refs, logprobs, 1e-5)
 
 
+def test_olmo2_norms_in_kernels_match_transformers(checkpoints, monkeypatch):
+    """OLMo 2's norms as on CUDA (kernels.norm.olmo2_rmsnorm over the whole q and k projections, olmo2_post_add
+    between sublayers), forced here in Triton's interpreter: transformers' tokens, logprobs within 1e-4."""
+    from radixmesh.engine.models import olmo2
+    from radixmesh.kernels import norm
+
+    launches, post_add = [], norm.olmo2_post_add
+    monkeypatch.setattr(olmo2, "use_kernels", lambda t: True)
+    monkeypatch.setattr(norm, "olmo2_post_add", lambda *a: launches.append(1) or post_add(*a))
+    refs, logprobs = _reference(checkpoints["olmo2"])
+    with running_engine(checkpoints["olmo2"], skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    _assert_matches(outs, refs, logprobs, 1e-4)
+    assert launches
+
+
 def test_phi3_window_changes_the_outputs(checkpoints, tmp_path):
     """The same weights without the window answer otherwise: the parity above rests on the window."""
     seed = 100 + list(FAMILIES).index("phi3-window")

@@ -213,6 +213,25 @@ def test_partial_rotary_in_the_rotary_kernel_matches_transformers(checkpoints, n
     assert launches and all((norm is not None) == (name == "glm4_moe_qk_norm") for norm in launches)
 
 
+@pytest.mark.parametrize("name", ["olmoe_clipped", "minimax_m2"])
+def test_whole_projection_qk_norms_in_kernels_match_transformers(checkpoints, name, monkeypatch):
+    """OLMoE's and MiniMax-M2's q/k norms over every head at once (Llama's numerics) in kernels.norm.rmsnorm, as on
+    CUDA, forced here in Triton's interpreter: transformers' tokens and logprobs."""
+    from radixmesh.engine.models import olmo2
+    from radixmesh.kernels import norm
+
+    launches, kernel = [], norm.rmsnorm
+    monkeypatch.setattr(olmo2, "use_kernels", lambda t: True)
+    monkeypatch.setattr(norm, "rmsnorm", lambda x, *a, **k: launches.append(x.shape[-1]) or kernel(x, *a, **k))
+    path = checkpoints[name]
+    refs, logprobs = _reference(path)
+    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
+                            return_logprob=True)
+    assert_like_reference(outs, refs, logprobs)
+    assert launches and max(launches) > 16  # (whole projections, not heads)
+
+
 def _rewrite(src: str, dst, extra: dict[str, torch.Tensor], **config_fields) -> str:
     """A copy of the checkpoint at `src` with `extra` tensors added and config.json fields set."""
     import json

@@ -198,7 +198,15 @@ class GptOssMoeBlock(SparseMoeBlock):
         return self._routed(x, weights, ids)
 
     def _gate_fuses(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
-        return False  # kernels.moe_gate's router has no bias
+        return super()._gate_fuses(norm, hidden, residual) and self.gate.bias.dtype == hidden.dtype
+
+    def _fused_gate(self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> tuple:
+        """kernels.moe_gate with the router's bias: the residual add, the norm, the biased router and the routing in
+        one launch."""
+        from radixmesh.kernels.moe_gate import moe_gate
+
+        return moe_gate(hidden, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+                        self._weights_dtype(hidden), self.gate_counter, pdl=True, router_bias=self.gate.bias)
 
 
 class GptOssForCausalLM(MoeForCausalLM):

@@ -7,6 +7,9 @@ Differences from Llama, all of transformers' Olmo2 code:
 - its RMSNorm applies the weight in float32, then rounds to the model dtype (Llama rounds first).
 Under tensor parallelism a rank holds its heads' share of the q/k norm weights, and the mean square over the whole
 projection is summed over the ranks.
+
+On CUDA (one rank) each norm is one kernel (kernels.norm.olmo2_rmsnorm) and each `h + post_norm(sublayer)` one more
+(olmo2_post_add): in torch a norm is ~8 launches, four of them a layer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from radixmesh.engine.distributed import TensorParallel
 from radixmesh.engine.forward_context import get_forward_context
 from radixmesh.engine.layers.linear import QKVParallelLinear, RowParallelLinear, Shard, VocabParallelEmbedding
 from radixmesh.engine.layers.rotary import RopeInputs
+from radixmesh.engine.layers.triton_ops import use_kernels
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import MLP, LlamaForCausalLM
 
@@ -35,7 +39,22 @@ class Olmo2RMSNorm(nn.Module):
         return [(None, self.shard or Shard())]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_rank_kernel(x):
+            from radixmesh.kernels.norm import olmo2_rmsnorm
+
+            return olmo2_rmsnorm(x, self.weight, self.eps)
         return (self.weight * self.normed(x)).to(x.dtype)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x): OLMo 2's step between sublayers (one launch on CUDA)."""
+        if self._one_rank_kernel(x):
+            from radixmesh.kernels.norm import olmo2_post_add
+
+            return olmo2_post_add(x, residual, self.weight, self.eps)
+        return residual + self(x)
+
+    def _one_rank_kernel(self, x: torch.Tensor) -> bool:
+        return use_kernels(x) and (self.tp is None or self.tp.size == 1)
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         """x over the root mean square of its whole last dim (every rank's part of it), in float32."""
@@ -93,8 +112,8 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rope))
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+        hidden = self.post_attention_layernorm.add_to(self.self_attn(hidden, rope), hidden)
+        return self.post_feedforward_layernorm.add_to(self.mlp(hidden), hidden)
 
 
 class Olmo2Model(nn.Module):

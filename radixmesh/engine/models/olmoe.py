@@ -23,6 +23,10 @@ from radixmesh.engine.models.olmo2 import Olmo2Attention, Olmo2RMSNorm
 
 class OlmoeRMSNorm(Olmo2RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_rank_kernel(x):  # Llama's numerics over the whole projection: kernels.norm's rmsnorm
+            from radixmesh.kernels.norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         return self.weight * self.normed(x).to(x.dtype)
 
 
