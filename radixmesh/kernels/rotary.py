@@ -14,7 +14,9 @@ weight stored as an offset from 1) is kernels.norm.gemma_rmsnorm's instead: floa
 
 Partial rotary (cos/sin narrower than a head: Phi-4-mini, GLM-4.5, MiniMax-M2, StableLM): the leading `rotary_dim`
 dimensions of each head rotate, the rest pass through (normed first, over the whole head, when `qk_norm` is set), as
-engine.layers.rotary does it.
+engine.layers.rotary does it. Interleaved pairs (`Pairs`: Cohere, GLM-4): dimensions (2i, 2i + 1) rotate together,
+over a table that holds each frequency twice in a row; Cohere's in float32 (each product and the pair's sum rounded
+to float32, then once to the dtype, as torch computes it on the upcast rows).
 """
 
 from __future__ import annotations
@@ -39,24 +41,40 @@ class QKNorm(NamedTuple):
     eps: float
     offset: bool = False  # Gemma's x * rsqrt(mean(x^2) + eps) * (1 + weight), in float32, rounded once
 
+class Pairs(NamedTuple):
+    """GPT-J's interleaved pairs (2i, 2i + 1) instead of rotate-half's: Cohere's (upcast: each pair's sums in float32,
+    rounded once) and GLM's (in the model dtype)."""
+
+    upcast: bool
+
+
 _MIN_PROGRAMS = 528  # 4 programs per SM of a 132-SM H100: few tokens get fewer heads per program, down to 1
 _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1 KiB each at head_dim 128 in bf16
 
 
 @triton.jit
+def _pair(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The dimensions of a head that rotate together, pair d: (d, HALF + d), or (2d, 2d + 1) with INTERLEAVED."""
+    if INTERLEAVED:
+        return 2 * d, 2 * d + 1
+    return d, HALF + d
+
+
+@triton.jit
 def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2, s1, s2, norm_w, eps,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-                  TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, OFFSET: tl.constexpr):
+                  TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  UPCAST: tl.constexpr):
     """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF + TAIL] first when
     NORM (Gemma's offset weight with OFFSET); the TAIL dimensions after the rotated 2 * HALF pass through. src rows
-    are stride_head apart, dst's dst_stride_head."""
+    are stride_head apart, dst's dst_stride_head. Pairs rotate-half or INTERLEAVED (_pair); UPCAST: a pair's sums in
+    float32, rounded once (Cohere's), else each product rounded to the dtype first (the model dtype's ops)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    e1, e2 = _pair(d, HALF, INTERLEAVED)
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
-    src_off = heads[:, None] * stride_head + d[None, :]
-    dst_off = heads[:, None] * dst_stride_head + d[None, :]
-    x1 = tl.load(src + src_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
-    x2 = tl.load(src + src_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + heads[:, None] * stride_head + e1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + heads[:, None] * stride_head + e2[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = dst.dtype.element_ty
     if TAIL > 0:
         t = tl.arange(0, BLOCK_TAIL)
@@ -67,15 +85,19 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
         if TAIL > 0:
             squares += tl.sum(x3 * x3, axis=1)
         rstd = tl.rsqrt(squares / (2 * HALF + TAIL) + eps)[:, None]
-        x1 = _normed(x1, rstd, norm_w + d, d < HALF, dtype, OFFSET)
-        x2 = _normed(x2, rstd, norm_w + HALF + d, d < HALF, dtype, OFFSET)
+        x1 = _normed(x1, rstd, norm_w + e1, d < HALF, dtype, OFFSET)
+        x2 = _normed(x2, rstd, norm_w + e2, d < HALF, dtype, OFFSET)
         if TAIL > 0:
             x3 = _normed(x3, rstd, norm_w + 2 * HALF + t, t < TAIL, dtype, OFFSET)
     # rotate_half(x) = [-x2, x1]; round(-a) == -round(a), so x1*cos1 + (-x2)*sin1 == round(x1*cos1) - round(x2*sin1).
-    out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
-    out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    tl.store(dst + dst_off, out1.to(dtype), mask=mask)
-    tl.store(dst + dst_off + HALF, out2.to(dtype), mask=mask)
+    if UPCAST:
+        out1 = x1 * c1 - x2 * s1
+        out2 = x2 * c2 + x1 * s2
+    else:
+        out1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+        out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    tl.store(dst + heads[:, None] * dst_stride_head + e1[None, :], out1.to(dtype), mask=mask)
+    tl.store(dst + heads[:, None] * dst_stride_head + e2[None, :], out2.to(dtype), mask=mask)
     if TAIL > 0:
         tl.store(dst + heads[:, None] * dst_stride_head + 2 * HALF + t[None, :], x3.to(dtype), mask=tmask)
 
@@ -92,15 +114,17 @@ def _normed(x, rstd, w_ptrs, wmask, dtype, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """A position's cos/sin rows [head_dim] as four [1, BLOCK_HALF] halves, cast to the model dtype as the torch
-    lookup does."""
+def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+             INTERLEAVED: tl.constexpr):
+    """A position's cos/sin rows [rotary_dim] as four [1, BLOCK_HALF] parts, each pair's two (_pair), cast to the
+    model dtype as the torch lookup does."""
     d = tl.arange(0, BLOCK_HALF)
+    e1, e2 = _pair(d, HALF, INTERLEAVED)
     dmask = d < HALF
-    c1 = tl.load(cos_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + offset + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + offset + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1 = tl.load(cos_ptr + offset + e1, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + offset + e2, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + offset + e1, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + offset + e2, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     return c1, c2, s1, s2
 
 
@@ -112,7 +136,8 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
                    table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, TAIL: tl.constexpr = 0,
                    BLOCK_TAIL: tl.constexpr = 1, BLOCK_HEAD: tl.constexpr = 0, OFFSET: tl.constexpr = False,
-                   map_ptr=None, MAPPED: tl.constexpr = False):
+                   map_ptr=None, MAPPED: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+                   UPCAST: tl.constexpr = False):
     pdl_enter(PDL)
     # Grid (tokens, q_blocks + kv_blocks): block b < q_blocks rotates q heads [b * BLOCK_H, ...) into q_out; the rest
     # rotate k heads into row tok of k_dst, or with STORE into row loc[tok] of the pool k_dst, and then copy the
@@ -123,11 +148,11 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
-    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos * table_stride, dtype, HALF, BLOCK_HALF, INTERLEAVED)
     if blk < q_blocks:
         _rotate_heads(q_ptr + tok * q_stride_tok, q_out_ptr + tok * num_heads * (2 * HALF + TAIL), q_stride_head,
                       2 * HALF + TAIL, blk * BLOCK_H, num_heads, c1, c2, s1, s2, q_norm_ptr, eps, HALF, BLOCK_H,
-                      BLOCK_HALF, NORM, TAIL, BLOCK_TAIL, OFFSET)
+                      BLOCK_HALF, NORM, TAIL, BLOCK_TAIL, OFFSET, INTERLEAVED, UPCAST)
     else:
         head0 = (blk - q_blocks) * BLOCK_H
         row = tok
@@ -137,7 +162,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
                 row = tl.load(map_ptr + row).to(tl.int64)
         _rotate_heads(k_ptr + tok * k_stride_tok, k_dst_ptr + row * kd_stride_row, k_stride_head, kd_stride_head,
                       head0, num_kv_heads, c1, c2, s1, s2, k_norm_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, TAIL,
-                      BLOCK_TAIL, OFFSET)
+                      BLOCK_TAIL, OFFSET, INTERLEAVED, UPCAST)
         if STORE:
             heads = head0 + tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_HEAD if BLOCK_HEAD > 0 else 2 * BLOCK_HALF)
@@ -146,7 +171,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, cos_ptr
             tl.store(v_dst_ptr + row * vd_stride_row + heads[:, None] * vd_stride_head + d[None, :], v, mask=mask)
 
 
-def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm, slot_map=None) -> None:
+def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm, slot_map=None, pairs=None) -> None:
     """Runs _rotary_kernel: k rotated into row t of k_dst (loc None, v unused) or into row loc[t] (slot_map[loc[t]])
     of the pools k_dst, v_dst with v copied beside it; q and k RMS-normed first by `qk_norm` (q weight, k weight,
     eps[, offset]) unless None."""
@@ -168,30 +193,31 @@ def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm, slo
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), cos.stride(0),
         HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None, NORM=qk_norm is not None,
         TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 1, BLOCK_HEAD=triton.next_power_of_2(head_dim),
-        OFFSET=offset, map_ptr=slot_map, MAPPED=slot_map is not None, num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))),
+        OFFSET=offset, map_ptr=slot_map, MAPPED=slot_map is not None, INTERLEAVED=pairs is not None,
+        UPCAST=pairs is not None and pairs.upcast, num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))),
         enable_fp_fusion=False,
         **pdl_options(q))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
-                 qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 qk_norm: QKNorm | None = None, pairs: Pairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim] (one dtype; any strides but a unit last one),
     cos/sin [max_positions, rotary_dim] float32 (rotary_dim <= head_dim: the leading dimensions that rotate), positions
     [n] int -> rotated (q, k), written to `q_out`, `k_out` (contiguous; they may be q and k themselves when those are
     contiguous) or new tensors. `qk_norm` (q weight, k weight [head_dim] of q's dtype, eps[, offset]): each head
-    RMS-normed first (module docstring)."""
+    RMS-normed first (module docstring). `pairs`: the table's pairs interleaved (Pairs)."""
     _check(q, k, cos, sin, positions, qk_norm)
     q_out, k_out = _output(q_out, q), _output(k_out, k)
     if q.shape[0]:
-        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None, qk_norm)
+        _launch(q, k, k, cos, sin, positions, q_out, k_out, k_out, None, qk_norm, pairs=pairs)
     return q_out, k_out
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
                     q_out: torch.Tensor | None = None, qk_norm: QKNorm | None = None,
-                    slot_map: torch.Tensor | None = None) -> torch.Tensor:
+                    slot_map: torch.Tensor | None = None, pairs: Pairs | None = None) -> torch.Tensor:
     """apply_rotary and kernels.kv_store.store_kv in one launch: q, k rotated as apply_rotary does (RMS-normed first
     with `qk_norm`), the rotated k and v [n, num_kv_heads, head_dim] written to rows `loc` [n] of k_cache, v_cache
     [num_slots, num_kv_heads, head_dim] (rows slot_map[loc] with `slot_map`, int64 [any]: a sliding layer's pool,
@@ -205,16 +231,16 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                          f"{slot_map.dtype} on {slot_map.device}")
     q_out = _output(q_out, q)
     if q.shape[0]:
-        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc, qk_norm, slot_map)
+        _launch(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, loc, qk_norm, slot_map, pairs)
     return q_out
 
 
 def rotary_store_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                               sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, loc: torch.Tensor, qk_norm: QKNorm | None = None,
-                              slot_map: torch.Tensor | None = None) -> torch.Tensor:
+                              slot_map: torch.Tensor | None = None, pairs: Pairs | None = None) -> torch.Tensor:
     """The twin of `rotary_store_kv`: the twins of the kernels it fuses, one after the other."""
-    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions, qk_norm)
+    q_rot, k_rot = apply_rotary_reference(q, k, cos, sin, positions, qk_norm, pairs)
     store_kv_reference(k_cache, v_cache, loc if slot_map is None else slot_map[loc], k_rot, v)
     return q_rot
 
@@ -256,7 +282,8 @@ def _heads_per_program(n_tokens: int, num_heads: int, num_kv_heads: int) -> int:
 
 
 def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           positions: torch.Tensor, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           positions: torch.Tensor, qk_norm: QKNorm | None = None, pairs: Pairs | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `apply_rotary`: (with `qk_norm` kernels.norm's twin on q and on k, then) RotaryEmbedding.lookup
     and engine.layers.rotary.apply_rotary, op for op."""
     if qk_norm is not None:
@@ -264,7 +291,19 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
         q, k = norm(q, qk_norm[0], qk_norm[2]), norm(k, qk_norm[1], qk_norm[2])
     c = cos[positions].to(q.dtype)[:, None, :]  # [n, 1, rotary_dim]
     s = sin[positions].to(q.dtype)[:, None, :]
+    if pairs is not None:
+        return _rotate_interleaved(q, c, s, pairs.upcast), _rotate_interleaved(k, c, s, pairs.upcast)
     return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate_interleaved(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, upcast: bool) -> torch.Tensor:
+    """GPT-J's pairs (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), in float32 rounded once with `upcast`, else in x's
+    dtype op by op; the dimensions past the table's pass through."""
+    dim = c.shape[-1]
+    rot = x[..., :dim].float() if upcast else x[..., :dim]
+    swapped = torch.stack([-rot[..., 1::2], rot[..., ::2]], dim=-1).flatten(-2)
+    out = (rot * c + swapped * s).to(x.dtype)
+    return out if dim == x.shape[-1] else torch.cat([out, x[..., dim:]], dim=-1)
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.layers.rotary import apply_rotary as engine_rotary
-from radixmesh.kernels.rotary import (QKNorm, apply_rotary, apply_rotary_reference, rotary_store_kv,
+from radixmesh.kernels.rotary import (Pairs, QKNorm, apply_rotary, apply_rotary_reference, rotary_store_kv,
                                       rotary_store_kv_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,6 +192,39 @@ def test_the_store_through_a_slot_map_writes_the_mapped_rows(dtype):
     assert k_cache.cpu()[untouched].isnan().all() and v_cache.cpu()[untouched].isnan().all()
     with pytest.raises(ValueError, match="slot_map"):
         rotary_store_kv(q, k, v, rope.cos, rope.sin, positions, pool.k[0], pool.v[0], loc, slot_map=slot_map.float())
+
+
+INTERLEAVED = [(2, 4, 2, 16, 16), (3, 6, 3, 24, 24), (1, 8, 2, 32, 16), (2, 2, 1, 128, 64)]
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim,rotary_dim", INTERLEAVED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("upcast", [True, False], ids=["cohere", "glm"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_interleaved_pairs_in_one_launch_match_the_twin_bit_for_bit(n, heads, kv_heads, head_dim, rotary_dim, dtype,
+                                                                    upcast, wide, monkeypatch):
+    """GPT-J's pairs (Cohere's in float32, GLM-4's in the model dtype; GLM's half-rotary heads), alone and with the
+    KV store: bit for bit the twin, and the twin the engine's interleaved rotation."""
+    if wide:
+        monkeypatch.setattr(kernels.rotary, "_MIN_PROGRAMS", 1)
+    q, k, v, _, positions, _ = _inputs(n, heads, kv_heads, head_dim, dtype)
+    rope = RotaryEmbedding(rotary_dim, 512, 1e4, None, torch.device("cpu"), interleaved=True, upcast_pairs=upcast)
+    pairs = Pairs(upcast)
+    want_q, want_k = apply_rotary_reference(q, k, rope.cos, rope.sin, positions, pairs=pairs)
+    cos, sin = rope.lookup(positions, dtype)
+    engine_q, engine_k = engine_rotary(q, k, cos, sin, interleaved=True, upcast_pairs=upcast)
+    assert torch.equal(engine_q, want_q) and torch.equal(engine_k, want_k)
+    assert not torch.equal(want_q, apply_rotary_reference(q, k, rope.cos, rope.sin, positions)[0])
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    got_q, got_k = apply_rotary(dev(q), dev(k), dev(rope.cos), dev(rope.sin), dev(positions), pairs=pairs)
+    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_k.cpu(), want_k)
+    pool = KVPool(2, 16, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    loc = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(n))[:n]
+    k_cache, v_cache = dev(pool.k[0]), dev(pool.v[0])
+    stored_q = rotary_store_kv(dev(q), dev(k), dev(v), dev(rope.cos), dev(rope.sin), dev(positions), k_cache, v_cache,
+                               dev(loc), pairs=pairs)
+    assert torch.equal(stored_q.cpu(), want_q) and torch.equal(k_cache.cpu()[loc], want_k)
+    assert torch.equal(v_cache.cpu()[loc], v)
 
 
 def test_a_table_wider_than_the_head_or_odd_is_refused():

@@ -132,15 +132,17 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
-                         BLOCK_HEAD=128, OFFSET=False, MAPPED=False), 4, 1)
-# (partial rotary with q/k norms: 64 of 128 dimensions rotate, offset norms, the store through a slot map)
+                         BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=False, UPCAST=False), 4, 1)
+# (partial rotary with q/k norms: 64 of 128 dimensions rotate, offset norms, the store through a slot map,
+# interleaved pairs in float32)
 out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16,
                                                         k_dst_ptr=bf16, v_dst_ptr=bf16, cos_ptr="*fp32",
                                                         sin_ptr="*fp32", pos_ptr="*i64", loc_ptr="*i64",
                                                         q_norm_ptr=bf16, k_norm_ptr=bf16, map_ptr="*i64"),
                             {"eps"},
                             dict(HALF=32, BLOCK_H=8, BLOCK_HALF=32, STORE=True, NORM=True, PDL=True, TAIL=64,
-                                 BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True, MAPPED=True), 4, 1)
+                                 BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True, MAPPED=True, INTERLEAVED=True,
+                                 UPCAST=True), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engine_utils import running_engine
+from tests.engine_utils import force_rotary_kernel, running_engine
 from tests.parity.test_model_families import COMMON, GREEDY, MAX_NEW, VOCAB
 from tests.reference import hf_greedy, hf_token_logprobs
 
@@ -158,6 +158,15 @@ def test_gemma_norm_kernels_with_a_residual_match_transformers(checkpoint, monke
 
     monkeypatch.setattr(norm, "use_kernels", lambda t: True)
     _check(checkpoint("gemma"))
+
+
+@pytest.mark.parametrize("name", ["cohere", "cohere-qk-norm", "stablelm", "stablelm-parallel"])
+def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
+    """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere's interleaved pairs
+    in float32 (after Command-R+'s per-head LayerNorms, which stay in torch), StableLM's partial heads."""
+    launches = force_rotary_kernel(monkeypatch)
+    _check(checkpoint(name))
+    assert launches
 
 
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-parallel", "starcoder2"])

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from tests.engine_utils import force_rotary_kernel
 from tests.parity.test_model_families_more import WINDOW, _check, _config_dir, _refused, build_family
 
 FAMILIES = {
@@ -89,6 +90,16 @@ def _edited(tmp_path, config_cls: str, edits: dict, **fields) -> str:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_families_match_transformers(checkpoint, name):
     _check(checkpoint(name))
+
+
+@pytest.mark.parametrize("name", ["cohere2", "phi", "glm", "glm4", "ernie4_5"])
+def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
+    """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere 2's interleaved pairs
+    in float32, Phi's partial heads, GLM's and GLM-4's interleaved half-rotary heads in the model dtype. ERNIE 4.5's
+    table stays float32 at lookup, which the kernel does not compute: it keeps the torch rotation."""
+    launches = force_rotary_kernel(monkeypatch)
+    _check(checkpoint(name))
+    assert bool(launches) == (name != "ernie4_5")
 
 
 def test_phi_shards_over_tensor_parallel_ranks(checkpoint):

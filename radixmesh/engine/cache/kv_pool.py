@@ -108,7 +108,7 @@ class KVPool:
             from radixmesh.kernels.rotary import rotary_store_kv
 
             return rotary_store_kv(q, k, v, rope.table.cos, rope.table.sin, rope.positions, self.k[layer],
-                                   self.v[layer], loc, qk_norm=rope.qk_norm, slot_map=slot_map)
+                                   self.v[layer], loc, qk_norm=rope.qk_norm, slot_map=slot_map, pairs=rope.pairs())
         q, k = rope.apply(q, k)
         self.write(layer, loc if slot_map is None else slot_map[loc], k, v)
         return q

@@ -12,8 +12,9 @@ rotary kernel does the same).
 Interleaved pairs (transformers' Cohere and GLM: GPT-J's layout): dimensions (2i, 2i + 1) rotate together by
 frequency i, where rotate-half pairs (i, i + rotary_dim / 2); the table repeats each frequency twice in a row. As Cohere
 computes it, q and k rotate in float32 (cos and sin rounded to the model dtype first) and round back once; GLM rotates
-them in the model dtype (`upcast_pairs` False), which float32 models compute alike. The kernel rotates rotate-half
-pairs only, so such a table is always applied in plain torch too.
+them in the model dtype (`upcast_pairs` False), which float32 models compute alike. The rotary kernel does either
+(kernels.rotary.Pairs). A table kept in float32 at lookup (ERNIE 4.5's), or one a model looks up itself once per
+forward (`looked_up`: DeepSeek's latent attention, whose kernels take the looked-up rows), is applied in plain torch.
 """
 
 from __future__ import annotations
@@ -45,22 +46,24 @@ class RotaryEmbedding:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_positions: int, device: torch.device,
-                  interleaved: bool = False, upcast_pairs: bool = True, float32_table: bool = False
-                  ) -> "RotaryEmbedding":
+                  interleaved: bool = False, upcast_pairs: bool = True, float32_table: bool = False,
+                  looked_up: bool = False) -> "RotaryEmbedding":
         """`cfg`'s table; `interleaved`: GPT-J's pair layout (module docstring) instead of rotate-half, rotated in
         float32 (`upcast_pairs`, Cohere's) or in the model dtype (GLM's); `float32_table`: cos and sin stay float32
-        at lookup instead of rounding to the model dtype (ERNIE 4.5 keeps them "in full precision")."""
+        at lookup instead of rounding to the model dtype (ERNIE 4.5 keeps them "in full precision"); `looked_up`:
+        cos and sin looked up once per forward on every device (the model's own kernels take the rows)."""
         table = cls.__new__(cls)
         table._fill(replace(rope_spec(cfg), context=max_positions), max_positions, device, cfg.rope_head_dim,
-                    interleaved, upcast_pairs, float32_table)
+                    interleaved, upcast_pairs, float32_table, looked_up)
         return table
 
     def _fill(self, spec: RopeSpec, max_positions: int, device: torch.device, head_dim: int,
-              interleaved: bool, upcast_pairs: bool, float32_table: bool = False) -> None:
+              interleaved: bool, upcast_pairs: bool, float32_table: bool = False, looked_up: bool = False) -> None:
         inv_freq, attention_factor = frequencies(spec)
         self.rotary_dim = spec.dim  # leading dimensions of a head that rotate (head_dim, unless partial)
         self.partial = spec.dim < head_dim
         self.interleaved, self.upcast_pairs, self.float32_table = interleaved, upcast_pairs, float32_table
+        self.looked_up = looked_up or float32_table  # (the kernel rounds cos and sin to the model dtype)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
         # [max_positions, rotary_dim]: frequency i at i and i + rotary_dim / 2, or (interleaved) at 2i and 2i + 1
@@ -76,9 +79,9 @@ class RotaryEmbedding:
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeInputs":
         """What every layer of one forward needs to rotate its q and k: on CUDA the positions (the kernel reads the
-        float32 tables itself), elsewhere the looked-up cos/sin. An interleaved table, or one kept in float32 at
-        lookup, is always looked up (the kernel rotates rotate-half pairs with cos and sin in the model dtype)."""
-        if use_kernels(positions) and not self.interleaved and not self.float32_table:
+        float32 tables itself), elsewhere the looked-up cos/sin; a `looked_up` table everywhere (module
+        docstring)."""
+        if use_kernels(positions) and not self.looked_up:
             return RopeInputs(self, positions, None, None)
         return RopeInputs(self, positions, *self.lookup(positions, dtype))
 
@@ -113,8 +116,17 @@ class RopeInputs:
         if self.cos is None:
             from radixmesh.kernels.rotary import apply_rotary as kernel
 
-            return kernel(q, k, self.table.cos, self.table.sin, self.positions, qk_norm=self.qk_norm)
+            return kernel(q, k, self.table.cos, self.table.sin, self.positions, qk_norm=self.qk_norm,
+                          pairs=self.pairs())
         return apply_rotary(q, k, self.cos, self.sin, self.table.interleaved, self.table.upcast_pairs)
+
+    def pairs(self):
+        """kernels.rotary.Pairs for an interleaved table, None for rotate-half (the kernel path only)."""
+        if not self.table.interleaved:
+            return None
+        from radixmesh.kernels.rotary import Pairs
+
+        return Pairs(self.table.upcast_pairs)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,

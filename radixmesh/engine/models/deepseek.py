@@ -178,8 +178,9 @@ def mla_decoder_layer(cfg: ModelConfig, tp: TensorParallel, sparse: bool) -> Dec
 
 def v3_rope_options(cfg: ModelConfig) -> dict:
     """RotaryEmbedding.for_model's options for DeepSeek-V3's RoPE: interleaved pairs (rope_interleave, true by
-    default) or rotate-half, in the model dtype either way."""
-    return dict(interleaved=bool(cfg.raw.get("rope_interleave", True)), upcast_pairs=False)
+    default) or rotate-half, in the model dtype either way; looked up once per forward (the latent attention's
+    kernels take the rows)."""
+    return dict(interleaved=bool(cfg.raw.get("rope_interleave", True)), upcast_pairs=False, looked_up=True)
 
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
@@ -198,7 +199,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def rope_options(self) -> dict:
         # transformers' DeepSeek-V2: interleaved pairs rotated in float32 by a float32 table (a complex product)
-        return dict(interleaved=True, upcast_pairs=True, float32_table=True)
+        return dict(interleaved=True, upcast_pairs=True, float32_table=True, looked_up=True)
 
     def sparse_block(self, cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
