@@ -18,7 +18,9 @@ Numerics are the three kernels': the residual sum and the normed row rounded as 
 products rounded once to the logits' dtype, then kernels.moe's routing over those rounded logits.
 
 GPT-OSS's router has a bias (`router_bias`): added to each logit in float32 before its rounding, as kernels.gemv's
-products add theirs (cuBLAS's epilogue). `moe_gate_grouped` is the same launch for the blocks whose experts are chosen by score plus a correction bias
+products add theirs (cuBLAS's epilogue).
+
+`moe_gate_grouped` is the same launch for the blocks whose experts are chosen by score plus a correction bias
 (DeepSeek-V2/V3, GLM-4.5, dots.llm1, Kimi K2: engine.models.moe.BiasRoutedMoeBlock), whose router is held in float32:
 the logits stay float32 (as `F.linear(x.float(), router)` leaves them) and the last program routes them by
 kernels.moe.grouped_top_k (route_grouped's rule). Unfused, that gate is four launches a layer at one token, two of them

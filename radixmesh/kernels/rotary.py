@@ -53,11 +53,10 @@ _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1
 
 
 @triton.jit
-def _pair(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The dimensions of a head that rotate together, pair d: (d, HALF + d), or (2d, 2d + 1) with INTERLEAVED."""
-    if INTERLEAVED:
-        return 2 * d, 2 * d + 1
-    return d, HALF + d
+def _pair_first(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The first of the two dimensions of a head that rotate together as pair d: d, or 2d with INTERLEAVED (the
+    second is the first + HALF, or + 1)."""
+    return 2 * d if INTERLEAVED else d
 
 
 @triton.jit
@@ -67,11 +66,12 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
                   UPCAST: tl.constexpr):
     """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF + TAIL] first when
     NORM (Gemma's offset weight with OFFSET); the TAIL dimensions after the rotated 2 * HALF pass through. src rows
-    are stride_head apart, dst's dst_stride_head. Pairs rotate-half or INTERLEAVED (_pair); UPCAST: a pair's sums in
-    float32, rounded once (Cohere's), else each product rounded to the dtype first (the model dtype's ops)."""
+    are stride_head apart, dst's dst_stride_head. Pairs rotate-half or INTERLEAVED (_pair_first); UPCAST: a pair's
+    sums in float32, rounded once (Cohere's), else each product rounded to the dtype first (the model dtype's ops)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
-    e1, e2 = _pair(d, HALF, INTERLEAVED)
+    e1 = _pair_first(d, HALF, INTERLEAVED)
+    e2 = e1 + (1 if INTERLEAVED else HALF)
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
     x1 = tl.load(src + heads[:, None] * stride_head + e1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + heads[:, None] * stride_head + e2[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -116,10 +116,11 @@ def _normed(x, rstd, w_ptrs, wmask, dtype, OFFSET: tl.constexpr):
 @triton.jit
 def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
              INTERLEAVED: tl.constexpr):
-    """A position's cos/sin rows [rotary_dim] as four [1, BLOCK_HALF] parts, each pair's two (_pair), cast to the
+    """A position's cos/sin rows [rotary_dim] as four [1, BLOCK_HALF] parts, each pair's two (_pair_first), cast to the
     model dtype as the torch lookup does."""
     d = tl.arange(0, BLOCK_HALF)
-    e1, e2 = _pair(d, HALF, INTERLEAVED)
+    e1 = _pair_first(d, HALF, INTERLEAVED)
+    e2 = e1 + (1 if INTERLEAVED else HALF)
     dmask = d < HALF
     c1 = tl.load(cos_ptr + offset + e1, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + offset + e2, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
@@ -194,7 +195,8 @@ def _launch(q, k, v, cos, sin, positions, q_out, k_dst, v_dst, loc, qk_norm, slo
         HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, STORE=loc is not None, NORM=qk_norm is not None,
         TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 1, BLOCK_HEAD=triton.next_power_of_2(head_dim),
         OFFSET=offset, map_ptr=slot_map, MAPPED=slot_map is not None, INTERLEAVED=pairs is not None,
-        UPCAST=pairs is not None and pairs.upcast, num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))),
+        UPCAST=pairs is not None and pairs.upcast,
+        num_warps=max(1, min(8, block_h * block_half * q.element_size() // (16 * 32))),
         enable_fp_fusion=False,
         **pdl_options(q))
 
@@ -251,7 +253,8 @@ def _check(q, k, cos, sin, positions, qk_norm=None) -> None:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not fit together")
     if cos.shape != sin.shape or cos.dim() != 2 or not 0 < cos.shape[1] <= head_dim or cos.shape[1] % 2 \
             or cos.dtype != torch.float32:
-        raise ValueError(f"cos/sin must be float32 [max_positions, rotary_dim], rotary_dim even and at most {head_dim}, "
+        raise ValueError(f"cos/sin must be float32 [max_positions, rotary_dim], rotary_dim even and at most "
+                         f"{head_dim}, "
                          f"got {tuple(cos.shape)} {cos.dtype}")
     if positions.shape != (n,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int [{n}], got {tuple(positions.shape)} {positions.dtype}")

@@ -224,18 +224,23 @@ softmax_gate = dict(GROUPED=False, GROUPS=1, GB=1, GROUP_SIZE=128, TOP_GROUPS=1,
                     CLAMP=False)
 out["moe_gate"] = ptx(moe_gate._gate_kernel, gate_args, {"eps", "scale", "norm_min"},
                       dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=8, KB=8, EB=128, RENORM=True, **softmax_gate,
-                           PDL=True), 1, 1)
+                           PDL=True, ROUTER_BIAS=False), 1, 1)
+# GPT-OSS's biased router (gpt-oss-20b: hidden 2,880, 32 experts, top 4)
+out["moe_gate_router_bias"] = ptx(moe_gate._gate_kernel, dict(gate_args, RouterBias=bf16),
+                                  {"eps", "scale", "norm_min"},
+                                  dict(D=2880, BLOCK_D=4096, BLOCK_N=2, TOP_K=4, KB=4, EB=32, RENORM=True,
+                                       **softmax_gate, PDL=True, ROUTER_BIAS=True), 1, 1)
 # the bias-routed blocks' gate (kernels.moe_gate.moe_gate_grouped): DeepSeek-V2-Lite's (softmax, 64 experts, hidden
 # 2,048: one warp) and DeepSeek-V3's (sigmoid with the bias, 8 groups, top 4, 256 experts, hidden 7,168: four warps)
 grouped_args = dict(gate_args, W="*fp32", Bias="*fp32", Logits="*fp32", Weights="*fp32")
 out["moe_gate_grouped"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "scale", "norm_min"},
                               dict(D=2048, BLOCK_D=2048, BLOCK_N=2, TOP_K=6, KB=8, EB=64, RENORM=False,
                                    GROUPED=True, GROUPS=1, GB=1, GROUP_SIZE=64, TOP_GROUPS=1, GROUP_BEST=1,
-                                   SOFTMAX=True, CLAMP=False, PDL=True), 1, 1)
+                                   SOFTMAX=True, CLAMP=False, PDL=True, ROUTER_BIAS=False), 1, 1)
 out["moe_gate_grouped_v3"] = ptx(moe_gate._gate_kernel, grouped_args, {"eps", "scale", "norm_min"},
                                  dict(D=7168, BLOCK_D=8192, BLOCK_N=2, TOP_K=8, KB=8, EB=256, RENORM=True,
                                       GROUPED=True, GROUPS=8, GB=8, GROUP_SIZE=32, TOP_GROUPS=4, GROUP_BEST=2,
-                                      SOFTMAX=False, CLAMP=False, PDL=True), 4, 1)
+                                      SOFTMAX=False, CLAMP=False, PDL=True, ROUTER_BIAS=False), 4, 1)
 # DeepSeek's absorbed products (kernels.mla_absorb), DeepSeek-V2-Lite's per-head shape, weights loaded after the wait
 # (the default) and before it
 absorb_q = dict(q_nope_ptr="*bf16", w_ptr="*bf16", q_pe_ptr="*bf16", latent_ptr="*bf16", k_pe_ptr="*bf16",
@@ -289,9 +294,10 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
     assert launch[0] < prefetch[0] < wait[0]
 
 
-@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0), ("gelu_and_mul", 0),
-                                                 ("rmsnorm", 0), ("gemma_sandwich", 0), ("olmo2_post_add", 0), ("store_kv", 0),
-                                                 ("rotary", 0), ("rotary_partial", 0), ("moe_route", 0), ("moe_route_grouped", 0),
+@pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0),
+                                                 ("gelu_and_mul", 0), ("rmsnorm", 0), ("gemma_sandwich", 0),
+                                                 ("olmo2_post_add", 0), ("store_kv", 0), ("rotary", 0),
+                                                 ("rotary_partial", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
                                                  ("mla_stage1_tree", 2),
@@ -317,7 +323,7 @@ def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel
 
 
 
-@pytest.mark.parametrize("kernel", ["moe_gate", "moe_gate_grouped", "moe_gate_grouped_v3"])
+@pytest.mark.parametrize("kernel", ["moe_gate", "moe_gate_router_bias", "moe_gate_grouped", "moe_gate_grouped_v3"])
 def test_the_moe_gate_loads_its_weights_before_its_wait_and_counts_arrivals_at_gpu_scope(ptx, kernel):
     """kernels.moe_gate under PDL: the router's rows and the norm's weight load before the wait (no kernel writes
     them), the hidden row after it; each program arrives by an acquire-release atomic at GPU scope, and the last one
