@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixmesh.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixmesh.engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                            RowParallelLinear)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ REPLAYS = 5
 
 def _weights(model: nn.Module) -> list[torch.Tensor]:
     """The weights of the model's decode products, in forward order, then the LM head's (or the tied embedding's).
-    Besides the projections, a module that says `decode_product = True` (a mixture-of-experts router: its [experts,
-    hidden] product runs once a layer) is planned alike."""
-    kinds = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+    Besides the projections (ColumnParallelLinear's too: DeepSeek's q and latent projections, which cuBLAS ran at
+    one row in ~13.5 us a layer of V2-Lite's step on an H100), a module that says `decode_product = True` (a
+    mixture-of-experts router: its [experts, hidden] product runs once a layer) is planned alike."""
+    kinds = (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)
     out = [m.weight for m in model.modules() if isinstance(m, kinds) or getattr(m, "decode_product", False)]
     head = getattr(model, "lm_head", None)
     out.append(model.model.embed_tokens.weight if head is None else head.weight)

@@ -119,3 +119,18 @@ def test_a_mixture_of_experts_plans_its_routers_products_too():
     assert all(id(layer.mlp.experts.w13.weight) not in planned for layer in model.model.layers
                if hasattr(layer.mlp, "experts"))
     assert tuple(routers[0].shape) == (cfg.moe.num_experts, cfg.hidden_size)
+
+
+def test_column_parallel_projections_are_planned():
+    """ColumnParallelLinear's products (DeepSeek's q_proj, q_a_proj, q_b_proj and kv_a_proj_with_mqa; Phi's fc1,
+    StarCoder2's c_fc) are decode products like the others: an H100's V2-Lite step ran its two on cuBLAS."""
+    from torch import nn
+
+    from radixmesh.engine.decode_products import _weights
+    from radixmesh.engine.distributed import TensorParallel
+    from radixmesh.engine.layers.linear import ColumnParallelLinear
+
+    model = nn.Module()
+    model.q_proj = ColumnParallelLinear(8, 16, False, TensorParallel.single(), "q_proj's rows")
+    model.lm_head = nn.Linear(8, 32)
+    assert [tuple(w.shape) for w in _weights(model)] == [(16, 8), (32, 8)]
