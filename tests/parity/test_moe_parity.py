@@ -204,12 +204,7 @@ def test_partial_rotary_in_the_rotary_kernel_matches_transformers(checkpoints, n
     """GLM-4.5's half-rotary heads (with its per-head q/k norms in the same launch) and MiniMax-M2's quarter-rotary
     ones rotated by kernels.rotary, as on CUDA (here in Triton's interpreter): transformers' tokens and logprobs."""
     launches = force_rotary_kernel(monkeypatch)
-    path = checkpoints[name]
-    refs, logprobs = _reference(path)
-    with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
-        outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
-                            return_logprob=True)
-    assert_like_reference(outs, refs, logprobs)
+    _serves_like_reference(checkpoints[name])
     assert launches and all((norm is not None) == (name == "glm4_moe_qk_norm") for norm in launches)
 
 
@@ -223,13 +218,17 @@ def test_whole_projection_qk_norms_in_kernels_match_transformers(checkpoints, na
     launches, kernel = [], norm.rmsnorm
     monkeypatch.setattr(olmo2, "use_kernels", lambda t: True)
     monkeypatch.setattr(norm, "rmsnorm", lambda x, *a, **k: launches.append(x.shape[-1]) or kernel(x, *a, **k))
-    path = checkpoints[name]
+    _serves_like_reference(checkpoints[name])
+    assert launches and max(launches) > 16  # (whole projections, not heads)
+
+
+def _serves_like_reference(path: str) -> None:
+    """PROMPTS served greedily from `path` (chunked prefill, pages of 4): transformers' tokens and logprobs."""
     refs, logprobs = _reference(path)
     with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4) as llm:
         outs = llm.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0},
                             return_logprob=True)
     assert_like_reference(outs, refs, logprobs)
-    assert launches and max(launches) > 16  # (whole projections, not heads)
 
 
 def _rewrite(src: str, dst, extra: dict[str, torch.Tensor], **config_fields) -> str:
