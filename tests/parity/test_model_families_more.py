@@ -160,10 +160,10 @@ def test_gemma_norm_kernels_with_a_residual_match_transformers(checkpoint, monke
     _check(checkpoint("gemma"))
 
 
-@pytest.mark.parametrize("name", ["cohere", "cohere-qk-norm", "stablelm", "stablelm-parallel"])
+@pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-parallel"])
 def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
     """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere's interleaved pairs
-    in float32 (after Command-R+'s per-head LayerNorms, which stay in torch), StableLM's partial heads."""
+    in float32 after Command-R+'s per-head LayerNorms (which stay in torch), StableLM 2's partial heads after its."""
     launches = force_rotary_kernel(monkeypatch)
     _check(checkpoint(name))
     assert launches

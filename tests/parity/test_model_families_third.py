@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from tests.engine_utils import force_rotary_kernel
+from tests.engine_utils import force_rotary_kernel, running_engine
 from tests.parity.test_model_families_more import WINDOW, _check, _config_dir, _refused, build_family
 
 FAMILIES = {
@@ -92,14 +92,25 @@ def test_families_match_transformers(checkpoint, name):
     _check(checkpoint(name))
 
 
-@pytest.mark.parametrize("name", ["cohere2", "phi", "glm", "glm4", "ernie4_5"])
+@pytest.mark.parametrize("name", ["cohere2", "glm4"])
 def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
     """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere 2's interleaved pairs
-    in float32, Phi's partial heads, GLM's and GLM-4's interleaved half-rotary heads in the model dtype. ERNIE 4.5's
-    table stays float32 at lookup, which the kernel does not compute: it keeps the torch rotation."""
+    in float32 (its sliding layers), GLM-4's interleaved half-rotary heads in the model dtype."""
     launches = force_rotary_kernel(monkeypatch)
     _check(checkpoint(name))
-    assert bool(launches) == (name != "ernie4_5")
+    assert launches
+
+
+def test_a_float32_table_keeps_the_torch_rotation(checkpoint, monkeypatch):
+    """ERNIE 4.5's table stays float32 at lookup, which the kernel (cos and sin rounded to the model dtype) does not
+    compute: its forwards look the rows up even where the kernels run."""
+    from radixmesh.engine.layers import rotary
+
+    monkeypatch.setattr(rotary, "use_kernels", lambda t: True)
+    with running_engine(checkpoint("ernie4_5"), skip_tokenizer_init=True, load_format="dummy") as llm:
+        table = llm.runner.model.rotary
+        rope = table.prepare(torch.arange(3), torch.float32)
+    assert table.looked_up and rope.cos is not None and rope.cos.dtype == torch.float32
 
 
 def test_phi_shards_over_tensor_parallel_ranks(checkpoint):

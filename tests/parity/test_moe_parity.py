@@ -199,27 +199,29 @@ def test_glm_routing_in_one_launch_matches_transformers_in_the_interpreter(check
     assert_like_reference(outs, refs[:2], logprobs)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_qk_norm", "minimax_m2"])
-def test_partial_rotary_in_the_rotary_kernel_matches_transformers(checkpoints, name, monkeypatch):
-    """GLM-4.5's half-rotary heads (with its per-head q/k norms in the same launch) and MiniMax-M2's quarter-rotary
-    ones rotated by kernels.rotary, as on CUDA (here in Triton's interpreter): transformers' tokens and logprobs."""
+def test_partial_rotary_in_the_rotary_kernel_matches_transformers(checkpoints, monkeypatch):
+    """GLM-4.5's half-rotary heads with its per-head q/k norms in the same launch, rotated by kernels.rotary, as on
+    CUDA (here in Triton's interpreter): transformers' tokens and logprobs."""
     launches = force_rotary_kernel(monkeypatch)
-    _serves_like_reference(checkpoints[name])
-    assert launches and all((norm is not None) == (name == "glm4_moe_qk_norm") for norm in launches)
+    _serves_like_reference(checkpoints["glm4_moe_qk_norm"])
+    assert launches and all(norm is not None for norm in launches)
 
 
 @pytest.mark.parametrize("name", ["olmoe_clipped", "minimax_m2"])
 def test_whole_projection_qk_norms_in_kernels_match_transformers(checkpoints, name, monkeypatch):
-    """OLMoE's and MiniMax-M2's q/k norms over every head at once (Llama's numerics) in kernels.norm.rmsnorm, as on
-    CUDA, forced here in Triton's interpreter: transformers' tokens and logprobs."""
+    """OLMoE's and MiniMax-M2's q/k norms over every head at once (Llama's numerics) in kernels.norm.rmsnorm, and
+    their rotations (MiniMax-M2's quarter-rotary heads) in kernels.rotary, as on CUDA, forced here in Triton's
+    interpreter: transformers' tokens and logprobs."""
     from radixmesh.engine.models import olmo2
     from radixmesh.kernels import norm
 
     launches, kernel = [], norm.rmsnorm
     monkeypatch.setattr(olmo2, "use_kernels", lambda t: True)
     monkeypatch.setattr(norm, "rmsnorm", lambda x, *a, **k: launches.append(x.shape[-1]) or kernel(x, *a, **k))
+    rotations = force_rotary_kernel(monkeypatch)
     _serves_like_reference(checkpoints[name])
     assert launches and max(launches) > 16  # (whole projections, not heads)
+    assert rotations and all(qk is None for qk in rotations)  # (normed before, not in the launch)
 
 
 def _serves_like_reference(path: str) -> None:

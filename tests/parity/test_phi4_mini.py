@@ -54,8 +54,8 @@ def _variant(path: str, dst, edit) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("name,kernel", [("default", False), ("longrope", False), ("longrope", True)],
+                         ids=["default", "longrope", "longrope-kernel"])
 def test_partial_rotary_matches_transformers(checkpoints, name, kernel, monkeypatch):
     """kernel: the rotation in kernels.rotary (its partial heads), as on CUDA: forced here in Triton's interpreter."""
     launches = force_rotary_kernel(monkeypatch) if kernel else None
