@@ -80,6 +80,12 @@
 #                           torch_native), and the 8k prefill in the expanded form
 #   PARTS="setup gemma"     Gemma's norms in kernels (kernels.norm.gemma_rmsnorm / gemma_sandwich) against torch's ops
 #                           (RADIXMESH_GEMMA_NORMS=0): the Gemma-3-12B and Gemma-2-9B shapes at batch 1 and 64
+#   PARTS="setup families"  the thirty-second session's kernels (the rotary kernel's partial heads, interleaved pairs,
+#                           Gemma's offset q/k norms and SWA slots; Gemma's GELU; OLMo 2's norms; GPT-OSS's biased
+#                           gate; ColumnParallelLinear's products planned): their CUDA tests, then batch 1 against the
+#                           tree before them ($FAMILIES_BASE, default build/base: `git archive bef0c17 radixmesh | tar
+#                           -x -C build/base`, radixmesh/v1 copied in, carried) for DeepSeek-V2-Lite, Gemma-3-12B,
+#                           Phi-4-mini, OLMo-2-7B and gpt-oss-20b (FAMILIES_MODELS), then the Gemma/DeepSeek engine tests
 #   PARTS="setup moeprof"  GPT-OSS's and DeepSeek-V2-Lite's decode steps by kernel (profile_decode --timeline)
 #   PARTS="setup gptoss"    GPT-OSS: the sink kernels' and the tiny GPT-OSS's CUDA tests, then the gpt-oss-20b shape
 #                           (dummy weights in bf16: the MXFP4 experts as the loader dequantizes them) at batch 1, 64,
@@ -467,6 +473,35 @@ if [[ " $PARTS " == *" gemmab "* ]]; then  # the shipped block-fp8 tile file aga
     RUN_TIMEOUT=${RUN_TIMEOUT:-270} tuner_run gemmab "$label" --model-path build/llama-3.1-8b-fp8-block --batch-size 64 256 --prefill-len 0
     [[ -f $pkg.kept ]] && mv "$pkg.kept" "$pkg"
   done
+fi
+
+if [[ " $PARTS " == *" families "* ]]; then
+  # Predictions, written before any run (H100, batch 1, GPU time a step, against bef0c17): DeepSeek-V2-Lite 2.76 ->
+  # 2.52-2.60 ms (q_proj and kv_a_proj_with_mqa off cuBLAS: 13.5 us of a layer's shares for 15 MB); Gemma-3-12B 8.74 ->
+  # 8.3-8.45 ms; Phi-4-mini -0.6 to -0.9 ms; OLMo-2-7B -1.5 to -2.0 ms (~34 torch launches a layer become 4 kernels).
+  xdist=$($PY -c "import xdist" 2> /dev/null && echo "-n 8")  # (pytest-xdist, carried in .whl)
+  timeout ${FAMILIES_KT:-200} $PY -m pytest -q -p no:cacheprovider --tb=short -rfE $xdist \
+    tests/kernels/test_rotary_qk_norm.py tests/kernels/test_moe_gate.py tests/kernels/test_elementwise.py \
+    tests/kernels/test_decode_products.py -k "qk_norm or partial or interleaved or slot_map or router_bias or gelu \
+    or olmo2 or gemma or column" 2>&1 | grep -vi warn | tee "$OUT/families_tests.log" \
+    | grep -E "passed|failed|^E  |FAILED" | tail -14
+  base=${FAMILIES_BASE:-build/base}
+  for model in ${FAMILIES_MODELS:-deepseek-v2-lite gemma-3-12b phi-4-mini olmo-2-7b gpt-oss-20b}; do
+    for tree in new base; do
+      root=$PWD; [[ $tree == base ]] && root=$PWD/$base
+      [[ -d $root/radixmesh ]] || { echo "families: no $root/radixmesh"; continue; }
+      echo "== $model $tree"
+      echo "{\"label\": \"$model $tree\"}" >> "$OUT/families.jsonl"
+      PYTHONPATH=$root timeout ${FAMILIES_S:-150} $PY -m radixmesh.engine.bench_one_batch \
+        --model-path benchmarks/configs/$model --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+        --log-level warning --batch-size 1 --input-len 512 --output-len 16 --roofline \
+        --result-file "$OUT/families.jsonl" 2>&1 | tee -a "$OUT/families.log" | grep -E "True|rror"
+    done
+  done
+  timeout ${FAMILIES_ET:-400} $PY -m pytest -v -p no:cacheprovider --tb=short -rfE --timeout 300 \
+    tests/gpu/test_sliding_window_cuda.py tests/gpu/test_deepseek_cuda.py \
+    -k "gemma or fp8 or (deepseek_v3 and None) or latent_kernels" 2>&1 | grep -vi warn \
+    | tee "$OUT/families_engine.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tail -30
 fi
 
 if [[ " $PARTS " == *" gemma "* ]]; then
