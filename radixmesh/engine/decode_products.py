@@ -46,9 +46,10 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
     """The weights of the model's decode products, in forward order, then the LM head's (or the tied embedding's).
     Besides the projections (ColumnParallelLinear's too: DeepSeek's q and latent projections, which cuBLAS ran at
     one row in ~13.5 us a layer of V2-Lite's step on an H100), a module that says `decode_product = True` (a
-    mixture-of-experts router: its [experts, hidden] product runs once a layer) is planned alike."""
+    mixture-of-experts router: its [experts, hidden] product runs once a layer) is planned alike; a projection that
+    says `decode_product = False` (DeepSeek's kv_b_proj: decode reads it in the absorbed kernels) is not."""
     kinds = (QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear)
-    out = [m.weight for m in model.modules() if isinstance(m, kinds) or getattr(m, "decode_product", False)]
+    out = [m.weight for m in model.modules() if getattr(m, "decode_product", isinstance(m, kinds))]
     head = getattr(model, "lm_head", None)
     out.append(model.model.embed_tokens.weight if head is None else head.weight)
     return out

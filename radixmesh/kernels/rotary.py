@@ -53,10 +53,16 @@ _MAX_HEADS = 8  # heads per program with many tokens: [8, head_dim / 2] tiles, 1
 
 
 @triton.jit
-def _pair_first(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The first of the two dimensions of a head that rotate together as pair d: d, or 2d with INTERLEAVED (the
-    second is the first + HALF, or + 1)."""
-    return 2 * d if INTERLEAVED else d
+def _pair(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two dimensions of a head that rotate together as pair d: (d, HALF + d), or (2d, 2d + 1) with
+    INTERLEAVED."""
+    if INTERLEAVED:
+        e1 = 2 * d
+        e2 = e1 + 1
+    else:
+        e1 = d
+        e2 = d + HALF
+    return e1, e2
 
 
 @triton.jit
@@ -66,12 +72,11 @@ def _rotate_heads(src, dst, stride_head, dst_stride_head, head0, n_heads, c1, c2
                   UPCAST: tl.constexpr):
     """Rotates heads [head0, head0 + BLOCK_H) of one token, each RMS-normed by norm_w [2 * HALF + TAIL] first when
     NORM (Gemma's offset weight with OFFSET); the TAIL dimensions after the rotated 2 * HALF pass through. src rows
-    are stride_head apart, dst's dst_stride_head. Pairs rotate-half or INTERLEAVED (_pair_first); UPCAST: a pair's
+    are stride_head apart, dst's dst_stride_head. Pairs rotate-half or INTERLEAVED (_pair); UPCAST: a pair's
     sums in float32, rounded once (Cohere's), else each product rounded to the dtype first (the model dtype's ops)."""
     heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
-    e1 = _pair_first(d, HALF, INTERLEAVED)
-    e2 = e1 + (1 if INTERLEAVED else HALF)
+    e1, e2 = _pair(d, HALF, INTERLEAVED)
     mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
     x1 = tl.load(src + heads[:, None] * stride_head + e1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + heads[:, None] * stride_head + e2[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -116,11 +121,10 @@ def _normed(x, rstd, w_ptrs, wmask, dtype, OFFSET: tl.constexpr):
 @triton.jit
 def _cos_sin(cos_ptr, sin_ptr, offset, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
              INTERLEAVED: tl.constexpr):
-    """A position's cos/sin rows [rotary_dim] as four [1, BLOCK_HALF] parts, each pair's two (_pair_first), cast to the
+    """A position's cos/sin rows [rotary_dim] as four [1, BLOCK_HALF] parts, each pair's two (_pair), cast to the
     model dtype as the torch lookup does."""
     d = tl.arange(0, BLOCK_HALF)
-    e1 = _pair_first(d, HALF, INTERLEAVED)
-    e2 = e1 + (1 if INTERLEAVED else HALF)
+    e1, e2 = _pair(d, HALF, INTERLEAVED)
     dmask = d < HALF
     c1 = tl.load(cos_ptr + offset + e1, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + offset + e2, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]

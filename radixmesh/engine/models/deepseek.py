@@ -85,6 +85,7 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope + self.v_dim), False, tp,
                                               "kv_b_proj's rows")
         self.kv_b_proj.keep_float = True  # (its head blocks are multiplied here, never run as a product: fp8_load)
+        self.kv_b_proj.decode_product = False  # (nor timed at start-up: engine.decode_products)
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias, tp, "heads x v_head_dim")
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
