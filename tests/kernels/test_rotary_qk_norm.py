@@ -1,7 +1,7 @@
-"""Qwen3's per-head q/k RMSNorm (and Gemma 3's, with offset weights) inside the rotary launch (kernels.rotary
-`qk_norm`), alone and fused with the KV store, against the twin (kernels.norm's twin on q and k, then the rotary twin),
-and the twin against what the engine does without the kernel (engine.layers.norm.RMSNorm / GemmaRMSNorm, then
-engine.layers.rotary). Partial rotary (the leading dimensions of a head rotate, the rest pass through): bit for bit
+"""Qwen3's per-head q/k RMSNorm (and Gemma 3's, with offset weights; Command-R+'s, StableLM 2's and Phi's LayerNorms)
+inside the rotary launch (kernels.rotary `qk_norm`), alone and fused with the KV store, against the twin (kernels.norm's
+twin on q and k, then the rotary twin), and the twin against what the engine does without the kernel
+(engine.layers.norm.RMSNorm / GemmaRMSNorm / HeadLayerNorm, then engine.layers.rotary). Partial rotary (the leading dimensions of a head rotate, the rest pass through): bit for bit
 without a norm. Head sizes that leave masked lanes (24), grouped-query ratios 1 to 7, several heads per program (the
 `wide` launch). In Triton's interpreter without CUDA, on the GPU with it.
 
@@ -17,7 +17,7 @@ import torch
 from radixmesh import kernels
 import radixmesh.kernels.rotary
 from radixmesh.engine.cache.kv_pool import KVPool
-from radixmesh.engine.layers.norm import GemmaRMSNorm, RMSNorm
+from radixmesh.engine.layers.norm import GemmaRMSNorm, HeadLayerNorm, LayerNorm, RMSNorm
 from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
 from radixmesh.engine.layers.rotary import apply_rotary as engine_rotary
 from radixmesh.kernels.rotary import (Pairs, QKNorm, apply_rotary, apply_rotary_reference, rotary_store_kv,
@@ -225,6 +225,101 @@ def test_interleaved_pairs_in_one_launch_match_the_twin_bit_for_bit(n, heads, kv
                                dev(loc), pairs=pairs)
     assert torch.equal(stored_q.cpu(), want_q) and torch.equal(k_cache.cpu()[loc], want_k)
     assert torch.equal(v_cache.cpu()[loc], v)
+
+
+LAYER = [(2, 4, 2, 16, 16, False), (3, 6, 3, 24, 12, False), (1, 8, 2, 32, 16, True), (2, 2, 1, 128, 32, True)]
+
+
+def _layer_norm(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, per_head: bool, gen):
+    """Command-R+'s / StableLM 2's per-head LayerNorm (a float32 weight row a head, no bias), or Phi's (one weight and
+    one bias of the model dtype for every head)."""
+    if per_head:
+        return QKNorm(1 + 0.3 * torch.randn(heads, head_dim, generator=gen),
+                      1 + 0.3 * torch.randn(kv_heads, head_dim, generator=gen), 1e-5, layer=True)
+    weights = [(1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)]
+    biases = [(0.2 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)]
+    return QKNorm(*weights, 1e-5, layer=True, q_bias=biases[0], k_bias=biases[1])
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim,rotary_dim,interleaved", LAYER)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("per_head", [True, False], ids=["cohere", "phi"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_a_layer_norm_per_head_then_rotary_in_one_launch_matches_the_twin(n, heads, kv_heads, head_dim, rotary_dim,
+                                                                          interleaved, dtype, per_head, wide,
+                                                                          monkeypatch):
+    """Command-R+'s LayerNorm of each head (its own weight row; interleaved pairs in float32), StableLM 2's (partial
+    heads), Phi's (a shared weight and bias): the mean removed, then rotated, alone and with the KV store, against
+    the twin; the twin is HeadLayerNorm's arithmetic (the engine's module, bit for bit) and near torch's LayerNorm
+    with the bias."""
+    if wide:
+        monkeypatch.setattr(kernels.rotary, "_MIN_PROGRAMS", 1)
+    q, k, v, _, positions, _ = _inputs(n, heads, kv_heads, head_dim, dtype)
+    q, k = q + 2.0, k - 1.5  # a mean to remove
+    gen = torch.Generator().manual_seed(n + head_dim)
+    norm = _layer_norm(heads, kv_heads, head_dim, dtype, per_head, gen)
+    rope = RotaryEmbedding(rotary_dim, 512, 1e4, None, torch.device("cpu"), interleaved=interleaved)
+    pairs = Pairs(True) if interleaved else None
+    want_q, want_k = apply_rotary_reference(q, k, rope.cos, rope.sin, positions, norm, pairs)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    dev_norm = QKNorm(dev(norm.q_weight), dev(norm.k_weight), norm.eps, layer=True,
+                      q_bias=None if norm.q_bias is None else dev(norm.q_bias),
+                      k_bias=None if norm.k_bias is None else dev(norm.k_bias))
+    got_q, got_k = apply_rotary(dev(q), dev(k), dev(rope.cos), dev(rope.sin), dev(positions), qk_norm=dev_norm,
+                                pairs=pairs)
+    _close(got_q.cpu(), want_q)
+    _close(got_k.cpu(), want_k)
+    pool = KVPool(2, 16, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    loc = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(n))[:n]
+    k_cache, v_cache = dev(pool.k[0]), dev(pool.v[0])
+    stored_q = rotary_store_kv(dev(q), dev(k), dev(v), dev(rope.cos), dev(rope.sin), dev(positions), k_cache, v_cache,
+                               dev(loc), qk_norm=dev_norm, pairs=pairs)
+    assert torch.equal(stored_q, got_q) and torch.equal(k_cache[dev(loc)], got_k)
+    assert torch.equal(v_cache.cpu()[loc], v)
+    # the twin's norm is the engine's (HeadLayerNorm bit for bit; Phi's nn.LayerNorm with its bias within an ulp)
+    unrotated = apply_rotary_reference(q, k, rope.cos[:, :0], rope.sin[:, :0], positions, norm)
+    if per_head:
+        module = HeadLayerNorm(heads, head_dim, norm.eps)
+        with torch.no_grad():
+            module.weight.copy_(norm.q_weight)
+        assert torch.equal(module(q), unrotated[0])
+    else:
+        module = LayerNorm(head_dim, norm.eps, bias=True).to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(norm.q_weight)
+            module.bias.copy_(norm.q_bias)
+        _close(module(q), unrotated[0])
+    assert not torch.allclose(unrotated[0].float(), q.float(), atol=0.1)  # the norm did something
+
+
+def test_the_engine_leaves_layer_norms_per_head_to_the_kernel():
+    """RopeInputs.norm_qk carries Command-R+'s HeadLayerNorms and Phi's LayerNorms (weight and bias) to the kernel
+    where it rotates; a LayerNorm without its weight (nothing to carry) or a mixed pair is applied in torch."""
+    q, k, _, _, positions, rope = _inputs(2, 4, 2, 16, torch.bfloat16)
+    kernel_rope = RopeInputs(rope, positions, None, None)
+    heads = HeadLayerNorm(4, 16, 1e-5), HeadLayerNorm(2, 16, 1e-5)
+    q2, k2, carried = kernel_rope.norm_qk(q, k, *heads)
+    assert q2 is q and k2 is k and carried.qk_norm.layer and carried.qk_norm.q_weight is heads[0].weight
+    assert carried.qk_norm.q_bias is None
+    phi = LayerNorm(16, 1e-5, bias=True), LayerNorm(16, 1e-5, bias=True)
+    carried = kernel_rope.norm_qk(q, k, *phi)[2]
+    assert carried.qk_norm.layer and carried.qk_norm.k_bias is phi[1].bias
+    bare = LayerNorm(16, 1e-5, bias=False, weight=False), LayerNorm(16, 1e-5, bias=False, weight=False)
+    for pair in (bare, (heads[0], phi[1])):
+        assert kernel_rope.norm_qk(q.float(), k.float(), *pair)[2].qk_norm is None
+
+
+def test_layer_norm_weights_of_another_shape_are_refused():
+    q, k, _, _, positions, rope = _inputs(1, 4, 2, 16, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    norm = _layer_norm(4, 2, 16, torch.float32, True, gen)
+    with pytest.raises(ValueError, match="LayerNorm weights"):
+        apply_rotary(q, k, rope.cos, rope.sin, positions, qk_norm=norm._replace(k_weight=norm.k_weight[:1]))
+    shared = _layer_norm(4, 2, 16, torch.float32, False, gen)
+    with pytest.raises(ValueError, match="LayerNorm weights"):
+        apply_rotary(q, k, rope.cos, rope.sin, positions, qk_norm=shared._replace(k_bias=None))
+    with pytest.raises(ValueError, match="no biases"):
+        apply_rotary(q, k, rope.cos, rope.sin, positions, qk_norm=shared._replace(layer=False))
 
 
 def test_a_table_wider_than_the_head_or_odd_is_refused():

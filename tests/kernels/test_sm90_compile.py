@@ -132,7 +132,8 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 v_dst_ptr=bf16, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
-                         BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=False, UPCAST=False), 4, 1)
+                         BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=False, UPCAST=False, LAYER=False,
+                         BIAS=False, W_HEADS=False), 4, 1)
 # (partial rotary with q/k norms: 64 of 128 dimensions rotate, offset norms, the store through a slot map,
 # interleaved pairs in float32)
 out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16,
@@ -142,7 +143,18 @@ out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, 
                             {"eps"},
                             dict(HALF=32, BLOCK_H=8, BLOCK_HALF=32, STORE=True, NORM=True, PDL=True, TAIL=64,
                                  BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True, MAPPED=True, INTERLEAVED=True,
-                                 UPCAST=True), 4, 1)
+                                 UPCAST=True, LAYER=False, BIAS=False, W_HEADS=False), 4, 1)
+# (Command-R+'s per-head LayerNorms, a float32 weight row a head, before interleaved pairs; Phi's with a bias)
+layer_args = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16, k_dst_ptr=bf16, v_dst_ptr=bf16, cos_ptr="*fp32",
+                  sin_ptr="*fp32", pos_ptr="*i64", loc_ptr="*i64", q_norm_ptr="*fp32", k_norm_ptr="*fp32")
+layer_tiles = dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
+                   BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=True, UPCAST=True, LAYER=True, BIAS=False,
+                   W_HEADS=True)
+out["rotary_layer"] = ptx(rotary._rotary_kernel, layer_args, {"eps"}, layer_tiles, 4, 1)
+out["rotary_layer_bias"] = ptx(rotary._rotary_kernel, dict(layer_args, q_norm_ptr=bf16, k_norm_ptr=bf16,
+                                                           q_bias_ptr=bf16, k_bias_ptr=bf16), {"eps"},
+                               dict(layer_tiles, HALF=16, BLOCK_HALF=16, TAIL=32, BLOCK_TAIL=32, BLOCK_HEAD=64,
+                                    INTERLEAVED=False, UPCAST=False, BIAS=True, W_HEADS=False), 4, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)
@@ -297,7 +309,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
 @pytest.mark.parametrize("kernel,early_loads", [("stage2", 1), ("stage2_sinks", 1), ("silu_and_mul", 0),
                                                  ("gelu_and_mul", 0), ("rmsnorm", 0), ("gemma_sandwich", 0),
                                                  ("olmo2_post_add", 0), ("store_kv", 0), ("rotary", 0),
-                                                 ("rotary_partial", 0), ("moe_route", 0), ("moe_route_grouped", 0),
+                                                 ("rotary_partial", 0), ("rotary_layer", 0),
+                                                 ("rotary_layer_bias", 0), ("moe_route", 0), ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
                                                  ("mla_stage1_tree", 2),

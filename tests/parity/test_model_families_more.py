@@ -163,10 +163,11 @@ def test_gemma_norm_kernels_with_a_residual_match_transformers(checkpoint, monke
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-parallel"])
 def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
     """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere's interleaved pairs
-    in float32 after Command-R+'s per-head LayerNorms (which stay in torch), StableLM 2's partial heads after its."""
+    in float32 after Command-R+'s per-head LayerNorms, StableLM 2's partial heads after its, both norms computed in
+    the same launch."""
     launches = force_rotary_kernel(monkeypatch)
     _check(checkpoint(name))
-    assert launches
+    assert launches and all(norm is not None and norm.layer and norm.q_weight.dim() == 2 for norm in launches)
 
 
 @pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-parallel", "starcoder2"])

@@ -92,13 +92,16 @@ def test_families_match_transformers(checkpoint, name):
     _check(checkpoint(name))
 
 
-@pytest.mark.parametrize("name", ["cohere2", "glm4"])
+@pytest.mark.parametrize("name", ["cohere2", "glm4", "phi-qk-layernorm"])
 def test_the_rotary_kernel_matches_transformers(checkpoint, name, monkeypatch):
     """The rotation in kernels.rotary, as on CUDA (forced here in Triton's interpreter): Cohere 2's interleaved pairs
-    in float32 (its sliding layers), GLM-4's interleaved half-rotary heads in the model dtype."""
+    in float32 (its sliding layers), GLM-4's interleaved half-rotary heads in the model dtype, Phi's 4 rotated
+    dimensions a head after its shared q/k LayerNorms (weight and bias), computed in the same launch."""
     launches = force_rotary_kernel(monkeypatch)
     _check(checkpoint(name))
     assert launches
+    if name.startswith("phi"):
+        assert all(norm is not None and norm.layer and norm.q_bias is not None for norm in launches)
 
 
 def test_a_float32_table_keeps_the_torch_rotation(checkpoint, monkeypatch):

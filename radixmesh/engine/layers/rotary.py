@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.engine.layers.norm import GEMMA_NORM_KERNELS, GemmaRMSNorm, RMSNorm
+from radixmesh.engine.layers.norm import GEMMA_NORM_KERNELS, GemmaRMSNorm, HeadLayerNorm, LayerNorm, RMSNorm
 from radixmesh.engine.layers.rope_scaling import ROPE_TYPES, RopeSpec, frequencies, rope_spec, spec_of_dict
 from radixmesh.engine.layers.triton_ops import use_kernels
 
@@ -92,23 +92,20 @@ class RopeInputs:
     positions: torch.Tensor  # [num_tokens] int64
     cos: torch.Tensor | None  # [num_tokens, 1, rotary_dim] in the model dtype; None: the Triton kernel looks up
     sin: torch.Tensor | None
-    # (q weight, k weight, eps, Gemma's offset weights): per-head RMSNorm the kernel applies to q and k before it
-    # rotates them (norm_qk)
+    # kernels.rotary.QKNorm: the per-head norms the kernel applies to q and k before it rotates them (norm_qk)
     qk_norm: tuple | None = None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm
                 ) -> tuple[torch.Tensor, torch.Tensor, "RopeInputs"]:
-        """The per-head norms `q_norm`, `k_norm` of q and k, before they rotate. Qwen3's (engine.layers.norm.RMSNorm
-        itself, weights of q's dtype) and Gemma 3's (GemmaRMSNorm, offset weights), where the rotary kernel runs (no
-        cos looked up), are left to its launch: q and k come back as they are, with RopeInputs that carry the
-        weights (two launches a layer fewer). Any other (per-head LayerNorms, the torch path) is applied now. Either
-        way `apply` (or the pool's fused write) then returns normed, rotated q and k."""
-        kind = type(q_norm)
-        if (self.cos is None and kind is type(k_norm) and q_norm.eps == k_norm.eps
-                and (kind is RMSNorm or (kind is GemmaRMSNorm and GEMMA_NORM_KERNELS))
-                and q_norm.weight.dtype == q.dtype == k_norm.weight.dtype):
-            return q, k, replace(self, qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps, kind is GemmaRMSNorm))
-        return q_norm(q), k_norm(k), self
+        """The per-head norms `q_norm`, `k_norm` of q and k, before they rotate. Where the rotary kernel runs (no
+        cos looked up) and computes them (_kernel_norm), they are left to its launch: q and k come back as they are,
+        with RopeInputs that carry the weights (two launches a layer fewer for an RMSNorm, ~ten for a LayerNorm).
+        Any other (the torch path) is applied now. Either way `apply` (or the pool's fused write) then returns
+        normed, rotated q and k."""
+        norm = _kernel_norm(q, q_norm, k_norm) if self.cos is None else None
+        if norm is None:
+            return q_norm(q), k_norm(k), self
+        return q, k, replace(self, qk_norm=norm)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] -> rotated copies (normed first when
@@ -127,6 +124,25 @@ class RopeInputs:
         from radixmesh.kernels.rotary import Pairs
 
         return Pairs(self.table.upcast_pairs)
+
+
+def _kernel_norm(q: torch.Tensor, q_norm, k_norm):
+    """kernels.rotary.QKNorm for the q and k norms the rotary kernel computes, else None: Qwen3's (RMSNorm itself,
+    weights of q's dtype), Gemma 3's (GemmaRMSNorm, offset weights), Command-R+'s and StableLM 2's (HeadLayerNorm, a
+    weight row a head) and Phi's (a LayerNorm with weight and bias, one for every head)."""
+    kind = type(q_norm)
+    if kind is not type(k_norm) or q_norm.eps != k_norm.eps:
+        return None
+    from radixmesh.kernels.rotary import QKNorm
+
+    if kind is HeadLayerNorm or (isinstance(q_norm, LayerNorm) and q_norm.weight is not None
+                                 and (q_norm.bias is None) == (k_norm.bias is None)):
+        return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, layer=True, q_bias=getattr(q_norm, "bias", None),
+                      k_bias=getattr(k_norm, "bias", None))
+    if (kind is RMSNorm or (kind is GemmaRMSNorm and GEMMA_NORM_KERNELS)) \
+            and q_norm.weight.dtype == q.dtype == k_norm.weight.dtype:
+        return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, kind is GemmaRMSNorm)
+    return None
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
