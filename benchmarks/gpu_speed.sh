@@ -124,7 +124,7 @@
 # generated stubs `radixmesh` (make protos).
 set -uo pipefail
 OUT=${1:-/tmp/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # (absolute: some parts run from inside another tree)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=$PWD/build/fi  # JIT-compiled FlashInfer kernels survive between calls here
 # Triton's compiled kernels at a fixed path: a cache packed on an earlier machine (PACK_TRITON=1 below; its group files
@@ -492,10 +492,12 @@ if [[ " $PARTS " == *" families "* ]]; then
       [[ -d $root/radixmesh ]] || { echo "families: no $root/radixmesh"; continue; }
       echo "== $model $tree"
       echo "{\"label\": \"$model $tree\"}" >> "$OUT/families.jsonl"
-      PYTHONPATH=$root timeout ${FAMILIES_S:-150} $PY -m radixmesh.engine.bench_one_batch \
-        --model-path benchmarks/configs/$model --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+      # (run from inside the tree: `python -m` puts the working directory before PYTHONPATH, so from here the base
+      # run would import this tree's package)
+      (cd "$root" && PYTHONPATH=$root timeout ${FAMILIES_S:-150} $PY -m radixmesh.engine.bench_one_batch \
+        --model-path "$OLDPWD/benchmarks/configs/$model" --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
         --log-level warning --batch-size 1 --input-len 512 --output-len 16 --roofline \
-        --result-file "$OUT/families.jsonl" 2>&1 | tee -a "$OUT/families.log" | grep -E "True|rror"
+        --result-file "$OUT/families.jsonl") 2>&1 | tee -a "$OUT/families.log" | grep -E "True|rror"
     done
   done
   timeout ${FAMILIES_ET:-400} $PY -m pytest -v -p no:cacheprovider --tb=short -rfE --timeout 300 \
