@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixmesh.kernels import (activation, decode_attention, extend_attention, gemv, kv_store, lora, mla_decode,
-                               mla_absorb, mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, norm,
+                               mla_absorb, mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, moe_shared, norm,
                                rotary)
 
 def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
@@ -155,6 +155,10 @@ out["rotary_layer_bias"] = ptx(rotary._rotary_kernel, dict(layer_args, q_norm_pt
                                                            q_bias_ptr=bf16, k_bias_ptr=bf16), {"eps"},
                                dict(layer_tiles, HALF=16, BLOCK_HALF=16, TAIL=32, BLOCK_TAIL=32, BLOCK_HEAD=64,
                                     INTERLEAVED=False, UPCAST=False, BIAS=True, W_HEADS=False), 4, 1)
+# Qwen2-MoE's gated shared expert joined to the routed output (Qwen2-57B-A14B's hidden 3584)
+out["moe_shared_add"] = ptx(moe_shared._gated_shared_add_kernel, dict(routed_ptr=bf16, shared_ptr=bf16, x_ptr=bf16,
+                                                                      gate_ptr=bf16, out_ptr=bf16), set(),
+                            dict(BLOCK=4096, PDL=True), 8, 1)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)
@@ -310,7 +314,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("gelu_and_mul", 0), ("rmsnorm", 0), ("gemma_sandwich", 0),
                                                  ("olmo2_post_add", 0), ("store_kv", 0), ("rotary", 0),
                                                  ("rotary_partial", 0), ("rotary_layer", 0),
-                                                 ("rotary_layer_bias", 0), ("moe_route", 0), ("moe_route_grouped", 0),
+                                                 ("rotary_layer_bias", 0), ("moe_shared_add", 0), ("moe_route", 0),
+                                                 ("moe_route_grouped", 0),
                                                  ("moe_route_groups", 0), ("moe_route_softmax_biased", 0),
                                                  ("moe_route_group_max", 0), ("mla_stage1", 2),
                                                  ("mla_stage1_tree", 2),

@@ -224,6 +224,20 @@ def test_whole_projection_qk_norms_in_kernels_match_transformers(checkpoints, na
     assert rotations and all(qk is None for qk in rotations)  # (normed before, not in the launch)
 
 
+def test_qwen2_moe_gated_shared_expert_in_one_launch_matches_transformers(checkpoints, monkeypatch):
+    """Qwen2-MoE's shared expert, gated by the sigmoid of its own one-row product, joined to the routed experts in
+    kernels.moe_shared's one launch, as on CUDA (forced here in Triton's interpreter): transformers' tokens and
+    logprobs."""
+    from radixmesh.engine.models import moe
+    from radixmesh.kernels import moe_shared
+
+    launches, kernel = [], moe_shared.gated_shared_add
+    monkeypatch.setattr(moe, "use_kernels", lambda t: True)
+    monkeypatch.setattr(moe_shared, "gated_shared_add", lambda *a: launches.append(a[0].shape) or kernel(*a))
+    _serves_like_reference(checkpoints["qwen2_moe"])
+    assert launches
+
+
 def _serves_like_reference(path: str) -> None:
     """PROMPTS served greedily from `path` (chunked prefill, pages of 4): transformers' tokens and logprobs."""
     refs, logprobs = _reference(path)

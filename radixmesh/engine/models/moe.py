@@ -91,9 +91,14 @@ class SparseMoeBlock(nn.Module):
         if self.counts is not None:  # on the device, no host round trip (and capturable in a CUDA graph)
             self.counts.index_add_(0, ids.flatten(), _real_tokens(x.shape[0], x.device).repeat_interleave(self.top_k))
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        shared, gate = self.shared_expert(x), self.shared_expert_gate.weight
+        if use_kernels(x) and gate.dtype == x.dtype:  # the gate's product, sigmoid, product and sum in one launch
+            from radixmesh.kernels.moe_shared import gated_shared_add
+
+            return gated_shared_add(out, shared, x, gate)
+        return out + torch.sigmoid(linear(x, gate)) * shared
 
 
 def _one_token_gate(block: SparseMoeBlock, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
