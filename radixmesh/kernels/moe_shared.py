@@ -4,7 +4,10 @@ product and the sum), and its plain-torch twin.
 
 Numerics are the torch ops': the gate's dot summed in float32 and rounded to the dtype (a product's rounding), the
 sigmoid rounded, the product rounded, the sum rounded. The dot's float32 sum runs in another order than a GEMM's, so
-the gate may round to the neighbour of torch's; the rest is exactly rounded elementwise work.
+the gate may round to the neighbour of torch's; the rest is exactly rounded elementwise work. Compiled without fused
+multiply-adds: with them Triton computes round(round(scale * shared) + routed) of 16-bit operands as one 16-bit FMA
+(`fma.rn.bf16`, a single rounding), and on an H100 a fifth of a bf16 row's elements then differed from torch's by an
+ulp.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def gated_shared_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor
         block = triton.next_power_of_2(hidden)
         _gated_shared_add_kernel[(tokens,)](routed, shared, x, gate, out, hidden, routed.stride(0), shared.stride(0),
                                             x.stride(0), out.stride(0), BLOCK=block,
-                                            num_warps=max(1, min(8, block // 512)), **pdl_options(x))
+                                            num_warps=max(1, min(8, block // 512)), enable_fp_fusion=False,
+                                            **pdl_options(x))
     return out
 
 

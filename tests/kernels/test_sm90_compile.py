@@ -28,14 +28,14 @@ from radixmesh.kernels import (activation, decode_attention, extend_attention, g
                                mla_absorb, mla_extend, mla_rope, moe, moe_activation, moe_decode, moe_decode_fp8, moe_gate, moe_mxfp4, moe_shared, norm,
                                rotary)
 
-def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=()):
+def ptx(fn, pointers, floats, constexprs, warps, stages, aligned=(), fusion=True):
     sig = {n: pointers.get(n) or ("fp32" if n in floats else "constexpr" if n in constexprs else "i32")
            for n in fn.arg_names}
     # `aligned`: arguments a launch would find divisible by 16 (pointers, sizes), as Triton's JIT marks them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+                          options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": fusion}).asm["ptx"]
 
 attn = dict(Q="*bf16", K="*bf16", V="*bf16", ReqToToken="*i32", ReqPoolIdx="*i64", SeqLens="*i64", Positions="*i64",
             TreeStart="*i64", TreeBits="*i64", Sinks="*bf16", Out="*bf16", PartialO="*fp32", PartialLse="*fp32")
@@ -69,7 +69,8 @@ out["mla_query_key"] = ptx(mla_rope._mla_query_key_kernel,
                            dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", latent_ptr="*bf16", k_pe_ptr="*bf16",
                                 cos_ptr="*bf16", sin_ptr="*bf16", query_ptr="*bf16", key_ptr="*bf16"), set(),
                            dict(RANK=512, ROPE=64, BLOCK_H=16, BLOCK_R=512, BLOCK_HALF=32, INTERLEAVED=True,
-                                ROUND=triton.language.bfloat16, MID=triton.language.bfloat16, PDL=True), 4, 1)
+                                ROUND=triton.language.bfloat16, MID=triton.language.bfloat16, PDL=True), 4, 1,
+                           fusion=False)
 out["mla_extend"] = ptx(mla_extend._latent_extend_kernel,
                         dict(Q="*bf16", KvNew="*bf16", Out="*bf16", KvBuf="*bf16", ReqToToken="*i32",
                              ReqPoolIdx="*i64", PrefixLens="*i64", ExtendLens="*i64", QoStarts="*i64"),
@@ -133,7 +134,7 @@ out["rotary"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf
                                                 loc_ptr="*i64", q_norm_ptr=bf16, k_norm_ptr=bf16), {"eps"},
                     dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
                          BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=False, UPCAST=False, LAYER=False,
-                         BIAS=False, W_HEADS=False), 4, 1)
+                         BIAS=False, W_HEADS=False), 4, 1, fusion=False)
 # (partial rotary with q/k norms: 64 of 128 dimensions rotate, offset norms, the store through a slot map,
 # interleaved pairs in float32)
 out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16,
@@ -143,22 +144,27 @@ out["rotary_partial"] = ptx(rotary._rotary_kernel, dict(q_ptr=bf16, k_ptr=bf16, 
                             {"eps"},
                             dict(HALF=32, BLOCK_H=8, BLOCK_HALF=32, STORE=True, NORM=True, PDL=True, TAIL=64,
                                  BLOCK_TAIL=64, BLOCK_HEAD=128, OFFSET=True, MAPPED=True, INTERLEAVED=True,
-                                 UPCAST=True, LAYER=False, BIAS=False, W_HEADS=False), 4, 1)
+                                 UPCAST=True, LAYER=False, BIAS=False, W_HEADS=False), 4, 1, fusion=False)
 # (Command-R+'s per-head LayerNorms, a float32 weight row a head, before interleaved pairs; Phi's with a bias)
 layer_args = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, q_out_ptr=bf16, k_dst_ptr=bf16, v_dst_ptr=bf16, cos_ptr="*fp32",
                   sin_ptr="*fp32", pos_ptr="*i64", loc_ptr="*i64", q_norm_ptr="*fp32", k_norm_ptr="*fp32")
 layer_tiles = dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, STORE=True, NORM=True, PDL=True, TAIL=0, BLOCK_TAIL=1,
                    BLOCK_HEAD=128, OFFSET=False, MAPPED=False, INTERLEAVED=True, UPCAST=True, LAYER=True, BIAS=False,
                    W_HEADS=True)
-out["rotary_layer"] = ptx(rotary._rotary_kernel, layer_args, {"eps"}, layer_tiles, 4, 1)
+out["rotary_layer"] = ptx(rotary._rotary_kernel, layer_args, {"eps"}, layer_tiles, 4, 1, fusion=False)
 out["rotary_layer_bias"] = ptx(rotary._rotary_kernel, dict(layer_args, q_norm_ptr=bf16, k_norm_ptr=bf16,
                                                            q_bias_ptr=bf16, k_bias_ptr=bf16), {"eps"},
                                dict(layer_tiles, HALF=16, BLOCK_HALF=16, TAIL=32, BLOCK_TAIL=32, BLOCK_HEAD=64,
-                                    INTERLEAVED=False, UPCAST=False, BIAS=True, W_HEADS=False), 4, 1)
+                                    INTERLEAVED=False, UPCAST=False, BIAS=True, W_HEADS=False), 4, 1, fusion=False)
 # Qwen2-MoE's gated shared expert joined to the routed output (Qwen2-57B-A14B's hidden 3584)
 out["moe_shared_add"] = ptx(moe_shared._gated_shared_add_kernel, dict(routed_ptr=bf16, shared_ptr=bf16, x_ptr=bf16,
                                                                       gate_ptr=bf16, out_ptr=bf16), set(),
-                            dict(BLOCK=4096, PDL=True), 8, 1)
+                            dict(BLOCK=4096, PDL=True), 8, 1, fusion=False)
+out["moe_shared_add_fused"] = ptx(moe_shared._gated_shared_add_kernel, dict(routed_ptr=bf16, shared_ptr=bf16,
+                                                                            x_ptr=bf16, gate_ptr=bf16, out_ptr=bf16),
+                                  set(), dict(BLOCK=4096, PDL=True), 8, 1)
+# (each kernel above compiled as it is launched: those that round a product before a sum, op for op as torch, with
+# enable_fp_fusion=False)
 # the few-token MoE path's two launches (a batch-1 decode of a mixture of experts runs them in CUDA graphs)
 tiles = moe_decode.DecodeTiles()
 gate_up_args = dict(x_ptr=bf16, w_ptr=bf16, ids_ptr="*i32", act_ptr=bf16, b_ptr=bf16)
@@ -446,3 +452,21 @@ def test_the_latent_attention_kernels_take_tensor_core_products(ptx, kernel):
     """DeepSeek's latent (512 + 64) decode and prefill compile for sm_90 with bfloat16 tensor-core products for both
     parts of the scores and the weighted sum."""
     assert _lines(ptx[kernel], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
+
+
+def test_no_kernel_rounds_a_16_bit_product_and_sum_once(ptx):
+    """A kernel that rounds a product to the dtype and then adds it (torch's two ops) must not be compiled into a
+    16-bit fused multiply-add, which rounds once: Triton narrows such float32 arithmetic on 16-bit values to 16-bit
+    instructions and fuses them unless the launch sets enable_fp_fusion=False (the rotary, latent-rope and shared
+    expert kernels do). Every kernel here is compiled as it is launched; the one counter-example is on purpose."""
+    fused = sorted(name for name, code in ptx.items() if _lines(code, r"fma\.rn(\.ftz)?\.(bf16|f16)(x2)?\b"))
+    assert fused == ["moe_shared_add_fused"]
+
+
+def test_the_shared_expert_add_rounds_its_product_before_the_sum(ptx):
+    """kernels.moe_shared launches without fused multiply-adds: its product and sum are two 16-bit operations, each
+    rounded as torch's are; with fusion on (the default) Triton emits one fma.rn.bf16 for them, a single rounding
+    (an H100 run found a fifth of a bf16 row an ulp off the twin that way)."""
+    assert _lines(ptx["moe_shared_add_fused"], r"fma\.rn\.bf16")
+    code = ptx["moe_shared_add"]
+    assert not _lines(code, r"fma\.rn") and _lines(code, r"mul\.rn\.bf16") and _lines(code, r"add\.rn\.bf16")
