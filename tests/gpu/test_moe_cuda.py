@@ -105,6 +105,12 @@ def test_olmoe_in_cuda_graphs_matches_transformers(tmp_path):
     _family_in_cuda_graphs_like_transformers("olmoe_clipped", tmp_path)
 
 
+def test_qwen2_moe_in_cuda_graphs_matches_transformers(tmp_path):
+    """A tiny Qwen2-MoE: its shared expert, gated by the sigmoid of its own one-row product, joined to the routed
+    experts in kernels.moe_shared's one launch; as the OLMoE test above."""
+    _family_in_cuda_graphs_like_transformers("qwen2_moe", tmp_path)
+
+
 @pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2", "dots1", "ernie4_5_moe"])
 def test_bias_routed_families_in_cuda_graphs_match_transformers(tmp_path, name):
     """A tiny GLM-4.5 (group-limited sigmoid routing in kernels.moe.route_grouped, a shared expert, q/k/v biases,

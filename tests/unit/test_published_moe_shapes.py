@@ -3,7 +3,7 @@ config.json, in benchmarks/configs/; ERNIE's as transformers' Ernie4_5_MoeConfig
 and build with the layout their checkpoints fill (on the meta device: no memory, no weights), and a batch-1 decode
 step's floor reads what their model cards say a token activates: ~12B parameters of 106B (GLM-4.5-Air), ~10B of 230B
 (MiniMax-M2), ~3B of 21B (ERNIE 4.5), 37B of 671B (DeepSeek-V3), 2.4B of 15.7B (DeepSeek-V2-Lite), 32B of 1T (Kimi
-K2, DeepSeek-V3's architecture with 384 experts in one group and 64 heads)."""
+K2, DeepSeek-V3's architecture with 384 experts in one group and 64 heads); Qwen1.5-MoE-A2.7B's too."""
 
 from __future__ import annotations
 
@@ -49,6 +49,19 @@ def test_published_moe_shapes_build_as_their_checkpoints_are_laid_out(name, tota
     assert read == pytest.approx(active, rel=0.15)
     names = model.skipped_tensors  # multi-token-prediction layers past the last decoder layer
     assert f"model.layers.{cfg.num_layers}.eh_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+
+
+def test_qwen1_5_moe_builds_with_its_gated_shared_expert():
+    """Qwen1.5-MoE-A2.7B's published shape (Qwen2MoeForCausalLM: 60 experts, top 4, a 5632-wide shared expert with its
+    one-row gate in every layer): 14.3B parameters, and a token reads the 2.7B its model card activates less the
+    embedding table (one row of it)."""
+    cfg, model = _build("qwen1.5-moe-a2.7b")
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert all(tuple(b.experts.w13.weight.shape) == (60, 2 * 1408, 2048) for b in blocks) and len(blocks) == 24
+    assert all(tuple(b.shared_expert_gate.weight.shape) == (1, 2048) for b in blocks)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(14.3e9, rel=0.01)
+    read = decode_weight_bytes(types.SimpleNamespace(model=model)) / 2
+    assert read + cfg.vocab_size * cfg.hidden_size == pytest.approx(2.7e9, rel=0.02)
 
 
 def test_glm_router_and_bias_stay_float32_and_rope_turns_half_of_each_head():
