@@ -18,7 +18,7 @@ from radixmesh import kernels
 import radixmesh.kernels.rotary
 from radixmesh.engine.cache.kv_pool import KVPool
 from radixmesh.engine.layers.norm import GemmaRMSNorm, HeadLayerNorm, LayerNorm, RMSNorm
-from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding
+from radixmesh.engine.layers.rotary import RopeInputs, RotaryEmbedding, _kernel_norm
 from radixmesh.engine.layers.rotary import apply_rotary as engine_rotary
 from radixmesh.kernels.rotary import (Pairs, QKNorm, apply_rotary, apply_rotary_reference, rotary_store_kv,
                                       rotary_store_kv_reference)
@@ -294,7 +294,8 @@ def test_a_layer_norm_per_head_then_rotary_in_one_launch_matches_the_twin(n, hea
 
 def test_the_engine_leaves_layer_norms_per_head_to_the_kernel():
     """RopeInputs.norm_qk carries Command-R+'s HeadLayerNorms and Phi's LayerNorms (weight and bias) to the kernel
-    where it rotates; a LayerNorm without its weight (nothing to carry) or a mixed pair is applied in torch."""
+    where it rotates; a LayerNorm without its weight (nothing to carry), one wider than a head or a mixed pair is
+    applied in torch."""
     q, k, _, _, positions, rope = _inputs(2, 4, 2, 16, torch.bfloat16)
     kernel_rope = RopeInputs(rope, positions, None, None)
     heads = HeadLayerNorm(4, 16, 1e-5), HeadLayerNorm(2, 16, 1e-5)
@@ -307,6 +308,8 @@ def test_the_engine_leaves_layer_norms_per_head_to_the_kernel():
     bare = LayerNorm(16, 1e-5, bias=False, weight=False), LayerNorm(16, 1e-5, bias=False, weight=False)
     for pair in (bare, (heads[0], phi[1])):
         assert kernel_rope.norm_qk(q.float(), k.float(), *pair)[2].qk_norm is None
+    wide = LayerNorm(64, 1e-5, bias=True), LayerNorm(32, 1e-5, bias=True)  # (a norm over every head at once)
+    assert _kernel_norm(q, *wide) is None
 
 
 def test_layer_norm_weights_of_another_shape_are_refused():

@@ -131,12 +131,12 @@ def _kernel_norm(q: torch.Tensor, q_norm, k_norm):
     weights of q's dtype), Gemma 3's (GemmaRMSNorm, offset weights), Command-R+'s and StableLM 2's (HeadLayerNorm, a
     weight row a head) and Phi's (a LayerNorm with weight and bias, one for every head)."""
     kind = type(q_norm)
-    if kind is not type(k_norm) or q_norm.eps != k_norm.eps:
+    if (kind is not type(k_norm) or q_norm.eps != k_norm.eps or getattr(q_norm, "weight", None) is None
+            or q_norm.weight.shape[-1] != q.shape[-1]):  # (a norm over more than a head stays in torch)
         return None
     from radixmesh.kernels.rotary import QKNorm
 
-    if kind is HeadLayerNorm or (isinstance(q_norm, LayerNorm) and q_norm.weight is not None
-                                 and (q_norm.bias is None) == (k_norm.bias is None)):
+    if kind is HeadLayerNorm or (isinstance(q_norm, LayerNorm) and (q_norm.bias is None) == (k_norm.bias is None)):
         return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, layer=True, q_bias=getattr(q_norm, "bias", None),
                       k_bias=getattr(k_norm, "bias", None))
     if (kind is RMSNorm or (kind is GemmaRMSNorm and GEMMA_NORM_KERNELS)) \
