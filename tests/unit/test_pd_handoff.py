@@ -282,6 +282,31 @@ def test_an_abort_that_arrives_while_the_request_is_prepared_is_not_lost(engines
         assert engine._early_aborts._pending == {} and engine._early_aborts._preparing == {}
 
 
+def test_a_call_whose_awaiting_task_was_cancelled_does_not_stop_the_scheduler(engines):
+    """A decode worker's handoff awaits the engine's deliver_kv through asyncio.wrap_future; when its Generate call
+    ends first (a chaos run: the prefill worker killed, the router moving the request), the task is cancelled and
+    so is the Future, still queued behind the scheduler's work. The scheduler skips it and serves on (it crashed
+    here, setting a result on the cancelled Future, and took the worker down)."""
+    _, _, c = engines
+    ran = []
+
+    async def run():
+        busy = c.scheduler.call(lambda: time.sleep(0.3))  # the scheduler thread is busy while the next call queues
+        async def deliver():  # as the handoff task awaits deliver_kv
+            return await asyncio.wrap_future(c.scheduler.call(lambda: ran.append("skipped")))
+        waiter = asyncio.create_task(deliver())
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.wait_for(asyncio.wrap_future(busy), 5)
+        return await asyncio.wait_for(asyncio.wrap_future(c.scheduler.call(lambda: ran.append("after") or len(ran))), 5)
+    assert asyncio.run(run()) == 1 and ran == ["after"]
+    out = c.generate(input_ids=parity_prompts(model_path("tiny-llama"), seed=3)[0],
+                     sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+
+
 def test_an_fp8_kv_cache_hands_over_half_the_bytes_and_decodes_as_colocated():
     """--kv-cache-dtype fp8_e4m3 on both sides: the pages move as fp8 bytes (a quarter of float32's) and the handed
     over request decodes as a colocated fp8 engine does (its first token from the prefill's unrounded chunk, every

@@ -133,10 +133,17 @@ class Scheduler:
                 self._abort(*item)
             elif kind == "call":
                 fn, fut = item
+                # a caller that gave up before its turn (an awaiting task cancelled: asyncio.wrap_future cancels the
+                # Future) is not run, as an executor skips a cancelled item; once running it can no longer be
+                # cancelled, so its result is always taken
+                if not fut.set_running_or_notify_cancel():
+                    continue
                 try:
-                    fut.set_result(fn())
+                    result = fn()
                 except Exception as e:  # the caller gets the error; the loop keeps serving
                     fut.set_exception(e)
+                else:
+                    fut.set_result(result)
 
     def step(self) -> bool:
         """One forward: a prefill (possibly mixed with decodes) when one can be planned, otherwise a decode.
