@@ -135,11 +135,14 @@ def _reference(path: str) -> tuple[list[list[int]], list[list[float]]]:
     return refs, [hf_token_logprobs(path, p, r) for p, r in zip(PROMPTS, refs)]
 
 
-def _check(path: str, reference: str | None = None, atol: float = 1e-4, **serve) -> None:
-    """`path` served greedily matches transformers' outputs for `reference` (default: the same checkpoint)."""
+def _check(path: str, reference: str | None = None, atol: float = 1e-4, inspect=None, **serve) -> None:
+    """`path` served greedily matches transformers' outputs for `reference` (default: the same checkpoint);
+    `inspect(engine)`, when given, looks at the loaded engine first (how it holds its weights)."""
     refs, logprobs = _reference(reference or path)
     assert len({tuple(r) for r in refs}) == len(refs), "the reference does not depend on the prompt"
     with running_engine(path, skip_tokenizer_init=True, chunked_prefill_size=16, page_size=4, **serve) as llm:
+        if inspect is not None:
+            inspect(llm)
         outs = llm.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
     assert [o["output_ids"] for o in outs] == refs
     for out, want in zip(outs, logprobs):
