@@ -77,21 +77,25 @@ TILES_ENV = "RADIXMESH_MOE_DECODE_TILES"  # JSON of DecodeTiles fields overridin
 def default_tiles() -> DecodeTiles:
     """DecodeTiles(), with the fields RADIXMESH_MOE_DECODE_TILES names (benchmarks.moe_decode finds a GPU's best);
     INTERPRETER_TILES in Triton's interpreter."""
-    return INTERPRETER_TILES if interpreting() else _tiles_from(os.environ.get(TILES_ENV, ""))
+    return INTERPRETER_TILES if interpreting() else tiles_from_env(DecodeTiles, TILES_ENV)
+
+
+def tiles_from_env(cls, env: str):
+    """cls() (a NamedTuple of integer tile fields) with the fields the JSON object in $env names."""
+    return _tiles_from(cls, env, os.environ.get(env, ""))
 
 
 @functools.cache
-def _tiles_from(text: str) -> DecodeTiles:
-    """DecodeTiles with the fields of RADIXMESH_MOE_DECODE_TILES's value (parsed once per value: every MoE layer of
-    an eager forward asks)."""
+def _tiles_from(cls, env: str, text: str):
+    """Parsed once per value: every MoE layer of an eager forward asks."""
     if not text:
-        return DecodeTiles()
+        return cls()
     try:
         fields = json.loads(text)
-        return DecodeTiles()._replace(**{k: int(v) for k, v in fields.items()})
+        return cls()._replace(**{k: int(v) for k, v in fields.items()})
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{TILES_ENV}={text!r} is not a JSON object of DecodeTiles fields "
-                         f"({', '.join(DecodeTiles._fields)}): {e}") from None
+        raise ValueError(f"{env}={text!r} is not a JSON object of {cls.__name__} fields "
+                         f"({', '.join(cls._fields)}): {e}") from None
 
 
 @triton.jit
