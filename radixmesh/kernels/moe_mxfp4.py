@@ -3,12 +3,14 @@ power-of-two scale, e8m0, a row and 32 inputs), computed without a bf16 copy: th
 a tile at a time, where kernels.moe (the grouped GEMMs) and kernels.moe_decode (a few tokens) load bf16 rows. Half a
 byte and 1/32 of one a weight instead of two bytes: a batch-1 step of gpt-oss-20b reads ~3.7 GB instead of ~7.2, and
 gpt-oss-120b's experts take ~61 GB instead of ~229 (counted from the shapes). A code becomes its float32 value by
-integer operations on its bits (no table, no special-function unit) where activations are float32 or float16;
-bfloat16 activations (a GPU's serving dtype) take Triton's microscaled products instead (tl.dot_scaled: its own
-decoding by byte permutes, then tensor-core products), which an H100 ran 2-3x faster: gpt-oss-20b's layer at one token
-68 us for both launches against 193, its batch-64 decode step 14.6 ms against 23.6, its 8k prefill 310 ms against
-987 (twenty-ninth session). The batch-1 launches still read at ~4x their 17.6-us floor: the decoding, not the bytes,
-bounds them.
+integer operations on its bits (no table, no special-function unit) where activations are float32 or float16.
+bfloat16 activations (a GPU's serving dtype) take Triton's microscaled products in the grouped GEMMs (tl.dot_scaled:
+its own decoding by byte permutes, then tensor-core products: gpt-oss-20b's 8k prefill 310 ms against 987 with the
+integer decoding, twenty-ninth session). A few tokens' launches read the codes as 32-bit words on CUDA cores instead
+(_row_times_words: two codes a float16 pattern by two shifts and two masks, widened by one conversion each, float32
+FMAs; ~5.5 instructions a weight where the microscaled product with its row repeated into 16 took ~11): gpt-oss-20b's
+layer at one token 41.9 us for both launches against tl.dot_scaled's 65.6 on an H100 (the floor 17.6), its batch-1
+step 2.24 ms of GPU time against 2.87 (thirty-fourth session).
 
 Layout (engine.models.gpt_oss after the load): `q` [experts, N, K / 2] uint8 and `s` [experts, N, K / 32] uint8 for
 each product (w13: N = 2 x inter, gate rows then up rows, K = hidden; w2: N = hidden, K = inter), the rows as
@@ -18,8 +20,8 @@ order: `fused_experts_mxfp4_reference` dequantizes and runs kernels.moe's twin.
 
 The kernels' own decoding splits K into its even and odd positions: each byte's low nibble multiplies the
 activations' even columns and its high nibble the odd ones (no interleaving in registers). A few tokens take one
-gate/up and one down launch (kernels.moe_decode's shape; for bfloat16 a program a pair in both, the row repeated into
-the 16 rows of the smallest tensor-core product, and a token's weighted terms summed after); more take the aligned
+gate/up and one down launch (kernels.moe_decode's shape; for bfloat16 a program a pair in both, the word products
+above, and a token's weighted terms summed after); more take the aligned
 grouped GEMMs (kernels.moe's tuned tiles where a GPU has them; for bfloat16 64 x 256 tiles otherwise, BLOCK_K a
 multiple of 64). The biases and the clamped SwiGLU (kernels.moe_activation) are computed
 as on bf16 weights."""
@@ -35,7 +37,7 @@ import triton.language as tl
 from radixmesh.kernels.moe import BLOCK_M, Tiles, fused_experts_reference, grouped_experts, tuned_tiles
 from radixmesh.kernels.moe import default_tiles as default_grouped_tiles
 from radixmesh.kernels.moe_activation import swiglu_rounded
-from radixmesh.kernels.moe_decode import default_tiles, use_decode_path
+from radixmesh.kernels.moe_decode import default_tiles, tiles_from_env, use_decode_path
 from radixmesh.kernels.moe_extras import ExpertExtras, clamped
 from radixmesh.kernels.runtime import dot_needs_upcast, interpreting, pdl_enter, pdl_options
 
@@ -186,12 +188,85 @@ def _row_times_codes(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _two_codes(words, i: tl.constexpr):
+    """Codes i and i + 4 of each word (int32, eight codes, code i in bits 4i..4i+3) -> two float16 bit patterns in
+    one int32 (code i in the low half): the code's magnitude bits under float16's exponent (e1 e0) and mantissa (m)
+    and its sign on top, so each half reads as the code's value times 2^-14, exact for every code (0.5 is float16's
+    subnormal as it is e2m1's). The two codes lie 16 bits apart, so two shifts and two masks serve both."""
+    if i < 3:
+        mag = words << (9 - 4 * i)
+    else:
+        mag = words >> (4 * i - 9)
+    return (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -0x7FFF8000)  # (0x80008000: both halves' sign bits)
+
+
+@triton.jit
+def _half_values(pair, PTX: tl.constexpr):
+    """Two float16 bit patterns in an int32 -> their values in float32 (the low half's, the high half's). PTX: by
+    inline PTX, two conversions reading the halves in place (Triton's own casts repack halves first: ~5% more
+    instructions in the launch); not in Triton's interpreter."""
+    if PTX:
+        return tl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                                         "=r,=r,r", [pair], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16_of_pair(pairs, odd: tl.constexpr):
+    """Two bfloat16 values in an int32 (the even column low) -> the even or odd one in float32 (its bits on top)."""
+    if odd:
+        return (pairs & -0x10000).to(tl.float32, bitcast=True)
+    return (pairs << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_times_words(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PTX: tl.constexpr):
+    """_row_times_codes on CUDA cores: the codes read as 32-bit words (eight a word), two codes at a time turned
+    into float16 patterns by shifts and masks (_two_codes) and into float32 by one conversion each, times the row
+    (read as bfloat16 pairs) in float32 FMAs; a word's sum scaled by its group's 2^(e - 127) once. Every product is
+    the dequantized weight's times 2^-14 (undone once at the end), exact, so the result differs from the twin's
+    only in the summation order. For one token, where the tensor-core product repeats the row into 16 and Triton's
+    decoding by byte permutes bounds the launch."""
+    WORDS: tl.constexpr = K // 8
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    x_pairs = x_row.to(tl.pointer_type(tl.int32))  # x[2m] and x[2m + 1] an int32 (K % 32 == 0: aligned)
+    q_words = q_rows.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    for w0 in tl.static_range(0, WORDS, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        w_ok = w < WORDS
+        ok = rows_ok & w_ok[None, :]
+        words = tl.load(q_words + w[None, :], mask=ok, other=0, eviction_policy="evict_first")
+        scale = _scale(tl.load(s_rows + (w // 4)[None, :], mask=ok, other=127).to(tl.int32))
+        part = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        for i in tl.static_range(4):
+            codes = _two_codes(words, i)
+            x_lo = _bf16_of_pair(tl.load(x_pairs + 4 * w + i // 2, mask=w_ok, other=0), i % 2)  # column 8w + i
+            x_hi = _bf16_of_pair(tl.load(x_pairs + 4 * w + 2 + i // 2, mask=w_ok, other=0), i % 2)  # 8w + i + 4
+            lo, hi = _half_values(codes, PTX)
+            part += lo * x_lo[None, :]  # (two statements: two FMAs)
+            part += hi * x_hi[None, :]
+        acc += part * scale
+    return tl.sum(acc, axis=1) * 16384.0
+
+
+@triton.jit
+def _row_times(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               WORDS: tl.constexpr):
+    if WORDS:
+        return _row_times_words(x_row, q_rows, s_rows, rows_ok, K, BLOCK_N, BLOCK_K, WORDS == 2)
+    return _row_times_codes(x_row, q_rows, s_rows, rows_ok, K, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_qe,
                                  stride_qn, stride_se, stride_sn, stride_be, alpha, limit, TOP_K: tl.constexpr,
                                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+                                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WORDS: tl.constexpr):
     pdl_enter(PDL)
-    # _mxfp4_gate_up_kernel for bfloat16 activations, its products tl.dot_scaled's
+    # _mxfp4_gate_up_kernel for bfloat16 activations, its products tl.dot_scaled's (WORDS: _row_times_words')
     pair = tl.program_id(1).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,17 +275,29 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
     gate_q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
     gate_s = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
     x_row = x_ptr + (pair // TOP_K) * stride_x
-    gate = _row_times_codes(x_row, gate_q, gate_s, rows_ok, K, BLOCK_N, BLOCK_K)
-    up = _row_times_codes(x_row, gate_q + inter * stride_qn, gate_s + inter * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K)
+    if WORDS:  # the gate's and the up rows as one tile of 2 x BLOCK_N rows: the row's words read and widened once
+        r = tl.arange(0, 2 * BLOCK_N)
+        col = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+        rows = (col + (r // BLOCK_N) * inter).to(tl.int64)[:, None]
+        both = _row_times_words(x_row, q_ptr + e * stride_qe + rows * stride_qn,
+                                s_ptr + e * stride_se + rows * stride_sn,
+                                (col < tl.where(expert >= 0, inter, 0))[:, None], K, 2 * BLOCK_N, BLOCK_K,
+                                WORDS == 2)
+        gate, up = tl.split(both.reshape(2, BLOCK_N).trans())
+    else:
+        gate = _row_times_codes(x_row, gate_q, gate_s, rows_ok, K, BLOCK_N, BLOCK_K)
+        up = _row_times_codes(x_row, gate_q + inter * stride_qn, gate_s + inter * stride_sn, rows_ok, K, BLOCK_N,
+                              BLOCK_K)
     _store_activation(gate, up, act_ptr, b_ptr, pair, expert, n, inter, stride_be, alpha, limit, HAS_BIAS, SWIGLU)
 
 
 @triton.jit
 def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms_ptr, b_ptr, hidden, stride_qe,
                               stride_qn, stride_se, stride_sn, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr):
     pdl_enter(PDL)
-    # _mxfp4_down_kernel's term of one pair for bfloat16 activations (its product tl.dot_scaled's), a program a pair
+    # _mxfp4_down_kernel's term of one pair for bfloat16 activations (its product tl.dot_scaled's or, WORDS,
+    # _row_times_words'), a program a pair
     # and BLOCK_N columns: terms[pair, n] = w_pair * (act[pair] . w2[e_pair, n] + b2[e_pair, n]); the caller sums a
     # token's top_k terms (a program for all of them, expert after expert, was 3x slower on an H100)
     pair = tl.program_id(1).to(tl.int64)
@@ -218,8 +305,8 @@ def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     e = tl.maximum(expert, 0)
     rows_ok = (n < tl.where(expert >= 0, hidden, 0))[:, None]
-    down = _row_times_codes(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
-                            s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K)
+    down = _row_times(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
+                      s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K, WORDS)
     dtype = terms_ptr.dtype.element_ty
     term = _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS)
     tl.store(terms_ptr + pair * hidden + n, term.to(dtype), mask=n < hidden)
@@ -297,18 +384,20 @@ def check_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch
 
 
 class ScaledTiles(NamedTuple):
-    """The few-token launches' tiles for bfloat16 activations (tl.dot_scaled): output columns a program, the K step
-    (a multiple of 64), warps and pipeline stages of each launch."""
+    """The few-token launches' tiles for bfloat16 activations: output columns a program (the gate/up launch's rows
+    are twice its columns), the K step, warps and pipeline stages of each launch, and the products' form."""
 
-    up_block_n: int = 32  # gpt-oss-20b's layer at one token on an H100, both launches: 68 us (32 / 64 columns) against
-    up_block_k: int = 256  # 80 with 16-column down programs, 89 with 128-deep steps, 193 before tl.dot_scaled; the
-    down_block_n: int = 64  # gate/up launch alone 35 us against 75 (twenty-ninth session; a program a pair and
-    down_block_k: int = 256  # block_n columns in each launch)
+    up_block_n: int = 8  # gpt-oss-20b's layer on an H100, both launches: 41.9 us at one token against tl.dot_scaled's
+    up_block_k: int = 1024  # 65.6 (its best tiles: 32 / 64 columns, 256 deep, 3 stages), 73 against 114 at two,
+    down_block_n: int = 16  # 136 against 198 at four (thirty-fourth session; the floor at one token 17.6)
+    down_block_k: int = 1024
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
+    words: int = 1  # the products' form: 0 tl.dot_scaled, 1 CUDA cores (_row_times_words), 2 the same with its
+    # halves widened by inline PTX (1 in Triton's interpreter)
 
 
-SCALED_TILES = ScaledTiles()
+TILES_ENV = "RADIXMESH_MXFP4_TILES"  # JSON of ScaledTiles fields overriding the defaults (benchmarks, an operator)
 # The grouped GEMM's tiles for bfloat16 activations where no tuned entry exists: the H100's best of 64/128 columns x
 # 128/256 deep x 4/8 warps for one expert's 16 and 64 rows of gpt-oss-20b's gate/up (12.1 and 15.7 us)
 SCALED_GROUPED_TILES = Tiles(block_n=64, block_k=256, num_warps=4, num_stages=3)
@@ -344,10 +433,11 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
     b2 = extras.b2 if extras is not None else None
     swiglu = clamped(extras)
     if scaled(x):
-        st = st or SCALED_TILES
+        st = st or tiles_from_env(ScaledTiles, TILES_ENV)
         up_kernel = _mxfp4_gate_up_scaled_kernel
         up_n, up_k, down_n, down_k = st.up_block_n, st.up_block_k, st.down_block_n, st.down_block_k
-        up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages)
+        words = 1 if st.words == 2 and interpreting() else st.words
+        up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages, WORDS=words)
     else:
         t = default_tiles()
         up_kernel = _mxfp4_gate_up_kernel
