@@ -88,6 +88,9 @@
 #                           copied in, carried) for Qwen1.5-MoE-A2.7B, Gemma-3-12B and gpt-oss-20b (FAMILIES_MODELS),
 #                           then the Qwen2-MoE, Gemma and DeepSeek engine tests, one engine at a time
 #   PARTS="setup moeprof"  GPT-OSS's and DeepSeek-V2-Lite's decode steps by kernel (profile_decode --timeline)
+#   PARTS="setup mxfp4"     gpt-oss-20b's few-token MXFP4 launches: their CUDA tests, benchmarks.moe_decode --mxfp4
+#                           (forms and tiles at 1 token, the grouped GEMMs at 1-8), the model at batch 1/2/4 against
+#                           tl.dot_scaled's tiles (MXFP4_S bounds the search)
 #   PARTS="setup gptoss"    GPT-OSS: the sink kernels' and the tiny GPT-OSS's CUDA tests, then the gpt-oss-20b shape
 #                           (dummy weights in bf16: the MXFP4 experts as the loader dequantizes them) at batch 1, 64,
 #                           256 and an 8k prefill against the roofline (GPTOSS_S bounds the benchmark)
@@ -605,6 +608,28 @@ if [[ " $PARTS " == *" deepseek "* ]]; then
     --model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
     --log-level warning --batch-size 1 --input-len 512 --output-len 4 --prefill-len 8192 --roofline \
     --result-file "$OUT/deepseek_expanded.jsonl" 2>&1 | tee -a "$OUT/deepseek.log" | grep -E "prefill of|rror"
+fi
+
+if [[ " $PARTS " == *" mxfp4 "* ]]; then
+  # gpt-oss-20b's few-token MXFP4 launches on CUDA cores (kernels.moe_mxfp4._row_times_words, thirty-fourth session):
+  # their CUDA tests (the inline-PTX form too), benchmarks.moe_decode --mxfp4 (the products' form and tiles searched at
+  # 1 token, the grouped GEMMs beside them at 1-8), then the model at batch 1, 2 and 4 with the shipped tiles against
+  # tl.dot_scaled's. Prediction (written before any run of this part): the inline-PTX form 39-41 us a layer at one
+  # token against the shipped 41.9 (~5% fewer instructions); the word launches beat the grouped GEMMs up to 4 tokens
+  # (136 us a layer at 4 against ~190-230 for the grouped path, read off the model's batch-4 step: 6.5 ms against 2.24
+  # at batch 1), about even at 8. If so, MXFP4 should take the few-token path up to 4 tokens (today: 2 at 32 experts).
+  timeout 90 $PY -m pytest -q -p no:cacheprovider --tb=short -rfE tests/kernels/test_moe_mxfp4.py 2>&1 \
+    | tee "$OUT/mxfp4_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -5
+  timeout ${MXFP4_S:-240} $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/gpt-oss-20b --mxfp4 \
+    --tokens 1 2 4 8 --layers 4 --result-file "$OUT/moe_decode_mxfp4.jsonl" 2>&1 | tee "$OUT/moe_decode_mxfp4.log" \
+    | grep -v "^  skipped" | tail -12
+  dot='{"words": 0, "up_block_n": 32, "up_block_k": 256, "down_block_n": 64, "down_block_k": 256, "num_stages": 3}'
+  for ab in "X=1" "RADIXMESH_MXFP4_TILES=$dot"; do
+    echo "{\"label\": \"gpt-oss-20b ${ab:0:22}\"}" >> "$OUT/mxfp4_model.jsonl"
+    env "$ab" timeout 120 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
+      --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 2 4 \
+      --input-len 512 --output-len 16 --roofline --result-file "$OUT/mxfp4_model.jsonl" 2>&1 | grep -E "True|rror"
+  done
 fi
 
 if [[ " $PARTS " == *" gptoss "* ]]; then

@@ -9,8 +9,14 @@ kernels.moe_decode_fp8 against kernels.moe_fp8's grouped GEMMs; the floor counts
 grouped GEMMs quantize the activations (W8A8) and the few-token path does not: there the few-token variants are
 checked against the first one, which is checked against its twin.
 
+`--mxfp4`: the experts in MXFP4 (random codes, scales 2^-10..2^-5; gpt-oss's layout, without its biases and clamp),
+kernels.moe_mxfp4's few-token launches (ScaledTiles: tl.dot_scaled or the CUDA-core word products, and their tiles;
+the best becomes RADIXMESH_MXFP4_TILES) against its grouped GEMMs; the floor counts 17/32 of a byte a weight. Each
+row's `default_path` says which path the engine takes at that many tokens, so the rows show where the grouped GEMMs
+should take over.
+
     python -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/qwen3-30b-a3b --tokens 1 2 4 8 \\
-        [--layers 8] [--tp-size 1] [--fp8 block|channel] [--result-file F]
+        [--layers 8] [--tp-size 1] [--fp8 block|channel | --mxfp4] [--result-file F]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from radixmesh.kernels.moe_decode import DecodeTiles, decode_experts, use_decode
 from radixmesh.kernels.moe_decode_fp8 import decode_experts_fp8, decode_experts_fp8_reference, fp8_tiles
 from radixmesh.kernels.fp8_experts import scale_shape
 from radixmesh.kernels.moe_fp8 import fused_experts_fp8
+from radixmesh.kernels.moe_mxfp4 import ScaledTiles, decode_experts_mxfp4, fused_experts_mxfp4
 
 UP_GRID = [dict(up_block_n=n, up_block_k=k, up_warps=w) for n, k, w in itertools.product((1, 2, 4), (512, 1024, 2048),
                                                                                          (4, 8))]
@@ -41,6 +48,20 @@ FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stacked
                  for n, k, w, st in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (0, 1))]
 
 
+# MXFP4 (ScaledTiles): the products' form with the gate/up tile, then the down tile, then the warps
+MXFP4_UP_GRID = [dict(words=f, up_block_n=n, up_block_k=k) for f, n, k in
+                 itertools.product((1, 2), (4, 8, 16), (1024, 2048, 4096))] + [
+                dict(words=0, up_block_n=32, up_block_k=256, num_stages=3)]
+MXFP4_DOWN_GRID = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((8, 16, 32), (1024, 2048, 4096))]
+MXFP4_WARPS_GRID = [dict(num_warps=w) for w in (2, 4, 8)]
+
+
+def _mxfp4_weights(experts: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 codes [experts, n, k / 2] and scales [experts, n, k / 32] of 2^-10..2^-5."""
+    q = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    return q, torch.randint(117, 123, (experts, n, k // 32), dtype=torch.uint8, device="cuda", generator=gen)
+
+
 def _fp8_weights(experts: int, n: int, k: int, block, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random fp8 codes [experts, n, k] over most of e4m3's range, with scales making the weights ~ k^-0.5."""
     w = (torch.randn((experts, n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -48,17 +69,20 @@ def _fp8_weights(experts: int, n: int, k: int, block, gen: torch.Generator) -> t
 
 
 class Layers:
-    """`layers` layers of experts (bf16, or fp8 with `fp8`'s scales: "block" 128 x 128 or "channel"; random), one
-    routing of `tokens` tokens each, and the outputs. `w[i]`: layer i's expert arguments between x and the routing
-    ((w13, w2), or (w13, s13, w2, s2, block))."""
+    """`layers` layers of experts (bf16, fp8 with `fp8`'s scales: "block" 128 x 128 or "channel", or `mxfp4`;
+    random), one routing of `tokens` tokens each, and the outputs. `w[i]`: layer i's expert arguments between x and
+    the routing ((w13, w2), (w13, s13, w2, s2, block), or MXFP4's (q13, s13, q2, s2))."""
 
     def __init__(self, layers: int, experts: int, hidden: int, inter: int, top_k: int, tokens: int,
-                 fp8: str | None = None):
+                 fp8: str | None = None, mxfp4: bool = False):
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         dt = torch.bfloat16
         self.x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dt)
         self.block = (128, 128) if fp8 == "block" else None
-        if fp8:
+        if mxfp4:
+            self.w = [(*_mxfp4_weights(experts, 2 * inter, hidden, gen), *_mxfp4_weights(experts, hidden, inter, gen))
+                      for _ in range(layers)]
+        elif fp8:
             self.w = [(*_fp8_weights(experts, 2 * inter, hidden, self.block, gen),
                        *_fp8_weights(experts, hidden, inter, self.block, gen), self.block) for _ in range(layers)]
         else:
@@ -69,7 +93,8 @@ class Layers:
         self.route = [route_reference(torch.randn(tokens, experts, device="cuda", generator=gen), top_k, True, dt)
                       for _ in range(layers)]
         self.out = [None] * layers
-        expert_bytes = (3 * inter * hidden) * (1 if fp8 else 2)  # (scales: under 1% of an fp8 expert's bytes)
+        # (scales: under 1% of an fp8 expert's bytes; MXFP4's a byte every 32 weights)
+        expert_bytes = (3 * inter * hidden) * (17 / 32 if mxfp4 else 1 if fp8 else 2)
         self.floor_bytes = sum(len(set(ids.flatten().tolist())) for _, ids in self.route) * expert_bytes / layers
 
     def run(self, path) -> None:
@@ -98,6 +123,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers a graph runs (their experts exceed L2)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--fp8", choices=["block", "channel"], help="fp8 experts with these scales (module docstring)")
+    ap.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (module docstring)")
     ap.add_argument("--result-file")
     ns = ap.parse_args()
     cfg = ModelConfig.from_path(ns.model_path)
@@ -107,12 +133,15 @@ def main() -> None:
     copy = _copy_gbps(torch.device("cuda"))
     base = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "experts": moe.num_experts,
             "top_k": moe.top_k, "hidden": cfg.hidden_size, "intermediate": inter, "layers": ns.layers,
-            "weights": f"fp8-{ns.fp8}" if ns.fp8 else "bf16"}
-    grouped_path, decode_path = ((fused_experts_fp8, decode_experts_fp8) if ns.fp8 else
+            "weights": "mxfp4" if ns.mxfp4 else f"fp8-{ns.fp8}" if ns.fp8 else "bf16"}
+    if ns.fp8 and ns.mxfp4:
+        ap.error("--fp8 and --mxfp4 are two weight formats: give one")
+    grouped_path, decode_path = ((fused_experts_mxfp4, decode_experts_mxfp4) if ns.mxfp4 else
+                                 (fused_experts_fp8, decode_experts_fp8) if ns.fp8 else
                                  (fused_experts, decode_experts))
     rows = []
     for tokens in ns.tokens:
-        layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens, ns.fp8)
+        layers = Layers(ns.layers, moe.num_experts, cfg.hidden_size, inter, moe.top_k, tokens, ns.fp8, ns.mxfp4)
         floor_us = layers.floor_bytes / copy / 1e3
 
         def report(path: str, us: float | None, **extra) -> None:
@@ -127,7 +156,8 @@ def main() -> None:
         grouped = _measure(layers, lambda *a: grouped_path(*a, elsewhere=False, decode_path=False), None)
         want = list(layers.out)
         report("grouped", grouped)
-        best = fp8_tiles(layers.block) if ns.fp8 else DecodeTiles()  # the defaults, where the search starts
+        # the defaults, where the search starts
+        best = ScaledTiles() if ns.mxfp4 else fp8_tiles(layers.block) if ns.fp8 else DecodeTiles()
         first = _measure(layers, lambda *a: decode_path(*a, tiles=best), None if layers.block else want)
         if layers.block:  # W8A8 grouped, W8A16 here: the first variant against its twin, the others against it
             want = None
@@ -137,7 +167,9 @@ def main() -> None:
                 want = list(layers.out)
         report("decode", first, tiles=best._asdict())
         # one launch's tiles at a time, the other's at their best so far
-        for grid in (FP8_UP_GRID, FP8_DOWN_GRID) if ns.fp8 else (UP_GRID, DOWN_GRID):
+        grids = ((MXFP4_UP_GRID, MXFP4_DOWN_GRID, MXFP4_WARPS_GRID) if ns.mxfp4 else
+                 (FP8_UP_GRID, FP8_DOWN_GRID) if ns.fp8 else (UP_GRID, DOWN_GRID))
+        for grid in grids:
             timed = []
             for change in grid:
                 t = best._replace(**change)

@@ -464,6 +464,15 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
     return out
 
 
+def decode_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
+                         weights: torch.Tensor, ids: torch.Tensor, extras: ExpertExtras | None = None,
+                         tiles: ScaledTiles | None = None) -> torch.Tensor:
+    """The few-token launches alone (fused_experts_mxfp4's decode path), with `tiles` for bfloat16 activations in
+    place of the defaults (benchmarks.moe_decode --mxfp4 searches them)."""
+    check_mxfp4(x, q13, s13, q2, s2)
+    return _decode(x.contiguous(), q13, s13, q2, s2, weights, ids, extras, tiles)
+
+
 def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
                         weights: torch.Tensor, ids: torch.Tensor, elsewhere: bool = True,
                         decode_path: bool | None = None, extras: ExpertExtras | None = None) -> torch.Tensor:
