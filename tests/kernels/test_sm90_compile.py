@@ -216,15 +216,16 @@ out["moe_mxfp4_down_scaled"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
                                         b_ptr=bf16), set(), dict(K=2880, BLOCK_N=16, BLOCK_K=256, PDL=True,
                                                                  HAS_BIAS=True, WORDS=0), 4, 3)
 # and on CUDA cores (the codes as 32-bit words, the halves widened by inline PTX), as gpt-oss-20b's batch 1 launches
+# with a shorter K (1088: a whole chunk and a masked one, as 2880 has; ~1 s of compiling instead of ~4)
 mx_aligned = ("x_ptr", "act_ptr", "q_ptr", "s_ptr", "stride_x", "stride_qe", "stride_qn", "stride_se")
 out["moe_mxfp4_gate_up_words"] = ptx(moe_mxfp4._mxfp4_gate_up_scaled_kernel,
                                      dict(mx, x_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, b_ptr=bf16),
-                                     {"alpha", "limit"}, dict(TOP_K=4, K=2880, BLOCK_N=8, BLOCK_K=1024, PDL=True,
+                                     {"alpha", "limit"}, dict(TOP_K=4, K=1088, BLOCK_N=8, BLOCK_K=1024, PDL=True,
                                                               HAS_BIAS=True, SWIGLU=True, WORDS=2), 4, 1,
                                      aligned=mx_aligned)
 out["moe_mxfp4_down_words"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
                                   dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, terms_ptr=bf16,
-                                       b_ptr=bf16), set(), dict(K=2880, BLOCK_N=16, BLOCK_K=1024, PDL=True,
+                                       b_ptr=bf16), set(), dict(K=1088, BLOCK_N=16, BLOCK_K=1024, PDL=True,
                                                                 HAS_BIAS=True, WORDS=2), 4, 1, aligned=mx_aligned)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
