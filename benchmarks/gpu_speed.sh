@@ -614,8 +614,10 @@ if [[ " $PARTS " == *" mxfp4 "* ]]; then
   # gpt-oss-20b's few-token MXFP4 launches on CUDA cores (kernels.moe_mxfp4._row_times_words, thirty-fourth session):
   # their CUDA tests (the inline-PTX form too), benchmarks.moe_decode --mxfp4 (the products' form and tiles searched at
   # 1 token, the grouped GEMMs beside them at 1-8), then the model at batch 1, 2 and 4 with the shipped tiles against
-  # tl.dot_scaled's. Prediction (written before any run of this part): the inline-PTX form 39-41 us a layer at one
-  # token against the shipped 41.9 (~5% fewer instructions); the word launches beat the grouped GEMMs up to 4 tokens
+  # tl.dot_scaled's. Prediction (written before any run of this part): the inline-PTX form 36-40 us a layer at one
+  # token against the shipped 41.9: ~5% fewer instructions, and its gate/up launch holds 136 registers a thread
+  # against 176 (cuobjdump of the sm_90 build), so 3 programs fit an SM where 2 did; the word launches beat the grouped
+  # GEMMs up to 4 tokens
   # (136 us a layer at 4 against ~190-230 for the grouped path, read off the model's batch-4 step: 6.5 ms against 2.24
   # at batch 1), about even at 8. If so, MXFP4 should take the few-token path up to 4 tokens (today: 2 at 32 experts).
   timeout 90 $PY -m pytest -q -p no:cacheprovider --tb=short -rfE tests/kernels/test_moe_mxfp4.py 2>&1 \
