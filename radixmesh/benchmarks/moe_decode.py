@@ -10,7 +10,7 @@ grouped GEMMs quantize the activations (W8A8) and the few-token path does not: t
 checked against the first one, which is checked against its twin.
 
 `--mxfp4`: the experts in MXFP4 (random codes, scales 2^-10..2^-5; gpt-oss's layout, without its biases and clamp),
-kernels.moe_mxfp4's few-token launches (ScaledTiles: tl.dot_scaled or the CUDA-core word products, and their tiles;
+kernels.moe_mxfp4's few-token launches (ScaledTiles: tl.dot_scaled or the CUDA-core word products, unrolled or looped;
 the best becomes RADIXMESH_MXFP4_TILES) against its grouped GEMMs; the floor counts 17/32 of a byte a weight. Each
 row's `default_path` says which path the engine takes at that many tokens, so the rows show where the grouped GEMMs
 should take over.
@@ -48,11 +48,15 @@ FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stacked
                  for n, k, w, st in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (0, 1))]
 
 
-# MXFP4 (ScaledTiles): the products' form with the gate/up tile, then the down tile, then the warps
-MXFP4_UP_GRID = [dict(words=f, up_block_n=n, up_block_k=k) for f, n, k in
-                 itertools.product((1, 2), (4, 8, 16), (1024, 2048, 4096))] + [
-                dict(words=0, up_block_n=32, up_block_k=256, num_stages=3)]
-MXFP4_DOWN_GRID = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((8, 16, 32), (1024, 2048, 4096))]
+# MXFP4 (ScaledTiles): the products' form (tl.dot_scaled, or the word products with K unrolled or in a pipelined loop)
+# with the gate/up tile, then the down tile, then the warps
+MXFP4_UP_GRID = ([dict(words=f, up_block_n=n, up_block_k=k, loop=0, num_stages=1) for f, n, k in
+                  itertools.product((1, 2), (4, 8, 16), (1024, 2048, 4096))]
+                 + [dict(words=2, up_block_n=n, up_block_k=k, loop=1, num_stages=st) for n, k, st in
+                    itertools.product((8, 16), (256, 512), (2, 3))]
+                 + [dict(words=0, up_block_n=32, up_block_k=256, num_stages=3)])
+MXFP4_DOWN_GRID = [dict(down_block_n=n, down_block_k=k) for n, k in
+                   itertools.product((8, 16, 32), (256, 512, 1024, 2048, 4096))]
 MXFP4_WARPS_GRID = [dict(num_warps=w) for w in (2, 4, 8)]
 
 

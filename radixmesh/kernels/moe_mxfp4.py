@@ -222,41 +222,54 @@ def _bf16_of_pair(pairs, odd: tl.constexpr):
 
 @triton.jit
 def _row_times_words(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PTX: tl.constexpr):
+                     PTX: tl.constexpr, LOOP: tl.constexpr):
     """_row_times_codes on CUDA cores: the codes read as 32-bit words (eight a word), two codes at a time turned
     into float16 patterns by shifts and masks (_two_codes) and into float32 by one conversion each, times the row
     (read as bfloat16 pairs) in float32 FMAs; a word's sum scaled by its group's 2^(e - 127) once. Every product is
     the dequantized weight's times 2^-14 (undone once at the end), exact, so the result differs from the twin's
     only in the summation order. For one token, where the tensor-core product repeats the row into 16 and Triton's
-    decoding by byte permutes bounds the launch."""
+    decoding by byte permutes bounds the launch. The K chunks unrolled (every load issued at once: more registers,
+    fewer programs an SM) or, LOOP, a loop the launch's num_stages pipelines (~25% more instructions a weight for
+    the addresses, a third of the registers: the sm_90 builds)."""
     WORDS: tl.constexpr = K // 8
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     x_pairs = x_row.to(tl.pointer_type(tl.int32))  # x[2m] and x[2m + 1] an int32 (K % 32 == 0: aligned)
     q_words = q_rows.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-    for w0 in tl.static_range(0, WORDS, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        w_ok = w < WORDS
-        ok = rows_ok & w_ok[None, :]
-        words = tl.load(q_words + w[None, :], mask=ok, other=0, eviction_policy="evict_first")
-        scale = _scale(tl.load(s_rows + (w // 4)[None, :], mask=ok, other=127).to(tl.int32))
-        part = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        for i in tl.static_range(4):
-            codes = _two_codes(words, i)
-            x_lo = _bf16_of_pair(tl.load(x_pairs + 4 * w + i // 2, mask=w_ok, other=0), i % 2)  # column 8w + i
-            x_hi = _bf16_of_pair(tl.load(x_pairs + 4 * w + 2 + i // 2, mask=w_ok, other=0), i % 2)  # 8w + i + 4
-            lo, hi = _half_values(codes, PTX)
-            part += lo * x_lo[None, :]  # (two statements: two FMAs)
-            part += hi * x_hi[None, :]
-        acc += part * scale
+    if LOOP:
+        for w0 in range(0, WORDS, BLOCK_W):
+            acc = _words_chunk(acc, w0, x_pairs, q_words, s_rows, rows_ok, WORDS, BLOCK_N, BLOCK_W, PTX)
+    else:
+        for w0 in tl.static_range(0, WORDS, BLOCK_W):
+            acc = _words_chunk(acc, w0, x_pairs, q_words, s_rows, rows_ok, WORDS, BLOCK_N, BLOCK_W, PTX)
     return tl.sum(acc, axis=1) * 16384.0
 
 
 @triton.jit
+def _words_chunk(acc, w0, x_pairs, q_words, s_rows, rows_ok, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_W: tl.constexpr, PTX: tl.constexpr):
+    """_row_times_words' words w0 .. w0 + BLOCK_W of each row, added to acc ([BLOCK_N, BLOCK_W] float32)."""
+    w = w0 + tl.arange(0, BLOCK_W)
+    w_ok = w < WORDS
+    ok = rows_ok & w_ok[None, :]
+    words = tl.load(q_words + w[None, :], mask=ok, other=0, eviction_policy="evict_first")
+    scale = _scale(tl.load(s_rows + (w // 4)[None, :], mask=ok, other=127).to(tl.int32))
+    part = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    for i in tl.static_range(4):
+        codes = _two_codes(words, i)
+        x_lo = _bf16_of_pair(tl.load(x_pairs + 4 * w + i // 2, mask=w_ok, other=0), i % 2)  # column 8w + i
+        x_hi = _bf16_of_pair(tl.load(x_pairs + 4 * w + 2 + i // 2, mask=w_ok, other=0), i % 2)  # 8w + i + 4
+        lo, hi = _half_values(codes, PTX)
+        part += lo * x_lo[None, :]  # (two statements: two FMAs)
+        part += hi * x_hi[None, :]
+    return acc + part * scale
+
+
+@triton.jit
 def _row_times(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               WORDS: tl.constexpr):
+               WORDS: tl.constexpr, LOOP: tl.constexpr):
     if WORDS:
-        return _row_times_words(x_row, q_rows, s_rows, rows_ok, K, BLOCK_N, BLOCK_K, WORDS == 2)
+        return _row_times_words(x_row, q_rows, s_rows, rows_ok, K, BLOCK_N, BLOCK_K, WORDS == 2, LOOP)
     return _row_times_codes(x_row, q_rows, s_rows, rows_ok, K, BLOCK_N, BLOCK_K)
 
 
@@ -264,7 +277,8 @@ def _row_times(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: tl.cons
 def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, inter, stride_x, stride_qe,
                                  stride_qn, stride_se, stride_sn, stride_be, alpha, limit, TOP_K: tl.constexpr,
                                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WORDS: tl.constexpr):
+                                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WORDS: tl.constexpr,
+                                 LOOP: tl.constexpr):
     pdl_enter(PDL)
     # _mxfp4_gate_up_kernel for bfloat16 activations, its products tl.dot_scaled's (WORDS: _row_times_words')
     pair = tl.program_id(1).to(tl.int64)
@@ -282,7 +296,7 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
         both = _row_times_words(x_row, q_ptr + e * stride_qe + rows * stride_qn,
                                 s_ptr + e * stride_se + rows * stride_sn,
                                 (col < tl.where(expert >= 0, inter, 0))[:, None], K, 2 * BLOCK_N, BLOCK_K,
-                                WORDS == 2)
+                                WORDS == 2, LOOP)
         gate, up = tl.split(both.reshape(2, BLOCK_N).trans())
     else:
         gate = _row_times_codes(x_row, gate_q, gate_s, rows_ok, K, BLOCK_N, BLOCK_K)
@@ -294,7 +308,8 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
 @triton.jit
 def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms_ptr, b_ptr, hidden, stride_qe,
                               stride_qn, stride_se, stride_sn, stride_be, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr):
+                              BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr,
+                              LOOP: tl.constexpr):
     pdl_enter(PDL)
     # _mxfp4_down_kernel's term of one pair for bfloat16 activations (its product tl.dot_scaled's or, WORDS,
     # _row_times_words'), a program a pair
@@ -306,7 +321,8 @@ def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms
     e = tl.maximum(expert, 0)
     rows_ok = (n < tl.where(expert >= 0, hidden, 0))[:, None]
     down = _row_times(act_ptr + pair * K, q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn,
-                      s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K, WORDS)
+                      s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn, rows_ok, K, BLOCK_N, BLOCK_K, WORDS,
+                      LOOP)
     dtype = terms_ptr.dtype.element_ty
     term = _weighted_down(down, b_ptr, weights_ptr, pair, expert, n, hidden, stride_be, dtype, HAS_BIAS)
     tl.store(terms_ptr + pair * hidden + n, term.to(dtype), mask=n < hidden)
@@ -395,6 +411,7 @@ class ScaledTiles(NamedTuple):
     num_stages: int = 1
     words: int = 1  # the products' form: 0 tl.dot_scaled, 1 CUDA cores (_row_times_words), 2 the same with its
     # halves widened by inline PTX (1 in Triton's interpreter)
+    loop: int = 0  # the word products' K chunks: 0 unrolled, 1 a loop pipelined over num_stages (_row_times_words)
 
 
 TILES_ENV = "RADIXMESH_MXFP4_TILES"  # JSON of ScaledTiles fields overriding the defaults (benchmarks, an operator)
@@ -437,7 +454,8 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
         up_kernel = _mxfp4_gate_up_scaled_kernel
         up_n, up_k, down_n, down_k = st.up_block_n, st.up_block_k, st.down_block_n, st.down_block_k
         words = 1 if st.words == 2 and interpreting() else st.words
-        up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages, WORDS=words)
+        up_launch = down_launch = dict(num_warps=st.num_warps, num_stages=st.num_stages, WORDS=words,
+                                       LOOP=bool(st.loop))
     else:
         t = default_tiles()
         up_kernel = _mxfp4_gate_up_kernel

@@ -61,14 +61,16 @@ def test_mxfp4_experts_equal_their_dequantized_twin(tokens, decode_path, dtype):
 def test_the_word_products_equal_the_microscaled_ones(tokens):
     """The few-token launches on CUDA cores (ScaledTiles.words: the codes read as 32-bit words and widened by shifts
     and masks) against tl.dot_scaled's and the twin, with biases, the clamp and another rank's expert (-1), at the
-    K widths of chunks that do and do not divide the row (hidden 96 = 12 words, inter 160 = 20)."""
+    K widths of chunks that do and do not divide the row (hidden 96 = 12 words, inter 160 = 20), the chunks unrolled
+    and in a loop."""
     from radixmesh.kernels.moe_mxfp4 import ScaledTiles, _decode
 
     x, mx, weights, ids, extras = _layer(tokens, 8, 2, 96, 160, torch.bfloat16, seed=10 + tokens)
     ids[0, 1] = -1
     on = [t.to(DEVICE) for t in (x, *mx, weights, ids)]
     dot = _decode(*on, _on(extras), ScaledTiles(32, 256, 64, 256, 4, 3, 0)).cpu()
-    for words in (ScaledTiles(words=1), ScaledTiles(words=2), ScaledTiles(4, 64, 8, 64, 4, 1, 1)):
+    for words in (ScaledTiles(words=1), ScaledTiles(words=2), ScaledTiles(4, 64, 8, 64, 4, 1, 1),
+                  ScaledTiles(4, 64, 8, 64, 4, 2, 1, loop=1)):
         got = _decode(*on, _on(extras), words).cpu()
         torch.testing.assert_close(got.float(), dot.float(), rtol=1e-2, atol=1e-2)
         twin = fused_experts_mxfp4_reference(x, *mx, weights, ids, extras)
@@ -77,16 +79,18 @@ def test_the_word_products_equal_the_microscaled_ones(tokens):
 
 @triton.jit
 def _words_rows_kernel(x_ptr, q_ptr, s_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PTX: tl.constexpr):
+                       PTX: tl.constexpr, LOOP: tl.constexpr):
     k = tl.program_id(0)  # x row k: one-hot at input k, so out[k, n] = w[n, k]
     n = tl.arange(0, N)
     out = _row_times_words(x_ptr + k * K, q_ptr + n[:, None] * (K // 2), s_ptr + n[:, None] * (K // 32),
-                           (n < N)[:, None], K, N, BLOCK_K, PTX)
+                           (n < N)[:, None], K, N, BLOCK_K, PTX, LOOP)
     tl.store(out_ptr + k * N + n, out)
 
 
-@pytest.mark.parametrize("block_k, ptx", [(64, False), (128, False), pytest.param(128, True, marks=pytest.mark.gpu)])
-def test_every_code_and_scale_through_the_word_products(block_k, ptx):
+@pytest.mark.parametrize("block_k, ptx, loop", [(64, False, True), (128, False, False),
+                                                pytest.param(64, True, True, marks=pytest.mark.gpu),
+                                                pytest.param(128, True, False, marks=pytest.mark.gpu)])
+def test_every_code_and_scale_through_the_word_products(block_k, ptx, loop):
     """All 256 bytes under scales from 2^-27 to 2^33 through _row_times_words against one-hot bfloat16 rows: each
     output is one weight, the checkpoint reader's bit for bit (each product is exact, times 2^-14 until the end).
     The halves widened by inline PTX only on a GPU (Triton's interpreter cannot run it)."""
@@ -94,7 +98,8 @@ def test_every_code_and_scale_through_the_word_products(block_k, ptx):
     s = (100 + torch.arange(64)).to(torch.uint8).reshape(16, 4)
     x = torch.eye(128, dtype=torch.bfloat16)
     out = torch.empty(128, 16, dtype=torch.float32, device=DEVICE)
-    _words_rows_kernel[(128,)](x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), out, K=128, N=16, BLOCK_K=block_k, PTX=ptx)
+    _words_rows_kernel[(128,)](x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), out, K=128, N=16, BLOCK_K=block_k, PTX=ptx,
+                               LOOP=loop)
     assert torch.equal(out.cpu().t(), dequantize_experts(q, s, torch.float32))
 
 

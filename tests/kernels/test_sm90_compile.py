@@ -210,23 +210,31 @@ out["moe_mxfp4_grouped_scaled"] = ptx(moe_mxfp4._mxfp4_grouped_kernel, grouped_m
 out["moe_mxfp4_gate_up_scaled"] = ptx(moe_mxfp4._mxfp4_gate_up_scaled_kernel,
                                       dict(mx, x_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, b_ptr=bf16),
                                       {"alpha", "limit"}, dict(TOP_K=4, K=2880, BLOCK_N=32, BLOCK_K=256, PDL=True,
-                                                               HAS_BIAS=True, SWIGLU=True, WORDS=0), 4, 3)
+                                                               HAS_BIAS=True, SWIGLU=True, WORDS=0, LOOP=False),
+                                      4, 3)
 out["moe_mxfp4_down_scaled"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
                                    dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, terms_ptr=bf16,
                                         b_ptr=bf16), set(), dict(K=2880, BLOCK_N=16, BLOCK_K=256, PDL=True,
-                                                                 HAS_BIAS=True, WORDS=0), 4, 3)
+                                                                 HAS_BIAS=True, WORDS=0, LOOP=False), 4, 3)
 # and on CUDA cores (the codes as 32-bit words, the halves widened by inline PTX), as gpt-oss-20b's batch 1 launches
 # with a shorter K (1088: a whole chunk and a masked one, as 2880 has; ~1 s of compiling instead of ~4)
 mx_aligned = ("x_ptr", "act_ptr", "q_ptr", "s_ptr", "stride_x", "stride_qe", "stride_qn", "stride_se")
 out["moe_mxfp4_gate_up_words"] = ptx(moe_mxfp4._mxfp4_gate_up_scaled_kernel,
                                      dict(mx, x_ptr=bf16, ids_ptr="*i64", act_ptr=bf16, b_ptr=bf16),
                                      {"alpha", "limit"}, dict(TOP_K=4, K=1088, BLOCK_N=8, BLOCK_K=1024, PDL=True,
-                                                              HAS_BIAS=True, SWIGLU=True, WORDS=2), 4, 1,
+                                                              HAS_BIAS=True, SWIGLU=True, WORDS=2, LOOP=False),
+                                     4, 1,
                                      aligned=mx_aligned)
 out["moe_mxfp4_down_words"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
                                   dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, terms_ptr=bf16,
                                        b_ptr=bf16), set(), dict(K=1088, BLOCK_N=16, BLOCK_K=1024, PDL=True,
-                                                                HAS_BIAS=True, WORDS=2), 4, 1, aligned=mx_aligned)
+                                                                HAS_BIAS=True, WORDS=2, LOOP=False), 4, 1,
+                                  aligned=mx_aligned)
+out["moe_mxfp4_down_words_loop"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
+                                       dict(mx, act_ptr=bf16, ids_ptr="*i64", weights_ptr=bf16, terms_ptr=bf16,
+                                            b_ptr=bf16), set(), dict(K=1088, BLOCK_N=16, BLOCK_K=256, PDL=True,
+                                                                     HAS_BIAS=True, WORDS=2, LOOP=True), 4, 2,
+                                       aligned=mx_aligned)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -344,7 +352,8 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_weighted_bias", 0), ("moe_mxfp4_gate_up", 0),
                                                  ("moe_mxfp4_down", 0), ("moe_mxfp4_gate_up_scaled", 0),
                                                  ("moe_mxfp4_down_scaled", 0), ("moe_mxfp4_gate_up_words", 0),
-                                                 ("moe_mxfp4_down_words", 0), ("mla_query_key", 0),
+                                                 ("moe_mxfp4_down_words", 0), ("moe_mxfp4_down_words_loop", 0),
+                                                 ("mla_query_key", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
     """A kernel that calls runtime.pdl_enter lets its dependents launch, then waits for the kernel before, and reads
@@ -454,7 +463,7 @@ def test_the_mxfp4_products_are_bfloat16_tensor_core_products(ptx, kernel):
     assert _lines(ptx[kernel], r"(mma|wgmma)\S*\.bf16"), "no bfloat16 MMA"
 
 
-@pytest.mark.parametrize("kernel", ["moe_mxfp4_gate_up_words", "moe_mxfp4_down_words"])
+@pytest.mark.parametrize("kernel", ["moe_mxfp4_gate_up_words", "moe_mxfp4_down_words", "moe_mxfp4_down_words_loop"])
 def test_the_mxfp4_word_products_widen_codes_on_cuda_cores(ptx, kernel):
     """The few-token MXFP4 launches in their CUDA-core form (ScaledTiles.words = 2): codes read 16 bytes a load,
     two a float16 pattern widened by cvt.f32.f16 in place, float32 FMAs, no tensor-core product and no 16-bit
