@@ -616,8 +616,9 @@ if [[ " $PARTS " == *" mxfp4 "* ]]; then
   # 1 token, the grouped GEMMs beside them at 1-8), then the model at batch 1, 2 and 4 with the shipped tiles against
   # tl.dot_scaled's. Prediction (written before any run of this part): the inline-PTX form 36-40 us a layer at one
   # token against the shipped 41.9: ~5% fewer instructions, and its gate/up launch holds 136 registers a thread
-  # against 176 (cuobjdump of the sm_90 build), so 3 programs fit an SM where 2 did; the word launches beat the grouped
-  # GEMMs up to 4 tokens
+  # against 176 (cuobjdump of the sm_90 build), so 3 programs fit an SM where 2 did; the looped form (ScaledTiles.loop:
+  # 32-64 registers, ~25% more instructions a weight) within 10% of the unrolled one either way; the word launches
+  # beat the grouped GEMMs up to 4 tokens
   # (136 us a layer at 4 against ~190-230 for the grouped path, read off the model's batch-4 step: 6.5 ms against 2.24
   # at batch 1), about even at 8. If so, MXFP4 should take the few-token path up to 4 tokens (today: 2 at 32 experts).
   timeout 90 $PY -m pytest -q -p no:cacheprovider --tb=short -rfE tests/kernels/test_moe_mxfp4.py 2>&1 \
