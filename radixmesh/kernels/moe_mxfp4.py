@@ -206,8 +206,9 @@ def _half_values(pair, PTX: tl.constexpr):
     inline PTX, two conversions reading the halves in place (Triton's own casts repack halves first: ~5% more
     instructions in the launch); not in Triton's interpreter."""
     if PTX:
-        return tl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
-                                         "=r,=r,r", [pair], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }", "=r,=r,r", [pair],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -227,8 +228,9 @@ def _row_times_words(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: t
     into float16 patterns by shifts and masks (_two_codes) and into float32 by one conversion each, times the row
     (read as bfloat16 pairs) in float32 FMAs; a word's sum scaled by its group's 2^(e - 127) once. Every product is
     the dequantized weight's times 2^-14 (undone once at the end), exact, so the result differs from the twin's
-    only in the summation order. For one token, where the tensor-core product repeats the row into 16 and Triton's
-    decoding by byte permutes bounds the launch. The K chunks unrolled (every load issued at once: more registers,
+    only in the summation order (for scales of 2^-100 and up: below, the 2^-14 would push a scaled word sum under
+    float32's normal range first; checkpoints hold ~2^-10..2^0). For one token, where the tensor-core product
+    repeats the row into 16 and Triton's decoding by byte permutes bounds the launch. The K chunks unrolled (every load issued at once: more registers,
     fewer programs an SM) or, LOOP, a loop the launch's num_stages pipelines (~25% more instructions a weight for
     the addresses, a third of the registers: the sm_90 builds)."""
     WORDS: tl.constexpr = K // 8
