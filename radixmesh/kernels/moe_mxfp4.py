@@ -230,9 +230,9 @@ def _row_times_words(x_row, q_rows, s_rows, rows_ok, K: tl.constexpr, BLOCK_N: t
     the dequantized weight's times 2^-14 (undone once at the end), exact, so the result differs from the twin's
     only in the summation order (for scales of 2^-100 and up: below, the 2^-14 would push a scaled word sum under
     float32's normal range first; checkpoints hold ~2^-10..2^0). For one token, where the tensor-core product
-    repeats the row into 16 and Triton's decoding by byte permutes bounds the launch. The K chunks unrolled (every load issued at once: more registers,
-    fewer programs an SM) or, LOOP, a loop the launch's num_stages pipelines (~25% more instructions a weight for
-    the addresses, a third of the registers: the sm_90 builds)."""
+    repeats the row into 16 and Triton's decoding by byte permutes bounds the launch. The K chunks unrolled (every
+    load issued at once: more registers, fewer programs an SM) or, LOOP, a loop the launch's num_stages pipelines
+    (~25% more instructions a weight for the addresses, a third of the registers: the sm_90 builds)."""
     WORDS: tl.constexpr = K // 8
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     x_pairs = x_row.to(tl.pointer_type(tl.int32))  # x[2m] and x[2m + 1] an int32 (K % 32 == 0: aligned)
