@@ -620,15 +620,16 @@ if [[ " $PARTS " == *" mxfp4 "* ]]; then
   # 32-64 registers, ~25% more instructions a weight) within 10% of the unrolled one either way; the word launches
   # beat the grouped GEMMs up to 4 tokens
   # (136 us a layer at 4 against ~190-230 for the grouped path, read off the model's batch-4 step: 6.5 ms against 2.24
-  # at batch 1), about even at 8. If so, MXFP4 should take the few-token path up to 4 tokens (today: 2 at 32 experts).
+  # at batch 1), about even at 8. If so, MXFP4 should take the few-token path up to 4 tokens (today: 2 at 32 experts):
+  # with RADIXMESH_MXFP4_TILES='{"max_pairs": 16}' the model's batch-4 step 6.5 -> 4.3-4.9 ms of GPU time.
   timeout 90 $PY -m pytest -q -p no:cacheprovider --tb=short -rfE tests/kernels/test_moe_mxfp4.py 2>&1 \
     | tee "$OUT/mxfp4_tests.log" | grep -E "passed|failed|^E  |FAILED" | tail -5
   timeout ${MXFP4_S:-240} $PY -m radixmesh.benchmarks.moe_decode --model-path benchmarks/configs/gpt-oss-20b --mxfp4 \
     --tokens 1 2 4 8 --layers 4 --result-file "$OUT/moe_decode_mxfp4.jsonl" 2>&1 | tee "$OUT/moe_decode_mxfp4.log" \
     | grep -v "^  skipped" | tail -12
   dot='{"words": 0, "up_block_n": 32, "up_block_k": 256, "down_block_n": 64, "down_block_k": 256, "num_stages": 3}'
-  for ab in "X=1" "RADIXMESH_MXFP4_TILES=$dot"; do
-    echo "{\"label\": \"gpt-oss-20b ${ab:0:22}\"}" >> "$OUT/mxfp4_model.jsonl"
+  for ab in "X=1" "RADIXMESH_MXFP4_TILES=$dot" 'RADIXMESH_MXFP4_TILES={"max_pairs": 16}'; do
+    echo "{\"label\": \"gpt-oss-20b $(echo "${ab:0:40}" | tr -d '"{}')\"}" >> "$OUT/mxfp4_model.jsonl"
     env "$ab" timeout 120 $PY -m radixmesh.engine.bench_one_batch --model-path benchmarks/configs/gpt-oss-20b \
       --load-format dummy --dtype bfloat16 --skip-tokenizer-init --log-level warning --batch-size 1 2 4 \
       --input-len 512 --output-len 16 --roofline --result-file "$OUT/mxfp4_model.jsonl" 2>&1 | grep -E "True|rror"

@@ -414,6 +414,8 @@ class ScaledTiles(NamedTuple):
     words: int = 1  # the products' form: 0 tl.dot_scaled, 1 CUDA cores (_row_times_words), 2 the same with its
     # halves widened by inline PTX (1 in Triton's interpreter)
     loop: int = 0  # the word products' K chunks: 0 unrolled, 1 a loop pipelined over num_stages (_row_times_words)
+    max_pairs: int = 0  # up to how many (token, expert) pairs bfloat16 rows take these launches rather than the
+    # grouped GEMMs; 0: kernels.moe_decode.use_decode_path's rule (2 tokens of gpt-oss-20b's 32 experts, top 4)
 
 
 TILES_ENV = "RADIXMESH_MXFP4_TILES"  # JSON of ScaledTiles fields overriding the defaults (benchmarks, an operator)
@@ -493,6 +495,13 @@ def decode_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, 
     return _decode(x.contiguous(), q13, s13, q2, s2, weights, ids, extras, tiles)
 
 
+def _few_enough(x: torch.Tensor, tokens: int, top_k: int, experts: int) -> bool:
+    """Whether these tokens take the few-token launches: ScaledTiles.max_pairs where set (bfloat16 rows), else
+    kernels.moe_decode's rule."""
+    limit = tiles_from_env(ScaledTiles, TILES_ENV).max_pairs if scaled(x) else 0
+    return tokens * top_k <= limit if limit else use_decode_path(tokens, top_k, experts)
+
+
 def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
                         weights: torch.Tensor, ids: torch.Tensor, elsewhere: bool = True,
                         decode_path: bool | None = None, extras: ExpertExtras | None = None) -> torch.Tensor:
@@ -504,7 +513,7 @@ def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q
     if tokens == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    if use_decode_path(tokens, top_k, q13.shape[0]) if decode_path is None else decode_path:
+    if _few_enough(x, tokens, top_k, q13.shape[0]) if decode_path is None else decode_path:
         return _decode(x, q13, s13, q2, s2, weights, ids, extras)
     layer = tuned_tiles(x, q13, tokens)  # (keyed by the codes' shape: entries of their own)
     if layer is None:
