@@ -286,10 +286,7 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
     pair = tl.program_id(1).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]
     e = tl.maximum(expert, 0)
-    gate_q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
-    gate_s = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
     x_row = x_ptr + (pair // TOP_K) * stride_x
     if WORDS:  # the gate's and the up rows as one tile of 2 x BLOCK_N rows: the row's words read and widened once
         r = tl.arange(0, 2 * BLOCK_N)
@@ -301,6 +298,9 @@ def _mxfp4_gate_up_scaled_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, act_ptr, b_ptr, i
                                 WORDS == 2, LOOP)
         gate, up = tl.split(both.reshape(2, BLOCK_N).trans())
     else:
+        rows_ok = (n < tl.where(expert >= 0, inter, 0))[:, None]
+        gate_q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn
+        gate_s = s_ptr + e * stride_se + n.to(tl.int64)[:, None] * stride_sn
         gate = _row_times_codes(x_row, gate_q, gate_s, rows_ok, K, BLOCK_N, BLOCK_K)
         up = _row_times_codes(x_row, gate_q + inter * stride_qn, gate_s + inter * stride_sn, rows_ok, K, BLOCK_N,
                               BLOCK_K)
