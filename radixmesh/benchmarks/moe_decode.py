@@ -54,10 +54,12 @@ MXFP4_UP_GRID = ([dict(words=f, up_block_n=n, up_block_k=k, loop=0, num_stages=1
                   itertools.product((1, 2), (4, 8, 16), (1024, 2048, 4096))]
                  + [dict(words=2, up_block_n=n, up_block_k=k, loop=1, num_stages=st) for n, k, st in
                     itertools.product((8, 16), (256, 512), (2, 3))]
+                 + [dict(words=1, up_block_n=n, up_block_k=1024, loop=0, num_stages=1, num_warps=w) for n, w in
+                    ((1, 1), (2, 1), (2, 2), (4, 2))]  # small programs, many an SM (2 of the 172-register default fit)
                  + [dict(words=0, up_block_n=32, up_block_k=256, num_stages=3)])
 MXFP4_DOWN_GRID = [dict(down_block_n=n, down_block_k=k) for n, k in
                    itertools.product((8, 16, 32), (256, 512, 1024, 2048, 4096))]
-MXFP4_WARPS_GRID = [dict(num_warps=w) for w in (2, 4, 8)]
+MXFP4_WARPS_GRID = [dict(num_warps=w) for w in (1, 2, 4, 8)]
 
 
 def _mxfp4_weights(experts: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
