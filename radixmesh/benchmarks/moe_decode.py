@@ -52,8 +52,8 @@ FP8_DOWN_GRID = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stacked
 # with the gate/up tile, then the down tile, then the warps
 MXFP4_UP_GRID = ([dict(words=f, up_block_n=n, up_block_k=k, loop=0, num_stages=1) for f, n, k in
                   itertools.product((1, 2), (4, 8, 16), (1024, 2048, 4096))]
-                 + [dict(words=2, up_block_n=n, up_block_k=k, loop=1, num_stages=st) for n, k, st in
-                    itertools.product((8, 16), (256, 512), (2, 3))]
+                 + [dict(words=f, up_block_n=n, up_block_k=k, loop=1, num_stages=st) for f, n, k, st in
+                    itertools.product((1, 2), (8, 16), (256, 512), (2, 3))]
                  + [dict(words=1, up_block_n=n, up_block_k=1024, loop=0, num_stages=1, num_warps=w) for n, w in
                     ((1, 1), (2, 1), (2, 2), (4, 2))]  # small programs, many an SM (2 of the 172-register default fit)
                  + [dict(words=0, up_block_n=32, up_block_k=256, num_stages=3)])
