@@ -183,7 +183,7 @@ def main() -> None:
                 us = _measure(layers, lambda *a, t=t: decode_path(*a, tiles=t), want)
                 if us is not None:
                     timed.append((us, t))
-                    print(f"  searched {us:7.2f} us {json.dumps(change)}", flush=True)  # (a cut run keeps these)
+                    print(f"  searched {us:7.2f} us {json.dumps(t._asdict())}", flush=True)  # (a cut run keeps these)
             best = min(timed, key=lambda r: r[0])[1] if timed else best
         report("decode", _measure(layers, lambda *a: decode_path(*a, tiles=best), want), tiles=best._asdict(),
                best_tiles=True)
