@@ -331,6 +331,20 @@ def _mxfp4_down_scaled_kernel(act_ptr, q_ptr, s_ptr, ids_ptr, weights_ptr, terms
 
 
 @triton.jit
+def _terms_sum_kernel(terms_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # out[token, n] = sum over k of terms[token * TOP_K + k, n] in float32, in k order, rounded once to out's dtype
+    # (a token's weighted terms from _mxfp4_down_scaled_kernel); grid (cdiv(hidden, BLOCK), tokens)
+    pdl_enter(PDL)
+    token = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(terms_ptr + (token * TOP_K + k) * hidden + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _mxfp4_grouped_kernel(a_ptr, q_ptr, s_ptr, out_ptr, slots_ptr, block_experts_ptr, weights_ptr, n_slots, N, K,
                           a_row_div, stride_a, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -415,9 +429,14 @@ class ScaledTiles(NamedTuple):
     # halves widened by inline PTX (1 in Triton's interpreter)
     loop: int = 0  # the word products' K chunks: 0 unrolled, 1 a loop pipelined over num_stages (_row_times_words)
     max_pairs: int = 0  # up to how many (token, expert) pairs bfloat16 rows take these launches rather than the
-    # grouped GEMMs; 0: kernels.moe_decode.use_decode_path's rule (2 tokens of gpt-oss-20b's 32 experts, top 4)
+    # grouped GEMMs; 0: kernels.moe_decode.use_decode_path's rule, but at least WORD_PAIRS
 
 
+TERMS_BLOCK = 1024  # columns a program of the terms' sum
+# bfloat16 rows take the word launches up to this many pairs at least (kernels.moe_decode's rule gives gpt-oss-20b's
+# 32 experts, top 4, only 2 tokens): its batch-4 step 6.50 -> 5.03 ms of GPU time on an H100 with 16, batch 1 and 2
+# alike (thirty-fifth session)
+WORD_PAIRS = 16
 TILES_ENV = "RADIXMESH_MXFP4_TILES"  # JSON of ScaledTiles fields overriding the defaults (benchmarks, an operator)
 # The grouped GEMM's tiles for bfloat16 activations where no tuned entry exists: the H100's best of 64/128 columns x
 # 128/256 deep x 4/8 warps for one expert's 16 and 64 rows of gpt-oss-20b's gate/up (12.1 and 15.7 us)
@@ -473,12 +492,17 @@ def _decode(x, q13, s13, q2, s2, weights, ids, extras: ExpertExtras | None,
         HAS_BIAS=b13 is not None, SWIGLU=swiglu, **up_launch, **pdl_options(x))
     down_k = max(64, min(down_k, triton.next_power_of_2(inter)))
     b2_args = (b2 if b2 is not None else act, hidden, q2.stride(0), q2.stride(1), s2.stride(0), s2.stride(1))
-    if scaled(x):  # a program a pair: each pair's weighted term, then a token's top_k terms summed in float32
+    if scaled(x):  # a program a pair: each pair's weighted term, then a token's top_k terms summed in float32 (one
+        # PDL launch: torch's sum and cast were two launches outside the chain, 4.7 us of gpt-oss-20b's layer)
         terms = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
         _mxfp4_down_scaled_kernel[(triton.cdiv(hidden, down_n), tokens * top_k)](
             act, q2, s2, ids, weights, terms, *b2_args, b2.stride(0) if b2 is not None else 0, K=inter,
             BLOCK_N=down_n, BLOCK_K=down_k, HAS_BIAS=b2 is not None, **down_launch, **pdl_options(x))
-        return terms.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        _terms_sum_kernel[(triton.cdiv(hidden, TERMS_BLOCK), tokens)](terms, out, hidden, TOP_K=top_k,
+                                                                      BLOCK=TERMS_BLOCK, num_warps=4,
+                                                                      **pdl_options(x))
+        return out
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     _mxfp4_down_kernel[(triton.cdiv(hidden, down_n), tokens)](
         act, q2, s2, ids, weights, out, *b2_args, out.stride(0), b2.stride(0) if b2 is not None else 0, TOP_K=top_k,
@@ -496,10 +520,14 @@ def decode_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, 
 
 
 def _few_enough(x: torch.Tensor, tokens: int, top_k: int, experts: int) -> bool:
-    """Whether these tokens take the few-token launches: ScaledTiles.max_pairs where set (bfloat16 rows), else
-    kernels.moe_decode's rule."""
-    limit = tiles_from_env(ScaledTiles, TILES_ENV).max_pairs if scaled(x) else 0
-    return tokens * top_k <= limit if limit else use_decode_path(tokens, top_k, experts)
+    """Whether these tokens take the few-token launches: for bfloat16 rows ScaledTiles.max_pairs where set, else
+    kernels.moe_decode's rule or WORD_PAIRS pairs, whichever allows more; for other rows the rule."""
+    if not scaled(x):
+        return use_decode_path(tokens, top_k, experts)
+    limit = tiles_from_env(ScaledTiles, TILES_ENV).max_pairs
+    if limit:
+        return tokens * top_k <= limit
+    return tokens * top_k <= WORD_PAIRS or use_decode_path(tokens, top_k, experts)
 
 
 def fused_experts_mxfp4(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,

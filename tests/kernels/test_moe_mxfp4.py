@@ -79,23 +79,25 @@ def test_the_word_products_equal_the_microscaled_ones(tokens):
 
 def test_how_many_pairs_take_the_few_token_launches_is_set_by_the_environment(monkeypatch):
     """RADIXMESH_MXFP4_TILES's max_pairs moves the limit between the few-token launches and the grouped GEMMs for
-    bfloat16 rows (benchmarks.moe_decode --mxfp4 shows where it lies on a GPU); unset, kernels.moe_decode's rule
-    (gpt-oss-20b's 32 experts, top 4: 2 tokens); float32 rows keep the rule; a bad value is refused by name."""
+    bfloat16 rows (benchmarks.moe_decode --mxfp4 shows where it lies on a GPU); unset, kernels.moe_decode's rule or
+    16 pairs, whichever allows more (gpt-oss-20b's 32 experts, top 4: 4 tokens; 128 experts: the rule's 8); float32
+    rows keep the rule (2 tokens of 32 experts); a bad value is refused by name."""
     from radixmesh.kernels import moe_mxfp4
 
     taken = []
     monkeypatch.setattr(moe_mxfp4, "_decode", lambda x, *a: taken.append(x.shape[0]) or torch.zeros_like(x))
     monkeypatch.setattr(moe_mxfp4, "grouped_experts", lambda x, *a: taken.append(-x.shape[0]) or torch.zeros_like(x))
 
-    def route(tokens: int, dtype=torch.bfloat16) -> list[int]:
-        x, mx, weights, ids, _ = _layer(tokens, 32, 4, 64, 32, dtype)
+    def route(tokens: int, dtype=torch.bfloat16, experts: int = 32) -> list[int]:
+        x, mx, weights, ids, _ = _layer(tokens, experts, 4, 64, 32, dtype)
         taken.clear()
         fused_experts_mxfp4(x, *mx, weights, ids)
         return taken
 
-    assert route(2) == [2] and route(3) == [-3]
-    monkeypatch.setenv("RADIXMESH_MXFP4_TILES", '{"max_pairs": 16}')
-    assert route(4) == [4] and route(5) == [-5] and route(4, torch.float32) == [-4]
+    assert route(4) == [4] and route(5) == [-5] and route(8, experts=128) == [8] and route(9, experts=128) == [-9]
+    assert route(2, torch.float32) == [2] and route(3, torch.float32) == [-3]
+    monkeypatch.setenv("RADIXMESH_MXFP4_TILES", '{"max_pairs": 8}')
+    assert route(2) == [2] and route(3) == [-3] and route(3, torch.float32) == [-3]
     monkeypatch.setenv("RADIXMESH_MXFP4_TILES", '{"max_pairs": "many"}')
     with pytest.raises(ValueError, match="RADIXMESH_MXFP4_TILES"):
         route(1)

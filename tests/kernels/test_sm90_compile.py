@@ -235,6 +235,8 @@ out["moe_mxfp4_down_words_loop"] = ptx(moe_mxfp4._mxfp4_down_scaled_kernel,
                                             b_ptr=bf16), set(), dict(K=1088, BLOCK_N=16, BLOCK_K=256, PDL=True,
                                                                      HAS_BIAS=True, WORDS=2, LOOP=True), 4, 2,
                                        aligned=mx_aligned)
+out["moe_mxfp4_terms_sum"] = ptx(moe_mxfp4._terms_sum_kernel, dict(terms_ptr=bf16, out_ptr=bf16), set(),
+                                dict(TOP_K=4, BLOCK=1024, PDL=True), 4, 1)
 # and over fp8 experts, block-wise (Qwen3-30B-A3B-FP8's 128 x 128 scales) and per row
 fp8_down = dict(act_ptr=bf16, w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i64", weights_ptr=bf16, out_ptr=bf16)
 for name, blockwise, sub in (("moe_fp8_down_stacked_block", True, 128), ("moe_fp8_down_stacked_row", False, 256)):
@@ -353,6 +355,7 @@ def test_pdl_and_prefetch_are_compiled_in(ptx, kernel):
                                                  ("moe_mxfp4_down", 0), ("moe_mxfp4_gate_up_scaled", 0),
                                                  ("moe_mxfp4_down_scaled", 0), ("moe_mxfp4_gate_up_words", 0),
                                                  ("moe_mxfp4_down_words", 0), ("moe_mxfp4_down_words_loop", 0),
+                                                 ("moe_mxfp4_terms_sum", 0),
                                                  ("mla_query_key", 0),
                                                  ("lora_sum_partials", 0), ("lora_expand", 0)])
 def test_pdl_enter_waits_before_reading_what_the_kernel_before_wrote(ptx, kernel, early_loads):
